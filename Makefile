@@ -1,0 +1,24 @@
+# Quick start: `make demo` (run the main scenario), `make test` (the whole suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test unit bench-quick clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gpucloud demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) .data
