@@ -1,0 +1,163 @@
+"""What a host agent's probe reads from a node's GPUs, as plain data.
+
+These models are the contract between the probes (`agent/nvml.py` on a real node, the
+simulated probe in `agent/probe.py`) and everything that judges health (`health/`). They carry
+raw counters exactly as NVML reports them; interpretation (rates, trends, thresholds) is the
+health rules' job, so a reading can be re-judged later under a different policy.
+
+A counter is `None` when the GPU or driver does not support it: "not supported" and "zero" are
+different facts, and trend rules must not treat a missing counter as a healthy one.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, computed_field
+
+# NVML's clock event (formerly "throttle") reason bits, copied from pynvml's
+# `nvmlClocksEventReason*` / `nvmlClocksThrottleReason*` constants so that this module decodes a
+# mask without importing pynvml (a test checks the two stay in step).
+CLOCK_EVENT_REASONS: dict[int, str] = {
+    0x001: "gpu_idle",
+    0x002: "applications_clocks_setting",
+    0x004: "sw_power_cap",
+    0x008: "hw_slowdown",
+    0x010: "sync_boost",
+    0x020: "sw_thermal_slowdown",
+    0x040: "hw_thermal_slowdown",
+    0x080: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+    0x200: "board_limit",
+    0x400: "reliability",
+}
+
+# Reasons the hardware imposes on itself: sustained, they point at cooling, power delivery or a
+# failing board rather than at the workload.
+HARDWARE_SLOWDOWN_REASONS = frozenset({"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"})
+
+
+def decode_clock_event_reasons(mask: int) -> list[str]:
+    """Names of the bits set in an NVML clock event reason mask, lowest bit first.
+
+    Bits this table does not know (a newer driver) are kept as `bit_<n>` rather than dropped,
+    so a new reason is visible instead of silently read as "no reason".
+    """
+    names = []
+    for bit in range(mask.bit_length()):
+        value = 1 << bit
+        if mask & value:
+            names.append(CLOCK_EVENT_REASONS.get(value, f"bit_{bit}"))
+    return names
+
+
+class _Reading(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class EccCounts(_Reading):
+    """Memory ECC error totals. Volatile counts reset with the driver; aggregate ones persist."""
+
+    volatile_corrected: int | None = None
+    volatile_uncorrected: int | None = None
+    aggregate_corrected: int | None = None
+    aggregate_uncorrected: int | None = None
+
+
+class RemappedRows(_Reading):
+    """HBM row remapping state (A100 and later): rows remapped so far and the remapper's flags.
+
+    `pending` means a remap is recorded but takes effect only after a GPU reset; `failure` means
+    the remapper ran out of spare rows, which no reset can fix.
+    """
+
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failure: bool
+
+
+class NvLinkReading(_Reading):
+    """One NVLink's state and data-link error counters. Counters are read on active links only."""
+
+    link: int
+    active: bool
+    replay: int | None = None
+    recovery: int | None = None
+    crc_flit: int | None = None
+    crc_data: int | None = None
+
+
+class GpuReading(_Reading):
+    index: int
+    uuid: str
+    name: str
+    temperature_c: int | None = None
+    power_w: float | None = None
+    ecc: EccCounts = EccCounts()
+    remapped_rows: RemappedRows | None = None
+    nvlinks: tuple[NvLinkReading, ...] = ()
+    pcie_replay: int | None = None
+    clock_event_reasons: int | None = None
+
+    @computed_field
+    @property
+    def clock_event_reason_names(self) -> list[str]:
+        if self.clock_event_reasons is None:
+            return []
+        return decode_clock_event_reasons(self.clock_event_reasons)
+
+
+class FatalKind(StrEnum):
+    """Probe failures that mean the node cannot run GPU work until someone intervenes."""
+
+    DRIVER_NOT_LOADED = "driver_not_loaded"
+    GPU_LOST = "gpu_lost"
+    RESET_REQUIRED = "reset_required"
+    # User-space NVML and the kernel module disagree: the driver was upgraded without a reboot.
+    DRIVER_MISMATCH = "driver_mismatch"
+
+
+class ProbeFatal(_Reading):
+    kind: FatalKind
+    gpu_index: int | None = None
+    detail: str = ""
+
+
+class NodeReading(_Reading):
+    """One periodic sample of a whole node.
+
+    `is_gpu_node` is False when no GPU library is installed: a CPU node, not a broken GPU node.
+    `fatal_error` is set when the library is there but the driver or a GPU is gone; `gpus` then
+    holds whatever could still be read.
+    """
+
+    node_id: str
+    timestamp: AwareDatetime
+    is_gpu_node: bool
+    gpus: tuple[GpuReading, ...] = ()
+    fatal_error: ProbeFatal | None = None
+
+
+class XidEvent(_Reading):
+    """One XID (driver-reported GPU error) as it happened on a node.
+
+    The probe fills in where and when; `tenant_id` / `allocation_id` are stamped by whoever knows
+    which workload held the node at that moment (the agent while it runs an allocation, or the
+    control plane on ingest), because application XIDs are judged by how many tenants see them.
+    """
+
+    node_id: str
+    gpu_index: int | None
+    gpu_uuid: str | None = None
+    xid: int
+    timestamp: AwareDatetime
+    message: str = ""
+    tenant_id: str | None = None
+    allocation_id: str | None = None
+
+
+def utc_now() -> datetime:
+    """The default clock for probes; tests and simulations pass their own."""
+    return datetime.now(UTC)

@@ -1,0 +1,66 @@
+"""FastAPI dependencies: settings, DB session, the caller, and the Temporal client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlmodel import Session
+from temporalio.client import Client
+
+from gpucloud.api import auth
+from gpucloud.api.problems import Problem
+from gpucloud.config import Settings
+from gpucloud.db import get_engine
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with Session(get_engine(request.app.state.settings.db_url), expire_on_commit=False) as session:
+        yield session
+
+
+def get_temporal(request: Request) -> Client:
+    return request.app.state.temporal
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+TemporalDep = Annotated[Client, Depends(get_temporal)]
+
+
+def get_caller(request: Request, session: SessionDep, settings: SettingsDep) -> auth.Caller:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Problem(401, "unauthenticated", "Authentication required",
+                      "send 'Authorization: Bearer <api key>' (operators: the operator token)")
+    caller = auth.resolve(session, token.strip(), settings.resolved_operator_token)
+    session.rollback()  # end the read transaction: handlers start their own
+    if caller is None:
+        raise Problem(401, "unauthenticated", "Invalid credentials", "the API key is unknown or revoked")
+    return caller
+
+
+CallerDep = Annotated[auth.Caller, Depends(get_caller)]
+
+
+def get_operator(caller: CallerDep) -> auth.Caller:
+    if not caller.is_operator:
+        raise Problem(403, "forbidden", "Operator only", "this endpoint needs the operator token")
+    return caller
+
+
+def get_tenant(caller: CallerDep) -> auth.Caller:
+    if caller.is_operator:
+        raise Problem(403, "forbidden", "Tenant only",
+                      "operators act for no tenant here; call with the tenant's API key")
+    return caller
+
+
+OperatorDep = Annotated[auth.Caller, Depends(get_operator)]
+TenantDep = Annotated[auth.Caller, Depends(get_tenant)]

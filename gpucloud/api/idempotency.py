@@ -1,0 +1,139 @@
+"""Idempotency-Key handling for creates (Stripe's semantics, kept >= 24 h).
+
+A key is bound to (caller, method, path, body hash). The first request claims the key with a
+row insert (the unique constraint decides races); it runs and stores its response. A replay with
+the same body gets that first response back; the same key with another body or endpoint is a
+422; a replay that arrives while the first is still running waits for its answer. A 5xx is not
+stored, so a client can retry it with the same key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+import sqlalchemy as sa
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from sqlmodel import select
+
+from gpucloud.api.problems import MEDIA_TYPE, Problem
+from gpucloud.db import session_scope
+from gpucloud.models.tables import IdempotencyRecord, utcnow
+
+RETENTION = timedelta(hours=24)
+WAIT_FOR_FIRST_S = 30.0
+MAX_KEY_LENGTH = 255
+
+
+def body_hash(body: bytes) -> str:
+    """Hash of the JSON body's content, so key order and whitespace do not matter."""
+    try:
+        canonical = json.dumps(json.loads(body or b"null"), sort_keys=True, separators=(",", ":")).encode()
+    except ValueError:
+        canonical = body
+    return hashlib.sha256(canonical).hexdigest()
+
+
+def _mismatch(record: IdempotencyRecord, method: str, path: str, digest: str) -> str | None:
+    if (record.method, record.path) != (method, path):
+        return f"it was first used for {record.method} {record.path}"
+    if record.body_hash != digest:
+        return "it was first used with a different request body"
+    return None
+
+
+def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: str) -> IdempotencyRecord | None:
+    """Claim the key; None if we own it now, else the existing record."""
+    now = utcnow()
+    with session_scope(db_url) as session:
+        existing = session.exec(
+            select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+        ).first()
+        if existing is not None and existing.expires_at > now:
+            return existing
+        if existing is not None:
+            session.delete(existing)
+            session.flush()
+        try:
+            with session.begin_nested():
+                session.add(IdempotencyRecord(caller=caller, key=key, method=method, path=path, body_hash=digest,
+                                              created_at=now, expires_at=now + RETENTION))
+        except sa.exc.IntegrityError:
+            return session.exec(
+                select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+            ).one()
+    return None
+
+
+def _load(db_url: str, caller: str, key: str) -> IdempotencyRecord | None:
+    with session_scope(db_url) as session:
+        return session.exec(
+            select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+        ).first()
+
+
+def _finish(db_url: str, caller: str, key: str, response: Response | None) -> None:
+    with session_scope(db_url) as session:
+        record = session.exec(
+            select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+        ).first()
+        if record is None:
+            return
+        if response is None or response.status_code >= 500:
+            session.delete(record)
+        else:
+            record.status_code = response.status_code
+            record.response_body = bytes(response.body).decode()
+            session.add(record)
+
+
+def _replay(record: IdempotencyRecord) -> Response:
+    return Response(record.response_body or "", status_code=record.status_code or 200,
+                    media_type="application/json", headers={"Idempotent-Replayed": "true"})
+
+
+async def run_idempotent(*, db_url: str, caller: str, key: str | None, method: str, path: str, body: bytes,
+                         handler: Callable[[], Awaitable[Response]]) -> Response:
+    if key is None:
+        return await handler()
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise Problem(400, "invalid-idempotency-key", "Invalid Idempotency-Key",
+                      f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters")
+    digest = body_hash(body)
+    existing = await run_in_threadpool(_claim, db_url, caller, key, method, path, digest)
+    if existing is not None:
+        return await _answer_replay(db_url, caller, key, existing, method, path, digest)
+    try:
+        response = await handler()
+    except Problem as problem:
+        # A 4xx is the answer for this key too: store it as the response.
+        response = JSONResponse(problem.body(path), status_code=problem.status, media_type=MEDIA_TYPE)
+    except BaseException:
+        await run_in_threadpool(_finish, db_url, caller, key, None)
+        raise
+    await run_in_threadpool(_finish, db_url, caller, key, response)
+    return response
+
+
+async def _answer_replay(db_url: str, caller: str, key: str, record: IdempotencyRecord, method: str, path: str,
+                         digest: str) -> Response:
+    why = _mismatch(record, method, path, digest)
+    if why:
+        raise Problem(422, "idempotency-key-reused", "Idempotency-Key reused",
+                      f"Idempotency-Key {key!r} cannot be reused here: {why}; use a new key for a new request")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_FOR_FIRST_S
+    while record is not None and record.status_code is None:
+        if loop.time() > deadline:
+            raise Problem(409, "idempotency-in-progress", "Request in progress",
+                          f"a request with Idempotency-Key {key!r} is still running; retry shortly")
+        await asyncio.sleep(0.05)
+        record = await run_in_threadpool(_load, db_url, caller, key)
+    if record is None:  # the first attempt failed with a 5xx and released the key: run again
+        raise Problem(409, "idempotency-retry", "Retry the request",
+                      f"the first request with Idempotency-Key {key!r} failed; retry it")
+    return _replay(record)

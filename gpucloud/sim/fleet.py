@@ -1,0 +1,221 @@
+"""A simulated fleet: N host agents served by one process over HTTP (one port, per-node paths).
+
+Each simulated agent speaks the same action API as the real one and enforces the invariants
+real hardware and a real agent would: a node holding one tenant's data cannot be provisioned
+for another before a wipe; a wipe refuses while a workload runs; burn-in runs only on a wiped
+node. Actions take realistic (scaled) time and are deduplicated by request id, and a fault
+model lets tests make any action fail transiently (HTTP 503) or permanently (HTTP 422).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import OrderedDict, deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe")
+
+# Seconds each action takes on the simulated hardware at speed 1.0 (real hardware: minutes).
+BASE_LATENCY_S = {"inspect": 0.2, "burn_in": 0.5, "provision": 0.4, "release": 0.1, "wipe": 0.3}
+REMEMBERED_REQUESTS = 16
+
+
+class FleetSpec(BaseModel):
+    nodes: int = Field(16, ge=1, le=100_000)
+    region: str = "us-east-1"
+    gpu_type: str = "H100"
+    gpus_per_node: int = 8
+    nodes_per_rack: int = 4
+    racks_per_pod: int = 8
+    latency_scale: float = Field(1.0, ge=0.0, description="0 = instant, 1 = the defaults above")
+    seed: int = 0
+    id_prefix: str = "sim"
+
+
+@dataclass
+class SimNode:
+    id: str
+    hostname: str
+    region: str
+    pod: str
+    rack: str
+    gpu_type: str
+    gpu_count: int
+    ib_port_guids: list[str]
+    tenant_id: str | None = None
+    workload_running: bool = False
+    actions_done: int = 0
+    recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
+    faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ActionRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=300)
+    tenant_id: str | None = None
+
+
+class FaultRequest(BaseModel):
+    node_id: str
+    action: Literal["inspect", "burn_in", "provision", "release", "wipe"]
+    mode: Literal["transient", "permanent"]
+    count: int = Field(1, ge=1, le=1000)
+
+
+class Fleet:
+    def __init__(self, spec: FleetSpec) -> None:
+        self.spec = spec
+        self.rng = random.Random(spec.seed)
+        self.nodes: dict[str, SimNode] = {}
+        per_pod = spec.nodes_per_rack * spec.racks_per_pod
+        for i in range(spec.nodes):
+            pod, rack = i // per_pod, (i % per_pod) // spec.nodes_per_rack
+            node_id = f"{spec.id_prefix}-{i:05d}"
+            self.nodes[node_id] = SimNode(
+                id=node_id, hostname=f"{spec.id_prefix}-gpu-{i:05d}.{spec.region}.internal",
+                region=spec.region, pod=f"{spec.region}-pod{pod:03d}", rack=f"{spec.region}-pod{pod:03d}-rack{rack:02d}",
+                gpu_type=spec.gpu_type, gpu_count=spec.gpus_per_node,
+                ib_port_guids=[f"0x{spec.seed & 0xffff:04x}{i:06x}{port:06x}" for port in range(spec.gpus_per_node)],
+            )
+
+    def inventory(self, base_url: str) -> list[dict]:
+        return [
+            {"id": n.id, "hostname": n.hostname, "region": n.region, "pod": n.pod, "rack": n.rack,
+             "gpu_type": n.gpu_type, "gpu_count": n.gpu_count, "ib_port_guids": n.ib_port_guids,
+             "agent_url": f"{base_url}/v1/nodes/{n.id}"}
+            for n in self.nodes.values()
+        ]
+
+    def node(self, node_id: str) -> SimNode:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise HTTPException(404, f"no simulated node {node_id!r}")
+        return node
+
+    async def act(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
+        async with node.lock:
+            if req.request_id in node.recent:
+                return node.recent[req.request_id]
+            await asyncio.sleep(BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3))
+            outcome = self._apply(node, action, req)
+            if outcome[0] != 503:  # a transient failure is not an answer: a retry runs the action
+                node.recent[req.request_id] = outcome
+                while len(node.recent) > REMEMBERED_REQUESTS:
+                    node.recent.popitem(last=False)
+            return outcome
+
+    def _apply(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
+        pending = node.faults.get(action)
+        if pending:
+            mode = pending.popleft()
+            if mode == "transient":
+                return 503, {"error": f"injected transient fault in {action}"}
+            return 422, {"error": f"injected permanent fault in {action}"}
+        if action == "provision":
+            if not req.tenant_id:
+                return 422, {"error": "provision needs a tenant_id"}
+            if node.tenant_id not in (None, req.tenant_id):
+                return 409, {"error": f"node holds data of tenant {node.tenant_id}; wipe it first"}
+            node.tenant_id, node.workload_running = req.tenant_id, True
+        elif action == "release":
+            node.workload_running = False
+        elif action == "wipe":
+            if node.workload_running:
+                return 409, {"error": "a workload is still running; release the node first"}
+            node.tenant_id = None
+        elif action == "burn_in":
+            if node.tenant_id is not None or node.workload_running:
+                return 409, {"error": "burn-in runs only on a wiped, idle node"}
+        node.actions_done += 1
+        return 200, self.describe(node) | {"action": action}
+
+    @staticmethod
+    def describe(node: SimNode) -> dict:
+        return {"node_id": node.id, "gpu_type": node.gpu_type, "gpu_count": node.gpu_count,
+                "tenant_id": node.tenant_id, "workload_running": node.workload_running,
+                "actions_done": node.actions_done}
+
+
+async def register_with_control_plane(fleet: Fleet, base_url: str, control_plane_url: str, token: str,
+                                      *, batch: int = 500) -> None:
+    """Enroll every node through the control plane's API, retrying until it answers."""
+    inventory = fleet.inventory(base_url)
+    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {token}"}) as client:
+        for start in range(0, len(inventory), batch):
+            chunk = inventory[start:start + batch]
+            delay = 0.2
+            while True:
+                try:
+                    resp = await client.post(f"{control_plane_url}/v1/nodes:enroll", json={"nodes": chunk})
+                    if resp.status_code < 500:
+                        resp.raise_for_status()
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+    log.info("registered %d nodes with %s", len(inventory), control_plane_url)
+
+
+def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None = None,
+               operator_token: str | None = None) -> FastAPI:
+    fleet = Fleet(spec)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = None
+        if control_plane_url and operator_token:
+            task = asyncio.create_task(register_with_control_plane(fleet, base_url, control_plane_url, operator_token))
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="gpucloud simulated fleet", lifespan=lifespan)
+    app.state.fleet = fleet
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True, "nodes": len(fleet.nodes)}
+
+    @app.get("/v1/inventory")
+    async def inventory() -> list[dict]:
+        return fleet.inventory(base_url)
+
+    @app.get("/v1/nodes/{node_id}")
+    async def get_node(node_id: str) -> dict:
+        return Fleet.describe(fleet.node(node_id))
+
+    @app.post("/v1/nodes/{node_id}/actions/{action}")
+    async def act(node_id: str, action: str, req: ActionRequest):
+        if action not in ACTIONS:
+            raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
+        status, body = await fleet.act(fleet.node(node_id), action, req)
+        return JSONResponse(body, status_code=status)
+
+    @app.post("/v1/faults")
+    async def inject(req: FaultRequest) -> dict:
+        node = fleet.node(req.node_id)
+        node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
+        return {"node_id": node.id, "action": req.action, "pending": list(node.faults[req.action])}
+
+    return app
+
+
+def serve(spec: FleetSpec, *, host: str, port: int, control_plane_url: str | None = None,
+          operator_token: str | None = None) -> None:
+    import uvicorn
+
+    app = create_app(spec, base_url=f"http://{host}:{port}", control_plane_url=control_plane_url,
+                     operator_token=operator_token)
+    uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096)

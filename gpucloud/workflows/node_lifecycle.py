@@ -1,0 +1,148 @@
+"""Per-node operations: one workflow at a time per node (id `node-<id>`), driving the node
+through the state machine with its agent.
+
+The workflow is level-triggered: it reads the node's current state and takes the step that
+state calls for under its operation, until the node is in one of the operation's stop states.
+So a workflow restarted after a crash (or started twice) continues from wherever the node is,
+and every step is a compare-and-swap transition or an idempotent agent action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from gpucloud import search_attributes as sa
+    from gpucloud.models.messages import (
+        AgentActionInput,
+        AgentActionResult,
+        NodeOperationInput,
+        NodeOperationKind,
+        NodeOperationResult,
+        NodeRef,
+        NodeTransitionInput,
+        NodeTransitionResult,
+        NodeView,
+    )
+    from gpucloud.models.node_states import NodeEvent, NodeState
+    from gpucloud.workflows import options
+
+Op, S, E = NodeOperationKind, NodeState, NodeEvent
+
+
+@dataclass(frozen=True)
+class _Move:
+    event: NodeEvent
+
+
+@dataclass(frozen=True)
+class _Act:
+    action: str  # agent action; success -> OK, permanent failure -> FAIL
+
+
+# What each state calls for, per operation. A state missing here for an operation is one that
+# operation may not touch: the workflow stops and reports it rather than guessing.
+_STEPS: dict[NodeOperationKind, dict[NodeState, _Move | _Act]] = {
+    Op.BRINGUP: {S.ENROLLED: _Move(E.INSPECT), S.INSPECTING: _Act("inspect"), S.BURN_IN: _Act("burn_in")},
+    Op.PROVISION: {
+        S.RESERVED: _Move(E.PROVISION), S.PROVISIONING: _Act("provision"),
+        # A failed provision leaves the node wiping: finish its way back to the pool.
+        S.WIPING: _Act("wipe"), S.BURN_IN: _Act("burn_in"),
+    },
+    Op.RELEASE: {S.RESERVED: _Move(E.UNRESERVE), S.ACTIVE: _Move(E.RELEASE), S.RELEASING: _Act("release")},
+    Op.RECYCLE: {S.WIPING: _Act("wipe"), S.BURN_IN: _Act("burn_in")},
+}
+
+_SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
+    Op.BRINGUP: frozenset({S.AVAILABLE}),
+    Op.PROVISION: frozenset({S.ACTIVE}),
+    # Once the node is wiping (or later) the tenant is off it; available = unreserved untouched.
+    Op.RELEASE: frozenset({S.WIPING, S.BURN_IN, S.AVAILABLE, S.QUARANTINED}),
+    Op.RECYCLE: frozenset({S.AVAILABLE}),
+}
+
+
+def workflow_id_for(node_id: str) -> str:
+    return f"node-{node_id}"
+
+
+@workflow.defn
+class NodeOperationWorkflow:
+    def __init__(self) -> None:
+        self._steps_taken = 0
+        self._state: str = ""
+        self._agent_url = ""
+
+    @workflow.query
+    def state(self) -> str:
+        return self._state
+
+    @workflow.run
+    async def run(self, inp: NodeOperationInput) -> NodeOperationResult:
+        self._inp = inp
+        node = await workflow.execute_activity(
+            "get_node", NodeRef(node_id=inp.node_id), result_type=NodeView, **options.DB)
+        self._set_state(node.state)
+        self._agent_url = node.agent_url
+        if inp.operation in (Op.PROVISION, Op.RELEASE) and node.allocation_id not in (None, inp.allocation_id):
+            return self._result(False, f"node belongs to allocation {node.allocation_id}, not {inp.allocation_id}")
+        error: str | None = None
+        while NodeState(self._state) not in _SUCCESS[inp.operation]:
+            step = _STEPS[inp.operation].get(NodeState(self._state))
+            if step is None:
+                return self._result(False, error or f"node is {self._state}; {inp.operation.value} cannot proceed")
+            if isinstance(step, _Move):
+                if not await self._move(step.event, cause=inp.operation.value):
+                    return self._result(False, f"node moved under us from {self._state}")
+                continue
+            failure = await self._act(step.action)
+            event = E.FAIL if failure else E.OK
+            error = error or failure
+            if not await self._move(event, cause=failure or f"{step.action} ok"):
+                return self._result(False, f"node moved under us from {self._state}")
+        return self._result(error is None, error)
+
+    async def _move(self, event: NodeEvent, *, cause: str) -> bool:
+        self._steps_taken += 1
+        info = workflow.info()
+        req = NodeTransitionInput(
+            node_id=self._inp.node_id, event=event.value, from_state=self._state,
+            op_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}", cause=cause[:500],
+            actor=f"workflow:{info.workflow_id}",
+            tenant_id=self._inp.tenant_id if event == E.PROVISION else None,
+        )
+        try:
+            result = await workflow.execute_activity(
+                "transition_node", req, result_type=NodeTransitionResult, **options.DB)
+        except ActivityError as err:
+            if isinstance(err.cause, ApplicationError) and err.cause.non_retryable:
+                return False
+            raise
+        self._set_state(result.state)
+        return True
+
+    async def _act(self, action: str) -> str | None:
+        """Run one agent action; None on success, the reason on failure."""
+        self._steps_taken += 1
+        info = workflow.info()
+        req = AgentActionInput(
+            node_id=self._inp.node_id, agent_url=self._agent_url,
+            request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}", tenant_id=self._inp.tenant_id,
+        )
+        try:
+            await workflow.execute_activity(
+                f"{action}_node", req, result_type=AgentActionResult, **options.AGENT)
+        except ActivityError as err:
+            cause = err.cause
+            return f"{action} failed: {cause.message if cause is not None else err.message}"
+        return None
+
+    def _set_state(self, state: str) -> None:
+        self._state = state
+        workflow.upsert_search_attributes([sa.NODE_STATE.value_set(state)])
+
+    def _result(self, ok: bool, error: str | None) -> NodeOperationResult:
+        return NodeOperationResult(node_id=self._inp.node_id, ok=ok, state=self._state, error=None if ok else error)
