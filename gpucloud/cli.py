@@ -71,13 +71,15 @@ def sim(
     gpu_type: str = "H100",
     region: str = "us-east-1",
     seed: int = 0,
+    id_prefix: Annotated[str, typer.Option(help="node ids are <prefix>-00000, ...")] = "sim",
 ) -> None:
     """Run a simulated fleet of N host agents on one port."""
     from gpucloud.sim.fleet import FleetSpec, serve
 
     _logging()
     settings = get_settings()
-    spec = FleetSpec(nodes=nodes, latency_scale=latency_scale, gpu_type=gpu_type, region=region, seed=seed)
+    spec = FleetSpec(nodes=nodes, latency_scale=latency_scale, gpu_type=gpu_type, region=region, seed=seed,
+                     id_prefix=id_prefix)
     serve(spec, host=settings.sim_host, port=settings.sim_port,
           control_plane_url=settings.api_url if register else None,
           operator_token=settings.resolved_operator_token if register else None)

@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     sim_port: int = 8100
     operator_token: str | None = None
     # Activity concurrency of one worker process (DB and agent calls run in threads / asyncio).
-    worker_max_activities: int = 200
+    worker_max_activities: int = 64
 
     @property
     def db_url(self) -> str:

@@ -46,7 +46,7 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
     migrate(settings.db_url)
     client = await connect(settings)
     agent = HostAgentActivities()
-    with ThreadPoolExecutor(max_workers=32, thread_name_prefix="activity") as executor:
+    with ThreadPoolExecutor(max_workers=settings.worker_max_activities, thread_name_prefix="activity") as executor:
         worker = build_worker(client, settings, executor=executor, agent=agent)
         async with worker:
             resumed = await resume_orphans(client, settings)

