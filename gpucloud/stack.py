@@ -47,6 +47,7 @@ class Stack:
     ui_port: int | None = None
     sim_latency_scale: float = 1.0
     headless: bool = False
+    register_fleet: bool = True
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -106,7 +107,8 @@ class Stack:
         self._spawn("api", self._cli("api"))
         self._wait("api", lambda: self._http_ok(f"{self.settings.api_url}/healthz"), 60)
         on_step(f"starting simulated fleet ({self.nodes} nodes)")
-        self._spawn("sim", self._cli("sim", "--nodes", str(self.nodes), "--register",
+        register = ["--register"] if self.register_fleet else []
+        self._spawn("sim", self._cli("sim", "--nodes", str(self.nodes), *register,
                                      "--latency-scale", str(self.sim_latency_scale)))
         self._wait("sim", lambda: self._http_ok(f"{self.settings.sim_url}/healthz"), 60)
         self._ensure_alive("worker")

@@ -52,6 +52,8 @@ def server_args(data_dir: Path, *, config: dict | None = None, port: int | None 
         args.append("--headless")
     else:
         args += ["--ui-port", str(ui_port or cfg.get("ui_port", port + 1000)), "--ui-disable-news-fetch"]
+    for pragma, value in (cfg.get("sqlite_pragmas") or {}).items():
+        args += ["--sqlite-pragma", f"{pragma}={value}"]
     for ns in cfg.get("namespaces") or []:
         args += ["--namespace", ns]
     for key, value in (cfg.get("dynamic_config") or {}).items():

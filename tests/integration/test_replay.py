@@ -1,0 +1,57 @@
+"""Determinism: recorded workflow histories replay against the current workflow code.
+
+`tests/histories/*.json` are histories recorded from real runs and committed: a change to a
+workflow's command order that is not behind `workflow.patched(...)` fails here. Set
+GPUCLOUD_RECORD_HISTORIES=1 to re-record them (only for a deliberate, patched change).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from gpucloud.services.allocations import workflow_id_for
+from gpucloud.workers.main import WORKFLOWS
+
+HISTORIES = Path(__file__).parent.parent / "histories"
+
+
+def _replayer() -> Replayer:
+    return Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+
+
+@pytest.mark.parametrize("path", sorted(HISTORIES.glob("*.json")), ids=lambda p: p.stem)
+async def test_recorded_histories_replay(path):
+    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    await _replayer().replay_workflow(history)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_fresh_allocation_history_replays(db_url, make_harness, in_process_worker, temporal_env):
+    h = make_harness(db_url, nodes=2, latency_scale=0.02)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 2})
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
+                                                   "region": "us-east-1"}).json()["allocation"]["id"]
+        await h.wait_allocation(key, alloc_id, "ready")
+        c.post(f"/v1/allocations/{alloc_id}/cancel")
+        await h.wait_allocation(key, alloc_id, "released")
+    handle = temporal_env.client.get_workflow_handle(workflow_id_for(alloc_id))
+    await handle.result()
+    history = await handle.fetch_history()
+    await _replayer().replay_workflow(history)
+    await h.wait_states({"available": 2})
+    node_id = h.nodes()[0]["id"]
+    node_history = await temporal_env.client.get_workflow_handle(f"node-{node_id}").fetch_history()
+    await _replayer().replay_workflow(node_history)
+    if os.environ.get("GPUCLOUD_RECORD_HISTORIES"):
+        (HISTORIES / "allocation_workflow.json").write_text(history.to_json())
+        (HISTORIES / "node_operation_workflow.json").write_text(node_history.to_json())
