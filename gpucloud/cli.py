@@ -104,6 +104,7 @@ def up(nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16) -> None
     console.print(f"operator   {settings.resolved_operator_token}  "
                   f"(also in {settings.data_dir / 'operator_token'}, mode 0600)")
     console.print("Ctrl-C stops everything.")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops cleanly too
     try:
         while stack.alive():
             time.sleep(0.5)

@@ -1,0 +1,69 @@
+"""`gpucloud up` stops cleanly on SIGTERM, and a second `up` on the same data dir resumes: the
+allocation made before is still there and its workflow still answers a cancel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+
+from gpucloud.stack import free_port, port_in_use
+from support.stack import wait_until
+
+
+def _up(env: dict, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gpucloud.cli", "up", "--nodes", "4"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+
+
+def test_up_stops_cleanly_and_resumes(tmp_path):
+    ports = {"api": free_port(), "sim": free_port(), "temporal": free_port()}
+    env = {**os.environ, "GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_API_PORT": str(ports["api"]),
+           "GPUCLOUD_SIM_PORT": str(ports["sim"]), "GPUCLOUD_TEMPORAL_ADDRESS": f"127.0.0.1:{ports['temporal']}"}
+    api = f"http://127.0.0.1:{ports['api']}"
+    log = open(tmp_path / "up.log", "ab")
+
+    def nodes(op) -> list[dict]:
+        try:
+            return op.get("/v1/nodes").json()["items"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return []
+
+    proc = _up(env, log)
+    try:
+        wait_until(lambda: (tmp_path / "operator_token").exists(), timeout_s=60, what="operator token")
+        token = (tmp_path / "operator_token").read_text().strip()
+        assert oct((tmp_path / "operator_token").stat().st_mode & 0o777) == "0o600"
+        op = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        wait_until(lambda: [n["state"] for n in nodes(op)] == ["available"] * 4, timeout_s=120, what="fleet up")
+        tenant = op.post("/v1/tenants", json={"name": "resume"}).json()
+        key = op.post(f"/v1/tenants/{tenant['id']}/api-keys").json()["key"]
+        acme = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        alloc_id = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
+                                                      "region": "us-east-1"}).json()["allocation"]["id"]
+        wait_until(lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready", timeout_s=60,
+                   what="allocation ready")
+    finally:
+        _stop(proc)
+    for port in ports.values():
+        assert not port_in_use("127.0.0.1", port), f"port {port} still in use after stop"
+
+    proc = _up(env, log)
+    try:
+        wait_until(lambda: len(nodes(op)) == 4, timeout_s=120, what="second up")
+        assert acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready"
+        assert sorted(n["state"] for n in nodes(op)) == ["active", "active", "available", "available"]
+        assert acme.post(f"/v1/allocations/{alloc_id}/cancel").status_code == 202
+        wait_until(lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "released", timeout_s=90,
+                   what="released after resume")
+        wait_until(lambda: [n["state"] for n in nodes(op)] == ["available"] * 4, timeout_s=90, what="nodes back")
+    finally:
+        _stop(proc)
