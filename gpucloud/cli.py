@@ -72,6 +72,7 @@ def sim(
     region: str = "us-east-1",
     seed: int = 0,
     id_prefix: Annotated[str, typer.Option(help="node ids are <prefix>-00000, ...")] = "sim",
+    heartbeat_interval: Annotated[float, typer.Option(help="seconds between agent heartbeats (0: none)")] = 10.0,
 ) -> None:
     """Run a simulated fleet of N host agents on one port."""
     from gpucloud.sim.fleet import FleetSpec, serve
@@ -82,7 +83,8 @@ def sim(
                      id_prefix=id_prefix)
     serve(spec, host=settings.sim_host, port=settings.sim_port,
           control_plane_url=settings.api_url if register else None,
-          operator_token=settings.resolved_operator_token if register else None)
+          operator_token=settings.resolved_operator_token if register else None,
+          heartbeat_interval_s=heartbeat_interval)
 
 
 @app.command()

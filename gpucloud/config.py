@@ -30,6 +30,16 @@ class Settings(BaseSettings):
     sim_host: str = "127.0.0.1"
     sim_port: int = 8100
     operator_token: str | None = None
+    # Multiplies every transient state's deadline (tests and demos shrink them).
+    deadline_scale: float = 1.0
+    # Reconciler: sweep period, heartbeat staleness, global cap on concurrent node operations,
+    # per-node backoff (base doubles per attempt, up to the cap).
+    sweep_interval_s: float = 15.0
+    heartbeat_timeout_s: float = 90.0
+    max_concurrent_node_ops: int = 500
+    sweep_batch: int = 1000
+    backoff_base_s: float = 5.0
+    backoff_cap_s: float = 600.0
     # Activity concurrency of one worker process (DB and agent calls run in threads / asyncio).
     worker_max_activities: int = 64
 

@@ -75,7 +75,7 @@ async def temporal_env():
         await env.shutdown()
 
 
-def _harness_settings(tmp_path, db_url: str, temporal_env):
+def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
     from gpucloud.config import Settings
     from gpucloud.stack import free_port
 
@@ -83,6 +83,7 @@ def _harness_settings(tmp_path, db_url: str, temporal_env):
         data_dir=tmp_path, database_url=db_url,
         temporal_address=temporal_env.client.service_client.config.target_host,
         task_queue=f"tq-{uuid.uuid4().hex[:10]}", api_port=free_port(), operator_token="test-operator-token",
+        **overrides,
     )
 
 
@@ -93,8 +94,8 @@ def make_harness(tmp_path, temporal_env):
 
     made: list = []
 
-    def build(db_url: str, *, nodes: int = 8, latency_scale: float = 0.05):
-        settings = _harness_settings(tmp_path, db_url, temporal_env)
+    def build(db_url: str, *, nodes: int = 8, latency_scale: float = 0.05, **settings_overrides):
+        settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
         sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log")
         api = ApiThread(settings)
         harness = Harness(settings=settings, sim=sim, api=api, log_dir=tmp_path)

@@ -28,8 +28,9 @@ from gpucloud.services import nodes as node_service
 
 
 class ControlDbActivities:
-    def __init__(self, db_url: str) -> None:
+    def __init__(self, db_url: str, *, deadline_scale: float = 1.0) -> None:
         self.db_url = db_url
+        self.deadline_scale = deadline_scale
 
     @activity.defn
     def transition_node(self, req: NodeTransitionInput) -> NodeTransitionResult:
@@ -40,7 +41,7 @@ class ControlDbActivities:
             with session_scope(self.db_url) as session:
                 node = node_service.transition(
                     session, req.node_id, req.event, from_state=req.from_state, op_id=req.op_id,
-                    cause=req.cause, actor=req.actor, **changes,
+                    cause=req.cause, actor=req.actor, deadline_scale=self.deadline_scale, **changes,
                 )
                 return NodeTransitionResult(node_id=node.id, state=node.state, generation=node.generation)
         except (node_service.StaleNode, node_service.NodeNotFound, InvalidTransition) as exc:

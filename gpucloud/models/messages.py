@@ -16,6 +16,8 @@ class NodeOperationKind(StrEnum):
     PROVISION = "provision"  # reserved -> provisioning -> active
     RELEASE = "release"  # active -> releasing -> wiping (the agent confirms the tenant is off)
     RECYCLE = "recycle"  # wiping -> burn_in -> available
+    DRAIN = "drain"  # available | active -> draining -> quarantined (the agent stops the workload)
+    RESTORE = "restore"  # active, but the agent lost the workload (reboot, wipe): provision again
 
 
 class NodeOperationInput(BaseModel):
@@ -111,3 +113,19 @@ class AllocationProgress(BaseModel):
     nodes_total: int = 0
     nodes_done: int = 0
     cancel_requested: bool = False
+
+
+class SweepInput(BaseModel):
+    # None: the whole fleet (the periodic sweep); else just these nodes (an event).
+    node_ids: list[str] | None = None
+
+
+class SweepResult(BaseModel):
+    candidates: int = 0
+    deadlines_applied: int = 0
+    marked_unreachable: int = 0
+    marked_reachable: int = 0
+    started: int = 0
+    already_running: int = 0
+    deferred_by_limit: int = 0
+    errors: list[str] = Field(default_factory=list)

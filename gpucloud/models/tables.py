@@ -83,6 +83,11 @@ class NodePublic(NodeBase):
     allocation_id: str | None
     tenant_id: str | None
     state_entered_at: datetime
+    deadline_at: datetime | None
+    drain_requested: bool
+    last_heartbeat_at: datetime | None
+    agent_reachable: bool
+    observed: dict
     created_at: datetime
     updated_at: datetime
 
@@ -102,6 +107,20 @@ class Node(NodeBase, table=True):
     # Whose data may be on the node's disks: set at provision, cleared only by a wipe.
     tenant_id: str | None = None
     state_entered_at: datetime = _ts()
+    # When the current transient state is overdue (None in stable states): the reconciler's
+    # indexed query for stuck nodes.
+    deadline_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
+    # Operator intent, acted on by the reconciler.
+    drain_requested: bool = Field(default=False, index=True)
+    # Observed state, from the agent's heartbeats.
+    last_heartbeat_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
+    agent_reachable: bool = Field(default=True, index=True)
+    observed: dict = _json(dict)
+    # The agent's report disagrees with the record (e.g. an active node that was wiped).
+    drifted: bool = Field(default=False, index=True)
+    # Per-node backoff of the reconciler's attempts.
+    reconcile_attempts: int = 0
+    next_reconcile_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
 

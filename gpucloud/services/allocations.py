@@ -14,7 +14,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Session, select
 
-from gpucloud.models.node_states import NodeEvent, NodeState
+from gpucloud.models.node_states import NodeEvent, NodeState, deadline_for
 from gpucloud.models.tables import (
     TERMINAL_ALLOCATION,
     Allocation,
@@ -55,7 +55,8 @@ def pick_gang(candidates: list[Node], wanted: int) -> list[Node] | None:
     return sorted(by_pod[pod], key=lambda n: (n.rack, n.id))[:wanted]
 
 
-def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | None = None) -> list[Node]:
+def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | None = None,
+                 deadline_scale: float = 1.0) -> list[Node]:
     candidates = list(session.exec(
         select(Node).where(
             Node.gpu_type == allocation.gpu_type,
@@ -82,7 +83,8 @@ def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | No
             .where(Node.id == node.id, Node.generation == node.generation,
                    Node.state == NodeState.AVAILABLE)
             .values(state=NodeState.RESERVED.value, generation=node.generation + 1,
-                    allocation_id=allocation.id, state_entered_at=now, updated_at=now)
+                    allocation_id=allocation.id, state_entered_at=now, updated_at=now,
+                    deadline_at=deadline_for(NodeState.RESERVED, now, scale=deadline_scale))
         )
         if result.rowcount != 1:
             raise ReservationConflict(node.id)

@@ -13,8 +13,9 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Session, select
 
-from gpucloud.models.node_states import NodeEvent, NodeState, next_state
+from gpucloud.models.node_states import NodeEvent, NodeState, deadline_for, is_transient, next_state
 from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
+from gpucloud.services.fleet import complete_drains
 
 
 class NodeNotFound(LookupError):
@@ -49,6 +50,7 @@ def transition(
     cause: str = "",
     actor: str = "system",
     now: datetime | None = None,
+    deadline_scale: float = 1.0,
     **changes: object,
 ) -> Node:
     """Apply `event` to a node that must be in `from_state`; compare-and-swap on generation.
@@ -68,7 +70,8 @@ def transition(
     to_state = next_state(from_state, event)
     now = now or utcnow()
     values = {"state": to_state.value, "generation": node.generation + 1, "state_entered_at": now,
-              "updated_at": now, **_implied_changes(NodeState(from_state), NodeEvent(event), to_state), **changes}
+              "updated_at": now, "deadline_at": deadline_for(to_state, now, scale=deadline_scale),
+              **_implied_changes(NodeState(from_state), NodeEvent(event), to_state), **changes}
     result = session.execute(
         sa.update(Node)
         .where(Node.id == node_id, Node.generation == node.generation)
@@ -80,6 +83,8 @@ def transition(
         node_id=node_id, from_state=str(from_state), to_state=to_state.value, event=str(event),
         cause=cause, actor=actor, op_id=op_id, generation=node.generation + 1, at=now,
     ))
+    if to_state == NodeState.QUARANTINED:
+        complete_drains(session, node_id)
     session.flush()
     session.refresh(node)
     return node
@@ -93,6 +98,12 @@ def _implied_changes(from_state: NodeState, event: NodeEvent, to_state: NodeStat
         changes["allocation_id"] = None
     if from_state == NodeState.WIPING and event == NodeEvent.OK:
         changes["tenant_id"] = None
+    if not is_transient(to_state):
+        # Converged: the reconciler's backoff for this node starts over.
+        changes["reconcile_attempts"] = 0
+        changes["next_reconcile_at"] = None
+    if to_state == NodeState.QUARANTINED:
+        changes["drain_requested"] = False  # a drain's intent is fulfilled
     return changes
 
 

@@ -56,6 +56,8 @@ class SimNode:
     tenant_id: str | None = None
     workload_running: bool = False
     actions_done: int = 0
+    boot_id: int = 0
+    unreachable: bool = False  # no heartbeats, every action answers 503
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -71,6 +73,14 @@ class FaultRequest(BaseModel):
     action: Literal["inspect", "burn_in", "provision", "release", "wipe"]
     mode: Literal["transient", "permanent"]
     count: int = Field(1, ge=1, le=1000)
+
+
+class DriftRequest(BaseModel):
+    kind: Literal["reboot", "wipe"]
+
+
+class ReachabilityRequest(BaseModel):
+    unreachable: bool
 
 
 class Fleet:
@@ -104,6 +114,8 @@ class Fleet:
         return node
 
     async def act(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
+        if node.unreachable:
+            return 503, {"error": f"agent on {node.id} does not answer"}
         async with node.lock:
             if req.request_id in node.recent:
                 return node.recent[req.request_id]
@@ -140,6 +152,18 @@ class Fleet:
         node.actions_done += 1
         return 200, self.describe(node) | {"action": action}
 
+    def drift(self, node: SimNode, kind: str) -> None:
+        """What happens to hardware behind the control plane's back: a reboot kills the workload,
+        a wipe (say, a re-imaged disk) also loses the tenant's data."""
+        node.boot_id += 1
+        node.workload_running = False
+        if kind == "wipe":
+            node.tenant_id = None
+
+    def heartbeats(self) -> list[dict]:
+        return [{"node_id": n.id, "tenant_id": n.tenant_id, "workload_running": n.workload_running,
+                 "boot_id": str(n.boot_id)} for n in self.nodes.values() if not n.unreachable]
+
     @staticmethod
     def describe(node: SimNode) -> dict:
         return {"node_id": node.id, "gpu_type": node.gpu_type, "gpu_count": node.gpu_count,
@@ -147,36 +171,51 @@ class Fleet:
                 "actions_done": node.actions_done}
 
 
+async def _post_until_accepted(client: httpx.AsyncClient, url: str, body: dict) -> None:
+    delay = 0.2
+    while True:
+        try:
+            resp = await client.post(url, json=body)
+            if resp.status_code < 500:
+                resp.raise_for_status()
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
 async def register_with_control_plane(fleet: Fleet, base_url: str, control_plane_url: str, token: str,
-                                      *, batch: int = 500) -> None:
-    """Enroll every node through the control plane's API, retrying until it answers."""
+                                      *, batch: int = 500, heartbeat_interval_s: float = 10.0) -> None:
+    """Enroll every node through the control plane's API (retrying until it answers), then
+    report every reachable agent's state each interval, as real agents do."""
     inventory = fleet.inventory(base_url)
     async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {token}"}) as client:
         for start in range(0, len(inventory), batch):
-            chunk = inventory[start:start + batch]
-            delay = 0.2
-            while True:
+            await _post_until_accepted(client, f"{control_plane_url}/v1/nodes:enroll",
+                                       {"nodes": inventory[start:start + batch]})
+        log.info("registered %d nodes with %s", len(inventory), control_plane_url)
+        while heartbeat_interval_s > 0:
+            beats = fleet.heartbeats()
+            for start in range(0, len(beats), 2000):
                 try:
-                    resp = await client.post(f"{control_plane_url}/v1/nodes:enroll", json={"nodes": chunk})
-                    if resp.status_code < 500:
-                        resp.raise_for_status()
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-    log.info("registered %d nodes with %s", len(inventory), control_plane_url)
+                    await client.post(f"{control_plane_url}/v1/agents/heartbeats",
+                                      json={"heartbeats": beats[start:start + 2000]})
+                except httpx.HTTPError as exc:
+                    log.warning("heartbeats not delivered: %s", exc)
+            await asyncio.sleep(heartbeat_interval_s)
 
 
 def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None = None,
-               operator_token: str | None = None) -> FastAPI:
+               operator_token: str | None = None, heartbeat_interval_s: float = 10.0) -> FastAPI:
     fleet = Fleet(spec)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = None
         if control_plane_url and operator_token:
-            task = asyncio.create_task(register_with_control_plane(fleet, base_url, control_plane_url, operator_token))
+            task = asyncio.create_task(register_with_control_plane(
+                fleet, base_url, control_plane_url, operator_token, heartbeat_interval_s=heartbeat_interval_s))
         yield
         if task is not None:
             task.cancel()
@@ -209,13 +248,29 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
         node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
         return {"node_id": node.id, "action": req.action, "pending": list(node.faults[req.action])}
 
+    @app.post("/v1/nodes/{node_id}/drift")
+    async def drift(node_id: str, req: DriftRequest) -> dict:
+        node = fleet.node(node_id)
+        fleet.drift(node, req.kind)
+        return Fleet.describe(node)
+
+    @app.post("/v1/nodes/{node_id}/reachability")
+    async def reachability(node_id: str, req: ReachabilityRequest) -> dict:
+        node = fleet.node(node_id)
+        node.unreachable = req.unreachable
+        return Fleet.describe(node) | {"unreachable": node.unreachable}
+
+    @app.get("/v1/heartbeats")
+    async def heartbeats() -> list[dict]:
+        return fleet.heartbeats()
+
     return app
 
 
 def serve(spec: FleetSpec, *, host: str, port: int, control_plane_url: str | None = None,
-          operator_token: str | None = None) -> None:
+          operator_token: str | None = None, heartbeat_interval_s: float = 10.0) -> None:
     import uvicorn
 
     app = create_app(spec, base_url=f"http://{host}:{port}", control_plane_url=control_plane_url,
-                     operator_token=operator_token)
+                     operator_token=operator_token, heartbeat_interval_s=heartbeat_interval_s)
     uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096)

@@ -41,6 +41,12 @@ class _Move:
 @dataclass(frozen=True)
 class _Act:
     action: str  # agent action; success -> OK, permanent failure -> FAIL
+    # Agent actions to run first. A node reaches wiping from failure paths too (a provisioning
+    # failure or deadline skips releasing), so a wipe first makes sure nothing still runs.
+    before: tuple[str, ...] = ()
+
+
+_WIPE = _Act("wipe", before=("release",))
 
 
 # What each state calls for, per operation. A state missing here for an operation is one that
@@ -50,10 +56,11 @@ _STEPS: dict[NodeOperationKind, dict[NodeState, _Move | _Act]] = {
     Op.PROVISION: {
         S.RESERVED: _Move(E.PROVISION), S.PROVISIONING: _Act("provision"),
         # A failed provision leaves the node wiping: finish its way back to the pool.
-        S.WIPING: _Act("wipe"), S.BURN_IN: _Act("burn_in"),
+        S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in"),
     },
     Op.RELEASE: {S.RESERVED: _Move(E.UNRESERVE), S.ACTIVE: _Move(E.RELEASE), S.RELEASING: _Act("release")},
-    Op.RECYCLE: {S.WIPING: _Act("wipe"), S.BURN_IN: _Act("burn_in")},
+    Op.RECYCLE: {S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in")},
+    Op.DRAIN: {S.AVAILABLE: _Move(E.DRAIN), S.ACTIVE: _Move(E.DRAIN), S.DRAINING: _Act("release")},
 }
 
 _SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
@@ -62,6 +69,7 @@ _SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
     # Once the node is wiping (or later) the tenant is off it; available = unreserved untouched.
     Op.RELEASE: frozenset({S.WIPING, S.BURN_IN, S.AVAILABLE, S.QUARANTINED}),
     Op.RECYCLE: frozenset({S.AVAILABLE}),
+    Op.DRAIN: frozenset({S.QUARANTINED}),
 }
 
 
@@ -87,8 +95,11 @@ class NodeOperationWorkflow:
             "get_node", NodeRef(node_id=inp.node_id), result_type=NodeView, **options.DB)
         self._set_state(node.state)
         self._agent_url = node.agent_url
-        if inp.operation in (Op.PROVISION, Op.RELEASE) and node.allocation_id not in (None, inp.allocation_id):
+        if inp.operation in (Op.PROVISION, Op.RELEASE, Op.RESTORE) and node.allocation_id not in (
+                None, inp.allocation_id):
             return self._result(False, f"node belongs to allocation {node.allocation_id}, not {inp.allocation_id}")
+        if inp.operation == Op.RESTORE:
+            return await self._restore()
         error: str | None = None
         while NodeState(self._state) not in _SUCCESS[inp.operation]:
             step = _STEPS[inp.operation].get(NodeState(self._state))
@@ -98,12 +109,26 @@ class NodeOperationWorkflow:
                 if not await self._move(step.event, cause=inp.operation.value):
                     return self._result(False, f"node moved under us from {self._state}")
                 continue
-            failure = await self._act(step.action)
+            failure = None
+            # Histories recorded before the release-before-wipe change replay without it.
+            before = step.before if step.before and workflow.patched("release-before-wipe") else ()
+            for action in (*before, step.action):
+                failure = await self._act(action)
+                if failure:
+                    break
             event = E.FAIL if failure else E.OK
             error = error or failure
             if not await self._move(event, cause=failure or f"{step.action} ok"):
                 return self._result(False, f"node moved under us from {self._state}")
         return self._result(error is None, error)
+
+    async def _restore(self) -> NodeOperationResult:
+        """The node is active in the record but its agent lost the workload: provision again
+        (idempotent on the agent); the state does not change."""
+        if self._state != S.ACTIVE:
+            return self._result(False, f"node is {self._state}; only an active node is restored")
+        failure = await self._act("provision")
+        return self._result(failure is None, failure)
 
     async def _move(self, event: NodeEvent, *, cause: str) -> bool:
         self._steps_taken += 1

@@ -72,6 +72,15 @@ class SimFleetProcess:
     def node(self, node_id: str) -> dict:
         return httpx.get(f"{self.url}/v1/nodes/{node_id}").json()
 
+    def heartbeats(self) -> list[dict]:
+        return httpx.get(f"{self.url}/v1/heartbeats").json()
+
+    def drift(self, node_id: str, kind: str) -> None:
+        httpx.post(f"{self.url}/v1/nodes/{node_id}/drift", json={"kind": kind}).raise_for_status()
+
+    def set_unreachable(self, node_id: str, unreachable: bool) -> None:
+        httpx.post(f"{self.url}/v1/nodes/{node_id}/reachability", json={"unreachable": unreachable}).raise_for_status()
+
     def inject(self, node_id: str, action: str, mode: str, count: int = 1) -> None:
         httpx.post(f"{self.url}/v1/faults", json={"node_id": node_id, "action": action, "mode": mode,
                                                   "count": count}).raise_for_status()
@@ -121,6 +130,24 @@ class Harness:
         resp = self.operator.post("/v1/nodes:enroll", json={"nodes": nodes})
         resp.raise_for_status()
         return [n["id"] for n in nodes]
+
+    def push_heartbeats(self) -> dict:
+        """What the sim's agents would send on their next heartbeat, delivered now."""
+        with self.operator as op:
+            resp = op.post("/v1/agents/heartbeats", json={"heartbeats": self.sim.heartbeats()})
+            resp.raise_for_status()
+            return resp.json()
+
+    async def sweep(self, client, node_ids: list[str] | None = None):
+        from gpucloud.models.messages import SweepInput
+        from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
+
+        return await client.execute_workflow(ReconcileSweepWorkflow.run, SweepInput(node_ids=node_ids),
+                                             id=f"test-sweep-{uuid.uuid4().hex[:8]}", task_queue=self.settings.task_queue)
+
+    def node(self, node_id: str) -> dict:
+        with self.operator as op:
+            return op.get(f"/v1/nodes/{node_id}").json()
 
     def nodes(self, **params) -> list[dict]:
         items, token = [], ""

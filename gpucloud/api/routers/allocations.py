@@ -108,7 +108,7 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
                                   f"region: unknown region {req.region!r}; known: {', '.join(regions) or 'none'}",
                                   errors=[{"field": "region", "message": "unknown region"}])
                 alloc = Allocation(tenant_id=tenant_id, **req.model_dump())
-                service.reserve_gang(session, alloc)
+                service.reserve_gang(session, alloc, deadline_scale=settings.deadline_scale)
                 op = Operation(tenant_id=tenant_id, kind="create_allocation", resource_id=alloc.id,
                                workflow_id=service.workflow_id_for(alloc.id))
                 session.add(alloc)
@@ -128,7 +128,7 @@ def _undo_reservation(settings: Settings, alloc: Allocation, reason: str) -> Non
         for node_id in alloc.node_ids:
             try:
                 node_service.transition(session, node_id, NodeEvent.UNRESERVE, from_state=NodeState.RESERVED,
-                                        cause=reason, actor="api")
+                                        cause=reason, actor="api", deadline_scale=settings.deadline_scale)
             except node_service.StaleNode:
                 log.warning("node %s moved before its reservation could be undone", node_id)
         service.set_status(session, alloc.id, AllocationStatus.FAILED, failure_reason=reason)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sqlmodel import select
 
@@ -15,8 +17,10 @@ from gpucloud.api.problems import not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.node_states import NodeState
-from gpucloud.models.tables import Node, NodeEnroll, NodePublic
+from gpucloud.models.tables import Node, NodeEnroll, NodePublic, NodeTransition, Operation, OperationPublic
+from gpucloud.services.fleet import apply_operator_action, record_heartbeats, summary
 from gpucloud.services.nodes import enroll_nodes
+from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import start_bringup
 
 router = APIRouter(prefix="/v1", tags=["nodes"])
@@ -83,3 +87,133 @@ def get_node(node_id: str, operator: OperatorDep, session: SessionDep):
     if node is None:
         raise not_found("node", node_id)
     return NodePublic.model_validate(node, from_attributes=True)
+
+
+# ---------------------------------------------------------------- operator actions and events
+
+
+class NodeActionResult(BaseModel):
+    node: NodePublic
+    operation: OperationPublic
+
+
+class MaintenanceRequest(BaseModel):
+    enabled: bool
+    reason: str = Field("", max_length=500)
+
+
+class ActionRequest(BaseModel):
+    reason: str = Field("", max_length=500)
+
+
+class NodeEventPublic(BaseModel):
+    seq: int
+    from_state: str
+    to_state: str
+    event: str
+    cause: str
+    actor: str
+    at: datetime
+
+
+class NodeEventPage(BaseModel):
+    items: list[NodeEventPublic]
+    next_page_token: str
+
+
+class HeartbeatIn(BaseModel):
+    node_id: str
+    tenant_id: str | None = None
+    workload_running: bool = False
+    boot_id: str | None = None
+
+
+class HeartbeatBatch(BaseModel):
+    heartbeats: list[HeartbeatIn] = Field(min_length=1, max_length=5000)
+
+
+class HeartbeatResult(BaseModel):
+    accepted: int
+    drifted: list[str]
+
+
+def _act(settings: Settings, node_id: str, action: str, reason: str) -> tuple[Node, Operation]:
+    with session_scope(settings.db_url) as session:
+        node = session.get(Node, node_id)
+        if node is None:
+            raise not_found("node", node_id)
+        op = apply_operator_action(session, node, action, actor="operator", cause=reason or action)
+        session.flush()
+        session.refresh(node)
+        return node, op
+
+
+async def _operator_action(node_id: str, action: str, reason: str, settings: Settings, temporal) -> JSONResponse:
+    node, op = await run_in_threadpool(_act, settings, node_id, action, reason)
+    if action == "drain":
+        await reconcile_now(temporal, settings, [node_id])
+    body = NodeActionResult(node=NodePublic.model_validate(node, from_attributes=True),
+                            operation=OperationPublic.model_validate(op, from_attributes=True))
+    return JSONResponse(body.model_dump(mode="json"), status_code=202 if op.status == "running" else 200)
+
+
+@router.post("/nodes/{node_id}/cordon", response_model=NodeActionResult)
+async def cordon(node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep,
+                 req: ActionRequest | None = None):
+    return await _operator_action(node_id, "cordon", req.reason if req else "", settings, temporal)
+
+
+@router.post("/nodes/{node_id}/uncordon", response_model=NodeActionResult)
+async def uncordon(node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep,
+                   req: ActionRequest | None = None):
+    return await _operator_action(node_id, "uncordon", req.reason if req else "", settings, temporal)
+
+
+@router.post("/nodes/{node_id}/drain", response_model=NodeActionResult, status_code=202)
+async def drain(node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep,
+                req: ActionRequest | None = None):
+    """Intent: the node is cordoned now and drained by the reconciler (-> quarantined)."""
+    return await _operator_action(node_id, "drain", req.reason if req else "", settings, temporal)
+
+
+@router.post("/nodes/{node_id}/maintenance", response_model=NodeActionResult)
+async def maintenance(node_id: str, req: MaintenanceRequest, operator: OperatorDep, settings: SettingsDep,
+                      temporal: TemporalDep):
+    action = "maintenance_on" if req.enabled else "maintenance_off"
+    return await _operator_action(node_id, action, req.reason, settings, temporal)
+
+
+@router.get("/nodes/{node_id}/events", response_model=NodeEventPage)
+def node_events(node_id: str, operator: OperatorDep, session: SessionDep,
+                page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+                page_token: str | None = None):
+    if session.get(Node, node_id) is None:
+        raise not_found("node", node_id)
+    filters = {"node": node_id}
+    cursor = pagination.decode(page_token, filters)
+    query = select(NodeTransition).where(NodeTransition.node_id == node_id).order_by(NodeTransition.seq)
+    if cursor.after is not None:
+        query = query.where(NodeTransition.seq > cursor.after)
+    rows, token = pagination.page(list(session.exec(query.limit(page_size + 1)).all()), page_size,
+                                  lambda e: e.seq, filters)
+    return NodeEventPage(items=[NodeEventPublic.model_validate(e, from_attributes=True) for e in rows],
+                         next_page_token=token)
+
+
+@router.get("/fleet/summary")
+def fleet_summary(operator: OperatorDep, session: SessionDep) -> dict:
+    return summary(session)
+
+
+def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
+    with session_scope(settings.db_url) as session:
+        return record_heartbeats(session, [b.model_dump() for b in batch.heartbeats])
+
+
+@router.post("/agents/heartbeats", response_model=HeartbeatResult)
+async def heartbeats(batch: HeartbeatBatch, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+    """Agents report what they see; a disagreement with the record is reconciled at once."""
+    drifted = await run_in_threadpool(_record, settings, batch)
+    if drifted:
+        await reconcile_now(temporal, settings, drifted)
+    return HeartbeatResult(accepted=len(batch.heartbeats), drifted=drifted)

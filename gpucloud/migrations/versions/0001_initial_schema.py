@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-12-02 12:32:28.435526
+Create Date: 2026-12-02 12:59:07.398197
 
 """
 from typing import Sequence, Union
@@ -89,12 +89,25 @@ def upgrade() -> None:
     sa.Column('allocation_id', sa.String(), nullable=True),
     sa.Column('tenant_id', sa.String(), nullable=True),
     sa.Column('state_entered_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('deadline_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('drain_requested', sa.Boolean(), nullable=False),
+    sa.Column('last_heartbeat_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('agent_reachable', sa.Boolean(), nullable=False),
+    sa.Column('observed', sa.JSON(), nullable=False),
+    sa.Column('drifted', sa.Boolean(), nullable=False),
+    sa.Column('reconcile_attempts', sa.Integer(), nullable=False),
+    sa.Column('next_reconcile_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id')
     )
     with op.batch_alter_table('node', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_node_agent_reachable'), ['agent_reachable'], unique=False)
         batch_op.create_index(batch_op.f('ix_node_allocation_id'), ['allocation_id'], unique=False)
+        batch_op.create_index(batch_op.f('ix_node_deadline_at'), ['deadline_at'], unique=False)
+        batch_op.create_index(batch_op.f('ix_node_drain_requested'), ['drain_requested'], unique=False)
+        batch_op.create_index(batch_op.f('ix_node_drifted'), ['drifted'], unique=False)
+        batch_op.create_index(batch_op.f('ix_node_last_heartbeat_at'), ['last_heartbeat_at'], unique=False)
         batch_op.create_index('ix_node_pool', ['gpu_type', 'region', 'state', 'cordoned'], unique=False)
         batch_op.create_index(batch_op.f('ix_node_region'), ['region'], unique=False)
         batch_op.create_index(batch_op.f('ix_node_state'), ['state'], unique=False)
@@ -168,7 +181,12 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f('ix_node_state'))
         batch_op.drop_index(batch_op.f('ix_node_region'))
         batch_op.drop_index('ix_node_pool')
+        batch_op.drop_index(batch_op.f('ix_node_last_heartbeat_at'))
+        batch_op.drop_index(batch_op.f('ix_node_drifted'))
+        batch_op.drop_index(batch_op.f('ix_node_drain_requested'))
+        batch_op.drop_index(batch_op.f('ix_node_deadline_at'))
         batch_op.drop_index(batch_op.f('ix_node_allocation_id'))
+        batch_op.drop_index(batch_op.f('ix_node_agent_reachable'))
 
     op.drop_table('node')
     with op.batch_alter_table('idempotencyrecord', schema=None) as batch_op:

@@ -1,0 +1,150 @@
+"""The reconciler's sweep: find the nodes that need work (indexed queries only), apply what the
+plan says to the DB (deadline transitions, reachability) with compare-and-swap, and start the
+per-node operations under a global limit and a per-node exponential backoff.
+
+A converged fleet costs one set of indexed queries that return nothing: no starts, no writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import sqlalchemy as sa
+from sqlmodel import Session, select
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.exceptions import WorkflowAlreadyStartedError
+
+from gpucloud import search_attributes as sattr
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.messages import NodeOperationInput, SweepInput, SweepResult
+from gpucloud.models.node_states import NodeEvent, NodeState
+from gpucloud.models.tables import Node, utcnow
+from gpucloud.reconciler.plan import AGENT_UNREACHABLE, NodePlan, NodeSnapshot, backoff, plan_node
+from gpucloud.services import nodes as node_service
+from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
+from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
+
+RUNNING_NODE_OPS = "WorkflowType = 'NodeOperationWorkflow' AND ExecutionStatus = 'Running'"
+
+
+def candidate_filter(now, heartbeat_cutoff):
+    """Nodes that may need work: each term is served by an index on its column."""
+    return sa.or_(
+        Node.deadline_at <= now,
+        Node.state.in_([NodeState.ENROLLED.value, NodeState.INSPECTING.value]),
+        sa.and_(Node.drain_requested == True, Node.state != NodeState.QUARANTINED.value),  # noqa: E712
+        Node.drifted == True,  # noqa: E712
+        sa.and_(Node.last_heartbeat_at < heartbeat_cutoff, Node.agent_reachable == True),  # noqa: E712
+        sa.and_(Node.last_heartbeat_at >= heartbeat_cutoff, Node.agent_reachable == False),  # noqa: E712
+    )
+
+
+def _snapshot(node: Node) -> NodeSnapshot:
+    return NodeSnapshot(id=node.id, state=node.state, deadline_at=node.deadline_at,
+                        drain_requested=node.drain_requested, last_heartbeat_at=node.last_heartbeat_at,
+                        agent_reachable=node.agent_reachable, drifted=node.drifted, tenant_id=node.tenant_id,
+                        allocation_id=node.allocation_id)
+
+
+def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
+    conditions = [c for c in node.health_conditions if c.get("name") != AGENT_UNREACHABLE]
+    if not reachable:
+        conditions.append({"name": AGENT_UNREACHABLE, "reason": reason, "since": utcnow().isoformat()})
+    health = "suspect" if any(c.get("name") == AGENT_UNREACHABLE for c in conditions) else (
+        node.health if conditions else "ok")
+    session.execute(sa.update(Node).where(Node.id == node.id).values(
+        agent_reachable=reachable, health_conditions=conditions, health=health, updated_at=utcnow()))
+
+
+class ReconcilerActivities:
+    def __init__(self, client: Client, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+
+    @activity.defn
+    async def sweep(self, req: SweepInput) -> SweepResult:
+        result = SweepResult()
+        plans = await asyncio.to_thread(self._plan_and_apply, req, result)
+        starts = [p for p in plans if p.start is not None]
+        if not starts:
+            return result
+        running = await self.client.count_workflows(RUNNING_NODE_OPS)
+        budget = max(0, self.settings.max_concurrent_node_ops - running.count)
+        started_ids: list[str] = []
+        for plan in starts:
+            if budget <= 0:
+                result.deferred_by_limit += 1
+                continue
+            try:
+                await self.client.start_workflow(
+                    NodeOperationWorkflow.run,
+                    NodeOperationInput(node_id=plan.node_id, operation=plan.start, allocation_id=plan.allocation_id,
+                                       tenant_id=plan.tenant_id),
+                    id=node_workflow_id(plan.node_id), task_queue=self.settings.task_queue,
+                    search_attributes=sattr.typed((sattr.NODE_ID, plan.node_id)),
+                )
+                result.started += 1
+                budget -= 1
+            except WorkflowAlreadyStartedError:
+                result.already_running += 1
+            started_ids.append(plan.node_id)
+        await asyncio.to_thread(self._record_attempts, started_ids)
+        return result
+
+    def _plan_and_apply(self, req: SweepInput, result: SweepResult) -> list[NodePlan]:
+        now = utcnow()
+        timeout = timedelta(seconds=self.settings.heartbeat_timeout_s)
+        with session_scope(self.settings.db_url) as session:
+            query = select(Node).where(
+                candidate_filter(now, now - timeout),
+                sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now),
+            ).limit(self.settings.sweep_batch)
+            if req.node_ids is not None:
+                query = select(Node).where(Node.id.in_(req.node_ids))
+            nodes = list(session.exec(query).all())
+        result.candidates = len(nodes)
+        plans = []
+        for node in nodes:
+            plan = plan_node(_snapshot(node), now=now, heartbeat_timeout=timeout)
+            if plan.empty:
+                continue
+            try:
+                self._apply(node, plan, result)
+            except node_service.StaleNode as exc:
+                # Someone moved the node first; the next sweep sees its new state.
+                result.errors.append(str(exc))
+                continue
+            plans.append(plan)
+        return plans
+
+    def _apply(self, node: Node, plan: NodePlan, result: SweepResult) -> None:
+        with session_scope(self.settings.db_url) as session:
+            if plan.deadline_passed:
+                node_service.transition(session, node.id, NodeEvent.DEADLINE, from_state=node.state,
+                                        cause="; ".join(plan.reasons), actor="reconciler",
+                                        deadline_scale=self.settings.deadline_scale)
+                result.deadlines_applied += 1
+            if plan.set_reachable is not None:
+                fresh = session.get(Node, node.id)
+                _set_reachable(session, fresh, plan.set_reachable, "; ".join(plan.reasons))
+                if plan.set_reachable:
+                    result.marked_reachable += 1
+                else:
+                    result.marked_unreachable += 1
+
+    def _record_attempts(self, node_ids: list[str]) -> None:
+        if not node_ids:
+            return
+        now = utcnow()
+        with session_scope(self.settings.db_url) as session:
+            for node in session.exec(select(Node).where(Node.id.in_(node_ids))).all():
+                node.reconcile_attempts += 1
+                node.next_reconcile_at = now + backoff(node.reconcile_attempts, base_s=self.settings.backoff_base_s,
+                                                       cap_s=self.settings.backoff_cap_s)
+                session.add(node)
+
+    def all(self) -> list:
+        return [self.sweep]

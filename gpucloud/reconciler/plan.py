@@ -1,0 +1,99 @@
+"""What one node needs, decided from its record alone: pure, no I/O, time passed in.
+
+Level-triggered like a Kubernetes controller: the plan depends only on the node's current
+record (desired state: operator intent, deadlines; observed state: agent heartbeats), never on
+which event woke the reconciler, so running it twice, late, or after an outage is harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from gpucloud.models.messages import NodeOperationKind
+from gpucloud.models.node_states import NodeState, failure_target
+
+Op = NodeOperationKind
+
+# Conditions the reconciler owns on a node's health.
+AGENT_UNREACHABLE = "AgentUnreachable"
+AGENT_STATE_DRIFT = "AgentStateDrift"
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    id: str
+    state: str
+    deadline_at: datetime | None = None
+    drain_requested: bool = False
+    last_heartbeat_at: datetime | None = None
+    agent_reachable: bool = True
+    drifted: bool = False
+    tenant_id: str | None = None
+    allocation_id: str | None = None
+
+
+@dataclass
+class NodePlan:
+    node_id: str
+    deadline_passed: bool = False
+    state_after_deadline: str | None = None
+    set_reachable: bool | None = None  # None: leave as is
+    start: NodeOperationKind | None = None
+    tenant_id: str | None = None
+    allocation_id: str | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.deadline_passed and self.set_reachable is None and self.start is None
+
+
+# Transient states whose work belongs to the node's own workflows once the allocation has let
+# go: if the reconciler finds a node there it (re)starts the operation that finishes the job.
+_RESUME = {
+    NodeState.ENROLLED: Op.BRINGUP,
+    NodeState.INSPECTING: Op.BRINGUP,
+    NodeState.WIPING: Op.RECYCLE,
+    NodeState.BURN_IN: Op.RECYCLE,
+}
+
+
+def plan_node(node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta) -> NodePlan:
+    plan = NodePlan(node_id=node.id, tenant_id=node.tenant_id, allocation_id=node.allocation_id)
+    state = NodeState(node.state)
+
+    if node.deadline_at is not None and node.deadline_at <= now:
+        target = failure_target(state)
+        if target is not None:
+            plan.deadline_passed = True
+            plan.state_after_deadline = target.value
+            plan.reasons.append(f"{state.value} overdue since {node.deadline_at.isoformat()}: -> {target.value}")
+            state = target
+
+    if node.last_heartbeat_at is not None:
+        stale = now - node.last_heartbeat_at > heartbeat_timeout
+        if stale and node.agent_reachable:
+            plan.set_reachable = False
+            plan.reasons.append(f"no heartbeat since {node.last_heartbeat_at.isoformat()}")
+        elif not stale and not node.agent_reachable:
+            plan.set_reachable = True
+            plan.reasons.append("agent heartbeats again")
+
+    reachable = node.agent_reachable if plan.set_reachable is None else plan.set_reachable
+    if node.drain_requested and state in (NodeState.AVAILABLE, NodeState.ACTIVE, NodeState.DRAINING):
+        plan.start = Op.DRAIN
+        plan.reasons.append("operator asked to drain")
+    elif state in _RESUME:
+        plan.start = _RESUME[state]
+    elif state == NodeState.ACTIVE and node.drifted and reachable:
+        plan.start = Op.RESTORE
+        plan.reasons.append("agent reports a node that lost its tenant's workload")
+    return plan
+
+
+def backoff(attempts: int, *, base_s: float, cap_s: float) -> timedelta:
+    """Delay before the reconciler touches a node again after `attempts` tries: base x 2^(n-1), capped."""
+    if attempts <= 0:
+        return timedelta(0)
+    return timedelta(seconds=min(cap_s, base_s * 2 ** (attempts - 1)))

@@ -1,0 +1,77 @@
+"""Operator actions on nodes (recorded as events), agent heartbeats, and fleet views."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import sqlalchemy as sa
+from sqlmodel import Session, func, select
+
+from gpucloud.models.node_states import NodeState
+from gpucloud.models.tables import Node, NodeTransition, Operation, OperationStatus, utcnow
+
+FLAG_ACTIONS = {
+    "cordon": {"cordoned": True},
+    "uncordon": {"cordoned": False},
+    "maintenance_on": {"maintenance": True},
+    "maintenance_off": {"maintenance": False},
+    "drain": {"drain_requested": True, "cordoned": True},
+}
+
+
+def apply_operator_action(session: Session, node: Node, action: str, *, actor: str, cause: str) -> Operation:
+    """Record an operator's intent on a node. Flags take effect at once; a drain is carried out by
+    the reconciler, and its operation completes when the node is quarantined."""
+    now = utcnow()
+    session.execute(sa.update(Node).where(Node.id == node.id).values(**FLAG_ACTIONS[action], updated_at=now,
+                                                                       next_reconcile_at=None))
+    session.add(NodeTransition(node_id=node.id, from_state=node.state, to_state=node.state, event=action,
+                               cause=cause, actor=actor, generation=node.generation, at=now))
+    done = action != "drain" or node.state == NodeState.QUARANTINED
+    op = Operation(kind=f"node_{action}", resource_id=node.id,
+                   status=OperationStatus.SUCCEEDED if done else OperationStatus.RUNNING)
+    session.add(op)
+    return op
+
+
+def complete_drains(session: Session, node_id: str) -> None:
+    for op in session.exec(select(Operation).where(Operation.resource_id == node_id, Operation.kind == "node_drain",
+                                                   Operation.status == OperationStatus.RUNNING)).all():
+        op.status, op.updated_at = OperationStatus.SUCCEEDED, utcnow()
+        session.add(op)
+
+
+def record_heartbeats(session: Session, beats: Iterable[dict]) -> list[str]:
+    """Store what agents report; returns the ids of nodes whose report disagrees with the record
+    (an active node whose agent lost the tenant's workload: rebooted or wiped)."""
+    beats = {b["node_id"]: b for b in beats}
+    now = utcnow()
+    nodes = session.exec(select(Node.id, Node.state, Node.tenant_id).where(Node.id.in_(list(beats)))).all()
+    drifted: list[str] = []
+    for node_id, state, tenant_id in nodes:
+        beat = beats[node_id]
+        is_drift = state == NodeState.ACTIVE and (beat.get("tenant_id") != tenant_id
+                                                 or not beat.get("workload_running", True))
+        if is_drift:
+            drifted.append(node_id)
+        session.execute(sa.update(Node).where(Node.id == node_id).values(
+            last_heartbeat_at=now, drifted=is_drift,
+            observed={k: beat.get(k) for k in ("tenant_id", "workload_running", "boot_id")}))
+    return drifted
+
+
+def summary(session: Session) -> dict:
+    def counts(column) -> dict[str, int]:
+        return {str(k): v for k, v in session.exec(select(column, func.count()).group_by(column)).all()}
+
+    total = session.exec(select(func.count()).select_from(Node)).one()
+    return {
+        "total": total,
+        "by_state": counts(Node.state),
+        "by_health": counts(Node.health),
+        "by_gpu_type": counts(Node.gpu_type),
+        "by_region": counts(Node.region),
+        "cordoned": session.exec(select(func.count()).select_from(Node).where(Node.cordoned == True)).one(),  # noqa: E712
+        "agent_unreachable": session.exec(
+            select(func.count()).select_from(Node).where(Node.agent_reachable == False)).one(),  # noqa: E712
+    }

@@ -1,0 +1,59 @@
+"""The reconciler's Temporal Schedule, created (or updated) idempotently at worker start-up."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio.client import (
+    Client,
+    Schedule,
+    ScheduleActionStartWorkflow,
+    ScheduleAlreadyRunningError,
+    ScheduleIntervalSpec,
+    ScheduleOverlapPolicy,
+    SchedulePolicy,
+    ScheduleSpec,
+    ScheduleUpdate,
+    ScheduleUpdateInput,
+)
+from temporalio.common import WorkflowIDConflictPolicy
+
+from gpucloud.config import Settings
+from gpucloud.models.messages import SweepInput
+from gpucloud.workflows.reconciler import SCHEDULE_ID, ReconcileSweepWorkflow
+
+
+def schedule_id(settings: Settings) -> str:
+    # One schedule per task queue: each control plane sharing a Temporal namespace has its own.
+    return f"{SCHEDULE_ID}-{settings.task_queue}"
+
+
+def sweep_schedule(settings: Settings) -> Schedule:
+    return Schedule(
+        action=ScheduleActionStartWorkflow(ReconcileSweepWorkflow.run, SweepInput(),
+                                           id=f"{schedule_id(settings)}-run",
+                                           task_queue=settings.task_queue,
+                                           execution_timeout=timedelta(minutes=10)),
+        spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=settings.sweep_interval_s))]),
+        policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+    )
+
+
+async def ensure_sweep_schedule(client: Client, settings: Settings) -> None:
+    schedule = sweep_schedule(settings)
+    try:
+        await client.create_schedule(schedule_id(settings), schedule)
+    except ScheduleAlreadyRunningError:
+        async def update(_: ScheduleUpdateInput) -> ScheduleUpdate:
+            return ScheduleUpdate(schedule=schedule)
+
+        await client.get_schedule_handle(schedule_id(settings)).update(update)
+
+
+async def reconcile_now(client: Client, settings: Settings, node_ids: list[str]) -> None:
+    """An event (operator action, agent report) asks for these nodes to be reconciled now."""
+    key = node_ids[0] if len(node_ids) == 1 else f"batch-{abs(hash(tuple(sorted(node_ids))))}"
+    await client.start_workflow(
+        ReconcileSweepWorkflow.run, SweepInput(node_ids=node_ids), id=f"reconcile-{key}",
+        task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )

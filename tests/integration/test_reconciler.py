@@ -1,0 +1,159 @@
+"""The fleet reconciler against the real stack: deadlines after downtime, unreachable agents,
+drift, operator actions, backoff, and a converged fleet that costs nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+
+from support.stack import async_wait_until
+
+
+async def _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, **kw):
+    h = make_harness(db_url, nodes=nodes, **kw)
+    worker = await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": nodes}, timeout_s=90)
+    return h, worker
+
+
+async def test_converged_fleet_sweep_starts_nothing(db_url, make_harness, in_process_worker, temporal_env):
+    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url)
+    h.push_heartbeats()
+    result = await h.sweep(temporal_env.client)
+    assert (result.candidates, result.started, result.deadlines_applied) == (0, 0, 0)
+
+
+async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
+        db_url, make_harness, in_process_worker, temporal_env):
+    # Deadlines x 0.002: provisioning 3.6 s, wiping 7.2 s, burn-in 29 s; provision takes ~2 s.
+    h, worker = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, latency_scale=5.0,
+                                   deadline_scale=0.002)
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
+                                                   "region": "us-east-1"}).json()["allocation"]["id"]
+    await async_wait_until(lambda: any(n["state"] == "provisioning" for n in h.nodes()), what="provisioning")
+    await worker.__aexit__(None, None, None)  # the worker goes down mid-provisioning
+    await asyncio.sleep(4.5)  # ... long enough for the provisioning deadline to pass
+    assert any(n["state"] == "provisioning" for n in h.nodes())
+    await in_process_worker(h.settings)
+    result = await h.sweep(temporal_env.client)
+    assert result.deadlines_applied >= 1
+    events = h.operator.get(f"/v1/nodes/{h.nodes()[0]['id']}/events").json()["items"]
+    assert any(e["event"] == "deadline" and e["actor"] == "reconciler" for e in events) or \
+        any(e["event"] == "deadline" for n in h.nodes() for e in h.operator.get(
+            f"/v1/nodes/{n['id']}/events").json()["items"])
+    # The overdue nodes went to provisioning's failure target (wiping) and back through burn-in.
+    await h.wait_states({"available": 2}, timeout_s=90)
+    failed = await h.wait_allocation(key, alloc_id, "failed", timeout_s=60)
+    assert failed["failure_reason"]
+
+
+async def test_agent_unreachable_then_back(db_url, make_harness, in_process_worker, temporal_env):
+    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, heartbeat_timeout_s=1.0)
+    lost = h.nodes()[0]["id"]
+    h.push_heartbeats()
+    h.sim.set_unreachable(lost, True)
+    await asyncio.sleep(1.3)
+    h.push_heartbeats()  # everyone but the lost agent reports
+    result = await h.sweep(temporal_env.client)
+    assert result.marked_unreachable == 1
+    node = h.node(lost)
+    assert node["health"] == "suspect" and not node["agent_reachable"]
+    assert [c["name"] for c in node["health_conditions"]] == ["AgentUnreachable"]
+    assert h.operator.get("/v1/fleet/summary").json()["agent_unreachable"] == 1
+
+    h.sim.set_unreachable(lost, False)
+    h.push_heartbeats()
+    result = await h.sweep(temporal_env.client)
+    assert result.marked_reachable == 1
+    node = h.node(lost)
+    assert node["health"] == "ok" and node["agent_reachable"] and node["health_conditions"] == []
+
+
+async def test_drift_active_node_wiped_behind_our_back_is_restored(db_url, make_harness, in_process_worker):
+    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+    tenant_id, key = h.new_tenant()
+    with h.client(key) as c:
+        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1,
+                                                   "region": "us-east-1"}).json()["allocation"]["id"]
+    ready = await h.wait_allocation(key, alloc_id, "ready")
+    node_id = ready["node_ids"][0]
+    h.sim.drift(node_id, "wipe")
+    assert h.sim.node(node_id)["tenant_id"] is None
+    assert h.push_heartbeats()["drifted"] == [node_id]  # the API reconciles the node at once
+    await async_wait_until(lambda: h.sim.node(node_id)["tenant_id"] == tenant_id, what="workload restored")
+    assert h.push_heartbeats()["drifted"] == []
+    node = h.node(node_id)
+    assert node["state"] == "active" and node["allocation_id"] == alloc_id
+
+
+async def test_cancel_while_provisioning(db_url, make_harness, in_process_worker):
+    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, latency_scale=3.0)
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        created = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()
+        alloc_id = created["allocation"]["id"]
+        await async_wait_until(lambda: any(n["state"] == "provisioning" for n in h.nodes()), what="provisioning")
+        cancel = c.post(f"/v1/allocations/{alloc_id}/cancel")
+        assert cancel.status_code == 202 and cancel.json()["allocation"]["status"] == "cancelling"
+        await h.wait_allocation(key, alloc_id, "released", timeout_s=60)
+        assert c.get(f"/v1/operations/{created['operation']['id']}").json()["status"] == "failed"
+    await h.wait_states({"available": 2}, timeout_s=60)
+
+
+async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, make_harness, in_process_worker):
+    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+    a, b = [n["id"] for n in h.nodes()]
+    with h.operator as op:
+        r = op.post(f"/v1/nodes/{a}/cordon", json={"reason": "suspicious fan"})
+        assert r.status_code == 200 and r.json()["node"]["cordoned"] and r.json()["operation"]["status"] == "succeeded"
+        assert op.post(f"/v1/nodes/{a}/maintenance", json={"enabled": True}).json()["node"]["maintenance"]
+        # A cordoned node is never placed.
+        _, key = h.new_tenant()
+        with h.client(key) as c:
+            assert c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
+                                                   "region": "us-east-1"}).status_code == 409
+        assert op.post(f"/v1/nodes/{a}/maintenance", json={"enabled": False}).status_code == 200
+        assert not op.post(f"/v1/nodes/{a}/uncordon").json()["node"]["cordoned"]
+
+        drain = op.post(f"/v1/nodes/{b}/drain", json={"reason": "operator test"})
+        assert drain.status_code == 202 and drain.json()["operation"]["status"] == "running"
+        await h.wait_states({"quarantined": 1, "available": 1}, timeout_s=60)
+        assert op.get(f"/v1/operations/{drain.json()['operation']['id']}").json()["status"] == "succeeded"
+        assert h.node(b)["state"] == "quarantined" and not h.node(b)["drain_requested"]
+
+        events = op.get(f"/v1/nodes/{a}/events").json()["items"]
+        assert [e["event"] for e in events][-4:] == ["cordon", "maintenance_on", "maintenance_off", "uncordon"]
+        assert events[-4]["actor"] == "operator" and events[-4]["cause"] == "suspicious fan"
+        drained = [(e["from_state"], e["to_state"]) for e in op.get(f"/v1/nodes/{b}/events").json()["items"]]
+        assert drained[-2:] == [("available", "draining"), ("draining", "quarantined")]
+        assert [e["to_state"] for e in events[:3]] == ["inspecting", "burn_in", "available"]
+        summary = op.get("/v1/fleet/summary").json()
+        assert summary["by_state"] == {"available": 1, "quarantined": 1} and summary["total"] == 2
+        assert op.post("/v1/nodes/nope/cordon").status_code == 404
+
+
+async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process_worker, temporal_env):
+    # Inspect never answers (transient 503s), so the bring-up workflow keeps running while the
+    # reconciler sweeps as fast as it can: it must back off, not restart the node in a loop.
+    h = make_harness(db_url, nodes=1, backoff_base_s=0.3, backoff_cap_s=10)
+    await in_process_worker(h.settings)
+    node_id = h.sim.inventory()[0]["id"]
+    h.sim.inject(node_id, "inspect", "transient", count=1000)
+    h.enroll_fleet()
+    touched: list[float] = []
+    started = time.monotonic()
+    while time.monotonic() - started < 3.5:
+        result = await h.sweep(temporal_env.client)
+        if result.already_running or result.started:
+            touched.append(time.monotonic() - started)
+        await asyncio.sleep(0.05)
+    gaps = [b - a for a, b in zip(touched, touched[1:])]
+    assert 2 <= len(touched) <= 5, touched  # ~0, 0.3, 0.9, 2.1 s: not every 50 ms
+    assert all(later > earlier for earlier, later in zip(gaps, gaps[1:])), gaps
+    node = h.node(node_id)
+    assert node["state"] == "inspecting"
+    assert datetime.fromisoformat(node["updated_at"]) is not None
