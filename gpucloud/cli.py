@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gpucloud.cli_fleet import nodes
 from gpucloud.config import get_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -128,6 +129,9 @@ def demo(
     from gpucloud.demo import run_demo
 
     sys.exit(run_demo(nodes=nodes, data_dir=data_dir, console=console))
+
+
+app.command()(nodes)
 
 
 def main() -> None:

@@ -72,7 +72,22 @@ def _node_table(nodes: list[dict]) -> Table:
     return table
 
 
-def scenario(console: Console, api_url: str, operator_token: str, nodes: int) -> None:
+def show_reconciler(console: Console, op: Api, sim_url: str, alloc_id: str, tenant_id: str) -> None:
+    """A node is re-imaged behind the control plane's back: its agent's next heartbeat shows an
+    active node without the tenant's workload, and the reconciler restores it."""
+    victim = next(n for n in op.all_nodes() if n["allocation_id"] == alloc_id)["id"]
+    httpx.post(f"{sim_url}/v1/nodes/{victim}/drift", json={"kind": "wipe"}, timeout=10).raise_for_status()
+    console.print(f"[yellow]{victim} was wiped behind the control plane's back[/] (simulated re-image)")
+    _wait(console, f"reconciler restores {victim}", 1,
+          lambda: int(httpx.get(f"{sim_url}/v1/nodes/{victim}", timeout=10).json()["tenant_id"] == tenant_id))
+    events = op.call("GET", f"/v1/nodes/{victim}/events")["items"]
+    console.print(f"{victim} restored; {len(events)} events recorded, last: "
+                  f"{events[-1]['from_state']} -> {events[-1]['to_state']} ({events[-1]['event']})")
+    summary = op.call("GET", "/v1/fleet/summary")
+    console.print(f"fleet summary: {summary['by_state']}, health {summary['by_health']}")
+
+
+def scenario(console: Console, api_url: str, operator_token: str, nodes: int, sim_url: str) -> None:
     op = Api(api_url, operator_token)
     _wait(console, f"fleet: {nodes} nodes enrolled -> inspected -> burned in -> available", nodes,
           lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"))
@@ -106,6 +121,8 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int) ->
     console.print(f"allocation [green]ready[/]; operation {operation['id']} {operation['status']}")
     console.print(_node_table([n for n in op.all_nodes() if n["allocation_id"] == alloc_id]))
 
+    show_reconciler(console, op, sim_url, alloc_id, tenant["id"])
+
     cancel = acme.call("POST", f"/v1/allocations/{alloc_id}/cancel", expect=(202,))
     console.print(f"cancel accepted: allocation is [yellow]{cancel['allocation']['status']}[/]")
     _wait(console, "agents confirm release", 1,
@@ -120,14 +137,14 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
     data_dir = data_dir or Path(".data") / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
     settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), database_url=None, operator_token=None)
-    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.5)
+                        sim_port=free_port(), database_url=None, operator_token=None, sweep_interval_s=2.0)
+    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.5, sim_heartbeat_s=1.0)
     started = time.monotonic()
     try:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
         console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
-        scenario(console, settings.api_url, settings.resolved_operator_token, nodes)
+        scenario(console, settings.api_url, settings.resolved_operator_token, nodes, settings.sim_url)
     except (StackError, DemoFailed, httpx.HTTPError) as exc:
         console.print(f"[red]demo failed:[/] {exc}\nlogs: {stack.log_dir}")
         return 1

@@ -48,6 +48,7 @@ class Stack:
     sim_latency_scale: float = 1.0
     headless: bool = False
     register_fleet: bool = True
+    sim_heartbeat_s: float = 10.0
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -72,6 +73,9 @@ class Stack:
             "GPUCLOUD_SIM_HOST": s.sim_host,
             "GPUCLOUD_SIM_PORT": str(s.sim_port),
             "GPUCLOUD_OPERATOR_TOKEN": s.resolved_operator_token,
+            "GPUCLOUD_SWEEP_INTERVAL_S": str(s.sweep_interval_s),
+            "GPUCLOUD_HEARTBEAT_TIMEOUT_S": str(s.heartbeat_timeout_s),
+            "GPUCLOUD_DEADLINE_SCALE": str(s.deadline_scale),
         }
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -109,7 +113,8 @@ class Stack:
         on_step(f"starting simulated fleet ({self.nodes} nodes)")
         register = ["--register"] if self.register_fleet else []
         self._spawn("sim", self._cli("sim", "--nodes", str(self.nodes), *register,
-                                     "--latency-scale", str(self.sim_latency_scale)))
+                                     "--latency-scale", str(self.sim_latency_scale),
+                                     "--heartbeat-interval", str(self.sim_heartbeat_s)))
         self._wait("sim", lambda: self._http_ok(f"{self.settings.sim_url}/healthz"), 60)
         self._ensure_alive("worker")
 
