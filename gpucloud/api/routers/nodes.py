@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from typing import Annotated
 
@@ -26,6 +27,7 @@ from gpucloud.services.workflows import start_bringup
 router = APIRouter(prefix="/v1", tags=["nodes"])
 
 MAX_ENROLL_BATCH = 1000
+ENROLL_START_CONCURRENCY = 50
 
 
 class EnrollRequest(BaseModel):
@@ -54,8 +56,13 @@ def _enroll(settings: Settings, req: EnrollRequest) -> tuple[list[str], int, int
 @router.post("/nodes:enroll", response_model=EnrollResult)
 async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
     to_start, new, known = await run_in_threadpool(_enroll, settings, req)
-    for node_id in to_start:
-        await start_bringup(temporal, settings, node_id)
+    gate = asyncio.Semaphore(ENROLL_START_CONCURRENCY)
+
+    async def start(node_id: str) -> None:
+        async with gate:
+            await start_bringup(temporal, settings, node_id)
+
+    await asyncio.gather(*(start(n) for n in to_start))
     return EnrollResult(enrolled=new, already_known=known, bringups_started=len(to_start))
 
 

@@ -1,0 +1,81 @@
+"""Shared by the control-plane benchmarks: the engine baseline and DB polling."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import sqlalchemy as sa
+from temporalio import activity, workflow
+from temporalio.worker import Worker
+
+from gpucloud.client import connect
+from gpucloud.config import Settings
+
+ACTIVITIES_PER_NODE = 6
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@activity.defn
+async def noop_activity(_: str) -> str:
+    return "ok"
+
+
+@workflow.defn(sandboxed=False)
+class BaselineWorkflow:
+    @workflow.run
+    async def run(self, n: int) -> int:
+        for _ in range(n):
+            await workflow.execute_activity(noop_activity, "x", start_to_close_timeout=timedelta(seconds=30))
+        return n
+
+
+async def baseline(settings: Settings, nodes: int) -> float:
+    """Trivial workflows of ACTIVITIES_PER_NODE no-op activities per node, on the same server
+    and with the same worker limits: the engine's ceiling for this much work."""
+    client = await connect(settings)
+    queue = f"baseline-{uuid.uuid4().hex[:6]}"
+    with ThreadPoolExecutor(max_workers=4) as executor:
+        async with Worker(client, task_queue=queue, workflows=[BaselineWorkflow], activities=[noop_activity],
+                          activity_executor=executor, max_concurrent_activities=settings.worker_max_activities,
+                          max_concurrent_workflow_tasks=100):
+            started = time.monotonic()
+            handles = []
+            for i in range(nodes):
+                handles.append(await client.start_workflow(BaselineWorkflow.run, ACTIVITIES_PER_NODE,
+                                                           id=f"{queue}-{i}", task_queue=queue))
+            gate = asyncio.Semaphore(500)  # bounded result waits (the server limits pollers)
+
+            async def wait(h):
+                async with gate:
+                    await h.result()
+
+            await asyncio.gather(*(wait(h) for h in handles))
+            return nodes / (time.monotonic() - started)
+
+
+def count_states(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return dict(conn.execute(sa.text("SELECT state, count(*) FROM node GROUP BY state")).all())
+
+
+def wait_for(engine: sa.Engine, state: str, want: int, what: str, timeout_s: float) -> float:
+    started = time.monotonic()
+    last = -1
+    while time.monotonic() - started < timeout_s:
+        counts = count_states(engine)
+        have = counts.get(state, 0)
+        if have != last:
+            log(f"  {what}: {have}/{want} {state}  {dict(sorted(counts.items()))}")
+            last = have
+        if have >= want:
+            return time.monotonic() - started
+        time.sleep(0.5)
+    raise SystemExit(f"timed out: {what} ({count_states(engine)})")

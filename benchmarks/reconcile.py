@@ -1,0 +1,134 @@
+"""Fleet reconciler at scale: N simulated nodes (default 10,000) brought up, a sweep over the
+converged fleet, and 1% of active nodes drifting (wiped behind the control plane's back)
+until every one is restored. Real stack: Temporal dev server, worker, API and simulated fleet
+as separate processes, SQLite; agents heartbeat every 5 s.
+
+Baseline, measured in the same run on the same server: trivial workflows with bring-up's
+activity count (benchmarks/common.py). `ratio` = nodes_per_s / baseline_nodes_per_s.
+
+    python benchmarks/reconcile.py [--nodes N] [--quick]
+
+Prints progress to stderr and one JSON line of figures last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import baseline, log, wait_for  # noqa: E402
+
+from gpucloud.client import connect  # noqa: E402
+from gpucloud.config import Settings  # noqa: E402
+from gpucloud.models.messages import SweepInput  # noqa: E402
+from gpucloud.stack import Stack, free_port  # noqa: E402
+from gpucloud.workflows.reconciler import ReconcileSweepWorkflow  # noqa: E402
+
+BASELINE_WORKFLOWS = 1000
+
+
+async def one_sweep(settings: Settings):
+    client = await connect(settings)
+    started = time.monotonic()
+    result = await client.execute_workflow(ReconcileSweepWorkflow.run, SweepInput(),
+                                           id=f"bench-sweep-{uuid.uuid4().hex[:6]}", task_queue=settings.task_queue)
+    return time.monotonic() - started, result
+
+
+def drifted(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT count(*) FROM node WHERE drifted")).scalar_one()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=10_000)
+    parser.add_argument("--quick", action="store_true", help="200 nodes, about a minute")
+    args = parser.parse_args()
+    nodes = 200 if args.quick else args.nodes
+
+    data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
+    settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
+                        sim_port=free_port(), operator_token="bench-token", sweep_interval_s=15.0)
+    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
+                  register_fleet=False, sim_heartbeat_s=0)
+    try:
+        log(f"starting stack in {data_dir}")
+        stack.start(on_step=lambda s: log(f"  {s}"))
+        n_base = min(nodes, BASELINE_WORKFLOWS)
+        log(f"baseline: {n_base} trivial workflows")
+        baseline_nodes_per_s = asyncio.run(baseline(settings, n_base))
+        log(f"  {baseline_nodes_per_s:.1f} workflows/s")
+
+        engine = sa.create_engine(settings.db_url)
+        api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=600)
+        sim = httpx.Client(base_url=settings.sim_url, timeout=600)
+        inventory = sim.get("/v1/inventory").json()
+
+        def heartbeat() -> dict:
+            beats = sim.get("/v1/heartbeats").json()
+            drifted_ids: list[str] = []
+            for i in range(0, len(beats), 5000):
+                resp = api.post("/v1/agents/heartbeats", json={"heartbeats": beats[i:i + 5000]})
+                resp.raise_for_status()
+                drifted_ids += resp.json()["drifted"]
+            return {"drifted": drifted_ids}
+
+        log(f"bring-up: {nodes} nodes enrolled -> available")
+        started = time.monotonic()
+        for i in range(0, len(inventory), 1000):
+            api.post("/v1/nodes:enroll", json={"nodes": inventory[i:i + 1000]}).raise_for_status()
+        bringup_s = (time.monotonic() - started) + wait_for(engine, "available", nodes, "bring-up", 7200)
+        heartbeat()
+
+        log("steady state: one sweep over the converged fleet")
+        steady_sweep_s, steady = asyncio.run(one_sweep(settings))
+        log(f"  {steady_sweep_s:.3f} s, {steady}")
+
+        drift_n = max(8, nodes // 100) // 8 * 8
+        tenant = api.post("/v1/tenants", json={"name": "bench"}).json()
+        key = api.post(f"/v1/tenants/{tenant['id']}/api-keys").json()["key"]
+        tenant_api = httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
+        for _ in range(drift_n // 8):
+            tenant_api.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 8,
+                                                     "region": "us-east-1"}).raise_for_status()
+        wait_for(engine, "active", drift_n, "allocate the nodes that will drift", 3600)
+        with engine.connect() as conn:
+            victims = [r[0] for r in conn.execute(sa.text("SELECT id FROM node WHERE state = 'active'"))]
+        log(f"drift: {len(victims)} active nodes wiped behind the control plane's back")
+        started = time.monotonic()
+        for node_id in victims:
+            sim.post(f"/v1/nodes/{node_id}/drift", json={"kind": "wipe"}).raise_for_status()
+        reported = heartbeat()["drifted"]  # agents report; the API reconciles them at once
+        while drifted(engine):
+            time.sleep(1.0)
+            heartbeat()
+        drift_converge_s = time.monotonic() - started
+        log(f"  {len(reported)} reported, all restored in {drift_converge_s:.1f} s")
+    finally:
+        stack.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+    nodes_per_s = nodes / bringup_s
+    print(json.dumps({
+        "nodes": nodes, "bringup_s": round(bringup_s, 1), "nodes_per_s": round(nodes_per_s, 2),
+        "baseline_nodes_per_s": round(baseline_nodes_per_s, 2), "ratio": round(nodes_per_s / baseline_nodes_per_s, 3),
+        "steady_sweep_s": round(steady_sweep_s, 3), "steady_starts": steady.started,
+        "steady_candidates": steady.candidates, "drifted_nodes": len(victims),
+        "drift_converge_s": round(drift_converge_s, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()
