@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from gpucloud.cli_fleet import nodes
+from gpucloud.cli_weights import weights_app
 from gpucloud.config import get_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -24,6 +25,7 @@ console = Console(stderr=True)
 def _logging() -> None:
     logging.basicConfig(level=os.environ.get("GPUCLOUD_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent call is noise
 
 
 @app.command()
@@ -132,6 +134,7 @@ def demo(
 
 
 app.command()(nodes)
+app.add_typer(weights_app, name="weights")
 
 
 def main() -> None:

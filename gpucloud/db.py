@@ -41,7 +41,11 @@ def get_engine(url: str) -> sa.Engine:
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # One connection per process: SQLite has one writer at a time anyway, and threads that
+        # queue on the pool are served in order, while threads racing for the file lock sleep in
+        # SQLite's busy handler (up to 100 ms a try) and throughput collapses under load.
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               pool_size=1, max_overflow=0, pool_timeout=600)
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         # pysqlite's own transaction handling would defer BEGIN; do it ourselves.
         sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gpucloud.config import Settings
+from gpucloud.demo_weights import WeightsDemoError, demo_weights
 from gpucloud.stack import Stack, StackError, free_port
 
 
@@ -87,7 +88,8 @@ def show_reconciler(console: Console, op: Api, sim_url: str, alloc_id: str, tena
     console.print(f"fleet summary: {summary['by_state']}, health {summary['by_health']}")
 
 
-def scenario(console: Console, api_url: str, operator_token: str, nodes: int, sim_url: str) -> None:
+def scenario(console: Console, api_url: str, operator_token: str, nodes: int, sim_url: str,
+             data_dir: Path) -> None:
     op = Api(api_url, operator_token)
     _wait(console, f"fleet: {nodes} nodes enrolled -> inspected -> burned in -> available", nodes,
           lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"))
@@ -122,6 +124,7 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
     console.print(_node_table([n for n in op.all_nodes() if n["allocation_id"] == alloc_id]))
 
     show_reconciler(console, op, sim_url, alloc_id, tenant["id"])
+    demo_weights(console, api_url, key["key"], data_dir)
 
     cancel = acme.call("POST", f"/v1/allocations/{alloc_id}/cancel", expect=(202,))
     console.print(f"cancel accepted: allocation is [yellow]{cancel['allocation']['status']}[/]")
@@ -144,8 +147,8 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
         console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
-        scenario(console, settings.api_url, settings.resolved_operator_token, nodes, settings.sim_url)
-    except (StackError, DemoFailed, httpx.HTTPError) as exc:
+        scenario(console, settings.api_url, settings.resolved_operator_token, nodes, settings.sim_url, data_dir)
+    except (StackError, DemoFailed, WeightsDemoError, httpx.HTTPError) as exc:
         console.print(f"[red]demo failed:[/] {exc}\nlogs: {stack.log_dir}")
         return 1
     finally:

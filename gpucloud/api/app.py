@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 from gpucloud.api import problems
-from gpucloud.api.routers import allocations, nodes, operations, tenants
+from gpucloud.api.routers import allocations, nodes, operations, registry, tenants
 from gpucloud.config import Settings
 from gpucloud.db import migrate
 
@@ -41,7 +41,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
                   description="Control plane of a GPU cloud: tenants, nodes, allocations.")
     app.state.settings = settings
     problems.install(app)
-    for module in (tenants, allocations, operations, nodes):
+    for module in (tenants, allocations, operations, nodes, registry):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"])

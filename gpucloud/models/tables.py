@@ -144,7 +144,7 @@ class NodeTransition(SQLModel, table=True):
 
 
 class TenantCreate(SQLModel):
-    name: str = Field(min_length=1, max_length=100, regex=r"^[a-z0-9][a-z0-9-]*$")
+    name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": r"^[a-z0-9][a-z0-9-]*$"})
 
 
 class TenantPublic(TenantCreate):

@@ -1,0 +1,139 @@
+"""The weight-registry part of `gpucloud demo`: a push, a fine-tune pushed with dedup, a promotion the
+evaluation gates refuse and then allow, a pull that a corrupted chunk stops, and a clean pull.
+
+Everything goes through the public API with the tenant's key, exactly as `gpucloud weights` does.
+The corrupted pull corrupts one chunk in transit (between the registry and the client) rather than
+in the registry's store, so the demo works against any backend and shows the property that
+matters: the client itself refuses bytes that do not match the signed manifest.
+
+`demo_weights` raises `WeightsDemoError` the moment anything is not as expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from gpucloud.cli_weights import (
+    RegistryApiError,
+    RegistryClient,
+    failing_metrics_table,
+    pull_with_progress,
+    push_with_progress,
+    signer_for,
+)
+from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header
+from gpucloud.registry.manifest import IntegrityError, Lineage
+
+TENSORS = 20
+TENSOR_SIZE = 512 * 1024
+# Chunks well below the production 64 MiB, so a 10 MiB demo model still has tensor-sized chunks.
+DEMO_POLICY = ChunkPolicy(max_chunk_size=1 * MiB, pack_size=64 * 1024, fixed_chunk_size=1 * MiB, read_size=1 * MiB)
+GATES = [{"metric": "accuracy", "min": 0.75, "max_regression": 0.01}]
+
+
+class WeightsDemoError(RuntimeError):
+    """The registry did not behave as the demo expects."""
+
+
+class _CorruptInTransit(httpx.BaseTransport):
+    """Real HTTP, except that one byte of one chunk is flipped on its way to the client."""
+
+    def __init__(self, chunk_id: str) -> None:
+        self.inner, self.chunk_id = httpx.HTTPTransport(), chunk_id
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if request.method != "GET" or not request.url.path.endswith(f"/chunks/{self.chunk_id}"):
+            return response
+        body = bytearray(response.read())
+        response.close()
+        body[len(body) // 2] ^= 0x01
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "transfer-encoding")}
+        return httpx.Response(response.status_code, headers=headers, content=bytes(body))
+
+
+def _write_model(directory: Path, tensors: list[bytes]) -> Path:
+    directory.mkdir(parents=True)
+    header = encode_safetensors_header((f"layers.{i}.weight", len(t)) for i, t in enumerate(tensors))
+    (directory / "model.safetensors").write_bytes(header + b"".join(tensors))
+    (directory / "config.json").write_text(json.dumps({"architecture": "demo", "layers": len(tensors)}))
+    return directory
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _promote(console: Console, client: RegistryClient, model: str, digest: str, *, expect_refusal: bool) -> None:
+    try:
+        client.promote(model, digest, "production")
+    except RegistryApiError as exc:
+        if not expect_refusal or exc.type != "gates-failed":
+            raise WeightsDemoError(f"promotion of {digest[:12]} to production failed: {exc}") from exc
+        failing = {f["metric"] for f in exc.body.get("failing_metrics", [])}
+        if failing != {"accuracy"}:
+            raise WeightsDemoError(f"gates refused for {sorted(failing)}, expected ['accuracy']") from exc
+        console.print(failing_metrics_table(exc.body["failing_metrics"]))
+        console.print(f"  [yellow]refused[/], as it should be: {exc.body['detail']}")
+        return
+    if expect_refusal:
+        raise WeightsDemoError(f"{digest[:12]} regresses accuracy, yet the gates let it into production")
+    console.print(f"  {model}@production -> {digest[:12]}")
+
+
+def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -> None:
+    """Run the registry scenario against the API at api_url as the tenant whose key is api_key."""
+    work = Path(data_dir) / "demo-weights" / uuid.uuid4().hex[:8]
+    model = f"demo-llm-{work.name}"
+    with RegistryClient(api_url, api_key) as client:
+        signer = signer_for(Path(data_dir), client.signing_keys()[0])
+        client.ensure_model(model)
+        client.set_gates(model, GATES)
+
+        console.rule("weights: push v1")
+        tensors = [os.urandom(TENSOR_SIZE) for _ in range(TENSORS)]
+        v1_dir = _write_model(work / "v1", tensors)
+        v1 = push_with_progress(client, v1_dir, model=model, signer=signer, console=console, policy=DEMO_POLICY)
+        client.record_evaluation(model, v1.digest, evaluator="demo-evals", results={"accuracy": 0.80}, signer=signer)
+        _promote(console, client, model, v1.digest, expect_refusal=False)
+
+        console.rule("weights: a fine-tune changes 10% of the tensors")
+        for i in (3, 11):
+            tensors[i] = os.urandom(TENSOR_SIZE)
+        v2_dir = _write_model(work / "v2", tensors)
+        v2 = push_with_progress(client, v2_dir, model=model, signer=signer, console=console, policy=DEMO_POLICY,
+                                lineage=Lineage(parent=v1.digest, training_run="demo-finetune"))
+        if v2.stats.bytes_uploaded > 0.15 * v2.stats.bytes_total:
+            raise WeightsDemoError(f"the fine-tune uploaded {v2.stats.bytes_uploaded} of {v2.stats.bytes_total} "
+                                   "bytes; dedup should have skipped about 90%")
+
+        console.rule("weights: gated promotion")
+        client.record_evaluation(model, v2.digest, evaluator="demo-evals", results={"accuracy": 0.77}, signer=signer)
+        _promote(console, client, model, v2.digest, expect_refusal=True)
+        client.record_evaluation(model, v2.digest, evaluator="demo-evals", results={"accuracy": 0.82}, signer=signer)
+        console.print("  re-evaluated v2: accuracy 0.82")
+        _promote(console, client, model, v2.digest, expect_refusal=False)
+
+        console.rule("weights: a chunk corrupted in transit")
+        victim = v2.signed.manifest.files["model.safetensors"].chunks[4].id
+        bad_dest = work / "pulled-corrupt"
+        with RegistryClient(api_url, api_key, transport=_CorruptInTransit(victim)) as tampered:
+            try:
+                pull_with_progress(tampered, model, "production", bad_dest, console=console)
+            except IntegrityError as exc:
+                console.print(f"  [yellow]refused[/] ({type(exc).__name__}): {exc}")
+            else:
+                raise WeightsDemoError("a pull with a corrupted chunk completed")
+        if bad_dest.exists() or any(p.name.startswith(f".{bad_dest.name}") for p in work.iterdir()):
+            raise WeightsDemoError(f"the refused pull left files behind at {bad_dest}")
+
+        console.rule("weights: clean pull of production")
+        pulled = pull_with_progress(client, model, "production", work / "pulled", console=console)
+        if _tree(pulled.path) != _tree(v2_dir):
+            raise WeightsDemoError("the pulled production version differs from what was pushed")

@@ -1,0 +1,303 @@
+"""Weight-registry tables (SQLModel): models, versions, aliases, gates, evaluations, signing keys.
+
+The chunks and signed manifests live in the registry's stores (`gpucloud.registry.config`); these
+rows are the index the API queries and the state promotion changes. Every row carries the tenant
+(directly or through its model), and model names are unique per tenant only: two tenants may both
+have a `llama-8b`, and neither learns that the other does.
+
+A version row is written only after its signed manifest was verified and stored and every chunk it
+lists was found in the tenant's chunk store, so a listed version is always a complete one.
+
+Families follow `XBase -> XCreate / XPublic -> X(table=True)`, as in `gpucloud.models.tables`.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator, model_validator
+from sqlmodel import Column, Field, SQLModel
+
+from gpucloud.models.tables import UTCDateTime, new_id, utcnow
+
+MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
+DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+MAX_IDS_PER_QUERY = 10_000
+
+
+def _ts() -> object:
+    return Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class AliasName(StrEnum):
+    CANDIDATE = "candidate"
+    STAGING = "staging"
+    PRODUCTION = "production"
+
+
+GATED_ALIASES = frozenset({AliasName.STAGING, AliasName.PRODUCTION})
+
+
+# ---------------------------------------------------------------- gates (the rules; rows below)
+
+
+class GateSpec(BaseModel):
+    """The gate on one metric: an optional range and an optional maximum regression against
+    production (semantics in `gpucloud.registry.service.evaluate_gates`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str = Field(min_length=1, max_length=100)
+    min: float | None = None
+    max: float | None = None
+    max_regression: float | None = Field(default=None, ge=0)
+    higher_is_better: bool = True
+
+    @field_validator("min", "max", "max_regression")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @model_validator(mode="after")
+    def _meaningful(self) -> GateSpec:
+        if self.min is None and self.max is None and self.max_regression is None:
+            raise ValueError(f"gate on {self.metric!r} sets none of min, max, max_regression")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"gate on {self.metric!r} has min {self.min} above max {self.max}")
+        return self
+
+
+def _unique_metrics(gates: list[GateSpec]) -> list[GateSpec]:
+    metrics = [g.metric for g in gates]
+    if len(set(metrics)) != len(metrics):
+        raise ValueError("each metric may have one gate only")
+    return gates
+
+
+# ---------------------------------------------------------------- models
+
+
+class RegistryModelBase(SQLModel):
+    # sqlmodel's own `regex=` is not enforced under pydantic 2: the pattern goes in as pydantic's.
+    name: str = Field(schema_extra={"pattern": MODEL_NAME_PATTERN}, max_length=100,
+                      description="lowercase letters, digits, '.', '_' and '-'; unique per tenant")
+    description: str = Field(default="", max_length=1000)
+
+
+class RegistryModelCreate(RegistryModelBase):
+    gates: list[GateSpec] = []
+
+    @field_validator("gates")
+    @classmethod
+    def _gates_unique(cls, gates: list[GateSpec]) -> list[GateSpec]:
+        return _unique_metrics(gates)
+
+
+class GatesUpdate(BaseModel):
+    gates: list[GateSpec]
+
+    @field_validator("gates")
+    @classmethod
+    def _gates_unique(cls, gates: list[GateSpec]) -> list[GateSpec]:
+        return _unique_metrics(gates)
+
+
+class RegistryModel(RegistryModelBase, table=True):
+    __tablename__ = "registry_model"
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "name", name="uq_registry_model_tenant_name"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    id: str = Field(default_factory=lambda: new_id("mdl"), unique=True, index=True)
+    tenant_id: str = Field(index=True)
+    created_at: datetime = _ts()
+
+
+# ---------------------------------------------------------------- versions
+
+
+class ModelVersionBase(SQLModel):
+    digest: str = Field(max_length=64, description="BLAKE3 of the canonical manifest: the version's identity")
+    parent: str | None = Field(default=None, max_length=64)
+    base_model: str | None = None
+    training_run: str | None = None
+    dataset_digests: list[str] = Field(default_factory=list, sa_column=Column(sa.JSON, nullable=False))
+    total_size: int = Field(sa_type=sa.BigInteger)
+    chunk_count: int
+    file_count: int
+    key_id: str = Field(max_length=64, description="the signing key that signed the manifest")
+    created_at: datetime = Field(sa_type=UTCDateTime, description="when the manifest was built (signed)")
+
+
+class ModelVersionPublic(ModelVersionBase):
+    model: str
+    registered_at: datetime
+    aliases: list[str] = []
+    metrics: dict[str, float] = Field(default_factory=dict,
+                                      description="latest result per metric across the version's evaluations")
+
+
+class ModelVersion(ModelVersionBase, table=True):
+    __tablename__ = "registry_version"
+    __table_args__ = (
+        sa.UniqueConstraint("tenant_id", "digest", name="uq_registry_version_tenant_digest"),
+        sa.Index("ix_registry_version_tenant_parent", "tenant_id", "parent"),
+    )
+
+    seq: int | None = Field(default=None, primary_key=True)
+    tenant_id: str = Field(index=True)
+    model_id: str = Field(foreign_key="registry_model.id", index=True)
+    manifest_uri: str = Field(description="where the signed manifest is stored")
+    registered_at: datetime = _ts()
+
+
+# ---------------------------------------------------------------- aliases
+
+
+class ModelAliasPublic(SQLModel):
+    name: AliasName
+    version: str
+    moved_at: datetime
+    moved_by: str
+
+
+class ModelAlias(SQLModel, table=True):
+    __tablename__ = "registry_alias"
+    __table_args__ = (sa.UniqueConstraint("model_id", "name", name="uq_registry_alias_model_name"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    model_id: str = Field(foreign_key="registry_model.id", index=True)
+    name: str = Field(max_length=32)
+    version: str = Field(max_length=64)
+    moved_at: datetime = _ts()
+    moved_by: str
+
+
+# ---------------------------------------------------------------- evaluation gates and results
+
+
+class EvaluationGate(SQLModel, table=True):
+    """One metric's gate on a model; the rules live in `gpucloud.registry.service.GateSpec`."""
+
+    __tablename__ = "registry_gate"
+    __table_args__ = (sa.UniqueConstraint("model_id", "metric", name="uq_registry_gate_model_metric"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    model_id: str = Field(foreign_key="registry_model.id", index=True)
+    metric: str = Field(max_length=100)
+    min_value: float | None = None
+    max_value: float | None = None
+    max_regression: float | None = None
+    higher_is_better: bool = True
+
+
+class EvaluationResultPublic(SQLModel):
+    version: str
+    evaluator: str
+    results: dict[str, float]
+    recorded_at: datetime
+    record_digest: str
+    key_id: str
+
+
+class EvaluationResult(SQLModel, table=True):
+    """A signed evaluation record as received; the signature is kept so it can be re-checked."""
+
+    __tablename__ = "registry_evaluation"
+    __table_args__ = (
+        sa.UniqueConstraint("tenant_id", "record_digest", name="uq_registry_evaluation_tenant_record"),
+        sa.Index("ix_registry_evaluation_tenant_version", "tenant_id", "version"),
+    )
+
+    seq: int | None = Field(default=None, primary_key=True)
+    tenant_id: str
+    version: str = Field(max_length=64)
+    evaluator: str
+    results: dict[str, float] = Field(default_factory=dict, sa_column=Column(sa.JSON, nullable=False))
+    recorded_at: datetime = Field(sa_type=UTCDateTime)
+    record_digest: str = Field(max_length=64)
+    key_id: str = Field(max_length=64)
+    signature: str = Field(max_length=128)
+
+
+# ---------------------------------------------------------------- signing keys
+
+
+class SigningKeyCreate(SQLModel):
+    public_key: str = Field(schema_extra={"pattern": r"^[0-9a-f]{64}$"},
+                            description="raw Ed25519 public key, 64 hex digits")
+
+
+class SigningKeyPublic(SigningKeyCreate):
+    key_id: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class SigningKey(SigningKeyCreate, table=True):
+    """A public key the registry trusts for one tenant's manifests and evaluations."""
+
+    __tablename__ = "registry_signing_key"
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "key_id", name="uq_registry_signing_key_tenant_key"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    tenant_id: str = Field(index=True)
+    key_id: str = Field(max_length=64)
+    created_at: datetime = _ts()
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+# ---------------------------------------------------------------- API bodies composed from the rows
+
+
+class ModelPublic(RegistryModelBase):
+    id: str
+    created_at: datetime
+    aliases: list[ModelAliasPublic]
+    gates: list[GateSpec]
+
+
+class ModelPage(BaseModel):
+    items: list[ModelPublic]
+    next_page_token: str
+
+
+class VersionPage(BaseModel):
+    items: list[ModelVersionPublic]
+    next_page_token: str
+
+
+class LineageEntry(ModelVersionPublic):
+    depth: int = Field(description="1 for a parent or child, 2 for a grandparent or grandchild, ...")
+
+
+class LineagePage(BaseModel):
+    items: list[LineageEntry]
+
+
+class ChunkQuery(BaseModel):
+    chunk_ids: list[Annotated[str, StringConstraints(pattern=DIGEST_PATTERN)]] = Field(max_length=MAX_IDS_PER_QUERY)
+
+
+class MissingChunks(BaseModel):
+    missing: list[str]
+
+
+class ChunkStored(BaseModel):
+    id: str
+    size: int
+    stored: bool = Field(description="false when the store already had the chunk")
+
+
+class AliasMove(BaseModel):
+    version: str = Field(min_length=1, max_length=64, description="a digest, a unique prefix, or an alias")
+
+
+class SigningKeyList(BaseModel):
+    tenant_id: str
+    items: list[SigningKeyPublic]

@@ -1,0 +1,255 @@
+"""Registry domain logic behind the API: evaluation gates, lineage walks, keyrings, chunk checks.
+
+Gates decide promotion. `evaluate_gates` is a pure function of the model's gates, the candidate's
+latest results and the current production version's: it returns every failing metric (an empty
+list means the move may happen), so a refusal can name all of them at once instead of one per try.
+
+A gate on one metric can hold an absolute range (`min`, `max`) and a maximum regression against
+production. Regression is measured in the metric's own units, in the direction that makes it worse
+(`higher_is_better` says which): with `max_regression=0.02` an accuracy of 0.80 may replace 0.81
+but not 0.83. A metric the candidate has no result for fails its gate: promotion never proceeds on
+numbers nobody measured. Without a production version, or when production has no result for the
+metric, there is nothing to regress against and only the range applies.
+
+Lineage is a forest of versions linked by `parent` digests, per tenant. The walks are pure too:
+they take lookup functions, so the same code runs over the DB (`ancestors`, `descendants`) and
+over plain dicts in tests, and they stop on cycles and at a depth limit, so a corrupt index can
+never loop a request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import sqlalchemy as sa
+from pydantic import BaseModel
+from sqlmodel import Session, select
+
+from gpucloud.models.registry_tables import (
+    AliasName,
+    EvaluationGate,
+    EvaluationResult,
+    GateSpec,
+    ModelAlias,
+    ModelAliasPublic,
+    ModelPublic,
+    ModelVersion,
+    ModelVersionPublic,
+    RegistryModel,
+    SigningKey,
+)
+from gpucloud.registry.manifest import EvaluationRecord, Keyring, merged_results
+from gpucloud.registry.store import ChunkStore
+
+MAX_LINEAGE_DEPTH = 1000
+CHUNK_CHECK_CONCURRENCY = 16  # S3 answers one HEAD per chunk; a few in flight hide the latency
+
+
+class GateFailure(BaseModel):
+    """One failing metric, with the numbers that made it fail."""
+
+    metric: str
+    reason: str
+    value: float | None
+    min: float | None = None
+    max: float | None = None
+    max_regression: float | None = None
+    production_value: float | None = None
+
+    def describe(self) -> str:
+        if self.value is None:
+            return f"{self.metric}: {self.reason}"
+        return f"{self.metric}={self.value:g}: {self.reason}"
+
+
+def evaluate_gates(
+    gates: Iterable[GateSpec], candidate: Mapping[str, float], production: Mapping[str, float] | None
+) -> list[GateFailure]:
+    """Every gate the candidate's results fail, in the order the gates are given."""
+    failures = []
+    for gate in gates:
+        bounds = {"min": gate.min, "max": gate.max, "max_regression": gate.max_regression}
+        value = candidate.get(gate.metric)
+        if value is None:
+            failures.append(GateFailure(metric=gate.metric, reason="no evaluation result", value=None, **bounds))
+            continue
+        if gate.min is not None and value < gate.min:
+            failures.append(GateFailure(metric=gate.metric, reason=f"below the minimum {gate.min:g}",
+                                        value=value, **bounds))
+        if gate.max is not None and value > gate.max:
+            failures.append(GateFailure(metric=gate.metric, reason=f"above the maximum {gate.max:g}",
+                                        value=value, **bounds))
+        baseline = (production or {}).get(gate.metric)
+        if gate.max_regression is None or baseline is None:
+            continue
+        regression = baseline - value if gate.higher_is_better else value - baseline
+        # A subtraction of decimals (0.90 - 0.88) lands a hair off; exactly at the bound passes.
+        if regression > gate.max_regression and not math.isclose(regression, gate.max_regression,
+                                                                 rel_tol=1e-9, abs_tol=1e-12):
+            failures.append(GateFailure(
+                metric=gate.metric, value=value, production_value=baseline, **bounds,
+                reason=f"regresses {regression:g} against production's {baseline:g} "
+                       f"(at most {gate.max_regression:g} allowed)"))
+    return failures
+
+
+def walk_ancestors(
+    start: str, parent_of: Callable[[str], str | None], *, limit: int = MAX_LINEAGE_DEPTH
+) -> list[str]:
+    """Parent, grandparent, ... of start (nearest first), stopping at an unknown parent or a cycle."""
+    found: list[str] = []
+    seen = {start}
+    current = parent_of(start)
+    while current is not None and current not in seen and len(found) < limit:
+        found.append(current)
+        seen.add(current)
+        current = parent_of(current)
+    return found
+
+
+def walk_descendants(
+    start: str, children_of: Callable[[list[str]], Mapping[str, list[str]]], *, limit: int = MAX_LINEAGE_DEPTH
+) -> list[tuple[str, int]]:
+    """(digest, depth) of every version descending from start, breadth first, each once."""
+    found: list[tuple[str, int]] = []
+    seen = {start}
+    level, depth = [start], 0
+    while level and depth < limit:
+        depth += 1
+        children = children_of(level)
+        level = []
+        for parent in sorted(children):
+            for child in children[parent]:
+                if child not in seen:
+                    seen.add(child)
+                    level.append(child)
+                    found.append((child, depth))
+    return found
+
+
+# ---------------------------------------------------------------- over the control-plane DB
+
+
+def version_row(session: Session, tenant_id: str, digest: str) -> ModelVersion | None:
+    return session.exec(
+        select(ModelVersion).where(ModelVersion.tenant_id == tenant_id, ModelVersion.digest == digest)
+    ).first()
+
+
+def ancestors(session: Session, tenant_id: str, digest: str) -> list[ModelVersion]:
+    rows: dict[str, ModelVersion] = {}
+
+    def parent_of(current: str) -> str | None:
+        row = rows.get(current) or version_row(session, tenant_id, current)
+        if row is None:
+            return None
+        rows[current] = row
+        return row.parent
+
+    # parent_of has looked up every digest of the chain; one without a row (a corrupt index) is skipped.
+    return [rows[d] for d in walk_ancestors(digest, parent_of) if d in rows]
+
+
+def descendants(session: Session, tenant_id: str, digest: str) -> list[tuple[ModelVersion, int]]:
+    rows: dict[str, ModelVersion] = {}
+
+    def children_of(parents: list[str]) -> dict[str, list[str]]:
+        found = session.exec(
+            select(ModelVersion)
+            .where(ModelVersion.tenant_id == tenant_id, ModelVersion.parent.in_(parents))
+            .order_by(ModelVersion.seq)
+        ).all()
+        children: dict[str, list[str]] = {}
+        for row in found:
+            rows[row.digest] = row
+            children.setdefault(row.parent, []).append(row.digest)
+        return children
+
+    return [(rows[d], depth) for d, depth in walk_descendants(digest, children_of)]
+
+
+def _active_keys(session: Session, tenant_id: str) -> list[SigningKey]:
+    return list(session.exec(
+        select(SigningKey).where(SigningKey.tenant_id == tenant_id, SigningKey.revoked_at.is_(None))
+    ))
+
+
+def active_key_ids(session: Session, tenant_id: str) -> set[str]:
+    return {key.key_id for key in _active_keys(session, tenant_id)}
+
+
+def keyring_for(session: Session, tenant_id: str) -> Keyring:
+    """The tenant's registered, unrevoked public keys."""
+    keyring = Keyring()
+    for key in _active_keys(session, tenant_id):
+        keyring.trust(tenant_id, bytes.fromhex(key.public_key))
+    return keyring
+
+
+def gates_of(session: Session, model_id: str) -> list[GateSpec]:
+    rows = session.exec(
+        select(EvaluationGate).where(EvaluationGate.model_id == model_id).order_by(EvaluationGate.metric)
+    )
+    return [GateSpec(metric=g.metric, min=g.min_value, max=g.max_value, max_regression=g.max_regression,
+                     higher_is_better=g.higher_is_better) for g in rows]
+
+
+def metrics_of(session: Session, tenant_id: str, digests: list[str]) -> dict[str, dict[str, float]]:
+    """Latest result per metric for each version, merged over its evaluation records."""
+    records: dict[str, list[EvaluationRecord]] = {d: [] for d in digests}
+    rows = session.exec(
+        select(EvaluationResult).where(EvaluationResult.tenant_id == tenant_id,
+                                       EvaluationResult.version.in_(digests))
+    )
+    for row in rows:
+        records[row.version].append(EvaluationRecord(version=row.version, evaluator=row.evaluator,
+                                                     results=row.results, recorded_at=row.recorded_at))
+    return {digest: merged_results(found) for digest, found in records.items()}
+
+
+def promotion_failures(session: Session, tenant_id: str, model_id: str, digest: str) -> list[GateFailure]:
+    """The model's gates applied to the version, against the current production version's results."""
+    production = session.exec(select(ModelAlias).where(ModelAlias.model_id == model_id,
+                                                       ModelAlias.name == AliasName.PRODUCTION)).first()
+    baseline = production.version if production is not None and production.version != digest else None
+    metrics = metrics_of(session, tenant_id, [digest] + ([baseline] if baseline else []))
+    return evaluate_gates(gates_of(session, model_id), metrics[digest], metrics[baseline] if baseline else None)
+
+
+def missing_chunks(store: ChunkStore, chunk_ids: Iterable[str]) -> list[str]:
+    """The ids (in the order given, each once) that the store does not hold."""
+    unique = list(dict.fromkeys(chunk_ids))
+    with ThreadPoolExecutor(max_workers=CHUNK_CHECK_CONCURRENCY) as pool:
+        present = list(pool.map(store.has, unique))
+    return [chunk_id for chunk_id, has in zip(unique, present, strict=True) if not has]
+
+
+def publish_versions(session: Session, tenant_id: str, rows: list[ModelVersion]) -> list[ModelVersionPublic]:
+    """Public views of version rows, with their model's name, their aliases and merged metrics."""
+    model_ids = {row.model_id for row in rows}
+    names = {m.id: m.name for m in session.exec(select(RegistryModel).where(RegistryModel.id.in_(model_ids)))}
+    aliases: dict[tuple[str, str], list[str]] = {}
+    for alias in session.exec(select(ModelAlias).where(ModelAlias.model_id.in_(model_ids))
+                              .order_by(ModelAlias.name)):
+        aliases.setdefault((alias.model_id, alias.version), []).append(alias.name)
+    metrics = metrics_of(session, tenant_id, [row.digest for row in rows])
+    return [ModelVersionPublic(**row.model_dump(), model=names[row.model_id], metrics=metrics[row.digest],
+                               aliases=aliases.get((row.model_id, row.digest), [])) for row in rows]
+
+
+def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelPublic]:
+    ids = [m.id for m in models]
+    aliases: dict[str, list[ModelAliasPublic]] = {}
+    for alias in session.exec(select(ModelAlias).where(ModelAlias.model_id.in_(ids)).order_by(ModelAlias.name)):
+        aliases.setdefault(alias.model_id, []).append(ModelAliasPublic.model_validate(alias, from_attributes=True))
+    return [ModelPublic(id=m.id, name=m.name, description=m.description, created_at=m.created_at,
+                        aliases=aliases.get(m.id, []), gates=gates_of(session, m.id)) for m in models]
+
+
+def replace_gates(session: Session, model: RegistryModel, gates: list[GateSpec]) -> None:
+    session.exec(sa.delete(EvaluationGate).where(EvaluationGate.model_id == model.id))
+    for gate in gates:
+        session.add(EvaluationGate(model_id=model.id, metric=gate.metric, min_value=gate.min, max_value=gate.max,
+                                   max_regression=gate.max_regression, higher_is_better=gate.higher_is_better))

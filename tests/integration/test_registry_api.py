@@ -1,0 +1,524 @@
+"""The registry API and the `weights` client over real HTTP on a real DB: push with dedup and
+resume, pulls that fail closed, signatures checked at push, gated promotion, tenant isolation,
+pagination and bad input, the CLI commands, and the S3 backend chosen by configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import httpx
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+from gpucloud.cli_weights import (
+    PushOutcome,
+    RegistryApiError,
+    RegistryClient,
+    pull_version,
+    push_directory,
+    signer_for,
+    weights_app,
+)
+from gpucloud.registry.chunking import ChunkPolicy, chunk_file, encode_safetensors_header
+from gpucloud.registry.manifest import (
+    BadSignatureError,
+    ChunkCorruptedError,
+    ChunkMissingError,
+    ChunkSwappedError,
+    ChunkTruncatedError,
+    EvaluationRecord,
+    IntegrityError,
+    Lineage,
+    Manifest,
+    ManifestTamperedError,
+    Signer,
+    UnknownKeyError,
+)
+from gpucloud.registry.store import LocalChunkStore
+
+POLICY = ChunkPolicy(max_chunk_size=4096, pack_size=1024, fixed_chunk_size=4096, read_size=1500)
+SIZES = [6000, 300, 200, 9000, 2500, 100, 5000]
+OPERATOR = "test-operator-token"
+
+
+def write_model(directory: Path, tensors: dict[str, bytes]) -> Path:
+    (directory / "tokenizer").mkdir(parents=True, exist_ok=True)
+    header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
+    (directory / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
+    (directory / "config.json").write_bytes(b'{"layers": 2}')
+    (directory / "tokenizer" / "vocab.bin").write_bytes(b"v" * 5000)
+    return directory
+
+
+def random_tensors() -> dict[str, bytes]:
+    return {f"layer.{i}": os.urandom(size) for i, size in enumerate(SIZES)}
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+class Recorder(httpx.BaseTransport):
+    """Real HTTP, with a log of requests and an optional cut after N chunk uploads."""
+
+    def __init__(self, *, fail_after_uploads: int | None = None) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.requests: list[tuple[str, str]] = []
+        self.fail_after = fail_after_uploads
+        self._lock = threading.Lock()
+
+    def uploads(self) -> list[str]:
+        return [path.rsplit("/", 1)[-1] for method, path in self.requests if method == "PUT" and "/chunks/" in path]
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            if self.fail_after is not None and request.method == "PUT" and len(self.uploads()) >= self.fail_after:
+                raise httpx.ConnectError("network cut by the test", request=request)
+            self.requests.append((request.method, request.url.path))
+        return self.inner.handle_request(request)
+
+
+@dataclass
+class Tenant:
+    id: str
+    key: str
+    url: str
+    data_dir: Path
+    server_dir: Path
+
+    def client(self, transport: httpx.BaseTransport | None = None) -> RegistryClient:
+        return RegistryClient(self.url, self.key, transport=transport)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
+
+    @property
+    def signer(self) -> Signer:
+        return signer_for(self.data_dir, self.id)
+
+    @property
+    def chunks(self) -> LocalChunkStore:
+        return LocalChunkStore(self.server_dir / "registry" / "tenants" / self.id)
+
+    def push(self, source: Path, *, model: str = "llama", lineage: Lineage | None = None,
+             transport: httpx.BaseTransport | None = None) -> PushOutcome:
+        with self.client(transport) as client:
+            return push_directory(client, source, model=model, signer=self.signer, lineage=lineage, policy=POLICY)
+
+    def pull(self, ref: str, dest: Path, *, model: str = "llama"):
+        with self.client() as client:
+            return pull_version(client, model, ref, dest)
+
+
+@dataclass
+class Registry:
+    url: str
+    tmp: Path
+    app: object
+
+    def new_tenant(self) -> Tenant:
+        with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {OPERATOR}"}) as op:
+            tenant = op.post("/v1/tenants", json={"name": f"t-{uuid.uuid4().hex[:8]}"}).json()
+            key = op.post(f"/v1/tenants/{tenant['id']}/api-keys").json()["key"]
+        return Tenant(tenant["id"], key, self.url, self.tmp / "cli", self.tmp / "server")
+
+
+@pytest.fixture
+def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
+    from gpucloud.api.app import create_app
+    from gpucloud.api.routers import registry as registry_router
+    from gpucloud.config import Settings
+    from gpucloud.stack import free_port
+
+    settings = Settings(data_dir=tmp_path / "server", database_url=db_url, operator_token=OPERATOR,
+                        api_port=free_port())
+    app = create_app(settings, temporal=temporal_env.client)
+    # Works before and after the router is registered in create_app.
+    if not any(getattr(r, "path", "").startswith("/v1/models") for r in app.routes):
+        app.include_router(registry_router.router)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.api_port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the API did not start"
+        thread.join(0.02)
+    yield Registry(settings.api_url, tmp_path, app)
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_push_dedups_between_versions_and_pull_round_trips(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    tensors = random_tensors()
+    v1_dir = write_model(tmp_path / "v1", tensors)
+    first = Recorder()
+    v1 = tenant.push(v1_dir, transport=first)
+    assert sorted(first.uploads()) == sorted(v1.signed.manifest.chunk_ids())
+    assert v1.stats.chunks_uploaded == len(v1.signed.manifest.chunk_ids())
+    assert v1.version["digest"] == v1.digest
+
+    # A fine-tune rewrites two tensors: exactly their chunks go up, everything else is shared.
+    tensors["layer.3"], tensors["layer.6"] = os.urandom(9000), os.urandom(5000)
+    v2_dir = write_model(tmp_path / "v2", tensors)
+    expected = {c.id for c in chunk_file(v2_dir / "model.safetensors", policy=POLICY).chunks} \
+        - v1.signed.manifest.chunk_ids()
+    second = Recorder()
+    v2 = tenant.push(v2_dir, transport=second, lineage=Lineage(parent=v1.digest, base_model="llama-3"))
+    assert set(second.uploads()) == expected and len(second.uploads()) == len(expected)
+    assert v2.stats.bytes_uploaded == v2.stats.bytes_to_upload < 9000 + 5000 + 4096
+    assert v2.stats.bytes_skipped == v2.stats.bytes_total - v2.stats.bytes_uploaded
+
+    pulled = tenant.pull(v2.digest[:12], tmp_path / "out" / "v2")
+    assert tree(pulled.path) == tree(v2_dir)
+    assert tree(tenant.pull(v1.digest, tmp_path / "out" / "v1").path) == tree(v1_dir)
+
+    with tenant.http() as http:
+        ancestors = http.get(f"/v1/models/llama/versions/{v2.digest}/ancestors").json()["items"]
+        descendants = http.get(f"/v1/models/llama/versions/{v1.digest}/descendants").json()["items"]
+        version = http.get(f"/v1/models/llama/versions/{v2.digest}").json()
+    assert [(a["digest"], a["depth"]) for a in ancestors] == [(v1.digest, 1)]
+    assert [(d["digest"], d["depth"]) for d in descendants] == [(v2.digest, 1)]
+    assert version["parent"] == v1.digest and version["base_model"] == "llama-3"
+
+
+def test_interrupted_push_resumes_with_only_the_missing_chunks(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    source = write_model(tmp_path / "v1", random_tensors())
+    cut = Recorder(fail_after_uploads=3)
+    with pytest.raises(httpx.ConnectError):
+        tenant.push(source, transport=cut)
+    with tenant.http() as http:
+        assert http.get("/v1/models/llama/versions").json()["items"] == []  # nothing half-registered
+
+    resumed = Recorder()
+    outcome = tenant.push(source, transport=resumed)
+    everything = outcome.signed.manifest.chunk_ids()
+    assert set(cut.uploads()).isdisjoint(resumed.uploads())
+    assert set(cut.uploads()) | set(resumed.uploads()) == everything
+    assert len(resumed.uploads()) == len(everything) - 3
+    assert tree(tenant.pull(outcome.digest, tmp_path / "out").path) == tree(source)
+
+
+def _corrupt(kind: str, tenant: Tenant, outcome: PushOutcome) -> None:
+    manifest = outcome.signed.manifest
+    entry = manifest.files["model.safetensors"]
+    victim, other = entry.chunks[0], entry.chunks[1]
+    path = tenant.chunks.path(victim.id)
+    manifest_file = tenant.chunks.root / "manifests" / f"{outcome.digest}.json"
+    if kind == "corrupted":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif kind == "truncated":
+        path.write_bytes(path.read_bytes()[: victim.size // 2])
+    elif kind == "swapped":
+        path.write_bytes(tenant.chunks.path(other.id).read_bytes())
+    elif kind == "missing":
+        path.unlink()
+    elif kind == "tampered-manifest":
+        raw = json.loads(manifest_file.read_text())
+        raw["manifest"]["lineage"]["base_model"] = "something-else"
+        manifest_file.write_text(json.dumps(raw))
+    elif kind == "bad-signature":
+        raw = json.loads(manifest_file.read_text())
+        raw["signature"] = ("0" if raw["signature"][0] != "0" else "1") + raw["signature"][1:]
+        manifest_file.write_text(json.dumps(raw))
+    elif kind == "revoked-key":
+        with tenant.http() as http:
+            http.delete(f"/v1/signing-keys/{outcome.signed.key_id}").raise_for_status()
+
+
+@pytest.mark.parametrize(("kind", "error", "named"), [
+    ("corrupted", ChunkCorruptedError, "chunk"), ("truncated", ChunkTruncatedError, "chunk"),
+    ("swapped", ChunkSwappedError, "chunk"), ("missing", ChunkMissingError, "chunk"),
+    ("tampered-manifest", ManifestTamperedError, "digest"), ("bad-signature", BadSignatureError, "key"),
+    ("revoked-key", UnknownKeyError, "key"),
+])
+def test_pull_fails_closed_on_every_corruption(registry: Registry, tmp_path: Path, kind: str,
+                                               error: type[IntegrityError], named: str) -> None:
+    tenant = registry.new_tenant()
+    outcome = tenant.push(write_model(tmp_path / "v1", random_tensors()))
+    _corrupt(kind, tenant, outcome)
+    dest = tmp_path / "out" / "v1"
+    with pytest.raises(error) as caught:
+        tenant.pull(outcome.digest, dest)
+    message = str(caught.value)
+    first_chunk = outcome.signed.manifest.files["model.safetensors"].chunks[0].id
+    expected = {"chunk": first_chunk, "digest": outcome.digest, "key": outcome.signed.key_id}[named]
+    assert expected in message
+    if named == "chunk":
+        assert "model.safetensors" in message
+    assert not dest.exists()
+    leftovers = list(dest.parent.iterdir()) if dest.parent.exists() else []
+    assert leftovers == []  # no partial directory either
+
+
+def test_push_refuses_tampered_manifests_unknown_keys_and_missing_chunks(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    good = tenant.push(write_model(tmp_path / "v1", random_tensors()))
+    base = good.signed.manifest
+    tampered = good.signed.model_copy(update={"manifest": base.model_copy(update={"lineage": Lineage(
+        training_run="forged")})})
+    stranger = Signer.generate().sign(Manifest.build(model="llama", files=base.files))
+    missing_file = chunk_file(write_model(tmp_path / "v2", random_tensors()) / "model.safetensors", policy=POLICY)
+    unuploaded = tenant.signer.sign(Manifest.build(model="llama", files={"w.safetensors": missing_file}))
+    wrong_model = tenant.signer.sign(Manifest.build(model="other", files=base.files))
+    orphan = tenant.signer.sign(Manifest.build(model="llama", files=base.files, lineage=Lineage(parent="a" * 64)))
+    with tenant.http() as http:
+        def post(signed) -> httpx.Response:
+            return http.post("/v1/models/llama/versions", content=signed.model_dump_json(),
+                             headers={"content-type": "application/json"})
+
+        for signed, status, kind, field in [
+            (tampered, 422, "bad-signature", "signature"), (stranger, 422, "unknown-signing-key", "key_id"),
+            (wrong_model, 422, "invalid-request", "manifest.model"),
+            (orphan, 422, "invalid-request", "manifest.lineage.parent"),
+            (unuploaded, 409, "chunks-missing", None),
+        ]:
+            response = post(signed)
+            assert response.status_code == status, response.text
+            body = response.json()
+            assert body["type"].endswith("/" + kind)
+            if field:
+                assert body["errors"][0]["field"] == field and body["detail"].startswith(field)
+        # The header chunk is shared with v1 (same tensor sizes): only the new tensors are missing.
+        assert set(post(unuploaded).json()["missing"]) == {c.id for c in missing_file.chunks} - base.chunk_ids()
+        assert [v["digest"] for v in http.get("/v1/models/llama/versions").json()["items"]] == [good.digest]
+        assert post(good.signed).status_code == 200  # the same version again: already there
+
+
+def test_chunk_upload_verifies_blake3_before_storing(registry: Registry) -> None:
+    tenant = registry.new_tenant()
+    data = os.urandom(3000)
+    real_id = blake3.blake3(data).hexdigest()
+    wrong_id = "f" * 64
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "llama"}).raise_for_status()
+        refused = http.put(f"/v1/models/llama/chunks/{wrong_id}", content=data)
+        assert refused.status_code == 422 and refused.json()["type"].endswith("/chunk-digest-mismatch")
+        assert real_id in refused.json()["detail"]
+        missing = http.post("/v1/models/llama/chunks:missing", json={"chunk_ids": [wrong_id, real_id]}).json()
+        assert missing["missing"] == [wrong_id, real_id]
+        assert http.put(f"/v1/models/llama/chunks/{real_id}", content=data).status_code == 201
+        assert http.put(f"/v1/models/llama/chunks/{real_id}", content=data).status_code == 200
+        assert http.post("/v1/models/llama/chunks:missing", json={"chunk_ids": [real_id]}).json()["missing"] == []
+        assert http.get(f"/v1/models/llama/chunks/{real_id}").content == data
+        bad = http.put("/v1/models/llama/chunks/not-a-digest", content=data)
+        assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "chunk_id"
+    assert not tenant.chunks.has(wrong_id)
+
+
+def _evaluate(tenant: Tenant, digest: str, results: dict[str, float], signer: Signer | None = None,
+              version: str | None = None) -> httpx.Response:
+    from datetime import UTC, datetime
+
+    record = EvaluationRecord(version=version or digest, evaluator="eval-suite", results=results,
+                              recorded_at=datetime.now(UTC))
+    with tenant.http() as http:
+        return http.post(f"/v1/models/gated/versions/{digest}/evaluations",
+                         content=(signer or tenant.signer).sign_evaluation(record).model_dump_json(),
+                         headers={"content-type": "application/json"})
+
+
+def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    gates = [{"metric": "accuracy", "min": 0.7, "max_regression": 0.02},
+             {"metric": "latency_ms", "max": 100, "max_regression": 10, "higher_is_better": False}]
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "gated", "gates": gates}).raise_for_status()
+    v1 = tenant.push(write_model(tmp_path / "v1", random_tensors()), model="gated")
+    v2 = tenant.push(write_model(tmp_path / "v2", random_tensors()), model="gated",
+                     lineage=Lineage(parent=v1.digest))
+
+    def promote(digest: str, alias: str) -> httpx.Response:
+        with tenant.http() as http:
+            return http.put(f"/v1/models/gated/aliases/{alias}", json={"version": digest})
+
+    assert promote(v1.digest, "candidate").status_code == 200  # candidate is not gated
+    refused = promote(v1.digest, "production")
+    assert refused.status_code == 409 and refused.json()["type"].endswith("/gates-failed")
+    assert {f["metric"] for f in refused.json()["failing_metrics"]} == {"accuracy", "latency_ms"}
+
+    assert _evaluate(tenant, v1.digest, {"accuracy": 0.80, "latency_ms": 90}).status_code == 201
+    assert promote(v1.digest, "production").status_code == 200
+
+    assert _evaluate(tenant, v2.digest, {"accuracy": 0.77, "latency_ms": 120}).status_code == 201
+    refused = promote(v2.digest, "staging").json()
+    failing = {(f["metric"], f["reason"].split()[0]) for f in refused["failing_metrics"]}
+    assert failing == {("accuracy", "regresses"), ("latency_ms", "above"), ("latency_ms", "regresses")}
+    assert "accuracy=0.77" in refused["detail"] and "0.8" in refused["detail"]
+
+    assert _evaluate(tenant, v2.digest, {"accuracy": 0.81, "latency_ms": 85}).status_code == 201
+    assert promote(v2.digest, "staging").status_code == 200
+    assert promote(v2.digest, "production").status_code == 200
+    with tenant.http() as http:
+        model = http.get("/v1/models/gated").json()
+        assert {a["name"]: a["version"] for a in model["aliases"]} == {
+            "candidate": v1.digest, "staging": v2.digest, "production": v2.digest}
+        assert http.get("/v1/models/gated/versions/production").json()["metrics"] == {
+            "accuracy": 0.81, "latency_ms": 85}
+
+    unknown = _evaluate(tenant, v2.digest, {"accuracy": 1.0}, signer=Signer.generate())
+    assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "key_id"
+    mismatch = _evaluate(tenant, v2.digest, {"accuracy": 1.0}, version=v1.digest)
+    assert mismatch.status_code == 422 and mismatch.json()["errors"][0]["field"] == "record.version"
+
+
+def test_tenants_cannot_see_each_others_models_versions_or_chunks(registry: Registry, tmp_path: Path) -> None:
+    alice, bob = registry.new_tenant(), registry.new_tenant()
+    pushed = alice.push(write_model(tmp_path / "v1", random_tensors()))
+    chunk = next(iter(pushed.signed.manifest.chunk_ids()))
+    with bob.http() as http:
+        for path in ["/v1/models/llama", "/v1/models/llama/versions", f"/v1/models/llama/versions/{pushed.digest}",
+                     f"/v1/models/llama/versions/{pushed.digest}/manifest", f"/v1/models/llama/chunks/{chunk}",
+                     f"/v1/models/llama/versions/{pushed.digest}/ancestors"]:
+            response = http.get(path)
+            assert response.status_code == 404, path
+            assert alice.id not in response.text
+        assert http.put("/v1/models/llama/aliases/candidate", json={"version": pushed.digest}).status_code == 404
+        assert http.delete(f"/v1/signing-keys/{pushed.signed.key_id}").status_code == 404
+        assert http.get("/v1/models").json()["items"] == []
+        assert http.get("/v1/signing-keys").json()["items"] == []
+
+        # Bob's own model of the same name: still no way to reach Alice's chunks or versions.
+        http.post("/v1/models", json={"name": "llama"}).raise_for_status()
+        assert http.get(f"/v1/models/llama/chunks/{chunk}").status_code == 404
+        ids = sorted(pushed.signed.manifest.chunk_ids())
+        assert http.post("/v1/models/llama/chunks:missing", json={"chunk_ids": ids}).json()["missing"] == ids
+        assert http.get(f"/v1/models/llama/versions/{pushed.digest}").status_code == 404
+    bob_key = bob.signer  # Bob re-signs Alice's manifest: the chunks are still not his
+    with bob.client() as client:
+        client.register_key(bob_key)
+        with pytest.raises(RegistryApiError) as refused:
+            client.post_version("llama", bob_key.sign(pushed.signed.manifest))
+    assert refused.value.type == "chunks-missing"
+
+
+def test_versions_paginate_and_bad_input_is_a_4xx_naming_the_field(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    digests = []
+    for i in range(5):
+        (tmp_path / f"d{i}").mkdir()
+        (tmp_path / f"d{i}" / "weights.bin").write_bytes(os.urandom(100 + i))
+        digests.append(tenant.push(tmp_path / f"d{i}").digest)
+    with tenant.http() as http:
+        seen, token = [], ""
+        while True:
+            page = http.get("/v1/models/llama/versions",
+                            params={"page_size": 2, **({"page_token": token} if token else {})}).json()
+            seen += [v["digest"] for v in page["items"]]
+            if len(seen) == 2:  # a version pushed mid-listing shifts nothing
+                (tmp_path / "late").mkdir()
+                (tmp_path / "late" / "w.bin").write_bytes(b"late")
+                digests.append(tenant.push(tmp_path / "late").digest)
+            if not (token := page["next_page_token"]):
+                break
+        assert seen == digests
+
+        def field_of(response: httpx.Response, status: int = 422) -> str:
+            assert response.status_code == status, response.text
+            assert response.headers["content-type"].startswith("application/problem+json")
+            return response.json()["errors"][0]["field"] if "errors" in response.json() else response.json()["detail"]
+
+        assert field_of(http.get("/v1/models/llama/versions", params={"page_size": 0})) == "page_size"
+        assert "page_token" in field_of(http.get("/v1/models/llama/versions", params={"page_token": "x"}), 400)
+        assert field_of(http.post("/v1/models", json={"name": "Not OK"})) == "name"
+        assert field_of(http.post("/v1/models", json={"name": "m", "gates": [
+            {"metric": "a", "min": 2, "max": 1}]})).startswith("gates.0")
+        assert field_of(http.post("/v1/models", json={"name": "m", "gates": [
+            {"metric": "a", "min": 1}, {"metric": "a", "max": 2}]})) == "gates"
+        assert field_of(http.put("/v1/models/llama/aliases/prod", json={"version": digests[0]})) == "alias"
+        assert field_of(http.put("/v1/models/llama/aliases/staging", json={"version": "zz"})) == "version"
+        assert field_of(http.post("/v1/signing-keys", json={"public_key": "xyz"})) == "public_key"
+        assert field_of(http.post("/v1/models/llama/chunks:missing",
+                                  json={"chunk_ids": ["nope"]})) == "chunk_ids.0"
+        manifest = json.loads(tenant.signer.sign(Manifest.build(model="llama", files={})).model_dump_json())
+        manifest["manifest"]["files"] = {"../escape": {"size": 0, "chunks": []}}
+        assert field_of(http.post("/v1/models/llama/versions", json=manifest)).startswith("manifest.files")
+
+        created = http.post("/v1/models", json={"name": "twice"}, headers={"Idempotency-Key": "k1"})
+        replay = http.post("/v1/models", json={"name": "twice"}, headers={"Idempotency-Key": "k1"})
+        assert created.status_code == replay.status_code == 201 and replay.content == created.content
+        assert http.post("/v1/models", json={"name": "twice"}).status_code == 409
+
+
+def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    env = {"GPUCLOUD_API_URL": registry.url, "GPUCLOUD_API_KEY": tenant.key, "GPUCLOUD_DATA_DIR": str(tenant.data_dir),
+           "COLUMNS": "200"}
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0):
+        result = runner.invoke(weights_app, list(args), env=env)
+        assert result.exit_code == code, result.output
+        return result.output
+
+    source = write_model(tmp_path / "v1", random_tensors())
+    assert "pushed cli-model@" in run("push", str(source), "--model", "cli-model")
+    key_file = tenant.data_dir / "signing-keys" / f"{tenant.id}.ed25519"
+    assert key_file.stat().st_mode & 0o777 == 0o600  # created on the first push, private
+    with tenant.http() as http:
+        digest = http.get("/v1/models/cli-model/versions").json()["items"][0]["digest"]
+    assert digest[:12] in run("versions", "cli-model")
+    run("evaluate", "cli-model", digest[:12], "--metric", "accuracy=0.9")
+    assert "production" in run("promote", "cli-model", digest[:12], "--to", "production")
+    run("pull", "cli-model@production", str(tmp_path / "out"))
+    assert tree(tmp_path / "out") == tree(source)
+    run("promote", "cli-model", digest, "--to", "prod", code=2)
+
+    tenant.chunks.path(next(iter(tenant.chunks.list())).id).write_bytes(b"garbage")
+    output = run("pull", f"cli-model@{digest}", str(tmp_path / "bad"), code=2)
+    assert "integrity check failed" in output and not (tmp_path / "bad").exists()
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, moto_endpoint: str) -> None:
+    import boto3
+
+    from gpucloud.registry.config import RegistrySettings, build_stores
+
+    # moto keeps one in-memory S3 per process: a bucket per test keeps the runs apart.
+    bucket = f"weights-{uuid.uuid4().hex[:8]}"
+    settings = RegistrySettings(backend="s3", endpoint_url=moto_endpoint, bucket=bucket, region="us-east-1",
+                                access_key_id="testing", secret_access_key="testing")
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3.create_bucket(Bucket=bucket)
+    registry.app.state.registry_stores = build_stores(settings, data_dir=tmp_path)
+    tenant = registry.new_tenant()
+    source = write_model(tmp_path / "v1", random_tensors())
+    pushed = tenant.push(source)
+    assert tree(tenant.pull(pushed.digest, tmp_path / "out").path) == tree(source)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert keys and all(k.startswith(f"registry/tenants/{tenant.id}/") for k in keys)
+    assert f"registry/tenants/{tenant.id}/manifests/{pushed.digest}.json" in keys
+
+
+def test_demo_weights_scenario(registry: Registry, tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from gpucloud.demo_weights import demo_weights
+
+    tenant = registry.new_tenant()
+    console = Console(record=True, width=160)
+    demo_weights(console, registry.url, tenant.key, tmp_path / "demo")
+    text = console.export_text()
+    assert "refused" in text and "ChunkCorruptedError" in text and "skipped by dedup" in text
