@@ -55,6 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--quick", action="store_true", help="200 nodes, about a minute")
+    parser.add_argument("--temporal-db", choices=("memory", "file"), default="memory",
+                        help="Temporal's state in memory (default: measures the engine) or in a SQLite file "
+                             "as `gpucloud up` keeps it (measures this machine's disk too)")
     args = parser.parse_args()
     nodes = 200 if args.quick else args.nodes
 
@@ -62,7 +65,8 @@ def main() -> None:
     settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
                         sim_port=free_port(), operator_token="bench-token", sweep_interval_s=15.0)
     stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
-                  register_fleet=False, sim_heartbeat_s=0)
+                  register_fleet=False,
+                  temporal_persist=args.temporal_db == "file", sim_heartbeat_s=0)
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))
@@ -122,7 +126,7 @@ def main() -> None:
 
     nodes_per_s = nodes / bringup_s
     print(json.dumps({
-        "nodes": nodes, "bringup_s": round(bringup_s, 1), "nodes_per_s": round(nodes_per_s, 2),
+        "temporal_db": args.temporal_db, "nodes": nodes, "bringup_s": round(bringup_s, 1), "nodes_per_s": round(nodes_per_s, 2),
         "baseline_nodes_per_s": round(baseline_nodes_per_s, 2), "ratio": round(nodes_per_s / baseline_nodes_per_s, 3),
         "steady_sweep_s": round(steady_sweep_s, 3), "steady_starts": steady.started,
         "steady_candidates": steady.candidates, "drifted_nodes": len(victims),

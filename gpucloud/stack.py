@@ -49,6 +49,7 @@ class Stack:
     headless: bool = False
     register_fleet: bool = True
     sim_heartbeat_s: float = 10.0
+    temporal_persist: bool = True
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -103,7 +104,8 @@ class Stack:
         _, port = self.settings.temporal_address.rsplit(":", 1)
         on_step("starting Temporal dev server")
         self._spawn("temporal", server_args(self.settings.data_dir.resolve(), port=int(port),
-                                            ui_port=self.ui_port, headless=self.headless))
+                                            ui_port=self.ui_port, headless=self.headless,
+                                            persist=self.temporal_persist))
         self._wait("temporal", self._temporal_ready, 90)
         on_step("starting worker")
         self._spawn("worker", self._cli("worker"))

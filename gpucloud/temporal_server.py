@@ -34,7 +34,9 @@ def load_config(path: Path | None = None) -> dict:
 
 
 def server_args(data_dir: Path, *, config: dict | None = None, port: int | None = None,
-                ui_port: int | None = None, headless: bool = False) -> list[str]:
+                ui_port: int | None = None, headless: bool = False, persist: bool = True) -> list[str]:
+    """Flags for `temporal server start-dev`. `persist=False` keeps Temporal's state in memory
+    (faster; benchmarks use it to measure the engine rather than this machine's disk)."""
     cfg = config or load_config()
     declared = {key.name for key in search_attributes.ALL}
     if set(cfg.get("search_attributes", {})) != declared:
@@ -44,16 +46,17 @@ def server_args(data_dir: Path, *, config: dict | None = None, port: int | None 
         temporal_binary(), "server", "start-dev",
         "--ip", cfg.get("ip", "127.0.0.1"),
         "--port", str(port),
-        "--db-filename", str(data_dir / cfg.get("db_filename", "temporal.db")),
         "--log-level", cfg.get("log_level", "warn"),
         *search_attributes.server_flags(),
     ]
+    if persist:
+        args += ["--db-filename", str(data_dir / cfg.get("db_filename", "temporal.db"))]
+        for pragma, value in (cfg.get("sqlite_pragmas") or {}).items():
+            args += ["--sqlite-pragma", f"{pragma}={value}"]
     if headless:
         args.append("--headless")
     else:
         args += ["--ui-port", str(ui_port or cfg.get("ui_port", port + 1000)), "--ui-disable-news-fetch"]
-    for pragma, value in (cfg.get("sqlite_pragmas") or {}).items():
-        args += ["--sqlite-pragma", f"{pragma}={value}"]
     for ns in cfg.get("namespaces") or []:
         args += ["--namespace", ns]
     for key, value in (cfg.get("dynamic_config") or {}).items():
