@@ -40,6 +40,13 @@ class Settings(BaseSettings):
     sweep_batch: int = 1000
     backoff_base_s: float = 5.0
     backoff_cap_s: float = 600.0
+    # Health loop: how long a tenant may checkpoint before a node with a non-fatal fault is
+    # pulled; how often a degraded allocation looks for replacement capacity again; the
+    # quarantine circuit breaker (share of a pool pulled automatically within the window).
+    health_drain_grace_s: float = 300.0
+    replacement_recheck_s: float = 30.0
+    breaker_max_pulled_share: float = 0.05
+    breaker_window_s: float = 3600.0
     # Activity concurrency of one worker process (DB and agent calls run in threads / asyncio).
     worker_max_activities: int = 64
 

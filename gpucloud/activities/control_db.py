@@ -13,17 +13,25 @@ from temporalio.exceptions import ApplicationError
 
 from gpucloud.db import session_scope
 from gpucloud.models.messages import (
+    AllocationEventInput,
     AllocationInput,
     AllocationStatusInput,
     AllocationView,
+    AttachNodeInput,
+    DetachNodeInput,
     NodeRef,
     NodeTransitionInput,
     NodeTransitionResult,
     NodeView,
+    RepairPlan,
+    ReplacementInput,
+    ReplacementResult,
 )
 from gpucloud.models.node_states import InvalidTransition
 from gpucloud.models.tables import Allocation, AllocationStatus, Node
 from gpucloud.services import allocations as allocation_service
+from gpucloud.services import health as health_service
+from gpucloud.services import replacement
 from gpucloud.services import nodes as node_service
 
 
@@ -59,16 +67,49 @@ class ControlDbActivities:
             if alloc is None:
                 raise ApplicationError(f"allocation {req.allocation_id} does not exist",
                                        type="AllocationNotFound", non_retryable=True)
-            return AllocationView(allocation_id=alloc.id, tenant_id=alloc.tenant_id, status=alloc.status,
-                                  desired=alloc.desired, node_ids=list(alloc.node_ids))
+            return _allocation_view(alloc)
 
     @activity.defn
     def set_allocation_status(self, req: AllocationStatusInput) -> AllocationView:
         with session_scope(self.db_url) as session:
             alloc = allocation_service.set_status(session, req.allocation_id, AllocationStatus(req.status),
                                                   failure_reason=req.failure_reason)
-            return AllocationView(allocation_id=alloc.id, tenant_id=alloc.tenant_id, status=alloc.status,
-                                  desired=alloc.desired, node_ids=list(alloc.node_ids))
+            return _allocation_view(alloc)
+
+    # ------------------------------------------------------------ drain-and-replace
+
+    @activity.defn
+    def detach_node(self, req: DetachNodeInput) -> AllocationView:
+        with session_scope(self.db_url) as session:
+            return _allocation_view(replacement.detach_node(session, req.allocation_id, req.node_id,
+                                                            reason=req.reason))
+
+    @activity.defn
+    def reserve_replacement(self, req: ReplacementInput) -> ReplacementResult:
+        with session_scope(self.db_url) as session:
+            node_id, reason = replacement.reserve_replacement(session, req.allocation_id,
+                                                              deadline_scale=self.deadline_scale)
+            return ReplacementResult(node_id=node_id, reason=reason)
+
+    @activity.defn
+    def attach_node(self, req: AttachNodeInput) -> AllocationView:
+        with session_scope(self.db_url) as session:
+            return _allocation_view(replacement.attach_node(session, req.allocation_id, req.node_id,
+                                                            replaces=req.replaces, ready=req.ready))
+
+    @activity.defn
+    def record_allocation_event(self, req: AllocationEventInput) -> None:
+        with session_scope(self.db_url) as session:
+            alloc = session.exec(select(Allocation).where(Allocation.id == req.allocation_id)).one()
+            replacement.record_event(session, alloc, req.kind, reason=req.reason, node_id=req.node_id)
+
+    @activity.defn
+    def plan_repair(self, req: NodeRef) -> RepairPlan:
+        with session_scope(self.db_url) as session:
+            self._node(session, req.node_id)
+            step = health_service.repair_plan(session, req.node_id)
+            actions = [] if step.rung is None else list(health_service.REPAIR_LADDER[step.rung:])
+            return RepairPlan(node_id=req.node_id, actions=actions, reason=step.reason)
 
     @staticmethod
     def _node(session, node_id: str) -> Node:
@@ -79,7 +120,13 @@ class ControlDbActivities:
 
     def all(self) -> list:
         return [self.transition_node, self.get_node, self.load_allocation,
-                self.set_allocation_status]
+                self.set_allocation_status, self.detach_node, self.reserve_replacement, self.attach_node,
+                self.record_allocation_event, self.plan_repair]
+
+
+def _allocation_view(alloc: Allocation) -> AllocationView:
+    return AllocationView(allocation_id=alloc.id, tenant_id=alloc.tenant_id, status=alloc.status,
+                          desired=alloc.desired, node_ids=list(alloc.node_ids))
 
 
 def _view(node: Node) -> NodeView:

@@ -77,5 +77,19 @@ class HostAgentActivities:
     async def wipe_node(self, req: AgentActionInput) -> AgentActionResult:
         return await self._call("wipe", req)
 
+    # The repair ladder, mildest first: a GPU reset, a host reboot, a firmware/OS reflash.
+    @activity.defn
+    async def reset_node(self, req: AgentActionInput) -> AgentActionResult:
+        return await self._call("reset", req)
+
+    @activity.defn
+    async def reboot_node(self, req: AgentActionInput) -> AgentActionResult:
+        return await self._call("reboot", req)
+
+    @activity.defn
+    async def reflash_node(self, req: AgentActionInput) -> AgentActionResult:
+        return await self._call("reflash", req)
+
     def all(self) -> list:
-        return [self.inspect_node, self.burn_in_node, self.provision_node, self.release_node, self.wipe_node]
+        return [self.inspect_node, self.burn_in_node, self.provision_node, self.release_node, self.wipe_node,
+                self.reset_node, self.reboot_node, self.reflash_node]

@@ -39,6 +39,8 @@ def candidate_filter(now, heartbeat_cutoff):
         Node.drifted == True,  # noqa: E712
         sa.and_(Node.last_heartbeat_at < heartbeat_cutoff, Node.agent_reachable == True),  # noqa: E712
         sa.and_(Node.last_heartbeat_at >= heartbeat_cutoff, Node.agent_reachable == False),  # noqa: E712
+        sa.and_(Node.state == NodeState.QUARANTINED.value, Node.health != "ok",
+                Node.maintenance == False, Node.agent_reachable == True),  # noqa: E712
     )
 
 
@@ -46,7 +48,7 @@ def _snapshot(node: Node) -> NodeSnapshot:
     return NodeSnapshot(id=node.id, state=node.state, deadline_at=node.deadline_at,
                         drain_requested=node.drain_requested, last_heartbeat_at=node.last_heartbeat_at,
                         agent_reachable=node.agent_reachable, drifted=node.drifted, tenant_id=node.tenant_id,
-                        allocation_id=node.allocation_id)
+                        allocation_id=node.allocation_id, health=node.health, maintenance=node.maintenance)
 
 
 def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:

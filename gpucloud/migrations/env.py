@@ -3,6 +3,7 @@
 from alembic import context
 from sqlmodel import SQLModel
 
+import gpucloud.models.health_tables  # noqa: F401
 import gpucloud.models.registry_tables  # noqa: F401
 import gpucloud.models.tables  # noqa: F401  (registers the tables on SQLModel.metadata)
 

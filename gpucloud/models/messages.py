@@ -18,6 +18,7 @@ class NodeOperationKind(StrEnum):
     RECYCLE = "recycle"  # wiping -> burn_in -> available
     DRAIN = "drain"  # available | active -> draining -> quarantined (the agent stops the workload)
     RESTORE = "restore"  # active, but the agent lost the workload (reboot, wipe): provision again
+    REPAIR = "repair"  # quarantined -> repairing (reset | reboot | reflash) -> burn_in -> available; or rma
 
 
 class NodeOperationInput(BaseModel):
@@ -101,6 +102,53 @@ class AllocationStatusInput(BaseModel):
     allocation_id: str
     status: str
     failure_reason: str | None = None
+
+
+class ReplaceNodeRequest(BaseModel):
+    """A node of the allocation is unhealthy: pull it and give the tenant another."""
+
+    node_id: str
+    reason: str
+    # The fault is already fatal to the job: pull now, no checkpoint grace.
+    immediate: bool = False
+    grace_s: float = 300.0
+    recheck_s: float = 30.0
+
+
+class DetachNodeInput(BaseModel):
+    allocation_id: str
+    node_id: str
+    reason: str
+
+
+class ReplacementInput(BaseModel):
+    allocation_id: str
+
+
+class ReplacementResult(BaseModel):
+    node_id: str | None = None
+    reason: str = ""
+
+
+class AttachNodeInput(BaseModel):
+    allocation_id: str
+    node_id: str
+    replaces: str
+    ready: bool = True
+
+
+class AllocationEventInput(BaseModel):
+    allocation_id: str
+    kind: str
+    reason: str
+    node_id: str | None = None
+
+
+class RepairPlan(BaseModel):
+    node_id: str
+    # The ladder's actions to try in order (the first that succeeds wins); empty: RMA.
+    actions: list[str] = Field(default_factory=list)
+    reason: str = ""
 
 
 class CancelRequest(BaseModel):

@@ -175,6 +175,8 @@ class ApiKey(SQLModel, table=True):
 class AllocationStatus(StrEnum):
     PROVISIONING = "provisioning"
     READY = "ready"
+    # A node was pulled for a health fault; a replacement is on its way (the reason says which).
+    DEGRADED = "degraded"
     CANCELLING = "cancelling"
     RELEASED = "released"
     FAILED = "failed"

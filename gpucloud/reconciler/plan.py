@@ -31,6 +31,8 @@ class NodeSnapshot:
     drifted: bool = False
     tenant_id: str | None = None
     allocation_id: str | None = None
+    health: str = "ok"
+    maintenance: bool = False
 
 
 @dataclass
@@ -89,7 +91,17 @@ def plan_node(node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta
     elif state == NodeState.ACTIVE and node.drifted and reachable:
         plan.start = Op.RESTORE
         plan.reasons.append("agent reports a node that lost its tenant's workload")
+    elif needs_repair(state, health=node.health, maintenance=node.maintenance, reachable=reachable):
+        plan.start = Op.REPAIR
+        plan.reasons.append(f"quarantined with health {node.health}: repair, then burn-in")
     return plan
+
+
+def needs_repair(state: NodeState, *, health: str, maintenance: bool, reachable: bool) -> bool:
+    """A node the health loop pulled goes up the repair ladder; one an operator drained (health
+    ok), or under maintenance, or whose agent is silent (a repair would only fail) waits.
+    Lemons and used-up ladders are sent to RMA by the repair itself, without another reset."""
+    return state == NodeState.QUARANTINED and health != "ok" and not maintenance and reachable
 
 
 def backoff(attempts: int, *, base_s: float, cap_s: float) -> timedelta:

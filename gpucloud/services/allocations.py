@@ -55,18 +55,43 @@ def pick_gang(candidates: list[Node], wanted: int) -> list[Node] | None:
     return sorted(by_pod[pod], key=lambda n: (n.rack, n.id))[:wanted]
 
 
+def available_candidates(session: Session, *, gpu_type: str, region: str, pod: str | None = None) -> list[Node]:
+    """Nodes a reservation may take: available, healthy, and neither cordoned nor in maintenance."""
+    query = select(Node).where(
+        Node.gpu_type == gpu_type,
+        Node.region == region,
+        Node.state == NodeState.AVAILABLE,
+        Node.cordoned == False,  # noqa: E712 (SQL expression)
+        Node.maintenance == False,  # noqa: E712
+        Node.health == "ok",
+    )
+    if pod is not None:
+        query = query.where(Node.pod == pod)
+    return list(session.exec(query).all())
+
+
+def reserve_node(session: Session, node: Node, allocation_id: str, *, now: datetime, deadline_scale: float,
+                 op_id: str, actor: str) -> None:
+    """available -> reserved for the allocation, compare-and-swap on the generation seen."""
+    result = session.execute(
+        sa.update(Node)
+        .where(Node.id == node.id, Node.generation == node.generation, Node.state == NodeState.AVAILABLE)
+        .values(state=NodeState.RESERVED.value, generation=node.generation + 1,
+                allocation_id=allocation_id, state_entered_at=now, updated_at=now,
+                deadline_at=deadline_for(NodeState.RESERVED, now, scale=deadline_scale))
+    )
+    if result.rowcount != 1:
+        raise ReservationConflict(node.id)
+    session.add(node_service.NodeTransition(
+        node_id=node.id, from_state=NodeState.AVAILABLE.value, to_state=NodeState.RESERVED.value,
+        event=NodeEvent.RESERVE.value, cause=f"allocation {allocation_id}", actor=actor,
+        op_id=op_id, generation=node.generation + 1, at=now,
+    ))
+
+
 def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | None = None,
                  deadline_scale: float = 1.0) -> list[Node]:
-    candidates = list(session.exec(
-        select(Node).where(
-            Node.gpu_type == allocation.gpu_type,
-            Node.region == allocation.region,
-            Node.state == NodeState.AVAILABLE,
-            Node.cordoned == False,  # noqa: E712 (SQL expression)
-            Node.maintenance == False,  # noqa: E712
-            Node.health == "ok",
-        )
-    ).all())
+    candidates = available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region)
     gang = pick_gang(candidates, allocation.node_count)
     if gang is None:
         sizes = defaultdict(int)
@@ -78,21 +103,8 @@ def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | No
         )
     now = now or utcnow()
     for node in gang:
-        result = session.execute(
-            sa.update(Node)
-            .where(Node.id == node.id, Node.generation == node.generation,
-                   Node.state == NodeState.AVAILABLE)
-            .values(state=NodeState.RESERVED.value, generation=node.generation + 1,
-                    allocation_id=allocation.id, state_entered_at=now, updated_at=now,
-                    deadline_at=deadline_for(NodeState.RESERVED, now, scale=deadline_scale))
-        )
-        if result.rowcount != 1:
-            raise ReservationConflict(node.id)
-        session.add(node_service.NodeTransition(
-            node_id=node.id, from_state=NodeState.AVAILABLE.value, to_state=NodeState.RESERVED.value,
-            event=NodeEvent.RESERVE.value, cause=f"allocation {allocation.id}", actor="api",
-            op_id=f"reserve-{allocation.id}", generation=node.generation + 1, at=now,
-        ))
+        reserve_node(session, node, allocation.id, now=now, deadline_scale=deadline_scale,
+                     op_id=f"reserve-{allocation.id}", actor="api")
     allocation.fabric_domain = gang[0].pod
     allocation.node_ids = [n.id for n in gang]
     return gang

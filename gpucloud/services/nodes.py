@@ -96,8 +96,13 @@ def _implied_changes(from_state: NodeState, event: NodeEvent, to_state: NodeStat
     changes: dict[str, object] = {}
     if to_state in (NodeState.WIPING, NodeState.AVAILABLE, NodeState.QUARANTINED):
         changes["allocation_id"] = None
-    if from_state == NodeState.WIPING and event == NodeEvent.OK:
-        changes["tenant_id"] = None
+    if from_state in (NodeState.WIPING, NodeState.REPAIRING) and event == NodeEvent.OK:
+        changes["tenant_id"] = None  # both steps wipe the disks first
+    if from_state == NodeState.BURN_IN and to_state == NodeState.AVAILABLE:
+        # Burn-in is the gate that verifies a repair: what the health rules held against the
+        # node is cleared with it (the XIDs stay on record for the lemon rule).
+        changes["health"] = "ok"
+        changes["health_conditions"] = []
     if not is_transient(to_state):
         # Converged: the reconciler's backoff for this node starts over.
         changes["reconcile_attempts"] = 0

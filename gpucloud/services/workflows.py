@@ -10,7 +10,13 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from gpucloud import search_attributes as sa
 from gpucloud.config import Settings
-from gpucloud.models.messages import AllocationInput, CancelRequest, NodeOperationInput, NodeOperationKind
+from gpucloud.models.messages import (
+    AllocationInput,
+    CancelRequest,
+    NodeOperationInput,
+    NodeOperationKind,
+    ReplaceNodeRequest,
+)
 from gpucloud.models.tables import Allocation
 from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
 from gpucloud.workflows.allocation import AllocationWorkflow
@@ -31,6 +37,11 @@ async def start_allocation_workflow(client: Client, settings: Settings, alloc: A
 async def signal_cancel(client: Client, allocation_id: str, operation_id: str | None) -> None:
     handle = client.get_workflow_handle(allocation_workflow_id(allocation_id))
     await handle.signal(AllocationWorkflow.request_cancel, CancelRequest(operation_id=operation_id))
+
+
+async def signal_replace_node(client: Client, allocation_id: str, req: ReplaceNodeRequest) -> None:
+    handle = client.get_workflow_handle(allocation_workflow_id(allocation_id))
+    await handle.signal(AllocationWorkflow.replace_node, req)
 
 
 async def start_bringup(client: Client, settings: Settings, node_id: str):

@@ -5,6 +5,11 @@ real hardware and a real agent would: a node holding one tenant's data cannot be
 for another before a wipe; a wipe refuses while a workload runs; burn-in runs only on a wiped
 node. Actions take realistic (scaled) time and are deduplicated by request id, and a fault
 model lets tests make any action fail transiently (HTTP 503) or permanently (HTTP 422).
+
+Hardware faults: a node can be given a fault (say, a GPU off the bus) that burn-in detects
+(HTTP 422) until the repair ladder's rung that fixes it has run: `fixed_by="reset"` yields to any
+rung, `"reboot"` to a reboot or reflash, `"reflash"` only to a reflash, and none to nothing
+(the node is headed for RMA).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from pydantic import BaseModel, Field
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe")
+REPAIR_LADDER = ("reset", "reboot", "reflash")
+ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", *REPAIR_LADDER)
+Action = Literal["inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash"]
 
 # Seconds each action takes on the simulated hardware at speed 1.0 (real hardware: minutes).
-BASE_LATENCY_S = {"inspect": 0.2, "burn_in": 0.5, "provision": 0.4, "release": 0.1, "wipe": 0.3}
+BASE_LATENCY_S = {"inspect": 0.2, "burn_in": 0.5, "provision": 0.4, "release": 0.1, "wipe": 0.3,
+                  "reset": 0.1, "reboot": 0.4, "reflash": 0.6}
 REMEMBERED_REQUESTS = 16
 
 
@@ -58,6 +66,8 @@ class SimNode:
     actions_done: int = 0
     boot_id: int = 0
     unreachable: bool = False  # no heartbeats, every action answers 503
+    hardware_fault: str | None = None  # what burn-in finds wrong, until a repair fixes it
+    fault_fixed_by: str | None = None  # the mildest repair rung that fixes it; None: nothing does
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -70,9 +80,14 @@ class ActionRequest(BaseModel):
 
 class FaultRequest(BaseModel):
     node_id: str
-    action: Literal["inspect", "burn_in", "provision", "release", "wipe"]
+    action: Action
     mode: Literal["transient", "permanent"]
     count: int = Field(1, ge=1, le=1000)
+
+
+class HardwareFaultRequest(BaseModel):
+    fault: str | None = Field(None, max_length=200, description="None clears the fault")
+    fixed_by: Literal["reset", "reboot", "reflash"] | None = None
 
 
 class DriftRequest(BaseModel):
@@ -149,8 +164,22 @@ class Fleet:
         elif action == "burn_in":
             if node.tenant_id is not None or node.workload_running:
                 return 409, {"error": "burn-in runs only on a wiped, idle node"}
+            if node.hardware_fault is not None:
+                return 422, {"error": f"burn-in failed: {node.hardware_fault}"}
+        elif action in REPAIR_LADDER:
+            self._repair(node, action)
         node.actions_done += 1
         return 200, self.describe(node) | {"action": action}
+
+    @staticmethod
+    def _repair(node: SimNode, action: str) -> None:
+        if action in ("reboot", "reflash"):
+            node.boot_id += 1
+            node.workload_running = False
+        if action == "reflash":
+            node.tenant_id = None
+        if node.fault_fixed_by is not None and REPAIR_LADDER.index(action) >= REPAIR_LADDER.index(node.fault_fixed_by):
+            node.hardware_fault = node.fault_fixed_by = None
 
     def drift(self, node: SimNode, kind: str) -> None:
         """What happens to hardware behind the control plane's back: a reboot kills the workload,
@@ -168,7 +197,7 @@ class Fleet:
     def describe(node: SimNode) -> dict:
         return {"node_id": node.id, "gpu_type": node.gpu_type, "gpu_count": node.gpu_count,
                 "tenant_id": node.tenant_id, "workload_running": node.workload_running,
-                "actions_done": node.actions_done}
+                "actions_done": node.actions_done, "hardware_fault": node.hardware_fault}
 
 
 async def _post_until_accepted(client: httpx.AsyncClient, url: str, body: dict) -> None:
@@ -247,6 +276,12 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
         node = fleet.node(req.node_id)
         node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
         return {"node_id": node.id, "action": req.action, "pending": list(node.faults[req.action])}
+
+    @app.post("/v1/nodes/{node_id}/hardware_fault")
+    async def hardware_fault(node_id: str, req: HardwareFaultRequest) -> dict:
+        node = fleet.node(node_id)
+        node.hardware_fault, node.fault_fixed_by = req.fault, req.fixed_by if req.fault else None
+        return Fleet.describe(node)
 
     @app.post("/v1/nodes/{node_id}/drift")
     async def drift(node_id: str, req: DriftRequest) -> dict:

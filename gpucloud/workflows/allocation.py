@@ -6,6 +6,13 @@ time), marks the allocation `ready`, and waits. Cancellation is intent: the API 
 the DB and signals; the workflow also re-reads the DB now and then, so a lost signal only delays
 the cancel. It ends once every agent confirmed its node is released (`released`); the nodes'
 wipe and burn-in continue in their own workflows.
+
+Drain-and-replace (signal `replace_node`, sent by the health service): after a grace period
+for the tenant to checkpoint (none when the fault already killed the job), the node leaves the
+allocation (`degraded`, with the reason) and drains into quarantine through its own `node-<id>`
+workflow; then a node in the same fabric domain is reserved, provisioned and attached, and the
+allocation is `ready` again. With no capacity it stays `degraded` and looks again every
+`recheck_s`.
 """
 
 from __future__ import annotations
@@ -20,15 +27,21 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from gpucloud import search_attributes as sa
     from gpucloud.models.messages import (
+        AllocationEventInput,
         AllocationInput,
         AllocationProgress,
         AllocationResult,
         AllocationStatusInput,
         AllocationView,
+        AttachNodeInput,
         CancelRequest,
+        DetachNodeInput,
         NodeOperationInput,
         NodeOperationKind,
         NodeOperationResult,
+        ReplacementInput,
+        ReplacementResult,
+        ReplaceNodeRequest,
     )
     from gpucloud.workflows import options
     from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow, workflow_id_for
@@ -46,10 +59,17 @@ class AllocationWorkflow:
         self._nodes_total = 0
         self._nodes_done = 0
         self._allocation_id = ""
+        self._replacements: list[ReplaceNodeRequest] = []
+        self._replaced_any = False
 
     @workflow.signal
     def request_cancel(self, req: CancelRequest) -> None:
         self._cancel_requested = True
+
+    @workflow.signal
+    def replace_node(self, req: ReplaceNodeRequest) -> None:
+        if all(r.node_id != req.node_id for r in self._replacements):
+            self._replacements.append(req)
 
     @workflow.query
     def progress(self) -> AllocationProgress:
@@ -79,17 +99,84 @@ class AllocationWorkflow:
 
         self._phase = "ready"
         while not self._cancel_requested:
+            if self._replacements and workflow.patched("drain-and-replace"):
+                await self._replace(self._replacements[0], view)
+                self._replacements.pop(0)
+                self._phase = "ready"
+                continue
             try:
-                await workflow.wait_condition(lambda: self._cancel_requested, timeout=DESIRED_RECHECK)
+                await workflow.wait_condition(lambda: self._cancel_requested or bool(self._replacements),
+                                              timeout=DESIRED_RECHECK)
             except TimeoutError:
                 if (await self._load()).desired == "cancelled":
                     self._cancel_requested = True
-            if not self._cancel_requested and workflow.info().is_continue_as_new_suggested():
+            if (not self._cancel_requested and not self._replacements
+                    and workflow.info().is_continue_as_new_suggested()):
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(inp)
 
+        if self._replaced_any:
+            view = await self._load()  # the membership changed: release the nodes it has now
         await self._release(view)
         return await self._finish(view, "released", None)
+
+    async def _replace(self, req: ReplaceNodeRequest, view: AllocationView) -> None:
+        """Pull the node first, then find, provision and attach its replacement."""
+        self._phase = "replacing"
+        if not req.immediate and req.grace_s > 0:
+            await self._note("fault_notice", f"{req.reason}; node {req.node_id} will be pulled in "
+                                             f"{req.grace_s:g} s: checkpoint now", req.node_id)
+            try:
+                await workflow.wait_condition(lambda: self._cancel_requested, timeout=timedelta(seconds=req.grace_s))
+            except TimeoutError:
+                pass
+            if self._cancel_requested:
+                return  # the release takes the node with the rest
+        before = await workflow.execute_activity(
+            "load_allocation", AllocationInput(allocation_id=self._allocation_id),
+            result_type=AllocationView, **options.DB)
+        if req.node_id not in before.node_ids:
+            return  # already pulled (a repeated signal)
+        await workflow.execute_activity(
+            "detach_node", DetachNodeInput(allocation_id=self._allocation_id, node_id=req.node_id,
+                                           reason=req.reason), result_type=AllocationView, **options.DB)
+        self._replaced_any = True
+        drain = await self._start_node_op(req.node_id, NodeOperationKind.DRAIN, view)
+        await drain
+        waiting_noted = False
+        while not self._cancel_requested:
+            found = await workflow.execute_activity(
+                "reserve_replacement", ReplacementInput(allocation_id=self._allocation_id),
+                result_type=ReplacementResult, **options.DB)
+            if found.node_id is None:
+                if not waiting_noted:
+                    await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; "
+                                                             f"{found.reason}")
+                    await self._note("waiting_for_capacity", found.reason, req.node_id)
+                    waiting_noted = True
+                try:
+                    await workflow.wait_condition(lambda: self._cancel_requested,
+                                                  timeout=timedelta(seconds=req.recheck_s))
+                except TimeoutError:
+                    pass
+                continue
+            await self._note("replacement_started", f"provisioning {found.node_id} to replace {req.node_id}",
+                             found.node_id)
+            provisioned = await (await self._start_node_op(found.node_id, NodeOperationKind.PROVISION, view))
+            if not provisioned.ok:
+                continue  # that node goes back through wipe and burn-in; try another
+            # Attached even when a cancel came meanwhile, so that the release takes it too.
+            await workflow.execute_activity(
+                "attach_node", AttachNodeInput(allocation_id=self._allocation_id, node_id=found.node_id,
+                                               replaces=req.node_id, ready=len(self._replacements) <= 1),
+                result_type=AllocationView, **options.DB)
+            return
+
+    async def _note(self, kind: str, reason: str, node_id: str | None = None) -> None:
+        await workflow.execute_activity(
+            "record_allocation_event",
+            AllocationEventInput(allocation_id=self._allocation_id, kind=kind, reason=reason, node_id=node_id),
+            **options.DB)
 
     async def _release(self, view: AllocationView) -> None:
         """Release every node (the agents confirm the tenant is off), then start their recycling."""

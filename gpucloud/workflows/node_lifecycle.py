@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
         NodeTransitionInput,
         NodeTransitionResult,
         NodeView,
+        RepairPlan,
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.workflows import options
@@ -100,6 +101,8 @@ class NodeOperationWorkflow:
             return self._result(False, f"node belongs to allocation {node.allocation_id}, not {inp.allocation_id}")
         if inp.operation == Op.RESTORE:
             return await self._restore()
+        if inp.operation == Op.REPAIR:
+            return await self._repair()
         error: str | None = None
         while NodeState(self._state) not in _SUCCESS[inp.operation]:
             step = _STEPS[inp.operation].get(NodeState(self._state))
@@ -129,6 +132,38 @@ class NodeOperationWorkflow:
             return self._result(False, f"node is {self._state}; only an active node is restored")
         failure = await self._act("provision")
         return self._result(failure is None, failure)
+
+    async def _repair(self) -> NodeOperationResult:
+        """quarantined -> repairing -> the ladder's next rung -> burn_in, which decides.
+
+        A burn-in failure sends the node back to quarantine; the reconciler starts the next
+        repair, whose plan climbs one rung (reset, reboot, reflash). A lemon, or a ladder that
+        is used up, goes to RMA without another reset.
+        """
+        if self._state == S.QUARANTINED and not await self._move(E.REPAIR, cause="repair"):
+            return self._result(False, f"node moved under us from {self._state}")
+        if self._state == S.REPAIRING:
+            plan = await workflow.execute_activity(
+                "plan_repair", NodeRef(node_id=self._inp.node_id), result_type=RepairPlan, **options.DB)
+            # The tenant's data may still be on a node pulled from an allocation: off with it first.
+            if not plan.actions:
+                failure = plan.reason
+            else:
+                failure = await self._act("release") or await self._act("wipe")
+            for action in plan.actions if failure is None else ():
+                failure = await self._act(action)
+                if failure is None:
+                    break
+            if not await self._move(E.FAIL if failure else E.OK, cause=failure or plan.reason):
+                return self._result(False, f"node moved under us from {self._state}")
+            if failure:
+                return self._result(False, failure)
+        if self._state == S.BURN_IN:
+            failure = await self._act("burn_in")
+            if not await self._move(E.FAIL if failure else E.OK, cause=failure or "burn-in passed"):
+                return self._result(False, f"node moved under us from {self._state}")
+            return self._result(failure is None, failure)
+        return self._result(self._state == S.AVAILABLE, f"node is {self._state}; repair cannot proceed")
 
     async def _move(self, event: NodeEvent, *, cause: str) -> bool:
         self._steps_taken += 1

@@ -65,3 +65,17 @@ def test_ten_thousand_nodes_fit_in_bounded_memory():
     assert len(beats) == len(inventory) == 10_000
     assert len({n["pod"] for n in inventory}) == -(-10_000 // 32)  # 32 nodes per pod, last one partial
     assert peak < 80 * 2**20, f"{peak / 2**20:.0f} MiB for 10,000 simulated nodes"
+
+
+async def test_hardware_fault_fails_burn_in_until_the_rung_that_fixes_it(fleet):
+    node = fleet.nodes["sim-00001"]
+    node.hardware_fault, node.fault_fixed_by = "uncorrectable ECC", "reboot"
+    status, body = await fleet.act(node, "burn_in", req("1"))
+    assert status == 422 and "uncorrectable ECC" in body["error"]
+    assert (await fleet.act(node, "reset", req("2")))[0] == 200
+    assert (await fleet.act(node, "burn_in", req("3")))[0] == 422  # a reset is too mild
+    assert (await fleet.act(node, "reboot", req("4")))[0] == 200
+    assert (await fleet.act(node, "burn_in", req("5")))[0] == 200
+    node.hardware_fault, node.fault_fixed_by = "GPU off the bus", None  # nothing fixes it
+    assert (await fleet.act(node, "reflash", req("6")))[0] == 200
+    assert (await fleet.act(node, "burn_in", req("7")))[0] == 422

@@ -22,6 +22,7 @@ from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION
+from gpucloud.models.health_tables import AllocationEvent, AllocationEventPublic
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import (
     Allocation,
@@ -179,6 +180,31 @@ def list_allocations(
         query = query.where(Allocation.seq > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, filters)
     return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
+
+
+class AllocationEventPage(BaseModel):
+    items: list[AllocationEventPublic]
+    next_page_token: str
+
+
+@router.get("/allocations/{allocation_id}/events", response_model=AllocationEventPage)
+def allocation_events(
+    allocation_id: str, caller: CallerDep, session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
+    """What happened to the allocation's nodes: fault notices, pulls, replacements, ready again."""
+    alloc = _visible(session, caller, allocation_id)
+    filters = {"allocation": alloc.id}
+    cursor = pagination.decode(page_token, filters)
+    query = select(AllocationEvent).where(AllocationEvent.allocation_id == alloc.id,
+                                          AllocationEvent.tenant_id == alloc.tenant_id)
+    if cursor.after is not None:
+        query = query.where(AllocationEvent.seq > cursor.after)
+    rows, token = pagination.page(list(session.exec(query.order_by(AllocationEvent.seq).limit(page_size + 1)).all()),
+                                  page_size, lambda e: e.seq, filters)
+    return AllocationEventPage(items=[AllocationEventPublic.model_validate(e, from_attributes=True) for e in rows],
+                               next_page_token=token)
 
 
 def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tuple[Allocation, Operation | None]:

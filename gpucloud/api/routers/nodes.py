@@ -1,9 +1,11 @@
-"""Nodes (operator only): enrollment by the fleet, listing and reading."""
+"""Nodes (operator only): enrollment by the fleet, listing and reading, operator actions, what
+agents report (heartbeats, XID events), node health and operator alerts."""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+import logging
+from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -11,19 +13,25 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sqlmodel import select
+from temporalio.service import RPCError
 
+from gpucloud.agent.readings import XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep, TemporalDep
 from gpucloud.api.problems import not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
+from gpucloud.models.health_tables import OperatorAlertPublic, OperatorAlertRecord, XidEventRecord
+from gpucloud.models.messages import ReplaceNodeRequest
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodeEnroll, NodePublic, NodeTransition, Operation, OperationPublic
+from gpucloud.services import health as health_service
 from gpucloud.services.fleet import apply_operator_action, record_heartbeats, summary
 from gpucloud.services.nodes import enroll_nodes
 from gpucloud.services.schedules import reconcile_now
-from gpucloud.services.workflows import start_bringup
+from gpucloud.services.workflows import signal_replace_node, start_bringup
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["nodes"])
 
 MAX_ENROLL_BATCH = 1000
@@ -224,3 +232,127 @@ async def heartbeats(batch: HeartbeatBatch, operator: OperatorDep, settings: Set
     if drifted:
         await reconcile_now(temporal, settings, drifted)
     return HeartbeatResult(accepted=len(batch.heartbeats), drifted=drifted)
+
+
+# ---------------------------------------------------------------- health: XIDs, judgement, alerts
+
+
+class XidInjection(BaseModel):
+    xid: int = Field(ge=0, le=100_000)
+    gpu_index: int | None = Field(None, ge=0, le=63)
+    message: str = Field("", max_length=1000)
+
+
+class XidEventBatch(BaseModel):
+    events: list[XidEvent] = Field(min_length=1, max_length=5000)
+
+
+class HealthDecision(BaseModel):
+    node_id: str
+    health: str
+    action: str
+    pull: str | None
+    alert: str | None
+
+
+class XidIngestResult(BaseModel):
+    accepted: int
+    unknown_nodes: list[str]
+    decisions: list[HealthDecision]
+
+
+class XidRecordPublic(BaseModel):
+    xid: int
+    gpu_index: int | None
+    timestamp: datetime
+    message: str
+    source: str
+
+
+class NodeHealth(BaseModel):
+    node_id: str
+    state: str
+    health: str
+    conditions: list[dict]
+    # Readings are judged as they arrive and not stored yet; the XIDs are the evidence kept.
+    xid_history: list[XidRecordPublic]
+
+
+def _ingest(settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
+    breaker = health_service.BreakerSettings(max_pulled_share=settings.breaker_max_pulled_share,
+                                             window=timedelta(seconds=settings.breaker_window_s))
+    with session_scope(settings.db_url) as session:
+        return health_service.ingest_xids(session, events, source=source, breaker=breaker)
+
+
+async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
+    """A pull decided in the DB is carried out by the allocation's workflow or the reconciler."""
+    drains = [o.node_id for o in outcomes if o.pull == "drain"]
+    for o in outcomes:
+        if o.pull != "replace":
+            continue
+        req = ReplaceNodeRequest(node_id=o.node_id, reason=o.reason[:1000], immediate=o.immediate,
+                                 grace_s=settings.health_drain_grace_s, recheck_s=settings.replacement_recheck_s)
+        try:
+            await signal_replace_node(temporal, o.allocation_id, req)
+        except RPCError as exc:
+            log.warning("replace signal for %s in %s not delivered: %s", o.node_id, o.allocation_id, exc)
+    if drains:
+        await reconcile_now(temporal, settings, drains)
+
+
+async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], source: str) -> XidIngestResult:
+    outcomes, unknown = await run_in_threadpool(_ingest, settings, events, source)
+    await _act_on(outcomes, settings, temporal)
+    return XidIngestResult(
+        accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)), unknown_nodes=unknown,
+        decisions=[HealthDecision(node_id=o.node_id, health=o.verdict.health, action=o.verdict.action, pull=o.pull,
+                                  alert=o.alert) for o in outcomes])
+
+
+@router.post("/nodes/{node_id}/xid", response_model=XidIngestResult)
+async def inject_xid(node_id: str, req: XidInjection, operator: OperatorDep, settings: SettingsDep,
+                     temporal: TemporalDep):
+    """Record an XID on a node as if its agent had reported it (tests, demos, drills)."""
+    event = XidEvent(node_id=node_id, gpu_index=req.gpu_index, xid=req.xid, timestamp=utc_now(),
+                     message=req.message or f"injected by operator: XID {req.xid}")
+    result = await _ingest_and_act(settings, temporal, [event], "operator")
+    if result.unknown_nodes:
+        raise not_found("node", node_id)
+    return result
+
+
+@router.post("/agents/events", response_model=XidIngestResult)
+async def agent_events(batch: XidEventBatch, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+    """XID events as agents saw them; each node is judged again and acted on at once."""
+    return await _ingest_and_act(settings, temporal, batch.events, "agent")
+
+
+@router.get("/nodes/{node_id}/health", response_model=NodeHealth)
+def node_health(node_id: str, operator: OperatorDep, session: SessionDep,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+    node = session.get(Node, node_id)
+    if node is None:
+        raise not_found("node", node_id)
+    rows = session.exec(select(XidEventRecord).where(XidEventRecord.node_id == node_id)
+                        .order_by(XidEventRecord.seq.desc()).limit(limit)).all()
+    return NodeHealth(node_id=node.id, state=node.state, health=node.health, conditions=node.health_conditions,
+                      xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows])
+
+
+class AlertPage(BaseModel):
+    items: list[OperatorAlertPublic]
+    next_page_token: str
+
+
+@router.get("/alerts", response_model=AlertPage)
+def list_alerts(operator: OperatorDep, session: SessionDep,
+                page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+                page_token: str | None = None):
+    cursor = pagination.decode(page_token, {})
+    query = select(OperatorAlertRecord).order_by(OperatorAlertRecord.seq).limit(page_size + 1)
+    if cursor.after is not None:
+        query = query.where(OperatorAlertRecord.seq > cursor.after)
+    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, {})
+    return AlertPage(items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows],
+                     next_page_token=token)

@@ -1,0 +1,85 @@
+"""Health tables: XID events as agents (or operators) reported them, the quarantine pulls the
+circuit breaker counts, operator alerts, and what happened to an allocation (its event log).
+
+The node's current judgement lives on the node itself (`Node.health`, `Node.health_conditions`);
+these rows are the evidence and the history behind it. Workflow code never imports this module.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlmodel import Field, SQLModel
+
+from gpucloud.models.tables import UTCDateTime, _ts
+
+
+class XidEventRecord(SQLModel, table=True):
+    """One XID as it happened; tenant and allocation are stamped from the node's record on ingest."""
+
+    __tablename__ = "xid_event"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    node_id: str = Field(index=True)
+    gpu_index: int | None = None
+    gpu_uuid: str | None = None
+    xid: int
+    timestamp: datetime = Field(sa_type=UTCDateTime, index=True)
+    message: str = ""
+    tenant_id: str | None = None
+    allocation_id: str | None = None
+    source: str = "agent"  # agent | operator
+    received_at: datetime = _ts()
+
+
+class QuarantinePull(SQLModel, table=True):
+    """An automatic pull the circuit breaker allowed: its window is rebuilt from these rows."""
+
+    __tablename__ = "quarantine_pull"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    pool: str = Field(index=True)
+    node_id: str
+    at: datetime = Field(sa_type=UTCDateTime, index=True)
+
+
+class OperatorAlertPublic(SQLModel):
+    seq: int
+    kind: str
+    pool: str | None
+    node_id: str | None
+    reason: str
+    at: datetime
+
+
+class OperatorAlertRecord(SQLModel, table=True):
+    __tablename__ = "operator_alert"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    kind: str
+    pool: str | None = None
+    node_id: str | None = None
+    reason: str
+    at: datetime = _ts()
+
+
+class AllocationEventPublic(SQLModel):
+    seq: int
+    kind: str
+    node_id: str | None
+    replacement_node_id: str | None
+    reason: str
+    at: datetime
+
+
+class AllocationEvent(SQLModel, table=True):
+    """What the tenant sees happen to an allocation: fault_notice, degraded, replaced, ready."""
+
+    seq: int | None = Field(default=None, primary_key=True)
+    allocation_id: str = Field(index=True)
+    tenant_id: str = Field(index=True)
+    kind: str
+    node_id: str | None = None
+    replacement_node_id: str | None = None
+    reason: str = ""
+    at: datetime = _ts()

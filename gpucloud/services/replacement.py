@@ -1,0 +1,87 @@
+"""Drain-and-replace inside an allocation: pull the bad node out, reserve one in the same fabric
+domain, attach it once provisioned. Each function is one short transaction the allocation
+workflow calls through an activity, and each is idempotent (a retried activity changes nothing
+twice). The tenant's view of it is the allocation's event log (`AllocationEvent`).
+"""
+
+from __future__ import annotations
+
+from sqlmodel import Session, select
+
+from gpucloud.models.health_tables import AllocationEvent
+from gpucloud.models.node_states import NodeState
+from gpucloud.models.tables import Allocation, AllocationStatus, Node, utcnow
+from gpucloud.services.allocations import (
+    ReservationConflict,
+    available_candidates,
+    set_status,
+)
+from gpucloud.services.allocations import reserve_node as cas_reserve
+
+RESERVE_ATTEMPTS = 5
+
+
+def _allocation(session: Session, allocation_id: str) -> Allocation:
+    return session.exec(select(Allocation).where(Allocation.id == allocation_id)).one()
+
+
+def record_event(session: Session, allocation: Allocation, kind: str, *, reason: str, node_id: str | None = None,
+                 replacement_node_id: str | None = None) -> None:
+    session.add(AllocationEvent(allocation_id=allocation.id, tenant_id=allocation.tenant_id, kind=kind,
+                                node_id=node_id, replacement_node_id=replacement_node_id, reason=reason[:1000],
+                                at=utcnow()))
+
+
+def detach_node(session: Session, allocation_id: str, node_id: str, *, reason: str) -> Allocation:
+    """The node leaves the allocation's membership; the allocation is `degraded` with the reason."""
+    allocation = _allocation(session, allocation_id)
+    if node_id not in allocation.node_ids:
+        return allocation
+    allocation.node_ids = [n for n in allocation.node_ids if n != node_id]
+    session.add(allocation)
+    record_event(session, allocation, "degraded", node_id=node_id, reason=f"node {node_id} pulled: {reason}")
+    return set_status(session, allocation_id, AllocationStatus.DEGRADED,
+                      failure_reason=f"node {node_id} pulled: {reason}; replacement pending")
+
+
+def reserve_replacement(session: Session, allocation_id: str, *, deadline_scale: float) -> tuple[str | None, str]:
+    """One node for the allocation, in its fabric domain; (node id, "") or (None, why not).
+
+    A node already reserved (or provisioning) for the allocation but not yet attached is the
+    replacement a previous try reserved: it is returned again.
+    """
+    allocation = _allocation(session, allocation_id)
+    pending = session.exec(select(Node.id).where(
+        Node.allocation_id == allocation_id,
+        Node.state.in_([NodeState.RESERVED.value, NodeState.PROVISIONING.value]),
+        Node.id.not_in(allocation.node_ids))).first()
+    if pending is not None:
+        return pending, ""
+    for _ in range(RESERVE_ATTEMPTS):
+        candidates = sorted(available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region,
+                                                 pod=allocation.fabric_domain), key=lambda n: (n.rack, n.id))
+        if not candidates:
+            return None, (f"no available {allocation.gpu_type} node in fabric domain {allocation.fabric_domain}; "
+                          "waiting for capacity")
+        try:
+            # A lost CAS wrote nothing: look again on fresh data.
+            cas_reserve(session, candidates[0], allocation_id, now=utcnow(), deadline_scale=deadline_scale,
+                        op_id=f"replace-{allocation_id}", actor="allocation")
+            return candidates[0].id, ""
+        except ReservationConflict:
+            session.expire_all()
+    return None, "replacement capacity contended; retrying"
+
+
+def attach_node(session: Session, allocation_id: str, node_id: str, *, replaces: str, ready: bool) -> Allocation:
+    allocation = _allocation(session, allocation_id)
+    if node_id in allocation.node_ids:
+        return allocation
+    allocation.node_ids = [*allocation.node_ids, node_id]
+    session.add(allocation)
+    record_event(session, allocation, "replaced", node_id=replaces, replacement_node_id=node_id,
+                 reason=f"node {replaces} replaced by {node_id}")
+    if not ready:
+        return allocation
+    record_event(session, allocation, "ready", reason="every node healthy again")
+    return set_status(session, allocation_id, AllocationStatus.READY)
