@@ -133,6 +133,40 @@ def demo(
     sys.exit(run_demo(nodes=nodes, data_dir=data_dir, console=console))
 
 
+@app.command()
+def agent(
+    node_id: Annotated[str, typer.Option(help="this node's id, as enrolled")],
+    port: Annotated[int, typer.Option(help="port of the action API")] = 8200,
+    host: str = "0.0.0.0",
+    scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path("/var/lib/gpucloud/scratch"),
+    heartbeat_s: float = 10.0,
+    reading_s: float = 30.0,
+    allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
+) -> None:
+    """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs."""
+    from gpucloud.agent.service import main as agent_main
+
+    _logging()
+    settings = get_settings()
+    agent_main(node_id=node_id, control_plane_url=settings.api_url, token=settings.resolved_operator_token,
+               host=host, port=port, scratch_dir=scratch_dir, heartbeat_s=heartbeat_s, reading_s=reading_s,
+               allow_simulated=allow_simulated)
+
+
+@app.command()
+def ledger(
+    port: Annotated[int, typer.Option(help="port of the ledger API")] = 8700,
+    database_url: Annotated[str | None, typer.Option(help="the ledger's own DB (default: SQLite in the data dir)")] = None,
+) -> None:
+    """Run the billing ledger: its own process and its own database."""
+    from gpucloud.ledger.service import main as ledger_main
+
+    _logging()
+    settings = get_settings()
+    ledger_main(host="127.0.0.1", port=port,
+                database_url=database_url or f"sqlite:///{(settings.data_dir / 'ledger.db').resolve()}")
+
+
 app.command()(nodes)
 app.add_typer(weights_app, name="weights")
 

@@ -1,0 +1,267 @@
+"""The host agent process (`gpucloud agent`): what runs on every GPU node.
+
+It serves the control plane's action API, the same one the simulated fleet speaks
+(`POST /actions/{action}` with `{"request_id", "tenant_id"}`, answers deduplicated by request id,
+the same invariants: another tenant's data blocks a provision, a running workload blocks a wipe,
+burn-in runs only on a wiped idle node), and it pushes to the control plane: a heartbeat every
+`heartbeat_s` (`POST /v1/agents/heartbeats`) and XID events as the probe raises them
+(`POST /v1/agents/events`, stamped with the tenant holding the node). The probe's latest reading
+is kept for `GET /readings`.
+
+Actions that drive hardware run real tools (`ACTION_COMMANDS`); where a tool is not installed the
+action answers 501 with a problem naming it, never a pretend success. The tools run through a
+`CommandRunner`, so tests (and a dry run) can stand in for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from gpucloud.agent.probe import Probe, detect_probe
+from gpucloud.agent.readings import NodeReading, XidEvent
+
+log = logging.getLogger(__name__)
+
+PROBLEM = "application/problem+json"
+REMEMBERED_REQUESTS = 64
+MAX_PENDING_EVENTS = 10_000  # kept while the control plane is unreachable; oldest dropped first
+# The tools each hardware action runs, in order; every one must exit 0.
+ACTION_COMMANDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "burn_in": (("dcgmi", "diag", "-r", "3"),
+                ("all_reduce_perf", "-b", "8M", "-e", "8G", "-f", "2", "-g", "8")),
+    "reset": (("nvidia-smi", "--gpu-reset"),),
+    "reboot": (("systemctl", "reboot"),),
+    "reflash": (("nvfwupd", "update", "--yes"),),
+}
+ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
+
+
+class ActionRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=300)
+    tenant_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int
+    output: str
+
+
+class CommandRunner:
+    """Finds and runs the hardware tools; tests pass their own."""
+
+    def which(self, tool: str) -> str | None:
+        return shutil.which(tool)
+
+    def run(self, argv: tuple[str, ...], timeout_s: float) -> CommandResult:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        return CommandResult(proc.returncode, (proc.stdout + proc.stderr)[-2000:])
+
+
+@dataclass
+class HostState:
+    """What the agent knows about the node's tenancy; the control plane reads it in heartbeats."""
+
+    node_id: str
+    boot_id: str
+    scratch_dir: Path
+    tenant_id: str | None = None
+    workload_running: bool = False
+    recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def describe(self) -> dict:
+        return {"node_id": self.node_id, "tenant_id": self.tenant_id, "workload_running": self.workload_running,
+                "boot_id": self.boot_id}
+
+
+def read_boot_id() -> str:
+    path = Path("/proc/sys/kernel/random/boot_id")
+    return path.read_text().strip() if path.exists() else uuid.uuid4().hex
+
+
+def _problem(status: int, title: str, detail: str, **extra) -> tuple[int, dict]:
+    return status, {"type": f"https://gpucloud.dev/problems/{title.lower().replace(' ', '-')}", "title": title,
+                    "status": status, "detail": detail, **extra}
+
+
+class Agent:
+    """The action API's logic, independent of HTTP."""
+
+    def __init__(self, state: HostState, probe: Probe, *, runner: CommandRunner | None = None,
+                 tool_timeout_s: float = 3600.0) -> None:
+        self.state, self.probe = state, probe
+        self.runner = runner or CommandRunner()
+        self.tool_timeout_s = tool_timeout_s
+
+    async def act(self, action: str, req: ActionRequest) -> tuple[int, dict]:
+        async with self.state.lock:
+            if req.request_id in self.state.recent:
+                return self.state.recent[req.request_id]
+            outcome = await self._apply(action, req)
+            if outcome[0] < 500 or outcome[0] == 501:  # a missing tool stays missing; a crash may not
+                self.state.recent[req.request_id] = outcome
+                while len(self.state.recent) > REMEMBERED_REQUESTS:
+                    self.state.recent.popitem(last=False)
+            return outcome
+
+    async def _apply(self, action: str, req: ActionRequest) -> tuple[int, dict]:
+        s = self.state
+        if action == "provision":
+            if not req.tenant_id:
+                return _problem(422, "Tenant required", "provision needs a tenant_id")
+            if s.tenant_id not in (None, req.tenant_id):
+                return _problem(409, "Node holds data", f"node holds data of tenant {s.tenant_id}; wipe it first")
+        elif action == "wipe" and s.workload_running:
+            return _problem(409, "Workload running", "a workload is still running; release the node first")
+        elif action == "burn_in" and (s.tenant_id is not None or s.workload_running):
+            return _problem(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
+        failed = await self._run_tools(action)
+        if failed is not None:
+            return failed
+        if action == "provision":
+            s.tenant_id, s.workload_running = req.tenant_id, True
+        elif action == "release":
+            s.workload_running = False
+        elif action == "wipe":
+            self._wipe_scratch()
+        elif action == "reboot":
+            s.workload_running = False
+        reading = await asyncio.to_thread(self.probe.read)
+        return 200, s.describe() | {"action": action, "gpu_count": len(reading.gpus),
+                                    "is_gpu_node": reading.is_gpu_node,
+                                    "fatal_error": reading.fatal_error.model_dump(mode="json")
+                                    if reading.fatal_error else None}
+
+    async def _run_tools(self, action: str) -> tuple[int, dict] | None:
+        commands = ACTION_COMMANDS.get(action, ())
+        missing = [argv[0] for argv in commands if self.runner.which(argv[0]) is None]
+        if missing:
+            return _problem(501, "Tool not installed", f"{action} needs {', '.join(missing)}, which is not "
+                            f"installed on {self.state.node_id}", tools=missing)
+        for argv in commands:
+            try:
+                result = await asyncio.to_thread(self.runner.run, argv, self.tool_timeout_s)
+            except subprocess.TimeoutExpired:
+                return _problem(422, "Action failed", f"{action}: {argv[0]} ran past {self.tool_timeout_s:g} s")
+            if result.returncode != 0:
+                return _problem(422, "Action failed", f"{action}: {' '.join(argv)} exited {result.returncode}: "
+                                f"{result.output[-500:]}")
+        return None
+
+    def _wipe_scratch(self) -> None:
+        """The tenant's files go; the node is nobody's again."""
+        if self.state.scratch_dir.exists():
+            shutil.rmtree(self.state.scratch_dir)
+        self.state.scratch_dir.mkdir(parents=True, exist_ok=True)
+        self.state.tenant_id = None
+
+
+class Reporter:
+    """Pushes heartbeats and XID events to the control plane; events wait while it is down."""
+
+    def __init__(self, agent: Agent, client: httpx.AsyncClient) -> None:
+        self.agent, self.client = agent, client
+        self.pending: list[XidEvent] = []
+        self.latest: NodeReading | None = None
+
+    async def heartbeat_once(self) -> None:
+        try:
+            resp = await self.client.post("/v1/agents/heartbeats", json={"heartbeats": [self.agent.state.describe()]})
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("heartbeat not delivered: %s", exc)
+
+    async def read_once(self) -> NodeReading:
+        self.latest = await asyncio.to_thread(self.agent.probe.read)
+        return self.latest
+
+    async def events_once(self, wait_s: float) -> int:
+        """Wait up to `wait_s` for XIDs, then push what is pending; the number delivered."""
+        tenant = self.agent.state.tenant_id
+        new = await asyncio.to_thread(self.agent.probe.wait_events, wait_s)
+        self.pending += [e if e.tenant_id else e.model_copy(update={"tenant_id": tenant}) for e in new]
+        del self.pending[:-MAX_PENDING_EVENTS]
+        if not self.pending:
+            return 0
+        batch = self.pending[:5000]
+        try:
+            resp = await self.client.post("/v1/agents/events",
+                                          json={"events": [e.model_dump(mode="json") for e in batch]})
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("%d XID events not delivered (kept): %s", len(self.pending), exc)
+            return 0
+        del self.pending[:len(batch)]
+        return len(batch)
+
+    async def run(self, *, heartbeat_s: float, reading_s: float, event_wait_s: float = 1.0) -> None:
+        async def every(period: float, step: Callable) -> None:
+            while True:
+                await step()
+                await asyncio.sleep(period)
+
+        async def events() -> None:
+            while True:
+                await self.events_once(event_wait_s)
+
+        await asyncio.gather(every(heartbeat_s, self.heartbeat_once), every(reading_s, self.read_once), events())
+
+
+def create_app(agent: Agent, reporter: Reporter | None = None, *, heartbeat_s: float = 10.0,
+               reading_s: float = 30.0) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(reporter.run(heartbeat_s=heartbeat_s, reading_s=reading_s)) if reporter else None
+        yield
+        if task is not None:
+            task.cancel()
+        agent.probe.close()
+
+    app = FastAPI(title=f"gpucloud agent {agent.state.node_id}", lifespan=lifespan)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True, "node_id": agent.state.node_id}
+
+    @app.get("/readings")
+    async def readings() -> dict:
+        reading = reporter.latest if reporter and reporter.latest else await asyncio.to_thread(agent.probe.read)
+        return reading.model_dump(mode="json")
+
+    @app.post("/actions/{action}")
+    async def act(action: str, req: ActionRequest):
+        if action not in ACTIONS:
+            status, body = _problem(404, "Unknown action", f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
+        else:
+            status, body = await agent.act(action, req)
+        return JSONResponse(body, status_code=status, media_type=PROBLEM if status >= 400 else None)
+
+    return app
+
+
+def main(*, node_id: str, control_plane_url: str, token: str, host: str = "0.0.0.0", port: int = 8200,
+         scratch_dir: Path = Path("/var/lib/gpucloud/scratch"), heartbeat_s: float = 10.0, reading_s: float = 30.0,
+         allow_simulated: bool = False) -> None:
+    """Run the agent until stopped: `gpucloud agent` on a GPU node."""
+    import uvicorn
+
+    state = HostState(node_id=node_id, boot_id=read_boot_id(), scratch_dir=scratch_dir)
+    agent = Agent(state, detect_probe(node_id, allow_simulated=allow_simulated))
+    client = httpx.AsyncClient(base_url=control_plane_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    app = create_app(agent, Reporter(agent, client), heartbeat_s=heartbeat_s, reading_s=reading_s)
+    uvicorn.run(app, host=host, port=port, log_level="info")

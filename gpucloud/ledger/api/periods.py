@@ -1,0 +1,34 @@
+"""Billing periods: close one (idempotent), read its invoices."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from gpucloud.ledger import problems
+from gpucloud.ledger.api.deps import LedgerDep
+from gpucloud.ledger.invoicing import close_period, invoice_body, list_invoices
+from gpucloud.ledger.models import InvoiceSummary, PeriodCloseOut
+
+router = APIRouter(prefix="/v1/periods", tags=["periods"])
+
+
+@router.post("/{period_id}:close", response_model=PeriodCloseOut)
+def close(period_id: str, ledger: LedgerDep) -> PeriodCloseOut:
+    """Close a ``YYYY-MM`` period once it has ended; closing it again returns the same result."""
+    return close_period(ledger.database, period_id, now_ms=ledger.clock_ms(), prices=ledger.prices)
+
+
+@router.get("/{period_id}/invoices", response_model=list[InvoiceSummary])
+def invoices(period_id: str, ledger: LedgerDep) -> list[InvoiceSummary]:
+    with ledger.database.read() as connection:
+        return list_invoices(connection, period_id)
+
+
+@router.get("/{period_id}/invoices/{tenant_id}", response_class=Response)
+def invoice(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
+    """The invoice exactly as stored: canonical JSON bytes, reproducible byte for byte."""
+    with ledger.database.read() as connection:
+        body = invoice_body(connection, period_id, tenant_id)
+    if body is None:
+        raise problems.LedgerProblem(problems.NOT_FOUND(f"no invoice for {tenant_id} in {period_id}"))
+    return Response(content=body, media_type="application/json")

@@ -1,0 +1,202 @@
+"""Closing a period in the database: freeze it, aggregate it in SQL, store its invoices.
+
+1. Under the ledger's writer lock, record the period as closed. From that commit on, ingest
+   and reversals book into later periods only, so the set of rows billed to this period is
+   frozen (this is why the close needs no isolation level beyond read committed).
+2. Outside the lock (ingest keeps flowing), aggregate the period's usage with one GROUP BY
+   over the samples and one over its reversal postings, then build the invoices with the
+   pure ``close.build_invoices``.
+3. Cross-check each tenant's invoice total against its postings, and each line against the
+   running totals ingest kept; store the invoices.
+
+Closing a closed period again recomputes everything and compares it byte for byte with the
+stored invoices, so a retried close (the billing-close workflow retries activities) is
+idempotent, and doubles as a reproducibility check.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, func, insert, select
+
+from gpucloud.ledger import problems
+from gpucloud.ledger.close import CloseIntegrityError, Invoice, LineAggregate, build_invoices
+from gpucloud.ledger.db import LedgerDatabase
+from gpucloud.ledger.models import InvoiceSummary, PeriodCloseOut
+from gpucloud.ledger.periods import parse_period, period_bounds
+from gpucloud.ledger.pricebook import PriceBookCache
+from gpucloud.ledger.schema import billing_periods, invoices, postings, rating_accumulators, usage_samples
+
+_LINE_COLUMNS = ("tenant_id", "allocation_id", "gpu_type", "usage_period", "price_version_id")
+
+
+def close_period(
+    database: LedgerDatabase, period_id: str, *, now_ms: int, prices: PriceBookCache | None = None
+) -> PeriodCloseOut:
+    """Close a period (idempotent) and return its invoices."""
+    _check_period_id(period_id)
+    start_ms, end_ms = period_bounds(period_id)
+    if now_ms < end_ms:
+        raise problems.LedgerProblem(
+            problems.STATE_CONFLICT(f"period {period_id} ends at {end_ms}; it cannot close before it ends")
+        )
+    with database.write() as connection:
+        closed_ms = connection.execute(
+            select(billing_periods.c.closed_ms).where(billing_periods.c.period_id == period_id)
+        ).scalar_one_or_none()
+        if closed_ms is None:
+            closed_ms = now_ms
+            connection.execute(
+                insert(billing_periods),
+                {"period_id": period_id, "start_ms": start_ms, "end_ms": end_ms, "closed_ms": closed_ms},
+            )
+    with database.read() as connection:
+        computed = _compute_invoices(connection, period_id, prices or PriceBookCache())
+    with database.write() as connection:
+        _store(connection, period_id, computed, now_ms)
+    return PeriodCloseOut(
+        period_id=period_id,
+        start_ms=start_ms,
+        end_ms=end_ms,
+        closed_ms=closed_ms,
+        invoices=[_summary(invoice) for invoice in computed],
+    )
+
+
+def _check_period_id(period_id: str) -> None:
+    try:
+        parse_period(period_id)
+    except ValueError as error:
+        raise problems.LedgerProblem(problems.REQUEST_INVALID(str(error), field="period_id")) from None
+
+
+def _summary(invoice: Invoice) -> InvoiceSummary:
+    return InvoiceSummary(
+        tenant_id=invoice.tenant_id,
+        total_micro=invoice.total_micro,
+        line_count=len(invoice.lines),
+        sha256=invoice.sha256,
+    )
+
+
+def _compute_invoices(connection: Connection, period_id: str, prices: PriceBookCache) -> list[Invoice]:
+    usage = _aggregate(
+        connection, usage_samples, func.count(), usage_samples.c.billing_period == period_id
+    )
+    reversals = _aggregate(
+        connection,
+        postings,
+        func.sum(postings.c.sample_count),
+        postings.c.billing_period == period_id,
+        postings.c.kind == "reversal",
+    )
+    try:
+        computed = build_invoices(period_id, usage=usage, reversals=reversals, prices=prices.get(connection))
+    except CloseIntegrityError as error:
+        raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
+    _cross_check(connection, period_id, computed, usage)
+    return computed
+
+
+def _aggregate(connection: Connection, table, count, *conditions) -> list[LineAggregate]:
+    keys = [table.c[name] for name in _LINE_COLUMNS]
+    query = (
+        select(*keys, count, func.sum(table.c.gpu_ms), func.sum(table.c.amount_micro))
+        .where(*conditions)
+        .group_by(*keys)
+        .order_by(*keys)
+    )
+    return [
+        LineAggregate(
+            tenant_id=row[0],
+            allocation_id=row[1],
+            gpu_type=row[2],
+            usage_period=row[3],
+            price_version_id=row[4],
+            count=int(row[5]),
+            gpu_ms=int(row[6]),
+            amount_micro=int(row[7]),
+        )
+        for row in connection.execute(query)
+    ]
+
+
+def _cross_check(connection: Connection, period_id: str, computed: list[Invoice], usage: list[LineAggregate]) -> None:
+    posted = dict(
+        connection.execute(
+            select(postings.c.tenant_id, func.sum(postings.c.amount_micro))
+            .where(postings.c.billing_period == period_id)
+            .group_by(postings.c.tenant_id)
+        ).all()
+    )
+    invoiced = {invoice.tenant_id: invoice.total_micro for invoice in computed}
+    if {tenant: int(total) for tenant, total in posted.items()} != invoiced:
+        raise problems.LedgerProblem(
+            problems.INTEGRITY_FAILURE(f"period {period_id}: invoice totals {invoiced} differ from postings {posted}")
+        )
+    running = {
+        tuple(row[:5]): (row.gpu_ms_total, row.amount_total_micro)
+        for row in connection.execute(
+            select(*(rating_accumulators.c[name] for name in _LINE_COLUMNS),
+                   rating_accumulators.c.gpu_ms_total, rating_accumulators.c.amount_total_micro)
+            .where(rating_accumulators.c.billing_period == period_id)
+        )
+    }
+    aggregated = {
+        (row.tenant_id, row.allocation_id, row.gpu_type, row.usage_period, row.price_version_id): (
+            row.gpu_ms,
+            row.amount_micro,
+        )
+        for row in usage
+    }
+    if running != aggregated:
+        raise problems.LedgerProblem(
+            problems.INTEGRITY_FAILURE(f"period {period_id}: usage samples disagree with the running totals")
+        )
+
+
+def _store(connection: Connection, period_id: str, computed: list[Invoice], now_ms: int) -> None:
+    stored = dict(
+        connection.execute(
+            select(invoices.c.tenant_id, invoices.c.body).where(invoices.c.period_id == period_id)
+        ).all()
+    )
+    for invoice in computed:
+        if invoice.tenant_id not in stored:
+            connection.execute(
+                insert(invoices),
+                {
+                    "period_id": period_id,
+                    "tenant_id": invoice.tenant_id,
+                    "total_micro": invoice.total_micro,
+                    "line_count": len(invoice.lines),
+                    "sha256": invoice.sha256,
+                    "body": invoice.body,
+                    "created_ms": now_ms,
+                },
+            )
+        elif bytes(stored[invoice.tenant_id]) != invoice.body:
+            raise problems.LedgerProblem(
+                problems.INTEGRITY_FAILURE(
+                    f"invoice {period_id}/{invoice.tenant_id} recomputed differs from the stored one"
+                )
+            )
+    if set(stored) - {invoice.tenant_id for invoice in computed}:
+        raise problems.LedgerProblem(
+            problems.INTEGRITY_FAILURE(f"period {period_id} has stored invoices the recomputation lacks")
+        )
+
+
+def list_invoices(connection: Connection, period_id: str) -> list[InvoiceSummary]:
+    rows = connection.execute(
+        select(invoices.c.tenant_id, invoices.c.total_micro, invoices.c.line_count, invoices.c.sha256)
+        .where(invoices.c.period_id == period_id)
+        .order_by(invoices.c.tenant_id)
+    )
+    return [InvoiceSummary(tenant_id=t, total_micro=total, line_count=n, sha256=digest) for t, total, n, digest in rows]
+
+
+def invoice_body(connection: Connection, period_id: str, tenant_id: str) -> bytes | None:
+    body = connection.execute(
+        select(invoices.c.body).where(invoices.c.period_id == period_id, invoices.c.tenant_id == tenant_id)
+    ).scalar_one_or_none()
+    return None if body is None else bytes(body)

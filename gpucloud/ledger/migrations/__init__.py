@@ -1,0 +1,1 @@
+"""Alembic migrations for the ledger database (run by ``gpucloud.ledger.db``)."""

@@ -1,0 +1,131 @@
+"""The price book in the ledger database: versions, their prices and discounts.
+
+A version is a complete book in force from ``effective_from_ms`` until the next version;
+usage is rated with the version in force at the sample's start. Versions are immutable, and
+a version may not take effect at or before the start of usage already rated: that usage's
+amounts are posted, and changing its price would need reversals, not a new book.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from sqlalchemy import Connection, func, insert, select
+
+from gpucloud.ledger import problems
+from gpucloud.ledger.models import DiscountOut, PriceBookVersionIn, PriceBookVersionOut, PriceIn
+from gpucloud.ledger.pricing import PriceBookHistory, PriceBookVersion, percent_to_basis_points
+from gpucloud.ledger.schema import (
+    price_book_discounts,
+    price_book_prices,
+    price_book_versions,
+    rating_accumulators,
+)
+
+
+def create_version(connection: Connection, version: PriceBookVersionIn, *, now_ms: int) -> PriceBookVersionOut:
+    """Add a version; call inside the ledger's write transaction."""
+    gpu_types = [price.gpu_type for price in version.prices]
+    if len(set(gpu_types)) != len(gpu_types):
+        raise problems.LedgerProblem(problems.REQUEST_INVALID("a GPU type is priced twice", field="prices"))
+    discount_keys = [(d.tenant_id, d.gpu_type) for d in version.discounts]
+    if len(set(discount_keys)) != len(discount_keys):
+        raise problems.LedgerProblem(
+            problems.REQUEST_INVALID("a (tenant, GPU type) has two discounts", field="discounts")
+        )
+    rated_until = connection.execute(select(func.max(rating_accumulators.c.max_start_ms))).scalar()
+    if rated_until is not None and version.effective_from_ms <= rated_until:
+        raise problems.LedgerProblem(
+            problems.STATE_CONFLICT(
+                f"usage starting at {rated_until} is already rated; a new version must take effect after it",
+                field="effective_from_ms",
+            )
+        )
+    taken = connection.execute(
+        select(price_book_versions.c.id).where(price_book_versions.c.effective_from_ms == version.effective_from_ms)
+    ).scalar_one_or_none()
+    if taken is not None:
+        raise problems.LedgerProblem(
+            problems.STATE_CONFLICT(
+                f"version {taken} already takes effect at {version.effective_from_ms}", field="effective_from_ms"
+            )
+        )
+    version_id = connection.execute(
+        insert(price_book_versions).returning(price_book_versions.c.id),
+        {"effective_from_ms": version.effective_from_ms, "note": version.note, "created_ms": now_ms},
+    ).scalar_one()
+    connection.execute(
+        insert(price_book_prices),
+        [{"version_id": version_id, **price.model_dump()} for price in version.prices],
+    )
+    if version.discounts:
+        connection.execute(
+            insert(price_book_discounts),
+            [
+                {
+                    "version_id": version_id,
+                    "tenant_id": d.tenant_id,
+                    "gpu_type": d.gpu_type,
+                    "discount_bp": percent_to_basis_points(d.percent),
+                }
+                for d in version.discounts
+            ],
+        )
+    return next(v for v in list_versions(connection) if v.id == version_id)
+
+
+def list_versions(connection: Connection) -> list[PriceBookVersionOut]:
+    prices: dict[int, list[PriceIn]] = {}
+    for row in connection.execute(select(price_book_prices).order_by(price_book_prices.c.gpu_type)):
+        prices.setdefault(row.version_id, []).append(
+            PriceIn(gpu_type=row.gpu_type, price_per_hour_micro=row.price_per_hour_micro)
+        )
+    discounts: dict[int, list[DiscountOut]] = {}
+    for row in connection.execute(
+        select(price_book_discounts).order_by(price_book_discounts.c.tenant_id, price_book_discounts.c.gpu_type)
+    ):
+        discounts.setdefault(row.version_id, []).append(
+            DiscountOut(tenant_id=row.tenant_id, gpu_type=row.gpu_type, discount_bp=row.discount_bp)
+        )
+    return [
+        PriceBookVersionOut(
+            id=row.id,
+            effective_from_ms=row.effective_from_ms,
+            note=row.note,
+            created_ms=row.created_ms,
+            prices=prices.get(row.id, []),
+            discounts=discounts.get(row.id, []),
+        )
+        for row in connection.execute(select(price_book_versions).order_by(price_book_versions.c.effective_from_ms))
+    ]
+
+
+class PriceBookCache:
+    """The price book history, reloaded only when a version was added (versions never change)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._history = PriceBookHistory([])
+        self._loaded_max_id: int | None = None
+
+    def get(self, connection: Connection) -> PriceBookHistory:
+        max_id = connection.execute(select(func.max(price_book_versions.c.id))).scalar()
+        with self._lock:
+            if max_id != self._loaded_max_id:
+                self._history = _load_history(connection)
+                self._loaded_max_id = max_id
+            return self._history
+
+
+def _load_history(connection: Connection) -> PriceBookHistory:
+    return PriceBookHistory(
+        [
+            PriceBookVersion(
+                version_id=version.id,
+                effective_from_ms=version.effective_from_ms,
+                prices={p.gpu_type: p.price_per_hour_micro for p in version.prices},
+                discounts_bp={(d.tenant_id, d.gpu_type): d.discount_bp for d in version.discounts},
+            )
+            for version in list_versions(connection)
+        ]
+    )

@@ -1,0 +1,103 @@
+"""The ledger service: its own process, its own database, an HTTP API over both.
+
+``create_app`` builds the FastAPI app for one database URL (SQLite file by default,
+Postgres by URL); the database is migrated when the app starts, before it takes traffic.
+``main`` runs it with uvicorn: ``gpucloud ledger`` calls it.
+
+Endpoints (all under ``/v1``; errors are RFC 9457 ``application/problem+json``):
+
+- ``POST /usage:batch``: usage samples from agents, exactly once per (node_id, seq).
+- ``GET /usage``: GPU-ms and amounts of a tenant (optionally one allocation, a time window).
+- ``GET /usage/conflicts``: samples refused because their (node_id, seq) had other content.
+- ``POST /allocation-events``, ``GET /allocation-events``: allocation lifecycle.
+- ``GET /reconciliation``: metered vs allocated time per tenant per day, gaps flagged.
+- ``POST /price-book/versions``, ``GET /price-book/versions``: the price book.
+- ``GET /postings``, ``POST /postings/{id}:reverse``, ``GET /accounts``: the double-entry books.
+- ``POST /periods/{YYYY-MM}:close``, ``GET /periods/{YYYY-MM}/invoices[/{tenant_id}]``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.engine import make_url
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gpucloud.ledger import problems
+from gpucloud.ledger.api import allocations, periods, postings, prices, reconciliation, usage
+from gpucloud.ledger.api.deps import LedgerContext
+from gpucloud.ledger.db import open_ledger_database
+
+DEFAULT_DATABASE_URL = "sqlite:///.data/ledger.db"
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def create_app(database_url: str = DEFAULT_DATABASE_URL, *, clock_ms: Callable[[], int] = wall_clock_ms) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.ledger = LedgerContext(database=open_ledger_database(database_url), clock_ms=clock_ms)
+        try:
+            yield
+        finally:
+            app.state.ledger.close()
+
+    app = FastAPI(title="gpucloud ledger", version="1", lifespan=lifespan)
+    for module in (usage, allocations, prices, postings, reconciliation, periods):
+        app.include_router(module.router)
+    app.add_exception_handler(problems.LedgerProblem, _ledger_problem)
+    app.add_exception_handler(RequestValidationError, _validation_problem)
+    app.add_exception_handler(StarletteHTTPException, _http_problem)
+    app.add_exception_handler(Exception, _unexpected_problem)
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def _problem_response(problem: problems.Problem) -> JSONResponse:
+    return JSONResponse(
+        problem.model_dump(exclude_none=True), status_code=problem.status, media_type=problems.PROBLEM_MEDIA_TYPE
+    )
+
+
+async def _ledger_problem(_request: Request, error: problems.LedgerProblem) -> JSONResponse:
+    return _problem_response(error.problem)
+
+
+async def _validation_problem(_request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"] if part not in ("body", "query", "path"))
+    return _problem_response(problems.REQUEST_INVALID(f"{field}: {first['msg']}", field=field or None))
+
+
+async def _http_problem(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+    kind = problems.NOT_FOUND if error.status_code == 404 else problems.ProblemType(
+        "http-error", "HTTP error", error.status_code
+    )
+    return _problem_response(kind(str(error.detail)))
+
+
+async def _unexpected_problem(_request: Request, error: Exception) -> JSONResponse:
+    # Nothing was committed (every write is one transaction), so the client may retry.
+    # Starlette re-raises the error after this answer, and uvicorn logs its traceback.
+    return _problem_response(problems.INTERNAL_ERROR(f"{type(error).__name__}: {error}"[:500]))
+
+
+def main(host: str = "127.0.0.1", port: int = 8700, database_url: str = DEFAULT_DATABASE_URL) -> None:
+    """Run the ledger until interrupted (``gpucloud ledger``)."""
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite" and url.database:
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    uvicorn.run(create_app(database_url), host=host, port=port, log_level="warning", access_log=False)

@@ -1,0 +1,52 @@
+"""A stand-in host agent for the billing chaos test: meter + spool + shipper for a few nodes.
+
+Run as its own process so the test can SIGKILL it at any point:
+
+    python billing_chaos_agent.py SPOOL_DIR LEDGER_URL ALLOCATIONS_JSON INTERVAL_MS BATCH_SIZE
+
+ALLOCATIONS_JSON maps node id -> NodeAllocation fields; it is re-read at every tick, so the
+test ends allocations by rewriting it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from gpucloud.agent.spool import Meter, NodeAllocation, Shipper, Spool
+
+
+def main(spool_dir: str, ledger_url: str, allocations_path: str, interval_ms: str, batch_size: str) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def allocation_of(node_id: str) -> NodeAllocation | None:
+        fields = json.loads(Path(allocations_path).read_text()).get(node_id)
+        return None if fields is None else NodeAllocation(**fields)
+
+    threads = []
+    for node_id in json.loads(Path(allocations_path).read_text()):
+        spool = Spool(Path(spool_dir) / f"{node_id}.db", node_id)
+        meter = Meter(spool, lambda node_id=node_id: allocation_of(node_id), interval_ms=int(interval_ms))
+        shipper = Shipper(
+            spool,
+            ledger_url,
+            batch_size=int(batch_size),
+            timeout_s=5,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.4,
+            idle_poll_s=0.02,
+            retry_rejected_after_ms=200,
+        )
+        threads += [threading.Thread(target=meter.run, args=(stop,)), threading.Thread(target=shipper.run, args=(stop,))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,76 @@
+"""The health part of `gpucloud demo` against the real stack: a fault, its pull, its replacement in
+the same fabric domain and the tenant's events; and a clear error when the breaker refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import uuid
+from collections.abc import Coroutine
+
+import pytest
+from rich.console import Console
+
+from gpucloud.demo_health import HealthDemoError, demo_health
+
+FAST = dict(latency_scale=0.02, health_drain_grace_s=0.5, replacement_recheck_s=0.5)
+
+
+async def _ready_allocation(make_harness, in_process_worker, db_url, *, nodes: int, **settings):
+    h = make_harness(db_url, nodes=nodes, **{**FAST, **settings})
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": nodes}, timeout_s=90)
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"},
+                      headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert resp.status_code == 202, resp.text
+    alloc = await h.wait_allocation(key, resp.json()["allocation"]["id"], "ready")
+    return h, key, alloc
+
+
+def _run(h, key: str, alloc_id: str) -> tuple[Coroutine, io.StringIO]:
+    """The demo blocks (plain HTTP, sleeps): off the event loop the worker runs on."""
+    out = io.StringIO()
+    console = Console(file=out, width=200, force_terminal=False)
+    future = asyncio.to_thread(demo_health, console, h.api.url, h.settings.operator_token, key, alloc_id,
+                               h.sim.url, timeout_s=60)
+    return future, out
+
+
+async def test_demo_replaces_a_failed_node_in_the_same_fabric_domain(db_url, make_harness, in_process_worker):
+    h, key, alloc = await _ready_allocation(make_harness, in_process_worker, db_url, nodes=4,
+                                            breaker_max_pulled_share=1.0)
+    bad, kept = alloc["node_ids"]
+    future, out = _run(h, key, alloc["id"])
+    await future
+
+    after = h.client(key).get(f"/v1/allocations/{alloc['id']}").json()
+    assert after["status"] == "ready" and kept in after["node_ids"] and bad not in after["node_ids"]
+    (new,) = set(after["node_ids"]) - {kept}
+    assert h.node(new)["pod"] == alloc["fabric_domain"]
+    text = out.getvalue()
+    assert f"XID 79 on {bad}" in text and f"{new} replaced {bad}" in text
+    assert "allocation events" in text and "replacement_started" in text
+
+
+async def test_demo_says_why_when_the_breaker_refuses_the_pull(db_url, make_harness, in_process_worker):
+    h, key, alloc = await _ready_allocation(make_harness, in_process_worker, db_url, nodes=4)  # 1 pull an hour
+    idle = next(n["id"] for n in h.nodes() if n["allocation_id"] is None)
+    first = h.operator.post(f"/v1/nodes/{idle}/xid", json={"xid": 79}).json()["decisions"][0]
+    assert first["pull"] == "drain"
+    future, _ = _run(h, key, alloc["id"])
+    with pytest.raises(HealthDemoError, match="pull=None.*refused"):
+        await future
+    assert h.client(key).get(f"/v1/allocations/{alloc['id']}").json()["node_ids"] == alloc["node_ids"]
+
+
+async def test_demo_needs_a_ready_allocation(db_url, make_harness, in_process_worker):
+    h, key, alloc = await _ready_allocation(make_harness, in_process_worker, db_url, nodes=2)
+    with h.client(key) as c:
+        c.post(f"/v1/allocations/{alloc['id']}/cancel").raise_for_status()
+    await h.wait_allocation(key, alloc["id"], "released")
+    future, _ = _run(h, key, alloc["id"])
+    with pytest.raises(HealthDemoError, match="needs a ready one"):
+        await future

@@ -1,0 +1,118 @@
+"""The host agent process against a SimulatedProbe: the action API (dedup, tenancy invariants,
+501 naming a missing tool, tool failures) and the pushes to the control plane."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from gpucloud.agent.probe import SimulatedProbe
+from gpucloud.agent.service import (
+    ActionRequest,
+    Agent,
+    CommandResult,
+    CommandRunner,
+    HostState,
+    Reporter,
+    create_app,
+)
+
+
+class FakeTools(CommandRunner):
+    def __init__(self, installed: set[str], failing: set[str] = frozenset()) -> None:
+        self.installed, self.failing, self.ran = installed, failing, []
+
+    def which(self, tool: str) -> str | None:
+        return f"/usr/bin/{tool}" if tool in self.installed else None
+
+    def run(self, argv, timeout_s):
+        self.ran.append(argv)
+        return CommandResult(1 if argv[0] in self.failing else 0, "diag: FAIL" if argv[0] in self.failing else "ok")
+
+
+def _agent(tmp_path, tools: FakeTools) -> Agent:
+    state = HostState(node_id="gpu-1", boot_id="boot-1", scratch_dir=tmp_path / "scratch")
+    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=tools)
+
+
+def _post(client: TestClient, action: str, request_id: str, tenant: str | None = None) -> httpx.Response:
+    return client.post(f"/actions/{action}", json={"request_id": request_id, "tenant_id": tenant})
+
+
+def test_actions_keep_tenancy_invariants_and_dedup_by_request_id(tmp_path):
+    tools = FakeTools({"dcgmi", "all_reduce_perf"})
+    agent = _agent(tmp_path, tools)
+    with TestClient(create_app(agent)) as client:
+        first = _post(client, "provision", "r1", "t-a")
+        assert first.status_code == 200 and first.json()["tenant_id"] == "t-a" and first.json()["gpu_count"] == 8
+        assert _post(client, "provision", "r1", "t-a").json() == first.json()  # a retry: the same answer
+        refused = _post(client, "provision", "r2", "t-b")
+        assert refused.status_code == 409 and "wipe it first" in refused.json()["detail"]
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert _post(client, "wipe", "r3").status_code == 409  # the workload still runs
+        assert _post(client, "burn_in", "r4").status_code == 409
+        (tmp_path / "scratch").mkdir()
+        (tmp_path / "scratch" / "tenant-file").write_text("secret")
+        assert _post(client, "release", "r5").status_code == 200
+        wiped = _post(client, "wipe", "r6")
+        assert wiped.status_code == 200 and wiped.json()["tenant_id"] is None
+        assert list((tmp_path / "scratch").iterdir()) == []
+        assert _post(client, "burn_in", "r7").status_code == 200
+        assert [argv[0] for argv in tools.ran] == ["dcgmi", "all_reduce_perf"]
+        assert _post(client, "format_disk", "r8").status_code == 404
+
+
+def test_missing_tool_is_a_501_naming_it_and_a_failing_tool_a_422(tmp_path):
+    tools = FakeTools({"dcgmi"}, failing={"dcgmi"})
+    with TestClient(create_app(_agent(tmp_path, tools))) as client:
+        missing = _post(client, "burn_in", "b1")
+        assert missing.status_code == 501
+        assert missing.json()["tools"] == ["all_reduce_perf"] and "all_reduce_perf" in missing.json()["detail"]
+        assert _post(client, "reset", "b2").json()["tools"] == ["nvidia-smi"]
+        tools.installed.add("all_reduce_perf")
+        failed = _post(client, "burn_in", "b3")
+        assert failed.status_code == 422 and "dcgmi diag -r 3 exited 1" in failed.json()["detail"]
+
+
+@pytest.fixture
+def control_plane():
+    seen: dict[str, list] = {"/v1/agents/heartbeats": [], "/v1/agents/events": []}
+    state = {"down": False}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if state["down"]:
+            return httpx.Response(503)
+        seen[request.url.path].append(json.loads(request.content))
+        return httpx.Response(200, json={})
+
+    client = httpx.AsyncClient(base_url="http://cp", transport=httpx.MockTransport(handle))
+    return client, seen, state
+
+
+async def test_reporter_pushes_heartbeats_and_stamped_xids_and_keeps_them_while_down(tmp_path, control_plane):
+    client, seen, cp = control_plane
+    agent = _agent(tmp_path, FakeTools(set()))
+    reporter = Reporter(agent, client)
+    await agent.act("provision", ActionRequest(request_id="p", tenant_id="t-a"))
+
+    await reporter.heartbeat_once()
+    assert seen["/v1/agents/heartbeats"] == [{"heartbeats": [
+        {"node_id": "gpu-1", "tenant_id": "t-a", "workload_running": True, "boot_id": "boot-1"}]}]
+
+    assert await reporter.events_once(0) == 0  # nothing happened
+    probe: SimulatedProbe = agent.probe
+    probe.inject_xid(79, gpu_index=3)
+    cp["down"] = True
+    assert await reporter.events_once(0) == 0 and len(reporter.pending) == 1
+    cp["down"] = False
+    probe.inject_xid(13, gpu_index=1)
+    assert await reporter.events_once(0) == 2 and reporter.pending == []
+    (batch,) = seen["/v1/agents/events"]
+    assert [(e["xid"], e["gpu_index"], e["tenant_id"], e["node_id"]) for e in batch["events"]] == [
+        (79, 3, "t-a", "gpu-1"), (13, 1, "t-a", "gpu-1")]
+
+    reading = await reporter.read_once()
+    assert reading.is_gpu_node and len(reading.gpus) == 8
