@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Annotated
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, HTTPException
 from fastapi import Path as PathParam
 from fastapi import Response
@@ -49,6 +48,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.tracker import ORIGIN
 from gpucloud.registry.tracker_service import KEEPALIVE_S, TrackerClient
+from gpucloud.serving import ThreadedServer
 
 
 def create_peer_app(cache: ChunkCache) -> FastAPI:
@@ -69,43 +69,13 @@ def create_peer_app(cache: ChunkCache) -> FastAPI:
     return app
 
 
-class PeerServer:
-    """An ASGI app served by uvicorn on a daemon thread with its own event loop."""
+class PeerServer(ThreadedServer):
+    """A peer's (or the tracker's) app served on a daemon thread."""
 
     def __init__(self, app: object, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", access_log=False,
-            # Longer than any client keeps an idle connection (KEEPALIVE_S), so the server never
-            # closes one just as a client sends on it (a ReadError for a request that did nothing).
-            timeout_keep_alive=int(4 * KEEPALIVE_S),
-        )
-        self._server = uvicorn.Server(config)
-        self._host = host
-        self._thread = threading.Thread(target=self._server.run, name=f"peer-{host}:{port}", daemon=True)
-        self.url = ""
-
-    def start(self, *, timeout_s: float = 15.0) -> str:
-        """Start serving; return the base URL (port 0 picks a free port)."""
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"peer server on {self._host} did not start")
-            time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{self._host}:{port}"
-        return self.url
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
-
-    def __enter__(self) -> PeerServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        # Keep-alive longer than any client keeps an idle connection (KEEPALIVE_S), so the server
+        # never closes one just as a client sends on it (a ReadError for a request that did nothing).
+        super().__init__(app, host=host, port=port, name="peer", timeout_keep_alive=int(4 * KEEPALIVE_S))
 
 
 @dataclass

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, NoReturn
@@ -48,6 +47,7 @@ from gpucloud.fabric.interface import (
     PortMember,
     Vpc,
 )
+from gpucloud.serving import ThreadedServer
 
 GUID = re.compile(r"^0x[0-9a-f]{16}$")
 
@@ -401,38 +401,11 @@ def create_app(*, nvl_domains: dict[str, list[str]] | None = None) -> FastAPI:
     return app
 
 
-class FabricManagersServer:
-    """The simulated managers served by uvicorn on a daemon thread; `start` returns the URL."""
+class FabricManagersServer(ThreadedServer):
+    """The simulated managers served on a daemon thread; `start` returns the URL."""
 
     def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-        )
-        self._host = host
-        self._thread = threading.Thread(target=self._server.run, name="fabric-managers", daemon=True)
-        self.url = ""
-
-    def start(self, *, timeout_s: float = 15.0) -> str:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the simulated fabric managers did not start")
-            time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{self._host}:{port}"
-        return self.url
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
-
-    def __enter__(self) -> FabricManagersServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        super().__init__(app, host=host, port=port, name="fabric-managers")
 
 
 def main(host: str = "127.0.0.1", port: int = 8470) -> None:

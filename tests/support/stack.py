@@ -8,7 +8,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -16,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from gpucloud.config import Settings
+from gpucloud.serving import ThreadedServer
 from gpucloud.stack import free_port
 
 
@@ -91,23 +90,14 @@ class SimFleetProcess:
         self._log.close()
 
 
-class ApiThread:
-    """The FastAPI app served by uvicorn on a free port, in a thread with its own event loop."""
+class ApiThread(ThreadedServer):
+    """The FastAPI app served by uvicorn on the settings' port, in a thread with its own loop."""
 
     def __init__(self, settings: Settings) -> None:
         from gpucloud.api.app import create_app
 
-        self.url = settings.api_url
-        config = uvicorn.Config(create_app(settings), host=settings.api_host, port=settings.api_port,
-                                log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, timeout_s=30, what="API start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(create_app(settings), host=settings.api_host, port=settings.api_port, name="api")
+        self.start()
 
 
 @dataclass
