@@ -79,3 +79,24 @@ def wait_for(engine: sa.Engine, state: str, want: int, what: str, timeout_s: flo
             return time.monotonic() - started
         time.sleep(0.5)
     raise SystemExit(f"timed out: {what} ({count_states(engine)})")
+
+
+def add_temporal_db_arg(parser) -> None:
+    parser.add_argument("--temporal-db", choices=("memory", "file"), default="memory",
+                        help="Temporal's state in memory (default: measures the engine) or in a SQLite file "
+                             "as `gpucloud up` keeps it (measures this machine's disk too)")
+
+
+def bench_stack(nodes: int, temporal_db: str, **settings_overrides):
+    """A private stack on free ports in a temp dir, fleet not registered (the benchmark enrolls it)."""
+    import tempfile
+    from pathlib import Path
+
+    from gpucloud.stack import Stack, free_port
+
+    data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
+    settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
+                        sim_port=free_port(), operator_token="bench-token", **settings_overrides)
+    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
+                  register_fleet=False, temporal_persist=temporal_db == "file", sim_heartbeat_s=0)
+    return settings, stack, data_dir

@@ -18,7 +18,6 @@ import asyncio
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,27 +25,18 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import ACTIVITIES_PER_NODE, baseline, log, wait_for  # noqa: E402
+from common import add_temporal_db_arg, bench_stack, ACTIVITIES_PER_NODE, baseline, log, wait_for  # noqa: E402
 
-from gpucloud.config import Settings  # noqa: E402
-from gpucloud.stack import Stack, free_port  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="100 nodes, under a minute")
-    parser.add_argument("--temporal-db", choices=("memory", "file"), default="memory",
-                        help="Temporal's state in memory (default: measures the engine) or in a SQLite file "
-                             "as `gpucloud up` keeps it (measures this machine's disk too)")
+    add_temporal_db_arg(parser)
     args = parser.parse_args()
     nodes = 100 if args.quick else args.nodes
 
-    data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
-    settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), operator_token="bench-token")
-    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
-                  register_fleet=False,
-                  temporal_persist=args.temporal_db == "file")
+    settings, stack, data_dir = bench_stack(nodes, args.temporal_db)
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))

@@ -18,7 +18,6 @@ import asyncio
 import json
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -27,12 +26,11 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import baseline, log, wait_for  # noqa: E402
+from common import add_temporal_db_arg, bench_stack, baseline, log, wait_for  # noqa: E402
 
 from gpucloud.client import connect  # noqa: E402
 from gpucloud.config import Settings  # noqa: E402
 from gpucloud.models.messages import SweepInput  # noqa: E402
-from gpucloud.stack import Stack, free_port  # noqa: E402
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow  # noqa: E402
 
 BASELINE_WORKFLOWS = 1000
@@ -55,18 +53,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--quick", action="store_true", help="200 nodes, about a minute")
-    parser.add_argument("--temporal-db", choices=("memory", "file"), default="memory",
-                        help="Temporal's state in memory (default: measures the engine) or in a SQLite file "
-                             "as `gpucloud up` keeps it (measures this machine's disk too)")
+    add_temporal_db_arg(parser)
     args = parser.parse_args()
     nodes = 200 if args.quick else args.nodes
 
-    data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
-    settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), operator_token="bench-token", sweep_interval_s=15.0)
-    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
-                  register_fleet=False,
-                  temporal_persist=args.temporal_db == "file", sim_heartbeat_s=0)
+    settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sweep_interval_s=15.0)
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))
