@@ -16,6 +16,8 @@ from temporalio.worker import Worker
 from gpucloud.client import connect
 from gpucloud.config import Settings
 
+# Bring-up's activities per workflow: read the nodes, 3 transitions, inspect, burn-in (a batch
+# of `bringup_batch_size` nodes takes the same six, each for the whole batch).
 ACTIVITIES_PER_NODE = 6
 
 
@@ -37,9 +39,34 @@ class BaselineWorkflow:
         return n
 
 
-async def baseline(settings: Settings, nodes: int) -> float:
-    """Trivial workflows of ACTIVITIES_PER_NODE no-op activities per node, on the same server
-    and with the same worker limits: the engine's ceiling for this much work."""
+async def baseline(settings: Settings, nodes: int, *, nodes_per_workflow: int = 1) -> float:
+    """Trivial workflows of ACTIVITIES_PER_NODE no-op activities, one per `nodes_per_workflow`
+    nodes, on the same server and with the same worker limits: the engine's ceiling for the
+    same activity count per node. Returns nodes per second."""
+    workflows = -(-nodes // nodes_per_workflow)
+    return nodes_per_workflow * await _baseline_workflows(settings, workflows)
+
+
+async def agent_floor(agent_urls: list[str], *, concurrency: int) -> float:
+    """Bring-up's agent calls alone (inspect and burn-in per node, `concurrency` at a time, as
+    many as the batches have in flight), with no engine and no database: nodes per second."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    run = uuid.uuid4().hex[:8]
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
+        async def node(url: str) -> None:
+            async with gate:
+                for action in ("inspect", "burn_in"):
+                    resp = await http.post(f"{url}/actions/{action}", json={"request_id": f"floor-{run}-{url}-{action}"})
+                    resp.raise_for_status()
+
+        started = time.monotonic()
+        await asyncio.gather(*(node(u) for u in agent_urls))
+        return len(agent_urls) / (time.monotonic() - started)
+
+
+async def _baseline_workflows(settings: Settings, nodes: int) -> float:
     client = await connect(settings)
     queue = f"baseline-{uuid.uuid4().hex[:6]}"
     with ThreadPoolExecutor(max_workers=4) as executor:
@@ -59,6 +86,23 @@ async def baseline(settings: Settings, nodes: int) -> float:
 
             await asyncio.gather(*(wait(h) for h in handles))
             return nodes / (time.monotonic() - started)
+
+
+def onboard_tenant(api, name: str, *, timeout_s: float = 120) -> str:
+    """Onboard a tenant through the API (operator client `api`) and wait until it is active;
+    returns its first API key."""
+    resp = api.post("/v1/tenants", json={"name": name})
+    resp.raise_for_status()
+    accepted = resp.json()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = api.get(f"/v1/operations/{accepted['operation']['id']}").json()["status"]
+        if status == "succeeded":
+            return accepted["api_key"]["key"]
+        if status == "failed":
+            raise SystemExit(f"onboarding {name} failed")
+        time.sleep(0.2)
+    raise SystemExit(f"timed out onboarding {name}")
 
 
 def count_states(engine: sa.Engine) -> dict[str, int]:

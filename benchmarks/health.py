@@ -42,7 +42,7 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import log, wait_for  # noqa: E402
+from common import log, onboard_tenant, wait_for  # noqa: E402
 
 from gpucloud.config import Settings  # noqa: E402
 from gpucloud.stack import Stack, free_port  # noqa: E402
@@ -146,8 +146,7 @@ def allocate(api: httpx.Client, settings: Settings, engine: sa.Engine, gangs: in
     """`gangs` allocations of 8 nodes, round-robin over a few tenants; allocation id -> tenant key."""
     keys = []
     for i in range(TENANTS):
-        tenant = api.post("/v1/tenants", json={"name": f"bench-{i}"}).json()
-        keys.append(api.post(f"/v1/tenants/{tenant['id']}/api-keys").json()["key"])
+        keys.append(onboard_tenant(api, f"bench-{i}"))
     clients = [httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {k}"}, timeout=300)
                for k in keys]
     allocations = {}

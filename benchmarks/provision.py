@@ -3,8 +3,9 @@ cancelled in gangs of 8, through the real stack (Temporal dev server, worker, AP
 fleet as separate processes, SQLite).
 
 Baseline, measured in the same run on the same server: trivial workflows with the same number
-of activities per node as bring-up (6: read node, 3 transitions, inspect, burn-in), run by one
-worker with the same limits. `ratio` = nodes_per_s / baseline_nodes_per_s.
+of activities per node as bring-up (6 per batch of `bringup_batch_size` nodes: read the nodes,
+3 transitions, inspect, burn-in), run by one worker with the same limits.
+`ratio` = nodes_per_s / baseline_nodes_per_s.
 
     python benchmarks/provision.py [--nodes N] [--quick]
 
@@ -25,7 +26,15 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, ACTIVITIES_PER_NODE, baseline, log, wait_for  # noqa: E402
+from common import (  # noqa: E402
+    ACTIVITIES_PER_NODE,
+    add_temporal_db_arg,
+    baseline,
+    bench_stack,
+    log,
+    onboard_tenant,
+    wait_for,
+)
 
 
 def main() -> None:
@@ -40,9 +49,10 @@ def main() -> None:
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))
-        log(f"baseline: {nodes} trivial workflows x {ACTIVITIES_PER_NODE} activities")
-        baseline_nodes_per_s = asyncio.run(baseline(settings, nodes))
-        log(f"  {baseline_nodes_per_s:.1f} workflows/s")
+        batch = settings.bringup_batch_size
+        log(f"baseline: trivial workflows x {ACTIVITIES_PER_NODE} activities for {nodes} nodes, one per {batch}")
+        baseline_nodes_per_s = asyncio.run(baseline(settings, nodes, nodes_per_workflow=batch))
+        log(f"  {baseline_nodes_per_s:.1f} nodes/s")
 
         engine = sa.create_engine(settings.db_url)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=300)
@@ -53,8 +63,7 @@ def main() -> None:
             api.post("/v1/nodes:enroll", json={"nodes": inventory[i:i + 500]}).raise_for_status()
         bringup_s = (time.monotonic() - started) + wait_for(engine, "available", nodes, "bring-up", 1800)
 
-        tenant = api.post("/v1/tenants", json={"name": "bench"}).json()
-        key = api.post(f"/v1/tenants/{tenant['id']}/api-keys").json()["key"]
+        key = onboard_tenant(api, "bench")
         tenant_api = httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=300)
         gangs = nodes // 8
         log(f"allocate: {gangs} allocations of 8 nodes")

@@ -3,8 +3,13 @@ converged fleet, and 1% of active nodes drifting (wiped behind the control plane
 until every one is restored. Real stack: Temporal dev server, worker, API and simulated fleet
 as separate processes, SQLite; agents heartbeat every 5 s.
 
-Baseline, measured in the same run on the same server: trivial workflows with bring-up's
-activity count (benchmarks/common.py). `ratio` = nodes_per_s / baseline_nodes_per_s.
+Bring-up runs in batches (`BringupBatchWorkflow`, `bringup_batch_size` nodes per workflow, six
+activities per batch). Baselines, measured in the same run on the same machine:
+- `baseline_nodes_per_s`: the engine alone, trivial workflows with the same activity count per
+  node (six no-op activities per batch of nodes); `ratio` = nodes_per_s / baseline_nodes_per_s.
+- `agent_floor_nodes_per_s`: bring-up's agent calls alone (inspect and burn-in per node straight
+  to the simulated agents, as concurrent as the worker's HTTP pool), no engine, no database;
+  `ratio_vs_agent_floor` = nodes_per_s / agent_floor_nodes_per_s.
 
     python benchmarks/reconcile.py [--nodes N] [--quick]
 
@@ -26,15 +31,13 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, baseline, log, wait_for  # noqa: E402
+from common import add_temporal_db_arg, agent_floor, bench_stack, baseline, log, onboard_tenant, wait_for  # noqa: E402
 
+from gpucloud.activities.host_agent import BATCH_CONCURRENCY  # noqa: E402
 from gpucloud.client import connect  # noqa: E402
 from gpucloud.config import Settings  # noqa: E402
 from gpucloud.models.messages import SweepInput  # noqa: E402
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow  # noqa: E402
-
-BASELINE_WORKFLOWS = 1000
-
 
 async def one_sweep(settings: Settings):
     client = await connect(settings)
@@ -61,10 +64,10 @@ def main() -> None:
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))
-        n_base = min(nodes, BASELINE_WORKFLOWS)
-        log(f"baseline: {n_base} trivial workflows")
-        baseline_nodes_per_s = asyncio.run(baseline(settings, n_base))
-        log(f"  {baseline_nodes_per_s:.1f} workflows/s")
+        batch = settings.bringup_batch_size
+        log(f"baseline: trivial workflows for {nodes} nodes, one per {batch}")
+        baseline_nodes_per_s = asyncio.run(baseline(settings, nodes, nodes_per_workflow=batch))
+        log(f"  {baseline_nodes_per_s:.1f} nodes/s")
 
         engine = sa.create_engine(settings.db_url)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=600)
@@ -85,15 +88,22 @@ def main() -> None:
         for i in range(0, len(inventory), 1000):
             api.post("/v1/nodes:enroll", json={"nodes": inventory[i:i + 1000]}).raise_for_status()
         bringup_s = (time.monotonic() - started) + wait_for(engine, "available", nodes, "bring-up", 7200)
+        log(f"  {nodes} available in {bringup_s:.1f} s ({nodes / bringup_s:.1f} nodes/s)")
         heartbeat()
+
+        log("agent floor: bring-up's agent calls alone")
+        # As many calls in flight as the batches make: BATCH_CONCURRENCY per running batch
+        # activity, within the worker's activity slots and its HTTP pool (200 connections).
+        in_flight = min(200, BATCH_CONCURRENCY * min(-(-nodes // batch), settings.worker_max_activities))
+        agent_floor_nodes_per_s = asyncio.run(agent_floor([n["agent_url"] for n in inventory], concurrency=in_flight))
+        log(f"  {agent_floor_nodes_per_s:.1f} nodes/s")
 
         log("steady state: one sweep over the converged fleet")
         steady_sweep_s, steady = asyncio.run(one_sweep(settings))
         log(f"  {steady_sweep_s:.3f} s, {steady}")
 
         drift_n = max(8, nodes // 100) // 8 * 8
-        tenant = api.post("/v1/tenants", json={"name": "bench"}).json()
-        key = api.post(f"/v1/tenants/{tenant['id']}/api-keys").json()["key"]
+        key = onboard_tenant(api, "bench")
         tenant_api = httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
         for _ in range(drift_n // 8):
             tenant_api.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 8,
@@ -119,6 +129,8 @@ def main() -> None:
     print(json.dumps({
         "temporal_db": args.temporal_db, "nodes": nodes, "bringup_s": round(bringup_s, 1), "nodes_per_s": round(nodes_per_s, 2),
         "baseline_nodes_per_s": round(baseline_nodes_per_s, 2), "ratio": round(nodes_per_s / baseline_nodes_per_s, 3),
+        "agent_floor_nodes_per_s": round(agent_floor_nodes_per_s, 2),
+        "ratio_vs_agent_floor": round(nodes_per_s / agent_floor_nodes_per_s, 3), "bringup_batch_size": batch,
         "steady_sweep_s": round(steady_sweep_s, 3), "steady_starts": steady.started,
         "steady_candidates": steady.candidates, "drifted_nodes": len(victims),
         "drift_converge_s": round(drift_converge_s, 1),

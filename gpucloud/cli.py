@@ -14,7 +14,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gpucloud.cli_billing import invoices_app
 from gpucloud.cli_fleet import nodes
+from gpucloud.cli_rollout import rollout_app
 from gpucloud.cli_weights import weights_app
 from gpucloud.config import get_settings
 
@@ -76,27 +78,40 @@ def sim(
     seed: int = 0,
     id_prefix: Annotated[str, typer.Option(help="node ids are <prefix>-00000, ...")] = "sim",
     heartbeat_interval: Annotated[float, typer.Option(help="seconds between agent heartbeats (0: none)")] = 10.0,
+    ledger_url: Annotated[str | None, typer.Option(
+        help="meter allocations' GPU time and ship it to this ledger (with --register; spools in the data dir)")] = None,
+    meter_interval: Annotated[float | None, typer.Option(help="seconds per usage sample (default: settings)")] = None,
+    nvl72_racks: Annotated[int, typer.Option(help="GB200 NVL72 racks after the N nodes")] = 0,
+    nvl72_trays_per_rack: Annotated[int, typer.Option(help="compute trays in each NVL72 rack")] = 18,
 ) -> None:
     """Run a simulated fleet of N host agents on one port."""
     from gpucloud.sim.fleet import FleetSpec, serve
+    from gpucloud.sim.metering import MeteringSpec
 
     _logging()
     settings = get_settings()
     spec = FleetSpec(nodes=nodes, latency_scale=latency_scale, gpu_type=gpu_type, region=region, seed=seed,
-                     id_prefix=id_prefix)
+                     id_prefix=id_prefix, nvl72_racks=nvl72_racks, nvl72_trays_per_rack=nvl72_trays_per_rack)
+    metering = None
+    if ledger_url:
+        metering = MeteringSpec(ledger_url=ledger_url, spool_dir=settings.data_dir / "spools",
+                                interval_s=meter_interval or settings.meter_interval_s)
     serve(spec, host=settings.sim_host, port=settings.sim_port,
           control_plane_url=settings.api_url if register else None,
           operator_token=settings.resolved_operator_token if register else None,
-          heartbeat_interval_s=heartbeat_interval)
+          heartbeat_interval_s=heartbeat_interval, metering=metering)
 
 
 @app.command()
-def up(nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16) -> None:
+def up(
+    nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16,
+    nvl72_racks: Annotated[int, typer.Option(help="simulated GB200 NVL72 racks (18 trays each)")] = 0,
+) -> None:
     """Run everything on this machine until Ctrl-C; a second `up` on the same data dir resumes."""
     from gpucloud.stack import Stack, StackError
 
     settings = get_settings()
-    stack = Stack(settings, nodes=nodes)
+    stack = Stack(settings, nodes=nodes, billing=True, nvl72_racks=nvl72_racks)
     try:
         with console.status("starting") as status:
             stack.start(on_step=lambda s: status.update(s))
@@ -106,6 +121,8 @@ def up(nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16) -> None
         raise typer.Exit(1) from exc
     console.print(f"API        {settings.api_url}  (OpenAPI: {settings.api_url}/docs)")
     console.print(f"Web UI     {stack.ui_url}")
+    console.print(f"ledger     {stack.ledger_url}  (billing; `gpucloud invoices`)")
+    console.print(f"fabric     {stack.fabric_url}  (simulated UFM, NMX-M and SDN controller)")
     console.print(f"operator   {settings.resolved_operator_token}  "
                   f"(also in {settings.data_dir / 'operator_token'}, mode 0600)")
     console.print("Ctrl-C stops everything.")
@@ -155,20 +172,35 @@ def agent(
 
 @app.command()
 def ledger(
-    port: Annotated[int, typer.Option(help="port of the ledger API")] = 8700,
-    database_url: Annotated[str | None, typer.Option(help="the ledger's own DB (default: SQLite in the data dir)")] = None,
+    port: Annotated[int | None, typer.Option(help="port of the ledger API (default: GPUCLOUD_LEDGER_PORT, 8700)")] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="the ledger's own DB (default: GPUCLOUD_LEDGER_DATABASE_URL, else SQLite in the data dir)")] = None,
 ) -> None:
     """Run the billing ledger: its own process and its own database."""
     from gpucloud.ledger.service import main as ledger_main
 
     _logging()
     settings = get_settings()
-    ledger_main(host="127.0.0.1", port=port,
-                database_url=database_url or f"sqlite:///{(settings.data_dir / 'ledger.db').resolve()}")
+    ledger_main(host="127.0.0.1", port=port or settings.ledger_port,
+                database_url=database_url or settings.ledger_db_url)
+
+
+@app.command("fabric-managers")
+def fabric_managers(
+    port: Annotated[int, typer.Option(help="port of the simulated managers")] = 8470,
+    state: Annotated[Path | None, typer.Option(help="keep the managers' state in this JSON file")] = None,
+) -> None:
+    """Run the simulated fabric managers (UFM pkeys, NMX-M NVLink partitions, SDN VPCs) on loopback."""
+    from gpucloud.sim.fabric_managers import main as fabric_main
+
+    _logging()
+    fabric_main(host="127.0.0.1", port=port, state_path=state)
 
 
 app.command()(nodes)
 app.add_typer(weights_app, name="weights")
+app.add_typer(invoices_app, name="invoices")
+app.add_typer(rollout_app, name="rollout")
 
 
 def main() -> None:

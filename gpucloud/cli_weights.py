@@ -44,6 +44,7 @@ from gpucloud.registry.manifest import (
     ChunkCorruptedError,
     ChunkMissingError,
     ChunkRef,
+    ChunkTransferError,
     EvaluationRecord,
     IntegrityError,
     Keyring,
@@ -150,6 +151,12 @@ class RegistryClient:
 
     def set_gates(self, model: str, gates: list[dict]) -> dict:
         return self.call("PUT", f"/v1/models/{model}/gates", json={"gates": gates})
+
+    def collect_garbage(self, *, grace_seconds: int, dry_run: bool, tenant_id: str | None = None) -> dict:
+        """Operator only: `POST /v1/registry/gc` (the client must hold the operator token)."""
+        return self.call("POST", "/v1/registry/gc", json={"grace_period_seconds": grace_seconds, "dry_run": dry_run,
+                                                          "tenant_id": tenant_id},
+                         timeout=httpx.Timeout(None, connect=10))  # a large store takes a while to scan
 
     def record_evaluation(self, model: str, ref: str, *, evaluator: str, results: dict[str, float],
                           signer: Signer) -> dict:
@@ -319,24 +326,32 @@ class _ApiSource:
         return signed
 
     def stream(self, chunk_id: str) -> Iterator[bytes]:
-        hasher, broken = new_hasher(MiB), None
+        hasher, broken, received = new_hasher(MiB), None, 0
         try:
             with self.client.http.stream("GET", f"/v1/models/{self.model}/chunks/{chunk_id}") as response:
                 if response.status_code == 404:
                     raise ChunkMissingError("not in the registry's store", chunk_id=chunk_id)
+                if response.status_code >= 500:  # the API or its store failing: worth another try
+                    response.read()
+                    raise ChunkTransferError(f"registry answered {response.status_code}: {response.text[:200]}",
+                                             chunk_id=chunk_id)
                 if response.status_code >= 400:
                     response.read()
                     raise RegistryApiError.from_response(response)
                 for piece in response.iter_bytes():
                     hasher.update(piece)
+                    received += len(piece)
                     yield piece
-        except httpx.TransportError as exc:  # the server aborts a chunk that failed its own check
+        except httpx.TransportError as exc:  # a cut connection, or the server aborting a chunk that failed its check
             broken = exc
         actual = hasher.hexdigest()
+        if broken is not None:
+            # The two look alike from here; `pull` retries, and if every try breaks, reports what
+            # the bytes received hashed to (when any arrived at all).
+            raise ChunkTransferError(f"transfer failed after {received} bytes: {broken!r}", chunk_id=chunk_id,
+                                     actual_id=actual if received and actual != chunk_id else None)
         if actual != chunk_id:
             raise ChunkCorruptedError(f"received bytes hash to {actual}", chunk_id=chunk_id, actual_id=actual)
-        if broken is not None:
-            raise ChunkCorruptedError(f"transfer failed: {broken}", chunk_id=chunk_id)
         with self._lock:
             self.chunks_done += 1
 
@@ -540,3 +555,42 @@ def evaluate_command(
         client.register_key(signer)
         recorded = client.record_evaluation(model, version, evaluator=evaluator, results=results, signer=signer)
     out.print(f"recorded {len(results)} results for {model}@{recorded['version'][:12]}")
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    """`90s`, `30m`, `24h`, `7d` (or plain seconds) as seconds."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _DURATION_UNITS else (text, "s")
+    if not number.isdigit():
+        raise typer.BadParameter(f"{text!r} is not a duration like 30m, 24h or 7d", param_hint="--grace")
+    return int(number) * _DURATION_UNITS[unit]
+
+
+def gc_table(report: dict) -> Table:
+    verb = "would remove" if report["dry_run"] else "removed"
+    table = Table("tenant", "chunks scanned", "referenced", "young", verb, "bytes", "leases expired",
+                  title=f"registry garbage collection (grace {report['grace_period_seconds']}s)")
+    for t in report["tenants"]:
+        table.add_row(t["tenant_id"], str(t["chunks_scanned"]), str(t["chunks_referenced"]), str(t["chunks_young"]),
+                      str(t["chunks_deleted"]), human_size(t["bytes_deleted"]), str(t["leases_expired"]))
+    return table
+
+
+@weights_app.command("gc")
+def gc_command(
+    grace: Annotated[str, typer.Option(help="keep unreferenced chunks younger than this (30m, 24h, 7d)")] = "24h",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list what would be removed, remove nothing")] = False,
+    tenant: Annotated[str | None, typer.Option(help="one tenant id; default: every tenant")] = None,
+    api_url: ApiUrl = None,
+    operator_token: Annotated[str | None, typer.Option("--operator-token", envvar="GPUCLOUD_OPERATOR_TOKEN",
+                                                       help="default: the configured operator token")] = None,
+) -> None:
+    """Operators: remove chunks no version references, older than the grace period (never a push's)."""
+    grace_seconds = parse_duration(grace)
+    with _reported_errors(), _client(api_url, operator_token or get_settings().resolved_operator_token) as client:
+        report = client.collect_garbage(grace_seconds=grace_seconds, dry_run=dry_run, tenant_id=tenant)
+    out.print(gc_table(report))
+    verb = "would remove" if dry_run else "removed"
+    out.print(f"{verb} {report['chunks_deleted']} chunks ({human_size(report['bytes_deleted'])})")

@@ -1,7 +1,10 @@
 """`gpucloud demo`: a private stack, then a tenant's day through the public API only.
 
 Create a tenant and a key, allocate GPU nodes (idempotently), watch them provision, list them,
-cancel, and watch the nodes go back to the pool through wipe and burn-in.
+watch the reconciler restore a node wiped behind its back, fail a GPU and watch its node pulled
+and replaced in the same fabric domain, push and pull model weights, cancel, and watch the nodes
+(the pulled one through repair) go back to the pool through wipe and burn-in; last, the
+allocation's GPU time as the ledger billed it, to the millisecond, and the period's draft invoice.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gpucloud.config import Settings
+from gpucloud.demo_billing import BillingDemoError, demo_invoice
+from gpucloud.demo_health import HealthDemoError, demo_health
+from gpucloud.demo_tenants import TenantsDemoError, demo_tenants, onboard
 from gpucloud.demo_weights import WeightsDemoError, demo_weights
 from gpucloud.stack import Stack, StackError, free_port
 
@@ -94,10 +100,10 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
     _wait(console, f"fleet: {nodes} nodes enrolled -> inspected -> burned in -> available", nodes,
           lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"))
 
-    tenant = op.call("POST", "/v1/tenants", json={"name": f"acme-{uuid.uuid4().hex[:6]}"}, expect=(201,))
-    key = op.call("POST", f"/v1/tenants/{tenant['id']}/api-keys", expect=(201,))
-    console.print(f"tenant [bold]{tenant['name']}[/] ({tenant['id']}), API key {key['id']}")
-    acme = Api(api_url, key["key"])
+    tenant, acme_key = onboard(console, api_url, operator_token, "acme")
+    console.print(f"tenant [bold]{tenant['name']}[/] ({tenant['id']}) onboarded: VNI {tenant['vni']}, "
+                  f"storage {tenant['storage_prefix']}, first API key {acme_key.split('.')[0]}")
+    acme = Api(api_url, acme_key)
 
     want = max(1, min(4, nodes // 2))
     body = {"gpu_type": "H100", "node_count": want, "region": "us-east-1"}
@@ -123,8 +129,10 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
     console.print(f"allocation [green]ready[/]; operation {operation['id']} {operation['status']}")
     console.print(_node_table([n for n in op.all_nodes() if n["allocation_id"] == alloc_id]))
 
+    demo_tenants(console, api_url, operator_token, tenant, acme_key, alloc_id)
     show_reconciler(console, op, sim_url, alloc_id, tenant["id"])
-    demo_weights(console, api_url, key["key"], data_dir)
+    demo_health(console, api_url, operator_token, acme_key, alloc_id, sim_url)
+    demo_weights(console, api_url, acme_key, data_dir)
 
     cancel = acme.call("POST", f"/v1/allocations/{alloc_id}/cancel", expect=(202,))
     console.print(f"cancel accepted: allocation is [yellow]{cancel['allocation']['status']}[/]")
@@ -134,21 +142,25 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
           lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"))
     states = Counter(n["state"] for n in op.all_nodes())
     console.print(f"allocation [bold]released[/]; fleet: {dict(states)}")
+    demo_invoice(console, api_url, acme_key, sim_url, alloc_id)
 
 
 def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
     data_dir = data_dir or Path(".data") / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
     settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), database_url=None, operator_token=None, sweep_interval_s=2.0)
-    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.5, sim_heartbeat_s=1.0)
+                        sim_port=free_port(), database_url=None, operator_token=None, sweep_interval_s=2.0,
+                        ledger_port=free_port(), meter_interval_s=1.0)
+    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.5, sim_heartbeat_s=1.0,
+                  billing=True)
     started = time.monotonic()
     try:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
         console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
         scenario(console, settings.api_url, settings.resolved_operator_token, nodes, settings.sim_url, data_dir)
-    except (StackError, DemoFailed, WeightsDemoError, httpx.HTTPError) as exc:
+    except (StackError, DemoFailed, TenantsDemoError, HealthDemoError, WeightsDemoError, BillingDemoError,
+            httpx.HTTPError) as exc:
         console.print(f"[red]demo failed:[/] {exc}\nlogs: {stack.log_dir}")
         return 1
     finally:

@@ -1,8 +1,11 @@
-"""The embedded stack for one laptop: Temporal dev server, worker, API and simulated fleet as
-child processes, started in order, each waited on until it answers, stopped in reverse.
+"""The embedded stack for one laptop: Temporal dev server, billing ledger, simulated fabric
+managers, worker, API and simulated fleet as child processes, started in order, each waited on
+until it answers, stopped in reverse.
 
-Everything lives in the data dir (databases, logs, operator token), so a second `up` on the
-same data dir resumes where the first stopped.
+Everything lives in the data dir (databases, logs, operator token, the agents' usage spools), so
+a second `up` on the same data dir resumes where the first stopped. With `billing`, the ledger
+runs with its own SQLite database, gets a default price book the first time, and the simulated
+agents meter their allocations into it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 import httpx
 
 from gpucloud.config import Settings
+from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
+from gpucloud.sim.fabric_managers import register_nvl_domains
 from gpucloud.temporal_server import server_args
 
 
@@ -50,7 +55,25 @@ class Stack:
     register_fleet: bool = True
     sim_heartbeat_s: float = 10.0
     temporal_persist: bool = True
+    billing: bool = False
+    # Simulated fabric managers (UFM, NMX-M, SDN) on `fabric_url`; the worker applies every
+    # allocation's fabric membership through them. Their state is kept in the data dir.
+    fabric: bool = True
+    nvl72_racks: int = 0
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _fabric_port: int = field(default=0, init=False)
+
+    COMPONENTS = ("temporal", "ledger", "fabric", "worker", "api", "sim")
+
+    @property
+    def fabric_url(self) -> str:
+        if not self._fabric_port:
+            self._fabric_port = self.settings.fabric_port or free_port()
+        return f"http://127.0.0.1:{self._fabric_port}"
+
+    @property
+    def ledger_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ledger_port}"
 
     @property
     def log_dir(self) -> Path:
@@ -77,6 +100,11 @@ class Stack:
             "GPUCLOUD_SWEEP_INTERVAL_S": str(s.sweep_interval_s),
             "GPUCLOUD_HEARTBEAT_TIMEOUT_S": str(s.heartbeat_timeout_s),
             "GPUCLOUD_DEADLINE_SCALE": str(s.deadline_scale),
+            **({"GPUCLOUD_LEDGER_URL": self.ledger_url, "GPUCLOUD_LEDGER_PORT": str(s.ledger_port),
+                "GPUCLOUD_LEDGER_DATABASE_URL": s.ledger_db_url,
+                "GPUCLOUD_BILLING_CLOSE_INTERVAL_S": str(s.billing_close_interval_s),
+                "GPUCLOUD_METER_INTERVAL_S": str(s.meter_interval_s)} if self.billing else {}),
+            **({"GPUCLOUD_FABRIC_URL": self.fabric_url} if self.fabric else {}),
         }
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -90,35 +118,75 @@ class Stack:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "gpucloud.cli", *args]
 
-    def _check_ports(self) -> None:
+    def _components(self, only: tuple[str, ...] | None) -> list[str]:
+        wanted = [name for name in self.COMPONENTS if only is None or name in only]
+        wanted = [name for name in wanted if name != "fabric" or self.fabric]
+        return [name for name in wanted if name != "ledger" or self.billing]
+
+    def _check_ports(self, components: list[str]) -> None:
         host, port = self.settings.temporal_address.rsplit(":", 1)
-        for what, h, p in (("Temporal", host, int(port)), ("API", self.settings.api_host, self.settings.api_port),
-                           ("simulated fleet", self.settings.sim_host, self.settings.sim_port)):
+        ports = {"temporal": ("Temporal", host, int(port)),
+                 "ledger": ("ledger", "127.0.0.1", self.settings.ledger_port),
+                 "api": ("API", self.settings.api_host, self.settings.api_port),
+                 "sim": ("simulated fleet", self.settings.sim_host, self.settings.sim_port),
+                 "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1]))}
+        for what, h, p in (ports[name] for name in components if name in ports):
             if port_in_use(h, p):
                 raise StackError(f"port {p} for the {what} is already in use (another `gpucloud up`?); "
                                  f"stop it or pick other ports with GPUCLOUD_* settings")
 
-    def start(self, on_step: Callable[[str], None] = lambda _: None) -> None:
+    def start(self, on_step: Callable[[str], None] = lambda _: None, *, only: tuple[str, ...] | None = None) -> None:
+        """Start the stack, or with `only` some of its components (say, after `stop(only=...)`)."""
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
-        self._check_ports()
+        components = self._components(only)
+        self._check_ports(components)
+        for name in components:
+            getattr(self, f"_start_{name}")(on_step)
+        if "worker" in components:
+            self._ensure_alive("worker")
+
+    def _start_temporal(self, on_step: Callable[[str], None]) -> None:
         _, port = self.settings.temporal_address.rsplit(":", 1)
         on_step("starting Temporal dev server")
         self._spawn("temporal", server_args(self.settings.data_dir.resolve(), port=int(port),
                                             ui_port=self.ui_port, headless=self.headless,
                                             persist=self.temporal_persist))
         self._wait("temporal", self._temporal_ready, 90)
+
+    def _start_ledger(self, on_step: Callable[[str], None]) -> None:
+        on_step("starting billing ledger")
+        self._spawn("ledger", self._cli("ledger"))
+        self._wait("ledger", lambda: self._http_ok(f"{self.ledger_url}/healthz"), 60)
+        seed_price_book(self.ledger_url)
+
+    def _start_fabric(self, on_step: Callable[[str], None]) -> None:
+        on_step("starting simulated fabric managers")
+        port = self.fabric_url.rsplit(":", 1)[1]
+        self._spawn("fabric", self._cli("fabric-managers", "--port", port,
+                                        "--state", str(self.settings.data_dir.resolve() / "fabric.json")))
+        self._wait("fabric", lambda: self._http_ok(f"{self.fabric_url}/healthz"), 60)
+
+    def _start_worker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting worker")
         self._spawn("worker", self._cli("worker"))
+
+    def _start_api(self, on_step: Callable[[str], None]) -> None:
         on_step("starting API")
         self._spawn("api", self._cli("api"))
         self._wait("api", lambda: self._http_ok(f"{self.settings.api_url}/healthz"), 60)
+
+    def _start_sim(self, on_step: Callable[[str], None]) -> None:
         on_step(f"starting simulated fleet ({self.nodes} nodes)")
         register = ["--register"] if self.register_fleet else []
-        self._spawn("sim", self._cli("sim", "--nodes", str(self.nodes), *register,
+        metering = ["--ledger-url", self.ledger_url] if self.billing and self.register_fleet else []
+        nvl72 = ["--nvl72-racks", str(self.nvl72_racks)] if self.nvl72_racks else []
+        self._spawn("sim", self._cli("sim", "--nodes", str(self.nodes), *register, *metering, *nvl72,
                                      "--latency-scale", str(self.sim_latency_scale),
                                      "--heartbeat-interval", str(self.sim_heartbeat_s)))
         self._wait("sim", lambda: self._http_ok(f"{self.settings.sim_url}/healthz"), 60)
-        self._ensure_alive("worker")
+        if self.fabric and self.nvl72_racks:
+            # Real NMX-M discovers each NVL72 rack's GPUs; the simulated one is told.
+            register_nvl_domains(self.fabric_url, httpx.get(f"{self.settings.sim_url}/v1/inventory", timeout=30).json())
 
     def _temporal_ready(self) -> bool:
         from gpucloud.client import connect
@@ -157,9 +225,12 @@ class Stack:
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.processes.values())
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def stop(self, timeout_s: float = 15.0, *, only: tuple[str, ...] | None = None) -> None:
+        """Stop every component in reverse start order, or only those named."""
         for name in reversed(list(self.processes)):
-            proc = self.processes[name]
+            if only is not None and name not in only:
+                continue
+            proc = self.processes.pop(name)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -167,4 +238,16 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        self.processes.clear()
+
+
+def seed_price_book(ledger_url: str) -> None:
+    """Give a ledger without any price book the list prices (`models/catalog.py`), from the epoch on."""
+    versions = httpx.get(f"{ledger_url}/v1/price-book/versions", timeout=10)
+    versions.raise_for_status()
+    if versions.json():
+        return
+    prices = [{"gpu_type": gpu, "price_per_hour_micro": price} for gpu, price in LIST_PRICE_PER_GPU_HOUR_MICRO.items()]
+    created = httpx.post(f"{ledger_url}/v1/price-book/versions", timeout=10,
+                         json={"effective_from_ms": 0, "prices": prices, "note": "list prices"})
+    if created.status_code not in (201, 409):  # 409: another start seeded it meanwhile
+        raise StackError(f"the ledger refused the default price book: {created.text[:300]}")

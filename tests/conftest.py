@@ -89,16 +89,29 @@ def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
 
 @pytest.fixture
 def make_harness(tmp_path, temporal_env):
-    """Build a harness: `make_harness(db_url, nodes=8, latency_scale=0.05)`; torn down after the test."""
+    """Build a harness: `make_harness(db_url, nodes=8, latency_scale=0.05)`; torn down after the test.
+
+    `fabric=True` starts simulated fabric managers the worker applies membership through;
+    `nvl72_racks` adds GB200 NVL72 racks (`nvl72_trays` trays each) after the `nodes`.
+    """
+    from support.fabric import FabricManagers
     from support.stack import ApiThread, Harness, SimFleetProcess
 
     made: list = []
 
-    def build(db_url: str, *, nodes: int = 8, latency_scale: float = 0.05, **settings_overrides):
+    def build(db_url: str, *, nodes: int = 8, latency_scale: float = 0.05, fabric: bool = False,
+              nvl72_racks: int = 0, nvl72_trays: int = 18, **settings_overrides):
+        managers = FabricManagers() if fabric else None
+        if managers is not None:
+            settings_overrides.setdefault("fabric_url", managers.url)
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
-        sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log")
+        nvl72 = ("--nvl72-racks", str(nvl72_racks), "--nvl72-trays-per-rack", str(nvl72_trays)) if nvl72_racks else ()
+        sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log",
+                              extra_args=nvl72)
+        if managers is not None:
+            managers.register_domains(sim.inventory())
         api = ApiThread(settings)
-        harness = Harness(settings=settings, sim=sim, api=api, log_dir=tmp_path)
+        harness = Harness(settings=settings, sim=sim, api=api, log_dir=tmp_path, fabric=managers)
         made.append(harness)
         return harness
 
@@ -110,6 +123,8 @@ def make_harness(tmp_path, temporal_env):
                 proc.wait()
         h.api.stop()
         h.sim.stop()
+        if h.fabric is not None:
+            h.fabric.stop()
 
 
 @pytest.fixture
@@ -119,8 +134,8 @@ async def in_process_worker(temporal_env):
 
     workers: list = []
 
-    async def start(settings):
-        w = InProcessWorker(temporal_env.client, settings)
+    async def start(settings, **options):
+        w = InProcessWorker(temporal_env.client, settings, **options)
         await w.__aenter__()
         workers.append(w)
         return w

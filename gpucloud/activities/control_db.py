@@ -20,9 +20,14 @@ from gpucloud.models.messages import (
     AttachNodeInput,
     DetachNodeInput,
     NodeRef,
+    NodeRefs,
+    NodeTransitionBatch,
+    NodeTransitionBatchResult,
     NodeTransitionInput,
+    NodeTransitionOutcome,
     NodeTransitionResult,
     NodeView,
+    NodeViews,
     RepairPlan,
     ReplacementInput,
     ReplacementResult,
@@ -36,9 +41,12 @@ from gpucloud.services import nodes as node_service
 
 
 class ControlDbActivities:
-    def __init__(self, db_url: str, *, deadline_scale: float = 1.0) -> None:
+    def __init__(self, db_url: str, *, deadline_scale: float = 1.0, backoff_base_s: float = 5.0,
+                 backoff_cap_s: float = 600.0) -> None:
         self.db_url = db_url
         self.deadline_scale = deadline_scale
+        self.backoff_base_s = backoff_base_s
+        self.backoff_cap_s = backoff_cap_s
 
     @activity.defn
     def transition_node(self, req: NodeTransitionInput) -> NodeTransitionResult:
@@ -54,6 +62,35 @@ class ControlDbActivities:
                 return NodeTransitionResult(node_id=node.id, state=node.state, generation=node.generation)
         except (node_service.StaleNode, node_service.NodeNotFound, InvalidTransition) as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
+
+    @activity.defn
+    def transition_nodes(self, req: NodeTransitionBatch) -> NodeTransitionBatchResult:
+        """Many nodes' steps in one transaction (a bring-up batch): the same compare-and-swap as
+        `transition_node`, idempotent per op_id, in a few statements (`nodes.transition_many`).
+        A step that does not apply (the node moved, or is gone) is reported for that node and
+        does not stop the others."""
+        steps = [node_service.Step(node_id=i.node_id, event=i.event, from_state=i.from_state, op_id=i.op_id,
+                                   cause=i.cause, actor=i.actor) for i in req.items]
+        with session_scope(self.db_url) as session:
+            outcomes = node_service.transition_many(session, steps, deadline_scale=self.deadline_scale,
+                                                    lease_to_deadline=req.lease_to_deadline)
+        return NodeTransitionBatchResult(outcomes=[
+            NodeTransitionOutcome(node_id=node_id, state=state, error=error) for node_id, state, error in outcomes])
+
+    @activity.defn
+    def release_bringup_holds(self, req: NodeRefs) -> int:
+        """A batch lets go of nodes it could not finish (agent silent): the reconciler takes
+        them back after its per-node backoff, which grows with every attempt."""
+        with session_scope(self.db_url) as session:
+            return node_service.release_bringup_holds(session, req.node_ids, base_s=self.backoff_base_s,
+                                                      cap_s=self.backoff_cap_s)
+
+    @activity.defn
+    def get_nodes(self, req: NodeRefs) -> NodeViews:
+        """The nodes that exist among `node_ids`, in the order asked."""
+        with session_scope(self.db_url) as session:
+            found = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(req.node_ids))).all()}
+            return NodeViews(nodes=[_view(found[i]) for i in req.node_ids if i in found])
 
     @activity.defn
     def get_node(self, req: NodeRef) -> NodeView:
@@ -119,7 +156,8 @@ class ControlDbActivities:
         return node
 
     def all(self) -> list:
-        return [self.transition_node, self.get_node, self.load_allocation,
+        return [self.transition_node, self.transition_nodes, self.get_node, self.get_nodes,
+                self.release_bringup_holds, self.load_allocation,
                 self.set_allocation_status, self.detach_node, self.reserve_replacement, self.attach_node,
                 self.record_allocation_event, self.plan_repair]
 

@@ -15,17 +15,32 @@ import httpx
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from gpucloud.models.messages import AgentActionInput, AgentActionResult
+from gpucloud.models.messages import AgentActionInput, AgentActionResult, AgentBatchInput, AgentBatchResult
 
 HEARTBEAT_EVERY_S = 5.0
+# A batch calls this many agents at once.
+BATCH_CONCURRENCY = 32
+
+
+class AgentUnreachable(RuntimeError):
+    """Transient: no connection, a timeout or a 5xx."""
 
 
 class HostAgentActivities:
-    def __init__(self, *, timeout_s: float = 600.0, max_connections: int = 200) -> None:
+    def __init__(self, *, timeout_s: float = 600.0, max_connections: int = 200, batch_attempts: int = 4,
+                 batch_retry_base_s: float = 0.5) -> None:
+        # A batch retries an agent that is unreachable or answers 5xx this many times (delays
+        # doubling from the base) before it leaves that node to the reconciler.
+        self.batch_attempts = max(1, batch_attempts)
+        self.batch_retry_base_s = batch_retry_base_s
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+
+    @classmethod
+    def from_settings(cls, settings) -> HostAgentActivities:
+        return cls(batch_attempts=settings.agent_batch_attempts, batch_retry_base_s=settings.agent_batch_retry_base_s)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -43,12 +58,12 @@ class HostAgentActivities:
                 activity.heartbeat(action)
             response = call.result()
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"agent for {req.node_id} unreachable during {action}: {exc!r}") from exc
+            raise AgentUnreachable(f"agent for {req.node_id} unreachable during {action}: {exc!r}") from exc
         finally:
             if not call.done():
                 call.cancel()
         if response.status_code >= 500:
-            raise RuntimeError(f"agent for {req.node_id} failed {action} (HTTP {response.status_code}):"
+            raise AgentUnreachable(f"agent for {req.node_id} failed {action} (HTTP {response.status_code}):"
                                f" {response.text[:300]}")
         if response.status_code >= 400:
             raise ApplicationError(
@@ -56,6 +71,48 @@ class HostAgentActivities:
                 type="AgentActionFailed", non_retryable=True,
             )
         return AgentActionResult(node_id=req.node_id, action=action, details=response.json())
+
+    @activity.defn
+    async def agent_batch(self, req: AgentBatchInput) -> AgentBatchResult:
+        """One action on many nodes' agents (a bring-up batch), BATCH_CONCURRENCY at a time.
+
+        Unlike the per-node activities, transient failures are retried here, per node, so one
+        silent agent neither fails the batch nor makes Temporal repeat every other node's call;
+        a node still unreachable after `batch_attempts` is reported and left to the reconciler.
+        The agents deduplicate by request_id, so a retry of this whole activity is harmless.
+        """
+        result = AgentBatchResult()
+        gate = asyncio.Semaphore(BATCH_CONCURRENCY)
+        done = 0
+
+        async def one(item: AgentActionInput) -> None:
+            nonlocal done
+            async with gate:
+                for attempt in range(self.batch_attempts):
+                    try:
+                        await self._call(req.action, item)
+                        break
+                    except ApplicationError as exc:
+                        result.failed[item.node_id] = exc.message
+                        break
+                    except AgentUnreachable as exc:
+                        if attempt == self.batch_attempts - 1:
+                            result.unreachable[item.node_id] = str(exc)
+                        else:
+                            await asyncio.sleep(self.batch_retry_base_s * 2 ** attempt)
+            done += 1
+
+        calls = asyncio.ensure_future(asyncio.gather(*(one(item) for item in req.items)))
+        try:
+            while True:
+                finished, _ = await asyncio.wait({calls}, timeout=HEARTBEAT_EVERY_S)
+                if finished:
+                    calls.result()
+                    return result
+                activity.heartbeat(f"{req.action}: {done}/{len(req.items)}")
+        finally:
+            if not calls.done():
+                calls.cancel()
 
     @activity.defn
     async def inspect_node(self, req: AgentActionInput) -> AgentActionResult:
@@ -91,5 +148,5 @@ class HostAgentActivities:
         return await self._call("reflash", req)
 
     def all(self) -> list:
-        return [self.inspect_node, self.burn_in_node, self.provision_node, self.release_node, self.wipe_node,
+        return [self.agent_batch, self.inspect_node, self.burn_in_node, self.provision_node, self.release_node, self.wipe_node,
                 self.reset_node, self.reboot_node, self.reflash_node]

@@ -15,15 +15,24 @@ from sqlmodel import Session, select
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError
 
 from gpucloud import search_attributes as sattr
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.messages import NodeOperationInput, SweepInput, SweepResult
+from gpucloud.models.health_tables import OperatorAlertRecord
+from gpucloud.models.messages import (
+    NodeOperationInput,
+    NodeOperationKind,
+    ReplaceNodeRequest,
+    SweepInput,
+    SweepResult,
+)
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, NodePlan, NodeSnapshot, backoff, plan_node
 from gpucloud.services import nodes as node_service
+from gpucloud.services.workflows import signal_replace_node, start_bringup_batches
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
 
@@ -35,12 +44,19 @@ def candidate_filter(now, heartbeat_cutoff):
     return sa.or_(
         Node.deadline_at <= now,
         Node.state.in_([NodeState.ENROLLED.value, NodeState.INSPECTING.value]),
+        # Burn-in a bring-up batch handed back (its agent went silent): retried with backoff.
+        sa.and_(Node.state == NodeState.BURN_IN.value, Node.reconcile_attempts > 0),
         sa.and_(Node.drain_requested == True, Node.state != NodeState.QUARANTINED.value),  # noqa: E712
         Node.drifted == True,  # noqa: E712
         sa.and_(Node.last_heartbeat_at < heartbeat_cutoff, Node.agent_reachable == True),  # noqa: E712
         sa.and_(Node.last_heartbeat_at >= heartbeat_cutoff, Node.agent_reachable == False),  # noqa: E712
         sa.and_(Node.state == NodeState.QUARANTINED.value, Node.health != "ok",
                 Node.maintenance == False, Node.agent_reachable == True),  # noqa: E712
+        # A bad node its allocation still holds (the replace signal may have been lost), or one
+        # its allocation let go of before pulling it.
+        sa.and_(Node.allocation_id.is_not(None), Node.health != "ok",
+                Node.state.in_([s.value for s in (NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING)])),
+        sa.and_(Node.state == NodeState.AVAILABLE.value, Node.health != "ok"),
     )
 
 
@@ -48,7 +64,8 @@ def _snapshot(node: Node) -> NodeSnapshot:
     return NodeSnapshot(id=node.id, state=node.state, deadline_at=node.deadline_at,
                         drain_requested=node.drain_requested, last_heartbeat_at=node.last_heartbeat_at,
                         agent_reachable=node.agent_reachable, drifted=node.drifted, tenant_id=node.tenant_id,
-                        allocation_id=node.allocation_id, health=node.health, maintenance=node.maintenance)
+                        allocation_id=node.allocation_id, health=node.health, maintenance=node.maintenance,
+                        health_conditions=tuple(node.health_conditions or ()))
 
 
 def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
@@ -70,11 +87,24 @@ class ReconcilerActivities:
     async def sweep(self, req: SweepInput) -> SweepResult:
         result = SweepResult()
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
+        health_pulls = [p.node_id for p in plans if p.health_pull]
+        if health_pulls:
+            held_back = await asyncio.to_thread(self._breaker_held, health_pulls)
+            plans = [p for p in plans if p.node_id not in held_back]
+        replaces = [p for p in plans if p.replace]
+        if replaces:
+            await self._signal_replacements(replaces, result)
         starts = [p for p in plans if p.start is not None]
         if not starts:
             return result
         running = await self.client.count_workflows(RUNNING_NODE_OPS)
-        budget = max(0, self.settings.max_concurrent_node_ops - running.count)
+        held = await asyncio.to_thread(self._held_for_bringup)
+        budget = max(0, self.settings.max_concurrent_node_ops - running.count - held)
+        # Bring-ups go in batches (one workflow per batch); every other operation per node.
+        bringups = [p.node_id for p in starts if p.start == NodeOperationKind.BRINGUP]
+        starts = [p for p in starts if p.start != NodeOperationKind.BRINGUP]
+        if bringups:
+            budget = await self._start_bringups(bringups, budget, result)
         started_ids: list[str] = []
         for plan in starts:
             if budget <= 0:
@@ -95,6 +125,47 @@ class ReconcilerActivities:
             started_ids.append(plan.node_id)
         await asyncio.to_thread(self._record_attempts, started_ids)
         return result
+
+    async def _signal_replacements(self, plans: list[NodePlan], result: SweepResult) -> None:
+        """Ask allocation workflows (again) to replace nodes the health rules want out. The
+        workflow ignores a node it is already replacing; per-node backoff spaces the repeats."""
+        signalled: list[str] = []
+        for plan in plans:
+            req = ReplaceNodeRequest(node_id=plan.node_id, reason="; ".join(plan.reasons)[:1000],
+                                     immediate=plan.replace_at_once, grace_s=self.settings.health_drain_grace_s,
+                                     recheck_s=self.settings.replacement_recheck_s)
+            try:
+                await signal_replace_node(self.client, plan.allocation_id, req)
+                result.replace_signals += 1
+            except RPCError as exc:  # the allocation's workflow is gone: nothing to replace into
+                result.errors.append(f"replace {plan.node_id} in {plan.allocation_id}: {exc}")
+            signalled.append(plan.node_id)
+        await asyncio.to_thread(self._record_attempts, signalled)
+
+    def _breaker_held(self, node_ids: list[str]) -> set[str]:
+        since = utcnow() - timedelta(seconds=self.settings.breaker_window_s)
+        with session_scope(self.settings.db_url) as session:
+            return set(session.exec(select(OperatorAlertRecord.node_id).where(
+                OperatorAlertRecord.node_id.in_(node_ids), OperatorAlertRecord.kind == "circuit_breaker",
+                OperatorAlertRecord.at > since)).all())
+
+    async def _start_bringups(self, node_ids: list[str], budget: int, result: SweepResult) -> int:
+        if budget < len(node_ids):
+            result.deferred_by_limit += len(node_ids) - budget
+            node_ids = node_ids[:budget]
+        leased = await asyncio.to_thread(self._lease_for_bringup, node_ids)
+        result.already_running += len(node_ids) - len(leased)
+        result.bringup_batches += await start_bringup_batches(self.client, self.settings, leased)
+        result.started += len(leased)
+        return budget - len(leased)
+
+    def _lease_for_bringup(self, node_ids: list[str]) -> list[str]:
+        with session_scope(self.settings.db_url) as session:
+            return node_service.lease_for_bringup(session, node_ids, deadline_scale=self.settings.deadline_scale)
+
+    def _held_for_bringup(self) -> int:
+        with session_scope(self.settings.db_url) as session:
+            return node_service.held_for_bringup(session)
 
     def _plan_and_apply(self, req: SweepInput, result: SweepResult) -> list[NodePlan]:
         now = utcnow()

@@ -370,6 +370,16 @@ class ChunkCache:
             _fsync(self.root)
         return previous
 
+    def deactivate(self, digest: str) -> bool:
+        """Stop serving `digest` where no previous version is kept to go back to (the node ran
+        nothing before it): `current` goes, the files stay. False if `digest` is not current."""
+        with self._switch:
+            if self.active() != digest:
+                return False
+            (self.root / CURRENT).unlink()
+            _fsync(self.root)
+        return True
+
     def _target(self, name: str) -> str | None:
         try:
             return Path(os.readlink(self.root / name)).name

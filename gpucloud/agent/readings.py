@@ -6,7 +6,9 @@ raw counters exactly as NVML reports them; interpretation (rates, trends, thresh
 health rules' job, so a reading can be re-judged later under a different policy.
 
 A counter is `None` when the GPU or driver does not support it: "not supported" and "zero" are
-different facts, and trend rules must not treat a missing counter as a healthy one.
+different facts, and trend rules must not treat a missing counter as a healthy one. NVML's
+counters are unsigned: a negative one is a broken sender, refused when the control plane
+validates a pushed reading.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, computed_field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, computed_field
 
 # NVML's clock event (formerly "throttle") reason bits, copied from pynvml's
 # `nvmlClocksEventReason*` / `nvmlClocksThrottleReason*` constants so that this module decodes a
@@ -59,10 +61,10 @@ class _Reading(BaseModel):
 class EccCounts(_Reading):
     """Memory ECC error totals. Volatile counts reset with the driver; aggregate ones persist."""
 
-    volatile_corrected: int | None = None
-    volatile_uncorrected: int | None = None
-    aggregate_corrected: int | None = None
-    aggregate_uncorrected: int | None = None
+    volatile_corrected: NonNegativeInt | None = None
+    volatile_uncorrected: NonNegativeInt | None = None
+    aggregate_corrected: NonNegativeInt | None = None
+    aggregate_uncorrected: NonNegativeInt | None = None
 
 
 class RemappedRows(_Reading):
@@ -72,8 +74,8 @@ class RemappedRows(_Reading):
     the remapper ran out of spare rows, which no reset can fix.
     """
 
-    correctable: int
-    uncorrectable: int
+    correctable: NonNegativeInt
+    uncorrectable: NonNegativeInt
     pending: bool
     failure: bool
 
@@ -81,25 +83,25 @@ class RemappedRows(_Reading):
 class NvLinkReading(_Reading):
     """One NVLink's state and data-link error counters. Counters are read on active links only."""
 
-    link: int
+    link: NonNegativeInt
     active: bool
-    replay: int | None = None
-    recovery: int | None = None
-    crc_flit: int | None = None
-    crc_data: int | None = None
+    replay: NonNegativeInt | None = None
+    recovery: NonNegativeInt | None = None
+    crc_flit: NonNegativeInt | None = None
+    crc_data: NonNegativeInt | None = None
 
 
 class GpuReading(_Reading):
-    index: int
+    index: NonNegativeInt
     uuid: str
     name: str
     temperature_c: int | None = None
-    power_w: float | None = None
+    power_w: NonNegativeFloat | None = None
     ecc: EccCounts = EccCounts()
     remapped_rows: RemappedRows | None = None
     nvlinks: tuple[NvLinkReading, ...] = ()
-    pcie_replay: int | None = None
-    clock_event_reasons: int | None = None
+    pcie_replay: NonNegativeInt | None = None
+    clock_event_reasons: NonNegativeInt | None = None
 
     @computed_field
     @property
@@ -121,7 +123,7 @@ class FatalKind(StrEnum):
 
 class ProbeFatal(_Reading):
     kind: FatalKind
-    gpu_index: int | None = None
+    gpu_index: NonNegativeInt | None = None
     detail: str = ""
 
 

@@ -4,7 +4,8 @@ It serves the control plane's action API, the same one the simulated fleet speak
 (`POST /actions/{action}` with `{"request_id", "tenant_id"}`, answers deduplicated by request id,
 the same invariants: another tenant's data blocks a provision, a running workload blocks a wipe,
 burn-in runs only on a wiped idle node), and it pushes to the control plane: a heartbeat every
-`heartbeat_s` (`POST /v1/agents/heartbeats`) and XID events as the probe raises them
+`heartbeat_s` (`POST /v1/agents/heartbeats`), a reading every `reading_s`
+(`POST /v1/agents/readings`, for the trend rules) and XID events as the probe raises them
 (`POST /v1/agents/events`, stamped with the tenant holding the node). The probe's latest reading
 is kept for `GET /readings`.
 
@@ -172,7 +173,9 @@ class Agent:
 
 
 class Reporter:
-    """Pushes heartbeats and XID events to the control plane; events wait while it is down."""
+    """Pushes heartbeats, readings and XID events to the control plane; events wait while it is
+    down. Readings do not: their counters are cumulative, so the next one delivered carries
+    what the lost ones would have shown."""
 
     def __init__(self, agent: Agent, client: httpx.AsyncClient) -> None:
         self.agent, self.client = agent, client
@@ -187,7 +190,14 @@ class Reporter:
             log.warning("heartbeat not delivered: %s", exc)
 
     async def read_once(self) -> NodeReading:
+        """Read the probe and push the reading; the reading either way."""
         self.latest = await asyncio.to_thread(self.agent.probe.read)
+        try:
+            resp = await self.client.post("/v1/agents/readings",
+                                          json={"readings": [self.latest.model_dump(mode="json")]})
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("reading not delivered (dropped; the next one carries its counters): %s", exc)
         return self.latest
 
     async def events_once(self, wait_s: float) -> int:

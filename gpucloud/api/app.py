@@ -10,9 +10,10 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 from gpucloud.api import problems
-from gpucloud.api.routers import allocations, nodes, operations, registry, tenants
+from gpucloud.api.routers import allocations, api_keys, billing, nodes, operations, registry, rollouts, tenants
 from gpucloud.config import Settings
 from gpucloud.db import migrate
+from gpucloud.ledger.client import LedgerClient
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,16 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     async def lifespan(app: FastAPI):
         migrate(settings.db_url)
         app.state.temporal = temporal or await _connect_with_retry(settings)
+        app.state.ledger = LedgerClient(settings.ledger_url) if settings.ledger_url else None
         yield
+        if app.state.ledger is not None:
+            await app.state.ledger.aclose()
 
     app = FastAPI(title="gpucloud", version="0.1.0", lifespan=lifespan,
                   description="Control plane of a GPU cloud: tenants, nodes, allocations.")
     app.state.settings = settings
     problems.install(app)
-    for module in (tenants, allocations, operations, nodes, registry):
+    for module in (tenants, api_keys, allocations, operations, nodes, registry, billing, rollouts):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"])

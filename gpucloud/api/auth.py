@@ -1,17 +1,15 @@
-"""API keys and callers. Keys are `gpc_<key id>.<secret>`; only SHA-256 of the secret is kept
-(the secret is 256 random bits, so a slow hash buys nothing). Operators use the operator token.
-"""
+"""Callers: a tenant's API key (`gpc_<key id>.<secret>`, see `services.api_keys`) or the
+operator token. A revoked key, or a rotated one past its grace period, resolves to no one."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
 from dataclasses import dataclass
 
 from sqlmodel import Session
 
-from gpucloud.models.tables import ApiKey
+from gpucloud.models.tables import ApiKey, utcnow
+from gpucloud.services.api_keys import hash_secret, is_valid
 
 
 @dataclass(frozen=True)
@@ -28,19 +26,6 @@ class Caller:
         return self.role == "operator"
 
 
-def hash_secret(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def issue_key(session: Session, tenant_id: str) -> tuple[ApiKey, str]:
-    """Create a key; the plaintext is returned once and never stored."""
-    key_id = "key_" + secrets.token_hex(8)
-    secret = secrets.token_urlsafe(32)
-    key = ApiKey(id=key_id, tenant_id=tenant_id, secret_hash=hash_secret(secret))
-    session.add(key)
-    return key, f"gpc_{key_id}.{secret}"
-
-
 def resolve(session: Session, token: str, operator_token: str) -> Caller | None:
     if hmac.compare_digest(token.encode(), operator_token.encode()):
         return Caller(role="operator")
@@ -48,7 +33,7 @@ def resolve(session: Session, token: str, operator_token: str) -> Caller | None:
         return None
     key_id, secret = token[4:].split(".", 1)
     key = session.get(ApiKey, key_id)
-    if key is None or key.revoked_at is not None:
+    if key is None or not is_valid(key, utcnow()):
         return None
     if not hmac.compare_digest(key.secret_hash, hash_secret(secret)):
         return None

@@ -1,4 +1,4 @@
-"""FastAPI dependencies: settings, DB session, the caller, and the Temporal client."""
+"""FastAPI dependencies: settings, DB session, the caller, the Temporal client and the ledger client."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from gpucloud.api import auth
 from gpucloud.api.problems import Problem
 from gpucloud.config import Settings
 from gpucloud.db import get_engine
+from gpucloud.ledger.client import LedgerClient
 
 
 def get_settings(request: Request) -> Settings:
@@ -64,3 +65,14 @@ def get_tenant(caller: CallerDep) -> auth.Caller:
 
 OperatorDep = Annotated[auth.Caller, Depends(get_operator)]
 TenantDep = Annotated[auth.Caller, Depends(get_tenant)]
+
+
+def get_ledger(request: Request) -> LedgerClient:
+    ledger = getattr(request.app.state, "ledger", None)
+    if ledger is None:
+        raise Problem(503, "billing-not-configured", "Billing is not configured",
+                      "this control plane has no ledger (set GPUCLOUD_LEDGER_URL)")
+    return ledger
+
+
+LedgerDep = Annotated[LedgerClient, Depends(get_ledger)]

@@ -4,7 +4,8 @@ A key is bound to (caller, method, path, body hash). The first request claims th
 row insert (the unique constraint decides races); it runs and stores its response. A replay with
 the same body gets that first response back; the same key with another body or endpoint is a
 422; a replay that arrives while the first is still running waits for its answer. A 5xx is not
-stored, so a client can retry it with the same key.
+stored, so a client can retry it with the same key. A response that shows a secret once (a new
+API key) is stored redacted: its replay says what was created, without the secret.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def _load(db_url: str, caller: str, key: str) -> IdempotencyRecord | None:
         ).first()
 
 
-def _finish(db_url: str, caller: str, key: str, response: Response | None) -> None:
+def _finish(db_url: str, caller: str, key: str, response: Response | None,
+            redact: Callable[[bytes], bytes] | None = None) -> None:
     with session_scope(db_url) as session:
         record = session.exec(
             select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
@@ -87,7 +89,8 @@ def _finish(db_url: str, caller: str, key: str, response: Response | None) -> No
             session.delete(record)
         else:
             record.status_code = response.status_code
-            record.response_body = bytes(response.body).decode()
+            body = bytes(response.body)
+            record.response_body = (redact(body) if redact and response.status_code < 300 else body).decode()
             session.add(record)
 
 
@@ -97,7 +100,10 @@ def _replay(record: IdempotencyRecord) -> Response:
 
 
 async def run_idempotent(*, db_url: str, caller: str, key: str | None, method: str, path: str, body: bytes,
-                         handler: Callable[[], Awaitable[Response]]) -> Response:
+                         handler: Callable[[], Awaitable[Response]],
+                         redact: Callable[[bytes], bytes] | None = None) -> Response:
+    """Run `handler` once per key. `redact` turns a successful response body into the one kept
+    for replays, for answers that carry a secret which must be shown only once."""
     if key is None:
         return await handler()
     if not key or len(key) > MAX_KEY_LENGTH:
@@ -115,7 +121,7 @@ async def run_idempotent(*, db_url: str, caller: str, key: str | None, method: s
     except BaseException:
         await run_in_threadpool(_finish, db_url, caller, key, None)
         raise
-    await run_in_threadpool(_finish, db_url, caller, key, response)
+    await run_in_threadpool(_finish, db_url, caller, key, response, redact)
     return response
 
 

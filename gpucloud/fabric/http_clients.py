@@ -91,6 +91,11 @@ class NmxClient:
         response = _call(self._client, "POST", f"{self._base}/partitions", json=body)
         return NvlPartition.model_validate(response.json())
 
+    def update_partition(self, partition_id: int, *, gpu_uids: list[str]) -> NvlPartition:
+        """Replace the partition's GPUs (a tray joins or leaves a slice)."""
+        response = _call(self._client, "PUT", f"{self._base}/partitions/{partition_id}", json={"gpu_uids": gpu_uids})
+        return NvlPartition.model_validate(response.json())
+
     def get_partition(self, partition_id: int) -> NvlPartition | None:
         response = _get_or_none(self._client, f"{self._base}/partitions/{partition_id}")
         return None if response is None else NvlPartition.model_validate(response.json())

@@ -1,11 +1,13 @@
-"""Apply an allocation's fabric membership, read it back, and release it.
+"""Apply an allocation's fabric membership, read it back, take nodes out of it, and release it.
 
 An allocation gets one InfiniBand pkey (its nodes' ports as full members; every port also a
 limited member of the default partition), one NVLink partition per NVL72 domain it touches, and
 its nodes attached to the tenant's VPC. Resources are found again by name (`alloc-<id>`), so
 every step is idempotent and a retried activity, or a release after a crash, needs no state
-beyond the allocation id. `apply_and_verify` raises `FabricVerificationError` unless what the
-managers answer on a fresh read is exactly what was asked: a node becomes `active` only after.
+beyond the allocation id. `apply_and_verify` converges the pkey and the NVLink partitions to
+exactly the nodes given (a replacement joins, a member no longer listed leaves) and raises
+`FabricVerificationError` unless what the managers answer on a fresh read is exactly that: a
+node becomes `active` only after. `remove_nodes` takes pulled nodes out, VPC included.
 """
 
 from __future__ import annotations
@@ -93,12 +95,34 @@ def _gpus_by_domain(nodes: Sequence[FabricNode]) -> dict[str, list[str]]:
     return dict(domains)
 
 
+def _converge_pkey(controller: FabricController, name: str, allocation_id: str, guids: list[str]) -> int:
+    """The allocation's pkey, holding exactly `guids` as full members."""
+    ib = controller.infiniband
+    pkey = _ensure_pkey(controller, name, allocation_id)
+    current = ib.get_pkey(pkey)
+    if leaving := sorted((current.guids() if current else set()) - set(guids)):
+        ib.remove_ports(pkey, leaving)
+    ib.add_ports(pkey, guids, membership=Membership.FULL)
+    return pkey
+
+
 def _ensure_nvl_partitions(controller: FabricController, name: str, nodes: Sequence[FabricNode]) -> list[int]:
+    """One partition per domain the nodes' GPUs are in, holding exactly those GPUs; the
+    allocation's partitions in other domains (every tray there left) go."""
     nvlink = controller.nvlink
+    wanted = _gpus_by_domain(nodes)
     ids = []
-    for domain, gpus in sorted(_gpus_by_domain(nodes).items()):
+    for partition in nvlink.list_partitions():
+        if partition.name == name and partition.domain_id not in wanted:
+            nvlink.delete_partition(partition.partition_id)
+    for domain, gpus in sorted(wanted.items()):
         existing = [p for p in nvlink.list_partitions(domain_id=domain) if p.name == name]
-        partition = existing[0] if existing else nvlink.create_partition(name=name, domain_id=domain, gpu_uids=gpus)
+        if not existing:
+            partition = nvlink.create_partition(name=name, domain_id=domain, gpu_uids=gpus)
+        elif set(existing[0].gpu_uids) != set(gpus):
+            partition = nvlink.update_partition(existing[0].partition_id, gpu_uids=gpus)
+        else:
+            partition = existing[0]
         ids.append(partition.partition_id)
     return ids
 
@@ -106,14 +130,13 @@ def _ensure_nvl_partitions(controller: FabricController, name: str, nodes: Seque
 def apply_and_verify(
     controller: FabricController, allocation_id: str, tenant_id: str, nodes: Sequence[FabricNode],
 ) -> AppliedFabric:
-    """Put `nodes` on the allocation's fabric partitions, then read back and compare."""
+    """Make `nodes` the allocation's members on every fabric, then read back and compare."""
     name = resource_name(allocation_id)
     guids = sorted({g for node in nodes for g in node.port_guids})
     pkey = None
     if guids:
         controller.infiniband.add_ports(DEFAULT_PKEY, guids, membership=Membership.LIMITED)
-        pkey = _ensure_pkey(controller, name, allocation_id)
-        controller.infiniband.add_ports(pkey, guids, membership=Membership.FULL)
+        pkey = _converge_pkey(controller, name, allocation_id, guids)
     partition_ids = _ensure_nvl_partitions(controller, name, nodes)
     vpc = ensure_tenant_vpc(controller, tenant_id)
     for node in nodes:
@@ -154,6 +177,38 @@ def _differences(controller: FabricController, applied: AppliedFabric, nodes: Se
     elif missing_nodes := {n.node_id for n in nodes} - set(vpc.nodes):
         found.append(f"VNI {applied.vni} lacks nodes {sorted(missing_nodes)}")
     return found
+
+
+def remove_nodes(
+    controller: FabricController, allocation_id: str, tenant_id: str, nodes: Sequence[FabricNode],
+) -> None:
+    """Take `nodes` out of the allocation's membership (idempotent; a partition left without GPUs
+    goes), then check nothing of theirs is left in it."""
+    name = resource_name(allocation_id)
+    guids = {g for node in nodes for g in node.port_guids}
+    gpus = {g for node in nodes for g in node.gpu_uids}
+    node_ids = {n.node_id for n in nodes}
+    for pkey in controller.infiniband.list_pkeys():
+        if pkey.name == name and (held := guids & pkey.guids()):
+            controller.infiniband.remove_ports(pkey.pkey, sorted(held))
+    for partition in controller.nvlink.list_partitions():
+        if partition.name != name or not gpus & set(partition.gpu_uids):
+            continue
+        if keep := [g for g in partition.gpu_uids if g not in gpus]:
+            controller.nvlink.update_partition(partition.partition_id, gpu_uids=keep)
+        else:
+            controller.nvlink.delete_partition(partition.partition_id)
+    for vpc in controller.ethernet.list_vpcs(tenant_id=tenant_id):
+        for node_id in sorted(node_ids & set(vpc.nodes)):
+            controller.ethernet.detach(vpc.vni, node_id)
+    left = [f"{sorted(guids & p.guids())} in pkey 0x{p.pkey:04x}" for p in controller.infiniband.list_pkeys()
+            if p.name == name and guids & p.guids()]
+    left += [f"{sorted(gpus & set(p.gpu_uids))} in NVLink partition {p.partition_id}"
+             for p in controller.nvlink.list_partitions() if p.name == name and gpus & set(p.gpu_uids)]
+    left += [f"nodes {sorted(node_ids & set(v.nodes))} on VNI {v.vni}"
+             for v in controller.ethernet.list_vpcs(tenant_id=tenant_id) if node_ids & set(v.nodes)]
+    if left:
+        raise FabricVerificationError(allocation_id, [f"still present after removal: {', '.join(left)}"])
 
 
 def release(controller: FabricController, allocation_id: str, tenant_id: str, nodes: Sequence[FabricNode]) -> None:

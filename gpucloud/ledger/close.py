@@ -109,6 +109,11 @@ def build_invoices(
     ]
 
 
+def empty_invoice(period_id: str, tenant_id: str) -> Invoice:
+    """The invoice of a tenant with no line in the period (a draft shows it; a close stores none)."""
+    return _invoice(period_id, tenant_id, [])
+
+
 def _rated_line(kind: str, row: LineAggregate, prices: PriceBookHistory) -> InvoiceLine:
     rate = prices.by_id(row.price_version_id).rate_for(row.tenant_id, row.gpu_type)
     if rate is None:

@@ -12,6 +12,10 @@
 Closing a closed period again recomputes everything and compares it byte for byte with the
 stored invoices, so a retried close (the billing-close workflow retries activities) is
 idempotent, and doubles as a reproducibility check.
+
+The read side: the periods the ledger knows (what the scheduled close has to catch up on),
+stored invoices by tenant or id, and a draft of an open period's invoice (what closing it now
+would produce, computed the same way, stored nowhere).
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from __future__ import annotations
 from sqlalchemy import Connection, func, insert, select
 
 from gpucloud.ledger import problems
-from gpucloud.ledger.close import CloseIntegrityError, Invoice, LineAggregate, build_invoices
+from gpucloud.ledger.close import CloseIntegrityError, Invoice, LineAggregate, build_invoices, empty_invoice
 from gpucloud.ledger.db import LedgerDatabase
-from gpucloud.ledger.models import InvoiceSummary, PeriodCloseOut
-from gpucloud.ledger.periods import parse_period, period_bounds
+from gpucloud.ledger.models import InvoiceOut, InvoiceSummary, PeriodCloseOut, PeriodOut
+from gpucloud.ledger.periods import parse_period, period_bounds, period_of, periods_between
 from gpucloud.ledger.pricebook import PriceBookCache
 from gpucloud.ledger.schema import billing_periods, invoices, postings, rating_accumulators, usage_samples
 
@@ -200,3 +204,74 @@ def invoice_body(connection: Connection, period_id: str, tenant_id: str) -> byte
         select(invoices.c.body).where(invoices.c.period_id == period_id, invoices.c.tenant_id == tenant_id)
     ).scalar_one_or_none()
     return None if body is None else bytes(body)
+
+
+def list_periods(connection: Connection, *, now_ms: int) -> list[PeriodOut]:
+    """Every period from the first that holds postings (or was closed) through the current one."""
+    first_posted = connection.execute(select(func.min(postings.c.billing_period))).scalar()
+    closed = dict(connection.execute(select(billing_periods.c.period_id, billing_periods.c.closed_ms)).all())
+    known = [period for period in (first_posted, min(closed, default=None)) if period is not None]
+    if not known:
+        return []
+    result = []
+    for period_id in periods_between(min(known), max([period_of(now_ms), *closed])):
+        start_ms, end_ms = period_bounds(period_id)
+        result.append(
+            PeriodOut(period_id=period_id, start_ms=start_ms, end_ms=end_ms, ended=end_ms <= now_ms,
+                      closed_ms=closed.get(period_id))
+        )
+    return result
+
+
+_INVOICE_COLUMNS = (
+    invoices.c.id, invoices.c.period_id, invoices.c.tenant_id, invoices.c.total_micro, invoices.c.line_count,
+    invoices.c.sha256, invoices.c.created_ms,
+)
+
+
+def find_invoices(connection: Connection, *, tenant_id: str | None, period_id: str | None) -> list[InvoiceOut]:
+    query = select(*_INVOICE_COLUMNS).order_by(invoices.c.period_id, invoices.c.tenant_id)
+    if tenant_id is not None:
+        query = query.where(invoices.c.tenant_id == tenant_id)
+    if period_id is not None:
+        query = query.where(invoices.c.period_id == period_id)
+    return [InvoiceOut(**row) for row in connection.execute(query).mappings()]
+
+
+def invoice_by_id(connection: Connection, invoice_id: int, *, tenant_id: str | None) -> tuple[InvoiceOut, bytes] | None:
+    """A stored invoice and its exact bytes; None when absent or (given a tenant) another tenant's."""
+    query = select(*_INVOICE_COLUMNS, invoices.c.body).where(invoices.c.id == invoice_id)
+    if tenant_id is not None:
+        query = query.where(invoices.c.tenant_id == tenant_id)
+    row = connection.execute(query).mappings().first()
+    if row is None:
+        return None
+    return InvoiceOut(**{key: value for key, value in row.items() if key != "body"}), bytes(row["body"])
+
+
+def draft_invoice(connection: Connection, period_id: str, tenant_id: str, prices: PriceBookCache) -> Invoice:
+    """What closing the open period now would bill the tenant (also when that is nothing)."""
+    _check_period_id(period_id)
+    if connection.execute(
+        select(billing_periods.c.period_id).where(billing_periods.c.period_id == period_id)
+    ).first() is not None:
+        raise problems.LedgerProblem(
+            problems.STATE_CONFLICT(f"period {period_id} is closed: its invoice is final", field="period_id")
+        )
+    usage = _aggregate(
+        connection, usage_samples, func.count(),
+        usage_samples.c.billing_period == period_id, usage_samples.c.tenant_id == tenant_id,
+    )
+    reversals = _aggregate(
+        connection,
+        postings,
+        func.sum(postings.c.sample_count),
+        postings.c.billing_period == period_id,
+        postings.c.kind == "reversal",
+        postings.c.tenant_id == tenant_id,
+    )
+    try:
+        drafts = build_invoices(period_id, usage=usage, reversals=reversals, prices=prices.get(connection))
+    except CloseIntegrityError as error:
+        raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
+    return drafts[0] if drafts else empty_invoice(period_id, tenant_id)

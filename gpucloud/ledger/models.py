@@ -236,3 +236,19 @@ class PeriodCloseOut(BaseModel):
     end_ms: int
     closed_ms: int
     invoices: list[InvoiceSummary]
+
+
+class PeriodOut(BaseModel):
+    period_id: str
+    start_ms: int
+    end_ms: int
+    ended: bool
+    """The period is over by the ledger's clock, so it can be closed."""
+    closed_ms: int | None
+    """When it was closed; None while it is open."""
+
+
+class InvoiceOut(InvoiceSummary):
+    id: int
+    period_id: str
+    created_ms: int

@@ -13,7 +13,10 @@ Endpoints (all under ``/v1``; errors are RFC 9457 ``application/problem+json``):
 - ``GET /reconciliation``: metered vs allocated time per tenant per day, gaps flagged.
 - ``POST /price-book/versions``, ``GET /price-book/versions``: the price book.
 - ``GET /postings``, ``POST /postings/{id}:reverse``, ``GET /accounts``: the double-entry books.
+- ``GET /periods``: the periods known, which ended and which closed (the close catches up on them).
 - ``POST /periods/{YYYY-MM}:close``, ``GET /periods/{YYYY-MM}/invoices[/{tenant_id}]``.
+- ``GET /periods/{YYYY-MM}/draft-invoices/{tenant_id}``: an open period's invoice so far.
+- ``GET /invoices``, ``GET /invoices/{id}``: stored invoices by tenant or period, one by id.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpucloud.ledger import problems
-from gpucloud.ledger.api import allocations, periods, postings, prices, reconciliation, usage
+from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
 
@@ -52,7 +55,7 @@ def create_app(database_url: str = DEFAULT_DATABASE_URL, *, clock_ms: Callable[[
             app.state.ledger.close()
 
     app = FastAPI(title="gpucloud ledger", version="1", lifespan=lifespan)
-    for module in (usage, allocations, prices, postings, reconciliation, periods):
+    for module in (usage, allocations, prices, postings, reconciliation, periods, invoices):
         app.include_router(module.router)
     app.add_exception_handler(problems.LedgerProblem, _ledger_problem)
     app.add_exception_handler(RequestValidationError, _validation_problem)

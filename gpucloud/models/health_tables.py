@@ -1,5 +1,6 @@
-"""Health tables: XID events as agents (or operators) reported them, the quarantine pulls the
-circuit breaker counts, operator alerts, and what happened to an allocation (its event log).
+"""Health tables: XID events and counter readings as agents (or operators) reported them, the
+quarantine pulls the circuit breaker counts (and its per-pool compare-and-swap word), operator
+alerts, and what happened to an allocation (its event log).
 
 The node's current judgement lives on the node itself (`Node.health`, `Node.health_conditions`);
 these rows are the evidence and the history behind it. Workflow code never imports this module.
@@ -9,9 +10,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
+import sqlalchemy as sa
 from sqlmodel import Field, SQLModel
 
-from gpucloud.models.tables import UTCDateTime, _ts
+from gpucloud.models.tables import UTCDateTime, _json, _ts
 
 
 class XidEventRecord(SQLModel, table=True):
@@ -30,6 +32,37 @@ class XidEventRecord(SQLModel, table=True):
     allocation_id: str | None = None
     source: str = "agent"  # agent | operator
     received_at: datetime = _ts()
+
+
+class NodeReadingRecord(SQLModel, table=True):
+    """One periodic probe reading (`agent.readings.NodeReading`, as JSON) that the trend rules
+    judge. Readings older than the trend window are pruned on ingest, except fatal ones (GPU
+    lost, driver gone), which the lemon rule counts for its whole window."""
+
+    __tablename__ = "node_reading"
+    __table_args__ = (sa.Index("ix_node_reading_node_time", "node_id", "timestamp"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    node_id: str
+    timestamp: datetime = Field(sa_type=UTCDateTime)
+    fatal: bool = False
+    reading: dict = _json(dict)
+    received_at: datetime = _ts()
+
+
+class QuarantineBreaker(SQLModel, table=True):
+    """The circuit breaker's compare-and-swap word, one row per pool.
+
+    Every allowed pull moves `generation` on from the value read before the window was counted,
+    so of two judgements that counted the same window only one can take its last allowed pull;
+    the other counts again (on Postgres its update waits for the first to commit, then matches
+    no row). SQLite's write transactions are serialized already (BEGIN IMMEDIATE).
+    """
+
+    __tablename__ = "quarantine_breaker"
+
+    pool: str = Field(primary_key=True)
+    generation: int = 0
 
 
 class QuarantinePull(SQLModel, table=True):

@@ -80,6 +80,56 @@ class AgentActionResult(BaseModel):
     details: dict = Field(default_factory=dict)
 
 
+class NodeRefs(BaseModel):
+    node_ids: list[str]
+
+
+class NodeViews(BaseModel):
+    nodes: list[NodeView]
+
+
+class NodeTransitionBatch(BaseModel):
+    items: list[NodeTransitionInput]
+    # Keep the reconciler off nodes left in a transient state until that state's deadline (a
+    # bring-up batch holds them; at the deadline the reconciler takes over).
+    lease_to_deadline: bool = False
+
+
+class NodeTransitionOutcome(BaseModel):
+    node_id: str
+    # The node's state after the step; None when the step did not apply (error says why).
+    state: str | None = None
+    error: str | None = None
+
+
+class NodeTransitionBatchResult(BaseModel):
+    outcomes: list[NodeTransitionOutcome]
+
+
+class AgentBatchInput(BaseModel):
+    action: str
+    items: list[AgentActionInput]
+
+
+class AgentBatchResult(BaseModel):
+    # Nodes whose agent refused the action for good: node id -> reason (the node fails).
+    failed: dict[str, str] = Field(default_factory=dict)
+    # Nodes whose agent stayed unreachable through the activity's own retries: node id -> reason.
+    # They are left where they are, for the reconciler's per-node backoff.
+    unreachable: dict[str, str] = Field(default_factory=dict)
+
+
+class BringupInput(BaseModel):
+    node_ids: list[str]
+
+
+class BringupResult(BaseModel):
+    available: list[str] = Field(default_factory=list)
+    # Node id -> why it stopped short of available (failed into its failure target, moved by
+    # someone else, agent unreachable and left for the reconciler).
+    stopped: dict[str, str] = Field(default_factory=dict)
+
+
 class AllocationInput(BaseModel):
     allocation_id: str
 
@@ -176,4 +226,8 @@ class SweepResult(BaseModel):
     started: int = 0
     already_running: int = 0
     deferred_by_limit: int = 0
+    # Bring-up batches started (each counted in `started` by its nodes).
+    bringup_batches: int = 0
+    # Replace requests (re)sent to allocation workflows for bad nodes they still hold.
+    replace_signals: int = 0
     errors: list[str] = Field(default_factory=list)

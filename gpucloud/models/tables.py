@@ -70,10 +70,13 @@ class NodeBase(SQLModel):
 class NodeEnroll(NodeBase):
     agent_url: str
     ib_port_guids: list[str] = []
+    # The GPUs' UIDs, as NVML reports them: the members of NVLink partitions (NVL72 trays).
+    gpu_uids: list[str] = []
 
 
 class NodePublic(NodeBase):
     ib_port_guids: list[str]
+    gpu_uids: list[str]
     state: NodeState
     generation: int
     health: str
@@ -97,6 +100,7 @@ class Node(NodeBase, table=True):
 
     agent_url: str
     ib_port_guids: list[str] = _json()
+    gpu_uids: list[str] = _json()
     state: str = Field(default=NodeState.ENROLLED, index=True)
     generation: int = 0
     health: str = "ok"
@@ -143,30 +147,87 @@ class NodeTransition(SQLModel, table=True):
 # ---------------------------------------------------------------- tenants and keys
 
 
+class TenantStatus(StrEnum):
+    """`onboarding` ends `active`, or `failed` with every step undone; `offboarding` ends
+    `offboarded`. Only an `active` tenant may allocate."""
+
+    ONBOARDING = "onboarding"
+    ACTIVE = "active"
+    FAILED = "failed"
+    OFFBOARDING = "offboarding"
+    OFFBOARDED = "offboarded"
+
+
 class TenantCreate(SQLModel):
     name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": r"^[a-z0-9][a-z0-9-]*$"})
 
 
 class TenantPublic(TenantCreate):
     id: str
+    status: TenantStatus
+    vni: int | None
+    storage_prefix: str | None
+    failure_reason: str | None
     created_at: datetime
+    updated_at: datetime
 
 
 class Tenant(TenantCreate, table=True):
     seq: int | None = Field(default=None, primary_key=True)
     id: str = Field(default_factory=lambda: new_id("ten"), unique=True, index=True)
+    # Names are never reused, not even after offboarding: a name always means one tenant.
     name: str = Field(unique=True)
+    status: str = Field(default=TenantStatus.ONBOARDING, index=True)
+    # The tenant's VPC: unique while held, cleared when the VPC is released.
+    vni: int | None = Field(default=None, unique=True, index=True)
+    storage_prefix: str | None = None
+    failure_reason: str | None = None
     created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class TenantQuotaBase(SQLModel):
+    """At most `max_gpus` GPUs of `gpu_type` in `region` in the tenant's live allocations.
+
+    `*` stands for every GPU type or every region (each one counted on its own); the most
+    specific row wins, and with no row the control plane's default applies.
+    """
+
+    gpu_type: str
+    region: str
+    max_gpus: int
+
+
+class TenantQuota(TenantQuotaBase, table=True):
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "gpu_type", "region", name="uq_tenant_quota"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    tenant_id: str = Field(index=True)
+
+
+class ApiKeyPublic(SQLModel):
+    id: str
+    tenant_id: str
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    replaced_by: str | None
 
 
 class ApiKey(SQLModel, table=True):
-    """A tenant's API key: only a hash of the secret is kept."""
+    """A tenant's API key: only a hash of the secret is kept.
+
+    Valid until revoked (`revoked_at`, at once) or, after a rotation, until `expires_at` (the
+    grace period in which the old key and its replacement `replaced_by` both work).
+    """
 
     id: str = Field(primary_key=True)
     tenant_id: str = Field(index=True)
     secret_hash: str
     created_at: datetime = _ts()
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    replaced_by: str | None = None
 
 
 # ---------------------------------------------------------------- allocations and operations
@@ -189,6 +250,8 @@ class AllocationCreate(SQLModel):
     gpu_type: str = Field(min_length=1, max_length=64)
     node_count: int
     region: str = Field(min_length=1, max_length=64)
+    # A slice of one NVL72 rack: this many trays (node_count of them), one NVLink domain.
+    nvl72_trays: int | None = None
 
 
 class AllocationPublic(AllocationCreate):
@@ -197,6 +260,7 @@ class AllocationPublic(AllocationCreate):
     status: AllocationStatus
     desired: str
     fabric_domain: str | None
+    nvlink_domain: str | None
     node_ids: list[str]
     failure_reason: str | None
     created_at: datetime
@@ -211,6 +275,8 @@ class Allocation(AllocationCreate, table=True):
     # Intent: what the tenant wants (`running` or `cancelled`); status is what is.
     desired: str = "running"
     fabric_domain: str | None = None
+    # The NVL72 rack of an `nvl72_trays` slice (replacements come from it too).
+    nvlink_domain: str | None = None
     node_ids: list[str] = _json()
     failure_reason: str | None = None
     created_at: datetime = _ts()

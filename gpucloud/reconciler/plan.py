@@ -33,6 +33,14 @@ class NodeSnapshot:
     allocation_id: str | None = None
     health: str = "ok"
     maintenance: bool = False
+    health_conditions: tuple[dict, ...] = ()
+
+
+# Condition actions that pull a node out of its allocation (health/verdict.py's Action).
+PULL_ACTIONS = frozenset({"drain", "drain_now", "rma"})
+AT_ONCE_ACTIONS = frozenset({"drain_now", "rma"})
+# States in which an allocation holds a node, and its workflow replaces it when it goes bad.
+_HELD = frozenset({NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING})
 
 
 @dataclass
@@ -42,13 +50,20 @@ class NodePlan:
     state_after_deadline: str | None = None
     set_reachable: bool | None = None  # None: leave as is
     start: NodeOperationKind | None = None
+    # The health rules want this node out of its allocation: (again) ask the allocation's
+    # workflow to replace it. Re-derived from the record, so a lost signal is sent again.
+    replace: bool = False
+    replace_at_once: bool = False
+    # The plan pulls a node on the health rules' word alone (replace, or drain a node back in
+    # the pool): the circuit breaker's alert on the node holds it back for the operator.
+    health_pull: bool = False
     tenant_id: str | None = None
     allocation_id: str | None = None
     reasons: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.deadline_passed and self.set_reachable is None and self.start is None
+        return not self.deadline_passed and self.set_reachable is None and self.start is None and not self.replace
 
 
 # Transient states whose work belongs to the node's own workflows once the allocation has let
@@ -91,10 +106,24 @@ def plan_node(node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta
     elif state == NodeState.ACTIVE and node.drifted and reachable:
         plan.start = Op.RESTORE
         plan.reasons.append("agent reports a node that lost its tenant's workload")
+    elif state in _HELD and node.allocation_id is not None:
+        pulls = _pulls(node)
+        if pulls:
+            plan.replace = plan.health_pull = True
+            plan.replace_at_once = state != NodeState.ACTIVE or any(c.get("action") in AT_ONCE_ACTIONS for c in pulls)
+            plan.reasons.append("; ".join(f"{c.get('name')}: {c.get('reason')}" for c in pulls)[:900])
+    elif state == NodeState.AVAILABLE and node.allocation_id is None and _pulls(node):
+        # Judged bad while an allocation held it, which let go before pulling it: drain it now.
+        plan.start, plan.health_pull = Op.DRAIN, True
+        plan.reasons.append("health rules want it pulled; its allocation let go first")
     elif needs_repair(state, health=node.health, maintenance=node.maintenance, reachable=reachable):
         plan.start = Op.REPAIR
         plan.reasons.append(f"quarantined with health {node.health}: repair, then burn-in")
     return plan
+
+
+def _pulls(node: NodeSnapshot) -> list[dict]:
+    return [c for c in node.health_conditions if c.get("action") in PULL_ACTIONS]
 
 
 def needs_repair(state: NodeState, *, health: str, maintenance: bool, reachable: bool) -> bool:

@@ -15,6 +15,11 @@ wrote its lease, then checks those chunks are still there and uploads any that a
 it writes its manifest. The remaining assumption is that a GC process is not paused for longer
 than the settle margin between its last re-read and a delete.
 
+A writer that cannot wait the settle time on every call (the API registering a version pushed
+over HTTP) uses `holding` instead: it writes its lease, and waits only if a deleting GC run has
+marked itself as running. A run writes that mark before it lists anything, so a writer that sees
+no mark wrote its lease before the run's first read of the leases.
+
 GC also removes expired leases (pushes that died) and abandoned partial writes older than the
 grace period (temp files, S3 multipart uploads).
 """
@@ -22,7 +27,9 @@ grace period (temp files, S3 multipart uploads).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -94,6 +101,25 @@ def collect_garbage(
 ) -> GcResult:
     """Delete unreferenced chunks older than grace_period; see the module doc for the rules."""
     now = now or datetime.now(UTC)
+    if dry_run:
+        return _collect(chunk_store, manifest_store, grace_period, lease_ttl, now, True, clock)
+    run_id = uuid.uuid4().hex
+    manifest_store.put_gc_run(run_id, now)  # before anything is listed: see `holding`
+    try:
+        return _collect(chunk_store, manifest_store, grace_period, lease_ttl, now, False, clock)
+    finally:
+        manifest_store.delete_gc_run(run_id)
+
+
+def _collect(
+    chunk_store: ChunkStore,
+    manifest_store: ManifestStore,
+    grace_period: timedelta,
+    lease_ttl: timedelta,
+    now: datetime,
+    dry_run: bool,
+    clock: Callable[[], float],
+) -> GcResult:
     cutoff = now - grace_period
     result = GcResult(dry_run=dry_run)
 
@@ -128,3 +154,31 @@ def collect_garbage(
             manifest_store.delete_lease(lease.lease_id)
         result.uploads_aborted = chunk_store.abort_incomplete(older_than=cutoff)
     return result
+
+
+@contextmanager
+def holding(
+    manifest_store: ManifestStore,
+    chunk_ids: Iterable[str],
+    *,
+    model: str,
+    lease_ttl: timedelta = LEASE_TTL,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[None]:
+    """Keep GC away from chunk_ids while the block runs (check they exist, write the manifest).
+
+    The lease is written first; if a deleting GC run is marked as running, the block starts only
+    after `LEASE_SETTLE_SECONDS`, once that run has re-read the leases and finished the batch it
+    had begun without ours. A run marked longer ago than lease_ttl is taken for a dead one.
+    """
+    now = datetime.now(UTC)
+    lease = PushLease(lease_id=uuid.uuid4().hex, model=model, chunk_ids=sorted(set(chunk_ids)),
+                      created_at=now, renewed_at=now)
+    manifest_store.put_lease(lease)
+    leased_at = time.monotonic()
+    try:
+        if any(started >= now - lease_ttl for started in manifest_store.gc_runs()):
+            sleep(max(0.0, leased_at + LEASE_SETTLE_SECONDS - time.monotonic()))
+        yield
+    finally:
+        manifest_store.delete_lease(lease.lease_id)

@@ -24,6 +24,8 @@ the chunks it is about to rely on as referenced (see `gpucloud.registry.gc`).
 
 Every integrity failure is an `IntegrityError` subclass whose message names what failed (file,
 chunk id, offset, key id), so callers can fail closed on the base class and report the detail.
+A broken transfer (`ChunkTransferError`) is not one: it is retried, and only when the retries run
+out does it become `ChunkUnavailableError`, which is.
 """
 
 from __future__ import annotations
@@ -90,6 +92,25 @@ class ChunkTruncatedError(ChunkError):
 
 class ChunkSwappedError(ChunkError):
     """The store returned another chunk of the same version in place of the requested one."""
+
+
+class ChunkUnavailableError(ChunkError):
+    """The chunk's transfer kept breaking (connection reset, cut-off body, server error) until the
+    retries ran out: nothing wrong was accepted, but the version could not be fetched."""
+
+
+class ChunkTransferError(Exception):
+    """One transfer of a chunk broke before it could be verified; trying again may succeed.
+
+    Stores and sources raise it for a connection reset, a body cut off mid-way or a 5xx answer;
+    `pull` retries it with backoff. It is not an `IntegrityError`: no bytes were judged, and it
+    becomes `ChunkUnavailableError` (or the integrity error the bytes point to) when retries end.
+    `actual_id` is what the bytes received before the break hashed to, when they were hashed.
+    """
+
+    def __init__(self, detail: str, *, chunk_id: str, actual_id: str | None = None) -> None:
+        super().__init__(f"chunk {chunk_id}: {detail}")
+        self.chunk_id, self.actual_id = chunk_id, actual_id
 
 
 class FileMismatchError(IntegrityError):

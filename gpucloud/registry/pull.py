@@ -9,8 +9,14 @@ removes the temp directory, so the destination holds a complete verified version
 
 What failed is reported as a specific `IntegrityError`: `ChunkMissingError`,
 `ChunkCorruptedError`, `ChunkTruncatedError`, `ChunkSwappedError` (the store served another chunk
-of the same version), `FileMismatchError`, `ManifestTamperedError`, `BadSignatureError` or
-`UnknownKeyError`, each naming the file, chunk id and offset (or the version and key) involved.
+of the same version), `ChunkUnavailableError`, `FileMismatchError`, `ManifestTamperedError`,
+`BadSignatureError` or `UnknownKeyError`, each naming the file, chunk id and offset (or the
+version and key) involved.
+
+Chunk fetches are retried as `RetryPolicy` says: a broken transfer (connection reset, cut-off
+body, a 5xx from the store) a few times with backoff, then `ChunkUnavailableError`; bytes that
+arrive whole but hash wrong once more at most, then the integrity error. Nothing unverified is
+ever kept: a retry rewrites the chunk's whole range, and the version still lands only at the end.
 """
 
 from __future__ import annotations
@@ -18,16 +24,21 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
+    ChunkError,
     ChunkMissingError,
     ChunkRef,
     ChunkSwappedError,
+    ChunkTransferError,
     ChunkTruncatedError,
+    ChunkUnavailableError,
     FileEntry,
     FileMismatchError,
     Keyring,
@@ -59,7 +70,53 @@ def _write_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-def _fetch(store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int) -> int:
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How hard a pull tries one chunk before it fails closed.
+
+    A broken transfer (connection reset, timeout, body cut off, 5xx: `ChunkTransferError`,
+    `ConnectionError`, `TimeoutError`) gets `attempts` tries in all, `first_delay` apart and
+    doubling up to `max_delay`. Bytes that arrived whole but do not hash to the chunk id get
+    `refetches_after_mismatch` more tries (a flipped bit in flight heals on a re-fetch; a corrupt
+    stored chunk does not, and retrying it longer would only delay the refusal).
+    """
+
+    attempts: int = 4
+    first_delay: float = 0.25
+    max_delay: float = 4.0
+    refetches_after_mismatch: int = 1
+    sleep: Callable[[float], None] = time.sleep
+
+    def delay(self, failures: int) -> float:
+        return min(self.max_delay, self.first_delay * 2 ** (failures - 1))
+
+
+DEFAULT_RETRY = RetryPolicy()
+_BROKEN_TRANSFER = (ChunkTransferError, ConnectionError, TimeoutError)
+
+
+class _BrokenTransfer(Exception):
+    """One try's transfer broke after `received` bytes; `cause` says how."""
+
+    def __init__(self, cause: Exception, received: int) -> None:
+        super().__init__(str(cause))
+        self.cause, self.received = cause, received
+
+
+def _mismatch_error(
+    task: _Task, actual: str, received: int, version_chunks: set[str]
+) -> ChunkError:
+    """The integrity error that bytes of the wrong hash point to."""
+    chunk = task.chunk
+    where = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
+    if actual != chunk.id and actual in version_chunks:
+        return ChunkSwappedError(f"store served chunk {actual} of this version instead", **where)
+    if received < chunk.size:
+        return ChunkTruncatedError(f"store returned {received} of {chunk.size} bytes", **where)
+    return ChunkCorruptedError(f"{received} bytes that hash to {actual}", **where)
+
+
+def _fetch_once(store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int) -> int:
     """Copy one chunk into place; return the bytes written (always the manifest's size)."""
     chunk = task.chunk
     where = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
@@ -77,23 +134,55 @@ def _fetch(store: ChunkStore, task: _Task, version_chunks: set[str], read_limit:
     except ChunkMissingError:
         raise ChunkMissingError("not in the store", **where) from None
     except ChunkCorruptedError as exc:
-        actual = exc.actual_id
-        if actual is None:
+        if exc.actual_id is None:
             raise
-        if actual != chunk.id and actual in version_chunks:
-            raise ChunkSwappedError(
-                f"store served chunk {actual} of this version instead", **where
-            ) from None
-        if received < chunk.size:
-            raise ChunkTruncatedError(
-                f"store returned {received} of {chunk.size} bytes", **where
-            ) from None
-        raise ChunkCorruptedError(f"{received} bytes that hash to {actual}", **where) from None
+        raise _mismatch_error(task, exc.actual_id, received, version_chunks) from None
+    except _BROKEN_TRANSFER as exc:
+        raise _BrokenTransfer(exc, received) from exc
     finally:
         os.close(fd)
     if received != chunk.size:
         raise ChunkCorruptedError(f"{received} bytes, manifest lists {chunk.size}", **where)
     return received
+
+
+def _fetch(
+    store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int, retry: RetryPolicy
+) -> int:
+    """`_fetch_once`, tried again after a broken transfer or a mismatch, as `retry` allows.
+
+    A retry rewrites the chunk's whole range, so what a failed try left behind is overwritten.
+    """
+    broken = mismatched = 0
+    while True:
+        try:
+            return _fetch_once(store, task, version_chunks, read_limit)
+        except ChunkMissingError:
+            raise
+        except ChunkError:
+            mismatched += 1
+            if mismatched > retry.refetches_after_mismatch:
+                raise
+        except _BrokenTransfer as exc:
+            broken += 1
+            if broken >= retry.attempts:
+                raise _gave_up(task, exc, broken, version_chunks) from exc.cause
+            retry.sleep(retry.delay(broken))
+
+
+def _gave_up(
+    task: _Task, broken: _BrokenTransfer, tries: int, version_chunks: set[str]
+) -> ChunkError:
+    # A source that hashed the bytes before the break (the API client does: the registry cuts
+    # off a chunk that fails its own check) says what they were; otherwise they were never judged.
+    actual = getattr(broken.cause, "actual_id", None)
+    if actual is not None and actual != task.chunk.id:
+        return _mismatch_error(task, actual, broken.received, version_chunks)
+    chunk = task.chunk
+    return ChunkUnavailableError(
+        f"transfer failed {tries} times, giving up; last error: {broken.cause!r}",
+        chunk_id=chunk.id, path=task.relative, offset=chunk.offset,
+    )
 
 
 def _check_sequence(relative: str, entry: FileEntry) -> None:
@@ -123,6 +212,7 @@ def _assemble(
     *,
     concurrency: int,
     progress: ProgressCallback | None,
+    retry: RetryPolicy,
 ) -> None:
     tasks = []
     for relative, entry in manifest.files.items():
@@ -139,7 +229,7 @@ def _assemble(
     done = 0
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         pending: dict[Future[int], _Task] = {
-            pool.submit(_fetch, store, task, version_chunks, read_limit): task for task in tasks
+            pool.submit(_fetch, store, task, version_chunks, read_limit, retry): task for task in tasks
         }
         try:
             while pending:
@@ -177,6 +267,7 @@ def pull(
     tenant: str,
     concurrency: int = 4,
     progress: ProgressCallback | None = None,
+    retry: RetryPolicy = DEFAULT_RETRY,
 ) -> PullResult:
     """Materialise version `digest` at dest (which must not exist yet); see the module doc."""
     manifest = keyring.verify(manifest_store.get(digest), tenant=tenant)
@@ -186,7 +277,9 @@ def pull(
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
     try:
-        _assemble(manifest, staging, chunk_store, concurrency=concurrency, progress=progress)
+        _assemble(
+            manifest, staging, chunk_store, concurrency=concurrency, progress=progress, retry=retry
+        )
         staging.chmod(0o755)  # mkdtemp made it private; the version is meant to be read by others
         os.rename(staging, dest)
     except BaseException:

@@ -34,6 +34,7 @@ from gpucloud.registry.chunking import MiB, new_hasher
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
     ChunkMissingError,
+    ChunkTransferError,
     ManifestTamperedError,
     PushLease,
     SignedEvaluation,
@@ -234,7 +235,20 @@ def _s3_error_code(exc: Exception) -> str:
     return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
 
 
+def _s3_status(exc: Exception) -> int:
+    return int(getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
 _S3_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_S3_TRANSIENT = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"}
+
+
+def _s3_transport_errors() -> tuple[type[BaseException], ...]:
+    """What botocore raises for a lost connection, a timeout or a body cut off mid-way."""
+    from botocore import exceptions  # present wherever an S3 client was built
+
+    return (exceptions.HTTPClientError, exceptions.ConnectionError, exceptions.IncompleteReadError,
+            ConnectionError, TimeoutError)
 
 
 def _read_up_to(source: BinaryIO, size: int) -> bytes:
@@ -276,6 +290,7 @@ class S3ChunkStore(ChunkStore):
         if part_size < S3_MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {S3_MIN_PART_SIZE} bytes")
         self._client, self._bucket = client, bucket
+        self._transport_errors = _s3_transport_errors()
         self._prefix = f"{prefix.rstrip('/')}/chunks/" if prefix else "chunks/"
         self._threshold, self._part_size, self._read_size = (
             multipart_threshold,
@@ -334,16 +349,25 @@ class S3ChunkStore(ChunkStore):
             raise
 
     def stream(self, chunk_id: str) -> Iterator[bytes]:
+        """The chunk's pieces; a 5xx, a lost connection or a body cut off mid-way raises
+        `ChunkTransferError` (worth another try), a missing object `ChunkMissingError`."""
         try:
             body = self._client.get_object(Bucket=self._bucket, Key=self.key(chunk_id))["Body"]
         except self._client.exceptions.ClientError as exc:
             if _s3_error_code(exc) in _S3_NOT_FOUND:
                 raise ChunkMissingError("not in the store", chunk_id=chunk_id) from None
+            if _s3_status(exc) >= 500 or _s3_error_code(exc) in _S3_TRANSIENT:
+                raise ChunkTransferError(f"S3 answered {_s3_error_code(exc)}", chunk_id=chunk_id) from exc
             raise
+        except self._transport_errors as exc:
+            raise ChunkTransferError(f"S3 unreachable: {exc!r}", chunk_id=chunk_id) from exc
 
         def pieces() -> Iterator[bytes]:
             with body:
-                yield from body.iter_chunks(self._read_size)
+                try:
+                    yield from body.iter_chunks(self._read_size)
+                except self._transport_errors as exc:
+                    raise ChunkTransferError(f"S3 body cut off: {exc!r}", chunk_id=chunk_id) from exc
 
         return _verified(chunk_id, pieces())
 
@@ -533,6 +557,23 @@ class ManifestStore:
 
     def delete_lease(self, lease_id: str) -> None:
         self.records.remove(f"leases/{lease_id}.json")
+
+    def put_gc_run(self, run_id: str, started_at: datetime) -> None:
+        """Mark a deleting GC run as started (see `gpucloud.registry.gc.holding`)."""
+        self.records.write(f"gc-runs/{run_id}.json", started_at.isoformat().encode())
+
+    def gc_runs(self) -> list[datetime]:
+        """When each GC run still marked as running started."""
+        started = []
+        for key in self.records.keys("gc-runs/"):
+            try:
+                started.append(datetime.fromisoformat(self.records.read(key).decode()))
+            except KeyError:
+                continue  # the run finished between listing and reading
+        return started
+
+    def delete_gc_run(self, run_id: str) -> None:
+        self.records.remove(f"gc-runs/{run_id}.json")
 
 
 class LocalManifestStore(ManifestStore):

@@ -1,7 +1,8 @@
 """Allocations: atomic gang reservation, cancellation intent, and status changes.
 
 A gang is N whole nodes of one GPU type in one region inside one fabric domain (an InfiniBand
-pod). It is reserved in one transaction with a compare-and-swap per node: either all N nodes
+pod); a slice of an NVL72 rack (`nvl72_trays`) is N trays inside one NVLink domain (a rack, which
+sits in one pod). It is reserved in one transaction with a compare-and-swap per node: either all N nodes
 move available -> reserved for this allocation, or none do. Concurrent requests cannot share a
 node: the loser's CAS fails, its transaction rolls back, and it tries again on fresh data.
 """
@@ -28,10 +29,11 @@ from gpucloud.services import nodes as node_service
 
 
 class InsufficientCapacity(Exception):
-    def __init__(self, *, gpu_type: str, region: str, wanted: int, largest_domain: int, total: int):
+    def __init__(self, *, gpu_type: str, region: str, wanted: int, largest_domain: int, total: int,
+                 domain: str = "fabric domain", unit: str = "nodes"):
         super().__init__(
-            f"no fabric domain in {region} has {wanted} available {gpu_type} nodes"
-            f" (largest: {largest_domain}, available in region: {total}); try fewer nodes or later"
+            f"no {domain} in {region} has {wanted} available {gpu_type} {unit}"
+            f" (largest: {largest_domain}, available in region: {total}); try fewer {unit} or later"
         )
         self.wanted, self.largest_domain, self.total = wanted, largest_domain, total
 
@@ -55,7 +57,21 @@ def pick_gang(candidates: list[Node], wanted: int) -> list[Node] | None:
     return sorted(by_pod[pod], key=lambda n: (n.rack, n.id))[:wanted]
 
 
-def available_candidates(session: Session, *, gpu_type: str, region: str, pod: str | None = None) -> list[Node]:
+def pick_slice(candidates: list[Node], trays: int) -> list[Node] | None:
+    """Choose `trays` nodes inside one NVLink domain (an NVL72 rack): the tightest rack that fits."""
+    by_domain: dict[str, list[Node]] = defaultdict(list)
+    for node in candidates:
+        if node.nvlink_domain is not None:
+            by_domain[node.nvlink_domain].append(node)
+    fitting = [(len(nodes), domain) for domain, nodes in by_domain.items() if len(nodes) >= trays]
+    if not fitting:
+        return None
+    _, domain = min(fitting)
+    return sorted(by_domain[domain], key=lambda n: n.id)[:trays]
+
+
+def available_candidates(session: Session, *, gpu_type: str, region: str, pod: str | None = None,
+                         nvlink_domain: str | None = None) -> list[Node]:
     """Nodes a reservation may take: available, healthy, and neither cordoned nor in maintenance."""
     query = select(Node).where(
         Node.gpu_type == gpu_type,
@@ -67,6 +83,8 @@ def available_candidates(session: Session, *, gpu_type: str, region: str, pod: s
     )
     if pod is not None:
         query = query.where(Node.pod == pod)
+    if nvlink_domain is not None:
+        query = query.where(Node.nvlink_domain == nvlink_domain)
     return list(session.exec(query).all())
 
 
@@ -92,20 +110,27 @@ def reserve_node(session: Session, node: Node, allocation_id: str, *, now: datet
 def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | None = None,
                  deadline_scale: float = 1.0) -> list[Node]:
     candidates = available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region)
-    gang = pick_gang(candidates, allocation.node_count)
+    if allocation.nvl72_trays is not None:
+        gang = pick_slice(candidates, allocation.nvl72_trays)
+    else:
+        gang = pick_gang(candidates, allocation.node_count)
     if gang is None:
         sizes = defaultdict(int)
         for n in candidates:
-            sizes[n.pod] += 1
+            sizes[n.nvlink_domain if allocation.nvl72_trays is not None else n.pod] += 1
+        sizes.pop(None, None)
         raise InsufficientCapacity(
             gpu_type=allocation.gpu_type, region=allocation.region, wanted=allocation.node_count,
             largest_domain=max(sizes.values(), default=0), total=len(candidates),
+            **({"domain": "NVL72 rack", "unit": "trays"} if allocation.nvl72_trays is not None else {}),
         )
     now = now or utcnow()
     for node in gang:
         reserve_node(session, node, allocation.id, now=now, deadline_scale=deadline_scale,
                      op_id=f"reserve-{allocation.id}", actor="api")
     allocation.fabric_domain = gang[0].pod
+    if allocation.nvl72_trays is not None:
+        allocation.nvlink_domain = gang[0].nvlink_domain
     allocation.node_ids = [n.id for n in gang]
     return gang
 

@@ -1,11 +1,15 @@
-"""The health service: XID events in, a judged node and a decision to pull it out.
+"""The health service: XID events and counter readings in, a judged node and a decision to
+pull it out.
 
 `ingest_xids` stores events (stamped with the tenant and allocation the node's record shows),
-re-judges each node with `health.rules.evaluate_node`, writes its health and conditions, and
-decides what to do about a drain-level verdict: an active node is replaced inside its
-allocation (the caller signals the allocation workflow), an idle one is drained by the
-reconciler. Every automatic pull asks the pool's circuit breaker first, whose window is rebuilt
-from `QuarantinePull` rows; a refusal is an operator alert and no pull.
+`ingest_readings` stores the agents' periodic readings (pruned to the trend window); both
+re-judge each node with `health.rules.evaluate_node` over its stored events and readings, write
+its health and conditions, and decide what to do about a drain-level verdict. A node of an
+allocation (active, or still reserved or provisioning for it) is replaced inside the allocation
+(the caller signals the allocation workflow); an idle one is drained by the reconciler. Every
+automatic pull asks the pool's circuit breaker first, whose window is rebuilt from
+`QuarantinePull` rows and whose check-and-record is a compare-and-swap on the pool's
+`QuarantineBreaker` row; a refusal is an operator alert and no pull.
 
 `repair_plan` picks the next rung of the repair ladder for a node in `repairing`, or none (the
 lemon rule, or the ladder is exhausted: RMA).
@@ -18,13 +22,20 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import sqlalchemy as sa
-from sqlmodel import Session, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlmodel import Session, func, or_, select
 
-from gpucloud.agent.readings import XidEvent
-from gpucloud.health.breaker import BreakerState, CircuitBreaker, Pull
+from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.health.breaker import BreakerState, CircuitBreaker, OperatorAlert, Pull
 from gpucloud.health.rules import evaluate_node
 from gpucloud.health.verdict import Action, HealthPolicy, HealthVerdict, action_rank
-from gpucloud.models.health_tables import OperatorAlertRecord, QuarantinePull, XidEventRecord
+from gpucloud.models.health_tables import (
+    NodeReadingRecord,
+    OperatorAlertRecord,
+    QuarantineBreaker,
+    QuarantinePull,
+    XidEventRecord,
+)
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.reconciler.plan import AGENT_STATE_DRIFT, AGENT_UNREACHABLE
@@ -32,7 +43,14 @@ from gpucloud.reconciler.plan import AGENT_STATE_DRIFT, AGENT_UNREACHABLE
 REPAIR_LADDER = ("reset", "reboot", "reflash")
 # Conditions other code owns on the node: a re-judgement of XIDs keeps them.
 _FOREIGN_CONDITIONS = frozenset({AGENT_UNREACHABLE, AGENT_STATE_DRIFT})
-_PULLABLE = frozenset({NodeState.ACTIVE, NodeState.AVAILABLE})
+# A node its allocation holds: pulled by the allocation's workflow, which replaces it. One still
+# reserved or provisioning is pulled too, before the tenant is handed a node known to be bad.
+_REPLACEABLE = frozenset({NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING})
+# A node no allocation holds: drained by the reconciler.
+_DRAINABLE = frozenset({NodeState.ACTIVE, NodeState.AVAILABLE})
+# A compare-and-swap lost to a concurrent pull means a re-count; this many in a row means the
+# pool is being pulled from faster than it can be counted, which is itself alarming.
+BREAKER_CAS_ATTEMPTS = 50
 
 
 @dataclass(frozen=True)
@@ -72,8 +90,17 @@ def judge(session: Session, node: Node, *, now: datetime, policy: HealthPolicy) 
     events = [XidEvent(node_id=r.node_id, gpu_index=r.gpu_index, gpu_uuid=r.gpu_uuid, xid=r.xid,
                        timestamp=r.timestamp, message=r.message, tenant_id=r.tenant_id,
                        allocation_id=r.allocation_id) for r in rows]
-    return evaluate_node(events=events, readings=[], now=now, cleared_at=cleared_at(session, node.id),
-                         policy=policy)
+    return evaluate_node(events=events, readings=stored_readings(session, node.id, now=now, policy=policy), now=now,
+                         cleared_at=cleared_at(session, node.id), policy=policy, expected_gpu_count=node.gpu_count)
+
+
+def stored_readings(session: Session, node_id: str, *, now: datetime, policy: HealthPolicy) -> list[NodeReading]:
+    """The node's readings the rules look at: the trend window's, and fatal ones for the lemon rule."""
+    rows = session.exec(select(NodeReadingRecord.reading).where(
+        NodeReadingRecord.node_id == node_id, NodeReadingRecord.timestamp >= now - policy.lemon_window,
+        or_(NodeReadingRecord.fatal, NodeReadingRecord.timestamp >= now - policy.trend_window),
+    ).order_by(NodeReadingRecord.timestamp)).all()
+    return [NodeReading.model_validate(r) for r in rows]
 
 
 def ingest_xids(session: Session, events: Iterable[XidEvent], *, source: str, now: datetime | None = None,
@@ -94,9 +121,45 @@ def ingest_xids(session: Session, events: Iterable[XidEvent], *, source: str, no
             message=e.message, source=source, tenant_id=e.tenant_id or node.tenant_id,
             allocation_id=e.allocation_id or node.allocation_id) for e in node_events)
     session.flush()
-    outcomes = [_judge_and_decide(session, nodes[n], now=now, policy=policy, breaker=breaker)
-                for n in by_node if n in nodes]
+    outcomes = _judge_all(session, [nodes[n] for n in by_node if n in nodes], now=now, policy=policy,
+                          breaker=breaker)
     return outcomes, [n for n in by_node if n not in nodes]
+
+
+def ingest_readings(session: Session, readings: Iterable[NodeReading], *, now: datetime | None = None,
+                    policy: HealthPolicy = HealthPolicy(), breaker: BreakerSettings = BreakerSettings(),
+                    ) -> tuple[list[HealthOutcome], list[str]]:
+    """Store and judge; returns the outcome per node and the ids of unknown nodes.
+
+    All or nothing: when any reading names an unknown node, nothing is stored (the agent that
+    sent it is misconfigured, and half a batch judged would hide that).
+    """
+    now = now or utcnow()
+    by_node: dict[str, list[NodeReading]] = {}
+    for reading in readings:
+        by_node.setdefault(reading.node_id, []).append(reading)
+    nodes = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(list(by_node)))).all()}
+    unknown = [n for n in by_node if n not in nodes]
+    if unknown:
+        return [], unknown
+    for node_id, node_readings in by_node.items():
+        session.add_all(NodeReadingRecord(node_id=node_id, timestamp=r.timestamp, fatal=r.fatal_error is not None,
+                                          reading=r.model_dump(mode="json"), received_at=now) for r in node_readings)
+        # The trend rules look back `trend_window`; only fatal readings count for longer.
+        session.execute(sa.delete(NodeReadingRecord).where(
+            NodeReadingRecord.node_id == node_id, NodeReadingRecord.timestamp < now - policy.trend_window,
+            or_(~NodeReadingRecord.fatal, NodeReadingRecord.timestamp < now - policy.lemon_window)))
+    session.flush()
+    return _judge_all(session, list(nodes.values()), now=now, policy=policy, breaker=breaker), []
+
+
+def _judge_all(session: Session, nodes: list[Node], *, now: datetime, policy: HealthPolicy,
+               breaker: BreakerSettings) -> list[HealthOutcome]:
+    # Pool by pool, node by node: two ingests lock the breaker and node rows in the same order,
+    # so on Postgres they queue behind each other instead of deadlocking.
+    decided = {n.id: _judge_and_decide(session, n, now=now, policy=policy, breaker=breaker)
+               for n in sorted(nodes, key=lambda n: (pool_of(n), n.id))}
+    return [decided[n.id] for n in nodes]
 
 
 def _judge_and_decide(session: Session, node: Node, *, now: datetime, policy: HealthPolicy,
@@ -108,7 +171,8 @@ def _judge_and_decide(session: Session, node: Node, *, now: datetime, policy: He
     session.execute(sa.update(Node).where(Node.id == node.id).values(
         health=health, health_conditions=conditions, updated_at=now))
     outcome = HealthOutcome(node_id=node.id, verdict=verdict)
-    if action_rank(verdict.action) < action_rank(Action.DRAIN) or node.state not in _PULLABLE:
+    replace = node.state in _REPLACEABLE and node.allocation_id is not None
+    if action_rank(verdict.action) < action_rank(Action.DRAIN) or not (replace or node.state in _DRAINABLE):
         return outcome
     if node.drain_requested:
         return outcome  # already on its way out
@@ -118,9 +182,11 @@ def _judge_and_decide(session: Session, node: Node, *, now: datetime, policy: He
     if alert is not None:
         outcome.alert = alert
         return outcome
-    if node.state == NodeState.ACTIVE and node.allocation_id:
+    if replace:
         outcome.pull, outcome.allocation_id = "replace", node.allocation_id
-        outcome.immediate = action_rank(verdict.action) >= action_rank(Action.DRAIN_NOW)
+        # A node the tenant's job has not started on leaves nothing to checkpoint.
+        outcome.immediate = (node.state != NodeState.ACTIVE
+                             or action_rank(verdict.action) >= action_rank(Action.DRAIN_NOW))
     else:
         # Intent for the reconciler, as an operator's drain records it, but without the cordon:
         # the node's health already keeps it from reservations, and a passed burn-in returns it.
@@ -131,29 +197,61 @@ def _judge_and_decide(session: Session, node: Node, *, now: datetime, policy: He
     return outcome
 
 
+class BreakerContended(RuntimeError):
+    """The pool's breaker word kept changing under this judgement: no decision was taken."""
+
+
 def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: BreakerSettings) -> str | None:
-    """Record an allowed pull and return None, or record and return the operator alert."""
+    """Record an allowed pull and return None, or record and return the operator alert.
+
+    Check and record are one compare-and-swap: the pool's breaker generation is read before the
+    window is counted, and an allowed pull is recorded only if the generation is still the one
+    read. A concurrent judgement that recorded a pull meanwhile made it stale: count again.
+    """
     pool = pool_of(node)
-    rows = session.exec(select(QuarantinePull).where(
-        QuarantinePull.pool == pool, QuarantinePull.at > now - settings.window)).all()
-    state = BreakerState(pulls={pool: [Pull(node_id=r.node_id, at=r.at) for r in rows]})
-    pool_size = session.exec(select(func.count()).select_from(Node).where(
-        Node.gpu_type == node.gpu_type, Node.region == node.region,
-        Node.state != NodeState.RETIRED.value)).one()
-    decision = CircuitBreaker(max_pulled_share=settings.max_pulled_share, window=settings.window,
-                              state=state).request_quarantine(pool=pool, node_id=node.id, pool_size=pool_size,
-                                                              now=now)
-    if decision.allowed:
-        if not any(r.node_id == node.id for r in rows):
+    _ensure_breaker_row(session, pool)
+    for _ in range(BREAKER_CAS_ATTEMPTS):
+        generation = session.exec(select(QuarantineBreaker.generation).where(QuarantineBreaker.pool == pool)).one()
+        rows = session.exec(select(QuarantinePull).where(
+            QuarantinePull.pool == pool, QuarantinePull.at > now - settings.window)).all()
+        state = BreakerState(pulls={pool: [Pull(node_id=r.node_id, at=r.at) for r in rows]})
+        pool_size = session.exec(select(func.count()).select_from(Node).where(
+            Node.gpu_type == node.gpu_type, Node.region == node.region,
+            Node.state != NodeState.RETIRED.value)).one()
+        decision = CircuitBreaker(max_pulled_share=settings.max_pulled_share, window=settings.window,
+                                  state=state).request_quarantine(pool=pool, node_id=node.id, pool_size=pool_size,
+                                                                  now=now)
+        if not decision.allowed:
+            return _record_alert(session, node, decision.alert, now=now, settings=settings)
+        if any(r.node_id == node.id for r in rows):
+            return None  # pulled in this window already: not counted twice
+        swapped = session.execute(sa.update(QuarantineBreaker).where(
+            QuarantineBreaker.pool == pool, QuarantineBreaker.generation == generation,
+        ).values(generation=generation + 1))
+        if swapped.rowcount == 1:
             session.add(QuarantinePull(pool=pool, node_id=node.id, at=now))
-        return None
-    alert = decision.alert
+            return None
+    raise BreakerContended(f"circuit breaker of pool {pool}: {BREAKER_CAS_ATTEMPTS} compare-and-swaps lost in a row")
+
+
+def _ensure_breaker_row(session: Session, pool: str) -> None:
+    """The pool's breaker row, created on first use; a concurrent creator's row is as good."""
+    if session.get(QuarantineBreaker, pool) is not None:
+        return
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    session.execute(insert(QuarantineBreaker).values(pool=pool, generation=0)
+                    .on_conflict_do_nothing(index_elements=["pool"]))
+
+
+def _record_alert(session: Session, node: Node, alert: OperatorAlert, *, now: datetime,
+                  settings: BreakerSettings) -> str:
+    """One alert per node and window; the reason is the breaker's."""
     already = session.exec(select(OperatorAlertRecord.seq).where(
         OperatorAlertRecord.node_id == node.id, OperatorAlertRecord.kind == "circuit_breaker",
         OperatorAlertRecord.at > now - settings.window)).first()
     if already is None:
-        session.add(OperatorAlertRecord(kind="circuit_breaker", pool=pool, node_id=node.id, reason=alert.reason,
-                                        at=now))
+        session.add(OperatorAlertRecord(kind="circuit_breaker", pool=alert.pool, node_id=node.id,
+                                        reason=alert.reason, at=now))
     return alert.reason
 
 

@@ -8,13 +8,22 @@ both win, and the history always matches the record.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
 from sqlmodel import Session, select
 
-from gpucloud.models.node_states import NodeEvent, NodeState, deadline_for, is_transient, next_state
+from gpucloud.models.node_states import (
+    InvalidTransition,
+    NodeEvent,
+    NodeState,
+    deadline_for,
+    is_transient,
+    next_state,
+)
 from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
+from gpucloud.reconciler.plan import backoff
 from gpucloud.services.fleet import complete_drains
 
 
@@ -38,6 +47,55 @@ def enroll_nodes(session: Session, nodes: Iterable[NodeEnroll]) -> tuple[list[st
             continue
         session.add(Node(**spec.model_dump(), state_entered_at=now, created_at=now, updated_at=now))
     return [i for i in wanted if i not in known], [i for i in wanted if i in known]
+
+
+BRINGUP_STATES = (NodeState.ENROLLED.value, NodeState.INSPECTING.value)
+
+
+def lease_for_bringup(session: Session, node_ids: list[str], *, deadline_scale: float = 1.0,
+                      now: datetime | None = None) -> list[str]:
+    """Hold nodes waiting for bring-up for a batch about to start: the reconciler leaves them
+    alone until the inspection deadline (by then the batch has moved them on, renewing the hold
+    to each state's deadline, or the deadline sends them to their failure target).
+
+    Returns the ids that are waiting for bring-up and not held already (in the order given).
+    """
+    if not node_ids:
+        return []
+    now = now or utcnow()
+    until = deadline_for(NodeState.INSPECTING, now, scale=deadline_scale)
+    # One conditional UPDATE: of two callers racing for a node, only one sees it free (Postgres
+    # re-checks the WHERE after waiting on the row lock; SQLite writers are serialized).
+    held = set(session.execute(
+        sa.update(Node).where(
+            Node.id.in_(node_ids), Node.state.in_(BRINGUP_STATES), Node.allocation_id.is_(None),
+            sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now))
+        .values(next_reconcile_at=until).returning(Node.id)
+        .execution_options(synchronize_session=False)).scalars().all())
+    return [i for i in node_ids if i in held]
+
+
+def release_bringup_holds(session: Session, node_ids: list[str], *, base_s: float, cap_s: float,
+                          now: datetime | None = None) -> int:
+    """Hand nodes a bring-up batch could not finish back to the reconciler, after a backoff
+    that doubles with each attempt (so a silent agent is retried ever more slowly)."""
+    now = now or utcnow()
+    nodes = session.exec(select(Node).where(
+        Node.id.in_(node_ids), Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
+        Node.allocation_id.is_(None))).all()
+    for node in nodes:
+        node.reconcile_attempts += 1
+        node.next_reconcile_at = now + backoff(node.reconcile_attempts, base_s=base_s, cap_s=cap_s)
+        session.add(node)
+    return len(nodes)
+
+
+def held_for_bringup(session: Session, now: datetime | None = None) -> int:
+    """Nodes a bring-up batch holds: they count against the global limit on node operations."""
+    now = now or utcnow()
+    return session.exec(select(sa.func.count()).select_from(Node).where(
+        Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)), Node.allocation_id.is_(None),
+        Node.next_reconcile_at > now)).one()
 
 
 def transition(
@@ -88,6 +146,83 @@ def transition(
     session.flush()
     session.refresh(node)
     return node
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node's step in a batch (see `transition_many`)."""
+
+    node_id: str
+    event: str
+    from_state: str
+    op_id: str
+    cause: str = ""
+    actor: str = "system"
+
+
+def transition_many(session: Session, steps: list[Step], *, deadline_scale: float = 1.0, lease_to_deadline: bool = False,
+                    now: datetime | None = None) -> list[tuple[str, str | None, str | None]]:
+    """`transition` for a batch of nodes in a handful of statements: (node id, new state, None)
+    per applied or already-applied step, (node id, None, why) per refused one.
+
+    The same rules as one at a time: a step applies only from its `from_state` (a retry whose
+    step is already the node's newest transition is reported applied), bumps `generation`, and
+    writes its NodeTransition row in the same transaction. The batch's rows are locked first
+    (FOR UPDATE on Postgres; SQLite has one writer), so the generation checks cannot lose to a
+    concurrent writer; if one somehow does, the whole batch rolls back.
+    """
+    now = now or utcnow()
+    ids = list(dict.fromkeys(s.node_id for s in steps))
+    nodes = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(ids)).with_for_update()).all()}
+    seen: dict[str, tuple[str, int]] = {i: (n.state, n.generation) for i, n in nodes.items()}
+    outcomes: list[tuple[str, str | None, str | None]] = []
+    updates: dict[tuple[str, ...], list[dict]] = {}
+    rows: list[dict] = []
+    quarantined: list[str] = []
+    for step in steps:
+        if step.node_id not in seen:
+            outcomes.append((step.node_id, None, f"node {step.node_id!r} does not exist"))
+            continue
+        state, generation = seen[step.node_id]
+        if state != step.from_state:
+            if step.op_id and _last_transition_is(session, step.node_id, step.op_id, step.event):
+                outcomes.append((step.node_id, state, None))
+            else:
+                outcomes.append((step.node_id, None, f"node {step.node_id} is {state!r}, expected "
+                                 f"{step.from_state!r} for event {step.event!r}"))
+            continue
+        try:
+            to_state = next_state(state, step.event)
+        except InvalidTransition as exc:
+            outcomes.append((step.node_id, None, str(exc)))
+            continue
+        deadline = deadline_for(to_state, now, scale=deadline_scale)
+        values = {"state": to_state.value, "generation": generation + 1, "state_entered_at": now, "updated_at": now,
+                  "deadline_at": deadline,
+                  **_implied_changes(NodeState(state), NodeEvent(step.event), to_state)}
+        if lease_to_deadline and deadline is not None:
+            values["next_reconcile_at"] = deadline
+        updates.setdefault(tuple(sorted(values)), []).append({**values, "_id": step.node_id, "_generation": generation})
+        rows.append({"node_id": step.node_id, "from_state": state, "to_state": to_state.value, "event": step.event,
+                     "cause": step.cause, "actor": step.actor, "op_id": step.op_id, "generation": generation + 1,
+                     "at": now})
+        if to_state == NodeState.QUARANTINED:
+            quarantined.append(step.node_id)
+        seen[step.node_id] = (to_state.value, generation + 1)
+        outcomes.append((step.node_id, to_state.value, None))
+    table = Node.__table__
+    for columns, params in updates.items():
+        stmt = (sa.update(table).where(table.c.id == sa.bindparam("_id"), table.c.generation == sa.bindparam("_generation"))
+                .values({c: sa.bindparam(c) for c in columns}))
+        result = session.connection().execute(stmt, params)
+        if result.rowcount != len(params):
+            raise StaleNode(f"{len(params) - result.rowcount} of the batch's nodes changed under us")
+    if rows:
+        session.connection().execute(sa.insert(NodeTransition.__table__), rows)
+    for node_id in quarantined:
+        complete_drains(session, node_id)
+    session.expire_all()  # the loaded nodes are stale now
+    return outcomes
 
 
 def _implied_changes(from_state: NodeState, event: NodeEvent, to_state: NodeState) -> dict[str, object]:

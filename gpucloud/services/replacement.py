@@ -1,5 +1,5 @@
 """Drain-and-replace inside an allocation: pull the bad node out, reserve one in the same fabric
-domain, attach it once provisioned. Each function is one short transaction the allocation
+domain (the same NVL72 rack for a slice of one), attach it once provisioned. Each function is one short transaction the allocation
 workflow calls through an activity, and each is idempotent (a retried activity changes nothing
 twice). The tenant's view of it is the allocation's event log (`AllocationEvent`).
 """
@@ -58,11 +58,14 @@ def reserve_replacement(session: Session, allocation_id: str, *, deadline_scale:
     if pending is not None:
         return pending, ""
     for _ in range(RESERVE_ATTEMPTS):
+        # A slice of an NVL72 rack is replaced from the same rack: its NVLink partition spans one.
         candidates = sorted(available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region,
-                                                 pod=allocation.fabric_domain), key=lambda n: (n.rack, n.id))
+                                                 pod=allocation.fabric_domain, nvlink_domain=allocation.nvlink_domain),
+                            key=lambda n: (n.rack, n.id))
         if not candidates:
-            return None, (f"no available {allocation.gpu_type} node in fabric domain {allocation.fabric_domain}; "
-                          "waiting for capacity")
+            where = (f"NVL72 rack {allocation.nvlink_domain}" if allocation.nvlink_domain
+                     else f"fabric domain {allocation.fabric_domain}")
+            return None, f"no available {allocation.gpu_type} node in {where}; waiting for capacity"
         try:
             # A lost CAS wrote nothing: look again on fresh data.
             cas_reserve(session, candidates[0], allocation_id, now=utcnow(), deadline_scale=deadline_scale,

@@ -1,4 +1,5 @@
-"""The reconciler's Temporal Schedule, created (or updated) idempotently at worker start-up."""
+"""The control plane's Temporal Schedules, created (or updated) idempotently at worker start-up:
+the reconciler's sweep, and the billing close (when a ledger is configured)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDConflictPolicy
 
 from gpucloud.config import Settings
+from gpucloud.models.billing_messages import BillingCatchUpInput
 from gpucloud.models.messages import SweepInput
+from gpucloud.workflows import billing_close
 from gpucloud.workflows.reconciler import SCHEDULE_ID, ReconcileSweepWorkflow
 
 
@@ -57,3 +60,38 @@ async def reconcile_now(client: Client, settings: Settings, node_ids: list[str])
         ReconcileSweepWorkflow.run, SweepInput(node_ids=node_ids), id=f"reconcile-{key}",
         task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
+
+
+def billing_schedule_id(settings: Settings) -> str:
+    return f"{billing_close.SCHEDULE_ID}-{settings.task_queue}"
+
+
+def billing_close_schedule(settings: Settings) -> Schedule:
+    # SKIP: one catch-up at a time. A run missed while Temporal was down is run when it is back
+    # (the schedule's catch-up window, a year by default), and it closes every period that ended.
+    # The offset (an hour past midnight UTC, daily) lets the agents ship a month's last samples
+    # before the month closes; whatever comes later is billed as an adjustment next month.
+    every = timedelta(seconds=settings.billing_close_interval_s)
+    return Schedule(
+        action=ScheduleActionStartWorkflow(billing_close.BillingCatchUpWorkflow.run, BillingCatchUpInput(),
+                                           id=f"billing-catch-up-{settings.task_queue}",
+                                           task_queue=settings.task_queue,
+                                           execution_timeout=timedelta(hours=6)),
+        spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=every, offset=min(timedelta(hours=1), every / 2))]),
+        policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+    )
+
+
+async def ensure_billing_close_schedule(client: Client, settings: Settings) -> bool:
+    """Create or update the billing-close schedule; False (and nothing done) without a ledger."""
+    if settings.ledger_url is None:
+        return False
+    schedule = billing_close_schedule(settings)
+    try:
+        await client.create_schedule(billing_schedule_id(settings), schedule)
+    except ScheduleAlreadyRunningError:
+        async def update(_: ScheduleUpdateInput) -> ScheduleUpdate:
+            return ScheduleUpdate(schedule=schedule)
+
+        await client.get_schedule_handle(billing_schedule_id(settings)).update(update)
+    return True

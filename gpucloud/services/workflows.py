@@ -5,6 +5,8 @@ Used by the API (on create and enroll) and by the worker's start-up recovery.
 
 from __future__ import annotations
 
+import uuid
+
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
@@ -12,16 +14,18 @@ from gpucloud import search_attributes as sa
 from gpucloud.config import Settings
 from gpucloud.models.messages import (
     AllocationInput,
+    BringupInput,
     CancelRequest,
-    NodeOperationInput,
-    NodeOperationKind,
     ReplaceNodeRequest,
 )
 from gpucloud.models.tables import Allocation
+from gpucloud.models.tenant_messages import TenantOffboardingInput, TenantOnboardingInput
+from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
 from gpucloud.workflows.allocation import AllocationWorkflow
-from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
-from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
+from gpucloud.workflows.bringup import BringupBatchWorkflow
+from gpucloud.workflows.bringup import workflow_id_for as bringup_workflow_id
+from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardingWorkflow
 
 
 async def start_allocation_workflow(client: Client, settings: Settings, alloc: Allocation, *,
@@ -44,10 +48,34 @@ async def signal_replace_node(client: Client, allocation_id: str, req: ReplaceNo
     await handle.signal(AllocationWorkflow.replace_node, req)
 
 
-async def start_bringup(client: Client, settings: Settings, node_id: str):
-    return await client.start_workflow(
-        NodeOperationWorkflow.run, NodeOperationInput(node_id=node_id, operation=NodeOperationKind.BRINGUP),
-        id=node_workflow_id(node_id), task_queue=settings.task_queue,
+async def start_bringup_batches(client: Client, settings: Settings, node_ids: list[str]) -> int:
+    """Bring-up for nodes the caller has leased (`nodes.lease_for_bringup`), in batches of
+    `bringup_batch_size`. Returns the number of batches started."""
+    size = max(1, settings.bringup_batch_size)
+    batches = [node_ids[i:i + size] for i in range(0, len(node_ids), size)]
+    hold = uuid.uuid4().hex
+    for batch in batches:
+        await client.start_workflow(
+            BringupBatchWorkflow.run, BringupInput(node_ids=batch), id=bringup_workflow_id(batch, hold),
+            task_queue=settings.task_queue,
+        )
+    return len(batches)
+
+
+async def start_tenant_onboarding(client: Client, settings: Settings, tenant_id: str, operation_id: str) -> None:
+    await client.start_workflow(
+        TenantOnboardingWorkflow.run, TenantOnboardingInput(tenant_id=tenant_id, operation_id=operation_id),
+        id=onboarding_workflow_id(tenant_id), task_queue=settings.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        search_attributes=sa.typed((sa.NODE_ID, node_id)),
+        search_attributes=sa.typed((sa.TENANT_ID, tenant_id)),
+    )
+
+
+async def start_tenant_offboarding(client: Client, settings: Settings, tenant_id: str, operation_id: str) -> None:
+    inp = TenantOffboardingInput(tenant_id=tenant_id, operation_id=operation_id, poll_s=settings.offboarding_poll_s,
+                                 retention_s=settings.tenant_storage_retention_s)
+    await client.start_workflow(
+        TenantOffboardingWorkflow.run, inp, id=offboarding_workflow_id(tenant_id), task_queue=settings.task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        search_attributes=sa.typed((sa.TENANT_ID, tenant_id)),
     )

@@ -17,24 +17,36 @@ SDN (`/sdn/v1/vpcs`): a VNI lies in 1-2^24-1 (`vni_range`) and belongs to one te
 (`vni_unique`), a tenant has one VNI (`one_vni_per_tenant`), a node is attached to one VPC
 (`node_single_vpc`), and only an empty VPC is deleted (`vpc_not_empty`).
 
-State lives in memory. Handlers are `async` but never await, so each runs whole on the event
-loop (no thread-pool hop per request); the lock keeps a handler safe should it move to the pool.
-`FabricManagersServer` runs the app on a daemon thread for tests and `gpucloud up`; `main` runs
-it standalone.
+State lives in memory, and with a `state_path` also in a JSON file rewritten after every change
+(so a second `gpucloud up` on the same data dir finds the partitions the first one made).
+Handlers are `async` but never await, so each runs whole on the event loop (no thread-pool hop
+per request); the lock keeps a handler safe should it move to the pool.
+
+Faults for tests (`PUT /sim/v1/fault`): `unavailable` answers every manager request with 503 (a
+manager down); `stale_reads` answers single-record reads with the record's members left out (a
+manager whose reads disagree with what it acknowledged), which a read-back must catch.
+
+`FabricManagersServer` runs the app on a daemon thread for tests; `main` runs it standalone
+(`gpucloud fabric-managers`, which `gpucloud up` starts).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, NoReturn
+from pathlib import Path
+from typing import Annotated, Literal, NoReturn
 
+import httpx
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpucloud.fabric.http_clients import NmxClient
 from gpucloud.fabric.interface import (
     DEFAULT_PKEY,
     MAX_PKEY,
@@ -78,10 +90,42 @@ class FabricState:
     partitions: dict[int, NvlPartition] = field(default_factory=dict)
     next_partition_id: int = 1
     vpcs: dict[int, Vpc] = field(default_factory=dict)
+    fault: str | None = None
+    state_path: Path | None = None
 
     def pkey_record(self, pkey: int) -> PKey:
         members = tuple(PortMember(guid=g, membership=m) for g, m in sorted(self.pkeys[pkey].items()))
         return PKey(pkey=pkey, name=self.pkey_names[pkey], members=members)
+
+    def saved(self) -> None:
+        """Write the state to `state_path` (when there is one); call with `lock` held, after a change."""
+        if self.state_path is None:
+            return
+        body = {
+            "pkeys": [self.pkey_record(p).model_dump(mode="json") for p in sorted(self.pkeys)],
+            "domain_of_gpu": self.domain_of_gpu,
+            "partitions": [p.model_dump(mode="json") for p in self.partitions.values()],
+            "next_partition_id": self.next_partition_id,
+            "vpcs": [v.model_dump(mode="json") for v in self.vpcs.values()],
+        }
+        partial = self.state_path.with_suffix(".partial")
+        partial.write_text(json.dumps(body))
+        os.replace(partial, self.state_path)
+
+    @classmethod
+    def load(cls, state_path: Path | None) -> FabricState:
+        state = cls(state_path=state_path)
+        if state_path is None or not state_path.exists():
+            return state
+        body = json.loads(state_path.read_text())
+        for record in map(PKey.model_validate, body["pkeys"]):
+            state.pkeys[record.pkey] = {m.guid: m.membership for m in record.members}
+            state.pkey_names[record.pkey] = record.name
+        state.domain_of_gpu = body["domain_of_gpu"]
+        state.partitions = {p.partition_id: p for p in map(NvlPartition.model_validate, body["partitions"])}
+        state.next_partition_id = body["next_partition_id"]
+        state.vpcs = {v.vni: v for v in map(Vpc.model_validate, body["vpcs"])}
+        return state
 
 
 def _state(request: Request) -> FabricState:
@@ -89,6 +133,11 @@ def _state(request: Request) -> FabricState:
 
 
 StateDep = Annotated[FabricState, Depends(_state)]
+
+
+async def _available(state: StateDep) -> None:
+    if state.fault == "unavailable":
+        raise HTTPException(503, detail="injected fault: the manager is unavailable")
 
 
 class _Body(BaseModel):
@@ -164,6 +213,7 @@ async def create_pkey(body: PKeyCreate, state: StateDep) -> UfmPKey:
             refuse(409, "pkey_unique", f"pkey {pkey_hex(pkey)} already exists")
         state.pkeys[pkey] = {}
         state.pkey_names[pkey] = body.name
+        state.saved()
         return _ufm(state.pkey_record(pkey))
 
 
@@ -177,6 +227,7 @@ async def add_guids(body: PKeyGuids, state: StateDep) -> UfmPKey:
             _check_full_membership(state, pkey, guids)
         for guid in guids:
             state.pkeys[pkey][guid] = body.membership
+        state.saved()
         return _ufm(state.pkey_record(pkey))
 
 
@@ -191,7 +242,8 @@ async def get_pkey(pkey: str, state: StateDep) -> UfmPKey:
     number = parse_pkey(pkey)
     with state.lock:
         _existing_pkey(state, number)
-        return _ufm(state.pkey_record(number))
+        record = state.pkey_record(number)
+        return _ufm(record.model_copy(update={"members": ()}) if state.fault == "stale_reads" else record)
 
 
 @ufm.delete("/{pkey}/guids/{guids}", response_model=UfmPKey)
@@ -202,6 +254,7 @@ async def remove_guids(pkey: str, guids: str, state: StateDep) -> UfmPKey:
         _existing_pkey(state, number)
         for guid in removed:
             state.pkeys[number].pop(guid, None)
+        state.saved()
         return _ufm(state.pkey_record(number))
 
 
@@ -214,6 +267,7 @@ async def delete_pkey(pkey: str, state: StateDep) -> None:
         _existing_pkey(state, number)
         del state.pkeys[number]
         del state.pkey_names[number]
+        state.saved()
 
 
 # --- NMX-M -----------------------------------------------------------------------------------
@@ -229,6 +283,10 @@ class PartitionCreate(_Body):
     gpu_uids: list[str] = Field(min_length=1)
 
 
+class PartitionUpdate(_Body):
+    gpu_uids: list[str] = Field(min_length=1)
+
+
 nmx = APIRouter(prefix="/nmx/v1", tags=["nmx"])
 
 
@@ -240,11 +298,29 @@ async def register_domain(domain_id: str, body: DomainGpus, state: StateDep) -> 
                 refuse(409, "gpu_single_domain", f"GPU {gpu} is in domain {state.domain_of_gpu[gpu]}")
         for gpu in body.gpu_uids:
             state.domain_of_gpu[gpu] = domain_id
+        state.saved()
+
+
+def _check_gpus(state: FabricState, domain_id: str, gpu_uids: list[str], *, partition_id: int | None = None) -> None:
+    """The GPUs may form partition `partition_id` (None: a new one) of `domain_id`."""
+    if len(set(gpu_uids)) != len(gpu_uids):
+        refuse(422, "gpu_listed_once", "a GPU is listed more than once")
+    for gpu in gpu_uids:
+        if state.domain_of_gpu.get(gpu) != domain_id:
+            refuse(
+                409, "gpu_in_domain",
+                f"GPU {gpu} is not in NVL72 domain {domain_id}; a partition spans one domain",
+            )
+        for other in state.partitions.values():
+            if other.partition_id != partition_id and gpu in other.gpu_uids:
+                refuse(
+                    409, "gpu_single_partition",
+                    f"GPU {gpu} is already in partition {other.partition_id} ({other.name}); "
+                    "a GPU is in at most one partition",
+                )
 
 
 def _check_partition(state: FabricState, body: PartitionCreate) -> None:
-    if len(set(body.gpu_uids)) != len(body.gpu_uids):
-        refuse(422, "gpu_listed_once", "a GPU is listed more than once")
     if body.domain_id not in state.domain_of_gpu.values():
         refuse(404, "domain_exists", f"NVL72 domain {body.domain_id} is not known")
     if any(p.name == body.name and p.domain_id == body.domain_id for p in state.partitions.values()):
@@ -252,19 +328,7 @@ def _check_partition(state: FabricState, body: PartitionCreate) -> None:
             409, "partition_name_unique",
             f"domain {body.domain_id} already has a partition named {body.name!r}",
         )
-    for gpu in body.gpu_uids:
-        if state.domain_of_gpu.get(gpu) != body.domain_id:
-            refuse(
-                409, "gpu_in_domain",
-                f"GPU {gpu} is not in NVL72 domain {body.domain_id}; a partition spans one domain",
-            )
-        for other in state.partitions.values():
-            if gpu in other.gpu_uids:
-                refuse(
-                    409, "gpu_single_partition",
-                    f"GPU {gpu} is already in partition {other.partition_id} ({other.name}); "
-                    "a GPU is in at most one partition",
-                )
+    _check_gpus(state, body.domain_id, body.gpu_uids)
 
 
 @nmx.post("/partitions", status_code=201, response_model=NvlPartition)
@@ -277,6 +341,7 @@ async def create_partition(body: PartitionCreate, state: StateDep) -> NvlPartiti
         )
         state.partitions[partition.partition_id] = partition
         state.next_partition_id += 1
+        state.saved()
         return partition
 
 
@@ -295,7 +360,19 @@ def _partition(state: FabricState, partition_id: int) -> NvlPartition:
 @nmx.get("/partitions/{partition_id}", response_model=NvlPartition)
 async def get_partition(partition_id: int, state: StateDep) -> NvlPartition:
     with state.lock:
-        return _partition(state, partition_id)
+        partition = _partition(state, partition_id)
+        return partition.model_copy(update={"gpu_uids": ()}) if state.fault == "stale_reads" else partition
+
+
+@nmx.put("/partitions/{partition_id}", response_model=NvlPartition)
+async def update_partition(partition_id: int, body: PartitionUpdate, state: StateDep) -> NvlPartition:
+    """Replace the partition's GPUs; the same rules hold as at creation."""
+    with state.lock:
+        partition = _partition(state, partition_id)
+        _check_gpus(state, partition.domain_id, body.gpu_uids, partition_id=partition_id)
+        partition = state.partitions[partition_id] = partition.model_copy(update={"gpu_uids": tuple(body.gpu_uids)})
+        state.saved()
+        return partition
 
 
 @nmx.delete("/partitions/{partition_id}", status_code=204)
@@ -303,6 +380,7 @@ async def delete_partition(partition_id: int, state: StateDep) -> None:
     with state.lock:
         _partition(state, partition_id)
         del state.partitions[partition_id]
+        state.saved()
 
 
 # --- SDN controller --------------------------------------------------------------------------
@@ -335,6 +413,7 @@ async def create_vpc(body: VpcCreate, state: StateDep) -> Vpc:
         if vni in state.vpcs:
             refuse(409, "vni_unique", f"VNI {vni} belongs to another tenant")
         state.vpcs[vni] = Vpc(vni=vni, tenant_id=body.tenant_id)
+        state.saved()
         return state.vpcs[vni]
 
 
@@ -353,7 +432,8 @@ def _vpc(state: FabricState, vni: int) -> Vpc:
 @sdn.get("/{vni}", response_model=Vpc)
 async def get_vpc(vni: int, state: StateDep) -> Vpc:
     with state.lock:
-        return _vpc(state, vni)
+        vpc = _vpc(state, vni)
+        return vpc.model_copy(update={"nodes": ()}) if state.fault == "stale_reads" else vpc
 
 
 @sdn.put("/{vni}/nodes/{node_id}", response_model=Vpc)
@@ -368,6 +448,7 @@ async def attach_node(vni: int, node_id: str, state: StateDep) -> Vpc:
                 )
         if node_id not in vpc.nodes:
             vpc = state.vpcs[vni] = vpc.model_copy(update={"nodes": (*vpc.nodes, node_id)})
+            state.saved()
         return vpc
 
 
@@ -377,6 +458,7 @@ async def detach_node(vni: int, node_id: str, state: StateDep) -> Vpc:
         vpc = _vpc(state, vni)
         nodes = tuple(n for n in vpc.nodes if n != node_id)
         state.vpcs[vni] = vpc.model_copy(update={"nodes": nodes})
+        state.saved()
         return state.vpcs[vni]
 
 
@@ -387,18 +469,63 @@ async def delete_vpc(vni: int, state: StateDep) -> None:
         if vpc.nodes:
             refuse(409, "vpc_not_empty", f"VNI {vni} still has nodes attached: {', '.join(vpc.nodes)}")
         del state.vpcs[vni]
+        state.saved()
 
 
-def create_app(*, nvl_domains: dict[str, list[str]] | None = None) -> FastAPI:
-    """The three managers; `nvl_domains` maps each NVL72 domain to its GPUs' UIDs."""
+# --- test faults ------------------------------------------------------------------------------
+
+
+class FaultSetting(_Body):
+    mode: Literal["unavailable", "stale_reads"] | None = Field(description="None: no fault")
+
+
+faults = APIRouter(prefix="/sim/v1", tags=["simulator"])
+
+
+@faults.put("/fault", response_model=FaultSetting)
+async def set_fault(body: FaultSetting, state: StateDep) -> FaultSetting:
+    with state.lock:
+        state.fault = body.mode
+    return body
+
+
+def create_app(*, nvl_domains: dict[str, list[str]] | None = None, state_path: Path | None = None) -> FastAPI:
+    """The three managers; `nvl_domains` maps each NVL72 domain to its GPUs' UIDs; with a
+    `state_path` the state survives a restart."""
     app = FastAPI(title="Simulated fabric managers (UFM, NMX-M, SDN)")
-    app.state.fabric = FabricState()
+    app.state.fabric = state = FabricState.load(state_path)
     for domain, gpus in (nvl_domains or {}).items():
         for gpu in gpus:
-            app.state.fabric.domain_of_gpu[gpu] = domain
+            state.domain_of_gpu[gpu] = domain
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
     for router in (ufm, nmx, sdn):
-        app.include_router(router)
+        app.include_router(router, dependencies=[Depends(_available)])
+    app.include_router(faults)
     return app
+
+
+def nvl_domains(inventory: Iterable[dict]) -> dict[str, list[str]]:
+    """NVL72 domain -> its GPUs' UIDs, from a fleet inventory (`/v1/inventory` of the simulated fleet)."""
+    domains: dict[str, list[str]] = {}
+    for node in inventory:
+        if node.get("nvlink_domain") and node.get("gpu_uids"):
+            domains.setdefault(node["nvlink_domain"], []).extend(node["gpu_uids"])
+    return domains
+
+
+def register_nvl_domains(url: str, inventory: Iterable[dict]) -> int:
+    """Tell the simulated NMX-M which GPUs each NVL72 domain has (real NMX-M discovers them);
+    idempotent. Returns the number of domains."""
+    domains = nvl_domains(inventory)
+    with httpx.Client(timeout=30) as client:
+        nmx = NmxClient(client, url)
+        for domain, gpus in domains.items():
+            nmx.register_domain(domain, gpus)
+    return len(domains)
 
 
 class FabricManagersServer(ThreadedServer):
@@ -408,5 +535,5 @@ class FabricManagersServer(ThreadedServer):
         super().__init__(app, host=host, port=port, name="fabric-managers")
 
 
-def main(host: str = "127.0.0.1", port: int = 8470) -> None:
-    uvicorn.run(create_app(), host=host, port=port, log_level="warning", access_log=False)
+def main(host: str = "127.0.0.1", port: int = 8470, *, state_path: Path | None = None) -> None:
+    uvicorn.run(create_app(state_path=state_path), host=host, port=port, log_level="warning", access_log=False)

@@ -10,6 +10,14 @@ Hardware faults: a node can be given a fault (say, a GPU off the bus) that burn-
 (HTTP 422) until the repair ladder's rung that fixes it has run: `fixed_by="reset"` yields to any
 rung, `"reboot"` to a reboot or reflash, `"reflash"` only to a reflash, and none to nothing
 (the node is headed for RMA).
+
+NVL72 racks (optional, `nvl72_racks`): GB200 compute trays (4 GPUs, 4 InfiniBand ports each) in
+racks whose GPUs share one NVLink domain, after the default pool; every tray reports its GPUs'
+UIDs, the members of NVLink partitions.
+
+Metering (optional, `metering=`): each node's agent meters the GPU time of the allocation it
+runs into a durable spool and ships it to the billing ledger, as a real agent does (see
+`metering.py`); `GET /v1/metering` reports what was metered, the ground truth for tests.
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
+import uuid
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,6 +37,8 @@ import httpx
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+
+from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +62,9 @@ class FleetSpec(BaseModel):
     latency_scale: float = Field(1.0, ge=0.0, description="0 = instant, 1 = the defaults above")
     seed: int = 0
     id_prefix: str = "sim"
+    # GB200 NVL72 racks after the default pool (numbered on from it), `racks_per_pod` to a pod.
+    nvl72_racks: int = Field(0, ge=0, le=1000)
+    nvl72_trays_per_rack: int = Field(18, ge=1, le=18)
 
 
 @dataclass
@@ -61,6 +77,8 @@ class SimNode:
     gpu_type: str
     gpu_count: int
     ib_port_guids: list[str]
+    nvlink_domain: str | None = None
+    gpu_uids: list[str] = field(default_factory=list)
     tenant_id: str | None = None
     workload_running: bool = False
     actions_done: int = 0
@@ -103,6 +121,8 @@ class Fleet:
         self.spec = spec
         self.rng = random.Random(spec.seed)
         self.nodes: dict[str, SimNode] = {}
+        # Called after every action that may have started or stopped a node's workload (metering).
+        self.on_workload_change: Callable[[SimNode], Awaitable[None]] | None = None
         per_pod = spec.nodes_per_rack * spec.racks_per_pod
         for i in range(spec.nodes):
             pod, rack = i // per_pod, (i % per_pod) // spec.nodes_per_rack
@@ -111,13 +131,31 @@ class Fleet:
                 id=node_id, hostname=f"{spec.id_prefix}-gpu-{i:05d}.{spec.region}.internal",
                 region=spec.region, pod=f"{spec.region}-pod{pod:03d}", rack=f"{spec.region}-pod{pod:03d}-rack{rack:02d}",
                 gpu_type=spec.gpu_type, gpu_count=spec.gpus_per_node,
-                ib_port_guids=[f"0x{spec.seed & 0xffff:04x}{i:06x}{port:06x}" for port in range(spec.gpus_per_node)],
+                ib_port_guids=_port_guids(spec, i, spec.gpus_per_node),
             )
+        self._add_nvl72_racks(spec)
+
+    def _add_nvl72_racks(self, spec: FleetSpec) -> None:
+        gpus = 4  # a GB200 compute tray: two Grace CPUs, four Blackwell GPUs, four ConnectX-7
+        for rack_index in range(spec.nvl72_racks):
+            pod = f"{spec.region}-nvl72pod{rack_index // spec.racks_per_pod:03d}"
+            rack = f"{pod}-rack{rack_index % spec.racks_per_pod:02d}"
+            for tray in range(spec.nvl72_trays_per_rack):
+                i = spec.nodes + rack_index * spec.nvl72_trays_per_rack + tray
+                node_id = f"{spec.id_prefix}-{i:05d}"
+                self.nodes[node_id] = SimNode(
+                    id=node_id, hostname=f"{spec.id_prefix}-gb200-{i:05d}.{spec.region}.internal",
+                    region=spec.region, pod=pod, rack=rack, gpu_type="GB200", gpu_count=gpus,
+                    ib_port_guids=_port_guids(spec, i, gpus),
+                    nvlink_domain=f"{spec.id_prefix}-nvl72-{rack_index:03d}",
+                    gpu_uids=[f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'gpucloud-sim/{node_id}/{g}')}" for g in range(gpus)],
+                )
 
     def inventory(self, base_url: str) -> list[dict]:
         return [
             {"id": n.id, "hostname": n.hostname, "region": n.region, "pod": n.pod, "rack": n.rack,
              "gpu_type": n.gpu_type, "gpu_count": n.gpu_count, "ib_port_guids": n.ib_port_guids,
+             "nvlink_domain": n.nvlink_domain, "gpu_uids": n.gpu_uids,
              "agent_url": f"{base_url}/v1/nodes/{n.id}"}
             for n in self.nodes.values()
         ]
@@ -136,6 +174,8 @@ class Fleet:
                 return node.recent[req.request_id]
             await asyncio.sleep(BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3))
             outcome = self._apply(node, action, req)
+            if outcome[0] == 200:
+                await self.workload_changed(node)
             if outcome[0] != 503:  # a transient failure is not an answer: a retry runs the action
                 node.recent[req.request_id] = outcome
                 while len(node.recent) > REMEMBERED_REQUESTS:
@@ -181,6 +221,10 @@ class Fleet:
         if node.fault_fixed_by is not None and REPAIR_LADDER.index(action) >= REPAIR_LADDER.index(node.fault_fixed_by):
             node.hardware_fault = node.fault_fixed_by = None
 
+    async def workload_changed(self, node: SimNode) -> None:
+        if self.on_workload_change is not None:
+            await self.on_workload_change(node)
+
     def drift(self, node: SimNode, kind: str) -> None:
         """What happens to hardware behind the control plane's back: a reboot kills the workload,
         a wipe (say, a re-imaged disk) also loses the tenant's data."""
@@ -198,6 +242,10 @@ class Fleet:
         return {"node_id": node.id, "gpu_type": node.gpu_type, "gpu_count": node.gpu_count,
                 "tenant_id": node.tenant_id, "workload_running": node.workload_running,
                 "actions_done": node.actions_done, "hardware_fault": node.hardware_fault}
+
+
+def _port_guids(spec: FleetSpec, index: int, ports: int) -> list[str]:
+    return [f"0x{spec.seed & 0xffff:04x}{index:06x}{port:06x}" for port in range(ports)]
 
 
 async def _post_until_accepted(client: httpx.AsyncClient, url: str, body: dict) -> None:
@@ -236,7 +284,9 @@ async def register_with_control_plane(fleet: Fleet, base_url: str, control_plane
 
 
 def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None = None,
-               operator_token: str | None = None, heartbeat_interval_s: float = 10.0) -> FastAPI:
+               operator_token: str | None = None, heartbeat_interval_s: float = 10.0,
+               metering: MeteringSpec | None = None) -> FastAPI:
+    """`metering`: the agents meter their allocations' GPU time and ship it to that ledger."""
     fleet = Fleet(spec)
 
     @asynccontextmanager
@@ -245,12 +295,28 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
         if control_plane_url and operator_token:
             task = asyncio.create_task(register_with_control_plane(
                 fleet, base_url, control_plane_url, operator_token, heartbeat_interval_s=heartbeat_interval_s))
+        stop_metering = threading.Event()
+        meter_thread = None
+        if metering is not None:
+            app.state.metering = FleetMetering(metering.spool_dir, metering.ledger_url,
+                                               interval_ms=max(1, int(metering.interval_s * 1000)),
+                                               node_ids=fleet.nodes)
+            fleet.on_workload_change = WorkloadFollower(app.state.metering, control_plane_url=control_plane_url,
+                                                        operator_token=operator_token)
+            meter_thread = threading.Thread(target=app.state.metering.run, args=(stop_metering,),
+                                            name="metering", daemon=True)
+            meter_thread.start()
         yield
         if task is not None:
             task.cancel()
+        if meter_thread is not None:
+            stop_metering.set()
+            meter_thread.join(timeout=30)
+            app.state.metering.close()
 
     app = FastAPI(title="gpucloud simulated fleet", lifespan=lifespan)
     app.state.fleet = fleet
+    app.state.metering = None
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -287,6 +353,7 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
     async def drift(node_id: str, req: DriftRequest) -> dict:
         node = fleet.node(node_id)
         fleet.drift(node, req.kind)
+        await fleet.workload_changed(node)
         return Fleet.describe(node)
 
     @app.post("/v1/nodes/{node_id}/reachability")
@@ -299,13 +366,21 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
     async def heartbeats() -> list[dict]:
         return fleet.heartbeats()
 
+    @app.get("/v1/metering")
+    async def metering_report() -> dict:
+        """What each node metered (allocations and their intervals) and how far its spool is behind."""
+        if app.state.metering is None:
+            raise HTTPException(404, "this fleet does not meter usage (start it with --ledger-url)")
+        return await asyncio.to_thread(app.state.metering.report)
+
     return app
 
 
 def serve(spec: FleetSpec, *, host: str, port: int, control_plane_url: str | None = None,
-          operator_token: str | None = None, heartbeat_interval_s: float = 10.0) -> None:
+          operator_token: str | None = None, heartbeat_interval_s: float = 10.0,
+          metering: MeteringSpec | None = None) -> None:
     import uvicorn
 
     app = create_app(spec, base_url=f"http://{host}:{port}", control_plane_url=control_plane_url,
-                     operator_token=operator_token, heartbeat_interval_s=heartbeat_interval_s)
+                     operator_token=operator_token, heartbeat_interval_s=heartbeat_interval_s, metering=metering)
     uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096)

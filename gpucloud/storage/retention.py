@@ -27,12 +27,11 @@ def mark_for_deletion(
     backend: ObjectBackend, tenant_id: str, *, now: datetime, retention: timedelta,
 ) -> datetime:
     """Schedule the tenant's storage for deletion; idempotent, keeps the first due time."""
-    try:
-        return datetime.fromisoformat(json.loads(backend.get(_mark_key(tenant_id)))["due_at"])
-    except ObjectMissingError:
+    due = deletion_due(backend, tenant_id)
+    if due is None:
         due = now + retention
         backend.put(_mark_key(tenant_id), json.dumps({"tenant_id": tenant_id, "due_at": due.isoformat()}).encode())
-        return due
+    return due
 
 
 def cancel_deletion(backend: ObjectBackend, tenant_id: str) -> None:
@@ -50,9 +49,25 @@ def purge_due(backend: ObjectBackend, keys: TenantKeys, *, now: datetime) -> lis
     for tenant_id, due in sorted(pending_deletions(backend).items()):
         if due > now:
             continue
-        keys.forget(tenant_id)
-        for key in backend.list_keys(tenant_prefix(tenant_id)):
-            backend.delete(key)
-        cancel_deletion(backend, tenant_id)
+        purge_tenant(backend, keys, tenant_id)
         purged.append(tenant_id)
     return purged
+
+
+def deletion_due(backend: ObjectBackend, tenant_id: str) -> datetime | None:
+    """When the tenant's storage is due for deletion; None when it is not marked."""
+    try:
+        return datetime.fromisoformat(json.loads(backend.get(_mark_key(tenant_id)))["due_at"])
+    except ObjectMissingError:
+        return None
+
+
+def purge_tenant(backend: ObjectBackend, keys: TenantKeys, tenant_id: str) -> int:
+    """Delete the tenant's data key, every object under its prefix, then its mark (idempotent);
+    the number of objects deleted. Also what undoing a failed onboarding runs."""
+    keys.forget(tenant_id)
+    objects = backend.list_keys(tenant_prefix(tenant_id))
+    for key in objects:
+        backend.delete(key)
+    cancel_deletion(backend, tenant_id)
+    return len(objects)

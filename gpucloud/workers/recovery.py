@@ -14,8 +14,15 @@ from temporalio.common import WorkflowIDConflictPolicy
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.node_states import NodeState
-from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node
-from gpucloud.services.workflows import start_allocation_workflow, start_bringup
+from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Operation, OperationStatus
+from gpucloud.services import tenants as tenant_service
+from gpucloud.services.nodes import lease_for_bringup
+from gpucloud.services.workflows import (
+    start_allocation_workflow,
+    start_bringup_batches,
+    start_tenant_offboarding,
+    start_tenant_onboarding,
+)
 
 
 async def resume_orphans(client: Client, settings: Settings) -> dict[str, int]:
@@ -23,10 +30,19 @@ async def resume_orphans(client: Client, settings: Settings) -> dict[str, int]:
         allocations = session.exec(
             select(Allocation).where(Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION]))
         ).all()
-        enrolled = session.exec(select(Node.id).where(Node.state == NodeState.ENROLLED)).all()
+        enrolled = list(session.exec(select(Node.id).where(Node.state == NodeState.ENROLLED)).all())
+        # Nodes a live batch holds are skipped; a hold whose batch was lost runs out on its own.
+        enrolled = lease_for_bringup(session, enrolled, deadline_scale=settings.deadline_scale)
+        tenant_ops = session.exec(
+            select(Operation.resource_id, Operation.id, Operation.kind)
+            .where(Operation.kind.in_([tenant_service.CREATE_OPERATION, tenant_service.DELETE_OPERATION]),
+                   Operation.status == OperationStatus.RUNNING)
+        ).all()
     for alloc in allocations:
         await start_allocation_workflow(client, settings, alloc,
                                         conflict=WorkflowIDConflictPolicy.USE_EXISTING)
-    for node_id in enrolled:
-        await start_bringup(client, settings, node_id)
-    return {"allocations": len(allocations), "enrolled_nodes": len(enrolled)}
+    await start_bringup_batches(client, settings, enrolled)
+    for tenant_id, operation_id, kind in tenant_ops:
+        start = start_tenant_onboarding if kind == tenant_service.CREATE_OPERATION else start_tenant_offboarding
+        await start(client, settings, tenant_id, operation_id)
+    return {"allocations": len(allocations), "enrolled_nodes": len(enrolled), "tenants": len(tenant_ops)}

@@ -13,6 +13,18 @@ allocation (`degraded`, with the reason) and drains into quarantine through its 
 workflow; then a node in the same fabric domain is reserved, provisioned and attached, and the
 allocation is `ready` again. With no capacity it stays `degraded` and looks again every
 `recheck_s`.
+
+Several failed nodes (a burst) are all pulled first, together, and then replaced one after
+another; a node reported while replacements are under way is pulled before the next one is
+reserved. A node reported while the allocation is still provisioning is replaced before the
+allocation is first marked `ready`, so the tenant is never handed a node known to be bad.
+
+Fabric isolation (patch `fabric-membership`): before any node is provisioned, the allocation's
+membership (its pkey, one NVLink partition per NVL72 domain, the tenant's VPC) is applied and
+read back, so a node is `active` only on its own tenant's fabrics; a manager that stays down or
+refuses fails the allocation closed. A pulled node leaves the membership before it drains, a
+replacement joins before it is provisioned, and the release takes the membership away before
+the nodes are released to be wiped.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlreadyStartedError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -43,12 +55,21 @@ with workflow.unsafe.imports_passed_through():
         ReplacementResult,
         ReplaceNodeRequest,
     )
+    from gpucloud.models.fabric_messages import (
+        FabricApplyInput,
+        FabricMembershipResult,
+        FabricReleaseInput,
+        FabricRemoveInput,
+    )
     from gpucloud.workflows import options
+    from gpucloud.workflows.ledger_events import LedgerEvents
     from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow, workflow_id_for
 
 TERMINAL = ("released", "failed")
 DESIRED_RECHECK = timedelta(minutes=5)
 CHILD_START_RETRY = timedelta(seconds=1)
+# Histories recorded before fabric membership was wired in replay without its activities.
+FABRIC_PATCH = "fabric-membership"
 
 
 @workflow.defn
@@ -61,6 +82,7 @@ class AllocationWorkflow:
         self._allocation_id = ""
         self._replacements: list[ReplaceNodeRequest] = []
         self._replaced_any = False
+        self._ledger = LedgerEvents()
 
     @workflow.signal
     def request_cancel(self, req: CancelRequest) -> None:
@@ -88,20 +110,37 @@ class AllocationWorkflow:
             self._cancel_requested = True
 
         if not self._cancel_requested and view.status in ("provisioning", "ready"):
+            # A run continued as new finds the allocation ready, its membership applied by the first.
+            if view.status == "provisioning" and workflow.patched(FABRIC_PATCH):
+                self._phase = "fabric"
+                fabric_error = await self._apply_fabric()
+                if fabric_error is not None:
+                    self._ledger.started(view, [])
+                    await self._release(view)
+                    return await self._finish(view, "failed", fabric_error)
             self._phase = "provisioning"
             results = await self._run_on_nodes(view, NodeOperationKind.PROVISION)
+            self._ledger.started(view, [r.node_id for r in results if r.ok])
             failed = [r for r in results if not r.ok]
             if failed:
                 reason = "; ".join(f"{r.node_id}: {r.error}" for r in failed)
                 await self._release(view)
                 return await self._finish(view, "failed", f"provisioning failed ({reason})")
-            await self._set_status(view, "ready")
+            # A node reported bad while provisioning is replaced first; the last attach marks
+            # the allocation ready.
+            replaced_first = (bool(self._replacements) and workflow.patched("replace-before-ready")
+                              and await self._replace_all(view))
+            if not replaced_first:
+                await self._set_status(view, "ready")
 
         self._phase = "ready"
         while not self._cancel_requested:
             if self._replacements and workflow.patched("drain-and-replace"):
-                await self._replace(self._replacements[0], view)
-                self._replacements.pop(0)
+                if workflow.patched("replace-in-bursts"):
+                    await self._replace_all(view)
+                else:
+                    await self._replace(self._replacements[0], view)
+                    self._replacements.pop(0)
                 self._phase = "ready"
                 continue
             try:
@@ -113,6 +152,7 @@ class AllocationWorkflow:
             if (not self._cancel_requested and not self._replacements
                     and workflow.info().is_continue_as_new_suggested()):
                 await workflow.wait_condition(workflow.all_handlers_finished)
+                await self._ledger.flushed()
                 workflow.continue_as_new(inp)
 
         if self._replaced_any:
@@ -120,8 +160,97 @@ class AllocationWorkflow:
         await self._release(view)
         return await self._finish(view, "released", None)
 
+    async def _replace_all(self, view: AllocationView) -> bool:
+        """Pull every node reported bad, then replace them one by one; whether any was pulled.
+
+        Ends with every pulled node replaced (the last attach marks the allocation ready), or on
+        cancel, when the release takes whatever the allocation holds.
+        """
+        self._phase = "replacing"
+        owed: list[ReplaceNodeRequest] = []  # pulled, replacement not attached yet
+        pulled_any = False
+        waiting_noted: set[str] = set()
+        fabric_noted: set[str] = set()
+        while not self._cancel_requested:
+            if self._replacements:
+                pulled = await self._pull_reported(view)
+                owed += pulled
+                pulled_any = pulled_any or bool(pulled)
+                continue
+            if not owed:
+                break
+            req = owed[0]
+            found = await workflow.execute_activity(
+                "reserve_replacement", ReplacementInput(allocation_id=self._allocation_id),
+                result_type=ReplacementResult, **options.DB)
+            if found.node_id is None:
+                if req.node_id not in waiting_noted:
+                    await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; "
+                                                             f"{found.reason}")
+                    await self._note("waiting_for_capacity", found.reason, req.node_id)
+                    waiting_noted.add(req.node_id)
+                await self._pause(req.recheck_s)
+                continue
+            await self._note("replacement_started", f"provisioning {found.node_id} to replace {req.node_id}",
+                             found.node_id)
+            if workflow.patched(FABRIC_PATCH) and not await self._join_fabric(
+                    found.node_id, view, note=found.node_id not in fabric_noted):
+                fabric_noted.add(found.node_id)
+                await self._pause(req.recheck_s)
+                continue
+            provisioned = await (await self._start_node_op(found.node_id, NodeOperationKind.PROVISION, view))
+            if not provisioned.ok:
+                await self._remove_fabric([found.node_id])
+                continue  # that node goes back through wipe and burn-in; try another
+            # Attached even when a cancel came meanwhile, so that the release takes it too; and
+            # even when it was reported bad while provisioning: it is then pulled like any member.
+            await workflow.execute_activity(
+                "attach_node", AttachNodeInput(allocation_id=self._allocation_id, node_id=found.node_id,
+                                               replaces=req.node_id,
+                                               ready=len(owed) == 1 and not self._replacements),
+                result_type=AllocationView, **options.DB)
+            owed.pop(0)
+        return pulled_any
+
+    async def _pull_reported(self, view: AllocationView) -> list[ReplaceNodeRequest]:
+        """Take every reported node out of the allocation and drain them together: at once those
+        whose fault already stopped the job, the rest after the longest grace period they give
+        the tenant. Returns the requests whose node was pulled (one already gone is skipped)."""
+        batch, self._replacements = self._replacements, []
+        graceful = [r for r in batch if not r.immediate and r.grace_s > 0]
+        pulled = await self._detach_and_drain([r for r in batch if r not in graceful], view)
+        if not graceful:
+            return pulled
+        for r in graceful:
+            await self._note("fault_notice", f"{r.reason}; node {r.node_id} will be pulled in "
+                                             f"{r.grace_s:g} s: checkpoint now", r.node_id)
+        try:
+            await workflow.wait_condition(lambda: self._cancel_requested,
+                                          timeout=timedelta(seconds=max(r.grace_s for r in graceful)))
+        except TimeoutError:
+            pass
+        if self._cancel_requested:
+            return pulled  # the release takes the rest with the allocation
+        return pulled + await self._detach_and_drain(graceful, view)
+
+    async def _detach_and_drain(self, reqs: list[ReplaceNodeRequest],
+                                view: AllocationView) -> list[ReplaceNodeRequest]:
+        if not reqs:
+            return []
+        members = (await self._load()).node_ids
+        pulled = [r for r in reqs if r.node_id in members]
+        for r in pulled:
+            await workflow.execute_activity(
+                "detach_node", DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id,
+                                               reason=r.reason), result_type=AllocationView, **options.DB)
+            self._replaced_any = True
+        await self._remove_fabric([r.node_id for r in pulled])
+        drains = [await self._start_node_op(r.node_id, NodeOperationKind.DRAIN, view) for r in pulled]
+        await asyncio.gather(*drains)
+        return pulled
+
     async def _replace(self, req: ReplaceNodeRequest, view: AllocationView) -> None:
-        """Pull the node first, then find, provision and attach its replacement."""
+        """One node at a time: what workflows started before "replace-in-bursts" replay."""
         self._phase = "replacing"
         if not req.immediate and req.grace_s > 0:
             await self._note("fault_notice", f"{req.reason}; node {req.node_id} will be pulled in "
@@ -172,6 +301,49 @@ class AllocationWorkflow:
                 result_type=AllocationView, **options.DB)
             return
 
+    async def _apply_fabric(self, *, joining: list[str] | None = None) -> str | None:
+        """Apply the allocation's fabric membership (its nodes, and `joining`) and read it back;
+        None once it holds, else why it could not be applied."""
+        try:
+            await workflow.execute_activity(
+                "apply_allocation_fabric", FabricApplyInput(allocation_id=self._allocation_id, joining=joining or []),
+                result_type=FabricMembershipResult, **options.FABRIC_APPLY)
+        except ActivityError as err:
+            # The details may name other allocations' partitions: they go to the operator's log
+            # (and the history), the tenant sees what kind of failure it was.
+            workflow.logger.warning("fabric membership of %s not applied: %s", self._allocation_id,
+                                    _failure_chain(err))
+            return f"fabric isolation could not be applied and verified ({_failure_kind(err)}); nothing was kept"
+        return None
+
+    async def _remove_fabric(self, node_ids: list[str]) -> None:
+        if node_ids and workflow.patched(FABRIC_PATCH):
+            await workflow.execute_activity(
+                "remove_allocation_fabric_nodes", FabricRemoveInput(allocation_id=self._allocation_id,
+                                                                    node_ids=node_ids),
+                result_type=FabricMembershipResult, **options.FABRIC_REMOVE)
+
+    async def _join_fabric(self, node_id: str, view: AllocationView, *, note: bool) -> bool:
+        """A reserved replacement joins the allocation's fabric membership; one that cannot goes
+        back to the pool untouched by the tenant (the reservation is undone), with whatever
+        membership it got taken away. Whether it joined."""
+        error = await self._apply_fabric(joining=[node_id])
+        if error is None:
+            return True
+        await self._remove_fabric([node_id])
+        await (await self._start_node_op(node_id, NodeOperationKind.RELEASE, view))
+        if note:
+            await self._note("replacement_failed", f"replacement {node_id} not used: {error}", node_id)
+        return False
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less when a cancel or another report comes."""
+        try:
+            await workflow.wait_condition(lambda: self._cancel_requested or bool(self._replacements),
+                                          timeout=timedelta(seconds=seconds))
+        except TimeoutError:
+            pass
+
     async def _note(self, kind: str, reason: str, node_id: str | None = None) -> None:
         await workflow.execute_activity(
             "record_allocation_event",
@@ -182,6 +354,12 @@ class AllocationWorkflow:
         """Release every node (the agents confirm the tenant is off), then start their recycling."""
         self._phase = "releasing"
         self._nodes_done = 0
+        self._ledger.releasing()
+        if workflow.patched(FABRIC_PATCH):
+            # Off the fabrics first: no path to the tenant is left once its nodes are recycled.
+            await workflow.execute_activity(
+                "release_allocation_fabric", FabricReleaseInput(allocation_id=self._allocation_id),
+                result_type=FabricMembershipResult, **options.FABRIC_REMOVE)
         results = await self._run_on_nodes(view, NodeOperationKind.RELEASE)
         for result in results:
             if result.state == "wiping":
@@ -193,6 +371,8 @@ class AllocationWorkflow:
     async def _finish(self, view: AllocationView, status: str, reason: str | None) -> AllocationResult:
         self._phase = status
         await self._set_status(view, status, reason)
+        self._ledger.ended(view)
+        await self._ledger.flushed()
         return AllocationResult(allocation_id=view.allocation_id, status=status, failure_reason=reason)
 
     async def _run_on_nodes(self, view: AllocationView, op: NodeOperationKind) -> list[NodeOperationResult]:
@@ -232,3 +412,23 @@ class AllocationWorkflow:
             "set_allocation_status",
             AllocationStatusInput(allocation_id=view.allocation_id, status=status, failure_reason=reason),
             result_type=AllocationView, **options.DB)
+
+
+def _failure_kind(err: ActivityError) -> str:
+    kinds = {"FabricRefused": "a fabric manager refused", "FabricMismatch": "the read-back differed"}
+    cause = err.__cause__
+    while cause is not None and not isinstance(cause, ApplicationError):
+        cause = cause.__cause__  # a timeout carries the last attempt's error, if it had one
+    if cause is None:
+        return "the fabric managers did not answer in time"
+    return kinds.get(cause.type or "", "a fabric manager failed")
+
+
+def _failure_chain(err: BaseException) -> str:
+    """The messages of an activity failure's causes (a timeout names the last attempt's error)."""
+    messages = []
+    cause = err.__cause__
+    while cause is not None:
+        messages.append(getattr(cause, "message", None) or str(cause))
+        cause = cause.__cause__
+    return ": ".join(messages) or str(err)

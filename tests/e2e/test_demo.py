@@ -15,5 +15,13 @@ def test_demo_runs_end_to_end(tmp_path):
     assert result.returncode == 0, output[-4000:]
     assert "demo succeeded" in output
     assert "allocation ready" in output and "allocation released" in output
+    # Tenancy: two tenants, each its own VNI and prefix; a quota refusal, a foreign 404, a
+    # rotated key, and the second tenant offboarded.
+    assert "two tenants, side by side" in output and "second node refused" in output
+    assert "HTTP 404" in output and "rotated its key" in output and "globex offboarded" in output
+    # The health scenario: a GPU falls off the bus, its node is replaced, the allocation is ready.
+    assert "XID 79 on" in output and "ready again" in output and "allocation events" in output
+    # Billing: every millisecond the agents metered is in the ledger; the period's draft invoice.
+    assert "the ledger holds exactly" in output and "draft until the period ends" in output
     # The stack was stopped: nothing of it keeps running (its ports are free again).
     assert "'available': 6" in output

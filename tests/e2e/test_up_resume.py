@@ -25,9 +25,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_up_stops_cleanly_and_resumes(tmp_path):
-    ports = {"api": free_port(), "sim": free_port(), "temporal": free_port()}
+    ports = {"api": free_port(), "sim": free_port(), "temporal": free_port(), "ledger": free_port()}
     env = {**os.environ, "GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_API_PORT": str(ports["api"]),
-           "GPUCLOUD_SIM_PORT": str(ports["sim"]), "GPUCLOUD_TEMPORAL_ADDRESS": f"127.0.0.1:{ports['temporal']}"}
+           "GPUCLOUD_SIM_PORT": str(ports["sim"]), "GPUCLOUD_TEMPORAL_ADDRESS": f"127.0.0.1:{ports['temporal']}",
+           "GPUCLOUD_LEDGER_PORT": str(ports["ledger"])}
     api = f"http://127.0.0.1:{ports['api']}"
     log = open(tmp_path / "up.log", "ab")
 
@@ -45,12 +46,17 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         op = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         wait_until(lambda: [n["state"] for n in nodes(op)] == ["available"] * 4, timeout_s=120, what="fleet up")
         tenant = op.post("/v1/tenants", json={"name": "resume"}).json()
-        key = op.post(f"/v1/tenants/{tenant['id']}/api-keys").json()["key"]
+        key = tenant["api_key"]["key"]  # shown once, in the answer that creates the tenant
+        wait_until(lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active", timeout_s=60,
+                   what="tenant onboarded")
         acme = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         alloc_id = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
                                                       "region": "us-east-1"}).json()["allocation"]["id"]
         wait_until(lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready", timeout_s=60,
                    what="allocation ready")
+        # `up` runs the billing ledger too (its own DB in the data dir), with a price book.
+        assert httpx.get(f"http://127.0.0.1:{ports['ledger']}/v1/price-book/versions").json()[0]["prices"]
+        assert (tmp_path / "ledger.db").exists()
     finally:
         _stop(proc)
     for port in ports.values():

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +24,7 @@ import uvicorn
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from gpucloud.ledger.service import create_app
+from gpucloud.ledger.service import create_app, wall_clock_ms
 
 POSTGRES_URL_ENV = "GPUCLOUD_TEST_POSTGRES_URL"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -80,12 +80,11 @@ def wait_until_healthy(url: str, *, timeout_s: float = 30.0) -> None:
 
 
 @contextmanager
-def ledger_in_thread(database_url: str) -> Iterator[str]:
+def ledger_in_thread(database_url: str, *, clock_ms: Callable[[], int] = wall_clock_ms) -> Iterator[str]:
     """The ledger app served by uvicorn in a thread of this process; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(database_url), host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    )
+    app = create_app(database_url, clock_ms=clock_ms)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, name=f"ledger-{port}", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -20,10 +20,13 @@ async def test_enrollment_brings_nodes_to_available(db_url, make_harness, in_pro
     assert node["generation"] == 3 and node["tenant_id"] is None
     # Enrolling again changes nothing: known nodes keep their state.
     again = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()}).json()
-    assert again == {"enrolled": 0, "already_known": 6, "bringups_started": 0}
-    # The node workflows carry search attributes an operator can filter on.
-    found = [w async for w in temporal_env.client.list_workflows(f"NodeId = '{node_ids[0]}'")]
-    assert found and found[0].id == f"node-{node_ids[0]}"
+    assert again == {"enrolled": 0, "already_known": 6, "bringups_started": 0, "batches": 0}
+    # The six came up in one batch workflow, whose result names them all.
+    batches = [w async for w in temporal_env.client.list_workflows(
+        f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'")]
+    assert len(batches) == 1
+    result = await temporal_env.client.get_workflow_handle(batches[0].id).result()
+    assert sorted(result["available"]) == sorted(node_ids) and result["stopped"] == {}
 
 
 async def test_allocate_ready_cancel_released_nodes_back(db_url, make_harness, in_process_worker, temporal_env):
@@ -31,7 +34,7 @@ async def test_allocate_ready_cancel_released_nodes_back(db_url, make_harness, i
     await in_process_worker(h.settings)
     h.enroll_fleet()
     await h.wait_states({"available": 8})
-    tenant_id, key = h.new_tenant()
+    tenant_id, key = await h.onboard()
 
     with h.client(key) as c:
         resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 4, "region": "us-east-1"},
@@ -51,6 +54,10 @@ async def test_allocate_ready_cancel_released_nodes_back(db_url, make_harness, i
             assert h.sim.node(node_id)["tenant_id"] == tenant_id  # the agent really holds the tenant
         # One fabric domain for the whole gang.
         assert len({nodes[n]["pod"] for n in ready["node_ids"]}) == 1
+        # The per-node workflows carry search attributes an operator can filter on.
+        some = ready["node_ids"][0]
+        found = [w async for w in temporal_env.client.list_workflows(f"NodeId = '{some}'")]
+        assert [w.id for w in found] == [f"node-{some}"]
 
         cancel = c.post(f"/v1/allocations/{alloc['id']}/cancel")
         assert cancel.status_code == 202
@@ -78,7 +85,7 @@ async def test_not_enough_capacity_is_a_clear_409_and_writes_nothing(db_url, mak
     await in_process_worker(h.settings)
     h.enroll_fleet()
     await h.wait_states({"available": 4})
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 5, "region": "us-east-1"})
         assert resp.status_code == 409
@@ -112,7 +119,7 @@ async def test_failed_provisioning_fails_allocation_and_recycles_nodes(db_url, m
     await in_process_worker(h.settings)
     h.enroll_fleet()
     await h.wait_states({"available": 4})
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         for node in h.sim.inventory():
             h.sim.inject(node["id"], "provision", "permanent")

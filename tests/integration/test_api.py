@@ -22,7 +22,7 @@ async def ready_harness(db_url, make_harness, in_process_worker):
 
 async def test_idempotent_create_sequential_and_mismatch(ready_harness):
     h = ready_harness
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     idem = {"Idempotency-Key": "create-1"}
     with h.client(key) as c:
         first = c.post("/v1/allocations", json=ALLOC, headers=idem)
@@ -38,7 +38,7 @@ async def test_idempotent_create_sequential_and_mismatch(ready_harness):
         assert other.json()["type"].endswith("/idempotency-key-reused")
         assert len(c.get("/v1/allocations").json()["items"]) == 1
     # Keys are per caller: another tenant's identical key is its own request.
-    _, key2 = h.new_tenant()
+    _, key2 = await h.onboard()
     with h.client(key2) as c2:
         assert c2.post("/v1/allocations", json=ALLOC, headers=idem).json()["allocation"]["id"] != \
             first.json()["allocation"]["id"]
@@ -46,7 +46,7 @@ async def test_idempotent_create_sequential_and_mismatch(ready_harness):
 
 async def test_idempotent_create_concurrent_races_get_one_allocation(ready_harness):
     h = ready_harness
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": str(uuid.uuid4())}
     async with httpx.AsyncClient(base_url=h.api.url, headers=headers, timeout=60) as c:
         responses = await asyncio.gather(*(c.post("/v1/allocations", json=ALLOC) for _ in range(8)))
@@ -84,16 +84,19 @@ async def test_pagination_never_skips_or_repeats_while_rows_are_inserted(ready_h
 
 async def test_tenant_cannot_see_or_cancel_another_tenants_allocation(ready_harness):
     h = ready_harness
-    _, key_a = h.new_tenant()
-    _, key_b = h.new_tenant()
+    a_id, key_a = await h.onboard()
+    _, key_b = await h.onboard()
     with h.client(key_a) as a, h.client(key_b) as b:
         created = a.post("/v1/allocations", json=ALLOC).json()
         alloc_id, op_id = created["allocation"]["id"], created["operation"]["id"]
         for resp in (b.get(f"/v1/allocations/{alloc_id}"), b.post(f"/v1/allocations/{alloc_id}/cancel"),
-                     b.get(f"/v1/operations/{op_id}")):
+                     b.get(f"/v1/operations/{op_id}"), b.get(f"/v1/allocations/{alloc_id}/events"),
+                     b.get(f"/v1/tenants/{a_id}"), b.get(f"/v1/tenants/{a_id}/quotas"),
+                     b.get(f"/v1/tenants/{a_id}/api-keys")):
             assert resp.status_code == 404  # not 403: B learns nothing about A's ids
         assert b.get("/v1/allocations").json()["items"] == []
         assert b.get("/v1/allocations", params={"tenant_id": "anything"}).json()["items"] == []
+        assert b.get("/v1/allocations", params={"tenant_id": a_id}).json()["items"] == []
         assert a.get(f"/v1/allocations/{alloc_id}").json()["status"] in ("provisioning", "ready")
         # Tenants cannot reach operator endpoints.
         assert b.get("/v1/nodes").status_code == 403
@@ -116,7 +119,7 @@ BAD_BODIES = [
 
 async def test_bad_input_is_a_4xx_naming_the_field_and_writes_nothing(ready_harness):
     h = ready_harness
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         for body, field in BAD_BODIES:
             resp = c.post("/v1/allocations", json=body)

@@ -38,7 +38,7 @@ async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal
     worker = await in_process_worker(h.settings)
     node_ids = h.enroll_fleet()
     await h.wait_states({"available": 10}, timeout_s=90)
-    clients = [h.client(h.new_tenant()[1]) for _ in range(2)]
+    clients = [h.client((await h.onboard())[1]) for _ in range(2)]
     live: list[tuple[int, str]] = []
 
     for step in range(60):

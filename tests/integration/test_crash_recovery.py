@@ -13,7 +13,7 @@ async def test_worker_killed_mid_provisioning_allocation_still_completes(db_url,
     worker = h.start_worker_process()
     h.enroll_fleet()
     await h.wait_states({"available": 4}, timeout_s=90)
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         alloc = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 3, "region": "us-east-1"}).json()
     alloc_id = alloc["allocation"]["id"]

@@ -21,7 +21,7 @@ async def _ready_allocation(make_harness, in_process_worker, db_url, *, nodes: i
     await in_process_worker(h.settings)
     h.enroll_fleet()
     await h.wait_states({"available": nodes}, timeout_s=90)
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"},
                       headers={"Idempotency-Key": str(uuid.uuid4())})

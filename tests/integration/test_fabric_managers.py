@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import sys
 
+import httpx
 import pytest
 
 from gpucloud.fabric.http_clients import HttpFabricController
@@ -24,6 +25,8 @@ from gpucloud.fabric.membership import (
     ensure_tenant_vpc,
     read_snapshot,
     release,
+    remove_nodes,
+    resource_name,
 )
 from gpucloud.sim.fabric_managers import FabricManagersServer, create_app
 
@@ -128,6 +131,14 @@ def test_nvlink_constraints(controller):
     refused(lambda: nvl.create_partition(name="c-d", domain_id="c-nowhere", gpu_uids=["GPU-c2"]), 404, "domain_exists")
     refused(lambda: nvl.create_partition(name="c-e", domain_id="c-rack0", gpu_uids=["GPU-c2", "GPU-c2"]), 422, "gpu_listed_once")
     assert nvl.get_partition(first.partition_id) == first
+    # An update (a tray joins or leaves) keeps to the same rules; a GPU may stay where it is.
+    other = nvl.create_partition(name="c-g", domain_id="c-rack0", gpu_uids=["GPU-c2"])
+    refused(lambda: nvl.update_partition(first.partition_id, gpu_uids=["GPU-c0", "GPU-c2"]), 409, "gpu_single_partition")
+    refused(lambda: nvl.update_partition(first.partition_id, gpu_uids=["GPU-c9"]), 409, "gpu_in_domain")
+    refused(lambda: nvl.update_partition(999, gpu_uids=["GPU-c0"]), 404, "partition_exists")
+    assert nvl.update_partition(first.partition_id, gpu_uids=["GPU-c0"]).gpu_uids == ("GPU-c0",)
+    nvl.delete_partition(other.partition_id)
+    first = nvl.update_partition(first.partition_id, gpu_uids=["GPU-c0", "GPU-c1"])
     nvl.delete_partition(first.partition_id)
     assert nvl.get_partition(first.partition_id) is None
     nvl.create_partition(name="c-f", domain_id="c-rack0", gpu_uids=["GPU-c1", "GPU-c2"])
@@ -212,16 +223,74 @@ def test_verification_catches_a_manager_that_drops_membership(controller):
     assert find_violations(read_snapshot(controller), topology=topology, tenant_of={}) == []
 
 
-def test_verification_catches_a_partition_that_does_not_match_the_nodes(controller):
+def test_apply_converges_to_the_nodes_given_and_remove_takes_nodes_out(controller):
     topology = make_topology("vp")
     register(controller, topology)
-    apply_and_verify(controller, "vp-alloc", "vp-acme", [topology["vp-r0t0"]])
-    grown = [topology["vp-r0t0"], topology["vp-r0t1"]]
-    with pytest.raises(FabricVerificationError) as caught:
-        apply_and_verify(controller, "vp-alloc", "vp-acme", grown)
-    assert any("NVLink partition" in d for d in caught.value.differences)
-    release(controller, "vp-alloc", "vp-acme", grown)
+    one, two, far = topology["vp-r0t0"], topology["vp-r0t1"], topology["vp-r1t0"]
+    apply_and_verify(controller, "vp-alloc", "vp-acme", [one])
+    # A replacement joins (in the same rack and in another): the partitions follow.
+    apply_and_verify(controller, "vp-alloc", "vp-acme", [one, two, far])
+    name = resource_name("vp-alloc")
+
+    def partitions() -> dict[str, set[str]]:
+        return {p.domain_id: set(p.gpu_uids) for p in controller.nvlink.list_partitions() if p.name == name}
+
+    assert partitions() == {"vp-rack0": {*one.gpu_uids, *two.gpu_uids}, "vp-rack1": set(far.gpu_uids)}
+    # Pulled nodes leave: ports, GPUs (an emptied partition goes) and the VPC.
+    remove_nodes(controller, "vp-alloc", "vp-acme", [one, far])
+    remove_nodes(controller, "vp-alloc", "vp-acme", [one, far])  # idempotent
+    pkey = next(p for p in controller.infiniband.list_pkeys() if p.name == name)
+    assert pkey.guids() == set(two.port_guids)
+    assert partitions() == {"vp-rack0": set(two.gpu_uids)}
+    assert controller.ethernet.list_vpcs(tenant_id="vp-acme")[0].nodes == (two.node_id,)
+    # Applying a smaller set than the managers hold converges too.
+    apply_and_verify(controller, "vp-alloc", "vp-acme", [one, two])
+    apply_and_verify(controller, "vp-alloc", "vp-acme", [two])
+    assert next(p for p in controller.infiniband.list_pkeys() if p.name == name).guids() == set(two.port_guids)
+    assert partitions() == {"vp-rack0": set(two.gpu_uids)}
+    release(controller, "vp-alloc", "vp-acme", [one, two])
     assert find_violations(read_snapshot(controller), topology=topology, tenant_of={}) == []
+
+
+def test_injected_faults_a_manager_down_and_reads_that_disagree(controller, managers_url):
+    topology = make_topology("fi")
+    register(controller, topology)
+    nodes = [topology["fi-r0t0"], topology["fi-r0t1"]]
+    httpx.put(f"{managers_url}/sim/v1/fault", json={"mode": "unavailable"}).raise_for_status()
+    with pytest.raises(httpx.HTTPStatusError) as down:
+        apply_and_verify(controller, "fi-alloc", "fi-acme", nodes)
+    assert down.value.response.status_code == 503
+    httpx.put(f"{managers_url}/sim/v1/fault", json={"mode": "stale_reads"}).raise_for_status()
+    with pytest.raises(FabricVerificationError) as caught:
+        apply_and_verify(controller, "fi-alloc", "fi-acme", nodes)
+    found = " ".join(caught.value.differences)
+    assert "pkey" in found and "NVLink partition" in found and "VNI" in found
+    httpx.put(f"{managers_url}/sim/v1/fault", json={"mode": None}).raise_for_status()
+    applied = apply_and_verify(controller, "fi-alloc", "fi-acme", nodes)
+    assert controller.infiniband.get_pkey(applied.pkey).guids(Membership.FULL) == {
+        g for n in nodes for g in n.port_guids}
+    release(controller, "fi-alloc", "fi-acme", nodes)
+
+
+def test_state_survives_a_restart_with_a_state_file(tmp_path):
+    state = tmp_path / "fabric.json"
+    with FabricManagersServer(create_app(state_path=state)) as server:
+        with HttpFabricController.for_simulator(server.url) as c:
+            c.nvlink.register_domain("sf-rack0", ["GPU-sf0", "GPU-sf1"])
+            c.infiniband.create_pkey(0x0B01, name="alloc-sf")
+            c.infiniband.add_ports(0x0B01, ["0x00000000000b0001"], membership=Membership.FULL)
+            partition = c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf0"])
+            vpc = c.ethernet.create_vpc(tenant_id="sf-acme")
+            c.ethernet.attach(vpc.vni, "sf-node")
+            before = read_snapshot(c)
+    with FabricManagersServer(create_app(state_path=state)) as server:
+        with HttpFabricController.for_simulator(server.url) as c:
+            assert read_snapshot(c) == before
+            # The partition counter and the domains came back too.
+            refused(lambda: c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]),
+                    409, "partition_name_unique")
+            assert c.nvlink.create_partition(name="other", domain_id="sf-rack0",
+                                             gpu_uids=["GPU-sf1"]).partition_id > partition.partition_id
 
 
 @pytest.mark.parametrize("seed", range(4))

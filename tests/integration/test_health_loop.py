@@ -1,6 +1,7 @@
 """The health loop against the real stack: XIDs in, the right action out; a bad node pulled from
 its allocation and replaced in the same fabric domain; the repair ladder with burn-in as the
-gate; the lemon rule; the circuit breaker; a degraded allocation that waits for capacity."""
+gate; the lemon rule; the circuit breaker; a degraded allocation that waits for capacity; a node
+failing while it is provisioned; a burst of failures in one allocation; agents' readings."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 
+from gpucloud.agent.readings import FatalKind, ProbeFatal
+from support.readings import node_reading
 from support.stack import async_wait_until
 
 FAST = dict(latency_scale=0.02, health_drain_grace_s=0.5, replacement_recheck_s=0.5)
@@ -85,7 +88,7 @@ async def test_each_xid_class_leads_to_its_action_and_application_xids_never_dra
 async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_burn_in_passes(
         db_url, make_harness, in_process_worker, temporal_env):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=6, breaker_max_pulled_share=1.0)
-    tenant_id, key = h.new_tenant()
+    tenant_id, key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     bad, kept = alloc["node_ids"]
@@ -156,15 +159,15 @@ async def test_circuit_breaker_refuses_pulls_beyond_the_pool_share(db_url, make_
     assert [(a["kind"], a["node_id"], a["pool"]) for a in alerts] == [("circuit_breaker", second, "H100/us-east-1")]
     node = h.node(second)
     assert node["health"] == "failed" and not node["drain_requested"] and node["state"] == "available"
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         assert c.get("/v1/alerts").status_code == 403
 
 
 async def test_no_capacity_degraded_until_capacity_frees(db_url, make_harness, in_process_worker):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0)
-    _, key = h.new_tenant()
-    _, other_key = h.new_tenant()
+    _, key = await h.onboard()
+    _, other_key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
     other_id = _allocate(h, other_key, 1)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
@@ -185,3 +188,149 @@ async def test_no_capacity_degraded_until_capacity_frees(db_url, make_harness, i
     await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
     kinds = [e["kind"] for e in h.client(key).get(f"/v1/allocations/{alloc_id}/events").json()["items"]]
     assert kinds == ["fault_notice", "degraded", "waiting_for_capacity", "replacement_started", "replaced", "ready"]
+
+
+def _alloc_events(h, key: str, alloc_id: str) -> list[str]:
+    with h.client(key) as c:
+        return [e["kind"] for e in c.get(f"/v1/allocations/{alloc_id}/events").json()["items"]]
+
+
+async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is_ready(
+        db_url, make_harness, in_process_worker):
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0)
+    for node in h.nodes():  # every provision answers 503 twice first: about 3 s in `provisioning`
+        h.sim.inject(node["id"], "provision", "transient", count=2)
+    tenant_id, key = await h.onboard()
+    with h.client(key) as c:
+        created = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()
+    alloc_id, operation_id = created["allocation"]["id"], created["operation"]["id"]
+    bad = (await async_wait_until(
+        lambda: [n for n in h.nodes() if n["allocation_id"] == alloc_id and n["state"] == "provisioning"],
+        timeout_s=30, what="a node provisioning"))[0]["id"]
+
+    decision = _xid(h, bad, 48)  # drain-level, yet no grace: no job runs there yet
+    assert (decision["action"], decision["pull"]) == ("drain", "replace")
+
+    alloc = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
+    assert bad not in alloc["node_ids"] and len(alloc["node_ids"]) == 2
+    # Never `ready` with the bad node: pulled and replaced first, then ready once; the tenant's
+    # create operation succeeded only then.
+    assert _alloc_events(h, key, alloc_id) == ["degraded", "replacement_started", "replaced", "ready"]
+    with h.client(key) as c:
+        replaced_at = c.get(f"/v1/allocations/{alloc_id}/events").json()["items"][2]["at"]
+        operation = c.get(f"/v1/operations/{operation_id}").json()
+    assert operation["status"] == "succeeded"
+    assert datetime.fromisoformat(operation["updated_at"]) >= datetime.fromisoformat(replaced_at)
+    nodes = {n["id"]: n for n in h.nodes()}
+    assert all(nodes[n]["state"] == "active" and nodes[n]["pod"] == alloc["fabric_domain"] for n in alloc["node_ids"])
+    assert all(h.sim.node(n)["tenant_id"] == tenant_id for n in alloc["node_ids"])
+    await async_wait_until(lambda: h.node(bad)["state"] == "quarantined", timeout_s=30, what="bad node quarantined")
+
+
+async def test_a_burst_of_fatal_xids_in_one_allocation_pulls_all_and_replaces_each(
+        db_url, make_harness, in_process_worker, temporal_env):
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0)
+    tenant_id, key = await h.onboard()
+    alloc_id = _allocate(h, key, 3)  # one spare node left
+    alloc = await h.wait_allocation(key, alloc_id, "ready")
+    first, second, kept = alloc["node_ids"]
+    now = datetime.now(UTC).isoformat()
+    result = h.operator.post("/v1/agents/events", json={"events": [
+        {"node_id": n, "gpu_index": 0, "xid": 79, "timestamp": now} for n in (first, second)]}).json()
+    assert [d["pull"] for d in result["decisions"]] == ["replace", "replace"]
+
+    # Both pulled at once; the spare replaces one, the other waits for capacity.
+    degraded = await async_wait_until(
+        lambda: (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "degraded"
+        and "waiting for capacity" in (a["failure_reason"] or "") and a, timeout_s=60, what="waiting for capacity")
+    assert kept in degraded["node_ids"] and len(degraded["node_ids"]) == 2
+    assert not {first, second} & set(degraded["node_ids"])
+
+    # Capacity frees: a pulled node passes its repair and burn-in and comes back.
+    await async_wait_until(lambda: all(h.node(n)["state"] == "quarantined" for n in (first, second)),
+                           timeout_s=30, what="both quarantined")
+    await h.sweep(temporal_env.client)
+    alloc = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
+    assert len(alloc["node_ids"]) == 3 and kept in alloc["node_ids"]
+    assert all(h.node(n)["state"] == "active" and h.sim.node(n)["tenant_id"] == tenant_id for n in alloc["node_ids"])
+    assert _alloc_events(h, key, alloc_id) == [
+        "degraded", "degraded", "replacement_started", "replaced", "waiting_for_capacity",
+        "replacement_started", "replaced", "ready"]
+
+
+async def test_agent_readings_are_validated_judged_and_acted_on(db_url, make_harness, in_process_worker):
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+    watched, lost = [n["id"] for n in h.nodes()]
+    now = datetime.now(UTC)
+
+    def push(*readings) -> httpx.Response:
+        return h.operator.post("/v1/agents/readings", json={"readings": [
+            r if isinstance(r, dict) else r.model_dump(mode="json") for r in readings]})
+
+    negative = node_reading(watched, now).model_dump(mode="json")
+    negative["gpus"][0]["ecc"]["volatile_corrected"] = -1
+    bad = push(negative)
+    assert bad.status_code == 422 and bad.headers["content-type"] == "application/problem+json"
+    assert [e["field"] for e in bad.json()["errors"]] == ["readings.0.gpus.0.ecc.volatile_corrected"]
+    missing = node_reading(watched, now).model_dump(mode="json")
+    del missing["timestamp"]
+    assert [e["field"] for e in push(missing).json()["errors"]] == ["readings.0.timestamp"]
+    ahead = push(node_reading(watched, now), node_reading(watched, now + timedelta(hours=1)))
+    assert ahead.status_code == 422 and [e["field"] for e in ahead.json()["errors"]] == ["readings.1.timestamp"]
+    assert push().json()["errors"][0]["field"] == "readings"
+    unknown = push(node_reading(watched, now), node_reading("ghost", now))
+    assert unknown.status_code == 404 and unknown.json()["unknown_nodes"] == ["ghost"]
+    assert h.operator.get(f"/v1/nodes/{watched}/health").json()["readings"] == []  # nothing stored
+    _, key = h.new_tenant()
+    with h.client(key) as c:
+        assert c.post("/v1/agents/readings", json={"readings": [
+            node_reading(watched, now).model_dump(mode="json")]}).status_code == 403
+
+    # Corrected ECC errors climbing since the node's burn-in (what came before it is dealt with):
+    # a warning, and the node stays.
+    burned_in = datetime.fromisoformat(_events(h, watched)[-1]["at"])
+    rising = push(node_reading(watched, burned_in + timedelta(milliseconds=1)),
+                  node_reading(watched, burned_in + timedelta(milliseconds=2), corrected=500),
+                  node_reading(watched, burned_in + timedelta(milliseconds=3), corrected=1000)).json()
+    assert rising["accepted"] == 3
+    assert [(d["health"], d["action"], d["pull"]) for d in rising["decisions"]] == [("suspect", "watch", None)]
+    report = h.operator.get(f"/v1/nodes/{watched}/health", params={"reading_limit": 5}).json()
+    assert [c["name"] for c in report["conditions"]] == ["ecc_corrected_rate"]
+    assert [r["gpus"][2]["ecc"]["volatile_corrected"] for r in report["readings"]] == [1000, 500, 0]
+
+    # A GPU lost: pulled now, and drained into quarantine.
+    gone = ProbeFatal(kind=FatalKind.GPU_LOST, gpu_index=4, detail="GPU has fallen off the bus")
+    (decision,) = push(node_reading(lost, now, fatal=gone)).json()["decisions"]
+    assert (decision["health"], decision["action"], decision["pull"]) == ("failed", "drain_now", "drain")
+    await async_wait_until(lambda: h.node(lost)["state"] == "quarantined", timeout_s=30, what="quarantined")
+
+
+async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(db_url, make_harness, in_process_worker,
+                                                                      temporal_env):
+    # The API judged the node and then died before it could signal the allocation's workflow:
+    # only the DB knows. The reconciler derives the pull from the record and asks again.
+    from gpucloud.agent.readings import XidEvent
+    from gpucloud.db import session_scope
+    from gpucloud.services import health as health_service
+
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0)
+    _, key = await h.onboard()
+    alloc_id = _allocate(h, key, 2)
+    ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
+    bad = ready["node_ids"][0]
+    with session_scope(h.settings.db_url) as session:
+        outcomes, _ = health_service.ingest_xids(
+            session, [XidEvent(node_id=bad, gpu_index=3, xid=79, timestamp=datetime.now(UTC))], source="test",
+            breaker=health_service.BreakerSettings(max_pulled_share=1.0))
+    assert outcomes[0].pull == "replace"  # decided, but no signal went out
+    assert h.node(bad)["allocation_id"] == alloc_id
+
+    result = await h.sweep(temporal_env.client)
+    assert result.replace_signals == 1
+    await async_wait_until(
+        lambda: (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "ready"
+        and bad not in a["node_ids"] and a,
+        timeout_s=60, what="the bad node replaced")
+    assert h.node(bad)["allocation_id"] is None
+    # Converged: the next sweep has nothing to send.
+    assert (await h.sweep(temporal_env.client)).replace_signals == 0

@@ -30,7 +30,7 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
     # Deadlines x 0.002: provisioning 3.6 s, wiping 7.2 s, burn-in 29 s; provision takes ~2 s.
     h, worker = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, latency_scale=5.0,
                                    deadline_scale=0.002)
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
                                                    "region": "us-east-1"}).json()["allocation"]["id"]
@@ -75,7 +75,7 @@ async def test_agent_unreachable_then_back(db_url, make_harness, in_process_work
 
 async def test_drift_active_node_wiped_behind_our_back_is_restored(db_url, make_harness, in_process_worker):
     h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
-    tenant_id, key = h.new_tenant()
+    tenant_id, key = await h.onboard()
     with h.client(key) as c:
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1,
                                                    "region": "us-east-1"}).json()["allocation"]["id"]
@@ -92,7 +92,7 @@ async def test_drift_active_node_wiped_behind_our_back_is_restored(db_url, make_
 
 async def test_cancel_while_provisioning(db_url, make_harness, in_process_worker):
     h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, latency_scale=3.0)
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         created = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()
         alloc_id = created["allocation"]["id"]
@@ -112,7 +112,7 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, ma
         assert r.status_code == 200 and r.json()["node"]["cordoned"] and r.json()["operation"]["status"] == "succeeded"
         assert op.post(f"/v1/nodes/{a}/maintenance", json={"enabled": True}).json()["node"]["maintenance"]
         # A cordoned node is never placed.
-        _, key = h.new_tenant()
+        _, key = await h.onboard()
         with h.client(key) as c:
             assert c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
                                                    "region": "us-east-1"}).status_code == 409
@@ -137,9 +137,10 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, ma
 
 
 async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process_worker, temporal_env):
-    # Inspect never answers (transient 503s), so the bring-up workflow keeps running while the
-    # reconciler sweeps as fast as it can: it must back off, not restart the node in a loop.
-    h = make_harness(db_url, nodes=1, backoff_base_s=0.3, backoff_cap_s=10)
+    # Inspect never answers (transient 503s): the bring-up batch gives the node back after its
+    # one try (agent_batch_attempts=1), and the reconciler, sweeping as fast as it can, must
+    # start it again with growing delays, not in a loop.
+    h = make_harness(db_url, nodes=1, backoff_base_s=0.3, backoff_cap_s=10, agent_batch_attempts=1)
     await in_process_worker(h.settings)
     node_id = h.sim.inventory()[0]["id"]
     h.sim.inject(node_id, "inspect", "transient", count=1000)
@@ -148,7 +149,8 @@ async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process
     started = time.monotonic()
     while time.monotonic() - started < 3.5:
         result = await h.sweep(temporal_env.client)
-        if result.already_running or result.started:
+        if result.started:
+            assert result.bringup_batches == 1
             touched.append(time.monotonic() - started)
         await asyncio.sleep(0.05)
     gaps = [b - a for a, b in zip(touched, touched[1:])]

@@ -522,3 +522,66 @@ def test_demo_weights_scenario(registry: Registry, tmp_path: Path) -> None:
     demo_weights(console, registry.url, tenant.key, tmp_path / "demo")
     text = console.export_text()
     assert "refused" in text and "ChunkCorruptedError" in text and "skipped by dedup" in text
+
+
+def _age(tenant: Tenant, hours: float = 48) -> None:
+    import time
+
+    then = time.time() - hours * 3600
+    for info in tenant.chunks.list():
+        os.utime(tenant.chunks.path(info.id), (then, then))
+
+
+def test_operator_gc_removes_only_old_unreferenced_chunks_dry_run_first(registry: Registry, tmp_path: Path) -> None:
+    tenant, bystander = registry.new_tenant(), registry.new_tenant()
+    source = write_model(tmp_path / "v1", random_tensors())
+    outcome = tenant.push(source)
+    other = bystander.push(write_model(tmp_path / "other", random_tensors()))
+    orphan = os.urandom(3000)
+    orphan_id = blake3.blake3(orphan).hexdigest()
+    with tenant.http() as http:
+        http.put(f"/v1/models/llama/chunks/{orphan_id}", content=orphan).raise_for_status()
+        assert http.post("/v1/registry/gc", json={}).status_code == 403  # operators only
+    _age(tenant)
+    _age(bystander)
+    fresh = os.urandom(3000)  # young: inside the grace period, a push may be about to use it
+    fresh_id = blake3.blake3(fresh).hexdigest()
+    tenant.chunks.put(fresh_id, fresh)
+
+    with httpx.Client(base_url=registry.url, headers={"Authorization": f"Bearer {OPERATOR}"}) as op:
+        too_short = op.post("/v1/registry/gc", json={"grace_period_seconds": 60})
+        assert too_short.status_code == 422
+        assert op.post("/v1/registry/gc", json={"tenant_id": "nobody"}).status_code == 404
+        dry = op.post("/v1/registry/gc", json={"dry_run": True, "tenant_id": tenant.id}).json()
+        assert dry["dry_run"] and dry["tenants"][0]["deleted_ids"] == [orphan_id]
+        assert tenant.chunks.has(orphan_id)
+        done = op.post("/v1/registry/gc", json={"grace_period_seconds": 3600}).json()
+
+    by_tenant = {t["tenant_id"]: t for t in done["tenants"]}
+    assert by_tenant[tenant.id]["deleted_ids"] == [orphan_id] and by_tenant[tenant.id]["bytes_deleted"] == 3000
+    assert by_tenant[tenant.id]["chunks_young"] == 1 and by_tenant[bystander.id]["chunks_deleted"] == 0
+    assert done["chunks_deleted"] == 1
+    assert not tenant.chunks.has(orphan_id) and tenant.chunks.has(fresh_id)
+    assert tree(tenant.pull(outcome.digest, tmp_path / "out").path) == tree(source)
+    assert bystander.pull(other.digest, tmp_path / "other-out").path.exists()
+
+
+def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    tenant.push(write_model(tmp_path / "v1", random_tensors()))
+    orphan = os.urandom(2000)
+    orphan_id = blake3.blake3(orphan).hexdigest()
+    tenant.chunks.put(orphan_id, orphan)
+    _age(tenant)
+    env = {"GPUCLOUD_API_URL": registry.url, "GPUCLOUD_OPERATOR_TOKEN": OPERATOR, "COLUMNS": "200"}
+    runner = CliRunner()
+
+    dry = runner.invoke(weights_app, ["gc", "--dry-run", "--tenant", tenant.id], env=env)
+    assert dry.exit_code == 0, dry.output
+    assert "would remove 1 chunks" in dry.output and tenant.chunks.has(orphan_id)
+    done = runner.invoke(weights_app, ["gc", "--grace", "2h", "--tenant", tenant.id], env=env)
+    assert done.exit_code == 0, done.output
+    assert "removed 1 chunks" in done.output and not tenant.chunks.has(orphan_id)
+    refused = runner.invoke(weights_app, ["gc", "--grace", "5m"], env=env)
+    assert refused.exit_code == 1 and "grace_period_seconds" in refused.output
+    assert runner.invoke(weights_app, ["gc", "--grace", "soon"], env=env).exit_code == 2

@@ -37,7 +37,7 @@ async def test_fresh_allocation_history_replays(db_url, make_harness, in_process
     await in_process_worker(h.settings)
     h.enroll_fleet()
     await h.wait_states({"available": 2})
-    _, key = h.new_tenant()
+    _, key = await h.onboard()
     with h.client(key) as c:
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
                                                    "region": "us-east-1"}).json()["allocation"]["id"]

@@ -19,6 +19,7 @@ import httpx
 from gpucloud.config import Settings
 from gpucloud.serving import ThreadedServer
 from gpucloud.stack import free_port
+from support.fabric import FabricManagers
 
 
 def wait_until(predicate, *, timeout_s: float = 60, interval_s: float = 0.1, what: str = "condition"):
@@ -44,7 +45,8 @@ async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: floa
 class SimFleetProcess:
     """`gpucloud sim` in its own process."""
 
-    def __init__(self, *, nodes: int, latency_scale: float, log_path: Path, id_prefix: str | None = None) -> None:
+    def __init__(self, *, nodes: int, latency_scale: float, log_path: Path, id_prefix: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         # Node ids are global in Temporal (workflow `node-<id>`): each fleet gets its own.
         self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
         self.port = free_port()
@@ -53,7 +55,7 @@ class SimFleetProcess:
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpucloud.cli", "sim", "--nodes", str(nodes), "--latency-scale", str(latency_scale),
-             "--id-prefix", self.id_prefix],
+             "--id-prefix", self.id_prefix, *extra_args],
             env=env, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until(self._up, timeout_s=30, what="simulated fleet")
 
@@ -107,6 +109,8 @@ class Harness:
     api: ApiThread
     log_dir: Path
     worker_procs: list[subprocess.Popen] = field(default_factory=list)
+    # The simulated fabric managers the worker applies membership through (`make_harness(fabric=True)`).
+    fabric: FabricManagers | None = None
 
     @property
     def operator(self) -> httpx.Client:
@@ -159,11 +163,33 @@ class Harness:
 
         await async_wait_until(check, timeout_s=timeout_s, interval_s=0.2, what=f"node states {want}")
 
-    def new_tenant(self, name: str | None = None) -> tuple[str, str]:
+    def new_tenant(self, name: str | None = None, *, quotas: list[dict] | None = None) -> tuple[str, str]:
+        """Start onboarding a tenant: (tenant id, its first API key). The tenant is `onboarding`
+        until its workflow ends; it may read but not allocate: `onboard` waits for `active`."""
+        return self._create_tenant(name, quotas)[:2]
+
+    async def onboard(self, name: str | None = None, *, quotas: list[dict] | None = None,
+                      timeout_s: float = 60) -> tuple[str, str]:
+        """Onboard a tenant and wait until it is active: (tenant id, its first API key)."""
+        tenant_id, key, operation_id = self._create_tenant(name, quotas)
+        await self.wait_operation(operation_id, timeout_s=timeout_s)
+        return tenant_id, key
+
+    def _create_tenant(self, name: str | None, quotas: list[dict] | None) -> tuple[str, str, str]:
+        body = {"name": name or f"t-{uuid.uuid4().hex[:8]}", **({"quotas": quotas} if quotas else {})}
         with self.operator as op:
-            tenant = op.post("/v1/tenants", json={"name": name or f"t-{uuid.uuid4().hex[:8]}"}).json()
-            key = op.post(f"/v1/tenants/{tenant['id']}/api-keys").json()
-        return tenant["id"], key["key"]
+            resp = op.post("/v1/tenants", json=body)
+        assert resp.status_code == 202, resp.text
+        accepted = resp.json()
+        return accepted["id"], accepted["api_key"]["key"], accepted["operation"]["id"]
+
+    async def wait_operation(self, operation_id: str, *, timeout_s: float = 60, expect: str = "succeeded") -> dict:
+        with self.operator as op:
+            final = await async_wait_until(
+                lambda: (o := op.get(f"/v1/operations/{operation_id}").json())["status"] != "running" and o,
+                timeout_s=timeout_s, interval_s=0.05, what=f"operation {operation_id}")
+        assert final["status"] == expect, final
+        return final
 
     async def wait_allocation(self, token: str, allocation_id: str, status: str, *, timeout_s: float = 60) -> dict:
         with self.client(token) as c:
@@ -175,7 +201,8 @@ class Harness:
         env = {**os.environ, "GPUCLOUD_DATA_DIR": str(self.settings.data_dir),
                "GPUCLOUD_TEMPORAL_ADDRESS": self.settings.temporal_address,
                "GPUCLOUD_DATABASE_URL": self.settings.db_url, "GPUCLOUD_TASK_QUEUE": self.settings.task_queue,
-               "GPUCLOUD_OPERATOR_TOKEN": self.settings.resolved_operator_token, "GPUCLOUD_LOG_LEVEL": "WARNING"}
+               "GPUCLOUD_OPERATOR_TOKEN": self.settings.resolved_operator_token, "GPUCLOUD_LOG_LEVEL": "WARNING",
+               **({"GPUCLOUD_FABRIC_URL": self.fabric.url} if self.fabric else {})}
         log = open(self.log_dir / "worker.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "gpucloud.cli", "worker"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -186,13 +213,13 @@ class Harness:
 class InProcessWorker:
     """The production worker, run on the test's event loop."""
 
-    def __init__(self, client, settings: Settings) -> None:
+    def __init__(self, client, settings: Settings, *, fault_hook=None) -> None:
         from gpucloud.activities.host_agent import HostAgentActivities
         from gpucloud.workers.main import build_worker
 
         self.executor = ThreadPoolExecutor(max_workers=settings.worker_max_activities)
-        self.agent = HostAgentActivities()
-        self.worker = build_worker(client, settings, executor=self.executor, agent=self.agent)
+        self.agent = HostAgentActivities.from_settings(settings)
+        self.worker = build_worker(client, settings, executor=self.executor, agent=self.agent, fault_hook=fault_hook)
         self.task: asyncio.Task | None = None
 
     async def __aenter__(self):

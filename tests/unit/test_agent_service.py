@@ -79,7 +79,7 @@ def test_missing_tool_is_a_501_naming_it_and_a_failing_tool_a_422(tmp_path):
 
 @pytest.fixture
 def control_plane():
-    seen: dict[str, list] = {"/v1/agents/heartbeats": [], "/v1/agents/events": []}
+    seen: dict[str, list] = {"/v1/agents/heartbeats": [], "/v1/agents/events": [], "/v1/agents/readings": []}
     state = {"down": False}
 
     def handle(request: httpx.Request) -> httpx.Response:
@@ -116,3 +116,20 @@ async def test_reporter_pushes_heartbeats_and_stamped_xids_and_keeps_them_while_
 
     reading = await reporter.read_once()
     assert reading.is_gpu_node and len(reading.gpus) == 8
+
+
+async def test_reporter_pushes_each_reading_and_drops_it_while_down(tmp_path, control_plane):
+    client, seen, cp = control_plane
+    agent = _agent(tmp_path, FakeTools(set()))
+    reporter = Reporter(agent, client)
+    first = await reporter.read_once()
+    (batch,) = seen["/v1/agents/readings"]
+    assert batch == {"readings": [first.model_dump(mode="json")]}
+    assert len(batch["readings"][0]["gpus"]) == 8 and batch["readings"][0]["node_id"] == "gpu-1"
+
+    cp["down"] = True
+    missed = await reporter.read_once()  # taken and kept for GET /readings, not queued
+    assert reporter.latest == missed and len(seen["/v1/agents/readings"]) == 1
+    cp["down"] = False
+    await reporter.read_once()
+    assert len(seen["/v1/agents/readings"]) == 2

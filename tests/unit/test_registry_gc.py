@@ -12,7 +12,7 @@ import blake3
 import pytest
 
 from gpucloud.registry.chunking import ChunkPolicy
-from gpucloud.registry.gc import collect_garbage
+from gpucloud.registry.gc import LEASE_SETTLE_SECONDS, collect_garbage, holding
 from gpucloud.registry.manifest import Keyring, ManifestTamperedError, PushLease, Signer
 from gpucloud.registry.pull import pull
 from gpucloud.registry.push import push
@@ -168,3 +168,42 @@ def test_abandoned_temp_files_are_removed_after_the_grace_period(stores) -> None
     result = collect_garbage(chunks, manifests, grace_period=GRACE, now=NOW)
 
     assert result.uploads_aborted == 1 and not stale.exists() and fresh.exists()
+
+
+def test_a_deleting_run_marks_itself_running_and_a_dry_run_does_not(stores) -> None:
+    chunks, manifests = stores
+    seen: list[int] = []
+
+    class Watching(LocalChunkStore):
+        def list(self):
+            seen.append(len(manifests.gc_runs()))  # the mark is there before anything is listed
+            return super().list()
+
+    watching = Watching(chunks.root)
+    collect_garbage(watching, manifests, grace_period=GRACE, now=NOW, dry_run=True)
+    collect_garbage(watching, manifests, grace_period=GRACE, now=NOW)
+    assert seen == [0, 1]
+    assert manifests.gc_runs() == []
+
+
+def test_holding_leases_the_chunks_and_waits_only_while_gc_runs(stores) -> None:
+    chunks, manifests = stores
+    kept = orphan(chunks, old=True)
+    waits: list[float] = []
+
+    with holding(manifests, [kept, kept], model="m", sleep=waits.append):
+        assert [held.chunk_ids for held in manifests.leases()] == [[kept]]
+        collect_garbage(chunks, manifests, grace_period=GRACE, now=NOW)
+        assert chunks.has(kept)
+    assert waits == [] and manifests.leases() == []
+
+    manifests.put_gc_run("a" * 32, datetime.now(UTC))
+    with holding(manifests, [kept], model="m", sleep=waits.append):
+        pass
+    assert len(waits) == 1 and 0 < waits[0] <= LEASE_SETTLE_SECONDS
+
+    manifests.delete_gc_run("a" * 32)
+    manifests.put_gc_run("b" * 32, datetime.now(UTC) - timedelta(hours=2))  # a run that died
+    with holding(manifests, [kept], model="m", sleep=waits.append):
+        pass
+    assert len(waits) == 1

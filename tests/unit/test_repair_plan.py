@@ -22,3 +22,29 @@ NOW = datetime(2025, 1, 1, tzinfo=UTC)
 def test_repair_started_for_health_quarantined_nodes_only(state, health, maintenance, reachable, start):
     node = NodeSnapshot(id="n1", state=state, health=health, maintenance=maintenance, agent_reachable=reachable)
     assert plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90)).start == start
+
+
+@pytest.mark.parametrize(("state", "actions", "replace", "at_once"), [
+    ("active", ("drain",), True, False),  # the tenant gets the grace period to checkpoint
+    ("active", ("watch", "drain_now"), True, True),
+    ("reserved", ("drain",), True, True),  # no job on it yet: nothing to wait for
+    ("provisioning", ("rma",), True, True),
+    ("active", ("watch",), False, False),  # suspect only: watched, not pulled
+    ("releasing", ("drain_now",), False, False),  # the allocation is letting go anyway
+])
+def test_a_bad_node_its_allocation_holds_is_asked_to_be_replaced(state, actions, replace, at_once):
+    conditions = tuple({"name": f"c{i}", "reason": "r", "action": a} for i, a in enumerate(actions))
+    node = NodeSnapshot(id="n1", state=state, health="failed", allocation_id="a1", health_conditions=conditions)
+    plan = plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90))
+    assert (plan.replace, plan.replace_at_once, plan.start) == (replace, at_once, None)
+    free = NodeSnapshot(id="n1", state=state, health="failed", health_conditions=conditions)
+    assert not plan_node(free, now=NOW, heartbeat_timeout=timedelta(seconds=90)).replace
+
+
+def test_a_bad_node_back_in_the_pool_is_drained():
+    pulled = ({"name": "xid_79", "reason": "fell off the bus", "action": "drain_now"},)
+    node = NodeSnapshot(id="n1", state="available", health="failed", health_conditions=pulled)
+    assert plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90)).start == NodeOperationKind.DRAIN
+    watched = NodeSnapshot(id="n1", state="available", health="suspect",
+                           health_conditions=({"name": "xid_63", "reason": "r", "action": "watch"},))
+    assert plan_node(watched, now=NOW, heartbeat_timeout=timedelta(seconds=90)).empty

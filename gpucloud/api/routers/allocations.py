@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from sqlmodel import Session, select
 from temporalio.client import Client
 from temporalio.service import RPCError
@@ -21,7 +21,7 @@ from gpucloud.api.idempotency import run_idempotent
 from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION
+from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION, NVL72_GPU_TYPES, NVL72_TRAYS_PER_RACK
 from gpucloud.models.health_tables import AllocationEvent, AllocationEventPublic
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import (
@@ -33,6 +33,7 @@ from gpucloud.models.tables import (
     OperationPublic,
 )
 from gpucloud.services import allocations as service
+from gpucloud.services import quotas
 from gpucloud.services import nodes as node_service
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
 
@@ -46,7 +47,9 @@ class AllocationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     gpu_type: str
-    node_count: int
+    # A slice of one NVL72 rack: this many trays, one NVLink partition; node_count may be left out.
+    nvl72_trays: int | None = None
+    node_count: int | None = Field(default=None, validate_default=True)
     region: str
 
     @field_validator("gpu_type")
@@ -56,11 +59,31 @@ class AllocationRequest(BaseModel):
             raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
         return v
 
+    @field_validator("nvl72_trays")
+    @classmethod
+    def _slice(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if not 1 <= v <= NVL72_TRAYS_PER_RACK:
+            raise ValueError(f"must be between 1 and {NVL72_TRAYS_PER_RACK} (the compute trays of one NVL72 rack)")
+        gpu_type = info.data.get("gpu_type")
+        if gpu_type is not None and gpu_type not in NVL72_GPU_TYPES:
+            raise ValueError(f"{gpu_type} does not come in NVL72 racks; slices are of "
+                             f"{', '.join(sorted(NVL72_GPU_TYPES))}")
+        return v
+
     @field_validator("node_count")
     @classmethod
-    def _count(cls, v: int) -> int:
+    def _count(cls, v: int | None, info: ValidationInfo) -> int | None:
+        trays = info.data.get("nvl72_trays")
+        if v is None:
+            if trays is None and "nvl72_trays" in info.data:
+                raise ValueError("Field required (or nvl72_trays, for a slice of an NVL72 rack)")
+            return trays
         if not 1 <= v <= MAX_NODES_PER_ALLOCATION:
             raise ValueError(f"must be between 1 and {MAX_NODES_PER_ALLOCATION}")
+        if trays is not None and v != trays:
+            raise ValueError(f"must equal nvl72_trays ({trays}) or be left out")
         return v
 
     @field_validator("region")
@@ -108,6 +131,8 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
                     raise Problem(422, "invalid-request", "Unknown region",
                                   f"region: unknown region {req.region!r}; known: {', '.join(regions) or 'none'}",
                                   errors=[{"field": "region", "message": "unknown region"}])
+                quotas.admit(session, tenant_id, gpu_type=req.gpu_type, region=req.region, node_count=req.node_count,
+                             default_gpus=settings.default_gpu_quota)
                 alloc = Allocation(tenant_id=tenant_id, **req.model_dump())
                 service.reserve_gang(session, alloc, deadline_scale=settings.deadline_scale)
                 op = Operation(tenant_id=tenant_id, kind="create_allocation", resource_id=alloc.id,
@@ -120,6 +145,13 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
         except service.InsufficientCapacity as exc:
             raise Problem(409, "insufficient-capacity", "Not enough capacity", str(exc),
                           available_in_largest_domain=exc.largest_domain, available_in_region=exc.total) from exc
+        except quotas.QuotaExceeded as exc:
+            raise Problem(409, "quota-exceeded", "Quota exceeded", str(exc),
+                          quota={"gpu_type": exc.limit.gpu_type, "region": exc.limit.region,
+                                 "max_gpus": exc.limit.max_gpus, "source": exc.limit.source},
+                          usage_gpus=exc.usage_gpus, requested_gpus=exc.requested_gpus) from exc
+        except quotas.TenantNotActive as exc:
+            raise Problem(409, "tenant-not-active", "Tenant is not active", str(exc), tenant_status=exc.status) from exc
     raise Problem(503, "busy", "Too much contention", "too many concurrent reservations; retry")
 
 
@@ -136,7 +168,8 @@ def _undo_reservation(settings: Settings, alloc: Allocation, reason: str) -> Non
 
 
 @router.post("/allocations", status_code=202, response_model=AllocationAccepted,
-             responses={409: {"description": "not enough capacity"}, 422: {"description": "invalid request"}})
+             responses={409: {"description": "not enough capacity, quota exceeded, or tenant not active"},
+                        422: {"description": "invalid request"}})
 async def create_allocation(
     request: Request, req: AllocationRequest, tenant: TenantDep, settings: SettingsDep, temporal: TemporalDep,
     idempotency_key: Annotated[str | None, Header()] = None,

@@ -1,9 +1,8 @@
 """Nodes (operator only): enrollment by the fleet, listing and reading, operator actions, what
-agents report (heartbeats, XID events), node health and operator alerts."""
+agents report (heartbeats, XID events, counter readings), node health and operator alerts."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from datetime import datetime, timedelta
 from typing import Annotated
@@ -15,27 +14,34 @@ from pydantic import BaseModel, Field
 from sqlmodel import select
 from temporalio.service import RPCError
 
-from gpucloud.agent.readings import XidEvent, utc_now
+from gpucloud.agent.readings import NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep, TemporalDep
-from gpucloud.api.problems import not_found
+from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.health_tables import OperatorAlertPublic, OperatorAlertRecord, XidEventRecord
+from gpucloud.models.health_tables import (
+    NodeReadingRecord,
+    OperatorAlertPublic,
+    OperatorAlertRecord,
+    XidEventRecord,
+)
 from gpucloud.models.messages import ReplaceNodeRequest
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodeEnroll, NodePublic, NodeTransition, Operation, OperationPublic
 from gpucloud.services import health as health_service
 from gpucloud.services.fleet import apply_operator_action, record_heartbeats, summary
-from gpucloud.services.nodes import enroll_nodes
+from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
 from gpucloud.services.schedules import reconcile_now
-from gpucloud.services.workflows import signal_replace_node, start_bringup
+from gpucloud.services.workflows import signal_replace_node, start_bringup_batches
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["nodes"])
 
 MAX_ENROLL_BATCH = 1000
-ENROLL_START_CONCURRENCY = 50
+MAX_READINGS_BATCH = 1000
+# An agent clock this far ahead would put its reading after every later one: it is refused.
+MAX_READING_CLOCK_SKEW = timedelta(minutes=5)
 
 
 class EnrollRequest(BaseModel):
@@ -46,6 +52,7 @@ class EnrollResult(BaseModel):
     enrolled: int
     already_known: int
     bringups_started: int
+    batches: int = 0
 
 
 class NodePage(BaseModel):
@@ -56,22 +63,19 @@ class NodePage(BaseModel):
 def _enroll(settings: Settings, req: EnrollRequest) -> tuple[list[str], int, int]:
     with session_scope(settings.db_url) as session:
         new, known = enroll_nodes(session, req.nodes)
-        # A known node still `enrolled` lost its bring-up (crash): start it again.
-        pending = session.exec(select(Node.id).where(Node.id.in_(known), Node.state == NodeState.ENROLLED)).all()
-        return [*new, *pending], len(new), len(known)
+        session.flush()
+        # New nodes, and known ones still waiting for a bring-up nobody holds (it was lost).
+        to_start = lease_for_bringup(session, [*new, *known], deadline_scale=settings.deadline_scale)
+        return to_start, len(new), len(known)
 
 
 @router.post("/nodes:enroll", response_model=EnrollResult)
 async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+    """Records the nodes, then brings them up in batches (`BringupBatchWorkflow`). Should the
+    start fail after the commit, the reconciler starts the bring-up once the hold runs out."""
     to_start, new, known = await run_in_threadpool(_enroll, settings, req)
-    gate = asyncio.Semaphore(ENROLL_START_CONCURRENCY)
-
-    async def start(node_id: str) -> None:
-        async with gate:
-            await start_bringup(temporal, settings, node_id)
-
-    await asyncio.gather(*(start(n) for n in to_start))
-    return EnrollResult(enrolled=new, already_known=known, bringups_started=len(to_start))
+    batches = await start_bringup_batches(temporal, settings, to_start)
+    return EnrollResult(enrolled=new, already_known=known, bringups_started=len(to_start), batches=batches)
 
 
 @router.get("/nodes", response_model=NodePage)
@@ -261,6 +265,15 @@ class XidIngestResult(BaseModel):
     decisions: list[HealthDecision]
 
 
+class ReadingBatch(BaseModel):
+    readings: list[NodeReading] = Field(min_length=1, max_length=MAX_READINGS_BATCH)
+
+
+class ReadingIngestResult(BaseModel):
+    accepted: int
+    decisions: list[HealthDecision]
+
+
 class XidRecordPublic(BaseModel):
     xid: int
     gpu_index: int | None
@@ -274,15 +287,28 @@ class NodeHealth(BaseModel):
     state: str
     health: str
     conditions: list[dict]
-    # Readings are judged as they arrive and not stored yet; the XIDs are the evidence kept.
     xid_history: list[XidRecordPublic]
+    # The newest stored readings, newest first (the trend window's, and fatal ones).
+    readings: list[NodeReading]
+
+
+def _breaker(settings: Settings) -> health_service.BreakerSettings:
+    return health_service.BreakerSettings(max_pulled_share=settings.breaker_max_pulled_share,
+                                          window=timedelta(seconds=settings.breaker_window_s))
 
 
 def _ingest(settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
-    breaker = health_service.BreakerSettings(max_pulled_share=settings.breaker_max_pulled_share,
-                                             window=timedelta(seconds=settings.breaker_window_s))
     with session_scope(settings.db_url) as session:
-        return health_service.ingest_xids(session, events, source=source, breaker=breaker)
+        return health_service.ingest_xids(session, events, source=source, breaker=_breaker(settings))
+
+
+def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
+    with session_scope(settings.db_url) as session:
+        outcomes, unknown = health_service.ingest_readings(session, readings, breaker=_breaker(settings))
+    if unknown:
+        raise Problem(404, "not-found", "node not found",
+                      f"no node {', '.join(repr(n) for n in unknown)}: nothing stored", unknown_nodes=unknown)
+    return outcomes
 
 
 async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
@@ -306,8 +332,12 @@ async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], 
     await _act_on(outcomes, settings, temporal)
     return XidIngestResult(
         accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)), unknown_nodes=unknown,
-        decisions=[HealthDecision(node_id=o.node_id, health=o.verdict.health, action=o.verdict.action, pull=o.pull,
-                                  alert=o.alert) for o in outcomes])
+        decisions=_decisions(outcomes))
+
+
+def _decisions(outcomes: list) -> list[HealthDecision]:
+    return [HealthDecision(node_id=o.node_id, health=o.verdict.health, action=o.verdict.action, pull=o.pull,
+                           alert=o.alert) for o in outcomes]
 
 
 @router.post("/nodes/{node_id}/xid", response_model=XidIngestResult)
@@ -328,16 +358,34 @@ async def agent_events(batch: XidEventBatch, operator: OperatorDep, settings: Se
     return await _ingest_and_act(settings, temporal, batch.events, "agent")
 
 
+@router.post("/agents/readings", response_model=ReadingIngestResult)
+async def agent_readings(batch: ReadingBatch, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+    """Counter readings as agents took them; each node's trends are judged again and acted on at once."""
+    latest_allowed = utc_now() + MAX_READING_CLOCK_SKEW
+    ahead = [f"readings.{i}.timestamp" for i, r in enumerate(batch.readings) if r.timestamp > latest_allowed]
+    if ahead:
+        raise Problem(422, "invalid-request", "The request is invalid",
+                      f"{ahead[0]}: more than {MAX_READING_CLOCK_SKEW} ahead of the control plane's clock",
+                      errors=[{"field": f, "message": "in the future"} for f in ahead])
+    outcomes = await run_in_threadpool(_ingest_readings, settings, batch.readings)
+    await _act_on(outcomes, settings, temporal)
+    return ReadingIngestResult(accepted=len(batch.readings), decisions=_decisions(outcomes))
+
+
 @router.get("/nodes/{node_id}/health", response_model=NodeHealth)
 def node_health(node_id: str, operator: OperatorDep, session: SessionDep,
-                limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+                limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                reading_limit: Annotated[int, Query(ge=0, le=100)] = 1):
     node = session.get(Node, node_id)
     if node is None:
         raise not_found("node", node_id)
     rows = session.exec(select(XidEventRecord).where(XidEventRecord.node_id == node_id)
                         .order_by(XidEventRecord.seq.desc()).limit(limit)).all()
+    readings = session.exec(select(NodeReadingRecord.reading).where(NodeReadingRecord.node_id == node_id)
+                            .order_by(NodeReadingRecord.timestamp.desc()).limit(reading_limit)).all()
     return NodeHealth(node_id=node.id, state=node.state, health=node.health, conditions=node.health_conditions,
-                      xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows])
+                      xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
+                      readings=[NodeReading.model_validate(r) for r in readings])
 
 
 class AlertPage(BaseModel):

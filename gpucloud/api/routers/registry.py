@@ -20,6 +20,8 @@ import re
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import asdict
+from datetime import timedelta
 from typing import Annotated
 
 import sqlalchemy as sa
@@ -28,10 +30,11 @@ from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nacl.signing import VerifyKey
+from pydantic import BaseModel, Field
 from sqlmodel import Session, select
 
 from gpucloud.api import pagination
-from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
+from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import run_idempotent
 from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
@@ -64,7 +67,7 @@ from gpucloud.models.registry_tables import (
     VersionPage,
 )
 from gpucloud.models.tables import utcnow
-from gpucloud.registry import service
+from gpucloud.registry import gc, service
 from gpucloud.registry.config import RegistryStores, build_stores
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -365,14 +368,17 @@ def _register_version(settings: Settings, stores: RegistryStores, tenant_id: str
         if parent is not None and service.version_row(session, tenant_id, parent) is None:
             raise _invalid("manifest.lineage.parent", f"no version {parent} visible to this caller")
         model_id = model.id
-    # Outside the transaction: checking thousands of chunks must not hold the database.
+    # Outside the transaction: checking thousands of chunks must not hold the database. The hold
+    # keeps a concurrent garbage collection from deleting a chunk between the check and the put.
     ordered = [chunk.id for entry in manifest.files.values() for chunk in entry.chunks]
-    missing = service.missing_chunks(stores.chunks(tenant_id), ordered)
-    if missing:
-        raise Problem(409, "chunks-missing", "Chunks missing",
-                      f"{len(missing)} of the version's {len(set(ordered))} chunks are not in the store; "
-                      "upload them and post the manifest again", missing=missing[:1000], missing_count=len(missing))
-    stores.manifests(tenant_id).put(signed)
+    with gc.holding(stores.manifests(tenant_id), ordered, model=name):
+        missing = service.missing_chunks(stores.chunks(tenant_id), ordered)
+        if missing:
+            raise Problem(409, "chunks-missing", "Chunks missing",
+                          f"{len(missing)} of the version's {len(set(ordered))} chunks are not in the store; "
+                          "upload them and post the manifest again", missing=missing[:1000],
+                          missing_count=len(missing))
+        stores.manifests(tenant_id).put(signed)
     row = ModelVersion(
         digest=digest, tenant_id=tenant_id, model_id=model_id, parent=parent,
         base_model=manifest.lineage.base_model, training_run=manifest.lineage.training_run,
@@ -535,3 +541,65 @@ def get_descendants(name: str, ref: VersionRef, tenant: TenantDep, session: Sess
     published = service.publish_versions(session, tenant.tenant_id, [r for r, _ in found])
     return LineagePage(items=[LineageEntry(**v.model_dump(), depth=d) for v, (_, d) in zip(published, found,
                                                                                           strict=True)])
+
+
+# ---------------------------------------------------------------- garbage collection (operators)
+
+
+MIN_GC_GRACE_SECONDS = 3600
+"""A push over the API holds no lease while it uploads: only the grace period keeps its fresh
+chunks, so the API refuses one shorter than this (a push slower than the grace period loses
+chunks and re-sends them when the manifest is refused with `chunks-missing`)."""
+MAX_LISTED_IDS = 1000
+
+
+class GcRequest(BaseModel):
+    tenant_id: str | None = Field(None, description="one tenant; default: every tenant with a model")
+    grace_period_seconds: int = Field(int(gc.GRACE_PERIOD.total_seconds()), ge=MIN_GC_GRACE_SECONDS,
+                                      description="unreferenced chunks younger than this are kept")
+    dry_run: bool = Field(False, description="report what would be removed, remove nothing")
+
+
+class TenantGc(BaseModel):
+    tenant_id: str
+    chunks_scanned: int
+    chunks_referenced: int
+    chunks_young: int
+    chunks_deleted: int
+    bytes_deleted: int
+    leases_expired: int
+    uploads_aborted: int
+    deleted_ids: list[str] = Field(description=f"the first {MAX_LISTED_IDS} removed (or removable) chunk ids")
+
+
+class GcReport(BaseModel):
+    dry_run: bool
+    grace_period_seconds: int
+    chunks_deleted: int
+    bytes_deleted: int
+    tenants: list[TenantGc]
+
+
+@router.post("/registry/gc", response_model=GcReport)
+def collect_garbage(req: GcRequest, operator: OperatorDep, session: SessionDep, stores: StoresDep):
+    """Remove (or with `dry_run`, list) chunks no version references, older than the grace period;
+    chunks of pushes in progress are kept (`gpucloud.registry.gc`)."""
+    tenant_ids = list(session.exec(select(RegistryModel.tenant_id).distinct().order_by(RegistryModel.tenant_id)))
+    session.rollback()  # end the read transaction: the run below may take a while
+    if req.tenant_id is not None:
+        if req.tenant_id not in tenant_ids:
+            raise not_found("registry tenant", req.tenant_id)
+        tenant_ids = [req.tenant_id]
+    grace = timedelta(seconds=req.grace_period_seconds)
+    reports = []
+    for tenant_id in tenant_ids:
+        result = gc.collect_garbage(stores.chunks(tenant_id), stores.manifests(tenant_id), grace_period=grace,
+                                    dry_run=req.dry_run)
+        log.info("registry gc of tenant %s (dry run: %s): %d chunks, %d bytes", tenant_id, req.dry_run,
+                 result.chunks_deleted, result.bytes_deleted)
+        reports.append(TenantGc(tenant_id=tenant_id, **{k: v for k, v in asdict(result).items()
+                                                       if k in TenantGc.model_fields and k != "deleted_ids"},
+                                deleted_ids=result.deleted_ids[:MAX_LISTED_IDS]))
+    return GcReport(dry_run=req.dry_run, grace_period_seconds=req.grace_period_seconds, tenants=reports,
+                    chunks_deleted=sum(r.chunks_deleted for r in reports),
+                    bytes_deleted=sum(r.bytes_deleted for r in reports))

@@ -1,33 +1,122 @@
-"""Tenants and their API keys (operator only). A new key's secret is shown once."""
+"""Tenants: onboarding (202 + operation), reads, quotas, offboarding (202 + operation).
+
+`POST /v1/tenants` (operator) writes the tenant (`onboarding`), its quotas (the default from the
+settings, overridden per GPU type and region by the request), its first API key and the
+operation in one transaction, then starts the onboarding workflow, which allocates the VNI and
+the storage and makes the tenant `active` (or `failed`, with everything undone). The response
+carries the key's secret, the only time it is ever shown: the server keeps only its hash, and a
+replay of the request (same Idempotency-Key) answers the same body with `api_key.key` null. A
+client that lost the first answer revokes that key and creates another.
+
+A tenant reads its own record and quotas; another tenant's id is a 404, like one that does not
+exist. `DELETE /v1/tenants/{id}` (operator) starts offboarding.
+"""
 
 from __future__ import annotations
 
-from datetime import datetime
+import json
+import re
 from typing import Annotated
 
-import sqlalchemy as sa
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
-from sqlmodel import select
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sqlmodel import Session, select
+from temporalio.service import RPCError
 
-from gpucloud.api import auth, pagination
-from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep
+from gpucloud.api import pagination
+from gpucloud.api.auth import Caller
+from gpucloud.api.deps import CallerDep, OperatorDep, SessionDep, SettingsDep, TemporalDep
 from gpucloud.api.idempotency import run_idempotent
 from gpucloud.api.problems import Problem, not_found
+from gpucloud.api.routers.api_keys import ApiKeyCreated
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.tables import Tenant, TenantCreate, TenantPublic
+from gpucloud.models.catalog import GPU_TYPES
+from gpucloud.models.tables import (
+    Operation,
+    OperationPublic,
+    Tenant,
+    TenantPublic,
+    TenantQuotaBase,
+    TenantStatus,
+)
+from gpucloud.services import quotas as quota_service
+from gpucloud.services import tenants as tenant_service
+from gpucloud.services.workflows import start_tenant_offboarding, start_tenant_onboarding
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 
+MAX_QUOTA_GPUS = 10_000_000
 
-class ApiKeyCreated(BaseModel):
-    id: str
-    tenant_id: str
-    key: str
-    created_at: datetime
+
+class QuotaRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str = Field(description="a GPU type, or `*` for every type")
+    region: str = Field(description="a region, or `*` for every region")
+    max_gpus: int = Field(ge=0, le=MAX_QUOTA_GPUS)
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        if v != quota_service.ANY and v not in GPU_TYPES:
+            raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}, or '*'")
+        return v
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if v != quota_service.ANY and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
+            raise ValueError("must be a region name like 'us-east-1', or '*'")
+        return v
+
+
+def _unique(quotas: list[QuotaRequest]) -> list[QuotaRequest]:
+    seen = set()
+    for q in quotas:
+        if (q.gpu_type, q.region) in seen:
+            raise ValueError(f"quota for {q.gpu_type}/{q.region} given twice")
+        seen.add((q.gpu_type, q.region))
+    return quotas
+
+
+class TenantRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9-]*$")
+    quotas: list[QuotaRequest] = Field(default_factory=list, max_length=200,
+                                       description="override the default quota per GPU type and region")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> TenantRequest:
+        _unique(self.quotas)
+        return self
+
+
+class QuotasRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    quotas: list[QuotaRequest] = Field(max_length=200)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> QuotasRequest:
+        _unique(self.quotas)
+        return self
+
+
+class TenantAccepted(TenantPublic):
+    """The tenant being onboarded, with its quotas, its first API key and the operation."""
+
+    quotas: list[TenantQuotaBase]
+    api_key: ApiKeyCreated
+    operation: OperationPublic
+
+
+class TenantOperation(BaseModel):
+    tenant: TenantPublic
+    operation: OperationPublic
 
 
 class TenantPage(BaseModel):
@@ -35,53 +124,169 @@ class TenantPage(BaseModel):
     next_page_token: str
 
 
-def _create_tenant(settings: Settings, req: TenantCreate) -> Tenant:
-    try:
-        with session_scope(settings.db_url) as session:
-            tenant = Tenant(name=req.name)
-            session.add(tenant)
-            return tenant
-    except sa.exc.IntegrityError as exc:
-        raise Problem(409, "tenant-exists", "Tenant exists", f"a tenant named {req.name!r} already exists") from exc
+class QuotaUsage(BaseModel):
+    gpu_type: str
+    region: str
+    usage_gpus: int
+    max_gpus: int
+    quota: TenantQuotaBase = Field(description="the quota that applies (`*/*` with the default)")
 
 
-@router.post("/tenants", status_code=201, response_model=TenantPublic)
-async def create_tenant(request: Request, req: TenantCreate, operator: OperatorDep, settings: SettingsDep,
-                        idempotency_key: Annotated[str | None, Header()] = None):
-    async def handler() -> JSONResponse:
-        tenant = await run_in_threadpool(_create_tenant, settings, req)
-        body = TenantPublic.model_validate(tenant, from_attributes=True).model_dump(mode="json")
-        return JSONResponse(body, status_code=201, headers={"Location": f"/v1/tenants/{tenant.id}"})
-
-    return await run_idempotent(db_url=settings.db_url, caller=operator.id, key=idempotency_key, method="POST",
-                                path=request.url.path, body=await request.body(), handler=handler)
+class QuotaReport(BaseModel):
+    tenant_id: str
+    quotas: list[TenantQuotaBase]
+    default_gpus: int = Field(description="what applies where no quota matches")
+    usage: list[QuotaUsage]
 
 
-@router.get("/tenants", response_model=TenantPage)
-def list_tenants(operator: OperatorDep, session: SessionDep,
-                 page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-                 page_token: str | None = None):
-    cursor = pagination.decode(page_token, {})
-    query = select(Tenant).order_by(Tenant.seq).limit(page_size + 1)
-    if cursor.after is not None:
-        query = query.where(Tenant.seq > cursor.after)
-    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda t: t.seq, {})
-    return TenantPage(items=[TenantPublic.model_validate(t, from_attributes=True) for t in rows],
-                      next_page_token=token)
+def _public(tenant: Tenant) -> TenantPublic:
+    return TenantPublic.model_validate(tenant, from_attributes=True)
 
 
-@router.get("/tenants/{tenant_id}", response_model=TenantPublic)
-def get_tenant(tenant_id: str, operator: OperatorDep, session: SessionDep):
+def _op_public(op: Operation) -> OperationPublic:
+    return OperationPublic.model_validate(op, from_attributes=True)
+
+
+def visible_tenant(session: Session, caller: Caller, tenant_id: str) -> Tenant:
+    """The tenant, if the caller may see it: operators all, a tenant only itself (else 404)."""
+    if not caller.is_operator and caller.tenant_id != tenant_id:
+        raise not_found("tenant", tenant_id)
     tenant = session.exec(select(Tenant).where(Tenant.id == tenant_id)).first()
     if tenant is None:
         raise not_found("tenant", tenant_id)
     return tenant
 
 
-@router.post("/tenants/{tenant_id}/api-keys", status_code=201, response_model=ApiKeyCreated)
-def create_api_key(tenant_id: str, operator: OperatorDep, settings: SettingsDep):
+def _with_defaults(settings: Settings, quotas: list[QuotaRequest]) -> list[TenantQuotaBase]:
+    """The default quota from the settings, overridden (or narrowed) by the request's."""
+    rows = {(quota_service.ANY, quota_service.ANY): settings.default_gpu_quota}
+    rows.update({(q.gpu_type, q.region): q.max_gpus for q in quotas})
+    return [TenantQuotaBase(gpu_type=t, region=r, max_gpus=n) for (t, r), n in sorted(rows.items())]
+
+
+def _create(settings: Settings, req: TenantRequest) -> TenantAccepted:
+    quotas = _with_defaults(settings, req.quotas)
+    try:
+        with session_scope(settings.db_url) as session:
+            tenant, op, key, plaintext = tenant_service.create(session, name=req.name, quotas=quotas)
+            return TenantAccepted(
+                **_public(tenant).model_dump(), quotas=quotas, operation=_op_public(op),
+                api_key=ApiKeyCreated(id=key.id, tenant_id=tenant.id, key=plaintext, created_at=key.created_at))
+    except tenant_service.TenantExists as exc:
+        raise Problem(409, "tenant-exists", "Tenant exists",
+                      f"name: a tenant named {req.name!r} exists or existed; names are never reused",
+                      errors=[{"field": "name", "message": "taken"}]) from exc
+
+
+def _discard(settings: Settings, tenant_id: str) -> None:
     with session_scope(settings.db_url) as session:
-        if session.exec(select(Tenant.id).where(Tenant.id == tenant_id)).first() is None:
+        tenant_service.discard(session, tenant_id)
+
+
+def _without_secret(body: bytes) -> bytes:
+    data = json.loads(body)
+    data["api_key"]["key"] = None
+    return json.dumps(data).encode()
+
+
+@router.post("/tenants", status_code=202, response_model=TenantAccepted,
+             responses={409: {"description": "the name is taken"}, 422: {"description": "invalid request"}})
+async def create_tenant(request: Request, req: TenantRequest, operator: OperatorDep, settings: SettingsDep,
+                        temporal: TemporalDep, idempotency_key: Annotated[str | None, Header()] = None):
+    async def handler() -> JSONResponse:
+        accepted = await run_in_threadpool(_create, settings, req)
+        try:
+            await start_tenant_onboarding(temporal, settings, accepted.id, accepted.operation.id)
+        except RPCError as exc:
+            await run_in_threadpool(_discard, settings, accepted.id)
+            raise Problem(503, "workflow-engine-unavailable", "Try again",
+                          "the workflow engine did not accept the onboarding; nothing was kept, retry") from exc
+        return JSONResponse(accepted.model_dump(mode="json"), status_code=202,
+                            headers={"Location": f"/v1/tenants/{accepted.id}"})
+
+    return await run_idempotent(db_url=settings.db_url, caller=operator.id, key=idempotency_key, method="POST",
+                                path=request.url.path, body=await request.body(), handler=handler,
+                                redact=_without_secret)
+
+
+@router.get("/tenants", response_model=TenantPage)
+def list_tenants(operator: OperatorDep, session: SessionDep,
+                 page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+                 page_token: str | None = None, status: TenantStatus | None = None):
+    filters = {"status": status}
+    cursor = pagination.decode(page_token, filters)
+    query = select(Tenant).order_by(Tenant.seq).limit(page_size + 1)
+    if status is not None:
+        query = query.where(Tenant.status == status)
+    if cursor.after is not None:
+        query = query.where(Tenant.seq > cursor.after)
+    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda t: t.seq, filters)
+    return TenantPage(items=[_public(t) for t in rows], next_page_token=token)
+
+
+@router.get("/tenants/{tenant_id}", response_model=TenantPublic)
+def get_tenant(tenant_id: str, caller: CallerDep, session: SessionDep):
+    return _public(visible_tenant(session, caller, tenant_id))
+
+
+def _begin_offboarding(settings: Settings, tenant_id: str) -> tuple[Tenant, Operation, bool]:
+    try:
+        with session_scope(settings.db_url) as session:
+            return tenant_service.begin_offboarding(session, tenant_id)
+    except tenant_service.TenantNotFound as exc:
+        raise not_found("tenant", tenant_id) from exc
+    except tenant_service.TenantStateConflict as exc:
+        raise Problem(409, "tenant-busy", "Tenant cannot be offboarded now",
+                      f"tenant {tenant_id} is {exc.status}; offboard it once its onboarding has ended",
+                      tenant_status=exc.status) from exc
+
+
+@router.delete("/tenants/{tenant_id}", status_code=202, response_model=TenantOperation,
+               responses={409: {"description": "the tenant is still onboarding"}})
+async def delete_tenant(tenant_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+    """Offboard: cancel the tenant's allocations, wait for their nodes' wipes, revoke its keys,
+    release its VNI and schedule its storage's deletion. Repeating it returns the same operation."""
+    tenant, op, _ = await run_in_threadpool(_begin_offboarding, settings, tenant_id)
+    # Started on every call (the id makes it once): a start lost to an outage is made up here,
+    # or by the worker's start-up recovery.
+    try:
+        await start_tenant_offboarding(temporal, settings, tenant_id, op.id)
+    except RPCError as exc:
+        raise Problem(503, "workflow-engine-unavailable", "Try again",
+                      "offboarding is recorded but the workflow engine did not accept it; retry the DELETE") from exc
+    body = TenantOperation(tenant=_public(tenant), operation=_op_public(op))
+    return JSONResponse(body.model_dump(mode="json"), status_code=202)
+
+
+def _report(session: Session, settings: Settings, tenant_id: str) -> QuotaReport:
+    rows = quota_service.quota_rows(session, tenant_id)
+    usage = quota_service.usage_report(session, tenant_id, default_gpus=settings.default_gpu_quota)
+    return QuotaReport(
+        tenant_id=tenant_id, default_gpus=settings.default_gpu_quota,
+        quotas=[TenantQuotaBase(gpu_type=r.gpu_type, region=r.region, max_gpus=r.max_gpus) for r in rows],
+        usage=[QuotaUsage(gpu_type=u.gpu_type, region=u.region, usage_gpus=u.usage_gpus, max_gpus=u.limit.max_gpus,
+                          quota=TenantQuotaBase(gpu_type=u.limit.gpu_type, region=u.limit.region,
+                                                max_gpus=u.limit.max_gpus))
+               for u in usage])
+
+
+@router.get("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
+def get_quotas(tenant_id: str, caller: CallerDep, session: SessionDep, settings: SettingsDep):
+    visible_tenant(session, caller, tenant_id)
+    return _report(session, settings, tenant_id)
+
+
+def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaRequest]) -> QuotaReport:
+    with session_scope(settings.db_url) as session:
+        # The row lock that allocation admission takes: a change lands between two admissions.
+        if session.exec(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()).first() is None:
             raise not_found("tenant", tenant_id)
-        key, plaintext = auth.issue_key(session, tenant_id)
-        return ApiKeyCreated(id=key.id, tenant_id=tenant_id, key=plaintext, created_at=key.created_at)
+        quota_service.replace_quotas(session, tenant_id, [TenantQuotaBase(**q.model_dump()) for q in quotas])
+        return _report(session, settings, tenant_id)
+
+
+@router.put("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
+async def put_quotas(tenant_id: str, req: QuotasRequest, operator: OperatorDep, settings: SettingsDep):
+    """Replace the tenant's quotas (operator). Lowering one below the usage stops new
+    allocations there; nothing running is taken away."""
+    return await run_in_threadpool(_replace_quotas, settings, tenant_id, req.quotas)

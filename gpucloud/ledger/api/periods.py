@@ -1,4 +1,4 @@
-"""Billing periods: close one (idempotent), read its invoices."""
+"""Billing periods: list them, close one (idempotent), read its invoices or a tenant's draft."""
 
 from __future__ import annotations
 
@@ -6,10 +6,17 @@ from fastapi import APIRouter, Response
 
 from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerDep
-from gpucloud.ledger.invoicing import close_period, invoice_body, list_invoices
-from gpucloud.ledger.models import InvoiceSummary, PeriodCloseOut
+from gpucloud.ledger.invoicing import close_period, draft_invoice, invoice_body, list_invoices, list_periods
+from gpucloud.ledger.models import InvoiceSummary, PeriodCloseOut, PeriodOut
 
 router = APIRouter(prefix="/v1/periods", tags=["periods"])
+
+
+@router.get("", response_model=list[PeriodOut])
+def periods(ledger: LedgerDep) -> list[PeriodOut]:
+    """From the first period with postings through the current one: which ended, which closed."""
+    with ledger.database.read() as connection:
+        return list_periods(connection, now_ms=ledger.clock_ms())
 
 
 @router.post("/{period_id}:close", response_model=PeriodCloseOut)
@@ -32,3 +39,11 @@ def invoice(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
     if body is None:
         raise problems.LedgerProblem(problems.NOT_FOUND(f"no invoice for {tenant_id} in {period_id}"))
     return Response(content=body, media_type="application/json")
+
+
+@router.get("/{period_id}/draft-invoices/{tenant_id}", response_class=Response)
+def draft(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
+    """An open period's invoice as closing it now would produce it; stored nowhere (409 once closed)."""
+    with ledger.database.read() as connection:
+        invoice = draft_invoice(connection, period_id, tenant_id, ledger.prices)
+    return Response(content=invoice.body, media_type="application/json", headers={"ETag": f'"{invoice.sha256}"'})

@@ -1,0 +1,210 @@
+"""Activities of the staged rollout: the node agents' weights API (`gpucloud.agent.weights_api`),
+the tracker, the manifest store, and the control-plane DB (to resolve a target).
+
+Each wave step calls one endpoint on every node of the wave at once and reports an outcome per
+node (`WaveResult`); the workflow decides what a failure means. Steps whose failure is worth
+another try raise instead, so Temporal retries them (every agent endpoint is idempotent):
+a prefetch that did not complete everywhere, and a rollback, which is retried until every node
+has switched back. An agent that cannot be reached during verify, activate or check is a failed
+node for that wave, which rolls the rollout back. Long steps heartbeat while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import httpx
+from sqlmodel import Session, select
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from gpucloud.models.rollout_messages import (
+    NodeOutcome,
+    Prepared,
+    PrepareInput,
+    ResolvedTargets,
+    ResolveTargetsInput,
+    RolloutTarget,
+    WaveInput,
+    WaveResult,
+)
+from gpucloud.registry.manifest import SignedManifest, VersionNotFoundError
+from gpucloud.registry.store import ManifestStore
+from gpucloud.registry.swarm import PeerPlace, SwarmSpec
+from gpucloud.registry.tracker_service import TrackerClient
+
+HEARTBEAT_S = 5.0
+ManifestSource = Callable[[str], ManifestStore]
+"""The manifest store of a tenant (`RegistryStores.manifests` in production)."""
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}"
+    return f"HTTP {response.status_code}: {body.get('detail') or body.get('title') or body}"
+
+
+class RolloutActivities:
+    def __init__(self, *, tracker_url: str, manifests: ManifestSource, db_url: str | None = None,
+                 http: httpx.AsyncClient | None = None, request_timeout_s: float = 3600.0) -> None:
+        self.tracker_url, self._manifests, self._db_url = tracker_url, manifests, db_url
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0))
+        self._signed: dict[tuple[str, str], SignedManifest] = {}
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def all(self) -> list:
+        return [self.resolve_rollout_targets, self.prepare_rollout, self.prefetch_wave, self.verify_wave,
+                self.activate_wave, self.check_wave, self.rollback_wave]
+
+    # Target and swarm -----------------------------------------------------------------------
+
+    @activity.defn
+    def resolve_rollout_targets(self, req: ResolveTargetsInput) -> ResolvedTargets:
+        """An allocation's nodes, or the tenant's serving fleet (every node it holds in a live
+        allocation); only nodes that hold the tenant's workload are ever targets."""
+        from gpucloud.db import get_engine
+        from gpucloud.models.tables import Node
+
+        if self._db_url is None:
+            raise ApplicationError("this worker has no control-plane DB to resolve a target",
+                                   type="TargetUnresolvable", non_retryable=True)
+        query = select(Node).where(Node.tenant_id == req.tenant_id)
+        if req.allocation_id is not None:
+            query = query.where(Node.allocation_id == req.allocation_id)
+        else:
+            query = query.where(Node.allocation_id.is_not(None))  # type: ignore[union-attr]
+        with Session(get_engine(self._db_url)) as session:
+            nodes = session.exec(query.order_by(Node.rack, Node.id)).all()
+        if not nodes:
+            raise ApplicationError(f"no nodes of tenant {req.tenant_id} match the target",
+                                   type="TargetUnresolvable", non_retryable=True)
+        return ResolvedTargets(nodes=[RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack,
+                                                    site=n.region) for n in nodes])
+
+    def _signed_manifest(self, tenant_id: str, digest: str) -> SignedManifest:
+        key = (tenant_id, digest)
+        if key not in self._signed:
+            try:
+                self._signed[key] = self._manifests(tenant_id).get(digest)
+            except VersionNotFoundError as exc:
+                raise ApplicationError(str(exc), type="VersionNotFound", non_retryable=True) from None
+        return self._signed[key]
+
+    @activity.defn
+    def prepare_rollout(self, req: PrepareInput) -> Prepared:
+        """Register the rollout's swarm (every target node, every chunk) with the tracker; the
+        same spec again is a no-op, so a retry is safe."""
+        signed = self._signed_manifest(req.tenant_id, req.model_version)
+        nodes = {n.node_id: PeerPlace(rack=n.rack, site=n.site, url=n.agent_url) for n in req.nodes}
+        chunks = sorted(signed.manifest.chunk_ids())
+        tracker = TrackerClient(self.tracker_url)
+        try:
+            tracker.register_swarm(req.rollout_id, SwarmSpec(nodes=nodes, chunks=chunks))
+        finally:
+            tracker.close()
+        return Prepared(swarm=req.rollout_id, chunks=len(chunks), total_bytes=signed.manifest.total_size)
+
+    # Wave steps -----------------------------------------------------------------------------
+
+    async def _each(self, req: WaveInput, step: str,
+                    call: Callable[[RolloutTarget], Awaitable[NodeOutcome]]) -> WaveResult:
+        async def guarded(node: RolloutTarget) -> NodeOutcome:
+            try:
+                return await call(node)
+            except httpx.HTTPError as exc:
+                return NodeOutcome(node_id=node.node_id, ok=False,
+                                   detail=f"{step}: agent unreachable: {type(exc).__name__}: {exc}")
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(HEARTBEAT_S)
+                activity.heartbeat(step)
+
+        beating = asyncio.create_task(beat())
+        try:
+            outcomes = await asyncio.gather(*(guarded(n) for n in req.nodes))
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+        return WaveResult(outcomes=list(outcomes))
+
+    async def _post(self, node: RolloutTarget, path: str, body: dict, step: str) -> NodeOutcome:
+        response = await self._http.post(f"{node.agent_url.rstrip('/')}{path}", json=body)
+        if response.status_code != 200:
+            return NodeOutcome(node_id=node.node_id, ok=False, detail=f"{step}: {_detail(response)}")
+        state = response.json()
+        return NodeOutcome(node_id=node.node_id, ok=True, active=state.get("active"),
+                           previous=state.get("previous"))
+
+    @activity.defn
+    async def prefetch_wave(self, req: WaveInput) -> WaveResult:
+        """Fetch and assemble the version on every node of the wave; raises (so Temporal retries)
+        unless every node has it."""
+        signed = await asyncio.to_thread(self._signed_manifest, req.tenant_id, req.model_version)
+        body = {"signed": signed.model_dump(mode="json"), "tracker_url": self.tracker_url, "swarm": req.swarm}
+        result = await self._each(req, "prefetch",
+                                  lambda node: self._post(node, "/weights/prefetch", body, "prefetch"))
+        if failed := result.failed:
+            raise ApplicationError(f"prefetch failed on {len(failed)} nodes: {failed[0].node_id}: {failed[0].detail}",
+                                   type="PrefetchIncomplete")
+        return result
+
+    @activity.defn
+    async def verify_wave(self, req: WaveInput) -> WaveResult:
+        body = {"digest": req.model_version}
+        return await self._each(req, "verify", lambda node: self._post(node, "/weights/verify", body, "verify"))
+
+    @activity.defn
+    async def activate_wave(self, req: WaveInput) -> WaveResult:
+        body = {"digest": req.model_version}
+
+        async def one(node: RolloutTarget) -> NodeOutcome:
+            outcome = await self._post(node, "/weights/activate", body, "activate")
+            if outcome.ok and outcome.active != req.model_version:
+                return outcome.model_copy(update={"ok": False, "detail": f"activate: {outcome.active} is active"})
+            return outcome
+
+        return await self._each(req, "activate", one)
+
+    @activity.defn
+    async def check_wave(self, req: WaveInput) -> WaveResult:
+        """Health and the evaluation probe on every node of the wave, against the thresholds."""
+        limits = req.thresholds
+
+        async def one(node: RolloutTarget) -> NodeOutcome:
+            response = await self._http.get(f"{node.agent_url.rstrip('/')}/weights/check",
+                                            params={"digest": req.model_version})
+            if response.status_code != 200:
+                return NodeOutcome(node_id=node.node_id, ok=False, detail=f"check: {_detail(response)}")
+            got = response.json()
+            outcome = NodeOutcome(node_id=node.node_id, ok=True, active=got["active"], previous=got["previous"],
+                                  healthy=got["healthy"], eval_score=got["eval_score"])
+            if got["active"] != req.model_version:
+                return outcome.model_copy(update={"ok": False, "detail": f"{got['active']} is active, not the rollout's"})
+            if limits.require_healthy and not got["healthy"]:
+                return outcome.model_copy(update={"ok": False, "detail": f"unhealthy: {got['health_detail']}"})
+            if got["eval_score"] is None or got["eval_score"] < limits.min_eval_score:
+                return outcome.model_copy(update={
+                    "ok": False, "detail": f"evaluation probe scored {got['eval_score']} < {limits.min_eval_score}"})
+            return outcome
+
+        return await self._each(req, "check", one)
+
+    @activity.defn
+    async def rollback_wave(self, req: WaveInput) -> WaveResult:
+        """Switch every node of the list off the rollout's version (a no-op where it is not
+        active); raises until every node answered, so Temporal retries it for as long as it takes."""
+        body = {"digest": req.model_version}
+        result = await self._each(req, "rollback",
+                                  lambda node: self._post(node, "/weights/rollback", body, "rollback"))
+        if unreachable := [o for o in result.failed if "unreachable" in o.detail]:
+            raise ApplicationError(f"rollback not confirmed by {len(unreachable)} nodes: "
+                                   f"{unreachable[0].node_id}: {unreachable[0].detail}", type="RollbackIncomplete")
+        return result

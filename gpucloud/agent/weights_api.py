@@ -1,0 +1,179 @@
+"""The agent's weights API: what the staged rollout asks of one node, over HTTP.
+
+`install_weights_api` adds these routes to an app the node already serves (the peer app of
+`gpucloud.agent.peer`, or the action API of `gpucloud.agent.service`); nothing there changes.
+
+    GET  /weights/status            active and previous version, versions on disk
+    POST /weights/prefetch          keep the signed manifest, fetch by the tracker's plan, assemble
+    POST /weights/verify            re-hash every file of an assembled version
+    POST /weights/activate          verify, then switch `current` (the old one becomes `previous`)
+    POST /weights/rollback          if `digest` is current: switch back to `previous`
+    GET  /weights/check             node health and the evaluation probe's score of `current`
+
+Every step is idempotent, so a rollout activity that is retried (a lost worker, a timeout)
+repeats it safely: a prefetch of an assembled version fetches nothing, activating the active
+version changes nothing, and a rollback names the version it undoes, so a second one (or one
+on a node that never switched) is a no-op rather than a step back past the version the node ran
+before. On a node that ran no version before, rollback leaves it running none.
+
+Prefetches of one version on one node are serialised: a retried request waits for the first
+one and then finds the version assembled, instead of fetching beside it under the same name.
+
+Health and the evaluation probe are injected: `health_from_probe` reads the node's GPU probe
+(unhealthy on a fatal driver or GPU error); the default evaluation probe re-verifies the active
+version (1.0 when intact, else 0.0). A real deployment passes a probe that loads the model and
+scores a held-out set.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
+from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
+from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
+from gpucloud.registry.tracker_service import TrackerClient
+
+PROBLEM = "application/problem+json"
+
+EvalProbe = Callable[[ChunkCache, str], float]
+"""Scores the active version (its digest given; files under `cache.current_path`); higher is better."""
+HealthCheck = Callable[[], tuple[bool, str]]
+"""Whether the node is fit to serve, and why not."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrefetchRequest(_Body):
+    signed: SignedManifest
+    tracker_url: str
+    swarm: str = Field(min_length=1)
+    parallel: int = Field(default=4, ge=1, le=64)
+
+
+class VersionRequest(_Body):
+    digest: str = Field(pattern=HEX_DIGEST)
+
+
+def verified_probe(cache: ChunkCache, digest: str) -> float:
+    try:
+        cache.verify(digest)
+    except (IntegrityError, VersionNotFoundError):
+        return 0.0
+    return 1.0
+
+
+def always_healthy() -> tuple[bool, str]:
+    return True, ""
+
+
+def health_from_probe(probe: object) -> HealthCheck:
+    """Health from the node's GPU probe (`gpucloud.agent.probe.Probe`)."""
+
+    def check() -> tuple[bool, str]:
+        reading = probe.read()
+        if reading.fatal_error is not None:
+            return False, f"probe: {reading.fatal_error.model_dump_json()}"
+        return True, ""
+
+    return check
+
+
+def _problem(status: int, title: str, detail: str) -> JSONResponse:
+    slug = title.lower().replace(" ", "-")
+    body = {"type": f"https://gpucloud.dev/problems/{slug}", "title": title, "status": status, "detail": detail}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+def _integrity_problem(exc: Exception) -> JSONResponse:
+    if isinstance(exc, VersionNotFoundError):
+        return _problem(404, "Version not found", str(exc))
+    return _problem(409, "Integrity check failed", f"{type(exc).__name__}: {exc}")
+
+
+def install_weights_api(
+    app: FastAPI,
+    *,
+    node_id: str,
+    cache: ChunkCache,
+    eval_probe: EvalProbe = verified_probe,
+    health: HealthCheck = always_healthy,
+) -> None:
+    """Add the `/weights/*` routes (see the module doc) to `app`."""
+    prefetching: dict[str, threading.Lock] = {}
+    guard = threading.Lock()
+
+    def state() -> dict:
+        return {"node_id": node_id, "active": cache.active(), "previous": cache.previous()}
+
+    @app.get("/weights/status")
+    def status() -> dict:
+        return state() | {"versions": cache.versions()}
+
+    @app.post("/weights/prefetch")
+    def prefetch_version(req: PrefetchRequest):
+        digest = req.signed.digest
+        with guard:
+            lock = prefetching.setdefault(digest, threading.Lock())
+        with lock:
+            if digest in cache.versions():
+                return state() | {"digest": digest, "peer_bytes": 0, "origin_bytes": 0}
+            tracker = TrackerClient(req.tracker_url)
+            fetcher = ChunkFetcher(node=node_id, cache=cache, tracker=tracker, swarm=req.swarm,
+                                   parallel=req.parallel)
+            try:
+                result = prefetch(req.signed, cache=cache, fetcher=fetcher)
+            except IntegrityError as exc:
+                return _integrity_problem(exc)
+            except FetchError as exc:
+                return _problem(503, "Fetch failed", str(exc))
+            finally:
+                fetcher.close()
+                tracker.close()
+        return state() | {"digest": digest, "peer_bytes": result.stats.peer_bytes,
+                          "origin_bytes": result.stats.origin_bytes}
+
+    @app.post("/weights/verify")
+    def verify(req: VersionRequest):
+        try:
+            cache.verify(req.digest)
+        except (IntegrityError, VersionNotFoundError) as exc:
+            return _integrity_problem(exc)
+        return state() | {"digest": req.digest, "verified": True}
+
+    @app.post("/weights/activate")
+    def activate(req: VersionRequest):
+        try:
+            cache.activate(req.digest)
+        except (IntegrityError, VersionNotFoundError) as exc:
+            return _integrity_problem(exc)
+        return state()
+
+    @app.post("/weights/rollback")
+    def rollback(req: VersionRequest):
+        if cache.active() == req.digest:
+            try:
+                cache.rollback()
+            except NoPreviousVersionError:
+                cache.deactivate(req.digest)
+            except IntegrityError as exc:
+                # The previous version rotted on disk: serve nothing rather than the bad version.
+                cache.deactivate(req.digest)
+                return _problem(409, "Previous version corrupt", f"{exc}; this node now serves no version")
+        return state()
+
+    @app.get("/weights/check")
+    def check(digest: Annotated[str, Query(pattern=HEX_DIGEST)]):
+        healthy, why = health()
+        active = cache.active()
+        score = eval_probe(cache, active) if active == digest else None
+        return state() | {"healthy": healthy, "health_detail": why, "eval_score": score}
+

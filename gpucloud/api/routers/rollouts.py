@@ -1,0 +1,176 @@
+"""Rollouts: start a staged rollout of a model version (idempotent, 202), read its progress, and
+pause, resume or abort it. The rollout id is its workflow's id; progress is the workflow's query.
+
+A tenant rolls out to nodes it holds: explicit `node_ids` (each must be the tenant's), one of its
+allocations, or its whole serving fleet; agent URLs come from the node records, never from the
+request. The version must be one the tenant's registry holds.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlmodel import select
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
+from temporalio.service import RPCError, RPCStatusCode
+
+from gpucloud import search_attributes
+from gpucloud.api.auth import Caller
+from gpucloud.api.deps import CallerDep, SettingsDep, TemporalDep, TenantDep
+from gpucloud.api.idempotency import run_idempotent
+from gpucloud.api.problems import Problem, not_found
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.registry_tables import ModelVersion
+from gpucloud.models.rollout_messages import (
+    ReasonInput,
+    RolloutInput,
+    RolloutProgress,
+    RolloutTarget,
+    Thresholds,
+    WaveSpec,
+)
+from gpucloud.models.tables import Node
+from gpucloud.registry.manifest import HEX_DIGEST
+from gpucloud.workflows.rollout import RolloutWorkflow
+
+router = APIRouter(prefix="/v1", tags=["rollouts"])
+MAX_TARGET_NODES = 10_000
+
+
+class RolloutRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_version: str = Field(pattern=HEX_DIGEST, description="the version's manifest digest")
+    node_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_TARGET_NODES)
+    allocation_id: str | None = None
+    serving_fleet: bool = False
+    waves: list[WaveSpec] | None = Field(default=None, min_length=1, max_length=20)
+    bake_s: float = Field(default=300.0, ge=0, le=7 * 86400)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+    prefetch_ahead: bool = True
+
+
+class RolloutAccepted(BaseModel):
+    rollout_id: str
+    progress: RolloutProgress
+
+
+def _invalid(detail: str) -> Problem:
+    return Problem(422, "invalid-request", "The request is invalid", detail)
+
+
+def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[RolloutTarget] | None:
+    """The explicit nodes as targets (each one the tenant's), after checking the version exists."""
+    with session_scope(settings.db_url) as session:
+        version = session.exec(select(ModelVersion.digest).where(
+            ModelVersion.tenant_id == tenant_id, ModelVersion.digest == req.model_version)).first()
+        if version is None:
+            raise _invalid(f"model_version: no version {req.model_version} in this tenant's registry")
+        if req.node_ids is None:
+            return None
+        nodes = {n.id: n for n in session.exec(select(Node).where(
+            Node.id.in_(req.node_ids), Node.tenant_id == tenant_id)).all()}  # type: ignore[attr-defined]
+    if unknown := [n for n in req.node_ids if n not in nodes]:
+        raise _invalid(f"node_ids: not nodes of this tenant: {', '.join(unknown[:10])}")
+    return [RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region)
+            for n in (nodes[i] for i in req.node_ids)]
+
+
+@router.post("/rollouts", status_code=202, response_model=RolloutAccepted,
+             responses={422: {"description": "invalid request"}})
+async def create_rollout(
+    request: Request, req: RolloutRequest, tenant: TenantDep, settings: SettingsDep, temporal: TemporalDep,
+    idempotency_key: Annotated[str | None, Header()] = None,
+):
+    async def handler() -> JSONResponse:
+        targets = await run_in_threadpool(_targets, settings, tenant.tenant_id, req)
+        rollout_id = f"rollout-{uuid.uuid4().hex[:16]}"
+        options = req.model_dump(exclude={"node_ids", "waves"}, exclude_none=True)
+        try:
+            inp = RolloutInput(rollout_id=rollout_id, tenant_id=tenant.tenant_id, nodes=targets,
+                               **options, **({"waves": req.waves} if req.waves else {}))
+        except ValidationError as exc:
+            raise _invalid("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+        attributes = [(search_attributes.MODEL_VERSION, req.model_version),
+                      (search_attributes.TENANT_ID, tenant.tenant_id)]
+        if req.allocation_id:
+            attributes.append((search_attributes.ALLOCATION_ID, req.allocation_id))
+        try:
+            await temporal.start_workflow(RolloutWorkflow.run, inp, id=rollout_id, task_queue=settings.task_queue,
+                                          search_attributes=search_attributes.typed(*attributes))
+        except RPCError as exc:
+            raise Problem(503, "workflow-engine-unavailable", "Try again",
+                          "the workflow engine did not accept the rollout; nothing was started, retry") from exc
+        progress = RolloutProgress(rollout_id=rollout_id, tenant_id=tenant.tenant_id,
+                                   model_version=req.model_version, phase="resolving")
+        body = RolloutAccepted(rollout_id=rollout_id, progress=progress)
+        return JSONResponse(body.model_dump(mode="json"), status_code=202,
+                            headers={"Location": f"/v1/rollouts/{rollout_id}"})
+
+    return await run_idempotent(db_url=settings.db_url, caller=tenant.id, key=idempotency_key, method="POST",
+                                path=request.url.path, body=await request.body(), handler=handler)
+
+
+async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> tuple[WorkflowHandle, RolloutProgress]:
+    if not rollout_id.startswith("rollout-"):
+        raise not_found("rollout", rollout_id)
+    handle = temporal.get_workflow_handle(rollout_id)
+    try:
+        progress = await handle.query(RolloutWorkflow.progress)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise not_found("rollout", rollout_id) from None
+        raise
+    if not caller.is_operator and progress.tenant_id != caller.tenant_id:
+        raise not_found("rollout", rollout_id)
+    return handle, progress
+
+
+@router.get("/rollouts/{rollout_id}", response_model=RolloutProgress)
+async def get_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep):
+    return (await _visible(temporal, caller, rollout_id))[1]
+
+
+class RolloutCommand(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(default="", max_length=500)
+
+
+async def _command(temporal: Client, caller: Caller, rollout_id: str, command: str,
+                   req: RolloutCommand | None) -> RolloutProgress:
+    handle, progress = await _visible(temporal, caller, rollout_id)
+    update = getattr(RolloutWorkflow, command)
+    arg = ReasonInput(reason=req.reason if req else "")
+    try:
+        if command == "abort":  # the rollback may take a while: answer once the abort is accepted
+            await handle.start_update(update, arg, wait_for_stage=WorkflowUpdateStage.ACCEPTED)
+            return await handle.query(RolloutWorkflow.progress)
+        return await handle.execute_update(update, arg)
+    except WorkflowUpdateFailedError as exc:
+        raise Problem(409, "rollout-conflict", f"Cannot {command}", str(exc.cause or exc)) from None
+    except RPCError as exc:
+        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
+            raise Problem(409, "rollout-conflict", f"Cannot {command}",
+                          f"the rollout is already {progress.phase.value}") from None
+        raise
+
+
+@router.post("/rollouts/{rollout_id}:pause", response_model=RolloutProgress)
+async def pause_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep, req: RolloutCommand | None = None):
+    return await _command(temporal, caller, rollout_id, "pause", req)
+
+
+@router.post("/rollouts/{rollout_id}:resume", response_model=RolloutProgress)
+async def resume_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep, req: RolloutCommand | None = None):
+    return await _command(temporal, caller, rollout_id, "resume", req)
+
+
+@router.post("/rollouts/{rollout_id}:abort", status_code=202, response_model=RolloutProgress)
+async def abort_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep, req: RolloutCommand | None = None):
+    return await _command(temporal, caller, rollout_id, "abort", req)

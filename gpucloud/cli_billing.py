@@ -1,0 +1,125 @@
+"""`gpucloud invoices`: a tenant's invoices as tables, read through the control plane's API.
+
+With a tenant's API key (`--api-key` / `GPUCLOUD_API_KEY`) the tenant's own invoices; without
+one, the operator token (from the env or the data dir) and every tenant's, or `--tenant`'s.
+Amounts are integer micro-units in the API; shown here with six decimals.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+
+from gpucloud.config import get_settings
+
+invoices_app = typer.Typer(add_completion=False, invoke_without_command=True,
+                           help="Invoices as tables: list them, `show ID`, or the open period's `draft`.")
+console = Console()
+
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
+Tenant = Annotated[str | None, typer.Option("--tenant", help="operators: only this tenant")]
+
+
+def money(micro: int) -> str:
+    sign = "-" if micro < 0 else ""
+    whole, fraction = divmod(abs(micro), 1_000_000)
+    return f"{sign}{whole:,}.{fraction:06d}"
+
+
+def gpu_hours(gpu_ms: int) -> str:
+    return f"{gpu_ms / 3_600_000:,.4f}"
+
+
+def invoice_list_table(invoices: list[dict]) -> Table:
+    table = Table(title=f"invoices ({len(invoices)})")
+    for column, justify in (("id", "right"), ("period", "left"), ("tenant", "left"), ("lines", "right"),
+                            ("total", "right"), ("sha256", "left")):
+        table.add_column(column, justify=justify)
+    for invoice in invoices:
+        table.add_row(str(invoice["id"]), invoice["period_id"], invoice["tenant_id"], str(invoice["line_count"]),
+                      money(invoice["total_micro"]), invoice["sha256"][:16])
+    return table
+
+
+def invoice_table(document: dict, *, status: str) -> Group:
+    """One invoice document (`gpucloud.invoice/v1`): its lines and total.
+
+    The usage period and discount columns appear only when some line has one worth showing (a
+    late adjustment for an earlier period, a committed-use discount), so the table fits a terminal.
+    """
+    period = document["period"]["id"]
+    lines = document["lines"]
+    late = any(line["usage_period"] != period for line in lines)
+    discounted = any(line["discount_bp"] for line in lines)
+    table = Table(title=f"invoice {period}, {document['tenant_id']} ({status})")
+    columns = [("kind", "left"), ("allocation", "left"), ("gpu", "left"), ("samples", "right"),
+               ("GPU-hours", "right"), ("per GPU-h", "right"), ("amount", "right")]
+    if late:
+        columns.insert(3, ("used in", "left"))
+    if discounted:
+        columns.insert(-1, ("discount", "right"))
+    for column, justify in columns:
+        table.add_column(column, justify=justify, overflow="fold")
+    for line in lines:
+        cells = [line["kind"], line["allocation_id"], line["gpu_type"], str(line["count"]), gpu_hours(line["gpu_ms"]),
+                 money(line["price_per_hour_micro"]), money(line["amount_micro"])]
+        if late:
+            cells.insert(3, line["usage_period"])
+        if discounted:
+            cells.insert(-1, f"{line['discount_bp'] / 100:g}%")
+        table.add_row(*cells)
+    return Group(table, f"total {money(document['total_micro'])}")
+
+
+def _client(api_key: str | None) -> httpx.Client:
+    settings = get_settings()
+    token = api_key or settings.resolved_operator_token
+    return httpx.Client(base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {token}"})
+
+
+def _get(api_key: str | None, path: str, **params) -> httpx.Response:
+    settings = get_settings()
+    try:
+        with _client(api_key) as client:
+            response = client.get(path, params={k: v for k, v in params.items() if v is not None})
+    except httpx.HTTPError as exc:
+        console.print(f"[red]cannot reach the API at {settings.api_url}:[/] {exc}; is `gpucloud up` running?")
+        raise typer.Exit(1) from exc
+    if response.status_code != 200:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        console.print(f"[red]error ({response.status_code}):[/] {detail}")
+        raise typer.Exit(1)
+    return response
+
+
+@invoices_app.callback()
+def invoices(ctx: typer.Context, api_key: ApiKey = None, tenant: Tenant = None,
+             period: Annotated[str | None, typer.Option(help="only this period (YYYY-MM)")] = None) -> None:
+    """List invoices of closed periods (`show ID` for one, `draft` for the current period's so far)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    console.print(invoice_list_table(_get(api_key, "/v1/invoices", tenant_id=tenant, period=period).json()["items"]))
+
+
+@invoices_app.command()
+def show(invoice_id: int, api_key: ApiKey = None) -> None:
+    """One invoice's lines and total, and the SHA-256 of its bytes (the same bytes every time)."""
+    response = _get(api_key, f"/v1/invoices/{invoice_id}")
+    console.print(invoice_table(json.loads(response.content), status="final"))
+    console.print(f"sha256 {response.headers.get('etag', '').strip(chr(34))}")
+
+
+@invoices_app.command()
+def draft(api_key: ApiKey = None, tenant: Tenant = None,
+          period: Annotated[str | None, typer.Option(help="an open period (default: the current one)")] = None) -> None:
+    """What the open period's invoice holds so far."""
+    response = _get(api_key, "/v1/invoices:draft", tenant_id=tenant, period=period)
+    console.print(invoice_table(json.loads(response.content), status="draft"))

@@ -1,0 +1,121 @@
+"""The ledger's HTTP API as the control plane calls it (API proxy, billing activities).
+
+Async, over one ``httpx.AsyncClient``. A transport error or a 5xx the ledger marks retryable
+raises :class:`LedgerUnavailable` (try again later); any other non-2xx raises
+:class:`LedgerRefused` with the ledger's problem document, so callers can pass its status
+and detail on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from pydantic import TypeAdapter
+
+from gpucloud.ledger.models import (
+    AllocationEventIn,
+    AllocationEventOut,
+    InvoiceOut,
+    PeriodCloseOut,
+    PeriodOut,
+    PriceBookVersionIn,
+    PriceBookVersionOut,
+    ReconciliationReport,
+    UsageSummary,
+)
+
+_PERIODS = TypeAdapter(list[PeriodOut])
+_INVOICES = TypeAdapter(list[InvoiceOut])
+_VERSIONS = TypeAdapter(list[PriceBookVersionOut])
+
+
+class LedgerUnavailable(Exception):
+    """The ledger did not answer, or failed in a way a retry can get past."""
+
+
+class LedgerRefused(Exception):
+    """The ledger answered no for good (a 4xx, or an integrity failure)."""
+
+    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+        super().__init__(problem.get("detail") or f"ledger answered HTTP {status}")
+        self.status = status
+        self.problem = problem
+
+
+class LedgerClient:
+    def __init__(self, base_url: str, *, timeout_s: float = 30.0, transport: httpx.AsyncBaseTransport | None = None):
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+
+    async def __aenter__(self) -> LedgerClient:
+        return self
+
+    async def __aexit__(self, *_exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as error:
+            raise LedgerUnavailable(f"ledger unreachable: {error!r}") from error
+        if response.is_success:
+            return response
+        try:
+            problem = response.json()
+        except ValueError:
+            problem = {"detail": response.text[:500]}
+        if response.status_code >= 500 and problem.get("retryable", True):
+            raise LedgerUnavailable(f"ledger answered {response.status_code}: {problem.get('detail')}")
+        raise LedgerRefused(response.status_code, problem)
+
+    # ---------------------------------------------------------------- control plane -> ledger
+
+    async def record_allocation_event(self, event: AllocationEventIn) -> AllocationEventOut:
+        response = await self._request("POST", "/v1/allocation-events", json=event.model_dump(mode="json"))
+        return AllocationEventOut.model_validate_json(response.content)
+
+    async def periods(self) -> list[PeriodOut]:
+        return _PERIODS.validate_json((await self._request("GET", "/v1/periods")).content)
+
+    async def close_period(self, period_id: str) -> PeriodCloseOut:
+        response = await self._request("POST", f"/v1/periods/{period_id}:close")
+        return PeriodCloseOut.model_validate_json(response.content)
+
+    # ---------------------------------------------------------------- reads for tenants
+
+    async def usage(self, *, tenant_id: str, allocation_id: str | None = None, start_ms: int | None = None,
+                    end_ms: int | None = None) -> UsageSummary:
+        params = {"tenant_id": tenant_id, "allocation_id": allocation_id, "start": start_ms, "end": end_ms}
+        response = await self._request("GET", "/v1/usage", params=_present(params))
+        return UsageSummary.model_validate_json(response.content)
+
+    async def invoices(self, *, tenant_id: str | None = None, period_id: str | None = None) -> list[InvoiceOut]:
+        params = _present({"tenant_id": tenant_id, "period_id": period_id})
+        return _INVOICES.validate_json((await self._request("GET", "/v1/invoices", params=params)).content)
+
+    async def invoice(self, invoice_id: int, *, tenant_id: str | None = None) -> httpx.Response:
+        """The stored invoice; the response's body is its exact bytes, its headers name it."""
+        return await self._request("GET", f"/v1/invoices/{invoice_id}", params=_present({"tenant_id": tenant_id}))
+
+    async def draft_invoice(self, period_id: str, tenant_id: str) -> httpx.Response:
+        return await self._request("GET", f"/v1/periods/{period_id}/draft-invoices/{tenant_id}")
+
+    # ---------------------------------------------------------------- operator
+
+    async def price_book_versions(self) -> list[PriceBookVersionOut]:
+        return _VERSIONS.validate_json((await self._request("GET", "/v1/price-book/versions")).content)
+
+    async def create_price_book_version(self, version: PriceBookVersionIn) -> PriceBookVersionOut:
+        response = await self._request("POST", "/v1/price-book/versions", json=version.model_dump(mode="json"))
+        return PriceBookVersionOut.model_validate_json(response.content)
+
+    async def reconciliation(self, *, tenant_id: str, day: str) -> ReconciliationReport:
+        response = await self._request("GET", "/v1/reconciliation", params={"tenant_id": tenant_id, "day": day})
+        return ReconciliationReport.model_validate_json(response.content)
+
+
+def _present(params: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in params.items() if value is not None}

@@ -1,0 +1,126 @@
+"""Inputs and results of the tenant workflows and their activities: one pydantic model each.
+
+Workflow code imports these, so this module imports nothing heavier than pydantic.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+
+class TenantRef(BaseModel):
+    tenant_id: str
+
+
+class TenantView(BaseModel):
+    tenant_id: str
+    name: str
+    status: str
+    vni: int | None = None
+    storage_prefix: str | None = None
+
+
+class TenantOnboardingInput(BaseModel):
+    tenant_id: str
+    operation_id: str
+
+
+class TenantOnboardingResult(BaseModel):
+    tenant_id: str
+    status: str
+    vni: int | None = None
+    storage_prefix: str | None = None
+    # Why onboarding failed (every step was undone), when it did.
+    error: str | None = None
+
+
+class TenantVni(BaseModel):
+    tenant_id: str
+    # None once released.
+    vni: int | None = None
+    # "sdn" (the SDN controller's VPC) or "db" (no fabric managers configured).
+    source: str = "db"
+
+
+class TenantStorageResult(BaseModel):
+    tenant_id: str
+    prefix: str
+    data_key_version: int
+
+
+class SettleTenantInput(BaseModel):
+    """Finish a tenant step that settles its operation: success, or failure with `error`."""
+
+    tenant_id: str
+    operation_id: str
+    error: str | None = None
+
+
+class ActivateTenantInput(BaseModel):
+    tenant_id: str
+    operation_id: str
+    storage_prefix: str
+
+
+class TenantOffboardingInput(BaseModel):
+    tenant_id: str
+    operation_id: str
+    # How often to look whether the tenant's nodes are released and wiped.
+    poll_s: float = 5.0
+    # The tenant's storage is deleted this long after offboarding.
+    retention_s: float = 30 * 86_400.0
+
+
+class CancelledAllocations(BaseModel):
+    allocation_ids: list[str] = Field(default_factory=list)
+
+
+class TenantReleaseProgress(BaseModel):
+    open_allocations: int
+    # Nodes that may still hold the tenant's data and are on their way to a wipe.
+    nodes_in_flight: int
+    # Nodes that still hold the tenant's data but sit in quarantine, repair or RMA: they are
+    # wiped by their repair before anyone else gets them.
+    nodes_parked: int
+
+    @property
+    def done(self) -> bool:
+        return self.open_allocations == 0 and self.nodes_in_flight == 0
+
+
+class RevokedKeys(BaseModel):
+    revoked: int
+
+
+class StorageDeletionInput(BaseModel):
+    tenant_id: str
+    retention_s: float
+
+
+class StorageDeletion(BaseModel):
+    tenant_id: str
+    due_at: datetime | None = None
+    objects_deleted: int = 0
+
+
+class TenantBilling(BaseModel):
+    tenant_id: str
+    # Why nothing was done (no ledger configured).
+    skipped: str | None = None
+    # The open period that carries the tenant's final usage; its scheduled close issues the
+    # final invoice.
+    final_period_id: str | None = None
+    usage_gpu_ms: int | None = None
+
+
+class TenantOffboardingResult(BaseModel):
+    tenant_id: str
+    status: str
+    cancelled_allocations: list[str] = Field(default_factory=list)
+    nodes_awaiting_repair: int = 0
+    keys_revoked: int = 0
+    storage_deletion_due: datetime | None = None
+    storage_deleted: bool = False
+    billing: TenantBilling | None = None

@@ -1,0 +1,292 @@
+"""A staged rollout of one model version to a set of nodes (`rollout-<id>`, `POST /v1/rollouts`).
+
+The target is a list of nodes, an allocation, or the tenant's serving fleet (the last two
+resolved by an activity); `plan_waves` cuts it into waves, canary -> 10% -> 50% -> 100% by
+default. The rollout registers one swarm with the tracker for every target node, so nodes of
+later waves fetch from those of earlier ones. Each wave:
+
+1. prefetch: fetch and assemble the version on the wave's nodes. The next wave's prefetch starts
+   as soon as this wave's is done (`prefetch_ahead`), so it runs while this wave bakes;
+2. verify: every node re-hashes the assembled files against the signed manifest;
+3. activate: an atomic switch on each node, the version it replaces kept as `previous`;
+4. bake: wait `bake_s` (a durable timer; a worker restart does not shorten or restart it);
+5. check: every node activated so far must be healthy, and its evaluation probe must score at
+   least `thresholds.min_eval_score`.
+
+Any failure (a step that fails on any node, a check below threshold) rolls back EVERY node the
+rollout tried to activate, and the rollout ends `rolled_back` with the reason. Rollback names the
+version it undoes, so it is a no-op on a node that never switched, and it is retried until every
+node has answered.
+
+Updates: `pause` holds the rollout at the next wave boundary (a wave under way finishes, bake
+and check included); `resume` lets it go on; `abort` stops it at once, whatever the step (the
+running activity is cancelled), rolls back what was activated, and answers with the final
+progress. Validators refuse these on a finished rollout. `progress` is the query the API and the
+CLI read; the search attributes ModelVersion, TenantId (and AllocationId for an allocation's
+rollout) let operators find rollouts in the Web UI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from gpucloud import search_attributes as sa
+    from gpucloud.models.rollout_messages import (
+        FINISHED,
+        Prepared,
+        PrepareInput,
+        ReasonInput,
+        ResolvedTargets,
+        ResolveTargetsInput,
+        RolloutInput,
+        RolloutPhase,
+        RolloutProgress,
+        RolloutResult,
+        RolloutTarget,
+        WaveInput,
+        WaveResult,
+        plan_waves,
+    )
+
+# Resolving the target and registering the swarm: short calls, retried a while.
+SETUP = dict(
+    start_to_close_timeout=timedelta(seconds=60),
+    schedule_to_close_timeout=timedelta(minutes=10),
+    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=500), maximum_interval=timedelta(seconds=10),
+                             non_retryable_error_types=["TargetUnresolvable", "VersionNotFound"]),
+)
+# A wave's prefetch moves the whole artifact: up to an hour, heartbeats while it waits, a few retries.
+PREFETCH = dict(
+    start_to_close_timeout=timedelta(hours=1),
+    heartbeat_timeout=timedelta(seconds=30),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+                             maximum_attempts=4),
+)
+# Verify re-hashes the files (minutes for 141 GB), activate re-verifies then switches; check is quick.
+# Each reports per-node outcomes; Temporal retries only a lost worker.
+STEP = dict(
+    start_to_close_timeout=timedelta(minutes=30),
+    heartbeat_timeout=timedelta(seconds=30),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+                             maximum_attempts=3),
+)
+# A rollback is retried for as long as it takes: a node left on a bad version is worse than a wait.
+ROLLBACK = dict(
+    start_to_close_timeout=timedelta(minutes=30),
+    heartbeat_timeout=timedelta(seconds=30),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+)
+
+
+class _Stop(Exception):
+    """The rollout must roll back: the reason is the message."""
+
+
+def workflow_id_for(rollout_id: str) -> str:
+    return rollout_id if rollout_id.startswith("rollout-") else f"rollout-{rollout_id}"
+
+
+@workflow.defn
+class RolloutWorkflow:
+    def __init__(self) -> None:
+        self._progress: RolloutProgress | None = None
+        self._paused = False
+        self._abort: str | None = None
+        self._attempted: list[RolloutTarget] = []  # nodes sent an activate: rollback covers them all
+        self._prefetches: dict[int, workflow.ActivityHandle] = {}
+
+    # Run ----------------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, inp: RolloutInput) -> RolloutResult:
+        self._inp = inp
+        self._progress = RolloutProgress(rollout_id=inp.rollout_id, tenant_id=inp.tenant_id,
+                                         model_version=inp.model_version, phase=RolloutPhase.RESOLVING)
+        attributes = [sa.MODEL_VERSION.value_set(inp.model_version), sa.TENANT_ID.value_set(inp.tenant_id)]
+        if inp.allocation_id:
+            attributes.append(sa.ALLOCATION_ID.value_set(inp.allocation_id))
+        workflow.upsert_search_attributes(attributes)
+        try:
+            nodes = await self._targets(inp)
+            waves = plan_waves([n.node_id for n in nodes], inp.waves)
+            self._progress.waves = waves
+            by_id = {n.node_id: n for n in nodes}
+            prepared = await workflow.execute_activity(
+                "prepare_rollout", PrepareInput(rollout_id=inp.rollout_id, tenant_id=inp.tenant_id,
+                                                model_version=inp.model_version, nodes=nodes),
+                result_type=Prepared, **SETUP)
+        except ActivityError as error:
+            return await self._finish(RolloutPhase.FAILED, _reason(error))
+        self._swarm = prepared.swarm
+        self._waves = [[by_id[n] for n in wave] for wave in waves]
+        try:
+            for index in range(len(self._waves)):
+                await self._wave(index)
+        except _Stop as stop:
+            await self._roll_back(str(stop))
+            return await self._finish(RolloutPhase.ROLLED_BACK, str(stop))
+        return await self._finish(RolloutPhase.SUCCEEDED, "")
+
+    async def _targets(self, inp: RolloutInput) -> list[RolloutTarget]:
+        if inp.nodes is not None:
+            return inp.nodes
+        resolved = await workflow.execute_activity(
+            "resolve_rollout_targets", ResolveTargetsInput(tenant_id=inp.tenant_id, allocation_id=inp.allocation_id),
+            result_type=ResolvedTargets, **SETUP)
+        return resolved.nodes
+
+    async def _wave(self, index: int) -> None:
+        progress, nodes = self._progress, self._waves[index]
+        await self._hold_while_paused()
+        progress.wave = index + 1
+        progress.phase = RolloutPhase.PREFETCHING
+        prefetched = await self._race(self._prefetch(index), "prefetch")
+        progress.prefetched += [o.node_id for o in prefetched.outcomes]
+        if self._inp.prefetch_ahead and index + 1 < len(self._waves):
+            self._prefetch(index + 1)  # runs while this wave verifies, activates and bakes
+
+        progress.phase = RolloutPhase.VERIFYING
+        self._require(await self._race(self._start("verify_wave", nodes), "verify"), "verify")
+
+        progress.phase = RolloutPhase.ACTIVATING
+        self._attempted += nodes
+        activated = await self._race(self._start("activate_wave", nodes), "activate")
+        progress.activated += [o.node_id for o in activated.outcomes if o.ok]
+        self._require(activated, "activate")
+
+        progress.phase = RolloutPhase.BAKING
+        try:
+            await workflow.wait_condition(lambda: self._abort is not None,
+                                          timeout=timedelta(seconds=self._inp.bake_s))
+        except asyncio.TimeoutError:
+            pass
+        self._stop_if_aborted()
+
+        progress.phase = RolloutPhase.CHECKING
+        self._require(await self._race(self._start("check_wave", self._attempted), "check"), "check")
+
+    # Steps --------------------------------------------------------------------------------------
+
+    def _request(self, nodes: list[RolloutTarget]) -> WaveInput:
+        inp = self._inp
+        return WaveInput(rollout_id=inp.rollout_id, tenant_id=inp.tenant_id, model_version=inp.model_version,
+                         swarm=self._swarm, nodes=nodes, thresholds=inp.thresholds)
+
+    def _start(self, activity: str, nodes: list[RolloutTarget]) -> workflow.ActivityHandle:
+        return workflow.start_activity(activity, self._request(nodes), result_type=WaveResult, **STEP)
+
+    def _prefetch(self, index: int) -> workflow.ActivityHandle:
+        if index not in self._prefetches:
+            self._prefetches[index] = workflow.start_activity(
+                "prefetch_wave", self._request(self._waves[index]), result_type=WaveResult, **PREFETCH)
+        return self._prefetches[index]
+
+    async def _race(self, handle: workflow.ActivityHandle, step: str) -> WaveResult:
+        """The step's result, unless an abort comes first: then the step is cancelled."""
+        aborted = asyncio.ensure_future(workflow.wait_condition(lambda: self._abort is not None))
+        await workflow.wait([handle, aborted], return_when=asyncio.FIRST_COMPLETED)
+        if not handle.done():
+            handle.cancel()
+            self._stop_if_aborted()
+        aborted.cancel()
+        try:
+            return handle.result()
+        except ActivityError as error:
+            raise _Stop(f"wave {self._progress.wave} {step}: {_reason(error)}") from None
+
+    def _require(self, result: WaveResult, step: str) -> None:
+        for outcome in result.outcomes:
+            self._progress.outcomes[outcome.node_id] = outcome
+        if failed := result.failed:
+            names = ", ".join(o.node_id for o in failed[:5]) + (" ..." if len(failed) > 5 else "")
+            raise _Stop(f"wave {self._progress.wave} {step} failed on {len(failed)} node(s) ({names}): "
+                        f"{failed[0].detail}")
+        self._stop_if_aborted()
+
+    def _stop_if_aborted(self) -> None:
+        if self._abort is not None:
+            raise _Stop(f"aborted: {self._abort}")
+
+    async def _hold_while_paused(self) -> None:
+        if self._paused:
+            self._progress.phase = RolloutPhase.PAUSED
+            await workflow.wait_condition(lambda: not self._paused or self._abort is not None)
+        self._stop_if_aborted()
+
+    async def _roll_back(self, reason: str) -> None:
+        self._progress.phase, self._progress.reason = RolloutPhase.ROLLING_BACK, reason
+        for handle in self._prefetches.values():
+            if not handle.done():
+                handle.cancel()
+        if not self._attempted:
+            return
+        result = await workflow.execute_activity("rollback_wave", self._request(self._attempted),
+                                                 result_type=WaveResult, **ROLLBACK)
+        self._progress.rolled_back = [o.node_id for o in result.outcomes]
+        for outcome in result.outcomes:
+            self._progress.outcomes[outcome.node_id] = outcome
+
+    async def _finish(self, phase: RolloutPhase, reason: str) -> RolloutResult:
+        progress = self._progress
+        progress.phase, progress.reason = phase, reason
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return RolloutResult(rollout_id=progress.rollout_id, status=phase, reason=reason,
+                             activated=progress.activated, rolled_back=progress.rolled_back)
+
+    # Query and updates ----------------------------------------------------------------------
+
+    @workflow.query
+    def progress(self) -> RolloutProgress:
+        return self._snapshot()
+
+    def _snapshot(self) -> RolloutProgress:
+        return self._progress.model_copy(update={"paused": self._paused}, deep=True)
+
+    @workflow.update
+    def pause(self, req: ReasonInput) -> RolloutProgress:
+        self._paused = True
+        return self._snapshot()
+
+    @workflow.update
+    def resume(self, req: ReasonInput) -> RolloutProgress:
+        self._paused = False
+        return self._snapshot()
+
+    @workflow.update
+    async def abort(self, req: ReasonInput) -> RolloutProgress:
+        if self._abort is None:
+            self._abort = req.reason or "aborted on request"
+        await workflow.wait_condition(lambda: self._progress is not None and self._progress.phase in FINISHED)
+        return self._snapshot()
+
+    @pause.validator
+    def _can_pause(self, req: ReasonInput) -> None:
+        self._refuse_if_over("pause")
+
+    @resume.validator
+    def _can_resume(self, req: ReasonInput) -> None:
+        self._refuse_if_over("resume")
+
+    @abort.validator
+    def _can_abort(self, req: ReasonInput) -> None:
+        if self._progress is not None and self._progress.phase in FINISHED:
+            raise ValueError(f"the rollout is already {self._progress.phase.value}")
+
+    def _refuse_if_over(self, command: str) -> None:
+        if self._progress is None:
+            return
+        if self._progress.phase in FINISHED:
+            raise ValueError(f"cannot {command}: the rollout is already {self._progress.phase.value}")
+        if self._abort is not None:
+            raise ValueError(f"cannot {command}: the rollout is being aborted")
+
+
+def _reason(error: ActivityError) -> str:
+    cause = error.cause
+    return f"{error.activity_type} failed: {getattr(cause, 'message', None) or cause or error}"

@@ -1,0 +1,170 @@
+"""A tenant's onboarding and offboarding, each a workflow: a saga and its inverse, sharing the
+steps that undo what onboarding made (one module for the two, so those stay in one place).
+
+Onboarding (`tenant-onboard-<tenant id>`, started by `POST /v1/tenants`). The API has already
+written, in one transaction, the tenant (`onboarding`), its quotas, its first API key and the
+operation; the workflow allocates the tenant's VNI (its VPC), gives it storage (prefix and data
+key), and then activates it. A step's transient errors are retried a few times; a step that
+still fails undoes everything: the keys are revoked first (so nothing can use the tenant while
+it is taken apart), then every step that was started is undone in reverse order, and only then
+does the tenant show `failed`. Each undo also runs for a step that failed halfway, which is safe
+because every step and every undo is idempotent. Activation is the point of no return: once
+VNI and storage exist, only the DB record is left, and it is retried until it is written. A
+re-run on a tenant that is no longer `onboarding` changes nothing.
+
+Cancelling the onboarding workflow (say, from the Web UI) undoes it like a failed step, but
+only once the activity in flight has ended: no activity of these workflows is ever cancelled or
+abandoned halfway (`_to_the_end`), since an undo racing the step it undoes could leave that
+step's effect behind. Past the point of no return a cancel is ignored, and so it is during
+offboarding, which must end with nothing of the tenant left.
+
+Offboarding (`tenant-offboard-<tenant id>`, started by `DELETE /v1/tenants/{id}`; the API has
+moved the tenant to `offboarding`, which stops new allocations): cancel every live allocation
+(the DB intent plus a signal, as the cancel endpoint does), wait until no allocation is live and
+no node holding the tenant's data is on its way to a wipe, revoke the keys, release the VNI,
+mark the storage for deletion after the retention period, look up the final billing period when
+a ledger is configured, and mark the tenant `offboarded`. The workflow then sleeps until the
+deletion is due (a durable timer) and purges the storage. Every step is retried until it
+succeeds: a tenant half-removed would keep a path open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from gpucloud.models.tenant_messages import (
+        ActivateTenantInput,
+        CancelledAllocations,
+        RevokedKeys,
+        SettleTenantInput,
+        StorageDeletion,
+        StorageDeletionInput,
+        TenantBilling,
+        TenantOffboardingInput,
+        TenantOffboardingResult,
+        TenantOnboardingInput,
+        TenantOnboardingResult,
+        TenantRef,
+        TenantReleaseProgress,
+        TenantStorageResult,
+        TenantView,
+        TenantVni,
+    )
+    from gpucloud.workflows import options
+
+# What undoes each onboarding step.
+UNDO = {"allocate_tenant_vni": "release_tenant_vni", "provision_tenant_storage": "delete_tenant_storage"}
+
+
+class _Cancelled(Exception):
+    """The onboarding workflow was asked to stop; what it made is undone."""
+
+
+async def _to_the_end(awaitable):
+    """Await to the end even when the workflow is cancelled meanwhile: the cancel reaches the
+    workflow (see `workflow.cancellation_reason`), never the activity or timer underneath."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+
+
+async def _run(name: str, arg, result_type: type, opts: dict):
+    return await _to_the_end(workflow.execute_activity(name, arg, result_type=result_type, **opts))
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, ActivityError):
+        cause = error.cause
+        return f"{error.activity_type} failed: {getattr(cause, 'message', None) or cause or error}"
+    return "onboarding was cancelled"
+
+
+@workflow.defn
+class TenantOnboardingWorkflow:
+    def __init__(self) -> None:
+        self._started: list[str] = []
+
+    @workflow.run
+    async def run(self, inp: TenantOnboardingInput) -> TenantOnboardingResult:
+        ref = TenantRef(tenant_id=inp.tenant_id)
+        try:
+            tenant = await _run("load_tenant", ref, TenantView, options.DB)
+            if tenant.status != "onboarding":
+                return TenantOnboardingResult(tenant_id=tenant.tenant_id, status=tenant.status, vni=tenant.vni,
+                                              storage_prefix=tenant.storage_prefix)
+            vni = await self._step("allocate_tenant_vni", ref, TenantVni)
+            storage = await self._step("provision_tenant_storage", ref, TenantStorageResult)
+        except (ActivityError, _Cancelled) as error:
+            reason = _reason(error)
+            await self._undo(ref)
+            failed = SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id, error=reason)
+            await _run("fail_tenant", failed, TenantView, options.TENANT_UNTIL_DONE)
+            return TenantOnboardingResult(tenant_id=inp.tenant_id, status="failed", error=reason)
+        activate = ActivateTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id,
+                                       storage_prefix=storage.prefix)
+        await _run("activate_tenant", activate, TenantView, options.TENANT_UNTIL_DONE)
+        return TenantOnboardingResult(tenant_id=inp.tenant_id, status="active", vni=vni.vni,
+                                      storage_prefix=storage.prefix)
+
+    async def _step(self, name: str, ref: TenantRef, result_type: type):
+        if workflow.cancellation_reason() is not None:
+            raise _Cancelled()
+        # Recorded before it runs: a step that fails halfway is undone too.
+        self._started.append(name)
+        result = await _run(name, ref, result_type, options.TENANT_STEP)
+        if workflow.cancellation_reason() is not None:
+            raise _Cancelled()
+        return result
+
+    async def _undo(self, ref: TenantRef) -> None:
+        await _run("revoke_tenant_keys", ref, RevokedKeys, options.TENANT_UNTIL_DONE)
+        for step in reversed(self._started):
+            await _run(UNDO[step], ref, None, options.TENANT_UNTIL_DONE)
+
+
+@workflow.defn
+class TenantOffboardingWorkflow:
+    @workflow.run
+    async def run(self, inp: TenantOffboardingInput) -> TenantOffboardingResult:
+        ref = TenantRef(tenant_id=inp.tenant_id)
+        cancelled = await _run("cancel_tenant_allocations", ref, CancelledAllocations, options.TENANT_UNTIL_DONE)
+        progress = await self._released(ref, poll=timedelta(seconds=inp.poll_s))
+        if progress is None:
+            workflow.continue_as_new(inp)
+        revoked = await _run("revoke_tenant_keys", ref, RevokedKeys, options.TENANT_UNTIL_DONE)
+        await _run("release_tenant_vni", ref, TenantVni, options.TENANT_UNTIL_DONE)
+        deletion = await _run("schedule_tenant_storage_deletion",
+                              StorageDeletionInput(tenant_id=inp.tenant_id, retention_s=inp.retention_s),
+                              StorageDeletion, options.TENANT_UNTIL_DONE)
+        billing = await _run("close_tenant_billing", ref, TenantBilling, options.LEDGER)
+        await _run("finish_offboarding", SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id),
+                   TenantView, options.TENANT_UNTIL_DONE)
+        result = TenantOffboardingResult(
+            tenant_id=inp.tenant_id, status="offboarded", cancelled_allocations=cancelled.allocation_ids,
+            nodes_awaiting_repair=progress.nodes_parked, keys_revoked=revoked.revoked,
+            storage_deletion_due=deletion.due_at, billing=billing)
+        if deletion.due_at is not None and deletion.due_at > workflow.now():
+            await _to_the_end(workflow.sleep(deletion.due_at - workflow.now()))
+        await _run("purge_tenant_storage", ref, StorageDeletion, options.TENANT_UNTIL_DONE)
+        result.storage_deleted = True
+        return result
+
+    async def _released(self, ref: TenantRef, *, poll: timedelta) -> TenantReleaseProgress | None:
+        """Wait until the tenant's allocations are over and its nodes wiped (or parked for repair,
+        which wipes them); None when the history is long enough to continue as new."""
+        while True:
+            progress = await _run("tenant_release_progress", ref, TenantReleaseProgress, options.DB)
+            if progress.done:
+                return progress
+            if workflow.info().is_continue_as_new_suggested():
+                return None
+            await _to_the_end(workflow.sleep(poll))

@@ -1,0 +1,133 @@
+"""Bring-up in batches: the same per-node state machine and CAS as a per-node workflow, one
+activity per step for many nodes, a hold that keeps the reconciler off, and a silent agent
+handed back to the reconciler instead of holding up its batch."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+
+from sqlmodel import select
+
+from gpucloud.activities.control_db import ControlDbActivities
+from gpucloud.db import migrate, session_scope
+from gpucloud.models.messages import NodeTransitionBatch, NodeTransitionInput
+from gpucloud.models.node_states import NodeState
+from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
+from gpucloud.services import nodes as node_service
+
+
+def _enroll(db_url: str, n: int) -> list[str]:
+    migrate(db_url)
+    specs = [NodeEnroll(id=f"b{i:03d}", hostname=f"b{i:03d}", agent_url=f"http://127.0.0.1:1/agents/b{i:03d}",
+                        gpu_type="H100", gpu_count=8, region="us-east-1", pod="pod-a", rack="r1") for i in range(n)]
+    with session_scope(db_url) as session:
+        new, _ = node_service.enroll_nodes(session, specs)
+    return new
+
+
+async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
+        db_url, make_harness, in_process_worker, temporal_env):
+    h = make_harness(db_url, nodes=10, bringup_batch_size=4, agent_batch_attempts=2,
+                     agent_batch_retry_base_s=0.05, backoff_base_s=0.2)
+    await in_process_worker(h.settings)
+    ids = [n["id"] for n in h.sim.inventory()]
+    refused, silent = ids[0], ids[5]
+    h.sim.inject(refused, "inspect", "permanent")
+    h.sim.inject(silent, "burn_in", "transient", count=2)  # gives up after 2 tries, then heals
+
+    resp = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()})
+    assert resp.json() == {"enrolled": 10, "already_known": 0, "bringups_started": 10, "batches": 3}
+    # The refused node fails into its failure target; the silent one is handed back and the
+    # reconciler's sweep brings it up on a later try.
+    want = {"available": 9, "quarantined": 1}
+    deadline = time.monotonic() + 60
+    while _states(h) != want:
+        assert time.monotonic() < deadline, _states(h)
+        await h.sweep(temporal_env.client)
+        await asyncio.sleep(0.2)
+
+    assert h.node(refused)["state"] == "quarantined"
+    causes = [e["cause"] for e in h.operator.get(f"/v1/nodes/{refused}/events").json()["items"]]
+    assert any("inspect failed" in c for c in causes), causes
+    silent_events = h.operator.get(f"/v1/nodes/{silent}/events").json()["items"]
+    assert [e["to_state"] for e in silent_events] == ["inspecting", "burn_in", "available"]
+    # Its batch handed it back mid burn-in; the reconciler finished it with a per-node recycle.
+    results = [await temporal_env.client.get_workflow_handle(w.id).result()
+               async for w in temporal_env.client.list_workflows(
+        f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'")]
+    assert len(results) == 3
+    assert sum(silent in r["stopped"] for r in results) == 1 and not any(silent in r["available"] for r in results)
+    assert sorted(i for r in results for i in r["available"]) == sorted(set(ids) - {refused, silent})
+    recycle = await temporal_env.client.get_workflow_handle(f"node-{silent}").result()
+    assert recycle["ok"] and recycle["state"] == "available"
+    with session_scope(db_url) as session:
+        assert all(n.next_reconcile_at is None for n in session.exec(select(Node)).all() if n.state == "available")
+
+
+def _states(h) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in h.nodes():
+        counts[n["state"]] = counts.get(n["state"], 0) + 1
+    return counts
+
+
+def test_transition_batch_is_idempotent_and_one_stale_node_stops_only_itself(db_url):
+    ids = _enroll(db_url, 3)
+    acts = ControlDbActivities(db_url)
+    with session_scope(db_url) as session:
+        # Someone else moves the second node first.
+        node_service.transition(session, ids[1], "inspect", from_state="enrolled", actor="other")
+    batch = NodeTransitionBatch(lease_to_deadline=True, items=[
+        NodeTransitionInput(node_id=i, event="inspect", from_state="enrolled", op_id=f"op/{i}") for i in ids])
+    first = acts.transition_nodes(batch)
+    assert [(o.node_id, o.state) for o in first.outcomes] == [(ids[0], "inspecting"), (ids[1], None),
+                                                              (ids[2], "inspecting")]
+    assert "expected 'enrolled'" in first.outcomes[1].error
+    # A retry of the same activity (its first try committed) changes nothing and succeeds.
+    again = acts.transition_nodes(batch)
+    assert [o.state for o in again.outcomes] == ["inspecting", None, "inspecting"]
+    with session_scope(db_url) as session:
+        rows = session.exec(select(NodeTransition).where(NodeTransition.node_id.in_(ids))).all()
+        assert len(rows) == 3  # one each, none twice
+        held = session.get(Node, ids[0])
+        # The batch holds its nodes until the state's deadline.
+        assert held.next_reconcile_at == held.deadline_at and held.deadline_at > utcnow()
+        assert session.get(Node, ids[1]).next_reconcile_at is None
+
+
+def test_hold_goes_to_one_of_two_racing_starters_and_release_backs_off(db_url):
+    ids = _enroll(db_url, 50)
+    barrier = threading.Barrier(2)
+    won: list[list[str]] = []
+
+    def race() -> None:
+        barrier.wait()
+        with session_scope(db_url) as session:
+            won.append(node_service.lease_for_bringup(session, list(ids)))
+
+    threads = [threading.Thread(target=race) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(len(w) for w in won) == [0, 50]
+    with session_scope(db_url) as session:
+        assert node_service.held_for_bringup(session) == 50
+        assert node_service.lease_for_bringup(session, ids[:5]) == []  # held: nobody else gets them
+        now = utcnow()
+        node_service.release_bringup_holds(session, ids[:1], base_s=1.0, cap_s=8.0, now=now)
+    delays = []
+    for _ in range(5):
+        with session_scope(db_url) as session:
+            node = session.get(Node, ids[0])
+            delays.append(node.next_reconcile_at - now)
+            node_service.release_bringup_holds(session, ids[:1], base_s=1.0, cap_s=8.0, now=now)
+    assert delays == [timedelta(seconds=s) for s in (1, 2, 4, 8, 8)]
+    with session_scope(db_url) as session:
+        assert session.get(Node, ids[0]).state == NodeState.ENROLLED
+        # Released with a backoff still in the future: still not free for another batch.
+        assert node_service.lease_for_bringup(session, ids[:1], now=now) == []
+

@@ -1,0 +1,160 @@
+"""The health service against a real database (SQLite, and Postgres when reachable): readings
+judged for trends and pruned, nodes still being provisioned for an allocation pulled, and the
+circuit breaker holding under concurrent judgements."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlmodel import func, select
+
+from gpucloud.agent.readings import FatalKind, NodeReading, ProbeFatal, XidEvent
+from gpucloud.db import session_scope
+from gpucloud.health.breaker import CircuitBreaker
+from gpucloud.models.health_tables import NodeReadingRecord, OperatorAlertRecord, QuarantineBreaker, QuarantinePull
+from gpucloud.models.tables import Node, NodeEnroll
+from gpucloud.services import health as health_service
+from gpucloud.services import nodes as node_service
+from support.readings import node_reading
+
+POOL = "H100/r1"
+ALLOW_ALL = health_service.BreakerSettings(max_pulled_share=1.0)
+
+
+def _fleet(db_url: str, count: int, *, state: str = "available", allocation_id: str | None = None) -> list[str]:
+    ids = [f"n-{i:02d}" for i in range(count)]
+    with session_scope(db_url) as session:
+        node_service.enroll_nodes(session, [
+            NodeEnroll(id=i, hostname=i, region="r1", pod="pod0", rack="pod0-r0", gpu_type="H100", gpu_count=8,
+                       agent_url="http://unused") for i in ids])
+        session.flush()
+        for node in session.exec(select(Node)).all():
+            node.state, node.allocation_id = state, allocation_id
+            session.add(node)
+    return ids
+
+
+def _ingest(db_url: str, readings: list[NodeReading], now: datetime):
+    with session_scope(db_url) as session:
+        return health_service.ingest_readings(session, readings, now=now, breaker=ALLOW_ALL)
+
+
+def test_readings_raise_trend_conditions_and_a_pull(db_url):
+    rising, flapping = _fleet(db_url, 2)
+    now = datetime.now(UTC)
+    # Corrected ECC errors on GPU 2 at 500 an hour: a warning, the node stays.
+    outcomes, unknown = _ingest(db_url, [node_reading(rising, now - timedelta(hours=2)),
+                                         node_reading(rising, now - timedelta(hours=1), corrected=500),
+                                         node_reading(rising, now, corrected=1000)], now)
+    (outcome,) = outcomes
+    assert unknown == [] and outcome.pull is None
+    assert (outcome.verdict.health, outcome.verdict.action) == ("suspect", "watch")
+    assert [c.name for c in outcome.verdict.conditions] == ["ecc_corrected_rate"]
+
+    # An NVLink that was up and is down: drain. Judged over what is stored, not just this batch.
+    _ingest(db_url, [node_reading(flapping, now - timedelta(minutes=1))], now)
+    (outcome,), _ = _ingest(db_url, [node_reading(flapping, now, link0_active=False)], now)
+    assert outcome.verdict.action == "drain" and outcome.pull == "drain"
+    assert outcome.verdict.conditions[0].name == "nvlink_down"
+    with session_scope(db_url) as session:
+        node = session.get(Node, flapping)
+        assert node.health == "suspect" and node.drain_requested
+        assert node.health_conditions[0]["name"] == "nvlink_down"
+
+
+def test_a_lost_gpu_reading_on_an_active_node_replaces_it_at_once(db_url):
+    (node_id,) = _fleet(db_url, 1, state="active", allocation_id="alloc-1")
+    now = datetime.now(UTC)
+    lost = ProbeFatal(kind=FatalKind.GPU_LOST, gpu_index=5, detail="GPU has fallen off the bus")
+    (outcome,), _ = _ingest(db_url, [node_reading(node_id, now, fatal=lost)], now)
+    assert (outcome.pull, outcome.allocation_id, outcome.immediate) == ("replace", "alloc-1", True)
+    assert outcome.verdict.conditions[0].name == "probe_fatal"
+
+
+def test_readings_of_an_unknown_node_store_nothing(db_url):
+    (known,) = _fleet(db_url, 1)
+    now = datetime.now(UTC)
+    outcomes, unknown = _ingest(db_url, [node_reading(known, now), node_reading("ghost", now)], now)
+    assert (outcomes, unknown) == ([], ["ghost"])
+    with session_scope(db_url) as session:
+        assert session.exec(select(func.count()).select_from(NodeReadingRecord)).one() == 0
+
+
+def test_readings_past_the_trend_window_are_pruned_but_fatal_ones_kept_for_the_lemon_rule(db_url):
+    (node_id,) = _fleet(db_url, 1)
+    now = datetime.now(UTC)
+    old = now - timedelta(hours=25)
+    driver_gone = ProbeFatal(kind=FatalKind.DRIVER_NOT_LOADED)
+    _ingest(db_url, [node_reading(node_id, old),
+                     node_reading(node_id, old + timedelta(seconds=30), fatal=driver_gone)], now)
+    (outcome,), _ = _ingest(db_url, [node_reading(node_id, now)], now)
+    # A driver that is loaded again is no condition; the old fatal reading is kept all the same.
+    assert outcome.verdict.health == "ok" and outcome.pull is None
+    with session_scope(db_url) as session:
+        kept = session.exec(select(NodeReadingRecord).order_by(NodeReadingRecord.timestamp)).all()
+    assert [(r.timestamp, r.fatal) for r in kept] == [(old + timedelta(seconds=30), True), (now, False)]
+
+
+@pytest.mark.parametrize("state", ["reserved", "provisioning"])
+def test_a_fatal_xid_on_a_node_not_yet_active_pulls_it_from_its_allocation(db_url, state):
+    (node_id,) = _fleet(db_url, 1, state=state, allocation_id="alloc-1")
+    event = XidEvent(node_id=node_id, gpu_index=1, xid=48, timestamp=datetime.now(UTC))  # drain, not drain_now
+    with session_scope(db_url) as session:
+        (outcome,), _ = health_service.ingest_xids(session, [event], source="test", breaker=ALLOW_ALL)
+    # No job runs there yet: nothing to checkpoint, so no grace period either.
+    assert (outcome.pull, outcome.allocation_id, outcome.immediate) == ("replace", "alloc-1", True)
+    with session_scope(db_url) as session:
+        assert not session.get(Node, node_id).drain_requested  # the allocation's workflow pulls it
+
+
+def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
+    nodes = _fleet(db_url, 8)
+    settings = health_service.BreakerSettings(max_pulled_share=0.25)  # 2 of the 8 nodes an hour
+    postgres = db_url.startswith("postgresql")
+    with session_scope(db_url) as session:
+        # The pool's breaker row exists already. On first use it is created, and concurrent first
+        # users queue on its insert; the barrier below would turn that queue into a deadlock.
+        session.add(QuarantineBreaker(pool=POOL))
+    start = threading.Barrier(len(nodes), timeout=30)
+    counted = threading.Barrier(len(nodes), timeout=30)
+    if postgres:
+        # The worst interleaving: every judgement has counted the window before any records a
+        # pull. (SQLite serializes write transactions whole, so there they cannot interleave.)
+        original, seen = CircuitBreaker.request_quarantine, threading.local()
+
+        def after_everyone_counted(self, **kw):
+            if not getattr(seen, "waited", False):
+                seen.waited = True
+                counted.wait()
+            return original(self, **kw)
+
+        monkeypatch.setattr(CircuitBreaker, "request_quarantine", after_everyone_counted)
+    pulls: list[str | None] = []
+    errors: list[BaseException] = []
+
+    def judge(node_id: str) -> None:
+        start.wait()
+        try:
+            with session_scope(db_url) as session:
+                (outcome,), _ = health_service.ingest_xids(
+                    session, [XidEvent(node_id=node_id, gpu_index=0, xid=79, timestamp=datetime.now(UTC))],
+                    source="test", breaker=settings)
+            pulls.append(outcome.pull)
+        except BaseException as exc:  # noqa: BLE001 (reported below, in the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=judge, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert Counter(pulls) == {"drain": 2, None: 6}
+    with session_scope(db_url) as session:
+        assert session.exec(select(func.count()).select_from(QuarantinePull)).one() == 2
+        assert session.exec(select(func.count()).select_from(OperatorAlertRecord)).one() == 6
+        assert session.exec(select(func.count()).select_from(Node).where(Node.drain_requested)).one() == 2
+        assert session.get(QuarantineBreaker, POOL).generation == 2

@@ -1,0 +1,288 @@
+"""The staged rollout end to end: the real Temporal dev server, a worker in the test running just
+the rollout workflow and its activities, and 8 real agents (chunk cache, peer server and the
+weights API, each its own uvicorn server on loopback) fed by a real tracker and origin.
+
+Checked: a rollout activates the version everywhere with identical verified files; a canary whose
+evaluation probe scores below the threshold, or a node that turns unhealthy, rolls every
+activated node back; an abort mid-wave rolls back what was activated; a worker stopped during a
+bake is replaced and the rollout completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client, WorkflowHandle
+from temporalio.worker import Worker
+
+from gpucloud import search_attributes
+from gpucloud.activities.rollout import RolloutActivities
+from gpucloud.agent.chunk_cache import ChunkCache
+from gpucloud.agent.peer import ChunkFetcher, PeerServer, create_peer_app, prefetch
+from gpucloud.agent.weights_api import install_weights_api
+from gpucloud.models.rollout_messages import (
+    ReasonInput,
+    RolloutInput,
+    RolloutPhase,
+    RolloutProgress,
+    RolloutResult,
+    RolloutTarget,
+    Thresholds,
+)
+from gpucloud.registry.chunking import ChunkPolicy
+from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
+from gpucloud.registry.push import push
+from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
+from gpucloud.registry.swarm import PeerPlace, SwarmSpec
+from gpucloud.registry.tracker_service import TrackerClient, create_tracker_app
+from gpucloud.workflows.rollout import RolloutWorkflow
+
+TENANT = "acme"
+NODES, PER_RACK = 8, 4
+KiB = 1024
+POLICY = ChunkPolicy(max_chunk_size=64 * KiB, pack_size=16 * KiB, fixed_chunk_size=64 * KiB, read_size=KiB * KiB)
+
+
+def eval_from_config(cache: ChunkCache, digest: str) -> float:
+    """The test's evaluation probe: the score a version's config.json claims (1.0 if none)."""
+    return json.loads((cache.current_path / "config.json").read_bytes()).get("eval", 1.0)
+
+
+@dataclass
+class Agent:
+    node: str
+    rack: str
+    cache: ChunkCache
+    server: PeerServer
+    health: dict = field(default_factory=lambda: {"ok": True})
+
+    def target(self) -> RolloutTarget:
+        return RolloutTarget(node_id=self.node, agent_url=self.server.url, rack=self.rack)
+
+
+@dataclass
+class Fleet:
+    root: Path
+    signer: Signer
+    manifests: LocalManifestStore
+    store: LocalChunkStore
+    tracker: TrackerClient
+    agents: list[Agent]
+
+    def push(self, name: str, *, eval_score: float | None = None, seed: int = 1) -> tuple[SignedManifest, dict]:
+        source = self.root / "sources" / name
+        config = {"name": name} | ({"eval": eval_score} if eval_score is not None else {})
+        files = {"model.bin": uuid.UUID(int=seed).bytes * (12 * KiB), "config.json": json.dumps(config).encode()}
+        for relative, data in files.items():
+            (source / relative).parent.mkdir(parents=True, exist_ok=True)
+            (source / relative).write_bytes(data)
+        signed = push(source, model="llama-mini", chunk_store=self.store, manifest_store=self.manifests,
+                      signer=self.signer, policy=POLICY, settle_seconds=0).signed
+        return signed, files
+
+    def install(self, signed: SignedManifest) -> None:
+        """Put a version in place on every node directly (the state before a rollout)."""
+        swarm = f"base-{signed.digest[:8]}"
+        nodes = {a.node: PeerPlace(rack=a.rack, site="site-1", url=a.server.url) for a in self.agents}
+        self.tracker.register_swarm(swarm, SwarmSpec(nodes=nodes, chunks=sorted(signed.manifest.chunk_ids())))
+
+        def one(agent: Agent) -> None:
+            fetcher = ChunkFetcher(node=agent.node, cache=agent.cache, tracker=self.tracker, swarm=swarm)
+            try:
+                prefetch(signed, cache=agent.cache, fetcher=fetcher)
+            finally:
+                fetcher.close()
+            agent.cache.activate(signed.digest)
+
+        with ThreadPoolExecutor(len(self.agents)) as pool:
+            list(pool.map(one, self.agents))
+
+    def targets(self) -> list[RolloutTarget]:
+        return [a.target() for a in self.agents]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    signer, keyring = Signer.generate(), Keyring()
+    keyring.trust(TENANT, signer.verify_key)
+    store = LocalChunkStore(tmp_path / "store")
+    servers: list[PeerServer] = []
+    try:
+        origin = PeerServer(create_tracker_app(chunk_store=store, seed=7))
+        servers.append(origin)
+        tracker = TrackerClient(origin.start())
+        agents = []
+        for i in range(NODES):
+            node = f"node-{i:02d}"
+            cache = ChunkCache(tmp_path / node, keyring=keyring, tenant=TENANT)
+            app = create_peer_app(cache)
+            agent = Agent(node, f"rack-{i // PER_RACK}", cache, PeerServer(app))
+            install_weights_api(app, node_id=node, cache=cache, eval_probe=eval_from_config,
+                                health=lambda h=agent.health: (h["ok"], "" if h["ok"] else "GPU 3 fell off the bus"))
+            servers.append(agent.server)
+            agent.server.start()
+            agents.append(agent)
+        yield Fleet(tmp_path, signer, LocalManifestStore(tmp_path / "manifests"), store, tracker, agents)
+        tracker.close()
+    finally:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(PeerServer.stop, servers))
+
+
+@asynccontextmanager
+async def rollout_worker(client: Client, fleet: Fleet, task_queue: str) -> AsyncIterator[Worker]:
+    activities = RolloutActivities(tracker_url=fleet.tracker.base_url, manifests=lambda tenant: fleet.manifests)
+    with ThreadPoolExecutor(4, thread_name_prefix="rollout-activity") as executor:
+        worker = Worker(client, task_queue=task_queue, workflows=[RolloutWorkflow], activities=activities.all(),
+                        activity_executor=executor, graceful_shutdown_timeout=timedelta(seconds=5))
+        try:
+            async with worker:
+                yield worker
+        finally:
+            await activities.aclose()
+
+
+@pytest.fixture
+def task_queue() -> str:
+    return f"rollout-{uuid.uuid4().hex[:8]}"
+
+
+async def start(client: Client, fleet: Fleet, task_queue: str, signed: SignedManifest, **options) -> WorkflowHandle:
+    rollout_id = f"rollout-{uuid.uuid4().hex[:10]}"
+    inp = RolloutInput(rollout_id=rollout_id, tenant_id=TENANT, model_version=signed.digest,
+                       nodes=fleet.targets(), **{"bake_s": 0.2} | options)
+    return await client.start_workflow(
+        RolloutWorkflow.run, inp, id=rollout_id, task_queue=task_queue,
+        search_attributes=search_attributes.typed((search_attributes.MODEL_VERSION, signed.digest),
+                                                  (search_attributes.TENANT_ID, TENANT)))
+
+
+async def wait_for(handle: WorkflowHandle, predicate, timeout_s: float = 20.0) -> RolloutProgress:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        progress = await handle.query(RolloutWorkflow.progress)
+        if predicate(progress):
+            return progress
+        assert asyncio.get_running_loop().time() < deadline, f"rollout stuck: {progress}"
+        await asyncio.sleep(0.05)
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+async def test_a_rollout_activates_every_node_in_waves_with_identical_verified_files(
+    temporal_env, fleet: Fleet, task_queue: str
+) -> None:
+    v1, v1_files = fleet.push("v1", seed=1)
+    fleet.install(v1)
+    v2, v2_files = fleet.push("v2", seed=2)
+    client = temporal_env.client
+    async with rollout_worker(client, fleet, task_queue):
+        handle = await start(client, fleet, task_queue, v2)
+        result: RolloutResult = await handle.result()
+        progress = await handle.query(RolloutWorkflow.progress)
+
+    assert result.status == RolloutPhase.SUCCEEDED, result.reason
+    assert [len(w) for w in progress.waves] == [1, 3, 4]  # canary; 10% of 8 is the canary again; 50%; 100%
+    assert sorted(result.activated) == sorted(a.node for a in fleet.agents)
+    for agent in fleet.agents:
+        assert (agent.cache.active(), agent.cache.previous()) == (v2.digest, v1.digest)
+        agent.cache.verify(v2.digest)
+        assert read_tree(agent.cache.current_path) == v2_files
+    size = v2.manifest.total_size
+    assert fleet.tracker.origin_stats().egress_bytes <= 1.2 * (v1.manifest.total_size + size)
+    described = await handle.describe()
+    assert described.typed_search_attributes.get(search_attributes.MODEL_VERSION) == v2.digest
+
+
+async def test_a_canary_below_the_eval_threshold_rolls_back_and_the_rest_never_activates(
+    temporal_env, fleet: Fleet, task_queue: str
+) -> None:
+    v1, v1_files = fleet.push("v1", seed=1)
+    fleet.install(v1)
+    bad, _ = fleet.push("v2-bad", eval_score=0.31, seed=3)
+    client = temporal_env.client
+    async with rollout_worker(client, fleet, task_queue):
+        handle = await start(client, fleet, task_queue, bad, thresholds=Thresholds(min_eval_score=0.5))
+        result = await handle.result()
+
+    assert result.status == RolloutPhase.ROLLED_BACK
+    assert "wave 1 check" in result.reason and "0.31 < 0.5" in result.reason
+    assert result.activated == ["node-00"] and result.rolled_back == ["node-00"]
+    for agent in fleet.agents:
+        assert agent.cache.active() == v1.digest
+        assert read_tree(agent.cache.current_path) == v1_files
+
+
+async def test_an_unhealthy_node_in_a_later_wave_rolls_back_every_activated_node(
+    temporal_env, fleet: Fleet, task_queue: str
+) -> None:
+    v2, _ = fleet.push("v2", seed=2)  # a fresh fleet: rollback leaves nodes running nothing, as before
+    fleet.agents[2].health["ok"] = False
+    client = temporal_env.client
+    async with rollout_worker(client, fleet, task_queue):
+        handle = await start(client, fleet, task_queue, v2)
+        result = await handle.result()
+
+    assert result.status == RolloutPhase.ROLLED_BACK
+    assert "wave 2 check" in result.reason and "node-02" in result.reason and "fell off the bus" in result.reason
+    assert sorted(result.rolled_back) == ["node-00", "node-01", "node-02", "node-03"]
+    assert all(agent.cache.active() is None for agent in fleet.agents)
+
+
+async def test_pause_holds_the_next_wave_and_abort_mid_wave_rolls_back_what_was_activated(
+    temporal_env, fleet: Fleet, task_queue: str
+) -> None:
+    v1, v1_files = fleet.push("v1", seed=1)
+    fleet.install(v1)
+    v2, _ = fleet.push("v2", seed=2)
+    client = temporal_env.client
+    async with rollout_worker(client, fleet, task_queue):
+        handle = await start(client, fleet, task_queue, v2, bake_s=0.5)
+        await wait_for(handle, lambda p: p.wave == 1 and p.phase == RolloutPhase.BAKING)
+        paused = await handle.execute_update(RolloutWorkflow.pause, ReasonInput(reason="looking at canary"))
+        assert paused.paused
+        held = await wait_for(handle, lambda p: p.phase == RolloutPhase.PAUSED)
+        assert held.activated == ["node-00"]
+        await handle.execute_update(RolloutWorkflow.resume, ReasonInput())
+        await wait_for(handle, lambda p: p.wave == 2 and p.phase == RolloutPhase.BAKING)
+        final = await handle.execute_update(RolloutWorkflow.abort, ReasonInput(reason="latency regression"))
+        result = await handle.result()
+
+    assert final.phase == result.status == RolloutPhase.ROLLED_BACK
+    assert result.reason == "aborted: latency regression"
+    assert sorted(result.rolled_back) == ["node-00", "node-01", "node-02", "node-03"]
+    for agent in fleet.agents:
+        assert agent.cache.active() == v1.digest
+        assert read_tree(agent.cache.current_path) == v1_files
+    with pytest.raises(Exception, match="already completed"):
+        await handle.execute_update(RolloutWorkflow.pause, ReasonInput())
+
+
+async def test_the_rollout_survives_a_worker_restart_during_a_bake(
+    temporal_env, fleet: Fleet, task_queue: str
+) -> None:
+    v2, v2_files = fleet.push("v2", seed=2)
+    client = temporal_env.client
+    async with rollout_worker(client, fleet, task_queue):
+        handle = await start(client, fleet, task_queue, v2, bake_s=1.5)
+        await wait_for(handle, lambda p: p.wave == 2 and p.phase == RolloutPhase.BAKING)
+    # No worker now: the bake's timer is durable, the rollout waits for one.
+    await asyncio.sleep(0.5)
+    async with rollout_worker(client, fleet, task_queue):
+        result = await handle.result()
+
+    assert result.status == RolloutPhase.SUCCEEDED, result.reason
+    for agent in fleet.agents:
+        assert agent.cache.active() == v2.digest
+        assert read_tree(agent.cache.current_path) == v2_files
