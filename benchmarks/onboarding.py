@@ -354,7 +354,7 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=200)
     parser.add_argument("--nodes", type=int, default=64, help="fleet size; allocations run in waves of this many")
     parser.add_argument("--concurrency", type=int, default=24, help="onboardings in flight")
-    parser.add_argument("--quick", action="store_true", help="20 tenants on 16 nodes, about a minute")
+    parser.add_argument("--quick", action="store_true", help="20 tenants on 16 nodes, under a minute")
     add_temporal_db_arg(parser)
     args = parser.parse_args()
     tenants_n, nodes = (20, 16) if args.quick else (args.tenants, args.nodes)

@@ -87,6 +87,7 @@ def sim(
     """Run a simulated fleet of N host agents on one port."""
     from gpucloud.sim.fleet import FleetSpec, serve
     from gpucloud.sim.metering import MeteringSpec
+    from gpucloud.sim.node_weights import WeightsSpec, control_plane_keyrings
 
     _logging()
     settings = get_settings()
@@ -96,10 +97,21 @@ def sim(
     if ledger_url:
         metering = MeteringSpec(ledger_url=ledger_url, spool_dir=settings.data_dir / "spools",
                                 interval_s=meter_interval or settings.meter_interval_s)
+    # Caches are made per node on its first weights call; keys come from the control plane's DB.
+    weights = WeightsSpec(root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.db_url))
     serve(spec, host=settings.sim_host, port=settings.sim_port,
           control_plane_url=settings.api_url if register else None,
           operator_token=settings.resolved_operator_token if register else None,
-          heartbeat_interval_s=heartbeat_interval, metering=metering)
+          heartbeat_interval_s=heartbeat_interval, metering=metering, weights=weights)
+
+
+@app.command()
+def tracker() -> None:
+    """Run the weight tracker, with the registry's chunks as the origin, on GPUCLOUD_TRACKER_URL."""
+    from gpucloud.registry.origin import serve_tracker
+
+    _logging()
+    serve_tracker(get_settings())
 
 
 @app.command()
@@ -111,7 +123,7 @@ def up(
     from gpucloud.stack import Stack, StackError
 
     settings = get_settings()
-    stack = Stack(settings, nodes=nodes, billing=True, nvl72_racks=nvl72_racks)
+    stack = Stack(settings, nodes=nodes, billing=True, tracker=True, nvl72_racks=nvl72_racks)
     try:
         with console.status("starting") as status:
             stack.start(on_step=lambda s: status.update(s))
@@ -122,6 +134,7 @@ def up(
     console.print(f"API        {settings.api_url}  (OpenAPI: {settings.api_url}/docs)")
     console.print(f"Web UI     {stack.ui_url}")
     console.print(f"ledger     {stack.ledger_url}  (billing; `gpucloud invoices`)")
+    console.print(f"tracker    {settings.tracker_url}  (weight fan-out; `gpucloud rollout`)")
     console.print(f"fabric     {stack.fabric_url}  (simulated UFM, NMX-M and SDN controller)")
     console.print(f"operator   {settings.resolved_operator_token}  "
                   f"(also in {settings.data_dir / 'operator_token'}, mode 0600)")

@@ -2,7 +2,8 @@
 
 Create a tenant and a key, allocate GPU nodes (idempotently), watch them provision, list them,
 watch the reconciler restore a node wiped behind its back, fail a GPU and watch its node pulled
-and replaced in the same fabric domain, push and pull model weights, cancel, and watch the nodes
+and replaced in the same fabric domain, push and pull model weights, roll the production version
+out to the allocation in waves and watch a failing candidate roll back, cancel, and watch the nodes
 (the pulled one through repair) go back to the pool through wipe and burn-in; last, the
 allocation's GPU time as the ledger billed it, to the millisecond, and the period's draft invoice.
 """
@@ -23,6 +24,7 @@ from rich.table import Table
 from gpucloud.config import Settings
 from gpucloud.demo_billing import BillingDemoError, demo_invoice
 from gpucloud.demo_health import HealthDemoError, demo_health
+from gpucloud.demo_rollout import RolloutDemoError, demo_rollout
 from gpucloud.demo_tenants import TenantsDemoError, demo_tenants, onboard
 from gpucloud.demo_weights import WeightsDemoError, demo_weights
 from gpucloud.stack import Stack, StackError, free_port
@@ -132,7 +134,8 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
     demo_tenants(console, api_url, operator_token, tenant, acme_key, alloc_id)
     show_reconciler(console, op, sim_url, alloc_id, tenant["id"])
     demo_health(console, api_url, operator_token, acme_key, alloc_id, sim_url)
-    demo_weights(console, api_url, acme_key, data_dir)
+    pushed = demo_weights(console, api_url, acme_key, data_dir)
+    demo_rollout(console, api_url, acme_key, sim_url, alloc_id, production=pushed.production, other=pushed.first)
 
     cancel = acme.call("POST", f"/v1/allocations/{alloc_id}/cancel", expect=(202,))
     console.print(f"cancel accepted: allocation is [yellow]{cancel['allocation']['status']}[/]")
@@ -150,17 +153,17 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
     shutil.rmtree(data_dir, ignore_errors=True)
     settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
                         sim_port=free_port(), database_url=None, operator_token=None, sweep_interval_s=2.0,
-                        ledger_port=free_port(), meter_interval_s=1.0)
+                        ledger_port=free_port(), meter_interval_s=1.0, tracker_url=f"http://127.0.0.1:{free_port()}")
     stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.5, sim_heartbeat_s=1.0,
-                  billing=True)
+                  billing=True, tracker=True)
     started = time.monotonic()
     try:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
         console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
         scenario(console, settings.api_url, settings.resolved_operator_token, nodes, settings.sim_url, data_dir)
-    except (StackError, DemoFailed, TenantsDemoError, HealthDemoError, WeightsDemoError, BillingDemoError,
-            httpx.HTTPError) as exc:
+    except (StackError, DemoFailed, TenantsDemoError, HealthDemoError, WeightsDemoError, RolloutDemoError,
+            BillingDemoError, httpx.HTTPError) as exc:
         console.print(f"[red]demo failed:[/] {exc}\nlogs: {stack.log_dir}")
         return 1
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,13 @@ GATES = [{"metric": "accuracy", "min": 0.75, "max_regression": 0.01}]
 
 class WeightsDemoError(RuntimeError):
     """The registry did not behave as the demo expects."""
+
+
+@dataclass(frozen=True)
+class PushedVersions:
+    model: str
+    first: str  # v1's digest
+    production: str  # v2's digest, promoted to production
 
 
 class _CorruptInTransit(httpx.BaseTransport):
@@ -87,7 +95,7 @@ def _promote(console: Console, client: RegistryClient, model: str, digest: str, 
     console.print(f"  {model}@production -> {digest[:12]}")
 
 
-def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -> None:
+def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -> PushedVersions:
     """Run the registry scenario against the API at api_url as the tenant whose key is api_key."""
     work = Path(data_dir) / "demo-weights" / uuid.uuid4().hex[:8]
     model = f"demo-llm-{work.name}"
@@ -137,3 +145,4 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
         pulled = pull_with_progress(client, model, "production", work / "pulled", console=console)
         if _tree(pulled.path) != _tree(v2_dir):
             raise WeightsDemoError("the pulled production version differs from what was pushed")
+    return PushedVersions(model=model, first=v1.digest, production=v2.digest)

@@ -5,7 +5,8 @@ until it answers, stopped in reverse.
 Everything lives in the data dir (databases, logs, operator token, the agents' usage spools), so
 a second `up` on the same data dir resumes where the first stopped. With `billing`, the ledger
 runs with its own SQLite database, gets a default price book the first time, and the simulated
-agents meter their allocations into it.
+agents meter their allocations into it. With `tracker`, the weight tracker and origin (the
+registry's chunks in the data dir) run on `tracker_url`, which the worker's rollouts use.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Stack:
     sim_heartbeat_s: float = 10.0
     temporal_persist: bool = True
     billing: bool = False
+    tracker: bool = False
     # Simulated fabric managers (UFM, NMX-M, SDN) on `fabric_url`; the worker applies every
     # allocation's fabric membership through them. Their state is kept in the data dir.
     fabric: bool = True
@@ -63,7 +65,7 @@ class Stack:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _fabric_port: int = field(default=0, init=False)
 
-    COMPONENTS = ("temporal", "ledger", "fabric", "worker", "api", "sim")
+    COMPONENTS = ("temporal", "ledger", "fabric", "tracker", "worker", "api", "sim")
 
     @property
     def fabric_url(self) -> str:
@@ -105,6 +107,7 @@ class Stack:
                 "GPUCLOUD_BILLING_CLOSE_INTERVAL_S": str(s.billing_close_interval_s),
                 "GPUCLOUD_METER_INTERVAL_S": str(s.meter_interval_s)} if self.billing else {}),
             **({"GPUCLOUD_FABRIC_URL": self.fabric_url} if self.fabric else {}),
+            **({"GPUCLOUD_TRACKER_URL": s.tracker_url} if self.tracker else {}),
         }
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -121,15 +124,18 @@ class Stack:
     def _components(self, only: tuple[str, ...] | None) -> list[str]:
         wanted = [name for name in self.COMPONENTS if only is None or name in only]
         wanted = [name for name in wanted if name != "fabric" or self.fabric]
+        wanted = [name for name in wanted if name != "tracker" or self.tracker]
         return [name for name in wanted if name != "ledger" or self.billing]
 
     def _check_ports(self, components: list[str]) -> None:
         host, port = self.settings.temporal_address.rsplit(":", 1)
+        tracker = httpx.URL(self.settings.tracker_url)
         ports = {"temporal": ("Temporal", host, int(port)),
                  "ledger": ("ledger", "127.0.0.1", self.settings.ledger_port),
                  "api": ("API", self.settings.api_host, self.settings.api_port),
                  "sim": ("simulated fleet", self.settings.sim_host, self.settings.sim_port),
-                 "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1]))}
+                 "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1])),
+                 "tracker": ("weight tracker", tracker.host, tracker.port or 80)}
         for what, h, p in (ports[name] for name in components if name in ports):
             if port_in_use(h, p):
                 raise StackError(f"port {p} for the {what} is already in use (another `gpucloud up`?); "
@@ -165,6 +171,11 @@ class Stack:
         self._spawn("fabric", self._cli("fabric-managers", "--port", port,
                                         "--state", str(self.settings.data_dir.resolve() / "fabric.json")))
         self._wait("fabric", lambda: self._http_ok(f"{self.fabric_url}/healthz"), 60)
+
+    def _start_tracker(self, on_step: Callable[[str], None]) -> None:
+        on_step("starting weight tracker")
+        self._spawn("tracker", self._cli("tracker"))
+        self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker_url}/origin/stats"), 60)
 
     def _start_worker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting worker")

@@ -18,6 +18,10 @@ UIDs, the members of NVLink partitions.
 Metering (optional, `metering=`): each node's agent meters the GPU time of the allocation it
 runs into a durable spool and ships it to the billing ledger, as a real agent does (see
 `metering.py`); `GET /v1/metering` reports what was metered, the ground truth for tests.
+
+Weights (optional, `weights=`): each node serves the agent's weights API and peer service under
+its agent URL, over a real chunk cache of its own (see `node_weights.py`), so staged rollouts run
+against the simulated fleet.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
+from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 
 log = logging.getLogger(__name__)
 
@@ -285,8 +290,9 @@ async def register_with_control_plane(fleet: Fleet, base_url: str, control_plane
 
 def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None = None,
                operator_token: str | None = None, heartbeat_interval_s: float = 10.0,
-               metering: MeteringSpec | None = None) -> FastAPI:
-    """`metering`: the agents meter their allocations' GPU time and ship it to that ledger."""
+               metering: MeteringSpec | None = None, weights: WeightsSpec | None = None) -> FastAPI:
+    """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
+    `weights`: each node serves the weights API under its agent URL."""
     fleet = Fleet(spec)
 
     @asynccontextmanager
@@ -373,14 +379,17 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
             raise HTTPException(404, "this fleet does not meter usage (start it with --ledger-url)")
         return await asyncio.to_thread(app.state.metering.report)
 
+    if weights is not None:  # last: every route above takes precedence over the mount
+        app.mount("/v1/nodes/{node_id}", NodeWeights(fleet.nodes, weights))
     return app
 
 
 def serve(spec: FleetSpec, *, host: str, port: int, control_plane_url: str | None = None,
           operator_token: str | None = None, heartbeat_interval_s: float = 10.0,
-          metering: MeteringSpec | None = None) -> None:
+          metering: MeteringSpec | None = None, weights: WeightsSpec | None = None) -> None:
     import uvicorn
 
     app = create_app(spec, base_url=f"http://{host}:{port}", control_plane_url=control_plane_url,
-                     operator_token=operator_token, heartbeat_interval_s=heartbeat_interval_s, metering=metering)
+                     operator_token=operator_token, heartbeat_interval_s=heartbeat_interval_s, metering=metering,
+                     weights=weights)
     uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096)

@@ -209,6 +209,7 @@ class AllocationWorkflow:
                                                replaces=req.node_id,
                                                ready=len(owed) == 1 and not self._replacements),
                 result_type=AllocationView, **options.DB)
+            self._ledger.node_added(view, found.node_id)
             owed.pop(0)
         return pulled_any
 
@@ -244,6 +245,7 @@ class AllocationWorkflow:
                 "detach_node", DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id,
                                                reason=r.reason), result_type=AllocationView, **options.DB)
             self._replaced_any = True
+            self._ledger.node_removed(view, r.node_id)
         await self._remove_fabric([r.node_id for r in pulled])
         drains = [await self._start_node_op(r.node_id, NodeOperationKind.DRAIN, view) for r in pulled]
         await asyncio.gather(*drains)

@@ -28,6 +28,8 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.workflows import options
 
 PATCH_ID = "ledger-events"
+# Replacements (a node pulled, another attached) too: a later addition, patched on its own.
+NODE_PATCH_ID = "ledger-node-events"
 
 
 def _ms(moment: datetime) -> int:
@@ -45,6 +47,16 @@ class LedgerEvents:
         at_ms = _ms(workflow.now())
         self._send(view, [LedgerAllocationEvent(kind="start", at_ms=at_ms)]
                    + [LedgerAllocationEvent(kind="node_added", at_ms=at_ms, node_id=n) for n in node_ids])
+
+    def node_removed(self, view: AllocationView, node_id: str) -> None:
+        """A node pulled out of the allocation (drain-and-replace): it stops counting now."""
+        if workflow.patched(NODE_PATCH_ID):
+            self._send(view, [LedgerAllocationEvent(kind="node_removed", at_ms=_ms(workflow.now()), node_id=node_id)])
+
+    def node_added(self, view: AllocationView, node_id: str) -> None:
+        """A replacement attached (provisioned): it counts from now."""
+        if workflow.patched(NODE_PATCH_ID):
+            self._send(view, [LedgerAllocationEvent(kind="node_added", at_ms=_ms(workflow.now()), node_id=node_id)])
 
     def releasing(self) -> None:
         """The release begins: the moment the nodes stop counting as allocated."""

@@ -21,6 +21,11 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "HTTP 404" in output and "rotated its key" in output and "globex offboarded" in output
     # The health scenario: a GPU falls off the bus, its node is replaced, the allocation is ready.
     assert "XID 79 on" in output and "ready again" in output and "allocation events" in output
+    # Rollouts: the production version out to the allocation, canary first, every node verified;
+    # then a candidate below the evaluation threshold rolled back, every node on production again.
+    assert "rollout succeeded" in output and "every file verified" in output
+    assert "evaluation probe scored 1.0 < 1.01" in output and "rollout rolled back" in output
+    assert "every node is back on" in output
     # Billing: every millisecond the agents metered is in the ledger; the period's draft invoice.
     assert "the ledger holds exactly" in output and "draft until the period ends" in output
     # The stack was stopped: nothing of it keeps running (its ports are free again).

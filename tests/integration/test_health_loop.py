@@ -334,3 +334,36 @@ async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(db_url, mak
     assert h.node(bad)["allocation_id"] is None
     # Converged: the next sweep has nothing to send.
     assert (await h.sweep(temporal_env.client)).replace_signals == 0
+
+
+async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
+        db_url, make_harness, in_process_worker, tmp_path):
+    # The ledger reconciles metered time against allocated time per node: a pulled node stops
+    # counting when it is detached, its replacement counts from when it is attached.
+    from ledger_harness import ledger_in_thread
+
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as ledger_url:
+        h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0,
+                               ledger_url=ledger_url)
+        tenant_id, key = await h.onboard()
+        alloc_id = _allocate(h, key, 2)
+        ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
+        bad = ready["node_ids"][0]
+        assert _xid(h, bad, 79)["pull"] == "replace"
+
+        def events() -> list[dict]:
+            return httpx.get(f"{ledger_url}/v1/allocation-events",
+                             params={"tenant_id": tenant_id, "allocation_id": alloc_id}).json()
+
+        def replaced() -> dict | None:
+            a = h.client(key).get(f"/v1/allocations/{alloc_id}").json()
+            return a if a["status"] == "ready" and bad not in a["node_ids"] else None
+
+        after = await async_wait_until(replaced, timeout_s=60, what="the bad node replaced")
+        (spare,) = set(after["node_ids"]) - set(ready["node_ids"])
+        got = await async_wait_until(
+            lambda: (e := events()) and any(x["kind"] == "node_added" and x["node_id"] == spare for x in e) and e,
+            timeout_s=30, what="the ledger hears of the replacement")
+        kinds = [(e["kind"], e["node_id"]) for e in sorted(got, key=lambda e: (e["at_ms"], e["id"]))]
+        assert ("node_removed", bad) in kinds and ("node_added", spare) in kinds
+        assert kinds.index(("node_removed", bad)) < kinds.index(("node_added", spare))

@@ -1,0 +1,84 @@
+"""A staged rollout in the real stack: the production API and worker, the simulated fleet in its
+own process serving each node's weights API under its agent URL, and the tracker whose origin
+is the registry's chunk store. Every node of the allocation ends with the version active and
+its files verified; the origin sent about one copy of the artifact, the rest went peer to peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import httpx
+
+from gpucloud.agent.peer import PeerServer
+from gpucloud.cli_weights import RegistryClient, push_directory, signer_for
+from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
+from gpucloud.registry.config import build_stores
+from gpucloud.registry.origin import RegistryOrigin, tenants_in
+from gpucloud.registry.tracker_service import create_tracker_app
+from support.stack import async_wait_until
+
+KiB = 1024
+POLICY = ChunkPolicy(max_chunk_size=64 * KiB, pack_size=16 * KiB, fixed_chunk_size=64 * KiB, read_size=KiB * KiB)
+
+
+def _push(api_url: str, tenant_id: str, key: str, tmp_path) -> tuple[str, int]:
+    source = tmp_path / "model"
+    source.mkdir()
+    tensors = {f"layer.{i}": os.urandom(100 * KiB) for i in range(8)}
+    header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
+    (source / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
+    with RegistryClient(api_url, key) as client:
+        pushed = push_directory(client, source, model="m", signer=signer_for(tmp_path / "keys", tenant_id),
+                                policy=POLICY)
+    return pushed.digest, pushed.signed.manifest.total_size
+
+
+async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_the_allocation(
+    db_url, make_harness, in_process_worker, tmp_path, monkeypatch
+) -> None:
+    tracker = PeerServer(create_tracker_app(chunk_store=RegistryOrigin(build_stores(data_dir=tmp_path),
+                                                                       tenants_in(db_url))))
+    tracker_url = tracker.start()
+    try:
+        with monkeypatch.context() as env:  # the sim process reads tenants' keys from this DB
+            env.setenv("GPUCLOUD_DATABASE_URL", db_url)
+            env.setenv("GPUCLOUD_DATA_DIR", str(tmp_path))
+            h = make_harness(db_url, nodes=6, latency_scale=0.02, tracker_url=tracker_url)
+        await in_process_worker(h.settings)
+        h.enroll_fleet()
+        await h.wait_states({"available": 6})
+        tenant_id, key = await h.onboard()
+        with h.client(key) as tenant:
+            alloc = tenant.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 4, "region": "us-east-1"})
+            assert alloc.status_code == 202, alloc.text
+            ready = await h.wait_allocation(key, alloc.json()["allocation"]["id"], "ready")
+            digest, size = await asyncio.to_thread(_push, h.settings.api_url, tenant_id, key, tmp_path)
+
+            body = {"model_version": digest, "allocation_id": ready["id"], "bake_s": 0.2,
+                    "waves": [{"nodes": 1}, {"fraction": 1.0}]}
+            started = tenant.post("/v1/rollouts", json=body, headers={"Idempotency-Key": str(uuid.uuid4())})
+            assert started.status_code == 202, started.text
+            rollout_id = started.json()["rollout_id"]
+            # Reads query the workflow, which the in-process worker answers on this event loop: off it.
+            final = await async_wait_until(
+                lambda: (p := tenant.get(f"/v1/rollouts/{rollout_id}").json())["phase"]
+                in ("succeeded", "rolled_back", "failed") and p,
+                timeout_s=60, interval_s=0.2, what=f"rollout {rollout_id}")
+
+        assert final["phase"] == "succeeded", final
+        assert [len(w) for w in final["waves"]] == [1, 3]
+        assert sorted(final["activated"]) == sorted(ready["node_ids"])
+        with httpx.Client(base_url=h.sim.url, timeout=30) as sim:
+            for node_id in ready["node_ids"]:
+                assert sim.get(f"/v1/nodes/{node_id}/weights/status").json()["active"] == digest
+                verified = sim.post(f"/v1/nodes/{node_id}/weights/verify", json={"digest": digest})
+                assert verified.status_code == 200 and verified.json()["verified"], verified.text
+            outsider = next(n["id"] for n in h.nodes() if n["id"] not in ready["node_ids"])
+            assert sim.get(f"/v1/nodes/{outsider}/weights/status").status_code == 409  # holds no tenant
+        egress = httpx.get(f"{tracker_url}/origin/stats").json()["egress_bytes"]
+        assert size <= egress <= 1.2 * size
+    finally:
+        tracker.stop()
