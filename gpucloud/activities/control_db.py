@@ -69,10 +69,8 @@ class ControlDbActivities:
         `transition_node`, idempotent per op_id, in a few statements (`nodes.transition_many`).
         A step that does not apply (the node moved, or is gone) is reported for that node and
         does not stop the others."""
-        steps = [node_service.Step(node_id=i.node_id, event=i.event, from_state=i.from_state, op_id=i.op_id,
-                                   cause=i.cause, actor=i.actor) for i in req.items]
         with session_scope(self.db_url) as session:
-            outcomes = node_service.transition_many(session, steps, deadline_scale=self.deadline_scale,
+            outcomes = node_service.transition_many(session, req.items, deadline_scale=self.deadline_scale,
                                                     lease_to_deadline=req.lease_to_deadline)
         return NodeTransitionBatchResult(outcomes=[
             NodeTransitionOutcome(node_id=node_id, state=state, error=error) for node_id, state, error in outcomes])

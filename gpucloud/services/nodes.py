@@ -8,7 +8,6 @@ both win, and the history always matches the record.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
@@ -22,6 +21,7 @@ from gpucloud.models.node_states import (
     is_transient,
     next_state,
 )
+from gpucloud.models.messages import NodeTransitionInput
 from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
 from gpucloud.reconciler.plan import backoff
 from gpucloud.services.fleet import complete_drains
@@ -148,19 +148,7 @@ def transition(
     return node
 
 
-@dataclass(frozen=True)
-class Step:
-    """One node's step in a batch (see `transition_many`)."""
-
-    node_id: str
-    event: str
-    from_state: str
-    op_id: str
-    cause: str = ""
-    actor: str = "system"
-
-
-def transition_many(session: Session, steps: list[Step], *, deadline_scale: float = 1.0, lease_to_deadline: bool = False,
+def transition_many(session: Session, steps: list[NodeTransitionInput], *, deadline_scale: float = 1.0, lease_to_deadline: bool = False,
                     now: datetime | None = None) -> list[tuple[str, str | None, str | None]]:
     """`transition` for a batch of nodes in a handful of statements: (node id, new state, None)
     per applied or already-applied step, (node id, None, why) per refused one.
@@ -200,6 +188,8 @@ def transition_many(session: Session, steps: list[Step], *, deadline_scale: floa
         values = {"state": to_state.value, "generation": generation + 1, "state_entered_at": now, "updated_at": now,
                   "deadline_at": deadline,
                   **_implied_changes(NodeState(state), NodeEvent(step.event), to_state)}
+        if step.tenant_id is not None:
+            values["tenant_id"] = step.tenant_id  # entering provisioning, as `transition` does
         if lease_to_deadline and deadline is not None:
             values["next_reconcile_at"] = deadline
         updates.setdefault(tuple(sorted(values)), []).append({**values, "_id": step.node_id, "_generation": generation})

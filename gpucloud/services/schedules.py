@@ -42,15 +42,19 @@ def sweep_schedule(settings: Settings) -> Schedule:
     )
 
 
-async def ensure_sweep_schedule(client: Client, settings: Settings) -> None:
-    schedule = sweep_schedule(settings)
+async def _ensure(client: Client, schedule_id_: str, schedule: Schedule) -> None:
+    """Create the schedule, or bring an existing one up to date (a worker start after a config change)."""
     try:
-        await client.create_schedule(schedule_id(settings), schedule)
+        await client.create_schedule(schedule_id_, schedule)
     except ScheduleAlreadyRunningError:
         async def update(_: ScheduleUpdateInput) -> ScheduleUpdate:
             return ScheduleUpdate(schedule=schedule)
 
-        await client.get_schedule_handle(schedule_id(settings)).update(update)
+        await client.get_schedule_handle(schedule_id_).update(update)
+
+
+async def ensure_sweep_schedule(client: Client, settings: Settings) -> None:
+    await _ensure(client, schedule_id(settings), sweep_schedule(settings))
 
 
 async def reconcile_now(client: Client, settings: Settings, node_ids: list[str]) -> None:
@@ -86,12 +90,5 @@ async def ensure_billing_close_schedule(client: Client, settings: Settings) -> b
     """Create or update the billing-close schedule; False (and nothing done) without a ledger."""
     if settings.ledger_url is None:
         return False
-    schedule = billing_close_schedule(settings)
-    try:
-        await client.create_schedule(billing_schedule_id(settings), schedule)
-    except ScheduleAlreadyRunningError:
-        async def update(_: ScheduleUpdateInput) -> ScheduleUpdate:
-            return ScheduleUpdate(schedule=schedule)
-
-        await client.get_schedule_handle(billing_schedule_id(settings)).update(update)
+    await _ensure(client, billing_schedule_id(settings), billing_close_schedule(settings))
     return True

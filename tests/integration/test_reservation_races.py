@@ -12,7 +12,7 @@ from gpucloud.api.problems import Problem
 from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.tables import Allocation, Node, NodeEnroll
+from gpucloud.models.tables import Allocation, Node, NodeEnroll, Tenant, TenantStatus
 from gpucloud.services import nodes as node_service
 
 
@@ -26,6 +26,9 @@ def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
         for node in session.exec(select(Node)).all():
             node.state = "available"
             session.add(node)
+        # Three active tenants (admission refuses a tenant that is not active), default quotas.
+        for t in range(3):
+            session.add(Tenant(id=f"ten_{t}", name=f"tenant-{t}", status=TenantStatus.ACTIVE))
 
 
 def test_concurrent_gang_reservations_never_share_a_node(db_url, tmp_path):

@@ -8,7 +8,10 @@ import pytest
 from rich.console import Console
 
 from gpucloud import demo
+from gpucloud.demo_billing import BillingDemoError
 from gpucloud.demo_health import HealthDemoError
+from gpucloud.demo_rollout import RolloutDemoError
+from gpucloud.demo_tenants import TenantsDemoError
 from gpucloud.demo_weights import WeightsDemoError
 
 
@@ -28,7 +31,9 @@ class _QuietStack:
 
 
 @pytest.mark.parametrize("error", [HealthDemoError("allocation a1 failed: no replacement"),
-                                   WeightsDemoError("push refused")])
+                                   WeightsDemoError("push refused"), TenantsDemoError("globex read acme's allocation"),
+                                   RolloutDemoError("rollout ended failed"),
+                                   BillingDemoError("the ledger total differs from what was metered")])
 def test_a_failing_scenario_step_is_reported_and_exits_non_zero(monkeypatch, tmp_path, error):
     def failing_scenario(*args, **kw):
         raise error
