@@ -8,9 +8,10 @@ replacements in its own fabric domain; the rest is allocated in gangs of 8 to a 
 
 Then, through the operator API (`POST /v1/nodes/{id}/xid`, `POST /v1/agents/events`):
 - 1,000 application XIDs (13, 31, 43, 45, 68) over active nodes of every tenant: none may drain.
-- Fatal XID 79 on single active nodes, one at a time: XID -> pulled (out of the allocation, the
-  allocation `degraded`), XID -> `replacement_started`, XID -> allocation `ready` again.
-- A burst: XID 79 on many nodes at once (concurrent requests), XID -> pulled for each.
+- Fatal XID 79 on single active nodes, one at a time: XID -> cordoned (the health loop's cordon,
+  in the judgement's transaction), XID -> pulled (out of the allocation, the allocation
+  `degraded`), XID -> `replacement_started`, XID -> allocation `ready` again.
+- A burst: XID 79 on many nodes at once (concurrent requests), XID -> cordoned and -> pulled for each.
 
 Timestamps are the control plane's own (allocation events and node transitions in the DB), taken
 against the wall clock read just before each XID was posted (same machine, same clock). The
@@ -98,6 +99,10 @@ class Probe:
                              n=victim)[0][0]
         if draining is not None:
             found["pulled"] = min(found.get("pulled", _utc(draining)), _utc(draining))
+        cordoned = self.rows("SELECT min(at) FROM nodetransition WHERE node_id = :n AND event = 'cordon' "
+                             "AND actor = 'health'", n=victim)[0][0]
+        if cordoned is not None:
+            found["cordoned"] = _utc(cordoned)
         return found
 
     def drain_signs(self, node_ids: list[str]) -> list[str]:
@@ -285,10 +290,11 @@ def main() -> None:
         for victim in victims[:singles]:
             single_starts[victim] = inject(api, victim[0])
             single_marks.update(wait_milestones(probe, [victim], "ready", 120))
-        cordon = latencies(single_starts, single_marks, "pulled")
+        cordon = latencies(single_starts, single_marks, "cordoned")
+        pulled = latencies(single_starts, single_marks, "pulled")
         started = latencies(single_starts, single_marks, "replacement_started")
         ready = latencies(single_starts, single_marks, "ready")
-        log(f"  pulled p50 {percentile(cordon, 50):.3f}s, replacement started p99 {percentile(started, 99):.3f}s, "
+        log(f"  cordoned p99 {percentile(cordon, 99):.3f}s, pulled p50 {percentile(pulled, 50):.3f}s, replacement started p99 {percentile(started, 99):.3f}s, "
             f"ready again p99 {percentile(ready, 99):.3f}s")
 
         log(f"burst: XID {FATAL_XID} on {burst} nodes at once")
@@ -297,14 +303,17 @@ def main() -> None:
             burst_starts = dict(zip(burst_victims, pool.map(lambda v: inject(api, v[0]), burst_victims),
                                     strict=True))
         burst_began = min(burst_starts.values())
+        burst_marks = wait_milestones(probe, burst_victims, "cordoned", 600)
+        burst_cordon = latencies(burst_starts, burst_marks, "cordoned")
+        log(f"  cordoned p99 {percentile(burst_cordon, 99):.3f}s")
         burst_marks = wait_milestones(probe, burst_victims, "pulled", 600)
-        burst_cordon = latencies(burst_starts, burst_marks, "pulled")
+        burst_pulled = latencies(burst_starts, burst_marks, "pulled")
         # A second fault in one allocation is pulled after the first one's replacement is attached
         # (the allocation workflow replaces one node at a time): report the first ones apart.
         firsts = {v: t for v, t in burst_starts.items() if v == next(b for b in burst_victims if b[1] == v[1])}
-        burst_cordon_first = latencies(firsts, burst_marks, "pulled")
-        log(f"  pulled p99 {percentile(burst_cordon, 99):.3f}s "
-            f"(first fault of its allocation: p99 {percentile(burst_cordon_first, 99):.3f}s)")
+        burst_pulled_first = latencies(firsts, burst_marks, "pulled")
+        log(f"  pulled p99 {percentile(burst_pulled, 99):.3f}s "
+            f"(first fault of its allocation: p99 {percentile(burst_pulled_first, 99):.3f}s)")
         burst_marks = wait_milestones(probe, burst_victims, "ready", 900)
         burst_ready = latencies(burst_starts, burst_marks, "ready")
         last_pulled = max(m["pulled"] for m in burst_marks.values())
@@ -319,13 +328,15 @@ def main() -> None:
         "spare_nodes": len(held), "singles": singles,
         "cordon_p50_s": _rounded(percentile(cordon, 50)), "cordon_p99_s": _rounded(percentile(cordon, 99)),
         "cordon_max_s": _rounded(max(cordon)),
+        "pulled_p50_s": _rounded(percentile(pulled, 50)), "pulled_p99_s": _rounded(percentile(pulled, 99)),
         "replacement_started_p50_s": _rounded(percentile(started, 50)),
         "replacement_started_p99_s": _rounded(percentile(started, 99)),
         "ready_again_p50_s": _rounded(percentile(ready, 50)), "ready_again_p99_s": _rounded(percentile(ready, 99)),
         "burst_nodes": burst, "burst_cordon_p50_s": _rounded(percentile(burst_cordon, 50)),
         "burst_cordon_p99_s": _rounded(percentile(burst_cordon, 99)),
         "burst_allocations": len(firsts),
-        "burst_cordon_first_in_allocation_p99_s": _rounded(percentile(burst_cordon_first, 99)),
+        "burst_pulled_p99_s": _rounded(percentile(burst_pulled, 99)),
+        "burst_pulled_first_in_allocation_p99_s": _rounded(percentile(burst_pulled_first, 99)),
         "burst_last_pulled_s": _rounded((last_pulled - burst_began).total_seconds()),
         "burst_ready_again_p99_s": _rounded(percentile(burst_ready, 99)),
         "burst_ready_again_mean_s": _rounded(statistics.fmean(burst_ready)),

@@ -41,6 +41,8 @@ from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.reconciler.plan import AGENT_STATE_DRIFT, AGENT_UNREACHABLE
 
 REPAIR_LADDER = ("reset", "reboot", "reflash")
+# Who the health loop is in the node's history (its cordons are lifted by a passed burn-in).
+HEALTH_ACTOR = "health"
 # Conditions other code owns on the node: a re-judgement of XIDs keeps them.
 _FOREIGN_CONDITIONS = frozenset({AGENT_UNREACHABLE, AGENT_STATE_DRIFT})
 # A node its allocation holds: pulled by the allocation's workflow, which replaces it. One still
@@ -182,17 +184,22 @@ def _judge_and_decide(session: Session, node: Node, *, now: datetime, policy: He
     if alert is not None:
         outcome.alert = alert
         return outcome
+    # Pulled first: cordoned in the judgement's own transaction, before any workflow acts, so
+    # nothing schedules onto the node from here on. A passed burn-in lifts a health cordon.
+    if not node.cordoned:
+        session.execute(sa.update(Node).where(Node.id == node.id).values(cordoned=True))
+        session.add(NodeTransition(node_id=node.id, from_state=node.state, to_state=node.state, event="cordon",
+                                   cause=outcome.reason[:500], actor=HEALTH_ACTOR, generation=node.generation, at=now))
     if replace:
         outcome.pull, outcome.allocation_id = "replace", node.allocation_id
         # A node the tenant's job has not started on leaves nothing to checkpoint.
         outcome.immediate = (node.state != NodeState.ACTIVE
                              or action_rank(verdict.action) >= action_rank(Action.DRAIN_NOW))
     else:
-        # Intent for the reconciler, as an operator's drain records it, but without the cordon:
-        # the node's health already keeps it from reservations, and a passed burn-in returns it.
+        # Intent for the reconciler, as an operator's drain records it (the cordon is above).
         session.execute(sa.update(Node).where(Node.id == node.id).values(drain_requested=True, next_reconcile_at=None))
         session.add(NodeTransition(node_id=node.id, from_state=node.state, to_state=node.state, event="drain",
-                                   cause=outcome.reason[:500], actor="health", generation=node.generation, at=now))
+                                   cause=outcome.reason[:500], actor=HEALTH_ACTOR, generation=node.generation, at=now))
         outcome.pull = "drain"
     return outcome
 

@@ -143,9 +143,27 @@ def transition(
     ))
     if to_state == NodeState.QUARANTINED:
         complete_drains(session, node_id)
+    if from_state == NodeState.BURN_IN and to_state == NodeState.AVAILABLE and node.cordoned:
+        _lift_health_cordon(session, node_id, generation=node.generation + 1, now=now)
     session.flush()
     session.refresh(node)
     return node
+
+
+def _lift_health_cordon(session: Session, node_id: str, *, generation: int, now: datetime) -> None:
+    """The burn-in the health loop's pull led to has passed: its cordon goes with it. An
+    operator's cordon (the newest cordon event is not the health loop's) stays."""
+    last = session.exec(select(NodeTransition).where(
+        NodeTransition.node_id == node_id, NodeTransition.event.in_(["cordon", "uncordon", "drain"]),
+        # marks (operator or health), not the drain operation's own state changes
+        NodeTransition.from_state == NodeTransition.to_state)
+        .order_by(NodeTransition.seq.desc()).limit(1)).first()
+    if last is None or last.event == "uncordon" or last.actor != "health":
+        return
+    session.execute(sa.update(Node).where(Node.id == node_id).values(cordoned=False))
+    session.add(NodeTransition(node_id=node_id, from_state=NodeState.AVAILABLE.value, to_state=NodeState.AVAILABLE.value,
+                               event="uncordon", cause="burn-in passed: the health loop's cordon is lifted",
+                               actor="health", generation=generation, at=now))
 
 
 def transition_many(session: Session, steps: list[NodeTransitionInput], *, deadline_scale: float = 1.0, lease_to_deadline: bool = False,

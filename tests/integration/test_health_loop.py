@@ -131,8 +131,13 @@ async def test_repaired_node_returns_only_through_a_passing_burn_in(
     assert await _repair_round(h, temporal_env, node_id) == "available"  # reboot fixed it
     node = h.node(node_id)
     assert node["health"] == "ok" and node["health_conditions"] == []
-    tail = [(e["from_state"], e["to_state"]) for e in _events(h, node_id)][-3:]
-    assert tail == [("quarantined", "repairing"), ("repairing", "burn_in"), ("burn_in", "available")]
+    events = _events(h, node_id)
+    tail = [(e["from_state"], e["to_state"]) for e in events][-4:]
+    assert tail == [("quarantined", "repairing"), ("repairing", "burn_in"), ("burn_in", "available"),
+                    ("available", "available")]
+    # The health loop cordoned the node when it pulled it; the passed burn-in lifts that cordon.
+    assert [e["event"] for e in events if e["event"] in ("cordon", "uncordon")] == ["cordon", "uncordon"]
+    assert events[-1]["actor"] == "health" and not node["cordoned"]
 
 
 async def test_lemon_node_goes_to_rma_without_another_reset(db_url, make_harness, in_process_worker, temporal_env):

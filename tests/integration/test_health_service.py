@@ -9,6 +9,7 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import sqlalchemy as sa
 from sqlmodel import func, select
 
 from gpucloud.agent.readings import FatalKind, NodeReading, ProbeFatal, XidEvent
@@ -158,3 +159,24 @@ def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
         assert session.exec(select(func.count()).select_from(OperatorAlertRecord)).one() == 6
         assert session.exec(select(func.count()).select_from(Node).where(Node.drain_requested)).one() == 2
         assert session.get(QuarantineBreaker, POOL).generation == 2
+
+
+@pytest.mark.parametrize(("actor", "lifted"), [("health", True), ("operator", False)])
+def test_a_passed_burn_in_lifts_the_health_loops_cordon_only(db_url, actor, lifted):
+    from gpucloud.models.tables import NodeEnroll, NodeTransition
+    from gpucloud.services import nodes as node_service
+
+    with session_scope(db_url) as session:
+        node_service.enroll_nodes(session, [NodeEnroll(
+            id="c1", hostname="c1", agent_url="http://unused", gpu_type="H100", gpu_count=8, region="r",
+            pod="p", rack="r1")])
+        for event in ("inspect", "ok"):
+            node = node_service.transition(session, "c1", event, from_state=session.get(Node, "c1").state)
+        session.execute(sa.update(Node).where(Node.id == "c1").values(cordoned=True))
+        session.add(NodeTransition(node_id="c1", from_state="burn_in", to_state="burn_in", event="cordon",
+                                   actor=actor, cause="test", generation=node.generation))
+    with session_scope(db_url) as session:
+        node_service.transition(session, "c1", "ok", from_state="burn_in")
+    with session_scope(db_url) as session:
+        node = session.get(Node, "c1")
+        assert node.state == "available" and node.cordoned is (not lifted)
