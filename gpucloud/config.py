@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     # quarantine circuit breaker (share of a pool pulled automatically within the window).
     health_drain_grace_s: float = 300.0
     replacement_recheck_s: float = 30.0
+    # Replacement nodes tried, per allocation, for nodes that fail provisioning.
+    provision_retries: int = 3
     breaker_max_pulled_share: float = 0.05
     breaker_window_s: float = 3600.0
     # Weight rollouts: the tracker that hands nodes their peers (and the origin) for a version.

@@ -123,7 +123,8 @@ class ControlDbActivities:
     def reserve_replacement(self, req: ReplacementInput) -> ReplacementResult:
         with session_scope(self.db_url) as session:
             node_id, reason = replacement.reserve_replacement(session, req.allocation_id,
-                                                              deadline_scale=self.deadline_scale)
+                                                              deadline_scale=self.deadline_scale,
+                                                              exclude=frozenset(req.exclude))
             return ReplacementResult(node_id=node_id, reason=reason)
 
     @activity.defn

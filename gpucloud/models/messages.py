@@ -132,6 +132,10 @@ class BringupResult(BaseModel):
 
 class AllocationInput(BaseModel):
     allocation_id: str
+    # Nodes that fail provisioning are replaced by others, this many in all; past that the
+    # allocation fails (a fault that follows every node is not fixed by trying more of them).
+    provision_retries: int = 3
+    replacement_recheck_s: float = 30.0
 
 
 class AllocationResult(BaseModel):
@@ -173,6 +177,8 @@ class DetachNodeInput(BaseModel):
 
 class ReplacementInput(BaseModel):
     allocation_id: str
+    # Nodes not to take (those that already failed provisioning for this allocation).
+    exclude: list[str] = []
 
 
 class ReplacementResult(BaseModel):

@@ -44,7 +44,8 @@ def detach_node(session: Session, allocation_id: str, node_id: str, *, reason: s
                       failure_reason=f"node {node_id} pulled: {reason}; replacement pending")
 
 
-def reserve_replacement(session: Session, allocation_id: str, *, deadline_scale: float) -> tuple[str | None, str]:
+def reserve_replacement(session: Session, allocation_id: str, *, deadline_scale: float,
+                        exclude: frozenset[str] = frozenset()) -> tuple[str | None, str]:
     """One node for the allocation, in its fabric domain; (node id, "") or (None, why not).
 
     A node already reserved (or provisioning) for the allocation but not yet attached is the
@@ -59,9 +60,9 @@ def reserve_replacement(session: Session, allocation_id: str, *, deadline_scale:
         return pending, ""
     for _ in range(RESERVE_ATTEMPTS):
         # A slice of an NVL72 rack is replaced from the same rack: its NVLink partition spans one.
-        candidates = sorted(available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region,
-                                                 pod=allocation.fabric_domain, nvlink_domain=allocation.nvlink_domain),
-                            key=lambda n: (n.rack, n.id))
+        found = available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region,
+                                     pod=allocation.fabric_domain, nvlink_domain=allocation.nvlink_domain)
+        candidates = sorted((n for n in found if n.id not in exclude), key=lambda n: (n.rack, n.id))
         if not candidates:
             where = (f"NVL72 rack {allocation.nvlink_domain}" if allocation.nvlink_domain
                      else f"fabric domain {allocation.fabric_domain}")

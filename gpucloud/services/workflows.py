@@ -31,7 +31,9 @@ from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardin
 async def start_allocation_workflow(client: Client, settings: Settings, alloc: Allocation, *,
                                     conflict: WorkflowIDConflictPolicy = WorkflowIDConflictPolicy.USE_EXISTING):
     return await client.start_workflow(
-        AllocationWorkflow.run, AllocationInput(allocation_id=alloc.id),
+        AllocationWorkflow.run,
+        AllocationInput(allocation_id=alloc.id, provision_retries=settings.provision_retries,
+                        replacement_recheck_s=settings.replacement_recheck_s),
         id=allocation_workflow_id(alloc.id), task_queue=settings.task_queue,
         id_conflict_policy=conflict,
         search_attributes=sa.typed((sa.ALLOCATION_ID, alloc.id), (sa.TENANT_ID, alloc.tenant_id)),

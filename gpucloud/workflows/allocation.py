@@ -70,6 +70,8 @@ DESIRED_RECHECK = timedelta(minutes=5)
 CHILD_START_RETRY = timedelta(seconds=1)
 # Histories recorded before fabric membership was wired in replay without its activities.
 FABRIC_PATCH = "fabric-membership"
+# Histories recorded before nodes that fail provisioning were replaced fail the allocation instead.
+PROVISION_REPLACE_PATCH = "replace-failed-provision"
 
 
 @workflow.defn
@@ -83,6 +85,12 @@ class AllocationWorkflow:
         self._replacements: list[ReplaceNodeRequest] = []
         self._replaced_any = False
         self._ledger = LedgerEvents()
+        # While the allocation is first provisioned: replacement provisions left, and every
+        # provisioning failure so far (the allocation's failure reason when they run out).
+        self._provision_tries_left: int | None = None
+        self._provision_errors: list[str] = []
+        self._provision_failed_nodes: list[str] = []
+        self._gave_up = False  # the replacement provisions ran out with nodes still owed
 
     @workflow.signal
     def request_cancel(self, req: CancelRequest) -> None:
@@ -122,14 +130,29 @@ class AllocationWorkflow:
             results = await self._run_on_nodes(view, NodeOperationKind.PROVISION)
             self._ledger.started(view, [r.node_id for r in results if r.ok])
             failed = [r for r in results if not r.ok]
-            if failed:
-                reason = "; ".join(f"{r.node_id}: {r.error}" for r in failed)
+            self._provision_errors = [f"{r.node_id}: {r.error}" for r in failed]
+            self._provision_failed_nodes = [r.node_id for r in failed]
+            replacing_failed = (bool(failed) and not self._cancel_requested
+                                and workflow.patched(PROVISION_REPLACE_PATCH)
+                                and len(failed) <= inp.provision_retries)
+            if failed and not replacing_failed:
                 await self._release(view)
-                return await self._finish(view, "failed", f"provisioning failed ({reason})")
+                return await self._finish(view, "failed", self._provision_failure())
+            if replacing_failed:
+                # A node that failed provisioning is already on its way back to the pool (wipe,
+                # burn-in); another takes its place, as for a node pulled by the health loop.
+                self._provision_tries_left = inp.provision_retries
+                owed = await self._detach_failed(failed, view, recheck_s=inp.replacement_recheck_s)
+                await self._replace_all(view, owed=owed)
+                self._provision_tries_left = None
+                if self._gave_up:
+                    current = await self._load()  # the release takes what it holds now
+                    await self._release(current)
+                    return await self._finish(current, "failed", self._provision_failure())
             # A node reported bad while provisioning is replaced first; the last attach marks
             # the allocation ready.
-            replaced_first = (bool(self._replacements) and workflow.patched("replace-before-ready")
-                              and await self._replace_all(view))
+            replaced_first = replacing_failed or (bool(self._replacements) and workflow.patched("replace-before-ready")
+                                                  and await self._replace_all(view))
             if not replaced_first:
                 await self._set_status(view, "ready")
 
@@ -160,15 +183,39 @@ class AllocationWorkflow:
         await self._release(view)
         return await self._finish(view, "released", None)
 
-    async def _replace_all(self, view: AllocationView) -> bool:
-        """Pull every node reported bad, then replace them one by one; whether any was pulled.
+    def _provision_failure(self) -> str:
+        return f"provisioning failed ({'; '.join(self._provision_errors)})"
+
+    async def _detach_failed(self, failed: list[NodeOperationResult], view: AllocationView, *,
+                             recheck_s: float) -> list[ReplaceNodeRequest]:
+        owed = []
+        for r in failed:
+            reason = f"provisioning failed: {r.error}"
+            await workflow.execute_activity(
+                "detach_node", DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id, reason=reason),
+                result_type=AllocationView, **options.DB)
+            owed.append(ReplaceNodeRequest(node_id=r.node_id, reason=reason, immediate=True, recheck_s=recheck_s))
+        self._replaced_any = True
+        await self._remove_fabric([r.node_id for r in failed])
+        # A failed provision normally took the node on through wipe and burn-in; one whose
+        # operation stopped short (say a deadline moved it while the worker was down) is released
+        # and recycled here, so that no node is left behind.
+        releases = [await self._start_node_op(r.node_id, NodeOperationKind.RELEASE, view) for r in failed]
+        await self._recycle_wiping(list(await asyncio.gather(*releases)), view)
+        return owed
+
+    async def _replace_all(self, view: AllocationView, *, owed: list[ReplaceNodeRequest] | None = None) -> bool:
+        """Pull every node reported bad, then replace them one by one (and the nodes in `owed`,
+        already out of the allocation); whether any was pulled.
 
         Ends with every pulled node replaced (the last attach marks the allocation ready), or on
-        cancel, when the release takes whatever the allocation holds.
+        cancel, when the release takes whatever the allocation holds, or, while the allocation is
+        first provisioned, when the replacement provisions run out (`_gave_up`).
         """
         self._phase = "replacing"
-        owed: list[ReplaceNodeRequest] = []  # pulled, replacement not attached yet
-        pulled_any = False
+        owed = list(owed or [])  # pulled, replacement not attached yet
+        pulled_any = bool(owed)
+        self._gave_up = False
         waiting_noted: set[str] = set()
         fabric_noted: set[str] = set()
         while not self._cancel_requested:
@@ -180,10 +227,20 @@ class AllocationWorkflow:
             if not owed:
                 break
             req = owed[0]
+            if self._provision_tries_left == 0:
+                self._gave_up = True
+                break
             found = await workflow.execute_activity(
-                "reserve_replacement", ReplacementInput(allocation_id=self._allocation_id),
+                "reserve_replacement", ReplacementInput(allocation_id=self._allocation_id,
+                                                        exclude=self._provision_failed_nodes),
                 result_type=ReplacementResult, **options.DB)
             if found.node_id is None:
+                if self._provision_tries_left is not None:
+                    # First provisioning: the tenant never had the allocation, so it fails rather
+                    # than hold (and bill) the nodes it has while waiting for capacity.
+                    self._provision_errors.append(f"no replacement: {found.reason.split(';')[0]}")
+                    self._gave_up = True
+                    break
                 if req.node_id not in waiting_noted:
                     await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; "
                                                              f"{found.reason}")
@@ -198,9 +255,16 @@ class AllocationWorkflow:
                 fabric_noted.add(found.node_id)
                 await self._pause(req.recheck_s)
                 continue
+            if self._provision_tries_left is not None:
+                self._provision_tries_left -= 1
             provisioned = await (await self._start_node_op(found.node_id, NodeOperationKind.PROVISION, view))
             if not provisioned.ok:
                 await self._remove_fabric([found.node_id])
+                if self._provision_tries_left is not None:
+                    self._provision_errors.append(f"{found.node_id}: {provisioned.error}")
+                    self._provision_failed_nodes.append(found.node_id)
+                    await self._note("replacement_failed", f"replacement {found.node_id} failed provisioning: "
+                                                           f"{provisioned.error}", found.node_id)
                 continue  # that node goes back through wipe and burn-in; try another
             # Attached even when a cancel came meanwhile, so that the release takes it too; and
             # even when it was reported bad while provisioning: it is then pulled like any member.
@@ -362,7 +426,9 @@ class AllocationWorkflow:
             await workflow.execute_activity(
                 "release_allocation_fabric", FabricReleaseInput(allocation_id=self._allocation_id),
                 result_type=FabricMembershipResult, **options.FABRIC_REMOVE)
-        results = await self._run_on_nodes(view, NodeOperationKind.RELEASE)
+        await self._recycle_wiping(await self._run_on_nodes(view, NodeOperationKind.RELEASE), view)
+
+    async def _recycle_wiping(self, results: list[NodeOperationResult], view: AllocationView) -> None:
         for result in results:
             if result.state == "wiping":
                 # Wipe and burn-in take long and are the node's business, not the tenant's:

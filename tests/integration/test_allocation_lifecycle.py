@@ -120,13 +120,47 @@ async def test_failed_provisioning_fails_allocation_and_recycles_nodes(db_url, m
     h.enroll_fleet()
     await h.wait_states({"available": 4})
     _, key = await h.onboard()
+    nodes = [n["id"] for n in h.sim.inventory()]
     with h.client(key) as c:
-        for node in h.sim.inventory():
-            h.sim.inject(node["id"], "provision", "permanent")
+        for node_id in nodes:
+            h.sim.inject(node_id, "provision", "permanent")
         resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"})
         alloc = resp.json()["allocation"]
-        failed = await h.wait_allocation(key, alloc["id"], "failed")
-        assert "provision failed" in failed["failure_reason"]
+        failed = await h.wait_allocation(key, alloc["id"], "failed", timeout_s=120)
+        # Both first nodes failed, each of the two spare nodes was tried in turn as a replacement
+        # (never a node that already failed for this allocation), then none was left.
+        reason = failed["failure_reason"]
+        assert reason.startswith("provisioning failed (") and reason.count("provision failed") == 4 and "no replacement" in reason, reason
+        assert all(n in reason for n in nodes)
         assert c.get(f"/v1/operations/{resp.json()['operation']['id']}").json()["status"] == "failed"
+        events = c.get(f"/v1/allocations/{alloc['id']}/events").json()["items"]
+        assert sum(e["kind"] == "replacement_failed" for e in events) == 2
     # provisioning's failure target is wiping; from there the nodes go back through burn-in.
     await h.wait_states({"available": 4})
+
+
+async def test_a_node_failing_provisioning_is_replaced(db_url, make_harness, in_process_worker):
+    h = make_harness(db_url, nodes=3)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 3})
+    _, key = await h.onboard()
+    bad, good, spare = [n["id"] for n in h.sim.inventory()]
+    h.sim.inject(bad, "provision", "permanent")
+    # The spare is cordoned while the allocation is admitted, so the two first nodes are bad and good.
+    assert h.operator.post(f"/v1/nodes/{spare}/cordon", json={"reason": "held back"}).status_code == 200
+    with h.client(key) as c:
+        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"})
+        alloc = resp.json()["allocation"]
+        assert sorted(alloc["node_ids"]) == sorted([bad, good])
+        assert h.operator.post(f"/v1/nodes/{spare}/uncordon").status_code == 200
+        ready = await h.wait_allocation(key, alloc["id"], "ready", timeout_s=90)
+        assert sorted(ready["node_ids"]) == sorted([good, spare])
+        assert c.get(f"/v1/operations/{resp.json()['operation']['id']}").json()["status"] == "succeeded"
+        events = c.get(f"/v1/allocations/{alloc['id']}/events").json()["items"]
+        kinds = [e["kind"] for e in events]
+        assert "degraded" in kinds and kinds.index("degraded") < kinds.index("replacement_started")
+        assert any(bad in (e["reason"] or "") and "provision" in e["reason"] for e in events if e["kind"] == "degraded")
+    # The bad node went back through wipe and burn-in to the pool; it never joined the allocation.
+    await h.wait_states({"active": 2, "available": 1})
+    assert h.node(bad)["state"] == "available" and h.node(bad)["allocation_id"] is None
