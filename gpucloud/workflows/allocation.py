@@ -72,6 +72,9 @@ CHILD_START_RETRY = timedelta(seconds=1)
 FABRIC_PATCH = "fabric-membership"
 # Histories recorded before nodes that fail provisioning were replaced fail the allocation instead.
 PROVISION_REPLACE_PATCH = "replace-failed-provision"
+# Histories recorded before nodes reported while a replacement provisions were pulled at once
+# wait for that replacement first.
+PULL_WHILE_REPLACING_PATCH = "pull-while-replacing"
 
 
 @workflow.defn
@@ -257,7 +260,11 @@ class AllocationWorkflow:
                 continue
             if self._provision_tries_left is not None:
                 self._provision_tries_left -= 1
-            provisioned = await (await self._start_node_op(found.node_id, NodeOperationKind.PROVISION, view))
+            provisioning = await self._start_node_op(found.node_id, NodeOperationKind.PROVISION, view)
+            if workflow.patched(PULL_WHILE_REPLACING_PATCH):
+                provisioned = await self._pulling_while(provisioning, found.node_id, view, owed)
+            else:
+                provisioned = await provisioning
             if not provisioned.ok:
                 await self._remove_fabric([found.node_id])
                 if self._provision_tries_left is not None:
@@ -276,6 +283,25 @@ class AllocationWorkflow:
             self._ledger.node_added(view, found.node_id)
             owed.pop(0)
         return pulled_any
+
+    async def _pulling_while(self, provisioning: asyncio.Task, node_id: str, view: AllocationView,
+                             owed: list[ReplaceNodeRequest]) -> NodeOperationResult:
+        """Wait for the provisioning of replacement `node_id`; a member reported bad meanwhile is
+        pulled now (out of the allocation and its fabric, drained), not after it, and joins
+        `owed`: a burst of faults in one allocation is pulled while its first replacement
+        provisions. A report on `node_id` itself waits until it is attached, then it is pulled
+        like any member."""
+        def members_reported() -> bool:
+            return not self._cancel_requested and any(r.node_id != node_id for r in self._replacements)
+
+        while True:
+            await workflow.wait_condition(lambda: provisioning.done() or members_reported())
+            if provisioning.done():
+                return provisioning.result()
+            held = [r for r in self._replacements if r.node_id == node_id]
+            self._replacements = [r for r in self._replacements if r.node_id != node_id]
+            owed += await self._pull_reported(view)
+            self._replacements = held + self._replacements
 
     async def _pull_reported(self, view: AllocationView) -> list[ReplaceNodeRequest]:
         """Take every reported node out of the allocation and drain them together: at once those

@@ -372,3 +372,28 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
         kinds = [(e["kind"], e["node_id"]) for e in sorted(got, key=lambda e: (e["at_ms"], e["id"]))]
         assert ("node_removed", bad) in kinds and ("node_added", spare) in kinds
         assert kinds.index(("node_removed", bad)) < kinds.index(("node_added", spare))
+
+
+async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, make_harness, in_process_worker):
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=5, breaker_max_pulled_share=1.0)
+    _, key = await h.onboard()
+    alloc_id = _allocate(h, key, 3)
+    alloc = await h.wait_allocation(key, alloc_id, "ready")
+    first, second, kept = alloc["node_ids"]
+    for node in h.nodes():  # every later provision answers 503 twice first: seconds in `provisioning`
+        if node["id"] not in alloc["node_ids"]:
+            h.sim.inject(node["id"], "provision", "transient", count=2)
+    _xid(h, first, 79)
+    await async_wait_until(lambda: "replacement_started" in _alloc_events(h, key, alloc_id), timeout_s=30,
+                           what="the first replacement provisioning")
+    _xid(h, second, 79)
+    # The second node leaves the allocation while the first replacement still provisions, not after it.
+    events = await async_wait_until(
+        lambda: (kinds := _alloc_events(h, key, alloc_id)).count("degraded") == 2 and kinds, timeout_s=30,
+        what="the second node pulled")
+    assert events == ["degraded", "replacement_started", "degraded"]
+    assert second not in h.client(key).get(f"/v1/allocations/{alloc_id}").json()["node_ids"]
+    alloc = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
+    assert _alloc_events(h, key, alloc_id) == [
+        "degraded", "replacement_started", "degraded", "replaced", "replacement_started", "replaced", "ready"]
+    assert kept in alloc["node_ids"] and not {first, second} & set(alloc["node_ids"]) and len(alloc["node_ids"]) == 3
