@@ -131,8 +131,9 @@ def add_temporal_db_arg(parser) -> None:
                              "as `gpucloud up` keeps it (measures this machine's disk too)")
 
 
-def bench_stack(nodes: int, temporal_db: str, **settings_overrides):
-    """A private stack on free ports in a temp dir, fleet not registered (the benchmark enrolls it)."""
+def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **settings_overrides):
+    """A private stack on free ports in a temp dir, fleet not registered (the benchmark enrolls it);
+    the simulated agents push heartbeats every `sim_heartbeat_s` (0: never)."""
     import tempfile
     from pathlib import Path
 
@@ -142,5 +143,5 @@ def bench_stack(nodes: int, temporal_db: str, **settings_overrides):
     settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
                         sim_port=free_port(), operator_token="bench-token", **settings_overrides)
     stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
-                  register_fleet=False, temporal_persist=temporal_db == "file", sim_heartbeat_s=0)
+                  register_fleet=False, temporal_persist=temporal_db == "file", sim_heartbeat_s=sim_heartbeat_s)
     return settings, stack, data_dir

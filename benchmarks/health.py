@@ -32,7 +32,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -43,10 +42,9 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import log, onboard_tenant, wait_for  # noqa: E402
+from common import add_temporal_db_arg, bench_stack, log, onboard_tenant, wait_for  # noqa: E402
 
 from gpucloud.config import Settings  # noqa: E402
-from gpucloud.stack import Stack, free_port  # noqa: E402
 
 APPLICATION_XIDS = (13, 31, 43, 45, 68)
 FATAL_XID = 79
@@ -242,9 +240,7 @@ def main() -> None:
     parser.add_argument("--app-xids", type=int, default=1000)
     parser.add_argument("--breaker-share", type=float, default=0.5,
                         help="GPUCLOUD_BREAKER_MAX_PULLED_SHARE for this run, so the burst is allowed")
-    parser.add_argument("--temporal-db", choices=("memory", "file"), default="memory",
-                        help="Temporal's state in memory (default: measures the engine) or in a SQLite file "
-                             "as `gpucloud up` keeps it (measures this machine's disk too)")
+    add_temporal_db_arg(parser)
     args = parser.parse_args()
     nodes = 100 if args.quick else args.nodes
     singles = args.singles if args.singles is not None else (8 if args.quick else 50)
@@ -253,11 +249,8 @@ def main() -> None:
     # A `timeout` or kill stops the stack's processes too (the finally below), not only this one.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ["GPUCLOUD_BREAKER_MAX_PULLED_SHARE"] = str(args.breaker_share)
-    data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
-    settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), operator_token="bench-token")
-    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
-                  register_fleet=False, temporal_persist=args.temporal_db == "file")
+    # The agents heartbeat as in production (every 10 s): a fleet under faults still reports.
+    settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sim_heartbeat_s=10.0)
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))

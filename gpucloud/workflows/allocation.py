@@ -75,6 +75,8 @@ PROVISION_REPLACE_PATCH = "replace-failed-provision"
 # Histories recorded before nodes reported while a replacement provisions were pulled at once
 # wait for that replacement first.
 PULL_WHILE_REPLACING_PATCH = "pull-while-replacing"
+# Histories recorded before a pulled node's drain ran behind its replacement wait for the drain.
+DRAIN_BEHIND_PATCH = "drain-behind-replacement"
 
 
 @workflow.defn
@@ -94,6 +96,7 @@ class AllocationWorkflow:
         self._provision_errors: list[str] = []
         self._provision_failed_nodes: list[str] = []
         self._gave_up = False  # the replacement provisions ran out with nodes still owed
+        self._draining: list[asyncio.Task] = []  # pulled nodes' drains, awaited before the run ends
 
     @workflow.signal
     def request_cancel(self, req: CancelRequest) -> None:
@@ -179,6 +182,7 @@ class AllocationWorkflow:
                     and workflow.info().is_continue_as_new_suggested()):
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 await self._ledger.flushed()
+                await self._drains_finished()
                 workflow.continue_as_new(inp)
 
         if self._replaced_any:
@@ -338,8 +342,19 @@ class AllocationWorkflow:
             self._ledger.node_removed(view, r.node_id)
         await self._remove_fabric([r.node_id for r in pulled])
         drains = [await self._start_node_op(r.node_id, NodeOperationKind.DRAIN, view) for r in pulled]
-        await asyncio.gather(*drains)
+        if workflow.patched(DRAIN_BEHIND_PATCH):
+            # The node is already out of the allocation and its fabric: its replacement, and the
+            # next pull, need not wait for the drain (the agent stopping what ran there).
+            self._draining += drains
+        else:
+            await asyncio.gather(*drains)
         return pulled
+
+    async def _drains_finished(self) -> None:
+        """Every drain started is done (a run that ends would take its child drains with it)."""
+        if self._draining:
+            await asyncio.gather(*self._draining)
+            self._draining = []
 
     async def _replace(self, req: ReplaceNodeRequest, view: AllocationView) -> None:
         """One node at a time: what workflows started before "replace-in-bursts" replay."""
@@ -463,6 +478,7 @@ class AllocationWorkflow:
                                           parent_close_policy=ParentClosePolicy.ABANDON)
 
     async def _finish(self, view: AllocationView, status: str, reason: str | None) -> AllocationResult:
+        await self._drains_finished()
         self._phase = status
         await self._set_status(view, status, reason)
         self._ledger.ended(view)

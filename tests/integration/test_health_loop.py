@@ -397,3 +397,22 @@ async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, 
     assert _alloc_events(h, key, alloc_id) == [
         "degraded", "replacement_started", "degraded", "replaced", "replacement_started", "replaced", "ready"]
     assert kept in alloc["node_ids"] and not {first, second} & set(alloc["node_ids"]) and len(alloc["node_ids"]) == 3
+
+
+async def test_a_cancel_waits_for_the_pulled_nodes_drain(db_url, make_harness, in_process_worker):
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, breaker_max_pulled_share=1.0)
+    _, key = await h.onboard()
+    alloc_id = _allocate(h, key, 2)
+    bad, kept = (await h.wait_allocation(key, alloc_id, "ready"))["node_ids"]
+    h.sim.inject(bad, "release", "transient", count=2)  # its drain takes a few seconds of retries
+    _xid(h, bad, 79)
+    await async_wait_until(lambda: "degraded" in _alloc_events(h, key, alloc_id), timeout_s=30, what="pulled")
+    await async_wait_until(lambda: h.node(bad)["state"] == "draining", timeout_s=10, what="draining")
+    with h.client(key) as c:
+        c.post(f"/v1/allocations/{alloc_id}/cancel").raise_for_status()
+    await h.wait_allocation(key, alloc_id, "released", timeout_s=60)
+    # The drain ran behind the replacement search, yet finished before the allocation's run did
+    # (a run that ends terminates its children): the bad node is quarantined, not stuck draining.
+    assert h.node(bad)["state"] == "quarantined"
+    assert [(e["from_state"], e["to_state"]) for e in _events(h, bad)][-2:] == [
+        ("active", "draining"), ("draining", "quarantined")]
