@@ -380,9 +380,9 @@ async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, 
     alloc_id = _allocate(h, key, 3)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     first, second, kept = alloc["node_ids"]
-    for node in h.nodes():  # every later provision answers 503 twice first: seconds in `provisioning`
+    for node in h.nodes():  # every later provision answers 503 three times first: ~7 s in `provisioning`
         if node["id"] not in alloc["node_ids"]:
-            h.sim.inject(node["id"], "provision", "transient", count=2)
+            h.sim.inject(node["id"], "provision", "transient", count=3)
     _xid(h, first, 79)
     await async_wait_until(lambda: "replacement_started" in _alloc_events(h, key, alloc_id), timeout_s=30,
                            what="the first replacement provisioning")
