@@ -204,10 +204,11 @@ class AllocationWorkflow:
             owed.append(ReplaceNodeRequest(node_id=r.node_id, reason=reason, immediate=True, recheck_s=recheck_s))
         self._replaced_any = True
         await self._remove_fabric([r.node_id for r in failed])
-        # A failed provision normally took the node on through wipe and burn-in; one whose
-        # operation stopped short (say a deadline moved it while the worker was down) is released
-        # and recycled here, so that no node is left behind.
-        releases = [await self._start_node_op(r.node_id, NodeOperationKind.RELEASE, view) for r in failed]
+        # A failed provision normally took the node on through wipe and burn-in (it is available
+        # again, or quarantined); one whose operation stopped short (say a deadline moved it while
+        # the worker was down) is released and recycled here, so that no node is left behind.
+        stranded = [r for r in failed if r.state not in ("available", "quarantined")]
+        releases = [await self._start_node_op(r.node_id, NodeOperationKind.RELEASE, view) for r in stranded]
         await self._recycle_wiping(list(await asyncio.gather(*releases)), view)
         return owed
 
@@ -345,7 +346,7 @@ class AllocationWorkflow:
         if workflow.patched(DRAIN_BEHIND_PATCH):
             # The node is already out of the allocation and its fabric: its replacement, and the
             # next pull, need not wait for the drain (the agent stopping what ran there).
-            self._draining += drains
+            self._draining = [d for d in self._draining if not d.done()] + drains
         else:
             await asyncio.gather(*drains)
         return pulled
