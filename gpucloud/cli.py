@@ -172,15 +172,22 @@ def agent(
     heartbeat_s: float = 10.0,
     reading_s: float = 30.0,
     allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
+    ledger_url: Annotated[str | None, typer.Option(
+        help="meter usage to this billing ledger (default: GPUCLOUD_LEDGER_URL; none: not metered)")] = None,
+    spool: Annotated[Path, typer.Option(help="the durable usage spool (SQLite)")] = Path(
+        "/var/lib/gpucloud/usage-spool.db"),
+    meter_interval_s: Annotated[float, typer.Option(help="usage sample interval")] = 60.0,
+    gpu_type: Annotated[str | None, typer.Option(help="price-book GPU type (default: from NVML's name)")] = None,
 ) -> None:
-    """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs."""
+    """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
     from gpucloud.agent.service import main as agent_main
 
     _logging()
     settings = get_settings()
     agent_main(node_id=node_id, control_plane_url=settings.api_url, token=settings.resolved_operator_token,
                host=host, port=port, scratch_dir=scratch_dir, heartbeat_s=heartbeat_s, reading_s=reading_s,
-               allow_simulated=allow_simulated)
+               allow_simulated=allow_simulated, ledger_url=ledger_url or settings.ledger_url, spool_path=spool,
+               meter_interval_s=meter_interval_s, gpu_type=gpu_type)
 
 
 @app.command()

@@ -48,7 +48,8 @@ class HostAgentActivities:
     async def _call(self, action: str, req: AgentActionInput) -> AgentActionResult:
         url = f"{req.agent_url.rstrip('/')}/actions/{action}"
         call = asyncio.ensure_future(
-            self._client.post(url, json={"request_id": req.request_id, "tenant_id": req.tenant_id})
+            self._client.post(url, json={"request_id": req.request_id, "tenant_id": req.tenant_id,
+                                         "allocation_id": req.allocation_id})
         )
         try:
             while True:

@@ -9,6 +9,11 @@ burn-in runs only on a wiped idle node), and it pushes to the control plane: a h
 (`POST /v1/agents/events`, stamped with the tenant holding the node). The probe's latest reading
 is kept for `GET /readings`.
 
+With a ledger URL it meters (`AgentMetering`): a provision names the allocation it is for
+(`allocation_id`), and from then until the workload stops (release, reboot) the node's GPU time
+is cut into interval-aligned samples in a durable spool (SQLite, `gpucloud/agent/spool.py`) and
+shipped to the ledger at-least-once; `GET /metering` tells how far behind the spool is.
+
 Actions that drive hardware run real tools (`ACTION_COMMANDS`); where a tool is not installed the
 action answers 501 with a problem naming it, never a pretend success. The tools run through a
 `CommandRunner`, so tests (and a dry run) can stand in for them.
@@ -17,9 +22,11 @@ action answers 501 with a problem naming it, never a pretend success. The tools 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shutil
 import subprocess
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -34,6 +41,7 @@ from pydantic import BaseModel, Field
 
 from gpucloud.agent.probe import Probe, detect_probe
 from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.agent.spool import Meter, NodeAllocation, Shipper, Spool, wall_clock_ms
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,8 @@ ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboo
 class ActionRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=300)
     tenant_id: str | None = None
+    # The allocation a provision is for: what the node's usage is metered against.
+    allocation_id: str | None = Field(None, min_length=1, max_length=200)
 
 
 @dataclass(frozen=True)
@@ -82,12 +92,51 @@ class HostState:
     scratch_dir: Path
     tenant_id: str | None = None
     workload_running: bool = False
+    # What the meter bills the node's GPU time to (None: nothing ran since the agent started).
+    allocation: NodeAllocation | None = None
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def describe(self) -> dict:
         return {"node_id": self.node_id, "tenant_id": self.tenant_id, "workload_running": self.workload_running,
                 "boot_id": self.boot_id}
+
+
+KNOWN_GPU_TYPES = ("GB200", "B200", "H200", "H100", "A100", "L40S")
+
+
+def gpu_type_of(reading: NodeReading) -> str:
+    """The price book's GPU type from NVML's device name ("NVIDIA H100 80GB HBM3" -> "H100")."""
+    name = reading.gpus[0].name if reading.gpus else ""
+    return next((t for t in KNOWN_GPU_TYPES if t in name.upper()), name or "unknown")
+
+
+class AgentMetering:
+    """The node's meter and shipper, each on its own thread, over one durable spool."""
+
+    def __init__(self, agent: Agent, spool_path: Path, ledger_url: str, *, interval_s: float = 60.0) -> None:
+        self.spool = Spool(spool_path, agent.state.node_id)
+        self.meter = Meter(self.spool, lambda: agent.state.allocation, interval_ms=max(1, int(interval_s * 1000)))
+        self.shipper = Shipper(self.spool, ledger_url)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self.meter.run, args=(self._stop,), name="meter", daemon=True),
+                         threading.Thread(target=self.shipper.run, args=(self._stop,), name="shipper", daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self.meter.tick()  # a workload that ended since the last tick is cut at its end
+        self.shipper.close()
+        self.spool.close()
+
+    def report(self) -> dict:
+        lag = self.spool.lag()
+        return dataclasses.asdict(lag)
 
 
 def read_boot_id() -> str:
@@ -104,10 +153,13 @@ class Agent:
     """The action API's logic, independent of HTTP."""
 
     def __init__(self, state: HostState, probe: Probe, *, runner: CommandRunner | None = None,
-                 tool_timeout_s: float = 3600.0) -> None:
+                 tool_timeout_s: float = 3600.0, gpu_type: str | None = None,
+                 clock_ms: Callable[[], int] = wall_clock_ms) -> None:
         self.state, self.probe = state, probe
         self.runner = runner or CommandRunner()
         self.tool_timeout_s = tool_timeout_s
+        self.gpu_type = gpu_type  # None: named from the probe's first GPU at provision
+        self._clock_ms = clock_ms
 
     async def act(self, action: str, req: ActionRequest) -> tuple[int, dict]:
         async with self.state.lock:
@@ -134,6 +186,7 @@ class Agent:
         failed = await self._run_tools(action)
         if failed is not None:
             return failed
+        now_ms = self._clock_ms()
         if action == "provision":
             s.tenant_id, s.workload_running = req.tenant_id, True
         elif action == "release":
@@ -143,10 +196,27 @@ class Agent:
         elif action == "reboot":
             s.workload_running = False
         reading = await asyncio.to_thread(self.probe.read)
+        if action == "provision":
+            self._meter_from(req, reading, now_ms)
+        elif not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
+            s.allocation = dataclasses.replace(s.allocation, ended_ms=now_ms)  # the meter cuts it here
         return 200, s.describe() | {"action": action, "gpu_count": len(reading.gpus),
                                     "is_gpu_node": reading.is_gpu_node,
                                     "fatal_error": reading.fatal_error.model_dump(mode="json")
                                     if reading.fatal_error else None}
+
+    def _meter_from(self, req: ActionRequest, reading: NodeReading, now_ms: int) -> None:
+        """The provisioned workload's GPU time counts from now, for the allocation it names; a
+        repeated provision of the same running allocation changes nothing."""
+        current = self.state.allocation
+        if req.allocation_id is None:
+            log.warning("provision for %s names no allocation: its usage is not metered", req.tenant_id)
+            return
+        if current is not None and current.allocation_id == req.allocation_id and current.ended_ms is None:
+            return
+        self.state.allocation = NodeAllocation(
+            allocation_id=req.allocation_id, tenant_id=req.tenant_id, gpu_type=self.gpu_type or gpu_type_of(reading),
+            gpu_count=max(1, len(reading.gpus)), started_ms=now_ms)
 
     async def _run_tools(self, action: str) -> tuple[int, dict] | None:
         commands = ACTION_COMMANDS.get(action, ())
@@ -233,13 +303,17 @@ class Reporter:
 
 
 def create_app(agent: Agent, reporter: Reporter | None = None, *, heartbeat_s: float = 10.0,
-               reading_s: float = 30.0) -> FastAPI:
+               reading_s: float = 30.0, metering: AgentMetering | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(reporter.run(heartbeat_s=heartbeat_s, reading_s=reading_s)) if reporter else None
+        if metering is not None:
+            metering.start()
         yield
         if task is not None:
             task.cancel()
+        if metering is not None:
+            await asyncio.to_thread(metering.stop)
         agent.probe.close()
 
     app = FastAPI(title=f"gpucloud agent {agent.state.node_id}", lifespan=lifespan)
@@ -252,6 +326,14 @@ def create_app(agent: Agent, reporter: Reporter | None = None, *, heartbeat_s: f
     async def readings() -> dict:
         reading = reporter.latest if reporter and reporter.latest else await asyncio.to_thread(agent.probe.read)
         return reading.model_dump(mode="json")
+
+    @app.get("/metering")
+    async def metering_lag() -> JSONResponse:
+        """How far behind the usage spool is (samples and milliseconds not yet in the ledger)."""
+        if metering is None:
+            status, body = _problem(404, "Not metering", "this agent was started without a ledger URL")
+            return JSONResponse(body, status_code=status, media_type=PROBLEM)
+        return JSONResponse(await asyncio.to_thread(metering.report))
 
     @app.post("/actions/{action}")
     async def act(action: str, req: ActionRequest):
@@ -266,12 +348,20 @@ def create_app(agent: Agent, reporter: Reporter | None = None, *, heartbeat_s: f
 
 def main(*, node_id: str, control_plane_url: str, token: str, host: str = "0.0.0.0", port: int = 8200,
          scratch_dir: Path = Path("/var/lib/gpucloud/scratch"), heartbeat_s: float = 10.0, reading_s: float = 30.0,
-         allow_simulated: bool = False) -> None:
+         allow_simulated: bool = False, ledger_url: str | None = None,
+         spool_path: Path = Path("/var/lib/gpucloud/usage-spool.db"), meter_interval_s: float = 60.0,
+         gpu_type: str | None = None) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node."""
     import uvicorn
 
     state = HostState(node_id=node_id, boot_id=read_boot_id(), scratch_dir=scratch_dir)
-    agent = Agent(state, detect_probe(node_id, allow_simulated=allow_simulated))
+    agent = Agent(state, detect_probe(node_id, allow_simulated=allow_simulated), gpu_type=gpu_type)
     client = httpx.AsyncClient(base_url=control_plane_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    app = create_app(agent, Reporter(agent, client), heartbeat_s=heartbeat_s, reading_s=reading_s)
+    metering = None
+    if ledger_url:
+        spool_path.parent.mkdir(parents=True, exist_ok=True)
+        metering = AgentMetering(agent, spool_path, ledger_url, interval_s=meter_interval_s)
+    else:
+        log.warning("no ledger URL: this node's usage is not metered")
+    app = create_app(agent, Reporter(agent, client), heartbeat_s=heartbeat_s, reading_s=reading_s, metering=metering)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -72,6 +72,8 @@ class AgentActionInput(BaseModel):
     agent_url: str
     request_id: str
     tenant_id: str | None = None
+    # A provision's allocation: the agent meters the node's usage against it.
+    allocation_id: str | None = None
 
 
 class AgentActionResult(BaseModel):

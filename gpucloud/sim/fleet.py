@@ -86,6 +86,7 @@ class SimNode:
     gpu_uids: list[str] = field(default_factory=list)
     tenant_id: str | None = None
     workload_running: bool = False
+    allocation_id: str | None = None  # what the last provision named (metering)
     actions_done: int = 0
     boot_id: int = 0
     unreachable: bool = False  # no heartbeats, every action answers 503
@@ -99,6 +100,7 @@ class SimNode:
 class ActionRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=300)
     tenant_id: str | None = None
+    allocation_id: str | None = None  # a provision's allocation, for metering
 
 
 class FaultRequest(BaseModel):
@@ -200,6 +202,7 @@ class Fleet:
             if node.tenant_id not in (None, req.tenant_id):
                 return 409, {"error": f"node holds data of tenant {node.tenant_id}; wipe it first"}
             node.tenant_id, node.workload_running = req.tenant_id, True
+            node.allocation_id = req.allocation_id
         elif action == "release":
             node.workload_running = False
         elif action == "wipe":

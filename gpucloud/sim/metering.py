@@ -194,9 +194,9 @@ class MeteringSpec:
 class WorkloadFollower:
     """Starts and stops a simulated node's meter as its workload starts and stops.
 
-    The agent action API does not say which allocation a provision is for (only the tenant), so
-    the simulated agent reads it from the control plane's node record, which names it from the
-    reservation on, while the control plane is provisioning the node (so it is up).
+    A provision names its allocation (`allocation_id`, as the real agent's API takes it); one
+    from a control plane that does not send it is looked up in the control plane's node record,
+    which names it from the reservation on, while the control plane is provisioning the node.
     """
 
     LOOKUP_ATTEMPTS = 5
@@ -214,7 +214,7 @@ class WorkloadFollower:
             return
         if self.metering.is_open(node.id):
             return
-        allocation_id = await self._allocation_of(node.id)
+        allocation_id = node.allocation_id or await self._allocation_of(node.id)
         if allocation_id is None:
             log.error("%s runs a workload of %s but its allocation is unknown: not metered", node.id, node.tenant_id)
             return

@@ -191,6 +191,7 @@ class NodeOperationWorkflow:
         req = AgentActionInput(
             node_id=self._inp.node_id, agent_url=self._agent_url,
             request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}", tenant_id=self._inp.tenant_id,
+            allocation_id=self._inp.allocation_id if action == "provision" else None,
         )
         try:
             await workflow.execute_activity(
