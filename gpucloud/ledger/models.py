@@ -205,6 +205,9 @@ class NodeReconciliation(BaseModel):
     pending_since_ms: int | None
     """Start of an uncovered stretch that runs up to now on a day still in progress: the
     meter reports each interval after it ends, so this is normally on its way, not lost."""
+    edge_ms: int = 0
+    """Gaps and unallocated time within the edge tolerance at the allocated intervals' edges
+    (the agent's and the control plane's moments of provision and release differ a little)."""
 
 
 class AllocationReconciliation(BaseModel):

@@ -12,6 +12,13 @@ correct money, not what was measured.
 For a day still in progress the report stops at the ledger's clock, and a gap that runs up
 to it is reported as ``pending_since_ms`` instead: the meter reports whole intervals after
 they end, so the last minutes are normally on their way.
+
+The agent starts and stops metering when it provisions and releases the node; the control
+plane records ``node_added`` when it sees the provision succeed and ``node_removed`` when the
+release begins. The two clocks disagree by a moment at each edge, so a gap or an unallocated
+span shorter than ``edge_tolerance_ms`` (default 5 s) that touches an allocated interval's start
+or end is not flagged; its length is reported as ``edge_ms``. Anything longer, or in the middle,
+is.
 """
 
 from __future__ import annotations
@@ -86,7 +93,19 @@ def _allocated_spans(timeline: AllocationTimeline, node_id: str, far_future: int
     return merge(clip(spans, started, ended))
 
 
-def reconcile(connection: Connection, *, tenant_id: str, day: date, now_ms: int) -> ReconciliationReport:
+EDGE_TOLERANCE_MS = 5_000
+
+
+def at_edges(spans: list[Span], allocated: list[Span], tolerance_ms: int) -> tuple[list[Span], list[Span]]:
+    """(flagged, tolerated): spans shorter than the tolerance that touch an allocated interval's
+    start or end are tolerated."""
+    edges = {edge for span in allocated for edge in span}
+    tolerated = [(s, e) for s, e in spans if e - s < tolerance_ms and (s in edges or e in edges)]
+    return [span for span in spans if span not in tolerated], tolerated
+
+
+def reconcile(connection: Connection, *, tenant_id: str, day: date, now_ms: int,
+              edge_tolerance_ms: int = EDGE_TOLERANCE_MS) -> ReconciliationReport:
     day_start, day_end = day_bounds(day)
     horizon = max(day_start, min(day_end, now_ms))
     timeline_by_allocation = timelines(list_events(connection, tenant_id=tenant_id, allocation_id=None))
@@ -126,6 +145,8 @@ def reconcile(connection: Connection, *, tenant_id: str, day: date, now_ms: int)
         if now_ms < day_end and gaps and gaps[-1][1] == horizon:
             pending_since = gaps[-1][0]
             gaps = gaps[:-1]
+        gaps, edge_gaps = at_edges(gaps, allocated, edge_tolerance_ms)
+        unallocated, edge_unallocated = at_edges(subtract(covered, allocated), allocated, edge_tolerance_ms)
         by_allocation[allocation_id].append(
             NodeReconciliation(
                 node_id=node_id,
@@ -133,8 +154,9 @@ def reconcile(connection: Connection, *, tenant_id: str, day: date, now_ms: int)
                 metered_ms=length(covered),
                 metered_gpu_ms=metered_gpu_ms.get((allocation_id, node_id), 0),
                 gaps=[Interval(start_ms=s, end_ms=e) for s, e in gaps],
-                unallocated=[Interval(start_ms=s, end_ms=e) for s, e in subtract(covered, allocated)],
+                unallocated=[Interval(start_ms=s, end_ms=e) for s, e in unallocated],
                 pending_since_ms=pending_since,
+                edge_ms=length(edge_gaps) + length(edge_unallocated),
             )
         )
     allocations = [AllocationReconciliation(allocation_id=a, nodes=nodes) for a, nodes in sorted(by_allocation.items())]

@@ -207,6 +207,30 @@ def test_reconciliation_flags_gaps_and_unallocated_usage(ledger: httpx.Client) -
     assert ledger.get("/v1/reconciliation", params={"tenant_id": "t1", "day": "not-a-day"}).status_code == 422
 
 
+def test_reconciliation_tolerates_the_moments_between_the_agents_and_the_control_planes_edges(
+        ledger: httpx.Client) -> None:
+    day = JAN + 3 * 86_400_000
+    # The agent metered [10, 20) minutes; the control plane saw the provision 1.5 s after it
+    # began and began the release 2 s before the agent stopped.
+    added, removed = day + 10 * MINUTE + 1_500, day + 20 * MINUTE - 2_000
+    events = [("start", None, added), ("node_added", "n1", added), ("node_removed", "n1", removed),
+              ("end", None, removed)]
+    for i, (kind, node, at_ms) in enumerate(events):
+        body = {"event_id": f"edge-{i}", "allocation_id": "a1", "tenant_id": "t1", "kind": kind, "at_ms": at_ms,
+                "node_id": node, "gpu_type": "h100"}
+        assert ledger.post("/v1/allocation-events", json=body).status_code == 201
+    assert ingest(ledger, [sample(seq, start=day + 9 * MINUTE) for seq in range(2, 12)])["accepted"] == 10
+    params = {"tenant_id": "t1", "day": "2024-01-04"}
+    report = ledger.get("/v1/reconciliation", params=params).json()
+    (node,) = report["allocations"][0]["nodes"]
+    assert report["ok"] and node["unallocated"] == [] and node["gaps"] == [] and node["edge_ms"] == 3_500
+    strict = ledger.get("/v1/reconciliation", params={**params, "edge_tolerance_ms": 1_000}).json()
+    (node,) = strict["allocations"][0]["nodes"]
+    assert not strict["ok"] and node["unallocated"] == [
+        {"start_ms": day + 10 * MINUTE, "end_ms": added}, {"start_ms": removed, "end_ms": day + 20 * MINUTE}]
+    assert ledger.get("/v1/reconciliation", params={**params, "edge_tolerance_ms": -1}).status_code == 422
+
+
 def close_and_fetch(client: httpx.Client, period: str) -> dict[str, bytes]:
     response = client.post(f"/v1/periods/{period}:close")
     assert response.status_code == 200, response.text
