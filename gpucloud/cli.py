@@ -178,13 +178,20 @@ def agent(
         "/var/lib/gpucloud/usage-spool.db"),
     meter_interval_s: Annotated[float, typer.Option(help="usage sample interval")] = 60.0,
     gpu_type: Annotated[str | None, typer.Option(help="price-book GPU type (default: from NVML's name)")] = None,
+    token: Annotated[str | None, typer.Option(
+        envvar="GPUCLOUD_AGENT_TOKEN",
+        help="this node's agent credential (POST /v1/nodes/{id}/agent-credential)")] = None,
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
     from gpucloud.agent.service import main as agent_main
 
     _logging()
     settings = get_settings()
-    agent_main(node_id=node_id, control_plane_url=settings.api_url, token=settings.resolved_operator_token,
+    if token is None:
+        # Tenants have root on the nodes they rent: the operator token must not live there.
+        logging.getLogger("gpucloud.agent").warning(
+            "no agent credential (--token / GPUCLOUD_AGENT_TOKEN): using the operator token, for development only")
+    agent_main(node_id=node_id, control_plane_url=settings.api_url, token=token or settings.resolved_operator_token,
                host=host, port=port, scratch_dir=scratch_dir, heartbeat_s=heartbeat_s, reading_s=reading_s,
                allow_simulated=allow_simulated, ledger_url=ledger_url or settings.ledger_url, spool_path=spool,
                meter_interval_s=meter_interval_s, gpu_type=gpu_type)

@@ -34,7 +34,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 TemporalDep = Annotated[Client, Depends(get_temporal)]
 
 
-def get_caller(request: Request, session: SessionDep, settings: SettingsDep) -> auth.Caller:
+def get_any_caller(request: Request, session: SessionDep, settings: SettingsDep) -> auth.Caller:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
@@ -44,6 +44,14 @@ def get_caller(request: Request, session: SessionDep, settings: SettingsDep) -> 
     session.rollback()  # end the read transaction: handlers start their own
     if caller is None:
         raise Problem(401, "unauthenticated", "Invalid credentials", "the API key is unknown or revoked")
+    return caller
+
+
+def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
+    """A tenant or the operator: a node's agent credential opens only the report endpoints."""
+    if caller.role == "agent":
+        raise Problem(403, "forbidden", "Not for node agents",
+                      f"the agent credential of {caller.node_id} only reports for its node (/v1/agents/...)")
     return caller
 
 
@@ -57,13 +65,22 @@ def get_operator(caller: CallerDep) -> auth.Caller:
 
 
 def get_tenant(caller: CallerDep) -> auth.Caller:
-    if caller.is_operator:
+    if not caller.is_tenant:
         raise Problem(403, "forbidden", "Tenant only",
-                      "operators act for no tenant here; call with the tenant's API key")
+                      f"{'operators act' if caller.is_operator else 'a node agent acts'} for no tenant here; "
+                      "call with the tenant's API key")
+    return caller
+
+
+def get_reporter(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
+    """Who may report what nodes see: a node's agent (for its own node only) or the operator."""
+    if caller.role not in ("agent", "operator"):
+        raise Problem(403, "forbidden", "Agents only", "node reports need the node's agent credential")
     return caller
 
 
 OperatorDep = Annotated[auth.Caller, Depends(get_operator)]
+ReporterDep = Annotated[auth.Caller, Depends(get_reporter)]
 TenantDep = Annotated[auth.Caller, Depends(get_tenant)]
 
 

@@ -230,6 +230,17 @@ class ApiKey(SQLModel, table=True):
     replaced_by: str | None = None
 
 
+class AgentCredential(SQLModel, table=True):
+    """A node's host-agent credential (`gpa_<node id>.<secret>`): only a hash of the secret is
+    kept, and issuing another replaces it. It lets the agent report for its own node and nothing
+    else: a tenant with root on the node finds no operator power there."""
+
+    __tablename__ = "agent_credential"
+    node_id: str = Field(primary_key=True)
+    secret_hash: str
+    created_at: datetime = _ts()
+
+
 # ---------------------------------------------------------------- allocations and operations
 
 

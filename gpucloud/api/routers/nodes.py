@@ -16,7 +16,8 @@ from temporalio.service import RPCError
 
 from gpucloud.agent.readings import NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
-from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep, TemporalDep
+from gpucloud.api.auth import Caller
+from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
 from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
@@ -29,6 +30,7 @@ from gpucloud.models.health_tables import (
 from gpucloud.models.messages import ReplaceNodeRequest
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodeEnroll, NodePublic, NodeTransition, Operation, OperationPublic
+from gpucloud.services import agent_credentials
 from gpucloud.services import health as health_service
 from gpucloud.services.fleet import apply_operator_action, record_heartbeats, summary
 from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
@@ -229,9 +231,37 @@ def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
         return record_heartbeats(session, [b.model_dump() for b in batch.heartbeats])
 
 
+def _own_node_only(caller: Caller, node_ids: list[str]) -> None:
+    """An agent reports for its own node; the operator (the simulated fleet, drills) for any."""
+    if caller.role != "agent":
+        return
+    foreign = sorted({n for n in node_ids if n != caller.node_id})
+    if foreign:
+        raise Problem(403, "forbidden", "Not this agent's node",
+                      f"the agent credential of {caller.node_id} cannot report for {foreign[0]}")
+
+
+class AgentCredentialIssued(BaseModel):
+    node_id: str
+    token: str = Field(description="shown once: give it to the node's agent (`gpucloud agent --token`)")
+
+
+@router.post("/nodes/{node_id}/agent-credential", response_model=AgentCredentialIssued, status_code=201)
+def issue_agent_credential(node_id: str, operator: OperatorDep, settings: SettingsDep):
+    """A credential for the node's host agent, replacing any earlier one; it reports for this
+    node only (heartbeats, XID events, readings) and opens nothing else."""
+    with session_scope(settings.db_url) as session:
+        try:
+            token = agent_credentials.issue(session, node_id)
+        except agent_credentials.UnknownNode:
+            raise not_found("node", node_id) from None
+    return AgentCredentialIssued(node_id=node_id, token=token)
+
+
 @router.post("/agents/heartbeats", response_model=HeartbeatResult)
-async def heartbeats(batch: HeartbeatBatch, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+async def heartbeats(batch: HeartbeatBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
     """Agents report what they see; a disagreement with the record is reconciled at once."""
+    _own_node_only(caller, [b.node_id for b in batch.heartbeats])
     drifted = await run_in_threadpool(_record, settings, batch)
     if drifted:
         await reconcile_now(temporal, settings, drifted)
@@ -353,14 +383,16 @@ async def inject_xid(node_id: str, req: XidInjection, operator: OperatorDep, set
 
 
 @router.post("/agents/events", response_model=XidIngestResult)
-async def agent_events(batch: XidEventBatch, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
     """XID events as agents saw them; each node is judged again and acted on at once."""
+    _own_node_only(caller, [e.node_id for e in batch.events])
     return await _ingest_and_act(settings, temporal, batch.events, "agent")
 
 
 @router.post("/agents/readings", response_model=ReadingIngestResult)
-async def agent_readings(batch: ReadingBatch, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
     """Counter readings as agents took them; each node's trends are judged again and acted on at once."""
+    _own_node_only(caller, [r.node_id for r in batch.readings])
     latest_allowed = utc_now() + MAX_READING_CLOCK_SKEW
     ahead = [f"readings.{i}.timestamp" for i, r in enumerate(batch.readings) if r.timestamp > latest_allowed]
     if ahead:
