@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import shutil
 import subprocess
 import threading
@@ -48,15 +49,66 @@ log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
 REMEMBERED_REQUESTS = 64
 MAX_PENDING_EVENTS = 10_000  # kept while the control plane is unreachable; oldest dropped first
-# The tools each hardware action runs, in order; every one must exit 0.
+# The tools each hardware action runs, in order; every one must exit 0 ("{gpus}": the node's
+# GPU count). Burn-in also holds the figures some print to `BurnInLimits`, then reads the GPUs
+# once more, hot from the stress, for the thermal soak.
 ACTION_COMMANDS: dict[str, tuple[tuple[str, ...], ...]] = {
     "burn_in": (("dcgmi", "diag", "-r", "3"),
-                ("all_reduce_perf", "-b", "8M", "-e", "8G", "-f", "2", "-g", "8")),
+                ("all_reduce_perf", "-b", "8M", "-e", "8G", "-f", "2", "-g", "{gpus}"),
+                ("nvbandwidth", "-t", "host_to_device_memcpy_ce")),
     "reset": (("nvidia-smi", "--gpu-reset"),),
     "reboot": (("systemctl", "reboot"),),
     "reflash": (("nvfwupd", "update", "--yes"),),
 }
 ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
+
+
+@dataclass(frozen=True)
+class BurnInLimits:
+    """What a node must show in burn-in to go back to the pool."""
+
+    min_busbw_gbps: float = 350.0
+    """NCCL all-reduce average bus bandwidth across the node's GPUs (an 8 x H100 NVLink node
+    reaches about 450)."""
+    min_h2d_gbps_per_gpu: float = 40.0
+    """Host-to-GPU copy bandwidth per GPU (PCIe Gen5 x16 reaches about 55)."""
+    max_temperature_c: int = 87
+    """Hottest GPU right after the stress (the thermal soak); any hardware thermal slowdown fails too."""
+
+
+_BUSBW = re.compile(r"#\s*Avg bus bandwidth\s*:\s*([0-9.]+)")
+_H2D_SUM = re.compile(r"^SUM host_to_device_memcpy_ce\s+([0-9.]+)", re.MULTILINE)
+
+
+def burn_in_figure(tool: str, output: str, gpus: int, limits: BurnInLimits) -> str | None:
+    """Why the tool's figures fail the limits (or cannot be read); None when they pass."""
+    if tool == "all_reduce_perf":
+        found = _BUSBW.search(output)
+        if found is None:
+            return "all_reduce_perf printed no average bus bandwidth"
+        busbw = float(found.group(1))
+        if busbw < limits.min_busbw_gbps:
+            return f"NCCL all-reduce bus bandwidth {busbw:g} GB/s is below {limits.min_busbw_gbps:g} GB/s"
+    elif tool == "nvbandwidth":
+        found = _H2D_SUM.search(output)
+        if found is None:
+            return "nvbandwidth printed no host_to_device_memcpy_ce sum"
+        per_gpu = float(found.group(1)) / max(1, gpus)
+        if per_gpu < limits.min_h2d_gbps_per_gpu:
+            return (f"host-to-GPU bandwidth {per_gpu:.1f} GB/s per GPU is below "
+                    f"{limits.min_h2d_gbps_per_gpu:g} GB/s")
+    return None
+
+
+def thermal_soak(reading: NodeReading, limits: BurnInLimits) -> str | None:
+    """Why the GPUs, read right after the stress, fail the thermal soak; None when they pass."""
+    for gpu in reading.gpus:
+        if gpu.temperature_c is not None and gpu.temperature_c > limits.max_temperature_c:
+            return f"GPU {gpu.index} at {gpu.temperature_c} C after the stress (limit {limits.max_temperature_c} C)"
+        thermal = [r for r in gpu.clock_event_reason_names if r in ("hw_thermal_slowdown", "hw_slowdown")]
+        if thermal:
+            return f"GPU {gpu.index} throttled after the stress ({', '.join(thermal)})"
+    return None
 
 
 class ActionRequest(BaseModel):
@@ -154,10 +206,11 @@ class Agent:
 
     def __init__(self, state: HostState, probe: Probe, *, runner: CommandRunner | None = None,
                  tool_timeout_s: float = 3600.0, gpu_type: str | None = None,
-                 clock_ms: Callable[[], int] = wall_clock_ms) -> None:
+                 clock_ms: Callable[[], int] = wall_clock_ms, burn_in_limits: BurnInLimits = BurnInLimits()) -> None:
         self.state, self.probe = state, probe
         self.runner = runner or CommandRunner()
         self.tool_timeout_s = tool_timeout_s
+        self.burn_in_limits = burn_in_limits
         self.gpu_type = gpu_type  # None: named from the probe's first GPU at provision
         self._clock_ms = clock_ms
 
@@ -224,7 +277,11 @@ class Agent:
         if missing:
             return _problem(501, "Tool not installed", f"{action} needs {', '.join(missing)}, which is not "
                             f"installed on {self.state.node_id}", tools=missing)
-        for argv in commands:
+        gpus = 0
+        if commands:
+            gpus = len((await asyncio.to_thread(self.probe.read)).gpus)
+        for template in commands:
+            argv = tuple(str(gpus) if arg == "{gpus}" else arg for arg in template)
             try:
                 result = await asyncio.to_thread(self.runner.run, argv, self.tool_timeout_s)
             except subprocess.TimeoutExpired:
@@ -232,6 +289,12 @@ class Agent:
             if result.returncode != 0:
                 return _problem(422, "Action failed", f"{action}: {' '.join(argv)} exited {result.returncode}: "
                                 f"{result.output[-500:]}")
+            if action == "burn_in" and (why := burn_in_figure(argv[0], result.output, gpus, self.burn_in_limits)):
+                return _problem(422, "Action failed", f"burn-in failed: {why}")
+        if action == "burn_in":
+            why = thermal_soak(await asyncio.to_thread(self.probe.read), self.burn_in_limits)
+            if why:
+                return _problem(422, "Action failed", f"burn-in failed: thermal soak: {why}")
         return None
 
     def _wipe_scratch(self) -> None:

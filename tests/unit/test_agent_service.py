@@ -13,6 +13,7 @@ from gpucloud.agent.probe import SimulatedProbe
 from gpucloud.agent.service import (
     ActionRequest,
     Agent,
+    BurnInLimits,
     CommandResult,
     CommandRunner,
     HostState,
@@ -21,16 +22,29 @@ from gpucloud.agent.service import (
 )
 
 
+BURN_IN_TOOLS = {"dcgmi", "all_reduce_perf", "nvbandwidth"}
+# What the tools print on a healthy 8-GPU node (the lines burn-in reads).
+HEALTHY_OUTPUT = {
+    "all_reduce_perf": "#  Out of bounds values : 0 OK\n# Avg bus bandwidth    : 412.53 \n#\n",
+    "nvbandwidth": "Running host_to_device_memcpy_ce.\nmemcpy CE CPU(row) -> GPU(column) bandwidth (GB/s)\n"
+                   "           0         1\n 0     55.12     55.08\n\nSUM host_to_device_memcpy_ce 440.80\n",
+}
+
+
 class FakeTools(CommandRunner):
-    def __init__(self, installed: set[str], failing: set[str] = frozenset()) -> None:
+    def __init__(self, installed: set[str], failing: set[str] = frozenset(),
+                 output: dict[str, str] | None = None) -> None:
         self.installed, self.failing, self.ran = installed, failing, []
+        self.output = {**HEALTHY_OUTPUT, **(output or {})}
 
     def which(self, tool: str) -> str | None:
         return f"/usr/bin/{tool}" if tool in self.installed else None
 
     def run(self, argv, timeout_s):
         self.ran.append(argv)
-        return CommandResult(1 if argv[0] in self.failing else 0, "diag: FAIL" if argv[0] in self.failing else "ok")
+        if argv[0] in self.failing:
+            return CommandResult(1, "diag: FAIL")
+        return CommandResult(0, self.output.get(argv[0], "ok"))
 
 
 def _agent(tmp_path, tools: FakeTools) -> Agent:
@@ -43,7 +57,7 @@ def _post(client: TestClient, action: str, request_id: str, tenant: str | None =
 
 
 def test_actions_keep_tenancy_invariants_and_dedup_by_request_id(tmp_path):
-    tools = FakeTools({"dcgmi", "all_reduce_perf"})
+    tools = FakeTools(set(BURN_IN_TOOLS))
     agent = _agent(tmp_path, tools)
     with TestClient(create_app(agent)) as client:
         first = _post(client, "provision", "r1", "t-a")
@@ -61,7 +75,8 @@ def test_actions_keep_tenancy_invariants_and_dedup_by_request_id(tmp_path):
         assert wiped.status_code == 200 and wiped.json()["tenant_id"] is None
         assert list((tmp_path / "scratch").iterdir()) == []
         assert _post(client, "burn_in", "r7").status_code == 200
-        assert [argv[0] for argv in tools.ran] == ["dcgmi", "all_reduce_perf"]
+        assert [argv[0] for argv in tools.ran] == ["dcgmi", "all_reduce_perf", "nvbandwidth"]
+        assert tools.ran[1][-2:] == ("-g", "8")  # all-reduce over every GPU the probe sees
         assert _post(client, "format_disk", "r8").status_code == 404
 
 
@@ -70,11 +85,38 @@ def test_missing_tool_is_a_501_naming_it_and_a_failing_tool_a_422(tmp_path):
     with TestClient(create_app(_agent(tmp_path, tools))) as client:
         missing = _post(client, "burn_in", "b1")
         assert missing.status_code == 501
-        assert missing.json()["tools"] == ["all_reduce_perf"] and "all_reduce_perf" in missing.json()["detail"]
+        assert missing.json()["tools"] == ["all_reduce_perf", "nvbandwidth"]
+        assert "all_reduce_perf, nvbandwidth" in missing.json()["detail"]
         assert _post(client, "reset", "b2").json()["tools"] == ["nvidia-smi"]
-        tools.installed.add("all_reduce_perf")
+        tools.installed |= BURN_IN_TOOLS
         failed = _post(client, "burn_in", "b3")
         assert failed.status_code == 422 and "dcgmi diag -r 3 exited 1" in failed.json()["detail"]
+
+
+@pytest.mark.parametrize("output, limits, why", [
+    ({"all_reduce_perf": "# Avg bus bandwidth    : 120.4\n"}, {}, "bus bandwidth 120.4 GB/s is below 350"),
+    ({"all_reduce_perf": "NCCL WARN unhandled cuda error\n"}, {}, "printed no average bus bandwidth"),
+    ({"nvbandwidth": "SUM host_to_device_memcpy_ce 96.00\n"}, {}, "12.0 GB/s per GPU is below 40"),
+    ({}, {"max_temperature_c": 20}, "thermal soak: GPU 0 at"),
+])
+def test_burn_in_holds_the_figures_to_the_limits(tmp_path, output, limits, why):
+    state = HostState(node_id="gpu-1", boot_id="boot-1", scratch_dir=tmp_path / "scratch")
+    agent = Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=FakeTools(set(BURN_IN_TOOLS), output=output),
+                  burn_in_limits=BurnInLimits(**limits))
+    with TestClient(create_app(agent)) as client:
+        failed = _post(client, "burn_in", "b1")
+        assert failed.status_code == 422 and why in failed.json()["detail"], failed.json()
+
+
+def test_burn_in_fails_a_gpu_throttled_by_heat(tmp_path):
+    probe = SimulatedProbe("gpu-1", gpu_count=8)
+    agent = Agent(HostState(node_id="gpu-1", boot_id="b", scratch_dir=tmp_path / "s"), probe,
+                  runner=FakeTools(set(BURN_IN_TOOLS)))
+    with TestClient(create_app(agent)) as client:
+        assert _post(client, "burn_in", "ok").status_code == 200
+        probe.set_clock_event_reasons(0x040, gpu_index=5)  # HW thermal slowdown
+        failed = _post(client, "burn_in", "hot")
+        assert failed.status_code == 422 and "GPU 5 throttled" in failed.json()["detail"]
 
 
 @pytest.fixture
