@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from gpucloud.agent.probe import SimulatedProbe
 from gpucloud.agent.service import Agent, AgentMetering, CommandResult, CommandRunner, HostState, create_app, gpu_type_of
-from tests.integration.ledger_harness import ledger_in_thread
-from tests.support.stack import wait_until
+from ledger_harness import ledger_in_thread
+from support.stack import wait_until
 
 
 class NoTools(CommandRunner):
