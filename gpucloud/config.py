@@ -14,6 +14,7 @@ from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TASK_QUEUE = "gpucloud"
@@ -54,7 +55,7 @@ class Settings(BaseSettings):
     health_drain_grace_s: float = 300.0
     replacement_recheck_s: float = 30.0
     # Replacement nodes tried, per allocation, for nodes that fail provisioning.
-    provision_retries: int = 3
+    provision_retries: int = Field(3, ge=0)
     breaker_max_pulled_share: float = 0.05
     breaker_window_s: float = 3600.0
     # Weight rollouts: the tracker that hands nodes their peers (and the origin) for a version.

@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field
 from gpucloud.agent.probe import Probe, detect_probe
 from gpucloud.agent.readings import NodeReading, XidEvent
 from gpucloud.agent.spool import Meter, NodeAllocation, Shipper, Spool, wall_clock_ms
+from gpucloud.models.catalog import GPU_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +155,11 @@ class HostState:
                 "boot_id": self.boot_id}
 
 
-KNOWN_GPU_TYPES = ("GB200", "B200", "H200", "H100", "A100", "L40S")
-
-
 def gpu_type_of(reading: NodeReading) -> str:
-    """The price book's GPU type from NVML's device name ("NVIDIA H100 80GB HBM3" -> "H100")."""
-    name = reading.gpus[0].name if reading.gpus else ""
-    return next((t for t in KNOWN_GPU_TYPES if t in name.upper()), name or "unknown")
+    """The catalogue's GPU type from NVML's device name ("NVIDIA H100 80GB HBM3" -> "H100");
+    longest first, so a GB200 is not taken for a B200."""
+    name = reading.gpus[0].name.upper() if reading.gpus else ""
+    return next((t for t in sorted(GPU_TYPES, key=len, reverse=True) if t in name), name or "unknown")
 
 
 class AgentMetering:
@@ -277,9 +276,8 @@ class Agent:
         if missing:
             return _problem(501, "Tool not installed", f"{action} needs {', '.join(missing)}, which is not "
                             f"installed on {self.state.node_id}", tools=missing)
-        gpus = 0
-        if commands:
-            gpus = len((await asyncio.to_thread(self.probe.read)).gpus)
+        # Only burn-in needs the GPU count (its command lines and its bandwidth per GPU).
+        gpus = len((await asyncio.to_thread(self.probe.read)).gpus) if action == "burn_in" else 0
         for template in commands:
             argv = tuple(str(gpus) if arg == "{gpus}" else arg for arg in template)
             try:

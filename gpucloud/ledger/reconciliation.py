@@ -136,7 +136,8 @@ def reconcile(connection: Connection, *, tenant_id: str, day: date, now_ms: int,
     by_allocation: dict[str, list[NodeReconciliation]] = defaultdict(list)
     for allocation_id, node_id in sorted(keys):
         timeline = timeline_by_allocation.get(allocation_id)
-        allocated = clip(_allocated_spans(timeline, node_id, day_end), day_start, horizon) if timeline else []
+        whole = _allocated_spans(timeline, node_id, day_end) if timeline else []
+        allocated = clip(whole, day_start, horizon)
         covered = merge(metered.get((allocation_id, node_id), []))
         if not allocated and not covered:
             continue
@@ -145,8 +146,9 @@ def reconcile(connection: Connection, *, tenant_id: str, day: date, now_ms: int,
         if now_ms < day_end and gaps and gaps[-1][1] == horizon:
             pending_since = gaps[-1][0]
             gaps = gaps[:-1]
-        gaps, edge_gaps = at_edges(gaps, allocated, edge_tolerance_ms)
-        unallocated, edge_unallocated = at_edges(subtract(covered, allocated), allocated, edge_tolerance_ms)
+        # The edges are the allocation's own, not where the day or the clock cut it.
+        gaps, edge_gaps = at_edges(gaps, whole, edge_tolerance_ms)
+        unallocated, edge_unallocated = at_edges(subtract(covered, allocated), whole, edge_tolerance_ms)
         by_allocation[allocation_id].append(
             NodeReconciliation(
                 node_id=node_id,

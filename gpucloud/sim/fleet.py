@@ -42,6 +42,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from gpucloud.agent.service import ActionRequest  # the action API has one wire model
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 
@@ -95,12 +96,6 @@ class SimNode:
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-class ActionRequest(BaseModel):
-    request_id: str = Field(min_length=1, max_length=300)
-    tenant_id: str | None = None
-    allocation_id: str | None = None  # a provision's allocation, for metering
 
 
 class FaultRequest(BaseModel):

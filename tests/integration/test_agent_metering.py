@@ -72,3 +72,5 @@ def test_an_agent_without_a_ledger_says_so_and_names_gpu_types_from_nvml(tmp_pat
     named = reading.model_copy(update={"gpus": [g.model_copy(update={"name": "NVIDIA H200 141GB HBM3e"})
                                                 for g in reading.gpus]})
     assert gpu_type_of(named) == "H200"
+    gb200 = reading.model_copy(update={"gpus": [g.model_copy(update={"name": "NVIDIA GB200"}) for g in reading.gpus]})
+    assert gpu_type_of(gb200) == "GB200"  # not a B200

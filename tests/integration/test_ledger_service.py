@@ -230,6 +230,20 @@ def test_reconciliation_tolerates_the_moments_between_the_agents_and_the_control
         {"start_ms": day + 10 * MINUTE, "end_ms": added}, {"start_ms": removed, "end_ms": day + 20 * MINUTE}]
     assert ledger.get("/v1/reconciliation", params={**params, "edge_tolerance_ms": -1}).status_code == 422
 
+    # Midnight is no edge of an allocation that runs through it: 3 s unmetered there are a gap.
+    for i, (kind, node, at_ms) in enumerate((("start", None, day - 10 * MINUTE), ("node_added", "n2", day - 10 * MINUTE),
+                                             ("node_removed", "n2", day + 10 * MINUTE),
+                                             ("end", None, day + 10 * MINUTE))):
+        body = {"event_id": f"midnight-{i}", "allocation_id": "a2", "tenant_id": "t1", "kind": kind,
+                "at_ms": at_ms, "node_id": node, "gpu_type": "h100"}
+        assert ledger.post("/v1/allocation-events", json=body).status_code == 201
+    before = [sample(seq, node="n2", allocation="a2", start=day - 10 * MINUTE) for seq in range(1, 11)]
+    after = {**sample(11, node="n2", allocation="a2", start=day), "start_ms": day + 3_000, "end_ms": day + 10 * MINUTE}
+    assert ingest(ledger, [*before, after])["accepted"] == 11
+    report = ledger.get("/v1/reconciliation", params=params).json()
+    (node,) = [a for a in report["allocations"] if a["allocation_id"] == "a2"][0]["nodes"]
+    assert node["gaps"] == [{"start_ms": day, "end_ms": day + 3_000}] and node["edge_ms"] == 0
+
 
 def close_and_fetch(client: httpx.Client, period: str) -> dict[str, bytes]:
     response = client.post(f"/v1/periods/{period}:close")
