@@ -49,10 +49,7 @@ def layout(total: int) -> list[tuple[str, int]]:
     block = (total - embedding) / BLOCKS
     tensors = [("embed_tokens.weight", embedding)]
     for b in range(BLOCKS):
-        tensors += [
-            (f"layers.{b}.t{i}.weight", int(block * f) // 8 * 8)
-            for i, f in enumerate(BLOCK_FRACTIONS)
-        ]
+        tensors += [(f"layers.{b}.t{i}.weight", int(block * f) // 8 * 8) for i, f in enumerate(BLOCK_FRACTIONS)]
     return tensors
 
 
@@ -61,9 +58,7 @@ def tuned_tensors() -> set[str]:
     return {f"layers.{b}.t{(3 * b) % len(BLOCK_FRACTIONS)}.weight" for b in range(BLOCKS)}
 
 
-def write_weights(
-    path: Path, tensors: list[tuple[str, int]], *, variant: str, retuned: set[str]
-) -> None:
+def write_weights(path: Path, tensors: list[tuple[str, int]], *, variant: str, retuned: set[str]) -> None:
     """Stream pseudo-random tensor bytes (BLAKE3 XOF) without holding more than one piece."""
     with open(path, "wb") as f:
         f.write(encode_safetensors_header(tensors))
@@ -186,9 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB instead of 4 GiB")
     parser.add_argument("--size-gib", type=float, default=None, help="file size in GiB (default 4)")
-    parser.add_argument(
-        "--dir", default=None, help="parent of the temp directory (default: system temp)"
-    )
+    parser.add_argument("--dir", default=None, help="parent of the temp directory (default: system temp)")
     args = parser.parse_args()
     size_gib = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 4.0)
     # SIGTERM would otherwise skip the finally that removes gigabytes of temp files.

@@ -55,10 +55,13 @@ async def agent_floor(agent_urls: list[str], *, concurrency: int) -> float:
     gate = asyncio.Semaphore(concurrency)
     run = uuid.uuid4().hex[:8]
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
+
         async def node(url: str) -> None:
             async with gate:
                 for action in ("inspect", "burn_in"):
-                    resp = await http.post(f"{url}/actions/{action}", json={"request_id": f"floor-{run}-{url}-{action}"})
+                    resp = await http.post(
+                        f"{url}/actions/{action}", json={"request_id": f"floor-{run}-{url}-{action}"}
+                    )
                     resp.raise_for_status()
 
         started = time.monotonic()
@@ -70,14 +73,23 @@ async def _baseline_workflows(settings: Settings, nodes: int) -> float:
     client = await connect(settings)
     queue = f"baseline-{uuid.uuid4().hex[:6]}"
     with ThreadPoolExecutor(max_workers=4) as executor:
-        async with Worker(client, task_queue=queue, workflows=[BaselineWorkflow], activities=[noop_activity],
-                          activity_executor=executor, max_concurrent_activities=settings.worker_max_activities,
-                          max_concurrent_workflow_tasks=100):
+        async with Worker(
+            client,
+            task_queue=queue,
+            workflows=[BaselineWorkflow],
+            activities=[noop_activity],
+            activity_executor=executor,
+            max_concurrent_activities=settings.worker_max_activities,
+            max_concurrent_workflow_tasks=100,
+        ):
             started = time.monotonic()
             handles = []
             for i in range(nodes):
-                handles.append(await client.start_workflow(BaselineWorkflow.run, ACTIVITIES_PER_NODE,
-                                                           id=f"{queue}-{i}", task_queue=queue))
+                handles.append(
+                    await client.start_workflow(
+                        BaselineWorkflow.run, ACTIVITIES_PER_NODE, id=f"{queue}-{i}", task_queue=queue
+                    )
+                )
             gate = asyncio.Semaphore(500)  # bounded result waits (the server limits pollers)
 
             async def wait(h):
@@ -126,9 +138,13 @@ def wait_for(engine: sa.Engine, state: str, want: int, what: str, timeout_s: flo
 
 
 def add_temporal_db_arg(parser) -> None:
-    parser.add_argument("--temporal-db", choices=("memory", "file"), default="memory",
-                        help="Temporal's state in memory (default: measures the engine) or in a SQLite file "
-                             "as `gpucloud up` keeps it (measures this machine's disk too)")
+    parser.add_argument(
+        "--temporal-db",
+        choices=("memory", "file"),
+        default="memory",
+        help="Temporal's state in memory (default: measures the engine) or in a SQLite file "
+        "as `gpucloud up` keeps it (measures this machine's disk too)",
+    )
 
 
 def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **settings_overrides):
@@ -140,8 +156,22 @@ def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **s
     from gpucloud.stack import Stack, free_port
 
     data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
-    settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), operator_token="bench-token", **settings_overrides)
-    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.0, headless=True,
-                  register_fleet=False, temporal_persist=temporal_db == "file", sim_heartbeat_s=sim_heartbeat_s)
+    settings = Settings(
+        data_dir=data_dir,
+        temporal_address=f"127.0.0.1:{free_port()}",
+        api_port=free_port(),
+        sim_port=free_port(),
+        operator_token="bench-token",
+        **settings_overrides,
+    )
+    stack = Stack(
+        settings,
+        nodes=nodes,
+        ui_port=free_port(),
+        sim_latency_scale=0.0,
+        headless=True,
+        register_fleet=False,
+        temporal_persist=temporal_db == "file",
+        sim_heartbeat_s=sim_heartbeat_s,
+    )
     return settings, stack, data_dir

@@ -162,8 +162,13 @@ def _push_artifact(workdir: Path, scenario: dict, signer: Signer) -> tuple[Signe
     store = LocalChunkStore(workdir / "store")
     policy = ChunkPolicy(max_chunk_size=chunk, pack_size=MiB, fixed_chunk_size=chunk)
     result = push(
-        workdir / "source", model="bench", chunk_store=store, signer=signer, policy=policy,
-        manifest_store=LocalManifestStore(workdir / "manifests"), settle_seconds=0,
+        workdir / "source",
+        model="bench",
+        chunk_store=store,
+        signer=signer,
+        policy=policy,
+        manifest_store=LocalManifestStore(workdir / "manifests"),
+        settle_seconds=0,
     )
     shutil.rmtree(workdir / "source")  # the store holds it now
     return result.signed, store
@@ -200,9 +205,7 @@ class _Outcome(NamedTuple):
     error: str | None
 
 
-def _fan_out(
-    agents: list[_Agent], signed: SignedManifest, tracker: TrackerClient, console: Console
-) -> list[_Outcome]:
+def _fan_out(agents: list[_Agent], signed: SignedManifest, tracker: TrackerClient, console: Console) -> list[_Outcome]:
     """Run every node at once."""
     assembly_slots = threading.Semaphore(REAL_ASSEMBLIES)
     started = time.perf_counter()
@@ -285,7 +288,9 @@ def real_fanout(scenario: dict, *, parent: str | None, console: Console) -> dict
 
 
 def real_table(real: dict) -> Table:
-    out = Table(title=f"real bytes: {real['real_artifact_bytes'] / GIB:.2f} GiB to {real['real_nodes']} agents on loopback")
+    out = Table(
+        title=f"real bytes: {real['real_artifact_bytes'] / GIB:.2f} GiB to {real['real_nodes']} agents on loopback"
+    )
     for column in ("verified", "origin egress/size", "peer bytes/size", "bad chunks", "p50 s", "max s"):
         out.add_column(column, justify="right", no_wrap=True)
     out.add_row(

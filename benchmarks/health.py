@@ -42,9 +42,9 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, log, onboard_tenant, wait_for  # noqa: E402
+from common import add_temporal_db_arg, bench_stack, log, onboard_tenant, wait_for
 
-from gpucloud.config import Settings  # noqa: E402
+from gpucloud.config import Settings
 
 APPLICATION_XIDS = (13, 31, 43, 45, 68)
 FATAL_XID = 79
@@ -80,8 +80,10 @@ class Probe:
 
     def milestones(self, victim: str, allocation_id: str) -> dict[str, datetime]:
         """pulled / replacement_started / ready for one victim, as far as they happened."""
-        events = self.rows("SELECT seq, kind, node_id, reason, at FROM allocationevent "
-                           "WHERE allocation_id = :a ORDER BY seq", a=allocation_id)
+        events = self.rows(
+            "SELECT seq, kind, node_id, reason, at FROM allocationevent WHERE allocation_id = :a ORDER BY seq",
+            a=allocation_id,
+        )
         found: dict[str, datetime] = {}
         replaced_seq = None
         for seq, kind, node_id, reason, at in events:
@@ -93,12 +95,14 @@ class Probe:
                 replaced_seq = seq
             elif kind == "ready" and replaced_seq is not None and seq > replaced_seq:
                 found.setdefault("ready", _utc(at))
-        draining = self.rows("SELECT min(at) FROM nodetransition WHERE node_id = :n AND to_state = 'draining'",
-                             n=victim)[0][0]
+        draining = self.rows(
+            "SELECT min(at) FROM nodetransition WHERE node_id = :n AND to_state = 'draining'", n=victim
+        )[0][0]
         if draining is not None:
             found["pulled"] = min(found.get("pulled", _utc(draining)), _utc(draining))
-        cordoned = self.rows("SELECT min(at) FROM nodetransition WHERE node_id = :n AND event = 'cordon' "
-                             "AND actor = 'health'", n=victim)[0][0]
+        cordoned = self.rows(
+            "SELECT min(at) FROM nodetransition WHERE node_id = :n AND event = 'cordon' AND actor = 'health'", n=victim
+        )[0][0]
         if cordoned is not None:
             found["cordoned"] = _utc(cordoned)
         return found
@@ -108,13 +112,21 @@ class Probe:
         if not node_ids:
             return []
         ids = ",".join(f"'{n}'" for n in node_ids)  # ids come from our own DB, not from input
-        drained = {r[0] for r in self.rows(
-            f"SELECT DISTINCT node_id FROM nodetransition WHERE node_id IN ({ids}) "
-            "AND (event = 'drain' OR to_state IN ('draining', 'quarantined'))")}
+        drained = {
+            r[0]
+            for r in self.rows(
+                f"SELECT DISTINCT node_id FROM nodetransition WHERE node_id IN ({ids}) "
+                "AND (event = 'drain' OR to_state IN ('draining', 'quarantined'))"
+            )
+        }
         drained |= {r[0] for r in self.rows(f"SELECT id FROM node WHERE id IN ({ids}) AND drain_requested")}
-        drained |= {r[0] for r in self.rows(
-            f"SELECT DISTINCT node_id FROM allocationevent WHERE node_id IN ({ids}) "
-            "AND kind IN ('degraded', 'fault_notice')")}
+        drained |= {
+            r[0]
+            for r in self.rows(
+                f"SELECT DISTINCT node_id FROM allocationevent WHERE node_id IN ({ids}) "
+                "AND kind IN ('degraded', 'fault_notice')"
+            )
+        }
         return sorted(drained)
 
 
@@ -137,11 +149,15 @@ def hold_back_spares(api: httpx.Client, probe: Probe) -> list[str]:
     for node_id, pod, *_ in probe.nodes():
         by_pod[pod].append(node_id)
     full = max(len(v) for v in by_pod.values())
-    held = [n for ids in by_pod.values() if len(ids) == full
-            for n in sorted(ids)[-max(1, int(len(ids) * SPARE_SHARE)):]]
+    held = [
+        n for ids in by_pod.values() if len(ids) == full for n in sorted(ids)[-max(1, int(len(ids) * SPARE_SHARE)) :]
+    ]
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda n: api.post(f"/v1/nodes/{n}/cordon", json={"reason": "bench spare"}).raise_for_status(),
-                      held))
+        list(
+            pool.map(
+                lambda n: api.post(f"/v1/nodes/{n}/cordon", json={"reason": "bench spare"}).raise_for_status(), held
+            )
+        )
     return held
 
 
@@ -150,12 +166,14 @@ def allocate(api: httpx.Client, settings: Settings, engine: sa.Engine, gangs: in
     keys = []
     for i in range(TENANTS):
         keys.append(onboard_tenant(api, f"bench-{i}"))
-    clients = [httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {k}"}, timeout=300)
-               for k in keys]
+    clients = [
+        httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {k}"}, timeout=300) for k in keys
+    ]
     allocations = {}
     for i in range(gangs):
-        resp = clients[i % TENANTS].post("/v1/allocations", json={"gpu_type": "H100", "node_count": GANG,
-                                                                  "region": "us-east-1"})
+        resp = clients[i % TENANTS].post(
+            "/v1/allocations", json={"gpu_type": "H100", "node_count": GANG, "region": "us-east-1"}
+        )
         resp.raise_for_status()
         allocations[resp.json()["allocation"]["id"]] = keys[i % TENANTS]
     wait_for(engine, "active", gangs * GANG, "provisioning", 1800)
@@ -217,11 +235,18 @@ def application_xids(api: httpx.Client, probe: Probe, total: int, exclude: set[s
     rng = random.Random(7)
     targets = rng.sample(active, min(len(active), max(1, total // 5)))
     now = datetime.now(UTC).isoformat()
-    events = [{"node_id": targets[i % len(targets)], "gpu_index": rng.randrange(8),
-               "xid": APPLICATION_XIDS[i % len(APPLICATION_XIDS)], "timestamp": now} for i in range(total)]
+    events = [
+        {
+            "node_id": targets[i % len(targets)],
+            "gpu_index": rng.randrange(8),
+            "xid": APPLICATION_XIDS[i % len(APPLICATION_XIDS)],
+            "timestamp": now,
+        }
+        for i in range(total)
+    ]
     pulls = 0
     for i in range(0, total, 100):
-        resp = api.post("/v1/agents/events", json={"events": events[i:i + 100]})
+        resp = api.post("/v1/agents/events", json={"events": events[i : i + 100]})
         resp.raise_for_status()
         pulls += sum(1 for d in resp.json()["decisions"] if d["pull"] or d["action"] not in ("none", "watch"))
     return targets, pulls
@@ -238,8 +263,12 @@ def main() -> None:
     parser.add_argument("--singles", type=int, default=None, help="single fatal XIDs, one at a time (50)")
     parser.add_argument("--burst", type=int, default=None, help="nodes in the fatal burst (150)")
     parser.add_argument("--app-xids", type=int, default=1000)
-    parser.add_argument("--breaker-share", type=float, default=0.5,
-                        help="GPUCLOUD_BREAKER_MAX_PULLED_SHARE for this run, so the burst is allowed")
+    parser.add_argument(
+        "--breaker-share",
+        type=float,
+        default=0.5,
+        help="GPUCLOUD_BREAKER_MAX_PULLED_SHARE for this run, so the burst is allowed",
+    )
     add_temporal_db_arg(parser)
     args = parser.parse_args()
     nodes = 100 if args.quick else args.nodes
@@ -260,7 +289,7 @@ def main() -> None:
         inventory = httpx.get(f"{settings.sim_url}/v1/inventory").json()
         log(f"bring-up: {nodes} nodes")
         for i in range(0, len(inventory), 500):
-            api.post("/v1/nodes:enroll", json={"nodes": inventory[i:i + 500]}).raise_for_status()
+            api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 500]}).raise_for_status()
         wait_for(engine, "available", nodes, "bring-up", 1800)
         _table_names(engine)
 
@@ -287,14 +316,15 @@ def main() -> None:
         pulled = latencies(single_starts, single_marks, "pulled")
         started = latencies(single_starts, single_marks, "replacement_started")
         ready = latencies(single_starts, single_marks, "ready")
-        log(f"  cordoned p99 {percentile(cordon, 99):.3f}s, pulled p50 {percentile(pulled, 50):.3f}s, replacement started p99 {percentile(started, 99):.3f}s, "
-            f"ready again p99 {percentile(ready, 99):.3f}s")
+        log(
+            f"  cordoned p99 {percentile(cordon, 99):.3f}s, pulled p50 {percentile(pulled, 50):.3f}s, replacement started p99 {percentile(started, 99):.3f}s, "
+            f"ready again p99 {percentile(ready, 99):.3f}s"
+        )
 
         log(f"burst: XID {FATAL_XID} on {burst} nodes at once")
         burst_victims = victims[singles:]
         with ThreadPoolExecutor(min(64, burst)) as pool:
-            burst_starts = dict(zip(burst_victims, pool.map(lambda v: inject(api, v[0]), burst_victims),
-                                    strict=True))
+            burst_starts = dict(zip(burst_victims, pool.map(lambda v: inject(api, v[0]), burst_victims), strict=True))
         burst_began = min(burst_starts.values())
         burst_marks = wait_milestones(probe, burst_victims, "cordoned", 600)
         burst_cordon = latencies(burst_starts, burst_marks, "cordoned")
@@ -305,8 +335,10 @@ def main() -> None:
         # (the allocation workflow replaces one node at a time): report the first ones apart.
         firsts = {v: t for v, t in burst_starts.items() if v == next(b for b in burst_victims if b[1] == v[1])}
         burst_pulled_first = latencies(firsts, burst_marks, "pulled")
-        log(f"  pulled p99 {percentile(burst_pulled, 99):.3f}s "
-            f"(first fault of its allocation: p99 {percentile(burst_pulled_first, 99):.3f}s)")
+        log(
+            f"  pulled p99 {percentile(burst_pulled, 99):.3f}s "
+            f"(first fault of its allocation: p99 {percentile(burst_pulled_first, 99):.3f}s)"
+        )
         burst_marks = wait_milestones(probe, burst_victims, "ready", 900)
         burst_ready = latencies(burst_starts, burst_marks, "ready")
         last_pulled = max(m["pulled"] for m in burst_marks.values())
@@ -316,27 +348,42 @@ def main() -> None:
         stack.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
 
-    print(json.dumps({
-        "temporal_db": args.temporal_db, "nodes": nodes, "allocations": len(allocations),
-        "spare_nodes": len(held), "singles": singles,
-        "cordon_p50_s": _rounded(percentile(cordon, 50)), "cordon_p99_s": _rounded(percentile(cordon, 99)),
-        "cordon_max_s": _rounded(max(cordon)),
-        "pulled_p50_s": _rounded(percentile(pulled, 50)), "pulled_p99_s": _rounded(percentile(pulled, 99)),
-        "replacement_started_p50_s": _rounded(percentile(started, 50)),
-        "replacement_started_p99_s": _rounded(percentile(started, 99)),
-        "ready_again_p50_s": _rounded(percentile(ready, 50)), "ready_again_p99_s": _rounded(percentile(ready, 99)),
-        "burst_nodes": burst, "burst_cordon_p50_s": _rounded(percentile(burst_cordon, 50)),
-        "burst_cordon_p99_s": _rounded(percentile(burst_cordon, 99)),
-        "burst_allocations": len(firsts),
-        "burst_pulled_p99_s": _rounded(percentile(burst_pulled, 99)),
-        "burst_pulled_first_in_allocation_p99_s": _rounded(percentile(burst_pulled_first, 99)),
-        "burst_last_pulled_s": _rounded((last_pulled - burst_began).total_seconds()),
-        "burst_ready_again_p99_s": _rounded(percentile(burst_ready, 99)),
-        "burst_ready_again_mean_s": _rounded(statistics.fmean(burst_ready)),
-        "app_xids": args.app_xids, "app_xid_nodes": len(app_nodes), "app_xid_pull_decisions": app_pulls,
-        "false_drains": len(false_drains), "breaker_max_pulled_share": args.breaker_share,
-        "operator_alerts": len(alerts), "final_states": dict(sorted(states.items())),
-    }))
+    print(
+        json.dumps(
+            {
+                "temporal_db": args.temporal_db,
+                "nodes": nodes,
+                "allocations": len(allocations),
+                "spare_nodes": len(held),
+                "singles": singles,
+                "cordon_p50_s": _rounded(percentile(cordon, 50)),
+                "cordon_p99_s": _rounded(percentile(cordon, 99)),
+                "cordon_max_s": _rounded(max(cordon)),
+                "pulled_p50_s": _rounded(percentile(pulled, 50)),
+                "pulled_p99_s": _rounded(percentile(pulled, 99)),
+                "replacement_started_p50_s": _rounded(percentile(started, 50)),
+                "replacement_started_p99_s": _rounded(percentile(started, 99)),
+                "ready_again_p50_s": _rounded(percentile(ready, 50)),
+                "ready_again_p99_s": _rounded(percentile(ready, 99)),
+                "burst_nodes": burst,
+                "burst_cordon_p50_s": _rounded(percentile(burst_cordon, 50)),
+                "burst_cordon_p99_s": _rounded(percentile(burst_cordon, 99)),
+                "burst_allocations": len(firsts),
+                "burst_pulled_p99_s": _rounded(percentile(burst_pulled, 99)),
+                "burst_pulled_first_in_allocation_p99_s": _rounded(percentile(burst_pulled_first, 99)),
+                "burst_last_pulled_s": _rounded((last_pulled - burst_began).total_seconds()),
+                "burst_ready_again_p99_s": _rounded(percentile(burst_ready, 99)),
+                "burst_ready_again_mean_s": _rounded(statistics.fmean(burst_ready)),
+                "app_xids": args.app_xids,
+                "app_xid_nodes": len(app_nodes),
+                "app_xid_pull_decisions": app_pulls,
+                "false_drains": len(false_drains),
+                "breaker_max_pulled_share": args.breaker_share,
+                "operator_alerts": len(alerts),
+                "final_states": dict(sorted(states.items())),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def postgres_reachable(url: str) -> bool:
             connection.execute(text("SELECT 1"))
         engine.dispose()
         return True
-    except Exception:  # noqa: BLE001 - any failure means "no Postgres for this run"
+    except Exception:
         return False
 
 
@@ -118,8 +118,16 @@ def batch_bodies(batches: int) -> list[bytes]:
     for number in range(batches):
         node, allocation, tenant = f"node-{number:05d}", f"alloc-{number % 50:03d}", f"tenant-{number % 10:02d}"
         samples = [
-            {"node_id": node, "seq": seq + 1, "allocation_id": allocation, "tenant_id": tenant, "gpu_type": "h100",
-             "gpu_count": 8, "start_ms": start + seq * MINUTE, "end_ms": start + (seq + 1) * MINUTE}
+            {
+                "node_id": node,
+                "seq": seq + 1,
+                "allocation_id": allocation,
+                "tenant_id": tenant,
+                "gpu_type": "h100",
+                "gpu_count": 8,
+                "start_ms": start + seq * MINUTE,
+                "end_ms": start + (seq + 1) * MINUTE,
+            }
             for seq in range(BATCH)
         ]
         bodies.append(json.dumps({"samples": samples}, separators=(",", ":")).encode())
@@ -130,8 +138,14 @@ def seed_ledger(client: httpx.Client) -> None:
     price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
     client.post("/v1/price-book/versions", json=price_book).raise_for_status()
     for number in range(50):
-        event = {"event_id": f"start-{number}", "allocation_id": f"alloc-{number:03d}",
-                 "tenant_id": f"tenant-{number % 10:02d}", "kind": "start", "at_ms": 0, "gpu_type": "h100"}
+        event = {
+            "event_id": f"start-{number}",
+            "allocation_id": f"alloc-{number:03d}",
+            "tenant_id": f"tenant-{number % 10:02d}",
+            "kind": "start",
+            "at_ms": 0,
+            "gpu_type": "h100",
+        }
         client.post("/v1/allocation-events", json=event).raise_for_status()
 
 
@@ -160,8 +174,9 @@ def measure_ingest(
                             if not queue:
                                 return
                             _, body = queue.pop(0)
-                        response = client.post("/v1/usage:batch", content=body,
-                                               headers={"content-type": "application/json"})
+                        response = client.post(
+                            "/v1/usage:batch", content=body, headers={"content-type": "application/json"}
+                        )
                         response.raise_for_status()
                         with lock:
                             accepted[0] += response.json()["accepted"]
@@ -172,7 +187,7 @@ def measure_ingest(
             def guarded_shipper() -> None:
                 try:
                     shipper()
-                except BaseException as error:  # noqa: BLE001 - reported below with the ledger's log
+                except BaseException as error:
                     failures.append(error)
 
             threads = [threading.Thread(target=guarded_shipper) for _ in range(clients)]
@@ -211,29 +226,47 @@ def bulk_load_period(database_url: str, events: int) -> dict:
             samples = allocation_nodes * per_node
             gpu_ms, amount = samples * 8 * MINUTE, samples * 332_000
             tenant = f"tenant-{allocation % tenants:03d}"
-            values = {"id": allocation + 1, "tenant": tenant, "allocation": f"alloc-{allocation:05d}",
-                      "gpu_ms": gpu_ms, "amount": amount, "count": samples,
-                      "max_start": start + (per_node - 1) * MINUTE,
-                      "receivable": f"tenant:{tenant}:receivable"}
-            connection.execute(text(
-                "INSERT INTO postings (id, kind, billing_period, usage_period, tenant_id, allocation_id, gpu_type,"
-                " price_version_id, gpu_ms, amount_micro, sample_count, created_ms) VALUES"
-                " (:id, 'usage', '2024-01', '2024-01', :tenant, :allocation, 'h100', 1, :gpu_ms, :amount, :count, 0)"),
-                values)
-            connection.execute(text(
-                "INSERT INTO entry_lines (posting_id, account, side, amount_micro) VALUES"
-                " (:id, :receivable, 'debit', :amount),"
-                " (:id, 'revenue:gpu:h100', 'credit', :amount)"), values)
-            connection.execute(text(
-                "INSERT INTO rating_accumulators VALUES ('2024-01', '2024-01', :tenant, :allocation, 'h100', 1,"
-                " :gpu_ms, :amount, :max_start)"), values)
+            values = {
+                "id": allocation + 1,
+                "tenant": tenant,
+                "allocation": f"alloc-{allocation:05d}",
+                "gpu_ms": gpu_ms,
+                "amount": amount,
+                "count": samples,
+                "max_start": start + (per_node - 1) * MINUTE,
+                "receivable": f"tenant:{tenant}:receivable",
+            }
+            connection.execute(
+                text(
+                    "INSERT INTO postings (id, kind, billing_period, usage_period, tenant_id, allocation_id, gpu_type,"
+                    " price_version_id, gpu_ms, amount_micro, sample_count, created_ms) VALUES"
+                    " (:id, 'usage', '2024-01', '2024-01', :tenant, :allocation, 'h100', 1, :gpu_ms, :amount, :count, 0)"
+                ),
+                values,
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO entry_lines (posting_id, account, side, amount_micro) VALUES"
+                    " (:id, :receivable, 'debit', :amount),"
+                    " (:id, 'revenue:gpu:h100', 'credit', :amount)"
+                ),
+                values,
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO rating_accumulators VALUES ('2024-01', '2024-01', :tenant, :allocation, 'h100', 1,"
+                    " :gpu_ms, :amount, :max_start)"
+                ),
+                values,
+            )
     chunk = 500_000 // per_node * per_node or per_node
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"bulk-loading {events:,} samples", total=events)
         for first in range(0, events, chunk):
             count = min(chunk, events - first)
             with database.write() as connection:
-                connection.execute(text(f"""
+                connection.execute(
+                    text(f"""
                     WITH RECURSIVE s(i) AS (SELECT {first} UNION ALL SELECT i + 1 FROM s WHERE i < {first + count - 1})
                     INSERT INTO usage_samples (node_id, seq, allocation_id, tenant_id, gpu_type, gpu_count, start_ms,
                         end_ms, gpu_ms, amount_micro, price_version_id, usage_period, billing_period, posting_id,
@@ -244,7 +277,8 @@ def bulk_load_period(database_url: str, events: int) -> dict:
                         {start} + (i % {per_node}) * {MINUTE}, {start} + (i % {per_node} + 1) * {MINUTE},
                         {8 * MINUTE}, 332000, 1, '2024-01', '2024-01',
                         i / {per_node} / {nodes_per_allocation} + 1, 0
-                    FROM s"""))
+                    FROM s""")
+                )
             progress.advance(task, count)
     database.dispose()
     return {"events": events, "tenants": min(tenants, allocations), "expected_total": events * 332_000}
@@ -276,14 +310,19 @@ def main() -> None:
     batches = 10 if args.quick else 40
     close_events = 200_000 if args.quick else 10_000_000
     results: dict[str, object] = {
-        "quick": args.quick, "batch_size": BATCH, "ingest_batches": batches, "clients": args.clients,
-        "cpus": os.cpu_count(), "load_average_before": round(os.getloadavg()[0], 2),
+        "quick": args.quick,
+        "batch_size": BATCH,
+        "ingest_batches": batches,
+        "clients": args.clients,
+        "cpus": os.cpu_count(),
+        "load_average_before": round(os.getloadavg()[0], 2),
     }
     bodies = batch_bodies(batches)
     with tempfile.TemporaryDirectory(prefix="ledger-bench-") as scratch:
         scratch_dir = Path(scratch)
         rate, cpu = measure_ingest(
-            "SQLite", f"sqlite:///{scratch_dir / 'ingest.db'}", bodies, args.clients, scratch_dir / "sqlite.log")
+            "SQLite", f"sqlite:///{scratch_dir / 'ingest.db'}", bodies, args.clients, scratch_dir / "sqlite.log"
+        )
         results["ingest_events_per_s_sqlite"] = round(rate)
         # The wall-clock rate depends on what else the machine runs; CPU per event much less.
         results["ingest_ledger_cpu_us_per_event_sqlite"] = round(cpu, 2)
@@ -306,8 +345,11 @@ def main() -> None:
     table.add_column("target", justify="right")
     targets = {"ingest_events_per_s_sqlite": ">= 50,000", "close_s": "<= 120 (10M events)"}
     for key, value in results.items():
-        table.add_row(key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value),
-                      targets.get(key, ""))
+        table.add_row(
+            key,
+            f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value),
+            targets.get(key, ""),
+        )
     console.print(table)
     print(json.dumps(results))
 

@@ -44,18 +44,18 @@ import sqlalchemy as sa
 from sqlmodel import select
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, log, wait_for  # noqa: E402
+from common import add_temporal_db_arg, bench_stack, log, wait_for
 
-from gpucloud.activities.storage import TENANT_RECORD  # noqa: E402
-from gpucloud.config import Settings  # noqa: E402
-from gpucloud.db import session_scope  # noqa: E402
-from gpucloud.fabric.http_clients import HttpFabricController  # noqa: E402
-from gpucloud.fabric.interface import DEFAULT_PKEY, FabricNode, FabricSnapshot  # noqa: E402
-from gpucloud.fabric.isolation import find_violations  # noqa: E402
-from gpucloud.fabric.membership import read_snapshot, resource_name  # noqa: E402
-from gpucloud.models.tables import Allocation, Node, NodeTransition, Tenant  # noqa: E402
-from gpucloud.storage.bootstrap import open_tenant_store  # noqa: E402
-from gpucloud.storage.tenant import tenant_prefix  # noqa: E402
+from gpucloud.activities.storage import TENANT_RECORD
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.fabric.http_clients import HttpFabricController
+from gpucloud.fabric.interface import DEFAULT_PKEY, FabricNode, FabricSnapshot
+from gpucloud.fabric.isolation import find_violations
+from gpucloud.fabric.membership import read_snapshot, resource_name
+from gpucloud.models.tables import Allocation, Node, NodeTransition, Tenant
+from gpucloud.storage.bootstrap import open_tenant_store
+from gpucloud.storage.tenant import tenant_prefix
 
 OPERATOR = {"Authorization": "Bearer bench-token"}
 SLICE = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
@@ -73,6 +73,7 @@ def percentile(values: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------- onboarding
 
+
 async def onboard_all(settings: Settings, names: list[str], concurrency: int) -> tuple[list[dict], list[str], float]:
     """Onboard every name, `concurrency` at a time. Returns the tenants (id, key, op, latency),
     the failures, and the wall time."""
@@ -81,6 +82,7 @@ async def onboard_all(settings: Settings, names: list[str], concurrency: int) ->
     failures: list[str] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=settings.api_url, headers=OPERATOR, timeout=120, limits=limits) as api:
+
         async def one(name: str) -> None:
             async with gate:
                 started = time.monotonic()
@@ -101,11 +103,13 @@ async def onboard_all(settings: Settings, names: list[str], concurrency: int) ->
                 latency = time.monotonic() - started
                 tenant = (await api.get(f"/v1/tenants/{body['id']}")).json()
                 if op.get("status") != "succeeded" or tenant.get("status") != "active":
-                    failures.append(f"{name}: operation {op.get('status')} ({op.get('error')}), "
-                                    f"tenant {tenant.get('status')}")
+                    failures.append(
+                        f"{name}: operation {op.get('status')} ({op.get('error')}), tenant {tenant.get('status')}"
+                    )
                     return
-                done.append({"id": body["id"], "name": name, "key": body["api_key"]["key"], "op": op_id,
-                             "latency_s": latency})
+                done.append(
+                    {"id": body["id"], "name": name, "key": body["api_key"]["key"], "op": op_id, "latency_s": latency}
+                )
                 if len(done) % 20 == 0:
                     log(f"  {len(done)}/{len(names)} active")
 
@@ -116,10 +120,15 @@ async def onboard_all(settings: Settings, names: list[str], concurrency: int) ->
 
 # ---------------------------------------------------------------- allocate and release
 
+
 def allocation_statuses(engine: sa.Engine, ids: list[str]) -> dict[str, str]:
     with engine.connect() as conn:
-        rows = conn.execute(sa.text("SELECT id, status FROM allocation WHERE id IN :ids")
-                            .bindparams(sa.bindparam("ids", expanding=True)), {"ids": ids}).all()
+        rows = conn.execute(
+            sa.text("SELECT id, status FROM allocation WHERE id IN :ids").bindparams(
+                sa.bindparam("ids", expanding=True)
+            ),
+            {"ids": ids},
+        ).all()
     return dict(rows)
 
 
@@ -128,11 +137,13 @@ async def allocate_wave(settings: Settings, wave: list[dict]) -> list[str]:
     gate = asyncio.Semaphore(16)
     failures: list[str] = []
     async with httpx.AsyncClient(base_url=settings.api_url, timeout=120) as api:
+
         async def one(t: dict) -> None:
             async with gate:
                 for attempt in range(20):
-                    resp = await api.post("/v1/allocations", json=SLICE,
-                                          headers={"Authorization": f"Bearer {t['key']}"})
+                    resp = await api.post(
+                        "/v1/allocations", json=SLICE, headers={"Authorization": f"Bearer {t['key']}"}
+                    )
                     if resp.status_code == 202:
                         t["alloc"] = resp.json()["allocation"]["id"]
                         return
@@ -149,10 +160,12 @@ async def cancel_wave(settings: Settings, wave: list[dict]) -> list[str]:
     gate = asyncio.Semaphore(16)
     failures: list[str] = []
     async with httpx.AsyncClient(base_url=settings.api_url, timeout=120) as api:
+
         async def one(t: dict) -> None:
             async with gate:
-                resp = await api.post(f"/v1/allocations/{t['alloc']}/cancel",
-                                      headers={"Authorization": f"Bearer {t['key']}"})
+                resp = await api.post(
+                    f"/v1/allocations/{t['alloc']}/cancel", headers={"Authorization": f"Bearer {t['key']}"}
+                )
                 if resp.status_code not in (200, 202):
                     failures.append(f"{t['name']}: cancel {resp.status_code} {resp.text[:200]}")
 
@@ -179,21 +192,29 @@ def wait_allocations(engine: sa.Engine, ids: list[str], want: set[str], what: st
 
 # ---------------------------------------------------------------- checks
 
+
 def read_nodes(settings: Settings) -> tuple[dict[str, FabricNode], dict[str, str]]:
     """The fabric topology, and who holds each node: the tenant whose data is on it, else the
     tenant of the allocation it is reserved for."""
     with session_scope(settings.db_url) as session:
         owner = dict(session.exec(select(Allocation.id, Allocation.tenant_id)).all())
         nodes = session.exec(select(Node)).all()
-        topology = {n.id: FabricNode(node_id=n.id, port_guids=tuple(n.ib_port_guids or ()),
-                                     nvl_domain=n.nvlink_domain, gpu_uids=tuple(n.gpu_uids or ()))
-                    for n in nodes}
+        topology = {
+            n.id: FabricNode(
+                node_id=n.id,
+                port_guids=tuple(n.ib_port_guids or ()),
+                nvl_domain=n.nvlink_domain,
+                gpu_uids=tuple(n.gpu_uids or ()),
+            )
+            for n in nodes
+        }
         held = {n.id: n.tenant_id or owner.get(n.allocation_id) for n in nodes if n.tenant_id or n.allocation_id}
     return topology, {k: v for k, v in held.items() if v}
 
 
-def fabric_check(settings: Settings, fabric_url: str, allocations: dict[str, tuple[str, str]] | None = None
-                 ) -> tuple[list[str], int, FabricSnapshot]:
+def fabric_check(
+    settings: Settings, fabric_url: str, allocations: dict[str, tuple[str, str]] | None = None
+) -> tuple[list[str], int, FabricSnapshot]:
     """Isolation violations in the managers' state now (a finding must show against the node
     holders read both before and after the snapshot), and with `allocations` (id -> (tenant,
     node)) how many of them lack their membership."""
@@ -235,7 +256,9 @@ def vpc_check(settings: Settings, fabric_url: str, tenant_ids: set[str]) -> list
         if len(vnis) != 1:
             found.append(f"vpc_count: tenant {tenant_id} has {len(vnis)} VPCs")
         elif vni_of.get(tenant_id) != vnis[0]:
-            found.append(f"vni_mismatch: tenant {tenant_id} has VNI {vnis[0]} on the SDN, {vni_of.get(tenant_id)} in the DB")
+            found.append(
+                f"vni_mismatch: tenant {tenant_id} has VNI {vnis[0]} on the SDN, {vni_of.get(tenant_id)} in the DB"
+            )
     if len(set(v for v in vni_of.values() if v is not None)) != sum(1 for v in vni_of.values() if v is not None):
         found.append("vni_shared_in_db")
     return found
@@ -264,7 +287,7 @@ def storage_check(settings: Settings, tenants: list[dict]) -> tuple[list[str], i
     keys = store.backend.list_keys("")
     for key in keys:
         if key.startswith(KEY_RECORDS):
-            owner = key[len(KEY_RECORDS):].removesuffix(".json")
+            owner = key[len(KEY_RECORDS) :].removesuffix(".json")
             if owner not in known:
                 found.append(f"key_record_of_unknown_tenant: {key}")
             continue
@@ -275,7 +298,7 @@ def storage_check(settings: Settings, tenants: list[dict]) -> tuple[list[str], i
         storage = store.tenant(tenant_id)
         try:
             record = json.loads(storage.get_encrypted(TENANT_RECORD))
-        except Exception as exc:  # noqa: BLE001 - any failure to open is a finding
+        except Exception as exc:
             found.append(f"record_unreadable: tenant {tenant_id}: {type(exc).__name__}: {exc}")
             continue
         if record.get("tenant_id") != tenant_id:
@@ -287,7 +310,7 @@ def storage_check(settings: Settings, tenants: list[dict]) -> tuple[list[str], i
             try:
                 store.keys.decrypt(other, store.backend.get(full_key), context=full_key)
                 found.append(f"cross_key_opens: tenant {other}'s key opens {full_key}")
-            except Exception:  # noqa: BLE001 - refusing is the point
+            except Exception:
                 pass
     return found, len(keys)
 
@@ -297,6 +320,7 @@ async def api_check(settings: Settings, tenants: list[dict]) -> list[str]:
     found: list[str] = []
     gate = asyncio.Semaphore(16)
     async with httpx.AsyncClient(base_url=settings.api_url, timeout=60) as api:
+
         async def one(i: int) -> None:
             me, other = tenants[i], tenants[(i + 1) % len(tenants)]
             if me is other:
@@ -349,6 +373,7 @@ def wipe_check(settings: Settings) -> tuple[list[str], int]:
 
 # ---------------------------------------------------------------- main
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tenants", type=int, default=200)
@@ -385,33 +410,41 @@ def main() -> None:
         for f in failed:
             log(f"  FAILED {f}")
         latencies = [t["latency_s"] for t in tenants]
-        log(f"  {len(tenants)} active in {onboard_wall_s:.1f} s; p50 {percentile(latencies, 50):.2f} s, "
-            f"p99 {percentile(latencies, 99):.2f} s")
+        log(
+            f"  {len(tenants)} active in {onboard_wall_s:.1f} s; p50 {percentile(latencies, 50):.2f} s, "
+            f"p99 {percentile(latencies, 99):.2f} s"
+        )
         tenants.sort(key=lambda t: t["name"])
 
         log(f"allocate and release: 1 node each, waves of {nodes}")
         alloc_failed: list[str] = []
         started = time.monotonic()
         for w in range(0, len(tenants), nodes):
-            wave = tenants[w:w + nodes]
+            wave = tenants[w : w + nodes]
             wave_started = time.monotonic()
             alloc_failed += asyncio.run(allocate_wave(settings, wave))
             ids = [t["alloc"] for t in wave if "alloc" in t]
             statuses = wait_allocations(engine, ids, {"ready"}, f"wave {w // nodes + 1} ready", 900)
             ready = {t["alloc"] for t in wave if statuses.get(t.get("alloc")) == "ready"}
-            alloc_failed += [f"{t['name']}: allocation {statuses.get(t['alloc'])}" for t in wave
-                             if "alloc" in t and t["alloc"] not in ready]
+            alloc_failed += [
+                f"{t['name']}: allocation {statuses.get(t['alloc'])}"
+                for t in wave
+                if "alloc" in t and t["alloc"] not in ready
+            ]
             with session_scope(settings.db_url) as session:
-                rows = session.exec(select(Allocation.id, Allocation.tenant_id, Allocation.node_ids)
-                                    .where(Allocation.id.in_(ready))).all()
+                rows = session.exec(
+                    select(Allocation.id, Allocation.tenant_id, Allocation.node_ids).where(Allocation.id.in_(ready))
+                ).all()
             held = {a: (tenant, node_ids[0]) for a, tenant, node_ids in rows if node_ids}
             found, missing, snapshot = fabric_check(settings, fabric_url, held)
             peak_pkeys = max(peak_pkeys, sum(1 for p in snapshot.pkeys if p.pkey != DEFAULT_PKEY))
             violations.setdefault("fabric_at_peak", []).extend(found)
             unapplied += missing
-            log(f"  peak: {len(held)} allocations held, {len(snapshot.pkeys) - 1} pkeys, "
+            log(
+                f"  peak: {len(held)} allocations held, {len(snapshot.pkeys) - 1} pkeys, "
                 f"{sum(len(v.nodes) for v in snapshot.vpcs)} VPC attachments; "
-                f"{len(found)} violations, {missing} without membership")
+                f"{len(found)} violations, {missing} without membership"
+            )
             alloc_failed += asyncio.run(cancel_wave(settings, wave))
             wait_allocations(engine, ids, {"released"}, "released", 900)
             wait_for(engine, "available", nodes, "fleet available again", 900)
@@ -442,20 +475,33 @@ def main() -> None:
         shutil.rmtree(data_dir, ignore_errors=True)
 
     failed_names = {f.split(":", 1)[0] for f in failed + alloc_failed}
-    print(json.dumps({
-        "temporal_db": args.temporal_db, "tenants": tenants_n, "nodes": nodes, "concurrency": concurrency,
-        "tenants_onboarded": len(tenants), "tenants_failed": len(failed_names),
-        "onboard_p50_s": round(percentile(latencies, 50), 3), "onboard_p99_s": round(percentile(latencies, 99), 3),
-        "onboard_mean_s": round(statistics.fmean(latencies), 3) if latencies else None,
-        "onboard_max_s": round(max(latencies), 3) if latencies else None,
-        "onboard_wall_s": round(onboard_wall_s, 2), "onboard_per_s": round(len(tenants) / onboard_wall_s, 2),
-        "allocate_release_s": round(allocate_release_s, 2), "waves": len(wave_times),
-        "wave_s_mean": round(statistics.fmean(wave_times), 2) if wave_times else None,
-        "peak_pkeys": peak_pkeys, "fabric_unapplied": unapplied, "storage_objects": objects,
-        "node_handovers_checked": handovers,
-        "violations_by_check": {k: len(v) for k, v in violations.items()},
-        "isolation_violations": sum(len(v) for v in violations.values()),
-    }))
+    print(
+        json.dumps(
+            {
+                "temporal_db": args.temporal_db,
+                "tenants": tenants_n,
+                "nodes": nodes,
+                "concurrency": concurrency,
+                "tenants_onboarded": len(tenants),
+                "tenants_failed": len(failed_names),
+                "onboard_p50_s": round(percentile(latencies, 50), 3),
+                "onboard_p99_s": round(percentile(latencies, 99), 3),
+                "onboard_mean_s": round(statistics.fmean(latencies), 3) if latencies else None,
+                "onboard_max_s": round(max(latencies), 3) if latencies else None,
+                "onboard_wall_s": round(onboard_wall_s, 2),
+                "onboard_per_s": round(len(tenants) / onboard_wall_s, 2),
+                "allocate_release_s": round(allocate_release_s, 2),
+                "waves": len(wave_times),
+                "wave_s_mean": round(statistics.fmean(wave_times), 2) if wave_times else None,
+                "peak_pkeys": peak_pkeys,
+                "fabric_unapplied": unapplied,
+                "storage_objects": objects,
+                "node_handovers_checked": handovers,
+                "violations_by_check": {k: len(v) for k, v in violations.items()},
+                "isolation_violations": sum(len(v) for v in violations.values()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

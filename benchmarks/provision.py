@@ -26,7 +26,7 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
+from common import (
     ACTIVITIES_PER_NODE,
     add_temporal_db_arg,
     baseline,
@@ -60,7 +60,7 @@ def main() -> None:
         log(f"bring-up: {nodes} nodes enrolled -> available")
         started = time.monotonic()
         for i in range(0, len(inventory), 500):
-            api.post("/v1/nodes:enroll", json={"nodes": inventory[i:i + 500]}).raise_for_status()
+            api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 500]}).raise_for_status()
         bringup_s = (time.monotonic() - started) + wait_for(engine, "available", nodes, "bring-up", 1800)
 
         key = onboard_tenant(api, "bench")
@@ -84,11 +84,21 @@ def main() -> None:
         shutil.rmtree(data_dir, ignore_errors=True)
 
     nodes_per_s = nodes / bringup_s
-    print(json.dumps({
-        "temporal_db": args.temporal_db, "nodes": nodes, "bringup_s": round(bringup_s, 2), "nodes_per_s": round(nodes_per_s, 2),
-        "baseline_nodes_per_s": round(baseline_nodes_per_s, 2), "ratio": round(nodes_per_s / baseline_nodes_per_s, 3),
-        "allocations": gangs, "allocate_ready_s": round(allocate_s, 2), "cancel_to_available_s": round(release_s, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "temporal_db": args.temporal_db,
+                "nodes": nodes,
+                "bringup_s": round(bringup_s, 2),
+                "nodes_per_s": round(nodes_per_s, 2),
+                "baseline_nodes_per_s": round(baseline_nodes_per_s, 2),
+                "ratio": round(nodes_per_s / baseline_nodes_per_s, 3),
+                "allocations": gangs,
+                "allocate_ready_s": round(allocate_s, 2),
+                "cancel_to_available_s": round(release_s, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,19 +31,24 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, agent_floor, bench_stack, baseline, log, onboard_tenant, wait_for  # noqa: E402
+from common import add_temporal_db_arg, agent_floor, baseline, bench_stack, log, onboard_tenant, wait_for
 
-from gpucloud.activities.host_agent import BATCH_CONCURRENCY  # noqa: E402
-from gpucloud.client import connect  # noqa: E402
-from gpucloud.config import Settings  # noqa: E402
-from gpucloud.models.messages import SweepInput  # noqa: E402
-from gpucloud.workflows.reconciler import ReconcileSweepWorkflow  # noqa: E402
+from gpucloud.activities.host_agent import BATCH_CONCURRENCY
+from gpucloud.client import connect
+from gpucloud.config import Settings
+from gpucloud.models.messages import SweepInput
+from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
+
 
 async def one_sweep(settings: Settings):
     client = await connect(settings)
     started = time.monotonic()
-    result = await client.execute_workflow(ReconcileSweepWorkflow.run, SweepInput(),
-                                           id=f"bench-sweep-{uuid.uuid4().hex[:6]}", task_queue=settings.task_queue)
+    result = await client.execute_workflow(
+        ReconcileSweepWorkflow.run,
+        SweepInput(),
+        id=f"bench-sweep-{uuid.uuid4().hex[:6]}",
+        task_queue=settings.task_queue,
+    )
     return time.monotonic() - started, result
 
 
@@ -78,7 +83,7 @@ def main() -> None:
             beats = sim.get("/v1/heartbeats").json()
             drifted_ids: list[str] = []
             for i in range(0, len(beats), 5000):
-                resp = api.post("/v1/agents/heartbeats", json={"heartbeats": beats[i:i + 5000]})
+                resp = api.post("/v1/agents/heartbeats", json={"heartbeats": beats[i : i + 5000]})
                 resp.raise_for_status()
                 drifted_ids += resp.json()["drifted"]
             return {"drifted": drifted_ids}
@@ -86,7 +91,7 @@ def main() -> None:
         log(f"bring-up: {nodes} nodes enrolled -> available")
         started = time.monotonic()
         for i in range(0, len(inventory), 1000):
-            api.post("/v1/nodes:enroll", json={"nodes": inventory[i:i + 1000]}).raise_for_status()
+            api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 1000]}).raise_for_status()
         bringup_s = (time.monotonic() - started) + wait_for(engine, "available", nodes, "bring-up", 7200)
         log(f"  {nodes} available in {bringup_s:.1f} s ({nodes / bringup_s:.1f} nodes/s)")
         heartbeat()
@@ -106,8 +111,9 @@ def main() -> None:
         key = onboard_tenant(api, "bench")
         tenant_api = httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
         for _ in range(drift_n // 8):
-            tenant_api.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 8,
-                                                     "region": "us-east-1"}).raise_for_status()
+            tenant_api.post(
+                "/v1/allocations", json={"gpu_type": "H100", "node_count": 8, "region": "us-east-1"}
+            ).raise_for_status()
         wait_for(engine, "active", drift_n, "allocate the nodes that will drift", 3600)
         with engine.connect() as conn:
             victims = [r[0] for r in conn.execute(sa.text("SELECT id FROM node WHERE state = 'active'"))]
@@ -126,15 +132,26 @@ def main() -> None:
         shutil.rmtree(data_dir, ignore_errors=True)
 
     nodes_per_s = nodes / bringup_s
-    print(json.dumps({
-        "temporal_db": args.temporal_db, "nodes": nodes, "bringup_s": round(bringup_s, 1), "nodes_per_s": round(nodes_per_s, 2),
-        "baseline_nodes_per_s": round(baseline_nodes_per_s, 2), "ratio": round(nodes_per_s / baseline_nodes_per_s, 3),
-        "agent_floor_nodes_per_s": round(agent_floor_nodes_per_s, 2),
-        "ratio_vs_agent_floor": round(nodes_per_s / agent_floor_nodes_per_s, 3), "bringup_batch_size": batch,
-        "steady_sweep_s": round(steady_sweep_s, 3), "steady_starts": steady.started,
-        "steady_candidates": steady.candidates, "drifted_nodes": len(victims),
-        "drift_converge_s": round(drift_converge_s, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "temporal_db": args.temporal_db,
+                "nodes": nodes,
+                "bringup_s": round(bringup_s, 1),
+                "nodes_per_s": round(nodes_per_s, 2),
+                "baseline_nodes_per_s": round(baseline_nodes_per_s, 2),
+                "ratio": round(nodes_per_s / baseline_nodes_per_s, 3),
+                "agent_floor_nodes_per_s": round(agent_floor_nodes_per_s, 2),
+                "ratio_vs_agent_floor": round(nodes_per_s / agent_floor_nodes_per_s, 3),
+                "bringup_batch_size": batch,
+                "steady_sweep_s": round(steady_sweep_s, 3),
+                "steady_starts": steady.started,
+                "steady_candidates": steady.candidates,
+                "drifted_nodes": len(victims),
+                "drift_converge_s": round(drift_converge_s, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ console = Console(stderr=True)
 
 
 def _logging() -> None:
-    logging.basicConfig(level=os.environ.get("GPUCLOUD_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("GPUCLOUD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent call is noise
 
 
@@ -78,8 +79,12 @@ def sim(
     seed: int = 0,
     id_prefix: Annotated[str, typer.Option(help="node ids are <prefix>-00000, ...")] = "sim",
     heartbeat_interval: Annotated[float, typer.Option(help="seconds between agent heartbeats (0: none)")] = 10.0,
-    ledger_url: Annotated[str | None, typer.Option(
-        help="meter allocations' GPU time and ship it to this ledger (with --register; spools in the data dir)")] = None,
+    ledger_url: Annotated[
+        str | None,
+        typer.Option(
+            help="meter allocations' GPU time and ship it to this ledger (with --register; spools in the data dir)"
+        ),
+    ] = None,
     meter_interval: Annotated[float | None, typer.Option(help="seconds per usage sample (default: settings)")] = None,
     nvl72_racks: Annotated[int, typer.Option(help="GB200 NVL72 racks after the N nodes")] = 0,
     nvl72_trays_per_rack: Annotated[int, typer.Option(help="compute trays in each NVL72 rack")] = 18,
@@ -91,18 +96,35 @@ def sim(
 
     _logging()
     settings = get_settings()
-    spec = FleetSpec(nodes=nodes, latency_scale=latency_scale, gpu_type=gpu_type, region=region, seed=seed,
-                     id_prefix=id_prefix, nvl72_racks=nvl72_racks, nvl72_trays_per_rack=nvl72_trays_per_rack)
+    spec = FleetSpec(
+        nodes=nodes,
+        latency_scale=latency_scale,
+        gpu_type=gpu_type,
+        region=region,
+        seed=seed,
+        id_prefix=id_prefix,
+        nvl72_racks=nvl72_racks,
+        nvl72_trays_per_rack=nvl72_trays_per_rack,
+    )
     metering = None
     if ledger_url:
-        metering = MeteringSpec(ledger_url=ledger_url, spool_dir=settings.data_dir / "spools",
-                                interval_s=meter_interval or settings.meter_interval_s)
+        metering = MeteringSpec(
+            ledger_url=ledger_url,
+            spool_dir=settings.data_dir / "spools",
+            interval_s=meter_interval or settings.meter_interval_s,
+        )
     # Caches are made per node on its first weights call; keys come from the control plane's DB.
     weights = WeightsSpec(root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.db_url))
-    serve(spec, host=settings.sim_host, port=settings.sim_port,
-          control_plane_url=settings.api_url if register else None,
-          operator_token=settings.resolved_operator_token if register else None,
-          heartbeat_interval_s=heartbeat_interval, metering=metering, weights=weights)
+    serve(
+        spec,
+        host=settings.sim_host,
+        port=settings.sim_port,
+        control_plane_url=settings.api_url if register else None,
+        operator_token=settings.resolved_operator_token if register else None,
+        heartbeat_interval_s=heartbeat_interval,
+        metering=metering,
+        weights=weights,
+    )
 
 
 @app.command()
@@ -136,8 +158,9 @@ def up(
     console.print(f"ledger     {stack.ledger_url}  (billing; `gpucloud invoices`)")
     console.print(f"tracker    {settings.tracker_url}  (weight fan-out; `gpucloud rollout`)")
     console.print(f"fabric     {stack.fabric_url}  (simulated UFM, NMX-M and SDN controller)")
-    console.print(f"operator   {settings.resolved_operator_token}  "
-                  f"(also in {settings.data_dir / 'operator_token'}, mode 0600)")
+    console.print(
+        f"operator   {settings.resolved_operator_token}  (also in {settings.data_dir / 'operator_token'}, mode 0600)"
+    )
     console.print("Ctrl-C stops everything.")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops cleanly too
     try:
@@ -168,19 +191,27 @@ def agent(
     node_id: Annotated[str, typer.Option(help="this node's id, as enrolled")],
     port: Annotated[int, typer.Option(help="port of the action API")] = 8200,
     host: str = "0.0.0.0",
-    scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path("/var/lib/gpucloud/scratch"),
+    scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path(
+        "/var/lib/gpucloud/scratch"
+    ),
     heartbeat_s: float = 10.0,
     reading_s: float = 30.0,
     allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
-    ledger_url: Annotated[str | None, typer.Option(
-        help="meter usage to this billing ledger (default: GPUCLOUD_LEDGER_URL; none: not metered)")] = None,
+    ledger_url: Annotated[
+        str | None,
+        typer.Option(help="meter usage to this billing ledger (default: GPUCLOUD_LEDGER_URL; none: not metered)"),
+    ] = None,
     spool: Annotated[Path, typer.Option(help="the durable usage spool (SQLite)")] = Path(
-        "/var/lib/gpucloud/usage-spool.db"),
+        "/var/lib/gpucloud/usage-spool.db"
+    ),
     meter_interval_s: Annotated[float, typer.Option(help="usage sample interval")] = 60.0,
     gpu_type: Annotated[str | None, typer.Option(help="price-book GPU type (default: from NVML's name)")] = None,
-    token: Annotated[str | None, typer.Option(
-        envvar="GPUCLOUD_AGENT_TOKEN",
-        help="this node's agent credential (POST /v1/nodes/{id}/agent-credential)")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="GPUCLOUD_AGENT_TOKEN", help="this node's agent credential (POST /v1/nodes/{id}/agent-credential)"
+        ),
+    ] = None,
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
     from gpucloud.agent.service import main as agent_main
@@ -190,26 +221,43 @@ def agent(
     if token is None:
         # Tenants have root on the nodes they rent: the operator token must not live there.
         logging.getLogger("gpucloud.agent").warning(
-            "no agent credential (--token / GPUCLOUD_AGENT_TOKEN): using the operator token, for development only")
-    agent_main(node_id=node_id, control_plane_url=settings.api_url, token=token or settings.resolved_operator_token,
-               host=host, port=port, scratch_dir=scratch_dir, heartbeat_s=heartbeat_s, reading_s=reading_s,
-               allow_simulated=allow_simulated, ledger_url=ledger_url or settings.ledger_url, spool_path=spool,
-               meter_interval_s=meter_interval_s, gpu_type=gpu_type)
+            "no agent credential (--token / GPUCLOUD_AGENT_TOKEN): using the operator token, for development only"
+        )
+    agent_main(
+        node_id=node_id,
+        control_plane_url=settings.api_url,
+        token=token or settings.resolved_operator_token,
+        host=host,
+        port=port,
+        scratch_dir=scratch_dir,
+        heartbeat_s=heartbeat_s,
+        reading_s=reading_s,
+        allow_simulated=allow_simulated,
+        ledger_url=ledger_url or settings.ledger_url,
+        spool_path=spool,
+        meter_interval_s=meter_interval_s,
+        gpu_type=gpu_type,
+    )
 
 
 @app.command()
 def ledger(
-    port: Annotated[int | None, typer.Option(help="port of the ledger API (default: GPUCLOUD_LEDGER_PORT, 8700)")] = None,
-    database_url: Annotated[str | None, typer.Option(
-        help="the ledger's own DB (default: GPUCLOUD_LEDGER_DATABASE_URL, else SQLite in the data dir)")] = None,
+    port: Annotated[
+        int | None, typer.Option(help="port of the ledger API (default: GPUCLOUD_LEDGER_PORT, 8700)")
+    ] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(help="the ledger's own DB (default: GPUCLOUD_LEDGER_DATABASE_URL, else SQLite in the data dir)"),
+    ] = None,
 ) -> None:
     """Run the billing ledger: its own process and its own database."""
     from gpucloud.ledger.service import main as ledger_main
 
     _logging()
     settings = get_settings()
-    ledger_main(host="127.0.0.1", port=port or settings.ledger_port,
-                database_url=database_url or settings.ledger_db_url)
+    ledger_main(
+        host="127.0.0.1", port=port or settings.ledger_port, database_url=database_url or settings.ledger_db_url
+    )
 
 
 @app.command("fabric-managers")

@@ -17,8 +17,11 @@ from rich.table import Table
 
 from gpucloud.config import get_settings
 
-invoices_app = typer.Typer(add_completion=False, invoke_without_command=True,
-                           help="Invoices as tables: list them, `show ID`, or the open period's `draft`.")
+invoices_app = typer.Typer(
+    add_completion=False,
+    invoke_without_command=True,
+    help="Invoices as tables: list them, `show ID`, or the open period's `draft`.",
+)
 console = Console()
 
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
@@ -37,12 +40,24 @@ def gpu_hours(gpu_ms: int) -> str:
 
 def invoice_list_table(invoices: list[dict]) -> Table:
     table = Table(title=f"invoices ({len(invoices)})")
-    for column, justify in (("id", "right"), ("period", "left"), ("tenant", "left"), ("lines", "right"),
-                            ("total", "right"), ("sha256", "left")):
+    for column, justify in (
+        ("id", "right"),
+        ("period", "left"),
+        ("tenant", "left"),
+        ("lines", "right"),
+        ("total", "right"),
+        ("sha256", "left"),
+    ):
         table.add_column(column, justify=justify)
     for invoice in invoices:
-        table.add_row(str(invoice["id"]), invoice["period_id"], invoice["tenant_id"], str(invoice["line_count"]),
-                      money(invoice["total_micro"]), invoice["sha256"][:16])
+        table.add_row(
+            str(invoice["id"]),
+            invoice["period_id"],
+            invoice["tenant_id"],
+            str(invoice["line_count"]),
+            money(invoice["total_micro"]),
+            invoice["sha256"][:16],
+        )
     return table
 
 
@@ -57,8 +72,15 @@ def invoice_table(document: dict, *, status: str) -> Group:
     late = any(line["usage_period"] != period for line in lines)
     discounted = any(line["discount_bp"] for line in lines)
     table = Table(title=f"invoice {period}, {document['tenant_id']} ({status})")
-    columns = [("kind", "left"), ("allocation", "left"), ("gpu", "left"), ("samples", "right"),
-               ("GPU-hours", "right"), ("per GPU-h", "right"), ("amount", "right")]
+    columns = [
+        ("kind", "left"),
+        ("allocation", "left"),
+        ("gpu", "left"),
+        ("samples", "right"),
+        ("GPU-hours", "right"),
+        ("per GPU-h", "right"),
+        ("amount", "right"),
+    ]
     if late:
         columns.insert(3, ("used in", "left"))
     if discounted:
@@ -66,8 +88,15 @@ def invoice_table(document: dict, *, status: str) -> Group:
     for column, justify in columns:
         table.add_column(column, justify=justify, overflow="fold")
     for line in lines:
-        cells = [line["kind"], line["allocation_id"], line["gpu_type"], str(line["count"]), gpu_hours(line["gpu_ms"]),
-                 money(line["price_per_hour_micro"]), money(line["amount_micro"])]
+        cells = [
+            line["kind"],
+            line["allocation_id"],
+            line["gpu_type"],
+            str(line["count"]),
+            gpu_hours(line["gpu_ms"]),
+            money(line["price_per_hour_micro"]),
+            money(line["amount_micro"]),
+        ]
         if late:
             cells.insert(3, line["usage_period"])
         if discounted:
@@ -101,8 +130,12 @@ def _get(api_key: str | None, path: str, **params) -> httpx.Response:
 
 
 @invoices_app.callback()
-def invoices(ctx: typer.Context, api_key: ApiKey = None, tenant: Tenant = None,
-             period: Annotated[str | None, typer.Option(help="only this period (YYYY-MM)")] = None) -> None:
+def invoices(
+    ctx: typer.Context,
+    api_key: ApiKey = None,
+    tenant: Tenant = None,
+    period: Annotated[str | None, typer.Option(help="only this period (YYYY-MM)")] = None,
+) -> None:
     """List invoices of closed periods (`show ID` for one, `draft` for the current period's so far)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -118,8 +151,11 @@ def show(invoice_id: int, api_key: ApiKey = None) -> None:
 
 
 @invoices_app.command()
-def draft(api_key: ApiKey = None, tenant: Tenant = None,
-          period: Annotated[str | None, typer.Option(help="an open period (default: the current one)")] = None) -> None:
+def draft(
+    api_key: ApiKey = None,
+    tenant: Tenant = None,
+    period: Annotated[str | None, typer.Option(help="an open period (default: the current one)")] = None,
+) -> None:
     """What the open period's invoice holds so far."""
     response = _get(api_key, "/v1/invoices:draft", tenant_id=tenant, period=period)
     console.print(invoice_table(json.loads(response.content), status="draft"))

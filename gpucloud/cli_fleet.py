@@ -13,15 +13,27 @@ from rich.table import Table
 
 from gpucloud.config import get_settings
 
-STATE_STYLE = {"available": "green", "active": "cyan", "quarantined": "red", "rma": "red", "retired": "dim",
-               "draining": "yellow", "provisioning": "blue", "wiping": "magenta", "burn_in": "magenta"}
+STATE_STYLE = {
+    "available": "green",
+    "active": "cyan",
+    "quarantined": "red",
+    "rma": "red",
+    "retired": "dim",
+    "draining": "yellow",
+    "provisioning": "blue",
+    "wiping": "magenta",
+    "burn_in": "magenta",
+}
 
 
 def _fetch(client: httpx.Client, state: str | None, limit: int) -> tuple[list[dict], dict]:
     items, token = [], ""
     while len(items) < limit:
-        params = {"page_size": min(1000, limit - len(items)), **({"state": state} if state else {}),
-                  **({"page_token": token} if token else {})}
+        params = {
+            "page_size": min(1000, limit - len(items)),
+            **({"state": state} if state else {}),
+            **({"page_token": token} if token else {}),
+        }
         page = client.get("/v1/nodes", params=params)
         page.raise_for_status()
         body = page.json()
@@ -38,12 +50,26 @@ def _render(nodes: list[dict], summary: dict) -> Group:
     for col in ("id", "state", "health", "gpu", "rack", "allocation", "flags"):
         table.add_column(col)
     for n in nodes:
-        flags = ",".join(f for f, on in (("cordoned", n["cordoned"]), ("maintenance", n["maintenance"]),
-                                         ("drain", n["drain_requested"]),
-                                         ("unreachable", not n["agent_reachable"])) if on)
+        flags = ",".join(
+            f
+            for f, on in (
+                ("cordoned", n["cordoned"]),
+                ("maintenance", n["maintenance"]),
+                ("drain", n["drain_requested"]),
+                ("unreachable", not n["agent_reachable"]),
+            )
+            if on
+        )
         style = STATE_STYLE.get(n["state"], "")
-        table.add_row(n["id"], f"[{style}]{n['state']}[/]" if style else n["state"], n["health"],
-                      f"{n['gpu_count']}x {n['gpu_type']}", n["rack"], n["allocation_id"] or "", flags)
+        table.add_row(
+            n["id"],
+            f"[{style}]{n['state']}[/]" if style else n["state"],
+            n["health"],
+            f"{n['gpu_count']}x {n['gpu_type']}",
+            n["rack"],
+            n["allocation_id"] or "",
+            flags,
+        )
     counts = "  ".join(f"{k}: {v}" for k, v in sorted(summary["by_state"].items()))
     return Group(table, f"by state  {counts}")
 
@@ -55,8 +81,9 @@ def nodes(
 ) -> None:
     """List nodes (operator token from GPUCLOUD_OPERATOR_TOKEN or the data dir)."""
     settings = get_settings()
-    client = httpx.Client(base_url=settings.api_url, timeout=30,
-                          headers={"Authorization": f"Bearer {settings.resolved_operator_token}"})
+    client = httpx.Client(
+        base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {settings.resolved_operator_token}"}
+    )
     console = Console()
     try:
         if not watch:

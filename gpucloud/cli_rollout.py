@@ -19,8 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from gpucloud.config import get_settings
 
-rollout_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                          help="Staged rollouts of a model version: canary, then waves, with rollback.")
+rollout_app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Staged rollouts of a model version: canary, then waves, with rollback.",
+)
 console, err = Console(), Console(stderr=True)
 FINISHED = {"succeeded", "rolled_back", "failed"}
 
@@ -32,8 +35,9 @@ def _client(api_url: str | None, api_key: str | None) -> httpx.Client:
     if not api_key:
         err.print("[red]error:[/] no API key: set GPUCLOUD_API_KEY or pass --api-key")
         raise typer.Exit(1)
-    return httpx.Client(base_url=api_url or get_settings().api_url, timeout=30,
-                        headers={"Authorization": f"Bearer {api_key}"})
+    return httpx.Client(
+        base_url=api_url or get_settings().api_url, timeout=30, headers={"Authorization": f"Bearer {api_key}"}
+    )
 
 
 def _call(client: httpx.Client, method: str, path: str, **kwargs) -> dict:
@@ -71,15 +75,24 @@ def _describe(progress: dict) -> str:
 
 def watch(client: httpx.Client, rollout_id: str, *, poll_s: float = 1.0) -> dict:
     """Follow the rollout with a live bar until it ends; its final progress."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("nodes active"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("nodes active"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as bar:
         task = bar.add_task(rollout_id, total=None)
         while True:
             progress = _call(client, "GET", f"/v1/rollouts/{rollout_id}")
             total = sum(len(w) for w in progress.get("waves") or []) or None
-            bar.update(task, total=total, completed=len(progress.get("activated") or []),
-                       description=f"{rollout_id} {_describe(progress)}")
+            bar.update(
+                task,
+                total=total,
+                completed=len(progress.get("activated") or []),
+                description=f"{rollout_id} {_describe(progress)}",
+            )
             if progress["phase"] in FINISHED:
                 break
             time.sleep(poll_s)
@@ -90,8 +103,10 @@ def watch(client: httpx.Client, rollout_id: str, *, poll_s: float = 1.0) -> dict
 def _summary(progress: dict) -> None:
     phase = progress["phase"]
     colour = "green" if phase == "succeeded" else "yellow" if phase in ("rolled_back", "failed") else "cyan"
-    console.print(f"[{colour}]{progress['rollout_id']}: {_describe(progress)}[/]"
-                  + (f" — {progress['reason']}" if progress.get("reason") else ""))
+    console.print(
+        f"[{colour}]{progress['rollout_id']}: {_describe(progress)}[/]"
+        + (f" — {progress['reason']}" if progress.get("reason") else "")
+    )
     if progress.get("rolled_back"):
         console.print(f"rolled back: {', '.join(progress['rolled_back'])}")
 
@@ -102,13 +117,15 @@ def start(
     node: Annotated[list[str] | None, typer.Option("--node", help="a target node (repeat)")] = None,
     allocation: Annotated[str | None, typer.Option(help="every node of this allocation")] = None,
     fleet: Annotated[bool, typer.Option("--fleet", help="the tenant's whole serving fleet")] = False,
-    wave: Annotated[list[str] | None, typer.Option("--wave", help="a wave: N nodes or P% (repeat); "
-                                                   "default 1, 10%, 50%, 100%")] = None,
+    wave: Annotated[
+        list[str] | None, typer.Option("--wave", help="a wave: N nodes or P% (repeat); default 1, 10%, 50%, 100%")
+    ] = None,
     bake_s: Annotated[float, typer.Option("--bake", help="seconds each wave bakes before its check")] = 300.0,
     min_eval: Annotated[float, typer.Option("--min-eval", help="lowest evaluation probe score that passes")] = 0.0,
     wait: Annotated[bool, typer.Option("--watch/--no-watch", help="follow the rollout until it ends")] = True,
     idempotency_key: Annotated[str | None, typer.Option(help="default: a fresh one")] = None,
-    api_url: ApiUrl = None, api_key: ApiKey = None,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Start a staged rollout; with --watch (default) follow it until it succeeds or rolls back."""
     body: dict = {"model_version": model_version, "bake_s": bake_s, "thresholds": {"min_eval_score": min_eval}}
@@ -121,8 +138,9 @@ def start(
     if wave:
         body["waves"] = [parse_wave(w) for w in wave]
     with _client(api_url, api_key) as client:
-        accepted = _call(client, "POST", "/v1/rollouts", json=body,
-                         headers={"Idempotency-Key": idempotency_key or uuid.uuid4().hex})
+        accepted = _call(
+            client, "POST", "/v1/rollouts", json=body, headers={"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        )
         rollout_id = accepted["rollout_id"]
         console.print(f"rollout [bold]{rollout_id}[/] started")
         if wait and watch(client, rollout_id)["phase"] != "succeeded":
@@ -133,7 +151,8 @@ def start(
 def status(
     rollout_id: str,
     follow: Annotated[bool, typer.Option("--watch", help="follow until it ends")] = False,
-    api_url: ApiUrl = None, api_key: ApiKey = None,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Show a rollout's progress (per node, where a step reported on it)."""
     with _client(api_url, api_key) as client:

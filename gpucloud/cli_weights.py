@@ -58,8 +58,11 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import TransferProgress, source_files
 
-weights_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                          help="Model weights: push, pull, promote and list versions through the registry API.")
+weights_app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Model weights: push, pull, promote and list versions through the registry API.",
+)
 out = Console()
 err = Console(stderr=True)
 
@@ -87,8 +90,12 @@ class RegistryClient:
     """The registry API, one method per call the CLI makes."""
 
     def __init__(self, api_url: str, api_key: str, *, transport: httpx.BaseTransport | None = None) -> None:
-        self.http = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {api_key}"},
-                                 timeout=httpx.Timeout(60, connect=10), transport=transport)
+        self.http = httpx.Client(
+            base_url=api_url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(60, connect=10),
+            transport=transport,
+        )
 
     def __enter__(self) -> RegistryClient:
         return self
@@ -120,19 +127,27 @@ class RegistryClient:
     def missing(self, model: str, chunk_ids: list[str]) -> list[str]:
         found: list[str] = []
         for start in range(0, len(chunk_ids), MAX_IDS_PER_QUERY):
-            batch = chunk_ids[start:start + MAX_IDS_PER_QUERY]
+            batch = chunk_ids[start : start + MAX_IDS_PER_QUERY]
             found += self.call("POST", f"/v1/models/{model}/chunks:missing", json={"chunk_ids": batch})["missing"]
         return found
 
     def upload(self, model: str, path: Path, chunk: ChunkRef) -> bool:
         headers = {"Content-Length": str(chunk.size), "Content-Type": "application/octet-stream"}
-        body = self.call("PUT", f"/v1/models/{model}/chunks/{chunk.id}", headers=headers,
-                         content=_file_pieces(path, chunk.offset, chunk.size))
+        body = self.call(
+            "PUT",
+            f"/v1/models/{model}/chunks/{chunk.id}",
+            headers=headers,
+            content=_file_pieces(path, chunk.offset, chunk.size),
+        )
         return body["stored"]
 
     def post_version(self, model: str, signed: SignedManifest) -> dict:
-        return self.call("POST", f"/v1/models/{model}/versions", content=signed.model_dump_json(),
-                         headers={"Content-Type": "application/json"})
+        return self.call(
+            "POST",
+            f"/v1/models/{model}/versions",
+            content=signed.model_dump_json(),
+            headers={"Content-Type": "application/json"},
+        )
 
     def version(self, model: str, ref: str) -> dict:
         return self.call("GET", f"/v1/models/{model}/versions/{ref}")
@@ -140,8 +155,11 @@ class RegistryClient:
     def versions(self, model: str, *, page_size: int = 200) -> Iterator[dict]:
         token = ""
         while True:
-            page = self.call("GET", f"/v1/models/{model}/versions",
-                             params={"page_size": page_size, **({"page_token": token} if token else {})})
+            page = self.call(
+                "GET",
+                f"/v1/models/{model}/versions",
+                params={"page_size": page_size, **({"page_token": token} if token else {})},
+            )
             yield from page["items"]
             if not (token := page["next_page_token"]):
                 return
@@ -154,17 +172,24 @@ class RegistryClient:
 
     def collect_garbage(self, *, grace_seconds: int, dry_run: bool, tenant_id: str | None = None) -> dict:
         """Operator only: `POST /v1/registry/gc` (the client must hold the operator token)."""
-        return self.call("POST", "/v1/registry/gc", json={"grace_period_seconds": grace_seconds, "dry_run": dry_run,
-                                                          "tenant_id": tenant_id},
-                         timeout=httpx.Timeout(None, connect=10))  # a large store takes a while to scan
+        return self.call(
+            "POST",
+            "/v1/registry/gc",
+            json={"grace_period_seconds": grace_seconds, "dry_run": dry_run, "tenant_id": tenant_id},
+            timeout=httpx.Timeout(None, connect=10),
+        )  # a large store takes a while to scan
 
-    def record_evaluation(self, model: str, ref: str, *, evaluator: str, results: dict[str, float],
-                          signer: Signer) -> dict:
+    def record_evaluation(
+        self, model: str, ref: str, *, evaluator: str, results: dict[str, float], signer: Signer
+    ) -> dict:
         digest = self.version(model, ref)["digest"]
         record = EvaluationRecord(version=digest, evaluator=evaluator, results=results, recorded_at=datetime.now(UTC))
-        return self.call("POST", f"/v1/models/{model}/versions/{digest}/evaluations",
-                         content=signer.sign_evaluation(record).model_dump_json(),
-                         headers={"Content-Type": "application/json"})
+        return self.call(
+            "POST",
+            f"/v1/models/{model}/versions/{digest}/evaluations",
+            content=signer.sign_evaluation(record).model_dump_json(),
+            headers={"Content-Type": "application/json"},
+        )
 
 
 def _file_pieces(path: Path, offset: int, size: int) -> Iterator[bytes]:
@@ -232,8 +257,14 @@ class PushOutcome:
         return self.signed.digest
 
 
-def _upload_all(client: RegistryClient, model: str, sources: list[tuple[Path, ChunkRef]], stats: PushStats,
-                report: PushReport, concurrency: int) -> None:
+def _upload_all(
+    client: RegistryClient,
+    model: str,
+    sources: list[tuple[Path, ChunkRef]],
+    stats: PushStats,
+    report: PushReport,
+    concurrency: int,
+) -> None:
     lock = threading.Lock()
 
     def one(source: tuple[Path, ChunkRef]) -> None:
@@ -256,9 +287,17 @@ def _upload_all(client: RegistryClient, model: str, sources: list[tuple[Path, Ch
             raise
 
 
-def push_directory(client: RegistryClient, source_dir: Path, *, model: str, signer: Signer,
-                   lineage: Lineage | None = None, policy: ChunkPolicy = DEFAULT_POLICY, concurrency: int = 4,
-                   report: PushReport = lambda phase, stats: None) -> PushOutcome:
+def push_directory(
+    client: RegistryClient,
+    source_dir: Path,
+    *,
+    model: str,
+    signer: Signer,
+    lineage: Lineage | None = None,
+    policy: ChunkPolicy = DEFAULT_POLICY,
+    concurrency: int = 4,
+    report: PushReport = lambda phase, stats: None,
+) -> PushOutcome:
     """Push every regular file under source_dir as one signed version of model."""
     files = source_files(Path(source_dir))
     stats = PushStats(bytes_total=sum(path.stat().st_size for _, path in files))
@@ -289,8 +328,9 @@ def push_directory(client: RegistryClient, source_dir: Path, *, model: str, sign
             raise
         # Removed from the store after we asked (garbage collection of a long-interrupted push):
         # send them again, once.
-        _upload_all(client, model, [sources[c] for c in client.missing(model, list(sources))], stats, report,
-                    concurrency)
+        _upload_all(
+            client, model, [sources[c] for c in client.missing(model, list(sources))], stats, report, concurrency
+        )
         version = client.post_version(model, signed)
     return PushOutcome(version=version, signed=signed, stats=stats)
 
@@ -311,7 +351,8 @@ class _ApiSource:
     def get(self, digest: str) -> SignedManifest:
         try:
             signed = SignedManifest.model_validate_json(
-                self.client.http.get(f"/v1/models/{self.model}/versions/{digest}/manifest").raise_for_status().text)
+                self.client.http.get(f"/v1/models/{self.model}/versions/{digest}/manifest").raise_for_status().text
+            )
         except httpx.HTTPStatusError as exc:
             problem = RegistryApiError.from_response(exc.response)
             if problem.status == 404:
@@ -333,8 +374,9 @@ class _ApiSource:
                     raise ChunkMissingError("not in the registry's store", chunk_id=chunk_id)
                 if response.status_code >= 500:  # the API or its store failing: worth another try
                     response.read()
-                    raise ChunkTransferError(f"registry answered {response.status_code}: {response.text[:200]}",
-                                             chunk_id=chunk_id)
+                    raise ChunkTransferError(
+                        f"registry answered {response.status_code}: {response.text[:200]}", chunk_id=chunk_id
+                    )
                 if response.status_code >= 400:
                     response.read()
                     raise RegistryApiError.from_response(response)
@@ -348,17 +390,26 @@ class _ApiSource:
         if broken is not None:
             # The two look alike from here; `pull` retries, and if every try breaks, reports what
             # the bytes received hashed to (when any arrived at all).
-            raise ChunkTransferError(f"transfer failed after {received} bytes: {broken!r}", chunk_id=chunk_id,
-                                     actual_id=actual if received and actual != chunk_id else None)
+            raise ChunkTransferError(
+                f"transfer failed after {received} bytes: {broken!r}",
+                chunk_id=chunk_id,
+                actual_id=actual if received and actual != chunk_id else None,
+            )
         if actual != chunk_id:
             raise ChunkCorruptedError(f"received bytes hash to {actual}", chunk_id=chunk_id, actual_id=actual)
         with self._lock:
             self.chunks_done += 1
 
 
-def pull_version(client: RegistryClient, model: str, ref: str, dest: Path, *, concurrency: int = 4,
-                 report: Callable[[TransferProgress, int, int], None] = lambda progress, done, total: None,
-                 ) -> PullResult:
+def pull_version(
+    client: RegistryClient,
+    model: str,
+    ref: str,
+    dest: Path,
+    *,
+    concurrency: int = 4,
+    report: Callable[[TransferProgress, int, int], None] = lambda progress, done, total: None,
+) -> PullResult:
     """Pull MODEL@REF into dest (which must not exist), verified against the published keys."""
     version = client.version(model, ref)
     tenant_id, keys = client.signing_keys()
@@ -366,9 +417,16 @@ def pull_version(client: RegistryClient, model: str, ref: str, dest: Path, *, co
     for key in keys:
         keyring.trust(tenant_id, bytes.fromhex(key["public_key"]))
     source = _ApiSource(client, model)
-    return pull(version["digest"], dest, chunk_store=source, manifest_store=source,  # type: ignore[arg-type]
-                keyring=keyring, tenant=tenant_id, concurrency=concurrency,
-                progress=lambda p: report(p, source.chunks_done, version["chunk_count"]))
+    return pull(
+        version["digest"],
+        dest,
+        chunk_store=source,
+        manifest_store=source,  # type: ignore[arg-type]
+        keyring=keyring,
+        tenant=tenant_id,
+        concurrency=concurrency,
+        progress=lambda p: report(p, source.chunks_done, version["chunk_count"]),
+    )
 
 
 def parse_target(target: str) -> tuple[str, str]:
@@ -378,11 +436,12 @@ def parse_target(target: str) -> tuple[str, str]:
     return model, ref
 
 
-
 # ---------------------------------------------------------------- commands
 
-ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="GPUCLOUD_API_URL",
-                                            help="registry API; default: the configured API address")]
+ApiUrl = Annotated[
+    str | None,
+    typer.Option("--api-url", envvar="GPUCLOUD_API_URL", help="registry API; default: the configured API address"),
+]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
 
 
@@ -413,8 +472,10 @@ def _reported_errors() -> Iterator[None]:
         if exc.type == "gates-failed":
             err.print(failing_metrics_table(exc.body.get("failing_metrics", [])))
         if exc.type == "signing-key-revoked":
-            err.print(f"the local signing key was revoked: move {get_settings().data_dir / 'signing-keys'}"
-                      "/<tenant id>.ed25519 away and push again to create and register a new one")
+            err.print(
+                f"the local signing key was revoked: move {get_settings().data_dir / 'signing-keys'}"
+                "/<tenant id>.ed25519 away and push again to create and register a new one"
+            )
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
     except IntegrityError as exc:
@@ -430,8 +491,15 @@ def _reported_errors() -> Iterator[None]:
 
 
 def _bars(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description:<8}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TextColumn("{task.fields[detail]}"), console=console, transient=False)
+    return Progress(
+        TextColumn("{task.description:<8}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[detail]}"),
+        console=console,
+        transient=False,
+    )
 
 
 def _version_digest(client: RegistryClient, model: str, ref: str) -> str:
@@ -439,8 +507,16 @@ def _version_digest(client: RegistryClient, model: str, ref: str) -> str:
     return client.version(model, ref)["digest"]
 
 
-def push_with_progress(client: RegistryClient, source: Path, *, model: str, signer: Signer, console: Console,
-                       lineage: Lineage | None = None, policy: ChunkPolicy = DEFAULT_POLICY) -> PushOutcome:
+def push_with_progress(
+    client: RegistryClient,
+    source: Path,
+    *,
+    model: str,
+    signer: Signer,
+    console: Console,
+    lineage: Lineage | None = None,
+    policy: ChunkPolicy = DEFAULT_POLICY,
+) -> PushOutcome:
     """`push_directory` with progress bars: bytes hashed, then bytes and chunks uploaded and bytes skipped."""
     with _bars(console) as bars:
         hashing = bars.add_task("hash", total=None, detail="")
@@ -450,16 +526,24 @@ def push_with_progress(client: RegistryClient, source: Path, *, model: str, sign
             if phase == "hash":
                 bars.update(hashing, completed=s.bytes_hashed, total=s.bytes_total)
                 return
-            bars.update(upload, visible=True, completed=s.bytes_uploaded, total=s.bytes_to_upload,
-                        detail=f"{s.chunks_uploaded}/{s.chunks_to_upload} chunks, "
-                               f"{human_size(s.bytes_skipped)} skipped (dedup)")
+            bars.update(
+                upload,
+                visible=True,
+                completed=s.bytes_uploaded,
+                total=s.bytes_to_upload,
+                detail=f"{s.chunks_uploaded}/{s.chunks_to_upload} chunks, "
+                f"{human_size(s.bytes_skipped)} skipped (dedup)",
+            )
 
-        outcome = push_directory(client, source, model=model, signer=signer, lineage=lineage, policy=policy,
-                                 report=report)
+        outcome = push_directory(
+            client, source, model=model, signer=signer, lineage=lineage, policy=policy, report=report
+        )
     s = outcome.stats
-    console.print(f"pushed {model}@{outcome.digest}\n  {s.chunks_uploaded} of {s.chunks_total} chunks uploaded "
-                  f"({human_size(s.bytes_uploaded)}), {human_size(s.bytes_skipped)} of "
-                  f"{human_size(s.bytes_total)} skipped by dedup")
+    console.print(
+        f"pushed {model}@{outcome.digest}\n  {s.chunks_uploaded} of {s.chunks_total} chunks uploaded "
+        f"({human_size(s.bytes_uploaded)}), {human_size(s.bytes_skipped)} of "
+        f"{human_size(s.bytes_total)} skipped by dedup"
+    )
     return outcome
 
 
@@ -467,10 +551,19 @@ def pull_with_progress(client: RegistryClient, model: str, ref: str, dest: Path,
     """`pull_version` with a progress bar of bytes and chunks verified."""
     with _bars(console) as bars:
         task = bars.add_task("pull", total=None, detail="")
-        result = pull_version(client, model, ref, dest, report=lambda p, done, total: bars.update(
-            task, completed=p.done, total=p.total, detail=f"{done}/{total} chunks verified"))
-    console.print(f"pulled {model}@{result.manifest.digest[:12]} into {result.path}: {len(result.manifest.files)} "
-                  f"files, {human_size(result.bytes_total)}, every chunk and file verified")
+        result = pull_version(
+            client,
+            model,
+            ref,
+            dest,
+            report=lambda p, done, total: bars.update(
+                task, completed=p.done, total=p.total, detail=f"{done}/{total} chunks verified"
+            ),
+        )
+    console.print(
+        f"pulled {model}@{result.manifest.digest[:12]} into {result.path}: {len(result.manifest.files)} "
+        f"files, {human_size(result.bytes_total)}, every chunk and file verified"
+    )
     return result
 
 
@@ -482,13 +575,18 @@ def push_command(
     base_model: Annotated[str | None, typer.Option(help="base model this was trained from")] = None,
     training_run: Annotated[str | None, typer.Option(help="training run id")] = None,
     dataset: Annotated[list[str] | None, typer.Option(help="dataset digest (repeatable)")] = None,
-    api_url: ApiUrl = None, api_key: ApiKey = None,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Push DIR as a new signed version of MODEL, uploading only the chunks the registry lacks."""
     with _reported_errors(), _client(api_url, api_key) as client:
         signer = signer_for(get_settings().data_dir, client.signing_keys()[0])
-        lineage = Lineage(parent=_version_digest(client, model, parent) if parent else None,
-                          base_model=base_model, training_run=training_run, dataset_digests=dataset or [])
+        lineage = Lineage(
+            parent=_version_digest(client, model, parent) if parent else None,
+            base_model=base_model,
+            training_run=training_run,
+            dataset_digests=dataset or [],
+        )
         push_with_progress(client, directory, model=model, signer=signer, lineage=lineage, console=out)
 
 
@@ -496,7 +594,8 @@ def push_command(
 def pull_command(
     target: Annotated[str, typer.Argument(help="MODEL@VERSION (digest or unique prefix) or MODEL@ALIAS")],
     directory: Annotated[Path, typer.Argument(help="destination; must not exist yet")],
-    api_url: ApiUrl = None, api_key: ApiKey = None,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Pull a version into DIR, verifying every chunk and file against its signed manifest."""
     model, ref = parse_target(target)
@@ -506,9 +605,11 @@ def pull_command(
 
 @weights_app.command("promote")
 def promote_command(
-    model: str, version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
+    model: str,
+    version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
     to: Annotated[AliasName, typer.Option("--to", help="the alias to move")],
-    api_url: ApiUrl = None, api_key: ApiKey = None,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Move an alias to a version; staging and production move only when the model's gates pass."""
     with _reported_errors(), _client(api_url, api_key) as client:
@@ -523,8 +624,15 @@ def versions_command(model: str, api_url: ApiUrl = None, api_key: ApiKey = None)
     with _reported_errors(), _client(api_url, api_key) as client:
         for v in client.versions(model):
             metrics = ", ".join(f"{k}={val:g}" for k, val in sorted(v["metrics"].items()))
-            table.add_row(v["digest"][:12], v["created_at"][:19].replace("T", " "), human_size(v["total_size"]),
-                          str(v["chunk_count"]), (v["parent"] or "")[:12], ", ".join(v["aliases"]), metrics)
+            table.add_row(
+                v["digest"][:12],
+                v["created_at"][:19].replace("T", " "),
+                human_size(v["total_size"]),
+                str(v["chunk_count"]),
+                (v["parent"] or "")[:12],
+                ", ".join(v["aliases"]),
+                metrics,
+            )
     out.print(table)
 
 
@@ -543,10 +651,12 @@ def _metric_values(pairs: list[str]) -> dict[str, float]:
 
 @weights_app.command("evaluate")
 def evaluate_command(
-    model: str, version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
+    model: str,
+    version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
     metric: Annotated[list[str], typer.Option(help="NAME=VALUE (repeatable)")],
     evaluator: Annotated[str, typer.Option(help="who measured these results")] = "cli",
-    api_url: ApiUrl = None, api_key: ApiKey = None,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Record evaluation results for a version, signed with the tenant's key."""
     results = _metric_values(metric)
@@ -570,11 +680,26 @@ def parse_duration(text: str) -> int:
 
 def gc_table(report: dict) -> Table:
     verb = "would remove" if report["dry_run"] else "removed"
-    table = Table("tenant", "chunks scanned", "referenced", "young", verb, "bytes", "leases expired",
-                  title=f"registry garbage collection (grace {report['grace_period_seconds']}s)")
+    table = Table(
+        "tenant",
+        "chunks scanned",
+        "referenced",
+        "young",
+        verb,
+        "bytes",
+        "leases expired",
+        title=f"registry garbage collection (grace {report['grace_period_seconds']}s)",
+    )
     for t in report["tenants"]:
-        table.add_row(t["tenant_id"], str(t["chunks_scanned"]), str(t["chunks_referenced"]), str(t["chunks_young"]),
-                      str(t["chunks_deleted"]), human_size(t["bytes_deleted"]), str(t["leases_expired"]))
+        table.add_row(
+            t["tenant_id"],
+            str(t["chunks_scanned"]),
+            str(t["chunks_referenced"]),
+            str(t["chunks_young"]),
+            str(t["chunks_deleted"]),
+            human_size(t["bytes_deleted"]),
+            str(t["leases_expired"]),
+        )
     return table
 
 
@@ -584,8 +709,12 @@ def gc_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="list what would be removed, remove nothing")] = False,
     tenant: Annotated[str | None, typer.Option(help="one tenant id; default: every tenant")] = None,
     api_url: ApiUrl = None,
-    operator_token: Annotated[str | None, typer.Option("--operator-token", envvar="GPUCLOUD_OPERATOR_TOKEN",
-                                                       help="default: the configured operator token")] = None,
+    operator_token: Annotated[
+        str | None,
+        typer.Option(
+            "--operator-token", envvar="GPUCLOUD_OPERATOR_TOKEN", help="default: the configured operator token"
+        ),
+    ] = None,
 ) -> None:
     """Operators: remove chunks no version references, older than the grace period (never a push's)."""
     grace_seconds = parse_duration(grace)

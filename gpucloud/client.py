@@ -10,5 +10,7 @@ from gpucloud.config import Settings
 
 async def connect(settings: Settings) -> Client:
     return await Client.connect(
-        settings.temporal_address, namespace=settings.temporal_namespace, data_converter=pydantic_data_converter,
+        settings.temporal_address,
+        namespace=settings.temporal_namespace,
+        data_converter=pydantic_data_converter,
     )

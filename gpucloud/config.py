@@ -113,14 +113,19 @@ class Settings(BaseSettings):
     @property
     def fabric_manager_urls(self) -> tuple[str, str, str] | None:
         """(UFM, NMX-M, SDN) base URLs, or None when no fabric manager is configured."""
-        urls = (self.fabric_ufm_url or self.fabric_url, self.fabric_nmx_url or self.fabric_url,
-                self.fabric_vpc_url or self.fabric_url)
+        urls = (
+            self.fabric_ufm_url or self.fabric_url,
+            self.fabric_nmx_url or self.fabric_url,
+            self.fabric_vpc_url or self.fabric_url,
+        )
         if not any(urls):
             return None
         if not all(urls):
-            raise ValueError("fabric managers: set GPUCLOUD_FABRIC_URL, or all of GPUCLOUD_FABRIC_UFM_URL, "
-                             "GPUCLOUD_FABRIC_NMX_URL and GPUCLOUD_FABRIC_VPC_URL (an allocation cannot be "
-                             "isolated on some fabrics only)")
+            raise ValueError(
+                "fabric managers: set GPUCLOUD_FABRIC_URL, or all of GPUCLOUD_FABRIC_UFM_URL, "
+                "GPUCLOUD_FABRIC_NMX_URL and GPUCLOUD_FABRIC_VPC_URL (an allocation cannot be "
+                "isolated on some fabrics only)"
+            )
         return urls
 
     @property

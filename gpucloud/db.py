@@ -44,8 +44,9 @@ def get_engine(url: str) -> sa.Engine:
         # One connection per process: SQLite has one writer at a time anyway, and threads that
         # queue on the pool are served in order, while threads racing for the file lock sleep in
         # SQLite's busy handler (up to 100 ms a try) and throughput collapses under load.
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
-                               pool_size=1, max_overflow=0, pool_timeout=600)
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=1, max_overflow=0, pool_timeout=600
+        )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         # pysqlite's own transaction handling would defer BEGIN; do it ourselves.
         sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
@@ -73,6 +74,5 @@ def migrate(url: str) -> None:
 @contextmanager
 def session_scope(url: str) -> Iterator[Session]:
     """A session whose transaction commits on success and rolls back on any error."""
-    with Session(get_engine(url), expire_on_commit=False) as session:
-        with session.begin():
-            yield session
+    with Session(get_engine(url), expire_on_commit=False) as session, session.begin():
+        yield session

@@ -35,8 +35,9 @@ class DemoFailed(RuntimeError):
 
 
 def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console)
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    )
 
 
 class Api:
@@ -87,24 +88,35 @@ def show_reconciler(console: Console, op: Api, sim_url: str, alloc_id: str, tena
     victim = next(n for n in op.all_nodes() if n["allocation_id"] == alloc_id)["id"]
     httpx.post(f"{sim_url}/v1/nodes/{victim}/drift", json={"kind": "wipe"}, timeout=10).raise_for_status()
     console.print(f"[yellow]{victim} was wiped behind the control plane's back[/] (simulated re-image)")
-    _wait(console, f"reconciler restores {victim}", 1,
-          lambda: int(httpx.get(f"{sim_url}/v1/nodes/{victim}", timeout=10).json()["tenant_id"] == tenant_id))
+    _wait(
+        console,
+        f"reconciler restores {victim}",
+        1,
+        lambda: int(httpx.get(f"{sim_url}/v1/nodes/{victim}", timeout=10).json()["tenant_id"] == tenant_id),
+    )
     events = op.call("GET", f"/v1/nodes/{victim}/events")["items"]
-    console.print(f"{victim} restored; {len(events)} events recorded, last: "
-                  f"{events[-1]['from_state']} -> {events[-1]['to_state']} ({events[-1]['event']})")
+    console.print(
+        f"{victim} restored; {len(events)} events recorded, last: "
+        f"{events[-1]['from_state']} -> {events[-1]['to_state']} ({events[-1]['event']})"
+    )
     summary = op.call("GET", "/v1/fleet/summary")
     console.print(f"fleet summary: {summary['by_state']}, health {summary['by_health']}")
 
 
-def scenario(console: Console, api_url: str, operator_token: str, nodes: int, sim_url: str,
-             data_dir: Path) -> None:
+def scenario(console: Console, api_url: str, operator_token: str, nodes: int, sim_url: str, data_dir: Path) -> None:
     op = Api(api_url, operator_token)
-    _wait(console, f"fleet: {nodes} nodes enrolled -> inspected -> burned in -> available", nodes,
-          lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"))
+    _wait(
+        console,
+        f"fleet: {nodes} nodes enrolled -> inspected -> burned in -> available",
+        nodes,
+        lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"),
+    )
 
     tenant, acme_key = onboard(console, api_url, operator_token, "acme")
-    console.print(f"tenant [bold]{tenant['name']}[/] ({tenant['id']}) onboarded: VNI {tenant['vni']}, "
-                  f"storage {tenant['storage_prefix']}, first API key {acme_key.split('.')[0]}")
+    console.print(
+        f"tenant [bold]{tenant['name']}[/] ({tenant['id']}) onboarded: VNI {tenant['vni']}, "
+        f"storage {tenant['storage_prefix']}, first API key {acme_key.split('.')[0]}"
+    )
     acme = Api(api_url, acme_key)
 
     want = max(1, min(4, nodes // 2))
@@ -115,13 +127,17 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
     alloc_id = first["allocation"]["id"]
     if replay["allocation"]["id"] != alloc_id:
         raise DemoFailed("an idempotent replay created a second allocation")
-    console.print(f"allocation {alloc_id}: {want} x H100 nodes in {first['allocation']['fabric_domain']}"
-                  f" (replay with the same Idempotency-Key returned the same allocation)")
+    console.print(
+        f"allocation {alloc_id}: {want} x H100 nodes in {first['allocation']['fabric_domain']}"
+        f" (replay with the same Idempotency-Key returned the same allocation)"
+    )
 
     def provisioned() -> int:
         if acme.call("GET", f"/v1/allocations/{alloc_id}")["status"] in ("ready", "failed"):
             return want
-        return min(want - 1, sum(1 for n in op.all_nodes() if n["allocation_id"] == alloc_id and n["state"] == "active"))
+        return min(
+            want - 1, sum(1 for n in op.all_nodes() if n["allocation_id"] == alloc_id and n["state"] == "active")
+        )
 
     _wait(console, f"provisioning {alloc_id}", want, provisioned)
     alloc = acme.call("GET", f"/v1/allocations/{alloc_id}")
@@ -139,10 +155,18 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
 
     cancel = acme.call("POST", f"/v1/allocations/{alloc_id}/cancel", expect=(202,))
     console.print(f"cancel accepted: allocation is [yellow]{cancel['allocation']['status']}[/]")
-    _wait(console, "agents confirm release", 1,
-          lambda: int(acme.call("GET", f"/v1/allocations/{alloc_id}")["status"] == "released"))
-    _wait(console, "nodes wiped, burned in, back in the pool", nodes,
-          lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"))
+    _wait(
+        console,
+        "agents confirm release",
+        1,
+        lambda: int(acme.call("GET", f"/v1/allocations/{alloc_id}")["status"] == "released"),
+    )
+    _wait(
+        console,
+        "nodes wiped, burned in, back in the pool",
+        nodes,
+        lambda: sum(1 for n in op.all_nodes() if n["state"] == "available"),
+    )
     states = Counter(n["state"] for n in op.all_nodes())
     console.print(f"allocation [bold]released[/]; fleet: {dict(states)}")
     demo_invoice(console, api_url, acme_key, sim_url, alloc_id)
@@ -151,19 +175,43 @@ def scenario(console: Console, api_url: str, operator_token: str, nodes: int, si
 def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
     data_dir = data_dir or Path(".data") / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
-    settings = Settings(data_dir=data_dir, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), database_url=None, operator_token=None, sweep_interval_s=2.0,
-                        ledger_port=free_port(), meter_interval_s=1.0, tracker_url=f"http://127.0.0.1:{free_port()}")
-    stack = Stack(settings, nodes=nodes, ui_port=free_port(), sim_latency_scale=0.5, sim_heartbeat_s=1.0,
-                  billing=True, tracker=True)
+    settings = Settings(
+        data_dir=data_dir,
+        temporal_address=f"127.0.0.1:{free_port()}",
+        api_port=free_port(),
+        sim_port=free_port(),
+        database_url=None,
+        operator_token=None,
+        sweep_interval_s=2.0,
+        ledger_port=free_port(),
+        meter_interval_s=1.0,
+        tracker_url=f"http://127.0.0.1:{free_port()}",
+    )
+    stack = Stack(
+        settings,
+        nodes=nodes,
+        ui_port=free_port(),
+        sim_latency_scale=0.5,
+        sim_heartbeat_s=1.0,
+        billing=True,
+        tracker=True,
+    )
     started = time.monotonic()
     try:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
         console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
         scenario(console, settings.api_url, settings.resolved_operator_token, nodes, settings.sim_url, data_dir)
-    except (StackError, DemoFailed, TenantsDemoError, HealthDemoError, WeightsDemoError, RolloutDemoError,
-            BillingDemoError, httpx.HTTPError) as exc:
+    except (
+        StackError,
+        DemoFailed,
+        TenantsDemoError,
+        HealthDemoError,
+        WeightsDemoError,
+        RolloutDemoError,
+        BillingDemoError,
+        httpx.HTTPError,
+    ) as exc:
         console.print(f"[red]demo failed:[/] {exc}\nlogs: {stack.log_dir}")
         return 1
     finally:

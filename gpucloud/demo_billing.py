@@ -35,8 +35,9 @@ def _metered(sim_url: str, allocation_id: str) -> tuple[int, int, bool]:
     return gpu_ms, nodes, settled
 
 
-def demo_invoice(console: Console, api_url: str, api_key: str, sim_url: str, allocation_id: str,
-                 *, timeout_s: float = 60) -> None:
+def demo_invoice(
+    console: Console, api_url: str, api_key: str, sim_url: str, allocation_id: str, *, timeout_s: float = 60
+) -> None:
     tenant = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
     deadline = time.monotonic() + timeout_s
     with console.status("agents ship the last usage samples to the ledger"):
@@ -48,11 +49,15 @@ def demo_invoice(console: Console, api_url: str, api_key: str, sim_url: str, all
             if settled and usage.json()["gpu_ms"] == metered:
                 break
             if time.monotonic() > deadline:
-                raise BillingDemoError(f"after {timeout_s:.0f}s the ledger holds {usage.json()['gpu_ms']} GPU-ms of "
-                                       f"{allocation_id}, the agents metered {metered}")
+                raise BillingDemoError(
+                    f"after {timeout_s:.0f}s the ledger holds {usage.json()['gpu_ms']} GPU-ms of "
+                    f"{allocation_id}, the agents metered {metered}"
+                )
             time.sleep(0.5)
-    console.print(f"metered {gpu_hours(metered)} GPU-hours on {nodes} nodes; the ledger holds exactly "
-                  f"{metered:,} GPU-ms, {money(usage.json()['amount_micro'])}")
+    console.print(
+        f"metered {gpu_hours(metered)} GPU-hours on {nodes} nodes; the ledger holds exactly "
+        f"{metered:,} GPU-ms, {money(usage.json()['amount_micro'])}"
+    )
     draft = tenant.get("/v1/invoices:draft")
     if draft.status_code != 200:
         raise BillingDemoError(f"GET /v1/invoices:draft -> HTTP {draft.status_code}: {draft.text[:300]}")

@@ -43,18 +43,28 @@ def _describe(progress: dict) -> str:
 
 def _roll_out(console: Console, client: httpx.Client, body: dict, *, timeout_s: float = 60) -> dict:
     """Start a rollout, follow it with a live bar of activated nodes until it ends; its final progress."""
-    started = _call(client, "POST", "/v1/rollouts", json=body, expect=202,
-                    headers={"Idempotency-Key": str(uuid.uuid4())})
+    started = _call(
+        client, "POST", "/v1/rollouts", json=body, expect=202, headers={"Idempotency-Key": str(uuid.uuid4())}
+    )
     rollout_id = started["rollout_id"]
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("nodes active"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("nodes active"),
+        TimeElapsedColumn(),
+    )
     deadline = time.monotonic() + timeout_s
     with Progress(*columns, console=console) as bar:
         task = bar.add_task(rollout_id, total=None)
         while True:
             progress = _call(client, "GET", f"/v1/rollouts/{rollout_id}")
-            bar.update(task, total=sum(map(len, progress["waves"])) or None, completed=len(progress["activated"]),
-                       description=f"{rollout_id} {_describe(progress)}")
+            bar.update(
+                task,
+                total=sum(map(len, progress["waves"])) or None,
+                completed=len(progress["activated"]),
+                description=f"{rollout_id} {_describe(progress)}",
+            )
             if progress["phase"] in FINISHED:
                 break
             if time.monotonic() > deadline:
@@ -72,41 +82,66 @@ def _node_versions(sim_url: str, node_ids: list[str], names: dict[str, str]) -> 
     for node_id in node_ids:
         state = httpx.get(f"{sim_url}/v1/nodes/{node_id}/weights/status", timeout=10).json()
         states[node_id] = state
-        table.add_row(node_id, names.get(state["active"], str(state["active"])),
-                      names.get(state["previous"], str(state["previous"] or "")))
+        table.add_row(
+            node_id,
+            names.get(state["active"], str(state["active"])),
+            names.get(state["previous"], str(state["previous"] or "")),
+        )
     return table, states
 
 
-def demo_rollout(console: Console, api_url: str, api_key: str, sim_url: str, allocation_id: str, *,
-                 production: str, other: str) -> None:
+def demo_rollout(
+    console: Console, api_url: str, api_key: str, sim_url: str, allocation_id: str, *, production: str, other: str
+) -> None:
     """Roll `production` out to the allocation's nodes, then roll `other` out and watch it roll back."""
     names = {production: f"{production[:12]} (production)", other: f"{other[:12]} (candidate)"}
     with httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as client:
         node_ids = _call(client, "GET", f"/v1/allocations/{allocation_id}")["node_ids"]
 
         console.rule("rollout: production to the allocation, canary first")
-        done = _roll_out(console, client, {"model_version": production, "allocation_id": allocation_id,
-                                           "waves": WAVES, "bake_s": BAKE_S})
+        done = _roll_out(
+            console,
+            client,
+            {"model_version": production, "allocation_id": allocation_id, "waves": WAVES, "bake_s": BAKE_S},
+        )
         table, states = _node_versions(sim_url, node_ids, names)
         console.print(table)
         if done["phase"] != "succeeded" or any(s["active"] != production for s in states.values()):
-            raise RolloutDemoError(f"the rollout ended {done['phase']} ({done['reason']}); nodes run "
-                                   f"{sorted({str(s['active']) for s in states.values()})}")
+            raise RolloutDemoError(
+                f"the rollout ended {done['phase']} ({done['reason']}); nodes run "
+                f"{sorted({str(s['active']) for s in states.values()})}"
+            )
         for node_id in node_ids:
-            verified = httpx.post(f"{sim_url}/v1/nodes/{node_id}/weights/verify", json={"digest": production},
-                                  timeout=60)
+            verified = httpx.post(
+                f"{sim_url}/v1/nodes/{node_id}/weights/verify", json={"digest": production}, timeout=60
+            )
             if verified.status_code != 200:
                 raise RolloutDemoError(f"{node_id}'s files do not verify: {verified.text[:300]}")
-        console.print(f"rollout [green]succeeded[/]: {len(node_ids)} nodes run {production[:12]}, "
-                      "every file verified against the signed manifest")
+        console.print(
+            f"rollout [green]succeeded[/]: {len(node_ids)} nodes run {production[:12]}, "
+            "every file verified against the signed manifest"
+        )
 
         console.rule("rollout: a candidate below the evaluation threshold")
-        failed = _roll_out(console, client, {"model_version": other, "allocation_id": allocation_id, "waves": WAVES,
-                                             "bake_s": BAKE_S, "thresholds": {"min_eval_score": UNREACHABLE_SCORE}})
+        failed = _roll_out(
+            console,
+            client,
+            {
+                "model_version": other,
+                "allocation_id": allocation_id,
+                "waves": WAVES,
+                "bake_s": BAKE_S,
+                "thresholds": {"min_eval_score": UNREACHABLE_SCORE},
+            },
+        )
         table, states = _node_versions(sim_url, node_ids, names)
         console.print(table)
         if failed["phase"] != "rolled_back" or any(s["active"] != production for s in states.values()):
-            raise RolloutDemoError(f"the failing rollout ended {failed['phase']}; nodes run "
-                                   f"{sorted({str(s['active']) for s in states.values()})}")
-        console.print(f"rollout [yellow]rolled back[/] ({', '.join(failed['rolled_back'])}): "
-                      f"every node is back on {production[:12]}")
+            raise RolloutDemoError(
+                f"the failing rollout ended {failed['phase']}; nodes run "
+                f"{sorted({str(s['active']) for s in states.values()})}"
+            )
+        console.print(
+            f"rollout [yellow]rolled back[/] ({', '.join(failed['rolled_back'])}): "
+            f"every node is back on {production[:12]}"
+        )

@@ -35,12 +35,18 @@ def wait_operation(op: httpx.Client, operation_id: str, *, timeout_s: float = 12
     raise TenantsDemoError(f"operation {operation_id} did not finish in {timeout_s:.0f}s")
 
 
-def onboard(console: Console, api_url: str, operator_token: str, name: str, *,
-            quotas: list[dict] | None = None) -> tuple[dict, str]:
+def onboard(
+    console: Console, api_url: str, operator_token: str, name: str, *, quotas: list[dict] | None = None
+) -> tuple[dict, str]:
     """Onboard a tenant through its workflow; (the tenant as it reads once active, its first key)."""
     with httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {operator_token}"}, timeout=30) as op:
-        accepted = _call(op, "POST", "/v1/tenants", expect=(202,),
-                         json={"name": f"{name}-{uuid.uuid4().hex[:6]}", **({"quotas": quotas} if quotas else {})})
+        accepted = _call(
+            op,
+            "POST",
+            "/v1/tenants",
+            expect=(202,),
+            json={"name": f"{name}-{uuid.uuid4().hex[:6]}", **({"quotas": quotas} if quotas else {})},
+        )
         with console.status(f"onboarding {accepted['name']}: VNI, storage, data key"):
             wait_operation(op, accepted["operation"]["id"])
         tenant = _call(op, "GET", f"/v1/tenants/{accepted['id']}")
@@ -49,8 +55,9 @@ def onboard(console: Console, api_url: str, operator_token: str, name: str, *,
     return tenant, accepted["api_key"]["key"]
 
 
-def demo_tenants(console: Console, api_url: str, operator_token: str, acme: dict, acme_key: str,
-                 acme_allocation: str) -> None:
+def demo_tenants(
+    console: Console, api_url: str, operator_token: str, acme: dict, acme_key: str, acme_allocation: str
+) -> None:
     """A second tenant beside acme: isolated, held to its quota, then offboarded."""
     one_node = [{"gpu_type": "H100", "region": "us-east-1", "max_gpus": 8}]
     globex, globex_key = onboard(console, api_url, operator_token, "globex", quotas=one_node)
@@ -64,8 +71,10 @@ def demo_tenants(console: Console, api_url: str, operator_token: str, acme: dict
             report = _call(op, "GET", f"/v1/tenants/{t['id']}/quotas")
             # The most specific rule wins: H100 in us-east-1 over `*`.
             rules = sorted(report["quotas"], key=lambda q: (q["gpu_type"] == "*", q["region"] == "*"))
-            h100 = next((q["max_gpus"] for q in rules if q["gpu_type"] in ("H100", "*")
-                         and q["region"] in ("us-east-1", "*")), report["default_gpus"])
+            h100 = next(
+                (q["max_gpus"] for q in rules if q["gpu_type"] in ("H100", "*") and q["region"] in ("us-east-1", "*")),
+                report["default_gpus"],
+            )
             table.add_row(t["name"], t["status"], str(t["vni"]), t["storage_prefix"] or "", str(h100))
         console.print(table)
         if acme["vni"] == globex["vni"] or acme["storage_prefix"] == globex["storage_prefix"]:
@@ -82,8 +91,13 @@ def demo_tenants(console: Console, api_url: str, operator_token: str, acme: dict
             raise TenantsDemoError(f"globex read acme's allocation: HTTP {foreign.status_code}")
         console.print(f"globex asks for acme's allocation {acme_allocation}: HTTP 404 (as if it did not exist)")
 
-        rotated = _call(tenant_b, "POST", f"/v1/api-keys/{globex_key.split('.')[0].removeprefix('gpc_')}/rotate",
-                        json={"grace_period_s": 0}, expect=(201,))
+        rotated = _call(
+            tenant_b,
+            "POST",
+            f"/v1/api-keys/{globex_key.split('.')[0].removeprefix('gpc_')}/rotate",
+            json={"grace_period_s": 0},
+            expect=(201,),
+        )
         old = tenant_b.get("/v1/allocations")
         tenant_b.headers["Authorization"] = f"Bearer {rotated['key']}"
         if old.status_code != 401 or tenant_b.get("/v1/allocations").status_code != 200:

@@ -115,11 +115,20 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
         for i in (3, 11):
             tensors[i] = os.urandom(TENSOR_SIZE)
         v2_dir = _write_model(work / "v2", tensors)
-        v2 = push_with_progress(client, v2_dir, model=model, signer=signer, console=console, policy=DEMO_POLICY,
-                                lineage=Lineage(parent=v1.digest, training_run="demo-finetune"))
+        v2 = push_with_progress(
+            client,
+            v2_dir,
+            model=model,
+            signer=signer,
+            console=console,
+            policy=DEMO_POLICY,
+            lineage=Lineage(parent=v1.digest, training_run="demo-finetune"),
+        )
         if v2.stats.bytes_uploaded > 0.15 * v2.stats.bytes_total:
-            raise WeightsDemoError(f"the fine-tune uploaded {v2.stats.bytes_uploaded} of {v2.stats.bytes_total} "
-                                   "bytes; dedup should have skipped about 90%")
+            raise WeightsDemoError(
+                f"the fine-tune uploaded {v2.stats.bytes_uploaded} of {v2.stats.bytes_total} "
+                "bytes; dedup should have skipped about 90%"
+            )
 
         console.rule("weights: gated promotion")
         client.record_evaluation(model, v2.digest, evaluator="demo-evals", results={"accuracy": 0.77}, signer=signer)

@@ -14,10 +14,10 @@ import uvicorn
 
 
 class ThreadedServer:
-    def __init__(self, app: object, *, host: str = "127.0.0.1", port: int = 0, name: str = "asgi",
-                 **uvicorn_options: object) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                **uvicorn_options)
+    def __init__(
+        self, app: object, *, host: str = "127.0.0.1", port: int = 0, name: str = "asgi", **uvicorn_options: object
+    ) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, **uvicorn_options)
         self._server = uvicorn.Server(config)
         self._host = host
         self._name = name

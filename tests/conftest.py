@@ -31,8 +31,15 @@ def fresh_postgres_database(base_url: str) -> tuple[str, callable]:
     return url, drop
 
 
-DB_PARAMS = ["sqlite", pytest.param("postgres", marks=pytest.mark.skipif(
-    not POSTGRES_URL, reason="GPUCLOUD_TEST_POSTGRES_URL not set (Postgres not reachable)"))]
+DB_PARAMS = [
+    "sqlite",
+    pytest.param(
+        "postgres",
+        marks=pytest.mark.skipif(
+            not POSTGRES_URL, reason="GPUCLOUD_TEST_POSTGRES_URL not set (Postgres not reachable)"
+        ),
+    ),
+]
 
 
 @pytest.fixture(params=DB_PARAMS)
@@ -66,8 +73,10 @@ async def temporal_env():
     from gpucloud.temporal_server import temporal_binary
 
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), search_attributes=search_attributes.ALL,
-        data_converter=pydantic_data_converter, dev_server_log_level="error",
+        dev_server_existing_path=temporal_binary(),
+        search_attributes=search_attributes.ALL,
+        data_converter=pydantic_data_converter,
+        dev_server_log_level="error",
     )
     try:
         yield env
@@ -80,9 +89,12 @@ def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
     from gpucloud.stack import free_port
 
     return Settings(
-        data_dir=tmp_path, database_url=db_url,
+        data_dir=tmp_path,
+        database_url=db_url,
         temporal_address=temporal_env.client.service_client.config.target_host,
-        task_queue=f"tq-{uuid.uuid4().hex[:10]}", api_port=free_port(), operator_token="test-operator-token",
+        task_queue=f"tq-{uuid.uuid4().hex[:10]}",
+        api_port=free_port(),
+        operator_token="test-operator-token",
         **overrides,
     )
 
@@ -99,15 +111,22 @@ def make_harness(tmp_path, temporal_env):
 
     made: list = []
 
-    def build(db_url: str, *, nodes: int = 8, latency_scale: float = 0.05, fabric: bool = False,
-              nvl72_racks: int = 0, nvl72_trays: int = 18, **settings_overrides):
+    def build(
+        db_url: str,
+        *,
+        nodes: int = 8,
+        latency_scale: float = 0.05,
+        fabric: bool = False,
+        nvl72_racks: int = 0,
+        nvl72_trays: int = 18,
+        **settings_overrides,
+    ):
         managers = FabricManagers() if fabric else None
         if managers is not None:
             settings_overrides.setdefault("fabric_url", managers.url)
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
         nvl72 = ("--nvl72-racks", str(nvl72_racks), "--nvl72-trays-per-rack", str(nvl72_trays)) if nvl72_racks else ()
-        sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log",
-                              extra_args=nvl72)
+        sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log", extra_args=nvl72)
         if managers is not None:
             managers.register_domains(sim.inventory())
         api = ApiThread(settings)

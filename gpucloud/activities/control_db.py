@@ -36,13 +36,14 @@ from gpucloud.models.node_states import InvalidTransition
 from gpucloud.models.tables import Allocation, AllocationStatus, Node
 from gpucloud.services import allocations as allocation_service
 from gpucloud.services import health as health_service
-from gpucloud.services import replacement
 from gpucloud.services import nodes as node_service
+from gpucloud.services import replacement
 
 
 class ControlDbActivities:
-    def __init__(self, db_url: str, *, deadline_scale: float = 1.0, backoff_base_s: float = 5.0,
-                 backoff_cap_s: float = 600.0) -> None:
+    def __init__(
+        self, db_url: str, *, deadline_scale: float = 1.0, backoff_base_s: float = 5.0, backoff_cap_s: float = 600.0
+    ) -> None:
         self.db_url = db_url
         self.deadline_scale = deadline_scale
         self.backoff_base_s = backoff_base_s
@@ -56,8 +57,15 @@ class ControlDbActivities:
         try:
             with session_scope(self.db_url) as session:
                 node = node_service.transition(
-                    session, req.node_id, req.event, from_state=req.from_state, op_id=req.op_id,
-                    cause=req.cause, actor=req.actor, deadline_scale=self.deadline_scale, **changes,
+                    session,
+                    req.node_id,
+                    req.event,
+                    from_state=req.from_state,
+                    op_id=req.op_id,
+                    cause=req.cause,
+                    actor=req.actor,
+                    deadline_scale=self.deadline_scale,
+                    **changes,
                 )
                 return NodeTransitionResult(node_id=node.id, state=node.state, generation=node.generation)
         except (node_service.StaleNode, node_service.NodeNotFound, InvalidTransition) as exc:
@@ -70,18 +78,23 @@ class ControlDbActivities:
         A step that does not apply (the node moved, or is gone) is reported for that node and
         does not stop the others."""
         with session_scope(self.db_url) as session:
-            outcomes = node_service.transition_many(session, req.items, deadline_scale=self.deadline_scale,
-                                                    lease_to_deadline=req.lease_to_deadline)
-        return NodeTransitionBatchResult(outcomes=[
-            NodeTransitionOutcome(node_id=node_id, state=state, error=error) for node_id, state, error in outcomes])
+            outcomes = node_service.transition_many(
+                session, req.items, deadline_scale=self.deadline_scale, lease_to_deadline=req.lease_to_deadline
+            )
+        return NodeTransitionBatchResult(
+            outcomes=[
+                NodeTransitionOutcome(node_id=node_id, state=state, error=error) for node_id, state, error in outcomes
+            ]
+        )
 
     @activity.defn
     def release_bringup_holds(self, req: NodeRefs) -> int:
         """A batch lets go of nodes it could not finish (agent silent): the reconciler takes
         them back after its per-node backoff, which grows with every attempt."""
         with session_scope(self.db_url) as session:
-            return node_service.release_bringup_holds(session, req.node_ids, base_s=self.backoff_base_s,
-                                                      cap_s=self.backoff_cap_s)
+            return node_service.release_bringup_holds(
+                session, req.node_ids, base_s=self.backoff_base_s, cap_s=self.backoff_cap_s
+            )
 
     @activity.defn
     def get_nodes(self, req: NodeRefs) -> NodeViews:
@@ -100,15 +113,17 @@ class ControlDbActivities:
         with session_scope(self.db_url) as session:
             alloc = session.exec(select(Allocation).where(Allocation.id == req.allocation_id)).first()
             if alloc is None:
-                raise ApplicationError(f"allocation {req.allocation_id} does not exist",
-                                       type="AllocationNotFound", non_retryable=True)
+                raise ApplicationError(
+                    f"allocation {req.allocation_id} does not exist", type="AllocationNotFound", non_retryable=True
+                )
             return _allocation_view(alloc)
 
     @activity.defn
     def set_allocation_status(self, req: AllocationStatusInput) -> AllocationView:
         with session_scope(self.db_url) as session:
-            alloc = allocation_service.set_status(session, req.allocation_id, AllocationStatus(req.status),
-                                                  failure_reason=req.failure_reason)
+            alloc = allocation_service.set_status(
+                session, req.allocation_id, AllocationStatus(req.status), failure_reason=req.failure_reason
+            )
             return _allocation_view(alloc)
 
     # ------------------------------------------------------------ drain-and-replace
@@ -116,22 +131,22 @@ class ControlDbActivities:
     @activity.defn
     def detach_node(self, req: DetachNodeInput) -> AllocationView:
         with session_scope(self.db_url) as session:
-            return _allocation_view(replacement.detach_node(session, req.allocation_id, req.node_id,
-                                                            reason=req.reason))
+            return _allocation_view(replacement.detach_node(session, req.allocation_id, req.node_id, reason=req.reason))
 
     @activity.defn
     def reserve_replacement(self, req: ReplacementInput) -> ReplacementResult:
         with session_scope(self.db_url) as session:
-            node_id, reason = replacement.reserve_replacement(session, req.allocation_id,
-                                                              deadline_scale=self.deadline_scale,
-                                                              exclude=frozenset(req.exclude))
+            node_id, reason = replacement.reserve_replacement(
+                session, req.allocation_id, deadline_scale=self.deadline_scale, exclude=frozenset(req.exclude)
+            )
             return ReplacementResult(node_id=node_id, reason=reason)
 
     @activity.defn
     def attach_node(self, req: AttachNodeInput) -> AllocationView:
         with session_scope(self.db_url) as session:
-            return _allocation_view(replacement.attach_node(session, req.allocation_id, req.node_id,
-                                                            replaces=req.replaces, ready=req.ready))
+            return _allocation_view(
+                replacement.attach_node(session, req.allocation_id, req.node_id, replaces=req.replaces, ready=req.ready)
+            )
 
     @activity.defn
     def record_allocation_event(self, req: AllocationEventInput) -> None:
@@ -144,7 +159,7 @@ class ControlDbActivities:
         with session_scope(self.db_url) as session:
             self._node(session, req.node_id)
             step = health_service.repair_plan(session, req.node_id)
-            actions = [] if step.rung is None else list(health_service.REPAIR_LADDER[step.rung:])
+            actions = [] if step.rung is None else list(health_service.REPAIR_LADDER[step.rung :])
             return RepairPlan(node_id=req.node_id, actions=actions, reason=step.reason)
 
     @staticmethod
@@ -155,17 +170,38 @@ class ControlDbActivities:
         return node
 
     def all(self) -> list:
-        return [self.transition_node, self.transition_nodes, self.get_node, self.get_nodes,
-                self.release_bringup_holds, self.load_allocation,
-                self.set_allocation_status, self.detach_node, self.reserve_replacement, self.attach_node,
-                self.record_allocation_event, self.plan_repair]
+        return [
+            self.transition_node,
+            self.transition_nodes,
+            self.get_node,
+            self.get_nodes,
+            self.release_bringup_holds,
+            self.load_allocation,
+            self.set_allocation_status,
+            self.detach_node,
+            self.reserve_replacement,
+            self.attach_node,
+            self.record_allocation_event,
+            self.plan_repair,
+        ]
 
 
 def _allocation_view(alloc: Allocation) -> AllocationView:
-    return AllocationView(allocation_id=alloc.id, tenant_id=alloc.tenant_id, status=alloc.status,
-                          desired=alloc.desired, node_ids=list(alloc.node_ids))
+    return AllocationView(
+        allocation_id=alloc.id,
+        tenant_id=alloc.tenant_id,
+        status=alloc.status,
+        desired=alloc.desired,
+        node_ids=list(alloc.node_ids),
+    )
 
 
 def _view(node: Node) -> NodeView:
-    return NodeView(node_id=node.id, state=node.state, generation=node.generation, agent_url=node.agent_url,
-                    allocation_id=node.allocation_id, tenant_id=node.tenant_id)
+    return NodeView(
+        node_id=node.id,
+        state=node.state,
+        generation=node.generation,
+        agent_url=node.agent_url,
+        allocation_id=node.allocation_id,
+        tenant_id=node.tenant_id,
+    )

@@ -68,11 +68,17 @@ class FabricActivities:
             try:
                 applied = membership.apply_and_verify(controller, req.allocation_id, tenant_id, nodes)
             except FabricError as exc:
-                raise ApplicationError(f"a fabric manager refused: {exc}", type="FabricRefused",
-                                       non_retryable=True) from exc
-        return FabricMembershipResult(allocation_id=req.allocation_id, applied=True,
-                                      node_ids=[n.node_id for n in nodes], pkey=applied.pkey,
-                                      nvl_partition_ids=list(applied.nvl_partition_ids), vni=applied.vni)
+                raise ApplicationError(
+                    f"a fabric manager refused: {exc}", type="FabricRefused", non_retryable=True
+                ) from exc
+        return FabricMembershipResult(
+            allocation_id=req.allocation_id,
+            applied=True,
+            node_ids=[n.node_id for n in nodes],
+            pkey=applied.pkey,
+            nvl_partition_ids=list(applied.nvl_partition_ids),
+            vni=applied.vni,
+        )
 
     @activity.defn
     def remove_allocation_fabric_nodes(self, req: FabricRemoveInput) -> FabricMembershipResult:
@@ -117,8 +123,9 @@ class FabricActivities:
         with session_scope(self.db_url) as session:
             alloc = session.exec(select(Allocation).where(Allocation.id == allocation_id)).first()
             if alloc is None:
-                raise ApplicationError(f"allocation {allocation_id} does not exist", type="AllocationNotFound",
-                                       non_retryable=True)
+                raise ApplicationError(
+                    f"allocation {allocation_id} does not exist", type="AllocationNotFound", non_retryable=True
+                )
             node_ids = list(alloc.node_ids)
             if with_reserved:
                 held = session.exec(select(Node.id).where(Node.allocation_id == allocation_id)).all()
@@ -130,6 +137,9 @@ class FabricActivities:
             found = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(node_ids))).all()}
         if missing := [n for n in node_ids if n not in found]:
             raise ApplicationError(f"nodes {missing} do not exist", type="NodeNotFound", non_retryable=True)
-        return [FabricNode(node_id=n.id, port_guids=tuple(n.ib_port_guids), nvl_domain=n.nvlink_domain,
-                           gpu_uids=tuple(n.gpu_uids))
-                for n in (found[i] for i in node_ids)]
+        return [
+            FabricNode(
+                node_id=n.id, port_guids=tuple(n.ib_port_guids), nvl_domain=n.nvlink_domain, gpu_uids=tuple(n.gpu_uids)
+            )
+            for n in (found[i] for i in node_ids)
+        ]

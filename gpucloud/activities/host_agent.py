@@ -27,8 +27,14 @@ class AgentUnreachable(RuntimeError):
 
 
 class HostAgentActivities:
-    def __init__(self, *, timeout_s: float = 600.0, max_connections: int = 200, batch_attempts: int = 4,
-                 batch_retry_base_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 600.0,
+        max_connections: int = 200,
+        batch_attempts: int = 4,
+        batch_retry_base_s: float = 0.5,
+    ) -> None:
         # A batch retries an agent that is unreachable or answers 5xx this many times (delays
         # doubling from the base) before it leaves that node to the reconciler.
         self.batch_attempts = max(1, batch_attempts)
@@ -48,8 +54,9 @@ class HostAgentActivities:
     async def _call(self, action: str, req: AgentActionInput) -> AgentActionResult:
         url = f"{req.agent_url.rstrip('/')}/actions/{action}"
         call = asyncio.ensure_future(
-            self._client.post(url, json={"request_id": req.request_id, "tenant_id": req.tenant_id,
-                                         "allocation_id": req.allocation_id})
+            self._client.post(
+                url, json={"request_id": req.request_id, "tenant_id": req.tenant_id, "allocation_id": req.allocation_id}
+            )
         )
         try:
             while True:
@@ -64,12 +71,14 @@ class HostAgentActivities:
             if not call.done():
                 call.cancel()
         if response.status_code >= 500:
-            raise AgentUnreachable(f"agent for {req.node_id} failed {action} (HTTP {response.status_code}):"
-                               f" {response.text[:300]}")
+            raise AgentUnreachable(
+                f"agent for {req.node_id} failed {action} (HTTP {response.status_code}): {response.text[:300]}"
+            )
         if response.status_code >= 400:
             raise ApplicationError(
                 f"agent for {req.node_id} refused {action} (HTTP {response.status_code}): {response.text[:300]}",
-                type="AgentActionFailed", non_retryable=True,
+                type="AgentActionFailed",
+                non_retryable=True,
             )
         return AgentActionResult(node_id=req.node_id, action=action, details=response.json())
 
@@ -100,7 +109,7 @@ class HostAgentActivities:
                         if attempt == self.batch_attempts - 1:
                             result.unreachable[item.node_id] = str(exc)
                         else:
-                            await asyncio.sleep(self.batch_retry_base_s * 2 ** attempt)
+                            await asyncio.sleep(self.batch_retry_base_s * 2**attempt)
             done += 1
 
         calls = asyncio.ensure_future(asyncio.gather(*(one(item) for item in req.items)))
@@ -149,5 +158,14 @@ class HostAgentActivities:
         return await self._call("reflash", req)
 
     def all(self) -> list:
-        return [self.agent_batch, self.inspect_node, self.burn_in_node, self.provision_node, self.release_node, self.wipe_node,
-                self.reset_node, self.reboot_node, self.reflash_node]
+        return [
+            self.agent_batch,
+            self.inspect_node,
+            self.burn_in_node,
+            self.provision_node,
+            self.release_node,
+            self.wipe_node,
+            self.reset_node,
+            self.reboot_node,
+            self.reflash_node,
+        ]

@@ -34,8 +34,9 @@ class LedgerActivities:
 
     def _client(self) -> LedgerClient:
         if self.ledger_url is None:
-            raise ApplicationError("no ledger is configured (GPUCLOUD_LEDGER_URL)", type="LedgerNotConfigured",
-                                   non_retryable=True)
+            raise ApplicationError(
+                "no ledger is configured (GPUCLOUD_LEDGER_URL)", type="LedgerNotConfigured", non_retryable=True
+            )
         return LedgerClient(self.ledger_url)
 
     @activity.defn
@@ -45,11 +46,18 @@ class LedgerActivities:
             return LedgerEventsResult(skipped="no ledger configured")
         async with self._client() as ledger:
             for event in req.events:
-                await _refusal_is_final(ledger.record_allocation_event(AllocationEventIn(
-                    event_id=f"{req.allocation_id}/{event.kind}/{event.node_id or '-'}/{event.at_ms}",
-                    allocation_id=req.allocation_id, tenant_id=req.tenant_id, kind=event.kind,
-                    at_ms=event.at_ms, node_id=event.node_id,
-                )))
+                await _refusal_is_final(
+                    ledger.record_allocation_event(
+                        AllocationEventIn(
+                            event_id=f"{req.allocation_id}/{event.kind}/{event.node_id or '-'}/{event.at_ms}",
+                            allocation_id=req.allocation_id,
+                            tenant_id=req.tenant_id,
+                            kind=event.kind,
+                            at_ms=event.at_ms,
+                            node_id=event.node_id,
+                        )
+                    )
+                )
         return LedgerEventsResult(recorded=len(req.events))
 
     @activity.defn
@@ -58,17 +66,22 @@ class LedgerActivities:
             return BillingPeriodsResult()
         async with self._client() as ledger:
             periods = await _refusal_is_final(ledger.periods())
-        return BillingPeriodsResult(periods=[
-            BillingPeriod(period_id=p.period_id, ended=p.ended, closed=p.closed_ms is not None) for p in periods
-        ])
+        return BillingPeriodsResult(
+            periods=[
+                BillingPeriod(period_id=p.period_id, ended=p.ended, closed=p.closed_ms is not None) for p in periods
+            ]
+        )
 
     @activity.defn
     async def close_billing_period(self, req: BillingCloseInput) -> BillingCloseResult:
         async with self._client() as ledger:
             closed = await _refusal_is_final(ledger.close_period(req.period_id))
-        return BillingCloseResult(period_id=closed.period_id, closed_ms=closed.closed_ms,
-                                  invoices=len(closed.invoices),
-                                  total_micro=sum(invoice.total_micro for invoice in closed.invoices))
+        return BillingCloseResult(
+            period_id=closed.period_id,
+            closed_ms=closed.closed_ms,
+            invoices=len(closed.invoices),
+            total_micro=sum(invoice.total_micro for invoice in closed.invoices),
+        )
 
     def all(self) -> list:
         return [self.record_ledger_events, self.list_billing_periods, self.close_billing_period]
@@ -78,5 +91,6 @@ async def _refusal_is_final(call):
     try:
         return await call
     except LedgerRefused as error:
-        raise ApplicationError(f"the ledger refused (HTTP {error.status}): {error}", type="LedgerRefused",
-                               non_retryable=True) from error
+        raise ApplicationError(
+            f"the ledger refused (HTTP {error.status}): {error}", type="LedgerRefused", non_retryable=True
+        ) from error

@@ -50,32 +50,54 @@ def candidate_filter(now, heartbeat_cutoff):
         Node.drifted == True,  # noqa: E712
         sa.and_(Node.last_heartbeat_at < heartbeat_cutoff, Node.agent_reachable == True),  # noqa: E712
         sa.and_(Node.last_heartbeat_at >= heartbeat_cutoff, Node.agent_reachable == False),  # noqa: E712
-        sa.and_(Node.state == NodeState.QUARANTINED.value, Node.health != "ok",
-                Node.maintenance == False, Node.agent_reachable == True),  # noqa: E712
+        sa.and_(
+            Node.state == NodeState.QUARANTINED.value,
+            Node.health != "ok",
+            Node.maintenance == False,
+            Node.agent_reachable == True,
+        ),
         # A bad node its allocation still holds (the replace signal may have been lost), or one
         # its allocation let go of before pulling it.
-        sa.and_(Node.allocation_id.is_not(None), Node.health != "ok",
-                Node.state.in_([s.value for s in (NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING)])),
+        sa.and_(
+            Node.allocation_id.is_not(None),
+            Node.health != "ok",
+            Node.state.in_([s.value for s in (NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING)]),
+        ),
         sa.and_(Node.state == NodeState.AVAILABLE.value, Node.health != "ok"),
     )
 
 
 def _snapshot(node: Node) -> NodeSnapshot:
-    return NodeSnapshot(id=node.id, state=node.state, deadline_at=node.deadline_at,
-                        drain_requested=node.drain_requested, last_heartbeat_at=node.last_heartbeat_at,
-                        agent_reachable=node.agent_reachable, drifted=node.drifted, tenant_id=node.tenant_id,
-                        allocation_id=node.allocation_id, health=node.health, maintenance=node.maintenance,
-                        health_conditions=tuple(node.health_conditions or ()))
+    return NodeSnapshot(
+        id=node.id,
+        state=node.state,
+        deadline_at=node.deadline_at,
+        drain_requested=node.drain_requested,
+        last_heartbeat_at=node.last_heartbeat_at,
+        agent_reachable=node.agent_reachable,
+        drifted=node.drifted,
+        tenant_id=node.tenant_id,
+        allocation_id=node.allocation_id,
+        health=node.health,
+        maintenance=node.maintenance,
+        health_conditions=tuple(node.health_conditions or ()),
+    )
 
 
 def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
     conditions = [c for c in node.health_conditions if c.get("name") != AGENT_UNREACHABLE]
     if not reachable:
         conditions.append({"name": AGENT_UNREACHABLE, "reason": reason, "since": utcnow().isoformat()})
-    health = "suspect" if any(c.get("name") == AGENT_UNREACHABLE for c in conditions) else (
-        node.health if conditions else "ok")
-    session.execute(sa.update(Node).where(Node.id == node.id).values(
-        agent_reachable=reachable, health_conditions=conditions, health=health, updated_at=utcnow()))
+    health = (
+        "suspect"
+        if any(c.get("name") == AGENT_UNREACHABLE for c in conditions)
+        else (node.health if conditions else "ok")
+    )
+    session.execute(
+        sa.update(Node)
+        .where(Node.id == node.id)
+        .values(agent_reachable=reachable, health_conditions=conditions, health=health, updated_at=utcnow())
+    )
 
 
 class ReconcilerActivities:
@@ -113,9 +135,14 @@ class ReconcilerActivities:
             try:
                 await self.client.start_workflow(
                     NodeOperationWorkflow.run,
-                    NodeOperationInput(node_id=plan.node_id, operation=plan.start, allocation_id=plan.allocation_id,
-                                       tenant_id=plan.tenant_id),
-                    id=node_workflow_id(plan.node_id), task_queue=self.settings.task_queue,
+                    NodeOperationInput(
+                        node_id=plan.node_id,
+                        operation=plan.start,
+                        allocation_id=plan.allocation_id,
+                        tenant_id=plan.tenant_id,
+                    ),
+                    id=node_workflow_id(plan.node_id),
+                    task_queue=self.settings.task_queue,
                     search_attributes=sattr.typed((sattr.NODE_ID, plan.node_id)),
                 )
                 result.started += 1
@@ -131,9 +158,13 @@ class ReconcilerActivities:
         workflow ignores a node it is already replacing; per-node backoff spaces the repeats."""
         signalled: list[str] = []
         for plan in plans:
-            req = ReplaceNodeRequest(node_id=plan.node_id, reason="; ".join(plan.reasons)[:1000],
-                                     immediate=plan.replace_at_once, grace_s=self.settings.health_drain_grace_s,
-                                     recheck_s=self.settings.replacement_recheck_s)
+            req = ReplaceNodeRequest(
+                node_id=plan.node_id,
+                reason="; ".join(plan.reasons)[:1000],
+                immediate=plan.replace_at_once,
+                grace_s=self.settings.health_drain_grace_s,
+                recheck_s=self.settings.replacement_recheck_s,
+            )
             try:
                 await signal_replace_node(self.client, plan.allocation_id, req)
                 result.replace_signals += 1
@@ -145,9 +176,15 @@ class ReconcilerActivities:
     def _breaker_held(self, node_ids: list[str]) -> set[str]:
         since = utcnow() - timedelta(seconds=self.settings.breaker_window_s)
         with session_scope(self.settings.db_url) as session:
-            return set(session.exec(select(OperatorAlertRecord.node_id).where(
-                OperatorAlertRecord.node_id.in_(node_ids), OperatorAlertRecord.kind == "circuit_breaker",
-                OperatorAlertRecord.at > since)).all())
+            return set(
+                session.exec(
+                    select(OperatorAlertRecord.node_id).where(
+                        OperatorAlertRecord.node_id.in_(node_ids),
+                        OperatorAlertRecord.kind == "circuit_breaker",
+                        OperatorAlertRecord.at > since,
+                    )
+                ).all()
+            )
 
     async def _start_bringups(self, node_ids: list[str], budget: int, result: SweepResult) -> int:
         if budget < len(node_ids):
@@ -171,10 +208,14 @@ class ReconcilerActivities:
         now = utcnow()
         timeout = timedelta(seconds=self.settings.heartbeat_timeout_s)
         with session_scope(self.settings.db_url) as session:
-            query = select(Node).where(
-                candidate_filter(now, now - timeout),
-                sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now),
-            ).limit(self.settings.sweep_batch)
+            query = (
+                select(Node)
+                .where(
+                    candidate_filter(now, now - timeout),
+                    sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now),
+                )
+                .limit(self.settings.sweep_batch)
+            )
             if req.node_ids is not None:
                 query = select(Node).where(Node.id.in_(req.node_ids))
             nodes = list(session.exec(query).all())
@@ -196,9 +237,15 @@ class ReconcilerActivities:
     def _apply(self, node: Node, plan: NodePlan, result: SweepResult) -> None:
         with session_scope(self.settings.db_url) as session:
             if plan.deadline_passed:
-                node_service.transition(session, node.id, NodeEvent.DEADLINE, from_state=node.state,
-                                        cause="; ".join(plan.reasons), actor="reconciler",
-                                        deadline_scale=self.settings.deadline_scale)
+                node_service.transition(
+                    session,
+                    node.id,
+                    NodeEvent.DEADLINE,
+                    from_state=node.state,
+                    cause="; ".join(plan.reasons),
+                    actor="reconciler",
+                    deadline_scale=self.settings.deadline_scale,
+                )
                 result.deadlines_applied += 1
             if plan.set_reachable is not None:
                 fresh = session.get(Node, node.id)
@@ -215,8 +262,9 @@ class ReconcilerActivities:
         with session_scope(self.settings.db_url) as session:
             for node in session.exec(select(Node).where(Node.id.in_(node_ids))).all():
                 node.reconcile_attempts += 1
-                node.next_reconcile_at = now + backoff(node.reconcile_attempts, base_s=self.settings.backoff_base_s,
-                                                       cap_s=self.settings.backoff_cap_s)
+                node.next_reconcile_at = now + backoff(
+                    node.reconcile_attempts, base_s=self.settings.backoff_base_s, cap_s=self.settings.backoff_cap_s
+                )
                 session.add(node)
 
     def all(self) -> list:

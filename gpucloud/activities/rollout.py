@@ -49,8 +49,15 @@ def _detail(response: httpx.Response) -> str:
 
 
 class RolloutActivities:
-    def __init__(self, *, tracker_url: str, manifests: ManifestSource, db_url: str | None = None,
-                 http: httpx.AsyncClient | None = None, request_timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        *,
+        tracker_url: str,
+        manifests: ManifestSource,
+        db_url: str | None = None,
+        http: httpx.AsyncClient | None = None,
+        request_timeout_s: float = 3600.0,
+    ) -> None:
         self.tracker_url, self._manifests, self._db_url = tracker_url, manifests, db_url
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0))
         self._signed: dict[tuple[str, str], SignedManifest] = {}
@@ -59,8 +66,15 @@ class RolloutActivities:
         await self._http.aclose()
 
     def all(self) -> list:
-        return [self.resolve_rollout_targets, self.prepare_rollout, self.prefetch_wave, self.verify_wave,
-                self.activate_wave, self.check_wave, self.rollback_wave]
+        return [
+            self.resolve_rollout_targets,
+            self.prepare_rollout,
+            self.prefetch_wave,
+            self.verify_wave,
+            self.activate_wave,
+            self.check_wave,
+            self.rollback_wave,
+        ]
 
     # Target and swarm -----------------------------------------------------------------------
 
@@ -72,8 +86,9 @@ class RolloutActivities:
         from gpucloud.models.tables import Node
 
         if self._db_url is None:
-            raise ApplicationError("this worker has no control-plane DB to resolve a target",
-                                   type="TargetUnresolvable", non_retryable=True)
+            raise ApplicationError(
+                "this worker has no control-plane DB to resolve a target", type="TargetUnresolvable", non_retryable=True
+            )
         query = select(Node).where(Node.tenant_id == req.tenant_id)
         if req.allocation_id is not None:
             query = query.where(Node.allocation_id == req.allocation_id)
@@ -82,10 +97,12 @@ class RolloutActivities:
         with Session(get_engine(self._db_url)) as session:
             nodes = session.exec(query.order_by(Node.rack, Node.id)).all()
         if not nodes:
-            raise ApplicationError(f"no nodes of tenant {req.tenant_id} match the target",
-                                   type="TargetUnresolvable", non_retryable=True)
-        return ResolvedTargets(nodes=[RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack,
-                                                    site=n.region) for n in nodes])
+            raise ApplicationError(
+                f"no nodes of tenant {req.tenant_id} match the target", type="TargetUnresolvable", non_retryable=True
+            )
+        return ResolvedTargets(
+            nodes=[RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region) for n in nodes]
+        )
 
     def _signed_manifest(self, tenant_id: str, digest: str) -> SignedManifest:
         key = (tenant_id, digest)
@@ -112,14 +129,16 @@ class RolloutActivities:
 
     # Wave steps -----------------------------------------------------------------------------
 
-    async def _each(self, req: WaveInput, step: str,
-                    call: Callable[[RolloutTarget], Awaitable[NodeOutcome]]) -> WaveResult:
+    async def _each(
+        self, req: WaveInput, step: str, call: Callable[[RolloutTarget], Awaitable[NodeOutcome]]
+    ) -> WaveResult:
         async def guarded(node: RolloutTarget) -> NodeOutcome:
             try:
                 return await call(node)
             except httpx.HTTPError as exc:
-                return NodeOutcome(node_id=node.node_id, ok=False,
-                                   detail=f"{step}: agent unreachable: {type(exc).__name__}: {exc}")
+                return NodeOutcome(
+                    node_id=node.node_id, ok=False, detail=f"{step}: agent unreachable: {type(exc).__name__}: {exc}"
+                )
 
         async def beat() -> None:
             while True:
@@ -140,8 +159,7 @@ class RolloutActivities:
         if response.status_code != 200:
             return NodeOutcome(node_id=node.node_id, ok=False, detail=f"{step}: {_detail(response)}")
         state = response.json()
-        return NodeOutcome(node_id=node.node_id, ok=True, active=state.get("active"),
-                           previous=state.get("previous"))
+        return NodeOutcome(node_id=node.node_id, ok=True, active=state.get("active"), previous=state.get("previous"))
 
     @activity.defn
     async def prefetch_wave(self, req: WaveInput) -> WaveResult:
@@ -149,11 +167,12 @@ class RolloutActivities:
         unless every node has it."""
         signed = await asyncio.to_thread(self._signed_manifest, req.tenant_id, req.model_version)
         body = {"signed": signed.model_dump(mode="json"), "tracker_url": self.tracker_url, "swarm": req.swarm}
-        result = await self._each(req, "prefetch",
-                                  lambda node: self._post(node, "/weights/prefetch", body, "prefetch"))
+        result = await self._each(req, "prefetch", lambda node: self._post(node, "/weights/prefetch", body, "prefetch"))
         if failed := result.failed:
-            raise ApplicationError(f"prefetch failed on {len(failed)} nodes: {failed[0].node_id}: {failed[0].detail}",
-                                   type="PrefetchIncomplete")
+            raise ApplicationError(
+                f"prefetch failed on {len(failed)} nodes: {failed[0].node_id}: {failed[0].detail}",
+                type="PrefetchIncomplete",
+            )
         return result
 
     @activity.defn
@@ -179,20 +198,33 @@ class RolloutActivities:
         limits = req.thresholds
 
         async def one(node: RolloutTarget) -> NodeOutcome:
-            response = await self._http.get(f"{node.agent_url.rstrip('/')}/weights/check",
-                                            params={"digest": req.model_version})
+            response = await self._http.get(
+                f"{node.agent_url.rstrip('/')}/weights/check", params={"digest": req.model_version}
+            )
             if response.status_code != 200:
                 return NodeOutcome(node_id=node.node_id, ok=False, detail=f"check: {_detail(response)}")
             got = response.json()
-            outcome = NodeOutcome(node_id=node.node_id, ok=True, active=got["active"], previous=got["previous"],
-                                  healthy=got["healthy"], eval_score=got["eval_score"])
+            outcome = NodeOutcome(
+                node_id=node.node_id,
+                ok=True,
+                active=got["active"],
+                previous=got["previous"],
+                healthy=got["healthy"],
+                eval_score=got["eval_score"],
+            )
             if got["active"] != req.model_version:
-                return outcome.model_copy(update={"ok": False, "detail": f"{got['active']} is active, not the rollout's"})
+                return outcome.model_copy(
+                    update={"ok": False, "detail": f"{got['active']} is active, not the rollout's"}
+                )
             if limits.require_healthy and not got["healthy"]:
                 return outcome.model_copy(update={"ok": False, "detail": f"unhealthy: {got['health_detail']}"})
             if got["eval_score"] is None or got["eval_score"] < limits.min_eval_score:
-                return outcome.model_copy(update={
-                    "ok": False, "detail": f"evaluation probe scored {got['eval_score']} < {limits.min_eval_score}"})
+                return outcome.model_copy(
+                    update={
+                        "ok": False,
+                        "detail": f"evaluation probe scored {got['eval_score']} < {limits.min_eval_score}",
+                    }
+                )
             return outcome
 
         return await self._each(req, "check", one)
@@ -202,9 +234,11 @@ class RolloutActivities:
         """Switch every node of the list off the rollout's version (a no-op where it is not
         active); raises until every node answered, so Temporal retries it for as long as it takes."""
         body = {"digest": req.model_version}
-        result = await self._each(req, "rollback",
-                                  lambda node: self._post(node, "/weights/rollback", body, "rollback"))
+        result = await self._each(req, "rollback", lambda node: self._post(node, "/weights/rollback", body, "rollback"))
         if unreachable := [o for o in result.failed if "unreachable" in o.detail]:
-            raise ApplicationError(f"rollback not confirmed by {len(unreachable)} nodes: "
-                                   f"{unreachable[0].node_id}: {unreachable[0].detail}", type="RollbackIncomplete")
+            raise ApplicationError(
+                f"rollback not confirmed by {len(unreachable)} nodes: "
+                f"{unreachable[0].node_id}: {unreachable[0].detail}",
+                type="RollbackIncomplete",
+            )
         return result

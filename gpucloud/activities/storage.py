@@ -42,8 +42,10 @@ class TenantStorageActivities:
         record = json.dumps({"tenant_id": req.tenant_id}).encode()
         storage.put_encrypted(TENANT_RECORD, record)
         if storage.get_encrypted(TENANT_RECORD) != record:
-            raise ApplicationError(f"tenant {req.tenant_id}'s storage does not read back what was written",
-                                   type="StorageVerificationFailed")
+            raise ApplicationError(
+                f"tenant {req.tenant_id}'s storage does not read back what was written",
+                type="StorageVerificationFailed",
+            )
         reach(self.fault_hook, "provision_tenant_storage", "after", req.tenant_id)
         return TenantStorageResult(tenant_id=req.tenant_id, prefix=storage.prefix, data_key_version=version)
 
@@ -57,8 +59,9 @@ class TenantStorageActivities:
 
     @activity.defn
     def schedule_tenant_storage_deletion(self, req: StorageDeletionInput) -> StorageDeletion:
-        due = retention.mark_for_deletion(self.store.backend, req.tenant_id, now=utcnow(),
-                                          retention=timedelta(seconds=req.retention_s))
+        due = retention.mark_for_deletion(
+            self.store.backend, req.tenant_id, now=utcnow(), retention=timedelta(seconds=req.retention_s)
+        )
         return StorageDeletion(tenant_id=req.tenant_id, due_at=due)
 
     @activity.defn
@@ -68,11 +71,16 @@ class TenantStorageActivities:
         if due is None:
             return StorageDeletion(tenant_id=req.tenant_id)
         if due > utcnow():
-            raise ApplicationError(f"tenant {req.tenant_id}'s storage is kept until {due.isoformat()}",
-                                   type="NotDueYet")
+            raise ApplicationError(
+                f"tenant {req.tenant_id}'s storage is kept until {due.isoformat()}", type="NotDueYet"
+            )
         deleted = retention.purge_tenant(self.store.backend, self.store.keys, req.tenant_id)
         return StorageDeletion(tenant_id=req.tenant_id, due_at=due, objects_deleted=deleted)
 
     def all(self) -> list:
-        return [self.provision_tenant_storage, self.delete_tenant_storage, self.schedule_tenant_storage_deletion,
-                self.purge_tenant_storage]
+        return [
+            self.provision_tenant_storage,
+            self.delete_tenant_storage,
+            self.schedule_tenant_storage_deletion,
+            self.purge_tenant_storage,
+        ]

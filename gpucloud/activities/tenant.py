@@ -52,13 +52,19 @@ log = logging.getLogger(__name__)
 
 
 def _view(tenant: Tenant) -> TenantView:
-    return TenantView(tenant_id=tenant.id, name=tenant.name, status=tenant.status, vni=tenant.vni,
-                      storage_prefix=tenant.storage_prefix)
+    return TenantView(
+        tenant_id=tenant.id,
+        name=tenant.name,
+        status=tenant.status,
+        vni=tenant.vni,
+        storage_prefix=tenant.storage_prefix,
+    )
 
 
 class TenantActivities:
-    def __init__(self, settings: Settings, *, client: Client | None = None,
-                 fault_hook: FaultHook | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, client: Client | None = None, fault_hook: FaultHook | None = None
+    ) -> None:
         self.settings = settings
         self.client = client
         self.fault_hook = fault_hook
@@ -98,10 +104,12 @@ class TenantActivities:
     def activate_tenant(self, req: ActivateTenantInput) -> TenantView:
         self._fault("activate_tenant", "before", req.tenant_id)
         with self._db() as session:
-            session.execute(sa.update(Tenant).where(Tenant.id == req.tenant_id)
-                            .values(storage_prefix=req.storage_prefix))
-            tenant = tenant_service.move(session, req.tenant_id, source=(TenantStatus.ONBOARDING,),
-                                         target=TenantStatus.ACTIVE)
+            session.execute(
+                sa.update(Tenant).where(Tenant.id == req.tenant_id).values(storage_prefix=req.storage_prefix)
+            )
+            tenant = tenant_service.move(
+                session, req.tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.ACTIVE
+            )
             tenant_service.settle_operation(session, req.operation_id, error=None)
             return _view(tenant)
 
@@ -111,16 +119,18 @@ class TenantActivities:
         self._fault("fail_tenant", "before", req.tenant_id)
         with self._db() as session:
             session.execute(sa.update(Tenant).where(Tenant.id == req.tenant_id).values(storage_prefix=None))
-            tenant = tenant_service.move(session, req.tenant_id, source=(TenantStatus.ONBOARDING,),
-                                         target=TenantStatus.FAILED, reason=req.error)
+            tenant = tenant_service.move(
+                session, req.tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.FAILED, reason=req.error
+            )
             tenant_service.settle_operation(session, req.operation_id, error=req.error)
             return _view(tenant)
 
     @activity.defn
     def finish_offboarding(self, req: SettleTenantInput) -> TenantView:
         with self._db() as session:
-            tenant = tenant_service.move(session, req.tenant_id, source=(TenantStatus.OFFBOARDING,),
-                                         target=TenantStatus.OFFBOARDED)
+            tenant = tenant_service.move(
+                session, req.tenant_id, source=(TenantStatus.OFFBOARDING,), target=TenantStatus.OFFBOARDED
+            )
             tenant_service.settle_operation(session, req.operation_id, error=None)
             return _view(tenant)
 
@@ -164,8 +174,7 @@ class TenantActivities:
         with self._db() as session:
             tenant_service.record_vni(session, req.tenant_id, None)
         self._fault("release_tenant_vni", "after", req.tenant_id)
-        return TenantVni(tenant_id=req.tenant_id, vni=None,
-                         source="sdn" if self.settings.fabric_manager_urls else "db")
+        return TenantVni(tenant_id=req.tenant_id, vni=None, source="sdn" if self.settings.fabric_manager_urls else "db")
 
     # ------------------------------------------------------------ offboarding
 
@@ -189,16 +198,16 @@ class TenantActivities:
             try:
                 await signal_cancel(self.client, allocation_id, operation_id)
             except RPCError as exc:
-                log.warning("cancel signal for %s not delivered (%s); the workflow will see the DB intent",
-                            allocation_id, exc)
+                log.warning(
+                    "cancel signal for %s not delivered (%s); the workflow will see the DB intent", allocation_id, exc
+                )
         return CancelledAllocations(allocation_ids=[a for a, _ in cancels])
 
     @activity.defn
     def tenant_release_progress(self, req: TenantRef) -> TenantReleaseProgress:
         with self._db() as session:
             open_allocations, in_flight, parked = tenant_service.release_progress(session, req.tenant_id)
-        return TenantReleaseProgress(open_allocations=open_allocations, nodes_in_flight=in_flight,
-                                     nodes_parked=parked)
+        return TenantReleaseProgress(open_allocations=open_allocations, nodes_in_flight=in_flight, nodes_parked=parked)
 
     @activity.defn
     async def close_tenant_billing(self, req: TenantRef) -> TenantBilling:
@@ -214,10 +223,22 @@ class TenantActivities:
         except LedgerRefused as exc:
             raise ApplicationError(str(exc), type="LedgerRefused", non_retryable=True) from exc
         open_periods = sorted(p.period_id for p in periods if p.closed_ms is None)
-        return TenantBilling(tenant_id=req.tenant_id, final_period_id=open_periods[-1] if open_periods else None,
-                             usage_gpu_ms=usage.net_gpu_ms)
+        return TenantBilling(
+            tenant_id=req.tenant_id,
+            final_period_id=open_periods[-1] if open_periods else None,
+            usage_gpu_ms=usage.net_gpu_ms,
+        )
 
     def all(self) -> list:
-        return [self.load_tenant, self.activate_tenant, self.fail_tenant, self.finish_offboarding,
-                self.revoke_tenant_keys, self.allocate_tenant_vni, self.release_tenant_vni,
-                self.cancel_tenant_allocations, self.tenant_release_progress, self.close_tenant_billing]
+        return [
+            self.load_tenant,
+            self.activate_tenant,
+            self.fail_tenant,
+            self.finish_offboarding,
+            self.revoke_tenant_keys,
+            self.allocate_tenant_vni,
+            self.release_tenant_vni,
+            self.cancel_tenant_allocations,
+            self.tenant_release_progress,
+            self.close_tenant_billing,
+        ]

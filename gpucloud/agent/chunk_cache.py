@@ -120,9 +120,7 @@ class ChunkCache:
     One instance per root: opening it clears tmp/, which another live instance may be writing to.
     """
 
-    def __init__(
-        self, root: str | Path, *, keyring: Keyring, tenant: str, read_size: int = 8 * MiB
-    ) -> None:
+    def __init__(self, root: str | Path, *, keyring: Keyring, tenant: str, read_size: int = 8 * MiB) -> None:
         self.root = Path(root)
         self._keyring, self._tenant, self._read_size = keyring, tenant, read_size
         self._chunks, self._tmp = self.root / "chunks", self.root / "tmp"
@@ -152,9 +150,7 @@ class ChunkCache:
         """Store verified bytes under chunk_id; False if already held. Bad bytes raise, unwritten."""
         path = self.chunk_path(chunk_id)
         if (actual := _hash(data)) != chunk_id:
-            raise ChunkCorruptedError(
-                f"refused bytes that hash to {actual}", chunk_id=chunk_id, actual_id=actual
-            )
+            raise ChunkCorruptedError(f"refused bytes that hash to {actual}", chunk_id=chunk_id, actual_id=actual)
         if self.has(chunk_id):
             return False
         path.parent.mkdir(exist_ok=True)
@@ -330,7 +326,10 @@ class ChunkCache:
                 if (actual := hasher.hexdigest()) != chunk.id:
                     raise ChunkCorruptedError(
                         f"bytes on disk hash to {actual}",
-                        chunk_id=chunk.id, path=relative, offset=chunk.offset, actual_id=actual,
+                        chunk_id=chunk.id,
+                        path=relative,
+                        offset=chunk.offset,
+                        actual_id=actual,
                     )
 
     def active(self) -> str | None:
@@ -456,9 +455,7 @@ class ChunkCache:
             self._add_regions(self.version_path(digest), manifest, regions)
         return regions
 
-    def _add_regions(
-        self, root: Path, manifest: Manifest, regions: dict[str, _Region] | None = None
-    ) -> None:
+    def _add_regions(self, root: Path, manifest: Manifest, regions: dict[str, _Region] | None = None) -> None:
         regions = self._regions if regions is None else regions
         for relative, entry in manifest.files.items():
             for chunk in entry.chunks:

@@ -139,8 +139,7 @@ class NvmlSession:
             raise
         return session
 
-    def _call(self, fn: Callable[..., Any], *args: Any, gpu_index: int | None = None,
-              optional: bool = False) -> Any:
+    def _call(self, fn: Callable[..., Any], *args: Any, gpu_index: int | None = None, optional: bool = False) -> Any:
         """Call NVML, translating its errors; `optional` reads return None when unsupported."""
         try:
             return fn(*args)
@@ -188,12 +187,10 @@ class NvmlSession:
         for index, handle in enumerate(self._handles):
             if handle is None:
                 continue
-            supported = self._call(nvml.nvmlDeviceGetSupportedEventTypes, handle,
-                                   gpu_index=index, optional=True)
+            supported = self._call(nvml.nvmlDeviceGetSupportedEventTypes, handle, gpu_index=index, optional=True)
             mask = nvml.nvmlEventTypeXidCriticalError & (supported or 0)
             if mask:
-                self._call(nvml.nvmlDeviceRegisterEvents, handle, mask, self._event_set,
-                           gpu_index=index, optional=True)
+                self._call(nvml.nvmlDeviceRegisterEvents, handle, mask, self._event_set, gpu_index=index, optional=True)
 
     @property
     def device_count(self) -> int:
@@ -232,16 +229,16 @@ class NvmlSession:
             uuid=self._uuids[index],
             name=_text(self._call(nvml.nvmlDeviceGetName, handle, gpu_index=index)),
             temperature_c=self._first_supported(
-                index, handle, ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
-                nvml.NVML_TEMPERATURE_GPU),
+                index, handle, ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"), nvml.NVML_TEMPERATURE_GPU
+            ),
             power_w=None if power_mw is None else power_mw / 1000.0,
             ecc=self._read_ecc(read),
             remapped_rows=self._read_remapped_rows(read),
             nvlinks=tuple(self._read_nvlinks(index, handle)),
             pcie_replay=read(nvml.nvmlDeviceGetPcieReplayCounter),
             clock_event_reasons=self._first_supported(
-                index, handle,
-                ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")),
+                index, handle, ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+            ),
         )
 
     def _first_supported(self, index: int, handle: Any, names: tuple[str, ...], *args: Any) -> Any:
@@ -271,8 +268,9 @@ class NvmlSession:
         if rows is None:
             return None
         correctable, uncorrectable, pending, failure = rows
-        return RemappedRows(correctable=correctable, uncorrectable=uncorrectable,
-                            pending=bool(pending), failure=bool(failure))
+        return RemappedRows(
+            correctable=correctable, uncorrectable=uncorrectable, pending=bool(pending), failure=bool(failure)
+        )
 
     def _read_nvlinks(self, index: int, handle: Any) -> list[NvLinkReading]:
         nvml = self._nvml
@@ -286,16 +284,20 @@ class NvmlSession:
                 continue
 
             def counter(kind: int, link: int = link) -> int | None:
-                return self._call(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, kind,
-                                  gpu_index=index, optional=True)
+                return self._call(
+                    nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, kind, gpu_index=index, optional=True
+                )
 
-            readings.append(NvLinkReading(
-                link=link, active=True,
-                replay=counter(nvml.NVML_NVLINK_ERROR_DL_REPLAY),
-                recovery=counter(nvml.NVML_NVLINK_ERROR_DL_RECOVERY),
-                crc_flit=counter(nvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
-                crc_data=counter(nvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
-            ))
+            readings.append(
+                NvLinkReading(
+                    link=link,
+                    active=True,
+                    replay=counter(nvml.NVML_NVLINK_ERROR_DL_REPLAY),
+                    recovery=counter(nvml.NVML_NVLINK_ERROR_DL_RECOVERY),
+                    crc_flit=counter(nvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+                    crc_data=counter(nvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
+                )
+            )
         return readings
 
     def _discover_links(self, index: int, handle: Any) -> list[int]:
@@ -310,8 +312,7 @@ class NvmlSession:
             try:
                 nvml.nvmlDeviceGetNvLinkState(handle, link)
             except nvml.NVMLError as err:
-                if _is_error(nvml, err, "NVMLError_NotSupported") or _is_error(
-                        nvml, err, "NVMLError_InvalidArgument"):
+                if _is_error(nvml, err, "NVMLError_NotSupported") or _is_error(nvml, err, "NVMLError_InvalidArgument"):
                     continue
                 raise self._translate(err, "nvmlDeviceGetNvLinkState", index) from err
             links.append(link)
@@ -409,8 +410,7 @@ class NvmlProbe:
         if session is None:
             return NodeReading(node_id=self._node_id, timestamp=now, is_gpu_node=False)
         gpus, fatal = session.read_gpus()
-        return NodeReading(node_id=self._node_id, timestamp=now, is_gpu_node=True,
-                           gpus=tuple(gpus), fatal_error=fatal)
+        return NodeReading(node_id=self._node_id, timestamp=now, is_gpu_node=True, gpus=tuple(gpus), fatal_error=fatal)
 
     def wait_events(self, timeout_s: float) -> list[XidEvent]:
         """XID events within `timeout_s`; on a CPU node none ever come, so it just waits."""

@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Annotated
 
 import httpx
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Response
 from fastapi import Path as PathParam
-from fastapi import Response
 
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.registry.manifest import (
@@ -238,9 +237,7 @@ class ChunkFetcher:
                     break
         return data
 
-    def _count(
-        self, *, source: str | None = None, size: int = 0, bad: bool = False, failed: bool = False
-    ) -> None:
+    def _count(self, *, source: str | None = None, size: int = 0, bad: bool = False, failed: bool = False) -> None:
         with self._stats_lock:
             stats = self.stats
             stats.bad_chunks += bad

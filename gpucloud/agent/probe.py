@@ -98,9 +98,17 @@ class SimulatedProbe:
     host maintenance) are only collected in `host_conditions`, for the fleet simulator to act on.
     """
 
-    def __init__(self, node_id: str, *, gpu_count: int = 8, seed: int = 0, fault_model: FaultModel | None = None,
-                 clock: Callable[[], datetime] = utc_now, gpu_name: str = "NVIDIA H100 80GB HBM3",
-                 nvlinks_per_gpu: int = NVLINKS_PER_GPU):
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        gpu_count: int = 8,
+        seed: int = 0,
+        fault_model: FaultModel | None = None,
+        clock: Callable[[], datetime] = utc_now,
+        gpu_name: str = "NVIDIA H100 80GB HBM3",
+        nvlinks_per_gpu: int = NVLINKS_PER_GPU,
+    ):
         self.node_id = node_id
         self._clock = clock
         self._fault_model = fault_model
@@ -109,8 +117,10 @@ class SimulatedProbe:
         self._fault_rng = random.Random(f"{seed}:{node_id}:faults")
         self._noise_rng = random.Random(f"{seed}:{node_id}:noise")
         self._gpu_name = gpu_name
-        self.gpus = [_SimGpu(i, f"GPU-{uuid.UUID(int=self._noise_rng.getrandbits(128))}", nvlinks_per_gpu)
-                     for i in range(gpu_count)]
+        self.gpus = [
+            _SimGpu(i, f"GPU-{uuid.UUID(int=self._noise_rng.getrandbits(128))}", nvlinks_per_gpu)
+            for i in range(gpu_count)
+        ]
         self._drifts: list[CounterDrift] = []
         self._events: list[XidEvent] = []
         self._fatal: ProbeFatal | None = None
@@ -124,9 +134,13 @@ class SimulatedProbe:
     def read(self) -> NodeReading:
         with self._changed:
             self._advance(self._clock())
-            return NodeReading(node_id=self.node_id, timestamp=self._now, is_gpu_node=True,
-                               gpus=tuple(self._gpu_reading(gpu) for gpu in self._visible_gpus()),
-                               fatal_error=self._fatal)
+            return NodeReading(
+                node_id=self.node_id,
+                timestamp=self._now,
+                is_gpu_node=True,
+                gpus=tuple(self._gpu_reading(gpu) for gpu in self._visible_gpus()),
+                fatal_error=self._fatal,
+            )
 
     def wait_events(self, timeout_s: float) -> list[XidEvent]:
         """Queued XIDs at once, else wait up to `timeout_s` for an injection (like NVML blocks)."""
@@ -227,15 +241,22 @@ class SimulatedProbe:
         gpu.remap_failure = gpu.remap_failure or fault.remap_failure
         self._drifts.extend(fault.drifts)
         if fault.fatal is not None:
-            self._fatal = ProbeFatal(kind=fault.fatal, gpu_index=fault.gpu_index,
-                                     detail=f"simulated {fault.category} fault")
+            self._fatal = ProbeFatal(
+                kind=fault.fatal, gpu_index=fault.gpu_index, detail=f"simulated {fault.category} fault"
+            )
         if fault.host_condition is not None:
             self.host_conditions.add(fault.host_condition)
         return [self._queue_xid(xid, fault.gpu_index, at, None) for xid in fault.xids]
 
     def _queue_xid(self, xid: int, gpu_index: int, at: datetime, message: str | None) -> XidEvent:
-        event = XidEvent(node_id=self.node_id, gpu_index=gpu_index, gpu_uuid=self.gpus[gpu_index].uuid,
-                         xid=xid, timestamp=at, message=message or f"XID {xid}: {classify_xid(xid).meaning}")
+        event = XidEvent(
+            node_id=self.node_id,
+            gpu_index=gpu_index,
+            gpu_uuid=self.gpus[gpu_index].uuid,
+            xid=xid,
+            timestamp=at,
+            message=message or f"XID {xid}: {classify_xid(xid).meaning}",
+        )
         self._events.append(event)
         self._changed.notify_all()
         return event
@@ -253,7 +274,9 @@ class SimulatedProbe:
         noise = self._noise_rng.gauss
         reasons = gpu.clock_event_reasons | (_GPU_IDLE if self._load == 0 else 0)
         return GpuReading(
-            index=gpu.index, uuid=gpu.uuid, name=self._gpu_name,
+            index=gpu.index,
+            uuid=gpu.uuid,
+            name=self._gpu_name,
             temperature_c=round(32 + 45 * self._load + noise(0, 0.5)),
             power_w=round(70 + 630 * self._load + noise(0, 2), 1),
             ecc=EccCounts(
@@ -265,7 +288,9 @@ class SimulatedProbe:
             remapped_rows=RemappedRows(
                 correctable=math.floor(gpu.counters[Counter.REMAPPED_CORRECTABLE]),
                 uncorrectable=math.floor(gpu.counters[Counter.REMAPPED_UNCORRECTABLE]),
-                pending=gpu.remap_pending, failure=gpu.remap_failure),
+                pending=gpu.remap_pending,
+                failure=gpu.remap_failure,
+            ),
             nvlinks=tuple(self._link_reading(gpu, link) for link in range(gpu.links)),
             pcie_replay=math.floor(gpu.counters[Counter.PCIE_REPLAY]),
             clock_event_reasons=reasons,
@@ -277,7 +302,8 @@ class SimulatedProbe:
             return NvLinkReading(link=link, active=False)
         counters = gpu.link_counters[link]
         return NvLinkReading(
-            link=link, active=True,
+            link=link,
+            active=True,
             replay=math.floor(counters[Counter.NVLINK_REPLAY]),
             recovery=math.floor(counters[Counter.NVLINK_RECOVERY]),
             crc_flit=math.floor(counters[Counter.NVLINK_CRC_FLIT]),
@@ -285,8 +311,15 @@ class SimulatedProbe:
         )
 
 
-def detect_probe(node_id: str, *, allow_simulated: bool = True, clock: Callable[[], datetime] = utc_now,
-                 simulated_gpu_count: int = 8, seed: int = 0, fault_model: FaultModel | None = None) -> Probe:
+def detect_probe(
+    node_id: str,
+    *,
+    allow_simulated: bool = True,
+    clock: Callable[[], datetime] = utc_now,
+    simulated_gpu_count: int = 8,
+    seed: int = 0,
+    fault_model: FaultModel | None = None,
+) -> Probe:
     """NVML where the library is installed, else (if allowed) a simulated node.
 
     A node whose NVML loads but whose driver is broken is still a GPU node: it gets the NVML

@@ -54,9 +54,11 @@ MAX_PENDING_EVENTS = 10_000  # kept while the control plane is unreachable; olde
 # GPU count). Burn-in also holds the figures some print to `BurnInLimits`, then reads the GPUs
 # once more, hot from the stress, for the thermal soak.
 ACTION_COMMANDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "burn_in": (("dcgmi", "diag", "-r", "3"),
-                ("all_reduce_perf", "-b", "8M", "-e", "8G", "-f", "2", "-g", "{gpus}"),
-                ("nvbandwidth", "-t", "host_to_device_memcpy_ce")),
+    "burn_in": (
+        ("dcgmi", "diag", "-r", "3"),
+        ("all_reduce_perf", "-b", "8M", "-e", "8G", "-f", "2", "-g", "{gpus}"),
+        ("nvbandwidth", "-t", "host_to_device_memcpy_ce"),
+    ),
     "reset": (("nvidia-smi", "--gpu-reset"),),
     "reboot": (("systemctl", "reboot"),),
     "reflash": (("nvfwupd", "update", "--yes"),),
@@ -96,8 +98,7 @@ def burn_in_figure(tool: str, output: str, gpus: int, limits: BurnInLimits) -> s
             return "nvbandwidth printed no host_to_device_memcpy_ce sum"
         per_gpu = float(found.group(1)) / max(1, gpus)
         if per_gpu < limits.min_h2d_gbps_per_gpu:
-            return (f"host-to-GPU bandwidth {per_gpu:.1f} GB/s per GPU is below "
-                    f"{limits.min_h2d_gbps_per_gpu:g} GB/s")
+            return f"host-to-GPU bandwidth {per_gpu:.1f} GB/s per GPU is below {limits.min_h2d_gbps_per_gpu:g} GB/s"
     return None
 
 
@@ -151,8 +152,12 @@ class HostState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def describe(self) -> dict:
-        return {"node_id": self.node_id, "tenant_id": self.tenant_id, "workload_running": self.workload_running,
-                "boot_id": self.boot_id}
+        return {
+            "node_id": self.node_id,
+            "tenant_id": self.tenant_id,
+            "workload_running": self.workload_running,
+            "boot_id": self.boot_id,
+        }
 
 
 def gpu_type_of(reading: NodeReading) -> str:
@@ -170,8 +175,10 @@ class AgentMetering:
         self.meter = Meter(self.spool, lambda: agent.state.allocation, interval_ms=max(1, int(interval_s * 1000)))
         self.shipper = Shipper(self.spool, ledger_url)
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self.meter.run, args=(self._stop,), name="meter", daemon=True),
-                         threading.Thread(target=self.shipper.run, args=(self._stop,), name="shipper", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self.meter.run, args=(self._stop,), name="meter", daemon=True),
+            threading.Thread(target=self.shipper.run, args=(self._stop,), name="shipper", daemon=True),
+        ]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -196,16 +203,29 @@ def read_boot_id() -> str:
 
 
 def _problem(status: int, title: str, detail: str, **extra) -> tuple[int, dict]:
-    return status, {"type": f"https://gpucloud.dev/problems/{title.lower().replace(' ', '-')}", "title": title,
-                    "status": status, "detail": detail, **extra}
+    return status, {
+        "type": f"https://gpucloud.dev/problems/{title.lower().replace(' ', '-')}",
+        "title": title,
+        "status": status,
+        "detail": detail,
+        **extra,
+    }
 
 
 class Agent:
     """The action API's logic, independent of HTTP."""
 
-    def __init__(self, state: HostState, probe: Probe, *, runner: CommandRunner | None = None,
-                 tool_timeout_s: float = 3600.0, gpu_type: str | None = None,
-                 clock_ms: Callable[[], int] = wall_clock_ms, burn_in_limits: BurnInLimits = BurnInLimits()) -> None:
+    def __init__(
+        self,
+        state: HostState,
+        probe: Probe,
+        *,
+        runner: CommandRunner | None = None,
+        tool_timeout_s: float = 3600.0,
+        gpu_type: str | None = None,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+        burn_in_limits: BurnInLimits = BurnInLimits(),
+    ) -> None:
         self.state, self.probe = state, probe
         self.runner = runner or CommandRunner()
         self.tool_timeout_s = tool_timeout_s
@@ -252,10 +272,12 @@ class Agent:
             self._meter_from(req, reading, now_ms)
         elif not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
             s.allocation = dataclasses.replace(s.allocation, ended_ms=now_ms)  # the meter cuts it here
-        return 200, s.describe() | {"action": action, "gpu_count": len(reading.gpus),
-                                    "is_gpu_node": reading.is_gpu_node,
-                                    "fatal_error": reading.fatal_error.model_dump(mode="json")
-                                    if reading.fatal_error else None}
+        return 200, s.describe() | {
+            "action": action,
+            "gpu_count": len(reading.gpus),
+            "is_gpu_node": reading.is_gpu_node,
+            "fatal_error": reading.fatal_error.model_dump(mode="json") if reading.fatal_error else None,
+        }
 
     def _meter_from(self, req: ActionRequest, reading: NodeReading, now_ms: int) -> None:
         """The provisioned workload's GPU time counts from now, for the allocation it names; a
@@ -267,15 +289,23 @@ class Agent:
         if current is not None and current.allocation_id == req.allocation_id and current.ended_ms is None:
             return
         self.state.allocation = NodeAllocation(
-            allocation_id=req.allocation_id, tenant_id=req.tenant_id, gpu_type=self.gpu_type or gpu_type_of(reading),
-            gpu_count=max(1, len(reading.gpus)), started_ms=now_ms)
+            allocation_id=req.allocation_id,
+            tenant_id=req.tenant_id,
+            gpu_type=self.gpu_type or gpu_type_of(reading),
+            gpu_count=max(1, len(reading.gpus)),
+            started_ms=now_ms,
+        )
 
     async def _run_tools(self, action: str) -> tuple[int, dict] | None:
         commands = ACTION_COMMANDS.get(action, ())
         missing = [argv[0] for argv in commands if self.runner.which(argv[0]) is None]
         if missing:
-            return _problem(501, "Tool not installed", f"{action} needs {', '.join(missing)}, which is not "
-                            f"installed on {self.state.node_id}", tools=missing)
+            return _problem(
+                501,
+                "Tool not installed",
+                f"{action} needs {', '.join(missing)}, which is not installed on {self.state.node_id}",
+                tools=missing,
+            )
         # Only burn-in needs the GPU count (its command lines and its bandwidth per GPU).
         gpus = len((await asyncio.to_thread(self.probe.read)).gpus) if action == "burn_in" else 0
         for template in commands:
@@ -285,8 +315,11 @@ class Agent:
             except subprocess.TimeoutExpired:
                 return _problem(422, "Action failed", f"{action}: {argv[0]} ran past {self.tool_timeout_s:g} s")
             if result.returncode != 0:
-                return _problem(422, "Action failed", f"{action}: {' '.join(argv)} exited {result.returncode}: "
-                                f"{result.output[-500:]}")
+                return _problem(
+                    422,
+                    "Action failed",
+                    f"{action}: {' '.join(argv)} exited {result.returncode}: {result.output[-500:]}",
+                )
             if action == "burn_in" and (why := burn_in_figure(argv[0], result.output, gpus, self.burn_in_limits)):
                 return _problem(422, "Action failed", f"burn-in failed: {why}")
         if action == "burn_in":
@@ -324,8 +357,9 @@ class Reporter:
         """Read the probe and push the reading; the reading either way."""
         self.latest = await asyncio.to_thread(self.agent.probe.read)
         try:
-            resp = await self.client.post("/v1/agents/readings",
-                                          json={"readings": [self.latest.model_dump(mode="json")]})
+            resp = await self.client.post(
+                "/v1/agents/readings", json={"readings": [self.latest.model_dump(mode="json")]}
+            )
             resp.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("reading not delivered (dropped; the next one carries its counters): %s", exc)
@@ -341,13 +375,14 @@ class Reporter:
             return 0
         batch = self.pending[:5000]
         try:
-            resp = await self.client.post("/v1/agents/events",
-                                          json={"events": [e.model_dump(mode="json") for e in batch]})
+            resp = await self.client.post(
+                "/v1/agents/events", json={"events": [e.model_dump(mode="json") for e in batch]}
+            )
             resp.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("%d XID events not delivered (kept): %s", len(self.pending), exc)
             return 0
-        del self.pending[:len(batch)]
+        del self.pending[: len(batch)]
         return len(batch)
 
     async def run(self, *, heartbeat_s: float, reading_s: float, event_wait_s: float = 1.0) -> None:
@@ -363,8 +398,14 @@ class Reporter:
         await asyncio.gather(every(heartbeat_s, self.heartbeat_once), every(reading_s, self.read_once), events())
 
 
-def create_app(agent: Agent, reporter: Reporter | None = None, *, heartbeat_s: float = 10.0,
-               reading_s: float = 30.0, metering: AgentMetering | None = None) -> FastAPI:
+def create_app(
+    agent: Agent,
+    reporter: Reporter | None = None,
+    *,
+    heartbeat_s: float = 10.0,
+    reading_s: float = 30.0,
+    metering: AgentMetering | None = None,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(reporter.run(heartbeat_s=heartbeat_s, reading_s=reading_s)) if reporter else None
@@ -407,11 +448,22 @@ def create_app(agent: Agent, reporter: Reporter | None = None, *, heartbeat_s: f
     return app
 
 
-def main(*, node_id: str, control_plane_url: str, token: str, host: str = "0.0.0.0", port: int = 8200,
-         scratch_dir: Path = Path("/var/lib/gpucloud/scratch"), heartbeat_s: float = 10.0, reading_s: float = 30.0,
-         allow_simulated: bool = False, ledger_url: str | None = None,
-         spool_path: Path = Path("/var/lib/gpucloud/usage-spool.db"), meter_interval_s: float = 60.0,
-         gpu_type: str | None = None) -> None:
+def main(
+    *,
+    node_id: str,
+    control_plane_url: str,
+    token: str,
+    host: str = "0.0.0.0",
+    port: int = 8200,
+    scratch_dir: Path = Path("/var/lib/gpucloud/scratch"),
+    heartbeat_s: float = 10.0,
+    reading_s: float = 30.0,
+    allow_simulated: bool = False,
+    ledger_url: str | None = None,
+    spool_path: Path = Path("/var/lib/gpucloud/usage-spool.db"),
+    meter_interval_s: float = 60.0,
+    gpu_type: str | None = None,
+) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node."""
     import uvicorn
 

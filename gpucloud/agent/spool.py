@@ -173,7 +173,7 @@ class Spool:
         return self.append_many([usage])[0]
 
     def append_many(
-        self, usages: Sequence[Usage], *, open_allocation: NodeAllocation | None | _Unchanged = _UNCHANGED
+        self, usages: Sequence[Usage], *, open_allocation: NodeAllocation | _Unchanged | None = _UNCHANGED
     ) -> list[UsageSample]:
         """Write samples in one fsynced transaction; each advances its allocation's meter cursor.
 
@@ -187,8 +187,15 @@ class Spool:
                 cursor = db.execute(
                     "INSERT INTO samples (allocation_id, tenant_id, gpu_type, gpu_count, start_ms, end_ms, appended_ms)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (usage.allocation_id, usage.tenant_id, usage.gpu_type, usage.gpu_count,
-                     usage.start_ms, usage.end_ms, now_ms),
+                    (
+                        usage.allocation_id,
+                        usage.tenant_id,
+                        usage.gpu_type,
+                        usage.gpu_count,
+                        usage.start_ms,
+                        usage.end_ms,
+                        now_ms,
+                    ),
                 )
                 samples.append(UsageSample(node_id=self.node_id, seq=cursor.lastrowid, **asdict(usage)))
             db.executemany(
@@ -287,9 +294,7 @@ class Spool:
     def prune_acked(self, *, older_than_ms: int) -> int:
         """Drop acknowledged samples appended before ``older_than_ms``; seqs are never reused."""
         with self._transaction() as db:
-            return db.execute(
-                "DELETE FROM samples WHERE state = 1 AND appended_ms < ?", (older_than_ms,)
-            ).rowcount
+            return db.execute("DELETE FROM samples WHERE state = 1 AND appended_ms < ?", (older_than_ms,)).rowcount
 
 
 class _Transaction:
@@ -374,8 +379,14 @@ class Meter:
             else:
                 break
             usages.append(
-                Usage(allocation.allocation_id, allocation.tenant_id, allocation.gpu_type, allocation.gpu_count,
-                      start_ms, end_ms)
+                Usage(
+                    allocation.allocation_id,
+                    allocation.tenant_id,
+                    allocation.gpu_type,
+                    allocation.gpu_count,
+                    start_ms,
+                    end_ms,
+                )
             )
             start_ms = end_ms
         return usages
@@ -459,8 +470,9 @@ class Shipper:
         retryable = [seq for seq, problem in rejections.items() if problem.get("retryable")]
         final = {seq: problem for seq, problem in rejections.items() if not problem.get("retryable")}
         if duplicates:
-            log.info("the ledger already had %d of %d samples: a resend after a lost acknowledgement",
-                     duplicates, len(batch))
+            log.info(
+                "the ledger already had %d of %d samples: a resend after a lost acknowledgement", duplicates, len(batch)
+            )
         for seq, problem in final.items():
             log.error("ledger rejected sample %s/%s for good: %s", self._spool.node_id, seq, problem.get("detail"))
         self._spool.settle(
@@ -483,10 +495,15 @@ class Shipper:
         while not stop.is_set():
             try:
                 result = self.ship_once()
-            except Exception as error:  # noqa: BLE001 - whatever failed, the samples stay spooled
+            except Exception as error:
                 level = logging.WARNING if isinstance(error, LedgerUnavailable) else logging.ERROR
-                log.log(level, "shipping usage failed (%s); retrying in up to %.1f s", error, backoff_s,
-                        exc_info=not isinstance(error, LedgerUnavailable))
+                log.log(
+                    level,
+                    "shipping usage failed (%s); retrying in up to %.1f s",
+                    error,
+                    backoff_s,
+                    exc_info=not isinstance(error, LedgerUnavailable),
+                )
                 stop.wait(random.uniform(0, backoff_s))
                 backoff_s = min(backoff_s * 2, self._backoff_max_s)
                 continue

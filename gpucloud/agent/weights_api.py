@@ -127,8 +127,7 @@ def install_weights_api(
             if digest in cache.versions():
                 return state() | {"digest": digest, "peer_bytes": 0, "origin_bytes": 0}
             tracker = TrackerClient(req.tracker_url)
-            fetcher = ChunkFetcher(node=node_id, cache=cache, tracker=tracker, swarm=req.swarm,
-                                   parallel=req.parallel)
+            fetcher = ChunkFetcher(node=node_id, cache=cache, tracker=tracker, swarm=req.swarm, parallel=req.parallel)
             try:
                 result = prefetch(req.signed, cache=cache, fetcher=fetcher)
             except IntegrityError as exc:
@@ -138,8 +137,11 @@ def install_weights_api(
             finally:
                 fetcher.close()
                 tracker.close()
-        return state() | {"digest": digest, "peer_bytes": result.stats.peer_bytes,
-                          "origin_bytes": result.stats.origin_bytes}
+        return state() | {
+            "digest": digest,
+            "peer_bytes": result.stats.peer_bytes,
+            "origin_bytes": result.stats.origin_bytes,
+        }
 
     @app.post("/weights/verify")
     def verify(req: VersionRequest):
@@ -176,4 +178,3 @@ def install_weights_api(
         active = cache.active()
         score = eval_probe(cache, active) if active == digest else None
         return state() | {"healthy": healthy, "health_detail": why, "eval_score": score}
-

@@ -41,8 +41,12 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         if app.state.ledger is not None:
             await app.state.ledger.aclose()
 
-    app = FastAPI(title="gpucloud", version="0.1.0", lifespan=lifespan,
-                  description="Control plane of a GPU cloud: tenants, nodes, allocations.")
+    app = FastAPI(
+        title="gpucloud",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Control plane of a GPU cloud: tenants, nodes, allocations.",
+    )
     app.state.settings = settings
     problems.install(app)
     for module in (tenants, api_keys, allocations, operations, nodes, registry, billing, rollouts):

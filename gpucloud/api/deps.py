@@ -38,8 +38,12 @@ def get_any_caller(request: Request, session: SessionDep, settings: SettingsDep)
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise Problem(401, "unauthenticated", "Authentication required",
-                      "send 'Authorization: Bearer <api key>' (operators: the operator token)")
+        raise Problem(
+            401,
+            "unauthenticated",
+            "Authentication required",
+            "send 'Authorization: Bearer <api key>' (operators: the operator token)",
+        )
     caller = auth.resolve(session, token.strip(), settings.resolved_operator_token)
     session.rollback()  # end the read transaction: handlers start their own
     if caller is None:
@@ -50,8 +54,12 @@ def get_any_caller(request: Request, session: SessionDep, settings: SettingsDep)
 def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
     """A tenant or the operator: a node's agent credential opens only the report endpoints."""
     if caller.role == "agent":
-        raise Problem(403, "forbidden", "Not for node agents",
-                      f"the agent credential of {caller.node_id} only reports for its node (/v1/agents/...)")
+        raise Problem(
+            403,
+            "forbidden",
+            "Not for node agents",
+            f"the agent credential of {caller.node_id} only reports for its node (/v1/agents/...)",
+        )
     return caller
 
 
@@ -66,9 +74,13 @@ def get_operator(caller: CallerDep) -> auth.Caller:
 
 def get_tenant(caller: CallerDep) -> auth.Caller:
     if not caller.is_tenant:
-        raise Problem(403, "forbidden", "Tenant only",
-                      f"{'operators act' if caller.is_operator else 'a node agent acts'} for no tenant here; "
-                      "call with the tenant's API key")
+        raise Problem(
+            403,
+            "forbidden",
+            "Tenant only",
+            f"{'operators act' if caller.is_operator else 'a node agent acts'} for no tenant here; "
+            "call with the tenant's API key",
+        )
     return caller
 
 
@@ -87,8 +99,12 @@ TenantDep = Annotated[auth.Caller, Depends(get_tenant)]
 def get_ledger(request: Request) -> LedgerClient:
     ledger = getattr(request.app.state, "ledger", None)
     if ledger is None:
-        raise Problem(503, "billing-not-configured", "Billing is not configured",
-                      "this control plane has no ledger (set GPUCLOUD_LEDGER_URL)")
+        raise Problem(
+            503,
+            "billing-not-configured",
+            "Billing is not configured",
+            "this control plane has no ledger (set GPUCLOUD_LEDGER_URL)",
+        )
     return ledger
 
 

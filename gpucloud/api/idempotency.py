@@ -61,8 +61,17 @@ def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: s
             session.flush()
         try:
             with session.begin_nested():
-                session.add(IdempotencyRecord(caller=caller, key=key, method=method, path=path, body_hash=digest,
-                                              created_at=now, expires_at=now + RETENTION))
+                session.add(
+                    IdempotencyRecord(
+                        caller=caller,
+                        key=key,
+                        method=method,
+                        path=path,
+                        body_hash=digest,
+                        created_at=now,
+                        expires_at=now + RETENTION,
+                    )
+                )
         except sa.exc.IntegrityError:
             return session.exec(
                 select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
@@ -77,8 +86,9 @@ def _load(db_url: str, caller: str, key: str) -> IdempotencyRecord | None:
         ).first()
 
 
-def _finish(db_url: str, caller: str, key: str, response: Response | None,
-            redact: Callable[[bytes], bytes] | None = None) -> None:
+def _finish(
+    db_url: str, caller: str, key: str, response: Response | None, redact: Callable[[bytes], bytes] | None = None
+) -> None:
     with session_scope(db_url) as session:
         record = session.exec(
             select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
@@ -95,20 +105,36 @@ def _finish(db_url: str, caller: str, key: str, response: Response | None,
 
 
 def _replay(record: IdempotencyRecord) -> Response:
-    return Response(record.response_body or "", status_code=record.status_code or 200,
-                    media_type="application/json", headers={"Idempotent-Replayed": "true"})
+    return Response(
+        record.response_body or "",
+        status_code=record.status_code or 200,
+        media_type="application/json",
+        headers={"Idempotent-Replayed": "true"},
+    )
 
 
-async def run_idempotent(*, db_url: str, caller: str, key: str | None, method: str, path: str, body: bytes,
-                         handler: Callable[[], Awaitable[Response]],
-                         redact: Callable[[bytes], bytes] | None = None) -> Response:
+async def run_idempotent(
+    *,
+    db_url: str,
+    caller: str,
+    key: str | None,
+    method: str,
+    path: str,
+    body: bytes,
+    handler: Callable[[], Awaitable[Response]],
+    redact: Callable[[bytes], bytes] | None = None,
+) -> Response:
     """Run `handler` once per key. `redact` turns a successful response body into the one kept
     for replays, for answers that carry a secret which must be shown only once."""
     if key is None:
         return await handler()
     if not key or len(key) > MAX_KEY_LENGTH:
-        raise Problem(400, "invalid-idempotency-key", "Invalid Idempotency-Key",
-                      f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters")
+        raise Problem(
+            400,
+            "invalid-idempotency-key",
+            "Invalid Idempotency-Key",
+            f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters",
+        )
     digest = body_hash(body)
     existing = await run_in_threadpool(_claim, db_url, caller, key, method, path, digest)
     if existing is not None:
@@ -125,21 +151,34 @@ async def run_idempotent(*, db_url: str, caller: str, key: str | None, method: s
     return response
 
 
-async def _answer_replay(db_url: str, caller: str, key: str, record: IdempotencyRecord, method: str, path: str,
-                         digest: str) -> Response:
+async def _answer_replay(
+    db_url: str, caller: str, key: str, record: IdempotencyRecord, method: str, path: str, digest: str
+) -> Response:
     why = _mismatch(record, method, path, digest)
     if why:
-        raise Problem(422, "idempotency-key-reused", "Idempotency-Key reused",
-                      f"Idempotency-Key {key!r} cannot be reused here: {why}; use a new key for a new request")
+        raise Problem(
+            422,
+            "idempotency-key-reused",
+            "Idempotency-Key reused",
+            f"Idempotency-Key {key!r} cannot be reused here: {why}; use a new key for a new request",
+        )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT_FOR_FIRST_S
     while record is not None and record.status_code is None:
         if loop.time() > deadline:
-            raise Problem(409, "idempotency-in-progress", "Request in progress",
-                          f"a request with Idempotency-Key {key!r} is still running; retry shortly")
+            raise Problem(
+                409,
+                "idempotency-in-progress",
+                "Request in progress",
+                f"a request with Idempotency-Key {key!r} is still running; retry shortly",
+            )
         await asyncio.sleep(0.05)
         record = await run_in_threadpool(_load, db_url, caller, key)
     if record is None:  # the first attempt failed with a 5xx and released the key: run again
-        raise Problem(409, "idempotency-retry", "Retry the request",
-                      f"the first request with Idempotency-Key {key!r} failed; retry it")
+        raise Problem(
+            409,
+            "idempotency-retry",
+            "Retry the request",
+            f"the first request with Idempotency-Key {key!r} failed; retry it",
+        )
     return _replay(record)

@@ -43,11 +43,19 @@ def decode(token: str | None, filters: dict) -> Cursor:
         if not isinstance(after, (int, str)) or isinstance(after, bool):
             raise ValueError("bad key")
     except (ValueError, KeyError, TypeError) as exc:
-        raise Problem(400, "invalid-page-token", "Invalid page token",
-                      "page_token is not a token this API issued; start again without it") from exc
+        raise Problem(
+            400,
+            "invalid-page-token",
+            "Invalid page token",
+            "page_token is not a token this API issued; start again without it",
+        ) from exc
     if fp != fingerprint(filters):
-        raise Problem(400, "invalid-page-token", "Invalid page token",
-                      "page_token was issued for a different query (filters changed); start again without it")
+        raise Problem(
+            400,
+            "invalid-page-token",
+            "Invalid page token",
+            "page_token was issued for a different query (filters changed); start again without it",
+        )
     return Cursor(after=after)
 
 

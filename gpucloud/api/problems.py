@@ -24,8 +24,14 @@ class Problem(Exception):
         self.status, self.type, self.title, self.detail, self.extra = status, type_, title, detail, extra
 
     def body(self, instance: str) -> dict:
-        return {"type": TYPE_BASE + self.type, "title": self.title, "status": self.status,
-                "detail": self.detail, "instance": instance, **self.extra}
+        return {
+            "type": TYPE_BASE + self.type,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+            "instance": instance,
+            **self.extra,
+        }
 
 
 def not_found(kind: str, ident: str) -> Problem:
@@ -34,8 +40,9 @@ def not_found(kind: str, ident: str) -> Problem:
 
 
 def render(problem: Problem, request: Request, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(problem.body(request.url.path), status_code=problem.status, media_type=MEDIA_TYPE,
-                        headers=headers)
+    return JSONResponse(
+        problem.body(request.url.path), status_code=problem.status, media_type=MEDIA_TYPE, headers=headers
+    )
 
 
 def _field(loc: tuple) -> str:
@@ -57,13 +64,23 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         slug = {401: "unauthenticated", 403: "forbidden", 404: "not-found", 405: "method-not-allowed"}.get(
-            exc.status_code, "http-error")
-        return render(Problem(exc.status_code, slug, slug.replace("-", " ").capitalize(), str(exc.detail)), request,
-                      headers=getattr(exc, "headers", None))
+            exc.status_code, "http-error"
+        )
+        return render(
+            Problem(exc.status_code, slug, slug.replace("-", " ").capitalize(), str(exc.detail)),
+            request,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return render(Problem(500, "internal", "Internal error",
-                              "the control plane hit an unexpected error; retry with the same Idempotency-Key"),
-                      request)
+        return render(
+            Problem(
+                500,
+                "internal",
+                "Internal error",
+                "the control plane hit an unexpected error; retry with the same Idempotency-Key",
+            ),
+            request,
+        )

@@ -41,7 +41,8 @@ def _get_or_none(client: httpx.Client, url: str, **kwargs: object) -> httpx.Resp
 
 def _pkey(body: dict) -> PKey:
     return PKey(
-        pkey=int(body["pkey"], 16), name=body.get("name", ""),
+        pkey=int(body["pkey"], 16),
+        name=body.get("name", ""),
         members=tuple(PortMember.model_validate(m) for m in body.get("guids", ())),
     )
 
@@ -142,7 +143,12 @@ class HttpFabricController:
     """The three clients over one connection pool; each manager may have its own base URL."""
 
     def __init__(
-        self, *, ufm_url: str, nmx_url: str, sdn_url: str, timeout_s: float = 10.0,
+        self,
+        *,
+        ufm_url: str,
+        nmx_url: str,
+        sdn_url: str,
+        timeout_s: float = 10.0,
         client: httpx.Client | None = None,
     ) -> None:
         self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0))

@@ -30,7 +30,10 @@ class Violation(BaseModel):
 
 
 def _owners(
-    endpoints: Iterable[str], node_of: Mapping[str, str], tenant_of: Mapping[str, str], resource: str,
+    endpoints: Iterable[str],
+    node_of: Mapping[str, str],
+    tenant_of: Mapping[str, str],
+    resource: str,
 ) -> tuple[set[str], list[Violation]]:
     """The tenants holding `endpoints`, and the members no tenant holds."""
     tenants: set[str] = set()
@@ -40,9 +43,13 @@ def _owners(
         if node is None:
             strays.append(Violation(kind="unknown_member", resource=resource, detail=f"{endpoint} is in no node"))
         elif node not in tenant_of:
-            strays.append(Violation(
-                kind="unassigned_member", resource=resource, detail=f"{endpoint} of free node {node}",
-            ))
+            strays.append(
+                Violation(
+                    kind="unassigned_member",
+                    resource=resource,
+                    detail=f"{endpoint} of free node {node}",
+                )
+            )
         else:
             tenants.add(tenant_of[node])
     return tenants, strays
@@ -55,7 +62,10 @@ def _shared(kind: str, resource: str, tenants: set[str]) -> list[Violation]:
 
 
 def find_violations(
-    snapshot: FabricSnapshot, *, topology: Mapping[str, FabricNode], tenant_of: Mapping[str, str],
+    snapshot: FabricSnapshot,
+    *,
+    topology: Mapping[str, FabricNode],
+    tenant_of: Mapping[str, str],
 ) -> list[Violation]:
     """Every cross-tenant path in `snapshot`; `tenant_of` maps each held node to its tenant."""
     node_of_port = {guid: n.node_id for n in topology.values() for guid in n.port_guids}
@@ -82,7 +92,11 @@ def find_violations(
             if holder is None:
                 violations.append(Violation(kind="unassigned_member", resource=resource, detail=f"free node {node}"))
             elif holder != vpc.tenant_id:
-                violations.append(Violation(
-                    kind="foreign_node_in_vpc", resource=resource, detail=f"node {node} of tenant {holder}",
-                ))
+                violations.append(
+                    Violation(
+                        kind="foreign_node_in_vpc",
+                        resource=resource,
+                        detail=f"node {node} of tenant {holder}",
+                    )
+                )
     return violations

@@ -128,7 +128,10 @@ def _ensure_nvl_partitions(controller: FabricController, name: str, nodes: Seque
 
 
 def apply_and_verify(
-    controller: FabricController, allocation_id: str, tenant_id: str, nodes: Sequence[FabricNode],
+    controller: FabricController,
+    allocation_id: str,
+    tenant_id: str,
+    nodes: Sequence[FabricNode],
 ) -> AppliedFabric:
     """Make `nodes` the allocation's members on every fabric, then read back and compare."""
     name = resource_name(allocation_id)
@@ -142,8 +145,11 @@ def apply_and_verify(
     for node in nodes:
         controller.ethernet.attach(vpc.vni, node.node_id)
     applied = AppliedFabric(
-        allocation_id=allocation_id, tenant_id=tenant_id, pkey=pkey,
-        nvl_partition_ids=tuple(partition_ids), vni=vpc.vni,
+        allocation_id=allocation_id,
+        tenant_id=tenant_id,
+        pkey=pkey,
+        nvl_partition_ids=tuple(partition_ids),
+        vni=vpc.vni,
     )
     differences = _differences(controller, applied, nodes)
     if differences:
@@ -180,7 +186,10 @@ def _differences(controller: FabricController, applied: AppliedFabric, nodes: Se
 
 
 def remove_nodes(
-    controller: FabricController, allocation_id: str, tenant_id: str, nodes: Sequence[FabricNode],
+    controller: FabricController,
+    allocation_id: str,
+    tenant_id: str,
+    nodes: Sequence[FabricNode],
 ) -> None:
     """Take `nodes` out of the allocation's membership (idempotent; a partition left without GPUs
     goes), then check nothing of theirs is left in it."""
@@ -201,12 +210,21 @@ def remove_nodes(
     for vpc in controller.ethernet.list_vpcs(tenant_id=tenant_id):
         for node_id in sorted(node_ids & set(vpc.nodes)):
             controller.ethernet.detach(vpc.vni, node_id)
-    left = [f"{sorted(guids & p.guids())} in pkey 0x{p.pkey:04x}" for p in controller.infiniband.list_pkeys()
-            if p.name == name and guids & p.guids()]
-    left += [f"{sorted(gpus & set(p.gpu_uids))} in NVLink partition {p.partition_id}"
-             for p in controller.nvlink.list_partitions() if p.name == name and gpus & set(p.gpu_uids)]
-    left += [f"nodes {sorted(node_ids & set(v.nodes))} on VNI {v.vni}"
-             for v in controller.ethernet.list_vpcs(tenant_id=tenant_id) if node_ids & set(v.nodes)]
+    left = [
+        f"{sorted(guids & p.guids())} in pkey 0x{p.pkey:04x}"
+        for p in controller.infiniband.list_pkeys()
+        if p.name == name and guids & p.guids()
+    ]
+    left += [
+        f"{sorted(gpus & set(p.gpu_uids))} in NVLink partition {p.partition_id}"
+        for p in controller.nvlink.list_partitions()
+        if p.name == name and gpus & set(p.gpu_uids)
+    ]
+    left += [
+        f"nodes {sorted(node_ids & set(v.nodes))} on VNI {v.vni}"
+        for v in controller.ethernet.list_vpcs(tenant_id=tenant_id)
+        if node_ids & set(v.nodes)
+    ]
     if left:
         raise FabricVerificationError(allocation_id, [f"still present after removal: {', '.join(left)}"])
 
@@ -230,7 +248,8 @@ def release(controller: FabricController, allocation_id: str, tenant_id: str, no
     left = [f"pkey 0x{p.pkey:04x}" for p in controller.infiniband.list_pkeys() if p.name == name]
     left += [f"NVLink partition {p.partition_id}" for p in controller.nvlink.list_partitions() if p.name == name]
     left += [
-        f"node {n} on VNI {v.vni}" for v in controller.ethernet.list_vpcs(tenant_id=tenant_id)
+        f"node {n} on VNI {v.vni}"
+        for v in controller.ethernet.list_vpcs(tenant_id=tenant_id)
         for n in node_ids & set(v.nodes)
     ]
     if left:

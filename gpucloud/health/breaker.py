@@ -55,8 +55,14 @@ class QuarantineDecision(BaseModel):
 
 
 class CircuitBreaker:
-    def __init__(self, *, max_pulled_share: float = 0.05, window: timedelta = timedelta(hours=1),
-                 min_pulls_allowed: int = 1, state: BreakerState | None = None):
+    def __init__(
+        self,
+        *,
+        max_pulled_share: float = 0.05,
+        window: timedelta = timedelta(hours=1),
+        min_pulls_allowed: int = 1,
+        state: BreakerState | None = None,
+    ):
         if not 0 < max_pulled_share <= 1:
             raise ValueError("max_pulled_share must be in (0, 1]")
         if window <= timedelta(0):
@@ -95,13 +101,23 @@ class CircuitBreaker:
         if len(recent) + 1 <= self._limit(pool_size):
             recent.append(Pull(node_id=node_id, at=now))
             return QuarantineDecision(allowed=True)
-        return QuarantineDecision(allowed=False, alert=OperatorAlert(
-            pool=pool, node_id=node_id, pulled_in_window=len(recent), pool_size=pool_size,
-            max_pulled_share=self.max_pulled_share, window=self.window, at=now,
-            reason=(f"{len(recent)} of {pool_size} nodes in pool {pool} pulled in the last {self.window}; "
+        return QuarantineDecision(
+            allowed=False,
+            alert=OperatorAlert(
+                pool=pool,
+                node_id=node_id,
+                pulled_in_window=len(recent),
+                pool_size=pool_size,
+                max_pulled_share=self.max_pulled_share,
+                window=self.window,
+                at=now,
+                reason=(
+                    f"{len(recent)} of {pool_size} nodes in pool {pool} pulled in the last {self.window}; "
                     f"pulling {node_id} would exceed {self.max_pulled_share:.0%}: automatic quarantine "
-                    "refused, an operator must decide"),
-        ))
+                    "refused, an operator must decide"
+                ),
+            ),
+        )
 
     def reset(self, *, pool: str) -> None:
         self.state.pulls.pop(pool, None)

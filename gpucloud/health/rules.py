@@ -138,7 +138,8 @@ def _xid_conditions(incidents: list[Incident], *, now: datetime, policy: HealthP
     for incident in incidents:
         xid_policy = classify_xid(incident.xid)
         expired = action_rank(xid_policy.action) < action_rank(Action.DRAIN) and (
-            now - incident.last > policy.trend_window)
+            now - incident.last > policy.trend_window
+        )
         if not expired:
             by_xid.setdefault(incident.xid, []).append(incident)
     conditions = []
@@ -146,16 +147,20 @@ def _xid_conditions(incidents: list[Incident], *, now: datetime, policy: HealthP
         xid_policy = classify_xid(xid)
         gpus = sorted({g for i in xid_incidents for g in i.gpu_indices})
         count = sum(len(i.events) for i in xid_incidents)
-        conditions.append(Condition(
-            name=f"xid_{xid}",
-            reason=(f"XID {xid} ({xid_policy.meaning}) on GPU(s) {gpus}: {len(xid_incidents)} incident(s), "
-                    f"{count} event(s); {xid_policy.recovery}"),
-            since=xid_incidents[0].first,
-            health=xid_policy.health,
-            action=xid_policy.action,
-            gpu_index=gpus[0] if len(gpus) == 1 else None,
-            xid=xid,
-        ))
+        conditions.append(
+            Condition(
+                name=f"xid_{xid}",
+                reason=(
+                    f"XID {xid} ({xid_policy.meaning}) on GPU(s) {gpus}: {len(xid_incidents)} incident(s), "
+                    f"{count} event(s); {xid_policy.recovery}"
+                ),
+                since=xid_incidents[0].first,
+                health=xid_policy.health,
+                action=xid_policy.action,
+                gpu_index=gpus[0] if len(gpus) == 1 else None,
+                xid=xid,
+            )
+        )
     return conditions
 
 
@@ -166,15 +171,28 @@ def _application_conditions(incidents: list[Incident], *, now: datetime, policy:
     workloads = set().union(*(i.workloads for i in recent))
     xids = sorted({i.xid for i in recent})
     summary = f"{len(recent)} application XID incident(s) {xids} from {len(workloads)} workload(s)"
-    if (len(workloads) >= policy.application_escalation_tenants
-            and len(recent) >= policy.application_escalation_incidents):
-        return [Condition(
-            name="application_xids_across_tenants",
-            reason=f"{summary}: faults follow the node, not the workload; drain and verify in burn-in",
-            since=recent[0].first, health=Health.SUSPECT, action=Action.DRAIN)]
-    return [Condition(
-        name="application_xids", reason=f"{summary}: counted, not acted on",
-        since=recent[0].first, health=Health.OK, action=Action.NONE)]
+    if (
+        len(workloads) >= policy.application_escalation_tenants
+        and len(recent) >= policy.application_escalation_incidents
+    ):
+        return [
+            Condition(
+                name="application_xids_across_tenants",
+                reason=f"{summary}: faults follow the node, not the workload; drain and verify in burn-in",
+                since=recent[0].first,
+                health=Health.SUSPECT,
+                action=Action.DRAIN,
+            )
+        ]
+    return [
+        Condition(
+            name="application_xids",
+            reason=f"{summary}: counted, not acted on",
+            since=recent[0].first,
+            health=Health.OK,
+            action=Action.NONE,
+        )
+    ]
 
 
 def _probe_conditions(readings: list[NodeReading], *, expected_gpu_count: int | None) -> list[Condition]:
@@ -187,23 +205,36 @@ def _probe_conditions(readings: list[NodeReading], *, expected_gpu_count: int | 
     if not readings:
         return []
     latest = readings[-1]
-    fatal = [r for r in readings if r.fatal_error is not None
-             and (r.fatal_error.kind in _HARDWARE_FATAL_KINDS or r is latest)]
+    fatal = [
+        r
+        for r in readings
+        if r.fatal_error is not None and (r.fatal_error.kind in _HARDWARE_FATAL_KINDS or r is latest)
+    ]
     conditions = []
     if fatal:
         first = fatal[0].fatal_error
-        conditions.append(Condition(
-            name="probe_fatal",
-            reason=f"the probe reported {first.kind} ({first.detail or 'no detail'}); "
-                   f"{len(fatal)} fatal reading(s) since",
-            since=fatal[0].timestamp, health=Health.FAILED, action=Action.DRAIN_NOW, gpu_index=first.gpu_index))
+        conditions.append(
+            Condition(
+                name="probe_fatal",
+                reason=f"the probe reported {first.kind} ({first.detail or 'no detail'}); "
+                f"{len(fatal)} fatal reading(s) since",
+                since=fatal[0].timestamp,
+                health=Health.FAILED,
+                action=Action.DRAIN_NOW,
+                gpu_index=first.gpu_index,
+            )
+        )
     if expected_gpu_count is not None and latest.fatal_error is None and len(latest.gpus) < expected_gpu_count:
-        conditions.append(Condition(
-            name="gpu_missing",
-            reason=f"{len(latest.gpus)} of {expected_gpu_count} GPUs visible"
-                   + ("" if latest.is_gpu_node else " (no GPU library)"),
-            since=_run_start(readings, lambda r: len(r.gpus) < expected_gpu_count),
-            health=Health.FAILED, action=Action.DRAIN_NOW))
+        conditions.append(
+            Condition(
+                name="gpu_missing",
+                reason=f"{len(latest.gpus)} of {expected_gpu_count} GPUs visible"
+                + ("" if latest.is_gpu_node else " (no GPU library)"),
+                since=_run_start(readings, lambda r: len(r.gpus) < expected_gpu_count),
+                health=Health.FAILED,
+                action=Action.DRAIN_NOW,
+            )
+        )
     return conditions
 
 
@@ -216,8 +247,9 @@ def _run_start(readings: list[NodeReading], holds: Callable[[NodeReading], bool]
     return since
 
 
-def fatal_episodes(incidents: Iterable[Incident], readings: Sequence[NodeReading], *,
-                   window: timedelta) -> list[tuple[datetime, datetime]]:
+def fatal_episodes(
+    incidents: Iterable[Incident], readings: Sequence[NodeReading], *, window: timedelta
+) -> list[tuple[datetime, datetime]]:
     """Fatal XID incidents and runs of hardware-fatal readings, merged when within `window`."""
     spans = [(i.first, i.last) for i in incidents if classify_xid(i.xid).counts_as_fatal]
     run: list[datetime] = []
@@ -238,13 +270,19 @@ def fatal_episodes(incidents: Iterable[Incident], readings: Sequence[NodeReading
     return merged
 
 
-def _lemon_conditions(incidents: list[Incident], readings: list[NodeReading], *, policy: HealthPolicy,
-                      cleared_at: datetime | None) -> list[Condition]:
+def _lemon_conditions(
+    incidents: list[Incident], readings: list[NodeReading], *, policy: HealthPolicy, cleared_at: datetime | None
+) -> list[Condition]:
     episodes = fatal_episodes(incidents, readings, window=policy.burst_window)
     if len(episodes) < policy.lemon_fatal_episodes or not _after(episodes[-1][1], cleared_at):
         return []
     days = policy.lemon_window / timedelta(days=1)
-    return [Condition(
-        name="lemon",
-        reason=f"{len(episodes)} fatal episodes in {days:g} days: RMA instead of another reset",
-        since=episodes[-1][0], health=Health.FAILED, action=Action.RMA)]
+    return [
+        Condition(
+            name="lemon",
+            reason=f"{len(episodes)} fatal episodes in {days:g} days: RMA instead of another reset",
+            since=episodes[-1][0],
+            health=Health.FAILED,
+            action=Action.RMA,
+        )
+    ]

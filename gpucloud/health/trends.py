@@ -92,8 +92,9 @@ def _gpu_series(readings: Sequence[NodeReading], *, start: datetime, end: dateti
     return [_GpuSeries(uuid, points) for uuid, points in by_uuid.items()]
 
 
-def trend_conditions(readings: Sequence[NodeReading], *, now: datetime, policy: HealthPolicy,
-                     cleared_at: datetime | None = None) -> list[Condition]:
+def trend_conditions(
+    readings: Sequence[NodeReading], *, now: datetime, policy: HealthPolicy, cleared_at: datetime | None = None
+) -> list[Condition]:
     """Every trend condition over the window that ends at `now` and starts no earlier than the
     last verified repair (`cleared_at`): growth from before a repair was already judged."""
     start = now - policy.trend_window
@@ -106,24 +107,48 @@ def trend_conditions(readings: Sequence[NodeReading], *, now: datetime, policy: 
     return conditions
 
 
-def _condition(series: _GpuSeries, name: str, reason: str, since: datetime, *,
-               health: Health = Health.SUSPECT, action: Action = Action.WATCH) -> Condition:
+def _condition(
+    series: _GpuSeries,
+    name: str,
+    reason: str,
+    since: datetime,
+    *,
+    health: Health = Health.SUSPECT,
+    action: Action = Action.WATCH,
+) -> Condition:
     gpu = series.latest
-    return Condition(name=name, reason=f"GPU {gpu.index} ({series.uuid}): {reason}", since=since,
-                     health=health, action=action, gpu_index=gpu.index)
+    return Condition(
+        name=name,
+        reason=f"GPU {gpu.index} ({series.uuid}): {reason}",
+        since=since,
+        health=health,
+        action=action,
+        gpu_index=gpu.index,
+    )
 
 
 def _rate_conditions(series: _GpuSeries, policy: HealthPolicy) -> list[Condition]:
     hours = series.rate_hours
     checks = [
-        ("ecc_corrected_rate", "corrected ECC errors", policy.ecc_corrected_per_hour,
-         series.growth(lambda g: g.ecc.volatile_corrected)),
-        ("nvlink_error_rate", "NVLink CRC errors and replays", policy.nvlink_errors_per_hour,
-         series.link_growth(lambda link: _sum_or_none(link.replay, link.crc_flit, link.crc_data))),
-        ("nvlink_recovery_rate", "NVLink recoveries (link retrains)", policy.nvlink_recoveries_per_hour,
-         series.link_growth(lambda link: link.recovery)),
-        ("pcie_replay_rate", "PCIe replays", policy.pcie_replays_per_hour,
-         series.growth(lambda g: g.pcie_replay)),
+        (
+            "ecc_corrected_rate",
+            "corrected ECC errors",
+            policy.ecc_corrected_per_hour,
+            series.growth(lambda g: g.ecc.volatile_corrected),
+        ),
+        (
+            "nvlink_error_rate",
+            "NVLink CRC errors and replays",
+            policy.nvlink_errors_per_hour,
+            series.link_growth(lambda link: _sum_or_none(link.replay, link.crc_flit, link.crc_data)),
+        ),
+        (
+            "nvlink_recovery_rate",
+            "NVLink recoveries (link retrains)",
+            policy.nvlink_recoveries_per_hour,
+            series.link_growth(lambda link: link.recovery),
+        ),
+        ("pcie_replay_rate", "PCIe replays", policy.pcie_replays_per_hour, series.growth(lambda g: g.pcie_replay)),
     ]
     conditions = []
     for name, what, limit, growth in checks:
@@ -133,8 +158,11 @@ def _rate_conditions(series: _GpuSeries, policy: HealthPolicy) -> list[Condition
             conditions.append(_condition(series, name, reason, growth.since))
     events = [
         ("ecc_uncorrected", "uncorrected ECC errors", series.growth(lambda g: g.ecc.volatile_uncorrected)),
-        ("remapped_rows_uncorrectable", "rows remapped after uncorrectable errors",
-         series.growth(lambda g: g.remapped_rows.uncorrectable if g.remapped_rows else None)),
+        (
+            "remapped_rows_uncorrectable",
+            "rows remapped after uncorrectable errors",
+            series.growth(lambda g: g.remapped_rows.uncorrectable if g.remapped_rows else None),
+        ),
     ]
     for name, what, growth in events:
         if growth.since is not None:
@@ -152,23 +180,39 @@ def _state_conditions(series: _GpuSeries, policy: HealthPolicy) -> list[Conditio
     latest = series.latest
     rows = latest.remapped_rows
     if rows is not None and rows.failure:
-        conditions.append(_condition(
-            series, "row_remap_failure", "row remapping failed: spare rows exhausted, a reset cannot help",
-            _run_start(series, lambda g: bool(g.remapped_rows and g.remapped_rows.failure)),
-            health=Health.FAILED, action=Action.RMA))
+        conditions.append(
+            _condition(
+                series,
+                "row_remap_failure",
+                "row remapping failed: spare rows exhausted, a reset cannot help",
+                _run_start(series, lambda g: bool(g.remapped_rows and g.remapped_rows.failure)),
+                health=Health.FAILED,
+                action=Action.RMA,
+            )
+        )
     elif rows is not None and rows.pending:
-        conditions.append(_condition(
-            series, "row_remap_pending", "a row remap is pending: it takes effect at the next GPU reset",
-            _run_start(series, lambda g: bool(g.remapped_rows and g.remapped_rows.pending))))
+        conditions.append(
+            _condition(
+                series,
+                "row_remap_pending",
+                "a row remap is pending: it takes effect at the next GPU reset",
+                _run_start(series, lambda g: bool(g.remapped_rows and g.remapped_rows.pending)),
+            )
+        )
     conditions += _links_down(series)
     slowed = [set(gpu.clock_event_reason_names) & HARDWARE_SLOWDOWN_REASONS for _, gpu in series.points]
-    recent = slowed[-policy.hardware_slowdown_readings:]
+    recent = slowed[-policy.hardware_slowdown_readings :]
     if len(recent) == policy.hardware_slowdown_readings and all(recent):
         reasons = ", ".join(sorted(set().union(*recent)))
-        conditions.append(_condition(
-            series, "hardware_slowdown", f"the board has slowed its clocks ({reasons}) in the last {len(recent)} "
-            "readings: check cooling and power",
-            _run_start(series, lambda g: bool(set(g.clock_event_reason_names) & HARDWARE_SLOWDOWN_REASONS))))
+        conditions.append(
+            _condition(
+                series,
+                "hardware_slowdown",
+                f"the board has slowed its clocks ({reasons}) in the last {len(recent)} "
+                "readings: check cooling and power",
+                _run_start(series, lambda g: bool(set(g.clock_event_reason_names) & HARDWARE_SLOWDOWN_REASONS)),
+            )
+        )
     return conditions
 
 
@@ -183,8 +227,7 @@ def _links_down(series: _GpuSeries) -> list[Condition]:
     if not down:
         return []
     since = _run_start(series, lambda g: any(link.link in down and not link.active for link in g.nvlinks))
-    return [_condition(series, "nvlink_down", f"NVLink link(s) {down} went down", since,
-                       action=Action.DRAIN)]
+    return [_condition(series, "nvlink_down", f"NVLink link(s) {down} went down", since, action=Action.DRAIN)]
 
 
 def _run_start(series: _GpuSeries, holds: Callable[[GpuReading], bool]) -> datetime:

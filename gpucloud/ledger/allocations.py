@@ -24,9 +24,11 @@ def record_event(connection: Connection, event: AllocationEventIn, *, now_ms: in
     """Store one event; call inside the ledger's write transaction."""
     if event.kind in ("node_added", "node_removed") and event.node_id is None:
         raise problems.LedgerProblem(problems.REQUEST_INVALID(f"a {event.kind} event names its node", field="node_id"))
-    existing = connection.execute(
-        select(allocation_events).where(allocation_events.c.event_id == event.event_id)
-    ).mappings().first()
+    existing = (
+        connection.execute(select(allocation_events).where(allocation_events.c.event_id == event.event_id))
+        .mappings()
+        .first()
+    )
     if existing is not None:
         if any(existing[name] != getattr(event, name) for name in _CONTENT):
             raise problems.LedgerProblem(

@@ -86,8 +86,14 @@ class LedgerClient:
 
     # ---------------------------------------------------------------- reads for tenants
 
-    async def usage(self, *, tenant_id: str, allocation_id: str | None = None, start_ms: int | None = None,
-                    end_ms: int | None = None) -> UsageSummary:
+    async def usage(
+        self,
+        *,
+        tenant_id: str,
+        allocation_id: str | None = None,
+        start_ms: int | None = None,
+        end_ms: int | None = None,
+    ) -> UsageSummary:
         params = {"tenant_id": tenant_id, "allocation_id": allocation_id, "start": start_ms, "end": end_ms}
         response = await self._request("GET", "/v1/usage", params=_present(params))
         return UsageSummary.model_validate_json(response.content)

@@ -127,7 +127,5 @@ def insert_tuples(connection: Connection, table: Table, columns: Sequence[str], 
                 for row in rows:
                     copy.write_row(row)
         return
-    statement = (
-        f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({', '.join(['?'] * len(columns))})"
-    )
+    statement = f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({', '.join(['?'] * len(columns))})"
     connection.exec_driver_sql(statement, list(rows))

@@ -74,7 +74,7 @@ def _all_fields_valid(
         and all(map(lt, starts, ends))
         and max(map(sub, ends, starts)) <= MAX_SAMPLE_MS
         and all(
-            0 < min(lengths) and max(lengths) <= limit
+            min(lengths) > 0 and max(lengths) <= limit
             for lengths, limit in ((list(map(len, map(itemgetter(f), samples))), n) for f, n in _ID_LIMITS.items())
         )
     )

@@ -83,9 +83,7 @@ def _summary(invoice: Invoice) -> InvoiceSummary:
 
 
 def _compute_invoices(connection: Connection, period_id: str, prices: PriceBookCache) -> list[Invoice]:
-    usage = _aggregate(
-        connection, usage_samples, func.count(), usage_samples.c.billing_period == period_id
-    )
+    usage = _aggregate(connection, usage_samples, func.count(), usage_samples.c.billing_period == period_id)
     reversals = _aggregate(
         connection,
         postings,
@@ -140,9 +138,11 @@ def _cross_check(connection: Connection, period_id: str, computed: list[Invoice]
     running = {
         tuple(row[:5]): (row.gpu_ms_total, row.amount_total_micro)
         for row in connection.execute(
-            select(*(rating_accumulators.c[name] for name in _LINE_COLUMNS),
-                   rating_accumulators.c.gpu_ms_total, rating_accumulators.c.amount_total_micro)
-            .where(rating_accumulators.c.billing_period == period_id)
+            select(
+                *(rating_accumulators.c[name] for name in _LINE_COLUMNS),
+                rating_accumulators.c.gpu_ms_total,
+                rating_accumulators.c.amount_total_micro,
+            ).where(rating_accumulators.c.billing_period == period_id)
         )
     }
     aggregated = {
@@ -160,9 +160,7 @@ def _cross_check(connection: Connection, period_id: str, computed: list[Invoice]
 
 def _store(connection: Connection, period_id: str, computed: list[Invoice], now_ms: int) -> None:
     stored = dict(
-        connection.execute(
-            select(invoices.c.tenant_id, invoices.c.body).where(invoices.c.period_id == period_id)
-        ).all()
+        connection.execute(select(invoices.c.tenant_id, invoices.c.body).where(invoices.c.period_id == period_id)).all()
     )
     for invoice in computed:
         if invoice.tenant_id not in stored:
@@ -217,15 +215,25 @@ def list_periods(connection: Connection, *, now_ms: int) -> list[PeriodOut]:
     for period_id in periods_between(min(known), max([period_of(now_ms), *closed])):
         start_ms, end_ms = period_bounds(period_id)
         result.append(
-            PeriodOut(period_id=period_id, start_ms=start_ms, end_ms=end_ms, ended=end_ms <= now_ms,
-                      closed_ms=closed.get(period_id))
+            PeriodOut(
+                period_id=period_id,
+                start_ms=start_ms,
+                end_ms=end_ms,
+                ended=end_ms <= now_ms,
+                closed_ms=closed.get(period_id),
+            )
         )
     return result
 
 
 _INVOICE_COLUMNS = (
-    invoices.c.id, invoices.c.period_id, invoices.c.tenant_id, invoices.c.total_micro, invoices.c.line_count,
-    invoices.c.sha256, invoices.c.created_ms,
+    invoices.c.id,
+    invoices.c.period_id,
+    invoices.c.tenant_id,
+    invoices.c.total_micro,
+    invoices.c.line_count,
+    invoices.c.sha256,
+    invoices.c.created_ms,
 )
 
 
@@ -252,15 +260,19 @@ def invoice_by_id(connection: Connection, invoice_id: int, *, tenant_id: str | N
 def draft_invoice(connection: Connection, period_id: str, tenant_id: str, prices: PriceBookCache) -> Invoice:
     """What closing the open period now would bill the tenant (also when that is nothing)."""
     _check_period_id(period_id)
-    if connection.execute(
-        select(billing_periods.c.period_id).where(billing_periods.c.period_id == period_id)
-    ).first() is not None:
+    if (
+        connection.execute(select(billing_periods.c.period_id).where(billing_periods.c.period_id == period_id)).first()
+        is not None
+    ):
         raise problems.LedgerProblem(
             problems.STATE_CONFLICT(f"period {period_id} is closed: its invoice is final", field="period_id")
         )
     usage = _aggregate(
-        connection, usage_samples, func.count(),
-        usage_samples.c.billing_period == period_id, usage_samples.c.tenant_id == tenant_id,
+        connection,
+        usage_samples,
+        func.count(),
+        usage_samples.c.billing_period == period_id,
+        usage_samples.c.tenant_id == tenant_id,
     )
     reversals = _aggregate(
         connection,

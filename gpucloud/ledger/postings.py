@@ -166,9 +166,7 @@ def list_postings(
     lines_by_posting: dict[int, list[EntryLineOut]] = {row["id"]: [] for row in rows}
     if rows:
         for line in connection.execute(
-            select(entry_lines)
-            .where(entry_lines.c.posting_id.in_(list(lines_by_posting)))
-            .order_by(entry_lines.c.id)
+            select(entry_lines).where(entry_lines.c.posting_id.in_(list(lines_by_posting))).order_by(entry_lines.c.id)
         ).mappings():
             lines_by_posting[line["posting_id"]].append(
                 EntryLineOut(account=line["account"], side=line["side"], amount_micro=line["amount_micro"])

@@ -22,11 +22,11 @@ No I/O here: the ledger's ingest and the period close both call these functions.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from itertools import accumulate, repeat
 from operator import floordiv, mul, sub
-from typing import Mapping, Sequence
 
 MS_PER_HOUR = 3_600_000
 BASIS_POINTS = 10_000

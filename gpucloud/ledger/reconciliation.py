@@ -104,8 +104,9 @@ def at_edges(spans: list[Span], allocated: list[Span], tolerance_ms: int) -> tup
     return [span for span in spans if span not in tolerated], tolerated
 
 
-def reconcile(connection: Connection, *, tenant_id: str, day: date, now_ms: int,
-              edge_tolerance_ms: int = EDGE_TOLERANCE_MS) -> ReconciliationReport:
+def reconcile(
+    connection: Connection, *, tenant_id: str, day: date, now_ms: int, edge_tolerance_ms: int = EDGE_TOLERANCE_MS
+) -> ReconciliationReport:
     day_start, day_end = day_bounds(day)
     horizon = max(day_start, min(day_end, now_ms))
     timeline_by_allocation = timelines(list_events(connection, tenant_id=tenant_id, allocation_id=None))

@@ -94,9 +94,7 @@ allocation_events = Table(
     Column("gpu_type", String(64)),
     Column("at_ms", BigInteger, nullable=False),
     Column("recorded_ms", BigInteger, nullable=False),
-    CheckConstraint(
-        "kind IN ('start', 'node_added', 'node_removed', 'end')", name="kind_known"
-    ),
+    CheckConstraint("kind IN ('start', 'node_added', 'node_removed', 'end')", name="kind_known"),
     Index(None, "tenant_id", "allocation_id"),
     Index(None, "allocation_id"),
 )

@@ -22,9 +22,9 @@ Endpoints (all under ``/v1``; errors are RFC 9457 ``application/problem+json``):
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -86,8 +86,10 @@ async def _validation_problem(_request: Request, error: RequestValidationError) 
 
 
 async def _http_problem(_request: Request, error: StarletteHTTPException) -> JSONResponse:
-    kind = problems.NOT_FOUND if error.status_code == 404 else problems.ProblemType(
-        "http-error", "HTTP error", error.status_code
+    kind = (
+        problems.NOT_FOUND
+        if error.status_code == 404
+        else problems.ProblemType("http-error", "HTTP error", error.status_code)
     )
     return _problem_response(kind(str(error.detail)))
 

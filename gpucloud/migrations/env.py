@@ -3,8 +3,8 @@
 from alembic import context
 from sqlmodel import SQLModel
 
-import gpucloud.models.health_tables  # noqa: F401
-import gpucloud.models.registry_tables  # noqa: F401
+import gpucloud.models.health_tables
+import gpucloud.models.registry_tables
 import gpucloud.models.tables  # noqa: F401  (registers the tables on SQLModel.metadata)
 
 config = context.config

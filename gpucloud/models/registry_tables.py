@@ -85,8 +85,11 @@ def _unique_metrics(gates: list[GateSpec]) -> list[GateSpec]:
 
 class RegistryModelBase(SQLModel):
     # sqlmodel's own `regex=` is not enforced under pydantic 2: the pattern goes in as pydantic's.
-    name: str = Field(schema_extra={"pattern": MODEL_NAME_PATTERN}, max_length=100,
-                      description="lowercase letters, digits, '.', '_' and '-'; unique per tenant")
+    name: str = Field(
+        schema_extra={"pattern": MODEL_NAME_PATTERN},
+        max_length=100,
+        description="lowercase letters, digits, '.', '_' and '-'; unique per tenant",
+    )
     description: str = Field(default="", max_length=1000)
 
 
@@ -138,8 +141,9 @@ class ModelVersionPublic(ModelVersionBase):
     model: str
     registered_at: datetime
     aliases: list[str] = []
-    metrics: dict[str, float] = Field(default_factory=dict,
-                                      description="latest result per metric across the version's evaluations")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="latest result per metric across the version's evaluations"
+    )
 
 
 class ModelVersion(ModelVersionBase, table=True):
@@ -229,8 +233,9 @@ class EvaluationResult(SQLModel, table=True):
 
 
 class SigningKeyCreate(SQLModel):
-    public_key: str = Field(schema_extra={"pattern": r"^[0-9a-f]{64}$"},
-                            description="raw Ed25519 public key, 64 hex digits")
+    public_key: str = Field(
+        schema_extra={"pattern": r"^[0-9a-f]{64}$"}, description="raw Ed25519 public key, 64 hex digits"
+    )
 
 
 class SigningKeyPublic(SigningKeyCreate):

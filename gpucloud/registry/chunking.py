@@ -82,19 +82,14 @@ def is_safetensors_path(path: str | Path) -> bool:
 
 def split_span(span: Span, max_size: int) -> list[Span]:
     """Pieces of at most max_size, counted from the span's start so they stay stable."""
-    return [
-        Span(offset, min(max_size, span.end - offset))
-        for offset in range(span.offset, span.end, max_size)
-    ]
+    return [Span(offset, min(max_size, span.end - offset)) for offset in range(span.offset, span.end, max_size)]
 
 
 def plan_fixed(file_size: int, *, chunk_size: int) -> list[Span]:
     return split_span(Span(0, file_size), chunk_size)
 
 
-def plan_safetensors(
-    header_end: int, tensors: Iterable[Span], file_size: int, *, policy: ChunkPolicy
-) -> list[Span]:
+def plan_safetensors(header_end: int, tensors: Iterable[Span], file_size: int, *, policy: ChunkPolicy) -> list[Span]:
     """Cuts for a safetensors file whose header ends at header_end (tensor spans are absolute).
 
     Every tensor start and end is a cut, so bytes outside any tensor (padding some writers add)
@@ -136,9 +131,7 @@ def _read_exact(f: BinaryIO, size: int, read_size: int) -> bytes:
     return b"".join(parts)
 
 
-def read_safetensors_header(
-    f: BinaryIO, file_size: int, *, read_size: int
-) -> tuple[int, list[Span]]:
+def read_safetensors_header(f: BinaryIO, file_size: int, *, read_size: int) -> tuple[int, list[Span]]:
     """Parse the header at the start of f; return where it ends and the tensors' absolute spans."""
     if file_size < 8:
         raise SafetensorsFormatError(f"{file_size} bytes is too short for a safetensors header")
@@ -170,9 +163,7 @@ def read_safetensors_header(
     return header_end, tensors
 
 
-def encode_safetensors_header(
-    tensors: Iterable[tuple[str, int]], *, metadata: dict[str, str] | None = None
-) -> bytes:
+def encode_safetensors_header(tensors: Iterable[tuple[str, int]], *, metadata: dict[str, str] | None = None) -> bytes:
     """Length prefix + JSON header for byte tensors (dtype U8) of the given sizes, in order.
 
     The inverse of `read_safetensors_header`, for simulators, benchmarks and tests that write
@@ -188,9 +179,7 @@ def encode_safetensors_header(
     return struct.pack("<Q", len(body)) + body
 
 
-def plan_stream(
-    f: BinaryIO, file_size: int, *, safetensors: bool, policy: ChunkPolicy
-) -> list[Span]:
+def plan_stream(f: BinaryIO, file_size: int, *, safetensors: bool, policy: ChunkPolicy) -> list[Span]:
     if not safetensors:
         return plan_fixed(file_size, chunk_size=policy.fixed_chunk_size)
     header_end, tensors = read_safetensors_header(f, file_size, read_size=policy.read_size)
@@ -243,9 +232,7 @@ def chunk_file(
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         try:
-            return chunk_stream(
-                f, size, safetensors=is_safetensors_path(path), policy=policy, on_chunk=on_chunk
-            )
+            return chunk_stream(f, size, safetensors=is_safetensors_path(path), policy=policy, on_chunk=on_chunk)
         except (EOFError, SafetensorsFormatError) as exc:
             raise type(exc)(f"{path}: {exc}") from None
 

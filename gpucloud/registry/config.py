@@ -77,8 +77,10 @@ class RegistryStores:
             root = self._root / prefix
             return LocalChunkStore(root), LocalManifestStore(root)
         s3_prefix = f"{self.settings.prefix.strip('/')}/{prefix}".lstrip("/")
-        return (S3ChunkStore(self._client, self.settings.bucket, prefix=s3_prefix),
-                S3ManifestStore(self._client, self.settings.bucket, prefix=s3_prefix))
+        return (
+            S3ChunkStore(self._client, self.settings.bucket, prefix=s3_prefix),
+            S3ManifestStore(self._client, self.settings.bucket, prefix=s3_prefix),
+        )
 
     def _for(self, tenant_id: str) -> tuple[ChunkStore, ManifestStore]:
         with self._lock:
@@ -106,8 +108,10 @@ def _s3_client(settings: RegistrySettings):
 
     credentials = {}
     if settings.access_key_id and settings.secret_access_key:
-        credentials = {"aws_access_key_id": settings.access_key_id,
-                       "aws_secret_access_key": settings.secret_access_key.get_secret_value()}
+        credentials = {
+            "aws_access_key_id": settings.access_key_id,
+            "aws_secret_access_key": settings.secret_access_key.get_secret_value(),
+        }
     return boto3.client("s3", endpoint_url=settings.endpoint_url, region_name=settings.region, **credentials)
 
 

@@ -67,9 +67,7 @@ class GcResult:
 class _References:
     """Chunk ids held by live leases and by every manifest seen so far."""
 
-    def __init__(
-        self, manifest_store: ManifestStore, *, now: datetime, lease_ttl: timedelta
-    ) -> None:
+    def __init__(self, manifest_store: ManifestStore, *, now: datetime, lease_ttl: timedelta) -> None:
         self._store, self._now, self._ttl = manifest_store, now, lease_ttl
         self.chunk_ids: set[str] = set()
         self.expired: list[PushLease] = []
@@ -172,8 +170,9 @@ def holding(
     had begun without ours. A run marked longer ago than lease_ttl is taken for a dead one.
     """
     now = datetime.now(UTC)
-    lease = PushLease(lease_id=uuid.uuid4().hex, model=model, chunk_ids=sorted(set(chunk_ids)),
-                      created_at=now, renewed_at=now)
+    lease = PushLease(
+        lease_id=uuid.uuid4().hex, model=model, chunk_ids=sorted(set(chunk_ids)), created_at=now, renewed_at=now
+    )
     manifest_store.put_lease(lease)
     leased_at = time.monotonic()
     try:

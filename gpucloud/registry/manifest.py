@@ -135,9 +135,9 @@ class VersionNotFoundError(LookupError):
 
 def canonical_json(model: BaseModel) -> bytes:
     """The one byte encoding that is hashed and signed: sorted keys, no whitespace, UTF-8."""
-    return json.dumps(
-        model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    ).encode("utf-8")
+    return json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8"
+    )
 
 
 def digest_bytes(data: bytes) -> str:

@@ -57,5 +57,11 @@ def serve_tracker(settings: Settings) -> None:
     url = httpx.URL(settings.tracker_url)
     # Keep-alive longer than clients keep idle connections (as `PeerServer` does), so the server
     # never closes one just as a client sends on it.
-    uvicorn.run(create_tracker_app(chunk_store=origin), host=url.host, port=url.port or 80, log_level="warning",
-                timeout_keep_alive=int(4 * KEEPALIVE_S), backlog=4096)
+    uvicorn.run(
+        create_tracker_app(chunk_store=origin),
+        host=url.host,
+        port=url.port or 80,
+        log_level="warning",
+        timeout_keep_alive=int(4 * KEEPALIVE_S),
+        backlog=4096,
+    )

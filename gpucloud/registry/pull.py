@@ -103,9 +103,7 @@ class _BrokenTransfer(Exception):
         self.cause, self.received = cause, received
 
 
-def _mismatch_error(
-    task: _Task, actual: str, received: int, version_chunks: set[str]
-) -> ChunkError:
+def _mismatch_error(task: _Task, actual: str, received: int, version_chunks: set[str]) -> ChunkError:
     """The integrity error that bytes of the wrong hash point to."""
     chunk = task.chunk
     where = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
@@ -146,9 +144,7 @@ def _fetch_once(store: ChunkStore, task: _Task, version_chunks: set[str], read_l
     return received
 
 
-def _fetch(
-    store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int, retry: RetryPolicy
-) -> int:
+def _fetch(store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int, retry: RetryPolicy) -> int:
     """`_fetch_once`, tried again after a broken transfer or a mismatch, as `retry` allows.
 
     A retry rewrites the chunk's whole range, so what a failed try left behind is overwritten.
@@ -170,9 +166,7 @@ def _fetch(
             retry.sleep(retry.delay(broken))
 
 
-def _gave_up(
-    task: _Task, broken: _BrokenTransfer, tries: int, version_chunks: set[str]
-) -> ChunkError:
+def _gave_up(task: _Task, broken: _BrokenTransfer, tries: int, version_chunks: set[str]) -> ChunkError:
     # A source that hashed the bytes before the break (the API client does: the registry cuts
     # off a chunk that fails its own check) says what they were; otherwise they were never judged.
     actual = getattr(broken.cause, "actual_id", None)
@@ -181,7 +175,9 @@ def _gave_up(
     chunk = task.chunk
     return ChunkUnavailableError(
         f"transfer failed {tries} times, giving up; last error: {broken.cause!r}",
-        chunk_id=chunk.id, path=task.relative, offset=chunk.offset,
+        chunk_id=chunk.id,
+        path=task.relative,
+        offset=chunk.offset,
     )
 
 
@@ -189,9 +185,7 @@ def _check_sequence(relative: str, entry: FileEntry) -> None:
     position = 0
     for chunk in entry.chunks:
         if chunk.offset != position:
-            raise FileMismatchError(
-                f"file {relative!r}: chunk {chunk.id} at {chunk.offset}, expected {position}"
-            )
+            raise FileMismatchError(f"file {relative!r}: chunk {chunk.id} at {chunk.offset}, expected {position}")
         position += chunk.size
     if position != entry.size:
         raise FileMismatchError(f"file {relative!r}: chunks cover {position} of {entry.size} bytes")
@@ -277,9 +271,7 @@ def pull(
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
     try:
-        _assemble(
-            manifest, staging, chunk_store, concurrency=concurrency, progress=progress, retry=retry
-        )
+        _assemble(manifest, staging, chunk_store, concurrency=concurrency, progress=progress, retry=retry)
         staging.chmod(0o755)  # mkdtemp made it private; the version is meant to be read by others
         os.rename(staging, dest)
     except BaseException:

@@ -89,9 +89,7 @@ def source_files(root: Path) -> list[tuple[str, Path]]:
             path = Path(directory, name)
             if path.is_symlink() or not (path.is_dir() or path.is_file()):
                 raise ValueError(f"{path} is not a regular file or directory; refusing to push it")
-        found.extend(
-            (Path(directory, n).relative_to(root).as_posix(), Path(directory, n)) for n in names
-        )
+        found.extend((Path(directory, n).relative_to(root).as_posix(), Path(directory, n)) for n in names)
     return sorted(found)
 
 
@@ -130,14 +128,10 @@ class _Uploader:
         """Put every source (a put skips what the store has); return those it already had."""
         total, done, present = sum(s.chunk.size for s in sources), 0, []
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            pending: dict[Future[bool], _Source] = {
-                pool.submit(_upload, self.store, s): s for s in sources
-            }
+            pending: dict[Future[bool], _Source] = {pool.submit(_upload, self.store, s): s for s in sources}
             try:
                 while pending:
-                    finished, _ = wait(
-                        pending, timeout=LEASE_RENEW_SECONDS, return_when=FIRST_COMPLETED
-                    )
+                    finished, _ = wait(pending, timeout=LEASE_RENEW_SECONDS, return_when=FIRST_COMPLETED)
                     for future in finished:
                         source = pending.pop(future)
                         if future.result():
@@ -192,9 +186,7 @@ def push(
     entries: dict[str, FileEntry] = {
         relative: chunk_file(path, policy=policy, on_chunk=on_chunk) for relative, path in files
     }
-    signed = signer.sign(
-        Manifest.build(model=model, files=entries, lineage=lineage, created_at=created_at)
-    )
+    signed = signer.sign(Manifest.build(model=model, files=entries, lineage=lineage, created_at=created_at))
     hash_seconds = time.perf_counter() - started
 
     unique: dict[str, _Source] = {}
@@ -214,9 +206,7 @@ def push(
     manifest_store.put_lease(lease)
     leased_at = time.monotonic()
     try:
-        uploader = _Uploader(
-            chunk_store, manifest_store, lease, concurrency=concurrency, progress=progress
-        )
+        uploader = _Uploader(chunk_store, manifest_store, lease, concurrency=concurrency, progress=progress)
         reused = uploader.run(list(unique.values()))
         if reused:
             # A GC pass that read the leases before ours existed may still be deleting; once

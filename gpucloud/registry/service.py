@@ -76,28 +76,35 @@ def evaluate_gates(
             failures.append(GateFailure(metric=gate.metric, reason="no evaluation result", value=None, **bounds))
             continue
         if gate.min is not None and value < gate.min:
-            failures.append(GateFailure(metric=gate.metric, reason=f"below the minimum {gate.min:g}",
-                                        value=value, **bounds))
+            failures.append(
+                GateFailure(metric=gate.metric, reason=f"below the minimum {gate.min:g}", value=value, **bounds)
+            )
         if gate.max is not None and value > gate.max:
-            failures.append(GateFailure(metric=gate.metric, reason=f"above the maximum {gate.max:g}",
-                                        value=value, **bounds))
+            failures.append(
+                GateFailure(metric=gate.metric, reason=f"above the maximum {gate.max:g}", value=value, **bounds)
+            )
         baseline = (production or {}).get(gate.metric)
         if gate.max_regression is None or baseline is None:
             continue
         regression = baseline - value if gate.higher_is_better else value - baseline
         # A subtraction of decimals (0.90 - 0.88) lands a hair off; exactly at the bound passes.
-        if regression > gate.max_regression and not math.isclose(regression, gate.max_regression,
-                                                                 rel_tol=1e-9, abs_tol=1e-12):
-            failures.append(GateFailure(
-                metric=gate.metric, value=value, production_value=baseline, **bounds,
-                reason=f"regresses {regression:g} against production's {baseline:g} "
-                       f"(at most {gate.max_regression:g} allowed)"))
+        if regression > gate.max_regression and not math.isclose(
+            regression, gate.max_regression, rel_tol=1e-9, abs_tol=1e-12
+        ):
+            failures.append(
+                GateFailure(
+                    metric=gate.metric,
+                    value=value,
+                    production_value=baseline,
+                    **bounds,
+                    reason=f"regresses {regression:g} against production's {baseline:g} "
+                    f"(at most {gate.max_regression:g} allowed)",
+                )
+            )
     return failures
 
 
-def walk_ancestors(
-    start: str, parent_of: Callable[[str], str | None], *, limit: int = MAX_LINEAGE_DEPTH
-) -> list[str]:
+def walk_ancestors(start: str, parent_of: Callable[[str], str | None], *, limit: int = MAX_LINEAGE_DEPTH) -> list[str]:
     """Parent, grandparent, ... of start (nearest first), stopping at an unknown parent or a cycle."""
     found: list[str] = []
     seen = {start}
@@ -171,9 +178,9 @@ def descendants(session: Session, tenant_id: str, digest: str) -> list[tuple[Mod
 
 
 def _active_keys(session: Session, tenant_id: str) -> list[SigningKey]:
-    return list(session.exec(
-        select(SigningKey).where(SigningKey.tenant_id == tenant_id, SigningKey.revoked_at.is_(None))
-    ))
+    return list(
+        session.exec(select(SigningKey).where(SigningKey.tenant_id == tenant_id, SigningKey.revoked_at.is_(None)))
+    )
 
 
 def active_key_ids(session: Session, tenant_id: str) -> set[str]:
@@ -192,27 +199,38 @@ def gates_of(session: Session, model_id: str) -> list[GateSpec]:
     rows = session.exec(
         select(EvaluationGate).where(EvaluationGate.model_id == model_id).order_by(EvaluationGate.metric)
     )
-    return [GateSpec(metric=g.metric, min=g.min_value, max=g.max_value, max_regression=g.max_regression,
-                     higher_is_better=g.higher_is_better) for g in rows]
+    return [
+        GateSpec(
+            metric=g.metric,
+            min=g.min_value,
+            max=g.max_value,
+            max_regression=g.max_regression,
+            higher_is_better=g.higher_is_better,
+        )
+        for g in rows
+    ]
 
 
 def metrics_of(session: Session, tenant_id: str, digests: list[str]) -> dict[str, dict[str, float]]:
     """Latest result per metric for each version, merged over its evaluation records."""
     records: dict[str, list[EvaluationRecord]] = {d: [] for d in digests}
     rows = session.exec(
-        select(EvaluationResult).where(EvaluationResult.tenant_id == tenant_id,
-                                       EvaluationResult.version.in_(digests))
+        select(EvaluationResult).where(EvaluationResult.tenant_id == tenant_id, EvaluationResult.version.in_(digests))
     )
     for row in rows:
-        records[row.version].append(EvaluationRecord(version=row.version, evaluator=row.evaluator,
-                                                     results=row.results, recorded_at=row.recorded_at))
+        records[row.version].append(
+            EvaluationRecord(
+                version=row.version, evaluator=row.evaluator, results=row.results, recorded_at=row.recorded_at
+            )
+        )
     return {digest: merged_results(found) for digest, found in records.items()}
 
 
 def promotion_failures(session: Session, tenant_id: str, model_id: str, digest: str) -> list[GateFailure]:
     """The model's gates applied to the version, against the current production version's results."""
-    production = session.exec(select(ModelAlias).where(ModelAlias.model_id == model_id,
-                                                       ModelAlias.name == AliasName.PRODUCTION)).first()
+    production = session.exec(
+        select(ModelAlias).where(ModelAlias.model_id == model_id, ModelAlias.name == AliasName.PRODUCTION)
+    ).first()
     baseline = production.version if production is not None and production.version != digest else None
     metrics = metrics_of(session, tenant_id, [digest] + ([baseline] if baseline else []))
     return evaluate_gates(gates_of(session, model_id), metrics[digest], metrics[baseline] if baseline else None)
@@ -231,12 +249,18 @@ def publish_versions(session: Session, tenant_id: str, rows: list[ModelVersion])
     model_ids = {row.model_id for row in rows}
     names = {m.id: m.name for m in session.exec(select(RegistryModel).where(RegistryModel.id.in_(model_ids)))}
     aliases: dict[tuple[str, str], list[str]] = {}
-    for alias in session.exec(select(ModelAlias).where(ModelAlias.model_id.in_(model_ids))
-                              .order_by(ModelAlias.name)):
+    for alias in session.exec(select(ModelAlias).where(ModelAlias.model_id.in_(model_ids)).order_by(ModelAlias.name)):
         aliases.setdefault((alias.model_id, alias.version), []).append(alias.name)
     metrics = metrics_of(session, tenant_id, [row.digest for row in rows])
-    return [ModelVersionPublic(**row.model_dump(), model=names[row.model_id], metrics=metrics[row.digest],
-                               aliases=aliases.get((row.model_id, row.digest), [])) for row in rows]
+    return [
+        ModelVersionPublic(
+            **row.model_dump(),
+            model=names[row.model_id],
+            metrics=metrics[row.digest],
+            aliases=aliases.get((row.model_id, row.digest), []),
+        )
+        for row in rows
+    ]
 
 
 def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelPublic]:
@@ -244,12 +268,29 @@ def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelP
     aliases: dict[str, list[ModelAliasPublic]] = {}
     for alias in session.exec(select(ModelAlias).where(ModelAlias.model_id.in_(ids)).order_by(ModelAlias.name)):
         aliases.setdefault(alias.model_id, []).append(ModelAliasPublic.model_validate(alias, from_attributes=True))
-    return [ModelPublic(id=m.id, name=m.name, description=m.description, created_at=m.created_at,
-                        aliases=aliases.get(m.id, []), gates=gates_of(session, m.id)) for m in models]
+    return [
+        ModelPublic(
+            id=m.id,
+            name=m.name,
+            description=m.description,
+            created_at=m.created_at,
+            aliases=aliases.get(m.id, []),
+            gates=gates_of(session, m.id),
+        )
+        for m in models
+    ]
 
 
 def replace_gates(session: Session, model: RegistryModel, gates: list[GateSpec]) -> None:
     session.exec(sa.delete(EvaluationGate).where(EvaluationGate.model_id == model.id))
     for gate in gates:
-        session.add(EvaluationGate(model_id=model.id, metric=gate.metric, min_value=gate.min, max_value=gate.max,
-                                   max_regression=gate.max_regression, higher_is_better=gate.higher_is_better))
+        session.add(
+            EvaluationGate(
+                model_id=model.id,
+                metric=gate.metric,
+                min_value=gate.min,
+                max_value=gate.max,
+                max_regression=gate.max_regression,
+                higher_is_better=gate.higher_is_better,
+            )
+        )

@@ -70,15 +70,11 @@ def _verified(chunk_id: str, pieces: Iterator[bytes]) -> Iterator[bytes]:
         yield piece
     actual = hasher.hexdigest()
     if actual != chunk_id:
-        raise ChunkCorruptedError(
-            f"stored bytes hash to {actual}", chunk_id=chunk_id, actual_id=actual
-        )
+        raise ChunkCorruptedError(f"stored bytes hash to {actual}", chunk_id=chunk_id, actual_id=actual)
 
 
 def _mismatch(chunk_id: str, actual: str) -> ChunkCorruptedError:
-    return ChunkCorruptedError(
-        f"refused to store bytes that hash to {actual}", chunk_id=chunk_id, actual_id=actual
-    )
+    return ChunkCorruptedError(f"refused to store bytes that hash to {actual}", chunk_id=chunk_id, actual_id=actual)
 
 
 class ChunkStore(ABC):
@@ -215,9 +211,7 @@ class LocalChunkStore(ChunkStore):
                         st = entry.stat()
                     except FileNotFoundError:  # deleted while we listed
                         continue
-                    yield ChunkInfo(
-                        entry.name, st.st_size, datetime.fromtimestamp(st.st_mtime, UTC)
-                    )
+                    yield ChunkInfo(entry.name, st.st_size, datetime.fromtimestamp(st.st_mtime, UTC))
 
     def delete(self, chunk_id: str) -> None:
         self.path(chunk_id).unlink(missing_ok=True)
@@ -247,8 +241,13 @@ def _s3_transport_errors() -> tuple[type[BaseException], ...]:
     """What botocore raises for a lost connection, a timeout or a body cut off mid-way."""
     from botocore import exceptions  # present wherever an S3 client was built
 
-    return (exceptions.HTTPClientError, exceptions.ConnectionError, exceptions.IncompleteReadError,
-            ConnectionError, TimeoutError)
+    return (
+        exceptions.HTTPClientError,
+        exceptions.ConnectionError,
+        exceptions.IncompleteReadError,
+        ConnectionError,
+        TimeoutError,
+    )
 
 
 def _read_up_to(source: BinaryIO, size: int) -> bytes:
@@ -378,9 +377,7 @@ class S3ChunkStore(ChunkStore):
         return ChunkInfo(chunk_id, head["ContentLength"], head["LastModified"])
 
     def list(self) -> Iterator[ChunkInfo]:
-        pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self._bucket, Prefix=self._prefix
-        )
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=self._prefix)
         for page in pages:
             for obj in page.get("Contents", []):
                 name = obj["Key"].rsplit("/", 1)[-1]
@@ -392,9 +389,7 @@ class S3ChunkStore(ChunkStore):
 
     def abort_incomplete(self, *, older_than: datetime) -> int:
         aborted = 0
-        pages = self._client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=self._bucket, Prefix=self._prefix
-        )
+        pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self._bucket, Prefix=self._prefix)
         for page in pages:
             for upload in page.get("Uploads", []):
                 if upload["Initiated"] < older_than:
@@ -504,13 +499,9 @@ class ManifestStore:
         try:
             signed = SignedManifest.model_validate_json(raw)
         except ValidationError as exc:
-            raise ManifestTamperedError(
-                f"manifest of version {digest} is unreadable: {exc}"
-            ) from None
+            raise ManifestTamperedError(f"manifest of version {digest} is unreadable: {exc}") from None
         if signed.digest != digest:
-            raise ManifestTamperedError(
-                f"manifest stored as version {digest} now hashes to {signed.digest}"
-            )
+            raise ManifestTamperedError(f"manifest stored as version {digest} now hashes to {signed.digest}")
         return signed
 
     def list(self) -> Iterator[str]:
@@ -535,9 +526,7 @@ class ManifestStore:
             try:
                 signed = SignedEvaluation.model_validate_json(self.records.read(key))
             except ValidationError as exc:
-                raise ManifestTamperedError(
-                    f"evaluation record {key} is unreadable: {exc}"
-                ) from None
+                raise ManifestTamperedError(f"evaluation record {key} is unreadable: {exc}") from None
             if key != f"evaluations/{digest}/{signed.record.digest}.json":
                 raise ManifestTamperedError(f"evaluation record {key} does not hash to its name")
             found.append(signed)

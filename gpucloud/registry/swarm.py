@@ -93,7 +93,9 @@ class Swarm:
         self._rng, self._clock = rng or random.Random(), clock
         self.tracker = Tracker(topology, rng=self._rng, clock=clock, upload_slots=upload_slots)
         self._origin_slots, self._seed_timeout_s, self._max_sources = (
-            origin_slots, seed_timeout_s, max_sources,
+            origin_slots,
+            seed_timeout_s,
+            max_sources,
         )
         self._chunks = list(dict.fromkeys(spec.chunks))
         self._in_swarm = set(self._chunks)
@@ -110,9 +112,7 @@ class Swarm:
             self._known(node)
             self._announce(node, chunks)
 
-    def plan(
-        self, node: str, slots: int, *, held: Iterable[str] = (), fetching: Iterable[str] | None = None
-    ) -> Plan:
+    def plan(self, node: str, slots: int, *, held: Iterable[str] = (), fetching: Iterable[str] | None = None) -> Plan:
         """Up to `slots` fetches for `node` to start now.
 
         `held` is announced first, which saves a fetching node one request per chunk. `fetching`,

@@ -42,7 +42,7 @@ class NodePlace:
 class _Bag:
     """A set with O(1) add, remove and uniform random sampling (list + position index)."""
 
-    __slots__ = ("items", "_index")
+    __slots__ = ("_index", "items")
 
     def __init__(self) -> None:
         self.items: list[str] = []

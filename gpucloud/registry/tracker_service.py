@@ -28,7 +28,6 @@ from gpucloud.registry.manifest import HEX_DIGEST, ChunkCorruptedError, ChunkMis
 from gpucloud.registry.store import ChunkStore
 from gpucloud.registry.swarm import ChunkId, Plan, Swarm, SwarmSpec, SwarmStatus
 
-
 KEEPALIVE_S = 2.0
 """How long clients keep an idle connection: under uvicorn's default 5 s, so a server never closes
 one just as a client sends on it."""
@@ -273,9 +272,7 @@ class TrackerClient:
     def release(self, swarm: str, node: str, chunk: str) -> None:
         self._call("POST", f"/tracker/swarms/{swarm}/release", {"node": node, "chunk": chunk})
 
-    def peers_for(
-        self, swarm: str, node: str, chunks: list[str], *, max_sources: int = 4
-    ) -> dict[str, list[str]]:
+    def peers_for(self, swarm: str, node: str, chunks: list[str], *, max_sources: int = 4) -> dict[str, list[str]]:
         body = {"node": node, "chunks": chunks, "max_sources": max_sources}
         return self._call("POST", f"/tracker/swarms/{swarm}/peers_for", body).json()
 

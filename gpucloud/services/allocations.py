@@ -29,8 +29,17 @@ from gpucloud.services import nodes as node_service
 
 
 class InsufficientCapacity(Exception):
-    def __init__(self, *, gpu_type: str, region: str, wanted: int, largest_domain: int, total: int,
-                 domain: str = "fabric domain", unit: str = "nodes"):
+    def __init__(
+        self,
+        *,
+        gpu_type: str,
+        region: str,
+        wanted: int,
+        largest_domain: int,
+        total: int,
+        domain: str = "fabric domain",
+        unit: str = "nodes",
+    ):
         super().__init__(
             f"no {domain} in {region} has {wanted} available {gpu_type} {unit}"
             f" (largest: {largest_domain}, available in region: {total}); try fewer {unit} or later"
@@ -70,8 +79,9 @@ def pick_slice(candidates: list[Node], trays: int) -> list[Node] | None:
     return sorted(by_domain[domain], key=lambda n: n.id)[:trays]
 
 
-def available_candidates(session: Session, *, gpu_type: str, region: str, pod: str | None = None,
-                         nvlink_domain: str | None = None) -> list[Node]:
+def available_candidates(
+    session: Session, *, gpu_type: str, region: str, pod: str | None = None, nvlink_domain: str | None = None
+) -> list[Node]:
     """Nodes a reservation may take: available, healthy, and neither cordoned nor in maintenance."""
     query = select(Node).where(
         Node.gpu_type == gpu_type,
@@ -88,27 +98,42 @@ def available_candidates(session: Session, *, gpu_type: str, region: str, pod: s
     return list(session.exec(query).all())
 
 
-def reserve_node(session: Session, node: Node, allocation_id: str, *, now: datetime, deadline_scale: float,
-                 op_id: str, actor: str) -> None:
+def reserve_node(
+    session: Session, node: Node, allocation_id: str, *, now: datetime, deadline_scale: float, op_id: str, actor: str
+) -> None:
     """available -> reserved for the allocation, compare-and-swap on the generation seen."""
     result = session.execute(
         sa.update(Node)
         .where(Node.id == node.id, Node.generation == node.generation, Node.state == NodeState.AVAILABLE)
-        .values(state=NodeState.RESERVED.value, generation=node.generation + 1,
-                allocation_id=allocation_id, state_entered_at=now, updated_at=now,
-                deadline_at=deadline_for(NodeState.RESERVED, now, scale=deadline_scale))
+        .values(
+            state=NodeState.RESERVED.value,
+            generation=node.generation + 1,
+            allocation_id=allocation_id,
+            state_entered_at=now,
+            updated_at=now,
+            deadline_at=deadline_for(NodeState.RESERVED, now, scale=deadline_scale),
+        )
     )
     if result.rowcount != 1:
         raise ReservationConflict(node.id)
-    session.add(node_service.NodeTransition(
-        node_id=node.id, from_state=NodeState.AVAILABLE.value, to_state=NodeState.RESERVED.value,
-        event=NodeEvent.RESERVE.value, cause=f"allocation {allocation_id}", actor=actor,
-        op_id=op_id, generation=node.generation + 1, at=now,
-    ))
+    session.add(
+        node_service.NodeTransition(
+            node_id=node.id,
+            from_state=NodeState.AVAILABLE.value,
+            to_state=NodeState.RESERVED.value,
+            event=NodeEvent.RESERVE.value,
+            cause=f"allocation {allocation_id}",
+            actor=actor,
+            op_id=op_id,
+            generation=node.generation + 1,
+            at=now,
+        )
+    )
 
 
-def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | None = None,
-                 deadline_scale: float = 1.0) -> list[Node]:
+def reserve_gang(
+    session: Session, allocation: Allocation, *, now: datetime | None = None, deadline_scale: float = 1.0
+) -> list[Node]:
     candidates = available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region)
     if allocation.nvl72_trays is not None:
         gang = pick_slice(candidates, allocation.nvl72_trays)
@@ -120,14 +145,24 @@ def reserve_gang(session: Session, allocation: Allocation, *, now: datetime | No
             sizes[n.nvlink_domain if allocation.nvl72_trays is not None else n.pod] += 1
         sizes.pop(None, None)
         raise InsufficientCapacity(
-            gpu_type=allocation.gpu_type, region=allocation.region, wanted=allocation.node_count,
-            largest_domain=max(sizes.values(), default=0), total=len(candidates),
+            gpu_type=allocation.gpu_type,
+            region=allocation.region,
+            wanted=allocation.node_count,
+            largest_domain=max(sizes.values(), default=0),
+            total=len(candidates),
             **({"domain": "NVL72 rack", "unit": "trays"} if allocation.nvl72_trays is not None else {}),
         )
     now = now or utcnow()
     for node in gang:
-        reserve_node(session, node, allocation.id, now=now, deadline_scale=deadline_scale,
-                     op_id=f"reserve-{allocation.id}", actor="api")
+        reserve_node(
+            session,
+            node,
+            allocation.id,
+            now=now,
+            deadline_scale=deadline_scale,
+            op_id=f"reserve-{allocation.id}",
+            actor="api",
+        )
     allocation.fabric_domain = gang[0].pod
     if allocation.nvl72_trays is not None:
         allocation.nvlink_domain = gang[0].nvlink_domain
@@ -149,14 +184,19 @@ def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id:
     allocation.status = AllocationStatus.CANCELLING
     allocation.updated_at = now
     session.add(allocation)
-    op = Operation(tenant_id=tenant_id, kind="cancel_allocation", resource_id=allocation.id,
-                   workflow_id=workflow_id_for(allocation.id))
+    op = Operation(
+        tenant_id=tenant_id,
+        kind="cancel_allocation",
+        resource_id=allocation.id,
+        workflow_id=workflow_id_for(allocation.id),
+    )
     session.add(op)
     return op
 
 
-def set_status(session: Session, allocation_id: str, status: AllocationStatus, *,
-               failure_reason: str | None = None) -> Allocation:
+def set_status(
+    session: Session, allocation_id: str, status: AllocationStatus, *, failure_reason: str | None = None
+) -> Allocation:
     """Move an allocation's status and settle the operations that were waiting for it."""
     allocation = session.exec(select(Allocation).where(Allocation.id == allocation_id)).one()
     now = utcnow()
@@ -169,8 +209,9 @@ def set_status(session: Session, allocation_id: str, status: AllocationStatus, *
     allocation.failure_reason = failure_reason
     allocation.updated_at = now
     session.add(allocation)
-    running = session.exec(select(Operation).where(
-        Operation.resource_id == allocation_id, Operation.status == OperationStatus.RUNNING)).all()
+    running = session.exec(
+        select(Operation).where(Operation.resource_id == allocation_id, Operation.status == OperationStatus.RUNNING)
+    ).all()
     for op in running:
         outcome = _operation_outcome(op.kind, status, failure_reason)
         if outcome is not None:

@@ -58,8 +58,9 @@ def list_keys(session: Session, tenant_id: str) -> list[ApiKey]:
     return list(session.exec(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)).all())
 
 
-def rotate_key(session: Session, tenant_id: str, key_id: str, *, grace: timedelta,
-               now: datetime | None = None) -> tuple[ApiKey, ApiKey, str]:
+def rotate_key(
+    session: Session, tenant_id: str, key_id: str, *, grace: timedelta, now: datetime | None = None
+) -> tuple[ApiKey, ApiKey, str]:
     """A successor for the key; the old one stays valid for `grace`. (old, new, plaintext)."""
     now = now or utcnow()
     old = _get(session, tenant_id, key_id)
@@ -83,14 +84,18 @@ def rotate_key(session: Session, tenant_id: str, key_id: str, *, grace: timedelt
 def revoke_key(session: Session, tenant_id: str, key_id: str, *, now: datetime | None = None) -> ApiKey:
     """End the key now (idempotent: a revoked key keeps its first revocation time)."""
     key = _get(session, tenant_id, key_id)
-    session.execute(sa.update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
-                    .values(revoked_at=now or utcnow()))
+    session.execute(
+        sa.update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=now or utcnow())
+    )
     session.refresh(key)
     return key
 
 
 def revoke_all(session: Session, tenant_id: str, *, now: datetime | None = None) -> int:
     """End every key of the tenant now; how many were still unrevoked."""
-    result = session.execute(sa.update(ApiKey).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
-                             .values(revoked_at=now or utcnow()))
+    result = session.execute(
+        sa.update(ApiKey)
+        .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=now or utcnow())
+    )
     return result.rowcount

@@ -23,20 +23,39 @@ def apply_operator_action(session: Session, node: Node, action: str, *, actor: s
     """Record an operator's intent on a node. Flags take effect at once; a drain is carried out by
     the reconciler, and its operation completes when the node is quarantined."""
     now = utcnow()
-    session.execute(sa.update(Node).where(Node.id == node.id).values(**FLAG_ACTIONS[action], updated_at=now,
-                                                                       next_reconcile_at=None))
-    session.add(NodeTransition(node_id=node.id, from_state=node.state, to_state=node.state, event=action,
-                               cause=cause, actor=actor, generation=node.generation, at=now))
+    session.execute(
+        sa.update(Node).where(Node.id == node.id).values(**FLAG_ACTIONS[action], updated_at=now, next_reconcile_at=None)
+    )
+    session.add(
+        NodeTransition(
+            node_id=node.id,
+            from_state=node.state,
+            to_state=node.state,
+            event=action,
+            cause=cause,
+            actor=actor,
+            generation=node.generation,
+            at=now,
+        )
+    )
     done = action != "drain" or node.state == NodeState.QUARANTINED
-    op = Operation(kind=f"node_{action}", resource_id=node.id,
-                   status=OperationStatus.SUCCEEDED if done else OperationStatus.RUNNING)
+    op = Operation(
+        kind=f"node_{action}",
+        resource_id=node.id,
+        status=OperationStatus.SUCCEEDED if done else OperationStatus.RUNNING,
+    )
     session.add(op)
     return op
 
 
 def complete_drains(session: Session, node_id: str) -> None:
-    for op in session.exec(select(Operation).where(Operation.resource_id == node_id, Operation.kind == "node_drain",
-                                                   Operation.status == OperationStatus.RUNNING)).all():
+    for op in session.exec(
+        select(Operation).where(
+            Operation.resource_id == node_id,
+            Operation.kind == "node_drain",
+            Operation.status == OperationStatus.RUNNING,
+        )
+    ).all():
         op.status, op.updated_at = OperationStatus.SUCCEEDED, utcnow()
         session.add(op)
 
@@ -50,13 +69,20 @@ def record_heartbeats(session: Session, beats: Iterable[dict]) -> list[str]:
     drifted: list[str] = []
     for node_id, state, tenant_id in nodes:
         beat = beats[node_id]
-        is_drift = state == NodeState.ACTIVE and (beat.get("tenant_id") != tenant_id
-                                                 or not beat.get("workload_running", True))
+        is_drift = state == NodeState.ACTIVE and (
+            beat.get("tenant_id") != tenant_id or not beat.get("workload_running", True)
+        )
         if is_drift:
             drifted.append(node_id)
-        session.execute(sa.update(Node).where(Node.id == node_id).values(
-            last_heartbeat_at=now, drifted=is_drift,
-            observed={k: beat.get(k) for k in ("tenant_id", "workload_running", "boot_id")}))
+        session.execute(
+            sa.update(Node)
+            .where(Node.id == node_id)
+            .values(
+                last_heartbeat_at=now,
+                drifted=is_drift,
+                observed={k: beat.get(k) for k in ("tenant_id", "workload_running", "boot_id")},
+            )
+        )
     return drifted
 
 
@@ -73,5 +99,6 @@ def summary(session: Session) -> dict:
         "by_region": counts(Node.region),
         "cordoned": session.exec(select(func.count()).select_from(Node).where(Node.cordoned == True)).one(),  # noqa: E712
         "agent_unreachable": session.exec(
-            select(func.count()).select_from(Node).where(Node.agent_reachable == False)).one(),  # noqa: E712
+            select(func.count()).select_from(Node).where(Node.agent_reachable == False)
+        ).one(),
     }

@@ -81,33 +81,65 @@ def cleared_at(session: Session, node_id: str) -> datetime | None:
     """When the node last passed burn-in: what came before is dealt with (lemon rule aside)."""
     return session.exec(
         select(func.max(NodeTransition.at)).where(
-            NodeTransition.node_id == node_id, NodeTransition.from_state == NodeState.BURN_IN.value,
-            NodeTransition.to_state == NodeState.AVAILABLE.value)
+            NodeTransition.node_id == node_id,
+            NodeTransition.from_state == NodeState.BURN_IN.value,
+            NodeTransition.to_state == NodeState.AVAILABLE.value,
+        )
     ).one()
 
 
 def judge(session: Session, node: Node, *, now: datetime, policy: HealthPolicy) -> HealthVerdict:
-    rows = session.exec(select(XidEventRecord).where(
-        XidEventRecord.node_id == node.id, XidEventRecord.timestamp >= now - policy.lemon_window)).all()
-    events = [XidEvent(node_id=r.node_id, gpu_index=r.gpu_index, gpu_uuid=r.gpu_uuid, xid=r.xid,
-                       timestamp=r.timestamp, message=r.message, tenant_id=r.tenant_id,
-                       allocation_id=r.allocation_id) for r in rows]
-    return evaluate_node(events=events, readings=stored_readings(session, node.id, now=now, policy=policy), now=now,
-                         cleared_at=cleared_at(session, node.id), policy=policy, expected_gpu_count=node.gpu_count)
+    rows = session.exec(
+        select(XidEventRecord).where(
+            XidEventRecord.node_id == node.id, XidEventRecord.timestamp >= now - policy.lemon_window
+        )
+    ).all()
+    events = [
+        XidEvent(
+            node_id=r.node_id,
+            gpu_index=r.gpu_index,
+            gpu_uuid=r.gpu_uuid,
+            xid=r.xid,
+            timestamp=r.timestamp,
+            message=r.message,
+            tenant_id=r.tenant_id,
+            allocation_id=r.allocation_id,
+        )
+        for r in rows
+    ]
+    return evaluate_node(
+        events=events,
+        readings=stored_readings(session, node.id, now=now, policy=policy),
+        now=now,
+        cleared_at=cleared_at(session, node.id),
+        policy=policy,
+        expected_gpu_count=node.gpu_count,
+    )
 
 
 def stored_readings(session: Session, node_id: str, *, now: datetime, policy: HealthPolicy) -> list[NodeReading]:
     """The node's readings the rules look at: the trend window's, and fatal ones for the lemon rule."""
-    rows = session.exec(select(NodeReadingRecord.reading).where(
-        NodeReadingRecord.node_id == node_id, NodeReadingRecord.timestamp >= now - policy.lemon_window,
-        or_(NodeReadingRecord.fatal, NodeReadingRecord.timestamp >= now - policy.trend_window),
-    ).order_by(NodeReadingRecord.timestamp)).all()
+    rows = session.exec(
+        select(NodeReadingRecord.reading)
+        .where(
+            NodeReadingRecord.node_id == node_id,
+            NodeReadingRecord.timestamp >= now - policy.lemon_window,
+            or_(NodeReadingRecord.fatal, NodeReadingRecord.timestamp >= now - policy.trend_window),
+        )
+        .order_by(NodeReadingRecord.timestamp)
+    ).all()
     return [NodeReading.model_validate(r) for r in rows]
 
 
-def ingest_xids(session: Session, events: Iterable[XidEvent], *, source: str, now: datetime | None = None,
-                policy: HealthPolicy = HealthPolicy(), breaker: BreakerSettings = BreakerSettings(),
-                ) -> tuple[list[HealthOutcome], list[str]]:
+def ingest_xids(
+    session: Session,
+    events: Iterable[XidEvent],
+    *,
+    source: str,
+    now: datetime | None = None,
+    policy: HealthPolicy = HealthPolicy(),
+    breaker: BreakerSettings = BreakerSettings(),
+) -> tuple[list[HealthOutcome], list[str]]:
     """Store and judge; returns the outcome per known node and the ids of unknown nodes."""
     now = now or utcnow()
     by_node: dict[str, list[XidEvent]] = {}
@@ -118,19 +150,33 @@ def ingest_xids(session: Session, events: Iterable[XidEvent], *, source: str, no
         node = nodes.get(node_id)
         if node is None:
             continue
-        session.add_all(XidEventRecord(
-            node_id=node_id, gpu_index=e.gpu_index, gpu_uuid=e.gpu_uuid, xid=e.xid, timestamp=e.timestamp,
-            message=e.message, source=source, tenant_id=e.tenant_id or node.tenant_id,
-            allocation_id=e.allocation_id or node.allocation_id) for e in node_events)
+        session.add_all(
+            XidEventRecord(
+                node_id=node_id,
+                gpu_index=e.gpu_index,
+                gpu_uuid=e.gpu_uuid,
+                xid=e.xid,
+                timestamp=e.timestamp,
+                message=e.message,
+                source=source,
+                tenant_id=e.tenant_id or node.tenant_id,
+                allocation_id=e.allocation_id or node.allocation_id,
+            )
+            for e in node_events
+        )
     session.flush()
-    outcomes = _judge_all(session, [nodes[n] for n in by_node if n in nodes], now=now, policy=policy,
-                          breaker=breaker)
+    outcomes = _judge_all(session, [nodes[n] for n in by_node if n in nodes], now=now, policy=policy, breaker=breaker)
     return outcomes, [n for n in by_node if n not in nodes]
 
 
-def ingest_readings(session: Session, readings: Iterable[NodeReading], *, now: datetime | None = None,
-                    policy: HealthPolicy = HealthPolicy(), breaker: BreakerSettings = BreakerSettings(),
-                    ) -> tuple[list[HealthOutcome], list[str]]:
+def ingest_readings(
+    session: Session,
+    readings: Iterable[NodeReading],
+    *,
+    now: datetime | None = None,
+    policy: HealthPolicy = HealthPolicy(),
+    breaker: BreakerSettings = BreakerSettings(),
+) -> tuple[list[HealthOutcome], list[str]]:
     """Store and judge; returns the outcome per node and the ids of unknown nodes.
 
     All or nothing: when any reading names an unknown node, nothing is stored (the agent that
@@ -145,33 +191,50 @@ def ingest_readings(session: Session, readings: Iterable[NodeReading], *, now: d
     if unknown:
         return [], unknown
     for node_id, node_readings in by_node.items():
-        session.add_all(NodeReadingRecord(node_id=node_id, timestamp=r.timestamp, fatal=r.fatal_error is not None,
-                                          reading=r.model_dump(mode="json"), received_at=now) for r in node_readings)
+        session.add_all(
+            NodeReadingRecord(
+                node_id=node_id,
+                timestamp=r.timestamp,
+                fatal=r.fatal_error is not None,
+                reading=r.model_dump(mode="json"),
+                received_at=now,
+            )
+            for r in node_readings
+        )
         # The trend rules look back `trend_window`; only fatal readings count for longer.
-        session.execute(sa.delete(NodeReadingRecord).where(
-            NodeReadingRecord.node_id == node_id, NodeReadingRecord.timestamp < now - policy.trend_window,
-            or_(~NodeReadingRecord.fatal, NodeReadingRecord.timestamp < now - policy.lemon_window)))
+        session.execute(
+            sa.delete(NodeReadingRecord).where(
+                NodeReadingRecord.node_id == node_id,
+                NodeReadingRecord.timestamp < now - policy.trend_window,
+                or_(~NodeReadingRecord.fatal, NodeReadingRecord.timestamp < now - policy.lemon_window),
+            )
+        )
     session.flush()
     return _judge_all(session, list(nodes.values()), now=now, policy=policy, breaker=breaker), []
 
 
-def _judge_all(session: Session, nodes: list[Node], *, now: datetime, policy: HealthPolicy,
-               breaker: BreakerSettings) -> list[HealthOutcome]:
+def _judge_all(
+    session: Session, nodes: list[Node], *, now: datetime, policy: HealthPolicy, breaker: BreakerSettings
+) -> list[HealthOutcome]:
     # Pool by pool, node by node: two ingests lock the breaker and node rows in the same order,
     # so on Postgres they queue behind each other instead of deadlocking.
-    decided = {n.id: _judge_and_decide(session, n, now=now, policy=policy, breaker=breaker)
-               for n in sorted(nodes, key=lambda n: (pool_of(n), n.id))}
+    decided = {
+        n.id: _judge_and_decide(session, n, now=now, policy=policy, breaker=breaker)
+        for n in sorted(nodes, key=lambda n: (pool_of(n), n.id))
+    }
     return [decided[n.id] for n in nodes]
 
 
-def _judge_and_decide(session: Session, node: Node, *, now: datetime, policy: HealthPolicy,
-                      breaker: BreakerSettings) -> HealthOutcome:
+def _judge_and_decide(
+    session: Session, node: Node, *, now: datetime, policy: HealthPolicy, breaker: BreakerSettings
+) -> HealthOutcome:
     verdict = judge(session, node, now=now, policy=policy)
     kept = [c for c in node.health_conditions if c.get("name") in _FOREIGN_CONDITIONS]
     conditions = kept + [c.model_dump(mode="json") for c in verdict.conditions]
     health = verdict.health.value if verdict.health != "ok" or not kept else node.health
-    session.execute(sa.update(Node).where(Node.id == node.id).values(
-        health=health, health_conditions=conditions, updated_at=now))
+    session.execute(
+        sa.update(Node).where(Node.id == node.id).values(health=health, health_conditions=conditions, updated_at=now)
+    )
     outcome = HealthOutcome(node_id=node.id, verdict=verdict)
     replace = node.state in _REPLACEABLE and node.allocation_id is not None
     if action_rank(verdict.action) < action_rank(Action.DRAIN) or not (replace or node.state in _DRAINABLE):
@@ -188,18 +251,39 @@ def _judge_and_decide(session: Session, node: Node, *, now: datetime, policy: He
     # nothing schedules onto the node from here on. A passed burn-in lifts a health cordon.
     if not node.cordoned:
         session.execute(sa.update(Node).where(Node.id == node.id).values(cordoned=True))
-        session.add(NodeTransition(node_id=node.id, from_state=node.state, to_state=node.state, event="cordon",
-                                   cause=outcome.reason[:500], actor=HEALTH_ACTOR, generation=node.generation, at=now))
+        session.add(
+            NodeTransition(
+                node_id=node.id,
+                from_state=node.state,
+                to_state=node.state,
+                event="cordon",
+                cause=outcome.reason[:500],
+                actor=HEALTH_ACTOR,
+                generation=node.generation,
+                at=now,
+            )
+        )
     if replace:
         outcome.pull, outcome.allocation_id = "replace", node.allocation_id
         # A node the tenant's job has not started on leaves nothing to checkpoint.
-        outcome.immediate = (node.state != NodeState.ACTIVE
-                             or action_rank(verdict.action) >= action_rank(Action.DRAIN_NOW))
+        outcome.immediate = node.state != NodeState.ACTIVE or action_rank(verdict.action) >= action_rank(
+            Action.DRAIN_NOW
+        )
     else:
         # Intent for the reconciler, as an operator's drain records it (the cordon is above).
         session.execute(sa.update(Node).where(Node.id == node.id).values(drain_requested=True, next_reconcile_at=None))
-        session.add(NodeTransition(node_id=node.id, from_state=node.state, to_state=node.state, event="drain",
-                                   cause=outcome.reason[:500], actor=HEALTH_ACTOR, generation=node.generation, at=now))
+        session.add(
+            NodeTransition(
+                node_id=node.id,
+                from_state=node.state,
+                to_state=node.state,
+                event="drain",
+                cause=outcome.reason[:500],
+                actor=HEALTH_ACTOR,
+                generation=node.generation,
+                at=now,
+            )
+        )
         outcome.pull = "drain"
     return outcome
 
@@ -219,22 +303,30 @@ def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: Break
     _ensure_breaker_row(session, pool)
     for _ in range(BREAKER_CAS_ATTEMPTS):
         generation = session.exec(select(QuarantineBreaker.generation).where(QuarantineBreaker.pool == pool)).one()
-        rows = session.exec(select(QuarantinePull).where(
-            QuarantinePull.pool == pool, QuarantinePull.at > now - settings.window)).all()
+        rows = session.exec(
+            select(QuarantinePull).where(QuarantinePull.pool == pool, QuarantinePull.at > now - settings.window)
+        ).all()
         state = BreakerState(pulls={pool: [Pull(node_id=r.node_id, at=r.at) for r in rows]})
-        pool_size = session.exec(select(func.count()).select_from(Node).where(
-            Node.gpu_type == node.gpu_type, Node.region == node.region,
-            Node.state != NodeState.RETIRED.value)).one()
-        decision = CircuitBreaker(max_pulled_share=settings.max_pulled_share, window=settings.window,
-                                  state=state).request_quarantine(pool=pool, node_id=node.id, pool_size=pool_size,
-                                                                  now=now)
+        pool_size = session.exec(
+            select(func.count())
+            .select_from(Node)
+            .where(Node.gpu_type == node.gpu_type, Node.region == node.region, Node.state != NodeState.RETIRED.value)
+        ).one()
+        decision = CircuitBreaker(
+            max_pulled_share=settings.max_pulled_share, window=settings.window, state=state
+        ).request_quarantine(pool=pool, node_id=node.id, pool_size=pool_size, now=now)
         if not decision.allowed:
             return _record_alert(session, node, decision.alert, now=now, settings=settings)
         if any(r.node_id == node.id for r in rows):
             return None  # pulled in this window already: not counted twice
-        swapped = session.execute(sa.update(QuarantineBreaker).where(
-            QuarantineBreaker.pool == pool, QuarantineBreaker.generation == generation,
-        ).values(generation=generation + 1))
+        swapped = session.execute(
+            sa.update(QuarantineBreaker)
+            .where(
+                QuarantineBreaker.pool == pool,
+                QuarantineBreaker.generation == generation,
+            )
+            .values(generation=generation + 1)
+        )
         if swapped.rowcount == 1:
             session.add(QuarantinePull(pool=pool, node_id=node.id, at=now))
             return None
@@ -246,19 +338,26 @@ def _ensure_breaker_row(session: Session, pool: str) -> None:
     if session.get(QuarantineBreaker, pool) is not None:
         return
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    session.execute(insert(QuarantineBreaker).values(pool=pool, generation=0)
-                    .on_conflict_do_nothing(index_elements=["pool"]))
+    session.execute(
+        insert(QuarantineBreaker).values(pool=pool, generation=0).on_conflict_do_nothing(index_elements=["pool"])
+    )
 
 
-def _record_alert(session: Session, node: Node, alert: OperatorAlert, *, now: datetime,
-                  settings: BreakerSettings) -> str:
+def _record_alert(
+    session: Session, node: Node, alert: OperatorAlert, *, now: datetime, settings: BreakerSettings
+) -> str:
     """One alert per node and window; the reason is the breaker's."""
-    already = session.exec(select(OperatorAlertRecord.seq).where(
-        OperatorAlertRecord.node_id == node.id, OperatorAlertRecord.kind == "circuit_breaker",
-        OperatorAlertRecord.at > now - settings.window)).first()
+    already = session.exec(
+        select(OperatorAlertRecord.seq).where(
+            OperatorAlertRecord.node_id == node.id,
+            OperatorAlertRecord.kind == "circuit_breaker",
+            OperatorAlertRecord.at > now - settings.window,
+        )
+    ).first()
     if already is None:
-        session.add(OperatorAlertRecord(kind="circuit_breaker", pool=alert.pool, node_id=node.id,
-                                        reason=alert.reason, at=now))
+        session.add(
+            OperatorAlertRecord(kind="circuit_breaker", pool=alert.pool, node_id=node.id, reason=alert.reason, at=now)
+        )
     return alert.reason
 
 
@@ -268,8 +367,9 @@ class RepairStep:
     reason: str
 
 
-def repair_plan(session: Session, node_id: str, *, now: datetime | None = None,
-                policy: HealthPolicy = HealthPolicy()) -> RepairStep:
+def repair_plan(
+    session: Session, node_id: str, *, now: datetime | None = None, policy: HealthPolicy = HealthPolicy()
+) -> RepairStep:
     """The rung to try for a node entering repair, counted over this quarantine episode: each
     failed burn-in after a repair sends the node back to quarantine and up one rung."""
     now = now or utcnow()
@@ -278,14 +378,25 @@ def repair_plan(session: Session, node_id: str, *, now: datetime | None = None,
     if verdict.action == Action.RMA:
         worst = verdict.conditions[0]
         return RepairStep(None, f"{worst.name}: {worst.reason}")
-    episode_start = session.exec(
-        select(func.max(NodeTransition.seq)).where(
-            NodeTransition.node_id == node_id, NodeTransition.to_state == NodeState.QUARANTINED.value,
-            NodeTransition.from_state != NodeState.BURN_IN.value)
-    ).one() or 0
-    repairs = session.exec(select(func.count()).select_from(NodeTransition).where(
-        NodeTransition.node_id == node_id, NodeTransition.seq > episode_start,
-        NodeTransition.event == NodeEvent.REPAIR.value)).one()
+    episode_start = (
+        session.exec(
+            select(func.max(NodeTransition.seq)).where(
+                NodeTransition.node_id == node_id,
+                NodeTransition.to_state == NodeState.QUARANTINED.value,
+                NodeTransition.from_state != NodeState.BURN_IN.value,
+            )
+        ).one()
+        or 0
+    )
+    repairs = session.exec(
+        select(func.count())
+        .select_from(NodeTransition)
+        .where(
+            NodeTransition.node_id == node_id,
+            NodeTransition.seq > episode_start,
+            NodeTransition.event == NodeEvent.REPAIR.value,
+        )
+    ).one()
     rung = max(repairs - 1, 0)
     if rung >= len(REPAIR_LADDER):
         return RepairStep(None, f"repair ladder exhausted ({' -> '.join(REPAIR_LADDER)} did not pass burn-in)")

@@ -13,6 +13,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Session, select
 
+from gpucloud.models.messages import NodeTransitionInput
 from gpucloud.models.node_states import (
     InvalidTransition,
     NodeEvent,
@@ -21,7 +22,6 @@ from gpucloud.models.node_states import (
     is_transient,
     next_state,
 )
-from gpucloud.models.messages import NodeTransitionInput
 from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
 from gpucloud.reconciler.plan import backoff
 from gpucloud.services.fleet import complete_drains
@@ -52,8 +52,9 @@ def enroll_nodes(session: Session, nodes: Iterable[NodeEnroll]) -> tuple[list[st
 BRINGUP_STATES = (NodeState.ENROLLED.value, NodeState.INSPECTING.value)
 
 
-def lease_for_bringup(session: Session, node_ids: list[str], *, deadline_scale: float = 1.0,
-                      now: datetime | None = None) -> list[str]:
+def lease_for_bringup(
+    session: Session, node_ids: list[str], *, deadline_scale: float = 1.0, now: datetime | None = None
+) -> list[str]:
     """Hold nodes waiting for bring-up for a batch about to start: the reconciler leaves them
     alone until the inspection deadline (by then the batch has moved them on, renewing the hold
     to each state's deadline, or the deadline sends them to their failure target).
@@ -66,23 +67,38 @@ def lease_for_bringup(session: Session, node_ids: list[str], *, deadline_scale: 
     until = deadline_for(NodeState.INSPECTING, now, scale=deadline_scale)
     # One conditional UPDATE: of two callers racing for a node, only one sees it free (Postgres
     # re-checks the WHERE after waiting on the row lock; SQLite writers are serialized).
-    held = set(session.execute(
-        sa.update(Node).where(
-            Node.id.in_(node_ids), Node.state.in_(BRINGUP_STATES), Node.allocation_id.is_(None),
-            sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now))
-        .values(next_reconcile_at=until).returning(Node.id)
-        .execution_options(synchronize_session=False)).scalars().all())
+    held = set(
+        session.execute(
+            sa.update(Node)
+            .where(
+                Node.id.in_(node_ids),
+                Node.state.in_(BRINGUP_STATES),
+                Node.allocation_id.is_(None),
+                sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now),
+            )
+            .values(next_reconcile_at=until)
+            .returning(Node.id)
+            .execution_options(synchronize_session=False)
+        )
+        .scalars()
+        .all()
+    )
     return [i for i in node_ids if i in held]
 
 
-def release_bringup_holds(session: Session, node_ids: list[str], *, base_s: float, cap_s: float,
-                          now: datetime | None = None) -> int:
+def release_bringup_holds(
+    session: Session, node_ids: list[str], *, base_s: float, cap_s: float, now: datetime | None = None
+) -> int:
     """Hand nodes a bring-up batch could not finish back to the reconciler, after a backoff
     that doubles with each attempt (so a silent agent is retried ever more slowly)."""
     now = now or utcnow()
-    nodes = session.exec(select(Node).where(
-        Node.id.in_(node_ids), Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
-        Node.allocation_id.is_(None))).all()
+    nodes = session.exec(
+        select(Node).where(
+            Node.id.in_(node_ids),
+            Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
+            Node.allocation_id.is_(None),
+        )
+    ).all()
     for node in nodes:
         node.reconcile_attempts += 1
         node.next_reconcile_at = now + backoff(node.reconcile_attempts, base_s=base_s, cap_s=cap_s)
@@ -93,9 +109,15 @@ def release_bringup_holds(session: Session, node_ids: list[str], *, base_s: floa
 def held_for_bringup(session: Session, now: datetime | None = None) -> int:
     """Nodes a bring-up batch holds: they count against the global limit on node operations."""
     now = now or utcnow()
-    return session.exec(select(sa.func.count()).select_from(Node).where(
-        Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)), Node.allocation_id.is_(None),
-        Node.next_reconcile_at > now)).one()
+    return session.exec(
+        select(sa.func.count())
+        .select_from(Node)
+        .where(
+            Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
+            Node.allocation_id.is_(None),
+            Node.next_reconcile_at > now,
+        )
+    ).one()
 
 
 def transition(
@@ -122,25 +144,36 @@ def transition(
     if node.state != from_state:
         if op_id and _last_transition_is(session, node_id, op_id, str(event)):
             return node
-        raise StaleNode(
-            f"node {node_id} is {node.state!r}, expected {str(from_state)!r} for event {str(event)!r}"
-        )
+        raise StaleNode(f"node {node_id} is {node.state!r}, expected {str(from_state)!r} for event {str(event)!r}")
     to_state = next_state(from_state, event)
     now = now or utcnow()
-    values = {"state": to_state.value, "generation": node.generation + 1, "state_entered_at": now,
-              "updated_at": now, "deadline_at": deadline_for(to_state, now, scale=deadline_scale),
-              **_implied_changes(NodeState(from_state), NodeEvent(event), to_state), **changes}
+    values = {
+        "state": to_state.value,
+        "generation": node.generation + 1,
+        "state_entered_at": now,
+        "updated_at": now,
+        "deadline_at": deadline_for(to_state, now, scale=deadline_scale),
+        **_implied_changes(NodeState(from_state), NodeEvent(event), to_state),
+        **changes,
+    }
     result = session.execute(
-        sa.update(Node)
-        .where(Node.id == node_id, Node.generation == node.generation)
-        .values(**values)
+        sa.update(Node).where(Node.id == node_id, Node.generation == node.generation).values(**values)
     )
     if result.rowcount != 1:
         raise StaleNode(f"node {node_id} changed under us (generation {node.generation})")
-    session.add(NodeTransition(
-        node_id=node_id, from_state=str(from_state), to_state=to_state.value, event=str(event),
-        cause=cause, actor=actor, op_id=op_id, generation=node.generation + 1, at=now,
-    ))
+    session.add(
+        NodeTransition(
+            node_id=node_id,
+            from_state=str(from_state),
+            to_state=to_state.value,
+            event=str(event),
+            cause=cause,
+            actor=actor,
+            op_id=op_id,
+            generation=node.generation + 1,
+            at=now,
+        )
+    )
     if to_state == NodeState.QUARANTINED:
         complete_drains(session, node_id)
     if from_state == NodeState.BURN_IN and to_state == NodeState.AVAILABLE and node.cordoned:
@@ -153,21 +186,42 @@ def transition(
 def _lift_health_cordon(session: Session, node_id: str, *, generation: int, now: datetime) -> None:
     """The burn-in the health loop's pull led to has passed: its cordon goes with it. An
     operator's cordon (the newest cordon event is not the health loop's) stays."""
-    last = session.exec(select(NodeTransition).where(
-        NodeTransition.node_id == node_id, NodeTransition.event.in_(["cordon", "uncordon", "drain"]),
-        # marks (operator or health), not the drain operation's own state changes
-        NodeTransition.from_state == NodeTransition.to_state)
-        .order_by(NodeTransition.seq.desc()).limit(1)).first()
+    last = session.exec(
+        select(NodeTransition)
+        .where(
+            NodeTransition.node_id == node_id,
+            NodeTransition.event.in_(["cordon", "uncordon", "drain"]),
+            # marks (operator or health), not the drain operation's own state changes
+            NodeTransition.from_state == NodeTransition.to_state,
+        )
+        .order_by(NodeTransition.seq.desc())
+        .limit(1)
+    ).first()
     if last is None or last.event == "uncordon" or last.actor != "health":
         return
     session.execute(sa.update(Node).where(Node.id == node_id).values(cordoned=False))
-    session.add(NodeTransition(node_id=node_id, from_state=NodeState.AVAILABLE.value, to_state=NodeState.AVAILABLE.value,
-                               event="uncordon", cause="burn-in passed: the health loop's cordon is lifted",
-                               actor="health", generation=generation, at=now))
+    session.add(
+        NodeTransition(
+            node_id=node_id,
+            from_state=NodeState.AVAILABLE.value,
+            to_state=NodeState.AVAILABLE.value,
+            event="uncordon",
+            cause="burn-in passed: the health loop's cordon is lifted",
+            actor="health",
+            generation=generation,
+            at=now,
+        )
+    )
 
 
-def transition_many(session: Session, steps: list[NodeTransitionInput], *, deadline_scale: float = 1.0, lease_to_deadline: bool = False,
-                    now: datetime | None = None) -> list[tuple[str, str | None, str | None]]:
+def transition_many(
+    session: Session,
+    steps: list[NodeTransitionInput],
+    *,
+    deadline_scale: float = 1.0,
+    lease_to_deadline: bool = False,
+    now: datetime | None = None,
+) -> list[tuple[str, str | None, str | None]]:
     """`transition` for a batch of nodes in a handful of statements: (node id, new state, None)
     per applied or already-applied step, (node id, None, why) per refused one.
 
@@ -194,8 +248,13 @@ def transition_many(session: Session, steps: list[NodeTransitionInput], *, deadl
             if step.op_id and _last_transition_is(session, step.node_id, step.op_id, step.event):
                 outcomes.append((step.node_id, state, None))
             else:
-                outcomes.append((step.node_id, None, f"node {step.node_id} is {state!r}, expected "
-                                 f"{step.from_state!r} for event {step.event!r}"))
+                outcomes.append(
+                    (
+                        step.node_id,
+                        None,
+                        f"node {step.node_id} is {state!r}, expected {step.from_state!r} for event {step.event!r}",
+                    )
+                )
             continue
         try:
             to_state = next_state(state, step.event)
@@ -203,25 +262,43 @@ def transition_many(session: Session, steps: list[NodeTransitionInput], *, deadl
             outcomes.append((step.node_id, None, str(exc)))
             continue
         deadline = deadline_for(to_state, now, scale=deadline_scale)
-        values = {"state": to_state.value, "generation": generation + 1, "state_entered_at": now, "updated_at": now,
-                  "deadline_at": deadline,
-                  **_implied_changes(NodeState(state), NodeEvent(step.event), to_state)}
+        values = {
+            "state": to_state.value,
+            "generation": generation + 1,
+            "state_entered_at": now,
+            "updated_at": now,
+            "deadline_at": deadline,
+            **_implied_changes(NodeState(state), NodeEvent(step.event), to_state),
+        }
         if step.tenant_id is not None:
             values["tenant_id"] = step.tenant_id  # entering provisioning, as `transition` does
         if lease_to_deadline and deadline is not None:
             values["next_reconcile_at"] = deadline
         updates.setdefault(tuple(sorted(values)), []).append({**values, "_id": step.node_id, "_generation": generation})
-        rows.append({"node_id": step.node_id, "from_state": state, "to_state": to_state.value, "event": step.event,
-                     "cause": step.cause, "actor": step.actor, "op_id": step.op_id, "generation": generation + 1,
-                     "at": now})
+        rows.append(
+            {
+                "node_id": step.node_id,
+                "from_state": state,
+                "to_state": to_state.value,
+                "event": step.event,
+                "cause": step.cause,
+                "actor": step.actor,
+                "op_id": step.op_id,
+                "generation": generation + 1,
+                "at": now,
+            }
+        )
         if to_state == NodeState.QUARANTINED:
             quarantined.append(step.node_id)
         seen[step.node_id] = (to_state.value, generation + 1)
         outcomes.append((step.node_id, to_state.value, None))
     table = Node.__table__
     for columns, params in updates.items():
-        stmt = (sa.update(table).where(table.c.id == sa.bindparam("_id"), table.c.generation == sa.bindparam("_generation"))
-                .values({c: sa.bindparam(c) for c in columns}))
+        stmt = (
+            sa.update(table)
+            .where(table.c.id == sa.bindparam("_id"), table.c.generation == sa.bindparam("_generation"))
+            .values({c: sa.bindparam(c) for c in columns})
+        )
         result = session.connection().execute(stmt, params)
         if result.rowcount != len(params):
             raise StaleNode(f"{len(params) - result.rowcount} of the batch's nodes changed under us")
@@ -257,7 +334,6 @@ def _implied_changes(from_state: NodeState, event: NodeEvent, to_state: NodeStat
 
 def _last_transition_is(session: Session, node_id: str, op_id: str, event: str) -> bool:
     last = session.exec(
-        select(NodeTransition).where(NodeTransition.node_id == node_id)
-        .order_by(NodeTransition.seq.desc()).limit(1)
+        select(NodeTransition).where(NodeTransition.node_id == node_id).order_by(NodeTransition.seq.desc()).limit(1)
     ).first()
     return last is not None and last.op_id == op_id and last.event == event

@@ -70,30 +70,37 @@ def effective_limit(rows: list[TenantQuotaBase], *, gpu_type: str, region: str, 
 
 
 def _live(query, tenant_id: str):
-    return query.where(Allocation.tenant_id == tenant_id,
-                       Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION]))
+    return query.where(
+        Allocation.tenant_id == tenant_id, Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION])
+    )
 
 
 def usage_gpus(session: Session, tenant_id: str, *, gpu_type: str, region: str) -> int:
-    nodes = session.exec(_live(select(sa.func.coalesce(sa.func.sum(Allocation.node_count), 0)), tenant_id)
-                         .where(Allocation.gpu_type == gpu_type, Allocation.region == region)).one()
+    nodes = session.exec(
+        _live(select(sa.func.coalesce(sa.func.sum(Allocation.node_count), 0)), tenant_id).where(
+            Allocation.gpu_type == gpu_type, Allocation.region == region
+        )
+    ).one()
     return int(nodes) * GPU_TYPES.get(gpu_type, 0)
 
 
 def quota_rows(session: Session, tenant_id: str) -> list[TenantQuota]:
-    return list(session.exec(select(TenantQuota).where(TenantQuota.tenant_id == tenant_id)
-                             .order_by(TenantQuota.gpu_type, TenantQuota.region)).all())
+    return list(
+        session.exec(
+            select(TenantQuota)
+            .where(TenantQuota.tenant_id == tenant_id)
+            .order_by(TenantQuota.gpu_type, TenantQuota.region)
+        ).all()
+    )
 
 
-def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_count: int,
-          default_gpus: int) -> None:
+def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_count: int, default_gpus: int) -> None:
     """Raise unless the tenant is active and `node_count` more nodes fit its quota. Call inside
     the transaction that creates the allocation: the row lock it takes lasts until the commit."""
     status = session.exec(select(Tenant.status).where(Tenant.id == tenant_id).with_for_update()).first()
     if status != TenantStatus.ACTIVE:
         raise TenantNotActive(tenant_id, status)
-    limit = effective_limit(quota_rows(session, tenant_id), gpu_type=gpu_type, region=region,
-                            default_gpus=default_gpus)
+    limit = effective_limit(quota_rows(session, tenant_id), gpu_type=gpu_type, region=region, default_gpus=default_gpus)
     used = usage_gpus(session, tenant_id, gpu_type=gpu_type, region=region)
     requested = node_count * GPU_TYPES[gpu_type]
     if used + requested > limit.max_gpus:
@@ -104,8 +111,7 @@ def replace_quotas(session: Session, tenant_id: str, quotas: list[TenantQuotaBas
     """The tenant's quotas become exactly `quotas` (lowering one below usage blocks new
     allocations only; nothing running is taken away)."""
     session.execute(sa.delete(TenantQuota).where(TenantQuota.tenant_id == tenant_id))
-    rows = [TenantQuota(tenant_id=tenant_id, gpu_type=q.gpu_type, region=q.region, max_gpus=q.max_gpus)
-            for q in quotas]
+    rows = [TenantQuota(tenant_id=tenant_id, gpu_type=q.gpu_type, region=q.region, max_gpus=q.max_gpus) for q in quotas]
     session.add_all(rows)
     session.flush()
     return rows
@@ -126,6 +132,12 @@ def usage_report(session: Session, tenant_id: str, *, default_gpus: int) -> list
     for gpu_type, region, nodes in rows:
         held[(gpu_type, region)] += nodes * GPU_TYPES.get(gpu_type, 0)
     quotas = quota_rows(session, tenant_id)
-    return [Usage(gpu_type=t, region=r, usage_gpus=used,
-                  limit=effective_limit(quotas, gpu_type=t, region=r, default_gpus=default_gpus))
-            for (t, r), used in sorted(held.items())]
+    return [
+        Usage(
+            gpu_type=t,
+            region=r,
+            usage_gpus=used,
+            limit=effective_limit(quotas, gpu_type=t, region=r, default_gpus=default_gpus),
+        )
+        for (t, r), used in sorted(held.items())
+    ]

@@ -25,11 +25,26 @@ def _allocation(session: Session, allocation_id: str) -> Allocation:
     return session.exec(select(Allocation).where(Allocation.id == allocation_id)).one()
 
 
-def record_event(session: Session, allocation: Allocation, kind: str, *, reason: str, node_id: str | None = None,
-                 replacement_node_id: str | None = None) -> None:
-    session.add(AllocationEvent(allocation_id=allocation.id, tenant_id=allocation.tenant_id, kind=kind,
-                                node_id=node_id, replacement_node_id=replacement_node_id, reason=reason[:1000],
-                                at=utcnow()))
+def record_event(
+    session: Session,
+    allocation: Allocation,
+    kind: str,
+    *,
+    reason: str,
+    node_id: str | None = None,
+    replacement_node_id: str | None = None,
+) -> None:
+    session.add(
+        AllocationEvent(
+            allocation_id=allocation.id,
+            tenant_id=allocation.tenant_id,
+            kind=kind,
+            node_id=node_id,
+            replacement_node_id=replacement_node_id,
+            reason=reason[:1000],
+            at=utcnow(),
+        )
+    )
 
 
 def detach_node(session: Session, allocation_id: str, node_id: str, *, reason: str) -> Allocation:
@@ -40,37 +55,60 @@ def detach_node(session: Session, allocation_id: str, node_id: str, *, reason: s
     allocation.node_ids = [n for n in allocation.node_ids if n != node_id]
     session.add(allocation)
     record_event(session, allocation, "degraded", node_id=node_id, reason=f"node {node_id} pulled: {reason}")
-    return set_status(session, allocation_id, AllocationStatus.DEGRADED,
-                      failure_reason=f"node {node_id} pulled: {reason}; replacement pending")
+    return set_status(
+        session,
+        allocation_id,
+        AllocationStatus.DEGRADED,
+        failure_reason=f"node {node_id} pulled: {reason}; replacement pending",
+    )
 
 
-def reserve_replacement(session: Session, allocation_id: str, *, deadline_scale: float,
-                        exclude: frozenset[str] = frozenset()) -> tuple[str | None, str]:
+def reserve_replacement(
+    session: Session, allocation_id: str, *, deadline_scale: float, exclude: frozenset[str] = frozenset()
+) -> tuple[str | None, str]:
     """One node for the allocation, in its fabric domain; (node id, "") or (None, why not).
 
     A node already reserved (or provisioning) for the allocation but not yet attached is the
     replacement a previous try reserved: it is returned again.
     """
     allocation = _allocation(session, allocation_id)
-    pending = session.exec(select(Node.id).where(
-        Node.allocation_id == allocation_id,
-        Node.state.in_([NodeState.RESERVED.value, NodeState.PROVISIONING.value]),
-        Node.id.not_in(allocation.node_ids))).first()
+    pending = session.exec(
+        select(Node.id).where(
+            Node.allocation_id == allocation_id,
+            Node.state.in_([NodeState.RESERVED.value, NodeState.PROVISIONING.value]),
+            Node.id.not_in(allocation.node_ids),
+        )
+    ).first()
     if pending is not None:
         return pending, ""
     for _ in range(RESERVE_ATTEMPTS):
         # A slice of an NVL72 rack is replaced from the same rack: its NVLink partition spans one.
-        found = available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region,
-                                     pod=allocation.fabric_domain, nvlink_domain=allocation.nvlink_domain)
+        found = available_candidates(
+            session,
+            gpu_type=allocation.gpu_type,
+            region=allocation.region,
+            pod=allocation.fabric_domain,
+            nvlink_domain=allocation.nvlink_domain,
+        )
         candidates = sorted((n for n in found if n.id not in exclude), key=lambda n: (n.rack, n.id))
         if not candidates:
-            where = (f"NVL72 rack {allocation.nvlink_domain}" if allocation.nvlink_domain
-                     else f"fabric domain {allocation.fabric_domain}")
+            where = (
+                f"NVL72 rack {allocation.nvlink_domain}"
+                if allocation.nvlink_domain
+                else f"fabric domain {allocation.fabric_domain}"
+            )
             return None, f"no available {allocation.gpu_type} node in {where}; waiting for capacity"
         try:
             # A lost CAS wrote nothing: look again on fresh data.
-            cas_reserve(session, candidates[0], allocation_id, now=utcnow(), deadline_scale=deadline_scale,
-                        op_id=f"replace-{allocation_id}", actor="allocation")
+            cas_reserve(
+                session,
+                candidates[0],
+                allocation_id,
+                now=utcnow(),
+                deadline_scale=deadline_scale,
+                op_id=f"replace-{allocation_id}",
+                actor="allocation",
+            )
             return candidates[0].id, ""
         except ReservationConflict:
             session.expire_all()
@@ -83,8 +121,14 @@ def attach_node(session: Session, allocation_id: str, node_id: str, *, replaces:
         return allocation
     allocation.node_ids = [*allocation.node_ids, node_id]
     session.add(allocation)
-    record_event(session, allocation, "replaced", node_id=replaces, replacement_node_id=node_id,
-                 reason=f"node {replaces} replaced by {node_id}")
+    record_event(
+        session,
+        allocation,
+        "replaced",
+        node_id=replaces,
+        replacement_node_id=node_id,
+        reason=f"node {replaces} replaced by {node_id}",
+    )
     if not ready:
         return allocation
     record_event(session, allocation, "ready", reason="every node healthy again")

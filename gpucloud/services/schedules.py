@@ -33,10 +33,13 @@ def schedule_id(settings: Settings) -> str:
 
 def sweep_schedule(settings: Settings) -> Schedule:
     return Schedule(
-        action=ScheduleActionStartWorkflow(ReconcileSweepWorkflow.run, SweepInput(),
-                                           id=f"{schedule_id(settings)}-run",
-                                           task_queue=settings.task_queue,
-                                           execution_timeout=timedelta(minutes=10)),
+        action=ScheduleActionStartWorkflow(
+            ReconcileSweepWorkflow.run,
+            SweepInput(),
+            id=f"{schedule_id(settings)}-run",
+            task_queue=settings.task_queue,
+            execution_timeout=timedelta(minutes=10),
+        ),
         spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=settings.sweep_interval_s))]),
         policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
     )
@@ -47,6 +50,7 @@ async def _ensure(client: Client, schedule_id_: str, schedule: Schedule) -> None
     try:
         await client.create_schedule(schedule_id_, schedule)
     except ScheduleAlreadyRunningError:
+
         async def update(_: ScheduleUpdateInput) -> ScheduleUpdate:
             return ScheduleUpdate(schedule=schedule)
 
@@ -61,8 +65,11 @@ async def reconcile_now(client: Client, settings: Settings, node_ids: list[str])
     """An event (operator action, agent report) asks for these nodes to be reconciled now."""
     key = node_ids[0] if len(node_ids) == 1 else f"batch-{abs(hash(tuple(sorted(node_ids))))}"
     await client.start_workflow(
-        ReconcileSweepWorkflow.run, SweepInput(node_ids=node_ids), id=f"reconcile-{key}",
-        task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        ReconcileSweepWorkflow.run,
+        SweepInput(node_ids=node_ids),
+        id=f"reconcile-{key}",
+        task_queue=settings.task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
 
 
@@ -77,10 +84,13 @@ def billing_close_schedule(settings: Settings) -> Schedule:
     # before the month closes; whatever comes later is billed as an adjustment next month.
     every = timedelta(seconds=settings.billing_close_interval_s)
     return Schedule(
-        action=ScheduleActionStartWorkflow(billing_close.BillingCatchUpWorkflow.run, BillingCatchUpInput(),
-                                           id=f"billing-catch-up-{settings.task_queue}",
-                                           task_queue=settings.task_queue,
-                                           execution_timeout=timedelta(hours=6)),
+        action=ScheduleActionStartWorkflow(
+            billing_close.BillingCatchUpWorkflow.run,
+            BillingCatchUpInput(),
+            id=f"billing-catch-up-{settings.task_queue}",
+            task_queue=settings.task_queue,
+            execution_timeout=timedelta(hours=6),
+        ),
         spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=every, offset=min(timedelta(hours=1), every / 2))]),
         policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
     )

@@ -37,8 +37,14 @@ DELETE_OPERATION = "delete_tenant"
 VNI_ATTEMPTS = 8
 
 # Nodes that may hold a tenant's data and are still on their way to a wipe.
-IN_FLIGHT = (NodeState.RESERVED, NodeState.PROVISIONING, NodeState.ACTIVE, NodeState.RELEASING,
-             NodeState.WIPING, NodeState.DRAINING)
+IN_FLIGHT = (
+    NodeState.RESERVED,
+    NodeState.PROVISIONING,
+    NodeState.ACTIVE,
+    NodeState.RELEASING,
+    NodeState.WIPING,
+    NodeState.DRAINING,
+)
 # Nodes that hold data until their repair wipes them; nobody gets them before.
 PARKED = (NodeState.QUARANTINED, NodeState.REPAIRING, NodeState.RMA)
 
@@ -83,11 +89,13 @@ def create(session: Session, *, name: str, quotas: list[TenantQuotaBase]) -> tup
         session.flush()  # the unique name decides a race between two creates
     except sa.exc.IntegrityError as exc:
         raise TenantExists(name) from exc
-    session.add_all([TenantQuota(tenant_id=tenant.id, gpu_type=q.gpu_type, region=q.region, max_gpus=q.max_gpus)
-                     for q in quotas])
+    session.add_all(
+        [TenantQuota(tenant_id=tenant.id, gpu_type=q.gpu_type, region=q.region, max_gpus=q.max_gpus) for q in quotas]
+    )
     key, plaintext = api_keys.issue_key(session, tenant.id)
-    op = Operation(tenant_id=tenant.id, kind=CREATE_OPERATION, resource_id=tenant.id,
-                   workflow_id=onboarding_workflow_id(tenant.id))
+    op = Operation(
+        tenant_id=tenant.id, kind=CREATE_OPERATION, resource_id=tenant.id, workflow_id=onboarding_workflow_id(tenant.id)
+    )
     session.add(op)
     session.flush()
     return tenant, op, key, plaintext
@@ -96,21 +104,27 @@ def create(session: Session, *, name: str, quotas: list[TenantQuotaBase]) -> tup
 def discard(session: Session, tenant_id: str) -> None:
     """Onboarding never started (the workflow engine refused it): remove every row `create`
     wrote, so the name is free again and nothing half-made is left."""
-    for table, column in ((ApiKey, ApiKey.tenant_id), (TenantQuota, TenantQuota.tenant_id),
-                          (Operation, Operation.tenant_id), (Tenant, Tenant.id)):
+    for table, column in (
+        (ApiKey, ApiKey.tenant_id),
+        (TenantQuota, TenantQuota.tenant_id),
+        (Operation, Operation.tenant_id),
+        (Tenant, Tenant.id),
+    ):
         session.execute(sa.delete(table).where(column == tenant_id))
 
 
-def move(session: Session, tenant_id: str, *, source: Iterable[TenantStatus], target: TenantStatus,
-         reason: str | None = None) -> Tenant:
+def move(
+    session: Session, tenant_id: str, *, source: Iterable[TenantStatus], target: TenantStatus, reason: str | None = None
+) -> Tenant:
     """Compare-and-swap the status from one of `source` to `target` (a no-op when there already)."""
     tenant = get(session, tenant_id)
     if tenant.status == target:
         return tenant
     allowed = [s.value for s in source]
     values = {"status": target.value, "updated_at": utcnow(), **({"failure_reason": reason} if reason else {})}
-    result = session.execute(sa.update(Tenant).where(Tenant.id == tenant_id, Tenant.status.in_(allowed))
-                             .values(**values))
+    result = session.execute(
+        sa.update(Tenant).where(Tenant.id == tenant_id, Tenant.status.in_(allowed)).values(**values)
+    )
     session.refresh(tenant)
     if result.rowcount != 1 and tenant.status != target:
         raise TenantStateConflict(tenant_id, tenant.status, target.value)
@@ -133,16 +147,22 @@ def begin_offboarding(session: Session, tenant_id: str) -> tuple[Tenant, Operati
     tenant = session.exec(select(Tenant).where(Tenant.id == tenant_id).with_for_update()).first()
     if tenant is None:
         raise TenantNotFound(tenant_id)
-    existing = session.exec(select(Operation).where(Operation.resource_id == tenant_id,
-                                                    Operation.kind == DELETE_OPERATION)).first()
+    existing = session.exec(
+        select(Operation).where(Operation.resource_id == tenant_id, Operation.kind == DELETE_OPERATION)
+    ).first()
     if existing is not None:
         return tenant, existing, False
     if tenant.status not in (TenantStatus.ACTIVE, TenantStatus.FAILED):
         raise TenantStateConflict(tenant_id, tenant.status, TenantStatus.OFFBOARDING.value)
-    tenant = move(session, tenant_id, source=(TenantStatus.ACTIVE, TenantStatus.FAILED),
-                  target=TenantStatus.OFFBOARDING)
-    op = Operation(tenant_id=tenant_id, kind=DELETE_OPERATION, resource_id=tenant_id,
-                   workflow_id=offboarding_workflow_id(tenant_id))
+    tenant = move(
+        session, tenant_id, source=(TenantStatus.ACTIVE, TenantStatus.FAILED), target=TenantStatus.OFFBOARDING
+    )
+    op = Operation(
+        tenant_id=tenant_id,
+        kind=DELETE_OPERATION,
+        resource_id=tenant_id,
+        workflow_id=offboarding_workflow_id(tenant_id),
+    )
     session.add(op)
     session.flush()
     return tenant, op, True
@@ -166,8 +186,11 @@ def allocate_db_vni(session: Session, tenant_id: str) -> int:
             candidate = next(v for v in range(MIN_VNI, MAX_VNI + 1) if v not in taken)
         try:
             with session.begin_nested():
-                session.execute(sa.update(Tenant).where(Tenant.id == tenant_id, Tenant.vni.is_(None))
-                                .values(vni=candidate, updated_at=utcnow()))
+                session.execute(
+                    sa.update(Tenant)
+                    .where(Tenant.id == tenant_id, Tenant.vni.is_(None))
+                    .values(vni=candidate, updated_at=utcnow())
+                )
         except sa.exc.IntegrityError:
             continue  # another tenant took it first: look again
         session.expire_all()
@@ -175,9 +198,13 @@ def allocate_db_vni(session: Session, tenant_id: str) -> int:
 
 
 def live_allocations(session: Session, tenant_id: str) -> list[Allocation]:
-    return list(session.exec(select(Allocation).where(
-        Allocation.tenant_id == tenant_id,
-        Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION]))).all())
+    return list(
+        session.exec(
+            select(Allocation).where(
+                Allocation.tenant_id == tenant_id, Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION])
+            )
+        ).all()
+    )
 
 
 def release_progress(session: Session, tenant_id: str) -> tuple[int, int, int]:

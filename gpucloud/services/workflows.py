@@ -20,21 +20,30 @@ from gpucloud.models.messages import (
 )
 from gpucloud.models.tables import Allocation
 from gpucloud.models.tenant_messages import TenantOffboardingInput, TenantOnboardingInput
-from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
+from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.bringup import workflow_id_for as bringup_workflow_id
 from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardingWorkflow
 
 
-async def start_allocation_workflow(client: Client, settings: Settings, alloc: Allocation, *,
-                                    conflict: WorkflowIDConflictPolicy = WorkflowIDConflictPolicy.USE_EXISTING):
+async def start_allocation_workflow(
+    client: Client,
+    settings: Settings,
+    alloc: Allocation,
+    *,
+    conflict: WorkflowIDConflictPolicy = WorkflowIDConflictPolicy.USE_EXISTING,
+):
     return await client.start_workflow(
         AllocationWorkflow.run,
-        AllocationInput(allocation_id=alloc.id, provision_retries=settings.provision_retries,
-                        replacement_recheck_s=settings.replacement_recheck_s),
-        id=allocation_workflow_id(alloc.id), task_queue=settings.task_queue,
+        AllocationInput(
+            allocation_id=alloc.id,
+            provision_retries=settings.provision_retries,
+            replacement_recheck_s=settings.replacement_recheck_s,
+        ),
+        id=allocation_workflow_id(alloc.id),
+        task_queue=settings.task_queue,
         id_conflict_policy=conflict,
         search_attributes=sa.typed((sa.ALLOCATION_ID, alloc.id), (sa.TENANT_ID, alloc.tenant_id)),
     )
@@ -54,11 +63,13 @@ async def start_bringup_batches(client: Client, settings: Settings, node_ids: li
     """Bring-up for nodes the caller has leased (`nodes.lease_for_bringup`), in batches of
     `bringup_batch_size`. Returns the number of batches started."""
     size = max(1, settings.bringup_batch_size)
-    batches = [node_ids[i:i + size] for i in range(0, len(node_ids), size)]
+    batches = [node_ids[i : i + size] for i in range(0, len(node_ids), size)]
     hold = uuid.uuid4().hex
     for batch in batches:
         await client.start_workflow(
-            BringupBatchWorkflow.run, BringupInput(node_ids=batch), id=bringup_workflow_id(batch, hold),
+            BringupBatchWorkflow.run,
+            BringupInput(node_ids=batch),
+            id=bringup_workflow_id(batch, hold),
             task_queue=settings.task_queue,
         )
     return len(batches)
@@ -66,18 +77,27 @@ async def start_bringup_batches(client: Client, settings: Settings, node_ids: li
 
 async def start_tenant_onboarding(client: Client, settings: Settings, tenant_id: str, operation_id: str) -> None:
     await client.start_workflow(
-        TenantOnboardingWorkflow.run, TenantOnboardingInput(tenant_id=tenant_id, operation_id=operation_id),
-        id=onboarding_workflow_id(tenant_id), task_queue=settings.task_queue,
+        TenantOnboardingWorkflow.run,
+        TenantOnboardingInput(tenant_id=tenant_id, operation_id=operation_id),
+        id=onboarding_workflow_id(tenant_id),
+        task_queue=settings.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         search_attributes=sa.typed((sa.TENANT_ID, tenant_id)),
     )
 
 
 async def start_tenant_offboarding(client: Client, settings: Settings, tenant_id: str, operation_id: str) -> None:
-    inp = TenantOffboardingInput(tenant_id=tenant_id, operation_id=operation_id, poll_s=settings.offboarding_poll_s,
-                                 retention_s=settings.tenant_storage_retention_s)
+    inp = TenantOffboardingInput(
+        tenant_id=tenant_id,
+        operation_id=operation_id,
+        poll_s=settings.offboarding_poll_s,
+        retention_s=settings.tenant_storage_retention_s,
+    )
     await client.start_workflow(
-        TenantOffboardingWorkflow.run, inp, id=offboarding_workflow_id(tenant_id), task_queue=settings.task_queue,
+        TenantOffboardingWorkflow.run,
+        inp,
+        id=offboarding_workflow_id(tenant_id),
+        task_queue=settings.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         search_attributes=sa.typed((sa.TENANT_ID, tenant_id)),
     )

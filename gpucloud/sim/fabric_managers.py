@@ -184,14 +184,16 @@ def _check_guids(guids: Iterable[str]) -> list[str]:
 def _check_full_membership(state: FabricState, pkey: int, guids: list[str]) -> None:
     if pkey == DEFAULT_PKEY:
         refuse(
-            409, "default_partition_limited",
+            409,
+            "default_partition_limited",
             f"the default partition {pkey_hex(DEFAULT_PKEY)} holds ports as limited members only",
         )
     for guid in guids:
         for other, members in state.pkeys.items():
             if other not in (pkey, DEFAULT_PKEY) and members.get(guid) == Membership.FULL:
                 refuse(
-                    409, "full_member_single_pkey",
+                    409,
+                    "full_member_single_pkey",
                     f"port {guid} is already a full member of pkey {pkey_hex(other)}; "
                     "a port is a full member of at most one non-default pkey",
                 )
@@ -205,7 +207,8 @@ async def create_pkey(body: PKeyCreate, state: StateDep) -> UfmPKey:
     pkey = parse_pkey(body.pkey)
     if not MIN_PKEY <= pkey <= MAX_PKEY:
         refuse(
-            422, "pkey_range",
+            422,
+            "pkey_range",
             f"pkey {pkey_hex(pkey)} is outside {pkey_hex(MIN_PKEY)}-{pkey_hex(MAX_PKEY)}",
         )
     with state.lock:
@@ -308,13 +311,15 @@ def _check_gpus(state: FabricState, domain_id: str, gpu_uids: list[str], *, part
     for gpu in gpu_uids:
         if state.domain_of_gpu.get(gpu) != domain_id:
             refuse(
-                409, "gpu_in_domain",
+                409,
+                "gpu_in_domain",
                 f"GPU {gpu} is not in NVL72 domain {domain_id}; a partition spans one domain",
             )
         for other in state.partitions.values():
             if other.partition_id != partition_id and gpu in other.gpu_uids:
                 refuse(
-                    409, "gpu_single_partition",
+                    409,
+                    "gpu_single_partition",
                     f"GPU {gpu} is already in partition {other.partition_id} ({other.name}); "
                     "a GPU is in at most one partition",
                 )
@@ -325,7 +330,8 @@ def _check_partition(state: FabricState, body: PartitionCreate) -> None:
         refuse(404, "domain_exists", f"NVL72 domain {body.domain_id} is not known")
     if any(p.name == body.name and p.domain_id == body.domain_id for p in state.partitions.values()):
         refuse(
-            409, "partition_name_unique",
+            409,
+            "partition_name_unique",
             f"domain {body.domain_id} already has a partition named {body.name!r}",
         )
     _check_gpus(state, body.domain_id, body.gpu_uids)
@@ -336,8 +342,10 @@ async def create_partition(body: PartitionCreate, state: StateDep) -> NvlPartiti
     with state.lock:
         _check_partition(state, body)
         partition = NvlPartition(
-            partition_id=state.next_partition_id, name=body.name,
-            domain_id=body.domain_id, gpu_uids=tuple(body.gpu_uids),
+            partition_id=state.next_partition_id,
+            name=body.name,
+            domain_id=body.domain_id,
+            gpu_uids=tuple(body.gpu_uids),
         )
         state.partitions[partition.partition_id] = partition
         state.next_partition_id += 1
@@ -406,7 +414,8 @@ async def create_vpc(body: VpcCreate, state: StateDep) -> Vpc:
         owned = [v for v in state.vpcs.values() if v.tenant_id == body.tenant_id]
         if owned:
             refuse(
-                409, "one_vni_per_tenant",
+                409,
+                "one_vni_per_tenant",
                 f"tenant {body.tenant_id} already has VNI {owned[0].vni}; a tenant has one VPC",
             )
         vni = _free_vni(state) if body.vni is None else body.vni
@@ -443,7 +452,8 @@ async def attach_node(vni: int, node_id: str, state: StateDep) -> Vpc:
         for other in state.vpcs.values():
             if other.vni != vni and node_id in other.nodes:
                 refuse(
-                    409, "node_single_vpc",
+                    409,
+                    "node_single_vpc",
                     f"node {node_id} is attached to VNI {other.vni}; a node is in one VPC",
                 )
         if node_id not in vpc.nodes:

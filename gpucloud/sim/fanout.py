@@ -195,7 +195,7 @@ def _summarise(config: FanoutConfig, network: _Network, fanout: _Fanout, size: i
 
 
 class _Flow:
-    __slots__ = ("source", "target", "piece", "size", "remaining", "rate", "since", "start", "token", "cross")
+    __slots__ = ("cross", "piece", "rate", "remaining", "since", "size", "source", "start", "target", "token")
 
     def __init__(self, source: int, target: int, piece: int, size: int, now: float, cross: bool) -> None:
         self.source, self.target, self.piece, self.size = source, target, piece, size
@@ -471,8 +471,7 @@ class _PeerToPeer(_Fanout):
         self.index = {name: i for i, name in enumerate(self.names)}
         self.piece_ids = [f"piece-{p}" for p in range(len(sizes))]
         topology = {
-            name: NodePlace(rack=f"rack-{network.rack_of[node]}", site="site-0")
-            for node, name in enumerate(self.names)
+            name: NodePlace(rack=f"rack-{network.rack_of[node]}", site="site-0") for node, name in enumerate(self.names)
         }
         self.tracker = Tracker(
             topology,

@@ -84,8 +84,9 @@ class Counter(StrEnum):
     PCIE_REPLAY = "pcie_replay"
 
 
-NVLINK_COUNTERS = frozenset({Counter.NVLINK_REPLAY, Counter.NVLINK_RECOVERY, Counter.NVLINK_CRC_FLIT,
-                             Counter.NVLINK_CRC_DATA})
+NVLINK_COUNTERS = frozenset(
+    {Counter.NVLINK_REPLAY, Counter.NVLINK_RECOVERY, Counter.NVLINK_CRC_FLIT, Counter.NVLINK_CRC_DATA}
+)
 
 
 class CounterDrift(BaseModel):
@@ -142,18 +143,28 @@ MANIFESTATIONS: dict[FaultCategory, tuple[Manifestation, ...]] = {
         Manifestation(1, xids=(120,)),
     ),
     FaultCategory.HBM3: (
-        Manifestation(3, xids=(48,), bumps={Counter.ECC_UNCORRECTED: 1, Counter.REMAPPED_UNCORRECTABLE: 1},
-                      remap_pending=True),
-        Manifestation(1, xids=(63, 64), bumps={Counter.REMAPPED_UNCORRECTABLE: 1}, remap_failure=True,
-                      drifts=((Counter.ECC_CORRECTED, 200.0),)),
+        Manifestation(
+            3, xids=(48,), bumps={Counter.ECC_UNCORRECTED: 1, Counter.REMAPPED_UNCORRECTABLE: 1}, remap_pending=True
+        ),
+        Manifestation(
+            1,
+            xids=(63, 64),
+            bumps={Counter.REMAPPED_UNCORRECTABLE: 1},
+            remap_failure=True,
+            drifts=((Counter.ECC_CORRECTED, 200.0),),
+        ),
     ),
     FaultCategory.SOFTWARE: (Manifestation(1, xids=(13,)), Manifestation(1, xids=(31,)), Manifestation(1, xids=(43,))),
     # The paper's "network switch/cable" is the scale-out fabric, which NVML cannot see; one in
     # five is modelled as the NVLink side (XID 74 with CRC errors that keep coming until reseated).
     FaultCategory.NETWORK: (
         Manifestation(4, host_condition="fabric_link_down"),
-        Manifestation(1, xids=(74,), bumps={Counter.NVLINK_RECOVERY: 1},
-                      drifts=((Counter.NVLINK_CRC_FLIT, 500.0), (Counter.NVLINK_REPLAY, 500.0))),
+        Manifestation(
+            1,
+            xids=(74,),
+            bumps={Counter.NVLINK_RECOVERY: 1},
+            drifts=((Counter.NVLINK_CRC_FLIT, 500.0), (Counter.NVLINK_REPLAY, 500.0)),
+        ),
     ),
     FaultCategory.HOST_MAINTENANCE: (Manifestation(1, host_condition="host_maintenance"),),
     FaultCategory.GPU_SRAM: (Manifestation(1, xids=(95,)), Manifestation(1, xids=(94,))),
@@ -207,18 +218,29 @@ class FaultModel(BaseModel):
         gpu_index = rng.randrange(self.gpus_per_node)
         link = rng.randrange(self.nvlinks_per_gpu)
         return Fault(
-            node_id=node_id, category=category, offset_s=offset_s, gpu_index=gpu_index, link=link,
-            xids=shown.xids, bumps=dict(shown.bumps), remap_pending=shown.remap_pending,
-            remap_failure=shown.remap_failure, fatal=shown.fatal, host_condition=shown.host_condition,
-            drifts=tuple(CounterDrift(counter=counter, per_hour=rate, gpu_index=gpu_index, link=link)
-                         for counter, rate in shown.drifts),
+            node_id=node_id,
+            category=category,
+            offset_s=offset_s,
+            gpu_index=gpu_index,
+            link=link,
+            xids=shown.xids,
+            bumps=dict(shown.bumps),
+            remap_pending=shown.remap_pending,
+            remap_failure=shown.remap_failure,
+            fatal=shown.fatal,
+            host_condition=shown.host_condition,
+            drifts=tuple(
+                CounterDrift(counter=counter, per_hour=rate, gpu_index=gpu_index, link=link)
+                for counter, rate in shown.drifts
+            ),
         )
 
 
 LLAMA3_405B = FaultModel()
 
 
-def next_faults(nodes: Sequence[str], dt_s: float, rng: random.Random, *,
-                model: FaultModel = LLAMA3_405B) -> list[Fault]:
+def next_faults(
+    nodes: Sequence[str], dt_s: float, rng: random.Random, *, model: FaultModel = LLAMA3_405B
+) -> list[Fault]:
     """The simulated fleet's faults for one step; see `FaultModel.next_faults`."""
     return model.next_faults(nodes, dt_s, rng)

@@ -53,8 +53,16 @@ ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", *REPAIR_LADDER)
 Action = Literal["inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash"]
 
 # Seconds each action takes on the simulated hardware at speed 1.0 (real hardware: minutes).
-BASE_LATENCY_S = {"inspect": 0.2, "burn_in": 0.5, "provision": 0.4, "release": 0.1, "wipe": 0.3,
-                  "reset": 0.1, "reboot": 0.4, "reflash": 0.6}
+BASE_LATENCY_S = {
+    "inspect": 0.2,
+    "burn_in": 0.5,
+    "provision": 0.4,
+    "release": 0.1,
+    "wipe": 0.3,
+    "reset": 0.1,
+    "reboot": 0.4,
+    "reflash": 0.6,
+}
 REMEMBERED_REQUESTS = 16
 
 
@@ -130,9 +138,13 @@ class Fleet:
             pod, rack = i // per_pod, (i % per_pod) // spec.nodes_per_rack
             node_id = f"{spec.id_prefix}-{i:05d}"
             self.nodes[node_id] = SimNode(
-                id=node_id, hostname=f"{spec.id_prefix}-gpu-{i:05d}.{spec.region}.internal",
-                region=spec.region, pod=f"{spec.region}-pod{pod:03d}", rack=f"{spec.region}-pod{pod:03d}-rack{rack:02d}",
-                gpu_type=spec.gpu_type, gpu_count=spec.gpus_per_node,
+                id=node_id,
+                hostname=f"{spec.id_prefix}-gpu-{i:05d}.{spec.region}.internal",
+                region=spec.region,
+                pod=f"{spec.region}-pod{pod:03d}",
+                rack=f"{spec.region}-pod{pod:03d}-rack{rack:02d}",
+                gpu_type=spec.gpu_type,
+                gpu_count=spec.gpus_per_node,
                 ib_port_guids=_port_guids(spec, i, spec.gpus_per_node),
             )
         self._add_nvl72_racks(spec)
@@ -146,19 +158,35 @@ class Fleet:
                 i = spec.nodes + rack_index * spec.nvl72_trays_per_rack + tray
                 node_id = f"{spec.id_prefix}-{i:05d}"
                 self.nodes[node_id] = SimNode(
-                    id=node_id, hostname=f"{spec.id_prefix}-gb200-{i:05d}.{spec.region}.internal",
-                    region=spec.region, pod=pod, rack=rack, gpu_type="GB200", gpu_count=gpus,
+                    id=node_id,
+                    hostname=f"{spec.id_prefix}-gb200-{i:05d}.{spec.region}.internal",
+                    region=spec.region,
+                    pod=pod,
+                    rack=rack,
+                    gpu_type="GB200",
+                    gpu_count=gpus,
                     ib_port_guids=_port_guids(spec, i, gpus),
                     nvlink_domain=f"{spec.id_prefix}-nvl72-{rack_index:03d}",
-                    gpu_uids=[f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'gpucloud-sim/{node_id}/{g}')}" for g in range(gpus)],
+                    gpu_uids=[
+                        f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'gpucloud-sim/{node_id}/{g}')}" for g in range(gpus)
+                    ],
                 )
 
     def inventory(self, base_url: str) -> list[dict]:
         return [
-            {"id": n.id, "hostname": n.hostname, "region": n.region, "pod": n.pod, "rack": n.rack,
-             "gpu_type": n.gpu_type, "gpu_count": n.gpu_count, "ib_port_guids": n.ib_port_guids,
-             "nvlink_domain": n.nvlink_domain, "gpu_uids": n.gpu_uids,
-             "agent_url": f"{base_url}/v1/nodes/{n.id}"}
+            {
+                "id": n.id,
+                "hostname": n.hostname,
+                "region": n.region,
+                "pod": n.pod,
+                "rack": n.rack,
+                "gpu_type": n.gpu_type,
+                "gpu_count": n.gpu_count,
+                "ib_port_guids": n.ib_port_guids,
+                "nvlink_domain": n.nvlink_domain,
+                "gpu_uids": n.gpu_uids,
+                "agent_url": f"{base_url}/v1/nodes/{n.id}",
+            }
             for n in self.nodes.values()
         ]
 
@@ -237,18 +265,32 @@ class Fleet:
             node.tenant_id = None
 
     def heartbeats(self) -> list[dict]:
-        return [{"node_id": n.id, "tenant_id": n.tenant_id, "workload_running": n.workload_running,
-                 "boot_id": str(n.boot_id)} for n in self.nodes.values() if not n.unreachable]
+        return [
+            {
+                "node_id": n.id,
+                "tenant_id": n.tenant_id,
+                "workload_running": n.workload_running,
+                "boot_id": str(n.boot_id),
+            }
+            for n in self.nodes.values()
+            if not n.unreachable
+        ]
 
     @staticmethod
     def describe(node: SimNode) -> dict:
-        return {"node_id": node.id, "gpu_type": node.gpu_type, "gpu_count": node.gpu_count,
-                "tenant_id": node.tenant_id, "workload_running": node.workload_running,
-                "actions_done": node.actions_done, "hardware_fault": node.hardware_fault}
+        return {
+            "node_id": node.id,
+            "gpu_type": node.gpu_type,
+            "gpu_count": node.gpu_count,
+            "tenant_id": node.tenant_id,
+            "workload_running": node.workload_running,
+            "actions_done": node.actions_done,
+            "hardware_fault": node.hardware_fault,
+        }
 
 
 def _port_guids(spec: FleetSpec, index: int, ports: int) -> list[str]:
-    return [f"0x{spec.seed & 0xffff:04x}{index:06x}{port:06x}" for port in range(ports)]
+    return [f"0x{spec.seed & 0xFFFF:04x}{index:06x}{port:06x}" for port in range(ports)]
 
 
 async def _post_until_accepted(client: httpx.AsyncClient, url: str, body: dict) -> None:
@@ -265,30 +307,46 @@ async def _post_until_accepted(client: httpx.AsyncClient, url: str, body: dict) 
         delay = min(delay * 2, 5.0)
 
 
-async def register_with_control_plane(fleet: Fleet, base_url: str, control_plane_url: str, token: str,
-                                      *, batch: int = 500, heartbeat_interval_s: float = 10.0) -> None:
+async def register_with_control_plane(
+    fleet: Fleet,
+    base_url: str,
+    control_plane_url: str,
+    token: str,
+    *,
+    batch: int = 500,
+    heartbeat_interval_s: float = 10.0,
+) -> None:
     """Enroll every node through the control plane's API (retrying until it answers), then
     report every reachable agent's state each interval, as real agents do."""
     inventory = fleet.inventory(base_url)
     async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {token}"}) as client:
         for start in range(0, len(inventory), batch):
-            await _post_until_accepted(client, f"{control_plane_url}/v1/nodes:enroll",
-                                       {"nodes": inventory[start:start + batch]})
+            await _post_until_accepted(
+                client, f"{control_plane_url}/v1/nodes:enroll", {"nodes": inventory[start : start + batch]}
+            )
         log.info("registered %d nodes with %s", len(inventory), control_plane_url)
         while heartbeat_interval_s > 0:
             beats = fleet.heartbeats()
             for start in range(0, len(beats), 2000):
                 try:
-                    await client.post(f"{control_plane_url}/v1/agents/heartbeats",
-                                      json={"heartbeats": beats[start:start + 2000]})
+                    await client.post(
+                        f"{control_plane_url}/v1/agents/heartbeats", json={"heartbeats": beats[start : start + 2000]}
+                    )
                 except httpx.HTTPError as exc:
                     log.warning("heartbeats not delivered: %s", exc)
             await asyncio.sleep(heartbeat_interval_s)
 
 
-def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None = None,
-               operator_token: str | None = None, heartbeat_interval_s: float = 10.0,
-               metering: MeteringSpec | None = None, weights: WeightsSpec | None = None) -> FastAPI:
+def create_app(
+    spec: FleetSpec,
+    *,
+    base_url: str,
+    control_plane_url: str | None = None,
+    operator_token: str | None = None,
+    heartbeat_interval_s: float = 10.0,
+    metering: MeteringSpec | None = None,
+    weights: WeightsSpec | None = None,
+) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
     `weights`: each node serves the weights API under its agent URL."""
     fleet = Fleet(spec)
@@ -297,18 +355,26 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
     async def lifespan(app: FastAPI):
         task = None
         if control_plane_url and operator_token:
-            task = asyncio.create_task(register_with_control_plane(
-                fleet, base_url, control_plane_url, operator_token, heartbeat_interval_s=heartbeat_interval_s))
+            task = asyncio.create_task(
+                register_with_control_plane(
+                    fleet, base_url, control_plane_url, operator_token, heartbeat_interval_s=heartbeat_interval_s
+                )
+            )
         stop_metering = threading.Event()
         meter_thread = None
         if metering is not None:
-            app.state.metering = FleetMetering(metering.spool_dir, metering.ledger_url,
-                                               interval_ms=max(1, int(metering.interval_s * 1000)),
-                                               node_ids=fleet.nodes)
-            fleet.on_workload_change = WorkloadFollower(app.state.metering, control_plane_url=control_plane_url,
-                                                        operator_token=operator_token)
-            meter_thread = threading.Thread(target=app.state.metering.run, args=(stop_metering,),
-                                            name="metering", daemon=True)
+            app.state.metering = FleetMetering(
+                metering.spool_dir,
+                metering.ledger_url,
+                interval_ms=max(1, int(metering.interval_s * 1000)),
+                node_ids=fleet.nodes,
+            )
+            fleet.on_workload_change = WorkloadFollower(
+                app.state.metering, control_plane_url=control_plane_url, operator_token=operator_token
+            )
+            meter_thread = threading.Thread(
+                target=app.state.metering.run, args=(stop_metering,), name="metering", daemon=True
+            )
             meter_thread.start()
         yield
         if task is not None:
@@ -382,12 +448,26 @@ def create_app(spec: FleetSpec, *, base_url: str, control_plane_url: str | None 
     return app
 
 
-def serve(spec: FleetSpec, *, host: str, port: int, control_plane_url: str | None = None,
-          operator_token: str | None = None, heartbeat_interval_s: float = 10.0,
-          metering: MeteringSpec | None = None, weights: WeightsSpec | None = None) -> None:
+def serve(
+    spec: FleetSpec,
+    *,
+    host: str,
+    port: int,
+    control_plane_url: str | None = None,
+    operator_token: str | None = None,
+    heartbeat_interval_s: float = 10.0,
+    metering: MeteringSpec | None = None,
+    weights: WeightsSpec | None = None,
+) -> None:
     import uvicorn
 
-    app = create_app(spec, base_url=f"http://{host}:{port}", control_plane_url=control_plane_url,
-                     operator_token=operator_token, heartbeat_interval_s=heartbeat_interval_s, metering=metering,
-                     weights=weights)
+    app = create_app(
+        spec,
+        base_url=f"http://{host}:{port}",
+        control_plane_url=control_plane_url,
+        operator_token=operator_token,
+        heartbeat_interval_s=heartbeat_interval_s,
+        metering=metering,
+        weights=weights,
+    )
     uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096)

@@ -58,9 +58,17 @@ class _NodeMeter:
 
 
 class FleetMetering:
-    def __init__(self, spool_dir: Path, ledger_url: str, *, interval_ms: int, node_ids: Iterable[str] = (),
-                 batch_size: int = DEFAULT_BATCH_SIZE, backoff_max_s: float = 10.0,
-                 clock_ms: Callable[[], int] = wall_clock_ms) -> None:
+    def __init__(
+        self,
+        spool_dir: Path,
+        ledger_url: str,
+        *,
+        interval_ms: int,
+        node_ids: Iterable[str] = (),
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        backoff_max_s: float = 10.0,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+    ) -> None:
         self.spool_dir = spool_dir
         self.ledger_url = ledger_url
         self.interval_ms = interval_ms
@@ -91,10 +99,17 @@ class FleetMetering:
 
             # A sample for an allocation the ledger has not heard of yet comes back soon: its
             # events are on their way from the control plane.
-            shipper = Shipper(spool, self.ledger_url, batch_size=self.batch_size, client=self._http,
-                              retry_rejected_after_ms=min(60_000, 5 * self.interval_ms), clock_ms=self._clock_ms)
-            node = _NodeMeter(spool, Meter(spool, current, interval_ms=self.interval_ms, clock_ms=self._clock_ms),
-                              shipper)
+            shipper = Shipper(
+                spool,
+                self.ledger_url,
+                batch_size=self.batch_size,
+                client=self._http,
+                retry_rejected_after_ms=min(60_000, 5 * self.interval_ms),
+                clock_ms=self._clock_ms,
+            )
+            node = _NodeMeter(
+                spool, Meter(spool, current, interval_ms=self.interval_ms, clock_ms=self._clock_ms), shipper
+            )
             self._meters[node_id] = node
             return node
 
@@ -144,11 +159,15 @@ class FleetMetering:
                 try:
                     self._ship_all()
                     backoff_s = 0.0
-                except Exception as error:  # noqa: BLE001 - whatever failed, the samples stay spooled
+                except Exception as error:
                     backoff_s = min(max(2 * backoff_s, 0.2), self._backoff_max_s)
                     ship_after_ms = now_ms + int(random.uniform(0.5, 1.0) * backoff_s * 1000)
-                    log.warning("usage not shipped (%s); the spools keep it, retrying in %.1f s", error, backoff_s,
-                                exc_info=not isinstance(error, LedgerUnavailable))
+                    log.warning(
+                        "usage not shipped (%s); the spools keep it, retrying in %.1f s",
+                        error,
+                        backoff_s,
+                        exc_info=not isinstance(error, LedgerUnavailable),
+                    )
             stop.wait(min(0.5, max(0.01, (next_tick_ms - self._clock_ms()) / 1000)))
 
     def _tick_all(self, now_ms: int) -> None:
@@ -157,7 +176,7 @@ class FleetMetering:
                 with node.lock:
                     node.meter.tick()
                 node.spool.prune_acked(older_than_ms=now_ms - ACKED_RETENTION_MS)
-            except Exception:  # noqa: BLE001 - one node's disk trouble must not stop the others
+            except Exception:
                 log.exception("metering %s failed; retrying at the next interval", node.spool.node_id)
 
     def _ship_all(self) -> None:
@@ -172,11 +191,20 @@ class FleetMetering:
             meters = sorted(self._meters.items())
         for node_id, node in meters:
             lag = node.spool.lag()
-            nodes[node_id] = {"allocations": [asdict(a) for a in node.history], "pending": lag.pending,
-                              "deferred": lag.deferred, "rejected": lag.rejected,
-                              "oldest_pending_age_ms": lag.oldest_pending_age_ms, "last_seq": node.spool.last_seq()}
-        return {"ledger_url": self.ledger_url, "interval_ms": self.interval_ms,
-                "pending": sum(n["pending"] for n in nodes.values()), "nodes": nodes}
+            nodes[node_id] = {
+                "allocations": [asdict(a) for a in node.history],
+                "pending": lag.pending,
+                "deferred": lag.deferred,
+                "rejected": lag.rejected,
+                "oldest_pending_age_ms": lag.oldest_pending_age_ms,
+                "last_seq": node.spool.last_seq(),
+            }
+        return {
+            "ledger_url": self.ledger_url,
+            "interval_ms": self.interval_ms,
+            "pending": sum(n["pending"] for n in nodes.values()),
+            "nodes": nodes,
+        }
 
     def close(self) -> None:
         for node in self._meters.values():
@@ -218,8 +246,13 @@ class WorkloadFollower:
         if allocation_id is None:
             log.error("%s runs a workload of %s but its allocation is unknown: not metered", node.id, node.tenant_id)
             return
-        allocation = NodeAllocation(allocation_id=allocation_id, tenant_id=node.tenant_id, gpu_type=node.gpu_type,
-                                    gpu_count=node.gpu_count, started_ms=now_ms)
+        allocation = NodeAllocation(
+            allocation_id=allocation_id,
+            tenant_id=node.tenant_id,
+            gpu_type=node.gpu_type,
+            gpu_count=node.gpu_count,
+            started_ms=now_ms,
+        )
         await asyncio.to_thread(self.metering.start, node.id, allocation)
 
     async def _allocation_of(self, node_id: str) -> str | None:

@@ -83,8 +83,11 @@ class _Resident:
 
 
 def _unavailable(status: int, detail: str) -> JSONResponse:
-    return JSONResponse({"title": "Weights unavailable", "status": status, "detail": detail}, status_code=status,
-                        media_type="application/problem+json")
+    return JSONResponse(
+        {"title": "Weights unavailable", "status": status, "detail": detail},
+        status_code=status,
+        media_type="application/problem+json",
+    )
 
 
 class NodeWeights:
@@ -99,7 +102,7 @@ class NodeWeights:
 
     async def __call__(self, scope, receive, send) -> None:
         node = self._nodes.get(scope["path_params"]["node_id"])
-        path = scope["path"][len(scope.get("root_path", "")):]
+        path = scope["path"][len(scope.get("root_path", "")) :]
         if node is None or not path.startswith(("/weights/", "/chunks/")):
             await _unavailable(404, "not found")(scope, receive, send)
             return
@@ -155,7 +158,7 @@ class NodeWeights:
 
     def _evict_idle(self) -> None:
         idle = [node_id for node_id, r in self._resident.items() if r.in_flight == 0]
-        for node_id in idle[:max(0, len(self._resident) - self._spec.resident)]:
+        for node_id in idle[: max(0, len(self._resident) - self._spec.resident)]:
             del self._resident[node_id]
 
 

@@ -70,7 +70,9 @@ class S3Backend(ObjectBackend):
 
     def presign(self, key: str, *, method: str, expires_s: int) -> str:
         return self._client.generate_presigned_url(
-            PRESIGN_METHODS[method], Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_s,
+            PRESIGN_METHODS[method],
+            Params={"Bucket": self.bucket, "Key": key},
+            ExpiresIn=expires_s,
         )
 
 
@@ -125,7 +127,7 @@ class LocalBackend(ObjectBackend):
         """The key a presigned URL grants `method` on; raises `PresignedUrlError` otherwise."""
         parts = urlsplit(url)
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
-        key = unquote(url[len(self._base_url) + 1:].split("?", 1)[0])
+        key = unquote(url[len(self._base_url) + 1 :].split("?", 1)[0])
         try:
             expires = int(query["expires"])
             valid = query["method"] == method and hmac.compare_digest(

@@ -30,7 +30,8 @@ class TenantStore:
 
 def master_key(settings: Settings) -> bytes:
     encoded = settings.storage_master_key or load_or_create_secret(
-        settings.data_dir / "storage_master_key", lambda: base64.b64encode(MasterKeys.generate_key()).decode())
+        settings.data_dir / "storage_master_key", lambda: base64.b64encode(MasterKeys.generate_key()).decode()
+    )
     key = base64.b64decode(encoded)
     if len(key) != 32:
         raise ValueError("the storage master key must be base64 of 32 bytes")

@@ -91,7 +91,12 @@ class TenantKeys:
     def _wrapped(self, tenant_id: str, version: int, data_key: bytes) -> dict:
         nonce = os.urandom(NONCE_BYTES)
         wrapped = self.masters.cipher(self.masters.active).encrypt(nonce, data_key, _wrap_aad(tenant_id, version))
-        return {"version": version, "master_key_id": self.masters.active, "nonce": _b64(nonce), "wrapped": _b64(wrapped)}
+        return {
+            "version": version,
+            "master_key_id": self.masters.active,
+            "nonce": _b64(nonce),
+            "wrapped": _b64(wrapped),
+        }
 
     def _data_key(self, tenant_id: str, entry: dict) -> bytes:
         cipher = self.masters.cipher(entry["master_key_id"])
@@ -124,7 +129,7 @@ class TenantKeys:
         self._save(tenant_id, record)
 
     def tenants(self) -> list[str]:
-        return [k[len(KEY_RECORDS):-len(".json")] for k in self._backend.list_keys(KEY_RECORDS)]
+        return [k[len(KEY_RECORDS) : -len(".json")] for k in self._backend.list_keys(KEY_RECORDS)]
 
     def master_key_ids(self, tenant_id: str) -> set[str]:
         return {entry["master_key_id"] for entry in self._load(tenant_id)["keys"]}
@@ -145,7 +150,7 @@ class TenantKeys:
         if blob[:4] != MAGIC:
             raise ValueError("not an envelope-encrypted blob")
         (version,) = struct.unpack(">I", blob[4:8])
-        nonce, ciphertext = blob[8:8 + NONCE_BYTES], blob[8 + NONCE_BYTES:]
+        nonce, ciphertext = blob[8 : 8 + NONCE_BYTES], blob[8 + NONCE_BYTES :]
         entries = [e for e in self._load(tenant_id)["keys"] if e["version"] == version]
         if not entries:
             raise UnknownTenantKeyError(f"tenant {tenant_id} has no data key version {version}")

@@ -24,7 +24,11 @@ def _mark_key(tenant_id: str) -> str:
 
 
 def mark_for_deletion(
-    backend: ObjectBackend, tenant_id: str, *, now: datetime, retention: timedelta,
+    backend: ObjectBackend,
+    tenant_id: str,
+    *,
+    now: datetime,
+    retention: timedelta,
 ) -> datetime:
     """Schedule the tenant's storage for deletion; idempotent, keeps the first due time."""
     due = deletion_due(backend, tenant_id)

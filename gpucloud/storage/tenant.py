@@ -59,7 +59,7 @@ class TenantStorage:
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under the tenant's prefix (relative), optionally under a sub-prefix."""
-        return [k[len(self.prefix):] for k in self._backend.list_keys(self.prefix + prefix)]
+        return [k[len(self.prefix) :] for k in self._backend.list_keys(self.prefix + prefix)]
 
     def presigned_url(self, key: str, *, method: str = "GET", expires_s: int = 900) -> str:
         """A URL a node uses for exactly this key, for at most an hour."""

@@ -36,27 +36,53 @@ from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardin
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS = [AllocationWorkflow, BringupBatchWorkflow, NodeOperationWorkflow, ReconcileSweepWorkflow,
-             BillingCloseWorkflow, BillingCatchUpWorkflow, TenantOnboardingWorkflow, TenantOffboardingWorkflow,
-             RolloutWorkflow]
+WORKFLOWS = [
+    AllocationWorkflow,
+    BringupBatchWorkflow,
+    NodeOperationWorkflow,
+    ReconcileSweepWorkflow,
+    BillingCloseWorkflow,
+    BillingCatchUpWorkflow,
+    TenantOnboardingWorkflow,
+    TenantOffboardingWorkflow,
+    RolloutWorkflow,
+]
 
 
-def build_worker(client: Client, settings: Settings, *, executor: ThreadPoolExecutor,
-                 agent: HostAgentActivities, fault_hook: FaultHook | None = None) -> Worker:
+def build_worker(
+    client: Client,
+    settings: Settings,
+    *,
+    executor: ThreadPoolExecutor,
+    agent: HostAgentActivities,
+    fault_hook: FaultHook | None = None,
+) -> Worker:
     """`fault_hook` lets tests fail tenant steps (see `activities.faults`)."""
-    db = ControlDbActivities(settings.db_url, deadline_scale=settings.deadline_scale,
-                             backoff_base_s=settings.backoff_base_s, backoff_cap_s=settings.backoff_cap_s)
-    rollout = RolloutActivities(tracker_url=settings.tracker_url, db_url=settings.db_url,
-                                manifests=build_stores(data_dir=settings.data_dir).manifests)
+    db = ControlDbActivities(
+        settings.db_url,
+        deadline_scale=settings.deadline_scale,
+        backoff_base_s=settings.backoff_base_s,
+        backoff_cap_s=settings.backoff_cap_s,
+    )
+    rollout = RolloutActivities(
+        tracker_url=settings.tracker_url,
+        db_url=settings.db_url,
+        manifests=build_stores(data_dir=settings.data_dir).manifests,
+    )
     return Worker(
         client,
         task_queue=settings.task_queue,
         workflows=WORKFLOWS,
-        activities=[*db.all(), *agent.all(), *ReconcilerActivities(client, settings).all(),
-                    *LedgerActivities(settings.ledger_url).all(), *FabricActivities.from_settings(settings).all(),
-                    *TenantActivities(settings, client=client, fault_hook=fault_hook).all(),
-                    *TenantStorageActivities(open_tenant_store(settings), fault_hook=fault_hook).all(),
-                    *rollout.all()],
+        activities=[
+            *db.all(),
+            *agent.all(),
+            *ReconcilerActivities(client, settings).all(),
+            *LedgerActivities(settings.ledger_url).all(),
+            *FabricActivities.from_settings(settings).all(),
+            *TenantActivities(settings, client=client, fault_hook=fault_hook).all(),
+            *TenantStorageActivities(open_tenant_store(settings), fault_hook=fault_hook).all(),
+            *rollout.all(),
+        ],
         activity_executor=executor,
         max_concurrent_activities=settings.worker_max_activities,
         max_concurrent_workflow_tasks=100,

@@ -34,13 +34,13 @@ async def resume_orphans(client: Client, settings: Settings) -> dict[str, int]:
         # Nodes a live batch holds are skipped; a hold whose batch was lost runs out on its own.
         enrolled = lease_for_bringup(session, enrolled, deadline_scale=settings.deadline_scale)
         tenant_ops = session.exec(
-            select(Operation.resource_id, Operation.id, Operation.kind)
-            .where(Operation.kind.in_([tenant_service.CREATE_OPERATION, tenant_service.DELETE_OPERATION]),
-                   Operation.status == OperationStatus.RUNNING)
+            select(Operation.resource_id, Operation.id, Operation.kind).where(
+                Operation.kind.in_([tenant_service.CREATE_OPERATION, tenant_service.DELETE_OPERATION]),
+                Operation.status == OperationStatus.RUNNING,
+            )
         ).all()
     for alloc in allocations:
-        await start_allocation_workflow(client, settings, alloc,
-                                        conflict=WorkflowIDConflictPolicy.USE_EXISTING)
+        await start_allocation_workflow(client, settings, alloc, conflict=WorkflowIDConflictPolicy.USE_EXISTING)
     await start_bringup_batches(client, settings, enrolled)
     for tenant_id, operation_id, kind in tenant_ops:
         start = start_tenant_onboarding if kind == tenant_service.CREATE_OPERATION else start_tenant_offboarding

@@ -38,6 +38,12 @@ from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from gpucloud import search_attributes as sa
+    from gpucloud.models.fabric_messages import (
+        FabricApplyInput,
+        FabricMembershipResult,
+        FabricReleaseInput,
+        FabricRemoveInput,
+    )
     from gpucloud.models.messages import (
         AllocationEventInput,
         AllocationInput,
@@ -54,12 +60,6 @@ with workflow.unsafe.imports_passed_through():
         ReplacementInput,
         ReplacementResult,
         ReplaceNodeRequest,
-    )
-    from gpucloud.models.fabric_messages import (
-        FabricApplyInput,
-        FabricMembershipResult,
-        FabricReleaseInput,
-        FabricRemoveInput,
     )
     from gpucloud.workflows import options
     from gpucloud.workflows.ledger_events import LedgerEvents
@@ -109,9 +109,13 @@ class AllocationWorkflow:
 
     @workflow.query
     def progress(self) -> AllocationProgress:
-        return AllocationProgress(allocation_id=self._allocation_id, phase=self._phase,
-                                  nodes_total=self._nodes_total, nodes_done=self._nodes_done,
-                                  cancel_requested=self._cancel_requested)
+        return AllocationProgress(
+            allocation_id=self._allocation_id,
+            phase=self._phase,
+            nodes_total=self._nodes_total,
+            nodes_done=self._nodes_done,
+            cancel_requested=self._cancel_requested,
+        )
 
     @workflow.run
     async def run(self, inp: AllocationInput) -> AllocationResult:
@@ -138,9 +142,12 @@ class AllocationWorkflow:
             failed = [r for r in results if not r.ok]
             self._provision_errors = [f"{r.node_id}: {r.error}" for r in failed]
             self._provision_failed_nodes = [r.node_id for r in failed]
-            replacing_failed = (bool(failed) and not self._cancel_requested
-                                and workflow.patched(PROVISION_REPLACE_PATCH)
-                                and len(failed) <= inp.provision_retries)
+            replacing_failed = (
+                bool(failed)
+                and not self._cancel_requested
+                and workflow.patched(PROVISION_REPLACE_PATCH)
+                and len(failed) <= inp.provision_retries
+            )
             if failed and not replacing_failed:
                 await self._release(view)
                 return await self._finish(view, "failed", self._provision_failure())
@@ -157,8 +164,9 @@ class AllocationWorkflow:
                     return await self._finish(current, "failed", self._provision_failure())
             # A node reported bad while provisioning is replaced first; the last attach marks
             # the allocation ready.
-            replaced_first = replacing_failed or (bool(self._replacements) and workflow.patched("replace-before-ready")
-                                                  and await self._replace_all(view))
+            replaced_first = replacing_failed or (
+                bool(self._replacements) and workflow.patched("replace-before-ready") and await self._replace_all(view)
+            )
             if not replaced_first:
                 await self._set_status(view, "ready")
 
@@ -173,13 +181,13 @@ class AllocationWorkflow:
                 self._phase = "ready"
                 continue
             try:
-                await workflow.wait_condition(lambda: self._cancel_requested or bool(self._replacements),
-                                              timeout=DESIRED_RECHECK)
+                await workflow.wait_condition(
+                    lambda: self._cancel_requested or bool(self._replacements), timeout=DESIRED_RECHECK
+                )
             except TimeoutError:
                 if (await self._load()).desired == "cancelled":
                     self._cancel_requested = True
-            if (not self._cancel_requested and not self._replacements
-                    and workflow.info().is_continue_as_new_suggested()):
+            if not self._cancel_requested and not self._replacements and workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 await self._ledger.flushed()
                 await self._drains_finished()
@@ -193,14 +201,18 @@ class AllocationWorkflow:
     def _provision_failure(self) -> str:
         return f"provisioning failed ({'; '.join(self._provision_errors)})"
 
-    async def _detach_failed(self, failed: list[NodeOperationResult], view: AllocationView, *,
-                             recheck_s: float) -> list[ReplaceNodeRequest]:
+    async def _detach_failed(
+        self, failed: list[NodeOperationResult], view: AllocationView, *, recheck_s: float
+    ) -> list[ReplaceNodeRequest]:
         owed = []
         for r in failed:
             reason = f"provisioning failed: {r.error}"
             await workflow.execute_activity(
-                "detach_node", DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id, reason=reason),
-                result_type=AllocationView, **options.DB)
+                "detach_node",
+                DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id, reason=reason),
+                result_type=AllocationView,
+                **options.DB,
+            )
             owed.append(ReplaceNodeRequest(node_id=r.node_id, reason=reason, immediate=True, recheck_s=recheck_s))
         self._replaced_any = True
         await self._remove_fabric([r.node_id for r in failed])
@@ -239,9 +251,11 @@ class AllocationWorkflow:
                 self._gave_up = True
                 break
             found = await workflow.execute_activity(
-                "reserve_replacement", ReplacementInput(allocation_id=self._allocation_id,
-                                                        exclude=self._provision_failed_nodes),
-                result_type=ReplacementResult, **options.DB)
+                "reserve_replacement",
+                ReplacementInput(allocation_id=self._allocation_id, exclude=self._provision_failed_nodes),
+                result_type=ReplacementResult,
+                **options.DB,
+            )
             if found.node_id is None:
                 if self._provision_tries_left is not None:
                     # First provisioning: the tenant never had the allocation, so it fails rather
@@ -250,16 +264,17 @@ class AllocationWorkflow:
                     self._gave_up = True
                     break
                 if req.node_id not in waiting_noted:
-                    await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; "
-                                                             f"{found.reason}")
+                    await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; {found.reason}")
                     await self._note("waiting_for_capacity", found.reason, req.node_id)
                     waiting_noted.add(req.node_id)
                 await self._pause(req.recheck_s)
                 continue
-            await self._note("replacement_started", f"provisioning {found.node_id} to replace {req.node_id}",
-                             found.node_id)
+            await self._note(
+                "replacement_started", f"provisioning {found.node_id} to replace {req.node_id}", found.node_id
+            )
             if workflow.patched(FABRIC_PATCH) and not await self._join_fabric(
-                    found.node_id, view, note=found.node_id not in fabric_noted):
+                found.node_id, view, note=found.node_id not in fabric_noted
+            ):
                 fabric_noted.add(found.node_id)
                 await self._pause(req.recheck_s)
                 continue
@@ -275,27 +290,38 @@ class AllocationWorkflow:
                 if self._provision_tries_left is not None:
                     self._provision_errors.append(f"{found.node_id}: {provisioned.error}")
                     self._provision_failed_nodes.append(found.node_id)
-                    await self._note("replacement_failed", f"replacement {found.node_id} failed provisioning: "
-                                                           f"{provisioned.error}", found.node_id)
+                    await self._note(
+                        "replacement_failed",
+                        f"replacement {found.node_id} failed provisioning: {provisioned.error}",
+                        found.node_id,
+                    )
                 continue  # that node goes back through wipe and burn-in; try another
             # Attached even when a cancel came meanwhile, so that the release takes it too; and
             # even when it was reported bad while provisioning: it is then pulled like any member.
             await workflow.execute_activity(
-                "attach_node", AttachNodeInput(allocation_id=self._allocation_id, node_id=found.node_id,
-                                               replaces=req.node_id,
-                                               ready=len(owed) == 1 and not self._replacements),
-                result_type=AllocationView, **options.DB)
+                "attach_node",
+                AttachNodeInput(
+                    allocation_id=self._allocation_id,
+                    node_id=found.node_id,
+                    replaces=req.node_id,
+                    ready=len(owed) == 1 and not self._replacements,
+                ),
+                result_type=AllocationView,
+                **options.DB,
+            )
             self._ledger.node_added(view, found.node_id)
             owed.pop(0)
         return pulled_any
 
-    async def _pulling_while(self, provisioning: asyncio.Task, node_id: str, view: AllocationView,
-                             owed: list[ReplaceNodeRequest]) -> NodeOperationResult:
+    async def _pulling_while(
+        self, provisioning: asyncio.Task, node_id: str, view: AllocationView, owed: list[ReplaceNodeRequest]
+    ) -> NodeOperationResult:
         """Wait for the provisioning of replacement `node_id`; a member reported bad meanwhile is
         pulled now (out of the allocation and its fabric, drained), not after it, and joins
         `owed`: a burst of faults in one allocation is pulled while its first replacement
         provisions. A report on `node_id` itself waits until it is attached, then it is pulled
         like any member."""
+
         def members_reported() -> bool:
             return not self._cancel_requested and any(r.node_id != node_id for r in self._replacements)
 
@@ -318,27 +344,33 @@ class AllocationWorkflow:
         if not graceful:
             return pulled
         for r in graceful:
-            await self._note("fault_notice", f"{r.reason}; node {r.node_id} will be pulled in "
-                                             f"{r.grace_s:g} s: checkpoint now", r.node_id)
+            await self._note(
+                "fault_notice",
+                f"{r.reason}; node {r.node_id} will be pulled in {r.grace_s:g} s: checkpoint now",
+                r.node_id,
+            )
         try:
-            await workflow.wait_condition(lambda: self._cancel_requested,
-                                          timeout=timedelta(seconds=max(r.grace_s for r in graceful)))
+            await workflow.wait_condition(
+                lambda: self._cancel_requested, timeout=timedelta(seconds=max(r.grace_s for r in graceful))
+            )
         except TimeoutError:
             pass
         if self._cancel_requested:
             return pulled  # the release takes the rest with the allocation
         return pulled + await self._detach_and_drain(graceful, view)
 
-    async def _detach_and_drain(self, reqs: list[ReplaceNodeRequest],
-                                view: AllocationView) -> list[ReplaceNodeRequest]:
+    async def _detach_and_drain(self, reqs: list[ReplaceNodeRequest], view: AllocationView) -> list[ReplaceNodeRequest]:
         if not reqs:
             return []
         members = (await self._load()).node_ids
         pulled = [r for r in reqs if r.node_id in members]
         for r in pulled:
             await workflow.execute_activity(
-                "detach_node", DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id,
-                                               reason=r.reason), result_type=AllocationView, **options.DB)
+                "detach_node",
+                DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id, reason=r.reason),
+                result_type=AllocationView,
+                **options.DB,
+            )
             self._replaced_any = True
             self._ledger.node_removed(view, r.node_id)
         await self._remove_fabric([r.node_id for r in pulled])
@@ -361,8 +393,11 @@ class AllocationWorkflow:
         """One node at a time: what workflows started before "replace-in-bursts" replay."""
         self._phase = "replacing"
         if not req.immediate and req.grace_s > 0:
-            await self._note("fault_notice", f"{req.reason}; node {req.node_id} will be pulled in "
-                                             f"{req.grace_s:g} s: checkpoint now", req.node_id)
+            await self._note(
+                "fault_notice",
+                f"{req.reason}; node {req.node_id} will be pulled in {req.grace_s:g} s: checkpoint now",
+                req.node_id,
+            )
             try:
                 await workflow.wait_condition(lambda: self._cancel_requested, timeout=timedelta(seconds=req.grace_s))
             except TimeoutError:
@@ -370,43 +405,60 @@ class AllocationWorkflow:
             if self._cancel_requested:
                 return  # the release takes the node with the rest
         before = await workflow.execute_activity(
-            "load_allocation", AllocationInput(allocation_id=self._allocation_id),
-            result_type=AllocationView, **options.DB)
+            "load_allocation",
+            AllocationInput(allocation_id=self._allocation_id),
+            result_type=AllocationView,
+            **options.DB,
+        )
         if req.node_id not in before.node_ids:
             return  # already pulled (a repeated signal)
         await workflow.execute_activity(
-            "detach_node", DetachNodeInput(allocation_id=self._allocation_id, node_id=req.node_id,
-                                           reason=req.reason), result_type=AllocationView, **options.DB)
+            "detach_node",
+            DetachNodeInput(allocation_id=self._allocation_id, node_id=req.node_id, reason=req.reason),
+            result_type=AllocationView,
+            **options.DB,
+        )
         self._replaced_any = True
         drain = await self._start_node_op(req.node_id, NodeOperationKind.DRAIN, view)
         await drain
         waiting_noted = False
         while not self._cancel_requested:
             found = await workflow.execute_activity(
-                "reserve_replacement", ReplacementInput(allocation_id=self._allocation_id),
-                result_type=ReplacementResult, **options.DB)
+                "reserve_replacement",
+                ReplacementInput(allocation_id=self._allocation_id),
+                result_type=ReplacementResult,
+                **options.DB,
+            )
             if found.node_id is None:
                 if not waiting_noted:
-                    await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; "
-                                                             f"{found.reason}")
+                    await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; {found.reason}")
                     await self._note("waiting_for_capacity", found.reason, req.node_id)
                     waiting_noted = True
                 try:
-                    await workflow.wait_condition(lambda: self._cancel_requested,
-                                                  timeout=timedelta(seconds=req.recheck_s))
+                    await workflow.wait_condition(
+                        lambda: self._cancel_requested, timeout=timedelta(seconds=req.recheck_s)
+                    )
                 except TimeoutError:
                     pass
                 continue
-            await self._note("replacement_started", f"provisioning {found.node_id} to replace {req.node_id}",
-                             found.node_id)
+            await self._note(
+                "replacement_started", f"provisioning {found.node_id} to replace {req.node_id}", found.node_id
+            )
             provisioned = await (await self._start_node_op(found.node_id, NodeOperationKind.PROVISION, view))
             if not provisioned.ok:
                 continue  # that node goes back through wipe and burn-in; try another
             # Attached even when a cancel came meanwhile, so that the release takes it too.
             await workflow.execute_activity(
-                "attach_node", AttachNodeInput(allocation_id=self._allocation_id, node_id=found.node_id,
-                                               replaces=req.node_id, ready=len(self._replacements) <= 1),
-                result_type=AllocationView, **options.DB)
+                "attach_node",
+                AttachNodeInput(
+                    allocation_id=self._allocation_id,
+                    node_id=found.node_id,
+                    replaces=req.node_id,
+                    ready=len(self._replacements) <= 1,
+                ),
+                result_type=AllocationView,
+                **options.DB,
+            )
             return
 
     async def _apply_fabric(self, *, joining: list[str] | None = None) -> str | None:
@@ -414,22 +466,26 @@ class AllocationWorkflow:
         None once it holds, else why it could not be applied."""
         try:
             await workflow.execute_activity(
-                "apply_allocation_fabric", FabricApplyInput(allocation_id=self._allocation_id, joining=joining or []),
-                result_type=FabricMembershipResult, **options.FABRIC_APPLY)
+                "apply_allocation_fabric",
+                FabricApplyInput(allocation_id=self._allocation_id, joining=joining or []),
+                result_type=FabricMembershipResult,
+                **options.FABRIC_APPLY,
+            )
         except ActivityError as err:
             # The details may name other allocations' partitions: they go to the operator's log
             # (and the history), the tenant sees what kind of failure it was.
-            workflow.logger.warning("fabric membership of %s not applied: %s", self._allocation_id,
-                                    _failure_chain(err))
+            workflow.logger.warning("fabric membership of %s not applied: %s", self._allocation_id, _failure_chain(err))
             return f"fabric isolation could not be applied and verified ({_failure_kind(err)}); nothing was kept"
         return None
 
     async def _remove_fabric(self, node_ids: list[str]) -> None:
         if node_ids and workflow.patched(FABRIC_PATCH):
             await workflow.execute_activity(
-                "remove_allocation_fabric_nodes", FabricRemoveInput(allocation_id=self._allocation_id,
-                                                                    node_ids=node_ids),
-                result_type=FabricMembershipResult, **options.FABRIC_REMOVE)
+                "remove_allocation_fabric_nodes",
+                FabricRemoveInput(allocation_id=self._allocation_id, node_ids=node_ids),
+                result_type=FabricMembershipResult,
+                **options.FABRIC_REMOVE,
+            )
 
     async def _join_fabric(self, node_id: str, view: AllocationView, *, note: bool) -> bool:
         """A reserved replacement joins the allocation's fabric membership; one that cannot goes
@@ -447,8 +503,9 @@ class AllocationWorkflow:
     async def _pause(self, seconds: float) -> None:
         """Wait `seconds`, or less when a cancel or another report comes."""
         try:
-            await workflow.wait_condition(lambda: self._cancel_requested or bool(self._replacements),
-                                          timeout=timedelta(seconds=seconds))
+            await workflow.wait_condition(
+                lambda: self._cancel_requested or bool(self._replacements), timeout=timedelta(seconds=seconds)
+            )
         except TimeoutError:
             pass
 
@@ -456,7 +513,8 @@ class AllocationWorkflow:
         await workflow.execute_activity(
             "record_allocation_event",
             AllocationEventInput(allocation_id=self._allocation_id, kind=kind, reason=reason, node_id=node_id),
-            **options.DB)
+            **options.DB,
+        )
 
     async def _release(self, view: AllocationView) -> None:
         """Release every node (the agents confirm the tenant is off), then start their recycling."""
@@ -466,8 +524,11 @@ class AllocationWorkflow:
         if workflow.patched(FABRIC_PATCH):
             # Off the fabrics first: no path to the tenant is left once its nodes are recycled.
             await workflow.execute_activity(
-                "release_allocation_fabric", FabricReleaseInput(allocation_id=self._allocation_id),
-                result_type=FabricMembershipResult, **options.FABRIC_REMOVE)
+                "release_allocation_fabric",
+                FabricReleaseInput(allocation_id=self._allocation_id),
+                result_type=FabricMembershipResult,
+                **options.FABRIC_REMOVE,
+            )
         await self._recycle_wiping(await self._run_on_nodes(view, NodeOperationKind.RELEASE), view)
 
     async def _recycle_wiping(self, results: list[NodeOperationResult], view: AllocationView) -> None:
@@ -475,8 +536,9 @@ class AllocationWorkflow:
             if result.state == "wiping":
                 # Wipe and burn-in take long and are the node's business, not the tenant's:
                 # they continue after this workflow ends.
-                await self._start_node_op(result.node_id, NodeOperationKind.RECYCLE, view,
-                                          parent_close_policy=ParentClosePolicy.ABANDON)
+                await self._start_node_op(
+                    result.node_id, NodeOperationKind.RECYCLE, view, parent_close_policy=ParentClosePolicy.ABANDON
+                )
 
     async def _finish(self, view: AllocationView, status: str, reason: str | None) -> AllocationResult:
         await self._drains_finished()
@@ -495,34 +557,47 @@ class AllocationWorkflow:
 
         return list(await asyncio.gather(*(one(n) for n in view.node_ids)))
 
-    async def _start_node_op(self, node_id: str, op: NodeOperationKind, view: AllocationView,
-                             *, parent_close_policy: ParentClosePolicy = ParentClosePolicy.TERMINATE):
+    async def _start_node_op(
+        self,
+        node_id: str,
+        op: NodeOperationKind,
+        view: AllocationView,
+        *,
+        parent_close_policy: ParentClosePolicy = ParentClosePolicy.TERMINATE,
+    ):
         # The node's previous workflow (say, bring-up) may still be closing: wait for it, since
         # one node runs one operation at a time.
         while True:
             try:
                 return await workflow.start_child_workflow(
                     NodeOperationWorkflow.run,
-                    NodeOperationInput(node_id=node_id, operation=op, allocation_id=view.allocation_id,
-                                       tenant_id=view.tenant_id),
+                    NodeOperationInput(
+                        node_id=node_id, operation=op, allocation_id=view.allocation_id, tenant_id=view.tenant_id
+                    ),
                     id=workflow_id_for(node_id),
                     parent_close_policy=parent_close_policy,
-                    search_attributes=sa.typed((sa.NODE_ID, node_id), (sa.ALLOCATION_ID, view.allocation_id),
-                                               (sa.TENANT_ID, view.tenant_id)),
+                    search_attributes=sa.typed(
+                        (sa.NODE_ID, node_id), (sa.ALLOCATION_ID, view.allocation_id), (sa.TENANT_ID, view.tenant_id)
+                    ),
                 )
             except WorkflowAlreadyStartedError:
                 await workflow.sleep(CHILD_START_RETRY)
 
     async def _load(self) -> AllocationView:
         return await workflow.execute_activity(
-            "load_allocation", AllocationInput(allocation_id=self._allocation_id),
-            result_type=AllocationView, **options.DB)
+            "load_allocation",
+            AllocationInput(allocation_id=self._allocation_id),
+            result_type=AllocationView,
+            **options.DB,
+        )
 
     async def _set_status(self, view: AllocationView, status: str, reason: str | None = None) -> None:
         await workflow.execute_activity(
             "set_allocation_status",
             AllocationStatusInput(allocation_id=view.allocation_id, status=status, failure_reason=reason),
-            result_type=AllocationView, **options.DB)
+            result_type=AllocationView,
+            **options.DB,
+        )
 
 
 def _failure_kind(err: ActivityError) -> str:

@@ -43,7 +43,8 @@ class BillingCloseWorkflow:
     @workflow.run
     async def run(self, inp: BillingCloseInput) -> BillingCloseResult:
         return await workflow.execute_activity(
-            "close_billing_period", inp, result_type=BillingCloseResult, **options.LEDGER_CLOSE)
+            "close_billing_period", inp, result_type=BillingCloseResult, **options.LEDGER_CLOSE
+        )
 
 
 @workflow.defn
@@ -51,12 +52,14 @@ class BillingCatchUpWorkflow:
     @workflow.run
     async def run(self, inp: BillingCatchUpInput) -> BillingCatchUpResult:
         listed = await workflow.execute_activity(
-            "list_billing_periods", BillingPeriodsInput(), result_type=BillingPeriodsResult, **options.LEDGER)
+            "list_billing_periods", BillingPeriodsInput(), result_type=BillingPeriodsResult, **options.LEDGER
+        )
         result = BillingCatchUpResult()
         for period in sorted((p for p in listed.periods if p.ended and not p.closed), key=lambda p: p.period_id):
             try:
                 await workflow.execute_child_workflow(
-                    BillingCloseWorkflow.run, BillingCloseInput(period_id=period.period_id),
+                    BillingCloseWorkflow.run,
+                    BillingCloseInput(period_id=period.period_id),
                     id=close_workflow_id(workflow.info().task_queue, period.period_id),
                     id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
                     execution_timeout=timedelta(hours=1),

@@ -75,7 +75,8 @@ class BringupBatchWorkflow:
     @workflow.run
     async def run(self, inp: BringupInput) -> BringupResult:
         found = await workflow.execute_activity(
-            "get_nodes", NodeRefs(node_ids=inp.node_ids), result_type=NodeViews, **options.DB)
+            "get_nodes", NodeRefs(node_ids=inp.node_ids), result_type=NodeViews, **options.DB
+        )
         self._nodes = {n.node_id: n for n in found.nodes}
         for node_id in set(inp.node_ids) - set(self._nodes):
             self._result.stopped[node_id] = "node does not exist"
@@ -110,7 +111,8 @@ class BringupBatchWorkflow:
 
         if self._unfinished:
             await workflow.execute_activity(
-                "release_bringup_holds", NodeRefs(node_ids=sorted(self._unfinished)), result_type=int, **options.DB)
+                "release_bringup_holds", NodeRefs(node_ids=sorted(self._unfinished)), result_type=int, **options.DB
+            )
         for node_id, node in self._nodes.items():
             if NodeState(node.state) in DONE:
                 self._result.available.append(node_id)
@@ -124,27 +126,45 @@ class BringupBatchWorkflow:
 
     async def _act(self, action: str, node_ids: list[str]) -> AgentBatchResult:
         info = workflow.info()
-        items = [AgentActionInput(node_id=i, agent_url=self._nodes[i].agent_url,
-                                  request_id=f"{info.workflow_id}/{info.run_id}/{self._round}/{i}")
-                 for i in node_ids]
+        items = [
+            AgentActionInput(
+                node_id=i,
+                agent_url=self._nodes[i].agent_url,
+                request_id=f"{info.workflow_id}/{info.run_id}/{self._round}/{i}",
+            )
+            for i in node_ids
+        ]
         try:
             return await workflow.execute_activity(
-                "agent_batch", AgentBatchInput(action=action, items=items), result_type=AgentBatchResult,
-                **options.AGENT_BATCH)
+                "agent_batch",
+                AgentBatchInput(action=action, items=items),
+                result_type=AgentBatchResult,
+                **options.AGENT_BATCH,
+            )
         except ActivityError as err:
             # The batch call itself kept failing (not one agent): leave these nodes to the reconciler.
             reason = f"{action} batch failed: {err.cause.message if err.cause is not None else err.message}"
-            return AgentBatchResult(unreachable={i: reason for i in node_ids})
+            return AgentBatchResult(unreachable=dict.fromkeys(node_ids, reason))
 
     async def _move(self, moves: list[tuple[str, NodeEvent, str]]) -> None:
         info = workflow.info()
-        items = [NodeTransitionInput(
-            node_id=node_id, event=event.value, from_state=self._nodes[node_id].state,
-            op_id=f"{info.workflow_id}/{info.run_id}/{self._round}/{node_id}", cause=cause[:500],
-            actor=f"workflow:{info.workflow_id}") for node_id, event, cause in moves]
+        items = [
+            NodeTransitionInput(
+                node_id=node_id,
+                event=event.value,
+                from_state=self._nodes[node_id].state,
+                op_id=f"{info.workflow_id}/{info.run_id}/{self._round}/{node_id}",
+                cause=cause[:500],
+                actor=f"workflow:{info.workflow_id}",
+            )
+            for node_id, event, cause in moves
+        ]
         result = await workflow.execute_activity(
-            "transition_nodes", NodeTransitionBatch(items=items, lease_to_deadline=True), result_type=NodeTransitionBatchResult,
-            **options.DB)
+            "transition_nodes",
+            NodeTransitionBatch(items=items, lease_to_deadline=True),
+            result_type=NodeTransitionBatchResult,
+            **options.DB,
+        )
         failures = {node_id: cause for node_id, event, cause in moves if event == NodeEvent.FAIL}
         for outcome in result.outcomes:
             if outcome.state is None:
@@ -152,5 +172,4 @@ class BringupBatchWorkflow:
             elif outcome.node_id in failures:
                 self._stop(outcome.node_id, f"{failures[outcome.node_id]} -> {outcome.state}")
             else:
-                self._nodes[outcome.node_id] = self._nodes[outcome.node_id].model_copy(
-                    update={"state": outcome.state})
+                self._nodes[outcome.node_id] = self._nodes[outcome.node_id].model_copy(update={"state": outcome.state})

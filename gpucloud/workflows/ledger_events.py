@@ -45,8 +45,11 @@ class LedgerEvents:
 
     def started(self, view: AllocationView, node_ids: list[str]) -> None:
         at_ms = _ms(workflow.now())
-        self._send(view, [LedgerAllocationEvent(kind="start", at_ms=at_ms)]
-                   + [LedgerAllocationEvent(kind="node_added", at_ms=at_ms, node_id=n) for n in node_ids])
+        self._send(
+            view,
+            [LedgerAllocationEvent(kind="start", at_ms=at_ms)]
+            + [LedgerAllocationEvent(kind="node_added", at_ms=at_ms, node_id=n) for n in node_ids],
+        )
 
     def node_removed(self, view: AllocationView, node_id: str) -> None:
         """A node pulled out of the allocation (drain-and-replace): it stops counting now."""
@@ -64,8 +67,11 @@ class LedgerEvents:
 
     def ended(self, view: AllocationView) -> None:
         at_ms = self._release_started_ms if self._release_started_ms is not None else _ms(workflow.now())
-        self._send(view, [LedgerAllocationEvent(kind="node_removed", at_ms=at_ms, node_id=n) for n in view.node_ids]
-                   + [LedgerAllocationEvent(kind="end", at_ms=at_ms)])
+        self._send(
+            view,
+            [LedgerAllocationEvent(kind="node_removed", at_ms=at_ms, node_id=n) for n in view.node_ids]
+            + [LedgerAllocationEvent(kind="end", at_ms=at_ms)],
+        )
 
     async def flushed(self) -> None:
         """Every event sent so far is in the ledger (or was refused and logged)."""
@@ -81,7 +87,8 @@ class LedgerEvents:
     @staticmethod
     async def _deliver(req: LedgerEventsInput) -> None:
         try:
-            await workflow.execute_activity("record_ledger_events", req, result_type=LedgerEventsResult,
-                                            **options.LEDGER)
+            await workflow.execute_activity(
+                "record_ledger_events", req, result_type=LedgerEventsResult, **options.LEDGER
+            )
         except ActivityError as error:
             workflow.logger.error("the ledger refused the events of %s: %s", req.allocation_id, error.cause or error)

@@ -55,9 +55,11 @@ _WIPE = _Act("wipe", before=("release",))
 _STEPS: dict[NodeOperationKind, dict[NodeState, _Move | _Act]] = {
     Op.BRINGUP: {S.ENROLLED: _Move(E.INSPECT), S.INSPECTING: _Act("inspect"), S.BURN_IN: _Act("burn_in")},
     Op.PROVISION: {
-        S.RESERVED: _Move(E.PROVISION), S.PROVISIONING: _Act("provision"),
+        S.RESERVED: _Move(E.PROVISION),
+        S.PROVISIONING: _Act("provision"),
         # A failed provision leaves the node wiping: finish its way back to the pool.
-        S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in"),
+        S.WIPING: _WIPE,
+        S.BURN_IN: _Act("burn_in"),
     },
     Op.RELEASE: {S.RESERVED: _Move(E.UNRESERVE), S.ACTIVE: _Move(E.RELEASE), S.RELEASING: _Act("release")},
     Op.RECYCLE: {S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in")},
@@ -93,11 +95,14 @@ class NodeOperationWorkflow:
     async def run(self, inp: NodeOperationInput) -> NodeOperationResult:
         self._inp = inp
         node = await workflow.execute_activity(
-            "get_node", NodeRef(node_id=inp.node_id), result_type=NodeView, **options.DB)
+            "get_node", NodeRef(node_id=inp.node_id), result_type=NodeView, **options.DB
+        )
         self._set_state(node.state)
         self._agent_url = node.agent_url
         if inp.operation in (Op.PROVISION, Op.RELEASE, Op.RESTORE) and node.allocation_id not in (
-                None, inp.allocation_id):
+            None,
+            inp.allocation_id,
+        ):
             return self._result(False, f"node belongs to allocation {node.allocation_id}, not {inp.allocation_id}")
         if inp.operation == Op.RESTORE:
             return await self._restore()
@@ -144,7 +149,8 @@ class NodeOperationWorkflow:
             return self._result(False, f"node moved under us from {self._state}")
         if self._state == S.REPAIRING:
             plan = await workflow.execute_activity(
-                "plan_repair", NodeRef(node_id=self._inp.node_id), result_type=RepairPlan, **options.DB)
+                "plan_repair", NodeRef(node_id=self._inp.node_id), result_type=RepairPlan, **options.DB
+            )
             # The tenant's data may still be on a node pulled from an allocation: off with it first.
             if not plan.actions:
                 failure = plan.reason
@@ -169,14 +175,18 @@ class NodeOperationWorkflow:
         self._steps_taken += 1
         info = workflow.info()
         req = NodeTransitionInput(
-            node_id=self._inp.node_id, event=event.value, from_state=self._state,
-            op_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}", cause=cause[:500],
+            node_id=self._inp.node_id,
+            event=event.value,
+            from_state=self._state,
+            op_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}",
+            cause=cause[:500],
             actor=f"workflow:{info.workflow_id}",
             tenant_id=self._inp.tenant_id if event == E.PROVISION else None,
         )
         try:
             result = await workflow.execute_activity(
-                "transition_node", req, result_type=NodeTransitionResult, **options.DB)
+                "transition_node", req, result_type=NodeTransitionResult, **options.DB
+            )
         except ActivityError as err:
             if isinstance(err.cause, ApplicationError) and err.cause.non_retryable:
                 return False
@@ -189,13 +199,14 @@ class NodeOperationWorkflow:
         self._steps_taken += 1
         info = workflow.info()
         req = AgentActionInput(
-            node_id=self._inp.node_id, agent_url=self._agent_url,
-            request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}", tenant_id=self._inp.tenant_id,
+            node_id=self._inp.node_id,
+            agent_url=self._agent_url,
+            request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}",
+            tenant_id=self._inp.tenant_id,
             allocation_id=self._inp.allocation_id if action == "provision" else None,
         )
         try:
-            await workflow.execute_activity(
-                f"{action}_node", req, result_type=AgentActionResult, **options.AGENT)
+            await workflow.execute_activity(f"{action}_node", req, result_type=AgentActionResult, **options.AGENT)
         except ActivityError as err:
             cause = err.cause
             return f"{action} failed: {cause.message if cause is not None else err.message}"

@@ -8,8 +8,9 @@ from temporalio.common import RetryPolicy
 DB = dict(
     start_to_close_timeout=timedelta(seconds=30),
     schedule_to_close_timeout=timedelta(minutes=10),
-    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=10)),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=10)
+    ),
 )
 
 # A host-agent action: minutes on real hardware, heartbeats while it waits; a few retries with
@@ -17,9 +18,13 @@ DB = dict(
 AGENT = dict(
     start_to_close_timeout=timedelta(minutes=20),
     heartbeat_timeout=timedelta(seconds=30),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=30), maximum_attempts=6,
-                             non_retryable_error_types=["AgentActionFailed"]),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(seconds=1),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=30),
+        maximum_attempts=6,
+        non_retryable_error_types=["AgentActionFailed"],
+    ),
 )
 
 # One action on a batch of agents (bring-up): the activity retries each unreachable agent itself
@@ -27,8 +32,12 @@ AGENT = dict(
 AGENT_BATCH = dict(
     start_to_close_timeout=timedelta(minutes=30),
     heartbeat_timeout=timedelta(seconds=60),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=30), maximum_attempts=5),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(seconds=1),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=30),
+        maximum_attempts=5,
+    ),
 )
 
 # A call to the billing ledger, a separate service that may be down for hours: retried with
@@ -36,9 +45,12 @@ AGENT_BATCH = dict(
 # allocation the ledger has not heard of waits in the agents' spools); a refusal is final.
 LEDGER = dict(
     start_to_close_timeout=timedelta(seconds=60),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=60),
-                             non_retryable_error_types=["LedgerRefused", "LedgerNotConfigured"]),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(seconds=1),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=60),
+        non_retryable_error_types=["LedgerRefused", "LedgerNotConfigured"],
+    ),
 )
 
 # Closing a period aggregates all of its usage (10 million events: about two minutes).
@@ -50,34 +62,47 @@ LEDGER_CLOSE = {**LEDGER, "start_to_close_timeout": timedelta(minutes=15)}
 FABRIC_APPLY = dict(
     start_to_close_timeout=timedelta(seconds=60),
     schedule_to_close_timeout=timedelta(minutes=4),
-    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=500), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=15),
-                             non_retryable_error_types=["FabricRefused", "AllocationNotFound", "NodeNotFound"]),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(milliseconds=500),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=15),
+        non_retryable_error_types=["FabricRefused", "AllocationNotFound", "NodeNotFound"],
+    ),
 )
 
 # Taking membership away is retried for as long as it takes: a node that keeps it must not go
 # back to the pool (the workflow waits here before the node's release or drain goes on).
 FABRIC_REMOVE = dict(
     start_to_close_timeout=timedelta(seconds=60),
-    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=500), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=30),
-                             non_retryable_error_types=["AllocationNotFound", "NodeNotFound"]),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(milliseconds=500),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=30),
+        non_retryable_error_types=["AllocationNotFound", "NodeNotFound"],
+    ),
 )
 
 # A step of tenant onboarding (the SDN controller, the object store): transient errors are
 # retried a few times, then the onboarding is undone rather than left half-made.
 TENANT_STEP = dict(
     start_to_close_timeout=timedelta(seconds=60),
-    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=500), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=10), maximum_attempts=5,
-                             non_retryable_error_types=["FabricRefused", "TenantNotFound", "TenantStateConflict"]),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(milliseconds=500),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=10),
+        maximum_attempts=5,
+        non_retryable_error_types=["FabricRefused", "TenantNotFound", "TenantStateConflict"],
+    ),
 )
 
 # Undoing a tenant step, and every step past the point of no return: retried for as long as it
 # takes (a tenant is never left half-made or half-removed; operators see the retries in the UI).
 TENANT_UNTIL_DONE = dict(
     start_to_close_timeout=timedelta(seconds=60),
-    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=500), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=60),
-                             non_retryable_error_types=["TenantNotFound", "TenantStateConflict"]),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(milliseconds=500),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=60),
+        non_retryable_error_types=["TenantNotFound", "TenantStateConflict"],
+    ),
 )

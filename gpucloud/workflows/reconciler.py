@@ -21,7 +21,9 @@ class ReconcileSweepWorkflow:
     @workflow.run
     async def run(self, inp: SweepInput) -> SweepResult:
         return await workflow.execute_activity(
-            "sweep", inp, result_type=SweepResult,
+            "sweep",
+            inp,
+            result_type=SweepResult,
             start_to_close_timeout=timedelta(minutes=5),
             retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
         )

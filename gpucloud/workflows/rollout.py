@@ -58,23 +58,28 @@ with workflow.unsafe.imports_passed_through():
 SETUP = dict(
     start_to_close_timeout=timedelta(seconds=60),
     schedule_to_close_timeout=timedelta(minutes=10),
-    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=500), maximum_interval=timedelta(seconds=10),
-                             non_retryable_error_types=["TargetUnresolvable", "VersionNotFound"]),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(milliseconds=500),
+        maximum_interval=timedelta(seconds=10),
+        non_retryable_error_types=["TargetUnresolvable", "VersionNotFound"],
+    ),
 )
 # A wave's prefetch moves the whole artifact: up to an hour, heartbeats while it waits, a few retries.
 PREFETCH = dict(
     start_to_close_timeout=timedelta(hours=1),
     heartbeat_timeout=timedelta(seconds=30),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
-                             maximum_attempts=4),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30), maximum_attempts=4
+    ),
 )
 # Verify re-hashes the files (minutes for 141 GB), activate re-verifies then switches; check is quick.
 # Each reports per-node outcomes; Temporal retries only a lost worker.
 STEP = dict(
     start_to_close_timeout=timedelta(minutes=30),
     heartbeat_timeout=timedelta(seconds=30),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
-                             maximum_attempts=3),
+    retry_policy=RetryPolicy(
+        initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30), maximum_attempts=3
+    ),
 )
 # A rollback is retried for as long as it takes: a node left on a bad version is worse than a wait.
 ROLLBACK = dict(
@@ -106,8 +111,12 @@ class RolloutWorkflow:
     @workflow.run
     async def run(self, inp: RolloutInput) -> RolloutResult:
         self._inp = inp
-        self._progress = RolloutProgress(rollout_id=inp.rollout_id, tenant_id=inp.tenant_id,
-                                         model_version=inp.model_version, phase=RolloutPhase.RESOLVING)
+        self._progress = RolloutProgress(
+            rollout_id=inp.rollout_id,
+            tenant_id=inp.tenant_id,
+            model_version=inp.model_version,
+            phase=RolloutPhase.RESOLVING,
+        )
         attributes = [sa.MODEL_VERSION.value_set(inp.model_version), sa.TENANT_ID.value_set(inp.tenant_id)]
         if inp.allocation_id:
             attributes.append(sa.ALLOCATION_ID.value_set(inp.allocation_id))
@@ -118,9 +127,13 @@ class RolloutWorkflow:
             self._progress.waves = waves
             by_id = {n.node_id: n for n in nodes}
             prepared = await workflow.execute_activity(
-                "prepare_rollout", PrepareInput(rollout_id=inp.rollout_id, tenant_id=inp.tenant_id,
-                                                model_version=inp.model_version, nodes=nodes),
-                result_type=Prepared, **SETUP)
+                "prepare_rollout",
+                PrepareInput(
+                    rollout_id=inp.rollout_id, tenant_id=inp.tenant_id, model_version=inp.model_version, nodes=nodes
+                ),
+                result_type=Prepared,
+                **SETUP,
+            )
         except ActivityError as error:
             return await self._finish(RolloutPhase.FAILED, _reason(error))
         self._swarm = prepared.swarm
@@ -137,8 +150,11 @@ class RolloutWorkflow:
         if inp.nodes is not None:
             return inp.nodes
         resolved = await workflow.execute_activity(
-            "resolve_rollout_targets", ResolveTargetsInput(tenant_id=inp.tenant_id, allocation_id=inp.allocation_id),
-            result_type=ResolvedTargets, **SETUP)
+            "resolve_rollout_targets",
+            ResolveTargetsInput(tenant_id=inp.tenant_id, allocation_id=inp.allocation_id),
+            result_type=ResolvedTargets,
+            **SETUP,
+        )
         return resolved.nodes
 
     async def _wave(self, index: int) -> None:
@@ -162,9 +178,8 @@ class RolloutWorkflow:
 
         progress.phase = RolloutPhase.BAKING
         try:
-            await workflow.wait_condition(lambda: self._abort is not None,
-                                          timeout=timedelta(seconds=self._inp.bake_s))
-        except asyncio.TimeoutError:
+            await workflow.wait_condition(lambda: self._abort is not None, timeout=timedelta(seconds=self._inp.bake_s))
+        except TimeoutError:
             pass
         self._stop_if_aborted()
 
@@ -175,8 +190,14 @@ class RolloutWorkflow:
 
     def _request(self, nodes: list[RolloutTarget]) -> WaveInput:
         inp = self._inp
-        return WaveInput(rollout_id=inp.rollout_id, tenant_id=inp.tenant_id, model_version=inp.model_version,
-                         swarm=self._swarm, nodes=nodes, thresholds=inp.thresholds)
+        return WaveInput(
+            rollout_id=inp.rollout_id,
+            tenant_id=inp.tenant_id,
+            model_version=inp.model_version,
+            swarm=self._swarm,
+            nodes=nodes,
+            thresholds=inp.thresholds,
+        )
 
     def _start(self, activity: str, nodes: list[RolloutTarget]) -> workflow.ActivityHandle:
         return workflow.start_activity(activity, self._request(nodes), result_type=WaveResult, **STEP)
@@ -184,7 +205,8 @@ class RolloutWorkflow:
     def _prefetch(self, index: int) -> workflow.ActivityHandle:
         if index not in self._prefetches:
             self._prefetches[index] = workflow.start_activity(
-                "prefetch_wave", self._request(self._waves[index]), result_type=WaveResult, **PREFETCH)
+                "prefetch_wave", self._request(self._waves[index]), result_type=WaveResult, **PREFETCH
+            )
         return self._prefetches[index]
 
     async def _race(self, handle: workflow.ActivityHandle, step: str) -> WaveResult:
@@ -205,8 +227,9 @@ class RolloutWorkflow:
             self._progress.outcomes[outcome.node_id] = outcome
         if failed := result.failed:
             names = ", ".join(o.node_id for o in failed[:5]) + (" ..." if len(failed) > 5 else "")
-            raise _Stop(f"wave {self._progress.wave} {step} failed on {len(failed)} node(s) ({names}): "
-                        f"{failed[0].detail}")
+            raise _Stop(
+                f"wave {self._progress.wave} {step} failed on {len(failed)} node(s) ({names}): {failed[0].detail}"
+            )
         self._stop_if_aborted()
 
     def _stop_if_aborted(self) -> None:
@@ -226,8 +249,9 @@ class RolloutWorkflow:
                 handle.cancel()
         if not self._attempted:
             return
-        result = await workflow.execute_activity("rollback_wave", self._request(self._attempted),
-                                                 result_type=WaveResult, **ROLLBACK)
+        result = await workflow.execute_activity(
+            "rollback_wave", self._request(self._attempted), result_type=WaveResult, **ROLLBACK
+        )
         self._progress.rolled_back = [o.node_id for o in result.outcomes]
         for outcome in result.outcomes:
             self._progress.outcomes[outcome.node_id] = outcome
@@ -236,8 +260,13 @@ class RolloutWorkflow:
         progress = self._progress
         progress.phase, progress.reason = phase, reason
         await workflow.wait_condition(workflow.all_handlers_finished)
-        return RolloutResult(rollout_id=progress.rollout_id, status=phase, reason=reason,
-                             activated=progress.activated, rolled_back=progress.rolled_back)
+        return RolloutResult(
+            rollout_id=progress.rollout_id,
+            status=phase,
+            reason=reason,
+            activated=progress.activated,
+            rolled_back=progress.rolled_back,
+        )
 
     # Query and updates ----------------------------------------------------------------------
 

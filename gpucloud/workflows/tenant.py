@@ -99,8 +99,12 @@ class TenantOnboardingWorkflow:
         try:
             tenant = await _run("load_tenant", ref, TenantView, options.DB)
             if tenant.status != "onboarding":
-                return TenantOnboardingResult(tenant_id=tenant.tenant_id, status=tenant.status, vni=tenant.vni,
-                                              storage_prefix=tenant.storage_prefix)
+                return TenantOnboardingResult(
+                    tenant_id=tenant.tenant_id,
+                    status=tenant.status,
+                    vni=tenant.vni,
+                    storage_prefix=tenant.storage_prefix,
+                )
             vni = await self._step("allocate_tenant_vni", ref, TenantVni)
             storage = await self._step("provision_tenant_storage", ref, TenantStorageResult)
         except (ActivityError, _Cancelled) as error:
@@ -109,11 +113,13 @@ class TenantOnboardingWorkflow:
             failed = SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id, error=reason)
             await _run("fail_tenant", failed, TenantView, options.TENANT_UNTIL_DONE)
             return TenantOnboardingResult(tenant_id=inp.tenant_id, status="failed", error=reason)
-        activate = ActivateTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id,
-                                       storage_prefix=storage.prefix)
+        activate = ActivateTenantInput(
+            tenant_id=inp.tenant_id, operation_id=inp.operation_id, storage_prefix=storage.prefix
+        )
         await _run("activate_tenant", activate, TenantView, options.TENANT_UNTIL_DONE)
-        return TenantOnboardingResult(tenant_id=inp.tenant_id, status="active", vni=vni.vni,
-                                      storage_prefix=storage.prefix)
+        return TenantOnboardingResult(
+            tenant_id=inp.tenant_id, status="active", vni=vni.vni, storage_prefix=storage.prefix
+        )
 
     async def _step(self, name: str, ref: TenantRef, result_type: type):
         if workflow.cancellation_reason() is not None:
@@ -142,16 +148,28 @@ class TenantOffboardingWorkflow:
             workflow.continue_as_new(inp)
         revoked = await _run("revoke_tenant_keys", ref, RevokedKeys, options.TENANT_UNTIL_DONE)
         await _run("release_tenant_vni", ref, TenantVni, options.TENANT_UNTIL_DONE)
-        deletion = await _run("schedule_tenant_storage_deletion",
-                              StorageDeletionInput(tenant_id=inp.tenant_id, retention_s=inp.retention_s),
-                              StorageDeletion, options.TENANT_UNTIL_DONE)
+        deletion = await _run(
+            "schedule_tenant_storage_deletion",
+            StorageDeletionInput(tenant_id=inp.tenant_id, retention_s=inp.retention_s),
+            StorageDeletion,
+            options.TENANT_UNTIL_DONE,
+        )
         billing = await _run("close_tenant_billing", ref, TenantBilling, options.LEDGER)
-        await _run("finish_offboarding", SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id),
-                   TenantView, options.TENANT_UNTIL_DONE)
+        await _run(
+            "finish_offboarding",
+            SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id),
+            TenantView,
+            options.TENANT_UNTIL_DONE,
+        )
         result = TenantOffboardingResult(
-            tenant_id=inp.tenant_id, status="offboarded", cancelled_allocations=cancelled.allocation_ids,
-            nodes_awaiting_repair=progress.nodes_parked, keys_revoked=revoked.revoked,
-            storage_deletion_due=deletion.due_at, billing=billing)
+            tenant_id=inp.tenant_id,
+            status="offboarded",
+            cancelled_allocations=cancelled.allocation_ids,
+            nodes_awaiting_repair=progress.nodes_parked,
+            keys_revoked=revoked.revoked,
+            storage_deletion_due=deletion.due_at,
+            billing=billing,
+        )
         if deletion.due_at is not None and deletion.due_at > workflow.now():
             await _to_the_end(workflow.sleep(deletion.due_at - workflow.now()))
         await _run("purge_tenant_storage", ref, StorageDeletion, options.TENANT_UNTIL_DONE)

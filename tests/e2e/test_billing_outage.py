@@ -30,11 +30,20 @@ CONTROL_PLANE = ("temporal", "worker", "api")
 
 @pytest.fixture
 def stack(tmp_path):
-    settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{free_port()}", api_port=free_port(),
-                        sim_port=free_port(), ledger_port=free_port(), operator_token="test-operator-token",
-                        sweep_interval_s=2.0, meter_interval_s=0.2, billing_close_interval_s=2.0)
-    stack = Stack(settings, nodes=2, ui_port=free_port(), sim_latency_scale=0.1, sim_heartbeat_s=1.0, headless=True,
-                  billing=True)
+    settings = Settings(
+        data_dir=tmp_path,
+        temporal_address=f"127.0.0.1:{free_port()}",
+        api_port=free_port(),
+        sim_port=free_port(),
+        ledger_port=free_port(),
+        operator_token="test-operator-token",
+        sweep_interval_s=2.0,
+        meter_interval_s=0.2,
+        billing_close_interval_s=2.0,
+    )
+    stack = Stack(
+        settings, nodes=2, ui_port=free_port(), sim_latency_scale=0.1, sim_heartbeat_s=1.0, headless=True, billing=True
+    )
     try:
         stack.start()
         yield stack
@@ -61,12 +70,22 @@ def late_agent_ships(ledger_url: str, spool_path, *, tenant_id: str, period_id: 
     start_ms = period_bounds(period_id)[0] + 86_400_000
     for kind, node in (("start", None), ("node_added", "late-node"), ("node_removed", "late-node"), ("end", None)):
         at_ms = start_ms if kind in ("start", "node_added") else start_ms + minutes * MINUTE
-        event = {"event_id": f"{allocation_id}/{kind}", "allocation_id": allocation_id, "tenant_id": tenant_id,
-                 "kind": kind, "at_ms": at_ms, "node_id": node}
+        event = {
+            "event_id": f"{allocation_id}/{kind}",
+            "allocation_id": allocation_id,
+            "tenant_id": tenant_id,
+            "kind": kind,
+            "at_ms": at_ms,
+            "node_id": node,
+        }
         assert httpx.post(f"{ledger_url}/v1/allocation-events", json=event).status_code == 201
     spool = Spool(spool_path, "late-node")
-    spool.append_many([Usage(allocation_id, tenant_id, "H100", 8, start_ms + i * MINUTE, start_ms + (i + 1) * MINUTE)
-                       for i in range(minutes)])
+    spool.append_many(
+        [
+            Usage(allocation_id, tenant_id, "H100", 8, start_ms + i * MINUTE, start_ms + (i + 1) * MINUTE)
+            for i in range(minutes)
+        ]
+    )
     shipper = Shipper(spool, ledger_url)
     try:
         assert shipper.ship_once().acked == minutes
@@ -78,24 +97,38 @@ def late_agent_ships(ledger_url: str, spool_path, *, tenant_id: str, period_id: 
 
 def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage(stack, tmp_path) -> None:
     settings = stack.settings
-    op = httpx.Client(base_url=settings.api_url, timeout=30,
-                      headers={"Authorization": f"Bearer {settings.resolved_operator_token}"})
-    wait_until(lambda: [n["state"] for n in op.get("/v1/nodes").json()["items"]] == ["available"] * 2,
-               timeout_s=120, what="fleet available")
+    op = httpx.Client(
+        base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {settings.resolved_operator_token}"}
+    )
+    wait_until(
+        lambda: [n["state"] for n in op.get("/v1/nodes").json()["items"]] == ["available"] * 2,
+        timeout_s=120,
+        what="fleet available",
+    )
     tenant = op.post("/v1/tenants", json={"name": "outage"}).json()
     created = op.post(f"/v1/tenants/{tenant['id']}/api-keys")
     assert created.status_code == 201, created.text
     key = created.json()["key"]
-    wait_until(lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active", timeout_s=60,
-               what="tenant onboarded")
+    wait_until(
+        lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active",
+        timeout_s=60,
+        what="tenant onboarded",
+    )
     acme = httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    alloc_id = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
-                                                  "region": "us-east-1"}).json()["allocation"]["id"]
-    wait_until(lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready", timeout_s=60,
-               what="allocation ready")
+    alloc_id = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()[
+        "allocation"
+    ]["id"]
+    wait_until(
+        lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready",
+        timeout_s=60,
+        what="allocation ready",
+    )
     ledger_usage = {"tenant_id": tenant["id"], "allocation_id": alloc_id}
-    wait_until(lambda: httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"] > 0,
-               timeout_s=30, what="usage reaches the ledger")
+    wait_until(
+        lambda: httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"] > 0,
+        timeout_s=30,
+        what="usage reaches the ledger",
+    )
 
     stack.stop(only=CONTROL_PLANE)
     with pytest.raises(httpx.HTTPError):
@@ -103,24 +136,31 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
     before = httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"]
     # An earlier period, never closed, is due: its usage arrives while the control plane is down.
     earlier = period_of(period_bounds(period_of(time.time_ns() // 1_000_000))[0] - 1)
-    late_agent_ships(stack.ledger_url, tmp_path / "late-node.db", tenant_id=tenant["id"], period_id=earlier,
-                     minutes=30)
-    wait_until(lambda: httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"]
-               >= before + 2 * 8 * 2_000, timeout_s=30, what="the agents keep metering without the control plane")
+    late_agent_ships(stack.ledger_url, tmp_path / "late-node.db", tenant_id=tenant["id"], period_id=earlier, minutes=30)
+    wait_until(
+        lambda: (
+            httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"] >= before + 2 * 8 * 2_000
+        ),
+        timeout_s=30,
+        what="the agents keep metering without the control plane",
+    )
     assert all(not p["closed_ms"] for p in httpx.get(f"{stack.ledger_url}/v1/periods").json())
 
     stack.start(only=CONTROL_PLANE)
-    invoices = wait_until(lambda: acme.get("/v1/invoices").json()["items"], timeout_s=90,
-                          what="the scheduled close caught up")
+    invoices = wait_until(
+        lambda: acme.get("/v1/invoices").json()["items"], timeout_s=90, what="the scheduled close caught up"
+    )
     assert [(i["period_id"], i["tenant_id"]) for i in invoices] == [(earlier, tenant["id"])]
     document = json.loads(acme.get(f"/v1/invoices/{invoices[0]['id']}").content)
     assert document["total_micro"] == Rate(LIST_PRICE_PER_GPU_HOUR_MICRO["H100"]).amount_for(30 * 8 * MINUTE)
     assert asyncio.run(workflow_status(settings, close_workflow_id(settings.task_queue, earlier))) == (
-        WorkflowExecutionStatus.COMPLETED)
+        WorkflowExecutionStatus.COMPLETED
+    )
 
     assert acme.post(f"/v1/allocations/{alloc_id}/cancel").status_code == 202
-    wait_until(lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "released", timeout_s=60,
-               what="released")
+    wait_until(
+        lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "released", timeout_s=60, what="released"
+    )
     wait_until(lambda: metered(settings.sim_url, alloc_id)[1], timeout_s=30, what="the agents shipped everything")
     truth, _ = metered(settings.sim_url, alloc_id)
     usage = acme.get("/v1/usage", params={"allocation_id": alloc_id}).json()

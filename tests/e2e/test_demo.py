@@ -9,7 +9,9 @@ import sys
 def test_demo_runs_end_to_end(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "gpucloud.cli", "demo", "--nodes", "6", "--data-dir", str(tmp_path / "demo")],
-        capture_output=True, text=True, timeout=400,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

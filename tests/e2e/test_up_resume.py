@@ -15,8 +15,9 @@ from support.stack import wait_until
 
 
 def _up(env: dict, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gpucloud.cli", "up", "--nodes", "4"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpucloud.cli", "up", "--nodes", "4"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -26,9 +27,14 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_up_stops_cleanly_and_resumes(tmp_path):
     ports = {"api": free_port(), "sim": free_port(), "temporal": free_port(), "ledger": free_port()}
-    env = {**os.environ, "GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_API_PORT": str(ports["api"]),
-           "GPUCLOUD_SIM_PORT": str(ports["sim"]), "GPUCLOUD_TEMPORAL_ADDRESS": f"127.0.0.1:{ports['temporal']}",
-           "GPUCLOUD_LEDGER_PORT": str(ports["ledger"])}
+    env = {
+        **os.environ,
+        "GPUCLOUD_DATA_DIR": str(tmp_path),
+        "GPUCLOUD_API_PORT": str(ports["api"]),
+        "GPUCLOUD_SIM_PORT": str(ports["sim"]),
+        "GPUCLOUD_TEMPORAL_ADDRESS": f"127.0.0.1:{ports['temporal']}",
+        "GPUCLOUD_LEDGER_PORT": str(ports["ledger"]),
+    }
     api = f"http://127.0.0.1:{ports['api']}"
     log = open(tmp_path / "up.log", "ab")
 
@@ -47,13 +53,20 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         wait_until(lambda: [n["state"] for n in nodes(op)] == ["available"] * 4, timeout_s=120, what="fleet up")
         tenant = op.post("/v1/tenants", json={"name": "resume"}).json()
         key = tenant["api_key"]["key"]  # shown once, in the answer that creates the tenant
-        wait_until(lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active", timeout_s=60,
-                   what="tenant onboarded")
+        wait_until(
+            lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active",
+            timeout_s=60,
+            what="tenant onboarded",
+        )
         acme = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        alloc_id = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
-                                                      "region": "us-east-1"}).json()["allocation"]["id"]
-        wait_until(lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready", timeout_s=60,
-                   what="allocation ready")
+        alloc_id = acme.post(
+            "/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}
+        ).json()["allocation"]["id"]
+        wait_until(
+            lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready",
+            timeout_s=60,
+            what="allocation ready",
+        )
         # `up` runs the billing ledger too (its own DB in the data dir), with a price book.
         assert httpx.get(f"http://127.0.0.1:{ports['ledger']}/v1/price-book/versions").json()[0]["prices"]
         assert (tmp_path / "ledger.db").exists()
@@ -68,8 +81,11 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         assert acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready"
         assert sorted(n["state"] for n in nodes(op)) == ["active", "active", "available", "available"]
         assert acme.post(f"/v1/allocations/{alloc_id}/cancel").status_code == 202
-        wait_until(lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "released", timeout_s=90,
-                   what="released after resume")
+        wait_until(
+            lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "released",
+            timeout_s=90,
+            what="released after resume",
+        )
         wait_until(lambda: [n["state"] for n in nodes(op)] == ["available"] * 4, timeout_s=90, what="nodes back")
     finally:
         _stop(proc)

@@ -41,7 +41,10 @@ def main(spool_dir: str, ledger_url: str, allocations_path: str, interval_ms: st
             idle_poll_s=0.02,
             retry_rejected_after_ms=200,
         )
-        threads += [threading.Thread(target=meter.run, args=(stop,)), threading.Thread(target=shipper.run, args=(stop,))]
+        threads += [
+            threading.Thread(target=meter.run, args=(stop,)),
+            threading.Thread(target=shipper.run, args=(stop,)),
+        ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -32,9 +32,14 @@ async def test_an_agent_credential_reports_for_its_own_node_only(db_url, make_ha
         assert agent.post("/v1/agents/events", json={"events": [event]}).status_code == 403
         assert h.node(other)["health"] == "ok"  # nothing of a refused batch was acted on
         # Nothing an operator or a tenant may do.
-        for method, path in (("GET", "/v1/nodes"), ("GET", "/v1/allocations"), ("GET", "/v1/fleet/summary"),
-                             ("POST", f"/v1/nodes/{own}/cordon"), ("GET", "/v1/tenants"),
-                             ("POST", f"/v1/nodes/{own}/agent-credential")):
+        for method, path in (
+            ("GET", "/v1/nodes"),
+            ("GET", "/v1/allocations"),
+            ("GET", "/v1/fleet/summary"),
+            ("POST", f"/v1/nodes/{own}/cordon"),
+            ("GET", "/v1/tenants"),
+            ("POST", f"/v1/nodes/{own}/agent-credential"),
+        ):
             assert agent.request(method, path, json={}).status_code == 403, path
     with h.client(tenant_key) as tenant:
         assert tenant.post("/v1/agents/heartbeats", json={"heartbeats": [_heartbeat(own)]}).status_code == 403

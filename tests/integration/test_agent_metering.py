@@ -8,10 +8,18 @@ import time
 
 import httpx
 from fastapi.testclient import TestClient
+from ledger_harness import ledger_in_thread
 
 from gpucloud.agent.probe import SimulatedProbe
-from gpucloud.agent.service import Agent, AgentMetering, CommandResult, CommandRunner, HostState, create_app, gpu_type_of
-from ledger_harness import ledger_in_thread
+from gpucloud.agent.service import (
+    Agent,
+    AgentMetering,
+    CommandResult,
+    CommandRunner,
+    HostState,
+    create_app,
+    gpu_type_of,
+)
 from support.stack import wait_until
 
 
@@ -26,16 +34,34 @@ class NoTools(CommandRunner):
 def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
     with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as ledger_url:
         now_ms = time.time_ns() // 1_000_000
-        httpx.post(f"{ledger_url}/v1/price-book/versions", json={
-            "effective_from_ms": now_ms - 86_400_000, "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}],
-            "discounts": []}).raise_for_status()
+        httpx.post(
+            f"{ledger_url}/v1/price-book/versions",
+            json={
+                "effective_from_ms": now_ms - 86_400_000,
+                "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}],
+                "discounts": [],
+            },
+        ).raise_for_status()
         for i, (kind, node) in enumerate((("start", None), ("node_added", "gpu-1"))):
-            httpx.post(f"{ledger_url}/v1/allocation-events", json={
-                "event_id": f"e{i}", "allocation_id": "a1", "tenant_id": "t1", "kind": kind, "at_ms": now_ms - 1000,
-                "node_id": node, "gpu_type": "H100"}).raise_for_status()
+            httpx.post(
+                f"{ledger_url}/v1/allocation-events",
+                json={
+                    "event_id": f"e{i}",
+                    "allocation_id": "a1",
+                    "tenant_id": "t1",
+                    "kind": kind,
+                    "at_ms": now_ms - 1000,
+                    "node_id": node,
+                    "gpu_type": "H100",
+                },
+            ).raise_for_status()
         probe = SimulatedProbe("gpu-1", gpu_count=8)
-        agent = Agent(HostState(node_id="gpu-1", boot_id="b", scratch_dir=tmp_path / "scratch"), probe,
-                      runner=NoTools(), gpu_type="H100")
+        agent = Agent(
+            HostState(node_id="gpu-1", boot_id="b", scratch_dir=tmp_path / "scratch"),
+            probe,
+            runner=NoTools(),
+            gpu_type="H100",
+        )
         metering = AgentMetering(agent, tmp_path / "spool.db", ledger_url, interval_s=0.05)
         with TestClient(create_app(agent, metering=metering)) as client:
             # No allocation named: the workload runs, nothing is metered.
@@ -43,34 +69,44 @@ def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
             assert agent.state.allocation is None
             assert client.post("/actions/release", json={"request_id": "r0b"}).status_code == 200
 
-            provisioned = client.post("/actions/provision", json={"request_id": "r1", "tenant_id": "t1",
-                                                                  "allocation_id": "a1"})
+            provisioned = client.post(
+                "/actions/provision", json={"request_id": "r1", "tenant_id": "t1", "allocation_id": "a1"}
+            )
             assert provisioned.status_code == 200
             # A retried or repeated provision of the running allocation does not restart its meter.
             started_ms = agent.state.allocation.started_ms
-            assert client.post("/actions/provision", json={"request_id": "r2", "tenant_id": "t1",
-                                                           "allocation_id": "a1"}).status_code == 200
+            assert (
+                client.post(
+                    "/actions/provision", json={"request_id": "r2", "tenant_id": "t1", "allocation_id": "a1"}
+                ).status_code
+                == 200
+            )
             assert agent.state.allocation.started_ms == started_ms
             time.sleep(0.6)
             assert client.post("/actions/release", json={"request_id": "r3"}).status_code == 200
             allocation = agent.state.allocation
             assert allocation.ended_ms is not None and allocation.gpu_count == 8
-            wait_until(lambda: client.get("/metering").json()["pending"] == 0 and metering.spool.last_seq() > 0,
-                       timeout_s=30, what="the spool shipped")
+            wait_until(
+                lambda: client.get("/metering").json()["pending"] == 0 and metering.spool.last_seq() > 0,
+                timeout_s=30,
+                what="the spool shipped",
+            )
         usage = httpx.get(f"{ledger_url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}).json()
         # Every millisecond between provision and release, on 8 GPUs, once.
         assert usage["gpu_ms"] == 8 * (allocation.ended_ms - allocation.started_ms) > 8 * 500
 
 
 def test_an_agent_without_a_ledger_says_so_and_names_gpu_types_from_nvml(tmp_path):
-    agent = Agent(HostState(node_id="gpu-2", boot_id="b", scratch_dir=tmp_path / "s"), SimulatedProbe("gpu-2"),
-                  runner=NoTools())
+    agent = Agent(
+        HostState(node_id="gpu-2", boot_id="b", scratch_dir=tmp_path / "s"), SimulatedProbe("gpu-2"), runner=NoTools()
+    )
     with TestClient(create_app(agent)) as client:
         answer = client.get("/metering")
         assert answer.status_code == 404 and "ledger URL" in answer.json()["detail"]
     reading = SimulatedProbe("gpu-3", gpu_count=2).read()
-    named = reading.model_copy(update={"gpus": [g.model_copy(update={"name": "NVIDIA H200 141GB HBM3e"})
-                                                for g in reading.gpus]})
+    named = reading.model_copy(
+        update={"gpus": [g.model_copy(update={"name": "NVIDIA H200 141GB HBM3e"}) for g in reading.gpus]}
+    )
     assert gpu_type_of(named) == "H200"
     gb200 = reading.model_copy(update={"gpus": [g.model_copy(update={"name": "NVIDIA GB200"}) for g in reading.gpus]})
     assert gpu_type_of(gb200) == "GB200"  # not a B200

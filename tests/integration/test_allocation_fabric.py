@@ -34,8 +34,9 @@ async def _ready_fleet(make_harness, in_process_worker, db_url, *, nodes: int, *
 
 def _create(h, key: str, body: dict):
     with h.client(key) as c:
-        return c.post("/v1/allocations", json={"region": "us-east-1", **body},
-                      headers={"Idempotency-Key": str(uuid.uuid4())})
+        return c.post(
+            "/v1/allocations", json={"region": "us-east-1", **body}, headers={"Idempotency-Key": str(uuid.uuid4())}
+        )
 
 
 def _allocate(h, key: str, body: dict) -> str:
@@ -45,8 +46,15 @@ def _allocate(h, key: str, body: dict) -> str:
 
 
 def _topology(h) -> dict[str, FabricNode]:
-    return {n["id"]: FabricNode(node_id=n["id"], port_guids=tuple(n["ib_port_guids"]), nvl_domain=n["nvlink_domain"],
-                                gpu_uids=tuple(n["gpu_uids"])) for n in h.nodes()}
+    return {
+        n["id"]: FabricNode(
+            node_id=n["id"],
+            port_guids=tuple(n["ib_port_guids"]),
+            nvl_domain=n["nvlink_domain"],
+            gpu_uids=tuple(n["gpu_uids"]),
+        )
+        for n in h.nodes()
+    }
 
 
 def _ports(h, node_ids) -> set[str]:
@@ -60,7 +68,7 @@ def _violations(h, allocations: dict[str, str]) -> list:
     for alloc_id, key in allocations.items():
         alloc = h.client(key).get(f"/v1/allocations/{alloc_id}").json()
         if alloc["status"] not in ("released", "failed"):
-            tenant_of.update({n: alloc["tenant_id"] for n in alloc["node_ids"]})
+            tenant_of.update(dict.fromkeys(alloc["node_ids"], alloc["tenant_id"]))
     return find_violations(h.fabric.snapshot(), topology=_topology(h), tenant_of=tenant_of)
 
 
@@ -72,7 +80,8 @@ async def _holds(predicate, *, for_s: float, what: str) -> None:
 
 
 async def test_membership_is_read_back_before_nodes_are_active_and_a_cancel_takes_it_away(
-        db_url, make_harness, in_process_worker):
+    db_url, make_harness, in_process_worker
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
     tenant_id, key = await h.onboard()
 
@@ -119,7 +128,8 @@ async def test_membership_is_read_back_before_nodes_are_active_and_a_cancel_take
 
 
 async def test_a_refusing_manager_fails_the_allocation_closed_and_nothing_is_kept(
-        db_url, make_harness, in_process_worker, temporal_env):
+    db_url, make_harness, in_process_worker, temporal_env
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
     tenant_id, key = await h.onboard()
     # Someone else's partition already holds one of the ports as a full member: the manager
@@ -153,10 +163,12 @@ async def test_two_tenants_and_nvl72_slices_never_share_a_partition_or_vni(db_ur
     globex_id, globex = await h.onboard()
 
     # Bad slice requests: clear problem+json naming the field.
-    for body, field in [({"gpu_type": "H100", "nvl72_trays": 2}, "nvl72_trays"),
-                        ({"gpu_type": "GB200", "nvl72_trays": 19}, "nvl72_trays"),
-                        ({"gpu_type": "GB200", "nvl72_trays": 2, "node_count": 3}, "node_count"),
-                        ({"gpu_type": "H100"}, "node_count")]:
+    for body, field in [
+        ({"gpu_type": "H100", "nvl72_trays": 2}, "nvl72_trays"),
+        ({"gpu_type": "GB200", "nvl72_trays": 19}, "nvl72_trays"),
+        ({"gpu_type": "GB200", "nvl72_trays": 2, "node_count": 3}, "node_count"),
+        ({"gpu_type": "H100"}, "node_count"),
+    ]:
         resp = _create(h, acme, body)
         assert resp.status_code == 422 and resp.headers["content-type"] == "application/problem+json", resp.text
         assert [e["field"] for e in resp.json()["errors"]] == [field], resp.text
@@ -207,7 +219,8 @@ async def test_two_tenants_and_nvl72_slices_never_share_a_partition_or_vni(db_ur
 
 
 async def test_drain_and_replace_moves_membership_from_the_pulled_tray_to_its_replacement(
-        db_url, make_harness, in_process_worker, temporal_env):
+    db_url, make_harness, in_process_worker, temporal_env
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=1, nvl72_racks=1, nvl72_trays=3)
     tenant_id, key = await h.onboard()
     alloc_id = _allocate(h, key, {"gpu_type": "GB200", "nvl72_trays": 2})
@@ -230,9 +243,14 @@ async def test_drain_and_replace_moves_membership_from_the_pulled_tray_to_its_re
     await async_wait_until(lambda: "replacement_failed" in events(), timeout_s=60, what="replacement refused")
     assert h.fabric.full_members(alloc_id) == _ports(h, [kept])
     assert set(h.fabric.vpc_of(tenant_id).nodes) == {kept}
-    await _holds(lambda: h.node(spare)["state"] in ("reserved", "available")
-                 and h.client(key).get(f"/v1/allocations/{alloc_id}").json()["status"] == "degraded",
-                 for_s=2.0, what="no replacement while the fabric refuses it")
+    await _holds(
+        lambda: (
+            h.node(spare)["state"] in ("reserved", "available")
+            and h.client(key).get(f"/v1/allocations/{alloc_id}").json()["status"] == "degraded"
+        ),
+        for_s=2.0,
+        what="no replacement while the fabric refuses it",
+    )
     assert h.sim.node(spare)["tenant_id"] is None
     with h.fabric.controller() as c:
         c.infiniband.delete_pkey(0x0321)

@@ -22,8 +22,12 @@ async def test_enrollment_brings_nodes_to_available(db_url, make_harness, in_pro
     again = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()}).json()
     assert again == {"enrolled": 0, "already_known": 6, "bringups_started": 0, "batches": 0}
     # The six came up in one batch workflow, whose result names them all.
-    batches = [w async for w in temporal_env.client.list_workflows(
-        f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'")]
+    batches = [
+        w
+        async for w in temporal_env.client.list_workflows(
+            f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'"
+        )
+    ]
     assert len(batches) == 1
     result = await temporal_env.client.get_workflow_handle(batches[0].id).result()
     assert sorted(result["available"]) == sorted(node_ids) and result["stopped"] == {}
@@ -37,8 +41,11 @@ async def test_allocate_ready_cancel_released_nodes_back(db_url, make_harness, i
     tenant_id, key = await h.onboard()
 
     with h.client(key) as c:
-        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 4, "region": "us-east-1"},
-                      headers={"Idempotency-Key": str(uuid.uuid4())})
+        resp = c.post(
+            "/v1/allocations",
+            json={"gpu_type": "H100", "node_count": 4, "region": "us-east-1"},
+            headers={"Idempotency-Key": str(uuid.uuid4())},
+        )
         assert resp.status_code == 202, resp.text
         alloc = resp.json()["allocation"]
         op_id = resp.json()["operation"]["id"]
@@ -98,7 +105,8 @@ async def test_not_enough_capacity_is_a_clear_409_and_writes_nothing(db_url, mak
 
 @pytest.mark.parametrize("mode", ["transient", "permanent"])
 async def test_agent_failures_transient_retried_permanent_to_failure_target(
-        db_url, make_harness, in_process_worker, mode):
+    db_url, make_harness, in_process_worker, mode
+):
     h = make_harness(db_url, nodes=2)
     await in_process_worker(h.settings)
     first, second = [n["id"] for n in h.sim.inventory()]
@@ -130,7 +138,11 @@ async def test_failed_provisioning_fails_allocation_and_recycles_nodes(db_url, m
         # Both first nodes failed, each of the two spare nodes was tried in turn as a replacement
         # (never a node that already failed for this allocation), then none was left.
         reason = failed["failure_reason"]
-        assert reason.startswith("provisioning failed (") and reason.count("provision failed") == 4 and "no replacement" in reason, reason
+        assert (
+            reason.startswith("provisioning failed (")
+            and reason.count("provision failed") == 4
+            and "no replacement" in reason
+        ), reason
         assert all(n in reason for n in nodes)
         assert c.get(f"/v1/operations/{resp.json()['operation']['id']}").json()["status"] == "failed"
         events = c.get(f"/v1/allocations/{alloc['id']}/events").json()["items"]

@@ -27,8 +27,11 @@ async def test_idempotent_create_sequential_and_mismatch(ready_harness):
     with h.client(key) as c:
         first = c.post("/v1/allocations", json=ALLOC, headers=idem)
         # Same key, same body (other key order and spacing): the first response, byte for byte.
-        replay = c.post("/v1/allocations", content=b'{"region":"us-east-1",  "node_count":1,"gpu_type":"H100"}',
-                        headers={**idem, "content-type": "application/json"})
+        replay = c.post(
+            "/v1/allocations",
+            content=b'{"region":"us-east-1",  "node_count":1,"gpu_type":"H100"}',
+            headers={**idem, "content-type": "application/json"},
+        )
         assert first.status_code == replay.status_code == 202
         assert replay.content == first.content
         assert replay.headers["idempotent-replayed"] == "true"
@@ -40,8 +43,10 @@ async def test_idempotent_create_sequential_and_mismatch(ready_harness):
     # Keys are per caller: another tenant's identical key is its own request.
     _, key2 = await h.onboard()
     with h.client(key2) as c2:
-        assert c2.post("/v1/allocations", json=ALLOC, headers=idem).json()["allocation"]["id"] != \
-            first.json()["allocation"]["id"]
+        assert (
+            c2.post("/v1/allocations", json=ALLOC, headers=idem).json()["allocation"]["id"]
+            != first.json()["allocation"]["id"]
+        )
 
 
 async def test_idempotent_create_concurrent_races_get_one_allocation(ready_harness):
@@ -89,10 +94,15 @@ async def test_tenant_cannot_see_or_cancel_another_tenants_allocation(ready_harn
     with h.client(key_a) as a, h.client(key_b) as b:
         created = a.post("/v1/allocations", json=ALLOC).json()
         alloc_id, op_id = created["allocation"]["id"], created["operation"]["id"]
-        for resp in (b.get(f"/v1/allocations/{alloc_id}"), b.post(f"/v1/allocations/{alloc_id}/cancel"),
-                     b.get(f"/v1/operations/{op_id}"), b.get(f"/v1/allocations/{alloc_id}/events"),
-                     b.get(f"/v1/tenants/{a_id}"), b.get(f"/v1/tenants/{a_id}/quotas"),
-                     b.get(f"/v1/tenants/{a_id}/api-keys")):
+        for resp in (
+            b.get(f"/v1/allocations/{alloc_id}"),
+            b.post(f"/v1/allocations/{alloc_id}/cancel"),
+            b.get(f"/v1/operations/{op_id}"),
+            b.get(f"/v1/allocations/{alloc_id}/events"),
+            b.get(f"/v1/tenants/{a_id}"),
+            b.get(f"/v1/tenants/{a_id}/quotas"),
+            b.get(f"/v1/tenants/{a_id}/api-keys"),
+        ):
             assert resp.status_code == 404  # not 403: B learns nothing about A's ids
         assert b.get("/v1/allocations").json()["items"] == []
         assert b.get("/v1/allocations", params={"tenant_id": "anything"}).json()["items"] == []

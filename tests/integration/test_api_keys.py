@@ -71,11 +71,11 @@ async def test_revocation_is_immediate_and_idempotent_and_operators_rotate_too(k
         first_revocation = op.get(f"/v1/tenants/{tenant_id}/api-keys").json()["items"]
         again = op.delete(f"/v1/tenants/{tenant_id}/api-keys/{key_id}")
         assert again.status_code == 200 and again.json()["revoked_at"] == next(
-            k["revoked_at"] for k in first_revocation if k["id"] == key_id)
+            k["revoked_at"] for k in first_revocation if k["id"] == key_id
+        )
         # Operators rotate any tenant's key (a revoked one is refused).
         assert op.post(f"/v1/tenants/{tenant_id}/api-keys/{key_id}/rotate").status_code == 409
-        rotated = op.post(f"/v1/tenants/{tenant_id}/api-keys/{second.json()['id']}/rotate",
-                          json={"grace_period_s": 60})
+        rotated = op.post(f"/v1/tenants/{tenant_id}/api-keys/{second.json()['id']}/rotate", json={"grace_period_s": 60})
         assert rotated.status_code == 201 and rotated.json()["tenant_id"] == tenant_id
         assert op.post("/v1/tenants/ten_nope/api-keys").status_code == 404
         assert op.get("/v1/api-keys").status_code == 403  # operators name the tenant
@@ -89,17 +89,23 @@ async def test_one_tenant_cannot_see_or_touch_another_tenants_keys_tenant_or_quo
     b_id, b_key = await h.onboard()
     b_key_id = b_key[4:].split(".")[0]
     with h.client(a_key) as a:
-        for resp in (a.get(f"/v1/tenants/{b_id}"), a.get(f"/v1/tenants/{b_id}/quotas"),
-                     a.get(f"/v1/tenants/{b_id}/api-keys"), a.post(f"/v1/tenants/{b_id}/api-keys"),
-                     a.post(f"/v1/tenants/{b_id}/api-keys/{b_key_id}/rotate"),
-                     a.delete(f"/v1/tenants/{b_id}/api-keys/{b_key_id}"),
-                     a.post(f"/v1/api-keys/{b_key_id}/rotate"), a.delete(f"/v1/api-keys/{b_key_id}")):
+        for resp in (
+            a.get(f"/v1/tenants/{b_id}"),
+            a.get(f"/v1/tenants/{b_id}/quotas"),
+            a.get(f"/v1/tenants/{b_id}/api-keys"),
+            a.post(f"/v1/tenants/{b_id}/api-keys"),
+            a.post(f"/v1/tenants/{b_id}/api-keys/{b_key_id}/rotate"),
+            a.delete(f"/v1/tenants/{b_id}/api-keys/{b_key_id}"),
+            a.post(f"/v1/api-keys/{b_key_id}/rotate"),
+            a.delete(f"/v1/api-keys/{b_key_id}"),
+        ):
             assert resp.status_code == 404, (resp.request.url, resp.status_code)
         # A foreign id and a made-up one answer the same: nothing to learn from the difference.
         made_up = a.get(f"/v1/tenants/ten_{uuid.uuid4().hex[:20]}").json()
         foreign = a.get(f"/v1/tenants/{b_id}").json()
-        assert {k: v for k, v in made_up.items() if k not in ("detail", "instance")} == \
-            {k: v for k, v in foreign.items() if k not in ("detail", "instance")}
+        assert {k: v for k, v in made_up.items() if k not in ("detail", "instance")} == {
+            k: v for k, v in foreign.items() if k not in ("detail", "instance")
+        }
         assert [k["tenant_id"] for k in a.get("/v1/api-keys").json()["items"]] == [a_id]
         assert a.get("/v1/tenants").status_code == 403
         assert a.delete(f"/v1/tenants/{b_id}").status_code == 403

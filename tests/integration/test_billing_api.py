@@ -13,12 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ledger_harness import free_port, ledger_in_thread
 
 from gpucloud.db import session_scope
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.tables import Allocation
-from ledger_harness import free_port, ledger_in_thread
 
 JAN = period_bounds("2024-01")[0]
 MINUTE = 60_000
@@ -43,9 +43,19 @@ def add_allocation(db_url: str, tenant_id: str) -> str:
 
 
 def meter(ledger_url: str, *, tenant_id: str, allocation_id: str, node: str, start: int, count: int) -> None:
-    samples = [{"node_id": node, "seq": seq + 1, "allocation_id": allocation_id, "tenant_id": tenant_id,
-                "gpu_type": "H100", "gpu_count": 8, "start_ms": start + seq * MINUTE,
-                "end_ms": start + (seq + 1) * MINUTE} for seq in range(count)]
+    samples = [
+        {
+            "node_id": node,
+            "seq": seq + 1,
+            "allocation_id": allocation_id,
+            "tenant_id": tenant_id,
+            "gpu_type": "H100",
+            "gpu_count": 8,
+            "start_ms": start + seq * MINUTE,
+            "end_ms": start + (seq + 1) * MINUTE,
+        }
+        for seq in range(count)
+    ]
     assert httpx.post(f"{ledger_url}/v1/usage:batch", json={"samples": samples}).json()["accepted"] == count
 
 
@@ -86,19 +96,34 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
         assert [i["tenant_id"] for i in op.get("/v1/invoices").json()["items"]] == sorted([acme_id, other_id])
         assert op.get(f"/v1/invoices/{mine['id']}").content == invoice.content
 
-        env = {**os.environ, "GPUCLOUD_API_PORT": str(h.settings.api_port), "GPUCLOUD_API_KEY": acme_key,
-               "COLUMNS": "200"}
-        listing = subprocess.run([sys.executable, "-m", "gpucloud.cli", "invoices"], env=env, capture_output=True,
-                                 text=True, timeout=60)
+        env = {
+            **os.environ,
+            "GPUCLOUD_API_PORT": str(h.settings.api_port),
+            "GPUCLOUD_API_KEY": acme_key,
+            "COLUMNS": "200",
+        }
+        listing = subprocess.run(
+            [sys.executable, "-m", "gpucloud.cli", "invoices"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert listing.returncode == 0, listing.stderr
         assert "2024-01" in listing.stdout and acme_id in listing.stdout and other_id not in listing.stdout
-        shown = subprocess.run([sys.executable, "-m", "gpucloud.cli", "invoices", "show", str(mine["id"])], env=env,
-                               capture_output=True, text=True, timeout=60)
+        shown = subprocess.run(
+            [sys.executable, "-m", "gpucloud.cli", "invoices", "show", str(mine["id"])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert shown.returncode == 0, shown.stderr
         assert f"{mine['total_micro'] // 1_000_000}.{mine['total_micro'] % 1_000_000:06d}" in shown.stdout
         assert mine["sha256"] in shown.stdout
-        draft = subprocess.run([sys.executable, "-m", "gpucloud.cli", "invoices", "draft"], env=env,
-                               capture_output=True, text=True, timeout=60)
+        draft = subprocess.run(
+            [sys.executable, "-m", "gpucloud.cli", "invoices", "draft"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert draft.returncode == 0 and "draft" in draft.stdout and acme_alloc in draft.stdout, draft.stderr
 
 
@@ -107,15 +132,18 @@ def test_operators_read_the_price_book_and_reconciliation(db_url, make_harness, 
     _tenant_id, key = h.new_tenant()
     with h.operator as op, h.client(key) as tenant:
         assert [v["prices"] for v in op.get("/v1/billing/price-book/versions").json()] == [
-            [{"gpu_type": "H100", "price_per_hour_micro": PRICE}]]
+            [{"gpu_type": "H100", "price_per_hour_micro": PRICE}]
+        ]
         later = {"effective_from_ms": JAN, "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_000_000}]}
         assert op.post("/v1/billing/price-book/versions", json=later).status_code == 201
         assert len(op.get("/v1/billing/price-book/versions").json()) == 2
         report = op.get("/v1/billing/reconciliation", params={"tenant_id": "t-x", "day": "2024-01-05"}).json()
         assert (report["day"], report["ok"]) == ("2024-01-05", True)
         assert tenant.get("/v1/billing/price-book/versions").status_code == 403
-        assert tenant.get("/v1/billing/reconciliation", params={"tenant_id": "t-x", "day": "2024-01-05"}
-                          ).status_code == 403
+        assert (
+            tenant.get("/v1/billing/reconciliation", params={"tenant_id": "t-x", "day": "2024-01-05"}).status_code
+            == 403
+        )
 
 
 def test_a_ledger_that_does_not_answer_is_a_503(db_url, make_harness) -> None:

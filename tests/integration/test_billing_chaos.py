@@ -19,11 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ledger_harness import REPO_ROOT, LedgerProcess, free_port, wait_until_healthy
 
 from gpucloud.agent.spool import Spool, wall_clock_ms
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
-from ledger_harness import REPO_ROOT, LedgerProcess, free_port, wait_until_healthy
 
 SEED = int(os.environ.get("GPUCLOUD_CHAOS_SEED", "20240607"))
 INTERVAL_MS = 10
@@ -46,9 +46,19 @@ class Cluster:
     def start_agent(self) -> None:
         log = (self.tmp_path / "agent.log").open("ab")
         self.agent = subprocess.Popen(
-            [sys.executable, str(AGENT_SCRIPT), str(self.tmp_path / "spools"), self.ledger.url,
-             str(self.allocations_path), str(INTERVAL_MS), "300"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            [
+                sys.executable,
+                str(AGENT_SCRIPT),
+                str(self.tmp_path / "spools"),
+                self.ledger.url,
+                str(self.allocations_path),
+                str(INTERVAL_MS),
+                "300",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
 
     def kill_agent(self) -> None:
@@ -123,11 +133,24 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     assert httpx.post(f"{ledger.url}/v1/price-book/versions", json=price_book).status_code == 201
     allocations = {}
     for number, (node_id, (allocation_id, tenant_id)) in enumerate(NODES.items()):
-        allocations[node_id] = {"allocation_id": allocation_id, "tenant_id": tenant_id, "gpu_type": "h100",
-                                "gpu_count": 8, "started_ms": started_ms, "ended_ms": None}
+        allocations[node_id] = {
+            "allocation_id": allocation_id,
+            "tenant_id": tenant_id,
+            "gpu_type": "h100",
+            "gpu_count": 8,
+            "started_ms": started_ms,
+            "ended_ms": None,
+        }
         for kind, node in (("start", None), ("node_added", node_id)):
-            event = {"event_id": f"{allocation_id}-{kind}-{node}", "allocation_id": allocation_id,
-                     "tenant_id": tenant_id, "kind": kind, "at_ms": started_ms, "node_id": node, "gpu_type": "h100"}
+            event = {
+                "event_id": f"{allocation_id}-{kind}-{node}",
+                "allocation_id": allocation_id,
+                "tenant_id": tenant_id,
+                "kind": kind,
+                "at_ms": started_ms,
+                "node_id": node,
+                "gpu_type": "h100",
+            }
             assert httpx.post(f"{ledger.url}/v1/allocation-events", json=event).status_code in (200, 201)
     allocations_path = tmp_path / "allocations.json"
     write_atomically(allocations_path, allocations)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ledger_harness import ledger_in_thread
 from temporalio.client import ScheduleIntervalSpec, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
@@ -23,7 +24,6 @@ from gpucloud.ledger.pricing import Rate
 from gpucloud.models.billing_messages import BillingCatchUpInput, BillingCloseInput
 from gpucloud.services.schedules import billing_schedule_id, ensure_billing_close_schedule
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow, close_workflow_id
-from ledger_harness import ledger_in_thread
 from support.stack import async_wait_until
 
 MINUTE = 60_000
@@ -50,26 +50,46 @@ def ledger(tmp_path: Path) -> Iterator[tuple[httpx.Client, Clock]]:
 
 
 def settings_for(tmp_path: Path, db_url: str, temporal_env, ledger_url: str | None, **overrides) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=db_url, operator_token="test-operator-token",
-                    temporal_address=temporal_env.client.service_client.config.target_host,
-                    task_queue=f"tq-{uuid.uuid4().hex[:10]}", ledger_url=ledger_url, **overrides)
+    return Settings(
+        data_dir=tmp_path,
+        database_url=db_url,
+        operator_token="test-operator-token",
+        temporal_address=temporal_env.client.service_client.config.target_host,
+        task_queue=f"tq-{uuid.uuid4().hex[:10]}",
+        ledger_url=ledger_url,
+        **overrides,
+    )
 
 
 def ingest(client: httpx.Client, *, start: int, count: int, node: str = "n1") -> None:
-    samples = [{"node_id": node, "seq": start + seq, "allocation_id": "a1", "tenant_id": "t1", "gpu_type": "h100",
-                "gpu_count": 8, "start_ms": start + seq * MINUTE, "end_ms": start + (seq + 1) * MINUTE}
-               for seq in range(count)]
+    samples = [
+        {
+            "node_id": node,
+            "seq": start + seq,
+            "allocation_id": "a1",
+            "tenant_id": "t1",
+            "gpu_type": "h100",
+            "gpu_count": 8,
+            "start_ms": start + seq * MINUTE,
+            "end_ms": start + (seq + 1) * MINUTE,
+        }
+        for seq in range(count)
+    ]
     assert client.post("/v1/usage:batch", json={"samples": samples}).json()["accepted"] == count
 
 
 async def catch_up(temporal_env, settings: Settings):
     return await temporal_env.client.execute_workflow(
-        BillingCatchUpWorkflow.run, BillingCatchUpInput(), id=f"test-catch-up-{uuid.uuid4().hex[:8]}",
-        task_queue=settings.task_queue)
+        BillingCatchUpWorkflow.run,
+        BillingCatchUpInput(),
+        id=f"test-catch-up-{uuid.uuid4().hex[:8]}",
+        task_queue=settings.task_queue,
+    )
 
 
 async def test_catch_up_closes_every_ended_period_once_oldest_first(
-        tmp_path, db_url, temporal_env, in_process_worker, ledger) -> None:
+    tmp_path, db_url, temporal_env, in_process_worker, ledger
+) -> None:
     client, clock = ledger
     settings = settings_for(tmp_path, db_url, temporal_env, str(client.base_url))
     await in_process_worker(settings)
@@ -81,7 +101,8 @@ async def test_catch_up_closes_every_ended_period_once_oldest_first(
     january = client.get("/v1/periods/2024-01/invoices/t1")
     assert january.json()["total_micro"] == Rate(PRICE).amount_for(10 * 8 * MINUTE)
     assert client.get("/v1/periods/2024-02/invoices/t1").json()["total_micro"] == Rate(PRICE).amount_for(
-        20 * 8 * MINUTE)
+        20 * 8 * MINUTE
+    )
     for period in ("2024-01", "2024-02"):
         handle = temporal_env.client.get_workflow_handle(close_workflow_id(settings.task_queue, period))
         assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
@@ -90,9 +111,12 @@ async def test_catch_up_closes_every_ended_period_once_oldest_first(
     # A period closes once: its close workflow cannot run again under its id.
     with pytest.raises(WorkflowAlreadyStartedError):
         await temporal_env.client.start_workflow(
-            BillingCloseWorkflow.run, BillingCloseInput(period_id="2024-01"),
-            id=close_workflow_id(settings.task_queue, "2024-01"), task_queue=settings.task_queue,
-            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY)
+            BillingCloseWorkflow.run,
+            BillingCloseInput(period_id="2024-01"),
+            id=close_workflow_id(settings.task_queue, "2024-01"),
+            task_queue=settings.task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+        )
 
     # Late January usage lands on March's invoice; March closes once it has ended.
     ingest(client, start=JAN + 100 * MINUTE, count=2, node="n-late")
@@ -105,7 +129,8 @@ async def test_catch_up_closes_every_ended_period_once_oldest_first(
 
 
 async def test_the_schedule_is_created_idempotently_and_runs_the_catch_up(
-        tmp_path, db_url, temporal_env, in_process_worker, ledger) -> None:
+    tmp_path, db_url, temporal_env, in_process_worker, ledger
+) -> None:
     client, _clock = ledger
     settings = settings_for(tmp_path, db_url, temporal_env, str(client.base_url), billing_close_interval_s=1.0)
     assert await ensure_billing_close_schedule(temporal_env.client, settings)
@@ -116,8 +141,11 @@ async def test_the_schedule_is_created_idempotently_and_runs_the_catch_up(
         assert spec.intervals == [ScheduleIntervalSpec(every=timedelta(seconds=1), offset=timedelta(seconds=0.5))]
         ingest(client, start=FEB, count=3)
         await in_process_worker(settings)
-        await async_wait_until(lambda: client.get("/v1/periods").json()[0]["closed_ms"] is not None,
-                               timeout_s=60, what="the scheduled catch-up closed February")
+        await async_wait_until(
+            lambda: client.get("/v1/periods").json()[0]["closed_ms"] is not None,
+            timeout_s=60,
+            what="the scheduled catch-up closed February",
+        )
     finally:
         await handle.delete()
     no_ledger = settings_for(tmp_path, db_url, temporal_env, None)

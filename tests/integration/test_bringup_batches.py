@@ -21,17 +21,35 @@ from gpucloud.services import nodes as node_service
 
 def _enroll(db_url: str, n: int) -> list[str]:
     migrate(db_url)
-    specs = [NodeEnroll(id=f"b{i:03d}", hostname=f"b{i:03d}", agent_url=f"http://127.0.0.1:1/agents/b{i:03d}",
-                        gpu_type="H100", gpu_count=8, region="us-east-1", pod="pod-a", rack="r1") for i in range(n)]
+    specs = [
+        NodeEnroll(
+            id=f"b{i:03d}",
+            hostname=f"b{i:03d}",
+            agent_url=f"http://127.0.0.1:1/agents/b{i:03d}",
+            gpu_type="H100",
+            gpu_count=8,
+            region="us-east-1",
+            pod="pod-a",
+            rack="r1",
+        )
+        for i in range(n)
+    ]
     with session_scope(db_url) as session:
         new, _ = node_service.enroll_nodes(session, specs)
     return new
 
 
 async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
-        db_url, make_harness, in_process_worker, temporal_env):
-    h = make_harness(db_url, nodes=10, bringup_batch_size=4, agent_batch_attempts=2,
-                     agent_batch_retry_base_s=0.05, backoff_base_s=0.2)
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    h = make_harness(
+        db_url,
+        nodes=10,
+        bringup_batch_size=4,
+        agent_batch_attempts=2,
+        agent_batch_retry_base_s=0.05,
+        backoff_base_s=0.2,
+    )
     await in_process_worker(h.settings)
     ids = [n["id"] for n in h.sim.inventory()]
     refused, silent = ids[0], ids[5]
@@ -55,9 +73,12 @@ async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
     silent_events = h.operator.get(f"/v1/nodes/{silent}/events").json()["items"]
     assert [e["to_state"] for e in silent_events] == ["inspecting", "burn_in", "available"]
     # Its batch handed it back mid burn-in; the reconciler finished it with a per-node recycle.
-    results = [await temporal_env.client.get_workflow_handle(w.id).result()
-               async for w in temporal_env.client.list_workflows(
-        f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'")]
+    results = [
+        await temporal_env.client.get_workflow_handle(w.id).result()
+        async for w in temporal_env.client.list_workflows(
+            f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'"
+        )
+    ]
     assert len(results) == 3
     assert sum(silent in r["stopped"] for r in results) == 1 and not any(silent in r["available"] for r in results)
     assert sorted(i for r in results for i in r["available"]) == sorted(set(ids) - {refused, silent})
@@ -80,11 +101,16 @@ def test_transition_batch_is_idempotent_and_one_stale_node_stops_only_itself(db_
     with session_scope(db_url) as session:
         # Someone else moves the second node first.
         node_service.transition(session, ids[1], "inspect", from_state="enrolled", actor="other")
-    batch = NodeTransitionBatch(lease_to_deadline=True, items=[
-        NodeTransitionInput(node_id=i, event="inspect", from_state="enrolled", op_id=f"op/{i}") for i in ids])
+    batch = NodeTransitionBatch(
+        lease_to_deadline=True,
+        items=[NodeTransitionInput(node_id=i, event="inspect", from_state="enrolled", op_id=f"op/{i}") for i in ids],
+    )
     first = acts.transition_nodes(batch)
-    assert [(o.node_id, o.state) for o in first.outcomes] == [(ids[0], "inspecting"), (ids[1], None),
-                                                              (ids[2], "inspecting")]
+    assert [(o.node_id, o.state) for o in first.outcomes] == [
+        (ids[0], "inspecting"),
+        (ids[1], None),
+        (ids[2], "inspecting"),
+    ]
     assert "expected 'enrolled'" in first.outcomes[1].error
     # A retry of the same activity (its first try committed) changes nothing and succeeds.
     again = acts.transition_nodes(batch)
@@ -130,4 +156,3 @@ def test_hold_goes_to_one_of_two_racing_starters_and_release_backs_off(db_url):
         assert session.get(Node, ids[0]).state == NodeState.ENROLLED
         # Released with a backoff still in the future: still not free for another batch.
         assert node_service.lease_for_bringup(session, ids[:1], now=now) == []
-

@@ -33,8 +33,7 @@ def _assert_no_node_in_two_allocations(h, clients) -> None:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal_env):
     rng = random.Random(SEED)
-    h = make_harness(db_url, nodes=10, latency_scale=0.2, deadline_scale=0.002, backoff_base_s=0.2,
-                     backoff_cap_s=2.0)
+    h = make_harness(db_url, nodes=10, latency_scale=0.2, deadline_scale=0.002, backoff_base_s=0.2, backoff_cap_s=2.0)
     worker = await in_process_worker(h.settings)
     node_ids = h.enroll_fleet()
     await h.wait_states({"available": 10}, timeout_s=90)
@@ -45,8 +44,9 @@ async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal
         roll = rng.random()
         if roll < 0.35:
             who = rng.randrange(len(clients))
-            resp = clients[who].post("/v1/allocations", json={"gpu_type": "H100", "node_count": rng.randint(1, 3),
-                                                              "region": "us-east-1"})
+            resp = clients[who].post(
+                "/v1/allocations", json={"gpu_type": "H100", "node_count": rng.randint(1, 3), "region": "us-east-1"}
+            )
             assert resp.status_code in (202, 409), resp.text
             if resp.status_code == 202:
                 live.append((who, resp.json()["allocation"]["id"]))
@@ -72,8 +72,9 @@ async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal
         await h.sweep(temporal_env.client)
         _assert_no_node_in_two_allocations(h, clients)
         states = {n["state"] for n in h.nodes()}
-        statuses = {a["status"] for c in clients for a in c.get("/v1/allocations",
-                                                                   params={"page_size": 1000}).json()["items"]}
+        statuses = {
+            a["status"] for c in clients for a in c.get("/v1/allocations", params={"page_size": 1000}).json()["items"]
+        }
         if states <= {s.value for s in STABLE} and statuses <= {"released", "failed"}:
             break
         await asyncio.sleep(1.0)

@@ -10,16 +10,35 @@ import sys
 def test_nodes_table_filters_by_state(db_url, make_harness):
     h = make_harness(db_url, nodes=3)
     ids = h.enroll_fleet()  # no worker: the nodes stay enrolled
-    env = {**os.environ, "GPUCLOUD_API_PORT": str(h.settings.api_port),
-           "GPUCLOUD_OPERATOR_TOKEN": h.settings.resolved_operator_token, "COLUMNS": "200"}
-    out = subprocess.run([sys.executable, "-m", "gpucloud.cli", "nodes", "--state", "enrolled"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "GPUCLOUD_API_PORT": str(h.settings.api_port),
+        "GPUCLOUD_OPERATOR_TOKEN": h.settings.resolved_operator_token,
+        "COLUMNS": "200",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "gpucloud.cli", "nodes", "--state", "enrolled"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert all(i in out.stdout for i in ids) and "nodes (3 shown of 3)" in out.stdout
     assert "enrolled: 3" in out.stdout
-    none = subprocess.run([sys.executable, "-m", "gpucloud.cli", "nodes", "--state", "active"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    none = subprocess.run(
+        [sys.executable, "-m", "gpucloud.cli", "nodes", "--state", "active"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert none.returncode == 0 and ids[0] not in none.stdout
-    down = subprocess.run([sys.executable, "-m", "gpucloud.cli", "nodes"], capture_output=True, text=True,
-                          env={**env, "GPUCLOUD_API_PORT": "1"}, timeout=60)
+    down = subprocess.run(
+        [sys.executable, "-m", "gpucloud.cli", "nodes"],
+        capture_output=True,
+        text=True,
+        env={**env, "GPUCLOUD_API_PORT": "1"},
+        timeout=60,
+    )
     assert down.returncode == 1 and "is `gpucloud up` running?" in down.stdout

@@ -18,8 +18,9 @@ async def test_worker_killed_mid_provisioning_allocation_still_completes(db_url,
         alloc = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 3, "region": "us-east-1"}).json()
     alloc_id = alloc["allocation"]["id"]
 
-    await async_wait_until(lambda: any(n["state"] == "provisioning" for n in h.nodes()), timeout_s=30,
-                           what="a node provisioning")
+    await async_wait_until(
+        lambda: any(n["state"] == "provisioning" for n in h.nodes()), timeout_s=30, what="a node provisioning"
+    )
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     states = {n["state"] for n in h.nodes() if n["allocation_id"] == alloc_id}

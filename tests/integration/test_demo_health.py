@@ -23,8 +23,11 @@ async def _ready_allocation(make_harness, in_process_worker, db_url, *, nodes: i
     await h.wait_states({"available": nodes}, timeout_s=90)
     _, key = await h.onboard()
     with h.client(key) as c:
-        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"},
-                      headers={"Idempotency-Key": str(uuid.uuid4())})
+        resp = c.post(
+            "/v1/allocations",
+            json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"},
+            headers={"Idempotency-Key": str(uuid.uuid4())},
+        )
         assert resp.status_code == 202, resp.text
     alloc = await h.wait_allocation(key, resp.json()["allocation"]["id"], "ready")
     return h, key, alloc
@@ -34,14 +37,16 @@ def _run(h, key: str, alloc_id: str) -> tuple[Coroutine, io.StringIO]:
     """The demo blocks (plain HTTP, sleeps): off the event loop the worker runs on."""
     out = io.StringIO()
     console = Console(file=out, width=200, force_terminal=False)
-    future = asyncio.to_thread(demo_health, console, h.api.url, h.settings.operator_token, key, alloc_id,
-                               h.sim.url, timeout_s=60)
+    future = asyncio.to_thread(
+        demo_health, console, h.api.url, h.settings.operator_token, key, alloc_id, h.sim.url, timeout_s=60
+    )
     return future, out
 
 
 async def test_demo_replaces_a_failed_node_in_the_same_fabric_domain(db_url, make_harness, in_process_worker):
-    h, key, alloc = await _ready_allocation(make_harness, in_process_worker, db_url, nodes=4,
-                                            breaker_max_pulled_share=1.0)
+    h, key, alloc = await _ready_allocation(
+        make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0
+    )
     bad, kept = alloc["node_ids"]
     future, out = _run(h, key, alloc["id"])
     await future

@@ -96,7 +96,9 @@ def test_infiniband_constraints(controller):
     refused(lambda: ib.create_pkey(0x8001, name="high"), 422, "pkey_range")
     ib.create_pkey(0x0A01, name="one")
     refused(lambda: ib.create_pkey(0x0A01, name="again"), 409, "pkey_unique")
-    error = refused(lambda: ib.add_ports(DEFAULT_PKEY, [a], membership=Membership.FULL), 409, "default_partition_limited")
+    error = refused(
+        lambda: ib.add_ports(DEFAULT_PKEY, [a], membership=Membership.FULL), 409, "default_partition_limited"
+    )
     assert "limited" in error.message
     ib.add_ports(DEFAULT_PKEY, [a, b], membership=Membership.LIMITED)
     ib.add_ports(0x0A01, [a], membership=Membership.FULL)
@@ -123,17 +125,26 @@ def test_nvlink_constraints(controller):
     first = nvl.create_partition(name="c-a", domain_id="c-rack0", gpu_uids=["GPU-c0", "GPU-c1"])
     error = refused(
         lambda: nvl.create_partition(name="c-b", domain_id="c-rack0", gpu_uids=["GPU-c1", "GPU-c2"]),
-        409, "gpu_single_partition",
+        409,
+        "gpu_single_partition",
     )
     assert "GPU-c1" in error.message
     refused(lambda: nvl.create_partition(name="c-c", domain_id="c-rack0", gpu_uids=["GPU-c9"]), 409, "gpu_in_domain")
-    refused(lambda: nvl.create_partition(name="c-a", domain_id="c-rack0", gpu_uids=["GPU-c2"]), 409, "partition_name_unique")
+    refused(
+        lambda: nvl.create_partition(name="c-a", domain_id="c-rack0", gpu_uids=["GPU-c2"]), 409, "partition_name_unique"
+    )
     refused(lambda: nvl.create_partition(name="c-d", domain_id="c-nowhere", gpu_uids=["GPU-c2"]), 404, "domain_exists")
-    refused(lambda: nvl.create_partition(name="c-e", domain_id="c-rack0", gpu_uids=["GPU-c2", "GPU-c2"]), 422, "gpu_listed_once")
+    refused(
+        lambda: nvl.create_partition(name="c-e", domain_id="c-rack0", gpu_uids=["GPU-c2", "GPU-c2"]),
+        422,
+        "gpu_listed_once",
+    )
     assert nvl.get_partition(first.partition_id) == first
     # An update (a tray joins or leaves) keeps to the same rules; a GPU may stay where it is.
     other = nvl.create_partition(name="c-g", domain_id="c-rack0", gpu_uids=["GPU-c2"])
-    refused(lambda: nvl.update_partition(first.partition_id, gpu_uids=["GPU-c0", "GPU-c2"]), 409, "gpu_single_partition")
+    refused(
+        lambda: nvl.update_partition(first.partition_id, gpu_uids=["GPU-c0", "GPU-c2"]), 409, "gpu_single_partition"
+    )
     refused(lambda: nvl.update_partition(first.partition_id, gpu_uids=["GPU-c9"]), 409, "gpu_in_domain")
     refused(lambda: nvl.update_partition(999, gpu_uids=["GPU-c0"]), 404, "partition_exists")
     assert nvl.update_partition(first.partition_id, gpu_uids=["GPU-c0"]).gpu_uids == ("GPU-c0",)
@@ -268,7 +279,8 @@ def test_injected_faults_a_manager_down_and_reads_that_disagree(controller, mana
     httpx.put(f"{managers_url}/sim/v1/fault", json={"mode": None}).raise_for_status()
     applied = apply_and_verify(controller, "fi-alloc", "fi-acme", nodes)
     assert controller.infiniband.get_pkey(applied.pkey).guids(Membership.FULL) == {
-        g for n in nodes for g in n.port_guids}
+        g for n in nodes for g in n.port_guids
+    }
     release(controller, "fi-alloc", "fi-acme", nodes)
 
 
@@ -287,10 +299,15 @@ def test_state_survives_a_restart_with_a_state_file(tmp_path):
         with HttpFabricController.for_simulator(server.url) as c:
             assert read_snapshot(c) == before
             # The partition counter and the domains came back too.
-            refused(lambda: c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]),
-                    409, "partition_name_unique")
-            assert c.nvlink.create_partition(name="other", domain_id="sf-rack0",
-                                             gpu_uids=["GPU-sf1"]).partition_id > partition.partition_id
+            refused(
+                lambda: c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]),
+                409,
+                "partition_name_unique",
+            )
+            assert (
+                c.nvlink.create_partition(name="other", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]).partition_id
+                > partition.partition_id
+            )
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -59,8 +59,13 @@ class Fleet:
             (source / relative).write_bytes(data)
         manifests = LocalManifestStore(self.root / "manifests")
         return push(
-            source, model="llama-mini", chunk_store=self.store, manifest_store=manifests,
-            signer=self.signer, policy=POLICY, settle_seconds=0,
+            source,
+            model="llama-mini",
+            chunk_store=self.store,
+            manifest_store=manifests,
+            signer=self.signer,
+            policy=POLICY,
+            settle_seconds=0,
         ).signed
 
     def register(self, swarm: str, signed: SignedManifest, extra: dict[str, PeerPlace] | None = None) -> None:
@@ -181,7 +186,7 @@ def test_a_peer_serving_corrupted_chunks_is_reported_and_skipped_and_nobody_acti
 def test_activation_is_atomic_and_rollback_restores_the_previous_version(fleet: Fleet) -> None:
     v1_files = model_files(3)
     v2_files = model_files(3, config=b'{"layers": 4, "rope": 2}')
-    v2_files["model.safetensors"] = v1_files["model.safetensors"][:-100 * KiB] + os.urandom(100 * KiB)
+    v2_files["model.safetensors"] = v1_files["model.safetensors"][: -100 * KiB] + os.urandom(100 * KiB)
     v1, v2 = fleet.push("v1", v1_files), fleet.push("v2", v2_files)
     fleet.register("v1", v1)
     fleet.fan_out("v1", v1)
@@ -190,9 +195,7 @@ def test_activation_is_atomic_and_rollback_restores_the_previous_version(fleet: 
     fleet.register("v2", v2)
     stats = fleet.fan_out("v2", v2, activate=False)
     changed = v2.manifest.chunk_ids() - v1.manifest.chunk_ids()
-    changed_bytes = sum(
-        c.size for e in v2.manifest.files.values() for c in e.chunks if c.id in changed
-    )
+    changed_bytes = sum(c.size for e in v2.manifest.files.values() for c in e.chunks if c.id in changed)
     assert fleet.tracker.origin_stats().egress_bytes - egress_v1 <= 1.2 * changed_bytes
     assert all(s.peer_bytes + s.origin_bytes <= changed_bytes for s in stats.values())
 
@@ -236,9 +239,13 @@ def test_the_tracker_refuses_unknown_swarms_nodes_and_conflicting_specs(fleet: F
     fleet.register("v1", signed)
     fleet.register("v1", signed)  # the same spec again is a no-op
     with pytest.raises(httpx.HTTPStatusError) as conflict:
-        fleet.tracker.register_swarm("v1", SwarmSpec(
-            nodes={"other": PeerPlace(rack="r", site="s", url="http://x")}, chunks=[next(iter(signed.manifest.chunk_ids()))]
-        ))
+        fleet.tracker.register_swarm(
+            "v1",
+            SwarmSpec(
+                nodes={"other": PeerPlace(rack="r", site="s", url="http://x")},
+                chunks=[next(iter(signed.manifest.chunk_ids()))],
+            ),
+        )
     assert conflict.value.response.status_code == 409
     for call in (
         lambda: fleet.tracker.plan("nope", "node-00", slots=1),

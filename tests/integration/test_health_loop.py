@@ -27,8 +27,11 @@ async def _ready_fleet(make_harness, in_process_worker, db_url, nodes: int, **se
 
 def _allocate(h, key: str, count: int) -> str:
     with h.client(key) as c:
-        resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": count, "region": "us-east-1"},
-                      headers={"Idempotency-Key": str(uuid.uuid4())})
+        resp = c.post(
+            "/v1/allocations",
+            json={"gpu_type": "H100", "node_count": count, "region": "us-east-1"},
+            headers={"Idempotency-Key": str(uuid.uuid4())},
+        )
         assert resp.status_code == 202, resp.text
         return resp.json()["allocation"]["id"]
 
@@ -40,8 +43,9 @@ def _xid(h, node_id: str, xid: int) -> dict:
 
 
 def _hardware_fault(h, node_id: str, fault: str | None, fixed_by: str | None = None) -> None:
-    httpx.post(f"{h.sim.url}/v1/nodes/{node_id}/hardware_fault",
-               json={"fault": fault, "fixed_by": fixed_by}).raise_for_status()
+    httpx.post(
+        f"{h.sim.url}/v1/nodes/{node_id}/hardware_fault", json={"fault": fault, "fixed_by": fixed_by}
+    ).raise_for_status()
 
 
 def _events(h, node_id: str) -> list[dict]:
@@ -56,12 +60,19 @@ async def _repair_round(h, temporal_env, node_id: str) -> str:
 
 
 async def test_each_xid_class_leads_to_its_action_and_application_xids_never_drain(
-        db_url, make_harness, in_process_worker):
+    db_url, make_harness, in_process_worker
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=8, breaker_max_pulled_share=1.0)
     ids = [n["id"] for n in h.nodes()]
-    expected = {13: ("ok", "none", None), 63: ("suspect", "watch", None), 92: ("ok", "watch", None),
-                999: ("suspect", "watch", None), 48: ("failed", "drain", "drain"),
-                74: ("failed", "drain", "drain"), 79: ("failed", "drain_now", "drain")}
+    expected = {
+        13: ("ok", "none", None),
+        63: ("suspect", "watch", None),
+        92: ("ok", "watch", None),
+        999: ("suspect", "watch", None),
+        48: ("failed", "drain", "drain"),
+        74: ("failed", "drain", "drain"),
+        79: ("failed", "drain_now", "drain"),
+    }
     for node_id, (xid, (health, action, pull)) in zip(ids, expected.items(), strict=False):
         decision = _xid(h, node_id, xid)
         assert (decision["health"], decision["action"], decision["pull"]) == (health, action, pull), xid
@@ -69,14 +80,24 @@ async def test_each_xid_class_leads_to_its_action_and_application_xids_never_dra
         assert report["xid_history"][0]["xid"] == xid and report["health"] == health
     # Pulled idle nodes drain into quarantine (and from there into repair).
     pulled = [ids[4], ids[5], ids[6]]
-    await async_wait_until(lambda: all(any(e["to_state"] == "quarantined" for e in _events(h, n)) for n in pulled),
-                           timeout_s=60, what="pulled nodes quarantined")
+    await async_wait_until(
+        lambda: all(any(e["to_state"] == "quarantined" for e in _events(h, n)) for n in pulled),
+        timeout_s=60,
+        what="pulled nodes quarantined",
+    )
 
     # 1,000 application XIDs from one workload: counted, never a drain.
     now = datetime.now(UTC)
     quiet = ids[7]
-    events = [{"node_id": quiet, "gpu_index": i % 8, "xid": (13, 31, 43, 45, 68)[i % 5],
-               "timestamp": (now - timedelta(seconds=i)).isoformat()} for i in range(1000)]
+    events = [
+        {
+            "node_id": quiet,
+            "gpu_index": i % 8,
+            "xid": (13, 31, 43, 45, 68)[i % 5],
+            "timestamp": (now - timedelta(seconds=i)).isoformat(),
+        }
+        for i in range(1000)
+    ]
     result = h.operator.post("/v1/agents/events", json={"events": events}).json()
     assert result["accepted"] == 1000
     assert [d["pull"] for d in result["decisions"]] == [None]
@@ -86,7 +107,8 @@ async def test_each_xid_class_leads_to_its_action_and_application_xids_never_dra
 
 
 async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_burn_in_passes(
-        db_url, make_harness, in_process_worker, temporal_env):
+    db_url, make_harness, in_process_worker, temporal_env
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=6, breaker_max_pulled_share=1.0)
     tenant_id, key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
@@ -115,13 +137,16 @@ async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_
     states = [await _repair_round(h, temporal_env, bad) for _ in range(4)]
     assert states == ["quarantined", "quarantined", "quarantined", "rma"]
     after_xid = _events(h, bad)
-    assert not any(e["to_state"] == "available" for e in after_xid[after_xid.index(
-        next(e for e in after_xid if e["to_state"] == "draining")):])
+    assert not any(
+        e["to_state"] == "available"
+        for e in after_xid[after_xid.index(next(e for e in after_xid if e["to_state"] == "draining")) :]
+    )
     assert "ladder exhausted" in after_xid[-1]["cause"]
 
 
 async def test_repaired_node_returns_only_through_a_passing_burn_in(
-        db_url, make_harness, in_process_worker, temporal_env):
+    db_url, make_harness, in_process_worker, temporal_env
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4)
     node_id = h.nodes()[0]["id"]
     _hardware_fault(h, node_id, "uncorrectable ECC", fixed_by="reboot")
@@ -133,8 +158,12 @@ async def test_repaired_node_returns_only_through_a_passing_burn_in(
     assert node["health"] == "ok" and node["health_conditions"] == []
     events = _events(h, node_id)
     tail = [(e["from_state"], e["to_state"]) for e in events][-4:]
-    assert tail == [("quarantined", "repairing"), ("repairing", "burn_in"), ("burn_in", "available"),
-                    ("available", "available")]
+    assert tail == [
+        ("quarantined", "repairing"),
+        ("repairing", "burn_in"),
+        ("burn_in", "available"),
+        ("available", "available"),
+    ]
     # The health loop cordoned the node when it pulled it; the passed burn-in lifts that cordon.
     assert [e["event"] for e in events if e["event"] in ("cordon", "uncordon")] == ["cordon", "uncordon"]
     assert events[-1]["actor"] == "health" and not node["cordoned"]
@@ -144,8 +173,10 @@ async def test_lemon_node_goes_to_rma_without_another_reset(db_url, make_harness
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4)
     node_id = h.nodes()[0]["id"]
     earlier = datetime.now(UTC) - timedelta(days=10)
-    h.operator.post("/v1/agents/events", json={"events": [
-        {"node_id": node_id, "gpu_index": 1, "xid": 119, "timestamp": earlier.isoformat()}]}).raise_for_status()
+    h.operator.post(
+        "/v1/agents/events",
+        json={"events": [{"node_id": node_id, "gpu_index": 1, "xid": 119, "timestamp": earlier.isoformat()}]},
+    ).raise_for_status()
     decision = _xid(h, node_id, 79)
     assert (decision["action"], decision["pull"]) == ("rma", "drain")
     await async_wait_until(lambda: h.node(node_id)["state"] == "quarantined", timeout_s=30, what="quarantined")
@@ -182,8 +213,14 @@ async def test_no_capacity_degraded_until_capacity_frees(db_url, make_harness, i
     assert (decision["action"], decision["pull"]) == ("drain", "replace")
 
     degraded = await async_wait_until(
-        lambda: (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "degraded"
-        and "waiting for capacity" in (a["failure_reason"] or "") and a, timeout_s=30, what="degraded")
+        lambda: (
+            (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "degraded"
+            and "waiting for capacity" in (a["failure_reason"] or "")
+            and a
+        ),
+        timeout_s=30,
+        what="degraded",
+    )
     assert bad not in degraded["node_ids"] and "xid_48" in degraded["failure_reason"]
     with h.client(other_key) as c:  # another tenant sees nothing of it
         assert c.get(f"/v1/allocations/{alloc_id}/events").status_code == 404
@@ -201,7 +238,8 @@ def _alloc_events(h, key: str, alloc_id: str) -> list[str]:
 
 
 async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is_ready(
-        db_url, make_harness, in_process_worker):
+    db_url, make_harness, in_process_worker
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0)
     for node in h.nodes():  # every provision answers 503 twice first: about 3 s in `provisioning`
         h.sim.inject(node["id"], "provision", "transient", count=2)
@@ -209,9 +247,13 @@ async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is
     with h.client(key) as c:
         created = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()
     alloc_id, operation_id = created["allocation"]["id"], created["operation"]["id"]
-    bad = (await async_wait_until(
-        lambda: [n for n in h.nodes() if n["allocation_id"] == alloc_id and n["state"] == "provisioning"],
-        timeout_s=30, what="a node provisioning"))[0]["id"]
+    bad = (
+        await async_wait_until(
+            lambda: [n for n in h.nodes() if n["allocation_id"] == alloc_id and n["state"] == "provisioning"],
+            timeout_s=30,
+            what="a node provisioning",
+        )
+    )[0]["id"]
 
     decision = _xid(h, bad, 48)  # drain-level, yet no grace: no job runs there yet
     assert (decision["action"], decision["pull"]) == ("drain", "replace")
@@ -233,34 +275,51 @@ async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is
 
 
 async def test_a_burst_of_fatal_xids_in_one_allocation_pulls_all_and_replaces_each(
-        db_url, make_harness, in_process_worker, temporal_env):
+    db_url, make_harness, in_process_worker, temporal_env
+):
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0)
     tenant_id, key = await h.onboard()
     alloc_id = _allocate(h, key, 3)  # one spare node left
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     first, second, kept = alloc["node_ids"]
     now = datetime.now(UTC).isoformat()
-    result = h.operator.post("/v1/agents/events", json={"events": [
-        {"node_id": n, "gpu_index": 0, "xid": 79, "timestamp": now} for n in (first, second)]}).json()
+    result = h.operator.post(
+        "/v1/agents/events",
+        json={"events": [{"node_id": n, "gpu_index": 0, "xid": 79, "timestamp": now} for n in (first, second)]},
+    ).json()
     assert [d["pull"] for d in result["decisions"]] == ["replace", "replace"]
 
     # Both pulled at once; the spare replaces one, the other waits for capacity.
     degraded = await async_wait_until(
-        lambda: (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "degraded"
-        and "waiting for capacity" in (a["failure_reason"] or "") and a, timeout_s=60, what="waiting for capacity")
+        lambda: (
+            (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "degraded"
+            and "waiting for capacity" in (a["failure_reason"] or "")
+            and a
+        ),
+        timeout_s=60,
+        what="waiting for capacity",
+    )
     assert kept in degraded["node_ids"] and len(degraded["node_ids"]) == 2
     assert not {first, second} & set(degraded["node_ids"])
 
     # Capacity frees: a pulled node passes its repair and burn-in and comes back.
-    await async_wait_until(lambda: all(h.node(n)["state"] == "quarantined" for n in (first, second)),
-                           timeout_s=30, what="both quarantined")
+    await async_wait_until(
+        lambda: all(h.node(n)["state"] == "quarantined" for n in (first, second)), timeout_s=30, what="both quarantined"
+    )
     await h.sweep(temporal_env.client)
     alloc = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
     assert len(alloc["node_ids"]) == 3 and kept in alloc["node_ids"]
     assert all(h.node(n)["state"] == "active" and h.sim.node(n)["tenant_id"] == tenant_id for n in alloc["node_ids"])
     assert _alloc_events(h, key, alloc_id) == [
-        "degraded", "degraded", "replacement_started", "replaced", "waiting_for_capacity",
-        "replacement_started", "replaced", "ready"]
+        "degraded",
+        "degraded",
+        "replacement_started",
+        "replaced",
+        "waiting_for_capacity",
+        "replacement_started",
+        "replaced",
+        "ready",
+    ]
 
 
 async def test_agent_readings_are_validated_judged_and_acted_on(db_url, make_harness, in_process_worker):
@@ -269,8 +328,10 @@ async def test_agent_readings_are_validated_judged_and_acted_on(db_url, make_har
     now = datetime.now(UTC)
 
     def push(*readings) -> httpx.Response:
-        return h.operator.post("/v1/agents/readings", json={"readings": [
-            r if isinstance(r, dict) else r.model_dump(mode="json") for r in readings]})
+        return h.operator.post(
+            "/v1/agents/readings",
+            json={"readings": [r if isinstance(r, dict) else r.model_dump(mode="json") for r in readings]},
+        )
 
     negative = node_reading(watched, now).model_dump(mode="json")
     negative["gpus"][0]["ecc"]["volatile_corrected"] = -1
@@ -288,15 +349,21 @@ async def test_agent_readings_are_validated_judged_and_acted_on(db_url, make_har
     assert h.operator.get(f"/v1/nodes/{watched}/health").json()["readings"] == []  # nothing stored
     _, key = h.new_tenant()
     with h.client(key) as c:
-        assert c.post("/v1/agents/readings", json={"readings": [
-            node_reading(watched, now).model_dump(mode="json")]}).status_code == 403
+        assert (
+            c.post(
+                "/v1/agents/readings", json={"readings": [node_reading(watched, now).model_dump(mode="json")]}
+            ).status_code
+            == 403
+        )
 
     # Corrected ECC errors climbing since the node's burn-in (what came before it is dealt with):
     # a warning, and the node stays.
     burned_in = datetime.fromisoformat(_events(h, watched)[-1]["at"])
-    rising = push(node_reading(watched, burned_in + timedelta(milliseconds=1)),
-                  node_reading(watched, burned_in + timedelta(milliseconds=2), corrected=500),
-                  node_reading(watched, burned_in + timedelta(milliseconds=3), corrected=1000)).json()
+    rising = push(
+        node_reading(watched, burned_in + timedelta(milliseconds=1)),
+        node_reading(watched, burned_in + timedelta(milliseconds=2), corrected=500),
+        node_reading(watched, burned_in + timedelta(milliseconds=3), corrected=1000),
+    ).json()
     assert rising["accepted"] == 3
     assert [(d["health"], d["action"], d["pull"]) for d in rising["decisions"]] == [("suspect", "watch", None)]
     report = h.operator.get(f"/v1/nodes/{watched}/health", params={"reading_limit": 5}).json()
@@ -310,8 +377,9 @@ async def test_agent_readings_are_validated_judged_and_acted_on(db_url, make_har
     await async_wait_until(lambda: h.node(lost)["state"] == "quarantined", timeout_s=30, what="quarantined")
 
 
-async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(db_url, make_harness, in_process_worker,
-                                                                      temporal_env):
+async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(
+    db_url, make_harness, in_process_worker, temporal_env
+):
     # The API judged the node and then died before it could signal the allocation's workflow:
     # only the DB knows. The reconciler derives the pull from the record and asks again.
     from gpucloud.agent.readings import XidEvent
@@ -325,31 +393,41 @@ async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(db_url, mak
     bad = ready["node_ids"][0]
     with session_scope(h.settings.db_url) as session:
         outcomes, _ = health_service.ingest_xids(
-            session, [XidEvent(node_id=bad, gpu_index=3, xid=79, timestamp=datetime.now(UTC))], source="test",
-            breaker=health_service.BreakerSettings(max_pulled_share=1.0))
+            session,
+            [XidEvent(node_id=bad, gpu_index=3, xid=79, timestamp=datetime.now(UTC))],
+            source="test",
+            breaker=health_service.BreakerSettings(max_pulled_share=1.0),
+        )
     assert outcomes[0].pull == "replace"  # decided, but no signal went out
     assert h.node(bad)["allocation_id"] == alloc_id
 
     result = await h.sweep(temporal_env.client)
     assert result.replace_signals == 1
     await async_wait_until(
-        lambda: (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "ready"
-        and bad not in a["node_ids"] and a,
-        timeout_s=60, what="the bad node replaced")
+        lambda: (
+            (a := h.client(key).get(f"/v1/allocations/{alloc_id}").json())["status"] == "ready"
+            and bad not in a["node_ids"]
+            and a
+        ),
+        timeout_s=60,
+        what="the bad node replaced",
+    )
     assert h.node(bad)["allocation_id"] is None
     # Converged: the next sweep has nothing to send.
     assert (await h.sweep(temporal_env.client)).replace_signals == 0
 
 
 async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
-        db_url, make_harness, in_process_worker, tmp_path):
+    db_url, make_harness, in_process_worker, tmp_path
+):
     # The ledger reconciles metered time against allocated time per node: a pulled node stops
     # counting when it is detached, its replacement counts from when it is attached.
     from ledger_harness import ledger_in_thread
 
     with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as ledger_url:
-        h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0,
-                               ledger_url=ledger_url)
+        h = await _ready_fleet(
+            make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0, ledger_url=ledger_url
+        )
         tenant_id, key = await h.onboard()
         alloc_id = _allocate(h, key, 2)
         ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
@@ -357,8 +435,9 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
         assert _xid(h, bad, 79)["pull"] == "replace"
 
         def events() -> list[dict]:
-            return httpx.get(f"{ledger_url}/v1/allocation-events",
-                             params={"tenant_id": tenant_id, "allocation_id": alloc_id}).json()
+            return httpx.get(
+                f"{ledger_url}/v1/allocation-events", params={"tenant_id": tenant_id, "allocation_id": alloc_id}
+            ).json()
 
         def replaced() -> dict | None:
             a = h.client(key).get(f"/v1/allocations/{alloc_id}").json()
@@ -368,7 +447,9 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
         (spare,) = set(after["node_ids"]) - set(ready["node_ids"])
         got = await async_wait_until(
             lambda: (e := events()) and any(x["kind"] == "node_added" and x["node_id"] == spare for x in e) and e,
-            timeout_s=30, what="the ledger hears of the replacement")
+            timeout_s=30,
+            what="the ledger hears of the replacement",
+        )
         kinds = [(e["kind"], e["node_id"]) for e in sorted(got, key=lambda e: (e["at_ms"], e["id"]))]
         assert ("node_removed", bad) in kinds and ("node_added", spare) in kinds
         assert kinds.index(("node_removed", bad)) < kinds.index(("node_added", spare))
@@ -384,18 +465,30 @@ async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, 
         if node["id"] not in alloc["node_ids"]:
             h.sim.inject(node["id"], "provision", "transient", count=3)
     _xid(h, first, 79)
-    await async_wait_until(lambda: "replacement_started" in _alloc_events(h, key, alloc_id), timeout_s=30,
-                           what="the first replacement provisioning")
+    await async_wait_until(
+        lambda: "replacement_started" in _alloc_events(h, key, alloc_id),
+        timeout_s=30,
+        what="the first replacement provisioning",
+    )
     _xid(h, second, 79)
     # The second node leaves the allocation while the first replacement still provisions, not after it.
     events = await async_wait_until(
-        lambda: (kinds := _alloc_events(h, key, alloc_id)).count("degraded") == 2 and kinds, timeout_s=30,
-        what="the second node pulled")
+        lambda: (kinds := _alloc_events(h, key, alloc_id)).count("degraded") == 2 and kinds,
+        timeout_s=30,
+        what="the second node pulled",
+    )
     assert events == ["degraded", "replacement_started", "degraded"]
     assert second not in h.client(key).get(f"/v1/allocations/{alloc_id}").json()["node_ids"]
     alloc = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
     assert _alloc_events(h, key, alloc_id) == [
-        "degraded", "replacement_started", "degraded", "replaced", "replacement_started", "replaced", "ready"]
+        "degraded",
+        "replacement_started",
+        "degraded",
+        "replaced",
+        "replacement_started",
+        "replaced",
+        "ready",
+    ]
     assert kept in alloc["node_ids"] and not {first, second} & set(alloc["node_ids"]) and len(alloc["node_ids"]) == 3
 
 
@@ -415,4 +508,6 @@ async def test_a_cancel_waits_for_the_pulled_nodes_drain(db_url, make_harness, i
     # (a run that ends terminates its children): the bad node is quarantined, not stuck draining.
     assert h.node(bad)["state"] == "quarantined"
     assert [(e["from_state"], e["to_state"]) for e in _events(h, bad)][-2:] == [
-        ("active", "draining"), ("draining", "quarantined")]
+        ("active", "draining"),
+        ("draining", "quarantined"),
+    ]

@@ -28,9 +28,22 @@ ALLOW_ALL = health_service.BreakerSettings(max_pulled_share=1.0)
 def _fleet(db_url: str, count: int, *, state: str = "available", allocation_id: str | None = None) -> list[str]:
     ids = [f"n-{i:02d}" for i in range(count)]
     with session_scope(db_url) as session:
-        node_service.enroll_nodes(session, [
-            NodeEnroll(id=i, hostname=i, region="r1", pod="pod0", rack="pod0-r0", gpu_type="H100", gpu_count=8,
-                       agent_url="http://unused") for i in ids])
+        node_service.enroll_nodes(
+            session,
+            [
+                NodeEnroll(
+                    id=i,
+                    hostname=i,
+                    region="r1",
+                    pod="pod0",
+                    rack="pod0-r0",
+                    gpu_type="H100",
+                    gpu_count=8,
+                    agent_url="http://unused",
+                )
+                for i in ids
+            ],
+        )
         session.flush()
         for node in session.exec(select(Node)).all():
             node.state, node.allocation_id = state, allocation_id
@@ -47,9 +60,15 @@ def test_readings_raise_trend_conditions_and_a_pull(db_url):
     rising, flapping = _fleet(db_url, 2)
     now = datetime.now(UTC)
     # Corrected ECC errors on GPU 2 at 500 an hour: a warning, the node stays.
-    outcomes, unknown = _ingest(db_url, [node_reading(rising, now - timedelta(hours=2)),
-                                         node_reading(rising, now - timedelta(hours=1), corrected=500),
-                                         node_reading(rising, now, corrected=1000)], now)
+    outcomes, unknown = _ingest(
+        db_url,
+        [
+            node_reading(rising, now - timedelta(hours=2)),
+            node_reading(rising, now - timedelta(hours=1), corrected=500),
+            node_reading(rising, now, corrected=1000),
+        ],
+        now,
+    )
     (outcome,) = outcomes
     assert unknown == [] and outcome.pull is None
     assert (outcome.verdict.health, outcome.verdict.action) == ("suspect", "watch")
@@ -89,8 +108,9 @@ def test_readings_past_the_trend_window_are_pruned_but_fatal_ones_kept_for_the_l
     now = datetime.now(UTC)
     old = now - timedelta(hours=25)
     driver_gone = ProbeFatal(kind=FatalKind.DRIVER_NOT_LOADED)
-    _ingest(db_url, [node_reading(node_id, old),
-                     node_reading(node_id, old + timedelta(seconds=30), fatal=driver_gone)], now)
+    _ingest(
+        db_url, [node_reading(node_id, old), node_reading(node_id, old + timedelta(seconds=30), fatal=driver_gone)], now
+    )
     (outcome,), _ = _ingest(db_url, [node_reading(node_id, now)], now)
     # A driver that is loaded again is no condition; the old fatal reading is kept all the same.
     assert outcome.verdict.health == "ok" and outcome.pull is None
@@ -141,10 +161,13 @@ def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
         try:
             with session_scope(db_url) as session:
                 (outcome,), _ = health_service.ingest_xids(
-                    session, [XidEvent(node_id=node_id, gpu_index=0, xid=79, timestamp=datetime.now(UTC))],
-                    source="test", breaker=settings)
+                    session,
+                    [XidEvent(node_id=node_id, gpu_index=0, xid=79, timestamp=datetime.now(UTC))],
+                    source="test",
+                    breaker=settings,
+                )
             pulls.append(outcome.pull)
-        except BaseException as exc:  # noqa: BLE001 (reported below, in the test's thread)
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=judge, args=(n,)) for n in nodes]
@@ -167,14 +190,35 @@ def test_a_passed_burn_in_lifts_the_health_loops_cordon_only(db_url, actor, lift
     from gpucloud.services import nodes as node_service
 
     with session_scope(db_url) as session:
-        node_service.enroll_nodes(session, [NodeEnroll(
-            id="c1", hostname="c1", agent_url="http://unused", gpu_type="H100", gpu_count=8, region="r",
-            pod="p", rack="r1")])
+        node_service.enroll_nodes(
+            session,
+            [
+                NodeEnroll(
+                    id="c1",
+                    hostname="c1",
+                    agent_url="http://unused",
+                    gpu_type="H100",
+                    gpu_count=8,
+                    region="r",
+                    pod="p",
+                    rack="r1",
+                )
+            ],
+        )
         for event in ("inspect", "ok"):
             node = node_service.transition(session, "c1", event, from_state=session.get(Node, "c1").state)
         session.execute(sa.update(Node).where(Node.id == "c1").values(cordoned=True))
-        session.add(NodeTransition(node_id="c1", from_state="burn_in", to_state="burn_in", event="cordon",
-                                   actor=actor, cause="test", generation=node.generation))
+        session.add(
+            NodeTransition(
+                node_id="c1",
+                from_state="burn_in",
+                to_state="burn_in",
+                event="cordon",
+                actor=actor,
+                cause="test",
+                generation=node.generation,
+            )
+        )
     with session_scope(db_url) as session:
         node_service.transition(session, "c1", "ok", from_state="burn_in")
     with session_scope(db_url) as session:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ledger_harness import backends, ledger_database_url, ledger_in_thread
 
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
-from ledger_harness import backends, ledger_database_url, ledger_in_thread
 
 JAN, FEB = period_bounds("2024-01")[0], period_bounds("2024-02")[0]
 MINUTE = 60_000
@@ -28,9 +28,19 @@ def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
 
 
 def ingest(client: httpx.Client, *, node: str, tenant: str, start: int, count: int, allocation: str = "a1") -> None:
-    samples = [{"node_id": node, "seq": seq, "allocation_id": allocation, "tenant_id": tenant, "gpu_type": "h100",
-                "gpu_count": 8, "start_ms": start + seq * MINUTE, "end_ms": start + (seq + 1) * MINUTE}
-               for seq in range(count)]
+    samples = [
+        {
+            "node_id": node,
+            "seq": seq,
+            "allocation_id": allocation,
+            "tenant_id": tenant,
+            "gpu_type": "h100",
+            "gpu_count": 8,
+            "start_ms": start + seq * MINUTE,
+            "end_ms": start + (seq + 1) * MINUTE,
+        }
+        for seq in range(count)
+    ]
     answer = client.post("/v1/usage:batch", json={"samples": samples}).json()
     assert answer["accepted"] == count, answer
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ledger_harness import backends, ledger_database_url, ledger_in_thread
 
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
-from ledger_harness import backends, ledger_database_url, ledger_in_thread
 
 PROBLEM = "https://gpucloud.dev/problems/ledger/"
 JAN, FEB = period_bounds("2024-01")[0], period_bounds("2024-02")[0]
@@ -37,11 +37,28 @@ def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
             yield client
 
 
-def sample(seq: int, *, node: str = "n1", tenant: str = "t1", allocation: str = "a1", gpu_type: str = "h100",
-           start: int = JAN, minutes: int = 1, gpus: int = 8) -> dict:
+def sample(
+    seq: int,
+    *,
+    node: str = "n1",
+    tenant: str = "t1",
+    allocation: str = "a1",
+    gpu_type: str = "h100",
+    start: int = JAN,
+    minutes: int = 1,
+    gpus: int = 8,
+) -> dict:
     start_ms = start + (seq - 1) * MINUTE
-    return {"node_id": node, "seq": seq, "allocation_id": allocation, "tenant_id": tenant, "gpu_type": gpu_type,
-            "gpu_count": gpus, "start_ms": start_ms, "end_ms": start_ms + minutes * MINUTE}
+    return {
+        "node_id": node,
+        "seq": seq,
+        "allocation_id": allocation,
+        "tenant_id": tenant,
+        "gpu_type": gpu_type,
+        "gpu_count": gpus,
+        "start_ms": start_ms,
+        "end_ms": start_ms + minutes * MINUTE,
+    }
 
 
 def ingest(client: httpx.Client, samples: list[dict]) -> dict:
@@ -108,19 +125,33 @@ BAD_INPUT = {
     ),
     "overlap": (lambda s: {**s, "seq": 99, "start_ms": JAN + 30_000, "end_ms": JAN + 90_000}, "usage-overlap", False),
     "unknown-allocation": (
-        lambda s: {**s, "tenant_id": "t-events", "allocation_id": "a-unknown"}, "unknown-allocation", True
+        lambda s: {**s, "tenant_id": "t-events", "allocation_id": "a-unknown"},
+        "unknown-allocation",
+        True,
     ),
     "other-tenants-allocation": (lambda s: {**s, "allocation_id": "a-events"}, "allocation-mismatch", False),
-    "wrong-gpu-type": (lambda s: {**s, "tenant_id": "t-events", "allocation_id": "a-events", "gpu_type": "b200"},
-                       "allocation-mismatch", False),
+    "wrong-gpu-type": (
+        lambda s: {**s, "tenant_id": "t-events", "allocation_id": "a-events", "gpu_type": "b200"},
+        "allocation-mismatch",
+        False,
+    ),
     "unpriced-gpu-type": (lambda s: {**s, "gpu_type": "mi300x"}, "unpriced-usage", True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
 def test_bad_input_is_rejected_per_sample_and_nothing_of_it_is_written(ledger: httpx.Client, case: str) -> None:
-    ledger.post("/v1/allocation-events", json={"event_id": "e1", "allocation_id": "a-events", "tenant_id": "t-events",
-                                               "kind": "start", "at_ms": JAN, "gpu_type": "h100"})
+    ledger.post(
+        "/v1/allocation-events",
+        json={
+            "event_id": "e1",
+            "allocation_id": "a-events",
+            "tenant_id": "t-events",
+            "kind": "start",
+            "at_ms": JAN,
+            "gpu_type": "h100",
+        },
+    )
     ingest(ledger, [sample(1)])
     corrupt, problem_type, retryable = BAD_INPUT[case]
     bad = corrupt(sample(2, start=JAN + 5 * MINUTE))
@@ -157,7 +188,9 @@ def test_corrections_are_reversal_postings(ledger: httpx.Client) -> None:
     original = page["items"][0]
     assert page["next_cursor"] is not None
     assert {(line["account"], line["side"]) for line in original["lines"]} == {
-        ("tenant:t1:receivable", "debit"), ("revenue:gpu:h100", "credit")}
+        ("tenant:t1:receivable", "debit"),
+        ("revenue:gpu:h100", "credit"),
+    }
     response = ledger.post(f"/v1/postings/{original['id']}:reverse", json={"reason": "node was faulty"})
     assert response.status_code == 201, response.text
     reversal = response.json()
@@ -165,7 +198,8 @@ def test_corrections_are_reversal_postings(ledger: httpx.Client) -> None:
     assert reversal["amount_micro"] == -original["amount_micro"] and reversal["gpu_ms"] == -original["gpu_ms"]
     assert {(l["account"], l["side"], l["amount_micro"]) for l in reversal["lines"]} == {
         ("tenant:t1:receivable", "credit", original["amount_micro"]),
-        ("revenue:gpu:h100", "debit", original["amount_micro"])}
+        ("revenue:gpu:h100", "debit", original["amount_micro"]),
+    }
     again = ledger.post(f"/v1/postings/{original['id']}:reverse", json={"reason": "twice"})
     assert again.status_code == 409 and again.json()["type"] == PROBLEM + "state-conflict"
     assert ledger.post(f"/v1/postings/{reversal['id']}:reverse", json={"reason": "x"}).status_code == 409
@@ -183,12 +217,23 @@ def test_corrections_are_reversal_postings(ledger: httpx.Client) -> None:
 
 def test_reconciliation_flags_gaps_and_unallocated_usage(ledger: httpx.Client) -> None:
     day = JAN + 3 * 86_400_000  # 2024-01-04
-    events = [("start", None, day + 10 * MINUTE), ("node_added", "n1", day + 10 * MINUTE),
-              ("node_added", "n2", day + 10 * MINUTE), ("node_removed", "n2", day + 40 * MINUTE),
-              ("end", None, day + 70 * MINUTE)]
+    events = [
+        ("start", None, day + 10 * MINUTE),
+        ("node_added", "n1", day + 10 * MINUTE),
+        ("node_added", "n2", day + 10 * MINUTE),
+        ("node_removed", "n2", day + 40 * MINUTE),
+        ("end", None, day + 70 * MINUTE),
+    ]
     for i, (kind, node, at_ms) in enumerate(events):
-        body = {"event_id": f"ev-{i}", "allocation_id": "a1", "tenant_id": "t1", "kind": kind, "at_ms": at_ms,
-                "node_id": node, "gpu_type": "h100"}
+        body = {
+            "event_id": f"ev-{i}",
+            "allocation_id": "a1",
+            "tenant_id": "t1",
+            "kind": kind,
+            "at_ms": at_ms,
+            "node_id": node,
+            "gpu_type": "h100",
+        }
         assert ledger.post("/v1/allocation-events", json=body).status_code == 201
     n1 = [sample(seq, node="n1", start=day + 9 * MINUTE) for seq in range(2, 62)]  # [10, 70) minutes
     n2 = [sample(seq, node="n2", start=day + 9 * MINUTE) for seq in range(2, 32) if seq != 15]  # [10, 40) minus one
@@ -208,16 +253,28 @@ def test_reconciliation_flags_gaps_and_unallocated_usage(ledger: httpx.Client) -
 
 
 def test_reconciliation_tolerates_the_moments_between_the_agents_and_the_control_planes_edges(
-        ledger: httpx.Client) -> None:
+    ledger: httpx.Client,
+) -> None:
     day = JAN + 3 * 86_400_000
     # The agent metered [10, 20) minutes; the control plane saw the provision 1.5 s after it
     # began and began the release 2 s before the agent stopped.
     added, removed = day + 10 * MINUTE + 1_500, day + 20 * MINUTE - 2_000
-    events = [("start", None, added), ("node_added", "n1", added), ("node_removed", "n1", removed),
-              ("end", None, removed)]
+    events = [
+        ("start", None, added),
+        ("node_added", "n1", added),
+        ("node_removed", "n1", removed),
+        ("end", None, removed),
+    ]
     for i, (kind, node, at_ms) in enumerate(events):
-        body = {"event_id": f"edge-{i}", "allocation_id": "a1", "tenant_id": "t1", "kind": kind, "at_ms": at_ms,
-                "node_id": node, "gpu_type": "h100"}
+        body = {
+            "event_id": f"edge-{i}",
+            "allocation_id": "a1",
+            "tenant_id": "t1",
+            "kind": kind,
+            "at_ms": at_ms,
+            "node_id": node,
+            "gpu_type": "h100",
+        }
         assert ledger.post("/v1/allocation-events", json=body).status_code == 201
     assert ingest(ledger, [sample(seq, start=day + 9 * MINUTE) for seq in range(2, 12)])["accepted"] == 10
     params = {"tenant_id": "t1", "day": "2024-01-04"}
@@ -227,15 +284,29 @@ def test_reconciliation_tolerates_the_moments_between_the_agents_and_the_control
     strict = ledger.get("/v1/reconciliation", params={**params, "edge_tolerance_ms": 1_000}).json()
     (node,) = strict["allocations"][0]["nodes"]
     assert not strict["ok"] and node["unallocated"] == [
-        {"start_ms": day + 10 * MINUTE, "end_ms": added}, {"start_ms": removed, "end_ms": day + 20 * MINUTE}]
+        {"start_ms": day + 10 * MINUTE, "end_ms": added},
+        {"start_ms": removed, "end_ms": day + 20 * MINUTE},
+    ]
     assert ledger.get("/v1/reconciliation", params={**params, "edge_tolerance_ms": -1}).status_code == 422
 
     # Midnight is no edge of an allocation that runs through it: 3 s unmetered there are a gap.
-    for i, (kind, node, at_ms) in enumerate((("start", None, day - 10 * MINUTE), ("node_added", "n2", day - 10 * MINUTE),
-                                             ("node_removed", "n2", day + 10 * MINUTE),
-                                             ("end", None, day + 10 * MINUTE))):
-        body = {"event_id": f"midnight-{i}", "allocation_id": "a2", "tenant_id": "t1", "kind": kind,
-                "at_ms": at_ms, "node_id": node, "gpu_type": "h100"}
+    for i, (kind, node, at_ms) in enumerate(
+        (
+            ("start", None, day - 10 * MINUTE),
+            ("node_added", "n2", day - 10 * MINUTE),
+            ("node_removed", "n2", day + 10 * MINUTE),
+            ("end", None, day + 10 * MINUTE),
+        )
+    ):
+        body = {
+            "event_id": f"midnight-{i}",
+            "allocation_id": "a2",
+            "tenant_id": "t1",
+            "kind": kind,
+            "at_ms": at_ms,
+            "node_id": node,
+            "gpu_type": "h100",
+        }
         assert ledger.post("/v1/allocation-events", json=body).status_code == 201
     before = [sample(seq, node="n2", allocation="a2", start=day - 10 * MINUTE) for seq in range(1, 11)]
     after = {**sample(11, node="n2", allocation="a2", start=day), "start_ms": day + 3_000, "end_ms": day + 10 * MINUTE}
@@ -248,8 +319,10 @@ def test_reconciliation_tolerates_the_moments_between_the_agents_and_the_control
 def close_and_fetch(client: httpx.Client, period: str) -> dict[str, bytes]:
     response = client.post(f"/v1/periods/{period}:close")
     assert response.status_code == 200, response.text
-    return {invoice["tenant_id"]: client.get(f"/v1/periods/{period}/invoices/{invoice['tenant_id']}").content
-            for invoice in response.json()["invoices"]}
+    return {
+        invoice["tenant_id"]: client.get(f"/v1/periods/{period}/invoices/{invoice['tenant_id']}").content
+        for invoice in response.json()["invoices"]
+    }
 
 
 JANUARY_USAGE = (
@@ -263,7 +336,7 @@ def test_invoice_close_is_reproducible_and_late_usage_is_adjusted_next_period(
     ledger: httpx.Client, tmp_path: Path
 ) -> None:
     for start in range(0, len(JANUARY_USAGE), 128):
-        ingest(ledger, JANUARY_USAGE[start:start + 128])
+        ingest(ledger, JANUARY_USAGE[start : start + 128])
     assert ingest(ledger, [sample(1, node="n4", start=FEB)])["accepted"] == 1  # February usage
     january = close_and_fetch(ledger, "2024-01")
     assert sorted(january) == ["t-disc", "t1"]
@@ -278,7 +351,7 @@ def test_invoice_close_is_reproducible_and_late_usage_is_adjusted_next_period(
         with httpx.Client(base_url=url, timeout=30) as replica:
             replica.post("/v1/price-book/versions", json=PRICE_BOOK)
             for start in range(0, len(shuffled), 333):
-                ingest(replica, shuffled[start:start + 333])
+                ingest(replica, shuffled[start : start + 333])
             assert close_and_fetch(replica, "2024-01") == january
 
     # Usage from January that arrives after January closed: an adjustment on February's invoice.
@@ -321,8 +394,11 @@ def test_price_book_versions(ledger: httpx.Client) -> None:
     assert usage(ledger, start=FEB)["amount_micro"] == Rate(3_000_000).amount_for(8 * MINUTE)
     twice = {"effective_from_ms": FEB + 1, "prices": [{"gpu_type": "h100", "price_per_hour_micro": 1}] * 2}
     assert ledger.post("/v1/price-book/versions", json=twice).status_code == 422
-    bad_percent = {**later, "effective_from_ms": FEB + 2,
-                   "discounts": [{"tenant_id": "t", "gpu_type": "h100", "percent": "12.345"}]}
+    bad_percent = {
+        **later,
+        "effective_from_ms": FEB + 2,
+        "discounts": [{"tenant_id": "t", "gpu_type": "h100", "percent": "12.345"}],
+    }
     assert ledger.post("/v1/price-book/versions", json=bad_percent).status_code == 422
 
 

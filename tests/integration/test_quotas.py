@@ -33,8 +33,12 @@ async def ready(db_url, make_harness, in_process_worker):
 
 async def test_quota_exceeded_is_a_409_naming_quota_limit_and_usage(ready):
     h = ready
-    tenant_id, key = await h.onboard(quotas=[{"gpu_type": "H100", "region": "us-east-1", "max_gpus": 16},
-                                             {"gpu_type": "*", "region": "*", "max_gpus": 0}])
+    tenant_id, key = await h.onboard(
+        quotas=[
+            {"gpu_type": "H100", "region": "us-east-1", "max_gpus": 16},
+            {"gpu_type": "*", "region": "*", "max_gpus": 0},
+        ]
+    )
     with h.client(key) as c:
         assert c.post("/v1/allocations", json={**ALLOC, "node_count": 2}).status_code == 202
         refused = c.post("/v1/allocations", json=ALLOC)
@@ -46,13 +50,21 @@ async def test_quota_exceeded_is_a_409_naming_quota_limit_and_usage(ready):
         assert (problem["usage_gpus"], problem["requested_gpus"]) == (16, 8)
         assert "16" in problem["detail"] and "H100" in problem["detail"] and "us-east-1" in problem["detail"]
         report = c.get(f"/v1/tenants/{tenant_id}/quotas").json()
-        assert report["usage"] == [{"gpu_type": "H100", "region": "us-east-1", "usage_gpus": 16, "max_gpus": 16,
-                                    "quota": {"gpu_type": "H100", "region": "us-east-1", "max_gpus": 16}}]
+        assert report["usage"] == [
+            {
+                "gpu_type": "H100",
+                "region": "us-east-1",
+                "usage_gpus": 16,
+                "max_gpus": 16,
+                "quota": {"gpu_type": "H100", "region": "us-east-1", "max_gpus": 16},
+            }
+        ]
         # Tenants read quotas, operators change them.
         assert c.put(f"/v1/tenants/{tenant_id}/quotas", json={"quotas": []}).status_code == 403
     with h.operator as op:
-        raised = op.put(f"/v1/tenants/{tenant_id}/quotas",
-                        json={"quotas": [{"gpu_type": "H100", "region": "*", "max_gpus": 24}]})
+        raised = op.put(
+            f"/v1/tenants/{tenant_id}/quotas", json={"quotas": [{"gpu_type": "H100", "region": "*", "max_gpus": 24}]}
+        )
         assert raised.status_code == 200 and raised.json()["usage"][0]["max_gpus"] == 24
     with h.client(key) as c:
         assert c.post("/v1/allocations", json=ALLOC).status_code == 202
@@ -84,9 +96,19 @@ def _seed(db_url: str, *, nodes: int, max_gpus: int) -> str:
         session.flush()
         session.add(TenantQuota(tenant_id=tenant.id, gpu_type="H100", region="us-east-1", max_gpus=max_gpus))
         for i in range(nodes):
-            session.add(Node(id=f"{tag}-{i:03d}", hostname=f"h{i}", region="us-east-1", pod=f"pod{i % 4}",
-                             rack=f"rack{i}", gpu_type="H100", gpu_count=8, agent_url="http://unused",
-                             state=NodeState.AVAILABLE))
+            session.add(
+                Node(
+                    id=f"{tag}-{i:03d}",
+                    hostname=f"h{i}",
+                    region="us-east-1",
+                    pod=f"pod{i % 4}",
+                    rack=f"rack{i}",
+                    gpu_type="H100",
+                    gpu_count=8,
+                    agent_url="http://unused",
+                    state=NodeState.AVAILABLE,
+                )
+            )
         return tenant.id
 
 
@@ -109,6 +131,9 @@ def test_admission_is_exact_under_concurrent_transactions(db_url, tmp_path):
         outcomes = list(pool.map(create, range(16)))
     assert sorted(outcomes) == ["created"] * 5 + ["quota-exceeded"] * 11
     with session_scope(db_url) as session:
-        live = [a for a in session.query(Allocation).filter(Allocation.tenant_id == tenant_id).all()
-                if a.status not in TERMINAL_ALLOCATION]
+        live = [
+            a
+            for a in session.query(Allocation).filter(Allocation.tenant_id == tenant_id).all()
+            if a.status not in TERMINAL_ALLOCATION
+        ]
     assert sum(a.node_count for a in live) == 5

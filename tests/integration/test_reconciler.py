@@ -26,14 +26,17 @@ async def test_converged_fleet_sweep_starts_nothing(db_url, make_harness, in_pro
 
 
 async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
-        db_url, make_harness, in_process_worker, temporal_env):
+    db_url, make_harness, in_process_worker, temporal_env
+):
     # Deadlines x 0.002: provisioning 3.6 s, wiping 7.2 s, burn-in 29 s; provision takes ~2 s.
-    h, worker = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, latency_scale=5.0,
-                                   deadline_scale=0.002)
+    h, worker = await _ready_fleet(
+        make_harness, in_process_worker, db_url, nodes=2, latency_scale=5.0, deadline_scale=0.002
+    )
     _, key = await h.onboard()
     with h.client(key) as c:
-        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
-                                                   "region": "us-east-1"}).json()["allocation"]["id"]
+        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()[
+            "allocation"
+        ]["id"]
     await async_wait_until(lambda: any(n["state"] == "provisioning" for n in h.nodes()), what="provisioning")
     await worker.__aexit__(None, None, None)  # the worker goes down mid-provisioning
     await asyncio.sleep(4.5)  # ... long enough for the provisioning deadline to pass
@@ -42,9 +45,11 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
     result = await h.sweep(temporal_env.client)
     assert result.deadlines_applied >= 1
     events = h.operator.get(f"/v1/nodes/{h.nodes()[0]['id']}/events").json()["items"]
-    assert any(e["event"] == "deadline" and e["actor"] == "reconciler" for e in events) or \
-        any(e["event"] == "deadline" for n in h.nodes() for e in h.operator.get(
-            f"/v1/nodes/{n['id']}/events").json()["items"])
+    assert any(e["event"] == "deadline" and e["actor"] == "reconciler" for e in events) or any(
+        e["event"] == "deadline"
+        for n in h.nodes()
+        for e in h.operator.get(f"/v1/nodes/{n['id']}/events").json()["items"]
+    )
     # The overdue nodes went to provisioning's failure target (wiping) and back through burn-in.
     await h.wait_states({"available": 2}, timeout_s=90)
     failed = await h.wait_allocation(key, alloc_id, "failed", timeout_s=60)
@@ -77,8 +82,9 @@ async def test_drift_active_node_wiped_behind_our_back_is_restored(db_url, make_
     h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
     tenant_id, key = await h.onboard()
     with h.client(key) as c:
-        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1,
-                                                   "region": "us-east-1"}).json()["allocation"]["id"]
+        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}).json()[
+            "allocation"
+        ]["id"]
     ready = await h.wait_allocation(key, alloc_id, "ready")
     node_id = ready["node_ids"][0]
     h.sim.drift(node_id, "wipe")
@@ -114,8 +120,10 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, ma
         # A cordoned node is never placed.
         _, key = await h.onboard()
         with h.client(key) as c:
-            assert c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
-                                                   "region": "us-east-1"}).status_code == 409
+            assert (
+                c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).status_code
+                == 409
+            )
         assert op.post(f"/v1/nodes/{a}/maintenance", json={"enabled": False}).status_code == 200
         assert not op.post(f"/v1/nodes/{a}/uncordon").json()["node"]["cordoned"]
 

@@ -108,8 +108,14 @@ class Tenant:
     def chunks(self) -> LocalChunkStore:
         return LocalChunkStore(self.server_dir / "registry" / "tenants" / self.id)
 
-    def push(self, source: Path, *, model: str = "llama", lineage: Lineage | None = None,
-             transport: httpx.BaseTransport | None = None) -> PushOutcome:
+    def push(
+        self,
+        source: Path,
+        *,
+        model: str = "llama",
+        lineage: Lineage | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> PushOutcome:
         with self.client(transport) as client:
             return push_directory(client, source, model=model, signer=self.signer, lineage=lineage, policy=POLICY)
 
@@ -138,8 +144,9 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     from gpucloud.config import Settings
     from gpucloud.stack import free_port
 
-    settings = Settings(data_dir=tmp_path / "server", database_url=db_url, operator_token=OPERATOR,
-                        api_port=free_port())
+    settings = Settings(
+        data_dir=tmp_path / "server", database_url=db_url, operator_token=OPERATOR, api_port=free_port()
+    )
     app = create_app(settings, temporal=temporal_env.client)
     # Works before and after the router is registered in create_app.
     if not any(getattr(r, "path", "").startswith("/v1/models") for r in app.routes):
@@ -168,8 +175,9 @@ def test_push_dedups_between_versions_and_pull_round_trips(registry: Registry, t
     # A fine-tune rewrites two tensors: exactly their chunks go up, everything else is shared.
     tensors["layer.3"], tensors["layer.6"] = os.urandom(9000), os.urandom(5000)
     v2_dir = write_model(tmp_path / "v2", tensors)
-    expected = {c.id for c in chunk_file(v2_dir / "model.safetensors", policy=POLICY).chunks} \
-        - v1.signed.manifest.chunk_ids()
+    expected = {
+        c.id for c in chunk_file(v2_dir / "model.safetensors", policy=POLICY).chunks
+    } - v1.signed.manifest.chunk_ids()
     second = Recorder()
     v2 = tenant.push(v2_dir, transport=second, lineage=Lineage(parent=v1.digest, base_model="llama-3"))
     assert set(second.uploads()) == expected and len(second.uploads()) == len(expected)
@@ -236,14 +244,21 @@ def _corrupt(kind: str, tenant: Tenant, outcome: PushOutcome) -> None:
             http.delete(f"/v1/signing-keys/{outcome.signed.key_id}").raise_for_status()
 
 
-@pytest.mark.parametrize(("kind", "error", "named"), [
-    ("corrupted", ChunkCorruptedError, "chunk"), ("truncated", ChunkTruncatedError, "chunk"),
-    ("swapped", ChunkSwappedError, "chunk"), ("missing", ChunkMissingError, "chunk"),
-    ("tampered-manifest", ManifestTamperedError, "digest"), ("bad-signature", BadSignatureError, "key"),
-    ("revoked-key", UnknownKeyError, "key"),
-])
-def test_pull_fails_closed_on_every_corruption(registry: Registry, tmp_path: Path, kind: str,
-                                               error: type[IntegrityError], named: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "error", "named"),
+    [
+        ("corrupted", ChunkCorruptedError, "chunk"),
+        ("truncated", ChunkTruncatedError, "chunk"),
+        ("swapped", ChunkSwappedError, "chunk"),
+        ("missing", ChunkMissingError, "chunk"),
+        ("tampered-manifest", ManifestTamperedError, "digest"),
+        ("bad-signature", BadSignatureError, "key"),
+        ("revoked-key", UnknownKeyError, "key"),
+    ],
+)
+def test_pull_fails_closed_on_every_corruption(
+    registry: Registry, tmp_path: Path, kind: str, error: type[IntegrityError], named: str
+) -> None:
     tenant = registry.new_tenant()
     outcome = tenant.push(write_model(tmp_path / "v1", random_tensors()))
     _corrupt(kind, tenant, outcome)
@@ -265,20 +280,26 @@ def test_push_refuses_tampered_manifests_unknown_keys_and_missing_chunks(registr
     tenant = registry.new_tenant()
     good = tenant.push(write_model(tmp_path / "v1", random_tensors()))
     base = good.signed.manifest
-    tampered = good.signed.model_copy(update={"manifest": base.model_copy(update={"lineage": Lineage(
-        training_run="forged")})})
+    tampered = good.signed.model_copy(
+        update={"manifest": base.model_copy(update={"lineage": Lineage(training_run="forged")})}
+    )
     stranger = Signer.generate().sign(Manifest.build(model="llama", files=base.files))
     missing_file = chunk_file(write_model(tmp_path / "v2", random_tensors()) / "model.safetensors", policy=POLICY)
     unuploaded = tenant.signer.sign(Manifest.build(model="llama", files={"w.safetensors": missing_file}))
     wrong_model = tenant.signer.sign(Manifest.build(model="other", files=base.files))
     orphan = tenant.signer.sign(Manifest.build(model="llama", files=base.files, lineage=Lineage(parent="a" * 64)))
     with tenant.http() as http:
+
         def post(signed) -> httpx.Response:
-            return http.post("/v1/models/llama/versions", content=signed.model_dump_json(),
-                             headers={"content-type": "application/json"})
+            return http.post(
+                "/v1/models/llama/versions",
+                content=signed.model_dump_json(),
+                headers={"content-type": "application/json"},
+            )
 
         for signed, status, kind, field in [
-            (tampered, 422, "bad-signature", "signature"), (stranger, 422, "unknown-signing-key", "key_id"),
+            (tampered, 422, "bad-signature", "signature"),
+            (stranger, 422, "unknown-signing-key", "key_id"),
             (wrong_model, 422, "invalid-request", "manifest.model"),
             (orphan, 422, "invalid-request", "manifest.lineage.parent"),
             (unuploaded, 409, "chunks-missing", None),
@@ -316,27 +337,32 @@ def test_chunk_upload_verifies_blake3_before_storing(registry: Registry) -> None
     assert not tenant.chunks.has(wrong_id)
 
 
-def _evaluate(tenant: Tenant, digest: str, results: dict[str, float], signer: Signer | None = None,
-              version: str | None = None) -> httpx.Response:
+def _evaluate(
+    tenant: Tenant, digest: str, results: dict[str, float], signer: Signer | None = None, version: str | None = None
+) -> httpx.Response:
     from datetime import UTC, datetime
 
-    record = EvaluationRecord(version=version or digest, evaluator="eval-suite", results=results,
-                              recorded_at=datetime.now(UTC))
+    record = EvaluationRecord(
+        version=version or digest, evaluator="eval-suite", results=results, recorded_at=datetime.now(UTC)
+    )
     with tenant.http() as http:
-        return http.post(f"/v1/models/gated/versions/{digest}/evaluations",
-                         content=(signer or tenant.signer).sign_evaluation(record).model_dump_json(),
-                         headers={"content-type": "application/json"})
+        return http.post(
+            f"/v1/models/gated/versions/{digest}/evaluations",
+            content=(signer or tenant.signer).sign_evaluation(record).model_dump_json(),
+            headers={"content-type": "application/json"},
+        )
 
 
 def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -> None:
     tenant = registry.new_tenant()
-    gates = [{"metric": "accuracy", "min": 0.7, "max_regression": 0.02},
-             {"metric": "latency_ms", "max": 100, "max_regression": 10, "higher_is_better": False}]
+    gates = [
+        {"metric": "accuracy", "min": 0.7, "max_regression": 0.02},
+        {"metric": "latency_ms", "max": 100, "max_regression": 10, "higher_is_better": False},
+    ]
     with tenant.http() as http:
         http.post("/v1/models", json={"name": "gated", "gates": gates}).raise_for_status()
     v1 = tenant.push(write_model(tmp_path / "v1", random_tensors()), model="gated")
-    v2 = tenant.push(write_model(tmp_path / "v2", random_tensors()), model="gated",
-                     lineage=Lineage(parent=v1.digest))
+    v2 = tenant.push(write_model(tmp_path / "v2", random_tensors()), model="gated", lineage=Lineage(parent=v1.digest))
 
     def promote(digest: str, alias: str) -> httpx.Response:
         with tenant.http() as http:
@@ -362,9 +388,14 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
     with tenant.http() as http:
         model = http.get("/v1/models/gated").json()
         assert {a["name"]: a["version"] for a in model["aliases"]} == {
-            "candidate": v1.digest, "staging": v2.digest, "production": v2.digest}
+            "candidate": v1.digest,
+            "staging": v2.digest,
+            "production": v2.digest,
+        }
         assert http.get("/v1/models/gated/versions/production").json()["metrics"] == {
-            "accuracy": 0.81, "latency_ms": 85}
+            "accuracy": 0.81,
+            "latency_ms": 85,
+        }
 
     unknown = _evaluate(tenant, v2.digest, {"accuracy": 1.0}, signer=Signer.generate())
     assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "key_id"
@@ -377,9 +408,14 @@ def test_tenants_cannot_see_each_others_models_versions_or_chunks(registry: Regi
     pushed = alice.push(write_model(tmp_path / "v1", random_tensors()))
     chunk = next(iter(pushed.signed.manifest.chunk_ids()))
     with bob.http() as http:
-        for path in ["/v1/models/llama", "/v1/models/llama/versions", f"/v1/models/llama/versions/{pushed.digest}",
-                     f"/v1/models/llama/versions/{pushed.digest}/manifest", f"/v1/models/llama/chunks/{chunk}",
-                     f"/v1/models/llama/versions/{pushed.digest}/ancestors"]:
+        for path in [
+            "/v1/models/llama",
+            "/v1/models/llama/versions",
+            f"/v1/models/llama/versions/{pushed.digest}",
+            f"/v1/models/llama/versions/{pushed.digest}/manifest",
+            f"/v1/models/llama/chunks/{chunk}",
+            f"/v1/models/llama/versions/{pushed.digest}/ancestors",
+        ]:
             response = http.get(path)
             assert response.status_code == 404, path
             assert alice.id not in response.text
@@ -412,8 +448,9 @@ def test_versions_paginate_and_bad_input_is_a_4xx_naming_the_field(registry: Reg
     with tenant.http() as http:
         seen, token = [], ""
         while True:
-            page = http.get("/v1/models/llama/versions",
-                            params={"page_size": 2, **({"page_token": token} if token else {})}).json()
+            page = http.get(
+                "/v1/models/llama/versions", params={"page_size": 2, **({"page_token": token} if token else {})}
+            ).json()
             seen += [v["digest"] for v in page["items"]]
             if len(seen) == 2:  # a version pushed mid-listing shifts nothing
                 (tmp_path / "late").mkdir()
@@ -431,15 +468,21 @@ def test_versions_paginate_and_bad_input_is_a_4xx_naming_the_field(registry: Reg
         assert field_of(http.get("/v1/models/llama/versions", params={"page_size": 0})) == "page_size"
         assert "page_token" in field_of(http.get("/v1/models/llama/versions", params={"page_token": "x"}), 400)
         assert field_of(http.post("/v1/models", json={"name": "Not OK"})) == "name"
-        assert field_of(http.post("/v1/models", json={"name": "m", "gates": [
-            {"metric": "a", "min": 2, "max": 1}]})).startswith("gates.0")
-        assert field_of(http.post("/v1/models", json={"name": "m", "gates": [
-            {"metric": "a", "min": 1}, {"metric": "a", "max": 2}]})) == "gates"
+        assert field_of(
+            http.post("/v1/models", json={"name": "m", "gates": [{"metric": "a", "min": 2, "max": 1}]})
+        ).startswith("gates.0")
+        assert (
+            field_of(
+                http.post(
+                    "/v1/models", json={"name": "m", "gates": [{"metric": "a", "min": 1}, {"metric": "a", "max": 2}]}
+                )
+            )
+            == "gates"
+        )
         assert field_of(http.put("/v1/models/llama/aliases/prod", json={"version": digests[0]})) == "alias"
         assert field_of(http.put("/v1/models/llama/aliases/staging", json={"version": "zz"})) == "version"
         assert field_of(http.post("/v1/signing-keys", json={"public_key": "xyz"})) == "public_key"
-        assert field_of(http.post("/v1/models/llama/chunks:missing",
-                                  json={"chunk_ids": ["nope"]})) == "chunk_ids.0"
+        assert field_of(http.post("/v1/models/llama/chunks:missing", json={"chunk_ids": ["nope"]})) == "chunk_ids.0"
         manifest = json.loads(tenant.signer.sign(Manifest.build(model="llama", files={})).model_dump_json())
         manifest["manifest"]["files"] = {"../escape": {"size": 0, "chunks": []}}
         assert field_of(http.post("/v1/models/llama/versions", json=manifest)).startswith("manifest.files")
@@ -452,8 +495,12 @@ def test_versions_paginate_and_bad_input_is_a_4xx_naming_the_field(registry: Reg
 
 def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: Path) -> None:
     tenant = registry.new_tenant()
-    env = {"GPUCLOUD_API_URL": registry.url, "GPUCLOUD_API_KEY": tenant.key, "GPUCLOUD_DATA_DIR": str(tenant.data_dir),
-           "COLUMNS": "200"}
+    env = {
+        "GPUCLOUD_API_URL": registry.url,
+        "GPUCLOUD_API_KEY": tenant.key,
+        "GPUCLOUD_DATA_DIR": str(tenant.data_dir),
+        "COLUMNS": "200",
+    }
     runner = CliRunner()
 
     def run(*args: str, code: int = 0):
@@ -497,10 +544,21 @@ def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, moto_en
 
     # moto keeps one in-memory S3 per process: a bucket per test keeps the runs apart.
     bucket = f"weights-{uuid.uuid4().hex[:8]}"
-    settings = RegistrySettings(backend="s3", endpoint_url=moto_endpoint, bucket=bucket, region="us-east-1",
-                                access_key_id="testing", secret_access_key="testing")
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    settings = RegistrySettings(
+        backend="s3",
+        endpoint_url=moto_endpoint,
+        bucket=bucket,
+        region="us-east-1",
+        access_key_id="testing",
+        secret_access_key="testing",
+    )
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     s3.create_bucket(Bucket=bucket)
     registry.app.state.registry_stores = build_stores(settings, data_dir=tmp_path)
     tenant = registry.new_tenant()

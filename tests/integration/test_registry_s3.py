@@ -95,12 +95,8 @@ def bucket(endpoint: str) -> Bucket:
     client.create_bucket(Bucket=name)
     signer, keyring = Signer.generate(), Keyring()
     keyring.trust("acme", signer.verify_key)
-    chunks = S3ChunkStore(
-        client, name, prefix=PREFIX, multipart_threshold=5 * MiB, part_size=5 * MiB, read_size=1000
-    )
-    return Bucket(
-        client, name, chunks, S3ManifestStore(client, name, prefix=PREFIX), signer, keyring
-    )
+    chunks = S3ChunkStore(client, name, prefix=PREFIX, multipart_threshold=5 * MiB, part_size=5 * MiB, read_size=1000)
+    return Bucket(client, name, chunks, S3ManifestStore(client, name, prefix=PREFIX), signer, keyring)
 
 
 def write_model(directory: Path, tensors: dict[str, bytes]) -> Path:
@@ -127,12 +123,8 @@ def test_push_pull_and_dedup_over_s3(bucket: Bucket, tmp_path: Path) -> None:
     tensors = random_tensors()
     v1 = bucket.push(write_model(tmp_path / "v1", tensors))
     tuned = write_model(tmp_path / "v2", dict(tensors, **{"layer.3": os.urandom(9000)}))
-    old_ids = {
-        c.id for c in chunk_file(tmp_path / "v1" / "model.safetensors", policy=POLICY).chunks
-    }
-    expected = {
-        c.id for c in chunk_file(tuned / "model.safetensors", policy=POLICY).chunks
-    } - old_ids
+    old_ids = {c.id for c in chunk_file(tmp_path / "v1" / "model.safetensors", policy=POLICY).chunks}
+    expected = {c.id for c in chunk_file(tuned / "model.safetensors", policy=POLICY).chunks} - old_ids
 
     v2 = bucket.push(tuned)
 
@@ -173,9 +165,7 @@ def test_large_chunks_go_up_as_verified_multipart_uploads(bucket: Bucket, tmp_pa
     source.mkdir()
     (source / "blob.bin").write_bytes(os.urandom(11 * MiB))
     calls: list[str] = []
-    bucket.client.meta.events.register(
-        "before-call.s3.UploadPart", lambda **kwargs: calls.append("part")
-    )
+    bucket.client.meta.events.register("before-call.s3.UploadPart", lambda **kwargs: calls.append("part"))
 
     result = bucket.push(source, policy=ChunkPolicy(fixed_chunk_size=11 * MiB, read_size=1 * MiB))
 
@@ -224,9 +214,7 @@ CORRUPTIONS = {
     ),
     "missing": (lambda b, d: b.chunks.delete(_chunk(b, d, 2).id), ChunkMissingError),
     "tampered-manifest": (
-        lambda b, d: _edit_manifest(
-            b, d, lambda m: m["manifest"]["lineage"].update(base_model="x")
-        ),
+        lambda b, d: _edit_manifest(b, d, lambda m: m["manifest"]["lineage"].update(base_model="x")),
         ManifestTamperedError,
     ),
     "bad-signature": (lambda b, d: _edit_manifest(b, d, _flip_signature), BadSignatureError),
@@ -234,9 +222,7 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
-def test_corruption_in_s3_is_refused_and_nothing_appears(
-    bucket: Bucket, tmp_path: Path, corruption: str
-) -> None:
+def test_corruption_in_s3_is_refused_and_nothing_appears(bucket: Bucket, tmp_path: Path, corruption: str) -> None:
     result = bucket.push(write_model(tmp_path / "v1", random_tensors()))
     damage, expected = CORRUPTIONS[corruption]
     damage(bucket, result.digest)
@@ -252,9 +238,7 @@ def test_untrusted_signer_over_s3(bucket: Bucket, tmp_path: Path) -> None:
         bucket.pull(result.digest, tmp_path / "out")
 
 
-def test_gc_over_s3_uses_last_modified_and_aborts_stale_uploads(
-    bucket: Bucket, tmp_path: Path
-) -> None:
+def test_gc_over_s3_uses_last_modified_and_aborts_stale_uploads(bucket: Bucket, tmp_path: Path) -> None:
     result = bucket.push(write_model(tmp_path / "v1", random_tensors()))
     stray = os.urandom(2000)
     stray_id = blake3.blake3(stray).hexdigest()
@@ -267,9 +251,7 @@ def test_gc_over_s3_uses_last_modified_and_aborts_stale_uploads(
     bucket.client.create_multipart_upload(Bucket=bucket.name, Key=bucket.chunks.key(stray_id))
 
     later = datetime.now(UTC) + timedelta(hours=2)
-    result_gc = collect_garbage(
-        bucket.chunks, bucket.manifests, grace_period=timedelta(hours=1), now=later
-    )
+    result_gc = collect_garbage(bucket.chunks, bucket.manifests, grace_period=timedelta(hours=1), now=later)
 
     assert result_gc.deleted_ids == [stray_id] and result_gc.uploads_aborted == 1
     assert not bucket.chunks.has(stray_id)

@@ -39,8 +39,9 @@ async def test_fresh_allocation_history_replays(db_url, make_harness, in_process
     await h.wait_states({"available": 2})
     _, key = await h.onboard()
     with h.client(key) as c:
-        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2,
-                                                   "region": "us-east-1"}).json()["allocation"]["id"]
+        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()[
+            "allocation"
+        ]["id"]
         await h.wait_allocation(key, alloc_id, "ready")
         c.post(f"/v1/allocations/{alloc_id}/cancel")
         await h.wait_allocation(key, alloc_id, "released")

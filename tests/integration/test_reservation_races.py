@@ -18,11 +18,23 @@ from gpucloud.services import nodes as node_service
 
 def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
     with session_scope(db_url) as session:
-        node_service.enroll_nodes(session, [
-            NodeEnroll(id=f"n-{p}-{i:02d}", hostname=f"h{p}{i}", region="r1", pod=f"pod{p}", rack=f"pod{p}-r{i // 4}",
-                       gpu_type="H100", gpu_count=8, agent_url="http://unused")
-            for p in range(pods) for i in range(per_pod)
-        ])
+        node_service.enroll_nodes(
+            session,
+            [
+                NodeEnroll(
+                    id=f"n-{p}-{i:02d}",
+                    hostname=f"h{p}{i}",
+                    region="r1",
+                    pod=f"pod{p}",
+                    rack=f"pod{p}-r{i // 4}",
+                    gpu_type="H100",
+                    gpu_count=8,
+                    agent_url="http://unused",
+                )
+                for p in range(pods)
+                for i in range(per_pod)
+            ],
+        )
         for node in session.exec(select(Node)).all():
             node.state = "available"
             session.add(node)

@@ -85,8 +85,15 @@ class Fleet:
         for relative, data in files.items():
             (source / relative).parent.mkdir(parents=True, exist_ok=True)
             (source / relative).write_bytes(data)
-        signed = push(source, model="llama-mini", chunk_store=self.store, manifest_store=self.manifests,
-                      signer=self.signer, policy=POLICY, settle_seconds=0).signed
+        signed = push(
+            source,
+            model="llama-mini",
+            chunk_store=self.store,
+            manifest_store=self.manifests,
+            signer=self.signer,
+            policy=POLICY,
+            settle_seconds=0,
+        ).signed
         return signed, files
 
     def install(self, signed: SignedManifest) -> None:
@@ -126,8 +133,13 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
             cache = ChunkCache(tmp_path / node, keyring=keyring, tenant=TENANT)
             app = create_peer_app(cache)
             agent = Agent(node, f"rack-{i // PER_RACK}", cache, PeerServer(app))
-            install_weights_api(app, node_id=node, cache=cache, eval_probe=eval_from_config,
-                                health=lambda h=agent.health: (h["ok"], "" if h["ok"] else "GPU 3 fell off the bus"))
+            install_weights_api(
+                app,
+                node_id=node,
+                cache=cache,
+                eval_probe=eval_from_config,
+                health=lambda h=agent.health: (h["ok"], "" if h["ok"] else "GPU 3 fell off the bus"),
+            )
             servers.append(agent.server)
             agent.server.start()
             agents.append(agent)
@@ -142,8 +154,14 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 async def rollout_worker(client: Client, fleet: Fleet, task_queue: str) -> AsyncIterator[Worker]:
     activities = RolloutActivities(tracker_url=fleet.tracker.base_url, manifests=lambda tenant: fleet.manifests)
     with ThreadPoolExecutor(4, thread_name_prefix="rollout-activity") as executor:
-        worker = Worker(client, task_queue=task_queue, workflows=[RolloutWorkflow], activities=activities.all(),
-                        activity_executor=executor, graceful_shutdown_timeout=timedelta(seconds=5))
+        worker = Worker(
+            client,
+            task_queue=task_queue,
+            workflows=[RolloutWorkflow],
+            activities=activities.all(),
+            activity_executor=executor,
+            graceful_shutdown_timeout=timedelta(seconds=5),
+        )
         try:
             async with worker:
                 yield worker
@@ -158,12 +176,22 @@ def task_queue() -> str:
 
 async def start(client: Client, fleet: Fleet, task_queue: str, signed: SignedManifest, **options) -> WorkflowHandle:
     rollout_id = f"rollout-{uuid.uuid4().hex[:10]}"
-    inp = RolloutInput(rollout_id=rollout_id, tenant_id=TENANT, model_version=signed.digest,
-                       nodes=fleet.targets(), **{"bake_s": 0.2} | options)
+    inp = RolloutInput(
+        rollout_id=rollout_id,
+        tenant_id=TENANT,
+        model_version=signed.digest,
+        nodes=fleet.targets(),
+        **{"bake_s": 0.2} | options,
+    )
     return await client.start_workflow(
-        RolloutWorkflow.run, inp, id=rollout_id, task_queue=task_queue,
-        search_attributes=search_attributes.typed((search_attributes.MODEL_VERSION, signed.digest),
-                                                  (search_attributes.TENANT_ID, TENANT)))
+        RolloutWorkflow.run,
+        inp,
+        id=rollout_id,
+        task_queue=task_queue,
+        search_attributes=search_attributes.typed(
+            (search_attributes.MODEL_VERSION, signed.digest), (search_attributes.TENANT_ID, TENANT)
+        ),
+    )
 
 
 async def wait_for(handle: WorkflowHandle, predicate, timeout_s: float = 20.0) -> RolloutProgress:
@@ -269,9 +297,7 @@ async def test_pause_holds_the_next_wave_and_abort_mid_wave_rolls_back_what_was_
         await handle.execute_update(RolloutWorkflow.pause, ReasonInput())
 
 
-async def test_the_rollout_survives_a_worker_restart_during_a_bake(
-    temporal_env, fleet: Fleet, task_queue: str
-) -> None:
+async def test_the_rollout_survives_a_worker_restart_during_a_bake(temporal_env, fleet: Fleet, task_queue: str) -> None:
     v2, v2_files = fleet.push("v2", seed=2)
     client = temporal_env.client
     async with rollout_worker(client, fleet, task_queue):

@@ -31,16 +31,18 @@ def _push(api_url: str, tenant_id: str, key: str, tmp_path) -> tuple[str, int]:
     header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
     (source / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
     with RegistryClient(api_url, key) as client:
-        pushed = push_directory(client, source, model="m", signer=signer_for(tmp_path / "keys", tenant_id),
-                                policy=POLICY)
+        pushed = push_directory(
+            client, source, model="m", signer=signer_for(tmp_path / "keys", tenant_id), policy=POLICY
+        )
     return pushed.digest, pushed.signed.manifest.total_size
 
 
 async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_the_allocation(
     db_url, make_harness, in_process_worker, tmp_path, monkeypatch
 ) -> None:
-    tracker = PeerServer(create_tracker_app(chunk_store=RegistryOrigin(build_stores(data_dir=tmp_path),
-                                                                       tenants_in(db_url))))
+    tracker = PeerServer(
+        create_tracker_app(chunk_store=RegistryOrigin(build_stores(data_dir=tmp_path), tenants_in(db_url)))
+    )
     tracker_url = tracker.start()
     try:
         with monkeypatch.context() as env:  # the sim process reads tenants' keys from this DB
@@ -57,16 +59,26 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
             ready = await h.wait_allocation(key, alloc.json()["allocation"]["id"], "ready")
             digest, size = await asyncio.to_thread(_push, h.settings.api_url, tenant_id, key, tmp_path)
 
-            body = {"model_version": digest, "allocation_id": ready["id"], "bake_s": 0.2,
-                    "waves": [{"nodes": 1}, {"fraction": 1.0}]}
+            body = {
+                "model_version": digest,
+                "allocation_id": ready["id"],
+                "bake_s": 0.2,
+                "waves": [{"nodes": 1}, {"fraction": 1.0}],
+            }
             started = tenant.post("/v1/rollouts", json=body, headers={"Idempotency-Key": str(uuid.uuid4())})
             assert started.status_code == 202, started.text
             rollout_id = started.json()["rollout_id"]
             # Reads query the workflow, which the in-process worker answers on this event loop: off it.
             final = await async_wait_until(
-                lambda: (p := tenant.get(f"/v1/rollouts/{rollout_id}").json())["phase"]
-                in ("succeeded", "rolled_back", "failed") and p,
-                timeout_s=60, interval_s=0.2, what=f"rollout {rollout_id}")
+                lambda: (
+                    (p := tenant.get(f"/v1/rollouts/{rollout_id}").json())["phase"]
+                    in ("succeeded", "rolled_back", "failed")
+                    and p
+                ),
+                timeout_s=60,
+                interval_s=0.2,
+                what=f"rollout {rollout_id}",
+            )
 
         assert final["phase"] == "succeeded", final
         assert [len(w) for w in final["waves"]] == [1, 3]

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from ledger_harness import free_port, ledger_in_thread
 
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
 from gpucloud.sim.metering import FleetMetering
-from ledger_harness import free_port, ledger_in_thread
 from support.stack import wait_until
 
 INTERVAL_MS = 50
@@ -33,8 +33,12 @@ def running(metering: FleetMetering) -> Iterator[FleetMetering]:
 
 
 def metered_gpu_ms(report: dict, allocation_id: str) -> int:
-    return sum((a["ended_ms"] - a["started_ms"]) * a["gpu_count"]
-               for node in report["nodes"].values() for a in node["allocations"] if a["allocation_id"] == allocation_id)
+    return sum(
+        (a["ended_ms"] - a["started_ms"]) * a["gpu_count"]
+        for node in report["nodes"].values()
+        for a in node["allocations"]
+        if a["allocation_id"] == allocation_id
+    )
 
 
 def test_usage_reaches_the_ledger_exactly_across_an_outage_and_a_restart(tmp_path: Path) -> None:

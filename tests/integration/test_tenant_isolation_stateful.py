@@ -41,8 +41,16 @@ from gpucloud.storage.bootstrap import open_tenant_store
 from support.stack import wait_until
 
 NODES = 6
-FAST = dict(latency_scale=0.02, health_drain_grace_s=0.2, replacement_recheck_s=0.3, breaker_max_pulled_share=1.0,
-            backoff_base_s=0.2, backoff_cap_s=1.0, offboarding_poll_s=0.2, tenant_storage_retention_s=0.5)
+FAST = dict(
+    latency_scale=0.02,
+    health_drain_grace_s=0.2,
+    replacement_recheck_s=0.3,
+    breaker_max_pulled_share=1.0,
+    backoff_base_s=0.2,
+    backoff_cap_s=1.0,
+    offboarding_poll_s=0.2,
+    tenant_storage_retention_s=0.5,
+)
 LIVE = ("onboarding", "active", "offboarding")
 IN_FLIGHT = ("reserved", "provisioning", "releasing", "wiping", "draining", "repairing", "burn_in")
 
@@ -74,9 +82,12 @@ class TenantIsolation(RuleBasedStateMachine):
 
     def _open(self) -> list[str]:
         with session_scope(self.h.settings.db_url) as session:
-            rows = session.exec(select(Allocation.id).where(
-                Allocation.id.in_(list(self.allocations)),
-                Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION]))).all()
+            rows = session.exec(
+                select(Allocation.id).where(
+                    Allocation.id.in_(list(self.allocations)),
+                    Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION]),
+                )
+            ).all()
         return sorted(rows)
 
     def _nodes(self) -> list[dict]:
@@ -84,8 +95,12 @@ class TenantIsolation(RuleBasedStateMachine):
 
     def _wait_operation(self, op_id: str, timeout_s: float = 60) -> dict:
         with self._api() as op:
-            final = wait_until(lambda: (o := op.get(f"/v1/operations/{op_id}").json())["status"] != "running" and o,
-                               timeout_s=timeout_s, interval_s=0.05, what=f"operation {op_id}")
+            final = wait_until(
+                lambda: (o := op.get(f"/v1/operations/{op_id}").json())["status"] != "running" and o,
+                timeout_s=timeout_s,
+                interval_s=0.05,
+                what=f"operation {op_id}",
+            )
         assert final["status"] == "succeeded", final
         return final
 
@@ -95,8 +110,13 @@ class TenantIsolation(RuleBasedStateMachine):
     @rule()
     def onboard(self) -> None:
         with self._api() as op:
-            resp = op.post("/v1/tenants", json={"name": f"iso-{uuid.uuid4().hex[:8]}",
-                                                "quotas": [{"gpu_type": "H100", "region": "*", "max_gpus": 24}]})
+            resp = op.post(
+                "/v1/tenants",
+                json={
+                    "name": f"iso-{uuid.uuid4().hex[:8]}",
+                    "quotas": [{"gpu_type": "H100", "region": "*", "max_gpus": 24}],
+                },
+            )
         assert resp.status_code == 202, resp.text
         self._wait_operation(resp.json()["operation"]["id"])
         self.keys[resp.json()["id"]] = resp.json()["api_key"]["key"]
@@ -130,8 +150,9 @@ class TenantIsolation(RuleBasedStateMachine):
     @rule(choice=st.integers(0, 1 << 16))
     def fail_a_node(self, choice: int) -> None:
         """A node of a ready allocation falls off the bus: drained now, replaced in its pod."""
-        node = self._pick(sorted(n["id"] for n in self._nodes() if n["state"] == "active" and n["allocation_id"]),
-                          choice)
+        node = self._pick(
+            sorted(n["id"] for n in self._nodes() if n["state"] == "active" and n["allocation_id"]), choice
+        )
         if node is None:
             return
         with self._api() as op:
@@ -197,8 +218,7 @@ class TenantIsolation(RuleBasedStateMachine):
             assert status.get(owner) in (*LIVE, "offboarded"), f"object {key} of no live tenant"
         keyed = set(self.store.keys.tenants())
         assert all(status.get(t) in (*LIVE, "offboarded") for t in keyed)
-        sealed = {t: self.store.backend.get(f"tenants/{t}/{TENANT_RECORD}") for t in keyed
-                  if status.get(t) == "active"}
+        sealed = {t: self.store.backend.get(f"tenants/{t}/{TENANT_RECORD}") for t in keyed if status.get(t) == "active"}
         for owner, blob in sealed.items():
             context = f"tenants/{owner}/{TENANT_RECORD}"
             assert self.store.keys.decrypt(owner, blob, context=context)
@@ -242,7 +262,8 @@ class TenantIsolation(RuleBasedStateMachine):
                 tenant = reserved_for.get(t.node_id)
                 previous = holds.get(t.node_id)
                 assert previous in (None, tenant), (
-                    f"node {t.node_id} provisioned for {tenant} while holding {previous}'s data (seq {t.seq})")
+                    f"node {t.node_id} provisioned for {tenant} while holding {previous}'s data (seq {t.seq})"
+                )
                 holds[t.node_id] = tenant
             elif t.from_state in ("wiping", "repairing") and t.event == "ok":
                 holds[t.node_id] = None
@@ -254,20 +275,28 @@ class TenantIsolation(RuleBasedStateMachine):
             allocation it is reserved for (membership is applied before provisioning)."""
             with session_scope(self.h.settings.db_url) as session:
                 owner = dict(session.exec(select(Allocation.id, Allocation.tenant_id)).all())
-            return {n["id"]: n["tenant_id"] or owner.get(n["allocation_id"]) for n in self._nodes()
-                    if n["tenant_id"] or n["allocation_id"]}
+            return {
+                n["id"]: n["tenant_id"] or owner.get(n["allocation_id"])
+                for n in self._nodes()
+                if n["tenant_id"] or n["allocation_id"]
+            }
 
         before = tenant_of()
         snapshot = self.h.fabric.snapshot()
         after = tenant_of()
-        topology = {n["id"]: FabricNode(node_id=n["id"], port_guids=tuple(n["ib_port_guids"]),
-                                        nvl_domain=n.get("nvlink_domain"), gpu_uids=tuple(n.get("gpu_uids") or ()))
-                    for n in self._nodes()}
+        topology = {
+            n["id"]: FabricNode(
+                node_id=n["id"],
+                port_guids=tuple(n["ib_port_guids"]),
+                nvl_domain=n.get("nvlink_domain"),
+                gpu_uids=tuple(n.get("gpu_uids") or ()),
+            )
+            for n in self._nodes()
+        }
         # Membership is applied after a node's data becomes a tenant's and removed before its
         # wipe; a node changing hands between the two reads could look unassigned in one of
         # them: a real path shows in both.
-        found = [{v for v in find_violations(snapshot, topology=topology, tenant_of=held)}
-                 for held in (before, after)]
+        found = [{v for v in find_violations(snapshot, topology=topology, tenant_of=held)} for held in (before, after)]
         assert not (found[0] & found[1]), found[0] & found[1]
 
     def teardown(self) -> None:
@@ -277,22 +306,39 @@ class TenantIsolation(RuleBasedStateMachine):
             with self._api(self.keys[tenant]) as c:
                 c.post(f"/v1/allocations/{alloc}/cancel")
         wait_until(lambda: not self._open(), timeout_s=90, interval_s=0.2, what="allocations released")
-        wait_until(lambda: not any(n["state"] in IN_FLIGHT for n in self._nodes()), timeout_s=90, interval_s=0.2,
-                   what="nodes settled")
+        wait_until(
+            lambda: not any(n["state"] in IN_FLIGHT for n in self._nodes()),
+            timeout_s=90,
+            interval_s=0.2,
+            what="nodes settled",
+        )
         snapshot = self.h.fabric.snapshot()
         assert [p.pkey for p in snapshot.pkeys if p.name != "default"] == []
         assert snapshot.nvl_partitions == ()
         assert all(v.nodes == () for v in snapshot.vpcs)
 
 
-async def test_no_path_connects_two_tenants_across_random_operations(db_url, make_harness, in_process_worker,
-                                                                     temporal_env):
+async def test_no_path_connects_two_tenants_across_random_operations(
+    db_url, make_harness, in_process_worker, temporal_env
+):
     h = make_harness(db_url, nodes=NODES, fabric=True, **FAST)
     await in_process_worker(h.settings)
     h.enroll_fleet()
     await h.wait_states({"available": NODES})
-    machine = type("BoundTenantIsolation", (TenantIsolation,),
-                   {"h": h, "loop": asyncio.get_running_loop(), "temporal": temporal_env.client})
-    await asyncio.to_thread(run_state_machine_as_test, machine, settings=settings(
-        max_examples=4, stateful_step_count=12, deadline=None, database=None, phases=(Phase.generate,),
-        suppress_health_check=list(HealthCheck)))
+    machine = type(
+        "BoundTenantIsolation",
+        (TenantIsolation,),
+        {"h": h, "loop": asyncio.get_running_loop(), "temporal": temporal_env.client},
+    )
+    await asyncio.to_thread(
+        run_state_machine_as_test,
+        machine,
+        settings=settings(
+            max_examples=4,
+            stateful_step_count=12,
+            deadline=None,
+            database=None,
+            phases=(Phase.generate,),
+            suppress_health_check=list(HealthCheck),
+        ),
+    )

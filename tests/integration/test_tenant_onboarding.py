@@ -23,9 +23,9 @@ from temporalio.worker import Replayer
 
 from gpucloud.activities.faults import FaultPoint
 from gpucloud.activities.storage import TENANT_RECORD
+from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.storage import retention
 from gpucloud.storage.bootstrap import open_tenant_store
-from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.storage.envelope import UnknownTenantKeyError
 from gpucloud.workers.main import WORKFLOWS
 from support.stack import async_wait_until
@@ -81,8 +81,9 @@ class Faults:
             time.sleep(rule.delay_s)
             return
         if rule.permanent:
-            raise ApplicationError(f"injected failure {point.phase} {point.step}", type="InjectedFault",
-                                   non_retryable=True)
+            raise ApplicationError(
+                f"injected failure {point.phase} {point.step}", type="InjectedFault", non_retryable=True
+            )
         raise RuntimeError(f"injected transient failure {point.phase} {point.step}")
 
 
@@ -111,8 +112,11 @@ async def _onboarded(h, **body) -> dict:
     accepted = resp.json()
     with h.operator as op:
         accepted["final"] = await async_wait_until(
-            lambda: (o := op.get(f"/v1/operations/{accepted['operation']['id']}").json())["status"] != "running"
-            and o, timeout_s=60, interval_s=0.05, what="onboarding")
+            lambda: (o := op.get(f"/v1/operations/{accepted['operation']['id']}").json())["status"] != "running" and o,
+            timeout_s=60,
+            interval_s=0.05,
+            what="onboarding",
+        )
         accepted["tenant"] = op.get(f"/v1/tenants/{accepted['id']}").json()
     return accepted
 
@@ -151,8 +155,9 @@ def assert_undone(h, accepted: dict, step: str) -> None:
 
 
 # Every forward step, failing before its effect or after it (the effect done, the report lost).
-STEP_FAILURES = [(step, phase) for step in ("allocate_tenant_vni", "provision_tenant_storage")
-                 for phase in ("before", "after")]
+STEP_FAILURES = [
+    (step, phase) for step in ("allocate_tenant_vni", "provision_tenant_storage") for phase in ("before", "after")
+]
 
 
 async def test_onboarding_failing_at_any_step_is_undone_completely(stack, temporal_env):
@@ -175,8 +180,9 @@ async def test_onboarding_failing_at_any_step_is_undone_completely(stack, tempor
     assert len(faults.hits) == 6
     assert_undone(h, accepted, "provision_tenant_storage")
     if _sqlite(h.settings.db_url):
-        await replays(temporal_env.client, onboarding_workflow_id(accepted["id"]),
-                      record_as="tenant_onboarding_undone_workflow")
+        await replays(
+            temporal_env.client, onboarding_workflow_id(accepted["id"]), record_as="tenant_onboarding_undone_workflow"
+        )
 
     # Transient failures of the steps themselves, and of activation past the point of no return,
     # are retried: the tenant ends whole.
@@ -219,7 +225,9 @@ async def test_first_key_is_shown_once_and_create_is_idempotent(stack):
         accepted = first.json()
         assert accepted["status"] == "onboarding" and accepted["api_key"]["key"].startswith("gpc_")
         assert {(q["gpu_type"], q["region"], q["max_gpus"]) for q in accepted["quotas"]} == {
-            ("*", "*", h.settings.default_gpu_quota), ("H100", "*", 16)}
+            ("*", "*", h.settings.default_gpu_quota),
+            ("H100", "*", 16),
+        }
         # A replay answers what was created, without the secret: it was shown once.
         replay = op.post("/v1/tenants", json=body, headers=idem)
         assert replay.status_code == 202 and replay.headers["idempotent-replayed"] == "true"
@@ -229,9 +237,11 @@ async def test_first_key_is_shown_once_and_create_is_idempotent(stack):
         # Concurrent creates with one key: one tenant.
         other = {"Idempotency-Key": str(uuid.uuid4())}
         body2 = {"name": f"globex-{uuid.uuid4().hex[:6]}"}
-    async with httpx.AsyncClient(base_url=h.api.url, timeout=60,
-                                 headers={"Authorization": f"Bearer {h.settings.resolved_operator_token}",
-                                          **other}) as c:
+    async with httpx.AsyncClient(
+        base_url=h.api.url,
+        timeout=60,
+        headers={"Authorization": f"Bearer {h.settings.resolved_operator_token}", **other},
+    ) as c:
         answers = await asyncio.gather(*(c.post("/v1/tenants", json=body2) for _ in range(6)))
     assert {a.status_code for a in answers} == {202}
     assert len({a.json()["id"] for a in answers}) == 1
@@ -241,8 +251,9 @@ async def test_first_key_is_shown_once_and_create_is_idempotent(stack):
         taken = op.post("/v1/tenants", json=body)
         assert taken.status_code == 409 and taken.json()["errors"][0]["field"] == "name"
         assert op.post("/v1/tenants", json={"name": "Bad Name"}).status_code == 422
-        bad_quota = op.post("/v1/tenants", json={"name": "q", "quotas": [{"gpu_type": "Z9", "region": "*",
-                                                                          "max_gpus": 1}]})
+        bad_quota = op.post(
+            "/v1/tenants", json={"name": "q", "quotas": [{"gpu_type": "Z9", "region": "*", "max_gpus": 1}]}
+        )
         assert bad_quota.status_code == 422 and "quotas.0.gpu_type" in bad_quota.json()["detail"]
     # The secret was stored hashed only: the database holds no plaintext.
     from gpucloud.db import session_scope
@@ -301,10 +312,12 @@ async def test_db_vnis_are_unique_without_fabric_managers(db_url, make_harness, 
     assert None not in vnis and len(set(vnis)) == len(vnis)
 
 
-async def test_offboarding_cancels_waits_for_wipes_revokes_and_deletes_storage(db_url, make_harness,
-                                                                              in_process_worker, temporal_env):
-    h = make_harness(db_url, nodes=4, latency_scale=0.02, fabric=True, offboarding_poll_s=0.2,
-                     tenant_storage_retention_s=1.0)
+async def test_offboarding_cancels_waits_for_wipes_revokes_and_deletes_storage(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    h = make_harness(
+        db_url, nodes=4, latency_scale=0.02, fabric=True, offboarding_poll_s=0.2, tenant_storage_retention_s=1.0
+    )
     await in_process_worker(h.settings)
     h.enroll_fleet()
     await h.wait_states({"available": 4})
@@ -341,11 +354,13 @@ async def test_offboarding_cancels_waits_for_wipes_revokes_and_deletes_storage(d
     assert h.client(key).get("/v1/allocations").status_code == 401
     assert h.fabric.vpc_of(tenant_id) is None and h.fabric.vpc_of(other_id) is not None
     # Storage is kept for the retention period, then deleted with its data key.
-    await async_wait_until(lambda: store.backend.list_keys(f"tenants/{tenant_id}/") == [], timeout_s=30,
-                           what="storage deleted after retention")
+    await async_wait_until(
+        lambda: store.backend.list_keys(f"tenants/{tenant_id}/") == [],
+        timeout_s=30,
+        what="storage deleted after retention",
+    )
     assert tenant_id not in store.keys.tenants() and other_id in store.keys.tenants()
     assert store.tenant(other_id).get_encrypted(TENANT_RECORD)
     if _sqlite(db_url):
         await replays(temporal_env.client, onboarding_workflow_id(tenant_id), record_as="tenant_onboarding_workflow")
-        await replays(temporal_env.client, offboarding_workflow_id(tenant_id),
-                      record_as="tenant_offboarding_workflow")
+        await replays(temporal_env.client, offboarding_workflow_id(tenant_id), record_as="tenant_offboarding_workflow")

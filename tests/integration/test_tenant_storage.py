@@ -4,8 +4,8 @@ presigned URLs for one key, envelope encryption and rotation, tenants kept apart
 from __future__ import annotations
 
 import uuid
-from urllib.parse import urlsplit
 from datetime import UTC, datetime, timedelta
+from urllib.parse import urlsplit
 
 import boto3
 import httpx
@@ -35,8 +35,11 @@ def backend(request, tmp_path):
     if request.param == "local":
         return LocalBackend(tmp_path / "objects", signing_key=b"k" * 32)
     client = boto3.client(
-        "s3", endpoint_url=request.getfixturevalue("s3_endpoint"), region_name="us-east-1",
-        aws_access_key_id="testing", aws_secret_access_key="testing",
+        "s3",
+        endpoint_url=request.getfixturevalue("s3_endpoint"),
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
     )
     bucket = f"tenants-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)

@@ -33,8 +33,11 @@ def s3_endpoint():
 def settings(request, tmp_path, monkeypatch) -> Settings:
     if request.param == "local":
         return Settings(data_dir=tmp_path)
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")):
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
         monkeypatch.setenv(name, value)
     endpoint = request.getfixturevalue("s3_endpoint")
     bucket = f"tenants-{uuid.uuid4().hex[:12]}"
@@ -61,8 +64,10 @@ def test_provision_delete_and_retention(settings: Settings) -> None:
     mark = steps.schedule_tenant_storage_deletion(StorageDeletionInput(tenant_id="ten_acme", retention_s=3600))
     with pytest.raises(ApplicationError, match="kept until"):
         steps.purge_tenant_storage(acme)  # not due yet: the workflow's retry waits
-    assert steps.schedule_tenant_storage_deletion(
-        StorageDeletionInput(tenant_id="ten_acme", retention_s=0)).due_at == mark.due_at  # the first mark holds
+    assert (
+        steps.schedule_tenant_storage_deletion(StorageDeletionInput(tenant_id="ten_acme", retention_s=0)).due_at
+        == mark.due_at
+    )  # the first mark holds
 
     undone = steps.delete_tenant_storage(acme)
     assert undone.objects_deleted == 2

@@ -45,8 +45,15 @@ async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: floa
 class SimFleetProcess:
     """`gpucloud sim` in its own process."""
 
-    def __init__(self, *, nodes: int, latency_scale: float, log_path: Path, id_prefix: str | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        nodes: int,
+        latency_scale: float,
+        log_path: Path,
+        id_prefix: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         # Node ids are global in Temporal (workflow `node-<id>`): each fleet gets its own.
         self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
         self.port = free_port()
@@ -54,9 +61,23 @@ class SimFleetProcess:
         env = {**os.environ, "GPUCLOUD_SIM_PORT": str(self.port), "GPUCLOUD_LOG_LEVEL": "WARNING"}
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpucloud.cli", "sim", "--nodes", str(nodes), "--latency-scale", str(latency_scale),
-             "--id-prefix", self.id_prefix, *extra_args],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "gpucloud.cli",
+                "sim",
+                "--nodes",
+                str(nodes),
+                "--latency-scale",
+                str(latency_scale),
+                "--id-prefix",
+                self.id_prefix,
+                *extra_args,
+            ],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         wait_until(self._up, timeout_s=30, what="simulated fleet")
 
     def _up(self) -> bool:
@@ -83,8 +104,9 @@ class SimFleetProcess:
         httpx.post(f"{self.url}/v1/nodes/{node_id}/reachability", json={"unreachable": unreachable}).raise_for_status()
 
     def inject(self, node_id: str, action: str, mode: str, count: int = 1) -> None:
-        httpx.post(f"{self.url}/v1/faults", json={"node_id": node_id, "action": action, "mode": mode,
-                                                  "count": count}).raise_for_status()
+        httpx.post(
+            f"{self.url}/v1/faults", json={"node_id": node_id, "action": action, "mode": mode, "count": count}
+        ).raise_for_status()
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -136,8 +158,12 @@ class Harness:
         from gpucloud.models.messages import SweepInput
         from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
 
-        return await client.execute_workflow(ReconcileSweepWorkflow.run, SweepInput(node_ids=node_ids),
-                                             id=f"test-sweep-{uuid.uuid4().hex[:8]}", task_queue=self.settings.task_queue)
+        return await client.execute_workflow(
+            ReconcileSweepWorkflow.run,
+            SweepInput(node_ids=node_ids),
+            id=f"test-sweep-{uuid.uuid4().hex[:8]}",
+            task_queue=self.settings.task_queue,
+        )
 
     def node(self, node_id: str) -> dict:
         with self.operator as op:
@@ -147,8 +173,9 @@ class Harness:
         items, token = [], ""
         with self.operator as op:
             while True:
-                page = op.get("/v1/nodes", params={"page_size": 1000, **params,
-                                                   **({"page_token": token} if token else {})}).json()
+                page = op.get(
+                    "/v1/nodes", params={"page_size": 1000, **params, **({"page_token": token} if token else {})}
+                ).json()
                 items += page["items"]
                 token = page["next_page_token"]
                 if not token:
@@ -168,8 +195,9 @@ class Harness:
         until its workflow ends; it may read but not allocate: `onboard` waits for `active`."""
         return self._create_tenant(name, quotas)[:2]
 
-    async def onboard(self, name: str | None = None, *, quotas: list[dict] | None = None,
-                      timeout_s: float = 60) -> tuple[str, str]:
+    async def onboard(
+        self, name: str | None = None, *, quotas: list[dict] | None = None, timeout_s: float = 60
+    ) -> tuple[str, str]:
         """Onboard a tenant and wait until it is active: (tenant id, its first API key)."""
         tenant_id, key, operation_id = self._create_tenant(name, quotas)
         await self.wait_operation(operation_id, timeout_s=timeout_s)
@@ -187,7 +215,10 @@ class Harness:
         with self.operator as op:
             final = await async_wait_until(
                 lambda: (o := op.get(f"/v1/operations/{operation_id}").json())["status"] != "running" and o,
-                timeout_s=timeout_s, interval_s=0.05, what=f"operation {operation_id}")
+                timeout_s=timeout_s,
+                interval_s=0.05,
+                what=f"operation {operation_id}",
+            )
         assert final["status"] == expect, final
         return final
 
@@ -195,17 +226,26 @@ class Harness:
         with self.client(token) as c:
             return await async_wait_until(
                 lambda: (a := c.get(f"/v1/allocations/{allocation_id}").json())["status"] == status and a,
-                timeout_s=timeout_s, interval_s=0.2, what=f"allocation {allocation_id} {status}")
+                timeout_s=timeout_s,
+                interval_s=0.2,
+                what=f"allocation {allocation_id} {status}",
+            )
 
     def start_worker_process(self) -> subprocess.Popen:
-        env = {**os.environ, "GPUCLOUD_DATA_DIR": str(self.settings.data_dir),
-               "GPUCLOUD_TEMPORAL_ADDRESS": self.settings.temporal_address,
-               "GPUCLOUD_DATABASE_URL": self.settings.db_url, "GPUCLOUD_TASK_QUEUE": self.settings.task_queue,
-               "GPUCLOUD_OPERATOR_TOKEN": self.settings.resolved_operator_token, "GPUCLOUD_LOG_LEVEL": "WARNING",
-               **({"GPUCLOUD_FABRIC_URL": self.fabric.url} if self.fabric else {})}
+        env = {
+            **os.environ,
+            "GPUCLOUD_DATA_DIR": str(self.settings.data_dir),
+            "GPUCLOUD_TEMPORAL_ADDRESS": self.settings.temporal_address,
+            "GPUCLOUD_DATABASE_URL": self.settings.db_url,
+            "GPUCLOUD_TASK_QUEUE": self.settings.task_queue,
+            "GPUCLOUD_OPERATOR_TOKEN": self.settings.resolved_operator_token,
+            "GPUCLOUD_LOG_LEVEL": "WARNING",
+            **({"GPUCLOUD_FABRIC_URL": self.fabric.url} if self.fabric else {}),
+        }
         log = open(self.log_dir / "worker.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "gpucloud.cli", "worker"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpucloud.cli", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         self.worker_procs.append(proc)
         return proc
 

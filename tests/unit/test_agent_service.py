@@ -21,19 +21,19 @@ from gpucloud.agent.service import (
     create_app,
 )
 
-
 BURN_IN_TOOLS = {"dcgmi", "all_reduce_perf", "nvbandwidth"}
 # What the tools print on a healthy 8-GPU node (the lines burn-in reads).
 HEALTHY_OUTPUT = {
     "all_reduce_perf": "#  Out of bounds values : 0 OK\n# Avg bus bandwidth    : 412.53 \n#\n",
     "nvbandwidth": "Running host_to_device_memcpy_ce.\nmemcpy CE CPU(row) -> GPU(column) bandwidth (GB/s)\n"
-                   "           0         1\n 0     55.12     55.08\n\nSUM host_to_device_memcpy_ce 440.80\n",
+    "           0         1\n 0     55.12     55.08\n\nSUM host_to_device_memcpy_ce 440.80\n",
 }
 
 
 class FakeTools(CommandRunner):
-    def __init__(self, installed: set[str], failing: set[str] = frozenset(),
-                 output: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, installed: set[str], failing: set[str] = frozenset(), output: dict[str, str] | None = None
+    ) -> None:
         self.installed, self.failing, self.ran = installed, failing, []
         self.output = {**HEALTHY_OUTPUT, **(output or {})}
 
@@ -93,16 +93,23 @@ def test_missing_tool_is_a_501_naming_it_and_a_failing_tool_a_422(tmp_path):
         assert failed.status_code == 422 and "dcgmi diag -r 3 exited 1" in failed.json()["detail"]
 
 
-@pytest.mark.parametrize("output, limits, why", [
-    ({"all_reduce_perf": "# Avg bus bandwidth    : 120.4\n"}, {}, "bus bandwidth 120.4 GB/s is below 350"),
-    ({"all_reduce_perf": "NCCL WARN unhandled cuda error\n"}, {}, "printed no average bus bandwidth"),
-    ({"nvbandwidth": "SUM host_to_device_memcpy_ce 96.00\n"}, {}, "12.0 GB/s per GPU is below 40"),
-    ({}, {"max_temperature_c": 20}, "thermal soak: GPU 0 at"),
-])
+@pytest.mark.parametrize(
+    "output, limits, why",
+    [
+        ({"all_reduce_perf": "# Avg bus bandwidth    : 120.4\n"}, {}, "bus bandwidth 120.4 GB/s is below 350"),
+        ({"all_reduce_perf": "NCCL WARN unhandled cuda error\n"}, {}, "printed no average bus bandwidth"),
+        ({"nvbandwidth": "SUM host_to_device_memcpy_ce 96.00\n"}, {}, "12.0 GB/s per GPU is below 40"),
+        ({}, {"max_temperature_c": 20}, "thermal soak: GPU 0 at"),
+    ],
+)
 def test_burn_in_holds_the_figures_to_the_limits(tmp_path, output, limits, why):
     state = HostState(node_id="gpu-1", boot_id="boot-1", scratch_dir=tmp_path / "scratch")
-    agent = Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=FakeTools(set(BURN_IN_TOOLS), output=output),
-                  burn_in_limits=BurnInLimits(**limits))
+    agent = Agent(
+        state,
+        SimulatedProbe("gpu-1", gpu_count=8),
+        runner=FakeTools(set(BURN_IN_TOOLS), output=output),
+        burn_in_limits=BurnInLimits(**limits),
+    )
     with TestClient(create_app(agent)) as client:
         failed = _post(client, "burn_in", "b1")
         assert failed.status_code == 422 and why in failed.json()["detail"], failed.json()
@@ -110,8 +117,9 @@ def test_burn_in_holds_the_figures_to_the_limits(tmp_path, output, limits, why):
 
 def test_burn_in_fails_a_gpu_throttled_by_heat(tmp_path):
     probe = SimulatedProbe("gpu-1", gpu_count=8)
-    agent = Agent(HostState(node_id="gpu-1", boot_id="b", scratch_dir=tmp_path / "s"), probe,
-                  runner=FakeTools(set(BURN_IN_TOOLS)))
+    agent = Agent(
+        HostState(node_id="gpu-1", boot_id="b", scratch_dir=tmp_path / "s"), probe, runner=FakeTools(set(BURN_IN_TOOLS))
+    )
     with TestClient(create_app(agent)) as client:
         assert _post(client, "burn_in", "ok").status_code == 200
         probe.set_clock_event_reasons(0x040, gpu_index=5)  # HW thermal slowdown
@@ -141,8 +149,9 @@ async def test_reporter_pushes_heartbeats_and_stamped_xids_and_keeps_them_while_
     await agent.act("provision", ActionRequest(request_id="p", tenant_id="t-a"))
 
     await reporter.heartbeat_once()
-    assert seen["/v1/agents/heartbeats"] == [{"heartbeats": [
-        {"node_id": "gpu-1", "tenant_id": "t-a", "workload_running": True, "boot_id": "boot-1"}]}]
+    assert seen["/v1/agents/heartbeats"] == [
+        {"heartbeats": [{"node_id": "gpu-1", "tenant_id": "t-a", "workload_running": True, "boot_id": "boot-1"}]}
+    ]
 
     assert await reporter.events_once(0) == 0  # nothing happened
     probe: SimulatedProbe = agent.probe
@@ -154,7 +163,9 @@ async def test_reporter_pushes_heartbeats_and_stamped_xids_and_keeps_them_while_
     assert await reporter.events_once(0) == 2 and reporter.pending == []
     (batch,) = seen["/v1/agents/events"]
     assert [(e["xid"], e["gpu_index"], e["tenant_id"], e["node_id"]) for e in batch["events"]] == [
-        (79, 3, "t-a", "gpu-1"), (13, 1, "t-a", "gpu-1")]
+        (79, 3, "t-a", "gpu-1"),
+        (13, 1, "t-a", "gpu-1"),
+    ]
 
     reading = await reporter.read_once()
     assert reading.is_gpu_node and len(reading.gpus) == 8

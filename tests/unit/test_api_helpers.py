@@ -26,8 +26,10 @@ def test_cursor_round_trip_and_filter_binding():
             pagination.decode(garbage, {})
 
 
-@given(st.lists(st.integers(min_value=1, max_value=10_000), unique=True, max_size=200),
-       st.integers(min_value=1, max_value=50))
+@given(
+    st.lists(st.integers(min_value=1, max_value=10_000), unique=True, max_size=200),
+    st.integers(min_value=1, max_value=50),
+)
 def test_keyset_pages_cover_every_key_once(keys, page_size):
     keys = sorted(keys)
     seen, after = [], None

@@ -181,9 +181,7 @@ def test_assembly_needs_every_chunk_and_lays_out_the_files(cache: ChunkCache, v1
     assert cache.versions() == [v1.digest]
 
 
-def test_activate_switches_current_and_keeps_the_previous_version(
-    cache: ChunkCache, v1: Version, v2: Version
-) -> None:
+def test_activate_switches_current_and_keeps_the_previous_version(cache: ChunkCache, v1: Version, v2: Version) -> None:
     assert cache.active() is None and cache.previous() is None
     stage(cache, v1)
     cache.activate(v1.digest)

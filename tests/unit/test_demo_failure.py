@@ -30,10 +30,16 @@ class _QuietStack:
         _QuietStack.stopped = True
 
 
-@pytest.mark.parametrize("error", [HealthDemoError("allocation a1 failed: no replacement"),
-                                   WeightsDemoError("push refused"), TenantsDemoError("globex read acme's allocation"),
-                                   RolloutDemoError("rollout ended failed"),
-                                   BillingDemoError("the ledger total differs from what was metered")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        HealthDemoError("allocation a1 failed: no replacement"),
+        WeightsDemoError("push refused"),
+        TenantsDemoError("globex read acme's allocation"),
+        RolloutDemoError("rollout ended failed"),
+        BillingDemoError("the ledger total differs from what was metered"),
+    ],
+)
 def test_a_failing_scenario_step_is_reported_and_exits_non_zero(monkeypatch, tmp_path, error):
     def failing_scenario(*args, **kw):
         raise error

@@ -23,8 +23,10 @@ from gpucloud.fabric.isolation import find_violations
 NODES = 8
 TOPOLOGY = {
     f"n{i}": FabricNode(
-        node_id=f"n{i}", port_guids=(f"0x{i:016x}", f"0x{i + 100:016x}"),
-        nvl_domain=f"rack{i % 2}", gpu_uids=(f"GPU-{i}-0", f"GPU-{i}-1"),
+        node_id=f"n{i}",
+        port_guids=(f"0x{i:016x}", f"0x{i + 100:016x}"),
+        nvl_domain=f"rack{i % 2}",
+        gpu_uids=(f"GPU-{i}-0", f"GPU-{i}-1"),
     )
     for i in range(NODES)
 }
@@ -46,9 +48,12 @@ def kinds(violations) -> list[str]:
 def test_clean_state_has_no_violation():
     state = snapshot(
         pkeys=[
-            PKey(pkey=DEFAULT_PKEY, members=tuple(
-                PortMember(guid=g, membership=Membership.LIMITED) for n in TOPOLOGY.values() for g in n.port_guids
-            )),
+            PKey(
+                pkey=DEFAULT_PKEY,
+                members=tuple(
+                    PortMember(guid=g, membership=Membership.LIMITED) for n in TOPOLOGY.values() for g in n.port_guids
+                ),
+            ),
             PKey(pkey=0x10, members=full("n0", "n1")),
             PKey(pkey=0x11, members=full("n2")),
         ],
@@ -70,8 +75,13 @@ def test_each_kind_of_path_is_found():
     )
     violations = find_violations(state, topology=TOPOLOGY, tenant_of={"n0": "acme", "n2": "globex"})
     assert kinds(violations) == [
-        "default_full_member", "foreign_node_in_vpc", "shared_nvl_partition", "shared_pkey",
-        "unassigned_member", "unassigned_member", "unknown_member",
+        "default_full_member",
+        "foreign_node_in_vpc",
+        "shared_nvl_partition",
+        "shared_pkey",
+        "unassigned_member",
+        "unassigned_member",
+        "unknown_member",
     ]
     shared = next(v for v in violations if v.kind == "shared_pkey")
     assert shared.resource == "pkey 0x0010" and "acme" in shared.detail and "globex" in shared.detail
@@ -155,8 +165,12 @@ def test_one_partition_per_tenant_is_always_clean(tenant_of):
     state = snapshot(
         pkeys=[PKey(pkey=i + 1, members=full(*nodes)) for i, nodes in enumerate(by_tenant.values())],
         partitions=[
-            NvlPartition(partition_id=i + 1, name=t, domain_id="any",
-                         gpu_uids=tuple(g for n in nodes for g in TOPOLOGY[n].gpu_uids))
+            NvlPartition(
+                partition_id=i + 1,
+                name=t,
+                domain_id="any",
+                gpu_uids=tuple(g for n in nodes for g in TOPOLOGY[n].gpu_uids),
+            )
             for i, (t, nodes) in enumerate(by_tenant.items())
         ],
         vpcs=[Vpc(vni=i + 1, tenant_id=t, nodes=tuple(n)) for i, (t, n) in enumerate(by_tenant.items())],

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from gpucloud.services.allocations import pick_slice
 from gpucloud.sim.fabric_managers import nvl_domains
 from gpucloud.sim.fleet import Fleet, FleetSpec
-from gpucloud.services.allocations import pick_slice
 
 
 def _tray(i: int, domain: str | None):
@@ -14,8 +14,11 @@ def _tray(i: int, domain: str | None):
 
 
 def test_pick_slice_takes_the_tightest_rack_that_fits():
-    trays = ([_tray(i, "rack-a") for i in range(10)] + [_tray(20 + i, "rack-b") for i in range(5)]
-             + [_tray(40 + i, None) for i in range(8)])  # no NVLink domain: never part of a slice
+    trays = (
+        [_tray(i, "rack-a") for i in range(10)]
+        + [_tray(20 + i, "rack-b") for i in range(5)]
+        + [_tray(40 + i, None) for i in range(8)]
+    )  # no NVLink domain: never part of a slice
     assert {t.nvlink_domain for t in pick_slice(trays, 4)} == {"rack-b"}
     assert [t.id for t in pick_slice(trays, 6)] == [f"n{i:03d}" for i in range(6)]
     assert pick_slice(trays, 11) is None  # 15 trays in all, but no rack has 11

@@ -33,7 +33,7 @@ DAY = 86_400.0
 def test_the_mix_adds_up_to_the_419_interruptions_at_3_8e_3_per_node_day():
     assert sum(LLAMA3_405B_MIX.values()) == 419
     assert LLAMA3_405B_MIX[FaultCategory.OTHER] == 22
-    assert INTERRUPTIONS_PER_NODE_DAY == pytest.approx(3.8e-3, rel=0.01)
+    assert pytest.approx(3.8e-3, rel=0.01) == INTERRUPTIONS_PER_NODE_DAY
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,9 @@ def test_the_rate_matches_3_8e_3_per_node_day_times_the_multiplier(llama3_run_x5
 def test_the_rate_scales_with_the_multiplier(multiplier):
     node_days = 20_000 / (INTERRUPTIONS_PER_NODE_DAY * multiplier)  # about 20,000 faults expected
     nodes = NODES[:512]
-    faults = next_faults(nodes, node_days / len(nodes) * DAY, random.Random(multiplier),
-                         model=FaultModel(rate_multiplier=multiplier))
+    faults = next_faults(
+        nodes, node_days / len(nodes) * DAY, random.Random(multiplier), model=FaultModel(rate_multiplier=multiplier)
+    )
 
     rate = len(faults) / node_days / multiplier
     assert rate == pytest.approx(INTERRUPTIONS_PER_NODE_DAY, rel=4 / math.sqrt(20_000))
@@ -196,18 +197,24 @@ def test_a_probe_driven_by_the_fault_model_breaks_as_the_model_says():
     assert evaluate_node(events=events, readings=[reading], now=clock.now).action in {Action.DRAIN_NOW, Action.RMA}
 
 
-@pytest.mark.parametrize(("category", "xids", "actions"), [
-    (FaultCategory.SOFTWARE, (13,), {Action.NONE}),
-    (FaultCategory.FAULTY_GPU, (79,), {Action.DRAIN_NOW}),
-    (FaultCategory.HBM3, (48,), {Action.DRAIN}),
-    (FaultCategory.HBM3, (63, 64), {Action.RMA}),
-    (FaultCategory.NETWORK, (74,), {Action.DRAIN}),
-])
+@pytest.mark.parametrize(
+    ("category", "xids", "actions"),
+    [
+        (FaultCategory.SOFTWARE, (13,), {Action.NONE}),
+        (FaultCategory.FAULTY_GPU, (79,), {Action.DRAIN_NOW}),
+        (FaultCategory.HBM3, (48,), {Action.DRAIN}),
+        (FaultCategory.HBM3, (63, 64), {Action.RMA}),
+        (FaultCategory.NETWORK, (74,), {Action.DRAIN}),
+    ],
+)
 def test_a_drawn_fault_applied_to_a_probe_gets_its_action(category, xids, actions):
     clock = Clock()
     probe = SimulatedProbe("node-1", clock=clock)
-    faults = [f for f in next_faults(NODES, 54 * DAY, random.Random(405), model=FaultModel(rate_multiplier=5))
-              if f.category is category and f.xids == xids]
+    faults = [
+        f
+        for f in next_faults(NODES, 54 * DAY, random.Random(405), model=FaultModel(rate_multiplier=5))
+        if f.category is category and f.xids == xids
+    ]
 
     events = probe.apply_fault(faults[0].model_copy(update={"node_id": "node-1"}))
     clock.advance(minutes=1)

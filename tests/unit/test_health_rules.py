@@ -28,10 +28,18 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 DRAINING = {Action.DRAIN, Action.DRAIN_NOW, Action.RMA}
 
 
-def xid(number: int, at: datetime, *, gpu: int = 0, tenant: str | None = "tenant-a",
-        allocation: str | None = None) -> XidEvent:
-    return XidEvent(node_id="n1", gpu_index=gpu, gpu_uuid=f"GPU-{gpu}", xid=number, timestamp=at,
-                    tenant_id=tenant, allocation_id=allocation)
+def xid(
+    number: int, at: datetime, *, gpu: int = 0, tenant: str | None = "tenant-a", allocation: str | None = None
+) -> XidEvent:
+    return XidEvent(
+        node_id="n1",
+        gpu_index=gpu,
+        gpu_uuid=f"GPU-{gpu}",
+        xid=number,
+        timestamp=at,
+        tenant_id=tenant,
+        allocation_id=allocation,
+    )
 
 
 def gpu(index: int = 0, **fields) -> GpuReading:
@@ -54,18 +62,21 @@ def judge(events=(), readings=(), *, now: datetime, **kwargs):
 # ------------------------------------------------------------------ the XID table
 
 
-@pytest.mark.parametrize(("number", "health", "action"), [
-    *[(n, Health.OK, Action.NONE) for n in (13, 31, 43, 45, 68)],
-    *[(n, Health.FAILED, Action.DRAIN) for n in (46, 95, 119, 120, 140, 143)],
-    (48, Health.FAILED, Action.DRAIN),
-    (63, Health.SUSPECT, Action.WATCH),
-    (64, Health.FAILED, Action.DRAIN),
-    (74, Health.FAILED, Action.DRAIN),
-    (79, Health.FAILED, Action.DRAIN_NOW),
-    (92, Health.OK, Action.WATCH),
-    (94, Health.OK, Action.WATCH),
-    (999, Health.SUSPECT, Action.WATCH),
-])
+@pytest.mark.parametrize(
+    ("number", "health", "action"),
+    [
+        *[(n, Health.OK, Action.NONE) for n in (13, 31, 43, 45, 68)],
+        *[(n, Health.FAILED, Action.DRAIN) for n in (46, 95, 119, 120, 140, 143)],
+        (48, Health.FAILED, Action.DRAIN),
+        (63, Health.SUSPECT, Action.WATCH),
+        (64, Health.FAILED, Action.DRAIN),
+        (74, Health.FAILED, Action.DRAIN),
+        (79, Health.FAILED, Action.DRAIN_NOW),
+        (92, Health.OK, Action.WATCH),
+        (94, Health.OK, Action.WATCH),
+        (999, Health.SUSPECT, Action.WATCH),
+    ],
+)
 def test_each_xid_class_leads_to_its_action(number, health, action):
     verdict = judge([xid(number, T0)], now=T0 + timedelta(minutes=1))
 
@@ -109,8 +120,12 @@ def test_a_thousand_application_xids_from_one_tenant_never_drain():
     rng = random.Random(7)
     now = T0 + timedelta(days=30)
     events = [
-        xid(rng.choice(sorted(APPLICATION_XIDS)), T0 + timedelta(seconds=rng.uniform(0, 30 * 86_400)),
-            gpu=rng.randrange(8), allocation=f"alloc-{rng.randrange(20)}")
+        xid(
+            rng.choice(sorted(APPLICATION_XIDS)),
+            T0 + timedelta(seconds=rng.uniform(0, 30 * 86_400)),
+            gpu=rng.randrange(8),
+            allocation=f"alloc-{rng.randrange(20)}",
+        )
         for _ in range(1_000)
     ]
 
@@ -148,8 +163,11 @@ def test_bursts_from_two_tenants_are_two_incidents_and_do_not_escalate():
 
 
 def test_application_xids_across_tenants_escalate_to_a_drain():
-    events = [xid(13, T0, tenant="tenant-a"), xid(43, T0 + timedelta(hours=2), tenant="tenant-b"),
-              xid(31, T0 + timedelta(hours=4), tenant="tenant-c")]
+    events = [
+        xid(13, T0, tenant="tenant-a"),
+        xid(43, T0 + timedelta(hours=2), tenant="tenant-b"),
+        xid(31, T0 + timedelta(hours=4), tenant="tenant-c"),
+    ]
 
     verdict = judge(events, now=T0 + timedelta(hours=5))
 
@@ -165,16 +183,23 @@ def test_allocations_stand_in_for_unknown_tenants():
 
 
 def test_application_escalation_looks_only_at_its_window_and_after_a_repair():
-    events = [xid(13, T0, tenant="tenant-a"), xid(43, T0 + timedelta(hours=2), tenant="tenant-b"),
-              xid(31, T0 + timedelta(hours=4), tenant="tenant-c")]
+    events = [
+        xid(13, T0, tenant="tenant-a"),
+        xid(43, T0 + timedelta(hours=2), tenant="tenant-b"),
+        xid(31, T0 + timedelta(hours=4), tenant="tenant-c"),
+    ]
 
     assert judge(events, now=T0 + timedelta(days=8)).action is Action.NONE
     assert judge(events, now=T0 + timedelta(hours=5), cleared_at=T0 + timedelta(hours=1)).action is Action.NONE
 
 
 application_xids = st.lists(
-    st.tuples(st.sampled_from(sorted(APPLICATION_XIDS)), st.integers(0, 40 * 86_400), st.integers(0, 7),
-              st.sampled_from([None, "alloc-1", "alloc-2", "alloc-3"])),
+    st.tuples(
+        st.sampled_from(sorted(APPLICATION_XIDS)),
+        st.integers(0, 40 * 86_400),
+        st.integers(0, 7),
+        st.sampled_from([None, "alloc-1", "alloc-2", "alloc-3"]),
+    ),
     max_size=200,
 )
 
@@ -221,7 +246,9 @@ def test_a_slow_ecc_rate_and_a_counter_reset_raise_nothing():
 
 
 def test_uncorrected_ecc_growth_is_raised():
-    assert "ecc_uncorrected" in names(judge(readings=series(T0, [0, 0, 1], lambda v: ecc(0, v)), now=T0 + timedelta(hours=1)))
+    assert "ecc_uncorrected" in names(
+        judge(readings=series(T0, [0, 0, 1], lambda v: ecc(0, v)), now=T0 + timedelta(hours=1))
+    )
 
 
 def test_two_close_readings_cannot_fake_a_high_rate():
@@ -236,8 +263,10 @@ def rows(pending: bool = False, failure: bool = False, uncorrectable: int = 0) -
 
 
 def test_remapped_rows_pending_and_failure():
-    pending = judge(readings=series(T0, [False, True, True], lambda p: rows(pending=p, uncorrectable=int(p))),
-                    now=T0 + timedelta(hours=1))
+    pending = judge(
+        readings=series(T0, [False, True, True], lambda p: rows(pending=p, uncorrectable=int(p))),
+        now=T0 + timedelta(hours=1),
+    )
     assert {"row_remap_pending", "remapped_rows_uncorrectable"} <= names(pending)
     assert pending.action is Action.WATCH and pending.health is Health.SUSPECT
 
@@ -246,12 +275,19 @@ def test_remapped_rows_pending_and_failure():
 
 
 def links(crc: int = 0, replay: int = 0, recovery: int = 0, second_active: bool = True) -> GpuReading:
-    return gpu(nvlinks=(
-        NvLinkReading(link=0, active=True, replay=replay, recovery=recovery, crc_flit=crc, crc_data=0),
-        NvLinkReading(link=1, active=second_active, replay=0 if second_active else None,
-                      recovery=0 if second_active else None, crc_flit=0 if second_active else None,
-                      crc_data=0 if second_active else None),
-    ))
+    return gpu(
+        nvlinks=(
+            NvLinkReading(link=0, active=True, replay=replay, recovery=recovery, crc_flit=crc, crc_data=0),
+            NvLinkReading(
+                link=1,
+                active=second_active,
+                replay=0 if second_active else None,
+                recovery=0 if second_active else None,
+                crc_flit=0 if second_active else None,
+                crc_data=0 if second_active else None,
+            ),
+        )
+    )
 
 
 def test_nvlink_error_growth_raises_conditions():
@@ -312,7 +348,10 @@ def test_a_driver_that_loads_late_is_not_held_against_the_node():
 
 
 def test_a_gpu_missing_from_the_bus_drains_now():
-    readings = [reading(T0, *(gpu(i) for i in range(8))), reading(T0 + timedelta(minutes=1), *(gpu(i) for i in range(7)))]
+    readings = [
+        reading(T0, *(gpu(i) for i in range(8))),
+        reading(T0 + timedelta(minutes=1), *(gpu(i) for i in range(7))),
+    ]
 
     verdict = judge(readings=readings, now=T0 + timedelta(minutes=2), expected_gpu_count=8)
 
@@ -350,13 +389,17 @@ def test_a_lemon_already_repaired_is_not_sent_to_rma_again():
 def test_one_fault_cascading_into_several_fatal_signals_is_one_episode():
     at = T0 + timedelta(seconds=1)
     events = [xid(79, at, gpu=g) for g in range(8)] + [xid(119, at + timedelta(seconds=20))]
-    lost = [reading(at + timedelta(seconds=s), fatal=ProbeFatal(kind=FatalKind.GPU_LOST, gpu_index=3)) for s in (30, 60, 90)]
+    lost = [
+        reading(at + timedelta(seconds=s), fatal=ProbeFatal(kind=FatalKind.GPU_LOST, gpu_index=3)) for s in (30, 60, 90)
+    ]
 
     verdict = judge(events, lost, now=T0 + timedelta(minutes=5))
 
     assert verdict.action is Action.DRAIN_NOW
-    assert len(fatal_episodes(group_incidents(events, window=timedelta(minutes=5)), lost,
-                              window=timedelta(minutes=5))) == 1
+    assert (
+        len(fatal_episodes(group_incidents(events, window=timedelta(minutes=5)), lost, window=timedelta(minutes=5)))
+        == 1
+    )
 
 
 def test_a_lost_gpu_twice_is_a_lemon_but_a_driver_mismatch_is_not_hardware():
@@ -368,7 +411,10 @@ def test_a_lost_gpu_twice_is_a_lemon_but_a_driver_mismatch_is_not_hardware():
     assert judge(readings=twice, now=T0 + timedelta(days=5), cleared_at=T0 + timedelta(days=2)).action is Action.RMA
 
     software = [reading(T0, fatal=mismatch), healthy, reading(T0 + timedelta(days=5), fatal=mismatch)]
-    assert judge(readings=software, now=T0 + timedelta(days=5), cleared_at=T0 + timedelta(days=2)).action is Action.DRAIN_NOW
+    assert (
+        judge(readings=software, now=T0 + timedelta(days=5), cleared_at=T0 + timedelta(days=2)).action
+        is Action.DRAIN_NOW
+    )
 
 
 def test_the_lemon_threshold_is_configurable():
@@ -386,8 +432,12 @@ def test_the_lemon_threshold_is_configurable():
 def test_the_breaker_trips_when_too_much_of_a_pool_is_pulled():
     breaker = CircuitBreaker(max_pulled_share=0.05, window=timedelta(hours=1))
 
-    allowed = [breaker.request_quarantine(pool="h100-us", node_id=f"n{i}", pool_size=100,
-                                          now=T0 + timedelta(minutes=i)).allowed for i in range(5)]
+    allowed = [
+        breaker.request_quarantine(
+            pool="h100-us", node_id=f"n{i}", pool_size=100, now=T0 + timedelta(minutes=i)
+        ).allowed
+        for i in range(5)
+    ]
     refused = breaker.request_quarantine(pool="h100-us", node_id="n5", pool_size=100, now=T0 + timedelta(minutes=6))
 
     assert allowed == [True] * 5
@@ -397,7 +447,9 @@ def test_the_breaker_trips_when_too_much_of_a_pool_is_pulled():
     assert breaker.is_open(pool="h100-us", pool_size=100, now=T0 + timedelta(minutes=6))
     # Another pool is unaffected, and asking again for a node already pulled is not a new pull.
     assert breaker.request_quarantine(pool="h200-eu", node_id="m1", pool_size=100, now=T0).allowed
-    assert breaker.request_quarantine(pool="h100-us", node_id="n0", pool_size=100, now=T0 + timedelta(minutes=7)).allowed
+    assert breaker.request_quarantine(
+        pool="h100-us", node_id="n0", pool_size=100, now=T0 + timedelta(minutes=7)
+    ).allowed
 
 
 def test_the_breaker_closes_as_pulls_age_out_or_when_an_operator_resets_it():
@@ -405,14 +457,18 @@ def test_the_breaker_closes_as_pulls_age_out_or_when_an_operator_resets_it():
     for i in range(5):
         breaker.request_quarantine(pool="p", node_id=f"n{i}", pool_size=100, now=T0)
 
-    assert not breaker.request_quarantine(pool="p", node_id="late", pool_size=100, now=T0 + timedelta(minutes=59)).allowed
+    assert not breaker.request_quarantine(
+        pool="p", node_id="late", pool_size=100, now=T0 + timedelta(minutes=59)
+    ).allowed
     assert breaker.request_quarantine(pool="p", node_id="late", pool_size=100, now=T0 + timedelta(hours=1)).allowed
 
     for i in range(4):
         breaker.request_quarantine(pool="p", node_id=f"m{i}", pool_size=100, now=T0 + timedelta(hours=1))
     assert breaker.is_open(pool="p", pool_size=100, now=T0 + timedelta(hours=1))
     breaker.reset(pool="p")
-    assert breaker.request_quarantine(pool="p", node_id="after-reset", pool_size=100, now=T0 + timedelta(hours=1)).allowed
+    assert breaker.request_quarantine(
+        pool="p", node_id="after-reset", pool_size=100, now=T0 + timedelta(hours=1)
+    ).allowed
 
 
 def test_a_small_pool_may_still_lose_its_one_broken_node():
@@ -427,7 +483,8 @@ def test_the_breaker_state_survives_serialisation():
     for i in range(5):
         breaker.request_quarantine(pool="p", node_id=f"n{i}", pool_size=100, now=T0)
 
-    restored = CircuitBreaker(max_pulled_share=0.05,
-                              state=BreakerState.model_validate_json(breaker.state.model_dump_json()))
+    restored = CircuitBreaker(
+        max_pulled_share=0.05, state=BreakerState.model_validate_json(breaker.state.model_dump_json())
+    )
 
     assert not restored.request_quarantine(pool="p", node_id="n5", pool_size=100, now=T0).allowed

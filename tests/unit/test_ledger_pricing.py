@@ -94,9 +94,7 @@ def test_invalid_rates_are_refused() -> None:
         Rate(1).split(0, [5, -1])
 
 
-@pytest.mark.parametrize(
-    ("percent", "basis_points"), [("0", 0), ("12.5", 1250), (Decimal("7.25"), 725), (100, 10_000)]
-)
+@pytest.mark.parametrize(("percent", "basis_points"), [("0", 0), ("12.5", 1250), (Decimal("7.25"), 725), (100, 10_000)])
 def test_percent_to_basis_points(percent: object, basis_points: int) -> None:
     assert percent_to_basis_points(percent) == basis_points
 

@@ -43,15 +43,27 @@ def test_the_database_refuses_updates_and_deletes_on_the_books(database) -> None
         ).scalar_one()
         connection.execute(
             insert(postings),
-            {"kind": "usage", "billing_period": "2024-01", "usage_period": "2024-01", "tenant_id": "t",
-             "allocation_id": "a", "gpu_type": "h100", "price_version_id": version, "gpu_ms": 1,
-             "amount_micro": 1, "sample_count": 1, "created_ms": 0},
+            {
+                "kind": "usage",
+                "billing_period": "2024-01",
+                "usage_period": "2024-01",
+                "tenant_id": "t",
+                "allocation_id": "a",
+                "gpu_type": "h100",
+                "price_version_id": version,
+                "gpu_ms": 1,
+                "amount_micro": 1,
+                "sample_count": 1,
+                "created_ms": 0,
+            },
         )
-    for statement in ("UPDATE postings SET amount_micro = 0", "DELETE FROM postings",
-                      "UPDATE price_book_versions SET effective_from_ms = 5"):
-        with pytest.raises(exc.DatabaseError, match="append-only"):
-            with database.write() as connection:
-                connection.execute(text(statement))
+    for statement in (
+        "UPDATE postings SET amount_micro = 0",
+        "DELETE FROM postings",
+        "UPDATE price_book_versions SET effective_from_ms = 5",
+    ):
+        with pytest.raises(exc.DatabaseError, match="append-only"), database.write() as connection:
+            connection.execute(text(statement))
 
 
 def test_append_only_tables_are_all_guarded() -> None:

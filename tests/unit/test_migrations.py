@@ -4,8 +4,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlmodel import SQLModel
 
-import gpucloud.models.health_tables  # noqa: F401
-import gpucloud.models.registry_tables  # noqa: F401
+import gpucloud.models.health_tables
+import gpucloud.models.registry_tables
 import gpucloud.models.tables  # noqa: F401
 from gpucloud.db import get_engine, migrate
 

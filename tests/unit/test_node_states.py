@@ -34,20 +34,37 @@ def test_every_state_is_exactly_one_of_stable_transient_terminal():
 
 
 def test_happy_paths():
-    path = [(E.INSPECT, S.INSPECTING), (E.OK, S.BURN_IN), (E.OK, S.AVAILABLE), (E.RESERVE, S.RESERVED),
-            (E.PROVISION, S.PROVISIONING), (E.OK, S.ACTIVE), (E.RELEASE, S.RELEASING), (E.OK, S.WIPING),
-            (E.OK, S.BURN_IN), (E.OK, S.AVAILABLE)]
+    path = [
+        (E.INSPECT, S.INSPECTING),
+        (E.OK, S.BURN_IN),
+        (E.OK, S.AVAILABLE),
+        (E.RESERVE, S.RESERVED),
+        (E.PROVISION, S.PROVISIONING),
+        (E.OK, S.ACTIVE),
+        (E.RELEASE, S.RELEASING),
+        (E.OK, S.WIPING),
+        (E.OK, S.BURN_IN),
+        (E.OK, S.AVAILABLE),
+    ]
     state = S.ENROLLED
     for event, expected in path:
         state = next_state(state, event)
         assert state == expected
 
 
-@pytest.mark.parametrize("state,target", [
-    (S.INSPECTING, S.QUARANTINED), (S.BURN_IN, S.QUARANTINED), (S.RESERVED, S.AVAILABLE),
-    (S.PROVISIONING, S.WIPING), (S.RELEASING, S.WIPING), (S.WIPING, S.QUARANTINED),
-    (S.DRAINING, S.QUARANTINED), (S.REPAIRING, S.RMA),
-])
+@pytest.mark.parametrize(
+    "state,target",
+    [
+        (S.INSPECTING, S.QUARANTINED),
+        (S.BURN_IN, S.QUARANTINED),
+        (S.RESERVED, S.AVAILABLE),
+        (S.PROVISIONING, S.WIPING),
+        (S.RELEASING, S.WIPING),
+        (S.WIPING, S.QUARANTINED),
+        (S.DRAINING, S.QUARANTINED),
+        (S.REPAIRING, S.RMA),
+    ],
+)
 def test_failure_and_deadline_go_to_the_failure_target(state, target):
     assert failure_target(state) == target
     assert next_state(state, E.FAIL) == target

@@ -36,20 +36,26 @@ class FakeGpu:
     temperature_c: int = 41
     power_mw: int = 312_500
     # (error type, counter type) -> count; distinct values catch a swapped argument.
-    ecc: dict[tuple[int, int], int] = field(default_factory=lambda: {
-        (real.NVML_MEMORY_ERROR_TYPE_CORRECTED, real.NVML_VOLATILE_ECC): 11,
-        (real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, real.NVML_VOLATILE_ECC): 2,
-        (real.NVML_MEMORY_ERROR_TYPE_CORRECTED, real.NVML_AGGREGATE_ECC): 1100,
-        (real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, real.NVML_AGGREGATE_ECC): 3,
-    })
+    ecc: dict[tuple[int, int], int] = field(
+        default_factory=lambda: {
+            (real.NVML_MEMORY_ERROR_TYPE_CORRECTED, real.NVML_VOLATILE_ECC): 11,
+            (real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, real.NVML_VOLATILE_ECC): 2,
+            (real.NVML_MEMORY_ERROR_TYPE_CORRECTED, real.NVML_AGGREGATE_ECC): 1100,
+            (real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, real.NVML_AGGREGATE_ECC): 3,
+        }
+    )
     remapped_rows: tuple[int, int, int, int] = (4, 1, 1, 0)
     # link -> active; links not listed do not exist (NVML: InvalidArgument).
     links: dict[int, bool] = field(default_factory=lambda: {0: True, 1: True, 2: False, 3: True})
     # counter type -> count per link (link number added, so each link reads differently).
-    link_counters: dict[int, int] = field(default_factory=lambda: {
-        real.NVML_NVLINK_ERROR_DL_REPLAY: 100, real.NVML_NVLINK_ERROR_DL_RECOVERY: 200,
-        real.NVML_NVLINK_ERROR_DL_CRC_FLIT: 300, real.NVML_NVLINK_ERROR_DL_CRC_DATA: 400,
-    })
+    link_counters: dict[int, int] = field(
+        default_factory=lambda: {
+            real.NVML_NVLINK_ERROR_DL_REPLAY: 100,
+            real.NVML_NVLINK_ERROR_DL_RECOVERY: 200,
+            real.NVML_NVLINK_ERROR_DL_CRC_FLIT: 300,
+            real.NVML_NVLINK_ERROR_DL_CRC_DATA: 400,
+        }
+    )
     pcie_replay: int = 7
     clock_reasons: int = real.nvmlClocksEventReasonGpuIdle | real.nvmlClocksEventReasonHwThermalSlowdown
     supported_events: int = real.nvmlEventTypeXidCriticalError | real.nvmlEventTypeDoubleBitEccError
@@ -94,6 +100,7 @@ class FakeNvml:
                 if fn.__name__ in gpu.errors:
                     raise real.NVMLError(gpu.errors[fn.__name__])
                 return fn(gpu, *args)
+
             wrapper.__name__ = fn.__name__
             setattr(module, fn.__name__, wrapper)
             return wrapper
@@ -228,8 +235,12 @@ def test_readings_are_decoded(fake):
     gpu = reading.gpus[0]
     assert (gpu.index, gpu.uuid, gpu.name) == (0, "GPU-aaaa", "NVIDIA H100 80GB HBM3")
     assert gpu.temperature_c == 41 and gpu.power_w == 312.5
-    assert gpu.ecc.model_dump() == {"volatile_corrected": 11, "volatile_uncorrected": 2,
-                                    "aggregate_corrected": 1100, "aggregate_uncorrected": 3}
+    assert gpu.ecc.model_dump() == {
+        "volatile_corrected": 11,
+        "volatile_uncorrected": 2,
+        "aggregate_corrected": 1100,
+        "aggregate_uncorrected": 3,
+    }
     assert gpu.remapped_rows.model_dump() == {"correctable": 4, "uncorrectable": 1, "pending": True, "failure": False}
     assert [(link.link, link.active) for link in gpu.nvlinks] == [(0, True), (1, True), (2, False), (3, True)]
     link3 = gpu.nvlinks[3]
@@ -345,11 +356,7 @@ def test_a_gpu_without_event_support_is_still_read(fake):
 
 def test_unsupported_counters_are_none(fake):
     gpu = fake.gpus[0]
-    gpu.errors = {name: real.NVML_ERROR_NOT_SUPPORTED for name in (
-        "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetNvLinkState",
-        "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperatureV",
-        "nvmlDeviceGetTemperature", "nvmlDeviceRegisterEvents",
-    )}
+    gpu.errors = dict.fromkeys(("nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetNvLinkState", "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature", "nvmlDeviceRegisterEvents"), real.NVML_ERROR_NOT_SUPPORTED)
     gpu.errors["nvmlDeviceGetCurrentClocksEventReasons"] = real.NVML_ERROR_FUNCTION_NOT_FOUND
 
     reading = NvmlProbe("node-1", clock=clock).read()
@@ -357,7 +364,8 @@ def test_unsupported_counters_are_none(fake):
     g = reading.gpus[0]
     assert reading.fatal_error is None
     assert g.ecc.model_dump() == dict.fromkeys(
-        ("volatile_corrected", "volatile_uncorrected", "aggregate_corrected", "aggregate_uncorrected"))
+        ("volatile_corrected", "volatile_uncorrected", "aggregate_corrected", "aggregate_uncorrected")
+    )
     assert g.remapped_rows is None and g.nvlinks == () and g.pcie_replay is None
     assert g.power_w is None and g.temperature_c is None
     # An older driver without the renamed call still answers under the old name.
@@ -385,12 +393,16 @@ def test_close_frees_the_event_set_and_shuts_down(fake):
 def test_clock_reason_table_matches_pynvml():
     for name in dir(real):
         if name.startswith("nvmlClocksThrottleReason") and name not in (
-                "nvmlClocksThrottleReasonAll", "nvmlClocksThrottleReasonNone",
-                "nvmlClocksThrottleReasonUserDefinedClocks"):
+            "nvmlClocksThrottleReasonAll",
+            "nvmlClocksThrottleReasonNone",
+            "nvmlClocksThrottleReasonUserDefinedClocks",
+        ):
             bit = getattr(real, name)
             assert bit in readings.CLOCK_EVENT_REASONS, name
     assert readings.decode_clock_event_reasons(real.nvmlClocksEventReasonSwPowerCap | 1 << 20) == [
-        "sw_power_cap", "bit_20"]
+        "sw_power_cap",
+        "bit_20",
+    ]
 
 
 def test_detect_probe_picks_nvml_where_present_and_simulation_elsewhere(fake, monkeypatch):

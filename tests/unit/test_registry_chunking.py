@@ -104,9 +104,7 @@ def test_changing_one_tensor_changes_only_its_chunks(tmp_path: Path) -> None:
     ("size", "expected"),
     [(0, []), (1, [1]), (4095, [4095]), (4096, [4096]), (4097, [4096, 1]), (8192, [4096, 4096])],
 )
-def test_fixed_chunks_at_and_around_the_chunk_size(
-    tmp_path: Path, size: int, expected: list[int]
-) -> None:
+def test_fixed_chunks_at_and_around_the_chunk_size(tmp_path: Path, size: int, expected: list[int]) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(os.urandom(size))
 

@@ -17,8 +17,9 @@ ACCURACY = GateSpec(metric="accuracy", min=0.7, max_regression=0.02)
 LATENCY = GateSpec(metric="latency_ms", max=100, max_regression=10, higher_is_better=False)
 
 
-def failing(candidate: dict[str, float], production: dict[str, float] | None = None,
-            gates: list[GateSpec] = (ACCURACY, LATENCY)) -> list[tuple[str, str]]:
+def failing(
+    candidate: dict[str, float], production: dict[str, float] | None = None, gates: list[GateSpec] = (ACCURACY, LATENCY)
+) -> list[tuple[str, str]]:
     return [(f.metric, f.reason.split()[0]) for f in evaluate_gates(gates, candidate, production)]
 
 
@@ -57,10 +58,17 @@ def test_without_a_production_baseline_only_the_range_applies() -> None:
     assert failing({"accuracy": 0.71, "latency_ms": 99}, {"other": 1.0}) == []
 
 
-@pytest.mark.parametrize("gate", [
-    {"metric": "a"}, {"metric": "a", "min": 2, "max": 1}, {"metric": "a", "max_regression": -0.1},
-    {"metric": "a", "min": math.inf}, {"metric": "", "min": 1}, {"metric": "a", "min": 1, "extra": 2},
-])
+@pytest.mark.parametrize(
+    "gate",
+    [
+        {"metric": "a"},
+        {"metric": "a", "min": 2, "max": 1},
+        {"metric": "a", "max_regression": -0.1},
+        {"metric": "a", "min": math.inf},
+        {"metric": "", "min": 1},
+        {"metric": "a", "min": 1, "extra": 2},
+    ],
+)
 def test_meaningless_gates_are_refused(gate: dict) -> None:
     with pytest.raises(ValidationError):
         GateSpec(**gate)
@@ -115,7 +123,7 @@ def test_registry_migration_matches_the_tables_and_downgrades(tmp_path: Path) ->
     from alembic.migration import MigrationContext
     from sqlmodel import SQLModel
 
-    import gpucloud.models.registry_tables  # noqa: F401
+    import gpucloud.models.registry_tables
     import gpucloud.models.tables  # noqa: F401
     from gpucloud.db import alembic_config, get_engine, migrate
 

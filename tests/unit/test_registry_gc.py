@@ -110,9 +110,7 @@ def test_a_live_lease_protects_its_chunks_and_an_expired_one_does_not(stores) ->
     manifests.put_lease(live)
     manifests.put_lease(dead)
 
-    result = collect_garbage(
-        chunks, manifests, grace_period=GRACE, lease_ttl=timedelta(minutes=30), now=NOW
-    )
+    result = collect_garbage(chunks, manifests, grace_period=GRACE, lease_ttl=timedelta(minutes=30), now=NOW)
 
     assert chunks.has(leased) and not chunks.has(abandoned)
     assert result.leases_expired == 1

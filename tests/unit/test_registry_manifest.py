@@ -45,9 +45,7 @@ def manifest(**overrides) -> Manifest:
     fields = {
         "model": "llama-tiny",
         "files": {"model.safetensors": entry(100, 50), "config.json": entry(10, seed=1)},
-        "lineage": Lineage(
-            base_model="llama-3", training_run="run-7", dataset_digests=["sha256:ab"]
-        ),
+        "lineage": Lineage(base_model="llama-3", training_run="run-7", dataset_digests=["sha256:ab"]),
         "created_at": WHEN,
     }
     return Manifest.build(**(fields | overrides))
@@ -70,11 +68,7 @@ def test_digest_is_blake3_of_sorted_compact_json_whatever_the_insertion_order() 
     [
         {"model": "llama-tiny-2"},
         {"created_at": WHEN + timedelta(microseconds=1)},
-        {
-            "lineage": Lineage(
-                base_model="llama-3", training_run="run-8", dataset_digests=["sha256:ab"]
-            )
-        },
+        {"lineage": Lineage(base_model="llama-3", training_run="run-8", dataset_digests=["sha256:ab"])},
         {"files": {"model.safetensors": entry(100, 50), "config.json": entry(10, seed=2)}},
         {"files": {"model.safetensors": entry(100, 50)}},
     ],
@@ -174,9 +168,7 @@ def test_evaluations_are_signed_apart_and_leave_the_identity_alone() -> None:
     with pytest.raises(BadSignatureError):
         keyring.verify_evaluation(cross, tenant="acme")
     with pytest.raises(ValidationError, match="finite"):
-        EvaluationRecord(
-            version=before, evaluator="x", results={"loss": float("nan")}, recorded_at=WHEN
-        )
+        EvaluationRecord(version=before, evaluator="x", results={"loss": float("nan")}, recorded_at=WHEN)
 
 
 def test_manifest_store_round_trip_and_tamper_detection(tmp_path: Path) -> None:
@@ -205,9 +197,7 @@ def test_manifest_store_round_trip_and_tamper_detection(tmp_path: Path) -> None:
 def test_evaluations_are_stored_per_version(tmp_path: Path) -> None:
     store, signer = LocalManifestStore(tmp_path), Signer.generate()
     version = manifest().digest
-    record = EvaluationRecord(
-        version=version, evaluator="e", results={"acc": 1.0}, recorded_at=WHEN
-    )
+    record = EvaluationRecord(version=version, evaluator="e", results={"acc": 1.0}, recorded_at=WHEN)
 
     store.add_evaluation(signer.sign_evaluation(record))
 

@@ -58,17 +58,31 @@ class Setup:
         source = tmp_path / "src"
         source.mkdir()
         (source / "weights.bin").write_bytes(os.urandom(7000))
-        self.digest = push(source, model="m", chunk_store=LocalChunkStore(self.root),
-                           manifest_store=self.manifests, signer=self.signer, policy=POLICY,
-                           settle_seconds=0).digest
+        self.digest = push(
+            source,
+            model="m",
+            chunk_store=LocalChunkStore(self.root),
+            manifest_store=self.manifests,
+            signer=self.signer,
+            policy=POLICY,
+            settle_seconds=0,
+        ).digest
         self.victim = self.manifests.get(self.digest).manifest.files["weights.bin"].chunks[1]
         self.source = source
         self.sleeps: list[float] = []
 
     def pull(self, store: LocalChunkStore, dest: Path, **retry):
         policy = RetryPolicy(sleep=self.sleeps.append, **retry)
-        return pull(self.digest, dest, chunk_store=store, manifest_store=self.manifests,
-                    keyring=self.keyring, tenant="acme", retry=policy, concurrency=1)
+        return pull(
+            self.digest,
+            dest,
+            chunk_store=store,
+            manifest_store=self.manifests,
+            keyring=self.keyring,
+            tenant="acme",
+            retry=policy,
+            concurrency=1,
+        )
 
 
 @pytest.fixture
@@ -77,8 +91,9 @@ def setup(tmp_path: Path) -> Setup:
 
 
 @pytest.mark.parametrize("how", ["reset", "cut-off", "5xx"])
-def test_a_broken_transfer_is_retried_with_backoff_and_the_pull_succeeds(setup: Setup, tmp_path: Path,
-                                                                         how: str) -> None:
+def test_a_broken_transfer_is_retried_with_backoff_and_the_pull_succeeds(
+    setup: Setup, tmp_path: Path, how: str
+) -> None:
     store = FlakyStore(setup.root, victim=setup.victim.id, failures=3, how=how)
     result = setup.pull(store, tmp_path / "out", attempts=4, first_delay=0.1)
     assert (result.path / "weights.bin").read_bytes() == (setup.source / "weights.bin").read_bytes()
@@ -160,7 +175,7 @@ def test_an_s3_body_cut_off_midway_is_a_transfer_error() -> None:
             raise ResponseStreamingError(error="Connection broken: IncompleteRead(10 bytes read)")
 
     class Client:
-        class exceptions:  # noqa: N801 - mirrors the boto3 client attribute
+        class exceptions:
             ClientError = BotoClientError
 
         def get_object(self, **kwargs: object) -> dict:

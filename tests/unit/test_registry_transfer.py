@@ -33,9 +33,7 @@ POLICY = ChunkPolicy(max_chunk_size=4096, pack_size=1024, fixed_chunk_size=4096,
 SIZES = [6000, 300, 200, 9000, 2500, 100, 5000]
 
 
-def write_model(
-    directory: Path, tensors: dict[str, bytes], config: bytes = b'{"layers": 2}'
-) -> Path:
+def write_model(directory: Path, tensors: dict[str, bytes], config: bytes = b'{"layers": 2}') -> Path:
     (directory / "tokenizer").mkdir(parents=True, exist_ok=True)
     header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
     (directory / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
@@ -81,9 +79,7 @@ def registry(tmp_path: Path) -> Registry:
     signer, keyring = Signer.generate(), Keyring()
     keyring.trust("acme", signer.verify_key)
     root = tmp_path / "registry"
-    return Registry(
-        root, LocalChunkStore(root, read_size=1000), LocalManifestStore(root), signer, keyring
-    )
+    return Registry(root, LocalChunkStore(root, read_size=1000), LocalManifestStore(root), signer, keyring)
 
 
 def tree(root: Path) -> dict[Path, bytes]:
@@ -103,9 +99,7 @@ def test_push_then_pull_round_trip(registry: Registry, tmp_path: Path) -> None:
 
     assert same_tree(source, pulled.path)
     assert result.bytes_total == sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
-    assert (
-        result.chunks_uploaded == len(registry.stored()) == len(result.signed.manifest.chunk_ids())
-    )
+    assert result.chunks_uploaded == len(registry.stored()) == len(result.signed.manifest.chunk_ids())
     assert result.bytes_skipped == result.bytes_total - result.bytes_uploaded
     for phase in ("hash", "upload"):
         done = [e.done for e in events if e.phase == phase]
@@ -113,22 +107,14 @@ def test_push_then_pull_round_trip(registry: Registry, tmp_path: Path) -> None:
     assert list((registry.root / "leases").iterdir()) == []
 
 
-def test_second_version_uploads_exactly_the_changed_tensors(
-    registry: Registry, tmp_path: Path
-) -> None:
+def test_second_version_uploads_exactly_the_changed_tensors(registry: Registry, tmp_path: Path) -> None:
     tensors = random_tensors()
     v1 = registry.push(write_model(tmp_path / "v1", tensors))
     before = registry.stored()
     tuned = dict(tensors, **{"layer.3": os.urandom(9000), "layer.1": os.urandom(300)})
     source = write_model(tmp_path / "v2", tuned)
-    old_ids = {
-        c.id for c in chunk_file(tmp_path / "v1" / "model.safetensors", policy=POLICY).chunks
-    }
-    new_chunks = [
-        c
-        for c in chunk_file(source / "model.safetensors", policy=POLICY).chunks
-        if c.id not in old_ids
-    ]
+    old_ids = {c.id for c in chunk_file(tmp_path / "v1" / "model.safetensors", policy=POLICY).chunks}
+    new_chunks = [c for c in chunk_file(source / "model.safetensors", policy=POLICY).chunks if c.id not in old_ids]
 
     v2 = registry.push(source, lineage=Lineage(parent=v1.digest))
 
@@ -157,9 +143,7 @@ class FlakyStore(LocalChunkStore):
         return written
 
 
-def test_interrupted_push_resumes_with_only_the_missing_chunks(
-    registry: Registry, tmp_path: Path
-) -> None:
+def test_interrupted_push_resumes_with_only_the_missing_chunks(registry: Registry, tmp_path: Path) -> None:
     source = write_model(tmp_path / "v1", random_tensors())
     with pytest.raises(ConnectionError):
         registry.push(source, chunk_store=FlakyStore(registry.root, limit=5), concurrency=2)
@@ -175,9 +159,7 @@ def test_interrupted_push_resumes_with_only_the_missing_chunks(
     assert same_tree(source, registry.pull(result.digest, tmp_path / "out").path)
 
 
-def test_a_chunk_deleted_after_the_push_saw_it_is_uploaded_again(
-    registry: Registry, tmp_path: Path
-) -> None:
+def test_a_chunk_deleted_after_the_push_saw_it_is_uploaded_again(registry: Registry, tmp_path: Path) -> None:
     source = write_model(tmp_path / "v1", random_tensors())
     registry.push(source)
     victim = chunk_file(source / "model.safetensors", policy=POLICY).chunks[1].id
@@ -254,9 +236,7 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
-def test_every_corruption_is_refused_and_nothing_appears(
-    registry: Registry, tmp_path: Path, corruption: str
-) -> None:
+def test_every_corruption_is_refused_and_nothing_appears(registry: Registry, tmp_path: Path, corruption: str) -> None:
     result = registry.push(write_model(tmp_path / "v1", random_tensors()))
     damage, expected = CORRUPTIONS[corruption]
     target = _chunk(registry, result.digest, 2)
@@ -269,18 +249,12 @@ def test_every_corruption_is_refused_and_nothing_appears(
     assert isinstance(caught.value, IntegrityError)
     if corruption not in ("tampered-manifest", "bad-signature"):
         message = str(caught.value)
-        assert (
-            target.id in message
-            and "model.safetensors" in message
-            and f"offset {target.offset}" in message
-        )
+        assert target.id in message and "model.safetensors" in message and f"offset {target.offset}" in message
     assert not dest.exists()
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-def test_a_version_signed_by_an_untrusted_key_is_refused(
-    registry: Registry, tmp_path: Path
-) -> None:
+def test_a_version_signed_by_an_untrusted_key_is_refused(registry: Registry, tmp_path: Path) -> None:
     result = registry.push(write_model(tmp_path / "v1", random_tensors()), signer=Signer.generate())
     with pytest.raises(UnknownKeyError):
         registry.pull(result.digest, tmp_path / "out")

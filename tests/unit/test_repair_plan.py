@@ -10,28 +10,34 @@ from gpucloud.reconciler.plan import NodeSnapshot, plan_node
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 
 
-@pytest.mark.parametrize(("state", "health", "maintenance", "reachable", "start"), [
-    ("quarantined", "failed", False, True, NodeOperationKind.REPAIR),
-    ("quarantined", "suspect", False, True, NodeOperationKind.REPAIR),
-    ("quarantined", "ok", False, True, None),  # an operator's drain: the operator decides
-    ("quarantined", "failed", True, True, None),  # under maintenance
-    ("quarantined", "failed", False, False, None),  # a silent agent would fail every rung
-    ("rma", "failed", False, True, None),
-    ("available", "failed", False, True, None),
-])
+@pytest.mark.parametrize(
+    ("state", "health", "maintenance", "reachable", "start"),
+    [
+        ("quarantined", "failed", False, True, NodeOperationKind.REPAIR),
+        ("quarantined", "suspect", False, True, NodeOperationKind.REPAIR),
+        ("quarantined", "ok", False, True, None),  # an operator's drain: the operator decides
+        ("quarantined", "failed", True, True, None),  # under maintenance
+        ("quarantined", "failed", False, False, None),  # a silent agent would fail every rung
+        ("rma", "failed", False, True, None),
+        ("available", "failed", False, True, None),
+    ],
+)
 def test_repair_started_for_health_quarantined_nodes_only(state, health, maintenance, reachable, start):
     node = NodeSnapshot(id="n1", state=state, health=health, maintenance=maintenance, agent_reachable=reachable)
     assert plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90)).start == start
 
 
-@pytest.mark.parametrize(("state", "actions", "replace", "at_once"), [
-    ("active", ("drain",), True, False),  # the tenant gets the grace period to checkpoint
-    ("active", ("watch", "drain_now"), True, True),
-    ("reserved", ("drain",), True, True),  # no job on it yet: nothing to wait for
-    ("provisioning", ("rma",), True, True),
-    ("active", ("watch",), False, False),  # suspect only: watched, not pulled
-    ("releasing", ("drain_now",), False, False),  # the allocation is letting go anyway
-])
+@pytest.mark.parametrize(
+    ("state", "actions", "replace", "at_once"),
+    [
+        ("active", ("drain",), True, False),  # the tenant gets the grace period to checkpoint
+        ("active", ("watch", "drain_now"), True, True),
+        ("reserved", ("drain",), True, True),  # no job on it yet: nothing to wait for
+        ("provisioning", ("rma",), True, True),
+        ("active", ("watch",), False, False),  # suspect only: watched, not pulled
+        ("releasing", ("drain_now",), False, False),  # the allocation is letting go anyway
+    ],
+)
 def test_a_bad_node_its_allocation_holds_is_asked_to_be_replaced(state, actions, replace, at_once):
     conditions = tuple({"name": f"c{i}", "reason": "r", "action": a} for i, a in enumerate(actions))
     node = NodeSnapshot(id="n1", state=state, health="failed", allocation_id="a1", health_conditions=conditions)
@@ -45,6 +51,10 @@ def test_a_bad_node_back_in_the_pool_is_drained():
     pulled = ({"name": "xid_79", "reason": "fell off the bus", "action": "drain_now"},)
     node = NodeSnapshot(id="n1", state="available", health="failed", health_conditions=pulled)
     assert plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90)).start == NodeOperationKind.DRAIN
-    watched = NodeSnapshot(id="n1", state="available", health="suspect",
-                           health_conditions=({"name": "xid_63", "reason": "r", "action": "watch"},))
+    watched = NodeSnapshot(
+        id="n1",
+        state="available",
+        health="suspect",
+        health_conditions=({"name": "xid_63", "reason": "r", "action": "watch"},),
+    )
     assert plan_node(watched, now=NOW, heartbeat_timeout=timedelta(seconds=90)).empty

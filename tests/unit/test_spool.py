@@ -233,8 +233,12 @@ class FakeLedger:
             raise httpx.ReadError("connection reset after the ledger committed", request=request)
         return httpx.Response(
             200,
-            json={"accepted": len(fresh), "duplicates": duplicates, "rejected": len(rejections),
-                  "rejections": rejections},
+            json={
+                "accepted": len(fresh),
+                "duplicates": duplicates,
+                "rejected": len(rejections),
+                "rejections": rejections,
+            },
         )
 
 
@@ -315,8 +319,15 @@ def test_shipper_backs_off_while_the_ledger_is_down_then_drains(tmp_path: Path) 
     ledger = FakeLedger()
     ledger.down = True
     client = httpx.Client(transport=httpx.MockTransport(ledger.handle))
-    shipper = Shipper(spool, "http://ledger", client=client, batch_size=7, backoff_initial_s=0.01,
-                      backoff_max_s=0.08, idle_poll_s=0.01)
+    shipper = Shipper(
+        spool,
+        "http://ledger",
+        client=client,
+        batch_size=7,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.08,
+        idle_poll_s=0.01,
+    )
     stop = threading.Event()
     runner = threading.Thread(target=shipper.run, args=(stop,))
     runner.start()

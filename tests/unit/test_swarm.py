@@ -25,9 +25,7 @@ class Clock:
 
 def swarm_of(racks: dict[str, str], *, chunks: list[str] = CHUNKS, clock: Clock | None = None, **options) -> Swarm:
     nodes = {node: PeerPlace(rack=rack, site="s", url=f"http://{node}") for node, rack in racks.items()}
-    return Swarm(
-        SwarmSpec(nodes=nodes, chunks=chunks), rng=random.Random(0), clock=clock or Clock(), **options
-    )
+    return Swarm(SwarmSpec(nodes=nodes, chunks=chunks), rng=random.Random(0), clock=clock or Clock(), **options)
 
 
 def picks(swarm: Swarm, node: str, slots: int = 4, **kwargs) -> list[tuple[str, str]]:

@@ -17,12 +17,15 @@ def q(gpu_type: str, region: str, max_gpus: int) -> TenantQuotaBase:
     return TenantQuotaBase(gpu_type=gpu_type, region=region, max_gpus=max_gpus)
 
 
-@pytest.mark.parametrize(("gpu_type", "region", "limit", "source"), [
-    ("H100", "us-east-1", 8, "tenant"),  # exact type and region
-    ("H100", "eu-west-1", 16, "tenant"),  # exact type, any region
-    ("B200", "us-east-1", 32, "tenant"),  # any type, exact region
-    ("B200", "eu-west-1", 64, "tenant"),  # any type, any region
-])
+@pytest.mark.parametrize(
+    ("gpu_type", "region", "limit", "source"),
+    [
+        ("H100", "us-east-1", 8, "tenant"),  # exact type and region
+        ("H100", "eu-west-1", 16, "tenant"),  # exact type, any region
+        ("B200", "us-east-1", 32, "tenant"),  # any type, exact region
+        ("B200", "eu-west-1", 64, "tenant"),  # any type, any region
+    ],
+)
 def test_the_most_specific_quota_applies(gpu_type, region, limit, source):
     rows = [q("*", "*", 64), q("*", "us-east-1", 32), q("H100", "*", 16), q("H100", "us-east-1", 8)]
     found = effective_limit(rows, gpu_type=gpu_type, region=region, default_gpus=999)
@@ -69,11 +72,15 @@ def test_rotation_and_revocation(db):
 def test_status_moves_are_compare_and_swap(db):
     tenant_id = _tenant(db, "acme")
     with session_scope(db) as session:
-        assert tenants.move(session, tenant_id, source=(TenantStatus.ONBOARDING,),
-                            target=TenantStatus.ACTIVE).status == "active"
+        assert (
+            tenants.move(session, tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.ACTIVE).status
+            == "active"
+        )
         # Again: already there, a no-op.
-        assert tenants.move(session, tenant_id, source=(TenantStatus.ONBOARDING,),
-                            target=TenantStatus.ACTIVE).status == "active"
+        assert (
+            tenants.move(session, tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.ACTIVE).status
+            == "active"
+        )
         with pytest.raises(tenants.TenantStateConflict):
             tenants.move(session, tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.FAILED)
     with session_scope(db) as session, pytest.raises(tenants.TenantExists):

@@ -33,8 +33,8 @@ from gpucloud.models.tables import (
     OperationPublic,
 )
 from gpucloud.services import allocations as service
-from gpucloud.services import quotas
 from gpucloud.services import nodes as node_service
+from gpucloud.services import quotas
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,9 @@ class AllocationRequest(BaseModel):
             raise ValueError(f"must be between 1 and {NVL72_TRAYS_PER_RACK} (the compute trays of one NVL72 rack)")
         gpu_type = info.data.get("gpu_type")
         if gpu_type is not None and gpu_type not in NVL72_GPU_TYPES:
-            raise ValueError(f"{gpu_type} does not come in NVL72 racks; slices are of "
-                             f"{', '.join(sorted(NVL72_GPU_TYPES))}")
+            raise ValueError(
+                f"{gpu_type} does not come in NVL72 racks; slices are of {', '.join(sorted(NVL72_GPU_TYPES))}"
+            )
         return v
 
     @field_validator("node_count")
@@ -128,28 +129,58 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
             with session_scope(settings.db_url) as session:
                 if session.exec(select(Node.id).where(Node.region == req.region).limit(1)).first() is None:
                     regions = sorted(set(session.exec(select(Node.region)).all()))
-                    raise Problem(422, "invalid-request", "Unknown region",
-                                  f"region: unknown region {req.region!r}; known: {', '.join(regions) or 'none'}",
-                                  errors=[{"field": "region", "message": "unknown region"}])
-                quotas.admit(session, tenant_id, gpu_type=req.gpu_type, region=req.region, node_count=req.node_count,
-                             default_gpus=settings.default_gpu_quota)
+                    raise Problem(
+                        422,
+                        "invalid-request",
+                        "Unknown region",
+                        f"region: unknown region {req.region!r}; known: {', '.join(regions) or 'none'}",
+                        errors=[{"field": "region", "message": "unknown region"}],
+                    )
+                quotas.admit(
+                    session,
+                    tenant_id,
+                    gpu_type=req.gpu_type,
+                    region=req.region,
+                    node_count=req.node_count,
+                    default_gpus=settings.default_gpu_quota,
+                )
                 alloc = Allocation(tenant_id=tenant_id, **req.model_dump())
                 service.reserve_gang(session, alloc, deadline_scale=settings.deadline_scale)
-                op = Operation(tenant_id=tenant_id, kind="create_allocation", resource_id=alloc.id,
-                               workflow_id=service.workflow_id_for(alloc.id))
+                op = Operation(
+                    tenant_id=tenant_id,
+                    kind="create_allocation",
+                    resource_id=alloc.id,
+                    workflow_id=service.workflow_id_for(alloc.id),
+                )
                 session.add(alloc)
                 session.add(op)
                 return alloc, op
         except service.ReservationConflict:
             continue
         except service.InsufficientCapacity as exc:
-            raise Problem(409, "insufficient-capacity", "Not enough capacity", str(exc),
-                          available_in_largest_domain=exc.largest_domain, available_in_region=exc.total) from exc
+            raise Problem(
+                409,
+                "insufficient-capacity",
+                "Not enough capacity",
+                str(exc),
+                available_in_largest_domain=exc.largest_domain,
+                available_in_region=exc.total,
+            ) from exc
         except quotas.QuotaExceeded as exc:
-            raise Problem(409, "quota-exceeded", "Quota exceeded", str(exc),
-                          quota={"gpu_type": exc.limit.gpu_type, "region": exc.limit.region,
-                                 "max_gpus": exc.limit.max_gpus, "source": exc.limit.source},
-                          usage_gpus=exc.usage_gpus, requested_gpus=exc.requested_gpus) from exc
+            raise Problem(
+                409,
+                "quota-exceeded",
+                "Quota exceeded",
+                str(exc),
+                quota={
+                    "gpu_type": exc.limit.gpu_type,
+                    "region": exc.limit.region,
+                    "max_gpus": exc.limit.max_gpus,
+                    "source": exc.limit.source,
+                },
+                usage_gpus=exc.usage_gpus,
+                requested_gpus=exc.requested_gpus,
+            ) from exc
         except quotas.TenantNotActive as exc:
             raise Problem(409, "tenant-not-active", "Tenant is not active", str(exc), tenant_status=exc.status) from exc
     raise Problem(503, "busy", "Too much contention", "too many concurrent reservations; retry")
@@ -160,18 +191,35 @@ def _undo_reservation(settings: Settings, alloc: Allocation, reason: str) -> Non
     with session_scope(settings.db_url) as session:
         for node_id in alloc.node_ids:
             try:
-                node_service.transition(session, node_id, NodeEvent.UNRESERVE, from_state=NodeState.RESERVED,
-                                        cause=reason, actor="api", deadline_scale=settings.deadline_scale)
+                node_service.transition(
+                    session,
+                    node_id,
+                    NodeEvent.UNRESERVE,
+                    from_state=NodeState.RESERVED,
+                    cause=reason,
+                    actor="api",
+                    deadline_scale=settings.deadline_scale,
+                )
             except node_service.StaleNode:
                 log.warning("node %s moved before its reservation could be undone", node_id)
         service.set_status(session, alloc.id, AllocationStatus.FAILED, failure_reason=reason)
 
 
-@router.post("/allocations", status_code=202, response_model=AllocationAccepted,
-             responses={409: {"description": "not enough capacity, quota exceeded, or tenant not active"},
-                        422: {"description": "invalid request"}})
+@router.post(
+    "/allocations",
+    status_code=202,
+    response_model=AllocationAccepted,
+    responses={
+        409: {"description": "not enough capacity, quota exceeded, or tenant not active"},
+        422: {"description": "invalid request"},
+    },
+)
 async def create_allocation(
-    request: Request, req: AllocationRequest, tenant: TenantDep, settings: SettingsDep, temporal: TemporalDep,
+    request: Request,
+    req: AllocationRequest,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
     idempotency_key: Annotated[str | None, Header()] = None,
 ):
     async def handler() -> JSONResponse:
@@ -180,14 +228,26 @@ async def create_allocation(
             await start_allocation_workflow(temporal, settings, alloc)
         except RPCError as exc:
             await run_in_threadpool(_undo_reservation, settings, alloc, f"could not start provisioning: {exc}")
-            raise Problem(503, "workflow-engine-unavailable", "Try again",
-                          "the workflow engine did not accept the allocation; nothing was kept, retry") from exc
+            raise Problem(
+                503,
+                "workflow-engine-unavailable",
+                "Try again",
+                "the workflow engine did not accept the allocation; nothing was kept, retry",
+            ) from exc
         body = AllocationAccepted(allocation=_public(alloc), operation=_op_public(op))
-        return JSONResponse(body.model_dump(mode="json"), status_code=202,
-                            headers={"Location": f"/v1/allocations/{alloc.id}"})
+        return JSONResponse(
+            body.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/allocations/{alloc.id}"}
+        )
 
-    return await run_idempotent(db_url=settings.db_url, caller=tenant.id, key=idempotency_key, method="POST",
-                                path=request.url.path, body=await request.body(), handler=handler)
+    return await run_idempotent(
+        db_url=settings.db_url,
+        caller=tenant.id,
+        key=idempotency_key,
+        method="POST",
+        path=request.url.path,
+        body=await request.body(),
+        handler=handler,
+    )
 
 
 @router.get("/allocations/{allocation_id}", response_model=AllocationPublic)
@@ -197,9 +257,12 @@ def get_allocation(allocation_id: str, caller: CallerDep, session: SessionDep):
 
 @router.get("/allocations", response_model=AllocationPage)
 def list_allocations(
-    caller: CallerDep, session: SessionDep,
+    caller: CallerDep,
+    session: SessionDep,
     page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None, status: AllocationStatus | None = None, tenant_id: str | None = None,
+    page_token: str | None = None,
+    status: AllocationStatus | None = None,
+    tenant_id: str | None = None,
 ):
     scope = caller.tenant_id if not caller.is_operator else tenant_id
     filters = {"tenant": scope, "status": status}
@@ -222,7 +285,9 @@ class AllocationEventPage(BaseModel):
 
 @router.get("/allocations/{allocation_id}/events", response_model=AllocationEventPage)
 def allocation_events(
-    allocation_id: str, caller: CallerDep, session: SessionDep,
+    allocation_id: str,
+    caller: CallerDep,
+    session: SessionDep,
     page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
     page_token: str | None = None,
 ):
@@ -230,14 +295,20 @@ def allocation_events(
     alloc = _visible(session, caller, allocation_id)
     filters = {"allocation": alloc.id}
     cursor = pagination.decode(page_token, filters)
-    query = select(AllocationEvent).where(AllocationEvent.allocation_id == alloc.id,
-                                          AllocationEvent.tenant_id == alloc.tenant_id)
+    query = select(AllocationEvent).where(
+        AllocationEvent.allocation_id == alloc.id, AllocationEvent.tenant_id == alloc.tenant_id
+    )
     if cursor.after is not None:
         query = query.where(AllocationEvent.seq > cursor.after)
-    rows, token = pagination.page(list(session.exec(query.order_by(AllocationEvent.seq).limit(page_size + 1)).all()),
-                                  page_size, lambda e: e.seq, filters)
-    return AllocationEventPage(items=[AllocationEventPublic.model_validate(e, from_attributes=True) for e in rows],
-                               next_page_token=token)
+    rows, token = pagination.page(
+        list(session.exec(query.order_by(AllocationEvent.seq).limit(page_size + 1)).all()),
+        page_size,
+        lambda e: e.seq,
+        filters,
+    )
+    return AllocationEventPage(
+        items=[AllocationEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
+    )
 
 
 def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tuple[Allocation, Operation | None]:
@@ -247,8 +318,11 @@ def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tu
         return alloc, op
 
 
-@router.post("/allocations/{allocation_id}/cancel", response_model=AllocationAccepted,
-             responses={202: {"description": "cancellation recorded; the allocation shows `cancelling`"}})
+@router.post(
+    "/allocations/{allocation_id}/cancel",
+    response_model=AllocationAccepted,
+    responses={202: {"description": "cancellation recorded; the allocation shows `cancelling`"}},
+)
 async def cancel_allocation(allocation_id: str, caller: CallerDep, settings: SettingsDep, temporal: TemporalDep):
     alloc, op = await run_in_threadpool(_record_cancel, settings, caller, allocation_id)
     body = AllocationAccepted(allocation=_public(alloc), operation=_op_public(op))

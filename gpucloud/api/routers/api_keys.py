@@ -39,8 +39,7 @@ class ApiKeyCreated(BaseModel):
     key: str | None = Field(description="`gpc_<id>.<secret>`, shown in this response only (null on a replay)")
     created_at: datetime
     replaces: str | None = Field(default=None, description="the rotated key")
-    replaced_key_expires_at: datetime | None = Field(
-        default=None, description="when the rotated key stops working")
+    replaced_key_expires_at: datetime | None = Field(default=None, description="when the rotated key stops working")
 
 
 class ApiKeyList(BaseModel):
@@ -50,8 +49,12 @@ class ApiKeyList(BaseModel):
 class RotateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    grace_period_s: int = Field(default=0, ge=0, le=int(key_service.MAX_GRACE.total_seconds()),
-                                description="how long the old key keeps working (0: it stops now)")
+    grace_period_s: int = Field(
+        default=0,
+        ge=0,
+        le=int(key_service.MAX_GRACE.total_seconds()),
+        description="how long the old key keeps working (0: it stops now)",
+    )
 
 
 def _scope(caller: Caller, tenant_id: str) -> str:
@@ -65,9 +68,13 @@ def _issuing_tenant(session, tenant_id: str) -> None:
     if status is None:
         raise not_found("tenant", tenant_id)
     if status not in ISSUING:
-        raise Problem(409, "tenant-not-active", "Tenant takes no new keys",
-                      f"tenant {tenant_id} is {status}; keys are issued to onboarding and active tenants only",
-                      tenant_status=status)
+        raise Problem(
+            409,
+            "tenant-not-active",
+            "Tenant takes no new keys",
+            f"tenant {tenant_id} is {status}; keys are issued to onboarding and active tenants only",
+            tenant_status=status,
+        )
 
 
 def _issue(settings: Settings, tenant_id: str) -> ApiKeyCreated:
@@ -82,10 +89,15 @@ def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> Ap
     try:
         with session_scope(settings.db_url) as session:
             _issuing_tenant(session, tenant_id)
-            old, new, plaintext = key_service.rotate_key(session, tenant_id, key_id,
-                                                         grace=timedelta(seconds=grace_s))
-            return ApiKeyCreated(id=new.id, tenant_id=tenant_id, key=plaintext, created_at=new.created_at,
-                                 replaces=old.id, replaced_key_expires_at=old.expires_at)
+            old, new, plaintext = key_service.rotate_key(session, tenant_id, key_id, grace=timedelta(seconds=grace_s))
+            return ApiKeyCreated(
+                id=new.id,
+                tenant_id=tenant_id,
+                key=plaintext,
+                created_at=new.created_at,
+                replaces=old.id,
+                replaced_key_expires_at=old.expires_at,
+            )
     except key_service.KeyNotFound as exc:
         raise not_found("api key", key_id) from exc
     except key_service.KeyNotRotatable as exc:
@@ -95,8 +107,7 @@ def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> Ap
 def _revoke(settings: Settings, tenant_id: str, key_id: str) -> ApiKeyPublic:
     try:
         with session_scope(settings.db_url) as session:
-            return ApiKeyPublic.model_validate(key_service.revoke_key(session, tenant_id, key_id),
-                                               from_attributes=True)
+            return ApiKeyPublic.model_validate(key_service.revoke_key(session, tenant_id, key_id), from_attributes=True)
     except key_service.KeyNotFound as exc:
         raise not_found("api key", key_id) from exc
 
@@ -105,23 +116,34 @@ def _list(settings: Settings, tenant_id: str) -> ApiKeyList:
     with session_scope(settings.db_url) as session:
         if session.exec(select(Tenant.id).where(Tenant.id == tenant_id)).first() is None:
             raise not_found("tenant", tenant_id)
-        return ApiKeyList(items=[ApiKeyPublic.model_validate(k, from_attributes=True)
-                                 for k in key_service.list_keys(session, tenant_id)])
+        return ApiKeyList(
+            items=[
+                ApiKeyPublic.model_validate(k, from_attributes=True) for k in key_service.list_keys(session, tenant_id)
+            ]
+        )
 
 
 def _without_secret(body: bytes) -> bytes:
     return json.dumps({**json.loads(body), "key": None}).encode()
 
 
-async def _created(request: Request, settings: Settings, caller: Caller, idempotency_key: str | None,
-                   make) -> JSONResponse:
+async def _created(
+    request: Request, settings: Settings, caller: Caller, idempotency_key: str | None, make
+) -> JSONResponse:
     async def handler() -> JSONResponse:
         created = await run_in_threadpool(make)
         return JSONResponse(created.model_dump(mode="json"), status_code=201)
 
-    return await run_idempotent(db_url=settings.db_url, caller=caller.id, key=idempotency_key, method="POST",
-                                path=request.url.path, body=await request.body(), handler=handler,
-                                redact=_without_secret)
+    return await run_idempotent(
+        db_url=settings.db_url,
+        caller=caller.id,
+        key=idempotency_key,
+        method="POST",
+        path=request.url.path,
+        body=await request.body(),
+        handler=handler,
+        redact=_without_secret,
+    )
 
 
 # ---------------------------------------------------------------- the caller's own keys
@@ -133,18 +155,30 @@ async def list_own_keys(tenant: TenantDep, settings: SettingsDep):
 
 
 @router.post("/api-keys", status_code=201, response_model=ApiKeyCreated)
-async def create_own_key(request: Request, tenant: TenantDep, settings: SettingsDep,
-                         idempotency_key: Annotated[str | None, Header()] = None):
+async def create_own_key(
+    request: Request, tenant: TenantDep, settings: SettingsDep, idempotency_key: Annotated[str | None, Header()] = None
+):
     return await _created(request, settings, tenant, idempotency_key, lambda: _issue(settings, tenant.tenant_id))
 
 
-@router.post("/api-keys/{key_id}/rotate", status_code=201, response_model=ApiKeyCreated,
-             responses={409: {"description": "the key is revoked, expired or already rotated"}})
-async def rotate_own_key(request: Request, key_id: str, tenant: TenantDep, settings: SettingsDep,
-                         req: RotateRequest | None = None, idempotency_key: Annotated[str | None, Header()] = None):
+@router.post(
+    "/api-keys/{key_id}/rotate",
+    status_code=201,
+    response_model=ApiKeyCreated,
+    responses={409: {"description": "the key is revoked, expired or already rotated"}},
+)
+async def rotate_own_key(
+    request: Request,
+    key_id: str,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    req: RotateRequest | None = None,
+    idempotency_key: Annotated[str | None, Header()] = None,
+):
     grace = (req or RotateRequest()).grace_period_s
-    return await _created(request, settings, tenant, idempotency_key,
-                          lambda: _rotate(settings, tenant.tenant_id, key_id, grace))
+    return await _created(
+        request, settings, tenant, idempotency_key, lambda: _rotate(settings, tenant.tenant_id, key_id, grace)
+    )
 
 
 @router.delete("/api-keys/{key_id}", response_model=ApiKeyPublic)
@@ -161,16 +195,32 @@ async def list_keys(tenant_id: str, caller: CallerDep, settings: SettingsDep):
 
 
 @router.post("/tenants/{tenant_id}/api-keys", status_code=201, response_model=ApiKeyCreated)
-async def create_key(request: Request, tenant_id: str, caller: CallerDep, settings: SettingsDep,
-                     idempotency_key: Annotated[str | None, Header()] = None):
+async def create_key(
+    request: Request,
+    tenant_id: str,
+    caller: CallerDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header()] = None,
+):
     scoped = _scope(caller, tenant_id)
     return await _created(request, settings, caller, idempotency_key, lambda: _issue(settings, scoped))
 
 
-@router.post("/tenants/{tenant_id}/api-keys/{key_id}/rotate", status_code=201, response_model=ApiKeyCreated,
-             responses={409: {"description": "the key is revoked, expired or already rotated"}})
-async def rotate_key(request: Request, tenant_id: str, key_id: str, caller: CallerDep, settings: SettingsDep,
-                     req: RotateRequest | None = None, idempotency_key: Annotated[str | None, Header()] = None):
+@router.post(
+    "/tenants/{tenant_id}/api-keys/{key_id}/rotate",
+    status_code=201,
+    response_model=ApiKeyCreated,
+    responses={409: {"description": "the key is revoked, expired or already rotated"}},
+)
+async def rotate_key(
+    request: Request,
+    tenant_id: str,
+    key_id: str,
+    caller: CallerDep,
+    settings: SettingsDep,
+    req: RotateRequest | None = None,
+    idempotency_key: Annotated[str | None, Header()] = None,
+):
     scoped = _scope(caller, tenant_id)
     grace = (req or RotateRequest()).grace_period_s
     return await _created(request, settings, caller, idempotency_key, lambda: _rotate(settings, scoped, key_id, grace))

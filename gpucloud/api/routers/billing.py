@@ -39,8 +39,12 @@ router = APIRouter(prefix="/v1", tags=["billing"])
 PERIOD_PATTERN = r"^\d{4}-(0[1-9]|1[0-2])$"
 PeriodQuery = Annotated[str | None, Query(pattern=PERIOD_PATTERN, description="billing period, YYYY-MM (UTC)")]
 TenantQuery = Annotated[str | None, Query(description="operators: the tenant (tenants: always their own)")]
-INVOICE_RESPONSE = {200: {"content": {"application/json": {}},
-                          "description": "the invoice document, canonical JSON (sorted keys, integers only)"}}
+INVOICE_RESPONSE = {
+    200: {
+        "content": {"application/json": {}},
+        "description": "the invoice document, canonical JSON (sorted keys, integers only)",
+    }
+}
 
 T = TypeVar("T")
 
@@ -57,21 +61,32 @@ async def _ask(call: Awaitable[T], *, kind: str = "", ident: str = "") -> T:
     try:
         return await call
     except LedgerUnavailable as exc:
-        raise Problem(503, "ledger-unavailable", "Billing ledger unavailable",
-                      "the billing ledger does not answer; retry later") from exc
+        raise Problem(
+            503, "ledger-unavailable", "Billing ledger unavailable", "the billing ledger does not answer; retry later"
+        ) from exc
     except LedgerRefused as exc:
         if exc.status == 404 and kind:
             raise not_found(kind, ident) from exc
-        raise Problem(exc.status, "ledger-refused", exc.problem.get("title", "The ledger refused the request"),
-                      str(exc), **({"field": exc.problem["field"]} if exc.problem.get("field") else {})) from exc
+        raise Problem(
+            exc.status,
+            "ledger-refused",
+            exc.problem.get("title", "The ledger refused the request"),
+            str(exc),
+            **({"field": exc.problem["field"]} if exc.problem.get("field") else {}),
+        ) from exc
 
 
 def _tenant(caller: Caller, tenant_id: str | None) -> str:
     if not caller.is_operator:
         return caller.tenant_id
     if tenant_id is None:
-        raise Problem(422, "invalid-request", "The request is invalid", "tenant_id: operators name the tenant",
-                      errors=[{"field": "tenant_id", "message": "required for operators"}])
+        raise Problem(
+            422,
+            "invalid-request",
+            "The request is invalid",
+            "tenant_id: operators name the tenant",
+            errors=[{"field": "tenant_id", "message": "required for operators"}],
+        )
     return tenant_id
 
 
@@ -81,44 +96,58 @@ def _owns_allocation(session: Session, tenant_id: str, allocation_id: str) -> bo
 
 
 @router.get("/usage", response_model=UsageReport)
-async def get_usage(caller: CallerDep, session: SessionDep, ledger: LedgerDep, allocation_id: str | None = None,
-                    period: PeriodQuery = None, tenant_id: TenantQuery = None):
+async def get_usage(
+    caller: CallerDep,
+    session: SessionDep,
+    ledger: LedgerDep,
+    allocation_id: str | None = None,
+    period: PeriodQuery = None,
+    tenant_id: TenantQuery = None,
+):
     """Metered GPU time and its amount (integer GPU-ms and micro-units), by allocation and period."""
     tenant = _tenant(caller, tenant_id)
     if allocation_id is not None and not await run_in_threadpool(_owns_allocation, session, tenant, allocation_id):
         raise not_found("allocation", allocation_id)
     start_ms, end_ms = period_bounds(period) if period else (None, None)
-    summary = await _ask(ledger.usage(tenant_id=tenant, allocation_id=allocation_id, start_ms=start_ms,
-                                      end_ms=end_ms))
+    summary = await _ask(ledger.usage(tenant_id=tenant, allocation_id=allocation_id, start_ms=start_ms, end_ms=end_ms))
     return UsageReport(**summary.model_dump(), period=period)
 
 
 @router.get("/invoices", response_model=InvoiceList)
-async def list_invoices(caller: CallerDep, ledger: LedgerDep, period: PeriodQuery = None,
-                        tenant_id: TenantQuery = None):
+async def list_invoices(
+    caller: CallerDep, ledger: LedgerDep, period: PeriodQuery = None, tenant_id: TenantQuery = None
+):
     """Invoices of closed periods (operators without `tenant_id`: every tenant's)."""
     tenant = caller.tenant_id if not caller.is_operator else tenant_id
     return InvoiceList(items=await _ask(ledger.invoices(tenant_id=tenant, period_id=period)))
 
 
 @router.get("/invoices:draft", response_class=Response, responses=INVOICE_RESPONSE)
-async def draft_invoice(caller: CallerDep, ledger: LedgerDep, period: PeriodQuery = None,
-                        tenant_id: TenantQuery = None):
+async def draft_invoice(
+    caller: CallerDep, ledger: LedgerDep, period: PeriodQuery = None, tenant_id: TenantQuery = None
+):
     """The open period's invoice so far (default: the current period): what closing it now would bill."""
     tenant = _tenant(caller, tenant_id)
     period = period or period_of(time.time_ns() // 1_000_000)
     answer = await _ask(ledger.draft_invoice(period, tenant))
-    return Response(answer.content, media_type="application/json",
-                    headers={"ETag": answer.headers.get("etag", ""), "Invoice-Status": "draft"})
+    return Response(
+        answer.content,
+        media_type="application/json",
+        headers={"ETag": answer.headers.get("etag", ""), "Invoice-Status": "draft"},
+    )
 
 
 @router.get("/invoices/{invoice_id}", response_class=Response, responses=INVOICE_RESPONSE)
 async def get_invoice(invoice_id: int, caller: CallerDep, ledger: LedgerDep):
     """A closed period's invoice exactly as stored: the same bytes every time (SHA-256 in the ETag)."""
-    answer = await _ask(ledger.invoice(invoice_id, tenant_id=None if caller.is_operator else caller.tenant_id),
-                        kind="invoice", ident=str(invoice_id))
-    headers = {name: answer.headers[name] for name in ("etag", "invoice-id", "invoice-period")
-               if name in answer.headers}
+    answer = await _ask(
+        ledger.invoice(invoice_id, tenant_id=None if caller.is_operator else caller.tenant_id),
+        kind="invoice",
+        ident=str(invoice_id),
+    )
+    headers = {
+        name: answer.headers[name] for name in ("etag", "invoice-id", "invoice-period") if name in answer.headers
+    }
     return Response(answer.content, media_type="application/json", headers={**headers, "Invoice-Status": "final"})
 
 

@@ -82,9 +82,12 @@ async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDe
 
 @router.get("/nodes", response_model=NodePage)
 def list_nodes(
-    operator: OperatorDep, session: SessionDep,
+    operator: OperatorDep,
+    session: SessionDep,
     page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None, state: NodeState | None = None, gpu_type: str | None = None,
+    page_token: str | None = None,
+    state: NodeState | None = None,
+    gpu_type: str | None = None,
     region: str | None = None,
 ):
     filters = {"state": state, "gpu_type": gpu_type, "region": region}
@@ -173,41 +176,51 @@ async def _operator_action(node_id: str, action: str, reason: str, settings: Set
     node, op = await run_in_threadpool(_act, settings, node_id, action, reason)
     if action == "drain":
         await reconcile_now(temporal, settings, [node_id])
-    body = NodeActionResult(node=NodePublic.model_validate(node, from_attributes=True),
-                            operation=OperationPublic.model_validate(op, from_attributes=True))
+    body = NodeActionResult(
+        node=NodePublic.model_validate(node, from_attributes=True),
+        operation=OperationPublic.model_validate(op, from_attributes=True),
+    )
     return JSONResponse(body.model_dump(mode="json"), status_code=202 if op.status == "running" else 200)
 
 
 @router.post("/nodes/{node_id}/cordon", response_model=NodeActionResult)
-async def cordon(node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep,
-                 req: ActionRequest | None = None):
+async def cordon(
+    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+):
     return await _operator_action(node_id, "cordon", req.reason if req else "", settings, temporal)
 
 
 @router.post("/nodes/{node_id}/uncordon", response_model=NodeActionResult)
-async def uncordon(node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep,
-                   req: ActionRequest | None = None):
+async def uncordon(
+    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+):
     return await _operator_action(node_id, "uncordon", req.reason if req else "", settings, temporal)
 
 
 @router.post("/nodes/{node_id}/drain", response_model=NodeActionResult, status_code=202)
-async def drain(node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep,
-                req: ActionRequest | None = None):
+async def drain(
+    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+):
     """Intent: the node is cordoned now and drained by the reconciler (-> quarantined)."""
     return await _operator_action(node_id, "drain", req.reason if req else "", settings, temporal)
 
 
 @router.post("/nodes/{node_id}/maintenance", response_model=NodeActionResult)
-async def maintenance(node_id: str, req: MaintenanceRequest, operator: OperatorDep, settings: SettingsDep,
-                      temporal: TemporalDep):
+async def maintenance(
+    node_id: str, req: MaintenanceRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep
+):
     action = "maintenance_on" if req.enabled else "maintenance_off"
     return await _operator_action(node_id, action, req.reason, settings, temporal)
 
 
 @router.get("/nodes/{node_id}/events", response_model=NodeEventPage)
-def node_events(node_id: str, operator: OperatorDep, session: SessionDep,
-                page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-                page_token: str | None = None):
+def node_events(
+    node_id: str,
+    operator: OperatorDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
     if session.get(Node, node_id) is None:
         raise not_found("node", node_id)
     filters = {"node": node_id}
@@ -215,10 +228,12 @@ def node_events(node_id: str, operator: OperatorDep, session: SessionDep,
     query = select(NodeTransition).where(NodeTransition.node_id == node_id).order_by(NodeTransition.seq)
     if cursor.after is not None:
         query = query.where(NodeTransition.seq > cursor.after)
-    rows, token = pagination.page(list(session.exec(query.limit(page_size + 1)).all()), page_size,
-                                  lambda e: e.seq, filters)
-    return NodeEventPage(items=[NodeEventPublic.model_validate(e, from_attributes=True) for e in rows],
-                         next_page_token=token)
+    rows, token = pagination.page(
+        list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda e: e.seq, filters
+    )
+    return NodeEventPage(
+        items=[NodeEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
+    )
 
 
 @router.get("/fleet/summary")
@@ -237,8 +252,12 @@ def _own_node_only(caller: Caller, node_ids: list[str]) -> None:
         return
     foreign = sorted({n for n in node_ids if n != caller.node_id})
     if foreign:
-        raise Problem(403, "forbidden", "Not this agent's node",
-                      f"the agent credential of {caller.node_id} cannot report for {foreign[0]}")
+        raise Problem(
+            403,
+            "forbidden",
+            "Not this agent's node",
+            f"the agent credential of {caller.node_id} cannot report for {foreign[0]}",
+        )
 
 
 class AgentCredentialIssued(BaseModel):
@@ -323,8 +342,9 @@ class NodeHealth(BaseModel):
 
 
 def _breaker(settings: Settings) -> health_service.BreakerSettings:
-    return health_service.BreakerSettings(max_pulled_share=settings.breaker_max_pulled_share,
-                                          window=timedelta(seconds=settings.breaker_window_s))
+    return health_service.BreakerSettings(
+        max_pulled_share=settings.breaker_max_pulled_share, window=timedelta(seconds=settings.breaker_window_s)
+    )
 
 
 def _ingest(settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
@@ -336,8 +356,13 @@ def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
     with session_scope(settings.db_url) as session:
         outcomes, unknown = health_service.ingest_readings(session, readings, breaker=_breaker(settings))
     if unknown:
-        raise Problem(404, "not-found", "node not found",
-                      f"no node {', '.join(repr(n) for n in unknown)}: nothing stored", unknown_nodes=unknown)
+        raise Problem(
+            404,
+            "not-found",
+            "node not found",
+            f"no node {', '.join(repr(n) for n in unknown)}: nothing stored",
+            unknown_nodes=unknown,
+        )
     return outcomes
 
 
@@ -347,8 +372,13 @@ async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
     for o in outcomes:
         if o.pull != "replace":
             continue
-        req = ReplaceNodeRequest(node_id=o.node_id, reason=o.reason[:1000], immediate=o.immediate,
-                                 grace_s=settings.health_drain_grace_s, recheck_s=settings.replacement_recheck_s)
+        req = ReplaceNodeRequest(
+            node_id=o.node_id,
+            reason=o.reason[:1000],
+            immediate=o.immediate,
+            grace_s=settings.health_drain_grace_s,
+            recheck_s=settings.replacement_recheck_s,
+        )
         try:
             await signal_replace_node(temporal, o.allocation_id, req)
         except RPCError as exc:
@@ -361,21 +391,31 @@ async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], 
     outcomes, unknown = await run_in_threadpool(_ingest, settings, events, source)
     await _act_on(outcomes, settings, temporal)
     return XidIngestResult(
-        accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)), unknown_nodes=unknown,
-        decisions=_decisions(outcomes))
+        accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)),
+        unknown_nodes=unknown,
+        decisions=_decisions(outcomes),
+    )
 
 
 def _decisions(outcomes: list) -> list[HealthDecision]:
-    return [HealthDecision(node_id=o.node_id, health=o.verdict.health, action=o.verdict.action, pull=o.pull,
-                           alert=o.alert) for o in outcomes]
+    return [
+        HealthDecision(node_id=o.node_id, health=o.verdict.health, action=o.verdict.action, pull=o.pull, alert=o.alert)
+        for o in outcomes
+    ]
 
 
 @router.post("/nodes/{node_id}/xid", response_model=XidIngestResult)
-async def inject_xid(node_id: str, req: XidInjection, operator: OperatorDep, settings: SettingsDep,
-                     temporal: TemporalDep):
+async def inject_xid(
+    node_id: str, req: XidInjection, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep
+):
     """Record an XID on a node as if its agent had reported it (tests, demos, drills)."""
-    event = XidEvent(node_id=node_id, gpu_index=req.gpu_index, xid=req.xid, timestamp=utc_now(),
-                     message=req.message or f"injected by operator: XID {req.xid}")
+    event = XidEvent(
+        node_id=node_id,
+        gpu_index=req.gpu_index,
+        xid=req.xid,
+        timestamp=utc_now(),
+        message=req.message or f"injected by operator: XID {req.xid}",
+    )
     result = await _ingest_and_act(settings, temporal, [event], "operator")
     if result.unknown_nodes:
         raise not_found("node", node_id)
@@ -396,28 +436,46 @@ async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: Set
     latest_allowed = utc_now() + MAX_READING_CLOCK_SKEW
     ahead = [f"readings.{i}.timestamp" for i, r in enumerate(batch.readings) if r.timestamp > latest_allowed]
     if ahead:
-        raise Problem(422, "invalid-request", "The request is invalid",
-                      f"{ahead[0]}: more than {MAX_READING_CLOCK_SKEW} ahead of the control plane's clock",
-                      errors=[{"field": f, "message": "in the future"} for f in ahead])
+        raise Problem(
+            422,
+            "invalid-request",
+            "The request is invalid",
+            f"{ahead[0]}: more than {MAX_READING_CLOCK_SKEW} ahead of the control plane's clock",
+            errors=[{"field": f, "message": "in the future"} for f in ahead],
+        )
     outcomes = await run_in_threadpool(_ingest_readings, settings, batch.readings)
     await _act_on(outcomes, settings, temporal)
     return ReadingIngestResult(accepted=len(batch.readings), decisions=_decisions(outcomes))
 
 
 @router.get("/nodes/{node_id}/health", response_model=NodeHealth)
-def node_health(node_id: str, operator: OperatorDep, session: SessionDep,
-                limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                reading_limit: Annotated[int, Query(ge=0, le=100)] = 1):
+def node_health(
+    node_id: str,
+    operator: OperatorDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    reading_limit: Annotated[int, Query(ge=0, le=100)] = 1,
+):
     node = session.get(Node, node_id)
     if node is None:
         raise not_found("node", node_id)
-    rows = session.exec(select(XidEventRecord).where(XidEventRecord.node_id == node_id)
-                        .order_by(XidEventRecord.seq.desc()).limit(limit)).all()
-    readings = session.exec(select(NodeReadingRecord.reading).where(NodeReadingRecord.node_id == node_id)
-                            .order_by(NodeReadingRecord.timestamp.desc()).limit(reading_limit)).all()
-    return NodeHealth(node_id=node.id, state=node.state, health=node.health, conditions=node.health_conditions,
-                      xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
-                      readings=[NodeReading.model_validate(r) for r in readings])
+    rows = session.exec(
+        select(XidEventRecord).where(XidEventRecord.node_id == node_id).order_by(XidEventRecord.seq.desc()).limit(limit)
+    ).all()
+    readings = session.exec(
+        select(NodeReadingRecord.reading)
+        .where(NodeReadingRecord.node_id == node_id)
+        .order_by(NodeReadingRecord.timestamp.desc())
+        .limit(reading_limit)
+    ).all()
+    return NodeHealth(
+        node_id=node.id,
+        state=node.state,
+        health=node.health,
+        conditions=node.health_conditions,
+        xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
+        readings=[NodeReading.model_validate(r) for r in readings],
+    )
 
 
 class AlertPage(BaseModel):
@@ -426,13 +484,17 @@ class AlertPage(BaseModel):
 
 
 @router.get("/alerts", response_model=AlertPage)
-def list_alerts(operator: OperatorDep, session: SessionDep,
-                page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-                page_token: str | None = None):
+def list_alerts(
+    operator: OperatorDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
     cursor = pagination.decode(page_token, {})
     query = select(OperatorAlertRecord).order_by(OperatorAlertRecord.seq).limit(page_size + 1)
     if cursor.after is not None:
         query = query.where(OperatorAlertRecord.seq > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, {})
-    return AlertPage(items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows],
-                     next_page_token=token)
+    return AlertPage(
+        items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows], next_page_token=token
+    )

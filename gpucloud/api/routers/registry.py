@@ -109,8 +109,9 @@ StoresDep = Annotated[RegistryStores, Depends(get_stores)]
 
 
 def _invalid(field: str, message: str, type_: str = "invalid-request") -> Problem:
-    return Problem(422, type_, "The request is invalid", f"{field}: {message}",
-                   errors=[{"field": field, "message": message}])
+    return Problem(
+        422, type_, "The request is invalid", f"{field}: {message}", errors=[{"field": field, "message": message}]
+    )
 
 
 def _model(session: Session, tenant_id: str, name: str, *, for_update: bool = False) -> RegistryModel:
@@ -124,8 +125,7 @@ def _model(session: Session, tenant_id: str, name: str, *, for_update: bool = Fa
 def _resolve(session: Session, model: RegistryModel, ref: str, *, field: str = "version") -> ModelVersion:
     query = select(ModelVersion).where(ModelVersion.model_id == model.id)
     if ref in {a.value for a in AliasName}:
-        alias = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id,
-                                                      ModelAlias.name == ref)).first()
+        alias = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id, ModelAlias.name == ref)).first()
         if alias is None:
             raise not_found("alias", f"{model.name}@{ref}")
         query = query.where(ModelVersion.digest == alias.version)
@@ -134,8 +134,11 @@ def _resolve(session: Session, model: RegistryModel, ref: str, *, field: str = "
     elif re.fullmatch(r"[0-9a-f]{8,63}", ref):
         query = query.where(ModelVersion.digest.startswith(ref))
     else:
-        raise _invalid(field, f"{ref!r} is not a digest, a digest prefix of at least 8 hex digits, or an alias "
-                              f"({', '.join(a.value for a in AliasName)})")
+        raise _invalid(
+            field,
+            f"{ref!r} is not a digest, a digest prefix of at least 8 hex digits, or an alias "
+            f"({', '.join(a.value for a in AliasName)})",
+        )
     rows = session.exec(query.limit(2)).all()
     if len(rows) > 1:
         raise _invalid(field, f"prefix {ref!r} matches several versions; give more digits")
@@ -146,15 +149,24 @@ def _resolve(session: Session, model: RegistryModel, ref: str, *, field: str = "
 
 def _signature_problem(exc: IntegrityError) -> Problem:
     if isinstance(exc, UnknownKeyError):
-        return _invalid("key_id", f"{exc}; register the public key with POST /v1/signing-keys first",
-                        "unknown-signing-key")
-    return _invalid("signature", f"{exc}: the signed content was changed after signing, or another key signed it",
-                    "bad-signature")
+        return _invalid(
+            "key_id", f"{exc}; register the public key with POST /v1/signing-keys first", "unknown-signing-key"
+        )
+    return _invalid(
+        "signature", f"{exc}: the signed content was changed after signing, or another key signed it", "bad-signature"
+    )
 
 
 async def _idempotent(request: Request, settings: Settings, caller: str, key: str | None, handler) -> Response:
-    return await run_idempotent(db_url=settings.db_url, caller=caller, key=key, method=request.method,
-                                path=request.url.path, body=await request.body(), handler=handler)
+    return await run_idempotent(
+        db_url=settings.db_url,
+        caller=caller,
+        key=key,
+        method=request.method,
+        path=request.url.path,
+        body=await request.body(),
+        handler=handler,
+    )
 
 
 IdempotencyKey = Annotated[str | None, Header()]
@@ -177,24 +189,37 @@ def _create_model(settings: Settings, tenant_id: str, req: RegistryModelCreate) 
 
 
 @router.post("/models", status_code=201, response_model=ModelPublic)
-async def create_model(request: Request, req: RegistryModelCreate, tenant: TenantDep, settings: SettingsDep,
-                       idempotency_key: IdempotencyKey = None):
+async def create_model(
+    request: Request,
+    req: RegistryModelCreate,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    idempotency_key: IdempotencyKey = None,
+):
     async def handler() -> JSONResponse:
         model = await run_in_threadpool(_create_model, settings, tenant.tenant_id, req)
-        return JSONResponse(model.model_dump(mode="json"), status_code=201,
-                            headers={"Location": f"/v1/models/{model.name}"})
+        return JSONResponse(
+            model.model_dump(mode="json"), status_code=201, headers={"Location": f"/v1/models/{model.name}"}
+        )
 
     return await _idempotent(request, settings, tenant.id, idempotency_key, handler)
 
 
 @router.get("/models", response_model=ModelPage)
-def list_models(tenant: TenantDep, session: SessionDep,
-                page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-                page_token: str | None = None):
+def list_models(
+    tenant: TenantDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
     filters = {"tenant": tenant.tenant_id}
     cursor = pagination.decode(page_token, filters)
-    query = (select(RegistryModel).where(RegistryModel.tenant_id == tenant.tenant_id)
-             .order_by(RegistryModel.seq).limit(page_size + 1))
+    query = (
+        select(RegistryModel)
+        .where(RegistryModel.tenant_id == tenant.tenant_id)
+        .order_by(RegistryModel.seq)
+        .limit(page_size + 1)
+    )
     if cursor.after is not None:
         query = query.where(RegistryModel.seq > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda m: m.seq, filters)
@@ -232,14 +257,23 @@ def _register_key(settings: Settings, tenant_id: str, req: SigningKeyCreate) -> 
         with session_scope(settings.db_url) as session:
             existing = session.exec(query).one()
     if existing.revoked_at is not None:
-        raise Problem(409, "signing-key-revoked", "Signing key revoked",
-                      f"key {key_id} was revoked and cannot be registered again; generate a new key")
+        raise Problem(
+            409,
+            "signing-key-revoked",
+            "Signing key revoked",
+            f"key {key_id} was revoked and cannot be registered again; generate a new key",
+        )
     return existing, False
 
 
 @router.post("/signing-keys", status_code=201, response_model=SigningKeyPublic)
-async def register_signing_key(request: Request, req: SigningKeyCreate, tenant: TenantDep, settings: SettingsDep,
-                               idempotency_key: IdempotencyKey = None):
+async def register_signing_key(
+    request: Request,
+    req: SigningKeyCreate,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    idempotency_key: IdempotencyKey = None,
+):
     async def handler() -> JSONResponse:
         key, created = await run_in_threadpool(_register_key, settings, tenant.tenant_id, req)
         body = SigningKeyPublic.model_validate(key, from_attributes=True).model_dump(mode="json")
@@ -251,18 +285,23 @@ async def register_signing_key(request: Request, req: SigningKeyCreate, tenant: 
 @router.get("/signing-keys", response_model=SigningKeyList)
 def list_signing_keys(tenant: TenantDep, session: SessionDep):
     """The public keys the registry trusts for this tenant: what a pull verifies manifests against."""
-    keys = session.exec(select(SigningKey).where(SigningKey.tenant_id == tenant.tenant_id,
-                                                 SigningKey.revoked_at.is_(None)).order_by(SigningKey.seq))
-    return SigningKeyList(tenant_id=tenant.tenant_id,
-                          items=[SigningKeyPublic.model_validate(k, from_attributes=True) for k in keys])
+    keys = session.exec(
+        select(SigningKey)
+        .where(SigningKey.tenant_id == tenant.tenant_id, SigningKey.revoked_at.is_(None))
+        .order_by(SigningKey.seq)
+    )
+    return SigningKeyList(
+        tenant_id=tenant.tenant_id, items=[SigningKeyPublic.model_validate(k, from_attributes=True) for k in keys]
+    )
 
 
 @router.delete("/signing-keys/{key_id}", response_model=SigningKeyPublic)
 def revoke_signing_key(key_id: str, tenant: TenantDep, settings: SettingsDep):
     """Revoke a key: versions it signed no longer verify on pull and cannot be promoted."""
     with session_scope(settings.db_url) as session:
-        key = session.exec(select(SigningKey).where(SigningKey.tenant_id == tenant.tenant_id,
-                                                    SigningKey.key_id == key_id)).first()
+        key = session.exec(
+            select(SigningKey).where(SigningKey.tenant_id == tenant.tenant_id, SigningKey.key_id == key_id)
+        ).first()
         if key is None:
             raise not_found("signing key", key_id)
         key.revoked_at = key.revoked_at or utcnow()
@@ -285,10 +324,15 @@ def missing_chunks(name: str, req: ChunkQuery, tenant: TenantDep, settings: Sett
     return MissingChunks(missing=service.missing_chunks(stores.chunks(tenant.tenant_id), req.chunk_ids))
 
 
-@router.put("/models/{name}/chunks/{chunk_id}", status_code=201, response_model=ChunkStored,
-            responses={200: {"description": "the store already had the chunk"}})
-async def upload_chunk(name: str, chunk_id: ChunkId, request: Request, tenant: TenantDep, settings: SettingsDep,
-                       stores: StoresDep):
+@router.put(
+    "/models/{name}/chunks/{chunk_id}",
+    status_code=201,
+    response_model=ChunkStored,
+    responses={200: {"description": "the store already had the chunk"}},
+)
+async def upload_chunk(
+    name: str, chunk_id: ChunkId, request: Request, tenant: TenantDep, settings: SettingsDep, stores: StoresDep
+):
     await run_in_threadpool(_check_model, settings, tenant.tenant_id, name)
     limit = stores.settings.max_chunk_size
     too_large = Problem(413, "chunk-too-large", "Chunk too large", f"a chunk may have at most {limit} bytes")
@@ -310,8 +354,11 @@ async def upload_chunk(name: str, chunk_id: ChunkId, request: Request, tenant: T
         try:
             stored = await run_in_threadpool(stores.chunks(tenant.tenant_id).put, chunk_id, spool)
         except ChunkCorruptedError as exc:
-            raise _invalid("chunk_id", f"the {size} bytes sent hash to {exc.actual_id}, not to {chunk_id}; "
-                                       "nothing was stored", "chunk-digest-mismatch") from None
+            raise _invalid(
+                "chunk_id",
+                f"the {size} bytes sent hash to {exc.actual_id}, not to {chunk_id}; nothing was stored",
+                "chunk-digest-mismatch",
+            ) from None
     body = ChunkStored(id=chunk_id, size=size, stored=stored)
     return JSONResponse(body.model_dump(), status_code=201 if stored else 200)
 
@@ -326,8 +373,11 @@ def _served(tenant_id: str, chunk_id: str, pieces: Iterator[bytes]) -> Iterator[
         raise
 
 
-@router.get("/models/{name}/chunks/{chunk_id}", response_class=StreamingResponse,
-            responses={200: {"content": {"application/octet-stream": {}}}})
+@router.get(
+    "/models/{name}/chunks/{chunk_id}",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
 def download_chunk(name: str, chunk_id: ChunkId, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
     _check_model(settings, tenant.tenant_id, name)
     failed: IntegrityError | None = None
@@ -351,8 +401,9 @@ def download_chunk(name: str, chunk_id: ChunkId, tenant: TenantDep, settings: Se
 # ---------------------------------------------------------------- versions
 
 
-def _register_version(settings: Settings, stores: RegistryStores, tenant_id: str, name: str,
-                      signed: SignedManifest) -> tuple[ModelVersionPublic, bool]:
+def _register_version(
+    settings: Settings, stores: RegistryStores, tenant_id: str, name: str, signed: SignedManifest
+) -> tuple[ModelVersionPublic, bool]:
     manifest, digest = signed.manifest, signed.digest
     with session_scope(settings.db_url) as session:
         model = _model(session, tenant_id, name)
@@ -374,17 +425,31 @@ def _register_version(settings: Settings, stores: RegistryStores, tenant_id: str
     with gc.holding(stores.manifests(tenant_id), ordered, model=name):
         missing = service.missing_chunks(stores.chunks(tenant_id), ordered)
         if missing:
-            raise Problem(409, "chunks-missing", "Chunks missing",
-                          f"{len(missing)} of the version's {len(set(ordered))} chunks are not in the store; "
-                          "upload them and post the manifest again", missing=missing[:1000],
-                          missing_count=len(missing))
+            raise Problem(
+                409,
+                "chunks-missing",
+                "Chunks missing",
+                f"{len(missing)} of the version's {len(set(ordered))} chunks are not in the store; "
+                "upload them and post the manifest again",
+                missing=missing[:1000],
+                missing_count=len(missing),
+            )
         stores.manifests(tenant_id).put(signed)
     row = ModelVersion(
-        digest=digest, tenant_id=tenant_id, model_id=model_id, parent=parent,
-        base_model=manifest.lineage.base_model, training_run=manifest.lineage.training_run,
-        dataset_digests=list(manifest.lineage.dataset_digests), total_size=manifest.total_size,
-        chunk_count=manifest.chunk_count, file_count=len(manifest.files), key_id=signed.key_id,
-        created_at=manifest.created_at, manifest_uri=stores.manifest_uri(tenant_id, digest))
+        digest=digest,
+        tenant_id=tenant_id,
+        model_id=model_id,
+        parent=parent,
+        base_model=manifest.lineage.base_model,
+        training_run=manifest.lineage.training_run,
+        dataset_digests=list(manifest.lineage.dataset_digests),
+        total_size=manifest.total_size,
+        chunk_count=manifest.chunk_count,
+        file_count=len(manifest.files),
+        key_id=signed.key_id,
+        created_at=manifest.created_at,
+        manifest_uri=stores.manifest_uri(tenant_id, digest),
+    )
     try:
         with session_scope(settings.db_url) as session:
             session.add(row)
@@ -396,33 +461,53 @@ def _register_version(settings: Settings, stores: RegistryStores, tenant_id: str
             return service.publish_versions(session, tenant_id, [existing])[0], False
 
 
-@router.post("/models/{name}/versions", status_code=201, response_model=ModelVersionPublic,
-             responses={200: {"description": "the version was already registered"},
-                        409: {"description": "chunks missing from the store (listed)"},
-                        422: {"description": "invalid manifest, unknown key or bad signature"}})
-async def push_version(name: str, signed: SignedManifest, request: Request, tenant: TenantDep,
-                       settings: SettingsDep, stores: StoresDep, idempotency_key: IdempotencyKey = None):
+@router.post(
+    "/models/{name}/versions",
+    status_code=201,
+    response_model=ModelVersionPublic,
+    responses={
+        200: {"description": "the version was already registered"},
+        409: {"description": "chunks missing from the store (listed)"},
+        422: {"description": "invalid manifest, unknown key or bad signature"},
+    },
+)
+async def push_version(
+    name: str,
+    signed: SignedManifest,
+    request: Request,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    stores: StoresDep,
+    idempotency_key: IdempotencyKey = None,
+):
     async def handler() -> JSONResponse:
-        version, created = await run_in_threadpool(_register_version, settings, stores, tenant.tenant_id, name,
-                                                   signed)
-        return JSONResponse(version.model_dump(mode="json"), status_code=201 if created else 200,
-                            headers={"Location": f"/v1/models/{name}/versions/{version.digest}"})
+        version, created = await run_in_threadpool(_register_version, settings, stores, tenant.tenant_id, name, signed)
+        return JSONResponse(
+            version.model_dump(mode="json"),
+            status_code=201 if created else 200,
+            headers={"Location": f"/v1/models/{name}/versions/{version.digest}"},
+        )
 
     return await _idempotent(request, settings, tenant.id, idempotency_key, handler)
 
 
 @router.get("/models/{name}/versions", response_model=VersionPage)
-def list_versions(name: str, tenant: TenantDep, session: SessionDep,
-                  page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-                  page_token: str | None = None):
+def list_versions(
+    name: str,
+    tenant: TenantDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
     model = _model(session, tenant.tenant_id, name)
     filters = {"tenant": tenant.tenant_id, "model": model.id}
     cursor = pagination.decode(page_token, filters)
     query = select(ModelVersion).where(ModelVersion.model_id == model.id).order_by(ModelVersion.seq)
     if cursor.after is not None:
         query = query.where(ModelVersion.seq > cursor.after)
-    rows, token = pagination.page(list(session.exec(query.limit(page_size + 1)).all()), page_size,
-                                  lambda v: v.seq, filters)
+    rows, token = pagination.page(
+        list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda v: v.seq, filters
+    )
     return VersionPage(items=service.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
 
 
@@ -448,11 +533,13 @@ def get_manifest(name: str, ref: VersionRef, tenant: TenantDep, settings: Settin
 # ---------------------------------------------------------------- evaluations and aliases
 
 
-def _record_evaluation(settings: Settings, stores: RegistryStores, tenant_id: str, name: str, ref: str,
-                       signed: SignedEvaluation) -> tuple[EvaluationResult, bool]:
+def _record_evaluation(
+    settings: Settings, stores: RegistryStores, tenant_id: str, name: str, ref: str, signed: SignedEvaluation
+) -> tuple[EvaluationResult, bool]:
     record = signed.record
-    query = select(EvaluationResult).where(EvaluationResult.tenant_id == tenant_id,
-                                           EvaluationResult.record_digest == record.digest)
+    query = select(EvaluationResult).where(
+        EvaluationResult.tenant_id == tenant_id, EvaluationResult.record_digest == record.digest
+    )
     with session_scope(settings.db_url) as session:
         digest = _resolve(session, _model(session, tenant_id, name), ref).digest
         if record.version != digest:
@@ -464,9 +551,16 @@ def _record_evaluation(settings: Settings, stores: RegistryStores, tenant_id: st
         if (existing := session.exec(query).first()) is not None:
             return existing, False
     stores.manifests(tenant_id).add_evaluation(signed)  # the signed record, beside the manifest
-    row = EvaluationResult(tenant_id=tenant_id, version=digest, evaluator=record.evaluator, results=record.results,
-                           recorded_at=record.recorded_at, record_digest=record.digest, key_id=signed.key_id,
-                           signature=signed.signature)
+    row = EvaluationResult(
+        tenant_id=tenant_id,
+        version=digest,
+        evaluator=record.evaluator,
+        results=record.results,
+        recorded_at=record.recorded_at,
+        record_digest=record.digest,
+        key_id=signed.key_id,
+        signature=signed.signature,
+    )
     try:
         with session_scope(settings.db_url) as session:
             session.add(row)
@@ -477,33 +571,54 @@ def _record_evaluation(settings: Settings, stores: RegistryStores, tenant_id: st
 
 
 @router.post("/models/{name}/versions/{ref}/evaluations", status_code=201, response_model=EvaluationResultPublic)
-async def record_evaluation(name: str, ref: VersionRef, signed: SignedEvaluation, request: Request,
-                            tenant: TenantDep, settings: SettingsDep, stores: StoresDep,
-                            idempotency_key: IdempotencyKey = None):
+async def record_evaluation(
+    name: str,
+    ref: VersionRef,
+    signed: SignedEvaluation,
+    request: Request,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    stores: StoresDep,
+    idempotency_key: IdempotencyKey = None,
+):
     """Record signed evaluation results for a version (signed by one of the tenant's keys)."""
+
     async def handler() -> JSONResponse:
-        row, created = await run_in_threadpool(_record_evaluation, settings, stores, tenant.tenant_id, name, ref,
-                                               signed)
+        row, created = await run_in_threadpool(
+            _record_evaluation, settings, stores, tenant.tenant_id, name, ref, signed
+        )
         body = EvaluationResultPublic.model_validate(row, from_attributes=True).model_dump(mode="json")
         return JSONResponse(body, status_code=201 if created else 200)
 
     return await _idempotent(request, settings, tenant.id, idempotency_key, handler)
 
 
-def _check_gates(session: Session, tenant_id: str, model: RegistryModel, alias: AliasName,
-                 version: ModelVersion) -> None:
+def _check_gates(
+    session: Session, tenant_id: str, model: RegistryModel, alias: AliasName, version: ModelVersion
+) -> None:
     if version.key_id not in service.active_key_ids(session, tenant_id):
-        raise Problem(409, "signing-key-revoked", "Signing key revoked",
-                      f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted")
+        raise Problem(
+            409,
+            "signing-key-revoked",
+            "Signing key revoked",
+            f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted",
+        )
     if failures := service.promotion_failures(session, tenant_id, model.id, version.digest):
-        raise Problem(409, "gates-failed", "Evaluation gates failed",
-                      f"{model.name}@{alias.value} cannot move to {version.digest[:12]}: "
-                      + "; ".join(f.describe() for f in failures),
-                      failing_metrics=[f.model_dump() for f in failures])
+        raise Problem(
+            409,
+            "gates-failed",
+            "Evaluation gates failed",
+            f"{model.name}@{alias.value} cannot move to {version.digest[:12]}: "
+            + "; ".join(f.describe() for f in failures),
+            failing_metrics=[f.model_dump() for f in failures],
+        )
 
 
-@router.put("/models/{name}/aliases/{alias}", response_model=ModelAliasPublic,
-            responses={409: {"description": "evaluation gates failed (`failing_metrics` names them)"}})
+@router.put(
+    "/models/{name}/aliases/{alias}",
+    response_model=ModelAliasPublic,
+    responses={409: {"description": "evaluation gates failed (`failing_metrics` names them)"}},
+)
 def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, settings: SettingsDep):
     """Point an alias at a version; `staging` and `production` move only when the model's gates pass."""
     with session_scope(settings.db_url) as session:
@@ -513,8 +628,7 @@ def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, s
         version = _resolve(session, model, req.version)
         if alias in GATED_ALIASES:
             _check_gates(session, tenant.tenant_id, model, alias, version)
-        row = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id,
-                                                    ModelAlias.name == alias)).first()
+        row = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id, ModelAlias.name == alias)).first()
         row = row or ModelAlias(model_id=model.id, name=alias, version=version.digest, moved_by=tenant.id)
         row.version, row.moved_at, row.moved_by = version.digest, utcnow(), tenant.id
         session.add(row)
@@ -539,8 +653,9 @@ def get_descendants(name: str, ref: VersionRef, tenant: TenantDep, session: Sess
     row = _resolve(session, _model(session, tenant.tenant_id, name), ref)
     found = service.descendants(session, tenant.tenant_id, row.digest)
     published = service.publish_versions(session, tenant.tenant_id, [r for r, _ in found])
-    return LineagePage(items=[LineageEntry(**v.model_dump(), depth=d) for v, (_, d) in zip(published, found,
-                                                                                          strict=True)])
+    return LineagePage(
+        items=[LineageEntry(**v.model_dump(), depth=d) for v, (_, d) in zip(published, found, strict=True)]
+    )
 
 
 # ---------------------------------------------------------------- garbage collection (operators)
@@ -555,8 +670,11 @@ MAX_LISTED_IDS = 1000
 
 class GcRequest(BaseModel):
     tenant_id: str | None = Field(None, description="one tenant; default: every tenant with a model")
-    grace_period_seconds: int = Field(int(gc.GRACE_PERIOD.total_seconds()), ge=MIN_GC_GRACE_SECONDS,
-                                      description="unreferenced chunks younger than this are kept")
+    grace_period_seconds: int = Field(
+        int(gc.GRACE_PERIOD.total_seconds()),
+        ge=MIN_GC_GRACE_SECONDS,
+        description="unreferenced chunks younger than this are kept",
+    )
     dry_run: bool = Field(False, description="report what would be removed, remove nothing")
 
 
@@ -593,13 +711,27 @@ def collect_garbage(req: GcRequest, operator: OperatorDep, session: SessionDep, 
     grace = timedelta(seconds=req.grace_period_seconds)
     reports = []
     for tenant_id in tenant_ids:
-        result = gc.collect_garbage(stores.chunks(tenant_id), stores.manifests(tenant_id), grace_period=grace,
-                                    dry_run=req.dry_run)
-        log.info("registry gc of tenant %s (dry run: %s): %d chunks, %d bytes", tenant_id, req.dry_run,
-                 result.chunks_deleted, result.bytes_deleted)
-        reports.append(TenantGc(tenant_id=tenant_id, **{k: v for k, v in asdict(result).items()
-                                                       if k in TenantGc.model_fields and k != "deleted_ids"},
-                                deleted_ids=result.deleted_ids[:MAX_LISTED_IDS]))
-    return GcReport(dry_run=req.dry_run, grace_period_seconds=req.grace_period_seconds, tenants=reports,
-                    chunks_deleted=sum(r.chunks_deleted for r in reports),
-                    bytes_deleted=sum(r.bytes_deleted for r in reports))
+        result = gc.collect_garbage(
+            stores.chunks(tenant_id), stores.manifests(tenant_id), grace_period=grace, dry_run=req.dry_run
+        )
+        log.info(
+            "registry gc of tenant %s (dry run: %s): %d chunks, %d bytes",
+            tenant_id,
+            req.dry_run,
+            result.chunks_deleted,
+            result.bytes_deleted,
+        )
+        reports.append(
+            TenantGc(
+                tenant_id=tenant_id,
+                **{k: v for k, v in asdict(result).items() if k in TenantGc.model_fields and k != "deleted_ids"},
+                deleted_ids=result.deleted_ids[:MAX_LISTED_IDS],
+            )
+        )
+    return GcReport(
+        dry_run=req.dry_run,
+        grace_period_seconds=req.grace_period_seconds,
+        tenants=reports,
+        chunks_deleted=sum(r.chunks_deleted for r in reports),
+        bytes_deleted=sum(r.bytes_deleted for r in reports),
+    )

@@ -68,24 +68,36 @@ def _invalid(detail: str) -> Problem:
 def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[RolloutTarget] | None:
     """The explicit nodes as targets (each one the tenant's), after checking the version exists."""
     with session_scope(settings.db_url) as session:
-        version = session.exec(select(ModelVersion.digest).where(
-            ModelVersion.tenant_id == tenant_id, ModelVersion.digest == req.model_version)).first()
+        version = session.exec(
+            select(ModelVersion.digest).where(
+                ModelVersion.tenant_id == tenant_id, ModelVersion.digest == req.model_version
+            )
+        ).first()
         if version is None:
             raise _invalid(f"model_version: no version {req.model_version} in this tenant's registry")
         if req.node_ids is None:
             return None
-        nodes = {n.id: n for n in session.exec(select(Node).where(
-            Node.id.in_(req.node_ids), Node.tenant_id == tenant_id)).all()}  # type: ignore[attr-defined]
+        nodes = {
+            n.id: n
+            for n in session.exec(select(Node).where(Node.id.in_(req.node_ids), Node.tenant_id == tenant_id)).all()
+        }  # type: ignore[attr-defined]
     if unknown := [n for n in req.node_ids if n not in nodes]:
         raise _invalid(f"node_ids: not nodes of this tenant: {', '.join(unknown[:10])}")
-    return [RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region)
-            for n in (nodes[i] for i in req.node_ids)]
+    return [
+        RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region)
+        for n in (nodes[i] for i in req.node_ids)
+    ]
 
 
-@router.post("/rollouts", status_code=202, response_model=RolloutAccepted,
-             responses={422: {"description": "invalid request"}})
+@router.post(
+    "/rollouts", status_code=202, response_model=RolloutAccepted, responses={422: {"description": "invalid request"}}
+)
 async def create_rollout(
-    request: Request, req: RolloutRequest, tenant: TenantDep, settings: SettingsDep, temporal: TemporalDep,
+    request: Request,
+    req: RolloutRequest,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
     idempotency_key: Annotated[str | None, Header()] = None,
 ):
     async def handler() -> JSONResponse:
@@ -93,28 +105,53 @@ async def create_rollout(
         rollout_id = f"rollout-{uuid.uuid4().hex[:16]}"
         options = req.model_dump(exclude={"node_ids", "waves"}, exclude_none=True)
         try:
-            inp = RolloutInput(rollout_id=rollout_id, tenant_id=tenant.tenant_id, nodes=targets,
-                               **options, **({"waves": req.waves} if req.waves else {}))
+            inp = RolloutInput(
+                rollout_id=rollout_id,
+                tenant_id=tenant.tenant_id,
+                nodes=targets,
+                **options,
+                **({"waves": req.waves} if req.waves else {}),
+            )
         except ValidationError as exc:
             raise _invalid("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
-        attributes = [(search_attributes.MODEL_VERSION, req.model_version),
-                      (search_attributes.TENANT_ID, tenant.tenant_id)]
+        attributes = [
+            (search_attributes.MODEL_VERSION, req.model_version),
+            (search_attributes.TENANT_ID, tenant.tenant_id),
+        ]
         if req.allocation_id:
             attributes.append((search_attributes.ALLOCATION_ID, req.allocation_id))
         try:
-            await temporal.start_workflow(RolloutWorkflow.run, inp, id=rollout_id, task_queue=settings.task_queue,
-                                          search_attributes=search_attributes.typed(*attributes))
+            await temporal.start_workflow(
+                RolloutWorkflow.run,
+                inp,
+                id=rollout_id,
+                task_queue=settings.task_queue,
+                search_attributes=search_attributes.typed(*attributes),
+            )
         except RPCError as exc:
-            raise Problem(503, "workflow-engine-unavailable", "Try again",
-                          "the workflow engine did not accept the rollout; nothing was started, retry") from exc
-        progress = RolloutProgress(rollout_id=rollout_id, tenant_id=tenant.tenant_id,
-                                   model_version=req.model_version, phase="resolving")
+            raise Problem(
+                503,
+                "workflow-engine-unavailable",
+                "Try again",
+                "the workflow engine did not accept the rollout; nothing was started, retry",
+            ) from exc
+        progress = RolloutProgress(
+            rollout_id=rollout_id, tenant_id=tenant.tenant_id, model_version=req.model_version, phase="resolving"
+        )
         body = RolloutAccepted(rollout_id=rollout_id, progress=progress)
-        return JSONResponse(body.model_dump(mode="json"), status_code=202,
-                            headers={"Location": f"/v1/rollouts/{rollout_id}"})
+        return JSONResponse(
+            body.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/rollouts/{rollout_id}"}
+        )
 
-    return await run_idempotent(db_url=settings.db_url, caller=tenant.id, key=idempotency_key, method="POST",
-                                path=request.url.path, body=await request.body(), handler=handler)
+    return await run_idempotent(
+        db_url=settings.db_url,
+        caller=tenant.id,
+        key=idempotency_key,
+        method="POST",
+        path=request.url.path,
+        body=await request.body(),
+        handler=handler,
+    )
 
 
 async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> tuple[WorkflowHandle, RolloutProgress]:
@@ -142,8 +179,9 @@ class RolloutCommand(BaseModel):
     reason: str = Field(default="", max_length=500)
 
 
-async def _command(temporal: Client, caller: Caller, rollout_id: str, command: str,
-                   req: RolloutCommand | None) -> RolloutProgress:
+async def _command(
+    temporal: Client, caller: Caller, rollout_id: str, command: str, req: RolloutCommand | None
+) -> RolloutProgress:
     handle, progress = await _visible(temporal, caller, rollout_id)
     update = getattr(RolloutWorkflow, command)
     arg = ReasonInput(reason=req.reason if req else "")
@@ -156,8 +194,9 @@ async def _command(temporal: Client, caller: Caller, rollout_id: str, command: s
         raise Problem(409, "rollout-conflict", f"Cannot {command}", str(exc.cause or exc)) from None
     except RPCError as exc:
         if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
-            raise Problem(409, "rollout-conflict", f"Cannot {command}",
-                          f"the rollout is already {progress.phase.value}") from None
+            raise Problem(
+                409, "rollout-conflict", f"Cannot {command}", f"the rollout is already {progress.phase.value}"
+            ) from None
         raise
 
 

@@ -86,8 +86,9 @@ class TenantRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9-]*$")
-    quotas: list[QuotaRequest] = Field(default_factory=list, max_length=200,
-                                       description="override the default quota per GPU type and region")
+    quotas: list[QuotaRequest] = Field(
+        default_factory=list, max_length=200, description="override the default quota per GPU type and region"
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> TenantRequest:
@@ -170,12 +171,19 @@ def _create(settings: Settings, req: TenantRequest) -> TenantAccepted:
         with session_scope(settings.db_url) as session:
             tenant, op, key, plaintext = tenant_service.create(session, name=req.name, quotas=quotas)
             return TenantAccepted(
-                **_public(tenant).model_dump(), quotas=quotas, operation=_op_public(op),
-                api_key=ApiKeyCreated(id=key.id, tenant_id=tenant.id, key=plaintext, created_at=key.created_at))
+                **_public(tenant).model_dump(),
+                quotas=quotas,
+                operation=_op_public(op),
+                api_key=ApiKeyCreated(id=key.id, tenant_id=tenant.id, key=plaintext, created_at=key.created_at),
+            )
     except tenant_service.TenantExists as exc:
-        raise Problem(409, "tenant-exists", "Tenant exists",
-                      f"name: a tenant named {req.name!r} exists or existed; names are never reused",
-                      errors=[{"field": "name", "message": "taken"}]) from exc
+        raise Problem(
+            409,
+            "tenant-exists",
+            "Tenant exists",
+            f"name: a tenant named {req.name!r} exists or existed; names are never reused",
+            errors=[{"field": "name", "message": "taken"}],
+        ) from exc
 
 
 def _discard(settings: Settings, tenant_id: str) -> None:
@@ -189,30 +197,56 @@ def _without_secret(body: bytes) -> bytes:
     return json.dumps(data).encode()
 
 
-@router.post("/tenants", status_code=202, response_model=TenantAccepted,
-             responses={409: {"description": "the name is taken"}, 422: {"description": "invalid request"}})
-async def create_tenant(request: Request, req: TenantRequest, operator: OperatorDep, settings: SettingsDep,
-                        temporal: TemporalDep, idempotency_key: Annotated[str | None, Header()] = None):
+@router.post(
+    "/tenants",
+    status_code=202,
+    response_model=TenantAccepted,
+    responses={409: {"description": "the name is taken"}, 422: {"description": "invalid request"}},
+)
+async def create_tenant(
+    request: Request,
+    req: TenantRequest,
+    operator: OperatorDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    idempotency_key: Annotated[str | None, Header()] = None,
+):
     async def handler() -> JSONResponse:
         accepted = await run_in_threadpool(_create, settings, req)
         try:
             await start_tenant_onboarding(temporal, settings, accepted.id, accepted.operation.id)
         except RPCError as exc:
             await run_in_threadpool(_discard, settings, accepted.id)
-            raise Problem(503, "workflow-engine-unavailable", "Try again",
-                          "the workflow engine did not accept the onboarding; nothing was kept, retry") from exc
-        return JSONResponse(accepted.model_dump(mode="json"), status_code=202,
-                            headers={"Location": f"/v1/tenants/{accepted.id}"})
+            raise Problem(
+                503,
+                "workflow-engine-unavailable",
+                "Try again",
+                "the workflow engine did not accept the onboarding; nothing was kept, retry",
+            ) from exc
+        return JSONResponse(
+            accepted.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/tenants/{accepted.id}"}
+        )
 
-    return await run_idempotent(db_url=settings.db_url, caller=operator.id, key=idempotency_key, method="POST",
-                                path=request.url.path, body=await request.body(), handler=handler,
-                                redact=_without_secret)
+    return await run_idempotent(
+        db_url=settings.db_url,
+        caller=operator.id,
+        key=idempotency_key,
+        method="POST",
+        path=request.url.path,
+        body=await request.body(),
+        handler=handler,
+        redact=_without_secret,
+    )
 
 
 @router.get("/tenants", response_model=TenantPage)
-def list_tenants(operator: OperatorDep, session: SessionDep,
-                 page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-                 page_token: str | None = None, status: TenantStatus | None = None):
+def list_tenants(
+    operator: OperatorDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+    status: TenantStatus | None = None,
+):
     filters = {"status": status}
     cursor = pagination.decode(page_token, filters)
     query = select(Tenant).order_by(Tenant.seq).limit(page_size + 1)
@@ -236,13 +270,21 @@ def _begin_offboarding(settings: Settings, tenant_id: str) -> tuple[Tenant, Oper
     except tenant_service.TenantNotFound as exc:
         raise not_found("tenant", tenant_id) from exc
     except tenant_service.TenantStateConflict as exc:
-        raise Problem(409, "tenant-busy", "Tenant cannot be offboarded now",
-                      f"tenant {tenant_id} is {exc.status}; offboard it once its onboarding has ended",
-                      tenant_status=exc.status) from exc
+        raise Problem(
+            409,
+            "tenant-busy",
+            "Tenant cannot be offboarded now",
+            f"tenant {tenant_id} is {exc.status}; offboard it once its onboarding has ended",
+            tenant_status=exc.status,
+        ) from exc
 
 
-@router.delete("/tenants/{tenant_id}", status_code=202, response_model=TenantOperation,
-               responses={409: {"description": "the tenant is still onboarding"}})
+@router.delete(
+    "/tenants/{tenant_id}",
+    status_code=202,
+    response_model=TenantOperation,
+    responses={409: {"description": "the tenant is still onboarding"}},
+)
 async def delete_tenant(tenant_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
     """Offboard: cancel the tenant's allocations, wait for their nodes' wipes, revoke its keys,
     release its VNI and schedule its storage's deletion. Repeating it returns the same operation."""
@@ -252,8 +294,12 @@ async def delete_tenant(tenant_id: str, operator: OperatorDep, settings: Setting
     try:
         await start_tenant_offboarding(temporal, settings, tenant_id, op.id)
     except RPCError as exc:
-        raise Problem(503, "workflow-engine-unavailable", "Try again",
-                      "offboarding is recorded but the workflow engine did not accept it; retry the DELETE") from exc
+        raise Problem(
+            503,
+            "workflow-engine-unavailable",
+            "Try again",
+            "offboarding is recorded but the workflow engine did not accept it; retry the DELETE",
+        ) from exc
     body = TenantOperation(tenant=_public(tenant), operation=_op_public(op))
     return JSONResponse(body.model_dump(mode="json"), status_code=202)
 
@@ -262,12 +308,20 @@ def _report(session: Session, settings: Settings, tenant_id: str) -> QuotaReport
     rows = quota_service.quota_rows(session, tenant_id)
     usage = quota_service.usage_report(session, tenant_id, default_gpus=settings.default_gpu_quota)
     return QuotaReport(
-        tenant_id=tenant_id, default_gpus=settings.default_gpu_quota,
+        tenant_id=tenant_id,
+        default_gpus=settings.default_gpu_quota,
         quotas=[TenantQuotaBase(gpu_type=r.gpu_type, region=r.region, max_gpus=r.max_gpus) for r in rows],
-        usage=[QuotaUsage(gpu_type=u.gpu_type, region=u.region, usage_gpus=u.usage_gpus, max_gpus=u.limit.max_gpus,
-                          quota=TenantQuotaBase(gpu_type=u.limit.gpu_type, region=u.limit.region,
-                                                max_gpus=u.limit.max_gpus))
-               for u in usage])
+        usage=[
+            QuotaUsage(
+                gpu_type=u.gpu_type,
+                region=u.region,
+                usage_gpus=u.usage_gpus,
+                max_gpus=u.limit.max_gpus,
+                quota=TenantQuotaBase(gpu_type=u.limit.gpu_type, region=u.limit.region, max_gpus=u.limit.max_gpus),
+            )
+            for u in usage
+        ],
+    )
 
 
 @router.get("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
