@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit bench-quick clean
+.PHONY: demo test unit lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/gpucloud demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit

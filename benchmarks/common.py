@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from temporalio import activity, workflow
 from temporalio.worker import Worker
 
-from gpucloud.client import connect
+from gpucloud.adapters.temporal import connect
 from gpucloud.config import Settings
 
 # Bring-up's activities per workflow: read the nodes, 3 transitions, inspect, burn-in (a batch
@@ -153,7 +153,7 @@ def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **s
     import tempfile
     from pathlib import Path
 
-    from gpucloud.stack import Stack, free_port
+    from gpucloud.devstack.stack import Stack, free_port
 
     data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
     settings = Settings(

@@ -41,14 +41,14 @@ from rich.table import Table
 
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher, FetchStats, PeerServer, create_peer_app
+from gpucloud.devstack.stack import free_port
 from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header
 from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
 from gpucloud.registry.push import push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_service import TrackerClient
+from gpucloud.registry.tracker_app import TrackerClient
 from gpucloud.sim.fanout import STRATEGIES, FanoutConfig, FanoutResult, simulate
-from gpucloud.stack import free_port
 
 GIB = 1 << 30
 FULL = {"nodes": 1000, "artifact_bytes": 141 * 10**9}
@@ -61,7 +61,7 @@ REAL_NODES_PER_RACK = 4
 TRACKER_MAIN = """
 import sys, uvicorn
 from gpucloud.registry.store import LocalChunkStore
-from gpucloud.registry.tracker_service import create_tracker_app
+from gpucloud.registry.tracker_app import create_tracker_app
 app = create_tracker_app(chunk_store=LocalChunkStore(sys.argv[1]), seed=0)
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", access_log=False)
 """

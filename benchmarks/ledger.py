@@ -67,7 +67,7 @@ def free_port() -> int:
 @contextmanager
 def ledger_process(database_url: str, log_path: Path):
     port = free_port()
-    code = f"from gpucloud.ledger.service import main; main('127.0.0.1', {port}, {database_url!r})"
+    code = f"from gpucloud.ledger.app import main; main('127.0.0.1', {port}, {database_url!r})"
     with log_path.open("ab") as log:
         process = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"

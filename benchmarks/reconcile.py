@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_temporal_db_arg, agent_floor, baseline, bench_stack, log, onboard_tenant, wait_for
 
 from gpucloud.activities.host_agent import BATCH_CONCURRENCY
-from gpucloud.client import connect
+from gpucloud.adapters.temporal import connect
 from gpucloud.config import Settings
 from gpucloud.models.messages import SweepInput
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow

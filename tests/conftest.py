@@ -10,6 +10,8 @@ import pytest
 import sqlalchemy as sa
 
 POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
+# Rich sizes tables and progress lines to the terminal; under xdist there is none (80 columns).
+os.environ.setdefault("COLUMNS", "200")
 
 
 def fresh_postgres_database(base_url: str) -> tuple[str, callable]:
@@ -69,8 +71,8 @@ async def temporal_env():
     from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.testing import WorkflowEnvironment
 
-    from gpucloud import search_attributes
-    from gpucloud.temporal_server import temporal_binary
+    from gpucloud.devstack.temporal_server import temporal_binary
+    from gpucloud.workflows import search_attributes
 
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(),
@@ -86,7 +88,7 @@ async def temporal_env():
 
 def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
     from gpucloud.config import Settings
-    from gpucloud.stack import free_port
+    from gpucloud.devstack.stack import free_port
 
     return Settings(
         data_dir=tmp_path,

@@ -16,7 +16,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.ledger.client import LedgerClient, LedgerRefused
-from gpucloud.ledger.models import AllocationEventIn
+from gpucloud.ledger.schemas import AllocationEventIn
 from gpucloud.models.billing_messages import (
     BillingCloseInput,
     BillingCloseResult,

@@ -17,7 +17,6 @@ from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
-from gpucloud import search_attributes as sattr
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.health_tables import OperatorAlertRecord
@@ -33,6 +32,7 @@ from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, NodePlan, NodeSnapshot, backoff, plan_node
 from gpucloud.services import nodes as node_service
 from gpucloud.services.workflows import signal_replace_node, start_bringup_batches
+from gpucloud.workflows import search_attributes as sattr
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
 

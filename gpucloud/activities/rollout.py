@@ -33,7 +33,7 @@ from gpucloud.models.rollout_messages import (
 from gpucloud.registry.manifest import SignedManifest, VersionNotFoundError
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_service import TrackerClient
+from gpucloud.registry.tracker_app import TrackerClient
 
 HEARTBEAT_S = 5.0
 ManifestSource = Callable[[str], ManifestStore]

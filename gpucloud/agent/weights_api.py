@@ -1,7 +1,7 @@
 """The agent's weights API: what the staged rollout asks of one node, over HTTP.
 
 `install_weights_api` adds these routes to an app the node already serves (the peer app of
-`gpucloud.agent.peer`, or the action API of `gpucloud.agent.service`); nothing there changes.
+`gpucloud.agent.peer`, or the action API of `gpucloud.agent.app`); nothing there changes.
 
     GET  /weights/status            active and previous version, versions on disk
     POST /weights/prefetch          keep the signed manifest, fetch by the tracker's plan, assemble
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
-from gpucloud.registry.tracker_service import TrackerClient
+from gpucloud.registry.tracker_app import TrackerClient
 
 PROBLEM = "application/problem+json"
 

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 async def _connect_with_retry(settings: Settings, attempts: int = 60) -> Client:
-    from gpucloud.client import connect
+    from gpucloud.adapters.temporal import connect
 
     for attempt in range(attempts):
         try:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from sqlalchemy import Connection, insert, select
 
 from gpucloud.ledger import problems
-from gpucloud.ledger.models import AllocationEventIn, AllocationEventOut
-from gpucloud.ledger.schema import allocation_events
+from gpucloud.ledger.schemas import AllocationEventIn, AllocationEventOut
+from gpucloud.ledger.tables import allocation_events
 
 _CONTENT = ("allocation_id", "tenant_id", "kind", "at_ms", "node_id", "gpu_type")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 
 from gpucloud.ledger import problems
-from gpucloud.ledger.models import UsageSampleIn
 from gpucloud.ledger.pricing import Rate
+from gpucloud.ledger.schemas import UsageSampleIn
 
 CONTENT_FIELDS = ("allocation_id", "tenant_id", "gpu_type", "gpu_count", "start_ms", "end_ms")
 """What must match for a resent (node_id, seq) to be the same sample."""

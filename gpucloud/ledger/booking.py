@@ -33,7 +33,7 @@ from gpucloud.ledger.batch import (
 from gpucloud.ledger.db import insert_tuples
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.postings import closed_periods, first_open_period, insert_posting, usage_lines
-from gpucloud.ledger.schema import rating_accumulators, usage_samples
+from gpucloud.ledger.tables import rating_accumulators, usage_samples
 
 _LINE_KEY_COLUMNS = ("billing_period", "usage_period", "tenant_id", "allocation_id", "gpu_type", "price_version_id")
 _SAMPLE_COLUMNS = (

@@ -32,9 +32,9 @@ from gpucloud.ledger.batch import (
     start_of,
     tenant_field,
 )
-from gpucloud.ledger.models import UsageSampleIn
 from gpucloud.ledger.pricing import PriceBookHistory, Rate
-from gpucloud.ledger.schema import allocation_events, usage_conflicts, usage_samples
+from gpucloud.ledger.schemas import UsageSampleIn
+from gpucloud.ledger.tables import allocation_events, usage_conflicts, usage_samples
 
 # Samples of one node further apart than this are looked up as separate clusters, so a batch
 # mixing an old retried sample with new ones does not read the whole history in between.

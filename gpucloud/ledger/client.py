@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter
 
-from gpucloud.ledger.models import (
+from gpucloud.ledger.schemas import (
     AllocationEventIn,
     AllocationEventOut,
     InvoiceOut,

@@ -35,8 +35,8 @@ from gpucloud.ledger.batch import Candidate, end_field, gpu_count_field, seq_fie
 from gpucloud.ledger.booking import book
 from gpucloud.ledger.checks import check_allocations, drop_known, drop_overlaps, price
 from gpucloud.ledger.db import LedgerDatabase
-from gpucloud.ledger.models import SampleRejection, UsageBatchResult, UsageSampleIn
 from gpucloud.ledger.pricebook import PriceBookCache
+from gpucloud.ledger.schemas import SampleRejection, UsageBatchResult, UsageSampleIn
 
 FUTURE_TOLERANCE_MS = 5 * 60 * 1000
 MAX_SAMPLE_MS = 3_600_000

@@ -25,10 +25,10 @@ from sqlalchemy import Connection, func, insert, select
 from gpucloud.ledger import problems
 from gpucloud.ledger.close import CloseIntegrityError, Invoice, LineAggregate, build_invoices, empty_invoice
 from gpucloud.ledger.db import LedgerDatabase
-from gpucloud.ledger.models import InvoiceOut, InvoiceSummary, PeriodCloseOut, PeriodOut
 from gpucloud.ledger.periods import parse_period, period_bounds, period_of, periods_between
 from gpucloud.ledger.pricebook import PriceBookCache
-from gpucloud.ledger.schema import billing_periods, invoices, postings, rating_accumulators, usage_samples
+from gpucloud.ledger.schemas import InvoiceOut, InvoiceSummary, PeriodCloseOut, PeriodOut
+from gpucloud.ledger.tables import billing_periods, invoices, postings, rating_accumulators, usage_samples
 
 _LINE_COLUMNS = ("tenant_id", "allocation_id", "gpu_type", "usage_period", "price_version_id")
 

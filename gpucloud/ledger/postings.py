@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, func, insert, select
 
 from gpucloud.ledger import problems
-from gpucloud.ledger.models import AccountBalance, EntryLineOut, PostingOut
 from gpucloud.ledger.periods import next_period
-from gpucloud.ledger.schema import billing_periods, entry_lines, postings
+from gpucloud.ledger.schemas import AccountBalance, EntryLineOut, PostingOut
+from gpucloud.ledger.tables import billing_periods, entry_lines, postings
 
 
 def receivable_account(tenant_id: str) -> str:

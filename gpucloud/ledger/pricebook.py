@@ -13,9 +13,9 @@ import threading
 from sqlalchemy import Connection, func, insert, select
 
 from gpucloud.ledger import problems
-from gpucloud.ledger.models import DiscountOut, PriceBookVersionIn, PriceBookVersionOut, PriceIn
 from gpucloud.ledger.pricing import PriceBookHistory, PriceBookVersion, percent_to_basis_points
-from gpucloud.ledger.schema import (
+from gpucloud.ledger.schemas import DiscountOut, PriceBookVersionIn, PriceBookVersionOut, PriceIn
+from gpucloud.ledger.tables import (
     price_book_discounts,
     price_book_prices,
     price_book_versions,

@@ -30,14 +30,14 @@ from sqlalchemy import Connection, select
 
 from gpucloud.ledger.allocations import AllocationTimeline, list_events, timelines
 from gpucloud.ledger.ingest import MAX_SAMPLE_MS
-from gpucloud.ledger.models import (
+from gpucloud.ledger.periods import day_bounds
+from gpucloud.ledger.schemas import (
     AllocationReconciliation,
     Interval,
     NodeReconciliation,
     ReconciliationReport,
 )
-from gpucloud.ledger.periods import day_bounds
-from gpucloud.ledger.schema import usage_samples
+from gpucloud.ledger.tables import usage_samples
 from gpucloud.ledger.usage import billing_periods_since
 
 Span = tuple[int, int]

@@ -14,9 +14,9 @@ import json
 
 from sqlalchemy import Connection, case, func, select
 
-from gpucloud.ledger.models import ConflictOut, UsageByType, UsageSummary
 from gpucloud.ledger.periods import period_of, periods_between
-from gpucloud.ledger.schema import postings, usage_conflicts, usage_samples
+from gpucloud.ledger.schemas import ConflictOut, UsageByType, UsageSummary
+from gpucloud.ledger.tables import postings, usage_conflicts, usage_samples
 
 
 def usage_summary(

@@ -47,7 +47,7 @@ GATED_ALIASES = frozenset({AliasName.STAGING, AliasName.PRODUCTION})
 
 class GateSpec(BaseModel):
     """The gate on one metric: an optional range and an optional maximum regression against
-    production (semantics in `gpucloud.registry.service.evaluate_gates`)."""
+    production (semantics in `gpucloud.registry.promotion.evaluate_gates`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -186,7 +186,7 @@ class ModelAlias(SQLModel, table=True):
 
 
 class EvaluationGate(SQLModel, table=True):
-    """One metric's gate on a model; the rules live in `gpucloud.registry.service.GateSpec`."""
+    """One metric's gate on a model; the rules live in `gpucloud.registry.promotion.GateSpec`."""
 
     __tablename__ = "registry_gate"
     __table_args__ = (sa.UniqueConstraint("model_id", "metric", name="uq_registry_gate_model_metric"),)

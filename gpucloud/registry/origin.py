@@ -1,6 +1,6 @@
 """The tracker service of a deployment: the weight tracker, with the registry's chunks as the origin.
 
-The tracker service (`gpucloud.registry.tracker_service`) serves `GET /origin/chunks/{id}` from
+The tracker service (`gpucloud.registry.tracker_app`) serves `GET /origin/chunks/{id}` from
 one chunk store, while the registry keeps a store per tenant (`gpucloud.registry.config`).
 `RegistryOrigin` answers a chunk from the store of whichever tenant holds it; tenants are listed
 from the control-plane DB on every lookup, so one onboarded since the service started is found.
@@ -51,7 +51,7 @@ def serve_tracker(settings: Settings) -> None:
     import httpx
     import uvicorn
 
-    from gpucloud.registry.tracker_service import KEEPALIVE_S, create_tracker_app
+    from gpucloud.registry.tracker_app import KEEPALIVE_S, create_tracker_app
 
     origin = RegistryOrigin(build_stores(data_dir=settings.data_dir), tenants_in(settings.db_url))
     url = httpx.URL(settings.tracker_url)

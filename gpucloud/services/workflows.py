@@ -10,7 +10,6 @@ import uuid
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
-from gpucloud import search_attributes as sa
 from gpucloud.config import Settings
 from gpucloud.models.messages import (
     AllocationInput,
@@ -22,6 +21,7 @@ from gpucloud.models.tables import Allocation
 from gpucloud.models.tenant_messages import TenantOffboardingInput, TenantOnboardingInput
 from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
 from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
+from gpucloud.workflows import search_attributes as sa
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.bringup import workflow_id_for as bringup_workflow_id

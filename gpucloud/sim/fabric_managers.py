@@ -46,6 +46,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.fabric.http_clients import NmxClient
 from gpucloud.fabric.interface import (
     DEFAULT_PKEY,
@@ -59,7 +60,6 @@ from gpucloud.fabric.interface import (
     PortMember,
     Vpc,
 )
-from gpucloud.serving import ThreadedServer
 
 GUID = re.compile(r"^0x[0-9a-f]{16}$")
 

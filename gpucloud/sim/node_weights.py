@@ -165,7 +165,7 @@ class NodeWeights:
 def control_plane_keyrings(db_url: str) -> Callable[[str], Keyring]:
     """Each tenant's registered, unrevoked keys, read from the control-plane DB."""
     from gpucloud.db import session_scope
-    from gpucloud.registry.service import keyring_for
+    from gpucloud.registry.promotion import keyring_for
 
     def load(tenant_id: str) -> Keyring:
         with session_scope(db_url) as session:

@@ -90,7 +90,7 @@ def build_worker(
 
 
 async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
-    from gpucloud.client import connect
+    from gpucloud.adapters.temporal import connect
     from gpucloud.services.schedules import ensure_billing_close_schedule, ensure_sweep_schedule
     from gpucloud.workers.recovery import resume_orphans
 

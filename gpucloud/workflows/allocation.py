@@ -37,7 +37,6 @@ from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlrea
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from gpucloud import search_attributes as sa
     from gpucloud.models.fabric_messages import (
         FabricApplyInput,
         FabricMembershipResult,
@@ -62,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         ReplaceNodeRequest,
     )
     from gpucloud.workflows import options
+    from gpucloud.workflows import search_attributes as sa
     from gpucloud.workflows.ledger_events import LedgerEvents
     from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow, workflow_id_for
 

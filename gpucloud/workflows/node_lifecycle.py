@@ -15,7 +15,6 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from gpucloud import search_attributes as sa
     from gpucloud.models.messages import (
         AgentActionInput,
         AgentActionResult,
@@ -30,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.workflows import options
+    from gpucloud.workflows import search_attributes as sa
 
 Op, S, E = NodeOperationKind, NodeState, NodeEvent
 

@@ -36,7 +36,6 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from gpucloud import search_attributes as sa
     from gpucloud.models.rollout_messages import (
         FINISHED,
         Prepared,
@@ -53,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
         WaveResult,
         plan_waves,
     )
+    from gpucloud.workflows import search_attributes as sa
 
 # Resolving the target and registering the swarm: short calls, retried a while.
 SETUP = dict(

@@ -17,10 +17,10 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from gpucloud.agent.spool import Shipper, Spool, Usage
 from gpucloud.config import Settings
+from gpucloud.devstack.stack import Stack, free_port
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
-from gpucloud.stack import Stack, free_port
 from gpucloud.workflows.billing_close import close_workflow_id
 from support.stack import wait_until
 

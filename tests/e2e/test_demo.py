@@ -8,7 +8,7 @@ import sys
 
 def test_demo_runs_end_to_end(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli", "demo", "--nodes", "6", "--data-dir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "gpucloud.cli.main", "demo", "--nodes", "6", "--data-dir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         timeout=400,

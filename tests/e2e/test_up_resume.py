@@ -10,13 +10,13 @@ import sys
 
 import httpx
 
-from gpucloud.stack import free_port, port_in_use
+from gpucloud.devstack.stack import free_port, port_in_use
 from support.stack import wait_until
 
 
 def _up(env: dict, log) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "gpucloud.cli", "up", "--nodes", "4"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "gpucloud.cli.main", "up", "--nodes", "4"], env=env, stdout=log, stderr=subprocess.STDOUT
     )
 
 

@@ -24,7 +24,7 @@ import uvicorn
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from gpucloud.ledger.service import create_app, wall_clock_ms
+from gpucloud.ledger.app import create_app, wall_clock_ms
 
 POSTGRES_URL_ENV = "GPUCLOUD_TEST_POSTGRES_URL"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ class LedgerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        code = f"from gpucloud.ledger.service import main; main('127.0.0.1', {self.port}, {self.database_url!r})"
+        code = f"from gpucloud.ledger.app import main; main('127.0.0.1', {self.port}, {self.database_url!r})"
         with self._log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gpucloud.agent.app import Agent, HostState, Reporter
 from gpucloud.agent.probe import SimulatedProbe
-from gpucloud.agent.service import Agent, HostState, Reporter
 
 
 def _heartbeat(node_id: str) -> dict:

@@ -10,8 +10,7 @@ import httpx
 from fastapi.testclient import TestClient
 from ledger_harness import ledger_in_thread
 
-from gpucloud.agent.probe import SimulatedProbe
-from gpucloud.agent.service import (
+from gpucloud.agent.app import (
     Agent,
     AgentMetering,
     CommandResult,
@@ -20,6 +19,7 @@ from gpucloud.agent.service import (
     create_app,
     gpu_type_of,
 )
+from gpucloud.agent.probe import SimulatedProbe
 from support.stack import wait_until
 
 

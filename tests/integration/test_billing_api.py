@@ -103,12 +103,12 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
             "COLUMNS": "200",
         }
         listing = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli", "invoices"], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "gpucloud.cli.main", "invoices"], env=env, capture_output=True, text=True, timeout=60
         )
         assert listing.returncode == 0, listing.stderr
         assert "2024-01" in listing.stdout and acme_id in listing.stdout and other_id not in listing.stdout
         shown = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli", "invoices", "show", str(mine["id"])],
+            [sys.executable, "-m", "gpucloud.cli.main", "invoices", "show", str(mine["id"])],
             env=env,
             capture_output=True,
             text=True,
@@ -118,7 +118,7 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
         assert f"{mine['total_micro'] // 1_000_000}.{mine['total_micro'] % 1_000_000:06d}" in shown.stdout
         assert mine["sha256"] in shown.stdout
         draft = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli", "invoices", "draft"],
+            [sys.executable, "-m", "gpucloud.cli.main", "invoices", "draft"],
             env=env,
             capture_output=True,
             text=True,

@@ -17,7 +17,7 @@ def test_nodes_table_filters_by_state(db_url, make_harness):
         "COLUMNS": "200",
     }
     out = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli", "nodes", "--state", "enrolled"],
+        [sys.executable, "-m", "gpucloud.cli.main", "nodes", "--state", "enrolled"],
         env=env,
         capture_output=True,
         text=True,
@@ -27,7 +27,7 @@ def test_nodes_table_filters_by_state(db_url, make_harness):
     assert all(i in out.stdout for i in ids) and "nodes (3 shown of 3)" in out.stdout
     assert "enrolled: 3" in out.stdout
     none = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli", "nodes", "--state", "active"],
+        [sys.executable, "-m", "gpucloud.cli.main", "nodes", "--state", "active"],
         env=env,
         capture_output=True,
         text=True,
@@ -35,7 +35,7 @@ def test_nodes_table_filters_by_state(db_url, make_harness):
     )
     assert none.returncode == 0 and ids[0] not in none.stdout
     down = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli", "nodes"],
+        [sys.executable, "-m", "gpucloud.cli.main", "nodes"],
         capture_output=True,
         text=True,
         env={**env, "GPUCLOUD_API_PORT": "1"},

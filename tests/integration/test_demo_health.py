@@ -11,7 +11,7 @@ from collections.abc import Coroutine
 import pytest
 from rich.console import Console
 
-from gpucloud.demo_health import HealthDemoError, demo_health
+from gpucloud.demo.health import HealthDemoError, demo_health
 
 FAST = dict(latency_scale=0.02, health_drain_grace_s=0.5, replacement_recheck_s=0.5)
 

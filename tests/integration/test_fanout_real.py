@@ -28,7 +28,7 @@ from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
 from gpucloud.registry.push import push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_service import TrackerClient, create_tracker_app
+from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
 
 TENANT = "acme"
 NODES, PER_RACK = 16, 4

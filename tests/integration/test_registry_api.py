@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from typer.testing import CliRunner
 
-from gpucloud.cli_weights import (
+from gpucloud.cli.weights import (
     PushOutcome,
     RegistryApiError,
     RegistryClient,
@@ -142,7 +142,7 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     from gpucloud.api.app import create_app
     from gpucloud.api.routers import registry as registry_router
     from gpucloud.config import Settings
-    from gpucloud.stack import free_port
+    from gpucloud.devstack.stack import free_port
 
     settings = Settings(
         data_dir=tmp_path / "server", database_url=db_url, operator_token=OPERATOR, api_port=free_port()
@@ -573,7 +573,7 @@ def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, moto_en
 def test_demo_weights_scenario(registry: Registry, tmp_path: Path) -> None:
     from rich.console import Console
 
-    from gpucloud.demo_weights import demo_weights
+    from gpucloud.demo.weights import demo_weights
 
     tenant = registry.new_tenant()
     console = Console(record=True, width=160)

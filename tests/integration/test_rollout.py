@@ -24,7 +24,6 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
-from gpucloud import search_attributes
 from gpucloud.activities.rollout import RolloutActivities
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher, PeerServer, create_peer_app, prefetch
@@ -43,7 +42,8 @@ from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
 from gpucloud.registry.push import push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_service import TrackerClient, create_tracker_app
+from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
+from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 
 TENANT = "acme"

@@ -8,7 +8,7 @@ import asyncio
 import os
 import uuid
 
-from gpucloud.cli_weights import RegistryClient, push_directory, signer_for
+from gpucloud.cli.weights import RegistryClient, push_directory, signer_for
 from gpucloud.registry.chunking import encode_safetensors_header
 
 

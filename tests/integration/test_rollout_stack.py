@@ -13,11 +13,11 @@ import uuid
 import httpx
 
 from gpucloud.agent.peer import PeerServer
-from gpucloud.cli_weights import RegistryClient, push_directory, signer_for
+from gpucloud.cli.weights import RegistryClient, push_directory, signer_for
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
 from gpucloud.registry.config import build_stores
 from gpucloud.registry.origin import RegistryOrigin, tenants_in
-from gpucloud.registry.tracker_service import create_tracker_app
+from gpucloud.registry.tracker_app import create_tracker_app
 from support.stack import async_wait_until
 
 KiB = 1024

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 
 from gpucloud.config import Settings
-from gpucloud.serving import ThreadedServer
-from gpucloud.stack import free_port
+from gpucloud.devstack.serving import ThreadedServer
+from gpucloud.devstack.stack import free_port
 from support.fabric import FabricManagers
 
 
@@ -64,7 +64,7 @@ class SimFleetProcess:
             [
                 sys.executable,
                 "-m",
-                "gpucloud.cli",
+                "gpucloud.cli.main",
                 "sim",
                 "--nodes",
                 str(nodes),
@@ -244,7 +244,7 @@ class Harness:
         }
         log = open(self.log_dir / "worker.log", "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpucloud.cli", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
         )
         self.worker_procs.append(proc)
         return proc

@@ -9,8 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from gpucloud.agent.probe import SimulatedProbe
-from gpucloud.agent.service import (
+from gpucloud.agent.app import (
     ActionRequest,
     Agent,
     BurnInLimits,
@@ -20,6 +19,7 @@ from gpucloud.agent.service import (
     Reporter,
     create_app,
 )
+from gpucloud.agent.probe import SimulatedProbe
 
 BURN_IN_TOOLS = {"dcgmi", "all_reduce_perf", "nvbandwidth"}
 # What the tools print on a healthy 8-GPU node (the lines burn-in reads).

@@ -7,12 +7,12 @@ import io
 import pytest
 from rich.console import Console
 
-from gpucloud import demo
-from gpucloud.demo_billing import BillingDemoError
-from gpucloud.demo_health import HealthDemoError
-from gpucloud.demo_rollout import RolloutDemoError
-from gpucloud.demo_tenants import TenantsDemoError
-from gpucloud.demo_weights import WeightsDemoError
+from gpucloud.demo import main as demo
+from gpucloud.demo.billing import BillingDemoError
+from gpucloud.demo.health import HealthDemoError
+from gpucloud.demo.rollout import RolloutDemoError
+from gpucloud.demo.tenants import TenantsDemoError
+from gpucloud.demo.weights import WeightsDemoError
 
 
 class _QuietStack:

@@ -11,7 +11,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import exc, insert, text
 
 from gpucloud.ledger.db import VERSION_TABLE, open_ledger_database
-from gpucloud.ledger.schema import APPEND_ONLY_TABLES, metadata, postings, price_book_versions
+from gpucloud.ledger.tables import APPEND_ONLY_TABLES, metadata, postings, price_book_versions
 
 LEDGER_PACKAGE = Path(__file__).resolve().parents[2] / "gpucloud" / "ledger"
 

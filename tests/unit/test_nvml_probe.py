@@ -356,7 +356,19 @@ def test_a_gpu_without_event_support_is_still_read(fake):
 
 def test_unsupported_counters_are_none(fake):
     gpu = fake.gpus[0]
-    gpu.errors = dict.fromkeys(("nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetNvLinkState", "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature", "nvmlDeviceRegisterEvents"), real.NVML_ERROR_NOT_SUPPORTED)
+    gpu.errors = dict.fromkeys(
+        (
+            "nvmlDeviceGetTotalEccErrors",
+            "nvmlDeviceGetRemappedRows",
+            "nvmlDeviceGetNvLinkState",
+            "nvmlDeviceGetPcieReplayCounter",
+            "nvmlDeviceGetPowerUsage",
+            "nvmlDeviceGetTemperatureV",
+            "nvmlDeviceGetTemperature",
+            "nvmlDeviceRegisterEvents",
+        ),
+        real.NVML_ERROR_NOT_SUPPORTED,
+    )
     gpu.errors["nvmlDeviceGetCurrentClocksEventReasons"] = real.NVML_ERROR_FUNCTION_NOT_FOUND
 
     reading = NvmlProbe("node-1", clock=clock).read()

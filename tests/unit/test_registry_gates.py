@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from gpucloud.models.registry_tables import GateSpec, RegistryModelCreate
 from gpucloud.registry.config import RegistrySettings, build_stores
-from gpucloud.registry.service import evaluate_gates, walk_ancestors, walk_descendants
+from gpucloud.registry.promotion import evaluate_gates, walk_ancestors, walk_descendants
 
 ACCURACY = GateSpec(metric="accuracy", min=0.7, max_regression=0.02)
 LATENCY = GateSpec(metric="latency_ms", max=100, max_regression=10, higher_is_better=False)

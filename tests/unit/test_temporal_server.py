@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from gpucloud import search_attributes
-from gpucloud.temporal_server import load_config, server_args
+from gpucloud.devstack.temporal_server import load_config, server_args
+from gpucloud.workflows import search_attributes
 
 
 def test_flags_from_yaml(tmp_path):

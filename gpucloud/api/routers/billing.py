@@ -24,14 +24,14 @@ from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, LedgerDep, OperatorDep, SessionDep
 from gpucloud.api.problems import Problem, not_found
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable
-from gpucloud.ledger.models import (
+from gpucloud.ledger.periods import period_bounds, period_of
+from gpucloud.ledger.schemas import (
     InvoiceOut,
     PriceBookVersionIn,
     PriceBookVersionOut,
     ReconciliationReport,
     UsageSummary,
 )
-from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.models.tables import Allocation
 
 router = APIRouter(prefix="/v1", tags=["billing"])

@@ -67,7 +67,7 @@ from gpucloud.models.registry_tables import (
     VersionPage,
 )
 from gpucloud.models.tables import utcnow
-from gpucloud.registry import gc, service
+from gpucloud.registry import gc, promotion
 from gpucloud.registry.config import RegistryStores, build_stores
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -181,9 +181,9 @@ def _create_model(settings: Settings, tenant_id: str, req: RegistryModelCreate) 
             model = RegistryModel(tenant_id=tenant_id, name=req.name, description=req.description)
             session.add(model)
             session.flush()
-            service.replace_gates(session, model, req.gates)
+            promotion.replace_gates(session, model, req.gates)
             session.flush()
-            return service.publish_models(session, [model])[0]
+            return promotion.publish_models(session, [model])[0]
     except sa.exc.IntegrityError as exc:
         raise Problem(409, "model-exists", "Model exists", f"a model named {req.name!r} already exists") from exc
 
@@ -223,21 +223,21 @@ def list_models(
     if cursor.after is not None:
         query = query.where(RegistryModel.seq > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda m: m.seq, filters)
-    return ModelPage(items=service.publish_models(session, rows), next_page_token=token)
+    return ModelPage(items=promotion.publish_models(session, rows), next_page_token=token)
 
 
 @router.get("/models/{name}", response_model=ModelPublic)
 def get_model(name: str, tenant: TenantDep, session: SessionDep):
-    return service.publish_models(session, [_model(session, tenant.tenant_id, name)])[0]
+    return promotion.publish_models(session, [_model(session, tenant.tenant_id, name)])[0]
 
 
 @router.put("/models/{name}/gates", response_model=ModelPublic)
 def set_gates(name: str, req: GatesUpdate, tenant: TenantDep, settings: SettingsDep):
     with session_scope(settings.db_url) as session:
         model = _model(session, tenant.tenant_id, name, for_update=True)
-        service.replace_gates(session, model, req.gates)
+        promotion.replace_gates(session, model, req.gates)
         session.flush()
-        return service.publish_models(session, [model])[0]
+        return promotion.publish_models(session, [model])[0]
 
 
 # ---------------------------------------------------------------- signing keys
@@ -321,7 +321,7 @@ def _check_model(settings: Settings, tenant_id: str, name: str) -> None:
 def missing_chunks(name: str, req: ChunkQuery, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
     """Which of these chunk ids the tenant's store lacks: upload only those (and resume with the rest)."""
     _check_model(settings, tenant.tenant_id, name)
-    return MissingChunks(missing=service.missing_chunks(stores.chunks(tenant.tenant_id), req.chunk_ids))
+    return MissingChunks(missing=promotion.missing_chunks(stores.chunks(tenant.tenant_id), req.chunk_ids))
 
 
 @router.put(
@@ -409,21 +409,21 @@ def _register_version(
         model = _model(session, tenant_id, name)
         if manifest.model != name:
             raise _invalid("manifest.model", f"the manifest is for model {manifest.model!r}, posted to {name!r}")
-        if (existing := service.version_row(session, tenant_id, digest)) is not None:
-            return service.publish_versions(session, tenant_id, [existing])[0], False
+        if (existing := promotion.version_row(session, tenant_id, digest)) is not None:
+            return promotion.publish_versions(session, tenant_id, [existing])[0], False
         try:
-            service.keyring_for(session, tenant_id).verify(signed, tenant=tenant_id)
+            promotion.keyring_for(session, tenant_id).verify(signed, tenant=tenant_id)
         except (UnknownKeyError, BadSignatureError) as exc:
             raise _signature_problem(exc) from None
         parent = manifest.lineage.parent
-        if parent is not None and service.version_row(session, tenant_id, parent) is None:
+        if parent is not None and promotion.version_row(session, tenant_id, parent) is None:
             raise _invalid("manifest.lineage.parent", f"no version {parent} visible to this caller")
         model_id = model.id
     # Outside the transaction: checking thousands of chunks must not hold the database. The hold
     # keeps a concurrent garbage collection from deleting a chunk between the check and the put.
     ordered = [chunk.id for entry in manifest.files.values() for chunk in entry.chunks]
     with gc.holding(stores.manifests(tenant_id), ordered, model=name):
-        missing = service.missing_chunks(stores.chunks(tenant_id), ordered)
+        missing = promotion.missing_chunks(stores.chunks(tenant_id), ordered)
         if missing:
             raise Problem(
                 409,
@@ -454,11 +454,11 @@ def _register_version(
         with session_scope(settings.db_url) as session:
             session.add(row)
             session.flush()
-            return service.publish_versions(session, tenant_id, [row])[0], True
+            return promotion.publish_versions(session, tenant_id, [row])[0], True
     except sa.exc.IntegrityError:  # the same version posted concurrently
         with session_scope(settings.db_url) as session:
-            existing = service.version_row(session, tenant_id, digest)
-            return service.publish_versions(session, tenant_id, [existing])[0], False
+            existing = promotion.version_row(session, tenant_id, digest)
+            return promotion.publish_versions(session, tenant_id, [existing])[0], False
 
 
 @router.post(
@@ -508,13 +508,13 @@ def list_versions(
     rows, token = pagination.page(
         list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda v: v.seq, filters
     )
-    return VersionPage(items=service.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
+    return VersionPage(items=promotion.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
 
 
 @router.get("/models/{name}/versions/{ref}", response_model=ModelVersionPublic)
 def get_version(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
     row = _resolve(session, _model(session, tenant.tenant_id, name), ref)
-    return service.publish_versions(session, tenant.tenant_id, [row])[0]
+    return promotion.publish_versions(session, tenant.tenant_id, [row])[0]
 
 
 @router.get("/models/{name}/versions/{ref}/manifest", response_model=SignedManifest)
@@ -545,7 +545,7 @@ def _record_evaluation(
         if record.version != digest:
             raise _invalid("record.version", f"the record is about version {record.version}, posted for {digest}")
         try:
-            service.keyring_for(session, tenant_id).verify_evaluation(signed, tenant=tenant_id)
+            promotion.keyring_for(session, tenant_id).verify_evaluation(signed, tenant=tenant_id)
         except (UnknownKeyError, BadSignatureError) as exc:
             raise _signature_problem(exc) from None
         if (existing := session.exec(query).first()) is not None:
@@ -596,14 +596,14 @@ async def record_evaluation(
 def _check_gates(
     session: Session, tenant_id: str, model: RegistryModel, alias: AliasName, version: ModelVersion
 ) -> None:
-    if version.key_id not in service.active_key_ids(session, tenant_id):
+    if version.key_id not in promotion.active_key_ids(session, tenant_id):
         raise Problem(
             409,
             "signing-key-revoked",
             "Signing key revoked",
             f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted",
         )
-    if failures := service.promotion_failures(session, tenant_id, model.id, version.digest):
+    if failures := promotion.promotion_failures(session, tenant_id, model.id, version.digest):
         raise Problem(
             409,
             "gates-failed",
@@ -642,8 +642,8 @@ def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, s
 def get_ancestors(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
     """Parent, grandparent, ... (nearest first), across the tenant's models."""
     row = _resolve(session, _model(session, tenant.tenant_id, name), ref)
-    found = service.ancestors(session, tenant.tenant_id, row.digest)
-    published = service.publish_versions(session, tenant.tenant_id, found)
+    found = promotion.ancestors(session, tenant.tenant_id, row.digest)
+    published = promotion.publish_versions(session, tenant.tenant_id, found)
     return LineagePage(items=[LineageEntry(**v.model_dump(), depth=i) for i, v in enumerate(published, start=1)])
 
 
@@ -651,8 +651,8 @@ def get_ancestors(name: str, ref: VersionRef, tenant: TenantDep, session: Sessio
 def get_descendants(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
     """Every version derived from this one, breadth first, across the tenant's models."""
     row = _resolve(session, _model(session, tenant.tenant_id, name), ref)
-    found = service.descendants(session, tenant.tenant_id, row.digest)
-    published = service.publish_versions(session, tenant.tenant_id, [r for r, _ in found])
+    found = promotion.descendants(session, tenant.tenant_id, row.digest)
+    published = promotion.publish_versions(session, tenant.tenant_id, [r for r, _ in found])
     return LineagePage(
         items=[LineageEntry(**v.model_dump(), depth=d) for v, (_, d) in zip(published, found, strict=True)]
     )

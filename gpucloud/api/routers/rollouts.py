@@ -19,7 +19,6 @@ from sqlmodel import select
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.service import RPCError, RPCStatusCode
 
-from gpucloud import search_attributes
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import run_idempotent
@@ -37,6 +36,7 @@ from gpucloud.models.rollout_messages import (
 )
 from gpucloud.models.tables import Node
 from gpucloud.registry.manifest import HEX_DIGEST
+from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Response, status
 
 from gpucloud.ledger.allocations import list_events, record_event
 from gpucloud.ledger.api.deps import LedgerDep
-from gpucloud.ledger.models import AllocationEventIn, AllocationEventOut
+from gpucloud.ledger.schemas import AllocationEventIn, AllocationEventOut
 
 router = APIRouter(prefix="/v1/allocation-events", tags=["allocations"])
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Response
 from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerDep
 from gpucloud.ledger.invoicing import find_invoices, invoice_by_id
-from gpucloud.ledger.models import InvoiceOut
+from gpucloud.ledger.schemas import InvoiceOut
 
 router = APIRouter(prefix="/v1/invoices", tags=["invoices"])
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Response
 from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerDep
 from gpucloud.ledger.invoicing import close_period, draft_invoice, invoice_body, list_invoices, list_periods
-from gpucloud.ledger.models import InvoiceSummary, PeriodCloseOut, PeriodOut
+from gpucloud.ledger.schemas import InvoiceSummary, PeriodCloseOut, PeriodOut
 
 router = APIRouter(prefix="/v1/periods", tags=["periods"])
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, status
 
 from gpucloud.ledger import postings
 from gpucloud.ledger.api.deps import LedgerDep
-from gpucloud.ledger.models import PAGE_SIZE_MAX, AccountBalance, PostingOut, PostingPage, ReversalIn
+from gpucloud.ledger.schemas import PAGE_SIZE_MAX, AccountBalance, PostingOut, PostingPage, ReversalIn
 
 router = APIRouter(prefix="/v1", tags=["postings"])
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, status
 
 from gpucloud.ledger import pricebook
 from gpucloud.ledger.api.deps import LedgerDep
-from gpucloud.ledger.models import PriceBookVersionIn, PriceBookVersionOut
+from gpucloud.ledger.schemas import PriceBookVersionIn, PriceBookVersionOut
 
 router = APIRouter(prefix="/v1/price-book/versions", tags=["price book"])
 

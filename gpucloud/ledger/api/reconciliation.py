@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from gpucloud.ledger.api.deps import LedgerDep
-from gpucloud.ledger.models import ReconciliationReport
 from gpucloud.ledger.reconciliation import EDGE_TOLERANCE_MS, reconcile
+from gpucloud.ledger.schemas import ReconciliationReport
 
 router = APIRouter(prefix="/v1/reconciliation", tags=["reconciliation"])
 

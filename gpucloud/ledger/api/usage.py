@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerContext, LedgerDep
-from gpucloud.ledger.models import (
+from gpucloud.ledger.schemas import (
     PAGE_SIZE_MAX,
     USAGE_BATCH,
     ConflictOut,

@@ -7,7 +7,7 @@ connection, so there is no alembic.ini: the ledger migrates itself when it start
 from alembic import context
 from sqlalchemy import text
 
-from gpucloud.ledger.schema import metadata
+from gpucloud.ledger.tables import metadata
 
 # Ledgers starting side by side on one Postgres must not both create the schema.
 _PG_MIGRATION_LOCK = 0x6C65646766

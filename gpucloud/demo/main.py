@@ -22,12 +22,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gpucloud.config import Settings
-from gpucloud.demo_billing import BillingDemoError, demo_invoice
-from gpucloud.demo_health import HealthDemoError, demo_health
-from gpucloud.demo_rollout import RolloutDemoError, demo_rollout
-from gpucloud.demo_tenants import TenantsDemoError, demo_tenants, onboard
-from gpucloud.demo_weights import WeightsDemoError, demo_weights
-from gpucloud.stack import Stack, StackError, free_port
+from gpucloud.demo.billing import BillingDemoError, demo_invoice
+from gpucloud.demo.health import HealthDemoError, demo_health
+from gpucloud.demo.rollout import RolloutDemoError, demo_rollout
+from gpucloud.demo.tenants import TenantsDemoError, demo_tenants, onboard
+from gpucloud.demo.weights import WeightsDemoError, demo_weights
+from gpucloud.devstack.stack import Stack, StackError, free_port
 
 
 class DemoFailed(RuntimeError):

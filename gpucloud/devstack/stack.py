@@ -25,9 +25,9 @@ from pathlib import Path
 import httpx
 
 from gpucloud.config import Settings
+from gpucloud.devstack.temporal_server import server_args
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
 from gpucloud.sim.fabric_managers import register_nvl_domains
-from gpucloud.temporal_server import server_args
 
 
 class StackError(RuntimeError):
@@ -125,7 +125,7 @@ class Stack:
         return proc
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "gpucloud.cli", *args]
+        return [sys.executable, "-m", "gpucloud.cli.main", *args]
 
     def _components(self, only: tuple[str, ...] | None) -> list[str]:
         wanted = [name for name in self.COMPONENTS if only is None or name in only]
@@ -233,7 +233,7 @@ class Stack:
             register_nvl_domains(self.fabric_url, httpx.get(f"{self.settings.sim_url}/v1/inventory", timeout=30).json())
 
     def _temporal_ready(self) -> bool:
-        from gpucloud.client import connect
+        from gpucloud.adapters.temporal import connect
 
         async def probe() -> bool:
             try:

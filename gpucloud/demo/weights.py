@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from gpucloud.cli_weights import (
+from gpucloud.cli.weights import (
     RegistryApiError,
     RegistryClient,
     failing_metrics_table,

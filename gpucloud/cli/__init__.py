@@ -1,0 +1,1 @@
+"""`gpucloud`: the command line (`main.app`), one module per command group."""
