@@ -70,7 +70,7 @@ async def agent_floor(agent_urls: list[str], *, concurrency: int) -> float:
 
 
 async def _baseline_workflows(settings: Settings, nodes: int) -> float:
-    client = await connect(settings)
+    client = await connect(settings.temporal)
     queue = f"baseline-{uuid.uuid4().hex[:6]}"
     with ThreadPoolExecutor(max_workers=4) as executor:
         async with Worker(
@@ -79,7 +79,7 @@ async def _baseline_workflows(settings: Settings, nodes: int) -> float:
             workflows=[BaselineWorkflow],
             activities=[noop_activity],
             activity_executor=executor,
-            max_concurrent_activities=settings.worker_max_activities,
+            max_concurrent_activities=settings.temporal.worker_max_activities,
             max_concurrent_workflow_tasks=100,
         ):
             started = time.monotonic()
@@ -158,10 +158,9 @@ def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **s
     data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
     settings = Settings(
         data_dir=data_dir,
-        temporal_address=f"127.0.0.1:{free_port()}",
-        api_port=free_port(),
-        sim_port=free_port(),
-        operator_token="bench-token",
+        temporal={"address": f"127.0.0.1:{free_port()}"},
+        api={"port": free_port(), "operator_token": "bench-token"},
+        agent={"sim_port": free_port()},
         **settings_overrides,
     )
     stack = Stack(

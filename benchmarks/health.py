@@ -15,7 +15,7 @@ Then, through the operator API (`POST /v1/nodes/{id}/xid`, `POST /v1/agents/even
 
 Timestamps are the control plane's own (allocation events and node transitions in the DB), taken
 against the wall clock read just before each XID was posted (same machine, same clock). The
-circuit breaker's share is raised (`GPUCLOUD_BREAKER_MAX_PULLED_SHARE`) so the burst is allowed.
+circuit breaker's share is raised (`GPUCLOUD_HEALTH__BREAKER_MAX_PULLED_SHARE`) so the burst is allowed.
 
     python benchmarks/health.py [--quick] [--nodes N] [--temporal-db memory|file]
 
@@ -267,7 +267,7 @@ def main() -> None:
         "--breaker-share",
         type=float,
         default=0.5,
-        help="GPUCLOUD_BREAKER_MAX_PULLED_SHARE for this run, so the burst is allowed",
+        help="GPUCLOUD_HEALTH__BREAKER_MAX_PULLED_SHARE for this run, so the burst is allowed",
     )
     add_temporal_db_arg(parser)
     args = parser.parse_args()
@@ -277,13 +277,13 @@ def main() -> None:
 
     # A `timeout` or kill stops the stack's processes too (the finally below), not only this one.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    os.environ["GPUCLOUD_BREAKER_MAX_PULLED_SHARE"] = str(args.breaker_share)
+    os.environ["GPUCLOUD_HEALTH__BREAKER_MAX_PULLED_SHARE"] = str(args.breaker_share)
     # The agents heartbeat as in production (every 10 s): a fleet under faults still reports.
     settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sim_heartbeat_s=10.0)
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))
-        engine = sa.create_engine(settings.db_url)
+        engine = sa.create_engine(settings.database_url)
         probe = Probe(engine)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=300)
         inventory = httpx.get(f"{settings.sim_url}/v1/inventory").json()

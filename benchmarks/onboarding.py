@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_temporal_db_arg, bench_stack, log, wait_for
 
 from gpucloud.activities.storage import TENANT_RECORD
+from gpucloud.bootstrap import tenant_store
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.fabric.http_clients import HttpFabricController
@@ -54,7 +55,6 @@ from gpucloud.fabric.interface import DEFAULT_PKEY, FabricNode, FabricSnapshot
 from gpucloud.fabric.isolation import find_violations
 from gpucloud.fabric.membership import read_snapshot, resource_name
 from gpucloud.models.tables import Allocation, Node, NodeTransition, Tenant
-from gpucloud.storage.bootstrap import open_tenant_store
 from gpucloud.storage.tenant import tenant_prefix
 
 OPERATOR = {"Authorization": "Bearer bench-token"}
@@ -196,7 +196,7 @@ def wait_allocations(engine: sa.Engine, ids: list[str], want: set[str], what: st
 def read_nodes(settings: Settings) -> tuple[dict[str, FabricNode], dict[str, str]]:
     """The fabric topology, and who holds each node: the tenant whose data is on it, else the
     tenant of the allocation it is reserved for."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         owner = dict(session.exec(select(Allocation.id, Allocation.tenant_id)).all())
         nodes = session.exec(select(Node)).all()
         topology = {
@@ -241,7 +241,7 @@ def vpc_check(settings: Settings, fabric_url: str, tenant_ids: set[str]) -> list
     found: list[str] = []
     with HttpFabricController.for_simulator(fabric_url, timeout_s=60) as controller:
         vpcs = controller.ethernet.list_vpcs()
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         vni_of = dict(session.exec(select(Tenant.id, Tenant.vni).where(Tenant.id.in_(tenant_ids))).all())
     by_tenant: dict[str, list[int]] = {}
     for vni, n in Counter(v.vni for v in vpcs).items():
@@ -271,11 +271,11 @@ def storage_check(settings: Settings, tenants: list[dict]) -> tuple[list[str], i
     from gpucloud.storage.envelope import KEY_RECORDS
 
     found: list[str] = []
-    if not (settings.storage_master_key or (settings.data_dir / "storage_master_key").exists()):
+    if not (settings.tenants.storage_master_key or (settings.data_dir / "storage_master_key").exists()):
         return ["storage: no master key in the data dir (the worker never provisioned storage)"], 0
-    store = open_tenant_store(settings)
+    store = tenant_store(settings)
     ids = [t["id"] for t in tenants]
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         prefix_of = dict(session.exec(select(Tenant.id, Tenant.storage_prefix)).all())
     known = set(prefix_of)
     for prefix, n in Counter(p for p in prefix_of.values() if p).items():
@@ -346,7 +346,7 @@ async def api_check(settings: Settings, tenants: list[dict]) -> list[str]:
 def wipe_check(settings: Settings) -> tuple[list[str], int]:
     """Every node that changed tenant was wiped in between (from the node's transition history).
     Returns the findings and how many changes of tenant the history shows."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         tenant_of_alloc = dict(session.exec(select(Allocation.id, Allocation.tenant_id)).all())
         history = session.exec(select(NodeTransition).order_by(NodeTransition.seq)).all()
     found: list[str] = []
@@ -397,7 +397,7 @@ def main() -> None:
     try:
         log(f"starting stack in {data_dir} (fabric managers on {fabric_url})")
         stack.start(on_step=lambda s: log(f"  {s}"))
-        engine = sa.create_engine(settings.db_url)
+        engine = sa.create_engine(settings.database_url)
         api = httpx.Client(base_url=settings.api_url, headers=OPERATOR, timeout=300)
         inventory = httpx.get(f"{settings.sim_url}/v1/inventory", timeout=60).json()
         log(f"bring-up: {nodes} nodes")
@@ -431,7 +431,7 @@ def main() -> None:
                 for t in wave
                 if "alloc" in t and t["alloc"] not in ready
             ]
-            with session_scope(settings.db_url) as session:
+            with session_scope(settings.database_url) as session:
                 rows = session.exec(
                     select(Allocation.id, Allocation.tenant_id, Allocation.node_ids).where(Allocation.id.in_(ready))
                 ).all()

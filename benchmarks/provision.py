@@ -49,12 +49,12 @@ def main() -> None:
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))
-        batch = settings.bringup_batch_size
+        batch = settings.reconciler.bringup_batch_size
         log(f"baseline: trivial workflows x {ACTIVITIES_PER_NODE} activities for {nodes} nodes, one per {batch}")
         baseline_nodes_per_s = asyncio.run(baseline(settings, nodes, nodes_per_workflow=batch))
         log(f"  {baseline_nodes_per_s:.1f} nodes/s")
 
-        engine = sa.create_engine(settings.db_url)
+        engine = sa.create_engine(settings.database_url)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=300)
         inventory = httpx.get(f"{settings.sim_url}/v1/inventory").json()
         log(f"bring-up: {nodes} nodes enrolled -> available")

@@ -41,13 +41,13 @@ from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
 
 
 async def one_sweep(settings: Settings):
-    client = await connect(settings)
+    client = await connect(settings.temporal)
     started = time.monotonic()
     result = await client.execute_workflow(
         ReconcileSweepWorkflow.run,
         SweepInput(),
         id=f"bench-sweep-{uuid.uuid4().hex[:6]}",
-        task_queue=settings.task_queue,
+        task_queue=settings.temporal.task_queue,
     )
     return time.monotonic() - started, result
 
@@ -65,16 +65,16 @@ def main() -> None:
     args = parser.parse_args()
     nodes = 200 if args.quick else args.nodes
 
-    settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sweep_interval_s=15.0)
+    settings, stack, data_dir = bench_stack(nodes, args.temporal_db, reconciler={"sweep_interval_s": 15.0})
     try:
         log(f"starting stack in {data_dir}")
         stack.start(on_step=lambda s: log(f"  {s}"))
-        batch = settings.bringup_batch_size
+        batch = settings.reconciler.bringup_batch_size
         log(f"baseline: trivial workflows for {nodes} nodes, one per {batch}")
         baseline_nodes_per_s = asyncio.run(baseline(settings, nodes, nodes_per_workflow=batch))
         log(f"  {baseline_nodes_per_s:.1f} nodes/s")
 
-        engine = sa.create_engine(settings.db_url)
+        engine = sa.create_engine(settings.database_url)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=600)
         sim = httpx.Client(base_url=settings.sim_url, timeout=600)
         inventory = sim.get("/v1/inventory").json()
@@ -99,7 +99,7 @@ def main() -> None:
         log("agent floor: bring-up's agent calls alone")
         # As many calls in flight as the batches make: BATCH_CONCURRENCY per running batch
         # activity, within the worker's activity slots and its HTTP pool (200 connections).
-        in_flight = min(200, BATCH_CONCURRENCY * min(-(-nodes // batch), settings.worker_max_activities))
+        in_flight = min(200, BATCH_CONCURRENCY * min(-(-nodes // batch), settings.temporal.worker_max_activities))
         agent_floor_nodes_per_s = asyncio.run(agent_floor([n["agent_url"] for n in inventory], concurrency=in_flight))
         log(f"  {agent_floor_nodes_per_s:.1f} nodes/s")
 

@@ -1,8 +1,14 @@
-"""One place that decides how gpucloud is wired: every setting comes from `GPUCLOUD_*` env vars.
+"""Every setting of gpucloud, in one nested model read from the environment.
 
-The embedded defaults run everything on one laptop (Temporal dev server, SQLite in the data dir,
-simulated fleet on loopback); production points the same code at a Temporal cluster, Postgres
-and S3 by configuration alone.
+One naming scheme: `GPUCLOUD_<SECTION>__<FIELD>` (two underscores between section and field),
+for example `GPUCLOUD_TEMPORAL__ADDRESS`, `GPUCLOUD_DATABASE__URL`, `GPUCLOUD_OBJECT_STORE__BUCKET`;
+top-level fields have no section (`GPUCLOUD_DATA_DIR`). Secrets are `SecretStr`: they never
+appear in a repr or a log line. `gpucloud.bootstrap` is the only code that turns these settings
+into clients of outside systems.
+
+The embedded defaults run everything on one machine (Temporal dev server, SQLite in the data
+dir, local object store, simulated fleet on loopback); production points the same code at a
+Temporal cluster, Postgres and S3 by configuration alone.
 """
 
 from __future__ import annotations
@@ -13,135 +19,231 @@ import tempfile
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TASK_QUEUE = "gpucloud"
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GPUCLOUD_", extra="ignore")
+class TemporalSettings(BaseModel):
+    """The Temporal service the workers and the API talk to, and one worker's capacity."""
 
-    data_dir: Path = Path(".data")
-    temporal_address: str = "127.0.0.1:7233"
-    temporal_namespace: str = "default"
+    address: str = "127.0.0.1:7233"
+    namespace: str = "default"
     task_queue: str = TASK_QUEUE
-    database_url: str | None = None
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
+    # Activity concurrency of one worker process (DB and agent calls run in threads / asyncio).
+    worker_max_activities: int = 64
+
+
+class DatabaseSettings(BaseModel):
+    """The control-plane database: SQLite in the data dir unless a URL is given (Postgres:
+    `postgresql+psycopg://user:password@host/db`)."""
+
+    url: SecretStr | None = None
+
+
+class ApiSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # The operator's bearer token; without one, a token kept in the data dir (created 0600).
+    operator_token: SecretStr | None = None
+
+
+class AgentSettings(BaseModel):
+    """How the control plane reaches host agents, and the simulated fleet that stands in for them."""
+
+    # Agent heartbeats older than this make a node unreachable for the reconciler.
+    heartbeat_timeout_s: float = 90.0
+    # How often a bring-up batch calls an unreachable agent (delays doubling from the base)
+    # before it leaves that node to the reconciler's backoff.
+    batch_attempts: int = 4
+    batch_retry_base_s: float = 0.5
+    # The simulated fleet's one HTTP server (`gpucloud sim`).
     sim_host: str = "127.0.0.1"
     sim_port: int = 8100
-    operator_token: str | None = None
-    # Multiplies every transient state's deadline (tests and demos shrink them).
-    deadline_scale: float = 1.0
-    # Reconciler: sweep period, heartbeat staleness, global cap on concurrent node operations,
-    # per-node backoff (base doubles per attempt, up to the cap).
+    # How often the simulated fleet's agents meter usage (real agents: every 60 s).
+    meter_interval_s: float = 60.0
+
+
+class ReconcilerSettings(BaseModel):
+    """The periodic sweep, the global cap on node operations and per-node backoff."""
+
     sweep_interval_s: float = 15.0
-    heartbeat_timeout_s: float = 90.0
     max_concurrent_node_ops: int = 500
     sweep_batch: int = 1000
+    # Per-node backoff: the base doubles per attempt, up to the cap.
     backoff_base_s: float = 5.0
     backoff_cap_s: float = 600.0
     # Bring-up of new nodes runs in batches of this many (one workflow, one activity per step).
     bringup_batch_size: int = 100
-    # How often a batch calls an unreachable agent (delays doubling from the base) before it
-    # leaves that node to the reconciler's backoff.
-    agent_batch_attempts: int = 4
-    agent_batch_retry_base_s: float = 0.5
-    # Health loop: how long a tenant may checkpoint before a node with a non-fatal fault is
-    # pulled; how often a degraded allocation looks for replacement capacity again; the
-    # quarantine circuit breaker (share of a pool pulled automatically within the window).
-    health_drain_grace_s: float = 300.0
+    # Multiplies every transient state's deadline (tests and demos shrink them).
+    deadline_scale: float = 1.0
+
+
+class HealthSettings(BaseModel):
+    """The health loop and drain-and-replace."""
+
+    # How long a tenant may checkpoint before a node with a non-fatal fault is pulled.
+    drain_grace_s: float = 300.0
+    # How often a degraded allocation looks for replacement capacity again.
     replacement_recheck_s: float = 30.0
     # Replacement nodes tried, per allocation, for nodes that fail provisioning.
     provision_retries: int = Field(3, ge=0)
+    # The quarantine circuit breaker: the share of a pool pulled automatically within the window.
     breaker_max_pulled_share: float = 0.05
     breaker_window_s: float = 3600.0
-    # Weight rollouts: the tracker that hands nodes their peers (and the origin) for a version.
-    tracker_url: str = "http://127.0.0.1:8480"
-    # Activity concurrency of one worker process (DB and agent calls run in threads / asyncio).
-    worker_max_activities: int = 64
-    # Billing. The ledger is its own service with its own database; `gpucloud up` runs one on
-    # `ledger_port` and sets `ledger_url`. Without a `ledger_url` the control plane bills
-    # nothing: it sends no allocation events, closes no periods, and the billing API answers 503.
-    ledger_url: str | None = None
-    ledger_port: int = 8700
-    ledger_database_url: str | None = None
-    # How often the scheduled close looks for ended periods to close (and catches up on missed ones).
-    billing_close_interval_s: float = 86_400.0
-    # How often the simulated fleet's agents meter usage (real agents: every 60 s).
-    meter_interval_s: float = 60.0
-    # Tenants. A new tenant may hold this many GPUs of each type in each region unless its
-    # create request says otherwise (1,024 nodes of 8: the largest single allocation).
+
+
+class TenantSettings(BaseModel):
+    # A new tenant may hold this many GPUs of each type in each region unless its create
+    # request says otherwise (1,024 nodes of 8: the largest single allocation).
     default_gpu_quota: int = 8192
-    # The fabric managers (UFM, NMX-M, SDN), all at one base URL as the simulator serves them.
-    # With none configured, tenant VNIs are allocated in the control-plane DB instead of by SDN.
-    fabric_url: str | None = None
-    # Per-manager URLs, where the real managers live apart (each defaults to `fabric_url`). With
-    # all three known, an allocation's fabric membership is applied and read back before its
-    # nodes become active and removed on release; with none (the embedded default) those steps
-    # are skipped. `gpucloud up` runs the simulated managers on `fabric_port` (0: a free port).
-    fabric_ufm_url: str | None = None
-    fabric_nmx_url: str | None = None
-    fabric_vpc_url: str | None = None
-    fabric_port: int = 0
-    # Tenant storage: an S3 bucket when `storage_bucket` is set (boto3's usual credentials;
-    # `storage_endpoint_url` for S3-compatible stores), else the `objects` folder in the data
-    # dir. The master key wraps every tenant's data key: base64 of 32 bytes, else one kept in
-    # the data dir (created 0600).
-    storage_bucket: str | None = None
-    storage_endpoint_url: str | None = None
-    storage_master_key: str | None = None
     # An offboarded tenant's storage is deleted this long after offboarding.
-    tenant_storage_retention_s: float = 30 * 86_400.0
+    storage_retention_s: float = 30 * 86_400.0
     # How often offboarding looks whether the tenant's nodes are released and wiped.
     offboarding_poll_s: float = 5.0
+    # Wraps every tenant's data key: base64 of 32 bytes, else one kept in the data dir (0600).
+    storage_master_key: SecretStr | None = None
+
+
+class LedgerSettings(BaseModel):
+    """The billing ledger: its own service with its own database. Without a `url` the control
+    plane bills nothing: it sends no allocation events, closes no periods, and the billing API
+    answers 503. `gpucloud up` runs one on `port` and sets `url`."""
+
+    url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8700
+    database_url: SecretStr | None = None
+    # How often the scheduled close looks for ended periods to close (and catches up).
+    close_interval_s: float = 86_400.0
+
+
+class FabricSettings(BaseModel):
+    """The fabric managers (UFM, NMX-M, SDN). `url` serves all three, as the simulator does;
+    the per-manager URLs win where the real managers live apart. With all three known, an
+    allocation's fabric membership is applied and read back before its nodes become active and
+    removed on release; with none (the embedded default) those steps are skipped and tenant
+    VNIs are allocated in the control-plane DB. `gpucloud up` runs the simulated managers on
+    `port` (0: a free port)."""
+
+    url: str | None = None
+    ufm_url: str | None = None
+    nmx_url: str | None = None
+    vpc_url: str | None = None
+    port: int = 0
 
     @property
-    def db_url(self) -> str:
-        if self.database_url:
-            return self.database_url
-        return f"sqlite:///{(self.data_dir / 'gpucloud.db').resolve()}"
-
-    @property
-    def ledger_db_url(self) -> str:
-        if self.ledger_database_url:
-            return self.ledger_database_url
-        return f"sqlite:///{(self.data_dir / 'ledger.db').resolve()}"
-
-    @property
-    def fabric_manager_urls(self) -> tuple[str, str, str] | None:
+    def manager_urls(self) -> tuple[str, str, str] | None:
         """(UFM, NMX-M, SDN) base URLs, or None when no fabric manager is configured."""
-        urls = (
-            self.fabric_ufm_url or self.fabric_url,
-            self.fabric_nmx_url or self.fabric_url,
-            self.fabric_vpc_url or self.fabric_url,
-        )
+        urls = (self.ufm_url or self.url, self.nmx_url or self.url, self.vpc_url or self.url)
         if not any(urls):
             return None
         if not all(urls):
             raise ValueError(
-                "fabric managers: set GPUCLOUD_FABRIC_URL, or all of GPUCLOUD_FABRIC_UFM_URL, "
-                "GPUCLOUD_FABRIC_NMX_URL and GPUCLOUD_FABRIC_VPC_URL (an allocation cannot be "
+                "fabric managers: set GPUCLOUD_FABRIC__URL, or all of GPUCLOUD_FABRIC__UFM_URL, "
+                "GPUCLOUD_FABRIC__NMX_URL and GPUCLOUD_FABRIC__VPC_URL (an allocation cannot be "
                 "isolated on some fabrics only)"
             )
-        return urls
+        return urls  # type: ignore[return-value]
+
+
+class ObjectStoreSettings(BaseModel):
+    """The one object store behind registry chunks, signed manifests and tenant storage:
+    a directory (`local`, the embedded default: `<data dir>/objects` unless `local_dir`) or an
+    S3-compatible bucket (`s3`), with credentials from here when set, else boto3's usual chain."""
+
+    backend: Literal["local", "s3"] = "local"
+    local_dir: Path | None = None
+    endpoint_url: str | None = None
+    bucket: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _s3_needs_a_bucket(self) -> ObjectStoreSettings:
+        if self.backend == "s3" and not self.bucket:
+            raise ValueError("GPUCLOUD_OBJECT_STORE__BUCKET is required when GPUCLOUD_OBJECT_STORE__BACKEND=s3")
+        return self
+
+
+class RegistrySettings(BaseModel):
+    # Registry keys live under this prefix of the object store (tenant storage under `tenants/`).
+    prefix: str = "registry"
+    # The largest chunk the API accepts in one upload: the chunker's own maximum (64 MiB).
+    max_chunk_size: int = 64 * 1024 * 1024
+
+
+class TrackerSettings(BaseModel):
+    """The weight tracker that hands nodes their peers (and the origin) for a version."""
+
+    url: str = "http://127.0.0.1:8480"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUCLOUD_", env_nested_delimiter="__", extra="ignore")
+
+    data_dir: Path = Path(".data")
+    temporal: TemporalSettings = TemporalSettings()
+    database: DatabaseSettings = DatabaseSettings()
+    api: ApiSettings = ApiSettings()
+    agent: AgentSettings = AgentSettings()
+    reconciler: ReconcilerSettings = ReconcilerSettings()
+    health: HealthSettings = HealthSettings()
+    tenants: TenantSettings = TenantSettings()
+    ledger: LedgerSettings = LedgerSettings()
+    fabric: FabricSettings = FabricSettings()
+    object_store: ObjectStoreSettings = ObjectStoreSettings()
+    registry: RegistrySettings = RegistrySettings()
+    tracker: TrackerSettings = TrackerSettings()
+
+    @property
+    def database_url(self) -> str:
+        if self.database.url is not None:
+            return self.database.url.get_secret_value()
+        return f"sqlite:///{(self.data_dir / 'gpucloud.db').resolve()}"
+
+    @property
+    def ledger_database_url(self) -> str:
+        if self.ledger.database_url is not None:
+            return self.ledger.database_url.get_secret_value()
+        return f"sqlite:///{(self.data_dir / 'ledger.db').resolve()}"
 
     @property
     def api_url(self) -> str:
-        return f"http://{self.api_host}:{self.api_port}"
+        return f"http://{self.api.host}:{self.api.port}"
 
     @property
     def sim_url(self) -> str:
-        return f"http://{self.sim_host}:{self.sim_port}"
+        return f"http://{self.agent.sim_host}:{self.agent.sim_port}"
+
+    @property
+    def object_store_dir(self) -> Path:
+        return (self.object_store.local_dir or self.data_dir / "objects").resolve()
 
     @cached_property
-    def resolved_operator_token(self) -> str:
-        """The operator token: from the env, else the one kept in the data dir (created 0600)."""
-        if self.operator_token:
-            return self.operator_token
+    def operator_token(self) -> str:
+        """The operator token: from the settings, else the one kept in the data dir (created 0600)."""
+        if self.api.operator_token is not None:
+            return self.api.operator_token.get_secret_value()
         return load_or_create_operator_token(self.data_dir)
+
+    def env(self) -> dict[str, str]:
+        """These settings as `GPUCLOUD_*` variables, for a child process to read back the same."""
+        out = {"GPUCLOUD_DATA_DIR": str(self.data_dir.resolve())}
+        for section, model in self:
+            if not isinstance(model, BaseModel):
+                continue
+            for name, value in model:
+                if value is None:
+                    continue
+                if isinstance(value, SecretStr):
+                    value = value.get_secret_value()
+                out[f"GPUCLOUD_{section.upper()}__{name.upper()}"] = str(value)
+        return out
 
 
 def load_or_create_operator_token(data_dir: Path) -> str:

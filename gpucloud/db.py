@@ -7,6 +7,7 @@ compare-and-swap on a row's `generation`, which is what keeps concurrent writers
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -76,3 +77,23 @@ def session_scope(url: str) -> Iterator[Session]:
     """A session whose transaction commits on success and rolls back on any error."""
     with Session(get_engine(url), expire_on_commit=False) as session, session.begin():
         yield session
+
+
+class Database:
+    """The control-plane database as its users hold it: sessions and migrations over one engine
+    (one pool per process and URL). `gpucloud.bootstrap` builds it from the settings."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = get_engine(url)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.url.startswith("sqlite")
+
+    def session(self) -> contextlib.AbstractContextManager[Session]:
+        """A session whose transaction commits on success and rolls back on any error."""
+        return session_scope(self.url)
+
+    def migrate(self) -> None:
+        migrate(self.url)

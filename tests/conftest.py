@@ -87,18 +87,25 @@ async def temporal_env():
 
 
 def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
+    """Settings for a harness; `overrides` are sections (`reconciler={"deadline_scale": 0.1}`) or
+    single fields named as in the environment (`reconciler__deadline_scale=0.1`), merged into the
+    harness's own."""
     from gpucloud.config import Settings
     from gpucloud.devstack.stack import free_port
 
-    return Settings(
-        data_dir=tmp_path,
-        database_url=db_url,
-        temporal_address=temporal_env.client.service_client.config.target_host,
-        task_queue=f"tq-{uuid.uuid4().hex[:10]}",
-        api_port=free_port(),
-        operator_token="test-operator-token",
-        **overrides,
-    )
+    sections = {
+        "database": {"url": db_url},
+        "temporal": {
+            "address": temporal_env.client.service_client.config.target_host,
+            "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
+        },
+        "api": {"port": free_port(), "operator_token": "test-operator-token"},
+    }
+    for name, value in overrides.items():
+        section, _, field = name.partition("__")
+        values = {field: value} if field else value
+        sections[section] = {**sections.get(section, {}), **values}
+    return Settings(data_dir=tmp_path, **sections)
 
 
 @pytest.fixture
@@ -125,7 +132,7 @@ def make_harness(tmp_path, temporal_env):
     ):
         managers = FabricManagers() if fabric else None
         if managers is not None:
-            settings_overrides.setdefault("fabric_url", managers.url)
+            settings_overrides["fabric"] = {"url": managers.url, **settings_overrides.get("fabric", {})}
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
         nvl72 = ("--nvl72-racks", str(nvl72_racks), "--nvl72-trays-per-rack", str(nvl72_trays)) if nvl72_racks else ()
         sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log", extra_args=nvl72)

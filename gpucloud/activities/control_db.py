@@ -11,7 +11,7 @@ from sqlmodel import select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from gpucloud.db import session_scope
+from gpucloud.db import Database
 from gpucloud.models.messages import (
     AllocationEventInput,
     AllocationInput,
@@ -42,9 +42,9 @@ from gpucloud.services import replacement
 
 class ControlDbActivities:
     def __init__(
-        self, db_url: str, *, deadline_scale: float = 1.0, backoff_base_s: float = 5.0, backoff_cap_s: float = 600.0
+        self, db: Database, *, deadline_scale: float = 1.0, backoff_base_s: float = 5.0, backoff_cap_s: float = 600.0
     ) -> None:
-        self.db_url = db_url
+        self.db = db
         self.deadline_scale = deadline_scale
         self.backoff_base_s = backoff_base_s
         self.backoff_cap_s = backoff_cap_s
@@ -55,7 +55,7 @@ class ControlDbActivities:
         if req.tenant_id is not None:
             changes["tenant_id"] = req.tenant_id
         try:
-            with session_scope(self.db_url) as session:
+            with self.db.session() as session:
                 node = node_service.transition(
                     session,
                     req.node_id,
@@ -77,7 +77,7 @@ class ControlDbActivities:
         `transition_node`, idempotent per op_id, in a few statements (`nodes.transition_many`).
         A step that does not apply (the node moved, or is gone) is reported for that node and
         does not stop the others."""
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             outcomes = node_service.transition_many(
                 session, req.items, deadline_scale=self.deadline_scale, lease_to_deadline=req.lease_to_deadline
             )
@@ -91,7 +91,7 @@ class ControlDbActivities:
     def release_bringup_holds(self, req: NodeRefs) -> int:
         """A batch lets go of nodes it could not finish (agent silent): the reconciler takes
         them back after its per-node backoff, which grows with every attempt."""
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             return node_service.release_bringup_holds(
                 session, req.node_ids, base_s=self.backoff_base_s, cap_s=self.backoff_cap_s
             )
@@ -99,18 +99,18 @@ class ControlDbActivities:
     @activity.defn
     def get_nodes(self, req: NodeRefs) -> NodeViews:
         """The nodes that exist among `node_ids`, in the order asked."""
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             found = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(req.node_ids))).all()}
             return NodeViews(nodes=[_view(found[i]) for i in req.node_ids if i in found])
 
     @activity.defn
     def get_node(self, req: NodeRef) -> NodeView:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             return _view(self._node(session, req.node_id))
 
     @activity.defn
     def load_allocation(self, req: AllocationInput) -> AllocationView:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             alloc = session.exec(select(Allocation).where(Allocation.id == req.allocation_id)).first()
             if alloc is None:
                 raise ApplicationError(
@@ -120,7 +120,7 @@ class ControlDbActivities:
 
     @activity.defn
     def set_allocation_status(self, req: AllocationStatusInput) -> AllocationView:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             alloc = allocation_service.set_status(
                 session, req.allocation_id, AllocationStatus(req.status), failure_reason=req.failure_reason
             )
@@ -130,12 +130,12 @@ class ControlDbActivities:
 
     @activity.defn
     def detach_node(self, req: DetachNodeInput) -> AllocationView:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             return _allocation_view(replacement.detach_node(session, req.allocation_id, req.node_id, reason=req.reason))
 
     @activity.defn
     def reserve_replacement(self, req: ReplacementInput) -> ReplacementResult:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             node_id, reason = replacement.reserve_replacement(
                 session, req.allocation_id, deadline_scale=self.deadline_scale, exclude=frozenset(req.exclude)
             )
@@ -143,20 +143,20 @@ class ControlDbActivities:
 
     @activity.defn
     def attach_node(self, req: AttachNodeInput) -> AllocationView:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             return _allocation_view(
                 replacement.attach_node(session, req.allocation_id, req.node_id, replaces=req.replaces, ready=req.ready)
             )
 
     @activity.defn
     def record_allocation_event(self, req: AllocationEventInput) -> None:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             alloc = session.exec(select(Allocation).where(Allocation.id == req.allocation_id)).one()
             replacement.record_event(session, alloc, req.kind, reason=req.reason, node_id=req.node_id)
 
     @activity.defn
     def plan_repair(self, req: NodeRef) -> RepairPlan:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             self._node(session, req.node_id)
             step = health_service.repair_plan(session, req.node_id)
             actions = [] if step.rung is None else list(health_service.REPAIR_LADDER[step.rung :])

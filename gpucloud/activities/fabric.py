@@ -12,7 +12,7 @@ differs from what was applied (`FabricMismatch`), an unreachable manager and a 5
 and retried. Removal and release retry everything, for as long as it takes: membership left
 behind is a path into the next tenant's allocation.
 
-Without configured managers (`Settings.fabric_manager_urls` is None, the embedded default) every
+Without configured managers (`FabricSettings.manager_urls` is None, the embedded default) every
 activity returns `applied=False` and touches nothing.
 """
 
@@ -25,8 +25,7 @@ from sqlmodel import select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import Database
 from gpucloud.fabric import membership
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.fabric.interface import FabricError, FabricNode, FabricVerificationError
@@ -42,19 +41,11 @@ ControllerFactory = Callable[[], HttpFabricController]
 
 
 class FabricActivities:
-    def __init__(self, db_url: str, controller: ControllerFactory | None) -> None:
+    def __init__(self, db: Database, controller: ControllerFactory | None) -> None:
         """`controller` makes a controller per call (None: no managers configured): activities run
         on many threads at once, and each gets its own connection pool."""
-        self.db_url = db_url
+        self.db = db
         self._controller = controller
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> FabricActivities:
-        urls = settings.fabric_manager_urls
-        if urls is None:
-            return cls(settings.db_url, None)
-        ufm, nmx, sdn = urls
-        return cls(settings.db_url, lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn))
 
     @activity.defn
     def apply_allocation_fabric(self, req: FabricApplyInput) -> FabricMembershipResult:
@@ -120,7 +111,7 @@ class FabricActivities:
     def _members(self, allocation_id: str, *, with_reserved: bool = False) -> tuple[str, list[str]]:
         """The allocation's tenant and nodes; `with_reserved` adds nodes held for it but not
         attached (a replacement on its way), which a release must clear too."""
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             alloc = session.exec(select(Allocation).where(Allocation.id == allocation_id)).first()
             if alloc is None:
                 raise ApplicationError(
@@ -133,7 +124,7 @@ class FabricActivities:
             return alloc.tenant_id, node_ids
 
     def _fabric_nodes(self, node_ids: list[str]) -> list[FabricNode]:
-        with session_scope(self.db_url) as session:
+        with self.db.session() as session:
             found = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(node_ids))).all()}
         if missing := [n for n in node_ids if n not in found]:
             raise ApplicationError(f"nodes {missing} do not exist", type="NodeNotFound", non_retryable=True)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.adapters.host_agent import AgentRefused, AgentUnreachable, HostAgents
+from gpucloud.agent.schemas import ActionRequest
 from gpucloud.models.messages import AgentActionInput, AgentActionResult, AgentBatchInput, AgentBatchResult
 
 HEARTBEAT_EVERY_S = 5.0
@@ -22,65 +23,30 @@ HEARTBEAT_EVERY_S = 5.0
 BATCH_CONCURRENCY = 32
 
 
-class AgentUnreachable(RuntimeError):
-    """Transient: no connection, a timeout or a 5xx."""
-
-
 class HostAgentActivities:
-    def __init__(
-        self,
-        *,
-        timeout_s: float = 600.0,
-        max_connections: int = 200,
-        batch_attempts: int = 4,
-        batch_retry_base_s: float = 0.5,
-    ) -> None:
+    def __init__(self, agents: HostAgents, *, batch_attempts: int = 4, batch_retry_base_s: float = 0.5) -> None:
         # A batch retries an agent that is unreachable or answers 5xx this many times (delays
         # doubling from the base) before it leaves that node to the reconciler.
+        self.agents = agents
         self.batch_attempts = max(1, batch_attempts)
         self.batch_retry_base_s = batch_retry_base_s
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
-
-    @classmethod
-    def from_settings(cls, settings) -> HostAgentActivities:
-        return cls(batch_attempts=settings.agent_batch_attempts, batch_retry_base_s=settings.agent_batch_retry_base_s)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
 
     async def _call(self, action: str, req: AgentActionInput) -> AgentActionResult:
-        url = f"{req.agent_url.rstrip('/')}/actions/{action}"
-        call = asyncio.ensure_future(
-            self._client.post(
-                url, json={"request_id": req.request_id, "tenant_id": req.tenant_id, "allocation_id": req.allocation_id}
-            )
-        )
+        body = ActionRequest(request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id)
+        call = asyncio.ensure_future(self.agents.act(req.agent_url, action, body, node_id=req.node_id))
         try:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=HEARTBEAT_EVERY_S)
                 if done:
                     break
                 activity.heartbeat(action)
-            response = call.result()
-        except httpx.HTTPError as exc:
-            raise AgentUnreachable(f"agent for {req.node_id} unreachable during {action}: {exc!r}") from exc
+            details = call.result()
+        except AgentRefused as exc:
+            raise ApplicationError(str(exc), type="AgentActionFailed", non_retryable=True) from exc
         finally:
             if not call.done():
                 call.cancel()
-        if response.status_code >= 500:
-            raise AgentUnreachable(
-                f"agent for {req.node_id} failed {action} (HTTP {response.status_code}): {response.text[:300]}"
-            )
-        if response.status_code >= 400:
-            raise ApplicationError(
-                f"agent for {req.node_id} refused {action} (HTTP {response.status_code}): {response.text[:300]}",
-                type="AgentActionFailed",
-                non_retryable=True,
-            )
-        return AgentActionResult(node_id=req.node_id, action=action, details=response.json())
+        return AgentActionResult(node_id=req.node_id, action=action, details=details)
 
     @activity.defn
     async def agent_batch(self, req: AgentBatchInput) -> AgentBatchResult:

@@ -6,7 +6,7 @@ as long as it takes; a refusal (4xx, integrity failure) is final (non-retryable
 `LedgerRefused`). Every call is idempotent on the ledger's side: allocation events by event id,
 a period close by period, so a retried activity never bills twice.
 
-Without a configured ledger (`Settings.ledger_url` unset) nothing is billed: events are skipped
+Without a configured ledger (`LedgerSettings.url` unset) nothing is billed: events are skipped
 and no period is listed.
 """
 
@@ -29,43 +29,42 @@ from gpucloud.models.billing_messages import (
 
 
 class LedgerActivities:
-    def __init__(self, ledger_url: str | None) -> None:
-        self.ledger_url = ledger_url
+    def __init__(self, ledger: LedgerClient | None) -> None:
+        self.ledger = ledger
 
     def _client(self) -> LedgerClient:
-        if self.ledger_url is None:
+        if self.ledger is None:
             raise ApplicationError(
-                "no ledger is configured (GPUCLOUD_LEDGER_URL)", type="LedgerNotConfigured", non_retryable=True
+                "no ledger is configured (GPUCLOUD_LEDGER__URL)", type="LedgerNotConfigured", non_retryable=True
             )
-        return LedgerClient(self.ledger_url)
+        return self.ledger
 
     @activity.defn
     async def record_ledger_events(self, req: LedgerEventsInput) -> LedgerEventsResult:
         """Send an allocation's lifecycle events; ids derive from their content, so a resend is a no-op."""
-        if self.ledger_url is None:
+        if self.ledger is None:
             return LedgerEventsResult(skipped="no ledger configured")
-        async with self._client() as ledger:
-            for event in req.events:
-                await _refusal_is_final(
-                    ledger.record_allocation_event(
-                        AllocationEventIn(
-                            event_id=f"{req.allocation_id}/{event.kind}/{event.node_id or '-'}/{event.at_ms}",
-                            allocation_id=req.allocation_id,
-                            tenant_id=req.tenant_id,
-                            kind=event.kind,
-                            at_ms=event.at_ms,
-                            node_id=event.node_id,
-                        )
+        ledger = self._client()
+        for event in req.events:
+            await _refusal_is_final(
+                ledger.record_allocation_event(
+                    AllocationEventIn(
+                        event_id=f"{req.allocation_id}/{event.kind}/{event.node_id or '-'}/{event.at_ms}",
+                        allocation_id=req.allocation_id,
+                        tenant_id=req.tenant_id,
+                        kind=event.kind,
+                        at_ms=event.at_ms,
+                        node_id=event.node_id,
                     )
                 )
+            )
         return LedgerEventsResult(recorded=len(req.events))
 
     @activity.defn
     async def list_billing_periods(self, _req: BillingPeriodsInput) -> BillingPeriodsResult:
-        if self.ledger_url is None:
+        if self.ledger is None:
             return BillingPeriodsResult()
-        async with self._client() as ledger:
-            periods = await _refusal_is_final(ledger.periods())
+        periods = await _refusal_is_final(self._client().periods())
         return BillingPeriodsResult(
             periods=[
                 BillingPeriod(period_id=p.period_id, ended=p.ended, closed=p.closed_ms is not None) for p in periods
@@ -74,8 +73,7 @@ class LedgerActivities:
 
     @activity.defn
     async def close_billing_period(self, req: BillingCloseInput) -> BillingCloseResult:
-        async with self._client() as ledger:
-            closed = await _refusal_is_final(ledger.close_period(req.period_id))
+        closed = await _refusal_is_final(self._client().close_period(req.period_id))
         return BillingCloseResult(
             period_id=closed.period_id,
             closed_ms=closed.closed_ms,

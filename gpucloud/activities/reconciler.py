@@ -18,7 +18,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import Database
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
     NodeOperationInput,
@@ -101,8 +101,9 @@ def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -
 
 
 class ReconcilerActivities:
-    def __init__(self, client: Client, settings: Settings) -> None:
+    def __init__(self, client: Client, db: Database, settings: Settings) -> None:
         self.client = client
+        self.db = db
         self.settings = settings
 
     @activity.defn
@@ -121,7 +122,7 @@ class ReconcilerActivities:
             return result
         running = await self.client.count_workflows(RUNNING_NODE_OPS)
         held = await asyncio.to_thread(self._held_for_bringup)
-        budget = max(0, self.settings.max_concurrent_node_ops - running.count - held)
+        budget = max(0, self.settings.reconciler.max_concurrent_node_ops - running.count - held)
         # Bring-ups go in batches (one workflow per batch); every other operation per node.
         bringups = [p.node_id for p in starts if p.start == NodeOperationKind.BRINGUP]
         starts = [p for p in starts if p.start != NodeOperationKind.BRINGUP]
@@ -142,7 +143,7 @@ class ReconcilerActivities:
                         tenant_id=plan.tenant_id,
                     ),
                     id=node_workflow_id(plan.node_id),
-                    task_queue=self.settings.task_queue,
+                    task_queue=self.settings.temporal.task_queue,
                     search_attributes=sattr.typed((sattr.NODE_ID, plan.node_id)),
                 )
                 result.started += 1
@@ -162,8 +163,8 @@ class ReconcilerActivities:
                 node_id=plan.node_id,
                 reason="; ".join(plan.reasons)[:1000],
                 immediate=plan.replace_at_once,
-                grace_s=self.settings.health_drain_grace_s,
-                recheck_s=self.settings.replacement_recheck_s,
+                grace_s=self.settings.health.drain_grace_s,
+                recheck_s=self.settings.health.replacement_recheck_s,
             )
             try:
                 await signal_replace_node(self.client, plan.allocation_id, req)
@@ -174,8 +175,8 @@ class ReconcilerActivities:
         await asyncio.to_thread(self._record_attempts, signalled)
 
     def _breaker_held(self, node_ids: list[str]) -> set[str]:
-        since = utcnow() - timedelta(seconds=self.settings.breaker_window_s)
-        with session_scope(self.settings.db_url) as session:
+        since = utcnow() - timedelta(seconds=self.settings.health.breaker_window_s)
+        with self.db.session() as session:
             return set(
                 session.exec(
                     select(OperatorAlertRecord.node_id).where(
@@ -197,24 +198,26 @@ class ReconcilerActivities:
         return budget - len(leased)
 
     def _lease_for_bringup(self, node_ids: list[str]) -> list[str]:
-        with session_scope(self.settings.db_url) as session:
-            return node_service.lease_for_bringup(session, node_ids, deadline_scale=self.settings.deadline_scale)
+        with self.db.session() as session:
+            return node_service.lease_for_bringup(
+                session, node_ids, deadline_scale=self.settings.reconciler.deadline_scale
+            )
 
     def _held_for_bringup(self) -> int:
-        with session_scope(self.settings.db_url) as session:
+        with self.db.session() as session:
             return node_service.held_for_bringup(session)
 
     def _plan_and_apply(self, req: SweepInput, result: SweepResult) -> list[NodePlan]:
         now = utcnow()
-        timeout = timedelta(seconds=self.settings.heartbeat_timeout_s)
-        with session_scope(self.settings.db_url) as session:
+        timeout = timedelta(seconds=self.settings.agent.heartbeat_timeout_s)
+        with self.db.session() as session:
             query = (
                 select(Node)
                 .where(
                     candidate_filter(now, now - timeout),
                     sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now),
                 )
-                .limit(self.settings.sweep_batch)
+                .limit(self.settings.reconciler.sweep_batch)
             )
             if req.node_ids is not None:
                 query = select(Node).where(Node.id.in_(req.node_ids))
@@ -235,7 +238,7 @@ class ReconcilerActivities:
         return plans
 
     def _apply(self, node: Node, plan: NodePlan, result: SweepResult) -> None:
-        with session_scope(self.settings.db_url) as session:
+        with self.db.session() as session:
             if plan.deadline_passed:
                 node_service.transition(
                     session,
@@ -244,7 +247,7 @@ class ReconcilerActivities:
                     from_state=node.state,
                     cause="; ".join(plan.reasons),
                     actor="reconciler",
-                    deadline_scale=self.settings.deadline_scale,
+                    deadline_scale=self.settings.reconciler.deadline_scale,
                 )
                 result.deadlines_applied += 1
             if plan.set_reachable is not None:
@@ -259,11 +262,13 @@ class ReconcilerActivities:
         if not node_ids:
             return
         now = utcnow()
-        with session_scope(self.settings.db_url) as session:
+        with self.db.session() as session:
             for node in session.exec(select(Node).where(Node.id.in_(node_ids))).all():
                 node.reconcile_attempts += 1
                 node.next_reconcile_at = now + backoff(
-                    node.reconcile_attempts, base_s=self.settings.backoff_base_s, cap_s=self.settings.backoff_cap_s
+                    node.reconcile_attempts,
+                    base_s=self.settings.reconciler.backoff_base_s,
+                    cap_s=self.settings.reconciler.backoff_cap_s,
                 )
                 session.add(node)
 

@@ -16,10 +16,11 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import httpx
-from sqlmodel import Session, select
+from sqlmodel import select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.db import Database
 from gpucloud.models.rollout_messages import (
     NodeOutcome,
     Prepared,
@@ -54,11 +55,11 @@ class RolloutActivities:
         *,
         tracker_url: str,
         manifests: ManifestSource,
-        db_url: str | None = None,
+        db: Database | None = None,
         http: httpx.AsyncClient | None = None,
         request_timeout_s: float = 3600.0,
     ) -> None:
-        self.tracker_url, self._manifests, self._db_url = tracker_url, manifests, db_url
+        self.tracker_url, self._manifests, self._db = tracker_url, manifests, db
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0))
         self._signed: dict[tuple[str, str], SignedManifest] = {}
 
@@ -82,10 +83,9 @@ class RolloutActivities:
     def resolve_rollout_targets(self, req: ResolveTargetsInput) -> ResolvedTargets:
         """An allocation's nodes, or the tenant's serving fleet (every node it holds in a live
         allocation); only nodes that hold the tenant's workload are ever targets."""
-        from gpucloud.db import get_engine
         from gpucloud.models.tables import Node
 
-        if self._db_url is None:
+        if self._db is None:
             raise ApplicationError(
                 "this worker has no control-plane DB to resolve a target", type="TargetUnresolvable", non_retryable=True
             )
@@ -94,7 +94,7 @@ class RolloutActivities:
             query = query.where(Node.allocation_id == req.allocation_id)
         else:
             query = query.where(Node.allocation_id.is_not(None))  # type: ignore[union-attr]
-        with Session(get_engine(self._db_url)) as session:
+        with self._db.session() as session:
             nodes = session.exec(query.order_by(Node.rack, Node.id)).all()
         if not nodes:
             raise ApplicationError(

@@ -24,7 +24,7 @@ from gpucloud.models.tenant_messages import (
     TenantStorageResult,
 )
 from gpucloud.storage import retention
-from gpucloud.storage.bootstrap import TenantStore
+from gpucloud.storage.tenant import TenantStore
 
 TENANT_RECORD = ".gpucloud/tenant.json"
 

@@ -2,7 +2,7 @@
 the allocation workflows (cancel signals) and the ledger. Storage steps are in `storage`.
 
 The VNI comes from the SDN controller when fabric managers are configured
-(`Settings.fabric_manager_urls`): the tenant's VPC, found again by tenant on a retry. Without
+(`FabricSettings.manager_urls`): the tenant's VPC, found again by tenant on a retry. Without
 them the DB hands out a VNI that no other tenant holds (a unique index). Either way the tenant
 row records it.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import sqlalchemy as sa
@@ -25,8 +25,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from gpucloud.activities.faults import FaultHook, reach
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.fabric.interface import FabricError
 from gpucloud.fabric.membership import delete_tenant_vpc, ensure_tenant_vpc
@@ -63,16 +62,26 @@ def _view(tenant: Tenant) -> TenantView:
 
 class TenantActivities:
     def __init__(
-        self, settings: Settings, *, client: Client | None = None, fault_hook: FaultHook | None = None
+        self,
+        db: Database,
+        *,
+        fabric: Callable[[], HttpFabricController] | None,
+        ledger: LedgerClient | None,
+        client: Client | None = None,
+        fault_hook: FaultHook | None = None,
     ) -> None:
-        self.settings = settings
+        """`fabric` makes a client of the fabric managers (None: none configured, VNIs come from
+        the DB); without a `ledger` nothing is billed."""
+        self.db = db
+        self.fabric = fabric
+        self.ledger = ledger
         self.client = client
         self.fault_hook = fault_hook
 
     @contextmanager
     def _db(self) -> Iterator:
         try:
-            with session_scope(self.settings.db_url) as session:
+            with self.db.session() as session:
                 yield session
         except tenant_service.TenantNotFound as exc:
             raise ApplicationError(f"tenant {exc} does not exist", type="TenantNotFound", non_retryable=True) from exc
@@ -81,9 +90,9 @@ class TenantActivities:
 
     @contextmanager
     def _fabric(self) -> Iterator[HttpFabricController]:
-        ufm, nmx, sdn = self.settings.fabric_manager_urls
+        assert self.fabric is not None
         try:
-            with HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn) as controller:
+            with self.fabric() as controller:
                 yield controller
         except FabricError as exc:
             if exc.constraint == "vpc_not_empty":
@@ -149,7 +158,7 @@ class TenantActivities:
         self._fault("allocate_tenant_vni", "before", req.tenant_id)
         with self._db() as session:
             tenant_service.get(session, req.tenant_id)
-        if self.settings.fabric_manager_urls:
+        if self.fabric is not None:
             with self._fabric() as controller:
                 vni = ensure_tenant_vpc(controller, req.tenant_id).vni
             with self._db() as session:
@@ -168,13 +177,13 @@ class TenantActivities:
     def release_tenant_vni(self, req: TenantRef) -> TenantVni:
         """Delete the tenant's VPC (it must be empty by now), then forget the VNI (idempotent)."""
         self._fault("release_tenant_vni", "before", req.tenant_id)
-        if self.settings.fabric_manager_urls:
+        if self.fabric is not None:
             with self._fabric() as controller:
                 delete_tenant_vpc(controller, req.tenant_id)
         with self._db() as session:
             tenant_service.record_vni(session, req.tenant_id, None)
         self._fault("release_tenant_vni", "after", req.tenant_id)
-        return TenantVni(tenant_id=req.tenant_id, vni=None, source="sdn" if self.settings.fabric_manager_urls else "db")
+        return TenantVni(tenant_id=req.tenant_id, vni=None, source="sdn" if self.fabric is not None else "db")
 
     # ------------------------------------------------------------ offboarding
 
@@ -214,12 +223,11 @@ class TenantActivities:
         """The tenant's last billing step. The ledger closes periods for everyone at once (the
         billing schedule), so the final invoice is the one of the period still open now, which
         holds the tenant's last usage: this names it and reads the usage it holds so far."""
-        if not self.settings.ledger_url:
+        if self.ledger is None:
             return TenantBilling(tenant_id=req.tenant_id, skipped="no ledger configured")
         try:
-            async with LedgerClient(self.settings.ledger_url) as ledger:
-                periods = await ledger.periods()
-                usage = await ledger.usage(tenant_id=req.tenant_id)
+            periods = await self.ledger.periods()
+            usage = await self.ledger.usage(tenant_id=req.tenant_id)
         except LedgerRefused as exc:
             raise ApplicationError(str(exc), type="LedgerRefused", non_retryable=True) from exc
         open_periods = sorted(p.period_id for p in periods if p.closed_ms is None)

@@ -5,12 +5,8 @@ from __future__ import annotations
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from gpucloud.config import Settings
+from gpucloud.config import TemporalSettings
 
 
-async def connect(settings: Settings) -> Client:
-    return await Client.connect(
-        settings.temporal_address,
-        namespace=settings.temporal_namespace,
-        data_converter=pydantic_data_converter,
-    )
+async def connect(settings: TemporalSettings) -> Client:
+    return await Client.connect(settings.address, namespace=settings.namespace, data_converter=pydantic_data_converter)

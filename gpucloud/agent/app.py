@@ -38,10 +38,10 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
 
 from gpucloud.agent.probe import Probe, detect_probe
 from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.spool import Meter, NodeAllocation, Shipper, Spool, wall_clock_ms
 from gpucloud.models.catalog import GPU_TYPES
 
@@ -111,13 +111,6 @@ def thermal_soak(reading: NodeReading, limits: BurnInLimits) -> str | None:
         if thermal:
             return f"GPU {gpu.index} throttled after the stress ({', '.join(thermal)})"
     return None
-
-
-class ActionRequest(BaseModel):
-    request_id: str = Field(min_length=1, max_length=300)
-    tenant_id: str | None = None
-    # The allocation a provision is for: what the node's usage is metered against.
-    allocation_id: str | None = Field(None, min_length=1, max_length=200)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    with Session(get_engine(request.app.state.settings.db_url), expire_on_commit=False) as session:
+    with Session(get_engine(request.app.state.settings.database_url), expire_on_commit=False) as session:
         yield session
 
 
@@ -44,7 +44,7 @@ def get_any_caller(request: Request, session: SessionDep, settings: SettingsDep)
             "Authentication required",
             "send 'Authorization: Bearer <api key>' (operators: the operator token)",
         )
-    caller = auth.resolve(session, token.strip(), settings.resolved_operator_token)
+    caller = auth.resolve(session, token.strip(), settings.operator_token)
     session.rollback()  # end the read transaction: handlers start their own
     if caller is None:
         raise Problem(401, "unauthenticated", "Invalid credentials", "the API key is unknown or revoked")
@@ -103,7 +103,7 @@ def get_ledger(request: Request) -> LedgerClient:
             503,
             "billing-not-configured",
             "Billing is not configured",
-            "this control plane has no ledger (set GPUCLOUD_LEDGER_URL)",
+            "this control plane has no ledger (set GPUCLOUD_LEDGER__URL)",
         )
     return ledger
 

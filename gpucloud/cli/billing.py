@@ -107,7 +107,7 @@ def invoice_table(document: dict, *, status: str) -> Group:
 
 def _client(api_key: str | None) -> httpx.Client:
     settings = get_settings()
-    token = api_key or settings.resolved_operator_token
+    token = api_key or settings.operator_token
     return httpx.Client(base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {token}"})
 
 

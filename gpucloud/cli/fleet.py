@@ -79,10 +79,10 @@ def nodes(
     watch: Annotated[bool, typer.Option(help="refresh every 2 s until Ctrl-C")] = False,
     limit: Annotated[int, typer.Option(help="at most this many rows")] = 200,
 ) -> None:
-    """List nodes (operator token from GPUCLOUD_OPERATOR_TOKEN or the data dir)."""
+    """List nodes (operator token from GPUCLOUD_API__OPERATOR_TOKEN or the data dir)."""
     settings = get_settings()
     client = httpx.Client(
-        base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {settings.resolved_operator_token}"}
+        base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {settings.operator_token}"}
     )
     console = Console()
     try:

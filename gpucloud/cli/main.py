@@ -38,7 +38,7 @@ def server(headless: Annotated[bool, typer.Option(help="no Web UI")] = False) ->
 
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    _, port = settings.temporal_address.rsplit(":", 1)
+    _, port = settings.temporal.address.rsplit(":", 1)
     args = server_args(settings.data_dir.resolve(), port=int(port), headless=headless)
     os.execv(args[0], args)
 
@@ -111,16 +111,18 @@ def sim(
         metering = MeteringSpec(
             ledger_url=ledger_url,
             spool_dir=settings.data_dir / "spools",
-            interval_s=meter_interval or settings.meter_interval_s,
+            interval_s=meter_interval or settings.agent.meter_interval_s,
         )
     # Caches are made per node on its first weights call; keys come from the control plane's DB.
-    weights = WeightsSpec(root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.db_url))
+    weights = WeightsSpec(
+        root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.database_url)
+    )
     serve(
         spec,
-        host=settings.sim_host,
-        port=settings.sim_port,
+        host=settings.agent.sim_host,
+        port=settings.agent.sim_port,
         control_plane_url=settings.api_url if register else None,
-        operator_token=settings.resolved_operator_token if register else None,
+        operator_token=settings.operator_token if register else None,
         heartbeat_interval_s=heartbeat_interval,
         metering=metering,
         weights=weights,
@@ -129,7 +131,7 @@ def sim(
 
 @app.command()
 def tracker() -> None:
-    """Run the weight tracker, with the registry's chunks as the origin, on GPUCLOUD_TRACKER_URL."""
+    """Run the weight tracker, with the registry's chunks as the origin, on GPUCLOUD_TRACKER__URL."""
     from gpucloud.registry.origin import serve_tracker
 
     _logging()
@@ -156,11 +158,9 @@ def up(
     console.print(f"API        {settings.api_url}  (OpenAPI: {settings.api_url}/docs)")
     console.print(f"Web UI     {stack.ui_url}")
     console.print(f"ledger     {stack.ledger_url}  (billing; `gpucloud invoices`)")
-    console.print(f"tracker    {settings.tracker_url}  (weight fan-out; `gpucloud rollout`)")
+    console.print(f"tracker    {settings.tracker.url}  (weight fan-out; `gpucloud rollout`)")
     console.print(f"fabric     {stack.fabric_url}  (simulated UFM, NMX-M and SDN controller)")
-    console.print(
-        f"operator   {settings.resolved_operator_token}  (also in {settings.data_dir / 'operator_token'}, mode 0600)"
-    )
+    console.print(f"operator   {settings.operator_token}  (also in {settings.data_dir / 'operator_token'}, mode 0600)")
     console.print("Ctrl-C stops everything.")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops cleanly too
     try:
@@ -199,7 +199,7 @@ def agent(
     allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
     ledger_url: Annotated[
         str | None,
-        typer.Option(help="meter usage to this billing ledger (default: GPUCLOUD_LEDGER_URL; none: not metered)"),
+        typer.Option(help="meter usage to this billing ledger (default: GPUCLOUD_LEDGER__URL; none: not metered)"),
     ] = None,
     spool: Annotated[Path, typer.Option(help="the durable usage spool (SQLite)")] = Path(
         "/var/lib/gpucloud/usage-spool.db"
@@ -226,14 +226,14 @@ def agent(
     agent_main(
         node_id=node_id,
         control_plane_url=settings.api_url,
-        token=token or settings.resolved_operator_token,
+        token=token or settings.operator_token,
         host=host,
         port=port,
         scratch_dir=scratch_dir,
         heartbeat_s=heartbeat_s,
         reading_s=reading_s,
         allow_simulated=allow_simulated,
-        ledger_url=ledger_url or settings.ledger_url,
+        ledger_url=ledger_url or settings.ledger.url,
         spool_path=spool,
         meter_interval_s=meter_interval_s,
         gpu_type=gpu_type,
@@ -243,11 +243,11 @@ def agent(
 @app.command()
 def ledger(
     port: Annotated[
-        int | None, typer.Option(help="port of the ledger API (default: GPUCLOUD_LEDGER_PORT, 8700)")
+        int | None, typer.Option(help="port of the ledger API (default: GPUCLOUD_LEDGER__PORT, 8700)")
     ] = None,
     database_url: Annotated[
         str | None,
-        typer.Option(help="the ledger's own DB (default: GPUCLOUD_LEDGER_DATABASE_URL, else SQLite in the data dir)"),
+        typer.Option(help="the ledger's own DB (default: GPUCLOUD_LEDGER__DATABASE_URL, else SQLite in the data dir)"),
     ] = None,
 ) -> None:
     """Run the billing ledger: its own process and its own database."""
@@ -256,7 +256,7 @@ def ledger(
     _logging()
     settings = get_settings()
     ledger_main(
-        host="127.0.0.1", port=port or settings.ledger_port, database_url=database_url or settings.ledger_db_url
+        host="127.0.0.1", port=port or settings.ledger.port, database_url=database_url or settings.ledger_database_url
     )
 
 

@@ -712,13 +712,13 @@ def gc_command(
     operator_token: Annotated[
         str | None,
         typer.Option(
-            "--operator-token", envvar="GPUCLOUD_OPERATOR_TOKEN", help="default: the configured operator token"
+            "--operator-token", envvar="GPUCLOUD_API__OPERATOR_TOKEN", help="default: the configured operator token"
         ),
     ] = None,
 ) -> None:
     """Operators: remove chunks no version references, older than the grace period (never a push's)."""
     grace_seconds = parse_duration(grace)
-    with _reported_errors(), _client(api_url, operator_token or get_settings().resolved_operator_token) as client:
+    with _reported_errors(), _client(api_url, operator_token or get_settings().operator_token) as client:
         report = client.collect_garbage(grace_seconds=grace_seconds, dry_run=dry_run, tenant_id=tenant)
     out.print(gc_table(report))
     verb = "would remove" if dry_run else "removed"

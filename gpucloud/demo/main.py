@@ -177,15 +177,12 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
     shutil.rmtree(data_dir, ignore_errors=True)
     settings = Settings(
         data_dir=data_dir,
-        temporal_address=f"127.0.0.1:{free_port()}",
-        api_port=free_port(),
-        sim_port=free_port(),
-        database_url=None,
-        operator_token=None,
-        sweep_interval_s=2.0,
-        ledger_port=free_port(),
-        meter_interval_s=1.0,
-        tracker_url=f"http://127.0.0.1:{free_port()}",
+        temporal={"address": f"127.0.0.1:{free_port()}"},
+        api={"port": free_port()},
+        agent={"sim_port": free_port(), "meter_interval_s": 1.0},
+        reconciler={"sweep_interval_s": 2.0},
+        ledger={"port": free_port()},
+        tracker={"url": f"http://127.0.0.1:{free_port()}"},
     )
     stack = Stack(
         settings,
@@ -201,7 +198,7 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
         console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
-        scenario(console, settings.api_url, settings.resolved_operator_token, nodes, settings.sim_url, data_dir)
+        scenario(console, settings.api_url, settings.operator_token, nodes, settings.sim_url, data_dir)
     except (
         StackError,
         DemoFailed,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from pydantic import SecretStr
 
 from gpucloud.config import Settings
 from gpucloud.devstack.temporal_server import server_args
@@ -70,12 +71,12 @@ class Stack:
     @property
     def fabric_url(self) -> str:
         if not self._fabric_port:
-            self._fabric_port = self.settings.fabric_port or free_port()
+            self._fabric_port = self.settings.fabric.port or free_port()
         return f"http://127.0.0.1:{self._fabric_port}"
 
     @property
     def ledger_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.ledger_port}"
+        return f"http://127.0.0.1:{self.settings.ledger.port}"
 
     @property
     def log_dir(self) -> Path:
@@ -83,39 +84,27 @@ class Stack:
 
     @property
     def ui_url(self) -> str:
-        host, port = self.settings.temporal_address.rsplit(":", 1)
+        host, port = self.settings.temporal.address.rsplit(":", 1)
         return f"http://{host}:{self.ui_port or int(port) + 1000}"
 
     def env(self) -> dict[str, str]:
+        """The children's environment: these settings, with what the stack itself decided (the
+        operator token, the database files, the ledger's and fabric managers' URLs)."""
         s = self.settings
-        return {
-            **os.environ,
-            "GPUCLOUD_DATA_DIR": str(s.data_dir.resolve()),
-            "GPUCLOUD_TEMPORAL_ADDRESS": s.temporal_address,
-            "GPUCLOUD_TEMPORAL_NAMESPACE": s.temporal_namespace,
-            "GPUCLOUD_DATABASE_URL": s.db_url,
-            "GPUCLOUD_API_HOST": s.api_host,
-            "GPUCLOUD_API_PORT": str(s.api_port),
-            "GPUCLOUD_SIM_HOST": s.sim_host,
-            "GPUCLOUD_SIM_PORT": str(s.sim_port),
-            "GPUCLOUD_OPERATOR_TOKEN": s.resolved_operator_token,
-            "GPUCLOUD_SWEEP_INTERVAL_S": str(s.sweep_interval_s),
-            "GPUCLOUD_HEARTBEAT_TIMEOUT_S": str(s.heartbeat_timeout_s),
-            "GPUCLOUD_DEADLINE_SCALE": str(s.deadline_scale),
-            **(
-                {
-                    "GPUCLOUD_LEDGER_URL": self.ledger_url,
-                    "GPUCLOUD_LEDGER_PORT": str(s.ledger_port),
-                    "GPUCLOUD_LEDGER_DATABASE_URL": s.ledger_db_url,
-                    "GPUCLOUD_BILLING_CLOSE_INTERVAL_S": str(s.billing_close_interval_s),
-                    "GPUCLOUD_METER_INTERVAL_S": str(s.meter_interval_s),
-                }
-                if self.billing
-                else {}
-            ),
-            **({"GPUCLOUD_FABRIC_URL": self.fabric_url} if self.fabric else {}),
-            **({"GPUCLOUD_TRACKER_URL": s.tracker_url} if self.tracker else {}),
-        }
+        derived = s.model_copy(
+            update={
+                "database": s.database.model_copy(update={"url": SecretStr(s.database_url)}),
+                "api": s.api.model_copy(update={"operator_token": SecretStr(s.operator_token)}),
+                "ledger": s.ledger.model_copy(
+                    update={
+                        "url": self.ledger_url if self.billing else None,
+                        "database_url": SecretStr(s.ledger_database_url),
+                    }
+                ),
+                "fabric": s.fabric.model_copy(update={"url": self.fabric_url}) if self.fabric else s.fabric,
+            }
+        )
+        return {**os.environ, **derived.env()}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -134,13 +123,13 @@ class Stack:
         return [name for name in wanted if name != "ledger" or self.billing]
 
     def _check_ports(self, components: list[str]) -> None:
-        host, port = self.settings.temporal_address.rsplit(":", 1)
-        tracker = httpx.URL(self.settings.tracker_url)
+        host, port = self.settings.temporal.address.rsplit(":", 1)
+        tracker = httpx.URL(self.settings.tracker.url)
         ports = {
             "temporal": ("Temporal", host, int(port)),
-            "ledger": ("ledger", "127.0.0.1", self.settings.ledger_port),
-            "api": ("API", self.settings.api_host, self.settings.api_port),
-            "sim": ("simulated fleet", self.settings.sim_host, self.settings.sim_port),
+            "ledger": ("ledger", "127.0.0.1", self.settings.ledger.port),
+            "api": ("API", self.settings.api.host, self.settings.api.port),
+            "sim": ("simulated fleet", self.settings.agent.sim_host, self.settings.agent.sim_port),
             "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1])),
             "tracker": ("weight tracker", tracker.host, tracker.port or 80),
         }
@@ -162,7 +151,7 @@ class Stack:
             self._ensure_alive("worker")
 
     def _start_temporal(self, on_step: Callable[[str], None]) -> None:
-        _, port = self.settings.temporal_address.rsplit(":", 1)
+        _, port = self.settings.temporal.address.rsplit(":", 1)
         on_step("starting Temporal dev server")
         self._spawn(
             "temporal",
@@ -196,7 +185,7 @@ class Stack:
     def _start_tracker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting weight tracker")
         self._spawn("tracker", self._cli("tracker"))
-        self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker_url}/origin/stats"), 60)
+        self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker.url}/origin/stats"), 60)
 
     def _start_worker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting worker")
@@ -237,7 +226,7 @@ class Stack:
 
         async def probe() -> bool:
             try:
-                client = await connect(self.settings)
+                client = await connect(self.settings.temporal)
                 await client.count_workflows()
                 return True
             except Exception:

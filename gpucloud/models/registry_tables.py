@@ -1,6 +1,6 @@
 """Weight-registry tables (SQLModel): models, versions, aliases, gates, evaluations, signing keys.
 
-The chunks and signed manifests live in the registry's stores (`gpucloud.registry.config`); these
+The chunks and signed manifests live in the registry's stores (`gpucloud.registry.stores`); these
 rows are the index the API queries and the state promotion changes. Every row carries the tenant
 (directly or through its model), and model names are unique per tenant only: two tenants may both
 have a `llama-8b`, and neither learns that the other does.

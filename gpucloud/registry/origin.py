@@ -1,7 +1,7 @@
 """The tracker service of a deployment: the weight tracker, with the registry's chunks as the origin.
 
 The tracker service (`gpucloud.registry.tracker_app`) serves `GET /origin/chunks/{id}` from
-one chunk store, while the registry keeps a store per tenant (`gpucloud.registry.config`).
+one chunk store, while the registry keeps a store per tenant (`gpucloud.registry.stores`).
 `RegistryOrigin` answers a chunk from the store of whichever tenant holds it; tenants are listed
 from the control-plane DB on every lookup, so one onboarded since the service started is found.
 
@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterable
 
 from sqlmodel import select
 
+from gpucloud import bootstrap
 from gpucloud.config import Settings
-from gpucloud.registry.config import RegistryStores, build_stores
+from gpucloud.db import Database
 from gpucloud.registry.manifest import ChunkMissingError
+from gpucloud.registry.stores import RegistryStores
 
 
 class RegistryOrigin:
@@ -35,26 +37,25 @@ class RegistryOrigin:
         raise ChunkMissingError("no tenant's registry holds it", chunk_id=chunk_id)
 
 
-def tenants_in(db_url: str) -> Callable[[], list[str]]:
-    from gpucloud.db import session_scope
+def tenants_in(db: Database) -> Callable[[], list[str]]:
     from gpucloud.models.tables import Tenant
 
     def tenant_ids() -> list[str]:
-        with session_scope(db_url) as session:
+        with db.session() as session:
             return list(session.exec(select(Tenant.id)).all())
 
     return tenant_ids
 
 
 def serve_tracker(settings: Settings) -> None:
-    """Run the tracker and origin on `settings.tracker_url`'s host and port until stopped."""
+    """Run the tracker and origin on `settings.tracker.url`'s host and port until stopped."""
     import httpx
     import uvicorn
 
     from gpucloud.registry.tracker_app import KEEPALIVE_S, create_tracker_app
 
-    origin = RegistryOrigin(build_stores(data_dir=settings.data_dir), tenants_in(settings.db_url))
-    url = httpx.URL(settings.tracker_url)
+    origin = RegistryOrigin(bootstrap.registry_stores(settings), tenants_in(bootstrap.database(settings)))
+    url = httpx.URL(settings.tracker.url)
     # Keep-alive longer than clients keep idle connections (as `PeerServer` does), so the server
     # never closes one just as a client sends on it.
     uvicorn.run(

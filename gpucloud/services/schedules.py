@@ -28,7 +28,7 @@ from gpucloud.workflows.reconciler import SCHEDULE_ID, ReconcileSweepWorkflow
 
 def schedule_id(settings: Settings) -> str:
     # One schedule per task queue: each control plane sharing a Temporal namespace has its own.
-    return f"{SCHEDULE_ID}-{settings.task_queue}"
+    return f"{SCHEDULE_ID}-{settings.temporal.task_queue}"
 
 
 def sweep_schedule(settings: Settings) -> Schedule:
@@ -37,10 +37,12 @@ def sweep_schedule(settings: Settings) -> Schedule:
             ReconcileSweepWorkflow.run,
             SweepInput(),
             id=f"{schedule_id(settings)}-run",
-            task_queue=settings.task_queue,
+            task_queue=settings.temporal.task_queue,
             execution_timeout=timedelta(minutes=10),
         ),
-        spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=settings.sweep_interval_s))]),
+        spec=ScheduleSpec(
+            intervals=[ScheduleIntervalSpec(every=timedelta(seconds=settings.reconciler.sweep_interval_s))]
+        ),
         policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
     )
 
@@ -68,13 +70,13 @@ async def reconcile_now(client: Client, settings: Settings, node_ids: list[str])
         ReconcileSweepWorkflow.run,
         SweepInput(node_ids=node_ids),
         id=f"reconcile-{key}",
-        task_queue=settings.task_queue,
+        task_queue=settings.temporal.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
 
 
 def billing_schedule_id(settings: Settings) -> str:
-    return f"{billing_close.SCHEDULE_ID}-{settings.task_queue}"
+    return f"{billing_close.SCHEDULE_ID}-{settings.temporal.task_queue}"
 
 
 def billing_close_schedule(settings: Settings) -> Schedule:
@@ -82,13 +84,13 @@ def billing_close_schedule(settings: Settings) -> Schedule:
     # (the schedule's catch-up window, a year by default), and it closes every period that ended.
     # The offset (an hour past midnight UTC, daily) lets the agents ship a month's last samples
     # before the month closes; whatever comes later is billed as an adjustment next month.
-    every = timedelta(seconds=settings.billing_close_interval_s)
+    every = timedelta(seconds=settings.ledger.close_interval_s)
     return Schedule(
         action=ScheduleActionStartWorkflow(
             billing_close.BillingCatchUpWorkflow.run,
             BillingCatchUpInput(),
-            id=f"billing-catch-up-{settings.task_queue}",
-            task_queue=settings.task_queue,
+            id=f"billing-catch-up-{settings.temporal.task_queue}",
+            task_queue=settings.temporal.task_queue,
             execution_timeout=timedelta(hours=6),
         ),
         spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=every, offset=min(timedelta(hours=1), every / 2))]),
@@ -98,7 +100,7 @@ def billing_close_schedule(settings: Settings) -> Schedule:
 
 async def ensure_billing_close_schedule(client: Client, settings: Settings) -> bool:
     """Create or update the billing-close schedule; False (and nothing done) without a ledger."""
-    if settings.ledger_url is None:
+    if settings.ledger.url is None:
         return False
     await _ensure(client, billing_schedule_id(settings), billing_close_schedule(settings))
     return True

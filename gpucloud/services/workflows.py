@@ -39,11 +39,11 @@ async def start_allocation_workflow(
         AllocationWorkflow.run,
         AllocationInput(
             allocation_id=alloc.id,
-            provision_retries=settings.provision_retries,
-            replacement_recheck_s=settings.replacement_recheck_s,
+            provision_retries=settings.health.provision_retries,
+            replacement_recheck_s=settings.health.replacement_recheck_s,
         ),
         id=allocation_workflow_id(alloc.id),
-        task_queue=settings.task_queue,
+        task_queue=settings.temporal.task_queue,
         id_conflict_policy=conflict,
         search_attributes=sa.typed((sa.ALLOCATION_ID, alloc.id), (sa.TENANT_ID, alloc.tenant_id)),
     )
@@ -62,7 +62,7 @@ async def signal_replace_node(client: Client, allocation_id: str, req: ReplaceNo
 async def start_bringup_batches(client: Client, settings: Settings, node_ids: list[str]) -> int:
     """Bring-up for nodes the caller has leased (`nodes.lease_for_bringup`), in batches of
     `bringup_batch_size`. Returns the number of batches started."""
-    size = max(1, settings.bringup_batch_size)
+    size = max(1, settings.reconciler.bringup_batch_size)
     batches = [node_ids[i : i + size] for i in range(0, len(node_ids), size)]
     hold = uuid.uuid4().hex
     for batch in batches:
@@ -70,7 +70,7 @@ async def start_bringup_batches(client: Client, settings: Settings, node_ids: li
             BringupBatchWorkflow.run,
             BringupInput(node_ids=batch),
             id=bringup_workflow_id(batch, hold),
-            task_queue=settings.task_queue,
+            task_queue=settings.temporal.task_queue,
         )
     return len(batches)
 
@@ -80,7 +80,7 @@ async def start_tenant_onboarding(client: Client, settings: Settings, tenant_id:
         TenantOnboardingWorkflow.run,
         TenantOnboardingInput(tenant_id=tenant_id, operation_id=operation_id),
         id=onboarding_workflow_id(tenant_id),
-        task_queue=settings.task_queue,
+        task_queue=settings.temporal.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         search_attributes=sa.typed((sa.TENANT_ID, tenant_id)),
     )
@@ -90,14 +90,14 @@ async def start_tenant_offboarding(client: Client, settings: Settings, tenant_id
     inp = TenantOffboardingInput(
         tenant_id=tenant_id,
         operation_id=operation_id,
-        poll_s=settings.offboarding_poll_s,
-        retention_s=settings.tenant_storage_retention_s,
+        poll_s=settings.tenants.offboarding_poll_s,
+        retention_s=settings.tenants.storage_retention_s,
     )
     await client.start_workflow(
         TenantOffboardingWorkflow.run,
         inp,
         id=offboarding_workflow_id(tenant_id),
-        task_queue=settings.task_queue,
+        task_queue=settings.temporal.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         search_attributes=sa.typed((sa.TENANT_ID, tenant_id)),
     )

@@ -42,7 +42,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from gpucloud.agent.app import ActionRequest  # the action API has one wire model
+from gpucloud.agent.schemas import ActionRequest
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 

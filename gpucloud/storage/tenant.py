@@ -13,6 +13,7 @@ names its tenant wherever it ends up.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from gpucloud.storage.backends import ObjectBackend
 from gpucloud.storage.envelope import TenantKeys
@@ -80,3 +81,14 @@ class TenantStorage:
     def get_encrypted(self, key: str) -> bytes:
         full_key = self.object_key(key)
         return self._tenant_keys().decrypt(self.tenant_id, self._backend.get(full_key), context=full_key)
+
+
+@dataclass(frozen=True)
+class TenantStore:
+    """Every tenant's storage on one object store, with the keys that seal it."""
+
+    backend: ObjectBackend
+    keys: TenantKeys
+
+    def tenant(self, tenant_id: str) -> TenantStorage:
+        return TenantStorage(self.backend, tenant_id, keys=self.keys)

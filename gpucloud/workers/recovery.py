@@ -12,7 +12,7 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import Database
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Operation, OperationStatus
 from gpucloud.services import tenants as tenant_service
@@ -25,14 +25,14 @@ from gpucloud.services.workflows import (
 )
 
 
-async def resume_orphans(client: Client, settings: Settings) -> dict[str, int]:
-    with session_scope(settings.db_url) as session:
+async def resume_orphans(client: Client, db: Database, settings: Settings) -> dict[str, int]:
+    with db.session() as session:
         allocations = session.exec(
             select(Allocation).where(Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION]))
         ).all()
         enrolled = list(session.exec(select(Node.id).where(Node.state == NodeState.ENROLLED)).all())
         # Nodes a live batch holds are skipped; a hold whose batch was lost runs out on its own.
-        enrolled = lease_for_bringup(session, enrolled, deadline_scale=settings.deadline_scale)
+        enrolled = lease_for_bringup(session, enrolled, deadline_scale=settings.reconciler.deadline_scale)
         tenant_ops = session.exec(
             select(Operation.resource_id, Operation.id, Operation.kind).where(
                 Operation.kind.in_([tenant_service.CREATE_OPERATION, tenant_service.DELETE_OPERATION]),

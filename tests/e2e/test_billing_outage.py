@@ -32,14 +32,11 @@ CONTROL_PLANE = ("temporal", "worker", "api")
 def stack(tmp_path):
     settings = Settings(
         data_dir=tmp_path,
-        temporal_address=f"127.0.0.1:{free_port()}",
-        api_port=free_port(),
-        sim_port=free_port(),
-        ledger_port=free_port(),
-        operator_token="test-operator-token",
-        sweep_interval_s=2.0,
-        meter_interval_s=0.2,
-        billing_close_interval_s=2.0,
+        temporal={"address": f"127.0.0.1:{free_port()}"},
+        api={"port": free_port(), "operator_token": "test-operator-token"},
+        agent={"sim_port": free_port(), "meter_interval_s": 0.2},
+        reconciler={"sweep_interval_s": 2.0},
+        ledger={"port": free_port(), "close_interval_s": 2.0},
     )
     stack = Stack(
         settings, nodes=2, ui_port=free_port(), sim_latency_scale=0.1, sim_heartbeat_s=1.0, headless=True, billing=True
@@ -60,7 +57,7 @@ def metered(sim_url: str, allocation_id: str) -> tuple[int, bool]:
 
 
 async def workflow_status(settings: Settings, workflow_id: str) -> WorkflowExecutionStatus:
-    temporal = await Client.connect(settings.temporal_address)
+    temporal = await Client.connect(settings.temporal.address)
     return (await temporal.get_workflow_handle(workflow_id).describe()).status
 
 
@@ -98,7 +95,7 @@ def late_agent_ships(ledger_url: str, spool_path, *, tenant_id: str, period_id: 
 def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage(stack, tmp_path) -> None:
     settings = stack.settings
     op = httpx.Client(
-        base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {settings.resolved_operator_token}"}
+        base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {settings.operator_token}"}
     )
     wait_until(
         lambda: [n["state"] for n in op.get("/v1/nodes").json()["items"]] == ["available"] * 2,
@@ -153,7 +150,7 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
     assert [(i["period_id"], i["tenant_id"]) for i in invoices] == [(earlier, tenant["id"])]
     document = json.loads(acme.get(f"/v1/invoices/{invoices[0]['id']}").content)
     assert document["total_micro"] == Rate(LIST_PRICE_PER_GPU_HOUR_MICRO["H100"]).amount_for(30 * 8 * MINUTE)
-    assert asyncio.run(workflow_status(settings, close_workflow_id(settings.task_queue, earlier))) == (
+    assert asyncio.run(workflow_status(settings, close_workflow_id(settings.temporal.task_queue, earlier))) == (
         WorkflowExecutionStatus.COMPLETED
     )
 

@@ -30,10 +30,10 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
     env = {
         **os.environ,
         "GPUCLOUD_DATA_DIR": str(tmp_path),
-        "GPUCLOUD_API_PORT": str(ports["api"]),
-        "GPUCLOUD_SIM_PORT": str(ports["sim"]),
-        "GPUCLOUD_TEMPORAL_ADDRESS": f"127.0.0.1:{ports['temporal']}",
-        "GPUCLOUD_LEDGER_PORT": str(ports["ledger"]),
+        "GPUCLOUD_API__PORT": str(ports["api"]),
+        "GPUCLOUD_AGENT__SIM_PORT": str(ports["sim"]),
+        "GPUCLOUD_TEMPORAL__ADDRESS": f"127.0.0.1:{ports['temporal']}",
+        "GPUCLOUD_LEDGER__PORT": str(ports["ledger"]),
     }
     api = f"http://127.0.0.1:{ports['api']}"
     log = open(tmp_path / "up.log", "ab")

@@ -20,7 +20,12 @@ from gpucloud.services.allocations import workflow_id_for
 from gpucloud.workers.main import WORKFLOWS
 from support.stack import async_wait_until
 
-FAST = dict(latency_scale=0.02, health_drain_grace_s=0.5, replacement_recheck_s=0.5, breaker_max_pulled_share=1.0)
+FAST = dict(
+    latency_scale=0.02,
+    health__drain_grace_s=0.5,
+    health__replacement_recheck_s=0.5,
+    health__breaker_max_pulled_share=1.0,
+)
 
 
 async def _ready_fleet(make_harness, in_process_worker, db_url, *, nodes: int, **options):

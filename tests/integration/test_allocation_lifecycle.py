@@ -25,7 +25,7 @@ async def test_enrollment_brings_nodes_to_available(db_url, make_harness, in_pro
     batches = [
         w
         async for w in temporal_env.client.list_workflows(
-            f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'"
+            f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.temporal.task_queue}'"
         )
     ]
     assert len(batches) == 1

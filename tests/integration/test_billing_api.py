@@ -60,7 +60,7 @@ def meter(ledger_url: str, *, tenant_id: str, allocation_id: str, node: str, sta
 
 
 def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, ledger_url) -> None:
-    h = make_harness(db_url, nodes=1, ledger_url=ledger_url)
+    h = make_harness(db_url, nodes=1, ledger={"url": ledger_url})
     acme_id, acme_key = h.new_tenant()
     other_id, other_key = h.new_tenant()
     acme_alloc, other_alloc = add_allocation(db_url, acme_id), add_allocation(db_url, other_id)
@@ -98,7 +98,7 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
 
         env = {
             **os.environ,
-            "GPUCLOUD_API_PORT": str(h.settings.api_port),
+            "GPUCLOUD_API__PORT": str(h.settings.api.port),
             "GPUCLOUD_API_KEY": acme_key,
             "COLUMNS": "200",
         }
@@ -128,7 +128,7 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
 
 
 def test_operators_read_the_price_book_and_reconciliation(db_url, make_harness, ledger_url) -> None:
-    h = make_harness(db_url, nodes=1, ledger_url=ledger_url)
+    h = make_harness(db_url, nodes=1, ledger={"url": ledger_url})
     _tenant_id, key = h.new_tenant()
     with h.operator as op, h.client(key) as tenant:
         assert [v["prices"] for v in op.get("/v1/billing/price-book/versions").json()] == [
@@ -147,7 +147,7 @@ def test_operators_read_the_price_book_and_reconciliation(db_url, make_harness, 
 
 
 def test_a_ledger_that_does_not_answer_is_a_503(db_url, make_harness) -> None:
-    h = make_harness(db_url, nodes=1, ledger_url=f"http://127.0.0.1:{free_port()}")
+    h = make_harness(db_url, nodes=1, ledger={"url": f"http://127.0.0.1:{free_port()}"})
     _tenant_id, key = h.new_tenant()
     with h.client(key) as tenant:
         answer = tenant.get("/v1/invoices")

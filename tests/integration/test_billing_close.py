@@ -49,15 +49,18 @@ def ledger(tmp_path: Path) -> Iterator[tuple[httpx.Client, Clock]]:
             yield client, clock
 
 
-def settings_for(tmp_path: Path, db_url: str, temporal_env, ledger_url: str | None, **overrides) -> Settings:
+def settings_for(
+    tmp_path: Path, db_url: str, temporal_env, ledger_url: str | None, *, close_interval_s: float = 86_400.0
+) -> Settings:
     return Settings(
         data_dir=tmp_path,
-        database_url=db_url,
-        operator_token="test-operator-token",
-        temporal_address=temporal_env.client.service_client.config.target_host,
-        task_queue=f"tq-{uuid.uuid4().hex[:10]}",
-        ledger_url=ledger_url,
-        **overrides,
+        database={"url": db_url},
+        api={"operator_token": "test-operator-token"},
+        temporal={
+            "address": temporal_env.client.service_client.config.target_host,
+            "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
+        },
+        ledger={"url": ledger_url, "close_interval_s": close_interval_s},
     )
 
 
@@ -83,7 +86,7 @@ async def catch_up(temporal_env, settings: Settings):
         BillingCatchUpWorkflow.run,
         BillingCatchUpInput(),
         id=f"test-catch-up-{uuid.uuid4().hex[:8]}",
-        task_queue=settings.task_queue,
+        task_queue=settings.temporal.task_queue,
     )
 
 
@@ -104,7 +107,7 @@ async def test_catch_up_closes_every_ended_period_once_oldest_first(
         20 * 8 * MINUTE
     )
     for period in ("2024-01", "2024-02"):
-        handle = temporal_env.client.get_workflow_handle(close_workflow_id(settings.task_queue, period))
+        handle = temporal_env.client.get_workflow_handle(close_workflow_id(settings.temporal.task_queue, period))
         assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
     assert (await catch_up(temporal_env, settings)).closed == []  # nothing new has ended
@@ -113,8 +116,8 @@ async def test_catch_up_closes_every_ended_period_once_oldest_first(
         await temporal_env.client.start_workflow(
             BillingCloseWorkflow.run,
             BillingCloseInput(period_id="2024-01"),
-            id=close_workflow_id(settings.task_queue, "2024-01"),
-            task_queue=settings.task_queue,
+            id=close_workflow_id(settings.temporal.task_queue, "2024-01"),
+            task_queue=settings.temporal.task_queue,
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
         )
 
@@ -132,7 +135,7 @@ async def test_the_schedule_is_created_idempotently_and_runs_the_catch_up(
     tmp_path, db_url, temporal_env, in_process_worker, ledger
 ) -> None:
     client, _clock = ledger
-    settings = settings_for(tmp_path, db_url, temporal_env, str(client.base_url), billing_close_interval_s=1.0)
+    settings = settings_for(tmp_path, db_url, temporal_env, str(client.base_url), close_interval_s=1.0)
     assert await ensure_billing_close_schedule(temporal_env.client, settings)
     assert await ensure_billing_close_schedule(temporal_env.client, settings)  # again: updated, not duplicated
     handle = temporal_env.client.get_schedule_handle(billing_schedule_id(settings))

@@ -12,7 +12,7 @@ from datetime import timedelta
 from sqlmodel import select
 
 from gpucloud.activities.control_db import ControlDbActivities
-from gpucloud.db import migrate, session_scope
+from gpucloud.db import Database, migrate, session_scope
 from gpucloud.models.messages import NodeTransitionBatch, NodeTransitionInput
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
@@ -45,10 +45,10 @@ async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
     h = make_harness(
         db_url,
         nodes=10,
-        bringup_batch_size=4,
-        agent_batch_attempts=2,
-        agent_batch_retry_base_s=0.05,
-        backoff_base_s=0.2,
+        reconciler__bringup_batch_size=4,
+        agent__batch_attempts=2,
+        agent__batch_retry_base_s=0.05,
+        reconciler__backoff_base_s=0.2,
     )
     await in_process_worker(h.settings)
     ids = [n["id"] for n in h.sim.inventory()]
@@ -76,7 +76,7 @@ async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
     results = [
         await temporal_env.client.get_workflow_handle(w.id).result()
         async for w in temporal_env.client.list_workflows(
-            f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.task_queue}'"
+            f"WorkflowType = 'BringupBatchWorkflow' AND TaskQueue = '{h.settings.temporal.task_queue}'"
         )
     ]
     assert len(results) == 3
@@ -97,7 +97,7 @@ def _states(h) -> dict[str, int]:
 
 def test_transition_batch_is_idempotent_and_one_stale_node_stops_only_itself(db_url):
     ids = _enroll(db_url, 3)
-    acts = ControlDbActivities(db_url)
+    acts = ControlDbActivities(Database(db_url))
     with session_scope(db_url) as session:
         # Someone else moves the second node first.
         node_service.transition(session, ids[1], "inspect", from_state="enrolled", actor="other")

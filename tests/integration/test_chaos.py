@@ -33,7 +33,12 @@ def _assert_no_node_in_two_allocations(h, clients) -> None:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal_env):
     rng = random.Random(SEED)
-    h = make_harness(db_url, nodes=10, latency_scale=0.2, deadline_scale=0.002, backoff_base_s=0.2, backoff_cap_s=2.0)
+    h = make_harness(
+        db_url,
+        nodes=10,
+        latency_scale=0.2,
+        reconciler={"deadline_scale": 0.002, "backoff_base_s": 0.2, "backoff_cap_s": 2.0},
+    )
     worker = await in_process_worker(h.settings)
     node_ids = h.enroll_fleet()
     await h.wait_states({"available": 10}, timeout_s=90)

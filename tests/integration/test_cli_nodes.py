@@ -12,8 +12,8 @@ def test_nodes_table_filters_by_state(db_url, make_harness):
     ids = h.enroll_fleet()  # no worker: the nodes stay enrolled
     env = {
         **os.environ,
-        "GPUCLOUD_API_PORT": str(h.settings.api_port),
-        "GPUCLOUD_OPERATOR_TOKEN": h.settings.resolved_operator_token,
+        "GPUCLOUD_API__PORT": str(h.settings.api.port),
+        "GPUCLOUD_API__OPERATOR_TOKEN": h.settings.operator_token,
         "COLUMNS": "200",
     }
     out = subprocess.run(
@@ -38,7 +38,7 @@ def test_nodes_table_filters_by_state(db_url, make_harness):
         [sys.executable, "-m", "gpucloud.cli.main", "nodes"],
         capture_output=True,
         text=True,
-        env={**env, "GPUCLOUD_API_PORT": "1"},
+        env={**env, "GPUCLOUD_API__PORT": "1"},
         timeout=60,
     )
     assert down.returncode == 1 and "is `gpucloud up` running?" in down.stdout

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from gpucloud.demo.health import HealthDemoError, demo_health
 
-FAST = dict(latency_scale=0.02, health_drain_grace_s=0.5, replacement_recheck_s=0.5)
+FAST = dict(latency_scale=0.02, health__drain_grace_s=0.5, health__replacement_recheck_s=0.5)
 
 
 async def _ready_allocation(make_harness, in_process_worker, db_url, *, nodes: int, **settings):
@@ -45,7 +45,7 @@ def _run(h, key: str, alloc_id: str) -> tuple[Coroutine, io.StringIO]:
 
 async def test_demo_replaces_a_failed_node_in_the_same_fabric_domain(db_url, make_harness, in_process_worker):
     h, key, alloc = await _ready_allocation(
-        make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0
+        make_harness, in_process_worker, db_url, nodes=4, health__breaker_max_pulled_share=1.0
     )
     bad, kept = alloc["node_ids"]
     future, out = _run(h, key, alloc["id"])

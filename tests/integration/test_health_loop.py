@@ -14,7 +14,7 @@ from gpucloud.agent.readings import FatalKind, ProbeFatal
 from support.readings import node_reading
 from support.stack import async_wait_until
 
-FAST = dict(latency_scale=0.02, health_drain_grace_s=0.5, replacement_recheck_s=0.5)
+FAST = dict(latency_scale=0.02, health__drain_grace_s=0.5, health__replacement_recheck_s=0.5)
 
 
 async def _ready_fleet(make_harness, in_process_worker, db_url, nodes: int, **settings):
@@ -62,7 +62,7 @@ async def _repair_round(h, temporal_env, node_id: str) -> str:
 async def test_each_xid_class_leads_to_its_action_and_application_xids_never_drain(
     db_url, make_harness, in_process_worker
 ):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=8, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=8, health__breaker_max_pulled_share=1.0)
     ids = [n["id"] for n in h.nodes()]
     expected = {
         13: ("ok", "none", None),
@@ -109,7 +109,7 @@ async def test_each_xid_class_leads_to_its_action_and_application_xids_never_dra
 async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_burn_in_passes(
     db_url, make_harness, in_process_worker, temporal_env
 ):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=6, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=6, health__breaker_max_pulled_share=1.0)
     tenant_id, key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
@@ -201,7 +201,7 @@ async def test_circuit_breaker_refuses_pulls_beyond_the_pool_share(db_url, make_
 
 
 async def test_no_capacity_degraded_until_capacity_frees(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
     _, other_key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
@@ -240,7 +240,7 @@ def _alloc_events(h, key: str, alloc_id: str) -> list[str]:
 async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is_ready(
     db_url, make_harness, in_process_worker
 ):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, health__breaker_max_pulled_share=1.0)
     for node in h.nodes():  # every provision answers 503 twice first: about 3 s in `provisioning`
         h.sim.inject(node["id"], "provision", "transient", count=2)
     tenant_id, key = await h.onboard()
@@ -277,7 +277,7 @@ async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is
 async def test_a_burst_of_fatal_xids_in_one_allocation_pulls_all_and_replaces_each(
     db_url, make_harness, in_process_worker, temporal_env
 ):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, health__breaker_max_pulled_share=1.0)
     tenant_id, key = await h.onboard()
     alloc_id = _allocate(h, key, 3)  # one spare node left
     alloc = await h.wait_allocation(key, alloc_id, "ready")
@@ -386,12 +386,12 @@ async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(
     from gpucloud.db import session_scope
     from gpucloud.services import health as health_service
 
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
     ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
     bad = ready["node_ids"][0]
-    with session_scope(h.settings.db_url) as session:
+    with session_scope(h.settings.database_url) as session:
         outcomes, _ = health_service.ingest_xids(
             session,
             [XidEvent(node_id=bad, gpu_index=3, xid=79, timestamp=datetime.now(UTC))],
@@ -426,7 +426,12 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
 
     with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as ledger_url:
         h = await _ready_fleet(
-            make_harness, in_process_worker, db_url, nodes=3, breaker_max_pulled_share=1.0, ledger_url=ledger_url
+            make_harness,
+            in_process_worker,
+            db_url,
+            nodes=3,
+            health__breaker_max_pulled_share=1.0,
+            ledger__url=ledger_url,
         )
         tenant_id, key = await h.onboard()
         alloc_id = _allocate(h, key, 2)
@@ -456,7 +461,7 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
 
 
 async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=5, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=5, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
     alloc_id = _allocate(h, key, 3)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
@@ -493,7 +498,7 @@ async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, 
 
 
 async def test_a_cancel_waits_for_the_pulled_nodes_drain(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
     bad, kept = (await h.wait_allocation(key, alloc_id, "ready"))["node_ids"]

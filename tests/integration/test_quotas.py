@@ -116,7 +116,7 @@ def test_admission_is_exact_under_concurrent_transactions(db_url, tmp_path):
     """Many creates of one tenant at once, straight at the admission transaction (no HTTP, no
     Temporal, many connections on Postgres): exactly as many fit as the quota allows."""
     tenant_id = _seed(db_url, nodes=24, max_gpus=5 * 8)
-    settings = Settings(data_dir=tmp_path, database_url=db_url, operator_token="x")
+    settings = Settings(data_dir=tmp_path, database={"url": db_url}, api={"operator_token": "x"})
     start = threading.Barrier(16)
 
     def create(_):

@@ -30,7 +30,7 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
 ):
     # Deadlines x 0.002: provisioning 3.6 s, wiping 7.2 s, burn-in 29 s; provision takes ~2 s.
     h, worker = await _ready_fleet(
-        make_harness, in_process_worker, db_url, nodes=2, latency_scale=5.0, deadline_scale=0.002
+        make_harness, in_process_worker, db_url, nodes=2, latency_scale=5.0, reconciler__deadline_scale=0.002
     )
     _, key = await h.onboard()
     with h.client(key) as c:
@@ -57,7 +57,7 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
 
 
 async def test_agent_unreachable_then_back(db_url, make_harness, in_process_worker, temporal_env):
-    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, heartbeat_timeout_s=1.0)
+    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, agent__heartbeat_timeout_s=1.0)
     lost = h.nodes()[0]["id"]
     h.push_heartbeats()
     h.sim.set_unreachable(lost, True)
@@ -146,9 +146,11 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, ma
 
 async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process_worker, temporal_env):
     # Inspect never answers (transient 503s): the bring-up batch gives the node back after its
-    # one try (agent_batch_attempts=1), and the reconciler, sweeping as fast as it can, must
+    # one try (agent__batch_attempts=1), and the reconciler, sweeping as fast as it can, must
     # start it again with growing delays, not in a loop.
-    h = make_harness(db_url, nodes=1, backoff_base_s=0.3, backoff_cap_s=10, agent_batch_attempts=1)
+    h = make_harness(
+        db_url, nodes=1, reconciler={"backoff_base_s": 0.3, "backoff_cap_s": 10}, agent={"batch_attempts": 1}
+    )
     await in_process_worker(h.settings)
     node_id = h.sim.inventory()[0]["id"]
     h.sim.inject(node_id, "inspect", "transient", count=1000)

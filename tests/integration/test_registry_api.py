@@ -106,7 +106,7 @@ class Tenant:
 
     @property
     def chunks(self) -> LocalChunkStore:
-        return LocalChunkStore(self.server_dir / "registry" / "tenants" / self.id)
+        return LocalChunkStore(self.server_dir / "objects" / "registry" / "tenants" / self.id)
 
     def push(
         self,
@@ -145,13 +145,13 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     from gpucloud.devstack.stack import free_port
 
     settings = Settings(
-        data_dir=tmp_path / "server", database_url=db_url, operator_token=OPERATOR, api_port=free_port()
+        data_dir=tmp_path / "server", database={"url": db_url}, api={"operator_token": OPERATOR, "port": free_port()}
     )
     app = create_app(settings, temporal=temporal_env.client)
     # Works before and after the router is registered in create_app.
     if not any(getattr(r, "path", "").startswith("/v1/models") for r in app.routes):
         app.include_router(registry_router.router)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.api_port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.api.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -540,18 +540,19 @@ def moto_endpoint() -> Iterator[str]:
 def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, moto_endpoint: str) -> None:
     import boto3
 
-    from gpucloud.registry.config import RegistrySettings, build_stores
+    from gpucloud.bootstrap import registry_stores
+    from gpucloud.config import Settings
 
     # moto keeps one in-memory S3 per process: a bucket per test keeps the runs apart.
     bucket = f"weights-{uuid.uuid4().hex[:8]}"
-    settings = RegistrySettings(
-        backend="s3",
-        endpoint_url=moto_endpoint,
-        bucket=bucket,
-        region="us-east-1",
-        access_key_id="testing",
-        secret_access_key="testing",
-    )
+    object_store = {
+        "backend": "s3",
+        "endpoint_url": moto_endpoint,
+        "bucket": bucket,
+        "region": "us-east-1",
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+    }
     s3 = boto3.client(
         "s3",
         endpoint_url=moto_endpoint,
@@ -560,7 +561,7 @@ def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, moto_en
         aws_secret_access_key="testing",
     )
     s3.create_bucket(Bucket=bucket)
-    registry.app.state.registry_stores = build_stores(settings, data_dir=tmp_path)
+    registry.app.state.registry_stores = registry_stores(Settings(data_dir=tmp_path, object_store=object_store))
     tenant = registry.new_tenant()
     source = write_model(tmp_path / "v1", random_tensors())
     pushed = tenant.push(source)
@@ -631,7 +632,7 @@ def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
     orphan_id = blake3.blake3(orphan).hexdigest()
     tenant.chunks.put(orphan_id, orphan)
     _age(tenant)
-    env = {"GPUCLOUD_API_URL": registry.url, "GPUCLOUD_OPERATOR_TOKEN": OPERATOR, "COLUMNS": "200"}
+    env = {"GPUCLOUD_API_URL": registry.url, "GPUCLOUD_API__OPERATOR_TOKEN": OPERATOR, "COLUMNS": "200"}
     runner = CliRunner()
 
     dry = runner.invoke(weights_app, ["gc", "--dry-run", "--tenant", tenant.id], env=env)

@@ -45,7 +45,7 @@ def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
 
 def test_concurrent_gang_reservations_never_share_a_node(db_url, tmp_path):
     _fleet(db_url, pods=3, per_pod=16)  # 48 nodes; gangs of 6 -> at most 2 per pod
-    settings = Settings(data_dir=tmp_path, database_url=db_url)
+    settings = Settings(data_dir=tmp_path, database={"url": db_url})
     outcomes: list[str] = []
     barrier = threading.Barrier(12)
 

@@ -13,9 +13,11 @@ import uuid
 import httpx
 
 from gpucloud.agent.peer import PeerServer
+from gpucloud.bootstrap import registry_stores
 from gpucloud.cli.weights import RegistryClient, push_directory, signer_for
+from gpucloud.config import Settings
+from gpucloud.db import Database
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
-from gpucloud.registry.config import build_stores
 from gpucloud.registry.origin import RegistryOrigin, tenants_in
 from gpucloud.registry.tracker_app import create_tracker_app
 from support.stack import async_wait_until
@@ -41,14 +43,16 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
     db_url, make_harness, in_process_worker, tmp_path, monkeypatch
 ) -> None:
     tracker = PeerServer(
-        create_tracker_app(chunk_store=RegistryOrigin(build_stores(data_dir=tmp_path), tenants_in(db_url)))
+        create_tracker_app(
+            chunk_store=RegistryOrigin(registry_stores(Settings(data_dir=tmp_path)), tenants_in(Database(db_url)))
+        )
     )
     tracker_url = tracker.start()
     try:
         with monkeypatch.context() as env:  # the sim process reads tenants' keys from this DB
-            env.setenv("GPUCLOUD_DATABASE_URL", db_url)
+            env.setenv("GPUCLOUD_DATABASE__URL", db_url)
             env.setenv("GPUCLOUD_DATA_DIR", str(tmp_path))
-            h = make_harness(db_url, nodes=6, latency_scale=0.02, tracker_url=tracker_url)
+            h = make_harness(db_url, nodes=6, latency_scale=0.02, tracker={"url": tracker_url})
         await in_process_worker(h.settings)
         h.enroll_fleet()
         await h.wait_states({"available": 6})

@@ -33,23 +33,23 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sqlmodel import select
 
 from gpucloud.activities.storage import TENANT_RECORD
+from gpucloud.bootstrap import tenant_store
 from gpucloud.db import session_scope
 from gpucloud.fabric.interface import FabricNode
 from gpucloud.fabric.isolation import find_violations
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, NodeTransition, Tenant
-from gpucloud.storage.bootstrap import open_tenant_store
 from support.stack import wait_until
 
 NODES = 6
 FAST = dict(
     latency_scale=0.02,
-    health_drain_grace_s=0.2,
-    replacement_recheck_s=0.3,
-    breaker_max_pulled_share=1.0,
-    backoff_base_s=0.2,
-    backoff_cap_s=1.0,
-    offboarding_poll_s=0.2,
-    tenant_storage_retention_s=0.5,
+    health__drain_grace_s=0.2,
+    health__replacement_recheck_s=0.3,
+    health__breaker_max_pulled_share=1.0,
+    reconciler__backoff_base_s=0.2,
+    reconciler__backoff_cap_s=1.0,
+    tenants__offboarding_poll_s=0.2,
+    tenants__storage_retention_s=0.5,
 )
 LIVE = ("onboarding", "active", "offboarding")
 IN_FLIGHT = ("reserved", "provisioning", "releasing", "wiping", "draining", "repairing", "burn_in")
@@ -66,7 +66,7 @@ class TenantIsolation(RuleBasedStateMachine):
         self.offboarded: set[str] = set()
         self.allocations: dict[str, str] = {}  # allocation id -> tenant id
         self.attempts = 0  # allocation requests sent (some were refused)
-        self.store = open_tenant_store(self.h.settings)
+        self.store = tenant_store(self.h.settings)
 
     # ------------------------------------------------------------ helpers
 
@@ -81,7 +81,7 @@ class TenantIsolation(RuleBasedStateMachine):
         return sorted(t for t in self.keys if t not in self.offboarded)
 
     def _open(self) -> list[str]:
-        with session_scope(self.h.settings.db_url) as session:
+        with session_scope(self.h.settings.database_url) as session:
             rows = session.exec(
                 select(Allocation.id).where(
                     Allocation.id.in_(list(self.allocations)),
@@ -191,7 +191,7 @@ class TenantIsolation(RuleBasedStateMachine):
 
     @invariant()
     def vnis_belong_to_one_live_tenant(self) -> None:
-        with session_scope(self.h.settings.db_url) as session:
+        with session_scope(self.h.settings.database_url) as session:
             tenants = {t.id: t for t in session.exec(select(Tenant)).all()}
         held = [t.vni for t in tenants.values() if t.vni is not None]
         assert len(held) == len(set(held)), f"a VNI is recorded for two tenants: {held}"
@@ -209,7 +209,7 @@ class TenantIsolation(RuleBasedStateMachine):
 
     @invariant()
     def storage_opens_for_its_own_tenant_only(self) -> None:
-        with session_scope(self.h.settings.db_url) as session:
+        with session_scope(self.h.settings.database_url) as session:
             status = dict(session.exec(select(Tenant.id, Tenant.status)).all())
             prefixes = [p for p in session.exec(select(Tenant.storage_prefix)).all() if p is not None]
         assert len(prefixes) == len(set(prefixes))
@@ -250,7 +250,7 @@ class TenantIsolation(RuleBasedStateMachine):
 
     @invariant()
     def nodes_are_wiped_between_tenants(self) -> None:
-        with session_scope(self.h.settings.db_url) as session:
+        with session_scope(self.h.settings.database_url) as session:
             tenant_of_alloc = dict(session.exec(select(Allocation.id, Allocation.tenant_id)).all())
             history = session.exec(select(NodeTransition).order_by(NodeTransition.seq)).all()
         reserved_for: dict[str, str | None] = {}
@@ -273,7 +273,7 @@ class TenantIsolation(RuleBasedStateMachine):
         def tenant_of() -> dict[str, str]:
             """Who holds each node: the tenant whose data is on it, else the tenant of the
             allocation it is reserved for (membership is applied before provisioning)."""
-            with session_scope(self.h.settings.db_url) as session:
+            with session_scope(self.h.settings.database_url) as session:
                 owner = dict(session.exec(select(Allocation.id, Allocation.tenant_id)).all())
             return {
                 n["id"]: n["tenant_id"] or owner.get(n["allocation_id"])

@@ -23,9 +23,9 @@ from temporalio.worker import Replayer
 
 from gpucloud.activities.faults import FaultPoint
 from gpucloud.activities.storage import TENANT_RECORD
+from gpucloud.bootstrap import tenant_store
 from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.storage import retention
-from gpucloud.storage.bootstrap import open_tenant_store
 from gpucloud.storage.envelope import UnknownTenantKeyError
 from gpucloud.workers.main import WORKFLOWS
 from support.stack import async_wait_until
@@ -126,7 +126,7 @@ def assert_whole(h, accepted: dict) -> None:
     assert accepted["final"]["status"] == "succeeded"
     assert tenant["status"] == "active" and tenant["storage_prefix"] == f"tenants/{tenant['id']}/"
     assert h.fabric.vpc_of(tenant["id"]).vni == tenant["vni"]
-    store = open_tenant_store(h.settings)
+    store = tenant_store(h.settings)
     assert store.tenant(tenant["id"]).get_encrypted(TENANT_RECORD)
     with h.client(accepted["api_key"]["key"]) as c:
         assert c.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active"
@@ -139,7 +139,7 @@ def assert_undone(h, accepted: dict, step: str) -> None:
     assert tenant["status"] == "failed" and step in tenant["failure_reason"]
     assert tenant["vni"] is None and tenant["storage_prefix"] is None
     assert h.fabric.vpc_of(tenant_id) is None
-    store = open_tenant_store(h.settings)
+    store = tenant_store(h.settings)
     assert store.backend.list_keys(f"tenants/{tenant_id}/") == []
     assert tenant_id not in store.keys.tenants()
     assert retention.deletion_due(store.backend, tenant_id) is None
@@ -179,7 +179,7 @@ async def test_onboarding_failing_at_any_step_is_undone_completely(stack, tempor
     accepted = await _onboarded(h)
     assert len(faults.hits) == 6
     assert_undone(h, accepted, "provision_tenant_storage")
-    if _sqlite(h.settings.db_url):
+    if _sqlite(h.settings.database_url):
         await replays(
             temporal_env.client, onboarding_workflow_id(accepted["id"]), record_as="tenant_onboarding_undone_workflow"
         )
@@ -225,7 +225,7 @@ async def test_first_key_is_shown_once_and_create_is_idempotent(stack):
         accepted = first.json()
         assert accepted["status"] == "onboarding" and accepted["api_key"]["key"].startswith("gpc_")
         assert {(q["gpu_type"], q["region"], q["max_gpus"]) for q in accepted["quotas"]} == {
-            ("*", "*", h.settings.default_gpu_quota),
+            ("*", "*", h.settings.tenants.default_gpu_quota),
             ("H100", "*", 16),
         }
         # A replay answers what was created, without the secret: it was shown once.
@@ -240,7 +240,7 @@ async def test_first_key_is_shown_once_and_create_is_idempotent(stack):
     async with httpx.AsyncClient(
         base_url=h.api.url,
         timeout=60,
-        headers={"Authorization": f"Bearer {h.settings.resolved_operator_token}", **other},
+        headers={"Authorization": f"Bearer {h.settings.operator_token}", **other},
     ) as c:
         answers = await asyncio.gather(*(c.post("/v1/tenants", json=body2) for _ in range(6)))
     assert {a.status_code for a in answers} == {202}
@@ -260,7 +260,7 @@ async def test_first_key_is_shown_once_and_create_is_idempotent(stack):
     from gpucloud.models.tables import ApiKey, IdempotencyRecord
 
     secret = accepted["api_key"]["key"].split(".", 1)[1]
-    with session_scope(h.settings.db_url) as session:
+    with session_scope(h.settings.database_url) as session:
         stored = [k.secret_hash for k in session.query(ApiKey).all()]
         stored += [r.response_body or "" for r in session.query(IdempotencyRecord).all()]
     assert not any(secret in s for s in stored)
@@ -316,7 +316,12 @@ async def test_offboarding_cancels_waits_for_wipes_revokes_and_deletes_storage(
     db_url, make_harness, in_process_worker, temporal_env
 ):
     h = make_harness(
-        db_url, nodes=4, latency_scale=0.02, fabric=True, offboarding_poll_s=0.2, tenant_storage_retention_s=1.0
+        db_url,
+        nodes=4,
+        latency_scale=0.02,
+        fabric=True,
+        tenants__offboarding_poll_s=0.2,
+        tenants__storage_retention_s=1.0,
     )
     await in_process_worker(h.settings)
     h.enroll_fleet()
@@ -328,7 +333,7 @@ async def test_offboarding_cancels_waits_for_wipes_revokes_and_deletes_storage(
     await h.wait_allocation(key, alloc_id, "ready")
     with h.client(other_key) as c:
         kept = c.post("/v1/allocations", json=ALLOC).json()["allocation"]["id"]
-    store = open_tenant_store(h.settings)
+    store = tenant_store(h.settings)
     store.tenant(tenant_id).put("checkpoints/step-1", b"weights")
 
     with h.operator as op:

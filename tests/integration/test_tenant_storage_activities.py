@@ -14,9 +14,9 @@ from moto.server import ThreadedMotoServer
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities.storage import TENANT_RECORD, TenantStorageActivities
+from gpucloud.bootstrap import tenant_store
 from gpucloud.config import Settings
 from gpucloud.models.tenant_messages import StorageDeletionInput, TenantRef
-from gpucloud.storage.bootstrap import open_tenant_store
 from gpucloud.storage.envelope import MasterKeys
 
 
@@ -43,11 +43,15 @@ def settings(request, tmp_path, monkeypatch) -> Settings:
     bucket = f"tenants-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
     master = base64.b64encode(MasterKeys.generate_key()).decode()
-    return Settings(data_dir=tmp_path, storage_bucket=bucket, storage_endpoint_url=endpoint, storage_master_key=master)
+    return Settings(
+        data_dir=tmp_path,
+        object_store={"backend": "s3", "bucket": bucket, "endpoint_url": endpoint},
+        tenants={"storage_master_key": master},
+    )
 
 
 def test_provision_delete_and_retention(settings: Settings) -> None:
-    store = open_tenant_store(settings)
+    store = tenant_store(settings)
     steps = TenantStorageActivities(store)
     acme, globex = TenantRef(tenant_id="ten_acme"), TenantRef(tenant_id="ten_globex")
     first = steps.provision_tenant_storage(acme)

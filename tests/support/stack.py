@@ -58,7 +58,7 @@ class SimFleetProcess:
         self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "GPUCLOUD_SIM_PORT": str(self.port), "GPUCLOUD_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "GPUCLOUD_AGENT__SIM_PORT": str(self.port), "GPUCLOUD_LOG_LEVEL": "WARNING"}
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [
@@ -120,7 +120,7 @@ class ApiThread(ThreadedServer):
     def __init__(self, settings: Settings) -> None:
         from gpucloud.api.app import create_app
 
-        super().__init__(create_app(settings), host=settings.api_host, port=settings.api_port, name="api")
+        super().__init__(create_app(settings), host=settings.api.host, port=settings.api.port, name="api")
         self.start()
 
 
@@ -136,7 +136,7 @@ class Harness:
 
     @property
     def operator(self) -> httpx.Client:
-        return self.client(self.settings.resolved_operator_token)
+        return self.client(self.settings.operator_token)
 
     def client(self, token: str) -> httpx.Client:
         return httpx.Client(base_url=self.api.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
@@ -162,7 +162,7 @@ class Harness:
             ReconcileSweepWorkflow.run,
             SweepInput(node_ids=node_ids),
             id=f"test-sweep-{uuid.uuid4().hex[:8]}",
-            task_queue=self.settings.task_queue,
+            task_queue=self.settings.temporal.task_queue,
         )
 
     def node(self, node_id: str) -> dict:
@@ -232,16 +232,7 @@ class Harness:
             )
 
     def start_worker_process(self) -> subprocess.Popen:
-        env = {
-            **os.environ,
-            "GPUCLOUD_DATA_DIR": str(self.settings.data_dir),
-            "GPUCLOUD_TEMPORAL_ADDRESS": self.settings.temporal_address,
-            "GPUCLOUD_DATABASE_URL": self.settings.db_url,
-            "GPUCLOUD_TASK_QUEUE": self.settings.task_queue,
-            "GPUCLOUD_OPERATOR_TOKEN": self.settings.resolved_operator_token,
-            "GPUCLOUD_LOG_LEVEL": "WARNING",
-            **({"GPUCLOUD_FABRIC_URL": self.fabric.url} if self.fabric else {}),
-        }
+        env = {**os.environ, **self.settings.env(), "GPUCLOUD_LOG_LEVEL": "WARNING"}
         log = open(self.log_dir / "worker.log", "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -254,12 +245,12 @@ class InProcessWorker:
     """The production worker, run on the test's event loop."""
 
     def __init__(self, client, settings: Settings, *, fault_hook=None) -> None:
-        from gpucloud.activities.host_agent import HostAgentActivities
+        from gpucloud import bootstrap
         from gpucloud.workers.main import build_worker
 
-        self.executor = ThreadPoolExecutor(max_workers=settings.worker_max_activities)
-        self.agent = HostAgentActivities.from_settings(settings)
-        self.worker = build_worker(client, settings, executor=self.executor, agent=self.agent, fault_hook=fault_hook)
+        self.executor = ThreadPoolExecutor(max_workers=settings.temporal.worker_max_activities)
+        self.control_plane = bootstrap.control_plane(settings)
+        self.worker = build_worker(client, self.control_plane, executor=self.executor, fault_hook=fault_hook)
         self.task: asyncio.Task | None = None
 
     async def __aenter__(self):
@@ -270,5 +261,5 @@ class InProcessWorker:
         await self.worker.shutdown()
         if self.task is not None:
             await self.task
-        await self.agent.aclose()
+        await self.control_plane.aclose()
         self.executor.shutdown(wait=False)

@@ -7,8 +7,8 @@ from gpucloud.config import Settings
 
 
 def test_a_negative_provision_retry_budget_is_refused(monkeypatch):
-    monkeypatch.setenv("GPUCLOUD_PROVISION_RETRIES", "-1")
+    monkeypatch.setenv("GPUCLOUD_HEALTH__PROVISION_RETRIES", "-1")
     with pytest.raises(ValidationError, match="provision_retries"):
         Settings()
-    monkeypatch.setenv("GPUCLOUD_PROVISION_RETRIES", "0")
-    assert Settings().provision_retries == 0
+    monkeypatch.setenv("GPUCLOUD_HEALTH__PROVISION_RETRIES", "0")
+    assert Settings().health.provision_retries == 0

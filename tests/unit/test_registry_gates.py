@@ -10,7 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from gpucloud.models.registry_tables import GateSpec, RegistryModelCreate
-from gpucloud.registry.config import RegistrySettings, build_stores
+from gpucloud.bootstrap import registry_stores
+from gpucloud.config import ObjectStoreSettings, Settings
 from gpucloud.registry.promotion import evaluate_gates, walk_ancestors, walk_descendants
 
 ACCURACY = GateSpec(metric="accuracy", min=0.7, max_regression=0.02)
@@ -101,15 +102,15 @@ def test_descendants_walk_breadth_first_each_once() -> None:
 
 
 def test_store_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValidationError, match="GPUCLOUD_REGISTRY_BUCKET"):
-        RegistrySettings(backend="s3")
-    monkeypatch.setenv("GPUCLOUD_REGISTRY_BACKEND", "s3")
-    monkeypatch.setenv("GPUCLOUD_REGISTRY_BUCKET", "weights")
-    assert RegistrySettings().bucket == "weights"
-    monkeypatch.delenv("GPUCLOUD_REGISTRY_BACKEND")
+    with pytest.raises(ValidationError, match="GPUCLOUD_OBJECT_STORE__BUCKET"):
+        ObjectStoreSettings(backend="s3")
+    monkeypatch.setenv("GPUCLOUD_OBJECT_STORE__BACKEND", "s3")
+    monkeypatch.setenv("GPUCLOUD_OBJECT_STORE__BUCKET", "weights")
+    assert Settings().object_store.bucket == "weights"
+    monkeypatch.delenv("GPUCLOUD_OBJECT_STORE__BACKEND")
 
-    stores = build_stores(RegistrySettings(), data_dir=tmp_path)
-    assert stores.chunks("ten_a").root == (tmp_path / "registry" / "tenants" / "ten_a").resolve()
+    stores = registry_stores(Settings(data_dir=tmp_path))
+    assert stores.chunks("ten_a").root == (tmp_path / "objects" / "registry" / "tenants" / "ten_a").resolve()
     assert stores.chunks("ten_a") is stores.chunks("ten_a")
     assert stores.manifest_uri("ten_a", "f" * 64).endswith(f"/registry/tenants/ten_a/manifests/{'f' * 64}.json")
     with pytest.raises(ValueError, match="tenant id"):

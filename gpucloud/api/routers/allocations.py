@@ -126,7 +126,7 @@ def _visible(session: Session, caller: Caller, allocation_id: str) -> Allocation
 def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) -> tuple[Allocation, Operation]:
     for _ in range(RESERVE_ATTEMPTS):
         try:
-            with session_scope(settings.db_url) as session:
+            with session_scope(settings.database_url) as session:
                 if session.exec(select(Node.id).where(Node.region == req.region).limit(1)).first() is None:
                     regions = sorted(set(session.exec(select(Node.region)).all()))
                     raise Problem(
@@ -142,10 +142,10 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
                     gpu_type=req.gpu_type,
                     region=req.region,
                     node_count=req.node_count,
-                    default_gpus=settings.default_gpu_quota,
+                    default_gpus=settings.tenants.default_gpu_quota,
                 )
                 alloc = Allocation(tenant_id=tenant_id, **req.model_dump())
-                service.reserve_gang(session, alloc, deadline_scale=settings.deadline_scale)
+                service.reserve_gang(session, alloc, deadline_scale=settings.reconciler.deadline_scale)
                 op = Operation(
                     tenant_id=tenant_id,
                     kind="create_allocation",
@@ -188,7 +188,7 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
 
 def _undo_reservation(settings: Settings, alloc: Allocation, reason: str) -> None:
     """The workflow could not be started: give the nodes back and fail the allocation."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         for node_id in alloc.node_ids:
             try:
                 node_service.transition(
@@ -198,7 +198,7 @@ def _undo_reservation(settings: Settings, alloc: Allocation, reason: str) -> Non
                     from_state=NodeState.RESERVED,
                     cause=reason,
                     actor="api",
-                    deadline_scale=settings.deadline_scale,
+                    deadline_scale=settings.reconciler.deadline_scale,
                 )
             except node_service.StaleNode:
                 log.warning("node %s moved before its reservation could be undone", node_id)
@@ -240,7 +240,7 @@ async def create_allocation(
         )
 
     return await run_idempotent(
-        db_url=settings.db_url,
+        db_url=settings.database_url,
         caller=tenant.id,
         key=idempotency_key,
         method="POST",
@@ -312,7 +312,7 @@ def allocation_events(
 
 
 def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tuple[Allocation, Operation | None]:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         alloc = _visible(session, caller, allocation_id)
         op = service.record_cancel_intent(session, alloc, tenant_id=alloc.tenant_id)
         return alloc, op

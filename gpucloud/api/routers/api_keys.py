@@ -78,7 +78,7 @@ def _issuing_tenant(session, tenant_id: str) -> None:
 
 
 def _issue(settings: Settings, tenant_id: str) -> ApiKeyCreated:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         _issuing_tenant(session, tenant_id)
         key, plaintext = key_service.issue_key(session, tenant_id)
         session.flush()
@@ -87,7 +87,7 @@ def _issue(settings: Settings, tenant_id: str) -> ApiKeyCreated:
 
 def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> ApiKeyCreated:
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             _issuing_tenant(session, tenant_id)
             old, new, plaintext = key_service.rotate_key(session, tenant_id, key_id, grace=timedelta(seconds=grace_s))
             return ApiKeyCreated(
@@ -106,14 +106,14 @@ def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> Ap
 
 def _revoke(settings: Settings, tenant_id: str, key_id: str) -> ApiKeyPublic:
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             return ApiKeyPublic.model_validate(key_service.revoke_key(session, tenant_id, key_id), from_attributes=True)
     except key_service.KeyNotFound as exc:
         raise not_found("api key", key_id) from exc
 
 
 def _list(settings: Settings, tenant_id: str) -> ApiKeyList:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         if session.exec(select(Tenant.id).where(Tenant.id == tenant_id)).first() is None:
             raise not_found("tenant", tenant_id)
         return ApiKeyList(
@@ -135,7 +135,7 @@ async def _created(
         return JSONResponse(created.model_dump(mode="json"), status_code=201)
 
     return await run_idempotent(
-        db_url=settings.db_url,
+        db_url=settings.database_url,
         caller=caller.id,
         key=idempotency_key,
         method="POST",

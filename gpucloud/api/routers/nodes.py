@@ -63,11 +63,11 @@ class NodePage(BaseModel):
 
 
 def _enroll(settings: Settings, req: EnrollRequest) -> tuple[list[str], int, int]:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         new, known = enroll_nodes(session, req.nodes)
         session.flush()
         # New nodes, and known ones still waiting for a bring-up nobody holds (it was lost).
-        to_start = lease_for_bringup(session, [*new, *known], deadline_scale=settings.deadline_scale)
+        to_start = lease_for_bringup(session, [*new, *known], deadline_scale=settings.reconciler.deadline_scale)
         return to_start, len(new), len(known)
 
 
@@ -162,7 +162,7 @@ class HeartbeatResult(BaseModel):
 
 
 def _act(settings: Settings, node_id: str, action: str, reason: str) -> tuple[Node, Operation]:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         node = session.get(Node, node_id)
         if node is None:
             raise not_found("node", node_id)
@@ -242,7 +242,7 @@ def fleet_summary(operator: OperatorDep, session: SessionDep) -> dict:
 
 
 def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         return record_heartbeats(session, [b.model_dump() for b in batch.heartbeats])
 
 
@@ -269,7 +269,7 @@ class AgentCredentialIssued(BaseModel):
 def issue_agent_credential(node_id: str, operator: OperatorDep, settings: SettingsDep):
     """A credential for the node's host agent, replacing any earlier one; it reports for this
     node only (heartbeats, XID events, readings) and opens nothing else."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         try:
             token = agent_credentials.issue(session, node_id)
         except agent_credentials.UnknownNode:
@@ -343,17 +343,18 @@ class NodeHealth(BaseModel):
 
 def _breaker(settings: Settings) -> health_service.BreakerSettings:
     return health_service.BreakerSettings(
-        max_pulled_share=settings.breaker_max_pulled_share, window=timedelta(seconds=settings.breaker_window_s)
+        max_pulled_share=settings.health.breaker_max_pulled_share,
+        window=timedelta(seconds=settings.health.breaker_window_s),
     )
 
 
 def _ingest(settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         return health_service.ingest_xids(session, events, source=source, breaker=_breaker(settings))
 
 
 def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         outcomes, unknown = health_service.ingest_readings(session, readings, breaker=_breaker(settings))
     if unknown:
         raise Problem(
@@ -376,8 +377,8 @@ async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
             node_id=o.node_id,
             reason=o.reason[:1000],
             immediate=o.immediate,
-            grace_s=settings.health_drain_grace_s,
-            recheck_s=settings.replacement_recheck_s,
+            grace_s=settings.health.drain_grace_s,
+            recheck_s=settings.health.replacement_recheck_s,
         )
         try:
             await signal_replace_node(temporal, o.allocation_id, req)

@@ -10,7 +10,7 @@ interrupted push resumes by asking again which chunks are missing.
 
 Every query is scoped to the caller's tenant, and a name or id of another tenant gets the same 404
 as one that does not exist. Each tenant's chunks live under its own store prefix
-(`gpucloud.registry.config`), so chunk ids are never looked up across tenants either.
+(`gpucloud.registry.stores`), so chunk ids are never looked up across tenants either.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import asdict
 from datetime import timedelta
@@ -68,7 +67,6 @@ from gpucloud.models.registry_tables import (
 )
 from gpucloud.models.tables import utcnow
 from gpucloud.registry import gc, promotion
-from gpucloud.registry.config import RegistryStores, build_stores
 from gpucloud.registry.manifest import (
     BadSignatureError,
     ChunkCorruptedError,
@@ -82,24 +80,20 @@ from gpucloud.registry.manifest import (
     is_digest,
     key_id_of,
 )
+from gpucloud.registry.stores import RegistryStores
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["registry"])
 
 SPOOL_IN_MEMORY = 8 << 20  # an upload larger than this spills to a temp file, so memory stays bounded
 WRITE_BATCH = 1 << 20
-_STORES_LOCK = threading.Lock()
 
 ChunkId = Annotated[str, PathParam(pattern=DIGEST_PATTERN, description="BLAKE3 hex of the chunk's bytes")]
 VersionRef = Annotated[str, PathParam(description="a digest, a unique digest prefix (8+ hex digits) or an alias")]
 
 
 def get_stores(request: Request) -> RegistryStores:
-    state = request.app.state
-    with _STORES_LOCK:
-        if getattr(state, "registry_stores", None) is None:
-            state.registry_stores = build_stores(data_dir=state.settings.data_dir)
-        return state.registry_stores
+    return request.app.state.registry_stores
 
 
 StoresDep = Annotated[RegistryStores, Depends(get_stores)]
@@ -159,7 +153,7 @@ def _signature_problem(exc: IntegrityError) -> Problem:
 
 async def _idempotent(request: Request, settings: Settings, caller: str, key: str | None, handler) -> Response:
     return await run_idempotent(
-        db_url=settings.db_url,
+        db_url=settings.database_url,
         caller=caller,
         key=key,
         method=request.method,
@@ -177,7 +171,7 @@ IdempotencyKey = Annotated[str | None, Header()]
 
 def _create_model(settings: Settings, tenant_id: str, req: RegistryModelCreate) -> ModelPublic:
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             model = RegistryModel(tenant_id=tenant_id, name=req.name, description=req.description)
             session.add(model)
             session.flush()
@@ -233,7 +227,7 @@ def get_model(name: str, tenant: TenantDep, session: SessionDep):
 
 @router.put("/models/{name}/gates", response_model=ModelPublic)
 def set_gates(name: str, req: GatesUpdate, tenant: TenantDep, settings: SettingsDep):
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         model = _model(session, tenant.tenant_id, name, for_update=True)
         promotion.replace_gates(session, model, req.gates)
         session.flush()
@@ -247,14 +241,14 @@ def _register_key(settings: Settings, tenant_id: str, req: SigningKeyCreate) -> 
     key_id = key_id_of(VerifyKey(bytes.fromhex(req.public_key)))
     query = select(SigningKey).where(SigningKey.tenant_id == tenant_id, SigningKey.key_id == key_id)
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             existing = session.exec(query).first()
             if existing is None:
                 key = SigningKey(tenant_id=tenant_id, key_id=key_id, public_key=req.public_key)
                 session.add(key)
                 return key, True
     except sa.exc.IntegrityError:  # registered concurrently: the other request's row is the answer
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             existing = session.exec(query).one()
     if existing.revoked_at is not None:
         raise Problem(
@@ -298,7 +292,7 @@ def list_signing_keys(tenant: TenantDep, session: SessionDep):
 @router.delete("/signing-keys/{key_id}", response_model=SigningKeyPublic)
 def revoke_signing_key(key_id: str, tenant: TenantDep, settings: SettingsDep):
     """Revoke a key: versions it signed no longer verify on pull and cannot be promoted."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         key = session.exec(
             select(SigningKey).where(SigningKey.tenant_id == tenant.tenant_id, SigningKey.key_id == key_id)
         ).first()
@@ -313,7 +307,7 @@ def revoke_signing_key(key_id: str, tenant: TenantDep, settings: SettingsDep):
 
 
 def _check_model(settings: Settings, tenant_id: str, name: str) -> None:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         _model(session, tenant_id, name)
 
 
@@ -334,7 +328,7 @@ async def upload_chunk(
     name: str, chunk_id: ChunkId, request: Request, tenant: TenantDep, settings: SettingsDep, stores: StoresDep
 ):
     await run_in_threadpool(_check_model, settings, tenant.tenant_id, name)
-    limit = stores.settings.max_chunk_size
+    limit = settings.registry.max_chunk_size
     too_large = Problem(413, "chunk-too-large", "Chunk too large", f"a chunk may have at most {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -405,7 +399,7 @@ def _register_version(
     settings: Settings, stores: RegistryStores, tenant_id: str, name: str, signed: SignedManifest
 ) -> tuple[ModelVersionPublic, bool]:
     manifest, digest = signed.manifest, signed.digest
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         model = _model(session, tenant_id, name)
         if manifest.model != name:
             raise _invalid("manifest.model", f"the manifest is for model {manifest.model!r}, posted to {name!r}")
@@ -451,12 +445,12 @@ def _register_version(
         manifest_uri=stores.manifest_uri(tenant_id, digest),
     )
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             session.add(row)
             session.flush()
             return promotion.publish_versions(session, tenant_id, [row])[0], True
     except sa.exc.IntegrityError:  # the same version posted concurrently
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             existing = promotion.version_row(session, tenant_id, digest)
             return promotion.publish_versions(session, tenant_id, [existing])[0], False
 
@@ -520,7 +514,7 @@ def get_version(name: str, ref: VersionRef, tenant: TenantDep, session: SessionD
 @router.get("/models/{name}/versions/{ref}/manifest", response_model=SignedManifest)
 def get_manifest(name: str, ref: VersionRef, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
     """The signed manifest exactly as pushed; clients verify it against the published keys."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         digest = _resolve(session, _model(session, tenant.tenant_id, name), ref).digest
     try:
         signed = stores.manifests(tenant.tenant_id).get(digest)
@@ -540,7 +534,7 @@ def _record_evaluation(
     query = select(EvaluationResult).where(
         EvaluationResult.tenant_id == tenant_id, EvaluationResult.record_digest == record.digest
     )
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         digest = _resolve(session, _model(session, tenant_id, name), ref).digest
         if record.version != digest:
             raise _invalid("record.version", f"the record is about version {record.version}, posted for {digest}")
@@ -562,11 +556,11 @@ def _record_evaluation(
         signature=signed.signature,
     )
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             session.add(row)
             return row, True
     except sa.exc.IntegrityError:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             return session.exec(query).one(), False
 
 
@@ -621,7 +615,7 @@ def _check_gates(
 )
 def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, settings: SettingsDep):
     """Point an alias at a version; `staging` and `production` move only when the model's gates pass."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         # The model row lock serialises moves of one model's aliases (a no-op on SQLite, which
         # already holds the write lock), so two promotions cannot both pass against a stale production.
         model = _model(session, tenant.tenant_id, name, for_update=True)

@@ -67,7 +67,7 @@ def _invalid(detail: str) -> Problem:
 
 def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[RolloutTarget] | None:
     """The explicit nodes as targets (each one the tenant's), after checking the version exists."""
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         version = session.exec(
             select(ModelVersion.digest).where(
                 ModelVersion.tenant_id == tenant_id, ModelVersion.digest == req.model_version
@@ -125,7 +125,7 @@ async def create_rollout(
                 RolloutWorkflow.run,
                 inp,
                 id=rollout_id,
-                task_queue=settings.task_queue,
+                task_queue=settings.temporal.task_queue,
                 search_attributes=search_attributes.typed(*attributes),
             )
         except RPCError as exc:
@@ -144,7 +144,7 @@ async def create_rollout(
         )
 
     return await run_idempotent(
-        db_url=settings.db_url,
+        db_url=settings.database_url,
         caller=tenant.id,
         key=idempotency_key,
         method="POST",

@@ -160,7 +160,7 @@ def visible_tenant(session: Session, caller: Caller, tenant_id: str) -> Tenant:
 
 def _with_defaults(settings: Settings, quotas: list[QuotaRequest]) -> list[TenantQuotaBase]:
     """The default quota from the settings, overridden (or narrowed) by the request's."""
-    rows = {(quota_service.ANY, quota_service.ANY): settings.default_gpu_quota}
+    rows = {(quota_service.ANY, quota_service.ANY): settings.tenants.default_gpu_quota}
     rows.update({(q.gpu_type, q.region): q.max_gpus for q in quotas})
     return [TenantQuotaBase(gpu_type=t, region=r, max_gpus=n) for (t, r), n in sorted(rows.items())]
 
@@ -168,7 +168,7 @@ def _with_defaults(settings: Settings, quotas: list[QuotaRequest]) -> list[Tenan
 def _create(settings: Settings, req: TenantRequest) -> TenantAccepted:
     quotas = _with_defaults(settings, req.quotas)
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             tenant, op, key, plaintext = tenant_service.create(session, name=req.name, quotas=quotas)
             return TenantAccepted(
                 **_public(tenant).model_dump(),
@@ -187,7 +187,7 @@ def _create(settings: Settings, req: TenantRequest) -> TenantAccepted:
 
 
 def _discard(settings: Settings, tenant_id: str) -> None:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         tenant_service.discard(session, tenant_id)
 
 
@@ -228,7 +228,7 @@ async def create_tenant(
         )
 
     return await run_idempotent(
-        db_url=settings.db_url,
+        db_url=settings.database_url,
         caller=operator.id,
         key=idempotency_key,
         method="POST",
@@ -265,7 +265,7 @@ def get_tenant(tenant_id: str, caller: CallerDep, session: SessionDep):
 
 def _begin_offboarding(settings: Settings, tenant_id: str) -> tuple[Tenant, Operation, bool]:
     try:
-        with session_scope(settings.db_url) as session:
+        with session_scope(settings.database_url) as session:
             return tenant_service.begin_offboarding(session, tenant_id)
     except tenant_service.TenantNotFound as exc:
         raise not_found("tenant", tenant_id) from exc
@@ -306,10 +306,10 @@ async def delete_tenant(tenant_id: str, operator: OperatorDep, settings: Setting
 
 def _report(session: Session, settings: Settings, tenant_id: str) -> QuotaReport:
     rows = quota_service.quota_rows(session, tenant_id)
-    usage = quota_service.usage_report(session, tenant_id, default_gpus=settings.default_gpu_quota)
+    usage = quota_service.usage_report(session, tenant_id, default_gpus=settings.tenants.default_gpu_quota)
     return QuotaReport(
         tenant_id=tenant_id,
-        default_gpus=settings.default_gpu_quota,
+        default_gpus=settings.tenants.default_gpu_quota,
         quotas=[TenantQuotaBase(gpu_type=r.gpu_type, region=r.region, max_gpus=r.max_gpus) for r in rows],
         usage=[
             QuotaUsage(
@@ -331,7 +331,7 @@ def get_quotas(tenant_id: str, caller: CallerDep, session: SessionDep, settings:
 
 
 def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaRequest]) -> QuotaReport:
-    with session_scope(settings.db_url) as session:
+    with session_scope(settings.database_url) as session:
         # The row lock that allocation admission takes: a change lands between two admissions.
         if session.exec(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()).first() is None:
             raise not_found("tenant", tenant_id)

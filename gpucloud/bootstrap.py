@@ -1,0 +1,167 @@
+"""The only code that turns settings into clients of outside systems, real or simulated.
+
+Every process (the API, the worker, the ledger, the tracker, the agent, the CLI, `up`) gets its
+adapters here; nothing else constructs a client from settings. Each outside system has one
+client: the Temporal client (`adapters.temporal`), the control-plane database (`db`), the host
+agents (the real agent and the simulated fleet speak the same wire API), the fabric managers
+(UFM, NMX-M, SDN: real ones or `sim.fabric_managers`), the object store (a local directory or
+S3) under both registry chunks and tenant storage, the billing ledger and the weight tracker.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import tenacity
+from temporalio.client import Client
+
+from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
+from gpucloud.config import Settings, load_or_create_secret
+from gpucloud.db import Database
+from gpucloud.fabric.http_clients import HttpFabricController
+from gpucloud.ledger.client import LedgerClient
+from gpucloud.registry.stores import RegistryStores
+from gpucloud.storage.backends import LocalBackend, ObjectBackend, S3Backend
+from gpucloud.storage.envelope import MasterKeys, TenantKeys
+from gpucloud.storage.tenant import TenantStore
+
+FabricControllerFactory = Callable[[], HttpFabricController]
+
+
+async def temporal_client(settings: Settings, *, wait_s: float = 30.0) -> Client:
+    """The Temporal client, once the server answers (processes of a stack start together)."""
+    from gpucloud.adapters.temporal import connect
+
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_delay(wait_s),
+        wait=tenacity.wait_fixed(0.5),
+        retry=tenacity.retry_if_exception_type(RuntimeError),
+        reraise=True,
+    )
+    async for attempt in retrying:
+        with attempt:
+            return await connect(settings.temporal)
+    raise AssertionError("tenacity either returns or raises")
+
+
+@cache
+def _s3_client(endpoint_url: str | None, region: str | None, access_key_id: str | None, secret: str | None) -> Any:
+    import boto3  # only an S3 deployment pays for importing boto3
+
+    credentials = {}
+    if access_key_id and secret:
+        credentials = {"aws_access_key_id": access_key_id, "aws_secret_access_key": secret}
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region, **credentials)
+
+
+def s3_client(settings: Settings) -> Any:
+    """The one S3 client of a process (boto3's clients are thread-safe)."""
+    store = settings.object_store
+    secret = store.secret_access_key.get_secret_value() if store.secret_access_key else None
+    return _s3_client(store.endpoint_url, store.region, store.access_key_id, secret)
+
+
+def storage_master_key(settings: Settings) -> bytes:
+    """The key that wraps every tenant's data key: from the settings, else kept in the data dir."""
+    configured = settings.tenants.storage_master_key
+    encoded = (
+        configured.get_secret_value()
+        if configured is not None
+        else load_or_create_secret(
+            settings.data_dir / "storage_master_key", lambda: base64.b64encode(MasterKeys.generate_key()).decode()
+        )
+    )
+    key = base64.b64decode(encoded)
+    if len(key) != 32:
+        raise ValueError("the storage master key must be base64 of 32 bytes")
+    return key
+
+
+def object_backend(settings: Settings) -> ObjectBackend:
+    if settings.object_store.backend == "s3":
+        return S3Backend(s3_client(settings), settings.object_store.bucket)
+    # Presigned URLs of the local store are signed with a key derived from the master key.
+    signing_key = hmac.new(storage_master_key(settings), b"gpucloud-local-presign", hashlib.sha256).digest()
+    return LocalBackend(settings.object_store_dir, signing_key=signing_key)
+
+
+def tenant_store(settings: Settings) -> TenantStore:
+    """Tenant storage: `tenants/<tenant id>/` on the object store, sealed with per-tenant data keys.
+    The master key's id is derived from the key itself, so a different key can never pass for the
+    one that wrapped a tenant's data key."""
+    key = storage_master_key(settings)
+    key_id = "mk-" + hashlib.sha256(key).hexdigest()[:12]
+    backend = object_backend(settings)
+    return TenantStore(backend=backend, keys=TenantKeys(backend, MasterKeys({key_id: key}, active=key_id)))
+
+
+def registry_stores(settings: Settings) -> RegistryStores:
+    """Registry chunks and signed manifests: under `<registry prefix>/tenants/<tenant id>/`."""
+    prefix = settings.registry.prefix
+    if settings.object_store.backend == "s3":
+        return RegistryStores(
+            root=settings.object_store_dir,
+            s3_client=s3_client(settings),
+            bucket=settings.object_store.bucket,
+            prefix=prefix,
+        )
+    return RegistryStores(root=settings.object_store_dir / prefix)
+
+
+def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
+    """A factory of clients of the three fabric managers, or None when none is configured."""
+    urls = settings.fabric.manager_urls
+    if urls is None:
+        return None
+    ufm, nmx, sdn = urls
+    return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn)
+
+
+def ledger_client(settings: Settings) -> LedgerClient | None:
+    """The billing ledger's client, or None: without a ledger nothing is billed."""
+    return LedgerClient(settings.ledger.url) if settings.ledger.url else None
+
+
+def database(settings: Settings) -> Database:
+    return Database(settings.database_url)
+
+
+def host_agents(settings: Settings) -> HostAgents:
+    """Agents on nodes and the simulated fleet serve the same action API: one HTTP client for both."""
+    return HttpHostAgents()
+
+
+@dataclass
+class ControlPlane:
+    """The outside systems the worker and the API act on."""
+
+    settings: Settings
+    db: Database
+    agents: HostAgents
+    fabric: FabricControllerFactory | None
+    ledger: LedgerClient | None
+    tenant_store: TenantStore
+    registry: RegistryStores
+
+    async def aclose(self) -> None:
+        await self.agents.aclose()
+        if self.ledger is not None:
+            await self.ledger.aclose()
+
+
+def control_plane(settings: Settings) -> ControlPlane:
+    return ControlPlane(
+        settings=settings,
+        db=database(settings),
+        agents=host_agents(settings),
+        fabric=fabric_controller(settings),
+        ledger=ledger_client(settings),
+        tenant_store=tenant_store(settings),
+        registry=registry_stores(settings),
+    )
