@@ -9,9 +9,9 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 from gpucloud import bootstrap
-from gpucloud.api import problems
 from gpucloud.api.routers import allocations, api_keys, billing, nodes, operations, registry, rollouts, tenants
 from gpucloud.config import Settings
+from gpucloud.web import problems
 
 log = logging.getLogger(__name__)
 

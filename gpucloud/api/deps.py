@@ -10,10 +10,10 @@ from sqlmodel import Session
 from temporalio.client import Client
 
 from gpucloud.api import auth
-from gpucloud.api.problems import Problem
 from gpucloud.config import Settings
 from gpucloud.db import get_engine
 from gpucloud.ledger.client import LedgerClient
+from gpucloud.web.problems import Problem
 
 
 def get_settings(request: Request) -> Settings:

@@ -21,9 +21,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from sqlmodel import select
 
-from gpucloud.api.problems import MEDIA_TYPE, Problem
 from gpucloud.db import session_scope
 from gpucloud.models.tables import IdempotencyRecord, utcnow
+from gpucloud.web.problems import MEDIA_TYPE, Problem
 
 RETENTION = timedelta(hours=24)
 WAIT_FOR_FIRST_S = 30.0

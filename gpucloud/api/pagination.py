@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from gpucloud.api.problems import Problem
+from gpucloud.web.problems import Problem
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000

@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from gpucloud.api.problems import Problem
 from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Tenant, TenantQuota, TenantStatus
+from gpucloud.web.problems import Problem
 
 ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 

@@ -8,12 +8,12 @@ from collections import Counter
 
 from sqlmodel import select
 
-from gpucloud.api.problems import Problem
 from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Allocation, Node, NodeEnroll, Tenant, TenantStatus
 from gpucloud.services import nodes as node_service
+from gpucloud.web.problems import Problem
 
 
 def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from gpucloud.api import pagination
 from gpucloud.api.idempotency import body_hash
-from gpucloud.api.problems import Problem
 from gpucloud.services.allocations import pick_gang
+from gpucloud.web.problems import Problem
 
 
 def test_cursor_round_trip_and_filter_binding():

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gpucloud.models.registry_tables import GateSpec, RegistryModelCreate
 from gpucloud.bootstrap import registry_stores
 from gpucloud.config import ObjectStoreSettings, Settings
+from gpucloud.models.registry_tables import GateSpec, RegistryModelCreate
 from gpucloud.registry.promotion import evaluate_gates, walk_ancestors, walk_descendants
 
 ACCURACY = GateSpec(metric="accuracy", min=0.7, max_regression=0.02)

@@ -18,7 +18,6 @@ from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SessionDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import run_idempotent
-from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION, NVL72_GPU_TYPES, NVL72_TRAYS_PER_RACK
@@ -36,6 +35,7 @@ from gpucloud.services import allocations as service
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
+from gpucloud.web.problems import Problem, not_found
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["allocations"])

@@ -21,11 +21,11 @@ from sqlmodel import select
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import run_idempotent
-from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.tables import ApiKeyPublic, Tenant, TenantStatus
 from gpucloud.services import api_keys as key_service
+from gpucloud.web.problems import Problem, not_found
 
 router = APIRouter(prefix="/v1", tags=["api-keys"])
 

@@ -22,7 +22,6 @@ from sqlmodel import Session, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, LedgerDep, OperatorDep, SessionDep
-from gpucloud.api.problems import Problem, not_found
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.schemas import (
@@ -33,6 +32,7 @@ from gpucloud.ledger.schemas import (
     UsageSummary,
 )
 from gpucloud.models.tables import Allocation
+from gpucloud.web.problems import Problem, not_found
 
 router = APIRouter(prefix="/v1", tags=["billing"])
 

@@ -18,7 +18,6 @@ from gpucloud.agent.readings import NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
-from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.health_tables import (
@@ -36,6 +35,7 @@ from gpucloud.services.fleet import apply_operator_action, record_heartbeats, su
 from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import signal_replace_node, start_bringup_batches
+from gpucloud.web.problems import Problem, not_found
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["nodes"])

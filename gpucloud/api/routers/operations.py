@@ -4,8 +4,8 @@ from fastapi import APIRouter
 from sqlmodel import select
 
 from gpucloud.api.deps import CallerDep, SessionDep
-from gpucloud.api.problems import not_found
 from gpucloud.models.tables import Operation, OperationPublic
+from gpucloud.web.problems import not_found
 
 router = APIRouter(prefix="/v1", tags=["operations"])
 

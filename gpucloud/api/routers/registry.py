@@ -35,7 +35,6 @@ from sqlmodel import Session, select
 from gpucloud.api import pagination
 from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import run_idempotent
-from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.registry_tables import (
@@ -81,6 +80,7 @@ from gpucloud.registry.manifest import (
     key_id_of,
 )
 from gpucloud.registry.stores import RegistryStores
+from gpucloud.web.problems import Problem, not_found
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["registry"])

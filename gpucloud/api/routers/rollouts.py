@@ -22,7 +22,6 @@ from temporalio.service import RPCError, RPCStatusCode
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import run_idempotent
-from gpucloud.api.problems import Problem, not_found
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.registry_tables import ModelVersion
@@ -36,6 +35,7 @@ from gpucloud.models.rollout_messages import (
 )
 from gpucloud.models.tables import Node
 from gpucloud.registry.manifest import HEX_DIGEST
+from gpucloud.web.problems import Problem, not_found
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 

@@ -29,7 +29,6 @@ from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, OperatorDep, SessionDep, SettingsDep, TemporalDep
 from gpucloud.api.idempotency import run_idempotent
-from gpucloud.api.problems import Problem, not_found
 from gpucloud.api.routers.api_keys import ApiKeyCreated
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
@@ -45,6 +44,7 @@ from gpucloud.models.tables import (
 from gpucloud.services import quotas as quota_service
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.workflows import start_tenant_offboarding, start_tenant_onboarding
+from gpucloud.web.problems import Problem, not_found
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 

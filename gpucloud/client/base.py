@@ -1,0 +1,162 @@
+"""What every call to the public API shares: the bearer token, problem+json errors as `ApiError`,
+retries of what may be retried, keyset pagination, and bounded waits for a state.
+
+Retried: a connection that failed or timed out, and 429 / 503 answers (after their
+`Retry-After`), for reads always and for writes only under an `Idempotency-Key` (a replay then
+returns the first answer, so a retry can never create twice). Anything else is raised at once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import httpx
+import tenacity
+
+T = TypeVar("T")
+
+RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+
+
+class ApiError(Exception):
+    """The API answered with an error; `type` is the problem type's last segment (e.g. `quota-exceeded`)."""
+
+    def __init__(self, status: int, body: dict[str, Any], *, retry_after_s: float | None = None) -> None:
+        self.status, self.body, self.retry_after_s = status, body, retry_after_s
+        self.type = str(body.get("type", "")).rsplit("/", 1)[-1]
+        self.title = str(body.get("title", "HTTP error"))
+        self.detail = str(body.get("detail", ""))
+        super().__init__(f"{self.title} ({status}): {self.detail}")
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> ApiError:
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"detail": response.text[:500]}
+        retry_after = response.headers.get("retry-after", "")
+        return cls(
+            response.status_code,
+            body if isinstance(body, dict) else {"detail": str(body)},
+            retry_after_s=float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None,
+        )
+
+
+class ApiTimeout(TimeoutError):
+    """A wait for a state ran out (`ApiClient.wait_for`)."""
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, ApiError):
+        return exc.status in RETRYABLE_STATUS
+    return isinstance(exc, httpx.TransportError)
+
+
+def _wait_s(state: tenacity.RetryCallState) -> float:
+    exc = state.outcome.exception() if state.outcome else None
+    if isinstance(exc, ApiError) and exc.retry_after_s is not None:
+        return min(exc.retry_after_s, 30.0)
+    return min(0.25 * 2 ** (state.attempt_number - 1), 5.0)
+
+
+class ApiClient:
+    """One caller of the API (a tenant's key, the operator token or a node's agent credential)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout_s: float = 30.0,
+        retry_for_s: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry_for_s = retry_for_s
+        self.http = httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            transport=transport,
+        )
+
+    def __enter__(self: T) -> T:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def request(
+        self, method: str, path: str, *, idempotency_key: str | None = None, retry: bool | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """The response to a call, or `ApiError`. `retry` defaults to: reads, and writes under an
+        `idempotency_key`; a streamed body (`content=` an iterator) is never retried."""
+        if idempotency_key is not None:
+            kwargs["headers"] = {**kwargs.get("headers", {}), "Idempotency-Key": idempotency_key}
+        if retry is None:
+            retry = method.upper() in ("GET", "HEAD") or idempotency_key is not None
+
+        def once() -> httpx.Response:
+            response = self.http.request(method, path, **kwargs)
+            if response.status_code >= 400:
+                raise ApiError.from_response(response)
+            return response
+
+        if not retry:
+            return once()
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_retryable),
+            stop=tenacity.stop_after_delay(self.retry_for_s),
+            wait=_wait_s,
+            reraise=True,
+        )(once)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The decoded JSON body of a call (None for an empty one)."""
+        response = self.request(method, path, **kwargs)
+        return response.json() if response.content else None
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self.call("GET", path, **kwargs)
+
+    def create(self, path: str, body: dict[str, Any], *, idempotency_key: str | None = None) -> Any:
+        """A create under an Idempotency-Key (a fresh one unless given), so it is safe to retry."""
+        return self.call("POST", path, json=body, idempotency_key=idempotency_key or str(uuid.uuid4()))
+
+    def pages(self, path: str, *, page_size: int = 1000, **params: Any) -> Iterator[dict[str, Any]]:
+        """Every item of a keyset-paginated listing, page after page."""
+        query = {k: v for k, v in params.items() if v is not None} | {"page_size": page_size}
+        while True:
+            page = self.get(path, params=query)
+            yield from page["items"]
+            if not page.get("next_page_token"):
+                return
+            query["page_token"] = page["next_page_token"]
+
+    def wait_for(
+        self,
+        fetch: Callable[[], T],
+        done: Callable[[T], bool],
+        *,
+        timeout_s: float,
+        interval_s: float = 0.5,
+        what: str = "the state",
+        on_poll: Callable[[T], None] | None = None,
+    ) -> T:
+        """Poll `fetch` until `done` holds for its answer; `ApiTimeout` naming `what` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = fetch()
+            if on_poll is not None:
+                on_poll(value)
+            if done(value):
+                return value
+            if time.monotonic() >= deadline:
+                raise ApiTimeout(f"{what} not reached within {timeout_s:g} s (last: {value!r:.300})")
+            time.sleep(interval_s)

@@ -1,0 +1,1 @@
+"""What every HTTP server of gpucloud shares: problem+json errors (`problems`)."""
