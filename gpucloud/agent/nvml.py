@@ -193,10 +193,6 @@ class NvmlSession:
                 self._call(nvml.nvmlDeviceRegisterEvents, handle, mask, self._event_set, gpu_index=index, optional=True)
 
     @property
-    def device_count(self) -> int:
-        return len(self._handles)
-
-    @property
     def uuids(self) -> list[str]:
         return list(self._uuids)
 

@@ -58,7 +58,6 @@ class _SimGpu:
     links: int
     counters: dict[Counter, float] = field(default_factory=lambda: dict.fromkeys(Counter, 0.0))
     link_counters: list[dict[Counter, float]] = field(init=False)
-    links_active: list[bool] = field(init=False)
     aggregate_corrected: float = 0.0
     aggregate_uncorrected: float = 0.0
     remap_pending: bool = False
@@ -67,7 +66,6 @@ class _SimGpu:
 
     def __post_init__(self) -> None:
         self.link_counters = [dict.fromkeys(NVLINK_COUNTERS, 0.0) for _ in range(self.links)]
-        self.links_active = [True] * self.links
 
     def bump(self, counter: Counter, amount: float, link: int) -> None:
         if counter in NVLINK_COUNTERS:
@@ -84,7 +82,6 @@ class _SimGpu:
         for counter in (Counter.ECC_CORRECTED, Counter.ECC_UNCORRECTED, Counter.PCIE_REPLAY):
             self.counters[counter] = 0.0
         self.link_counters = [dict.fromkeys(NVLINK_COUNTERS, 0.0) for _ in range(self.links)]
-        self.links_active = [True] * self.links
         self.remap_pending = False
 
 
@@ -124,7 +121,6 @@ class SimulatedProbe:
         self._drifts: list[CounterDrift] = []
         self._events: list[XidEvent] = []
         self._fatal: ProbeFatal | None = None
-        self._load = 0.0
         self._now = clock()
         self._closed = False
         self._changed = threading.Condition()
@@ -176,20 +172,11 @@ class SimulatedProbe:
         with self._changed:
             self._fatal = None if kind is None else ProbeFatal(kind=kind, gpu_index=gpu_index, detail=detail)
 
-    def set_link_active(self, *, gpu_index: int, link: int, active: bool) -> None:
-        with self._changed:
-            self.gpus[gpu_index].links_active[link] = active
-
     def set_clock_event_reasons(self, mask: int, *, gpu_index: int | None = None) -> None:
         """Force clock event reason bits on one GPU or all (e.g. 0x40, hardware thermal slowdown)."""
         with self._changed:
             for gpu in self.gpus if gpu_index is None else [self.gpus[gpu_index]]:
                 gpu.clock_event_reasons = mask
-
-    def set_load(self, fraction: float) -> None:
-        """How busy the GPUs are (0..1): moves power and temperature the way real ones move."""
-        with self._changed:
-            self._load = min(1.0, max(0.0, fraction))
 
     def apply_fault(self, fault: Fault) -> list[XidEvent]:
         """Make a drawn fault happen now; returns the XIDs it queued."""
@@ -272,13 +259,13 @@ class SimulatedProbe:
 
     def _gpu_reading(self, gpu: _SimGpu) -> GpuReading:
         noise = self._noise_rng.gauss
-        reasons = gpu.clock_event_reasons | (_GPU_IDLE if self._load == 0 else 0)
         return GpuReading(
             index=gpu.index,
             uuid=gpu.uuid,
             name=self._gpu_name,
-            temperature_c=round(32 + 45 * self._load + noise(0, 0.5)),
-            power_w=round(70 + 630 * self._load + noise(0, 2), 1),
+            # The simulated GPUs idle: no workload runs on them.
+            temperature_c=round(32 + noise(0, 0.5)),
+            power_w=round(70 + noise(0, 2), 1),
             ecc=EccCounts(
                 volatile_corrected=math.floor(gpu.counters[Counter.ECC_CORRECTED]),
                 volatile_uncorrected=math.floor(gpu.counters[Counter.ECC_UNCORRECTED]),
@@ -293,13 +280,11 @@ class SimulatedProbe:
             ),
             nvlinks=tuple(self._link_reading(gpu, link) for link in range(gpu.links)),
             pcie_replay=math.floor(gpu.counters[Counter.PCIE_REPLAY]),
-            clock_event_reasons=reasons,
+            clock_event_reasons=gpu.clock_event_reasons | _GPU_IDLE,
         )
 
     @staticmethod
     def _link_reading(gpu: _SimGpu, link: int) -> NvLinkReading:
-        if not gpu.links_active[link]:
-            return NvLinkReading(link=link, active=False)
         counters = gpu.link_counters[link]
         return NvLinkReading(
             link=link,
