@@ -44,6 +44,21 @@ DB_PARAMS = [
 ]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `one_database` exercise workflows, HTTP and agents, with the database only
+    underneath: they run on SQLite. The database layer's own tests (CAS, races, queries,
+    pagination, quotas, idempotency, migrations, and the allocation lifecycle end to end) run on
+    every database."""
+    keep, dropped = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        on_postgres = params is not None and params.params.get("db_url") == "postgres"
+        (dropped if on_postgres and item.get_closest_marker("one_database") else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 @pytest.fixture(params=DB_PARAMS)
 def db_url(request, tmp_path) -> Iterator[str]:
     """A migrated, empty control-plane database: SQLite, and Postgres when reachable."""

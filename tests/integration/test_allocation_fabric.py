@@ -11,6 +11,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 
+import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
@@ -19,6 +20,8 @@ from gpucloud.fabric.isolation import find_violations
 from gpucloud.services.allocations import workflow_id_for
 from gpucloud.workers.main import WORKFLOWS
 from support.stack import async_wait_until
+
+pytestmark = pytest.mark.one_database
 
 FAST = dict(
     latency_scale=0.02,

@@ -12,6 +12,8 @@ import pytest
 
 from gpucloud.models.node_states import STABLE
 
+pytestmark = pytest.mark.one_database
+
 SEED = 20261202
 ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe")
 

@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.one_database
+
 
 def test_nodes_table_filters_by_state(db_url, make_harness):
     h = make_harness(db_url, nodes=3)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from support.stack import async_wait_until
+
+pytestmark = pytest.mark.one_database
 
 
 async def test_worker_killed_mid_provisioning_allocation_still_completes(db_url, make_harness):

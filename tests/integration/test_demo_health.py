@@ -13,6 +13,8 @@ from rich.console import Console
 
 from gpucloud.demo.health import HealthDemoError, demo_health
 
+pytestmark = pytest.mark.one_database
+
 FAST = dict(latency_scale=0.02, health__drain_grace_s=0.5, health__replacement_recheck_s=0.5)
 
 

@@ -9,10 +9,13 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import httpx
+import pytest
 
 from gpucloud.agent.readings import FatalKind, ProbeFatal
 from support.readings import node_reading
 from support.stack import async_wait_until
+
+pytestmark = pytest.mark.one_database
 
 FAST = dict(latency_scale=0.02, health__drain_grace_s=0.5, health__replacement_recheck_s=0.5)
 

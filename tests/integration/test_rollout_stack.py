@@ -11,6 +11,7 @@ import os
 import uuid
 
 import httpx
+import pytest
 
 from gpucloud.agent.peer import PeerServer
 from gpucloud.bootstrap import registry_stores
@@ -21,6 +22,8 @@ from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
 from gpucloud.registry.origin import RegistryOrigin, tenants_in
 from gpucloud.registry.tracker_app import create_tracker_app
 from support.stack import async_wait_until
+
+pytestmark = pytest.mark.one_database
 
 KiB = 1024
 POLICY = ChunkPolicy(max_chunk_size=64 * KiB, pack_size=16 * KiB, fixed_chunk_size=64 * KiB, read_size=KiB * KiB)

@@ -40,6 +40,8 @@ from gpucloud.fabric.isolation import find_violations
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, NodeTransition, Tenant
 from support.stack import wait_until
 
+pytestmark = pytest.mark.one_database
+
 NODES = 6
 FAST = dict(
     latency_scale=0.02,

@@ -30,6 +30,8 @@ from gpucloud.storage.envelope import UnknownTenantKeyError
 from gpucloud.workers.main import WORKFLOWS
 from support.stack import async_wait_until
 
+pytestmark = pytest.mark.one_database
+
 ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 HISTORIES = Path(__file__).parent.parent / "histories"
 
