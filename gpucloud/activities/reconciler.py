@@ -46,10 +46,10 @@ def candidate_filter(now, heartbeat_cutoff):
         Node.state.in_([NodeState.ENROLLED.value, NodeState.INSPECTING.value]),
         # Burn-in a bring-up batch handed back (its agent went silent): retried with backoff.
         sa.and_(Node.state == NodeState.BURN_IN.value, Node.reconcile_attempts > 0),
-        sa.and_(Node.drain_requested == True, Node.state != NodeState.QUARANTINED.value),  # noqa: E712
-        Node.drifted == True,  # noqa: E712
-        sa.and_(Node.last_heartbeat_at < heartbeat_cutoff, Node.agent_reachable == True),  # noqa: E712
-        sa.and_(Node.last_heartbeat_at >= heartbeat_cutoff, Node.agent_reachable == False),  # noqa: E712
+        sa.and_(Node.drain_requested == True, Node.state != NodeState.QUARANTINED.value),
+        Node.drifted == True,
+        sa.and_(Node.last_heartbeat_at < heartbeat_cutoff, Node.agent_reachable == True),
+        sa.and_(Node.last_heartbeat_at >= heartbeat_cutoff, Node.agent_reachable == False),
         sa.and_(
             Node.state == NodeState.QUARANTINED.value,
             Node.health != "ok",

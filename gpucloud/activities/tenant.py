@@ -45,7 +45,6 @@ from gpucloud.models.tenant_messages import (
 from gpucloud.services import allocations as allocation_service
 from gpucloud.services import api_keys
 from gpucloud.services import tenants as tenant_service
-from gpucloud.services.workflows import signal_cancel
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +199,15 @@ class TenantActivities:
     async def cancel_tenant_allocations(self, req: TenantRef) -> CancelledAllocations:
         """Record the cancel intent of every live allocation, then signal their workflows, as the
         cancel endpoint does; a lost signal only waits for the workflow's next look at the DB."""
+        # Imported here: the workflow starters import the tenant workflow, which imports this module.
+        from gpucloud.services import workflows
+
         cancels = await asyncio.to_thread(self._record_cancels, req.tenant_id)
         for allocation_id, operation_id in cancels:
             if self.client is None:
                 continue
             try:
-                await signal_cancel(self.client, allocation_id, operation_id)
+                await workflows.signal_cancel(self.client, allocation_id, operation_id)
             except RPCError as exc:
                 log.warning(
                     "cancel signal for %s not delivered (%s); the workflow will see the DB intent", allocation_id, exc

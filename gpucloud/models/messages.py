@@ -12,13 +12,13 @@ from pydantic import BaseModel, Field
 
 
 class NodeOperationKind(StrEnum):
-    BRINGUP = "bringup"  # enrolled -> inspecting -> burn_in -> available
+    BRINGUP = "bringup"  # enrolled -> inspecting -> wiping -> burn_in -> available
     PROVISION = "provision"  # reserved -> provisioning -> active
     RELEASE = "release"  # active -> releasing -> wiping (the agent confirms the tenant is off)
     RECYCLE = "recycle"  # wiping -> burn_in -> available
     DRAIN = "drain"  # available | active -> draining -> quarantined (the agent stops the workload)
     RESTORE = "restore"  # active, but the agent lost the workload (reboot, wipe): provision again
-    REPAIR = "repair"  # quarantined -> repairing (reset | reboot | reflash) -> burn_in -> available; or rma
+    REPAIR = "repair"  # quarantined -> repairing (reset | reboot | reflash) -> wiping -> burn_in -> available; or rma
 
 
 class NodeOperationInput(BaseModel):

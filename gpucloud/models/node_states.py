@@ -3,9 +3,13 @@
 Provision state is one field, separate from health (`ok | suspect | failed`) and from the
 operator's `cordoned` / `maintenance` flags. Every transient state has a deadline and a failure
 target, so no node can be stuck: `FAIL` and `DEADLINE` from a transient state always lead to its
-failure target. A node that a tenant has touched reaches `available` only through `burn_in`;
-the one other way in is `reserved -> available` (unreserve, or the reservation's deadline),
-which is safe because a reservation never touches the node.
+failure target.
+
+The wipe is a state on every way into the pool: `burn_in` is entered only from `wiping`, and
+`available` only from `burn_in` (or from `reserved`: unreserve, or the reservation's deadline,
+safe because a reservation never touches the node). A node's first bring-up is wiped too, as
+Ironic cleans a node before it is first available: a new node, or one back from RMA, may carry
+anything, and a repaired node may still hold the data of the tenant it was pulled from.
 
 Pure code: no I/O, no clock. Callers pass `now` where time matters.
 """
@@ -71,7 +75,7 @@ TERMINAL = frozenset({S.RETIRED})
 _MOVES: dict[tuple[NodeState, NodeEvent], NodeState] = {
     (S.ENROLLED, E.INSPECT): S.INSPECTING,
     (S.ENROLLED, E.RETIRE): S.RETIRED,
-    (S.INSPECTING, E.OK): S.BURN_IN,
+    (S.INSPECTING, E.OK): S.WIPING,
     (S.BURN_IN, E.OK): S.AVAILABLE,
     (S.AVAILABLE, E.RESERVE): S.RESERVED,
     (S.AVAILABLE, E.DRAIN): S.DRAINING,
@@ -85,7 +89,7 @@ _MOVES: dict[tuple[NodeState, NodeEvent], NodeState] = {
     (S.DRAINING, E.OK): S.QUARANTINED,
     (S.QUARANTINED, E.REPAIR): S.REPAIRING,
     (S.QUARANTINED, E.RETIRE): S.RETIRED,
-    (S.REPAIRING, E.OK): S.BURN_IN,
+    (S.REPAIRING, E.OK): S.WIPING,
     (S.RMA, E.HARDWARE_REPLACED): S.ENROLLED,
     (S.RMA, E.RETIRE): S.RETIRED,
 }

@@ -21,13 +21,13 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ChildWorkflowError, WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.ledger import LedgerActivities
     from gpucloud.models.billing_messages import (
         BillingCatchUpInput,
         BillingCatchUpResult,
         BillingCloseInput,
         BillingCloseResult,
         BillingPeriodsInput,
-        BillingPeriodsResult,
     )
     from gpucloud.workflows import options
 
@@ -42,8 +42,8 @@ def close_workflow_id(task_queue: str, period_id: str) -> str:
 class BillingCloseWorkflow:
     @workflow.run
     async def run(self, inp: BillingCloseInput) -> BillingCloseResult:
-        return await workflow.execute_activity(
-            "close_billing_period", inp, result_type=BillingCloseResult, **options.LEDGER_CLOSE
+        return await workflow.execute_activity_method(
+            LedgerActivities.close_billing_period, inp, **options.LEDGER_CLOSE
         )
 
 
@@ -51,8 +51,8 @@ class BillingCloseWorkflow:
 class BillingCatchUpWorkflow:
     @workflow.run
     async def run(self, inp: BillingCatchUpInput) -> BillingCatchUpResult:
-        listed = await workflow.execute_activity(
-            "list_billing_periods", BillingPeriodsInput(), result_type=BillingPeriodsResult, **options.LEDGER
+        listed = await workflow.execute_activity_method(
+            LedgerActivities.list_billing_periods, BillingPeriodsInput(), **options.LEDGER
         )
         result = BillingCatchUpResult()
         for period in sorted((p for p in listed.periods if p.ended and not p.closed), key=lambda p: p.period_id):

@@ -1,4 +1,4 @@
-"""Fleet bring-up in batches: enrolled -> inspecting -> burn_in -> available for many nodes at once.
+"""Fleet bring-up in batches: enrolled -> inspecting -> wiping -> burn_in -> available, many nodes at once.
 
 A rack of new nodes arrives together; bringing each up in its own workflow costs the engine
 some twenty tasks per node and caps a 2-core control plane at a few nodes a second. A batch
@@ -25,6 +25,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.control_db import ControlDbActivities
+    from gpucloud.activities.host_agent import HostAgentActivities
     from gpucloud.models.messages import (
         AgentActionInput,
         AgentBatchInput,
@@ -34,10 +36,8 @@ with workflow.unsafe.imports_passed_through():
         NodeOperationKind,
         NodeRefs,
         NodeTransitionBatch,
-        NodeTransitionBatchResult,
         NodeTransitionInput,
         NodeView,
-        NodeViews,
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.workflows import options
@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
 
 STEPS = _STEPS[NodeOperationKind.BRINGUP]
 DONE = _SUCCESS[NodeOperationKind.BRINGUP]
-# Each round moves every node one step; bring-up has three (inspect, and two agent actions).
+# Each round moves every node one step; bring-up has four (inspect, and three agent actions).
 MAX_ROUNDS = 10
 
 
@@ -74,8 +74,8 @@ class BringupBatchWorkflow:
 
     @workflow.run
     async def run(self, inp: BringupInput) -> BringupResult:
-        found = await workflow.execute_activity(
-            "get_nodes", NodeRefs(node_ids=inp.node_ids), result_type=NodeViews, **options.DB
+        found = await workflow.execute_activity_method(
+            ControlDbActivities.get_nodes, NodeRefs(node_ids=inp.node_ids), **options.DB
         )
         self._nodes = {n.node_id: n for n in found.nodes}
         for node_id in set(inp.node_ids) - set(self._nodes):
@@ -110,8 +110,8 @@ class BringupBatchWorkflow:
                 await self._move(moves)
 
         if self._unfinished:
-            await workflow.execute_activity(
-                "release_bringup_holds", NodeRefs(node_ids=sorted(self._unfinished)), result_type=int, **options.DB
+            await workflow.execute_activity_method(
+                ControlDbActivities.release_bringup_holds, NodeRefs(node_ids=sorted(self._unfinished)), **options.DB
             )
         for node_id, node in self._nodes.items():
             if NodeState(node.state) in DONE:
@@ -135,11 +135,8 @@ class BringupBatchWorkflow:
             for i in node_ids
         ]
         try:
-            return await workflow.execute_activity(
-                "agent_batch",
-                AgentBatchInput(action=action, items=items),
-                result_type=AgentBatchResult,
-                **options.AGENT_BATCH,
+            return await workflow.execute_activity_method(
+                HostAgentActivities.agent_batch, AgentBatchInput(action=action, items=items), **options.AGENT_BATCH
             )
         except ActivityError as err:
             # The batch call itself kept failing (not one agent): leave these nodes to the reconciler.
@@ -159,11 +156,8 @@ class BringupBatchWorkflow:
             )
             for node_id, event, cause in moves
         ]
-        result = await workflow.execute_activity(
-            "transition_nodes",
-            NodeTransitionBatch(items=items, lease_to_deadline=True),
-            result_type=NodeTransitionBatchResult,
-            **options.DB,
+        result = await workflow.execute_activity_method(
+            ControlDbActivities.transition_nodes, NodeTransitionBatch(items=items, lease_to_deadline=True), **options.DB
         )
         failures = {node_id: cause for node_id, event, cause in moves if event == NodeEvent.FAIL}
         for outcome in result.outcomes:

@@ -9,9 +9,6 @@ Sends are started where the event happens and not awaited there: a ledger that i
 not hold up provisioning or a cancel. They are awaited before the run ends or continues as new,
 so none is lost; Temporal retries each until the ledger takes it (`options.LEDGER`). A refusal
 is logged, not raised: billing must never fail an allocation.
-
-Sending adds commands to the allocation workflow's history, so it is behind
-`workflow.patched(PATCH_ID)`: runs recorded before it replay without it.
 """
 
 from __future__ import annotations
@@ -23,13 +20,10 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from gpucloud.models.billing_messages import LedgerAllocationEvent, LedgerEventsInput, LedgerEventsResult
+    from gpucloud.activities.ledger import LedgerActivities
+    from gpucloud.models.billing_messages import LedgerAllocationEvent, LedgerEventsInput
     from gpucloud.models.messages import AllocationView
     from gpucloud.workflows import options
-
-PATCH_ID = "ledger-events"
-# Replacements (a node pulled, another attached) too: a later addition, patched on its own.
-NODE_PATCH_ID = "ledger-node-events"
 
 
 def _ms(moment: datetime) -> int:
@@ -53,13 +47,11 @@ class LedgerEvents:
 
     def node_removed(self, view: AllocationView, node_id: str) -> None:
         """A node pulled out of the allocation (drain-and-replace): it stops counting now."""
-        if workflow.patched(NODE_PATCH_ID):
-            self._send(view, [LedgerAllocationEvent(kind="node_removed", at_ms=_ms(workflow.now()), node_id=node_id)])
+        self._send(view, [LedgerAllocationEvent(kind="node_removed", at_ms=_ms(workflow.now()), node_id=node_id)])
 
     def node_added(self, view: AllocationView, node_id: str) -> None:
         """A replacement attached (provisioned): it counts from now."""
-        if workflow.patched(NODE_PATCH_ID):
-            self._send(view, [LedgerAllocationEvent(kind="node_added", at_ms=_ms(workflow.now()), node_id=node_id)])
+        self._send(view, [LedgerAllocationEvent(kind="node_added", at_ms=_ms(workflow.now()), node_id=node_id)])
 
     def releasing(self) -> None:
         """The release begins: the moment the nodes stop counting as allocated."""
@@ -79,16 +71,12 @@ class LedgerEvents:
             await asyncio.gather(*self._sends)
 
     def _send(self, view: AllocationView, events: list[LedgerAllocationEvent]) -> None:
-        if not workflow.patched(PATCH_ID):
-            return
         req = LedgerEventsInput(allocation_id=view.allocation_id, tenant_id=view.tenant_id, events=events)
         self._sends.append(asyncio.ensure_future(self._deliver(req)))
 
     @staticmethod
     async def _deliver(req: LedgerEventsInput) -> None:
         try:
-            await workflow.execute_activity(
-                "record_ledger_events", req, result_type=LedgerEventsResult, **options.LEDGER
-            )
+            await workflow.execute_activity_method(LedgerActivities.record_ledger_events, req, **options.LEDGER)
         except ActivityError as error:
             workflow.logger.error("the ledger refused the events of %s: %s", req.allocation_id, error.cause or error)

@@ -15,17 +15,15 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.control_db import ControlDbActivities
+    from gpucloud.activities.host_agent import HostAgentActivities
     from gpucloud.models.messages import (
         AgentActionInput,
-        AgentActionResult,
         NodeOperationInput,
         NodeOperationKind,
         NodeOperationResult,
         NodeRef,
         NodeTransitionInput,
-        NodeTransitionResult,
-        NodeView,
-        RepairPlan,
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.workflows import options
@@ -49,11 +47,29 @@ class _Act:
 
 _WIPE = _Act("wipe", before=("release",))
 
+# The agent action behind each name, called by reference.
+_AGENT_ACTIONS = {
+    "inspect": HostAgentActivities.inspect_node,
+    "burn_in": HostAgentActivities.burn_in_node,
+    "provision": HostAgentActivities.provision_node,
+    "release": HostAgentActivities.release_node,
+    "wipe": HostAgentActivities.wipe_node,
+    "reset": HostAgentActivities.reset_node,
+    "reboot": HostAgentActivities.reboot_node,
+    "reflash": HostAgentActivities.reflash_node,
+}
+
 
 # What each state calls for, per operation. A state missing here for an operation is one that
 # operation may not touch: the workflow stops and reports it rather than guessing.
 _STEPS: dict[NodeOperationKind, dict[NodeState, _Move | _Act]] = {
-    Op.BRINGUP: {S.ENROLLED: _Move(E.INSPECT), S.INSPECTING: _Act("inspect"), S.BURN_IN: _Act("burn_in")},
+    # A node's first wipe: nothing of a tenant's runs there yet, so no release first.
+    Op.BRINGUP: {
+        S.ENROLLED: _Move(E.INSPECT),
+        S.INSPECTING: _Act("inspect"),
+        S.WIPING: _Act("wipe"),
+        S.BURN_IN: _Act("burn_in"),
+    },
     Op.PROVISION: {
         S.RESERVED: _Move(E.PROVISION),
         S.PROVISIONING: _Act("provision"),
@@ -64,6 +80,8 @@ _STEPS: dict[NodeOperationKind, dict[NodeState, _Move | _Act]] = {
     Op.RELEASE: {S.RESERVED: _Move(E.UNRESERVE), S.ACTIVE: _Move(E.RELEASE), S.RELEASING: _Act("release")},
     Op.RECYCLE: {S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in")},
     Op.DRAIN: {S.AVAILABLE: _Move(E.DRAIN), S.ACTIVE: _Move(E.DRAIN), S.DRAINING: _Act("release")},
+    # After its rung of the repair ladder (`NodeOperationWorkflow._repair_rung`).
+    Op.REPAIR: {S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in")},
 }
 
 _SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
@@ -73,6 +91,7 @@ _SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
     Op.RELEASE: frozenset({S.WIPING, S.BURN_IN, S.AVAILABLE, S.QUARANTINED}),
     Op.RECYCLE: frozenset({S.AVAILABLE}),
     Op.DRAIN: frozenset({S.QUARANTINED}),
+    Op.REPAIR: frozenset({S.AVAILABLE}),
 }
 
 
@@ -94,8 +113,8 @@ class NodeOperationWorkflow:
     @workflow.run
     async def run(self, inp: NodeOperationInput) -> NodeOperationResult:
         self._inp = inp
-        node = await workflow.execute_activity(
-            "get_node", NodeRef(node_id=inp.node_id), result_type=NodeView, **options.DB
+        node = await workflow.execute_activity_method(
+            ControlDbActivities.get_node, NodeRef(node_id=inp.node_id), **options.DB
         )
         self._set_state(node.state)
         self._agent_url = node.agent_url
@@ -106,9 +125,11 @@ class NodeOperationWorkflow:
             return self._result(False, f"node belongs to allocation {node.allocation_id}, not {inp.allocation_id}")
         if inp.operation == Op.RESTORE:
             return await self._restore()
-        if inp.operation == Op.REPAIR:
-            return await self._repair()
         error: str | None = None
+        if inp.operation == Op.REPAIR:
+            error = await self._repair_rung()
+            if self._state not in (S.WIPING, S.BURN_IN, S.AVAILABLE):
+                return self._result(False, error or f"node is {self._state}; repair cannot proceed")
         while NodeState(self._state) not in _SUCCESS[inp.operation]:
             step = _STEPS[inp.operation].get(NodeState(self._state))
             if step is None:
@@ -118,9 +139,7 @@ class NodeOperationWorkflow:
                     return self._result(False, f"node moved under us from {self._state}")
                 continue
             failure = None
-            # Histories recorded before the release-before-wipe change replay without it.
-            before = step.before if step.before and workflow.patched("release-before-wipe") else ()
-            for action in (*before, step.action):
+            for action in (*step.before, step.action):
                 failure = await self._act(action)
                 if failure:
                     break
@@ -138,38 +157,30 @@ class NodeOperationWorkflow:
         failure = await self._act("provision")
         return self._result(failure is None, failure)
 
-    async def _repair(self) -> NodeOperationResult:
-        """quarantined -> repairing -> the ladder's next rung -> burn_in, which decides.
+    async def _repair_rung(self) -> str | None:
+        """quarantined -> repairing -> the ladder's next rung -> wiping; then, like every way back
+        to the pool, wipe and burn-in, which decides. None when the rung held, else why not.
 
         A burn-in failure sends the node back to quarantine; the reconciler starts the next
         repair, whose plan climbs one rung (reset, reboot, reflash). A lemon, or a ladder that
         is used up, goes to RMA without another reset.
         """
         if self._state == S.QUARANTINED and not await self._move(E.REPAIR, cause="repair"):
-            return self._result(False, f"node moved under us from {self._state}")
-        if self._state == S.REPAIRING:
-            plan = await workflow.execute_activity(
-                "plan_repair", NodeRef(node_id=self._inp.node_id), result_type=RepairPlan, **options.DB
-            )
-            # The tenant's data may still be on a node pulled from an allocation: off with it first.
-            if not plan.actions:
-                failure = plan.reason
-            else:
-                failure = await self._act("release") or await self._act("wipe")
-            for action in plan.actions if failure is None else ():
-                failure = await self._act(action)
-                if failure is None:
-                    break
-            if not await self._move(E.FAIL if failure else E.OK, cause=failure or plan.reason):
-                return self._result(False, f"node moved under us from {self._state}")
-            if failure:
-                return self._result(False, failure)
-        if self._state == S.BURN_IN:
-            failure = await self._act("burn_in")
-            if not await self._move(E.FAIL if failure else E.OK, cause=failure or "burn-in passed"):
-                return self._result(False, f"node moved under us from {self._state}")
-            return self._result(failure is None, failure)
-        return self._result(self._state == S.AVAILABLE, f"node is {self._state}; repair cannot proceed")
+            return f"node moved under us from {self._state}"
+        if self._state != S.REPAIRING:
+            return None
+        plan = await workflow.execute_activity_method(
+            ControlDbActivities.plan_repair, NodeRef(node_id=self._inp.node_id), **options.DB
+        )
+        # Whatever still runs on a node pulled from an allocation stops before the rung.
+        failure = (await self._act("release")) if plan.actions else plan.reason
+        for action in plan.actions if failure is None else ():
+            failure = await self._act(action)
+            if failure is None:
+                break
+        if not await self._move(E.FAIL if failure else E.OK, cause=failure or plan.reason):
+            return f"node moved under us from {self._state}"
+        return failure
 
     async def _move(self, event: NodeEvent, *, cause: str) -> bool:
         self._steps_taken += 1
@@ -184,9 +195,7 @@ class NodeOperationWorkflow:
             tenant_id=self._inp.tenant_id if event == E.PROVISION else None,
         )
         try:
-            result = await workflow.execute_activity(
-                "transition_node", req, result_type=NodeTransitionResult, **options.DB
-            )
+            result = await workflow.execute_activity_method(ControlDbActivities.transition_node, req, **options.DB)
         except ActivityError as err:
             if isinstance(err.cause, ApplicationError) and err.cause.non_retryable:
                 return False
@@ -206,7 +215,7 @@ class NodeOperationWorkflow:
             allocation_id=self._inp.allocation_id if action == "provision" else None,
         )
         try:
-            await workflow.execute_activity(f"{action}_node", req, result_type=AgentActionResult, **options.AGENT)
+            await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)
         except ActivityError as err:
             cause = err.cause
             return f"{action} failed: {cause.message if cause is not None else err.message}"

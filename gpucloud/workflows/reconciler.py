@@ -5,13 +5,12 @@ event calls for it (`reconcile-<node id>`). The work is one activity; see activi
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.reconciler import ReconcilerActivities
     from gpucloud.models.messages import SweepInput, SweepResult
+    from gpucloud.workflows import options
 
 SCHEDULE_ID = "reconciler-sweep"
 
@@ -20,10 +19,4 @@ SCHEDULE_ID = "reconciler-sweep"
 class ReconcileSweepWorkflow:
     @workflow.run
     async def run(self, inp: SweepInput) -> SweepResult:
-        return await workflow.execute_activity(
-            "sweep",
-            inp,
-            result_type=SweepResult,
-            start_to_close_timeout=timedelta(minutes=5),
-            retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
-        )
+        return await workflow.execute_activity_method(ReconcilerActivities.sweep, inp, **options.SWEEP)

@@ -29,19 +29,19 @@ rollout) let operators find rollouts in the Web UI.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.rollout import RolloutActivities
     from gpucloud.models.rollout_messages import (
         FINISHED,
-        Prepared,
         PrepareInput,
         ReasonInput,
-        ResolvedTargets,
         ResolveTargetsInput,
         RolloutInput,
         RolloutPhase,
@@ -52,41 +52,8 @@ with workflow.unsafe.imports_passed_through():
         WaveResult,
         plan_waves,
     )
+    from gpucloud.workflows import options
     from gpucloud.workflows import search_attributes as sa
-
-# Resolving the target and registering the swarm: short calls, retried a while.
-SETUP = dict(
-    start_to_close_timeout=timedelta(seconds=60),
-    schedule_to_close_timeout=timedelta(minutes=10),
-    retry_policy=RetryPolicy(
-        initial_interval=timedelta(milliseconds=500),
-        maximum_interval=timedelta(seconds=10),
-        non_retryable_error_types=["TargetUnresolvable", "VersionNotFound"],
-    ),
-)
-# A wave's prefetch moves the whole artifact: up to an hour, heartbeats while it waits, a few retries.
-PREFETCH = dict(
-    start_to_close_timeout=timedelta(hours=1),
-    heartbeat_timeout=timedelta(seconds=30),
-    retry_policy=RetryPolicy(
-        initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30), maximum_attempts=4
-    ),
-)
-# Verify re-hashes the files (minutes for 141 GB), activate re-verifies then switches; check is quick.
-# Each reports per-node outcomes; Temporal retries only a lost worker.
-STEP = dict(
-    start_to_close_timeout=timedelta(minutes=30),
-    heartbeat_timeout=timedelta(seconds=30),
-    retry_policy=RetryPolicy(
-        initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30), maximum_attempts=3
-    ),
-)
-# A rollback is retried for as long as it takes: a node left on a bad version is worse than a wait.
-ROLLBACK = dict(
-    start_to_close_timeout=timedelta(minutes=30),
-    heartbeat_timeout=timedelta(seconds=30),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
-)
 
 
 class _Stop(Exception):
@@ -126,13 +93,12 @@ class RolloutWorkflow:
             waves = plan_waves([n.node_id for n in nodes], inp.waves)
             self._progress.waves = waves
             by_id = {n.node_id: n for n in nodes}
-            prepared = await workflow.execute_activity(
-                "prepare_rollout",
+            prepared = await workflow.execute_activity_method(
+                RolloutActivities.prepare_rollout,
                 PrepareInput(
                     rollout_id=inp.rollout_id, tenant_id=inp.tenant_id, model_version=inp.model_version, nodes=nodes
                 ),
-                result_type=Prepared,
-                **SETUP,
+                **options.ROLLOUT_SETUP,
             )
         except ActivityError as error:
             return await self._finish(RolloutPhase.FAILED, _reason(error))
@@ -149,11 +115,10 @@ class RolloutWorkflow:
     async def _targets(self, inp: RolloutInput) -> list[RolloutTarget]:
         if inp.nodes is not None:
             return inp.nodes
-        resolved = await workflow.execute_activity(
-            "resolve_rollout_targets",
+        resolved = await workflow.execute_activity_method(
+            RolloutActivities.resolve_rollout_targets,
             ResolveTargetsInput(tenant_id=inp.tenant_id, allocation_id=inp.allocation_id),
-            result_type=ResolvedTargets,
-            **SETUP,
+            **options.ROLLOUT_SETUP,
         )
         return resolved.nodes
 
@@ -168,23 +133,21 @@ class RolloutWorkflow:
             self._prefetch(index + 1)  # runs while this wave verifies, activates and bakes
 
         progress.phase = RolloutPhase.VERIFYING
-        self._require(await self._race(self._start("verify_wave", nodes), "verify"), "verify")
+        self._require(await self._race(self._start(RolloutActivities.verify_wave, nodes), "verify"), "verify")
 
         progress.phase = RolloutPhase.ACTIVATING
         self._attempted += nodes
-        activated = await self._race(self._start("activate_wave", nodes), "activate")
+        activated = await self._race(self._start(RolloutActivities.activate_wave, nodes), "activate")
         progress.activated += [o.node_id for o in activated.outcomes if o.ok]
         self._require(activated, "activate")
 
         progress.phase = RolloutPhase.BAKING
-        try:
+        with contextlib.suppress(TimeoutError):
             await workflow.wait_condition(lambda: self._abort is not None, timeout=timedelta(seconds=self._inp.bake_s))
-        except TimeoutError:
-            pass
         self._stop_if_aborted()
 
         progress.phase = RolloutPhase.CHECKING
-        self._require(await self._race(self._start("check_wave", self._attempted), "check"), "check")
+        self._require(await self._race(self._start(RolloutActivities.check_wave, self._attempted), "check"), "check")
 
     # Steps --------------------------------------------------------------------------------------
 
@@ -199,13 +162,15 @@ class RolloutWorkflow:
             thresholds=inp.thresholds,
         )
 
-    def _start(self, activity: str, nodes: list[RolloutTarget]) -> workflow.ActivityHandle:
-        return workflow.start_activity(activity, self._request(nodes), result_type=WaveResult, **STEP)
+    def _start(
+        self, activity: Callable[[RolloutActivities, WaveInput], Awaitable[WaveResult]], nodes: list[RolloutTarget]
+    ) -> workflow.ActivityHandle[WaveResult]:
+        return workflow.start_activity_method(activity, self._request(nodes), **options.ROLLOUT_STEP)
 
     def _prefetch(self, index: int) -> workflow.ActivityHandle:
         if index not in self._prefetches:
-            self._prefetches[index] = workflow.start_activity(
-                "prefetch_wave", self._request(self._waves[index]), result_type=WaveResult, **PREFETCH
+            self._prefetches[index] = workflow.start_activity_method(
+                RolloutActivities.prefetch_wave, self._request(self._waves[index]), **options.ROLLOUT_PREFETCH
             )
         return self._prefetches[index]
 
@@ -249,8 +214,8 @@ class RolloutWorkflow:
                 handle.cancel()
         if not self._attempted:
             return
-        result = await workflow.execute_activity(
-            "rollback_wave", self._request(self._attempted), result_type=WaveResult, **ROLLBACK
+        result = await workflow.execute_activity_method(
+            RolloutActivities.rollback_wave, self._request(self._attempted), **options.ROLLOUT_ROLLBACK
         )
         self._progress.rolled_back = [o.node_id for o in result.outcomes]
         for outcome in result.outcomes:

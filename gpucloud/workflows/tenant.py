@@ -37,28 +37,24 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.storage import TenantStorageActivities
+    from gpucloud.activities.tenant import TenantActivities
     from gpucloud.models.tenant_messages import (
         ActivateTenantInput,
-        CancelledAllocations,
-        RevokedKeys,
         SettleTenantInput,
-        StorageDeletion,
         StorageDeletionInput,
-        TenantBilling,
         TenantOffboardingInput,
         TenantOffboardingResult,
         TenantOnboardingInput,
         TenantOnboardingResult,
         TenantRef,
         TenantReleaseProgress,
-        TenantStorageResult,
-        TenantView,
-        TenantVni,
     )
     from gpucloud.workflows import options
 
+T, Storage = TenantActivities, TenantStorageActivities
 # What undoes each onboarding step.
-UNDO = {"allocate_tenant_vni": "release_tenant_vni", "provision_tenant_storage": "delete_tenant_storage"}
+UNDO = {T.allocate_tenant_vni: T.release_tenant_vni, Storage.provision_tenant_storage: Storage.delete_tenant_storage}
 
 
 class _Cancelled(Exception):
@@ -77,8 +73,8 @@ async def _to_the_end(awaitable):
                 raise
 
 
-async def _run(name: str, arg, result_type: type, opts: dict):
-    return await _to_the_end(workflow.execute_activity(name, arg, result_type=result_type, **opts))
+async def _run(activity, arg, opts: options.ActivityOptions):
+    return await _to_the_end(workflow.execute_activity_method(activity, arg, **opts))
 
 
 def _reason(error: BaseException) -> str:
@@ -91,13 +87,13 @@ def _reason(error: BaseException) -> str:
 @workflow.defn
 class TenantOnboardingWorkflow:
     def __init__(self) -> None:
-        self._started: list[str] = []
+        self._started: list = []
 
     @workflow.run
     async def run(self, inp: TenantOnboardingInput) -> TenantOnboardingResult:
         ref = TenantRef(tenant_id=inp.tenant_id)
         try:
-            tenant = await _run("load_tenant", ref, TenantView, options.DB)
+            tenant = await _run(T.load_tenant, ref, options.DB)
             if tenant.status != "onboarding":
                 return TenantOnboardingResult(
                     tenant_id=tenant.tenant_id,
@@ -105,36 +101,36 @@ class TenantOnboardingWorkflow:
                     vni=tenant.vni,
                     storage_prefix=tenant.storage_prefix,
                 )
-            vni = await self._step("allocate_tenant_vni", ref, TenantVni)
-            storage = await self._step("provision_tenant_storage", ref, TenantStorageResult)
+            vni = await self._step(T.allocate_tenant_vni, ref)
+            storage = await self._step(Storage.provision_tenant_storage, ref)
         except (ActivityError, _Cancelled) as error:
             reason = _reason(error)
             await self._undo(ref)
             failed = SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id, error=reason)
-            await _run("fail_tenant", failed, TenantView, options.TENANT_UNTIL_DONE)
+            await _run(T.fail_tenant, failed, options.TENANT_UNTIL_DONE)
             return TenantOnboardingResult(tenant_id=inp.tenant_id, status="failed", error=reason)
         activate = ActivateTenantInput(
             tenant_id=inp.tenant_id, operation_id=inp.operation_id, storage_prefix=storage.prefix
         )
-        await _run("activate_tenant", activate, TenantView, options.TENANT_UNTIL_DONE)
+        await _run(T.activate_tenant, activate, options.TENANT_UNTIL_DONE)
         return TenantOnboardingResult(
             tenant_id=inp.tenant_id, status="active", vni=vni.vni, storage_prefix=storage.prefix
         )
 
-    async def _step(self, name: str, ref: TenantRef, result_type: type):
+    async def _step(self, activity, ref: TenantRef):
         if workflow.cancellation_reason() is not None:
             raise _Cancelled()
         # Recorded before it runs: a step that fails halfway is undone too.
-        self._started.append(name)
-        result = await _run(name, ref, result_type, options.TENANT_STEP)
+        self._started.append(activity)
+        result = await _run(activity, ref, options.TENANT_STEP)
         if workflow.cancellation_reason() is not None:
             raise _Cancelled()
         return result
 
     async def _undo(self, ref: TenantRef) -> None:
-        await _run("revoke_tenant_keys", ref, RevokedKeys, options.TENANT_UNTIL_DONE)
+        await _run(T.revoke_tenant_keys, ref, options.TENANT_UNTIL_DONE)
         for step in reversed(self._started):
-            await _run(UNDO[step], ref, None, options.TENANT_UNTIL_DONE)
+            await _run(UNDO[step], ref, options.TENANT_UNTIL_DONE)
 
 
 @workflow.defn
@@ -142,23 +138,21 @@ class TenantOffboardingWorkflow:
     @workflow.run
     async def run(self, inp: TenantOffboardingInput) -> TenantOffboardingResult:
         ref = TenantRef(tenant_id=inp.tenant_id)
-        cancelled = await _run("cancel_tenant_allocations", ref, CancelledAllocations, options.TENANT_UNTIL_DONE)
+        cancelled = await _run(T.cancel_tenant_allocations, ref, options.TENANT_UNTIL_DONE)
         progress = await self._released(ref, poll=timedelta(seconds=inp.poll_s))
         if progress is None:
             workflow.continue_as_new(inp)
-        revoked = await _run("revoke_tenant_keys", ref, RevokedKeys, options.TENANT_UNTIL_DONE)
-        await _run("release_tenant_vni", ref, TenantVni, options.TENANT_UNTIL_DONE)
+        revoked = await _run(T.revoke_tenant_keys, ref, options.TENANT_UNTIL_DONE)
+        await _run(T.release_tenant_vni, ref, options.TENANT_UNTIL_DONE)
         deletion = await _run(
-            "schedule_tenant_storage_deletion",
+            Storage.schedule_tenant_storage_deletion,
             StorageDeletionInput(tenant_id=inp.tenant_id, retention_s=inp.retention_s),
-            StorageDeletion,
             options.TENANT_UNTIL_DONE,
         )
-        billing = await _run("close_tenant_billing", ref, TenantBilling, options.LEDGER)
+        billing = await _run(T.close_tenant_billing, ref, options.LEDGER)
         await _run(
-            "finish_offboarding",
+            T.finish_offboarding,
             SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id),
-            TenantView,
             options.TENANT_UNTIL_DONE,
         )
         result = TenantOffboardingResult(
@@ -172,7 +166,7 @@ class TenantOffboardingWorkflow:
         )
         if deletion.due_at is not None and deletion.due_at > workflow.now():
             await _to_the_end(workflow.sleep(deletion.due_at - workflow.now()))
-        await _run("purge_tenant_storage", ref, StorageDeletion, options.TENANT_UNTIL_DONE)
+        await _run(Storage.purge_tenant_storage, ref, options.TENANT_UNTIL_DONE)
         result.storage_deleted = True
         return result
 
@@ -180,7 +174,7 @@ class TenantOffboardingWorkflow:
         """Wait until the tenant's allocations are over and its nodes wiped (or parked for repair,
         which wipes them); None when the history is long enough to continue as new."""
         while True:
-            progress = await _run("tenant_release_progress", ref, TenantReleaseProgress, options.DB)
+            progress = await _run(T.tenant_release_progress, ref, options.DB)
             if progress.done:
                 return progress
             if workflow.info().is_continue_as_new_suggested():

@@ -15,9 +15,9 @@ async def test_enrollment_brings_nodes_to_available(db_url, make_harness, in_pro
     await in_process_worker(h.settings)
     node_ids = h.enroll_fleet()
     await h.wait_states({"available": 6})
-    # Each node went enrolled -> inspecting -> burn_in -> available, every step recorded.
+    # Each node went enrolled -> inspecting -> wiping -> burn_in -> available, every step recorded.
     node = h.operator.get(f"/v1/nodes/{node_ids[0]}").json()
-    assert node["generation"] == 3 and node["tenant_id"] is None
+    assert node["generation"] == 4 and node["tenant_id"] is None
     # Enrolling again changes nothing: known nodes keep their state.
     again = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()}).json()
     assert again == {"enrolled": 0, "already_known": 6, "bringups_started": 0, "batches": 0}

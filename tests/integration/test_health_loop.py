@@ -160,10 +160,11 @@ async def test_repaired_node_returns_only_through_a_passing_burn_in(
     node = h.node(node_id)
     assert node["health"] == "ok" and node["health_conditions"] == []
     events = _events(h, node_id)
-    tail = [(e["from_state"], e["to_state"]) for e in events][-4:]
+    tail = [(e["from_state"], e["to_state"]) for e in events][-5:]
     assert tail == [
         ("quarantined", "repairing"),
-        ("repairing", "burn_in"),
+        ("repairing", "wiping"),
+        ("wiping", "burn_in"),
         ("burn_in", "available"),
         ("available", "available"),
     ]

@@ -205,7 +205,7 @@ def test_a_passed_burn_in_lifts_the_health_loops_cordon_only(db_url, actor, lift
                 )
             ],
         )
-        for event in ("inspect", "ok"):
+        for event in ("inspect", "ok", "ok"):
             node = node_service.transition(session, "c1", event, from_state=session.get(Node, "c1").state)
         session.execute(sa.update(Node).where(Node.id == "c1").values(cordoned=True))
         session.add(

@@ -1,8 +1,9 @@
 """Determinism: recorded workflow histories replay against the current workflow code.
 
 `tests/histories/*.json` are histories recorded from real runs and committed: a change to a
-workflow's command order that is not behind `workflow.patched(...)` fails here. Set
-GPUCLOUD_RECORD_HISTORIES=1 to re-record them (only for a deliberate, patched change).
+workflow's command order fails here. Before the first release such a change re-records them on
+purpose (GPUCLOUD_RECORD_HISTORIES=1); after it, the change goes behind `workflow.patched(...)`
+(see docs/architecture.md, "Workflow versioning").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpucloud.models.node_states import (
@@ -36,6 +36,7 @@ def test_every_state_is_exactly_one_of_stable_transient_terminal():
 def test_happy_paths():
     path = [
         (E.INSPECT, S.INSPECTING),
+        (E.OK, S.WIPING),
         (E.OK, S.BURN_IN),
         (E.OK, S.AVAILABLE),
         (E.RESERVE, S.RESERVED),
@@ -89,12 +90,31 @@ def test_deadlines():
     assert set(allowed_events(S.RESERVED)) == {E.PROVISION, E.UNRESERVE, E.FAIL, E.DEADLINE}
 
 
+def test_a_repaired_node_is_wiped_before_burn_in():
+    path = [E.INSPECT, E.OK, E.OK, E.OK, E.RESERVE, E.PROVISION, E.OK, E.DRAIN, E.OK, E.REPAIR, E.OK]
+    state = S.ENROLLED
+    for event in path:
+        state = next_state(state, event)
+    assert state == S.WIPING
+    assert next_state(state, E.OK) == S.BURN_IN
+
+
+# A tenant's node pulled by the health loop, repaired, and back in the pool.
+DRAIN_REPAIR = [E.INSPECT, E.OK, E.OK, E.OK, E.RESERVE, E.PROVISION, E.OK, E.DRAIN, E.OK, E.REPAIR, E.OK, E.OK, E.OK]
+# The same node sent to RMA after a failed repair, its hardware replaced, brought up again.
+RMA_RETURN = [*DRAIN_REPAIR[:10], E.FAIL, E.HARDWARE_REPLACED, E.INSPECT, E.OK, E.OK, E.OK]
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from(list(NodeEvent)), max_size=60))
+@example(events=DRAIN_REPAIR)
+@example(events=RMA_RETURN)
 def test_random_event_sequences_keep_the_invariants(events):
     """Over any event sequence (invalid events are refused and change nothing):
-    - a node that a tenant touched (provisioning) reaches available only after wiping and burn_in;
-    - available is entered only from burn_in, or from reserved (never touched);
+    - a node that a tenant touched (provisioning) reaches available only after it was wiped
+      (wiping -> burn_in) since;
+    - burn_in is entered only from wiping, and available only from burn_in or from reserved
+      (never touched): the wipe is a state on every way into the pool;
     - every transient state has a way out by FAIL and by DEADLINE (nothing can be stuck)."""
     state = S.ENROLLED
     dirty = False  # tenant data may be on the node
@@ -108,6 +128,8 @@ def test_random_event_sequences_keep_the_invariants(events):
             dirty = True
         if state == S.WIPING and new == S.BURN_IN:
             dirty = False
+        if new == S.BURN_IN:
+            assert state == S.WIPING
         if new == S.AVAILABLE:
             assert state in (S.BURN_IN, S.RESERVED)
             assert not dirty
