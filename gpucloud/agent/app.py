@@ -44,10 +44,10 @@ from gpucloud.agent.readings import NodeReading, XidEvent
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.spool import Meter, NodeAllocation, Shipper, Spool, wall_clock_ms
 from gpucloud.models.catalog import GPU_TYPES
+from gpucloud.web import problems
 
 log = logging.getLogger(__name__)
 
-PROBLEM = "application/problem+json"
 REMEMBERED_REQUESTS = 64
 MAX_PENDING_EVENTS = 10_000  # kept while the control plane is unreachable; oldest dropped first
 # The tools each hardware action runs, in order; every one must exit 0 ("{gpus}": the node's
@@ -196,13 +196,7 @@ def read_boot_id() -> str:
 
 
 def _problem(status: int, title: str, detail: str, **extra) -> tuple[int, dict]:
-    return status, {
-        "type": f"https://gpucloud.dev/problems/{title.lower().replace(' ', '-')}",
-        "title": title,
-        "status": status,
-        "detail": detail,
-        **extra,
-    }
+    return status, problems.body(status, problems.slug(title), title, detail, **extra)
 
 
 class Agent:
@@ -412,6 +406,7 @@ def create_app(
         agent.probe.close()
 
     app = FastAPI(title=f"gpucloud agent {agent.state.node_id}", lifespan=lifespan)
+    problems.install(app)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -426,8 +421,7 @@ def create_app(
     async def metering_lag() -> JSONResponse:
         """How far behind the usage spool is (samples and milliseconds not yet in the ledger)."""
         if metering is None:
-            status, body = _problem(404, "Not metering", "this agent was started without a ledger URL")
-            return JSONResponse(body, status_code=status, media_type=PROBLEM)
+            return problems.problem_response(404, "Not metering", "this agent was started without a ledger URL")
         return JSONResponse(await asyncio.to_thread(metering.report))
 
     @app.post("/actions/{action}")
@@ -436,7 +430,7 @@ def create_app(
             status, body = _problem(404, "Unknown action", f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
         else:
             status, body = await agent.act(action, req)
-        return JSONResponse(body, status_code=status, media_type=PROBLEM if status >= 400 else None)
+        return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
 
     return app
 

@@ -48,10 +48,12 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.tracker import ORIGIN
 from gpucloud.registry.tracker_app import KEEPALIVE_S, TrackerClient
+from gpucloud.web import problems
 
 
 def create_peer_app(cache: ChunkCache) -> FastAPI:
     app = FastAPI(title="gpucloud peer")
+    problems.install(app)
 
     @app.get("/chunks/{chunk_id}")
     def get_chunk(chunk_id: Annotated[str, PathParam(pattern=HEX_DIGEST)]) -> Response:

@@ -39,8 +39,7 @@ from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
 from gpucloud.registry.tracker_app import TrackerClient
-
-PROBLEM = "application/problem+json"
+from gpucloud.web import problems
 
 EvalProbe = Callable[[ChunkCache, str], float]
 """Scores the active version (its digest given; files under `cache.current_path`); higher is better."""
@@ -87,16 +86,10 @@ def health_from_probe(probe: object) -> HealthCheck:
     return check
 
 
-def _problem(status: int, title: str, detail: str) -> JSONResponse:
-    slug = title.lower().replace(" ", "-")
-    body = {"type": f"https://gpucloud.dev/problems/{slug}", "title": title, "status": status, "detail": detail}
-    return JSONResponse(body, status_code=status, media_type=PROBLEM)
-
-
 def _integrity_problem(exc: Exception) -> JSONResponse:
     if isinstance(exc, VersionNotFoundError):
-        return _problem(404, "Version not found", str(exc))
-    return _problem(409, "Integrity check failed", f"{type(exc).__name__}: {exc}")
+        return problems.problem_response(404, "Version not found", str(exc))
+    return problems.problem_response(409, "Integrity check failed", f"{type(exc).__name__}: {exc}")
 
 
 def install_weights_api(
@@ -133,7 +126,7 @@ def install_weights_api(
             except IntegrityError as exc:
                 return _integrity_problem(exc)
             except FetchError as exc:
-                return _problem(503, "Fetch failed", str(exc))
+                return problems.problem_response(503, "Fetch failed", str(exc))
             finally:
                 fetcher.close()
                 tracker.close()
@@ -169,7 +162,9 @@ def install_weights_api(
             except IntegrityError as exc:
                 # The previous version rotted on disk: serve nothing rather than the bad version.
                 cache.deactivate(req.digest)
-                return _problem(409, "Previous version corrupt", f"{exc}; this node now serves no version")
+                return problems.problem_response(
+                    409, "Previous version corrupt", f"{exc}; this node now serves no version"
+                )
         return state()
 
     @app.get("/weights/check")

@@ -18,12 +18,12 @@ from datetime import timedelta
 
 import sqlalchemy as sa
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from sqlmodel import select
 
 from gpucloud.db import session_scope
 from gpucloud.models.tables import IdempotencyRecord, utcnow
-from gpucloud.web.problems import MEDIA_TYPE, Problem
+from gpucloud.web.problems import Problem
 
 RETENTION = timedelta(hours=24)
 WAIT_FOR_FIRST_S = 30.0
@@ -143,7 +143,7 @@ async def run_idempotent(
         response = await handler()
     except Problem as problem:
         # A 4xx is the answer for this key too: store it as the response.
-        response = JSONResponse(problem.body(path), status_code=problem.status, media_type=MEDIA_TYPE)
+        response = problem.response(path)
     except BaseException:
         await run_in_threadpool(_finish, db_url, caller, key, None)
         raise

@@ -37,6 +37,7 @@ from gpucloud.ledger import problems
 from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
+from gpucloud.web import problems as web_problems
 
 DEFAULT_DATABASE_URL = "sqlite:///.data/ledger.db"
 
@@ -70,9 +71,7 @@ def create_app(database_url: str = DEFAULT_DATABASE_URL, *, clock_ms: Callable[[
 
 
 def _problem_response(problem: problems.Problem) -> JSONResponse:
-    return JSONResponse(
-        problem.model_dump(exclude_none=True), status_code=problem.status, media_type=problems.PROBLEM_MEDIA_TYPE
-    )
+    return web_problems.response(problem.model_dump(exclude_none=True), problem.status)
 
 
 async def _ledger_problem(_request: Request, error: problems.LedgerProblem) -> JSONResponse:
@@ -81,8 +80,8 @@ async def _ledger_problem(_request: Request, error: problems.LedgerProblem) -> J
 
 async def _validation_problem(_request: Request, error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"] if part not in ("body", "query", "path"))
-    return _problem_response(problems.REQUEST_INVALID(f"{field}: {first['msg']}", field=field or None))
+    field = web_problems.field_of(tuple(first["loc"]))
+    return _problem_response(problems.REQUEST_INVALID(f"{field}: {first['msg']}", field=field))
 
 
 async def _http_problem(_request: Request, error: StarletteHTTPException) -> JSONResponse:

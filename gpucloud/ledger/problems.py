@@ -2,9 +2,9 @@
 
 A rejected usage sample carries one of these in the batch response (the batch itself is
 a 2xx: the other samples were processed). Request-level failures are raised as
-:class:`LedgerProblem` and turned into an ``application/problem+json`` response by the
-service. ``retryable`` tells the agent's shipper whether sending the same sample later can
-succeed (an allocation event or a price not known yet) or never will (a conflict).
+:class:`LedgerProblem` and answered by the ledger's app through ``gpucloud.web.problems``.
+``retryable`` tells the agent's shipper whether sending the same sample later can succeed
+(an allocation event or a price not known yet) or never will (a conflict).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-PROBLEM_BASE = "https://gpucloud.dev/problems/ledger/"
-PROBLEM_MEDIA_TYPE = "application/problem+json"
+from gpucloud.web.problems import TYPE_BASE
+
+PROBLEM_BASE = TYPE_BASE + "ledger/"
 
 
 class Problem(BaseModel):

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpucloud.registry.manifest import HEX_DIGEST, ChunkCorruptedError, ChunkMissingError
 from gpucloud.registry.store import ChunkStore
 from gpucloud.registry.swarm import ChunkId, Plan, Swarm, SwarmSpec, SwarmStatus
+from gpucloud.web import problems
 
 KEEPALIVE_S = 2.0
 """How long clients keep an idle connection: under uvicorn's default 5 s, so a server never closes
@@ -145,6 +146,7 @@ def create_tracker_app(
 ) -> FastAPI:
     """The tracker (swarms under /tracker) and, given a chunk store, the origin (/origin)."""
     app = FastAPI(title="gpucloud weight tracker")
+    problems.install(app)
     app.state.swarms = SwarmRegistry(seed=seed, **swarm_options)
     app.state.origin_meter = OriginMeter()
     base = "/tracker/swarms/{swarm}"

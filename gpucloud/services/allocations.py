@@ -87,8 +87,8 @@ def available_candidates(
         Node.gpu_type == gpu_type,
         Node.region == region,
         Node.state == NodeState.AVAILABLE,
-        Node.cordoned == False,  # noqa: E712 (SQL expression)
-        Node.maintenance == False,  # noqa: E712
+        Node.cordoned == False,
+        Node.maintenance == False,
         Node.health == "ok",
     )
     if pod is not None:

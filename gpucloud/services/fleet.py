@@ -97,7 +97,7 @@ def summary(session: Session) -> dict:
         "by_health": counts(Node.health),
         "by_gpu_type": counts(Node.gpu_type),
         "by_region": counts(Node.region),
-        "cordoned": session.exec(select(func.count()).select_from(Node).where(Node.cordoned == True)).one(),  # noqa: E712
+        "cordoned": session.exec(select(func.count()).select_from(Node).where(Node.cordoned == True)).one(),
         "agent_unreachable": session.exec(
             select(func.count()).select_from(Node).where(Node.agent_reachable == False)
         ).one(),

@@ -45,6 +45,7 @@ from pydantic import BaseModel, Field
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
+from gpucloud.web import problems
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,11 @@ class ReachabilityRequest(BaseModel):
     unreachable: bool
 
 
+def _refuse(status: int, title: str, detail: str) -> tuple[int, dict]:
+    """An agent's refusal, as the real agent words it (`gpucloud.agent.app`)."""
+    return status, problems.body(status, problems.slug(title), title, detail)
+
+
 class Fleet:
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
@@ -198,7 +204,7 @@ class Fleet:
 
     async def act(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
         if node.unreachable:
-            return 503, {"error": f"agent on {node.id} does not answer"}
+            return _refuse(503, "Agent unreachable", f"agent on {node.id} does not answer")
         async with node.lock:
             if req.request_id in node.recent:
                 return node.recent[req.request_id]
@@ -217,26 +223,26 @@ class Fleet:
         if pending:
             mode = pending.popleft()
             if mode == "transient":
-                return 503, {"error": f"injected transient fault in {action}"}
-            return 422, {"error": f"injected permanent fault in {action}"}
+                return _refuse(503, "Action failed", f"injected transient fault in {action}")
+            return _refuse(422, "Action failed", f"injected permanent fault in {action}")
         if action == "provision":
             if not req.tenant_id:
-                return 422, {"error": "provision needs a tenant_id"}
+                return _refuse(422, "Tenant required", "provision needs a tenant_id")
             if node.tenant_id not in (None, req.tenant_id):
-                return 409, {"error": f"node holds data of tenant {node.tenant_id}; wipe it first"}
+                return _refuse(409, "Node holds data", f"node holds data of tenant {node.tenant_id}; wipe it first")
             node.tenant_id, node.workload_running = req.tenant_id, True
             node.allocation_id = req.allocation_id
         elif action == "release":
             node.workload_running = False
         elif action == "wipe":
             if node.workload_running:
-                return 409, {"error": "a workload is still running; release the node first"}
+                return _refuse(409, "Workload running", "a workload is still running; release the node first")
             node.tenant_id = None
         elif action == "burn_in":
             if node.tenant_id is not None or node.workload_running:
-                return 409, {"error": "burn-in runs only on a wiped, idle node"}
+                return _refuse(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
             if node.hardware_fault is not None:
-                return 422, {"error": f"burn-in failed: {node.hardware_fault}"}
+                return _refuse(422, "Action failed", f"burn-in failed: {node.hardware_fault}")
         elif action in REPAIR_LADDER:
             self._repair(node, action)
         node.actions_done += 1
@@ -385,6 +391,7 @@ def create_app(
             app.state.metering.close()
 
     app = FastAPI(title="gpucloud simulated fleet", lifespan=lifespan)
+    problems.install(app)
     app.state.fleet = fleet
     app.state.metering = None
 
@@ -405,7 +412,7 @@ def create_app(
         if action not in ACTIONS:
             raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
         status, body = await fleet.act(fleet.node(node_id), action, req)
-        return JSONResponse(body, status_code=status)
+        return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
 
     @app.post("/v1/faults")
     async def inject(req: FaultRequest) -> dict:

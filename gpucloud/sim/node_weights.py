@@ -39,6 +39,7 @@ from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import create_peer_app
 from gpucloud.agent.weights_api import install_weights_api
 from gpucloud.registry.manifest import EvaluationRecord, Keyring, Manifest, SignedEvaluation, SignedManifest
+from gpucloud.web import problems
 
 PREFETCHES_AT_ONCE = 8
 KEYRING_REFRESH_S = 5.0
@@ -83,11 +84,7 @@ class _Resident:
 
 
 def _unavailable(status: int, detail: str) -> JSONResponse:
-    return JSONResponse(
-        {"title": "Weights unavailable", "status": status, "detail": detail},
-        status_code=status,
-        media_type="application/problem+json",
-    )
+    return problems.problem_response(status, "Weights unavailable", detail)
 
 
 class NodeWeights:

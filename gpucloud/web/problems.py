@@ -1,11 +1,19 @@
-"""RFC 9457 problem+json errors with stable `type`s, and the handlers that render every error so.
+"""RFC 9457 problem+json: the one module of gpucloud that answers an HTTP error, for every
+FastAPI app (the API, the ledger, the host agent, the node weights API, the simulated fleet).
 
-Bad input is a 4xx whose detail names the field; nothing else in the API formats errors.
+A problem has a stable `type` (a slug under `TYPE_BASE`), a title, the status, a `detail` that
+names what was wrong (the field, for bad input) and what to do next, and any extra members a
+client reads (`retryable`, `errors`, ...). Handlers raise `Problem`; code that answers rather
+than raises uses `problem_response` (or `response` for a body built elsewhere, such as the
+ledger's typed catalogue). `install` renders validation errors (422 naming the field), HTTP
+errors and unexpected exceptions (500) the same way on any app.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,20 +26,48 @@ MEDIA_TYPE = "application/problem+json"
 TYPE_BASE = "https://gpucloud.dev/problems/"
 
 
+def slug(title: str) -> str:
+    return title.lower().replace(" ", "-")
+
+
+def body(status: int, type_: str, title: str, detail: str, **extra: Any) -> dict[str, Any]:
+    """A problem document: `type_` is the slug under `TYPE_BASE`."""
+    return {"type": TYPE_BASE + type_, "title": title, "status": status, "detail": detail, **extra}
+
+
+def response(document: Mapping[str, Any], status: int, *, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The HTTP answer carrying a problem document (`body`, or a catalogue's own)."""
+    return JSONResponse(dict(document), status_code=status, media_type=MEDIA_TYPE, headers=headers)
+
+
+def problem_response(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
+    """An answer for code that returns rather than raises; the type is the title's slug."""
+    return response(body(status, slug(title), title, detail, **extra), status)
+
+
 class Problem(Exception):
-    def __init__(self, status: int, type_: str, title: str, detail: str, **extra: object) -> None:
+    """Raised by a handler; rendered by the handlers `install` adds. `headers` go on the answer
+    (e.g. `Retry-After` on a 503 or 429)."""
+
+    def __init__(
+        self,
+        status: int,
+        type_: str,
+        title: str,
+        detail: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        **extra: object,
+    ) -> None:
         super().__init__(detail)
         self.status, self.type, self.title, self.detail, self.extra = status, type_, title, detail, extra
+        self.headers = dict(headers or {})
 
-    def body(self, instance: str) -> dict:
-        return {
-            "type": TYPE_BASE + self.type,
-            "title": self.title,
-            "status": self.status,
-            "detail": self.detail,
-            "instance": instance,
-            **self.extra,
-        }
+    def body(self, instance: str) -> dict[str, Any]:
+        return body(self.status, self.type, self.title, self.detail, instance=instance, **self.extra)
+
+    def response(self, instance: str) -> JSONResponse:
+        return response(self.body(instance), self.status, headers=self.headers or None)
 
 
 def not_found(kind: str, ident: str) -> Problem:
@@ -39,48 +75,44 @@ def not_found(kind: str, ident: str) -> Problem:
     return Problem(404, "not-found", f"{kind} not found", f"no {kind} {ident!r} visible to this caller")
 
 
-def render(problem: Problem, request: Request, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(
-        problem.body(request.url.path), status_code=problem.status, media_type=MEDIA_TYPE, headers=headers
-    )
+def render(problem: Problem, request: Request, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return response(problem.body(request.url.path), problem.status, headers={**problem.headers, **(headers or {})})
 
 
-def _field(loc: tuple) -> str:
+def field_of(loc: tuple) -> str:
+    """The field a validation error is about, as the client named it (`body.`/`query.` dropped)."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     return ".".join(parts) or "body"
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(Problem)
-    async def _problem(request: Request, exc: Problem):
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
         return render(exc, request)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errors = [{"field": _field(tuple(e.get("loc", ()))), "message": e.get("msg", "invalid")} for e in exc.errors()]
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"field": field_of(tuple(e.get("loc", ()))), "message": e.get("msg", "invalid")} for e in exc.errors()
+        ]
         detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         return render(Problem(422, "invalid-request", "The request is invalid", detail, errors=errors), request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        slug = {401: "unauthenticated", 403: "forbidden", 404: "not-found", 405: "method-not-allowed"}.get(
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {401: "unauthenticated", 403: "forbidden", 404: "not-found", 405: "method-not-allowed"}.get(
             exc.status_code, "http-error"
         )
-        return render(
-            Problem(exc.status_code, slug, slug.replace("-", " ").capitalize(), str(exc.detail)),
-            request,
-            headers=getattr(exc, "headers", None),
-        )
+        problem = Problem(exc.status_code, kind, kind.replace("-", " ").capitalize(), str(exc.detail))
+        return render(problem, request, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return render(
-            Problem(
-                500,
-                "internal",
-                "Internal error",
-                "the control plane hit an unexpected error; retry with the same Idempotency-Key",
-            ),
-            request,
+        problem = Problem(
+            500,
+            "internal",
+            "Internal error",
+            "the server hit an unexpected error; retry with the same Idempotency-Key",
         )
+        return render(problem, request)

@@ -23,7 +23,7 @@ async def test_tenant_isolation_invariants(fleet):
     node = fleet.nodes["sim-00000"]
     assert (await fleet.act(node, "provision", req("1", "ten_a")))[0] == 200
     status, body = await fleet.act(node, "provision", req("2", "ten_b"))
-    assert status == 409 and "wipe it first" in body["error"]
+    assert status == 409 and "wipe it first" in body["detail"]
     assert (await fleet.act(node, "wipe", req("3")))[0] == 409  # the workload still runs
     assert (await fleet.act(node, "burn_in", req("4")))[0] == 409  # not wiped
     assert (await fleet.act(node, "release", req("5")))[0] == 200
@@ -71,7 +71,7 @@ async def test_hardware_fault_fails_burn_in_until_the_rung_that_fixes_it(fleet):
     node = fleet.nodes["sim-00001"]
     node.hardware_fault, node.fault_fixed_by = "uncorrectable ECC", "reboot"
     status, body = await fleet.act(node, "burn_in", req("1"))
-    assert status == 422 and "uncorrectable ECC" in body["error"]
+    assert status == 422 and "uncorrectable ECC" in body["detail"]
     assert (await fleet.act(node, "reset", req("2")))[0] == 200
     assert (await fleet.act(node, "burn_in", req("3")))[0] == 422  # a reset is too mild
     assert (await fleet.act(node, "reboot", req("4")))[0] == 200
