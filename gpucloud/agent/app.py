@@ -42,7 +42,9 @@ from fastapi.responses import JSONResponse
 from gpucloud.agent.probe import Probe, detect_probe
 from gpucloud.agent.readings import NodeReading, XidEvent
 from gpucloud.agent.schemas import ActionRequest
-from gpucloud.agent.spool import Meter, NodeAllocation, Shipper, Spool, wall_clock_ms
+from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.spool import Meter, NodeAllocation, Spool, wall_clock_ms
+from gpucloud.ledger.client import UsageLedger
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.web import problems
 
@@ -166,7 +168,7 @@ class AgentMetering:
     def __init__(self, agent: Agent, spool_path: Path, ledger_url: str, *, interval_s: float = 60.0) -> None:
         self.spool = Spool(spool_path, agent.state.node_id)
         self.meter = Meter(self.spool, lambda: agent.state.allocation, interval_ms=max(1, int(interval_s * 1000)))
-        self.shipper = Shipper(self.spool, ledger_url)
+        self.shipper = Shipper(self.spool, UsageLedger(ledger_url))
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self.meter.run, args=(self._stop,), name="meter", daemon=True),

@@ -1,4 +1,5 @@
-"""Usage metering on the node: a durable local spool, the meter that fills it, the shipper that drains it.
+"""Usage metering on the node: a durable local spool and the meter that fills it (the shipper that
+drains it is `gpucloud.agent.shipper`).
 
 Usage is written down where it happens before anything else can fail:
 
@@ -12,13 +13,9 @@ Usage is written down where it happens before anything else can fail:
   the last durable end of each allocation: across restarts (``kill -9`` included) the
   samples of an allocation cover [started, ended) with no gap and no overlap. A sample and
   the meter's cursor are written in one transaction, so a crash leaves both or neither.
-- :class:`Shipper` sends pending samples to the ledger in batches (default 8,000),
-  at-least-once: a sample is marked acknowledged only after the ledger answered 2xx for its
-  batch and did not reject it. Duplicates from a resend are harmless (the ledger counts
-  them as such). Samples the ledger rejects for good are kept, marked rejected, for an
-  operator; those it rejects as retryable (allocation or price not known yet) wait and are
-  sent again. While the ledger is down the shipper backs off exponentially with jitter and
-  the spool grows; :meth:`Spool.lag` reports how far behind it is.
+- The shipper sends pending samples to the ledger and settles them from its answer
+  (:meth:`Spool.settle`); while the ledger is down the spool grows, and :meth:`Spool.lag`
+  reports how far behind it is.
 
 The spool belongs to one node: it records the node id at creation and refuses to open
 under another, since two nodes sharing one sequence would make (node_id, seq) ambiguous.
@@ -28,15 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import httpx
 
 log = logging.getLogger(__name__)
 
@@ -400,117 +394,3 @@ class Meter:
                 log.exception("metering failed; retrying at the next interval")
             wait_ms = self.interval_ms - self._clock_ms() % self.interval_ms
             stop.wait(wait_ms / 1000)
-
-
-@dataclass(frozen=True, slots=True)
-class ShipResult:
-    sent: int
-    acked: int
-    duplicates: int
-    rejected: int
-    deferred: int
-
-
-class LedgerUnavailable(Exception):
-    """The ledger did not take the batch (transport error or non-2xx answer): send it again later."""
-
-
-class Shipper:
-    """Sends spooled samples to the ledger, at-least-once, and settles them from its answer."""
-
-    def __init__(
-        self,
-        spool: Spool,
-        ledger_url: str,
-        *,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        client: httpx.Client | None = None,
-        timeout_s: float = 30.0,
-        backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        idle_poll_s: float = 1.0,
-        retry_rejected_after_ms: int = 60_000,
-        acked_retention_ms: int = 86_400_000,
-        clock_ms: Callable[[], int] = wall_clock_ms,
-    ) -> None:
-        self._spool = spool
-        self._url = ledger_url.rstrip("/") + "/v1/usage:batch"
-        self.batch_size = batch_size
-        self._client = client or httpx.Client(timeout=timeout_s)
-        self._backoff_initial_s = backoff_initial_s
-        self._backoff_max_s = backoff_max_s
-        self._idle_poll_s = idle_poll_s
-        self._retry_rejected_after_ms = retry_rejected_after_ms
-        self._acked_retention_ms = acked_retention_ms
-        self._clock_ms = clock_ms
-
-    def lag(self) -> SpoolLag:
-        return self._spool.lag()
-
-    def ship_once(self) -> ShipResult:
-        """Send one batch of pending samples; raises :class:`LedgerUnavailable` if not taken."""
-        now_ms = self._clock_ms()
-        batch = self._spool.pending(limit=self.batch_size, now_ms=now_ms)
-        if not batch:
-            return ShipResult(0, 0, 0, 0, 0)
-        body = json.dumps({"samples": [sample.to_wire() for sample in batch]}, separators=(",", ":"))
-        try:
-            response = self._client.post(self._url, content=body, headers={"content-type": "application/json"})
-        except httpx.HTTPError as error:
-            raise LedgerUnavailable(f"ledger unreachable: {error!r}") from error
-        if not response.is_success:
-            raise LedgerUnavailable(f"ledger answered {response.status_code}: {response.text[:500]}")
-        try:
-            answer = response.json()
-            rejections = {r["seq"]: r["problem"] for r in answer["rejections"] if r["node_id"] == self._spool.node_id}
-            duplicates = int(answer["duplicates"])
-        except (ValueError, KeyError, TypeError) as error:
-            # Without a readable answer nothing is known to be taken: send it all again.
-            raise LedgerUnavailable(f"unreadable ledger answer: {error!r}") from error
-        retryable = [seq for seq, problem in rejections.items() if problem.get("retryable")]
-        final = {seq: problem for seq, problem in rejections.items() if not problem.get("retryable")}
-        if duplicates:
-            log.info(
-                "the ledger already had %d of %d samples: a resend after a lost acknowledgement", duplicates, len(batch)
-            )
-        for seq, problem in final.items():
-            log.error("ledger rejected sample %s/%s for good: %s", self._spool.node_id, seq, problem.get("detail"))
-        self._spool.settle(
-            acked=[sample.seq for sample in batch if sample.seq not in rejections],
-            rejected=final,
-            deferred=retryable,
-            retry_at_ms=now_ms + self._retry_rejected_after_ms,
-        )
-        return ShipResult(
-            sent=len(batch),
-            acked=len(batch) - len(rejections),
-            duplicates=duplicates,
-            rejected=len(final),
-            deferred=len(retryable),
-        )
-
-    def run(self, stop: threading.Event) -> None:
-        """Ship until ``stop`` is set: back to back while there is a backlog, backing off while the ledger is down."""
-        backoff_s = self._backoff_initial_s
-        while not stop.is_set():
-            try:
-                result = self.ship_once()
-            except Exception as error:
-                level = logging.WARNING if isinstance(error, LedgerUnavailable) else logging.ERROR
-                log.log(
-                    level,
-                    "shipping usage failed (%s); retrying in up to %.1f s",
-                    error,
-                    backoff_s,
-                    exc_info=not isinstance(error, LedgerUnavailable),
-                )
-                stop.wait(random.uniform(0, backoff_s))
-                backoff_s = min(backoff_s * 2, self._backoff_max_s)
-                continue
-            backoff_s = self._backoff_initial_s
-            if result.sent < self.batch_size:
-                self._spool.prune_acked(older_than_ms=self._clock_ms() - self._acked_retention_ms)
-                stop.wait(self._idle_poll_s)
-
-    def close(self) -> None:
-        self._client.close()

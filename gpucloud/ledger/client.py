@@ -1,13 +1,16 @@
-"""The ledger's HTTP API as the control plane calls it (API proxy, billing activities).
+"""The one client of the ledger's HTTP API: :class:`LedgerClient` (async) for the control plane
+(the API's billing proxy, the billing activities) and :class:`UsageLedger` (blocking) for the
+agents' shippers, the real agent's and the simulated fleet's alike.
 
-Async, over one ``httpx.AsyncClient``. A transport error or a 5xx the ledger marks retryable
-raises :class:`LedgerUnavailable` (try again later); any other non-2xx raises
-:class:`LedgerRefused` with the ledger's problem document, so callers can pass its status
-and detail on.
+Both classify answers the same way (`_checked`): a transport error or a 5xx the ledger marks
+retryable raises :class:`LedgerUnavailable` (try again later); any other non-2xx raises
+:class:`LedgerRefused` with the ledger's problem document, so callers can pass its status and
+detail on.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -43,6 +46,44 @@ class LedgerRefused(Exception):
         self.problem = problem
 
 
+def _checked(response: httpx.Response) -> httpx.Response:
+    """The response if it is a 2xx, else the error it means."""
+    if response.is_success:
+        return response
+    try:
+        problem = response.json()
+    except ValueError:
+        problem = {"detail": response.text[:500]}
+    if not isinstance(problem, dict):
+        problem = {"detail": str(problem)[:500]}
+    if response.status_code >= 500 and problem.get("retryable", True):
+        raise LedgerUnavailable(f"ledger answered {response.status_code}: {problem.get('detail')}")
+    raise LedgerRefused(response.status_code, problem)
+
+
+class UsageLedger:
+    """What a node's shipper asks of the ledger: take a batch of usage samples."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 30.0, http: httpx.Client | None = None) -> None:
+        self._url = base_url.rstrip("/") + "/v1/usage:batch"
+        self._http = http or httpx.Client(timeout=timeout_s)
+
+    def ingest(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """The ledger's answer to a batch (accepted, duplicates, rejections)."""
+        body = json.dumps({"samples": samples}, separators=(",", ":"))
+        try:
+            response = self._http.post(self._url, content=body, headers={"content-type": "application/json"})
+        except httpx.HTTPError as error:
+            raise LedgerUnavailable(f"ledger unreachable: {error!r}") from error
+        try:
+            return _checked(response).json()
+        except ValueError as error:
+            raise LedgerUnavailable(f"unreadable ledger answer: {error!r}") from error
+
+    def close(self) -> None:
+        self._http.close()
+
+
 class LedgerClient:
     def __init__(self, base_url: str, *, timeout_s: float = 30.0, transport: httpx.AsyncBaseTransport | None = None):
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
@@ -61,15 +102,7 @@ class LedgerClient:
             response = await self._http.request(method, path, **kwargs)
         except httpx.HTTPError as error:
             raise LedgerUnavailable(f"ledger unreachable: {error!r}") from error
-        if response.is_success:
-            return response
-        try:
-            problem = response.json()
-        except ValueError:
-            problem = {"detail": response.text[:500]}
-        if response.status_code >= 500 and problem.get("retryable", True):
-            raise LedgerUnavailable(f"ledger answered {response.status_code}: {problem.get('detail')}")
-        raise LedgerRefused(response.status_code, problem)
+        return _checked(response)
 
     # ---------------------------------------------------------------- control plane -> ledger
 

@@ -28,15 +28,9 @@ from pathlib import Path
 
 import httpx
 
-from gpucloud.agent.spool import (
-    DEFAULT_BATCH_SIZE,
-    LedgerUnavailable,
-    Meter,
-    NodeAllocation,
-    Shipper,
-    Spool,
-    wall_clock_ms,
-)
+from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.spool import DEFAULT_BATCH_SIZE, Meter, NodeAllocation, Spool, wall_clock_ms
+from gpucloud.ledger.client import LedgerUnavailable, UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +69,7 @@ class FleetMetering:
         self.batch_size = batch_size
         self._backoff_max_s = backoff_max_s
         self._clock_ms = clock_ms
-        self._http = httpx.Client(timeout=30)
+        self._ledger = UsageLedger(ledger_url)
         self._meters: dict[str, _NodeMeter] = {}
         self._meters_lock = threading.Lock()
         self.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -101,9 +95,8 @@ class FleetMetering:
             # events are on their way from the control plane.
             shipper = Shipper(
                 spool,
-                self.ledger_url,
+                self._ledger,
                 batch_size=self.batch_size,
-                client=self._http,
                 retry_rejected_after_ms=min(60_000, 5 * self.interval_ms),
                 clock_ms=self._clock_ms,
             )
@@ -209,7 +202,7 @@ class FleetMetering:
     def close(self) -> None:
         for node in self._meters.values():
             node.spool.close()
-        self._http.close()
+        self._ledger.close()
 
 
 @dataclass(frozen=True)

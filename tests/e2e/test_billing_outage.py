@@ -15,9 +15,11 @@ import httpx
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from gpucloud.agent.spool import Shipper, Spool, Usage
+from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.spool import Spool, Usage
 from gpucloud.config import Settings
 from gpucloud.devstack.stack import Stack, free_port
+from gpucloud.ledger.client import UsageLedger
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
@@ -83,7 +85,7 @@ def late_agent_ships(ledger_url: str, spool_path, *, tenant_id: str, period_id: 
             for i in range(minutes)
         ]
     )
-    shipper = Shipper(spool, ledger_url)
+    shipper = Shipper(spool, UsageLedger(ledger_url))
     try:
         assert shipper.ship_once().acked == minutes
     finally:

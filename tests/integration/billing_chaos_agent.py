@@ -16,7 +16,9 @@ import sys
 import threading
 from pathlib import Path
 
-from gpucloud.agent.spool import Meter, NodeAllocation, Shipper, Spool
+from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.spool import Meter, NodeAllocation, Spool
+from gpucloud.ledger.client import UsageLedger
 
 
 def main(spool_dir: str, ledger_url: str, allocations_path: str, interval_ms: str, batch_size: str) -> None:
@@ -33,9 +35,8 @@ def main(spool_dir: str, ledger_url: str, allocations_path: str, interval_ms: st
         meter = Meter(spool, lambda node_id=node_id: allocation_of(node_id), interval_ms=int(interval_ms))
         shipper = Shipper(
             spool,
-            ledger_url,
+            UsageLedger(ledger_url, timeout_s=5),
             batch_size=int(batch_size),
-            timeout_s=5,
             backoff_initial_s=0.05,
             backoff_max_s=0.4,
             idle_poll_s=0.02,

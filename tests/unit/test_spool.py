@@ -15,15 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpucloud.agent.spool import (
-    LedgerUnavailable,
-    Meter,
-    NodeAllocation,
-    Shipper,
-    Spool,
-    Usage,
-    UsageSample,
-)
+from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.spool import Meter, NodeAllocation, Spool, Usage, UsageSample
+from gpucloud.ledger.client import LedgerUnavailable, UsageLedger
 
 INTERVAL = 60_000
 T0 = 1_704_067_200_000  # 2024-01-01T00:00Z, a multiple of the interval
@@ -244,7 +238,7 @@ class FakeLedger:
 
 def shipper_for(spool: Spool, ledger: FakeLedger, clock: FakeClock, **options) -> Shipper:
     client = httpx.Client(transport=httpx.MockTransport(ledger.handle))
-    return Shipper(spool, "http://ledger", client=client, clock_ms=clock, **options)
+    return Shipper(spool, UsageLedger("http://ledger", http=client), clock_ms=clock, **options)
 
 
 def test_shipper_acks_only_after_a_2xx(tmp_path: Path) -> None:
@@ -287,7 +281,7 @@ def test_shipper_keeps_samples_when_the_answer_is_unreadable(tmp_path: Path) -> 
     spool.append(usage(T0, T0 + 1))
     client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text="<html>")))
     with pytest.raises(LedgerUnavailable):
-        Shipper(spool, "http://ledger", client=client, clock_ms=clock).ship_once()
+        Shipper(spool, UsageLedger("http://ledger", http=client), clock_ms=clock).ship_once()
     assert spool.lag().pending == 1
 
 
@@ -321,8 +315,7 @@ def test_shipper_backs_off_while_the_ledger_is_down_then_drains(tmp_path: Path) 
     client = httpx.Client(transport=httpx.MockTransport(ledger.handle))
     shipper = Shipper(
         spool,
-        "http://ledger",
-        client=client,
+        UsageLedger("http://ledger", http=client),
         batch_size=7,
         backoff_initial_s=0.01,
         backoff_max_s=0.08,
