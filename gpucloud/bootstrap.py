@@ -27,8 +27,10 @@ from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.registry.stores import RegistryStores
-from gpucloud.storage.backends import LocalBackend, ObjectBackend, S3Backend
 from gpucloud.storage.envelope import MasterKeys, TenantKeys
+from gpucloud.storage.local import LocalObjectStore
+from gpucloud.storage.objects import ObjectStore
+from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import TenantStore
 
 FabricControllerFactory = Callable[[], HttpFabricController]
@@ -83,12 +85,15 @@ def storage_master_key(settings: Settings) -> bytes:
     return key
 
 
-def object_backend(settings: Settings) -> ObjectBackend:
+def object_store(settings: Settings) -> ObjectStore:
+    """The one object store: registry chunks and manifests under `registry/`, tenant storage
+    under `tenants/`, their keys and deletion marks under `control/`."""
     if settings.object_store.backend == "s3":
-        return S3Backend(s3_client(settings), settings.object_store.bucket)
+        assert settings.object_store.bucket is not None  # the settings refuse s3 without one
+        return S3ObjectStore(s3_client(settings), settings.object_store.bucket)
     # Presigned URLs of the local store are signed with a key derived from the master key.
     signing_key = hmac.new(storage_master_key(settings), b"gpucloud-local-presign", hashlib.sha256).digest()
-    return LocalBackend(settings.object_store_dir, signing_key=signing_key)
+    return LocalObjectStore(settings.object_store_dir, signing_key=signing_key)
 
 
 def tenant_store(settings: Settings) -> TenantStore:
@@ -97,21 +102,13 @@ def tenant_store(settings: Settings) -> TenantStore:
     one that wrapped a tenant's data key."""
     key = storage_master_key(settings)
     key_id = "mk-" + hashlib.sha256(key).hexdigest()[:12]
-    backend = object_backend(settings)
-    return TenantStore(backend=backend, keys=TenantKeys(backend, MasterKeys({key_id: key}, active=key_id)))
+    objects = object_store(settings)
+    return TenantStore(backend=objects, keys=TenantKeys(objects, MasterKeys({key_id: key}, active=key_id)))
 
 
 def registry_stores(settings: Settings) -> RegistryStores:
     """Registry chunks and signed manifests: under `<registry prefix>/tenants/<tenant id>/`."""
-    prefix = settings.registry.prefix
-    if settings.object_store.backend == "s3":
-        return RegistryStores(
-            root=settings.object_store_dir,
-            s3_client=s3_client(settings),
-            bucket=settings.object_store.bucket,
-            prefix=prefix,
-        )
-    return RegistryStores(root=settings.object_store_dir / prefix)
+    return RegistryStores(object_store(settings), prefix=settings.registry.prefix)
 
 
 def fabric_controller(settings: Settings) -> FabricControllerFactory | None:

@@ -1,7 +1,6 @@
-"""Per-tenant storage: objects under `tenants/<tenant id>/` on S3 or a local directory, presigned
-URLs scoped to one key of a tenant's prefix, envelope encryption with a per-tenant data key, and
-deletion after a retention period.
-
-`backends` holds the two object stores behind `ObjectBackend`; `tenant` scopes one to a tenant;
-`envelope` wraps tenant data keys under a master key; `retention` marks and purges tenants.
+"""Object storage: the one object store (`objects`: a local directory in `local`, an S3 bucket in
+`s3`) under registry chunks, manifests and tenant storage; and tenant storage on it: objects
+under `tenants/<tenant id>/`, presigned URLs scoped to one key of a tenant's prefix (`tenant`),
+envelope encryption with a per-tenant data key (`envelope`), deletion after a retention period
+(`retention`).
 """

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpucloud.storage.backends import ObjectBackend, ObjectMissingError
+from gpucloud.storage.objects import ObjectMissingError, ObjectStore
 
 MAGIC = b"GCE1"
 NONCE_BYTES = 12
@@ -72,7 +72,7 @@ def _blob_aad(tenant_id: str, context: str) -> bytes:
 
 
 class TenantKeys:
-    def __init__(self, backend: ObjectBackend, masters: MasterKeys) -> None:
+    def __init__(self, backend: ObjectStore, masters: MasterKeys) -> None:
         self._backend = backend
         self.masters = masters
 

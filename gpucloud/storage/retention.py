@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta
 
-from gpucloud.storage.backends import ObjectBackend, ObjectMissingError
 from gpucloud.storage.envelope import TenantKeys
+from gpucloud.storage.objects import ObjectMissingError, ObjectStore
 from gpucloud.storage.tenant import tenant_prefix
 
 DELETION_MARKS = "control/deletions/"
@@ -24,7 +24,7 @@ def _mark_key(tenant_id: str) -> str:
 
 
 def mark_for_deletion(
-    backend: ObjectBackend,
+    backend: ObjectStore,
     tenant_id: str,
     *,
     now: datetime,
@@ -38,16 +38,16 @@ def mark_for_deletion(
     return due
 
 
-def cancel_deletion(backend: ObjectBackend, tenant_id: str) -> None:
+def cancel_deletion(backend: ObjectStore, tenant_id: str) -> None:
     backend.delete(_mark_key(tenant_id))
 
 
-def pending_deletions(backend: ObjectBackend) -> dict[str, datetime]:
+def pending_deletions(backend: ObjectStore) -> dict[str, datetime]:
     marks = (json.loads(backend.get(key)) for key in backend.list_keys(DELETION_MARKS))
     return {mark["tenant_id"]: datetime.fromisoformat(mark["due_at"]) for mark in marks}
 
 
-def purge_due(backend: ObjectBackend, keys: TenantKeys, *, now: datetime) -> list[str]:
+def purge_due(backend: ObjectStore, keys: TenantKeys, *, now: datetime) -> list[str]:
     """Delete the storage of every tenant whose mark is due; the tenants purged."""
     purged = []
     for tenant_id, due in sorted(pending_deletions(backend).items()):
@@ -58,7 +58,7 @@ def purge_due(backend: ObjectBackend, keys: TenantKeys, *, now: datetime) -> lis
     return purged
 
 
-def deletion_due(backend: ObjectBackend, tenant_id: str) -> datetime | None:
+def deletion_due(backend: ObjectStore, tenant_id: str) -> datetime | None:
     """When the tenant's storage is due for deletion; None when it is not marked."""
     try:
         return datetime.fromisoformat(json.loads(backend.get(_mark_key(tenant_id)))["due_at"])
@@ -66,7 +66,7 @@ def deletion_due(backend: ObjectBackend, tenant_id: str) -> datetime | None:
         return None
 
 
-def purge_tenant(backend: ObjectBackend, keys: TenantKeys, tenant_id: str) -> int:
+def purge_tenant(backend: ObjectStore, keys: TenantKeys, tenant_id: str) -> int:
     """Delete the tenant's data key, every object under its prefix, then its mark (idempotent);
     the number of objects deleted. Also what undoing a failed onboarding runs."""
     keys.forget(tenant_id)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gpucloud.storage.backends import ObjectBackend
 from gpucloud.storage.envelope import TenantKeys
+from gpucloud.storage.objects import ObjectStore
 
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 MAX_PRESIGN_S = 3600
@@ -33,7 +33,7 @@ def tenant_prefix(tenant_id: str) -> str:
 
 
 class TenantStorage:
-    def __init__(self, backend: ObjectBackend, tenant_id: str, *, keys: TenantKeys | None = None) -> None:
+    def __init__(self, backend: ObjectStore, tenant_id: str, *, keys: TenantKeys | None = None) -> None:
         self.prefix = tenant_prefix(tenant_id)
         self.tenant_id = tenant_id
         self._backend = backend
@@ -87,7 +87,7 @@ class TenantStorage:
 class TenantStore:
     """Every tenant's storage on one object store, with the keys that seal it."""
 
-    backend: ObjectBackend
+    backend: ObjectStore
     keys: TenantKeys
 
     def tenant(self, tenant_id: str) -> TenantStorage:

@@ -112,7 +112,7 @@ async def test_membership_is_read_back_before_nodes_are_active_and_a_cancel_take
 
     recovered_at = datetime.now(UTC)
     h.fabric.set_fault(None)
-    alloc = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
+    await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
     assert all(h.node(n)["state"] == "active" for n in node_ids)
     assert h.fabric.full_members(alloc_id) == ports
     default = next(p for p in h.fabric.snapshot().pkeys if p.pkey == DEFAULT_PKEY)

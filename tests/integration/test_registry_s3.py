@@ -137,7 +137,6 @@ def test_push_pull_and_dedup_over_s3(bucket: Bucket, tmp_path: Path) -> None:
 
 def test_interrupted_push_resumes_over_s3(bucket: Bucket, tmp_path: Path) -> None:
     source = write_model(tmp_path / "v1", random_tensors())
-    base = bucket.chunks
 
     class Flaky(S3ChunkStore):
         writes, lock = 0, threading.Lock()
@@ -149,7 +148,7 @@ def test_interrupted_push_resumes_over_s3(bucket: Bucket, tmp_path: Path) -> Non
                 self.writes += 1
             return super().put(chunk_id, data)
 
-    flaky = Flaky(base._client, base._bucket, prefix=PREFIX)
+    flaky = Flaky(bucket.client, bucket.name, prefix=PREFIX)
     with pytest.raises(ConnectionError):
         bucket.push(source, chunk_store=flaky, concurrency=1)
     assert len(bucket.keys("chunks/")) == 3 and bucket.keys("manifests/") == []

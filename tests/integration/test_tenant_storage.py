@@ -13,9 +13,11 @@ import pytest
 from cryptography.exceptions import InvalidTag
 from moto.server import ThreadedMotoServer
 
-from gpucloud.storage.backends import LocalBackend, ObjectMissingError, PresignedUrlError, S3Backend
 from gpucloud.storage.envelope import MasterKeys, TenantKeys, UnknownMasterKeyError, UnknownTenantKeyError
+from gpucloud.storage.local import LocalObjectStore
+from gpucloud.storage.objects import ObjectMissingError, PresignedUrlError
 from gpucloud.storage.retention import mark_for_deletion, pending_deletions, purge_due
+from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import KeyOutsidePrefixError, TenantStorage
 
 NOW = datetime(2025, 6, 1, tzinfo=UTC)
@@ -33,7 +35,7 @@ def s3_endpoint():
 @pytest.fixture(params=["s3", "local"])
 def backend(request, tmp_path):
     if request.param == "local":
-        return LocalBackend(tmp_path / "objects", signing_key=b"k" * 32)
+        return LocalObjectStore(tmp_path / "objects", signing_key=b"k" * 32)
     client = boto3.client(
         "s3",
         endpoint_url=request.getfixturevalue("s3_endpoint"),
@@ -43,7 +45,7 @@ def backend(request, tmp_path):
     )
     bucket = f"tenants-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
-    return S3Backend(client, bucket)
+    return S3ObjectStore(client, bucket)
 
 
 @pytest.fixture
@@ -53,7 +55,7 @@ def keys(backend):
 
 def fetch(backend, url: str, *, method: str = "GET", content: bytes | None = None) -> httpx.Response | bytes:
     """Use a presigned URL as a node would: over HTTP for S3, through the signer for local."""
-    if isinstance(backend, S3Backend):
+    if isinstance(backend, S3ObjectStore):
         return httpx.request(method, url, content=content)
     key = backend.resolve_presigned(url, method=method)
     if method == "PUT":
@@ -102,7 +104,7 @@ def test_presigned_url_grants_its_key_only(backend):
     assert acme.get("out/result") == b"result"
 
     forged = url.replace("tenants/acme/data/shard-0", "tenants/globex/data/shard-0")
-    if isinstance(backend, S3Backend):
+    if isinstance(backend, S3ObjectStore):
         # moto serves a presigned URL without checking its signature (a forged one gets 200 there;
         # real S3 answers 403 SignatureDoesNotMatch), so what is checked here is that the URL
         # signs exactly this one key, and above and below that no key outside the prefix is signed.

@@ -107,7 +107,6 @@ def test_checker_agrees_with_an_oracle_over_random_membership_ops(ops, tenant_of
     pkeys: dict[int, dict[str, Membership]] = defaultdict(dict)
     partitions: dict[int, set[str]] = defaultdict(set)
     vpcs: dict[str, list[str]] = defaultdict(list)
-    holders: dict[str, set[str]] = defaultdict(set)
     for op, target, node, membership in ops:
         if op == "ib":
             for guid in TOPOLOGY[node].port_guids:

@@ -110,7 +110,8 @@ def test_store_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("GPUCLOUD_OBJECT_STORE__BACKEND")
 
     stores = registry_stores(Settings(data_dir=tmp_path))
-    assert stores.chunks("ten_a").root == (tmp_path / "objects" / "registry" / "tenants" / "ten_a").resolve()
+    assert stores.objects.root == (tmp_path / "objects").resolve()
+    assert stores.chunks("ten_a").key("a" * 64) == f"registry/tenants/ten_a/chunks/aa/aa/{'a' * 64}"
     assert stores.chunks("ten_a") is stores.chunks("ten_a")
     assert stores.manifest_uri("ten_a", "f" * 64).endswith(f"/registry/tenants/ten_a/manifests/{'f' * 64}.json")
     with pytest.raises(ValueError, match="tenant id"):

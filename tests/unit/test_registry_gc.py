@@ -136,7 +136,7 @@ def test_a_lease_written_while_gc_deletes_is_seen_before_the_next_batch(stores) 
     ticks = itertools.count(step=0.4)  # every third delete falls past the batch bound
     collect_garbage(
         chunks,
-        LateLeases(manifests.records.root),
+        LateLeases(manifests.objects.root),
         grace_period=GRACE,
         now=NOW,
         clock=lambda: next(ticks),
@@ -149,7 +149,7 @@ def test_an_unreadable_manifest_stops_gc(stores, tmp_path: Path) -> None:
     chunks, manifests = stores
     digest = pushed_version(tmp_path, stores, Signer.generate())
     old = orphan(chunks, old=True)
-    (manifests.records.root / "manifests" / f"{digest}.json").write_text("{}")
+    (manifests.objects.root / "manifests" / f"{digest}.json").write_text("{}")
 
     with pytest.raises(ManifestTamperedError):
         collect_garbage(chunks, manifests, grace_period=GRACE, now=NOW)

@@ -1,0 +1,90 @@
+"""The object store behind everything gpucloud keeps as objects: registry chunks and signed
+manifests, and tenant storage. One interface; a local directory (`local.LocalObjectStore`) and
+an S3 bucket (`s3.S3ObjectStore`) implement it, and `gpucloud.bootstrap` picks one.
+
+Every write is atomic and durable: a reader sees the whole object or none of it. A streamed
+write (`put_stream`) runs the caller's `check` after the last piece and before the object
+becomes visible, so content-addressed callers can refuse bytes that do not hash to their key
+and leave nothing behind. Failures reaching the store are `ObjectTransferError` (worth another
+try); a missing object is `ObjectMissingError`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+
+PRESIGN_METHODS = frozenset({"GET", "PUT"})
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    modified: datetime
+
+
+class ObjectMissingError(KeyError):
+    """No object is stored under the key."""
+
+
+class ObjectTransferError(ConnectionError):
+    """The store could not be reached, or failed in a way another try can get past."""
+
+
+class PresignedUrlError(PermissionError):
+    """A presigned URL that is forged, altered or expired."""
+
+
+class ObjectStore(ABC):
+    """Objects by key (`a/b/c`, no `..`). Every method is safe to call from several threads."""
+
+    @abstractmethod
+    def put_stream(self, key: str, pieces: Iterable[bytes], *, check: Callable[[], None] | None = None) -> None:
+        """Store the pieces as one object. `check` runs after the last piece, before the object
+        is visible; if it raises, nothing is stored and the error propagates."""
+
+    def put(self, key: str, data: bytes) -> None:
+        self.put_stream(key, [data])
+
+    @abstractmethod
+    def read_stream(self, key: str, *, piece_size: int) -> Iterator[bytes]:
+        """The object's bytes in pieces of at most `piece_size`."""
+
+    def get(self, key: str) -> bytes:
+        return b"".join(self.read_stream(key, piece_size=8 << 20))
+
+    @abstractmethod
+    def stat(self, key: str) -> ObjectInfo: ...
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.stat(key)
+        except ObjectMissingError:
+            return False
+        return True
+
+    @abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix`, in key order."""
+
+    def list_keys(self, prefix: str) -> list[str]:
+        return [info.key for info in self.list(prefix)]
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing one is not an error."""
+
+    @abstractmethod
+    def presign(self, key: str, *, method: str, expires_s: int) -> str:
+        """A URL that allows `method` (GET or PUT) on exactly `key` until it expires."""
+
+    @abstractmethod
+    def uri(self, key: str) -> str:
+        """Where the object lives, for operators (`file://...`, `s3://bucket/key`)."""
+
+    @abstractmethod
+    def abort_incomplete(self, *, prefix: str, older_than: datetime) -> int:
+        """Clean up writes under `prefix` abandoned before `older_than`; how many."""
