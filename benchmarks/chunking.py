@@ -4,7 +4,9 @@
    blocks of 10 tensors from ~30% of a block down to norm-sized ones), streamed piece by piece.
 2. Hash it with raw BLAKE3 through the same read path the chunker uses (unbuffered reads into
    one buffer of the policy's read size, all cores).
-3. Push it into a LocalChunkStore: chunk, hash, store (temp file, fsync, rename), sign.
+3. Push it the way `gpucloud weights push` does: chunk, hash and sign locally, then upload what
+   the registry lacks over HTTP to the control plane's API, whose local store fsyncs every chunk
+   (the API and its Temporal dev server run in this process and a child).
 4. Write a "fine-tune" that rewrites one tensor per block (10% of the tensors, rotating over the
    positions in a block) and push it: dedup should store little more than those tensors.
 
@@ -17,22 +19,29 @@ is written under one temp directory that is removed at the end, even on Ctrl-C o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import blake3
 
+from gpucloud.client.registry import RegistryClient, RegistryPushTarget
+from gpucloud.config import Settings
+from gpucloud.devstack.serving import ThreadedServer
+from gpucloud.devstack.stack import free_port
+from gpucloud.devstack.temporal_server import server_args
 from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header, new_hasher
 from gpucloud.registry.manifest import Lineage, Signer
-from gpucloud.registry.push import PushResult, TransferProgress, push
-from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
+from gpucloud.registry.push import PushResult, PushStats, push
 
 BLOCKS = 20
 BLOCK_FRACTIONS = [0.30, 0.22, 0.16, 0.12, 0.08, 0.06, 0.03, 0.015, 0.01, 0.005]
@@ -90,23 +99,58 @@ class Reporter:
     def __init__(self, label: str) -> None:
         self.label, self.last = label, 0.0
 
-    def __call__(self, event: TransferProgress) -> None:
+    def __call__(self, phase: str, stats: PushStats) -> None:
+        done, total = (
+            (stats.bytes_hashed, stats.bytes_total)
+            if phase == "hash"
+            else (stats.bytes_uploaded, stats.bytes_to_upload)
+        )
         now = time.monotonic()
-        if now - self.last >= 2 or event.done == event.total:
+        if now - self.last >= 2 or done == total:
             self.last = now
-            done, total = event.done / 2**30, event.total / 2**30
-            log(f"  {self.label} {event.phase}: {done:.2f} / {total:.2f} GiB")
+            log(f"  {self.label} {phase}: {done / 2**30:.2f} / {total / 2**30:.2f} GiB")
+
+
+@contextlib.contextmanager
+def registry_api(workdir: Path) -> Iterator[RegistryClient]:
+    """The control plane's API (with its Temporal dev server and SQLite DB) on loopback, and a
+    client holding a new tenant's key: the path `gpucloud weights push` takes."""
+    from gpucloud.api.app import create_app
+
+    temporal_port = free_port()
+    temporal = subprocess.Popen(
+        server_args(workdir, port=temporal_port, headless=True, persist=False),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    operator = "bench-operator"
+    settings = Settings(
+        data_dir=workdir / "server",
+        temporal={"address": f"127.0.0.1:{temporal_port}"},
+        api={"operator_token": operator},
+    )
+    server = ThreadedServer(create_app(settings), name="api")
+    try:
+        url = server.start(timeout_s=60)
+        with RegistryClient(url, operator) as op:
+            tenant = op.create("/v1/tenants", {"name": "bench"})
+            key = op.call("POST", f"/v1/tenants/{tenant['id']}/api-keys")["key"]
+        with RegistryClient(url, key) as client:
+            yield client
+    finally:
+        server.stop()
+        temporal.kill()
+        temporal.wait()
 
 
 def run(size: int, parent: str | None) -> dict:
     policy = ChunkPolicy()
     tensors = layout(size)
     workdir = Path(tempfile.mkdtemp(prefix="gpucloud-bench-", dir=parent))
+    stack = contextlib.ExitStack()
     try:
-        chunks, manifests = (
-            LocalChunkStore(workdir / "store"),
-            LocalManifestStore(workdir / "store"),
-        )
+        api = stack.enter_context(registry_api(workdir))
+        target = RegistryPushTarget(api)
         signer = Signer.generate()
         base_dir, tuned_dir = workdir / "base", workdir / "tuned"
         base_dir.mkdir()
@@ -122,16 +166,15 @@ def run(size: int, parent: str | None) -> dict:
         log("raw BLAKE3 over the same bytes")
         raw_seconds = raw_blake3_seconds(base_dir / "model.safetensors", policy.read_size)
 
-        log("push (chunk + hash + store)")
+        log("push over the API (chunk + hash, then upload what the registry lacks)")
         started = time.perf_counter()
         base = push(
             base_dir,
             model="bench",
-            chunk_store=chunks,
-            manifest_store=manifests,
+            target=target,
             signer=signer,
             policy=policy,
-            progress=Reporter("base"),
+            report=Reporter("base"),
         )
         push_seconds = time.perf_counter() - started
         shutil.rmtree(base_dir)  # the store holds it now; keeps peak disk use near 2x the size
@@ -145,15 +188,15 @@ def run(size: int, parent: str | None) -> dict:
         tuned: PushResult = push(
             tuned_dir,
             model="bench",
-            chunk_store=chunks,
-            manifest_store=manifests,
+            target=target,
             signer=signer,
             policy=policy,
             lineage=Lineage(parent=base.digest),
-            progress=Reporter("tuned"),
+            report=Reporter("tuned"),
         )
         tuned_seconds = time.perf_counter() - started
     finally:
+        stack.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
     gb = file_bytes / 1e9
@@ -165,6 +208,7 @@ def run(size: int, parent: str | None) -> dict:
         "ratio": round(raw_seconds / push_seconds, 3),
         "chunk_hash_gb_per_s": round(gb / base.hash_seconds, 3),
         "chunk_hash_ratio": round(raw_seconds / base.hash_seconds, 3),
+        # Uploads over loopback HTTP into the API's local store (which fsyncs every chunk).
         "store_gb_per_s": round(base.bytes_uploaded / 1e9 / base.upload_seconds, 3),
         # The same disk's plain sequential write (generate + write + one fsync): the ceiling for
         # any store that must write every byte once.

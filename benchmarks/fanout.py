@@ -44,7 +44,7 @@ from gpucloud.agent.peer import ChunkFetcher, FetchStats, PeerServer, create_pee
 from gpucloud.devstack.stack import free_port
 from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header
 from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
-from gpucloud.registry.push import push
+from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
@@ -164,11 +164,9 @@ def _push_artifact(workdir: Path, scenario: dict, signer: Signer) -> tuple[Signe
     result = push(
         workdir / "source",
         model="bench",
-        chunk_store=store,
+        target=StoreTarget(store, LocalManifestStore(workdir / "manifests"), settle_seconds=0),
         signer=signer,
         policy=policy,
-        manifest_store=LocalManifestStore(workdir / "manifests"),
-        settle_seconds=0,
     )
     shutil.rmtree(workdir / "source")  # the store holds it now
     return result.signed, store

@@ -20,14 +20,9 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from gpucloud.cli.weights import (
-    RegistryApiError,
-    RegistryClient,
-    failing_metrics_table,
-    pull_with_progress,
-    push_with_progress,
-    signer_for,
-)
+from gpucloud.cli.weights import failing_metrics_table, pull_with_progress, push_with_progress
+from gpucloud.client.base import ApiError
+from gpucloud.client.registry import RegistryClient, signer_for
 from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header
 from gpucloud.registry.manifest import IntegrityError, Lineage
 
@@ -81,7 +76,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 def _promote(console: Console, client: RegistryClient, model: str, digest: str, *, expect_refusal: bool) -> None:
     try:
         client.promote(model, digest, "production")
-    except RegistryApiError as exc:
+    except ApiError as exc:
         if not expect_refusal or exc.type != "gates-failed":
             raise WeightsDemoError(f"promotion of {digest[:12]} to production failed: {exc}") from exc
         failing = {f["metric"] for f in exc.body.get("failing_metrics", [])}

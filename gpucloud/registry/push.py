@@ -1,14 +1,17 @@
-"""Push a directory of files as one signed model version.
+"""Push a directory of files as one signed model version: the one push path, whatever receives
+it. `gpucloud weights push` pushes over the registry API (`client.registry.RegistryPushTarget`);
+tools and tests that hold the stores push straight into them (`StoreTarget`).
 
 A push runs in an order that makes it safe to interrupt and safe next to garbage collection:
 
-1. chunk and hash every file (reading each once, in bounded buffers) and build the manifest;
-2. write a push lease listing every chunk the version needs, so GC keeps the ones that already
-   exist while this push relies on them;
-3. upload only the chunks the store lacks (each store verifies the bytes against the id before
-   they become visible), renewing the lease while the uploads run;
-4. check that the chunks it reused are still there (re-uploading any a concurrent GC removed,
-   see `gpucloud.registry.gc`), then write the signed manifest, last, and drop the lease.
+1. chunk and hash every file (reading each once, in bounded buffers) and sign the manifest;
+2. tell the target which chunks the version needs and learn which ones it lacks (a store target
+   writes a push lease first, so GC keeps the chunks that already exist while the push relies
+   on them; the API keeps fresh uploads through GC's grace period);
+3. upload only the missing chunks (the target verifies the bytes against the id before they
+   count as stored), keeping the target's hold alive while the uploads run;
+4. commit the signed manifest, last. A target that finds a reused chunk gone by then (a
+   concurrent GC) says which (`ChunksMissing`): they are sent again, once, and the commit retried.
 
 A version exists once its manifest exists, and a manifest only lands after all its chunks did.
 An interrupted push leaves verified chunks and no manifest: running it again re-hashes the files
@@ -18,14 +21,15 @@ and uploads only what is still missing.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy, FileRegion, chunk_file
 from gpucloud.registry.gc import LEASE_RENEW_SECONDS, LEASE_SETTLE_SECONDS
@@ -44,7 +48,7 @@ from gpucloud.registry.store import ChunkStore, ManifestStore
 
 @dataclass(frozen=True, slots=True)
 class TransferProgress:
-    """Bytes done out of bytes total in one phase of a push or pull."""
+    """Bytes done out of bytes total in one phase of a pull."""
 
     phase: Literal["hash", "upload", "download"]
     done: int
@@ -54,13 +58,32 @@ class TransferProgress:
 ProgressCallback = Callable[[TransferProgress], None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
+class PushStats:
+    """What a push did; `bytes_skipped` were not sent because the target (or this push) had them."""
+
+    bytes_total: int = 0
+    chunks_total: int = 0
+    bytes_hashed: int = 0
+    bytes_to_upload: int = 0
+    chunks_to_upload: int = 0
+    bytes_uploaded: int = 0
+    chunks_uploaded: int = 0
+    uploaded_ids: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_skipped(self) -> int:
+        return self.bytes_total - self.bytes_to_upload
+
+
+PushReport = Callable[[Literal["hash", "upload"], PushStats], None]
+
+
+@dataclass(frozen=True)
 class PushResult:
     signed: SignedManifest
-    bytes_total: int
-    chunks_total: int
-    chunks_uploaded: int
-    bytes_uploaded: int
+    stats: PushStats
+    version: dict[str, Any]  # the target's record of the version (the API's answer)
     hash_seconds: float
     upload_seconds: float
 
@@ -69,16 +92,51 @@ class PushResult:
         return self.signed.digest
 
     @property
+    def bytes_total(self) -> int:
+        return self.stats.bytes_total
+
+    @property
+    def chunks_total(self) -> int:
+        return self.stats.chunks_total
+
+    @property
+    def chunks_uploaded(self) -> int:
+        return self.stats.chunks_uploaded
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return self.stats.bytes_uploaded
+
+    @property
     def bytes_skipped(self) -> int:
-        """Bytes not sent because the store (or an earlier file of this version) had them."""
-        return self.bytes_total - self.bytes_uploaded
+        return self.stats.bytes_skipped
 
 
-@dataclass(frozen=True, slots=True)
-class _Source:
-    path: Path
-    relative: str
-    chunk: ChunkRef
+class ChunksMissing(Exception):
+    """The commit found chunks of the version gone from the target (a concurrent GC)."""
+
+    def __init__(self, chunk_ids: list[str]) -> None:
+        super().__init__(f"{len(chunk_ids)} chunks of the version are missing")
+        self.chunk_ids = chunk_ids
+
+
+class PushTarget(Protocol):
+    """Where a push goes: the registry API or a pair of stores."""
+
+    def begin(self, model: str, signer: Signer, chunk_ids: list[str]) -> list[str]:
+        """Get ready for a version of `model` signed by `signer` that needs `chunk_ids`; the
+        ids the target lacks."""
+
+    def upload(self, model: str, chunk: ChunkRef, path: Path) -> None: ...
+
+    def keep_alive(self) -> None:
+        """Called now and then while uploads run (a store target renews its lease)."""
+
+    def commit(self, model: str, signed: SignedManifest) -> dict[str, Any]:
+        """Store the signed manifest; `ChunksMissing` if some chunks are gone."""
+
+    def end(self) -> None:
+        """After the push, done or failed."""
 
 
 def source_files(root: Path) -> list[tuple[str, Path]]:
@@ -93,135 +151,146 @@ def source_files(root: Path) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
-def _upload(store: ChunkStore, source: _Source) -> bool:
-    chunk = source.chunk
-    try:
-        with FileRegion(source.path, chunk.offset, chunk.size) as region:
-            return store.put(chunk.id, region)
-    except ChunkCorruptedError as exc:
-        raise ChunkCorruptedError(
-            f"file changed while it was being pushed ({exc})",
-            chunk_id=chunk.id,
-            path=source.relative,
-            offset=chunk.offset,
-        ) from None
-
-
-class _Uploader:
-    """Runs one pass of uploads on a thread pool and renews the lease while it waits."""
-
-    def __init__(
-        self,
-        store: ChunkStore,
-        manifest_store: ManifestStore,
-        lease: PushLease,
-        *,
-        concurrency: int,
-        progress: ProgressCallback | None,
-    ) -> None:
-        self.store, self.manifest_store, self.lease = store, manifest_store, lease
-        self.concurrency, self.progress = concurrency, progress
-        self.chunks_uploaded = self.bytes_uploaded = 0
-        self._renewed = time.monotonic()
-
-    def run(self, sources: list[_Source], *, report: bool = True) -> list[_Source]:
-        """Put every source (a put skips what the store has); return those it already had."""
-        total, done, present = sum(s.chunk.size for s in sources), 0, []
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            pending: dict[Future[bool], _Source] = {pool.submit(_upload, self.store, s): s for s in sources}
-            try:
-                while pending:
-                    finished, _ = wait(pending, timeout=LEASE_RENEW_SECONDS, return_when=FIRST_COMPLETED)
-                    for future in finished:
-                        source = pending.pop(future)
-                        if future.result():
-                            self.chunks_uploaded += 1
-                            self.bytes_uploaded += source.chunk.size
-                        else:
-                            present.append(source)
-                        done += source.chunk.size
-                        if report and self.progress is not None:
-                            self.progress(TransferProgress("upload", done, total))
-                    self._renew_if_due()
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-        return present
-
-    def _renew_if_due(self) -> None:
-        if time.monotonic() - self._renewed >= LEASE_RENEW_SECONDS:
-            self.lease = self.lease.model_copy(update={"renewed_at": datetime.now(UTC)})
-            self.manifest_store.put_lease(self.lease)
-            self._renewed = time.monotonic()
-
-
 def push(
     source_dir: str | Path,
     *,
     model: str,
-    chunk_store: ChunkStore,
-    manifest_store: ManifestStore,
+    target: PushTarget,
     signer: Signer,
     lineage: Lineage | None = None,
     created_at: datetime | None = None,
     policy: ChunkPolicy = DEFAULT_POLICY,
     concurrency: int = 4,
-    progress: ProgressCallback | None = None,
-    settle_seconds: float = LEASE_SETTLE_SECONDS,
+    report: PushReport = lambda phase, stats: None,
 ) -> PushResult:
-    """Push every regular file under source_dir as one version of model; see the module doc."""
-    root = Path(source_dir)
-    files = source_files(root)
-    bytes_to_hash = sum(path.stat().st_size for _, path in files)
-
+    """Push every regular file under source_dir as one signed version of model; see the module doc."""
+    files = source_files(Path(source_dir))
+    stats = PushStats(bytes_total=sum(path.stat().st_size for _, path in files))
     started = time.perf_counter()
-    hashed = 0
 
-    def on_chunk(size: int) -> None:
-        nonlocal hashed
-        hashed += size
-        if progress is not None:
-            progress(TransferProgress("hash", hashed, bytes_to_hash))
+    def hashed(size: int) -> None:
+        stats.bytes_hashed += size
+        report("hash", stats)
 
     entries: dict[str, FileEntry] = {
-        relative: chunk_file(path, policy=policy, on_chunk=on_chunk) for relative, path in files
+        relative: chunk_file(path, policy=policy, on_chunk=hashed) for relative, path in files
     }
     signed = signer.sign(Manifest.build(model=model, files=entries, lineage=lineage, created_at=created_at))
+    stats.chunks_total = signed.manifest.chunk_count
     hash_seconds = time.perf_counter() - started
 
-    unique: dict[str, _Source] = {}
+    sources: dict[str, tuple[Path, ChunkRef]] = {}
     for relative, path in files:
         for chunk in entries[relative].chunks:
-            unique.setdefault(chunk.id, _Source(path, relative, chunk))
-    now = datetime.now(UTC)
-    lease = PushLease(
-        lease_id=uuid.uuid4().hex,
-        model=model,
-        chunk_ids=sorted(unique),
-        created_at=now,
-        renewed_at=now,
-    )
-
+            sources.setdefault(chunk.id, (path, chunk))
     started = time.perf_counter()
-    manifest_store.put_lease(lease)
-    leased_at = time.monotonic()
+    missing = target.begin(model, signer, list(sources))
     try:
-        uploader = _Uploader(chunk_store, manifest_store, lease, concurrency=concurrency, progress=progress)
-        reused = uploader.run(list(unique.values()))
-        if reused:
-            # A GC pass that read the leases before ours existed may still be deleting; once
-            # the settle time has passed it has finished its batch, and we re-check what we reused.
-            time.sleep(max(0.0, leased_at + settle_seconds - time.monotonic()))
-            uploader.run(reused, report=False)
-        manifest_store.put(signed)
+        stats.chunks_to_upload = len(missing)
+        stats.bytes_to_upload = sum(sources[chunk_id][1].size for chunk_id in missing)
+        report("upload", stats)
+        _upload_all(target, model, [sources[chunk_id] for chunk_id in missing], stats, report, concurrency)
+        try:
+            version = target.commit(model, signed)
+        except ChunksMissing as gone:
+            _upload_all(target, model, [sources[c] for c in gone.chunk_ids], stats, report, concurrency)
+            version = target.commit(model, signed)
     finally:
-        manifest_store.delete_lease(lease.lease_id)
+        target.end()
     return PushResult(
         signed=signed,
-        bytes_total=signed.manifest.total_size,
-        chunks_total=signed.manifest.chunk_count,
-        chunks_uploaded=uploader.chunks_uploaded,
-        bytes_uploaded=uploader.bytes_uploaded,
+        stats=stats,
+        version=version,
         hash_seconds=hash_seconds,
         upload_seconds=time.perf_counter() - started,
     )
+
+
+def _upload_all(
+    target: PushTarget,
+    model: str,
+    sources: list[tuple[Path, ChunkRef]],
+    stats: PushStats,
+    report: PushReport,
+    concurrency: int,
+) -> None:
+    lock = threading.Lock()
+
+    def one(source: tuple[Path, ChunkRef]) -> None:
+        path, chunk = source
+        target.upload(model, chunk, path)
+        with lock:
+            stats.chunks_uploaded += 1
+            stats.bytes_uploaded += chunk.size
+            stats.uploaded_ids.append(chunk.id)
+            report("upload", stats)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        pending: set[Future[None]] = {pool.submit(one, source) for source in sources}
+        try:
+            while pending:
+                finished, pending = wait(pending, timeout=LEASE_RENEW_SECONDS, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    future.result()
+                target.keep_alive()
+        except BaseException:
+            # The first failure stops the push; the chunks already stored stay for the resume.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+class StoreTarget:
+    """A push straight into a chunk store and a manifest store, safe next to their GC: a push
+    lease names every chunk the version needs until the manifest is written."""
+
+    def __init__(
+        self, chunks: ChunkStore, manifests: ManifestStore, *, settle_seconds: float = LEASE_SETTLE_SECONDS
+    ) -> None:
+        self.chunks, self.manifests, self.settle_seconds = chunks, manifests, settle_seconds
+        self._lease: PushLease | None = None
+        self._leased_at = self._renewed = 0.0
+        self._reused: list[str] = []
+
+    def begin(self, model: str, signer: Signer, chunk_ids: list[str]) -> list[str]:
+        now = datetime.now(UTC)
+        self._lease = PushLease(
+            lease_id=uuid.uuid4().hex, model=model, chunk_ids=sorted(chunk_ids), created_at=now, renewed_at=now
+        )
+        self.manifests.put_lease(self._lease)
+        self._leased_at = self._renewed = time.monotonic()
+        present = {chunk_id for chunk_id in chunk_ids if self.chunks.has(chunk_id)}
+        self._reused = sorted(present)
+        return [chunk_id for chunk_id in chunk_ids if chunk_id not in present]
+
+    def upload(self, model: str, chunk: ChunkRef, path: Path) -> None:
+        try:
+            with FileRegion(path, chunk.offset, chunk.size) as region:
+                self.chunks.put(chunk.id, region)
+        except ChunkCorruptedError as exc:
+            raise ChunkCorruptedError(
+                f"file changed while it was being pushed ({exc})",
+                chunk_id=chunk.id,
+                path=str(path),
+                offset=chunk.offset,
+            ) from None
+
+    def keep_alive(self) -> None:
+        if self._lease is not None and time.monotonic() - self._renewed >= LEASE_RENEW_SECONDS:
+            self._lease = self._lease.model_copy(update={"renewed_at": datetime.now(UTC)})
+            self.manifests.put_lease(self._lease)
+            self._renewed = time.monotonic()
+
+    def commit(self, model: str, signed: SignedManifest) -> dict[str, Any]:
+        if self._reused:
+            # A GC pass that read the leases before ours existed may still be deleting; once the
+            # settle time has passed it has finished its batch, and what we reused is checked.
+            time.sleep(max(0.0, self._leased_at + self.settle_seconds - time.monotonic()))
+            gone, self._reused = [c for c in self._reused if not self.chunks.has(c)], []
+            if gone:
+                raise ChunksMissing(gone)
+        return {"model": model, "digest": self.manifests.put(signed)}
+
+    def end(self) -> None:
+        if self._lease is not None:
+            self.manifests.delete_lease(self._lease.lease_id)
+            self._lease = None

@@ -25,7 +25,7 @@ from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchStats, PeerServer, create_peer_app, prefetch
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
 from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
-from gpucloud.registry.push import push
+from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
@@ -61,11 +61,9 @@ class Fleet:
         return push(
             source,
             model="llama-mini",
-            chunk_store=self.store,
-            manifest_store=manifests,
+            target=StoreTarget(self.store, manifests, settle_seconds=0),
             signer=self.signer,
             policy=POLICY,
-            settle_seconds=0,
         ).signed
 
     def register(self, swarm: str, signed: SignedManifest, extra: dict[str, PeerPlace] | None = None) -> None:

@@ -18,15 +18,9 @@ import pytest
 import uvicorn
 from typer.testing import CliRunner
 
-from gpucloud.cli.weights import (
-    PushOutcome,
-    RegistryApiError,
-    RegistryClient,
-    pull_version,
-    push_directory,
-    signer_for,
-    weights_app,
-)
+from gpucloud.cli.weights import weights_app
+from gpucloud.client.base import ApiError
+from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, signer_for
 from gpucloud.registry.chunking import ChunkPolicy, chunk_file, encode_safetensors_header
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -42,6 +36,7 @@ from gpucloud.registry.manifest import (
     Signer,
     UnknownKeyError,
 )
+from gpucloud.registry.push import PushResult, push
 from gpucloud.registry.store import LocalChunkStore
 
 POLICY = ChunkPolicy(max_chunk_size=4096, pack_size=1024, fixed_chunk_size=4096, read_size=1500)
@@ -115,9 +110,10 @@ class Tenant:
         model: str = "llama",
         lineage: Lineage | None = None,
         transport: httpx.BaseTransport | None = None,
-    ) -> PushOutcome:
+    ) -> PushResult:
         with self.client(transport) as client:
-            return push_directory(client, source, model=model, signer=self.signer, lineage=lineage, policy=POLICY)
+            target = RegistryPushTarget(client)
+            return push(source, model=model, target=target, signer=self.signer, lineage=lineage, policy=POLICY)
 
     def pull(self, ref: str, dest: Path, *, model: str = "llama"):
         with self.client() as client:
@@ -215,7 +211,7 @@ def test_interrupted_push_resumes_with_only_the_missing_chunks(registry: Registr
     assert tree(tenant.pull(outcome.digest, tmp_path / "out").path) == tree(source)
 
 
-def _corrupt(kind: str, tenant: Tenant, outcome: PushOutcome) -> None:
+def _corrupt(kind: str, tenant: Tenant, outcome: PushResult) -> None:
     manifest = outcome.signed.manifest
     entry = manifest.files["model.safetensors"]
     victim, other = entry.chunks[0], entry.chunks[1]
@@ -433,7 +429,7 @@ def test_tenants_cannot_see_each_others_models_versions_or_chunks(registry: Regi
     bob_key = bob.signer  # Bob re-signs Alice's manifest: the chunks are still not his
     with bob.client() as client:
         client.register_key(bob_key)
-        with pytest.raises(RegistryApiError) as refused:
+        with pytest.raises(ApiError) as refused:
             client.post_version("llama", bob_key.sign(pushed.signed.manifest))
     assert refused.value.type == "chunks-missing"
 

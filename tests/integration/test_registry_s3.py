@@ -31,7 +31,7 @@ from gpucloud.registry.manifest import (
     UnknownKeyError,
 )
 from gpucloud.registry.pull import pull
-from gpucloud.registry.push import PushResult, push
+from gpucloud.registry.push import PushResult, StoreTarget, push
 from gpucloud.registry.store import S3ChunkStore, S3ManifestStore
 
 MiB = 1 << 20
@@ -57,14 +57,9 @@ class Bucket:
     signer: Signer
     keyring: Keyring
 
-    def push(self, source: Path, **options) -> PushResult:
-        options = {
-            "chunk_store": self.chunks,
-            "signer": self.signer,
-            "policy": POLICY,
-            "settle_seconds": 0,
-        } | options
-        return push(source, model="tiny", manifest_store=self.manifests, **options)
+    def push(self, source: Path, *, chunk_store: S3ChunkStore | None = None, **options) -> PushResult:
+        target = StoreTarget(chunk_store or self.chunks, self.manifests, settle_seconds=0)
+        return push(source, model="tiny", target=target, **{"signer": self.signer, "policy": POLICY} | options)
 
     def pull(self, digest: str, dest: Path, **options):
         options = {"chunk_store": self.chunks} | options

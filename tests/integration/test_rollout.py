@@ -39,7 +39,7 @@ from gpucloud.models.rollout_messages import (
 )
 from gpucloud.registry.chunking import ChunkPolicy
 from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
-from gpucloud.registry.push import push
+from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
@@ -88,11 +88,9 @@ class Fleet:
         signed = push(
             source,
             model="llama-mini",
-            chunk_store=self.store,
-            manifest_store=self.manifests,
+            target=StoreTarget(self.store, self.manifests, settle_seconds=0),
             signer=self.signer,
             policy=POLICY,
-            settle_seconds=0,
         ).signed
         return signed, files
 

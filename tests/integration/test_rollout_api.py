@@ -8,8 +8,9 @@ import asyncio
 import os
 import uuid
 
-from gpucloud.cli.weights import RegistryClient, push_directory, signer_for
+from gpucloud.client.registry import RegistryClient, RegistryPushTarget, signer_for
 from gpucloud.registry.chunking import encode_safetensors_header
+from gpucloud.registry.push import push
 
 
 def _push_version(h, tenant_id: str, key: str, tmp_path) -> str:
@@ -19,7 +20,9 @@ def _push_version(h, tenant_id: str, key: str, tmp_path) -> str:
     header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
     (source / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
     with RegistryClient(h.settings.api_url, key) as client:
-        return push_directory(client, source, model="m", signer=signer_for(tmp_path / "keys", tenant_id)).digest
+        return push(
+            source, model="m", target=RegistryPushTarget(client), signer=signer_for(tmp_path / "keys", tenant_id)
+        ).digest
 
 
 async def test_rollouts_api_validates_scopes_and_is_idempotent(db_url, make_harness, in_process_worker, tmp_path):

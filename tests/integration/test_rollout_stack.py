@@ -15,11 +15,12 @@ import pytest
 
 from gpucloud.agent.peer import PeerServer
 from gpucloud.bootstrap import registry_stores
-from gpucloud.cli.weights import RegistryClient, push_directory, signer_for
+from gpucloud.client.registry import RegistryClient, RegistryPushTarget, signer_for
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
 from gpucloud.registry.origin import RegistryOrigin, tenants_in
+from gpucloud.registry.push import push
 from gpucloud.registry.tracker_app import create_tracker_app
 from support.stack import async_wait_until
 
@@ -36,8 +37,12 @@ def _push(api_url: str, tenant_id: str, key: str, tmp_path) -> tuple[str, int]:
     header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
     (source / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
     with RegistryClient(api_url, key) as client:
-        pushed = push_directory(
-            client, source, model="m", signer=signer_for(tmp_path / "keys", tenant_id), policy=POLICY
+        pushed = push(
+            source,
+            model="m",
+            target=RegistryPushTarget(client),
+            signer=signer_for(tmp_path / "keys", tenant_id),
+            policy=POLICY,
         )
     return pushed.digest, pushed.signed.manifest.total_size
 

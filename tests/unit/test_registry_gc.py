@@ -15,7 +15,7 @@ from gpucloud.registry.chunking import ChunkPolicy
 from gpucloud.registry.gc import LEASE_SETTLE_SECONDS, collect_garbage, holding
 from gpucloud.registry.manifest import Keyring, ManifestTamperedError, PushLease, Signer
 from gpucloud.registry.pull import pull
-from gpucloud.registry.push import push
+from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 
 POLICY = ChunkPolicy(max_chunk_size=2048, pack_size=512, fixed_chunk_size=2048, read_size=1024)
@@ -61,11 +61,9 @@ def pushed_version(tmp_path: Path, stores, signer: Signer) -> str:
     result = push(
         source,
         model="m",
-        chunk_store=chunks,
-        manifest_store=manifests,
+        target=StoreTarget(chunks, manifests, settle_seconds=0),
         signer=signer,
         policy=POLICY,
-        settle_seconds=0,
     )
     return result.digest
 

@@ -18,7 +18,7 @@ from gpucloud.registry.manifest import (
     Signer,
 )
 from gpucloud.registry.pull import RetryPolicy, pull
-from gpucloud.registry.push import push
+from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore, S3ChunkStore
 
 POLICY = ChunkPolicy(max_chunk_size=2048, pack_size=512, fixed_chunk_size=2048, read_size=1024)
@@ -61,11 +61,9 @@ class Setup:
         self.digest = push(
             source,
             model="m",
-            chunk_store=LocalChunkStore(self.root),
-            manifest_store=self.manifests,
+            target=StoreTarget(LocalChunkStore(self.root), self.manifests, settle_seconds=0),
             signer=self.signer,
             policy=POLICY,
-            settle_seconds=0,
         ).digest
         self.victim = self.manifests.get(self.digest).manifest.files["weights.bin"].chunks[1]
         self.source = source

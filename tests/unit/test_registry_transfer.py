@@ -26,7 +26,7 @@ from gpucloud.registry.manifest import (
     UnknownKeyError,
 )
 from gpucloud.registry.pull import pull
-from gpucloud.registry.push import PushResult, TransferProgress, push
+from gpucloud.registry.push import PushResult, PushStats, StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 
 POLICY = ChunkPolicy(max_chunk_size=4096, pack_size=1024, fixed_chunk_size=4096, read_size=1500)
@@ -55,9 +55,9 @@ class Registry:
     signer: Signer
     keyring: Keyring
 
-    def push(self, source: Path, **options) -> PushResult:
-        options = {"chunk_store": self.chunks, "signer": self.signer, "settle_seconds": 0} | options
-        return push(source, model="tiny", manifest_store=self.manifests, policy=POLICY, **options)
+    def push(self, source: Path, *, chunk_store: LocalChunkStore | None = None, **options) -> PushResult:
+        target = StoreTarget(chunk_store or self.chunks, self.manifests, settle_seconds=0)
+        return push(source, model="tiny", target=target, policy=POLICY, **{"signer": self.signer} | options)
 
     def pull(self, digest: str, dest: Path, **options):
         return pull(
@@ -92,9 +92,12 @@ def same_tree(a: Path, b: Path) -> bool:
 
 def test_push_then_pull_round_trip(registry: Registry, tmp_path: Path) -> None:
     source = write_model(tmp_path / "v1", random_tensors())
-    events: list[TransferProgress] = []
+    events: list[tuple[str, int]] = []
 
-    result = registry.push(source, progress=events.append, lineage=Lineage(base_model="llama-3"))
+    def report(phase: str, stats: PushStats) -> None:
+        events.append((phase, stats.bytes_hashed if phase == "hash" else stats.bytes_uploaded))
+
+    result = registry.push(source, report=report, lineage=Lineage(base_model="llama-3"))
     pulled = registry.pull(result.digest, tmp_path / "out" / "v1")
 
     assert same_tree(source, pulled.path)
@@ -102,7 +105,7 @@ def test_push_then_pull_round_trip(registry: Registry, tmp_path: Path) -> None:
     assert result.chunks_uploaded == len(registry.stored()) == len(result.signed.manifest.chunk_ids())
     assert result.bytes_skipped == result.bytes_total - result.bytes_uploaded
     for phase in ("hash", "upload"):
-        done = [e.done for e in events if e.phase == phase]
+        done = [bytes_done for event_phase, bytes_done in events if event_phase == phase]
         assert done == sorted(done) and done[-1] == result.bytes_total
     assert list((registry.root / "leases").iterdir()) == []
 
@@ -169,12 +172,12 @@ def test_a_chunk_deleted_after_the_push_saw_it_is_uploaded_again(registry: Regis
 
         deleted = False
 
-        def put(self, chunk_id, data) -> bool:
-            written = super().put(chunk_id, data)
-            if chunk_id == victim and not written and not self.deleted:
+        def has(self, chunk_id) -> bool:
+            present = super().has(chunk_id)
+            if chunk_id == victim and present and not self.deleted:
                 self.deleted = True
                 self.delete(chunk_id)
-            return written
+            return present
 
     result = registry.push(source, chunk_store=RacingGc(registry.root), created_at=None)
 

@@ -1,0 +1,279 @@
+"""The registry part of the public API's client: models, signing keys, chunks, versions,
+aliases, gates, evaluations and GC, plus a push target and a pull source over them.
+
+A pull through the API never trusts the API: `pull_version` verifies the manifest's digest and
+signature against the keys the registry publishes for the tenant, hashes every chunk as it
+arrives, checks every file, and only then renames the finished directory into place
+(`gpucloud.registry.pull`). The tenant's signing key lives on the tenant's side
+(`signer_for`: `<dir>/signing-keys/<tenant id>.ed25519`, mode 0600, created on first use).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from nacl.signing import SigningKey
+
+from gpucloud.client.base import ApiClient, ApiError
+from gpucloud.models.registry_tables import MAX_IDS_PER_QUERY
+from gpucloud.registry.chunking import MiB, new_hasher
+from gpucloud.registry.manifest import (
+    ChunkCorruptedError,
+    ChunkMissingError,
+    ChunkRef,
+    ChunkTransferError,
+    EvaluationRecord,
+    Keyring,
+    ManifestTamperedError,
+    SignedManifest,
+    Signer,
+    VersionNotFoundError,
+)
+from gpucloud.registry.pull import PullResult, pull
+from gpucloud.registry.push import ChunksMissing, TransferProgress
+
+UPLOAD_PIECE = 1 * MiB
+
+
+class RegistryClient(ApiClient):
+    """The registry API, one method per call."""
+
+    def __init__(self, base_url: str, token: str, *, transport: httpx.BaseTransport | None = None) -> None:
+        # A chunk is up to 64 MiB: a write may take a while on a slow link.
+        super().__init__(base_url, token, timeout_s=60.0, transport=transport)
+
+    def signing_keys(self) -> tuple[str, list[dict]]:
+        body = self.get("/v1/signing-keys")
+        return body["tenant_id"], body["items"]
+
+    def register_key(self, signer: Signer) -> dict:
+        return self.call("POST", "/v1/signing-keys", json={"public_key": bytes(signer.verify_key).hex()})
+
+    def ensure_model(self, model: str) -> dict:
+        try:
+            return self.get(f"/v1/models/{model}")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        return self.call("POST", "/v1/models", json={"name": model})
+
+    def missing(self, model: str, chunk_ids: list[str]) -> list[str]:
+        found: list[str] = []
+        for start in range(0, len(chunk_ids), MAX_IDS_PER_QUERY):
+            batch = chunk_ids[start : start + MAX_IDS_PER_QUERY]
+            found += self.call("POST", f"/v1/models/{model}/chunks:missing", json={"chunk_ids": batch}, retry=True)[
+                "missing"
+            ]
+        return found
+
+    def upload(self, model: str, path: Path, chunk: ChunkRef) -> bool:
+        headers = {"Content-Length": str(chunk.size), "Content-Type": "application/octet-stream"}
+        body = self.call(
+            "PUT",
+            f"/v1/models/{model}/chunks/{chunk.id}",
+            headers=headers,
+            content=_file_pieces(path, chunk.offset, chunk.size),
+        )
+        return body["stored"]
+
+    def post_version(self, model: str, signed: SignedManifest) -> dict:
+        return self.call(
+            "POST",
+            f"/v1/models/{model}/versions",
+            content=signed.model_dump_json(),
+            headers={"Content-Type": "application/json"},
+        )
+
+    def version(self, model: str, ref: str) -> dict:
+        return self.get(f"/v1/models/{model}/versions/{ref}")
+
+    def versions(self, model: str, *, page_size: int = 200) -> Iterator[dict]:
+        return self.pages(f"/v1/models/{model}/versions", page_size=page_size)
+
+    def promote(self, model: str, ref: str, alias: str) -> dict:
+        return self.call("PUT", f"/v1/models/{model}/aliases/{alias}", json={"version": ref})
+
+    def set_gates(self, model: str, gates: list[dict]) -> dict:
+        return self.call("PUT", f"/v1/models/{model}/gates", json={"gates": gates})
+
+    def collect_garbage(self, *, grace_seconds: int, dry_run: bool, tenant_id: str | None = None) -> dict:
+        """Operator only: `POST /v1/registry/gc` (the client must hold the operator token)."""
+        return self.call(
+            "POST",
+            "/v1/registry/gc",
+            json={"grace_period_seconds": grace_seconds, "dry_run": dry_run, "tenant_id": tenant_id},
+            timeout=httpx.Timeout(None, connect=10),  # a large store takes a while to scan
+        )
+
+    def record_evaluation(
+        self, model: str, ref: str, *, evaluator: str, results: dict[str, float], signer: Signer
+    ) -> dict:
+        digest = self.version(model, ref)["digest"]
+        record = EvaluationRecord(version=digest, evaluator=evaluator, results=results, recorded_at=datetime.now(UTC))
+        return self.call(
+            "POST",
+            f"/v1/models/{model}/versions/{digest}/evaluations",
+            content=signer.sign_evaluation(record).model_dump_json(),
+            headers={"Content-Type": "application/json"},
+        )
+
+
+def _file_pieces(path: Path, offset: int, size: int) -> Iterator[bytes]:
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while size:
+            piece = f.read(min(UPLOAD_PIECE, size))
+            if not piece:
+                raise EOFError(f"{path} ended at offset {f.tell()}, inside a chunk: it changed since it was hashed")
+            size -= len(piece)
+            yield piece
+
+
+class RegistryPushTarget:
+    """A push over the API (`gpucloud.registry.push.push`): the API's store keeps fresh uploads
+    through its GC grace period, and a manifest whose chunks went missing meanwhile is refused
+    with `chunks-missing`, after which the push sends what is gone again."""
+
+    def __init__(self, client: RegistryClient) -> None:
+        self.client = client
+
+    def begin(self, model: str, signer: Signer, chunk_ids: list[str]) -> list[str]:
+        self.client.ensure_model(model)
+        self.client.register_key(signer)
+        return self.client.missing(model, chunk_ids)
+
+    def upload(self, model: str, chunk: ChunkRef, path: Path) -> None:
+        self.client.upload(model, path, chunk)
+
+    def keep_alive(self) -> None:
+        return None
+
+    def commit(self, model: str, signed: SignedManifest) -> dict[str, Any]:
+        try:
+            return self.client.post_version(model, signed)
+        except ApiError as exc:
+            if exc.type != "chunks-missing":
+                raise
+            raise ChunksMissing(self.client.missing(model, sorted(signed.manifest.chunk_ids()))) from exc
+
+    def end(self) -> None:
+        return None
+
+
+class RegistryPullSource:
+    """The two calls `registry.pull` makes (`get` a manifest, `stream` a chunk), served by the API.
+
+    `pull` needs nothing else of a chunk or manifest store, so this is passed as both. Every byte
+    is hashed here, whatever the server claims; the error raised for bad bytes carries what they
+    really hashed to, so `pull` can tell a swapped chunk from a truncated or corrupted one.
+    """
+
+    def __init__(self, client: RegistryClient, model: str) -> None:
+        self.client, self.model = client, model
+        self.chunks_done = 0
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> SignedManifest:
+        try:
+            raw = self.client.request("GET", f"/v1/models/{self.model}/versions/{digest}/manifest").text
+        except ApiError as problem:
+            if problem.status == 404:
+                raise VersionNotFoundError(f"version {digest}: {problem.detail}") from None
+            if problem.type == "manifest-tampered":
+                raise ManifestTamperedError(f"version {digest}: {problem.detail}") from None
+            raise
+        try:
+            signed = SignedManifest.model_validate_json(raw)
+        except ValueError as exc:
+            raise ManifestTamperedError(f"the manifest served for version {digest} is unreadable: {exc}") from None
+        if signed.digest != digest:
+            raise ManifestTamperedError(f"the manifest served for version {digest} hashes to {signed.digest}")
+        return signed
+
+    def stream(self, chunk_id: str) -> Iterator[bytes]:
+        hasher, broken, received = new_hasher(MiB), None, 0
+        try:
+            with self.client.http.stream("GET", f"/v1/models/{self.model}/chunks/{chunk_id}") as response:
+                if response.status_code == 404:
+                    raise ChunkMissingError("not in the registry's store", chunk_id=chunk_id)
+                if response.status_code >= 500:  # the API or its store failing: worth another try
+                    response.read()
+                    raise ChunkTransferError(
+                        f"registry answered {response.status_code}: {response.text[:200]}", chunk_id=chunk_id
+                    )
+                if response.status_code >= 400:
+                    response.read()
+                    raise ApiError.from_response(response)
+                for piece in response.iter_bytes():
+                    hasher.update(piece)
+                    received += len(piece)
+                    yield piece
+        except httpx.TransportError as exc:  # a cut connection, or the server aborting a chunk that failed its check
+            broken = exc
+        actual = hasher.hexdigest()
+        if broken is not None:
+            # The two look alike from here; `pull` retries, and if every try breaks, reports what
+            # the bytes received hashed to (when any arrived at all).
+            raise ChunkTransferError(
+                f"transfer failed after {received} bytes: {broken!r}",
+                chunk_id=chunk_id,
+                actual_id=actual if received and actual != chunk_id else None,
+            )
+        if actual != chunk_id:
+            raise ChunkCorruptedError(f"received bytes hash to {actual}", chunk_id=chunk_id, actual_id=actual)
+        with self._lock:
+            self.chunks_done += 1
+
+
+def pull_version(
+    client: RegistryClient,
+    model: str,
+    ref: str,
+    dest: Path,
+    *,
+    concurrency: int = 4,
+    report: Callable[[TransferProgress, int, int], None] = lambda progress, done, total: None,
+) -> PullResult:
+    """Pull MODEL@REF into dest (which must not exist), verified against the published keys."""
+    version = client.version(model, ref)
+    tenant_id, keys = client.signing_keys()
+    keyring = Keyring()
+    for key in keys:
+        keyring.trust(tenant_id, bytes.fromhex(key["public_key"]))
+    source = RegistryPullSource(client, model)
+    return pull(
+        version["digest"],
+        dest,
+        chunk_store=source,  # type: ignore[arg-type]
+        manifest_store=source,  # type: ignore[arg-type]
+        keyring=keyring,
+        tenant=tenant_id,
+        concurrency=concurrency,
+        progress=lambda p: report(p, source.chunks_done, version["chunk_count"]),
+    )
+
+
+def signer_for(data_dir: Path, tenant_id: str) -> Signer:
+    """The tenant's signing key from the data dir, created (mode 0600) on first use."""
+    path = data_dir / "signing-keys" / f"{tenant_id}.ed25519"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".new-key-")  # mkstemp creates it 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(SigningKey.generate().encode().hex() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # atomic create-if-absent: of two first pushes, one key wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return Signer.from_seed(bytes.fromhex(path.read_text().strip()))
