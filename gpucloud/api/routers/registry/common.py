@@ -1,0 +1,119 @@
+"""What the registry's routers share: the stores, the caller's model and version lookups, problems,
+and idempotent creates."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from fastapi import Path as PathParam
+from fastapi.responses import Response
+from sqlmodel import Session, select
+
+from gpucloud.api.idempotency import run_idempotent
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.registry_tables import (
+    DIGEST_PATTERN,
+    AliasName,
+    ModelAlias,
+    ModelVersion,
+    RegistryModel,
+)
+from gpucloud.registry.manifest import (
+    IntegrityError,
+    UnknownKeyError,
+    is_digest,
+)
+from gpucloud.registry.stores import RegistryStores
+from gpucloud.web.problems import Problem, not_found
+
+log = logging.getLogger(__name__)
+
+
+SPOOL_IN_MEMORY = 8 << 20  # an upload larger than this spills to a temp file, so memory stays bounded
+WRITE_BATCH = 1 << 20
+
+ChunkId = Annotated[str, PathParam(pattern=DIGEST_PATTERN, description="BLAKE3 hex of the chunk's bytes")]
+VersionRef = Annotated[str, PathParam(description="a digest, a unique digest prefix (8+ hex digits) or an alias")]
+
+
+def get_stores(request: Request) -> RegistryStores:
+    return request.app.state.registry_stores
+
+
+StoresDep = Annotated[RegistryStores, Depends(get_stores)]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def invalid(field: str, message: str, type_: str = "invalid-request") -> Problem:
+    return Problem(
+        422, type_, "The request is invalid", f"{field}: {message}", errors=[{"field": field, "message": message}]
+    )
+
+
+def model_row(session: Session, tenant_id: str, name: str, *, for_update: bool = False) -> RegistryModel:
+    query = select(RegistryModel).where(RegistryModel.tenant_id == tenant_id, RegistryModel.name == name)
+    model = session.exec(query.with_for_update() if for_update else query).first()
+    if model is None:
+        raise not_found("model", name)
+    return model
+
+
+def resolve_version(session: Session, model: RegistryModel, ref: str, *, field: str = "version") -> ModelVersion:
+    query = select(ModelVersion).where(ModelVersion.model_id == model.id)
+    if ref in {a.value for a in AliasName}:
+        alias = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id, ModelAlias.name == ref)).first()
+        if alias is None:
+            raise not_found("alias", f"{model.name}@{ref}")
+        query = query.where(ModelVersion.digest == alias.version)
+    elif is_digest(ref):
+        query = query.where(ModelVersion.digest == ref)
+    elif re.fullmatch(r"[0-9a-f]{8,63}", ref):
+        query = query.where(ModelVersion.digest.startswith(ref))
+    else:
+        raise invalid(
+            field,
+            f"{ref!r} is not a digest, a digest prefix of at least 8 hex digits, or an alias "
+            f"({', '.join(a.value for a in AliasName)})",
+        )
+    rows = session.exec(query.limit(2)).all()
+    if len(rows) > 1:
+        raise invalid(field, f"prefix {ref!r} matches several versions; give more digits")
+    if not rows:
+        raise not_found("version", f"{model.name}@{ref}")
+    return rows[0]
+
+
+def signature_problem(exc: IntegrityError) -> Problem:
+    if isinstance(exc, UnknownKeyError):
+        return invalid(
+            "key_id", f"{exc}; register the public key with POST /v1/signing-keys first", "unknown-signing-key"
+        )
+    return invalid(
+        "signature", f"{exc}: the signed content was changed after signing, or another key signed it", "bad-signature"
+    )
+
+
+async def idempotent(request: Request, settings: Settings, caller: str, key: str | None, handler) -> Response:
+    return await run_idempotent(
+        db_url=settings.database_url,
+        caller=caller,
+        key=key,
+        method=request.method,
+        path=request.url.path,
+        body=await request.body(),
+        handler=handler,
+    )
+
+
+IdempotencyKey = Annotated[str | None, Header()]
+
+
+def check_model(settings: Settings, tenant_id: str, name: str) -> None:
+    with session_scope(settings.database_url) as session:
+        model_row(session, tenant_id, name)

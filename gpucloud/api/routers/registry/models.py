@@ -1,0 +1,178 @@
+"""Registry models, their evaluation gates, and the tenant's signing keys."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import sqlalchemy as sa
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from nacl.signing import VerifyKey
+from sqlmodel import select
+
+from gpucloud.api import pagination
+from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
+from gpucloud.api.routers.registry.common import (
+    IdempotencyKey,
+    idempotent,
+    model_row,
+)
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.registry_tables import (
+    GatesUpdate,
+    ModelPage,
+    ModelPublic,
+    RegistryModel,
+    RegistryModelCreate,
+    SigningKey,
+    SigningKeyCreate,
+    SigningKeyList,
+    SigningKeyPublic,
+)
+from gpucloud.models.tables import utcnow
+from gpucloud.registry import promotion
+from gpucloud.registry.manifest import (
+    key_id_of,
+)
+from gpucloud.web.problems import Problem, not_found
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["registry"])
+
+
+def _create_model(settings: Settings, tenant_id: str, req: RegistryModelCreate) -> ModelPublic:
+    try:
+        with session_scope(settings.database_url) as session:
+            model = RegistryModel(tenant_id=tenant_id, name=req.name, description=req.description)
+            session.add(model)
+            session.flush()
+            promotion.replace_gates(session, model, req.gates)
+            session.flush()
+            return promotion.publish_models(session, [model])[0]
+    except sa.exc.IntegrityError as exc:
+        raise Problem(409, "model-exists", "Model exists", f"a model named {req.name!r} already exists") from exc
+
+
+@router.post("/models", status_code=201, response_model=ModelPublic)
+async def create_model(
+    request: Request,
+    req: RegistryModelCreate,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    idempotency_key: IdempotencyKey = None,
+):
+    async def handler() -> JSONResponse:
+        model = await run_in_threadpool(_create_model, settings, tenant.tenant_id, req)
+        return JSONResponse(
+            model.model_dump(mode="json"), status_code=201, headers={"Location": f"/v1/models/{model.name}"}
+        )
+
+    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+
+
+@router.get("/models", response_model=ModelPage)
+def list_models(
+    tenant: TenantDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
+    filters = {"tenant": tenant.tenant_id}
+    cursor = pagination.decode(page_token, filters)
+    query = (
+        select(RegistryModel)
+        .where(RegistryModel.tenant_id == tenant.tenant_id)
+        .order_by(RegistryModel.seq)
+        .limit(page_size + 1)
+    )
+    if cursor.after is not None:
+        query = query.where(RegistryModel.seq > cursor.after)
+    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda m: m.seq, filters)
+    return ModelPage(items=promotion.publish_models(session, rows), next_page_token=token)
+
+
+@router.get("/models/{name}", response_model=ModelPublic)
+def get_model(name: str, tenant: TenantDep, session: SessionDep):
+    return promotion.publish_models(session, [model_row(session, tenant.tenant_id, name)])[0]
+
+
+@router.put("/models/{name}/gates", response_model=ModelPublic)
+def set_gates(name: str, req: GatesUpdate, tenant: TenantDep, settings: SettingsDep):
+    with session_scope(settings.database_url) as session:
+        model = model_row(session, tenant.tenant_id, name, for_update=True)
+        promotion.replace_gates(session, model, req.gates)
+        session.flush()
+        return promotion.publish_models(session, [model])[0]
+
+
+# ---------------------------------------------------------------- signing keys
+
+
+def _register_key(settings: Settings, tenant_id: str, req: SigningKeyCreate) -> tuple[SigningKey, bool]:
+    key_id = key_id_of(VerifyKey(bytes.fromhex(req.public_key)))
+    query = select(SigningKey).where(SigningKey.tenant_id == tenant_id, SigningKey.key_id == key_id)
+    try:
+        with session_scope(settings.database_url) as session:
+            existing = session.exec(query).first()
+            if existing is None:
+                key = SigningKey(tenant_id=tenant_id, key_id=key_id, public_key=req.public_key)
+                session.add(key)
+                return key, True
+    except sa.exc.IntegrityError:  # registered concurrently: the other request's row is the answer
+        with session_scope(settings.database_url) as session:
+            existing = session.exec(query).one()
+    if existing.revoked_at is not None:
+        raise Problem(
+            409,
+            "signing-key-revoked",
+            "Signing key revoked",
+            f"key {key_id} was revoked and cannot be registered again; generate a new key",
+        )
+    return existing, False
+
+
+@router.post("/signing-keys", status_code=201, response_model=SigningKeyPublic)
+async def register_signing_key(
+    request: Request,
+    req: SigningKeyCreate,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    idempotency_key: IdempotencyKey = None,
+):
+    async def handler() -> JSONResponse:
+        key, created = await run_in_threadpool(_register_key, settings, tenant.tenant_id, req)
+        body = SigningKeyPublic.model_validate(key, from_attributes=True).model_dump(mode="json")
+        return JSONResponse(body, status_code=201 if created else 200)
+
+    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+
+
+@router.get("/signing-keys", response_model=SigningKeyList)
+def list_signing_keys(tenant: TenantDep, session: SessionDep):
+    """The public keys the registry trusts for this tenant: what a pull verifies manifests against."""
+    keys = session.exec(
+        select(SigningKey)
+        .where(SigningKey.tenant_id == tenant.tenant_id, SigningKey.revoked_at.is_(None))
+        .order_by(SigningKey.seq)
+    )
+    return SigningKeyList(
+        tenant_id=tenant.tenant_id, items=[SigningKeyPublic.model_validate(k, from_attributes=True) for k in keys]
+    )
+
+
+@router.delete("/signing-keys/{key_id}", response_model=SigningKeyPublic)
+def revoke_signing_key(key_id: str, tenant: TenantDep, settings: SettingsDep):
+    """Revoke a key: versions it signed no longer verify on pull and cannot be promoted."""
+    with session_scope(settings.database_url) as session:
+        key = session.exec(
+            select(SigningKey).where(SigningKey.tenant_id == tenant.tenant_id, SigningKey.key_id == key_id)
+        ).first()
+        if key is None:
+            raise not_found("signing key", key_id)
+        key.revoked_at = key.revoked_at or utcnow()
+        session.add(key)
+        return SigningKeyPublic.model_validate(key, from_attributes=True)

@@ -1,0 +1,316 @@
+"""Versions: push a signed manifest, list and read versions and manifests, record evaluations,
+move aliases (gated), walk lineage."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import sqlalchemy as sa
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from sqlmodel import Session, select
+
+from gpucloud.api import pagination
+from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
+from gpucloud.api.routers.registry.common import (
+    IdempotencyKey,
+    StoresDep,
+    VersionRef,
+    idempotent,
+    invalid,
+    model_row,
+    resolve_version,
+    signature_problem,
+)
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.registry_tables import (
+    GATED_ALIASES,
+    AliasMove,
+    AliasName,
+    EvaluationResult,
+    EvaluationResultPublic,
+    LineageEntry,
+    LineagePage,
+    ModelAlias,
+    ModelAliasPublic,
+    ModelVersion,
+    ModelVersionPublic,
+    RegistryModel,
+    VersionPage,
+)
+from gpucloud.models.tables import utcnow
+from gpucloud.registry import gc, promotion
+from gpucloud.registry.manifest import (
+    BadSignatureError,
+    ManifestTamperedError,
+    SignedEvaluation,
+    SignedManifest,
+    UnknownKeyError,
+    VersionNotFoundError,
+)
+from gpucloud.registry.stores import RegistryStores
+from gpucloud.web.problems import Problem
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["registry"])
+
+
+def _register_version(
+    settings: Settings, stores: RegistryStores, tenant_id: str, name: str, signed: SignedManifest
+) -> tuple[ModelVersionPublic, bool]:
+    manifest, digest = signed.manifest, signed.digest
+    with session_scope(settings.database_url) as session:
+        model = model_row(session, tenant_id, name)
+        if manifest.model != name:
+            raise invalid("manifest.model", f"the manifest is for model {manifest.model!r}, posted to {name!r}")
+        if (existing := promotion.version_row(session, tenant_id, digest)) is not None:
+            return promotion.publish_versions(session, tenant_id, [existing])[0], False
+        try:
+            promotion.keyring_for(session, tenant_id).verify(signed, tenant=tenant_id)
+        except (UnknownKeyError, BadSignatureError) as exc:
+            raise signature_problem(exc) from None
+        parent = manifest.lineage.parent
+        if parent is not None and promotion.version_row(session, tenant_id, parent) is None:
+            raise invalid("manifest.lineage.parent", f"no version {parent} visible to this caller")
+        model_id = model.id
+    # Outside the transaction: checking thousands of chunks must not hold the database. The hold
+    # keeps a concurrent garbage collection from deleting a chunk between the check and the put.
+    ordered = [chunk.id for entry in manifest.files.values() for chunk in entry.chunks]
+    with gc.holding(stores.manifests(tenant_id), ordered, model=name):
+        missing = promotion.missing_chunks(stores.chunks(tenant_id), ordered)
+        if missing:
+            raise Problem(
+                409,
+                "chunks-missing",
+                "Chunks missing",
+                f"{len(missing)} of the version's {len(set(ordered))} chunks are not in the store; "
+                "upload them and post the manifest again",
+                missing=missing[:1000],
+                missing_count=len(missing),
+            )
+        stores.manifests(tenant_id).put(signed)
+    row = ModelVersion(
+        digest=digest,
+        tenant_id=tenant_id,
+        model_id=model_id,
+        parent=parent,
+        base_model=manifest.lineage.base_model,
+        training_run=manifest.lineage.training_run,
+        dataset_digests=list(manifest.lineage.dataset_digests),
+        total_size=manifest.total_size,
+        chunk_count=manifest.chunk_count,
+        file_count=len(manifest.files),
+        key_id=signed.key_id,
+        created_at=manifest.created_at,
+        manifest_uri=stores.manifest_uri(tenant_id, digest),
+    )
+    try:
+        with session_scope(settings.database_url) as session:
+            session.add(row)
+            session.flush()
+            return promotion.publish_versions(session, tenant_id, [row])[0], True
+    except sa.exc.IntegrityError:  # the same version posted concurrently
+        with session_scope(settings.database_url) as session:
+            existing = promotion.version_row(session, tenant_id, digest)
+            return promotion.publish_versions(session, tenant_id, [existing])[0], False
+
+
+@router.post(
+    "/models/{name}/versions",
+    status_code=201,
+    response_model=ModelVersionPublic,
+    responses={
+        200: {"description": "the version was already registered"},
+        409: {"description": "chunks missing from the store (listed)"},
+        422: {"description": "invalid manifest, unknown key or bad signature"},
+    },
+)
+async def push_version(
+    name: str,
+    signed: SignedManifest,
+    request: Request,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    stores: StoresDep,
+    idempotency_key: IdempotencyKey = None,
+):
+    async def handler() -> JSONResponse:
+        version, created = await run_in_threadpool(_register_version, settings, stores, tenant.tenant_id, name, signed)
+        return JSONResponse(
+            version.model_dump(mode="json"),
+            status_code=201 if created else 200,
+            headers={"Location": f"/v1/models/{name}/versions/{version.digest}"},
+        )
+
+    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+
+
+@router.get("/models/{name}/versions", response_model=VersionPage)
+def list_versions(
+    name: str,
+    tenant: TenantDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
+    model = model_row(session, tenant.tenant_id, name)
+    filters = {"tenant": tenant.tenant_id, "model": model.id}
+    cursor = pagination.decode(page_token, filters)
+    query = select(ModelVersion).where(ModelVersion.model_id == model.id).order_by(ModelVersion.seq)
+    if cursor.after is not None:
+        query = query.where(ModelVersion.seq > cursor.after)
+    rows, token = pagination.page(
+        list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda v: v.seq, filters
+    )
+    return VersionPage(items=promotion.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
+
+
+@router.get("/models/{name}/versions/{ref}", response_model=ModelVersionPublic)
+def get_version(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
+    row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
+    return promotion.publish_versions(session, tenant.tenant_id, [row])[0]
+
+
+@router.get("/models/{name}/versions/{ref}/manifest", response_model=SignedManifest)
+def get_manifest(name: str, ref: VersionRef, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
+    """The signed manifest exactly as pushed; clients verify it against the published keys."""
+    with session_scope(settings.database_url) as session:
+        digest = resolve_version(session, model_row(session, tenant.tenant_id, name), ref).digest
+    try:
+        signed = stores.manifests(tenant.tenant_id).get(digest)
+    except (ManifestTamperedError, VersionNotFoundError) as exc:
+        log.error("stored manifest of version %s (tenant %s) failed its check: %s", digest, tenant.tenant_id, exc)
+        raise Problem(500, "manifest-tampered", "Stored manifest failed verification", str(exc)) from None
+    return Response(signed.model_dump_json(), media_type="application/json")
+
+
+# ---------------------------------------------------------------- evaluations and aliases
+
+
+def _record_evaluation(
+    settings: Settings, stores: RegistryStores, tenant_id: str, name: str, ref: str, signed: SignedEvaluation
+) -> tuple[EvaluationResult, bool]:
+    record = signed.record
+    query = select(EvaluationResult).where(
+        EvaluationResult.tenant_id == tenant_id, EvaluationResult.record_digest == record.digest
+    )
+    with session_scope(settings.database_url) as session:
+        digest = resolve_version(session, model_row(session, tenant_id, name), ref).digest
+        if record.version != digest:
+            raise invalid("record.version", f"the record is about version {record.version}, posted for {digest}")
+        try:
+            promotion.keyring_for(session, tenant_id).verify_evaluation(signed, tenant=tenant_id)
+        except (UnknownKeyError, BadSignatureError) as exc:
+            raise signature_problem(exc) from None
+        if (existing := session.exec(query).first()) is not None:
+            return existing, False
+    stores.manifests(tenant_id).add_evaluation(signed)  # the signed record, beside the manifest
+    row = EvaluationResult(
+        tenant_id=tenant_id,
+        version=digest,
+        evaluator=record.evaluator,
+        results=record.results,
+        recorded_at=record.recorded_at,
+        record_digest=record.digest,
+        key_id=signed.key_id,
+        signature=signed.signature,
+    )
+    try:
+        with session_scope(settings.database_url) as session:
+            session.add(row)
+            return row, True
+    except sa.exc.IntegrityError:
+        with session_scope(settings.database_url) as session:
+            return session.exec(query).one(), False
+
+
+@router.post("/models/{name}/versions/{ref}/evaluations", status_code=201, response_model=EvaluationResultPublic)
+async def record_evaluation(
+    name: str,
+    ref: VersionRef,
+    signed: SignedEvaluation,
+    request: Request,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    stores: StoresDep,
+    idempotency_key: IdempotencyKey = None,
+):
+    """Record signed evaluation results for a version (signed by one of the tenant's keys)."""
+
+    async def handler() -> JSONResponse:
+        row, created = await run_in_threadpool(
+            _record_evaluation, settings, stores, tenant.tenant_id, name, ref, signed
+        )
+        body = EvaluationResultPublic.model_validate(row, from_attributes=True).model_dump(mode="json")
+        return JSONResponse(body, status_code=201 if created else 200)
+
+    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+
+
+def _check_gates(
+    session: Session, tenant_id: str, model: RegistryModel, alias: AliasName, version: ModelVersion
+) -> None:
+    if version.key_id not in promotion.active_key_ids(session, tenant_id):
+        raise Problem(
+            409,
+            "signing-key-revoked",
+            "Signing key revoked",
+            f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted",
+        )
+    if failures := promotion.promotion_failures(session, tenant_id, model.id, version.digest):
+        raise Problem(
+            409,
+            "gates-failed",
+            "Evaluation gates failed",
+            f"{model.name}@{alias.value} cannot move to {version.digest[:12]}: "
+            + "; ".join(f.describe() for f in failures),
+            failing_metrics=[f.model_dump() for f in failures],
+        )
+
+
+@router.put(
+    "/models/{name}/aliases/{alias}",
+    response_model=ModelAliasPublic,
+    responses={409: {"description": "evaluation gates failed (`failing_metrics` names them)"}},
+)
+def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, settings: SettingsDep):
+    """Point an alias at a version; `staging` and `production` move only when the model's gates pass."""
+    with session_scope(settings.database_url) as session:
+        # The model row lock serialises moves of one model's aliases (a no-op on SQLite, which
+        # already holds the write lock), so two promotions cannot both pass against a stale production.
+        model = model_row(session, tenant.tenant_id, name, for_update=True)
+        version = resolve_version(session, model, req.version)
+        if alias in GATED_ALIASES:
+            _check_gates(session, tenant.tenant_id, model, alias, version)
+        row = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id, ModelAlias.name == alias)).first()
+        row = row or ModelAlias(model_id=model.id, name=alias, version=version.digest, moved_by=tenant.id)
+        row.version, row.moved_at, row.moved_by = version.digest, utcnow(), tenant.id
+        session.add(row)
+        return ModelAliasPublic(name=alias, version=row.version, moved_at=row.moved_at, moved_by=row.moved_by)
+
+
+# ---------------------------------------------------------------- lineage
+
+
+@router.get("/models/{name}/versions/{ref}/ancestors", response_model=LineagePage)
+def get_ancestors(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
+    """Parent, grandparent, ... (nearest first), across the tenant's models."""
+    row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
+    found = promotion.ancestors(session, tenant.tenant_id, row.digest)
+    published = promotion.publish_versions(session, tenant.tenant_id, found)
+    return LineagePage(items=[LineageEntry(**v.model_dump(), depth=i) for i, v in enumerate(published, start=1)])
+
+
+@router.get("/models/{name}/versions/{ref}/descendants", response_model=LineagePage)
+def get_descendants(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
+    """Every version derived from this one, breadth first, across the tenant's models."""
+    row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
+    found = promotion.descendants(session, tenant.tenant_id, row.digest)
+    published = promotion.publish_versions(session, tenant.tenant_id, [r for r, _ in found])
+    return LineagePage(
+        items=[LineageEntry(**v.model_dump(), depth=d) for v, (_, d) in zip(published, found, strict=True)]
+    )
