@@ -1,6 +1,6 @@
 """Weight fan-out benchmark: how long until every node holds the artifact, per strategy.
 
-Runs the discrete-event simulator (`gpucloud.sim.fanout`) for origin-only, tiered mirrors and
+Runs the discrete-event simulator (`gpucloud.registry.fanout_model`) for origin-only, tiered mirrors and
 p2p on the ARCHITECTURE.md scenario (141 GB to 1,000 nodes, 100 Gb/s NICs and origin, 64 MiB
 chunks), or with --quick on a smaller one that finishes in seconds. Each time is also given as
 a multiple of the lower bound (size / NIC + ceil(log2 N) x chunk / NIC).
@@ -43,12 +43,13 @@ from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher, FetchStats, PeerServer, create_peer_app
 from gpucloud.devstack.stack import free_port
 from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header
+from gpucloud.registry.fanout_model.config import STRATEGIES, FanoutConfig, FanoutResult
+from gpucloud.registry.fanout_model.simulation import simulate
 from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
-from gpucloud.sim.fanout import STRATEGIES, FanoutConfig, FanoutResult, simulate
 
 GIB = 1 << 30
 FULL = {"nodes": 1000, "artifact_bytes": 141 * 10**9}

@@ -4,7 +4,7 @@ A swarm is a version's chunk ids and the nodes that should hold them, each with 
 and peer URL (a rollout registers one per target and version). The pure `Tracker`
 (`gpucloud.registry.tracker`) keeps who holds what and ranks sources; `Swarm` adds what only a
 central service can decide, the scheduling the fan-out simulator's p2p strategy models
-(`gpucloud.sim.fanout`):
+(`gpucloud.registry.fanout_model`):
 
 - *seeding*: a chunk no usable peer holds is handed to one node at a time to fetch from the
   origin (at most one origin fetch per node, at most `origin_slots` at once), so each chunk

@@ -13,7 +13,7 @@ Chunk ids are content addresses (BLAKE3), so a chunk held for one version serves
 that contains it: the tracker keys holdings by chunk id, not by version.
 
 This is pure logic with no I/O: the control plane wraps it behind HTTP and a database, and the
-fan-out simulator (`gpucloud.sim.fanout`) drives the very same source selection.
+fan-out simulator (`gpucloud.registry.fanout_model`) drives the very same source selection.
 """
 
 from __future__ import annotations

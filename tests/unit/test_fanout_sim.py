@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpucloud.sim.fanout import (
+from gpucloud.registry.fanout_model.config import (
     ORIGIN_SOURCE,
     FanoutConfig,
     FanoutResult,
     lower_bound_s,
     percentile,
     piece_bytes,
-    simulate,
 )
+from gpucloud.registry.fanout_model.simulation import simulate
 
 MiB, GiB = 1 << 20, 1 << 30
 NIC = 100e9 / 8  # 100 Gb/s in bytes per second
