@@ -1,0 +1,106 @@
+"""The simulated managers' shared state (kept in memory, and in a JSON file when given one), the
+refusal every manager answers a broken constraint with, and what every handler depends on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+from fastapi import Depends, HTTPException, Request
+from pydantic import BaseModel, ConfigDict
+
+from gpucloud.fabric.interface import (
+    DEFAULT_PKEY,
+    Membership,
+    NvlPartition,
+    PKey,
+    PortMember,
+    Vpc,
+)
+
+GUID = re.compile(r"^0x[0-9a-f]{16}$")
+
+
+def refuse(status_code: int, constraint: str, message: str) -> NoReturn:
+    raise HTTPException(status_code, detail={"constraint": constraint, "message": message})
+
+
+def parse_pkey(text: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        refuse(422, "pkey_format", f"pkey {text!r} is not a hex number like 0x0a12")
+
+
+def pkey_hex(pkey: int) -> str:
+    return f"0x{pkey:04x}"
+
+
+@dataclass
+class FabricState:
+    """What the three managers hold; every access goes through `lock`."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pkeys: dict[int, dict[str, Membership]] = field(default_factory=lambda: {DEFAULT_PKEY: {}})
+    pkey_names: dict[int, str] = field(default_factory=lambda: {DEFAULT_PKEY: "default"})
+    domain_of_gpu: dict[str, str] = field(default_factory=dict)
+    partitions: dict[int, NvlPartition] = field(default_factory=dict)
+    next_partition_id: int = 1
+    vpcs: dict[int, Vpc] = field(default_factory=dict)
+    fault: str | None = None
+    state_path: Path | None = None
+
+    def pkey_record(self, pkey: int) -> PKey:
+        members = tuple(PortMember(guid=g, membership=m) for g, m in sorted(self.pkeys[pkey].items()))
+        return PKey(pkey=pkey, name=self.pkey_names[pkey], members=members)
+
+    def saved(self) -> None:
+        """Write the state to `state_path` (when there is one); call with `lock` held, after a change."""
+        if self.state_path is None:
+            return
+        body = {
+            "pkeys": [self.pkey_record(p).model_dump(mode="json") for p in sorted(self.pkeys)],
+            "domain_of_gpu": self.domain_of_gpu,
+            "partitions": [p.model_dump(mode="json") for p in self.partitions.values()],
+            "next_partition_id": self.next_partition_id,
+            "vpcs": [v.model_dump(mode="json") for v in self.vpcs.values()],
+        }
+        partial = self.state_path.with_suffix(".partial")
+        partial.write_text(json.dumps(body))
+        os.replace(partial, self.state_path)
+
+    @classmethod
+    def load(cls, state_path: Path | None) -> FabricState:
+        state = cls(state_path=state_path)
+        if state_path is None or not state_path.exists():
+            return state
+        body = json.loads(state_path.read_text())
+        for record in map(PKey.model_validate, body["pkeys"]):
+            state.pkeys[record.pkey] = {m.guid: m.membership for m in record.members}
+            state.pkey_names[record.pkey] = record.name
+        state.domain_of_gpu = body["domain_of_gpu"]
+        state.partitions = {p.partition_id: p for p in map(NvlPartition.model_validate, body["partitions"])}
+        state.next_partition_id = body["next_partition_id"]
+        state.vpcs = {v.vni: v for v in map(Vpc.model_validate, body["vpcs"])}
+        return state
+
+
+def fabric_state(request: Request) -> FabricState:
+    return request.app.state.fabric
+
+
+StateDep = Annotated[FabricState, Depends(fabric_state)]
+
+
+async def available(state: StateDep) -> None:
+    if state.fault == "unavailable":
+        raise HTTPException(503, detail="injected fault: the manager is unavailable")
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
