@@ -9,7 +9,17 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 from gpucloud import bootstrap
-from gpucloud.api.routers import allocations, api_keys, billing, nodes, operations, registry, rollouts, tenants
+from gpucloud.api.routers import (
+    allocations,
+    api_keys,
+    billing,
+    health,
+    nodes,
+    operations,
+    registry,
+    rollouts,
+    tenants,
+)
 from gpucloud.config import Settings
 from gpucloud.web import problems
 
@@ -36,7 +46,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.ledger = bootstrap.ledger_client(settings)
     app.state.registry_stores = bootstrap.registry_stores(settings)
     problems.install(app)
-    for module in (tenants, api_keys, allocations, operations, nodes, registry, billing, rollouts):
+    for module in (tenants, api_keys, allocations, operations, nodes, health, registry, billing, rollouts):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"])

@@ -1,0 +1,266 @@
+"""Node health: XID events and counter readings as agents report them (each for its own node
+only), XIDs injected by operators, the judgement and its actions, node health and alerts."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, Field
+from sqlmodel import select
+from temporalio.service import RPCError
+
+from gpucloud.agent.readings import NodeReading, XidEvent, utc_now
+from gpucloud.api import pagination
+from gpucloud.api.auth import Caller
+from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.health_tables import (
+    NodeReadingRecord,
+    OperatorAlertPublic,
+    OperatorAlertRecord,
+    XidEventRecord,
+)
+from gpucloud.models.messages import ReplaceNodeRequest
+from gpucloud.models.tables import Node
+from gpucloud.services import health as health_service
+from gpucloud.services.schedules import reconcile_now
+from gpucloud.services.workflows import signal_replace_node
+from gpucloud.web.problems import Problem, not_found
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["health"])
+
+MAX_READINGS_BATCH = 1000
+# An agent clock this far ahead would put its reading after every later one: it is refused.
+MAX_READING_CLOCK_SKEW = timedelta(minutes=5)
+
+
+def own_node_only(caller: Caller, node_ids: list[str]) -> None:
+    """An agent reports for its own node; the operator (the simulated fleet, drills) for any."""
+    if caller.role != "agent":
+        return
+    foreign = sorted({n for n in node_ids if n != caller.node_id})
+    if foreign:
+        raise Problem(
+            403,
+            "forbidden",
+            "Not this agent's node",
+            f"the agent credential of {caller.node_id} cannot report for {foreign[0]}",
+        )
+
+
+class XidInjection(BaseModel):
+    xid: int = Field(ge=0, le=100_000)
+    gpu_index: int | None = Field(None, ge=0, le=63)
+    message: str = Field("", max_length=1000)
+
+
+class XidEventBatch(BaseModel):
+    events: list[XidEvent] = Field(min_length=1, max_length=5000)
+
+
+class HealthDecision(BaseModel):
+    node_id: str
+    health: str
+    action: str
+    pull: str | None
+    alert: str | None
+
+
+class XidIngestResult(BaseModel):
+    accepted: int
+    unknown_nodes: list[str]
+    decisions: list[HealthDecision]
+
+
+class ReadingBatch(BaseModel):
+    readings: list[NodeReading] = Field(min_length=1, max_length=MAX_READINGS_BATCH)
+
+
+class ReadingIngestResult(BaseModel):
+    accepted: int
+    decisions: list[HealthDecision]
+
+
+class XidRecordPublic(BaseModel):
+    xid: int
+    gpu_index: int | None
+    timestamp: datetime
+    message: str
+    source: str
+
+
+class NodeHealth(BaseModel):
+    node_id: str
+    state: str
+    health: str
+    conditions: list[dict]
+    xid_history: list[XidRecordPublic]
+    # The newest stored readings, newest first (the trend window's, and fatal ones).
+    readings: list[NodeReading]
+
+
+def _breaker(settings: Settings) -> health_service.BreakerSettings:
+    return health_service.BreakerSettings(
+        max_pulled_share=settings.health.breaker_max_pulled_share,
+        window=timedelta(seconds=settings.health.breaker_window_s),
+    )
+
+
+def _ingest(settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
+    with session_scope(settings.database_url) as session:
+        return health_service.ingest_xids(session, events, source=source, breaker=_breaker(settings))
+
+
+def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
+    with session_scope(settings.database_url) as session:
+        outcomes, unknown = health_service.ingest_readings(session, readings, breaker=_breaker(settings))
+    if unknown:
+        raise Problem(
+            404,
+            "not-found",
+            "node not found",
+            f"no node {', '.join(repr(n) for n in unknown)}: nothing stored",
+            unknown_nodes=unknown,
+        )
+    return outcomes
+
+
+async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
+    """A pull decided in the DB is carried out by the allocation's workflow or the reconciler."""
+    drains = [o.node_id for o in outcomes if o.pull == "drain"]
+    for o in outcomes:
+        if o.pull != "replace":
+            continue
+        req = ReplaceNodeRequest(
+            node_id=o.node_id,
+            reason=o.reason[:1000],
+            immediate=o.immediate,
+            grace_s=settings.health.drain_grace_s,
+            recheck_s=settings.health.replacement_recheck_s,
+        )
+        try:
+            await signal_replace_node(temporal, o.allocation_id, req)
+        except RPCError as exc:
+            log.warning("replace signal for %s in %s not delivered: %s", o.node_id, o.allocation_id, exc)
+    if drains:
+        await reconcile_now(temporal, settings, drains)
+
+
+async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], source: str) -> XidIngestResult:
+    outcomes, unknown = await run_in_threadpool(_ingest, settings, events, source)
+    await _act_on(outcomes, settings, temporal)
+    return XidIngestResult(
+        accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)),
+        unknown_nodes=unknown,
+        decisions=_decisions(outcomes),
+    )
+
+
+def _decisions(outcomes: list) -> list[HealthDecision]:
+    return [
+        HealthDecision(node_id=o.node_id, health=o.verdict.health, action=o.verdict.action, pull=o.pull, alert=o.alert)
+        for o in outcomes
+    ]
+
+
+@router.post("/nodes/{node_id}/xid", response_model=XidIngestResult)
+async def inject_xid(
+    node_id: str, req: XidInjection, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep
+):
+    """Record an XID on a node as if its agent had reported it (tests, demos, drills)."""
+    event = XidEvent(
+        node_id=node_id,
+        gpu_index=req.gpu_index,
+        xid=req.xid,
+        timestamp=utc_now(),
+        message=req.message or f"injected by operator: XID {req.xid}",
+    )
+    result = await _ingest_and_act(settings, temporal, [event], "operator")
+    if result.unknown_nodes:
+        raise not_found("node", node_id)
+    return result
+
+
+@router.post("/agents/events", response_model=XidIngestResult)
+async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
+    """XID events as agents saw them; each node is judged again and acted on at once."""
+    own_node_only(caller, [e.node_id for e in batch.events])
+    return await _ingest_and_act(settings, temporal, batch.events, "agent")
+
+
+@router.post("/agents/readings", response_model=ReadingIngestResult)
+async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
+    """Counter readings as agents took them; each node's trends are judged again and acted on at once."""
+    own_node_only(caller, [r.node_id for r in batch.readings])
+    latest_allowed = utc_now() + MAX_READING_CLOCK_SKEW
+    ahead = [f"readings.{i}.timestamp" for i, r in enumerate(batch.readings) if r.timestamp > latest_allowed]
+    if ahead:
+        raise Problem(
+            422,
+            "invalid-request",
+            "The request is invalid",
+            f"{ahead[0]}: more than {MAX_READING_CLOCK_SKEW} ahead of the control plane's clock",
+            errors=[{"field": f, "message": "in the future"} for f in ahead],
+        )
+    outcomes = await run_in_threadpool(_ingest_readings, settings, batch.readings)
+    await _act_on(outcomes, settings, temporal)
+    return ReadingIngestResult(accepted=len(batch.readings), decisions=_decisions(outcomes))
+
+
+@router.get("/nodes/{node_id}/health", response_model=NodeHealth)
+def node_health(
+    node_id: str,
+    operator: OperatorDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    reading_limit: Annotated[int, Query(ge=0, le=100)] = 1,
+):
+    node = session.get(Node, node_id)
+    if node is None:
+        raise not_found("node", node_id)
+    rows = session.exec(
+        select(XidEventRecord).where(XidEventRecord.node_id == node_id).order_by(XidEventRecord.seq.desc()).limit(limit)
+    ).all()
+    readings = session.exec(
+        select(NodeReadingRecord.reading)
+        .where(NodeReadingRecord.node_id == node_id)
+        .order_by(NodeReadingRecord.timestamp.desc())
+        .limit(reading_limit)
+    ).all()
+    return NodeHealth(
+        node_id=node.id,
+        state=node.state,
+        health=node.health,
+        conditions=node.health_conditions,
+        xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
+        readings=[NodeReading.model_validate(r) for r in readings],
+    )
+
+
+class AlertPage(BaseModel):
+    items: list[OperatorAlertPublic]
+    next_page_token: str
+
+
+@router.get("/alerts", response_model=AlertPage)
+def list_alerts(
+    operator: OperatorDep,
+    session: SessionDep,
+    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+):
+    cursor = pagination.decode(page_token, {})
+    query = select(OperatorAlertRecord).order_by(OperatorAlertRecord.seq).limit(page_size + 1)
+    if cursor.after is not None:
+        query = query.where(OperatorAlertRecord.seq > cursor.after)
+    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, {})
+    return AlertPage(
+        items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows], next_page_token=token
+    )
