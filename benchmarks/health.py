@@ -317,7 +317,8 @@ def main() -> None:
         started = latencies(single_starts, single_marks, "replacement_started")
         ready = latencies(single_starts, single_marks, "ready")
         log(
-            f"  cordoned p99 {percentile(cordon, 99):.3f}s, pulled p50 {percentile(pulled, 50):.3f}s, replacement started p99 {percentile(started, 99):.3f}s, "
+            f"  cordoned p99 {percentile(cordon, 99):.3f}s, pulled p50 {percentile(pulled, 50):.3f}s, "
+            f"replacement started p99 {percentile(started, 99):.3f}s, "
             f"ready again p99 {percentile(ready, 99):.3f}s"
         )
 

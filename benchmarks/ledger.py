@@ -240,7 +240,8 @@ def bulk_load_period(database_url: str, events: int) -> dict:
                 text(
                     "INSERT INTO postings (id, kind, billing_period, usage_period, tenant_id, allocation_id, gpu_type,"
                     " price_version_id, gpu_ms, amount_micro, sample_count, created_ms) VALUES"
-                    " (:id, 'usage', '2024-01', '2024-01', :tenant, :allocation, 'h100', 1, :gpu_ms, :amount, :count, 0)"
+                    " (:id, 'usage', '2024-01', '2024-01', :tenant, :allocation, 'h100', 1,"
+                    " :gpu_ms, :amount, :count, 0)"
                 ),
                 values,
             )

@@ -259,7 +259,7 @@ def vpc_check(settings: Settings, fabric_url: str, tenant_ids: set[str]) -> list
             found.append(
                 f"vni_mismatch: tenant {tenant_id} has VNI {vnis[0]} on the SDN, {vni_of.get(tenant_id)} in the DB"
             )
-    if len(set(v for v in vni_of.values() if v is not None)) != sum(1 for v in vni_of.values() if v is not None):
+    if len({v for v in vni_of.values() if v is not None}) != sum(1 for v in vni_of.values() if v is not None):
         found.append("vni_shared_in_db")
     return found
 

@@ -344,11 +344,10 @@ class Meter:
         current = self._current_allocation()
         opened = self._spool.open_allocation()
         usages: list[Usage] = []
-        if opened is not None and (current is None or current.allocation_id != opened.allocation_id):
-            # The open allocation's end was never seen. If another one started, the previous
-            # one ended by then; if the agent lost track of it, bill nothing more.
-            if current is not None:
-                usages += self._cut(opened, until_ms=min(now_ms, current.started_ms), final=True)
+        # The open allocation's end was never seen. If another one started, the previous one
+        # ended by then; if the agent lost track of it (no current allocation), bill nothing more.
+        if opened is not None and current is not None and current.allocation_id != opened.allocation_id:
+            usages += self._cut(opened, until_ms=min(now_ms, current.started_ms), final=True)
         still_open = None
         if current is not None:
             ended = current.ended_ms is not None and current.ended_ms <= now_ms

@@ -108,8 +108,9 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        # The child keeps its own descriptor of the log; ours closes once it is started.
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
         self.processes[name] = proc
         return proc
 

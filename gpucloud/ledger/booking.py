@@ -103,12 +103,12 @@ def book(connection: Connection, candidates: list[Candidate], now_ms: int) -> No
         # Row tuples are put together by map/zip/add, in C: at 8,000 rows per batch a Python
         # loop here costs as much as a third of SQLite's insert.
         line_columns = (price_version_id, usage_period, billing_period, posting_id, now_ms)
-        computed = zip(parts, amounts, *map(repeat, line_columns))
+        computed = zip(parts, amounts, *map(repeat, line_columns), strict=False)
         rows.extend(map(add, map(sample_fields, map(sample_of, line_candidates)), computed))
         gpu_ms_total = gpu_ms_before + sum(parts)
         accumulators.append(
             {
-                **dict(zip(_LINE_KEY_COLUMNS, key)),
+                **dict(zip(_LINE_KEY_COLUMNS, key, strict=False)),
                 "gpu_ms_total": gpu_ms_total,
                 "amount_total_micro": rate.amount_for(gpu_ms_total),
                 "max_start_ms": max(max_start_before, max(map(start_of, line_candidates))),

@@ -122,10 +122,10 @@ def insert_tuples(connection: Connection, table: Table, columns: Sequence[str], 
     """
     if connection.dialect.name == "postgresql":
         driver_connection = connection.connection.driver_connection
-        with driver_connection.cursor() as cursor:
-            with cursor.copy(f"COPY {table.name} ({', '.join(columns)}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+        copy_sql = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN"
+        with driver_connection.cursor() as cursor, cursor.copy(copy_sql) as copy:
+            for row in rows:
+                copy.write_row(row)
         return
     statement = f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({', '.join(['?'] * len(columns))})"
     connection.exec_driver_sql(statement, list(rows))

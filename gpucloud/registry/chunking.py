@@ -242,7 +242,7 @@ class FileRegion(io.RawIOBase):
 
     def __init__(self, path: str | Path, offset: int, size: int) -> None:
         super().__init__()
-        self._file = open(path, "rb", buffering=0)
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close(), as a RawIOBase is
         self._file.seek(offset)
         self._remaining = size
 

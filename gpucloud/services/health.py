@@ -61,6 +61,11 @@ class BreakerSettings:
     window: timedelta = timedelta(hours=1)
 
 
+# Defaults shared by every call that passes none (neither is changed after it is made).
+DEFAULT_POLICY = HealthPolicy()
+DEFAULT_BREAKER = BreakerSettings()
+
+
 @dataclass
 class HealthOutcome:
     node_id: str
@@ -137,8 +142,8 @@ def ingest_xids(
     *,
     source: str,
     now: datetime | None = None,
-    policy: HealthPolicy = HealthPolicy(),
-    breaker: BreakerSettings = BreakerSettings(),
+    policy: HealthPolicy = DEFAULT_POLICY,
+    breaker: BreakerSettings = DEFAULT_BREAKER,
 ) -> tuple[list[HealthOutcome], list[str]]:
     """Store and judge; returns the outcome per known node and the ids of unknown nodes."""
     now = now or utcnow()
@@ -174,8 +179,8 @@ def ingest_readings(
     readings: Iterable[NodeReading],
     *,
     now: datetime | None = None,
-    policy: HealthPolicy = HealthPolicy(),
-    breaker: BreakerSettings = BreakerSettings(),
+    policy: HealthPolicy = DEFAULT_POLICY,
+    breaker: BreakerSettings = DEFAULT_BREAKER,
 ) -> tuple[list[HealthOutcome], list[str]]:
     """Store and judge; returns the outcome per node and the ids of unknown nodes.
 
@@ -368,7 +373,7 @@ class RepairStep:
 
 
 def repair_plan(
-    session: Session, node_id: str, *, now: datetime | None = None, policy: HealthPolicy = HealthPolicy()
+    session: Session, node_id: str, *, now: datetime | None = None, policy: HealthPolicy = DEFAULT_POLICY
 ) -> RepairStep:
     """The rung to try for a node entering repair, counted over this quarantine episode: each
     failed burn-in after a repair sends the node back to quarantine and up one rung."""

@@ -1,7 +1,8 @@
 """Drain-and-replace inside an allocation: pull the bad node out, reserve one in the same fabric
-domain (the same NVL72 rack for a slice of one), attach it once provisioned. Each function is one short transaction the allocation
-workflow calls through an activity, and each is idempotent (a retried activity changes nothing
-twice). The tenant's view of it is the allocation's event log (`AllocationEvent`).
+domain (the same NVL72 rack for a slice of one), attach it once provisioned. Each function is one
+short transaction the allocation workflow calls through an activity, and each is idempotent (a
+retried activity changes nothing twice). The tenant's view of it is the allocation's event log
+(`AllocationEvent`).
 """
 
 from __future__ import annotations

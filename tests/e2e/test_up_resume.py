@@ -36,7 +36,7 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         "GPUCLOUD_LEDGER__PORT": str(ports["ledger"]),
     }
     api = f"http://127.0.0.1:{ports['api']}"
-    log = open(tmp_path / "up.log", "ab")
+    log = open(tmp_path / "up.log", "ab")  # noqa: SIM115 - both runs of `up` write to it; closed with the test
 
     def nodes(op) -> list[dict]:
         try:

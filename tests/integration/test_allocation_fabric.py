@@ -23,12 +23,12 @@ from support.stack import async_wait_until
 
 pytestmark = pytest.mark.one_database
 
-FAST = dict(
-    latency_scale=0.02,
-    health__drain_grace_s=0.5,
-    health__replacement_recheck_s=0.5,
-    health__breaker_max_pulled_share=1.0,
-)
+FAST = {
+    "latency_scale": 0.02,
+    "health__drain_grace_s": 0.5,
+    "health__replacement_recheck_s": 0.5,
+    "health__breaker_max_pulled_share": 1.0,
+}
 
 
 async def _ready_fleet(make_harness, in_process_worker, db_url, *, nodes: int, **options):

@@ -132,7 +132,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
     assert httpx.post(f"{ledger.url}/v1/price-book/versions", json=price_book).status_code == 201
     allocations = {}
-    for number, (node_id, (allocation_id, tenant_id)) in enumerate(NODES.items()):
+    for _number, (node_id, (allocation_id, tenant_id)) in enumerate(NODES.items()):
         allocations[node_id] = {
             "allocation_id": allocation_id,
             "tenant_id": tenant_id,

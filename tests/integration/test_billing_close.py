@@ -42,11 +42,13 @@ class Clock:
 @pytest.fixture
 def ledger(tmp_path: Path) -> Iterator[tuple[httpx.Client, Clock]]:
     clock = Clock(MAR + 10 * 86_400_000)  # mid-March 2024: January and February have ended
-    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", clock_ms=clock) as url:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
-            assert client.post("/v1/price-book/versions", json=price_book).status_code == 201
-            yield client, clock
+    with (
+        ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", clock_ms=clock) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
+        assert client.post("/v1/price-book/versions", json=price_book).status_code == 201
+        yield client, clock
 
 
 def settings_for(

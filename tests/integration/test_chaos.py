@@ -47,7 +47,7 @@ async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal
     clients = [h.client((await h.onboard())[1]) for _ in range(2)]
     live: list[tuple[int, str]] = []
 
-    for step in range(60):
+    for _step in range(60):
         roll = rng.random()
         if roll < 0.35:
             who = rng.randrange(len(clients))
@@ -75,7 +75,7 @@ async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal
     # Faults stop (injected counts run out): tenants cancel what is left; the reconciler converges.
     for who, alloc_id in live:
         clients[who].post(f"/v1/allocations/{alloc_id}/cancel")
-    for sweep in range(90):
+    for _sweep in range(90):
         await h.sweep(temporal_env.client)
         _assert_no_node_in_two_allocations(h, clients)
         states = {n["state"] for n in h.nodes()}

@@ -15,7 +15,7 @@ from gpucloud.demo.health import HealthDemoError, demo_health
 
 pytestmark = pytest.mark.one_database
 
-FAST = dict(latency_scale=0.02, health__drain_grace_s=0.5, health__replacement_recheck_s=0.5)
+FAST = {"latency_scale": 0.02, "health__drain_grace_s": 0.5, "health__replacement_recheck_s": 0.5}
 
 
 async def _ready_allocation(make_harness, in_process_worker, db_url, *, nodes: int, **settings):
@@ -68,7 +68,7 @@ async def test_demo_says_why_when_the_breaker_refuses_the_pull(db_url, make_harn
     first = h.operator.post(f"/v1/nodes/{idle}/xid", json={"xid": 79}).json()["decisions"][0]
     assert first["pull"] == "drain"
     future, _ = _run(h, key, alloc["id"])
-    with pytest.raises(HealthDemoError, match="pull=None.*refused"):
+    with pytest.raises(HealthDemoError, match=r"pull=None.*refused"):
         await future
     assert h.client(key).get(f"/v1/allocations/{alloc['id']}").json()["node_ids"] == alloc["node_ids"]
 

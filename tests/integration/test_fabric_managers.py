@@ -286,28 +286,32 @@ def test_injected_faults_a_manager_down_and_reads_that_disagree(controller, mana
 
 def test_state_survives_a_restart_with_a_state_file(tmp_path):
     state = tmp_path / "fabric.json"
-    with FabricManagersServer(create_app(state_path=state)) as server:
-        with HttpFabricController.for_simulator(server.url) as c:
-            c.nvlink.register_domain("sf-rack0", ["GPU-sf0", "GPU-sf1"])
-            c.infiniband.create_pkey(0x0B01, name="alloc-sf")
-            c.infiniband.add_ports(0x0B01, ["0x00000000000b0001"], membership=Membership.FULL)
-            partition = c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf0"])
-            vpc = c.ethernet.create_vpc(tenant_id="sf-acme")
-            c.ethernet.attach(vpc.vni, "sf-node")
-            before = read_snapshot(c)
-    with FabricManagersServer(create_app(state_path=state)) as server:
-        with HttpFabricController.for_simulator(server.url) as c:
-            assert read_snapshot(c) == before
-            # The partition counter and the domains came back too.
-            refused(
-                lambda: c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]),
-                409,
-                "partition_name_unique",
-            )
-            assert (
-                c.nvlink.create_partition(name="other", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]).partition_id
-                > partition.partition_id
-            )
+    with (
+        FabricManagersServer(create_app(state_path=state)) as server,
+        HttpFabricController.for_simulator(server.url) as c,
+    ):
+        c.nvlink.register_domain("sf-rack0", ["GPU-sf0", "GPU-sf1"])
+        c.infiniband.create_pkey(0x0B01, name="alloc-sf")
+        c.infiniband.add_ports(0x0B01, ["0x00000000000b0001"], membership=Membership.FULL)
+        partition = c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf0"])
+        vpc = c.ethernet.create_vpc(tenant_id="sf-acme")
+        c.ethernet.attach(vpc.vni, "sf-node")
+        before = read_snapshot(c)
+    with (
+        FabricManagersServer(create_app(state_path=state)) as server,
+        HttpFabricController.for_simulator(server.url) as c,
+    ):
+        assert read_snapshot(c) == before
+        # The partition counter and the domains came back too.
+        refused(
+            lambda: c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]),
+            409,
+            "partition_name_unique",
+        )
+        assert (
+            c.nvlink.create_partition(name="other", domain_id="sf-rack0", gpu_uids=["GPU-sf1"]).partition_id
+            > partition.partition_id
+        )
 
 
 @pytest.mark.parametrize("seed", range(4))

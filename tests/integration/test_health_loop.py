@@ -17,7 +17,7 @@ from support.stack import async_wait_until
 
 pytestmark = pytest.mark.one_database
 
-FAST = dict(latency_scale=0.02, health__drain_grace_s=0.5, health__replacement_recheck_s=0.5)
+FAST = {"latency_scale": 0.02, "health__drain_grace_s": 0.5, "health__replacement_recheck_s": 0.5}
 
 
 async def _ready_fleet(make_harness, in_process_worker, db_url, nodes: int, **settings):
@@ -505,7 +505,7 @@ async def test_a_cancel_waits_for_the_pulled_nodes_drain(db_url, make_harness, i
     h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
     alloc_id = _allocate(h, key, 2)
-    bad, kept = (await h.wait_allocation(key, alloc_id, "ready"))["node_ids"]
+    bad, _kept = (await h.wait_allocation(key, alloc_id, "ready"))["node_ids"]
     h.sim.inject(bad, "release", "transient", count=2)  # its drain takes a few seconds of retries
     _xid(h, bad, 79)
     await async_wait_until(lambda: "degraded" in _alloc_events(h, key, alloc_id), timeout_s=30, what="pulled")

@@ -20,11 +20,14 @@ PRICE = 2_490_000
 
 @pytest.fixture(params=backends())
 def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
-    with ledger_database_url(request.param, tmp_path) as database_url, ledger_in_thread(database_url) as url:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
-            assert client.post("/v1/price-book/versions", json=price_book).status_code == 201
-            yield client
+    with (
+        ledger_database_url(request.param, tmp_path) as database_url,
+        ledger_in_thread(database_url) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
+        assert client.post("/v1/price-book/versions", json=price_book).status_code == 201
+        yield client
 
 
 def ingest(client: httpx.Client, *, node: str, tenant: str, start: int, count: int, allocation: str = "a1") -> None:

@@ -31,10 +31,13 @@ PRICE_BOOK = {
 
 @pytest.fixture(params=backends())
 def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
-    with ledger_database_url(request.param, tmp_path) as database_url, ledger_in_thread(database_url) as url:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            assert client.post("/v1/price-book/versions", json=PRICE_BOOK).status_code == 201
-            yield client
+    with (
+        ledger_database_url(request.param, tmp_path) as database_url,
+        ledger_in_thread(database_url) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        assert client.post("/v1/price-book/versions", json=PRICE_BOOK).status_code == 201
+        yield client
 
 
 def sample(
@@ -196,7 +199,7 @@ def test_corrections_are_reversal_postings(ledger: httpx.Client) -> None:
     reversal = response.json()
     assert reversal["kind"] == "reversal" and reversal["reverses_posting_id"] == original["id"]
     assert reversal["amount_micro"] == -original["amount_micro"] and reversal["gpu_ms"] == -original["gpu_ms"]
-    assert {(l["account"], l["side"], l["amount_micro"]) for l in reversal["lines"]} == {
+    assert {(line["account"], line["side"], line["amount_micro"]) for line in reversal["lines"]} == {
         ("tenant:t1:receivable", "credit", original["amount_micro"]),
         ("revenue:gpu:h100", "debit", original["amount_micro"]),
     }
@@ -312,7 +315,7 @@ def test_reconciliation_tolerates_the_moments_between_the_agents_and_the_control
     after = {**sample(11, node="n2", allocation="a2", start=day), "start_ms": day + 3_000, "end_ms": day + 10 * MINUTE}
     assert ingest(ledger, [*before, after])["accepted"] == 11
     report = ledger.get("/v1/reconciliation", params=params).json()
-    (node,) = [a for a in report["allocations"] if a["allocation_id"] == "a2"][0]["nodes"]
+    (node,) = next(a for a in report["allocations"] if a["allocation_id"] == "a2")["nodes"]
     assert node["gaps"] == [{"start_ms": day, "end_ms": day + 3_000}] and node["edge_ms"] == 0
 
 
@@ -347,12 +350,15 @@ def test_invoice_close_is_reproducible_and_late_usage_is_adjusted_next_period(
     # The same usage, shuffled and batched differently, into a ledger of its own: same bytes.
     shuffled = JANUARY_USAGE[:]
     random.Random(3).shuffle(shuffled)
-    with ledger_database_url("sqlite", tmp_path, "replica") as replica_url, ledger_in_thread(replica_url) as url:
-        with httpx.Client(base_url=url, timeout=30) as replica:
-            replica.post("/v1/price-book/versions", json=PRICE_BOOK)
-            for start in range(0, len(shuffled), 333):
-                ingest(replica, shuffled[start : start + 333])
-            assert close_and_fetch(replica, "2024-01") == january
+    with (
+        ledger_database_url("sqlite", tmp_path, "replica") as replica_url,
+        ledger_in_thread(replica_url) as url,
+        httpx.Client(base_url=url, timeout=30) as replica,
+    ):
+        replica.post("/v1/price-book/versions", json=PRICE_BOOK)
+        for start in range(0, len(shuffled), 333):
+            ingest(replica, shuffled[start : start + 333])
+        assert close_and_fetch(replica, "2024-01") == january
 
     # Usage from January that arrives after January closed: an adjustment on February's invoice.
     late = [sample(seq, node="n1") for seq in range(301, 311)]

@@ -4,6 +4,7 @@ drift, operator actions, backoff, and a converged fleet that costs nothing."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from datetime import datetime
 
@@ -163,9 +164,9 @@ async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process
             assert result.bringup_batches == 1
             touched.append(time.monotonic() - started)
         await asyncio.sleep(0.05)
-    gaps = [b - a for a, b in zip(touched, touched[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(touched)]
     assert 2 <= len(touched) <= 5, touched  # ~0, 0.3, 0.9, 2.1 s: not every 50 ms
-    assert all(later > earlier for earlier, later in zip(gaps, gaps[1:])), gaps
+    assert all(later > earlier for earlier, later in itertools.pairwise(gaps)), gaps
     node = h.node(node_id)
     assert node["state"] == "inspecting"
     assert datetime.fromisoformat(node["updated_at"]) is not None

@@ -209,7 +209,7 @@ def read_tree(root: Path) -> dict[str, bytes]:
 async def test_a_rollout_activates_every_node_in_waves_with_identical_verified_files(
     temporal_env, fleet: Fleet, task_queue: str
 ) -> None:
-    v1, v1_files = fleet.push("v1", seed=1)
+    v1, _v1_files = fleet.push("v1", seed=1)
     fleet.install(v1)
     v2, v2_files = fleet.push("v2", seed=2)
     client = temporal_env.client

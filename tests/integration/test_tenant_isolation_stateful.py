@@ -43,16 +43,16 @@ from support.stack import wait_until
 pytestmark = pytest.mark.one_database
 
 NODES = 6
-FAST = dict(
-    latency_scale=0.02,
-    health__drain_grace_s=0.2,
-    health__replacement_recheck_s=0.3,
-    health__breaker_max_pulled_share=1.0,
-    reconciler__backoff_base_s=0.2,
-    reconciler__backoff_cap_s=1.0,
-    tenants__offboarding_poll_s=0.2,
-    tenants__storage_retention_s=0.5,
-)
+FAST = {
+    "latency_scale": 0.02,
+    "health__drain_grace_s": 0.2,
+    "health__replacement_recheck_s": 0.3,
+    "health__breaker_max_pulled_share": 1.0,
+    "reconciler__backoff_base_s": 0.2,
+    "reconciler__backoff_cap_s": 1.0,
+    "tenants__offboarding_poll_s": 0.2,
+    "tenants__storage_retention_s": 0.5,
+}
 LIVE = ("onboarding", "active", "offboarding")
 IN_FLIGHT = ("reserved", "provisioning", "releasing", "wiping", "draining", "repairing", "burn_in")
 
@@ -298,7 +298,7 @@ class TenantIsolation(RuleBasedStateMachine):
         # Membership is applied after a node's data becomes a tenant's and removed before its
         # wipe; a node changing hands between the two reads could look unassigned in one of
         # them: a real path shows in both.
-        found = [{v for v in find_violations(snapshot, topology=topology, tenant_of=held)} for held in (before, after)]
+        found = [set(find_violations(snapshot, topology=topology, tenant_of=held)) for held in (before, after)]
         assert not (found[0] & found[1]), found[0] & found[1]
 
     def teardown(self) -> None:

@@ -59,7 +59,7 @@ class SimFleetProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "GPUCLOUD_AGENT__SIM_PORT": str(self.port), "GPUCLOUD_LOG_LEVEL": "WARNING"}
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the fleet writes to it until stop() closes it
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -233,10 +233,10 @@ class Harness:
 
     def start_worker_process(self) -> subprocess.Popen:
         env = {**os.environ, **self.settings.env(), "GPUCLOUD_LOG_LEVEL": "WARNING"}
-        log = open(self.log_dir / "worker.log", "ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
+        with open(self.log_dir / "worker.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
         self.worker_procs.append(proc)
         return proc
 

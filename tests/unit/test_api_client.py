@@ -62,12 +62,14 @@ def test_pages_follows_the_token_to_the_end():
 
 
 def test_wait_for_is_bounded():
-    with client_over(lambda request: httpx.Response(200, json={"status": "provisioning"})) as api:
-        with pytest.raises(ApiTimeout, match="allocation ready"):
-            api.wait_for(
-                lambda: api.get("/v1/allocations/a"),
-                lambda a: a["status"] == "ready",
-                timeout_s=0.2,
-                interval_s=0.05,
-                what="allocation ready",
-            )
+    with (
+        client_over(lambda request: httpx.Response(200, json={"status": "provisioning"})) as api,
+        pytest.raises(ApiTimeout, match="allocation ready"),
+    ):
+        api.wait_for(
+            lambda: api.get("/v1/allocations/a"),
+            lambda a: a["status"] == "ready",
+            timeout_s=0.2,
+            interval_s=0.05,
+            what="allocation ready",
+        )

@@ -19,9 +19,9 @@ from gpucloud.registry.fanout_model.simulation import simulate
 
 MiB, GiB = 1 << 20, 1 << 30
 NIC = 100e9 / 8  # 100 Gb/s in bytes per second
-MID = dict(nodes=64, nodes_per_rack=16, artifact_bytes=2 * GiB, chunk_bytes=32 * MiB)
+MID = {"nodes": 64, "nodes_per_rack": 16, "artifact_bytes": 2 * GiB, "chunk_bytes": 32 * MiB}
 FLOAT_SLACK_BYTES = 64  # clock rounding on transfers a few bytes long
-SMALL = dict(nodes=24, nodes_per_rack=8, artifact_bytes=256 * MiB, chunk_bytes=16 * MiB)
+SMALL = {"nodes": 24, "nodes_per_rack": 8, "artifact_bytes": 256 * MiB, "chunk_bytes": 16 * MiB}
 
 
 def run(strategy: str, **overrides) -> FanoutResult:

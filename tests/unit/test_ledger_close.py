@@ -42,7 +42,7 @@ def test_invoices_are_canonical_and_independent_of_input_order() -> None:
 
 def test_lines_are_kinded_and_totalled() -> None:
     t1 = build_invoices("2024-02", usage=USAGE, reversals=REVERSALS, prices=PRICES)[0]
-    kinds = [(l.allocation_id, l.kind, l.usage_period) for l in t1.lines]
+    kinds = [(line.allocation_id, line.kind, line.usage_period) for line in t1.lines]
     assert kinds == [
         ("a1", "usage", "2024-02"),
         ("a1", "adjustment", "2024-01"),
@@ -51,7 +51,7 @@ def test_lines_are_kinded_and_totalled() -> None:
     ]
     assert t1.lines[0].amount_micro == 8 * 2_178_750
     assert t1.lines[0].discount_bp == 1250
-    assert t1.total_micro == sum(l.amount_micro for l in t1.lines)
+    assert t1.total_micro == sum(line.amount_micro for line in t1.lines)
     document = json.loads(t1.body)
     assert document["total_micro"] == t1.total_micro
     assert document["period"]["id"] == "2024-02"

@@ -94,7 +94,7 @@ class FakeNvml:
 
         def device_call(fn):
             def wrapper(handle, *args):
-                index, gpu = fake.gpu(handle)
+                _index, gpu = fake.gpu(handle)
                 if gpu.lost:
                     raise real.NVMLError(real.NVML_ERROR_GPU_IS_LOST)
                 if fn.__name__ in gpu.errors:

@@ -1,5 +1,8 @@
 """`plan_waves` and the rollout input's validation: pure, no server."""
 
+import functools
+import operator
+
 import pytest
 from pydantic import ValidationError
 
@@ -10,7 +13,7 @@ NODES = [f"n{i}" for i in range(20)]
 
 def test_default_waves_are_canary_then_10_50_100_percent() -> None:
     assert [len(w) for w in plan_waves(NODES, DEFAULT_WAVES)] == [1, 1, 8, 10]
-    assert sum(plan_waves(NODES, DEFAULT_WAVES), []) == NODES
+    assert functools.reduce(operator.iadd, plan_waves(NODES, DEFAULT_WAVES), []) == NODES
 
 
 def test_waves_that_add_nobody_are_dropped_and_the_last_reaches_everyone() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ def assert_contiguous(samples: list[UsageSample], start_ms: int, end_ms: int) ->
     spans = sorted((s.start_ms, s.end_ms) for s in samples)
     assert spans[0][0] == start_ms
     assert spans[-1][1] == end_ms
-    for (_, previous_end), (start, _) in zip(spans, spans[1:]):
+    for (_, previous_end), (start, _) in itertools.pairwise(spans):
         assert start == previous_end
 
 

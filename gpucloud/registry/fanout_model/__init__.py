@@ -17,12 +17,13 @@ every node holds the artifact, and how many bytes leave the origin, for three st
 Network model (flow level): nodes sit in racks; each NIC is full duplex with its own upload and
 download capacity; the origin, outside every rack, has its own egress; racks optionally have an
 oversubscribed uplink (traffic leaving a rack, and traffic entering it, origin traffic included,
-each share ``nodes_in_rack x NIC / oversubscription``). A transfer runs at ``min`` over the links it crosses of ``capacity / transfers on that link``,
-recomputed whenever a transfer starts or ends on one of those links, so no link ever carries more
-than its capacity. That is fair sharing per link without max-min redistribution (a transfer held
-back by one end leaves the other end's unused share idle), so it understates what TCP would
-achieve and the swarm's figures err on the slow side. Sources cap their concurrent uploads (``upload_slots``, ``origin_slots``): the
-origin and mirrors queue further requests FIFO; swarm peers at the cap are skipped by the tracker.
+each share ``nodes_in_rack x NIC / oversubscription``). A transfer runs at ``min`` over the links
+it crosses of ``capacity / transfers on that link``, recomputed whenever a transfer starts or
+ends on one of those links, so no link ever carries more than its capacity. That is fair sharing
+per link without max-min redistribution (a transfer held back by one end leaves the other end's
+unused share idle), so it understates what TCP would achieve and the swarm's figures err on the
+slow side. Sources cap their concurrent uploads (``upload_slots``, ``origin_slots``): the origin
+and mirrors queue further requests FIFO; swarm peers at the cap are skipped by the tracker.
 Chunks are store-and-forward: a node serves a chunk only once it holds (and has verified) all of
 it.
 
