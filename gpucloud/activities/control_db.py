@@ -7,7 +7,7 @@ unreachable database is transient and retried by Temporal.
 
 from __future__ import annotations
 
-from sqlmodel import select
+from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -100,7 +100,7 @@ class ControlDbActivities:
     def get_nodes(self, req: NodeRefs) -> NodeViews:
         """The nodes that exist among `node_ids`, in the order asked."""
         with self.db.session() as session:
-            found = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(req.node_ids))).all()}
+            found = {n.id: n for n in session.exec(select(Node).where(col(Node.id).in_(req.node_ids))).all()}
             return NodeViews(nodes=[_view(found[i]) for i in req.node_ids if i in found])
 
     @activity.defn
@@ -111,7 +111,7 @@ class ControlDbActivities:
     @activity.defn
     def load_allocation(self, req: AllocationInput) -> AllocationView:
         with self.db.session() as session:
-            alloc = session.exec(select(Allocation).where(Allocation.id == req.allocation_id)).first()
+            alloc = session.exec(select(Allocation).where(col(Allocation.id) == req.allocation_id)).first()
             if alloc is None:
                 raise ApplicationError(
                     f"allocation {req.allocation_id} does not exist", type="AllocationNotFound", non_retryable=True
@@ -151,7 +151,7 @@ class ControlDbActivities:
     @activity.defn
     def record_allocation_event(self, req: AllocationEventInput) -> None:
         with self.db.session() as session:
-            alloc = session.exec(select(Allocation).where(Allocation.id == req.allocation_id)).one()
+            alloc = session.exec(select(Allocation).where(col(Allocation.id) == req.allocation_id)).one()
             replacement.record_event(session, alloc, req.kind, reason=req.reason, node_id=req.node_id)
 
     @activity.defn

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sqlmodel import select
+from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -112,20 +112,20 @@ class FabricActivities:
         """The allocation's tenant and nodes; `with_reserved` adds nodes held for it but not
         attached (a replacement on its way), which a release must clear too."""
         with self.db.session() as session:
-            alloc = session.exec(select(Allocation).where(Allocation.id == allocation_id)).first()
+            alloc = session.exec(select(Allocation).where(col(Allocation.id) == allocation_id)).first()
             if alloc is None:
                 raise ApplicationError(
                     f"allocation {allocation_id} does not exist", type="AllocationNotFound", non_retryable=True
                 )
             node_ids = list(alloc.node_ids)
             if with_reserved:
-                held = session.exec(select(Node.id).where(Node.allocation_id == allocation_id)).all()
+                held = session.exec(select(col(Node.id)).where(col(Node.allocation_id) == allocation_id)).all()
                 node_ids += sorted(set(held) - set(node_ids))
             return alloc.tenant_id, node_ids
 
     def _fabric_nodes(self, node_ids: list[str]) -> list[FabricNode]:
         with self.db.session() as session:
-            found = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(node_ids))).all()}
+            found = {n.id: n for n in session.exec(select(Node).where(col(Node.id).in_(node_ids))).all()}
         if missing := [n for n in node_ids if n not in found]:
             raise ApplicationError(f"nodes {missing} do not exist", type="NodeNotFound", non_retryable=True)
         return [

@@ -11,7 +11,7 @@ import asyncio
 from datetime import timedelta
 
 import sqlalchemy as sa
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
@@ -42,28 +42,28 @@ RUNNING_NODE_OPS = "WorkflowType = 'NodeOperationWorkflow' AND ExecutionStatus =
 def candidate_filter(now, heartbeat_cutoff):
     """Nodes that may need work: each term is served by an index on its column."""
     return sa.or_(
-        Node.deadline_at <= now,
-        Node.state.in_([NodeState.ENROLLED.value, NodeState.INSPECTING.value]),
+        col(Node.deadline_at) <= now,
+        col(Node.state).in_([NodeState.ENROLLED.value, NodeState.INSPECTING.value]),
         # Burn-in a bring-up batch handed back (its agent went silent): retried with backoff.
-        sa.and_(Node.state == NodeState.BURN_IN.value, Node.reconcile_attempts > 0),
-        sa.and_(Node.drain_requested == True, Node.state != NodeState.QUARANTINED.value),
-        Node.drifted == True,
-        sa.and_(Node.last_heartbeat_at < heartbeat_cutoff, Node.agent_reachable == True),
-        sa.and_(Node.last_heartbeat_at >= heartbeat_cutoff, Node.agent_reachable == False),
+        sa.and_(col(Node.state) == NodeState.BURN_IN.value, col(Node.reconcile_attempts) > 0),
+        sa.and_(col(Node.drain_requested) == True, col(Node.state) != NodeState.QUARANTINED.value),
+        col(Node.drifted) == True,
+        sa.and_(col(Node.last_heartbeat_at) < heartbeat_cutoff, col(Node.agent_reachable) == True),
+        sa.and_(col(Node.last_heartbeat_at) >= heartbeat_cutoff, col(Node.agent_reachable) == False),
         sa.and_(
-            Node.state == NodeState.QUARANTINED.value,
-            Node.health != "ok",
-            Node.maintenance == False,
-            Node.agent_reachable == True,
+            col(Node.state) == NodeState.QUARANTINED.value,
+            col(Node.health) != "ok",
+            col(Node.maintenance) == False,
+            col(Node.agent_reachable) == True,
         ),
         # A bad node its allocation still holds (the replace signal may have been lost), or one
         # its allocation let go of before pulling it.
         sa.and_(
-            Node.allocation_id.is_not(None),
-            Node.health != "ok",
-            Node.state.in_([s.value for s in (NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING)]),
+            col(Node.allocation_id).is_not(None),
+            col(Node.health) != "ok",
+            col(Node.state).in_([s.value for s in (NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING)]),
         ),
-        sa.and_(Node.state == NodeState.AVAILABLE.value, Node.health != "ok"),
+        sa.and_(col(Node.state) == NodeState.AVAILABLE.value, col(Node.health) != "ok"),
     )
 
 
@@ -95,7 +95,7 @@ def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -
     )
     session.execute(
         sa.update(Node)
-        .where(Node.id == node.id)
+        .where(col(Node.id) == node.id)
         .values(agent_reachable=reachable, health_conditions=conditions, health=health, updated_at=utcnow())
     )
 
@@ -179,10 +179,10 @@ class ReconcilerActivities:
         with self.db.session() as session:
             return set(
                 session.exec(
-                    select(OperatorAlertRecord.node_id).where(
-                        OperatorAlertRecord.node_id.in_(node_ids),
-                        OperatorAlertRecord.kind == "circuit_breaker",
-                        OperatorAlertRecord.at > since,
+                    select(col(OperatorAlertRecord.node_id)).where(
+                        col(OperatorAlertRecord.node_id).in_(node_ids),
+                        col(OperatorAlertRecord.kind) == "circuit_breaker",
+                        col(OperatorAlertRecord.at) > since,
                     )
                 ).all()
             )
@@ -215,12 +215,12 @@ class ReconcilerActivities:
                 select(Node)
                 .where(
                     candidate_filter(now, now - timeout),
-                    sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now),
+                    sa.or_(col(Node.next_reconcile_at).is_(None), col(Node.next_reconcile_at) <= now),
                 )
                 .limit(self.settings.reconciler.sweep_batch)
             )
             if req.node_ids is not None:
-                query = select(Node).where(Node.id.in_(req.node_ids))
+                query = select(Node).where(col(Node.id).in_(req.node_ids))
             nodes = list(session.exec(query).all())
         result.candidates = len(nodes)
         plans = []
@@ -263,7 +263,7 @@ class ReconcilerActivities:
             return
         now = utcnow()
         with self.db.session() as session:
-            for node in session.exec(select(Node).where(Node.id.in_(node_ids))).all():
+            for node in session.exec(select(Node).where(col(Node.id).in_(node_ids))).all():
                 node.reconcile_attempts += 1
                 node.next_reconcile_at = now + backoff(
                     node.reconcile_attempts,

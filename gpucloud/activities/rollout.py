@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import httpx
-from sqlmodel import select
+from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -89,13 +89,13 @@ class RolloutActivities:
             raise ApplicationError(
                 "this worker has no control-plane DB to resolve a target", type="TargetUnresolvable", non_retryable=True
             )
-        query = select(Node).where(Node.tenant_id == req.tenant_id)
+        query = select(Node).where(col(Node.tenant_id) == req.tenant_id)
         if req.allocation_id is not None:
-            query = query.where(Node.allocation_id == req.allocation_id)
+            query = query.where(col(Node.allocation_id) == req.allocation_id)
         else:
-            query = query.where(Node.allocation_id.is_not(None))  # type: ignore[union-attr]
+            query = query.where(col(Node.allocation_id).is_not(None))  # type: ignore[union-attr]
         with self._db.session() as session:
-            nodes = session.exec(query.order_by(Node.rack, Node.id)).all()
+            nodes = session.exec(query.order_by(col(Node.rack), col(Node.id))).all()
         if not nodes:
             raise ApplicationError(
                 f"no nodes of tenant {req.tenant_id} match the target", type="TargetUnresolvable", non_retryable=True

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import sqlalchemy as sa
+from sqlmodel import col
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
@@ -113,7 +114,7 @@ class TenantActivities:
         self._fault("activate_tenant", "before", req.tenant_id)
         with self._db() as session:
             session.execute(
-                sa.update(Tenant).where(Tenant.id == req.tenant_id).values(storage_prefix=req.storage_prefix)
+                sa.update(Tenant).where(col(Tenant.id) == req.tenant_id).values(storage_prefix=req.storage_prefix)
             )
             tenant = tenant_service.move(
                 session, req.tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.ACTIVE
@@ -126,7 +127,7 @@ class TenantActivities:
         """The last step of undoing an onboarding: the tenant shows `failed`, with the reason."""
         self._fault("fail_tenant", "before", req.tenant_id)
         with self._db() as session:
-            session.execute(sa.update(Tenant).where(Tenant.id == req.tenant_id).values(storage_prefix=None))
+            session.execute(sa.update(Tenant).where(col(Tenant.id) == req.tenant_id).values(storage_prefix=None))
             tenant = tenant_service.move(
                 session, req.tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.FAILED, reason=req.error
             )

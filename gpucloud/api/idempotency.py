@@ -19,7 +19,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
-from sqlmodel import select
+from sqlmodel import col, select
 
 from gpucloud.db import session_scope
 from gpucloud.models.tables import IdempotencyRecord, utcnow
@@ -52,7 +52,7 @@ def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: s
     now = utcnow()
     with session_scope(db_url) as session:
         existing = session.exec(
-            select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+            select(IdempotencyRecord).where(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
         ).first()
         if existing is not None and existing.expires_at > now:
             return existing
@@ -74,7 +74,9 @@ def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: s
                 )
         except sa.exc.IntegrityError:
             return session.exec(
-                select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+                select(IdempotencyRecord).where(
+                    col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key
+                )
             ).one()
     return None
 
@@ -82,7 +84,7 @@ def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: s
 def _load(db_url: str, caller: str, key: str) -> IdempotencyRecord | None:
     with session_scope(db_url) as session:
         return session.exec(
-            select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+            select(IdempotencyRecord).where(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
         ).first()
 
 
@@ -91,7 +93,7 @@ def _finish(
 ) -> None:
     with session_scope(db_url) as session:
         record = session.exec(
-            select(IdempotencyRecord).where(IdempotencyRecord.caller == caller, IdempotencyRecord.key == key)
+            select(IdempotencyRecord).where(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
         ).first()
         if record is None:
             return

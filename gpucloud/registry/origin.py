@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from sqlmodel import select
+from sqlmodel import col, select
 
 from gpucloud import bootstrap
 from gpucloud.config import Settings
@@ -42,7 +42,7 @@ def tenants_in(db: Database) -> Callable[[], list[str]]:
 
     def tenant_ids() -> list[str]:
         with db.session() as session:
-            return list(session.exec(select(Tenant.id)).all())
+            return list(session.exec(select(col(Tenant.id))).all())
 
     return tenant_ids
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import sqlalchemy as sa
 from pydantic import BaseModel
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.models.registry_tables import (
     AliasName,
@@ -141,7 +141,7 @@ def walk_descendants(
 
 def version_row(session: Session, tenant_id: str, digest: str) -> ModelVersion | None:
     return session.exec(
-        select(ModelVersion).where(ModelVersion.tenant_id == tenant_id, ModelVersion.digest == digest)
+        select(ModelVersion).where(col(ModelVersion.tenant_id) == tenant_id, col(ModelVersion.digest) == digest)
     ).first()
 
 
@@ -165,8 +165,8 @@ def descendants(session: Session, tenant_id: str, digest: str) -> list[tuple[Mod
     def children_of(parents: list[str]) -> dict[str, list[str]]:
         found = session.exec(
             select(ModelVersion)
-            .where(ModelVersion.tenant_id == tenant_id, ModelVersion.parent.in_(parents))
-            .order_by(ModelVersion.seq)
+            .where(col(ModelVersion.tenant_id) == tenant_id, col(ModelVersion.parent).in_(parents))
+            .order_by(col(ModelVersion.seq))
         ).all()
         children: dict[str, list[str]] = {}
         for row in found:
@@ -179,7 +179,9 @@ def descendants(session: Session, tenant_id: str, digest: str) -> list[tuple[Mod
 
 def _active_keys(session: Session, tenant_id: str) -> list[SigningKey]:
     return list(
-        session.exec(select(SigningKey).where(SigningKey.tenant_id == tenant_id, SigningKey.revoked_at.is_(None)))
+        session.exec(
+            select(SigningKey).where(col(SigningKey.tenant_id) == tenant_id, col(SigningKey.revoked_at).is_(None))
+        )
     )
 
 
@@ -197,7 +199,7 @@ def keyring_for(session: Session, tenant_id: str) -> Keyring:
 
 def gates_of(session: Session, model_id: str) -> list[GateSpec]:
     rows = session.exec(
-        select(EvaluationGate).where(EvaluationGate.model_id == model_id).order_by(EvaluationGate.metric)
+        select(EvaluationGate).where(col(EvaluationGate.model_id) == model_id).order_by(col(EvaluationGate.metric))
     )
     return [
         GateSpec(
@@ -215,7 +217,9 @@ def metrics_of(session: Session, tenant_id: str, digests: list[str]) -> dict[str
     """Latest result per metric for each version, merged over its evaluation records."""
     records: dict[str, list[EvaluationRecord]] = {d: [] for d in digests}
     rows = session.exec(
-        select(EvaluationResult).where(EvaluationResult.tenant_id == tenant_id, EvaluationResult.version.in_(digests))
+        select(EvaluationResult).where(
+            col(EvaluationResult.tenant_id) == tenant_id, col(EvaluationResult.version).in_(digests)
+        )
     )
     for row in rows:
         records[row.version].append(
@@ -229,7 +233,7 @@ def metrics_of(session: Session, tenant_id: str, digests: list[str]) -> dict[str
 def promotion_failures(session: Session, tenant_id: str, model_id: str, digest: str) -> list[GateFailure]:
     """The model's gates applied to the version, against the current production version's results."""
     production = session.exec(
-        select(ModelAlias).where(ModelAlias.model_id == model_id, ModelAlias.name == AliasName.PRODUCTION)
+        select(ModelAlias).where(col(ModelAlias.model_id) == model_id, col(ModelAlias.name) == AliasName.PRODUCTION)
     ).first()
     baseline = production.version if production is not None and production.version != digest else None
     metrics = metrics_of(session, tenant_id, [digest] + ([baseline] if baseline else []))
@@ -247,9 +251,11 @@ def missing_chunks(store: ChunkStore, chunk_ids: Iterable[str]) -> list[str]:
 def publish_versions(session: Session, tenant_id: str, rows: list[ModelVersion]) -> list[ModelVersionPublic]:
     """Public views of version rows, with their model's name, their aliases and merged metrics."""
     model_ids = {row.model_id for row in rows}
-    names = {m.id: m.name for m in session.exec(select(RegistryModel).where(RegistryModel.id.in_(model_ids)))}
+    names = {m.id: m.name for m in session.exec(select(RegistryModel).where(col(RegistryModel.id).in_(model_ids)))}
     aliases: dict[tuple[str, str], list[str]] = {}
-    for alias in session.exec(select(ModelAlias).where(ModelAlias.model_id.in_(model_ids)).order_by(ModelAlias.name)):
+    for alias in session.exec(
+        select(ModelAlias).where(col(ModelAlias.model_id).in_(model_ids)).order_by(col(ModelAlias.name))
+    ):
         aliases.setdefault((alias.model_id, alias.version), []).append(alias.name)
     metrics = metrics_of(session, tenant_id, [row.digest for row in rows])
     return [
@@ -266,7 +272,9 @@ def publish_versions(session: Session, tenant_id: str, rows: list[ModelVersion])
 def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelPublic]:
     ids = [m.id for m in models]
     aliases: dict[str, list[ModelAliasPublic]] = {}
-    for alias in session.exec(select(ModelAlias).where(ModelAlias.model_id.in_(ids)).order_by(ModelAlias.name)):
+    for alias in session.exec(
+        select(ModelAlias).where(col(ModelAlias.model_id).in_(ids)).order_by(col(ModelAlias.name))
+    ):
         aliases.setdefault(alias.model_id, []).append(ModelAliasPublic.model_validate(alias, from_attributes=True))
     return [
         ModelPublic(
@@ -282,7 +290,7 @@ def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelP
 
 
 def replace_gates(session: Session, model: RegistryModel, gates: list[GateSpec]) -> None:
-    session.exec(sa.delete(EvaluationGate).where(EvaluationGate.model_id == model.id))
+    session.exec(sa.delete(EvaluationGate).where(col(EvaluationGate.model_id) == model.id))
     for gate in gates:
         session.add(
             EvaluationGate(

@@ -13,7 +13,7 @@ from collections import defaultdict
 from datetime import datetime
 
 import sqlalchemy as sa
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.models.node_states import NodeEvent, NodeState, deadline_for
 from gpucloud.models.tables import (
@@ -84,17 +84,17 @@ def available_candidates(
 ) -> list[Node]:
     """Nodes a reservation may take: available, healthy, and neither cordoned nor in maintenance."""
     query = select(Node).where(
-        Node.gpu_type == gpu_type,
-        Node.region == region,
-        Node.state == NodeState.AVAILABLE,
-        Node.cordoned == False,
-        Node.maintenance == False,
-        Node.health == "ok",
+        col(Node.gpu_type) == gpu_type,
+        col(Node.region) == region,
+        col(Node.state) == NodeState.AVAILABLE,
+        col(Node.cordoned) == False,
+        col(Node.maintenance) == False,
+        col(Node.health) == "ok",
     )
     if pod is not None:
-        query = query.where(Node.pod == pod)
+        query = query.where(col(Node.pod) == pod)
     if nvlink_domain is not None:
-        query = query.where(Node.nvlink_domain == nvlink_domain)
+        query = query.where(col(Node.nvlink_domain) == nvlink_domain)
     return list(session.exec(query).all())
 
 
@@ -104,7 +104,7 @@ def reserve_node(
     """available -> reserved for the allocation, compare-and-swap on the generation seen."""
     result = session.execute(
         sa.update(Node)
-        .where(Node.id == node.id, Node.generation == node.generation, Node.state == NodeState.AVAILABLE)
+        .where(col(Node.id) == node.id, col(Node.generation) == node.generation, col(Node.state) == NodeState.AVAILABLE)
         .values(
             state=NodeState.RESERVED.value,
             generation=node.generation + 1,
@@ -175,7 +175,7 @@ def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id:
     if allocation.status in TERMINAL_ALLOCATION:
         return None
     existing = session.exec(
-        select(Operation).where(Operation.resource_id == allocation.id, Operation.kind == "cancel_allocation")
+        select(Operation).where(col(Operation.resource_id) == allocation.id, col(Operation.kind) == "cancel_allocation")
     ).first()
     if existing is not None:
         return existing
@@ -198,7 +198,7 @@ def set_status(
     session: Session, allocation_id: str, status: AllocationStatus, *, failure_reason: str | None = None
 ) -> Allocation:
     """Move an allocation's status and settle the operations that were waiting for it."""
-    allocation = session.exec(select(Allocation).where(Allocation.id == allocation_id)).one()
+    allocation = session.exec(select(Allocation).where(col(Allocation.id) == allocation_id)).one()
     now = utcnow()
     if allocation.status in TERMINAL_ALLOCATION:
         return allocation
@@ -210,7 +210,9 @@ def set_status(
     allocation.updated_at = now
     session.add(allocation)
     running = session.exec(
-        select(Operation).where(Operation.resource_id == allocation_id, Operation.status == OperationStatus.RUNNING)
+        select(Operation).where(
+            col(Operation.resource_id) == allocation_id, col(Operation.status) == OperationStatus.RUNNING
+        )
     ).all()
     for op in running:
         outcome = _operation_outcome(op.kind, status, failure_reason)

@@ -15,7 +15,7 @@ import secrets
 from datetime import datetime, timedelta
 
 import sqlalchemy as sa
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.models.tables import ApiKey, utcnow
 
@@ -48,14 +48,16 @@ def is_valid(key: ApiKey, now: datetime) -> bool:
 
 
 def _get(session: Session, tenant_id: str, key_id: str) -> ApiKey:
-    key = session.exec(select(ApiKey).where(ApiKey.id == key_id, ApiKey.tenant_id == tenant_id)).first()
+    key = session.exec(select(ApiKey).where(col(ApiKey.id) == key_id, col(ApiKey.tenant_id) == tenant_id)).first()
     if key is None:
         raise KeyNotFound(key_id)
     return key
 
 
 def list_keys(session: Session, tenant_id: str) -> list[ApiKey]:
-    return list(session.exec(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at)).all())
+    return list(
+        session.exec(select(ApiKey).where(col(ApiKey.tenant_id) == tenant_id).order_by(col(ApiKey.created_at))).all()
+    )
 
 
 def rotate_key(
@@ -72,7 +74,7 @@ def rotate_key(
     session.flush()
     result = session.execute(
         sa.update(ApiKey)
-        .where(ApiKey.id == key_id, ApiKey.replaced_by.is_(None), ApiKey.revoked_at.is_(None))
+        .where(col(ApiKey.id) == key_id, col(ApiKey.replaced_by).is_(None), col(ApiKey.revoked_at).is_(None))
         .values(replaced_by=new.id, expires_at=now + grace)
     )
     if result.rowcount != 1:
@@ -85,7 +87,9 @@ def revoke_key(session: Session, tenant_id: str, key_id: str, *, now: datetime |
     """End the key now (idempotent: a revoked key keeps its first revocation time)."""
     key = _get(session, tenant_id, key_id)
     session.execute(
-        sa.update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=now or utcnow())
+        sa.update(ApiKey)
+        .where(col(ApiKey.id) == key_id, col(ApiKey.revoked_at).is_(None))
+        .values(revoked_at=now or utcnow())
     )
     session.refresh(key)
     return key
@@ -95,7 +99,7 @@ def revoke_all(session: Session, tenant_id: str, *, now: datetime | None = None)
     """End every key of the tenant now; how many were still unrevoked."""
     result = session.execute(
         sa.update(ApiKey)
-        .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
+        .where(col(ApiKey.tenant_id) == tenant_id, col(ApiKey.revoked_at).is_(None))
         .values(revoked_at=now or utcnow())
     )
     return result.rowcount

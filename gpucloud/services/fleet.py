@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import sqlalchemy as sa
-from sqlmodel import Session, func, select
+from sqlmodel import Session, col, func, select
 
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodeTransition, Operation, OperationStatus, utcnow
@@ -24,7 +24,9 @@ def apply_operator_action(session: Session, node: Node, action: str, *, actor: s
     the reconciler, and its operation completes when the node is quarantined."""
     now = utcnow()
     session.execute(
-        sa.update(Node).where(Node.id == node.id).values(**FLAG_ACTIONS[action], updated_at=now, next_reconcile_at=None)
+        sa.update(Node)
+        .where(col(Node.id) == node.id)
+        .values(**FLAG_ACTIONS[action], updated_at=now, next_reconcile_at=None)
     )
     session.add(
         NodeTransition(
@@ -51,9 +53,9 @@ def apply_operator_action(session: Session, node: Node, action: str, *, actor: s
 def complete_drains(session: Session, node_id: str) -> None:
     for op in session.exec(
         select(Operation).where(
-            Operation.resource_id == node_id,
-            Operation.kind == "node_drain",
-            Operation.status == OperationStatus.RUNNING,
+            col(Operation.resource_id) == node_id,
+            col(Operation.kind) == "node_drain",
+            col(Operation.status) == OperationStatus.RUNNING,
         )
     ).all():
         op.status, op.updated_at = OperationStatus.SUCCEEDED, utcnow()
@@ -65,7 +67,9 @@ def record_heartbeats(session: Session, beats: Iterable[dict]) -> list[str]:
     (an active node whose agent lost the tenant's workload: rebooted or wiped)."""
     beats = {b["node_id"]: b for b in beats}
     now = utcnow()
-    nodes = session.exec(select(Node.id, Node.state, Node.tenant_id).where(Node.id.in_(list(beats)))).all()
+    nodes = session.exec(
+        select(col(Node.id), col(Node.state), col(Node.tenant_id)).where(col(Node.id).in_(list(beats)))
+    ).all()
     drifted: list[str] = []
     for node_id, state, tenant_id in nodes:
         beat = beats[node_id]
@@ -76,7 +80,7 @@ def record_heartbeats(session: Session, beats: Iterable[dict]) -> list[str]:
             drifted.append(node_id)
         session.execute(
             sa.update(Node)
-            .where(Node.id == node_id)
+            .where(col(Node.id) == node_id)
             .values(
                 last_heartbeat_at=now,
                 drifted=is_drift,
@@ -93,12 +97,12 @@ def summary(session: Session) -> dict:
     total = session.exec(select(func.count()).select_from(Node)).one()
     return {
         "total": total,
-        "by_state": counts(Node.state),
-        "by_health": counts(Node.health),
-        "by_gpu_type": counts(Node.gpu_type),
-        "by_region": counts(Node.region),
-        "cordoned": session.exec(select(func.count()).select_from(Node).where(Node.cordoned == True)).one(),
+        "by_state": counts(col(Node.state)),
+        "by_health": counts(col(Node.health)),
+        "by_gpu_type": counts(col(Node.gpu_type)),
+        "by_region": counts(col(Node.region)),
+        "cordoned": session.exec(select(func.count()).select_from(Node).where(col(Node.cordoned) == True)).one(),
         "agent_unreachable": session.exec(
-            select(func.count()).select_from(Node).where(Node.agent_reachable == False)
+            select(func.count()).select_from(Node).where(col(Node.agent_reachable) == False)
         ).one(),
     }

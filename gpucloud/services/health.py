@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlmodel import Session, func, or_, select
+from sqlmodel import Session, col, func, or_, select
 
 from gpucloud.agent.readings import NodeReading, XidEvent
 from gpucloud.health.breaker import BreakerState, CircuitBreaker, OperatorAlert, Pull
@@ -85,10 +85,10 @@ def pool_of(node: Node) -> str:
 def cleared_at(session: Session, node_id: str) -> datetime | None:
     """When the node last passed burn-in: what came before is dealt with (lemon rule aside)."""
     return session.exec(
-        select(func.max(NodeTransition.at)).where(
-            NodeTransition.node_id == node_id,
-            NodeTransition.from_state == NodeState.BURN_IN.value,
-            NodeTransition.to_state == NodeState.AVAILABLE.value,
+        select(func.max(col(NodeTransition.at))).where(
+            col(NodeTransition.node_id) == node_id,
+            col(NodeTransition.from_state) == NodeState.BURN_IN.value,
+            col(NodeTransition.to_state) == NodeState.AVAILABLE.value,
         )
     ).one()
 
@@ -96,7 +96,7 @@ def cleared_at(session: Session, node_id: str) -> datetime | None:
 def judge(session: Session, node: Node, *, now: datetime, policy: HealthPolicy) -> HealthVerdict:
     rows = session.exec(
         select(XidEventRecord).where(
-            XidEventRecord.node_id == node.id, XidEventRecord.timestamp >= now - policy.lemon_window
+            col(XidEventRecord.node_id) == node.id, col(XidEventRecord.timestamp) >= now - policy.lemon_window
         )
     ).all()
     events = [
@@ -125,13 +125,13 @@ def judge(session: Session, node: Node, *, now: datetime, policy: HealthPolicy) 
 def stored_readings(session: Session, node_id: str, *, now: datetime, policy: HealthPolicy) -> list[NodeReading]:
     """The node's readings the rules look at: the trend window's, and fatal ones for the lemon rule."""
     rows = session.exec(
-        select(NodeReadingRecord.reading)
+        select(col(NodeReadingRecord.reading))
         .where(
-            NodeReadingRecord.node_id == node_id,
-            NodeReadingRecord.timestamp >= now - policy.lemon_window,
-            or_(NodeReadingRecord.fatal, NodeReadingRecord.timestamp >= now - policy.trend_window),
+            col(NodeReadingRecord.node_id) == node_id,
+            col(NodeReadingRecord.timestamp) >= now - policy.lemon_window,
+            or_(col(NodeReadingRecord.fatal), col(NodeReadingRecord.timestamp) >= now - policy.trend_window),
         )
-        .order_by(NodeReadingRecord.timestamp)
+        .order_by(col(NodeReadingRecord.timestamp))
     ).all()
     return [NodeReading.model_validate(r) for r in rows]
 
@@ -150,7 +150,7 @@ def ingest_xids(
     by_node: dict[str, list[XidEvent]] = {}
     for event in events:
         by_node.setdefault(event.node_id, []).append(event)
-    nodes = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(list(by_node)))).all()}
+    nodes = {n.id: n for n in session.exec(select(Node).where(col(Node.id).in_(list(by_node)))).all()}
     for node_id, node_events in by_node.items():
         node = nodes.get(node_id)
         if node is None:
@@ -191,7 +191,7 @@ def ingest_readings(
     by_node: dict[str, list[NodeReading]] = {}
     for reading in readings:
         by_node.setdefault(reading.node_id, []).append(reading)
-    nodes = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(list(by_node)))).all()}
+    nodes = {n.id: n for n in session.exec(select(Node).where(col(Node.id).in_(list(by_node)))).all()}
     unknown = [n for n in by_node if n not in nodes]
     if unknown:
         return [], unknown
@@ -209,9 +209,9 @@ def ingest_readings(
         # The trend rules look back `trend_window`; only fatal readings count for longer.
         session.execute(
             sa.delete(NodeReadingRecord).where(
-                NodeReadingRecord.node_id == node_id,
-                NodeReadingRecord.timestamp < now - policy.trend_window,
-                or_(~NodeReadingRecord.fatal, NodeReadingRecord.timestamp < now - policy.lemon_window),
+                col(NodeReadingRecord.node_id) == node_id,
+                col(NodeReadingRecord.timestamp) < now - policy.trend_window,
+                or_(~col(NodeReadingRecord.fatal), col(NodeReadingRecord.timestamp) < now - policy.lemon_window),
             )
         )
     session.flush()
@@ -238,7 +238,9 @@ def _judge_and_decide(
     conditions = kept + [c.model_dump(mode="json") for c in verdict.conditions]
     health = verdict.health.value if verdict.health != "ok" or not kept else node.health
     session.execute(
-        sa.update(Node).where(Node.id == node.id).values(health=health, health_conditions=conditions, updated_at=now)
+        sa.update(Node)
+        .where(col(Node.id) == node.id)
+        .values(health=health, health_conditions=conditions, updated_at=now)
     )
     outcome = HealthOutcome(node_id=node.id, verdict=verdict)
     replace = node.state in _REPLACEABLE and node.allocation_id is not None
@@ -255,7 +257,7 @@ def _judge_and_decide(
     # Pulled first: cordoned in the judgement's own transaction, before any workflow acts, so
     # nothing schedules onto the node from here on. A passed burn-in lifts a health cordon.
     if not node.cordoned:
-        session.execute(sa.update(Node).where(Node.id == node.id).values(cordoned=True))
+        session.execute(sa.update(Node).where(col(Node.id) == node.id).values(cordoned=True))
         session.add(
             NodeTransition(
                 node_id=node.id,
@@ -276,7 +278,9 @@ def _judge_and_decide(
         )
     else:
         # Intent for the reconciler, as an operator's drain records it (the cordon is above).
-        session.execute(sa.update(Node).where(Node.id == node.id).values(drain_requested=True, next_reconcile_at=None))
+        session.execute(
+            sa.update(Node).where(col(Node.id) == node.id).values(drain_requested=True, next_reconcile_at=None)
+        )
         session.add(
             NodeTransition(
                 node_id=node.id,
@@ -307,15 +311,23 @@ def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: Break
     pool = pool_of(node)
     _ensure_breaker_row(session, pool)
     for _ in range(BREAKER_CAS_ATTEMPTS):
-        generation = session.exec(select(QuarantineBreaker.generation).where(QuarantineBreaker.pool == pool)).one()
+        generation = session.exec(
+            select(col(QuarantineBreaker.generation)).where(col(QuarantineBreaker.pool) == pool)
+        ).one()
         rows = session.exec(
-            select(QuarantinePull).where(QuarantinePull.pool == pool, QuarantinePull.at > now - settings.window)
+            select(QuarantinePull).where(
+                col(QuarantinePull.pool) == pool, col(QuarantinePull.at) > now - settings.window
+            )
         ).all()
         state = BreakerState(pulls={pool: [Pull(node_id=r.node_id, at=r.at) for r in rows]})
         pool_size = session.exec(
             select(func.count())
             .select_from(Node)
-            .where(Node.gpu_type == node.gpu_type, Node.region == node.region, Node.state != NodeState.RETIRED.value)
+            .where(
+                col(Node.gpu_type) == node.gpu_type,
+                col(Node.region) == node.region,
+                col(Node.state) != NodeState.RETIRED.value,
+            )
         ).one()
         decision = CircuitBreaker(
             max_pulled_share=settings.max_pulled_share, window=settings.window, state=state
@@ -327,8 +339,8 @@ def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: Break
         swapped = session.execute(
             sa.update(QuarantineBreaker)
             .where(
-                QuarantineBreaker.pool == pool,
-                QuarantineBreaker.generation == generation,
+                col(QuarantineBreaker.pool) == pool,
+                col(QuarantineBreaker.generation) == generation,
             )
             .values(generation=generation + 1)
         )
@@ -353,10 +365,10 @@ def _record_alert(
 ) -> str:
     """One alert per node and window; the reason is the breaker's."""
     already = session.exec(
-        select(OperatorAlertRecord.seq).where(
-            OperatorAlertRecord.node_id == node.id,
-            OperatorAlertRecord.kind == "circuit_breaker",
-            OperatorAlertRecord.at > now - settings.window,
+        select(col(OperatorAlertRecord.seq)).where(
+            col(OperatorAlertRecord.node_id) == node.id,
+            col(OperatorAlertRecord.kind) == "circuit_breaker",
+            col(OperatorAlertRecord.at) > now - settings.window,
         )
     ).first()
     if already is None:
@@ -385,10 +397,10 @@ def repair_plan(
         return RepairStep(None, f"{worst.name}: {worst.reason}")
     episode_start = (
         session.exec(
-            select(func.max(NodeTransition.seq)).where(
-                NodeTransition.node_id == node_id,
-                NodeTransition.to_state == NodeState.QUARANTINED.value,
-                NodeTransition.from_state != NodeState.BURN_IN.value,
+            select(func.max(col(NodeTransition.seq))).where(
+                col(NodeTransition.node_id) == node_id,
+                col(NodeTransition.to_state) == NodeState.QUARANTINED.value,
+                col(NodeTransition.from_state) != NodeState.BURN_IN.value,
             )
         ).one()
         or 0
@@ -397,9 +409,9 @@ def repair_plan(
         select(func.count())
         .select_from(NodeTransition)
         .where(
-            NodeTransition.node_id == node_id,
-            NodeTransition.seq > episode_start,
-            NodeTransition.event == NodeEvent.REPAIR.value,
+            col(NodeTransition.node_id) == node_id,
+            col(NodeTransition.seq) > episode_start,
+            col(NodeTransition.event) == NodeEvent.REPAIR.value,
         )
     ).one()
     rung = max(repairs - 1, 0)

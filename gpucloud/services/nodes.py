@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 import sqlalchemy as sa
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.models.messages import NodeTransitionInput
 from gpucloud.models.node_states import (
@@ -38,12 +38,12 @@ class StaleNode(RuntimeError):
 def enroll_nodes(session: Session, nodes: Iterable[NodeEnroll]) -> tuple[list[str], list[str]]:
     """Create the records the fleet registers; known nodes keep their state. Returns (new, known)."""
     wanted = {n.id: n for n in nodes}
-    known = set(session.exec(select(Node.id).where(Node.id.in_(list(wanted)))).all()) if wanted else set()
+    known = set(session.exec(select(col(Node.id)).where(col(Node.id).in_(list(wanted)))).all()) if wanted else set()
     now = utcnow()
     for node_id, spec in wanted.items():
         if node_id in known:
             # A re-registering agent may have moved (new URL); its state is ours to keep.
-            session.execute(sa.update(Node).where(Node.id == node_id).values(agent_url=spec.agent_url))
+            session.execute(sa.update(Node).where(col(Node.id) == node_id).values(agent_url=spec.agent_url))
             continue
         session.add(Node(**spec.model_dump(), state_entered_at=now, created_at=now, updated_at=now))
     return [i for i in wanted if i not in known], [i for i in wanted if i in known]
@@ -71,13 +71,13 @@ def lease_for_bringup(
         session.execute(
             sa.update(Node)
             .where(
-                Node.id.in_(node_ids),
-                Node.state.in_(BRINGUP_STATES),
-                Node.allocation_id.is_(None),
-                sa.or_(Node.next_reconcile_at.is_(None), Node.next_reconcile_at <= now),
+                col(Node.id).in_(node_ids),
+                col(Node.state).in_(BRINGUP_STATES),
+                col(Node.allocation_id).is_(None),
+                sa.or_(col(Node.next_reconcile_at).is_(None), col(Node.next_reconcile_at) <= now),
             )
             .values(next_reconcile_at=until)
-            .returning(Node.id)
+            .returning(col(Node.id))
             .execution_options(synchronize_session=False)
         )
         .scalars()
@@ -94,9 +94,9 @@ def release_bringup_holds(
     now = now or utcnow()
     nodes = session.exec(
         select(Node).where(
-            Node.id.in_(node_ids),
-            Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
-            Node.allocation_id.is_(None),
+            col(Node.id).in_(node_ids),
+            col(Node.state).in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
+            col(Node.allocation_id).is_(None),
         )
     ).all()
     for node in nodes:
@@ -113,9 +113,9 @@ def held_for_bringup(session: Session, now: datetime | None = None) -> int:
         select(sa.func.count())
         .select_from(Node)
         .where(
-            Node.state.in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
-            Node.allocation_id.is_(None),
-            Node.next_reconcile_at > now,
+            col(Node.state).in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
+            col(Node.allocation_id).is_(None),
+            col(Node.next_reconcile_at) > now,
         )
     ).one()
 
@@ -157,7 +157,7 @@ def transition(
         **changes,
     }
     result = session.execute(
-        sa.update(Node).where(Node.id == node_id, Node.generation == node.generation).values(**values)
+        sa.update(Node).where(col(Node.id) == node_id, col(Node.generation) == node.generation).values(**values)
     )
     if result.rowcount != 1:
         raise StaleNode(f"node {node_id} changed under us (generation {node.generation})")
@@ -189,17 +189,17 @@ def _lift_health_cordon(session: Session, node_id: str, *, generation: int, now:
     last = session.exec(
         select(NodeTransition)
         .where(
-            NodeTransition.node_id == node_id,
-            NodeTransition.event.in_(["cordon", "uncordon", "drain"]),
+            col(NodeTransition.node_id) == node_id,
+            col(NodeTransition.event).in_(["cordon", "uncordon", "drain"]),
             # marks (operator or health), not the drain operation's own state changes
-            NodeTransition.from_state == NodeTransition.to_state,
+            col(NodeTransition.from_state) == col(NodeTransition.to_state),
         )
-        .order_by(NodeTransition.seq.desc())
+        .order_by(col(NodeTransition.seq).desc())
         .limit(1)
     ).first()
     if last is None or last.event == "uncordon" or last.actor != "health":
         return
-    session.execute(sa.update(Node).where(Node.id == node_id).values(cordoned=False))
+    session.execute(sa.update(Node).where(col(Node.id) == node_id).values(cordoned=False))
     session.add(
         NodeTransition(
             node_id=node_id,
@@ -233,7 +233,7 @@ def transition_many(
     """
     now = now or utcnow()
     ids = list(dict.fromkeys(s.node_id for s in steps))
-    nodes = {n.id: n for n in session.exec(select(Node).where(Node.id.in_(ids)).with_for_update()).all()}
+    nodes = {n.id: n for n in session.exec(select(Node).where(col(Node.id).in_(ids)).with_for_update()).all()}
     seen: dict[str, tuple[str, int]] = {i: (n.state, n.generation) for i, n in nodes.items()}
     outcomes: list[tuple[str, str | None, str | None]] = []
     updates: dict[tuple[str, ...], list[dict]] = {}
@@ -334,6 +334,9 @@ def _implied_changes(from_state: NodeState, event: NodeEvent, to_state: NodeStat
 
 def _last_transition_is(session: Session, node_id: str, op_id: str, event: str) -> bool:
     last = session.exec(
-        select(NodeTransition).where(NodeTransition.node_id == node_id).order_by(NodeTransition.seq.desc()).limit(1)
+        select(NodeTransition)
+        .where(col(NodeTransition.node_id) == node_id)
+        .order_by(col(NodeTransition.seq).desc())
+        .limit(1)
     ).first()
     return last is not None and last.op_id == op_id and last.event == event

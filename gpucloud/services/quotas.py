@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.models.tables import (
@@ -71,14 +71,14 @@ def effective_limit(rows: list[TenantQuotaBase], *, gpu_type: str, region: str, 
 
 def _live(query, tenant_id: str):
     return query.where(
-        Allocation.tenant_id == tenant_id, Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION])
+        col(Allocation.tenant_id) == tenant_id, col(Allocation.status).not_in([s.value for s in TERMINAL_ALLOCATION])
     )
 
 
 def usage_gpus(session: Session, tenant_id: str, *, gpu_type: str, region: str) -> int:
     nodes = session.exec(
-        _live(select(sa.func.coalesce(sa.func.sum(Allocation.node_count), 0)), tenant_id).where(
-            Allocation.gpu_type == gpu_type, Allocation.region == region
+        _live(select(sa.func.coalesce(sa.func.sum(col(Allocation.node_count)), 0)), tenant_id).where(
+            col(Allocation.gpu_type) == gpu_type, col(Allocation.region) == region
         )
     ).one()
     return int(nodes) * GPU_TYPES.get(gpu_type, 0)
@@ -88,8 +88,8 @@ def quota_rows(session: Session, tenant_id: str) -> list[TenantQuota]:
     return list(
         session.exec(
             select(TenantQuota)
-            .where(TenantQuota.tenant_id == tenant_id)
-            .order_by(TenantQuota.gpu_type, TenantQuota.region)
+            .where(col(TenantQuota.tenant_id) == tenant_id)
+            .order_by(col(TenantQuota.gpu_type), col(TenantQuota.region))
         ).all()
     )
 
@@ -97,7 +97,7 @@ def quota_rows(session: Session, tenant_id: str) -> list[TenantQuota]:
 def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_count: int, default_gpus: int) -> None:
     """Raise unless the tenant is active and `node_count` more nodes fit its quota. Call inside
     the transaction that creates the allocation: the row lock it takes lasts until the commit."""
-    status = session.exec(select(Tenant.status).where(Tenant.id == tenant_id).with_for_update()).first()
+    status = session.exec(select(col(Tenant.status)).where(col(Tenant.id) == tenant_id).with_for_update()).first()
     if status != TenantStatus.ACTIVE:
         raise TenantNotActive(tenant_id, status)
     limit = effective_limit(quota_rows(session, tenant_id), gpu_type=gpu_type, region=region, default_gpus=default_gpus)
@@ -110,7 +110,7 @@ def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_
 def replace_quotas(session: Session, tenant_id: str, quotas: list[TenantQuotaBase]) -> list[TenantQuota]:
     """The tenant's quotas become exactly `quotas` (lowering one below usage blocks new
     allocations only; nothing running is taken away)."""
-    session.execute(sa.delete(TenantQuota).where(TenantQuota.tenant_id == tenant_id))
+    session.execute(sa.delete(TenantQuota).where(col(TenantQuota.tenant_id) == tenant_id))
     rows = [TenantQuota(tenant_id=tenant_id, gpu_type=q.gpu_type, region=q.region, max_gpus=q.max_gpus) for q in quotas]
     session.add_all(rows)
     session.flush()
@@ -128,7 +128,9 @@ class Usage:
 def usage_report(session: Session, tenant_id: str, *, default_gpus: int) -> list[Usage]:
     """Each type and region the tenant holds GPUs in, with the limit that applies there."""
     held: dict[tuple[str, str], int] = defaultdict(int)
-    rows = session.exec(_live(select(Allocation.gpu_type, Allocation.region, Allocation.node_count), tenant_id)).all()
+    rows = session.exec(
+        _live(select(col(Allocation.gpu_type), col(Allocation.region), col(Allocation.node_count)), tenant_id)
+    ).all()
     for gpu_type, region, nodes in rows:
         held[(gpu_type, region)] += nodes * GPU_TYPES.get(gpu_type, 0)
     quotas = quota_rows(session, tenant_id)

@@ -7,7 +7,7 @@ retried activity changes nothing twice). The tenant's view of it is the allocati
 
 from __future__ import annotations
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.models.health_tables import AllocationEvent
 from gpucloud.models.node_states import NodeState
@@ -23,7 +23,7 @@ RESERVE_ATTEMPTS = 5
 
 
 def _allocation(session: Session, allocation_id: str) -> Allocation:
-    return session.exec(select(Allocation).where(Allocation.id == allocation_id)).one()
+    return session.exec(select(Allocation).where(col(Allocation.id) == allocation_id)).one()
 
 
 def record_event(
@@ -74,10 +74,10 @@ def reserve_replacement(
     """
     allocation = _allocation(session, allocation_id)
     pending = session.exec(
-        select(Node.id).where(
-            Node.allocation_id == allocation_id,
-            Node.state.in_([NodeState.RESERVED.value, NodeState.PROVISIONING.value]),
-            Node.id.not_in(allocation.node_ids),
+        select(col(Node.id)).where(
+            col(Node.allocation_id) == allocation_id,
+            col(Node.state).in_([NodeState.RESERVED.value, NodeState.PROVISIONING.value]),
+            col(Node.id).not_in(allocation.node_ids),
         )
     ).first()
     if pending is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import sqlalchemy as sa
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.fabric.interface import MAX_VNI, MIN_VNI
 from gpucloud.models.node_states import NodeState
@@ -72,7 +72,7 @@ def offboarding_workflow_id(tenant_id: str) -> str:
 
 
 def get(session: Session, tenant_id: str) -> Tenant:
-    tenant = session.exec(select(Tenant).where(Tenant.id == tenant_id)).first()
+    tenant = session.exec(select(Tenant).where(col(Tenant.id) == tenant_id)).first()
     if tenant is None:
         raise TenantNotFound(tenant_id)
     return tenant
@@ -81,7 +81,7 @@ def get(session: Session, tenant_id: str) -> Tenant:
 def create(session: Session, *, name: str, quotas: list[TenantQuotaBase]) -> tuple[Tenant, Operation, ApiKey, str]:
     """The tenant (`onboarding`), its quotas, first key and onboarding operation; the key's
     plaintext is returned once. Raises `TenantExists` when the name is taken (ever)."""
-    if session.exec(select(Tenant.id).where(Tenant.name == name)).first() is not None:
+    if session.exec(select(col(Tenant.id)).where(col(Tenant.name) == name)).first() is not None:
         raise TenantExists(name)
     tenant = Tenant(name=name, status=TenantStatus.ONBOARDING)
     session.add(tenant)
@@ -105,10 +105,10 @@ def discard(session: Session, tenant_id: str) -> None:
     """Onboarding never started (the workflow engine refused it): remove every row `create`
     wrote, so the name is free again and nothing half-made is left."""
     for table, column in (
-        (ApiKey, ApiKey.tenant_id),
-        (TenantQuota, TenantQuota.tenant_id),
-        (Operation, Operation.tenant_id),
-        (Tenant, Tenant.id),
+        (ApiKey, col(ApiKey.tenant_id)),
+        (TenantQuota, col(TenantQuota.tenant_id)),
+        (Operation, col(Operation.tenant_id)),
+        (Tenant, col(Tenant.id)),
     ):
         session.execute(sa.delete(table).where(column == tenant_id))
 
@@ -123,7 +123,7 @@ def move(
     allowed = [s.value for s in source]
     values = {"status": target.value, "updated_at": utcnow(), **({"failure_reason": reason} if reason else {})}
     result = session.execute(
-        sa.update(Tenant).where(Tenant.id == tenant_id, Tenant.status.in_(allowed)).values(**values)
+        sa.update(Tenant).where(col(Tenant.id) == tenant_id, col(Tenant.status).in_(allowed)).values(**values)
     )
     session.refresh(tenant)
     if result.rowcount != 1 and tenant.status != target:
@@ -132,7 +132,7 @@ def move(
 
 
 def settle_operation(session: Session, operation_id: str, *, error: str | None) -> None:
-    op = session.exec(select(Operation).where(Operation.id == operation_id)).first()
+    op = session.exec(select(Operation).where(col(Operation.id) == operation_id)).first()
     if op is None or op.status != OperationStatus.RUNNING:
         return
     op.status = OperationStatus.FAILED if error else OperationStatus.SUCCEEDED
@@ -144,11 +144,11 @@ def settle_operation(session: Session, operation_id: str, *, error: str | None) 
 def begin_offboarding(session: Session, tenant_id: str) -> tuple[Tenant, Operation, bool]:
     """Move the tenant to `offboarding` (under its row lock, which allocation admission takes
     too) and return its delete operation; the flag says whether it was created just now."""
-    tenant = session.exec(select(Tenant).where(Tenant.id == tenant_id).with_for_update()).first()
+    tenant = session.exec(select(Tenant).where(col(Tenant.id) == tenant_id).with_for_update()).first()
     if tenant is None:
         raise TenantNotFound(tenant_id)
     existing = session.exec(
-        select(Operation).where(Operation.resource_id == tenant_id, Operation.kind == DELETE_OPERATION)
+        select(Operation).where(col(Operation.resource_id) == tenant_id, col(Operation.kind) == DELETE_OPERATION)
     ).first()
     if existing is not None:
         return tenant, existing, False
@@ -169,7 +169,7 @@ def begin_offboarding(session: Session, tenant_id: str) -> tuple[Tenant, Operati
 
 
 def record_vni(session: Session, tenant_id: str, vni: int | None) -> None:
-    session.execute(sa.update(Tenant).where(Tenant.id == tenant_id).values(vni=vni, updated_at=utcnow()))
+    session.execute(sa.update(Tenant).where(col(Tenant.id) == tenant_id).values(vni=vni, updated_at=utcnow()))
 
 
 def allocate_db_vni(session: Session, tenant_id: str) -> int:
@@ -179,16 +179,16 @@ def allocate_db_vni(session: Session, tenant_id: str) -> int:
         tenant = get(session, tenant_id)
         if tenant.vni is not None:
             return tenant.vni
-        highest = session.exec(select(sa.func.max(Tenant.vni))).one()
+        highest = session.exec(select(sa.func.max(col(Tenant.vni)))).one()
         candidate = MIN_VNI if highest is None else highest + 1
         if candidate > MAX_VNI:
-            taken = set(session.exec(select(Tenant.vni).where(Tenant.vni.is_not(None))).all())
+            taken = set(session.exec(select(col(Tenant.vni)).where(col(Tenant.vni).is_not(None))).all())
             candidate = next(v for v in range(MIN_VNI, MAX_VNI + 1) if v not in taken)
         try:
             with session.begin_nested():
                 session.execute(
                     sa.update(Tenant)
-                    .where(Tenant.id == tenant_id, Tenant.vni.is_(None))
+                    .where(col(Tenant.id) == tenant_id, col(Tenant.vni).is_(None))
                     .values(vni=candidate, updated_at=utcnow())
                 )
         except sa.exc.IntegrityError:
@@ -201,7 +201,8 @@ def live_allocations(session: Session, tenant_id: str) -> list[Allocation]:
     return list(
         session.exec(
             select(Allocation).where(
-                Allocation.tenant_id == tenant_id, Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION])
+                col(Allocation.tenant_id) == tenant_id,
+                col(Allocation.status).not_in([s.value for s in TERMINAL_ALLOCATION]),
             )
         ).all()
     )
@@ -211,7 +212,7 @@ def release_progress(session: Session, tenant_id: str) -> tuple[int, int, int]:
     """(live allocations, nodes with the tenant's data on their way to a wipe, nodes with its
     data parked until a repair wipes them)."""
     open_allocations = len(live_allocations(session, tenant_id))
-    states = session.exec(select(Node.state).where(Node.tenant_id == tenant_id)).all()
+    states = session.exec(select(col(Node.state)).where(col(Node.tenant_id) == tenant_id)).all()
     in_flight = sum(1 for s in states if s in {x.value for x in IN_FLIGHT})
     parked = sum(1 for s in states if s in {x.value for x in PARKED})
     return open_allocations, in_flight, parked

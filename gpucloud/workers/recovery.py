@@ -7,7 +7,7 @@ conflict policy makes this idempotent: a workflow that is running is left alone.
 
 from __future__ import annotations
 
-from sqlmodel import select
+from sqlmodel import col, select
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
@@ -28,15 +28,15 @@ from gpucloud.services.workflows import (
 async def resume_orphans(client: Client, db: Database, settings: Settings) -> dict[str, int]:
     with db.session() as session:
         allocations = session.exec(
-            select(Allocation).where(Allocation.status.not_in([s.value for s in TERMINAL_ALLOCATION]))
+            select(Allocation).where(col(Allocation.status).not_in([s.value for s in TERMINAL_ALLOCATION]))
         ).all()
-        enrolled = list(session.exec(select(Node.id).where(Node.state == NodeState.ENROLLED)).all())
+        enrolled = list(session.exec(select(col(Node.id)).where(col(Node.state) == NodeState.ENROLLED)).all())
         # Nodes a live batch holds are skipped; a hold whose batch was lost runs out on its own.
         enrolled = lease_for_bringup(session, enrolled, deadline_scale=settings.reconciler.deadline_scale)
         tenant_ops = session.exec(
-            select(Operation.resource_id, Operation.id, Operation.kind).where(
-                Operation.kind.in_([tenant_service.CREATE_OPERATION, tenant_service.DELETE_OPERATION]),
-                Operation.status == OperationStatus.RUNNING,
+            select(col(Operation.resource_id), col(Operation.id), col(Operation.kind)).where(
+                col(Operation.kind).in_([tenant_service.CREATE_OPERATION, tenant_service.DELETE_OPERATION]),
+                col(Operation.status) == OperationStatus.RUNNING,
             )
         ).all()
     for alloc in allocations:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
@@ -114,9 +114,9 @@ def _op_public(op: Operation | None) -> OperationPublic | None:
 
 
 def _visible(session: Session, caller: Caller, allocation_id: str) -> Allocation:
-    query = select(Allocation).where(Allocation.id == allocation_id)
+    query = select(Allocation).where(col(Allocation.id) == allocation_id)
     if not caller.is_operator:
-        query = query.where(Allocation.tenant_id == caller.tenant_id)
+        query = query.where(col(Allocation.tenant_id) == caller.tenant_id)
     alloc = session.exec(query).first()
     if alloc is None:
         raise not_found("allocation", allocation_id)
@@ -127,8 +127,8 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
     for _ in range(RESERVE_ATTEMPTS):
         try:
             with session_scope(settings.database_url) as session:
-                if session.exec(select(Node.id).where(Node.region == req.region).limit(1)).first() is None:
-                    regions = sorted(set(session.exec(select(Node.region)).all()))
+                if session.exec(select(col(Node.id)).where(col(Node.region) == req.region).limit(1)).first() is None:
+                    regions = sorted(set(session.exec(select(col(Node.region))).all()))
                     raise Problem(
                         422,
                         "invalid-request",
@@ -267,13 +267,13 @@ def list_allocations(
     scope = caller.tenant_id if not caller.is_operator else tenant_id
     filters = {"tenant": scope, "status": status}
     cursor = pagination.decode(page_token, filters)
-    query = select(Allocation).order_by(Allocation.seq).limit(page_size + 1)
+    query = select(Allocation).order_by(col(Allocation.seq)).limit(page_size + 1)
     if scope is not None:
-        query = query.where(Allocation.tenant_id == scope)
+        query = query.where(col(Allocation.tenant_id) == scope)
     if status is not None:
-        query = query.where(Allocation.status == status)
+        query = query.where(col(Allocation.status) == status)
     if cursor.after is not None:
-        query = query.where(Allocation.seq > cursor.after)
+        query = query.where(col(Allocation.seq) > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, filters)
     return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
 
@@ -296,12 +296,12 @@ def allocation_events(
     filters = {"allocation": alloc.id}
     cursor = pagination.decode(page_token, filters)
     query = select(AllocationEvent).where(
-        AllocationEvent.allocation_id == alloc.id, AllocationEvent.tenant_id == alloc.tenant_id
+        col(AllocationEvent.allocation_id) == alloc.id, col(AllocationEvent.tenant_id) == alloc.tenant_id
     )
     if cursor.after is not None:
-        query = query.where(AllocationEvent.seq > cursor.after)
+        query = query.where(col(AllocationEvent.seq) > cursor.after)
     rows, token = pagination.page(
-        list(session.exec(query.order_by(AllocationEvent.seq).limit(page_size + 1)).all()),
+        list(session.exec(query.order_by(col(AllocationEvent.seq)).limit(page_size + 1)).all()),
         page_size,
         lambda e: e.seq,
         filters,

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlmodel import select
+from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SettingsDep, TenantDep
@@ -64,7 +64,7 @@ def _scope(caller: Caller, tenant_id: str) -> str:
 
 
 def _issuing_tenant(session, tenant_id: str) -> None:
-    status = session.exec(select(Tenant.status).where(Tenant.id == tenant_id).with_for_update()).first()
+    status = session.exec(select(col(Tenant.status)).where(col(Tenant.id) == tenant_id).with_for_update()).first()
     if status is None:
         raise not_found("tenant", tenant_id)
     if status not in ISSUING:
@@ -114,7 +114,7 @@ def _revoke(settings: Settings, tenant_id: str, key_id: str) -> ApiKeyPublic:
 
 def _list(settings: Settings, tenant_id: str) -> ApiKeyList:
     with session_scope(settings.database_url) as session:
-        if session.exec(select(Tenant.id).where(Tenant.id == tenant_id)).first() is None:
+        if session.exec(select(col(Tenant.id)).where(col(Tenant.id) == tenant_id)).first() is None:
             raise not_found("tenant", tenant_id)
         return ApiKeyList(
             items=[

@@ -18,7 +18,7 @@ from typing import Annotated, TypeVar
 from fastapi import APIRouter, Query, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, LedgerDep, OperatorDep, SessionDep
@@ -91,7 +91,9 @@ def _tenant(caller: Caller, tenant_id: str | None) -> str:
 
 
 def _owns_allocation(session: Session, tenant_id: str, allocation_id: str) -> bool:
-    query = select(Allocation.id).where(Allocation.id == allocation_id, Allocation.tenant_id == tenant_id)
+    query = select(col(Allocation.id)).where(
+        col(Allocation.id) == allocation_id, col(Allocation.tenant_id) == tenant_id
+    )
     return session.exec(query).first() is not None
 
 

@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
-from sqlmodel import select
+from sqlmodel import col, select
 from temporalio.service import RPCError
 
 from gpucloud.agent.readings import NodeReading, XidEvent, utc_now
@@ -226,12 +226,15 @@ def node_health(
     if node is None:
         raise not_found("node", node_id)
     rows = session.exec(
-        select(XidEventRecord).where(XidEventRecord.node_id == node_id).order_by(XidEventRecord.seq.desc()).limit(limit)
+        select(XidEventRecord)
+        .where(col(XidEventRecord.node_id) == node_id)
+        .order_by(col(XidEventRecord.seq).desc())
+        .limit(limit)
     ).all()
     readings = session.exec(
-        select(NodeReadingRecord.reading)
-        .where(NodeReadingRecord.node_id == node_id)
-        .order_by(NodeReadingRecord.timestamp.desc())
+        select(col(NodeReadingRecord.reading))
+        .where(col(NodeReadingRecord.node_id) == node_id)
+        .order_by(col(NodeReadingRecord.timestamp).desc())
         .limit(reading_limit)
     ).all()
     return NodeHealth(
@@ -257,9 +260,9 @@ def list_alerts(
     page_token: str | None = None,
 ):
     cursor = pagination.decode(page_token, {})
-    query = select(OperatorAlertRecord).order_by(OperatorAlertRecord.seq).limit(page_size + 1)
+    query = select(OperatorAlertRecord).order_by(col(OperatorAlertRecord.seq)).limit(page_size + 1)
     if cursor.after is not None:
-        query = query.where(OperatorAlertRecord.seq > cursor.after)
+        query = query.where(col(OperatorAlertRecord.seq) > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, {})
     return AlertPage(
         items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows], next_page_token=token

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlmodel import select
+from sqlmodel import col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
@@ -79,15 +79,15 @@ def list_nodes(
 ):
     filters = {"state": state, "gpu_type": gpu_type, "region": region}
     cursor = pagination.decode(page_token, filters)
-    query = select(Node).order_by(Node.id).limit(page_size + 1)
+    query = select(Node).order_by(col(Node.id)).limit(page_size + 1)
     if state is not None:
-        query = query.where(Node.state == state)
+        query = query.where(col(Node.state) == state)
     if gpu_type is not None:
-        query = query.where(Node.gpu_type == gpu_type)
+        query = query.where(col(Node.gpu_type) == gpu_type)
     if region is not None:
-        query = query.where(Node.region == region)
+        query = query.where(col(Node.region) == region)
     if cursor.after is not None:
-        query = query.where(Node.id > cursor.after)
+        query = query.where(col(Node.id) > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda n: n.id, filters)
     return NodePage(items=[NodePublic.model_validate(n, from_attributes=True) for n in rows], next_page_token=token)
 
@@ -212,9 +212,9 @@ def node_events(
         raise not_found("node", node_id)
     filters = {"node": node_id}
     cursor = pagination.decode(page_token, filters)
-    query = select(NodeTransition).where(NodeTransition.node_id == node_id).order_by(NodeTransition.seq)
+    query = select(NodeTransition).where(col(NodeTransition.node_id) == node_id).order_by(col(NodeTransition.seq))
     if cursor.after is not None:
-        query = query.where(NodeTransition.seq > cursor.after)
+        query = query.where(col(NodeTransition.seq) > cursor.after)
     rows, token = pagination.page(
         list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda e: e.seq, filters
     )

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlmodel import select
+from sqlmodel import col, select
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -69,8 +69,8 @@ def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[Ro
     """The explicit nodes as targets (each one the tenant's), after checking the version exists."""
     with session_scope(settings.database_url) as session:
         version = session.exec(
-            select(ModelVersion.digest).where(
-                ModelVersion.tenant_id == tenant_id, ModelVersion.digest == req.model_version
+            select(col(ModelVersion.digest)).where(
+                col(ModelVersion.tenant_id) == tenant_id, col(ModelVersion.digest) == req.model_version
             )
         ).first()
         if version is None:
@@ -79,7 +79,9 @@ def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[Ro
             return None
         nodes = {
             n.id: n
-            for n in session.exec(select(Node).where(Node.id.in_(req.node_ids), Node.tenant_id == tenant_id)).all()
+            for n in session.exec(
+                select(Node).where(col(Node.id).in_(req.node_ids), col(Node.tenant_id) == tenant_id)
+            ).all()
         }  # type: ignore[attr-defined]
     if unknown := [n for n in req.node_ids if n not in nodes]:
         raise _invalid(f"node_ids: not nodes of this tenant: {', '.join(unknown[:10])}")

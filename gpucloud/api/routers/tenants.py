@@ -22,7 +22,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 from temporalio.service import RPCError
 
 from gpucloud.api import pagination
@@ -152,7 +152,7 @@ def visible_tenant(session: Session, caller: Caller, tenant_id: str) -> Tenant:
     """The tenant, if the caller may see it: operators all, a tenant only itself (else 404)."""
     if not caller.is_operator and caller.tenant_id != tenant_id:
         raise not_found("tenant", tenant_id)
-    tenant = session.exec(select(Tenant).where(Tenant.id == tenant_id)).first()
+    tenant = session.exec(select(Tenant).where(col(Tenant.id) == tenant_id)).first()
     if tenant is None:
         raise not_found("tenant", tenant_id)
     return tenant
@@ -249,11 +249,11 @@ def list_tenants(
 ):
     filters = {"status": status}
     cursor = pagination.decode(page_token, filters)
-    query = select(Tenant).order_by(Tenant.seq).limit(page_size + 1)
+    query = select(Tenant).order_by(col(Tenant.seq)).limit(page_size + 1)
     if status is not None:
-        query = query.where(Tenant.status == status)
+        query = query.where(col(Tenant.status) == status)
     if cursor.after is not None:
-        query = query.where(Tenant.seq > cursor.after)
+        query = query.where(col(Tenant.seq) > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda t: t.seq, filters)
     return TenantPage(items=[_public(t) for t in rows], next_page_token=token)
 
@@ -333,7 +333,7 @@ def get_quotas(tenant_id: str, caller: CallerDep, session: SessionDep, settings:
 def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaRequest]) -> QuotaReport:
     with session_scope(settings.database_url) as session:
         # The row lock that allocation admission takes: a change lands between two admissions.
-        if session.exec(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()).first() is None:
+        if session.exec(select(col(Tenant.id)).where(col(Tenant.id) == tenant_id).with_for_update()).first() is None:
             raise not_found("tenant", tenant_id)
         quota_service.replace_quotas(session, tenant_id, [TenantQuotaBase(**q.model_dump()) for q in quotas])
         return _report(session, settings, tenant_id)

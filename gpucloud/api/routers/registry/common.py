@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.api.idempotency import run_idempotent
 from gpucloud.config import Settings
@@ -57,7 +57,7 @@ def invalid(field: str, message: str, type_: str = "invalid-request") -> Problem
 
 
 def model_row(session: Session, tenant_id: str, name: str, *, for_update: bool = False) -> RegistryModel:
-    query = select(RegistryModel).where(RegistryModel.tenant_id == tenant_id, RegistryModel.name == name)
+    query = select(RegistryModel).where(col(RegistryModel.tenant_id) == tenant_id, col(RegistryModel.name) == name)
     model = session.exec(query.with_for_update() if for_update else query).first()
     if model is None:
         raise not_found("model", name)
@@ -65,16 +65,18 @@ def model_row(session: Session, tenant_id: str, name: str, *, for_update: bool =
 
 
 def resolve_version(session: Session, model: RegistryModel, ref: str, *, field: str = "version") -> ModelVersion:
-    query = select(ModelVersion).where(ModelVersion.model_id == model.id)
+    query = select(ModelVersion).where(col(ModelVersion.model_id) == model.id)
     if ref in {a.value for a in AliasName}:
-        alias = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id, ModelAlias.name == ref)).first()
+        alias = session.exec(
+            select(ModelAlias).where(col(ModelAlias.model_id) == model.id, col(ModelAlias.name) == ref)
+        ).first()
         if alias is None:
             raise not_found("alias", f"{model.name}@{ref}")
-        query = query.where(ModelVersion.digest == alias.version)
+        query = query.where(col(ModelVersion.digest) == alias.version)
     elif is_digest(ref):
-        query = query.where(ModelVersion.digest == ref)
+        query = query.where(col(ModelVersion.digest) == ref)
     elif re.fullmatch(r"[0-9a-f]{8,63}", ref):
-        query = query.where(ModelVersion.digest.startswith(ref))
+        query = query.where(col(ModelVersion.digest).startswith(ref))
     else:
         raise invalid(
             field,

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
-from sqlmodel import select
+from sqlmodel import col, select
 
 from gpucloud.api.deps import OperatorDep, SessionDep
 from gpucloud.api.routers.registry.common import (
@@ -69,7 +69,9 @@ class GcReport(BaseModel):
 def collect_garbage(req: GcRequest, operator: OperatorDep, session: SessionDep, stores: StoresDep):
     """Remove (or with `dry_run`, list) chunks no version references, older than the grace period;
     chunks of pushes in progress are kept (`gpucloud.registry.gc`)."""
-    tenant_ids = list(session.exec(select(RegistryModel.tenant_id).distinct().order_by(RegistryModel.tenant_id)))
+    tenant_ids = list(
+        session.exec(select(col(RegistryModel.tenant_id)).distinct().order_by(col(RegistryModel.tenant_id)))
+    )
     session.rollback()  # end the read transaction: the run below may take a while
     if req.tenant_id is not None:
         if req.tenant_id not in tenant_ids:

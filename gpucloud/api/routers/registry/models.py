@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from nacl.signing import VerifyKey
-from sqlmodel import select
+from sqlmodel import col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
@@ -85,12 +85,12 @@ def list_models(
     cursor = pagination.decode(page_token, filters)
     query = (
         select(RegistryModel)
-        .where(RegistryModel.tenant_id == tenant.tenant_id)
-        .order_by(RegistryModel.seq)
+        .where(col(RegistryModel.tenant_id) == tenant.tenant_id)
+        .order_by(col(RegistryModel.seq))
         .limit(page_size + 1)
     )
     if cursor.after is not None:
-        query = query.where(RegistryModel.seq > cursor.after)
+        query = query.where(col(RegistryModel.seq) > cursor.after)
     rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda m: m.seq, filters)
     return ModelPage(items=promotion.publish_models(session, rows), next_page_token=token)
 
@@ -114,7 +114,7 @@ def set_gates(name: str, req: GatesUpdate, tenant: TenantDep, settings: Settings
 
 def _register_key(settings: Settings, tenant_id: str, req: SigningKeyCreate) -> tuple[SigningKey, bool]:
     key_id = key_id_of(VerifyKey(bytes.fromhex(req.public_key)))
-    query = select(SigningKey).where(SigningKey.tenant_id == tenant_id, SigningKey.key_id == key_id)
+    query = select(SigningKey).where(col(SigningKey.tenant_id) == tenant_id, col(SigningKey.key_id) == key_id)
     try:
         with session_scope(settings.database_url) as session:
             existing = session.exec(query).first()
@@ -156,8 +156,8 @@ def list_signing_keys(tenant: TenantDep, session: SessionDep):
     """The public keys the registry trusts for this tenant: what a pull verifies manifests against."""
     keys = session.exec(
         select(SigningKey)
-        .where(SigningKey.tenant_id == tenant.tenant_id, SigningKey.revoked_at.is_(None))
-        .order_by(SigningKey.seq)
+        .where(col(SigningKey.tenant_id) == tenant.tenant_id, col(SigningKey.revoked_at).is_(None))
+        .order_by(col(SigningKey.seq))
     )
     return SigningKeyList(
         tenant_id=tenant.tenant_id, items=[SigningKeyPublic.model_validate(k, from_attributes=True) for k in keys]
@@ -169,7 +169,7 @@ def revoke_signing_key(key_id: str, tenant: TenantDep, settings: SettingsDep):
     """Revoke a key: versions it signed no longer verify on pull and cannot be promoted."""
     with session_scope(settings.database_url) as session:
         key = session.exec(
-            select(SigningKey).where(SigningKey.tenant_id == tenant.tenant_id, SigningKey.key_id == key_id)
+            select(SigningKey).where(col(SigningKey.tenant_id) == tenant.tenant_id, col(SigningKey.key_id) == key_id)
         ).first()
         if key is None:
             raise not_found("signing key", key_id)

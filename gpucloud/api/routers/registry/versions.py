@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
@@ -160,9 +160,9 @@ def list_versions(
     model = model_row(session, tenant.tenant_id, name)
     filters = {"tenant": tenant.tenant_id, "model": model.id}
     cursor = pagination.decode(page_token, filters)
-    query = select(ModelVersion).where(ModelVersion.model_id == model.id).order_by(ModelVersion.seq)
+    query = select(ModelVersion).where(col(ModelVersion.model_id) == model.id).order_by(col(ModelVersion.seq))
     if cursor.after is not None:
-        query = query.where(ModelVersion.seq > cursor.after)
+        query = query.where(col(ModelVersion.seq) > cursor.after)
     rows, token = pagination.page(
         list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda v: v.seq, filters
     )
@@ -196,7 +196,7 @@ def _record_evaluation(
 ) -> tuple[EvaluationResult, bool]:
     record = signed.record
     query = select(EvaluationResult).where(
-        EvaluationResult.tenant_id == tenant_id, EvaluationResult.record_digest == record.digest
+        col(EvaluationResult.tenant_id) == tenant_id, col(EvaluationResult.record_digest) == record.digest
     )
     with session_scope(settings.database_url) as session:
         digest = resolve_version(session, model_row(session, tenant_id, name), ref).digest
@@ -286,7 +286,9 @@ def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, s
         version = resolve_version(session, model, req.version)
         if alias in GATED_ALIASES:
             _check_gates(session, tenant.tenant_id, model, alias, version)
-        row = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id, ModelAlias.name == alias)).first()
+        row = session.exec(
+            select(ModelAlias).where(col(ModelAlias.model_id) == model.id, col(ModelAlias.name) == alias)
+        ).first()
         row = row or ModelAlias(model_id=model.id, name=alias, version=version.digest, moved_by=tenant.id)
         row.version, row.moved_at, row.moved_by = version.digest, utcnow(), tenant.id
         session.add(row)
