@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, cast
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
-from sqlmodel import Session, create_engine
+from sqlmodel import Session, SQLModel, create_engine
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -77,6 +78,16 @@ def session_scope(url: str) -> Iterator[Session]:
     """A session whose transaction commits on success and rolls back on any error."""
     with Session(get_engine(url), expire_on_commit=False) as session, session.begin():
         yield session
+
+
+def rowcount(result: sa.Result[Any]) -> int:
+    """How many rows an UPDATE or DELETE changed (what a compare-and-swap checks)."""
+    return cast(sa.CursorResult[Any], result).rowcount
+
+
+def table_of(model: type[SQLModel]) -> sa.Table:
+    """The table of a SQLModel class, for Core statements over many rows at once."""
+    return model.__table__  # type: ignore[attr-defined]  # SQLModel sets it on table classes
 
 
 class Database:

@@ -7,6 +7,8 @@ unreachable database is transient and retried by Temporal.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -51,7 +53,7 @@ class ControlDbActivities:
 
     @activity.defn
     def transition_node(self, req: NodeTransitionInput) -> NodeTransitionResult:
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         if req.tenant_id is not None:
             changes["tenant_id"] = req.tenant_id
         try:

@@ -98,6 +98,7 @@ class FabricActivities:
 
     @contextmanager
     def _managers(self) -> Iterator[HttpFabricController]:
+        assert self._controller is not None  # callers check that managers are configured
         with self._controller() as controller:
             try:
                 yield controller

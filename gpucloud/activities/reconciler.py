@@ -159,6 +159,8 @@ class ReconcilerActivities:
         workflow ignores a node it is already replacing; per-node backoff spaces the repeats."""
         signalled: list[str] = []
         for plan in plans:
+            if plan.allocation_id is None:  # a replace plan always names its allocation
+                continue
             req = ReplaceNodeRequest(
                 node_id=plan.node_id,
                 reason="; ".join(plan.reasons)[:1000],
@@ -177,15 +179,17 @@ class ReconcilerActivities:
     def _breaker_held(self, node_ids: list[str]) -> set[str]:
         since = utcnow() - timedelta(seconds=self.settings.health.breaker_window_s)
         with self.db.session() as session:
-            return set(
-                session.exec(
+            return {
+                node_id
+                for node_id in session.exec(
                     select(col(OperatorAlertRecord.node_id)).where(
                         col(OperatorAlertRecord.node_id).in_(node_ids),
                         col(OperatorAlertRecord.kind) == "circuit_breaker",
                         col(OperatorAlertRecord.at) > since,
                     )
                 ).all()
-            )
+                if node_id is not None
+            }
 
     async def _start_bringups(self, node_ids: list[str], budget: int, result: SweepResult) -> int:
         if budget < len(node_ids):
@@ -252,7 +256,8 @@ class ReconcilerActivities:
                 result.deadlines_applied += 1
             if plan.set_reachable is not None:
                 fresh = session.get(Node, node.id)
-                _set_reachable(session, fresh, plan.set_reachable, "; ".join(plan.reasons))
+                if fresh is not None:
+                    _set_reachable(session, fresh, plan.set_reachable, "; ".join(plan.reasons))
                 if plan.set_reachable:
                     result.marked_reachable += 1
                 else:

@@ -93,7 +93,7 @@ class RolloutActivities:
         if req.allocation_id is not None:
             query = query.where(col(Node.allocation_id) == req.allocation_id)
         else:
-            query = query.where(col(Node.allocation_id).is_not(None))  # type: ignore[union-attr]
+            query = query.where(col(Node.allocation_id).is_not(None))
         with self._db.session() as session:
             nodes = session.exec(query.order_by(col(Node.rack), col(Node.id))).all()
         if not nodes:

@@ -272,7 +272,7 @@ class Agent:
         """The provisioned workload's GPU time counts from now, for the allocation it names; a
         repeated provision of the same running allocation changes nothing."""
         current = self.state.allocation
-        if req.allocation_id is None:
+        if req.allocation_id is None or req.tenant_id is None:
             log.warning("provision for %s names no allocation: its usage is not metered", req.tenant_id)
             return
         if current is not None and current.allocation_id == req.allocation_id and current.ended_ms is None:

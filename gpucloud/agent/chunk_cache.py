@@ -238,7 +238,7 @@ class ChunkCache:
 
     def missing(self, digest: str) -> list[ChunkRef]:
         """The version's distinct chunks this node does not hold yet."""
-        held, lacking = self.held(), {}
+        held, lacking = self.held(), dict[str, ChunkRef]()
         for entry in self.manifest(digest).files.values():
             for chunk in entry.chunks:
                 if chunk.id not in held:
@@ -295,7 +295,7 @@ class ChunkCache:
         manifest, root = self.manifest(digest), self.version_path(digest)
         if not root.is_dir():
             raise VersionNotFoundError(f"version {digest} is not assembled on this node")
-        found = set()
+        found: set[str] = set()
         for directory, subdirs, names in os.walk(root):
             for name in subdirs + names:
                 path = Path(directory, name)

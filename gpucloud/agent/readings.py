@@ -103,7 +103,7 @@ class GpuReading(_Reading):
     pcie_replay: NonNegativeInt | None = None
     clock_event_reasons: NonNegativeInt | None = None
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def clock_event_reason_names(self) -> list[str]:
         if self.clock_event_reasons is None:

@@ -191,6 +191,7 @@ class Spool:
                         now_ms,
                     ),
                 )
+                assert cursor.lastrowid is not None  # an INSERT into a rowid table
                 samples.append(UsageSample(node_id=self.node_id, seq=cursor.lastrowid, **asdict(usage)))
             db.executemany(
                 "INSERT INTO meter_cursors VALUES (?, ?)"
@@ -351,7 +352,7 @@ class Meter:
         still_open = None
         if current is not None:
             ended = current.ended_ms is not None and current.ended_ms <= now_ms
-            until_ms = current.ended_ms if ended else now_ms
+            until_ms = current.ended_ms if ended and current.ended_ms is not None else now_ms
             usages += self._cut(current, until_ms=until_ms, final=ended)
             still_open = None if ended else current
         if not usages and still_open == opened:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
+from gpucloud.agent.probe import Probe
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
 from gpucloud.registry.tracker_app import TrackerClient
 from gpucloud.web import problems
@@ -74,7 +75,7 @@ def always_healthy() -> tuple[bool, str]:
     return True, ""
 
 
-def health_from_probe(probe: object) -> HealthCheck:
+def health_from_probe(probe: Probe) -> HealthCheck:
     """Health from the node's GPU probe (`gpucloud.agent.probe.Probe`)."""
 
     def check() -> tuple[bool, str]:

@@ -34,6 +34,14 @@ class Caller:
         return self.role == "operator"
 
 
+@dataclass(frozen=True)
+class TenantCaller(Caller):
+    """A caller known to act for a tenant (what `TenantDep` hands a handler)."""
+
+    role: str = "tenant"
+    tenant_id: str = ""
+
+
 def resolve(session: Session, token: str, operator_token: str) -> Caller | None:
     if hmac.compare_digest(token.encode(), operator_token.encode()):
         return Caller(role="operator")

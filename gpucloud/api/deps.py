@@ -72,8 +72,8 @@ def get_operator(caller: CallerDep) -> auth.Caller:
     return caller
 
 
-def get_tenant(caller: CallerDep) -> auth.Caller:
-    if not caller.is_tenant:
+def get_tenant(caller: CallerDep) -> auth.TenantCaller:
+    if not caller.is_tenant or caller.tenant_id is None:
         raise Problem(
             403,
             "forbidden",
@@ -81,7 +81,7 @@ def get_tenant(caller: CallerDep) -> auth.Caller:
             f"{'operators act' if caller.is_operator else 'a node agent acts'} for no tenant here; "
             "call with the tenant's API key",
         )
-    return caller
+    return auth.TenantCaller(tenant_id=caller.tenant_id)
 
 
 def get_reporter(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
@@ -93,7 +93,7 @@ def get_reporter(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> aut
 
 OperatorDep = Annotated[auth.Caller, Depends(get_operator)]
 ReporterDep = Annotated[auth.Caller, Depends(get_reporter)]
-TenantDep = Annotated[auth.Caller, Depends(get_tenant)]
+TenantDep = Annotated[auth.TenantCaller, Depends(get_tenant)]
 
 
 def get_ledger(request: Request) -> LedgerClient:

@@ -166,7 +166,8 @@ async def _answer_replay(
         )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT_FOR_FIRST_S
-    while record is not None and record.status_code is None:
+    current: IdempotencyRecord | None = record
+    while current is not None and current.status_code is None:
         if loop.time() > deadline:
             raise Problem(
                 409,
@@ -175,12 +176,12 @@ async def _answer_replay(
                 f"a request with Idempotency-Key {key!r} is still running; retry shortly",
             )
         await asyncio.sleep(0.05)
-        record = await run_in_threadpool(_load, db_url, caller, key)
-    if record is None:  # the first attempt failed with a 5xx and released the key: run again
+        current = await run_in_threadpool(_load, db_url, caller, key)
+    if current is None:  # the first attempt failed with a 5xx and released the key: run again
         raise Problem(
             409,
             "idempotency-retry",
             "Retry the request",
             f"the first request with Idempotency-Key {key!r} failed; retry it",
         )
-    return _replay(record)
+    return _replay(current)

@@ -8,7 +8,7 @@ Amounts are integer micro-units in the API; shown here with six decimals.
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Literal
 
 import httpx
 import typer
@@ -16,6 +16,8 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from gpucloud.config import get_settings
+
+Justify = Literal["left", "right"]
 
 invoices_app = typer.Typer(
     add_completion=False,
@@ -40,14 +42,15 @@ def gpu_hours(gpu_ms: int) -> str:
 
 def invoice_list_table(invoices: list[dict]) -> Table:
     table = Table(title=f"invoices ({len(invoices)})")
-    for column, justify in (
+    columns: list[tuple[str, Justify]] = [
         ("id", "right"),
         ("period", "left"),
         ("tenant", "left"),
         ("lines", "right"),
         ("total", "right"),
         ("sha256", "left"),
-    ):
+    ]
+    for column, justify in columns:
         table.add_column(column, justify=justify)
     for invoice in invoices:
         table.add_row(
@@ -72,7 +75,7 @@ def invoice_table(document: dict, *, status: str) -> Group:
     late = any(line["usage_period"] != period for line in lines)
     discounted = any(line["discount_bp"] for line in lines)
     table = Table(title=f"invoice {period}, {document['tenant_id']} ({status})")
-    columns = [
+    columns: list[tuple[str, Justify]] = [
         ("kind", "left"),
         ("allocation", "left"),
         ("gpu", "left"),

@@ -27,9 +27,10 @@ STATE_STYLE = {
 
 
 def _fetch(client: httpx.Client, state: str | None, limit: int) -> tuple[list[dict], dict]:
-    items, token = [], ""
+    items: list[dict] = []
+    token = ""
     while len(items) < limit:
-        params = {
+        params: dict[str, str | int] = {
             "page_size": min(1000, limit - len(items)),
             **({"state": state} if state else {}),
             **({"page_token": token} if token else {}),

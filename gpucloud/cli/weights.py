@@ -140,7 +140,7 @@ def push_with_progress(
         hashing = bars.add_task("hash", total=None, detail="")
         upload = bars.add_task("upload", total=None, detail="", visible=False)
 
-        def report(phase: Literal[hash, upload], s: PushStats) -> None:
+        def report(phase: Literal["hash", "upload"], s: PushStats) -> None:
             if phase == "hash":
                 bars.update(hashing, completed=s.bytes_hashed, total=s.bytes_total)
                 return

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
 
 class ThreadedServer:
     def __init__(
-        self, app: object, *, host: str = "127.0.0.1", port: int = 0, name: str = "asgi", **uvicorn_options: object
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "asgi", **uvicorn_options: Any
     ) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, **uvicorn_options)
         self._server = uvicorn.Server(config)

@@ -9,6 +9,8 @@ errors, which callers (activities) treat as transient and retry.
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
 from gpucloud.fabric.interface import FabricError, Membership, NvlPartition, PKey, PortMember, Vpc
@@ -25,13 +27,13 @@ def _raise_for_refusal(response: httpx.Response) -> None:
     response.raise_for_status()
 
 
-def _call(client: httpx.Client, method: str, url: str, **kwargs: object) -> httpx.Response:
+def _call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Response:
     response = client.request(method, url, **kwargs)
     _raise_for_refusal(response)
     return response
 
 
-def _get_or_none(client: httpx.Client, url: str, **kwargs: object) -> httpx.Response | None:
+def _get_or_none(client: httpx.Client, url: str, **kwargs: Any) -> httpx.Response | None:
     response = client.get(url, **kwargs)
     if response.status_code == 404:
         return None
@@ -158,7 +160,7 @@ class HttpFabricController:
         self._ethernet = SdnClient(self._client, sdn_url)
 
     @classmethod
-    def for_simulator(cls, url: str, **options: object) -> HttpFabricController:
+    def for_simulator(cls, url: str, **options: Any) -> HttpFabricController:
         """All three managers at one URL, as `gpucloud.sim.fabric_managers` serves them."""
         return cls(ufm_url=url, nmx_url=url, sdn_url=url, **options)
 

@@ -211,8 +211,8 @@ def _probe_conditions(readings: list[NodeReading], *, expected_gpu_count: int | 
         if r.fatal_error is not None and (r.fatal_error.kind in _HARDWARE_FATAL_KINDS or r is latest)
     ]
     conditions = []
-    if fatal:
-        first = fatal[0].fatal_error
+    first = fatal[0].fatal_error if fatal else None
+    if first is not None:
         conditions.append(
             Condition(
                 name="probe_fatal",

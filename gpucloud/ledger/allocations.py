@@ -74,6 +74,8 @@ def timelines(events: list[AllocationEventOut]) -> dict[str, AllocationTimeline]
             timeline.started_ms = event.at_ms if timeline.started_ms is None else min(timeline.started_ms, event.at_ms)
         elif event.kind == "end":
             timeline.ended_ms = event.at_ms
+        elif event.node_id is None:  # node events always name their node (checked at ingest)
+            continue
         elif event.kind == "node_added":
             intervals = timeline.node_intervals[event.node_id]
             if not intervals or intervals[-1][1] is not None:

@@ -74,17 +74,20 @@ def _problem_response(problem: problems.Problem) -> JSONResponse:
     return web_problems.response(problem.model_dump(exclude_none=True), problem.status)
 
 
-async def _ledger_problem(_request: Request, error: problems.LedgerProblem) -> JSONResponse:
+async def _ledger_problem(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, problems.LedgerProblem)  # registered for this type only
     return _problem_response(error.problem)
 
 
-async def _validation_problem(_request: Request, error: RequestValidationError) -> JSONResponse:
+async def _validation_problem(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)  # registered for this type only
     first = error.errors()[0]
     field = web_problems.field_of(tuple(first["loc"]))
     return _problem_response(problems.REQUEST_INVALID(f"{field}: {first['msg']}", field=field))
 
 
-async def _http_problem(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+async def _http_problem(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)  # registered for this type only
     kind = (
         problems.NOT_FOUND
         if error.status_code == 404

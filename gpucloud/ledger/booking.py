@@ -97,6 +97,7 @@ def book(connection: Connection, candidates: list[Candidate], now_ms: int) -> No
         durations = map(sub, map(end_of, line_candidates), map(start_of, line_candidates))
         parts = list(map(mul, map(gpu_count_of, line_candidates), durations))
         rate = line_candidates[0].rate
+        assert rate is not None  # `checks.price` priced every candidate it kept
         amounts = rate.split(gpu_ms_before, parts)
         posting_id = _post_line(connection, key, parts, amounts, now_ms)
         billing_period, usage_period, _, _, _, price_version_id = key

@@ -139,7 +139,7 @@ def check_allocations(connection: Connection, candidates: list[Candidate], rejec
         return candidates
     # The verdict depends on (tenant, allocation, GPU type) only: a batch has a handful.
     verdicts = {
-        line: _allocation_problem(*line, owners, gpu_types, tenants_with_events)
+        line: _allocation_problem(line[0], line[1], line[2], owners, gpu_types, tenants_with_events)
         for line in set(map(line_fields, map(sample_of, candidates)))
     }
     if not any(verdicts.values()):
@@ -199,10 +199,10 @@ def price(history: PriceBookHistory, candidates: list[Candidate], reject: Reject
             version, valid_from, valid_until = history.version_span(start_ms)
             rates = {}
         key = rate_key_field(sample)
-        rate = rates.get(key, False)
-        if rate is False:
-            rate = rates[key] = version.rate_for(*key) if version is not None else None
-        if rate is None:
+        if key not in rates:
+            rates[key] = version.rate_for(*key) if version is not None else None
+        rate = rates[key]
+        if rate is None or version is None:
             reject(
                 candidate,
                 problems.UNPRICED_USAGE(f"no price for {sample['gpu_type']} at {start_ms}", field="gpu_type"),
@@ -256,13 +256,12 @@ def drop_overlaps(connection: Connection, candidates: list[Candidate], reject: R
 
 def _time_clusters(candidates: list[Candidate]) -> list[tuple[int, int]]:
     """[low, high) spans covering the samples (sorted by start), split where they are far apart."""
-    clusters = []
-    low = high = None
-    for candidate in candidates:
+    clusters: list[tuple[int, int]] = []
+    low, high = candidates[0].start_ms, candidates[0].end_ms
+    for candidate in candidates[1:]:
         start_ms, end_ms = candidate.start_ms, candidate.end_ms
-        if high is None or start_ms - high > _CLUSTER_GAP_MS:
-            if high is not None:
-                clusters.append((low, high))
+        if start_ms - high > _CLUSTER_GAP_MS:
+            clusters.append((low, high))
             low, high = start_ms, end_ms
         elif end_ms > high:
             high = end_ms

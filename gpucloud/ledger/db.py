@@ -122,6 +122,7 @@ def insert_tuples(connection: Connection, table: Table, columns: Sequence[str], 
     """
     if connection.dialect.name == "postgresql":
         driver_connection = connection.connection.driver_connection
+        assert driver_connection is not None  # an open connection has its driver's
         copy_sql = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN"
         with driver_connection.cursor() as cursor, cursor.copy(copy_sql) as copy:
             for row in rows:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import attrgetter, itemgetter, lt, sub
+from typing import Literal
 
 from gpucloud.ledger import problems
 from gpucloud.ledger.batch import Candidate, end_field, gpu_count_field, seq_field, start_field
@@ -41,7 +42,13 @@ from gpucloud.ledger.schemas import SampleRejection, UsageBatchResult, UsageSamp
 FUTURE_TOLERANCE_MS = 5 * 60 * 1000
 MAX_SAMPLE_MS = 3_600_000
 MAX_GPU_COUNT = 1024
-_ID_LIMITS = {"node_id": 128, "allocation_id": 128, "tenant_id": 128, "gpu_type": 64}
+_ID_LIMITS: dict[Literal["node_id", "allocation_id", "tenant_id", "gpu_type"], int] = {
+    "node_id": 128,
+    "allocation_id": 128,
+    "tenant_id": 128,
+    "gpu_type": 64,
+}
+_COUNTS: tuple[Literal["seq", "gpu_count", "start_ms", "end_ms"], ...] = ("seq", "gpu_count", "start_ms", "end_ms")
 
 
 def check_fields(sample: UsageSampleIn, now_ms: int) -> problems.Problem | None:
@@ -84,9 +91,9 @@ def _explain_fields(sample: UsageSampleIn, now_ms: int) -> problems.Problem:
     for field, limit in _ID_LIMITS.items():
         if not 0 < len(sample[field]) <= limit:
             return problems.INVALID_FIELD(f"{field} must be 1 to {limit} characters", field=field)
-    for field in ("seq", "gpu_count", "start_ms", "end_ms"):
-        if sample[field] < 0:
-            return problems.NEGATIVE_VALUE(f"{field} is {sample[field]}", field=field)
+    for count in _COUNTS:
+        if sample[count] < 0:
+            return problems.NEGATIVE_VALUE(f"{count} is {sample[count]}", field=count)
     if not 1 <= sample["gpu_count"] <= MAX_GPU_COUNT:
         return problems.INVALID_FIELD(f"gpu_count must be within [1, {MAX_GPU_COUNT}]", field="gpu_count")
     start_ms, end_ms = sample["start_ms"], sample["end_ms"]

@@ -136,8 +136,8 @@ def reconcile(
         keys.update((allocation_id, node_id) for node_id in timeline.node_intervals)
     by_allocation: dict[str, list[NodeReconciliation]] = defaultdict(list)
     for allocation_id, node_id in sorted(keys):
-        timeline = timeline_by_allocation.get(allocation_id)
-        whole = _allocated_spans(timeline, node_id, day_end) if timeline else []
+        found = timeline_by_allocation.get(allocation_id)
+        whole = _allocated_spans(found, node_id, day_end) if found else []
         allocated = clip(whole, day_start, horizon)
         covered = merge(metered.get((allocation_id, node_id), []))
         if not allocated and not covered:

@@ -13,7 +13,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Field, SQLModel
 
-from gpucloud.models.tables import UTCDateTime, _json, _ts
+from gpucloud.models.tables import UTCDateTime, json_field, timestamp_field
 
 
 class XidEventRecord(SQLModel, table=True):
@@ -31,7 +31,7 @@ class XidEventRecord(SQLModel, table=True):
     tenant_id: str | None = None
     allocation_id: str | None = None
     source: str = "agent"  # agent | operator
-    received_at: datetime = _ts()
+    received_at: datetime = timestamp_field()
 
 
 class NodeReadingRecord(SQLModel, table=True):
@@ -46,8 +46,8 @@ class NodeReadingRecord(SQLModel, table=True):
     node_id: str
     timestamp: datetime = Field(sa_type=UTCDateTime)
     fatal: bool = False
-    reading: dict = _json(dict)
-    received_at: datetime = _ts()
+    reading: dict = json_field(dict)
+    received_at: datetime = timestamp_field()
 
 
 class QuarantineBreaker(SQLModel, table=True):
@@ -93,7 +93,7 @@ class OperatorAlertRecord(SQLModel, table=True):
     pool: str | None = None
     node_id: str | None = None
     reason: str
-    at: datetime = _ts()
+    at: datetime = timestamp_field()
 
 
 class AllocationEventPublic(SQLModel):
@@ -115,4 +115,4 @@ class AllocationEvent(SQLModel, table=True):
     node_id: str | None = None
     replacement_node_id: str | None = None
     reason: str = ""
-    at: datetime = _ts()
+    at: datetime = timestamp_field()

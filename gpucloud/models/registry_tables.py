@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator, model_validator
@@ -29,7 +29,7 @@ DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 MAX_IDS_PER_QUERY = 10_000
 
 
-def _ts() -> object:
+def timestamp_field() -> Any:
     return Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
@@ -118,7 +118,7 @@ class RegistryModel(RegistryModelBase, table=True):
     seq: int | None = Field(default=None, primary_key=True)
     id: str = Field(default_factory=lambda: new_id("mdl"), unique=True, index=True)
     tenant_id: str = Field(index=True)
-    created_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
 
 
 # ---------------------------------------------------------------- versions
@@ -157,7 +157,7 @@ class ModelVersion(ModelVersionBase, table=True):
     tenant_id: str = Field(index=True)
     model_id: str = Field(foreign_key="registry_model.id", index=True)
     manifest_uri: str = Field(description="where the signed manifest is stored")
-    registered_at: datetime = _ts()
+    registered_at: datetime = timestamp_field()
 
 
 # ---------------------------------------------------------------- aliases
@@ -178,7 +178,7 @@ class ModelAlias(SQLModel, table=True):
     model_id: str = Field(foreign_key="registry_model.id", index=True)
     name: str = Field(max_length=32)
     version: str = Field(max_length=64)
-    moved_at: datetime = _ts()
+    moved_at: datetime = timestamp_field()
     moved_by: str
 
 
@@ -253,7 +253,7 @@ class SigningKey(SigningKeyCreate, table=True):
     seq: int | None = Field(default=None, primary_key=True)
     tenant_id: str = Field(index=True)
     key_id: str = Field(max_length=64)
-    created_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 

@@ -52,6 +52,7 @@ class WaveSpec(_Message):
     def reach(self, total: int) -> int:
         if self.nodes is not None:
             return min(self.nodes, total)
+        assert self.fraction is not None  # the validator requires one of the two
         return min(total, max(1, math.ceil(self.fraction * total - 1e-9)))
 
 

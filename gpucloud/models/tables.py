@@ -10,8 +10,10 @@ Workflow code never imports this module (the sandbox must not load SQLAlchemy).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.types import TypeDecorator
@@ -45,11 +47,11 @@ class UTCDateTime(TypeDecorator):
         return value.astimezone(UTC) if value is not None else None
 
 
-def _ts(**kw) -> object:
+def timestamp_field(**kw: Any) -> Any:
     return Field(default_factory=utcnow, sa_type=UTCDateTime, **kw)
 
 
-def _json(default=list) -> object:
+def json_field(default: Callable[[], Any] = list) -> Any:
     return Field(default_factory=default, sa_column=Column(sa.JSON, nullable=False))
 
 
@@ -99,18 +101,18 @@ class Node(NodeBase, table=True):
     __table_args__ = (sa.Index("ix_node_pool", "gpu_type", "region", "state", "cordoned"),)
 
     agent_url: str
-    ib_port_guids: list[str] = _json()
-    gpu_uids: list[str] = _json()
+    ib_port_guids: list[str] = json_field()
+    gpu_uids: list[str] = json_field()
     state: str = Field(default=NodeState.ENROLLED, index=True)
     generation: int = 0
     health: str = "ok"
-    health_conditions: list[dict] = _json()
+    health_conditions: list[dict] = json_field()
     cordoned: bool = False
     maintenance: bool = False
     allocation_id: str | None = Field(default=None, index=True)
     # Whose data may be on the node's disks: set at provision, cleared only by a wipe.
     tenant_id: str | None = None
-    state_entered_at: datetime = _ts()
+    state_entered_at: datetime = timestamp_field()
     # When the current transient state is overdue (None in stable states): the reconciler's
     # indexed query for stuck nodes.
     deadline_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
@@ -119,14 +121,14 @@ class Node(NodeBase, table=True):
     # Observed state, from the agent's heartbeats.
     last_heartbeat_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
     agent_reachable: bool = Field(default=True, index=True)
-    observed: dict = _json(dict)
+    observed: dict = json_field(dict)
     # The agent's report disagrees with the record (e.g. an active node that was wiped).
     drifted: bool = Field(default=False, index=True)
     # Per-node backoff of the reconciler's attempts.
     reconcile_attempts: int = 0
     next_reconcile_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    created_at: datetime = _ts()
-    updated_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
+    updated_at: datetime = timestamp_field()
 
 
 class NodeTransition(SQLModel, table=True):
@@ -141,7 +143,7 @@ class NodeTransition(SQLModel, table=True):
     actor: str = "system"
     op_id: str | None = None
     generation: int
-    at: datetime = _ts()
+    at: datetime = timestamp_field()
 
 
 # ---------------------------------------------------------------- tenants and keys
@@ -182,8 +184,8 @@ class Tenant(TenantCreate, table=True):
     vni: int | None = Field(default=None, unique=True, index=True)
     storage_prefix: str | None = None
     failure_reason: str | None = None
-    created_at: datetime = _ts()
-    updated_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
+    updated_at: datetime = timestamp_field()
 
 
 class TenantQuotaBase(SQLModel):
@@ -224,7 +226,7 @@ class ApiKey(SQLModel, table=True):
     id: str = Field(primary_key=True)
     tenant_id: str = Field(index=True)
     secret_hash: str
-    created_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     replaced_by: str | None = None
@@ -238,7 +240,7 @@ class AgentCredential(SQLModel, table=True):
     __tablename__ = "agent_credential"
     node_id: str = Field(primary_key=True)
     secret_hash: str
-    created_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
 
 
 # ---------------------------------------------------------------- allocations and operations
@@ -288,10 +290,10 @@ class Allocation(AllocationCreate, table=True):
     fabric_domain: str | None = None
     # The NVL72 rack of an `nvl72_trays` slice (replacements come from it too).
     nvlink_domain: str | None = None
-    node_ids: list[str] = _json()
+    node_ids: list[str] = json_field()
     failure_reason: str | None = None
-    created_at: datetime = _ts()
-    updated_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
+    updated_at: datetime = timestamp_field()
 
 
 class OperationStatus(StrEnum):
@@ -320,8 +322,8 @@ class Operation(SQLModel, table=True):
     status: str = OperationStatus.RUNNING
     error: str | None = None
     workflow_id: str | None = None
-    created_at: datetime = _ts()
-    updated_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
+    updated_at: datetime = timestamp_field()
 
 
 class IdempotencyRecord(SQLModel, table=True):
@@ -337,5 +339,5 @@ class IdempotencyRecord(SQLModel, table=True):
     body_hash: str
     status_code: int | None = None
     response_body: str | None = None
-    created_at: datetime = _ts()
+    created_at: datetime = timestamp_field()
     expires_at: datetime = Field(sa_type=UTCDateTime, index=True)

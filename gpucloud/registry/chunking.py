@@ -24,11 +24,25 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 
 from gpucloud.registry.manifest import ChunkRef, FileEntry
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+class ReadableFile(Protocol):
+    """What chunking reads a file through: an unbuffered binary file (`open(..., buffering=0)`)."""
+
+    def read(self, size: int = -1, /) -> bytes | None: ...
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
 
 MiB = 1 << 20
 MAX_HEADER_SIZE = 100_000_000  # safetensors' own limit; a longer header is not a safetensors file
@@ -120,7 +134,7 @@ def plan_safetensors(header_end: int, tensors: Iterable[Span], file_size: int, *
     return spans
 
 
-def _read_exact(f: BinaryIO, size: int, read_size: int) -> bytes:
+def _read_exact(f: ReadableFile, size: int, read_size: int) -> bytes:
     parts = []
     while size:
         part = f.read(min(size, read_size))
@@ -131,7 +145,7 @@ def _read_exact(f: BinaryIO, size: int, read_size: int) -> bytes:
     return b"".join(parts)
 
 
-def read_safetensors_header(f: BinaryIO, file_size: int, *, read_size: int) -> tuple[int, list[Span]]:
+def read_safetensors_header(f: ReadableFile, file_size: int, *, read_size: int) -> tuple[int, list[Span]]:
     """Parse the header at the start of f; return where it ends and the tensors' absolute spans."""
     if file_size < 8:
         raise SafetensorsFormatError(f"{file_size} bytes is too short for a safetensors header")
@@ -179,7 +193,7 @@ def encode_safetensors_header(tensors: Iterable[tuple[str, int]], *, metadata: d
     return struct.pack("<Q", len(body)) + body
 
 
-def plan_stream(f: BinaryIO, file_size: int, *, safetensors: bool, policy: ChunkPolicy) -> list[Span]:
+def plan_stream(f: ReadableFile, file_size: int, *, safetensors: bool, policy: ChunkPolicy) -> list[Span]:
     if not safetensors:
         return plan_fixed(file_size, chunk_size=policy.fixed_chunk_size)
     header_end, tensors = read_safetensors_header(f, file_size, read_size=policy.read_size)
@@ -187,7 +201,7 @@ def plan_stream(f: BinaryIO, file_size: int, *, safetensors: bool, policy: Chunk
 
 
 def hash_spans(
-    f: BinaryIO, spans: list[Span], *, read_size: int, on_chunk: Callable[[int], None] | None = None
+    f: ReadableFile, spans: list[Span], *, read_size: int, on_chunk: Callable[[int], None] | None = None
 ) -> Iterator[ChunkRef]:
     """Hash consecutive spans of f through one reused buffer of at most read_size bytes."""
     if not spans:
@@ -209,7 +223,7 @@ def hash_spans(
 
 
 def chunk_stream(
-    f: BinaryIO,
+    f: ReadableFile,
     file_size: int,
     *,
     safetensors: bool,
@@ -249,7 +263,7 @@ class FileRegion(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: memoryview | bytearray) -> int:
+    def readinto(self, buffer: Buffer) -> int:
         if not self._remaining:
             return 0
         view = memoryview(buffer).cast("B")

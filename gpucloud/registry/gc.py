@@ -81,7 +81,7 @@ class _References:
                 self.chunk_ids.update(lease.chunk_ids)
             else:
                 self.expired.append(lease)
-        for digest in self._store.list():
+        for digest in self._store.digests():
             if digest not in self._manifests_seen:
                 self.chunk_ids.update(self._store.get(digest).manifest.chunk_ids())
                 self._manifests_seen.add(digest)

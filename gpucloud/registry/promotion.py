@@ -171,7 +171,8 @@ def descendants(session: Session, tenant_id: str, digest: str) -> list[tuple[Mod
         children: dict[str, list[str]] = {}
         for row in found:
             rows[row.digest] = row
-            children.setdefault(row.parent, []).append(row.digest)
+            if row.parent is not None:  # the query asked for children of named parents only
+                children.setdefault(row.parent, []).append(row.digest)
         return children
 
     return [(rows[d], depth) for d, depth in walk_descendants(digest, children_of)]

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
@@ -106,7 +107,7 @@ class _BrokenTransfer(Exception):
 def _mismatch_error(task: _Task, actual: str, received: int, version_chunks: set[str]) -> ChunkError:
     """The integrity error that bytes of the wrong hash point to."""
     chunk = task.chunk
-    where = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
+    where: dict[str, Any] = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
     if actual != chunk.id and actual in version_chunks:
         return ChunkSwappedError(f"store served chunk {actual} of this version instead", **where)
     if received < chunk.size:
@@ -117,7 +118,7 @@ def _mismatch_error(task: _Task, actual: str, received: int, version_chunks: set
 def _fetch_once(store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int) -> int:
     """Copy one chunk into place; return the bytes written (always the manifest's size)."""
     chunk = task.chunk
-    where = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
+    where: dict[str, Any] = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
     received = 0
     fd = os.open(task.target, os.O_WRONLY)
     try:
@@ -208,7 +209,7 @@ def _assemble(
     progress: ProgressCallback | None,
     retry: RetryPolicy,
 ) -> None:
-    tasks = []
+    tasks: list[_Task] = []
     for relative, entry in manifest.files.items():
         _check_sequence(relative, entry)
         target = staging / relative

@@ -141,7 +141,7 @@ class PushTarget(Protocol):
 
 def source_files(root: Path) -> list[tuple[str, Path]]:
     """Regular files under root as (relative POSIX path, path), sorted; links are refused."""
-    found = []
+    found: list[tuple[str, Path]] = []
     for directory, subdirs, names in os.walk(root):
         for name in subdirs + names:
             path = Path(directory, name)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -40,6 +40,19 @@ from gpucloud.registry.manifest import (
 from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectMissingError, ObjectStore, ObjectTransferError
 from gpucloud.storage.s3 import S3ObjectStore
+
+
+class Readable(Protocol):
+    """A source of bytes read to EOF (a file, a file region, a spooled upload)."""
+
+    def read(self, size: int = -1, /) -> bytes | None: ...
+
+
+class ChunkSource(Protocol):
+    """What serving a chunk needs of a store: its verified bytes (a `ChunkStore`, or a view
+    over several, as the tracker's origin is)."""
+
+    def get(self, chunk_id: str) -> bytes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +87,7 @@ class ChunkStore:
     def has(self, chunk_id: str) -> bool:
         return self.objects.exists(self.key(chunk_id))
 
-    def put(self, chunk_id: str, data: bytes | bytearray | memoryview | BinaryIO) -> bool:
+    def put(self, chunk_id: str, data: bytes | bytearray | memoryview | Readable) -> bool:
         """Store the bytes (read to EOF) under chunk_id; False if it was already there."""
         key = self.key(chunk_id)
         if self.objects.exists(key):
@@ -121,7 +134,7 @@ class ChunkStore:
         return ChunkInfo(chunk_id, info.size, info.modified)
 
     def list(self) -> Iterator[ChunkInfo]:
-        for info in self.objects.list(self._prefix):
+        for info in self.objects.scan(self._prefix):
             name = info.key.rsplit("/", 1)[-1]
             if is_digest(name):
                 yield ChunkInfo(name, info.size, info.modified)
@@ -199,7 +212,7 @@ class ManifestStore:
         """Where the signed manifest of a version lives, recorded on its row for operators."""
         return self.objects.uri(f"{self._prefix}manifests/{_checked_id(digest)}.json")
 
-    def list(self) -> Iterator[str]:
+    def digests(self) -> Iterator[str]:
         for name in self._names("manifests/"):
             digest = name.rsplit("/", 1)[-1].removesuffix(".json")
             if is_digest(digest):

@@ -222,7 +222,7 @@ class Swarm:
     def _from_peers(self, node: str, lacking: list[str], slots: int) -> list[Assignment]:
         """Up to `slots` of the rarest lacking chunks a peer can serve now, rack-local first."""
         by_rarity = sorted(lacking, key=lambda c: (self._holders[c], self._rng.random()))
-        rack, picks = self.spec.nodes[node].rack, []
+        rack, picks = self.spec.nodes[node].rack, list[Assignment]()
         for rack_local_only in (True, False):
             for chunk in by_rarity:
                 if len(picks) >= slots:

@@ -18,14 +18,14 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpucloud.registry.manifest import HEX_DIGEST, ChunkCorruptedError, ChunkMissingError
-from gpucloud.registry.store import ChunkStore
+from gpucloud.registry.store import ChunkSource
 from gpucloud.registry.swarm import ChunkId, Plan, Swarm, SwarmSpec, SwarmStatus
 from gpucloud.web import problems
 
@@ -81,7 +81,7 @@ class OriginStats(_Model):
 class SwarmRegistry:
     """Swarms by name. Registering the same spec twice is a no-op; a different one conflicts."""
 
-    def __init__(self, *, seed: int | None = None, **swarm_options: float | int) -> None:
+    def __init__(self, *, seed: int | None = None, **swarm_options: Any) -> None:
         self._swarms: dict[str, Swarm] = {}
         self._seed, self._options = seed, swarm_options
         self._lock = threading.Lock()
@@ -132,7 +132,10 @@ async def _swarm(request: Request, swarm: str) -> Swarm:
 SwarmDep = Annotated[Swarm, Depends(_swarm)]
 
 
-def _unknown_node(call: Callable[[], object]) -> object:
+T = TypeVar("T")
+
+
+def _unknown_node(call: Callable[[], T]) -> T:
     try:
         return call()
     except KeyError as exc:
@@ -142,7 +145,7 @@ def _unknown_node(call: Callable[[], object]) -> object:
 
 
 def create_tracker_app(
-    *, chunk_store: ChunkStore | None = None, seed: int | None = None, **swarm_options: float | int
+    *, chunk_store: ChunkSource | None = None, seed: int | None = None, **swarm_options: Any
 ) -> FastAPI:
     """The tracker (swarms under /tracker) and, given a chunk store, the origin (/origin)."""
     app = FastAPI(title="gpucloud weight tracker")

@@ -15,6 +15,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from gpucloud.db import rowcount
 from gpucloud.models.node_states import NodeEvent, NodeState, deadline_for
 from gpucloud.models.tables import (
     TERMINAL_ALLOCATION,
@@ -114,7 +115,7 @@ def reserve_node(
             deadline_at=deadline_for(NodeState.RESERVED, now, scale=deadline_scale),
         )
     )
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         raise ReservationConflict(node.id)
     session.add(
         node_service.NodeTransition(
@@ -140,7 +141,7 @@ def reserve_gang(
     else:
         gang = pick_gang(candidates, allocation.node_count)
     if gang is None:
-        sizes = defaultdict(int)
+        sizes: defaultdict[str | None, int] = defaultdict(int)
         for n in candidates:
             sizes[n.nvlink_domain if allocation.nvl72_trays is not None else n.pod] += 1
         sizes.pop(None, None)

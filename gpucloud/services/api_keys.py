@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from gpucloud.db import rowcount
 from gpucloud.models.tables import ApiKey, utcnow
 
 MAX_GRACE = timedelta(days=30)
@@ -77,7 +78,7 @@ def rotate_key(
         .where(col(ApiKey.id) == key_id, col(ApiKey.replaced_by).is_(None), col(ApiKey.revoked_at).is_(None))
         .values(replaced_by=new.id, expires_at=now + grace)
     )
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         raise KeyNotRotatable(f"key {key_id} was rotated or revoked meanwhile")
     session.refresh(old)
     return old, new, plaintext
@@ -102,4 +103,4 @@ def revoke_all(session: Session, tenant_id: str, *, now: datetime | None = None)
         .where(col(ApiKey.tenant_id) == tenant_id, col(ApiKey.revoked_at).is_(None))
         .values(revoked_at=now or utcnow())
     )
-    return result.rowcount
+    return rowcount(result)

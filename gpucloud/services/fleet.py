@@ -65,14 +65,14 @@ def complete_drains(session: Session, node_id: str) -> None:
 def record_heartbeats(session: Session, beats: Iterable[dict]) -> list[str]:
     """Store what agents report; returns the ids of nodes whose report disagrees with the record
     (an active node whose agent lost the tenant's workload: rebooted or wiped)."""
-    beats = {b["node_id"]: b for b in beats}
+    by_node = {b["node_id"]: b for b in beats}
     now = utcnow()
     nodes = session.exec(
-        select(col(Node.id), col(Node.state), col(Node.tenant_id)).where(col(Node.id).in_(list(beats)))
+        select(col(Node.id), col(Node.state), col(Node.tenant_id)).where(col(Node.id).in_(list(by_node)))
     ).all()
     drifted: list[str] = []
     for node_id, state, tenant_id in nodes:
-        beat = beats[node_id]
+        beat = by_node[node_id]
         is_drift = state == NodeState.ACTIVE and (
             beat.get("tenant_id") != tenant_id or not beat.get("workload_running", True)
         )

@@ -26,6 +26,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, func, or_, select
 
 from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.db import rowcount
 from gpucloud.health.breaker import BreakerState, CircuitBreaker, OperatorAlert, Pull
 from gpucloud.health.rules import evaluate_node
 from gpucloud.health.verdict import Action, HealthPolicy, HealthVerdict, action_rank
@@ -333,6 +334,7 @@ def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: Break
             max_pulled_share=settings.max_pulled_share, window=settings.window, state=state
         ).request_quarantine(pool=pool, node_id=node.id, pool_size=pool_size, now=now)
         if not decision.allowed:
+            assert decision.alert is not None  # a refused quarantine always says why
             return _record_alert(session, node, decision.alert, now=now, settings=settings)
         if any(r.node_id == node.id for r in rows):
             return None  # pulled in this window already: not counted twice
@@ -344,7 +346,7 @@ def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: Break
             )
             .values(generation=generation + 1)
         )
-        if swapped.rowcount == 1:
+        if rowcount(swapped) == 1:
             session.add(QuarantinePull(pool=pool, node_id=node.id, at=now))
             return None
     raise BreakerContended(f"circuit breaker of pool {pool}: {BREAKER_CAS_ATTEMPTS} compare-and-swaps lost in a row")
@@ -391,6 +393,8 @@ def repair_plan(
     failed burn-in after a repair sends the node back to quarantine and up one rung."""
     now = now or utcnow()
     node = session.get(Node, node_id)
+    if node is None:
+        raise LookupError(f"node {node_id} does not exist")
     verdict = judge(session, node, now=now, policy=policy)
     if verdict.action == Action.RMA:
         worst = verdict.conditions[0]

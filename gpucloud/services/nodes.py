@@ -13,6 +13,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from gpucloud.db import rowcount, table_of
 from gpucloud.models.messages import NodeTransitionInput
 from gpucloud.models.node_states import (
     InvalidTransition,
@@ -159,7 +160,7 @@ def transition(
     result = session.execute(
         sa.update(Node).where(col(Node.id) == node_id, col(Node.generation) == node.generation).values(**values)
     )
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         raise StaleNode(f"node {node_id} changed under us (generation {node.generation})")
     session.add(
         NodeTransition(
@@ -292,7 +293,7 @@ def transition_many(
             quarantined.append(step.node_id)
         seen[step.node_id] = (to_state.value, generation + 1)
         outcomes.append((step.node_id, to_state.value, None))
-    table = Node.__table__
+    table = table_of(Node)
     for columns, params in updates.items():
         stmt = (
             sa.update(table)
@@ -300,10 +301,10 @@ def transition_many(
             .values({c: sa.bindparam(c) for c in columns})
         )
         result = session.connection().execute(stmt, params)
-        if result.rowcount != len(params):
-            raise StaleNode(f"{len(params) - result.rowcount} of the batch's nodes changed under us")
+        if rowcount(result) != len(params):
+            raise StaleNode(f"{len(params) - rowcount(result)} of the batch's nodes changed under us")
     if rows:
-        session.connection().execute(sa.insert(NodeTransition.__table__), rows)
+        session.connection().execute(sa.insert(table_of(NodeTransition)), rows)
     for node_id in quarantined:
         complete_drains(session, node_id)
     session.expire_all()  # the loaded nodes are stale now

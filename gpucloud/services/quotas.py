@@ -12,6 +12,7 @@ moves the tenant out of `active`, so no allocation slips in behind it.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -60,7 +61,7 @@ def _specificity(row: TenantQuotaBase, gpu_type: str, region: str) -> int | None
     return 2 * (row.gpu_type != ANY) + (row.region != ANY)
 
 
-def effective_limit(rows: list[TenantQuotaBase], *, gpu_type: str, region: str, default_gpus: int) -> Limit:
+def effective_limit(rows: Sequence[TenantQuotaBase], *, gpu_type: str, region: str, default_gpus: int) -> Limit:
     """The most specific matching row (exact type beats exact region beats `*`), else the default."""
     ranked = [(rank, row) for row in rows if (rank := _specificity(row, gpu_type, region)) is not None]
     if not ranked:

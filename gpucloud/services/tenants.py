@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from gpucloud.db import rowcount
 from gpucloud.fabric.interface import MAX_VNI, MIN_VNI
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import (
@@ -126,7 +127,7 @@ def move(
         sa.update(Tenant).where(col(Tenant.id) == tenant_id, col(Tenant.status).in_(allowed)).values(**values)
     )
     session.refresh(tenant)
-    if result.rowcount != 1 and tenant.status != target:
+    if rowcount(result) != 1 and tenant.status != target:
         raise TenantStateConflict(tenant_id, tenant.status, target.value)
     return tenant
 

@@ -114,9 +114,9 @@ class FleetMetering:
         """The node now runs this allocation's workload (a repeat for the one it runs is a no-op)."""
         node = self._node(node_id)
         with node.lock:
-            if node.is_open and node.current.allocation_id == allocation.allocation_id:
-                return
-            if node.is_open:
+            if node.current is not None and node.is_open:
+                if node.current.allocation_id == allocation.allocation_id:
+                    return
                 self._end(node, allocation.started_ms)
             node.current = allocation
             node.history.append(allocation)
@@ -133,6 +133,7 @@ class FleetMetering:
 
     @staticmethod
     def _end(node: _NodeMeter, at_ms: int) -> None:
+        assert node.current is not None  # callers end an open allocation only
         ended = replace(node.current, ended_ms=max(at_ms, node.current.started_ms))
         node.current = ended
         node.history[-1] = ended

@@ -111,7 +111,7 @@ class LocalObjectStore(ObjectStore):
             raise ObjectMissingError(key) from None
         return ObjectInfo(key, st.st_size, datetime.fromtimestamp(st.st_mtime, UTC))
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def scan(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         if not base.is_dir():
             return

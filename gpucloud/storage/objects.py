@@ -67,11 +67,11 @@ class ObjectStore(ABC):
         return True
 
     @abstractmethod
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def scan(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object whose key starts with `prefix`, in key order."""
 
     def list_keys(self, prefix: str) -> list[str]:
-        return [info.key for info in self.list(prefix)]
+        return [info.key for info in self.scan(prefix)]
 
     @abstractmethod
     def delete(self, key: str) -> None:

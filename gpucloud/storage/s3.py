@@ -130,7 +130,7 @@ class S3ObjectStore(ObjectStore):
             raise self._classified(exc, key) from exc
         return ObjectInfo(key, head["ContentLength"], head["LastModified"])
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def scan(self, prefix: str) -> Iterator[ObjectInfo]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
         for page in pages:
             for obj in page.get("Contents", ()):

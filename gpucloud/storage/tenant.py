@@ -58,7 +58,7 @@ class TenantStorage:
     def delete(self, key: str) -> None:
         self._backend.delete(self.object_key(key))
 
-    def list(self, prefix: str = "") -> list[str]:
+    def keys(self, prefix: str = "") -> list[str]:
         """Keys under the tenant's prefix (relative), optionally under a sub-prefix."""
         return [k[len(self.prefix) :] for k in self._backend.list_keys(self.prefix + prefix)]
 

@@ -41,7 +41,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.workflows import options
-    from gpucloud.workflows.node_lifecycle import _STEPS, _SUCCESS, _Act, _Move
+    from gpucloud.workflows.node_lifecycle import _STEPS, _SUCCESS, _Act, _Move, failure_message
 
 STEPS = _STEPS[NodeOperationKind.BRINGUP]
 DONE = _SUCCESS[NodeOperationKind.BRINGUP]
@@ -140,7 +140,7 @@ class BringupBatchWorkflow:
             )
         except ActivityError as err:
             # The batch call itself kept failing (not one agent): leave these nodes to the reconciler.
-            reason = f"{action} batch failed: {err.cause.message if err.cause is not None else err.message}"
+            reason = f"{action} batch failed: {failure_message(err)}"
             return AgentBatchResult(unreachable=dict.fromkeys(node_ids, reason))
 
     async def _move(self, moves: list[tuple[str, NodeEvent, str]]) -> None:

@@ -217,8 +217,7 @@ class NodeOperationWorkflow:
         try:
             await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)
         except ActivityError as err:
-            cause = err.cause
-            return f"{action} failed: {cause.message if cause is not None else err.message}"
+            return f"{action} failed: {failure_message(err)}"
         return None
 
     def _set_state(self, state: str) -> None:
@@ -227,3 +226,9 @@ class NodeOperationWorkflow:
 
     def _result(self, ok: bool, error: str | None) -> NodeOperationResult:
         return NodeOperationResult(node_id=self._inp.node_id, ok=ok, state=self._state, error=None if ok else error)
+
+
+def failure_message(err: ActivityError) -> str:
+    """What an activity failure says: its cause's message (an application error's), else its own."""
+    cause = err.cause
+    return str(getattr(cause, "message", None) or cause or err.message)

@@ -73,6 +73,12 @@ class RolloutWorkflow:
         self._attempted: list[RolloutTarget] = []  # nodes sent an activate: rollback covers them all
         self._prefetches: dict[int, workflow.ActivityHandle] = {}
 
+    @property
+    def _running(self) -> RolloutProgress:
+        """The progress of a run under way (set as the run starts)."""
+        assert self._progress is not None, "the rollout has not started"
+        return self._progress
+
     # Run ----------------------------------------------------------------------------------------
 
     @workflow.run
@@ -91,7 +97,7 @@ class RolloutWorkflow:
         try:
             nodes = await self._targets(inp)
             waves = plan_waves([n.node_id for n in nodes], inp.waves)
-            self._progress.waves = waves
+            self._running.waves = waves
             by_id = {n.node_id: n for n in nodes}
             prepared = await workflow.execute_activity_method(
                 RolloutActivities.prepare_rollout,
@@ -123,7 +129,7 @@ class RolloutWorkflow:
         return resolved.nodes
 
     async def _wave(self, index: int) -> None:
-        progress, nodes = self._progress, self._waves[index]
+        progress, nodes = self._running, self._waves[index]
         await self._hold_while_paused()
         progress.wave = index + 1
         progress.phase = RolloutPhase.PREFETCHING
@@ -185,15 +191,15 @@ class RolloutWorkflow:
         try:
             return handle.result()
         except ActivityError as error:
-            raise _Stop(f"wave {self._progress.wave} {step}: {_reason(error)}") from None
+            raise _Stop(f"wave {self._running.wave} {step}: {_reason(error)}") from None
 
     def _require(self, result: WaveResult, step: str) -> None:
         for outcome in result.outcomes:
-            self._progress.outcomes[outcome.node_id] = outcome
+            self._running.outcomes[outcome.node_id] = outcome
         if failed := result.failed:
             names = ", ".join(o.node_id for o in failed[:5]) + (" ..." if len(failed) > 5 else "")
             raise _Stop(
-                f"wave {self._progress.wave} {step} failed on {len(failed)} node(s) ({names}): {failed[0].detail}"
+                f"wave {self._running.wave} {step} failed on {len(failed)} node(s) ({names}): {failed[0].detail}"
             )
         self._stop_if_aborted()
 
@@ -203,12 +209,12 @@ class RolloutWorkflow:
 
     async def _hold_while_paused(self) -> None:
         if self._paused:
-            self._progress.phase = RolloutPhase.PAUSED
+            self._running.phase = RolloutPhase.PAUSED
             await workflow.wait_condition(lambda: not self._paused or self._abort is not None)
         self._stop_if_aborted()
 
     async def _roll_back(self, reason: str) -> None:
-        self._progress.phase, self._progress.reason = RolloutPhase.ROLLING_BACK, reason
+        self._running.phase, self._running.reason = RolloutPhase.ROLLING_BACK, reason
         for handle in self._prefetches.values():
             if not handle.done():
                 handle.cancel()
@@ -217,12 +223,12 @@ class RolloutWorkflow:
         result = await workflow.execute_activity_method(
             RolloutActivities.rollback_wave, self._request(self._attempted), **options.ROLLOUT_ROLLBACK
         )
-        self._progress.rolled_back = [o.node_id for o in result.outcomes]
+        self._running.rolled_back = [o.node_id for o in result.outcomes]
         for outcome in result.outcomes:
-            self._progress.outcomes[outcome.node_id] = outcome
+            self._running.outcomes[outcome.node_id] = outcome
 
     async def _finish(self, phase: RolloutPhase, reason: str) -> RolloutResult:
-        progress = self._progress
+        progress = self._running
         progress.phase, progress.reason = phase, reason
         await workflow.wait_condition(workflow.all_handlers_finished)
         return RolloutResult(
@@ -240,7 +246,7 @@ class RolloutWorkflow:
         return self._snapshot()
 
     def _snapshot(self) -> RolloutProgress:
-        return self._progress.model_copy(update={"paused": self._paused}, deep=True)
+        return self._running.model_copy(update={"paused": self._paused}, deep=True)
 
     @workflow.update
     def pause(self, req: ReasonInput) -> RolloutProgress:

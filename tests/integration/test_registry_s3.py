@@ -125,7 +125,7 @@ def test_push_pull_and_dedup_over_s3(bucket: Bucket, tmp_path: Path) -> None:
 
     assert len(expected) == 3 and v2.chunks_uploaded == 3 and v2.bytes_uploaded == 9000
     assert len(bucket.keys("chunks/")) == v1.chunks_uploaded + 3
-    assert sorted(bucket.manifests.list()) == sorted([v1.digest, v2.digest])
+    assert sorted(bucket.manifests.digests()) == sorted([v1.digest, v2.digest])
     assert same_tree(tuned, bucket.pull(v2.digest, tmp_path / "out" / "v2").path)
     assert same_tree(tmp_path / "v1", bucket.pull(v1.digest, tmp_path / "out" / "v1").path)
 

@@ -78,7 +78,7 @@ def test_objects_live_under_the_tenant_prefix_and_tenants_do_not_see_each_other(
     acme.put("ckpt/step-1", b"acme weights")
     globex.put("ckpt/step-1", b"globex weights")
     assert backend.list_keys("tenants/acme/") == ["tenants/acme/ckpt/step-1"]
-    assert acme.list() == ["ckpt/step-1"] and globex.list("ckpt/") == ["ckpt/step-1"]
+    assert acme.keys() == ["ckpt/step-1"] and globex.keys("ckpt/") == ["ckpt/step-1"]
     assert acme.get("ckpt/step-1") == b"acme weights"
     assert globex.get("ckpt/step-1") == b"globex weights"
     with pytest.raises(KeyOutsidePrefixError):

@@ -178,7 +178,7 @@ def test_manifest_store_round_trip_and_tamper_detection(tmp_path: Path) -> None:
     digest = store.put(signed)
 
     assert store.get(digest) == signed
-    assert list(store.list()) == [digest]
+    assert list(store.digests()) == [digest]
     with pytest.raises(VersionNotFoundError):
         store.get(chunk_id(99))
 

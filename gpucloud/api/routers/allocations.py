@@ -141,7 +141,7 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
                     tenant_id,
                     gpu_type=req.gpu_type,
                     region=req.region,
-                    node_count=req.node_count,
+                    node_count=req.node_count or 0,  # the validator fills it in (from nvl72_trays)
                     default_gpus=settings.tenants.default_gpu_quota,
                 )
                 alloc = Allocation(tenant_id=tenant_id, **req.model_dump())

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import col, select
 
@@ -127,9 +127,7 @@ def _without_secret(body: bytes) -> bytes:
     return json.dumps({**json.loads(body), "key": None}).encode()
 
 
-async def _created(
-    request: Request, settings: Settings, caller: Caller, idempotency_key: str | None, make
-) -> JSONResponse:
+async def _created(request: Request, settings: Settings, caller: Caller, idempotency_key: str | None, make) -> Response:
     async def handler() -> JSONResponse:
         created = await run_in_threadpool(make)
         return JSONResponse(created.model_dump(mode="json"), status_code=201)

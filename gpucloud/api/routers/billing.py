@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable
 from datetime import date
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Response
 from fastapi.concurrency import run_in_threadpool
@@ -39,7 +39,7 @@ router = APIRouter(prefix="/v1", tags=["billing"])
 PERIOD_PATTERN = r"^\d{4}-(0[1-9]|1[0-2])$"
 PeriodQuery = Annotated[str | None, Query(pattern=PERIOD_PATTERN, description="billing period, YYYY-MM (UTC)")]
 TenantQuery = Annotated[str | None, Query(description="operators: the tenant (tenants: always their own)")]
-INVOICE_RESPONSE = {
+INVOICE_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {"application/json": {}},
         "description": "the invoice document, canonical JSON (sorted keys, integers only)",
@@ -78,6 +78,7 @@ async def _ask(call: Awaitable[T], *, kind: str = "", ident: str = "") -> T:
 
 def _tenant(caller: Caller, tenant_id: str | None) -> str:
     if not caller.is_operator:
+        assert caller.tenant_id is not None  # billing answers tenants and operators only
         return caller.tenant_id
     if tenant_id is None:
         raise Problem(

@@ -82,7 +82,7 @@ def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[Ro
             for n in session.exec(
                 select(Node).where(col(Node.id).in_(req.node_ids), col(Node.tenant_id) == tenant_id)
             ).all()
-        }  # type: ignore[attr-defined]
+        }
     if unknown := [n for n in req.node_ids if n not in nodes]:
         raise _invalid(f"node_ids: not nodes of this tenant: {', '.join(unknown[:10])}")
     return [

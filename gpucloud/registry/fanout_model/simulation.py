@@ -15,8 +15,13 @@ def simulate(config: FanoutConfig) -> FanoutResult:
     count = math.ceil(config.artifact_bytes / size)
     sizes = [size] * (count - 1) + [config.artifact_bytes - size * (count - 1)]
     network = Network(config)
-    strategy = {"origin_only": OriginOnly, "tiered_mirrors": TieredMirrors, "p2p": PeerToPeer}
-    fanout = strategy[config.strategy](config, network, sizes)
+    fanout: Fanout
+    if config.strategy == "origin_only":
+        fanout = OriginOnly(config, network, sizes)
+    elif config.strategy == "tiered_mirrors":
+        fanout = TieredMirrors(config, network, sizes)
+    else:
+        fanout = PeerToPeer(config, network, sizes)
     fanout.run()
     return summarise(config, network, fanout, size)
 

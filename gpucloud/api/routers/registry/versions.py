@@ -116,6 +116,7 @@ def _register_version(
     except sa.exc.IntegrityError:  # the same version posted concurrently
         with session_scope(settings.database_url) as session:
             existing = promotion.version_row(session, tenant_id, digest)
+            assert existing is not None  # the insert that won the race committed it
             return promotion.publish_versions(session, tenant_id, [existing])[0], False
 
 
