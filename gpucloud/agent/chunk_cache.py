@@ -39,8 +39,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from gpucloud.registry.chunking import MiB, new_hasher
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
@@ -51,11 +49,11 @@ from gpucloud.registry.manifest import (
     IntegrityError,
     Keyring,
     Manifest,
-    ManifestTamperedError,
     SignedManifest,
     VersionNotFoundError,
     is_digest,
 )
+from gpucloud.storage.local import fsync_path
 
 CURRENT = "current"
 PREVIOUS = "previous"
@@ -91,14 +89,6 @@ def _checked(digest: str) -> str:
     if not is_digest(digest):
         raise ValueError(f"{digest!r} is not a BLAKE3 digest (64 lowercase hex digits)")
     return digest
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pread(path: Path, offset: int, size: int) -> bytes:
@@ -228,12 +218,7 @@ class ChunkCache:
             raw = (self._manifests / _checked(digest)).read_bytes()
         except FileNotFoundError:
             raise VersionNotFoundError(f"no manifest for version {digest} on this node") from None
-        try:
-            signed = SignedManifest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise ManifestTamperedError(f"manifest of version {digest} is unreadable: {exc}") from None
-        if signed.digest != digest:
-            raise ManifestTamperedError(f"manifest kept as {digest} now hashes to {signed.digest}")
+        signed = SignedManifest.parse(raw, digest, source="kept on this node")
         return self._keyring.verify(signed, tenant=self._tenant)
 
     def missing(self, digest: str) -> list[ChunkRef]:
@@ -275,14 +260,14 @@ class ChunkCache:
                 path.chmod(0o444)  # a loader that writes into a version would corrupt it for peers
             staging.chmod(0o755)
             for directory, _, _ in os.walk(staging):
-                _fsync(Path(directory))
+                fsync_path(Path(directory))
             try:
                 os.rename(staging, target)
             except OSError:
                 if not target.is_dir():
                     raise
                 _remove_tree(staging)  # another thread assembled it first; theirs is as good
-            _fsync(self._versions)
+            fsync_path(self._versions)
         except BaseException:
             _remove_tree(staging)
             raise
@@ -366,7 +351,7 @@ class ChunkCache:
             self.verify(previous)
             self._point(CURRENT, previous)
             (self.root / PREVIOUS).unlink()
-            _fsync(self.root)
+            fsync_path(self.root)
         return previous
 
     def deactivate(self, digest: str) -> bool:
@@ -376,7 +361,7 @@ class ChunkCache:
             if self.active() != digest:
                 return False
             (self.root / CURRENT).unlink()
-            _fsync(self.root)
+            fsync_path(self.root)
         return True
 
     def _target(self, name: str) -> str | None:
@@ -389,7 +374,7 @@ class ChunkCache:
         link = self.root / f".{name}.{uuid.uuid4().hex}"
         os.symlink(f"versions/{digest}", link)  # relative, so the cache root may move
         os.replace(link, self.root / name)
-        _fsync(self.root)
+        fsync_path(self.root)
 
     # Housekeeping ----------------------------------------------------------------------------
 

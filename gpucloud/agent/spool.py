@@ -90,16 +90,10 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
-class UsageSample:
+class UsageSample(Usage):
     """A spooled sample: usage plus the identity the ledger deduplicates on, (node_id, seq)."""
 
     node_id: str
-    allocation_id: str
-    tenant_id: str
-    gpu_type: str
-    gpu_count: int
-    start_ms: int
-    end_ms: int
     seq: int
 
     def to_wire(self) -> dict:
@@ -235,7 +229,7 @@ class Spool:
                 (now_ms, limit),
             ).fetchall()
         return [
-            UsageSample(self.node_id, allocation_id, tenant_id, gpu_type, gpu_count, start_ms, end_ms, seq)
+            UsageSample(allocation_id, tenant_id, gpu_type, gpu_count, start_ms, end_ms, self.node_id, seq)
             for seq, allocation_id, tenant_id, gpu_type, gpu_count, start_ms, end_ms in rows
         ]
 
@@ -282,7 +276,7 @@ class Spool:
                 " FROM samples WHERE state = 2 ORDER BY seq"
             ).fetchall()
         return [
-            (UsageSample(self.node_id, a, t, g, c, s, e, seq), json.loads(problem))
+            (UsageSample(a, t, g, c, s, e, self.node_id, seq), json.loads(problem))
             for seq, a, t, g, c, s, e, problem in rows
         ]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
@@ -137,21 +137,21 @@ def install_weights_api(
             "origin_bytes": result.stats.origin_bytes,
         }
 
-    @app.post("/weights/verify")
-    def verify(req: VersionRequest):
+    def checked(step: Callable[[str], object], digest: str, answer: dict[str, Any]):
+        """The node's state after `step` on a version, or the problem its files have."""
         try:
-            cache.verify(req.digest)
+            step(digest)
         except (IntegrityError, VersionNotFoundError) as exc:
             return _integrity_problem(exc)
-        return state() | {"digest": req.digest, "verified": True}
+        return state() | answer
+
+    @app.post("/weights/verify")
+    def verify(req: VersionRequest):
+        return checked(cache.verify, req.digest, {"digest": req.digest, "verified": True})
 
     @app.post("/weights/activate")
     def activate(req: VersionRequest):
-        try:
-            cache.activate(req.digest)
-        except (IntegrityError, VersionNotFoundError) as exc:
-            return _integrity_problem(exc)
-        return state()
+        return checked(cache.activate, req.digest, {})
 
     @app.post("/weights/rollback")
     def rollback(req: VersionRequest):

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
-from sqlmodel import Session
+from sqlmodel import Session, SQLModel, select
 from temporalio.client import Client
 
 from gpucloud.api import auth
 from gpucloud.config import Settings
 from gpucloud.db import get_engine
 from gpucloud.ledger.client import LedgerClient
-from gpucloud.web.problems import Problem
+from gpucloud.web.problems import Problem, not_found
+
+RowT = TypeVar("RowT", bound=SQLModel)
 
 
 def get_settings(request: Request) -> Settings:
@@ -109,3 +111,15 @@ def get_ledger(request: Request) -> LedgerClient:
 
 
 LedgerDep = Annotated[LedgerClient, Depends(get_ledger)]
+
+
+def visible(session: Session, caller: auth.Caller, table: type[RowT], kind: str, ident: str) -> RowT:
+    """The row with this id if the caller may see it: the operator any, a tenant its own.
+    Anything else is the same 404 as a missing row, so ids of other tenants give nothing away."""
+    query: Any = select(table).where(table.id == ident)  # type: ignore[attr-defined]
+    if not caller.is_operator:
+        query = query.where(table.tenant_id == caller.tenant_id)  # type: ignore[attr-defined]
+    row = session.exec(query).first()
+    if row is None:
+        raise not_found(kind, ident)
+    return row

@@ -15,10 +15,13 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import Annotated
 
 import sqlalchemy as sa
+from fastapi import Header, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from sqlmodel import col, select
 
 from gpucloud.db import session_scope
@@ -151,6 +154,36 @@ async def run_idempotent(
         raise
     await run_in_threadpool(_finish, db_url, caller, key, response, redact)
     return response
+
+
+IdempotencyKey = Annotated[str | None, Header(description="makes a create safe to retry (kept 24 h)")]
+
+
+async def idempotent(
+    request: Request,
+    db_url: str,
+    caller: str,
+    key: str | None,
+    handler: Callable[[], Awaitable[Response]],
+    *,
+    redact: Callable[[bytes], bytes] | None = None,
+) -> Response:
+    """`run_idempotent` for the request a route is serving."""
+    return await run_idempotent(
+        db_url=db_url,
+        caller=caller,
+        key=key,
+        method=request.method,
+        path=request.url.path,
+        body=await request.body(),
+        handler=handler,
+        redact=redact,
+    )
+
+
+def accepted(body: BaseModel, location: str, status_code: int = 202) -> JSONResponse:
+    """The answer to a create: the body, and where the new resource (or its operation) lives."""
+    return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers={"Location": location})
 
 
 async def _answer_replay(

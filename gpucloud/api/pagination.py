@@ -11,12 +11,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import Annotated, Any
+
+from fastapi import Query
+from sqlmodel import Session, SQLModel, select
 
 from gpucloud.web.problems import Problem
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
+
+PageSize = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="rows per page")]
+PageToken = Annotated[str | None, Query(description="the previous page's next_page_token")]
 
 
 @dataclass(frozen=True)
@@ -65,3 +74,26 @@ def page(rows: list, page_size: int, key_of, filters: dict) -> tuple[list, str]:
         return rows, ""
     rows = rows[:page_size]
     return rows, encode(key_of(rows[-1]), filters)
+
+
+def fetch(
+    session: Session,
+    table: type[SQLModel],
+    key: str,
+    *,
+    page_size: int,
+    page_token: str | None,
+    equal: Mapping[str, Any],
+) -> tuple[list[Any], str]:
+    """One page of `table`'s rows in `key` order, and the next token. `equal` maps columns to
+    the values they must have (None: any); the token is bound to them."""
+    filters = dict(equal)
+    cursor = decode(page_token, filters)
+    column = getattr(table, key)
+    query = select(table).order_by(column).limit(page_size + 1)
+    for name, value in filters.items():
+        if value is not None:
+            query = query.where(getattr(table, name) == value)
+    if cursor.after is not None:
+        query = query.where(column > cursor.after)
+    return page(list(session.exec(query).all()), page_size, attrgetter(key), filters)

@@ -7,15 +7,13 @@ Amounts are integer micro-units in the API; shown here with six decimals.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Literal
 
-import httpx
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 
-from gpucloud.config import get_settings
+from gpucloud.cli.common import ApiKey, api_client, console, reported_errors
 
 Justify = Literal["left", "right"]
 
@@ -24,9 +22,7 @@ invoices_app = typer.Typer(
     invoke_without_command=True,
     help="Invoices as tables: list them, `show ID`, or the open period's `draft`.",
 )
-console = Console()
 
-ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
 Tenant = Annotated[str | None, typer.Option("--tenant", help="operators: only this tenant")]
 
 
@@ -108,30 +104,6 @@ def invoice_table(document: dict, *, status: str) -> Group:
     return Group(table, f"total {money(document['total_micro'])}")
 
 
-def _client(api_key: str | None) -> httpx.Client:
-    settings = get_settings()
-    token = api_key or settings.operator_token
-    return httpx.Client(base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {token}"})
-
-
-def _get(api_key: str | None, path: str, **params) -> httpx.Response:
-    settings = get_settings()
-    try:
-        with _client(api_key) as client:
-            response = client.get(path, params={k: v for k, v in params.items() if v is not None})
-    except httpx.HTTPError as exc:
-        console.print(f"[red]cannot reach the API at {settings.api_url}:[/] {exc}; is `gpucloud up` running?")
-        raise typer.Exit(1) from exc
-    if response.status_code != 200:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        console.print(f"[red]error ({response.status_code}):[/] {detail}")
-        raise typer.Exit(1)
-    return response
-
-
 @invoices_app.callback()
 def invoices(
     ctx: typer.Context,
@@ -142,15 +114,18 @@ def invoices(
     """List invoices of closed periods (`show ID` for one, `draft` for the current period's so far)."""
     if ctx.invoked_subcommand is not None:
         return
-    console.print(invoice_list_table(_get(api_key, "/v1/invoices", tenant_id=tenant, period=period).json()["items"]))
+    with reported_errors(), api_client(api_key=api_key, operator=True) as api:
+        listing = api.billing.invoices(tenant_id=tenant, period=period)
+    console.print(invoice_list_table([i.model_dump(mode="json") for i in listing.items]))
 
 
 @invoices_app.command()
 def show(invoice_id: int, api_key: ApiKey = None) -> None:
     """One invoice's lines and total, and the SHA-256 of its bytes (the same bytes every time)."""
-    response = _get(api_key, f"/v1/invoices/{invoice_id}")
-    console.print(invoice_table(json.loads(response.content), status="final"))
-    console.print(f"sha256 {response.headers.get('etag', '').strip(chr(34))}")
+    with reported_errors(), api_client(api_key=api_key, operator=True) as api:
+        invoice = api.billing.invoice(invoice_id)
+    console.print(invoice_table(invoice.body, status="final"))
+    console.print(f"sha256 {invoice.etag}")
 
 
 @invoices_app.command()
@@ -160,5 +135,6 @@ def draft(
     period: Annotated[str | None, typer.Option(help="an open period (default: the current one)")] = None,
 ) -> None:
     """What the open period's invoice holds so far."""
-    response = _get(api_key, "/v1/invoices:draft", tenant_id=tenant, period=period)
-    console.print(invoice_table(json.loads(response.content), status="draft"))
+    with reported_errors(), api_client(api_key=api_key, operator=True) as api:
+        invoice = api.billing.draft(tenant_id=tenant, period=period)
+    console.print(invoice_table(invoice.body, status="draft"))

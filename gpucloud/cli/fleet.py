@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Annotated
 
-import httpx
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 
-from gpucloud.config import get_settings
+from gpucloud.cli.common import api_client, console, reported_errors
+from gpucloud.client.api import Gpucloud
+from gpucloud.models.tables import NodePublic
 
 STATE_STYLE = {
     "available": "green",
@@ -26,31 +28,17 @@ STATE_STYLE = {
 }
 
 
-def _fetch(client: httpx.Client, state: str | None, limit: int) -> tuple[list[dict], dict]:
-    items: list[dict] = []
-    token = ""
-    while len(items) < limit:
-        params: dict[str, str | int] = {
-            "page_size": min(1000, limit - len(items)),
-            **({"state": state} if state else {}),
-            **({"page_token": token} if token else {}),
-        }
-        page = client.get("/v1/nodes", params=params)
-        page.raise_for_status()
-        body = page.json()
-        items += body["items"]
-        token = body["next_page_token"]
-        if not token:
-            break
-    summary = client.get("/v1/fleet/summary").json()
-    return items, summary
+def _fetch(api: Gpucloud, state: str | None, limit: int) -> tuple[list[NodePublic], dict]:
+    nodes = list(itertools.islice(api.nodes.list(state=state, page_size=min(1000, limit)), limit))
+    return nodes, api.nodes.summary()
 
 
-def _render(nodes: list[dict], summary: dict) -> Group:
+def _render(nodes: list[NodePublic], summary: dict) -> Group:
     table = Table(title=f"nodes ({len(nodes)} shown of {summary['total']})")
     for col in ("id", "state", "health", "gpu", "rack", "allocation", "flags"):
         table.add_column(col)
-    for n in nodes:
+    for node in nodes:
+        n = node.model_dump(mode="json")
         flags = ",".join(
             f
             for f, on in (
@@ -81,21 +69,14 @@ def nodes(
     limit: Annotated[int, typer.Option(help="at most this many rows")] = 200,
 ) -> None:
     """List nodes (operator token from GPUCLOUD_API__OPERATOR_TOKEN or the data dir)."""
-    settings = get_settings()
-    client = httpx.Client(
-        base_url=settings.api_url, timeout=30, headers={"Authorization": f"Bearer {settings.operator_token}"}
-    )
-    console = Console()
     try:
-        if not watch:
-            console.print(_render(*_fetch(client, state, limit)))
-            return
-        with Live(_render(*_fetch(client, state, limit)), console=console, refresh_per_second=2) as live:
-            while True:
-                time.sleep(2)
-                live.update(_render(*_fetch(client, state, limit)))
-    except httpx.HTTPError as exc:
-        console.print(f"[red]cannot reach the API at {settings.api_url}:[/] {exc}; is `gpucloud up` running?")
-        raise typer.Exit(1) from exc
+        with reported_errors(), api_client(operator=True) as api:
+            if not watch:
+                console.print(_render(*_fetch(api, state, limit)))
+                return
+            with Live(_render(*_fetch(api, state, limit)), console=console, refresh_per_second=2) as live:
+                while True:
+                    time.sleep(2)
+                    live.update(_render(*_fetch(api, state, limit)))
     except KeyboardInterrupt:
         pass

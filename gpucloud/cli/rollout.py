@@ -8,53 +8,21 @@ rollout succeeds or rolls back (exit 0 on success, 1 otherwise).
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated
 
-import httpx
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import TextColumn
 
-from gpucloud.config import get_settings
+from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, progress_bar, reported_errors
+from gpucloud.client.api import Gpucloud
+from gpucloud.models.rollout_messages import RolloutProgress
 
 rollout_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     help="Staged rollouts of a model version: canary, then waves, with rollback.",
 )
-console, err = Console(), Console(stderr=True)
-FINISHED = {"succeeded", "rolled_back", "failed"}
-
-ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="GPUCLOUD_API_URL", help="default: the configured API")]
-ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
-
-
-def _client(api_url: str | None, api_key: str | None) -> httpx.Client:
-    if not api_key:
-        err.print("[red]error:[/] no API key: set GPUCLOUD_API_KEY or pass --api-key")
-        raise typer.Exit(1)
-    return httpx.Client(
-        base_url=api_url or get_settings().api_url, timeout=30, headers={"Authorization": f"Bearer {api_key}"}
-    )
-
-
-def _call(client: httpx.Client, method: str, path: str, **kwargs) -> dict:
-    try:
-        response = client.request(method, path, **kwargs)
-    except httpx.TransportError as exc:
-        err.print(f"[red]error:[/] cannot reach the API: {exc}")
-        raise typer.Exit(1) from None
-    if response.status_code >= 400:
-        try:
-            body = response.json()
-            detail = f"{body.get('title')}: {body.get('detail')}"
-        except ValueError:
-            detail = response.text[:500]
-        err.print(f"[red]error ({response.status_code}):[/] {detail}")
-        raise typer.Exit(1)
-    return response.json()
 
 
 def parse_wave(text: str) -> dict:
@@ -67,48 +35,38 @@ def parse_wave(text: str) -> dict:
         raise typer.BadParameter(f"{text!r} is neither a node count nor a percentage", param_hint="--wave") from None
 
 
-def _describe(progress: dict) -> str:
-    waves = len(progress.get("waves") or []) or "?"
-    state = "paused" if progress.get("paused") and progress["phase"] not in FINISHED else progress["phase"]
-    return f"wave {progress.get('wave', 0)}/{waves} {state}"
+def describe(progress: RolloutProgress) -> str:
+    state = "paused" if progress.paused and not progress.finished else progress.phase
+    return f"wave {progress.wave}/{len(progress.waves) or '?'} {state}"
 
 
-def watch(client: httpx.Client, rollout_id: str, *, poll_s: float = 1.0) -> dict:
-    """Follow the rollout with a live bar until it ends; its final progress."""
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("nodes active"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as bar:
+def watch(
+    api: Gpucloud, rollout_id: str, *, out: Console = console, poll_s: float = 1.0, timeout_s: float = 7 * 86400
+) -> RolloutProgress:
+    """Follow the rollout with a live bar of activated nodes over its target until it ends; its
+    final progress (a summary line printed)."""
+    with progress_bar(out, TextColumn("nodes active")) as bar:
         task = bar.add_task(rollout_id, total=None)
-        while True:
-            progress = _call(client, "GET", f"/v1/rollouts/{rollout_id}")
-            total = sum(len(w) for w in progress.get("waves") or []) or None
+
+        def show(progress: RolloutProgress) -> None:
+            total = sum(len(w) for w in progress.waves) or None
             bar.update(
-                task,
-                total=total,
-                completed=len(progress.get("activated") or []),
-                description=f"{rollout_id} {_describe(progress)}",
+                task, total=total, completed=len(progress.activated), description=f"{rollout_id} {describe(progress)}"
             )
-            if progress["phase"] in FINISHED:
-                break
-            time.sleep(poll_s)
-    _summary(progress)
-    return progress
+
+        final = api.rollouts.watch(rollout_id, poll_s=poll_s, timeout_s=timeout_s, on_poll=show)
+    summary(final, out)
+    return final
 
 
-def _summary(progress: dict) -> None:
-    phase = progress["phase"]
-    colour = "green" if phase == "succeeded" else "yellow" if phase in ("rolled_back", "failed") else "cyan"
-    console.print(
-        f"[{colour}]{progress['rollout_id']}: {_describe(progress)}[/]"
-        + (f" — {progress['reason']}" if progress.get("reason") else "")
+def summary(progress: RolloutProgress, out: Console = console) -> None:
+    colour = {"succeeded": "green", "rolled_back": "yellow", "failed": "yellow"}.get(progress.phase, "cyan")
+    out.print(
+        f"[{colour}]{progress.rollout_id}: {describe(progress)}[/]"
+        + (f" — {progress.reason}" if progress.reason else "")
     )
-    if progress.get("rolled_back"):
-        console.print(f"rolled back: {', '.join(progress['rolled_back'])}")
+    if progress.rolled_back:
+        out.print(f"rolled back: {', '.join(progress.rolled_back)}")
 
 
 @rollout_app.command()
@@ -137,13 +95,10 @@ def start(
         body["serving_fleet"] = True
     if wave:
         body["waves"] = [parse_wave(w) for w in wave]
-    with _client(api_url, api_key) as client:
-        accepted = _call(
-            client, "POST", "/v1/rollouts", json=body, headers={"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
-        )
-        rollout_id = accepted["rollout_id"]
+    with reported_errors(), api_client(api_url, api_key) as api:
+        rollout_id = api.rollouts.create(body, idempotency_key=idempotency_key).rollout_id
         console.print(f"rollout [bold]{rollout_id}[/] started")
-        if wait and watch(client, rollout_id)["phase"] != "succeeded":
+        if wait and watch(api, rollout_id).phase != "succeeded":
             raise typer.Exit(1)
 
 
@@ -155,23 +110,23 @@ def status(
     api_key: ApiKey = None,
 ) -> None:
     """Show a rollout's progress (per node, where a step reported on it)."""
-    with _client(api_url, api_key) as client:
+    with reported_errors(), api_client(api_url, api_key) as api:
         if follow:
-            watch(client, rollout_id)
+            watch(api, rollout_id)
             return
-        progress = _call(client, "GET", f"/v1/rollouts/{rollout_id}")
-    _summary(progress)
-    for index, nodes in enumerate(progress.get("waves") or [], start=1):
+        progress = api.rollouts.get(rollout_id)
+    summary(progress)
+    for index, nodes in enumerate(progress.waves, start=1):
         console.print(f"  wave {index}: {', '.join(nodes)}")
-    for node_id, outcome in sorted((progress.get("outcomes") or {}).items()):
-        if not outcome["ok"]:
-            console.print(f"  [red]{node_id}[/]: {outcome['detail']}")
+    for node_id, outcome in sorted(progress.outcomes.items()):
+        if not outcome.ok:
+            console.print(f"  [red]{node_id}[/]: {outcome.detail}")
 
 
 def _command(name: str, rollout_id: str, reason: str, api_url: str | None, api_key: str | None) -> None:
-    with _client(api_url, api_key) as client:
-        progress = _call(client, "POST", f"/v1/rollouts/{rollout_id}:{name}", json={"reason": reason})
-    _summary(progress)
+    with reported_errors(), api_client(api_url, api_key) as api:
+        progress = api.rollouts.command(rollout_id, name, reason)
+    summary(progress)
 
 
 Reason = Annotated[str, typer.Option(help="why, kept with the rollout")]

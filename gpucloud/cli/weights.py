@@ -29,6 +29,7 @@ from rich.filesize import decimal as human_size
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
+from gpucloud.cli.common import console, err, reported_errors
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, signer_for
 from gpucloud.config import get_settings
@@ -43,8 +44,7 @@ weights_app = typer.Typer(
     add_completion=False,
     help="Model weights: push, pull, promote and list versions through the registry API.",
 )
-out = Console()
-err = Console(stderr=True)
+out = console
 
 
 def parse_target(target: str) -> tuple[str, str]:
@@ -83,26 +83,25 @@ def _num(value: float | None) -> str:
 
 @contextmanager
 def _reported_errors() -> Iterator[None]:
-    """Turn the failures a person can act on into one clear line and a non-zero exit."""
+    """Turn the failures a person can act on into one clear line and a non-zero exit (2: the
+    bytes failed their integrity check and nothing was written)."""
     try:
-        yield
-    except ApiError as exc:
-        if exc.type == "gates-failed":
-            err.print(failing_metrics_table(exc.body.get("failing_metrics", [])))
-        if exc.type == "signing-key-revoked":
-            err.print(
-                f"the local signing key was revoked: move {get_settings().data_dir / 'signing-keys'}"
-                "/<tenant id>.ed25519 away and push again to create and register a new one"
-            )
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
+        with reported_errors(what="the registry API"):
+            try:
+                yield
+            except ApiError as exc:
+                if exc.type == "gates-failed":
+                    err.print(failing_metrics_table(exc.body.get("failing_metrics", [])))
+                if exc.type == "signing-key-revoked":
+                    err.print(
+                        f"the local signing key was revoked: move {get_settings().data_dir / 'signing-keys'}"
+                        "/<tenant id>.ed25519 away and push again to create and register a new one"
+                    )
+                raise
     except IntegrityError as exc:
         err.print(f"[red]integrity check failed ({type(exc).__name__}):[/] {exc}")
         err.print("nothing was written to the destination")
         raise typer.Exit(2) from None
-    except httpx.TransportError as exc:
-        err.print(f"[red]error:[/] cannot reach the registry API: {exc}")
-        raise typer.Exit(1) from None
     except (httpx.HTTPError, OSError, ValueError) as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None

@@ -189,12 +189,7 @@ class RegistryPullSource:
             if problem.type == "manifest-tampered":
                 raise ManifestTamperedError(f"version {digest}: {problem.detail}") from None
             raise
-        try:
-            signed = SignedManifest.model_validate_json(raw)
-        except ValueError as exc:
-            raise ManifestTamperedError(f"the manifest served for version {digest} is unreadable: {exc}") from None
-        if signed.digest != digest:
-            raise ManifestTamperedError(f"the manifest served for version {digest} hashes to {signed.digest}")
+        signed = SignedManifest.parse(raw, digest, source="served")
         return signed
 
     def stream(self, chunk_id: str) -> Iterator[bytes]:

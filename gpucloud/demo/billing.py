@@ -8,24 +8,18 @@ the current period's draft invoice is shown as a table.
 
 from __future__ import annotations
 
-import json
 import time
 
-import httpx
-from rich.console import Console
-
 from gpucloud.cli.billing import gpu_hours, invoice_table, money
+from gpucloud.client.api import Gpucloud
+from gpucloud.demo.common import Demo, DemoFailed
+from gpucloud.sim.client import SimFleetClient
 
 
-class BillingDemoError(RuntimeError):
-    pass
-
-
-def _metered(sim_url: str, allocation_id: str) -> tuple[int, int, bool]:
+def _metered(sim: SimFleetClient, allocation_id: str) -> tuple[int, int, bool]:
     """GPU-ms the agents metered for the allocation, on how many nodes, and whether all of it shipped."""
-    report = httpx.get(f"{sim_url}/v1/metering", timeout=10).json()
     gpu_ms, nodes, settled = 0, 0, True
-    for node in report["nodes"].values():
+    for node in sim.metering()["nodes"].values():
         intervals = [a for a in node["allocations"] if a["allocation_id"] == allocation_id]
         if not intervals:
             continue
@@ -35,30 +29,23 @@ def _metered(sim_url: str, allocation_id: str) -> tuple[int, int, bool]:
     return gpu_ms, nodes, settled
 
 
-def demo_invoice(
-    console: Console, api_url: str, api_key: str, sim_url: str, allocation_id: str, *, timeout_s: float = 60
-) -> None:
-    tenant = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
+def demo_invoice(demo: Demo, tenant: Gpucloud, allocation_id: str, *, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
-    with console.status("agents ship the last usage samples to the ledger"):
+    with demo.console.status("agents ship the last usage samples to the ledger"):
         while True:
-            metered, nodes, settled = _metered(sim_url, allocation_id)
-            usage = tenant.get("/v1/usage", params={"allocation_id": allocation_id})
-            if usage.status_code != 200:
-                raise BillingDemoError(f"GET /v1/usage -> HTTP {usage.status_code}: {usage.text[:300]}")
-            if settled and usage.json()["gpu_ms"] == metered:
+            metered, nodes, settled = _metered(demo.sim, allocation_id)
+            usage = tenant.billing.usage(allocation_id=allocation_id)
+            if settled and usage.gpu_ms == metered:
                 break
             if time.monotonic() > deadline:
-                raise BillingDemoError(
-                    f"after {timeout_s:.0f}s the ledger holds {usage.json()['gpu_ms']} GPU-ms of "
+                raise DemoFailed(
+                    f"after {timeout_s:.0f}s the ledger holds {usage.gpu_ms} GPU-ms of "
                     f"{allocation_id}, the agents metered {metered}"
                 )
             time.sleep(0.5)
-    console.print(
+    demo.console.print(
         f"metered {gpu_hours(metered)} GPU-hours on {nodes} nodes; the ledger holds exactly "
-        f"{metered:,} GPU-ms, {money(usage.json()['amount_micro'])}"
+        f"{metered:,} GPU-ms, {money(usage.amount_micro)}"
     )
-    draft = tenant.get("/v1/invoices:draft")
-    if draft.status_code != 200:
-        raise BillingDemoError(f"GET /v1/invoices:draft -> HTTP {draft.status_code}: {draft.text[:300]}")
-    console.print(invoice_table(json.loads(draft.content), status="draft until the period ends"))
+    draft = tenant.billing.draft()
+    demo.console.print(invoice_table(draft.body, status="draft until the period ends"))

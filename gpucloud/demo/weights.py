@@ -5,8 +5,6 @@ Everything goes through the public API with the tenant's key, exactly as `gpuclo
 The corrupted pull corrupts one chunk in transit (between the registry and the client) rather than
 in the registry's store, so the demo works against any backend and shows the property that
 matters: the client itself refuses bytes that do not match the signed manifest.
-
-`demo_weights` raises `WeightsDemoError` the moment anything is not as expected.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from rich.console import Console
 from gpucloud.cli.weights import failing_metrics_table, pull_with_progress, push_with_progress
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import RegistryClient, signer_for
+from gpucloud.demo.common import DemoFailed
 from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header
 from gpucloud.registry.manifest import IntegrityError, Lineage
 
@@ -31,10 +30,6 @@ TENSOR_SIZE = 512 * 1024
 # Chunks well below the production 64 MiB, so a 10 MiB demo model still has tensor-sized chunks.
 DEMO_POLICY = ChunkPolicy(max_chunk_size=1 * MiB, pack_size=64 * 1024, fixed_chunk_size=1 * MiB, read_size=1 * MiB)
 GATES = [{"metric": "accuracy", "min": 0.75, "max_regression": 0.01}]
-
-
-class WeightsDemoError(RuntimeError):
-    """The registry did not behave as the demo expects."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +73,15 @@ def _promote(console: Console, client: RegistryClient, model: str, digest: str, 
         client.promote(model, digest, "production")
     except ApiError as exc:
         if not expect_refusal or exc.type != "gates-failed":
-            raise WeightsDemoError(f"promotion of {digest[:12]} to production failed: {exc}") from exc
+            raise DemoFailed(f"promotion of {digest[:12]} to production failed: {exc}") from exc
         failing = {f["metric"] for f in exc.body.get("failing_metrics", [])}
         if failing != {"accuracy"}:
-            raise WeightsDemoError(f"gates refused for {sorted(failing)}, expected ['accuracy']") from exc
+            raise DemoFailed(f"gates refused for {sorted(failing)}, expected ['accuracy']") from exc
         console.print(failing_metrics_table(exc.body["failing_metrics"]))
         console.print(f"  [yellow]refused[/], as it should be: {exc.body['detail']}")
         return
     if expect_refusal:
-        raise WeightsDemoError(f"{digest[:12]} regresses accuracy, yet the gates let it into production")
+        raise DemoFailed(f"{digest[:12]} regresses accuracy, yet the gates let it into production")
     console.print(f"  {model}@production -> {digest[:12]}")
 
 
@@ -120,7 +115,7 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
             lineage=Lineage(parent=v1.digest, training_run="demo-finetune"),
         )
         if v2.stats.bytes_uploaded > 0.15 * v2.stats.bytes_total:
-            raise WeightsDemoError(
+            raise DemoFailed(
                 f"the fine-tune uploaded {v2.stats.bytes_uploaded} of {v2.stats.bytes_total} "
                 "bytes; dedup should have skipped about 90%"
             )
@@ -141,12 +136,12 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
             except IntegrityError as exc:
                 console.print(f"  [yellow]refused[/] ({type(exc).__name__}): {exc}")
             else:
-                raise WeightsDemoError("a pull with a corrupted chunk completed")
+                raise DemoFailed("a pull with a corrupted chunk completed")
         if bad_dest.exists() or any(p.name.startswith(f".{bad_dest.name}") for p in work.iterdir()):
-            raise WeightsDemoError(f"the refused pull left files behind at {bad_dest}")
+            raise DemoFailed(f"the refused pull left files behind at {bad_dest}")
 
         console.rule("weights: clean pull of production")
         pulled = pull_with_progress(client, model, "production", work / "pulled", console=console)
         if _tree(pulled.path) != _tree(v2_dir):
-            raise WeightsDemoError("the pulled production version differs from what was pushed")
+            raise DemoFailed("the pulled production version differs from what was pushed")
     return PushedVersions(model=model, first=v1.digest, production=v2.digest)

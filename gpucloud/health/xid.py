@@ -41,99 +41,68 @@ class XidPolicy:
     rma_candidate: bool = False
 
 
-def _policies(xids: tuple[int, ...], xid_class: XidClass, meanings: dict[int, str], **kwargs) -> dict[int, XidPolicy]:
-    return {xid: XidPolicy(xid=xid, xid_class=xid_class, meaning=meanings[xid], **kwargs) for xid in xids}
+# One row per XID: class, health, action, flags (`fatal`: counts_as_fatal, `rma`: rma_candidate),
+# what it means, and what recovers from it. Application XIDs say nothing about the hardware.
+_TABLE = """
+13  | application       | ok      | none      |           | graphics engine exception
+    | none on the node: count it; escalate when repeats span tenants
+31  | application       | ok      | none      |           | GPU memory page fault
+    | none on the node: count it; escalate when repeats span tenants
+43  | application       | ok      | none      |           | GPU stopped processing (channel reset)
+    | none on the node: count it; escalate when repeats span tenants
+45  | application       | ok      | none      |           | preemptive cleanup after a previous error
+    | none on the node: count it; escalate when repeats span tenants
+68  | application       | ok      | none      |           | video processor exception
+    | none on the node: count it; escalate when repeats span tenants
+46  | fatal             | failed  | drain     | fatal     | GPU stopped processing
+    | drain, reset, verify in burn-in
+95  | fatal             | failed  | drain     | fatal     | uncontained ECC error
+    | drain, reset, verify in burn-in
+119 | fatal             | failed  | drain     | fatal     | GSP RPC timeout
+    | drain, reset, verify in burn-in
+120 | fatal             | failed  | drain     | fatal     | GSP error
+    | drain, reset, verify in burn-in
+140 | fatal             | failed  | drain     | fatal     | unrecovered ECC error
+    | drain, reset, verify in burn-in
+143 | fatal             | failed  | drain     | fatal     | GPU initialization failure
+    | drain, reset, verify in burn-in
+48  | double_bit_ecc    | failed  | drain     | fatal rma | double-bit ECC error
+    | drain, reset to remap the row; RMA if the remap fails
+63  | row_remap         | suspect | watch     |           | row remap recorded
+    | trend it; the remap takes effect at the next reset (the wipe between tenants resets)
+64  | row_remap_failure | failed  | drain     | fatal rma | row remap failed
+    | drain; RMA candidate (spare rows exhausted)
+74  | nvlink            | failed  | drain     | fatal     | NVLink error
+    | drain, read link counters, reset; reseat or RMA
+79  | off_bus           | failed  | drain_now | fatal rma | GPU has fallen off the bus
+    | drain now, power-cycle; RMA on recurrence
+92  | trend             | ok      | watch     |           | high single-bit ECC error rate
+    | trend it; the application restarts, the GPU stays
+94  | trend             | ok      | watch     |           | contained ECC error
+    | trend it; the application restarts, the GPU stays
+"""
 
 
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
+def _parse(table: str) -> dict[int, XidPolicy]:
+    lines = table.strip().splitlines()
+    policies = {}
+    for head, tail in zip(lines[::2], lines[1::2], strict=True):
+        xid, xid_class, health, action, flags, meaning = (cell.strip() for cell in head.split("|"))
+        policies[int(xid)] = XidPolicy(
+            xid=int(xid),
+            xid_class=XidClass(xid_class),
+            meaning=meaning,
+            health=Health(health),
+            action=Action(action),
+            recovery=tail.split("|", 1)[1].strip(),
+            counts_as_fatal="fatal" in flags.split(),
+            rma_candidate="rma" in flags.split(),
+        )
+    return policies
 
-XID_TABLE: dict[int, XidPolicy] = {
-    **_policies(
-        tuple(sorted(APPLICATION_XIDS)),
-        XidClass.APPLICATION,
-        {
-            13: "graphics engine exception",
-            31: "GPU memory page fault",
-            43: "GPU stopped processing (channel reset)",
-            45: "preemptive cleanup after a previous error",
-            68: "video processor exception",
-        },
-        health=Health.OK,
-        action=Action.NONE,
-        recovery="none on the node: count it; escalate when repeats span tenants",
-    ),
-    **_policies(
-        (46, 95, 119, 120, 140, 143),
-        XidClass.FATAL,
-        {
-            46: "GPU stopped processing",
-            95: "uncontained ECC error",
-            119: "GSP RPC timeout",
-            120: "GSP error",
-            140: "unrecovered ECC error",
-            143: "GPU initialization failure",
-        },
-        health=Health.FAILED,
-        action=Action.DRAIN,
-        recovery="drain, reset, verify in burn-in",
-        counts_as_fatal=True,
-    ),
-    48: XidPolicy(
-        xid=48,
-        xid_class=XidClass.DOUBLE_BIT_ECC,
-        meaning="double-bit ECC error",
-        health=Health.FAILED,
-        action=Action.DRAIN,
-        recovery="drain, reset to remap the row; RMA if the remap fails",
-        counts_as_fatal=True,
-        rma_candidate=True,
-    ),
-    63: XidPolicy(
-        xid=63,
-        xid_class=XidClass.ROW_REMAP,
-        meaning="row remap recorded",
-        health=Health.SUSPECT,
-        action=Action.WATCH,
-        recovery="trend it; the remap takes effect at the next reset (the wipe between tenants resets)",
-    ),
-    64: XidPolicy(
-        xid=64,
-        xid_class=XidClass.ROW_REMAP_FAILURE,
-        meaning="row remap failed",
-        health=Health.FAILED,
-        action=Action.DRAIN,
-        recovery="drain; RMA candidate (spare rows exhausted)",
-        counts_as_fatal=True,
-        rma_candidate=True,
-    ),
-    74: XidPolicy(
-        xid=74,
-        xid_class=XidClass.NVLINK,
-        meaning="NVLink error",
-        health=Health.FAILED,
-        action=Action.DRAIN,
-        recovery="drain, read link counters, reset; reseat or RMA",
-        counts_as_fatal=True,
-    ),
-    79: XidPolicy(
-        xid=79,
-        xid_class=XidClass.OFF_BUS,
-        meaning="GPU has fallen off the bus",
-        health=Health.FAILED,
-        action=Action.DRAIN_NOW,
-        recovery="drain now, power-cycle; RMA on recurrence",
-        counts_as_fatal=True,
-        rma_candidate=True,
-    ),
-    **_policies(
-        (92, 94),
-        XidClass.TREND,
-        {92: "high single-bit ECC error rate", 94: "contained ECC error"},
-        health=Health.OK,
-        action=Action.WATCH,
-        recovery="trend it; the application restarts, the GPU stays",
-    ),
-}
+
+XID_TABLE: dict[int, XidPolicy] = _parse(_TABLE)
+APPLICATION_XIDS = frozenset(x for x, p in XID_TABLE.items() if p.xid_class == XidClass.APPLICATION)
 
 # An XID this table does not know (often a newer driver's) makes the node suspect and watched,
 # never drained: draining on an unknown number would turn one driver rollout into a fleet-wide

@@ -26,8 +26,8 @@ PAGE_SIZE_MAX = 1000
 class UsageSampleIn(TypedDict):
     node_id: str
     seq: int
-    allocation_id: str
     tenant_id: str
+    allocation_id: str
     gpu_type: str
     gpu_count: int
     start_ms: int

@@ -299,6 +299,18 @@ class SignedManifest(_Record):
     def digest(self) -> str:
         return self.manifest.digest
 
+    @classmethod
+    def parse(cls, raw: bytes | str, digest: str, *, source: str) -> SignedManifest:
+        """The signed manifest in `raw`, which `source` keeps as version `digest`: unreadable or
+        hashing to another digest is `ManifestTamperedError` (the signature is not checked here)."""
+        try:
+            signed = cls.model_validate_json(raw)
+        except ValueError as exc:
+            raise ManifestTamperedError(f"the manifest {source} as version {digest} is unreadable: {exc}") from None
+        if signed.digest != digest:
+            raise ManifestTamperedError(f"the manifest {source} as version {digest} hashes to {signed.digest}")
+        return signed
+
 
 class SignedEvaluation(_Record):
     record: EvaluationRecord

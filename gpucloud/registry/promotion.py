@@ -279,10 +279,7 @@ def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelP
         aliases.setdefault(alias.model_id, []).append(ModelAliasPublic.model_validate(alias, from_attributes=True))
     return [
         ModelPublic(
-            id=m.id,
-            name=m.name,
-            description=m.description,
-            created_at=m.created_at,
+            **m.model_dump(include={"id", "name", "description", "created_at"}),
             aliases=aliases.get(m.id, []),
             gates=gates_of(session, m.id),
         )

@@ -47,6 +47,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.push import ProgressCallback, TransferProgress
 from gpucloud.registry.store import ChunkStore, ManifestStore
+from gpucloud.storage.local import fsync_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,14 +193,6 @@ def _check_sequence(relative: str, entry: FileEntry) -> None:
         raise FileMismatchError(f"file {relative!r}: chunks cover {position} of {entry.size} bytes")
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _assemble(
     manifest: Manifest,
     staging: Path,
@@ -247,9 +240,9 @@ def _assemble(
                 f"file {relative!r}: assembled {written[relative]} bytes "
                 f"({target.stat().st_size} on disk), manifest lists {entry.size}"
             )
-        _fsync_path(target)
+        fsync_path(target)
     for directory, _, _ in os.walk(staging):
-        _fsync_path(Path(directory))
+        fsync_path(Path(directory))
 
 
 def pull(
@@ -278,5 +271,5 @@ def pull(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_path(dest.parent)
+    fsync_path(dest.parent)
     return PullResult(manifest, dest, manifest.total_size, manifest.chunk_count)

@@ -200,12 +200,7 @@ class ManifestStore:
             raw = self._read(f"manifests/{digest}.json")
         except ObjectMissingError:
             raise VersionNotFoundError(f"no manifest for version {digest}") from None
-        try:
-            signed = SignedManifest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise ManifestTamperedError(f"manifest of version {digest} is unreadable: {exc}") from None
-        if signed.digest != digest:
-            raise ManifestTamperedError(f"manifest stored as version {digest} now hashes to {signed.digest}")
+        signed = SignedManifest.parse(raw, digest, source="stored")
         return signed
 
     def uri(self, digest: str) -> str:

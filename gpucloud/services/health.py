@@ -100,19 +100,7 @@ def judge(session: Session, node: Node, *, now: datetime, policy: HealthPolicy) 
             col(XidEventRecord.node_id) == node.id, col(XidEventRecord.timestamp) >= now - policy.lemon_window
         )
     ).all()
-    events = [
-        XidEvent(
-            node_id=r.node_id,
-            gpu_index=r.gpu_index,
-            gpu_uuid=r.gpu_uuid,
-            xid=r.xid,
-            timestamp=r.timestamp,
-            message=r.message,
-            tenant_id=r.tenant_id,
-            allocation_id=r.allocation_id,
-        )
-        for r in rows
-    ]
+    events = [XidEvent.model_validate(r, from_attributes=True) for r in rows]
     return evaluate_node(
         events=events,
         readings=stored_readings(session, node.id, now=now, policy=policy),
@@ -158,12 +146,8 @@ def ingest_xids(
             continue
         session.add_all(
             XidEventRecord(
+                **e.model_dump(include={"gpu_index", "gpu_uuid", "xid", "timestamp", "message"}),
                 node_id=node_id,
-                gpu_index=e.gpu_index,
-                gpu_uuid=e.gpu_uuid,
-                xid=e.xid,
-                timestamp=e.timestamp,
-                message=e.message,
                 source=source,
                 tenant_id=e.tenant_id or node.tenant_id,
                 allocation_id=e.allocation_id or node.allocation_id,
@@ -259,18 +243,7 @@ def _judge_and_decide(
     # nothing schedules onto the node from here on. A passed burn-in lifts a health cordon.
     if not node.cordoned:
         session.execute(sa.update(Node).where(col(Node.id) == node.id).values(cordoned=True))
-        session.add(
-            NodeTransition(
-                node_id=node.id,
-                from_state=node.state,
-                to_state=node.state,
-                event="cordon",
-                cause=outcome.reason[:500],
-                actor=HEALTH_ACTOR,
-                generation=node.generation,
-                at=now,
-            )
-        )
+        _record(session, node, "cordon", outcome.reason, now)
     if replace:
         outcome.pull, outcome.allocation_id = "replace", node.allocation_id
         # A node the tenant's job has not started on leaves nothing to checkpoint.
@@ -282,20 +255,25 @@ def _judge_and_decide(
         session.execute(
             sa.update(Node).where(col(Node.id) == node.id).values(drain_requested=True, next_reconcile_at=None)
         )
-        session.add(
-            NodeTransition(
-                node_id=node.id,
-                from_state=node.state,
-                to_state=node.state,
-                event="drain",
-                cause=outcome.reason[:500],
-                actor=HEALTH_ACTOR,
-                generation=node.generation,
-                at=now,
-            )
-        )
+        _record(session, node, "drain", outcome.reason, now)
         outcome.pull = "drain"
     return outcome
+
+
+def _record(session: Session, node: Node, event: str, cause: str, now: datetime) -> None:
+    """A health decision in the node's history (its state unchanged: the workflows move it)."""
+    session.add(
+        NodeTransition(
+            node_id=node.id,
+            from_state=node.state,
+            to_state=node.state,
+            event=event,
+            cause=cause[:500],
+            actor=HEALTH_ACTOR,
+            generation=node.generation,
+            at=now,
+        )
+    )
 
 
 class BreakerContended(RuntimeError):

@@ -30,8 +30,9 @@ from gpucloud.storage.objects import (
 TMP = "tmp"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str | Path) -> None:
+    """Flush a file, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -67,7 +68,7 @@ class LocalObjectStore(ObjectStore):
             created = self._make_parents(path.parent)
             os.replace(tmp_name, path)
             for directory in (path.parent, *created):
-                fsync_dir(directory)
+                fsync_path(directory)
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise

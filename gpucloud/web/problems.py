@@ -75,6 +75,14 @@ def not_found(kind: str, ident: str) -> Problem:
     return Problem(404, "not-found", f"{kind} not found", f"no {kind} {ident!r} visible to this caller")
 
 
+def unavailable(what: str, detail: str, *, retry_after_s: int = 1) -> Problem:
+    """A 503 for an outside system that did not answer (the workflow engine, the database):
+    nothing was lost, the same request may be sent again after `Retry-After`."""
+    return Problem(
+        503, f"{what}-unavailable", "Try again", detail, headers={"Retry-After": str(retry_after_s)}, retryable=True
+    )
+
+
 def render(problem: Problem, request: Request, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return response(problem.body(request.url.path), problem.status, headers={**problem.headers, **(headers or {})})
 

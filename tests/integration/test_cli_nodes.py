@@ -45,4 +45,4 @@ def test_nodes_table_filters_by_state(db_url, make_harness):
         env={**env, "GPUCLOUD_API__PORT": "1"},
         timeout=60,
     )
-    assert down.returncode == 1 and "is `gpucloud up` running?" in down.stdout
+    assert down.returncode == 1 and "is `gpucloud up` running?" in down.stderr

@@ -11,7 +11,8 @@ from collections.abc import Coroutine
 import pytest
 from rich.console import Console
 
-from gpucloud.demo.health import HealthDemoError, demo_health
+from gpucloud.demo.common import Demo, DemoFailed
+from gpucloud.demo.health import demo_health
 
 pytestmark = pytest.mark.one_database
 
@@ -39,9 +40,8 @@ def _run(h, key: str, alloc_id: str) -> tuple[Coroutine, io.StringIO]:
     """The demo blocks (plain HTTP, sleeps): off the event loop the worker runs on."""
     out = io.StringIO()
     console = Console(file=out, width=200, force_terminal=False)
-    future = asyncio.to_thread(
-        demo_health, console, h.api.url, h.settings.operator_token, key, alloc_id, h.sim.url, timeout_s=60
-    )
+    demo = Demo.connect(console, h.api.url, h.settings.operator_token, h.sim.url)
+    future = asyncio.to_thread(demo_health, demo, demo.tenant(key), alloc_id, timeout_s=60)
     return future, out
 
 
@@ -68,7 +68,7 @@ async def test_demo_says_why_when_the_breaker_refuses_the_pull(db_url, make_harn
     first = h.operator.post(f"/v1/nodes/{idle}/xid", json={"xid": 79}).json()["decisions"][0]
     assert first["pull"] == "drain"
     future, _ = _run(h, key, alloc["id"])
-    with pytest.raises(HealthDemoError, match=r"pull=None.*refused"):
+    with pytest.raises(DemoFailed, match=r"pull=None.*refused"):
         await future
     assert h.client(key).get(f"/v1/allocations/{alloc['id']}").json()["node_ids"] == alloc["node_ids"]
 
@@ -79,5 +79,5 @@ async def test_demo_needs_a_ready_allocation(db_url, make_harness, in_process_wo
         c.post(f"/v1/allocations/{alloc['id']}/cancel").raise_for_status()
     await h.wait_allocation(key, alloc["id"], "released")
     future, _ = _run(h, key, alloc["id"])
-    with pytest.raises(HealthDemoError, match="needs a ready one"):
+    with pytest.raises(DemoFailed, match="needs a ready one"):
         await future

@@ -7,12 +7,9 @@ import io
 import pytest
 from rich.console import Console
 
+from gpucloud.client.api import ApiError, ApiTimeout
 from gpucloud.demo import main as demo
-from gpucloud.demo.billing import BillingDemoError
-from gpucloud.demo.health import HealthDemoError
-from gpucloud.demo.rollout import RolloutDemoError
-from gpucloud.demo.tenants import TenantsDemoError
-from gpucloud.demo.weights import WeightsDemoError
+from gpucloud.demo.common import DemoFailed
 
 
 class _QuietStack:
@@ -33,11 +30,10 @@ class _QuietStack:
 @pytest.mark.parametrize(
     "error",
     [
-        HealthDemoError("allocation a1 failed: no replacement"),
-        WeightsDemoError("push refused"),
-        TenantsDemoError("globex read acme's allocation"),
-        RolloutDemoError("rollout ended failed"),
-        BillingDemoError("the ledger total differs from what was metered"),
+        DemoFailed("allocation a1 failed: no replacement"),
+        DemoFailed("the ledger total differs from what was metered"),
+        ApiError(409, {"title": "Quota exceeded", "detail": "8 of 8 H100 GPUs in use"}),
+        ApiTimeout("allocation a1 ready not reached within 180 s"),
     ],
 )
 def test_a_failing_scenario_step_is_reported_and_exits_non_zero(monkeypatch, tmp_path, error):

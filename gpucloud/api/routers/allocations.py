@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import logging
-import re
-from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, SessionDep, SettingsDep, TemporalDep, TenantDep
-from gpucloud.api.idempotency import run_idempotent
+from gpucloud.api.deps import CallerDep, SessionDep, SettingsDep, TemporalDep, TenantDep, visible
+from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
+from gpucloud.api.schemas import (
+    AllocationAccepted,
+    AllocationEventPage,
+    AllocationPage,
+    AllocationRequest,
+)
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION, NVL72_GPU_TYPES, NVL72_TRAYS_PER_RACK
 from gpucloud.models.health_tables import AllocationEvent, AllocationEventPublic
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import (
@@ -35,74 +37,12 @@ from gpucloud.services import allocations as service
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, unavailable
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["allocations"])
 
 RESERVE_ATTEMPTS = 8
-
-
-class AllocationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    gpu_type: str
-    # A slice of one NVL72 rack: this many trays, one NVLink partition; node_count may be left out.
-    nvl72_trays: int | None = None
-    node_count: int | None = Field(default=None, validate_default=True)
-    region: str
-
-    @field_validator("gpu_type")
-    @classmethod
-    def _known_gpu(cls, v: str) -> str:
-        if v not in GPU_TYPES:
-            raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
-        return v
-
-    @field_validator("nvl72_trays")
-    @classmethod
-    def _slice(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is None:
-            return v
-        if not 1 <= v <= NVL72_TRAYS_PER_RACK:
-            raise ValueError(f"must be between 1 and {NVL72_TRAYS_PER_RACK} (the compute trays of one NVL72 rack)")
-        gpu_type = info.data.get("gpu_type")
-        if gpu_type is not None and gpu_type not in NVL72_GPU_TYPES:
-            raise ValueError(
-                f"{gpu_type} does not come in NVL72 racks; slices are of {', '.join(sorted(NVL72_GPU_TYPES))}"
-            )
-        return v
-
-    @field_validator("node_count")
-    @classmethod
-    def _count(cls, v: int | None, info: ValidationInfo) -> int | None:
-        trays = info.data.get("nvl72_trays")
-        if v is None:
-            if trays is None and "nvl72_trays" in info.data:
-                raise ValueError("Field required (or nvl72_trays, for a slice of an NVL72 rack)")
-            return trays
-        if not 1 <= v <= MAX_NODES_PER_ALLOCATION:
-            raise ValueError(f"must be between 1 and {MAX_NODES_PER_ALLOCATION}")
-        if trays is not None and v != trays:
-            raise ValueError(f"must equal nvl72_trays ({trays}) or be left out")
-        return v
-
-    @field_validator("region")
-    @classmethod
-    def _region(cls, v: str) -> str:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
-            raise ValueError("must be a region name like 'us-east-1'")
-        return v
-
-
-class AllocationAccepted(BaseModel):
-    allocation: AllocationPublic
-    operation: OperationPublic | None
-
-
-class AllocationPage(BaseModel):
-    items: list[AllocationPublic]
-    next_page_token: str
 
 
 def _public(alloc: Allocation) -> AllocationPublic:
@@ -114,13 +54,7 @@ def _op_public(op: Operation | None) -> OperationPublic | None:
 
 
 def _visible(session: Session, caller: Caller, allocation_id: str) -> Allocation:
-    query = select(Allocation).where(col(Allocation.id) == allocation_id)
-    if not caller.is_operator:
-        query = query.where(col(Allocation.tenant_id) == caller.tenant_id)
-    alloc = session.exec(query).first()
-    if alloc is None:
-        raise not_found("allocation", allocation_id)
-    return alloc
+    return visible(session, caller, Allocation, "allocation", allocation_id)
 
 
 def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) -> tuple[Allocation, Operation]:
@@ -220,7 +154,7 @@ async def create_allocation(
     tenant: TenantDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
         alloc, op = await run_in_threadpool(_create_in_db, settings, tenant.tenant_id, req)
@@ -228,26 +162,13 @@ async def create_allocation(
             await start_allocation_workflow(temporal, settings, alloc)
         except RPCError as exc:
             await run_in_threadpool(_undo_reservation, settings, alloc, f"could not start provisioning: {exc}")
-            raise Problem(
-                503,
-                "workflow-engine-unavailable",
-                "Try again",
-                "the workflow engine did not accept the allocation; nothing was kept, retry",
+            raise unavailable(
+                "workflow-engine", "the workflow engine did not accept the allocation; nothing was kept, retry"
             ) from exc
         body = AllocationAccepted(allocation=_public(alloc), operation=_op_public(op))
-        return JSONResponse(
-            body.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/allocations/{alloc.id}"}
-        )
+        return accepted(body, f"/v1/allocations/{alloc.id}")
 
-    return await run_idempotent(
-        db_url=settings.database_url,
-        caller=tenant.id,
-        key=idempotency_key,
-        method="POST",
-        path=request.url.path,
-        body=await request.body(),
-        handler=handler,
-    )
+    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 
 
 @router.get("/allocations/{allocation_id}", response_model=AllocationPublic)
@@ -259,28 +180,21 @@ def get_allocation(allocation_id: str, caller: CallerDep, session: SessionDep):
 def list_allocations(
     caller: CallerDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
     status: AllocationStatus | None = None,
     tenant_id: str | None = None,
 ):
     scope = caller.tenant_id if not caller.is_operator else tenant_id
-    filters = {"tenant": scope, "status": status}
-    cursor = pagination.decode(page_token, filters)
-    query = select(Allocation).order_by(col(Allocation.seq)).limit(page_size + 1)
-    if scope is not None:
-        query = query.where(col(Allocation.tenant_id) == scope)
-    if status is not None:
-        query = query.where(col(Allocation.status) == status)
-    if cursor.after is not None:
-        query = query.where(col(Allocation.seq) > cursor.after)
-    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, filters)
+    rows, token = pagination.fetch(
+        session,
+        Allocation,
+        "seq",
+        page_size=page_size,
+        page_token=page_token,
+        equal={"tenant_id": scope, "status": status},
+    )
     return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
-
-
-class AllocationEventPage(BaseModel):
-    items: list[AllocationEventPublic]
-    next_page_token: str
 
 
 @router.get("/allocations/{allocation_id}/events", response_model=AllocationEventPage)
@@ -288,23 +202,18 @@ def allocation_events(
     allocation_id: str,
     caller: CallerDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
 ):
     """What happened to the allocation's nodes: fault notices, pulls, replacements, ready again."""
     alloc = _visible(session, caller, allocation_id)
-    filters = {"allocation": alloc.id}
-    cursor = pagination.decode(page_token, filters)
-    query = select(AllocationEvent).where(
-        col(AllocationEvent.allocation_id) == alloc.id, col(AllocationEvent.tenant_id) == alloc.tenant_id
-    )
-    if cursor.after is not None:
-        query = query.where(col(AllocationEvent.seq) > cursor.after)
-    rows, token = pagination.page(
-        list(session.exec(query.order_by(col(AllocationEvent.seq)).limit(page_size + 1)).all()),
-        page_size,
-        lambda e: e.seq,
-        filters,
+    rows, token = pagination.fetch(
+        session,
+        AllocationEvent,
+        "seq",
+        page_size=page_size,
+        page_token=page_token,
+        equal={"allocation_id": alloc.id, "tenant_id": alloc.tenant_id},
     )
     return AllocationEventPage(
         items=[AllocationEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token

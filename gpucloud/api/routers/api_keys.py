@@ -9,18 +9,21 @@ with an Idempotency-Key, a replay answers the same body with `key` null.
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
-from typing import Annotated
+from datetime import timedelta
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SettingsDep, TenantDep
-from gpucloud.api.idempotency import run_idempotent
+from gpucloud.api.idempotency import IdempotencyKey, idempotent
+from gpucloud.api.schemas import (
+    ApiKeyCreated,
+    ApiKeyList,
+    RotateRequest,
+)
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.tables import ApiKeyPublic, Tenant, TenantStatus
@@ -31,30 +34,6 @@ router = APIRouter(prefix="/v1", tags=["api-keys"])
 
 # A tenant being onboarded gets its keys ready; one that failed or is leaving gets none.
 ISSUING = (TenantStatus.ONBOARDING, TenantStatus.ACTIVE)
-
-
-class ApiKeyCreated(BaseModel):
-    id: str
-    tenant_id: str
-    key: str | None = Field(description="`gpc_<id>.<secret>`, shown in this response only (null on a replay)")
-    created_at: datetime
-    replaces: str | None = Field(default=None, description="the rotated key")
-    replaced_key_expires_at: datetime | None = Field(default=None, description="when the rotated key stops working")
-
-
-class ApiKeyList(BaseModel):
-    items: list[ApiKeyPublic]
-
-
-class RotateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    grace_period_s: int = Field(
-        default=0,
-        ge=0,
-        le=int(key_service.MAX_GRACE.total_seconds()),
-        description="how long the old key keeps working (0: it stops now)",
-    )
 
 
 def _scope(caller: Caller, tenant_id: str) -> str:
@@ -132,16 +111,7 @@ async def _created(request: Request, settings: Settings, caller: Caller, idempot
         created = await run_in_threadpool(make)
         return JSONResponse(created.model_dump(mode="json"), status_code=201)
 
-    return await run_idempotent(
-        db_url=settings.database_url,
-        caller=caller.id,
-        key=idempotency_key,
-        method="POST",
-        path=request.url.path,
-        body=await request.body(),
-        handler=handler,
-        redact=_without_secret,
-    )
+    return await idempotent(request, settings.database_url, caller.id, idempotency_key, handler, redact=_without_secret)
 
 
 # ---------------------------------------------------------------- the caller's own keys
@@ -154,7 +124,7 @@ async def list_own_keys(tenant: TenantDep, settings: SettingsDep):
 
 @router.post("/api-keys", status_code=201, response_model=ApiKeyCreated)
 async def create_own_key(
-    request: Request, tenant: TenantDep, settings: SettingsDep, idempotency_key: Annotated[str | None, Header()] = None
+    request: Request, tenant: TenantDep, settings: SettingsDep, idempotency_key: IdempotencyKey = None
 ):
     return await _created(request, settings, tenant, idempotency_key, lambda: _issue(settings, tenant.tenant_id))
 
@@ -171,7 +141,7 @@ async def rotate_own_key(
     tenant: TenantDep,
     settings: SettingsDep,
     req: RotateRequest | None = None,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: IdempotencyKey = None,
 ):
     grace = (req or RotateRequest()).grace_period_s
     return await _created(
@@ -198,7 +168,7 @@ async def create_key(
     tenant_id: str,
     caller: CallerDep,
     settings: SettingsDep,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: IdempotencyKey = None,
 ):
     scoped = _scope(caller, tenant_id)
     return await _created(request, settings, caller, idempotency_key, lambda: _issue(settings, scoped))
@@ -217,7 +187,7 @@ async def rotate_key(
     caller: CallerDep,
     settings: SettingsDep,
     req: RotateRequest | None = None,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: IdempotencyKey = None,
 ):
     scoped = _scope(caller, tenant_id)
     grace = (req or RotateRequest()).grace_period_s

@@ -17,19 +17,20 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Response
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel
 from sqlmodel import Session, col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, LedgerDep, OperatorDep, SessionDep
+from gpucloud.api.schemas import (
+    InvoiceList,
+    UsageReport,
+)
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.schemas import (
-    InvoiceOut,
     PriceBookVersionIn,
     PriceBookVersionOut,
     ReconciliationReport,
-    UsageSummary,
 )
 from gpucloud.models.tables import Allocation
 from gpucloud.web.problems import Problem, not_found
@@ -47,14 +48,6 @@ INVOICE_RESPONSE: dict[int | str, dict[str, Any]] = {
 }
 
 T = TypeVar("T")
-
-
-class UsageReport(UsageSummary):
-    period: str | None
-
-
-class InvoiceList(BaseModel):
-    items: list[InvoiceOut]
 
 
 async def _ask(call: Awaitable[T], *, kind: str = "", ident: str = "") -> T:

@@ -4,12 +4,11 @@ only), XIDs injected by operators, the judgement and its actions, node health an
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, Field
 from sqlmodel import col, select
 from temporalio.service import RPCError
 
@@ -17,6 +16,18 @@ from gpucloud.agent.readings import NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
+from gpucloud.api.schemas import (
+    MAX_READING_CLOCK_SKEW,
+    AlertPage,
+    HealthDecision,
+    NodeHealth,
+    ReadingBatch,
+    ReadingIngestResult,
+    XidEventBatch,
+    XidIngestResult,
+    XidInjection,
+    XidRecordPublic,
+)
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.health_tables import (
@@ -36,10 +47,6 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["health"])
 
-MAX_READINGS_BATCH = 1000
-# An agent clock this far ahead would put its reading after every later one: it is refused.
-MAX_READING_CLOCK_SKEW = timedelta(minutes=5)
-
 
 def own_node_only(caller: Caller, node_ids: list[str]) -> None:
     """An agent reports for its own node; the operator (the simulated fleet, drills) for any."""
@@ -53,57 +60,6 @@ def own_node_only(caller: Caller, node_ids: list[str]) -> None:
             "Not this agent's node",
             f"the agent credential of {caller.node_id} cannot report for {foreign[0]}",
         )
-
-
-class XidInjection(BaseModel):
-    xid: int = Field(ge=0, le=100_000)
-    gpu_index: int | None = Field(None, ge=0, le=63)
-    message: str = Field("", max_length=1000)
-
-
-class XidEventBatch(BaseModel):
-    events: list[XidEvent] = Field(min_length=1, max_length=5000)
-
-
-class HealthDecision(BaseModel):
-    node_id: str
-    health: str
-    action: str
-    pull: str | None
-    alert: str | None
-
-
-class XidIngestResult(BaseModel):
-    accepted: int
-    unknown_nodes: list[str]
-    decisions: list[HealthDecision]
-
-
-class ReadingBatch(BaseModel):
-    readings: list[NodeReading] = Field(min_length=1, max_length=MAX_READINGS_BATCH)
-
-
-class ReadingIngestResult(BaseModel):
-    accepted: int
-    decisions: list[HealthDecision]
-
-
-class XidRecordPublic(BaseModel):
-    xid: int
-    gpu_index: int | None
-    timestamp: datetime
-    message: str
-    source: str
-
-
-class NodeHealth(BaseModel):
-    node_id: str
-    state: str
-    health: str
-    conditions: list[dict]
-    xid_history: list[XidRecordPublic]
-    # The newest stored readings, newest first (the trend window's, and fatal ones).
-    readings: list[NodeReading]
 
 
 def _breaker(settings: Settings) -> health_service.BreakerSettings:
@@ -247,23 +203,16 @@ def node_health(
     )
 
 
-class AlertPage(BaseModel):
-    items: list[OperatorAlertPublic]
-    next_page_token: str
-
-
 @router.get("/alerts", response_model=AlertPage)
 def list_alerts(
     operator: OperatorDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
 ):
-    cursor = pagination.decode(page_token, {})
-    query = select(OperatorAlertRecord).order_by(col(OperatorAlertRecord.seq)).limit(page_size + 1)
-    if cursor.after is not None:
-        query = query.where(col(OperatorAlertRecord.seq) > cursor.after)
-    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda a: a.seq, {})
+    rows, token = pagination.fetch(
+        session, OperatorAlertRecord, "seq", page_size=page_size, page_token=page_token, equal={}
+    )
     return AlertPage(
         items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows], next_page_token=token
     )

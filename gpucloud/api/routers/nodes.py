@@ -4,22 +4,31 @@ events, the fleet summary, agents' credentials and heartbeats (health is `health
 from __future__ import annotations
 
 import logging
-from datetime import datetime
-from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
-from sqlmodel import col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
 from gpucloud.api.routers.health import own_node_only
+from gpucloud.api.schemas import (
+    ActionRequest,
+    AgentCredentialIssued,
+    EnrollRequest,
+    EnrollResult,
+    HeartbeatBatch,
+    HeartbeatResult,
+    MaintenanceRequest,
+    NodeActionResult,
+    NodeEventPage,
+    NodeEventPublic,
+    NodePage,
+)
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.node_states import NodeState
-from gpucloud.models.tables import Node, NodeEnroll, NodePublic, NodeTransition, Operation, OperationPublic
+from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
 from gpucloud.services import agent_credentials
 from gpucloud.services.fleet import apply_operator_action, record_heartbeats, summary
 from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
@@ -29,24 +38,6 @@ from gpucloud.web.problems import not_found
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["nodes"])
-
-MAX_ENROLL_BATCH = 1000
-
-
-class EnrollRequest(BaseModel):
-    nodes: list[NodeEnroll] = Field(min_length=1, max_length=MAX_ENROLL_BATCH)
-
-
-class EnrollResult(BaseModel):
-    enrolled: int
-    already_known: int
-    bringups_started: int
-    batches: int = 0
-
-
-class NodePage(BaseModel):
-    items: list[NodePublic]
-    next_page_token: str
 
 
 def _enroll(settings: Settings, req: EnrollRequest) -> tuple[list[str], int, int]:
@@ -71,24 +62,20 @@ async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDe
 def list_nodes(
     operator: OperatorDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
     state: NodeState | None = None,
     gpu_type: str | None = None,
     region: str | None = None,
 ):
-    filters = {"state": state, "gpu_type": gpu_type, "region": region}
-    cursor = pagination.decode(page_token, filters)
-    query = select(Node).order_by(col(Node.id)).limit(page_size + 1)
-    if state is not None:
-        query = query.where(col(Node.state) == state)
-    if gpu_type is not None:
-        query = query.where(col(Node.gpu_type) == gpu_type)
-    if region is not None:
-        query = query.where(col(Node.region) == region)
-    if cursor.after is not None:
-        query = query.where(col(Node.id) > cursor.after)
-    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda n: n.id, filters)
+    rows, token = pagination.fetch(
+        session,
+        Node,
+        "id",
+        page_size=page_size,
+        page_token=page_token,
+        equal={"state": state, "gpu_type": gpu_type, "region": region},
+    )
     return NodePage(items=[NodePublic.model_validate(n, from_attributes=True) for n in rows], next_page_token=token)
 
 
@@ -101,51 +88,6 @@ def get_node(node_id: str, operator: OperatorDep, session: SessionDep):
 
 
 # ---------------------------------------------------------------- operator actions and events
-
-
-class NodeActionResult(BaseModel):
-    node: NodePublic
-    operation: OperationPublic
-
-
-class MaintenanceRequest(BaseModel):
-    enabled: bool
-    reason: str = Field("", max_length=500)
-
-
-class ActionRequest(BaseModel):
-    reason: str = Field("", max_length=500)
-
-
-class NodeEventPublic(BaseModel):
-    seq: int
-    from_state: str
-    to_state: str
-    event: str
-    cause: str
-    actor: str
-    at: datetime
-
-
-class NodeEventPage(BaseModel):
-    items: list[NodeEventPublic]
-    next_page_token: str
-
-
-class HeartbeatIn(BaseModel):
-    node_id: str
-    tenant_id: str | None = None
-    workload_running: bool = False
-    boot_id: str | None = None
-
-
-class HeartbeatBatch(BaseModel):
-    heartbeats: list[HeartbeatIn] = Field(min_length=1, max_length=5000)
-
-
-class HeartbeatResult(BaseModel):
-    accepted: int
-    drifted: list[str]
 
 
 def _act(settings: Settings, node_id: str, action: str, reason: str) -> tuple[Node, Operation]:
@@ -205,18 +147,13 @@ def node_events(
     node_id: str,
     operator: OperatorDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
 ):
     if session.get(Node, node_id) is None:
         raise not_found("node", node_id)
-    filters = {"node": node_id}
-    cursor = pagination.decode(page_token, filters)
-    query = select(NodeTransition).where(col(NodeTransition.node_id) == node_id).order_by(col(NodeTransition.seq))
-    if cursor.after is not None:
-        query = query.where(col(NodeTransition.seq) > cursor.after)
-    rows, token = pagination.page(
-        list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda e: e.seq, filters
+    rows, token = pagination.fetch(
+        session, NodeTransition, "seq", page_size=page_size, page_token=page_token, equal={"node_id": node_id}
     )
     return NodeEventPage(
         items=[NodeEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
@@ -231,11 +168,6 @@ def fleet_summary(operator: OperatorDep, session: SessionDep) -> dict:
 def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
     with session_scope(settings.database_url) as session:
         return record_heartbeats(session, [b.model_dump() for b in batch.heartbeats])
-
-
-class AgentCredentialIssued(BaseModel):
-    node_id: str
-    token: str = Field(description="shown once: give it to the node's agent (`gpucloud agent --token`)")
 
 
 @router.post("/nodes/{node_id}/agent-credential", response_model=AgentCredentialIssued, status_code=201)

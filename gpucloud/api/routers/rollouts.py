@@ -9,19 +9,23 @@ request. The version must be one the tenant's registry holds.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from sqlmodel import col, select
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.service import RPCError, RPCStatusCode
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SettingsDep, TemporalDep, TenantDep
-from gpucloud.api.idempotency import run_idempotent
+from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
+from gpucloud.api.schemas import (
+    RolloutAccepted,
+    RolloutCommand,
+    RolloutRequest,
+)
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.registry_tables import ModelVersion
@@ -30,35 +34,13 @@ from gpucloud.models.rollout_messages import (
     RolloutInput,
     RolloutProgress,
     RolloutTarget,
-    Thresholds,
-    WaveSpec,
 )
 from gpucloud.models.tables import Node
-from gpucloud.registry.manifest import HEX_DIGEST
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, not_found, unavailable
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
-MAX_TARGET_NODES = 10_000
-
-
-class RolloutRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model_version: str = Field(pattern=HEX_DIGEST, description="the version's manifest digest")
-    node_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_TARGET_NODES)
-    allocation_id: str | None = None
-    serving_fleet: bool = False
-    waves: list[WaveSpec] | None = Field(default=None, min_length=1, max_length=20)
-    bake_s: float = Field(default=300.0, ge=0, le=7 * 86400)
-    thresholds: Thresholds = Field(default_factory=Thresholds)
-    prefetch_ahead: bool = True
-
-
-class RolloutAccepted(BaseModel):
-    rollout_id: str
-    progress: RolloutProgress
 
 
 def _invalid(detail: str) -> Problem:
@@ -100,7 +82,7 @@ async def create_rollout(
     tenant: TenantDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
         targets = await run_in_threadpool(_targets, settings, tenant.tenant_id, req)
@@ -131,29 +113,16 @@ async def create_rollout(
                 search_attributes=search_attributes.typed(*attributes),
             )
         except RPCError as exc:
-            raise Problem(
-                503,
-                "workflow-engine-unavailable",
-                "Try again",
-                "the workflow engine did not accept the rollout; nothing was started, retry",
+            raise unavailable(
+                "workflow-engine", "the workflow engine did not accept the rollout; nothing was started, retry"
             ) from exc
         progress = RolloutProgress(
             rollout_id=rollout_id, tenant_id=tenant.tenant_id, model_version=req.model_version, phase="resolving"
         )
         body = RolloutAccepted(rollout_id=rollout_id, progress=progress)
-        return JSONResponse(
-            body.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/rollouts/{rollout_id}"}
-        )
+        return accepted(body, f"/v1/rollouts/{rollout_id}")
 
-    return await run_idempotent(
-        db_url=settings.database_url,
-        caller=tenant.id,
-        key=idempotency_key,
-        method="POST",
-        path=request.url.path,
-        body=await request.body(),
-        handler=handler,
-    )
+    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 
 
 async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> tuple[WorkflowHandle, RolloutProgress]:
@@ -174,11 +143,6 @@ async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> tuple[W
 @router.get("/rollouts/{rollout_id}", response_model=RolloutProgress)
 async def get_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep):
     return (await _visible(temporal, caller, rollout_id))[1]
-
-
-class RolloutCommand(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reason: str = Field(default="", max_length=500)
 
 
 async def _command(

@@ -15,24 +15,30 @@ exist. `DELETE /v1/tenants/{id}` (operator) starts offboarding.
 from __future__ import annotations
 
 import json
-import re
-from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sqlmodel import Session, col, select
 from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, OperatorDep, SessionDep, SettingsDep, TemporalDep
-from gpucloud.api.idempotency import run_idempotent
+from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.routers.api_keys import ApiKeyCreated
+from gpucloud.api.schemas import (
+    QuotaReport,
+    QuotaRequest,
+    QuotasRequest,
+    QuotaUsage,
+    TenantAccepted,
+    TenantOperation,
+    TenantPage,
+    TenantRequest,
+)
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.models.tables import (
     Operation,
     OperationPublic,
@@ -44,100 +50,9 @@ from gpucloud.models.tables import (
 from gpucloud.services import quotas as quota_service
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.workflows import start_tenant_offboarding, start_tenant_onboarding
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, not_found, unavailable
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
-
-MAX_QUOTA_GPUS = 10_000_000
-
-
-class QuotaRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    gpu_type: str = Field(description="a GPU type, or `*` for every type")
-    region: str = Field(description="a region, or `*` for every region")
-    max_gpus: int = Field(ge=0, le=MAX_QUOTA_GPUS)
-
-    @field_validator("gpu_type")
-    @classmethod
-    def _gpu(cls, v: str) -> str:
-        if v != quota_service.ANY and v not in GPU_TYPES:
-            raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}, or '*'")
-        return v
-
-    @field_validator("region")
-    @classmethod
-    def _region(cls, v: str) -> str:
-        if v != quota_service.ANY and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
-            raise ValueError("must be a region name like 'us-east-1', or '*'")
-        return v
-
-
-def _unique(quotas: list[QuotaRequest]) -> list[QuotaRequest]:
-    seen = set()
-    for q in quotas:
-        if (q.gpu_type, q.region) in seen:
-            raise ValueError(f"quota for {q.gpu_type}/{q.region} given twice")
-        seen.add((q.gpu_type, q.region))
-    return quotas
-
-
-class TenantRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9-]*$")
-    quotas: list[QuotaRequest] = Field(
-        default_factory=list, max_length=200, description="override the default quota per GPU type and region"
-    )
-
-    @model_validator(mode="after")
-    def _distinct(self) -> TenantRequest:
-        _unique(self.quotas)
-        return self
-
-
-class QuotasRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    quotas: list[QuotaRequest] = Field(max_length=200)
-
-    @model_validator(mode="after")
-    def _distinct(self) -> QuotasRequest:
-        _unique(self.quotas)
-        return self
-
-
-class TenantAccepted(TenantPublic):
-    """The tenant being onboarded, with its quotas, its first API key and the operation."""
-
-    quotas: list[TenantQuotaBase]
-    api_key: ApiKeyCreated
-    operation: OperationPublic
-
-
-class TenantOperation(BaseModel):
-    tenant: TenantPublic
-    operation: OperationPublic
-
-
-class TenantPage(BaseModel):
-    items: list[TenantPublic]
-    next_page_token: str
-
-
-class QuotaUsage(BaseModel):
-    gpu_type: str
-    region: str
-    usage_gpus: int
-    max_gpus: int
-    quota: TenantQuotaBase = Field(description="the quota that applies (`*/*` with the default)")
-
-
-class QuotaReport(BaseModel):
-    tenant_id: str
-    quotas: list[TenantQuotaBase]
-    default_gpus: int = Field(description="what applies where no quota matches")
-    usage: list[QuotaUsage]
 
 
 def _public(tenant: Tenant) -> TenantPublic:
@@ -209,33 +124,21 @@ async def create_tenant(
     operator: OperatorDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
-        accepted = await run_in_threadpool(_create, settings, req)
+        created = await run_in_threadpool(_create, settings, req)
         try:
-            await start_tenant_onboarding(temporal, settings, accepted.id, accepted.operation.id)
+            await start_tenant_onboarding(temporal, settings, created.id, created.operation.id)
         except RPCError as exc:
-            await run_in_threadpool(_discard, settings, accepted.id)
-            raise Problem(
-                503,
-                "workflow-engine-unavailable",
-                "Try again",
-                "the workflow engine did not accept the onboarding; nothing was kept, retry",
+            await run_in_threadpool(_discard, settings, created.id)
+            raise unavailable(
+                "workflow-engine", "the workflow engine did not accept the onboarding; nothing was kept, retry"
             ) from exc
-        return JSONResponse(
-            accepted.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/tenants/{accepted.id}"}
-        )
+        return accepted(created, f"/v1/tenants/{created.id}")
 
-    return await run_idempotent(
-        db_url=settings.database_url,
-        caller=operator.id,
-        key=idempotency_key,
-        method="POST",
-        path=request.url.path,
-        body=await request.body(),
-        handler=handler,
-        redact=_without_secret,
+    return await idempotent(
+        request, settings.database_url, operator.id, idempotency_key, handler, redact=_without_secret
     )
 
 
@@ -243,18 +146,13 @@ async def create_tenant(
 def list_tenants(
     operator: OperatorDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
     status: TenantStatus | None = None,
 ):
-    filters = {"status": status}
-    cursor = pagination.decode(page_token, filters)
-    query = select(Tenant).order_by(col(Tenant.seq)).limit(page_size + 1)
-    if status is not None:
-        query = query.where(col(Tenant.status) == status)
-    if cursor.after is not None:
-        query = query.where(col(Tenant.seq) > cursor.after)
-    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda t: t.seq, filters)
+    rows, token = pagination.fetch(
+        session, Tenant, "seq", page_size=page_size, page_token=page_token, equal={"status": status}
+    )
     return TenantPage(items=[_public(t) for t in rows], next_page_token=token)
 
 
@@ -294,11 +192,8 @@ async def delete_tenant(tenant_id: str, operator: OperatorDep, settings: Setting
     try:
         await start_tenant_offboarding(temporal, settings, tenant_id, op.id)
     except RPCError as exc:
-        raise Problem(
-            503,
-            "workflow-engine-unavailable",
-            "Try again",
-            "offboarding is recorded but the workflow engine did not accept it; retry the DELETE",
+        raise unavailable(
+            "workflow-engine", "offboarding is recorded but the workflow engine did not accept it; retry the DELETE"
         ) from exc
     body = TenantOperation(tenant=_public(tenant), operation=_op_public(op))
     return JSONResponse(body.model_dump(mode="json"), status_code=202)

@@ -7,12 +7,10 @@ import logging
 import re
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
 from fastapi import Path as PathParam
-from fastapi.responses import Response
 from sqlmodel import Session, col, select
 
-from gpucloud.api.idempotency import run_idempotent
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.registry_tables import (
@@ -99,21 +97,6 @@ def signature_problem(exc: IntegrityError) -> Problem:
     return invalid(
         "signature", f"{exc}: the signed content was changed after signing, or another key signed it", "bad-signature"
     )
-
-
-async def idempotent(request: Request, settings: Settings, caller: str, key: str | None, handler) -> Response:
-    return await run_idempotent(
-        db_url=settings.database_url,
-        caller=caller,
-        key=key,
-        method=request.method,
-        path=request.url.path,
-        body=await request.body(),
-        handler=handler,
-    )
-
-
-IdempotencyKey = Annotated[str | None, Header()]
 
 
 def check_model(settings: Settings, tenant_id: str, name: str) -> None:

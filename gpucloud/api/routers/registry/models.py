@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
 
 import sqlalchemy as sa
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from nacl.signing import VerifyKey
@@ -14,9 +13,8 @@ from sqlmodel import col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
+from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
-    IdempotencyKey,
-    idempotent,
     model_row,
 )
 from gpucloud.config import Settings
@@ -71,27 +69,24 @@ async def create_model(
             model.model_dump(mode="json"), status_code=201, headers={"Location": f"/v1/models/{model.name}"}
         )
 
-    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 
 
 @router.get("/models", response_model=ModelPage)
 def list_models(
     tenant: TenantDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
 ):
-    filters = {"tenant": tenant.tenant_id}
-    cursor = pagination.decode(page_token, filters)
-    query = (
-        select(RegistryModel)
-        .where(col(RegistryModel.tenant_id) == tenant.tenant_id)
-        .order_by(col(RegistryModel.seq))
-        .limit(page_size + 1)
+    rows, token = pagination.fetch(
+        session,
+        RegistryModel,
+        "seq",
+        page_size=page_size,
+        page_token=page_token,
+        equal={"tenant_id": tenant.tenant_id},
     )
-    if cursor.after is not None:
-        query = query.where(col(RegistryModel.seq) > cursor.after)
-    rows, token = pagination.page(list(session.exec(query).all()), page_size, lambda m: m.seq, filters)
     return ModelPage(items=promotion.publish_models(session, rows), next_page_token=token)
 
 
@@ -148,7 +143,7 @@ async def register_signing_key(
         body = SigningKeyPublic.model_validate(key, from_attributes=True).model_dump(mode="json")
         return JSONResponse(body, status_code=201 if created else 200)
 
-    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 
 
 @router.get("/signing-keys", response_model=SigningKeyList)

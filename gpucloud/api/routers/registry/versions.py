@@ -4,21 +4,19 @@ move aliases (gated), walk lineage."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated
 
 import sqlalchemy as sa
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from sqlmodel import Session, col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
+from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
-    IdempotencyKey,
     StoresDep,
     VersionRef,
-    idempotent,
     invalid,
     model_row,
     resolve_version,
@@ -147,7 +145,7 @@ async def push_version(
             headers={"Location": f"/v1/models/{name}/versions/{version.digest}"},
         )
 
-    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 
 
 @router.get("/models/{name}/versions", response_model=VersionPage)
@@ -155,17 +153,12 @@ def list_versions(
     name: str,
     tenant: TenantDep,
     session: SessionDep,
-    page_size: Annotated[int, Query(ge=1, le=pagination.MAX_PAGE_SIZE)] = pagination.DEFAULT_PAGE_SIZE,
-    page_token: str | None = None,
+    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
+    page_token: pagination.PageToken = None,
 ):
     model = model_row(session, tenant.tenant_id, name)
-    filters = {"tenant": tenant.tenant_id, "model": model.id}
-    cursor = pagination.decode(page_token, filters)
-    query = select(ModelVersion).where(col(ModelVersion.model_id) == model.id).order_by(col(ModelVersion.seq))
-    if cursor.after is not None:
-        query = query.where(col(ModelVersion.seq) > cursor.after)
-    rows, token = pagination.page(
-        list(session.exec(query.limit(page_size + 1)).all()), page_size, lambda v: v.seq, filters
+    rows, token = pagination.fetch(
+        session, ModelVersion, "seq", page_size=page_size, page_token=page_token, equal={"model_id": model.id}
     )
     return VersionPage(items=promotion.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
 
@@ -249,7 +242,7 @@ async def record_evaluation(
         body = EvaluationResultPublic.model_validate(row, from_attributes=True).model_dump(mode="json")
         return JSONResponse(body, status_code=201 if created else 200)
 
-    return await idempotent(request, settings, tenant.id, idempotency_key, handler)
+    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 
 
 def _check_gates(

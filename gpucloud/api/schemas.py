@@ -1,0 +1,402 @@
+"""The public API's wire schemas: what its routes take and answer, beside the tables' public
+views in `gpucloud.models`. The routers and the typed client (`gpucloud.client`) share them."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.ledger.schemas import (
+    InvoiceOut,
+    UsageSummary,
+)
+from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION, NVL72_GPU_TYPES, NVL72_TRAYS_PER_RACK
+from gpucloud.models.health_tables import (
+    AllocationEventPublic,
+    OperatorAlertPublic,
+)
+from gpucloud.models.rollout_messages import (
+    RolloutProgress,
+    Thresholds,
+    WaveSpec,
+)
+from gpucloud.models.tables import (
+    AllocationPublic,
+    ApiKeyPublic,
+    NodeEnroll,
+    NodePublic,
+    OperationPublic,
+    TenantPublic,
+    TenantQuotaBase,
+)
+from gpucloud.registry.manifest import HEX_DIGEST
+from gpucloud.services import api_keys as key_service
+from gpucloud.services import quotas as quota_service
+
+
+# ---------------------------------------------------------------- allocations
+
+
+class AllocationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str
+    # A slice of one NVL72 rack: this many trays, one NVLink partition; node_count may be left out.
+    nvl72_trays: int | None = None
+    node_count: int | None = Field(default=None, validate_default=True)
+    region: str
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        if v not in GPU_TYPES:
+            raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
+        return v
+
+    @field_validator("nvl72_trays")
+    @classmethod
+    def _slice(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if not 1 <= v <= NVL72_TRAYS_PER_RACK:
+            raise ValueError(f"must be between 1 and {NVL72_TRAYS_PER_RACK} (the compute trays of one NVL72 rack)")
+        gpu_type = info.data.get("gpu_type")
+        if gpu_type is not None and gpu_type not in NVL72_GPU_TYPES:
+            raise ValueError(
+                f"{gpu_type} does not come in NVL72 racks; slices are of {', '.join(sorted(NVL72_GPU_TYPES))}"
+            )
+        return v
+
+    @field_validator("node_count")
+    @classmethod
+    def _count(cls, v: int | None, info: ValidationInfo) -> int | None:
+        trays = info.data.get("nvl72_trays")
+        if v is None:
+            if trays is None and "nvl72_trays" in info.data:
+                raise ValueError("Field required (or nvl72_trays, for a slice of an NVL72 rack)")
+            return trays
+        if not 1 <= v <= MAX_NODES_PER_ALLOCATION:
+            raise ValueError(f"must be between 1 and {MAX_NODES_PER_ALLOCATION}")
+        if trays is not None and v != trays:
+            raise ValueError(f"must equal nvl72_trays ({trays}) or be left out")
+        return v
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
+            raise ValueError("must be a region name like 'us-east-1'")
+        return v
+
+
+class AllocationAccepted(BaseModel):
+    allocation: AllocationPublic
+    operation: OperationPublic | None
+
+
+class AllocationPage(BaseModel):
+    items: list[AllocationPublic]
+    next_page_token: str
+
+
+class AllocationEventPage(BaseModel):
+    items: list[AllocationEventPublic]
+    next_page_token: str
+
+
+# ---------------------------------------------------------------- API keys
+
+
+class ApiKeyCreated(BaseModel):
+    id: str
+    tenant_id: str
+    key: str | None = Field(description="`gpc_<id>.<secret>`, shown in this response only (null on a replay)")
+    created_at: datetime
+    replaces: str | None = Field(default=None, description="the rotated key")
+    replaced_key_expires_at: datetime | None = Field(default=None, description="when the rotated key stops working")
+
+
+class ApiKeyList(BaseModel):
+    items: list[ApiKeyPublic]
+
+
+class RotateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grace_period_s: int = Field(
+        default=0,
+        ge=0,
+        le=int(key_service.MAX_GRACE.total_seconds()),
+        description="how long the old key keeps working (0: it stops now)",
+    )
+
+
+# ---------------------------------------------------------------- tenants and quotas
+
+MAX_QUOTA_GPUS = 10_000_000
+
+
+class QuotaRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str = Field(description="a GPU type, or `*` for every type")
+    region: str = Field(description="a region, or `*` for every region")
+    max_gpus: int = Field(ge=0, le=MAX_QUOTA_GPUS)
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        if v != quota_service.ANY and v not in GPU_TYPES:
+            raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}, or '*'")
+        return v
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if v != quota_service.ANY and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
+            raise ValueError("must be a region name like 'us-east-1', or '*'")
+        return v
+
+
+def _unique(quotas: list[QuotaRequest]) -> list[QuotaRequest]:
+    seen = set()
+    for q in quotas:
+        if (q.gpu_type, q.region) in seen:
+            raise ValueError(f"quota for {q.gpu_type}/{q.region} given twice")
+        seen.add((q.gpu_type, q.region))
+    return quotas
+
+
+class TenantRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9-]*$")
+    quotas: list[QuotaRequest] = Field(
+        default_factory=list, max_length=200, description="override the default quota per GPU type and region"
+    )
+
+    @model_validator(mode="after")
+    def _distinct(self) -> TenantRequest:
+        _unique(self.quotas)
+        return self
+
+
+class QuotasRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    quotas: list[QuotaRequest] = Field(max_length=200)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> QuotasRequest:
+        _unique(self.quotas)
+        return self
+
+
+class TenantAccepted(TenantPublic):
+    """The tenant being onboarded, with its quotas, its first API key and the operation."""
+
+    quotas: list[TenantQuotaBase]
+    api_key: ApiKeyCreated
+    operation: OperationPublic
+
+
+class TenantOperation(BaseModel):
+    tenant: TenantPublic
+    operation: OperationPublic
+
+
+class TenantPage(BaseModel):
+    items: list[TenantPublic]
+    next_page_token: str
+
+
+class QuotaUsage(BaseModel):
+    gpu_type: str
+    region: str
+    usage_gpus: int
+    max_gpus: int
+    quota: TenantQuotaBase = Field(description="the quota that applies (`*/*` with the default)")
+
+
+class QuotaReport(BaseModel):
+    tenant_id: str
+    quotas: list[TenantQuotaBase]
+    default_gpus: int = Field(description="what applies where no quota matches")
+    usage: list[QuotaUsage]
+
+
+# ---------------------------------------------------------------- weight rollouts
+
+MAX_TARGET_NODES = 10_000
+
+
+class RolloutRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_version: str = Field(pattern=HEX_DIGEST, description="the version's manifest digest")
+    node_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_TARGET_NODES)
+    allocation_id: str | None = None
+    serving_fleet: bool = False
+    waves: list[WaveSpec] | None = Field(default=None, min_length=1, max_length=20)
+    bake_s: float = Field(default=300.0, ge=0, le=7 * 86400)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+    prefetch_ahead: bool = True
+
+
+class RolloutAccepted(BaseModel):
+    rollout_id: str
+    progress: RolloutProgress
+
+
+class RolloutCommand(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(default="", max_length=500)
+
+
+# ---------------------------------------------------------------- nodes (operators and agents)
+
+MAX_ENROLL_BATCH = 1000
+
+
+class EnrollRequest(BaseModel):
+    nodes: list[NodeEnroll] = Field(min_length=1, max_length=MAX_ENROLL_BATCH)
+
+
+class EnrollResult(BaseModel):
+    enrolled: int
+    already_known: int
+    bringups_started: int
+    batches: int = 0
+
+
+class NodePage(BaseModel):
+    items: list[NodePublic]
+    next_page_token: str
+
+
+class NodeActionResult(BaseModel):
+    node: NodePublic
+    operation: OperationPublic
+
+
+class MaintenanceRequest(BaseModel):
+    enabled: bool
+    reason: str = Field("", max_length=500)
+
+
+class ActionRequest(BaseModel):
+    reason: str = Field("", max_length=500)
+
+
+class NodeEventPublic(BaseModel):
+    seq: int
+    from_state: str
+    to_state: str
+    event: str
+    cause: str
+    actor: str
+    at: datetime
+
+
+class NodeEventPage(BaseModel):
+    items: list[NodeEventPublic]
+    next_page_token: str
+
+
+class HeartbeatIn(BaseModel):
+    node_id: str
+    tenant_id: str | None = None
+    workload_running: bool = False
+    boot_id: str | None = None
+
+
+class HeartbeatBatch(BaseModel):
+    heartbeats: list[HeartbeatIn] = Field(min_length=1, max_length=5000)
+
+
+class HeartbeatResult(BaseModel):
+    accepted: int
+    drifted: list[str]
+
+
+class AgentCredentialIssued(BaseModel):
+    node_id: str
+    token: str = Field(description="shown once: give it to the node's agent (`gpucloud agent --token`)")
+
+
+# ---------------------------------------------------------------- node health
+
+MAX_READINGS_BATCH = 1000
+
+# An agent clock this far ahead would put its reading after every later one: it is refused.
+MAX_READING_CLOCK_SKEW = timedelta(minutes=5)
+
+
+class XidInjection(BaseModel):
+    xid: int = Field(ge=0, le=100_000)
+    gpu_index: int | None = Field(None, ge=0, le=63)
+    message: str = Field("", max_length=1000)
+
+
+class XidEventBatch(BaseModel):
+    events: list[XidEvent] = Field(min_length=1, max_length=5000)
+
+
+class HealthDecision(BaseModel):
+    node_id: str
+    health: str
+    action: str
+    pull: str | None
+    alert: str | None
+
+
+class XidIngestResult(BaseModel):
+    accepted: int
+    unknown_nodes: list[str]
+    decisions: list[HealthDecision]
+
+
+class ReadingBatch(BaseModel):
+    readings: list[NodeReading] = Field(min_length=1, max_length=MAX_READINGS_BATCH)
+
+
+class ReadingIngestResult(BaseModel):
+    accepted: int
+    decisions: list[HealthDecision]
+
+
+class XidRecordPublic(BaseModel):
+    xid: int
+    gpu_index: int | None
+    timestamp: datetime
+    message: str
+    source: str
+
+
+class NodeHealth(BaseModel):
+    node_id: str
+    state: str
+    health: str
+    conditions: list[dict]
+    xid_history: list[XidRecordPublic]
+    # The newest stored readings, newest first (the trend window's, and fatal ones).
+    readings: list[NodeReading]
+
+
+class AlertPage(BaseModel):
+    items: list[OperatorAlertPublic]
+    next_page_token: str
+
+
+# ---------------------------------------------------------------- billing
+
+
+class UsageReport(UsageSummary):
+    period: str | None
+
+
+class InvoiceList(BaseModel):
+    items: list[InvoiceOut]

@@ -1,0 +1,60 @@
+"""What every command group of the CLI shares: the consoles, the API options, the typed API
+client, and the one place failures a person can act on become a clear line and an exit code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+
+from gpucloud.client.api import ApiError, ApiTimeout, Gpucloud
+from gpucloud.config import get_settings
+
+console, err = Console(), Console(stderr=True)
+
+ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="GPUCLOUD_API_URL", help="default: the configured API")]
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
+
+
+def api_client(api_url: str | None = None, api_key: str | None = None, *, operator: bool = False) -> Gpucloud:
+    """The API as the caller sees it: the tenant's key, or with `operator` and no key the
+    operator token (GPUCLOUD_API__OPERATOR_TOKEN or the data dir's)."""
+    settings = get_settings()
+    token = api_key or (settings.operator_token if operator else None)
+    if not token:
+        err.print("[red]error:[/] no API key: set GPUCLOUD_API_KEY or pass --api-key")
+        raise typer.Exit(1)
+    return Gpucloud(api_url or settings.api_url, token, retry_for_s=3)
+
+
+@contextmanager
+def reported_errors(*, what: str = "the API") -> Iterator[None]:
+    """Turn an API refusal, a timeout or an unreachable API into one line on stderr and exit 1."""
+    try:
+        yield
+    except ApiError as exc:
+        err.print(f"[red]error ({exc.status}):[/] {exc.title}: {exc.detail}")
+        raise typer.Exit(1) from None
+    except ApiTimeout as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    except httpx.TransportError as exc:
+        err.print(f"[red]error:[/] cannot reach {what} ({exc}); is `gpucloud up` running?")
+        raise typer.Exit(1) from None
+
+
+def progress_bar(out: Console, *extra: ProgressColumn) -> Progress:
+    """A bar of done out of total, with `extra` columns before the time elapsed."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *extra,
+        TimeElapsedColumn(),
+        console=out,
+    )

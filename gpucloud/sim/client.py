@@ -1,0 +1,65 @@
+"""The one client of the simulated fleet's own endpoints: what its nodes report, and the faults,
+drift and outages tests, the demo and the benchmarks inject. (The control plane reaches the
+simulated agents through `gpucloud.adapters.host_agent`, as it reaches real ones.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class SimFleetClient:
+    def __init__(self, base_url: str, *, timeout_s: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+
+    def __enter__(self) -> SimFleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self.http.request(method, path, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        """What the node's agent reports: state, tenant, allocation, boot id, faults."""
+        return self._call("GET", f"/v1/nodes/{node_id}")
+
+    def inventory(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/inventory")
+
+    def heartbeats(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/heartbeats")
+
+    def metering(self) -> dict[str, Any]:
+        """Each node's metered allocations and intervals, and how far its spool is behind."""
+        return self._call("GET", "/v1/metering")
+
+    def drift(self, node_id: str, kind: str) -> dict[str, Any]:
+        """`reboot` or `wipe` the node behind the control plane's back."""
+        return self._call("POST", f"/v1/nodes/{node_id}/drift", json={"kind": kind})
+
+    def set_unreachable(self, node_id: str, unreachable: bool = True) -> dict[str, Any]:
+        return self._call("POST", f"/v1/nodes/{node_id}/reachability", json={"unreachable": unreachable})
+
+    def hardware_fault(self, node_id: str, fault: str | None, *, fixed_by: str | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/nodes/{node_id}/hardware_fault", json={"fault": fault, "fixed_by": fixed_by})
+
+    def inject(self, node_id: str, action: str, mode: str, count: int = 1) -> dict[str, Any]:
+        """Make the node's next `count` `action` calls fail, `transient`ly or `permanent`ly."""
+        body = {"node_id": node_id, "action": action, "mode": mode, "count": count}
+        return self._call("POST", "/v1/faults", json=body)
+
+    def weights_status(self, node_id: str) -> dict[str, Any]:
+        """The versions on the node: active, previous, cached."""
+        return self._call("GET", f"/v1/nodes/{node_id}/weights/status")
+
+    def verify_weights(self, node_id: str, digest: str) -> dict[str, Any]:
+        """Re-hash every file of the version on the node against its signed manifest."""
+        return self._call("POST", f"/v1/nodes/{node_id}/weights/verify", json={"digest": digest}, timeout=60)
