@@ -36,7 +36,6 @@ from gpucloud.registry.manifest import HEX_DIGEST
 from gpucloud.services import api_keys as key_service
 from gpucloud.services import quotas as quota_service
 
-
 # ---------------------------------------------------------------- allocations
 
 
