@@ -17,6 +17,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4
 
+# What CI checks before the tests: lint, format and types.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/mypy
+
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit
 

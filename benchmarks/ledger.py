@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from sqlalchemy.engine import make_url
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from gpucloud.devstack.stack import free_port  # noqa: E402
 from gpucloud.ledger.db import open_ledger_database  # noqa: E402
 from gpucloud.ledger.invoicing import close_period  # noqa: E402
 from gpucloud.ledger.periods import period_bounds  # noqa: E402
@@ -56,12 +56,6 @@ PRICE = 2_490_000  # 8 GPU-minutes cost exactly 332,000 micro-units at this pric
 MINUTE = 60_000
 PERIOD = "2024-01"
 DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager

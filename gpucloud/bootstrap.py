@@ -15,13 +15,16 @@ import hashlib
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tenacity
 from temporalio.client import Client
 
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
+from gpucloud.agent.probe import Probe
+from gpucloud.agent.readings import utc_now
 from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
@@ -32,6 +35,9 @@ from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectStore
 from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import TenantStore
+
+if TYPE_CHECKING:
+    from gpucloud.sim.faults import FaultModel
 
 FabricControllerFactory = Callable[[], HttpFabricController]
 
@@ -162,3 +168,32 @@ def control_plane(settings: Settings) -> ControlPlane:
         tenant_store=tenant_store(settings),
         registry=registry_stores(settings),
     )
+
+
+def detect_probe(
+    node_id: str,
+    *,
+    allow_simulated: bool = True,
+    clock: Callable[[], datetime] = utc_now,
+    simulated_gpu_count: int = 8,
+    seed: int = 0,
+    fault_model: FaultModel | None = None,
+) -> Probe:
+    """NVML where the library is installed, else (if allowed) a simulated node.
+
+    A node whose NVML loads but whose driver is broken is still a GPU node: it gets the NVML
+    probe, which reports the failure as fatal, rather than a simulation that would hide it.
+    """
+    from gpucloud.agent.nvml import NvmlProbe, ProbeError
+
+    probe = NvmlProbe(node_id, clock=clock)
+    try:
+        is_gpu_node = probe.read().is_gpu_node
+    except ProbeError:
+        is_gpu_node = True
+    if is_gpu_node or not allow_simulated:
+        return probe
+    probe.close()
+    from gpucloud.sim.probe import SimulatedProbe
+
+    return SimulatedProbe(node_id, gpu_count=simulated_gpu_count, seed=seed, fault_model=fault_model, clock=clock)

@@ -7,30 +7,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-import sqlalchemy as sa
 
 POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
 # Rich sizes tables and progress lines to the terminal; under xdist there is none (80 columns).
 os.environ.setdefault("COLUMNS", "200")
-
-
-def fresh_postgres_database(base_url: str) -> tuple[str, callable]:
-    """Create a uniquely named database next to `base_url`; returns its URL and a dropper."""
-    name = f"gpucloud_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(base_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = base_url.rsplit("/", 1)[0] + f"/{name}"
-
-    def drop() -> None:
-        from gpucloud.db import get_engine
-
-        get_engine(url).dispose()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-    return url, drop
 
 
 DB_PARAMS = [
@@ -69,12 +49,23 @@ def db_url(request, tmp_path) -> Iterator[str]:
         migrate(url)
         yield url
         return
-    url, drop = fresh_postgres_database(POSTGRES_URL)
-    migrate(url)
-    try:
+    from support.databases import scratch_postgres
+
+    with scratch_postgres(POSTGRES_URL) as url:
+        migrate(url)
         yield url
-    finally:
-        drop()
+
+
+# ---------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server over real HTTP, one per test process (`tests/support/s3.py`)."""
+    from support.s3 import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 # ---------------------------------------------------------------- Temporal and the stack

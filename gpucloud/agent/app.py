@@ -39,7 +39,7 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from gpucloud.agent.probe import Probe, detect_probe
+from gpucloud.agent.probe import Probe
 from gpucloud.agent.readings import NodeReading, XidEvent
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.shipper import Shipper
@@ -457,6 +457,8 @@ def main(
     import uvicorn
 
     state = HostState(node_id=node_id, boot_id=read_boot_id(), scratch_dir=scratch_dir)
+    from gpucloud.bootstrap import detect_probe
+
     agent = Agent(state, detect_probe(node_id, allow_simulated=allow_simulated), gpu_type=gpu_type)
     client = httpx.AsyncClient(base_url=control_plane_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     metering = None

@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from gpucloud.agent.spool import DEFAULT_BATCH_SIZE, Spool, SpoolLag, wall_clock_ms
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable, UsageLedger
@@ -30,48 +30,38 @@ class ShipResult:
     deferred: int
 
 
+@dataclass
 class Shipper:
     """Sends spooled samples to the ledger, at-least-once, and settles them from its answer."""
 
-    def __init__(
-        self,
-        spool: Spool,
-        ledger: UsageLedger,
-        *,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        idle_poll_s: float = 1.0,
-        retry_rejected_after_ms: int = 60_000,
-        acked_retention_ms: int = 86_400_000,
-        clock_ms: Callable[[], int] = wall_clock_ms,
-    ) -> None:
-        self._spool = spool
-        self._ledger = ledger
-        self.batch_size = batch_size
-        self._backoff_initial_s = backoff_initial_s
-        self._backoff_max_s = backoff_max_s
-        self._idle_poll_s = idle_poll_s
-        self._retry_rejected_after_ms = retry_rejected_after_ms
-        self._acked_retention_ms = acked_retention_ms
-        self._clock_ms = clock_ms
+    spool: Spool
+    ledger: UsageLedger
+    _: KW_ONLY
+    batch_size: int = DEFAULT_BATCH_SIZE
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    idle_poll_s: float = 1.0
+    # A rejected sample is offered again after this long (its allocation may reach the ledger late).
+    retry_rejected_after_ms: int = 60_000
+    acked_retention_ms: int = 86_400_000
+    clock_ms: Callable[[], int] = wall_clock_ms
 
     def lag(self) -> SpoolLag:
-        return self._spool.lag()
+        return self.spool.lag()
 
     def ship_once(self) -> ShipResult:
         """Send one batch of pending samples; raises :class:`LedgerUnavailable` if not taken."""
-        now_ms = self._clock_ms()
-        batch = self._spool.pending(limit=self.batch_size, now_ms=now_ms)
+        now_ms = self.clock_ms()
+        batch = self.spool.pending(limit=self.batch_size, now_ms=now_ms)
         if not batch:
             return ShipResult(0, 0, 0, 0, 0)
         try:
-            answer = self._ledger.ingest([sample.to_wire() for sample in batch])
+            answer = self.ledger.ingest([sample.to_wire() for sample in batch])
         except LedgerRefused as error:
             # A refusal of the whole batch (say, the node's credential) takes nothing: send it all again.
             raise LedgerUnavailable(f"ledger refused the batch ({error.status}): {error}") from error
         try:
-            rejections = {r["seq"]: r["problem"] for r in answer["rejections"] if r["node_id"] == self._spool.node_id}
+            rejections = {r["seq"]: r["problem"] for r in answer["rejections"] if r["node_id"] == self.spool.node_id}
             duplicates = int(answer["duplicates"])
         except (ValueError, KeyError, TypeError) as error:
             # Without a readable answer nothing is known to be taken: send it all again.
@@ -83,12 +73,12 @@ class Shipper:
                 "the ledger already had %d of %d samples: a resend after a lost acknowledgement", duplicates, len(batch)
             )
         for seq, problem in final.items():
-            log.error("ledger rejected sample %s/%s for good: %s", self._spool.node_id, seq, problem.get("detail"))
-        self._spool.settle(
+            log.error("ledger rejected sample %s/%s for good: %s", self.spool.node_id, seq, problem.get("detail"))
+        self.spool.settle(
             acked=[sample.seq for sample in batch if sample.seq not in rejections],
             rejected=final,
             deferred=retryable,
-            retry_at_ms=now_ms + self._retry_rejected_after_ms,
+            retry_at_ms=now_ms + self.retry_rejected_after_ms,
         )
         return ShipResult(
             sent=len(batch),
@@ -100,7 +90,7 @@ class Shipper:
 
     def run(self, stop: threading.Event) -> None:
         """Ship until ``stop`` is set: back to back while there is a backlog, backing off while the ledger is down."""
-        backoff_s = self._backoff_initial_s
+        backoff_s = self.backoff_initial_s
         while not stop.is_set():
             try:
                 result = self.ship_once()
@@ -114,12 +104,12 @@ class Shipper:
                     exc_info=not isinstance(error, LedgerUnavailable),
                 )
                 stop.wait(random.uniform(0, backoff_s))
-                backoff_s = min(backoff_s * 2, self._backoff_max_s)
+                backoff_s = min(backoff_s * 2, self.backoff_max_s)
                 continue
-            backoff_s = self._backoff_initial_s
+            backoff_s = self.backoff_initial_s
             if result.sent < self.batch_size:
-                self._spool.prune_acked(older_than_ms=self._clock_ms() - self._acked_retention_ms)
-                stop.wait(self._idle_poll_s)
+                self.spool.prune_acked(older_than_ms=self.clock_ms() - self.acked_retention_ms)
+                stop.wait(self.idle_poll_s)
 
     def close(self) -> None:
-        self._ledger.close()
+        self.ledger.close()

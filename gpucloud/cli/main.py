@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -29,6 +30,12 @@ def _logging() -> None:
         level=os.environ.get("GPUCLOUD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent call is noise
+
+
+def _serve(module: str, function: str) -> None:
+    """Run `module.function(settings)`, imported only now so that `--help` stays fast."""
+    _logging()
+    getattr(importlib.import_module(module), function)(get_settings())
 
 
 @app.command()
@@ -63,10 +70,7 @@ def worker() -> None:
 @app.command()
 def api() -> None:
     """Run the HTTP API (FastAPI + uvicorn)."""
-    from gpucloud.api.app import serve
-
-    _logging()
-    serve(get_settings())
+    _serve("gpucloud.api.app", "serve")
 
 
 @app.command()
@@ -132,10 +136,7 @@ def sim(
 @app.command()
 def tracker() -> None:
     """Run the weight tracker, with the registry's chunks as the origin, on GPUCLOUD_TRACKER__URL."""
-    from gpucloud.registry.origin import serve_tracker
-
-    _logging()
-    serve_tracker(get_settings())
+    _serve("gpucloud.registry.origin", "serve_tracker")
 
 
 @app.command()

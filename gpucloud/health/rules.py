@@ -171,28 +171,21 @@ def _application_conditions(incidents: list[Incident], *, now: datetime, policy:
     workloads = set().union(*(i.workloads for i in recent))
     xids = sorted({i.xid for i in recent})
     summary = f"{len(recent)} application XID incident(s) {xids} from {len(workloads)} workload(s)"
-    if (
+    across_tenants = (
         len(workloads) >= policy.application_escalation_tenants
         and len(recent) >= policy.application_escalation_incidents
-    ):
-        return [
-            Condition(
-                name="application_xids_across_tenants",
-                reason=f"{summary}: faults follow the node, not the workload; drain and verify in burn-in",
-                since=recent[0].first,
-                health=Health.SUSPECT,
-                action=Action.DRAIN,
-            )
-        ]
-    return [
-        Condition(
-            name="application_xids",
-            reason=f"{summary}: counted, not acted on",
-            since=recent[0].first,
-            health=Health.OK,
-            action=Action.NONE,
+    )
+    name, meaning, health, action = (
+        (
+            "application_xids_across_tenants",
+            "faults follow the node, not the workload; drain and verify in burn-in",
+            Health.SUSPECT,
+            Action.DRAIN,
         )
-    ]
+        if across_tenants
+        else ("application_xids", "counted, not acted on", Health.OK, Action.NONE)
+    )
+    return [Condition(name=name, reason=f"{summary}: {meaning}", since=recent[0].first, health=health, action=action)]
 
 
 def _probe_conditions(readings: list[NodeReading], *, expected_gpu_count: int | None) -> list[Condition]:

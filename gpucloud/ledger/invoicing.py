@@ -83,20 +83,26 @@ def _summary(invoice: Invoice) -> InvoiceSummary:
 
 
 def _compute_invoices(connection: Connection, period_id: str, prices: PriceBookCache) -> list[Invoice]:
-    usage = _aggregate(connection, usage_samples, func.count(), usage_samples.c.billing_period == period_id)
-    reversals = _aggregate(
-        connection,
-        postings,
-        func.sum(postings.c.sample_count),
-        postings.c.billing_period == period_id,
-        postings.c.kind == "reversal",
-    )
-    try:
-        computed = build_invoices(period_id, usage=usage, reversals=reversals, prices=prices.get(connection))
-    except CloseIntegrityError as error:
-        raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
+    computed, usage = _invoices(connection, period_id, prices)
     _cross_check(connection, period_id, computed, usage)
     return computed
+
+
+def _invoices(
+    connection: Connection, period_id: str, prices: PriceBookCache, tenant_id: str | None = None
+) -> tuple[list[Invoice], list[LineAggregate]]:
+    """The period's invoices (every tenant's, or one's) from its usage and reversals; and the usage."""
+    usage_where = [usage_samples.c.billing_period == period_id]
+    reversal_where = [postings.c.billing_period == period_id, postings.c.kind == "reversal"]
+    if tenant_id is not None:
+        usage_where.append(usage_samples.c.tenant_id == tenant_id)
+        reversal_where.append(postings.c.tenant_id == tenant_id)
+    usage = _aggregate(connection, usage_samples, func.count(), *usage_where)
+    reversals = _aggregate(connection, postings, func.sum(postings.c.sample_count), *reversal_where)
+    try:
+        return build_invoices(period_id, usage=usage, reversals=reversals, prices=prices.get(connection)), usage
+    except CloseIntegrityError as error:
+        raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
 
 
 def _aggregate(connection: Connection, table, count, *conditions) -> list[LineAggregate]:
@@ -267,23 +273,5 @@ def draft_invoice(connection: Connection, period_id: str, tenant_id: str, prices
         raise problems.LedgerProblem(
             problems.STATE_CONFLICT(f"period {period_id} is closed: its invoice is final", field="period_id")
         )
-    usage = _aggregate(
-        connection,
-        usage_samples,
-        func.count(),
-        usage_samples.c.billing_period == period_id,
-        usage_samples.c.tenant_id == tenant_id,
-    )
-    reversals = _aggregate(
-        connection,
-        postings,
-        func.sum(postings.c.sample_count),
-        postings.c.billing_period == period_id,
-        postings.c.kind == "reversal",
-        postings.c.tenant_id == tenant_id,
-    )
-    try:
-        drafts = build_invoices(period_id, usage=usage, reversals=reversals, prices=prices.get(connection))
-    except CloseIntegrityError as error:
-        raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
+    drafts, _ = _invoices(connection, period_id, prices, tenant_id)
     return drafts[0] if drafts else empty_invoice(period_id, tenant_id)

@@ -13,6 +13,8 @@ two so they cannot drift apart.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
@@ -99,17 +101,26 @@ allocation_events = Table(
     Index(None, "allocation_id"),
 )
 
+
+def _line_columns(*, primary_key: bool = False, nullable: bool = False) -> list[Column]:
+    """The columns that name an invoice line: what postings record and rating groups by."""
+    types: list[tuple[str, Any]] = [
+        ("billing_period", String(7)),
+        ("usage_period", String(7)),
+        ("tenant_id", String(128)),
+        ("allocation_id", String(128)),
+        ("gpu_type", String(64)),
+        ("price_version_id", ForeignKey("price_book_versions.id")),
+    ]
+    return [Column(name, type_, primary_key=primary_key, nullable=nullable) for name, type_ in types]
+
+
 postings = Table(
     "postings",
     metadata,
     Column("id", IdType, primary_key=True, autoincrement=True),
     Column("kind", String(16), nullable=False),
-    Column("billing_period", String(7), nullable=False),
-    Column("usage_period", String(7), nullable=False),
-    Column("tenant_id", String(128), nullable=False),
-    Column("allocation_id", String(128), nullable=False),
-    Column("gpu_type", String(64), nullable=False),
-    Column("price_version_id", ForeignKey("price_book_versions.id"), nullable=False),
+    *_line_columns(nullable=False),
     Column("gpu_ms", BigInteger, nullable=False),
     Column("amount_micro", BigInteger, nullable=False),
     Column("sample_count", Integer, nullable=False),
@@ -184,12 +195,7 @@ rating_accumulators = Table(
     metadata,
     # One row per invoice line being built: its running totals let a new sample be rated
     # as a step on the cumulative amount (see pricing.py). The only mutable table.
-    Column("billing_period", String(7), primary_key=True),
-    Column("usage_period", String(7), primary_key=True),
-    Column("tenant_id", String(128), primary_key=True),
-    Column("allocation_id", String(128), primary_key=True),
-    Column("gpu_type", String(64), primary_key=True),
-    Column("price_version_id", ForeignKey("price_book_versions.id"), primary_key=True),
+    *_line_columns(primary_key=True),
     Column("gpu_ms_total", BigInteger, nullable=False),
     Column("amount_total_micro", BigInteger, nullable=False),
     Column("max_start_ms", BigInteger, nullable=False),

@@ -11,6 +11,18 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 
+class NodeRef(BaseModel):
+    """A message about one node."""
+
+    node_id: str
+
+
+class AllocationRef(BaseModel):
+    """A message about one allocation."""
+
+    allocation_id: str
+
+
 class NodeOperationKind(StrEnum):
     BRINGUP = "bringup"  # enrolled -> inspecting -> wiping -> burn_in -> available
     PROVISION = "provision"  # reserved -> provisioning -> active
@@ -21,22 +33,19 @@ class NodeOperationKind(StrEnum):
     REPAIR = "repair"  # quarantined -> repairing (reset | reboot | reflash) -> wiping -> burn_in -> available; or rma
 
 
-class NodeOperationInput(BaseModel):
-    node_id: str
+class NodeOperationInput(NodeRef):
     operation: NodeOperationKind
     allocation_id: str | None = None
     tenant_id: str | None = None
 
 
-class NodeOperationResult(BaseModel):
-    node_id: str
+class NodeOperationResult(NodeRef):
     ok: bool
     state: str
     error: str | None = None
 
 
-class NodeTransitionInput(BaseModel):
-    node_id: str
+class NodeTransitionInput(NodeRef):
     event: str
     from_state: str
     # Identifies this step of this workflow: a retried activity whose first try committed finds
@@ -48,18 +57,12 @@ class NodeTransitionInput(BaseModel):
     tenant_id: str | None = None
 
 
-class NodeTransitionResult(BaseModel):
-    node_id: str
+class NodeTransitionResult(NodeRef):
     state: str
     generation: int
 
 
-class NodeRef(BaseModel):
-    node_id: str
-
-
-class NodeView(BaseModel):
-    node_id: str
+class NodeView(NodeRef):
     state: str
     generation: int
     agent_url: str
@@ -67,8 +70,7 @@ class NodeView(BaseModel):
     tenant_id: str | None = None
 
 
-class AgentActionInput(BaseModel):
-    node_id: str
+class AgentActionInput(NodeRef):
     agent_url: str
     request_id: str
     tenant_id: str | None = None
@@ -76,8 +78,7 @@ class AgentActionInput(BaseModel):
     allocation_id: str | None = None
 
 
-class AgentActionResult(BaseModel):
-    node_id: str
+class AgentActionResult(NodeRef):
     action: str
     details: dict = Field(default_factory=dict)
 
@@ -97,8 +98,7 @@ class NodeTransitionBatch(BaseModel):
     lease_to_deadline: bool = False
 
 
-class NodeTransitionOutcome(BaseModel):
-    node_id: str
+class NodeTransitionOutcome(NodeRef):
     # The node's state after the step; None when the step did not apply (error says why).
     state: str | None = None
     error: str | None = None
@@ -132,38 +132,33 @@ class BringupResult(BaseModel):
     stopped: dict[str, str] = Field(default_factory=dict)
 
 
-class AllocationInput(BaseModel):
-    allocation_id: str
+class AllocationInput(AllocationRef):
     # Nodes that fail provisioning are replaced by others, this many in all; past that the
     # allocation fails (a fault that follows every node is not fixed by trying more of them).
     provision_retries: int = 3
     replacement_recheck_s: float = 30.0
 
 
-class AllocationResult(BaseModel):
-    allocation_id: str
+class AllocationResult(AllocationRef):
     status: str
     failure_reason: str | None = None
 
 
-class AllocationView(BaseModel):
-    allocation_id: str
+class AllocationView(AllocationRef):
     tenant_id: str
     status: str
     desired: str
     node_ids: list[str]
 
 
-class AllocationStatusInput(BaseModel):
-    allocation_id: str
+class AllocationStatusInput(AllocationRef):
     status: str
     failure_reason: str | None = None
 
 
-class ReplaceNodeRequest(BaseModel):
+class ReplaceNodeRequest(NodeRef):
     """A node of the allocation is unhealthy: pull it and give the tenant another."""
 
-    node_id: str
     reason: str
     # The fault is already fatal to the job: pull now, no checkpoint grace.
     immediate: bool = False
@@ -171,14 +166,12 @@ class ReplaceNodeRequest(BaseModel):
     recheck_s: float = 30.0
 
 
-class DetachNodeInput(BaseModel):
-    allocation_id: str
+class DetachNodeInput(AllocationRef):
     node_id: str
     reason: str
 
 
-class ReplacementInput(BaseModel):
-    allocation_id: str
+class ReplacementInput(AllocationRef):
     # Nodes not to take (those that already failed provisioning for this allocation).
     exclude: list[str] = []
 
@@ -188,22 +181,19 @@ class ReplacementResult(BaseModel):
     reason: str = ""
 
 
-class AttachNodeInput(BaseModel):
-    allocation_id: str
+class AttachNodeInput(AllocationRef):
     node_id: str
     replaces: str
     ready: bool = True
 
 
-class AllocationEventInput(BaseModel):
-    allocation_id: str
+class AllocationEventInput(AllocationRef):
     kind: str
     reason: str
     node_id: str | None = None
 
 
-class RepairPlan(BaseModel):
-    node_id: str
+class RepairPlan(NodeRef):
     # The ladder's actions to try in order (the first that succeeds wins); empty: RMA.
     actions: list[str] = Field(default_factory=list)
     reason: str = ""
@@ -213,8 +203,7 @@ class CancelRequest(BaseModel):
     operation_id: str | None = None
 
 
-class AllocationProgress(BaseModel):
-    allocation_id: str
+class AllocationProgress(AllocationRef):
     phase: str
     nodes_total: int = 0
     nodes_done: int = 0

@@ -145,6 +145,21 @@ class NodeTransition(SQLModel, table=True):
     generation: int
     at: datetime = timestamp_field()
 
+    @classmethod
+    def noted(cls, node: Node, event: str, *, cause: str, actor: str, at: datetime) -> NodeTransition:
+        """An event in the node's history that leaves its state as it is (a cordon, a drain
+        requested, an operator's flag): the workflows record the moves themselves."""
+        return cls(
+            node_id=node.id,
+            from_state=node.state,
+            to_state=node.state,
+            event=event,
+            cause=cause[:500],
+            actor=actor,
+            generation=node.generation,
+            at=at,
+        )
+
 
 # ---------------------------------------------------------------- tenants and keys
 

@@ -11,24 +11,23 @@ from pydantic import BaseModel, Field
 
 
 class TenantRef(BaseModel):
+    """A message about one tenant."""
+
     tenant_id: str
 
 
-class TenantView(BaseModel):
-    tenant_id: str
+class TenantView(TenantRef):
     name: str
     status: str
     vni: int | None = None
     storage_prefix: str | None = None
 
 
-class TenantOnboardingInput(BaseModel):
-    tenant_id: str
+class TenantOnboardingInput(TenantRef):
     operation_id: str
 
 
-class TenantOnboardingResult(BaseModel):
-    tenant_id: str
+class TenantOnboardingResult(TenantRef):
     status: str
     vni: int | None = None
     storage_prefix: str | None = None
@@ -36,36 +35,31 @@ class TenantOnboardingResult(BaseModel):
     error: str | None = None
 
 
-class TenantVni(BaseModel):
-    tenant_id: str
+class TenantVni(TenantRef):
     # None once released.
     vni: int | None = None
     # "sdn" (the SDN controller's VPC) or "db" (no fabric managers configured).
     source: str = "db"
 
 
-class TenantStorageResult(BaseModel):
-    tenant_id: str
+class TenantStorageResult(TenantRef):
     prefix: str
     data_key_version: int
 
 
-class SettleTenantInput(BaseModel):
+class SettleTenantInput(TenantRef):
     """Finish a tenant step that settles its operation: success, or failure with `error`."""
 
-    tenant_id: str
     operation_id: str
     error: str | None = None
 
 
-class ActivateTenantInput(BaseModel):
-    tenant_id: str
+class ActivateTenantInput(TenantRef):
     operation_id: str
     storage_prefix: str
 
 
-class TenantOffboardingInput(BaseModel):
-    tenant_id: str
+class TenantOffboardingInput(TenantRef):
     operation_id: str
     # How often to look whether the tenant's nodes are released and wiped.
     poll_s: float = 5.0
@@ -94,19 +88,16 @@ class RevokedKeys(BaseModel):
     revoked: int
 
 
-class StorageDeletionInput(BaseModel):
-    tenant_id: str
+class StorageDeletionInput(TenantRef):
     retention_s: float
 
 
-class StorageDeletion(BaseModel):
-    tenant_id: str
+class StorageDeletion(TenantRef):
     due_at: datetime | None = None
     objects_deleted: int = 0
 
 
-class TenantBilling(BaseModel):
-    tenant_id: str
+class TenantBilling(TenantRef):
     # Why nothing was done (no ledger configured).
     skipped: str | None = None
     # The open period that carries the tenant's final usage; its scheduled close issues the
@@ -115,8 +106,7 @@ class TenantBilling(BaseModel):
     usage_gpu_ms: int | None = None
 
 
-class TenantOffboardingResult(BaseModel):
-    tenant_id: str
+class TenantOffboardingResult(TenantRef):
     status: str
     cancelled_allocations: list[str] = Field(default_factory=list)
     nodes_awaiting_repair: int = 0

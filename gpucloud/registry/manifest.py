@@ -183,14 +183,21 @@ class FileEntry(_Record):
 
     @model_validator(mode="after")
     def _chunks_tile_the_file(self) -> FileEntry:
+        problem = self.tiling_error()
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def tiling_error(self) -> str | None:
+        """What breaks the tiling of [0, size) by the chunks, or None."""
         position = 0
         for chunk in self.chunks:
             if chunk.offset != position:
-                raise ValueError(f"chunk {chunk.id} at offset {chunk.offset}, expected {position}")
+                return f"chunk {chunk.id} at offset {chunk.offset}, expected {position}"
             position += chunk.size
         if position != self.size:
-            raise ValueError(f"chunks cover {position} bytes, file size is {self.size}")
-        return self
+            return f"chunks cover {position} bytes, file size is {self.size}"
+        return None
 
 
 class Lineage(_Record):

@@ -184,13 +184,9 @@ def _gave_up(task: _Task, broken: _BrokenTransfer, tries: int, version_chunks: s
 
 
 def _check_sequence(relative: str, entry: FileEntry) -> None:
-    position = 0
-    for chunk in entry.chunks:
-        if chunk.offset != position:
-            raise FileMismatchError(f"file {relative!r}: chunk {chunk.id} at {chunk.offset}, expected {position}")
-        position += chunk.size
-    if position != entry.size:
-        raise FileMismatchError(f"file {relative!r}: chunks cover {position} of {entry.size} bytes")
+    problem = entry.tiling_error()
+    if problem is not None:
+        raise FileMismatchError(f"file {relative!r}: {problem}")
 
 
 def _assemble(

@@ -28,18 +28,7 @@ def apply_operator_action(session: Session, node: Node, action: str, *, actor: s
         .where(col(Node.id) == node.id)
         .values(**FLAG_ACTIONS[action], updated_at=now, next_reconcile_at=None)
     )
-    session.add(
-        NodeTransition(
-            node_id=node.id,
-            from_state=node.state,
-            to_state=node.state,
-            event=action,
-            cause=cause,
-            actor=actor,
-            generation=node.generation,
-            at=now,
-        )
-    )
+    session.add(NodeTransition.noted(node, action, cause=cause, actor=actor, at=now))
     done = action != "drain" or node.state == NodeState.QUARANTINED
     op = Operation(
         kind=f"node_{action}",

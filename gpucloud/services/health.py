@@ -243,7 +243,7 @@ def _judge_and_decide(
     # nothing schedules onto the node from here on. A passed burn-in lifts a health cordon.
     if not node.cordoned:
         session.execute(sa.update(Node).where(col(Node.id) == node.id).values(cordoned=True))
-        _record(session, node, "cordon", outcome.reason, now)
+        session.add(NodeTransition.noted(node, "cordon", cause=outcome.reason, actor=HEALTH_ACTOR, at=now))
     if replace:
         outcome.pull, outcome.allocation_id = "replace", node.allocation_id
         # A node the tenant's job has not started on leaves nothing to checkpoint.
@@ -255,25 +255,9 @@ def _judge_and_decide(
         session.execute(
             sa.update(Node).where(col(Node.id) == node.id).values(drain_requested=True, next_reconcile_at=None)
         )
-        _record(session, node, "drain", outcome.reason, now)
+        session.add(NodeTransition.noted(node, "drain", cause=outcome.reason, actor=HEALTH_ACTOR, at=now))
         outcome.pull = "drain"
     return outcome
-
-
-def _record(session: Session, node: Node, event: str, cause: str, now: datetime) -> None:
-    """A health decision in the node's history (its state unchanged: the workflows move it)."""
-    session.add(
-        NodeTransition(
-            node_id=node.id,
-            from_state=node.state,
-            to_state=node.state,
-            event=event,
-            cause=cause[:500],
-            actor=HEALTH_ACTOR,
-            generation=node.generation,
-            at=now,
-        )
-    )
 
 
 class BreakerContended(RuntimeError):

@@ -9,22 +9,18 @@ afterwards, so suites running side by side never share one.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import uvicorn
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
 
+from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app, wall_clock_ms
+from support.databases import scratch_postgres
 
 POSTGRES_URL_ENV = "GPUCLOUD_TEST_POSTGRES_URL"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -34,35 +30,12 @@ def backends() -> list[str]:
     return ["sqlite", "postgres"] if os.environ.get(POSTGRES_URL_ENV) else ["sqlite"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextmanager
-def scratch_postgres_database(admin_url: str) -> Iterator[str]:
-    """A fresh, uniquely named database on the server of ``admin_url``; dropped on exit."""
-    name = f"gpucloud_ledger_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
-        try:
-            yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-        finally:
-            with admin.connect() as connection:
-                connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        admin.dispose()
-
-
 @contextmanager
 def ledger_database_url(backend: str, directory: Path, name: str = "ledger") -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{directory / (name + '.db')}"
     else:
-        with scratch_postgres_database(os.environ[POSTGRES_URL_ENV]) as url:
+        with scratch_postgres(os.environ[POSTGRES_URL_ENV], "gpucloud_ledger") as url:
             yield url
 
 
@@ -82,18 +55,9 @@ def wait_until_healthy(url: str, *, timeout_s: float = 30.0) -> None:
 @contextmanager
 def ledger_in_thread(database_url: str, *, clock_ms: Callable[[], int] = wall_clock_ms) -> Iterator[str]:
     """The ledger app served by uvicorn in a thread of this process; yields its base URL."""
-    port = free_port()
-    app = create_app(database_url, clock_ms=clock_ms)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, name=f"ledger-{port}", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+    with ThreadedServer(create_app(database_url, clock_ms=clock_ms), name="ledger") as server:
+        wait_until_healthy(server.url)
+        yield server.url
 
 
 class LedgerProcess:

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from gpucloud.agent.app import Agent, HostState, Reporter
-from gpucloud.agent.probe import SimulatedProbe
+from gpucloud.sim.probe import SimulatedProbe
 
 
 def _heartbeat(node_id: str) -> dict:

@@ -19,7 +19,7 @@ from gpucloud.agent.app import (
     create_app,
     gpu_type_of,
 )
-from gpucloud.agent.probe import SimulatedProbe
+from gpucloud.sim.probe import SimulatedProbe
 from support.stack import wait_until
 
 

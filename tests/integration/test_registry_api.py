@@ -15,13 +15,12 @@ from pathlib import Path
 import blake3
 import httpx
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from gpucloud.cli.weights import weights_app
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, signer_for
-from gpucloud.registry.chunking import ChunkPolicy, chunk_file, encode_safetensors_header
+from gpucloud.registry.chunking import chunk_file
 from gpucloud.registry.manifest import (
     BadSignatureError,
     ChunkCorruptedError,
@@ -38,27 +37,9 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.push import PushResult, push
 from gpucloud.registry.store import LocalChunkStore
+from support.models import POLICY, random_tensors, tree, write_model
 
-POLICY = ChunkPolicy(max_chunk_size=4096, pack_size=1024, fixed_chunk_size=4096, read_size=1500)
-SIZES = [6000, 300, 200, 9000, 2500, 100, 5000]
 OPERATOR = "test-operator-token"
-
-
-def write_model(directory: Path, tensors: dict[str, bytes]) -> Path:
-    (directory / "tokenizer").mkdir(parents=True, exist_ok=True)
-    header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
-    (directory / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
-    (directory / "config.json").write_bytes(b'{"layers": 2}')
-    (directory / "tokenizer" / "vocab.bin").write_bytes(b"v" * 5000)
-    return directory
-
-
-def random_tensors() -> dict[str, bytes]:
-    return {f"layer.{i}": os.urandom(size) for i, size in enumerate(SIZES)}
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 class Recorder(httpx.BaseTransport):
@@ -138,6 +119,7 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     from gpucloud.api.app import create_app
     from gpucloud.api.routers import registry as registry_router
     from gpucloud.config import Settings
+    from gpucloud.devstack.serving import ThreadedServer
     from gpucloud.devstack.stack import free_port
 
     settings = Settings(
@@ -147,15 +129,8 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     # Works before and after the router is registered in create_app.
     if not any(getattr(r, "path", "").startswith("/v1/models") for r in app.routes):
         app.include_router(registry_router.router)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.api.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the API did not start"
-        thread.join(0.02)
-    yield Registry(settings.api_url, tmp_path, app)
-    server.should_exit = True
-    thread.join(10)
+    with ThreadedServer(app, port=settings.api.port, name="api"):
+        yield Registry(settings.api_url, tmp_path, app)
 
 
 def test_push_dedups_between_versions_and_pull_round_trips(registry: Registry, tmp_path: Path) -> None:
@@ -522,41 +497,20 @@ def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: P
     assert "integrity check failed" in output and not (tmp_path / "bad").exists()
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, moto_endpoint: str) -> None:
-    import boto3
-
+def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, s3_endpoint: str) -> None:
     from gpucloud.bootstrap import registry_stores
     from gpucloud.config import Settings
+    from support.s3 import new_bucket
 
-    # moto keeps one in-memory S3 per process: a bucket per test keeps the runs apart.
-    bucket = f"weights-{uuid.uuid4().hex[:8]}"
+    s3, bucket = new_bucket(s3_endpoint, "weights")
     object_store = {
         "backend": "s3",
-        "endpoint_url": moto_endpoint,
+        "endpoint_url": s3_endpoint,
         "bucket": bucket,
         "region": "us-east-1",
         "access_key_id": "testing",
         "secret_access_key": "testing",
     }
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=moto_endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-    s3.create_bucket(Bucket=bucket)
     registry.app.state.registry_stores = registry_stores(Settings(data_dir=tmp_path, object_store=object_store))
     tenant = registry.new_tenant()
     source = write_model(tmp_path / "v1", random_tensors())

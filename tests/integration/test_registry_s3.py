@@ -6,18 +6,15 @@ from __future__ import annotations
 import json
 import os
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import blake3
-import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
-from gpucloud.registry.chunking import ChunkPolicy, chunk_file, encode_safetensors_header
+from gpucloud.registry.chunking import ChunkPolicy, chunk_file
 from gpucloud.registry.gc import collect_garbage
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -33,19 +30,13 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.pull import pull
 from gpucloud.registry.push import PushResult, StoreTarget, push
 from gpucloud.registry.store import S3ChunkStore, S3ManifestStore
+from support.models import POLICY, same_tree
+from support.models import random_tensors as _random_tensors
+from support.models import write_model as _write_model
+from support.s3 import new_bucket
 
 MiB = 1 << 20
-POLICY = ChunkPolicy(max_chunk_size=4096, pack_size=1024, fixed_chunk_size=4096, read_size=1500)
 PREFIX = "tenants/acme/weights"
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @dataclass
@@ -78,40 +69,12 @@ class Bucket:
 
 
 @pytest.fixture
-def bucket(endpoint: str) -> Bucket:
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-    name = f"weights-{uuid.uuid4().hex[:12]}"
-    client.create_bucket(Bucket=name)
+def bucket(s3_endpoint: str) -> Bucket:
+    client, name = new_bucket(s3_endpoint, "weights")
     signer, keyring = Signer.generate(), Keyring()
     keyring.trust("acme", signer.verify_key)
     chunks = S3ChunkStore(client, name, prefix=PREFIX, multipart_threshold=5 * MiB, part_size=5 * MiB, read_size=1000)
     return Bucket(client, name, chunks, S3ManifestStore(client, name, prefix=PREFIX), signer, keyring)
-
-
-def write_model(directory: Path, tensors: dict[str, bytes]) -> Path:
-    directory.mkdir(parents=True)
-    header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
-    (directory / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
-    (directory / "config.json").write_bytes(b'{"layers": 2}')
-    return directory
-
-
-def random_tensors() -> dict[str, bytes]:
-    return {f"layer.{i}": os.urandom(size) for i, size in enumerate([6000, 300, 200, 9000, 2500])}
-
-
-def tree(root: Path) -> dict[Path, bytes]:
-    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-
-
-def same_tree(a: Path, b: Path) -> bool:
-    return tree(a) == tree(b)
 
 
 def test_push_pull_and_dedup_over_s3(bucket: Bucket, tmp_path: Path) -> None:
@@ -250,3 +213,11 @@ def test_gc_over_s3_uses_last_modified_and_aborts_stale_uploads(bucket: Bucket, 
     assert result_gc.deleted_ids == [stray_id] and result_gc.uploads_aborted == 1
     assert not bucket.chunks.has(stray_id)
     assert bucket.pull(result.digest, tmp_path / "out").bytes_total == result.bytes_total
+
+
+def write_model(directory: Path, tensors: dict[str, bytes]) -> Path:
+    return _write_model(directory, tensors, tokenizer=False)
+
+
+def random_tensors() -> dict[str, bytes]:
+    return _random_tensors((6000, 300, 200, 9000, 2500))

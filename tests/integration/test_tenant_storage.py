@@ -3,15 +3,12 @@ presigned URLs for one key, envelope encryption and rotation, tenants kept apart
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
 
-import boto3
 import httpx
 import pytest
 from cryptography.exceptions import InvalidTag
-from moto.server import ThreadedMotoServer
 
 from gpucloud.storage.envelope import MasterKeys, TenantKeys, UnknownMasterKeyError, UnknownTenantKeyError
 from gpucloud.storage.local import LocalObjectStore
@@ -19,32 +16,16 @@ from gpucloud.storage.objects import ObjectMissingError, PresignedUrlError
 from gpucloud.storage.retention import mark_for_deletion, pending_deletions, purge_due
 from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import KeyOutsidePrefixError, TenantStorage
+from support.s3 import new_bucket
 
 NOW = datetime(2025, 6, 1, tzinfo=UTC)
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture(params=["s3", "local"])
 def backend(request, tmp_path):
     if request.param == "local":
         return LocalObjectStore(tmp_path / "objects", signing_key=b"k" * 32)
-    client = boto3.client(
-        "s3",
-        endpoint_url=request.getfixturevalue("s3_endpoint"),
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-    bucket = f"tenants-{uuid.uuid4().hex[:12]}"
-    client.create_bucket(Bucket=bucket)
+    client, bucket = new_bucket(request.getfixturevalue("s3_endpoint"), "tenants")
     return S3ObjectStore(client, bucket)
 
 

@@ -5,12 +5,9 @@ deletion (at once, or when the retention mark is due) leaves nothing of the tena
 from __future__ import annotations
 
 import base64
-import uuid
 
-import boto3
 import pytest
 from cryptography.exceptions import InvalidTag
-from moto.server import ThreadedMotoServer
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities.storage import TENANT_RECORD, TenantStorageActivities
@@ -18,15 +15,7 @@ from gpucloud.bootstrap import tenant_store
 from gpucloud.config import Settings
 from gpucloud.models.tenant_messages import StorageDeletionInput, TenantRef
 from gpucloud.storage.envelope import MasterKeys
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+from support.s3 import new_bucket
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -40,8 +29,7 @@ def settings(request, tmp_path, monkeypatch) -> Settings:
     ):
         monkeypatch.setenv(name, value)
     endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"tenants-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    _, bucket = new_bucket(endpoint, "tenants")
     master = base64.b64encode(MasterKeys.generate_key()).decode()
     return Settings(
         data_dir=tmp_path,

@@ -19,7 +19,7 @@ from gpucloud.agent.app import (
     Reporter,
     create_app,
 )
-from gpucloud.agent.probe import SimulatedProbe
+from gpucloud.sim.probe import SimulatedProbe
 
 BURN_IN_TOOLS = {"dcgmi", "all_reduce_perf", "nvbandwidth"}
 # What the tools print on a healthy 8-GPU node (the lines burn-in reads).

@@ -9,7 +9,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gpucloud.agent.probe import SimulatedProbe
 from gpucloud.agent.readings import FatalKind
 from gpucloud.health.rules import evaluate_node
 from gpucloud.health.verdict import Action
@@ -25,6 +24,7 @@ from gpucloud.sim.faults import (
     FaultModel,
     next_faults,
 )
+from gpucloud.sim.probe import SimulatedProbe
 
 NODES = [f"node-{i:04d}" for i in range(2_048)]
 DAY = 86_400.0

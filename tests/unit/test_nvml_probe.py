@@ -19,8 +19,9 @@ import pytest
 
 from gpucloud.agent import readings
 from gpucloud.agent.nvml import FatalProbeError, NvmlProbe, ProbeError
-from gpucloud.agent.probe import SimulatedProbe, detect_probe
 from gpucloud.agent.readings import FatalKind
+from gpucloud.bootstrap import detect_probe
+from gpucloud.sim.probe import SimulatedProbe
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucloud.registry.chunking import ChunkPolicy, chunk_file, encode_safetensors_header
+from gpucloud.registry.chunking import chunk_file
 from gpucloud.registry.manifest import (
     BadSignatureError,
     ChunkCorruptedError,
@@ -28,23 +28,8 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.pull import pull
 from gpucloud.registry.push import PushResult, PushStats, StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
-
-POLICY = ChunkPolicy(max_chunk_size=4096, pack_size=1024, fixed_chunk_size=4096, read_size=1500)
-SIZES = [6000, 300, 200, 9000, 2500, 100, 5000]
-
-
-def write_model(directory: Path, tensors: dict[str, bytes], config: bytes = b'{"layers": 2}') -> Path:
-    (directory / "tokenizer").mkdir(parents=True, exist_ok=True)
-    header = encode_safetensors_header((name, len(data)) for name, data in tensors.items())
-    (directory / "model.safetensors").write_bytes(header + b"".join(tensors.values()))
-    (directory / "config.json").write_bytes(config)
-    (directory / "tokenizer" / "vocab.bin").write_bytes(b"v" * 5000)
-    (directory / "EMPTY").write_bytes(b"")
-    return directory
-
-
-def random_tensors() -> dict[str, bytes]:
-    return {f"layer.{i}": os.urandom(size) for i, size in enumerate(SIZES)}
+from support.models import POLICY, random_tensors, same_tree
+from support.models import write_model as _write_model
 
 
 @dataclass
@@ -80,14 +65,6 @@ def registry(tmp_path: Path) -> Registry:
     keyring.trust("acme", signer.verify_key)
     root = tmp_path / "registry"
     return Registry(root, LocalChunkStore(root, read_size=1000), LocalManifestStore(root), signer, keyring)
-
-
-def tree(root: Path) -> dict[Path, bytes]:
-    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-
-
-def same_tree(a: Path, b: Path) -> bool:
-    return tree(a) == tree(b)
 
 
 def test_push_then_pull_round_trip(registry: Registry, tmp_path: Path) -> None:
@@ -276,3 +253,7 @@ def test_push_refuses_symlinks(registry: Registry, tmp_path: Path) -> None:
     (source / "link").symlink_to("/etc/hostname")
     with pytest.raises(ValueError, match="link"):
         registry.push(source)
+
+
+def write_model(directory: Path, tensors: dict[str, bytes], config: bytes = b'{"layers": 2}') -> Path:
+    return _write_model(directory, tensors, config=config, empty_file=True)

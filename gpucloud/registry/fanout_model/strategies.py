@@ -43,9 +43,16 @@ class Fanout(ABC):
         if missing:
             raise RuntimeError(f"fan-out stalled with {missing} nodes incomplete")
 
-    @abstractmethod
     def start(self) -> None:
-        """Issue the first requests at time zero."""
+        """Issue the first requests at time zero, the nodes in a random order."""
+        order = list(range(self.config.nodes))
+        self.rng.shuffle(order)
+        for node in order:
+            self._fill(node)
+
+    @abstractmethod
+    def _fill(self, node: int) -> None:
+        """Start as many fetches for `node` as it may have in flight."""
 
     @abstractmethod
     def on_finished(self, flow: Flow) -> None:
@@ -79,12 +86,6 @@ class InOrder(Fanout):
     @abstractmethod
     def assign_sources(self) -> list[int]:
         """Index of each node's one source (the origin is index `nodes`)."""
-
-    def start(self) -> None:
-        order = list(range(self.config.nodes))
-        self.rng.shuffle(order)
-        for node in order:
-            self._fill(node)
 
     def on_finished(self, flow: Flow) -> None:
         source, node = flow.source, flow.target
@@ -178,12 +179,6 @@ class PeerToPeer(Fanout):
         self.hungry: list[int] = []
         self.hungry_at: dict[int, int] = {}
         self.hungry_in_rack: list[set[int]] = [set() for _ in range(racks)]
-
-    def start(self) -> None:
-        order = list(range(self.config.nodes))
-        self.rng.shuffle(order)
-        for node in order:
-            self._fill(node)
 
     def on_finished(self, flow: Flow) -> None:
         source, node, piece = flow.source, flow.target, flow.piece

@@ -8,7 +8,7 @@ from pydantic import Field
 from gpucloud.fabric.interface import (
     NvlPartition,
 )
-from gpucloud.sim.fabric_managers.state import Body, FabricState, StateDep, refuse
+from gpucloud.sim.fabric_managers.state import Body, FabricState, StateDep, existing, refuse
 
 
 class DomainGpus(Body):
@@ -95,16 +95,13 @@ async def list_partitions(state: StateDep, domain_id: str | None = None) -> list
 
 
 def _partition(state: FabricState, partition_id: int) -> NvlPartition:
-    if partition_id not in state.partitions:
-        refuse(404, "partition_exists", f"partition {partition_id} does not exist")
-    return state.partitions[partition_id]
+    return existing(state.partitions, partition_id, "partition_exists", f"partition {partition_id} does not exist")
 
 
 @nmx.get("/partitions/{partition_id}", response_model=NvlPartition)
 async def get_partition(partition_id: int, state: StateDep) -> NvlPartition:
     with state.lock:
-        partition = _partition(state, partition_id)
-        return partition.model_copy(update={"gpu_uids": ()}) if state.fault == "stale_reads" else partition
+        return state.read(_partition(state, partition_id), "gpu_uids")
 
 
 @nmx.put("/partitions/{partition_id}", response_model=NvlPartition)

@@ -12,7 +12,7 @@ from gpucloud.fabric.interface import (
     MIN_VNI,
     Vpc,
 )
-from gpucloud.sim.fabric_managers.state import Body, FabricState, StateDep, refuse
+from gpucloud.sim.fabric_managers.state import Body, FabricState, StateDep, existing, refuse
 
 
 class VpcCreate(Body):
@@ -54,16 +54,13 @@ async def list_vpcs(state: StateDep, tenant_id: Annotated[str | None, Query()] =
 
 
 def _vpc(state: FabricState, vni: int) -> Vpc:
-    if vni not in state.vpcs:
-        refuse(404, "vpc_exists", f"no VPC has VNI {vni}")
-    return state.vpcs[vni]
+    return existing(state.vpcs, vni, "vpc_exists", f"no VPC has VNI {vni}")
 
 
 @sdn.get("/{vni}", response_model=Vpc)
 async def get_vpc(vni: int, state: StateDep) -> Vpc:
     with state.lock:
-        vpc = _vpc(state, vni)
-        return vpc.model_copy(update={"nodes": ()}) if state.fault == "stale_reads" else vpc
+        return state.read(_vpc(state, vni), "nodes")
 
 
 @sdn.put("/{vni}/nodes/{node_id}", response_model=Vpc)

@@ -9,7 +9,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, TypeVar
 
 from fastapi import Depends, HTTPException, Request
 from pydantic import BaseModel, ConfigDict
@@ -28,6 +28,18 @@ GUID = re.compile(r"^0x[0-9a-f]{16}$")
 
 def refuse(status_code: int, constraint: str, message: str) -> NoReturn:
     raise HTTPException(status_code, detail={"constraint": constraint, "message": message})
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+R = TypeVar("R", bound=BaseModel)
+
+
+def existing(records: dict[K, V], key: K, constraint: str, message: str) -> V:
+    """The record under `key`, or the manager's 404 naming the constraint."""
+    if key not in records:
+        refuse(404, constraint, message)
+    return records[key]
 
 
 def parse_pkey(text: str) -> int:
@@ -58,6 +70,11 @@ class FabricState:
     def pkey_record(self, pkey: int) -> PKey:
         members = tuple(PortMember(guid=g, membership=m) for g, m in sorted(self.pkeys[pkey].items()))
         return PKey(pkey=pkey, name=self.pkey_names[pkey], members=members)
+
+    def read(self, record: R, members: str) -> R:
+        """What a single-record read answers: under the `stale_reads` fault, the record with its
+        `members` left out, as a manager answering from a lagging replica would."""
+        return record.model_copy(update={members: ()}) if self.fault == "stale_reads" else record
 
     def saved(self) -> None:
         """Write the state to `state_path` (when there is one); call with `lock` held, after a change."""

@@ -117,7 +117,7 @@ async def get_pkey(pkey: str, state: StateDep) -> UfmPKey:
     with state.lock:
         _existing_pkey(state, number)
         record = state.pkey_record(number)
-        return _ufm(record.model_copy(update={"members": ()}) if state.fault == "stale_reads" else record)
+        return _ufm(state.read(record, "members"))
 
 
 @ufm.delete("/{pkey}/guids/{guids}", response_model=UfmPKey)
