@@ -49,6 +49,13 @@ class ApiSettings(BaseModel):
     port: int = 8000
     # The operator's bearer token; without one, a token kept in the data dir (created 0600).
     operator_token: SecretStr | None = None
+    # Admission (`api/admission.py`): requests in flight per lane, a tenant's share of its lane,
+    # and how long a request waits for a slot before it is answered 503 with Retry-After.
+    tenant_slots: int = 32
+    operator_slots: int = 8
+    agent_slots: int = 12
+    caller_share: float = 0.5
+    admission_wait_s: float = 2.0
 
 
 class AgentSettings(BaseModel):

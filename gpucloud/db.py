@@ -20,6 +20,9 @@ from alembic.config import Config
 from sqlmodel import Session, SQLModel, create_engine
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+# The longest a thread waits for a pooled connection (seconds, not minutes): past it the caller
+# gets `sqlalchemy.exc.TimeoutError`, which the API answers 503 with Retry-After.
+POOL_TIMEOUT_S = 10.0
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -45,16 +48,21 @@ def get_engine(url: str) -> sa.Engine:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         # One connection per process: SQLite has one writer at a time anyway, and threads that
         # queue on the pool are served in order, while threads racing for the file lock sleep in
-        # SQLite's busy handler (up to 100 ms a try) and throughput collapses under load.
+        # SQLite's busy handler (up to 100 ms a try) and throughput collapses under load. A
+        # thread waits for it at most POOL_TIMEOUT_S: the API then answers 503 with Retry-After.
         engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=1, max_overflow=0, pool_timeout=600
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            pool_size=1,
+            max_overflow=0,
+            pool_timeout=POOL_TIMEOUT_S,
         )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         # pysqlite's own transaction handling would defer BEGIN; do it ourselves.
         sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
         sa.event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, pool_timeout=POOL_TIMEOUT_S)
 
 
 def alembic_config(url: str) -> Config:

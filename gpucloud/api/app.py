@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 from temporalio.client import Client
 
 from gpucloud import bootstrap
+from gpucloud.api.admission import THREADS, Admission, AdmissionPolicy
 from gpucloud.api.routers import (
     allocations,
     api_keys,
@@ -29,6 +31,9 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Sync handlers and dependencies run on these threads; admission keeps fewer requests
+        # in flight than there are threads (see api/admission.py).
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
         app.state.db.migrate()
         app.state.temporal = temporal or await bootstrap.temporal_client(settings)
         yield
@@ -46,6 +51,14 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.ledger = bootstrap.ledger_client(settings)
     app.state.registry_stores = bootstrap.registry_stores(settings)
     problems.install(app)
+    policy = AdmissionPolicy(
+        tenant_slots=settings.api.tenant_slots,
+        operator_slots=settings.api.operator_slots,
+        agent_slots=settings.api.agent_slots,
+        caller_share=settings.api.caller_share,
+        wait_s=settings.api.admission_wait_s,
+    )
+    app.add_middleware(Admission, operator_token=settings.operator_token, policy=policy)
     for module in (tenants, api_keys, allocations, operations, nodes, health, registry, billing, rollouts):
         app.include_router(module.router)
 

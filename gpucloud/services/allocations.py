@@ -9,6 +9,7 @@ node: the loser's CAS fails, its transaction rolls back, and it tries again on f
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from datetime import datetime
 
@@ -132,9 +133,20 @@ def reserve_node(
     )
 
 
+def lock_pool(session: Session, gpu_type: str, region: str) -> None:
+    """Reservations from one pool (GPU type and region) take turns, so concurrent creates pick
+    disjoint free nodes instead of racing for the same ones and giving up: on Postgres a lock held
+    until the transaction ends; SQLite's one writer (BEGIN IMMEDIATE) already takes turns."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    digest = hashlib.blake2b(f"{gpu_type}/{region}".encode(), digest_size=8).digest()
+    session.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": int.from_bytes(digest, "big", signed=True)})
+
+
 def reserve_gang(
     session: Session, allocation: Allocation, *, now: datetime | None = None, deadline_scale: float = 1.0
 ) -> list[Node]:
+    lock_pool(session, allocation.gpu_type, allocation.region)
     candidates = available_candidates(session, gpu_type=allocation.gpu_type, region=allocation.region)
     if allocation.nvl72_trays is not None:
         gang = pick_slice(candidates, allocation.nvl72_trays)

@@ -15,6 +15,7 @@ from gpucloud.models.tables import Allocation, AllocationStatus, Node, utcnow
 from gpucloud.services.allocations import (
     ReservationConflict,
     available_candidates,
+    lock_pool,
     set_status,
 )
 from gpucloud.services.allocations import reserve_node as cas_reserve
@@ -82,6 +83,7 @@ def reserve_replacement(
     ).first()
     if pending is not None:
         return pending, ""
+    lock_pool(session, allocation.gpu_type, allocation.region)
     for _ in range(RESERVE_ATTEMPTS):
         # A slice of an NVL72 rack is replaced from the same rack: its NVLink partition spans one.
         found = available_candidates(

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,15 @@ def install(app: FastAPI) -> None:
         )
         problem = Problem(exc.status_code, kind, kind.replace("-", " ").capitalize(), str(exc.detail))
         return render(problem, request, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(sa_exc.TimeoutError)
+    @app.exception_handler(sa_exc.OperationalError)
+    @app.exception_handler(sa_exc.InterfaceError)
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        # A pool that stayed empty, a database that is down or locked: transient, never a 500.
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+        detail = "the database did not answer in time; the request changed nothing, send it again after Retry-After"
+        return render(unavailable("database", detail), request)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_harness import free_port, ledger_in_thread
+from ledger_harness import ledger_in_thread
 
 from gpucloud.db import session_scope
+from gpucloud.devstack.stack import free_port
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.tables import Allocation

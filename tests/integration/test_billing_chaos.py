@@ -19,9 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_harness import REPO_ROOT, LedgerProcess, free_port, wait_until_healthy
+from ledger_harness import REPO_ROOT, LedgerProcess, wait_until_healthy
 
 from gpucloud.agent.spool import Spool, wall_clock_ms
+from gpucloud.devstack.stack import free_port
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
 

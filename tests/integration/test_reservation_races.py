@@ -75,3 +75,31 @@ def test_concurrent_gang_reservations_never_share_a_node(db_url, tmp_path):
         assert {by_node[n].pod for n in alloc.node_ids} == {alloc.fabric_domain}
         assert all(by_node[n].allocation_id == alloc.id and by_node[n].state == "reserved" for n in alloc.node_ids)
     assert sum(1 for n in nodes if n.state == "available") == 12
+
+
+def test_many_concurrent_creates_all_reserve_disjoint_nodes_and_none_gives_up(db_url, tmp_path):
+    """Creates from one pool take turns instead of racing for the same free nodes: none is refused
+    as `busy` while nodes are free."""
+    _fleet(db_url, pods=4, per_pod=16)
+    settings = Settings(data_dir=tmp_path, database={"url": db_url})
+    outcomes: list[str] = []
+    barrier = threading.Barrier(32)
+
+    def request(i: int) -> None:
+        barrier.wait()
+        try:
+            _create_in_db(settings, f"ten_{i % 3}", AllocationRequest(gpu_type="H100", node_count=1, region="r1"))
+            outcomes.append("ok")
+        except Problem as problem:
+            outcomes.append(problem.type)
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+    assert Counter(outcomes) == {"ok": 32}
+    with session_scope(db_url) as session:
+        members = [n for a in session.exec(select(Allocation)).all() for n in a.node_ids]
+    assert len(members) == len(set(members)) == 32

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from ledger_harness import free_port, ledger_in_thread
+from ledger_harness import ledger_in_thread
 
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
+from gpucloud.devstack.stack import free_port
 from gpucloud.sim.metering import FleetMetering
 from support.stack import wait_until
 

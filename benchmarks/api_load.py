@@ -1,0 +1,296 @@
+"""The public API under concurrent clients, against the floor the same machine reaches.
+
+A private stack (`gpucloud up`'s processes: Temporal dev server, worker, API, simulated fleet)
+on SQLite and, when it answers, on Postgres. One tenant's clients run a mix for `--seconds` at
+each level of concurrency: list allocations (40 %), get one (40 %), create a 1-node allocation
+and cancel it (20 %). In the same run, the floor: a minimal FastAPI app on the same database
+(`api_floor.py`, its own process) doing the same primary-key read with the same client.
+
+Figures per database and level: requests/s, p50/p99 per operation, timeouts (no answer in
+`TIMEOUT_S`), 5xx other than 503, 503s and 429s (both carry Retry-After). Then:
+- `ratio_get_vs_floor`: the API's get rate at 64 clients over the floor's, and the two p99s;
+- `fairness_p99_ratio`: a second tenant's single client's get p99 while the first runs the top
+  level, over its p99 alone;
+- `fleet_capacity_nodes`: agents' single-node heartbeats (each its own request) the API answers
+  with p99 <= 1 s while 64 tenant clients run, times the 10 s heartbeat interval.
+
+    python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S]
+
+Progress on stderr; one JSON line of figures last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bench_stack, log, onboard_tenant
+
+from gpucloud.devstack.stack import free_port
+
+TIMEOUT_S = 30.0
+POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+HEARTBEAT_S = 10.0
+DETAIL = ("levels", "floor", "heartbeats")  # kept under "results", not repeated at the top
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[max(1, min(len(ordered), math.ceil(q / 100 * len(ordered)))) - 1]
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.latency: defaultdict[str, list[float]] = defaultdict(list)
+        self.status: Counter[str] = Counter()
+
+    def add(self, op: str, status: int | str, seconds: float) -> None:
+        self.status[str(status)] += 1
+        if isinstance(status, int) and status < 500 and status != 429:
+            self.latency[op].append(seconds)
+
+    def figures(self, seconds: float) -> dict:
+        answered = sum(n for s, n in self.status.items() if s != "timeout")
+        return {
+            "requests_per_s": round(answered / seconds, 1),
+            **{f"{op}_p50_s": round(percentile(v, 50), 3) for op, v in sorted(self.latency.items())},
+            **{f"{op}_p99_s": round(percentile(v, 99), 3) for op, v in sorted(self.latency.items())},
+            "timeouts": self.status["timeout"],
+            "errors_5xx": sum(n for s, n in self.status.items() if s.startswith("5") and s != "503"),
+            "overloaded_503": self.status["503"],
+            "throttled_429": self.status["429"],
+        }
+
+
+async def _timed(tally: Tally, op: str, call) -> httpx.Response | None:
+    began = time.monotonic()
+    try:
+        response = await call
+    except httpx.TimeoutException:
+        tally.add(op, "timeout", time.monotonic() - began)
+        return None
+    if response.status_code in (429, 503) and not response.headers.get("retry-after"):
+        tally.add(op, "no-retry-after", 0.0)
+    tally.add(op, response.status_code, time.monotonic() - began)
+    return response
+
+
+async def mixed_client(http: httpx.AsyncClient, tally: Tally, ids: list[str], until: float, rng: random.Random):
+    while time.monotonic() < until:
+        roll = rng.random()
+        if roll < 0.4:
+            await _timed(tally, "list", http.get("/v1/allocations", params={"page_size": 50}))
+        elif roll < 0.8:
+            await _timed(tally, "get", http.get(f"/v1/allocations/{rng.choice(ids)}"))
+        else:
+            body = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
+            headers = {"Idempotency-Key": uuid.uuid4().hex}
+            created = await _timed(tally, "create", http.post("/v1/allocations", json=body, headers=headers))
+            if created is not None and created.status_code == 202:
+                alloc_id = created.json()["allocation"]["id"]
+                await _timed(tally, "cancel", http.post(f"/v1/allocations/{alloc_id}/cancel"))
+
+
+async def get_client(http: httpx.AsyncClient, tally: Tally, ids: list[str], until: float, rng: random.Random):
+    while time.monotonic() < until:
+        await _timed(tally, "get", http.get(f"/v1/allocations/{rng.choice(ids)}"))
+
+
+async def heartbeat_client(http: httpx.AsyncClient, tally: Tally, nodes: list[str], until: float, rng):
+    while time.monotonic() < until:
+        body = {"heartbeats": [{"node_id": rng.choice(nodes)}]}
+        await _timed(tally, "heartbeat", http.post("/v1/agents/heartbeats", json=body))
+
+
+def _client(url: str, token: str | None, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=TIMEOUT_S, limits=limits)
+
+
+async def run_clients(url: str, token: str | None, n: int, seconds: float, body, *args) -> Tally:
+    tally = Tally()
+    until = time.monotonic() + seconds
+    async with _client(url, token, n) as http:
+        await asyncio.gather(*(body(http, tally, *args, until, random.Random(i)) for i in range(n)))
+    return tally
+
+
+async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str], nodes: list[str], args) -> dict:
+    api = settings.api_url
+    tenant_key, other_key = keys
+    async with httpx.AsyncClient() as probe:
+        for _ in range(200):
+            try:
+                if (await probe.get(f"{floor_url}/healthz")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                await asyncio.sleep(0.1)
+    levels, floors = {}, {}
+    for n in args.levels:
+        tally = await run_clients(api, tenant_key, n, args.seconds, mixed_client, ids)
+        levels[n] = tally.figures(args.seconds)
+        floor_tally = await run_clients(floor_url, None, n, args.seconds, get_client, ids)
+        floors[n] = floor_tally.figures(args.seconds)
+        log(f"  {n:>4} clients: API {levels[n]}  floor {floors[n]['requests_per_s']} req/s")
+    # The get rate at 64 clients: the API's gets alone, against the floor's.
+    gets = await run_clients(api, tenant_key, 64, args.seconds, get_client, ids)
+    get_figures, floor64 = gets.figures(args.seconds), floors.get(64) or floors[max(floors)]
+    # Fairness: a second tenant's single client, alone and beside the top level.
+    alone = await run_clients(api, other_key, 1, args.seconds, get_client, ids)
+    top = max(args.levels)
+    loaded_task = asyncio.create_task(run_clients(api, tenant_key, top, args.seconds, mixed_client, ids))
+    beside = await run_clients(api, other_key, 1, args.seconds, get_client, ids)
+    await loaded_task
+    # Agents' heartbeats, each its own request, beside 64 tenant clients.
+    capacity, heartbeat_figures = 0, {}
+    for agents in (8, 16, 32):
+        loaded_task = asyncio.create_task(run_clients(api, tenant_key, 64, args.seconds, mixed_client, ids))
+        beats = await run_clients(api, settings.operator_token, agents, args.seconds, heartbeat_client, nodes)
+        await loaded_task
+        figures = beats.figures(args.seconds)
+        heartbeat_figures[agents] = figures
+        log(f"  heartbeats from {agents} agents beside 64 tenant clients: {figures}")
+        if figures.get("heartbeat_p99_s", 99) <= 1.0 and figures["errors_5xx"] == 0:
+            capacity = max(capacity, int(figures["requests_per_s"] * HEARTBEAT_S))
+    alone_p99 = percentile(alone.latency["get"], 99)
+    beside_p99 = percentile(beside.latency["get"], 99)
+    return {
+        "levels": levels,
+        "floor": floors,
+        "get_64_requests_per_s": get_figures["requests_per_s"],
+        "get_64_p99_s": get_figures.get("get_p99_s"),
+        "floor_64_requests_per_s": floor64["requests_per_s"],
+        "floor_64_p99_s": floor64.get("get_p99_s"),
+        "ratio_get_vs_floor": round(get_figures["requests_per_s"] / max(floor64["requests_per_s"], 1e-9), 3),
+        "fairness_p99_ratio": round(beside_p99 / max(alone_p99, 1e-3), 2),
+        "fairness_alone_p99_s": round(alone_p99, 3),
+        "fairness_beside_p99_s": round(beside_p99, 3),
+        "heartbeats": heartbeat_figures,
+        "fleet_capacity_nodes": capacity,
+    }
+
+
+def run_on(database: str, args) -> dict:
+    overrides = {} if database == "sqlite" else {"database": {"url": args.postgres_url}}
+    if database != "sqlite":
+        _reset_postgres(args.postgres_url)
+    settings, stack, data_dir = bench_stack(args.nodes, "memory", **overrides)
+    log(f"{database}: starting a stack with {args.nodes} simulated nodes")
+    try:
+        stack.start()
+        with httpx.Client(
+            base_url=settings.api_url, headers={"Authorization": f"Bearer {settings.operator_token}"}, timeout=60
+        ) as op:
+            inventory = httpx.get(f"{settings.sim_url}/v1/inventory", timeout=30).json()
+            op.post("/v1/nodes:enroll", json={"nodes": inventory}).raise_for_status()
+            nodes = [n["id"] for n in inventory]
+            deadline = time.monotonic() + 600
+            while sum(1 for _ in _pages(op, "/v1/nodes", state="available")) < len(nodes):
+                if time.monotonic() > deadline:
+                    raise SystemExit("the fleet did not come up")
+                time.sleep(1)
+            tenant_key = onboard_tenant(op, f"load-{uuid.uuid4().hex[:6]}")
+            other_key = onboard_tenant(op, f"probe-{uuid.uuid4().hex[:6]}")
+        with httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {tenant_key}"}) as tenant:
+            ids = []
+            for _ in range(20):
+                body = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
+                ids.append(tenant.post("/v1/allocations", json=body, timeout=60).json()["allocation"]["id"])
+        log(f"{database}: fleet of {len(nodes)} available, 2 tenants, {len(ids)} allocations to read")
+        floor_port = free_port()
+        floor = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "api_floor.py"), settings.database_url, str(floor_port)],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            floor_url = f"http://127.0.0.1:{floor_port}"
+            return asyncio.run(measure(settings, floor_url, (tenant_key, other_key), ids, nodes, args))
+        finally:
+            floor.terminate()
+            floor.wait(10)
+    finally:
+        stack.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _pages(client: httpx.Client, path: str, **params):
+    token = ""
+    while True:
+        page = client.get(path, params={**params, "page_size": 1000, **({"page_token": token} if token else {})}).json()
+        yield from page["items"]
+        if not (token := page["next_page_token"]):
+            return
+
+
+def _reset_postgres(url: str) -> None:
+    """A fresh schema: the benchmark's fleet and tenants only."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+        conn.exec_driver_sql("CREATE SCHEMA public")
+    engine.dispose()
+
+
+def _postgres_up(url: str) -> bool:
+    import sqlalchemy as sa
+
+    try:
+        engine = sa.create_engine(url)
+        with engine.connect():
+            return True
+    except sa.exc.OperationalError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--postgres-url", default=POSTGRES)
+    parser.add_argument("--nodes", type=int, default=256)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
+    parser.add_argument("--quick", action="store_true", help="64 nodes, levels 1,16,64, 4 s each")
+    args = parser.parse_args()
+    if args.quick:
+        args.nodes, args.levels, args.seconds = 64, [1, 16, 64], 4.0
+    databases = ["sqlite", "postgres"] if args.db == "both" else [args.db]
+    if "postgres" in databases and not _postgres_up(args.postgres_url):
+        log(f"Postgres does not answer at {args.postgres_url}: SQLite only")
+        databases.remove("postgres")
+    results = {db: run_on(db, args) for db in databases}
+    summary = {
+        "benchmark": "api_load",
+        "nodes": args.nodes,
+        "seconds_per_level": args.seconds,
+        **{
+            f"{db}_{key}": value
+            for db, r in results.items()
+            for key, value in r.items()
+            if key not in ("levels", "floor", "heartbeats")
+        },
+        "results": results,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
