@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/gpucloud demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4 --dist worksteal
 
 # What CI checks before the tests: lint, format and types.
 lint: $(STAMP)
