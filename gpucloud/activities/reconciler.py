@@ -109,6 +109,11 @@ class ReconcilerActivities:
     @activity.defn
     async def sweep(self, req: SweepInput) -> SweepResult:
         result = SweepResult()
+        if req.node_ids is None:
+            # Allocations and tenant operations whose workflow was lost get it back.
+            from gpucloud.workers.recovery import adopt_orphans
+
+            result.adopted = await adopt_orphans(self.client, self.db, self.settings)
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
         health_pulls = [p.node_id for p in plans if p.health_pull]
         if health_pulls:

@@ -145,6 +145,8 @@ class HostState:
     allocation: NodeAllocation | None = None
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Held by the meter while it reads the allocation and cuts its usage (`spool.Meter.tick`).
+    meter_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def describe(self) -> dict:
         return {
@@ -167,7 +169,12 @@ class AgentMetering:
 
     def __init__(self, agent: Agent, spool_path: Path, ledger_url: str, *, interval_s: float = 60.0) -> None:
         self.spool = Spool(spool_path, agent.state.node_id)
-        self.meter = Meter(self.spool, lambda: agent.state.allocation, interval_ms=max(1, int(interval_s * 1000)))
+        self.meter = Meter(
+            self.spool,
+            lambda: agent.state.allocation,
+            interval_ms=max(1, int(interval_s * 1000)),
+            lock=agent.state.meter_lock,
+        )
         self.shipper = Shipper(self.spool, UsageLedger(ledger_url))
         self._stop = threading.Event()
         self._threads = [
@@ -256,11 +263,14 @@ class Agent:
             self._wipe_scratch()
         elif action == "reboot":
             s.workload_running = False
+        if not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
+            # The meter cuts the allocation here. Its end is taken and published under the
+            # meter's lock: a tick between the two could otherwise meter past it.
+            with s.meter_lock:
+                s.allocation = dataclasses.replace(s.allocation, ended_ms=self._clock_ms())
         reading = await asyncio.to_thread(self.probe.read)
         if action == "provision":
             self._meter_from(req, reading, now_ms)
-        elif not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
-            s.allocation = dataclasses.replace(s.allocation, ended_ms=now_ms)  # the meter cuts it here
         return 200, s.describe() | {
             "action": action,
             "gpu_count": len(reading.gpus),

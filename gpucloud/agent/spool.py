@@ -325,6 +325,7 @@ class Meter:
         *,
         interval_ms: int = DEFAULT_INTERVAL_MS,
         clock_ms: Callable[[], int] = wall_clock_ms,
+        lock: threading.Lock | None = None,
     ) -> None:
         if interval_ms <= 0:
             raise ValueError("interval_ms must be positive")
@@ -332,9 +333,15 @@ class Meter:
         self._current_allocation = current_allocation
         self.interval_ms = interval_ms
         self._clock_ms = clock_ms
+        # Whoever ends the allocation takes its end under this lock, so no tick meters past it.
+        self._lock = lock or threading.Lock()
 
     def tick(self) -> list[UsageSample]:
         """Meter everything that is due now; returns the samples written."""
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> list[UsageSample]:
         now_ms = self._clock_ms()
         current = self._current_allocation()
         opened = self._spool.open_allocation()

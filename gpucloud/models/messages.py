@@ -227,4 +227,6 @@ class SweepResult(BaseModel):
     bringup_batches: int = 0
     # Replace requests (re)sent to allocation workflows for bad nodes they still hold.
     replace_signals: int = 0
+    # In-flight allocations and tenant operations whose lost workflow was started again.
+    adopted: int = 0
     errors: list[str] = Field(default_factory=list)

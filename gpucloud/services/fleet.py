@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import timedelta
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, func, select
@@ -51,30 +52,35 @@ def complete_drains(session: Session, node_id: str) -> None:
         session.add(op)
 
 
-def record_heartbeats(session: Session, beats: Iterable[dict]) -> list[str]:
+def record_heartbeats(
+    session: Session, beats: Iterable[dict], *, refresh_after: timedelta = timedelta(seconds=30)
+) -> list[str]:
     """Store what agents report; returns the ids of nodes whose report disagrees with the record
-    (an active node whose agent lost the tenant's workload: rebooted or wiped)."""
+    (an active node whose agent lost the tenant's workload: rebooted or wiped).
+
+    A report that changes nothing is not written until the stored one is `refresh_after` old
+    (a fraction of the heartbeat timeout): a steady fleet costs the database a read, not a write,
+    per heartbeat."""
     by_node = {b["node_id"]: b for b in beats}
     now = utcnow()
-    nodes = session.exec(
-        select(col(Node.id), col(Node.state), col(Node.tenant_id)).where(col(Node.id).in_(list(by_node)))
-    ).all()
+    columns = (Node.id, Node.state, Node.tenant_id, Node.last_heartbeat_at, Node.drifted, Node.observed)
+    nodes = session.execute(sa.select(*map(col, columns)).where(col(Node.id).in_(list(by_node)))).all()
     drifted: list[str] = []
-    for node_id, state, tenant_id in nodes:
+    for node_id, state, tenant_id, last_seen, was_drifted, was_observed in nodes:
         beat = by_node[node_id]
         is_drift = state == NodeState.ACTIVE and (
             beat.get("tenant_id") != tenant_id or not beat.get("workload_running", True)
         )
         if is_drift:
             drifted.append(node_id)
+        observed = {k: beat.get(k) for k in ("tenant_id", "workload_running", "boot_id")}
+        fresh = last_seen is not None and now - last_seen < refresh_after
+        if fresh and is_drift == was_drifted and observed == was_observed:
+            continue
         session.execute(
             sa.update(Node)
             .where(col(Node.id) == node_id)
-            .values(
-                last_heartbeat_at=now,
-                drifted=is_drift,
-                observed={k: beat.get(k) for k in ("tenant_id", "workload_running", "boot_id")},
-            )
+            .values(last_heartbeat_at=now, drifted=is_drift, observed=observed)
         )
     return drifted
 

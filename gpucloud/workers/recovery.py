@@ -1,11 +1,15 @@
-"""Start-up recovery: every resource the DB says is in flight gets its workflow back.
+"""Recovery: every resource the DB says is in flight gets its workflow back.
 
 The API commits a resource first and starts its workflow second; a crash in between (or a
-Temporal server that lost its state) would leave it orphaned. Starting with the `USE_EXISTING`
-conflict policy makes this idempotent: a workflow that is running is left alone.
+Temporal server that lost its state) would leave it orphaned. The worker resumes everything at
+start-up (`resume_orphans`), and every full sweep of the reconciler adopts what has no running
+workflow (`adopt_orphans`). Starting with the `USE_EXISTING` conflict policy makes both
+idempotent: a workflow that is running is left alone.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 from sqlmodel import col, select
 from temporalio.client import Client
@@ -14,9 +18,11 @@ from temporalio.common import WorkflowIDConflictPolicy
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.node_states import NodeState
-from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Operation, OperationStatus
+from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Operation, OperationStatus, utcnow
 from gpucloud.services import tenants as tenant_service
+from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
 from gpucloud.services.nodes import lease_for_bringup
+from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.services.workflows import (
     start_allocation_workflow,
     start_bringup_batches,
@@ -46,3 +52,47 @@ async def resume_orphans(client: Client, db: Database, settings: Settings) -> di
         start = start_tenant_onboarding if kind == tenant_service.CREATE_OPERATION else start_tenant_offboarding
         await start(client, settings, tenant_id, operation_id)
     return {"allocations": len(allocations), "enrolled_nodes": len(enrolled), "tenants": len(tenant_ops)}
+
+
+# What adoption looks for: the workflows of in-flight allocations and tenant operations.
+_ADOPTED_TYPES = ("AllocationWorkflow", "TenantOnboardingWorkflow", "TenantOffboardingWorkflow")
+
+
+async def adopt_orphans(
+    client: Client, db: Database, settings: Settings, *, older_than: timedelta = timedelta(seconds=30)
+) -> int:
+    """Start the workflow of every in-flight allocation and tenant operation (older than
+    `older_than`, so a create between its commit and its start is left to the API) that has no
+    running workflow; how many were started. One visibility query, then one start per orphan."""
+    cutoff = utcnow() - older_than
+    with db.session() as session:
+        allocations = session.exec(
+            select(Allocation).where(
+                col(Allocation.status).not_in([s.value for s in TERMINAL_ALLOCATION]),
+                col(Allocation.created_at) < cutoff,
+            )
+        ).all()
+        tenant_ops = session.exec(
+            select(col(Operation.resource_id), col(Operation.id), col(Operation.kind)).where(
+                col(Operation.kind).in_([tenant_service.CREATE_OPERATION, tenant_service.DELETE_OPERATION]),
+                col(Operation.status) == OperationStatus.RUNNING,
+                col(Operation.created_at) < cutoff,
+            )
+        ).all()
+    if not allocations and not tenant_ops:
+        return 0
+    types = ", ".join(f"'{t}'" for t in _ADOPTED_TYPES)
+    running = {w.id async for w in client.list_workflows(f"ExecutionStatus = 'Running' AND WorkflowType IN ({types})")}
+    adopted = 0
+    for alloc in allocations:
+        if allocation_workflow_id(alloc.id) not in running:
+            await start_allocation_workflow(client, settings, alloc, conflict=WorkflowIDConflictPolicy.USE_EXISTING)
+            adopted += 1
+    for tenant_id, operation_id, kind in tenant_ops:
+        onboarding = kind == tenant_service.CREATE_OPERATION
+        workflow_id = onboarding_workflow_id(tenant_id) if onboarding else offboarding_workflow_id(tenant_id)
+        if workflow_id not in running:
+            start = start_tenant_onboarding if onboarding else start_tenant_offboarding
+            await start(client, settings, tenant_id, operation_id)
+            adopted += 1
+    return adopted

@@ -73,7 +73,10 @@ class Cluster:
         self.kills["ledger"] += 1
 
     def end_allocations(self) -> int:
-        ended_ms = wall_clock_ms()
+        # The end lies a moment ahead: a meter tick between reading the clock and publishing the
+        # file could otherwise have metered past it already (a real agent takes its end under
+        # the meter's lock; this harness publishes through a file).
+        ended_ms = wall_clock_ms() + 1_000
         allocations = json.loads(self.allocations_path.read_text())
         for fields in allocations.values():
             fields["ended_ms"] = ended_ms

@@ -36,3 +36,36 @@ async def test_worker_killed_mid_provisioning_allocation_still_completes(db_url,
     assert all(nodes[n]["state"] == "active" for n in ready["node_ids"])
     # No node was provisioned twice for the tenant, none is in two allocations.
     assert sum(1 for n in nodes.values() if n["allocation_id"] == alloc_id) == 3
+
+
+async def test_an_allocation_whose_workflow_never_started_is_adopted_by_the_next_sweep(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    """The API committed the allocation and died before starting its workflow: the next full
+    sweep starts it, and the allocation becomes ready."""
+    from datetime import timedelta
+
+    from sqlmodel import col, select
+
+    from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
+    from gpucloud.db import session_scope
+    from gpucloud.models.tables import Allocation, Tenant
+
+    h = make_harness(db_url, nodes=2)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 2}, timeout_s=90)
+    tenant_id, key = await h.onboard()
+    alloc, _ = _create_in_db(
+        h.settings, tenant_id, AllocationRequest(gpu_type="H100", node_count=1, region="us-east-1")
+    )
+    with session_scope(h.settings.database_url) as session:  # committed a minute ago, never started
+        row = session.exec(select(Allocation).where(col(Allocation.id) == alloc.id)).one()
+        row.created_at -= timedelta(minutes=1)
+        session.add(row)
+        assert session.exec(select(Tenant).where(col(Tenant.id) == tenant_id)).one().status == "active"
+
+    result = await h.sweep(temporal_env.client)
+    assert result.adopted == 1
+    await h.wait_allocation(key, alloc.id, "ready", timeout_s=60)
+    assert (await h.sweep(temporal_env.client)).adopted == 0  # its workflow runs: nothing to adopt

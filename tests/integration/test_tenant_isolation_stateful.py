@@ -336,7 +336,7 @@ async def test_no_path_connects_two_tenants_across_random_operations(
         run_state_machine_as_test,
         machine,
         settings=settings(
-            max_examples=4,
+            max_examples=3,
             stateful_step_count=12,
             deadline=None,
             database=None,

@@ -4,6 +4,7 @@ events, the fleet summary, agents' credentials and heartbeats (health is `health
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
@@ -167,7 +168,8 @@ def fleet_summary(operator: OperatorDep, session: SessionDep) -> dict:
 
 def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
     with session_scope(settings.database_url) as session:
-        return record_heartbeats(session, [b.model_dump() for b in batch.heartbeats])
+        refresh = timedelta(seconds=settings.agent.heartbeat_timeout_s / 3)
+        return record_heartbeats(session, [b.model_dump() for b in batch.heartbeats], refresh_after=refresh)
 
 
 @router.post("/nodes/{node_id}/agent-credential", response_model=AgentCredentialIssued, status_code=201)
