@@ -7,7 +7,8 @@ and cancel it (20 %). In the same run, the floor: a minimal FastAPI app on the s
 (`api_floor.py`, its own process) doing the same primary-key read with the same client.
 
 Figures per database and level: requests/s, p50/p99 per operation, timeouts (no answer in
-`TIMEOUT_S`), 5xx other than 503, 503s and 429s (both carry Retry-After). Then:
+`TIMEOUT_S`), 5xx other than 503, 503s and 429s (both carry Retry-After, which the clients
+honour, as `gpucloud.client` does). Then:
 - `ratio_get_vs_floor`: the API's get rate at 64 clients over the floor's, and the two p99s;
 - `fairness_p99_ratio`: a second tenant's single client's get p99 while the first runs the top
   level, over its p99 alone;
@@ -59,6 +60,7 @@ class Tally:
     def __init__(self) -> None:
         self.latency: defaultdict[str, list[float]] = defaultdict(list)
         self.status: Counter[str] = Counter()
+        self.errors: list[str] = []
 
     def add(self, op: str, status: int | str, seconds: float) -> None:
         self.status[str(status)] += 1
@@ -66,12 +68,13 @@ class Tally:
             self.latency[op].append(seconds)
 
     def figures(self, seconds: float) -> dict:
-        answered = sum(n for s, n in self.status.items() if s != "timeout")
+        answered = sum(n for s, n in self.status.items() if s not in ("timeout", "transport"))
         return {
             "requests_per_s": round(answered / seconds, 1),
             **{f"{op}_p50_s": round(percentile(v, 50), 3) for op, v in sorted(self.latency.items())},
             **{f"{op}_p99_s": round(percentile(v, 99), 3) for op, v in sorted(self.latency.items())},
             "timeouts": self.status["timeout"],
+            "transport_errors": self.status["transport"],
             "errors_5xx": sum(n for s, n in self.status.items() if s.startswith("5") and s != "503"),
             "overloaded_503": self.status["503"],
             "throttled_429": self.status["429"],
@@ -85,9 +88,17 @@ async def _timed(tally: Tally, op: str, call) -> httpx.Response | None:
     except httpx.TimeoutException:
         tally.add(op, "timeout", time.monotonic() - began)
         return None
-    if response.status_code in (429, 503) and not response.headers.get("retry-after"):
-        tally.add(op, "no-retry-after", 0.0)
+    except httpx.TransportError as exc:  # a connection refused or reset: no answer either
+        tally.add(op, "transport", time.monotonic() - began)
+        tally.errors.append(f"{op}: {exc!r}")
+        return None
     tally.add(op, response.status_code, time.monotonic() - began)
+    if response.status_code in (429, 503):
+        # A well-behaved client (as `gpucloud.client` is) waits as long as it was told to.
+        retry_after = response.headers.get("retry-after")
+        if retry_after is None:
+            tally.add(op, "no-retry-after", 0.0)
+        await asyncio.sleep(float(retry_after or 1))
     return response
 
 
@@ -112,10 +123,13 @@ async def get_client(http: httpx.AsyncClient, tally: Tally, ids: list[str], unti
         await _timed(tally, "get", http.get(f"/v1/allocations/{rng.choice(ids)}"))
 
 
-async def heartbeat_client(http: httpx.AsyncClient, tally: Tally, nodes: list[str], until: float, rng):
+async def heartbeat_client(http: httpx.AsyncClient, tally: Tally, agents: dict[str, str], until: float, rng):
+    """An agent as real ones report: its own node, its own credential, one heartbeat a request."""
     while time.monotonic() < until:
-        body = {"heartbeats": [{"node_id": rng.choice(nodes)}]}
-        await _timed(tally, "heartbeat", http.post("/v1/agents/heartbeats", json=body))
+        node_id = rng.choice(sorted(agents))
+        body = {"heartbeats": [{"node_id": node_id}]}
+        headers = {"Authorization": f"Bearer {agents[node_id]}"}
+        await _timed(tally, "heartbeat", http.post("/v1/agents/heartbeats", json=body, headers=headers))
 
 
 def _client(url: str, token: str | None, connections: int) -> httpx.AsyncClient:
@@ -132,7 +146,7 @@ async def run_clients(url: str, token: str | None, n: int, seconds: float, body,
     return tally
 
 
-async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str], nodes: list[str], args) -> dict:
+async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str], nodes: dict[str, str], args) -> dict:
     api = settings.api_url
     tenant_key, other_key = keys
     async with httpx.AsyncClient() as probe:
@@ -188,7 +202,9 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
 
 
 def run_on(database: str, args) -> dict:
-    overrides = {} if database == "sqlite" else {"database": {"url": args.postgres_url}}
+    overrides: dict = {} if database == "sqlite" else {"database": {"url": args.postgres_url}}
+    if args.tenant_slots:
+        overrides["api"] = {"tenant_slots": args.tenant_slots}
     if database != "sqlite":
         _reset_postgres(args.postgres_url)
     settings, stack, data_dir = bench_stack(args.nodes, "memory", **overrides)
@@ -206,6 +222,10 @@ def run_on(database: str, args) -> dict:
                 if time.monotonic() > deadline:
                     raise SystemExit("the fleet did not come up")
                 time.sleep(1)
+            # Each reporting agent its own credential, as `gpucloud agent --token` runs.
+            credentials = {
+                node_id: op.post(f"/v1/nodes/{node_id}/agent-credential").json()["token"] for node_id in nodes[:64]
+            }
             tenant_key = onboard_tenant(op, f"load-{uuid.uuid4().hex[:6]}")
             other_key = onboard_tenant(op, f"probe-{uuid.uuid4().hex[:6]}")
         with httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {tenant_key}"}) as tenant:
@@ -221,13 +241,16 @@ def run_on(database: str, args) -> dict:
         )
         try:
             floor_url = f"http://127.0.0.1:{floor_port}"
-            return asyncio.run(measure(settings, floor_url, (tenant_key, other_key), ids, nodes, args))
+            return asyncio.run(measure(settings, floor_url, (tenant_key, other_key), ids, credentials, args))
         finally:
             floor.terminate()
             floor.wait(10)
     finally:
         stack.stop()
-        shutil.rmtree(data_dir, ignore_errors=True)
+        if args.keep_logs:
+            log(f"{database}: logs kept in {data_dir / 'logs'}")
+        else:
+            shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def _pages(client: httpx.Client, path: str, **params):
@@ -269,6 +292,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
     parser.add_argument("--quick", action="store_true", help="64 nodes, levels 1,16,64, 4 s each")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the stack's data dir and logs")
+    parser.add_argument("--tenant-slots", type=int, default=0, help="the API's tenant lane (default: its setting)")
     args = parser.parse_args()
     if args.quick:
         args.nodes, args.levels, args.seconds = 64, [1, 16, 64], 4.0

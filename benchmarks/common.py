@@ -159,7 +159,7 @@ def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **s
     settings = Settings(
         data_dir=data_dir,
         temporal={"address": f"127.0.0.1:{free_port()}"},
-        api={"port": free_port(), "operator_token": "bench-token"},
+        api={"port": free_port(), "operator_token": "bench-token", **settings_overrides.pop("api", {})},
         agent={"sim_port": free_port()},
         **settings_overrides,
     )

@@ -23,6 +23,8 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 # The longest a thread waits for a pooled connection (seconds, not minutes): past it the caller
 # gets `sqlalchemy.exc.TimeoutError`, which the API answers 503 with Retry-After.
 POOL_TIMEOUT_S = 10.0
+# The Postgres advisory lock that lets one process at a time run the migrations.
+MIGRATION_LOCK = 0x67707563_6C6F7564  # "gpucloud"
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -76,6 +78,10 @@ def migrate(url: str) -> None:
     """Bring the schema to the newest migration (idempotent; run at every start-up)."""
     engine = get_engine(url)
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # API replicas and workers start together: one migrates, the others wait and then
+            # find the schema current (SQLite's BEGIN IMMEDIATE serializes them already).
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
         cfg = alembic_config(url)
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")

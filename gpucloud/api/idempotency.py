@@ -6,6 +6,12 @@ the same body gets that first response back; the same key with another body or e
 422; a replay that arrives while the first is still running waits for its answer. A 5xx is not
 stored, so a client can retry it with the same key. A response that shows a secret once (a new
 API key) is stored redacted: its replay says what was created, without the secret.
+
+A claim is a lease (`LEASE`), renewed while its request runs. A request that died with the
+claim (its API process killed) lets the lease lapse: the next retry with the key takes the
+claim over (compare-and-swap on the lease it saw) and runs the request again. A handler whose
+work may have committed before the crash finds it by the key (an allocation records the key it
+was created under), so the re-run answers with what exists instead of making it twice.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
-from typing import Annotated
+from datetime import datetime, timedelta
+from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import Header, Request
@@ -24,11 +31,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from sqlmodel import col, select
 
-from gpucloud.db import session_scope
+from gpucloud.db import rowcount, session_scope
 from gpucloud.models.tables import IdempotencyRecord, utcnow
 from gpucloud.web.problems import Problem
 
+log = logging.getLogger(__name__)
+
 RETENTION = timedelta(hours=24)
+LEASE = timedelta(seconds=15)
 WAIT_FOR_FIRST_S = 30.0
 MAX_KEY_LENGTH = 255
 
@@ -50,14 +60,37 @@ def _mismatch(record: IdempotencyRecord, method: str, path: str, digest: str) ->
     return None
 
 
+def _lapsed(record: IdempotencyRecord, now: datetime) -> bool:
+    """The request holding the claim stopped renewing it: it died without an answer."""
+    if record.status_code is not None:
+        return False
+    return (record.lease_until or record.created_at + LEASE) < now
+
+
+def _key_is(caller: str, key: str) -> Any:
+    return sa.and_(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
+
+
 def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: str) -> IdempotencyRecord | None:
-    """Claim the key; None if we own it now, else the existing record."""
+    """Claim the key (or take over a claim whose lease lapsed); None if we own it now, else the
+    existing record."""
     now = utcnow()
     with session_scope(db_url) as session:
-        existing = session.exec(
-            select(IdempotencyRecord).where(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
-        ).first()
+        existing = session.exec(select(IdempotencyRecord).where(_key_is(caller, key))).first()
         if existing is not None and existing.expires_at > now:
+            if _lapsed(existing, now) and _mismatch(existing, method, path, digest) is None:
+                seen = col(IdempotencyRecord.lease_until)
+                taken = session.execute(
+                    sa.update(IdempotencyRecord)
+                    .where(
+                        col(IdempotencyRecord.seq) == existing.seq,
+                        col(IdempotencyRecord.status_code).is_(None),
+                        seen.is_(None) if existing.lease_until is None else seen == existing.lease_until,
+                    )
+                    .values(lease_until=now + LEASE)
+                )
+                if rowcount(taken) == 1:
+                    return None
             return existing
         if existing is not None:
             session.delete(existing)
@@ -73,15 +106,31 @@ def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: s
                         body_hash=digest,
                         created_at=now,
                         expires_at=now + RETENTION,
+                        lease_until=now + LEASE,
                     )
                 )
         except sa.exc.IntegrityError:
-            return session.exec(
-                select(IdempotencyRecord).where(
-                    col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key
-                )
-            ).one()
+            return session.exec(select(IdempotencyRecord).where(_key_is(caller, key))).one()
     return None
+
+
+def _renew(db_url: str, caller: str, key: str) -> None:
+    with session_scope(db_url) as session:
+        session.execute(
+            sa.update(IdempotencyRecord)
+            .where(_key_is(caller, key), col(IdempotencyRecord.status_code).is_(None))
+            .values(lease_until=utcnow() + LEASE)
+        )
+
+
+async def _keep_claim(db_url: str, caller: str, key: str) -> None:
+    """Renew the claim's lease while its request runs (a third of the lease apart)."""
+    while True:
+        await asyncio.sleep(LEASE.total_seconds() / 3)
+        try:
+            await run_in_threadpool(_renew, db_url, caller, key)
+        except sa.exc.SQLAlchemyError as exc:  # the database is down: the lease may lapse
+            log.warning("could not renew the claim on Idempotency-Key %r: %s", key, exc)
 
 
 def _load(db_url: str, caller: str, key: str) -> IdempotencyRecord | None:
@@ -143,7 +192,11 @@ async def run_idempotent(
     digest = body_hash(body)
     existing = await run_in_threadpool(_claim, db_url, caller, key, method, path, digest)
     if existing is not None:
-        return await _answer_replay(db_url, caller, key, existing, method, path, digest)
+        answered = await _await_first(db_url, caller, key, existing, method, path, digest)
+        if answered is not None:
+            return _replay(answered)
+        # The first request died with the claim, which is ours now: run it again.
+    keeper = asyncio.create_task(_keep_claim(db_url, caller, key))
     try:
         response = await handler()
     except Problem as problem:
@@ -152,6 +205,8 @@ async def run_idempotent(
     except BaseException:
         await run_in_threadpool(_finish, db_url, caller, key, None)
         raise
+    finally:
+        keeper.cancel()
     await run_in_threadpool(_finish, db_url, caller, key, response, redact)
     return response
 
@@ -186,9 +241,11 @@ def accepted(body: BaseModel, location: str, status_code: int = 202) -> JSONResp
     return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers={"Location": location})
 
 
-async def _answer_replay(
+async def _await_first(
     db_url: str, caller: str, key: str, record: IdempotencyRecord, method: str, path: str, digest: str
-) -> Response:
+) -> IdempotencyRecord | None:
+    """The first request's stored answer, waited for while it runs; None when this request
+    claimed the key instead (the first died: its lease lapsed, or it failed and let go)."""
     why = _mismatch(record, method, path, digest)
     if why:
         raise Problem(
@@ -200,21 +257,20 @@ async def _answer_replay(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT_FOR_FIRST_S
     current: IdempotencyRecord | None = record
-    while current is not None and current.status_code is None:
+    while current is None or current.status_code is None:
+        if current is None or _lapsed(current, utcnow()):
+            current = await run_in_threadpool(_claim, db_url, caller, key, method, path, digest)
+            if current is None:
+                return None
+            continue
         if loop.time() > deadline:
             raise Problem(
                 409,
                 "idempotency-in-progress",
                 "Request in progress",
                 f"a request with Idempotency-Key {key!r} is still running; retry shortly",
+                headers={"Retry-After": "1"},
             )
         await asyncio.sleep(0.05)
         current = await run_in_threadpool(_load, db_url, caller, key)
-    if current is None:  # the first attempt failed with a 5xx and released the key: run again
-        raise Problem(
-            409,
-            "idempotency-retry",
-            "Retry the request",
-            f"the first request with Idempotency-Key {key!r} failed; retry it",
-        )
-    return _replay(current)
+    return current

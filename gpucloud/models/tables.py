@@ -307,6 +307,9 @@ class Allocation(AllocationCreate, table=True):
     nvlink_domain: str | None = None
     node_ids: list[str] = json_field()
     failure_reason: str | None = None
+    # `<caller>:<Idempotency-Key>` of the create that made it: a create re-run after its first
+    # try died mid-request finds the allocation that try committed instead of making another.
+    idempotency_key: str | None = Field(default=None, max_length=300, unique=True, index=True)
     created_at: datetime = timestamp_field()
     updated_at: datetime = timestamp_field()
 
@@ -356,3 +359,6 @@ class IdempotencyRecord(SQLModel, table=True):
     response_body: str | None = None
     created_at: datetime = timestamp_field()
     expires_at: datetime = Field(sa_type=UTCDateTime, index=True)
+    # While the request runs, its claim: renewed as it goes; a lapsed one with no response
+    # means the request died, and a retry with the key takes the claim over and runs again.
+    lease_until: datetime | None = Field(default=None, sa_type=UTCDateTime)

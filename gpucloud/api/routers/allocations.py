@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from fastapi import APIRouter, Request
@@ -26,6 +27,7 @@ from gpucloud.db import session_scope
 from gpucloud.models.health_tables import AllocationEvent, AllocationEventPublic
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import (
+    TERMINAL_ALLOCATION,
     Allocation,
     AllocationPublic,
     AllocationStatus,
@@ -57,10 +59,27 @@ def _visible(session: Session, caller: Caller, allocation_id: str) -> Allocation
     return visible(session, caller, Allocation, "allocation", allocation_id)
 
 
-def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) -> tuple[Allocation, Operation]:
+def _created_under(session: Session, tag: str) -> tuple[Allocation, Operation] | None:
+    """The allocation an earlier try of this create (same caller and Idempotency-Key) committed."""
+    alloc = session.exec(select(Allocation).where(col(Allocation.idempotency_key) == tag)).first()
+    if alloc is None:
+        return None
+    op = session.exec(
+        select(Operation).where(col(Operation.resource_id) == alloc.id, col(Operation.kind) == "create_allocation")
+    ).one()
+    return alloc, op
+
+
+def _create_in_db(
+    settings: Settings, tenant_id: str, req: AllocationRequest, *, idempotency_tag: str | None = None
+) -> tuple[Allocation, Operation]:
+    """Reserve the gang and record the allocation and its operation, in one transaction; under
+    an `idempotency_tag`, an allocation already created under it is returned instead."""
     for _ in range(RESERVE_ATTEMPTS):
         try:
             with session_scope(settings.database_url) as session:
+                if idempotency_tag is not None and (earlier := _created_under(session, idempotency_tag)) is not None:
+                    return earlier
                 if session.exec(select(col(Node.id)).where(col(Node.region) == req.region).limit(1)).first() is None:
                     regions = sorted(set(session.exec(select(col(Node.region))).all()))
                     raise Problem(
@@ -78,7 +97,7 @@ def _create_in_db(settings: Settings, tenant_id: str, req: AllocationRequest) ->
                     node_count=req.node_count or 0,  # the validator fills it in (from nvl72_trays)
                     default_gpus=settings.tenants.default_gpu_quota,
                 )
-                alloc = Allocation(tenant_id=tenant_id, **req.model_dump())
+                alloc = Allocation(tenant_id=tenant_id, idempotency_key=idempotency_tag, **req.model_dump())
                 service.reserve_gang(session, alloc, deadline_scale=settings.reconciler.deadline_scale)
                 op = Operation(
                     tenant_id=tenant_id,
@@ -157,8 +176,17 @@ async def create_allocation(
     idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
-        alloc, op = await run_in_threadpool(_create_in_db, settings, tenant.tenant_id, req)
+        tag = f"{tenant.id}:{idempotency_key}" if idempotency_key else None
+        alloc, op = await run_in_threadpool(
+            functools.partial(_create_in_db, settings, tenant.tenant_id, req, idempotency_tag=tag)
+        )
+        if alloc.status in TERMINAL_ALLOCATION:  # an earlier try's allocation, already over
+            return accepted(
+                AllocationAccepted(allocation=_public(alloc), operation=_op_public(op)), f"/v1/allocations/{alloc.id}"
+            )
         try:
+            # Started again on a re-run too: USE_EXISTING leaves a running workflow alone and
+            # starts one an earlier try committed but never started.
             await start_allocation_workflow(temporal, settings, alloc)
         except RPCError as exc:
             await run_in_threadpool(_undo_reservation, settings, alloc, f"could not start provisioning: {exc}")

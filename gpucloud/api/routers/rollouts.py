@@ -8,6 +8,7 @@ request. The version must be one the tenant's registry holds.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 from fastapi import APIRouter, Request
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlmodel import col, select
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from gpucloud.api.auth import Caller
@@ -86,7 +88,10 @@ async def create_rollout(
 ):
     async def handler() -> JSONResponse:
         targets = await run_in_threadpool(_targets, settings, tenant.tenant_id, req)
-        rollout_id = f"rollout-{uuid.uuid4().hex[:16]}"
+        # Under an Idempotency-Key the id comes from the key: a create re-run after its first try
+        # died finds the rollout that try started instead of starting a second one.
+        seed = f"{tenant.id}:{idempotency_key}" if idempotency_key else uuid.uuid4().hex
+        rollout_id = f"rollout-{hashlib.sha256(seed.encode()).hexdigest()[:16]}"
         options = req.model_dump(exclude={"node_ids", "waves"}, exclude_none=True)
         try:
             inp = RolloutInput(
@@ -109,6 +114,7 @@ async def create_rollout(
                 RolloutWorkflow.run,
                 inp,
                 id=rollout_id,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 task_queue=settings.temporal.task_queue,
                 search_attributes=search_attributes.typed(*attributes),
             )
