@@ -49,6 +49,8 @@ class ApiSettings(BaseModel):
     port: int = 8000
     # The operator's bearer token; without one, a token kept in the data dir (created 0600).
     operator_token: SecretStr | None = None
+    # API processes sharing the port (uvicorn workers); more than one needs Postgres.
+    workers: int = 1
     # Admission (`api/admission.py`): requests in flight per lane, a tenant's share of its lane,
     # and how long a request waits for a slot before it is answered 503 with Retry-After.
     tenant_slots: int = 32

@@ -69,7 +69,35 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     return app
 
 
+def create_app_from_env() -> FastAPI:
+    """The app of one of several API processes: each reads the settings its parent exported."""
+    from gpucloud.config import get_settings
+
+    return create_app(get_settings())
+
+
 def serve(settings: Settings) -> None:
+    """Serve the API: one process, or `settings.api.workers` processes on one port (Postgres:
+    they share nothing in memory that correctness depends on; SQLite has one writer per file)."""
+    import os
+
     import uvicorn
 
-    uvicorn.run(create_app(settings), host=settings.api.host, port=settings.api.port, log_level="warning")
+    workers = settings.api.workers
+    if workers <= 1:
+        uvicorn.run(create_app(settings), host=settings.api.host, port=settings.api.port, log_level="warning")
+        return
+    if settings.database_url.startswith("sqlite"):
+        raise SystemExit(
+            f"{workers} API processes need Postgres (GPUCLOUD_DATABASE__URL); SQLite serves one. "
+            "Set GPUCLOUD_API__WORKERS=1 or point the API at Postgres."
+        )
+    os.environ.update(settings.env())  # the worker processes read the same settings
+    uvicorn.run(
+        "gpucloud.api.app:create_app_from_env",
+        factory=True,
+        workers=workers,
+        host=settings.api.host,
+        port=settings.api.port,
+        log_level="warning",
+    )

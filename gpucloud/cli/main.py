@@ -68,9 +68,19 @@ def worker() -> None:
 
 
 @app.command()
-def api() -> None:
+def api(
+    workers: Annotated[
+        int | None, typer.Option(help="API processes on the port (Postgres only; default GPUCLOUD_API__WORKERS, 1)")
+    ] = None,
+) -> None:
     """Run the HTTP API (FastAPI + uvicorn)."""
-    _serve("gpucloud.api.app", "serve")
+    from gpucloud.api.app import serve
+
+    _logging()
+    settings = get_settings()
+    if workers is not None:
+        settings = settings.model_copy(update={"api": settings.api.model_copy(update={"workers": workers})})
+    serve(settings)
 
 
 @app.command()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,10 +36,24 @@ class StackError(RuntimeError):
     pass
 
 
+# Ports handed out below the kernel's ephemeral range (32768-60999 by default), at random: a port
+# the kernel gave out with bind(0) and that was then closed could be taken again by the next
+# outgoing connection or the next caller before its server binds it.
+PORT_RANGE = (20000, 32000)
+_ports = random.SystemRandom()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing listens on now, for a server about to start."""
+    for _ in range(200):
+        port = _ports.randint(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise StackError(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1]} on 127.0.0.1")
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -194,7 +209,9 @@ class Stack:
 
     def _start_api(self, on_step: Callable[[str], None]) -> None:
         on_step("starting API")
-        self._spawn("api", self._cli("api"))
+        # Two API processes where the database serves them (Postgres); SQLite has one writer.
+        workers = self.settings.api.workers if self.settings.database_url.startswith("sqlite") else 2
+        self._spawn("api", self._cli("api", "--workers", str(max(1, workers))))
         self._wait("api", lambda: self._http_ok(f"{self.settings.api_url}/healthz"), 60)
 
     def _start_sim(self, on_step: Callable[[str], None]) -> None:

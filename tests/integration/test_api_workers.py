@@ -1,0 +1,70 @@
+"""`gpucloud api --workers N`: several API processes on one port, on Postgres; refused on SQLite
+with a message that says what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from gpucloud.config import Settings
+from gpucloud.devstack.stack import free_port
+from support.databases import scratch_postgres
+
+POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+@pytest.mark.skipif(not POSTGRES, reason="needs Postgres")
+def test_two_api_processes_share_one_port_on_postgres(tmp_path, temporal_env):
+    with scratch_postgres(POSTGRES) as url:
+        settings = Settings(
+            data_dir=tmp_path,
+            database={"url": url},
+            api={"port": free_port(), "operator_token": "op-token"},
+            temporal={"address": temporal_env.client.service_client.config.target_host},
+        )
+        env = {**os.environ, **settings.env()}
+        api = subprocess.Popen([sys.executable, "-m", "gpucloud.cli.main", "api", "--workers", "2"], env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{settings.api_url}/healthz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert api.poll() is None and time.monotonic() < deadline, "the API did not come up"
+                time.sleep(0.2)
+            assert len(_children(api.pid)) >= 2  # uvicorn's two worker processes
+
+            def list_nodes(_: int) -> int:
+                headers = {"Authorization": "Bearer op-token"}
+                return httpx.get(f"{settings.api_url}/v1/nodes", headers=headers, timeout=30).status_code
+
+            with ThreadPoolExecutor(8) as pool:  # within one process's operator lane
+                assert set(pool.map(list_nodes, range(64))) == {200}
+        finally:
+            api.terminate()
+            api.wait(30)
+
+
+def test_several_api_processes_on_sqlite_are_refused_with_what_to_do(tmp_path):
+    env = {**os.environ, **Settings(data_dir=tmp_path, api={"port": free_port()}).env()}
+    done = subprocess.run(
+        [sys.executable, "-m", "gpucloud.cli.main", "api", "--workers", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "need Postgres" in done.stderr
