@@ -452,7 +452,7 @@ def main(
     node_id: str,
     control_plane_url: str,
     token: str,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     port: int = 8200,
     scratch_dir: Path = Path("/var/lib/gpucloud/scratch"),
     heartbeat_s: float = 10.0,

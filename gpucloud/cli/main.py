@@ -201,7 +201,13 @@ def demo(
 def agent(
     node_id: Annotated[str, typer.Option(help="this node's id, as enrolled")],
     port: Annotated[int, typer.Option(help="port of the action API")] = 8200,
-    host: str = "0.0.0.0",
+    host: Annotated[
+        str,
+        typer.Option(
+            help="address of the action API: loopback by default; it speaks no TLS yet, so bind another "
+            "address only on the control plane's own network"
+        ),
+    ] = "127.0.0.1",
     scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path(
         "/var/lib/gpucloud/scratch"
     ),

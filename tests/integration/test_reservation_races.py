@@ -43,30 +43,37 @@ def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
             session.add(Tenant(id=f"ten_{t}", name=f"tenant-{t}", status=TenantStatus.ACTIVE))
 
 
-def test_concurrent_gang_reservations_never_share_a_node(db_url, tmp_path):
-    _fleet(db_url, pods=3, per_pod=16)  # 48 nodes; gangs of 6 -> at most 2 per pod
+def _race(db_url: str, tmp_path, *, requests: int, node_count: int) -> Counter:
+    """`requests` creates released at once, from three tenants in turn: their outcomes."""
     settings = Settings(data_dir=tmp_path, database={"url": db_url})
     outcomes: list[str] = []
-    barrier = threading.Barrier(12)
+    barrier = threading.Barrier(requests)
 
     def request(i: int) -> None:
         barrier.wait()
         try:
-            _create_in_db(settings, f"ten_{i % 3}", AllocationRequest(gpu_type="H100", node_count=6, region="r1"))
+            req = AllocationRequest(gpu_type="H100", node_count=node_count, region="r1")
+            _create_in_db(settings, f"ten_{i % 3}", req)
             outcomes.append("ok")
         except Problem as problem:
             outcomes.append(problem.type)
 
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(12)]
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(requests)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    return Counter(outcomes)
+
+
+def test_concurrent_gang_reservations_never_share_a_node(db_url, tmp_path):
+    _fleet(db_url, pods=3, per_pod=16)  # 48 nodes; gangs of 6 -> at most 2 per pod
+    outcomes = _race(db_url, tmp_path, requests=12, node_count=6)
 
     with session_scope(db_url) as session:
         allocations = session.exec(select(Allocation)).all()
         nodes = session.exec(select(Node)).all()
-    assert Counter(outcomes) == {"ok": 6, "insufficient-capacity": 6}
+    assert outcomes == {"ok": 6, "insufficient-capacity": 6}
     members = [n for a in allocations for n in a.node_ids]
     assert len(members) == len(set(members)) == 36  # nobody shares, nobody is partial
     by_node = {n.id: n for n in nodes}
@@ -81,25 +88,9 @@ def test_many_concurrent_creates_all_reserve_disjoint_nodes_and_none_gives_up(db
     """Creates from one pool take turns instead of racing for the same free nodes: none is refused
     as `busy` while nodes are free."""
     _fleet(db_url, pods=4, per_pod=16)
-    settings = Settings(data_dir=tmp_path, database={"url": db_url})
-    outcomes: list[str] = []
-    barrier = threading.Barrier(32)
+    outcomes = _race(db_url, tmp_path, requests=32, node_count=1)
 
-    def request(i: int) -> None:
-        barrier.wait()
-        try:
-            _create_in_db(settings, f"ten_{i % 3}", AllocationRequest(gpu_type="H100", node_count=1, region="r1"))
-            outcomes.append("ok")
-        except Problem as problem:
-            outcomes.append(problem.type)
-
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-
-    assert Counter(outcomes) == {"ok": 32}
+    assert outcomes == {"ok": 32}
     with session_scope(db_url) as session:
         members = [n for a in session.exec(select(Allocation)).all() for n in a.node_ids]
     assert len(members) == len(set(members)) == 32
