@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -34,6 +35,7 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -146,6 +148,18 @@ async def run_clients(url: str, token: str | None, n: int, seconds: float, body,
     return tally
 
 
+def _group(url: str, token: str | None, n: int, seconds: float, body_name: str, args: tuple) -> Tally:
+    return asyncio.run(run_clients(url, token, n, seconds, globals()[body_name], *args))
+
+
+async def run_apart(url: str, token: str | None, n: int, seconds: float, body, *args) -> Tally:
+    """`run_clients` in a process of its own: when two groups run at once, one group's
+    client-side queueing (256 clients on one event loop) must not show as the other's latency."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        future = pool.submit(_group, url, token, n, seconds, body.__name__, args)
+        return await asyncio.wrap_future(future)
+
+
 async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str], nodes: dict[str, str], args) -> dict:
     api = settings.api_url
     tenant_key, other_key = keys
@@ -167,17 +181,24 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
     gets = await run_clients(api, tenant_key, 64, args.seconds, get_client, ids)
     get_figures, floor64 = gets.figures(args.seconds), floors.get(64) or floors[max(floors)]
     # Fairness: a second tenant's single client, alone and beside the top level.
-    alone = await run_clients(api, other_key, 1, args.seconds, get_client, ids)
+    alone = await run_apart(api, other_key, 1, args.seconds, get_client, ids)
     top = max(args.levels)
-    loaded_task = asyncio.create_task(run_clients(api, tenant_key, top, args.seconds, mixed_client, ids))
-    beside = await run_clients(api, other_key, 1, args.seconds, get_client, ids)
-    await loaded_task
+    loaded, beside = await asyncio.gather(
+        run_apart(api, tenant_key, top, args.seconds, mixed_client, ids),
+        run_apart(api, other_key, 1, args.seconds, get_client, ids),
+    )
+    log(f"  fairness: the loaded tenant {loaded.figures(args.seconds)}")
     # Agents' heartbeats, each its own request, beside 64 tenant clients.
     capacity, heartbeat_figures = 0, {}
+    # The agents' lane alone: what one API process gives heartbeats when nothing else runs (the
+    # figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md).
+    alone_beats = (await run_apart(api, None, 12, args.seconds, heartbeat_client, nodes)).figures(args.seconds)
+    log(f"  heartbeats from 12 agents alone: {alone_beats}")
     for agents in (8, 16, 32):
-        loaded_task = asyncio.create_task(run_clients(api, tenant_key, 64, args.seconds, mixed_client, ids))
-        beats = await run_clients(api, settings.operator_token, agents, args.seconds, heartbeat_client, nodes)
-        await loaded_task
+        _, beats = await asyncio.gather(
+            run_apart(api, tenant_key, 64, args.seconds, mixed_client, ids),
+            run_apart(api, None, agents, args.seconds, heartbeat_client, nodes),
+        )
         figures = beats.figures(args.seconds)
         heartbeat_figures[agents] = figures
         log(f"  heartbeats from {agents} agents beside 64 tenant clients: {figures}")
@@ -197,6 +218,8 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
         "fairness_alone_p99_s": round(alone_p99, 3),
         "fairness_beside_p99_s": round(beside_p99, 3),
         "heartbeats": heartbeat_figures,
+        "heartbeats_alone_per_s": alone_beats["requests_per_s"],
+        "heartbeats_alone_p99_s": alone_beats.get("heartbeat_p99_s"),
         "fleet_capacity_nodes": capacity,
     }
 

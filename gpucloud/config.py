@@ -109,6 +109,10 @@ class TenantSettings(BaseModel):
     # A new tenant may hold this many GPUs of each type in each region unless its create
     # request says otherwise (1,024 nodes of 8: the largest single allocation).
     default_gpu_quota: int = 8192
+    # How long onboarding may wait out outages of the fabric managers or the object store before
+    # it gives up and undoes itself (an operator can extend it: the workflow's
+    # `extend_deadline` signal).
+    onboarding_deadline_s: float = 6 * 3600.0
     # An offboarded tenant's storage is deleted this long after offboarding.
     storage_retention_s: float = 30 * 86_400.0
     # How often offboarding looks whether the tenant's nodes are released and wiped.

@@ -38,7 +38,7 @@ from gpucloud.web.problems import Problem
 log = logging.getLogger(__name__)
 
 RETENTION = timedelta(hours=24)
-LEASE = timedelta(seconds=15)
+LEASE = timedelta(seconds=6)
 WAIT_FOR_FIRST_S = 30.0
 MAX_KEY_LENGTH = 255
 

@@ -25,6 +25,8 @@ class TenantView(TenantRef):
 
 class TenantOnboardingInput(TenantRef):
     operation_id: str
+    # How long the steps may wait out outages before onboarding gives up and is undone.
+    deadline_s: float = 6 * 3600.0
 
 
 class TenantOnboardingResult(TenantRef):

@@ -78,7 +78,9 @@ async def start_bringup_batches(client: Client, settings: Settings, node_ids: li
 async def start_tenant_onboarding(client: Client, settings: Settings, tenant_id: str, operation_id: str) -> None:
     await client.start_workflow(
         TenantOnboardingWorkflow.run,
-        TenantOnboardingInput(tenant_id=tenant_id, operation_id=operation_id),
+        TenantOnboardingInput(
+            tenant_id=tenant_id, operation_id=operation_id, deadline_s=settings.tenants.onboarding_deadline_s
+        ),
         id=onboarding_workflow_id(tenant_id),
         task_queue=settings.temporal.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

@@ -98,11 +98,10 @@ FABRIC_APPLY = _options(
 # back to the pool (the workflow waits here before the node's release or drain goes on).
 FABRIC_REMOVE = _options(_s(60), _ms(500), _s(30), permanent=("AllocationNotFound", "NodeNotFound"))
 
-# A step of tenant onboarding (the SDN controller, the object store): transient errors are
-# retried a few times, then the onboarding is undone rather than left half-made.
-TENANT_STEP = _options(
-    _s(60), _ms(500), _s(10), attempts=5, permanent=("FabricRefused", "TenantNotFound", "TenantStateConflict")
-)
+# A step of tenant onboarding (the SDN controller, the object store): an outage is waited out
+# (the workflow holds its own deadline, hours, that an operator can extend); a refusal is final
+# and the onboarding is undone rather than left half-made.
+TENANT_STEP = _options(_s(60), _ms(500), _s(30), permanent=("FabricRefused", "TenantNotFound", "TenantStateConflict"))
 
 # Undoing a tenant step, and every step past the point of no return: retried for as long as it
 # takes (a tenant is never left half-made or half-removed; operators see the retries in the UI).

@@ -4,19 +4,22 @@ steps that undo what onboarding made (one module for the two, so those stay in o
 Onboarding (`tenant-onboard-<tenant id>`, started by `POST /v1/tenants`). The API has already
 written, in one transaction, the tenant (`onboarding`), its quotas, its first API key and the
 operation; the workflow allocates the tenant's VNI (its VPC), gives it storage (prefix and data
-key), and then activates it. A step's transient errors are retried a few times; a step that
-still fails undoes everything: the keys are revoked first (so nothing can use the tenant while
-it is taken apart), then every step that was started is undone in reverse order, and only then
-does the tenant show `failed`. Each undo also runs for a step that failed halfway, which is safe
-because every step and every undo is idempotent. Activation is the point of no return: once
-VNI and storage exist, only the DB record is left, and it is retried until it is written. A
-re-run on a tenant that is no longer `onboarding` changes nothing.
+key), and then activates it. A step's transient errors (a fabric manager or the object store
+down or slow) are retried for as long as the onboarding's deadline allows (`deadline_s`, hours;
+the `deadline` query shows it and the `extend_deadline` signal moves it); a step that is refused
+for good, or still failing when the deadline passes, undoes everything: the keys are revoked
+first (so nothing can use the tenant while it is taken apart), then every step that was started
+is undone in reverse order, and only then does the tenant show `failed`. Each undo also runs for
+a step that failed halfway, which is safe because every step and every undo is idempotent.
+Activation is the point of no return: once VNI and storage exist, only the DB record is left,
+and it is retried until it is written. A re-run on a tenant that is no longer `onboarding`
+changes nothing.
 
-Cancelling the onboarding workflow (say, from the Web UI) undoes it like a failed step, but
-only once the activity in flight has ended: no activity of these workflows is ever cancelled or
-abandoned halfway (`_to_the_end`), since an undo racing the step it undoes could leave that
-step's effect behind. Past the point of no return a cancel is ignored, and so it is during
-offboarding, which must end with nothing of the tenant left.
+Cancelling the onboarding workflow (say, from the Web UI) undoes it like a failed step, but only
+once the attempt in flight has ended: no activity of these workflows is ever abandoned halfway
+(`_to_the_end`; a step is asked to stop only between attempts), since an undo racing the step it
+undoes could leave that step's effect behind. Past the point of no return a cancel is ignored,
+and so it is during offboarding, which must end with nothing of the tenant left.
 
 Offboarding (`tenant-offboard-<tenant id>`, started by `DELETE /v1/tenants/{id}`; the API has
 moved the tenant to `offboarding`, which stops new allocations): cancel every live allocation
@@ -25,16 +28,16 @@ no node holding the tenant's data is on its way to a wipe, revoke the keys, rele
 mark the storage for deletion after the retention period, look up the final billing period when
 a ledger is configured, and mark the tenant `offboarded`. The workflow then sleeps until the
 deletion is due (a durable timer) and purges the storage. Every step is retried until it
-succeeds: a tenant half-removed would keep a path open.
-"""
+succeeds: a tenant half-removed would keep a path open."""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.storage import TenantStorageActivities
@@ -61,6 +64,10 @@ class _Cancelled(Exception):
     """The onboarding workflow was asked to stop; what it made is undone."""
 
 
+class _DeadlinePassed(Exception):
+    """A step was still failing when the onboarding's deadline passed; what it made is undone."""
+
+
 async def _to_the_end(awaitable):
     """Await to the end even when the workflow is cancelled meanwhile: the cancel reaches the
     workflow (see `workflow.cancellation_reason`), never the activity or timer underneath."""
@@ -78,6 +85,8 @@ async def _run(activity, arg, opts: options.ActivityOptions):
 
 
 def _reason(error: BaseException) -> str:
+    if isinstance(error, _DeadlinePassed):
+        return str(error)
     if isinstance(error, ActivityError):
         cause = error.cause
         return f"{error.activity_type} failed: {getattr(cause, 'message', None) or cause or error}"
@@ -88,10 +97,25 @@ def _reason(error: BaseException) -> str:
 class TenantOnboardingWorkflow:
     def __init__(self) -> None:
         self._started: list = []
+        self._deadline: datetime | None = None
+        self._moved = False
+
+    @workflow.query
+    def deadline(self) -> str | None:
+        """When the steps stop waiting out outages and the onboarding is undone (ISO 8601)."""
+        return self._deadline.isoformat() if self._deadline else None
+
+    @workflow.signal
+    def extend_deadline(self, seconds: float) -> None:
+        """Give the steps `seconds` more to wait out an outage (an operator's call)."""
+        if self._deadline is not None and seconds > 0:
+            self._deadline += timedelta(seconds=seconds)
+            self._moved = True
 
     @workflow.run
     async def run(self, inp: TenantOnboardingInput) -> TenantOnboardingResult:
         ref = TenantRef(tenant_id=inp.tenant_id)
+        self._deadline = workflow.now() + timedelta(seconds=inp.deadline_s)
         try:
             tenant = await _run(T.load_tenant, ref, options.DB)
             if tenant.status != "onboarding":
@@ -103,7 +127,7 @@ class TenantOnboardingWorkflow:
                 )
             vni = await self._step(T.allocate_tenant_vni, ref)
             storage = await self._step(Storage.provision_tenant_storage, ref)
-        except (ActivityError, _Cancelled) as error:
+        except (ActivityError, _Cancelled, _DeadlinePassed) as error:
             reason = _reason(error)
             await self._undo(ref)
             failed = SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id, error=reason)
@@ -122,10 +146,46 @@ class TenantOnboardingWorkflow:
             raise _Cancelled()
         # Recorded before it runs: a step that fails halfway is undone too.
         self._started.append(activity)
-        result = await _run(activity, ref, options.TENANT_STEP)
+        handle = workflow.start_activity_method(
+            activity,
+            ref,
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            **options.TENANT_STEP,
+        )
+        passed = await self._until_done_or_deadline(handle)
+        try:
+            # A step stopped by the deadline or a cancel ends its attempt in flight first: an
+            # undo racing the step it undoes could leave the step's effect behind.
+            result = await _to_the_end(handle)
+        except ActivityError:
+            if passed:
+                raise _DeadlinePassed(
+                    f"{activity.__name__} did not succeed before the onboarding deadline "
+                    f"({self.deadline()}); an outside system stayed unavailable"
+                ) from None
+            raise
         if workflow.cancellation_reason() is not None:
             raise _Cancelled()
         return result
+
+    async def _until_done_or_deadline(self, handle) -> bool:
+        """Wait for the step; past the deadline (or on a cancel) ask it to stop. True when the
+        deadline passed."""
+        assert self._deadline is not None
+        while not handle.done():
+            left = (self._deadline - workflow.now()).total_seconds()
+            if left <= 0:
+                handle.cancel()
+                return True
+            self._moved = False
+            try:
+                await workflow.wait_condition(lambda: handle.done() or self._moved, timeout=left)
+            except TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                handle.cancel()
+                return False
+        return False
 
     async def _undo(self, ref: TenantRef) -> None:
         await _run(T.revoke_tenant_keys, ref, options.TENANT_UNTIL_DONE)

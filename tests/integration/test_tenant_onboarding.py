@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -371,3 +372,67 @@ async def test_offboarding_cancels_waits_for_wipes_revokes_and_deletes_storage(
     if _sqlite(db_url):
         await replays(temporal_env.client, onboarding_workflow_id(tenant_id), record_as="tenant_onboarding_workflow")
         await replays(temporal_env.client, offboarding_workflow_id(tenant_id), record_as="tenant_offboarding_workflow")
+
+
+FABRIC_OUTAGE_S = 180.0
+
+
+async def test_onboarding_during_a_three_minute_fabric_manager_outage_ends_active(stack):
+    """A fabric manager's upgrade window is waited out: the new tenant is not failed or revoked."""
+    h, _ = stack
+    h.fabric.set_fault("unavailable")
+    try:
+        resp = _create(h)
+        assert resp.status_code == 202, resp.text
+        accepted = resp.json()
+        started = time.monotonic()
+        with h.operator as op:
+            while time.monotonic() - started < FABRIC_OUTAGE_S:
+                assert op.get(f"/v1/operations/{accepted['operation']['id']}").json()["status"] == "running"
+                assert op.get(f"/v1/tenants/{accepted['id']}").json()["status"] == "onboarding"
+                await asyncio.sleep(10)
+    finally:
+        h.fabric.set_fault(None)
+    with h.operator as op:
+        accepted["final"] = await async_wait_until(
+            lambda: (o := op.get(f"/v1/operations/{accepted['operation']['id']}").json())["status"] != "running" and o,
+            timeout_s=90,
+            interval_s=0.5,
+            what="onboarding after the outage",
+        )
+        accepted["tenant"] = op.get(f"/v1/tenants/{accepted['id']}").json()
+    assert_whole(h, accepted)
+
+
+async def test_onboarding_past_its_deadline_is_undone_and_an_operator_can_extend_it(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    h = make_harness(db_url, nodes=1, fabric=True, tenants={"onboarding_deadline_s": 4.0})
+    await in_process_worker(h.settings)
+    h.fabric.set_fault("unavailable")
+    try:
+        late, extended = _create(h).json(), _create(h).json()
+        handle = temporal_env.client.get_workflow_handle(onboarding_workflow_id(extended["id"]))
+        before = await handle.query("deadline")
+        await handle.signal("extend_deadline", 600.0)
+        after = await handle.query("deadline")
+        assert (datetime.fromisoformat(after) - datetime.fromisoformat(before)).total_seconds() == 600.0
+        await asyncio.sleep(8)  # past the first deadline, the managers still down
+    finally:
+        h.fabric.set_fault(None)
+    with h.operator as op:
+        for accepted in (late, extended):
+            accepted["final"] = await async_wait_until(
+                lambda a=accepted: (
+                    (o := op.get(f"/v1/operations/{a['operation']['id']}").json())["status"] != "running" and o
+                ),
+                timeout_s=90,
+                interval_s=0.5,
+                what="onboarding after the outage",
+            )
+            accepted["tenant"] = op.get(f"/v1/tenants/{accepted['id']}").json()
+    # Past its deadline: undone (once the managers were back to undo it), with the reason.
+    assert_undone(h, late, "allocate_tenant_vni")
+    assert "deadline" in late["final"]["error"]
+    # Its deadline moved by the operator: it outlived the outage.
+    assert_whole(h, extended)
