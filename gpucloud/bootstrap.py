@@ -35,6 +35,7 @@ from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectStore
 from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import TenantStore
+from gpucloud.web import service_tokens
 
 if TYPE_CHECKING:
     from gpucloud.sim.faults import FaultModel
@@ -135,9 +136,15 @@ def database(settings: Settings) -> Database:
     return Database(settings.database_url)
 
 
+def token_issuer(settings: Settings) -> service_tokens.Issuer:
+    """The control plane's signer of its calls to agents (the key is created on first use)."""
+    return service_tokens.load_or_create_issuer(settings.issuer_key_path)
+
+
 def host_agents(settings: Settings) -> HostAgents:
-    """Agents on nodes and the simulated fleet serve the same action API: one HTTP client for both."""
-    return HttpHostAgents()
+    """Agents on nodes and the simulated fleet serve the same action API: one HTTP client for
+    both, presenting a token signed for the one node it calls."""
+    return HttpHostAgents(issuer=token_issuer(settings))
 
 
 @dataclass

@@ -49,6 +49,9 @@ class ApiSettings(BaseModel):
     port: int = 8000
     # The operator's bearer token; without one, a token kept in the data dir (created 0600).
     operator_token: SecretStr | None = None
+    # Signs page tokens; every API process of a deployment needs the same one. Without one, a
+    # secret kept in the data dir (created 0600).
+    page_token_secret: SecretStr | None = None
     # API processes sharing the port (uvicorn workers); more than one needs Postgres.
     workers: int = 1
     # Admission (`api/admission.py`): requests in flight per lane, a tenant's share of its lane,
@@ -74,6 +77,9 @@ class AgentSettings(BaseModel):
     sim_port: int = 8100
     # How often the simulated fleet's agents meter usage (real agents: every 60 s).
     meter_interval_s: float = 60.0
+    # The control plane's Ed25519 key that signs its calls to agents (`web/service_tokens.py`);
+    # default `<data dir>/issuer_key.pem`, its public half (what agents get) beside it as `.pub`.
+    issuer_key: Path | None = None
 
 
 class ReconcilerSettings(BaseModel):
@@ -243,6 +249,17 @@ class Settings(BaseSettings):
         if self.api.operator_token is not None:
             return self.api.operator_token.get_secret_value()
         return load_or_create_operator_token(self.data_dir)
+
+    @property
+    def issuer_key_path(self) -> Path:
+        return (self.agent.issuer_key or self.data_dir / "issuer_key.pem").resolve()
+
+    @cached_property
+    def page_token_secret(self) -> str:
+        """The key page tokens are signed with: from the settings, else kept in the data dir."""
+        if self.api.page_token_secret is not None:
+            return self.api.page_token_secret.get_secret_value()
+        return load_or_create_secret(self.data_dir / "page_token_secret", lambda: secrets.token_urlsafe(32))
 
     def env(self) -> dict[str, str]:
         """These settings as `GPUCLOUD_*` variables, for a child process to read back the same."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import httpx
 
 from gpucloud.agent.schemas import ActionRequest
+from gpucloud.web.service_tokens import Issuer, agent_audience
 
 
 class AgentUnreachable(RuntimeError):
@@ -32,7 +33,8 @@ class HostAgents(Protocol):
 class HttpHostAgents:
     """One pooled HTTP client for every agent of the fleet."""
 
-    def __init__(self, *, timeout_s: float = 600.0, max_connections: int = 200) -> None:
+    def __init__(self, *, issuer: Issuer | None = None, timeout_s: float = 600.0, max_connections: int = 200) -> None:
+        self._issuer = issuer
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
@@ -45,7 +47,7 @@ class HttpHostAgents:
         """Run `action` on the agent; its answer. The agent deduplicates by `request_id`."""
         url = f"{agent_url.rstrip('/')}/actions/{action}"
         try:
-            response = await self._client.post(url, json=req.model_dump(mode="json"))
+            response = await self._client.post(url, json=req.model_dump(mode="json"), headers=self._auth(node_id))
         except httpx.HTTPError as exc:
             raise AgentUnreachable(f"agent for {node_id} unreachable during {action}: {exc!r}") from exc
         if response.status_code >= 500:
@@ -57,3 +59,9 @@ class HttpHostAgents:
                 f"agent for {node_id} refused {action} (HTTP {response.status_code}): {response.text[:300]}"
             )
         return response.json()
+
+    def _auth(self, node_id: str) -> dict[str, str]:
+        """A token for this node's agent only: one captured on a node opens no other."""
+        if self._issuer is None:
+            return {}
+        return {"Authorization": f"Bearer {self._issuer.mint(agent_audience(node_id))}"}

@@ -36,17 +36,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gpucloud.agent.probe import Probe
-from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.agent.readings import AGENT_MAX_EVENTS, NodeReading, XidEvent
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import Meter, NodeAllocation, Spool, wall_clock_ms
 from gpucloud.ledger.client import UsageLedger
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.web import problems
+from gpucloud.web.service_tokens import InvalidToken, Verifier, agent_audience
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +373,7 @@ class Reporter:
         del self.pending[:-MAX_PENDING_EVENTS]
         if not self.pending:
             return 0
-        batch = self.pending[:5000]
+        batch = self.pending[:AGENT_MAX_EVENTS]
         try:
             resp = await self.client.post(
                 "/v1/agents/events", json={"events": [e.model_dump(mode="json") for e in batch]}
@@ -401,10 +402,14 @@ def create_app(
     agent: Agent,
     reporter: Reporter | None = None,
     *,
+    control_plane: Verifier,
     heartbeat_s: float = 10.0,
     reading_s: float = 30.0,
     metering: AgentMetering | None = None,
 ) -> FastAPI:
+    """The agent's HTTP API. Everything but `/healthz` answers only the control plane: a token
+    it signed for this node (`web/service_tokens.py`), checked against its public key."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(reporter.run(heartbeat_s=heartbeat_s, reading_s=reading_s)) if reporter else None
@@ -419,6 +424,19 @@ def create_app(
 
     app = FastAPI(title=f"gpucloud agent {agent.state.node_id}", lifespan=lifespan)
     problems.install(app)
+    audience = agent_audience(agent.state.node_id)
+
+    @app.middleware("http")
+    async def control_plane_only(request: Request, call_next):
+        if request.url.path == "/healthz":
+            return await call_next(request)
+        try:
+            control_plane.check_header(request.headers.get("authorization"), audience=audience)
+        except InvalidToken as exc:
+            detail = f"only the control plane calls this agent ({exc})"
+            document = problems.body(401, "unauthorized", "Unauthorized", detail)
+            return problems.response(document, 401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -452,6 +470,7 @@ def main(
     node_id: str,
     control_plane_url: str,
     token: str,
+    control_plane_key: Path,
     host: str = "127.0.0.1",
     port: int = 8200,
     scratch_dir: Path = Path("/var/lib/gpucloud/scratch"),
@@ -463,8 +482,23 @@ def main(
     meter_interval_s: float = 60.0,
     gpu_type: str | None = None,
 ) -> None:
-    """Run the agent until stopped: `gpucloud agent` on a GPU node."""
+    """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
+    its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
     import uvicorn
+
+    if not token.startswith(f"gpa_{node_id}."):
+        raise SystemExit(
+            f"the agent needs {node_id}'s own credential (gpa_{node_id}.<secret>): issue one with "
+            f"`POST /v1/nodes/{node_id}/agent-credential` and pass it as --token"
+        )
+    if not control_plane_key.is_file():
+        raise SystemExit(
+            f"no control plane public key at {control_plane_key}: copy the control plane's "
+            "issuer_key.pub there (or pass --control-plane-key)"
+        )
+    from gpucloud.web.service_tokens import load_verifier
+
+    verifier = load_verifier(control_plane_key)
 
     state = HostState(node_id=node_id, boot_id=read_boot_id(), scratch_dir=scratch_dir)
     from gpucloud.bootstrap import detect_probe
@@ -477,5 +511,12 @@ def main(
         metering = AgentMetering(agent, spool_path, ledger_url, interval_s=meter_interval_s)
     else:
         log.warning("no ledger URL: this node's usage is not metered")
-    app = create_app(agent, Reporter(agent, client), heartbeat_s=heartbeat_s, reading_s=reading_s, metering=metering)
+    app = create_app(
+        agent,
+        Reporter(agent, client),
+        control_plane=verifier,
+        heartbeat_s=heartbeat_s,
+        reading_s=reading_s,
+        metering=metering,
+    )
     uvicorn.run(app, host=host, port=port, log_level="info")

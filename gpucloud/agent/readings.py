@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, computed_field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, computed_field
 
 # NVML's clock event (formerly "throttle") reason bits, copied from pynvml's
 # `nvmlClocksEventReason*` / `nvmlClocksThrottleReason*` constants so that this module decodes a
@@ -91,10 +92,20 @@ class NvLinkReading(_Reading):
     crc_data: NonNegativeInt | None = None
 
 
+# Bounds on what an agent may send (a tenant has root on the node and can send anything): per
+# request a node's worth, not a fleet's, and every field bounded.
+AGENT_MAX_EVENTS = 500
+AGENT_MAX_READINGS = 10
+MAX_GPUS_PER_NODE = 72
+NodeId = Annotated[str, Field(min_length=1, max_length=128)]
+Text = Annotated[str, Field(max_length=2000)]
+ShortId = Annotated[str, Field(max_length=128)]
+
+
 class GpuReading(_Reading):
     index: NonNegativeInt
-    uuid: str
-    name: str
+    uuid: ShortId
+    name: ShortId
     temperature_c: int | None = None
     power_w: NonNegativeFloat | None = None
     ecc: EccCounts = EccCounts()
@@ -124,7 +135,7 @@ class FatalKind(StrEnum):
 class ProbeFatal(_Reading):
     kind: FatalKind
     gpu_index: NonNegativeInt | None = None
-    detail: str = ""
+    detail: Text = ""
 
 
 class NodeReading(_Reading):
@@ -135,10 +146,10 @@ class NodeReading(_Reading):
     holds whatever could still be read.
     """
 
-    node_id: str
+    node_id: NodeId
     timestamp: AwareDatetime
     is_gpu_node: bool
-    gpus: tuple[GpuReading, ...] = ()
+    gpus: tuple[GpuReading, ...] = Field(default=(), max_length=MAX_GPUS_PER_NODE)
     fatal_error: ProbeFatal | None = None
 
 
@@ -148,16 +159,17 @@ class XidEvent(_Reading):
     The probe fills in where and when; `tenant_id` / `allocation_id` are stamped by whoever knows
     which workload held the node at that moment (the agent while it runs an allocation, or the
     control plane on ingest), because application XIDs are judged by how many tenants see them.
+    What an agent sends there is not believed: the control plane stamps both from its own record.
     """
 
-    node_id: str
-    gpu_index: int | None
-    gpu_uuid: str | None = None
-    xid: int
+    node_id: NodeId
+    gpu_index: int | None = Field(ge=0, lt=MAX_GPUS_PER_NODE)
+    gpu_uuid: ShortId | None = None
+    xid: int = Field(ge=0, le=1_000_000)
     timestamp: AwareDatetime
-    message: str = ""
-    tenant_id: str | None = None
-    allocation_id: str | None = None
+    message: Text = ""
+    tenant_id: ShortId | None = None
+    allocation_id: ShortId | None = None
 
 
 def utc_now() -> datetime:

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 from gpucloud import bootstrap
+from gpucloud.api import pagination
 from gpucloud.api.admission import THREADS, Admission, AdmissionPolicy
 from gpucloud.api.routers import (
     allocations,
@@ -47,6 +48,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         description="Control plane of a GPU cloud: tenants, nodes, allocations.",
     )
     app.state.settings = settings
+    pagination.use_secret(settings.page_token_secret)
     app.state.db = bootstrap.database(settings)
     app.state.ledger = bootstrap.ledger_client(settings)
     app.state.registry_stores = bootstrap.registry_stores(settings)

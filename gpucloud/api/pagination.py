@@ -3,14 +3,19 @@
 A page is "rows with key > the last key seen, ordered by key, limit N+1". The key only grows
 (an integer sequence, or a node id), so rows created during a listing never shift earlier rows
 between pages. The token also carries a fingerprint of the query's filters: a token replayed
-against other filters is refused instead of silently returning the wrong rows.
+against other filters is refused instead of silently returning the wrong rows. Tokens are
+signed (HMAC-SHA256 under the API's page-token secret, shared by its processes): a token the
+API did not issue, or one whose key is of the wrong type or out of range, is a 400, never a
+query.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
@@ -28,9 +33,35 @@ PageSize = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="rows per pa
 PageToken = Annotated[str | None, Query(description="the previous page's next_page_token")]
 
 
+MAX_KEY = 2**63 - 1  # the largest integer key a database column holds
+_secret = secrets.token_bytes(32)  # replaced by `use_secret` when the API starts
+
+
+def use_secret(secret: str) -> None:
+    """Sign and check tokens with `secret` (every API process of a deployment the same)."""
+    global _secret
+    _secret = hashlib.sha256(b"gpucloud page token\0" + secret.encode()).digest()
+
+
 @dataclass(frozen=True)
 class Cursor:
     after: int | str | None
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode((text + "=" * (-len(text) % 4)).encode())
+
+
+def _mac(payload: bytes) -> bytes:
+    return hmac.new(_secret, payload, hashlib.sha256).digest()[:16]
+
+
+def _invalid(detail: str) -> Problem:
+    return Problem(400, "invalid-page-token", "Invalid page token", detail)
 
 
 def fingerprint(filters: dict) -> str:
@@ -39,32 +70,29 @@ def fingerprint(filters: dict) -> str:
 
 def encode(after: int | str, filters: dict) -> str:
     raw = json.dumps({"a": after, "f": fingerprint(filters)}, separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    return f"{_b64(raw)}.{_b64(_mac(raw))}"
 
 
-def decode(token: str | None, filters: dict) -> Cursor:
+def decode(token: str | None, filters: dict, key_type: type = int) -> Cursor:
+    """The cursor a token carries; 400 for a token not signed here, for other filters, or with a
+    key that is not a `key_type` in range."""
     if not token:
         return Cursor(after=None)
+    foreign = _invalid("page_token is not a token this API issued; start again without it")
     try:
-        padded = token + "=" * (-len(token) % 4)
-        data = json.loads(base64.urlsafe_b64decode(padded.encode()))
-        after, fp = data["a"], data["f"]
-        if not isinstance(after, (int, str)) or isinstance(after, bool):
-            raise ValueError("bad key")
+        body, _, mac = token.partition(".")
+        raw = _unb64(body)
+        if not hmac.compare_digest(_unb64(mac), _mac(raw)):
+            raise foreign
+        data = json.loads(raw)
+        after: int | str = data["a"]
+        fp = data["f"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise Problem(
-            400,
-            "invalid-page-token",
-            "Invalid page token",
-            "page_token is not a token this API issued; start again without it",
-        ) from exc
+        raise foreign from exc
+    if type(after) is not key_type or (isinstance(after, int) and not 0 <= after <= MAX_KEY):
+        raise foreign
     if fp != fingerprint(filters):
-        raise Problem(
-            400,
-            "invalid-page-token",
-            "Invalid page token",
-            "page_token was issued for a different query (filters changed); start again without it",
-        )
+        raise _invalid("page_token was issued for a different query (filters changed); start again without it")
     return Cursor(after=after)
 
 
@@ -88,8 +116,8 @@ def fetch(
     """One page of `table`'s rows in `key` order, and the next token. `equal` maps columns to
     the values they must have (None: any); the token is bound to them."""
     filters = dict(equal)
-    cursor = decode(page_token, filters)
     column = getattr(table, key)
+    cursor = decode(page_token, filters, column.type.python_type)
     query = select(table).order_by(column).limit(page_size + 1)
     for name, value in filters.items():
         if value is not None:

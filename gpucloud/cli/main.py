@@ -204,8 +204,8 @@ def agent(
     host: Annotated[
         str,
         typer.Option(
-            help="address of the action API: loopback by default; it speaks no TLS yet, so bind another "
-            "address only on the control plane's own network"
+            help="the management address of the action API (loopback by default); it answers only the "
+            "control plane's signed calls but speaks no TLS yet, so bind only on the management network"
         ),
     ] = "127.0.0.1",
     scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path(
@@ -229,6 +229,10 @@ def agent(
             envvar="GPUCLOUD_AGENT_TOKEN", help="this node's agent credential (POST /v1/nodes/{id}/agent-credential)"
         ),
     ] = None,
+    control_plane_key: Annotated[
+        Path,
+        typer.Option(help="the control plane's public key (its data dir's issuer_key.pub): only its calls are served"),
+    ] = Path("/etc/gpucloud/control-plane.pub"),
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
     from gpucloud.agent.app import main as agent_main
@@ -237,13 +241,16 @@ def agent(
     settings = get_settings()
     if token is None:
         # Tenants have root on the nodes they rent: the operator token must not live there.
-        logging.getLogger("gpucloud.agent").warning(
-            "no agent credential (--token / GPUCLOUD_AGENT_TOKEN): using the operator token, for development only"
+        raise typer.BadParameter(
+            f"the agent needs its node's credential: issue one with `POST /v1/nodes/{node_id}/agent-credential` "
+            "and pass it as --token (or GPUCLOUD_AGENT_TOKEN)",
+            param_hint="--token",
         )
     agent_main(
         node_id=node_id,
         control_plane_url=settings.api_url,
-        token=token or settings.operator_token,
+        token=token,
+        control_plane_key=control_plane_key,
         host=host,
         port=port,
         scratch_dir=scratch_dir,

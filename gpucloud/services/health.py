@@ -149,8 +149,10 @@ def ingest_xids(
                 **e.model_dump(include={"gpu_index", "gpu_uuid", "xid", "timestamp", "message"}),
                 node_id=node_id,
                 source=source,
-                tenant_id=e.tenant_id or node.tenant_id,
-                allocation_id=e.allocation_id or node.allocation_id,
+                # From the control plane's record: an agent (root for the tenant on the node)
+                # could otherwise blame another tenant for an application XID.
+                tenant_id=node.tenant_id,
+                allocation_id=node.allocation_id,
             )
             for e in node_events
         )

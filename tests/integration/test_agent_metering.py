@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import httpx
-from fastapi.testclient import TestClient
 from ledger_harness import ledger_in_thread
 
 from gpucloud.agent.app import (
@@ -16,10 +15,10 @@ from gpucloud.agent.app import (
     CommandResult,
     CommandRunner,
     HostState,
-    create_app,
     gpu_type_of,
 )
 from gpucloud.sim.probe import SimulatedProbe
+from support.agents import agent_test_client
 from support.stack import wait_until
 
 
@@ -63,7 +62,7 @@ def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
             gpu_type="H100",
         )
         metering = AgentMetering(agent, tmp_path / "spool.db", ledger_url, interval_s=0.05)
-        with TestClient(create_app(agent, metering=metering)) as client:
+        with agent_test_client(agent, metering=metering) as client:
             # No allocation named: the workload runs, nothing is metered.
             assert client.post("/actions/provision", json={"request_id": "r0", "tenant_id": "t1"}).status_code == 200
             assert agent.state.allocation is None
@@ -100,7 +99,7 @@ def test_an_agent_without_a_ledger_says_so_and_names_gpu_types_from_nvml(tmp_pat
     agent = Agent(
         HostState(node_id="gpu-2", boot_id="b", scratch_dir=tmp_path / "s"), SimulatedProbe("gpu-2"), runner=NoTools()
     )
-    with TestClient(create_app(agent)) as client:
+    with agent_test_client(agent) as client:
         answer = client.get("/metering")
         assert answer.status_code == 404 and "ledger URL" in answer.json()["detail"]
     reading = SimulatedProbe("gpu-3", gpu_count=2).read()

@@ -17,9 +17,9 @@ from gpucloud.agent.app import (
     CommandRunner,
     HostState,
     Reporter,
-    create_app,
 )
 from gpucloud.sim.probe import SimulatedProbe
+from support.agents import agent_test_client
 
 BURN_IN_TOOLS = {"dcgmi", "all_reduce_perf", "nvbandwidth"}
 # What the tools print on a healthy 8-GPU node (the lines burn-in reads).
@@ -59,7 +59,7 @@ def _post(client: TestClient, action: str, request_id: str, tenant: str | None =
 def test_actions_keep_tenancy_invariants_and_dedup_by_request_id(tmp_path):
     tools = FakeTools(set(BURN_IN_TOOLS))
     agent = _agent(tmp_path, tools)
-    with TestClient(create_app(agent)) as client:
+    with agent_test_client(agent) as client:
         first = _post(client, "provision", "r1", "t-a")
         assert first.status_code == 200 and first.json()["tenant_id"] == "t-a" and first.json()["gpu_count"] == 8
         assert _post(client, "provision", "r1", "t-a").json() == first.json()  # a retry: the same answer
@@ -82,7 +82,7 @@ def test_actions_keep_tenancy_invariants_and_dedup_by_request_id(tmp_path):
 
 def test_missing_tool_is_a_501_naming_it_and_a_failing_tool_a_422(tmp_path):
     tools = FakeTools({"dcgmi"}, failing={"dcgmi"})
-    with TestClient(create_app(_agent(tmp_path, tools))) as client:
+    with agent_test_client(_agent(tmp_path, tools)) as client:
         missing = _post(client, "burn_in", "b1")
         assert missing.status_code == 501
         assert missing.json()["tools"] == ["all_reduce_perf", "nvbandwidth"]
@@ -110,7 +110,7 @@ def test_burn_in_holds_the_figures_to_the_limits(tmp_path, output, limits, why):
         runner=FakeTools(set(BURN_IN_TOOLS), output=output),
         burn_in_limits=BurnInLimits(**limits),
     )
-    with TestClient(create_app(agent)) as client:
+    with agent_test_client(agent) as client:
         failed = _post(client, "burn_in", "b1")
         assert failed.status_code == 422 and why in failed.json()["detail"], failed.json()
 
@@ -120,7 +120,7 @@ def test_burn_in_fails_a_gpu_throttled_by_heat(tmp_path):
     agent = Agent(
         HostState(node_id="gpu-1", boot_id="b", scratch_dir=tmp_path / "s"), probe, runner=FakeTools(set(BURN_IN_TOOLS))
     )
-    with TestClient(create_app(agent)) as client:
+    with agent_test_client(agent) as client:
         assert _post(client, "burn_in", "ok").status_code == 200
         probe.set_clock_event_reasons(0x040, gpu_index=5)  # HW thermal slowdown
         failed = _post(client, "burn_in", "hot")

@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import col, select
 from temporalio.service import RPCError
 
-from gpucloud.agent.readings import NodeReading, XidEvent, utc_now
+from gpucloud.agent.readings import AGENT_MAX_EVENTS, AGENT_MAX_READINGS, NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["health"])
 
 
-def own_node_only(caller: Caller, node_ids: list[str]) -> None:
-    """An agent reports for its own node; the operator (the simulated fleet, drills) for any."""
+def own_node_only(caller: Caller, node_ids: list[str], *, most: int) -> None:
+    """An agent reports for its own node, at most `most` items a request; the operator (the
+    simulated fleet's batches, drills) for any node, up to the batch's own limit."""
     if caller.role != "agent":
         return
     foreign = sorted({n for n in node_ids if n != caller.node_id})
@@ -59,6 +60,13 @@ def own_node_only(caller: Caller, node_ids: list[str]) -> None:
             "forbidden",
             "Not this agent's node",
             f"the agent credential of {caller.node_id} cannot report for {foreign[0]}",
+        )
+    if len(node_ids) > most:
+        raise Problem(
+            413,
+            "batch-too-large",
+            "Batch too large",
+            f"an agent sends at most {most} items a request ({len(node_ids)} sent); split the batch",
         )
 
 
@@ -144,19 +152,12 @@ async def inject_xid(
     return result
 
 
-@router.post("/agents/events", response_model=XidIngestResult)
-async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
-    """XID events as agents saw them; each node is judged again and acted on at once."""
-    own_node_only(caller, [e.node_id for e in batch.events])
-    return await _ingest_and_act(settings, temporal, batch.events, "agent")
-
-
-@router.post("/agents/readings", response_model=ReadingIngestResult)
-async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
-    """Counter readings as agents took them; each node's trends are judged again and acted on at once."""
-    own_node_only(caller, [r.node_id for r in batch.readings])
+def _not_ahead(field: str, timestamps: list) -> None:
+    """A 422 naming every item dated further ahead of the control plane's clock than the skew
+    allowed: a report from the future would count as newer than anything that really happened
+    since (a later burn-in, a later tenant)."""
     latest_allowed = utc_now() + MAX_READING_CLOCK_SKEW
-    ahead = [f"readings.{i}.timestamp" for i, r in enumerate(batch.readings) if r.timestamp > latest_allowed]
+    ahead = [f"{field}.{i}.timestamp" for i, t in enumerate(timestamps) if t > latest_allowed]
     if ahead:
         raise Problem(
             422,
@@ -165,6 +166,22 @@ async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: Set
             f"{ahead[0]}: more than {MAX_READING_CLOCK_SKEW} ahead of the control plane's clock",
             errors=[{"field": f, "message": "in the future"} for f in ahead],
         )
+
+
+@router.post("/agents/events", response_model=XidIngestResult)
+async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
+    """XID events as agents saw them; each node is judged again and acted on at once. Who held
+    the node is stamped here from the control plane's own record, never taken from the agent."""
+    own_node_only(caller, [e.node_id for e in batch.events], most=AGENT_MAX_EVENTS)
+    _not_ahead("events", [e.timestamp for e in batch.events])
+    return await _ingest_and_act(settings, temporal, batch.events, "agent")
+
+
+@router.post("/agents/readings", response_model=ReadingIngestResult)
+async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
+    """Counter readings as agents took them; each node's trends are judged again and acted on at once."""
+    own_node_only(caller, [r.node_id for r in batch.readings], most=AGENT_MAX_READINGS)
+    _not_ahead("readings", [r.timestamp for r in batch.readings])
     outcomes = await run_in_threadpool(_ingest_readings, settings, batch.readings)
     await _act_on(outcomes, settings, temporal)
     return ReadingIngestResult(accepted=len(batch.readings), decisions=_decisions(outcomes))

@@ -187,7 +187,7 @@ def issue_agent_credential(node_id: str, operator: OperatorDep, settings: Settin
 @router.post("/agents/heartbeats", response_model=HeartbeatResult)
 async def heartbeats(batch: HeartbeatBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
     """Agents report what they see; a disagreement with the record is reconciled at once."""
-    own_node_only(caller, [b.node_id for b in batch.heartbeats])
+    own_node_only(caller, [b.node_id for b in batch.heartbeats], most=1)
     drifted = await run_in_threadpool(_record, settings, batch)
     if drifted:
         await reconcile_now(temporal, settings, drifted)

@@ -1,0 +1,141 @@
+"""Tokens the control plane signs for the servers it calls, verified offline by each server.
+
+One mechanism for every hop from the control plane to a component that tenants can reach: a
+JWT (RFC 7519, PyJWT) signed with the control plane's Ed25519 issuer key, naming the caller
+(`sub`), its `role`, the one server it is for (`aud`, e.g. `agent:<node id>`) and a short
+expiry. A server holds only the public half, so a tenant with root on a node can read
+everything the node's agent holds and still mint nothing; and because each token names one
+node, a token captured on a node a tenant rents opens no other node.
+
+The issuer key is kept 0600 in the control plane's data dir (`issuer_key.pem`), its public half
+beside it (`issuer_key.pub`), which is what agents are given (`gpucloud agent --control-plane-key`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+ISSUER = "gpucloud-control-plane"
+ALGORITHM = "EdDSA"
+DEFAULT_TTL_S = 300.0
+LEEWAY_S = 30  # clock skew allowed between the control plane and a server
+
+
+class InvalidToken(Exception):
+    """Not a token the control plane signed for this server, or no longer valid."""
+
+
+@dataclass(frozen=True)
+class Claims:
+    subject: str
+    role: str
+    audience: str
+    expires_at: float
+
+
+def agent_audience(node_id: str) -> str:
+    return f"agent:{node_id}"
+
+
+class Issuer:
+    """Mints tokens; only the control plane holds one. Tokens are cached per audience and
+    re-minted a minute before they expire."""
+
+    def __init__(self, private_key: Ed25519PrivateKey, *, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self._key = private_key
+        self.ttl_s = ttl_s
+        self._cache: dict[tuple[str, str], tuple[str, float]] = {}
+
+    @property
+    def public_key(self) -> Ed25519PublicKey:
+        return self._key.public_key()
+
+    def mint(self, audience: str, *, subject: str = "control-plane", role: str = "control-plane") -> str:
+        now = time.time()
+        cached = self._cache.get((audience, role))
+        if cached is not None and cached[1] - now > 60:
+            return cached[0]
+        expires = now + self.ttl_s
+        claims = {"iss": ISSUER, "sub": subject, "role": role, "aud": audience, "iat": int(now), "exp": int(expires)}
+        token = jwt.encode(claims, self._key, algorithm=ALGORITHM)
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[(audience, role)] = (token, expires)
+        return token
+
+
+class Verifier:
+    """Checks tokens against the control plane's public key, offline."""
+
+    def __init__(self, public_key: Ed25519PublicKey) -> None:
+        self._key = public_key
+
+    def verify(self, token: str, *, audience: str, roles: tuple[str, ...] = ("control-plane",)) -> Claims:
+        try:
+            claims = jwt.decode(
+                token,
+                self._key,
+                algorithms=[ALGORITHM],
+                audience=audience,
+                issuer=ISSUER,
+                leeway=LEEWAY_S,
+                options={"require": ["exp", "aud", "iss", "sub"]},
+            )
+        except jwt.PyJWTError as exc:
+            raise InvalidToken(str(exc)) from exc
+        if claims.get("role") not in roles:
+            raise InvalidToken(f"role {claims.get('role')!r} may not call {audience}")
+        return Claims(subject=claims["sub"], role=claims["role"], audience=audience, expires_at=float(claims["exp"]))
+
+    def check_header(self, authorization: str | None, *, audience: str) -> Claims:
+        """The claims of an `Authorization: Bearer <token>` header."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise InvalidToken("no bearer token")
+        return self.verify(token.strip(), audience=audience)
+
+
+def load_or_create_issuer(path: Path) -> Issuer:
+    """The issuer key kept at `path` (created 0600 the first time, its public half beside it)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pem = Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        try:
+            os.link(tmp, path)  # two processes starting at once agree on one key
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} is not an Ed25519 private key")
+    public = public_key_path(path)
+    if not public.exists():
+        public.write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
+    return Issuer(key)
+
+
+def public_key_path(issuer_key_path: Path) -> Path:
+    return issuer_key_path.with_suffix(".pub")
+
+
+def load_verifier(public_key_file: Path) -> Verifier:
+    key = serialization.load_pem_public_key(public_key_file.read_bytes())
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError(f"{public_key_file} is not an Ed25519 public key")
+    return Verifier(key)

@@ -1,0 +1,59 @@
+"""Issue 13, rows 5 and 13: what a node's agent reports is bounded and checked. A tenant has
+root on the node and holds its agent credential, so an XID dated in the future (it would count
+as newer than a later burn-in and pull the next tenant's node), a claim about which tenant held
+the node (it feeds the application-XID rule), or a fleet's worth of reports in one request are
+refused or overridden."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlmodel import select
+
+from gpucloud.db import session_scope
+from gpucloud.models.health_tables import XidEventRecord
+
+pytestmark = pytest.mark.one_database
+
+
+def _event(node_id: str, **extra) -> dict:
+    return {
+        "node_id": node_id,
+        "gpu_index": 0,
+        "xid": 13,
+        "timestamp": datetime.now(UTC).isoformat(),
+        "message": "Graphics SM Warp Exception",
+        **extra,
+    }
+
+
+def test_agent_reports_are_dated_stamped_and_bounded_by_the_control_plane(db_url, make_harness):
+    h = make_harness(db_url, nodes=1)
+    (node_id,) = h.enroll_fleet()
+    with h.operator as op:
+        token = op.post(f"/v1/nodes/{node_id}/agent-credential").json()["token"]
+    with h.client(token) as agent:
+        future = _event(node_id, timestamp=(datetime.now(UTC) + timedelta(hours=1)).isoformat())
+        resp = agent.post("/v1/agents/events", json={"events": [future]})
+        assert resp.status_code == 422, resp.text
+        assert "events.0.timestamp" in resp.json()["detail"]
+
+        # The tenant the agent names is not believed: the record says who held the node (nobody).
+        blamed = _event(node_id, tenant_id="ten_someone_else", allocation_id="alloc_someone_else")
+        assert agent.post("/v1/agents/events", json={"events": [blamed]}).status_code == 200
+        with session_scope(h.settings.database_url) as session:
+            (stored,) = session.exec(select(XidEventRecord)).all()
+            assert stored.tenant_id is None and stored.allocation_id is None
+
+        # A node's worth per request, every field bounded.
+        too_many = agent.post("/v1/agents/events", json={"events": [_event(node_id)] * 501})
+        assert too_many.status_code == 413 and "at most 500" in too_many.json()["detail"]
+        reading = {"node_id": node_id, "timestamp": datetime.now(UTC).isoformat(), "is_gpu_node": False}
+        assert agent.post("/v1/agents/readings", json={"readings": [reading] * 11}).status_code == 413
+        assert agent.post("/v1/agents/readings", json={"readings": [reading] * 2}).status_code == 200
+        beats = {"heartbeats": [{"node_id": node_id}] * 2}
+        assert agent.post("/v1/agents/heartbeats", json=beats).status_code == 413
+        long_message = agent.post("/v1/agents/events", json={"events": [_event(node_id, message="x" * 3000)]})
+        assert long_message.status_code == 422
+        assert agent.post("/v1/agents/events", json={"events": [_event(node_id, xid=-1)]}).status_code == 422
