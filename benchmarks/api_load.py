@@ -245,7 +245,10 @@ def run_on(database: str, args) -> dict:
                 if time.monotonic() > deadline:
                     raise SystemExit("the fleet did not come up")
                 time.sleep(1)
-            # Each reporting agent its own credential, as `gpucloud agent --token` runs.
+            # Each reporting agent its own credential, as `gpucloud agent --token` runs. Their
+            # nodes are cordoned: a wipe (after a tenant's create and cancel) replaces a credential.
+            for node_id in nodes[:64]:
+                op.post(f"/v1/nodes/{node_id}/cordon").raise_for_status()
             credentials = {
                 node_id: op.post(f"/v1/nodes/{node_id}/agent-credential").json()["token"] for node_id in nodes[:64]
             }

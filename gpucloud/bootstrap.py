@@ -30,6 +30,7 @@ from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.registry.stores import RegistryStores
+from gpucloud.services.agent_credentials import WipeRotation
 from gpucloud.storage.envelope import MasterKeys, TenantKeys
 from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectStore
@@ -145,6 +146,11 @@ def host_agents(settings: Settings) -> HostAgents:
     """Agents on nodes and the simulated fleet serve the same action API: one HTTP client for
     both, presenting a token signed for the one node it calls."""
     return HttpHostAgents(issuer=token_issuer(settings))
+
+
+def wipe_rotation(cp: ControlPlane) -> WipeRotation:
+    """What replaces a node's agent credential at every wipe."""
+    return WipeRotation(cp.db, cp.settings.agent_credential_secret)
 
 
 @dataclass

@@ -52,6 +52,9 @@ class ApiSettings(BaseModel):
     # Signs page tokens; every API process of a deployment needs the same one. Without one, a
     # secret kept in the data dir (created 0600).
     page_token_secret: SecretStr | None = None
+    # The largest request body (413 past it), read only once the caller is authenticated;
+    # registry chunk uploads have their own limit (`registry.max_chunk_size`).
+    max_body_bytes: int = 8 * 1024 * 1024
     # API processes sharing the port (uvicorn workers); more than one needs Postgres.
     workers: int = 1
     # Admission (`api/admission.py`): requests in flight per lane, a tenant's share of its lane,
@@ -80,6 +83,9 @@ class AgentSettings(BaseModel):
     # The control plane's Ed25519 key that signs its calls to agents (`web/service_tokens.py`);
     # default `<data dir>/issuer_key.pem`, its public half (what agents get) beside it as `.pub`.
     issuer_key: Path | None = None
+    # Derives the credential each wipe hands a node's agent; every worker needs the same one.
+    # Without one, a secret kept in the data dir (created 0600).
+    credential_secret: SecretStr | None = None
 
 
 class ReconcilerSettings(BaseModel):
@@ -253,6 +259,13 @@ class Settings(BaseSettings):
     @property
     def issuer_key_path(self) -> Path:
         return (self.agent.issuer_key or self.data_dir / "issuer_key.pem").resolve()
+
+    @cached_property
+    def agent_credential_secret(self) -> str:
+        """Derives the agent credential each wipe hands a node (every worker the same)."""
+        if self.agent.credential_secret is not None:
+            return self.agent.credential_secret.get_secret_value()
+        return load_or_create_secret(self.data_dir / "agent_credential_secret", lambda: secrets.token_urlsafe(32))
 
     @cached_property
     def page_token_secret(self) -> str:

@@ -17,6 +17,7 @@ from temporalio.exceptions import ApplicationError
 from gpucloud.adapters.host_agent import AgentRefused, AgentUnreachable, HostAgents
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.models.messages import AgentActionInput, AgentActionResult, AgentBatchInput, AgentBatchResult
+from gpucloud.services.agent_credentials import WipeRotation
 
 HEARTBEAT_EVERY_S = 5.0
 # A batch calls this many agents at once.
@@ -24,7 +25,16 @@ BATCH_CONCURRENCY = 32
 
 
 class HostAgentActivities:
-    def __init__(self, agents: HostAgents, *, batch_attempts: int = 4, batch_retry_base_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        agents: HostAgents,
+        *,
+        rotation: WipeRotation | None = None,
+        batch_attempts: int = 4,
+        batch_retry_base_s: float = 0.5,
+    ) -> None:
+        # A wipe replaces the node's agent credential (see `WipeRotation`).
+        self.rotation = rotation
         # A batch retries an agent that is unreachable or answers 5xx this many times (delays
         # doubling from the base) before it leaves that node to the reconciler.
         self.agents = agents
@@ -33,6 +43,8 @@ class HostAgentActivities:
 
     async def _call(self, action: str, req: AgentActionInput) -> AgentActionResult:
         body = ActionRequest(request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id)
+        if action == "wipe" and self.rotation is not None:
+            body.credential = self.rotation.next_token(req.node_id, req.request_id)
         call = asyncio.ensure_future(self.agents.act(req.agent_url, action, body, node_id=req.node_id))
         try:
             while True:
@@ -46,6 +58,9 @@ class HostAgentActivities:
         finally:
             if not call.done():
                 call.cancel()
+        if action == "wipe" and self.rotation is not None:
+            # The agent took up the next credential with the wipe: the old one goes now.
+            await asyncio.to_thread(self.rotation.commit, req.node_id, req.request_id)
         return AgentActionResult(node_id=req.node_id, action=action, details=details)
 
     @activity.defn

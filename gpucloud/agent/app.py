@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -148,6 +149,15 @@ class HostState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Held by the meter while it reads the allocation and cuts its usage (`spool.Meter.tick`).
     meter_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The node's agent credential the reports carry; a wipe replaces it.
+    credential: str | None = None
+    credential_file: Path | None = None
+
+    def take_credential(self, credential: str) -> None:
+        """Report with `credential` from now on, and keep it (0600) for the next start."""
+        self.credential = credential
+        if self.credential_file is not None:
+            write_credential(self.credential_file, credential)
 
     def describe(self) -> dict:
         return {
@@ -198,6 +208,15 @@ class AgentMetering:
     def report(self) -> dict:
         lag = self.spool.lag()
         return dataclasses.asdict(lag)
+
+
+def write_credential(path: Path, credential: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(credential + "\n")
+    os.replace(tmp, path)
 
 
 def read_boot_id() -> str:
@@ -262,6 +281,8 @@ class Agent:
             s.workload_running = False
         elif action == "wipe":
             self._wipe_scratch()
+            if req.credential:  # the tenant who had root here held the old one
+                s.take_credential(req.credential)
         elif action == "reboot":
             s.workload_running = False
         if not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
@@ -336,6 +357,18 @@ class Agent:
         self.state.tenant_id = None
 
 
+class _CurrentCredential(httpx.Auth):
+    """The node's credential as it is now (a wipe replaces it while the agent runs)."""
+
+    def __init__(self, state: HostState) -> None:
+        self.state = state
+
+    def auth_flow(self, request: httpx.Request):
+        if self.state.credential:
+            request.headers["Authorization"] = f"Bearer {self.state.credential}"
+        yield request
+
+
 class Reporter:
     """Pushes heartbeats, readings and XID events to the control plane; events wait while it is
     down. Readings do not: their counters are cumulative, so the next one delivered carries
@@ -343,6 +376,7 @@ class Reporter:
 
     def __init__(self, agent: Agent, client: httpx.AsyncClient) -> None:
         self.agent, self.client = agent, client
+        client.auth = _CurrentCredential(agent.state)
         self.pending: list[XidEvent] = []
         self.latest: NodeReading | None = None
 
@@ -471,6 +505,7 @@ def main(
     control_plane_url: str,
     token: str,
     control_plane_key: Path,
+    token_file: Path | None = None,
     host: str = "127.0.0.1",
     port: int = 8200,
     scratch_dir: Path = Path("/var/lib/gpucloud/scratch"),
@@ -500,11 +535,13 @@ def main(
 
     verifier = load_verifier(control_plane_key)
 
-    state = HostState(node_id=node_id, boot_id=read_boot_id(), scratch_dir=scratch_dir)
+    state = HostState(
+        node_id=node_id, boot_id=read_boot_id(), scratch_dir=scratch_dir, credential=token, credential_file=token_file
+    )
     from gpucloud.bootstrap import detect_probe
 
     agent = Agent(state, detect_probe(node_id, allow_simulated=allow_simulated), gpu_type=gpu_type)
-    client = httpx.AsyncClient(base_url=control_plane_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    client = httpx.AsyncClient(base_url=control_plane_url, timeout=30)
     metering = None
     if ledger_url:
         spool_path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,3 +14,6 @@ class ActionRequest(BaseModel):
     tenant_id: str | None = None
     # The allocation a provision is for: what the node's usage is metered against.
     allocation_id: str | None = Field(None, min_length=1, max_length=200)
+    # A wipe's next agent credential (`gpa_<node id>.<secret>`): the agent reports with it once
+    # the wipe succeeded; the control plane then revokes the old one.
+    credential: str | None = Field(None, min_length=1, max_length=300)

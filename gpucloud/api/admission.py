@@ -90,7 +90,7 @@ class Admission:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        caller = _caller_key(_bearer(scope))
+        caller = _caller_key(bearer_token(scope))
         if scope["path"].startswith("/v1/agents/"):
             lane = self.lanes["agents"]
         elif caller == self._operator:
@@ -124,15 +124,10 @@ class Admission:
                 f"all {lane.slots} request slots of the {lane.name} lane are busy; retry after the Retry-After delay"
             )
         document = problems.body(status, type_, title, detail, instance=scope["path"], retryable=True)
-        answer = problems.response(document, status, headers={"Retry-After": str(self.policy.retry_after_s)})
-        await answer(scope, _no_body, send)
+        await problems.send(scope, send, document, status, headers={"Retry-After": str(self.policy.retry_after_s)})
 
 
-async def _no_body() -> dict:
-    return {"type": "http.request", "body": b"", "more_body": False}
-
-
-def _bearer(scope: Scope) -> str:
+def bearer_token(scope: Scope) -> str:
     """The bearer token of the request ('' without one); checked later, by the routes' auth."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":

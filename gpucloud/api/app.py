@@ -12,6 +12,7 @@ from temporalio.client import Client
 from gpucloud import bootstrap
 from gpucloud.api import pagination
 from gpucloud.api.admission import THREADS, Admission, AdmissionPolicy
+from gpucloud.api.gate import Gate
 from gpucloud.api.routers import (
     allocations,
     api_keys,
@@ -59,6 +60,14 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         agent_slots=settings.api.agent_slots,
         caller_share=settings.api.caller_share,
         wait_s=settings.api.admission_wait_s,
+    )
+    # Added first, so it runs inside admission: credentials are checked holding a lane's slot.
+    app.add_middleware(
+        Gate,
+        database_url=settings.database_url,
+        operator_token=settings.operator_token,
+        max_body_bytes=settings.api.max_body_bytes,
+        max_chunk_bytes=settings.registry.max_chunk_size,
     )
     app.add_middleware(Admission, operator_token=settings.operator_token, policy=policy)
     for module in (tenants, api_keys, allocations, operations, nodes, health, registry, billing, rollouts):

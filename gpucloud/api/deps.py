@@ -37,6 +37,9 @@ TemporalDep = Annotated[Client, Depends(get_temporal)]
 
 
 def get_any_caller(request: Request, session: SessionDep, settings: SettingsDep) -> auth.Caller:
+    checked = getattr(request.state, "caller", None)  # the gate found it before the body was read
+    if checked is not None:
+        return checked
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:

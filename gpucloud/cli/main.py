@@ -233,12 +233,18 @@ def agent(
         Path,
         typer.Option(help="the control plane's public key (its data dir's issuer_key.pub): only its calls are served"),
     ] = Path("/etc/gpucloud/control-plane.pub"),
+    token_file: Annotated[
+        Path,
+        typer.Option(help="where the agent keeps its credential (0600); a wipe replaces it, and a restart reads it"),
+    ] = Path("/var/lib/gpucloud/agent-credential"),
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
     from gpucloud.agent.app import main as agent_main
 
     _logging()
     settings = get_settings()
+    if token_file.is_file():  # the credential the last wipe handed over wins over the first one
+        token = token_file.read_text().strip()
     if token is None:
         # Tenants have root on the nodes they rent: the operator token must not live there.
         raise typer.BadParameter(
@@ -251,6 +257,7 @@ def agent(
         control_plane_url=settings.api_url,
         token=token,
         control_plane_key=control_plane_key,
+        token_file=token_file,
         host=host,
         port=port,
         scratch_dir=scratch_dir,

@@ -4,14 +4,25 @@ The agent on a node presents `gpa_<node id>.<secret>`; the API lets it report he
 events and readings for that node only (`api.deps.ReporterDep`). Tenants have root on the nodes
 they rent, so what the agent holds must not be worth more than the node itself: never the
 operator token. Issuing a credential again replaces the old one (rotation, or a re-imaged node).
+
+Every wipe replaces it too (`WipeRotation`): the tenant who had root on the node held the old
+one, so it must die before the node goes to anyone else. The wipe request carries the node's
+next credential to the agent, which takes it up once the wipe succeeded; then the control plane
+stores its hash and the old one answers 401 everywhere. The next credential is derived from the
+wipe's request id under a control-plane secret, so a retried wipe carries the same one and never
+appears in a workflow's history.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import secrets
 
 from sqlmodel import Session
 
+from gpucloud.db import Database
 from gpucloud.models.tables import AgentCredential, Node, utcnow
 from gpucloud.services.api_keys import hash_secret
 
@@ -29,3 +40,26 @@ def issue(session: Session, node_id: str) -> str:
     credential.secret_hash, credential.created_at = hash_secret(secret), utcnow()
     session.add(credential)
     return f"gpa_{node_id}.{secret}"
+
+
+class WipeRotation:
+    """The credential a wipe hands the node's agent, and its commit once the wipe succeeded."""
+
+    def __init__(self, db: Database, secret: str) -> None:
+        self._db = db
+        self._key = hashlib.sha256(b"gpucloud agent credential\0" + secret.encode()).digest()
+
+    def next_token(self, node_id: str, request_id: str) -> str:
+        mac = hmac.new(self._key, f"{node_id}\0{request_id}".encode(), hashlib.sha256).digest()
+        return f"gpa_{node_id}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
+
+    def commit(self, node_id: str, request_id: str) -> None:
+        """Store the next credential's hash: the old one stops working (idempotent)."""
+        secret = self.next_token(node_id, request_id).rsplit(".", 1)[1]
+        with self._db.session() as session:
+            if session.get(Node, node_id) is None:
+                return
+            credential = session.get(AgentCredential, node_id) or AgentCredential(node_id=node_id, secret_hash="")
+            if credential.secret_hash != hash_secret(secret):
+                credential.secret_hash, credential.created_at = hash_secret(secret), utcnow()
+                session.add(credential)

@@ -102,6 +102,7 @@ class SimNode:
     unreachable: bool = False  # no heartbeats, every action answers 503
     hardware_fault: str | None = None  # what burn-in finds wrong, until a repair fixes it
     fault_fixed_by: str | None = None  # the mildest repair rung that fixes it; None: nothing does
+    credential: str | None = None  # the agent credential the last wipe handed over
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -238,6 +239,7 @@ class Fleet:
             if node.workload_running:
                 return _refuse(409, "Workload running", "a workload is still running; release the node first")
             node.tenant_id = None
+            node.credential = req.credential or node.credential
         elif action == "burn_in":
             if node.tenant_id is not None or node.workload_running:
                 return _refuse(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
@@ -413,6 +415,11 @@ def create_app(
             raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
         status, body = await fleet.act(fleet.node(node_id), action, req)
         return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
+
+    @app.get("/v1/nodes/{node_id}/credential")
+    async def credential(node_id: str) -> dict:
+        """The agent credential the node's last wipe handed over (what a real agent keeps on disk)."""
+        return {"node_id": node_id, "credential": fleet.node(node_id).credential}
 
     @app.post("/v1/faults")
     async def inject(req: FaultRequest) -> dict:

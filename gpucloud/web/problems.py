@@ -41,6 +41,17 @@ def response(document: Mapping[str, Any], status: int, *, headers: Mapping[str, 
     return JSONResponse(dict(document), status_code=status, media_type=MEDIA_TYPE, headers=headers)
 
 
+async def send(
+    scope: Any, send_: Any, document: Mapping[str, Any], status: int, *, headers: Mapping[str, str] | None = None
+) -> None:
+    """Answer with a problem document straight from ASGI middleware (before any route runs)."""
+
+    async def no_body() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    await response(document, status, headers=headers)(scope, no_body, send_)
+
+
 def problem_response(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
     """An answer for code that returns rather than raises; the type is the title's slug."""
     return response(body(status, slug(title), title, detail, **extra), status)

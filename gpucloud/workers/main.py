@@ -61,7 +61,10 @@ def build_worker(
         backoff_cap_s=settings.reconciler.backoff_cap_s,
     )
     agent = HostAgentActivities(
-        cp.agents, batch_attempts=settings.agent.batch_attempts, batch_retry_base_s=settings.agent.batch_retry_base_s
+        cp.agents,
+        rotation=bootstrap.wipe_rotation(cp),
+        batch_attempts=settings.agent.batch_attempts,
+        batch_retry_base_s=settings.agent.batch_retry_base_s,
     )
     rollout = RolloutActivities(tracker_url=settings.tracker.url, db=cp.db, manifests=cp.registry.manifests)
     tenant = TenantActivities(cp.db, fabric=cp.fabric, ledger=cp.ledger, client=client, fault_hook=fault_hook)

@@ -18,6 +18,7 @@ async def test_an_agent_credential_reports_for_its_own_node_only(db_url, make_ha
     h = make_harness(db_url, nodes=2)
     await in_process_worker(h.settings)
     h.enroll_fleet()
+    await h.wait_states({"available": 2})  # bring-up wipes, and a wipe replaces the credential
     own, other = [n["id"] for n in h.nodes()][:2]
     issued = h.operator.post(f"/v1/nodes/{own}/agent-credential")
     assert issued.status_code == 201 and issued.json()["token"].startswith(f"gpa_{own}.")

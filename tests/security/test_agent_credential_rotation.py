@@ -1,0 +1,77 @@
+"""Issue 13, row 3: a node's agent credential does not outlive the tenant. Every wipe hands the
+agent its next credential and revokes the old one, which the tenant (root on the node) held:
+after the node went to another tenant, the old one used to post a fatal XID and pull the node
+out of the new tenant's allocation."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gpucloud.agent.app import Agent, HostState, Reporter
+from gpucloud.agent.schemas import ActionRequest
+from gpucloud.sim.probe import SimulatedProbe
+
+pytestmark = pytest.mark.one_database
+
+ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
+
+
+async def test_a_wipe_replaces_the_node_credential_and_the_old_one_gets_401(db_url, make_harness, in_process_worker):
+    h = make_harness(db_url, nodes=1)
+    await in_process_worker(h.settings)
+    (node_id,) = h.enroll_fleet()
+    await h.wait_states({"available": 1}, timeout_s=90)
+    with h.operator as op:
+        old = op.post(f"/v1/nodes/{node_id}/agent-credential").json()["token"]
+    beat = {"heartbeats": [{"node_id": node_id}]}
+    with h.client(old) as agent:
+        assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 200
+
+    _, key = await h.onboard()
+    with h.client(key) as tenant:
+        alloc_id = tenant.post("/v1/allocations", json=ALLOC).json()["allocation"]["id"]
+        await h.wait_allocation(key, alloc_id, "ready")
+        assert tenant.post(f"/v1/allocations/{alloc_id}/cancel").status_code == 202
+    await h.wait_allocation(key, alloc_id, "released")
+    await h.wait_states({"available": 1}, timeout_s=90)  # wiped and burnt in
+
+    new = httpx.get(f"{h.sim.url}/v1/nodes/{node_id}/credential", timeout=10).json()["credential"]
+    assert new and new.startswith(f"gpa_{node_id}.") and new != old
+    with h.client(old) as agent:
+        assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 401
+        event = {"node_id": node_id, "gpu_index": 0, "xid": 79, "timestamp": "2026-01-01T00:00:00Z"}
+        assert agent.post("/v1/agents/events", json={"events": [event]}).status_code == 401
+    with h.client(new) as agent:
+        assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 200
+
+
+async def test_the_real_agent_reports_with_the_credential_its_wipe_handed_over_and_keeps_it(tmp_path):
+    state = HostState(
+        node_id="gpu-1",
+        boot_id="b",
+        scratch_dir=tmp_path / "scratch",
+        credential="gpa_gpu-1.first",
+        credential_file=tmp_path / "agent-credential",
+    )
+    agent = Agent(state, SimulatedProbe("gpu-1", gpu_count=8))
+    seen: list[str] = []
+
+    def control_plane(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["authorization"])
+        return httpx.Response(200, json={})
+
+    client = httpx.AsyncClient(base_url="http://cp", transport=httpx.MockTransport(control_plane))
+    reporter = Reporter(agent, client)
+    await reporter.heartbeat_once()
+    wiped = await agent.act("wipe", ActionRequest(request_id="w1", credential="gpa_gpu-1.second"))
+    assert wiped[0] == 200
+    await reporter.heartbeat_once()
+    assert seen == ["Bearer gpa_gpu-1.first", "Bearer gpa_gpu-1.second"]
+    assert (tmp_path / "agent-credential").read_text().strip() == "gpa_gpu-1.second"
+    assert (tmp_path / "agent-credential").stat().st_mode & 0o077 == 0
+    # A wipe that fails keeps the old credential.
+    state.workload_running = True
+    refused = await agent.act("wipe", ActionRequest(request_id="w2", credential="gpa_gpu-1.third"))
+    assert refused[0] == 409 and state.credential == "gpa_gpu-1.second"
+    await client.aclose()
