@@ -19,6 +19,11 @@ Usage is written down where it happens before anything else can fail:
 
 The spool belongs to one node: it records the node id at creation and refuses to open
 under another, since two nodes sharing one sequence would make (node_id, seq) ambiguous.
+
+A spool's sequence starts at its epoch: the second it was created, shifted left by
+``EPOCH_SHIFT`` bits (``seq = created_s << 31 | n``). A node that is re-imaged starts a new spool
+whose every seq lies above any its old spool could have assigned, so its samples never collide
+with the ones the ledger already holds for that node (which would reject them for good).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ log = logging.getLogger(__name__)
 DEFAULT_INTERVAL_MS = 60_000
 DEFAULT_BATCH_SIZE = 8_000
 _SCHEMA_VERSION = 1
+# A spool's seqs start at (the second it was created) << EPOCH_SHIFT: see the module doc.
+EPOCH_SHIFT = 31
 _SCHEMA = """
 CREATE TABLE spool_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE samples (
@@ -143,8 +150,14 @@ class Spool:
                     if statement.strip():
                         db.execute(statement)
                 db.execute("INSERT INTO spool_meta VALUES ('node_id', ?)", (self.node_id,))
+                epoch = self._clock_ms() // 1000
+                db.execute("INSERT INTO spool_meta VALUES ('epoch_s', ?)", (str(epoch),))
+                # AUTOINCREMENT continues from here: the first sample is epoch_base + 1.
+                db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('samples', ?)", (epoch << EPOCH_SHIFT,))
                 db.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
             owner = db.execute("SELECT value FROM spool_meta WHERE key = 'node_id'").fetchone()[0]
+            epoch_row = db.execute("SELECT value FROM spool_meta WHERE key = 'epoch_s'").fetchone()
+        self.epoch_base = int(epoch_row[0]) << EPOCH_SHIFT if epoch_row else 0
         if owner != self.node_id:
             self._db.close()
             raise ValueError(f"spool {self.path} belongs to node {owner}, not {self.node_id}")
@@ -203,10 +216,14 @@ class Spool:
         return samples
 
     def last_seq(self) -> int:
-        """The highest sequence number ever assigned on this node (0 before the first sample)."""
+        """The highest sequence number this spool assigned (its epoch base before the first sample)."""
         with self._transaction(write=False) as db:
             row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'samples'").fetchone()
-        return 0 if row is None else row[0]
+        return self.epoch_base if row is None else row[0]
+
+    def appended(self) -> int:
+        """How many samples this spool ever assigned a seq to."""
+        return self.last_seq() - self.epoch_base
 
     def meter_cursor(self, allocation_id: str) -> int | None:
         """Where the allocation's last durable sample ends (None: nothing metered yet)."""

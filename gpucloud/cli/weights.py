@@ -284,8 +284,9 @@ def evaluate_command(
     """Record evaluation results for a version, signed with the tenant's key."""
     results = _metric_values(metric)
     with _reported_errors(), _client(api_url, api_key) as client:
-        signer = signer_for(get_settings().data_dir, client.signing_keys()[0])
-        client.register_key(signer)
+        tenant_id = client.signing_keys()[0]
+        signer = signer_for(get_settings().data_dir, tenant_id)
+        client.register_key(signer, tenant_id)
         recorded = client.record_evaluation(model, version, evaluator=evaluator, results=results, signer=signer)
     out.print(f"recorded {len(results)} results for {model}@{recorded['version'][:12]}")
 

@@ -53,8 +53,11 @@ class RegistryClient(ApiClient):
         body = self.get("/v1/signing-keys")
         return body["tenant_id"], body["items"]
 
-    def register_key(self, signer: Signer) -> dict:
-        return self.call("POST", "/v1/signing-keys", json={"public_key": bytes(signer.verify_key).hex()})
+    def register_key(self, signer: Signer, tenant_id: str | None = None) -> dict:
+        """Register the key, proving the caller holds its private half (for its own tenant)."""
+        tenant_id = tenant_id or self.signing_keys()[0]
+        body = {"public_key": bytes(signer.verify_key).hex(), "proof": signer.prove_possession(tenant_id)}
+        return self.call("POST", "/v1/signing-keys", json=body)
 
     def ensure_model(self, model: str) -> dict:
         try:

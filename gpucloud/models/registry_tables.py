@@ -238,6 +238,14 @@ class SigningKeyCreate(SQLModel):
     )
 
 
+class SigningKeyRegistration(SigningKeyCreate):
+    proof: str = Field(
+        schema_extra={"pattern": r"^[0-9a-f]{128}$"},
+        description="the key's own Ed25519 signature (hex) of `gpucloud.registry.key-possession.v1\\n"
+        "<tenant id>\\n<public key hex>`: proof that the caller holds the private half",
+    )
+
+
 class SigningKeyPublic(SigningKeyCreate):
     key_id: str
     created_at: datetime

@@ -52,6 +52,24 @@ HEX_DIGEST = r"^[0-9a-f]{64}$"
 _HEX_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_DOMAIN = b"gpucloud.registry.manifest.v1\n"
 _EVALUATION_DOMAIN = b"gpucloud.registry.evaluation.v1\n"
+_POSSESSION_DOMAIN = b"gpucloud.registry.key-possession.v1\n"
+
+
+def possession_message(tenant_id: str, public_key_hex: str) -> bytes:
+    """What a key's holder signs to register it for a tenant (bound to that tenant, so a proof
+    cannot be replayed to register the key anywhere else)."""
+    return _POSSESSION_DOMAIN + f"{tenant_id}\n{public_key_hex}".encode()
+
+
+def check_possession(tenant_id: str, public_key_hex: str, proof_hex: str) -> bool:
+    """Whether `proof_hex` is the key's own signature of `possession_message`."""
+    try:
+        VerifyKey(bytes.fromhex(public_key_hex)).verify(
+            possession_message(tenant_id, public_key_hex), bytes.fromhex(proof_hex)
+        )
+    except (ValueError, _NaclBadSignature):
+        return False
+    return True
 
 
 class IntegrityError(Exception):
@@ -347,6 +365,11 @@ class Signer:
 
     def _sign(self, domain: bytes, body: bytes) -> str:
         return self._signing_key.sign(domain + body).signature.hex()
+
+    def prove_possession(self, tenant_id: str) -> str:
+        """The proof that registers this key for `tenant_id` (`POST /v1/signing-keys`)."""
+        public = bytes(self.verify_key).hex()
+        return self._signing_key.sign(possession_message(tenant_id, public)).signature.hex()
 
     def sign(self, manifest: Manifest) -> SignedManifest:
         signature = self._sign(_MANIFEST_DOMAIN, manifest.canonical_bytes())

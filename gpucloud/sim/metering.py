@@ -192,6 +192,7 @@ class FleetMetering:
                 "rejected": lag.rejected,
                 "oldest_pending_age_ms": lag.oldest_pending_age_ms,
                 "last_seq": node.spool.last_seq(),
+                "samples": node.spool.appended(),
             }
         return {
             "ledger_url": self.ledger_url,

@@ -2,7 +2,8 @@
 
 An object is a file at `<root>/<key>`. A write goes to a temporary file in `<root>/tmp`, is
 fsynced, renamed into place and its directory fsynced (and any directory it created), so an
-object is either whole and durable or absent, across a crash too. Presigned URLs are
+object is either whole and durable or absent, across a crash too. Objects are tenants' weights
+and data: files are 0600 and folders 0700, readable only by the user the control plane runs as. Presigned URLs are
 `<base_url>/<key>?method&expires&signature`, signed with HMAC-SHA256 and checked by
 `resolve_presigned`, which whatever serves the directory to nodes calls first.
 """
@@ -43,7 +44,8 @@ class LocalObjectStore(ObjectStore):
     def __init__(self, root: str | Path, *, signing_key: bytes = b"", base_url: str = "local://objects") -> None:
         self.root = Path(root).resolve()
         self._tmp = self.root / TMP
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._tmp.mkdir(mode=0o700, exist_ok=True)
         self._signing_key = signing_key
         self._base_url = base_url.rstrip("/")
 
@@ -57,8 +59,7 @@ class LocalObjectStore(ObjectStore):
         path = self.path(key)
         fd, tmp_name = tempfile.mkstemp(dir=self._tmp, prefix=f"{path.name[:16]}.")
         try:
-            with os.fdopen(fd, "wb") as out:
-                os.fchmod(out.fileno(), 0o644)  # mkstemp's 0600 would hide objects from readers
+            with os.fdopen(fd, "wb") as out:  # mkstemp: 0600
                 for piece in pieces:
                     out.write(piece)
                 if check is not None:
@@ -82,7 +83,7 @@ class LocalObjectStore(ObjectStore):
             directory = directory.parent
         directory_of_new = []
         for new in reversed(missing):
-            new.mkdir(exist_ok=True)
+            new.mkdir(mode=0o700, exist_ok=True)
             directory_of_new.append(new.parent)
         return directory_of_new
 

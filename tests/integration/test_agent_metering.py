@@ -86,7 +86,7 @@ def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
             allocation = agent.state.allocation
             assert allocation.ended_ms is not None and allocation.gpu_count == 8
             wait_until(
-                lambda: client.get("/metering").json()["pending"] == 0 and metering.spool.last_seq() > 0,
+                lambda: client.get("/metering").json()["pending"] == 0 and metering.spool.appended() > 0,
                 timeout_s=30,
                 what="the spool shipped",
             )

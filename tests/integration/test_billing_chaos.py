@@ -111,11 +111,11 @@ class Cluster:
         finally:
             spool.close()
 
-    def last_seq(self, node_id: str) -> int:
+    def samples(self, node_id: str) -> int:
         spool = Spool(self.tmp_path / "spools" / f"{node_id}.db", node_id)
         try:
             assert spool.rejected() == [], f"ledger rejected samples (seed {SEED})"
-            return spool.last_seq()
+            return spool.appended()
         finally:
             spool.close()
 
@@ -179,7 +179,7 @@ def assert_totals_are_exact(cluster: Cluster, ended_ms: int) -> None:
         answer = httpx.get(f"{cluster.ledger.url}/v1/usage", params=params).json()
         per_node_ms = ended_ms - cluster.started_ms
         assert answer["gpu_ms"] == len(node_ids) * 8 * per_node_ms, f"seed {SEED}"
-        assert answer["sample_count"] == sum(cluster.last_seq(node_id) for node_id in node_ids), f"seed {SEED}"
+        assert answer["sample_count"] == sum(cluster.samples(node_id) for node_id in node_ids), f"seed {SEED}"
         assert answer["amount_micro"] == expected_amount(cluster.started_ms, ended_ms, len(node_ids)), f"seed {SEED}"
     assert httpx.get(f"{cluster.ledger.url}/v1/usage/conflicts").json() == []
 

@@ -67,4 +67,4 @@ def test_usage_reaches_the_ledger_exactly_across_an_outage_and_a_restart(tmp_pat
             assert sorted(metering.report()["nodes"]) == ["n1", "n2"]
         usage = httpx.get(f"{url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}).json()
         assert usage["gpu_ms"] == truth
-        assert usage["sample_count"] == backlog["nodes"]["n1"]["last_seq"] + backlog["nodes"]["n2"]["last_seq"]
+        assert usage["sample_count"] == backlog["nodes"]["n1"]["samples"] + backlog["nodes"]["n2"]["samples"]

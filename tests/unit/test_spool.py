@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from gpucloud.agent.shipper import Shipper
-from gpucloud.agent.spool import Meter, NodeAllocation, Spool, Usage, UsageSample
+from gpucloud.agent.spool import EPOCH_SHIFT, Meter, NodeAllocation, Spool, Usage, UsageSample
 from gpucloud.ledger.client import LedgerUnavailable, UsageLedger
 
 INTERVAL = 60_000
@@ -56,18 +57,26 @@ def assert_contiguous(samples: list[UsageSample], start_ms: int, end_ms: int) ->
         assert start == previous_end
 
 
+def epoch_base_of(path: Path) -> int:
+    """Where the spool at `path` started its sequence (see `spool.EPOCH_SHIFT`)."""
+    with sqlite3.connect(path) as db:
+        (epoch_s,) = db.execute("SELECT value FROM spool_meta WHERE key = 'epoch_s'").fetchone()
+    return int(epoch_s) << EPOCH_SHIFT
+
+
 def test_sequence_numbers_are_monotonic_and_never_reused(tmp_path: Path) -> None:
     clock = FakeClock(T0)
     spool = Spool(tmp_path / "spool.db", "n1", clock_ms=clock)
     first = [spool.append(usage(T0 + i, T0 + i + 1)).seq for i in range(3)]
-    assert first == [1, 2, 3]
+    base = spool.epoch_base
+    assert base == (T0 // 1000) << EPOCH_SHIFT and first == [base + 1, base + 2, base + 3]
     spool.settle(acked=first)
     clock.now_ms += 10
     assert spool.prune_acked(older_than_ms=clock.now_ms) == 3
     spool.close()
     reopened = Spool(tmp_path / "spool.db", "n1", clock_ms=clock)
-    assert reopened.last_seq() == 3
-    assert reopened.append(usage(T0 + 5, T0 + 6)).seq == 4
+    assert reopened.last_seq() == base + 3 and reopened.appended() == 3
+    assert reopened.append(usage(T0 + 5, T0 + 6)).seq == base + 4
 
 
 def test_a_spool_belongs_to_one_node(tmp_path: Path) -> None:
@@ -106,7 +115,8 @@ def test_an_acknowledged_append_survives_kill_9(tmp_path: Path) -> None:
     stored = {sample.seq for sample in all_samples(tmp_path / "spool.db")}
     assert len(reported) == 200
     assert set(reported) <= stored
-    assert sorted(stored) == list(range(1, max(stored) + 1))
+    base = epoch_base_of(tmp_path / "spool.db")
+    assert sorted(stored) == list(range(base + 1, max(stored) + 1))
 
 
 def test_meter_cuts_whole_intervals_aligned_to_the_epoch(tmp_path: Path) -> None:
@@ -137,7 +147,8 @@ def test_meter_is_contiguous_across_restarts_and_ends_exactly(tmp_path: Path) ->
         spool.close()
     samples = all_samples(tmp_path / "spool.db")
     assert_contiguous(samples, started, ended)
-    assert [s.seq for s in samples] == list(range(1, len(samples) + 1))
+    base = epoch_base_of(tmp_path / "spool.db")
+    assert [s.seq - base for s in samples] == list(range(1, len(samples) + 1))
     spool = Spool(tmp_path / "spool.db", "n1", clock_ms=clock)
     assert spool.open_allocation() is None
 
@@ -193,9 +204,9 @@ def test_lag_reports_count_and_age_of_unacknowledged_samples(tmp_path: Path) -> 
     spool.settle(acked=seqs[:3], rejected={seqs[3]: {"detail": "no"}}, deferred=[seqs[4]], retry_at_ms=clock.now_ms + 1)
     lag = spool.lag()
     assert (lag.pending, lag.deferred, lag.rejected) == (2, 1, 1)
-    assert [s.seq for s in spool.pending(limit=10)] == [6]
+    assert [s.seq - spool.epoch_base for s in spool.pending(limit=10)] == [6]
     clock.now_ms += 1
-    assert [s.seq for s in spool.pending(limit=10)] == [5, 6]
+    assert [s.seq - spool.epoch_base for s in spool.pending(limit=10)] == [5, 6]
     assert spool.rejected()[0][1] == {"detail": "no"}
 
 
@@ -257,7 +268,7 @@ def test_shipper_acks_only_after_a_2xx(tmp_path: Path) -> None:
     results = [shipper.ship_once() for _ in range(4)]
     assert [r.sent for r in results] == [10, 10, 5, 0]
     assert spool.lag().pending == 0
-    assert sorted(s["seq"] for s in ledger.received) == list(range(1, 26))
+    assert sorted(s["seq"] - spool.epoch_base for s in ledger.received) == list(range(1, 26))
 
 
 def test_a_lost_acknowledgement_is_resent_and_counted_once(tmp_path: Path) -> None:
@@ -293,14 +304,14 @@ def test_shipper_dead_letters_final_rejections_and_retries_retryable_ones(tmp_pa
         spool.append(usage(T0 + i, T0 + i + 1))
     ledger = FakeLedger()
     ledger.problems = {
-        2: {"type": "x/sample-conflict", "retryable": False},
-        3: {"type": "x/unknown-allocation", "retryable": True},
+        spool.epoch_base + 2: {"type": "x/sample-conflict", "retryable": False},
+        spool.epoch_base + 3: {"type": "x/unknown-allocation", "retryable": True},
     }
     shipper = shipper_for(spool, ledger, clock, retry_rejected_after_ms=5_000)
     result = shipper.ship_once()
     assert (result.acked, result.rejected, result.deferred) == (2, 1, 1)
     assert shipper.ship_once().sent == 0  # the deferred one waits
-    del ledger.problems[3]
+    del ledger.problems[spool.epoch_base + 3]
     clock.now_ms += 5_000
     assert shipper.ship_once().acked == 1
     lag = spool.lag()

@@ -15,6 +15,7 @@ from gpucloud.api import pagination
 from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
+    invalid,
     model_row,
 )
 from gpucloud.config import Settings
@@ -26,13 +27,14 @@ from gpucloud.models.registry_tables import (
     RegistryModel,
     RegistryModelCreate,
     SigningKey,
-    SigningKeyCreate,
     SigningKeyList,
     SigningKeyPublic,
+    SigningKeyRegistration,
 )
 from gpucloud.models.tables import utcnow
 from gpucloud.registry import promotion
 from gpucloud.registry.manifest import (
+    check_possession,
     key_id_of,
 )
 from gpucloud.web.problems import Problem, not_found
@@ -107,7 +109,14 @@ def set_gates(name: str, req: GatesUpdate, tenant: TenantDep, settings: Settings
 # ---------------------------------------------------------------- signing keys
 
 
-def _register_key(settings: Settings, tenant_id: str, req: SigningKeyCreate) -> tuple[SigningKey, bool]:
+def _register_key(settings: Settings, tenant_id: str, req: SigningKeyRegistration) -> tuple[SigningKey, bool]:
+    if not check_possession(tenant_id, req.public_key, req.proof):
+        raise invalid(
+            "proof",
+            "not this key's signature of its registration for this tenant; sign "
+            "'gpucloud.registry.key-possession.v1\\n<tenant id>\\n<public key hex>' with the private key",
+            "proof-of-possession-failed",
+        )
     key_id = key_id_of(VerifyKey(bytes.fromhex(req.public_key)))
     query = select(SigningKey).where(col(SigningKey.tenant_id) == tenant_id, col(SigningKey.key_id) == key_id)
     try:
@@ -133,7 +142,7 @@ def _register_key(settings: Settings, tenant_id: str, req: SigningKeyCreate) -> 
 @router.post("/signing-keys", status_code=201, response_model=SigningKeyPublic)
 async def register_signing_key(
     request: Request,
-    req: SigningKeyCreate,
+    req: SigningKeyRegistration,
     tenant: TenantDep,
     settings: SettingsDep,
     idempotency_key: IdempotencyKey = None,

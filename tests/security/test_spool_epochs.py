@@ -1,0 +1,67 @@
+"""Issue 13, row 6: a re-imaged node's new usage spool does not restart `seq` at 1.
+
+Before: every sample of the new spool collided with one the ledger already held for the node
+(same node_id and seq, other content) and was rejected for good: that node's usage was lost.
+Now a spool's seqs start at its epoch (the second it was created, shifted), above any seq an
+older spool of the node assigned."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.spool import Spool, Usage
+from gpucloud.devstack.serving import ThreadedServer
+from gpucloud.ledger.app import create_app
+from gpucloud.ledger.client import UsageLedger
+
+pytestmark = pytest.mark.one_database
+
+HOUR_MS = 3_600_000
+
+
+def test_a_reimaged_nodes_new_spool_is_billed_beside_its_old_one(tmp_path):
+    now_ms = time.time_ns() // 1_000_000
+    start = now_ms - 2 * HOUR_MS
+    server = ThreadedServer(create_app(f"sqlite:///{tmp_path / 'ledger.db'}"), name="ledger")
+    server.start()
+    try:
+        url = server.url
+        httpx.post(
+            f"{url}/v1/price-book/versions",
+            json={
+                "effective_from_ms": start - 86_400_000,
+                "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}],
+                "discounts": [],
+            },
+        ).raise_for_status()
+        for i, (kind, node) in enumerate((("start", None), ("node_added", "gpu-1"))):
+            event = {"event_id": f"e{i}", "allocation_id": "a1", "tenant_id": "t1", "kind": kind}
+            event |= {"at_ms": start, "node_id": node, "gpu_type": "H100"}
+            httpx.post(f"{url}/v1/allocation-events", json=event).raise_for_status()
+
+        def usage(i: int) -> Usage:
+            return Usage("a1", "t1", "H100", 8, start + i * 60_000, start + (i + 1) * 60_000)
+
+        # The node's first life: its spool, created two hours ago, ships three samples.
+        old = Spool(tmp_path / "old-spool.db", "gpu-1", clock_ms=lambda: start)
+        for i in range(3):
+            old.append(usage(i))
+        assert Shipper(old, UsageLedger(url)).ship_once().acked == 3
+        # Re-imaged: a fresh spool (its disk was wiped) meters the next minutes of the same node.
+        new = Spool(tmp_path / "new-spool.db", "gpu-1", clock_ms=lambda: now_ms)
+        for i in range(3, 5):
+            new.append(usage(i))
+        assert new.epoch_base > old.last_seq()
+        shipped = Shipper(new, UsageLedger(url)).ship_once()
+        assert (shipped.acked, shipped.rejected) == (2, 0)
+        billed = httpx.get(f"{url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}).json()
+        assert billed["sample_count"] == 5 and billed["gpu_ms"] == 5 * 60_000 * 8
+        assert httpx.get(f"{url}/v1/usage/conflicts").json() == []
+        old.close()
+        new.close()
+    finally:
+        server.stop()
