@@ -31,11 +31,18 @@ from rich.table import Table
 
 from gpucloud.cli.common import console, err, reported_errors
 from gpucloud.client.base import ApiError
-from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, signer_for
+from gpucloud.client.registry import (
+    RegistryClient,
+    RegistryPushTarget,
+    pull_version,
+    signer_for,
+    trust_key,
+    trusted_keys,
+)
 from gpucloud.config import get_settings
 from gpucloud.models.registry_tables import AliasName
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy
-from gpucloud.registry.manifest import IntegrityError, Lineage, Signer
+from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, key_id_of
 from gpucloud.registry.pull import PullResult
 from gpucloud.registry.push import PushResult, PushStats, push
 
@@ -170,8 +177,12 @@ def push_with_progress(
     return outcome
 
 
-def pull_with_progress(client: RegistryClient, model: str, ref: str, dest: Path, *, console: Console) -> PullResult:
-    """`pull_version` with a progress bar of bytes and chunks verified."""
+def pull_with_progress(
+    client: RegistryClient, model: str, ref: str, dest: Path, *, console: Console, data_dir: Path | None = None
+) -> PullResult:
+    """`pull_version` with a progress bar of bytes and chunks verified, trusting only this
+    machine's keys (its own signing key and its keyring in `data_dir`, `gpucloud weights trust`)."""
+    trusted = trusted_keys(data_dir or get_settings().data_dir, client.signing_keys()[0])
     with _bars(console) as bars:
         task = bars.add_task("pull", total=None, detail="")
         result = pull_version(
@@ -179,6 +190,7 @@ def pull_with_progress(client: RegistryClient, model: str, ref: str, dest: Path,
             model,
             ref,
             dest,
+            trusted=trusted,
             report=lambda p, done, total: bars.update(
                 task, completed=p.done, total=p.total, detail=f"{done}/{total} chunks verified"
             ),
@@ -224,6 +236,46 @@ def pull_command(
     model, ref = parse_target(target)
     with _reported_errors(), _client(api_url, api_key) as client:
         pull_with_progress(client, model, ref, directory, console=out)
+
+
+@weights_app.command("trust")
+def trust_command(
+    public_key: Annotated[str, typer.Argument(help="an Ed25519 public key, 64 hex digits (`weights keys` shows them)")],
+    label: Annotated[str, typer.Option(help="who holds it (kept beside it)")] = "",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Trust a key for this tenant's versions on this machine: pulls verify against this keyring
+    and this machine's own signing key only, never against keys the API serves."""
+    with _reported_errors(), _client(api_url, api_key) as client:
+        tenant_id = client.signing_keys()[0]
+    try:
+        key_id = trust_key(get_settings().data_dir, tenant_id, public_key.lower(), label)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not an Ed25519 public key in hex: {exc}", param_hint="PUBLIC_KEY") from None
+    out.print(f"trusting key {key_id} for {tenant_id} on this machine")
+
+
+@weights_app.command("keys")
+def keys_command(
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The tenant's keys the registry lists, and whether this machine trusts each for pulls."""
+    with _reported_errors(), _client(api_url, api_key) as client:
+        tenant_id, keys = client.signing_keys()
+    trusted = {key_id_of(k) for k in trusted_keys(get_settings().data_dir, tenant_id)}
+    rows = [
+        {"key_id": k["key_id"], "public_key": k["public_key"], "trusted_here": k["key_id"] in trusted} for k in keys
+    ]
+    if output == "json":
+        out.print_json(data=rows)
+        return
+    table = Table("key", "public key", "trusted here", title=f"signing keys of {tenant_id}")
+    for row in rows:
+        table.add_row(row["key_id"], row["public_key"], "yes" if row["trusted_here"] else "no")
+    out.print(table)
 
 
 @weights_app.command("promote")

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from nacl.signing import SigningKey
+from nacl.signing import SigningKey, VerifyKey
 
 from gpucloud.client.base import ApiClient, ApiError
 from gpucloud.models.registry_tables import MAX_IDS_PER_QUERY
@@ -35,6 +35,7 @@ from gpucloud.registry.manifest import (
     SignedManifest,
     Signer,
     VersionNotFoundError,
+    key_id_of,
 )
 from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import ChunksMissing, TransferProgress
@@ -236,15 +237,24 @@ def pull_version(
     ref: str,
     dest: Path,
     *,
+    trusted: Iterable[VerifyKey | bytes],
     concurrency: int = 4,
     report: Callable[[TransferProgress, int, int], None] = lambda progress, done, total: None,
 ) -> PullResult:
-    """Pull MODEL@REF into dest (which must not exist), verified against the published keys."""
+    """Pull MODEL@REF into dest (which must not exist), verified against the keys the puller
+    trusts (`trusted`: its own, and those in its local keyring) that the registry has not
+    revoked; the keys the API serves are never enough, since the API could serve its own key
+    with its own manifest and bytes."""
     version = client.version(model, ref)
-    tenant_id, keys = client.signing_keys()
+    tenant_id, listed = client.signing_keys()
+    # A key the registry no longer lists (revoked) is dropped: the API can take trust away
+    # (which it could by refusing to answer anyway), never add it.
+    live = {key["public_key"] for key in listed}
     keyring = Keyring()
-    for key in keys:
-        keyring.trust(tenant_id, bytes.fromhex(key["public_key"]))
+    for key in trusted:
+        raw = bytes(key) if isinstance(key, VerifyKey) else key
+        if raw.hex() in live:
+            keyring.trust(tenant_id, raw)
     source = RegistryPullSource(client, model)
     return pull(
         version["digest"],
@@ -256,6 +266,32 @@ def pull_version(
         concurrency=concurrency,
         progress=lambda p: report(p, source.chunks_done, version["chunk_count"]),
     )
+
+
+def trusted_keys(data_dir: Path, tenant_id: str) -> list[VerifyKey]:
+    """The keys this machine trusts for the tenant's versions: its own signing key (if it has
+    one) and those added to its keyring (`<data dir>/trusted-keys/<tenant id>`, one hex public
+    key a line; `gpucloud weights trust`)."""
+    keys = []
+    own = data_dir / "signing-keys" / f"{tenant_id}.ed25519"
+    if own.exists():
+        keys.append(signer_for(data_dir, tenant_id).verify_key)
+    ring = data_dir / "trusted-keys" / tenant_id
+    if ring.exists():
+        keys += [VerifyKey(bytes.fromhex(line.split()[0])) for line in ring.read_text().splitlines() if line.strip()]
+    return keys
+
+
+def trust_key(data_dir: Path, tenant_id: str, public_key_hex: str, label: str = "") -> str:
+    """Add a public key to the local keyring for the tenant; its key id."""
+    key = VerifyKey(bytes.fromhex(public_key_hex))  # raises ValueError for anything else
+    ring = data_dir / "trusted-keys" / tenant_id
+    ring.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    known = ring.read_text().split() if ring.exists() else []
+    if public_key_hex not in known:
+        with ring.open("a") as f:
+            f.write(f"{public_key_hex} {label}".rstrip() + "\n")
+    return key_id_of(key)
 
 
 def signer_for(data_dir: Path, tenant_id: str) -> Signer:

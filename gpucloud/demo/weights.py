@@ -132,7 +132,7 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
         bad_dest = work / "pulled-corrupt"
         with RegistryClient(api_url, api_key, transport=_CorruptInTransit(victim)) as tampered:
             try:
-                pull_with_progress(tampered, model, "production", bad_dest, console=console)
+                pull_with_progress(tampered, model, "production", bad_dest, console=console, data_dir=Path(data_dir))
             except IntegrityError as exc:
                 console.print(f"  [yellow]refused[/] ({type(exc).__name__}): {exc}")
             else:
@@ -141,7 +141,9 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
             raise DemoFailed(f"the refused pull left files behind at {bad_dest}")
 
         console.rule("weights: clean pull of production")
-        pulled = pull_with_progress(client, model, "production", work / "pulled", console=console)
+        pulled = pull_with_progress(
+            client, model, "production", work / "pulled", console=console, data_dir=Path(data_dir)
+        )
         if _tree(pulled.path) != _tree(v2_dir):
             raise DemoFailed("the pulled production version differs from what was pushed")
     return PushedVersions(model=model, first=v1.digest, production=v2.digest)

@@ -98,7 +98,7 @@ class Tenant:
 
     def pull(self, ref: str, dest: Path, *, model: str = "llama"):
         with self.client() as client:
-            return pull_version(client, model, ref, dest)
+            return pull_version(client, model, ref, dest, trusted=[self.signer.verify_key])
 
 
 @dataclass
