@@ -49,6 +49,7 @@ from gpucloud.ledger.db import open_ledger_database  # noqa: E402
 from gpucloud.ledger.invoicing import close_period  # noqa: E402
 from gpucloud.ledger.periods import period_bounds  # noqa: E402
 from gpucloud.ledger.pricing import Rate  # noqa: E402
+from gpucloud.web.service_tokens import LEDGER_AUDIENCE, load_or_create_issuer, public_key_path  # noqa: E402
 
 console = Console(stderr=True)
 BATCH = 8_000
@@ -60,8 +61,15 @@ DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 @contextmanager
 def ledger_process(database_url: str, log_path: Path):
+    """The ledger in its own process, trusting an issuer key beside its log; yields its URL, its
+    pid and an operator's token for it (the shippers post many nodes' batches, as an import)."""
     port = free_port()
-    code = f"from gpucloud.ledger.app import main; main('127.0.0.1', {port}, {database_url!r})"
+    issuer = load_or_create_issuer(log_path.parent / "issuer_key.pem")
+    key = public_key_path(log_path.parent / "issuer_key.pem")
+    code = (
+        "from pathlib import Path; from gpucloud.ledger.app import main; "
+        f"main('127.0.0.1', {port}, {database_url!r}, control_plane_key=Path({str(key)!r}))"
+    )
     with log_path.open("ab") as log:
         process = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -75,7 +83,11 @@ def ledger_process(database_url: str, log_path: Path):
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"ledger did not start, see {log_path}") from None
                 time.sleep(0.1)
-        yield url, process.pid
+        yield (
+            url,
+            process.pid,
+            {"Authorization": f"Bearer {issuer.mint(LEDGER_AUDIENCE, subject='operator', role='operator')}"},
+        )
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -153,7 +165,10 @@ def measure_ingest(
     label: str, database_url: str, bodies: list[bytes], clients: int, log_path: Path
 ) -> tuple[float, float]:
     """Accepted events per second of wall time, and the ledger's CPU microseconds per event."""
-    with ledger_process(database_url, log_path) as (url, pid), httpx.Client(base_url=url, timeout=120) as setup:
+    with (
+        ledger_process(database_url, log_path) as (url, pid, auth),
+        httpx.Client(base_url=url, timeout=120, headers=auth) as setup,
+    ):
         seed_ledger(setup)
         queue = list(enumerate(bodies))
         lock = threading.Lock()
@@ -162,7 +177,7 @@ def measure_ingest(
             task = progress.add_task(f"ingest on {label}", total=len(bodies) * BATCH)
 
             def shipper() -> None:
-                with httpx.Client(base_url=url, timeout=120) as client:
+                with httpx.Client(base_url=url, timeout=120, headers=auth) as client:
                     while True:
                         with lock:
                             if not queue:

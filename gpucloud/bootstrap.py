@@ -130,7 +130,9 @@ def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
 
 def ledger_client(settings: Settings) -> LedgerClient | None:
     """The billing ledger's client, or None: without a ledger nothing is billed."""
-    return LedgerClient(settings.ledger.url) if settings.ledger.url else None
+    if not settings.ledger.url:
+        return None
+    return LedgerClient(settings.ledger.url, issuer=token_issuer(settings))
 
 
 def database(settings: Settings) -> Database:

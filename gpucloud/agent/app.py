@@ -45,7 +45,7 @@ from gpucloud.agent.readings import AGENT_MAX_EVENTS, NodeReading, XidEvent
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import Meter, NodeAllocation, Spool, wall_clock_ms
-from gpucloud.ledger.client import UsageLedger
+from gpucloud.ledger.client import AgentLedgerToken, UsageLedger
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.web import problems
 from gpucloud.web.service_tokens import InvalidToken, Verifier, agent_audience
@@ -178,7 +178,15 @@ def gpu_type_of(reading: NodeReading) -> str:
 class AgentMetering:
     """The node's meter and shipper, each on its own thread, over one durable spool."""
 
-    def __init__(self, agent: Agent, spool_path: Path, ledger_url: str, *, interval_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        spool_path: Path,
+        ledger_url: str,
+        *,
+        interval_s: float = 60.0,
+        token: Callable[[], str] | None = None,
+    ) -> None:
         self.spool = Spool(spool_path, agent.state.node_id)
         self.meter = Meter(
             self.spool,
@@ -186,7 +194,8 @@ class AgentMetering:
             interval_ms=max(1, int(interval_s * 1000)),
             lock=agent.state.meter_lock,
         )
-        self.shipper = Shipper(self.spool, UsageLedger(ledger_url))
+        # `token`: the ledger takes this node's usage only with a token for this node.
+        self.shipper = Shipper(self.spool, UsageLedger(ledger_url, token=token))
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self.meter.run, args=(self._stop,), name="meter", daemon=True),
@@ -545,7 +554,8 @@ def main(
     metering = None
     if ledger_url:
         spool_path.parent.mkdir(parents=True, exist_ok=True)
-        metering = AgentMetering(agent, spool_path, ledger_url, interval_s=meter_interval_s)
+        ledger_token = AgentLedgerToken(control_plane_url, lambda: state.credential)
+        metering = AgentMetering(agent, spool_path, ledger_url, interval_s=meter_interval_s, token=ledger_token)
     else:
         log.warning("no ledger URL: this node's usage is not metered")
     app = create_app(

@@ -51,6 +51,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.settings = settings
     pagination.use_secret(settings.page_token_secret)
     app.state.db = bootstrap.database(settings)
+    app.state.issuer = bootstrap.token_issuer(settings)
     app.state.ledger = bootstrap.ledger_client(settings)
     app.state.registry_stores = bootstrap.registry_stores(settings)
     problems.install(app)

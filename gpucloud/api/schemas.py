@@ -321,6 +321,11 @@ class HeartbeatResult(BaseModel):
     drifted: list[str]
 
 
+class LedgerToken(BaseModel):
+    token: str = Field(description="a bearer token for the billing ledger: a node's agent posts its own usage with it")
+    expires_at: float = Field(description="when it expires (Unix seconds): ask for a new one a minute before")
+
+
 class AgentCredentialIssued(BaseModel):
     node_id: str
     token: str = Field(description="shown once: give it to the node's agent (`gpucloud agent --token`)")

@@ -280,14 +280,23 @@ def ledger(
         str | None,
         typer.Option(help="the ledger's own DB (default: GPUCLOUD_LEDGER__DATABASE_URL, else SQLite in the data dir)"),
     ] = None,
+    control_plane_key: Annotated[
+        Path | None,
+        typer.Option(help="the control plane's public key (default: issuer_key.pub beside the issuer key)"),
+    ] = None,
 ) -> None:
-    """Run the billing ledger: its own process and its own database."""
+    """Run the billing ledger: its own process and its own database; it answers only the
+    control plane's signed tokens."""
     from gpucloud.ledger.app import main as ledger_main
+    from gpucloud.web.service_tokens import public_key_path
 
     _logging()
     settings = get_settings()
     ledger_main(
-        host="127.0.0.1", port=port or settings.ledger.port, database_url=database_url or settings.ledger_database_url
+        host="127.0.0.1",
+        port=port or settings.ledger.port,
+        database_url=database_url or settings.ledger_database_url,
+        control_plane_key=control_plane_key or public_key_path(settings.issuer_key_path),
     )
 
 

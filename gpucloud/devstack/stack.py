@@ -26,10 +26,12 @@ from pathlib import Path
 import httpx
 from pydantic import SecretStr
 
+from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.devstack.temporal_server import server_args
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
 from gpucloud.sim.fabric_managers import register_nvl_domains
+from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 
 
 class StackError(RuntimeError):
@@ -183,9 +185,10 @@ class Stack:
 
     def _start_ledger(self, on_step: Callable[[str], None]) -> None:
         on_step("starting billing ledger")
+        issuer = bootstrap.token_issuer(self.settings)  # the key the ledger trusts, made before it starts
         self._spawn("ledger", self._cli("ledger"))
         self._wait("ledger", lambda: self._http_ok(f"{self.ledger_url}/healthz"), 60)
-        seed_price_book(self.ledger_url)
+        seed_price_book(self.ledger_url, issuer.mint(LEDGER_AUDIENCE, subject="operator", role="operator"))
 
     def _start_fabric(self, on_step: Callable[[str], None]) -> None:
         on_step("starting simulated fabric managers")
@@ -291,9 +294,11 @@ class Stack:
                     proc.wait()
 
 
-def seed_price_book(ledger_url: str) -> None:
-    """Give a ledger without any price book the list prices (`models/catalog.py`), from the epoch on."""
-    versions = httpx.get(f"{ledger_url}/v1/price-book/versions", timeout=10)
+def seed_price_book(ledger_url: str, operator_token: str) -> None:
+    """Give a ledger without any price book the list prices (`models/catalog.py`), from the epoch
+    on, as the operator (a token the control plane signed for the ledger)."""
+    auth = {"Authorization": f"Bearer {operator_token}"}
+    versions = httpx.get(f"{ledger_url}/v1/price-book/versions", timeout=10, headers=auth)
     versions.raise_for_status()
     if versions.json():
         return
@@ -301,6 +306,7 @@ def seed_price_book(ledger_url: str) -> None:
     created = httpx.post(
         f"{ledger_url}/v1/price-book/versions",
         timeout=10,
+        headers=auth,
         json={"effective_from_ms": 0, "prices": prices, "note": "list prices"},
     )
     if created.status_code not in (201, 409):  # 409: another start seeded it meanwhile

@@ -4,7 +4,9 @@
 Postgres by URL); the database is migrated when the app starts, before it takes traffic.
 ``main`` runs it with uvicorn: ``gpucloud ledger`` calls it.
 
-Endpoints (all under ``/v1``; errors are RFC 9457 ``application/problem+json``):
+Every call but ``/healthz`` needs a token the control plane signed for the ledger, and its
+role decides what it may do (``api/callers.py``). Endpoints (all under ``/v1``; errors are RFC
+9457 ``application/problem+json``):
 
 - ``POST /usage:batch``: usage samples from agents, exactly once per (node_id, seq).
 - ``GET /usage``: GPU-ms and amounts of a tenant (optionally one allocation, a time window).
@@ -35,9 +37,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpucloud.ledger import problems
 from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
+from gpucloud.ledger.api.callers import LedgerCallers
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
 from gpucloud.web import problems as web_problems
+from gpucloud.web.service_tokens import Verifier, load_verifier
 
 DEFAULT_DATABASE_URL = "sqlite:///.data/ledger.db"
 
@@ -46,7 +50,15 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def create_app(database_url: str = DEFAULT_DATABASE_URL, *, clock_ms: Callable[[], int] = wall_clock_ms) -> FastAPI:
+def create_app(
+    database_url: str = DEFAULT_DATABASE_URL,
+    *,
+    control_plane: Verifier,
+    clock_ms: Callable[[], int] = wall_clock_ms,
+) -> FastAPI:
+    """The ledger's app; it answers only callers with a token `control_plane` verifies
+    (`api/callers.py`)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.ledger = LedgerContext(database=open_ledger_database(database_url), clock_ms=clock_ms)
@@ -56,6 +68,7 @@ def create_app(database_url: str = DEFAULT_DATABASE_URL, *, clock_ms: Callable[[
             app.state.ledger.close()
 
     app = FastAPI(title="gpucloud ledger", version="1", lifespan=lifespan)
+    app.add_middleware(LedgerCallers, verifier=control_plane)
     for module in (usage, allocations, prices, postings, reconciliation, periods, invoices):
         app.include_router(module.router)
     app.add_exception_handler(problems.LedgerProblem, _ledger_problem)
@@ -102,9 +115,19 @@ async def _unexpected_problem(_request: Request, error: Exception) -> JSONRespon
     return _problem_response(problems.INTERNAL_ERROR(f"{type(error).__name__}: {error}"[:500]))
 
 
-def main(host: str = "127.0.0.1", port: int = 8700, database_url: str = DEFAULT_DATABASE_URL) -> None:
-    """Run the ledger until interrupted (``gpucloud ledger``)."""
+def main(
+    host: str = "127.0.0.1",
+    port: int = 8700,
+    database_url: str = DEFAULT_DATABASE_URL,
+    *,
+    control_plane_key: Path,
+) -> None:
+    """Run the ledger until interrupted (``gpucloud ledger``), trusting the control plane's
+    public key at `control_plane_key`."""
     url = make_url(database_url)
     if url.get_backend_name() == "sqlite" and url.database:
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-    uvicorn.run(create_app(database_url), host=host, port=port, log_level="warning", access_log=False)
+    if not control_plane_key.is_file():
+        raise SystemExit(f"no control plane public key at {control_plane_key}: the ledger answers only its tokens")
+    app = create_app(database_url, control_plane=load_verifier(control_plane_key))
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

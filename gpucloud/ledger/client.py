@@ -11,6 +11,8 @@ detail on.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -27,6 +29,7 @@ from gpucloud.ledger.schemas import (
     ReconciliationReport,
     UsageSummary,
 )
+from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer
 
 _PERIODS = TypeAdapter(list[PeriodOut])
 _INVOICES = TypeAdapter(list[InvoiceOut])
@@ -62,19 +65,35 @@ def _checked(response: httpx.Response) -> httpx.Response:
 
 
 class UsageLedger:
-    """What a node's shipper asks of the ledger: take a batch of usage samples."""
+    """What a node's shipper asks of the ledger: take a batch of usage samples. `token` gives
+    the bearer token to send (a node's agent: one for its own node, `AgentLedgerToken`); a
+    token the ledger refuses is asked for again next time, and the batch waits in the spool."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 30.0, http: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: Callable[[], str] | None = None,
+        timeout_s: float = 30.0,
+        http: httpx.Client | None = None,
+    ) -> None:
         self._url = base_url.rstrip("/") + "/v1/usage:batch"
         self._http = http or httpx.Client(timeout=timeout_s)
+        self._token = token
 
     def ingest(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         """The ledger's answer to a batch (accepted, duplicates, rejections)."""
         body = json.dumps({"samples": samples}, separators=(",", ":"))
+        headers = {"content-type": "application/json"}
         try:
-            response = self._http.post(self._url, content=body, headers={"content-type": "application/json"})
+            if self._token is not None:
+                headers["authorization"] = f"Bearer {self._token()}"
+            response = self._http.post(self._url, content=body, headers=headers)
         except httpx.HTTPError as error:
             raise LedgerUnavailable(f"ledger unreachable: {error!r}") from error
+        if response.status_code == 401:
+            # A token that expired or that the ledger does not know yet: not the batch's fault.
+            raise LedgerUnavailable(f"the ledger refused this node's token: {response.text[:300]}")
         try:
             return _checked(response).json()
         except ValueError as error:
@@ -84,9 +103,42 @@ class UsageLedger:
         self._http.close()
 
 
+class AgentLedgerToken:
+    """A node agent's token for the ledger, asked of the control plane with the node's credential
+    (`POST /v1/agents/ledger-token`) and kept until a minute before it expires."""
+
+    def __init__(self, control_plane_url: str, credential: Callable[[], str | None], *, timeout_s: float = 30.0):
+        self._http = httpx.Client(base_url=control_plane_url.rstrip("/"), timeout=timeout_s)
+        self._credential = credential
+        self._token, self._expires_at = "", 0.0
+
+    def __call__(self) -> str:
+        if self._expires_at - time.time() > 60:
+            return self._token
+        response = self._http.post("/v1/agents/ledger-token", headers={"authorization": f"Bearer {self._credential()}"})
+        if response.status_code != 200:
+            raise httpx.HTTPStatusError(
+                f"no ledger token: HTTP {response.status_code}", request=response.request, response=response
+            )
+        body = response.json()
+        self._token, self._expires_at = body["token"], float(body["expires_at"])
+        return self._token
+
+
 class LedgerClient:
-    def __init__(self, base_url: str, *, timeout_s: float = 30.0, transport: httpx.AsyncBaseTransport | None = None):
+    """The control plane's client: each call carries a token its issuer signs for the ledger,
+    as the control plane (or as the operator, for what only operators may do)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        issuer: Issuer | None = None,
+        timeout_s: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+        self._issuer = issuer
 
     async def __aenter__(self) -> LedgerClient:
         return self
@@ -97,7 +149,10 @@ class LedgerClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+    async def _request(self, method: str, path: str, *, role: str = "control-plane", **kwargs) -> httpx.Response:
+        if self._issuer is not None:
+            token = self._issuer.mint(LEDGER_AUDIENCE, subject=role, role=role)
+            kwargs["headers"] = {**kwargs.get("headers", {}), "authorization": f"Bearer {token}"}
         try:
             response = await self._http.request(method, path, **kwargs)
         except httpx.HTTPError as error:
@@ -148,7 +203,9 @@ class LedgerClient:
         return _VERSIONS.validate_json((await self._request("GET", "/v1/price-book/versions")).content)
 
     async def create_price_book_version(self, version: PriceBookVersionIn) -> PriceBookVersionOut:
-        response = await self._request("POST", "/v1/price-book/versions", json=version.model_dump(mode="json"))
+        response = await self._request(
+            "POST", "/v1/price-book/versions", role="operator", json=version.model_dump(mode="json")
+        )
         return PriceBookVersionOut.model_validate_json(response.content)
 
     async def reconciliation(self, *, tenant_id: str, day: str) -> ReconciliationReport:

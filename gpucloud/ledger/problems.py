@@ -68,6 +68,7 @@ UNPRICED_USAGE = ProblemType(
 )
 REQUEST_INVALID = ProblemType("request-invalid", "The request body or parameters are invalid", 422)
 NOT_FOUND = ProblemType("not-found", "No such resource", 404)
+FORBIDDEN = ProblemType("forbidden", "The caller may not do this", 403)
 STATE_CONFLICT = ProblemType("state-conflict", "The request conflicts with the ledger's state", 409)
 INTERNAL_ERROR = ProblemType(
     "internal-error", "The ledger failed; nothing of the request was recorded", 500, retryable=True

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from gpucloud.agent.schemas import ActionRequest
+from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 from gpucloud.web import problems
@@ -371,11 +372,16 @@ def create_app(
         stop_metering = threading.Event()
         meter_thread = None
         if metering is not None:
+            token = None
+            if control_plane_url and operator_token:
+                operator = operator_token
+                token = AgentLedgerToken(control_plane_url, lambda: operator)
             app.state.metering = FleetMetering(
                 metering.spool_dir,
                 metering.ledger_url,
                 interval_ms=max(1, int(metering.interval_s * 1000)),
                 node_ids=fleet.nodes,
+                token=token,
             )
             fleet.on_workload_change = WorkloadFollower(
                 app.state.metering, control_plane_url=control_plane_url, operator_token=operator_token

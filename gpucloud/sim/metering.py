@@ -62,6 +62,7 @@ class FleetMetering:
         batch_size: int = DEFAULT_BATCH_SIZE,
         backoff_max_s: float = 10.0,
         clock_ms: Callable[[], int] = wall_clock_ms,
+        token: Callable[[], str] | None = None,
     ) -> None:
         self.spool_dir = spool_dir
         self.ledger_url = ledger_url
@@ -69,7 +70,9 @@ class FleetMetering:
         self.batch_size = batch_size
         self._backoff_max_s = backoff_max_s
         self._clock_ms = clock_ms
-        self._ledger = UsageLedger(ledger_url)
+        # `token`: the ledger's bearer token (the simulated fleet ships every node's usage with
+        # an operator token the control plane gives it).
+        self._ledger = UsageLedger(ledger_url, token=token)
         self._meters: dict[str, _NodeMeter] = {}
         self._meters_lock = threading.Lock()
         self.spool_dir.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,9 @@ class Claims:
     expires_at: float
 
 
+LEDGER_AUDIENCE = "ledger"
+
+
 def agent_audience(node_id: str) -> str:
     return f"agent:{node_id}"
 
@@ -48,27 +51,36 @@ class Issuer:
     """Mints tokens; only the control plane holds one. Tokens are cached per audience and
     re-minted a minute before they expire."""
 
-    def __init__(self, private_key: Ed25519PrivateKey, *, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(
+        self, private_key: Ed25519PrivateKey, *, ttl_s: float = DEFAULT_TTL_S, key_path: Path | None = None
+    ) -> None:
         self._key = private_key
+        self.key_path = key_path  # where the key is kept, if in a file
         self.ttl_s = ttl_s
-        self._cache: dict[tuple[str, str], tuple[str, float]] = {}
+        self._cache: dict[tuple[str, str, str], tuple[str, float]] = {}
 
     @property
     def public_key(self) -> Ed25519PublicKey:
         return self._key.public_key()
 
     def mint(self, audience: str, *, subject: str = "control-plane", role: str = "control-plane") -> str:
+        return self.mint_until(audience, subject=subject, role=role)[0]
+
+    def mint_until(
+        self, audience: str, *, subject: str = "control-plane", role: str = "control-plane"
+    ) -> tuple[str, float]:
+        """A token and when it expires (Unix seconds)."""
         now = time.time()
-        cached = self._cache.get((audience, role))
+        cached = self._cache.get((audience, role, subject))
         if cached is not None and cached[1] - now > 60:
-            return cached[0]
+            return cached
         expires = now + self.ttl_s
         claims = {"iss": ISSUER, "sub": subject, "role": role, "aud": audience, "iat": int(now), "exp": int(expires)}
         token = jwt.encode(claims, self._key, algorithm=ALGORITHM)
         if len(self._cache) > 100_000:
             self._cache.clear()
-        self._cache[(audience, role)] = (token, expires)
-        return token
+        self._cache[(audience, role, subject)] = (token, float(int(expires)))
+        return token, float(int(expires))
 
 
 class Verifier:
@@ -94,12 +106,14 @@ class Verifier:
             raise InvalidToken(f"role {claims.get('role')!r} may not call {audience}")
         return Claims(subject=claims["sub"], role=claims["role"], audience=audience, expires_at=float(claims["exp"]))
 
-    def check_header(self, authorization: str | None, *, audience: str) -> Claims:
+    def check_header(
+        self, authorization: str | None, *, audience: str, roles: tuple[str, ...] = ("control-plane",)
+    ) -> Claims:
         """The claims of an `Authorization: Bearer <token>` header."""
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise InvalidToken("no bearer token")
-        return self.verify(token.strip(), audience=audience)
+        return self.verify(token.strip(), audience=audience, roles=roles)
 
 
 def load_or_create_issuer(path: Path) -> Issuer:
@@ -127,7 +141,7 @@ def load_or_create_issuer(path: Path) -> Issuer:
         public.write_bytes(
             key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
         )
-    return Issuer(key)
+    return Issuer(key, key_path=path)
 
 
 def public_key_path(issuer_key_path: Path) -> Path:

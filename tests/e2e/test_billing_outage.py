@@ -24,6 +24,7 @@ from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
 from gpucloud.workflows.billing_close import close_workflow_id
+from support.ledger_auth import auth_for, register
 from support.stack import wait_until
 
 MINUTE = 60_000
@@ -45,6 +46,7 @@ def stack(tmp_path):
     )
     try:
         stack.start()
+        register(stack.ledger_url, tmp_path)  # the stack's ledger trusts the data dir's issuer key
         yield stack
     finally:
         stack.stop()
@@ -77,7 +79,10 @@ def late_agent_ships(ledger_url: str, spool_path, *, tenant_id: str, period_id: 
             "at_ms": at_ms,
             "node_id": node,
         }
-        assert httpx.post(f"{ledger_url}/v1/allocation-events", json=event).status_code == 201
+        assert (
+            httpx.post(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/allocation-events", json=event).status_code
+            == 201
+        )
     spool = Spool(spool_path, "late-node")
     spool.append_many(
         [
@@ -85,7 +90,8 @@ def late_agent_ships(ledger_url: str, spool_path, *, tenant_id: str, period_id: 
             for i in range(minutes)
         ]
     )
-    shipper = Shipper(spool, UsageLedger(ledger_url))
+    token = auth_for(ledger_url).token("agent", "node:late-node")  # what the API gives the node's agent
+    shipper = Shipper(spool, UsageLedger(ledger_url, token=lambda: token))
     try:
         assert shipper.ship_once().acked == minutes
     finally:
@@ -124,7 +130,12 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
     )
     ledger_usage = {"tenant_id": tenant["id"], "allocation_id": alloc_id}
     wait_until(
-        lambda: httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"] > 0,
+        lambda: (
+            httpx.get(auth=auth_for(stack.ledger_url), url=f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()[
+                "gpu_ms"
+            ]
+            > 0
+        ),
         timeout_s=30,
         what="usage reaches the ledger",
     )
@@ -132,18 +143,26 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
     stack.stop(only=CONTROL_PLANE)
     with pytest.raises(httpx.HTTPError):
         acme.get("/v1/usage")
-    before = httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"]
+    before = httpx.get(auth=auth_for(stack.ledger_url), url=f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()[
+        "gpu_ms"
+    ]
     # An earlier period, never closed, is due: its usage arrives while the control plane is down.
     earlier = period_of(period_bounds(period_of(time.time_ns() // 1_000_000))[0] - 1)
     late_agent_ships(stack.ledger_url, tmp_path / "late-node.db", tenant_id=tenant["id"], period_id=earlier, minutes=30)
     wait_until(
         lambda: (
-            httpx.get(f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()["gpu_ms"] >= before + 2 * 8 * 2_000
+            httpx.get(auth=auth_for(stack.ledger_url), url=f"{stack.ledger_url}/v1/usage", params=ledger_usage).json()[
+                "gpu_ms"
+            ]
+            >= before + 2 * 8 * 2_000
         ),
         timeout_s=30,
         what="the agents keep metering without the control plane",
     )
-    assert all(not p["closed_ms"] for p in httpx.get(f"{stack.ledger_url}/v1/periods").json())
+    assert all(
+        not p["closed_ms"]
+        for p in httpx.get(auth=auth_for(stack.ledger_url), url=f"{stack.ledger_url}/v1/periods").json()
+    )
 
     stack.start(only=CONTROL_PLANE)
     invoices = wait_until(
@@ -172,7 +191,9 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
     expected = ["end", "node_added", "node_added", "node_removed", "node_removed", "start"]
 
     def all_events():
-        found = httpx.get(f"{stack.ledger_url}/v1/allocation-events", params=ledger_usage).json()
+        found = httpx.get(
+            auth=auth_for(stack.ledger_url), url=f"{stack.ledger_url}/v1/allocation-events", params=ledger_usage
+        ).json()
         return found if len(found) >= len(expected) else None
 
     events = wait_until(all_events, timeout_s=30, what="the allocation's end reached the ledger")

@@ -11,6 +11,7 @@ import sys
 import httpx
 
 from gpucloud.devstack.stack import free_port, port_in_use
+from support.ledger_auth import auth_for, register
 from support.stack import wait_until
 
 
@@ -68,7 +69,11 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
             what="allocation ready",
         )
         # `up` runs the billing ledger too (its own DB in the data dir), with a price book.
-        assert httpx.get(f"http://127.0.0.1:{ports['ledger']}/v1/price-book/versions").json()[0]["prices"]
+        ledger_url = f"http://127.0.0.1:{ports['ledger']}"
+        register(ledger_url, tmp_path)  # the stack's ledger trusts the data dir's issuer key
+        unsigned = httpx.get(f"{ledger_url}/v1/price-book/versions")
+        assert unsigned.status_code == 401  # the ledger answers only the control plane's tokens
+        assert httpx.get(f"{ledger_url}/v1/price-book/versions", auth=auth_for(ledger_url)).json()[0]["prices"]
         assert (tmp_path / "ledger.db").exists()
     finally:
         _stop(proc)

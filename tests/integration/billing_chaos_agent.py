@@ -2,7 +2,10 @@
 
 Run as its own process so the test can SIGKILL it at any point:
 
-    python billing_chaos_agent.py SPOOL_DIR LEDGER_URL ALLOCATIONS_JSON INTERVAL_MS BATCH_SIZE
+    python billing_chaos_agent.py SPOOL_DIR LEDGER_URL ALLOCATIONS_JSON INTERVAL_MS BATCH_SIZE ISSUER_DIR
+
+Each node ships with a token for its own node, signed by the issuer key in ISSUER_DIR (what the
+control plane would hand the node's agent).
 
 ALLOCATIONS_JSON maps node id -> NodeAllocation fields; it is re-read at every tick, so the
 test ends allocations by rewriting it.
@@ -19,9 +22,13 @@ from pathlib import Path
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import Meter, NodeAllocation, Spool
 from gpucloud.ledger.client import UsageLedger
+from gpucloud.web.service_tokens import LEDGER_AUDIENCE, load_or_create_issuer
 
 
-def main(spool_dir: str, ledger_url: str, allocations_path: str, interval_ms: str, batch_size: str) -> None:
+def main(
+    spool_dir: str, ledger_url: str, allocations_path: str, interval_ms: str, batch_size: str, issuer_dir: str
+) -> None:
+    issuer = load_or_create_issuer(Path(issuer_dir) / "issuer_key.pem")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -35,7 +42,11 @@ def main(spool_dir: str, ledger_url: str, allocations_path: str, interval_ms: st
         meter = Meter(spool, lambda node_id=node_id: allocation_of(node_id), interval_ms=int(interval_ms))
         shipper = Shipper(
             spool,
-            UsageLedger(ledger_url, timeout_s=5),
+            UsageLedger(
+                ledger_url,
+                timeout_s=5,
+                token=lambda node_id=node_id: issuer.mint(LEDGER_AUDIENCE, subject=f"node:{node_id}", role="agent"),
+            ),
             batch_size=int(batch_size),
             backoff_initial_s=0.05,
             backoff_max_s=0.4,

@@ -20,7 +20,9 @@ import httpx
 
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app, wall_clock_ms
+from gpucloud.web.service_tokens import Verifier, public_key_path
 from support.databases import scratch_postgres
+from support.ledger_auth import issuer_in, register
 
 POSTGRES_URL_ENV = "GPUCLOUD_TEST_POSTGRES_URL"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,25 +55,36 @@ def wait_until_healthy(url: str, *, timeout_s: float = 30.0) -> None:
 
 
 @contextmanager
-def ledger_in_thread(database_url: str, *, clock_ms: Callable[[], int] = wall_clock_ms) -> Iterator[str]:
-    """The ledger app served by uvicorn in a thread of this process; yields its base URL."""
-    with ThreadedServer(create_app(database_url, clock_ms=clock_ms), name="ledger") as server:
+def ledger_in_thread(
+    database_url: str, *, issuer_dir: Path, clock_ms: Callable[[], int] = wall_clock_ms
+) -> Iterator[str]:
+    """The ledger app served by uvicorn in a thread of this process, trusting the issuer key in
+    `issuer_dir` (sign calls with `support.ledger_auth.LedgerAuth(issuer_dir)`); yields its URL."""
+    verifier = Verifier(issuer_in(issuer_dir).public_key)
+    with ThreadedServer(create_app(database_url, control_plane=verifier, clock_ms=clock_ms), name="ledger") as server:
         wait_until_healthy(server.url)
+        register(server.url, issuer_dir)
         yield server.url
 
 
 class LedgerProcess:
     """The ledger as its own OS process (``service.main``), for tests that kill it."""
 
-    def __init__(self, database_url: str, port: int, log_path: Path) -> None:
+    def __init__(self, database_url: str, port: int, log_path: Path, *, issuer_dir: Path) -> None:
+        self.key = public_key_path(issuer_dir / "issuer_key.pem")
+        issuer_in(issuer_dir)  # the key pair, made before the process starts
         self.database_url = database_url
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        register(self.url, issuer_dir)
         self._log_path = log_path
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        code = f"from gpucloud.ledger.app import main; main('127.0.0.1', {self.port}, {self.database_url!r})"
+        code = (
+            "from pathlib import Path; from gpucloud.ledger.app import main; "
+            f"main('127.0.0.1', {self.port}, {self.database_url!r}, control_plane_key=Path({str(self.key)!r}))"
+        )
         with self._log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT

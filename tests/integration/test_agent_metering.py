@@ -19,6 +19,7 @@ from gpucloud.agent.app import (
 )
 from gpucloud.sim.probe import SimulatedProbe
 from support.agents import agent_test_client
+from support.ledger_auth import auth_for
 from support.stack import wait_until
 
 
@@ -31,10 +32,12 @@ class NoTools(CommandRunner):
 
 
 def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
-    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as ledger_url:
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as ledger_url:
         now_ms = time.time_ns() // 1_000_000
+        auth = auth_for(ledger_url)
         httpx.post(
             f"{ledger_url}/v1/price-book/versions",
+            auth=auth,
             json={
                 "effective_from_ms": now_ms - 86_400_000,
                 "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}],
@@ -44,6 +47,7 @@ def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
         for i, (kind, node) in enumerate((("start", None), ("node_added", "gpu-1"))):
             httpx.post(
                 f"{ledger_url}/v1/allocation-events",
+                auth=auth,
                 json={
                     "event_id": f"e{i}",
                     "allocation_id": "a1",
@@ -61,7 +65,9 @@ def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
             runner=NoTools(),
             gpu_type="H100",
         )
-        metering = AgentMetering(agent, tmp_path / "spool.db", ledger_url, interval_s=0.05)
+        # The node's agent posts with a token for its own node (the API would give it one).
+        token = auth.token("agent", "node:gpu-1")
+        metering = AgentMetering(agent, tmp_path / "spool.db", ledger_url, interval_s=0.05, token=lambda: token)
         with agent_test_client(agent, metering=metering) as client:
             # No allocation named: the workload runs, nothing is metered.
             assert client.post("/actions/provision", json={"request_id": "r0", "tenant_id": "t1"}).status_code == 200
@@ -90,7 +96,9 @@ def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
                 timeout_s=30,
                 what="the spool shipped",
             )
-        usage = httpx.get(f"{ledger_url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}).json()
+        usage = httpx.get(
+            auth=auth_for(ledger_url), url=f"{ledger_url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}
+        ).json()
         # Every millisecond between provision and release, on 8 GPUs, once.
         assert usage["gpu_ms"] == 8 * (allocation.ended_ms - allocation.started_ms) > 8 * 500
 

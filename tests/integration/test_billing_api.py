@@ -20,6 +20,7 @@ from gpucloud.devstack.stack import free_port
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.tables import Allocation
+from support.ledger_auth import auth_for
 
 JAN = period_bounds("2024-01")[0]
 MINUTE = 60_000
@@ -29,9 +30,9 @@ PROBLEMS = "https://gpucloud.dev/problems/"
 
 @pytest.fixture
 def ledger_url(tmp_path: Path) -> Iterator[str]:
-    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as url:
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as url:
         price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "H100", "price_per_hour_micro": PRICE}]}
-        assert httpx.post(f"{url}/v1/price-book/versions", json=price_book).status_code == 201
+        assert httpx.post(auth=auth_for(url), url=f"{url}/v1/price-book/versions", json=price_book).status_code == 201
         yield url
 
 
@@ -57,7 +58,12 @@ def meter(ledger_url: str, *, tenant_id: str, allocation_id: str, node: str, sta
         }
         for seq in range(count)
     ]
-    assert httpx.post(f"{ledger_url}/v1/usage:batch", json={"samples": samples}).json()["accepted"] == count
+    assert (
+        httpx.post(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/usage:batch", json={"samples": samples}).json()[
+            "accepted"
+        ]
+        == count
+    )
 
 
 def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, ledger_url) -> None:
@@ -86,11 +92,14 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
         assert json.loads(draft.content)["lines"][0]["gpu_ms"] == 2 * 8 * MINUTE
 
         assert acme.get("/v1/invoices").json() == {"items": []}
-        assert httpx.post(f"{ledger_url}/v1/periods/2024-01:close").status_code == 200
+        assert httpx.post(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/periods/2024-01:close").status_code == 200
         [mine] = acme.get("/v1/invoices").json()["items"]
         assert (mine["period_id"], mine["tenant_id"], mine["line_count"]) == ("2024-01", acme_id, 1)
         invoice = acme.get(f"/v1/invoices/{mine['id']}")
-        assert invoice.content == httpx.get(f"{ledger_url}/v1/periods/2024-01/invoices/{acme_id}").content
+        assert (
+            invoice.content
+            == httpx.get(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/periods/2024-01/invoices/{acme_id}").content
+        )
         assert invoice.headers["etag"] == f'"{mine["sha256"]}"'
         assert acme.get(f"/v1/invoices/{mine['id']}").content == invoice.content  # byte for byte, every time
         assert other.get(f"/v1/invoices/{mine['id']}").status_code == 404

@@ -25,6 +25,7 @@ from gpucloud.agent.spool import Spool, wall_clock_ms
 from gpucloud.devstack.stack import free_port
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
+from support.ledger_auth import auth_for
 
 SEED = int(os.environ.get("GPUCLOUD_CHAOS_SEED", "20240607"))
 INTERVAL_MS = 10
@@ -55,6 +56,7 @@ class Cluster:
                 str(self.allocations_path),
                 str(INTERVAL_MS),
                 "300",
+                str(self.tmp_path),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -129,12 +131,15 @@ def write_atomically(path: Path, value: object) -> None:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     port = free_port()
-    ledger = LedgerProcess(f"sqlite:///{tmp_path / 'ledger.db'}", port, tmp_path / "ledger.log")
+    ledger = LedgerProcess(f"sqlite:///{tmp_path / 'ledger.db'}", port, tmp_path / "ledger.log", issuer_dir=tmp_path)
     ledger.start()
     wait_until_healthy(ledger.url)
     started_ms = wall_clock_ms()
     price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
-    assert httpx.post(f"{ledger.url}/v1/price-book/versions", json=price_book).status_code == 201
+    assert (
+        httpx.post(auth=auth_for(ledger.url), url=f"{ledger.url}/v1/price-book/versions", json=price_book).status_code
+        == 201
+    )
     allocations = {}
     for _number, (node_id, (allocation_id, tenant_id)) in enumerate(NODES.items()):
         allocations[node_id] = {
@@ -155,7 +160,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
                 "node_id": node,
                 "gpu_type": "h100",
             }
-            assert httpx.post(f"{ledger.url}/v1/allocation-events", json=event).status_code in (200, 201)
+            assert httpx.post(
+                auth=auth_for(ledger.url), url=f"{ledger.url}/v1/allocation-events", json=event
+            ).status_code in (200, 201)
     allocations_path = tmp_path / "allocations.json"
     write_atomically(allocations_path, allocations)
     (tmp_path / "spools").mkdir()
@@ -176,12 +183,14 @@ def assert_totals_are_exact(cluster: Cluster, ended_ms: int) -> None:
         truth_by_allocation.setdefault(key, []).append(node_id)
     for (allocation_id, tenant_id), node_ids in truth_by_allocation.items():
         params = {"tenant_id": tenant_id, "allocation_id": allocation_id}
-        answer = httpx.get(f"{cluster.ledger.url}/v1/usage", params=params).json()
+        answer = httpx.get(
+            auth=auth_for(cluster.ledger.url), url=f"{cluster.ledger.url}/v1/usage", params=params
+        ).json()
         per_node_ms = ended_ms - cluster.started_ms
         assert answer["gpu_ms"] == len(node_ids) * 8 * per_node_ms, f"seed {SEED}"
         assert answer["sample_count"] == sum(cluster.samples(node_id) for node_id in node_ids), f"seed {SEED}"
         assert answer["amount_micro"] == expected_amount(cluster.started_ms, ended_ms, len(node_ids)), f"seed {SEED}"
-    assert httpx.get(f"{cluster.ledger.url}/v1/usage/conflicts").json() == []
+    assert httpx.get(auth=auth_for(cluster.ledger.url), url=f"{cluster.ledger.url}/v1/usage/conflicts").json() == []
 
 
 def expected_amount(started_ms: int, ended_ms: int, nodes: int) -> int:
@@ -228,7 +237,9 @@ def test_a_ledger_outage_grows_the_spool_which_then_drains(cluster: Cluster) -> 
     def ledger_has_usage_of_every_allocation() -> bool:
         usage_url = f"{cluster.ledger.url}/v1/usage"
         return all(
-            httpx.get(usage_url, params={"tenant_id": tenant, "allocation_id": allocation}).json()["sample_count"]
+            httpx.get(
+                usage_url, params={"tenant_id": tenant, "allocation_id": allocation}, auth=auth_for(cluster.ledger.url)
+            ).json()["sample_count"]
             for allocation, tenant in set(NODES.values())
         )
 

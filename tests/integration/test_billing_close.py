@@ -24,6 +24,7 @@ from gpucloud.ledger.pricing import Rate
 from gpucloud.models.billing_messages import BillingCatchUpInput, BillingCloseInput
 from gpucloud.services.schedules import billing_schedule_id, ensure_billing_close_schedule
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow, close_workflow_id
+from support.ledger_auth import LedgerAuth
 from support.stack import async_wait_until
 
 MINUTE = 60_000
@@ -43,8 +44,8 @@ class Clock:
 def ledger(tmp_path: Path) -> Iterator[tuple[httpx.Client, Clock]]:
     clock = Clock(MAR + 10 * 86_400_000)  # mid-March 2024: January and February have ended
     with (
-        ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", clock_ms=clock) as url,
-        httpx.Client(base_url=url, timeout=30) as client,
+        ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path, clock_ms=clock) as url,
+        httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(tmp_path)) as client,
     ):
         price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
         assert client.post("/v1/price-book/versions", json=price_book).status_code == 201

@@ -428,7 +428,10 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
     # counting when it is detached, its replacement counts from when it is attached.
     from ledger_harness import ledger_in_thread
 
-    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as ledger_url:
+    from support.ledger_auth import auth_for
+
+    # The control plane's data dir holds the key the ledger trusts (the harness's is tmp_path).
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as ledger_url:
         h = await _ready_fleet(
             make_harness,
             in_process_worker,
@@ -445,7 +448,9 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
 
         def events() -> list[dict]:
             return httpx.get(
-                f"{ledger_url}/v1/allocation-events", params={"tenant_id": tenant_id, "allocation_id": alloc_id}
+                f"{ledger_url}/v1/allocation-events",
+                params={"tenant_id": tenant_id, "allocation_id": alloc_id},
+                auth=auth_for(ledger_url),
             ).json()
 
         def replaced() -> dict | None:

@@ -14,6 +14,7 @@ from ledger_harness import backends, ledger_database_url, ledger_in_thread
 
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
+from support.ledger_auth import LedgerAuth
 
 PROBLEM = "https://gpucloud.dev/problems/ledger/"
 JAN, FEB = period_bounds("2024-01")[0], period_bounds("2024-02")[0]
@@ -33,8 +34,8 @@ PRICE_BOOK = {
 def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
     with (
         ledger_database_url(request.param, tmp_path) as database_url,
-        ledger_in_thread(database_url) as url,
-        httpx.Client(base_url=url, timeout=30) as client,
+        ledger_in_thread(database_url, issuer_dir=tmp_path) as url,
+        httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(tmp_path)) as client,
     ):
         assert client.post("/v1/price-book/versions", json=PRICE_BOOK).status_code == 201
         yield client
@@ -352,8 +353,8 @@ def test_invoice_close_is_reproducible_and_late_usage_is_adjusted_next_period(
     random.Random(3).shuffle(shuffled)
     with (
         ledger_database_url("sqlite", tmp_path, "replica") as replica_url,
-        ledger_in_thread(replica_url) as url,
-        httpx.Client(base_url=url, timeout=30) as replica,
+        ledger_in_thread(replica_url, issuer_dir=tmp_path) as url,
+        httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(tmp_path)) as replica,
     ):
         replica.post("/v1/price-book/versions", json=PRICE_BOOK)
         for start in range(0, len(shuffled), 333):

@@ -15,6 +15,7 @@ from ledger_harness import ledger_in_thread
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
 from gpucloud.devstack.stack import free_port
 from gpucloud.sim.metering import FleetMetering
+from support.ledger_auth import auth_for
 from support.stack import wait_until
 
 INTERVAL_MS = 50
@@ -58,13 +59,19 @@ def test_usage_reaches_the_ledger_exactly_across_an_outage_and_a_restart(tmp_pat
         backlog = metering.report()
         assert backlog["pending"] >= 10 and all(len(n["allocations"]) == 1 for n in backlog["nodes"].values())
 
-    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}") as url:
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as url:
         price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}]}
-        assert httpx.post(f"{url}/v1/price-book/versions", json=price_book).status_code == 201
+        assert httpx.post(auth=auth_for(url), url=f"{url}/v1/price-book/versions", json=price_book).status_code == 201
         # A restarted sim finds the spools and ships what the outage held back.
-        with running(FleetMetering(spools, url, interval_ms=INTERVAL_MS, node_ids=["n1", "n2", "n3"])) as metering:
+        operator = auth_for(url).token("operator")
+        metering = FleetMetering(
+            spools, url, interval_ms=INTERVAL_MS, node_ids=["n1", "n2", "n3"], token=lambda: operator
+        )
+        with running(metering):
             wait_until(lambda: metering.report()["pending"] == 0, timeout_s=30, what="the backlog shipped")
             assert sorted(metering.report()["nodes"]) == ["n1", "n2"]
-        usage = httpx.get(f"{url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}).json()
+        usage = httpx.get(
+            auth=auth_for(url), url=f"{url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}
+        ).json()
         assert usage["gpu_ms"] == truth
         assert usage["sample_count"] == backlog["nodes"]["n1"]["samples"] + backlog["nodes"]["n2"]["samples"]

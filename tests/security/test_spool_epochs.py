@@ -17,6 +17,8 @@ from gpucloud.agent.spool import Spool, Usage
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app
 from gpucloud.ledger.client import UsageLedger
+from gpucloud.web.service_tokens import Verifier
+from support.ledger_auth import LedgerAuth
 
 pytestmark = pytest.mark.one_database
 
@@ -26,12 +28,16 @@ HOUR_MS = 3_600_000
 def test_a_reimaged_nodes_new_spool_is_billed_beside_its_old_one(tmp_path):
     now_ms = time.time_ns() // 1_000_000
     start = now_ms - 2 * HOUR_MS
-    server = ThreadedServer(create_app(f"sqlite:///{tmp_path / 'ledger.db'}"), name="ledger")
+    auth = LedgerAuth(tmp_path)
+    app = create_app(f"sqlite:///{tmp_path / 'ledger.db'}", control_plane=Verifier(auth.issuer.public_key))
+    server = ThreadedServer(app, name="ledger")
     server.start()
     try:
         url = server.url
+        node_token = auth.token("agent", "node:gpu-1")
         httpx.post(
             f"{url}/v1/price-book/versions",
+            auth=auth,
             json={
                 "effective_from_ms": start - 86_400_000,
                 "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}],
@@ -41,7 +47,7 @@ def test_a_reimaged_nodes_new_spool_is_billed_beside_its_old_one(tmp_path):
         for i, (kind, node) in enumerate((("start", None), ("node_added", "gpu-1"))):
             event = {"event_id": f"e{i}", "allocation_id": "a1", "tenant_id": "t1", "kind": kind}
             event |= {"at_ms": start, "node_id": node, "gpu_type": "H100"}
-            httpx.post(f"{url}/v1/allocation-events", json=event).raise_for_status()
+            httpx.post(f"{url}/v1/allocation-events", json=event, auth=auth).raise_for_status()
 
         def usage(i: int) -> Usage:
             return Usage("a1", "t1", "H100", 8, start + i * 60_000, start + (i + 1) * 60_000)
@@ -50,17 +56,17 @@ def test_a_reimaged_nodes_new_spool_is_billed_beside_its_old_one(tmp_path):
         old = Spool(tmp_path / "old-spool.db", "gpu-1", clock_ms=lambda: start)
         for i in range(3):
             old.append(usage(i))
-        assert Shipper(old, UsageLedger(url)).ship_once().acked == 3
+        assert Shipper(old, UsageLedger(url, token=lambda: node_token)).ship_once().acked == 3
         # Re-imaged: a fresh spool (its disk was wiped) meters the next minutes of the same node.
         new = Spool(tmp_path / "new-spool.db", "gpu-1", clock_ms=lambda: now_ms)
         for i in range(3, 5):
             new.append(usage(i))
         assert new.epoch_base > old.last_seq()
-        shipped = Shipper(new, UsageLedger(url)).ship_once()
+        shipped = Shipper(new, UsageLedger(url, token=lambda: node_token)).ship_once()
         assert (shipped.acked, shipped.rejected) == (2, 0)
-        billed = httpx.get(f"{url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}).json()
+        billed = httpx.get(f"{url}/v1/usage", params={"tenant_id": "t1", "allocation_id": "a1"}, auth=auth).json()
         assert billed["sample_count"] == 5 and billed["gpu_ms"] == 5 * 60_000 * 8
-        assert httpx.get(f"{url}/v1/usage/conflicts").json() == []
+        assert httpx.get(f"{url}/v1/usage/conflicts", auth=auth).json() == []
         old.close()
         new.close()
     finally:

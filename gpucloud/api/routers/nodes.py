@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
@@ -20,6 +20,7 @@ from gpucloud.api.schemas import (
     EnrollResult,
     HeartbeatBatch,
     HeartbeatResult,
+    LedgerToken,
     MaintenanceRequest,
     NodeActionResult,
     NodeEventPage,
@@ -36,6 +37,7 @@ from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import start_bringup_batches
 from gpucloud.web.problems import not_found
+from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["nodes"])
@@ -182,6 +184,18 @@ def issue_agent_credential(node_id: str, operator: OperatorDep, settings: Settin
         except agent_credentials.UnknownNode:
             raise not_found("node", node_id) from None
     return AgentCredentialIssued(node_id=node_id, token=token)
+
+
+@router.post("/agents/ledger-token", response_model=LedgerToken)
+def ledger_token(caller: ReporterDep, request: Request) -> LedgerToken:
+    """A token for the billing ledger: an agent's posts usage for its own node only; the
+    operator's (the simulated fleet ships for every node) may post usage for any."""
+    issuer = request.app.state.issuer
+    if caller.role == "agent":
+        token, expires_at = issuer.mint_until(LEDGER_AUDIENCE, subject=f"node:{caller.node_id}", role="agent")
+    else:
+        token, expires_at = issuer.mint_until(LEDGER_AUDIENCE, subject="operator", role="operator")
+    return LedgerToken(token=token, expires_at=expires_at)
 
 
 @router.post("/agents/heartbeats", response_model=HeartbeatResult)

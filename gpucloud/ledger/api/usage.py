@@ -37,13 +37,18 @@ async def ingest_usage(request: Request, ledger: LedgerDep) -> UsageBatchResult:
     sense is rejected on its own in ``rejections`` while the rest of the batch is recorded.
     """
     body = await request.body()
+    claims = request.scope.get("state", {}).get("claims")
+    node = claims.subject.removeprefix("node:") if claims is not None and claims.role == "agent" else None
     # One thread validates and ingests every batch, one after the other. Batches are written
     # one at a time anyway (single writer); letting several threads take turns would make the
     # GIL bounce between them at each of SQLite's 8,000 row steps and halve throughput.
-    return await asyncio.get_running_loop().run_in_executor(ledger.ingest_worker, _validate_and_ingest, ledger, body)
+    return await asyncio.get_running_loop().run_in_executor(
+        ledger.ingest_worker, _validate_and_ingest, ledger, body, node
+    )
 
 
-def _validate_and_ingest(ledger: LedgerContext, body: bytes) -> UsageBatchResult:
+def _validate_and_ingest(ledger: LedgerContext, body: bytes, node: str | None) -> UsageBatchResult:
+    """`node`: the agent's own node, the only one its samples may name (None: an operator's batch)."""
     # Validated straight from bytes into dicts: no model object per sample.
     try:
         batch = USAGE_BATCH.validate_json(body)
@@ -51,6 +56,11 @@ def _validate_and_ingest(ledger: LedgerContext, body: bytes) -> UsageBatchResult
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
         raise problems.LedgerProblem(problems.REQUEST_INVALID(f"{field}: {first['msg']}", field=field)) from None
+    foreign = sorted({s["node_id"] for s in batch["samples"]} - {node}) if node is not None else []
+    if foreign:
+        raise problems.LedgerProblem(
+            problems.FORBIDDEN(f"the agent of {node} reports usage for its own node only, not {foreign[0]}")
+        )
     return ledger.ingest.ingest(batch["samples"])
 
 

@@ -1,0 +1,48 @@
+"""Calls to the billing ledger in tests, signed as the control plane signs them.
+
+The ledger answers only tokens the control plane's issuer key signed for it; a test's ledger
+trusts the issuer key kept in a directory of the test (the harness's data dir when a control
+plane runs beside it, so both sign with the same key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer, load_or_create_issuer
+
+
+def issuer_in(directory: Path) -> Issuer:
+    return load_or_create_issuer(directory / "issuer_key.pem")
+
+
+class LedgerAuth(httpx.Auth):
+    """Allocation events and reads as the control plane; the price book, reversals, closes and
+    usage batches (for any node) as the operator."""
+
+    def __init__(self, directory: Path) -> None:
+        self.issuer = issuer_in(directory)
+
+    def auth_flow(self, request: httpx.Request):
+        path = request.url.path
+        control_plane = request.method == "GET" or path == "/v1/allocation-events"
+        role = "control-plane" if control_plane else "operator"
+        request.headers["Authorization"] = f"Bearer {self.issuer.mint(LEDGER_AUDIENCE, subject=role, role=role)}"
+        yield request
+
+    def token(self, role: str, subject: str | None = None) -> str:
+        return self.issuer.mint(LEDGER_AUDIENCE, subject=subject or role, role=role)
+
+
+_DIRS: dict[str, Path] = {}
+
+
+def register(url: str, directory: Path) -> None:
+    """The ledger at `url` trusts the issuer key in `directory`."""
+    _DIRS[url.rstrip("/")] = directory
+
+
+def auth_for(url: str) -> LedgerAuth:
+    """How to sign calls to the ledger at `url` (one registered by the harness that started it)."""
+    return LedgerAuth(_DIRS[url.rstrip("/")])
