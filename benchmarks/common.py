@@ -15,6 +15,7 @@ from temporalio.worker import Worker
 
 from gpucloud.adapters.temporal import connect
 from gpucloud.config import Settings
+from gpucloud.web.service_tokens import agent_audience
 
 # Bring-up's activities per workflow: read the nodes, 3 transitions, inspect, burn-in (a batch
 # of `bringup_batch_size` nodes takes the same six, each for the whole batch).
@@ -47,7 +48,7 @@ async def baseline(settings: Settings, nodes: int, *, nodes_per_workflow: int = 
     return nodes_per_workflow * await _baseline_workflows(settings, workflows)
 
 
-async def agent_floor(agent_urls: list[str], *, concurrency: int) -> float:
+async def agent_floor(agent_urls: list[str], *, concurrency: int, issuer=None) -> float:
     """Bring-up's agent calls alone (inspect and burn-in per node, `concurrency` at a time, as
     many as the batches have in flight), with no engine and no database: nodes per second."""
     import httpx
@@ -59,8 +60,12 @@ async def agent_floor(agent_urls: list[str], *, concurrency: int) -> float:
         async def node(url: str) -> None:
             async with gate:
                 for action in ("inspect", "burn_in"):
+                    # Signed as the control plane signs its calls (the agents check it).
+                    auth = {"Authorization": f"Bearer {issuer.mint(agent_audience(url.rsplit('/', 1)[1]))}"}
                     resp = await http.post(
-                        f"{url}/actions/{action}", json={"request_id": f"floor-{run}-{url}-{action}"}
+                        f"{url}/actions/{action}",
+                        json={"request_id": f"floor-{run}-{url}-{action}"},
+                        headers=auth if issuer else {},
                     )
                     resp.raise_for_status()
 

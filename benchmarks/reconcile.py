@@ -33,6 +33,7 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_temporal_db_arg, agent_floor, baseline, bench_stack, log, onboard_tenant, wait_for
 
+from gpucloud import bootstrap
 from gpucloud.activities.host_agent import BATCH_CONCURRENCY
 from gpucloud.adapters.temporal import connect
 from gpucloud.config import Settings
@@ -100,7 +101,11 @@ def main() -> None:
         # As many calls in flight as the batches make: BATCH_CONCURRENCY per running batch
         # activity, within the worker's activity slots and its HTTP pool (200 connections).
         in_flight = min(200, BATCH_CONCURRENCY * min(-(-nodes // batch), settings.temporal.worker_max_activities))
-        agent_floor_nodes_per_s = asyncio.run(agent_floor([n["agent_url"] for n in inventory], concurrency=in_flight))
+        agent_floor_nodes_per_s = asyncio.run(
+            agent_floor(
+                [n["agent_url"] for n in inventory], concurrency=in_flight, issuer=bootstrap.token_issuer(settings)
+            )
+        )
         log(f"  {agent_floor_nodes_per_s:.1f} nodes/s")
 
         log("steady state: one sweep over the converged fleet")

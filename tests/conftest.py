@@ -121,6 +121,8 @@ def make_harness(tmp_path, temporal_env):
     `fabric=True` starts simulated fabric managers the worker applies membership through;
     `nvl72_racks` adds GB200 NVL72 racks (`nvl72_trays` trays each) after the `nodes`.
     """
+    from gpucloud import bootstrap
+    from gpucloud.web.service_tokens import public_key_path
     from support.fabric import FabricManagers
     from support.stack import ApiThread, Harness, SimFleetProcess
 
@@ -141,7 +143,15 @@ def make_harness(tmp_path, temporal_env):
             settings_overrides["fabric"] = {"url": managers.url, **settings_overrides.get("fabric", {})}
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
         nvl72 = ("--nvl72-racks", str(nvl72_racks), "--nvl72-trays-per-rack", str(nvl72_trays)) if nvl72_racks else ()
-        sim = SimFleetProcess(nodes=nodes, latency_scale=latency_scale, log_path=tmp_path / "sim.log", extra_args=nvl72)
+        # The fleet's agents act only on the control plane's tokens, signed with the harness's key.
+        bootstrap.token_issuer(settings)
+        sim = SimFleetProcess(
+            nodes=nodes,
+            latency_scale=latency_scale,
+            log_path=tmp_path / "sim.log",
+            extra_args=nvl72,
+            control_plane_key=public_key_path(settings.issuer_key_path),
+        )
         if managers is not None:
             managers.register_domains(sim.inventory())
         api = ApiThread(settings)

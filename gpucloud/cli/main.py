@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gpucloud import bootstrap
 from gpucloud.cli.billing import invoices_app
 from gpucloud.cli.fleet import nodes
 from gpucloud.cli.rollout import rollout_app
@@ -102,11 +103,17 @@ def sim(
     meter_interval: Annotated[float | None, typer.Option(help="seconds per usage sample (default: settings)")] = None,
     nvl72_racks: Annotated[int, typer.Option(help="GB200 NVL72 racks after the N nodes")] = 0,
     nvl72_trays_per_rack: Annotated[int, typer.Option(help="compute trays in each NVL72 rack")] = 18,
+    control_plane_key: Annotated[
+        Path | None,
+        typer.Option(help="the control plane's public key (default: the data dir's issuer_key.pub, made if absent)"),
+    ] = None,
 ) -> None:
-    """Run a simulated fleet of N host agents on one port."""
+    """Run a simulated fleet of N host agents on one port; like real agents, they act only on
+    the control plane's signed calls."""
     from gpucloud.sim.fleet import FleetSpec, serve
     from gpucloud.sim.metering import MeteringSpec
     from gpucloud.sim.node_weights import WeightsSpec, control_plane_keyrings
+    from gpucloud.web.service_tokens import Verifier, load_verifier
 
     _logging()
     settings = get_settings()
@@ -140,6 +147,9 @@ def sim(
         heartbeat_interval_s=heartbeat_interval,
         metering=metering,
         weights=weights,
+        control_plane=load_verifier(control_plane_key)
+        if control_plane_key
+        else Verifier(bootstrap.token_issuer(settings).public_key),
     )
 
 

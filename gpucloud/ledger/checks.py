@@ -177,6 +177,84 @@ def _allocation_problem(
     return None
 
 
+# How far a sample may reach past the control plane's node_added / node_removed moments: the
+# agent starts metering when its provision ends, the control plane records the node a moment
+# later (and the reverse at release); the same edges the reconciliation report tolerates.
+NODE_EDGE_TOLERANCE_MS = 60_000
+
+
+def check_nodes_held(connection: Connection, candidates: list[Candidate], reject: Reject) -> list[Candidate]:
+    """A sample's node must have been in its allocation over the sample's interval, by the
+    allocation's node events (within `NODE_EDGE_TOLERANCE_MS`): a node's agent cannot bill
+    time its node was not in the allocation, nor bill another node into it. An allocation
+    without events is not checked (as in `check_allocations`); a node its allocation has not
+    added yet is rejected as retryable (the control plane may send the event later)."""
+    if not candidates:
+        return candidates
+    allocations = set(map(allocation_field, map(sample_of, candidates)))
+    nodes = set(map(node_field, map(sample_of, candidates)))
+    tracked = set(
+        connection.execute(
+            select(allocation_events.c.allocation_id)
+            .where(allocation_events.c.allocation_id.in_(allocations))
+            .distinct()
+        ).scalars()
+    )
+    if not tracked:
+        return candidates
+    rows = connection.execute(
+        select(
+            allocation_events.c.allocation_id,
+            allocation_events.c.node_id,
+            allocation_events.c.kind,
+            allocation_events.c.at_ms,
+        )
+        .where(
+            allocation_events.c.allocation_id.in_(tracked),
+            allocation_events.c.node_id.in_(nodes),
+            allocation_events.c.kind.in_(("node_added", "node_removed")),
+        )
+        .order_by(allocation_events.c.at_ms, allocation_events.c.id)
+    )
+    held: dict[tuple[str, str], list[tuple[int, int | None]]] = defaultdict(list)
+    for row in rows:
+        spans = held[(row.allocation_id, row.node_id)]
+        if row.kind == "node_added":
+            if not spans or spans[-1][1] is not None:
+                spans.append((row.at_ms, None))
+        elif spans and spans[-1][1] is None:
+            spans[-1] = (spans[-1][0], row.at_ms)
+    kept = []
+    for candidate in candidates:
+        sample = candidate.sample
+        allocation, node = sample["allocation_id"], sample["node_id"]
+        if allocation not in tracked:
+            kept.append(candidate)
+            continue
+        node_spans = held.get((allocation, node), [])
+        if not node_spans:
+            reject(
+                candidate,
+                problems.NODE_NOT_YET_IN_ALLOCATION(f"allocation {allocation} has not added {node}", field="node_id"),
+            )
+            continue
+        start, end = candidate.start_ms, candidate.end_ms
+        if any(_within(start, end, added, removed) for added, removed in node_spans):
+            kept.append(candidate)
+        else:
+            reject(
+                candidate,
+                problems.NODE_NOT_IN_ALLOCATION(
+                    f"allocation {allocation} did not hold {node} over [{start}, {end})", field="start_ms"
+                ),
+            )
+    return kept
+
+
+def _within(start: int, end: int, added: int, removed: int | None) -> bool:
+    return start >= added - NODE_EDGE_TOLERANCE_MS and (removed is None or end <= removed + NODE_EDGE_TOLERANCE_MS)
+
+
 def price(history: PriceBookHistory, candidates: list[Candidate], reject: Reject) -> list[Candidate]:
     if not candidates:
         return candidates

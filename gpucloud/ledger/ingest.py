@@ -15,6 +15,9 @@ For every sample of a batch, in this order:
    retryable: the control plane may be down and send the event hours later, and the agent
    keeps the sample in its spool until then. A sample whose tenant or GPU type differs from
    its allocation's events is rejected for good. Tenants without any events are not checked.
+   The sample's node must have been in the allocation over the sample's interval, by its
+   ``node_added`` / ``node_removed`` events (a minute's tolerance at the edges): a node not
+   added yet is retryable, a node the allocation did not hold then is rejected for good.
 4. Price: some price book version must price the GPU type at the sample's start
    (retryable: the operator can add it).
 5. Overlap: the interval must not overlap any interval already recorded for the node (or,
@@ -34,7 +37,7 @@ from typing import Literal
 from gpucloud.ledger import problems
 from gpucloud.ledger.batch import Candidate, end_field, gpu_count_field, seq_field, start_field
 from gpucloud.ledger.booking import book
-from gpucloud.ledger.checks import check_allocations, drop_known, drop_overlaps, price
+from gpucloud.ledger.checks import check_allocations, check_nodes_held, drop_known, drop_overlaps, price
 from gpucloud.ledger.db import LedgerDatabase
 from gpucloud.ledger.pricebook import PriceBookCache
 from gpucloud.ledger.schemas import SampleRejection, UsageBatchResult, UsageSampleIn
@@ -142,6 +145,7 @@ class UsageIngest:
             with self._database.write() as connection:
                 fresh, duplicates = drop_known(connection, candidates, reject, now_ms)
                 fresh = check_allocations(connection, fresh, reject)
+                fresh = check_nodes_held(connection, fresh, reject)
                 fresh = price(self._prices.get(connection), fresh, reject)
                 fresh = drop_overlaps(connection, fresh, reject)
                 book(connection, fresh, now_ms)

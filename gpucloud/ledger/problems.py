@@ -60,6 +60,12 @@ USAGE_OVERLAP = ProblemType("usage-overlap", "The interval overlaps usage alread
 UNKNOWN_ALLOCATION = ProblemType(
     "unknown-allocation", "The tenant has allocation events, none for this allocation", 422, retryable=True
 )
+NODE_NOT_YET_IN_ALLOCATION = ProblemType(
+    "node-not-yet-in-allocation", "No allocation event has added this node to the allocation yet", 422, retryable=True
+)
+NODE_NOT_IN_ALLOCATION = ProblemType(
+    "node-not-in-allocation", "The allocation did not hold this node over the sample's interval", 422
+)
 ALLOCATION_MISMATCH = ProblemType(
     "allocation-mismatch", "The sample's tenant or GPU type differs from the allocation's", 422
 )

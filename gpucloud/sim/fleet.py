@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -47,6 +47,7 @@ from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 from gpucloud.web import problems
+from gpucloud.web.service_tokens import InvalidToken, Verifier, agent_audience
 
 log = logging.getLogger(__name__)
 
@@ -355,9 +356,12 @@ def create_app(
     heartbeat_interval_s: float = 10.0,
     metering: MeteringSpec | None = None,
     weights: WeightsSpec | None = None,
+    control_plane: Verifier | None = None,
 ) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
-    `weights`: each node serves the weights API under its agent URL."""
+    `weights`: each node serves the weights API under its agent URL; `control_plane`: each
+    node's actions answer only a token the control plane signed for that node, as a real
+    agent's do (None: unchecked, for the fleet model's own tests)."""
     fleet = Fleet(spec)
 
     @asynccontextmanager
@@ -416,7 +420,13 @@ def create_app(
         return Fleet.describe(fleet.node(node_id))
 
     @app.post("/v1/nodes/{node_id}/actions/{action}")
-    async def act(node_id: str, action: str, req: ActionRequest):
+    async def act(node_id: str, action: str, req: ActionRequest, request: Request):
+        if control_plane is not None:
+            try:
+                control_plane.check_header(request.headers.get("authorization"), audience=agent_audience(node_id))
+            except InvalidToken as exc:
+                document = problems.body(401, "unauthorized", "Unauthorized", f"only the control plane acts ({exc})")
+                return problems.response(document, 401, headers={"WWW-Authenticate": "Bearer"})
         if action not in ACTIONS:
             raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
         status, body = await fleet.act(fleet.node(node_id), action, req)
@@ -478,11 +488,13 @@ def serve(
     heartbeat_interval_s: float = 10.0,
     metering: MeteringSpec | None = None,
     weights: WeightsSpec | None = None,
+    control_plane: Verifier | None = None,
 ) -> None:
     import uvicorn
 
     app = create_app(
         spec,
+        control_plane=control_plane,
         base_url=f"http://{host}:{port}",
         control_plane_url=control_plane_url,
         operator_token=operator_token,

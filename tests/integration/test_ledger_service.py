@@ -242,15 +242,20 @@ def test_reconciliation_flags_gaps_and_unallocated_usage(ledger: httpx.Client) -
     n1 = [sample(seq, node="n1", start=day + 9 * MINUTE) for seq in range(2, 62)]  # [10, 70) minutes
     n2 = [sample(seq, node="n2", start=day + 9 * MINUTE) for seq in range(2, 32) if seq != 15]  # [10, 40) minus one
     n2.append(sample(40, node="n2", start=day + 9 * MINUTE))  # after n2 left the allocation
-    assert ingest(ledger, n1 + n2)["accepted"] == 60 + 29 + 1
+    answer = ingest(ledger, n1 + n2)
+    # Time the allocation did not hold the node is refused at ingest, for good.
+    assert answer["accepted"] == 60 + 29
+    (refused,) = answer["rejections"]
+    assert refused["node_id"] == "n2" and refused["problem"]["type"].endswith("/node-not-in-allocation")
+    assert refused["problem"]["retryable"] is False
     report = ledger.get("/v1/reconciliation", params={"tenant_id": "t1", "day": "2024-01-04"}).json()
     nodes = {node["node_id"]: node for node in report["allocations"][0]["nodes"]}
     assert nodes["n1"]["gaps"] == [] and nodes["n1"]["unallocated"] == []
     assert nodes["n1"]["allocated_ms"] == nodes["n1"]["metered_ms"] == 60 * MINUTE
     assert nodes["n2"]["gaps"] == [{"start_ms": day + 23 * MINUTE, "end_ms": day + 24 * MINUTE}]
-    assert nodes["n2"]["unallocated"] == [{"start_ms": day + 48 * MINUTE, "end_ms": day + 49 * MINUTE}]
-    assert nodes["n2"]["metered_gpu_ms"] == 30 * 8 * MINUTE
-    assert (report["gap_count"], report["unallocated_count"], report["ok"]) == (1, 1, False)
+    assert nodes["n2"]["unallocated"] == []
+    assert nodes["n2"]["metered_gpu_ms"] == 29 * 8 * MINUTE
+    assert (report["gap_count"], report["unallocated_count"], report["ok"]) == (1, 0, False)
     quiet = ledger.get("/v1/reconciliation", params={"tenant_id": "t1", "day": "2024-01-05"}).json()
     assert quiet["allocations"] == [] and quiet["ok"] is True
     assert ledger.get("/v1/reconciliation", params={"tenant_id": "t1", "day": "not-a-day"}).status_code == 422

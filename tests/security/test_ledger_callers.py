@@ -96,6 +96,16 @@ def test_every_ledger_call_needs_the_right_role_and_an_agent_bills_only_its_own_
             assert (
                 http.post("/v1/usage:batch", json={"samples": mixed}, headers=roles["control plane"]).status_code == 403
             )
+            # Nor time its node was not in the allocation: before it was added, or a node never added.
+            early = _sample("gpu-1", 2, start - 2 * 3_600_000)
+            answer = http.post("/v1/usage:batch", json={"samples": [early]}, headers=roles["agent gpu-1"]).json()
+            assert answer["accepted"] == 0 and answer["rejections"][0]["problem"]["type"].endswith(
+                "/node-not-in-allocation"
+            )
+            stranger = _sample("gpu-9", 1, start)
+            answer = http.post("/v1/usage:batch", json={"samples": [stranger]}, headers=roles["operator"]).json()
+            problem = answer["rejections"][0]["problem"]
+            assert problem["type"].endswith("/node-not-yet-in-allocation") and problem["retryable"] is True
             usage = http.get("/v1/usage", params={"tenant_id": "t1"}, headers=roles["operator"]).json()
             assert usage["sample_count"] == 1
             assert http.get("/healthz").status_code == 200

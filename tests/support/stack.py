@@ -53,6 +53,7 @@ class SimFleetProcess:
         log_path: Path,
         id_prefix: str | None = None,
         extra_args: tuple[str, ...] = (),
+        control_plane_key: Path | None = None,
     ) -> None:
         # Node ids are global in Temporal (workflow `node-<id>`): each fleet gets its own.
         self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
@@ -72,6 +73,7 @@ class SimFleetProcess:
                 str(latency_scale),
                 "--id-prefix",
                 self.id_prefix,
+                *(("--control-plane-key", str(control_plane_key)) if control_plane_key else ()),
                 *extra_args,
             ],
             env=env,
