@@ -200,6 +200,8 @@ class RegistrySettings(BaseModel):
     prefix: str = "registry"
     # The largest chunk the API accepts in one upload: the chunker's own maximum (64 MiB).
     max_chunk_size: int = 64 * 1024 * 1024
+    # The bytes of chunks one tenant's registry store may hold (uploads past it: 409).
+    storage_quota_bytes: int = 100 * 1024**4
 
 
 class TrackerSettings(BaseModel):

@@ -265,6 +265,17 @@ class SigningKey(SigningKeyCreate, table=True):
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
+class StorageUsage(SQLModel, table=True):
+    """Bytes of chunks a tenant's registry store holds: added to as uploads store new chunks,
+    measured again by every garbage collection of the tenant (which also drops what it deletes)."""
+
+    __tablename__ = "registry_storage_usage"
+
+    tenant_id: str = Field(primary_key=True, max_length=128)
+    bytes: int = Field(default=0, sa_type=sa.BigInteger)
+    measured_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
 # ---------------------------------------------------------------- API bodies composed from the rows
 
 

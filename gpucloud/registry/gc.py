@@ -54,6 +54,7 @@ class GcResult:
     referenced or not; `chunks_referenced` counts the older ones some manifest or lease kept."""
 
     chunks_scanned: int = 0
+    bytes_scanned: int = 0
     chunks_referenced: int = 0
     chunks_young: int = 0
     chunks_deleted: int = 0
@@ -125,6 +126,7 @@ def _collect(
     old = {}
     for info in chunk_store.list():
         result.chunks_scanned += 1
+        result.bytes_scanned += info.size
         if info.modified < cutoff:
             old[info.id] = info
         else:

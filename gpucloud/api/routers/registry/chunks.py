@@ -30,6 +30,7 @@ from gpucloud.registry.manifest import (
     ChunkMissingError,
     IntegrityError,
 )
+from gpucloud.services import storage_quota
 from gpucloud.web.problems import Problem, not_found
 
 log = logging.getLogger(__name__)
@@ -71,14 +72,20 @@ async def upload_chunk(
                 pending.clear()
         await run_in_threadpool(spool.write, bytes(pending))
         spool.seek(0)
+        chunks = stores.chunks(tenant.tenant_id)
+        if not await run_in_threadpool(chunks.has, chunk_id):  # a chunk already stored costs nothing
+            quota = settings.registry.storage_quota_bytes
+            await run_in_threadpool(storage_quota.admit, settings.database_url, tenant.tenant_id, size, quota)
         try:
-            stored = await run_in_threadpool(stores.chunks(tenant.tenant_id).put, chunk_id, spool)
+            stored = await run_in_threadpool(chunks.put, chunk_id, spool)
         except ChunkCorruptedError as exc:
             raise invalid(
                 "chunk_id",
                 f"the {size} bytes sent hash to {exc.actual_id}, not to {chunk_id}; nothing was stored",
                 "chunk-digest-mismatch",
             ) from None
+    if stored:
+        await run_in_threadpool(storage_quota.add, settings.database_url, tenant.tenant_id, size)
     body = ChunkStored(id=chunk_id, size=size, stored=stored)
     return JSONResponse(body.model_dump(), status_code=201 if stored else 200)
 

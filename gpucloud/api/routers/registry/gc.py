@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
-from gpucloud.api.deps import OperatorDep, SessionDep
+from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep
 from gpucloud.api.routers.registry.common import (
     StoresDep,
 )
@@ -18,6 +18,7 @@ from gpucloud.models.registry_tables import (
     RegistryModel,
 )
 from gpucloud.registry import gc
+from gpucloud.services import storage_quota
 from gpucloud.web.problems import not_found
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class GcReport(BaseModel):
 
 
 @router.post("/registry/gc", response_model=GcReport)
-def collect_garbage(req: GcRequest, operator: OperatorDep, session: SessionDep, stores: StoresDep):
+def collect_garbage(
+    req: GcRequest, operator: OperatorDep, session: SessionDep, stores: StoresDep, settings: SettingsDep
+):
     """Remove (or with `dry_run`, list) chunks no version references, older than the grace period;
     chunks of pushes in progress are kept (`gpucloud.registry.gc`)."""
     tenant_ids = list(
@@ -83,6 +86,8 @@ def collect_garbage(req: GcRequest, operator: OperatorDep, session: SessionDep, 
         result = gc.collect_garbage(
             stores.chunks(tenant_id), stores.manifests(tenant_id), grace_period=grace, dry_run=req.dry_run
         )
+        if not req.dry_run:  # the tenant's storage as measured now, for its quota
+            storage_quota.measured(settings.database_url, tenant_id, result.bytes_scanned - result.bytes_deleted)
         log.info(
             "registry gc of tenant %s (dry run: %s): %d chunks, %d bytes",
             tenant_id,
