@@ -107,6 +107,13 @@ def sim(
         Path | None,
         typer.Option(help="the control plane's public key (default: the data dir's issuer_key.pub, made if absent)"),
     ] = None,
+    batch_reports: Annotated[
+        bool,
+        typer.Option(
+            help="report every node's heartbeat in batches under the operator token, instead of each node "
+            "with its own credential in its own request (for fleets too large to report one by one here)"
+        ),
+    ] = False,
 ) -> None:
     """Run a simulated fleet of N host agents on one port; like real agents, they act only on
     the control plane's signed calls."""
@@ -147,6 +154,7 @@ def sim(
         heartbeat_interval_s=heartbeat_interval,
         metering=metering,
         weights=weights,
+        batch_reports=batch_reports,
         control_plane=load_verifier(control_plane_key)
         if control_plane_key
         else Verifier(bootstrap.token_issuer(settings).public_key),

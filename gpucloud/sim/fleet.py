@@ -325,9 +325,14 @@ async def register_with_control_plane(
     *,
     batch: int = 500,
     heartbeat_interval_s: float = 10.0,
+    batch_reports: bool = False,
 ) -> None:
     """Enroll every node through the control plane's API (retrying until it answers), then
-    report every reachable agent's state each interval, as real agents do."""
+    report every reachable agent's state each interval, as real agents do: each node with its
+    own credential (the one its last wipe handed over), one heartbeat a request. A node not yet
+    wiped holds no credential; those, and with `batch_reports` every node, are reported in
+    batches under the operator token (an explicit option for fleets too large to report one by
+    one on one machine)."""
     inventory = fleet.inventory(base_url)
     async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {token}"}) as client:
         for start in range(0, len(inventory), batch):
@@ -336,15 +341,38 @@ async def register_with_control_plane(
             )
         log.info("registered %d nodes with %s", len(inventory), control_plane_url)
         while heartbeat_interval_s > 0:
-            beats = fleet.heartbeats()
-            for start in range(0, len(beats), 2000):
-                try:
-                    await client.post(
-                        f"{control_plane_url}/v1/agents/heartbeats", json={"heartbeats": beats[start : start + 2000]}
-                    )
-                except httpx.HTTPError as exc:
-                    log.warning("heartbeats not delivered: %s", exc)
+            await _report(client, fleet, control_plane_url, batch_reports=batch_reports)
             await asyncio.sleep(heartbeat_interval_s)
+
+
+REPORTS_IN_FLIGHT = 32
+
+
+async def _report(client: httpx.AsyncClient, fleet: Fleet, control_plane_url: str, *, batch_reports: bool) -> None:
+    url = f"{control_plane_url}/v1/agents/heartbeats"
+    beats = fleet.heartbeats()
+    own = [] if batch_reports else [b for b in beats if fleet.nodes[b["node_id"]].credential]
+    rest = [b for b in beats if batch_reports or not fleet.nodes[b["node_id"]].credential]
+    gate = asyncio.Semaphore(REPORTS_IN_FLIGHT)
+
+    async def one(beat: dict) -> None:
+        credential = fleet.nodes[beat["node_id"]].credential
+        async with gate:
+            try:
+                answer = await client.post(
+                    url, json={"heartbeats": [beat]}, headers={"Authorization": f"Bearer {credential}"}
+                )
+                if answer.status_code >= 400:
+                    log.warning("heartbeat of %s refused: HTTP %d", beat["node_id"], answer.status_code)
+            except httpx.HTTPError as exc:
+                log.warning("heartbeat of %s not delivered: %s", beat["node_id"], exc)
+
+    await asyncio.gather(*(one(b) for b in own))
+    for start in range(0, len(rest), 2000):
+        try:
+            await client.post(url, json={"heartbeats": rest[start : start + 2000]})
+        except httpx.HTTPError as exc:
+            log.warning("heartbeats not delivered: %s", exc)
 
 
 def create_app(
@@ -357,6 +385,7 @@ def create_app(
     metering: MeteringSpec | None = None,
     weights: WeightsSpec | None = None,
     control_plane: Verifier | None = None,
+    batch_reports: bool = False,
 ) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
     `weights`: each node serves the weights API under its agent URL; `control_plane`: each
@@ -370,7 +399,12 @@ def create_app(
         if control_plane_url and operator_token:
             task = asyncio.create_task(
                 register_with_control_plane(
-                    fleet, base_url, control_plane_url, operator_token, heartbeat_interval_s=heartbeat_interval_s
+                    fleet,
+                    base_url,
+                    control_plane_url,
+                    operator_token,
+                    heartbeat_interval_s=heartbeat_interval_s,
+                    batch_reports=batch_reports,
                 )
             )
         stop_metering = threading.Event()
@@ -489,12 +523,14 @@ def serve(
     metering: MeteringSpec | None = None,
     weights: WeightsSpec | None = None,
     control_plane: Verifier | None = None,
+    batch_reports: bool = False,
 ) -> None:
     import uvicorn
 
     app = create_app(
         spec,
         control_plane=control_plane,
+        batch_reports=batch_reports,
         base_url=f"http://{host}:{port}",
         control_plane_url=control_plane_url,
         operator_token=operator_token,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tracemalloc
 from collections import deque
 
@@ -79,3 +80,32 @@ async def test_hardware_fault_fails_burn_in_until_the_rung_that_fixes_it(fleet):
     node.hardware_fault, node.fault_fixed_by = "GPU off the bus", None  # nothing fixes it
     assert (await fleet.act(node, "reflash", req("6")))[0] == 200
     assert (await fleet.act(node, "burn_in", req("7")))[0] == 422
+
+
+async def test_simulated_agents_report_each_with_its_own_credential_unless_batched():
+    """As real agents do: a node its last wipe handed a credential reports alone, under it;
+    nodes not yet wiped (no credential) go in one batch under the operator token, and
+    `batch_reports` batches everyone."""
+    import httpx
+
+    from gpucloud.sim.fleet import _report
+
+    fleet = Fleet(FleetSpec(nodes=4, latency_scale=0.0))
+    ids = sorted(fleet.nodes)
+    for node_id in ids[:3]:
+        fleet.nodes[node_id].credential = f"gpa_{node_id}.secret"
+    seen: list[tuple[str, list[str]]] = []
+
+    def control_plane(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.headers["authorization"], [b["node_id"] for b in body["heartbeats"]]))
+        return httpx.Response(200, json={"accepted": len(body["heartbeats"]), "drifted": []})
+
+    headers = {"Authorization": "Bearer operator"}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(control_plane), headers=headers) as client:
+        await _report(client, fleet, "http://cp", batch_reports=False)
+        per_node = sorted(seen)
+        seen.clear()
+        await _report(client, fleet, "http://cp", batch_reports=True)
+    assert per_node == sorted([(f"Bearer gpa_{n}.secret", [n]) for n in ids[:3]] + [("Bearer operator", [ids[3]])])
+    assert seen == [("Bearer operator", ids)]
