@@ -62,7 +62,7 @@ DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 @contextmanager
 def ledger_process(database_url: str, log_path: Path):
     """The ledger in its own process, trusting an issuer key beside its log; yields its URL, its
-    pid and an operator's token for it (the shippers post many nodes' batches, as an import)."""
+    pid and that issuer (to sign calls as the control plane, an operator or a node's agent)."""
     port = free_port()
     issuer = load_or_create_issuer(log_path.parent / "issuer_key.pem")
     key = public_key_path(log_path.parent / "issuer_key.pem")
@@ -83,11 +83,7 @@ def ledger_process(database_url: str, log_path: Path):
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"ledger did not start, see {log_path}") from None
                 time.sleep(0.1)
-        yield (
-            url,
-            process.pid,
-            {"Authorization": f"Bearer {issuer.mint(LEDGER_AUDIENCE, subject='operator', role='operator')}"},
-        )
+        yield url, process.pid, issuer
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -140,19 +136,37 @@ def batch_bodies(batches: int) -> list[bytes]:
     return bodies
 
 
-def seed_ledger(client: httpx.Client) -> None:
+def _bearer(issuer, role: str, subject: str | None = None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {issuer.mint(LEDGER_AUDIENCE, subject=subject or role, role=role)}"}
+
+
+def seed_ledger(client: httpx.Client, issuer, batches: int) -> None:
+    """The price book (as the operator), and each allocation's start and each batch's node in
+    its allocation (as the control plane): the ingest checks every sample against them."""
     price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
-    client.post("/v1/price-book/versions", json=price_book).raise_for_status()
-    for number in range(50):
-        event = {
-            "event_id": f"start-{number}",
-            "allocation_id": f"alloc-{number:03d}",
-            "tenant_id": f"tenant-{number % 10:02d}",
+    client.post("/v1/price-book/versions", json=price_book, headers=_bearer(issuer, "operator")).raise_for_status()
+    control_plane = _bearer(issuer, "control-plane")
+    events = [
+        {
+            "event_id": f"start-{n}",
+            "allocation_id": f"alloc-{n:03d}",
+            "tenant_id": f"tenant-{n % 10:02d}",
             "kind": "start",
-            "at_ms": 0,
-            "gpu_type": "h100",
         }
-        client.post("/v1/allocation-events", json=event).raise_for_status()
+        for n in range(50)
+    ] + [
+        {
+            "event_id": f"node-{n}",
+            "allocation_id": f"alloc-{n % 50:03d}",
+            "tenant_id": f"tenant-{n % 10:02d}",
+            "kind": "node_added",
+            "node_id": f"node-{n:05d}",
+        }
+        for n in range(batches)
+    ]
+    for event in events:
+        event |= {"at_ms": 0, "gpu_type": "h100"}
+        client.post("/v1/allocation-events", json=event, headers=control_plane).raise_for_status()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -166,10 +180,11 @@ def measure_ingest(
 ) -> tuple[float, float]:
     """Accepted events per second of wall time, and the ledger's CPU microseconds per event."""
     with (
-        ledger_process(database_url, log_path) as (url, pid, auth),
-        httpx.Client(base_url=url, timeout=120, headers=auth) as setup,
+        ledger_process(database_url, log_path) as (url, pid, issuer),
+        httpx.Client(base_url=url, timeout=120, headers=_bearer(issuer, "operator")) as setup,
     ):
-        seed_ledger(setup)
+        seed_ledger(setup, issuer, len(bodies))
+        tokens = [_bearer(issuer, "agent", f"node:node-{n:05d}") for n in range(len(bodies))]
         queue = list(enumerate(bodies))
         lock = threading.Lock()
         accepted = [0]
@@ -177,15 +192,15 @@ def measure_ingest(
             task = progress.add_task(f"ingest on {label}", total=len(bodies) * BATCH)
 
             def shipper() -> None:
-                with httpx.Client(base_url=url, timeout=120, headers=auth) as client:
+                # Each batch is one node's, posted with that node's own agent token.
+                with httpx.Client(base_url=url, timeout=120) as client:
                     while True:
                         with lock:
                             if not queue:
                                 return
-                            _, body = queue.pop(0)
-                        response = client.post(
-                            "/v1/usage:batch", content=body, headers={"content-type": "application/json"}
-                        )
+                            number, body = queue.pop(0)
+                        headers = {"content-type": "application/json", **tokens[number]}
+                        response = client.post("/v1/usage:batch", content=body, headers=headers)
                         response.raise_for_status()
                         with lock:
                             accepted[0] += response.json()["accepted"]
