@@ -35,6 +35,7 @@ from gpucloud.registry.manifest import SignedManifest, VersionNotFoundError
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
+from gpucloud.web.service_tokens import Issuer, agent_audience
 
 HEARTBEAT_S = 5.0
 ManifestSource = Callable[[str], ManifestStore]
@@ -58,10 +59,17 @@ class RolloutActivities:
         db: Database | None = None,
         http: httpx.AsyncClient | None = None,
         request_timeout_s: float = 3600.0,
+        issuer: Issuer | None = None,
     ) -> None:
         self.tracker_url, self._manifests, self._db = tracker_url, manifests, db
+        self._issuer = issuer  # signs each call for the one node it goes to (the agents check it)
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0))
         self._signed: dict[tuple[str, str], SignedManifest] = {}
+
+    def _auth(self, node: RolloutTarget) -> dict[str, str]:
+        if self._issuer is None:
+            return {}
+        return {"Authorization": f"Bearer {self._issuer.mint(agent_audience(node.node_id))}"}
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -155,7 +163,7 @@ class RolloutActivities:
         return WaveResult(outcomes=list(outcomes))
 
     async def _post(self, node: RolloutTarget, path: str, body: dict, step: str) -> NodeOutcome:
-        response = await self._http.post(f"{node.agent_url.rstrip('/')}{path}", json=body)
+        response = await self._http.post(f"{node.agent_url.rstrip('/')}{path}", json=body, headers=self._auth(node))
         if response.status_code != 200:
             return NodeOutcome(node_id=node.node_id, ok=False, detail=f"{step}: {_detail(response)}")
         state = response.json()
@@ -199,7 +207,9 @@ class RolloutActivities:
 
         async def one(node: RolloutTarget) -> NodeOutcome:
             response = await self._http.get(
-                f"{node.agent_url.rstrip('/')}/weights/check", params={"digest": req.model_version}
+                f"{node.agent_url.rstrip('/')}/weights/check",
+                params={"digest": req.model_version},
+                headers=self._auth(node),
             )
             if response.status_code != 200:
                 return NodeOutcome(node_id=node.node_id, ok=False, detail=f"check: {_detail(response)}")

@@ -15,6 +15,7 @@ from rich.progress import Progress, ProgressColumn
 from gpucloud.cli.common import progress_bar
 from gpucloud.client.api import ApiError, Gpucloud
 from gpucloud.sim.client import SimFleetClient
+from gpucloud.web.service_tokens import Issuer
 
 
 class DemoFailed(RuntimeError):
@@ -30,8 +31,12 @@ class Demo:
     _tenants: list[Gpucloud] = field(default_factory=list)
 
     @classmethod
-    def connect(cls, console: Console, api_url: str, operator_token: str, sim_url: str) -> Demo:
-        return cls(console, api_url, Gpucloud(api_url, operator_token, retry_for_s=30), SimFleetClient(sim_url))
+    def connect(
+        cls, console: Console, api_url: str, operator_token: str, sim_url: str, *, issuer: Issuer | None = None
+    ) -> Demo:
+        """`issuer`: the control plane's key, for the calls the fleet's agents take only from it."""
+        operator = Gpucloud(api_url, operator_token, retry_for_s=30)
+        return cls(console, api_url, operator, SimFleetClient(sim_url, issuer=issuer))
 
     def tenant(self, api_key: str) -> Gpucloud:
         """The API as the tenant holding `api_key` sees it."""

@@ -19,6 +19,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from gpucloud import bootstrap
 from gpucloud.client.api import ApiError, ApiTimeout, Gpucloud
 from gpucloud.config import Settings
 from gpucloud.demo.billing import demo_invoice
@@ -148,7 +149,13 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
         console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
-        demo = Demo.connect(console, settings.api_url, settings.operator_token, settings.sim_url)
+        demo = Demo.connect(
+            console,
+            settings.api_url,
+            settings.operator_token,
+            settings.sim_url,
+            issuer=bootstrap.token_issuer(settings),
+        )
         try:
             scenario(demo, nodes, data_dir)
         finally:

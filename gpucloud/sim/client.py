@@ -8,10 +8,21 @@ from typing import Any
 
 import httpx
 
+from gpucloud.web.service_tokens import Issuer, agent_audience
+
 
 class SimFleetClient:
-    def __init__(self, base_url: str, *, timeout_s: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+        issuer: Issuer | None = None,
+    ) -> None:
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+        # Signs the calls a node's agent takes only from the control plane (its weights API).
+        self._issuer = issuer
 
     def __enter__(self) -> SimFleetClient:
         return self
@@ -58,8 +69,19 @@ class SimFleetClient:
 
     def weights_status(self, node_id: str) -> dict[str, Any]:
         """The versions on the node: active, previous, cached."""
-        return self._call("GET", f"/v1/nodes/{node_id}/weights/status")
+        return self._call("GET", f"/v1/nodes/{node_id}/weights/status", headers=self._auth(node_id))
 
     def verify_weights(self, node_id: str, digest: str) -> dict[str, Any]:
         """Re-hash every file of the version on the node against its signed manifest."""
-        return self._call("POST", f"/v1/nodes/{node_id}/weights/verify", json={"digest": digest}, timeout=60)
+        return self._call(
+            "POST",
+            f"/v1/nodes/{node_id}/weights/verify",
+            json={"digest": digest},
+            timeout=60,
+            headers=self._auth(node_id),
+        )
+
+    def _auth(self, node_id: str) -> dict[str, str]:
+        if self._issuer is None:
+            return {}
+        return {"Authorization": f"Bearer {self._issuer.mint(agent_audience(node_id))}"}

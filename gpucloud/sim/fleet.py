@@ -508,7 +508,7 @@ def create_app(
         return await asyncio.to_thread(app.state.metering.report)
 
     if weights is not None:  # last: every route above takes precedence over the mount
-        app.mount("/v1/nodes/{node_id}", NodeWeights(fleet.nodes, weights))
+        app.mount("/v1/nodes/{node_id}", NodeWeights(fleet.nodes, weights, control_plane=control_plane))
     return app
 
 

@@ -66,7 +66,12 @@ def build_worker(
         batch_attempts=settings.agent.batch_attempts,
         batch_retry_base_s=settings.agent.batch_retry_base_s,
     )
-    rollout = RolloutActivities(tracker_url=settings.tracker.url, db=cp.db, manifests=cp.registry.manifests)
+    rollout = RolloutActivities(
+        tracker_url=settings.tracker.url,
+        db=cp.db,
+        manifests=cp.registry.manifests,
+        issuer=bootstrap.token_issuer(settings),
+    )
     tenant = TenantActivities(cp.db, fabric=cp.fabric, ledger=cp.ledger, client=client, fault_hook=fault_hook)
     return Worker(
         client,

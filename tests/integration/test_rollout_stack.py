@@ -22,6 +22,7 @@ from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
 from gpucloud.registry.origin import RegistryOrigin, tenants_in
 from gpucloud.registry.push import push
 from gpucloud.registry.tracker_app import create_tracker_app
+from gpucloud.web.service_tokens import agent_audience, load_or_create_issuer
 from support.stack import async_wait_until
 
 pytestmark = pytest.mark.one_database
@@ -95,13 +96,31 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
         assert final["phase"] == "succeeded", final
         assert [len(w) for w in final["waves"]] == [1, 3]
         assert sorted(final["activated"]) == sorted(ready["node_ids"])
+        # A node's weights API answers only the control plane's token for that node.
+        issuer = load_or_create_issuer(h.settings.issuer_key_path)
+
+        def signed(node_id: str) -> dict:
+            return {"Authorization": f"Bearer {issuer.mint(agent_audience(node_id))}"}
+
         with httpx.Client(base_url=h.sim.url, timeout=30) as sim:
             for node_id in ready["node_ids"]:
-                assert sim.get(f"/v1/nodes/{node_id}/weights/status").json()["active"] == digest
-                verified = sim.post(f"/v1/nodes/{node_id}/weights/verify", json={"digest": digest})
+                assert sim.get(f"/v1/nodes/{node_id}/weights/status").status_code == 401
+                other = signed(next(n for n in ready["node_ids"] if n != node_id))
+                assert (
+                    sim.post(
+                        f"/v1/nodes/{node_id}/weights/rollback", json={"digest": digest}, headers=other
+                    ).status_code
+                    == 401
+                )
+                status = sim.get(f"/v1/nodes/{node_id}/weights/status", headers=signed(node_id))
+                assert status.json()["active"] == digest
+                verified = sim.post(
+                    f"/v1/nodes/{node_id}/weights/verify", json={"digest": digest}, headers=signed(node_id)
+                )
                 assert verified.status_code == 200 and verified.json()["verified"], verified.text
             outsider = next(n["id"] for n in h.nodes() if n["id"] not in ready["node_ids"])
-            assert sim.get(f"/v1/nodes/{outsider}/weights/status").status_code == 409  # holds no tenant
+            # holds no tenant
+            assert sim.get(f"/v1/nodes/{outsider}/weights/status", headers=signed(outsider)).status_code == 409
         egress = httpx.get(f"{tracker_url}/origin/stats").json()["egress_bytes"]
         assert size <= egress <= 1.2 * size
     finally:
