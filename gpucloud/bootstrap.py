@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tenacity
@@ -140,8 +141,14 @@ def database(settings: Settings) -> Database:
 
 
 def token_issuer(settings: Settings) -> service_tokens.Issuer:
-    """The control plane's signer of its calls to agents (the key is created on first use)."""
-    return service_tokens.load_or_create_issuer(settings.issuer_key_path)
+    """The control plane's signer of its calls to agents and the ledger (the key is created on
+    first use); one per key file in a process, so its clients share its cache of tokens."""
+    return _issuer_at(settings.issuer_key_path)
+
+
+@cache
+def _issuer_at(path: Path) -> service_tokens.Issuer:
+    return service_tokens.load_or_create_issuer(path)
 
 
 def host_agents(settings: Settings) -> HostAgents:

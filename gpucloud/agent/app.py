@@ -48,7 +48,7 @@ from gpucloud.agent.spool import Meter, NodeAllocation, Spool, wall_clock_ms
 from gpucloud.ledger.client import AgentLedgerToken, UsageLedger
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.web import problems
-from gpucloud.web.service_tokens import InvalidToken, Verifier, agent_audience
+from gpucloud.web.service_tokens import Verifier, refusal
 
 log = logging.getLogger(__name__)
 
@@ -467,19 +467,13 @@ def create_app(
 
     app = FastAPI(title=f"gpucloud agent {agent.state.node_id}", lifespan=lifespan)
     problems.install(app)
-    audience = agent_audience(agent.state.node_id)
 
     @app.middleware("http")
     async def control_plane_only(request: Request, call_next):
         if request.url.path == "/healthz":
             return await call_next(request)
-        try:
-            control_plane.check_header(request.headers.get("authorization"), audience=audience)
-        except InvalidToken as exc:
-            detail = f"only the control plane calls this agent ({exc})"
-            document = problems.body(401, "unauthorized", "Unauthorized", detail)
-            return problems.response(document, 401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+        authorization = request.headers.get("authorization")
+        return refusal(control_plane, authorization, node_id=agent.state.node_id) or await call_next(request)
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -129,11 +129,8 @@ class Admission:
 
 def bearer_token(scope: Scope) -> str:
     """The bearer token of the request ('' without one); checked later, by the routes' auth."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else ""
-    return ""
+    scheme, _, token = (problems.header(scope, b"authorization") or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def _caller_key(token: str) -> str:

@@ -65,7 +65,7 @@ class Gate:
         scope.setdefault("state", {})["caller"] = caller
         chunk = scope["method"] == "PUT" and CHUNK_UPLOAD.match(scope["path"]) is not None
         limit = self.max_chunk_bytes if chunk else self.max_body_bytes
-        declared = _header(scope, b"content-length")
+        declared = problems.header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             await _too_large(scope, send, limit)
             return
@@ -80,13 +80,6 @@ class Gate:
     def _resolve(self, token: str) -> auth.Caller | None:
         with Session(get_engine(self.database_url)) as session:
             return auth.resolve(session, token, self.operator_token)
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key == name:
-            return value.decode("latin-1").strip()
-    return None
 
 
 async def _read_at_most(receive: Receive, limit: int) -> bytes | None:

@@ -47,7 +47,7 @@ from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 from gpucloud.web import problems
-from gpucloud.web.service_tokens import InvalidToken, Verifier, agent_audience
+from gpucloud.web.service_tokens import Verifier, refusal
 
 log = logging.getLogger(__name__)
 
@@ -455,12 +455,8 @@ def create_app(
 
     @app.post("/v1/nodes/{node_id}/actions/{action}")
     async def act(node_id: str, action: str, req: ActionRequest, request: Request):
-        if control_plane is not None:
-            try:
-                control_plane.check_header(request.headers.get("authorization"), audience=agent_audience(node_id))
-            except InvalidToken as exc:
-                document = problems.body(401, "unauthorized", "Unauthorized", f"only the control plane acts ({exc})")
-                return problems.response(document, 401, headers={"WWW-Authenticate": "Bearer"})
+        if refused := refusal(control_plane, request.headers.get("authorization"), node_id=node_id):
+            return refused
         if action not in ACTIONS:
             raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
         status, body = await fleet.act(fleet.node(node_id), action, req)

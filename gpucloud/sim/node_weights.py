@@ -40,7 +40,7 @@ from gpucloud.agent.peer import create_peer_app
 from gpucloud.agent.weights_api import install_weights_api
 from gpucloud.registry.manifest import EvaluationRecord, Keyring, Manifest, SignedEvaluation, SignedManifest
 from gpucloud.web import problems
-from gpucloud.web.service_tokens import InvalidToken, Verifier, agent_audience
+from gpucloud.web.service_tokens import Verifier, refusal
 
 PREFETCHES_AT_ONCE = 8
 KEYRING_REFRESH_S = 5.0
@@ -106,14 +106,10 @@ class NodeWeights:
         if node is None or not path.startswith(("/weights/", "/chunks/")):
             await _unavailable(404, "not found")(scope, receive, send)
             return
-        if self._control_plane is not None and path.startswith("/weights/"):
-            header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-            try:
-                self._control_plane.check_header(header, audience=agent_audience(node.id))
-            except InvalidToken as exc:
-                document = problems.body(401, "unauthorized", "Unauthorized", f"only the control plane acts ({exc})")
-                await problems.response(document, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
+        authorization = problems.header(scope, b"authorization")
+        if path.startswith("/weights/") and (refused := refusal(self._control_plane, authorization, node_id=node.id)):
+            await refused(scope, receive, send)
+            return
         if node.unreachable:
             await _unavailable(503, f"agent on {node.id} does not answer")(scope, receive, send)
             return

@@ -52,6 +52,20 @@ async def send(
     await response(document, status, headers=headers)(scope, no_body, send_)
 
 
+def header(scope: Any, name: bytes) -> str | None:
+    """A request header read straight from ASGI scope (middleware that answers before routing)."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1").strip()
+    return None
+
+
+def unauthenticated(detail: str, *, type_: str = TYPE_BASE + "unauthenticated") -> JSONResponse:
+    """The 401 for a caller without valid credentials, with the challenge a client expects."""
+    document = {"type": type_, "title": "Authentication required", "status": 401, "detail": detail}
+    return response(document, 401, headers={"WWW-Authenticate": "Bearer"})
+
+
 def problem_response(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
     """An answer for code that returns rather than raises; the type is the title's slug."""
     return response(body(status, slug(title), title, detail, **extra), status)

@@ -13,7 +13,6 @@ beside it (`issuer_key.pub`), which is what agents are given (`gpucloud agent --
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,10 @@ from pathlib import Path
 import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from starlette.responses import JSONResponse
+
+from gpucloud.config import load_or_create_secret
+from gpucloud.web import problems
 
 ISSUER = "gpucloud-control-plane"
 ALGORITHM = "EdDSA"
@@ -131,24 +134,22 @@ class Verifier:
         return self.verify(token.strip(), audience=audience, roles=roles)
 
 
+def refusal(verifier: Verifier | None, authorization: str | None, *, node_id: str) -> JSONResponse | None:
+    """What a node's agent answers a call without the control plane's token for that node (a
+    401); None when the call may go on (or when there is no `verifier`: an unchecked fleet)."""
+    if verifier is None:
+        return None
+    try:
+        verifier.check_header(authorization, audience=agent_audience(node_id))
+    except InvalidToken as exc:
+        return problems.unauthenticated(f"only the control plane calls the agent of {node_id} ({exc})")
+    return None
+
+
 def load_or_create_issuer(path: Path) -> Issuer:
     """The issuer key kept at `path` (created 0600 the first time, its public half beside it)."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pem = Ed25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
-        try:
-            os.link(tmp, path)  # two processes starting at once agree on one key
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    pem = load_or_create_secret(path, lambda: _new_private_pem().decode())
+    key = serialization.load_pem_private_key(pem.encode(), password=None)
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"{path} is not an Ed25519 private key")
     public = public_key_path(path)
@@ -157,6 +158,12 @@ def load_or_create_issuer(path: Path) -> Issuer:
             key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
         )
     return Issuer(key, key_path=path)
+
+
+def _new_private_pem() -> bytes:
+    return Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def public_key_path(issuer_key_path: Path) -> Path:

@@ -19,7 +19,7 @@ from gpucloud.agent.app import (
 )
 from gpucloud.sim.probe import SimulatedProbe
 from support.agents import agent_test_client
-from support.ledger_auth import auth_for
+from support.ledger_auth import auth_for, seed_allocation
 from support.stack import wait_until
 
 
@@ -35,29 +35,7 @@ def test_the_agent_meters_a_provisioned_allocation_into_the_ledger(tmp_path):
     with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as ledger_url:
         now_ms = time.time_ns() // 1_000_000
         auth = auth_for(ledger_url)
-        httpx.post(
-            f"{ledger_url}/v1/price-book/versions",
-            auth=auth,
-            json={
-                "effective_from_ms": now_ms - 86_400_000,
-                "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}],
-                "discounts": [],
-            },
-        ).raise_for_status()
-        for i, (kind, node) in enumerate((("start", None), ("node_added", "gpu-1"))):
-            httpx.post(
-                f"{ledger_url}/v1/allocation-events",
-                auth=auth,
-                json={
-                    "event_id": f"e{i}",
-                    "allocation_id": "a1",
-                    "tenant_id": "t1",
-                    "kind": kind,
-                    "at_ms": now_ms - 1000,
-                    "node_id": node,
-                    "gpu_type": "H100",
-                },
-            ).raise_for_status()
+        seed_allocation(ledger_url, auth, node="gpu-1", at_ms=now_ms - 1000)
         probe = SimulatedProbe("gpu-1", gpu_count=8)
         agent = Agent(
             HostState(node_id="gpu-1", boot_id="b", scratch_dir=tmp_path / "scratch"),

@@ -98,6 +98,16 @@ def test_the_agent_refuses_to_start_without_its_node_credential_or_the_control_p
         "--token", "gpa_gpu-7.secret", "--control-plane-key", str(tmp_path / "none.pub"), tmp_path=tmp_path
     )
     assert no_key.returncode != 0 and "public key" in no_key.stderr, no_key.stderr
+    # The credential the last wipe handed over, kept in --token-file, is what a restart uses.
+    kept = tmp_path / "agent-credential"
+    kept.write_text("gpa_gpu-8.from-another-node\n")
+    stale = _agent_cli("--token-file", str(kept), tmp_path=tmp_path)
+    assert stale.returncode != 0 and "gpa_gpu-7." in stale.stderr, stale.stderr
+    kept.write_text("gpa_gpu-7.handed-over-by-a-wipe\n")
+    from_file = _agent_cli(
+        "--token-file", str(kept), "--control-plane-key", str(tmp_path / "none.pub"), tmp_path=tmp_path
+    )
+    assert from_file.returncode != 0 and "public key" in from_file.stderr, from_file.stderr  # past the credential
     assert time.monotonic() - started < 60
     # The key the control plane keeps for agents is the public half only.
     load_or_create_issuer(tmp_path / "issuer_key.pem")

@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app
+from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer, Verifier
 from support.ledger_auth import LedgerAuth
 
@@ -134,3 +135,13 @@ async def test_the_api_hands_an_agent_a_ledger_token_for_its_own_node_only(db_ur
     )
     with h.client("gpc_nobody.secret") as stranger:
         assert stranger.post("/v1/agents/ledger-token").status_code == 401
+    # The agent's own provider asks for it with the node's credential and keeps it.
+    provider = AgentLedgerToken(h.api.url, lambda: credential)
+    token = provider()
+    assert provider() == token
+    verified = Verifier(LedgerAuth(h.settings.data_dir).issuer.public_key).verify(
+        token, audience=LEDGER_AUDIENCE, roles=("agent",)
+    )
+    assert verified.subject == f"node:{node_id}"
+    with pytest.raises(httpx.HTTPStatusError):
+        AgentLedgerToken(h.api.url, lambda: "gpa_nobody.secret")()

@@ -18,7 +18,7 @@ from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app
 from gpucloud.ledger.client import UsageLedger
 from gpucloud.web.service_tokens import Verifier
-from support.ledger_auth import LedgerAuth
+from support.ledger_auth import LedgerAuth, seed_allocation
 
 pytestmark = pytest.mark.one_database
 
@@ -35,19 +35,7 @@ def test_a_reimaged_nodes_new_spool_is_billed_beside_its_old_one(tmp_path):
     try:
         url = server.url
         node_token = auth.token("agent", "node:gpu-1")
-        httpx.post(
-            f"{url}/v1/price-book/versions",
-            auth=auth,
-            json={
-                "effective_from_ms": start - 86_400_000,
-                "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}],
-                "discounts": [],
-            },
-        ).raise_for_status()
-        for i, (kind, node) in enumerate((("start", None), ("node_added", "gpu-1"))):
-            event = {"event_id": f"e{i}", "allocation_id": "a1", "tenant_id": "t1", "kind": kind}
-            event |= {"at_ms": start, "node_id": node, "gpu_type": "H100"}
-            httpx.post(f"{url}/v1/allocation-events", json=event, auth=auth).raise_for_status()
+        seed_allocation(url, auth, node="gpu-1", at_ms=start)
 
         def usage(i: int) -> Usage:
             return Usage("a1", "t1", "H100", 8, start + i * 60_000, start + (i + 1) * 60_000)

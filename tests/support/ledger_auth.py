@@ -46,3 +46,15 @@ def register(url: str, directory: Path) -> None:
 def auth_for(url: str) -> LedgerAuth:
     """How to sign calls to the ledger at `url` (one registered by the harness that started it)."""
     return LedgerAuth(_DIRS[url.rstrip("/")])
+
+
+def seed_allocation(url: str, auth: LedgerAuth, *, node: str, at_ms: int, allocation: str = "a1") -> None:
+    """A ledger that prices H100 from a day before `at_ms` and knows allocation `allocation` of
+    tenant t1 holding `node` from `at_ms` on, as the control plane would have told it."""
+    prices = [{"gpu_type": "H100", "price_per_hour_micro": 2_490_000}]
+    price_book = {"effective_from_ms": at_ms - 86_400_000, "prices": prices, "discounts": []}
+    httpx.post(f"{url}/v1/price-book/versions", auth=auth, json=price_book).raise_for_status()
+    for i, (kind, node_id) in enumerate((("start", None), ("node_added", node))):
+        event = {"event_id": f"{allocation}-e{i}", "allocation_id": allocation, "tenant_id": "t1", "kind": kind}
+        event |= {"at_ms": at_ms, "node_id": node_id, "gpu_type": "H100"}
+        httpx.post(f"{url}/v1/allocation-events", auth=auth, json=event).raise_for_status()

@@ -56,15 +56,13 @@ class LedgerCallers:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        header = problems.header(scope, b"authorization")
         roles = allowed_roles(scope["method"], scope["path"])
         try:
             claims = self.verifier.check_header(header, audience=AUDIENCE, roles=ROLES)
         except InvalidToken as exc:
             detail = f"the ledger takes only tokens the control plane signed for it ({exc})"
-            document = problems.body(401, "unauthenticated", "Unauthenticated", detail)
-            document["type"] = PROBLEM_BASE + "unauthenticated"
-            await problems.send(scope, send, document, 401, headers={"WWW-Authenticate": "Bearer"})
+            await problems.unauthenticated(detail, type_=PROBLEM_BASE + "unauthenticated")(scope, receive, send)
             return
         if claims.role not in roles:
             detail = (
