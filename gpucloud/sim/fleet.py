@@ -35,7 +35,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
@@ -508,30 +508,9 @@ def create_app(
     return app
 
 
-def serve(
-    spec: FleetSpec,
-    *,
-    host: str,
-    port: int,
-    control_plane_url: str | None = None,
-    operator_token: str | None = None,
-    heartbeat_interval_s: float = 10.0,
-    metering: MeteringSpec | None = None,
-    weights: WeightsSpec | None = None,
-    control_plane: Verifier | None = None,
-    batch_reports: bool = False,
-) -> None:
+def serve(spec: FleetSpec, *, host: str, port: int, **options: Any) -> None:
+    """Serve `create_app(spec, **options)` on host:port until stopped (`gpucloud sim`)."""
     import uvicorn
 
-    app = create_app(
-        spec,
-        control_plane=control_plane,
-        batch_reports=batch_reports,
-        base_url=f"http://{host}:{port}",
-        control_plane_url=control_plane_url,
-        operator_token=operator_token,
-        heartbeat_interval_s=heartbeat_interval_s,
-        metering=metering,
-        weights=weights,
-    )
+    app = create_app(spec, base_url=f"http://{host}:{port}", **options)
     uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096)
