@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import bench_stack, log, onboard_tenant
 
 from gpucloud.devstack.stack import free_port
+from gpucloud.sim.client import SimFleetClient
 
 TIMEOUT_S = 30.0
 POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -237,7 +238,8 @@ def run_on(database: str, args) -> dict:
         with httpx.Client(
             base_url=settings.api_url, headers={"Authorization": f"Bearer {settings.operator_token}"}, timeout=60
         ) as op:
-            inventory = httpx.get(f"{settings.sim_url}/v1/inventory", timeout=30).json()
+            with SimFleetClient(settings.sim_url, token=settings.operator_token, timeout_s=30) as sim:
+                inventory = sim.inventory()
             op.post("/v1/nodes:enroll", json={"nodes": inventory}).raise_for_status()
             nodes = [n["id"] for n in inventory]
             deadline = time.monotonic() + 600

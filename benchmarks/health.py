@@ -286,7 +286,10 @@ def main() -> None:
         engine = sa.create_engine(settings.database_url)
         probe = Probe(engine)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=300)
-        inventory = httpx.get(f"{settings.sim_url}/v1/inventory").json()
+        from gpucloud.sim.client import SimFleetClient
+
+        with SimFleetClient(settings.sim_url, token=settings.operator_token, timeout_s=60) as sim:
+            inventory = sim.inventory()
         log(f"bring-up: {nodes} nodes")
         for i in range(0, len(inventory), 500):
             api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 500]}).raise_for_status()

@@ -399,7 +399,10 @@ def main() -> None:
         stack.start(on_step=lambda s: log(f"  {s}"))
         engine = sa.create_engine(settings.database_url)
         api = httpx.Client(base_url=settings.api_url, headers=OPERATOR, timeout=300)
-        inventory = httpx.get(f"{settings.sim_url}/v1/inventory", timeout=60).json()
+        from gpucloud.sim.client import SimFleetClient
+
+        with SimFleetClient(settings.sim_url, token=settings.operator_token, timeout_s=60) as sim:
+            inventory = sim.inventory()
         log(f"bring-up: {nodes} nodes")
         api.post("/v1/nodes:enroll", json={"nodes": inventory}).raise_for_status()
         wait_for(engine, "available", nodes, "bring-up", 900)

@@ -56,7 +56,10 @@ def main() -> None:
 
         engine = sa.create_engine(settings.database_url)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=300)
-        inventory = httpx.get(f"{settings.sim_url}/v1/inventory").json()
+        from gpucloud.sim.client import SimFleetClient
+
+        with SimFleetClient(settings.sim_url, token=settings.operator_token, timeout_s=60) as sim:
+            inventory = sim.inventory()
         log(f"bring-up: {nodes} nodes enrolled -> available")
         started = time.monotonic()
         for i in range(0, len(inventory), 500):

@@ -77,7 +77,9 @@ def main() -> None:
 
         engine = sa.create_engine(settings.database_url)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=600)
-        sim = httpx.Client(base_url=settings.sim_url, timeout=600)
+        sim = httpx.Client(
+            base_url=settings.sim_url, headers={"Authorization": f"Bearer {settings.operator_token}"}, timeout=600
+        )
         inventory = sim.get("/v1/inventory").json()
 
         def heartbeat() -> dict:

@@ -126,7 +126,8 @@ def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
     if urls is None:
         return None
     ufm, nmx, sdn = urls
-    return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn)
+    token = settings.fabric_token
+    return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, token=token)
 
 
 def ledger_client(settings: Settings) -> LedgerClient | None:

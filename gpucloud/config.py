@@ -24,6 +24,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpucloud.web.tls import ServerTLS
+
 TASK_QUEUE = "gpucloud"
 
 
@@ -35,6 +37,15 @@ class TemporalSettings(BaseModel):
     task_queue: str = TASK_QUEUE
     # Activity concurrency of one worker process (DB and agent calls run in threads / asyncio).
     worker_max_activities: int = 64
+    # TLS to the frontend: on with `tls` or any file below; the CA that signed the frontend's
+    # certificate (else the system's), and a client certificate and key for mutual TLS.
+    tls: bool = False
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_server_name: str | None = None
+    # An API key (Temporal Cloud, or a cluster with an authorizer), sent as a bearer token.
+    api_key: SecretStr | None = None
 
 
 class DatabaseSettings(BaseModel):
@@ -159,6 +170,9 @@ class FabricSettings(BaseModel):
     nmx_url: str | None = None
     vpc_url: str | None = None
     port: int = 0
+    # The managers' API token (sent as a bearer token); without one, a token kept in the data
+    # dir (created 0600), which the simulated managers of `gpucloud up` are given too.
+    token: SecretStr | None = None
 
     @property
     def manager_urls(self) -> tuple[str, str, str] | None:
@@ -210,6 +224,30 @@ class TrackerSettings(BaseModel):
     url: str = "http://127.0.0.1:8480"
 
 
+class TLSSettings(BaseModel):
+    """TLS for every server of the control plane and the CA every client verifies them against
+    (`web/tls.py`). With `cert_file` and `key_file` each server speaks only TLS; without them a
+    server binds loopback only, unless `insecure`. `gpucloud up --tls` makes a private CA and a
+    certificate in `<data dir>/tls` and sets all three."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    insecure: bool = False
+
+    @property
+    def server(self) -> ServerTLS | None:
+        if self.cert_file is None or self.key_file is None:
+            if self.cert_file is not None or self.key_file is not None:
+                raise ValueError("TLS needs both GPUCLOUD_TLS__CERT_FILE and GPUCLOUD_TLS__KEY_FILE")
+            return None
+        return ServerTLS(self.cert_file, self.key_file)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.server is not None else "http"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUCLOUD_", env_nested_delimiter="__", extra="ignore")
 
@@ -226,6 +264,7 @@ class Settings(BaseSettings):
     object_store: ObjectStoreSettings = ObjectStoreSettings()
     registry: RegistrySettings = RegistrySettings()
     tracker: TrackerSettings = TrackerSettings()
+    tls: TLSSettings = TLSSettings()
 
     @property
     def database_url(self) -> str:
@@ -241,11 +280,11 @@ class Settings(BaseSettings):
 
     @property
     def api_url(self) -> str:
-        return f"http://{self.api.host}:{self.api.port}"
+        return f"{self.tls.scheme}://{self.api.host}:{self.api.port}"
 
     @property
     def sim_url(self) -> str:
-        return f"http://{self.agent.sim_host}:{self.agent.sim_port}"
+        return f"{self.tls.scheme}://{self.agent.sim_host}:{self.agent.sim_port}"
 
     @property
     def object_store_dir(self) -> Path:
@@ -268,6 +307,13 @@ class Settings(BaseSettings):
         if self.agent.credential_secret is not None:
             return self.agent.credential_secret.get_secret_value()
         return load_or_create_secret(self.data_dir / "agent_credential_secret", lambda: secrets.token_urlsafe(32))
+
+    @cached_property
+    def fabric_token(self) -> str:
+        """The fabric managers' API token: from the settings, else the one kept in the data dir."""
+        if self.fabric.token is not None:
+            return self.fabric.token.get_secret_value()
+        return load_or_create_secret(self.data_dir / "fabric_token", lambda: secrets.token_urlsafe(32))
 
     @cached_property
     def page_token_secret(self) -> str:

@@ -140,7 +140,11 @@ def make_harness(tmp_path, temporal_env):
     ):
         managers = FabricManagers() if fabric else None
         if managers is not None:
-            settings_overrides["fabric"] = {"url": managers.url, **settings_overrides.get("fabric", {})}
+            settings_overrides["fabric"] = {
+                "url": managers.url,
+                "token": managers.token,
+                **settings_overrides.get("fabric", {}),
+            }
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
         nvl72 = ("--nvl72-racks", str(nvl72_racks), "--nvl72-trays-per-rack", str(nvl72_trays)) if nvl72_racks else ()
         # The fleet's agents act only on the control plane's tokens, signed with the harness's key.
@@ -151,6 +155,7 @@ def make_harness(tmp_path, temporal_env):
             log_path=tmp_path / "sim.log",
             extra_args=nvl72,
             control_plane_key=public_key_path(settings.issuer_key_path),
+            operator_token=settings.operator_token,
         )
         if managers is not None:
             managers.register_domains(sim.inventory())

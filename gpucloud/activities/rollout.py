@@ -35,7 +35,15 @@ from gpucloud.registry.manifest import SignedManifest, VersionNotFoundError
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
-from gpucloud.web.service_tokens import Issuer, agent_audience
+from gpucloud.web import tls
+from gpucloud.web.service_tokens import (
+    SWARM_MEMBER,
+    SWARM_TOKEN_TTL_S,
+    TRACKER_AUDIENCE,
+    Issuer,
+    agent_audience,
+    swarm_audience,
+)
 
 HEARTBEAT_S = 5.0
 ManifestSource = Callable[[str], ManifestStore]
@@ -63,13 +71,32 @@ class RolloutActivities:
     ) -> None:
         self.tracker_url, self._manifests, self._db = tracker_url, manifests, db
         self._issuer = issuer  # signs each call for the one node it goes to (the agents check it)
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0))
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=5.0), verify=tls.client_verify()
+        )
         self._signed: dict[tuple[str, str], SignedManifest] = {}
 
     def _auth(self, node: RolloutTarget) -> dict[str, str]:
         if self._issuer is None:
             return {}
         return {"Authorization": f"Bearer {self._issuer.mint(agent_audience(node.node_id))}"}
+
+    def _swarm_token(self, req: WaveInput, node: RolloutTarget) -> str | None:
+        """The node's token for the rollout's swarm: the tracker, the origin and the tenant's
+        peers answer it, for this swarm's chunks and this node only."""
+        if self._issuer is None:
+            return None
+        return self._issuer.mint(
+            swarm_audience(req.swarm),
+            subject=f"node:{node.node_id}",
+            role=SWARM_MEMBER,
+            tenant=req.tenant_id,
+            ttl_s=SWARM_TOKEN_TTL_S,
+        )
+
+    def _tracker(self) -> TrackerClient:
+        token = self._issuer.mint(TRACKER_AUDIENCE) if self._issuer is not None else None
+        return TrackerClient(self.tracker_url, token=token)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -78,6 +105,7 @@ class RolloutActivities:
         return [
             self.resolve_rollout_targets,
             self.prepare_rollout,
+            self.end_rollout,
             self.prefetch_wave,
             self.verify_wave,
             self.activate_wave,
@@ -128,12 +156,22 @@ class RolloutActivities:
         signed = self._signed_manifest(req.tenant_id, req.model_version)
         nodes = {n.node_id: PeerPlace(rack=n.rack, site=n.site, url=n.agent_url) for n in req.nodes}
         chunks = sorted(signed.manifest.chunk_ids())
-        tracker = TrackerClient(self.tracker_url)
+        tracker = self._tracker()
         try:
-            tracker.register_swarm(req.rollout_id, SwarmSpec(nodes=nodes, chunks=chunks))
+            tracker.register_swarm(req.rollout_id, SwarmSpec(nodes=nodes, chunks=chunks, tenant=req.tenant_id))
         finally:
             tracker.close()
         return Prepared(swarm=req.rollout_id, chunks=len(chunks), total_bytes=signed.manifest.total_size)
+
+    @activity.defn
+    def end_rollout(self, swarm: str) -> None:
+        """Remove the rollout's swarm from the tracker (its nodes' tokens open nothing more);
+        removing one that is gone already does nothing."""
+        tracker = self._tracker()
+        try:
+            tracker.remove_swarm(swarm)
+        finally:
+            tracker.close()
 
     # Wave steps -----------------------------------------------------------------------------
 
@@ -175,7 +213,12 @@ class RolloutActivities:
         unless every node has it."""
         signed = await asyncio.to_thread(self._signed_manifest, req.tenant_id, req.model_version)
         body = {"signed": signed.model_dump(mode="json"), "tracker_url": self.tracker_url, "swarm": req.swarm}
-        result = await self._each(req, "prefetch", lambda node: self._post(node, "/weights/prefetch", body, "prefetch"))
+
+        async def one(node: RolloutTarget) -> NodeOutcome:
+            own = body | {"token": self._swarm_token(req, node)}
+            return await self._post(node, "/weights/prefetch", own, "prefetch")
+
+        result = await self._each(req, "prefetch", one)
         if failed := result.failed:
             raise ApplicationError(
                 f"prefetch failed on {len(failed)} nodes: {failed[0].node_id}: {failed[0].detail}",

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import httpx
 
 from gpucloud.agent.schemas import ActionRequest
+from gpucloud.web import tls
 from gpucloud.web.service_tokens import Issuer, agent_audience
 
 
@@ -38,6 +39,7 @@ class HttpHostAgents:
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            verify=tls.client_verify(),
         )
 
     async def aclose(self) -> None:

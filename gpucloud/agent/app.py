@@ -49,6 +49,7 @@ from gpucloud.ledger.client import AgentLedgerToken, UsageLedger
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.web import problems
 from gpucloud.web.service_tokens import Verifier, refusal
+from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
 
@@ -519,6 +520,8 @@ def main(
     spool_path: Path = Path("/var/lib/gpucloud/usage-spool.db"),
     meter_interval_s: float = 60.0,
     gpu_type: str | None = None,
+    tls: ServerTLS | None = None,
+    insecure: bool = False,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
@@ -536,6 +539,7 @@ def main(
         )
     from gpucloud.web.service_tokens import load_verifier
 
+    secure = serve_options(host, tls, insecure=insecure, what="agent's action API")
     verifier = load_verifier(control_plane_key)
 
     state = HostState(
@@ -544,7 +548,7 @@ def main(
     from gpucloud.bootstrap import detect_probe
 
     agent = Agent(state, detect_probe(node_id, allow_simulated=allow_simulated), gpu_type=gpu_type)
-    client = httpx.AsyncClient(base_url=control_plane_url, timeout=30)
+    client = httpx.AsyncClient(base_url=control_plane_url, timeout=30, verify=client_verify())
     metering = None
     if ledger_url:
         spool_path.parent.mkdir(parents=True, exist_ok=True)
@@ -560,4 +564,4 @@ def main(
         reading_s=reading_s,
         metering=metering,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", **secure)

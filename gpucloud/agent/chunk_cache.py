@@ -113,6 +113,7 @@ class ChunkCache:
     def __init__(self, root: str | Path, *, keyring: Keyring, tenant: str, read_size: int = 8 * MiB) -> None:
         self.root = Path(root)
         self._keyring, self._tenant, self._read_size = keyring, tenant, read_size
+        self.tenant = tenant
         self._chunks, self._tmp = self.root / "chunks", self.root / "tmp"
         self._manifests, self._versions = self.root / "manifests", self.root / "versions"
         _remove_tree(self._tmp)  # leftovers of writes a crash interrupted

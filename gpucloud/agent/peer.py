@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Annotated
 
 import httpx
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import FastAPI, Header, HTTPException, Query, Response
 from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
 
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.devstack.serving import ThreadedServer
@@ -48,15 +49,43 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.tracker import ORIGIN
 from gpucloud.registry.tracker_app import KEEPALIVE_S, TrackerClient
-from gpucloud.web import problems
+from gpucloud.web import problems, tls
+from gpucloud.web.service_tokens import SWARM_MEMBER, InvalidToken, Verifier, swarm_audience
+from gpucloud.web.tls import ServerTLS
 
 
-def create_peer_app(cache: ChunkCache) -> FastAPI:
+def swarm_refusal(
+    verifier: Verifier | None, swarm: str | None, authorization: str | None, *, tenant: str | None
+) -> JSONResponse | None:
+    """What a peer answers a chunk request without a rollout's token for `swarm` (401), or with
+    one for another tenant than `tenant` (403; None: not checked yet); None when it may go on."""
+    if verifier is None:
+        return None
+    if swarm is None:
+        return problems.unauthenticated("chunks go to a swarm's nodes: name the swarm (?swarm=)")
+    try:
+        claims = verifier.check_header(authorization, audience=swarm_audience(swarm), roles=(SWARM_MEMBER,))
+    except InvalidToken as exc:
+        return problems.unauthenticated(f"a node's token for swarm {swarm!r} is needed ({exc})")
+    if tenant is not None and claims.tenant != tenant:
+        return problems.problem_response(403, "Forbidden", "this node serves its own tenant's swarms only")
+    return None
+
+
+def create_peer_app(cache: ChunkCache, *, verifier: Verifier | None = None) -> FastAPI:
+    """`verifier` (the control plane's public key): serve a chunk only to a node holding the
+    token a rollout gave it for a swarm of this node's tenant (`?swarm=` names it)."""
     app = FastAPI(title="gpucloud peer")
     problems.install(app)
 
-    @app.get("/chunks/{chunk_id}")
-    def get_chunk(chunk_id: Annotated[str, PathParam(pattern=HEX_DIGEST)]) -> Response:
+    @app.get("/chunks/{chunk_id}", response_model=None)
+    def get_chunk(
+        chunk_id: Annotated[str, PathParam(pattern=HEX_DIGEST)],
+        swarm: Annotated[str | None, Query()] = None,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> Response:
+        if refused := swarm_refusal(verifier, swarm, authorization, tenant=cache.tenant):
+            return refused
         try:
             data = cache.read(chunk_id)
         except (ChunkMissingError, ChunkCorruptedError):
@@ -73,10 +102,10 @@ def create_peer_app(cache: ChunkCache) -> FastAPI:
 class PeerServer(ThreadedServer):
     """A peer's (or the tracker's) app served on a daemon thread."""
 
-    def __init__(self, app: object, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: object, *, host: str = "127.0.0.1", port: int = 0, tls: ServerTLS | None = None) -> None:
         # Keep-alive longer than any client keeps an idle connection (KEEPALIVE_S), so the server
         # never closes one just as a client sends on it (a ReadError for a request that did nothing).
-        super().__init__(app, host=host, port=port, name="peer", timeout_keep_alive=int(4 * KEEPALIVE_S))
+        super().__init__(app, host=host, port=port, name="peer", tls=tls, timeout_keep_alive=int(4 * KEEPALIVE_S))
 
 
 @dataclass
@@ -118,11 +147,14 @@ class ChunkFetcher:
         max_attempts: int = 8,
     ) -> None:
         self.node, self.swarm = node, swarm
+        self._auth = tracker.auth  # the node's token for the swarm opens its peers and the origin too
         self._cache, self._tracker, self._parallel = cache, tracker, parallel
         limits = httpx.Limits(
             max_connections=4 * parallel, max_keepalive_connections=4 * parallel, keepalive_expiry=KEEPALIVE_S
         )
-        self._http = http or httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0), limits=limits)
+        self._http = http or httpx.Client(
+            timeout=httpx.Timeout(60.0, connect=5.0), limits=limits, verify=tls.client_verify()
+        )
         self._poll_s, self._max_poll_s, self._max_attempts = poll_s, max_poll_s, max_attempts
         self._stats_lock = threading.Lock()
         self.stats = FetchStats()
@@ -190,24 +222,29 @@ class ChunkFetcher:
     ) -> tuple[list[tuple[ChunkRef, list[str], dict[str, str]]], bool]:
         """Fetches to start now, and whether the tracker counts this node complete already."""
         plan = self._tracker.plan(self.swarm, self.node, slots=slots, held=fetched, fetching=in_flight)
-        work = []
+        work, held_here = [], []
         for assignment in plan.assignments:
             if assignment.chunk in in_flight:
                 continue  # already on its way under an earlier assignment
-            if assignment.chunk not in missing:  # held already, or not in this version
+            if assignment.chunk in chunks and assignment.chunk not in missing:
+                held_here.append(assignment.chunk)  # the tracker forgot it (a restart): tell it again
+                continue
+            if assignment.chunk not in missing:  # not in this version
                 self._tracker.release(self.swarm, self.node, assignment.chunk)
                 continue
             work.append((chunks[assignment.chunk], assignment.sources, plan.urls))
+        if held_here:
+            self._tracker.announce(self.swarm, self.node, held_here)
         return work, plan.complete
 
     def _fetch_one(self, chunk: ChunkRef, sources: list[str], urls: dict[str, str]) -> bool:
         """Try each source in order; True once a verified copy is in the cache."""
         for source in sources:
-            url = self._tracker.origin_url(chunk.id) if source == ORIGIN else urls.get(source)
+            url = self._tracker.origin_url(chunk.id, self.swarm) if source == ORIGIN else urls.get(source)
             if url is None:
                 continue
             if source != ORIGIN:
-                url = f"{url.rstrip('/')}/chunks/{chunk.id}"
+                url = f"{url.rstrip('/')}/chunks/{chunk.id}?swarm={self.swarm}"
             try:
                 data = self._download(url, chunk.size)
             except (httpx.HTTPError, _Unavailable):
@@ -228,7 +265,7 @@ class ChunkFetcher:
     def _download(self, url: str, size: int) -> bytearray:
         """The response body, cut off one byte past the expected size (wrong either way)."""
         data = bytearray()
-        with self._http.stream("GET", url) as response:
+        with self._http.stream("GET", url, headers=self._auth) as response:
             if response.status_code != 200:
                 raise _Unavailable(f"{url}: HTTP {response.status_code}")
             # Raw bytes: a peer gets no say in decoding (no decompression bombs), and we hash

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import httpx
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,6 +57,9 @@ class PrefetchRequest(_Body):
     signed: SignedManifest
     tracker_url: str
     swarm: str = Field(min_length=1)
+    token: str | None = Field(
+        default=None, description="this node's token for the swarm: the tracker, the origin and peers ask for it"
+    )
     parallel: int = Field(default=4, ge=1, le=64)
 
 
@@ -120,7 +124,7 @@ def install_weights_api(
         with lock:
             if digest in cache.versions():
                 return state() | {"digest": digest, "peer_bytes": 0, "origin_bytes": 0}
-            tracker = TrackerClient(req.tracker_url)
+            tracker = TrackerClient(req.tracker_url, token=req.token)
             fetcher = ChunkFetcher(node=node_id, cache=cache, tracker=tracker, swarm=req.swarm, parallel=req.parallel)
             try:
                 result = prefetch(req.signed, cache=cache, fetcher=fetcher)
@@ -128,6 +132,8 @@ def install_weights_api(
                 return _integrity_problem(exc)
             except FetchError as exc:
                 return problems.problem_response(503, "Fetch failed", str(exc))
+            except httpx.HTTPError as exc:  # the tracker is down or restarting: the rollout retries
+                return problems.problem_response(503, "Tracker unavailable", f"{type(exc).__name__}: {exc}")
             finally:
                 fetcher.close()
                 tracker.close()

@@ -95,9 +95,12 @@ def serve(settings: Settings) -> None:
 
     import uvicorn
 
+    from gpucloud.web import tls
+
+    secure = tls.serve_options(settings.api.host, settings.tls.server, insecure=settings.tls.insecure, what="API")
     workers = settings.api.workers
     if workers <= 1:
-        uvicorn.run(create_app(settings), host=settings.api.host, port=settings.api.port, log_level="warning")
+        uvicorn.run(create_app(settings), host=settings.api.host, port=settings.api.port, log_level="warning", **secure)
         return
     if settings.database_url.startswith("sqlite"):
         raise SystemExit(
@@ -112,4 +115,5 @@ def serve(settings: Settings) -> None:
         host=settings.api.host,
         port=settings.api.port,
         log_level="warning",
+        **secure,
     )

@@ -151,10 +151,13 @@ def sim(
         port=settings.agent.sim_port,
         control_plane_url=settings.api_url if register else None,
         operator_token=settings.operator_token if register else None,
+        control_token=settings.operator_token,
         heartbeat_interval_s=heartbeat_interval,
         metering=metering,
         weights=weights,
         batch_reports=batch_reports,
+        tls=settings.tls.server,
+        insecure=settings.tls.insecure,
         control_plane=load_verifier(control_plane_key)
         if control_plane_key
         else Verifier(bootstrap.token_issuer(settings).public_key),
@@ -171,11 +174,16 @@ def tracker() -> None:
 def up(
     nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16,
     nvl72_racks: Annotated[int, typer.Option(help="simulated GB200 NVL72 racks (18 trays each)")] = 0,
+    tls: Annotated[
+        bool, typer.Option("--tls", help="every server over TLS, with a private CA made in <data dir>/tls")
+    ] = False,
 ) -> None:
     """Run everything on this machine until Ctrl-C; a second `up` on the same data dir resumes."""
-    from gpucloud.devstack.stack import Stack, StackError
+    from gpucloud.devstack.stack import Stack, StackError, with_local_tls
 
     settings = get_settings()
+    if tls:
+        settings = with_local_tls(settings)
     stack = Stack(settings, nodes=nodes, billing=True, tracker=True, nvl72_racks=nvl72_racks)
     try:
         with console.status("starting") as status:
@@ -190,6 +198,8 @@ def up(
     console.print(f"tracker    {settings.tracker.url}  (weight fan-out; `gpucloud rollout`)")
     console.print(f"fabric     {stack.fabric_url}  (simulated UFM, NMX-M and SDN controller)")
     console.print(f"operator   {settings.operator_token}  (also in {settings.data_dir / 'operator_token'}, mode 0600)")
+    if settings.tls.ca_file is not None:
+        console.print(f"CA         {settings.tls.ca_file}  (clients verify against it: GPUCLOUD_TLS__CA_FILE)")
     console.print("Ctrl-C stops everything.")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops cleanly too
     try:
@@ -208,11 +218,12 @@ def up(
 def demo(
     nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16,
     data_dir: Annotated[Path | None, typer.Option(help="where the demo keeps its state")] = None,
+    tls: Annotated[bool, typer.Option("--tls", help="run the stack with every server over TLS")] = False,
 ) -> None:
     """Start a private stack and drive a tenant through the API: allocate, list, cancel."""
     from gpucloud.demo.main import run_demo
 
-    sys.exit(run_demo(nodes=nodes, data_dir=data_dir, console=console))
+    sys.exit(run_demo(nodes=nodes, data_dir=data_dir, console=console, tls=tls))
 
 
 @app.command()
@@ -223,9 +234,17 @@ def agent(
         str,
         typer.Option(
             help="the management address of the action API (loopback by default); it answers only the "
-            "control plane's signed calls but speaks no TLS yet, so bind only on the management network"
+            "control plane's signed calls, and off loopback only over TLS (--tls-cert, --tls-key)"
         ),
     ] = "127.0.0.1",
+    tls_cert: Annotated[Path | None, typer.Option(help="the action API's TLS certificate (PEM)")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="its private key (PEM)")] = None,
+    ca_file: Annotated[
+        Path | None, typer.Option(help="the CA the control plane's and the ledger's certificates are checked against")
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="allow a bind off loopback without TLS (a network you trust)")
+    ] = False,
     scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path(
         "/var/lib/gpucloud/scratch"
     ),
@@ -258,9 +277,13 @@ def agent(
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
     from gpucloud.agent.app import main as agent_main
+    from gpucloud.web import tls as web_tls
 
     _logging()
     settings = get_settings()
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("TLS needs both --tls-cert and --tls-key", param_hint="--tls-cert")
+    web_tls.trust(ca_file)
     if token_file.is_file():  # the credential the last wipe handed over wins over the first one
         token = token_file.read_text().strip()
     if token is None:
@@ -286,6 +309,8 @@ def agent(
         spool_path=spool,
         meter_interval_s=meter_interval_s,
         gpu_type=gpu_type,
+        tls=web_tls.ServerTLS(tls_cert, tls_key) if tls_cert and tls_key else None,
+        insecure=insecure,
     )
 
 
@@ -311,10 +336,12 @@ def ledger(
     _logging()
     settings = get_settings()
     ledger_main(
-        host="127.0.0.1",
+        host=settings.ledger.host,
         port=port or settings.ledger.port,
         database_url=database_url or settings.ledger_database_url,
         control_plane_key=control_plane_key or public_key_path(settings.issuer_key_path),
+        tls=settings.tls.server,
+        insecure=settings.tls.insecure,
     )
 
 
@@ -327,7 +354,15 @@ def fabric_managers(
     from gpucloud.sim.fabric_managers import main as fabric_main
 
     _logging()
-    fabric_main(host="127.0.0.1", port=port, state_path=state)
+    settings = get_settings()
+    fabric_main(
+        host="127.0.0.1",
+        port=port,
+        state_path=state,
+        token=settings.fabric_token,
+        tls=settings.tls.server,
+        insecure=settings.tls.insecure,
+    )
 
 
 app.command()(nodes)

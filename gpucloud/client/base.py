@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import httpx
 import tenacity
 
+from gpucloud.web import tls
+
 T = TypeVar("T")
 
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
@@ -81,6 +83,7 @@ class ApiClient:
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
             transport=transport,
+            verify=tls.client_verify(),
         )
 
     def __enter__(self: T) -> T:

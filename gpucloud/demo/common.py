@@ -36,7 +36,7 @@ class Demo:
     ) -> Demo:
         """`issuer`: the control plane's key, for the calls the fleet's agents take only from it."""
         operator = Gpucloud(api_url, operator_token, retry_for_s=30)
-        return cls(console, api_url, operator, SimFleetClient(sim_url, issuer=issuer))
+        return cls(console, api_url, operator, SimFleetClient(sim_url, issuer=issuer, token=operator_token))
 
     def tenant(self, api_key: str) -> Gpucloud:
         """The API as the tenant holding `api_key` sees it."""

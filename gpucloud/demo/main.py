@@ -28,7 +28,7 @@ from gpucloud.demo.health import demo_health
 from gpucloud.demo.rollout import demo_rollout
 from gpucloud.demo.tenants import demo_tenants, onboard
 from gpucloud.demo.weights import demo_weights
-from gpucloud.devstack.stack import Stack, StackError, free_port
+from gpucloud.devstack.stack import Stack, StackError, free_port, with_local_tls
 from gpucloud.models.tables import NodePublic
 
 
@@ -123,7 +123,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     demo_invoice(demo, acme, alloc_id)
 
 
-def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
+def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool = False) -> int:
     data_dir = data_dir or Path(".data") / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
     settings = Settings(
@@ -135,6 +135,8 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console) -> int:
         ledger={"port": free_port()},
         tracker={"url": f"http://127.0.0.1:{free_port()}"},
     )
+    if tls:
+        settings = with_local_tls(settings)
     stack = Stack(
         settings,
         nodes=nodes,

@@ -24,6 +24,7 @@ from gpucloud.client.registry import RegistryClient, signer_for
 from gpucloud.demo.common import DemoFailed
 from gpucloud.registry.chunking import ChunkPolicy, MiB, encode_safetensors_header
 from gpucloud.registry.manifest import IntegrityError, Lineage
+from gpucloud.web import tls
 
 TENSORS = 20
 TENSOR_SIZE = 512 * 1024
@@ -43,7 +44,7 @@ class _CorruptInTransit(httpx.BaseTransport):
     """Real HTTP, except that one byte of one chunk is flipped on its way to the client."""
 
     def __init__(self, chunk_id: str) -> None:
-        self.inner, self.chunk_id = httpx.HTTPTransport(), chunk_id
+        self.inner, self.chunk_id = httpx.HTTPTransport(verify=tls.client_verify()), chunk_id
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = self.inner.handle_request(request)

@@ -13,12 +13,25 @@ from typing import Any
 
 import uvicorn
 
+from gpucloud.web.tls import ServerTLS, scheme, serve_options
+
 
 class ThreadedServer:
     def __init__(
-        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "asgi", **uvicorn_options: Any
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "asgi",
+        tls: ServerTLS | None = None,
+        **uvicorn_options: Any,
     ) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, **uvicorn_options)
+        secure = serve_options(host, tls, what=name)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, **secure, **uvicorn_options
+        )
+        self._scheme = scheme(tls)
         self._server = uvicorn.Server(config)
         self._host = host
         self._name = name
@@ -33,7 +46,7 @@ class ThreadedServer:
                 raise RuntimeError(f"{self._name} server on {self._host} did not start")
             time.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{self._host}:{port}"
+        self.url = f"{self._scheme}://{self._host}:{port}"
         return self.url
 
     def stop(self) -> None:

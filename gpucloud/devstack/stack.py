@@ -30,12 +30,32 @@ from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.devstack.temporal_server import server_args
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
+from gpucloud.sim.client import SimFleetClient
 from gpucloud.sim.fabric_managers import register_nvl_domains
+from gpucloud.web import tls
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
+from gpucloud.web.tls import LocalCA
 
 
 class StackError(RuntimeError):
     pass
+
+
+def with_local_tls(settings: Settings) -> Settings:
+    """These settings with every server of the stack on TLS (`gpucloud up --tls`): a private CA
+    and a certificate for loopback, kept in `<data dir>/tls` (a second start reuses them), which
+    every client of the stack verifies against."""
+    ca = LocalCA(settings.data_dir.resolve() / "tls")
+    leaf = ca.issue("server", ["127.0.0.1", "localhost"])
+    tracker = httpx.URL(settings.tracker.url).copy_with(scheme="https")
+    return settings.model_copy(
+        update={
+            "tls": settings.tls.model_copy(
+                update={"ca_file": ca.cert_file, "cert_file": leaf.cert_file, "key_file": leaf.key_file}
+            ),
+            "tracker": settings.tracker.model_copy(update={"url": str(tracker)}),
+        }
+    )
 
 
 # Ports handed out below the kernel's ephemeral range (32768-60999 by default), at random: a port
@@ -89,11 +109,11 @@ class Stack:
     def fabric_url(self) -> str:
         if not self._fabric_port:
             self._fabric_port = self.settings.fabric.port or free_port()
-        return f"http://127.0.0.1:{self._fabric_port}"
+        return f"{self.settings.tls.scheme}://127.0.0.1:{self._fabric_port}"
 
     @property
     def ledger_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.ledger.port}"
+        return f"{self.settings.tls.scheme}://{self.settings.ledger.host}:{self.settings.ledger.port}"
 
     @property
     def log_dir(self) -> Path:
@@ -118,7 +138,9 @@ class Stack:
                         "database_url": SecretStr(s.ledger_database_url),
                     }
                 ),
-                "fabric": s.fabric.model_copy(update={"url": self.fabric_url}) if self.fabric else s.fabric,
+                "fabric": s.fabric.model_copy(update={"url": self.fabric_url, "token": SecretStr(s.fabric_token)})
+                if self.fabric
+                else s.fabric,
             }
         )
         return {**os.environ, **derived.env()}
@@ -145,7 +167,7 @@ class Stack:
         tracker = httpx.URL(self.settings.tracker.url)
         ports = {
             "temporal": ("Temporal", host, int(port)),
-            "ledger": ("ledger", "127.0.0.1", self.settings.ledger.port),
+            "ledger": ("ledger", self.settings.ledger.host, self.settings.ledger.port),
             "api": ("API", self.settings.api.host, self.settings.api.port),
             "sim": ("simulated fleet", self.settings.agent.sim_host, self.settings.agent.sim_port),
             "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1])),
@@ -161,6 +183,7 @@ class Stack:
     def start(self, on_step: Callable[[str], None] = lambda _: None, *, only: tuple[str, ...] | None = None) -> None:
         """Start the stack, or with `only` some of its components (say, after `stop(only=...)`)."""
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        tls.trust(self.settings.tls.ca_file)  # this process checks its children's certificates too
         components = self._components(only)
         self._check_ports(components)
         for name in components:
@@ -204,7 +227,7 @@ class Stack:
     def _start_tracker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting weight tracker")
         self._spawn("tracker", self._cli("tracker"))
-        self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker.url}/origin/stats"), 60)
+        self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker.url}/healthz"), 60)
 
     def _start_worker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting worker")
@@ -240,7 +263,11 @@ class Stack:
         self._wait("sim", lambda: self._http_ok(f"{self.settings.sim_url}/healthz"), 60)
         if self.fabric and self.nvl72_racks:
             # Real NMX-M discovers each NVL72 rack's GPUs; the simulated one is told.
-            register_nvl_domains(self.fabric_url, httpx.get(f"{self.settings.sim_url}/v1/inventory", timeout=30).json())
+            with self._sim() as sim:
+                register_nvl_domains(self.fabric_url, sim.inventory(), token=self.settings.fabric_token)
+
+    def _sim(self) -> SimFleetClient:
+        return SimFleetClient(self.settings.sim_url, token=self.settings.operator_token, timeout_s=30)
 
     def _temporal_ready(self) -> bool:
         from gpucloud.adapters.temporal import connect
@@ -258,7 +285,7 @@ class Stack:
     @staticmethod
     def _http_ok(url: str) -> bool:
         try:
-            return httpx.get(url, timeout=1.0).status_code == 200
+            return httpx.get(url, timeout=1.0, verify=tls.client_verify()).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -298,7 +325,7 @@ def seed_price_book(ledger_url: str, operator_token: str) -> None:
     """Give a ledger without any price book the list prices (`models/catalog.py`), from the epoch
     on, as the operator (a token the control plane signed for the ledger)."""
     auth = {"Authorization": f"Bearer {operator_token}"}
-    versions = httpx.get(f"{ledger_url}/v1/price-book/versions", timeout=10, headers=auth)
+    versions = httpx.get(f"{ledger_url}/v1/price-book/versions", timeout=10, headers=auth, verify=tls.client_verify())
     versions.raise_for_status()
     if versions.json():
         return
@@ -306,6 +333,7 @@ def seed_price_book(ledger_url: str, operator_token: str) -> None:
     created = httpx.post(
         f"{ledger_url}/v1/price-book/versions",
         timeout=10,
+        verify=tls.client_verify(),
         headers=auth,
         json={"effective_from_ms": 0, "prices": prices, "note": "list prices"},
     )

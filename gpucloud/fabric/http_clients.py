@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from gpucloud.fabric.interface import FabricError, Membership, NvlPartition, PKey, PortMember, Vpc
+from gpucloud.web import tls
 
 
 def _raise_for_refusal(response: httpx.Response) -> None:
@@ -150,10 +151,15 @@ class HttpFabricController:
         ufm_url: str,
         nmx_url: str,
         sdn_url: str,
+        token: str | None = None,
         timeout_s: float = 10.0,
         client: httpx.Client | None = None,
     ) -> None:
-        self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        """`token`: the managers' API token, sent as a bearer token on every call."""
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._client = client or httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers, verify=tls.client_verify()
+        )
         self._owns_client = client is None
         self._infiniband = UfmClient(self._client, ufm_url)
         self._nvlink = NmxClient(self._client, nmx_url)

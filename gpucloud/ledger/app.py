@@ -42,6 +42,7 @@ from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
 from gpucloud.web import problems as web_problems
 from gpucloud.web.service_tokens import Verifier, load_verifier
+from gpucloud.web.tls import ServerTLS, serve_options
 
 DEFAULT_DATABASE_URL = "sqlite:///.data/ledger.db"
 
@@ -121,6 +122,8 @@ def main(
     database_url: str = DEFAULT_DATABASE_URL,
     *,
     control_plane_key: Path,
+    tls: ServerTLS | None = None,
+    insecure: bool = False,
 ) -> None:
     """Run the ledger until interrupted (``gpucloud ledger``), trusting the control plane's
     public key at `control_plane_key`."""
@@ -129,5 +132,6 @@ def main(
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
     if not control_plane_key.is_file():
         raise SystemExit(f"no control plane public key at {control_plane_key}: the ledger answers only its tokens")
+    secure = serve_options(host, tls, insecure=insecure, what="ledger")
     app = create_app(database_url, control_plane=load_verifier(control_plane_key))
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)

@@ -276,6 +276,19 @@ class StorageUsage(SQLModel, table=True):
     measured_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
+class TrackerSwarm(SQLModel, table=True):
+    """A rollout's swarm as the tracker registered it (its spec, JSON), so the tracker answers
+    for it after a restart; deleted when the rollout ends. Holdings are not kept: nodes
+    announce them again."""
+
+    __tablename__ = "tracker_swarm"
+
+    name: str = Field(primary_key=True, max_length=200)
+    tenant_id: str | None = Field(default=None, max_length=128)
+    spec: str = Field(sa_type=sa.Text)
+    created_at: datetime = timestamp_field()
+
+
 # ---------------------------------------------------------------- API bodies composed from the rows
 
 

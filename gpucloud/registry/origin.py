@@ -1,50 +1,77 @@
 """The tracker service of a deployment: the weight tracker, with the registry's chunks as the origin.
 
-The tracker service (`gpucloud.registry.tracker_app`) serves `GET /origin/chunks/{id}` from
-one chunk store, while the registry keeps a store per tenant (`gpucloud.registry.stores`).
-`RegistryOrigin` answers a chunk from the store of whichever tenant holds it; tenants are listed
-from the control-plane DB on every lookup, so one onboarded since the service started is found.
-
-The origin answers by chunk id alone: anyone who reaches it and knows a chunk's id (the BLAKE3
-of its bytes) can read that chunk. It is meant for the control plane's network (`gpucloud up`
-binds it to loopback); nodes outside it would need a per-tenant origin path or signed URLs.
+The tracker service (`gpucloud.registry.tracker_app`) serves `GET /origin/chunks/{id}` for a
+swarm, from the registry store of the tenant whose rollout registered that swarm, to nodes that
+hold the token the rollout gave them for it: a chunk id alone opens nothing, and no tenant's
+chunk is served for another's swarm. Swarm specs are kept in the control-plane DB, so a restart
+of the tracker loses no rollout (nodes announce what they hold again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
-from sqlmodel import col, select
+from fastapi import FastAPI
+from sqlalchemy.exc import IntegrityError
 
 from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.db import Database
-from gpucloud.registry.manifest import ChunkMissingError
-from gpucloud.registry.stores import RegistryStores
+from gpucloud.registry.swarm import SwarmSpec
+from gpucloud.web.service_tokens import Verifier
+from gpucloud.web.tls import serve_options
 
 
-class RegistryOrigin:
-    """Read-only: what the tracker's origin endpoint asks of a chunk store (`get`)."""
+class DatabaseSwarms:
+    """Swarm specs kept in the control-plane DB (`tracker_swarm`), so the tracker answers for a
+    rollout's swarm after a restart."""
 
-    def __init__(self, stores: RegistryStores, tenants: Callable[[], Iterable[str]]) -> None:
-        self._stores, self._tenants = stores, tenants
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
-    def get(self, chunk_id: str) -> bytes:
-        for tenant_id in self._tenants():
-            store = self._stores.chunks(tenant_id)
-            if store.has(chunk_id):
-                return store.get(chunk_id)  # hashed in full by the store before it returns
-        raise ChunkMissingError("no tenant's registry holds it", chunk_id=chunk_id)
+    def save(self, name: str, spec: SwarmSpec) -> SwarmSpec:
+        from gpucloud.models.registry_tables import TrackerSwarm
+
+        with self._db.session() as session:
+            row = session.get(TrackerSwarm, name)
+            if row is None:
+                session.add(TrackerSwarm(name=name, tenant_id=spec.tenant, spec=spec.model_dump_json()))
+                try:
+                    session.commit()
+                    return spec
+                except IntegrityError:  # registered by a retry meanwhile: the kept one answers
+                    session.rollback()
+                    row = session.get(TrackerSwarm, name)
+            assert row is not None
+            return SwarmSpec.model_validate_json(row.spec)
+
+    def load(self, name: str) -> SwarmSpec | None:
+        from gpucloud.models.registry_tables import TrackerSwarm
+
+        with self._db.session() as session:
+            row = session.get(TrackerSwarm, name)
+            return SwarmSpec.model_validate_json(row.spec) if row is not None else None
+
+    def delete(self, name: str) -> None:
+        from gpucloud.models.registry_tables import TrackerSwarm
+
+        with self._db.session() as session:
+            row = session.get(TrackerSwarm, name)
+            if row is not None:
+                session.delete(row)
+                session.commit()
 
 
-def tenants_in(db: Database) -> Callable[[], list[str]]:
-    from gpucloud.models.tables import Tenant
+def create_deployment_tracker(settings: Settings) -> FastAPI:
+    """The tracker of a deployment: swarms kept in the control-plane DB, chunks served from each
+    swarm's tenant's registry store, every caller checked against the control plane's key."""
+    from gpucloud.registry.tracker_app import create_tracker_app
 
-    def tenant_ids() -> list[str]:
-        with db.session() as session:
-            return list(session.exec(select(col(Tenant.id))).all())
-
-    return tenant_ids
+    db = bootstrap.database(settings)
+    stores = bootstrap.registry_stores(settings)
+    return create_tracker_app(
+        tenant_chunks=stores.chunks,
+        verifier=Verifier(bootstrap.token_issuer(settings).public_key),
+        store=DatabaseSwarms(db),
+    )
 
 
 def serve_tracker(settings: Settings) -> None:
@@ -52,17 +79,18 @@ def serve_tracker(settings: Settings) -> None:
     import httpx
     import uvicorn
 
-    from gpucloud.registry.tracker_app import KEEPALIVE_S, create_tracker_app
+    from gpucloud.registry.tracker_app import KEEPALIVE_S
 
-    origin = RegistryOrigin(bootstrap.registry_stores(settings), tenants_in(bootstrap.database(settings)))
     url = httpx.URL(settings.tracker.url)
+    secure = serve_options(url.host, settings.tls.server, insecure=settings.tls.insecure, what="tracker")
     # Keep-alive longer than clients keep idle connections (as `PeerServer` does), so the server
     # never closes one just as a client sends on it.
     uvicorn.run(
-        create_tracker_app(chunk_store=origin),
+        create_deployment_tracker(settings),
         host=url.host,
         port=url.port or 80,
         log_level="warning",
         timeout_keep_alive=int(4 * KEEPALIVE_S),
         backlog=4096,
+        **secure,
     )

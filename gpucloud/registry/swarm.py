@@ -29,6 +29,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import cached_property
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,6 +53,11 @@ class PeerPlace(_Model):
 class SwarmSpec(_Model):
     nodes: dict[str, PeerPlace] = Field(min_length=1)
     chunks: list[ChunkId] = Field(min_length=1)
+    tenant: str | None = Field(default=None, description="whose chunks these are (the origin reads its store)")
+
+    @cached_property
+    def chunk_set(self) -> frozenset[str]:
+        return frozenset(self.chunks)
 
 
 class Assignment(_Model):

@@ -5,29 +5,46 @@ by name under `/tracker/swarms/{swarm}`; nodes announce what they hold, ask for 
 chunks to fetch now, from which sources), report peers that served bad bytes, and release
 chunks they gave up on. `peers_for` exposes the pure tracker's ranking as it is.
 
-The origin endpoint, `GET /origin/chunks/{id}`, serves chunks from a `ChunkStore` (which hashes
-them in full before a byte is sent) and counts the bytes it sends (`GET /origin/stats`), so
-origin egress can be measured against the artifact's size.
+The origin endpoint, `GET /origin/chunks/{id}?swarm=<name>`, serves chunks from a `ChunkStore`
+(which hashes them in full before a byte is sent) and counts the bytes it sends
+(`GET /origin/stats`), so origin egress can be measured against the artifact's size.
+
+With a `verifier` (the control plane's public key, `web/service_tokens.py`) every call but
+`/healthz` needs a token: registering, removing and reading swarms and the origin's stats take
+the control plane's (audience `tracker`); a node's calls take the token the rollout gave that
+node for that swarm (audience `swarm:<name>`, role `swarm-member`, the tenant named), and only
+for itself. The origin then serves only chunks of that swarm, from that tenant's store. With a
+`SwarmStore` the swarms' specs are kept (the control-plane DB), so the tracker answers for them
+after a restart; nodes announce their holdings again as they plan.
 
 `TrackerClient` is the blocking httpx client for both, shared by a node's fetch threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Path, Request, Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpucloud.registry.manifest import HEX_DIGEST, ChunkCorruptedError, ChunkMissingError
 from gpucloud.registry.store import ChunkSource
 from gpucloud.registry.swarm import ChunkId, Plan, Swarm, SwarmSpec, SwarmStatus
-from gpucloud.web import problems
+from gpucloud.web import problems, tls
+from gpucloud.web.service_tokens import (
+    SWARM_MEMBER,
+    TRACKER_AUDIENCE,
+    Claims,
+    InvalidToken,
+    Verifier,
+    swarm_audience,
+)
 
 KEEPALIVE_S = 2.0
 """How long clients keep an idle connection: under uvicorn's default 5 s, so a server never closes
@@ -78,31 +95,58 @@ class OriginStats(_Model):
     chunks_served: int
 
 
-class SwarmRegistry:
-    """Swarms by name. Registering the same spec twice is a no-op; a different one conflicts."""
+class SwarmStore(Protocol):
+    """Where swarm specs outlive the tracker process."""
 
-    def __init__(self, *, seed: int | None = None, **swarm_options: Any) -> None:
+    def save(self, name: str, spec: SwarmSpec) -> SwarmSpec:
+        """Keep `spec` under `name`, or return the spec kept there already."""
+
+    def load(self, name: str) -> SwarmSpec | None: ...
+
+    def delete(self, name: str) -> None: ...
+
+
+class SwarmRegistry:
+    """Swarms by name. Registering the same spec twice is a no-op; a different one conflicts.
+    With a `store`, a swarm this process does not hold is looked up there (after a restart)."""
+
+    def __init__(self, *, seed: int | None = None, store: SwarmStore | None = None, **swarm_options: Any) -> None:
         self._swarms: dict[str, Swarm] = {}
-        self._seed, self._options = seed, swarm_options
+        self._seed, self._options, self._store = seed, swarm_options, store
         self._lock = threading.Lock()
+
+    def _new(self, name: str, spec: SwarmSpec) -> Swarm:
+        rng = random.Random(f"{self._seed}/{name}") if self._seed is not None else random.Random()
+        return Swarm(spec, rng=rng, **self._options)
 
     def register(self, name: str, spec: SwarmSpec) -> Swarm:
         with self._lock:
             swarm = self._swarms.get(name)
             if swarm is None:
-                rng = random.Random(f"{self._seed}/{name}") if self._seed is not None else random.Random()
-                swarm = self._swarms[name] = Swarm(spec, rng=rng, **self._options)
+                kept = self._store.save(name, spec) if self._store is not None else spec
+                if kept != spec:
+                    raise ValueError(f"swarm {name!r} exists with other nodes or chunks")
+                swarm = self._swarms[name] = self._new(name, spec)
             elif swarm.spec != spec:
                 raise ValueError(f"swarm {name!r} exists with other nodes or chunks")
             return swarm
 
     def get(self, name: str) -> Swarm:
         with self._lock:
-            return self._swarms[name]
+            swarm = self._swarms.get(name)
+            if swarm is None and self._store is not None:
+                spec = self._store.load(name)
+                if spec is not None:
+                    swarm = self._swarms[name] = self._new(name, spec)
+            if swarm is None:
+                raise KeyError(name)
+            return swarm
 
     def remove(self, name: str) -> None:
         with self._lock:
             self._swarms.pop(name, None)
+            if self._store is not None:
+                self._store.delete(name)
 
 
 class OriginMeter:
@@ -122,9 +166,44 @@ class OriginMeter:
             return OriginStats(egress_bytes=self.egress_bytes, chunks_served=self.chunks_served)
 
 
+def _unauthenticated(detail: str) -> HTTPException:
+    return HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _control_plane(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    verifier: Verifier | None = request.app.state.verifier
+    if verifier is None:
+        return
+    try:
+        verifier.check_header(authorization, audience=TRACKER_AUDIENCE)
+    except InvalidToken as exc:
+        raise _unauthenticated(f"only the control plane registers, removes and reads swarms ({exc})") from None
+
+
+def _member(request: Request, swarm: str, authorization: Annotated[str | None, Header()] = None) -> Claims | None:
+    """The claims of a node's token for this swarm (None when the tracker checks no tokens)."""
+    verifier: Verifier | None = request.app.state.verifier
+    if verifier is None:
+        return None
+    try:
+        return verifier.check_header(authorization, audience=swarm_audience(swarm), roles=(SWARM_MEMBER,))
+    except InvalidToken as exc:
+        raise _unauthenticated(f"a node's token for swarm {swarm!r} is needed ({exc})") from None
+
+
+ControlPlane = Depends(_control_plane)
+Member = Annotated[Claims | None, Depends(_member)]
+
+
+def _as(caller: Claims | None, node: str) -> None:
+    """A node speaks for itself only."""
+    if caller is not None and caller.subject != f"node:{node}":
+        raise HTTPException(403, f"{caller.subject} may not speak for node {node!r}")
+
+
 async def _swarm(request: Request, swarm: str) -> Swarm:
     try:
-        return request.app.state.swarms.get(swarm)
+        return await asyncio.to_thread(request.app.state.swarms.get, swarm)
     except KeyError:
         raise HTTPException(404, f"no swarm {swarm!r}") from None
 
@@ -145,70 +224,116 @@ def _unknown_node(call: Callable[[], T]) -> T:
 
 
 def create_tracker_app(
-    *, chunk_store: ChunkSource | None = None, seed: int | None = None, **swarm_options: Any
+    *,
+    chunk_store: ChunkSource | None = None,
+    tenant_chunks: Callable[[str], ChunkSource] | None = None,
+    verifier: Verifier | None = None,
+    store: SwarmStore | None = None,
+    seed: int | None = None,
+    **swarm_options: Any,
 ) -> FastAPI:
-    """The tracker (swarms under /tracker) and, given a chunk store, the origin (/origin)."""
+    """The tracker (swarms under /tracker) and, given chunks, the origin (/origin).
+
+    The origin serves a swarm's chunks from `tenant_chunks(<the swarm's tenant>)`, or from
+    `chunk_store` for a swarm that names no tenant. `verifier`: check every caller (module doc);
+    `store`: keep swarm specs across restarts.
+    """
     app = FastAPI(title="gpucloud weight tracker")
     problems.install(app)
-    app.state.swarms = SwarmRegistry(seed=seed, **swarm_options)
+    app.state.swarms = SwarmRegistry(seed=seed, store=store, **swarm_options)
     app.state.origin_meter = OriginMeter()
+    app.state.verifier = verifier
     base = "/tracker/swarms/{swarm}"
     # Swarm calls are sub-millisecond pure logic: they run on the event loop, since a hop to the
-    # thread pool and back costs more than the call, and far more when threads contend.
+    # thread pool and back costs more than the call, and far more when threads contend. Only a
+    # swarm not yet in memory is looked up in the store, off the loop.
 
-    @app.put(base, response_model=SwarmStatus)
+    @app.get("/healthz")
+    async def healthz() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.put(base, response_model=SwarmStatus, dependencies=[ControlPlane])
     async def register_swarm(request: Request, swarm: str, spec: SwarmSpec) -> SwarmStatus:
         try:
-            return request.app.state.swarms.register(swarm, spec).status()
+            return (await asyncio.to_thread(request.app.state.swarms.register, swarm, spec)).status()
         except ValueError as exc:
             raise HTTPException(409, str(exc)) from None
 
-    @app.get(base, response_model=SwarmStatus)
+    @app.get(base, response_model=SwarmStatus, dependencies=[ControlPlane])
     async def swarm_status(swarm: SwarmDep) -> SwarmStatus:
         return swarm.status()
 
-    @app.delete(base, status_code=204)
+    @app.delete(base, status_code=204, dependencies=[ControlPlane])
     async def remove_swarm(request: Request, swarm: str) -> None:
-        request.app.state.swarms.remove(swarm)
+        await asyncio.to_thread(request.app.state.swarms.remove, swarm)
 
     @app.post(f"{base}/announce", status_code=204)
-    async def announce(swarm: SwarmDep, body: NodeChunks) -> None:
+    async def announce(caller: Member, swarm: SwarmDep, body: NodeChunks) -> None:
+        _as(caller, body.node)
         _unknown_node(lambda: swarm.announce(body.node, body.chunks))
 
     @app.post(f"{base}/plan", response_model=Plan)
-    async def plan(swarm: SwarmDep, body: PlanRequest) -> Plan:
+    async def plan(caller: Member, swarm: SwarmDep, body: PlanRequest) -> Plan:
+        _as(caller, body.node)
         return _unknown_node(lambda: swarm.plan(body.node, body.slots, held=body.held, fetching=body.fetching))
 
     @app.post(f"{base}/bad_chunks", status_code=204)
-    async def report_bad(swarm: SwarmDep, body: BadChunkReport) -> None:
+    async def report_bad(caller: Member, swarm: SwarmDep, body: BadChunkReport) -> None:
+        _as(caller, body.node)
         _unknown_node(lambda: swarm.report_bad(body.node, body.peer, body.chunk))
 
     @app.post(f"{base}/release", status_code=204)
-    async def release(swarm: SwarmDep, body: ChunkRelease) -> None:
+    async def release(caller: Member, swarm: SwarmDep, body: ChunkRelease) -> None:
+        _as(caller, body.node)
         _unknown_node(lambda: swarm.release(body.node, body.chunk))
 
     @app.post(f"{base}/peers_for", response_model=dict[str, list[str]])
-    async def peers_for(swarm: SwarmDep, body: PeersForRequest) -> dict[str, list[str]]:
+    async def peers_for(caller: Member, swarm: SwarmDep, body: PeersForRequest) -> dict[str, list[str]]:
+        _as(caller, body.node)
         return _unknown_node(lambda: swarm.peers_for(body.node, body.chunks, body.max_sources))
 
     @app.put(f"{base}/nodes/{{node}}", status_code=204)
-    async def reset(swarm: SwarmDep, node: str, body: Holdings) -> None:
+    async def reset(caller: Member, swarm: SwarmDep, node: str, body: Holdings) -> None:
+        _as(caller, node)
         _unknown_node(lambda: swarm.reset(node, body.chunks))
 
     @app.delete(f"{base}/nodes/{{node}}", status_code=204)
-    async def forget(swarm: SwarmDep, node: str) -> None:
+    async def forget(caller: Member, swarm: SwarmDep, node: str) -> None:
+        _as(caller, node)
         _unknown_node(lambda: swarm.forget(node))
 
-    @app.get("/origin/stats", response_model=OriginStats)
+    @app.get("/origin/stats", response_model=OriginStats, dependencies=[ControlPlane])
     async def origin_stats(request: Request) -> OriginStats:
         return request.app.state.origin_meter.stats()
 
-    if chunk_store is not None:
+    if chunk_store is not None or tenant_chunks is not None:
 
         @app.get("/origin/chunks/{chunk_id}")
-        def origin_chunk(request: Request, chunk_id: Annotated[str, Path(pattern=HEX_DIGEST)]) -> Response:
+        def origin_chunk(
+            request: Request,
+            chunk_id: Annotated[str, Path(pattern=HEX_DIGEST)],
+            swarm: Annotated[str | None, Query(description="the swarm the caller fetches for")] = None,
+            authorization: Annotated[str | None, Header()] = None,
+        ) -> Response:
+            source = chunk_store
+            if verifier is not None or tenant_chunks is not None:
+                if swarm is None:
+                    raise _unauthenticated("the origin serves chunks of a swarm to its nodes: name it (?swarm=)")
+                caller = _member(request, swarm, authorization)
+                try:
+                    spec = request.app.state.swarms.get(swarm).spec
+                except KeyError:
+                    raise HTTPException(404, f"no swarm {swarm!r}") from None
+                if caller is not None and caller.tenant != spec.tenant:
+                    raise HTTPException(403, "the token is for another tenant than the swarm's")
+                if chunk_id not in spec.chunk_set:
+                    raise HTTPException(404, f"chunk {chunk_id} is not in swarm {swarm!r}")
+                if spec.tenant is not None and tenant_chunks is not None:
+                    source = tenant_chunks(spec.tenant)
+            if source is None:
+                raise HTTPException(404, f"no chunk store for swarm {swarm!r}")
             try:
-                data = chunk_store.get(chunk_id)  # hashed in full before one byte is sent
+                data = source.get(chunk_id)  # hashed in full before one byte is sent
             except ChunkMissingError:
                 raise HTTPException(404, f"chunk {chunk_id} is not in the store") from None
             except ChunkCorruptedError as exc:
@@ -228,10 +353,20 @@ class TrackerClient:
     """
 
     def __init__(
-        self, base_url: str, *, http: httpx.Client | None = None, timeout_s: float = 30.0, retries: int = 3
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        http: httpx.Client | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
     ) -> None:
+        """`token`: the control plane's for the tracker, or a node's for its swarm."""
         self.base_url = base_url.rstrip("/")
-        self._http = http or httpx.Client(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = http or httpx.Client(
+            timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S), verify=tls.client_verify()
+        )
         self._retries = retries
 
     def close(self) -> None:
@@ -240,7 +375,7 @@ class TrackerClient:
     def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
         for attempt in range(self._retries + 1):
             try:
-                response = self._http.request(method, f"{self.base_url}{path}", json=body)
+                response = self._http.request(method, f"{self.base_url}{path}", json=body, headers=self.auth)
                 break
             except httpx.TransportError:
                 if attempt == self._retries:
@@ -284,8 +419,12 @@ class TrackerClient:
     def forget(self, swarm: str, node: str) -> None:
         self._call("DELETE", f"/tracker/swarms/{swarm}/nodes/{node}")
 
-    def origin_url(self, chunk_id: str) -> str:
-        return f"{self.base_url}/origin/chunks/{chunk_id}"
+    def remove_swarm(self, swarm: str) -> None:
+        self._call("DELETE", f"/tracker/swarms/{swarm}")
+
+    def origin_url(self, chunk_id: str, swarm: str | None = None) -> str:
+        query = f"?swarm={swarm}" if swarm else ""
+        return f"{self.base_url}/origin/chunks/{chunk_id}{query}"
 
     def origin_stats(self) -> OriginStats:
         return OriginStats.model_validate_json(self._call("GET", "/origin/stats").content)

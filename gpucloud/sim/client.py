@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from gpucloud.web import tls
 from gpucloud.web.service_tokens import Issuer, agent_audience
 
 
@@ -19,8 +20,17 @@ class SimFleetClient:
         timeout_s: float = 10.0,
         transport: httpx.BaseTransport | None = None,
         issuer: Issuer | None = None,
+        token: str | None = None,
     ) -> None:
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+        """`token`: the operator token, which the simulator's own endpoints ask for."""
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self.http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            timeout=timeout_s,
+            transport=transport,
+            headers=headers,
+            verify=tls.client_verify(),
+        )
         # Signs the calls a node's agent takes only from the control plane (its weights API).
         self._issuer = issuer
 
@@ -41,6 +51,10 @@ class SimFleetClient:
     def node(self, node_id: str) -> dict[str, Any]:
         """What the node's agent reports: state, tenant, allocation, boot id, faults."""
         return self._call("GET", f"/v1/nodes/{node_id}")
+
+    def credential(self, node_id: str) -> str:
+        """The agent credential the node's last wipe handed over (what a real agent keeps on disk)."""
+        return self._call("GET", f"/v1/nodes/{node_id}/credential")["credential"]
 
     def inventory(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/inventory")

@@ -27,6 +27,7 @@ against the simulated fleet.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import random
 import threading
@@ -35,10 +36,10 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -46,8 +47,9 @@ from gpucloud.agent.schemas import ActionRequest
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
-from gpucloud.web import problems
-from gpucloud.web.service_tokens import Verifier, refusal
+from gpucloud.web import problems, tls
+from gpucloud.web.service_tokens import Verifier, refusal_reason
+from gpucloud.web.tls import ServerTLS, scheme, serve_options
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +336,9 @@ async def register_with_control_plane(
     batches under the operator token (an explicit option for fleets too large to report one by
     one on one machine)."""
     inventory = fleet.inventory(base_url)
-    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {token}"}) as client:
+    async with httpx.AsyncClient(
+        timeout=60, headers={"Authorization": f"Bearer {token}"}, verify=tls.client_verify()
+    ) as client:
         for start in range(0, len(inventory), batch):
             await _post_until_accepted(
                 client, f"{control_plane_url}/v1/nodes:enroll", {"nodes": inventory[start : start + batch]}
@@ -386,11 +390,13 @@ def create_app(
     weights: WeightsSpec | None = None,
     control_plane: Verifier | None = None,
     batch_reports: bool = False,
+    control_token: str | None = None,
 ) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
     `weights`: each node serves the weights API under its agent URL; `control_plane`: each
     node's actions answer only a token the control plane signed for that node, as a real
-    agent's do (None: unchecked, for the fleet model's own tests)."""
+    agent's do (None: unchecked, for the fleet model's own tests); `control_token`: the
+    simulator's own endpoints (inventory, faults, outages) answer only it (the operator token)."""
     fleet = Fleet(spec)
 
     @asynccontextmanager
@@ -438,6 +444,17 @@ def create_app(
 
     app = FastAPI(title="gpucloud simulated fleet", lifespan=lifespan)
     problems.install(app)
+
+    def only_the_operator(authorization: Annotated[str | None, Header()] = None) -> None:
+        """The simulator's own endpoints (the world: faults, outages, what nodes hold) answer
+        only the operator (`control_token`); each node's agent routes check their own tokens."""
+        if control_token is None:
+            return
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), control_token.encode()):
+            raise problems.unauthenticated_problem("the simulator's own endpoints answer only the operator token")
+
+    control = Depends(only_the_operator)
     app.state.fleet = fleet
     app.state.metering = None
 
@@ -445,58 +462,61 @@ def create_app(
     async def healthz() -> dict:
         return {"ok": True, "nodes": len(fleet.nodes)}
 
-    @app.get("/v1/inventory")
+    @app.get("/v1/inventory", dependencies=[control])
     async def inventory() -> list[dict]:
         return fleet.inventory(base_url)
 
-    @app.get("/v1/nodes/{node_id}")
+    @app.get("/v1/nodes/{node_id}", dependencies=[control])
     async def get_node(node_id: str) -> dict:
         return Fleet.describe(fleet.node(node_id))
 
-    @app.post("/v1/nodes/{node_id}/actions/{action}")
-    async def act(node_id: str, action: str, req: ActionRequest, request: Request):
-        if refused := refusal(control_plane, request.headers.get("authorization"), node_id=node_id):
-            return refused
+    def control_plane_only(node_id: str, authorization: Annotated[str | None, Header()] = None) -> None:
+        """Checked before the body is read, as a real agent's middleware does."""
+        if reason := refusal_reason(control_plane, authorization, node_id=node_id):
+            raise problems.unauthenticated_problem(reason)
+
+    @app.post("/v1/nodes/{node_id}/actions/{action}", dependencies=[Depends(control_plane_only)])
+    async def act(node_id: str, action: str, req: ActionRequest):
         if action not in ACTIONS:
             raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
         status, body = await fleet.act(fleet.node(node_id), action, req)
         return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
 
-    @app.get("/v1/nodes/{node_id}/credential")
+    @app.get("/v1/nodes/{node_id}/credential", dependencies=[control])
     async def credential(node_id: str) -> dict:
         """The agent credential the node's last wipe handed over (what a real agent keeps on disk)."""
         return {"node_id": node_id, "credential": fleet.node(node_id).credential}
 
-    @app.post("/v1/faults")
+    @app.post("/v1/faults", dependencies=[control])
     async def inject(req: FaultRequest) -> dict:
         node = fleet.node(req.node_id)
         node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
         return {"node_id": node.id, "action": req.action, "pending": list(node.faults[req.action])}
 
-    @app.post("/v1/nodes/{node_id}/hardware_fault")
+    @app.post("/v1/nodes/{node_id}/hardware_fault", dependencies=[control])
     async def hardware_fault(node_id: str, req: HardwareFaultRequest) -> dict:
         node = fleet.node(node_id)
         node.hardware_fault, node.fault_fixed_by = req.fault, req.fixed_by if req.fault else None
         return Fleet.describe(node)
 
-    @app.post("/v1/nodes/{node_id}/drift")
+    @app.post("/v1/nodes/{node_id}/drift", dependencies=[control])
     async def drift(node_id: str, req: DriftRequest) -> dict:
         node = fleet.node(node_id)
         fleet.drift(node, req.kind)
         await fleet.workload_changed(node)
         return Fleet.describe(node)
 
-    @app.post("/v1/nodes/{node_id}/reachability")
+    @app.post("/v1/nodes/{node_id}/reachability", dependencies=[control])
     async def reachability(node_id: str, req: ReachabilityRequest) -> dict:
         node = fleet.node(node_id)
         node.unreachable = req.unreachable
         return Fleet.describe(node) | {"unreachable": node.unreachable}
 
-    @app.get("/v1/heartbeats")
+    @app.get("/v1/heartbeats", dependencies=[control])
     async def heartbeats() -> list[dict]:
         return fleet.heartbeats()
 
-    @app.get("/v1/metering")
+    @app.get("/v1/metering", dependencies=[control])
     async def metering_report() -> dict:
         """What each node metered (allocations and their intervals) and how far its spool is behind."""
         if app.state.metering is None:
@@ -508,9 +528,12 @@ def create_app(
     return app
 
 
-def serve(spec: FleetSpec, *, host: str, port: int, **options: Any) -> None:
+def serve(
+    spec: FleetSpec, *, host: str, port: int, tls: ServerTLS | None = None, insecure: bool = False, **options: Any
+) -> None:
     """Serve `create_app(spec, **options)` on host:port until stopped (`gpucloud sim`)."""
     import uvicorn
 
-    app = create_app(spec, base_url=f"http://{host}:{port}", **options)
-    uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096)
+    secure = serve_options(host, tls, insecure=insecure, what="simulated fleet")
+    app = create_app(spec, base_url=f"{scheme(tls)}://{host}:{port}", **options)
+    uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096, **secure)

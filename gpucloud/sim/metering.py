@@ -31,6 +31,7 @@ import httpx
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import DEFAULT_BATCH_SIZE, Meter, NodeAllocation, Spool, wall_clock_ms
 from gpucloud.ledger.client import LedgerUnavailable, UsageLedger
+from gpucloud.web import tls
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,9 @@ class WorkloadFollower:
     async def _allocation_of(self, node_id: str) -> str | None:
         if self._control_plane_url is None:
             return None
-        async with httpx.AsyncClient(base_url=self._control_plane_url, headers=self._headers, timeout=10) as client:
+        async with httpx.AsyncClient(
+            base_url=self._control_plane_url, headers=self._headers, timeout=10, verify=tls.client_verify()
+        ) as client:
             for attempt in range(self.LOOKUP_ATTEMPTS):
                 try:
                     response = await client.get(f"/v1/nodes/{node_id}")

@@ -31,12 +31,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from gpucloud.agent.chunk_cache import ChunkCache
-from gpucloud.agent.peer import create_peer_app
+from gpucloud.agent.peer import create_peer_app, swarm_refusal
 from gpucloud.agent.weights_api import install_weights_api
 from gpucloud.registry.manifest import EvaluationRecord, Keyring, Manifest, SignedEvaluation, SignedManifest
 from gpucloud.web import problems
@@ -107,7 +108,12 @@ class NodeWeights:
             await _unavailable(404, "not found")(scope, receive, send)
             return
         authorization = problems.header(scope, b"authorization")
-        if path.startswith("/weights/") and (refused := refusal(self._control_plane, authorization, node_id=node.id)):
+        if path.startswith("/weights/"):
+            refused = refusal(self._control_plane, authorization, node_id=node.id)
+        else:  # a peer's chunk: a rollout's token for a swarm (its tenant is checked once known)
+            swarm = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("swarm", [None])[0]
+            refused = swarm_refusal(self._control_plane, swarm, authorization, tenant=None)
+        if refused is not None:
             await refused(scope, receive, send)
             return
         if node.unreachable:
@@ -151,7 +157,7 @@ class NodeWeights:
         if tenant not in self._keyrings:
             self._keyrings[tenant] = _TenantKeys(lambda: self._spec.keyring_for(tenant))
         cache = ChunkCache(node_root / tenant, keyring=self._keyrings[tenant], tenant=tenant)
-        app = create_peer_app(cache)
+        app = create_peer_app(cache, verifier=self._control_plane)
 
         def health() -> tuple[bool, str]:
             fault = node.hardware_fault

@@ -60,10 +60,18 @@ def header(scope: Any, name: bytes) -> str | None:
     return None
 
 
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
 def unauthenticated(detail: str, *, type_: str = TYPE_BASE + "unauthenticated") -> JSONResponse:
     """The 401 for a caller without valid credentials, with the challenge a client expects."""
     document = {"type": type_, "title": "Authentication required", "status": 401, "detail": detail}
-    return response(document, 401, headers={"WWW-Authenticate": "Bearer"})
+    return response(document, 401, headers=CHALLENGE)
+
+
+def unauthenticated_problem(detail: str) -> Problem:
+    """`unauthenticated` for code that raises (a dependency checked before the body is read)."""
+    return Problem(401, "unauthenticated", "Authentication required", detail, headers=CHALLENGE)
 
 
 def problem_response(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:

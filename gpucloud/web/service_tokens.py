@@ -41,13 +41,23 @@ class Claims:
     role: str
     audience: str
     expires_at: float
+    tenant: str | None = None
 
 
 LEDGER_AUDIENCE = "ledger"
+TRACKER_AUDIENCE = "tracker"
+SWARM_MEMBER = "swarm-member"
+"""The role of a node's token for one fan-out: the tracker, the origin and the tenant's peers."""
+SWARM_TOKEN_TTL_S = 1800.0
 
 
 def agent_audience(node_id: str) -> str:
     return f"agent:{node_id}"
+
+
+def swarm_audience(swarm: str) -> str:
+    """The audience of a node's token for one rollout's fan-out (its swarm)."""
+    return f"swarm:{swarm}"
 
 
 class Issuer:
@@ -60,29 +70,48 @@ class Issuer:
         self._key = private_key
         self.key_path = key_path  # where the key is kept, if in a file
         self.ttl_s = ttl_s
-        self._cache: dict[tuple[str, str, str], tuple[str, float]] = {}
+        self._cache: dict[tuple[str, str, str, str], tuple[str, float]] = {}
 
     @property
     def public_key(self) -> Ed25519PublicKey:
         return self._key.public_key()
 
-    def mint(self, audience: str, *, subject: str = "control-plane", role: str = "control-plane") -> str:
-        return self.mint_until(audience, subject=subject, role=role)[0]
+    def mint(
+        self,
+        audience: str,
+        *,
+        subject: str = "control-plane",
+        role: str = "control-plane",
+        tenant: str | None = None,
+        ttl_s: float | None = None,
+    ) -> str:
+        return self.mint_until(audience, subject=subject, role=role, tenant=tenant, ttl_s=ttl_s)[0]
 
     def mint_until(
-        self, audience: str, *, subject: str = "control-plane", role: str = "control-plane"
+        self,
+        audience: str,
+        *,
+        subject: str = "control-plane",
+        role: str = "control-plane",
+        tenant: str | None = None,
+        ttl_s: float | None = None,
     ) -> tuple[str, float]:
-        """A token and when it expires (Unix seconds)."""
+        """A token and when it expires (Unix seconds); one minted earlier while more than half
+        its lifetime is left."""
         now = time.time()
-        cached = self._cache.get((audience, role, subject))
-        if cached is not None and cached[1] - now > 60:
+        ttl = ttl_s or self.ttl_s
+        key = (audience, role, subject, tenant or "")
+        cached = self._cache.get(key)
+        if cached is not None and cached[1] - now > ttl / 2:
             return cached
-        expires = now + self.ttl_s
+        expires = now + ttl
         claims = {"iss": ISSUER, "sub": subject, "role": role, "aud": audience, "iat": int(now), "exp": int(expires)}
+        if tenant is not None:
+            claims["tenant"] = tenant
         token = jwt.encode(claims, self._key, algorithm=ALGORITHM)
         if len(self._cache) > 100_000:
             self._cache.clear()
-        self._cache[(audience, role, subject)] = (token, float(int(expires)))
+        self._cache[key] = (token, float(int(expires)))
         return token, float(int(expires))
 
 
@@ -122,7 +151,14 @@ class Verifier:
             raise InvalidToken(str(exc)) from exc
         if claims.get("role") not in roles:
             raise InvalidToken(f"role {claims.get('role')!r} may not call {audience}")
-        return Claims(subject=claims["sub"], role=claims["role"], audience=audience, expires_at=float(claims["exp"]))
+        tenant = claims.get("tenant")
+        return Claims(
+            subject=claims["sub"],
+            role=claims["role"],
+            audience=audience,
+            expires_at=float(claims["exp"]),
+            tenant=tenant if isinstance(tenant, str) else None,
+        )
 
     def check_header(
         self, authorization: str | None, *, audience: str, roles: tuple[str, ...] = ("control-plane",)
@@ -134,16 +170,22 @@ class Verifier:
         return self.verify(token.strip(), audience=audience, roles=roles)
 
 
-def refusal(verifier: Verifier | None, authorization: str | None, *, node_id: str) -> JSONResponse | None:
-    """What a node's agent answers a call without the control plane's token for that node (a
-    401); None when the call may go on (or when there is no `verifier`: an unchecked fleet)."""
+def refusal_reason(verifier: Verifier | None, authorization: str | None, *, node_id: str) -> str | None:
+    """Why a node's agent refuses a call without the control plane's token for that node; None
+    when the call may go on (or when there is no `verifier`: an unchecked fleet)."""
     if verifier is None:
         return None
     try:
         verifier.check_header(authorization, audience=agent_audience(node_id))
     except InvalidToken as exc:
-        return problems.unauthenticated(f"only the control plane calls the agent of {node_id} ({exc})")
+        return f"only the control plane calls the agent of {node_id} ({exc})"
     return None
+
+
+def refusal(verifier: Verifier | None, authorization: str | None, *, node_id: str) -> JSONResponse | None:
+    """The 401 a node's agent answers such a call (`refusal_reason`), or None."""
+    reason = refusal_reason(verifier, authorization, node_id=node_id)
+    return problems.unauthenticated(reason) if reason is not None else None
 
 
 def load_or_create_issuer(path: Path) -> Issuer:

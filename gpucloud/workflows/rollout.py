@@ -72,6 +72,7 @@ class RolloutWorkflow:
         self._abort: str | None = None
         self._attempted: list[RolloutTarget] = []  # nodes sent an activate: rollback covers them all
         self._prefetches: dict[int, workflow.ActivityHandle] = {}
+        self._swarm = ""  # registered with the tracker once prepared
 
     @property
     def _running(self) -> RolloutProgress:
@@ -229,6 +230,15 @@ class RolloutWorkflow:
 
     async def _finish(self, phase: RolloutPhase, reason: str) -> RolloutResult:
         progress = self._running
+        if self._swarm:
+            # The swarm goes with the rollout: its nodes' tokens open nothing more. A tracker that
+            # stays down past the retries leaves a row an operator may delete; the outcome stands.
+            try:
+                await workflow.execute_activity_method(
+                    RolloutActivities.end_rollout, self._swarm, **options.ROLLOUT_SETUP
+                )
+            except ActivityError as error:
+                workflow.logger.warning("the tracker kept swarm %s: %s", self._swarm, _reason(error))
         progress.phase, progress.reason = phase, reason
         await workflow.wait_condition(workflow.all_handlers_finished)
         return RolloutResult(

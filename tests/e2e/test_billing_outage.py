@@ -23,6 +23,7 @@ from gpucloud.ledger.client import UsageLedger
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
+from gpucloud.sim.client import SimFleetClient
 from gpucloud.workflows.billing_close import close_workflow_id
 from support.ledger_auth import auth_for, register
 from support.stack import wait_until
@@ -52,9 +53,10 @@ def stack(tmp_path):
         stack.stop()
 
 
-def metered(sim_url: str, allocation_id: str) -> tuple[int, bool]:
+def metered(settings, allocation_id: str) -> tuple[int, bool]:
     """What the agents metered for the allocation (GPU-ms) and whether all of it is closed and shipped."""
-    nodes = httpx.get(f"{sim_url}/v1/metering", timeout=10).json()["nodes"].values()
+    with SimFleetClient(settings.sim_url, token=settings.operator_token) as sim:
+        nodes = sim.metering()["nodes"].values()
     intervals = [(a, n["pending"]) for n in nodes for a in n["allocations"] if a["allocation_id"] == allocation_id]
     done = bool(intervals) and all(a["ended_ms"] is not None and pending == 0 for a, pending in intervals)
     return sum(((a["ended_ms"] or a["started_ms"]) - a["started_ms"]) * a["gpu_count"] for a, _ in intervals), done
@@ -179,8 +181,8 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
     wait_until(
         lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "released", timeout_s=60, what="released"
     )
-    wait_until(lambda: metered(settings.sim_url, alloc_id)[1], timeout_s=30, what="the agents shipped everything")
-    truth, _ = metered(settings.sim_url, alloc_id)
+    wait_until(lambda: metered(settings, alloc_id)[1], timeout_s=30, what="the agents shipped everything")
+    truth, _ = metered(settings, alloc_id)
     usage = acme.get("/v1/usage", params={"allocation_id": alloc_id}).json()
     assert usage["gpu_ms"] == truth > 0  # every metered millisecond, once
     draft = json.loads(acme.get("/v1/invoices:draft").content)

@@ -46,9 +46,7 @@ def _xid(h, node_id: str, xid: int) -> dict:
 
 
 def _hardware_fault(h, node_id: str, fault: str | None, fixed_by: str | None = None) -> None:
-    httpx.post(
-        f"{h.sim.url}/v1/nodes/{node_id}/hardware_fault", json={"fault": fault, "fixed_by": fixed_by}
-    ).raise_for_status()
+    h.sim.client.hardware_fault(node_id, fault, fixed_by=fixed_by)
 
 
 def _events(h, node_id: str) -> list[dict]:

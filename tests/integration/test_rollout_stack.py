@@ -14,15 +14,12 @@ import httpx
 import pytest
 
 from gpucloud.agent.peer import PeerServer
-from gpucloud.bootstrap import registry_stores
 from gpucloud.client.registry import RegistryClient, RegistryPushTarget, signer_for
 from gpucloud.config import Settings
-from gpucloud.db import Database
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
-from gpucloud.registry.origin import RegistryOrigin, tenants_in
+from gpucloud.registry.origin import create_deployment_tracker
 from gpucloud.registry.push import push
-from gpucloud.registry.tracker_app import create_tracker_app
-from gpucloud.web.service_tokens import agent_audience, load_or_create_issuer
+from gpucloud.web.service_tokens import TRACKER_AUDIENCE, agent_audience, load_or_create_issuer
 from support.stack import async_wait_until
 
 pytestmark = pytest.mark.one_database
@@ -51,11 +48,8 @@ def _push(api_url: str, tenant_id: str, key: str, tmp_path) -> tuple[str, int]:
 async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_the_allocation(
     db_url, make_harness, in_process_worker, tmp_path, monkeypatch
 ) -> None:
-    tracker = PeerServer(
-        create_tracker_app(
-            chunk_store=RegistryOrigin(registry_stores(Settings(data_dir=tmp_path)), tenants_in(Database(db_url)))
-        )
-    )
+    # The deployment's tracker: swarms kept in the DB, each tenant's chunks, the harness's key.
+    tracker = PeerServer(create_deployment_tracker(Settings(data_dir=tmp_path, database={"url": db_url})))
     tracker_url = tracker.start()
     try:
         with monkeypatch.context() as env:  # the sim process reads tenants' keys from this DB
@@ -121,7 +115,11 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
             outsider = next(n["id"] for n in h.nodes() if n["id"] not in ready["node_ids"])
             # holds no tenant
             assert sim.get(f"/v1/nodes/{outsider}/weights/status", headers=signed(outsider)).status_code == 409
-        egress = httpx.get(f"{tracker_url}/origin/stats").json()["egress_bytes"]
+        control = {"Authorization": f"Bearer {issuer.mint(TRACKER_AUDIENCE)}"}
+        assert httpx.get(f"{tracker_url}/origin/stats").status_code == 401
+        egress = httpx.get(f"{tracker_url}/origin/stats", headers=control).json()["egress_bytes"]
         assert size <= egress <= 1.2 * size
+        # The rollout ended: its swarm is gone from the tracker (and from the DB it was kept in).
+        assert httpx.get(f"{tracker_url}/tracker/swarms/{rollout_id}", headers=control).status_code == 404
     finally:
         tracker.stop()

@@ -36,7 +36,7 @@ async def test_a_wipe_replaces_the_node_credential_and_the_old_one_gets_401(db_u
     await h.wait_allocation(key, alloc_id, "released")
     await h.wait_states({"available": 1}, timeout_s=90)  # wiped and burnt in
 
-    new = httpx.get(f"{h.sim.url}/v1/nodes/{node_id}/credential", timeout=10).json()["credential"]
+    new = h.sim.client.credential(node_id)
     assert new and new.startswith(f"gpa_{node_id}.") and new != old
     with h.client(old) as agent:
         assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 401

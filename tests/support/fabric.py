@@ -3,6 +3,8 @@ in the test process, reached over real HTTP by the worker's activities and by th
 
 from __future__ import annotations
 
+import secrets
+
 import httpx
 
 from gpucloud.fabric.http_clients import HttpFabricController
@@ -12,20 +14,24 @@ from gpucloud.sim.fabric_managers import FabricManagersServer, create_app, regis
 
 
 class FabricManagers:
+    """The managers with an API token of their own, which every client here sends."""
+
     def __init__(self) -> None:
-        self.server = FabricManagersServer(create_app())
+        self.token = secrets.token_urlsafe(16)
+        self.server = FabricManagersServer(create_app(token=self.token))
         self.url = self.server.start()
 
     def controller(self) -> HttpFabricController:
-        return HttpFabricController.for_simulator(self.url)
+        return HttpFabricController.for_simulator(self.url, token=self.token)
 
     def register_domains(self, inventory: list[dict]) -> int:
         """Tell the simulated NMX-M the NVL72 racks of a fleet (real NMX-M discovers them)."""
-        return register_nvl_domains(self.url, inventory)
+        return register_nvl_domains(self.url, inventory, token=self.token)
 
     def set_fault(self, mode: str | None) -> None:
         """`unavailable` (every manager answers 503), `stale_reads` (reads leave members out), None."""
-        httpx.put(f"{self.url}/sim/v1/fault", json={"mode": mode}).raise_for_status()
+        auth = {"Authorization": f"Bearer {self.token}"}
+        httpx.put(f"{self.url}/sim/v1/fault", json={"mode": mode}, headers=auth).raise_for_status()
 
     def snapshot(self) -> FabricSnapshot:
         with self.controller() as c:

@@ -19,6 +19,7 @@ import httpx
 from gpucloud.config import Settings
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.devstack.stack import free_port
+from gpucloud.sim.client import SimFleetClient
 from support.fabric import FabricManagers
 
 
@@ -43,7 +44,7 @@ async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: floa
 
 
 class SimFleetProcess:
-    """`gpucloud sim` in its own process."""
+    """`gpucloud sim` in its own process; its own endpoints answer only `operator_token`."""
 
     def __init__(
         self,
@@ -54,12 +55,19 @@ class SimFleetProcess:
         id_prefix: str | None = None,
         extra_args: tuple[str, ...] = (),
         control_plane_key: Path | None = None,
+        operator_token: str = "test-operator-token",
     ) -> None:
         # Node ids are global in Temporal (workflow `node-<id>`): each fleet gets its own.
         self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "GPUCLOUD_AGENT__SIM_PORT": str(self.port), "GPUCLOUD_LOG_LEVEL": "WARNING"}
+        self.operator_token = operator_token
+        env = {
+            **os.environ,
+            "GPUCLOUD_AGENT__SIM_PORT": str(self.port),
+            "GPUCLOUD_API__OPERATOR_TOKEN": operator_token,
+            "GPUCLOUD_LOG_LEVEL": "WARNING",
+        }
         self._log = open(log_path, "ab")  # noqa: SIM115 - the fleet writes to it until stop() closes it
         self.proc = subprocess.Popen(
             [
@@ -80,6 +88,7 @@ class SimFleetProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
+        self.client = SimFleetClient(self.url, token=operator_token, timeout_s=30)
         wait_until(self._up, timeout_s=30, what="simulated fleet")
 
     def _up(self) -> bool:
@@ -91,26 +100,25 @@ class SimFleetProcess:
             return False
 
     def inventory(self) -> list[dict]:
-        return httpx.get(f"{self.url}/v1/inventory").json()
+        return self.client.inventory()
 
     def node(self, node_id: str) -> dict:
-        return httpx.get(f"{self.url}/v1/nodes/{node_id}").json()
+        return self.client.node(node_id)
 
     def heartbeats(self) -> list[dict]:
-        return httpx.get(f"{self.url}/v1/heartbeats").json()
+        return self.client.heartbeats()
 
     def drift(self, node_id: str, kind: str) -> None:
-        httpx.post(f"{self.url}/v1/nodes/{node_id}/drift", json={"kind": kind}).raise_for_status()
+        self.client.drift(node_id, kind)
 
     def set_unreachable(self, node_id: str, unreachable: bool) -> None:
-        httpx.post(f"{self.url}/v1/nodes/{node_id}/reachability", json={"unreachable": unreachable}).raise_for_status()
+        self.client.set_unreachable(node_id, unreachable)
 
     def inject(self, node_id: str, action: str, mode: str, count: int = 1) -> None:
-        httpx.post(
-            f"{self.url}/v1/faults", json={"node_id": node_id, "action": action, "mode": mode, "count": count}
-        ).raise_for_status()
+        self.client.inject(node_id, action, mode, count)
 
     def stop(self) -> None:
+        self.client.close()
         self.proc.terminate()
         self.proc.wait(10)
         self._log.close()

@@ -33,12 +33,13 @@ One module per manager (`ufm`, `nmx`, `sdn`), their shared `state`, and the test
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 import uvicorn
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.fabric.http_clients import NmxClient
@@ -47,12 +48,27 @@ from gpucloud.sim.fabric_managers.nmx import nmx
 from gpucloud.sim.fabric_managers.sdn import sdn
 from gpucloud.sim.fabric_managers.state import FabricState, available
 from gpucloud.sim.fabric_managers.ufm import ufm
+from gpucloud.web import problems, tls
+from gpucloud.web.tls import ServerTLS, serve_options
 
 
-def create_app(*, nvl_domains: dict[str, list[str]] | None = None, state_path: Path | None = None) -> FastAPI:
+def create_app(
+    *, nvl_domains: dict[str, list[str]] | None = None, state_path: Path | None = None, token: str | None = None
+) -> FastAPI:
     """The three managers; `nvl_domains` maps each NVL72 domain to its GPUs' UIDs; with a
-    `state_path` the state survives a restart."""
+    `state_path` the state survives a restart; with a `token`, every call but `/healthz` needs
+    it as a bearer token, as the real managers' APIs need theirs (None: unchecked)."""
     app = FastAPI(title="Simulated fabric managers (UFM, NMX-M, SDN)")
+
+    @app.middleware("http")
+    async def token_only(request: Request, call_next):
+        if token is None or request.url.path == "/healthz":
+            return await call_next(request)
+        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            return problems.unauthenticated("the fabric managers answer only their API token")
+        return await call_next(request)
+
     app.state.fabric = state = FabricState.load(state_path)
     for domain, gpus in (nvl_domains or {}).items():
         for gpu in gpus:
@@ -77,11 +93,12 @@ def nvl_domains(inventory: Iterable[dict]) -> dict[str, list[str]]:
     return domains
 
 
-def register_nvl_domains(url: str, inventory: Iterable[dict]) -> int:
+def register_nvl_domains(url: str, inventory: Iterable[dict], *, token: str | None = None) -> int:
     """Tell the simulated NMX-M which GPUs each NVL72 domain has (real NMX-M discovers them);
     idempotent. Returns the number of domains."""
     domains = nvl_domains(inventory)
-    with httpx.Client(timeout=30) as client:
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    with httpx.Client(timeout=30, headers=headers, verify=tls.client_verify()) as client:
         nmx = NmxClient(client, url)
         for domain, gpus in domains.items():
             nmx.register_domain(domain, gpus)
@@ -95,5 +112,15 @@ class FabricManagersServer(ThreadedServer):
         super().__init__(app, host=host, port=port, name="fabric-managers")
 
 
-def main(host: str = "127.0.0.1", port: int = 8470, *, state_path: Path | None = None) -> None:
-    uvicorn.run(create_app(state_path=state_path), host=host, port=port, log_level="warning", access_log=False)
+def main(
+    host: str = "127.0.0.1",
+    port: int = 8470,
+    *,
+    state_path: Path | None = None,
+    token: str | None = None,
+    tls: ServerTLS | None = None,
+    insecure: bool = False,
+) -> None:
+    secure = serve_options(host, tls, insecure=insecure, what="simulated fabric managers")
+    app = create_app(state_path=state_path, token=token)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)

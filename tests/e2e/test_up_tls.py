@@ -1,0 +1,133 @@
+"""`gpucloud up --tls`: a private CA in the data dir, and every server of the stack (API, ledger,
+tracker, simulated fleet and fabric managers) speaking only TLS with a certificate that CA
+signed. A tenant gets an allocation through it; plain HTTP and an unknown CA get nowhere; and a
+server asked to listen off loopback without TLS refuses to start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import ssl
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from gpucloud.devstack.stack import free_port
+from gpucloud.web.service_tokens import load_or_create_issuer, public_key_path
+from support.stack import wait_until
+
+pytestmark = pytest.mark.one_database
+
+
+def _wait_for_file(path, proc) -> None:
+    def there() -> bool:
+        assert proc.poll() is None, f"`up --tls` exited with {proc.returncode}"
+        return path.exists()
+
+    wait_until(there, timeout_s=90, what=str(path))
+
+
+def test_up_with_tls_runs_every_server_over_tls(tmp_path):
+    ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker")}
+    env = {
+        **os.environ,
+        "GPUCLOUD_DATA_DIR": str(tmp_path),
+        "GPUCLOUD_API__PORT": str(ports["api"]),
+        "GPUCLOUD_AGENT__SIM_PORT": str(ports["sim"]),
+        "GPUCLOUD_TEMPORAL__ADDRESS": f"127.0.0.1:{ports['temporal']}",
+        "GPUCLOUD_LEDGER__PORT": str(ports["ledger"]),
+        "GPUCLOUD_TRACKER__URL": f"http://127.0.0.1:{ports['tracker']}",
+    }
+    log = open(tmp_path / "up.log", "ab")  # noqa: SIM115 - closed with the test
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpucloud.cli.main", "up", "--tls", "--nodes", "2"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        ca_file = tmp_path / "tls" / "ca.pem"
+        _wait_for_file(tmp_path / "operator_token", proc)
+        _wait_for_file(ca_file, proc)
+        assert oct((tmp_path / "tls" / "ca.key").stat().st_mode & 0o777) == "0o600"
+        trust = ssl.create_default_context(cafile=str(ca_file))
+        api = f"https://127.0.0.1:{ports['api']}"
+        token = (tmp_path / "operator_token").read_text().strip()
+        op = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {token}"}, timeout=30, verify=trust)
+
+        def nodes() -> list[str]:
+            try:
+                return [n["state"] for n in op.get("/v1/nodes").json()["items"]]
+            except (httpx.HTTPError, KeyError, ValueError):
+                return []
+
+        wait_until(lambda: nodes() == ["available"] * 2, timeout_s=150, what="fleet up over TLS")
+        tenant = op.post("/v1/tenants", json={"name": "secure"}).json()
+        wait_until(
+            lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active",
+            timeout_s=60,
+            what="tenant onboarded",
+        )
+        acme = httpx.Client(
+            base_url=api, headers={"Authorization": f"Bearer {tenant['api_key']['key']}"}, timeout=30, verify=trust
+        )
+        alloc = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"})
+        alloc_id = alloc.json()["allocation"]["id"]
+        wait_until(
+            lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready",
+            timeout_s=90,
+            what="allocation ready over TLS",
+        )
+
+        # Every server of the stack speaks TLS only, with a certificate only our CA vouches for.
+        for name in ("api", "sim", "ledger", "tracker"):
+            url = f"127.0.0.1:{ports[name]}/healthz"
+            assert httpx.get(f"https://{url}", verify=trust, timeout=10).status_code == 200, name
+            with pytest.raises(httpx.HTTPError):  # plain HTTP gets no answer
+                httpx.get(f"http://{url}", timeout=10)
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                httpx.get(f"https://{url}", timeout=10)  # the public CAs do not know ours
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log.close()
+
+
+def test_a_server_off_loopback_without_tls_refuses_to_start(tmp_path):
+    env = {**os.environ, "GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_LEDGER__HOST": "0.0.0.0"}
+    public_key = public_key_path(load_or_create_issuer(tmp_path / "issuer_key.pem").key_path)  # what they trust
+    refused = subprocess.run(
+        [sys.executable, "-m", "gpucloud.cli.main", "ledger", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0
+    assert "would listen on 0.0.0.0 without TLS" in refused.stderr + refused.stdout
+    agent = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpucloud.cli.main",
+            "agent",
+            "--node-id",
+            "n-1",
+            "--host",
+            "0.0.0.0",
+            "--token",
+            "gpa_n-1.secret",
+            "--token-file",
+            str(tmp_path / "credential"),
+            "--control-plane-key",
+            str(public_key),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert agent.returncode != 0
+    assert "agent's action API would listen on 0.0.0.0 without TLS" in agent.stderr + agent.stdout
