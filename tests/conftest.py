@@ -119,7 +119,8 @@ def make_harness(tmp_path, temporal_env):
     """Build a harness: `make_harness(db_url, nodes=8, latency_scale=0.05)`; torn down after the test.
 
     `fabric=True` starts simulated fabric managers the worker applies membership through;
-    `nvl72_racks` adds GB200 NVL72 racks (`nvl72_trays` trays each) after the `nodes`.
+    `nvl72_racks` adds GB200 NVL72 racks (`nvl72_trays` trays each) after the `nodes`;
+    `sim_args` go to `gpucloud sim` as they are (say, `("--provision-s", "5")`).
     """
     from gpucloud import bootstrap
     from gpucloud.web.service_tokens import public_key_path
@@ -136,6 +137,7 @@ def make_harness(tmp_path, temporal_env):
         fabric: bool = False,
         nvl72_racks: int = 0,
         nvl72_trays: int = 18,
+        sim_args: tuple[str, ...] = (),
         **settings_overrides,
     ):
         managers = FabricManagers() if fabric else None
@@ -153,7 +155,7 @@ def make_harness(tmp_path, temporal_env):
             nodes=nodes,
             latency_scale=latency_scale,
             log_path=tmp_path / "sim.log",
-            extra_args=nvl72,
+            extra_args=(*nvl72, *sim_args),
             control_plane_key=public_key_path(settings.issuer_key_path),
             operator_token=settings.operator_token,
         )

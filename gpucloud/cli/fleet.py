@@ -1,4 +1,5 @@
-"""`gpucloud nodes`: the fleet as a table (operator), optionally refreshed live."""
+"""`gpucloud nodes`: the fleet as a table (operator), optionally refreshed live; `gpucloud node`:
+an operator's lifecycle actions on one node (the ways out of RMA)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,36 @@ def nodes(
                     live.update(_render(*_fetch(api, state, limit)))
     except KeyboardInterrupt:
         pass
+
+
+node_app = typer.Typer(no_args_is_help=True, help="An operator's lifecycle actions on one node.")
+
+
+def _lifecycle(node_id: str, action: str, reason: str, output: str) -> None:
+    with reported_errors(), api_client(operator=True) as api:
+        done = getattr(api.nodes, action)(node_id, reason)
+    if output == "json":
+        print(done.model_dump_json(indent=2))
+        return
+    style = STATE_STYLE.get(done.node.state, "")
+    console.print(f"{done.node.id}: [{style}]{done.node.state}[/]  ({done.operation.kind} {done.operation.status})")
+
+
+@node_app.command("hardware-replaced")
+def hardware_replaced(
+    node_id: str,
+    reason: Annotated[str, typer.Option(help="recorded in the node's events (the vendor's case, say)")] = "",
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """RMA done: the node is enrolled again and runs through inspection, wipe and burn-in."""
+    _lifecycle(node_id, "hardware_replaced", reason, output)
+
+
+@node_app.command("retire")
+def retire(
+    node_id: str,
+    reason: Annotated[str, typer.Option(help="recorded in the node's events")] = "",
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """Take the node out of the fleet for good (from RMA, quarantine, or enrolled)."""
+    _lifecycle(node_id, "retire", reason, output)

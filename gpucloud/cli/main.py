@@ -17,7 +17,7 @@ from rich.console import Console
 
 from gpucloud import bootstrap
 from gpucloud.cli.billing import invoices_app
-from gpucloud.cli.fleet import nodes
+from gpucloud.cli.fleet import node_app, nodes
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.weights import weights_app
 from gpucloud.config import get_settings
@@ -89,6 +89,9 @@ def sim(
     nodes: Annotated[int, typer.Option(help="number of simulated nodes")] = 16,
     register: Annotated[bool, typer.Option(help="enroll the nodes with the control plane's API")] = False,
     latency_scale: Annotated[float, typer.Option(help="action latency multiplier (0 = instant)")] = 1.0,
+    provision_s: Annotated[
+        float | None, typer.Option(help="every provision takes exactly this many seconds (to cancel one midway)")
+    ] = None,
     gpu_type: str = "H100",
     region: str = "us-east-1",
     seed: int = 0,
@@ -127,6 +130,7 @@ def sim(
     spec = FleetSpec(
         nodes=nodes,
         latency_scale=latency_scale,
+        provision_s=provision_s,
         gpu_type=gpu_type,
         region=region,
         seed=seed,
@@ -366,6 +370,7 @@ def fabric_managers(
 
 
 app.command()(nodes)
+app.add_typer(node_app, name="node")
 app.add_typer(weights_app, name="weights")
 app.add_typer(invoices_app, name="invoices")
 app.add_typer(rollout_app, name="rollout")

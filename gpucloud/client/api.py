@@ -198,6 +198,14 @@ class Nodes(_Resource):
         """`cordon`, `uncordon` or `drain`, with the reason recorded in the node's events."""
         return self._post(NodeActionResult, f"/v1/nodes/{node_id}/{action}", {"reason": reason}, retry=True)
 
+    def hardware_replaced(self, node_id: str, reason: str = "") -> NodeActionResult:
+        """RMA done: the node is enrolled again (inspection, wipe, burn-in before it serves)."""
+        return self._post(NodeActionResult, f"/v1/nodes/{node_id}/hardware-replaced", {"reason": reason})
+
+    def retire(self, node_id: str, reason: str = "") -> NodeActionResult:
+        """Out of the fleet for good (from RMA, quarantine, or enrolled)."""
+        return self._post(NodeActionResult, f"/v1/nodes/{node_id}/retire", {"reason": reason})
+
     def maintenance(self, node_id: str, enabled: bool, reason: str = "") -> NodeActionResult:
         body = {"enabled": enabled, "reason": reason}
         return self._post(NodeActionResult, f"/v1/nodes/{node_id}/maintenance", body, retry=True)

@@ -188,7 +188,8 @@ def check_nodes_held(connection: Connection, candidates: list[Candidate], reject
     allocation's node events (within `NODE_EDGE_TOLERANCE_MS`): a node's agent cannot bill
     time its node was not in the allocation, nor bill another node into it. An allocation
     without events is not checked (as in `check_allocations`); a node its allocation has not
-    added yet is rejected as retryable (the control plane may send the event later)."""
+    added yet is rejected as retryable (the control plane may send the event later), unless
+    the allocation has ended (say, cancelled before it was ever ready): then it never will."""
     if not candidates:
         return candidates
     allocations = set(map(allocation_field, map(sample_of, candidates)))
@@ -202,6 +203,13 @@ def check_nodes_held(connection: Connection, candidates: list[Candidate], reject
     )
     if not tracked:
         return candidates
+    ended = set(
+        connection.execute(
+            select(allocation_events.c.allocation_id)
+            .where(allocation_events.c.allocation_id.in_(tracked), allocation_events.c.kind == "end")
+            .distinct()
+        ).scalars()
+    )
     rows = connection.execute(
         select(
             allocation_events.c.allocation_id,
@@ -232,6 +240,12 @@ def check_nodes_held(connection: Connection, candidates: list[Candidate], reject
             kept.append(candidate)
             continue
         node_spans = held.get((allocation, node), [])
+        if not node_spans and allocation in ended:
+            reject(
+                candidate,
+                problems.NODE_NOT_IN_ALLOCATION(f"allocation {allocation} ended without {node}", field="node_id"),
+            )
+            continue
         if not node_spans:
             reject(
                 candidate,

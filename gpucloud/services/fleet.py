@@ -8,7 +8,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 from sqlmodel import Session, col, func, select
 
-from gpucloud.models.node_states import NodeState
+from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, Operation, OperationStatus, utcnow
 
 FLAG_ACTIONS = {
@@ -36,6 +36,41 @@ def apply_operator_action(session: Session, node: Node, action: str, *, actor: s
         resource_id=node.id,
         status=OperationStatus.SUCCEEDED if done else OperationStatus.RUNNING,
     )
+    session.add(op)
+    return op
+
+
+# The ways out of RMA (and of the other states a node leaves the fleet from), as operator
+# actions: the event each applies and the states it applies in.
+LIFECYCLE_ACTIONS: dict[str, tuple[NodeEvent, tuple[NodeState, ...]]] = {
+    # The vendor replaced the faulty part: the node is enrolled again, so the reconciler runs it
+    # through inspection, wipe and burn-in before it rejoins the pool.
+    "hardware_replaced": (NodeEvent.HARDWARE_REPLACED, (NodeState.RMA,)),
+    # Out of the fleet for good (it keeps its record and events).
+    "retire": (NodeEvent.RETIRE, (NodeState.RMA, NodeState.QUARANTINED, NodeState.ENROLLED)),
+}
+
+
+class NodeStateConflict(Exception):
+    """The node is not in a state the action applies to."""
+
+
+def apply_lifecycle_action(session: Session, node: Node, action: str, *, actor: str, cause: str) -> Operation:
+    """An operator moves a node out of RMA (or out of the fleet): a compare-and-swap transition
+    recorded in the node's events, and a finished operation."""
+    from gpucloud.services.nodes import StaleNode, transition
+
+    event, allowed = LIFECYCLE_ACTIONS[action]
+    if node.state not in allowed:
+        raise NodeStateConflict(
+            f"node {node.id} is {node.state}; {action.replace('_', '-')} applies to a node that is "
+            + " or ".join(s.value for s in allowed)
+        )
+    try:
+        transition(session, node.id, event, from_state=node.state, cause=cause or action, actor=actor)
+    except StaleNode as exc:
+        raise NodeStateConflict(f"{exc}; read the node again and retry") from None
+    op = Operation(kind=f"node_{action}", resource_id=node.id, status=OperationStatus.SUCCEEDED)
     session.add(op)
     return op
 

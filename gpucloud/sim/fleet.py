@@ -79,6 +79,9 @@ class FleetSpec(BaseModel):
     nodes_per_rack: int = 4
     racks_per_pod: int = 8
     latency_scale: float = Field(1.0, ge=0.0, description="0 = instant, 1 = the defaults above")
+    provision_s: float | None = Field(
+        None, ge=0.0, description="every provision takes exactly this long (a slow image pull, say)"
+    )
     seed: int = 0
     id_prefix: str = "sim"
     # GB200 NVL72 racks after the default pool (numbered on from it), `racks_per_pod` to a pod.
@@ -213,7 +216,10 @@ class Fleet:
         async with node.lock:
             if req.request_id in node.recent:
                 return node.recent[req.request_id]
-            await asyncio.sleep(BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3))
+            if action == "provision" and self.spec.provision_s is not None:
+                await asyncio.sleep(self.spec.provision_s)
+            else:
+                await asyncio.sleep(BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3))
             outcome = self._apply(node, action, req)
             if outcome[0] == 200:
                 await self.workload_changed(node)

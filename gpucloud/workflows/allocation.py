@@ -136,7 +136,13 @@ class AllocationWorkflow(DrainAndReplace):
             self._ledger.started(view, [])
             return fabric_error
         self._phase = "provisioning"
-        results = await self._run_on_nodes(view, NodeOperationKind.PROVISION)
+        results = await self._provision_nodes(view)
+        if self._cancel_requested:
+            # Cancelled before it was ever ready: the tenant held nothing, so nothing is billed
+            # (the ledger learns of an allocation without nodes); the release takes what
+            # provisioned meanwhile.
+            self._ledger.started(view, [])
+            return None
         self._ledger.started(view, [r.node_id for r in results if r.ok])
         failed = [r for r in results if not r.ok]
         self._provision_errors = [f"{r.node_id}: {r.error}" for r in failed]
@@ -182,6 +188,26 @@ class AllocationWorkflow(DrainAndReplace):
         self._ledger.ended(view)
         await self._ledger.flushed()
         return AllocationResult(allocation_id=view.allocation_id, status=status, failure_reason=reason)
+
+    async def _provision_nodes(self, view: AllocationView) -> list[NodeOperationResult]:
+        """Provision every node at once; a cancel meanwhile stops every provision still under way
+        (each node goes back to the pool through wipe and burn-in) and waits for them to stop."""
+        handles: list[workflow.ChildWorkflowHandle] = []
+
+        async def one(node_id: str) -> NodeOperationResult:
+            handle = await self._start_node_op(node_id, NodeOperationKind.PROVISION, view)
+            handles.append(handle)
+            result = await handle
+            self._nodes_done += 1
+            return result
+
+        provisioning = asyncio.gather(*(one(n) for n in view.node_ids))
+        await workflow.wait_condition(lambda: provisioning.done() or self._cancel_requested)
+        if not provisioning.done():
+            await workflow.wait_condition(lambda: len(handles) == len(view.node_ids))  # every start answered
+            for handle in handles:
+                handle.cancel()
+        return list(await provisioning)
 
     async def _run_on_nodes(self, view: AllocationView, op: NodeOperationKind) -> list[NodeOperationResult]:
         async def one(node_id: str) -> NodeOperationResult:

@@ -9,10 +9,11 @@ and every step is a compare-and-swap transition or an idempotent agent action.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.control_db import ControlDbActivities
@@ -113,6 +114,15 @@ class NodeOperationWorkflow:
     @workflow.run
     async def run(self, inp: NodeOperationInput) -> NodeOperationResult:
         self._inp = inp
+        try:
+            return await self._operate(inp)
+        except (asyncio.CancelledError, ActivityError) as err:
+            # The allocation was cancelled (Temporal cancels this workflow and its activity).
+            if inp.operation != Op.PROVISION or not is_cancelled_exception(err):
+                raise
+            return await self._provision_cancelled()
+
+    async def _operate(self, inp: NodeOperationInput) -> NodeOperationResult:
         node = await workflow.execute_activity_method(
             ControlDbActivities.get_node, NodeRef(node_id=inp.node_id), **options.DB
         )
@@ -130,12 +140,16 @@ class NodeOperationWorkflow:
             error = await self._repair_rung()
             if self._state not in (S.WIPING, S.BURN_IN, S.AVAILABLE):
                 return self._result(False, error or f"node is {self._state}; repair cannot proceed")
-        while NodeState(self._state) not in _SUCCESS[inp.operation]:
-            step = _STEPS[inp.operation].get(NodeState(self._state))
+        return await self._drive(inp.operation, error)
+
+    async def _drive(self, operation: NodeOperationKind, error: str | None = None) -> NodeOperationResult:
+        """Take the step each state calls for under `operation` until a stop state."""
+        while NodeState(self._state) not in _SUCCESS[operation]:
+            step = _STEPS[operation].get(NodeState(self._state))
             if step is None:
-                return self._result(False, error or f"node is {self._state}; {inp.operation.value} cannot proceed")
+                return self._result(False, error or f"node is {self._state}; {operation.value} cannot proceed")
             if isinstance(step, _Move):
-                if not await self._move(step.event, cause=inp.operation.value):
+                if not await self._move(step.event, cause=operation.value):
                     return self._result(False, f"node moved under us from {self._state}")
                 continue
             failure = None
@@ -148,6 +162,26 @@ class NodeOperationWorkflow:
             if not await self._move(event, cause=failure or f"{step.action} ok"):
                 return self._result(False, f"node moved under us from {self._state}")
         return self._result(error is None, error)
+
+    async def _provision_cancelled(self) -> NodeOperationResult:
+        """The allocation was cancelled while this node was being provisioned: stop there. A
+        reserved node goes back to the pool; one being provisioned goes to wiping, as after a
+        failed provision, and the allocation's release recycles it (release whatever started,
+        wipe, burn-in); one whose provision had completed stays active for that release."""
+        node = await workflow.execute_activity_method(
+            ControlDbActivities.get_node, NodeRef(node_id=self._inp.node_id), **options.DB
+        )
+        self._set_state(node.state)
+        if node.allocation_id not in (None, self._inp.allocation_id):
+            return self._result(False, f"node belongs to allocation {node.allocation_id}")
+        if self._state == S.ACTIVE:
+            return self._result(True, None)
+        cause = "allocation cancelled during provisioning"
+        if self._state == S.RESERVED:
+            await self._move(E.UNRESERVE, cause=cause)
+        elif self._state == S.PROVISIONING:
+            await self._move(E.FAIL, cause=cause)
+        return self._result(False, cause)
 
     async def _restore(self) -> NodeOperationResult:
         """The node is active in the record but its agent lost the workload: provision again
@@ -217,6 +251,8 @@ class NodeOperationWorkflow:
         try:
             await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)
         except ActivityError as err:
+            if is_cancelled_exception(err):
+                raise  # stopped, not failed: the caller decides what a cancel means
             return f"{action} failed: {failure_message(err)}"
         return None
 

@@ -32,11 +32,17 @@ from gpucloud.db import session_scope
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
 from gpucloud.services import agent_credentials
-from gpucloud.services.fleet import apply_operator_action, record_heartbeats, summary
+from gpucloud.services.fleet import (
+    NodeStateConflict,
+    apply_lifecycle_action,
+    apply_operator_action,
+    record_heartbeats,
+    summary,
+)
 from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import start_bringup_batches
-from gpucloud.web.problems import not_found
+from gpucloud.web.problems import Problem, not_found
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 
 log = logging.getLogger(__name__)
@@ -143,6 +149,58 @@ async def maintenance(
 ):
     action = "maintenance_on" if req.enabled else "maintenance_off"
     return await _operator_action(node_id, action, req.reason, settings, temporal)
+
+
+def _lifecycle(settings: Settings, node_id: str, action: str, reason: str) -> tuple[Node, Operation]:
+    with session_scope(settings.database_url) as session:
+        node = session.get(Node, node_id)
+        if node is None:
+            raise not_found("node", node_id)
+        try:
+            op = apply_lifecycle_action(session, node, action, actor="operator", cause=reason)
+        except NodeStateConflict as exc:
+            raise Problem(409, "node-state-conflict", "Node in another state", str(exc)) from None
+        session.flush()
+        session.refresh(node)
+        return node, op
+
+
+async def _lifecycle_action(node_id: str, action: str, reason: str, settings: Settings, temporal) -> NodeActionResult:
+    node, op = await run_in_threadpool(_lifecycle, settings, node_id, action, reason)
+    if action == "hardware_replaced":
+        await reconcile_now(temporal, settings, [node_id])  # bring-up starts now, not at the next sweep
+    return NodeActionResult(
+        node=NodePublic.model_validate(node, from_attributes=True),
+        operation=OperationPublic.model_validate(op, from_attributes=True),
+    )
+
+
+@router.post(
+    "/nodes/{node_id}/hardware-replaced",
+    response_model=NodeActionResult,
+    responses={404: {"description": "no such node"}, 409: {"description": "the node is not in RMA"}},
+)
+async def hardware_replaced(
+    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+):
+    """The vendor replaced the node's faulty part (RMA): the node is enrolled again and goes
+    through inspection, wipe and burn-in before it rejoins the pool."""
+    return await _lifecycle_action(node_id, "hardware_replaced", req.reason if req else "", settings, temporal)
+
+
+@router.post(
+    "/nodes/{node_id}/retire",
+    response_model=NodeActionResult,
+    responses={
+        404: {"description": "no such node"},
+        409: {"description": "the node is not in RMA, quarantined or enrolled"},
+    },
+)
+async def retire(
+    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+):
+    """Take a node out of the fleet for good (from RMA, quarantine, or before its first bring-up)."""
+    return await _lifecycle_action(node_id, "retire", req.reason if req else "", settings, temporal)
 
 
 @router.get("/nodes/{node_id}/events", response_model=NodeEventPage)
