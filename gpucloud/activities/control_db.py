@@ -13,6 +13,7 @@ from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.agent.schemas import Workload
 from gpucloud.db import Database
 from gpucloud.models.messages import (
     AllocationEventInput,
@@ -195,6 +196,7 @@ def _allocation_view(alloc: Allocation) -> AllocationView:
         status=alloc.status,
         desired=alloc.desired,
         node_ids=list(alloc.node_ids),
+        workload=Workload.model_validate(alloc.workload) if alloc.workload else None,
     )
 
 

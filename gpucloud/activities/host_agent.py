@@ -42,7 +42,9 @@ class HostAgentActivities:
         self.batch_retry_base_s = batch_retry_base_s
 
     async def _call(self, action: str, req: AgentActionInput) -> AgentActionResult:
-        body = ActionRequest(request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id)
+        body = ActionRequest(
+            request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id, workload=req.workload
+        )
         if action == "wipe" and self.rotation is not None:
             body.credential = self.rotation.next_token(req.node_id, req.request_id)
         call = asyncio.ensure_future(self.agents.act(req.agent_url, action, body, node_id=req.node_id))

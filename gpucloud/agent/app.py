@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -40,11 +41,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gpucloud.agent import inspection
 from gpucloud.agent.probe import Probe
 from gpucloud.agent.readings import AGENT_MAX_EVENTS, NodeReading, XidEvent
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import Meter, NodeAllocation, Spool, wall_clock_ms
+from gpucloud.agent.workloads import StopFailed, WorkloadSupervisor
 from gpucloud.ledger.client import AgentLedgerToken, UsageLedger
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.web import problems
@@ -132,7 +135,7 @@ class CommandRunner:
 
     def run(self, argv: tuple[str, ...], timeout_s: float) -> CommandResult:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-        return CommandResult(proc.returncode, (proc.stdout + proc.stderr)[-2000:])
+        return CommandResult(proc.returncode, (proc.stdout + proc.stderr)[-65536:])
 
 
 @dataclass
@@ -153,6 +156,34 @@ class HostState:
     # The node's agent credential the reports carry; a wipe replaces it.
     credential: str | None = None
     credential_file: Path | None = None
+    # Where the tenancy above is kept across the agent's restarts (None: memory only).
+    state_file: Path | None = None
+
+    def save(self) -> None:
+        """Keep the tenant, whether it holds the node, and the allocation metered (0600): an
+        agent restarted while a tenant holds the node still stops its workload and meters it."""
+        if self.state_file is None:
+            return
+        kept = {
+            "tenant_id": self.tenant_id,
+            "workload_running": self.workload_running,
+            "allocation": dataclasses.asdict(self.allocation) if self.allocation else None,
+        }
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(kept, f)
+        os.replace(tmp, self.state_file)
+
+    def restore(self) -> None:
+        """What `save` kept, if anything (the boot id is this boot's: a reboot is seen)."""
+        if self.state_file is None or not self.state_file.is_file():
+            return
+        kept = json.loads(self.state_file.read_text())
+        self.tenant_id, self.workload_running = kept.get("tenant_id"), bool(kept.get("workload_running"))
+        if kept.get("allocation"):
+            self.allocation = NodeAllocation(**kept["allocation"])
 
     def take_credential(self, credential: str) -> None:
         """Report with `credential` from now on, and keep it (0600) for the next start."""
@@ -251,8 +282,15 @@ class Agent:
         gpu_type: str | None = None,
         clock_ms: Callable[[], int] = wall_clock_ms,
         burn_in_limits: BurnInLimits = BurnInLimits(),
+        inspect_stack: bool = True,
+        workloads: WorkloadSupervisor | None = None,
     ) -> None:
+        """`inspect_stack`: `inspect` checks every layer of the node's stack (`agent/inspection.py`);
+        off only where the GPUs are simulated and there is no real stack to check."""
         self.state, self.probe = state, probe
+        self.inspect_stack = inspect_stack
+        self.workloads = workloads  # the tenant's processes (None: provision starts nothing)
+        self.last_inspection: inspection.InspectionReport | None = None
         self.runner = runner or CommandRunner()
         self.tool_timeout_s = tool_timeout_s
         self.burn_in_limits = burn_in_limits
@@ -282,9 +320,19 @@ class Agent:
         elif action == "burn_in" and (s.tenant_id is not None or s.workload_running):
             return _problem(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
         failed = await self._run_tools(action)
+        if failed is None and action == "inspect" and self.inspect_stack:
+            failed = await self._inspect()
         if failed is not None:
             return failed
         now_ms = self._clock_ms()
+        if action == "provision" and req.workload is not None:
+            if (started := await self._start_workload(req)) is not None:
+                return started
+        elif action in ("release", "reboot", "wipe") and self.workloads is not None:
+            try:  # every process of the allocation, children that ignore SIGTERM too, before the answer
+                await asyncio.to_thread(self.workloads.stop)
+            except StopFailed as exc:
+                return _problem(500, "Workload not stopped", str(exc))
         if action == "provision":
             s.tenant_id, s.workload_running = req.tenant_id, True
         elif action == "release":
@@ -303,12 +351,62 @@ class Agent:
         reading = await asyncio.to_thread(self.probe.read)
         if action == "provision":
             self._meter_from(req, reading, now_ms)
-        return 200, s.describe() | {
+        await asyncio.to_thread(s.save)
+        return 200, s.describe() | self.workload_status() | {
             "action": action,
             "gpu_count": len(reading.gpus),
             "is_gpu_node": reading.is_gpu_node,
             "fatal_error": reading.fatal_error.model_dump(mode="json") if reading.fatal_error else None,
         }
+
+    def workload_status(self) -> dict:
+        if self.workloads is None:
+            return {}
+        return {"workload_status": self.workloads.status()}
+
+    async def _start_workload(self, req: ActionRequest) -> tuple[int, dict] | None:
+        """Start the provision's workload (its SSH keys let in first); None once it runs."""
+        assert req.workload is not None
+        if self.workloads is None:
+            return _problem(501, "No workload runner", "this agent was started without a workload runner")
+        if req.allocation_id is None:
+            return _problem(422, "Allocation required", "a workload belongs to an allocation: name it")
+        if req.workload.ssh_keys:
+            ssh = self.state.scratch_dir / ".ssh"
+            ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
+            keys = ssh / "authorized_keys"
+            keys.write_text("".join(k.strip() + "\n" for k in req.workload.ssh_keys))
+            keys.chmod(0o600)
+        try:
+            await asyncio.to_thread(
+                self.workloads.start, req.allocation_id, req.workload, cwd=self.state.scratch_dir / "work"
+            )
+        except (RuntimeError, OSError) as exc:
+            return _problem(409, "Workload not started", str(exc))
+        return None
+
+    async def _inspect(self) -> tuple[int, dict] | None:
+        """Every layer of the stack in order (`agent/inspection.py`); the first that fails, with
+        its cause, as a 422 the control plane records (the node stays out of burn-in)."""
+        outputs: dict[tuple[str, ...], inspection.Output] = {}
+        for argv in inspection.COMMANDS:
+            if self.runner.which(argv[0]) is None:
+                continue  # not installed: the layer that needs it says so
+            try:
+                result = await asyncio.to_thread(self.runner.run, argv, 60.0)
+            except subprocess.TimeoutExpired:
+                outputs[argv] = inspection.Output(124, f"{argv[0]} ran past 60 s")
+                continue
+            outputs[argv] = inspection.Output(result.returncode, result.output)
+        gpu_type = self.gpu_type or gpu_type_of(await asyncio.to_thread(self.probe.read))
+        report = self.last_inspection = inspection.judge(gpu_type, outputs)
+        if report.ok:
+            log.info("%s", report.summary())
+            return None
+        failed = report.first_failure
+        assert failed is not None
+        layers = [{"layer": c.layer, "status": c.status, "detail": c.detail} for c in report.layers]
+        return _problem(422, "Inspection failed", report.summary(), layer=failed.layer, layers=layers)
 
     def _meter_from(self, req: ActionRequest, reading: NodeReading, now_ms: int) -> None:
         """The provisioned workload's GPU time counts from now, for the allocation it names; a
@@ -360,9 +458,13 @@ class Agent:
         return None
 
     def _wipe_scratch(self) -> None:
-        """The tenant's files go; the node is nobody's again."""
+        """The tenant's files (its work, its SSH keys, its workload's output) go; the node is
+        nobody's again."""
         if self.state.scratch_dir.exists():
             shutil.rmtree(self.state.scratch_dir)
+        if self.workloads is not None:
+            for output in self.workloads.state_dir.glob("workload-*.log"):
+                output.unlink(missing_ok=True)
         self.state.scratch_dir.mkdir(parents=True, exist_ok=True)
         self.state.tenant_id = None
 
@@ -522,6 +624,7 @@ def main(
     gpu_type: str | None = None,
     tls: ServerTLS | None = None,
     insecure: bool = False,
+    state_dir: Path = Path("/var/lib/gpucloud/agent"),
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
@@ -543,11 +646,26 @@ def main(
     verifier = load_verifier(control_plane_key)
 
     state = HostState(
-        node_id=node_id, boot_id=read_boot_id(), scratch_dir=scratch_dir, credential=token, credential_file=token_file
+        node_id=node_id,
+        boot_id=read_boot_id(),
+        scratch_dir=scratch_dir,
+        credential=token,
+        credential_file=token_file,
+        state_file=state_dir / "host.json",
     )
+    state.restore()  # a restart mid-allocation: the tenant still holds the node, and is metered
     from gpucloud.bootstrap import detect_probe
+    from gpucloud.sim.probe import SimulatedProbe
 
-    agent = Agent(state, detect_probe(node_id, allow_simulated=allow_simulated), gpu_type=gpu_type)
+    probe = detect_probe(node_id, allow_simulated=allow_simulated)
+    # Simulated GPUs (--allow-simulated, a dev machine) have no stack to inspect.
+    agent = Agent(
+        state,
+        probe,
+        gpu_type=gpu_type,
+        inspect_stack=not isinstance(probe, SimulatedProbe),
+        workloads=WorkloadSupervisor(state_dir / "workloads"),
+    )
     client = httpx.AsyncClient(base_url=control_plane_url, timeout=30, verify=client_verify())
     metering = None
     if ledger_url:

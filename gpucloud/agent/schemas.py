@@ -3,10 +3,23 @@ simulated node) and what it answers. Both ends import them from here."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 # The actions every agent serves at `POST /actions/{action}`.
 ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
+
+
+class Workload(BaseModel):
+    """What the tenant runs on each node of its allocation: started by provision in a process
+    tree the agent owns, stopped by release (`gpucloud.agent.workloads`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[str] = Field(min_length=1, max_length=256, description="argv: the program and its arguments")
+    env: dict[str, str] = Field(default_factory=dict, max_length=256)
+    ssh_keys: list[str] = Field(
+        default_factory=list, max_length=64, description="public keys let in to the nodes (authorized_keys)"
+    )
 
 
 class ActionRequest(BaseModel):
@@ -17,3 +30,5 @@ class ActionRequest(BaseModel):
     # A wipe's next agent credential (`gpa_<node id>.<secret>`): the agent reports with it once
     # the wipe succeeded; the control plane then revokes the old one.
     credential: str | None = Field(None, min_length=1, max_length=300)
+    # What a provision starts on the node (None: the node is handed over with nothing running).
+    workload: Workload | None = None

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.agent.schemas import Workload
 from gpucloud.ledger.schemas import (
     InvoiceOut,
     UsageSummary,
@@ -47,6 +48,9 @@ class AllocationRequest(BaseModel):
     nvl72_trays: int | None = None
     node_count: int | None = Field(default=None, validate_default=True)
     region: str
+    workload: Workload | None = Field(
+        default=None, description="what each node runs once provisioned, in a process tree its agent owns"
+    )
 
     @field_validator("gpu_type")
     @classmethod

@@ -252,6 +252,9 @@ def agent(
     scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path(
         "/var/lib/gpucloud/scratch"
     ),
+    state_dir: Annotated[
+        Path, typer.Option(help="what the agent keeps across restarts: the tenancy, the workload it runs")
+    ] = Path("/var/lib/gpucloud/agent"),
     heartbeat_s: float = 10.0,
     reading_s: float = 30.0,
     allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
@@ -306,6 +309,7 @@ def agent(
         host=host,
         port=port,
         scratch_dir=scratch_dir,
+        state_dir=state_dir,
         heartbeat_s=heartbeat_s,
         reading_s=reading_s,
         allow_simulated=allow_simulated,

@@ -10,6 +10,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from gpucloud.agent.schemas import Workload
+
 
 class NodeRef(BaseModel):
     """A message about one node."""
@@ -37,6 +39,8 @@ class NodeOperationInput(NodeRef):
     operation: NodeOperationKind
     allocation_id: str | None = None
     tenant_id: str | None = None
+    # What a provision (or a restore) starts on the node: the allocation's workload.
+    workload: Workload | None = None
 
 
 class NodeOperationResult(NodeRef):
@@ -76,6 +80,8 @@ class AgentActionInput(NodeRef):
     tenant_id: str | None = None
     # A provision's allocation: the agent meters the node's usage against it.
     allocation_id: str | None = None
+    # What a provision starts: the allocation's workload, in a process tree the agent owns.
+    workload: Workload | None = None
 
 
 class AgentActionResult(NodeRef):
@@ -149,6 +155,7 @@ class AllocationView(AllocationRef):
     status: str
     desired: str
     node_ids: list[str]
+    workload: Workload | None = None
 
 
 class AllocationStatusInput(AllocationRef):

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Column, Field, SQLModel
 
+from gpucloud.agent.schemas import Workload
 from gpucloud.models.node_states import NodeState
 
 
@@ -283,6 +284,7 @@ class AllocationCreate(SQLModel):
 
 
 class AllocationPublic(AllocationCreate):
+    workload: Workload | None = None
     id: str
     tenant_id: str
     status: AllocationStatus
@@ -307,6 +309,8 @@ class Allocation(AllocationCreate, table=True):
     nvlink_domain: str | None = None
     node_ids: list[str] = json_field()
     failure_reason: str | None = None
+    # What provision starts on each node (`agent.schemas.Workload` as JSON; None: nothing).
+    workload: dict | None = Field(default=None, sa_column=Column(sa.JSON, nullable=True))
     # `<caller>:<Idempotency-Key>` of the create that made it: a create re-run after its first
     # try died mid-request finds the allocation that try committed instead of making another.
     idempotency_key: str | None = Field(default=None, max_length=300, unique=True, index=True)

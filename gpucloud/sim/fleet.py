@@ -103,6 +103,8 @@ class SimNode:
     gpu_uids: list[str] = field(default_factory=list)
     tenant_id: str | None = None
     workload_running: bool = False
+    # The command the allocation's provision started (a simulated node runs nothing).
+    workload: list[str] | None = None
     allocation_id: str | None = None  # what the last provision named (metering)
     actions_done: int = 0
     boot_id: int = 0
@@ -243,8 +245,9 @@ class Fleet:
                 return _refuse(409, "Node holds data", f"node holds data of tenant {node.tenant_id}; wipe it first")
             node.tenant_id, node.workload_running = req.tenant_id, True
             node.allocation_id = req.allocation_id
+            node.workload = list(req.workload.command) if req.workload else None
         elif action == "release":
-            node.workload_running = False
+            node.workload_running, node.workload = False, None
         elif action == "wipe":
             if node.workload_running:
                 return _refuse(409, "Workload running", "a workload is still running; release the node first")
@@ -302,6 +305,7 @@ class Fleet:
             "gpu_count": node.gpu_count,
             "tenant_id": node.tenant_id,
             "workload_running": node.workload_running,
+            "workload": node.workload,
             "actions_done": node.actions_done,
             "hardware_fault": node.hardware_fault,
         }

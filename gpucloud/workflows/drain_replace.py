@@ -289,7 +289,13 @@ class DrainAndReplace:
                 return await workflow.start_child_workflow(
                     NodeOperationWorkflow.run,
                     NodeOperationInput(
-                        node_id=node_id, operation=op, allocation_id=view.allocation_id, tenant_id=view.tenant_id
+                        node_id=node_id,
+                        operation=op,
+                        allocation_id=view.allocation_id,
+                        tenant_id=view.tenant_id,
+                        workload=view.workload
+                        if op in (NodeOperationKind.PROVISION, NodeOperationKind.RESTORE)
+                        else None,
                     ),
                     id=workflow_id_for(node_id),
                     parent_close_policy=parent_close_policy,

@@ -247,6 +247,7 @@ class NodeOperationWorkflow:
             request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}",
             tenant_id=self._inp.tenant_id,
             allocation_id=self._inp.allocation_id if action == "provision" else None,
+            workload=self._inp.workload if action == "provision" else None,
         )
         try:
             await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)

@@ -1,6 +1,7 @@
-"""A create whose request died holding its Idempotency-Key (the API process killed mid-request):
-the claim's lease lapses, a retry with the key takes it over and runs the create again, and an
-allocation the dead try already committed is returned, not made twice (SQLite and Postgres)."""
+"""Issue 13, row 9: a create whose request died holding its Idempotency-Key (the API process
+killed mid-request): the claim's lease lapses, a retry with the key takes it over and runs the
+create again, and an allocation the dead try already committed is returned, not made twice
+(SQLite and Postgres)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,255 @@
+"""The tenant's processes on a node: started by `provision`, stopped by `release`, owned by the
+agent whatever they do.
+
+A workload (a command with its arguments and environment) runs in a PID namespace of its own
+(`unshare --pid --fork --kill-child`, util-linux): its first process is PID 1 there, and when
+that process dies the kernel kills every other process of the namespace, children that ignore
+SIGTERM, double-forked daemons and all. `stop` sends SIGTERM to the workload's process group
+(a grace period to checkpoint), then SIGKILL to the namespace's PID 1, and confirms from
+`/proc` that no process of that namespace is left before it answers. Where `unshare` is missing
+or not permitted (no CAP_SYS_ADMIN), the workload runs in a session of its own and `stop`
+signals that process group, which a process that leaves its group escapes: the agent says so in
+its status (`isolation`).
+
+The supervisor keeps what runs in a state file, so an agent restarted while the tenant's job
+runs still finds it, reports it and stops it at release; the job does not depend on the agent
+process (a new session, not the agent's child once the agent is gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from gpucloud.agent.schemas import Workload
+
+log = logging.getLogger(__name__)
+
+Isolation = Literal["pid-namespace", "process-group"]
+
+
+@dataclass(frozen=True)
+class Running:
+    """What the state file keeps about the workload the agent started."""
+
+    allocation_id: str
+    pid: int  # the process the agent started (unshare, or the command itself)
+    pid_namespace: str | None  # `pid:[4026532...]` of the workload's namespace, when it has one
+    isolation: str
+    started_at: float
+    log_path: str
+
+
+class StopFailed(RuntimeError):
+    """Processes of the workload were still alive after SIGKILL."""
+
+
+def _namespace_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        return [int(c) for task in tasks for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
+
+
+def processes_in(namespace: str) -> list[int]:
+    """Every live process whose PID namespace is `namespace`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _namespace_of(int(entry.name)) == namespace and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+class WorkloadSupervisor:
+    """One node's workload: start, status, stop; its record kept in `state_dir`."""
+
+    def __init__(self, state_dir: Path, *, grace_s: float = 10.0, unshare: str | None = None) -> None:
+        self.state_dir = state_dir
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.grace_s = grace_s
+        self._unshare = unshare if unshare is not None else shutil.which("unshare")
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None  # ours to reap, when this agent started it
+        self._exit_code: int | None = None
+
+    @property
+    def _state_file(self) -> Path:
+        return self.state_dir / "workload.json"
+
+    def running(self) -> Running | None:
+        try:
+            return Running(**json.loads(self._state_file.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _save(self, running: Running | None) -> None:
+        if running is None:
+            self._state_file.unlink(missing_ok=True)
+            return
+        tmp = self._state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(running)))
+        os.replace(tmp, self._state_file)
+
+    # Start ----------------------------------------------------------------------------------------
+
+    def start(self, allocation_id: str, workload: Workload, *, cwd: Path) -> Running:
+        """Start the workload for `allocation_id`; the one already running for it is kept."""
+        with self._lock:
+            current = self.running()
+            if current is not None and self._is_running(current):
+                if current.allocation_id == allocation_id:
+                    return current
+                raise RuntimeError(f"the workload of allocation {current.allocation_id} still runs; release it first")
+            cwd.mkdir(parents=True, exist_ok=True)
+            log_path = self.state_dir / f"workload-{allocation_id}.log"
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                **workload.env,
+                "GPUCLOUD_ALLOCATION_ID": allocation_id,
+            }
+            isolation: Isolation = "pid-namespace" if self._namespaces_work() else "process-group"
+            argv = list(workload.command)
+            if isolation == "pid-namespace" and self._unshare:
+                argv = [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--", *argv]
+            with open(log_path, "ab") as out:
+                self._proc = subprocess.Popen(
+                    argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            self._exit_code = None
+            namespace = self._wait_for_namespace(self._proc.pid) if isolation == "pid-namespace" else None
+            running = Running(allocation_id, self._proc.pid, namespace, isolation, time.time(), str(log_path))
+            self._save(running)
+            log.info("workload of %s started: pid %d (%s)", allocation_id, self._proc.pid, isolation)
+            return running
+
+    def _namespaces_work(self) -> bool:
+        if not self._unshare:
+            return False
+        probe = subprocess.run(
+            [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "true"], capture_output=True, check=False
+        )
+        return probe.returncode == 0
+
+    def _wait_for_namespace(self, pid: int, timeout_s: float = 5.0) -> str | None:
+        """The PID namespace of the workload: that of unshare's child once it exists."""
+        own = _namespace_of(pid)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for child in _children(pid):
+                namespace = _namespace_of(child)
+                if namespace is not None and namespace != own:
+                    return namespace
+            if not _alive(pid):
+                return None
+            time.sleep(0.01)
+        return None
+
+    # Status ---------------------------------------------------------------------------------------
+
+    def _is_running(self, current: Running) -> bool:
+        self._reap()
+        if current.pid_namespace is not None:
+            return bool(processes_in(current.pid_namespace))
+        return _alive(current.pid) and _namespace_of(current.pid) is not None
+
+    def _reap(self, wait_s: float = 0.0) -> None:
+        """The exit code of the process this agent started, once it ended (within `wait_s`)."""
+        if self._proc is not None and self._exit_code is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._exit_code = self._proc.wait(timeout=wait_s) if wait_s else self._proc.poll()
+
+    def status(self) -> dict:
+        """`none`, `running`, or `exited` (with its code, when this agent started it)."""
+        with self._lock:
+            current = self.running()
+            if current is None:
+                return {"workload": "none"}
+            base = {"allocation_id": current.allocation_id, "isolation": current.isolation, "pid": current.pid}
+            if self._is_running(current):
+                return base | {"workload": "running"}
+            self._reap(wait_s=2.0)  # its last process is gone: the one we started ends at once
+            return base | {"workload": "exited", "exit_code": self._exit_code}
+
+    # Stop -----------------------------------------------------------------------------------------
+
+    def stop(self) -> dict:
+        """Stop every process of the workload and confirm none is left; idempotent."""
+        with self._lock:
+            current = self.running()
+            if current is None:
+                return {"workload": "none", "stopped": 0}
+            before = self._members(current)
+            if before:
+                self._signal(current, signal.SIGTERM)
+                deadline = time.monotonic() + self.grace_s
+                while self._members(current) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if self._members(current):
+                self._kill(current)
+                deadline = time.monotonic() + 10.0
+                while self._members(current) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            left = self._members(current)
+            if left:
+                raise StopFailed(f"{len(left)} processes of the workload of {current.allocation_id} survived SIGKILL")
+            self._reap()
+            self._save(None)
+            log.info("workload of %s stopped (%d processes)", current.allocation_id, len(before))
+            return {"workload": "stopped", "allocation_id": current.allocation_id, "stopped": len(before)}
+
+    def _members(self, current: Running) -> list[int]:
+        self._reap()
+        if current.pid_namespace is not None:
+            members = processes_in(current.pid_namespace)
+            return members + ([current.pid] if _alive(current.pid) else [])
+        try:
+            os.killpg(current.pid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return [current.pid]
+
+    def _signal(self, current: Running, sig: signal.Signals) -> None:
+        """`sig` to the workload's process group, and to every process of its namespace."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(current.pid, sig)
+        if current.pid_namespace is not None:
+            for pid in processes_in(current.pid_namespace):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+
+    def _kill(self, current: Running) -> None:
+        """SIGKILL: in a namespace, its PID 1 first (the kernel then kills the rest), then all."""
+        if current.pid_namespace is not None:
+            init = next((c for c in _children(current.pid) if _namespace_of(c) == current.pid_namespace), None)
+            if init is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, signal.SIGKILL)
+        self._signal(current, signal.SIGKILL)

@@ -1,0 +1,128 @@
+"""Issue 14: the agent owns the tenant's processes. The real agent code, as root on this machine,
+with real process trees: provision starts the allocation's workload in a PID namespace of its
+own; release stops every process of it, children that ignore SIGTERM and ones that left their
+session included, and confirms none is left; wipe removes the tenant's files and keys; an agent
+restarted meanwhile still finds the workload, stops it at release, and meters the allocation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from gpucloud.agent.app import Agent, CommandRunner, HostState
+from gpucloud.agent.schemas import ActionRequest, Workload
+from gpucloud.agent.workloads import WorkloadSupervisor, processes_in
+from gpucloud.sim.probe import SimulatedProbe
+from support.stack import wait_until
+
+pytestmark = pytest.mark.one_database
+
+# A job that ignores SIGTERM, forks a child that ignores it too, and a grandchild that leaves the
+# session (a daemon): what a careless training launcher leaves behind.
+STUBBORN = [
+    "sh",
+    "-c",
+    "trap '' TERM; echo $$ > started; "
+    "(trap '' TERM; setsid sh -c 'trap \"\" TERM; while true; do sleep 1; done' & while true; do sleep 1; done) & "
+    "while true; do sleep 1; done",
+]
+
+
+class NoTools(CommandRunner):
+    def which(self, tool: str) -> str | None:
+        return None
+
+
+def _agent(tmp_path: Path, *, grace_s: float = 0.5) -> Agent:
+    state = HostState(
+        node_id="gpu-1", boot_id="boot-1", scratch_dir=tmp_path / "scratch", state_file=tmp_path / "state" / "host.json"
+    )
+    state.restore()
+    workloads = WorkloadSupervisor(tmp_path / "state" / "workloads", grace_s=grace_s)
+    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=NoTools(), workloads=workloads)
+
+
+def _act(agent: Agent, action: str, request_id: str, **fields) -> tuple[int, dict]:
+    return asyncio.run(agent.act(action, ActionRequest(request_id=request_id, **fields)))
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [
+        p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+    ]
+
+
+def test_release_stops_every_process_of_the_workload_and_wipe_removes_the_tenants_files(tmp_path):
+    agent = _agent(tmp_path)
+    workload = Workload(command=STUBBORN, env={"JOB": "llama"}, ssh_keys=["ssh-ed25519 AAAAC3Nza tenant@laptop"])
+    status, body = _act(agent, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=workload)
+    assert status == 200, body
+    assert body["workload_status"]["workload"] == "running"
+    assert body["workload_status"]["isolation"] == "pid-namespace"
+    namespace = agent.workloads.running().pid_namespace
+    wait_until(lambda: len(processes_in(namespace)) >= 4, timeout_s=10, what="the job, its child and its daemon")
+    members = processes_in(namespace)
+    keys = tmp_path / "scratch" / ".ssh" / "authorized_keys"
+    assert keys.read_text() == "ssh-ed25519 AAAAC3Nza tenant@laptop\n" and oct(keys.stat().st_mode & 0o777) == "0o600"
+    assert (tmp_path / "scratch" / "work" / "started").exists()  # it ran in the tenant's work dir
+
+    started = time.monotonic()
+    status, body = _act(agent, "release", "r1")
+    assert status == 200, body
+    assert body["workload_running"] is False and body["workload_status"] == {"workload": "none"}
+    assert processes_in(namespace) == [] and _alive(members) == []  # nothing of it is left
+    assert time.monotonic() - started < 5  # SIGTERM ignored: killed after the grace period
+    assert _act(agent, "release", "r2")[0] == 200  # a repeated release is a no-op
+
+    assert _act(agent, "wipe", "w1")[0] == 200
+    assert not keys.exists() and not list((tmp_path / "state" / "workloads").glob("workload-*.log"))
+
+
+def test_an_agent_restarted_mid_allocation_still_stops_the_workload_and_meters(tmp_path):
+    first = _agent(tmp_path)
+    workload = Workload(command=["sleep", "300"])
+    assert _act(first, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=workload)[0] == 200
+    namespace = first.workloads.running().pid_namespace
+    metered_from = first.state.allocation.started_ms
+
+    again = _agent(tmp_path)  # the agent process restarted; the job kept running
+    assert (again.state.tenant_id, again.state.workload_running) == ("t1", True)
+    assert again.state.allocation is not None and again.state.allocation.started_ms == metered_from
+    assert again.workload_status()["workload_status"]["workload"] == "running"
+    # The same provision again (the control plane's drift handling) starts nothing new.
+    status, _ = _act(again, "provision", "p2", tenant_id="t1", allocation_id="a1", workload=workload)
+    assert status == 200 and len(processes_in(namespace)) == 1, processes_in(namespace)
+    assert _act(again, "release", "r1")[0] == 200
+    assert processes_in(namespace) == []
+    assert again.state.allocation.ended_ms is not None  # metering stops at the release
+
+
+def test_a_workload_that_exits_is_reported_with_its_code(tmp_path):
+    agent = _agent(tmp_path)
+    _act(
+        agent, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=Workload(command=["sh", "-c", "exit 3"])
+    )
+    wait_until(lambda: agent.workloads.status()["workload"] == "exited", timeout_s=10, what="the job exits")
+    assert agent.workloads.status()["exit_code"] == 3
+    # Another allocation's workload waits for a release of this one.
+    busy = _agent(tmp_path)
+    busy.workloads.start("a1", Workload(command=["sleep", "60"]), cwd=tmp_path / "w")
+    status, body = _act(
+        busy, "provision", "p2", tenant_id="t1", allocation_id="a2", workload=Workload(command=["true"])
+    )
+    assert status == 409 and "a1 still runs" in body["detail"]
+    busy.workloads.stop()
+
+
+def test_without_namespaces_the_workload_runs_in_its_own_process_group(tmp_path):
+    supervisor = WorkloadSupervisor(tmp_path / "w", grace_s=0.5, unshare="")  # as where unshare is missing
+    running = supervisor.start("a1", Workload(command=["sh", "-c", "sleep 300 & sleep 300"]), cwd=tmp_path / "cwd")
+    assert running.isolation == "process-group" and running.pid_namespace is None
+    assert os.getpgid(running.pid) == running.pid  # a session and group of its own, not the agent's
+    assert supervisor.stop()["workload"] == "stopped"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(running.pid, 0)

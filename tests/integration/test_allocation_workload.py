@@ -1,0 +1,29 @@
+"""Issue 14: an allocation may carry a workload (a command, its environment, the tenant's SSH
+keys); every node's provision starts it through its agent, and the release stops it."""
+
+from __future__ import annotations
+
+WORKLOAD = {"command": ["torchrun", "--nproc-per-node", "8", "train.py"], "env": {"EPOCHS": "3"}, "ssh_keys": []}
+
+
+async def test_each_node_of_the_allocation_runs_its_workload_until_release(db_url, make_harness, in_process_worker):
+    h = make_harness(db_url, nodes=2, latency_scale=0.02)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 2})
+    _, key = await h.onboard()
+    with h.client(key) as tenant:
+        body = {"gpu_type": "H100", "node_count": 2, "region": "us-east-1", "workload": WORKLOAD}
+        created = tenant.post("/v1/allocations", json=body)
+        assert created.status_code == 202, created.text
+        alloc = created.json()["allocation"]
+        assert alloc["workload"]["command"] == WORKLOAD["command"]
+        ready = await h.wait_allocation(key, alloc["id"], "ready")
+        for node_id in ready["node_ids"]:
+            assert h.sim.node(node_id)["workload"] == WORKLOAD["command"]
+        bad = tenant.post("/v1/allocations", json={**body, "workload": {"command": []}})
+        assert bad.status_code == 422 and "workload.command" in bad.text
+        assert tenant.post(f"/v1/allocations/{alloc['id']}/cancel").status_code == 202
+        await h.wait_allocation(key, alloc["id"], "released")
+    for node_id in ready["node_ids"]:
+        assert h.sim.node(node_id)["workload"] is None
