@@ -494,7 +494,11 @@ class Reporter:
 
     async def heartbeat_once(self) -> None:
         try:
-            resp = await self.client.post("/v1/agents/heartbeats", json={"heartbeats": [self.agent.state.describe()]})
+            beat = self.agent.state.describe()
+            if self.agent.workloads is not None:
+                report = await asyncio.to_thread(self.agent.workloads.report)
+                beat["workload"] = report.model_dump(mode="json")
+            resp = await self.client.post("/v1/agents/heartbeats", json={"heartbeats": [beat]})
             resp.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("heartbeat not delivered: %s", exc)

@@ -3,6 +3,8 @@ simulated node) and what it answers. Both ends import them from here."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # The actions every agent serves at `POST /actions/{action}`.
@@ -20,6 +22,15 @@ class Workload(BaseModel):
     ssh_keys: list[str] = Field(
         default_factory=list, max_length=64, description="public keys let in to the nodes (authorized_keys)"
     )
+
+
+class WorkloadStatus(BaseModel):
+    """What runs of the allocation's workload on a node, as its agent reports it."""
+
+    state: Literal["none", "running", "exited", "stopped"]
+    allocation_id: str | None = None
+    exit_code: int | None = None
+    isolation: str | None = Field(None, description="pid-namespace, or process-group where namespaces are refused")
 
 
 class ActionRequest(BaseModel):

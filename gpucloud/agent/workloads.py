@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from gpucloud.agent.schemas import Workload
+from gpucloud.agent.schemas import Workload, WorkloadStatus
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,16 @@ class WorkloadSupervisor:
         if self._proc is not None and self._exit_code is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._exit_code = self._proc.wait(timeout=wait_s) if wait_s else self._proc.poll()
+
+    def report(self) -> WorkloadStatus:
+        """`status` as the agent reports it in its heartbeats."""
+        now = self.status()
+        return WorkloadStatus(
+            state=now["workload"],
+            allocation_id=now.get("allocation_id"),
+            exit_code=now.get("exit_code"),
+            isolation=now.get("isolation"),
+        )
 
     def status(self) -> dict:
         """`none`, `running`, or `exited` (with its code, when this agent started it)."""

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gpucloud.agent.readings import NodeReading, XidEvent
-from gpucloud.agent.schemas import Workload
+from gpucloud.agent.schemas import Workload, WorkloadStatus
 from gpucloud.ledger.schemas import (
     InvoiceOut,
     UsageSummary,
@@ -314,6 +314,22 @@ class HeartbeatIn(BaseModel):
     tenant_id: str | None = None
     workload_running: bool = False
     boot_id: str | None = None
+    workload: WorkloadStatus | None = Field(None, description="the allocation's processes on the node")
+
+
+class AllocationNode(BaseModel):
+    """One node of an allocation, as its tenant sees it."""
+
+    node_id: str
+    state: str
+    health: str
+    last_heartbeat_at: datetime | None
+    workload: WorkloadStatus | None = Field(None, description="what its agent last reported of the workload")
+
+
+class AllocationNodes(BaseModel):
+    allocation_id: str
+    items: list[AllocationNode]
 
 
 class HeartbeatBatch(BaseModel):

@@ -108,7 +108,7 @@ def record_heartbeats(
         )
         if is_drift:
             drifted.append(node_id)
-        observed = {k: beat.get(k) for k in ("tenant_id", "workload_running", "boot_id")}
+        observed = {k: beat.get(k) for k in ("tenant_id", "workload_running", "boot_id", "workload")}
         fresh = last_seen is not None and now - last_seen < refresh_after
         if fresh and is_drift == was_drifted and observed == was_observed:
             continue

@@ -292,6 +292,7 @@ class Fleet:
                 "tenant_id": n.tenant_id,
                 "workload_running": n.workload_running,
                 "boot_id": str(n.boot_id),
+                "workload": {"state": "running", "allocation_id": n.allocation_id} if n.workload else None,
             }
             for n in self.nodes.values()
             if not n.unreachable

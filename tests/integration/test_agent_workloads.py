@@ -7,6 +7,7 @@ restarted meanwhile still finds the workload, stops it at release, and meters th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -126,3 +127,32 @@ def test_without_namespaces_the_workload_runs_in_its_own_process_group(tmp_path)
     assert supervisor.stop()["workload"] == "stopped"
     with pytest.raises(ProcessLookupError):
         os.killpg(running.pid, 0)
+
+
+def test_the_heartbeat_carries_what_runs_of_the_workload(tmp_path):
+    import httpx
+
+    from gpucloud.agent.app import Reporter
+
+    sent: list[dict] = []
+
+    def control_plane(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json={"accepted": 1, "drifted": []})
+
+    agent = _agent(tmp_path)
+    _act(agent, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=Workload(command=["sleep", "60"]))
+
+    async def beat() -> None:
+        async with httpx.AsyncClient(base_url="http://cp", transport=httpx.MockTransport(control_plane)) as client:
+            await Reporter(agent, client).heartbeat_once()
+
+    asyncio.run(beat())
+    [report] = sent[0]["heartbeats"]
+    assert report["workload"] == {
+        "state": "running",
+        "allocation_id": "a1",
+        "exit_code": None,
+        "isolation": "pid-namespace",
+    }
+    assert _act(agent, "release", "r1")[0] == 200

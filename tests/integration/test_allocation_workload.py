@@ -21,9 +21,17 @@ async def test_each_node_of_the_allocation_runs_its_workload_until_release(db_ur
         ready = await h.wait_allocation(key, alloc["id"], "ready")
         for node_id in ready["node_ids"]:
             assert h.sim.node(node_id)["workload"] == WORKLOAD["command"]
+        # What the agents report of it shows in the allocation's nodes, for its tenant.
+        h.push_heartbeats()
+        nodes = tenant.get(f"/v1/allocations/{alloc['id']}/nodes").json()["items"]
+        assert sorted(n["node_id"] for n in nodes) == sorted(ready["node_ids"])
+        assert all(n["state"] == "active" and n["workload"]["state"] == "running" for n in nodes), nodes
         bad = tenant.post("/v1/allocations", json={**body, "workload": {"command": []}})
         assert bad.status_code == 422 and "workload.command" in bad.text
         assert tenant.post(f"/v1/allocations/{alloc['id']}/cancel").status_code == 202
         await h.wait_allocation(key, alloc["id"], "released")
     for node_id in ready["node_ids"]:
         assert h.sim.node(node_id)["workload"] is None
+    _, other = await h.onboard()
+    with h.client(other) as stranger:
+        assert stranger.get(f"/v1/allocations/{alloc['id']}/nodes").status_code == 404

@@ -12,6 +12,7 @@ from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from gpucloud.agent.schemas import WorkloadStatus
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, SessionDep, SettingsDep, TemporalDep, TenantDep, visible
@@ -19,6 +20,8 @@ from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.schemas import (
     AllocationAccepted,
     AllocationEventPage,
+    AllocationNode,
+    AllocationNodes,
     AllocationPage,
     AllocationRequest,
 )
@@ -223,6 +226,35 @@ def list_allocations(
         equal={"tenant_id": scope, "status": status},
     )
     return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
+
+
+@router.get(
+    "/allocations/{allocation_id}/nodes",
+    response_model=AllocationNodes,
+    responses={404: {"description": "no such allocation visible to the caller"}},
+)
+def allocation_nodes(allocation_id: str, caller: CallerDep, session: SessionDep):
+    """The allocation's nodes now: state, health, and what each agent last reported of the
+    workload (running, exited with its code, none)."""
+    alloc = _visible(session, caller, allocation_id)
+    nodes = session.exec(select(Node).where(col(Node.id).in_(list(alloc.node_ids)))).all()
+    by_id = {n.id: n for n in nodes}
+    items = []
+    for node_id in alloc.node_ids:
+        node = by_id.get(node_id)
+        if node is None:
+            continue
+        reported = (node.observed or {}).get("workload") if node.allocation_id == alloc.id else None
+        items.append(
+            AllocationNode(
+                node_id=node.id,
+                state=node.state,
+                health=node.health,
+                last_heartbeat_at=node.last_heartbeat_at,
+                workload=WorkloadStatus.model_validate(reported) if reported else None,
+            )
+        )
+    return AllocationNodes(allocation_id=alloc.id, items=items)
 
 
 @router.get("/allocations/{allocation_id}/events", response_model=AllocationEventPage)
