@@ -158,6 +158,7 @@ def make_harness(tmp_path, temporal_env):
             extra_args=(*nvl72, *sim_args),
             control_plane_key=public_key_path(settings.issuer_key_path),
             operator_token=settings.operator_token,
+            api_port=settings.api.port,
         )
         if managers is not None:
             managers.register_domains(sim.inventory())

@@ -33,6 +33,17 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent call is noise
 
 
+def fault_model_named(name: str | None):
+    """The simulated fleet's fault model called `name` (None: none)."""
+    if name is None:
+        return None
+    from gpucloud.sim.fault_injection import MODELS
+
+    if name not in MODELS:
+        raise typer.BadParameter(f"unknown fault model {name!r}; known: {', '.join(MODELS)}", param_hint="--faults")
+    return MODELS[name]()
+
+
 def _serve(module: str, function: str) -> None:
     """Run `module.function(settings)`, imported only now so that `--help` stays fast."""
     _logging()
@@ -110,6 +121,10 @@ def sim(
         Path | None,
         typer.Option(help="the control plane's public key (default: the data dir's issuer_key.pub, made if absent)"),
     ] = None,
+    faults: Annotated[
+        str | None, typer.Option(help="the nodes fail as this fault model says: llama3 (Llama 3 405B's mix and rate)")
+    ] = None,
+    time_scale: Annotated[float, typer.Option(help="with --faults: fleet time runs this many times faster")] = 1.0,
     batch_reports: Annotated[
         bool,
         typer.Option(
@@ -156,6 +171,9 @@ def sim(
         control_plane_url=settings.api_url if register else None,
         operator_token=settings.operator_token if register else None,
         control_token=settings.operator_token,
+        fault_model=fault_model_named(faults),
+        fault_time_scale=time_scale,
+        fault_report_url=settings.api_url if faults else None,
         heartbeat_interval_s=heartbeat_interval,
         metering=metering,
         weights=weights,
@@ -181,6 +199,10 @@ def up(
     tls: Annotated[
         bool, typer.Option("--tls", help="every server over TLS, with a private CA made in <data dir>/tls")
     ] = False,
+    faults: Annotated[
+        str | None, typer.Option(help="the simulated nodes fail as this fault model says: llama3")
+    ] = None,
+    time_scale: Annotated[float, typer.Option(help="with --faults: fleet time runs this many times faster")] = 1.0,
 ) -> None:
     """Run everything on this machine until Ctrl-C; a second `up` on the same data dir resumes."""
     from gpucloud.devstack.stack import Stack, StackError, with_local_tls
@@ -188,7 +210,16 @@ def up(
     settings = get_settings()
     if tls:
         settings = with_local_tls(settings)
-    stack = Stack(settings, nodes=nodes, billing=True, tracker=True, nvl72_racks=nvl72_racks)
+    fault_model_named(faults)  # an unknown model is refused before anything starts
+    stack = Stack(
+        settings,
+        nodes=nodes,
+        billing=True,
+        tracker=True,
+        nvl72_racks=nvl72_racks,
+        faults=faults,
+        fault_time_scale=time_scale,
+    )
     try:
         with console.status("starting") as status:
             stack.start(on_step=lambda s: status.update(s))

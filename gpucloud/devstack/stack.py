@@ -100,6 +100,9 @@ class Stack:
     # allocation's fabric membership through them. Their state is kept in the data dir.
     fabric: bool = True
     nvl72_racks: int = 0
+    # The simulated fleet fails as this fault model says (`gpucloud sim --faults`), sped up.
+    faults: str | None = None
+    fault_time_scale: float = 1.0
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _fabric_port: int = field(default=0, init=False)
 
@@ -245,6 +248,7 @@ class Stack:
         register = ["--register"] if self.register_fleet else []
         metering = ["--ledger-url", self.ledger_url] if self.billing and self.register_fleet else []
         nvl72 = ["--nvl72-racks", str(self.nvl72_racks)] if self.nvl72_racks else []
+        faults = ["--faults", self.faults, "--time-scale", str(self.fault_time_scale)] if self.faults else []
         self._spawn(
             "sim",
             self._cli(
@@ -254,6 +258,7 @@ class Stack:
                 *register,
                 *metering,
                 *nvl72,
+                *faults,
                 "--latency-scale",
                 str(self.sim_latency_scale),
                 "--heartbeat-interval",

@@ -45,6 +45,8 @@ from pydantic import BaseModel, Field
 
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.ledger.client import AgentLedgerToken
+from gpucloud.sim.fault_injection import FleetFaults
+from gpucloud.sim.faults import FaultModel
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 from gpucloud.web import problems, tls
@@ -402,13 +404,31 @@ def create_app(
     control_plane: Verifier | None = None,
     batch_reports: bool = False,
     control_token: str | None = None,
+    fault_model: FaultModel | None = None,
+    fault_time_scale: float = 1.0,
+    fault_report_url: str | None = None,
 ) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
     `weights`: each node serves the weights API under its agent URL; `control_plane`: each
     node's actions answer only a token the control plane signed for that node, as a real
     agent's do (None: unchecked, for the fleet model's own tests); `control_token`: the
-    simulator's own endpoints (inventory, faults, outages) answer only it (the operator token)."""
+    simulator's own endpoints (inventory, faults, outages) answer only it (the operator token);
+    `fault_model`: the nodes fail as the model says, `fault_time_scale` times faster than real
+    time (`sim/fault_injection.py`), their XIDs reported to `fault_report_url` (the API; default
+    `control_plane_url`)."""
     fleet = Fleet(spec)
+    faults = (
+        FleetFaults(
+            fleet.nodes,
+            model=fault_model,
+            time_scale=fault_time_scale,
+            seed=spec.seed,
+            control_plane_url=fault_report_url or control_plane_url,
+            operator_token=operator_token or control_token,
+        )
+        if fault_model is not None
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -445,7 +465,10 @@ def create_app(
                 target=app.state.metering.run, args=(stop_metering,), name="metering", daemon=True
             )
             meter_thread.start()
+        injecting = asyncio.create_task(faults.run()) if faults is not None else None
         yield
+        if injecting is not None:
+            injecting.cancel()
         if task is not None:
             task.cancel()
         if meter_thread is not None:
@@ -503,6 +526,13 @@ def create_app(
         node = fleet.node(req.node_id)
         node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
         return {"node_id": node.id, "action": req.action, "pending": list(node.faults[req.action])}
+
+    @app.get("/v1/faults", dependencies=[control])
+    async def faults_report() -> dict:
+        """What the fault model injected so far, by category, next to the paper's shares."""
+        if faults is None:
+            raise HTTPException(404, "this fleet injects no faults (start it with --faults llama3)")
+        return faults.summary()
 
     @app.post("/v1/nodes/{node_id}/hardware_fault", dependencies=[control])
     async def hardware_fault(node_id: str, req: HardwareFaultRequest) -> dict:

@@ -56,6 +56,7 @@ class SimFleetProcess:
         extra_args: tuple[str, ...] = (),
         control_plane_key: Path | None = None,
         operator_token: str = "test-operator-token",
+        api_port: int | None = None,
     ) -> None:
         # Node ids are global in Temporal (workflow `node-<id>`): each fleet gets its own.
         self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
@@ -67,6 +68,8 @@ class SimFleetProcess:
             "GPUCLOUD_AGENT__SIM_PORT": str(self.port),
             "GPUCLOUD_API__OPERATOR_TOKEN": operator_token,
             "GPUCLOUD_LOG_LEVEL": "WARNING",
+            # Where the fleet reports what it does not do by the API's call (injected faults).
+            **({"GPUCLOUD_API__PORT": str(api_port)} if api_port else {}),
         }
         self._log = open(log_path, "ab")  # noqa: SIM115 - the fleet writes to it until stop() closes it
         self.proc = subprocess.Popen(

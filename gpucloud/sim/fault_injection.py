@@ -1,0 +1,161 @@
+"""The simulated fleet failing like a real one: faults drawn from a fault model (`sim/faults.py`,
+the Llama 3 405B mix by default), sped up by a time scale, applied to the simulated nodes and
+reported to the control plane the way a node's agent reports them.
+
+`gpucloud sim --faults llama3 --time-scale N` (and `gpucloud up --faults llama3`) runs it: every
+`tick_s` the model draws the interruptions the fleet suffers in `tick_s * N` seconds of fleet
+time. For each:
+
+- the XIDs it shows are posted to `POST /v1/agents/events`, by the node's own agent credential
+  (the operator token for a node no wipe has handed one yet), so the health loop judges them as
+  it judges a real agent's;
+- a hardware fault stays on the node (its burn-in fails) until the rung of the repair ladder
+  that fixes it has run (`FIXED_BY`); faults a repair cannot fix (silent data corruption, a
+  bad cable) leave the node for RMA;
+- faults of the software (application XIDs, an NCCL watchdog) leave the hardware alone.
+
+What was injected, by category, next to the paper's shares, is in `report()` (the simulator's
+`GET /v1/faults`). A fault without an XID that NVML cannot see (a NIC, a switch port, host
+maintenance) reaches the control plane only through the burn-in it fails next; the simulated
+fleet pushes no counter readings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+
+from gpucloud.sim.faults import LLAMA3_405B_MIX, Fault, FaultCategory, FaultModel
+from gpucloud.web import tls
+
+log = logging.getLogger(__name__)
+
+# The mildest rung of the repair ladder (reset, reboot, reflash) that clears each category's
+# hardware fault; None: no rung does (the node ends in RMA). Categories absent: no hardware fault.
+FIXED_BY: dict[FaultCategory, str | None] = {
+    FaultCategory.FAULTY_GPU: "reboot",
+    FaultCategory.HBM3: "reset",  # a row remap takes effect at the next GPU reset
+    FaultCategory.GPU_SRAM: "reset",
+    FaultCategory.GSP: "reboot",
+    FaultCategory.NETWORK: None,  # a cable or switch port: a technician's job
+    FaultCategory.HOST_MAINTENANCE: "reboot",
+    FaultCategory.NIC: "reflash",
+    FaultCategory.SILENT_DATA_CORRUPTION: None,
+    FaultCategory.OTHER: "reboot",
+}
+MODELS = {"llama3": FaultModel}
+
+
+class FleetFaults:
+    """Draws and applies faults for a fleet (`nodes`: node id -> `SimNode`, read live)."""
+
+    def __init__(
+        self,
+        nodes: dict[str, Any],
+        *,
+        model: FaultModel | None = None,
+        time_scale: float = 1.0,
+        seed: int = 0,
+        control_plane_url: str | None = None,
+        operator_token: str | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.nodes = nodes
+        self.model = model or FaultModel()
+        self.time_scale = time_scale
+        self.rng = random.Random(seed)
+        self.control_plane_url, self.operator_token = control_plane_url, operator_token
+        self.clock = clock
+        self.injected: Counter[str] = Counter()
+        self.hardware: Counter[str] = Counter()
+        self.xids_reported = 0
+        self.fleet_seconds = 0.0
+
+    def step(self, dt_s: float) -> list[Fault]:
+        """The faults of the next `dt_s` seconds of wall time (`dt_s * time_scale` of fleet time),
+        applied to the nodes; the XIDs to report are returned with them."""
+        fleet_dt = dt_s * self.time_scale
+        self.fleet_seconds += fleet_dt
+        healthy = [node_id for node_id, node in self.nodes.items() if node.hardware_fault is None]
+        faults = self.model.next_faults(healthy, fleet_dt, self.rng) if healthy else []
+        for fault in faults:
+            self._apply(fault)
+        return faults
+
+    def _apply(self, fault: Fault) -> None:
+        self.injected[fault.category.value] += 1
+        node = self.nodes[fault.node_id]
+        if fault.category not in FIXED_BY or node.hardware_fault is not None:
+            return
+        shown = fault.host_condition or f"XID {', '.join(map(str, fault.xids))} on GPU {fault.gpu_index}"
+        node.hardware_fault = f"{fault.category.value}: {shown}"
+        node.fault_fixed_by = FIXED_BY[fault.category]
+        self.hardware[fault.category.value] += 1
+
+    async def report(self, client: httpx.AsyncClient, faults: list[Fault]) -> None:
+        """Post each fault's XIDs as the node's agent would."""
+        if self.control_plane_url is None:
+            return
+        now = self.clock()
+        for fault in faults:
+            if not fault.xids:
+                continue
+            node = self.nodes[fault.node_id]
+            events = [
+                {
+                    "node_id": fault.node_id,
+                    "gpu_index": fault.gpu_index,
+                    "xid": xid,
+                    "timestamp": (now - timedelta(milliseconds=1)).isoformat(),
+                    "message": f"simulated {fault.category.value}",
+                }
+                for xid in fault.xids
+            ]
+            credential = node.credential or self.operator_token
+            try:
+                answer = await client.post(
+                    f"{self.control_plane_url}/v1/agents/events",
+                    json={"events": events},
+                    headers={"Authorization": f"Bearer {credential}"},
+                )
+                if answer.status_code >= 400:
+                    log.warning("XIDs of %s refused: HTTP %d %s", fault.node_id, answer.status_code, answer.text[:200])
+                else:
+                    self.xids_reported += len(events)
+            except httpx.HTTPError as exc:
+                log.warning("XIDs of %s not delivered: %s", fault.node_id, exc)
+
+    async def run(self, *, tick_s: float = 1.0) -> None:
+        """Inject and report until cancelled."""
+        async with httpx.AsyncClient(timeout=30, verify=tls.client_verify()) as client:
+            while True:
+                await asyncio.sleep(tick_s)
+                faults = self.step(tick_s)
+                if faults:
+                    await self.report(client, faults)
+
+    def summary(self) -> dict:
+        """What was injected by category, with the paper's share of each, and the fleet time."""
+        total = sum(self.injected.values())
+        paper_total = sum(LLAMA3_405B_MIX.values())
+        return {
+            "fleet_days": self.fleet_seconds / 86_400,
+            "injected": total,
+            "xids_reported": self.xids_reported,
+            "by_category": {
+                category.value: {
+                    "injected": self.injected[category.value],
+                    "share": self.injected[category.value] / total if total else 0.0,
+                    "paper_share": LLAMA3_405B_MIX[category] / paper_total,
+                    "hardware_faults": self.hardware[category.value],
+                }
+                for category in FaultCategory
+            },
+        }
