@@ -140,6 +140,10 @@ def _modules(text: str) -> set[str]:
     return {line.split()[0] for line in text.splitlines()[1:] if line.strip()}
 
 
+class _LayerFailed(Exception):
+    """Why the layer being checked fails."""
+
+
 class _Judge:
     """The layers in order; each check sees what the ones before it found."""
 
@@ -160,7 +164,10 @@ class _Judge:
             "container_runtime": self.container_runtime,
         }
         for layer in LAYERS:
-            status, detail = checks[layer]()
+            try:
+                status, detail = checks[layer]()
+            except _LayerFailed as failed:
+                status, detail = "failed", str(failed)
             self.report.layers.append(LayerCheck(layer, status, detail))
         return self.report
 
@@ -251,16 +258,21 @@ class _Judge:
             return "failed", "nvidia_peermem is not loaded: no GPUDirect RDMA between GPUs and the NICs"
         return "ok", "nvidia_peermem loaded"
 
-    def cuda_nccl(self) -> tuple[Status, str]:
-        if why := self._missing(("nvidia-smi", "--version")):
-            return "failed", why
-        found = re.search(r"CUDA Version\s*:\s*([\d.]+)", self.out[("nvidia-smi", "--version")].text)
+    def _version(self, argv: tuple[str, ...], pattern: str, name: str, what: str, minimum: str) -> str:
+        """The version `argv` reports (kept as `name`), or why the layer fails (raised)."""
+        if why := self._missing(argv):
+            raise _LayerFailed(why)
+        found = re.search(pattern, self.out[argv].text)
         if found is None:
-            return "failed", "the driver reports no CUDA version"
-        cuda = found.group(1)
-        self.report.found["cuda"] = cuda
-        if not at_least(cuda, self.policy.min_cuda):
-            return "failed", f"CUDA {cuda} is older than {self.policy.min_cuda}"
+            raise _LayerFailed(f"`{' '.join(argv)}` reports no {what} version")
+        version = self.report.found[name] = found.group(1)
+        if not at_least(version, minimum):
+            raise _LayerFailed(f"{what} {version} is older than {minimum}")
+        return version
+
+    def cuda_nccl(self) -> tuple[Status, str]:
+        argv = ("nvidia-smi", "--version")
+        cuda = self._version(argv, r"CUDA Version\s*:\s*([\d.]+)", "cuda", "CUDA", self.policy.min_cuda)
         if why := self._missing(("ldconfig", "-p")):
             return "failed", why
         if "libnccl.so.2" not in self.out[("ldconfig", "-p")].text:
@@ -268,15 +280,8 @@ class _Judge:
         return "ok", f"CUDA {cuda}, NCCL present"
 
     def container_runtime(self) -> tuple[Status, str]:
-        if why := self._missing(("nvidia-ctk", "--version")):
-            return "failed", f"the NVIDIA container toolkit is missing ({why})"
-        found = re.search(r"version\s+([\d.]+)", self.out[("nvidia-ctk", "--version")].text)
-        if found is None:
-            return "failed", "nvidia-ctk reports no version"
-        toolkit = found.group(1)
-        self.report.found["container_toolkit"] = toolkit
-        if not at_least(toolkit, self.policy.min_container_toolkit):
-            return "failed", f"NVIDIA container toolkit {toolkit} is older than {self.policy.min_container_toolkit}"
+        argv, minimum = ("nvidia-ctk", "--version"), self.policy.min_container_toolkit
+        toolkit = self._version(argv, r"version\s+([\d.]+)", "container_toolkit", "NVIDIA container toolkit", minimum)
         return "ok", f"NVIDIA container toolkit {toolkit}"
 
 

@@ -96,21 +96,23 @@ def _lifecycle(node_id: str, action: str, reason: str, output: str) -> None:
     console.print(f"{done.node.id}: [{style}]{done.node.state}[/]  ({done.operation.kind} {done.operation.status})")
 
 
-@node_app.command("hardware-replaced")
-def hardware_replaced(
-    node_id: str,
-    reason: Annotated[str, typer.Option(help="recorded in the node's events (the vendor's case, say)")] = "",
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
-) -> None:
-    """RMA done: the node is enrolled again and runs through inspection, wipe and burn-in."""
-    _lifecycle(node_id, "hardware_replaced", reason, output)
+def _lifecycle_command(action: str, summary: str):
+    def command(
+        node_id: str,
+        reason: Annotated[str, typer.Option(help="recorded in the node's events (a vendor's case, say)")] = "",
+        output: Annotated[str, typer.Option(help="table or json")] = "table",
+    ) -> None:
+        _lifecycle(node_id, action, reason, output)
+
+    command.__doc__ = summary
+    return command
 
 
-@node_app.command("retire")
-def retire(
-    node_id: str,
-    reason: Annotated[str, typer.Option(help="recorded in the node's events")] = "",
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
-) -> None:
-    """Take the node out of the fleet for good (from RMA, quarantine, or enrolled)."""
-    _lifecycle(node_id, "retire", reason, output)
+node_app.command("hardware-replaced")(
+    _lifecycle_command(
+        "hardware_replaced", "RMA done: the node is enrolled again and runs through inspection, wipe and burn-in."
+    )
+)
+node_app.command("retire")(
+    _lifecycle_command("retire", "Take the node out of the fleet for good (from RMA, quarantine, or enrolled).")
+)

@@ -33,6 +33,12 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent call is noise
 
 
+FaultsOption = Annotated[
+    str | None, typer.Option(help="the simulated nodes fail as this fault model says: llama3 (Llama 3 405B's mix)")
+]
+TimeScaleOption = Annotated[float, typer.Option(help="with --faults: fleet time runs this many times faster")]
+
+
 def fault_model_named(name: str | None):
     """The simulated fleet's fault model called `name` (None: none)."""
     if name is None:
@@ -121,10 +127,8 @@ def sim(
         Path | None,
         typer.Option(help="the control plane's public key (default: the data dir's issuer_key.pub, made if absent)"),
     ] = None,
-    faults: Annotated[
-        str | None, typer.Option(help="the nodes fail as this fault model says: llama3 (Llama 3 405B's mix and rate)")
-    ] = None,
-    time_scale: Annotated[float, typer.Option(help="with --faults: fleet time runs this many times faster")] = 1.0,
+    faults: FaultsOption = None,
+    time_scale: TimeScaleOption = 1.0,
     batch_reports: Annotated[
         bool,
         typer.Option(
@@ -199,10 +203,8 @@ def up(
     tls: Annotated[
         bool, typer.Option("--tls", help="every server over TLS, with a private CA made in <data dir>/tls")
     ] = False,
-    faults: Annotated[
-        str | None, typer.Option(help="the simulated nodes fail as this fault model says: llama3")
-    ] = None,
-    time_scale: Annotated[float, typer.Option(help="with --faults: fleet time runs this many times faster")] = 1.0,
+    faults: FaultsOption = None,
+    time_scale: TimeScaleOption = 1.0,
 ) -> None:
     """Run everything on this machine until Ctrl-C; a second `up` on the same data dir resumes."""
     from gpucloud.devstack.stack import Stack, StackError, with_local_tls

@@ -48,60 +48,27 @@ class VersionPolicy:
     min_link_rate_gbps: int
 
 
+# What each GPU type's nodes must run. Every type sold is an NVSwitch system (its fabric manager
+# must run); GB200 NVL72 trays are NVLink-switch systems, whose fabric manager needs the IB stack.
+_POLICIES = (
+    # type, VBIOS, kernel, driver, CUDA, container toolkit, NVLink over IB, IB ports, Gb/s
+    ("H100", "96.00.74.00.00", "5.15", "535.104.05", "12.2", "1.14.0", False, 8, 400),
+    ("H200", "96.00.9f.00.00", "5.15", "550.54.14", "12.4", "1.14.0", False, 8, 400),
+    ("B200", "97.00.00.00.00", "5.15", "570.124.06", "12.8", "1.17.0", False, 8, 400),
+    ("GB200", "97.00.00.00.00", "6.8", "570.86.15", "12.8", "1.17.0", True, 4, 400),
+    ("A100", "92.00.25.00.00", "5.4", "470.57.02", "11.4", "1.10.0", False, 8, 200),
+)
 VERSION_POLICY: dict[str, VersionPolicy] = {
-    "H100": VersionPolicy(
-        min_vbios="96.00.74.00.00",
-        min_kernel="5.15",
-        min_driver="535.104.05",
-        min_cuda="12.2",
-        min_container_toolkit="1.14.0",
+    row[0]: VersionPolicy(
+        min_vbios=row[1],
+        min_kernel=row[2],
+        min_driver=row[3],
+        min_cuda=row[4],
+        min_container_toolkit=row[5],
         fabric_manager=True,
-        fabric_needs_infiniband=False,
-        ib_ports=8,
-        min_link_rate_gbps=400,
-    ),
-    "H200": VersionPolicy(
-        min_vbios="96.00.9f.00.00",
-        min_kernel="5.15",
-        min_driver="550.54.14",
-        min_cuda="12.4",
-        min_container_toolkit="1.14.0",
-        fabric_manager=True,
-        fabric_needs_infiniband=False,
-        ib_ports=8,
-        min_link_rate_gbps=400,
-    ),
-    "B200": VersionPolicy(
-        min_vbios="97.00.00.00.00",
-        min_kernel="5.15",
-        min_driver="570.124.06",
-        min_cuda="12.8",
-        min_container_toolkit="1.17.0",
-        fabric_manager=True,
-        fabric_needs_infiniband=False,
-        ib_ports=8,
-        min_link_rate_gbps=400,
-    ),
-    "GB200": VersionPolicy(
-        min_vbios="97.00.00.00.00",
-        min_kernel="6.8",
-        min_driver="570.86.15",
-        min_cuda="12.8",
-        min_container_toolkit="1.17.0",
-        fabric_manager=True,
-        fabric_needs_infiniband=True,
-        ib_ports=4,
-        min_link_rate_gbps=400,
-    ),
-    "A100": VersionPolicy(
-        min_vbios="92.00.25.00.00",
-        min_kernel="5.4",
-        min_driver="470.57.02",
-        min_cuda="11.4",
-        min_container_toolkit="1.10.0",
-        fabric_manager=True,
-        fabric_needs_infiniband=False,
-        ib_ports=8,
-        min_link_rate_gbps=200,
-    ),
+        fabric_needs_infiniband=row[6],
+        ib_ports=row[7],
+        min_link_rate_gbps=row[8],
+    )
+    for row in _POLICIES
 }

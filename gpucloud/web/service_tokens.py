@@ -21,6 +21,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from starlette.responses import JSONResponse
+from typing_extensions import TypedDict, Unpack
 
 from gpucloud.config import load_or_create_secret
 from gpucloud.web import problems
@@ -60,6 +61,13 @@ def swarm_audience(swarm: str) -> str:
     return f"swarm:{swarm}"
 
 
+class MintOptions(TypedDict, total=False):
+    subject: str  # the caller named (default: the control plane)
+    role: str  # what it may do (default: control-plane)
+    tenant: str | None  # the tenant a swarm token is scoped to
+    ttl_s: float | None  # the lifetime (default: the issuer's)
+
+
 class Issuer:
     """Mints tokens; only the control plane holds one. Tokens are cached per audience and
     re-minted a minute before they expire."""
@@ -76,16 +84,8 @@ class Issuer:
     def public_key(self) -> Ed25519PublicKey:
         return self._key.public_key()
 
-    def mint(
-        self,
-        audience: str,
-        *,
-        subject: str = "control-plane",
-        role: str = "control-plane",
-        tenant: str | None = None,
-        ttl_s: float | None = None,
-    ) -> str:
-        return self.mint_until(audience, subject=subject, role=role, tenant=tenant, ttl_s=ttl_s)[0]
+    def mint(self, audience: str, **options: Unpack[MintOptions]) -> str:
+        return self.mint_until(audience, **options)[0]
 
     def mint_until(
         self,

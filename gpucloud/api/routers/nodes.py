@@ -33,6 +33,7 @@ from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
 from gpucloud.services import agent_credentials
 from gpucloud.services.fleet import (
+    LIFECYCLE_ACTIONS,
     NodeStateConflict,
     apply_lifecycle_action,
     apply_operator_action,
@@ -104,7 +105,13 @@ def _act(settings: Settings, node_id: str, action: str, reason: str) -> tuple[No
         node = session.get(Node, node_id)
         if node is None:
             raise not_found("node", node_id)
-        op = apply_operator_action(session, node, action, actor="operator", cause=reason or action)
+        try:
+            if action in LIFECYCLE_ACTIONS:
+                op = apply_lifecycle_action(session, node, action, actor="operator", cause=reason or action)
+            else:
+                op = apply_operator_action(session, node, action, actor="operator", cause=reason or action)
+        except NodeStateConflict as exc:
+            raise Problem(409, "node-state-conflict", "Node in another state", str(exc)) from None
         session.flush()
         session.refresh(node)
         return node, op
@@ -112,7 +119,7 @@ def _act(settings: Settings, node_id: str, action: str, reason: str) -> tuple[No
 
 async def _operator_action(node_id: str, action: str, reason: str, settings: Settings, temporal) -> JSONResponse:
     node, op = await run_in_threadpool(_act, settings, node_id, action, reason)
-    if action == "drain":
+    if action in ("drain", "hardware_replaced"):  # the reconciler starts on it now, not at the next sweep
         await reconcile_now(temporal, settings, [node_id])
     body = NodeActionResult(
         node=NodePublic.model_validate(node, from_attributes=True),
@@ -151,30 +158,6 @@ async def maintenance(
     return await _operator_action(node_id, action, req.reason, settings, temporal)
 
 
-def _lifecycle(settings: Settings, node_id: str, action: str, reason: str) -> tuple[Node, Operation]:
-    with session_scope(settings.database_url) as session:
-        node = session.get(Node, node_id)
-        if node is None:
-            raise not_found("node", node_id)
-        try:
-            op = apply_lifecycle_action(session, node, action, actor="operator", cause=reason)
-        except NodeStateConflict as exc:
-            raise Problem(409, "node-state-conflict", "Node in another state", str(exc)) from None
-        session.flush()
-        session.refresh(node)
-        return node, op
-
-
-async def _lifecycle_action(node_id: str, action: str, reason: str, settings: Settings, temporal) -> NodeActionResult:
-    node, op = await run_in_threadpool(_lifecycle, settings, node_id, action, reason)
-    if action == "hardware_replaced":
-        await reconcile_now(temporal, settings, [node_id])  # bring-up starts now, not at the next sweep
-    return NodeActionResult(
-        node=NodePublic.model_validate(node, from_attributes=True),
-        operation=OperationPublic.model_validate(op, from_attributes=True),
-    )
-
-
 @router.post(
     "/nodes/{node_id}/hardware-replaced",
     response_model=NodeActionResult,
@@ -185,7 +168,7 @@ async def hardware_replaced(
 ):
     """The vendor replaced the node's faulty part (RMA): the node is enrolled again and goes
     through inspection, wipe and burn-in before it rejoins the pool."""
-    return await _lifecycle_action(node_id, "hardware_replaced", req.reason if req else "", settings, temporal)
+    return await _operator_action(node_id, "hardware_replaced", req.reason if req else "", settings, temporal)
 
 
 @router.post(
@@ -200,7 +183,7 @@ async def retire(
     node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
 ):
     """Take a node out of the fleet for good (from RMA, quarantine, or before its first bring-up)."""
-    return await _lifecycle_action(node_id, "retire", req.reason if req else "", settings, temporal)
+    return await _operator_action(node_id, "retire", req.reason if req else "", settings, temporal)
 
 
 @router.get("/nodes/{node_id}/events", response_model=NodeEventPage)
