@@ -36,7 +36,22 @@ def pytest_collection_modifyitems(config, items):
         (dropped if on_postgres and item.get_closest_marker("one_database") else keep).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    items[:] = _long_ones_first(keep)
+
+
+def _long_ones_first(items: list) -> list:
+    """Tests marked `long` (minutes of real outages, whole stacks) start first, one at the head
+    of each xdist worker's share, so none of them is left to run alone at the end."""
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    long = [item for item in items if item.get_closest_marker("long")]
+    rest = [item for item in items if not item.get_closest_marker("long")]
+    shares: list[list] = [[] for _ in range(workers)]
+    for i, item in enumerate(long):
+        shares[i % workers].append(item)
+    size = -(-len(rest) // workers)
+    for i in range(workers):
+        shares[i] += rest[i * size : (i + 1) * size]
+    return [item for share in shares for item in share]
 
 
 @pytest.fixture(params=DB_PARAMS)

@@ -6,18 +6,21 @@ reported to the control plane the way a node's agent reports them.
 `tick_s` the model draws the interruptions the fleet suffers in `tick_s * N` seconds of fleet
 time. For each:
 
-- the XIDs it shows are posted to `POST /v1/agents/events`, by the node's own agent credential
-  (the operator token for a node no wipe has handed one yet), so the health loop judges them as
-  it judges a real agent's;
+- the fault happens on the node's simulated GPUs (`sim/probe.py`, made on the node's first
+  fault: counters bumped, drifts that keep rising, a GPU lost), drift rates sped up by the same
+  time scale; the XIDs it shows are posted to `POST /v1/agents/events`, and every `reading_s`
+  each faulty node's readings to `POST /v1/agents/readings`, by the node's own agent credential
+  (the operator token for a node no wipe has handed one yet), so the health loop judges them
+  (XID rules, and the ECC, NVLink and PCIe trends) as it judges a real agent's;
 - a hardware fault stays on the node (its burn-in fails) until the rung of the repair ladder
   that fixes it has run (`FIXED_BY`); faults a repair cannot fix (silent data corruption, a
   bad cable) leave the node for RMA;
 - faults of the software (application XIDs, an NCCL watchdog) leave the hardware alone.
 
-What was injected, by category, next to the paper's shares, is in `report()` (the simulator's
+What was injected, by category, next to the paper's shares, is in `summary()` (the simulator's
 `GET /v1/faults`). A fault without an XID that NVML cannot see (a NIC, a switch port, host
-maintenance) reaches the control plane only through the burn-in it fails next; the simulated
-fleet pushes no counter readings.
+maintenance) reaches the control plane only through the burn-in it fails next. Once the repair
+ladder clears a node's hardware fault, its GPUs are repaired too and its readings stop.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
+from gpucloud.agent.readings import XidEvent
 from gpucloud.sim.faults import LLAMA3_405B_MIX, Fault, FaultCategory, FaultModel
+from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web import tls
 
 log = logging.getLogger(__name__)
@@ -75,8 +80,10 @@ class FleetFaults:
         self.clock = clock
         self.injected: Counter[str] = Counter()
         self.hardware: Counter[str] = Counter()
-        self.xids_reported = 0
+        self.xids_reported = self.readings_reported = 0
         self.fleet_seconds = 0.0
+        self.probes: dict[str, SimulatedProbe] = {}  # the GPUs of nodes with a hardware fault
+        self._xids: list[XidEvent] = []  # drawn, not reported yet
 
     def step(self, dt_s: float) -> list[Fault]:
         """The faults of the next `dt_s` seconds of wall time (`dt_s * time_scale` of fleet time),
@@ -92,54 +99,79 @@ class FleetFaults:
     def _apply(self, fault: Fault) -> None:
         self.injected[fault.category.value] += 1
         node = self.nodes[fault.node_id]
+        probe = self.probes.get(node.id) or SimulatedProbe(
+            node.id, gpu_count=node.gpu_count, seed=self.rng.randrange(1 << 30), clock=self.clock
+        )
+        scaled = fault.model_copy(
+            update={
+                "drifts": tuple(d.model_copy(update={"per_hour": d.per_hour * self.time_scale}) for d in fault.drifts)
+            }
+        )
+        self._xids += probe.apply_fault(scaled)
         if fault.category not in FIXED_BY or node.hardware_fault is not None:
-            return
+            return  # software: its XIDs are all the node shows
+        self.probes[node.id] = probe
         shown = fault.host_condition or f"XID {', '.join(map(str, fault.xids))} on GPU {fault.gpu_index}"
         node.hardware_fault = f"{fault.category.value}: {shown}"
         node.fault_fixed_by = FIXED_BY[fault.category]
         self.hardware[fault.category.value] += 1
 
-    async def report(self, client: httpx.AsyncClient, faults: list[Fault]) -> None:
-        """Post each fault's XIDs as the node's agent would."""
+    def repaired(self) -> list[str]:
+        """Nodes whose hardware fault a repair cleared: their GPUs are sound again."""
+        fixed = [node_id for node_id in self.probes if self.nodes[node_id].hardware_fault is None]
+        for node_id in fixed:
+            self.probes.pop(node_id).repair()
+        return fixed
+
+    async def _post(self, client: httpx.AsyncClient, node_id: str, path: str, body: dict) -> bool:
+        credential = self.nodes[node_id].credential or self.operator_token
+        try:
+            answer = await client.post(
+                f"{self.control_plane_url}{path}", json=body, headers={"Authorization": f"Bearer {credential}"}
+            )
+        except httpx.HTTPError as exc:
+            log.warning("%s of %s not delivered: %s", path, node_id, exc)
+            return False
+        if answer.status_code >= 400:
+            log.warning("%s of %s refused: HTTP %d %s", path, node_id, answer.status_code, answer.text[:200])
+        return answer.status_code < 400
+
+    async def report(self, client: httpx.AsyncClient) -> None:
+        """Post the XIDs drawn since the last report, each node's as its agent would."""
+        if self.control_plane_url is None:
+            self._xids.clear()
+            return
+        pending, self._xids = self._xids, []
+        by_node: dict[str, list[XidEvent]] = {}
+        for event in pending:
+            by_node.setdefault(event.node_id, []).append(event)
+        for node_id, events in by_node.items():
+            body = {"events": [e.model_dump(mode="json") for e in events]}
+            if await self._post(client, node_id, "/v1/agents/events", body):
+                self.xids_reported += len(events)
+
+    async def push_readings(self, client: httpx.AsyncClient) -> None:
+        """Each faulty node's counters as its agent reads them (the trend rules' input)."""
         if self.control_plane_url is None:
             return
-        now = self.clock()
-        for fault in faults:
-            if not fault.xids:
-                continue
-            node = self.nodes[fault.node_id]
-            events = [
-                {
-                    "node_id": fault.node_id,
-                    "gpu_index": fault.gpu_index,
-                    "xid": xid,
-                    "timestamp": (now - timedelta(milliseconds=1)).isoformat(),
-                    "message": f"simulated {fault.category.value}",
-                }
-                for xid in fault.xids
-            ]
-            credential = node.credential or self.operator_token
-            try:
-                answer = await client.post(
-                    f"{self.control_plane_url}/v1/agents/events",
-                    json={"events": events},
-                    headers={"Authorization": f"Bearer {credential}"},
-                )
-                if answer.status_code >= 400:
-                    log.warning("XIDs of %s refused: HTTP %d %s", fault.node_id, answer.status_code, answer.text[:200])
-                else:
-                    self.xids_reported += len(events)
-            except httpx.HTTPError as exc:
-                log.warning("XIDs of %s not delivered: %s", fault.node_id, exc)
+        for node_id, probe in list(self.probes.items()):
+            reading = probe.read().model_dump(mode="json")
+            if await self._post(client, node_id, "/v1/agents/readings", {"readings": [reading]}):
+                self.readings_reported += 1
 
-    async def run(self, *, tick_s: float = 1.0) -> None:
+    async def run(self, *, tick_s: float = 1.0, reading_s: float = 5.0) -> None:
         """Inject and report until cancelled."""
+        since_readings = 0.0
         async with httpx.AsyncClient(timeout=30, verify=tls.client_verify()) as client:
             while True:
                 await asyncio.sleep(tick_s)
-                faults = self.step(tick_s)
-                if faults:
-                    await self.report(client, faults)
+                self.repaired()
+                self.step(tick_s)
+                await self.report(client)
+                since_readings += tick_s
+                if since_readings >= reading_s:
+                    since_readings = 0.0
+                    await self.push_readings(client)
 
     def summary(self) -> dict:
         """What was injected by category, with the paper's share of each, and the fleet time."""
@@ -149,6 +181,8 @@ class FleetFaults:
             "fleet_days": self.fleet_seconds / 86_400,
             "injected": total,
             "xids_reported": self.xids_reported,
+            "readings_reported": self.readings_reported,
+            "faulty_nodes": len(self.probes),
             "by_category": {
                 category.value: {
                     "injected": self.injected[category.value],

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.long
 def test_demo_runs_end_to_end(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "gpucloud.cli.main", "demo", "--nodes", "6", "--data-dir", str(tmp_path / "demo")],

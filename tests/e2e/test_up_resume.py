@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from gpucloud.devstack.stack import free_port, port_in_use
 from support.ledger_auth import auth_for, register
@@ -26,6 +27,7 @@ def _stop(proc: subprocess.Popen) -> None:
     assert proc.wait(60) == 0
 
 
+@pytest.mark.long
 def test_up_stops_cleanly_and_resumes(tmp_path):
     ports = {"api": free_port(), "sim": free_port(), "temporal": free_port(), "ledger": free_port()}
     env = {

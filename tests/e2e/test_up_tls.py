@@ -29,6 +29,7 @@ def _wait_for_file(path, proc) -> None:
     wait_until(there, timeout_s=90, what=str(path))
 
 
+@pytest.mark.long
 def test_up_with_tls_runs_every_server_over_tls(tmp_path):
     ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker")}
     env = {

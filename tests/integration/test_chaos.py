@@ -33,6 +33,7 @@ def _assert_no_node_in_two_allocations(h, clients) -> None:
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.long
 async def test_chaos_converges(db_url, make_harness, in_process_worker, temporal_env):
     rng = random.Random(SEED)
     h = make_harness(

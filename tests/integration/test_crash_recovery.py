@@ -11,6 +11,7 @@ from support.stack import async_wait_until
 pytestmark = pytest.mark.one_database
 
 
+@pytest.mark.long
 async def test_worker_killed_mid_provisioning_allocation_still_completes(db_url, make_harness):
     # Slow actions (provision ~ 0.4 s x 5) so the kill lands while agents are working.
     h = make_harness(db_url, nodes=4, latency_scale=5.0)

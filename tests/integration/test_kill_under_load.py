@@ -109,6 +109,7 @@ def _until_answered(call) -> httpx.Response:
     raise AssertionError("no answer within 60 s")
 
 
+@pytest.mark.long
 async def test_kill_9_of_the_api_and_the_worker_under_16_clients_loses_and_doubles_nothing(
     db_url, make_harness, tmp_path
 ):

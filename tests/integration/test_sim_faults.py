@@ -1,6 +1,7 @@
 """Issue 14: `gpucloud sim --faults llama3 --time-scale N` fails nodes under a running control
 plane: the XIDs its nodes report reach the health loop through the agents' own endpoint, and
-the control plane records them (stamped by itself); the report by category is the operator's."""
+the control plane records them (stamped by itself), with the faulty nodes' readings; the
+report by category is the operator's."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ async def test_a_faulty_simulated_fleet_reports_its_xids_to_the_control_plane(db
 
     def reported() -> dict | None:
         summary = h.sim.client.http.get("/v1/faults").json()
-        return summary if summary["xids_reported"] >= 2 else None
+        return summary if summary["xids_reported"] >= 2 and summary["readings_reported"] >= 1 else None
 
-    summary = await async_wait_until(reported, timeout_s=90, interval_s=0.5, what="XIDs reported")
+    summary = await async_wait_until(reported, timeout_s=90, interval_s=0.5, what="XIDs and readings reported")
     assert (
         summary["injected"] >= 2 and sum(c["injected"] for c in summary["by_category"].values()) == summary["injected"]
     )
     with h.operator as op:
         histories = [op.get(f"/v1/nodes/{n['id']}/health").json()["xid_history"] for n in h.nodes()]
     assert sum(len(x) for x in histories) >= 2  # the control plane holds them, stamped by itself
+    with h.operator as op:
+        readings = [op.get(f"/v1/nodes/{n['id']}/health").json()["readings"] for n in h.nodes()]
+    assert any(readings)  # a faulty node's counters, for the trend rules
     assert h.sim.client.http.get("/v1/faults", headers={"Authorization": "Bearer wrong"}).status_code == 401

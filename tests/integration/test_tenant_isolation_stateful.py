@@ -320,6 +320,7 @@ class TenantIsolation(RuleBasedStateMachine):
         assert all(v.nodes == () for v in snapshot.vpcs)
 
 
+@pytest.mark.long
 async def test_no_path_connects_two_tenants_across_random_operations(
     db_url, make_harness, in_process_worker, temporal_env
 ):

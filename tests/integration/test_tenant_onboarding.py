@@ -377,6 +377,7 @@ async def test_offboarding_cancels_waits_for_wipes_revokes_and_deletes_storage(
 FABRIC_OUTAGE_S = 180.0
 
 
+@pytest.mark.long
 async def test_onboarding_during_a_three_minute_fabric_manager_outage_ends_active(stack):
     """A fabric manager's upgrade window is waited out: the new tenant is not failed or revoked."""
     h, _ = stack

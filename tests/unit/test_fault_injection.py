@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
+import random
+from datetime import UTC, datetime, timedelta
 
 import httpx
 
 from gpucloud.sim.fault_injection import FIXED_BY, FleetFaults
-from gpucloud.sim.faults import INTERRUPTIONS_PER_NODE_DAY, LLAMA3_405B_MIX
+from gpucloud.sim.faults import INTERRUPTIONS_PER_NODE_DAY, LLAMA3_405B_MIX, FaultCategory, FaultModel
 from gpucloud.sim.fleet import Fleet, FleetSpec
 
 
@@ -54,29 +55,61 @@ def test_hardware_faults_stay_until_the_rung_that_fixes_them_and_software_ones_l
     assert sum(LLAMA3_405B_MIX.values()) == 419
 
 
+def _control_plane(sent: list[tuple[str, str, dict]]) -> httpx.MockTransport:
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, request.headers["authorization"], json.loads(request.content)))
+        return httpx.Response(200, json={"accepted": 1})
+
+    return httpx.MockTransport(handle)
+
+
+def _run(coroutine_fn, transport: httpx.MockTransport) -> None:
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=transport) as client:
+            await coroutine_fn(client)
+
+    asyncio.run(go())
+
+
 def test_xids_are_reported_with_the_nodes_own_credential():
     fleet = _fleet(16)
     for node in fleet.nodes.values():
         node.credential = f"gpa_{node.id}.secret"
-    sent: list[tuple[str, dict]] = []
-
-    def control_plane(request: httpx.Request) -> httpx.Response:
-        sent.append((request.headers["authorization"], json.loads(request.content)))
-        return httpx.Response(200, json={"accepted": 1})
-
+    sent: list[tuple[str, str, dict]] = []
     now = datetime(2026, 12, 4, tzinfo=UTC)
     faults = FleetFaults(fleet.nodes, time_scale=5e7, seed=1, control_plane_url="http://cp", clock=lambda: now)
     drawn = [f for f in faults.step(1.0) if f.xids]
     assert drawn
-
-    async def report() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(control_plane)) as client:
-            await faults.report(client, drawn)
-
-    asyncio.run(report())
-    assert len(sent) == len(drawn)
-    for (authorization, body), fault in zip(sent, drawn, strict=True):
-        assert authorization == f"Bearer gpa_{fault.node_id}.secret"
-        assert [e["xid"] for e in body["events"]] == list(fault.xids)
-        assert all(e["node_id"] == fault.node_id and e["gpu_index"] == fault.gpu_index for e in body["events"])
+    _run(faults.report, _control_plane(sent))
+    by_node: dict[str, list[int]] = {}
+    for fault in drawn:
+        by_node.setdefault(fault.node_id, []).extend(fault.xids)
+    assert {body["events"][0]["node_id"] for _, _, body in sent} == set(by_node)
+    for path, authorization, body in sent:
+        node_id = body["events"][0]["node_id"]
+        assert path == "/v1/agents/events" and authorization == f"Bearer gpa_{node_id}.secret"
+        assert [e["xid"] for e in body["events"]] == by_node[node_id]
+        assert all(e["timestamp"].startswith("2026-12-04") for e in body["events"])
     assert faults.summary()["xids_reported"] == sum(len(f.xids) for f in drawn)
+
+
+def test_a_degrading_part_shows_in_the_readings_until_the_repair_clears_it():
+    fleet = _fleet(4)
+    clock = [datetime(2026, 12, 4, tzinfo=UTC)]
+    faults = FleetFaults(fleet.nodes, time_scale=1000.0, seed=1, control_plane_url="http://cp", clock=lambda: clock[0])
+    hbm = next(  # an HBM3 fault whose remapper is exhausted: corrected ECC errors keep rising
+        f for f in FaultModel(mix={FaultCategory.HBM3: 1}).next_faults(["n-00001"], 1e9, random.Random(5)) if f.drifts
+    )
+    faults._apply(hbm)
+    node = fleet.nodes["n-00001"]
+    assert node.hardware_fault.startswith("hbm3") and node.fault_fixed_by == "reset"
+    sent: list[tuple[str, str, dict]] = []
+    _run(faults.push_readings, _control_plane(sent))
+    clock[0] += timedelta(minutes=1)  # a minute here is 1,000 minutes of the part's drift
+    _run(faults.push_readings, _control_plane(sent))
+    first, second = (body["readings"][0] for _, _, body in sent)
+    gpu = hbm.gpu_index
+    assert second["gpus"][gpu]["ecc"]["volatile_corrected"] > first["gpus"][gpu]["ecc"]["volatile_corrected"]
+    assert second["gpus"][gpu]["ecc"]["volatile_corrected"] - first["gpus"][gpu]["ecc"]["volatile_corrected"] >= 3000
+    node.hardware_fault = node.fault_fixed_by = None  # the repair ladder's reset ran
+    assert faults.repaired() == ["n-00001"] and not faults.probes
