@@ -40,18 +40,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _long_ones_first(items: list) -> list:
-    """Tests marked `long` (minutes of real outages, whole stacks) start first, one at the head
-    of each xdist worker's share, so none of them is left to run alone at the end."""
+    """Tests marked `long` (minutes of real outages, whole stacks) are spread over the xdist
+    workers' shares, the first of each share at its head and the others evenly through it, so
+    none is left to run alone at the end and they do not all start at once on two cores."""
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     long = [item for item in items if item.get_closest_marker("long")]
     rest = [item for item in items if not item.get_closest_marker("long")]
-    shares: list[list] = [[] for _ in range(workers)]
-    for i, item in enumerate(long):
-        shares[i % workers].append(item)
     size = -(-len(rest) // workers)
-    for i in range(workers):
-        shares[i] += rest[i * size : (i + 1) * size]
-    return [item for share in shares for item in share]
+    ordered = []
+    for worker in range(workers):
+        mine, share = long[worker::workers], rest[worker * size : (worker + 1) * size]
+        step = max(1, len(share) // max(1, len(mine)))
+        for i, item in enumerate(mine):
+            share.insert(i * step + i, item)
+        ordered += share
+    return ordered
 
 
 @pytest.fixture(params=DB_PARAMS)

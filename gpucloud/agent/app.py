@@ -23,18 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-import os
-import re
 import shutil
 import subprocess
-import threading
-import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -42,14 +35,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gpucloud.agent import inspection
+from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id
 from gpucloud.agent.probe import Probe
-from gpucloud.agent.readings import AGENT_MAX_EVENTS, NodeReading, XidEvent
+from gpucloud.agent.readings import NodeReading
+from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.schemas import ActionRequest
-from gpucloud.agent.shipper import Shipper
-from gpucloud.agent.spool import Meter, NodeAllocation, Spool, wall_clock_ms
+from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
+from gpucloud.agent.tools import (
+    ACTION_COMMANDS,
+    ACTIONS,
+    DEFAULT_BURN_IN,
+    BurnInLimits,
+    CommandRunner,
+    burn_in_figure,
+    thermal_soak,
+)
 from gpucloud.agent.workloads import StopFailed, WorkloadSupervisor
-from gpucloud.ledger.client import AgentLedgerToken, UsageLedger
-from gpucloud.models.catalog import GPU_TYPES
+from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.web import problems
 from gpucloud.web.service_tokens import Verifier, refusal
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
@@ -57,212 +59,6 @@ from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 log = logging.getLogger(__name__)
 
 REMEMBERED_REQUESTS = 64
-MAX_PENDING_EVENTS = 10_000  # kept while the control plane is unreachable; oldest dropped first
-# The tools each hardware action runs, in order; every one must exit 0 ("{gpus}": the node's
-# GPU count). Burn-in also holds the figures some print to `BurnInLimits`, then reads the GPUs
-# once more, hot from the stress, for the thermal soak.
-ACTION_COMMANDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "burn_in": (
-        ("dcgmi", "diag", "-r", "3"),
-        ("all_reduce_perf", "-b", "8M", "-e", "8G", "-f", "2", "-g", "{gpus}"),
-        ("nvbandwidth", "-t", "host_to_device_memcpy_ce"),
-    ),
-    "reset": (("nvidia-smi", "--gpu-reset"),),
-    "reboot": (("systemctl", "reboot"),),
-    "reflash": (("nvfwupd", "update", "--yes"),),
-}
-ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
-
-
-@dataclass(frozen=True)
-class BurnInLimits:
-    """What a node must show in burn-in to go back to the pool."""
-
-    min_busbw_gbps: float = 350.0
-    """NCCL all-reduce average bus bandwidth across the node's GPUs (an 8 x H100 NVLink node
-    reaches about 450)."""
-    min_h2d_gbps_per_gpu: float = 40.0
-    """Host-to-GPU copy bandwidth per GPU (PCIe Gen5 x16 reaches about 55)."""
-    max_temperature_c: int = 87
-    """Hottest GPU right after the stress (the thermal soak); any hardware thermal slowdown fails too."""
-
-
-_BUSBW = re.compile(r"#\s*Avg bus bandwidth\s*:\s*([0-9.]+)")
-_H2D_SUM = re.compile(r"^SUM host_to_device_memcpy_ce\s+([0-9.]+)", re.MULTILINE)
-
-
-def burn_in_figure(tool: str, output: str, gpus: int, limits: BurnInLimits) -> str | None:
-    """Why the tool's figures fail the limits (or cannot be read); None when they pass."""
-    if tool == "all_reduce_perf":
-        found = _BUSBW.search(output)
-        if found is None:
-            return "all_reduce_perf printed no average bus bandwidth"
-        busbw = float(found.group(1))
-        if busbw < limits.min_busbw_gbps:
-            return f"NCCL all-reduce bus bandwidth {busbw:g} GB/s is below {limits.min_busbw_gbps:g} GB/s"
-    elif tool == "nvbandwidth":
-        found = _H2D_SUM.search(output)
-        if found is None:
-            return "nvbandwidth printed no host_to_device_memcpy_ce sum"
-        per_gpu = float(found.group(1)) / max(1, gpus)
-        if per_gpu < limits.min_h2d_gbps_per_gpu:
-            return f"host-to-GPU bandwidth {per_gpu:.1f} GB/s per GPU is below {limits.min_h2d_gbps_per_gpu:g} GB/s"
-    return None
-
-
-def thermal_soak(reading: NodeReading, limits: BurnInLimits) -> str | None:
-    """Why the GPUs, read right after the stress, fail the thermal soak; None when they pass."""
-    for gpu in reading.gpus:
-        if gpu.temperature_c is not None and gpu.temperature_c > limits.max_temperature_c:
-            return f"GPU {gpu.index} at {gpu.temperature_c} C after the stress (limit {limits.max_temperature_c} C)"
-        thermal = [r for r in gpu.clock_event_reason_names if r in ("hw_thermal_slowdown", "hw_slowdown")]
-        if thermal:
-            return f"GPU {gpu.index} throttled after the stress ({', '.join(thermal)})"
-    return None
-
-
-@dataclass(frozen=True)
-class CommandResult:
-    returncode: int
-    output: str
-
-
-class CommandRunner:
-    """Finds and runs the hardware tools; tests pass their own."""
-
-    def which(self, tool: str) -> str | None:
-        return shutil.which(tool)
-
-    def run(self, argv: tuple[str, ...], timeout_s: float) -> CommandResult:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-        return CommandResult(proc.returncode, (proc.stdout + proc.stderr)[-65536:])
-
-
-@dataclass
-class HostState:
-    """What the agent knows about the node's tenancy; the control plane reads it in heartbeats."""
-
-    node_id: str
-    boot_id: str
-    scratch_dir: Path
-    tenant_id: str | None = None
-    workload_running: bool = False
-    # What the meter bills the node's GPU time to (None: nothing ran since the agent started).
-    allocation: NodeAllocation | None = None
-    recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Held by the meter while it reads the allocation and cuts its usage (`spool.Meter.tick`).
-    meter_lock: threading.Lock = field(default_factory=threading.Lock)
-    # The node's agent credential the reports carry; a wipe replaces it.
-    credential: str | None = None
-    credential_file: Path | None = None
-    # Where the tenancy above is kept across the agent's restarts (None: memory only).
-    state_file: Path | None = None
-
-    def save(self) -> None:
-        """Keep the tenant, whether it holds the node, and the allocation metered (0600): an
-        agent restarted while a tenant holds the node still stops its workload and meters it."""
-        if self.state_file is None:
-            return
-        kept = {
-            "tenant_id": self.tenant_id,
-            "workload_running": self.workload_running,
-            "allocation": dataclasses.asdict(self.allocation) if self.allocation else None,
-        }
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(kept, f)
-        os.replace(tmp, self.state_file)
-
-    def restore(self) -> None:
-        """What `save` kept, if anything (the boot id is this boot's: a reboot is seen)."""
-        if self.state_file is None or not self.state_file.is_file():
-            return
-        kept = json.loads(self.state_file.read_text())
-        self.tenant_id, self.workload_running = kept.get("tenant_id"), bool(kept.get("workload_running"))
-        if kept.get("allocation"):
-            self.allocation = NodeAllocation(**kept["allocation"])
-
-    def take_credential(self, credential: str) -> None:
-        """Report with `credential` from now on, and keep it (0600) for the next start."""
-        self.credential = credential
-        if self.credential_file is not None:
-            write_credential(self.credential_file, credential)
-
-    def describe(self) -> dict:
-        return {
-            "node_id": self.node_id,
-            "tenant_id": self.tenant_id,
-            "workload_running": self.workload_running,
-            "boot_id": self.boot_id,
-        }
-
-
-def gpu_type_of(reading: NodeReading) -> str:
-    """The catalogue's GPU type from NVML's device name ("NVIDIA H100 80GB HBM3" -> "H100");
-    longest first, so a GB200 is not taken for a B200."""
-    name = reading.gpus[0].name.upper() if reading.gpus else ""
-    return next((t for t in sorted(GPU_TYPES, key=len, reverse=True) if t in name), name or "unknown")
-
-
-class AgentMetering:
-    """The node's meter and shipper, each on its own thread, over one durable spool."""
-
-    def __init__(
-        self,
-        agent: Agent,
-        spool_path: Path,
-        ledger_url: str,
-        *,
-        interval_s: float = 60.0,
-        token: Callable[[], str] | None = None,
-    ) -> None:
-        self.spool = Spool(spool_path, agent.state.node_id)
-        self.meter = Meter(
-            self.spool,
-            lambda: agent.state.allocation,
-            interval_ms=max(1, int(interval_s * 1000)),
-            lock=agent.state.meter_lock,
-        )
-        # `token`: the ledger takes this node's usage only with a token for this node.
-        self.shipper = Shipper(self.spool, UsageLedger(ledger_url, token=token))
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self.meter.run, args=(self._stop,), name="meter", daemon=True),
-            threading.Thread(target=self.shipper.run, args=(self._stop,), name="shipper", daemon=True),
-        ]
-
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=30)
-        self.meter.tick()  # a workload that ended since the last tick is cut at its end
-        self.shipper.close()
-        self.spool.close()
-
-    def report(self) -> dict:
-        lag = self.spool.lag()
-        return dataclasses.asdict(lag)
-
-
-def write_credential(path: Path, credential: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(credential + "\n")
-    os.replace(tmp, path)
-
-
-def read_boot_id() -> str:
-    path = Path("/proc/sys/kernel/random/boot_id")
-    return path.read_text().strip() if path.exists() else uuid.uuid4().hex
 
 
 def _problem(status: int, title: str, detail: str, **extra) -> tuple[int, dict]:
@@ -281,7 +77,7 @@ class Agent:
         tool_timeout_s: float = 3600.0,
         gpu_type: str | None = None,
         clock_ms: Callable[[], int] = wall_clock_ms,
-        burn_in_limits: BurnInLimits = BurnInLimits(),
+        burn_in_limits: BurnInLimits = DEFAULT_BURN_IN,
         inspect_stack: bool = True,
         workloads: WorkloadSupervisor | None = None,
     ) -> None:
@@ -467,85 +263,6 @@ class Agent:
                 output.unlink(missing_ok=True)
         self.state.scratch_dir.mkdir(parents=True, exist_ok=True)
         self.state.tenant_id = None
-
-
-class _CurrentCredential(httpx.Auth):
-    """The node's credential as it is now (a wipe replaces it while the agent runs)."""
-
-    def __init__(self, state: HostState) -> None:
-        self.state = state
-
-    def auth_flow(self, request: httpx.Request):
-        if self.state.credential:
-            request.headers["Authorization"] = f"Bearer {self.state.credential}"
-        yield request
-
-
-class Reporter:
-    """Pushes heartbeats, readings and XID events to the control plane; events wait while it is
-    down. Readings do not: their counters are cumulative, so the next one delivered carries
-    what the lost ones would have shown."""
-
-    def __init__(self, agent: Agent, client: httpx.AsyncClient) -> None:
-        self.agent, self.client = agent, client
-        client.auth = _CurrentCredential(agent.state)
-        self.pending: list[XidEvent] = []
-        self.latest: NodeReading | None = None
-
-    async def heartbeat_once(self) -> None:
-        try:
-            beat = self.agent.state.describe()
-            if self.agent.workloads is not None:
-                report = await asyncio.to_thread(self.agent.workloads.report)
-                beat["workload"] = report.model_dump(mode="json")
-            resp = await self.client.post("/v1/agents/heartbeats", json={"heartbeats": [beat]})
-            resp.raise_for_status()
-        except httpx.HTTPError as exc:
-            log.warning("heartbeat not delivered: %s", exc)
-
-    async def read_once(self) -> NodeReading:
-        """Read the probe and push the reading; the reading either way."""
-        self.latest = await asyncio.to_thread(self.agent.probe.read)
-        try:
-            resp = await self.client.post(
-                "/v1/agents/readings", json={"readings": [self.latest.model_dump(mode="json")]}
-            )
-            resp.raise_for_status()
-        except httpx.HTTPError as exc:
-            log.warning("reading not delivered (dropped; the next one carries its counters): %s", exc)
-        return self.latest
-
-    async def events_once(self, wait_s: float) -> int:
-        """Wait up to `wait_s` for XIDs, then push what is pending; the number delivered."""
-        tenant = self.agent.state.tenant_id
-        new = await asyncio.to_thread(self.agent.probe.wait_events, wait_s)
-        self.pending += [e if e.tenant_id else e.model_copy(update={"tenant_id": tenant}) for e in new]
-        del self.pending[:-MAX_PENDING_EVENTS]
-        if not self.pending:
-            return 0
-        batch = self.pending[:AGENT_MAX_EVENTS]
-        try:
-            resp = await self.client.post(
-                "/v1/agents/events", json={"events": [e.model_dump(mode="json") for e in batch]}
-            )
-            resp.raise_for_status()
-        except httpx.HTTPError as exc:
-            log.warning("%d XID events not delivered (kept): %s", len(self.pending), exc)
-            return 0
-        del self.pending[: len(batch)]
-        return len(batch)
-
-    async def run(self, *, heartbeat_s: float, reading_s: float, event_wait_s: float = 1.0) -> None:
-        async def every(period: float, step: Callable) -> None:
-            while True:
-                await step()
-                await asyncio.sleep(period)
-
-        async def events() -> None:
-            while True:
-                await self.events_once(event_wait_s)
-
-        await asyncio.gather(every(heartbeat_s, self.heartbeat_once), every(reading_s, self.read_once), events())
 
 
 def create_app(

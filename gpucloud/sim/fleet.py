@@ -29,13 +29,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import random
 import threading
-import uuid
-from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -49,74 +45,12 @@ from gpucloud.sim.fault_injection import FleetFaults
 from gpucloud.sim.faults import FaultModel
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
+from gpucloud.sim.nodes import ACTIONS, Action, Fleet, FleetSpec
 from gpucloud.web import problems, tls
 from gpucloud.web.service_tokens import Verifier, refusal_reason
 from gpucloud.web.tls import ServerTLS, scheme, serve_options
 
 log = logging.getLogger(__name__)
-
-REPAIR_LADDER = ("reset", "reboot", "reflash")
-ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", *REPAIR_LADDER)
-Action = Literal["inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash"]
-
-# Seconds each action takes on the simulated hardware at speed 1.0 (real hardware: minutes).
-BASE_LATENCY_S = {
-    "inspect": 0.2,
-    "burn_in": 0.5,
-    "provision": 0.4,
-    "release": 0.1,
-    "wipe": 0.3,
-    "reset": 0.1,
-    "reboot": 0.4,
-    "reflash": 0.6,
-}
-REMEMBERED_REQUESTS = 16
-
-
-class FleetSpec(BaseModel):
-    nodes: int = Field(16, ge=1, le=100_000)
-    region: str = "us-east-1"
-    gpu_type: str = "H100"
-    gpus_per_node: int = 8
-    nodes_per_rack: int = 4
-    racks_per_pod: int = 8
-    latency_scale: float = Field(1.0, ge=0.0, description="0 = instant, 1 = the defaults above")
-    provision_s: float | None = Field(
-        None, ge=0.0, description="every provision takes exactly this long (a slow image pull, say)"
-    )
-    seed: int = 0
-    id_prefix: str = "sim"
-    # GB200 NVL72 racks after the default pool (numbered on from it), `racks_per_pod` to a pod.
-    nvl72_racks: int = Field(0, ge=0, le=1000)
-    nvl72_trays_per_rack: int = Field(18, ge=1, le=18)
-
-
-@dataclass
-class SimNode:
-    id: str
-    hostname: str
-    region: str
-    pod: str
-    rack: str
-    gpu_type: str
-    gpu_count: int
-    ib_port_guids: list[str]
-    nvlink_domain: str | None = None
-    gpu_uids: list[str] = field(default_factory=list)
-    tenant_id: str | None = None
-    workload_running: bool = False
-    # The command the allocation's provision started (a simulated node runs nothing).
-    workload: list[str] | None = None
-    allocation_id: str | None = None  # what the last provision named (metering)
-    actions_done: int = 0
-    boot_id: int = 0
-    unreachable: bool = False  # no heartbeats, every action answers 503
-    hardware_fault: str | None = None  # what burn-in finds wrong, until a repair fixes it
-    fault_fixed_by: str | None = None  # the mildest repair rung that fixes it; None: nothing does
-    credential: str | None = None  # the agent credential the last wipe handed over
-    recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
-    faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class FaultRequest(BaseModel):
@@ -137,185 +71,6 @@ class DriftRequest(BaseModel):
 
 class ReachabilityRequest(BaseModel):
     unreachable: bool
-
-
-def _refuse(status: int, title: str, detail: str) -> tuple[int, dict]:
-    """An agent's refusal, as the real agent words it (`gpucloud.agent.app`)."""
-    return status, problems.body(status, problems.slug(title), title, detail)
-
-
-class Fleet:
-    def __init__(self, spec: FleetSpec) -> None:
-        self.spec = spec
-        self.rng = random.Random(spec.seed)
-        self.nodes: dict[str, SimNode] = {}
-        # Called after every action that may have started or stopped a node's workload (metering).
-        self.on_workload_change: Callable[[SimNode], Awaitable[None]] | None = None
-        per_pod = spec.nodes_per_rack * spec.racks_per_pod
-        for i in range(spec.nodes):
-            pod, rack = i // per_pod, (i % per_pod) // spec.nodes_per_rack
-            node_id = f"{spec.id_prefix}-{i:05d}"
-            self.nodes[node_id] = SimNode(
-                id=node_id,
-                hostname=f"{spec.id_prefix}-gpu-{i:05d}.{spec.region}.internal",
-                region=spec.region,
-                pod=f"{spec.region}-pod{pod:03d}",
-                rack=f"{spec.region}-pod{pod:03d}-rack{rack:02d}",
-                gpu_type=spec.gpu_type,
-                gpu_count=spec.gpus_per_node,
-                ib_port_guids=_port_guids(spec, i, spec.gpus_per_node),
-            )
-        self._add_nvl72_racks(spec)
-
-    def _add_nvl72_racks(self, spec: FleetSpec) -> None:
-        gpus = 4  # a GB200 compute tray: two Grace CPUs, four Blackwell GPUs, four ConnectX-7
-        for rack_index in range(spec.nvl72_racks):
-            pod = f"{spec.region}-nvl72pod{rack_index // spec.racks_per_pod:03d}"
-            rack = f"{pod}-rack{rack_index % spec.racks_per_pod:02d}"
-            for tray in range(spec.nvl72_trays_per_rack):
-                i = spec.nodes + rack_index * spec.nvl72_trays_per_rack + tray
-                node_id = f"{spec.id_prefix}-{i:05d}"
-                self.nodes[node_id] = SimNode(
-                    id=node_id,
-                    hostname=f"{spec.id_prefix}-gb200-{i:05d}.{spec.region}.internal",
-                    region=spec.region,
-                    pod=pod,
-                    rack=rack,
-                    gpu_type="GB200",
-                    gpu_count=gpus,
-                    ib_port_guids=_port_guids(spec, i, gpus),
-                    nvlink_domain=f"{spec.id_prefix}-nvl72-{rack_index:03d}",
-                    gpu_uids=[
-                        f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'gpucloud-sim/{node_id}/{g}')}" for g in range(gpus)
-                    ],
-                )
-
-    def inventory(self, base_url: str) -> list[dict]:
-        return [
-            {
-                "id": n.id,
-                "hostname": n.hostname,
-                "region": n.region,
-                "pod": n.pod,
-                "rack": n.rack,
-                "gpu_type": n.gpu_type,
-                "gpu_count": n.gpu_count,
-                "ib_port_guids": n.ib_port_guids,
-                "nvlink_domain": n.nvlink_domain,
-                "gpu_uids": n.gpu_uids,
-                "agent_url": f"{base_url}/v1/nodes/{n.id}",
-            }
-            for n in self.nodes.values()
-        ]
-
-    def node(self, node_id: str) -> SimNode:
-        node = self.nodes.get(node_id)
-        if node is None:
-            raise HTTPException(404, f"no simulated node {node_id!r}")
-        return node
-
-    async def act(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
-        if node.unreachable:
-            return _refuse(503, "Agent unreachable", f"agent on {node.id} does not answer")
-        async with node.lock:
-            if req.request_id in node.recent:
-                return node.recent[req.request_id]
-            if action == "provision" and self.spec.provision_s is not None:
-                await asyncio.sleep(self.spec.provision_s)
-            else:
-                await asyncio.sleep(BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3))
-            outcome = self._apply(node, action, req)
-            if outcome[0] == 200:
-                await self.workload_changed(node)
-            if outcome[0] != 503:  # a transient failure is not an answer: a retry runs the action
-                node.recent[req.request_id] = outcome
-                while len(node.recent) > REMEMBERED_REQUESTS:
-                    node.recent.popitem(last=False)
-            return outcome
-
-    def _apply(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
-        pending = node.faults.get(action)
-        if pending:
-            mode = pending.popleft()
-            if mode == "transient":
-                return _refuse(503, "Action failed", f"injected transient fault in {action}")
-            return _refuse(422, "Action failed", f"injected permanent fault in {action}")
-        if action == "provision":
-            if not req.tenant_id:
-                return _refuse(422, "Tenant required", "provision needs a tenant_id")
-            if node.tenant_id not in (None, req.tenant_id):
-                return _refuse(409, "Node holds data", f"node holds data of tenant {node.tenant_id}; wipe it first")
-            node.tenant_id, node.workload_running = req.tenant_id, True
-            node.allocation_id = req.allocation_id
-            node.workload = list(req.workload.command) if req.workload else None
-        elif action == "release":
-            node.workload_running, node.workload = False, None
-        elif action == "wipe":
-            if node.workload_running:
-                return _refuse(409, "Workload running", "a workload is still running; release the node first")
-            node.tenant_id = None
-            node.credential = req.credential or node.credential
-        elif action == "burn_in":
-            if node.tenant_id is not None or node.workload_running:
-                return _refuse(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
-            if node.hardware_fault is not None:
-                return _refuse(422, "Action failed", f"burn-in failed: {node.hardware_fault}")
-        elif action in REPAIR_LADDER:
-            self._repair(node, action)
-        node.actions_done += 1
-        return 200, self.describe(node) | {"action": action}
-
-    @staticmethod
-    def _repair(node: SimNode, action: str) -> None:
-        if action in ("reboot", "reflash"):
-            node.boot_id += 1
-            node.workload_running = False
-        if action == "reflash":
-            node.tenant_id = None
-        if node.fault_fixed_by is not None and REPAIR_LADDER.index(action) >= REPAIR_LADDER.index(node.fault_fixed_by):
-            node.hardware_fault = node.fault_fixed_by = None
-
-    async def workload_changed(self, node: SimNode) -> None:
-        if self.on_workload_change is not None:
-            await self.on_workload_change(node)
-
-    def drift(self, node: SimNode, kind: str) -> None:
-        """What happens to hardware behind the control plane's back: a reboot kills the workload,
-        a wipe (say, a re-imaged disk) also loses the tenant's data."""
-        node.boot_id += 1
-        node.workload_running = False
-        if kind == "wipe":
-            node.tenant_id = None
-
-    def heartbeats(self) -> list[dict]:
-        return [
-            {
-                "node_id": n.id,
-                "tenant_id": n.tenant_id,
-                "workload_running": n.workload_running,
-                "boot_id": str(n.boot_id),
-                "workload": {"state": "running", "allocation_id": n.allocation_id} if n.workload else None,
-            }
-            for n in self.nodes.values()
-            if not n.unreachable
-        ]
-
-    @staticmethod
-    def describe(node: SimNode) -> dict:
-        return {
-            "node_id": node.id,
-            "gpu_type": node.gpu_type,
-            "gpu_count": node.gpu_count,
-            "tenant_id": node.tenant_id,
-            "workload_running": node.workload_running,
-            "workload": node.workload,
-            "actions_done": node.actions_done,
-            "hardware_fault": node.hardware_fault,
-        }
-
-
-def _port_guids(spec: FleetSpec, index: int, ports: int) -> list[str]:
-    return [f"0x{spec.seed & 0xFFFF:04x}{index:06x}{port:06x}" for port in range(ports)]
 
 
 async def _post_until_accepted(client: httpx.AsyncClient, url: str, body: dict) -> None:

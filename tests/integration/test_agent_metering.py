@@ -9,14 +9,10 @@ import time
 import httpx
 from ledger_harness import ledger_in_thread
 
-from gpucloud.agent.app import (
-    Agent,
-    AgentMetering,
-    CommandResult,
-    CommandRunner,
-    HostState,
-    gpu_type_of,
-)
+from gpucloud.agent.app import Agent
+from gpucloud.agent.host import HostState, gpu_type_of
+from gpucloud.agent.reporting import AgentMetering
+from gpucloud.agent.tools import CommandResult, CommandRunner
 from gpucloud.sim.probe import SimulatedProbe
 from support.agents import agent_test_client
 from support.ledger_auth import auth_for, seed_allocation

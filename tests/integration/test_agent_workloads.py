@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gpucloud.agent.app import Agent, CommandRunner, HostState
+from gpucloud.agent.app import Agent
+from gpucloud.agent.host import HostState
 from gpucloud.agent.schemas import ActionRequest, Workload
+from gpucloud.agent.tools import CommandRunner
 from gpucloud.agent.workloads import WorkloadSupervisor, processes_in
 from gpucloud.sim.probe import SimulatedProbe
 from support.stack import wait_until
@@ -132,7 +134,7 @@ def test_without_namespaces_the_workload_runs_in_its_own_process_group(tmp_path)
 def test_the_heartbeat_carries_what_runs_of_the_workload(tmp_path):
     import httpx
 
-    from gpucloud.agent.app import Reporter
+    from gpucloud.agent.reporting import Reporter
 
     sent: list[dict] = []
 

@@ -17,7 +17,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpucloud.adapters.host_agent import AgentRefused, HttpHostAgents
-from gpucloud.agent.app import Agent, HostState, create_app
+from gpucloud.agent.app import Agent, create_app
+from gpucloud.agent.host import HostState
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.sim.probe import SimulatedProbe

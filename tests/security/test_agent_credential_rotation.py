@@ -8,7 +8,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gpucloud.agent.app import Agent, HostState, Reporter
+from gpucloud.agent.app import Agent
+from gpucloud.agent.host import HostState
+from gpucloud.agent.reporting import Reporter
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.sim.probe import SimulatedProbe
 

@@ -17,9 +17,10 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from starlette.routing import Mount
 
-from gpucloud.agent.app import Agent, HostState
+from gpucloud.agent.app import Agent
 from gpucloud.agent.app import create_app as agent_app
 from gpucloud.agent.chunk_cache import ChunkCache
+from gpucloud.agent.host import HostState
 from gpucloud.agent.peer import create_peer_app
 from gpucloud.api.app import create_app as api_app
 from gpucloud.bootstrap import detect_probe
@@ -29,9 +30,9 @@ from gpucloud.registry.manifest import Keyring
 from gpucloud.registry.store import LocalChunkStore
 from gpucloud.registry.tracker_app import create_tracker_app
 from gpucloud.sim.fabric_managers import create_app as fabric_app
-from gpucloud.sim.fleet import FleetSpec
 from gpucloud.sim.fleet import create_app as fleet_app
 from gpucloud.sim.node_weights import WeightsSpec
+from gpucloud.sim.nodes import FleetSpec
 from gpucloud.web.service_tokens import Verifier, load_or_create_issuer
 
 pytestmark = pytest.mark.one_database

@@ -9,15 +9,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from gpucloud.agent.app import (
-    ActionRequest,
-    Agent,
-    BurnInLimits,
-    CommandResult,
-    CommandRunner,
-    HostState,
-    Reporter,
-)
+from gpucloud.agent.app import Agent
+from gpucloud.agent.host import HostState
+from gpucloud.agent.reporting import Reporter
+from gpucloud.agent.schemas import ActionRequest
+from gpucloud.agent.tools import BurnInLimits, CommandResult, CommandRunner
 from gpucloud.sim.probe import SimulatedProbe
 from support.agents import agent_test_client
 

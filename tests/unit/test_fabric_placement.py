@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from gpucloud.services.allocations import pick_slice
 from gpucloud.sim.fabric_managers import nvl_domains
-from gpucloud.sim.fleet import Fleet, FleetSpec
+from gpucloud.sim.nodes import Fleet, FleetSpec
 
 
 def _tray(i: int, domain: str | None):

@@ -13,7 +13,7 @@ import httpx
 
 from gpucloud.sim.fault_injection import FIXED_BY, FleetFaults
 from gpucloud.sim.faults import INTERRUPTIONS_PER_NODE_DAY, LLAMA3_405B_MIX, FaultCategory, FaultModel
-from gpucloud.sim.fleet import Fleet, FleetSpec
+from gpucloud.sim.nodes import Fleet, FleetSpec
 
 
 def _fleet(nodes: int = 2048) -> Fleet:

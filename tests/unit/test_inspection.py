@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from gpucloud.agent import inspection
-from gpucloud.agent.app import Agent, CommandResult, CommandRunner, HostState
+from gpucloud.agent.app import Agent
+from gpucloud.agent.host import HostState
 from gpucloud.agent.inspection import COMMANDS, GPU_QUERY, LAYERS, Output, at_least, judge
 from gpucloud.agent.schemas import ActionRequest
+from gpucloud.agent.tools import CommandResult, CommandRunner
 from gpucloud.sim.probe import SimulatedProbe
 
 RECORDED = Path(__file__).parent.parent / "fixtures" / "inspection" / "hgx-h100"

@@ -8,7 +8,8 @@ from collections import deque
 
 import pytest
 
-from gpucloud.sim.fleet import ActionRequest, Fleet, FleetSpec
+from gpucloud.agent.schemas import ActionRequest
+from gpucloud.sim.nodes import Fleet, FleetSpec
 
 
 @pytest.fixture

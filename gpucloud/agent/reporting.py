@@ -1,0 +1,151 @@
+"""What a node's agent sends on its own: heartbeats, readings and XID events to the control plane
+(`Reporter`), and its metered usage to the ledger (`AgentMetering`: a meter and a shipper over
+one durable spool)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+from gpucloud.agent.host import HostState
+from gpucloud.agent.readings import AGENT_MAX_EVENTS, NodeReading, XidEvent
+from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.spool import Meter, Spool
+from gpucloud.ledger.client import UsageLedger
+
+if TYPE_CHECKING:
+    from gpucloud.agent.app import Agent
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_EVENTS = 10_000  # kept while the control plane is unreachable; oldest dropped first
+
+
+class AgentMetering:
+    """The node's meter and shipper, each on its own thread, over one durable spool."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        spool_path: Path,
+        ledger_url: str,
+        *,
+        interval_s: float = 60.0,
+        token: Callable[[], str] | None = None,
+    ) -> None:
+        self.spool = Spool(spool_path, agent.state.node_id)
+        self.meter = Meter(
+            self.spool,
+            lambda: agent.state.allocation,
+            interval_ms=max(1, int(interval_s * 1000)),
+            lock=agent.state.meter_lock,
+        )
+        # `token`: the ledger takes this node's usage only with a token for this node.
+        self.shipper = Shipper(self.spool, UsageLedger(ledger_url, token=token))
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self.meter.run, args=(self._stop,), name="meter", daemon=True),
+            threading.Thread(target=self.shipper.run, args=(self._stop,), name="shipper", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self.meter.tick()  # a workload that ended since the last tick is cut at its end
+        self.shipper.close()
+        self.spool.close()
+
+    def report(self) -> dict:
+        lag = self.spool.lag()
+        return dataclasses.asdict(lag)
+
+
+class _CurrentCredential(httpx.Auth):
+    """The node's credential as it is now (a wipe replaces it while the agent runs)."""
+
+    def __init__(self, state: HostState) -> None:
+        self.state = state
+
+    def auth_flow(self, request: httpx.Request):
+        if self.state.credential:
+            request.headers["Authorization"] = f"Bearer {self.state.credential}"
+        yield request
+
+
+class Reporter:
+    """Pushes heartbeats, readings and XID events to the control plane; events wait while it is
+    down. Readings do not: their counters are cumulative, so the next one delivered carries
+    what the lost ones would have shown."""
+
+    def __init__(self, agent: Agent, client: httpx.AsyncClient) -> None:
+        self.agent, self.client = agent, client
+        client.auth = _CurrentCredential(agent.state)
+        self.pending: list[XidEvent] = []
+        self.latest: NodeReading | None = None
+
+    async def heartbeat_once(self) -> None:
+        try:
+            beat = self.agent.state.describe()
+            if self.agent.workloads is not None:
+                report = await asyncio.to_thread(self.agent.workloads.report)
+                beat["workload"] = report.model_dump(mode="json")
+            resp = await self.client.post("/v1/agents/heartbeats", json={"heartbeats": [beat]})
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("heartbeat not delivered: %s", exc)
+
+    async def read_once(self) -> NodeReading:
+        """Read the probe and push the reading; the reading either way."""
+        self.latest = await asyncio.to_thread(self.agent.probe.read)
+        try:
+            resp = await self.client.post(
+                "/v1/agents/readings", json={"readings": [self.latest.model_dump(mode="json")]}
+            )
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("reading not delivered (dropped; the next one carries its counters): %s", exc)
+        return self.latest
+
+    async def events_once(self, wait_s: float) -> int:
+        """Wait up to `wait_s` for XIDs, then push what is pending; the number delivered."""
+        tenant = self.agent.state.tenant_id
+        new = await asyncio.to_thread(self.agent.probe.wait_events, wait_s)
+        self.pending += [e if e.tenant_id else e.model_copy(update={"tenant_id": tenant}) for e in new]
+        del self.pending[:-MAX_PENDING_EVENTS]
+        if not self.pending:
+            return 0
+        batch = self.pending[:AGENT_MAX_EVENTS]
+        try:
+            resp = await self.client.post(
+                "/v1/agents/events", json={"events": [e.model_dump(mode="json") for e in batch]}
+            )
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("%d XID events not delivered (kept): %s", len(self.pending), exc)
+            return 0
+        del self.pending[: len(batch)]
+        return len(batch)
+
+    async def run(self, *, heartbeat_s: float, reading_s: float, event_wait_s: float = 1.0) -> None:
+        async def every(period: float, step: Callable) -> None:
+            while True:
+                await step()
+                await asyncio.sleep(period)
+
+        async def events() -> None:
+            while True:
+                await self.events_once(event_wait_s)
+
+        await asyncio.gather(every(heartbeat_s, self.heartbeat_once), every(reading_s, self.read_once), events())
