@@ -129,6 +129,9 @@ def sim(
     ] = None,
     faults: FaultsOption = None,
     time_scale: TimeScaleOption = 1.0,
+    faults_paused: Annotated[
+        bool, typer.Option(help="with --faults: start paused (PUT /v1/faults/running starts them)")
+    ] = False,
     batch_reports: Annotated[
         bool,
         typer.Option(
@@ -178,6 +181,7 @@ def sim(
         fault_model=fault_model_named(faults),
         fault_time_scale=time_scale,
         fault_report_url=settings.api_url if faults else None,
+        faults_paused=faults_paused,
         heartbeat_interval_s=heartbeat_interval,
         metering=metering,
         weights=weights,

@@ -103,6 +103,7 @@ class Stack:
     # The simulated fleet fails as this fault model says (`gpucloud sim --faults`), sped up.
     faults: str | None = None
     fault_time_scale: float = 1.0
+    faults_paused: bool = False
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _fabric_port: int = field(default=0, init=False)
 
@@ -249,6 +250,7 @@ class Stack:
         metering = ["--ledger-url", self.ledger_url] if self.billing and self.register_fleet else []
         nvl72 = ["--nvl72-racks", str(self.nvl72_racks)] if self.nvl72_racks else []
         faults = ["--faults", self.faults, "--time-scale", str(self.fault_time_scale)] if self.faults else []
+        faults += ["--faults-paused"] if self.faults and self.faults_paused else []
         self._spawn(
             "sim",
             self._cli(

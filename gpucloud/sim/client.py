@@ -56,6 +56,14 @@ class SimFleetClient:
         """The agent credential the node's last wipe handed over (what a real agent keeps on disk)."""
         return self._call("GET", f"/v1/nodes/{node_id}/credential")["credential"]
 
+    def faults(self) -> dict[str, Any]:
+        """What the fleet's fault model injected (`--faults`), by category and by node."""
+        return self._call("GET", "/v1/faults")
+
+    def run_faults(self, running: bool = True) -> dict[str, Any]:
+        """Start (or pause) the fleet's fault model."""
+        return self._call("PUT", "/v1/faults/running", json={"running": running})
+
     def inventory(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/inventory")
 

@@ -83,6 +83,8 @@ class FleetFaults:
         self.xids_reported = self.readings_reported = 0
         self.fleet_seconds = 0.0
         self.probes: dict[str, SimulatedProbe] = {}  # the GPUs of nodes with a hardware fault
+        self.by_node: dict[str, list[str]] = {}  # every category each node suffered, in order
+        self.running = True  # paused: no faults drawn, fleet time stands still
         self._xids: list[XidEvent] = []  # drawn, not reported yet
 
     def step(self, dt_s: float) -> list[Fault]:
@@ -98,6 +100,7 @@ class FleetFaults:
 
     def _apply(self, fault: Fault) -> None:
         self.injected[fault.category.value] += 1
+        self.by_node.setdefault(fault.node_id, []).append(fault.category.value)
         node = self.nodes[fault.node_id]
         probe = self.probes.get(node.id) or SimulatedProbe(
             node.id, gpu_count=node.gpu_count, seed=self.rng.randrange(1 << 30), clock=self.clock
@@ -166,6 +169,8 @@ class FleetFaults:
             while True:
                 await asyncio.sleep(tick_s)
                 self.repaired()
+                if not self.running:
+                    continue
                 self.step(tick_s)
                 await self.report(client)
                 since_readings += tick_s
@@ -178,11 +183,13 @@ class FleetFaults:
         total = sum(self.injected.values())
         paper_total = sum(LLAMA3_405B_MIX.values())
         return {
+            "running": self.running,
             "fleet_days": self.fleet_seconds / 86_400,
             "injected": total,
             "xids_reported": self.xids_reported,
             "readings_reported": self.readings_reported,
             "faulty_nodes": len(self.probes),
+            "nodes": self.by_node,
             "by_category": {
                 category.value: {
                     "injected": self.injected[category.value],

@@ -60,6 +60,10 @@ class FaultRequest(BaseModel):
     count: int = Field(1, ge=1, le=1000)
 
 
+class FaultsRunning(BaseModel):
+    running: bool
+
+
 class HardwareFaultRequest(BaseModel):
     fault: str | None = Field(None, max_length=200, description="None clears the fault")
     fixed_by: Literal["reset", "reboot", "reflash"] | None = None
@@ -162,6 +166,7 @@ def create_app(
     fault_model: FaultModel | None = None,
     fault_time_scale: float = 1.0,
     fault_report_url: str | None = None,
+    faults_paused: bool = False,
 ) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
     `weights`: each node serves the weights API under its agent URL; `control_plane`: each
@@ -184,6 +189,8 @@ def create_app(
         if fault_model is not None
         else None
     )
+    if faults is not None:
+        faults.running = not faults_paused
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -282,12 +289,21 @@ def create_app(
         node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
         return {"node_id": node.id, "action": req.action, "pending": list(node.faults[req.action])}
 
+    def injecting() -> FleetFaults:
+        if faults is None:
+            raise HTTPException(404, "this fleet injects no faults (start it with --faults llama3)")
+        return faults
+
     @app.get("/v1/faults", dependencies=[control])
     async def faults_report() -> dict:
         """What the fault model injected so far, by category, next to the paper's shares."""
-        if faults is None:
-            raise HTTPException(404, "this fleet injects no faults (start it with --faults llama3)")
-        return faults.summary()
+        return injecting().summary()
+
+    @app.put("/v1/faults/running", dependencies=[control])
+    async def faults_running(req: FaultsRunning) -> dict:
+        """Pause or resume the fault model (a benchmark starts it once its tenants hold nodes)."""
+        injecting().running = req.running
+        return injecting().summary()
 
     @app.post("/v1/nodes/{node_id}/hardware_fault", dependencies=[control])
     async def hardware_fault(node_id: str, req: HardwareFaultRequest) -> dict:

@@ -15,7 +15,7 @@ async def test_a_faulty_simulated_fleet_reports_its_xids_to_the_control_plane(db
     h.enroll_fleet()
 
     def reported() -> dict | None:
-        summary = h.sim.client.http.get("/v1/faults").json()
+        summary = h.sim.client.faults()
         return summary if summary["xids_reported"] >= 2 and summary["readings_reported"] >= 1 else None
 
     summary = await async_wait_until(reported, timeout_s=90, interval_s=0.5, what="XIDs and readings reported")
