@@ -39,8 +39,8 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, log, wait_for
-from health import GANG, Probe, allocate, hold_back_spares
+from common import add_temporal_db_arg, bench_stack, log, onboard_tenant, wait_for
+from health import GANG, TENANTS, Probe, hold_back_spares
 
 from gpucloud.sim.client import SimFleetClient
 
@@ -103,6 +103,24 @@ def stuck(probe: Probe, now: datetime) -> list[str]:
     return sorted(node_id for node_id, deadline in rows if _utc(deadline) < now)
 
 
+def allocate_in_waves(api: httpx.Client, settings, engine: sa.Engine, gangs: int, *, wave: int = 16) -> list[str]:
+    """`gangs` allocations of 8 over a few tenants, `wave` at a time (each wave active before the
+    next: a tenant scheduler's pace, and one the fabric managers keep up with)."""
+    keys = [onboard_tenant(api, f"replay-{i}") for i in range(TENANTS)]
+    clients = [
+        httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {k}"}, timeout=300) for k in keys
+    ]
+    allocations: list[str] = []
+    for start in range(0, gangs, wave):
+        for i in range(start, min(gangs, start + wave)):
+            body = {"gpu_type": "H100", "node_count": GANG, "region": "us-east-1"}
+            resp = clients[i % TENANTS].post("/v1/allocations", json=body)
+            resp.raise_for_status()
+            allocations.append(resp.json()["allocation"]["id"])
+        wait_for(engine, "active", len(allocations) * GANG, "provisioning", 1800)
+    return allocations
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2048)
@@ -118,7 +136,9 @@ def main() -> None:
     # The health loop may pull more than its default share when the fault rate is compressed.
     os.environ["GPUCLOUD_HEALTH__BREAKER_MAX_PULLED_SHARE"] = "0.5"
     os.environ["GPUCLOUD_HEALTH__DRAIN_GRACE_S"] = "2"
-    settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sim_heartbeat_s=10.0)
+    # The operator's setup calls run 16 at once: its lane takes them, none refused.
+    operator_lane = {"operator_slots": 16, "caller_share": 1.0, "admission_wait_s": 60.0}
+    settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sim_heartbeat_s=10.0, api=operator_lane)
     stack.faults, stack.fault_time_scale, stack.faults_paused = "llama3", time_scale, True
     try:
         log(f"starting stack in {data_dir} ({days:g} fleet days in {wall_s:g} s: time scale {time_scale:.0f})")
@@ -135,7 +155,7 @@ def main() -> None:
         held = hold_back_spares(api, probe)
         gangs = (nodes - len(held)) // GANG
         log(f"allocate: {gangs} gangs of {GANG}; {len(held)} spare nodes held back")
-        allocations = allocate(api, settings, engine, gangs)
+        allocations = allocate_in_waves(api, settings, engine, gangs)
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda n: api.post(f"/v1/nodes/{n}/uncordon").raise_for_status(), held))
 
