@@ -3,6 +3,11 @@ keys); every node's provision starts it through its agent, and the release stops
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.one_database
+
+
 WORKLOAD = {"command": ["torchrun", "--nproc-per-node", "8", "train.py"], "env": {"EPOCHS": "3"}, "ssh_keys": []}
 
 

@@ -9,11 +9,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import sqlalchemy as sa
 from sqlmodel import col
 
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Node
+
+pytestmark = pytest.mark.one_database
 
 
 def _to_rma(db_url: str, node_id: str) -> None:

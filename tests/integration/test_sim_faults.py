@@ -5,7 +5,11 @@ report by category is the operator's."""
 
 from __future__ import annotations
 
+import pytest
+
 from support.stack import async_wait_until
+
+pytestmark = pytest.mark.one_database
 
 
 async def test_a_faulty_simulated_fleet_reports_its_xids_to_the_control_plane(db_url, make_harness, in_process_worker):

@@ -12,7 +12,7 @@ def test_flags_from_yaml(tmp_path):
     args = server_args(tmp_path, port=17000)
     joined = " ".join(args)
     assert args[1:3] == ["server", "start-dev"] and Path(args[0]).name == "temporal"
-    assert "--port 17000" in joined and "--ui-port 8233" in joined  # ui_port from the yaml
+    assert "--port 17000" in joined and "--ui-port 18000" in joined  # the UI 1000 above the server
     assert f"--db-filename {tmp_path / 'temporal.db'}" in joined
     assert "--sqlite-pragma journal_mode=wal" in joined
     for key in search_attributes.ALL:
