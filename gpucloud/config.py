@@ -341,6 +341,16 @@ def load_or_create_operator_token(data_dir: Path) -> str:
     return load_or_create_secret(data_dir / "operator_token", lambda: "gpcop_" + secrets.token_urlsafe(32))
 
 
+def write_private(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data`, readable by its owner only (0600), whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
 def load_or_create_secret(path: Path, make: Callable[[], str]) -> str:
     """The secret kept in `path`, created 0600 with `make()` the first time."""
     if path.exists():

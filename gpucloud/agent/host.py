@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from gpucloud.agent.readings import NodeReading
 from gpucloud.agent.spool import NodeAllocation
+from gpucloud.config import write_private
 from gpucloud.models.catalog import GPU_TYPES
 
 
@@ -49,12 +49,7 @@ class HostState:
             "workload_running": self.workload_running,
             "allocation": dataclasses.asdict(self.allocation) if self.allocation else None,
         }
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(kept, f)
-        os.replace(tmp, self.state_file)
+        write_private(self.state_file, json.dumps(kept))
 
     def restore(self) -> None:
         """What `save` kept, if anything (the boot id is this boot's: a reboot is seen)."""
@@ -88,12 +83,7 @@ def gpu_type_of(reading: NodeReading) -> str:
 
 
 def write_credential(path: Path, credential: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(credential + "\n")
-    os.replace(tmp, path)
+    write_private(path, credential + "\n")
 
 
 def read_boot_id() -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from gpucloud.agent.schemas import Workload, WorkloadStatus
+from gpucloud.config import write_private
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class WorkloadSupervisor:
         self.grace_s = grace_s
         self._unshare = unshare if unshare is not None else shutil.which("unshare")
         self._lock = threading.Lock()
+        self._isolation: Isolation | None = None  # probed once, on the first start
         self._proc: subprocess.Popen | None = None  # ours to reap, when this agent started it
         self._exit_code: int | None = None
 
@@ -112,9 +114,7 @@ class WorkloadSupervisor:
         if running is None:
             self._state_file.unlink(missing_ok=True)
             return
-        tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(running)))
-        os.replace(tmp, self._state_file)
+        write_private(self._state_file, json.dumps(asdict(running)))
 
     # Start ----------------------------------------------------------------------------------------
 
@@ -133,7 +133,9 @@ class WorkloadSupervisor:
                 **workload.env,
                 "GPUCLOUD_ALLOCATION_ID": allocation_id,
             }
-            isolation: Isolation = "pid-namespace" if self._namespaces_work() else "process-group"
+            if self._isolation is None:
+                self._isolation = "pid-namespace" if self._namespaces_work() else "process-group"
+            isolation = self._isolation
             argv = list(workload.command)
             if isolation == "pid-namespace" and self._unshare:
                 argv = [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--", *argv]

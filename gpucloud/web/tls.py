@@ -123,10 +123,10 @@ def scheme(tls: ServerTLS | None) -> str:
 # A private CA ----------------------------------------------------------------------------------
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+def write_private(path: Path, data: bytes) -> None:
+    from gpucloud.config import write_private as write  # config imports this module
+
+    write(path, data)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -200,7 +200,7 @@ class LocalCA:
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256())
         )
-        _write_private(self.key_file, _pem_key(key))
+        write_private(self.key_file, _pem_key(key))
         self.cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, name: str, hosts: list[str], *, client: bool = False) -> ServerTLS:
@@ -229,6 +229,6 @@ class LocalCA:
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
             .sign(self._key, hashes.SHA256())
         )
-        _write_private(key_file, _pem_key(key))
+        write_private(key_file, _pem_key(key))
         cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         return ServerTLS(cert_file, key_file)
