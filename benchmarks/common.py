@@ -142,6 +142,19 @@ def wait_for(engine: sa.Engine, state: str, want: int, what: str, timeout_s: flo
     raise SystemExit(f"timed out: {what} ({count_states(engine)})")
 
 
+def bring_up_fleet(api, settings: Settings, engine, nodes: int) -> None:
+    """Enroll the simulated fleet's nodes through the API (500 a request) and wait until every
+    one is available."""
+    from gpucloud.sim.client import SimFleetClient
+
+    with SimFleetClient(settings.sim_url, token=settings.operator_token, timeout_s=60) as sim:
+        inventory = sim.inventory()
+    log(f"bring-up: {nodes} nodes")
+    for i in range(0, len(inventory), 500):
+        api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 500]}).raise_for_status()
+    wait_for(engine, "available", nodes, "bring-up", 1800)
+
+
 def add_temporal_db_arg(parser) -> None:
     parser.add_argument(
         "--temporal-db",

@@ -42,7 +42,7 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, log, onboard_tenant, wait_for
+from common import add_temporal_db_arg, bench_stack, bring_up_fleet, log, onboard_tenant, wait_for
 
 from gpucloud.config import Settings
 
@@ -288,14 +288,7 @@ def main() -> None:
         engine = sa.create_engine(settings.database_url)
         probe = Probe(engine)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=300)
-        from gpucloud.sim.client import SimFleetClient
-
-        with SimFleetClient(settings.sim_url, token=settings.operator_token, timeout_s=60) as sim:
-            inventory = sim.inventory()
-        log(f"bring-up: {nodes} nodes")
-        for i in range(0, len(inventory), 500):
-            api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 500]}).raise_for_status()
-        wait_for(engine, "available", nodes, "bring-up", 1800)
+        bring_up_fleet(api, settings, engine, nodes)
         _table_names(engine)
 
         held = hold_back_spares(api, probe)

@@ -39,7 +39,7 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, log, onboard_tenant, wait_for
+from common import add_temporal_db_arg, bench_stack, bring_up_fleet, log, onboard_tenant, wait_for
 from health import GANG, TENANTS, Probe, hold_back_spares
 
 from gpucloud.sim.client import SimFleetClient
@@ -147,11 +147,7 @@ def main() -> None:
         probe = Probe(engine)
         api = httpx.Client(base_url=settings.api_url, headers={"Authorization": "Bearer bench-token"}, timeout=300)
         sim = SimFleetClient(settings.sim_url, token=settings.operator_token, timeout_s=60)
-        inventory = sim.inventory()
-        log(f"bring-up: {nodes} nodes")
-        for i in range(0, len(inventory), 500):
-            api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 500]}).raise_for_status()
-        wait_for(engine, "available", nodes, "bring-up", 1800)
+        bring_up_fleet(api, settings, engine, nodes)
         held = hold_back_spares(api, probe)
         gangs = (nodes - len(held)) // GANG
         log(f"allocate: {gangs} gangs of {GANG}; {len(held)} spare nodes held back")
