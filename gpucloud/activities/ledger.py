@@ -8,13 +8,21 @@ a period close by period, so a retried activity never bills twice.
 
 Without a configured ledger (`LedgerSettings.url` unset) nothing is billed: events are skipped
 and no period is listed.
+
+Billed time comes from these events (`ledger/held.py`), so each carries what pricing needs from
+the control plane's own records, never from the node: the allocation's GPU type, and for a node
+added its GPU count as enrolled and inspected.
 """
 
 from __future__ import annotations
 
+import asyncio
+
+from sqlmodel import select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.db import Database
 from gpucloud.ledger.client import LedgerClient, LedgerRefused
 from gpucloud.ledger.schemas import AllocationEventIn
 from gpucloud.models.billing_messages import (
@@ -26,11 +34,25 @@ from gpucloud.models.billing_messages import (
     LedgerEventsInput,
     LedgerEventsResult,
 )
+from gpucloud.models.tables import Allocation, Node
 
 
 class LedgerActivities:
-    def __init__(self, ledger: LedgerClient | None) -> None:
+    def __init__(self, ledger: LedgerClient | None, db: Database | None = None) -> None:
         self.ledger = ledger
+        self.db = db
+
+    def _shapes(self, allocation_id: str, node_ids: list[str]) -> tuple[str | None, dict[str, tuple[str, int]]]:
+        """The allocation's GPU type and each node's (GPU type, GPU count), from the fleet's records."""
+        if self.db is None:
+            return None, {}
+        with self.db.session() as session:
+            allocation = session.exec(select(Allocation).where(Allocation.id == allocation_id)).first()
+            nodes = session.exec(select(Node).where(Node.id.in_(node_ids))).all() if node_ids else []  # type: ignore[attr-defined]
+            return (
+                allocation.gpu_type if allocation is not None else None,
+                {node.id: (node.gpu_type, node.gpu_count) for node in nodes},
+            )
 
     def _client(self) -> LedgerClient:
         if self.ledger is None:
@@ -45,7 +67,10 @@ class LedgerActivities:
         if self.ledger is None:
             return LedgerEventsResult(skipped="no ledger configured")
         ledger = self._client()
+        added = sorted({e.node_id for e in req.events if e.kind == "node_added" and e.node_id is not None})
+        gpu_type, nodes = await asyncio.to_thread(self._shapes, req.allocation_id, added)
         for event in req.events:
+            node_type, gpu_count = nodes.get(event.node_id or "", (gpu_type, None))
             await _refusal_is_final(
                 ledger.record_allocation_event(
                     AllocationEventIn(
@@ -55,6 +80,8 @@ class LedgerActivities:
                         kind=event.kind,
                         at_ms=event.at_ms,
                         node_id=event.node_id,
+                        gpu_type=node_type if event.kind in ("start", "node_added") else None,
+                        gpu_count=gpu_count if event.kind == "node_added" else None,
                     )
                 )
             )

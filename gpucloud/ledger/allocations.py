@@ -17,7 +17,7 @@ from gpucloud.ledger import problems
 from gpucloud.ledger.schemas import AllocationEventIn, AllocationEventOut
 from gpucloud.ledger.tables import allocation_events
 
-_CONTENT = ("allocation_id", "tenant_id", "kind", "at_ms", "node_id", "gpu_type")
+_CONTENT = ("allocation_id", "tenant_id", "kind", "at_ms", "node_id", "gpu_type", "gpu_count")
 
 
 def record_event(connection: Connection, event: AllocationEventIn, *, now_ms: int) -> AllocationEventOut:

@@ -11,6 +11,9 @@ Lines, one per (allocation, GPU type, usage period, price version, kind):
 - ``usage``: usage that started in the period being closed.
 - ``adjustment``: usage that started in an earlier period but reached the ledger after that
   period closed; it lands on the first invoice still open.
+- ``held``: the true-up to held time (``held.py``): what the allocation's events say it held,
+  less what its nodes metered, for this period's usage and any earlier period's it changed;
+  either sign.
 - ``reversal``: reversal postings booked into this period (negative amounts).
 
 A usage or adjustment line's amount is recomputed here from its GPU-ms with the rounding rule
@@ -30,7 +33,7 @@ from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import PriceBookHistory
 
 INVOICE_SCHEMA = "gpucloud.invoice/v1"
-_KIND_ORDER = {"usage": 0, "adjustment": 1, "reversal": 2}
+_KIND_ORDER = {"usage": 0, "adjustment": 1, "held": 2, "reversal": 3}
 
 
 class CloseIntegrityError(Exception):
@@ -95,12 +98,15 @@ def build_invoices(
     usage: Iterable[LineAggregate],
     reversals: Iterable[LineAggregate],
     prices: PriceBookHistory,
+    held: Iterable[LineAggregate] = (),
 ) -> list[Invoice]:
     """The period's invoices, one per tenant with any line, sorted by tenant."""
     lines_by_tenant: dict[str, list[InvoiceLine]] = defaultdict(list)
     for row in usage:
         kind = "usage" if row.usage_period == period_id else "adjustment"
         lines_by_tenant[row.tenant_id].append(_rated_line(kind, row, prices))
+    for row in held:
+        lines_by_tenant[row.tenant_id].append(_line("held", row, prices, row.amount_micro))
     for row in reversals:
         lines_by_tenant[row.tenant_id].append(_line("reversal", row, prices, row.amount_micro))
     return [

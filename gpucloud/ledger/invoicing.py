@@ -1,6 +1,8 @@
 """Closing a period in the database: freeze it, aggregate it in SQL, store its invoices.
 
-1. Under the ledger's writer lock, record the period as closed. From that commit on, ingest
+1. Under the ledger's writer lock, true every line of this period and the ones before it up
+   to held time (``held.py``: the allocations' events, not the nodes' meters, decide what is
+   billed) and record the period as closed, in one transaction. From that commit on, ingest
    and reversals book into later periods only, so the set of rows billed to this period is
    frozen (this is why the close needs no isolation level beyond read committed).
 2. Outside the lock (ingest keeps flowing), aggregate the period's usage with one GROUP BY
@@ -25,7 +27,9 @@ from sqlalchemy import Connection, func, insert, select
 from gpucloud.ledger import problems
 from gpucloud.ledger.close import CloseIntegrityError, Invoice, LineAggregate, build_invoices, empty_invoice
 from gpucloud.ledger.db import LedgerDatabase
+from gpucloud.ledger.held import true_up
 from gpucloud.ledger.periods import parse_period, period_bounds, period_of, periods_between
+from gpucloud.ledger.postings import insert_held
 from gpucloud.ledger.pricebook import PriceBookCache
 from gpucloud.ledger.schemas import InvoiceOut, InvoiceSummary, PeriodCloseOut, PeriodOut
 from gpucloud.ledger.tables import billing_periods, invoices, postings, rating_accumulators, usage_samples
@@ -43,18 +47,21 @@ def close_period(
         raise problems.LedgerProblem(
             problems.STATE_CONFLICT(f"period {period_id} ends at {end_ms}; it cannot close before it ends")
         )
+    prices = prices or PriceBookCache()
     with database.write() as connection:
         closed_ms = connection.execute(
             select(billing_periods.c.closed_ms).where(billing_periods.c.period_id == period_id)
         ).scalar_one_or_none()
         if closed_ms is None:
             closed_ms = now_ms
+            for line in true_up(connection, period_id, horizon_ms=end_ms, history=prices.get(connection)):
+                insert_held(connection, period_id, line, now_ms)
             connection.execute(
                 insert(billing_periods),
                 {"period_id": period_id, "start_ms": start_ms, "end_ms": end_ms, "closed_ms": closed_ms},
             )
     with database.read() as connection:
-        computed = _compute_invoices(connection, period_id, prices or PriceBookCache())
+        computed = _compute_invoices(connection, period_id, prices)
     with database.write() as connection:
         _store(connection, period_id, computed, now_ms)
     return PeriodCloseOut(
@@ -89,18 +96,28 @@ def _compute_invoices(connection: Connection, period_id: str, prices: PriceBookC
 
 
 def _invoices(
-    connection: Connection, period_id: str, prices: PriceBookCache, tenant_id: str | None = None
+    connection: Connection,
+    period_id: str,
+    prices: PriceBookCache,
+    tenant_id: str | None = None,
+    *,
+    pending_held: list[LineAggregate] | None = None,
 ) -> tuple[list[Invoice], list[LineAggregate]]:
-    """The period's invoices (every tenant's, or one's) from its usage and reversals; and the usage."""
+    """The period's invoices (every tenant's, or one's) from its usage, held-time true-ups and
+    reversals (plus ``pending_held``, true-ups a draft shows but nothing posted); and the usage."""
     usage_where = [usage_samples.c.billing_period == period_id]
     reversal_where = [postings.c.billing_period == period_id, postings.c.kind == "reversal"]
+    held_where = [postings.c.billing_period == period_id, postings.c.kind == "usage", postings.c.source == "held"]
     if tenant_id is not None:
         usage_where.append(usage_samples.c.tenant_id == tenant_id)
         reversal_where.append(postings.c.tenant_id == tenant_id)
+        held_where.append(postings.c.tenant_id == tenant_id)
     usage = _aggregate(connection, usage_samples, func.count(), *usage_where)
     reversals = _aggregate(connection, postings, func.sum(postings.c.sample_count), *reversal_where)
+    held = _aggregate(connection, postings, func.count(), *held_where) + (pending_held or [])
     try:
-        return build_invoices(period_id, usage=usage, reversals=reversals, prices=prices.get(connection)), usage
+        history = prices.get(connection)
+        return build_invoices(period_id, usage=usage, reversals=reversals, held=held, prices=history), usage
     except CloseIntegrityError as error:
         raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
 
@@ -263,8 +280,11 @@ def invoice_by_id(connection: Connection, invoice_id: int, *, tenant_id: str | N
     return InvoiceOut(**{key: value for key, value in row.items() if key != "body"}), bytes(row["body"])
 
 
-def draft_invoice(connection: Connection, period_id: str, tenant_id: str, prices: PriceBookCache) -> Invoice:
-    """What closing the open period now would bill the tenant (also when that is nothing)."""
+def draft_invoice(
+    connection: Connection, period_id: str, tenant_id: str, prices: PriceBookCache, *, now_ms: int
+) -> Invoice:
+    """What closing the open period now would bill the tenant (also when that is nothing): its
+    usage so far, trued up to the time its allocations held up to now."""
     _check_period_id(period_id)
     if (
         connection.execute(select(billing_periods.c.period_id).where(billing_periods.c.period_id == period_id)).first()
@@ -273,5 +293,7 @@ def draft_invoice(connection: Connection, period_id: str, tenant_id: str, prices
         raise problems.LedgerProblem(
             problems.STATE_CONFLICT(f"period {period_id} is closed: its invoice is final", field="period_id")
         )
-    drafts, _ = _invoices(connection, period_id, prices, tenant_id)
+    horizon_ms = min(now_ms, period_bounds(period_id)[1])
+    pending = true_up(connection, period_id, horizon_ms=horizon_ms, history=prices.get(connection), tenant_id=tenant_id)
+    drafts, _ = _invoices(connection, period_id, prices, tenant_id, pending_held=pending)
     return drafts[0] if drafts else empty_invoice(period_id, tenant_id)

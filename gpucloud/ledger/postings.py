@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, func, insert, select
 
 from gpucloud.ledger import problems
+from gpucloud.ledger.close import LineAggregate
 from gpucloud.ledger.periods import next_period
 from gpucloud.ledger.schemas import AccountBalance, EntryLineOut, PostingOut
 from gpucloud.ledger.tables import billing_periods, entry_lines, postings
@@ -72,6 +73,28 @@ def insert_posting(connection: Connection, posting: dict, lines: Sequence[Line])
     return posting_id
 
 
+def insert_held(connection: Connection, billing_period: str, line: LineAggregate, now_ms: int) -> int:
+    """Post one line's true-up to held time (`held.py`): either sign, lines mirrored for a credit."""
+    lines = usage_lines(line.tenant_id, line.gpu_type, abs(line.amount_micro))
+    posting = {
+        "kind": "usage",
+        "source": "held",
+        "billing_period": billing_period,
+        "usage_period": line.usage_period,
+        "tenant_id": line.tenant_id,
+        "allocation_id": line.allocation_id,
+        "gpu_type": line.gpu_type,
+        "price_version_id": line.price_version_id,
+        "gpu_ms": line.gpu_ms,
+        "amount_micro": line.amount_micro,
+        "sample_count": 0,
+        "reverses_posting_id": None,
+        "reason": "true-up to the time the allocation held (its events), against what its nodes metered",
+        "created_ms": now_ms,
+    }
+    return insert_posting(connection, posting, lines if line.amount_micro >= 0 else mirrored(lines))
+
+
 def closed_periods(connection: Connection) -> set[str]:
     return set(connection.execute(select(billing_periods.c.period_id)).scalars())
 
@@ -110,6 +133,7 @@ def reverse_posting(connection: Connection, posting_id: int, *, reason: str, now
     reversal = {
         "kind": "reversal",
         "billing_period": first_open_period(original["billing_period"], closed_periods(connection)),
+        "source": original["source"],
         "usage_period": original["usage_period"],
         "tenant_id": original["tenant_id"],
         "allocation_id": original["allocation_id"],

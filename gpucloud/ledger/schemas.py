@@ -73,6 +73,12 @@ class AllocationEventIn(BaseModel):
     at_ms: int = Field(ge=0)
     node_id: str | None = Field(default=None, min_length=1, max_length=128)
     gpu_type: str | None = Field(default=None, min_length=1, max_length=64)
+    gpu_count: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="GPUs of the node a node_added event adds, as the control plane knows it",
+    )
 
 
 class AllocationEventOut(AllocationEventIn):
@@ -147,6 +153,9 @@ class EntryLineOut(BaseModel):
 class PostingOut(BaseModel):
     id: int
     kind: Literal["usage", "reversal"]
+    source: Literal["meter", "held"] = Field(
+        description="meter: the nodes' samples; held: the close's true-up to the allocation's held time"
+    )
     billing_period: str
     usage_period: str
     tenant_id: str

@@ -94,6 +94,7 @@ allocation_events = Table(
     Column("kind", String(16), nullable=False),
     Column("node_id", String(128)),
     Column("gpu_type", String(64)),
+    Column("gpu_count", Integer),
     Column("at_ms", BigInteger, nullable=False),
     Column("recorded_ms", BigInteger, nullable=False),
     CheckConstraint("kind IN ('start', 'node_added', 'node_removed', 'end')", name="kind_known"),
@@ -120,6 +121,9 @@ postings = Table(
     metadata,
     Column("id", IdType, primary_key=True, autoincrement=True),
     Column("kind", String(16), nullable=False),
+    # Where a usage posting comes from: the nodes' meters, or the close's true-up to held time
+    # (`held.py`). A reversal keeps its original's.
+    Column("source", String(8), nullable=False, server_default="meter"),
     *_line_columns(nullable=False),
     Column("gpu_ms", BigInteger, nullable=False),
     Column("amount_micro", BigInteger, nullable=False),

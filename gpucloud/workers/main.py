@@ -81,7 +81,7 @@ def build_worker(
             *db.all(),
             *agent.all(),
             *ReconcilerActivities(client, cp.db, settings).all(),
-            *LedgerActivities(cp.ledger).all(),
+            *LedgerActivities(cp.ledger, cp.db).all(),
             *FabricActivities(cp.db, cp.fabric).all(),
             *tenant.all(),
             *TenantStorageActivities(cp.tenant_store, fault_hook=fault_hook).all(),

@@ -143,11 +143,11 @@ class AllocationWorkflow(DrainAndReplace):
             # provisioned meanwhile.
             self._ledger.started(view, [])
             return None
-        self._ledger.started(view, [r.node_id for r in results if r.ok])
         failed = [r for r in results if not r.ok]
         self._provision_errors = [f"{r.node_id}: {r.error}" for r in failed]
         self._provision_failed_nodes = [r.node_id for r in failed]
         if failed and (self._cancel_requested or len(failed) > inp.provision_retries):
+            self._ledger.started(view, [])
             return self._provision_failure()
         if failed:
             # A node that failed provisioning is already on its way back to the pool (wipe,
@@ -157,12 +157,20 @@ class AllocationWorkflow(DrainAndReplace):
             await self._replace_all(view, owed=owed)
             self._provision_tries_left = None
             if self._gave_up:
+                self._ledger.started(view, [])
                 return self._provision_failure()
         # A node reported bad while provisioning is replaced first; the last attach marks the
         # allocation ready.
         replaced_first = bool(failed) or (bool(self._replacements) and await self._replace_all(view))
         if not replaced_first:
             await self._set_status(view, "ready")
+        # Billing starts now that the tenant has the allocation: the nodes provisioned first count
+        # from here, replacements from their attach (a moment ago; the ledger clips them to here).
+        # A first node pulled before ready is not the tenant's any more.
+        members = [r.node_id for r in results if r.ok]
+        if replaced_first:
+            members = [node for node in members if node in (await self._load()).node_ids]
+        self._ledger.started(view, members)
         return None
 
     def _provision_failure(self) -> str:

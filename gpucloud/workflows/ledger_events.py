@@ -1,9 +1,9 @@
 """What an allocation workflow tells the billing ledger: when it and its nodes started and ended.
 
-The ledger uses these events to refuse usage for allocations it never heard of (such usage
-waits in the agents' spools until the event arrives) and to reconcile metered time against
-allocated time. A node counts as added once it is provisioned, and as removed when its release
-begins, so every allocated millisecond is one the agent meters.
+They are what the tenant is billed for (`ledger/held.py`): a node counts from the moment the
+allocation becomes ready (a replacement from its attach) until its release or pull begins. The
+ledger also uses them to refuse usage for allocations it never heard of (such usage waits in the
+agents' spools until the event arrives) and to reconcile the nodes' meters against held time.
 
 Sends are started where the event happens and not awaited there: a ledger that is down must
 not hold up provisioning or a cancel. They are awaited before the run ends or continues as new,

@@ -27,9 +27,16 @@ def _stop(proc: subprocess.Popen) -> None:
     assert proc.wait(60) == 0
 
 
+def _exited(proc: subprocess.Popen, tmp_path) -> bool:
+    """Fail at once, with its log, when `up` died instead of waiting out the deadline."""
+    if proc.poll() is None:
+        return False
+    raise AssertionError(f"`up` exited with {proc.returncode}:\n{(tmp_path / 'up.log').read_text()[-4000:]}")
+
+
 @pytest.mark.long
 def test_up_stops_cleanly_and_resumes(tmp_path):
-    ports = {"api": free_port(), "sim": free_port(), "temporal": free_port(), "ledger": free_port()}
+    ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker")}
     env = {
         **os.environ,
         "GPUCLOUD_DATA_DIR": str(tmp_path),
@@ -37,6 +44,7 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         "GPUCLOUD_AGENT__SIM_PORT": str(ports["sim"]),
         "GPUCLOUD_TEMPORAL__ADDRESS": f"127.0.0.1:{ports['temporal']}",
         "GPUCLOUD_LEDGER__PORT": str(ports["ledger"]),
+        "GPUCLOUD_TRACKER__URL": f"http://127.0.0.1:{ports['tracker']}",
     }
     api = f"http://127.0.0.1:{ports['api']}"
     log = open(tmp_path / "up.log", "ab")  # noqa: SIM115 - both runs of `up` write to it; closed with the test
@@ -53,7 +61,11 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         token = (tmp_path / "operator_token").read_text().strip()
         assert oct((tmp_path / "operator_token").stat().st_mode & 0o777) == "0o600"
         op = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-        wait_until(lambda: [n["state"] for n in nodes(op)] == ["available"] * 4, timeout_s=120, what="fleet up")
+        wait_until(
+            lambda: [n["state"] for n in nodes(op)] == ["available"] * 4 or _exited(proc, tmp_path),
+            timeout_s=180,
+            what="fleet up",
+        )
         tenant = op.post("/v1/tenants", json={"name": "resume"}).json()
         key = tenant["api_key"]["key"]  # shown once, in the answer that creates the tenant
         wait_until(
@@ -84,7 +96,7 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
 
     proc = _up(env, log)
     try:
-        wait_until(lambda: len(nodes(op)) == 4, timeout_s=120, what="second up")
+        wait_until(lambda: len(nodes(op)) == 4 or _exited(proc, tmp_path), timeout_s=180, what="second up")
         assert acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready"
         assert sorted(n["state"] for n in nodes(op)) == ["active", "active", "available", "available"]
         assert acme.post(f"/v1/allocations/{alloc_id}/cancel").status_code == 202

@@ -32,7 +32,47 @@ def test_migrations_create_exactly_the_declared_schema(database) -> None:
 def test_migrating_twice_is_a_no_op(database) -> None:
     database.migrate()
     with database.read() as connection:
-        assert connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all() == ["0001"]
+        assert connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all() == ["0002"]
+
+
+def test_a_ledger_from_before_held_time_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
+    """0001 -> 0002 on a ledger with books: old postings are the meters', old events name no GPU
+    count, and the tables stay append-only."""
+    from alembic import command
+    from alembic.config import Config
+
+    from gpucloud.ledger.db import MIGRATIONS_DIR, LedgerDatabase
+
+    database = LedgerDatabase(f"sqlite:///{tmp_path / 'old.db'}")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("version_table", VERSION_TABLE)
+    with database.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0001")
+        connection.execute(
+            text("INSERT INTO price_book_versions (effective_from_ms, note, created_ms) VALUES (0, '', 0)")
+        )
+        connection.execute(
+            text(
+                "INSERT INTO postings (kind, billing_period, usage_period, tenant_id, allocation_id, gpu_type,"
+                " price_version_id, gpu_ms, amount_micro, sample_count, reason, created_ms)"
+                " VALUES ('usage', '2024-01', '2024-01', 't', 'a', 'h100', 1, 5, 5, 1, '', 0)"
+            )
+        )
+        connection.execute(
+            text(
+                "INSERT INTO allocation_events (event_id, allocation_id, tenant_id, kind, at_ms, recorded_ms)"
+                " VALUES ('e1', 'a', 't', 'start', 0, 0)"
+            )
+        )
+    database.migrate()
+    with database.read() as connection:
+        assert connection.execute(text("SELECT source, gpu_ms FROM postings")).all() == [("meter", 5)]
+        assert connection.execute(text("SELECT gpu_count FROM allocation_events")).scalars().all() == [None]
+    with pytest.raises(exc.DatabaseError, match="append-only"), database.write() as connection:
+        connection.execute(text("UPDATE postings SET source = 'held'"))
+    database.dispose()
 
 
 def test_the_database_refuses_updates_and_deletes_on_the_books(database) -> None:

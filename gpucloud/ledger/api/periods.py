@@ -45,5 +45,5 @@ def invoice(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
 def draft(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
     """An open period's invoice as closing it now would produce it; stored nowhere (409 once closed)."""
     with ledger.database.read() as connection:
-        invoice = draft_invoice(connection, period_id, tenant_id, ledger.prices)
+        invoice = draft_invoice(connection, period_id, tenant_id, ledger.prices, now_ms=ledger.clock_ms())
     return Response(content=invoice.body, media_type="application/json", headers={"ETag": f'"{invoice.sha256}"'})
