@@ -50,7 +50,7 @@ from gpucloud.agent.tools import (
     burn_in_figure,
     thermal_soak,
 )
-from gpucloud.agent.workloads import StopFailed, WorkloadSupervisor
+from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.web import problems
 from gpucloud.web.service_tokens import Verifier, refusal
@@ -177,7 +177,9 @@ class Agent:
             await asyncio.to_thread(
                 self.workloads.start, req.allocation_id, req.workload, cwd=self.state.scratch_dir / "work"
             )
-        except (RuntimeError, OSError) as exc:
+        except NoContainerRuntime as exc:
+            return _problem(422, "No container runtime", str(exc))
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             return _problem(409, "Workload not started", str(exc))
         return None
 
@@ -346,6 +348,7 @@ def main(
     tls: ServerTLS | None = None,
     insecure: bool = False,
     state_dir: Path = Path("/var/lib/gpucloud/agent"),
+    container_runtime: str | None = None,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
@@ -385,7 +388,7 @@ def main(
         probe,
         gpu_type=gpu_type,
         inspect_stack=not isinstance(probe, SimulatedProbe),
-        workloads=WorkloadSupervisor(state_dir / "workloads"),
+        workloads=WorkloadSupervisor(state_dir / "workloads", container_runtime=container_runtime),
     )
     client = httpx.AsyncClient(base_url=control_plane_url, timeout=30, verify=client_verify())
     metering = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The actions every agent serves at `POST /actions/{action}`.
 ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
@@ -17,11 +17,27 @@ class Workload(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    command: list[str] = Field(min_length=1, max_length=256, description="argv: the program and its arguments")
+    command: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="argv: the program and its arguments (with an image: run in it instead of its entrypoint)",
+    )
+    image: str | None = Field(
+        None,
+        max_length=255,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$",
+        description="a container image to run (nodes with podman or docker); without one the command runs on the host",
+    )
     env: dict[str, str] = Field(default_factory=dict, max_length=256)
     ssh_keys: list[str] = Field(
         default_factory=list, max_length=64, description="public keys let in to the nodes (authorized_keys)"
     )
+
+    @model_validator(mode="after")
+    def _something_to_run(self) -> Workload:
+        if not self.command and self.image is None:
+            raise ValueError("a workload names a command, an image, or both")
+        return self
 
 
 class WorkloadStatus(BaseModel):
@@ -30,7 +46,10 @@ class WorkloadStatus(BaseModel):
     state: Literal["none", "running", "exited", "stopped"]
     allocation_id: str | None = None
     exit_code: int | None = None
-    isolation: str | None = Field(None, description="pid-namespace, or process-group where namespaces are refused")
+    isolation: str | None = Field(
+        None,
+        description="pid-namespace, process-group where namespaces are refused, or container (podman or docker)",
+    )
 
 
 class ActionRequest(BaseModel):

@@ -11,6 +11,13 @@ or not permitted (no CAP_SYS_ADMIN), the workload runs in a session of its own a
 signals that process group, which a process that leaves its group escapes: the agent says so in
 its status (`isolation`).
 
+A workload with a container `image` runs in a container of the node's runtime (podman, else
+docker; `--container-runtime` names another), detached and named after its allocation, with the
+node's GPUs and its host network (the fabric is the node's): the runtime owns its processes (a
+PID namespace of the container's own), `stop` asks the runtime to stop it (SIGTERM, the grace
+period, SIGKILL), removes it, and confirms the runtime no longer lists it. A node without a
+runtime refuses such a workload with a clear error instead of running something else.
+
 The supervisor keeps what runs in a state file, so an agent restarted while the tenant's job
 runs still finds it, reports it and stops it at release; the job does not depend on the agent
 process (a new session, not the agent's child once the agent is gone).
@@ -36,7 +43,7 @@ from gpucloud.config import write_private
 
 log = logging.getLogger(__name__)
 
-Isolation = Literal["pid-namespace", "process-group"]
+Isolation = Literal["pid-namespace", "process-group", "container"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +56,69 @@ class Running:
     isolation: str
     started_at: float
     log_path: str
+    container: str | None = None  # the container's name, when the workload runs in one
+    runtime: str | None = None  # the runtime that runs it (podman or docker)
 
 
 class StopFailed(RuntimeError):
     """Processes of the workload were still alive after SIGKILL."""
+
+
+class NoContainerRuntime(RuntimeError):
+    """The workload names an image and this node has no container runtime."""
+
+
+class ContainerRuntime:
+    """The node's podman or docker CLI: the few commands a workload needs, each bounded in time."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.flavour = "podman" if "podman" in Path(path).name else "docker"
+
+    def _run(self, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+        return subprocess.run([self.path, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    def start(self, name: str, allocation_id: str, workload: Workload, env_file: Path, log_path: Path) -> None:
+        gpus = ["--device", "nvidia.com/gpu=all"] if self.flavour == "podman" else ["--gpus", "all"]
+        answer = self._run(
+            "run",
+            "--detach",
+            "--name",
+            name,
+            "--label",
+            f"gpucloud.allocation={allocation_id}",
+            "--env-file",
+            str(env_file),
+            "--network",
+            "host",
+            "--ipc",
+            "host",
+            *gpus,
+            "--",
+            str(workload.image),
+            *workload.command,
+            timeout_s=600.0,  # the image may be pulled first
+        )
+        with open(log_path, "a") as out:
+            out.write(answer.stdout + answer.stderr)
+        if answer.returncode != 0:
+            raise RuntimeError(f"{self.flavour} run {workload.image} failed: {answer.stderr.strip()[-500:]}")
+
+    def state(self, name: str) -> tuple[str, int | None, int]:
+        """(status, exit code, main pid); ("missing", None, 0) once the runtime no longer has it."""
+        answer = self._run("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}} {{.State.Pid}}", name)
+        if answer.returncode != 0:
+            return "missing", None, 0
+        status, code, pid = [*answer.stdout.split(), "", "0", "0"][:3]
+        return status, int(code) if code.lstrip("-").isdigit() else None, int(pid) if pid.isdigit() else 0
+
+    def stop(self, name: str, grace_s: float) -> None:
+        self._run("stop", "--time", str(max(1, round(grace_s))), name, timeout_s=grace_s + 60.0)
+        self._run("rm", "--force", name)
+
+    def listed(self, name: str) -> bool:
+        answer = self._run("ps", "--all", "--quiet", "--filter", f"name=^{name}$")
+        return answer.returncode != 0 or bool(answer.stdout.strip())
 
 
 def _namespace_of(pid: int) -> str | None:
@@ -90,11 +156,21 @@ def processes_in(namespace: str) -> list[int]:
 class WorkloadSupervisor:
     """One node's workload: start, status, stop; its record kept in `state_dir`."""
 
-    def __init__(self, state_dir: Path, *, grace_s: float = 10.0, unshare: str | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        grace_s: float = 10.0,
+        unshare: str | None = None,
+        container_runtime: str | None = None,
+    ) -> None:
         self.state_dir = state_dir
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.grace_s = grace_s
         self._unshare = unshare if unshare is not None else shutil.which("unshare")
+        # None: the node's podman, else docker; "": none (commands only).
+        found = shutil.which("podman") or shutil.which("docker") if container_runtime is None else container_runtime
+        self.runtime = ContainerRuntime(found) if found else None
         self._lock = threading.Lock()
         self._isolation: Isolation | None = None  # probed once, on the first start
         self._proc: subprocess.Popen | None = None  # ours to reap, when this agent started it
@@ -128,6 +204,8 @@ class WorkloadSupervisor:
                 raise RuntimeError(f"the workload of allocation {current.allocation_id} still runs; release it first")
             cwd.mkdir(parents=True, exist_ok=True)
             log_path = self.state_dir / f"workload-{allocation_id}.log"
+            if workload.image is not None:
+                return self._start_container(allocation_id, workload, log_path)
             env = {
                 "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                 **workload.env,
@@ -149,6 +227,40 @@ class WorkloadSupervisor:
             self._save(running)
             log.info("workload of %s started: pid %d (%s)", allocation_id, self._proc.pid, isolation)
             return running
+
+    def _start_container(self, allocation_id: str, workload: Workload, log_path: Path) -> Running:
+        if self.runtime is None:
+            raise NoContainerRuntime(
+                f"the workload runs image {workload.image}, and this node has no container runtime "
+                "(podman or docker): run a command instead, or use nodes that have one"
+            )
+        name = f"gpucloud-{allocation_id}"
+        if self.runtime.state(name)[0] != "missing":
+            self.runtime.stop(name, self.grace_s)  # a leftover of an earlier try: start afresh
+        env_file = self.state_dir / f"workload-{allocation_id}.env"
+        write_private(
+            env_file,
+            "".join(f"{k}={v}\n" for k, v in {**workload.env, "GPUCLOUD_ALLOCATION_ID": allocation_id}.items()),
+        )
+        try:
+            self.runtime.start(name, allocation_id, workload, env_file, log_path)
+        finally:
+            env_file.unlink(missing_ok=True)
+        _, _, pid = self.runtime.state(name)
+        running = Running(
+            allocation_id,
+            pid,
+            _namespace_of(pid) if pid else None,
+            "container",
+            time.time(),
+            str(log_path),
+            container=name,
+            runtime=self.runtime.path,
+        )
+        self._save(running)
+        self._proc, self._exit_code = None, None
+        log.info("workload of %s started: container %s (%s)", allocation_id, name, self.runtime.flavour)
+        return running
 
     def _namespaces_work(self) -> bool:
         if not self._unshare:
@@ -175,6 +287,8 @@ class WorkloadSupervisor:
     # Status ---------------------------------------------------------------------------------------
 
     def _is_running(self, current: Running) -> bool:
+        if current.container is not None:
+            return ContainerRuntime(current.runtime or "docker").state(current.container)[0] == "running"
         self._reap()
         if current.pid_namespace is not None:
             return bool(processes_in(current.pid_namespace))
@@ -203,6 +317,11 @@ class WorkloadSupervisor:
             if current is None:
                 return {"workload": "none"}
             base = {"allocation_id": current.allocation_id, "isolation": current.isolation, "pid": current.pid}
+            if current.container is not None:
+                status, code, _ = ContainerRuntime(current.runtime or "docker").state(current.container)
+                if status in ("running", "created", "restarting", "paused"):
+                    return base | {"workload": "running", "container": current.container}
+                return base | {"workload": "exited", "exit_code": code, "container": current.container}
             if self._is_running(current):
                 return base | {"workload": "running"}
             self._reap(wait_s=2.0)  # its last process is gone: the one we started ends at once
@@ -216,6 +335,8 @@ class WorkloadSupervisor:
             current = self.running()
             if current is None:
                 return {"workload": "none", "stopped": 0}
+            if current.container is not None:
+                return self._stop_container(current)
             before = self._members(current)
             if before:
                 self._signal(current, signal.SIGTERM)
@@ -234,6 +355,20 @@ class WorkloadSupervisor:
             self._save(None)
             log.info("workload of %s stopped (%d processes)", current.allocation_id, len(before))
             return {"workload": "stopped", "allocation_id": current.allocation_id, "stopped": len(before)}
+
+    def _stop_container(self, current: Running) -> dict:
+        assert current.container is not None
+        runtime = ContainerRuntime(current.runtime or "docker")
+        was_running = runtime.state(current.container)[0] == "running"
+        runtime.stop(current.container, self.grace_s)
+        if runtime.listed(current.container):
+            raise StopFailed(f"{runtime.flavour} still lists container {current.container} after stop and rm")
+        left = processes_in(current.pid_namespace) if current.pid_namespace is not None else []
+        if left:
+            raise StopFailed(f"{len(left)} processes of container {current.container} survived its removal")
+        self._save(None)
+        log.info("workload of %s stopped (container %s removed)", current.allocation_id, current.container)
+        return {"workload": "stopped", "allocation_id": current.allocation_id, "stopped": int(was_running)}
 
     def _members(self, current: Running) -> list[int]:
         self._reap()

@@ -292,6 +292,9 @@ def agent(
     state_dir: Annotated[
         Path, typer.Option(help="what the agent keeps across restarts: the tenancy, the workload it runs")
     ] = Path("/var/lib/gpucloud/agent"),
+    container_runtime: Annotated[
+        str | None, typer.Option(help="the CLI that runs workloads' images (default: podman, else docker, on PATH)")
+    ] = None,
     heartbeat_s: float = 10.0,
     reading_s: float = 30.0,
     allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
@@ -356,6 +359,7 @@ def agent(
         gpu_type=gpu_type,
         tls=web_tls.ServerTLS(tls_cert, tls_key) if tls_cert and tls_key else None,
         insecure=insecure,
+        container_runtime=container_runtime,
     )
 
 

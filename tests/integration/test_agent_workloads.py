@@ -158,3 +158,76 @@ def test_the_heartbeat_carries_what_runs_of_the_workload(tmp_path):
         "isolation": "pid-namespace",
     }
     assert _act(agent, "release", "r1")[0] == 200
+
+
+def _container_agent(tmp_path: Path, runtime: str | None) -> Agent:
+    state = HostState(
+        node_id="gpu-1", boot_id="boot-1", scratch_dir=tmp_path / "scratch", state_file=tmp_path / "state" / "host.json"
+    )
+    state.restore()
+    workloads = WorkloadSupervisor(tmp_path / "state" / "workloads", grace_s=0.5, container_runtime=runtime or "")
+    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=NoTools(), workloads=workloads)
+
+
+def test_an_image_workload_runs_in_the_nodes_container_runtime_and_nothing_of_it_is_left_after_release(tmp_path):
+    from support.container_runtime import write_runtime
+
+    runtime = write_runtime(tmp_path / "runtime", ["nvcr.io/nvidia/pytorch:24.05-py3"])
+    agent = _container_agent(tmp_path, runtime)
+    workload = Workload(image="nvcr.io/nvidia/pytorch:24.05-py3", command=STUBBORN, env={"JOB": "x"})
+    status, body = _act(agent, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=workload)
+    assert status == 200, body
+    assert body["workload_status"]["workload"] == "running"
+    assert body["workload_status"]["isolation"] == "container"
+    running = agent.workloads.running()
+    assert running.container == "gpucloud-a1" and running.pid_namespace is not None
+    wait_until(lambda: len(processes_in(running.pid_namespace)) >= 3, timeout_s=10, what="the job and its children")
+    calls = [json.loads(line) for line in (tmp_path / "runtime" / "calls.jsonl").read_text().splitlines()]
+    run = next(call for call in calls if call[0] == "run")
+    # The node's GPUs and network, the allocation's label; the env in a file, not on the command line.
+    assert run[run.index("--gpus") : run.index("--gpus") + 2] == ["--gpus", "all"]
+    assert run[run.index("--network") + 1] == "host" and "gpucloud.allocation=a1" in run
+    assert not any("JOB=x" in arg for arg in run)
+    assert not list((tmp_path / "state" / "workloads").glob("*.env"))  # removed once the run started
+
+    status, body = _act(agent, "release", "r1")
+    assert status == 200, body
+    assert body["workload_status"] == {"workload": "none"}
+    assert processes_in(running.pid_namespace) == []
+    assert not (tmp_path / "runtime" / "containers" / "gpucloud-a1.json").exists()  # removed, not only stopped
+    assert _act(agent, "release", "r2")[0] == 200
+
+
+def test_an_image_the_node_cannot_run_is_a_clear_refusal(tmp_path):
+    from support.container_runtime import write_runtime
+
+    nowhere = _container_agent(tmp_path / "a", None)
+    status, body = _act(
+        nowhere, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=Workload(image="train:1")
+    )
+    assert status == 422 and "no container runtime" in body["detail"], body
+    assert nowhere.workloads.running() is None
+
+    runtime = write_runtime(tmp_path / "runtime", ["train:1"])
+    missing = _container_agent(tmp_path / "b", runtime)
+    status, body = _act(
+        missing, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=Workload(image="nope:2")
+    )
+    assert status == 409 and "Unable to find image 'nope:2'" in body["detail"], body
+
+    # An image whose job exits is reported with the job's code.
+    ran = _container_agent(tmp_path / "c", runtime)
+    workload = Workload(image="train:1", command=["sh", "-c", "exit 4"])
+    assert _act(ran, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=workload)[0] == 200
+    wait_until(lambda: ran.workloads.status()["workload"] == "exited", timeout_s=10, what="the job exits")
+    assert ran.workloads.status()["exit_code"] == 4
+    assert _act(ran, "release", "r1")[0] == 200
+
+
+def test_a_workload_names_something_to_run():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="a command, an image, or both"):
+        Workload()
+    with pytest.raises(ValidationError, match="image"):
+        Workload(image="bad image name")

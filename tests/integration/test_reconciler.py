@@ -42,8 +42,13 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
     await worker.__aexit__(None, None, None)  # the worker goes down mid-provisioning
     await asyncio.sleep(4.5)  # ... long enough for the provisioning deadline to pass
     assert any(n["state"] == "provisioning" for n in h.nodes())
+    # The provisions the restarted worker resumes must not finish before the first sweep runs.
+    for node in h.nodes():
+        h.sim.set_unreachable(node["id"], True)
     await in_process_worker(h.settings)
     result = await h.sweep(temporal_env.client)
+    for node in h.nodes():
+        h.sim.set_unreachable(node["id"], False)
     assert result.deadlines_applied >= 1
     events = h.operator.get(f"/v1/nodes/{h.nodes()[0]['id']}/events").json()["items"]
     assert any(e["event"] == "deadline" and e["actor"] == "reconciler" for e in events) or any(
