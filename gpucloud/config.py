@@ -224,6 +224,25 @@ class TrackerSettings(BaseModel):
     url: str = "http://127.0.0.1:8480"
 
 
+class BmcSettings(BaseModel):
+    """Out-of-band management: each node's BMC over Redfish (`adapters/bmc.py`)."""
+
+    # One file per credential reference a node names, holding `username:password` (0600);
+    # default `<data dir>/bmc_credentials`. Node rows keep the reference, never the secret.
+    credentials_dir: Path | None = None
+    # One Redfish request (connect and read).
+    timeout_s: float = Field(10.0, gt=0)
+    # A power change the BMC accepted must show in its power state within this.
+    power_wait_s: float = Field(120.0, gt=0)
+    poll_s: float = Field(1.0, gt=0)
+    # After a power-on, the node's agent must heartbeat again within this.
+    boot_wait_s: float = Field(600.0, gt=0)
+    # An agent silent this long (past the heartbeat timeout) on a node with a BMC is power-cycled.
+    power_cycle_after_s: float = Field(300.0, gt=0)
+    # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet.
+    emulator_port: int = 8600
+
+
 class TLSSettings(BaseModel):
     """TLS for every server of the control plane and the CA every client verifies them against
     (`web/tls.py`). With `cert_file` and `key_file` each server speaks only TLS; without them a
@@ -265,6 +284,7 @@ class Settings(BaseSettings):
     registry: RegistrySettings = RegistrySettings()
     tracker: TrackerSettings = TrackerSettings()
     tls: TLSSettings = TLSSettings()
+    bmc: BmcSettings = BmcSettings()
 
     @property
     def database_url(self) -> str:
@@ -296,6 +316,10 @@ class Settings(BaseSettings):
         if self.api.operator_token is not None:
             return self.api.operator_token.get_secret_value()
         return load_or_create_operator_token(self.data_dir)
+
+    @property
+    def bmc_credentials_dir(self) -> Path:
+        return (self.bmc.credentials_dir or self.data_dir / "bmc_credentials").resolve()
 
     @property
     def issuer_key_path(self) -> Path:

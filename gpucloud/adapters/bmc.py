@@ -1,0 +1,251 @@
+"""Nodes' BMCs over Redfish, through `sushy` (the client Ironic uses): the one client of BMCs.
+
+A node's BMC is a Redfish service (`url`), the node's system on it (`system_id`, a member of
+its Systems collection) and a credential reference the control plane resolves in its secrets
+directory (`BmcCredentials`); the secret never sits in the node's row.
+
+Every call is bounded (`timeout_s` per request, one attempt inside sushy) and every failure is a
+`BmcError` with a kind that says whether trying again can help: `auth` (wrong credentials),
+`not_found` (no such system), `bad_request` and `unsupported` are final; `unreachable`,
+`timeout` and `server_error` (5xx, or an answer that is not Redfish) are worth retrying, and the
+caller bounds how often. A BMC that accepts a power action but whose power state never follows
+is `stuck` after `power_wait_s`.
+
+Power actions are idempotent: `on` of a system that is on, or `off` of one that is off, sends
+nothing. `cycle` is an explicit off, then on, each waited for, so a BMC that only pretends to
+reset is caught at the first wait.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import sushy
+from sushy import exceptions as sushy_errors
+
+BmcErrorKind = Literal[
+    "auth", "not_found", "bad_request", "unsupported", "unreachable", "timeout", "server_error", "stuck"
+]
+PowerAction = Literal["on", "off", "cycle"]
+_RETRYABLE = frozenset({"unreachable", "timeout", "server_error"})
+
+
+class BmcError(Exception):
+    def __init__(self, kind: BmcErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in _RETRYABLE
+
+
+@dataclass(frozen=True)
+class BmcEndpoint:
+    """Where a node's BMC is and how to log in to it (resolved, in memory only)."""
+
+    url: str
+    system_id: str
+    username: str
+    password: str
+
+
+@dataclass(frozen=True)
+class SystemInfo:
+    """What a BMC says about one system: merged into the node's record at enrollment."""
+
+    system_id: str
+    name: str | None
+    power_state: str | None
+    manufacturer: str | None
+    model: str | None
+    serial_number: str | None
+    cpu_count: int | None
+    memory_gib: float | None
+    bios_version: str | None
+    uuid: str | None
+
+    def as_record(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if value is not None}
+
+
+class BmcCredentials:
+    """Credential references resolved from a directory: `<dir>/<ref>` holds `username:password`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def resolve(self, ref: str) -> tuple[str, str]:
+        if not ref or "/" in ref or ref.startswith("."):
+            raise BmcError("auth", f"credential reference {ref!r} is not a name in the credentials directory")
+        try:
+            username, _, password = (self.directory / ref).read_text().strip().partition(":")
+        except OSError:
+            raise BmcError(
+                "auth", f"no BMC credential {ref!r}: put 'username:password' in {self.directory / ref} (0600)"
+            ) from None
+        return username, password
+
+
+def _translate(error: Exception, what: str) -> BmcError:
+    """A sushy or transport failure as a `BmcError`."""
+    if isinstance(error, BmcError):
+        return error
+    if isinstance(error, sushy_errors.AccessError):
+        return BmcError("auth", f"{what}: the BMC refused the credentials (HTTP {error.status_code})")
+    if isinstance(error, sushy_errors.ResourceNotFoundError):
+        return BmcError("not_found", f"{what}: the BMC has no such system")
+    if isinstance(error, sushy_errors.BadRequestError):
+        return BmcError("bad_request", f"{what}: the BMC refused the request: {error.detail or error}")
+    if isinstance(error, sushy_errors.ServerSideError):
+        return BmcError("server_error", f"{what}: the BMC failed (HTTP {error.status_code})")
+    if isinstance(error, sushy_errors.ConnectionError):
+        text = str(error)
+        kind: BmcErrorKind = "timeout" if "timed out" in text.lower() or "timeout" in text.lower() else "unreachable"
+        return BmcError(
+            kind, f"{what}: {'no answer in time' if kind == 'timeout' else 'cannot connect'} ({text[:200]})"
+        )
+    if isinstance(error, sushy_errors.SushyError):
+        return BmcError("server_error", f"{what}: the BMC's answer is not valid Redfish ({str(error)[:200]})")
+    return BmcError("server_error", f"{what}: {type(error).__name__}: {str(error)[:200]}")
+
+
+class RedfishBmc:
+    """One node's BMC."""
+
+    def __init__(
+        self,
+        endpoint: BmcEndpoint,
+        *,
+        timeout_s: float = 10.0,
+        power_wait_s: float = 120.0,
+        poll_s: float = 1.0,
+        verify: bool | str = True,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.power_wait_s = power_wait_s
+        self.poll_s = poll_s
+        self.verify = verify
+        self._root: sushy.Sushy | None = None
+
+    def _sushy(self) -> sushy.Sushy:
+        if self._root is None:
+            try:
+                self._root = _connect(self.endpoint.url, self.endpoint.username, self.endpoint.password, self)
+            except Exception as error:
+                raise _translate(error, f"BMC {self.endpoint.url}") from error
+        return self._root
+
+    def _system(self):
+        what = f"system {self.endpoint.system_id} on {self.endpoint.url}"
+        try:
+            return self._sushy().get_system(f"/redfish/v1/Systems/{self.endpoint.system_id}")
+        except Exception as error:
+            raise _translate(error, what) from error
+
+    def system(self) -> SystemInfo:
+        system = self._system()
+        return _info(system)
+
+    def power_state(self) -> str:
+        system = self._system()
+        return system.power_state.value if system.power_state is not None else "Unknown"
+
+    def power(self, action: PowerAction) -> str:
+        """Bring the system's power to what `action` asks and wait until it shows; returns what
+        was done, in words (the BMC's answer for the node's events)."""
+        state = self.power_state()
+        if action == "on":
+            return "already on" if state == "On" else self._reset("On", want="On", was=state)
+        if action == "off":
+            return "already off" if state == "Off" else self._reset("ForceOff", want="Off", was=state)
+        steps = [] if state == "Off" else [self._reset("ForceOff", want="Off", was=state)]
+        steps.append(self._reset("On", want="On", was="Off"))
+        return "; ".join(steps)
+
+    def _reset(self, reset_type: str, *, want: str, was: str) -> str:
+        system = self._system()
+        started = time.monotonic()
+        try:
+            system.reset_system(sushy.ResetType(reset_type))
+        except Exception as error:
+            raise _translate(error, f"{reset_type} of system {self.endpoint.system_id}") from error
+        deadline = started + self.power_wait_s
+        state = was
+        while time.monotonic() < deadline:
+            state = self.power_state()
+            if state == want:
+                return f"{reset_type} accepted; power {was} -> {want} in {time.monotonic() - started:.1f} s"
+            time.sleep(self.poll_s)
+        raise BmcError(
+            "stuck",
+            f"the BMC accepted {reset_type} but the power state is still {state} after {self.power_wait_s:.0f} s",
+        )
+
+    def firmware_update(self, image_uri: str) -> str:
+        """Redfish SimpleUpdate of the system's firmware; `unsupported` where the BMC has none."""
+        root = self._sushy()
+        try:
+            service = root.get_update_service()
+        except Exception as error:
+            raise BmcError("unsupported", f"the BMC offers no UpdateService ({_translate(error, 'update')})") from error
+        target = f"/redfish/v1/Systems/{self.endpoint.system_id}"
+        try:
+            service.simple_update(image_uri, targets=[target])
+        except Exception as error:
+            translated = _translate(error, f"SimpleUpdate of {target}")
+            if translated.kind == "server_error":
+                raise BmcError(
+                    "unsupported", f"the BMC's UpdateService cannot update {target}: {translated}"
+                ) from error
+            raise translated from error
+        return f"SimpleUpdate of {target} with {image_uri} accepted"
+
+
+def _connect(url: str, username: str, password: str, bmc: RedfishBmc) -> sushy.Sushy:
+    from sushy import auth
+
+    return sushy.Sushy(
+        url,
+        auth=auth.BasicAuth(username, password),
+        verify=bmc.verify,
+        # One attempt per request (sushy takes 0 to mean its default of 3): the caller bounds retries.
+        server_side_retries=1,
+        server_side_retries_delay=1,
+        read_timeout=bmc.timeout_s,
+        connect_timeout=bmc.timeout_s,
+    )
+
+
+def _info(system) -> SystemInfo:
+    raw = system.json
+    memory = (raw.get("MemorySummary") or {}).get("TotalSystemMemoryGiB")
+    cpus = (raw.get("ProcessorSummary") or {}).get("Count")
+    return SystemInfo(
+        system_id=system.identity,
+        name=system.name,
+        power_state=system.power_state.value if system.power_state is not None else None,
+        manufacturer=system.manufacturer,
+        model=system.model,
+        serial_number=system.serial_number,
+        cpu_count=int(cpus) if isinstance(cpus, int) else None,
+        memory_gib=float(memory) if isinstance(memory, int | float) else None,
+        bios_version=raw.get("BiosVersion"),
+        uuid=system.uuid,
+    )
+
+
+def discover(
+    url: str, username: str, password: str, *, timeout_s: float = 10.0, verify: bool | str = True
+) -> list[SystemInfo]:
+    """Every system a BMC (or a chassis manager) lists in its Systems collection."""
+    bmc = RedfishBmc(BmcEndpoint(url, "", username, password), timeout_s=timeout_s, verify=verify)
+    try:
+        systems = bmc._sushy().get_system_collection().get_members()
+        return [_info(system) for system in systems]
+    except Exception as error:
+        raise _translate(error, f"Systems of {url}") from error

@@ -1,0 +1,118 @@
+"""The BMC client against a real Redfish server: the sushy-tools emulator over HTTP, and a
+faulty proxy in front of it for what the emulator cannot do wrong on its own. Every bad BMC
+behaviour gives a typed error that says whether trying again can help, within bounded time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, BmcError, RedfishBmc, discover
+from gpucloud.devstack.stack import free_port
+from gpucloud.sim.bmc import CREDENTIAL_REF, USERNAME, BmcEmulator, sim_bmc_password, system_id_of, write_sim_credential
+from support.faulty_http import FaultyProxy
+
+NODES = ["gpu-a", "gpu-b"]
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory) -> Iterator[BmcEmulator]:
+    data_dir = tmp_path_factory.mktemp("bmc")
+    emulator = BmcEmulator(data_dir, free_port(), NODES)
+    emulator.start()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+def _bmc(emulator: BmcEmulator, node: str = "gpu-a", *, url: str | None = None, password: str | None = None, **kw):
+    secret = password or sim_bmc_password(emulator.data_dir)
+    endpoint = BmcEndpoint(url or emulator.url, system_id_of(node), USERNAME, secret)
+    return RedfishBmc(endpoint, timeout_s=kw.pop("timeout_s", 5.0), poll_s=0.5, **kw)
+
+
+def test_power_actions_are_idempotent_and_waited_for(emulator: BmcEmulator) -> None:
+    bmc = _bmc(emulator)
+    assert bmc.power_state() == "On"
+    assert bmc.power("on") == "already on"  # nothing sent
+    answer = bmc.power("off")
+    assert answer.startswith("ForceOff accepted; power On -> Off") and bmc.power_state() == "Off"
+    assert bmc.power("off") == "already off"
+    assert "On accepted; power Off -> On" in bmc.power("cycle")  # off already: only the on
+    cycled = bmc.power("cycle")
+    assert "ForceOff accepted" in cycled and "On accepted" in cycled and bmc.power_state() == "On"
+    # The other node's system was not touched.
+    assert _bmc(emulator, "gpu-b").power_state() == "On"
+
+
+def test_discovery_lists_every_system_with_what_the_bmc_reports(emulator: BmcEmulator) -> None:
+    systems = discover(emulator.url, USERNAME, sim_bmc_password(emulator.data_dir), timeout_s=5)
+    assert sorted(s.name for s in systems) == NODES
+    first = next(s for s in systems if s.name == "gpu-b")
+    assert first.system_id == system_id_of("gpu-b") and first.power_state == "On"
+    assert first.manufacturer == "Sushy Emulator"  # what the emulator's fake systems report
+    assert "serial_number" not in first.as_record()  # nothing made up for what it does not report
+
+
+def test_credentials_are_references_resolved_in_the_secrets_directory(emulator: BmcEmulator, tmp_path: Path) -> None:
+    write_sim_credential(emulator.data_dir, tmp_path / "creds")
+    assert oct((tmp_path / "creds" / CREDENTIAL_REF).stat().st_mode & 0o777) == "0o600"
+    assert BmcCredentials(tmp_path / "creds").resolve(CREDENTIAL_REF) == (USERNAME, sim_bmc_password(emulator.data_dir))
+    for bad in ("missing", "../etc/passwd", ""):
+        with pytest.raises(BmcError) as found:
+            BmcCredentials(tmp_path / "creds").resolve(bad)
+        assert found.value.kind == "auth" and not found.value.retryable
+
+
+def test_wrong_credentials_and_a_missing_system_are_final(emulator: BmcEmulator) -> None:
+    with pytest.raises(BmcError) as wrong:
+        _bmc(emulator, password="not-the-password").power_state()
+    assert wrong.value.kind == "auth" and not wrong.value.retryable and "refused the credentials" in str(wrong.value)
+    with pytest.raises(BmcError) as missing:
+        _bmc(emulator, "no-such-node").power("on")
+    assert missing.value.kind == "not_found" and not missing.value.retryable
+
+
+def test_an_unreachable_bmc_is_retryable_and_fails_fast() -> None:
+    started = time.monotonic()
+    endpoint = BmcEndpoint(f"http://127.0.0.1:{free_port()}", system_id_of("gpu-a"), USERNAME, "x")
+    with pytest.raises(BmcError) as down:
+        RedfishBmc(endpoint, timeout_s=2).power_state()
+    assert down.value.kind == "unreachable" and down.value.retryable
+    assert time.monotonic() - started < 10
+
+
+def test_5xx_garbage_timeouts_and_a_reset_that_never_happens(emulator: BmcEmulator) -> None:
+    with FaultyProxy(emulator.url, hang_s=6) as proxy:
+        bmc = _bmc(emulator, "gpu-b", url=proxy.url, timeout_s=2.0, power_wait_s=3.0)
+        assert bmc.power_state() == "On"  # through the proxy, passing
+
+        proxy.mode = "error_500"
+        with pytest.raises(BmcError) as failed:
+            _bmc(emulator, "gpu-b", url=proxy.url).power_state()
+        assert failed.value.kind == "server_error" and failed.value.retryable
+
+        proxy.mode = "garbage"
+        with pytest.raises(BmcError) as garbage:
+            _bmc(emulator, "gpu-b", url=proxy.url).power_state()
+        assert garbage.value.kind == "server_error" and garbage.value.retryable
+
+        proxy.mode = "hang"
+        started = time.monotonic()
+        with pytest.raises(BmcError) as hung:
+            bmc.power_state()
+        assert hung.value.kind == "timeout" and hung.value.retryable
+        assert time.monotonic() - started < 5  # bounded by the client's timeout, not the BMC
+
+        proxy.mode = "swallow_resets"
+        started = time.monotonic()
+        with pytest.raises(BmcError) as stuck:
+            bmc.power("off")
+        assert stuck.value.kind == "stuck" and "still On after 3 s" in str(stuck.value)
+        assert time.monotonic() - started < 10
+        proxy.mode = "pass"
+        assert bmc.power_state() == "On"  # nothing happened to the system
