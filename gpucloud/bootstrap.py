@@ -2,7 +2,8 @@
 
 Every process (the API, the worker, the ledger, the tracker, the agent, the CLI, `up`) gets its
 adapters here; nothing else constructs a client from settings. Each outside system has one
-client: the Temporal client (`adapters.temporal`), the control-plane database (`db`), the host
+client: the Temporal client (`adapters.temporal`), the control-plane database (`db`), nodes'
+BMCs (Redfish through sushy: `adapters.bmc`, real ones or the sushy-tools emulator), the host
 agents (the real agent and the simulated fleet speak the same wire API), the fabric managers
 (UFM, NMX-M, SDN: real ones or `sim.fabric_managers`), the object store (a local directory or
 S3) under both registry chunks and tenant storage, the billing ledger and the weight tracker.
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import tenacity
 from temporalio.client import Client
 
+from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo
+from gpucloud.adapters.bmc import discover as discover_systems
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
 from gpucloud.agent.probe import Probe
 from gpucloud.agent.readings import utc_now
@@ -137,6 +140,44 @@ def ledger_client(settings: Settings) -> LedgerClient | None:
     return LedgerClient(settings.ledger.url, issuer=token_issuer(settings))
 
 
+def bmcs(settings: Settings) -> Bmcs:
+    """Nodes' BMCs over Redfish: credential references resolved in the secrets directory."""
+    # requests (under sushy) takes a CA bundle path: the configured CA, else its own (certifi's).
+    verify: bool | str = str(settings.tls.ca_file) if settings.tls.ca_file else True
+    return Bmcs(
+        credentials=BmcCredentials(settings.bmc_credentials_dir),
+        timeout_s=settings.bmc.timeout_s,
+        power_wait_s=settings.bmc.power_wait_s,
+        poll_s=settings.bmc.poll_s,
+        verify=verify,
+    )
+
+
+@dataclass(frozen=True)
+class Bmcs:
+    """Makes the one Redfish client of a node's BMC (`adapters/bmc.py`)."""
+
+    credentials: BmcCredentials
+    timeout_s: float
+    power_wait_s: float
+    poll_s: float
+    verify: bool | str
+
+    def for_node(self, url: str, system_id: str, credential_ref: str) -> RedfishBmc:
+        username, password = self.credentials.resolve(credential_ref)
+        return RedfishBmc(
+            BmcEndpoint(url, system_id, username, password),
+            timeout_s=self.timeout_s,
+            power_wait_s=self.power_wait_s,
+            poll_s=self.poll_s,
+            verify=self.verify,
+        )
+
+    def discover(self, url: str, credential_ref: str) -> list[SystemInfo]:
+        username, password = self.credentials.resolve(credential_ref)
+        return discover_systems(url, username, password, timeout_s=self.timeout_s, verify=self.verify)
+
+
 def database(settings: Settings) -> Database:
     return Database(settings.database_url)
 
@@ -174,6 +215,7 @@ class ControlPlane:
     ledger: LedgerClient | None
     tenant_store: TenantStore
     registry: RegistryStores
+    bmcs: Bmcs
 
     async def aclose(self) -> None:
         await self.agents.aclose()
@@ -190,6 +232,7 @@ def control_plane(settings: Settings) -> ControlPlane:
         ledger=ledger_client(settings),
         tenant_store=tenant_store(settings),
         registry=registry_stores(settings),
+        bmcs=bmcs(settings),
     )
 
 

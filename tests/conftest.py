@@ -141,6 +141,7 @@ def make_harness(tmp_path, temporal_env):
     `sim_args` go to `gpucloud sim` as they are (say, `("--provision-s", "5")`).
     """
     from gpucloud import bootstrap
+    from gpucloud.devstack.stack import free_port
     from gpucloud.web.service_tokens import public_key_path
     from support.fabric import FabricManagers
     from support.stack import ApiThread, Harness, SimFleetProcess
@@ -156,6 +157,7 @@ def make_harness(tmp_path, temporal_env):
         nvl72_racks: int = 0,
         nvl72_trays: int = 18,
         sim_args: tuple[str, ...] = (),
+        bmc: bool = False,
         **settings_overrides,
     ):
         managers = FabricManagers() if fabric else None
@@ -167,6 +169,10 @@ def make_harness(tmp_path, temporal_env):
             }
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
         nvl72 = ("--nvl72-racks", str(nvl72_racks), "--nvl72-trays-per-rack", str(nvl72_trays)) if nvl72_racks else ()
+        # With BMCs: the Redfish emulator, started by the fleet, writes the credential the
+        # control plane reads in the same data dir.
+        sim_env = {"GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_BMC__EMULATOR_PORT": str(free_port())} if bmc else {}
+        sim_args = (*sim_args, "--bmc", "--boot-s", "1") if bmc else sim_args
         # The fleet's agents act only on the control plane's tokens, signed with the harness's key.
         bootstrap.token_issuer(settings)
         sim = SimFleetProcess(
@@ -177,6 +183,7 @@ def make_harness(tmp_path, temporal_env):
             control_plane_key=public_key_path(settings.issuer_key_path),
             operator_token=settings.operator_token,
             api_port=settings.api.port,
+            env=sim_env,
         )
         if managers is not None:
             managers.register_domains(sim.inventory())

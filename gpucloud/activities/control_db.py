@@ -208,4 +208,6 @@ def _view(node: Node) -> NodeView:
         agent_url=node.agent_url,
         allocation_id=node.allocation_id,
         tenant_id=node.tenant_id,
+        has_bmc=bool(node.bmc_url and node.bmc_system_id and node.bmc_credential_ref),
+        agent_reachable=node.agent_reachable,
     )

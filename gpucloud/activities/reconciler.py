@@ -39,9 +39,22 @@ from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_i
 RUNNING_NODE_OPS = "WorkflowType = 'NodeOperationWorkflow' AND ExecutionStatus = 'Running'"
 
 
-def candidate_filter(now, heartbeat_cutoff):
+def candidate_filter(now, heartbeat_cutoff, power_cycle_cutoff=None):
     """Nodes that may need work: each term is served by an index on its column."""
+    down = (
+        # A host down past the power-cycle delay, with a BMC to act through (`plan.host_down`).
+        sa.and_(
+            col(Node.agent_reachable) == False,
+            col(Node.last_heartbeat_at) < power_cycle_cutoff,
+            col(Node.bmc_url).is_not(None),
+            col(Node.state).in_([s.value for s in (NodeState.AVAILABLE, NodeState.ACTIVE, NodeState.QUARANTINED)]),
+            col(Node.maintenance) == False,
+        )
+        if power_cycle_cutoff is not None
+        else sa.false()
+    )
     return sa.or_(
+        down,
         col(Node.deadline_at) <= now,
         col(Node.state).in_([NodeState.ENROLLED.value, NodeState.INSPECTING.value]),
         # Burn-in a bring-up batch handed back (its agent went silent): retried with backoff.
@@ -81,6 +94,7 @@ def _snapshot(node: Node) -> NodeSnapshot:
         health=node.health,
         maintenance=node.maintenance,
         health_conditions=tuple(node.health_conditions or ()),
+        has_bmc=bool(node.bmc_url and node.bmc_system_id and node.bmc_credential_ref),
     )
 
 
@@ -219,11 +233,12 @@ class ReconcilerActivities:
     def _plan_and_apply(self, req: SweepInput, result: SweepResult) -> list[NodePlan]:
         now = utcnow()
         timeout = timedelta(seconds=self.settings.agent.heartbeat_timeout_s)
+        cycle_after = timedelta(seconds=self.settings.bmc.power_cycle_after_s)
         with self.db.session() as session:
             query = (
                 select(Node)
                 .where(
-                    candidate_filter(now, now - timeout),
+                    candidate_filter(now, now - timeout, now - cycle_after),
                     sa.or_(col(Node.next_reconcile_at).is_(None), col(Node.next_reconcile_at) <= now),
                 )
                 .limit(self.settings.reconciler.sweep_batch)
@@ -234,7 +249,7 @@ class ReconcilerActivities:
         result.candidates = len(nodes)
         plans = []
         for node in nodes:
-            plan = plan_node(_snapshot(node), now=now, heartbeat_timeout=timeout)
+            plan = plan_node(_snapshot(node), now=now, heartbeat_timeout=timeout, power_cycle_after=cycle_after)
             if plan.empty:
                 continue
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -291,6 +292,11 @@ class MaintenanceRequest(BaseModel):
 
 
 class ActionRequest(BaseModel):
+    reason: str = Field("", max_length=500)
+
+
+class PowerRequest(BaseModel):
+    action: Literal["on", "off", "cycle"] = Field(description="cycle: off, then on, each waited for")
     reason: str = Field("", max_length=500)
 
 

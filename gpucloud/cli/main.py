@@ -139,6 +139,14 @@ def sim(
             "with its own credential in its own request (for fleets too large to report one by one here)"
         ),
     ] = False,
+    bmc: Annotated[
+        bool,
+        typer.Option(
+            help="give every node a BMC: the Redfish emulator (sushy-tools) on GPUCLOUD_BMC__EMULATOR_PORT, "
+            "one system per node, whose power the nodes follow"
+        ),
+    ] = False,
+    boot_s: Annotated[float, typer.Option(help="with --bmc: seconds a simulated host takes to boot")] = 3.0,
 ) -> None:
     """Run a simulated fleet of N host agents on one port; like real agents, they act only on
     the control plane's signed calls."""
@@ -171,27 +179,44 @@ def sim(
     weights = WeightsSpec(
         root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.database_url)
     )
-    serve(
-        spec,
-        host=settings.agent.sim_host,
-        port=settings.agent.sim_port,
-        control_plane_url=settings.api_url if register else None,
-        operator_token=settings.operator_token if register else None,
-        control_token=settings.operator_token,
-        fault_model=fault_model_named(faults),
-        fault_time_scale=time_scale,
-        fault_report_url=settings.api_url if faults else None,
-        faults_paused=faults_paused,
-        heartbeat_interval_s=heartbeat_interval,
-        metering=metering,
-        weights=weights,
-        batch_reports=batch_reports,
-        tls=settings.tls.server,
-        insecure=settings.tls.insecure,
-        control_plane=load_verifier(control_plane_key)
-        if control_plane_key
-        else Verifier(bootstrap.token_issuer(settings).public_key),
-    )
+    emulator, link = None, None
+    if bmc:
+        from gpucloud.sim.bmc import BmcEmulator, sim_bmc_password, write_sim_credential
+        from gpucloud.sim.nodes import Fleet
+        from gpucloud.sim.power import BmcLink
+
+        node_ids = list(Fleet(spec).nodes)
+        notify = f"{settings.sim_url}/v1/bmc/notify?token={settings.operator_token}"
+        emulator = BmcEmulator(settings.data_dir, settings.bmc.emulator_port, node_ids, notify_url=notify)
+        emulator.start()
+        write_sim_credential(settings.data_dir, settings.bmc_credentials_dir)
+        link = BmcLink(emulator.url, sim_bmc_password(settings.data_dir), boot_s=boot_s)
+    try:
+        serve(
+            spec,
+            host=settings.agent.sim_host,
+            port=settings.agent.sim_port,
+            control_plane_url=settings.api_url if register else None,
+            operator_token=settings.operator_token if register else None,
+            control_token=settings.operator_token,
+            fault_model=fault_model_named(faults),
+            fault_time_scale=time_scale,
+            fault_report_url=settings.api_url if faults else None,
+            faults_paused=faults_paused,
+            heartbeat_interval_s=heartbeat_interval,
+            metering=metering,
+            weights=weights,
+            batch_reports=batch_reports,
+            bmc=link,
+            tls=settings.tls.server,
+            insecure=settings.tls.insecure,
+            control_plane=load_verifier(control_plane_key)
+            if control_plane_key
+            else Verifier(bootstrap.token_issuer(settings).public_key),
+        )
+    finally:
+        if emulator is not None:
+            emulator.stop()
 
 
 @app.command()

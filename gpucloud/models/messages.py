@@ -7,6 +7,7 @@ added later (with defaults) without breaking callers or recorded histories.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -72,6 +73,27 @@ class NodeView(NodeRef):
     agent_url: str
     allocation_id: str | None = None
     tenant_id: str | None = None
+    has_bmc: bool = False
+    agent_reachable: bool = True
+
+
+class BmcPowerInput(NodeRef):
+    """Bring a node's power to `action` through its BMC (`activities/bmc.py`)."""
+
+    action: Literal["on", "off", "cycle"]
+    cause: str = ""
+    actor: str = "system"
+    # After a cycle or an on: wait until the node's agent heartbeats again (its host booted).
+    wait_for_agent: bool = False
+    # The operator's operation to finish with the outcome (`POST /v1/nodes/{id}/power`).
+    operation_id: str | None = None
+
+
+class BmcPowerResult(NodeRef):
+    # False: the node has no BMC, nothing was done (the caller falls back to the agent).
+    done: bool
+    power_state: str | None = None
+    answer: str = ""
 
 
 class AgentActionInput(NodeRef):

@@ -68,6 +68,13 @@ class NodeBase(SQLModel):
     gpu_type: str
     gpu_count: int
     nvlink_domain: str | None = None
+    # Out-of-band management (`adapters/bmc.py`): the node's Redfish service, its system there,
+    # and a reference to the credential in the control plane's secrets, never the secret.
+    bmc_url: str | None = Field(default=None, max_length=500, description="the BMC's Redfish service")
+    bmc_system_id: str | None = Field(default=None, max_length=200, description="the node's system on the BMC")
+    bmc_credential_ref: str | None = Field(
+        default=None, max_length=128, description="the name of the BMC credential in the control plane's secrets"
+    )
 
 
 class NodeEnroll(NodeBase):
@@ -94,6 +101,9 @@ class NodePublic(NodeBase):
     last_heartbeat_at: datetime | None
     agent_reachable: bool
     observed: dict
+    power_state: str | None
+    bmc_last: dict
+    hardware: dict
     created_at: datetime
     updated_at: datetime
 
@@ -123,6 +133,11 @@ class Node(NodeBase, table=True):
     last_heartbeat_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
     agent_reachable: bool = Field(default=True, index=True)
     observed: dict = json_field(dict)
+    # What the BMC said last: the power state, and its answer to the last call (action, ok, answer).
+    power_state: str | None = None
+    bmc_last: dict = json_field(dict)
+    # What the BMC's Systems resource reports (serial number, model, CPUs, memory, BIOS).
+    hardware: dict = json_field(dict)
     # The agent's report disagrees with the record (e.g. an active node that was wiped).
     drifted: bool = Field(default=False, index=True)
     # Per-node backoff of the reconciler's attempts.

@@ -34,6 +34,7 @@ class NodeSnapshot:
     health: str = "ok"
     maintenance: bool = False
     health_conditions: tuple[dict, ...] = ()
+    has_bmc: bool = False
 
 
 # Condition actions that pull a node out of its allocation (health/verdict.py's Action).
@@ -76,7 +77,9 @@ _RESUME = {
 }
 
 
-def plan_node(node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta) -> NodePlan:
+def plan_node(
+    node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta, power_cycle_after: timedelta | None = None
+) -> NodePlan:
     plan = NodePlan(node_id=node.id, tenant_id=node.tenant_id, allocation_id=node.allocation_id)
     state = NodeState(node.state)
 
@@ -98,6 +101,18 @@ def plan_node(node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta
             plan.reasons.append("agent heartbeats again")
 
     reachable = node.agent_reachable if plan.set_reachable is None else plan.set_reachable
+    # A host silent this long is down (hung or off): with a BMC it is pulled, then power-cycled
+    # by the repair ladder (without one it waits for its agent, as there is nothing to act with).
+    host_down = (
+        node.has_bmc
+        and not reachable
+        and power_cycle_after is not None
+        and node.last_heartbeat_at is not None
+        and now - node.last_heartbeat_at >= power_cycle_after
+    )
+    down_reason = (
+        f"agent silent since {node.last_heartbeat_at.isoformat() if node.last_heartbeat_at else '?'}: host down"
+    )
     if node.drain_requested and state in (NodeState.AVAILABLE, NodeState.ACTIVE, NodeState.DRAINING):
         plan.start = Op.DRAIN
         plan.reasons.append("operator asked to drain")
@@ -108,17 +123,27 @@ def plan_node(node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta
         plan.reasons.append("agent reports a node that lost its tenant's workload")
     elif state in _HELD and node.allocation_id is not None:
         pulls = _pulls(node)
-        if pulls:
+        if pulls or host_down:
             plan.replace = plan.health_pull = True
-            plan.replace_at_once = state != NodeState.ACTIVE or any(c.get("action") in AT_ONCE_ACTIONS for c in pulls)
-            plan.reasons.append("; ".join(f"{c.get('name')}: {c.get('reason')}" for c in pulls)[:900])
+            plan.replace_at_once = (
+                host_down or state != NodeState.ACTIVE or any(c.get("action") in AT_ONCE_ACTIONS for c in pulls)
+            )
+            reasons = [f"{c.get('name')}: {c.get('reason')}" for c in pulls] + ([down_reason] if host_down else [])
+            plan.reasons.append("; ".join(reasons)[:900])
+    elif state == NodeState.AVAILABLE and node.allocation_id is None and host_down:
+        plan.start, plan.health_pull = Op.DRAIN, True
+        plan.reasons.append(f"{down_reason}: out of the pool, to be power-cycled through its BMC")
     elif state == NodeState.AVAILABLE and node.allocation_id is None and _pulls(node):
         # Judged bad while an allocation held it, which let go before pulling it: drain it now.
         plan.start, plan.health_pull = Op.DRAIN, True
         plan.reasons.append("health rules want it pulled; its allocation let go first")
-    elif needs_repair(state, health=node.health, maintenance=node.maintenance, reachable=reachable):
+    elif needs_repair(state, health=node.health, maintenance=node.maintenance, reachable=reachable or host_down):
         plan.start = Op.REPAIR
-        plan.reasons.append(f"quarantined with health {node.health}: repair, then burn-in")
+        plan.reasons.append(
+            f"{down_reason}: power cycle through the BMC, then burn-in"
+            if host_down and not reachable
+            else f"quarantined with health {node.health}: repair, then burn-in"
+        )
     return plan
 
 
@@ -128,7 +153,8 @@ def _pulls(node: NodeSnapshot) -> list[dict]:
 
 def needs_repair(state: NodeState, *, health: str, maintenance: bool, reachable: bool) -> bool:
     """A node the health loop pulled goes up the repair ladder; one an operator drained (health
-    ok), or under maintenance, or whose agent is silent (a repair would only fail) waits.
+    ok), or under maintenance, or whose agent is silent with no BMC to power-cycle it (a repair
+    would only fail) waits; `reachable` is true for a silent node with a BMC.
     Lemons and used-up ladders are sent to RMA by the repair itself, without another reset."""
     return state == NodeState.QUARANTINED and health != "ok" and not maintenance and reachable
 

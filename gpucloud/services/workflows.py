@@ -13,6 +13,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from gpucloud.config import Settings
 from gpucloud.models.messages import (
     AllocationInput,
+    BmcPowerInput,
     BringupInput,
     CancelRequest,
     ReplaceNodeRequest,
@@ -25,6 +26,7 @@ from gpucloud.workflows import search_attributes as sa
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.bringup import workflow_id_for as bringup_workflow_id
+from gpucloud.workflows.power import NodePowerWorkflow, power_workflow_id
 from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardingWorkflow
 
 
@@ -73,6 +75,19 @@ async def start_bringup_batches(client: Client, settings: Settings, node_ids: li
             task_queue=settings.temporal.task_queue,
         )
     return len(batches)
+
+
+async def start_node_power(client: Client, settings: Settings, req: BmcPowerInput) -> str:
+    """An operator's (or a retire's) power action on a node, through its BMC; the workflow id."""
+    workflow_id = power_workflow_id(req.node_id, req.operation_id or uuid.uuid4().hex[:12])
+    await client.start_workflow(
+        NodePowerWorkflow.run,
+        req,
+        id=workflow_id,
+        task_queue=settings.temporal.task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+    return workflow_id
 
 
 async def start_tenant_onboarding(client: Client, settings: Settings, tenant_id: str, operation_id: str) -> None:

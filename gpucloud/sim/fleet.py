@@ -35,7 +35,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import httpx
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -46,6 +46,7 @@ from gpucloud.sim.faults import FaultModel
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 from gpucloud.sim.nodes import ACTIONS, Action, Fleet, FleetSpec
+from gpucloud.sim.power import BmcLink, SimPower
 from gpucloud.web import problems, tls
 from gpucloud.web.service_tokens import Verifier, refusal_reason
 from gpucloud.web.tls import ServerTLS, scheme, serve_options
@@ -167,6 +168,7 @@ def create_app(
     fault_time_scale: float = 1.0,
     fault_report_url: str | None = None,
     faults_paused: bool = False,
+    bmc: BmcLink | None = None,
 ) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
     `weights`: each node serves the weights API under its agent URL; `control_plane`: each
@@ -175,8 +177,12 @@ def create_app(
     simulator's own endpoints (inventory, faults, outages) answer only it (the operator token);
     `fault_model`: the nodes fail as the model says, `fault_time_scale` times faster than real
     time (`sim/fault_injection.py`), their XIDs reported to `fault_report_url` (the API; default
-    `control_plane_url`)."""
+    `control_plane_url`); `bmc`: the nodes' power follows their systems on that Redfish
+    emulator, which notifies `/v1/bmc/notify` (`sim/power.py`)."""
     fleet = Fleet(spec)
+    power = SimPower(fleet, bmc) if bmc is not None else None
+    if power is not None:
+        fleet.bmc_fields = power.inventory_fields
     faults = (
         FleetFaults(
             fleet.nodes,
@@ -258,13 +264,26 @@ def create_app(
     async def healthz() -> dict:
         return {"ok": True, "nodes": len(fleet.nodes)}
 
+    @app.put("/v1/bmc/notify")
+    async def bmc_notify(request: Request, token: str = "") -> dict:
+        """The Redfish emulator's external notifier (it sends no header: the token is in the URL)."""
+        if control_token is not None and not hmac.compare_digest(token.encode(), control_token.encode()):
+            raise problems.unauthenticated_problem("the BMC notifier's URL carries the operator token")
+        if power is None:
+            raise HTTPException(404, "this fleet has no BMCs")
+        await power.notified(await request.json())
+        return {"ok": True}
+
     @app.get("/v1/inventory", dependencies=[control])
     async def inventory() -> list[dict]:
         return fleet.inventory(base_url)
 
     @app.get("/v1/nodes/{node_id}", dependencies=[control])
     async def get_node(node_id: str) -> dict:
-        return Fleet.describe(fleet.node(node_id))
+        """What the agent would answer, and the simulated host's own state (the world's view)."""
+        node = fleet.node(node_id)
+        powered = power is None or node.id not in power.powered_off
+        return Fleet.describe(node) | {"unreachable": node.unreachable, "boot_id": node.boot_id, "powered": powered}
 
     def control_plane_only(node_id: str, authorization: Annotated[str | None, Header()] = None) -> None:
         """Checked before the body is read, as a real agent's middleware does."""

@@ -98,6 +98,8 @@ class Fleet:
         self.nodes: dict[str, SimNode] = {}
         # Called after every action that may have started or stopped a node's workload (metering).
         self.on_workload_change: Callable[[SimNode], Awaitable[None]] | None = None
+        # Each node's BMC as enrollment names it (`sim/power.py`), when the fleet has BMCs.
+        self.bmc_fields: Callable[[str], dict] | None = None
         per_pod = spec.nodes_per_rack * spec.racks_per_pod
         for i in range(spec.nodes):
             pod, rack = i // per_pod, (i % per_pod) // spec.nodes_per_rack
@@ -151,6 +153,7 @@ class Fleet:
                 "nvlink_domain": n.nvlink_domain,
                 "gpu_uids": n.gpu_uids,
                 "agent_url": f"{base_url}/v1/nodes/{n.id}",
+                **(self.bmc_fields(n.id) if self.bmc_fields is not None else {}),
             }
             for n in self.nodes.values()
         ]

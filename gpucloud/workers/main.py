@@ -14,6 +14,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from gpucloud import bootstrap
+from gpucloud.activities.bmc import BmcActivities
 from gpucloud.activities.control_db import ControlDbActivities
 from gpucloud.activities.fabric import FabricActivities
 from gpucloud.activities.faults import FaultHook
@@ -29,6 +30,7 @@ from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
+from gpucloud.workflows.power import NodePowerWorkflow
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
 from gpucloud.workflows.rollout import RolloutWorkflow
 from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardingWorkflow
@@ -39,6 +41,7 @@ WORKFLOWS = [
     AllocationWorkflow,
     BringupBatchWorkflow,
     NodeOperationWorkflow,
+    NodePowerWorkflow,
     ReconcileSweepWorkflow,
     BillingCloseWorkflow,
     BillingCatchUpWorkflow,
@@ -82,6 +85,7 @@ def build_worker(
             *agent.all(),
             *ReconcilerActivities(client, cp.db, settings).all(),
             *LedgerActivities(cp.ledger, cp.db).all(),
+            *BmcActivities(cp.db, cp.bmcs, boot_wait_s=settings.bmc.boot_wait_s).all(),
             *FabricActivities(cp.db, cp.fabric).all(),
             *tenant.all(),
             *TenantStorageActivities(cp.tenant_store, fault_hook=fault_hook).all(),

@@ -19,21 +19,25 @@ with the reconciler's growing per-node backoff.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.bmc import BmcActivities
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.host_agent import HostAgentActivities
     from gpucloud.models.messages import (
         AgentActionInput,
         AgentBatchInput,
         AgentBatchResult,
+        BmcPowerInput,
         BringupInput,
         BringupResult,
         NodeOperationKind,
+        NodeRef,
         NodeRefs,
         NodeTransitionBatch,
         NodeTransitionInput,
@@ -80,6 +84,7 @@ class BringupBatchWorkflow:
         self._nodes = {n.node_id: n for n in found.nodes}
         for node_id in set(inp.node_ids) - set(self._nodes):
             self._result.stopped[node_id] = "node does not exist"
+        await self._power_on([n for n in self._nodes.values() if n.has_bmc and n.state == NodeState.ENROLLED])
 
         while self._round < MAX_ROUNDS:
             self._round += 1
@@ -119,6 +124,23 @@ class BringupBatchWorkflow:
             elif node_id not in self._result.stopped:
                 self._result.stopped[node_id] = f"ended {node.state}"
         return self._result
+
+    async def _power_on(self, nodes: list[NodeView]) -> None:
+        """Out of band first, for nodes with a BMC: what it says the system is, and its power on
+        (the agent's heartbeat awaited when it was off). A node whose BMC fails leaves the batch
+        for the reconciler, with the BMC's error in its events."""
+
+        async def one(node: NodeView) -> None:
+            try:
+                ref = NodeRef(node_id=node.node_id)
+                await workflow.execute_activity_method(BmcActivities.bmc_discover, ref, **options.BMC)
+                req = BmcPowerInput(node_id=node.node_id, action="on", cause="bring-up", wait_for_agent=True)
+                await workflow.execute_activity_method(BmcActivities.bmc_power, req, **options.BMC)
+            except ActivityError as err:
+                self._stop(node.node_id, f"power on through the BMC failed: {failure_message(err)}")
+                self._unfinished.add(node.node_id)
+
+        await asyncio.gather(*(one(node) for node in nodes))
 
     def _stop(self, node_id: str, reason: str) -> None:
         self._result.stopped[node_id] = reason

@@ -16,10 +16,12 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
+    from gpucloud.activities.bmc import BmcActivities
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.host_agent import HostAgentActivities
     from gpucloud.models.messages import (
         AgentActionInput,
+        BmcPowerInput,
         NodeOperationInput,
         NodeOperationKind,
         NodeOperationResult,
@@ -106,6 +108,8 @@ class NodeOperationWorkflow:
         self._steps_taken = 0
         self._state: str = ""
         self._agent_url = ""
+        self._has_bmc = False
+        self._agent_reachable = True
 
     @workflow.query
     def state(self) -> str:
@@ -128,6 +132,7 @@ class NodeOperationWorkflow:
         )
         self._set_state(node.state)
         self._agent_url = node.agent_url
+        self._has_bmc, self._agent_reachable = node.has_bmc, node.agent_reachable
         if inp.operation in (Op.PROVISION, Op.RELEASE, Op.RESTORE) and node.allocation_id not in (
             None,
             inp.allocation_id,
@@ -136,6 +141,14 @@ class NodeOperationWorkflow:
         if inp.operation == Op.RESTORE:
             return await self._restore()
         error: str | None = None
+        if inp.operation == Op.BRINGUP and self._state == S.ENROLLED and self._has_bmc:
+            # Out of band first: what the BMC says the system is, and its power on.
+            await workflow.execute_activity_method(
+                BmcActivities.bmc_discover, NodeRef(node_id=inp.node_id), **options.BMC
+            )
+            failure = await self._power("on", cause="bring-up")
+            if failure is not None:
+                return self._result(False, failure)
         if inp.operation == Op.REPAIR:
             error = await self._repair_rung()
             if self._state not in (S.WIPING, S.BURN_IN, S.AVAILABLE):
@@ -153,7 +166,11 @@ class NodeOperationWorkflow:
                     return self._result(False, f"node moved under us from {self._state}")
                 continue
             failure = None
-            for action in (*step.before, step.action):
+            if operation == Op.DRAIN and self._has_bmc and not self._agent_reachable:
+                # A host that is down runs nothing to release: quarantine it at once, and the
+                # repair ladder power-cycles it through its BMC.
+                failure = "the host is down (its agent is silent): to be power-cycled through its BMC"
+            for action in (*step.before, step.action) if failure is None else ():
                 failure = await self._act(action)
                 if failure:
                     break
@@ -206,9 +223,15 @@ class NodeOperationWorkflow:
         plan = await workflow.execute_activity_method(
             ControlDbActivities.plan_repair, NodeRef(node_id=self._inp.node_id), **options.DB
         )
-        # Whatever still runs on a node pulled from an allocation stops before the rung.
-        failure = (await self._act("release")) if plan.actions else plan.reason
-        for action in plan.actions if failure is None else ():
+        actions = list(plan.actions)
+        if self._has_bmc and not self._agent_reachable and actions:
+            # The host is down (hung, or off): only its BMC can act, and a power cycle stops
+            # whatever ran. Then wipe and burn-in decide, as after any rung.
+            actions, failure = ["power_cycle"], None
+        else:
+            # Whatever still runs on a node pulled from an allocation stops before the rung.
+            failure = (await self._act("release")) if actions else plan.reason
+        for action in actions if failure is None else ():
             failure = await self._act(action)
             if failure is None:
                 break
@@ -237,8 +260,29 @@ class NodeOperationWorkflow:
         self._set_state(result.state)
         return True
 
+    async def _power(self, action: str, *, cause: str) -> str | None:
+        """A power action through the node's BMC, waiting for its agent after an on or a cycle;
+        None on success, the BMC's (or the boot's) failure otherwise."""
+        req = BmcPowerInput(
+            node_id=self._inp.node_id,
+            action=action,
+            cause=cause,
+            actor=f"workflow:{workflow.info().workflow_id}",
+            wait_for_agent=action in ("on", "cycle"),
+        )
+        try:
+            await workflow.execute_activity_method(BmcActivities.bmc_power, req, **options.BMC)
+        except ActivityError as err:
+            if is_cancelled_exception(err):
+                raise
+            return f"power {action} through the BMC failed: {failure_message(err)}"
+        return None
+
     async def _act(self, action: str) -> str | None:
-        """Run one agent action; None on success, the reason on failure."""
+        """Run one agent action; None on success, the reason on failure. With a BMC, the repair
+        ladder's reboot is a power cycle through it (the agent's own reboot needs a live host)."""
+        if action == "power_cycle" or (action == "reboot" and self._has_bmc):
+            return await self._power("cycle", cause=f"repair: {action}")
         self._steps_taken += 1
         info = workflow.info()
         req = AgentActionInput(

@@ -79,6 +79,13 @@ AGENT = _options(_min(20), _s(1), _s(30), attempts=6, permanent=("AgentActionFai
 # and reports the ones that stay silent, so Temporal retries only a lost worker or a crash.
 AGENT_BATCH = _options(_min(30), _s(1), _s(30), attempts=5, heartbeat=_s(60))
 
+# A power action through a node's BMC (`activities/bmc.py`): a power change waited for, a cycle
+# is two, and after an on the agent's first heartbeat may be awaited (minutes of a host's boot).
+# A few retries of an unreachable or failing BMC, then the error stands; a final error (wrong
+# credentials, no such system, a power state that never follows) is not retried.
+BMC_ATTEMPTS = 4
+BMC = _options(_min(30), _s(2), _s(30), attempts=BMC_ATTEMPTS)
+
 # A call to the billing ledger, a separate service that may be down for hours: retried with
 # growing delays for as long as it takes (allocation events must get there, and usage for an
 # allocation the ledger has not heard of waits in the agents' spools); a refusal is final.

@@ -57,6 +57,7 @@ class SimFleetProcess:
         control_plane_key: Path | None = None,
         operator_token: str = "test-operator-token",
         api_port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         # Node ids are global in Temporal (workflow `node-<id>`): each fleet gets its own.
         self.id_prefix = id_prefix or f"t{uuid.uuid4().hex[:8]}"
@@ -70,6 +71,7 @@ class SimFleetProcess:
             "GPUCLOUD_LOG_LEVEL": "WARNING",
             # Where the fleet reports what it does not do by the API's call (injected faults).
             **({"GPUCLOUD_API__PORT": str(api_port)} if api_port else {}),
+            **(env or {}),
         }
         self._log = open(log_path, "ab")  # noqa: SIM115 - the fleet writes to it until stop() closes it
         self.proc = subprocess.Popen(

@@ -9,6 +9,8 @@ from datetime import timedelta
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from sqlmodel import select
+from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
@@ -26,9 +28,11 @@ from gpucloud.api.schemas import (
     NodeEventPage,
     NodeEventPublic,
     NodePage,
+    PowerRequest,
 )
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
+from gpucloud.models.messages import BmcPowerInput
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
 from gpucloud.services import agent_credentials
@@ -42,8 +46,8 @@ from gpucloud.services.fleet import (
 )
 from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
 from gpucloud.services.schedules import reconcile_now
-from gpucloud.services.workflows import start_bringup_batches
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.services.workflows import start_bringup_batches, start_node_power
+from gpucloud.web.problems import Problem, not_found, unavailable
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 
 log = logging.getLogger(__name__)
@@ -121,6 +125,13 @@ async def _operator_action(node_id: str, action: str, reason: str, settings: Set
     node, op = await run_in_threadpool(_act, settings, node_id, action, reason)
     if action in ("drain", "hardware_replaced"):  # the reconciler starts on it now, not at the next sweep
         await reconcile_now(temporal, settings, [node_id])
+    if action == "retire" and node.bmc_url:
+        # Out of the fleet: powered off through its BMC (durable; recorded in the node's events).
+        cause = f"retired: {reason}" if reason else "retired"
+        try:
+            await start_node_power(temporal, settings, BmcPowerInput(node_id=node_id, action="off", cause=cause))
+        except RPCError as exc:
+            log.warning("power-off of retired node %s not started (%s); power it off by hand", node_id, exc)
     body = NodeActionResult(
         node=NodePublic.model_validate(node, from_attributes=True),
         operation=OperationPublic.model_validate(op, from_attributes=True),
@@ -156,6 +167,64 @@ async def maintenance(
 ):
     action = "maintenance_on" if req.enabled else "maintenance_off"
     return await _operator_action(node_id, action, req.reason, settings, temporal)
+
+
+def _power_operation(settings: Settings, node_id: str, req: PowerRequest) -> tuple[NodePublic, Operation]:
+    with session_scope(settings.database_url) as session:
+        node = session.get(Node, node_id)
+        if node is None:
+            raise not_found("node", node_id)
+        if not (node.bmc_url and node.bmc_system_id and node.bmc_credential_ref):
+            raise Problem(
+                409,
+                "node-without-bmc",
+                "Node without a BMC",
+                f"node {node_id} has no BMC: enroll it again with bmc_url, bmc_system_id and bmc_credential_ref",
+            )
+        op = Operation(kind=f"node_power_{req.action}", resource_id=node_id)
+        session.add(op)
+        session.add(
+            NodeTransition.noted(
+                node,
+                f"power_{req.action}_requested",
+                cause=req.reason or req.action,
+                actor="operator",
+                at=op.created_at,
+            )
+        )
+        session.flush()
+        session.refresh(op)
+        return NodePublic.model_validate(node, from_attributes=True), op
+
+
+def _power_not_started(settings: Settings, operation_id: str, error: str) -> None:
+    with session_scope(settings.database_url) as session:
+        op = session.exec(select(Operation).where(Operation.id == operation_id)).one()
+        op.status, op.error = "failed", error[:500]
+        session.add(op)
+
+
+@router.post(
+    "/nodes/{node_id}/power",
+    response_model=NodeActionResult,
+    status_code=202,
+    responses={404: {"description": "no such node"}, 409: {"description": "the node has no BMC"}},
+)
+async def power(node_id: str, req: PowerRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+    """Power the node on or off, or cycle it, through its BMC (Redfish): the operation finishes
+    once the BMC's power state shows it (a cycle: off, then on), and the node's events keep the
+    BMC's answer. The node's state is left as it is: a node powered off is found by the
+    reconciler when its agent falls silent."""
+    node, op = await run_in_threadpool(_power_operation, settings, node_id, req)
+    cause = f"operator: {req.reason}" if req.reason else "operator"
+    command = BmcPowerInput(node_id=node_id, action=req.action, cause=cause, actor="operator", operation_id=op.id)
+    try:
+        await start_node_power(temporal, settings, command)
+    except RPCError as exc:
+        await run_in_threadpool(_power_not_started, settings, op.id, f"the workflow engine is unreachable: {exc}")
+        raise unavailable("workflow-engine", "the workflow engine did not take the power action; retry") from exc
+    body = NodeActionResult(node=node, operation=OperationPublic.model_validate(op, from_attributes=True))
+    return JSONResponse(body.model_dump(mode="json"), status_code=202)
 
 
 @router.post(

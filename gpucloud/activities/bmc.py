@@ -1,0 +1,137 @@
+"""Activities that act on nodes out of band, through their BMCs (`adapters/bmc.py`).
+
+Every call is recorded on the node: its power state, the BMC's last answer (`bmc_last`), and an
+event in the node's history with that answer or the error. A BMC error that says the request
+cannot succeed (wrong credentials, no such system, a power state that never follows) is final
+(`BmcFailed`, non-retryable); an unreachable, slow or failing BMC is retried by Temporal within
+`options.BMC`'s bounds, and after them the caller sees the last error. A node without a BMC is
+not an error: the result says nothing was done, and the caller falls back to the agent.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+from sqlmodel import select
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from gpucloud.adapters.bmc import BmcError
+from gpucloud.bootstrap import Bmcs
+from gpucloud.db import Database
+from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, NodeRef
+from gpucloud.models.tables import Node, NodeTransition, Operation, OperationStatus, utcnow
+from gpucloud.workflows.options import BMC_ATTEMPTS
+
+
+class BmcActivities:
+    def __init__(self, db: Database, bmcs: Bmcs, *, boot_wait_s: float = 600.0) -> None:
+        self.db = db
+        self.bmcs = bmcs
+        self.boot_wait_s = boot_wait_s
+
+    def _record(self, node_id: str, event: str, *, actor: str, cause: str, **changes) -> None:
+        with self.db.session() as session:
+            node = session.get(Node, node_id)
+            if node is None:
+                return
+            for name, value in changes.items():
+                setattr(node, name, value)
+            node.updated_at = utcnow()
+            session.add(node)
+            session.add(NodeTransition.noted(node, event, cause=cause, actor=actor, at=utcnow()))
+
+    def _endpoint(self, node_id: str) -> tuple[str, str, str] | None:
+        with self.db.session() as session:
+            node = session.get(Node, node_id)
+            if node is None:
+                raise ApplicationError(f"node {node_id} does not exist", type="NodeNotFound", non_retryable=True)
+            if not (node.bmc_url and node.bmc_system_id and node.bmc_credential_ref):
+                return None
+            return node.bmc_url, node.bmc_system_id, node.bmc_credential_ref
+
+    def _failed(self, req_node: str, what: str, error: BmcError, *, actor: str) -> ApplicationError:
+        last = {"at": utcnow().isoformat(), "action": what, "ok": False, "kind": error.kind, "answer": str(error)}
+        self._record(req_node, f"bmc_{error.kind}", actor=actor, cause=f"{what}: {error}", bmc_last=last)
+        return ApplicationError(
+            f"BMC {what} failed ({error.kind}): {error}",
+            error.kind,
+            type="BmcFailed",
+            non_retryable=not error.retryable,
+        )
+
+    @activity.defn
+    def bmc_power(self, req: BmcPowerInput) -> BmcPowerResult:
+        """Power on, off or cycle (idempotent); optionally wait until the agent heartbeats again."""
+        endpoint = self._endpoint(req.node_id)
+        if endpoint is None:
+            return BmcPowerResult(node_id=req.node_id, done=False, answer="the node has no BMC")
+        started = utcnow()
+        try:
+            bmc = self.bmcs.for_node(*endpoint)
+            answer = bmc.power(req.action)
+            state = bmc.power_state()
+        except BmcError as error:
+            failure = self._failed(req.node_id, f"power {req.action}", error, actor=req.actor)
+            if failure.non_retryable or activity.info().attempt >= BMC_ATTEMPTS:
+                self._finish(req.operation_id, f"power {req.action}: {error}")
+            raise failure from error
+        last = {"at": utcnow().isoformat(), "action": f"power {req.action}", "ok": True, "answer": answer}
+        cause = f"{req.cause}: BMC: {answer}" if req.cause else f"BMC: {answer}"
+        self._record(req.node_id, f"power_{req.action}", actor=req.actor, cause=cause, power_state=state, bmc_last=last)
+        if req.wait_for_agent and state == "On" and answer != "already on":
+            silent = self._wait_for_heartbeat(req.node_id, since=started)
+            if silent is not None:
+                self._record(req.node_id, "boot_timeout", actor=req.actor, cause=silent)
+                self._finish(req.operation_id, silent)
+                raise ApplicationError(silent, type="AgentDidNotReturn", non_retryable=True)
+            answer += "; the agent heartbeats again"
+        self._finish(req.operation_id, None)
+        return BmcPowerResult(node_id=req.node_id, done=True, power_state=state, answer=answer)
+
+    def _wait_for_heartbeat(self, node_id: str, *, since: datetime) -> str | None:
+        """None once the node's agent heartbeats after `since` (its host booted), else why not."""
+        deadline = time.monotonic() + self.boot_wait_s
+        while time.monotonic() < deadline:
+            with self.db.session() as session:
+                node = session.get(Node, node_id)
+                if node is not None and node.last_heartbeat_at is not None and node.last_heartbeat_at > since:
+                    return None
+            activity.heartbeat("waiting for the agent's heartbeat")
+            time.sleep(min(2.0, self.boot_wait_s / 10))
+        return f"the node was powered on but its agent did not heartbeat within {self.boot_wait_s:.0f} s"
+
+    def _finish(self, operation_id: str | None, error: str | None) -> None:
+        if operation_id is None:
+            return
+        with self.db.session() as session:
+            op = session.exec(select(Operation).where(Operation.id == operation_id)).first()
+            if op is None or op.status != OperationStatus.RUNNING:
+                return
+            op.status = OperationStatus.FAILED if error else OperationStatus.SUCCEEDED
+            op.error = error[:500] if error else None
+            op.updated_at = utcnow()
+            session.add(op)
+
+    @activity.defn
+    def bmc_discover(self, req: NodeRef) -> BmcPowerResult:
+        """What the BMC reports about the node's system, merged into its record (`hardware`)."""
+        endpoint = self._endpoint(req.node_id)
+        if endpoint is None:
+            return BmcPowerResult(node_id=req.node_id, done=False, answer="the node has no BMC")
+        try:
+            info = self.bmcs.for_node(*endpoint).system()
+        except BmcError as error:
+            raise self._failed(req.node_id, "discovery", error, actor="system") from error
+        record = info.as_record()
+        answer = ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("system_id", "uuid"))
+        last = {"at": utcnow().isoformat(), "action": "discovery", "ok": True, "answer": answer}
+        self._record(
+            req.node_id, "bmc_discovered", actor="system", cause=answer, hardware=record,
+            power_state=info.power_state, bmc_last=last,
+        )  # fmt: skip
+        return BmcPowerResult(node_id=req.node_id, done=True, power_state=info.power_state, answer=answer)
+
+    def all(self) -> list:
+        return [self.bmc_power, self.bmc_discover]

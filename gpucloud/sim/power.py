@@ -1,0 +1,96 @@
+"""The simulated hosts' power, as their BMCs (the Redfish emulator, `sim/bmc.py`) say.
+
+The emulator PUTs every change of a system to `/v1/bmc/notify` (its external notifier): first
+the power change it was asked for, pending until its apply time, then the change itself. A
+pending change is read back from the emulator at its apply time (the emulator applies changes
+when a system is read), so it happens whether or not the control plane is polling.
+
+- Off: the host stops; its agent answers nothing and sends no heartbeat; the tenant's
+  processes are gone (the disks keep their data).
+- On, from off: the host boots for `boot_s` seconds, then its agent is back with a new boot id
+  and no workload. A power cycle also clears what a reboot clears: a hung host, and a hardware
+  fault a reboot fixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from gpucloud.sim.bmc import CREDENTIAL_REF, USERNAME, system_id_of
+from gpucloud.sim.nodes import Fleet, SimNode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BmcLink:
+    url: str
+    password: str
+    boot_s: float = 3.0
+    credential_ref: str = CREDENTIAL_REF
+
+
+class SimPower:
+    def __init__(self, fleet: Fleet, link: BmcLink) -> None:
+        self.fleet = fleet
+        self.link = link
+        self._tasks: set[asyncio.Task] = set()
+        self.powered_off: set[str] = set()
+
+    def inventory_fields(self, node_id: str) -> dict:
+        return {
+            "bmc_url": self.link.url,
+            "bmc_system_id": system_id_of(node_id),
+            "bmc_credential_ref": self.link.credential_ref,
+        }
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def notified(self, system: dict) -> None:
+        node = self.fleet.nodes.get(str(system.get("name")))
+        if node is None:
+            return
+        pending = system.get("pending_power")
+        if pending:
+            self._spawn(self._read_at(node, float(pending.get("apply_time", time.time()))))
+        state = system.get("power_state")
+        if state == "Off" and node.id not in self.powered_off:
+            self._power_off(node)
+        elif state == "On" and node.id in self.powered_off:
+            self._spawn(self._boot(node))
+
+    def _power_off(self, node: SimNode) -> None:
+        self.powered_off.add(node.id)
+        node.unreachable = True
+        node.workload_running = False
+        log.info("%s powered off", node.id)
+
+    async def _boot(self, node: SimNode) -> None:
+        await asyncio.sleep(self.link.boot_s)
+        if node.id not in self.powered_off:
+            return
+        self.powered_off.discard(node.id)
+        Fleet._repair(node, "reboot")  # a new boot id, nothing running, what a reboot fixes is fixed
+        node.unreachable = False
+        log.info("%s booted (boot %d)", node.id, node.boot_id)
+
+    async def _read_at(self, node: SimNode, apply_time: float) -> None:
+        """Read the system once its change is due: the emulator applies it and notifies again."""
+        await asyncio.sleep(max(0.0, apply_time - time.time()) + 0.2)
+        url = f"{self.link.url}/redfish/v1/Systems/{system_id_of(node.id)}"
+        for _ in range(5):
+            try:
+                async with httpx.AsyncClient(timeout=10, auth=(USERNAME, self.link.password)) as client:
+                    if (await client.get(url)).status_code == 200:
+                        return
+            except httpx.HTTPError as exc:
+                log.warning("reading %s's system on the BMC failed: %s", node.id, exc)
+            await asyncio.sleep(1.0)

@@ -1,0 +1,199 @@
+"""Nodes driven out of band through their BMCs: the simulated fleet with the sushy-tools Redfish
+emulator as every node's BMC (the fleet follows the emulator's power states), the control plane
+acting through sushy. Bring-up discovers each system and powers it on; a host that stops
+answering is pulled and power-cycled by the repair ladder and comes back through wipe and
+burn-in; a BMC that refuses ends the node in a failure state that names the cause; operators
+power nodes on, off and through a cycle, and a retired node is powered off."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from gpucloud.sim.bmc import CREDENTIAL_REF
+from support.stack import async_wait_until
+
+pytestmark = pytest.mark.one_database
+
+BMC_SETTINGS = {
+    "agent__heartbeat_timeout_s": 2.0,
+    "bmc__power_cycle_after_s": 3.0,
+    "bmc__power_wait_s": 30.0,
+    "bmc__poll_s": 0.5,
+    "bmc__boot_wait_s": 60.0,
+}
+
+
+class Heartbeats:
+    """The fleet's agents report every half second, as long as their hosts run."""
+
+    def __init__(self, harness) -> None:
+        self.harness = harness
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                self.harness.push_heartbeats()
+            except Exception as exc:  # a missed beat is what the tests are about, not an error
+                self.errors.append(repr(exc))
+
+    def __enter__(self) -> Heartbeats:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def _boot_id(h, node_id: str) -> str:
+    return next(b["boot_id"] for b in h.sim.heartbeats() if b["node_id"] == node_id)
+
+
+def _events(h, node_id: str) -> list[dict]:
+    return h.operator.get(f"/v1/nodes/{node_id}/events", params={"page_size": 200}).json()["items"]
+
+
+async def _sweep_until(h, client, predicate, *, timeout_s: float, what: str, node_id: str | None = None):
+    """Sweep (as the schedule would, only sooner) until `predicate` holds."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = await h.sweep(client)
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.5)
+    seen = (h.node(node_id), _events(h, node_id)[-6:]) if node_id else ""
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last sweep {last}; {seen}")
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_hung_host_is_power_cycled_through_its_bmc_and_returns_through_burn_in(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    h = make_harness(db_url, nodes=2, latency_scale=0.02, bmc=True, **BMC_SETTINGS)
+    await in_process_worker(h.settings)
+    with Heartbeats(h) as beats:
+        h.enroll_fleet()
+        await h.wait_states({"available": 2}, timeout_s=90)
+        node_id = h.nodes()[0]["id"]
+        await async_wait_until(
+            lambda: h.node(node_id)["last_heartbeat_at"], timeout_s=10, what=f"heartbeats {beats.errors[-1:]}"
+        )
+        node = h.node(node_id)
+        # Bring-up asked the BMC first: what the system is, and its power (already on).
+        assert node["bmc_credential_ref"] == CREDENTIAL_REF and node["power_state"] == "On"
+        assert node["hardware"]["manufacturer"] == "Sushy Emulator"
+        assert {"bmc_discovered", "power_on"} <= {e["event"] for e in _events(h, node_id)}
+        boot_before = _boot_id(h, node_id)
+
+        h.sim.set_unreachable(node_id, True)  # the kernel hangs: no heartbeat, no answer; power stays on
+        await _sweep_until(
+            h,
+            temporal_env.client,
+            lambda: h.node(node_id)["state"] in ("repairing", "wiping", "burn_in"),
+            timeout_s=60,
+            what="the silent host pulled and its repair started",
+            node_id=node_id,
+        )
+        await _sweep_until(
+            h,
+            temporal_env.client,
+            lambda: h.node(node_id)["state"] == "available" and h.node(node_id)["agent_reachable"],
+            timeout_s=120,
+            what="the node back in the pool through wipe and burn-in",
+            node_id=node_id,
+        )
+    events = _events(h, node_id)
+    kinds = [e["event"] for e in events]
+    cycle = next(e for e in events if e["event"] == "power_cycle")
+    assert "ForceOff accepted" in cycle["cause"] and "On accepted" in cycle["cause"]  # the BMC's answer
+    assert kinds.index("power_cycle") < max(i for i, k in enumerate(kinds) if k == "ok")  # then wipe, burn-in
+    assert _boot_id(h, node_id) != boot_before  # the host rebooted
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_bmc_that_refuses_ends_the_node_in_a_failure_state_naming_the_cause(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    h = make_harness(db_url, nodes=2, latency_scale=0.02, bmc=True, **BMC_SETTINGS)
+    await in_process_worker(h.settings)
+    with Heartbeats(h):
+        h.enroll_fleet()
+        await h.wait_states({"available": 2}, timeout_s=90)
+        node_id = h.nodes()[1]["id"]
+        await async_wait_until(lambda: h.node(node_id)["last_heartbeat_at"], timeout_s=10, what="heartbeats")
+        # The BMC's password was changed behind the control plane's back.
+        (h.settings.bmc_credentials_dir / CREDENTIAL_REF).write_text("admin:not-the-password")
+        h.sim.set_unreachable(node_id, True)
+        await _sweep_until(
+            h,
+            temporal_env.client,
+            lambda: h.node(node_id)["state"] == "rma",
+            timeout_s=90,
+            what="the node in RMA",
+            node_id=node_id,
+        )
+    node = h.node(node_id)
+    assert node["bmc_last"]["ok"] is False and node["bmc_last"]["kind"] == "auth"
+    moved = next(e for e in _events(h, node_id) if e["to_state"] == "rma")
+    assert "refused the credentials" in moved["cause"], moved
+    assert h.nodes(state="available")[0]["id"] != node_id  # the other node is untouched
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_powered_off(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    h = make_harness(db_url, nodes=2, latency_scale=0.02, bmc=True, **BMC_SETTINGS)
+    await in_process_worker(h.settings)
+    with Heartbeats(h):
+        h.enroll_fleet()
+        await h.wait_states({"available": 2}, timeout_s=90)
+        node_id = h.nodes()[0]["id"]
+
+        def operation(op_id: str) -> dict:
+            return h.operator.get(f"/v1/operations/{op_id}").json()
+
+        answer = h.operator.post(f"/v1/nodes/{node_id}/power", json={"action": "off", "reason": "cabling"})
+        assert answer.status_code == 202, answer.text
+        op = answer.json()["operation"]
+        done = await async_wait_until(
+            lambda: (found := operation(op["id"]))["status"] != "running" and found,
+            timeout_s=60,
+            what=f"power off {h.node(node_id)} {_events(h, node_id)[-3:]}",
+        )
+        assert done["status"] == "succeeded", done
+        assert h.node(node_id)["power_state"] == "Off"
+        await async_wait_until(lambda: h.sim.node(node_id)["unreachable"], timeout_s=10, what="the host stopped")
+
+        answer = h.operator.post(f"/v1/nodes/{node_id}/power", json={"action": "on"})
+        op = answer.json()["operation"]
+        done = await async_wait_until(
+            lambda: (found := operation(op["id"]))["status"] != "running" and found, timeout_s=60, what="on"
+        )
+        assert done["status"] == "succeeded", done
+        await async_wait_until(lambda: not h.sim.node(node_id)["unreachable"], timeout_s=20, what="the host booted")
+        events = {e["event"]: e for e in _events(h, node_id)}
+        assert events["power_off_requested"]["actor"] == "operator" and "cabling" in events["power_off"]["cause"]
+
+        assert h.operator.post(f"/v1/nodes/{node_id}/power", json={"action": "reboot"}).status_code == 422
+        assert h.operator.post("/v1/nodes/no-such-node/power", json={"action": "on"}).status_code == 404
+
+        # Retire: out of the fleet, and powered off through its BMC.
+        assert h.operator.post(f"/v1/nodes/{node_id}/drain").status_code == 202
+        await _sweep_until(
+            h, temporal_env.client, lambda: h.node(node_id)["state"] == "quarantined", timeout_s=60, what="drained"
+        )
+        assert h.operator.post(f"/v1/nodes/{node_id}/retire", json={"reason": "end of life"}).status_code == 200
+        await async_wait_until(
+            lambda: h.node(node_id)["power_state"] == "Off", timeout_s=60, what="the retired node off"
+        )
+        assert h.node(node_id)["state"] == "retired"
