@@ -4,6 +4,7 @@ an operator's lifecycle actions on one node (the ways out of RMA)."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from typing import Annotated
 
@@ -36,7 +37,7 @@ def _fetch(api: Gpucloud, state: str | None, limit: int) -> tuple[list[NodePubli
 
 def _render(nodes: list[NodePublic], summary: dict) -> Group:
     table = Table(title=f"nodes ({len(nodes)} shown of {summary['total']})")
-    for col in ("id", "state", "health", "gpu", "rack", "allocation", "flags"):
+    for col in ("id", "state", "health", "power", "gpu", "rack", "allocation", "flags"):
         table.add_column(col)
     for node in nodes:
         n = node.model_dump(mode="json")
@@ -55,6 +56,7 @@ def _render(nodes: list[NodePublic], summary: dict) -> Group:
             n["id"],
             f"[{style}]{n['state']}[/]" if style else n["state"],
             n["health"],
+            _power(n),
             f"{n['gpu_count']}x {n['gpu_type']}",
             n["rack"],
             n["allocation_id"] or "",
@@ -62,6 +64,16 @@ def _render(nodes: list[NodePublic], summary: dict) -> Group:
         )
     counts = "  ".join(f"{k}: {v}" for k, v in sorted(summary["by_state"].items()))
     return Group(table, f"by state  {counts}")
+
+
+def _power(node: dict) -> str:
+    """The BMC's last word on the node's power ('-' without a BMC; red when the BMC failed)."""
+    if not node.get("bmc_url"):
+        return "-"
+    state = node.get("power_state") or "?"
+    if (node.get("bmc_last") or {}).get("ok") is False:
+        return f"[red]{state} (BMC {node['bmc_last'].get('kind', 'error')})[/]"
+    return {"On": "[green]On[/]", "Off": "[dim]Off[/]"}.get(state, state)
 
 
 def nodes(
@@ -108,6 +120,32 @@ def _lifecycle_command(action: str, summary: str):
     return command
 
 
+@node_app.command("power")
+def power(
+    node_id: str,
+    action: Annotated[str, typer.Argument(help="on, off or cycle (off, then on)")],
+    reason: Annotated[str, typer.Option(help="recorded in the node's events")] = "",
+    wait: Annotated[bool, typer.Option(help="wait until the BMC's power state shows it")] = True,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 300.0,
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """Power a node on or off, or cycle it, through its BMC (Redfish)."""
+    with reported_errors(), api_client(operator=True) as api:
+        done = api.nodes.power(node_id, action, reason)
+        operation = done.operation
+        if wait:
+            with console.status(f"{node_id}: power {action} through the BMC"):
+                operation = api.operations.wait(operation.id, timeout_s=timeout)
+        node = api.nodes.get(node_id)
+    if output == "json":
+        print(json.dumps({"node": node.model_dump(mode="json"), "operation": operation.model_dump(mode="json")}))
+        return
+    answer = (node.bmc_last or {}).get("answer", "")
+    console.print(f"{node_id}: power {node.power_state}  ({operation.kind} {operation.status}) {answer}")
+    if operation.status == "failed":
+        raise typer.Exit(1)
+
+
 node_app.command("hardware-replaced")(
     _lifecycle_command(
         "hardware_replaced", "RMA done: the node is enrolled again and runs through inspection, wipe and burn-in."
@@ -116,3 +154,40 @@ node_app.command("hardware-replaced")(
 node_app.command("retire")(
     _lifecycle_command("retire", "Take the node out of the fleet for good (from RMA, quarantine, or enrolled).")
 )
+
+
+bmc_app = typer.Typer(no_args_is_help=True, help="Nodes' BMCs over Redfish.")
+
+
+@bmc_app.command("systems")
+def bmc_systems(
+    url: Annotated[str, typer.Option(help="the BMC's (or a chassis manager's) Redfish service")],
+    credential: Annotated[
+        str, typer.Option(help="a credential reference in the secrets directory (GPUCLOUD_BMC__CREDENTIALS_DIR)")
+    ],
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """Discover the systems a BMC lists: what to enroll (bmc_url, bmc_system_id, bmc_credential_ref)."""
+    from gpucloud import bootstrap
+    from gpucloud.adapters.bmc import BmcError
+    from gpucloud.cli.common import err
+    from gpucloud.config import get_settings
+
+    try:
+        systems = bootstrap.bmcs(get_settings()).discover(url, credential)
+    except BmcError as error:
+        advice = "check the URL and try again" if error.retryable else "fix the credential or the URL"
+        err.print(f"[red]error ({error.kind}):[/] {error}; {advice}")
+        raise typer.Exit(1) from None
+    if output == "json":
+        print(json.dumps([s.as_record() for s in systems], indent=2))
+        return
+    table = Table(title=f"systems on {url}")
+    for col in ("system id", "name", "power", "manufacturer", "model", "serial", "cpus", "memory GiB", "BIOS"):
+        table.add_column(col)
+    for s in systems:
+        table.add_row(
+            s.system_id, s.name or "", s.power_state or "", s.manufacturer or "", s.model or "",
+            s.serial_number or "", str(s.cpu_count or ""), str(s.memory_gib or ""), s.bios_version or "",
+        )  # fmt: skip
+    console.print(table)

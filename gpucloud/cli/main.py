@@ -17,7 +17,7 @@ from rich.console import Console
 
 from gpucloud import bootstrap
 from gpucloud.cli.billing import invoices_app
-from gpucloud.cli.fleet import node_app, nodes
+from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.weights import weights_app
 from gpucloud.config import get_settings
@@ -250,6 +250,7 @@ def up(
         nvl72_racks=nvl72_racks,
         faults=faults,
         fault_time_scale=time_scale,
+        bmc=True,
     )
     try:
         with console.status("starting") as status:
@@ -263,6 +264,10 @@ def up(
     console.print(f"ledger     {stack.ledger_url}  (billing; `gpucloud invoices`)")
     console.print(f"tracker    {settings.tracker.url}  (weight fan-out; `gpucloud rollout`)")
     console.print(f"fabric     {stack.fabric_url}  (simulated UFM, NMX-M and SDN controller)")
+    console.print(
+        f"BMCs       http://127.0.0.1:{settings.bmc.emulator_port}  (Redfish emulator, one system per node; "
+        "`gpucloud node power`)"
+    )
     console.print(f"operator   {settings.operator_token}  (also in {settings.data_dir / 'operator_token'}, mode 0600)")
     if settings.tls.ca_file is not None:
         console.print(f"CA         {settings.tls.ca_file}  (clients verify against it: GPUCLOUD_TLS__CA_FILE)")
@@ -441,6 +446,7 @@ def fabric_managers(
 
 app.command()(nodes)
 app.add_typer(node_app, name="node")
+app.add_typer(bmc_app, name="bmc")
 app.add_typer(weights_app, name="weights")
 app.add_typer(invoices_app, name="invoices")
 app.add_typer(rollout_app, name="rollout")

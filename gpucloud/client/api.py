@@ -206,6 +206,11 @@ class Nodes(_Resource):
         """Out of the fleet for good (from RMA, quarantine, or enrolled)."""
         return self._post(NodeActionResult, f"/v1/nodes/{node_id}/retire", {"reason": reason})
 
+    def power(self, node_id: str, action: str, reason: str = "") -> NodeActionResult:
+        """`on`, `off` or `cycle` through the node's BMC: an operation that finishes once the
+        BMC's power state shows it (`operations.wait`)."""
+        return self._post(NodeActionResult, f"/v1/nodes/{node_id}/power", {"action": action, "reason": reason})
+
     def maintenance(self, node_id: str, enabled: bool, reason: str = "") -> NodeActionResult:
         body = {"enabled": enabled, "reason": reason}
         return self._post(NodeActionResult, f"/v1/nodes/{node_id}/maintenance", body, retry=True)

@@ -25,6 +25,7 @@ from gpucloud.config import Settings
 from gpucloud.demo.billing import demo_invoice
 from gpucloud.demo.common import Demo, DemoFailed
 from gpucloud.demo.health import demo_health
+from gpucloud.demo.power import demo_power_cycle
 from gpucloud.demo.rollout import demo_rollout
 from gpucloud.demo.tenants import demo_tenants, onboard
 from gpucloud.demo.weights import demo_weights
@@ -120,6 +121,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     demo.wait("nodes wiped, burned in, back in the pool", nodes, lambda: _in_state(demo, "available"))
     states = Counter(n.state.value for n in demo.operator.nodes.list())
     demo.console.print(f"allocation [bold]released[/]; fleet: {dict(states)}")
+    demo_power_cycle(demo)
     demo_invoice(demo, acme, alloc_id)
 
 
@@ -130,7 +132,10 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool =
         data_dir=data_dir,
         temporal={"address": f"127.0.0.1:{free_port()}"},
         api={"port": free_port()},
-        agent={"sim_port": free_port(), "meter_interval_s": 1.0},
+        # Agents heartbeat every second; one silent for 6 s is unreachable, for 8 s more its
+        # host is down and is power-cycled through its BMC.
+        agent={"sim_port": free_port(), "meter_interval_s": 1.0, "heartbeat_timeout_s": 6.0},
+        bmc={"emulator_port": free_port(), "power_cycle_after_s": 8.0, "poll_s": 0.5, "boot_wait_s": 120.0},
         reconciler={"sweep_interval_s": 2.0},
         ledger={"port": free_port()},
         tracker={"url": f"http://127.0.0.1:{free_port()}"},
@@ -145,6 +150,7 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool =
         sim_heartbeat_s=1.0,
         billing=True,
         tracker=True,
+        bmc=True,
     )
     started = time.monotonic()
     try:

@@ -104,6 +104,8 @@ class Stack:
     faults: str | None = None
     fault_time_scale: float = 1.0
     faults_paused: bool = False
+    # Every simulated node gets a BMC: the Redfish emulator, run by the fleet (`sim --bmc`).
+    bmc: bool = False
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _fabric_port: int = field(default=0, init=False)
 
@@ -176,7 +178,10 @@ class Stack:
             "sim": ("simulated fleet", self.settings.agent.sim_host, self.settings.agent.sim_port),
             "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1])),
             "tracker": ("weight tracker", tracker.host, tracker.port or 80),
+            "bmc": ("Redfish emulator", "127.0.0.1", self.settings.bmc.emulator_port),
         }
+        if self.bmc and "sim" in components:
+            components = [*components, "bmc"]
         for what, h, p in (ports[name] for name in components if name in ports):
             if port_in_use(h, p):
                 raise StackError(
@@ -251,6 +256,7 @@ class Stack:
         nvl72 = ["--nvl72-racks", str(self.nvl72_racks)] if self.nvl72_racks else []
         faults = ["--faults", self.faults, "--time-scale", str(self.fault_time_scale)] if self.faults else []
         faults += ["--faults-paused"] if self.faults and self.faults_paused else []
+        faults += ["--bmc"] if self.bmc else []
         self._spawn(
             "sim",
             self._cli(

@@ -36,7 +36,7 @@ def _exited(proc: subprocess.Popen, tmp_path) -> bool:
 
 @pytest.mark.long
 def test_up_stops_cleanly_and_resumes(tmp_path):
-    ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker")}
+    ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker", "bmc")}
     env = {
         **os.environ,
         "GPUCLOUD_DATA_DIR": str(tmp_path),
@@ -45,6 +45,7 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         "GPUCLOUD_TEMPORAL__ADDRESS": f"127.0.0.1:{ports['temporal']}",
         "GPUCLOUD_LEDGER__PORT": str(ports["ledger"]),
         "GPUCLOUD_TRACKER__URL": f"http://127.0.0.1:{ports['tracker']}",
+        "GPUCLOUD_BMC__EMULATOR_PORT": str(ports["bmc"]),
     }
     api = f"http://127.0.0.1:{ports['api']}"
     log = open(tmp_path / "up.log", "ab")  # noqa: SIM115 - both runs of `up` write to it; closed with the test
@@ -91,8 +92,8 @@ def test_up_stops_cleanly_and_resumes(tmp_path):
         assert (tmp_path / "ledger.db").exists()
     finally:
         _stop(proc)
-    for port in ports.values():
-        assert not port_in_use("127.0.0.1", port), f"port {port} still in use after stop"
+    for name, port in ports.items():
+        assert not port_in_use("127.0.0.1", port), f"the {name} port {port} still in use after stop"
 
     proc = _up(env, log)
     try:

@@ -31,7 +31,7 @@ def _wait_for_file(path, proc) -> None:
 
 @pytest.mark.long
 def test_up_with_tls_runs_every_server_over_tls(tmp_path):
-    ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker")}
+    ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker", "bmc")}
     env = {
         **os.environ,
         "GPUCLOUD_DATA_DIR": str(tmp_path),
@@ -40,6 +40,7 @@ def test_up_with_tls_runs_every_server_over_tls(tmp_path):
         "GPUCLOUD_TEMPORAL__ADDRESS": f"127.0.0.1:{ports['temporal']}",
         "GPUCLOUD_LEDGER__PORT": str(ports["ledger"]),
         "GPUCLOUD_TRACKER__URL": f"http://127.0.0.1:{ports['tracker']}",
+        "GPUCLOUD_BMC__EMULATOR_PORT": str(ports["bmc"]),
     }
     log = open(tmp_path / "up.log", "ab")  # noqa: SIM115 - closed with the test
     proc = subprocess.Popen(
