@@ -239,6 +239,9 @@ class BmcSettings(BaseModel):
     boot_wait_s: float = Field(600.0, gt=0)
     # An agent silent this long (past the heartbeat timeout) on a node with a BMC is power-cycled.
     power_cycle_after_s: float = Field(300.0, gt=0)
+    # The firmware image the repair ladder's `reflash` asks a BMC's UpdateService to install
+    # (Redfish SimpleUpdate; where the BMC has none, or this is unset, the agent reflashes).
+    firmware_image_uri: str | None = None
     # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet.
     emulator_port: int = 8600
 

@@ -26,10 +26,13 @@ from gpucloud.workflows.options import BMC_ATTEMPTS
 
 
 class BmcActivities:
-    def __init__(self, db: Database, bmcs: Bmcs, *, boot_wait_s: float = 600.0) -> None:
+    def __init__(
+        self, db: Database, bmcs: Bmcs, *, boot_wait_s: float = 600.0, firmware_image_uri: str | None = None
+    ) -> None:
         self.db = db
         self.bmcs = bmcs
         self.boot_wait_s = boot_wait_s
+        self.firmware_image_uri = firmware_image_uri
 
     def _record(self, node_id: str, event: str, *, actor: str, cause: str, **changes) -> None:
         with self.db.session() as session:
@@ -133,5 +136,25 @@ class BmcActivities:
         )  # fmt: skip
         return BmcPowerResult(node_id=req.node_id, done=True, power_state=info.power_state, answer=answer)
 
+    @activity.defn
+    def bmc_firmware_update(self, req: NodeRef) -> BmcPowerResult:
+        """Install the configured firmware through the BMC's UpdateService (Redfish SimpleUpdate).
+        Not done (the caller reflashes through the agent) without a BMC, without a configured
+        image, or where the BMC offers no UpdateService for the system."""
+        endpoint = self._endpoint(req.node_id)
+        if endpoint is None or not self.firmware_image_uri:
+            why = "the node has no BMC" if endpoint is None else "no firmware image is configured"
+            return BmcPowerResult(node_id=req.node_id, done=False, answer=why)
+        try:
+            answer = self.bmcs.for_node(*endpoint).firmware_update(self.firmware_image_uri)
+        except BmcError as error:
+            if error.kind != "unsupported":
+                raise self._failed(req.node_id, "firmware update", error, actor="system") from error
+            self._record(req.node_id, "bmc_unsupported", actor="system", cause=f"{error}: the agent reflashes")
+            return BmcPowerResult(node_id=req.node_id, done=False, answer=str(error))
+        last = {"at": utcnow().isoformat(), "action": "firmware update", "ok": True, "answer": answer}
+        self._record(req.node_id, "firmware_update", actor="system", cause=f"BMC: {answer}", bmc_last=last)
+        return BmcPowerResult(node_id=req.node_id, done=True, answer=answer)
+
     def all(self) -> list:
-        return [self.bmc_power, self.bmc_discover]
+        return [self.bmc_power, self.bmc_discover, self.bmc_firmware_update]

@@ -85,7 +85,12 @@ def build_worker(
             *agent.all(),
             *ReconcilerActivities(client, cp.db, settings).all(),
             *LedgerActivities(cp.ledger, cp.db).all(),
-            *BmcActivities(cp.db, cp.bmcs, boot_wait_s=settings.bmc.boot_wait_s).all(),
+            *BmcActivities(
+                cp.db,
+                cp.bmcs,
+                boot_wait_s=settings.bmc.boot_wait_s,
+                firmware_image_uri=settings.bmc.firmware_image_uri,
+            ).all(),
             *FabricActivities(cp.db, cp.fabric).all(),
             *tenant.all(),
             *TenantStorageActivities(cp.tenant_store, fault_hook=fault_hook).all(),

@@ -67,6 +67,8 @@ class BringupBatchWorkflow:
         self._round = 0
         # Nodes left mid-way (agent silent): their hold is released for the reconciler.
         self._unfinished: set[str] = set()
+        # Nodes whose BMC failed at power-on: their inspection fails with this cause.
+        self._bmc_failed: dict[str, str] = {}
 
     @workflow.query
     def progress(self) -> dict[str, int]:
@@ -101,7 +103,14 @@ class BringupBatchWorkflow:
                     moves.append((node_id, step.event, "bringup"))
                 elif isinstance(step, _Act):
                     acts.setdefault(step.action, []).append(node_id)
+            for node_id, cause in list(self._bmc_failed.items()):
+                if node_id in acts.get("inspect", []):
+                    acts["inspect"].remove(node_id)
+                    moves.append((node_id, NodeEvent.FAIL, cause))
+                    del self._bmc_failed[node_id]
             for action, node_ids in acts.items():
+                if not node_ids:
+                    continue
                 outcome = await self._act(action, node_ids)
                 for node_id in node_ids:
                     if node_id in outcome.unreachable:
@@ -127,8 +136,8 @@ class BringupBatchWorkflow:
 
     async def _power_on(self, nodes: list[NodeView]) -> None:
         """Out of band first, for nodes with a BMC: what it says the system is, and its power on
-        (the agent's heartbeat awaited when it was off). A node whose BMC fails leaves the batch
-        for the reconciler, with the BMC's error in its events."""
+        (the agent's heartbeat awaited when it was off). A node whose BMC fails (after its
+        bounded retries) fails its inspection with the BMC's error: quarantined, cause named."""
 
         async def one(node: NodeView) -> None:
             try:
@@ -137,8 +146,8 @@ class BringupBatchWorkflow:
                 req = BmcPowerInput(node_id=node.node_id, action="on", cause="bring-up", wait_for_agent=True)
                 await workflow.execute_activity_method(BmcActivities.bmc_power, req, **options.BMC)
             except ActivityError as err:
-                self._stop(node.node_id, f"power on through the BMC failed: {failure_message(err)}")
-                self._unfinished.add(node.node_id)
+                # Its inspection fails with the BMC's cause: the node ends quarantined, named why.
+                self._bmc_failed[node.node_id] = f"power on through the BMC failed: {failure_message(err)}"
 
         await asyncio.gather(*(one(node) for node in nodes))
 

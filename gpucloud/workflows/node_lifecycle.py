@@ -143,11 +143,17 @@ class NodeOperationWorkflow:
         error: str | None = None
         if inp.operation == Op.BRINGUP and self._state == S.ENROLLED and self._has_bmc:
             # Out of band first: what the BMC says the system is, and its power on.
-            await workflow.execute_activity_method(
-                BmcActivities.bmc_discover, NodeRef(node_id=inp.node_id), **options.BMC
-            )
-            failure = await self._power("on", cause="bring-up")
+            try:
+                await workflow.execute_activity_method(
+                    BmcActivities.bmc_discover, NodeRef(node_id=inp.node_id), **options.BMC
+                )
+                failure = await self._power("on", cause="bring-up")
+            except ActivityError as err:
+                failure = f"discovery through the BMC failed: {failure_message(err)}"
             if failure is not None:
+                # Its inspection fails with the BMC's cause: quarantined, named why.
+                if await self._move(E.INSPECT, cause="bring-up"):
+                    await self._move(E.FAIL, cause=failure)
                 return self._result(False, failure)
         if inp.operation == Op.REPAIR:
             error = await self._repair_rung()
@@ -283,6 +289,16 @@ class NodeOperationWorkflow:
         ladder's reboot is a power cycle through it (the agent's own reboot needs a live host)."""
         if action == "power_cycle" or (action == "reboot" and self._has_bmc):
             return await self._power("cycle", cause=f"repair: {action}")
+        if action == "reflash" and self._has_bmc:
+            ref = NodeRef(node_id=self._inp.node_id)
+            try:
+                update = await workflow.execute_activity_method(BmcActivities.bmc_firmware_update, ref, **options.BMC)
+            except ActivityError as err:
+                if is_cancelled_exception(err):
+                    raise
+                return f"reflash through the BMC failed: {failure_message(err)}"
+            if update.done:  # the new firmware takes effect at the next power-on
+                return await self._power("cycle", cause="repair: reflash through the BMC")
         self._steps_taken += 1
         info = workflow.info()
         req = AgentActionInput(

@@ -197,3 +197,39 @@ async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_po
             lambda: h.node(node_id)["power_state"] == "Off", timeout_s=60, what="the retired node off"
         )
         assert h.node(node_id)["state"] == "retired"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_missing_system_and_a_bmc_that_never_resets_end_in_named_failure_states(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    from support.faulty_http import FaultyProxy
+
+    h = make_harness(db_url, nodes=3, latency_scale=0.02, bmc=True, **{**BMC_SETTINGS, "bmc__power_wait_s": 4.0})
+    await in_process_worker(h.settings)
+    inventory = h.sim.inventory()
+    missing, stuck = inventory[0], inventory[1]
+    missing["bmc_system_id"] = "00000000-0000-0000-0000-000000000000"  # a typo in the enrollment file
+    with FaultyProxy(stuck["bmc_url"]) as proxy, Heartbeats(h):
+        stuck["bmc_url"] = proxy.url  # a BMC that accepts a reset and never changes the power state
+        proxy.mode = "swallow_resets"
+        assert h.operator.post("/v1/nodes:enroll", json={"nodes": inventory}).status_code in (200, 201, 202)
+        await h.wait_states({"available": 2, "quarantined": 1}, timeout_s=90)
+        quarantined = h.node(missing["id"])
+        assert quarantined["state"] == "quarantined" and quarantined["bmc_last"]["kind"] == "not_found"
+        moved = next(e for e in _events(h, missing["id"]) if e["to_state"] == "quarantined")
+        assert "no such system" in moved["cause"], moved
+
+        await async_wait_until(lambda: h.node(stuck["id"])["last_heartbeat_at"], timeout_s=10, what="heartbeats")
+        h.sim.set_unreachable(stuck["id"], True)
+        await _sweep_until(
+            h,
+            temporal_env.client,
+            lambda: h.node(stuck["id"])["state"] == "rma",
+            timeout_s=120,
+            what="the node whose BMC never resets in RMA",
+            node_id=stuck["id"],
+        )
+    assert h.node(stuck["id"])["bmc_last"]["kind"] == "stuck"
+    moved = next(e for e in _events(h, stuck["id"]) if e["to_state"] == "rma")
+    assert "accepted ForceOff but the power state is still On" in moved["cause"], moved

@@ -116,3 +116,16 @@ def test_5xx_garbage_timeouts_and_a_reset_that_never_happens(emulator: BmcEmulat
         assert time.monotonic() - started < 10
         proxy.mode = "pass"
         assert bmc.power_state() == "On"  # nothing happened to the system
+
+
+def test_firmware_update_through_the_update_service_or_unsupported(emulator: BmcEmulator) -> None:
+    # The emulator's fake systems cannot update firmware: its SimpleUpdate fails, which is
+    # `unsupported` (the repair ladder then reflashes through the agent).
+    with pytest.raises(BmcError) as refused:
+        _bmc(emulator).firmware_update("https://firmware.example/h100-bios-1.2.bin")
+    assert refused.value.kind == "unsupported" and "cannot update" in str(refused.value)
+    with FaultyProxy(emulator.url) as proxy:
+        proxy.mode = "accept_updates"
+        answer = _bmc(emulator, url=proxy.url).firmware_update("https://firmware.example/h100-bios-1.2.bin")
+    assert answer.startswith("SimpleUpdate of /redfish/v1/Systems/") and "h100-bios-1.2.bin" in answer
+    assert ("POST", "/redfish/v1/UpdateService/Actions/UpdateService.SimpleUpdate") in proxy.requests

@@ -7,7 +7,9 @@ Modes, switched while it runs (`proxy.mode = ...`):
 - `hang`: accept the request and answer nothing for `hang_s` (past the client's timeout);
 - `swallow_resets`: forward everything but POSTs to a `Reset` action, which it answers 204
   without forwarding (a BMC that accepts a reset and never changes power state);
-- `garbage`: answer 200 with a body that is not JSON.
+- `garbage`: answer 200 with a body that is not JSON;
+- `accept_updates`: forward everything but POSTs to the UpdateService's SimpleUpdate, which it
+  answers 202 with a task monitor (a BMC whose firmware update starts).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class FaultyProxy:
                     return self._answer(200, b"<html>BMC firmware update in progress</html>", "text/html")
                 if mode == "swallow_resets" and self.command == "POST" and "Reset" in self.path:
                     return self._answer(204, b"", "application/json")
+                if mode == "accept_updates" and self.command == "POST" and "SimpleUpdate" in self.path:
+                    self.send_response(202)
+                    self.send_header("Location", "/redfish/v1/TaskService/Tasks/1")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
                 answer = httpx.request(
                     self.command, proxy.upstream + self.path, content=body, headers=headers, timeout=30
