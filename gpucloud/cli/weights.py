@@ -16,6 +16,7 @@ with an error that names the chunk, file or key, and leaves nothing at the desti
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -399,3 +400,56 @@ def gc_command(
     out.print(gc_table(report))
     verb = "would remove" if dry_run else "removed"
     out.print(f"{verb} {report['chunks_deleted']} chunks ({human_size(report['bytes_deleted'])})")
+
+
+@weights_app.command("sanity")
+def sanity_command(
+    directory: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="a version's files (pulled)")],
+    parent: Annotated[
+        Path | None, typer.Option(exists=True, file_okay=False, help="its parent version's files, to compare with")
+    ] = None,
+    threshold: Annotated[float, typer.Option(help="relative change of a tensor's L2 norm worth naming")] = 0.5,
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """The weight-sanity evaluator on a directory: NaN and Inf counts, L2 norms and their change
+    against the parent, tensors and files added, removed or reshaped. Exits 1 when a tensor holds
+    NaN or Inf or changed shape."""
+    from gpucloud.registry.sanity import SanityError, evaluate
+
+    try:
+        report = evaluate(directory, parent, threshold=threshold)
+    except SanityError as error:
+        err.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    metrics, details = report.metrics(), report.details()
+    if output == "json":
+        print(json.dumps({"metrics": metrics, "details": details}, indent=2))
+    else:
+        table = Table(title=f"weight sanity: {directory}" + (f" against {parent}" if parent else ""))
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        table.add_column("where")
+        where = {
+            "nan_inf_count": details["nan_or_inf"],
+            "max_rel_norm_change": [
+                f"{c['tensor']} ({c['rel_change']:g})" for c in details["largest_rel_norm_changes"][:3]
+            ],
+            "tensors_over_norm_threshold": details["over_norm_threshold"],
+            "shape_changes": details["shape_changed"],
+            "dtype_changes": details["dtype_changed"],
+            "tensors_added": details["added"],
+            "tensors_removed": details["removed"],
+            "files_added": details["files_added"],
+            "files_removed": details["files_removed"],
+        }
+        for name, value in metrics.items():
+            bad = name in ("nan_inf_count", "shape_changes") and value > 0
+            table.add_row(name, f"[red]{value:g}[/]" if bad else f"{value:g}", ", ".join(where.get(name, []))[:100])
+        out.print(table)
+        rate = details["read_gb_per_s"]
+        out.print(
+            f"{len(report.tensors)} tensors, {human_size(report.bytes_read)} read"
+            + (f" at {rate} GB/s" if rate else "")
+        )
+    if metrics["nan_inf_count"] or metrics["shape_changes"]:
+        raise typer.Exit(1)
