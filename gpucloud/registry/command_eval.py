@@ -1,0 +1,105 @@
+"""The command evaluator: a model's own evaluation program, run by the platform against a pulled
+and verified version directory, under a time limit.
+
+The program gets the directory as `GPUCLOUD_MODEL_DIR` (and as its working directory), its own
+environment on top of a minimal one, and prints its metrics as one JSON object (names to
+finite numbers) as the last line of its standard output. Anything else fails the evaluation
+with the reason, never a pass:
+
+- it exits non-zero (the reason carries the code and the end of its standard error);
+- it runs past the time limit (its whole process group is killed: children too);
+- its last line is not one JSON object of finite numbers (the reason quotes what it printed);
+- it prints more than `MAX_OUTPUT_BYTES` (it cannot fill the platform's memory).
+
+What it printed is what the platform then signs as this evaluator's results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_OUTPUT_BYTES = 1 << 20
+MAX_METRICS = 256
+
+
+@dataclass(frozen=True)
+class CommandOutcome:
+    ok: bool
+    metrics: dict[str, float]
+    reason: str
+    seconds: float
+    exit_code: int | None
+
+
+def _failed(reason: str, started: float, exit_code: int | None = None) -> CommandOutcome:
+    return CommandOutcome(False, {}, reason, time.monotonic() - started, exit_code)
+
+
+def parse_metrics(last_line: str) -> dict[str, float]:
+    """One JSON object of names to finite numbers; ValueError naming what is wrong otherwise."""
+    try:
+        value = json.loads(last_line)
+    except json.JSONDecodeError:
+        raise ValueError(f"its last line is not JSON: {last_line[:200]!r}") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"its last line is not a JSON object of metrics: {last_line[:200]!r}")
+    if len(value) > MAX_METRICS:
+        raise ValueError(f"it printed {len(value)} metrics, more than {MAX_METRICS}")
+    metrics = {}
+    for name, number in value.items():
+        if isinstance(number, bool) or not isinstance(number, int | float) or not math.isfinite(number):
+            raise ValueError(f"metric {name!r} is {number!r}, not a finite number")
+        if not name or len(name) > 100:
+            raise ValueError(f"metric name {name!r} is empty or longer than 100 characters")
+        metrics[name] = float(number)
+    return metrics
+
+
+def run_command(
+    argv: list[str], model_dir: Path, *, timeout_s: float, env: dict[str, str] | None = None
+) -> CommandOutcome:
+    """Run one evaluation command against `model_dir`; its outcome, never an exception."""
+    started = time.monotonic()
+    environment = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {}), "GPUCLOUD_MODEL_DIR": str(model_dir)}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as errors:
+        try:
+            process = subprocess.Popen(
+                argv, cwd=model_dir, env=environment, stdout=out, stderr=errors, start_new_session=True
+            )
+        except OSError as error:
+            return _failed(f"the command could not start: {error}", started)
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return _failed(f"the command ran past its time limit of {timeout_s:g} s and was killed", started)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # whatever it left running in its group
+        size = out.tell()
+        out.seek(0)
+        stdout = out.read(MAX_OUTPUT_BYTES + 1)
+        errors.seek(max(0, errors.tell() - 2000))
+        stderr_tail = errors.read().decode(errors="replace").strip()
+    if code != 0:
+        return _failed(f"the command exited with {code}: {stderr_tail[-500:] or 'no error output'}", started, code)
+    if size > MAX_OUTPUT_BYTES:
+        return _failed(f"the command printed {size} bytes, more than {MAX_OUTPUT_BYTES}", started, code)
+    lines = [line for line in stdout.decode(errors="replace").splitlines() if line.strip()]
+    if not lines:
+        return _failed("the command printed nothing; it must print its metrics as one JSON object", started, code)
+    try:
+        metrics = parse_metrics(lines[-1].strip())
+    except ValueError as error:
+        return _failed(f"the command's output is not metrics: {error}", started, code)
+    return CommandOutcome(True, metrics, "ok", time.monotonic() - started, code)
