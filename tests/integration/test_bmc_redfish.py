@@ -129,3 +129,16 @@ def test_firmware_update_through_the_update_service_or_unsupported(emulator: Bmc
         answer = _bmc(emulator, url=proxy.url).firmware_update("https://firmware.example/h100-bios-1.2.bin")
     assert answer.startswith("SimpleUpdate of /redfish/v1/Systems/") and "h100-bios-1.2.bin" in answer
     assert ("POST", "/redfish/v1/UpdateService/Actions/UpdateService.SimpleUpdate") in proxy.requests
+
+
+def test_discovery_merges_what_a_real_bmc_reports(emulator: BmcEmulator) -> None:
+    """Serial number, model, CPUs, memory and BIOS, as a real server's BMC reports them (the
+    emulator's fake systems report none, so a proxy adds them to its answers)."""
+    with FaultyProxy(emulator.url) as proxy:
+        proxy.mode = "real_hardware"
+        systems = discover(proxy.url, USERNAME, sim_bmc_password(emulator.data_dir), timeout_s=5)
+        single = _bmc(emulator, "gpu-a", url=proxy.url).system()
+    record = next(s for s in systems if s.name == "gpu-a").as_record()
+    assert record["serial_number"] == "SN-7Z23A01B" and record["model"].startswith("ThinkSystem SR675")
+    assert (record["cpu_count"], record["memory_gib"], record["bios_version"]) == (2, 2048.0, "KAE120H-2.10")
+    assert single.as_record() == record

@@ -9,11 +9,15 @@ Modes, switched while it runs (`proxy.mode = ...`):
   without forwarding (a BMC that accepts a reset and never changes power state);
 - `garbage`: answer 200 with a body that is not JSON;
 - `accept_updates`: forward everything but POSTs to the UpdateService's SimpleUpdate, which it
-  answers 202 with a task monitor (a BMC whose firmware update starts).
+  answers 202 with a task monitor (a BMC whose firmware update starts);
+- `real_hardware`: forward everything, adding to every ComputerSystem what a real server's BMC
+  reports and the emulator's fake systems do not (`hardware`: serial number, model, CPU count,
+  memory, BIOS version).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +30,13 @@ class FaultyProxy:
         self.upstream = upstream.rstrip("/")
         self.mode = "pass"
         self.hang_s = hang_s
+        self.hardware = {
+            "SerialNumber": "SN-7Z23A01B",
+            "Model": "ThinkSystem SR675 V3 (HGX H100 8-GPU)",
+            "ProcessorSummary": {"Count": 2, "Model": "AMD EPYC 9454"},
+            "MemorySummary": {"TotalSystemMemoryGiB": 2048},
+            "BiosVersion": "KAE120H-2.10",
+        }
         self.requests: list[tuple[str, str]] = []
         proxy = self
 
@@ -56,7 +67,12 @@ class FaultyProxy:
                 answer = httpx.request(
                     self.command, proxy.upstream + self.path, content=body, headers=headers, timeout=30
                 )
-                self._answer(answer.status_code, answer.content, answer.headers.get("content-type", ""))
+                content = answer.content
+                if mode == "real_hardware" and self.command == "GET" and answer.status_code == 200:
+                    document = json.loads(content)
+                    if str(document.get("@odata.type", "")).startswith("#ComputerSystem.v"):
+                        content = json.dumps({**document, **proxy.hardware}).encode()
+                self._answer(answer.status_code, content, answer.headers.get("content-type", ""))
 
             def _answer(self, status: int, body: bytes, content_type: str) -> None:
                 self.send_response(status)
