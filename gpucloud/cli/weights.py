@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import httpx
 import typer
@@ -52,6 +52,9 @@ weights_app = typer.Typer(
     add_completion=False,
     help="Model weights: push, pull, promote and list versions through the registry API.",
 )
+if TYPE_CHECKING:  # numpy and safetensors load only when an evaluator runs
+    from gpucloud.registry.sanity import SanityReport
+
 out = console
 
 
@@ -329,19 +332,81 @@ def _metric_values(pairs: list[str]) -> dict[str, float]:
 def evaluate_command(
     model: str,
     version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
-    metric: Annotated[list[str], typer.Option(help="NAME=VALUE (repeatable)")],
-    evaluator: Annotated[str, typer.Option(help="who measured these results")] = "cli",
+    metric: Annotated[list[str] | None, typer.Option(help="NAME=VALUE (repeatable): record these results")] = None,
+    evaluator: Annotated[
+        str,
+        typer.Option(
+            help="sanity: run the weight-sanity evaluator on the pulled version against its parent; command: run "
+            "--run in the pulled version; else the name the --metric results are recorded under"
+        ),
+    ] = "cli",
+    run: Annotated[str | None, typer.Option(help="with --evaluator command: the program and its arguments")] = None,
+    timeout: Annotated[float, typer.Option(help="with --evaluator command: its time limit, seconds")] = 600.0,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Record evaluation results for a version, signed with the tenant's key."""
-    results = _metric_values(metric)
+    """Evaluate a version and record the results, signed with the tenant's key: the results
+    given (--metric), or those of an evaluator run here on the pulled, verified version. Exits 1
+    when the evaluation fails (NaN or Inf, a shape change, a failing command)."""
+    if not metric and evaluator not in ("sanity", "command"):
+        raise typer.BadParameter("give --metric NAME=VALUE, or --evaluator sanity or command", param_hint="--metric")
+    if evaluator == "command" and not metric and not run:
+        raise typer.BadParameter("--evaluator command runs the program given with --run", param_hint="--run")
     with _reported_errors(), _client(api_url, api_key) as client:
+        if metric:
+            results, failed = _metric_values(metric), None
+        else:
+            results, failed = _run_evaluator(client, model, version, evaluator, run, timeout)
         tenant_id = client.signing_keys()[0]
         signer = signer_for(get_settings().data_dir, tenant_id)
         client.register_key(signer, tenant_id)
         recorded = client.record_evaluation(model, version, evaluator=evaluator, results=results, signer=signer)
-    out.print(f"recorded {len(results)} results for {model}@{recorded['version'][:12]}")
+    out.print(f"recorded {len(results)} results of {evaluator} for {model}@{recorded['version'][:12]}")
+    if failed:
+        err.print(f"[red]evaluation failed:[/] {failed}")
+        raise typer.Exit(1)
+
+
+def _run_evaluator(
+    client: RegistryClient, model: str, version: str, evaluator: str, run: str | None, timeout: float
+) -> tuple[dict[str, float], str | None]:
+    """Pull the version (and, for sanity, its parent) and run the evaluator on it here: its
+    metrics, and why it failed (None when it passed)."""
+    import shlex
+    import tempfile
+
+    from gpucloud.registry.command_eval import run_command
+    from gpucloud.registry.sanity import SanityError, evaluate
+
+    with tempfile.TemporaryDirectory(prefix="gpucloud-eval-") as scratch:
+        pulled = pull_with_progress(client, model, version, Path(scratch) / "version", console=out).path
+        if evaluator == "command":
+            assert run is not None
+            outcome = run_command(shlex.split(run), pulled, timeout_s=timeout)
+            if not outcome.ok:
+                return {"command_ok": 0.0}, outcome.reason
+            table = Table(title=f"{model}@{version}: {run}")
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            for name, value in outcome.metrics.items():
+                table.add_row(name, f"{value:g}")
+            out.print(table)
+            return {**outcome.metrics, "command_ok": 1.0}, None
+        parent_digest = client.version(model, version).get("parent")
+        parent = None
+        if parent_digest:
+            try:
+                parent = pull_with_progress(client, model, parent_digest, Path(scratch) / "parent", console=out).path
+            except ApiError:
+                out.print(f"parent {parent_digest[:12]} is not a version of {model}: compared with nothing")
+        try:
+            report = evaluate(pulled, parent)
+        except SanityError as error:
+            return {"nan_inf_count": 1.0, "readable": 0.0}, str(error)
+    out.print(sanity_table(report, f"weight sanity: {model}@{version}" + (" against its parent" if parent else "")))
+    metrics = report.metrics()
+    bad = [name for name in ("nan_inf_count", "shape_changes") if metrics[name]]
+    return metrics, ", ".join(f"{name} = {metrics[name]:g}" for name in bad) or None
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -425,27 +490,7 @@ def sanity_command(
     if output == "json":
         print(json.dumps({"metrics": metrics, "details": details}, indent=2))
     else:
-        table = Table(title=f"weight sanity: {directory}" + (f" against {parent}" if parent else ""))
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        table.add_column("where")
-        where = {
-            "nan_inf_count": details["nan_or_inf"],
-            "max_rel_norm_change": [
-                f"{c['tensor']} ({c['rel_change']:g})" for c in details["largest_rel_norm_changes"][:3]
-            ],
-            "tensors_over_norm_threshold": details["over_norm_threshold"],
-            "shape_changes": details["shape_changed"],
-            "dtype_changes": details["dtype_changed"],
-            "tensors_added": details["added"],
-            "tensors_removed": details["removed"],
-            "files_added": details["files_added"],
-            "files_removed": details["files_removed"],
-        }
-        for name, value in metrics.items():
-            bad = name in ("nan_inf_count", "shape_changes") and value > 0
-            table.add_row(name, f"[red]{value:g}[/]" if bad else f"{value:g}", ", ".join(where.get(name, []))[:100])
-        out.print(table)
+        out.print(sanity_table(report, f"weight sanity: {directory}" + (f" against {parent}" if parent else "")))
         rate = details["read_gb_per_s"]
         out.print(
             f"{len(report.tensors)} tensors, {human_size(report.bytes_read)} read"
@@ -453,3 +498,29 @@ def sanity_command(
         )
     if metrics["nan_inf_count"] or metrics["shape_changes"]:
         raise typer.Exit(1)
+
+
+def sanity_table(report: SanityReport, title: str) -> Table:
+    """The sanity evaluator's metrics, and the tensors and files behind each."""
+    metrics, details = report.metrics(), report.details()
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("where")
+    where = {
+        "nan_inf_count": details["nan_or_inf"],
+        "max_rel_norm_change": [
+            f"{c['tensor']} ({c['rel_change']:g})" for c in details["largest_rel_norm_changes"][:3]
+        ],
+        "tensors_over_norm_threshold": details["over_norm_threshold"],
+        "shape_changes": details["shape_changed"],
+        "dtype_changes": details["dtype_changed"],
+        "tensors_added": details["added"],
+        "tensors_removed": details["removed"],
+        "files_added": details["files_added"],
+        "files_removed": details["files_removed"],
+    }
+    for name, value in metrics.items():
+        bad = name in ("nan_inf_count", "shape_changes") and value > 0
+        table.add_row(name, f"[red]{value:g}[/]" if bad else f"{value:g}", ", ".join(where.get(name, []))[:100])
+    return table

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -594,3 +595,55 @@ def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
     refused = runner.invoke(weights_app, ["gc", "--grace", "5m"], env=env)
     assert refused.exit_code == 1 and "grace_period_seconds" in refused.output
     assert runner.invoke(weights_app, ["gc", "--grace", "soon"], env=env).exit_code == 2
+
+
+def test_cli_evaluates_a_pushed_version_with_the_sanity_evaluator_and_a_nan_is_refused(
+    registry: Registry, tmp_path: Path
+) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    tenant = registry.new_tenant()
+    env = {
+        "GPUCLOUD_API_URL": registry.url,
+        "GPUCLOUD_API_KEY": tenant.key,
+        "GPUCLOUD_DATA_DIR": str(tenant.data_dir),
+        "COLUMNS": "200",
+    }
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0):
+        result = runner.invoke(weights_app, list(args), env=env)
+        assert result.exit_code == code, result.output
+        return result.output
+
+    def version_dir(name: str, weights: np.ndarray) -> Path:
+        (tmp_path / name).mkdir()
+        save_file(
+            {"mlp.weight": weights, "embed.weight": np.ones((64, 64), np.float32)},
+            str(tmp_path / name / "m.safetensors"),
+        )
+        (tmp_path / name / "config.json").write_text("{}")
+        return tmp_path / name
+
+    with tenant.http() as http:
+        gates = [{"metric": "nan_inf_count", "max": 0}, {"metric": "max_rel_norm_change", "max": 0.5}]
+        http.post("/v1/models", json={"name": "sane", "gates": gates}).raise_for_status()
+
+    def pushed(output: str) -> str:
+        return re.search(r"pushed sane@([0-9a-f]{64})", output).group(1)
+
+    base = np.random.default_rng(3).standard_normal((128, 256)).astype(np.float32)
+    first = pushed(run("push", str(version_dir("base", base)), "--model", "sane"))
+    tuned, broken = base * 1.02, base.copy()
+    broken[5, 9] = np.nan  # a fine-tune that diverged in one value
+    good = pushed(run("push", str(version_dir("tuned", tuned)), "--model", "sane", "--parent", first[:12]))
+    bad = pushed(run("push", str(version_dir("broken", broken)), "--model", "sane", "--parent", first[:12]))
+
+    failed = run("evaluate", "sane", bad[:12], "--evaluator", "sanity", code=1)
+    assert "nan_inf_count" in failed and "m.safetensors:mlp.weight" in failed and "against its parent" in failed
+    refused = run("promote", "sane", bad[:12], "--to", "production", code=1)
+    assert "nan_inf_count" in refused
+    passed = run("evaluate", "sane", good[:12], "--evaluator", "sanity")
+    assert "recorded" in passed and "max_rel_norm_change" in passed
+    assert "production" in run("promote", "sane", good[:12], "--to", "production")
