@@ -169,7 +169,8 @@ class AllocationWorkflow(DrainAndReplace):
         # A first node pulled before ready is not the tenant's any more.
         members = [r.node_id for r in results if r.ok]
         if replaced_first:
-            members = [node for node in members if node in (await self._load()).node_ids]
+            current = set((await self._load()).node_ids)  # one read, not one per node
+            members = [node for node in members if node in current]
         self._ledger.started(view, members)
         return None
 

@@ -240,9 +240,25 @@ def _alloc_events(h, key: str, alloc_id: str) -> list[str]:
 
 
 async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is_ready(
-    db_url, make_harness, in_process_worker
+    db_url, make_harness, in_process_worker, tmp_path
 ):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, health__breaker_max_pulled_share=1.0)
+    from ledger_harness import ledger_in_thread
+
+    from support.ledger_auth import auth_for
+
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as ledger_url:
+        await _replaced_before_ready(make_harness, in_process_worker, db_url, ledger_url, auth_for(ledger_url))
+
+
+async def _replaced_before_ready(make_harness, in_process_worker, db_url, ledger_url, ledger_auth) -> None:
+    h = await _ready_fleet(
+        make_harness,
+        in_process_worker,
+        db_url,
+        nodes=4,
+        health__breaker_max_pulled_share=1.0,
+        ledger={"url": ledger_url},
+    )
     for node in h.nodes():  # every provision answers 503 twice first: about 3 s in `provisioning`
         h.sim.inject(node["id"], "provision", "transient", count=2)
     tenant_id, key = await h.onboard()
@@ -274,6 +290,15 @@ async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is
     assert all(nodes[n]["state"] == "active" and nodes[n]["pod"] == alloc["fabric_domain"] for n in alloc["node_ids"])
     assert all(h.sim.node(n)["tenant_id"] == tenant_id for n in alloc["node_ids"])
     await async_wait_until(lambda: h.node(bad)["state"] == "quarantined", timeout_s=30, what="bad node quarantined")
+    # Billed: the two nodes the tenant got at ready, never the one pulled before it.
+    params = {"tenant_id": tenant_id, "allocation_id": alloc_id}
+
+    def added() -> set[str] | None:
+        events = httpx.get(f"{ledger_url}/v1/allocation-events", params=params, auth=ledger_auth).json()
+        found = {e["node_id"] for e in events if e["kind"] == "node_added"}
+        return found if len(found) >= 2 else None
+
+    assert await async_wait_until(added, timeout_s=30, what="the ledger's node_added events") == set(alloc["node_ids"])
 
 
 async def test_a_burst_of_fatal_xids_in_one_allocation_pulls_all_and_replaces_each(
