@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
-from sqlmodel import select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -21,7 +20,8 @@ from gpucloud.adapters.bmc import BmcError
 from gpucloud.bootstrap import Bmcs
 from gpucloud.db import Database
 from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, NodeRef
-from gpucloud.models.tables import Node, NodeTransition, Operation, OperationStatus, utcnow
+from gpucloud.models.tables import Node, NodeTransition, utcnow
+from gpucloud.services.operations import settle_operation
 from gpucloud.workflows.options import BMC_ATTEMPTS
 
 
@@ -106,16 +106,9 @@ class BmcActivities:
         return f"the node was powered on but its agent did not heartbeat within {self.boot_wait_s:.0f} s"
 
     def _finish(self, operation_id: str | None, error: str | None) -> None:
-        if operation_id is None:
-            return
-        with self.db.session() as session:
-            op = session.exec(select(Operation).where(Operation.id == operation_id)).first()
-            if op is None or op.status != OperationStatus.RUNNING:
-                return
-            op.status = OperationStatus.FAILED if error else OperationStatus.SUCCEEDED
-            op.error = error[:500] if error else None
-            op.updated_at = utcnow()
-            session.add(op)
+        if operation_id is not None:
+            with self.db.session() as session:
+                settle_operation(session, operation_id, error=error)
 
     @activity.defn
     def bmc_discover(self, req: NodeRef) -> BmcPowerResult:

@@ -46,6 +46,7 @@ from gpucloud.models.tenant_messages import (
 from gpucloud.services import allocations as allocation_service
 from gpucloud.services import api_keys
 from gpucloud.services import tenants as tenant_service
+from gpucloud.services.operations import settle_operation
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class TenantActivities:
             tenant = tenant_service.move(
                 session, req.tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.ACTIVE
             )
-            tenant_service.settle_operation(session, req.operation_id, error=None)
+            settle_operation(session, req.operation_id, error=None)
             return _view(tenant)
 
     @activity.defn
@@ -131,7 +132,7 @@ class TenantActivities:
             tenant = tenant_service.move(
                 session, req.tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.FAILED, reason=req.error
             )
-            tenant_service.settle_operation(session, req.operation_id, error=req.error)
+            settle_operation(session, req.operation_id, error=req.error)
             return _view(tenant)
 
     @activity.defn
@@ -140,7 +141,7 @@ class TenantActivities:
             tenant = tenant_service.move(
                 session, req.tenant_id, source=(TenantStatus.OFFBOARDING,), target=TenantStatus.OFFBOARDED
             )
-            tenant_service.settle_operation(session, req.operation_id, error=None)
+            settle_operation(session, req.operation_id, error=None)
             return _view(tenant)
 
     @activity.defn

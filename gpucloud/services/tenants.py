@@ -24,7 +24,6 @@ from gpucloud.models.tables import (
     ApiKey,
     Node,
     Operation,
-    OperationStatus,
     Tenant,
     TenantQuota,
     TenantQuotaBase,
@@ -130,16 +129,6 @@ def move(
     if rowcount(result) != 1 and tenant.status != target:
         raise TenantStateConflict(tenant_id, tenant.status, target.value)
     return tenant
-
-
-def settle_operation(session: Session, operation_id: str, *, error: str | None) -> None:
-    op = session.exec(select(Operation).where(col(Operation.id) == operation_id)).first()
-    if op is None or op.status != OperationStatus.RUNNING:
-        return
-    op.status = OperationStatus.FAILED if error else OperationStatus.SUCCEEDED
-    op.error = error
-    op.updated_at = utcnow()
-    session.add(op)
 
 
 def begin_offboarding(session: Session, tenant_id: str) -> tuple[Tenant, Operation, bool]:

@@ -9,7 +9,6 @@ from datetime import timedelta
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from sqlmodel import select
 from temporalio.service import RPCError
 
 from gpucloud.api import pagination
@@ -45,6 +44,7 @@ from gpucloud.services.fleet import (
     summary,
 )
 from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
+from gpucloud.services.operations import settle_operation
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import start_bringup_batches, start_node_power
 from gpucloud.web.problems import Problem, not_found, unavailable
@@ -199,9 +199,7 @@ def _power_operation(settings: Settings, node_id: str, req: PowerRequest) -> tup
 
 def _power_not_started(settings: Settings, operation_id: str, error: str) -> None:
     with session_scope(settings.database_url) as session:
-        op = session.exec(select(Operation).where(Operation.id == operation_id)).one()
-        op.status, op.error = "failed", error[:500]
-        session.add(op)
+        settle_operation(session, operation_id, error=error)
 
 
 @router.post(
