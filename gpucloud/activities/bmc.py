@@ -16,7 +16,7 @@ from datetime import datetime
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from gpucloud.adapters.bmc import BmcError
+from gpucloud.adapters.bmc import POWER_AFTER, BmcError
 from gpucloud.bootstrap import Bmcs
 from gpucloud.db import Database
 from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, NodeRef
@@ -72,14 +72,13 @@ class BmcActivities:
             return BmcPowerResult(node_id=req.node_id, done=False, answer="the node has no BMC")
         started = utcnow()
         try:
-            bmc = self.bmcs.for_node(*endpoint)
-            answer = bmc.power(req.action)
-            state = bmc.power_state()
+            answer = self.bmcs.for_node(*endpoint).power(req.action)
         except BmcError as error:
             failure = self._failed(req.node_id, f"power {req.action}", error, actor=req.actor)
             if failure.non_retryable or activity.info().attempt >= BMC_ATTEMPTS:
                 self._finish(req.operation_id, f"power {req.action}: {error}")
             raise failure from error
+        state = POWER_AFTER[req.action]  # power() returns only once the BMC shows it
         last = {"at": utcnow().isoformat(), "action": f"power {req.action}", "ok": True, "answer": answer}
         cause = f"{req.cause}: BMC: {answer}" if req.cause else f"BMC: {answer}"
         self._record(req.node_id, f"power_{req.action}", actor=req.actor, cause=cause, power_state=state, bmc_last=last)

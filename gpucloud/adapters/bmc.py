@@ -21,15 +21,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import sushy
-from sushy import exceptions as sushy_errors
+if TYPE_CHECKING:  # sushy (and requests under it) load on the first call to a BMC, not at import:
+    import sushy  # the API and the CLI import this module through the workflows and never call one
 
 BmcErrorKind = Literal[
     "auth", "not_found", "bad_request", "unsupported", "unreachable", "timeout", "server_error", "stuck"
 ]
 PowerAction = Literal["on", "off", "cycle"]
+POWER_AFTER: dict[str, str] = {"on": "On", "off": "Off", "cycle": "On"}
 _RETRYABLE = frozenset({"unreachable", "timeout", "server_error"})
 
 
@@ -92,6 +93,8 @@ class BmcCredentials:
 
 def _translate(error: Exception, what: str) -> BmcError:
     """A sushy or transport failure as a `BmcError`."""
+    from sushy import exceptions as sushy_errors
+
     if isinstance(error, BmcError):
         return error
     if isinstance(error, sushy_errors.AccessError):
@@ -152,26 +155,28 @@ class RedfishBmc:
         return _info(system)
 
     def power_state(self) -> str:
-        system = self._system()
-        return system.power_state.value if system.power_state is not None else "Unknown"
+        return _power_state(self._system())
 
     def power(self, action: PowerAction) -> str:
         """Bring the system's power to what `action` asks and wait until it shows; returns what
-        was done, in words (the BMC's answer for the node's events)."""
-        state = self.power_state()
+        was done, in words (the BMC's answer for the node's events). Afterwards the power is
+        `POWER_AFTER[action]`."""
+        system = self._system()  # one read; the resets act on it, the waits read the state
+        state = _power_state(system)
         if action == "on":
-            return "already on" if state == "On" else self._reset("On", want="On", was=state)
+            return "already on" if state == "On" else self._reset(system, "On", want="On", was=state)
         if action == "off":
-            return "already off" if state == "Off" else self._reset("ForceOff", want="Off", was=state)
-        steps = [] if state == "Off" else [self._reset("ForceOff", want="Off", was=state)]
-        steps.append(self._reset("On", want="On", was="Off"))
+            return "already off" if state == "Off" else self._reset(system, "ForceOff", want="Off", was=state)
+        steps = [] if state == "Off" else [self._reset(system, "ForceOff", want="Off", was=state)]
+        steps.append(self._reset(system, "On", want="On", was="Off"))
         return "; ".join(steps)
 
-    def _reset(self, reset_type: str, *, want: str, was: str) -> str:
-        system = self._system()
+    def _reset(self, system, reset_type: str, *, want: str, was: str) -> str:
         started = time.monotonic()
         try:
-            system.reset_system(sushy.ResetType(reset_type))
+            from sushy import ResetType
+
+            system.reset_system(ResetType(reset_type))
         except Exception as error:
             raise _translate(error, f"{reset_type} of system {self.endpoint.system_id}") from error
         deadline = started + self.power_wait_s
@@ -207,6 +212,7 @@ class RedfishBmc:
 
 
 def _connect(url: str, username: str, password: str, bmc: RedfishBmc) -> sushy.Sushy:
+    import sushy
     from sushy import auth
 
     return sushy.Sushy(
@@ -221,6 +227,10 @@ def _connect(url: str, username: str, password: str, bmc: RedfishBmc) -> sushy.S
     )
 
 
+def _power_state(system) -> str:
+    return system.power_state.value if system.power_state is not None else "Unknown"
+
+
 def _info(system) -> SystemInfo:
     raw = system.json
     memory = (raw.get("MemorySummary") or {}).get("TotalSystemMemoryGiB")
@@ -228,7 +238,7 @@ def _info(system) -> SystemInfo:
     return SystemInfo(
         system_id=system.identity,
         name=system.name,
-        power_state=system.power_state.value if system.power_state is not None else None,
+        power_state=system.power_state.value if system.power_state is not None else None,  # None: not reported
         manufacturer=system.manufacturer,
         model=system.model,
         serial_number=system.serial_number,
