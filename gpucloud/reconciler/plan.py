@@ -110,9 +110,8 @@ def plan_node(
         and node.last_heartbeat_at is not None
         and now - node.last_heartbeat_at >= power_cycle_after
     )
-    down_reason = (
-        f"agent silent since {node.last_heartbeat_at.isoformat() if node.last_heartbeat_at else '?'}: host down"
-    )
+    # Only a node that is down has its reason written (the sweep plans every candidate node).
+    down_reason = f"agent silent since {node.last_heartbeat_at}: host down" if host_down else ""
     if node.drain_requested and state in (NodeState.AVAILABLE, NodeState.ACTIVE, NodeState.DRAINING):
         plan.start = Op.DRAIN
         plan.reasons.append("operator asked to drain")

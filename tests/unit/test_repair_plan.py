@@ -58,3 +58,32 @@ def test_a_bad_node_back_in_the_pool_is_drained():
         health_conditions=({"name": "xid_63", "reason": "r", "action": "watch"},),
     )
     assert plan_node(watched, now=NOW, heartbeat_timeout=timedelta(seconds=90)).empty
+
+
+@pytest.mark.parametrize(
+    ("state", "allocation", "has_bmc", "silent_s", "start", "replace"),
+    [
+        ("available", None, True, 400, NodeOperationKind.DRAIN, False),  # out of the pool
+        ("quarantined", None, True, 400, NodeOperationKind.REPAIR, False),  # power-cycled by the ladder
+        ("active", "a1", True, 400, None, True),  # its allocation replaces it at once
+        ("available", None, True, 200, None, False),  # silent, not yet past the power-cycle delay
+        ("available", None, False, 4000, None, False),  # no BMC: nothing to act with, it waits
+        ("quarantined", None, False, 4000, None, False),
+    ],
+)
+def test_a_host_silent_past_the_power_cycle_delay_with_a_bmc_is_pulled_and_repaired(
+    state, allocation, has_bmc, silent_s, start, replace
+):
+    node = NodeSnapshot(
+        id="n1",
+        state=state,
+        allocation_id=allocation,
+        last_heartbeat_at=NOW - timedelta(seconds=silent_s),
+        agent_reachable=False,
+        health="suspect",
+        has_bmc=has_bmc,
+    )
+    plan = plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90), power_cycle_after=timedelta(seconds=300))
+    assert (plan.start, plan.replace) == (start, replace)
+    if replace:
+        assert plan.replace_at_once and "host down" in plan.reasons[-1]
