@@ -57,14 +57,14 @@ class LedgerDatabase:
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_WRITER_LOCK})
             yield connection
 
-    def migrate(self) -> None:
-        """Bring the schema to the newest revision (a no-op when it is already there)."""
+    def migrate(self, revision: str = "head") -> None:
+        """Bring the schema to `revision`, the newest by default (a no-op when it is already there)."""
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS_DIR))
         config.set_main_option("version_table", VERSION_TABLE)
         with self.engine.connect() as connection:
             config.attributes["connection"] = connection
-            command.upgrade(config, "head")
+            command.upgrade(config, revision)
 
     def dispose(self) -> None:
         self.engine.dispose()

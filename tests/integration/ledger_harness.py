@@ -67,6 +67,22 @@ def ledger_in_thread(
         yield server.url
 
 
+@contextmanager
+def priced_ledger(backend: str, directory: Path, price_book: dict) -> Iterator[httpx.Client]:
+    """A ledger on `backend` (a fresh database), served in a thread, with `price_book` as its
+    first version; yields a client that signs its calls as the control plane."""
+    from support.ledger_auth import LedgerAuth
+
+    with (
+        ledger_database_url(backend, directory) as database_url,
+        ledger_in_thread(database_url, issuer_dir=directory) as url,
+        httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(directory)) as client,
+    ):
+        answer = client.post("/v1/price-book/versions", json=price_book)
+        assert answer.status_code == 201, answer.text
+        yield client
+
+
 class LedgerProcess:
     """The ledger as its own OS process (``service.main``), for tests that kill it."""
 

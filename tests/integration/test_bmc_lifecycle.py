@@ -8,6 +8,7 @@ power nodes on, off and through a cycle, and a retired node is powered off."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -52,6 +53,24 @@ class Heartbeats:
         self.thread.join(5)
 
 
+@contextlib.asynccontextmanager
+async def bmc_fleet(make_harness, in_process_worker, db_url, *, nodes: int = 2, enroll: bool = True, **settings):
+    """A harness whose simulated nodes have BMCs (the Redfish emulator), its worker, and agents
+    heartbeating every half second; with `enroll`, the fleet enrolled, available and heard from."""
+    h = make_harness(db_url, nodes=nodes, latency_scale=0.02, bmc=True, **{**BMC_SETTINGS, **settings})
+    await in_process_worker(h.settings)
+    with Heartbeats(h) as beats:
+        if enroll:
+            h.enroll_fleet()
+            await h.wait_states({"available": nodes}, timeout_s=90)
+            await async_wait_until(
+                lambda: all(n["last_heartbeat_at"] for n in h.nodes()),
+                timeout_s=10,
+                what=f"heartbeats {beats.errors[-1:]}",
+            )
+        yield h
+
+
 def _boot_id(h, node_id: str) -> str:
     return next(b["boot_id"] for b in h.sim.heartbeats() if b["node_id"] == node_id)
 
@@ -78,15 +97,8 @@ async def _sweep_until(h, client, predicate, *, timeout_s: float, what: str, nod
 async def test_a_hung_host_is_power_cycled_through_its_bmc_and_returns_through_burn_in(
     db_url, make_harness, in_process_worker, temporal_env
 ):
-    h = make_harness(db_url, nodes=2, latency_scale=0.02, bmc=True, **BMC_SETTINGS)
-    await in_process_worker(h.settings)
-    with Heartbeats(h) as beats:
-        h.enroll_fleet()
-        await h.wait_states({"available": 2}, timeout_s=90)
+    async with bmc_fleet(make_harness, in_process_worker, db_url) as h:
         node_id = h.nodes()[0]["id"]
-        await async_wait_until(
-            lambda: h.node(node_id)["last_heartbeat_at"], timeout_s=10, what=f"heartbeats {beats.errors[-1:]}"
-        )
         node = h.node(node_id)
         # Bring-up asked the BMC first: what the system is, and its power (already on).
         assert node["bmc_credential_ref"] == CREDENTIAL_REF and node["power_state"] == "On"
@@ -123,13 +135,8 @@ async def test_a_hung_host_is_power_cycled_through_its_bmc_and_returns_through_b
 async def test_a_bmc_that_refuses_ends_the_node_in_a_failure_state_naming_the_cause(
     db_url, make_harness, in_process_worker, temporal_env
 ):
-    h = make_harness(db_url, nodes=2, latency_scale=0.02, bmc=True, **BMC_SETTINGS)
-    await in_process_worker(h.settings)
-    with Heartbeats(h):
-        h.enroll_fleet()
-        await h.wait_states({"available": 2}, timeout_s=90)
+    async with bmc_fleet(make_harness, in_process_worker, db_url) as h:
         node_id = h.nodes()[1]["id"]
-        await async_wait_until(lambda: h.node(node_id)["last_heartbeat_at"], timeout_s=10, what="heartbeats")
         # The BMC's password was changed behind the control plane's back.
         (h.settings.bmc_credentials_dir / CREDENTIAL_REF).write_text("admin:not-the-password")
         h.sim.set_unreachable(node_id, True)
@@ -152,11 +159,7 @@ async def test_a_bmc_that_refuses_ends_the_node_in_a_failure_state_naming_the_ca
 async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_powered_off(
     db_url, make_harness, in_process_worker, temporal_env
 ):
-    h = make_harness(db_url, nodes=2, latency_scale=0.02, bmc=True, **BMC_SETTINGS)
-    await in_process_worker(h.settings)
-    with Heartbeats(h):
-        h.enroll_fleet()
-        await h.wait_states({"available": 2}, timeout_s=90)
+    async with bmc_fleet(make_harness, in_process_worker, db_url) as h:
         node_id = h.nodes()[0]["id"]
 
         def operation(op_id: str) -> dict:
@@ -186,6 +189,29 @@ async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_po
 
         assert h.operator.post(f"/v1/nodes/{node_id}/power", json={"action": "reboot"}).status_code == 422
         assert h.operator.post("/v1/nodes/no-such-node/power", json={"action": "on"}).status_code == 404
+        plain = {**h.sim.inventory()[1], "id": f"{h.sim.id_prefix}-no-bmc"}
+        for field in ("bmc_url", "bmc_system_id", "bmc_credential_ref"):
+            plain.pop(field)
+        h.operator.post("/v1/nodes:enroll", json={"nodes": [plain]}).raise_for_status()
+        refused = h.operator.post(f"/v1/nodes/{plain['id']}/power", json={"action": "on"})
+        assert refused.status_code == 409 and "has no BMC" in refused.json()["detail"], refused.text
+
+        # The CLI: the same action, waited for, and the power column of `gpucloud nodes`.
+        from typer.testing import CliRunner
+
+        from gpucloud.cli.main import app
+
+        env = {
+            "GPUCLOUD_API__PORT": str(h.settings.api.port),
+            "GPUCLOUD_API__OPERATOR_TOKEN": h.settings.operator_token,
+            "COLUMNS": "200",
+        }
+        cycled = await asyncio.to_thread(
+            CliRunner().invoke, app, ["node", "power", node_id, "cycle", "--reason", "cli"], env=env
+        )
+        assert cycled.exit_code == 0 and "power On" in cycled.output and "succeeded" in cycled.output, cycled.output
+        listed = await asyncio.to_thread(CliRunner().invoke, app, ["nodes"], env=env)
+        assert listed.exit_code == 0 and "power" in listed.output and "On" in listed.output, listed.output
 
         # Retire: out of the fleet, and powered off through its BMC.
         assert h.operator.post(f"/v1/nodes/{node_id}/drain").status_code == 202
@@ -205,31 +231,31 @@ async def test_a_missing_system_and_a_bmc_that_never_resets_end_in_named_failure
 ):
     from support.faulty_http import FaultyProxy
 
-    h = make_harness(db_url, nodes=3, latency_scale=0.02, bmc=True, **{**BMC_SETTINGS, "bmc__power_wait_s": 4.0})
-    await in_process_worker(h.settings)
-    inventory = h.sim.inventory()
-    missing, stuck = inventory[0], inventory[1]
-    missing["bmc_system_id"] = "00000000-0000-0000-0000-000000000000"  # a typo in the enrollment file
-    with FaultyProxy(stuck["bmc_url"]) as proxy, Heartbeats(h):
-        stuck["bmc_url"] = proxy.url  # a BMC that accepts a reset and never changes the power state
-        proxy.mode = "swallow_resets"
-        assert h.operator.post("/v1/nodes:enroll", json={"nodes": inventory}).status_code in (200, 201, 202)
-        await h.wait_states({"available": 2, "quarantined": 1}, timeout_s=90)
-        quarantined = h.node(missing["id"])
-        assert quarantined["state"] == "quarantined" and quarantined["bmc_last"]["kind"] == "not_found"
-        moved = next(e for e in _events(h, missing["id"]) if e["to_state"] == "quarantined")
-        assert "no such system" in moved["cause"], moved
+    fleet = bmc_fleet(make_harness, in_process_worker, db_url, nodes=3, enroll=False, bmc__power_wait_s=4.0)
+    async with fleet as h:
+        inventory = h.sim.inventory()
+        missing, stuck = inventory[0], inventory[1]
+        missing["bmc_system_id"] = "00000000-0000-0000-0000-000000000000"  # a typo in the enrollment file
+        with FaultyProxy(stuck["bmc_url"]) as proxy:
+            stuck["bmc_url"] = proxy.url  # a BMC that accepts a reset and never changes the power state
+            proxy.mode = "swallow_resets"
+            assert h.operator.post("/v1/nodes:enroll", json={"nodes": inventory}).status_code in (200, 201, 202)
+            await h.wait_states({"available": 2, "quarantined": 1}, timeout_s=90)
+            quarantined = h.node(missing["id"])
+            assert quarantined["state"] == "quarantined" and quarantined["bmc_last"]["kind"] == "not_found"
+            moved = next(e for e in _events(h, missing["id"]) if e["to_state"] == "quarantined")
+            assert "no such system" in moved["cause"], moved
 
-        await async_wait_until(lambda: h.node(stuck["id"])["last_heartbeat_at"], timeout_s=10, what="heartbeats")
-        h.sim.set_unreachable(stuck["id"], True)
-        await _sweep_until(
-            h,
-            temporal_env.client,
-            lambda: h.node(stuck["id"])["state"] == "rma",
-            timeout_s=120,
-            what="the node whose BMC never resets in RMA",
-            node_id=stuck["id"],
-        )
+            await async_wait_until(lambda: h.node(stuck["id"])["last_heartbeat_at"], timeout_s=10, what="heartbeats")
+            h.sim.set_unreachable(stuck["id"], True)
+            await _sweep_until(
+                h,
+                temporal_env.client,
+                lambda: h.node(stuck["id"])["state"] == "rma",
+                timeout_s=120,
+                what="the node whose BMC never resets in RMA",
+                node_id=stuck["id"],
+            )
     assert h.node(stuck["id"])["bmc_last"]["kind"] == "stuck"
     moved = next(e for e in _events(h, stuck["id"]) if e["to_state"] == "rma")
     assert "accepted ForceOff but the power state is still On" in moved["cause"], moved

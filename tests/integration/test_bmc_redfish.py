@@ -4,6 +4,7 @@ behaviour gives a typed error that says whether trying again can help, within bo
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +143,21 @@ def test_discovery_merges_what_a_real_bmc_reports(emulator: BmcEmulator) -> None
     assert record["serial_number"] == "SN-7Z23A01B" and record["model"].startswith("ThinkSystem SR675")
     assert (record["cpu_count"], record["memory_gib"], record["bios_version"]) == (2, 2048.0, "KAE120H-2.10")
     assert single.as_record() == record
+
+
+def test_the_cli_lists_a_bmcs_systems_and_names_a_bad_credential(emulator: BmcEmulator, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gpucloud.cli.main import app
+
+    write_sim_credential(emulator.data_dir, tmp_path / "creds")
+    env = {"GPUCLOUD_BMC__CREDENTIALS_DIR": str(tmp_path / "creds"), "COLUMNS": "200"}
+    listed = CliRunner().invoke(app, ["bmc", "systems", "--url", emulator.url, "--credential", CREDENTIAL_REF], env=env)
+    assert listed.exit_code == 0, listed.output
+    assert system_id_of("gpu-a") in listed.output and "gpu-b" in listed.output
+    as_json = CliRunner().invoke(
+        app, ["bmc", "systems", "--url", emulator.url, "--credential", CREDENTIAL_REF, "--output", "json"], env=env
+    )
+    assert sorted(s["name"] for s in json.loads(as_json.output)) == NODES
+    missing = CliRunner().invoke(app, ["bmc", "systems", "--url", emulator.url, "--credential", "nope"], env=env)
+    assert missing.exit_code == 1 and "error (auth)" in missing.output and "fix the credential" in missing.output

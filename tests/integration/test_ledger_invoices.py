@@ -8,11 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_harness import backends, ledger_database_url, ledger_in_thread
+from ledger_harness import backends, priced_ledger
 
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
-from support.ledger_auth import LedgerAuth
 
 JAN, FEB = period_bounds("2024-01")[0], period_bounds("2024-02")[0]
 MINUTE = 60_000
@@ -21,13 +20,8 @@ PRICE = 2_490_000
 
 @pytest.fixture(params=backends())
 def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
-    with (
-        ledger_database_url(request.param, tmp_path) as database_url,
-        ledger_in_thread(database_url, issuer_dir=tmp_path) as url,
-        httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(tmp_path)) as client,
-    ):
-        price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
-        assert client.post("/v1/price-book/versions", json=price_book).status_code == 201
+    price_book = {"effective_from_ms": 0, "prices": [{"gpu_type": "h100", "price_per_hour_micro": PRICE}]}
+    with priced_ledger(request.param, tmp_path, price_book) as client:
         yield client
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_harness import backends, ledger_database_url, ledger_in_thread
+from ledger_harness import backends, ledger_database_url, ledger_in_thread, priced_ledger
 
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
@@ -32,12 +32,7 @@ PRICE_BOOK = {
 
 @pytest.fixture(params=backends())
 def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
-    with (
-        ledger_database_url(request.param, tmp_path) as database_url,
-        ledger_in_thread(database_url, issuer_dir=tmp_path) as url,
-        httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(tmp_path)) as client,
-    ):
-        assert client.post("/v1/price-book/versions", json=PRICE_BOOK).status_code == 201
+    with priced_ledger(request.param, tmp_path, PRICE_BOOK) as client:
         yield client
 
 

@@ -465,8 +465,8 @@ def test_versions_paginate_and_bad_input_is_a_4xx_naming_the_field(registry: Reg
         assert http.post("/v1/models", json={"name": "twice"}).status_code == 409
 
 
-def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: Path) -> None:
-    tenant = registry.new_tenant()
+def _weights_cli(registry: Registry, tenant: Tenant):
+    """`gpucloud weights ...` as the tenant runs it; each call asserts its exit code, returns the output."""
     env = {
         "GPUCLOUD_API_URL": registry.url,
         "GPUCLOUD_API_KEY": tenant.key,
@@ -475,10 +475,17 @@ def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: P
     }
     runner = CliRunner()
 
-    def run(*args: str, code: int = 0):
+    def run(*args: str, code: int = 0) -> str:
         result = runner.invoke(weights_app, list(args), env=env)
         assert result.exit_code == code, result.output
         return result.output
+
+    return run
+
+
+def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: Path) -> None:
+    tenant = registry.new_tenant()
+    run = _weights_cli(registry, tenant)
 
     source = write_model(tmp_path / "v1", random_tensors())
     assert "pushed cli-model@" in run("push", str(source), "--model", "cli-model")
@@ -604,18 +611,7 @@ def test_cli_evaluates_a_pushed_version_with_the_sanity_evaluator_and_a_nan_is_r
     from safetensors.numpy import save_file
 
     tenant = registry.new_tenant()
-    env = {
-        "GPUCLOUD_API_URL": registry.url,
-        "GPUCLOUD_API_KEY": tenant.key,
-        "GPUCLOUD_DATA_DIR": str(tenant.data_dir),
-        "COLUMNS": "200",
-    }
-    runner = CliRunner()
-
-    def run(*args: str, code: int = 0):
-        result = runner.invoke(weights_app, list(args), env=env)
-        assert result.exit_code == code, result.output
-        return result.output
+    run = _weights_cli(registry, tenant)
 
     def version_dir(name: str, weights: np.ndarray) -> Path:
         (tmp_path / name).mkdir()

@@ -107,10 +107,15 @@ class Runtime:
         print(container_id)
         return 0
 
-    def inspect(self, args: list[str]) -> int:
-        record = self._load(args[-1])
+    def _existing(self, name: str, what: str = "container") -> dict | None:
+        """The container's record; None, with docker's error on stderr, when there is none."""
+        record = self._load(name)
         if record is None:
-            print(f"Error: No such object: {args[-1]}", file=sys.stderr)
+            print(f"Error: No such {what}: {name}", file=sys.stderr)
+        return record
+
+    def inspect(self, args: list[str]) -> int:
+        if (record := self._existing(args[-1], "object")) is None:
             return 1
         init = _init_of(record["pid"])
         if init is not None and _alive(init):
@@ -123,9 +128,7 @@ class Runtime:
 
     def stop(self, args: list[str]) -> int:
         grace = float(args[args.index("--time") + 1]) if "--time" in args else 10.0
-        record = self._load(args[-1])
-        if record is None:
-            print(f"Error: No such container: {args[-1]}", file=sys.stderr)
+        if (record := self._existing(args[-1])) is None:
             return 1
         init = _init_of(record["pid"])
         if init is not None:
@@ -139,9 +142,7 @@ class Runtime:
         return 0
 
     def rm(self, args: list[str]) -> int:
-        record = self._load(args[-1])
-        if record is None:
-            print(f"Error: No such container: {args[-1]}", file=sys.stderr)
+        if (record := self._existing(args[-1])) is None:
             return 1
         init = _init_of(record["pid"])
         if init is not None:

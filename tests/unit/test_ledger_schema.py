@@ -38,18 +38,11 @@ def test_migrating_twice_is_a_no_op(database) -> None:
 def test_a_ledger_from_before_held_time_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     """0001 -> 0002 on a ledger with books: old postings are the meters', old events name no GPU
     count, and the tables stay append-only."""
-    from alembic import command
-    from alembic.config import Config
-
-    from gpucloud.ledger.db import MIGRATIONS_DIR, LedgerDatabase
+    from gpucloud.ledger.db import LedgerDatabase
 
     database = LedgerDatabase(f"sqlite:///{tmp_path / 'old.db'}")
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    config.set_main_option("version_table", VERSION_TABLE)
+    database.migrate("0001")
     with database.engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, "0001")
         connection.execute(
             text("INSERT INTO price_book_versions (effective_from_ms, note, created_ms) VALUES (0, '', 0)")
         )
