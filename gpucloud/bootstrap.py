@@ -33,6 +33,7 @@ from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.ledger.client import LedgerClient
+from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.agent_credentials import WipeRotation
 from gpucloud.storage.envelope import MasterKeys, TenantKeys
@@ -121,6 +122,12 @@ def tenant_store(settings: Settings) -> TenantStore:
 def registry_stores(settings: Settings) -> RegistryStores:
     """Registry chunks and signed manifests: under `<registry prefix>/tenants/<tenant id>/`."""
     return RegistryStores(object_store(settings), prefix=settings.registry.prefix)
+
+
+def evaluator_signer(settings: Settings) -> Signer:
+    """The platform evaluator's key: it signs the results of the evaluations the platform runs,
+    which are the only ones a `staging` or `production` gate accepts."""
+    return Signer.from_seed(settings.evaluator_seed)
 
 
 def fabric_controller(settings: Settings) -> FabricControllerFactory | None:

@@ -216,6 +216,16 @@ class RegistrySettings(BaseModel):
     max_chunk_size: int = 64 * 1024 * 1024
     # The bytes of chunks one tenant's registry store may hold (uploads past it: 409).
     storage_quota_bytes: int = 100 * 1024**4
+    # The platform evaluator's Ed25519 seed (64 hex digits): it signs the results of the
+    # evaluations the platform runs. Without one, a seed kept in the data dir (created 0600).
+    evaluator_key: SecretStr | None = None
+    # A model's evaluation command runs in a container of this runtime (podman or docker;
+    # unset: the first of them on PATH). A command without an image runs on the worker's host
+    # only where the operator allows it (`evaluation_host_commands`): it is the tenant's code.
+    evaluation_runtime: str | None = None
+    evaluation_host_commands: bool = False
+    # Where the worker pulls versions to evaluate (removed after each run); unset: the data dir.
+    evaluation_dir: Path | None = None
 
 
 class TrackerSettings(BaseModel):
@@ -334,6 +344,17 @@ class Settings(BaseSettings):
         if self.agent.credential_secret is not None:
             return self.agent.credential_secret.get_secret_value()
         return load_or_create_secret(self.data_dir / "agent_credential_secret", lambda: secrets.token_urlsafe(32))
+
+    @cached_property
+    def evaluator_seed(self) -> bytes:
+        """The platform evaluator's signing seed: from the settings, else kept in the data dir."""
+        if self.registry.evaluator_key is not None:
+            return bytes.fromhex(self.registry.evaluator_key.get_secret_value())
+        return bytes.fromhex(load_or_create_secret(self.data_dir / "evaluator_key", lambda: secrets.token_hex(32)))
+
+    @property
+    def evaluation_dir(self) -> Path:
+        return (self.registry.evaluation_dir or self.data_dir / "evaluations").resolve()
 
     @cached_property
     def fabric_token(self) -> str:

@@ -27,11 +27,13 @@ from gpucloud.models.rollout_messages import (
     PrepareInput,
     ResolvedTargets,
     ResolveTargetsInput,
+    RolloutEvaluation,
     RolloutTarget,
     WaveInput,
     WaveResult,
 )
 from gpucloud.registry.manifest import SignedManifest, VersionNotFoundError
+from gpucloud.registry.promotion import evaluate_gates
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
@@ -278,9 +280,35 @@ class RolloutActivities:
                         "detail": f"evaluation probe scored {got['eval_score']} < {limits.min_eval_score}",
                     }
                 )
+            if req.evaluation is not None:
+                return await self._evaluate(node, req, req.evaluation, outcome)
             return outcome
 
         return await self._each(req, "check", one)
+
+    async def _evaluate(
+        self, node: RolloutTarget, req: WaveInput, evaluation: RolloutEvaluation, outcome: NodeOutcome
+    ) -> NodeOutcome:
+        """The model's evaluations on the node's active version, held to the model's gates (their
+        ranges: a node has no production results to measure a regression against)."""
+        body = {
+            "digest": req.model_version,
+            "evaluators": evaluation.evaluators,
+            "command": evaluation.command.model_dump(mode="json") if evaluation.command else None,
+        }
+        response = await self._http.post(
+            f"{node.agent_url.rstrip('/')}/weights/evaluate", json=body, headers=self._auth(node)
+        )
+        if response.status_code != 200:
+            return outcome.model_copy(update={"ok": False, "detail": f"evaluate: {_detail(response)}"})
+        found = response.json()["outcomes"]
+        results = {name: o["results"] for name, o in found.items() if o["failure"] is None}
+        errors = {name: o["failure"] for name, o in found.items() if o["failure"] is not None}
+        outcome = outcome.model_copy(update={"evaluations": results})
+        if failures := evaluate_gates(evaluation.gates, results, None, errors=errors):
+            detail = "gates failed on the node: " + "; ".join(f.describe() for f in failures)
+            return outcome.model_copy(update={"ok": False, "detail": detail})
+        return outcome
 
     @activity.defn
     async def rollback_wave(self, req: WaveInput) -> WaveResult:

@@ -9,6 +9,8 @@
     POST /weights/activate          verify, then switch `current` (the old one becomes `previous`)
     POST /weights/rollback          if `digest` is current: switch back to `previous`
     GET  /weights/check             node health and the evaluation probe's score of `current`
+    POST /weights/evaluate          the model's evaluations (sanity, its command) on `current`,
+                                    against `previous` (what the node ran before)
 
 Every step is idempotent, so a rollout activity that is retried (a lost worker, a timeout)
 repeats it safely: a prefetch of an assembled version fetches nothing, activating the active
@@ -18,6 +20,12 @@ before. On a node that ran no version before, rollback leaves it running none.
 
 Prefetches of one version on one node are serialised: a retried request waits for the first
 one and then finds the version assembled, instead of fetching beside it under the same name.
+
+`/weights/evaluate` runs the platform's evaluators (`gpucloud.registry.evaluators`) on the files
+the node now serves, for the rollout's canary check: the weight-sanity evaluator against the
+version the node ran before, and the model's own command (on the tenant's node, in the host's
+environment unless it names an image). Each version's outcome is kept, so a retried check
+does not run them twice.
 
 Health and the evaluation probe are injected: `health_from_probe` reads the node's GPU probe
 (unhealthy on a fatal driver or GPU error); the default evaluation probe re-verifies the active
@@ -39,6 +47,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
 from gpucloud.agent.probe import Probe
+from gpucloud.models.registry_tables import EvaluationCommand, EvaluatorName
+from gpucloud.registry.evaluators import evaluate_directory
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
 from gpucloud.registry.tracker_app import TrackerClient
 from gpucloud.web import problems
@@ -65,6 +75,11 @@ class PrefetchRequest(_Body):
 
 class VersionRequest(_Body):
     digest: str = Field(pattern=HEX_DIGEST)
+
+
+class EvaluateRequest(VersionRequest):
+    evaluators: list[EvaluatorName] = Field(min_length=1, max_length=2)
+    command: EvaluationCommand | None = None
 
 
 def verified_probe(cache: ChunkCache, digest: str) -> float:
@@ -104,10 +119,13 @@ def install_weights_api(
     cache: ChunkCache,
     eval_probe: EvalProbe = verified_probe,
     health: HealthCheck = always_healthy,
+    container_runtime: str | None = None,
 ) -> None:
     """Add the `/weights/*` routes (see the module doc) to `app`."""
     prefetching: dict[str, threading.Lock] = {}
     guard = threading.Lock()
+    evaluated: dict[str, dict] = {}
+    evaluating = threading.Lock()
 
     def state() -> dict:
         return {"node_id": node_id, "active": cache.active(), "previous": cache.previous()}
@@ -173,6 +191,34 @@ def install_weights_api(
                     409, "Previous version corrupt", f"{exc}; this node now serves no version"
                 )
         return state()
+
+    @app.post("/weights/evaluate")
+    def evaluate(req: EvaluateRequest):
+        if cache.active() != req.digest:
+            return problems.problem_response(
+                409, "Version not active", f"{req.digest} is not this node's active version ({cache.active()})"
+            )
+        key = req.model_dump_json()
+        with evaluating:  # one evaluation at a time on a node: they read every byte of the model
+            if key not in evaluated:
+                previous = cache.previous()
+                parent = cache.version_path(previous) if previous and previous != req.digest else None
+                outcomes = evaluate_directory(
+                    cache.version_path(req.digest),
+                    parent if parent is not None and parent.is_dir() else None,
+                    req.evaluators,
+                    req.command,
+                    runtime=container_runtime,
+                    host_commands=True,  # the tenant's own node
+                )
+                evaluated[key] = {
+                    "outcomes": {
+                        name: {"results": o.results, "failure": o.failure, "details": o.details}
+                        for name, o in outcomes.items()
+                    },
+                    "compared_with": previous if parent is not None else None,
+                }
+            return state() | {"digest": req.digest, **evaluated[key]}
 
     @app.get("/weights/check")
     def check(digest: Annotated[str, Query(pattern=HEX_DIGEST)]):

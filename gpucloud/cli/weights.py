@@ -41,7 +41,7 @@ from gpucloud.client.registry import (
     trusted_keys,
 )
 from gpucloud.config import get_settings
-from gpucloud.models.registry_tables import AliasName
+from gpucloud.models.registry_tables import AliasName, EvaluatorName
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy
 from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, key_id_of
 from gpucloud.registry.pull import PullResult
@@ -82,9 +82,11 @@ def _client(api_url: str | None, api_key: str | None) -> RegistryClient:
 
 
 def failing_metrics_table(failures: list[dict]) -> Table:
-    table = Table("metric", "value", "production", "why it fails", title="failing evaluation gates")
+    table = Table("metric", "evaluator", "value", "production", "why it fails", title="failing evaluation gates")
     for f in failures:
-        table.add_row(f["metric"], _num(f.get("value")), _num(f.get("production_value")), f["reason"])
+        table.add_row(
+            f["metric"], f.get("evaluator", ""), _num(f.get("value")), _num(f.get("production_value")), f["reason"]
+        )
     return table
 
 
@@ -297,22 +299,37 @@ def promote_command(
 
 
 @weights_app.command("versions")
-def versions_command(model: str, api_url: ApiUrl = None, api_key: ApiKey = None) -> None:
-    """List a model's versions, oldest first."""
-    table = Table("version", "created", "size", "chunks", "parent", "aliases", "metrics", title=f"{model} versions")
+def versions_command(
+    model: str,
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """List a model's versions, oldest first, with the platform's evaluation results and, apart,
+    what the tenant reported (which no gate accepts)."""
     with _reported_errors(), _client(api_url, api_key) as client:
-        for v in client.versions(model):
-            metrics = ", ".join(f"{k}={val:g}" for k, val in sorted(v["metrics"].items()))
-            table.add_row(
-                v["digest"][:12],
-                v["created_at"][:19].replace("T", " "),
-                human_size(v["total_size"]),
-                str(v["chunk_count"]),
-                (v["parent"] or "")[:12],
-                ", ".join(v["aliases"]),
-                metrics,
-            )
+        versions = list(client.versions(model))
+    if output == "json":
+        out.print_json(data=versions)
+        return
+    table = Table(
+        "version", "created", "size", "parent", "aliases", "platform results", "reported", title=f"{model} versions"
+    )
+    for v in versions:
+        table.add_row(
+            v["digest"][:12],
+            v["created_at"][:19].replace("T", " "),
+            human_size(v["total_size"]),
+            (v["parent"] or "")[:12],
+            ", ".join(v["aliases"]),
+            _metric_list(v["metrics"]),
+            _metric_list(v.get("reported_metrics", {})),
+        )
     out.print(table)
+
+
+def _metric_list(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={val:g}" for k, val in sorted(metrics.items()))
 
 
 def _metric_values(pairs: list[str]) -> dict[str, float]:
@@ -328,85 +345,136 @@ def _metric_values(pairs: list[str]) -> dict[str, float]:
     return values
 
 
+_WHERE = {
+    "nan_inf_count": "nan_or_inf",
+    "tensors_over_norm_threshold": "over_norm_threshold",
+    "shape_changes": "shape_changed",
+    "dtype_changes": "dtype_changed",
+    "tensors_added": "added",
+    "tensors_removed": "removed",
+    "files_added": "files_added",
+    "files_removed": "files_removed",
+}
+
+
+def evaluation_table(title: str, record: dict, gates: list[dict]) -> Table:
+    """One evaluation's results, each metric beside the gate that holds it and what it names."""
+    evaluator, details = record["evaluator"], record.get("details") or {}
+    held = {g["metric"]: g for g in gates if g.get("evaluator") == evaluator}
+    table = Table(title=title)
+    for column in ("metric", "value", "gate", "where"):
+        table.add_column(column, justify="right" if column == "value" else "left")
+    for name, value in sorted(record["results"].items()):
+        gate, verdict = held.get(name), ""
+        if gate is not None:
+            bounds = [f"min {gate['min']:g}" if gate.get("min") is not None else ""]
+            bounds.append(f"max {gate['max']:g}" if gate.get("max") is not None else "")
+            verdict = " ".join(b for b in bounds if b) + (
+                ": [red]fails[/]" if _fails(gate, record["results"]) else ": passes"
+            )
+        if name == "max_rel_norm_change":
+            where = [f"{c['tensor']} ({c['rel_change']:g})" for c in details.get("largest_rel_norm_changes", [])[:3]]
+        else:
+            where = details.get(_WHERE.get(name, ""), [])
+        shown = f"[red]{value:g}[/]" if "fails" in verdict else f"{value:g}"
+        table.add_row(name, shown, verdict, ", ".join(map(str, where))[:100])
+    return table
+
+
 @weights_app.command("evaluate")
 def evaluate_command(
     model: str,
     version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
-    metric: Annotated[list[str] | None, typer.Option(help="NAME=VALUE (repeatable): record these results")] = None,
     evaluator: Annotated[
-        str,
+        EvaluatorName,
         typer.Option(
-            help="sanity: run the weight-sanity evaluator on the pulled version against its parent; command: run "
-            "--run in the pulled version; else the name the --metric results are recorded under"
+            help="sanity: the platform's weight-sanity evaluator, against the version's parent; command: the "
+            "model's registered evaluation command"
         ),
-    ] = "cli",
-    run: Annotated[str | None, typer.Option(help="with --evaluator command: the program and its arguments")] = None,
-    timeout: Annotated[float, typer.Option(help="with --evaluator command: its time limit, seconds")] = 600.0,
+    ] = EvaluatorName.SANITY,
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=VALUE (repeatable): report these results yourself, signed with your key"),
+    ] = None,
+    reported_as: Annotated[str, typer.Option(help="with --metric: the evaluator name they are reported under")] = "cli",
+    wait: Annotated[float, typer.Option(help="how long to wait for the platform's evaluation, seconds")] = 3600.0,
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Evaluate a version and record the results, signed with the tenant's key: the results
-    given (--metric), or those of an evaluator run here on the pulled, verified version. Exits 1
-    when the evaluation fails (NaN or Inf, a shape change, a failing command)."""
-    if not metric and evaluator not in ("sanity", "command"):
-        raise typer.BadParameter("give --metric NAME=VALUE, or --evaluator sanity or command", param_hint="--metric")
-    if evaluator == "command" and not metric and not run:
-        raise typer.BadParameter("--evaluator command runs the program given with --run", param_hint="--run")
+    """Have the platform evaluate a version and show its results: the worker pulls and verifies
+    the version, runs the evaluator, and signs what it found; only such results open the
+    `staging` and `production` gates. Exits 1 when the evaluation failed or a gate on its
+    metrics fails. With --metric, report results of your own instead (kept as `reported`)."""
     with _reported_errors(), _client(api_url, api_key) as client:
         if metric:
-            results, failed = _metric_values(metric), None
-        else:
-            results, failed = _run_evaluator(client, model, version, evaluator, run, timeout)
-        tenant_id = client.signing_keys()[0]
-        signer = signer_for(get_settings().data_dir, tenant_id)
-        client.register_key(signer, tenant_id)
-        recorded = client.record_evaluation(model, version, evaluator=evaluator, results=results, signer=signer)
-    out.print(f"recorded {len(results)} results of {evaluator} for {model}@{recorded['version'][:12]}")
-    if failed:
-        err.print(f"[red]evaluation failed:[/] {failed}")
+            results = _metric_values(metric)
+            tenant_id = client.signing_keys()[0]
+            signer = signer_for(get_settings().data_dir, tenant_id)
+            client.register_key(signer, tenant_id)
+            recorded = client.record_evaluation(model, version, evaluator=reported_as, results=results, signer=signer)
+            out.print(
+                f"reported {len(results)} results as {reported_as} for {model}@{recorded['version'][:12]} "
+                "(shown as reported; gates hold only the platform's evaluations)"
+            )
+            return
+        with out.status(f"the platform is running the {evaluator.value} evaluator on {model}@{version}"):
+            operation, record = client.evaluate_and_wait(model, version, evaluator.value, timeout_s=wait)
+        gates = client.get(f"/v1/models/{model}")["gates"]
+    if output == "json":
+        out.print_json(data={"operation": operation, "evaluation": record})
+    else:
+        against = (record.get("details") or {}).get("compared_with")
+        title = f"{evaluator.value} evaluation of {model}@{record['version'][:12]} (platform-signed)"
+        out.print(evaluation_table(title + (f" against {against[:12]}" if against else ""), record, gates))
+    if record.get("error"):
+        err.print(f"[red]evaluation failed:[/] {record['error']}")
         raise typer.Exit(1)
+    failing = [g for g in gates if g.get("evaluator") == evaluator.value and _fails(g, record["results"])]
+    if failing:
+        err.print("[red]fails its gates:[/] " + ", ".join(g["metric"] for g in failing))
+        raise typer.Exit(1)
+    out.print(f"recorded {len(record['results'])} platform-signed results of {evaluator.value}")
 
 
-def _run_evaluator(
-    client: RegistryClient, model: str, version: str, evaluator: str, run: str | None, timeout: float
-) -> tuple[dict[str, float], str | None]:
-    """Pull the version (and, for sanity, its parent) and run the evaluator on it here: its
-    metrics, and why it failed (None when it passed)."""
+def _fails(gate: dict, results: dict[str, float]) -> bool:
+    value = results.get(gate["metric"])
+    if value is None:
+        return True
+    return (gate.get("min") is not None and value < gate["min"]) or (
+        gate.get("max") is not None and value > gate["max"]
+    )
+
+
+@weights_app.command("evaluation-command")
+def evaluation_command_command(
+    model: str,
+    run: Annotated[str | None, typer.Option(help="the program and its arguments (shell words)")] = None,
+    image: Annotated[str | None, typer.Option(help="a container image to run it in (the version at /model)")] = None,
+    env: Annotated[list[str] | None, typer.Option(help="NAME=VALUE (repeatable) for its environment")] = None,
+    timeout: Annotated[float, typer.Option(help="its time limit, seconds")] = 600.0,
+    remove: Annotated[bool, typer.Option("--remove", help="remove the model's evaluation command")] = False,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Register the model's evaluation command (the `command` evaluator): the platform runs it on
+    the pulled, verified version under the time limit, and it prints its metrics as one JSON
+    object on its last line."""
     import shlex
-    import tempfile
 
-    from gpucloud.registry.command_eval import run_command
-    from gpucloud.registry.sanity import SanityError, evaluate
-
-    with tempfile.TemporaryDirectory(prefix="gpucloud-eval-") as scratch:
-        pulled = pull_with_progress(client, model, version, Path(scratch) / "version", console=out).path
-        if evaluator == "command":
-            assert run is not None
-            outcome = run_command(shlex.split(run), pulled, timeout_s=timeout)
-            if not outcome.ok:
-                return {"command_ok": 0.0}, outcome.reason
-            table = Table(title=f"{model}@{version}: {run}")
-            table.add_column("metric")
-            table.add_column("value", justify="right")
-            for name, value in outcome.metrics.items():
-                table.add_row(name, f"{value:g}")
-            out.print(table)
-            return {**outcome.metrics, "command_ok": 1.0}, None
-        parent_digest = client.version(model, version).get("parent")
-        parent = None
-        if parent_digest:
-            try:
-                parent = pull_with_progress(client, model, parent_digest, Path(scratch) / "parent", console=out).path
-            except ApiError:
-                out.print(f"parent {parent_digest[:12]} is not a version of {model}: compared with nothing")
-        try:
-            report = evaluate(pulled, parent)
-        except SanityError as error:
-            return {"nan_inf_count": 1.0, "readable": 0.0}, str(error)
-    out.print(sanity_table(report, f"weight sanity: {model}@{version}" + (" against its parent" if parent else "")))
-    metrics = report.metrics()
-    bad = [name for name in ("nan_inf_count", "shape_changes") if metrics[name]]
-    return metrics, ", ".join(f"{name} = {metrics[name]:g}" for name in bad) or None
+    if not remove and not run:
+        raise typer.BadParameter("give --run PROGRAM, or --remove", param_hint="--run")
+    variables = dict(pair.partition("=")[::2] for pair in env or [])
+    command = (
+        None if remove else {"argv": shlex.split(run or ""), "image": image, "env": variables, "timeout_s": timeout}
+    )
+    with _reported_errors(), _client(api_url, api_key) as client:
+        registered = client.set_evaluation(model, command)["evaluation"]
+    if registered is None:
+        out.print(f"{model} has no evaluation command")
+        return
+    where = f"in {registered['image']}" if registered["image"] else "in the host's environment"
+    out.print(f"{model} evaluates with {shlex.join(registered['argv'])} {where}, limit {registered['timeout_s']:g} s")
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

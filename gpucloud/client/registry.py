@@ -116,6 +116,45 @@ class RegistryClient(ApiClient):
             timeout=httpx.Timeout(None, connect=10),  # a large store takes a while to scan
         )
 
+    def set_evaluation(self, model: str, command: dict[str, Any] | None) -> dict:
+        """Register the model's evaluation command (None removes it)."""
+        if command is None:
+            return self.call("DELETE", f"/v1/models/{model}/evaluation")
+        return self.call("PUT", f"/v1/models/{model}/evaluation", json=command)
+
+    def evaluate(self, model: str, ref: str, evaluator: str) -> dict:
+        """Have the platform evaluate a version: the started evaluation and its operation."""
+        return self.call("POST", f"/v1/models/{model}/versions/{ref}/evaluate", json={"evaluator": evaluator})
+
+    def evaluations(self, model: str, ref: str) -> list[dict]:
+        return self.get(f"/v1/models/{model}/versions/{ref}/evaluations")["items"]
+
+    def operation(self, operation_id: str) -> dict:
+        return self.get(f"/v1/operations/{operation_id}")
+
+    def evaluate_and_wait(self, model: str, ref: str, evaluator: str, *, timeout_s: float) -> tuple[dict, dict]:
+        """Have the platform evaluate a version and wait for it: the finished operation, and the
+        record it kept (the newest platform record of that evaluator)."""
+        started = self.evaluate(model, ref, evaluator)
+        operation = self.wait_for(
+            lambda: self.operation(started["operation"]["id"]),
+            lambda op: op["status"] != "running",
+            timeout_s=timeout_s,
+            interval_s=0.3,
+            what=f"{evaluator} evaluation of {model}@{ref}",
+        )
+        kept = [
+            e
+            for e in self.evaluations(model, started["version"])
+            if e["source"] == "platform" and e["evaluator"] == evaluator
+        ]
+        if not kept:
+            raise ApiError(500, {"type": "evaluation-missing", "detail": f"operation {operation['id']}: no record"})
+        return operation, kept[-1]
+
+    def evaluator_key(self) -> dict:
+        return self.get("/v1/registry/evaluator-key")
+
     def record_evaluation(
         self, model: str, ref: str, *, evaluator: str, results: dict[str, float], signer: Signer
     ) -> dict:

@@ -113,7 +113,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     show_reconciler(demo, alloc_id, tenant.id)
     demo_health(demo, acme, alloc_id)
     pushed = demo_weights(demo.console, demo.api_url, acme_key, data_dir)
-    demo_rollout(demo, acme, alloc_id, production=pushed.production, other=pushed.first)
+    demo_rollout(demo, acme, alloc_id, production=pushed.production, bad=pushed.bad)
 
     cancel = acme.allocations.cancel(alloc_id)
     demo.console.print(f"cancel accepted: allocation is [yellow]{cancel.allocation.status}[/]")

@@ -1,11 +1,11 @@
 """The staged-rollout part of `gpucloud demo`: the promoted version goes out to the allocation's
-nodes in waves (a canary, then the rest) through `POST /v1/rollouts`, with live progress; then a
-second version goes out under an evaluation threshold its probe cannot meet, fails its canary's
-check, and is rolled back, leaving every node on the version before it.
+nodes in waves (a canary, then the rest) through `POST /v1/rollouts`, with live progress; then the
+bad candidate (a fine-tune with one NaN weight) goes out, the canary's check runs the model's
+sanity evaluator on the node against the version it ran before, its gate fails, and the rollout
+is rolled back, leaving every node on the version before it.
 
-The simulated agents score a version 1.0 when its files verify, so a threshold above 1.0 stands
-in for a fine-tune that regressed on the held-out set. Progress comes from `GET /v1/rollouts/{id}`
-(the API queries the rollout's workflow); what each node runs, from its agent's weights API.
+Progress comes from `GET /v1/rollouts/{id}` (the API queries the rollout's workflow); what each
+node runs, from its agent's weights API.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from gpucloud.models.rollout_messages import RolloutProgress
 
 WAVES = [{"nodes": 1}, {"fraction": 1.0}]  # a canary, then the rest
 BAKE_S = 1.0
-UNREACHABLE_SCORE = 1.01  # above what the evaluation probe ever scores (1.0: the files verify)
 
 
 def _roll_out(demo: Demo, tenant: Gpucloud, body: dict[str, Any], *, timeout_s: float = 60) -> RolloutProgress:
@@ -46,9 +45,10 @@ def _on_nodes(demo: Demo, node_ids: list[str], names: dict[str, str], version: s
         raise DemoFailed(f"nodes run {sorted(map(str, active))}, expected only {names[version]}")
 
 
-def demo_rollout(demo: Demo, tenant: Gpucloud, allocation_id: str, *, production: str, other: str) -> None:
-    """Roll `production` out to the allocation's nodes, then roll `other` out and watch it roll back."""
-    names = {production: f"{production[:12]} (production)", other: f"{other[:12]} (candidate)"}
+def demo_rollout(demo: Demo, tenant: Gpucloud, allocation_id: str, *, production: str, bad: str) -> None:
+    """Roll `production` out to the allocation's nodes, then roll the `bad` candidate out and
+    watch the canary's sanity gate roll it back."""
+    names = {production: f"{production[:12]} (production)", bad: f"{bad[:12]} (NaN candidate)"}
     node_ids = tenant.allocations.get(allocation_id).node_ids
     base = {"allocation_id": allocation_id, "waves": WAVES, "bake_s": BAKE_S}
 
@@ -64,12 +64,12 @@ def demo_rollout(demo: Demo, tenant: Gpucloud, allocation_id: str, *, production
         "every file verified against the signed manifest"
     )
 
-    demo.console.rule("rollout: a candidate below the evaluation threshold")
-    thresholds = {"min_eval_score": UNREACHABLE_SCORE}
-    failed = _roll_out(demo, tenant, {"model_version": other, **base, "thresholds": thresholds})
-    if failed.phase != "rolled_back":
-        raise DemoFailed(f"the failing rollout of {names[other]} ended {failed.phase}, not rolled_back")
+    demo.console.rule("rollout: the NaN candidate, judged on the canary by the sanity gate")
+    failed = _roll_out(demo, tenant, {"model_version": bad, **base})
+    if failed.phase != "rolled_back" or "nan_inf_count (sanity)" not in failed.reason:
+        raise DemoFailed(f"the rollout of {names[bad]} ended {failed.phase} ({failed.reason}), not rolled back by nan")
     _on_nodes(demo, node_ids, names, production)
+    demo.console.print(f"canary check: {failed.reason}")
     demo.console.print(
         f"rollout [yellow]rolled back[/] ({', '.join(failed.rolled_back)}): every node is back on {production[:12]}"
     )

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator, model_validator
 from sqlmodel import Column, Field, SQLModel
 
-from gpucloud.models.tables import UTCDateTime, new_id, utcnow
+from gpucloud.models.tables import OperationPublic, UTCDateTime, new_id, utcnow
 
 MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
@@ -42,6 +42,42 @@ class AliasName(StrEnum):
 GATED_ALIASES = frozenset({AliasName.STAGING, AliasName.PRODUCTION})
 
 
+class EvaluatorName(StrEnum):
+    """The evaluators the platform runs: `sanity` (the built-in weight-sanity evaluator,
+    `gpucloud.registry.sanity`) and `command` (the model's own evaluation command)."""
+
+    SANITY = "sanity"
+    COMMAND = "command"
+
+
+class EvaluationSource(StrEnum):
+    """Who signed an evaluation's results: the platform's evaluator key (an evaluation the
+    platform ran), or one of the tenant's keys (`reported`: shown, never opens a gate)."""
+
+    PLATFORM = "platform"
+    REPORTED = "reported"
+
+
+# The metrics the sanity evaluator reports (`SanityReport.metrics`): a gate on one of them
+# that names no evaluator holds the sanity evaluator's value; any other metric, the command's.
+SANITY_METRICS = frozenset(
+    {
+        "nan_inf_count",
+        "nan_count",
+        "inf_count",
+        "tensor_count",
+        "max_rel_norm_change",
+        "tensors_over_norm_threshold",
+        "shape_changes",
+        "dtype_changes",
+        "tensors_added",
+        "tensors_removed",
+        "files_added",
+        "files_removed",
+    }
+)
+
+
 # ---------------------------------------------------------------- gates (the rules; rows below)
 
 
@@ -56,6 +92,11 @@ class GateSpec(BaseModel):
     max: float | None = None
     max_regression: float | None = Field(default=None, ge=0)
     higher_is_better: bool = True
+    evaluator: EvaluatorName | None = Field(
+        default=None,
+        description="the platform evaluator the metric must come from; unset: `sanity` for the sanity "
+        "evaluator's metrics, else `command`",
+    )
 
     @field_validator("min", "max", "max_regression")
     @classmethod
@@ -70,7 +111,37 @@ class GateSpec(BaseModel):
             raise ValueError(f"gate on {self.metric!r} sets none of min, max, max_regression")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"gate on {self.metric!r} has min {self.min} above max {self.max}")
+        if self.evaluator is None:
+            self.evaluator = EvaluatorName.SANITY if self.metric in SANITY_METRICS else EvaluatorName.COMMAND
         return self
+
+    @property
+    def source(self) -> EvaluatorName:
+        """The evaluator this gate's metric comes from (always set once validated)."""
+        return self.evaluator or EvaluatorName.COMMAND
+
+
+class EvaluationCommand(BaseModel):
+    """A model's own evaluation: a program the platform runs against the pulled, verified
+    version (`GPUCLOUD_MODEL_DIR`, also its working directory), under a time limit, which prints
+    its metrics as one JSON object on its last line (`gpucloud.registry.command_eval`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    argv: list[Annotated[str, StringConstraints(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=64, description="the program and its arguments"
+    )
+    image: str | None = Field(
+        default=None,
+        max_length=512,
+        description="a container image to run it in (the version mounted read-only at /model); without "
+        "one it runs in the host's environment, where the operator allows it",
+    )
+    env: dict[
+        Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")],
+        Annotated[str, StringConstraints(max_length=4096)],
+    ] = Field(default_factory=dict, max_length=64)
+    timeout_s: float = Field(default=600.0, gt=0, le=6 * 3600)
 
 
 def _unique_metrics(gates: list[GateSpec]) -> list[GateSpec]:
@@ -95,6 +166,7 @@ class RegistryModelBase(SQLModel):
 
 class RegistryModelCreate(RegistryModelBase):
     gates: list[GateSpec] = []
+    evaluation: EvaluationCommand | None = None
 
     @field_validator("gates")
     @classmethod
@@ -119,6 +191,9 @@ class RegistryModel(RegistryModelBase, table=True):
     id: str = Field(default_factory=lambda: new_id("mdl"), unique=True, index=True)
     tenant_id: str = Field(index=True)
     created_at: datetime = timestamp_field()
+    evaluation: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(sa.JSON, nullable=True), description="an `EvaluationCommand`, dumped"
+    )
 
 
 # ---------------------------------------------------------------- versions
@@ -142,7 +217,12 @@ class ModelVersionPublic(ModelVersionBase):
     registered_at: datetime
     aliases: list[str] = []
     metrics: dict[str, float] = Field(
-        default_factory=dict, description="latest result per metric across the version's evaluations"
+        default_factory=dict,
+        description="latest result per metric across the evaluations the platform ran (and signed)",
+    )
+    reported_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="latest result per metric the tenant reported (signed by its own keys); never opens a gate",
     )
 
 
@@ -198,12 +278,16 @@ class EvaluationGate(SQLModel, table=True):
     max_value: float | None = None
     max_regression: float | None = None
     higher_is_better: bool = True
+    evaluator: str = Field(default=EvaluatorName.COMMAND, max_length=32)
 
 
 class EvaluationResultPublic(SQLModel):
     version: str
     evaluator: str
+    source: str = Field(description="`platform` (the platform ran it and signed it) or `reported` (the tenant did)")
     results: dict[str, float]
+    error: str | None = Field(default=None, description="why a platform evaluation failed (no results then)")
+    details: dict[str, Any] | None = Field(default=None, description="what the evaluator names behind its results")
     recorded_at: datetime
     record_digest: str
     key_id: str
@@ -227,6 +311,35 @@ class EvaluationResult(SQLModel, table=True):
     record_digest: str = Field(max_length=64)
     key_id: str = Field(max_length=64)
     signature: str = Field(max_length=128)
+    source: str = Field(default=EvaluationSource.REPORTED, max_length=16)
+    error: str | None = Field(default=None, sa_type=sa.Text)
+    details: dict[str, Any] | None = Field(default=None, sa_column=Column(sa.JSON, nullable=True))
+
+
+class EvaluationRequest(BaseModel):
+    """Ask the platform to evaluate a version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    evaluator: EvaluatorName = EvaluatorName.SANITY
+
+
+class EvaluationStarted(BaseModel):
+    version: str
+    evaluator: EvaluatorName
+    parent: str | None = Field(description="the version the sanity evaluator compares against, if any")
+    operation: OperationPublic
+
+
+class EvaluationPage(BaseModel):
+    items: list[EvaluationResultPublic]
+
+
+class EvaluatorKey(BaseModel):
+    """The key the platform signs its evaluations with (verify a record's signature with it)."""
+
+    public_key: str
+    key_id: str
 
 
 # ---------------------------------------------------------------- signing keys
@@ -297,6 +410,7 @@ class ModelPublic(RegistryModelBase):
     created_at: datetime
     aliases: list[ModelAliasPublic]
     gates: list[GateSpec]
+    evaluation: EvaluationCommand | None = None
 
 
 class ModelPage(BaseModel):

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gpucloud.models.registry_tables import EvaluationCommand, EvaluatorName, GateSpec
 from gpucloud.registry.manifest import HEX_DIGEST
 
 
@@ -90,6 +91,19 @@ class Thresholds(_Message):
     require_healthy: bool = True
 
 
+class RolloutEvaluation(_Message):
+    """The model's evaluations a rollout's bake runs on its canary nodes (the first wave), and
+    the gates that judge what they find: a gate that fails there rolls the rollout back. Set
+    by the API from the version's model, never by the caller."""
+
+    gates: list[GateSpec] = Field(min_length=1)
+    command: EvaluationCommand | None = None
+
+    @property
+    def evaluators(self) -> list[EvaluatorName]:
+        return sorted({gate.source for gate in self.gates})
+
+
 class RolloutInput(_Message):
     rollout_id: str
     tenant_id: str
@@ -102,6 +116,7 @@ class RolloutInput(_Message):
     bake_s: float = Field(default=300.0, ge=0)
     thresholds: Thresholds = Field(default_factory=Thresholds)
     prefetch_ahead: bool = True
+    evaluation: RolloutEvaluation | None = None
 
     @model_validator(mode="after")
     def _one_target(self) -> RolloutInput:
@@ -148,6 +163,9 @@ class WaveInput(_Message):
     swarm: str = ""
     nodes: list[RolloutTarget]
     thresholds: Thresholds = Field(default_factory=Thresholds)
+    evaluation: RolloutEvaluation | None = Field(
+        default=None, description="on a check of the canary: the model's evaluations to run, and their gates"
+    )
 
 
 class NodeOutcome(_Message):
@@ -158,6 +176,9 @@ class NodeOutcome(_Message):
     previous: str | None = None
     eval_score: float | None = None
     healthy: bool | None = None
+    evaluations: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="what the model's evaluators found on the node, by evaluator"
+    )
 
 
 class WaveResult(_Message):

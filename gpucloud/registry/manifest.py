@@ -34,7 +34,7 @@ import json
 import math
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import blake3
 from nacl.exceptions import BadSignatureError as _NaclBadSignature
@@ -44,7 +44,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -290,6 +292,17 @@ class EvaluationRecord(_Record):
     evaluator: str = Field(min_length=1)
     results: dict[str, float]
     recorded_at: UtcDatetime
+    failure: str | None = Field(default=None, max_length=2000, description="why the evaluation produced no results")
+    details: dict[str, Any] | None = Field(default=None, description="what the evaluator names behind its results")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_extras(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A record without a failure or details encodes (and so hashes and signs) as records always have.
+        dumped = handler(self)
+        for name in ("failure", "details"):
+            if dumped.get(name) is None:
+                dumped.pop(name, None)
+        return dumped
 
     @field_validator("results")
     @classmethod
@@ -417,14 +430,6 @@ class Keyring:
         body = canonical_json(signed.record)
         self._check(tenant, signed.key_id, signed.signature, _EVALUATION_DOMAIN, body)
         return signed.record
-
-
-def merged_results(records: list[EvaluationRecord]) -> dict[str, float]:
-    """Latest result per metric across verified records (ties broken by record digest)."""
-    merged: dict[str, float] = {}
-    for record in sorted(records, key=lambda r: (r.recorded_at, r.digest)):
-        merged.update(record.results)
-    return merged
 
 
 def is_digest(value: str) -> bool:

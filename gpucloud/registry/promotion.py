@@ -4,6 +4,12 @@ Gates decide promotion. `evaluate_gates` is a pure function of the model's gates
 latest results and the current production version's: it returns every failing metric (an empty
 list means the move may happen), so a refusal can name all of them at once instead of one per try.
 
+Only evaluations the platform ran and signed count (`EvaluationSource.PLATFORM`); results a tenant
+reports with its own keys are kept and shown, never used. Each gate names the evaluator its metric
+must come from (`sanity` or `command`), so a number from one evaluator never stands in for
+another's. When the latest run of an evaluator failed (a command that hung, crashed or printed
+garbage), its gates fail with that reason rather than pass on an older run's numbers.
+
 A gate on one metric can hold an absolute range (`min`, `max`) and a maximum regression against
 production. Regression is measured in the metric's own units, in the direction that makes it worse
 (`higher_is_better` says which): with `max_regression=0.02` an accuracy of 0.80 may replace 0.81
@@ -29,8 +35,10 @@ from sqlmodel import Session, col, select
 
 from gpucloud.models.registry_tables import (
     AliasName,
+    EvaluationCommand,
     EvaluationGate,
     EvaluationResult,
+    EvaluationSource,
     GateSpec,
     ModelAlias,
     ModelAliasPublic,
@@ -40,7 +48,7 @@ from gpucloud.models.registry_tables import (
     RegistryModel,
     SigningKey,
 )
-from gpucloud.registry.manifest import EvaluationRecord, Keyring, merged_results
+from gpucloud.registry.manifest import Keyring
 from gpucloud.registry.store import ChunkStore
 
 MAX_LINEAGE_DEPTH = 1000
@@ -51,6 +59,7 @@ class GateFailure(BaseModel):
     """One failing metric, with the numbers that made it fail."""
 
     metric: str
+    evaluator: str
     reason: str
     value: float | None
     min: float | None = None
@@ -60,20 +69,52 @@ class GateFailure(BaseModel):
 
     def describe(self) -> str:
         if self.value is None:
-            return f"{self.metric}: {self.reason}"
-        return f"{self.metric}={self.value:g}: {self.reason}"
+            return f"{self.metric} ({self.evaluator}): {self.reason}"
+        return f"{self.metric} ({self.evaluator})={self.value:g}: {self.reason}"
+
+
+Results = Mapping[str, Mapping[str, float]]
+"""A version's results by evaluator: evaluator -> metric -> value."""
+
+
+class VersionResults(BaseModel):
+    """What a version's evaluation records add up to: the platform's results by evaluator, the
+    evaluators whose latest platform run failed (and why), and what the tenant reported."""
+
+    platform: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
+    reported: dict[str, float] = {}
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The platform's results of every evaluator in one mapping (for listings)."""
+        merged: dict[str, float] = {}
+        for evaluator in sorted(self.platform):
+            merged.update(self.platform[evaluator])
+        return merged
 
 
 def evaluate_gates(
-    gates: Iterable[GateSpec], candidate: Mapping[str, float], production: Mapping[str, float] | None
+    gates: Iterable[GateSpec],
+    candidate: Results,
+    production: Results | None,
+    *,
+    errors: Mapping[str, str] | None = None,
 ) -> list[GateFailure]:
-    """Every gate the candidate's results fail, in the order the gates are given."""
+    """Every gate the candidate's results fail, in the order the gates are given. `errors`: the
+    evaluators whose latest run failed, and why."""
     failures = []
     for gate in gates:
-        bounds = {"min": gate.min, "max": gate.max, "max_regression": gate.max_regression}
-        value = candidate.get(gate.metric)
+        evaluator = gate.source.value
+        bounds = {"min": gate.min, "max": gate.max, "max_regression": gate.max_regression, "evaluator": evaluator}
+        if evaluator in (errors or {}):
+            reason = f"the latest {evaluator} evaluation failed: {(errors or {})[evaluator]}"
+            failures.append(GateFailure(metric=gate.metric, reason=reason, value=None, **bounds))
+            continue
+        value = candidate.get(evaluator, {}).get(gate.metric)
         if value is None:
-            failures.append(GateFailure(metric=gate.metric, reason="no evaluation result", value=None, **bounds))
+            reason = f"no result from a platform {evaluator} evaluation"
+            failures.append(GateFailure(metric=gate.metric, reason=reason, value=None, **bounds))
             continue
         if gate.min is not None and value < gate.min:
             failures.append(
@@ -83,7 +124,7 @@ def evaluate_gates(
             failures.append(
                 GateFailure(metric=gate.metric, reason=f"above the maximum {gate.max:g}", value=value, **bounds)
             )
-        baseline = (production or {}).get(gate.metric)
+        baseline = (production or {}).get(evaluator, {}).get(gate.metric)
         if gate.max_regression is None or baseline is None:
             continue
         regression = baseline - value if gate.higher_is_better else value - baseline
@@ -209,36 +250,52 @@ def gates_of(session: Session, model_id: str) -> list[GateSpec]:
             max=g.max_value,
             max_regression=g.max_regression,
             higher_is_better=g.higher_is_better,
+            evaluator=g.evaluator,
         )
         for g in rows
     ]
 
 
-def metrics_of(session: Session, tenant_id: str, digests: list[str]) -> dict[str, dict[str, float]]:
-    """Latest result per metric for each version, merged over its evaluation records."""
-    records: dict[str, list[EvaluationRecord]] = {d: [] for d in digests}
+def evaluation_of(model: RegistryModel) -> EvaluationCommand | None:
+    return EvaluationCommand.model_validate(model.evaluation) if model.evaluation else None
+
+
+def results_of(session: Session, tenant_id: str, digests: list[str]) -> dict[str, VersionResults]:
+    """Each version's evaluation records added up (latest result per metric, in recorded order,
+    ties broken by record digest)."""
+    found: dict[str, VersionResults] = {d: VersionResults() for d in digests}
     rows = session.exec(
-        select(EvaluationResult).where(
-            col(EvaluationResult.tenant_id) == tenant_id, col(EvaluationResult.version).in_(digests)
-        )
+        select(EvaluationResult)
+        .where(col(EvaluationResult.tenant_id) == tenant_id, col(EvaluationResult.version).in_(digests))
+        .order_by(col(EvaluationResult.recorded_at), col(EvaluationResult.record_digest))
     )
     for row in rows:
-        records[row.version].append(
-            EvaluationRecord(
-                version=row.version, evaluator=row.evaluator, results=row.results, recorded_at=row.recorded_at
-            )
-        )
-    return {digest: merged_results(found) for digest, found in records.items()}
+        results = found[row.version]
+        if row.source != EvaluationSource.PLATFORM:
+            results.reported.update(row.results)
+        elif row.error is not None:
+            results.errors[row.evaluator] = row.error
+        else:
+            results.errors.pop(row.evaluator, None)
+            results.platform.setdefault(row.evaluator, {}).update(row.results)
+    return found
 
 
 def promotion_failures(session: Session, tenant_id: str, model_id: str, digest: str) -> list[GateFailure]:
-    """The model's gates applied to the version, against the current production version's results."""
+    """The model's gates applied to the version's platform results, against the current
+    production version's."""
     production = session.exec(
         select(ModelAlias).where(col(ModelAlias.model_id) == model_id, col(ModelAlias.name) == AliasName.PRODUCTION)
     ).first()
     baseline = production.version if production is not None and production.version != digest else None
-    metrics = metrics_of(session, tenant_id, [digest] + ([baseline] if baseline else []))
-    return evaluate_gates(gates_of(session, model_id), metrics[digest], metrics[baseline] if baseline else None)
+    found = results_of(session, tenant_id, [digest] + ([baseline] if baseline else []))
+    candidate = found[digest]
+    return evaluate_gates(
+        gates_of(session, model_id),
+        candidate.platform,
+        found[baseline].platform if baseline else None,
+        errors=candidate.errors,
+    )
 
 
 def missing_chunks(store: ChunkStore, chunk_ids: Iterable[str]) -> list[str]:
@@ -258,12 +315,13 @@ def publish_versions(session: Session, tenant_id: str, rows: list[ModelVersion])
         select(ModelAlias).where(col(ModelAlias.model_id).in_(model_ids)).order_by(col(ModelAlias.name))
     ):
         aliases.setdefault((alias.model_id, alias.version), []).append(alias.name)
-    metrics = metrics_of(session, tenant_id, [row.digest for row in rows])
+    found = results_of(session, tenant_id, [row.digest for row in rows])
     return [
         ModelVersionPublic(
             **row.model_dump(),
             model=names[row.model_id],
-            metrics=metrics[row.digest],
+            metrics=found[row.digest].metrics,
+            reported_metrics=found[row.digest].reported,
             aliases=aliases.get((row.model_id, row.digest), []),
         )
         for row in rows
@@ -282,6 +340,7 @@ def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelP
             **m.model_dump(include={"id", "name", "description", "created_at"}),
             aliases=aliases.get(m.id, []),
             gates=gates_of(session, m.id),
+            evaluation=evaluation_of(m),
         )
         for m in models
     ]
@@ -298,5 +357,6 @@ def replace_gates(session: Session, model: RegistryModel, gates: list[GateSpec])
                 max_value=gate.max,
                 max_regression=gate.max_regression,
                 higher_is_better=gate.higher_is_better,
+                evaluator=gate.source.value,
             )
         )

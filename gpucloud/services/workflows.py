@@ -11,6 +11,7 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
 from gpucloud.config import Settings
+from gpucloud.models.evaluation_messages import EvaluateVersionInput
 from gpucloud.models.messages import (
     AllocationInput,
     BmcPowerInput,
@@ -26,6 +27,7 @@ from gpucloud.workflows import search_attributes as sa
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.bringup import workflow_id_for as bringup_workflow_id
+from gpucloud.workflows.evaluation import VersionEvaluationWorkflow, evaluation_workflow_id
 from gpucloud.workflows.power import NodePowerWorkflow, power_workflow_id
 from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardingWorkflow
 
@@ -75,6 +77,19 @@ async def start_bringup_batches(client: Client, settings: Settings, node_ids: li
             task_queue=settings.temporal.task_queue,
         )
     return len(batches)
+
+
+async def start_version_evaluation(client: Client, settings: Settings, req: EvaluateVersionInput) -> str:
+    """A platform evaluation of a version, for the tenant's operation; the workflow id."""
+    workflow_id = evaluation_workflow_id(req.tenant_id, req.operation_id or uuid.uuid4().hex[:12])
+    await client.start_workflow(
+        VersionEvaluationWorkflow.run,
+        req,
+        id=workflow_id,
+        task_queue=settings.temporal.task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+    return workflow_id
 
 
 async def start_node_power(client: Client, settings: Settings, req: BmcPowerInput) -> str:

@@ -16,6 +16,7 @@ from temporalio.worker import Worker
 from gpucloud import bootstrap
 from gpucloud.activities.bmc import BmcActivities
 from gpucloud.activities.control_db import ControlDbActivities
+from gpucloud.activities.evaluation import EvaluationActivities
 from gpucloud.activities.fabric import FabricActivities
 from gpucloud.activities.faults import FaultHook
 from gpucloud.activities.host_agent import HostAgentActivities
@@ -29,6 +30,7 @@ from gpucloud.config import Settings
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
+from gpucloud.workflows.evaluation import VersionEvaluationWorkflow
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.power import NodePowerWorkflow
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
@@ -48,6 +50,7 @@ WORKFLOWS = [
     TenantOnboardingWorkflow,
     TenantOffboardingWorkflow,
     RolloutWorkflow,
+    VersionEvaluationWorkflow,
 ]
 
 
@@ -95,6 +98,14 @@ def build_worker(
             *tenant.all(),
             *TenantStorageActivities(cp.tenant_store, fault_hook=fault_hook).all(),
             *rollout.all(),
+            *EvaluationActivities(
+                cp.db,
+                cp.registry,
+                bootstrap.evaluator_signer(settings),
+                work_dir=settings.evaluation_dir,
+                runtime=settings.registry.evaluation_runtime,
+                host_commands=settings.registry.evaluation_host_commands,
+            ).all(),
         ],
         activity_executor=executor,
         max_concurrent_activities=settings.temporal.worker_max_activities,

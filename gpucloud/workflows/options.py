@@ -131,3 +131,8 @@ ROLLOUT_STEP = _options(_min(30), _s(1), _s(30), attempts=3, heartbeat=_s(30))
 
 # A rollback is retried for as long as it takes: a node left on a bad version is worse than a wait.
 ROLLOUT_ROLLBACK = _options(_min(30), _s(1), _s(30), heartbeat=_s(30))
+# A platform evaluation of a version (`activities/evaluation.py`): pull it (and its parent),
+# verify, run the evaluator. A store that is down is waited out; bytes that fail verification are
+# final (the failure is recorded, and the version's gates fail with it). The evaluator's own
+# failures (a command that hangs or crashes) are results, not errors, and are never retried.
+EVALUATION = _options(_h(7), _s(2), _s(60), permanent=("VersionUnverifiable", "VersionNotFound"), heartbeat=_min(2))

@@ -11,9 +11,11 @@ later waves fetch from those of earlier ones. Each wave:
 3. activate: an atomic switch on each node, the version it replaces kept as `previous`;
 4. bake: wait `bake_s` (a durable timer; a worker restart does not shorten or restart it);
 5. check: every node activated so far must be healthy, and its evaluation probe must score at
-   least `thresholds.min_eval_score`.
+   least `thresholds.min_eval_score`. The first wave's check (the canary's) also runs the
+   model's evaluations on its nodes (`evaluation`: the weight-sanity evaluator against the
+   version each node ran before, the model's command) and holds them to the model's gates.
 
-Any failure (a step that fails on any node, a check below threshold) rolls back EVERY node the
+Any failure (a step that fails on any node, a check below threshold or a failing gate) rolls back EVERY node the
 rollout tried to activate, and the rollout ends `rolled_back` with the reason. Rollback names the
 version it undoes, so it is a no-op on a node that never switched, and it is retried until every
 node has answered.
@@ -154,11 +156,13 @@ class RolloutWorkflow:
         self._stop_if_aborted()
 
         progress.phase = RolloutPhase.CHECKING
-        self._require(await self._race(self._start(RolloutActivities.check_wave, self._attempted), "check"), "check")
+        # The canary's check (the first wave's) also runs the model's evaluations on its nodes.
+        check = self._start(RolloutActivities.check_wave, self._attempted, evaluate=index == 0)
+        self._require(await self._race(check, "check"), "check")
 
     # Steps --------------------------------------------------------------------------------------
 
-    def _request(self, nodes: list[RolloutTarget]) -> WaveInput:
+    def _request(self, nodes: list[RolloutTarget], *, evaluate: bool = False) -> WaveInput:
         inp = self._inp
         return WaveInput(
             rollout_id=inp.rollout_id,
@@ -167,12 +171,18 @@ class RolloutWorkflow:
             swarm=self._swarm,
             nodes=nodes,
             thresholds=inp.thresholds,
+            evaluation=inp.evaluation if evaluate else None,
         )
 
     def _start(
-        self, activity: Callable[[RolloutActivities, WaveInput], Awaitable[WaveResult]], nodes: list[RolloutTarget]
+        self,
+        activity: Callable[[RolloutActivities, WaveInput], Awaitable[WaveResult]],
+        nodes: list[RolloutTarget],
+        *,
+        evaluate: bool = False,
     ) -> workflow.ActivityHandle[WaveResult]:
-        return workflow.start_activity_method(activity, self._request(nodes), **options.ROLLOUT_STEP)
+        request = self._request(nodes, evaluate=evaluate)
+        return workflow.start_activity_method(activity, request, **options.ROLLOUT_STEP)
 
     def _prefetch(self, index: int) -> workflow.ActivityHandle:
         if index not in self._prefetches:
@@ -196,6 +206,10 @@ class RolloutWorkflow:
 
     def _require(self, result: WaveResult, step: str) -> None:
         for outcome in result.outcomes:
+            earlier = self._running.outcomes.get(outcome.node_id)
+            if earlier is not None and earlier.evaluations and not outcome.evaluations:
+                # What the canary's evaluations found stays in its progress after later checks.
+                outcome = outcome.model_copy(update={"evaluations": earlier.evaluations})
             self._running.outcomes[outcome.node_id] = outcome
         if failed := result.failed:
             names = ", ".join(o.node_id for o in failed[:5]) + (" ..." if len(failed) > 5 else "")
@@ -226,6 +240,10 @@ class RolloutWorkflow:
         )
         self._running.rolled_back = [o.node_id for o in result.outcomes]
         for outcome in result.outcomes:
+            earlier = self._running.outcomes.get(outcome.node_id)
+            if earlier is not None and earlier.evaluations and not outcome.evaluations:
+                # What the canary's evaluations found stays in its progress after later checks.
+                outcome = outcome.model_copy(update={"evaluations": earlier.evaluations})
             self._running.outcomes[outcome.node_id] = outcome
 
     async def _finish(self, phase: RolloutPhase, reason: str) -> RolloutResult:

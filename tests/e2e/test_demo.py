@@ -27,10 +27,13 @@ def test_demo_runs_end_to_end(tmp_path):
     # The health scenario: a GPU falls off the bus, its node is replaced, the allocation is ready.
     assert "XID 79 on" in output and "ready again" in output and "allocation events" in output
     # Rollouts: the production version out to the allocation, canary first, every node verified;
-    # then a candidate below the evaluation threshold rolled back, every node on production again.
+    # then the NaN candidate, refused on the canary by the sanity gate, every node on production again.
     assert "rollout succeeded" in output and "every file verified" in output
-    assert "evaluation probe scored 1.0 < 1.01" in output and "rollout rolled back" in output
+    assert "gates failed on the node: nan_inf_count (sanity)=1" in output and "rollout rolled back" in output
     assert "every node is back on" in output
+    # Weights: the platform's sanity evaluator finds the NaN, and the gate refuses the candidate.
+    assert "platform-signed" in output and "failing evaluation gates" in output
+    assert "layers.7.weight" in output and "refused, as it should be" in output
     # Billing: every millisecond the agents metered is in the ledger; the period's draft invoice.
     assert "the ledger holds exactly" in output and "draft until the period ends" in output
     # The stack was stopped: nothing of it keeps running (its ports are free again).

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import blake3
@@ -30,15 +34,17 @@ from gpucloud.registry.manifest import (
     ChunkTruncatedError,
     EvaluationRecord,
     IntegrityError,
+    Keyring,
     Lineage,
     Manifest,
     ManifestTamperedError,
+    SignedEvaluation,
     Signer,
     UnknownKeyError,
 )
 from gpucloud.registry.push import PushResult, push
 from gpucloud.registry.store import LocalChunkStore
-from support.models import POLICY, random_tensors, tree, write_model
+from support.models import POLICY, float_model, random_tensors, tree, write_model
 
 OPERATOR = "test-operator-token"
 
@@ -107,6 +113,28 @@ class Registry:
     url: str
     tmp: Path
     app: object
+    settings: object
+    worker: subprocess.Popen | None = None
+
+    def start_worker(self) -> None:
+        """The production worker, as its own process, for the platform's evaluations."""
+        if self.worker is None:
+            env = {**os.environ, **self.settings.env(), "GPUCLOUD_LOG_LEVEL": "WARNING"}
+            with open(self.tmp / "worker.log", "ab") as log:
+                self.worker = subprocess.Popen(
+                    [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+
+    def platform_evaluation(self, tenant: Tenant, digest: str, evaluator: str, results: dict[str, float]) -> None:
+        """Keep results as the worker's evaluation activity does: signed with the platform's key."""
+        from gpucloud import bootstrap
+        from gpucloud.models.registry_tables import EvaluationSource
+        from gpucloud.services.evaluations import keep_evaluation
+
+        record = EvaluationRecord(version=digest, evaluator=evaluator, results=results, recorded_at=datetime.now(UTC))
+        signed = bootstrap.evaluator_signer(self.settings).sign_evaluation(record)
+        stores = bootstrap.registry_stores(self.settings)
+        keep_evaluation(self.settings.database_url, stores, tenant.id, signed, source=EvaluationSource.PLATFORM)
 
     def new_tenant(self) -> Tenant:
         with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {OPERATOR}"}) as op:
@@ -124,14 +152,27 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     from gpucloud.devstack.stack import free_port
 
     settings = Settings(
-        data_dir=tmp_path / "server", database={"url": db_url}, api={"operator_token": OPERATOR, "port": free_port()}
+        data_dir=tmp_path / "server",
+        database={"url": db_url},
+        api={"operator_token": OPERATOR, "port": free_port()},
+        temporal={
+            "address": temporal_env.client.service_client.config.target_host,
+            "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
+        },
+        registry={"evaluation_host_commands": True},
     )
     app = create_app(settings, temporal=temporal_env.client)
     # Works before and after the router is registered in create_app.
     if not any(getattr(r, "path", "").startswith("/v1/models") for r in app.routes):
         app.include_router(registry_router.router)
     with ThreadedServer(app, port=settings.api.port, name="api"):
-        yield Registry(settings.api_url, tmp_path, app)
+        registry = Registry(settings.api_url, tmp_path, app, settings)
+        try:
+            yield registry
+        finally:
+            if registry.worker is not None:
+                registry.worker.kill()
+                registry.worker.wait()
 
 
 def test_push_dedups_between_versions_and_pull_round_trips(registry: Registry, tmp_path: Path) -> None:
@@ -309,11 +350,10 @@ def test_chunk_upload_verifies_blake3_before_storing(registry: Registry) -> None
     assert not tenant.chunks.has(wrong_id)
 
 
-def _evaluate(
+def _report(
     tenant: Tenant, digest: str, results: dict[str, float], signer: Signer | None = None, version: str | None = None
 ) -> httpx.Response:
-    from datetime import UTC, datetime
-
+    """Results the tenant reports, signed with its own key."""
     record = EvaluationRecord(
         version=version or digest, evaluator="eval-suite", results=results, recorded_at=datetime.now(UTC)
     )
@@ -343,18 +383,36 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
     assert promote(v1.digest, "candidate").status_code == 200  # candidate is not gated
     refused = promote(v1.digest, "production")
     assert refused.status_code == 409 and refused.json()["type"].endswith("/gates-failed")
-    assert {f["metric"] for f in refused.json()["failing_metrics"]} == {"accuracy", "latency_ms"}
+    assert {(f["metric"], f["evaluator"]) for f in refused.json()["failing_metrics"]} == {
+        ("accuracy", "command"),
+        ("latency_ms", "command"),
+    }
 
-    assert _evaluate(tenant, v1.digest, {"accuracy": 0.80, "latency_ms": 90}).status_code == 201
+    # Results the tenant reports are kept and shown, but never open a staging or production gate.
+    assert _report(tenant, v1.digest, {"accuracy": 0.99, "latency_ms": 10}).status_code == 201
+    refused = promote(v1.digest, "production")
+    assert refused.status_code == 409
+    assert {f["reason"] for f in refused.json()["failing_metrics"]} == {"no result from a platform command evaluation"}
+    with tenant.http() as http:
+        shown = http.get(f"/v1/models/gated/versions/{v1.digest}").json()
+        assert shown["metrics"] == {} and shown["reported_metrics"] == {"accuracy": 0.99, "latency_ms": 10}
+        listed = http.get(f"/v1/models/gated/versions/{v1.digest}/evaluations").json()["items"]
+        assert [(e["source"], e["evaluator"]) for e in listed] == [("reported", "eval-suite")]
+    assert promote(v1.digest, "staging").status_code == 409
+
+    # A platform result from another evaluator does not stand in for the command's.
+    registry.platform_evaluation(tenant, v1.digest, "sanity", {"accuracy": 0.80, "latency_ms": 90})
+    assert promote(v1.digest, "production").status_code == 409
+    registry.platform_evaluation(tenant, v1.digest, "command", {"accuracy": 0.80, "latency_ms": 90})
     assert promote(v1.digest, "production").status_code == 200
 
-    assert _evaluate(tenant, v2.digest, {"accuracy": 0.77, "latency_ms": 120}).status_code == 201
+    registry.platform_evaluation(tenant, v2.digest, "command", {"accuracy": 0.77, "latency_ms": 120})
     refused = promote(v2.digest, "staging").json()
     failing = {(f["metric"], f["reason"].split()[0]) for f in refused["failing_metrics"]}
     assert failing == {("accuracy", "regresses"), ("latency_ms", "above"), ("latency_ms", "regresses")}
-    assert "accuracy=0.77" in refused["detail"] and "0.8" in refused["detail"]
+    assert "accuracy (command)=0.77" in refused["detail"] and "0.8" in refused["detail"]
 
-    assert _evaluate(tenant, v2.digest, {"accuracy": 0.81, "latency_ms": 85}).status_code == 201
+    registry.platform_evaluation(tenant, v2.digest, "command", {"accuracy": 0.81, "latency_ms": 85})
     assert promote(v2.digest, "staging").status_code == 200
     assert promote(v2.digest, "production").status_code == 200
     with tenant.http() as http:
@@ -368,11 +426,19 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
             "accuracy": 0.81,
             "latency_ms": 85,
         }
+        key = http.get("/v1/registry/evaluator-key").json()
+    platform = [e for e in _evaluations(tenant, "gated", v2.digest) if e["source"] == "platform"]
+    assert {e["key_id"] for e in platform} == {key["key_id"]}  # signed by the platform's key
 
-    unknown = _evaluate(tenant, v2.digest, {"accuracy": 1.0}, signer=Signer.generate())
+    unknown = _report(tenant, v2.digest, {"accuracy": 1.0}, signer=Signer.generate())
     assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "key_id"
-    mismatch = _evaluate(tenant, v2.digest, {"accuracy": 1.0}, version=v1.digest)
+    mismatch = _report(tenant, v2.digest, {"accuracy": 1.0}, version=v1.digest)
     assert mismatch.status_code == 422 and mismatch.json()["errors"][0]["field"] == "record.version"
+
+
+def _evaluations(tenant: Tenant, model: str, digest: str) -> list[dict]:
+    with tenant.http() as http:
+        return http.get(f"/v1/models/{model}/versions/{digest}/evaluations").json()["items"]
 
 
 def test_tenants_cannot_see_each_others_models_versions_or_chunks(registry: Registry, tmp_path: Path) -> None:
@@ -534,11 +600,20 @@ def test_demo_weights_scenario(registry: Registry, tmp_path: Path) -> None:
 
     from gpucloud.demo.weights import demo_weights
 
+    registry.start_worker()
     tenant = registry.new_tenant()
     console = Console(record=True, width=160)
-    demo_weights(console, registry.url, tenant.key, tmp_path / "demo")
+    pushed = demo_weights(console, registry.url, tenant.key, tmp_path / "demo")
     text = console.export_text()
     assert "refused" in text and "ChunkCorruptedError" in text and "skipped by dedup" in text
+    assert f"weight sanity of {pushed.bad[:12]} against {pushed.production[:12]}, platform-signed" in text
+    assert "max 0: fails" in text and "layers.7.weight" in text
+    with tenant.http() as http:
+        model = http.get(f"/v1/models/{pushed.model}").json()
+    assert {a["name"]: a["version"] for a in model["aliases"]} == {
+        "production": pushed.production,
+        "candidate": pushed.bad,
+    }
 
 
 def _age(tenant: Tenant, hours: float = 48) -> None:
@@ -604,42 +679,129 @@ def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
     assert runner.invoke(weights_app, ["gc", "--grace", "soon"], env=env).exit_code == 2
 
 
-def test_cli_evaluates_a_pushed_version_with_the_sanity_evaluator_and_a_nan_is_refused(
+def test_the_platform_evaluates_with_the_sanity_evaluator_and_a_nan_cannot_reach_production(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """Real fp32, fp16 and bf16 models of a few MiB, evaluated by the worker: a clean fine-tune
+    passes and is promoted; one NaN, or a shape change, is refused at the gate, through the CLI
+    and the API, whatever the tenant reports."""
+    import numpy as np
+
+    registry.start_worker()
+    tenant = registry.new_tenant()
+    run = _weights_cli(registry, tenant)
+    with tenant.http() as http:
+        gates = [
+            {"metric": "nan_inf_count", "max": 0},
+            {"metric": "max_rel_norm_change", "max": 0.5},
+            {"metric": "shape_changes", "max": 0},
+        ]
+        http.post("/v1/models", json={"name": "sane", "gates": gates}).raise_for_status()
+
+    def pushed(name: str, *, parent: str | None = None, **shape) -> str:
+        source = float_model(tmp_path / name, np.random.default_rng(7), **shape)
+        extra = ("--parent", parent[:12]) if parent else ()
+        output = run("push", str(source), "--model", "sane", *extra)
+        return re.search(r"pushed sane@([0-9a-f]{64})", output).group(1)
+
+    base = pushed("base")
+    good = pushed("tuned", parent=base, scale=1.02)
+    bad = pushed("broken", parent=base, scale=1.02, nan=True)
+    reshaped = pushed("reshaped", parent=base, wide=640)
+
+    failed = run("evaluate", "sane", bad[:12], "--evaluator", "sanity", code=1)
+    assert "platform-signed" in failed and f"against {base[:12]}" in failed
+    assert "model-00001-of-00002.safetensors:mlp.weight" in failed and "max 0: fails" in failed
+    # The tenant's own word does not open the gate: the platform's evaluation holds it.
+    run("evaluate", "sane", bad[:12], "--metric", "nan_inf_count=0", "--metric", "max_rel_norm_change=0")
+    refused = run("promote", "sane", bad[:12], "--to", "production", code=1)
+    assert "nan_inf_count" in refused and "sanity" in refused and "above the maximum 0" in refused
+    with tenant.http() as http:
+        answer = http.put("/v1/models/sane/aliases/production", json={"version": bad})
+        assert answer.status_code == 409
+        [failure] = answer.json()["failing_metrics"]
+        assert (failure["metric"], failure["evaluator"], failure["value"]) == ("nan_inf_count", "sanity", 1.0)
+        shown = http.get(f"/v1/models/sane/versions/{bad}").json()
+        assert shown["metrics"]["nan_inf_count"] == 1 and shown["reported_metrics"]["nan_inf_count"] == 0
+
+    run("evaluate", "sane", reshaped[:12], code=1)
+    refused = run("promote", "sane", reshaped[:12], "--to", "production", code=1)
+    assert "shape_changes" in refused
+
+    passed = run("evaluate", "sane", good[:12], "--evaluator", "sanity")
+    assert "recorded" in passed and "max_rel_norm_change" in passed and "passes" in passed
+    assert "production" in run("promote", "sane", good[:12], "--to", "production")
+    listed = run("versions", "sane")
+    assert "platform results" in listed and "reported" in listed
+    [record] = [e for e in _evaluations(tenant, "sane", good) if e["source"] == "platform"]
+    key = registry_evaluator_key(tenant)
+    signed = SignedEvaluation(
+        record=EvaluationRecord(
+            version=record["version"],
+            evaluator=record["evaluator"],
+            results=record["results"],
+            recorded_at=record["recorded_at"],
+            details=record["details"],
+        ),
+        key_id=record["key_id"],
+        signature=_stored_signature(registry, tenant, good, record["record_digest"]),
+    )
+    keyring = Keyring()
+    keyring.trust("platform", bytes.fromhex(key["public_key"]))
+    assert keyring.verify_evaluation(signed, tenant="platform").results["nan_inf_count"] == 0
+
+
+def registry_evaluator_key(tenant: Tenant) -> dict:
+    with tenant.http() as http:
+        return http.get("/v1/registry/evaluator-key").json()
+
+
+def _stored_signature(registry: Registry, tenant: Tenant, digest: str, record_digest: str) -> str:
+    from gpucloud import bootstrap
+
+    kept = bootstrap.registry_stores(registry.settings).manifests(tenant.id).evaluations(digest)
+    return next(e.signature for e in kept if e.record.digest == record_digest)
+
+
+def test_the_platform_runs_the_models_command_and_a_hanging_or_garbage_command_fails_its_gate(
     registry: Registry, tmp_path: Path
 ) -> None:
     import numpy as np
-    from safetensors.numpy import save_file
 
+    registry.start_worker()
     tenant = registry.new_tenant()
     run = _weights_cli(registry, tenant)
-
-    def version_dir(name: str, weights: np.ndarray) -> Path:
-        (tmp_path / name).mkdir()
-        save_file(
-            {"mlp.weight": weights, "embed.weight": np.ones((64, 64), np.float32)},
-            str(tmp_path / name / "m.safetensors"),
-        )
-        (tmp_path / name / "config.json").write_text("{}")
-        return tmp_path / name
-
     with tenant.http() as http:
-        gates = [{"metric": "nan_inf_count", "max": 0}, {"metric": "max_rel_norm_change", "max": 0.5}]
-        http.post("/v1/models", json={"name": "sane", "gates": gates}).raise_for_status()
+        http.post(
+            "/v1/models", json={"name": "scored", "gates": [{"metric": "accuracy", "min": 0.7}]}
+        ).raise_for_status()
+        assert http.post("/v1/models/scored/versions/abcdef12/evaluate", json={}).status_code == 404
+        wrong = http.post("/v1/models/scored/versions/abcdef12/evaluate", json={"evaluator": "mmlu"})
+        assert wrong.status_code == 422 and wrong.json()["errors"][0]["field"] == "evaluator"
+    source = float_model(tmp_path / "v1", np.random.default_rng(1))
+    digest = re.search(r"pushed scored@([0-9a-f]{64})", run("push", str(source), "--model", "scored")).group(1)
+    with tenant.http() as http:
+        missing = http.post(f"/v1/models/scored/versions/{digest}/evaluate", json={"evaluator": "command"})
+        assert missing.status_code == 409 and "PUT /v1/models/scored/evaluation" in missing.json()["detail"]
 
-    def pushed(output: str) -> str:
-        return re.search(r"pushed sane@([0-9a-f]{64})", output).group(1)
+    # The command reads the pulled version it is given and prints its metrics as its last line.
+    script = (
+        "import json, os, pathlib; "
+        "files = sorted(pathlib.Path(os.environ['GPUCLOUD_MODEL_DIR']).glob('*.safetensors')); "
+        "print('scoring', len(files)); print(json.dumps({'accuracy': 0.4 + 0.2 * len(files)}))"
+    )
+    run("evaluation-command", "scored", "--run", f"{sys.executable} -c {shlex.quote(script)}", "--timeout", "60")
+    passed = run("evaluate", "scored", digest[:12], "--evaluator", "command")
+    assert "accuracy" in passed and "0.8" in passed and "min 0.7: passes" in passed
+    assert "production" in run("promote", "scored", digest[:12], "--to", "production")
 
-    base = np.random.default_rng(3).standard_normal((128, 256)).astype(np.float32)
-    first = pushed(run("push", str(version_dir("base", base)), "--model", "sane"))
-    tuned, broken = base * 1.02, base.copy()
-    broken[5, 9] = np.nan  # a fine-tune that diverged in one value
-    good = pushed(run("push", str(version_dir("tuned", tuned)), "--model", "sane", "--parent", first[:12]))
-    bad = pushed(run("push", str(version_dir("broken", broken)), "--model", "sane", "--parent", first[:12]))
+    run("evaluation-command", "scored", "--run", f"{sys.executable} -c 'import time; time.sleep(60)'", "--timeout", "2")
+    hung = run("evaluate", "scored", digest[:12], "--evaluator", "command", code=1)
+    assert "ran past its time limit of 2 s" in hung
+    refused = run("promote", "scored", digest[:12], "--to", "staging", code=1)
+    assert "the latest command evaluation failed" in refused
 
-    failed = run("evaluate", "sane", bad[:12], "--evaluator", "sanity", code=1)
-    assert "nan_inf_count" in failed and "m.safetensors:mlp.weight" in failed and "against its parent" in failed
-    refused = run("promote", "sane", bad[:12], "--to", "production", code=1)
-    assert "nan_inf_count" in refused
-    passed = run("evaluate", "sane", good[:12], "--evaluator", "sanity")
-    assert "recorded" in passed and "max_rel_norm_change" in passed
-    assert "production" in run("promote", "sane", good[:12], "--to", "production")
+    run("evaluation-command", "scored", "--run", "echo all good")
+    garbage = run("evaluate", "scored", digest[:12], "--evaluator", "command", code=1)
+    assert "not JSON" in garbage
+    run("evaluation-command", "scored", "--remove")

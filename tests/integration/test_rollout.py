@@ -28,8 +28,10 @@ from gpucloud.activities.rollout import RolloutActivities
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher, PeerServer, create_peer_app, prefetch
 from gpucloud.agent.weights_api import install_weights_api
+from gpucloud.models.registry_tables import GateSpec
 from gpucloud.models.rollout_messages import (
     ReasonInput,
+    RolloutEvaluation,
     RolloutInput,
     RolloutPhase,
     RolloutProgress,
@@ -45,6 +47,7 @@ from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
+from support.models import float_model
 
 TENANT = "acme"
 NODES, PER_RACK = 8, 4
@@ -85,14 +88,16 @@ class Fleet:
         for relative, data in files.items():
             (source / relative).parent.mkdir(parents=True, exist_ok=True)
             (source / relative).write_bytes(data)
-        signed = push(
+        return self.push_dir(source), files
+
+    def push_dir(self, source: Path) -> SignedManifest:
+        return push(
             source,
             model="llama-mini",
             target=StoreTarget(self.store, self.manifests, settle_seconds=0),
             signer=self.signer,
             policy=POLICY,
         ).signed
-        return signed, files
 
     def install(self, signed: SignedManifest) -> None:
         """Put a version in place on every node directly (the state before a rollout)."""
@@ -248,6 +253,40 @@ async def test_a_canary_below_the_eval_threshold_rolls_back_and_the_rest_never_a
     for agent in fleet.agents:
         assert agent.cache.active() == v1.digest
         assert read_tree(agent.cache.current_path) == v1_files
+
+
+async def test_the_canary_runs_the_models_sanity_gate_and_a_nan_fine_tune_is_rolled_back(
+    temporal_env, fleet: Fleet, task_queue: str, tmp_path: Path
+) -> None:
+    """Real fp32, fp16 and bf16 models: the canary's check runs the sanity evaluator on the node
+    against the version it ran before; one NaN fails the model's gate and every node stays on the
+    base, while a clean fine-tune passes the same gates and goes everywhere."""
+    import numpy as np
+
+    evaluation = RolloutEvaluation(
+        gates=[GateSpec(metric="nan_inf_count", max=0), GateSpec(metric="max_rel_norm_change", max=0.5)]
+    )
+    base = fleet.push_dir(float_model(tmp_path / "base", np.random.default_rng(5)))
+    broken = fleet.push_dir(float_model(tmp_path / "broken", np.random.default_rng(5), scale=1.02, nan=True))
+    tuned = fleet.push_dir(float_model(tmp_path / "tuned", np.random.default_rng(5), scale=1.02))
+    fleet.install(base)
+    client = temporal_env.client
+    async with rollout_worker(client, fleet, task_queue):
+        refused = await (await start(client, fleet, task_queue, broken, evaluation=evaluation)).result()
+        assert refused.status == RolloutPhase.ROLLED_BACK
+        assert "wave 1 check" in refused.reason
+        assert "nan_inf_count (sanity)=1: above the maximum 0" in refused.reason
+        assert refused.activated == ["node-00"] and refused.rolled_back == ["node-00"]
+        assert {a.cache.active() for a in fleet.agents} == {base.digest}
+
+        handle = await start(client, fleet, task_queue, tuned, evaluation=evaluation)
+        passed = await handle.result()
+        progress = await handle.query(RolloutWorkflow.progress)
+    assert passed.status == RolloutPhase.SUCCEEDED, passed.reason
+    assert {a.cache.active() for a in fleet.agents} == {tuned.digest}
+    found = progress.outcomes["node-00"].evaluations["sanity"]  # the canary's, against the base
+    assert found["nan_inf_count"] == 0 and abs(found["max_rel_norm_change"] - 0.02) < 0.005
+    assert progress.outcomes["node-07"].evaluations == {}  # later waves are not evaluated again
 
 
 async def test_an_unhealthy_node_in_a_later_wave_rolls_back_every_activated_node(

@@ -18,10 +18,37 @@ ACCURACY = GateSpec(metric="accuracy", min=0.7, max_regression=0.02)
 LATENCY = GateSpec(metric="latency_ms", max=100, max_regression=10, higher_is_better=False)
 
 
+def command(results: dict[str, float] | None) -> dict[str, dict[str, float]] | None:
+    """Results as the command evaluator's (the evaluator ACCURACY and LATENCY name)."""
+    return None if results is None else {"command": results}
+
+
 def failing(
     candidate: dict[str, float], production: dict[str, float] | None = None, gates: list[GateSpec] = (ACCURACY, LATENCY)
 ) -> list[tuple[str, str]]:
-    return [(f.metric, f.reason.split()[0]) for f in evaluate_gates(gates, candidate, production)]
+    return [(f.metric, f.reason.split()[0]) for f in evaluate_gates(gates, command(candidate), command(production))]
+
+
+def test_a_gate_names_its_evaluator_and_takes_no_other_evaluators_value() -> None:
+    assert ACCURACY.evaluator == "command"  # not one of the sanity evaluator's metrics
+    nan_gate = GateSpec(metric="nan_inf_count", max=0)
+    assert nan_gate.evaluator == "sanity"
+    # The command printed a nan_inf_count of 0, but the gate holds the sanity evaluator's.
+    failures = evaluate_gates([nan_gate], {"command": {"nan_inf_count": 0}, "sanity": {"nan_inf_count": 1}}, None)
+    assert [(f.metric, f.evaluator, f.value) for f in failures] == [("nan_inf_count", "sanity", 1.0)]
+    assert failures[0].describe() == "nan_inf_count (sanity)=1: above the maximum 0"
+    missing = evaluate_gates([nan_gate], {"command": {"nan_inf_count": 0}}, None)
+    assert missing[0].reason == "no result from a platform sanity evaluation"
+    named = GateSpec(metric="nan_inf_count", max=0, evaluator="command")
+    assert evaluate_gates([named], {"command": {"nan_inf_count": 0}}, None) == []
+
+
+def test_a_failed_latest_run_fails_the_gates_of_its_evaluator() -> None:
+    failures = evaluate_gates(
+        [ACCURACY], {"command": {"accuracy": 0.9}}, None, errors={"command": "ran past its time limit of 5 s"}
+    )
+    assert [(f.metric, f.value) for f in failures] == [("accuracy", None)]
+    assert failures[0].reason == "the latest command evaluation failed: ran past its time limit of 5 s"
 
 
 def test_passing_results_fail_nothing() -> None:
@@ -49,9 +76,9 @@ def test_regression_is_measured_in_the_direction_that_makes_the_metric_worse() -
     assert failing({"accuracy": 0.90, "latency_ms": 61}, production) == [("latency_ms", "regresses")]
     # Improvements are never regressions, however large.
     assert failing({"accuracy": 0.99, "latency_ms": 5}, production) == []
-    failure = evaluate_gates([ACCURACY], {"accuracy": 0.87}, production)[0]
+    failure = evaluate_gates([ACCURACY], command({"accuracy": 0.87}), command(production))[0]
     assert failure.production_value == 0.90 and math.isclose(float(failure.reason.split()[1]), 0.03)
-    assert failure.describe().startswith("accuracy=0.87: regresses")
+    assert failure.describe().startswith("accuracy (command)=0.87: regresses")
 
 
 def test_without_a_production_baseline_only_the_range_applies() -> None:
@@ -68,6 +95,7 @@ def test_without_a_production_baseline_only_the_range_applies() -> None:
         {"metric": "a", "min": math.inf},
         {"metric": "", "min": 1},
         {"metric": "a", "min": 1, "extra": 2},
+        {"metric": "a", "min": 1, "evaluator": "mmlu-job"},
     ],
 )
 def test_meaningless_gates_are_refused(gate: dict) -> None:

@@ -5,39 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from gpucloud.registry import sanity
-
-
-def write_bf16(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A safetensors file with bfloat16 tensors (numpy has no bf16: the upper half of float32)."""
-    header, blobs, offset = {}, [], 0
-    for name, values in tensors.items():
-        raw = (np.asarray(values, dtype=np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(values.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
-
-
-def model(root: Path, rng: np.random.Generator, *, scale: float = 1.0, nan: bool = False, wide: int = 512) -> Path:
-    root.mkdir(parents=True)
-    embed = rng.standard_normal((wide, 1024)).astype(np.float32) * scale  # 2 MiB of fp32
-    mlp = (rng.standard_normal((wide, 512)) * scale).astype(np.float16)
-    if nan:
-        mlp[3, 7] = np.nan
-    save_file({"embed.weight": embed, "mlp.weight": mlp}, str(root / "model-00001-of-00002.safetensors"))
-    write_bf16(root / "model-00002-of-00002.safetensors", {"lm_head.weight": rng.standard_normal((256, 512)) * scale})
-    (root / "config.json").write_text("{}")
-    return root
+from support.models import float_model as model
 
 
 @pytest.fixture(autouse=True)

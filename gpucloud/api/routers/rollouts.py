@@ -30,14 +30,16 @@ from gpucloud.api.schemas import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.registry_tables import ModelVersion
+from gpucloud.models.registry_tables import ModelVersion, RegistryModel
 from gpucloud.models.rollout_messages import (
     ReasonInput,
+    RolloutEvaluation,
     RolloutInput,
     RolloutProgress,
     RolloutTarget,
 )
 from gpucloud.models.tables import Node
+from gpucloud.registry import promotion
 from gpucloud.web.problems import Problem, not_found, unavailable
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
@@ -49,18 +51,25 @@ def _invalid(detail: str) -> Problem:
     return Problem(422, "invalid-request", "The request is invalid", detail)
 
 
-def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[RolloutTarget] | None:
-    """The explicit nodes as targets (each one the tenant's), after checking the version exists."""
+def _targets(
+    settings: Settings, tenant_id: str, req: RolloutRequest
+) -> tuple[list[RolloutTarget] | None, RolloutEvaluation | None]:
+    """The explicit nodes as targets (each one the tenant's), after checking the version exists,
+    and the evaluations of the version's model that the canary's check runs."""
     with session_scope(settings.database_url) as session:
         version = session.exec(
-            select(col(ModelVersion.digest)).where(
+            select(ModelVersion).where(
                 col(ModelVersion.tenant_id) == tenant_id, col(ModelVersion.digest) == req.model_version
             )
         ).first()
         if version is None:
             raise _invalid(f"model_version: no version {req.model_version} in this tenant's registry")
+        model = session.get(RegistryModel, version.model_id)
+        gates = promotion.gates_of(session, version.model_id)
+        command = promotion.evaluation_of(model) if model is not None else None
+        evaluation = RolloutEvaluation(gates=gates, command=command) if gates else None
         if req.node_ids is None:
-            return None
+            return None, evaluation
         nodes = {
             n.id: n
             for n in session.exec(
@@ -69,10 +78,11 @@ def _targets(settings: Settings, tenant_id: str, req: RolloutRequest) -> list[Ro
         }
     if unknown := [n for n in req.node_ids if n not in nodes]:
         raise _invalid(f"node_ids: not nodes of this tenant: {', '.join(unknown[:10])}")
-    return [
+    targets = [
         RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region)
         for n in (nodes[i] for i in req.node_ids)
     ]
+    return targets, evaluation
 
 
 @router.post(
@@ -87,7 +97,7 @@ async def create_rollout(
     idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
-        targets = await run_in_threadpool(_targets, settings, tenant.tenant_id, req)
+        targets, evaluation = await run_in_threadpool(_targets, settings, tenant.tenant_id, req)
         # Under an Idempotency-Key the id comes from the key: a create re-run after its first try
         # died finds the rollout that try started instead of starting a second one.
         seed = f"{tenant.id}:{idempotency_key}" if idempotency_key else uuid.uuid4().hex
@@ -98,6 +108,7 @@ async def create_rollout(
                 rollout_id=rollout_id,
                 tenant_id=tenant.tenant_id,
                 nodes=targets,
+                evaluation=evaluation,
                 **options,
                 **({"waves": req.waves} if req.waves else {}),
             )

@@ -21,6 +21,8 @@ from gpucloud.api.routers.registry.common import (
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.registry_tables import (
+    EvaluationCommand,
+    EvaluatorKey,
     GatesUpdate,
     ModelPage,
     ModelPublic,
@@ -47,7 +49,10 @@ router = APIRouter(prefix="/v1", tags=["registry"])
 def _create_model(settings: Settings, tenant_id: str, req: RegistryModelCreate) -> ModelPublic:
     try:
         with session_scope(settings.database_url) as session:
-            model = RegistryModel(tenant_id=tenant_id, name=req.name, description=req.description)
+            evaluation = req.evaluation.model_dump(mode="json") if req.evaluation else None
+            model = RegistryModel(
+                tenant_id=tenant_id, name=req.name, description=req.description, evaluation=evaluation
+            )
             session.add(model)
             session.flush()
             promotion.replace_gates(session, model, req.gates)
@@ -104,6 +109,37 @@ def set_gates(name: str, req: GatesUpdate, tenant: TenantDep, settings: Settings
         promotion.replace_gates(session, model, req.gates)
         session.flush()
         return promotion.publish_models(session, [model])[0]
+
+
+@router.put("/models/{name}/evaluation", response_model=ModelPublic)
+def set_evaluation(name: str, req: EvaluationCommand, tenant: TenantDep, settings: SettingsDep):
+    """Register the model's evaluation command: the platform runs it (the `command` evaluator) on a
+    version when asked, and on a rollout's canary nodes."""
+    with session_scope(settings.database_url) as session:
+        model = model_row(session, tenant.tenant_id, name, for_update=True)
+        model.evaluation = req.model_dump(mode="json")
+        session.add(model)
+        session.flush()
+        return promotion.publish_models(session, [model])[0]
+
+
+@router.delete("/models/{name}/evaluation", response_model=ModelPublic)
+def remove_evaluation(name: str, tenant: TenantDep, settings: SettingsDep):
+    with session_scope(settings.database_url) as session:
+        model = model_row(session, tenant.tenant_id, name, for_update=True)
+        model.evaluation = None
+        session.add(model)
+        session.flush()
+        return promotion.publish_models(session, [model])[0]
+
+
+@router.get("/registry/evaluator-key", response_model=EvaluatorKey)
+def evaluator_key(tenant: TenantDep, settings: SettingsDep):
+    """The public key the platform signs the evaluations it runs with."""
+    from gpucloud.bootstrap import evaluator_signer
+
+    signer = evaluator_signer(settings)
+    return EvaluatorKey(public_key=bytes(signer.verify_key).hex(), key_id=signer.key_id)
 
 
 # ---------------------------------------------------------------- signing keys

@@ -10,9 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from sqlmodel import Session, col, select
+from temporalio.service import RPCError
 
 from gpucloud.api import pagination
-from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
+from gpucloud.api.deps import SessionDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
     StoresDep,
@@ -24,12 +25,18 @@ from gpucloud.api.routers.registry.common import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
+from gpucloud.models.evaluation_messages import EvaluateVersionInput
 from gpucloud.models.registry_tables import (
     GATED_ALIASES,
     AliasMove,
     AliasName,
+    EvaluationPage,
+    EvaluationRequest,
     EvaluationResult,
     EvaluationResultPublic,
+    EvaluationSource,
+    EvaluationStarted,
+    EvaluatorName,
     LineageEntry,
     LineagePage,
     ModelAlias,
@@ -39,7 +46,7 @@ from gpucloud.models.registry_tables import (
     RegistryModel,
     VersionPage,
 )
-from gpucloud.models.tables import utcnow
+from gpucloud.models.tables import Operation, OperationPublic, utcnow
 from gpucloud.registry import gc, promotion
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -50,7 +57,11 @@ from gpucloud.registry.manifest import (
     VersionNotFoundError,
 )
 from gpucloud.registry.stores import RegistryStores
-from gpucloud.web.problems import Problem
+from gpucloud.services.evaluations import evaluations_of, keep_evaluation
+from gpucloud.services.operations import settle_operation
+from gpucloud.services.workflows import start_version_evaluation
+from gpucloud.web.problems import Problem, unavailable
+from gpucloud.workflows.evaluation import evaluation_workflow_id
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +200,6 @@ def _record_evaluation(
     settings: Settings, stores: RegistryStores, tenant_id: str, name: str, ref: str, signed: SignedEvaluation
 ) -> tuple[EvaluationResult, bool]:
     record = signed.record
-    query = select(EvaluationResult).where(
-        col(EvaluationResult.tenant_id) == tenant_id, col(EvaluationResult.record_digest) == record.digest
-    )
     with session_scope(settings.database_url) as session:
         digest = resolve_version(session, model_row(session, tenant_id, name), ref).digest
         if record.version != digest:
@@ -200,26 +208,7 @@ def _record_evaluation(
             promotion.keyring_for(session, tenant_id).verify_evaluation(signed, tenant=tenant_id)
         except (UnknownKeyError, BadSignatureError) as exc:
             raise signature_problem(exc) from None
-        if (existing := session.exec(query).first()) is not None:
-            return existing, False
-    stores.manifests(tenant_id).add_evaluation(signed)  # the signed record, beside the manifest
-    row = EvaluationResult(
-        tenant_id=tenant_id,
-        version=digest,
-        evaluator=record.evaluator,
-        results=record.results,
-        recorded_at=record.recorded_at,
-        record_digest=record.digest,
-        key_id=signed.key_id,
-        signature=signed.signature,
-    )
-    try:
-        with session_scope(settings.database_url) as session:
-            session.add(row)
-            return row, True
-    except sa.exc.IntegrityError:
-        with session_scope(settings.database_url) as session:
-            return session.exec(query).one(), False
+    return keep_evaluation(settings.database_url, stores, tenant_id, signed, source=EvaluationSource.REPORTED)
 
 
 @router.post("/models/{name}/versions/{ref}/evaluations", status_code=201, response_model=EvaluationResultPublic)
@@ -233,7 +222,8 @@ async def record_evaluation(
     stores: StoresDep,
     idempotency_key: IdempotencyKey = None,
 ):
-    """Record signed evaluation results for a version (signed by one of the tenant's keys)."""
+    """Report evaluation results for a version, signed by one of the tenant's keys. They are kept
+    and shown as `reported`; gates hold only evaluations the platform runs (`.../evaluate`)."""
 
     async def handler() -> JSONResponse:
         row, created = await run_in_threadpool(
@@ -241,6 +231,95 @@ async def record_evaluation(
         )
         body = EvaluationResultPublic.model_validate(row, from_attributes=True).model_dump(mode="json")
         return JSONResponse(body, status_code=201 if created else 200)
+
+    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
+
+
+@router.get("/models/{name}/versions/{ref}/evaluations", response_model=EvaluationPage)
+def list_evaluations(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
+    """Every evaluation record of the version, oldest first: the platform's and the reported."""
+    digest = resolve_version(session, model_row(session, tenant.tenant_id, name), ref).digest
+    rows = evaluations_of(session, tenant.tenant_id, digest)
+    return EvaluationPage(items=[EvaluationResultPublic.model_validate(r, from_attributes=True) for r in rows])
+
+
+def _evaluation_operation(
+    settings: Settings, tenant_id: str, name: str, ref: str, evaluator: EvaluatorName
+) -> tuple[EvaluateVersionInput, Operation]:
+    with session_scope(settings.database_url) as session:
+        model = model_row(session, tenant_id, name)
+        version = resolve_version(session, model, ref)
+        command = promotion.evaluation_of(model)
+        if evaluator == EvaluatorName.COMMAND and command is None:
+            raise Problem(
+                409,
+                "no-evaluation-command",
+                "No evaluation command",
+                f"model {name!r} has no evaluation command; register one with PUT /v1/models/{name}/evaluation",
+            )
+        parent = (
+            version.parent if version.parent and promotion.version_row(session, tenant_id, version.parent) else None
+        )
+        op = Operation(kind=f"version_evaluation_{evaluator.value}", resource_id=version.digest, tenant_id=tenant_id)
+        session.add(op)
+        session.flush()
+        command_input = EvaluateVersionInput(
+            tenant_id=tenant_id,
+            model=model.name,
+            version=version.digest,
+            parent=parent,
+            evaluator=evaluator,
+            command=command if evaluator == EvaluatorName.COMMAND else None,
+            operation_id=op.id,
+        )
+        op.workflow_id = evaluation_workflow_id(tenant_id, op.id)
+        session.add(op)
+        session.flush()
+        session.refresh(op)
+        return command_input, op
+
+
+def _not_started(settings: Settings, operation_id: str, error: str) -> None:
+    with session_scope(settings.database_url) as session:
+        settle_operation(session, operation_id, error=error)
+
+
+@router.post(
+    "/models/{name}/versions/{ref}/evaluate",
+    status_code=202,
+    response_model=EvaluationStarted,
+    responses={409: {"description": "the `command` evaluator on a model without an evaluation command"}},
+)
+async def evaluate_version(
+    name: str,
+    ref: VersionRef,
+    req: EvaluationRequest,
+    request: Request,
+    tenant: TenantDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    idempotency_key: IdempotencyKey = None,
+):
+    """Have the platform evaluate the version: the worker pulls and verifies it, runs the evaluator
+    (`sanity`, against its parent; or `command`, the model's own), and signs the results with the
+    platform's evaluator key. Follow the operation; the results are in `.../evaluations`."""
+
+    async def handler() -> JSONResponse:
+        command, op = await run_in_threadpool(
+            _evaluation_operation, settings, tenant.tenant_id, name, ref, req.evaluator
+        )
+        try:
+            await start_version_evaluation(temporal, settings, command)
+        except RPCError as exc:
+            await run_in_threadpool(_not_started, settings, op.id, f"the workflow engine is unreachable: {exc}")
+            raise unavailable("workflow-engine", "the workflow engine did not take the evaluation; retry") from exc
+        body = EvaluationStarted(
+            version=command.version,
+            evaluator=req.evaluator,
+            parent=command.parent,
+            operation=OperationPublic.model_validate(op, from_attributes=True),
+        )
+        return JSONResponse(body.model_dump(mode="json"), status_code=202)
 
     return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 

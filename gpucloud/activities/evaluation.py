@@ -1,0 +1,134 @@
+"""The platform's evaluation of a version, in the worker: pull it from the tenant's registry
+store and verify it (fail closed, as any pull), pull its parent for the sanity evaluator's
+comparison, run the evaluator, sign what it found with the platform evaluator key, and keep the
+record. Only such records open a `staging` or `production` gate.
+
+What the evaluator reports is the result, whatever it is: NaN weights are a result (their gate
+refuses them), and so is a command that crashed, hung or printed garbage (a failed evaluation,
+recorded with its reason, which fails that evaluator's gates). An object store that is down
+raises, and Temporal retries; bytes that fail verification are recorded as a failed evaluation
+and end the activity non-retryable (`VersionUnverifiable`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from gpucloud.db import Database
+from gpucloud.models.evaluation_messages import EvaluateVersionInput, EvaluateVersionResult
+from gpucloud.models.registry_tables import EvaluationSource
+from gpucloud.registry import promotion
+from gpucloud.registry.evaluators import EvaluatorOutcome, evaluate_directory
+from gpucloud.registry.manifest import (
+    BadSignatureError,
+    EvaluationRecord,
+    IntegrityError,
+    Signer,
+    UnknownKeyError,
+    VersionNotFoundError,
+)
+from gpucloud.registry.pull import pull
+from gpucloud.registry.stores import RegistryStores
+from gpucloud.services.evaluations import keep_evaluation
+from gpucloud.services.operations import settle_operation
+
+log = logging.getLogger(__name__)
+
+
+class EvaluationActivities:
+    def __init__(
+        self,
+        db: Database,
+        stores: RegistryStores,
+        signer: Signer,
+        *,
+        work_dir: Path,
+        runtime: str | None = None,
+        host_commands: bool = False,
+    ) -> None:
+        self.db, self.stores, self.signer = db, stores, signer
+        self.work_dir, self.runtime, self.host_commands = work_dir, runtime, host_commands
+
+    def _pull(self, tenant_id: str, digest: str, dest: Path) -> Path:
+        with self.db.session() as session:
+            keyring = promotion.keyring_for(session, tenant_id)
+        pull(
+            digest,
+            dest,
+            chunk_store=self.stores.chunks(tenant_id),
+            manifest_store=self.stores.manifests(tenant_id),
+            keyring=keyring,
+            tenant=tenant_id,
+            progress=lambda *_: activity.heartbeat(),
+        )
+        return dest
+
+    def _keep(self, req: EvaluateVersionInput, outcome: EvaluatorOutcome, compared_with: str | None = None) -> str:
+        record = EvaluationRecord(
+            version=req.version,
+            evaluator=req.evaluator,
+            results=outcome.results,
+            recorded_at=datetime.now(UTC),
+            failure=outcome.failure[:2000] if outcome.failure else None,
+            details={**outcome.details, "compared_with": compared_with} if outcome.details else None,
+        )
+        signed = self.signer.sign_evaluation(record)
+        row, _ = keep_evaluation(self.db.url, self.stores, req.tenant_id, signed, source=EvaluationSource.PLATFORM)
+        return row.record_digest
+
+    def _settle(self, operation_id: str | None, error: str | None) -> None:
+        if operation_id is not None:
+            with self.db.session() as session:
+                settle_operation(session, operation_id, error=error)
+
+    @activity.defn
+    def evaluate_version(self, req: EvaluateVersionInput) -> EvaluateVersionResult:
+        work = self.work_dir / uuid.uuid4().hex
+        try:
+            try:
+                version = self._pull(req.tenant_id, req.version, work / "version")
+            except VersionNotFoundError as exc:
+                self._settle(req.operation_id, f"version not found: {exc}")
+                raise ApplicationError(str(exc), type="VersionNotFound", non_retryable=True) from exc
+            except (IntegrityError, BadSignatureError, UnknownKeyError) as exc:
+                failure = f"the version failed verification ({type(exc).__name__}): {exc}"
+                self._keep(req, EvaluatorOutcome(req.evaluator, {}, failure=failure))
+                self._settle(req.operation_id, failure)
+                raise ApplicationError(failure, type="VersionUnverifiable", non_retryable=True) from exc
+            parent, compared_with = None, None
+            if req.parent is not None and req.evaluator == "sanity":
+                try:
+                    parent, compared_with = self._pull(req.tenant_id, req.parent, work / "parent"), req.parent
+                except (VersionNotFoundError, IntegrityError, BadSignatureError, UnknownKeyError) as exc:
+                    # The parent is gone (collected) or no longer verifies: judge the version alone.
+                    log.warning("evaluating %s without its parent %s: %s", req.version, req.parent, exc)
+            activity.heartbeat()
+            outcome = evaluate_directory(
+                version,
+                parent,
+                [req.evaluator],
+                req.command,
+                runtime=self.runtime,
+                host_commands=self.host_commands,
+            )[req.evaluator]
+            record_digest = self._keep(req, outcome, compared_with)
+            self._settle(req.operation_id, outcome.failure)
+            return EvaluateVersionResult(
+                evaluator=req.evaluator,
+                results=outcome.results,
+                failure=outcome.failure,
+                record_digest=record_digest,
+                compared_with=compared_with,
+            )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def all(self) -> list:
+        return [self.evaluate_version]
