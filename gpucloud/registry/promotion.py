@@ -256,6 +256,10 @@ def gates_of(session: Session, model_id: str) -> list[GateSpec]:
     ]
 
 
+def model_by_id(session: Session, model_id: str) -> RegistryModel | None:
+    return session.exec(select(RegistryModel).where(col(RegistryModel.id) == model_id)).first()
+
+
 def evaluation_of(model: RegistryModel) -> EvaluationCommand | None:
     return EvaluationCommand.model_validate(model.evaluation) if model.evaluation else None
 

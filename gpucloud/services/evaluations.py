@@ -14,7 +14,15 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gpucloud.db import session_scope
-from gpucloud.models.registry_tables import EvaluationResult, EvaluationSource
+from gpucloud.models.evaluation_messages import EvaluateVersionInput
+from gpucloud.models.registry_tables import (
+    EvaluationResult,
+    EvaluationSource,
+    EvaluatorName,
+    ModelVersion,
+    RegistryModel,
+)
+from gpucloud.registry import promotion
 from gpucloud.registry.manifest import SignedEvaluation
 from gpucloud.registry.stores import RegistryStores
 
@@ -52,6 +60,45 @@ def keep_evaluation(
     except sa.exc.IntegrityError:
         with session_scope(db_url) as session:
             return session.exec(query).one(), False
+
+
+OPERATION_PREFIX = "version_evaluation_"
+
+
+def operation_kind(evaluator: EvaluatorName) -> str:
+    return f"{OPERATION_PREFIX}{evaluator.value}"
+
+
+def evaluation_input(
+    session: Session, model: RegistryModel, version: ModelVersion, evaluator: EvaluatorName, operation_id: str
+) -> EvaluateVersionInput:
+    """What the evaluation workflow of a version needs: its lineage parent (when the tenant still
+    has it) for the sanity evaluator, and the model's command for the command evaluator."""
+    parent = version.parent
+    if parent is not None and promotion.version_row(session, version.tenant_id, parent) is None:
+        parent = None
+    return EvaluateVersionInput(
+        tenant_id=version.tenant_id,
+        model=model.name,
+        version=version.digest,
+        parent=parent,
+        evaluator=evaluator,
+        command=promotion.evaluation_of(model) if evaluator == EvaluatorName.COMMAND else None,
+        operation_id=operation_id,
+    )
+
+
+def evaluation_input_for(
+    session: Session, tenant_id: str, digest: str, kind: str, operation_id: str
+) -> EvaluateVersionInput | None:
+    """The workflow input of a running evaluation operation (for adoption); None when its version
+    or model is gone."""
+    evaluator = EvaluatorName(kind.removeprefix(OPERATION_PREFIX))
+    version = promotion.version_row(session, tenant_id, digest)
+    model = promotion.model_by_id(session, version.model_id) if version is not None else None
+    if version is None or model is None:
+        return None
+    return evaluation_input(session, model, version, evaluator, operation_id)
 
 
 def evaluations_of(session: Session, tenant_id: str, digest: str) -> list[EvaluationResult]:

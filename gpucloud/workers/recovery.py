@@ -21,14 +21,19 @@ from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Operation, OperationStatus, utcnow
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
+from gpucloud.services.evaluations import OPERATION_PREFIX as EVALUATION_OPERATION_PREFIX
+from gpucloud.services.evaluations import evaluation_input_for
 from gpucloud.services.nodes import lease_for_bringup
+from gpucloud.services.operations import settle_operation
 from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.services.workflows import (
     start_allocation_workflow,
     start_bringup_batches,
     start_tenant_offboarding,
     start_tenant_onboarding,
+    start_version_evaluation,
 )
+from gpucloud.workflows.evaluation import evaluation_workflow_id
 
 
 async def resume_orphans(client: Client, db: Database, settings: Settings) -> dict[str, int]:
@@ -54,8 +59,14 @@ async def resume_orphans(client: Client, db: Database, settings: Settings) -> di
     return {"allocations": len(allocations), "enrolled_nodes": len(enrolled), "tenants": len(tenant_ops)}
 
 
-# What adoption looks for: the workflows of in-flight allocations and tenant operations.
-_ADOPTED_TYPES = ("AllocationWorkflow", "TenantOnboardingWorkflow", "TenantOffboardingWorkflow")
+# What adoption looks for: the workflows of in-flight allocations, tenant operations and version
+# evaluations.
+_ADOPTED_TYPES = (
+    "AllocationWorkflow",
+    "TenantOnboardingWorkflow",
+    "TenantOffboardingWorkflow",
+    "VersionEvaluationWorkflow",
+)
 
 
 async def adopt_orphans(
@@ -79,7 +90,21 @@ async def adopt_orphans(
                 col(Operation.created_at) < cutoff,
             )
         ).all()
-    if not allocations and not tenant_ops:
+        evaluations = [
+            (
+                evaluation_workflow_id(op.tenant_id or "", op.id),
+                evaluation_input_for(session, op.tenant_id or "", op.resource_id, op.kind, op.id),
+                op.id,
+            )
+            for op in session.exec(
+                select(Operation).where(
+                    col(Operation.kind).startswith(EVALUATION_OPERATION_PREFIX),
+                    col(Operation.status) == OperationStatus.RUNNING,
+                    col(Operation.created_at) < cutoff,
+                )
+            )
+        ]
+    if not allocations and not tenant_ops and not evaluations:
         return 0
     types = ", ".join(f"'{t}'" for t in _ADOPTED_TYPES)
     running = {w.id async for w in client.list_workflows(f"ExecutionStatus = 'Running' AND WorkflowType IN ({types})")}
@@ -95,4 +120,13 @@ async def adopt_orphans(
             start = start_tenant_onboarding if onboarding else start_tenant_offboarding
             await start(client, settings, tenant_id, operation_id)
             adopted += 1
+    for workflow_id, evaluation, operation_id in evaluations:
+        if workflow_id in running:
+            continue
+        if evaluation is None:  # its version or model was deleted since
+            with db.session() as session:
+                settle_operation(session, operation_id, error="the version or its model no longer exists")
+            continue
+        await start_version_evaluation(client, settings, evaluation)
+        adopted += 1
     return adopted

@@ -805,3 +805,47 @@ def test_the_platform_runs_the_models_command_and_a_hanging_or_garbage_command_f
     garbage = run("evaluate", "scored", digest[:12], "--evaluator", "command", code=1)
     assert "not JSON" in garbage
     run("evaluation-command", "scored", "--remove")
+
+
+async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_sweep(
+    registry: Registry, temporal_env, tmp_path: Path
+) -> None:
+    """The API committed the evaluation's operation and died before starting its workflow: the
+    sweep's adoption starts it, and the platform's record appears."""
+    import asyncio
+    from datetime import timedelta
+
+    import numpy as np
+    from sqlmodel import col, select
+
+    from gpucloud.api.routers.registry.versions import _evaluation_operation
+    from gpucloud.db import Database, session_scope
+    from gpucloud.models.registry_tables import EvaluatorName
+    from gpucloud.models.tables import Operation
+    from gpucloud.workers.recovery import adopt_orphans
+
+    registry.start_worker()
+    tenant = registry.new_tenant()
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "llama"}).raise_for_status()
+    pushed = await asyncio.to_thread(tenant.push, float_model(tmp_path / "v1", np.random.default_rng(2)))
+    _, op = _evaluation_operation(registry.settings, tenant.id, "llama", pushed.digest, EvaluatorName.SANITY)
+    db = Database(registry.settings.database_url)
+    assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # too young: the API's
+    with session_scope(registry.settings.database_url) as session:
+        row = session.exec(select(Operation).where(col(Operation.id) == op.id)).one()
+        row.created_at -= timedelta(minutes=1)
+        session.add(row)
+    assert await adopt_orphans(temporal_env.client, db, registry.settings) == 1
+
+    async def settled() -> dict:
+        with tenant.http() as http:
+            return await asyncio.to_thread(lambda: http.get(f"/v1/operations/{op.id}").json())
+
+    for _ in range(300):
+        if (state := await settled())["status"] != "running":
+            break
+        await asyncio.sleep(0.2)
+    assert state["status"] == "succeeded", state
+    [record] = _evaluations(tenant, "llama", pushed.digest)
+    assert (record["source"], record["evaluator"], record["results"]["nan_inf_count"]) == ("platform", "sanity", 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,7 @@ from gpucloud.activities.rollout import RolloutActivities
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher, PeerServer, create_peer_app, prefetch
 from gpucloud.agent.weights_api import install_weights_api
-from gpucloud.models.registry_tables import GateSpec
+from gpucloud.models.registry_tables import EvaluationCommand, GateSpec
 from gpucloud.models.rollout_messages import (
     ReasonInput,
     RolloutEvaluation,
@@ -279,13 +280,20 @@ async def test_the_canary_runs_the_models_sanity_gate_and_a_nan_fine_tune_is_rol
         assert refused.activated == ["node-00"] and refused.rolled_back == ["node-00"]
         assert {a.cache.active() for a in fleet.agents} == {base.digest}
 
-        handle = await start(client, fleet, task_queue, tuned, evaluation=evaluation)
+        # The model's command runs on the canary too, against the files the node now serves.
+        script = "import os; print('{\"files\": %d}' % len(os.listdir(os.environ['GPUCLOUD_MODEL_DIR'])))"
+        with_command = RolloutEvaluation(
+            gates=[*evaluation.gates, GateSpec(metric="files", min=3)],
+            command=EvaluationCommand(argv=[sys.executable, "-c", script], timeout_s=30),
+        )
+        handle = await start(client, fleet, task_queue, tuned, evaluation=with_command)
         passed = await handle.result()
         progress = await handle.query(RolloutWorkflow.progress)
     assert passed.status == RolloutPhase.SUCCEEDED, passed.reason
     assert {a.cache.active() for a in fleet.agents} == {tuned.digest}
     found = progress.outcomes["node-00"].evaluations["sanity"]  # the canary's, against the base
     assert found["nan_inf_count"] == 0 and abs(found["max_rel_norm_change"] - 0.02) < 0.005
+    assert progress.outcomes["node-00"].evaluations["command"] == {"files": 3.0}
     assert progress.outcomes["node-07"].evaluations == {}  # later waves are not evaluated again
 
 

@@ -9,6 +9,12 @@ lists what it has. A container is a PID namespace of its own (`unshare --pid --f
 is appended to `calls.jsonl` in its state directory (`SIM_RUNTIME_DIR`); the images it has are
 `SIM_RUNTIME_IMAGES` (comma-separated).
 
+A run without `--detach` (an evaluation's `run --rm`) runs in the foreground: its output is the
+container's, its exit code the container's, and `--rm` forgets it afterwards. `--volume
+HOST:CONTAINER[:ro]` stands for a bind mount: the command runs in HOST when `--workdir` is
+CONTAINER, and an `--env` value naming CONTAINER names HOST (no mount namespace without root);
+`--network none` is recorded, not enforced.
+
 `write_runtime(dir, images)` puts an executable `docker` for it in `dir` and returns its path.
 """
 
@@ -72,7 +78,7 @@ class Runtime:
         options: dict[str, list[str]] = {}
         while args and args[0] != "--" and args[0].startswith("--"):
             flag = args.pop(0)
-            options.setdefault(flag, []).append("" if flag == "--detach" else args.pop(0))
+            options.setdefault(flag, []).append("" if flag in ("--detach", "--rm") else args.pop(0))
         if args and args[0] == "--":
             args.pop(0)
         image, command = args[0], args[1:]
@@ -83,6 +89,8 @@ class Runtime:
         if image not in self.images:
             print(f"Unable to find image '{image}' locally: pull access denied", file=sys.stderr)
             return 125
+        if "--detach" not in options:
+            return self._foreground(name, options, command)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         for line in Path(options["--env-file"][0]).read_text().splitlines():
             key, _, value = line.partition("=")
@@ -106,6 +114,24 @@ class Runtime:
         self._record(name).write_text(json.dumps(record))
         print(container_id)
         return 0
+
+    def _foreground(self, name: str, options: dict[str, list[str]], command: list[str]) -> int:
+        mounts = {}
+        for volume in options.get("--volume", []):
+            host, container = volume.split(":")[:2]
+            mounts[container] = host
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        for pair in options.get("--env", []):
+            key, _, value = pair.partition("=")
+            env[key] = mounts.get(value, value)
+        workdir = options.get("--workdir", ["/"])[0]
+        self._record(name).parent.mkdir(parents=True, exist_ok=True)
+        self._record(name).write_text(json.dumps({"id": secrets.token_hex(32), "pid": os.getpid(), "image": "-"}))
+        try:
+            return subprocess.call(command, env=env, cwd=mounts.get(workdir, workdir))
+        finally:
+            if "--rm" in options:
+                self._record(name).unlink(missing_ok=True)
 
     def _existing(self, name: str, what: str = "container") -> dict | None:
         """The container's record; None, with docker's error on stderr, when there is none."""

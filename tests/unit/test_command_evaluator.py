@@ -3,6 +3,7 @@ garbage-printing command is a failed evaluation with its reason, never a pass.""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -68,3 +69,42 @@ def test_a_command_that_cannot_start_or_floods_its_output_fails(model_dir: Path)
     assert not flood.ok and "more than 1048576" in flood.reason
     with pytest.raises(ValueError, match="more than 256"):
         parse_metrics("{" + ",".join(f'"m{i}": 1' for i in range(300)) + "}")
+
+
+def test_a_command_with_an_image_runs_in_the_container_runtime_without_network_reading_the_version(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Through a runtime with docker's CLI (`support.container_runtime`): the version mounted
+    read-only at /model, no network, the model's env; its last line is the metrics."""
+    from gpucloud.models.registry_tables import EvaluationCommand
+    from gpucloud.registry.evaluators import run_model_command
+    from support.container_runtime import write_runtime
+
+    runtime = write_runtime(tmp_path / "runtime", images=["registry.example/eval:1"])
+    code = (
+        "import json, os; layers = json.load(open(os.path.join(os.environ['GPUCLOUD_MODEL_DIR'], 'config.json')))"
+        "['layers']; print(json.dumps({'layers': layers, 'split': float(os.environ['SPLIT'])}))"
+    )
+    command = EvaluationCommand(argv=python(code), image="registry.example/eval:1", env={"SPLIT": "2"}, timeout_s=30)
+    outcome = run_model_command(command, model_dir, runtime=runtime, host_commands=False)
+    assert outcome.failure is None and outcome.results == {"layers": 2.0, "split": 2.0}
+    [call] = [json.loads(line) for line in (tmp_path / "runtime" / "calls.jsonl").read_text().splitlines()]
+    assert call[:2] == ["run", "--rm"] and "--network" in call and call[call.index("--network") + 1] == "none"
+    assert f"{model_dir}:/model:ro" in call and "GPUCLOUD_MODEL_DIR=/model" in call
+
+    missing = command.model_copy(update={"image": "registry.example/other:2"})
+    failed = run_model_command(missing, model_dir, runtime=runtime, host_commands=False)
+    assert failed.failure is not None and "Unable to find image" in failed.failure
+    nowhere = run_model_command(command, model_dir, runtime=str(tmp_path / "no-such-runtime"), host_commands=False)
+    assert nowhere.failure is not None and "no container runtime" in nowhere.failure
+
+
+def test_a_command_without_an_image_runs_on_the_host_only_where_allowed(model_dir: Path) -> None:
+    from gpucloud.models.registry_tables import EvaluationCommand
+    from gpucloud.registry.evaluators import run_model_command
+
+    command = EvaluationCommand(argv=python("print('{\"ok\": 1}')"), timeout_s=30)
+    refused = run_model_command(command, model_dir, runtime=None, host_commands=False)
+    assert refused.results == {} and "only in containers" in (refused.failure or "")
+    allowed = run_model_command(command, model_dir, runtime=None, host_commands=True)
+    assert allowed.failure is None and allowed.results == {"ok": 1.0}

@@ -30,7 +30,7 @@ from gpucloud.api.schemas import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.registry_tables import ModelVersion, RegistryModel
+from gpucloud.models.registry_tables import ModelVersion
 from gpucloud.models.rollout_messages import (
     ReasonInput,
     RolloutEvaluation,
@@ -64,7 +64,7 @@ def _targets(
         ).first()
         if version is None:
             raise _invalid(f"model_version: no version {req.model_version} in this tenant's registry")
-        model = session.get(RegistryModel, version.model_id)
+        model = promotion.model_by_id(session, version.model_id)
         gates = promotion.gates_of(session, version.model_id)
         command = promotion.evaluation_of(model) if model is not None else None
         evaluation = RolloutEvaluation(gates=gates, command=command) if gates else None

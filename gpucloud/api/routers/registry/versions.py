@@ -57,7 +57,7 @@ from gpucloud.registry.manifest import (
     VersionNotFoundError,
 )
 from gpucloud.registry.stores import RegistryStores
-from gpucloud.services.evaluations import evaluations_of, keep_evaluation
+from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
 from gpucloud.services.operations import settle_operation
 from gpucloud.services.workflows import start_version_evaluation
 from gpucloud.web.problems import Problem, unavailable
@@ -249,34 +249,19 @@ def _evaluation_operation(
     with session_scope(settings.database_url) as session:
         model = model_row(session, tenant_id, name)
         version = resolve_version(session, model, ref)
-        command = promotion.evaluation_of(model)
-        if evaluator == EvaluatorName.COMMAND and command is None:
+        if evaluator == EvaluatorName.COMMAND and promotion.evaluation_of(model) is None:
             raise Problem(
                 409,
                 "no-evaluation-command",
                 "No evaluation command",
                 f"model {name!r} has no evaluation command; register one with PUT /v1/models/{name}/evaluation",
             )
-        parent = (
-            version.parent if version.parent and promotion.version_row(session, tenant_id, version.parent) else None
-        )
-        op = Operation(kind=f"version_evaluation_{evaluator.value}", resource_id=version.digest, tenant_id=tenant_id)
-        session.add(op)
-        session.flush()
-        command_input = EvaluateVersionInput(
-            tenant_id=tenant_id,
-            model=model.name,
-            version=version.digest,
-            parent=parent,
-            evaluator=evaluator,
-            command=command if evaluator == EvaluatorName.COMMAND else None,
-            operation_id=op.id,
-        )
+        op = Operation(kind=operation_kind(evaluator), resource_id=version.digest, tenant_id=tenant_id)
         op.workflow_id = evaluation_workflow_id(tenant_id, op.id)
         session.add(op)
         session.flush()
         session.refresh(op)
-        return command_input, op
+        return evaluation_input(session, model, version, evaluator, op.id), op
 
 
 def _not_started(settings: Settings, operation_id: str, error: str) -> None:
