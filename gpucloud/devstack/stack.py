@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,29 @@ PORT_RANGE = (20000, 32000)
 _ports = random.SystemRandom()
 
 
+PORT_CLAIM_S = 600.0  # a port handed out is not handed out again, by any process here, for this long
+
+
+def _claim(port: int) -> bool:
+    """Claim the port for this machine's processes (a file created exclusively), so two processes
+    that start servers at once never both get it between the check and the bind."""
+    claims = Path(tempfile.gettempdir()) / f"gpucloud-ports-{os.getuid()}"
+    claims.mkdir(exist_ok=True)
+    path = claims / str(port)
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime < PORT_CLAIM_S:
+                    return False
+                path.unlink()  # an old claim: free it, then race for it like any other
+            except FileNotFoundError:
+                pass
+    return False
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on now, for a server about to start."""
     for _ in range(200):
@@ -74,6 +98,7 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if _claim(port):
             return port
     raise StackError(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1]} on 127.0.0.1")
 
