@@ -53,6 +53,10 @@ class DatabaseSettings(BaseModel):
     `postgresql+psycopg://user:password@host/db`)."""
 
     url: SecretStr | None = None
+    # Whether the API and the worker run the migrations when they start. Unset: only on SQLite
+    # (the embedded, one-host default); with Postgres run `gpucloud migrate` as a deployment step,
+    # and the processes check that the schema is current and refuse to run otherwise.
+    migrate_on_start: bool | None = None
 
 
 class ApiSettings(BaseModel):
@@ -153,6 +157,8 @@ class LedgerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8700
     database_url: SecretStr | None = None
+    # As `database.migrate_on_start`, for the ledger's own database.
+    migrate_on_start: bool | None = None
     # How often the scheduled close looks for ended periods to close (and catches up).
     close_interval_s: float = 86_400.0
 
@@ -304,6 +310,16 @@ class Settings(BaseSettings):
         if self.database.url is not None:
             return self.database.url.get_secret_value()
         return f"sqlite:///{(self.data_dir / 'gpucloud.db').resolve()}"
+
+    @property
+    def migrates_on_start(self) -> bool:
+        chosen = self.database.migrate_on_start
+        return self.database_url.startswith("sqlite") if chosen is None else chosen
+
+    @property
+    def ledger_migrates_on_start(self) -> bool:
+        chosen = self.ledger.migrate_on_start
+        return self.ledger_database_url.startswith("sqlite") if chosen is None else chosen
 
     @property
     def ledger_database_url(self) -> str:

@@ -1,4 +1,8 @@
-"""Database access: engine creation, schema migrations at start-up, and sessions.
+"""Database access: engine creation, schema migrations and their check at start-up, and sessions.
+
+Migrations are a step (`gpucloud migrate`, safe to run concurrently); a process that does not
+migrate at start (`database.migrate_on_start`; by default only the embedded SQLite does) checks
+that the schema is the one it needs and refuses to run otherwise, saying what to do.
 
 SQLite (embedded default) and Postgres behave the same: SQLite runs in WAL mode with a busy
 timeout so the API, the worker and the tests can share one file; every state change is a
@@ -75,16 +79,66 @@ def alembic_config(url: str) -> Config:
 
 
 def migrate(url: str) -> None:
-    """Bring the schema to the newest migration (idempotent; run at every start-up)."""
-    engine = get_engine(url)
+    """Bring the schema to the newest migration (idempotent)."""
+    upgrade(get_engine(url), alembic_config(url), MIGRATION_LOCK)
+
+
+class SchemaNotCurrent(RuntimeError):
+    """The database's schema is not the one this release needs; the message says what to run."""
+
+
+def upgrade(engine: sa.Engine, cfg: Config, lock: int, revision: str = "head") -> None:
+    """Run the migrations up to `revision` in one transaction, one process at a time: on Postgres
+    under an advisory lock (processes migrating at once wait, then find the schema current);
+    SQLite's BEGIN IMMEDIATE serialises them already."""
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            # API replicas and workers start together: one migrates, the others wait and then
-            # find the schema current (SQLite's BEGIN IMMEDIATE serializes them already).
-            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
-        cfg = alembic_config(url)
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock})")
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+        command.upgrade(cfg, revision)
+
+
+def schema_revisions(engine: sa.Engine, cfg: Config) -> tuple[str | None, str]:
+    """The database's schema revision (None: no schema) and the newest this release knows."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    assert head is not None  # the release ships its migrations
+    version_table = cfg.get_main_option("version_table") or "alembic_version"
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn, opts={"version_table": version_table}).get_current_revision()
+    return current, head
+
+
+def require_current_schema(engine: sa.Engine, cfg: Config, *, what: str) -> None:
+    """Refuse to run on a schema this release does not know: SchemaNotCurrent saying what to do."""
+    current, head = schema_revisions(engine, cfg)
+    if current == head:
+        return
+    if current is None:
+        raise SchemaNotCurrent(f"the {what} has no schema yet: run `gpucloud migrate` first")
+    known = {script.revision for script in _scripts(cfg)}
+    if current not in known:
+        raise SchemaNotCurrent(
+            f"the {what} is at revision {current}, newer than this release knows ({head}): "
+            "run the release that migrated it, or a newer one"
+        )
+    raise SchemaNotCurrent(f"the {what} is at revision {current}; this release needs {head}: run `gpucloud migrate`")
+
+
+def _scripts(cfg: Config) -> list[Any]:
+    from alembic.script import ScriptDirectory
+
+    return list(ScriptDirectory.from_config(cfg).walk_revisions())
+
+
+def prepare_schema(url: str, *, migrate_on_start: bool) -> None:
+    """At a process's start: migrate (the embedded default), or check the schema is current."""
+    if migrate_on_start:
+        migrate(url)
+    else:
+        require_current_schema(get_engine(url), alembic_config(url), what="control-plane database")
 
 
 @contextmanager
@@ -122,3 +176,6 @@ class Database:
 
     def migrate(self) -> None:
         migrate(self.url)
+
+    def prepare(self, *, migrate_on_start: bool) -> None:
+        prepare_schema(self.url, migrate_on_start=migrate_on_start)

@@ -26,6 +26,7 @@ from gpucloud.api.routers import (
 )
 from gpucloud.config import Settings
 from gpucloud.web import problems
+from gpucloud.web.readiness import database_check, install_readiness, temporal_check
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         # Sync handlers and dependencies run on these threads; admission keeps fewer requests
         # in flight than there are threads (see api/admission.py).
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
-        app.state.db.migrate()
+        app.state.db.prepare(migrate_on_start=settings.migrates_on_start)
         app.state.temporal = temporal or await bootstrap.temporal_client(settings)
         yield
         if app.state.ledger is not None:
@@ -76,7 +77,13 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
+        """The process is alive (whatever its dependencies do; see `/readyz`)."""
         return {"ok": True}
+
+    install_readiness(
+        app,
+        {"database": database_check(app.state.db.engine), "temporal": temporal_check(lambda: app.state.temporal)},
+    )
 
     return app
 

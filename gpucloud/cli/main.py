@@ -421,7 +421,62 @@ def ledger(
         control_plane_key=control_plane_key or public_key_path(settings.issuer_key_path),
         tls=settings.tls.server,
         insecure=settings.tls.insecure,
+        migrate_on_start=settings.ledger.migrate_on_start,
     )
+
+
+@app.command()
+def migrate(
+    check: Annotated[
+        bool, typer.Option("--check", help="change nothing; exit 1 unless every database is current")
+    ] = False,
+    ledger: Annotated[bool, typer.Option(help="the ledger's database too")] = True,
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """Bring the control-plane database (and the ledger's) to this release's schema. Safe to run
+    from several hosts at once (one migrates, the others wait and find it current); the API, the
+    worker and the ledger check the schema at start and refuse an old one."""
+    import json
+
+    from rich.table import Table
+
+    from gpucloud.db import Database, alembic_config, get_engine, schema_revisions
+    from gpucloud.ledger.db import LedgerDatabase
+
+    settings = get_settings()
+    control = Database(settings.database_url)
+    databases = {
+        "control plane": (
+            control.migrate,
+            lambda: schema_revisions(get_engine(settings.database_url), alembic_config(settings.database_url)),
+        )
+    }
+    if ledger:
+        ledger_db = LedgerDatabase(settings.ledger_database_url)
+        databases["ledger"] = (ledger_db.migrate, ledger_db.revisions)
+    rows = []
+    for name, (run, revisions) in databases.items():
+        try:
+            before, head = revisions()
+            if not check and before != head:
+                run()
+            after = revisions()[0] if not check else before
+        except Exception as exc:
+            console.print(f"[red]error:[/] the {name} database: {type(exc).__name__}: {exc}")
+            console.print("check its URL and credentials (GPUCLOUD_DATABASE__URL, GPUCLOUD_LEDGER__DATABASE_URL)")
+            raise typer.Exit(1) from None
+        rows.append({"database": name, "before": before, "after": after, "release": head, "current": after == head})
+    if output == "json":
+        print(json.dumps(rows))
+    else:
+        table = Table("database", "before", "after", "this release", "current", title="schema migrations")
+        for row in rows:
+            table.add_row(
+                *(str(row[k]) for k in ("database", "before", "after", "release")), "yes" if row["current"] else "no"
+            )
+        Console().print(table)
+    if not all(row["current"] for row in rows):
+        raise typer.Exit(1)
 
 
 @app.command("fabric-managers")

@@ -220,10 +220,25 @@ class Stack:
         tls.trust(self.settings.tls.ca_file)  # this process checks its children's certificates too
         components = self._components(only)
         self._check_ports(components)
+        if {"api", "worker", "ledger"} & set(components):
+            self._migrate(on_step)
         for name in components:
             getattr(self, f"_start_{name}")(on_step)
         if "worker" in components:
             self._ensure_alive("worker")
+
+    def _migrate(self, on_step: Callable[[str], None]) -> None:
+        """The deployment step before the processes start (they only check the schema on Postgres)."""
+        from gpucloud.db import migrate
+        from gpucloud.ledger.db import LedgerDatabase
+
+        on_step("migrating the databases")
+        migrate(self.settings.database_url)
+        ledger = LedgerDatabase(self.settings.ledger_database_url)
+        try:
+            ledger.migrate()
+        finally:
+            ledger.dispose()
 
     def _start_temporal(self, on_step: Callable[[str], None]) -> None:
         _, port = self.settings.temporal.address.rsplit(":", 1)

@@ -41,6 +41,7 @@ from gpucloud.ledger.api.callers import LedgerCallers
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
 from gpucloud.web import problems as web_problems
+from gpucloud.web.readiness import database_check, install_readiness
 from gpucloud.web.service_tokens import Verifier, load_verifier
 from gpucloud.web.tls import ServerTLS, serve_options
 
@@ -56,13 +57,16 @@ def create_app(
     *,
     control_plane: Verifier,
     clock_ms: Callable[[], int] = wall_clock_ms,
+    migrate_on_start: bool = True,
 ) -> FastAPI:
     """The ledger's app; it answers only callers with a token `control_plane` verifies
     (`api/callers.py`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.ledger = LedgerContext(database=open_ledger_database(database_url), clock_ms=clock_ms)
+        app.state.ledger = LedgerContext(
+            database=open_ledger_database(database_url, migrate_on_start=migrate_on_start), clock_ms=clock_ms
+        )
         try:
             yield
         finally:
@@ -80,6 +84,11 @@ def create_app(
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    async def database() -> None:
+        await database_check(app.state.ledger.database.engine)()
+
+    install_readiness(app, {"database": database})
 
     return app
 
@@ -124,14 +133,17 @@ def main(
     control_plane_key: Path,
     tls: ServerTLS | None = None,
     insecure: bool = False,
+    migrate_on_start: bool | None = None,
 ) -> None:
     """Run the ledger until interrupted (``gpucloud ledger``), trusting the control plane's
-    public key at `control_plane_key`."""
+    public key at `control_plane_key`. It migrates its database at start when `migrate_on_start`
+    (unset: on SQLite only), else checks that the schema is current."""
     url = make_url(database_url)
     if url.get_backend_name() == "sqlite" and url.database:
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
     if not control_plane_key.is_file():
         raise SystemExit(f"no control plane public key at {control_plane_key}: the ledger answers only its tokens")
     secure = serve_options(host, tls, insecure=insecure, what="ledger")
-    app = create_app(database_url, control_plane=load_verifier(control_plane_key))
+    migrate = url.get_backend_name() == "sqlite" if migrate_on_start is None else migrate_on_start
+    app = create_app(database_url, control_plane=load_verifier(control_plane_key), migrate_on_start=migrate)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)

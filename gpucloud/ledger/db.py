@@ -18,15 +18,17 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, Table, create_engine, event, text
+
+from gpucloud.db import require_current_schema, schema_revisions, upgrade
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 VERSION_TABLE = "ledger_alembic_version"
 # Arbitrary constant naming the ledger's writer lock among Postgres advisory locks.
 _PG_WRITER_LOCK = 0x6C65646765
 _SQLITE_BEGIN_OPTION = "ledger_sqlite_begin"
+_PG_MIGRATION_LOCK = 0x6C65646766  # the ledger's migrations, one process at a time
 
 
 class LedgerDatabase:
@@ -58,22 +60,35 @@ class LedgerDatabase:
             yield connection
 
     def migrate(self, revision: str = "head") -> None:
-        """Bring the schema to `revision`, the newest by default (a no-op when it is already there)."""
-        config = Config()
-        config.set_main_option("script_location", str(MIGRATIONS_DIR))
-        config.set_main_option("version_table", VERSION_TABLE)
-        with self.engine.connect() as connection:
-            config.attributes["connection"] = connection
-            command.upgrade(config, revision)
+        """Bring the schema to `revision`, the newest by default (a no-op when it is already there);
+        concurrent migrations wait for each other."""
+        upgrade(self.engine, _alembic_config(), _PG_MIGRATION_LOCK, revision)
+
+    def require_current_schema(self) -> None:
+        require_current_schema(self.engine, _alembic_config(), what="ledger database")
+
+    def revisions(self) -> tuple[str | None, str]:
+        return schema_revisions(self.engine, _alembic_config())
 
     def dispose(self) -> None:
         self.engine.dispose()
 
 
-def open_ledger_database(database_url: str) -> LedgerDatabase:
-    """Engine plus migrated schema: what the service needs before it takes traffic."""
+def _alembic_config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("version_table", VERSION_TABLE)
+    return config
+
+
+def open_ledger_database(database_url: str, *, migrate_on_start: bool = True) -> LedgerDatabase:
+    """Engine plus a current schema (migrated now, or checked): what the service needs before it
+    takes traffic."""
     database = LedgerDatabase(database_url)
-    database.migrate()
+    if migrate_on_start:
+        database.migrate()
+    else:
+        database.require_current_schema()
     return database
 
 

@@ -118,7 +118,7 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
     from gpucloud.workers.recovery import resume_orphans
 
     cp = bootstrap.control_plane(settings)
-    cp.db.migrate()
+    cp.db.prepare(migrate_on_start=settings.migrates_on_start)
     client = await bootstrap.temporal_client(settings)
     with ThreadPoolExecutor(
         max_workers=settings.temporal.worker_max_activities, thread_name_prefix="activity"

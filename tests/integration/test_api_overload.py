@@ -71,6 +71,8 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_api_serves_again_af
         migrate(url)
         h = make_harness(url, nodes=1)
         _, key = h.new_tenant()
+        ready = httpx.get(f"{h.api.url}/readyz", timeout=10)  # open: no credentials
+        assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "temporal": "ok"}
         name = url.rsplit("/", 1)[1]
         admin = create_engine(base, isolation_level="AUTOCOMMIT")
         try:
@@ -83,6 +85,10 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_api_serves_again_af
                 assert time.monotonic() - began < 15
                 assert down.status_code == 503 and down.headers["retry-after"], down.text
                 assert down.json()["type"].endswith("/database-unavailable")
+            not_ready = httpx.get(f"{h.api.url}/readyz", timeout=10)
+            assert not_ready.status_code == 503 and not_ready.headers["retry-after"]
+            assert not_ready.json()["checks"]["temporal"] == "ok"
+            assert not_ready.json()["checks"]["database"] != "ok" and "database:" in not_ready.json()["detail"]
             with admin.connect() as conn:
                 conn.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
             with h.client(key) as tenant:
@@ -90,6 +96,7 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_api_serves_again_af
                 while (status := tenant.get("/v1/allocations").status_code) != 200:
                     assert status == 503 and time.monotonic() < deadline, status
                     time.sleep(0.2)
+            assert httpx.get(f"{h.api.url}/readyz", timeout=10).status_code == 200
         finally:
             with admin.connect() as conn:
                 conn.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')

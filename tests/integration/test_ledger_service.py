@@ -72,6 +72,12 @@ def usage(client: httpx.Client, tenant: str = "t1", **params) -> dict:
     return response.json()
 
 
+def test_readiness_is_open_and_checks_the_database(ledger: httpx.Client) -> None:
+    ready = httpx.get(ledger.base_url.join("/readyz"), timeout=10)  # no credentials
+    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok"}
+    assert httpx.get(ledger.base_url.join("/v1/invoices"), timeout=10).status_code == 401
+
+
 def test_each_sample_is_recorded_exactly_once(ledger: httpx.Client) -> None:
     samples = [sample(seq) for seq in range(1, 501)]
     assert ingest(ledger, samples[:300]) == {"accepted": 300, "duplicates": 0, "rejected": 0, "rejections": []}

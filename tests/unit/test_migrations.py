@@ -1,6 +1,7 @@
 """The Alembic migrations produce exactly the schema the SQLModel metadata describes."""
 
 import contextlib
+import json
 import multiprocessing
 import os
 
@@ -51,3 +52,74 @@ def test_processes_starting_together_migrate_one_fresh_database(tmp_path, backen
         with get_engine(url).connect() as conn:
             assert compare_metadata(MigrationContext.configure(conn), SQLModel.metadata) == []
         get_engine(url).dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def empty_db(request, tmp_path):
+    postgres = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'control.db'}", f"sqlite:///{tmp_path / 'ledger.db'}"
+        return
+    if not postgres:
+        pytest.skip("GPUCLOUD_TEST_POSTGRES_URL not set")
+    from support.databases import scratch_postgres
+
+    with scratch_postgres(postgres) as control, scratch_postgres(postgres) as ledger:
+        yield control, ledger
+        get_engine(control).dispose()
+
+
+def test_gpucloud_migrate_is_the_step_and_the_processes_refuse_an_old_schema(empty_db, tmp_path):
+    """With migrations as a deployment step, the API, the worker and the ledger check the schema at
+    start and refuse an old or missing one, naming what to run; `gpucloud migrate` brings both
+    databases current (`--check` changes nothing and says whether they are)."""
+    import asyncio
+
+    from typer.testing import CliRunner
+
+    from gpucloud.api.app import create_app
+    from gpucloud.cli.main import app as cli
+    from gpucloud.config import Settings
+    from gpucloud.db import SchemaNotCurrent, alembic_config, upgrade
+    from gpucloud.ledger.db import LedgerDatabase, open_ledger_database
+    from gpucloud.workers.main import run_worker
+
+    control, ledger = empty_db
+    settings = Settings(
+        data_dir=tmp_path,
+        database={"url": control, "migrate_on_start": False},
+        ledger={"database_url": ledger, "migrate_on_start": False},
+    )
+    env = settings.env()
+
+    async def start_api() -> None:
+        app = create_app(settings, temporal=object())  # the schema is checked before Temporal is used
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(SchemaNotCurrent, match=r"has no schema yet: run `gpucloud migrate` first"):
+        asyncio.run(start_api())
+    with pytest.raises(SchemaNotCurrent, match="the ledger database has no schema yet"):
+        open_ledger_database(ledger, migrate_on_start=False)
+
+    upgrade(get_engine(control), alembic_config(control), 1, "0012")  # an older release's schema
+    with pytest.raises(SchemaNotCurrent, match=r"at revision 0012; this release needs 0013: run `gpucloud migrate`"):
+        asyncio.run(start_api())
+    with pytest.raises(SchemaNotCurrent, match="at revision 0012"):
+        asyncio.run(run_worker(settings))
+
+    runner = CliRunner()
+    checked = runner.invoke(cli, ["migrate", "--check", "--output", "json"], env=env)
+    assert checked.exit_code == 1, checked.output
+    assert [(r["database"], r["before"], r["current"]) for r in json.loads(checked.output)] == [
+        ("control plane", "0012", False),
+        ("ledger", None, False),
+    ]
+    done = runner.invoke(cli, ["migrate"], env=env)
+    assert done.exit_code == 0, done.output
+    assert "0012" in done.output and "0013" in done.output
+    again = runner.invoke(cli, ["migrate", "--check", "--output", "json"], env=env)
+    assert again.exit_code == 0 and all(r["current"] for r in json.loads(again.output))
+    asyncio.run(start_api())
+    open_ledger_database(ledger, migrate_on_start=False).dispose()
+    LedgerDatabase(ledger).dispose()

@@ -9,7 +9,7 @@ Every call carries a token the control plane signed for the ledger (`aud` = `led
 - `operator`: an operator, through the API: the price book, reversals, usage corrections,
   period closes, every read.
 
-Only `/healthz` and the OpenAPI document are open.
+Only `/healthz`, `/readyz` and the OpenAPI document are open.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from gpucloud.web import problems
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE as AUDIENCE
 from gpucloud.web.service_tokens import InvalidToken, Verifier
 
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/redoc"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/redoc"})
 READERS = frozenset({"control-plane", "operator"})
 ROLES = ("agent", "control-plane", "operator")
 # (method, path) -> the roles that may call it; the first match wins.

@@ -1,0 +1,83 @@
+"""`/readyz`: whether a server can do its work now, for load balancers and orchestrators.
+
+`/healthz` says the process is alive (it answers whatever its dependencies do); `/readyz` runs
+each of the server's checks at once, each bounded (`CHECK_TIMEOUT_S`), and answers 200 with
+every check `ok`, or 503 problem+json (`not-ready`, with `Retry-After`) naming each dependency
+that failed and why. Both are open (no credentials), like the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import timedelta
+
+import sqlalchemy as sa
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from gpucloud.web import problems
+
+CHECK_TIMEOUT_S = 3.0
+RETRY_AFTER_S = 5
+
+Check = Callable[[], Awaitable[None]]
+"""Raises when the dependency cannot be used now."""
+
+
+def database_check(engine: sa.Engine) -> Check:
+    """The database answers a query (on a connection of its own pool)."""
+
+    def query() -> None:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    async def check() -> None:
+        await asyncio.to_thread(query)
+
+    return check
+
+
+def temporal_check(client: Callable[[], object]) -> Check:
+    """The Temporal frontend answers its health check."""
+
+    async def check() -> None:
+        service = client().service_client  # type: ignore[attr-defined]
+        if not await service.check_health(timeout=timedelta(seconds=CHECK_TIMEOUT_S)):
+            raise RuntimeError("the frontend reports itself not serving")
+
+    return check
+
+
+async def _run(check: Check) -> str:
+    try:
+        await asyncio.wait_for(check(), CHECK_TIMEOUT_S)
+    except TimeoutError:
+        return f"no answer within {CHECK_TIMEOUT_S:g} s"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else 'failed'}"
+    return "ok"
+
+
+async def readiness(checks: Mapping[str, Check]) -> JSONResponse:
+    names = list(checks)
+    results = dict(zip(names, await asyncio.gather(*(_run(checks[n]) for n in names)), strict=True))
+    failing = {name: why for name, why in results.items() if why != "ok"}
+    if not failing:
+        return JSONResponse({"status": "ready", "checks": results})
+    detail = "; ".join(f"{name}: {why}" for name, why in failing.items())
+    document = problems.body(503, "not-ready", "Not ready", f"not ready: {detail}", checks=results)
+    return problems.response(document, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def install_readiness(app: FastAPI, checks: Mapping[str, Check]) -> None:
+    """Add `GET /readyz` running `checks` (see the module doc)."""
+
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        responses={503: {"description": "a dependency is not usable; `checks` names each and why"}},
+    )
+    async def readyz() -> JSONResponse:
+        """Whether the server's dependencies answer now: 200, or 503 naming those that do not."""
+        return await readiness(checks)
