@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import tenacity
 from temporalio.client import Client
+from temporalio.runtime import Runtime
 
 from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo
 from gpucloud.adapters.bmc import discover as discover_systems
@@ -49,8 +50,9 @@ if TYPE_CHECKING:
 FabricControllerFactory = Callable[[], HttpFabricController]
 
 
-async def temporal_client(settings: Settings, *, wait_s: float = 30.0) -> Client:
-    """The Temporal client, once the server answers (processes of a stack start together)."""
+async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: Runtime | None = None) -> Client:
+    """The Temporal client, once the server answers (processes of a stack start together);
+    `runtime` carries the SDK's telemetry (the worker's metrics)."""
     from gpucloud.adapters.temporal import connect
 
     retrying = tenacity.AsyncRetrying(
@@ -61,7 +63,7 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0) -> Client
     )
     async for attempt in retrying:
         with attempt:
-            return await connect(settings.temporal)
+            return await connect(settings.temporal, runtime=runtime)
     raise AssertionError("tenacity either returns or raises")
 
 

@@ -262,6 +262,17 @@ class BmcSettings(BaseModel):
     emulator_port: int = 8600
 
 
+class TelemetrySettings(BaseModel):
+    """Prometheus metrics. Every server serves `/metrics` to a caller with the metrics token
+    (Prometheus' `authorization` in its scrape config) or the operator token; the worker serves
+    it (with `/healthz` and `/readyz`) on `worker_port` when one is set."""
+
+    # The bearer token scrapers send; without one, a token kept in the data dir (created 0600).
+    metrics_token: SecretStr | None = None
+    worker_host: str = "127.0.0.1"
+    worker_port: int | None = None
+
+
 class TLSSettings(BaseModel):
     """TLS for every server of the control plane and the CA every client verifies them against
     (`web/tls.py`). With `cert_file` and `key_file` each server speaks only TLS; without them a
@@ -304,6 +315,7 @@ class Settings(BaseSettings):
     tracker: TrackerSettings = TrackerSettings()
     tls: TLSSettings = TLSSettings()
     bmc: BmcSettings = BmcSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
 
     @property
     def database_url(self) -> str:
@@ -371,6 +383,13 @@ class Settings(BaseSettings):
     @property
     def evaluation_dir(self) -> Path:
         return (self.registry.evaluation_dir or self.data_dir / "evaluations").resolve()
+
+    @cached_property
+    def metrics_token(self) -> str:
+        """The token Prometheus scrapes `/metrics` with: from the settings, else kept in the data dir."""
+        if self.telemetry.metrics_token is not None:
+            return self.telemetry.metrics_token.get_secret_value()
+        return load_or_create_secret(self.data_dir / "metrics_token", lambda: secrets.token_urlsafe(32))
 
     @cached_property
     def fabric_token(self) -> str:

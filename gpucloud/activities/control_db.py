@@ -36,11 +36,12 @@ from gpucloud.models.messages import (
     ReplacementResult,
 )
 from gpucloud.models.node_states import InvalidTransition
-from gpucloud.models.tables import Allocation, AllocationStatus, Node
+from gpucloud.models.tables import Allocation, AllocationStatus, Node, utcnow
 from gpucloud.services import allocations as allocation_service
 from gpucloud.services import health as health_service
 from gpucloud.services import nodes as node_service
 from gpucloud.services import replacement
+from gpucloud.web import metrics
 
 
 class ControlDbActivities:
@@ -134,7 +135,10 @@ class ControlDbActivities:
     @activity.defn
     def detach_node(self, req: DetachNodeInput) -> AllocationView:
         with self.db.session() as session:
-            return _allocation_view(replacement.detach_node(session, req.allocation_id, req.node_id, reason=req.reason))
+            view = _allocation_view(replacement.detach_node(session, req.allocation_id, req.node_id, reason=req.reason))
+        if req.fault_at is not None:
+            metrics.FAULT_TO_PULLED.observe(max(0.0, (utcnow() - req.fault_at).total_seconds()))
+        return view
 
     @activity.defn
     def reserve_replacement(self, req: ReplacementInput) -> ReplacementResult:

@@ -8,6 +8,7 @@ A converged fleet costs one set of indexed queries that return nothing: no start
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import timedelta
 
 import sqlalchemy as sa
@@ -32,6 +33,7 @@ from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, NodePlan, NodeSnapshot, backoff, plan_node
 from gpucloud.services import nodes as node_service
 from gpucloud.services.workflows import signal_replace_node, start_bringup_batches
+from gpucloud.web import metrics
 from gpucloud.workflows import search_attributes as sattr
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
@@ -122,6 +124,16 @@ class ReconcilerActivities:
 
     @activity.defn
     async def sweep(self, req: SweepInput) -> SweepResult:
+        started = time.perf_counter()
+        result = await self._sweep(req)
+        if req.node_ids is None:  # a full sweep (a targeted one is a health pull's nudge)
+            metrics.SWEEP_SECONDS.observe(time.perf_counter() - started)
+            metrics.SWEEP_NODES.labels("candidates").set(result.candidates)
+            metrics.SWEEP_NODES.labels("started").set(result.started)
+            metrics.SWEEP_NODES.labels("deferred_by_limit").set(result.deferred_by_limit)
+        return result
+
+    async def _sweep(self, req: SweepInput) -> SweepResult:
         result = SweepResult()
         if req.node_ids is None:
             # Allocations and tenant operations whose workflow was lost get it back.

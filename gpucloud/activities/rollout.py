@@ -37,7 +37,7 @@ from gpucloud.registry.promotion import evaluate_gates
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
-from gpucloud.web import tls
+from gpucloud.web import metrics, tls
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     SWARM_TOKEN_TTL_S,
@@ -200,6 +200,10 @@ class RolloutActivities:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
+        for outcome in outcomes:
+            metrics.ROLLOUT_NODE_STEPS.labels(step, "ok" if outcome.ok else "failed").inc()
+        if step == "check":
+            metrics.ROLLOUT_WAVES.labels("passed" if all(o.ok for o in outcomes) else "failed").inc()
         return WaveResult(outcomes=list(outcomes))
 
     async def _post(self, node: RolloutTarget, path: str, body: dict, step: str) -> NodeOutcome:

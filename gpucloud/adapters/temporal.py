@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from temporalio.client import Client, TLSConfig
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import Runtime
 
 from gpucloud.config import TemporalSettings
 
@@ -29,11 +30,12 @@ def tls_config(settings: TemporalSettings) -> TLSConfig | bool:
     )
 
 
-async def connect(settings: TemporalSettings) -> Client:
+async def connect(settings: TemporalSettings, *, runtime: Runtime | None = None) -> Client:
     return await Client.connect(
         settings.address,
         namespace=settings.namespace,
         data_converter=pydantic_data_converter,
         tls=tls_config(settings),
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
+        runtime=runtime,
     )

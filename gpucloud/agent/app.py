@@ -53,6 +53,7 @@ from gpucloud.agent.tools import (
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.web import problems
+from gpucloud.web.metrics import install_metrics
 from gpucloud.web.service_tokens import Verifier, refusal
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
@@ -275,9 +276,11 @@ def create_app(
     heartbeat_s: float = 10.0,
     reading_s: float = 30.0,
     metering: AgentMetering | None = None,
+    metrics_tokens: tuple[str, ...] = (),
 ) -> FastAPI:
     """The agent's HTTP API. Everything but `/healthz` answers only the control plane: a token
-    it signed for this node (`web/service_tokens.py`), checked against its public key."""
+    it signed for this node (`web/service_tokens.py`), checked against its public key; and
+    `/metrics` answers a scraper holding one of `metrics_tokens` (none: nobody)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -296,7 +299,7 @@ def create_app(
 
     @app.middleware("http")
     async def control_plane_only(request: Request, call_next):
-        if request.url.path == "/healthz":
+        if request.url.path in ("/healthz", "/metrics"):  # /metrics checks its own token
             return await call_next(request)
         authorization = request.headers.get("authorization")
         return refusal(control_plane, authorization, node_id=agent.state.node_id) or await call_next(request)
@@ -304,6 +307,8 @@ def create_app(
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"ok": True, "node_id": agent.state.node_id}
+
+    install_metrics(app, lambda: metrics_tokens)
 
     @app.get("/readings")
     async def readings() -> dict:
@@ -349,6 +354,7 @@ def main(
     insecure: bool = False,
     state_dir: Path = Path("/var/lib/gpucloud/agent"),
     container_runtime: str | None = None,
+    metrics_token: str | None = None,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
@@ -405,5 +411,6 @@ def main(
         heartbeat_s=heartbeat_s,
         reading_s=reading_s,
         metering=metering,
+        metrics_tokens=(metrics_token,) if metrics_token else (),
     )
     uvicorn.run(app, host=host, port=port, log_level="info", **secure)

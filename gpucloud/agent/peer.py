@@ -49,7 +49,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.tracker import ORIGIN
 from gpucloud.registry.tracker_app import KEEPALIVE_S, TrackerClient
-from gpucloud.web import problems, tls
+from gpucloud.web import metrics, problems, tls
 from gpucloud.web.service_tokens import SWARM_MEMBER, InvalidToken, Verifier, swarm_audience
 from gpucloud.web.tls import ServerTLS
 
@@ -90,6 +90,7 @@ def create_peer_app(cache: ChunkCache, *, verifier: Verifier | None = None) -> F
             data = cache.read(chunk_id)
         except (ChunkMissingError, ChunkCorruptedError):
             raise HTTPException(404, f"no good copy of chunk {chunk_id} here") from None
+        metrics.CHUNK_BYTES.labels("peer").inc(len(data))
         return Response(data, media_type="application/octet-stream")
 
     @app.get("/healthz")

@@ -17,6 +17,7 @@ from dataclasses import KW_ONLY, dataclass
 
 from gpucloud.agent.spool import DEFAULT_BATCH_SIZE, Spool, SpoolLag, wall_clock_ms
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable, UsageLedger
+from gpucloud.web import metrics
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,10 @@ class Shipper:
     clock_ms: Callable[[], int] = wall_clock_ms
 
     def lag(self) -> SpoolLag:
-        return self.spool.lag()
+        lag = self.spool.lag()
+        metrics.SPOOL_PENDING.set(lag.pending)
+        metrics.SPOOL_LAG.set(lag.oldest_pending_age_ms / 1000)
+        return lag
 
     def ship_once(self) -> ShipResult:
         """Send one batch of pending samples; raises :class:`LedgerUnavailable` if not taken."""
@@ -80,6 +84,7 @@ class Shipper:
             deferred=retryable,
             retry_at_ms=now_ms + self.retry_rejected_after_ms,
         )
+        self.lag()  # the spool's gauges, after each batch
         return ShipResult(
             sent=len(batch),
             acked=len(batch) - len(rejections),

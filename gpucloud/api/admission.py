@@ -32,7 +32,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpucloud.web import problems
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
+# `/metrics` checks its own token (the metrics or the operator token) and takes no lane.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
 # The threads sync handlers and dependencies run on (AnyIO's limiter, set at start-up); the
 # lanes' slots stay well below it.
 THREADS = 64

@@ -26,6 +26,7 @@ from gpucloud.api.routers import (
 )
 from gpucloud.config import Settings
 from gpucloud.web import problems
+from gpucloud.web.metrics import FleetCollector, RequestMetrics, install_metrics
 from gpucloud.web.readiness import database_check, install_readiness, temporal_check
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,12 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         app,
         {"database": database_check(app.state.db.engine), "temporal": temporal_check(lambda: app.state.temporal)},
     )
+    install_metrics(
+        app,
+        lambda: (settings.metrics_token, settings.operator_token),
+        collectors=[FleetCollector(settings.database_url)],
+    )
+    app.add_middleware(RequestMetrics)  # outermost: what every caller got, refusals included
 
     return app
 
@@ -99,6 +106,7 @@ def serve(settings: Settings) -> None:
     """Serve the API: one process, or `settings.api.workers` processes on one port (Postgres:
     they share nothing in memory that correctness depends on; SQLite has one writer per file)."""
     import os
+    import shutil
 
     import uvicorn
 
@@ -115,6 +123,11 @@ def serve(settings: Settings) -> None:
             "Set GPUCLOUD_API__WORKERS=1 or point the API at Postgres."
         )
     os.environ.update(settings.env())  # the worker processes read the same settings
+    # The processes' metrics, summed at any one's /metrics (a fresh directory: no stale files).
+    metrics_dir = settings.data_dir.resolve() / f"api-metrics-{settings.api.port}"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     uvicorn.run(
         "gpucloud.api.app:create_app_from_env",
         factory=True,

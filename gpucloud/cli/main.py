@@ -351,6 +351,12 @@ def agent(
         Path,
         typer.Option(help="where the agent keeps its credential (0600); a wipe replaces it, and a restart reads it"),
     ] = Path("/var/lib/gpucloud/agent-credential"),
+    metrics_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="GPUCLOUD_AGENT_METRICS_TOKEN", help="the bearer token Prometheus scrapes /metrics with (none: off)"
+        ),
+    ] = None,
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
     from gpucloud.agent.app import main as agent_main
@@ -390,6 +396,7 @@ def agent(
         tls=web_tls.ServerTLS(tls_cert, tls_key) if tls_cert and tls_key else None,
         insecure=insecure,
         container_runtime=container_runtime,
+        metrics_token=metrics_token,
     )
 
 
@@ -422,6 +429,7 @@ def ledger(
         tls=settings.tls.server,
         insecure=settings.tls.insecure,
         migrate_on_start=settings.ledger.migrate_on_start,
+        metrics_tokens=(settings.metrics_token, settings.operator_token),
     )
 
 

@@ -41,6 +41,7 @@ from gpucloud.ledger.api.callers import LedgerCallers
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
 from gpucloud.web import problems as web_problems
+from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import database_check, install_readiness
 from gpucloud.web.service_tokens import Verifier, load_verifier
 from gpucloud.web.tls import ServerTLS, serve_options
@@ -58,6 +59,7 @@ def create_app(
     control_plane: Verifier,
     clock_ms: Callable[[], int] = wall_clock_ms,
     migrate_on_start: bool = True,
+    metrics_tokens: tuple[str, ...] = (),
 ) -> FastAPI:
     """The ledger's app; it answers only callers with a token `control_plane` verifies
     (`api/callers.py`)."""
@@ -89,6 +91,7 @@ def create_app(
         await database_check(app.state.ledger.database.engine)()
 
     install_readiness(app, {"database": database})
+    install_metrics(app, lambda: metrics_tokens)  # no tokens: every scrape is refused
 
     return app
 
@@ -134,6 +137,7 @@ def main(
     tls: ServerTLS | None = None,
     insecure: bool = False,
     migrate_on_start: bool | None = None,
+    metrics_tokens: tuple[str, ...] = (),
 ) -> None:
     """Run the ledger until interrupted (``gpucloud ledger``), trusting the control plane's
     public key at `control_plane_key`. It migrates its database at start when `migrate_on_start`
@@ -145,5 +149,10 @@ def main(
         raise SystemExit(f"no control plane public key at {control_plane_key}: the ledger answers only its tokens")
     secure = serve_options(host, tls, insecure=insecure, what="ledger")
     migrate = url.get_backend_name() == "sqlite" if migrate_on_start is None else migrate_on_start
-    app = create_app(database_url, control_plane=load_verifier(control_plane_key), migrate_on_start=migrate)
+    app = create_app(
+        database_url,
+        control_plane=load_verifier(control_plane_key),
+        migrate_on_start=migrate,
+        metrics_tokens=metrics_tokens,
+    )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)

@@ -6,6 +6,7 @@ added later (with defaults) without breaking callers or recorded histories.
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
@@ -193,11 +194,14 @@ class ReplaceNodeRequest(NodeRef):
     immediate: bool = False
     grace_s: float = 300.0
     recheck_s: float = 30.0
+    # When the fault was seen (the agent's report), for the fault-to-pulled latency.
+    fault_at: datetime | None = None
 
 
 class DetachNodeInput(AllocationRef):
     node_id: str
     reason: str
+    fault_at: datetime | None = None
 
 
 class ReplacementInput(AllocationRef):

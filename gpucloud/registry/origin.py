@@ -64,14 +64,19 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
     """The tracker of a deployment: swarms kept in the control-plane DB, chunks served from each
     swarm's tenant's registry store, every caller checked against the control plane's key."""
     from gpucloud.registry.tracker_app import create_tracker_app
+    from gpucloud.web.metrics import install_metrics
+    from gpucloud.web.readiness import database_check, install_readiness
 
     db = bootstrap.database(settings)
     stores = bootstrap.registry_stores(settings)
-    return create_tracker_app(
+    app = create_tracker_app(
         tenant_chunks=stores.chunks,
         verifier=Verifier(bootstrap.token_issuer(settings).public_key),
         store=DatabaseSwarms(db),
     )
+    install_readiness(app, {"database": database_check(db.engine)})
+    install_metrics(app, lambda: (settings.metrics_token, settings.operator_token))
+    return app
 
 
 def serve_tracker(settings: Settings) -> None:

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpucloud.registry.manifest import HEX_DIGEST, ChunkCorruptedError, ChunkMissingError
 from gpucloud.registry.store import ChunkSource
 from gpucloud.registry.swarm import ChunkId, Plan, Swarm, SwarmSpec, SwarmStatus
-from gpucloud.web import problems, tls
+from gpucloud.web import metrics, problems, tls
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     TRACKER_AUDIENCE,
@@ -157,6 +157,7 @@ class OriginMeter:
         self.egress_bytes = self.chunks_served = 0
 
     def add(self, size: int) -> None:
+        metrics.CHUNK_BYTES.labels("origin").inc(size)
         with self._lock:
             self.egress_bytes += size
             self.chunks_served += 1

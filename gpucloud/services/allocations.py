@@ -28,6 +28,7 @@ from gpucloud.models.tables import (
     utcnow,
 )
 from gpucloud.services import nodes as node_service
+from gpucloud.web import metrics
 
 
 class InsufficientCapacity(Exception):
@@ -218,6 +219,8 @@ def set_status(
     if status == AllocationStatus.READY and allocation.desired == "cancelled":
         # A cancel arrived while provisioning: the tenant sees `cancelling`, never `ready`.
         status = AllocationStatus.CANCELLING
+    if status == AllocationStatus.READY and allocation.status == AllocationStatus.PROVISIONING:
+        metrics.ALLOCATION_READY.observe((now - allocation.created_at).total_seconds())
     allocation.status = status
     allocation.failure_reason = failure_reason
     allocation.updated_at = now

@@ -7,8 +7,11 @@ worker also resumes what a crash may have orphaned (see `recovery`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -27,6 +30,7 @@ from gpucloud.activities.storage import TenantStorageActivities
 from gpucloud.activities.tenant import TenantActivities
 from gpucloud.bootstrap import ControlPlane
 from gpucloud.config import Settings
+from gpucloud.web.metrics import TemporalMetrics, install_metrics
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
@@ -119,15 +123,54 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
 
     cp = bootstrap.control_plane(settings)
     cp.db.prepare(migrate_on_start=settings.migrates_on_start)
-    client = await bootstrap.temporal_client(settings)
-    with ThreadPoolExecutor(
-        max_workers=settings.temporal.worker_max_activities, thread_name_prefix="activity"
-    ) as executor:
-        worker = build_worker(client, cp, executor=executor)
-        async with worker:
-            await ensure_sweep_schedule(client, settings)
-            await ensure_billing_close_schedule(client, settings)
-            resumed = await resume_orphans(client, cp.db, settings)
-            log.info("worker running on %s (resumed %s)", settings.temporal.task_queue, resumed)
-            await (stop.wait() if stop else asyncio.Event().wait())
-    await cp.aclose()
+    sdk_metrics = TemporalMetrics().start()
+    client = await bootstrap.temporal_client(settings, runtime=sdk_metrics.runtime)
+    http = None
+    if settings.telemetry.worker_port is not None:
+        http = serve_worker_http(settings, cp, client, before_scrape=sdk_metrics.drain)
+    try:
+        with ThreadPoolExecutor(
+            max_workers=settings.temporal.worker_max_activities, thread_name_prefix="activity"
+        ) as executor:
+            worker = build_worker(client, cp, executor=executor)
+            async with worker:
+                await ensure_sweep_schedule(client, settings)
+                await ensure_billing_close_schedule(client, settings)
+                resumed = await resume_orphans(client, cp.db, settings)
+                log.info("worker running on %s (resumed %s)", settings.temporal.task_queue, resumed)
+                await (stop.wait() if stop else asyncio.Event().wait())
+    finally:
+        if http is not None:
+            server, serving = http
+            server.should_exit = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(serving, 5)
+        sdk_metrics.stop()
+        await cp.aclose()
+
+
+def serve_worker_http(
+    settings: Settings, cp: bootstrap.ControlPlane, client: Client, *, before_scrape: Callable[[], None]
+) -> tuple[Any, asyncio.Task]:
+    """`/healthz`, `/readyz` (the database, Temporal) and `/metrics` of the worker, served on
+    `telemetry.worker_port` from the worker's own event loop: the uvicorn server (set
+    `should_exit` to stop it) and the task serving."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from gpucloud.web import tls
+    from gpucloud.web.readiness import database_check, install_readiness, temporal_check
+
+    app = FastAPI(title="gpucloud worker", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    install_readiness(app, {"database": database_check(cp.db.engine), "temporal": temporal_check(lambda: client)})
+    install_metrics(app, lambda: (settings.metrics_token, settings.operator_token), before_scrape=before_scrape)
+    host, port = settings.telemetry.worker_host, settings.telemetry.worker_port or 0
+    secure = tls.serve_options(host, settings.tls.server, insecure=settings.tls.insecure, what="worker metrics")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **secure))
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the worker handles them
+    return server, asyncio.get_running_loop().create_task(server.serve())

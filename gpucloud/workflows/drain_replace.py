@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlreadyStartedError
@@ -214,7 +214,7 @@ class DrainAndReplace:
         members = (await self._load()).node_ids
         pulled = [r for r in reqs if r.node_id in members]
         for r in pulled:
-            await self._detach(r.node_id, r.reason)
+            await self._detach(r.node_id, r.reason, fault_at=r.fault_at)
             self._replaced_any = True
             self._ledger.node_removed(view, r.node_id)
         await self._remove_fabric([r.node_id for r in pulled])
@@ -315,10 +315,10 @@ class DrainAndReplace:
                     result.node_id, NodeOperationKind.RECYCLE, view, parent_close_policy=ParentClosePolicy.ABANDON
                 )
 
-    async def _detach(self, node_id: str, reason: str) -> None:
+    async def _detach(self, node_id: str, reason: str, *, fault_at: datetime | None = None) -> None:
         await workflow.execute_activity_method(
             ControlDbActivities.detach_node,
-            DetachNodeInput(allocation_id=self._allocation_id, node_id=node_id, reason=reason),
+            DetachNodeInput(allocation_id=self._allocation_id, node_id=node_id, reason=reason, fault_at=fault_at),
             **options.DB,
         )
 

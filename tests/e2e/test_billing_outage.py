@@ -41,6 +41,7 @@ def stack(tmp_path):
         agent={"sim_port": free_port(), "meter_interval_s": 0.2},
         reconciler={"sweep_interval_s": 2.0},
         ledger={"port": free_port(), "close_interval_s": 2.0},
+        telemetry={"worker_port": free_port(), "metrics_token": "test-metrics-token"},
     )
     stack = Stack(
         settings, nodes=2, ui_port=free_port(), sim_latency_scale=0.1, sim_heartbeat_s=1.0, headless=True, billing=True
@@ -102,6 +103,45 @@ def late_agent_ships(ledger_url: str, spool_path, *, tenant_id: str, period_id: 
     return allocation_id
 
 
+def scrape(url: str, token: str | None = "test-metrics-token") -> str:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    answer = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+    assert answer.status_code == (200 if token else 401), answer.text[:300]
+    return answer.text
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the exposition text (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key == (f"{name}{{{wanted}}}" if labels else name):
+            return float(value)
+    return 0.0
+
+
+def check_metrics(stack, *, alloc_path: str) -> None:
+    """Every server's /metrics answers only the metrics token, with the families it records."""
+    settings = stack.settings
+    worker_url = f"http://127.0.0.1:{settings.telemetry.worker_port}"
+    for url in (settings.api_url, worker_url, stack.ledger_url):
+        scrape(url, token=None)  # 401 without the token
+    api = scrape(settings.api_url)
+    assert sample(api, "gpucloud_nodes", state="active", gpu_type="H100", region="us-east-1") == 2
+    assert sample(api, "gpucloud_allocations", status="ready") == 1
+    assert sample(api, "gpucloud_api_requests_total", method="GET", route=alloc_path, status="200") >= 1
+    worker = scrape(worker_url)
+    assert sample(worker, "gpucloud_allocation_ready_seconds_count") == 1
+    assert sample(worker, "gpucloud_reconciler_sweep_seconds_count") >= 1
+    assert "temporal_" in worker  # the SDK's own runtime metrics
+    assert httpx.get(f"{worker_url}/readyz", timeout=10).json()["checks"] == {"database": "ok", "temporal": "ok"}
+    wait_until(
+        lambda: sample(scrape(stack.ledger_url), "gpucloud_ledger_usage_samples_total", outcome="accepted") > 0,
+        timeout_s=30,
+        what="usage ingested by the ledger",
+    )
+
+
 def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage(stack, tmp_path) -> None:
     settings = stack.settings
     op = httpx.Client(
@@ -130,6 +170,7 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
         timeout_s=60,
         what="allocation ready",
     )
+    check_metrics(stack, alloc_path="/v1/allocations/{allocation_id}")
     ledger_usage = {"tenant_id": tenant["id"], "allocation_id": alloc_id}
     wait_until(
         lambda: (

@@ -107,6 +107,12 @@ async def test_each_xid_class_leads_to_its_action_and_application_xids_never_dra
     assert not any(e["event"] == "drain" for e in _events(h, quiet))
 
 
+def _count(histogram: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(f"{histogram}_count") or 0.0
+
+
 async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_burn_in_passes(
     db_url, make_harness, in_process_worker, temporal_env
 ):
@@ -117,14 +123,21 @@ async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_
     bad, kept = alloc["node_ids"]
     _hardware_fault(h, bad, "GPU 3 fell off the bus")  # no rung of the ladder fixes it
 
+    # The API and the worker run in this process: their latency histograms are this registry's.
+    cordoned, pulled = (
+        _count("gpucloud_health_fault_to_cordon_seconds"),
+        _count("gpucloud_health_fault_to_pulled_seconds"),
+    )
     decision = _xid(h, bad, 79)
     assert (decision["action"], decision["pull"]) == ("drain_now", "replace")
+    assert _count("gpucloud_health_fault_to_cordon_seconds") == cordoned + 1
 
     def replaced():
         a = h.client(key).get(f"/v1/allocations/{alloc_id}").json()
         return a["status"] == "ready" and bad not in a["node_ids"] and len(a["node_ids"]) == 2 and a
 
     alloc = await async_wait_until(replaced, timeout_s=60, what="replacement attached")
+    assert _count("gpucloud_health_fault_to_pulled_seconds") == pulled + 1
     (new,) = set(alloc["node_ids"]) - {kept}
     nodes = {n["id"]: n for n in h.nodes()}
     assert nodes[new]["state"] == "active" and nodes[new]["allocation_id"] == alloc_id

@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
@@ -272,8 +273,11 @@ async def test_the_canary_runs_the_models_sanity_gate_and_a_nan_fine_tune_is_rol
     tuned = fleet.push_dir(float_model(tmp_path / "tuned", np.random.default_rng(5), scale=1.02))
     fleet.install(base)
     client = temporal_env.client
+    failed_waves = REGISTRY.get_sample_value("gpucloud_rollout_waves_total", {"outcome": "failed"}) or 0
+    peer_bytes = REGISTRY.get_sample_value("gpucloud_chunk_bytes_served_total", {"source": "peer"}) or 0
     async with rollout_worker(client, fleet, task_queue):
         refused = await (await start(client, fleet, task_queue, broken, evaluation=evaluation)).result()
+        assert REGISTRY.get_sample_value("gpucloud_rollout_waves_total", {"outcome": "failed"}) == failed_waves + 1
         assert refused.status == RolloutPhase.ROLLED_BACK
         assert "wave 1 check" in refused.reason
         assert "nan_inf_count (sanity)=1: above the maximum 0" in refused.reason
@@ -295,6 +299,8 @@ async def test_the_canary_runs_the_models_sanity_gate_and_a_nan_fine_tune_is_rol
     assert found["nan_inf_count"] == 0 and abs(found["max_rel_norm_change"] - 0.02) < 0.005
     assert progress.outcomes["node-00"].evaluations["command"] == {"files": 3.0}
     assert progress.outcomes["node-07"].evaluations == {}  # later waves are not evaluated again
+    # The peers (this process's agents) served chunks to each other.
+    assert (REGISTRY.get_sample_value("gpucloud_chunk_bytes_served_total", {"source": "peer"}) or 0) > peer_bytes
 
 
 async def test_an_unhealthy_node_in_a_later_wave_rolls_back_every_activated_node(

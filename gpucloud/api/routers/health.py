@@ -4,7 +4,7 @@ only), XIDs injected by operators, the judgement and its actions, node health an
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -41,6 +41,7 @@ from gpucloud.models.tables import Node
 from gpucloud.services import health as health_service
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import signal_replace_node
+from gpucloud.web import metrics
 from gpucloud.web.problems import Problem, not_found
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,21 @@ def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
     return outcomes
 
 
-async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
+def _first_seen(items: list) -> dict[str, datetime]:
+    """The earliest timestamp each node reported in a batch: when its fault happened."""
+    first: dict[str, datetime] = {}
+    for item in items:
+        if item.node_id not in first or item.timestamp < first[item.node_id]:
+            first[item.node_id] = item.timestamp
+    return first
+
+
+async def _act_on(outcomes: list, settings: Settings, temporal, fault_at: dict[str, datetime]) -> None:
     """A pull decided in the DB is carried out by the allocation's workflow or the reconciler."""
+    now = utc_now()
+    for o in outcomes:
+        if o.pull is not None and o.node_id in fault_at:  # cordoned in the judgement's transaction
+            metrics.FAULT_TO_CORDON.observe(max(0.0, (now - fault_at[o.node_id]).total_seconds()))
     drains = [o.node_id for o in outcomes if o.pull == "drain"]
     for o in outcomes:
         if o.pull != "replace":
@@ -108,6 +122,7 @@ async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
             immediate=o.immediate,
             grace_s=settings.health.drain_grace_s,
             recheck_s=settings.health.replacement_recheck_s,
+            fault_at=fault_at.get(o.node_id),
         )
         try:
             await signal_replace_node(temporal, o.allocation_id, req)
@@ -119,7 +134,7 @@ async def _act_on(outcomes: list, settings: Settings, temporal) -> None:
 
 async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], source: str) -> XidIngestResult:
     outcomes, unknown = await run_in_threadpool(_ingest, settings, events, source)
-    await _act_on(outcomes, settings, temporal)
+    await _act_on(outcomes, settings, temporal, _first_seen(events))
     return XidIngestResult(
         accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)),
         unknown_nodes=unknown,
@@ -183,7 +198,7 @@ async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: Set
     own_node_only(caller, [r.node_id for r in batch.readings], most=AGENT_MAX_READINGS)
     _not_ahead("readings", [r.timestamp for r in batch.readings])
     outcomes = await run_in_threadpool(_ingest_readings, settings, batch.readings)
-    await _act_on(outcomes, settings, temporal)
+    await _act_on(outcomes, settings, temporal, _first_seen(batch.readings))
     return ReadingIngestResult(accepted=len(batch.readings), decisions=_decisions(outcomes))
 
 

@@ -23,7 +23,8 @@ from gpucloud.web import problems
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE as AUDIENCE
 from gpucloud.web.service_tokens import InvalidToken, Verifier
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/redoc"})
+# `/metrics` checks its own token (the metrics or the operator token).
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"})
 READERS = frozenset({"control-plane", "operator"})
 ROLES = ("agent", "control-plane", "operator")
 # (method, path) -> the roles that may call it; the first match wins.

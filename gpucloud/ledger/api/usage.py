@@ -19,6 +19,7 @@ from gpucloud.ledger.schemas import (
     usage_batch_schema,
 )
 from gpucloud.ledger.usage import list_conflicts, usage_summary
+from gpucloud.web import metrics
 
 router = APIRouter(prefix="/v1", tags=["usage"])
 
@@ -61,7 +62,10 @@ def _validate_and_ingest(ledger: LedgerContext, body: bytes, node: str | None) -
         raise problems.LedgerProblem(
             problems.FORBIDDEN(f"the agent of {node} reports usage for its own node only, not {foreign[0]}")
         )
-    return ledger.ingest.ingest(batch["samples"])
+    result = ledger.ingest.ingest(batch["samples"])
+    for outcome in ("accepted", "duplicates", "rejected"):
+        metrics.LEDGER_SAMPLES.labels(outcome).inc(getattr(result, outcome))
+    return result
 
 
 @router.get("/usage", response_model=UsageSummary)
