@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from gpucloud.config import Settings
+from gpucloud.db import migrate
 from gpucloud.devstack.stack import free_port
 from support.databases import scratch_postgres
 
@@ -32,7 +33,9 @@ def test_two_api_processes_share_one_port_on_postgres(tmp_path, temporal_env):
             database={"url": url},
             api={"port": free_port(), "operator_token": "op-token"},
             temporal={"address": temporal_env.client.service_client.config.target_host},
+            telemetry={"metrics_token": "metrics-token"},
         )
+        migrate(url)  # the deployment step: API processes on Postgres only check the schema
         env = {**os.environ, **settings.env()}
         api = subprocess.Popen([sys.executable, "-m", "gpucloud.cli.main", "api", "--workers", "2"], env=env)
         try:
@@ -53,6 +56,12 @@ def test_two_api_processes_share_one_port_on_postgres(tmp_path, temporal_env):
 
             with ThreadPoolExecutor(8) as pool:  # within one process's operator lane
                 assert set(pool.map(list_nodes, range(64))) == {200}
+            # Whichever process answers the scrape, it counts the requests of both.
+            scraped = httpx.get(
+                f"{settings.api_url}/metrics", headers={"Authorization": "Bearer metrics-token"}, timeout=30
+            ).text
+            line = 'gpucloud_api_requests_total{method="GET",route="/v1/nodes",status="200"}'
+            assert [float(x.rsplit(" ", 1)[1]) for x in scraped.splitlines() if x.startswith(line)] == [64.0]
         finally:
             api.terminate()
             api.wait(30)
