@@ -3,8 +3,10 @@
 One naming scheme: `GPUCLOUD_<SECTION>__<FIELD>` (two underscores between section and field),
 for example `GPUCLOUD_TEMPORAL__ADDRESS`, `GPUCLOUD_DATABASE__URL`, `GPUCLOUD_OBJECT_STORE__BUCKET`;
 top-level fields have no section (`GPUCLOUD_DATA_DIR`). Secrets are `SecretStr`: they never
-appear in a repr or a log line. `gpucloud.bootstrap` is the only code that turns these settings
-into clients of outside systems.
+appear in a repr or a log line. A secrets directory (`GPUCLOUD_SECRETS_DIR`, say a Kubernetes
+or Docker secret mount) holds one file per variable, named as the variable
+(`GPUCLOUD_DATABASE__URL`), holding its value; variables in the environment win over files.
+`gpucloud.bootstrap` is the only code that turns these settings into clients of outside systems.
 
 The embedded defaults run everything on one machine (Temporal dev server, SQLite in the data
 dir, local object store, simulated fleet on loopback); production points the same code at a
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gpucloud.web.tls import ServerTLS
 
@@ -297,8 +299,38 @@ class TLSSettings(BaseModel):
         return "https" if self.server is not None else "http"
 
 
+class SecretFiles(EnvSettingsSource):
+    """Settings from files named as their variables, in a directory (see the module doc)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], directory: Path) -> None:
+        self.directory = directory
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> dict[str, str | None]:
+        if not self.directory.is_dir():
+            raise ValueError(f"GPUCLOUD_SECRETS_DIR={self.directory} is not a directory")
+        return {
+            path.name.lower(): path.read_text().strip()
+            for path in self.directory.iterdir()
+            if path.is_file() and path.name.upper().startswith("GPUCLOUD_")
+        }
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUCLOUD_", env_nested_delimiter="__", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        directory = os.environ.get("GPUCLOUD_SECRETS_DIR")
+        files = (SecretFiles(settings_cls, Path(directory)),) if directory else ()
+        return (init_settings, env_settings, *files)
 
     data_dir: Path = Path(".data")
     temporal: TemporalSettings = TemporalSettings()

@@ -491,14 +491,17 @@ def migrate(
 def fabric_managers(
     port: Annotated[int, typer.Option(help="port of the simulated managers")] = 8470,
     state: Annotated[Path | None, typer.Option(help="keep the managers' state in this JSON file")] = None,
+    host: Annotated[str, typer.Option(help="the address to bind (off loopback: TLS, or GPUCLOUD_TLS__INSECURE)")] = (
+        "127.0.0.1"
+    ),
 ) -> None:
-    """Run the simulated fabric managers (UFM pkeys, NMX-M NVLink partitions, SDN VPCs) on loopback."""
+    """Run the simulated fabric managers (UFM pkeys, NMX-M NVLink partitions, SDN VPCs)."""
     from gpucloud.sim.fabric_managers import main as fabric_main
 
     _logging()
     settings = get_settings()
     fabric_main(
-        host="127.0.0.1",
+        host=host,
         port=port,
         state_path=state,
         token=settings.fabric_token,

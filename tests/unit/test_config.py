@@ -12,3 +12,21 @@ def test_a_negative_provision_retry_budget_is_refused(monkeypatch):
         Settings()
     monkeypatch.setenv("GPUCLOUD_HEALTH__PROVISION_RETRIES", "0")
     assert Settings().health.provision_retries == 0
+
+
+def test_secrets_come_from_files_named_as_their_variables_and_the_environment_wins(monkeypatch, tmp_path):
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "GPUCLOUD_DATABASE__URL").write_text("postgresql+psycopg://gpucloud:s3cret@db/gpucloud\n")
+    (secrets / "GPUCLOUD_OBJECT_STORE__SECRET_ACCESS_KEY").write_text("from-a-file")
+    (secrets / "README").write_text("not a setting")
+    monkeypatch.setenv("GPUCLOUD_SECRETS_DIR", str(secrets))
+    settings = Settings()
+    assert settings.database_url == "postgresql+psycopg://gpucloud:s3cret@db/gpucloud"
+    assert "s3cret" not in repr(settings) and "from-a-file" not in repr(settings)  # never logged
+    assert settings.object_store.secret_access_key.get_secret_value() == "from-a-file"
+    monkeypatch.setenv("GPUCLOUD_OBJECT_STORE__SECRET_ACCESS_KEY", "from-the-environment")
+    assert Settings().object_store.secret_access_key.get_secret_value() == "from-the-environment"
+    monkeypatch.setenv("GPUCLOUD_SECRETS_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is not a directory"):
+        Settings()

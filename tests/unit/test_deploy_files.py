@@ -1,0 +1,103 @@
+"""The deployment files say only what the code understands: every command they run is a
+`gpucloud` command with options it has, every `GPUCLOUD_*` variable is a setting, the systemd
+units pass `systemd-analyze verify`, and the Dockerfile runs as a non-root user."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gpucloud.cli.main import app
+from gpucloud.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+# Variables read outside the settings model: where the settings live, the log level, and the
+# options of `gpucloud agent` taken from the environment (agent.env).
+NOT_SETTINGS = {"GPUCLOUD_SECRETS_DIR", "GPUCLOUD_LOG_LEVEL", "GPUCLOUD_NODE_ID", "GPUCLOUD_AGENT_METRICS_TOKEN"}
+
+
+def is_setting(name: str) -> bool:
+    if name in NOT_SETTINGS:
+        return True
+    section, _, field = name.removeprefix("GPUCLOUD_").lower().partition("__")
+    fields = Settings.model_fields
+    if not field:
+        return section in fields
+    return section in fields and field in fields[section].annotation.model_fields  # type: ignore[union-attr]
+
+
+def assert_runs(argv: list[str]) -> None:
+    """`gpucloud <argv>` names a command, and each of its options is one the command has."""
+    command = [a for a in argv if not a.startswith("-")][:1]
+    assert command, argv
+    shown = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "300"})
+    assert shown.exit_code == 0, f"gpucloud {command[0]}: {shown.output}"
+    for option in (a for a in argv if a.startswith("--")):
+        assert option in shown.output, f"gpucloud {command[0]} has no option {option}"
+
+
+def test_compose_runs_real_commands_with_real_settings() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    ours = {name: s for name, s in compose["services"].items() if s.get("image") == "gpucloud:latest"}
+    assert {"migrate", "api", "worker", "ledger", "tracker", "sim", "fabric"} <= set(ours)
+    assert compose["services"]["worker"]["deploy"]["replicas"] >= 3
+    assert "--workers" in compose["services"]["api"]["command"]
+    for name, service in ours.items():
+        assert_runs(service["command"])
+        for variable in service["environment"]:
+            assert is_setting(variable), f"{name}: {variable} is not a setting"
+        if name != "migrate":  # the processes start only after the migration step
+            assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert ours["api"]["environment"]["GPUCLOUD_DATABASE__MIGRATE_ON_START"] == "false"
+
+
+def test_the_environment_file_names_only_settings() -> None:
+    for line in (DEPLOY / "gpucloud.env.example").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("=", 1)[0]
+            assert is_setting(name), name
+
+
+def test_units_run_real_commands_and_pass_systemd_analyze(tmp_path: Path) -> None:
+    for unit in UNITS:
+        text = unit.read_text().replace("\\\n", " ")
+        [exec_start] = re.findall(r"^ExecStart=(.*)$", text, re.MULTILINE)
+        argv = exec_start.split()
+        assert argv[0] == "/opt/gpucloud/bin/gpucloud", unit.name
+        assert_runs([a for a in argv[1:] if not a.startswith("${")])
+        for variable in re.findall(r"^Environment=(GPUCLOUD_\w+)=", text, re.MULTILINE):
+            assert is_setting(variable), f"{unit.name}: {variable}"
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    root = tmp_path / "root"
+    (root / "opt/gpucloud/bin").mkdir(parents=True)
+    (root / "etc/systemd/system").mkdir(parents=True)
+    (root / "usr/lib/systemd").mkdir(parents=True)
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    executable = root / "opt/gpucloud/bin/gpucloud"
+    executable.write_text("#!/bin/sh\n")
+    executable.chmod(0o755)
+    for unit in UNITS:
+        shutil.copy(unit, root / "etc/systemd/system" / unit.name)
+    names = [u.name.replace("@.service", "@4.service") for u in UNITS]
+    verified = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", f"--root={root}", *names], capture_output=True, text=True
+    )
+    assert verified.returncode == 0 and not (verified.stdout + verified.stderr).strip(), verified.stderr
+
+
+def test_the_image_runs_gpucloud_as_a_non_root_user_without_the_embedded_server() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM ", dockerfile, re.MULTILINE)
+    assert len(stages) == 2  # build, then a runtime stage with only the virtual environment
+    assert re.search(r"^USER gpucloud", dockerfile, re.MULTILINE)
+    assert 'ENTRYPOINT ["gpucloud"]' in dockerfile
+    assert "pip install ." in dockerfile and "embedded" not in dockerfile.split("pip install .")[1].split("\n")[0]
