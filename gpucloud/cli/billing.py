@@ -7,6 +7,7 @@ Amounts are integer micro-units in the API; shown here with six decimals.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 import typer
@@ -24,6 +25,9 @@ invoices_app = typer.Typer(
 )
 
 Tenant = Annotated[str | None, typer.Option("--tenant", help="operators: only this tenant")]
+
+
+Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 
 
 def money(micro: int) -> str:
@@ -110,20 +114,28 @@ def invoices(
     api_key: ApiKey = None,
     tenant: Tenant = None,
     period: Annotated[str | None, typer.Option(help="only this period (YYYY-MM)")] = None,
+    output: Output = "table",
 ) -> None:
     """List invoices of closed periods (`show ID` for one, `draft` for the current period's so far)."""
     if ctx.invoked_subcommand is not None:
         return
     with reported_errors(), api_client(api_key=api_key, operator=True) as api:
         listing = api.billing.invoices(tenant_id=tenant, period=period)
-    console.print(invoice_list_table([i.model_dump(mode="json") for i in listing.items]))
+    rows = [i.model_dump(mode="json") for i in listing.items]
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    console.print(invoice_list_table(rows))
 
 
 @invoices_app.command()
-def show(invoice_id: int, api_key: ApiKey = None) -> None:
+def show(invoice_id: int, api_key: ApiKey = None, output: Output = "table") -> None:
     """One invoice's lines and total, and the SHA-256 of its bytes (the same bytes every time)."""
     with reported_errors(), api_client(api_key=api_key, operator=True) as api:
         invoice = api.billing.invoice(invoice_id)
+    if output == "json":
+        print(json.dumps({"invoice": invoice.body, "sha256": invoice.etag}, indent=2))
+        return
     console.print(invoice_table(invoice.body, status="final"))
     console.print(f"sha256 {invoice.etag}")
 
@@ -133,8 +145,12 @@ def draft(
     api_key: ApiKey = None,
     tenant: Tenant = None,
     period: Annotated[str | None, typer.Option(help="an open period (default: the current one)")] = None,
+    output: Output = "table",
 ) -> None:
     """What the open period's invoice holds so far."""
     with reported_errors(), api_client(api_key=api_key, operator=True) as api:
         invoice = api.billing.draft(tenant_id=tenant, period=period)
+    if output == "json":
+        print(json.dumps(invoice.body, indent=2))
+        return
     console.print(invoice_table(invoice.body, status="draft"))

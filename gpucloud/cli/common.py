@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import IntEnum
 from typing import Annotated
 
 import httpx
@@ -32,20 +33,48 @@ def api_client(api_url: str | None = None, api_key: str | None = None, *, operat
     return Gpucloud(api_url or settings.api_url, token, retry_for_s=3)
 
 
+class ExitCode(IntEnum):
+    """What a `gpucloud` command's exit status means (the same for every command)."""
+
+    OK = 0
+    ERROR = 1  # the request was invalid or failed (the message says why)
+    USAGE_OR_VERIFICATION = 2  # bad command-line usage; or bytes that failed verification (nothing written)
+    NOT_FOUND = 3  # no such resource visible to the caller
+    CONFLICT = 4  # refused by the resource's state: gates failed, a quota, a name taken, a revoked key
+    UNAVAILABLE = 5  # the API or what it depends on did not answer in time: retry later
+
+
+EXIT_CODES_HELP = (
+    "Exit status: 0 ok; 1 error; 2 usage error or verification failed; 3 not found; 4 conflict "
+    "(refused by state: gates, quota, exists); 5 unavailable or timed out (retry later)."
+)
+
+
+def exit_code_for(status: int) -> ExitCode:
+    if status == 404:
+        return ExitCode.NOT_FOUND
+    if status == 409:
+        return ExitCode.CONFLICT
+    if status in (429, 502, 503, 504):
+        return ExitCode.UNAVAILABLE
+    return ExitCode.ERROR
+
+
 @contextmanager
 def reported_errors(*, what: str = "the API") -> Iterator[None]:
-    """Turn an API refusal, a timeout or an unreachable API into one line on stderr and exit 1."""
+    """Turn an API refusal, a timeout or an unreachable API into one line on stderr and the exit
+    status that says which (`ExitCode`)."""
     try:
         yield
     except ApiError as exc:
         err.print(f"[red]error ({exc.status}):[/] {exc.title}: {exc.detail}")
-        raise typer.Exit(1) from None
+        raise typer.Exit(exit_code_for(exc.status)) from None
     except ApiTimeout as exc:
         err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
+        raise typer.Exit(ExitCode.UNAVAILABLE) from None
     except httpx.TransportError as exc:
         err.print(f"[red]error:[/] cannot reach {what} ({exc}); is `gpucloud up` running?")
-        raise typer.Exit(1) from None
+        raise typer.Exit(ExitCode.UNAVAILABLE) from None
 
 
 def progress_bar(out: Console, *extra: ProgressColumn) -> Progress:

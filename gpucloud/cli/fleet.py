@@ -80,10 +80,16 @@ def nodes(
     state: Annotated[str | None, typer.Option(help="only nodes in this state")] = None,
     watch: Annotated[bool, typer.Option(help="refresh every 2 s until Ctrl-C")] = False,
     limit: Annotated[int, typer.Option(help="at most this many rows")] = 200,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
 ) -> None:
     """List nodes (operator token from GPUCLOUD_API__OPERATOR_TOKEN or the data dir)."""
     try:
         with reported_errors(), api_client(operator=True) as api:
+            if output == "json":
+                listed, summary = _fetch(api, state, limit)
+                body = {"nodes": [n.model_dump(mode="json") for n in listed], "summary": summary}
+                print(json.dumps(body, indent=2))
+                return
             if not watch:
                 console.print(_render(*_fetch(api, state, limit)))
                 return

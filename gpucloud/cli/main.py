@@ -17,12 +17,14 @@ from rich.console import Console
 
 from gpucloud import bootstrap
 from gpucloud.cli.billing import invoices_app
+from gpucloud.cli.common import EXIT_CODES_HELP
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
+from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.weights import weights_app
 from gpucloud.config import get_settings
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, epilog=EXIT_CODES_HELP)
 console = Console(stderr=True)
 
 
@@ -516,6 +518,10 @@ app.add_typer(bmc_app, name="bmc")
 app.add_typer(weights_app, name="weights")
 app.add_typer(invoices_app, name="invoices")
 app.add_typer(rollout_app, name="rollout")
+app.add_typer(tenants_app, name="tenants")
+app.add_typer(allocations_app, name="allocations")
+app.add_typer(api_keys_app, name="api-keys")
+app.add_typer(operations_app, name="operations")
 
 
 def main() -> None:

@@ -106,6 +106,7 @@ def start(
 def status(
     rollout_id: str,
     follow: Annotated[bool, typer.Option("--watch", help="follow until it ends")] = False,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -115,6 +116,9 @@ def status(
             watch(api, rollout_id)
             return
         progress = api.rollouts.get(rollout_id)
+    if output == "json":
+        print(progress.model_dump_json(indent=2))
+        return
     summary(progress)
     for index, nodes in enumerate(progress.waves, start=1):
         console.print(f"  wave {index}: {', '.join(nodes)}")

@@ -135,6 +135,15 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
             timeout=60,
         )
         assert draft.returncode == 0 and "draft" in draft.stdout and acme_alloc in draft.stdout, draft.stderr
+        as_json = subprocess.run(
+            [sys.executable, "-m", "gpucloud.cli.main", "invoices", "show", str(mine["id"]), "-o", "json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        shown_json = json.loads(as_json.stdout)
+        assert shown_json["sha256"] == mine["sha256"] and shown_json["invoice"]["total_micro"] == mine["total_micro"]
 
 
 def test_operators_read_the_price_book_and_reconciliation(db_url, make_harness, ledger_url) -> None:

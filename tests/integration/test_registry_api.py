@@ -714,7 +714,7 @@ def test_the_platform_evaluates_with_the_sanity_evaluator_and_a_nan_cannot_reach
     assert "model-00001-of-00002.safetensors:mlp.weight" in failed and "max 0: fails" in failed
     # The tenant's own word does not open the gate: the platform's evaluation holds it.
     run("evaluate", "sane", bad[:12], "--metric", "nan_inf_count=0", "--metric", "max_rel_norm_change=0")
-    refused = run("promote", "sane", bad[:12], "--to", "production", code=1)
+    refused = run("promote", "sane", bad[:12], "--to", "production", code=4)  # refused by the gates
     assert "nan_inf_count" in refused and "sanity" in refused and "above the maximum 0" in refused
     with tenant.http() as http:
         answer = http.put("/v1/models/sane/aliases/production", json={"version": bad})
@@ -725,7 +725,7 @@ def test_the_platform_evaluates_with_the_sanity_evaluator_and_a_nan_cannot_reach
         assert shown["metrics"]["nan_inf_count"] == 1 and shown["reported_metrics"]["nan_inf_count"] == 0
 
     run("evaluate", "sane", reshaped[:12], code=1)
-    refused = run("promote", "sane", reshaped[:12], "--to", "production", code=1)
+    refused = run("promote", "sane", reshaped[:12], "--to", "production", code=4)
     assert "shape_changes" in refused
 
     passed = run("evaluate", "sane", good[:12], "--evaluator", "sanity")
@@ -798,7 +798,7 @@ def test_the_platform_runs_the_models_command_and_a_hanging_or_garbage_command_f
     run("evaluation-command", "scored", "--run", f"{sys.executable} -c 'import time; time.sleep(60)'", "--timeout", "2")
     hung = run("evaluate", "scored", digest[:12], "--evaluator", "command", code=1)
     assert "ran past its time limit of 2 s" in hung
-    refused = run("promote", "scored", digest[:12], "--to", "staging", code=1)
+    refused = run("promote", "scored", digest[:12], "--to", "staging", code=4)
     assert "the latest command evaluation failed" in refused
 
     run("evaluation-command", "scored", "--run", "echo all good")

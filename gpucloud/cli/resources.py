@@ -1,0 +1,348 @@
+"""`gpucloud tenants | allocations | api-keys | operations`: the API's resources for operators
+and tenants, as tables (or `--output json`), through the typed SDK (`gpucloud.client.api`).
+
+Who calls: a tenant's key (`--api-key`, `GPUCLOUD_API_KEY`), else the operator token
+(`GPUCLOUD_API__OPERATOR_TOKEN` or the data dir's). Creates send an Idempotency-Key, so a
+command run again after a lost answer does not create twice; `--wait` follows the operation to
+its end, bounded by `--timeout`. Exit codes are the CLI's (`cli/common.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+import typer
+from pydantic import BaseModel
+from rich.table import Table
+
+from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, reported_errors
+
+Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
+Wait = Annotated[bool, typer.Option("--wait/--no-wait", help="follow the operation until it ends")]
+Timeout = Annotated[float, typer.Option(help="with --wait: give up after this many seconds (exit 5)")]
+
+
+def _when(value: Any) -> str:
+    return "" if value is None else str(value)[:19].replace("T", " ")
+
+
+def emit(output: str, rows: Iterable[BaseModel] | BaseModel, table: Table | None = None) -> None:
+    """Print `rows` as JSON (one object, or a list) or as `table` (already filled)."""
+    if output not in ("table", "json"):
+        raise typer.BadParameter("table or json", param_hint="--output")
+    if output == "json":
+        data = (
+            rows.model_dump(mode="json") if isinstance(rows, BaseModel) else [r.model_dump(mode="json") for r in rows]
+        )
+        print(json.dumps(data, indent=2))
+    elif table is not None:
+        console.print(table)
+
+
+def _table(title: str, *columns: str) -> Table:
+    return Table(*columns, title=title)
+
+
+# ---------------------------------------------------------------- tenants (operator)
+
+tenants_app = typer.Typer(no_args_is_help=True, help="Tenants (operator): list, show, onboard, offboard.")
+
+
+def _tenant_table(tenants: list) -> Table:
+    table = _table("tenants", "id", "name", "status", "vni", "storage prefix", "created", "why it failed")
+    for t in tenants:
+        table.add_row(
+            t.id,
+            t.name,
+            t.status,
+            str(t.vni or ""),
+            t.storage_prefix or "",
+            _when(t.created_at),
+            t.failure_reason or "",
+        )
+    return table
+
+
+@tenants_app.command("list")
+def tenants_list(
+    status: Annotated[str | None, typer.Option(help="only tenants in this status")] = None,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+) -> None:
+    """Every tenant, oldest first."""
+    with reported_errors(), api_client(api_url, operator=True) as api:
+        tenants = list(api.tenants.list(status=status))
+    emit(output, tenants, _tenant_table(tenants))
+
+
+@tenants_app.command("show")
+def tenants_show(tenant_id: str, output: Output = "table", api_url: ApiUrl = None) -> None:
+    """One tenant and its quotas (GPUs used of each type in each region)."""
+    with reported_errors(), api_client(api_url, operator=True) as api:
+        tenant, quotas = api.tenants.get(tenant_id), api.tenants.quotas(tenant_id)
+    if output == "json":
+        print(
+            json.dumps({"tenant": tenant.model_dump(mode="json"), "quotas": quotas.model_dump(mode="json")}, indent=2)
+        )
+        return
+    console.print(_tenant_table([tenant]))
+    table = _table(f"quotas (default {quotas.default_gpus} GPUs)", "GPU type", "region", "max GPUs")
+    for q in quotas.quotas:
+        table.add_row(q.gpu_type, q.region, str(q.max_gpus))
+    console.print(table)
+    usage = _table("GPUs in use", "GPU type", "region", "GPUs", "of")
+    for u in quotas.usage:
+        usage.add_row(u.gpu_type, u.region, str(u.usage_gpus), str(u.max_gpus))
+    console.print(usage)
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: str,
+    quota: Annotated[
+        list[str] | None, typer.Option(help="GPU_TYPE:REGION=GPUS (repeatable), else the default quotas")
+    ] = None,
+    wait: Wait = True,
+    timeout: Timeout = 600.0,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+) -> None:
+    """Onboard a tenant: its network, storage and first API key (shown once, here)."""
+    quotas = [_quota(q) for q in quota or []]
+    with reported_errors(), api_client(api_url, operator=True) as api:
+        accepted = api.tenants.create(name, quotas=quotas or None, idempotency_key=str(uuid.uuid4()))
+        operation = accepted.operation
+        if wait:
+            with console.status(f"onboarding {name} (network, storage, key)"):
+                operation = api.operations.wait(operation.id, timeout_s=timeout)
+            tenant = api.tenants.get(accepted.id)
+        else:
+            tenant = accepted
+    if output == "json":
+        body = {**accepted.model_dump(mode="json"), **tenant.model_dump(mode="json")}
+        print(json.dumps(body | {"operation": operation.model_dump(mode="json")}, indent=2))
+    else:
+        console.print(_tenant_table([tenant]))
+        console.print(f"first API key (shown once): [bold]{accepted.api_key.key}[/]")
+        console.print(f"operation {operation.id}: {operation.status} {operation.error or ''}")
+    _fail_on(operation)
+
+
+def _quota(text: str) -> dict[str, Any]:
+    where, _, gpus = text.partition("=")
+    gpu_type, _, region = where.partition(":")
+    if not (gpu_type and region and gpus.isdigit()):
+        raise typer.BadParameter(f"{text!r} is not GPU_TYPE:REGION=GPUS (say H100:us-east-1=64)", param_hint="--quota")
+    return {"gpu_type": gpu_type, "region": region, "max_gpus": int(gpus)}
+
+
+@tenants_app.command("offboard")
+def tenants_offboard(
+    tenant_id: str, wait: Wait = True, timeout: Timeout = 600.0, output: Output = "table", api_url: ApiUrl = None
+) -> None:
+    """Offboard a tenant: its keys revoked, its allocations released, its network and storage removed."""
+    with reported_errors(), api_client(api_url, operator=True) as api:
+        done = api.tenants.offboard(tenant_id)
+        operation = api.operations.wait(done.operation.id, timeout_s=timeout) if wait else done.operation
+        tenant = api.tenants.get(tenant_id)
+    emit(output, type(done)(tenant=tenant, operation=operation), _tenant_table([tenant]))
+    if output != "json":
+        console.print(f"operation {operation.id}: {operation.status} {operation.error or ''}")
+    _fail_on(operation)
+
+
+def _fail_on(operation: Any) -> None:
+    if operation.status == "failed":
+        err.print(f"[red]operation {operation.id} failed:[/] {operation.error}")
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------- allocations
+
+allocations_app = typer.Typer(no_args_is_help=True, help="Allocations: list, show, create, cancel.")
+
+
+def _allocation_table(allocations: list) -> Table:
+    table = _table("allocations", "id", "tenant", "status", "GPU type", "region", "nodes", "fabric domain", "created")
+    for a in allocations:
+        table.add_row(
+            a.id,
+            a.tenant_id,
+            a.status + (f" ({a.failure_reason})" if a.failure_reason else ""),
+            a.gpu_type,
+            a.region,
+            str(len(a.node_ids) or a.node_count or ""),
+            a.fabric_domain or "",
+            _when(a.created_at),
+        )
+    return table
+
+
+@allocations_app.command("list")
+def allocations_list(
+    status: Annotated[str | None, typer.Option(help="only allocations in this status")] = None,
+    tenant: Annotated[str | None, typer.Option(help="operator: one tenant's")] = None,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The caller's allocations (the operator: everyone's), oldest first."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        allocations = list(api.allocations.list(status=status, tenant_id=tenant))
+    emit(output, allocations, _allocation_table(allocations))
+
+
+@allocations_app.command("show")
+def allocations_show(
+    allocation_id: str, output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None
+) -> None:
+    """One allocation, its nodes and its events."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        allocation = api.allocations.get(allocation_id)
+        events = list(api.allocations.events(allocation_id))
+    if output == "json":
+        body = {"allocation": allocation.model_dump(mode="json"), "events": [e.model_dump(mode="json") for e in events]}
+        print(json.dumps(body, indent=2))
+        return
+    console.print(_allocation_table([allocation]))
+    console.print("nodes: " + (", ".join(allocation.node_ids) or "none yet"))
+    table = _table("events", "at", "kind", "node", "reason")
+    for e in events:
+        table.add_row(_when(e.at), e.kind, e.node_id or "", e.reason or "")
+    console.print(table)
+
+
+@allocations_app.command("create")
+def allocations_create(
+    gpu_type: Annotated[str, typer.Option(help="H100, GB200, ...")],
+    region: Annotated[str, typer.Option(help="the region to allocate in")],
+    nodes: Annotated[int | None, typer.Option(help="whole nodes")] = None,
+    nvl72_trays: Annotated[int | None, typer.Option(help="GB200: trays of one NVL72 rack instead of nodes")] = None,
+    wait: Wait = True,
+    timeout: Timeout = 1800.0,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Allocate nodes (or NVL72 trays); with --wait, until it is ready (or failed)."""
+    with reported_errors(), api_client(api_url, api_key) as api:
+        accepted = api.allocations.create(
+            gpu_type, region, nodes, nvl72_trays=nvl72_trays, idempotency_key=str(uuid.uuid4())
+        )
+        allocation = accepted.allocation
+        if wait:
+            with console.status(f"allocation {allocation.id}: provisioning"):
+                allocation = api.allocations.wait(allocation.id, {"ready", "failed", "released"}, timeout_s=timeout)
+    emit(output, allocation, _allocation_table([allocation]))
+    if allocation.status == "failed":
+        err.print(f"[red]allocation {allocation.id} failed:[/] {allocation.failure_reason}")
+        raise typer.Exit(1)
+
+
+@allocations_app.command("cancel")
+def allocations_cancel(
+    allocation_id: str,
+    wait: Wait = False,
+    timeout: Timeout = 1800.0,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Cancel (intent: the allocation shows `cancelling`, then `released` once its nodes are wiped)."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        allocation = api.allocations.cancel(allocation_id).allocation
+        if wait:
+            with console.status(f"allocation {allocation_id}: releasing"):
+                allocation = api.allocations.wait(allocation_id, {"released", "failed"}, timeout_s=timeout)
+    emit(output, allocation, _allocation_table([allocation]))
+
+
+# ---------------------------------------------------------------- API keys
+
+api_keys_app = typer.Typer(no_args_is_help=True, help="API keys: the caller's own, or (operator) a tenant's.")
+TenantOption = Annotated[str | None, typer.Option("--tenant", help="operator: this tenant's keys")]
+
+
+def _key_table(keys: list) -> Table:
+    table = _table("API keys", "id", "tenant", "created", "expires", "revoked", "replaced by")
+    for k in keys:
+        table.add_row(
+            k.id, k.tenant_id, _when(k.created_at), _when(k.expires_at), _when(k.revoked_at), k.replaced_by or ""
+        )
+    return table
+
+
+@api_keys_app.command("list")
+def keys_list(tenant: TenantOption = None, output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None):
+    """The keys (never their secrets)."""
+    with reported_errors(), api_client(api_url, api_key, operator=tenant is not None) as api:
+        keys = api.api_keys.list(tenant_id=tenant).items
+    emit(output, keys, _key_table(keys))
+
+
+def _created(output: str, created: Any) -> None:
+    if output == "json":
+        emit(output, created)
+        return
+    console.print(f"key {created.id} for {created.tenant_id} (shown once): [bold]{created.key}[/]")
+    if created.replaces:
+        console.print(f"replaces {created.replaces}, which stops working at {_when(created.replaced_key_expires_at)}")
+
+
+@api_keys_app.command("create")
+def keys_create(tenant: TenantOption = None, output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None):
+    """A new key (its secret is shown once, here)."""
+    with reported_errors(), api_client(api_url, api_key, operator=tenant is not None) as api:
+        created = api.api_keys.create(tenant_id=tenant, idempotency_key=str(uuid.uuid4()))
+    _created(output, created)
+
+
+@api_keys_app.command("rotate")
+def keys_rotate(
+    key_id: str,
+    grace: Annotated[int, typer.Option(help="seconds the old key keeps working")] = 0,
+    tenant: TenantOption = None,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Replace a key; the old one keeps working for --grace seconds."""
+    with reported_errors(), api_client(api_url, api_key, operator=tenant is not None) as api:
+        created = api.api_keys.rotate(key_id, grace_period_s=grace, tenant_id=tenant)
+    _created(output, created)
+
+
+@api_keys_app.command("revoke")
+def keys_revoke(
+    key_id: str, tenant: TenantOption = None, output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None
+) -> None:
+    """Revoke a key at once."""
+    with reported_errors(), api_client(api_url, api_key, operator=tenant is not None) as api:
+        revoked = api.api_keys.revoke(key_id, tenant_id=tenant)
+    emit(output, revoked, _key_table([revoked]))
+
+
+# ---------------------------------------------------------------- operations
+
+operations_app = typer.Typer(no_args_is_help=True, help="Operations: the status of a long-running change.")
+
+
+@operations_app.command("show")
+def operations_show(
+    operation_id: str,
+    wait: Wait = False,
+    timeout: Timeout = 600.0,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """One operation; with --wait, once it has ended. Exits 1 when it failed."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        op = api.operations.wait(operation_id, timeout_s=timeout) if wait else api.operations.get(operation_id)
+    table = _table("operation", "id", "kind", "resource", "status", "error", "workflow", "updated")
+    table.add_row(op.id, op.kind, op.resource_id, op.status, op.error or "", op.workflow_id or "", _when(op.updated_at))
+    emit(output, op, table)
+    _fail_on(op)
