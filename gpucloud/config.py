@@ -153,7 +153,7 @@ class TenantSettings(BaseModel):
 class LedgerSettings(BaseModel):
     """The billing ledger: its own service with its own database. Without a `url` the control
     plane bills nothing: it sends no allocation events, closes no periods, and the billing API
-    answers 503. `gpucloud up` runs one on `port` and sets `url`."""
+    answers 501. `gpucloud up` runs one on `port` and sets `url`."""
 
     url: str | None = None
     host: str = "127.0.0.1"

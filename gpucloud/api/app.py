@@ -11,7 +11,7 @@ from temporalio.client import Client
 
 from gpucloud import bootstrap
 from gpucloud.api import pagination
-from gpucloud.api.admission import THREADS, Admission, AdmissionPolicy
+from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission, AdmissionPolicy
 from gpucloud.api.gate import Gate
 from gpucloud.api.routers import (
     allocations,
@@ -91,6 +91,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         collectors=[FleetCollector(settings.database_url)],
     )
     app.add_middleware(RequestMetrics)  # outermost: what every caller got, refusals included
+    problems.truthful_openapi(app, open_paths=OPEN_PATHS)
 
     return app
 

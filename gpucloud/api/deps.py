@@ -93,8 +93,9 @@ TenantDep = Annotated[auth.TenantCaller, Depends(get_tenant)]
 def get_ledger(request: Request) -> LedgerClient:
     ledger = getattr(request.app.state, "ledger", None)
     if ledger is None:
+        # Not a transient outage (which is 503 with Retry-After): this deployment bills nothing.
         raise Problem(
-            503,
+            501,
             "billing-not-configured",
             "Billing is not configured",
             "this control plane has no ledger (set GPUCLOUD_LEDGER__URL)",

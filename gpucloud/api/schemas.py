@@ -262,6 +262,19 @@ class RolloutCommand(BaseModel):
 
 # ---------------------------------------------------------------- nodes (operators and agents)
 
+
+class FleetSummary(BaseModel):
+    """Node counts across the fleet."""
+
+    total: int
+    by_state: dict[str, int]
+    by_health: dict[str, int]
+    by_gpu_type: dict[str, int]
+    by_region: dict[str, int]
+    cordoned: int
+    agent_unreachable: int
+
+
 MAX_ENROLL_BATCH = 1000
 
 

@@ -264,3 +264,35 @@ class InvoiceOut(InvoiceSummary):
     id: int
     period_id: str
     created_ms: int
+
+
+class InvoicePeriod(BaseModel):
+    id: str
+    start_ms: int
+    end_ms: int
+
+
+class InvoiceLineOut(BaseModel):
+    kind: str = Field(description="`usage` (metered), `held` (the true-up to held time), or a credit's kind")
+    allocation_id: str
+    gpu_type: str
+    usage_period: str
+    price_version_id: int
+    price_per_hour_micro: int
+    discount_bp: int
+    count: int
+    gpu_ms: int
+    amount_micro: int
+
+
+class InvoiceDocument(BaseModel):
+    """An invoice's body exactly as the ledger stored it (canonical JSON: sorted keys, integers
+    only; `ledger/close.py` builds it); its SHA-256 is the answer's ETag."""
+
+    schema_: str = Field(alias="schema")
+    period: InvoicePeriod
+    tenant_id: str
+    amount_unit: str
+    rounding: str
+    lines: list[InvoiceLineOut]
+    total_micro: int

@@ -60,14 +60,16 @@ def json_field(default: Callable[[], Any] = list) -> Any:
 
 
 class NodeBase(SQLModel):
-    id: str = Field(primary_key=True, max_length=128)
-    hostname: str
-    region: str = Field(index=True)
-    pod: str = Field(description="Fabric domain: the InfiniBand pod the node's ports sit in")
-    rack: str
-    gpu_type: str
-    gpu_count: int
-    nvlink_domain: str | None = None
+    id: str = Field(primary_key=True, min_length=1, max_length=128)
+    hostname: str = Field(min_length=1, max_length=253)
+    region: str = Field(index=True, min_length=1, max_length=64)
+    pod: str = Field(
+        min_length=1, max_length=128, description="Fabric domain: the InfiniBand pod the node's ports sit in"
+    )
+    rack: str = Field(min_length=1, max_length=128)
+    gpu_type: str = Field(min_length=1, max_length=64)
+    gpu_count: int = Field(ge=1, le=72)
+    nvlink_domain: str | None = Field(default=None, max_length=128)
     # Out-of-band management (`adapters/bmc.py`): the node's Redfish service, its system there,
     # and a reference to the credential in the control plane's secrets, never the secret.
     bmc_url: str | None = Field(default=None, max_length=500, description="the BMC's Redfish service")
@@ -78,10 +80,10 @@ class NodeBase(SQLModel):
 
 
 class NodeEnroll(NodeBase):
-    agent_url: str
-    ib_port_guids: list[str] = []
+    agent_url: str = Field(min_length=1, max_length=500)
+    ib_port_guids: list[str] = Field(default_factory=list, max_length=64)
     # The GPUs' UIDs, as NVML reports them: the members of NVLink partitions (NVL72 trays).
-    gpu_uids: list[str] = []
+    gpu_uids: list[str] = Field(default_factory=list, max_length=72)
 
 
 class NodePublic(NodeBase):
@@ -292,10 +294,10 @@ TERMINAL_ALLOCATION = frozenset({AllocationStatus.RELEASED, AllocationStatus.FAI
 
 class AllocationCreate(SQLModel):
     gpu_type: str = Field(min_length=1, max_length=64)
-    node_count: int
+    node_count: int = Field(ge=1, le=100_000)
     region: str = Field(min_length=1, max_length=64)
     # A slice of one NVL72 rack: this many trays (node_count of them), one NVLink domain.
-    nvl72_trays: int | None = None
+    nvl72_trays: int | None = Field(default=None, ge=1, le=18)
 
 
 class AllocationPublic(AllocationCreate):

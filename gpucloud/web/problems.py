@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,6 +26,86 @@ log = logging.getLogger(__name__)
 
 MEDIA_TYPE = "application/problem+json"
 TYPE_BASE = "https://gpucloud.dev/problems/"
+
+
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ProblemDocument(BaseModel):
+    """What every error answer of every server carries (`application/problem+json`, RFC 9457)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(description=f"a stable slug under {TYPE_BASE}")
+    title: str
+    status: int
+    detail: str = Field(description="what was wrong (the field, for bad input) and what to do next")
+    instance: str | None = Field(default=None, description="the path of the request")
+    errors: list[FieldError] | None = Field(default=None, description="on a 422: each field and why")
+    retryable: bool | None = Field(default=None, description="true when the same request may be sent again")
+
+
+# What every authenticated route of the API may answer, besides what it declares itself.
+COMMON_RESPONSES: dict[int, str] = {
+    401: "no valid credentials (an API key, the operator token, or an agent credential)",
+    403: "the caller may not do this",
+    429: "the caller is over its share of the API: retry after `Retry-After`",
+    503: "overloaded, or a dependency (database, workflow engine) did not answer: retry after `Retry-After`",
+}
+
+
+def truthful_openapi(app: FastAPI, *, open_paths: frozenset[str]) -> None:
+    """Make the app's OpenAPI document say what the app answers: every error body is a problem
+    document (`ProblemDocument`, as `application/problem+json`), the 422 included (not FastAPI's
+    default), and every route but the open ones may answer 401, 403, 429 and 503; one with a path
+    parameter, 404."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        document = ProblemDocument.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, definition in document.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        components["ProblemDocument"] = document
+        problem = {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/ProblemDocument"}}}
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                statuses = set() if path in open_paths else set(COMMON_RESPONSES)
+                if "{" in path:
+                    statuses.add(404)
+                if operation.get("parameters") or operation.get("requestBody"):
+                    statuses.add(422)
+                names = {p.get("name", "").lower() for p in operation.get("parameters", [])}
+                if "page_token" in names:
+                    statuses.add(400)  # a page token this API did not issue
+                if "idempotency-key" in names:
+                    statuses |= {400, 409}  # a malformed key; one reused for another request or still running
+                for status in statuses:
+                    described = {
+                        **COMMON_RESPONSES,
+                        400: "a `page_token` this API did not issue, or a malformed `Idempotency-Key`",
+                        409: "the state refuses it; or the `Idempotency-Key` was used for another request",
+                        404: "not found, or not visible to this caller",
+                    }
+                    responses.setdefault(str(status), {"description": described.get(status, "see `detail`")})
+                for status, response in responses.items():
+                    if status.isdigit() and int(status) >= 400:
+                        if int(status) == 422:
+                            response["description"] = "the request is invalid: `errors` names each field"
+                        response["content"] = problem
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def slug(title: str) -> str:

@@ -15,6 +15,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from gpucloud.web import problems
 
@@ -70,12 +71,18 @@ async def readiness(checks: Mapping[str, Check]) -> JSONResponse:
     return problems.response(document, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+class Readiness(BaseModel):
+    status: str = Field(description="`ready`")
+    checks: dict[str, str] = Field(description="each dependency: `ok`, or why not")
+
+
 def install_readiness(app: FastAPI, checks: Mapping[str, Check]) -> None:
     """Add `GET /readyz` running `checks` (see the module doc)."""
 
     @app.get(
         "/readyz",
         tags=["health"],
+        response_model=Readiness,
         responses={503: {"description": "a dependency is not usable; `checks` names each and why"}},
     )
     async def readyz() -> JSONResponse:

@@ -174,4 +174,6 @@ def test_a_ledger_that_does_not_answer_is_a_503(db_url, make_harness) -> None:
     unbilled = make_harness(db_url, nodes=1)
     _tenant_id, key = unbilled.new_tenant()
     with unbilled.client(key) as tenant:
-        assert tenant.get("/v1/usage").json()["type"] == PROBLEMS + "billing-not-configured"
+        unbilled_answer = tenant.get("/v1/usage")
+        assert unbilled_answer.status_code == 501
+        assert unbilled_answer.json()["type"] == PROBLEMS + "billing-not-configured"

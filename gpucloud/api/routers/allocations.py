@@ -290,7 +290,9 @@ def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tu
 @router.post(
     "/allocations/{allocation_id}/cancel",
     response_model=AllocationAccepted,
-    responses={202: {"description": "cancellation recorded; the allocation shows `cancelling`"}},
+    responses={
+        202: {"description": "cancellation recorded; the allocation shows `cancelling`", "model": AllocationAccepted}
+    },
 )
 async def cancel_allocation(allocation_id: str, caller: CallerDep, settings: SettingsDep, temporal: TemporalDep):
     alloc, op = await run_in_threadpool(_record_cancel, settings, caller, allocation_id)

@@ -28,6 +28,7 @@ from gpucloud.api.schemas import (
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.schemas import (
+    InvoiceDocument,
     PriceBookVersionIn,
     PriceBookVersionOut,
     ReconciliationReport,
@@ -35,16 +36,17 @@ from gpucloud.ledger.schemas import (
 from gpucloud.models.tables import Allocation
 from gpucloud.web.problems import Problem, not_found
 
-router = APIRouter(prefix="/v1", tags=["billing"])
+router = APIRouter(
+    prefix="/v1",
+    tags=["billing"],
+    responses={501: {"description": "this control plane has no ledger (billing is not configured)"}},
+)
 
 PERIOD_PATTERN = r"^\d{4}-(0[1-9]|1[0-2])$"
 PeriodQuery = Annotated[str | None, Query(pattern=PERIOD_PATTERN, description="billing period, YYYY-MM (UTC)")]
 TenantQuery = Annotated[str | None, Query(description="operators: the tenant (tenants: always their own)")]
 INVOICE_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {
-        "content": {"application/json": {}},
-        "description": "the invoice document, canonical JSON (sorted keys, integers only)",
-    }
+    200: {"model": InvoiceDocument, "description": "the invoice document, canonical JSON (sorted keys, integers only)"}
 }
 
 T = TypeVar("T")

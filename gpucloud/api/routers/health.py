@@ -192,7 +192,11 @@ async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: Sett
     return await _ingest_and_act(settings, temporal, batch.events, "agent")
 
 
-@router.post("/agents/readings", response_model=ReadingIngestResult)
+@router.post(
+    "/agents/readings",
+    response_model=ReadingIngestResult,
+    responses={404: {"description": "a reading names a node the control plane does not know: nothing stored"}},
+)
 async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
     """Counter readings as agents took them; each node's trends are judged again and acted on at once."""
     own_node_only(caller, [r.node_id for r in batch.readings], most=AGENT_MAX_READINGS)

@@ -19,6 +19,7 @@ from gpucloud.api.schemas import (
     AgentCredentialIssued,
     EnrollRequest,
     EnrollResult,
+    FleetSummary,
     HeartbeatBatch,
     HeartbeatResult,
     LedgerToken,
@@ -271,9 +272,10 @@ def node_events(
     )
 
 
-@router.get("/fleet/summary")
-def fleet_summary(operator: OperatorDep, session: SessionDep) -> dict:
-    return summary(session)
+@router.get("/fleet/summary", response_model=FleetSummary)
+def fleet_summary(operator: OperatorDep, session: SessionDep) -> FleetSummary:
+    """Node counts by state, health, GPU type and region; cordoned and unreachable nodes."""
+    return FleetSummary.model_validate(summary(session))
 
 
 def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:

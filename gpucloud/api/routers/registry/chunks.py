@@ -49,7 +49,7 @@ def missing_chunks(name: str, req: ChunkQuery, tenant: TenantDep, settings: Sett
     "/models/{name}/chunks/{chunk_id}",
     status_code=201,
     response_model=ChunkStored,
-    responses={200: {"description": "the store already had the chunk"}},
+    responses={200: {"description": "the store already had the chunk", "model": ChunkStored}},
 )
 async def upload_chunk(
     name: str, chunk_id: ChunkId, request: Request, tenant: TenantDep, settings: SettingsDep, stores: StoresDep

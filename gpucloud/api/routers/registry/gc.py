@@ -37,11 +37,12 @@ MAX_LISTED_IDS = 1000
 
 
 class GcRequest(BaseModel):
-    tenant_id: str | None = Field(None, description="one tenant; default: every tenant with a model")
+    tenant_id: str | None = Field(None, max_length=128, description="one tenant; default: every tenant with a model")
     grace_period_seconds: int = Field(
         int(gc.GRACE_PERIOD.total_seconds()),
         ge=MIN_GC_GRACE_SECONDS,
-        description="unreferenced chunks younger than this are kept",
+        le=10 * 366 * 86_400,
+        description="unreferenced chunks younger than this are kept (at most ten years)",
     )
     dry_run: bool = Field(False, description="report what would be removed, remove nothing")
 
@@ -66,7 +67,9 @@ class GcReport(BaseModel):
     tenants: list[TenantGc]
 
 
-@router.post("/registry/gc", response_model=GcReport)
+@router.post(
+    "/registry/gc", response_model=GcReport, responses={404: {"description": "no tenant with the `tenant_id` given"}}
+)
 def collect_garbage(
     req: GcRequest, operator: OperatorDep, session: SessionDep, stores: StoresDep, settings: SettingsDep
 ):

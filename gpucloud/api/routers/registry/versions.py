@@ -134,7 +134,7 @@ def _register_version(
     status_code=201,
     response_model=ModelVersionPublic,
     responses={
-        200: {"description": "the version was already registered"},
+        200: {"description": "the version was already registered", "model": ModelVersionPublic},
         409: {"description": "chunks missing from the store (listed)"},
         422: {"description": "invalid manifest, unknown key or bad signature"},
     },
