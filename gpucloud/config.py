@@ -271,6 +271,9 @@ class TelemetrySettings(BaseModel):
 
     # The bearer token scrapers send; without one, a token kept in the data dir (created 0600).
     metrics_token: SecretStr | None = None
+    # Log lines as text, or one JSON object each with the tenant, allocation and node ids (`logs.py`).
+    log_format: Literal["text", "json"] = "text"
+    log_level: str = "INFO"
     worker_host: str = "127.0.0.1"
     worker_port: int | None = None
 

@@ -413,4 +413,4 @@ def main(
         metering=metering,
         metrics_tokens=(metrics_token,) if metrics_token else (),
     )
-    uvicorn.run(app, host=host, port=port, log_level="info", **secure)
+    uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, **secure)

@@ -98,9 +98,12 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
 
 def create_app_from_env() -> FastAPI:
     """The app of one of several API processes: each reads the settings its parent exported."""
+    from gpucloud import logs
     from gpucloud.config import get_settings
 
-    return create_app(get_settings())
+    settings = get_settings()
+    logs.configure(level=settings.telemetry.log_level, fmt=settings.telemetry.log_format)
+    return create_app(settings)
 
 
 def serve(settings: Settings) -> None:
@@ -116,7 +119,14 @@ def serve(settings: Settings) -> None:
     secure = tls.serve_options(settings.api.host, settings.tls.server, insecure=settings.tls.insecure, what="API")
     workers = settings.api.workers
     if workers <= 1:
-        uvicorn.run(create_app(settings), host=settings.api.host, port=settings.api.port, log_level="warning", **secure)
+        uvicorn.run(
+            create_app(settings),
+            host=settings.api.host,
+            port=settings.api.port,
+            log_level="warning",
+            log_config=None,
+            **secure,
+        )
         return
     if settings.database_url.startswith("sqlite"):
         raise SystemExit(
@@ -136,5 +146,6 @@ def serve(settings: Settings) -> None:
         host=settings.api.host,
         port=settings.api.port,
         log_level="warning",
+        log_config=None,
         **secure,
     )

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gpucloud.api import auth
 from gpucloud.api.admission import OPEN_PATHS, bearer_token
 from gpucloud.db import get_engine
+from gpucloud.logs import log_context
 from gpucloud.web import problems
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ class Gate:
                 await _too_large(scope, send, limit)
                 return
             receive = _replay(body)
-        await self.app(scope, receive, send)
+        # Every line logged while serving the request names who asked (and follows it into threads).
+        with log_context(tenant_id=caller.tenant_id, node_id=caller.node_id):
+            await self.app(scope, receive, send)
 
     def _resolve(self, token: str) -> auth.Caller | None:
         with Session(get_engine(self.database_url)) as session:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 import os
 import signal
 import sys
@@ -29,10 +28,10 @@ console = Console(stderr=True)
 
 
 def _logging() -> None:
-    logging.basicConfig(
-        level=os.environ.get("GPUCLOUD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent call is noise
+    from gpucloud import logs
+
+    telemetry = get_settings().telemetry
+    logs.configure(level=os.environ.get("GPUCLOUD_LOG_LEVEL", telemetry.log_level), fmt=telemetry.log_format)
 
 
 FaultsOption = Annotated[
@@ -453,6 +452,7 @@ def migrate(
     from gpucloud.db import Database, alembic_config, get_engine, schema_revisions
     from gpucloud.ledger.db import LedgerDatabase
 
+    _logging()
     settings = get_settings()
     control = Database(settings.database_url)
     databases = {

@@ -155,4 +155,4 @@ def main(
         migrate_on_start=migrate,
         metrics_tokens=metrics_tokens,
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None, **secure)

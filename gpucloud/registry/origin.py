@@ -95,6 +95,7 @@ def serve_tracker(settings: Settings) -> None:
         host=url.host,
         port=url.port or 80,
         log_level="warning",
+        log_config=None,
         timeout_keep_alive=int(4 * KEEPALIVE_S),
         backlog=4096,
         **secure,

@@ -367,4 +367,4 @@ def serve(
 
     secure = serve_options(host, tls, insecure=insecure, what="simulated fleet")
     app = create_app(spec, base_url=f"{scheme(tls)}://{host}:{port}", **options)
-    uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096, **secure)
+    uvicorn.run(app, host=host, port=port, log_level="warning", backlog=4096, log_config=None, **secure)
