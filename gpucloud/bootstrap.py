@@ -25,6 +25,7 @@ import tenacity
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 
+from gpucloud import tracing
 from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo
 from gpucloud.adapters.bmc import discover as discover_systems
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
@@ -63,7 +64,7 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
     )
     async for attempt in retrying:
         with attempt:
-            return await connect(settings.temporal, runtime=runtime)
+            return await connect(settings.temporal, runtime=runtime, interceptors=tracing.temporal_interceptors())
     raise AssertionError("tenacity either returns or raises")
 
 

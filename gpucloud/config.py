@@ -274,6 +274,8 @@ class TelemetrySettings(BaseModel):
     # Log lines as text, or one JSON object each with the tenant, allocation and node ids (`logs.py`).
     log_format: Literal["text", "json"] = "text"
     log_level: str = "INFO"
+    # OpenTelemetry traces over OTLP/HTTP (`http://collector:4318/v1/traces`); unset: no tracing.
+    otlp_endpoint: str | None = None
     worker_host: str = "127.0.0.1"
     worker_port: int | None = None
 

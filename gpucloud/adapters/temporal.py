@@ -7,7 +7,9 @@ API key sent as a bearer token (Temporal Cloud, or a cluster with an authorizer)
 
 from __future__ import annotations
 
-from temporalio.client import Client, TLSConfig
+from collections.abc import Sequence
+
+from temporalio.client import Client, Interceptor, TLSConfig
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import Runtime
 
@@ -30,7 +32,9 @@ def tls_config(settings: TemporalSettings) -> TLSConfig | bool:
     )
 
 
-async def connect(settings: TemporalSettings, *, runtime: Runtime | None = None) -> Client:
+async def connect(
+    settings: TemporalSettings, *, runtime: Runtime | None = None, interceptors: Sequence[Interceptor] = ()
+) -> Client:
     return await Client.connect(
         settings.address,
         namespace=settings.namespace,
@@ -38,4 +42,5 @@ async def connect(settings: TemporalSettings, *, runtime: Runtime | None = None)
         tls=tls_config(settings),
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
         runtime=runtime,
+        interceptors=interceptors,
     )

@@ -34,6 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gpucloud import tracing
 from gpucloud.agent import inspection
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id
 from gpucloud.agent.probe import Probe
@@ -413,4 +414,5 @@ def main(
         metering=metering,
         metrics_tokens=(metrics_token,) if metrics_token else (),
     )
+    tracing.instrument_app(app)  # when the command turned tracing on
     uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, **secure)

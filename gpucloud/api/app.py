@@ -9,7 +9,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from temporalio.client import Client
 
-from gpucloud import bootstrap
+from gpucloud import bootstrap, tracing
 from gpucloud.api import pagination
 from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission, AdmissionPolicy
 from gpucloud.api.gate import Gate
@@ -92,6 +92,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     )
     app.add_middleware(RequestMetrics)  # outermost: what every caller got, refusals included
     problems.truthful_openapi(app, open_paths=OPEN_PATHS)
+    tracing.configure(settings, "api")
+    tracing.instrument_app(app)
 
     return app
 

@@ -27,11 +27,15 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, epil
 console = Console(stderr=True)
 
 
-def _logging() -> None:
-    from gpucloud import logs
+def _logging(service: str | None = None) -> None:
+    """Logs as the settings say; with `service`, traces too (when an OTLP endpoint is set)."""
+    from gpucloud import logs, tracing
 
-    telemetry = get_settings().telemetry
+    settings = get_settings()
+    telemetry = settings.telemetry
     logs.configure(level=os.environ.get("GPUCLOUD_LOG_LEVEL", telemetry.log_level), fmt=telemetry.log_format)
+    if service is not None:
+        tracing.configure(settings, service)
 
 
 FaultsOption = Annotated[
@@ -53,7 +57,7 @@ def fault_model_named(name: str | None):
 
 def _serve(module: str, function: str) -> None:
     """Run `module.function(settings)`, imported only now so that `--help` stays fast."""
-    _logging()
+    _logging("tracker")
     getattr(importlib.import_module(module), function)(get_settings())
 
 
@@ -74,7 +78,7 @@ def worker() -> None:
     """Run the Temporal worker (all workflows and activities)."""
     from gpucloud.workers.main import run_worker
 
-    _logging()
+    _logging("worker")
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -95,7 +99,7 @@ def api(
     """Run the HTTP API (FastAPI + uvicorn)."""
     from gpucloud.api.app import serve
 
-    _logging()
+    _logging("api")
     settings = get_settings()
     if workers is not None:
         settings = settings.model_copy(update={"api": settings.api.model_copy(update={"workers": workers})})
@@ -363,7 +367,7 @@ def agent(
     from gpucloud.agent.app import main as agent_main
     from gpucloud.web import tls as web_tls
 
-    _logging()
+    _logging("agent")
     settings = get_settings()
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("TLS needs both --tls-cert and --tls-key", param_hint="--tls-cert")
@@ -420,7 +424,7 @@ def ledger(
     from gpucloud.ledger.app import main as ledger_main
     from gpucloud.web.service_tokens import public_key_path
 
-    _logging()
+    _logging("ledger")
     settings = get_settings()
     ledger_main(
         host=settings.ledger.host,

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpucloud import tracing
 from gpucloud.ledger import problems
 from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
 from gpucloud.ledger.api.callers import LedgerCallers
@@ -155,4 +156,5 @@ def main(
         migrate_on_start=migrate,
         metrics_tokens=metrics_tokens,
     )
+    tracing.instrument_app(app)  # when the command turned tracing on
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None, **secure)

@@ -16,7 +16,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from gpucloud import bootstrap
+from gpucloud import bootstrap, tracing
 from gpucloud.activities.bmc import BmcActivities
 from gpucloud.activities.control_db import ControlDbActivities
 from gpucloud.activities.evaluation import EvaluationActivities
@@ -123,6 +123,7 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
 
     cp = bootstrap.control_plane(settings)
     cp.db.prepare(migrate_on_start=settings.migrates_on_start)
+    tracing.configure(settings, "worker")
     sdk_metrics = TemporalMetrics().start()
     client = await bootstrap.temporal_client(settings, runtime=sdk_metrics.runtime)
     http = None
