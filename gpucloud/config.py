@@ -39,6 +39,9 @@ class TemporalSettings(BaseModel):
     task_queue: str = TASK_QUEUE
     # Activity concurrency of one worker process (DB and agent calls run in threads / asyncio).
     worker_max_activities: int = 64
+    # On SIGTERM a worker stops polling and gives the activities it runs this long to finish
+    # before they are cancelled (and retried elsewhere): a restart drains, it does not drop work.
+    worker_drain_s: float = 30.0
     # TLS to the frontend: on with `tls` or any file below; the CA that signed the frontend's
     # certificate (else the system's), and a client certificate and key for mutual TLS.
     tls: bool = False

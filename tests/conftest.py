@@ -122,6 +122,7 @@ def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
         "temporal": {
             "address": temporal_env.client.service_client.config.target_host,
             "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
+            "worker_drain_s": 0,  # a test's worker stops at once
         },
         "api": {"port": free_port(), "operator_token": "test-operator-token"},
     }

@@ -55,6 +55,7 @@ from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSup
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.web import problems
 from gpucloud.web.metrics import install_metrics
+from gpucloud.web.readiness import install_readiness
 from gpucloud.web.service_tokens import Verifier, refusal
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
@@ -300,7 +301,7 @@ def create_app(
 
     @app.middleware("http")
     async def control_plane_only(request: Request, call_next):
-        if request.url.path in ("/healthz", "/metrics"):  # /metrics checks its own token
+        if request.url.path in ("/healthz", "/readyz", "/metrics"):  # /metrics checks its own token
             return await call_next(request)
         authorization = request.headers.get("authorization")
         return refusal(control_plane, authorization, node_id=agent.state.node_id) or await call_next(request)
@@ -310,6 +311,13 @@ def create_app(
         return {"ok": True, "node_id": agent.state.node_id}
 
     install_metrics(app, lambda: metrics_tokens)
+
+    async def gpus() -> None:
+        reading = await asyncio.to_thread(agent.probe.read)
+        if reading.fatal_error is not None:
+            raise RuntimeError(f"the GPU probe reports {reading.fatal_error.model_dump_json()}")
+
+    install_readiness(app, {"gpus": gpus})
 
     @app.get("/readings")
     async def readings() -> dict:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
@@ -114,6 +115,7 @@ def build_worker(
         activity_executor=executor,
         max_concurrent_activities=settings.temporal.worker_max_activities,
         max_concurrent_workflow_tasks=100,
+        graceful_shutdown_timeout=timedelta(seconds=settings.temporal.worker_drain_s),
     )
 
 

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState
+from gpucloud.agent.readings import FatalKind
 from gpucloud.agent.reporting import Reporter
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.tools import BurnInLimits, CommandResult, CommandRunner
@@ -182,3 +183,15 @@ async def test_reporter_pushes_each_reading_and_drops_it_while_down(tmp_path, co
     cp["down"] = False
     await reporter.read_once()
     assert len(seen["/v1/agents/readings"]) == 2
+
+
+def test_readiness_is_open_and_says_when_the_gpus_fail(tmp_path):
+    agent = _agent(tmp_path, FakeTools(set(BURN_IN_TOOLS)))
+    with agent_test_client(agent) as client:
+        client.headers.pop("Authorization")  # open, like /healthz
+        assert client.get("/readyz").json() == {"status": "ready", "checks": {"gpus": "ok"}}
+        agent.probe.set_fatal(FatalKind.GPU_LOST, gpu_index=3, detail="fell off the bus")
+        down = client.get("/readyz")
+        assert down.status_code == 503 and down.headers["retry-after"]
+        assert "fell off the bus" in down.json()["checks"]["gpus"]
+        assert client.get("/metrics").status_code == 401  # no metrics token given to this agent

@@ -30,3 +30,16 @@ def test_secrets_come_from_files_named_as_their_variables_and_the_environment_wi
     monkeypatch.setenv("GPUCLOUD_SECRETS_DIR", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="is not a directory"):
         Settings()
+
+
+def test_a_worker_drains_for_as_long_as_the_settings_say(tmp_path):
+    from datetime import timedelta
+    from unittest import mock
+
+    from gpucloud import bootstrap
+    from gpucloud.workers.main import build_worker
+
+    settings = Settings(data_dir=tmp_path, temporal={"worker_drain_s": 45})
+    with mock.patch("gpucloud.workers.main.Worker") as worker:
+        build_worker(mock.MagicMock(), bootstrap.control_plane(settings), executor=mock.MagicMock())
+    assert worker.call_args.kwargs["graceful_shutdown_timeout"] == timedelta(seconds=45)
