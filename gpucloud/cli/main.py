@@ -114,9 +114,9 @@ def sim(
     provision_s: Annotated[
         float | None, typer.Option(help="every provision takes exactly this many seconds (to cancel one midway)")
     ] = None,
-    gpu_type: str = "H100",
-    region: str = "us-east-1",
-    seed: int = 0,
+    gpu_type: Annotated[str, typer.Option(help="the GPU type every simulated node reports")] = "H100",
+    region: Annotated[str, typer.Option(help="the region every simulated node is in")] = "us-east-1",
+    seed: Annotated[int, typer.Option(help="seeds the simulated probes and faults (a run repeats)")] = 0,
     id_prefix: Annotated[str, typer.Option(help="node ids are <prefix>-00000, ...")] = "sim",
     heartbeat_interval: Annotated[float, typer.Option(help="seconds between agent heartbeats (0: none)")] = 10.0,
     ledger_url: Annotated[
@@ -330,8 +330,8 @@ def agent(
     container_runtime: Annotated[
         str | None, typer.Option(help="the CLI that runs workloads' images (default: podman, else docker, on PATH)")
     ] = None,
-    heartbeat_s: float = 10.0,
-    reading_s: float = 30.0,
+    heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats to the control plane")] = 10.0,
+    reading_s: Annotated[float, typer.Option(help="seconds between counter readings sent to it")] = 30.0,
     allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
     ledger_url: Annotated[
         str | None,

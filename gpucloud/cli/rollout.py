@@ -14,10 +14,11 @@ import typer
 from rich.console import Console
 from rich.progress import TextColumn
 
-from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, progress_bar, reported_errors
+from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, progress_bar, reported_errors
 from gpucloud.client.api import Gpucloud
 from gpucloud.models.rollout_messages import RolloutProgress
 
+Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 rollout_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
@@ -82,6 +83,7 @@ def start(
     min_eval: Annotated[float, typer.Option("--min-eval", help="lowest evaluation probe score that passes")] = 0.0,
     wait: Annotated[bool, typer.Option("--watch/--no-watch", help="follow the rollout until it ends")] = True,
     idempotency_key: Annotated[str | None, typer.Option(help="default: a fresh one")] = None,
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -97,6 +99,12 @@ def start(
         body["waves"] = [parse_wave(w) for w in wave]
     with reported_errors(), api_client(api_url, api_key) as api:
         rollout_id = api.rollouts.create(body, idempotency_key=idempotency_key).rollout_id
+        if output == "json":  # no live bars: the final progress as one JSON document
+            final = watch(api, rollout_id, out=err) if wait else api.rollouts.get(rollout_id)
+            print(final.model_dump_json(indent=2))
+            if wait and final.phase != "succeeded":
+                raise typer.Exit(1)
+            return
         console.print(f"rollout [bold]{rollout_id}[/] started")
         if wait and watch(api, rollout_id).phase != "succeeded":
             raise typer.Exit(1)
@@ -106,7 +114,7 @@ def start(
 def status(
     rollout_id: str,
     follow: Annotated[bool, typer.Option("--watch", help="follow until it ends")] = False,
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -127,9 +135,12 @@ def status(
             console.print(f"  [red]{node_id}[/]: {outcome.detail}")
 
 
-def _command(name: str, rollout_id: str, reason: str, api_url: str | None, api_key: str | None) -> None:
+def _command(name: str, rollout_id: str, reason: str, output: str, api_url: str | None, api_key: str | None) -> None:
     with reported_errors(), api_client(api_url, api_key) as api:
         progress = api.rollouts.command(rollout_id, name, reason)
+    if output == "json":
+        print(progress.model_dump_json(indent=2))
+        return
     summary(progress)
 
 
@@ -137,18 +148,24 @@ Reason = Annotated[str, typer.Option(help="why, kept with the rollout")]
 
 
 @rollout_app.command()
-def pause(rollout_id: str, reason: Reason = "", api_url: ApiUrl = None, api_key: ApiKey = None) -> None:
+def pause(
+    rollout_id: str, reason: Reason = "", output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None
+) -> None:
     """Hold the rollout at the next wave boundary."""
-    _command("pause", rollout_id, reason, api_url, api_key)
+    _command("pause", rollout_id, reason, output, api_url, api_key)
 
 
 @rollout_app.command()
-def resume(rollout_id: str, reason: Reason = "", api_url: ApiUrl = None, api_key: ApiKey = None) -> None:
+def resume(
+    rollout_id: str, reason: Reason = "", output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None
+) -> None:
     """Let a paused rollout go on."""
-    _command("resume", rollout_id, reason, api_url, api_key)
+    _command("resume", rollout_id, reason, output, api_url, api_key)
 
 
 @rollout_app.command()
-def abort(rollout_id: str, reason: Reason = "", api_url: ApiUrl = None, api_key: ApiKey = None) -> None:
+def abort(
+    rollout_id: str, reason: Reason = "", output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None
+) -> None:
     """Stop the rollout now and roll back every node it activated."""
-    _command("abort", rollout_id, reason, api_url, api_key)
+    _command("abort", rollout_id, reason, output, api_url, api_key)

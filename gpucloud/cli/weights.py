@@ -16,6 +16,7 @@ with an error that names the chunk, file or key, and leaves nothing at the desti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -72,6 +73,7 @@ ApiUrl = Annotated[
     typer.Option("--api-url", envvar="GPUCLOUD_API_URL", help="registry API; default: the configured API address"),
 ]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
+Output = Annotated[str, typer.Option("--output", "-o", help="table or json (progress then goes to stderr)")]
 
 
 def _client(api_url: str | None, api_key: str | None) -> RegistryClient:
@@ -216,6 +218,7 @@ def push_command(
     base_model: Annotated[str | None, typer.Option(help="base model this was trained from")] = None,
     training_run: Annotated[str | None, typer.Option(help="training run id")] = None,
     dataset: Annotated[list[str] | None, typer.Option(help="dataset digest (repeatable)")] = None,
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -228,26 +231,34 @@ def push_command(
             training_run=training_run,
             dataset_digests=dataset or [],
         )
-        push_with_progress(client, directory, model=model, signer=signer, lineage=lineage, console=out)
+        console = err if output == "json" else out
+        pushed = push_with_progress(client, directory, model=model, signer=signer, lineage=lineage, console=console)
+    if output == "json":
+        print(json.dumps({"version": pushed.version, "stats": dataclasses.asdict(pushed.stats)}, default=str))
 
 
 @weights_app.command("pull")
 def pull_command(
     target: Annotated[str, typer.Argument(help="MODEL@VERSION (digest or unique prefix) or MODEL@ALIAS")],
     directory: Annotated[Path, typer.Argument(help="destination; must not exist yet")],
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """Pull a version into DIR, verifying every chunk and file against its signed manifest."""
     model, ref = parse_target(target)
     with _reported_errors(), _client(api_url, api_key) as client:
-        pull_with_progress(client, model, ref, directory, console=out)
+        pulled = pull_with_progress(client, model, ref, directory, console=err if output == "json" else out)
+    if output == "json":
+        body = {"digest": pulled.manifest.digest, "path": str(pulled.path), "bytes": pulled.bytes_total}
+        print(json.dumps(body | {"chunks": pulled.chunks_total}))
 
 
 @weights_app.command("trust")
 def trust_command(
     public_key: Annotated[str, typer.Argument(help="an Ed25519 public key, 64 hex digits (`weights keys` shows them)")],
     label: Annotated[str, typer.Option(help="who holds it (kept beside it)")] = "",
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -259,6 +270,9 @@ def trust_command(
         key_id = trust_key(get_settings().data_dir, tenant_id, public_key.lower(), label)
     except ValueError as exc:
         raise typer.BadParameter(f"not an Ed25519 public key in hex: {exc}", param_hint="PUBLIC_KEY") from None
+    if output == "json":
+        print(json.dumps({"key_id": key_id, "tenant_id": tenant_id, "label": label}))
+        return
     out.print(f"trusting key {key_id} for {tenant_id} on this machine")
 
 
@@ -289,12 +303,16 @@ def promote_command(
     model: str,
     version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
     to: Annotated[AliasName, typer.Option("--to", help="the alias to move")],
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """Move an alias to a version; staging and production move only when the model's gates pass."""
     with _reported_errors(), _client(api_url, api_key) as client:
         alias = client.promote(model, version, to.value)
+    if output == "json":
+        print(json.dumps(alias))
+        return
     out.print(f"{model}@{to.value} -> {alias['version']}")
 
 
@@ -454,6 +472,7 @@ def evaluation_command_command(
     env: Annotated[list[str] | None, typer.Option(help="NAME=VALUE (repeatable) for its environment")] = None,
     timeout: Annotated[float, typer.Option(help="its time limit, seconds")] = 600.0,
     remove: Annotated[bool, typer.Option("--remove", help="remove the model's evaluation command")] = False,
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -470,6 +489,9 @@ def evaluation_command_command(
     )
     with _reported_errors(), _client(api_url, api_key) as client:
         registered = client.set_evaluation(model, command)["evaluation"]
+    if output == "json":
+        print(json.dumps({"model": model, "evaluation": registered}))
+        return
     if registered is None:
         out.print(f"{model} has no evaluation command")
         return
@@ -518,6 +540,7 @@ def gc_command(
     grace: Annotated[str, typer.Option(help="keep unreferenced chunks younger than this (30m, 24h, 7d)")] = "24h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="list what would be removed, remove nothing")] = False,
     tenant: Annotated[str | None, typer.Option(help="one tenant id; default: every tenant")] = None,
+    output: Output = "table",
     api_url: ApiUrl = None,
     operator_token: Annotated[
         str | None,
@@ -530,6 +553,9 @@ def gc_command(
     grace_seconds = parse_duration(grace)
     with _reported_errors(), _client(api_url, operator_token or get_settings().operator_token) as client:
         report = client.collect_garbage(grace_seconds=grace_seconds, dry_run=dry_run, tenant_id=tenant)
+    if output == "json":
+        print(json.dumps(report))
+        return
     out.print(gc_table(report))
     verb = "would remove" if dry_run else "removed"
     out.print(f"{verb} {report['chunks_deleted']} chunks ({human_size(report['bytes_deleted'])})")

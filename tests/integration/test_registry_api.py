@@ -562,6 +562,9 @@ def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: P
     assert digest[:12] in run("versions", "cli-model")
     run("evaluate", "cli-model", digest[:12], "--metric", "accuracy=0.9")
     assert "production" in run("promote", "cli-model", digest[:12], "--to", "production")
+    assert json.loads(run("promote", "cli-model", digest[:12], "--to", "staging", "-o", "json"))["version"] == digest
+    pulled = json.loads(run("pull", "cli-model@staging", str(tmp_path / "json-out"), "-o", "json").splitlines()[-1])
+    assert pulled["digest"] == digest and tree(tmp_path / "json-out") == tree(source)
     run("pull", "cli-model@production", str(tmp_path / "out"))
     assert tree(tmp_path / "out") == tree(source)
     run("promote", "cli-model", digest, "--to", "prod", code=2)

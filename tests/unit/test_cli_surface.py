@@ -1,0 +1,43 @@
+"""The CLI's surface: every option says what it does, and every command that prints data can
+print it as JSON (`--output json`); the commands that run a process are the exceptions."""
+
+from __future__ import annotations
+
+import typer
+
+from gpucloud.cli.main import app
+
+# Commands that run a component (or the whole stack) rather than print data.
+RUNNERS = {"server", "worker", "api", "sim", "tracker", "up", "demo", "agent", "ledger", "fabric-managers"}
+
+
+def commands() -> dict[str, object]:
+    found: dict[str, object] = {}
+
+    def walk(command, path: list[str]) -> None:
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+        else:
+            found[" ".join(path)] = command
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_every_option_has_help_and_every_data_command_speaks_json() -> None:
+    found = commands()
+    assert {"tenants create", "allocations cancel", "api-keys rotate", "operations show"} <= set(found)
+    undocumented = [
+        f"{name} --{param.name}"
+        for name, command in found.items()
+        for param in command.params
+        if getattr(param, "param_type_name", "") == "option" and param.name != "help" and not param.help
+    ]
+    assert undocumented == []
+    without_json = [
+        name
+        for name, command in found.items()
+        if name not in RUNNERS and "output" not in {p.name for p in command.params}
+    ]
+    assert without_json == []
