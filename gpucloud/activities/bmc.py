@@ -21,7 +21,7 @@ from gpucloud.bootstrap import Bmcs
 from gpucloud.db import Database
 from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, NodeRef
 from gpucloud.models.tables import Node, NodeTransition, utcnow
-from gpucloud.services.operations import settle_operation
+from gpucloud.services.operations import settle
 from gpucloud.workflows.options import BMC_ATTEMPTS
 
 
@@ -76,7 +76,7 @@ class BmcActivities:
         except BmcError as error:
             failure = self._failed(req.node_id, f"power {req.action}", error, actor=req.actor)
             if failure.non_retryable or activity.info().attempt >= BMC_ATTEMPTS:
-                self._finish(req.operation_id, f"power {req.action}: {error}")
+                settle(self.db.url, req.operation_id, error=f"power {req.action}: {error}")
             raise failure from error
         state = POWER_AFTER[req.action]  # power() returns only once the BMC shows it
         last = {"at": utcnow().isoformat(), "action": f"power {req.action}", "ok": True, "answer": answer}
@@ -86,10 +86,10 @@ class BmcActivities:
             silent = self._wait_for_heartbeat(req.node_id, since=started)
             if silent is not None:
                 self._record(req.node_id, "boot_timeout", actor=req.actor, cause=silent)
-                self._finish(req.operation_id, silent)
+                settle(self.db.url, req.operation_id, error=silent)
                 raise ApplicationError(silent, type="AgentDidNotReturn", non_retryable=True)
             answer += "; the agent heartbeats again"
-        self._finish(req.operation_id, None)
+        settle(self.db.url, req.operation_id, error=None)
         return BmcPowerResult(node_id=req.node_id, done=True, power_state=state, answer=answer)
 
     def _wait_for_heartbeat(self, node_id: str, *, since: datetime) -> str | None:
@@ -103,11 +103,6 @@ class BmcActivities:
             activity.heartbeat("waiting for the agent's heartbeat")
             time.sleep(min(2.0, self.boot_wait_s / 10))
         return f"the node was powered on but its agent did not heartbeat within {self.boot_wait_s:.0f} s"
-
-    def _finish(self, operation_id: str | None, error: str | None) -> None:
-        if operation_id is not None:
-            with self.db.session() as session:
-                settle_operation(session, operation_id, error=error)
 
     @activity.defn
     def bmc_discover(self, req: NodeRef) -> BmcPowerResult:

@@ -37,7 +37,7 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.pull import pull
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import keep_evaluation
-from gpucloud.services.operations import settle_operation
+from gpucloud.services.operations import settle
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,6 @@ class EvaluationActivities:
         row, _ = keep_evaluation(self.db.url, self.stores, req.tenant_id, signed, source=EvaluationSource.PLATFORM)
         return row.record_digest
 
-    def _settle(self, operation_id: str | None, error: str | None) -> None:
-        if operation_id is not None:
-            with self.db.session() as session:
-                settle_operation(session, operation_id, error=error)
-
     @activity.defn
     def evaluate_version(self, req: EvaluateVersionInput) -> EvaluateVersionResult:
         work = self.work_dir / uuid.uuid4().hex
@@ -95,12 +90,12 @@ class EvaluationActivities:
             try:
                 version = self._pull(req.tenant_id, req.version, work / "version")
             except VersionNotFoundError as exc:
-                self._settle(req.operation_id, f"version not found: {exc}")
+                settle(self.db.url, req.operation_id, error=f"version not found: {exc}")
                 raise ApplicationError(str(exc), type="VersionNotFound", non_retryable=True) from exc
             except (IntegrityError, BadSignatureError, UnknownKeyError) as exc:
                 failure = f"the version failed verification ({type(exc).__name__}): {exc}"
                 self._keep(req, EvaluatorOutcome(req.evaluator, {}, failure=failure))
-                self._settle(req.operation_id, failure)
+                settle(self.db.url, req.operation_id, error=failure)
                 raise ApplicationError(failure, type="VersionUnverifiable", non_retryable=True) from exc
             parent, compared_with = None, None
             if req.parent is not None and req.evaluator == "sanity":
@@ -119,7 +114,7 @@ class EvaluationActivities:
                 host_commands=self.host_commands,
             )[req.evaluator]
             record_digest = self._keep(req, outcome, compared_with)
-            self._settle(req.operation_id, outcome.failure)
+            settle(self.db.url, req.operation_id, error=outcome.failure)
             return EvaluateVersionResult(
                 evaluator=req.evaluator,
                 results=outcome.results,

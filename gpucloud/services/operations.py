@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sqlmodel import Session, col, select
 
+from gpucloud.db import session_scope
 from gpucloud.models.tables import Operation, OperationStatus, utcnow
 
 
@@ -16,3 +17,10 @@ def settle_operation(session: Session, operation_id: str, *, error: str | None) 
     op.error = error
     op.updated_at = utcnow()
     session.add(op)
+
+
+def settle(db_url: str, operation_id: str | None, *, error: str | None) -> None:
+    """`settle_operation` in a transaction of its own (nothing to do without an operation)."""
+    if operation_id is not None:
+        with session_scope(db_url) as session:
+            settle_operation(session, operation_id, error=error)

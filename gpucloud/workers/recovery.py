@@ -24,7 +24,7 @@ from gpucloud.services.allocations import workflow_id_for as allocation_workflow
 from gpucloud.services.evaluations import OPERATION_PREFIX as EVALUATION_OPERATION_PREFIX
 from gpucloud.services.evaluations import evaluation_input_for
 from gpucloud.services.nodes import lease_for_bringup
-from gpucloud.services.operations import settle_operation
+from gpucloud.services.operations import settle
 from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.services.workflows import (
     start_allocation_workflow,
@@ -124,8 +124,7 @@ async def adopt_orphans(
         if workflow_id in running:
             continue
         if evaluation is None:  # its version or model was deleted since
-            with db.session() as session:
-                settle_operation(session, operation_id, error="the version or its model no longer exists")
+            settle(db.url, operation_id, error="the version or its model no longer exists")
             continue
         await start_version_evaluation(client, settings, evaluation)
         adopted += 1

@@ -45,7 +45,7 @@ from gpucloud.services.fleet import (
     summary,
 )
 from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
-from gpucloud.services.operations import settle_operation
+from gpucloud.services.operations import settle
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import start_bringup_batches, start_node_power
 from gpucloud.web.problems import Problem, not_found, unavailable
@@ -198,11 +198,6 @@ def _power_operation(settings: Settings, node_id: str, req: PowerRequest) -> tup
         return NodePublic.model_validate(node, from_attributes=True), op
 
 
-def _power_not_started(settings: Settings, operation_id: str, error: str) -> None:
-    with session_scope(settings.database_url) as session:
-        settle_operation(session, operation_id, error=error)
-
-
 @router.post(
     "/nodes/{node_id}/power",
     response_model=NodeActionResult,
@@ -220,7 +215,8 @@ async def power(node_id: str, req: PowerRequest, operator: OperatorDep, settings
     try:
         await start_node_power(temporal, settings, command)
     except RPCError as exc:
-        await run_in_threadpool(_power_not_started, settings, op.id, f"the workflow engine is unreachable: {exc}")
+        error = f"the workflow engine is unreachable: {exc}"
+        await run_in_threadpool(settle, settings.database_url, op.id, error=error)
         raise unavailable("workflow-engine", "the workflow engine did not take the power action; retry") from exc
     body = NodeActionResult(node=node, operation=OperationPublic.model_validate(op, from_attributes=True))
     return JSONResponse(body.model_dump(mode="json"), status_code=202)

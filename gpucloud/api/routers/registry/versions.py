@@ -58,7 +58,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
-from gpucloud.services.operations import settle_operation
+from gpucloud.services.operations import settle
 from gpucloud.services.workflows import start_version_evaluation
 from gpucloud.web.problems import Problem, unavailable
 from gpucloud.workflows.evaluation import evaluation_workflow_id
@@ -264,11 +264,6 @@ def _evaluation_operation(
         return evaluation_input(session, model, version, evaluator, op.id), op
 
 
-def _not_started(settings: Settings, operation_id: str, error: str) -> None:
-    with session_scope(settings.database_url) as session:
-        settle_operation(session, operation_id, error=error)
-
-
 @router.post(
     "/models/{name}/versions/{ref}/evaluate",
     status_code=202,
@@ -296,7 +291,8 @@ async def evaluate_version(
         try:
             await start_version_evaluation(temporal, settings, command)
         except RPCError as exc:
-            await run_in_threadpool(_not_started, settings, op.id, f"the workflow engine is unreachable: {exc}")
+            error = f"the workflow engine is unreachable: {exc}"
+            await run_in_threadpool(settle, settings.database_url, op.id, error=error)
             raise unavailable("workflow-engine", "the workflow engine did not take the evaluation; retry") from exc
         body = EvaluationStarted(
             version=command.version,
