@@ -69,7 +69,18 @@ def empty_db(request, tmp_path):
         get_engine(control).dispose()
 
 
-def test_gpucloud_migrate_is_the_step_and_the_processes_refuse_an_old_schema(empty_db, tmp_path):
+@pytest.fixture
+def restore_logging():
+    """`gpucloud migrate` sets up logging for its process (here, this one): undo it afterwards."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:], root.level = handlers, level
+
+
+def test_gpucloud_migrate_is_the_step_and_the_processes_refuse_an_old_schema(empty_db, tmp_path, restore_logging):
     """With migrations as a deployment step, the API, the worker and the ledger check the schema at
     start and refuse an old or missing one, naming what to run; `gpucloud migrate` brings both
     databases current (`--check` changes nothing and says whether they are)."""
@@ -111,7 +122,7 @@ def test_gpucloud_migrate_is_the_step_and_the_processes_refuse_an_old_schema(emp
     runner = CliRunner()
     checked = runner.invoke(cli, ["migrate", "--check", "--output", "json"], env=env)
     assert checked.exit_code == 1, checked.output
-    assert [(r["database"], r["before"], r["current"]) for r in json.loads(checked.output)] == [
+    assert [(r["database"], r["before"], r["current"]) for r in json.loads(checked.stdout)] == [
         ("control plane", "0012", False),
         ("ledger", None, False),
     ]
@@ -119,7 +130,7 @@ def test_gpucloud_migrate_is_the_step_and_the_processes_refuse_an_old_schema(emp
     assert done.exit_code == 0, done.output
     assert "0012" in done.output and "0013" in done.output
     again = runner.invoke(cli, ["migrate", "--check", "--output", "json"], env=env)
-    assert again.exit_code == 0 and all(r["current"] for r in json.loads(again.output))
+    assert again.exit_code == 0 and all(r["current"] for r in json.loads(again.stdout))
     asyncio.run(start_api())
     open_ledger_database(ledger, migrate_on_start=False).dispose()
     LedgerDatabase(ledger).dispose()
