@@ -32,13 +32,11 @@ from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, NodePlan, NodeSnapshot, backoff, plan_node
 from gpucloud.services import nodes as node_service
-from gpucloud.services.workflows import signal_replace_node, start_bringup_batches
+from gpucloud.services.workflows import running_node_operations, signal_replace_node, start_bringup_batches
 from gpucloud.web import metrics
 from gpucloud.workflows import search_attributes as sattr
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
-
-RUNNING_NODE_OPS = "WorkflowType = 'NodeOperationWorkflow' AND ExecutionStatus = 'Running'"
 
 
 def candidate_filter(now, heartbeat_cutoff, power_cycle_cutoff=None):
@@ -151,9 +149,9 @@ class ReconcilerActivities:
         starts = [p for p in plans if p.start is not None]
         if not starts:
             return result
-        running = await self.client.count_workflows(RUNNING_NODE_OPS)
+        running = await running_node_operations(self.client)
         held = await asyncio.to_thread(self._held_for_bringup)
-        budget = max(0, self.settings.reconciler.max_concurrent_node_ops - running.count - held)
+        budget = max(0, self.settings.reconciler.max_concurrent_node_ops - running - held)
         # Bring-ups go in batches (one workflow per batch); every other operation per node.
         bringups = [p.node_id for p in starts if p.start == NodeOperationKind.BRINGUP]
         starts = [p for p in starts if p.start != NodeOperationKind.BRINGUP]

@@ -287,6 +287,9 @@ class EnrollResult(BaseModel):
     already_known: int
     bringups_started: int
     batches: int = 0
+    deferred: int = Field(
+        default=0, description="nodes over the limit on concurrent node operations: the sweep brings them up later"
+    )
 
 
 class NodePage(BaseModel):

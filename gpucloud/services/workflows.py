@@ -63,6 +63,15 @@ async def signal_replace_node(client: Client, allocation_id: str, req: ReplaceNo
     await handle.signal(AllocationWorkflow.replace_node, req)
 
 
+# Node operations running now (each one node's workflow); with the nodes bring-up batches hold,
+# what counts against `reconciler.max_concurrent_node_ops`.
+RUNNING_NODE_OPS = "WorkflowType = 'NodeOperationWorkflow' AND ExecutionStatus = 'Running'"
+
+
+async def running_node_operations(client: Client) -> int:
+    return (await client.count_workflows(RUNNING_NODE_OPS)).count
+
+
 async def start_bringup_batches(client: Client, settings: Settings, node_ids: list[str]) -> int:
     """Bring-up for nodes the caller has leased (`nodes.lease_for_bringup`), in batches of
     `bringup_batch_size`. Returns the number of batches started."""

@@ -58,7 +58,7 @@ async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
     h.sim.inject(silent, "burn_in", "transient", count=2)  # gives up after 2 tries, then heals
 
     resp = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()})
-    assert resp.json() == {"enrolled": 10, "already_known": 0, "bringups_started": 10, "batches": 3}
+    assert resp.json() == {"enrolled": 10, "already_known": 0, "bringups_started": 10, "batches": 3, "deferred": 0}
     # The refused node fails into its failure target; the silent one is handed back and the
     # reconciler's sweep brings it up on a later try.
     want = {"available": 9, "quarantined": 1}
@@ -161,3 +161,33 @@ def test_hold_goes_to_one_of_two_racing_starters_and_release_backs_off(db_url):
         assert session.get(Node, ids[0]).state == NodeState.ENROLLED
         # Released with a backoff still in the future: still not free for another batch.
         assert node_service.lease_for_bringup(session, ids[:1], now=now) == []
+
+
+async def test_enrollment_starts_bring_ups_within_the_global_limit_and_the_sweep_starts_the_rest(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    """Enrolment counts against `max_concurrent_node_ops` as the sweep does: with room for 3,
+    enrolling 8 nodes starts 3 bring-ups and defers 5; sweeps start the rest as room frees up, and
+    never more than 3 at once are held."""
+    h = make_harness(db_url, nodes=8, reconciler__max_concurrent_node_ops=3, reconciler__bringup_batch_size=2)
+    resp = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert (body["enrolled"], body["bringups_started"], body["deferred"]) == (8, 3, 5)
+    with session_scope(h.settings.database_url) as session:
+        assert node_service.held_for_bringup(session) == 3
+    # A second enrolment while the three are held starts nothing more.
+    again = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()}).json()
+    assert (again["bringups_started"], again["deferred"]) == (0, 8)
+
+    await in_process_worker(h.settings)
+    deadline = time.monotonic() + 90
+    most_held = 0
+    while _states(h).get("available", 0) < 8:
+        assert time.monotonic() < deadline, _states(h)
+        result = await h.sweep(temporal_env.client)
+        with session_scope(h.settings.database_url) as session:
+            most_held = max(most_held, node_service.held_for_bringup(session))
+        assert result.started <= 3
+        await asyncio.sleep(0.3)
+    assert most_held <= 3

@@ -44,10 +44,10 @@ from gpucloud.services.fleet import (
     record_heartbeats,
     summary,
 )
-from gpucloud.services.nodes import enroll_nodes, lease_for_bringup
+from gpucloud.services.nodes import enroll_nodes, held_for_bringup, lease_for_bringup
 from gpucloud.services.operations import settle
 from gpucloud.services.schedules import reconcile_now
-from gpucloud.services.workflows import start_bringup_batches, start_node_power
+from gpucloud.services.workflows import running_node_operations, start_bringup_batches, start_node_power
 from gpucloud.web.problems import Problem, not_found, unavailable
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 
@@ -55,22 +55,33 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["nodes"])
 
 
-def _enroll(settings: Settings, req: EnrollRequest) -> tuple[list[str], int, int]:
+def _enroll(settings: Settings, req: EnrollRequest, running: int) -> tuple[list[str], int, int, int]:
     with session_scope(settings.database_url) as session:
         new, known = enroll_nodes(session, req.nodes)
         session.flush()
+        # Within the global limit on node operations, as the sweep counts it (running operations
+        # and the nodes bring-up batches hold); the sweep starts the rest as room frees up.
+        budget = max(0, settings.reconciler.max_concurrent_node_ops - running - held_for_bringup(session))
         # New nodes, and known ones still waiting for a bring-up nobody holds (it was lost).
-        to_start = lease_for_bringup(session, [*new, *known], deadline_scale=settings.reconciler.deadline_scale)
-        return to_start, len(new), len(known)
+        candidates = [*new, *known]
+        to_start = lease_for_bringup(session, candidates[:budget], deadline_scale=settings.reconciler.deadline_scale)
+        return to_start, len(new), len(known), max(0, len(candidates) - budget)
 
 
 @router.post("/nodes:enroll", response_model=EnrollResult)
 async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
-    """Records the nodes, then brings them up in batches (`BringupBatchWorkflow`). Should the
-    start fail after the commit, the reconciler starts the bring-up once the hold runs out."""
-    to_start, new, known = await run_in_threadpool(_enroll, settings, req)
+    """Records the nodes, then brings them up in batches (`BringupBatchWorkflow`), as many as the
+    global limit on node operations has room for; the reconciler's sweep starts the rest (and
+    any whose start failed after the commit, once the hold runs out)."""
+    try:
+        running = await running_node_operations(temporal)
+    except RPCError as exc:
+        raise unavailable("workflow-engine", "the workflow engine did not answer; nothing was enrolled, retry") from exc
+    to_start, new, known, deferred = await run_in_threadpool(_enroll, settings, req, running)
     batches = await start_bringup_batches(temporal, settings, to_start)
-    return EnrollResult(enrolled=new, already_known=known, bringups_started=len(to_start), batches=batches)
+    return EnrollResult(
+        enrolled=new, already_known=known, bringups_started=len(to_start), batches=batches, deferred=deferred
+    )
 
 
 @router.get("/nodes", response_model=NodePage)
