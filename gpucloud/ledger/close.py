@@ -27,7 +27,7 @@ import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import PriceBookHistory
@@ -56,7 +56,7 @@ class LineAggregate:
 
 @dataclass(frozen=True, slots=True)
 class InvoiceLine:
-    kind: str
+    kind: str  # `usage` (metered), `held` (the true-up to held time), or a credit's kind
     allocation_id: str
     gpu_type: str
     usage_period: str
@@ -158,21 +158,7 @@ def _invoice(period_id: str, tenant_id: str, lines: list[InvoiceLine]) -> Invoic
         "tenant_id": tenant_id,
         "amount_unit": "micro-currency",
         "rounding": "floor of each line's cumulative GPU-ms x price x (1 - discount), per millisecond",
-        "lines": [
-            {
-                "kind": line.kind,
-                "allocation_id": line.allocation_id,
-                "gpu_type": line.gpu_type,
-                "usage_period": line.usage_period,
-                "price_version_id": line.price_version_id,
-                "price_per_hour_micro": line.price_per_hour_micro,
-                "discount_bp": line.discount_bp,
-                "count": line.count,
-                "gpu_ms": line.gpu_ms,
-                "amount_micro": line.amount_micro,
-            }
-            for line in lines
-        ],
+        "lines": [asdict(line) for line in lines],
         "total_micro": total,
     }
     body = canonical_json(document)

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, with_config
 from typing_extensions import TypedDict
 
+from gpucloud.ledger.close import InvoiceLine
 from gpucloud.ledger.problems import Problem
 
 MAX_BATCH = 20_000
@@ -272,19 +273,6 @@ class InvoicePeriod(BaseModel):
     end_ms: int
 
 
-class InvoiceLineOut(BaseModel):
-    kind: str = Field(description="`usage` (metered), `held` (the true-up to held time), or a credit's kind")
-    allocation_id: str
-    gpu_type: str
-    usage_period: str
-    price_version_id: int
-    price_per_hour_micro: int
-    discount_bp: int
-    count: int
-    gpu_ms: int
-    amount_micro: int
-
-
 class InvoiceDocument(BaseModel):
     """An invoice's body exactly as the ledger stored it (canonical JSON: sorted keys, integers
     only; `ledger/close.py` builds it); its SHA-256 is the answer's ETag."""
@@ -294,5 +282,5 @@ class InvoiceDocument(BaseModel):
     tenant_id: str
     amount_unit: str
     rounding: str
-    lines: list[InvoiceLineOut]
+    lines: list[InvoiceLine]
     total_micro: int
