@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+
 from sqlmodel import Session, col, select
+from temporalio.service import RPCError
 
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Operation, OperationStatus, utcnow
+from gpucloud.web.problems import unavailable
 
 
 def settle_operation(session: Session, operation_id: str, *, error: str | None) -> None:
@@ -24,3 +29,14 @@ def settle(db_url: str, operation_id: str | None, *, error: str | None) -> None:
     if operation_id is not None:
         with session_scope(db_url) as session:
             settle_operation(session, operation_id, error=error)
+
+
+async def start_for_operation(start: Awaitable[object], db_url: str, operation_id: str, what: str) -> None:
+    """Await the start of an operation's workflow; when the workflow engine does not take it, the
+    operation fails (nothing will run it) and the caller gets 503 with Retry-After."""
+    try:
+        await start
+    except RPCError as exc:
+        error = f"the workflow engine is unreachable: {exc}"
+        await asyncio.to_thread(settle, db_url, operation_id, error=error)
+        raise unavailable("workflow-engine", f"the workflow engine did not take {what}; retry") from exc

@@ -6,6 +6,7 @@ Used by the API (on create and enroll) and by the worker's start-up recovery.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
@@ -88,30 +89,28 @@ async def start_bringup_batches(client: Client, settings: Settings, node_ids: li
     return len(batches)
 
 
-async def start_version_evaluation(client: Client, settings: Settings, req: EvaluateVersionInput) -> str:
-    """A platform evaluation of a version, for the tenant's operation; the workflow id."""
-    workflow_id = evaluation_workflow_id(req.tenant_id, req.operation_id or uuid.uuid4().hex[:12])
+async def _start_once(client: Client, settings: Settings, run: Any, arg: Any, workflow_id: str) -> str:
+    """Start `run(arg)` as `workflow_id`, joining the one running under that id (a retry)."""
     await client.start_workflow(
-        VersionEvaluationWorkflow.run,
-        req,
+        run,
+        arg,
         id=workflow_id,
         task_queue=settings.temporal.task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
     return workflow_id
+
+
+async def start_version_evaluation(client: Client, settings: Settings, req: EvaluateVersionInput) -> str:
+    """A platform evaluation of a version, for the tenant's operation; the workflow id."""
+    workflow_id = evaluation_workflow_id(req.tenant_id, req.operation_id or uuid.uuid4().hex[:12])
+    return await _start_once(client, settings, VersionEvaluationWorkflow.run, req, workflow_id)
 
 
 async def start_node_power(client: Client, settings: Settings, req: BmcPowerInput) -> str:
     """An operator's (or a retire's) power action on a node, through its BMC; the workflow id."""
     workflow_id = power_workflow_id(req.node_id, req.operation_id or uuid.uuid4().hex[:12])
-    await client.start_workflow(
-        NodePowerWorkflow.run,
-        req,
-        id=workflow_id,
-        task_queue=settings.temporal.task_queue,
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-    )
-    return workflow_id
+    return await _start_once(client, settings, NodePowerWorkflow.run, req, workflow_id)
 
 
 async def start_tenant_onboarding(client: Client, settings: Settings, tenant_id: str, operation_id: str) -> None:

@@ -45,7 +45,7 @@ from gpucloud.services.fleet import (
     summary,
 )
 from gpucloud.services.nodes import enroll_nodes, held_for_bringup, lease_for_bringup
-from gpucloud.services.operations import settle
+from gpucloud.services.operations import start_for_operation
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import running_node_operations, start_bringup_batches, start_node_power
 from gpucloud.web.problems import Problem, not_found, unavailable
@@ -223,12 +223,9 @@ async def power(node_id: str, req: PowerRequest, operator: OperatorDep, settings
     node, op = await run_in_threadpool(_power_operation, settings, node_id, req)
     cause = f"operator: {req.reason}" if req.reason else "operator"
     command = BmcPowerInput(node_id=node_id, action=req.action, cause=cause, actor="operator", operation_id=op.id)
-    try:
-        await start_node_power(temporal, settings, command)
-    except RPCError as exc:
-        error = f"the workflow engine is unreachable: {exc}"
-        await run_in_threadpool(settle, settings.database_url, op.id, error=error)
-        raise unavailable("workflow-engine", "the workflow engine did not take the power action; retry") from exc
+    await start_for_operation(
+        start_node_power(temporal, settings, command), settings.database_url, op.id, "the power action"
+    )
     body = NodeActionResult(node=node, operation=OperationPublic.model_validate(op, from_attributes=True))
     return JSONResponse(body.model_dump(mode="json"), status_code=202)
 

@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from sqlmodel import Session, col, select
-from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import SessionDep, SettingsDep, TemporalDep, TenantDep
@@ -58,9 +57,9 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
-from gpucloud.services.operations import settle
+from gpucloud.services.operations import start_for_operation
 from gpucloud.services.workflows import start_version_evaluation
-from gpucloud.web.problems import Problem, unavailable
+from gpucloud.web.problems import Problem
 from gpucloud.workflows.evaluation import evaluation_workflow_id
 
 log = logging.getLogger(__name__)
@@ -288,12 +287,8 @@ async def evaluate_version(
         command, op = await run_in_threadpool(
             _evaluation_operation, settings, tenant.tenant_id, name, ref, req.evaluator
         )
-        try:
-            await start_version_evaluation(temporal, settings, command)
-        except RPCError as exc:
-            error = f"the workflow engine is unreachable: {exc}"
-            await run_in_threadpool(settle, settings.database_url, op.id, error=error)
-            raise unavailable("workflow-engine", "the workflow engine did not take the evaluation; retry") from exc
+        start = start_version_evaluation(temporal, settings, command)
+        await start_for_operation(start, settings.database_url, op.id, "the evaluation")
         body = EvaluationStarted(
             version=command.version,
             evaluator=req.evaluator,
