@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_stack, log, onboard_tenant
+from common import bench_stack, log, onboard_tenant, reset_postgres
 
 from gpucloud.devstack.stack import free_port
 from gpucloud.sim.client import SimFleetClient
@@ -230,7 +230,7 @@ def run_on(database: str, args) -> dict:
     if args.tenant_slots:
         overrides["api"] = {"tenant_slots": args.tenant_slots}
     if database != "sqlite":
-        _reset_postgres(args.postgres_url)
+        reset_postgres(args.postgres_url)
     settings, stack, data_dir = bench_stack(args.nodes, "memory", **overrides)
     log(f"{database}: starting a stack with {args.nodes} simulated nodes")
     try:
@@ -288,17 +288,6 @@ def _pages(client: httpx.Client, path: str, **params):
         yield from page["items"]
         if not (token := page["next_page_token"]):
             return
-
-
-def _reset_postgres(url: str) -> None:
-    """A fresh schema: the benchmark's fleet and tenants only."""
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
-        conn.exec_driver_sql("CREATE SCHEMA public")
-    engine.dispose()
 
 
 def _postgres_up(url: str) -> bool:

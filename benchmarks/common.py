@@ -105,6 +105,15 @@ async def _baseline_workflows(settings: Settings, nodes: int) -> float:
             return nodes / (time.monotonic() - started)
 
 
+def reset_postgres(url: str) -> None:
+    """A fresh `public` schema in the database at `url`: the benchmark's fleet and tenants only."""
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+        conn.exec_driver_sql("CREATE SCHEMA public")
+    engine.dispose()
+
+
 def onboard_tenant(api, name: str, *, timeout_s: float = 120) -> str:
     """Onboard a tenant through the API (operator client `api`) and wait until it is active;
     returns its first API key."""

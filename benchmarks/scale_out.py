@@ -34,7 +34,7 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import log, onboard_tenant
+from common import log, onboard_tenant, reset_postgres
 
 from gpucloud.config import Settings
 from gpucloud.db import migrate
@@ -44,14 +44,6 @@ from gpucloud.sim.client import SimFleetClient
 
 POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 TRANSITIONAL = ("enrolled", "inspecting", "burn_in", "reserved", "provisioning", "releasing", "wiping", "draining")
-
-
-def reset_schema(url: str) -> None:
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
-        conn.exec_driver_sql("CREATE SCHEMA public")
-    engine.dispose()
 
 
 class Processes:
@@ -190,7 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.nodes, args.clients, args.seconds = 60, 4, 25.0
-    reset_schema(args.postgres_url)
+    reset_postgres(args.postgres_url)
     data_dir = Path(tempfile.mkdtemp(prefix="gpucloud-scale-out-"))
     api_ports = [free_port(), free_port()]
     settings = Settings(
