@@ -179,3 +179,6 @@ class Database:
 
     def prepare(self, *, migrate_on_start: bool) -> None:
         prepare_schema(self.url, migrate_on_start=migrate_on_start)
+
+    def revisions(self) -> tuple[str | None, str]:
+        return schema_revisions(self.engine, alembic_config(self.url))

@@ -453,18 +453,13 @@ def migrate(
 
     from rich.table import Table
 
-    from gpucloud.db import Database, alembic_config, get_engine, schema_revisions
+    from gpucloud.db import Database
     from gpucloud.ledger.db import LedgerDatabase
 
     _logging()
     settings = get_settings()
     control = Database(settings.database_url)
-    databases = {
-        "control plane": (
-            control.migrate,
-            lambda: schema_revisions(get_engine(settings.database_url), alembic_config(settings.database_url)),
-        )
-    }
+    databases = {"control plane": (control.migrate, control.revisions)}
     if ledger:
         ledger_db = LedgerDatabase(settings.ledger_database_url)
         databases["ledger"] = (ledger_db.migrate, ledger_db.revisions)

@@ -36,7 +36,6 @@ class EvaluatorOutcome:
     results: dict[str, float]
     failure: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
-    seconds: float = 0.0
 
 
 def find_runtime(name: str | None) -> str | None:
@@ -55,7 +54,7 @@ def sanity(directory: Path, parent: Path | None) -> EvaluatorOutcome:
         report = evaluate(directory, parent)
     except (SanityError, OSError) as exc:
         return EvaluatorOutcome(EvaluatorName.SANITY, {}, failure=f"the weights are not readable: {exc}")
-    return EvaluatorOutcome(EvaluatorName.SANITY, report.metrics(), details=report.details(), seconds=report.seconds)
+    return EvaluatorOutcome(EvaluatorName.SANITY, report.metrics(), details=report.details())
 
 
 def container_argv(runtime: str, command: EvaluationCommand, directory: Path, name: str) -> list[str]:
@@ -95,8 +94,8 @@ def run_model_command(
         if not outcome.ok:  # past the limit the client was killed, not the container
             subprocess.run([executable, "rm", "--force", name], capture_output=True, timeout=60, check=False)
     if not outcome.ok:
-        return EvaluatorOutcome(EvaluatorName.COMMAND, {}, failure=outcome.reason, seconds=outcome.seconds)
-    return EvaluatorOutcome(EvaluatorName.COMMAND, outcome.metrics, seconds=outcome.seconds)
+        return EvaluatorOutcome(EvaluatorName.COMMAND, {}, failure=outcome.reason)
+    return EvaluatorOutcome(EvaluatorName.COMMAND, outcome.metrics)
 
 
 def evaluate_directory(
