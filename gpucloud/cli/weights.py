@@ -483,6 +483,8 @@ def evaluation_command_command(
 
     if not remove and not run:
         raise typer.BadParameter("give --run PROGRAM, or --remove", param_hint="--run")
+    if bad := [pair for pair in env or [] if "=" not in pair]:
+        raise typer.BadParameter(f"{bad[0]!r} is not NAME=VALUE", param_hint="--env")
     variables = dict(pair.partition("=")[::2] for pair in env or [])
     command = (
         None if remove else {"argv": shlex.split(run or ""), "image": image, "env": variables, "timeout_s": timeout}

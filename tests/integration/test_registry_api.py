@@ -671,6 +671,8 @@ def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
     env = {"GPUCLOUD_API_URL": registry.url, "GPUCLOUD_API__OPERATOR_TOKEN": OPERATOR, "COLUMNS": "200"}
     runner = CliRunner()
 
+    as_json = runner.invoke(weights_app, ["gc", "--dry-run", "--tenant", tenant.id, "-o", "json"], env=env)
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)["dry_run"] is True
     dry = runner.invoke(weights_app, ["gc", "--dry-run", "--tenant", tenant.id], env=env)
     assert dry.exit_code == 0, dry.output
     assert "would remove 1 chunks" in dry.output and tenant.chunks.has(orphan_id)
@@ -808,6 +810,7 @@ def test_the_platform_runs_the_models_command_and_a_hanging_or_garbage_command_f
     garbage = run("evaluate", "scored", digest[:12], "--evaluator", "command", code=1)
     assert "not JSON" in garbage
     run("evaluation-command", "scored", "--remove")
+    run("evaluation-command", "scored", "--run", "true", "--env", "NO_VALUE", code=2)  # not NAME=VALUE
 
 
 async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_sweep(

@@ -49,7 +49,8 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
     db_url, make_harness, in_process_worker, tmp_path, monkeypatch
 ) -> None:
     # The deployment's tracker: swarms kept in the DB, each tenant's chunks, the harness's key.
-    tracker = PeerServer(create_deployment_tracker(Settings(data_dir=tmp_path, database={"url": db_url})))
+    tracker_settings = Settings(data_dir=tmp_path, database={"url": db_url})
+    tracker = PeerServer(create_deployment_tracker(tracker_settings))
     tracker_url = tracker.start()
     try:
         with monkeypatch.context() as env:  # the sim process reads tenants' keys from this DB
@@ -118,6 +119,18 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
         control = {"Authorization": f"Bearer {issuer.mint(TRACKER_AUDIENCE)}"}
         assert httpx.get(f"{tracker_url}/origin/stats").status_code == 401
         egress = httpx.get(f"{tracker_url}/origin/stats", headers=control).json()["egress_bytes"]
+        # The deployment's tracker answers /readyz openly and /metrics to the operator token.
+        assert httpx.get(f"{tracker_url}/readyz").json()["checks"] == {"database": "ok"}
+        assert httpx.get(f"{tracker_url}/metrics").status_code == 401
+        scraped = httpx.get(
+            f"{tracker_url}/metrics", headers={"Authorization": f"Bearer {tracker_settings.operator_token}"}
+        )
+        served = [
+            line
+            for line in scraped.text.splitlines()
+            if line.startswith('gpucloud_chunk_bytes_served_total{source="origin"}')
+        ]
+        assert served and float(served[0].rsplit(" ", 1)[1]) >= egress
         assert size <= egress <= 1.2 * size
         # The rollout ended: its swarm is gone from the tracker (and from the DB it was kept in).
         assert httpx.get(f"{tracker_url}/tracker/swarms/{rollout_id}", headers=control).status_code == 404

@@ -195,3 +195,7 @@ def test_readiness_is_open_and_says_when_the_gpus_fail(tmp_path):
         assert down.status_code == 503 and down.headers["retry-after"]
         assert "fell off the bus" in down.json()["checks"]["gpus"]
         assert client.get("/metrics").status_code == 401  # no metrics token given to this agent
+    with agent_test_client(agent, metrics_tokens=("scrape-token",)) as client:
+        assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        scraped = client.get("/metrics", headers={"Authorization": "Bearer scrape-token"})
+        assert scraped.status_code == 200 and "gpucloud_agent_spool_lag_seconds" in scraped.text

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import EPOCH_SHIFT, Meter, NodeAllocation, Spool, Usage, UsageSample
@@ -268,6 +269,9 @@ def test_shipper_acks_only_after_a_2xx(tmp_path: Path) -> None:
     results = [shipper.ship_once() for _ in range(4)]
     assert [r.sent for r in results] == [10, 10, 5, 0]
     assert spool.lag().pending == 0
+    # The agent's /metrics shows the spool after each batch: the last one left nothing pending.
+    assert REGISTRY.get_sample_value("gpucloud_agent_spool_pending_samples") == 0
+    assert REGISTRY.get_sample_value("gpucloud_agent_spool_lag_seconds") == 0
     assert sorted(s["seq"] - spool.epoch_base for s in ledger.received) == list(range(1, 26))
 
 
