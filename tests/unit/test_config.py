@@ -1,5 +1,7 @@
 """Settings refuse values that would make no sense, naming the setting."""
 
+import os
+
 import pytest
 from pydantic import ValidationError
 
@@ -43,3 +45,19 @@ def test_a_worker_drains_for_as_long_as_the_settings_say(tmp_path):
     with mock.patch("gpucloud.workers.main.Worker") as worker:
         build_worker(mock.MagicMock(), bootstrap.control_plane(settings), executor=mock.MagicMock())
     assert worker.call_args.kwargs["graceful_shutdown_timeout"] == timedelta(seconds=45)
+
+
+def test_a_free_port_is_handed_out_once_across_processes(monkeypatch, tmp_path):
+    """Two processes drawing the same random port: the second is given another (the claim is a
+    file in the temp dir, so it holds across processes)."""
+    import itertools
+    import tempfile
+
+    from gpucloud.devstack import stack
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    draws = itertools.chain([23456, 23456], itertools.count(23457))
+    monkeypatch.setattr(stack._ports, "randint", lambda low, high: next(draws))
+    first, second = stack.free_port(), stack.free_port()
+    assert first == 23456 and second == 23457
+    assert (tmp_path / f"gpucloud-ports-{os.getuid()}" / "23456").exists()
