@@ -6,15 +6,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import IntEnum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
-from gpucloud.client.api import ApiError, ApiTimeout, Gpucloud
+from gpucloud.client.base import ApiError, ApiTimeout
 from gpucloud.config import get_settings
+
+if TYPE_CHECKING:  # the SDK imports every wire schema: only the commands that call the API pay for it
+    from gpucloud.client.api import Gpucloud
 
 console, err = Console(), Console(stderr=True)
 
@@ -30,6 +33,8 @@ def api_client(api_url: str | None = None, api_key: str | None = None, *, operat
     if not token:
         err.print("[red]error:[/] no API key: set GPUCLOUD_API_KEY or pass --api-key")
         raise typer.Exit(1)
+    from gpucloud.client.api import Gpucloud
+
     return Gpucloud(api_url or settings.api_url, token, retry_for_s=3)
 
 

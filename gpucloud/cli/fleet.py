@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Group
@@ -14,8 +14,10 @@ from rich.live import Live
 from rich.table import Table
 
 from gpucloud.cli.common import api_client, console, reported_errors
-from gpucloud.client.api import Gpucloud
-from gpucloud.models.tables import NodePublic
+
+if TYPE_CHECKING:
+    from gpucloud.client.api import Gpucloud
+    from gpucloud.models.tables import NodePublic
 
 STATE_STYLE = {
     "available": "green",

@@ -14,7 +14,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gpucloud import bootstrap
 from gpucloud.cli.billing import invoices_app
 from gpucloud.cli.common import EXIT_CODES_HELP
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
@@ -186,6 +185,7 @@ def sim(
     )
     emulator, link = None, None
     if bmc:
+        from gpucloud.bootstrap import token_issuer
         from gpucloud.sim.bmc import BmcEmulator, sim_bmc_password, write_sim_credential
         from gpucloud.sim.nodes import Fleet
         from gpucloud.sim.power import BmcLink
@@ -217,7 +217,7 @@ def sim(
             insecure=settings.tls.insecure,
             control_plane=load_verifier(control_plane_key)
             if control_plane_key
-            else Verifier(bootstrap.token_issuer(settings).public_key),
+            else Verifier(token_issuer(settings).public_key),
         )
     finally:
         if emulator is not None:

@@ -8,15 +8,17 @@ rollout succeeds or rolls back (exit 0 on success, 1 otherwise).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import TextColumn
 
 from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, progress_bar, reported_errors
-from gpucloud.client.api import Gpucloud
-from gpucloud.models.rollout_messages import RolloutProgress
+
+if TYPE_CHECKING:
+    from gpucloud.client.api import Gpucloud
+    from gpucloud.models.rollout_messages import RolloutProgress
 
 Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 rollout_app = typer.Typer(

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import httpx
 import tenacity
 
-from gpucloud.web import tls
+from gpucloud.web import buffers, tls
 
 T = TypeVar("T")
 
@@ -78,6 +78,7 @@ class ApiClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retry_for_s = retry_for_s
+        buffers.raise_client_read_size()
         self.http = httpx.Client(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {token}"},

@@ -187,9 +187,11 @@ class RegistryPushTarget:
     def __init__(self, client: RegistryClient) -> None:
         self.client = client
 
-    def begin(self, model: str, signer: Signer, chunk_ids: list[str]) -> list[str]:
+    def begin(self, model: str, signer: Signer) -> None:
         self.client.ensure_model(model)
         self.client.register_key(signer)
+
+    def missing(self, model: str, chunk_ids: list[str]) -> list[str]:
         return self.client.missing(model, chunk_ids)
 
     def upload(self, model: str, chunk: ChunkRef, path: Path) -> None:

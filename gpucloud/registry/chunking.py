@@ -201,7 +201,7 @@ def plan_stream(f: ReadableFile, file_size: int, *, safetensors: bool, policy: C
 
 
 def hash_spans(
-    f: ReadableFile, spans: list[Span], *, read_size: int, on_chunk: Callable[[int], None] | None = None
+    f: ReadableFile, spans: list[Span], *, read_size: int, on_chunk: Callable[[ChunkRef], None] | None = None
 ) -> Iterator[ChunkRef]:
     """Hash consecutive spans of f through one reused buffer of at most read_size bytes."""
     if not spans:
@@ -217,9 +217,10 @@ def hash_spans(
                 raise EOFError(f"file ended at offset {span.end - remaining}, inside a chunk")
             hasher.update(buffer[:count])
             remaining -= count
+        chunk = ChunkRef(id=hasher.hexdigest(), offset=span.offset, size=span.size)
         if on_chunk is not None:
-            on_chunk(span.size)
-        yield ChunkRef(id=hasher.hexdigest(), offset=span.offset, size=span.size)
+            on_chunk(chunk)
+        yield chunk
 
 
 def chunk_stream(
@@ -228,7 +229,7 @@ def chunk_stream(
     *,
     safetensors: bool,
     policy: ChunkPolicy = DEFAULT_POLICY,
-    on_chunk: Callable[[int], None] | None = None,
+    on_chunk: Callable[[ChunkRef], None] | None = None,
 ) -> FileEntry:
     spans = plan_stream(f, file_size, safetensors=safetensors, policy=policy)
     chunks = list(hash_spans(f, spans, read_size=policy.read_size, on_chunk=on_chunk))
@@ -239,7 +240,7 @@ def chunk_file(
     path: str | Path,
     *,
     policy: ChunkPolicy = DEFAULT_POLICY,
-    on_chunk: Callable[[int], None] | None = None,
+    on_chunk: Callable[[ChunkRef], None] | None = None,
 ) -> FileEntry:
     """Chunk and hash one file: safetensors-aware when its name ends in .safetensors."""
     # Unbuffered, so every read is one of ours and no hidden buffer doubles the copies.

@@ -4,13 +4,13 @@ tools and tests that hold the stores push straight into them (`StoreTarget`).
 
 A push runs in an order that makes it safe to interrupt and safe next to garbage collection:
 
-1. chunk and hash every file (reading each once, in bounded buffers) and sign the manifest;
-2. tell the target which chunks the version needs and learn which ones it lacks (a store target
-   writes a push lease first, so GC keeps the chunks that already exist while the push relies
-   on them; the API keeps fresh uploads through GC's grace period);
-3. upload only the missing chunks (the target verifies the bytes against the id before they
-   count as stored), keeping the target's hold alive while the uploads run;
-4. commit the signed manifest, last. A target that finds a reused chunk gone by then (a
+1. chunk and hash every file (reading each once, in bounded buffers); every few dozen chunks,
+   tell the target which chunks the version needs and learn which ones it lacks (a store target
+   names them in a push lease first, so GC keeps the chunks that already exist while the push
+   relies on them; the API keeps fresh uploads through GC's grace period);
+2. upload only the missing chunks while hashing goes on (the target verifies the bytes against
+   the id before they count as stored), keeping the target's hold alive while the uploads run;
+3. sign the manifest and commit it, last. A target that finds a reused chunk gone by then (a
    concurrent GC) says which (`ChunksMissing`): they are sent again, once, and the commit retried.
 
 A version exists once its manifest exists, and a manifest only lands after all its chunks did.
@@ -20,6 +20,7 @@ and uploads only what is still missing.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -36,7 +37,6 @@ from gpucloud.registry.gc import LEASE_RENEW_SECONDS, LEASE_SETTLE_SECONDS
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
     ChunkRef,
-    FileEntry,
     Lineage,
     Manifest,
     PushLease,
@@ -123,14 +123,17 @@ class ChunksMissing(Exception):
 class PushTarget(Protocol):
     """Where a push goes: the registry API or a pair of stores."""
 
-    def begin(self, model: str, signer: Signer, chunk_ids: list[str]) -> list[str]:
-        """Get ready for a version of `model` signed by `signer` that needs `chunk_ids`; the
-        ids the target lacks."""
+    def begin(self, model: str, signer: Signer) -> None:
+        """Get ready for a version of `model` signed by `signer`."""
+
+    def missing(self, model: str, chunk_ids: list[str]) -> list[str]:
+        """The version needs these chunks too: the ones the target lacks (a store target names
+        them in its push lease first)."""
 
     def upload(self, model: str, chunk: ChunkRef, path: Path) -> None: ...
 
     def keep_alive(self) -> None:
-        """Called now and then while uploads run (a store target renews its lease)."""
+        """Called now and then while hashing and uploads run (a store target renews its lease)."""
 
     def commit(self, model: str, signed: SignedManifest) -> dict[str, Any]:
         """Store the signed manifest; `ChunksMissing` if some chunks are gone."""
@@ -160,40 +163,34 @@ def push(
     lineage: Lineage | None = None,
     created_at: datetime | None = None,
     policy: ChunkPolicy = DEFAULT_POLICY,
-    concurrency: int = 4,
+    concurrency: int = 8,
     report: PushReport = lambda phase, stats: None,
 ) -> PushResult:
-    """Push every regular file under source_dir as one signed version of model; see the module doc."""
+    """Push every regular file under source_dir as one signed version of model; see the module doc.
+
+    Hashing and uploading overlap: every `ASK_BATCH` chunks hashed, the target is asked which of
+    them it lacks, and those start uploading (`concurrency` at a time) while hashing goes on.
+    """
     files = source_files(Path(source_dir))
     stats = PushStats(bytes_total=sum(path.stat().st_size for _, path in files))
+    uploads = _Uploads(target, model, stats, report, concurrency)
     started = time.perf_counter()
-
-    def hashed(size: int) -> None:
-        stats.bytes_hashed += size
-        report("hash", stats)
-
-    entries: dict[str, FileEntry] = {
-        relative: chunk_file(path, policy=policy, on_chunk=hashed) for relative, path in files
-    }
-    signed = signer.sign(Manifest.build(model=model, files=entries, lineage=lineage, created_at=created_at))
-    stats.chunks_total = signed.manifest.chunk_count
-    hash_seconds = time.perf_counter() - started
-
-    sources: dict[str, tuple[Path, ChunkRef]] = {}
-    for relative, path in files:
-        for chunk in entries[relative].chunks:
-            sources.setdefault(chunk.id, (path, chunk))
-    started = time.perf_counter()
-    missing = target.begin(model, signer, list(sources))
+    target.begin(model, signer)
     try:
-        stats.chunks_to_upload = len(missing)
-        stats.bytes_to_upload = sum(sources[chunk_id][1].size for chunk_id in missing)
-        report("upload", stats)
-        _upload_all(target, model, [sources[chunk_id] for chunk_id in missing], stats, report, concurrency)
+        with uploads:
+            entries = {
+                relative: chunk_file(path, policy=policy, on_chunk=functools.partial(uploads.hashed, path))
+                for relative, path in files
+            }
+            uploads.ask()
+            hash_seconds = time.perf_counter() - started
+        signed = signer.sign(Manifest.build(model=model, files=entries, lineage=lineage, created_at=created_at))
+        stats.chunks_total = signed.manifest.chunk_count
         try:
             version = target.commit(model, signed)
         except ChunksMissing as gone:
-            _upload_all(target, model, [sources[c] for c in gone.chunk_ids], stats, report, concurrency)
+            with uploads:
+                uploads.start(gone.chunk_ids)
             version = target.commit(model, signed)
     finally:
         target.end()
@@ -206,37 +203,77 @@ def push(
     )
 
 
-def _upload_all(
-    target: PushTarget,
-    model: str,
-    sources: list[tuple[Path, ChunkRef]],
-    stats: PushStats,
-    report: PushReport,
-    concurrency: int,
-) -> None:
-    lock = threading.Lock()
+ASK_BATCH = 32  # chunks hashed between two questions to the target
 
-    def one(source: tuple[Path, ChunkRef]) -> None:
-        path, chunk = source
-        target.upload(model, chunk, path)
-        with lock:
-            stats.chunks_uploaded += 1
-            stats.bytes_uploaded += chunk.size
-            stats.uploaded_ids.append(chunk.id)
-            report("upload", stats)
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        pending: set[Future[None]] = {pool.submit(one, source) for source in sources}
+class _Uploads:
+    """The upload side of a push: chunks as they are hashed, asked about in batches, the missing
+    ones uploaded by a thread pool. Leaving the `with` block waits for every upload, renewing the
+    target's hold meanwhile; the first failure stops the push, and what was stored stays for a
+    resume."""
+
+    def __init__(self, target: PushTarget, model: str, stats: PushStats, report: PushReport, concurrency: int) -> None:
+        self.target, self.model, self.stats, self.report = target, model, stats, report
+        self.concurrency = concurrency
+        self.sources: dict[str, tuple[Path, ChunkRef]] = {}
+        self._unasked: list[str] = []
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: set[Future[None]] = set()
+
+    def __enter__(self) -> _Uploads:
+        self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="push-upload")
+        return self
+
+    def hashed(self, path: Path, chunk: ChunkRef) -> None:
+        with self._lock:
+            self.stats.bytes_hashed += chunk.size
+        self.report("hash", self.stats)
+        if chunk.id not in self.sources:  # a chunk repeated within the version is sent once
+            self.sources[chunk.id] = (path, chunk)
+            self._unasked.append(chunk.id)
+        if len(self._unasked) >= ASK_BATCH:
+            self.ask()
+
+    def ask(self) -> None:
+        """Ask the target about the chunks hashed since the last time; upload what it lacks."""
+        batch, self._unasked = self._unasked, []
+        self.target.keep_alive()
+        for future in [f for f in self._pending if f.done()]:  # fail fast on a failed upload
+            self._pending.discard(future)
+            future.result()
+        if batch:
+            self.start(self.target.missing(self.model, batch))
+
+    def start(self, chunk_ids: list[str]) -> None:
+        assert self._pool is not None
+        with self._lock:
+            self.stats.chunks_to_upload += len(chunk_ids)
+            self.stats.bytes_to_upload += sum(self.sources[chunk_id][1].size for chunk_id in chunk_ids)
+        self.report("upload", self.stats)
+        self._pending |= {self._pool.submit(self._one, *self.sources[chunk_id]) for chunk_id in chunk_ids}
+
+    def _one(self, path: Path, chunk: ChunkRef) -> None:
+        self.target.upload(self.model, chunk, path)
+        with self._lock:
+            self.stats.chunks_uploaded += 1
+            self.stats.bytes_uploaded += chunk.size
+            self.stats.uploaded_ids.append(chunk.id)
+        self.report("upload", self.stats)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        assert self._pool is not None
+        pool, self._pool = self._pool, None
         try:
-            while pending:
-                finished, pending = wait(pending, timeout=LEASE_RENEW_SECONDS, return_when=FIRST_COMPLETED)
+            while exc_type is None and self._pending:
+                finished, self._pending = wait(self._pending, timeout=LEASE_RENEW_SECONDS, return_when=FIRST_COMPLETED)
+                self.target.keep_alive()
                 for future in finished:
                     future.result()
-                target.keep_alive()
         except BaseException:
-            # The first failure stops the push; the chunks already stored stay for the resume.
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+        pool.shutdown(wait=True, cancel_futures=exc_type is not None)
 
 
 class StoreTarget:
@@ -251,15 +288,21 @@ class StoreTarget:
         self._leased_at = self._renewed = 0.0
         self._reused: list[str] = []
 
-    def begin(self, model: str, signer: Signer, chunk_ids: list[str]) -> list[str]:
+    def begin(self, model: str, signer: Signer) -> None:
         now = datetime.now(UTC)
-        self._lease = PushLease(
-            lease_id=uuid.uuid4().hex, model=model, chunk_ids=sorted(chunk_ids), created_at=now, renewed_at=now
-        )
+        self._lease = PushLease(lease_id=uuid.uuid4().hex, model=model, chunk_ids=[], created_at=now, renewed_at=now)
+        self.manifests.put_lease(self._lease)
+        self._leased_at = self._renewed = time.monotonic()
+
+    def missing(self, model: str, chunk_ids: list[str]) -> list[str]:
+        # The lease names the chunks before they are looked at, so a GC that reads it keeps them.
+        assert self._lease is not None
+        named = sorted(set(self._lease.chunk_ids) | set(chunk_ids))
+        self._lease = self._lease.model_copy(update={"chunk_ids": named, "renewed_at": datetime.now(UTC)})
         self.manifests.put_lease(self._lease)
         self._leased_at = self._renewed = time.monotonic()
         present = {chunk_id for chunk_id in chunk_ids if self.chunks.has(chunk_id)}
-        self._reused = sorted(present)
+        self._reused += sorted(present)
         return [chunk_id for chunk_id in chunk_ids if chunk_id not in present]
 
     def upload(self, model: str, chunk: ChunkRef, path: Path) -> None:

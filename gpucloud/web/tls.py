@@ -32,6 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from gpucloud.web import buffers
+
 
 class InsecureBind(SystemExit):
     """A server asked to listen off loopback without TLS."""
@@ -104,7 +106,9 @@ def serve_options(
     what: str = "server",
     insecure_hint: str = "set GPUCLOUD_TLS__INSECURE=true",
 ) -> dict[str, Any]:
-    """uvicorn's TLS options for a server on `host`; refuses a bind off loopback without TLS."""
+    """uvicorn's TLS options for a server on `host`; refuses a bind off loopback without TLS.
+    Every gpucloud server is configured through here, so it also sets uvicorn's read buffer."""
+    buffers.raise_server_read_buffer()
     if tls is None:
         if not is_loopback(host) and not insecure:
             raise InsecureBind(

@@ -344,10 +344,23 @@ def test_chunk_upload_verifies_blake3_before_storing(registry: Registry) -> None
         assert http.put(f"/v1/models/llama/chunks/{real_id}", content=data).status_code == 201
         assert http.put(f"/v1/models/llama/chunks/{real_id}", content=data).status_code == 200
         assert http.post("/v1/models/llama/chunks:missing", json={"chunk_ids": [real_id]}).json()["missing"] == []
-        assert http.get(f"/v1/models/llama/chunks/{real_id}").content == data
+        served = http.get(f"/v1/models/llama/chunks/{real_id}")
+        assert served.content == data and served.headers["content-length"] == str(len(data))
         bad = http.put("/v1/models/llama/chunks/not-a-digest", content=data)
         assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "chunk_id"
     assert not tenant.chunks.has(wrong_id)
+
+
+def test_chunk_upload_needs_its_length_and_stores_nothing_without_it(registry: Registry) -> None:
+    tenant = registry.new_tenant()
+    data = os.urandom(3000)
+    chunk_id = blake3.blake3(data).hexdigest()
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "llama"}).raise_for_status()
+        refused = http.put(f"/v1/models/llama/chunks/{chunk_id}", content=iter([data]))  # chunked: no length
+        assert refused.status_code == 411 and refused.json()["type"].endswith("/length-required")
+        assert "Content-Length" in refused.json()["detail"]
+    assert not tenant.chunks.has(chunk_id)
 
 
 def _report(

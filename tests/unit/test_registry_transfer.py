@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from gpucloud.registry import push as push_module
 from gpucloud.registry.chunking import chunk_file
 from gpucloud.registry.manifest import (
     BadSignatureError,
     ChunkCorruptedError,
     ChunkMissingError,
+    ChunkRef,
     ChunkSwappedError,
     ChunkTruncatedError,
     IntegrityError,
@@ -28,7 +30,7 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.pull import pull
 from gpucloud.registry.push import PushResult, PushStats, StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
-from support.models import POLICY, random_tensors, same_tree
+from support.models import POLICY, SIZES, random_tensors, same_tree
 from support.models import write_model as _write_model
 
 
@@ -85,6 +87,30 @@ def test_push_then_pull_round_trip(registry: Registry, tmp_path: Path) -> None:
         done = [bytes_done for event_phase, bytes_done in events if event_phase == phase]
         assert done == sorted(done) and done[-1] == result.bytes_total
     assert list((registry.root / "leases").iterdir()) == []
+
+
+def test_uploads_start_while_hashing_goes_on(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(push_module, "ASK_BATCH", 2)
+    source = write_model(tmp_path / "v1", random_tensors(SIZES * 3))
+    uploading = threading.Event()
+    overlapped: list[bool] = []
+
+    class Recording(StoreTarget):
+        def upload(self, model: str, chunk: ChunkRef, path: Path) -> None:
+            uploading.set()
+            super().upload(model, chunk, path)
+
+    def report(phase: str, stats: PushStats) -> None:
+        if phase == "hash" and stats.bytes_hashed == stats.bytes_total:  # the last chunk is hashed
+            overlapped.append(uploading.wait(timeout=10))
+
+    target = Recording(registry.chunks, registry.manifests, settle_seconds=0)
+    result = push(source, model="tiny", target=target, policy=POLICY, signer=registry.signer, report=report)
+    assert overlapped == [True]
+    assert result.chunks_uploaded == len(registry.stored()) == len(result.signed.manifest.chunk_ids())
+    assert same_tree(source, registry.pull(result.digest, tmp_path / "out").path)
 
 
 def test_second_version_uploads_exactly_the_changed_tensors(registry: Registry, tmp_path: Path) -> None:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Iterator
 
+from anyio import from_thread
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gpucloud.api.deps import SettingsDep, TenantDep
 from gpucloud.api.routers.registry.common import (
-    SPOOL_IN_MEMORY,
-    WRITE_BATCH,
+    READ_BATCH,
     ChunkId,
     StoresDep,
     check_model,
@@ -54,40 +53,69 @@ def missing_chunks(name: str, req: ChunkQuery, tenant: TenantDep, settings: Sett
 async def upload_chunk(
     name: str, chunk_id: ChunkId, request: Request, tenant: TenantDep, settings: SettingsDep, stores: StoresDep
 ):
+    """Store a chunk, hashed as it arrives and written once: straight from the connection into
+    the store's temp file, which becomes the chunk only if the bytes hash to its id."""
     await run_in_threadpool(check_model, settings, tenant.tenant_id, name)
     limit = settings.registry.max_chunk_size
-    too_large = Problem(413, "chunk-too-large", "Chunk too large", f"a chunk may have at most {limit} bytes")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
-        size, pending = 0, bytearray()
-        async for piece in request.stream():
-            size += len(piece)
-            if size > limit:
-                raise too_large
-            pending += piece
-            if len(pending) >= WRITE_BATCH:  # past the in-memory part these are disk writes: off the loop
-                await run_in_threadpool(spool.write, bytes(pending))
-                pending.clear()
-        await run_in_threadpool(spool.write, bytes(pending))
-        spool.seek(0)
-        chunks = stores.chunks(tenant.tenant_id)
-        if not await run_in_threadpool(chunks.has, chunk_id):  # a chunk already stored costs nothing
-            quota = settings.registry.storage_quota_bytes
-            await run_in_threadpool(storage_quota.admit, settings.database_url, tenant.tenant_id, size, quota)
-        try:
-            stored = await run_in_threadpool(chunks.put, chunk_id, spool)
-        except ChunkCorruptedError as exc:
-            raise invalid(
-                "chunk_id",
-                f"the {size} bytes sent hash to {exc.actual_id}, not to {chunk_id}; nothing was stored",
-                "chunk-digest-mismatch",
-            ) from None
+    if not declared.isdigit():
+        raise Problem(
+            411, "length-required", "Length required", "send the chunk with a Content-Length header (its size in bytes)"
+        )
+    size = int(declared)
+    if size > limit:
+        raise Problem(413, "chunk-too-large", "Chunk too large", f"a chunk may have at most {limit} bytes")
+    chunks = stores.chunks(tenant.tenant_id)
+    if not await run_in_threadpool(chunks.has, chunk_id):  # a chunk already stored costs nothing
+        quota = settings.registry.storage_quota_bytes
+        await run_in_threadpool(storage_quota.admit, settings.database_url, tenant.tenant_id, size, quota)
+    body = _RequestBody(request, size)
+    try:
+        stored = await run_in_threadpool(chunks.put, chunk_id, body)
+    except ChunkCorruptedError as exc:
+        raise invalid(
+            "chunk_id",
+            f"the {size} bytes sent hash to {exc.actual_id}, not to {chunk_id}; nothing was stored",
+            "chunk-digest-mismatch",
+        ) from None
     if stored:
         await run_in_threadpool(storage_quota.add, settings.database_url, tenant.tenant_id, size)
-    body = ChunkStored(id=chunk_id, size=size, stored=stored)
-    return JSONResponse(body.model_dump(), status_code=201 if stored else 200)
+    else:
+        await body.drain()  # the store had it: read the rest, so the connection can carry the next request
+    return JSONResponse(
+        ChunkStored(id=chunk_id, size=size, stored=stored).model_dump(), status_code=201 if stored else 200
+    )
+
+
+class _RequestBody:
+    """The request's body as a blocking `read()` for the store's writer thread: each call asks the
+    event loop for the next pieces (about `READ_BATCH` bytes, so the thread hops once per MiB, not
+    once per network read). Exactly `size` bytes must arrive, no more and no fewer."""
+
+    def __init__(self, request: Request, size: int) -> None:
+        self._pieces = request.stream()
+        self._size, self._received = size, 0
+
+    async def _next(self) -> bytes:
+        batch = bytearray()
+        while len(batch) < READ_BATCH:
+            piece = await anext(self._pieces, None)
+            if piece is None:
+                if self._received != self._size:
+                    raise invalid("body", f"{self._received} bytes arrived, the Content-Length said {self._size}")
+                break
+            self._received += len(piece)
+            if self._received > self._size:
+                raise invalid("body", f"more bytes arrived than the Content-Length said ({self._size})")
+            batch += piece
+        return bytes(batch)
+
+    def read(self, size: int = -1, /) -> bytes:
+        return from_thread.run(self._next)
+
+    async def drain(self) -> None:
+        while await self._next():
+            pass
 
 
 def _served(tenant_id: str, chunk_id: str, pieces: Iterator[bytes]) -> Iterator[bytes]:
@@ -108,8 +136,10 @@ def _served(tenant_id: str, chunk_id: str, pieces: Iterator[bytes]) -> Iterator[
 def download_chunk(name: str, chunk_id: ChunkId, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
     check_model(settings, tenant.tenant_id, name)
     failed: IntegrityError | None = None
+    chunks = stores.chunks(tenant.tenant_id)
     try:
-        pieces = stores.chunks(tenant.tenant_id).stream(chunk_id)
+        size = chunks.stat(chunk_id).size
+        pieces = chunks.stream(chunk_id)
         first = next(pieces, b"")  # a missing chunk raises here, while a 404 can still be sent
     except ChunkMissingError:
         raise not_found("chunk", chunk_id) from None
@@ -122,4 +152,9 @@ def download_chunk(name: str, chunk_id: ChunkId, tenant: TenantDep, settings: Se
         yield first
         yield from pieces
 
-    return StreamingResponse(_served(tenant.tenant_id, chunk_id, body()), media_type="application/octet-stream")
+    # A declared length lets the client read the body without chunked framing; bytes that fail
+    # the store's check end the response short of it, which no client takes as complete.
+    headers = {} if failed is not None else {"Content-Length": str(size)}
+    return StreamingResponse(
+        _served(tenant.tenant_id, chunk_id, body()), media_type="application/octet-stream", headers=headers
+    )

@@ -31,8 +31,7 @@ from gpucloud.web.problems import Problem, not_found
 log = logging.getLogger(__name__)
 
 
-SPOOL_IN_MEMORY = 8 << 20  # an upload larger than this spills to a temp file, so memory stays bounded
-WRITE_BATCH = 1 << 20
+READ_BATCH = 1 << 20  # an upload reaches the store's writer thread in pieces of about this size
 
 ChunkId = Annotated[str, PathParam(pattern=DIGEST_PATTERN, description="BLAKE3 hex of the chunk's bytes")]
 VersionRef = Annotated[str, PathParam(description="a digest, a unique digest prefix (8+ hex digits) or an alias")]
