@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -52,6 +53,7 @@ from gpucloud.registry.chunking import (
     new_hasher,
 )
 from gpucloud.registry.manifest import ChunkRef
+from gpucloud.registry.push import push
 from gpucloud.registry.store import LocalChunkStore
 from gpucloud.storage.local import fsync_path
 
@@ -304,7 +306,10 @@ def main() -> None:
     parser.add_argument("--size-gib", type=float, default=None, help="file size in GiB (default 4)")
     parser.add_argument("--dir", default=None, help="parent of the temp directory (default: system temp)")
     parser.add_argument(
-        "--concurrency", type=int, default=4, help="threads for the floor and the store (the CLI's uploads)"
+        "--concurrency",
+        type=int,
+        default=inspect.signature(push).parameters["concurrency"].default,
+        help="threads for the floor and the store alone (default: as many as the CLI uploads with)",
     )
     args = parser.parse_args()
     size_gib = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 4.0)
