@@ -183,9 +183,10 @@ def sim(
     weights = WeightsSpec(
         root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.database_url)
     )
+    from gpucloud.bootstrap import token_issuer
+
     emulator, link = None, None
     if bmc:
-        from gpucloud.bootstrap import token_issuer
         from gpucloud.sim.bmc import BmcEmulator, sim_bmc_password, write_sim_credential
         from gpucloud.sim.nodes import Fleet
         from gpucloud.sim.power import BmcLink
