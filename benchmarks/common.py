@@ -6,8 +6,9 @@ import asyncio
 import sys
 import time
 import uuid
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 from temporalio import activity, workflow
@@ -201,3 +202,72 @@ def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **s
         sim_heartbeat_s=sim_heartbeat_s,
     )
     return settings, stack, data_dir
+
+
+def history_profile(settings: Settings, workflow_ids: list[str], *, since: datetime) -> dict[str, dict]:
+    """Where the time went in these workflows' histories after `since`: for every activity type
+    (and for workflow tasks), how many ran, how long each waited in its task queue for a worker
+    slot (scheduled -> started) and how long it ran (started -> closed), p50 and p99 seconds."""
+    return asyncio.run(_history_profile(settings, workflow_ids, since))
+
+
+async def _history_profile(settings: Settings, workflow_ids: list[str], since: datetime) -> dict[str, dict]:
+    from temporalio.api.enums.v1 import EventType
+
+    client = await connect(settings.temporal)
+    waits: dict[str, list[float]] = defaultdict(list)
+    runs: dict[str, list[float]] = defaultdict(list)
+    scheduled: dict[int, tuple[str, datetime]] = {}
+    started: dict[int, datetime] = {}
+    closing = {
+        EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED: "activity_task_completed_event_attributes",
+        EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED: "activity_task_failed_event_attributes",
+        EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT: "activity_task_timed_out_event_attributes",
+        EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED: "workflow_task_completed_event_attributes",
+    }
+    for workflow_id in workflow_ids:
+        history = await client.get_workflow_handle(workflow_id).fetch_history()
+        for event in history.events:
+            at = event.event_time.ToDatetime(tzinfo=UTC)
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                name = event.activity_task_scheduled_event_attributes.activity_type.name
+                scheduled[event.event_id] = (name, at)
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
+                scheduled[event.event_id] = ("(workflow task)", at)
+            elif event.event_type in (
+                EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED,
+                EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
+            ):
+                attrs = (
+                    event.activity_task_started_event_attributes
+                    if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+                    else event.workflow_task_started_event_attributes
+                )
+                name, queued_at = scheduled.get(attrs.scheduled_event_id, ("?", at))
+                if queued_at >= since:
+                    waits[name].append((at - queued_at).total_seconds())
+                    started[attrs.scheduled_event_id] = at
+            elif event.event_type in closing:
+                attrs = getattr(event, closing[event.event_type])
+                begun = started.pop(attrs.scheduled_event_id, None)
+                if begun is not None:
+                    runs[scheduled[attrs.scheduled_event_id][0]].append((at - begun).total_seconds())
+        scheduled.clear()
+        started.clear()
+
+    def pct(values: list[float], q: float) -> float | None:
+        if not values:
+            return None
+        ordered = sorted(values)
+        return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 3)
+
+    return {
+        name: {
+            "count": len(waits[name]),
+            "queued_p50_s": pct(waits[name], 50),
+            "queued_p99_s": pct(waits[name], 99),
+            "run_p50_s": pct(runs[name], 50),
+            "run_p99_s": pct(runs[name], 99),
+        }
+        for name in sorted(waits, key=lambda n: -sum(waits[n]))
+    }

@@ -42,9 +42,19 @@ import httpx
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_temporal_db_arg, bench_stack, bring_up_fleet, log, onboard_tenant, wait_for
+from common import (
+    add_temporal_db_arg,
+    bench_stack,
+    bring_up_fleet,
+    history_profile,
+    log,
+    onboard_tenant,
+    wait_for,
+)
 
 from gpucloud.config import Settings
+from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
+from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
 
 APPLICATION_XIDS = (13, 31, 43, 45, 68)
 FATAL_XID = 79
@@ -340,6 +350,16 @@ def main() -> None:
         )
         burst_marks = wait_milestones(probe, burst_victims, "ready", 900)
         burst_ready = latencies(burst_starts, burst_marks, "ready")
+        # Where the burst's time went: the allocations' workflows (pulls, replacements) and the
+        # victims' node operations (drains), activity by activity, queued vs running.
+        profile = history_profile(
+            settings,
+            [allocation_workflow_id(a) for a in sorted({a for _, a in burst_victims})]
+            + [node_workflow_id(n) for n, _ in burst_victims],
+            since=burst_began,
+        )
+        for name, figures in profile.items():
+            log(f"  {name}: {figures}")
         last_pulled = max(m["pulled"] for m in burst_marks.values())
         alerts = api.get("/v1/alerts").json()["items"]
         states = Counter(n[2] for n in probe.nodes())
@@ -380,6 +400,7 @@ def main() -> None:
                 "breaker_max_pulled_share": args.breaker_share,
                 "operator_alerts": len(alerts),
                 "final_states": dict(sorted(states.items())),
+                "burst_profile": profile,
             }
         )
     )
