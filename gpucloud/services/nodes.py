@@ -51,6 +51,8 @@ def enroll_nodes(session: Session, nodes: Iterable[NodeEnroll]) -> tuple[list[st
 
 
 BRINGUP_STATES = (NodeState.ENROLLED.value, NodeState.INSPECTING.value)
+# Every state a bring-up batch moves its nodes through, each held until its deadline.
+BRINGUP_BATCH_STATES = (*BRINGUP_STATES, NodeState.WIPING.value, NodeState.BURN_IN.value)
 
 
 def lease_for_bringup(
@@ -96,7 +98,7 @@ def release_bringup_holds(
     nodes = session.exec(
         select(Node).where(
             col(Node.id).in_(node_ids),
-            col(Node.state).in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
+            col(Node.state).in_(BRINGUP_BATCH_STATES),
             col(Node.allocation_id).is_(None),
         )
     ).all()
@@ -114,7 +116,7 @@ def held_for_bringup(session: Session, now: datetime | None = None) -> int:
         select(sa.func.count())
         .select_from(Node)
         .where(
-            col(Node.state).in_((*BRINGUP_STATES, NodeState.BURN_IN.value)),
+            col(Node.state).in_(BRINGUP_BATCH_STATES),
             col(Node.allocation_id).is_(None),
             col(Node.next_reconcile_at) > now,
         )
