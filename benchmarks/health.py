@@ -217,8 +217,11 @@ def pick_victims(probe: Probe, count: int) -> list[tuple[str, str]]:
 
 
 def inject(api: httpx.Client, node_id: str) -> datetime:
-    at = datetime.now(UTC)
+    at = datetime.now(UTC)  # a report the lane turns away and takes later counts from here
     resp = api.post(f"/v1/nodes/{node_id}/xid", json={"xid": FATAL_XID, "gpu_index": 3})
+    while resp.status_code in (429, 503):
+        time.sleep(min(1.0, float(resp.headers.get("retry-after", "0.2"))))
+        resp = api.post(f"/v1/nodes/{node_id}/xid", json={"xid": FATAL_XID, "gpu_index": 3})
     resp.raise_for_status()
     decision = resp.json()["decisions"][0]
     if decision["pull"] != "replace":
