@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,12 +124,7 @@ def chunk_files_floor(path: Path, chunks: list[ChunkRef], into: Path, concurrenc
         os.replace(tmp, final)
         fsync_path(into)
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, chunks))
-    seconds = time.perf_counter() - started
-    shutil.rmtree(into)
-    return seconds
+    return _timed(one, chunks, into, concurrency)
 
 
 def store_seconds(path: Path, chunks: list[ChunkRef], into: Path, concurrency: int) -> float:
@@ -140,6 +135,11 @@ def store_seconds(path: Path, chunks: list[ChunkRef], into: Path, concurrency: i
         with FileRegion(path, chunk.offset, chunk.size) as region:
             store.put(chunk.id, region)
 
+    return _timed(one, chunks, into, concurrency)
+
+
+def _timed(one: Callable[[ChunkRef], None], chunks: list[ChunkRef], into: Path, concurrency: int) -> float:
+    """Seconds to run `one` over every chunk from `concurrency` threads; `into` is removed after."""
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, chunks))

@@ -204,6 +204,14 @@ def bench_stack(nodes: int, temporal_db: str, *, sim_heartbeat_s: float = 0, **s
     return settings, stack, data_dir
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank q-th percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
 def history_profile(settings: Settings, workflow_ids: list[str], *, since: datetime) -> dict[str, dict]:
     """Where the time went in these workflows' histories after `since`: for every activity type
     (and for workflow tasks), how many ran, how long each waited in its task queue for a worker
@@ -256,10 +264,8 @@ async def _history_profile(settings: Settings, workflow_ids: list[str], since: d
         started.clear()
 
     def pct(values: list[float], q: float) -> float | None:
-        if not values:
-            return None
-        ordered = sorted(values)
-        return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 3)
+        found = percentile(values, q)
+        return None if found is None else round(found, 3)
 
     return {
         name: {

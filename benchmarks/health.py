@@ -49,6 +49,7 @@ from common import (
     history_profile,
     log,
     onboard_tenant,
+    percentile,
     wait_for,
 )
 
@@ -61,13 +62,6 @@ FATAL_XID = 79
 GANG = 8
 SPARE_SHARE = 0.25  # of each full pod, kept free for replacements
 TENANTS = 4
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def _rounded(value: float | None) -> float | None:
