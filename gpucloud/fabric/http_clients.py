@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from gpucloud.fabric.interface import FabricError, Membership, NvlPartition, PKey, PortMember, Vpc
+from gpucloud.fabric.interface import FabricError, Membership, NvlPartition, PKey, Vpc
 from gpucloud.web import tls
 
 
@@ -43,10 +43,9 @@ def _get_or_none(client: httpx.Client, url: str, **kwargs: Any) -> httpx.Respons
 
 
 def _pkey(body: dict) -> PKey:
-    return PKey(
-        pkey=int(body["pkey"], 16),
-        name=body.get("name", ""),
-        members=tuple(PortMember.model_validate(m) for m in body.get("guids", ())),
+    # One validation of the whole record: the default partition holds every port of the fleet.
+    return PKey.model_validate(
+        {"pkey": int(body["pkey"], 16), "name": body.get("name", ""), "members": body.get("guids", ())}
     )
 
 
@@ -61,19 +60,21 @@ class UfmClient:
         body = {"pkey": f"0x{pkey:04x}", "name": name}
         return _pkey(_call(self._client, "POST", f"{self._base}/add", json=body).json())
 
-    def add_ports(self, pkey: int, guids: list[str], *, membership: Membership) -> PKey:
+    def add_ports(self, pkey: int, guids: list[str], *, membership: Membership) -> None:
         body = {"pkey": f"0x{pkey:04x}", "guids": guids, "membership": membership.value}
-        return _pkey(_call(self._client, "POST", self._base, json=body).json())
+        _call(self._client, "POST", self._base, json=body)
 
-    def remove_ports(self, pkey: int, guids: list[str]) -> PKey:
-        return _pkey(_call(self._client, "DELETE", f"{self._base}/0x{pkey:04x}/guids/{','.join(guids)}").json())
+    def remove_ports(self, pkey: int, guids: list[str]) -> None:
+        _call(self._client, "DELETE", f"{self._base}/0x{pkey:04x}/guids/{','.join(guids)}")
 
     def get_pkey(self, pkey: int) -> PKey | None:
         response = _get_or_none(self._client, f"{self._base}/0x{pkey:04x}")
         return None if response is None else _pkey(response.json())
 
-    def list_pkeys(self) -> list[PKey]:
-        return [_pkey(body) for body in _call(self._client, "GET", self._base).json().values()]
+    def list_pkeys(self, *, members: bool = False) -> list[PKey]:
+        """Every pkey; without `members` their names only (UFM lists GUIDs on `guids_data=true`)."""
+        params = {"guids_data": "true"} if members else None
+        return [_pkey(body) for body in _call(self._client, "GET", self._base, params=params).json().values()]
 
     def delete_pkey(self, pkey: int) -> None:
         _call(self._client, "DELETE", f"{self._base}/0x{pkey:04x}")

@@ -197,9 +197,11 @@ def remove_nodes(
     guids = {g for node in nodes for g in node.port_guids}
     gpus = {g for node in nodes for g in node.gpu_uids}
     node_ids = {n.node_id for n in nodes}
-    for pkey in controller.infiniband.list_pkeys():
-        if pkey.name == name and (held := guids & pkey.guids()):
-            controller.infiniband.remove_ports(pkey.pkey, sorted(held))
+    ib = controller.infiniband
+    pkeys = [p for p in (ib.get_pkey(n.pkey) for n in ib.list_pkeys() if n.name == name) if p is not None]
+    for pkey in pkeys:
+        if held := guids & pkey.guids():
+            ib.remove_ports(pkey.pkey, sorted(held))
     for partition in controller.nvlink.list_partitions():
         if partition.name != name or not gpus & set(partition.gpu_uids):
             continue
@@ -212,8 +214,8 @@ def remove_nodes(
             controller.ethernet.detach(vpc.vni, node_id)
     left = [
         f"{sorted(guids & p.guids())} in pkey 0x{p.pkey:04x}"
-        for p in controller.infiniband.list_pkeys()
-        if p.name == name and guids & p.guids()
+        for p in (ib.get_pkey(n.pkey) for n in pkeys)
+        if p is not None and guids & p.guids()
     ]
     left += [
         f"{sorted(gpus & set(p.gpu_uids))} in NVLink partition {p.partition_id}"
@@ -259,7 +261,7 @@ def release(controller: FabricController, allocation_id: str, tenant_id: str, no
 def read_snapshot(controller: FabricController) -> FabricSnapshot:
     """What the three managers hold now, for `isolation.find_violations`."""
     return FabricSnapshot(
-        pkeys=tuple(controller.infiniband.list_pkeys()),
+        pkeys=tuple(controller.infiniband.list_pkeys(members=True)),
         nvl_partitions=tuple(controller.nvlink.list_partitions()),
         vpcs=tuple(controller.ethernet.list_vpcs()),
     )

@@ -110,7 +110,21 @@ def test_infiniband_constraints(controller):
     refused(lambda: ib.add_ports(0x0A02, ["not-a-guid"], membership=Membership.FULL), 422, "guid_format")
     refused(lambda: ib.delete_pkey(DEFAULT_PKEY), 409, "default_partition_permanent")
     assert ib.get_pkey(0x0A01).guids(Membership.FULL) == {a}
-    assert ib.remove_ports(0x0A01, [a]).members == ()
+    # Lists name the pkeys; their ports come with `members` (UFM's `guids_data=true`) only.
+    listed = {p.pkey: p for p in ib.list_pkeys()}
+    assert {p: (r.name, r.members) for p, r in listed.items() if p in (0x0A01, 0x0A02)} == {
+        0x0A01: ("one", ()),
+        0x0A02: ("two", ()),
+    }
+    assert {p.pkey: p.guids() for p in ib.list_pkeys(members=True)}[0x0A01] == {a}
+    # Adding ports that are already members as asked changes nothing; removing one that is not a
+    # member neither.
+    ib.add_ports(DEFAULT_PKEY, [a, b], membership=Membership.LIMITED)
+    ib.remove_ports(0x0A02, [b])
+    assert ib.get_pkey(DEFAULT_PKEY).guids(Membership.LIMITED) >= {a, b}
+    assert ib.get_pkey(0x0A02).guids() == {a}
+    ib.remove_ports(0x0A01, [a])
+    assert ib.get_pkey(0x0A01).members == ()
     ib.add_ports(0x0A02, [a], membership=Membership.FULL)
     ib.delete_pkey(0x0A01)
     ib.delete_pkey(0x0A02)
@@ -250,14 +264,16 @@ def test_apply_converges_to_the_nodes_given_and_remove_takes_nodes_out(controlle
     # Pulled nodes leave: ports, GPUs (an emptied partition goes) and the VPC.
     remove_nodes(controller, "vp-alloc", "vp-acme", [one, far])
     remove_nodes(controller, "vp-alloc", "vp-acme", [one, far])  # idempotent
-    pkey = next(p for p in controller.infiniband.list_pkeys() if p.name == name)
+    pkey = next(p for p in controller.infiniband.list_pkeys(members=True) if p.name == name)
     assert pkey.guids() == set(two.port_guids)
     assert partitions() == {"vp-rack0": set(two.gpu_uids)}
     assert controller.ethernet.list_vpcs(tenant_id="vp-acme")[0].nodes == (two.node_id,)
     # Applying a smaller set than the managers hold converges too.
     apply_and_verify(controller, "vp-alloc", "vp-acme", [one, two])
     apply_and_verify(controller, "vp-alloc", "vp-acme", [two])
-    assert next(p for p in controller.infiniband.list_pkeys() if p.name == name).guids() == set(two.port_guids)
+    assert next(p for p in controller.infiniband.list_pkeys(members=True) if p.name == name).guids() == set(
+        two.port_guids
+    )
     assert partitions() == {"vp-rack0": set(two.gpu_uids)}
     release(controller, "vp-alloc", "vp-acme", [one, two])
     assert find_violations(read_snapshot(controller), topology=topology, tenant_of={}) == []
@@ -292,11 +308,13 @@ def test_state_survives_a_restart_with_a_state_file(tmp_path):
     ):
         c.nvlink.register_domain("sf-rack0", ["GPU-sf0", "GPU-sf1"])
         c.infiniband.create_pkey(0x0B01, name="alloc-sf")
-        c.infiniband.add_ports(0x0B01, ["0x00000000000b0001"], membership=Membership.FULL)
+        c.infiniband.add_ports(0x0B01, ["0x00000000000b0001", "0x00000000000b0002"], membership=Membership.FULL)
+        c.infiniband.remove_ports(0x0B01, ["0x00000000000b0002"])  # the file follows every change
         partition = c.nvlink.create_partition(name="alloc-sf", domain_id="sf-rack0", gpu_uids=["GPU-sf0"])
         vpc = c.ethernet.create_vpc(tenant_id="sf-acme")
         c.ethernet.attach(vpc.vni, "sf-node")
         before = read_snapshot(c)
+        assert {p.pkey: p.guids() for p in before.pkeys}[0x0B01] == {"0x00000000000b0001"}
     with (
         FabricManagersServer(create_app(state_path=state)) as server,
         HttpFabricController.for_simulator(server.url) as c,

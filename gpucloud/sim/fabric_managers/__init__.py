@@ -18,7 +18,10 @@ SDN (`/sdn/v1/vpcs`): a VNI lies in 1-2^24-1 (`vni_range`) and belongs to one te
 (`node_single_vpc`), and only an empty VPC is deleted (`vpc_not_empty`).
 
 State lives in memory, and with a `state_path` also in a JSON file rewritten after every change
-(so a second `gpucloud up` on the same data dir finds the partitions the first one made).
+(so a second `gpucloud up` on the same data dir finds the partitions the first one made). A
+request that changes nothing writes nothing, and each pkey's member list is encoded once per
+change, not per write or read: the default partition holds every port of the fleet. As UFM
+does, a pkey list carries members only when asked (`guids_data=true`).
 Handlers are `async` but never await, so each runs whole on the event loop (no thread-pool hop
 per request); the lock keeps a handler safe should it move to the pool.
 

@@ -84,10 +84,11 @@ async def attach_node(vni: int, node_id: str, state: StateDep) -> Vpc:
 async def detach_node(vni: int, node_id: str, state: StateDep) -> Vpc:
     with state.lock:
         vpc = _vpc(state, vni)
-        nodes = tuple(n for n in vpc.nodes if n != node_id)
-        state.vpcs[vni] = vpc.model_copy(update={"nodes": nodes})
-        state.saved()
-        return state.vpcs[vni]
+        if node_id in vpc.nodes:
+            nodes = tuple(n for n in vpc.nodes if n != node_id)
+            vpc = state.vpcs[vni] = vpc.model_copy(update={"nodes": nodes})
+            state.saved()
+        return vpc
 
 
 @sdn.delete("/{vni}", status_code=204)

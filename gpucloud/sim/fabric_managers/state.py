@@ -7,6 +7,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, NoReturn, TypeVar
@@ -19,7 +20,6 @@ from gpucloud.fabric.interface import (
     Membership,
     NvlPartition,
     PKey,
-    PortMember,
     Vpc,
 )
 
@@ -67,28 +67,42 @@ class FabricState:
     fault: str | None = None
     state_path: Path | None = None
 
-    def pkey_record(self, pkey: int) -> PKey:
-        members = tuple(PortMember(guid=g, membership=m) for g, m in sorted(self.pkeys[pkey].items()))
-        return PKey(pkey=pkey, name=self.pkey_names[pkey], members=members)
+    # Each pkey's members as JSON, kept until the pkey changes: the default partition
+    # holds every port of the fleet, and re-encoding it after every change made each write, and
+    # each read of it, cost as much as the whole fleet.
+    _pkey_json: dict[int, str] = field(default_factory=dict)
+
+    def members_json(self, pkey: int) -> str:
+        """The pkey's members as a JSON list of `{"guid", "membership"}`, sorted by GUID."""
+        if (cached := self._pkey_json.get(pkey)) is None:
+            members = [{"guid": g, "membership": m.value} for g, m in sorted(self.pkeys[pkey].items())]
+            cached = self._pkey_json[pkey] = json.dumps(members)
+        return cached
 
     def read(self, record: R, members: str) -> R:
         """What a single-record read answers: under the `stale_reads` fault, the record with its
         `members` left out, as a manager answering from a lagging replica would."""
         return record.model_copy(update={members: ()}) if self.fault == "stale_reads" else record
 
-    def saved(self) -> None:
-        """Write the state to `state_path` (when there is one); call with `lock` held, after a change."""
+    def saved(self, *, pkeys: Iterable[int] = ()) -> None:
+        """Write the state to `state_path` (when there is one); call with `lock` held, after a
+        change, naming the pkeys it changed (their JSON is encoded afresh, the rest reused)."""
+        for pkey in pkeys:
+            self._pkey_json.pop(pkey, None)
         if self.state_path is None:
             return
-        body = {
-            "pkeys": [self.pkey_record(p).model_dump(mode="json") for p in sorted(self.pkeys)],
+        rest = {
             "domain_of_gpu": self.domain_of_gpu,
             "partitions": [p.model_dump(mode="json") for p in self.partitions.values()],
             "next_partition_id": self.next_partition_id,
             "vpcs": [v.model_dump(mode="json") for v in self.vpcs.values()],
         }
+        encoded = ", ".join(
+            f'{{"pkey": {p}, "name": {json.dumps(self.pkey_names[p])}, "members": {self.members_json(p)}}}'
+            for p in sorted(self.pkeys)
+        )
         partial = self.state_path.with_suffix(".partial")
-        partial.write_text(json.dumps(body))
+        partial.write_text(f'{{"pkeys": [{encoded}], {json.dumps(rest)[1:]}')
         os.replace(partial, self.state_path)
 
     @classmethod

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from pydantic import Field
 
 from gpucloud.fabric.interface import (
@@ -12,7 +13,6 @@ from gpucloud.fabric.interface import (
     MAX_PKEY,
     MIN_PKEY,
     Membership,
-    PKey,
     PortMember,
 )
 from gpucloud.sim.fabric_managers.state import GUID, Body, FabricState, StateDep, parse_pkey, pkey_hex, refuse
@@ -32,11 +32,14 @@ class PKeyGuids(Body):
 class UfmPKey(Body):
     pkey: str
     name: str
-    guids: list[PortMember]
+    guids: list[PortMember] = Field(default_factory=list, description="with `guids_data=true` only, on a list")
 
 
-def _ufm(record: PKey) -> UfmPKey:
-    return UfmPKey(pkey=pkey_hex(record.pkey), name=record.name, guids=list(record.members))
+def _ufm_json(state: FabricState, pkey: int, *, members: bool = True) -> str:
+    """The pkey as UFM answers it, encoded straight from the state's cached member list (a
+    model per member made a read of the default partition cost as much as the fleet)."""
+    guids = state.members_json(pkey) if members else "[]"
+    return f'{{"pkey": "{pkey_hex(pkey)}", "name": {json.dumps(state.pkey_names[pkey])}, "guids": {guids}}}'
 
 
 def _existing_pkey(state: FabricState, pkey: int) -> None:
@@ -87,49 +90,53 @@ async def create_pkey(body: PKeyCreate, state: StateDep) -> UfmPKey:
             refuse(409, "pkey_unique", f"pkey {pkey_hex(pkey)} already exists")
         state.pkeys[pkey] = {}
         state.pkey_names[pkey] = body.name
-        state.saved()
-        return _ufm(state.pkey_record(pkey))
+        state.saved(pkeys=[pkey])
+        return UfmPKey(pkey=pkey_hex(pkey), name=body.name, guids=[])
 
 
-@ufm.post("", response_model=UfmPKey)
-async def add_guids(body: PKeyGuids, state: StateDep) -> UfmPKey:
+@ufm.post("", status_code=204)
+async def add_guids(body: PKeyGuids, state: StateDep) -> None:
+    """Add ports (UFM answers with no body); ports already members as asked change nothing."""
     pkey = parse_pkey(body.pkey)
     guids = _check_guids(body.guids)
     with state.lock:
         _existing_pkey(state, pkey)
         if body.membership == Membership.FULL:
             _check_full_membership(state, pkey, guids)
-        for guid in guids:
-            state.pkeys[pkey][guid] = body.membership
-        state.saved()
-        return _ufm(state.pkey_record(pkey))
+        members = state.pkeys[pkey]
+        if changed := [g for g in guids if members.get(g) != body.membership]:
+            members.update(dict.fromkeys(changed, body.membership))
+            state.saved(pkeys=[pkey])
 
 
 @ufm.get("", response_model=dict[str, UfmPKey])
-async def list_pkeys(state: StateDep) -> dict[str, UfmPKey]:
+async def list_pkeys(state: StateDep, guids_data: bool = False) -> Response:
+    """Every pkey; its members only with `guids_data=true`, as UFM lists them."""
     with state.lock:
-        return {pkey_hex(p): _ufm(state.pkey_record(p)) for p in sorted(state.pkeys)}
+        body = ", ".join(f'"{pkey_hex(p)}": {_ufm_json(state, p, members=guids_data)}' for p in sorted(state.pkeys))
+    return Response(f"{{{body}}}", media_type="application/json")
 
 
 @ufm.get("/{pkey}", response_model=UfmPKey)
-async def get_pkey(pkey: str, state: StateDep) -> UfmPKey:
+async def get_pkey(pkey: str, state: StateDep) -> Response:
     number = parse_pkey(pkey)
     with state.lock:
         _existing_pkey(state, number)
-        record = state.pkey_record(number)
-        return _ufm(state.read(record, "members"))
+        # Under `stale_reads` a single read answers from a lagging replica: no members.
+        return Response(_ufm_json(state, number, members=state.fault != "stale_reads"), media_type="application/json")
 
 
-@ufm.delete("/{pkey}/guids/{guids}", response_model=UfmPKey)
-async def remove_guids(pkey: str, guids: str, state: StateDep) -> UfmPKey:
+@ufm.delete("/{pkey}/guids/{guids}", status_code=204)
+async def remove_guids(pkey: str, guids: str, state: StateDep) -> None:
     number = parse_pkey(pkey)
     removed = _check_guids(guids.split(","))
     with state.lock:
         _existing_pkey(state, number)
-        for guid in removed:
-            state.pkeys[number].pop(guid, None)
-        state.saved()
-        return _ufm(state.pkey_record(number))
+        members = state.pkeys[number]
+        if gone := [g for g in removed if g in members]:
+            for guid in gone:
+                del members[guid]
+            state.saved(pkeys=[number])
 
 
 @ufm.delete("/{pkey}", status_code=204)
@@ -141,4 +148,4 @@ async def delete_pkey(pkey: str, state: StateDep) -> None:
         _existing_pkey(state, number)
         del state.pkeys[number]
         del state.pkey_names[number]
-        state.saved()
+        state.saved(pkeys=[number])
