@@ -17,10 +17,13 @@ from temporalio.worker import Worker
 from gpucloud.adapters.temporal import connect
 from gpucloud.config import Settings
 from gpucloud.web.service_tokens import agent_audience
+from gpucloud.workflows.bringup import STEPS as BRINGUP_STEPS
 
 # Bring-up's activities per workflow: read the nodes, 3 transitions, inspect, burn-in (a batch
 # of `bringup_batch_size` nodes takes the same six, each for the whole batch).
 ACTIVITIES_PER_NODE = 6
+# The agent actions a bring-up takes, in order (inspect, wipe, burn-in), from its step table.
+BRINGUP_ACTIONS = tuple(action for step in BRINGUP_STEPS.values() if (action := getattr(step, "action", None)))
 
 
 def log(msg: str) -> None:
@@ -50,8 +53,9 @@ async def baseline(settings: Settings, nodes: int, *, nodes_per_workflow: int = 
 
 
 async def agent_floor(agent_urls: list[str], *, concurrency: int, issuer=None) -> float:
-    """Bring-up's agent calls alone (inspect and burn-in per node, `concurrency` at a time, as
-    many as the batches have in flight), with no engine and no database: nodes per second."""
+    """Bring-up's agent calls alone (inspect, wipe and burn-in per node, the three actions a
+    bring-up takes, `concurrency` at a time, as many as the batches have in flight), with no
+    engine and no database: nodes per second."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
@@ -60,7 +64,7 @@ async def agent_floor(agent_urls: list[str], *, concurrency: int, issuer=None) -
 
         async def node(url: str) -> None:
             async with gate:
-                for action in ("inspect", "burn_in"):
+                for action in BRINGUP_ACTIONS:
                     # Signed as the control plane signs its calls (the agents check it).
                     auth = {"Authorization": f"Bearer {issuer.mint(agent_audience(url.rsplit('/', 1)[1]))}"}
                     resp = await http.post(

@@ -368,3 +368,35 @@ def test_random_allocate_release_sequences_keep_tenants_apart(controller, seed):
         release(controller, allocation, tenant, nodes)
     for tenant in tenants:
         delete_tenant_vpc(controller, tenant)
+
+
+def test_a_request_that_changes_nothing_writes_nothing(tmp_path):
+    """An apply adds the allocation's ports to the default partition every time; once they are
+    members, the managers must not rewrite their state (the default partition holds every port)."""
+    state = tmp_path / "fabric.json"
+    ports = ["0x00000000000c0001", "0x00000000000c0002"]
+    app = create_app(state_path=state)
+    fabric = app.state.fabric
+    writes: list[int] = []
+    save = fabric.saved
+
+    def counted(**kwargs) -> None:
+        writes.append(1)
+        save(**kwargs)
+
+    fabric.saved = counted
+    with FabricManagersServer(app) as server, HttpFabricController.for_simulator(server.url) as c:
+        c.infiniband.add_ports(DEFAULT_PKEY, ports, membership=Membership.LIMITED)
+        c.infiniband.create_pkey(0x0C01, name="alloc-cn")
+        vni = c.ethernet.create_vpc(tenant_id="cn-acme").vni
+        assert len(writes) == 3
+        c.infiniband.add_ports(DEFAULT_PKEY, ports, membership=Membership.LIMITED)
+        c.infiniband.remove_ports(0x0C01, ports[:1])  # not a member: nothing to remove
+        c.ethernet.detach(vni, "cn-node")  # not attached
+        assert len(writes) == 3
+        assert c.infiniband.get_pkey(DEFAULT_PKEY).guids(Membership.LIMITED) == set(ports)
+        # A real change is written, and read back afresh.
+        c.infiniband.add_ports(0x0C01, ports[1:], membership=Membership.FULL)
+        assert len(writes) == 4
+        assert c.infiniband.get_pkey(0x0C01).guids(Membership.FULL) == set(ports[1:])
+    assert '"0x00000000000c0002", "membership": "full"' in state.read_text()
