@@ -230,6 +230,25 @@ class ReconcilerActivities:
         result.started += len(leased)
         return budget - len(leased)
 
+    @activity.defn
+    async def start_waiting_bringups(self) -> SweepResult:
+        """A bring-up batch that is done hands its room to enrolled nodes still waiting (an
+        enrolment beyond `max_concurrent_node_ops` defers the rest) at once, within the same
+        limit, instead of leaving it idle until the next sweep."""
+        result = SweepResult()
+        limit = self.settings.reconciler.max_concurrent_node_ops
+        waiting = await asyncio.to_thread(self._waiting_for_bringup, limit)
+        if not waiting:
+            return result
+        running = await running_node_operations(self.client)
+        held = await asyncio.to_thread(self._held_for_bringup)
+        await self._start_bringups(waiting, max(0, limit - running - held), result)
+        return result
+
+    def _waiting_for_bringup(self, limit: int) -> list[str]:
+        with self.db.session() as session:
+            return node_service.waiting_for_bringup(session, limit)
+
     def _lease_for_bringup(self, node_ids: list[str]) -> list[str]:
         with self.db.session() as session:
             return node_service.lease_for_bringup(
@@ -308,4 +327,4 @@ class ReconcilerActivities:
                 session.add(node)
 
     def all(self) -> list:
-        return [self.sweep]
+        return [self.sweep, self.start_waiting_bringups]

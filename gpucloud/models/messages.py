@@ -159,6 +159,8 @@ class BringupResult(BaseModel):
     # Node id -> why it stopped short of available (failed into its failure target, moved by
     # someone else, agent unreachable and left for the reconciler).
     stopped: dict[str, str] = Field(default_factory=dict)
+    # Enrolled nodes whose bring-up this batch started as it finished, in its room.
+    handed_on: int = 0
 
 
 class AllocationInput(AllocationRef):

@@ -123,6 +123,23 @@ def held_for_bringup(session: Session, now: datetime | None = None) -> int:
     ).one()
 
 
+def waiting_for_bringup(session: Session, limit: int, now: datetime | None = None) -> list[str]:
+    """Enrolled nodes no batch holds and no backoff keeps back, oldest id first: what an
+    enrolment beyond the global limit left for later."""
+    now = now or utcnow()
+    return list(
+        session.exec(
+            select(col(Node.id))
+            .where(
+                col(Node.state) == NodeState.ENROLLED.value,
+                sa.or_(col(Node.next_reconcile_at).is_(None), col(Node.next_reconcile_at) <= now),
+            )
+            .order_by(col(Node.id))
+            .limit(limit)
+        ).all()
+    )
+
+
 def transition(
     session: Session,
     node_id: str,

@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         NodeTransitionBatch,
         NodeTransitionInput,
         NodeView,
+        SweepResult,
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.workflows import options
@@ -132,7 +133,21 @@ class BringupBatchWorkflow:
                 self._result.available.append(node_id)
             elif node_id not in self._result.stopped:
                 self._result.stopped[node_id] = f"ended {node.state}"
+        await self._hand_on()
         return self._result
+
+    async def _hand_on(self) -> None:
+        """This batch's room goes to enrolled nodes still waiting for theirs, now rather than at
+        the next sweep; should that fail, the sweep starts them as it always would."""
+        try:
+            # By name: the reconciler's activities start this workflow, so it cannot import them.
+            started = await workflow.execute_activity(
+                "start_waiting_bringups", result_type=SweepResult, **options.SWEEP
+            )
+        except ActivityError as err:
+            workflow.logger.warning("waiting bring-ups left to the sweep: %s", failure_message(err))
+            return
+        self._result.handed_on = started.started
 
     async def _power_on(self, nodes: list[NodeView]) -> None:
         """Out of band first, for nodes with a BMC: what it says the system is, and its power on

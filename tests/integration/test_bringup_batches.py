@@ -93,6 +93,11 @@ async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
     await async_wait_until(no_holds_left, timeout_s=15, interval_s=0.2, what="every hold released")
 
 
+def _held(h) -> int:
+    with session_scope(h.settings.database_url) as session:
+        return node_service.held_for_bringup(session)
+
+
 def _states(h) -> dict[str, int]:
     counts: dict[str, int] = {}
     for n in h.nodes():
@@ -190,4 +195,31 @@ async def test_enrollment_starts_bring_ups_within_the_global_limit_and_the_sweep
             most_held = max(most_held, node_service.held_for_bringup(session))
         assert result.started <= 3
         await asyncio.sleep(0.3)
+    assert most_held <= 3
+
+
+async def test_a_finished_batch_hands_its_room_to_waiting_enrollments_without_a_sweep(
+    db_url, make_harness, in_process_worker, temporal_env
+):
+    """With room for 3, an enrolment of 8 defers 5; no sweep runs here, yet all 8 come up: each
+    batch, once done, starts bring-ups for waiting nodes in its room, never more than 3 held."""
+    h = make_harness(db_url, nodes=8, reconciler__max_concurrent_node_ops=3, reconciler__bringup_batch_size=2)
+    body = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()}).json()
+    assert (body["bringups_started"], body["deferred"]) == (3, 5)
+    most_held = 0
+    watching = True
+
+    async def watch() -> None:
+        nonlocal most_held
+        while watching:
+            most_held = max(most_held, await asyncio.to_thread(_held, h))
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    await in_process_worker(h.settings)
+    try:
+        await async_wait_until(lambda: _states(h).get("available", 0) == 8, timeout_s=90, what="all 8 available")
+    finally:
+        watching = False
+        await watcher
     assert most_held <= 3
