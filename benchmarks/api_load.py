@@ -11,7 +11,9 @@ Figures per database and level: requests/s, p50/p99 per operation, timeouts (no 
 honour, as `gpucloud.client` does). Then:
 - `ratio_get_vs_floor`: the API's get rate at 64 clients over the floor's, and the two p99s;
 - `fairness_p99_ratio`: a second tenant's single client's get p99 while the first runs the top
-  level, over its p99 alone;
+  level, over its p99 alone; `fairness_floor_p99_ratio`: the same for a single client of the
+  floor app (its own process) beside the same load on the API, which is what the machine's
+  contention alone costs; `fairness_vs_floor` is the first over the second;
 - `fleet_capacity_nodes`: agents' single-node heartbeats (each its own request) the API answers
   with p99 <= 1 s while 64 tenant clients run, times the 10 s heartbeat interval.
 
@@ -189,6 +191,16 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
         run_apart(api, other_key, 1, args.seconds, get_client, ids),
     )
     log(f"  fairness: the loaded tenant {loaded.figures(args.seconds)}")
+    # What the machine alone does to that client: the same single client against the floor app
+    # (its own process, sharing nothing with the API but the machine's 2 cores), alone and beside
+    # the same load on the API. No admission policy can do better than a process of its own.
+    floor_alone = await run_apart(floor_url, None, 1, args.seconds, get_client, ids)
+    _, floor_beside = await asyncio.gather(
+        run_apart(api, tenant_key, top, args.seconds, mixed_client, ids),
+        run_apart(floor_url, None, 1, args.seconds, get_client, ids),
+    )
+    floor_ratio = percentile(floor_beside.latency["get"], 99) / max(percentile(floor_alone.latency["get"], 99), 1e-3)
+    log(f"  fairness floor: a client of its own process, p99 x{floor_ratio:.2f} beside the load")
     # Agents' heartbeats, each its own request, beside 64 tenant clients.
     capacity, heartbeat_figures = 0, {}
     # The agents' lane alone: what one API process gives heartbeats when nothing else runs (the
@@ -218,6 +230,10 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
         "fairness_p99_ratio": round(beside_p99 / max(alone_p99, 1e-3), 2),
         "fairness_alone_p99_s": round(alone_p99, 3),
         "fairness_beside_p99_s": round(beside_p99, 3),
+        "fairness_floor_p99_ratio": round(floor_ratio, 2),
+        "fairness_floor_alone_p99_s": round(percentile(floor_alone.latency["get"], 99), 3),
+        "fairness_floor_beside_p99_s": round(percentile(floor_beside.latency["get"], 99), 3),
+        "fairness_vs_floor": round(beside_p99 / max(alone_p99, 1e-3) / max(floor_ratio, 1e-3), 2),
         "heartbeats": heartbeat_figures,
         "heartbeats_alone_per_s": alone_beats["requests_per_s"],
         "heartbeats_alone_p99_s": alone_beats.get("heartbeat_p99_s"),

@@ -23,6 +23,7 @@ import asyncio
 import json
 import shutil
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -82,11 +83,11 @@ def main() -> None:
         )
         inventory = sim.get("/v1/inventory").json()
 
-        def heartbeat() -> dict:
+        def heartbeat(client: httpx.Client = api) -> dict:
             beats = sim.get("/v1/heartbeats").json()
             drifted_ids: list[str] = []
             for i in range(0, len(beats), 5000):
-                resp = api.post("/v1/agents/heartbeats", json={"heartbeats": beats[i : i + 5000]})
+                resp = client.post("/v1/agents/heartbeats", json={"heartbeats": beats[i : i + 5000]})
                 resp.raise_for_status()
                 drifted_ids += resp.json()["drifted"]
             return {"drifted": drifted_ids}
@@ -97,12 +98,30 @@ def main() -> None:
             api.post("/v1/nodes:enroll", json={"nodes": inventory[i : i + 1000]}).raise_for_status()
         bringup_s = (time.monotonic() - started) + wait_for(engine, "available", nodes, "bring-up", 7200)
         log(f"  {nodes} available in {bringup_s:.1f} s ({nodes / bringup_s:.1f} nodes/s)")
-        heartbeat()
+        # From here to the drift the fleet reports every 5 s, as agents do: the floor runs longer
+        # than the heartbeat timeout, and a silent fleet would be marked unreachable meanwhile.
+        quiet = threading.Event()
+
+        def keep_beating() -> None:
+            with httpx.Client(base_url=settings.api_url, headers=api.headers, timeout=600) as own:
+                while True:
+                    heartbeat(own)
+                    if quiet.wait(5.0):
+                        return
+
+        beating = threading.Thread(target=keep_beating, name="heartbeats", daemon=True)
+        beating.start()
 
         log("agent floor: bring-up's agent calls alone")
         # As many calls in flight as the batches make: BATCH_CONCURRENCY per running batch
-        # activity, within the worker's activity slots and its HTTP pool (200 connections).
-        in_flight = min(200, BATCH_CONCURRENCY * min(-(-nodes // batch), settings.temporal.worker_max_activities))
+        # activity, as many batches as the limit on node operations runs at once, within the
+        # worker's activity slots and its HTTP pool (200 connections).
+        batches = min(
+            -(-nodes // batch),
+            max(1, settings.reconciler.max_concurrent_node_ops // batch),
+            settings.temporal.worker_max_activities,
+        )
+        in_flight = min(200, BATCH_CONCURRENCY * batches)
         agent_floor_nodes_per_s = asyncio.run(
             agent_floor(
                 [n["agent_url"] for n in inventory], concurrency=in_flight, issuer=bootstrap.token_issuer(settings)
@@ -113,6 +132,8 @@ def main() -> None:
         log("steady state: one sweep over the converged fleet")
         steady_sweep_s, steady = asyncio.run(one_sweep(settings))
         log(f"  {steady_sweep_s:.3f} s, {steady}")
+        quiet.set()
+        beating.join()
 
         drift_n = max(8, nodes // 100) // 8 * 8
         key = onboard_tenant(api, "bench")
