@@ -41,7 +41,9 @@ class HostAgentActivities:
         self.batch_attempts = max(1, batch_attempts)
         self.batch_retry_base_s = batch_retry_base_s
 
-    async def _call(self, action: str, req: AgentActionInput) -> AgentActionResult:
+    async def _call(self, action: str, req: AgentActionInput, *, commit: bool = True) -> AgentActionResult:
+        """One action on one agent; a wipe's new credential is committed here unless `commit` is
+        False (the caller commits many at once)."""
         body = ActionRequest(
             request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id, workload=req.workload
         )
@@ -60,7 +62,7 @@ class HostAgentActivities:
         finally:
             if not call.done():
                 call.cancel()
-        if action == "wipe" and self.rotation is not None:
+        if action == "wipe" and self.rotation is not None and commit:
             # The agent took up the next credential with the wipe: the old one goes now.
             await asyncio.to_thread(self.rotation.commit, req.node_id, req.request_id)
         return AgentActionResult(node_id=req.node_id, action=action, details=details)
@@ -77,13 +79,15 @@ class HostAgentActivities:
         result = AgentBatchResult()
         gate = asyncio.Semaphore(BATCH_CONCURRENCY)
         done = 0
+        wiped: list[tuple[str, str]] = []  # (node id, request id): credentials to commit
 
         async def one(item: AgentActionInput) -> None:
             nonlocal done
             async with gate:
                 for attempt in range(self.batch_attempts):
                     try:
-                        await self._call(req.action, item)
+                        await self._call(req.action, item, commit=False)
+                        wiped.append((item.node_id, item.request_id))
                         break
                     except ApplicationError as exc:
                         result.failed[item.node_id] = exc.message
@@ -101,6 +105,10 @@ class HostAgentActivities:
                 finished, _ = await asyncio.wait({calls}, timeout=HEARTBEAT_EVERY_S)
                 if finished:
                     calls.result()
+                    if req.action == "wipe" and self.rotation is not None:
+                        # The agents took up their next credentials: the old ones go now, in
+                        # one transaction (a retry of this activity commits the same ones).
+                        await asyncio.to_thread(self.rotation.commit_many, wiped)
                     return result
                 activity.heartbeat(f"{req.action}: {done}/{len(req.items)}")
         finally:

@@ -20,7 +20,7 @@ import hashlib
 import hmac
 import secrets
 
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from gpucloud.db import Database
 from gpucloud.models.tables import AgentCredential, Node, utcnow
@@ -55,11 +55,26 @@ class WipeRotation:
 
     def commit(self, node_id: str, request_id: str) -> None:
         """Store the next credential's hash: the old one stops working (idempotent)."""
-        secret = self.next_token(node_id, request_id).rsplit(".", 1)[1]
+        self.commit_many([(node_id, request_id)])
+
+    def commit_many(self, wiped: list[tuple[str, str]]) -> None:
+        """`commit` for many wiped nodes ((node id, wipe request id) each) in one transaction: a
+        bring-up batch wipes a hundred nodes at once."""
+        if not wiped:
+            return
+        ids = [node_id for node_id, _ in wiped]
+        now = utcnow()
         with self._db.session() as session:
-            if session.get(Node, node_id) is None:
-                return
-            credential = session.get(AgentCredential, node_id) or AgentCredential(node_id=node_id, secret_hash="")
-            if credential.secret_hash != hash_secret(secret):
-                credential.secret_hash, credential.created_at = hash_secret(secret), utcnow()
-                session.add(credential)
+            known = set(session.exec(select(col(Node.id)).where(col(Node.id).in_(ids))).all())
+            held = {
+                c.node_id: c
+                for c in session.exec(select(AgentCredential).where(col(AgentCredential.node_id).in_(ids))).all()
+            }
+            for node_id, request_id in wiped:
+                if node_id not in known:
+                    continue
+                secret_hash = hash_secret(self.next_token(node_id, request_id).rsplit(".", 1)[1])
+                credential = held.get(node_id) or AgentCredential(node_id=node_id, secret_hash="")
+                if credential.secret_hash != secret_hash:
+                    credential.secret_hash, credential.created_at = secret_hash, now
+                    session.add(credential)

@@ -48,6 +48,21 @@ async def test_a_wipe_replaces_the_node_credential_and_the_old_one_gets_401(db_u
         assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 200
 
 
+async def test_a_bring_up_batch_commits_every_credential_its_wipes_handed_over(db_url, make_harness, in_process_worker):
+    """A batch wipes many nodes in one activity and commits their credentials together: each
+    node's agent then reports with the one its wipe gave it."""
+    h = make_harness(db_url, nodes=3, reconciler__bringup_batch_size=3)
+    await in_process_worker(h.settings)
+    node_ids = h.enroll_fleet()
+    await h.wait_states({"available": 3}, timeout_s=90)
+    for node_id in node_ids:
+        token = h.sim.client.credential(node_id)
+        assert token and token.startswith(f"gpa_{node_id}.")
+        with h.client(token) as agent:
+            beat = {"heartbeats": [{"node_id": node_id}]}
+            assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 200, node_id
+
+
 async def test_the_real_agent_reports_with_the_credential_its_wipe_handed_over_and_keeps_it(tmp_path):
     state = HostState(
         node_id="gpu-1",
