@@ -22,6 +22,8 @@ from gpucloud.models.messages import (
     AllocationView,
     AttachNodeInput,
     DetachNodeInput,
+    DetachNodesInput,
+    DetachNodesResult,
     NodeRef,
     NodeRefs,
     NodeTransitionBatch,
@@ -141,6 +143,21 @@ class ControlDbActivities:
         return view
 
     @activity.defn
+    def detach_nodes(self, req: DetachNodesInput) -> DetachNodesResult:
+        """Reported nodes out of the allocation in one transaction; which were pulled (see
+        `replacement.detach_nodes`: a retry answers what the first try did)."""
+        with self.db.session() as session:
+            alloc, pulled = replacement.detach_nodes(
+                session, req.allocation_id, [(n.node_id, n.reason) for n in req.nodes]
+            )
+            view = _allocation_view(alloc)
+        now = utcnow()
+        for node in req.nodes:
+            if node.node_id in pulled and node.fault_at is not None:
+                metrics.FAULT_TO_PULLED.observe(max(0.0, (now - node.fault_at).total_seconds()))
+        return DetachNodesResult(pulled=pulled, allocation=view)
+
+    @activity.defn
     def reserve_replacement(self, req: ReplacementInput) -> ReplacementResult:
         with self.db.session() as session:
             node_id, reason = replacement.reserve_replacement(
@@ -186,6 +203,7 @@ class ControlDbActivities:
             self.load_allocation,
             self.set_allocation_status,
             self.detach_node,
+            self.detach_nodes,
             self.reserve_replacement,
             self.attach_node,
             self.record_allocation_event,

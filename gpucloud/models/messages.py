@@ -206,6 +206,15 @@ class DetachNodeInput(AllocationRef):
     fault_at: datetime | None = None
 
 
+class DetachNodesInput(AllocationRef):
+    nodes: list[DetachNodeInput]
+
+
+class DetachNodesResult(BaseModel):
+    pulled: list[str]
+    allocation: AllocationView
+
+
 class ReplacementInput(AllocationRef):
     # Nodes not to take (those that already failed provisioning for this allocation).
     exclude: list[str] = []

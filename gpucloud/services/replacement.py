@@ -65,6 +65,33 @@ def detach_node(session: Session, allocation_id: str, node_id: str, *, reason: s
     )
 
 
+def detach_nodes(session: Session, allocation_id: str, pulls: list[tuple[str, str]]) -> tuple[Allocation, list[str]]:
+    """Pull many reported nodes ((node id, reason) each) out of the allocation in one
+    transaction; returns the allocation and the nodes pulled.
+
+    Pulled means a member until now, or one this same pull already took out on an earlier try
+    (its answer lost): no longer a member, yet still held for the allocation and `active`, as a
+    pulled node stays until its drain starts. A node gone earlier (draining, released) or never a
+    member is skipped, so a retry returns what the first try did."""
+    allocation = _allocation(session, allocation_id)
+    members = set(allocation.node_ids)
+    wanted = [node_id for node_id, _ in pulls]
+    held_active = set(
+        session.exec(
+            select(col(Node.id)).where(
+                col(Node.id).in_(wanted),
+                col(Node.allocation_id) == allocation_id,
+                col(Node.state) == NodeState.ACTIVE.value,
+            )
+        ).all()
+    )
+    pulled = [node_id for node_id in wanted if node_id in members or node_id in held_active]
+    for node_id, reason in pulls:
+        if node_id in members:
+            allocation = detach_node(session, allocation_id, node_id, reason=reason)
+    return allocation, pulled
+
+
 def reserve_replacement(
     session: Session, allocation_id: str, *, deadline_scale: float, exclude: frozenset[str] = frozenset()
 ) -> tuple[str | None, str]:

@@ -65,6 +65,7 @@ class AllocationWorkflow(DrainAndReplace):
         self._provision_failed_nodes: list[str] = []
         self._gave_up = False  # the replacement provisions ran out with nodes still owed
         self._draining = []  # pulled nodes' drains, awaited before the run ends
+        self._pulled_ids = set()  # nodes this run took out of the allocation for a fault
 
     @workflow.signal
     def request_cancel(self, req: CancelRequest) -> None:

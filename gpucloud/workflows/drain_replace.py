@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         AllocationView,
         AttachNodeInput,
         DetachNodeInput,
+        DetachNodesInput,
         NodeOperationInput,
         NodeOperationKind,
         NodeOperationResult,
@@ -59,6 +60,7 @@ class DrainAndReplace:
     _provision_failed_nodes: list[str]
     _gave_up: bool
     _draining: list[ChildWorkflowHandle[NodeOperationWorkflow, NodeOperationResult]]
+    _pulled_ids: set[str]
 
     async def _detach_failed(
         self, failed: list[NodeOperationResult], view: AllocationView, *, recheck_s: float
@@ -157,6 +159,7 @@ class DrainAndReplace:
                 **options.DB,
             )
             self._ledger.node_added(view, found.node_id)
+            self._pulled_ids.discard(found.node_id)  # a member again: a later fault pulls it again
             owed.pop(0)
         return pulled_any
 
@@ -209,12 +212,28 @@ class DrainAndReplace:
         return pulled + await self._detach_and_drain(graceful, view)
 
     async def _detach_and_drain(self, reqs: list[ReplaceNodeRequest], view: AllocationView) -> list[ReplaceNodeRequest]:
+        # A node this run pulled already (a report repeated) is not pulled twice.
+        reqs = [r for r in reqs if r.node_id not in self._pulled_ids]
         if not reqs:
             return []
-        members = (await self._load()).node_ids
-        pulled = [r for r in reqs if r.node_id in members]
+        # One activity takes the reported members out and says which they were: a pull costs
+        # the one worker a task less than a read of the members and then a detach.
+        detached = await workflow.execute_activity_method(
+            ControlDbActivities.detach_nodes,
+            DetachNodesInput(
+                allocation_id=self._allocation_id,
+                nodes=[
+                    DetachNodeInput(
+                        allocation_id=self._allocation_id, node_id=r.node_id, reason=r.reason, fault_at=r.fault_at
+                    )
+                    for r in reqs
+                ],
+            ),
+            **options.DB,
+        )
+        pulled = [r for r in reqs if r.node_id in detached.pulled]
         for r in pulled:
-            await self._detach(r.node_id, r.reason, fault_at=r.fault_at)
+            self._pulled_ids.add(r.node_id)
             self._replaced_any = True
             self._ledger.node_removed(view, r.node_id)
         await self._remove_fabric([r.node_id for r in pulled])

@@ -15,7 +15,13 @@ from sqlmodel import func, select
 from gpucloud.agent.readings import FatalKind, NodeReading, ProbeFatal, XidEvent
 from gpucloud.db import session_scope
 from gpucloud.health.breaker import CircuitBreaker
-from gpucloud.models.health_tables import NodeReadingRecord, OperatorAlertRecord, QuarantineBreaker, QuarantinePull
+from gpucloud.models.health_tables import (
+    AllocationEvent,
+    NodeReadingRecord,
+    OperatorAlertRecord,
+    QuarantineBreaker,
+    QuarantinePull,
+)
 from gpucloud.models.tables import Node, NodeEnroll
 from gpucloud.services import health as health_service
 from gpucloud.services import nodes as node_service
@@ -224,3 +230,42 @@ def test_a_passed_burn_in_lifts_the_health_loops_cordon_only(db_url, actor, lift
     with session_scope(db_url) as session:
         node = session.get(Node, "c1")
         assert node.state == "available" and node.cordoned is (not lifted)
+
+
+def test_detaching_reported_nodes_answers_the_same_on_a_retry(db_url):
+    """A pull takes its reported members out in one transaction and names them; a retry (the
+    first answer lost) names the same nodes, while a node already draining or never a member
+    is not pulled."""
+    from gpucloud.models.tables import Allocation
+    from gpucloud.services import replacement
+
+    ids = _fleet(db_url, 4, state="active")
+    with session_scope(db_url) as session:
+        alloc = Allocation(tenant_id="t1", gpu_type="H100", node_count=3, region="r1", status="ready")
+        alloc.node_ids = ids[:3]
+        session.add(alloc)
+        session.flush()
+        alloc_id = alloc.id
+        for node in session.exec(select(Node)).all():
+            node.allocation_id = alloc_id if node.id in ids[:3] else None
+            session.add(node)
+    with session_scope(db_url) as session:
+        session.get(Node, ids[2]).state = "draining"  # pulled before, its drain under way
+        session.get(Node, ids[2]).allocation_id = alloc_id
+    with session_scope(db_url) as session:
+        alloc_row = session.exec(select(Allocation).where(Allocation.id == alloc_id)).one()
+        alloc_row.node_ids = ids[:2]
+        session.add(alloc_row)
+
+    reported = [(ids[0], "xid 79"), (ids[2], "xid 79"), (ids[3], "xid 79")]
+    for _ in range(2):  # the first try, then its retry
+        with session_scope(db_url) as session:
+            allocation, pulled = replacement.detach_nodes(session, alloc_id, reported)
+            assert pulled == [ids[0]]
+            assert allocation.node_ids == [ids[1]]
+            assert allocation.status == "degraded"
+    with session_scope(db_url) as session:
+        events = session.exec(
+            select(func.count()).select_from(AllocationEvent).where(AllocationEvent.kind == "degraded")
+        ).one()
+    assert events == 1  # the retry recorded nothing again
