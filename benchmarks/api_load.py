@@ -265,10 +265,12 @@ def run_on(database: str, args) -> dict:
                 time.sleep(1)
             # Each reporting agent its own credential, as `gpucloud agent --token` runs. Their
             # nodes are cordoned: a wipe (after a tenant's create and cancel) replaces a credential.
-            for node_id in nodes[:64]:
+            # At most half the fleet: the rest takes the tenants' allocations.
+            reporters = nodes[: min(64, len(nodes) // 2)]
+            for node_id in reporters:
                 op.post(f"/v1/nodes/{node_id}/cordon").raise_for_status()
             credentials = {
-                node_id: op.post(f"/v1/nodes/{node_id}/agent-credential").json()["token"] for node_id in nodes[:64]
+                node_id: op.post(f"/v1/nodes/{node_id}/agent-credential").json()["token"] for node_id in reporters
             }
             tenant_key = onboard_tenant(op, f"load-{uuid.uuid4().hex[:6]}")
             other_key = onboard_tenant(op, f"probe-{uuid.uuid4().hex[:6]}")
@@ -276,7 +278,9 @@ def run_on(database: str, args) -> dict:
             ids = []
             for _ in range(20):
                 body = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
-                ids.append(tenant.post("/v1/allocations", json=body, timeout=60).json()["allocation"]["id"])
+                created = tenant.post("/v1/allocations", json=body, timeout=60)
+                created.raise_for_status()
+                ids.append(created.json()["allocation"]["id"])
         log(f"{database}: fleet of {len(nodes)} available, 2 tenants, {len(ids)} allocations to read")
         floor_port = free_port()
         floor = subprocess.Popen(

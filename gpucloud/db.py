@@ -71,6 +71,48 @@ def get_engine(url: str) -> sa.Engine:
     return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, pool_timeout=POOL_TIMEOUT_S)
 
 
+# Connections per process for transactions that only read (SQLite; see `get_read_engine`).
+SQLITE_READERS = 4
+
+
+def _sqlite_reader(dbapi_conn, _record) -> None:
+    _sqlite_pragmas(dbapi_conn, _record)
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA query_only=ON")  # a reader never writes, whatever a caller tries
+    cur.close()
+
+
+@lru_cache(maxsize=8)
+def get_read_engine(url: str) -> sa.Engine:
+    """Connections for transactions that only read (credentials, a heartbeat that changes
+    nothing). SQLite in WAL mode serves readers beside its one writer: they get a few
+    connections of their own, which begin deferred and never wait for the write lock, instead
+    of queueing for the writer's one connection. Other databases (and an in-memory SQLite,
+    whose connections would each see their own database): the one engine."""
+    writer = get_engine(url)
+    path = url.split("///", 1)[-1] if url.startswith("sqlite") else ""
+    if not path or path == ":memory:" or "mode=memory" in url:
+        return writer
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": 30},
+        pool_size=SQLITE_READERS,
+        max_overflow=0,
+        pool_timeout=POOL_TIMEOUT_S,
+    )
+    sa.event.listen(engine, "connect", _sqlite_reader)
+    sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
+    sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
+    return engine
+
+
+@contextmanager
+def read_scope(url: str) -> Iterator[Session]:
+    """A session for reads only (see `get_read_engine`); it commits nothing."""
+    with Session(get_read_engine(url), expire_on_commit=False) as session, session.begin():
+        yield session
+
+
 def alembic_config(url: str) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))

@@ -17,13 +17,12 @@ import logging
 import re
 
 from sqlalchemy import exc as sa_exc
-from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpucloud.api import auth
 from gpucloud.api.admission import OPEN_PATHS, bearer_token
-from gpucloud.db import get_engine
+from gpucloud.db import read_scope
 from gpucloud.logs import log_context
 from gpucloud.web import problems
 
@@ -81,7 +80,7 @@ class Gate:
             await self.app(scope, receive, send)
 
     def _resolve(self, token: str) -> auth.Caller | None:
-        with Session(get_engine(self.database_url)) as session:
+        with read_scope(self.database_url) as session:  # credentials are only read
             return auth.resolve(session, token, self.operator_token)
 
 

@@ -87,13 +87,14 @@ def complete_drains(session: Session, node_id: str) -> None:
         session.add(op)
 
 
-def record_heartbeats(
+def judge_heartbeats(
     session: Session, beats: Iterable[dict], *, refresh_after: timedelta = timedelta(seconds=30)
-) -> list[str]:
-    """Store what agents report; returns the ids of nodes whose report disagrees with the record
-    (an active node whose agent lost the tenant's workload: rebooted or wiped).
+) -> tuple[list[str], dict[str, dict]]:
+    """What agents' reports say, read only: the nodes whose report disagrees with the record (an
+    active node whose agent lost the tenant's workload: rebooted or wiped), and the writes the
+    reports call for (node id -> new values).
 
-    A report that changes nothing is not written until the stored one is `refresh_after` old
+    A report that changes nothing calls for no write until the stored one is `refresh_after` old
     (a fraction of the heartbeat timeout): a steady fleet costs the database a read, not a write,
     per heartbeat."""
     by_node = {b["node_id"]: b for b in beats}
@@ -101,6 +102,7 @@ def record_heartbeats(
     columns = (Node.id, Node.state, Node.tenant_id, Node.last_heartbeat_at, Node.drifted, Node.observed)
     nodes = session.execute(sa.select(*map(col, columns)).where(col(Node.id).in_(list(by_node)))).all()
     drifted: list[str] = []
+    writes: dict[str, dict] = {}
     for node_id, state, tenant_id, last_seen, was_drifted, was_observed in nodes:
         beat = by_node[node_id]
         is_drift = state == NodeState.ACTIVE and (
@@ -112,11 +114,17 @@ def record_heartbeats(
         fresh = last_seen is not None and now - last_seen < refresh_after
         if fresh and is_drift == was_drifted and observed == was_observed:
             continue
-        session.execute(
-            sa.update(Node)
-            .where(col(Node.id) == node_id)
-            .values(last_heartbeat_at=now, drifted=is_drift, observed=observed)
-        )
+        writes[node_id] = {"last_heartbeat_at": now, "drifted": is_drift, "observed": observed}
+    return drifted, writes
+
+
+def record_heartbeats(
+    session: Session, beats: Iterable[dict], *, refresh_after: timedelta = timedelta(seconds=30)
+) -> list[str]:
+    """Store what agents report (`judge_heartbeats`, then its writes); returns the drifted nodes."""
+    drifted, writes = judge_heartbeats(session, beats, refresh_after=refresh_after)
+    for node_id, values in writes.items():
+        session.execute(sa.update(Node).where(col(Node.id) == node_id).values(**values))
     return drifted
 
 

@@ -31,7 +31,7 @@ from gpucloud.api.schemas import (
     PowerRequest,
 )
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import read_scope, session_scope
 from gpucloud.models.messages import BmcPowerInput
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
@@ -41,6 +41,7 @@ from gpucloud.services.fleet import (
     NodeStateConflict,
     apply_lifecycle_action,
     apply_operator_action,
+    judge_heartbeats,
     record_heartbeats,
     summary,
 )
@@ -283,9 +284,16 @@ def fleet_summary(operator: OperatorDep, session: SessionDep) -> FleetSummary:
 
 
 def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
+    beats = [b.model_dump() for b in batch.heartbeats]
+    refresh = timedelta(seconds=settings.agent.heartbeat_timeout_s / 3)
+    # Most reports change nothing: they are judged on a reader's connection, and only one that
+    # calls for a write takes the writer's (where it is judged again, under the write lock).
+    with read_scope(settings.database_url) as session:
+        drifted, writes = judge_heartbeats(session, beats, refresh_after=refresh)
+    if not writes:
+        return drifted
     with session_scope(settings.database_url) as session:
-        refresh = timedelta(seconds=settings.agent.heartbeat_timeout_s / 3)
-        return record_heartbeats(session, [b.model_dump() for b in batch.heartbeats], refresh_after=refresh)
+        return record_heartbeats(session, beats, refresh_after=refresh)
 
 
 @router.post("/nodes/{node_id}/agent-credential", response_model=AgentCredentialIssued, status_code=201)

@@ -1,0 +1,84 @@
+"""Readers beside the writer: on SQLite (WAL), transactions that only read (credentials, a
+heartbeat that changes nothing) get connections of their own and never queue behind the one
+writer's transaction; they cannot write."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from gpucloud.db import read_scope, session_scope
+from gpucloud.models.tables import Node, NodeEnroll
+from gpucloud.services import fleet
+from gpucloud.services import nodes as node_service
+
+
+def _node(db_url: str) -> str:
+    with session_scope(db_url) as session:
+        node_service.enroll_nodes(
+            session,
+            [
+                NodeEnroll(
+                    id="rc-0",
+                    hostname="rc-0",
+                    region="r1",
+                    pod="p",
+                    rack="r",
+                    gpu_type="H100",
+                    gpu_count=8,
+                    agent_url="http://unused",
+                )
+            ],
+        )
+    return "rc-0"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_read_does_not_wait_for_a_write_transaction_in_progress(db_url):
+    node_id = _node(db_url)
+    holding, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with session_scope(db_url) as session:
+            session.execute(sa.update(Node).where(Node.id == node_id).values(hostname="changed"))
+            holding.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        started = time.monotonic()
+        with read_scope(db_url) as session:
+            hostname = session.get(Node, node_id).hostname
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+        thread.join()
+    # The writer's one connection is held for seconds; a reader neither waits for it nor sees
+    # what it has not committed.
+    assert waited < 2.0
+    assert hostname == "rc-0"
+    with read_scope(db_url) as session:
+        assert session.get(Node, node_id).hostname == "changed"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_reader_cannot_write(db_url):
+    node_id = _node(db_url)
+    with pytest.raises(sa.exc.OperationalError, match="readonly"), read_scope(db_url) as session:
+        session.execute(sa.update(Node).where(Node.id == node_id).values(hostname="nope"))
+
+
+def test_a_heartbeat_that_changes_nothing_calls_for_no_write(db_url):
+    node_id = _node(db_url)
+    beat = {"node_id": node_id, "tenant_id": None, "workload_running": False, "boot_id": 1, "workload": None}
+    with session_scope(db_url) as session:
+        assert fleet.record_heartbeats(session, [beat]) == []
+    with read_scope(db_url) as session:
+        assert fleet.judge_heartbeats(session, [beat]) == ([], {})
+        drifted, writes = fleet.judge_heartbeats(session, [{**beat, "boot_id": 2}])
+    assert drifted == [] and set(writes) == {node_id}
