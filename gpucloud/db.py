@@ -40,10 +40,20 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
-def _sqlite_begin(conn) -> None:
-    # Take the write lock at BEGIN: a read-then-write transaction can then never fail to
-    # upgrade its lock halfway (SQLITE_BUSY without waiting), so CAS loops stay simple.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+def _sqlite_engine(url: str, *, connections: int, on_connect, begin: str) -> sa.Engine:
+    """A pool of `connections` to a SQLite file whose transactions start with `begin`."""
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": 30},
+        pool_size=connections,
+        max_overflow=0,
+        pool_timeout=POOL_TIMEOUT_S,
+    )
+    sa.event.listen(engine, "connect", on_connect)
+    # pysqlite's own transaction handling would defer BEGIN; do it ourselves.
+    sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
+    sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(begin))
+    return engine
 
 
 @lru_cache(maxsize=8)
@@ -56,18 +66,10 @@ def get_engine(url: str) -> sa.Engine:
         # queue on the pool are served in order, while threads racing for the file lock sleep in
         # SQLite's busy handler (up to 100 ms a try) and throughput collapses under load. A
         # thread waits for it at most POOL_TIMEOUT_S: the API then answers 503 with Retry-After.
-        engine = create_engine(
-            url,
-            connect_args={"check_same_thread": False, "timeout": 30},
-            pool_size=1,
-            max_overflow=0,
-            pool_timeout=POOL_TIMEOUT_S,
-        )
-        sa.event.listen(engine, "connect", _sqlite_pragmas)
-        # pysqlite's own transaction handling would defer BEGIN; do it ourselves.
-        sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
-        sa.event.listen(engine, "begin", _sqlite_begin)
-        return engine
+        # Its transactions take the write lock at BEGIN: a read-then-write transaction can then
+        # never fail to upgrade its lock halfway (SQLITE_BUSY without waiting), so CAS loops
+        # stay simple.
+        return _sqlite_engine(url, connections=1, on_connect=_sqlite_pragmas, begin="BEGIN IMMEDIATE")
     return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, pool_timeout=POOL_TIMEOUT_S)
 
 
@@ -93,17 +95,7 @@ def get_read_engine(url: str) -> sa.Engine:
     path = url.split("///", 1)[-1] if url.startswith("sqlite") else ""
     if not path or path == ":memory:" or "mode=memory" in url:
         return writer
-    engine = create_engine(
-        url,
-        connect_args={"check_same_thread": False, "timeout": 30},
-        pool_size=SQLITE_READERS,
-        max_overflow=0,
-        pool_timeout=POOL_TIMEOUT_S,
-    )
-    sa.event.listen(engine, "connect", _sqlite_reader)
-    sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
-    sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
-    return engine
+    return _sqlite_engine(url, connections=SQLITE_READERS, on_connect=_sqlite_reader, begin="BEGIN")
 
 
 @contextmanager

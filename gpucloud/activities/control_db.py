@@ -21,7 +21,6 @@ from gpucloud.models.messages import (
     AllocationStatusInput,
     AllocationView,
     AttachNodeInput,
-    DetachNodeInput,
     DetachNodesInput,
     DetachNodesResult,
     NodeRef,
@@ -135,14 +134,6 @@ class ControlDbActivities:
     # ------------------------------------------------------------ drain-and-replace
 
     @activity.defn
-    def detach_node(self, req: DetachNodeInput) -> AllocationView:
-        with self.db.session() as session:
-            view = _allocation_view(replacement.detach_node(session, req.allocation_id, req.node_id, reason=req.reason))
-        if req.fault_at is not None:
-            metrics.FAULT_TO_PULLED.observe(max(0.0, (utcnow() - req.fault_at).total_seconds()))
-        return view
-
-    @activity.defn
     def detach_nodes(self, req: DetachNodesInput) -> DetachNodesResult:
         """Reported nodes out of the allocation in one transaction; which were pulled (see
         `replacement.detach_nodes`: a retry answers what the first try did)."""
@@ -202,7 +193,6 @@ class ControlDbActivities:
             self.release_bringup_holds,
             self.load_allocation,
             self.set_allocation_status,
-            self.detach_node,
             self.detach_nodes,
             self.reserve_replacement,
             self.attach_node,

@@ -149,9 +149,7 @@ class ReconcilerActivities:
         starts = [p for p in plans if p.start is not None]
         if not starts:
             return result
-        running = await running_node_operations(self.client)
-        held = await asyncio.to_thread(self._held_for_bringup)
-        budget = max(0, self.settings.reconciler.max_concurrent_node_ops - running - held)
+        budget = await self._room()
         # Bring-ups go in batches (one workflow per batch); every other operation per node.
         bringups = [p.node_id for p in starts if p.start == NodeOperationKind.BRINGUP]
         starts = [p for p in starts if p.start != NodeOperationKind.BRINGUP]
@@ -236,14 +234,18 @@ class ReconcilerActivities:
         enrolment beyond `max_concurrent_node_ops` defers the rest) at once, within the same
         limit, instead of leaving it idle until the next sweep."""
         result = SweepResult()
-        limit = self.settings.reconciler.max_concurrent_node_ops
-        waiting = await asyncio.to_thread(self._waiting_for_bringup, limit)
+        waiting = await asyncio.to_thread(self._waiting_for_bringup, self.settings.reconciler.max_concurrent_node_ops)
         if not waiting:
             return result
-        running = await running_node_operations(self.client)
-        held = await asyncio.to_thread(self._held_for_bringup)
-        await self._start_bringups(waiting, max(0, limit - running - held), result)
+        await self._start_bringups(waiting, await self._room(), result)
         return result
+
+    async def _room(self) -> int:
+        """Node operations that may start now: the global limit less those running and the
+        nodes bring-up batches hold."""
+        running = await running_node_operations(self.client, self.settings.temporal.task_queue)
+        held = await asyncio.to_thread(self._held_for_bringup)
+        return max(0, self.settings.reconciler.max_concurrent_node_ops - running - held)
 
     def _waiting_for_bringup(self, limit: int) -> list[str]:
         with self.db.session() as session:

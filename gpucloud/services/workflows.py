@@ -69,8 +69,11 @@ async def signal_replace_node(client: Client, allocation_id: str, req: ReplaceNo
 RUNNING_NODE_OPS = "WorkflowType = 'NodeOperationWorkflow' AND ExecutionStatus = 'Running'"
 
 
-async def running_node_operations(client: Client) -> int:
-    return (await client.count_workflows(RUNNING_NODE_OPS)).count
+async def running_node_operations(client: Client, task_queue: str) -> int:
+    """This control plane's node operations running now: those on its task queue (another
+    control plane in the same namespace has its own queue, and its own limit)."""
+    query = f"{RUNNING_NODE_OPS} AND TaskQueue = '{task_queue}'"
+    return (await client.count_workflows(query)).count
 
 
 async def start_bringup_batches(client: Client, settings: Settings, node_ids: list[str]) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlreadyStartedError
@@ -65,11 +65,13 @@ class DrainAndReplace:
     async def _detach_failed(
         self, failed: list[NodeOperationResult], view: AllocationView, *, recheck_s: float
     ) -> list[ReplaceNodeRequest]:
-        owed = []
-        for r in failed:
-            reason = f"provisioning failed: {r.error}"
-            await self._detach(r.node_id, reason)
-            owed.append(ReplaceNodeRequest(node_id=r.node_id, reason=reason, immediate=True, recheck_s=recheck_s))
+        owed = [
+            ReplaceNodeRequest(
+                node_id=r.node_id, reason=f"provisioning failed: {r.error}", immediate=True, recheck_s=recheck_s
+            )
+            for r in failed
+        ]
+        await self._detach_nodes(owed)
         self._replaced_any = True
         await self._remove_fabric([r.node_id for r in failed])
         # A failed provision normally took the node on through wipe and burn-in (it is available
@@ -218,20 +220,8 @@ class DrainAndReplace:
             return []
         # One activity takes the reported members out and says which they were: a pull costs
         # the one worker a task less than a read of the members and then a detach.
-        detached = await workflow.execute_activity_method(
-            ControlDbActivities.detach_nodes,
-            DetachNodesInput(
-                allocation_id=self._allocation_id,
-                nodes=[
-                    DetachNodeInput(
-                        allocation_id=self._allocation_id, node_id=r.node_id, reason=r.reason, fault_at=r.fault_at
-                    )
-                    for r in reqs
-                ],
-            ),
-            **options.DB,
-        )
-        pulled = [r for r in reqs if r.node_id in detached.pulled]
+        detached = await self._detach_nodes(reqs)
+        pulled = [r for r in reqs if r.node_id in detached]
         for r in pulled:
             self._pulled_ids.add(r.node_id)
             self._replaced_any = True
@@ -334,12 +324,18 @@ class DrainAndReplace:
                     result.node_id, NodeOperationKind.RECYCLE, view, parent_close_policy=ParentClosePolicy.ABANDON
                 )
 
-    async def _detach(self, node_id: str, reason: str, *, fault_at: datetime | None = None) -> None:
-        await workflow.execute_activity_method(
-            ControlDbActivities.detach_node,
-            DetachNodeInput(allocation_id=self._allocation_id, node_id=node_id, reason=reason, fault_at=fault_at),
+    async def _detach_nodes(self, reqs: list[ReplaceNodeRequest]) -> list[str]:
+        """The requests' nodes out of the allocation, in one activity; the ones it pulled."""
+        nodes = [
+            DetachNodeInput(allocation_id=self._allocation_id, node_id=r.node_id, reason=r.reason, fault_at=r.fault_at)
+            for r in reqs
+        ]
+        result = await workflow.execute_activity_method(
+            ControlDbActivities.detach_nodes,
+            DetachNodesInput(allocation_id=self._allocation_id, nodes=nodes),
             **options.DB,
         )
+        return result.pulled
 
     async def _note(self, kind: str, reason: str, node_id: str | None = None) -> None:
         await workflow.execute_activity_method(

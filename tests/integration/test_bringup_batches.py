@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 from sqlmodel import select
@@ -223,3 +224,29 @@ async def test_a_finished_batch_hands_its_room_to_waiting_enrollments_without_a_
         watching = False
         await watcher
     assert most_held <= 3
+
+
+async def test_another_control_planes_node_operations_do_not_count_against_this_ones_limit(
+    db_url, make_harness, temporal_env
+):
+    """The limit counts this control plane's node operations (its task queue): five running on
+    another plane's queue in the same namespace leave all the room here."""
+    from gpucloud.services.workflows import RUNNING_NODE_OPS
+
+    client = temporal_env.client
+    other = f"other-plane-{uuid.uuid4().hex[:8]}"
+    handles = [
+        await client.start_workflow("NodeOperationWorkflow", id=f"{other}-{i}", task_queue=other) for i in range(5)
+    ]
+    try:
+        query = f"{RUNNING_NODE_OPS} AND TaskQueue = '{other}'"
+        deadline = time.monotonic() + 30
+        while (await client.count_workflows(query)).count < 5:
+            assert time.monotonic() < deadline, "the other plane's 5 operations never showed as running"
+            await asyncio.sleep(0.2)
+        h = make_harness(db_url, nodes=8, reconciler__max_concurrent_node_ops=3, reconciler__bringup_batch_size=2)
+        body = h.operator.post("/v1/nodes:enroll", json={"nodes": h.sim.inventory()}).json()
+        assert (body["bringups_started"], body["deferred"]) == (3, 5)
+    finally:
+        for handle in handles:
+            await handle.terminate("test over")

@@ -25,6 +25,7 @@ from gpucloud.models.health_tables import (
 from gpucloud.models.tables import Node, NodeEnroll
 from gpucloud.services import health as health_service
 from gpucloud.services import nodes as node_service
+from support.nodes import enroll
 from support.readings import node_reading
 
 POOL = "H100/r1"
@@ -32,25 +33,8 @@ ALLOW_ALL = health_service.BreakerSettings(max_pulled_share=1.0)
 
 
 def _fleet(db_url: str, count: int, *, state: str = "available", allocation_id: str | None = None) -> list[str]:
-    ids = [f"n-{i:02d}" for i in range(count)]
+    ids = enroll(db_url, [f"n-{i:02d}" for i in range(count)])
     with session_scope(db_url) as session:
-        node_service.enroll_nodes(
-            session,
-            [
-                NodeEnroll(
-                    id=i,
-                    hostname=i,
-                    region="r1",
-                    pod="pod0",
-                    rack="pod0-r0",
-                    gpu_type="H100",
-                    gpu_count=8,
-                    agent_url="http://unused",
-                )
-                for i in ids
-            ],
-        )
-        session.flush()
         for node in session.exec(select(Node)).all():
             node.state, node.allocation_id = state, allocation_id
             session.add(node)
@@ -192,8 +176,7 @@ def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
 
 @pytest.mark.parametrize(("actor", "lifted"), [("health", True), ("operator", False)])
 def test_a_passed_burn_in_lifts_the_health_loops_cordon_only(db_url, actor, lifted):
-    from gpucloud.models.tables import NodeEnroll, NodeTransition
-    from gpucloud.services import nodes as node_service
+    from gpucloud.models.tables import NodeTransition
 
     with session_scope(db_url) as session:
         node_service.enroll_nodes(

@@ -11,29 +11,14 @@ import pytest
 import sqlalchemy as sa
 
 from gpucloud.db import read_scope, session_scope
-from gpucloud.models.tables import Node, NodeEnroll
+from gpucloud.models.tables import Node
 from gpucloud.services import fleet
-from gpucloud.services import nodes as node_service
+from support.nodes import enroll
 
 
 def _node(db_url: str) -> str:
-    with session_scope(db_url) as session:
-        node_service.enroll_nodes(
-            session,
-            [
-                NodeEnroll(
-                    id="rc-0",
-                    hostname="rc-0",
-                    region="r1",
-                    pod="p",
-                    rack="r",
-                    gpu_type="H100",
-                    gpu_count=8,
-                    agent_url="http://unused",
-                )
-            ],
-        )
-    return "rc-0"
+    (node_id,) = enroll(db_url, ["rc-0"])
+    return node_id
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

@@ -75,7 +75,7 @@ async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDe
     global limit on node operations has room for; the reconciler's sweep starts the rest (and
     any whose start failed after the commit, once the hold runs out)."""
     try:
-        running = await running_node_operations(temporal)
+        running = await running_node_operations(temporal, settings.temporal.task_queue)
     except RPCError as exc:
         raise unavailable("workflow-engine", "the workflow engine did not answer; nothing was enrolled, retry") from exc
     to_start, new, known, deferred = await run_in_threadpool(_enroll, settings, req, running)
