@@ -25,7 +25,6 @@ import tenacity
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 
-from gpucloud import tracing
 from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo
 from gpucloud.adapters.bmc import discover as discover_systems
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
@@ -35,6 +34,7 @@ from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.ledger.client import LedgerClient
+from gpucloud.observability import tracing
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.agent_credentials import WipeRotation

@@ -34,7 +34,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from gpucloud import tracing
 from gpucloud.agent import inspection
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id
 from gpucloud.agent.probe import Probe
@@ -53,6 +52,7 @@ from gpucloud.agent.tools import (
 )
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.ledger.client import AgentLedgerToken
+from gpucloud.observability import tracing
 from gpucloud.web import problems
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import install_readiness

@@ -9,7 +9,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from temporalio.client import Client
 
-from gpucloud import bootstrap, tracing
+from gpucloud import bootstrap
 from gpucloud.api import pagination
 from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission, AdmissionPolicy
 from gpucloud.api.gate import Gate
@@ -25,6 +25,7 @@ from gpucloud.api.routers import (
     tenants,
 )
 from gpucloud.config import Settings
+from gpucloud.observability import tracing
 from gpucloud.web import problems
 from gpucloud.web.metrics import FleetCollector, RequestMetrics, install_metrics
 from gpucloud.web.readiness import database_check, install_readiness, temporal_check
@@ -100,8 +101,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
 
 def create_app_from_env() -> FastAPI:
     """The app of one of several API processes: each reads the settings its parent exported."""
-    from gpucloud import logs
     from gpucloud.config import get_settings
+    from gpucloud.observability import logs
 
     settings = get_settings()
     logs.configure(level=settings.telemetry.log_level, fmt=settings.telemetry.log_format)

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gpucloud.api import auth
 from gpucloud.api.admission import OPEN_PATHS, bearer_token
 from gpucloud.db import read_scope
-from gpucloud.logs import log_context
+from gpucloud.observability.logs import log_context
 from gpucloud.web import problems
 
 log = logging.getLogger(__name__)

@@ -3,6 +3,7 @@ client, and the one place failures a person can act on become a clear line and a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import IntEnum
@@ -92,3 +93,14 @@ def progress_bar(out: Console, *extra: ProgressColumn) -> Progress:
         TimeElapsedColumn(),
         console=out,
     )
+
+
+def configure_logging(service: str | None = None) -> None:
+    """Logs as the settings say; with `service`, traces too (when an OTLP endpoint is set)."""
+    from gpucloud.observability import logs, tracing
+
+    settings = get_settings()
+    telemetry = settings.telemetry
+    logs.configure(level=os.environ.get("GPUCLOUD_LOG_LEVEL", telemetry.log_level), fmt=telemetry.log_format)
+    if service is not None:
+        tracing.configure(settings, service)

@@ -15,10 +15,11 @@ import typer
 from rich.console import Console
 
 from gpucloud.cli.billing import invoices_app
-from gpucloud.cli.common import EXIT_CODES_HELP
+from gpucloud.cli.common import EXIT_CODES_HELP, configure_logging
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
 from gpucloud.cli.rollout import rollout_app
+from gpucloud.cli.simulators import FaultsOption, TimeScaleOption, fabric_managers, fault_model_named, sim
 from gpucloud.cli.weights import weights_app
 from gpucloud.config import get_settings
 
@@ -26,37 +27,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, epil
 console = Console(stderr=True)
 
 
-def _logging(service: str | None = None) -> None:
-    """Logs as the settings say; with `service`, traces too (when an OTLP endpoint is set)."""
-    from gpucloud import logs, tracing
-
-    settings = get_settings()
-    telemetry = settings.telemetry
-    logs.configure(level=os.environ.get("GPUCLOUD_LOG_LEVEL", telemetry.log_level), fmt=telemetry.log_format)
-    if service is not None:
-        tracing.configure(settings, service)
-
-
-FaultsOption = Annotated[
-    str | None, typer.Option(help="the simulated nodes fail as this fault model says: llama3 (Llama 3 405B's mix)")
-]
-TimeScaleOption = Annotated[float, typer.Option(help="with --faults: fleet time runs this many times faster")]
-
-
-def fault_model_named(name: str | None):
-    """The simulated fleet's fault model called `name` (None: none)."""
-    if name is None:
-        return None
-    from gpucloud.sim.fault_injection import MODELS
-
-    if name not in MODELS:
-        raise typer.BadParameter(f"unknown fault model {name!r}; known: {', '.join(MODELS)}", param_hint="--faults")
-    return MODELS[name]()
-
-
 def _serve(module: str, function: str) -> None:
     """Run `module.function(settings)`, imported only now so that `--help` stays fast."""
-    _logging("tracker")
+    configure_logging("tracker")
     getattr(importlib.import_module(module), function)(get_settings())
 
 
@@ -77,7 +50,7 @@ def worker() -> None:
     """Run the Temporal worker (all workflows and activities)."""
     from gpucloud.workers.main import run_worker
 
-    _logging("worker")
+    configure_logging("worker")
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -98,131 +71,11 @@ def api(
     """Run the HTTP API (FastAPI + uvicorn)."""
     from gpucloud.api.app import serve
 
-    _logging("api")
+    configure_logging("api")
     settings = get_settings()
     if workers is not None:
         settings = settings.model_copy(update={"api": settings.api.model_copy(update={"workers": workers})})
     serve(settings)
-
-
-@app.command()
-def sim(
-    nodes: Annotated[int, typer.Option(help="number of simulated nodes")] = 16,
-    register: Annotated[bool, typer.Option(help="enroll the nodes with the control plane's API")] = False,
-    latency_scale: Annotated[float, typer.Option(help="action latency multiplier (0 = instant)")] = 1.0,
-    provision_s: Annotated[
-        float | None, typer.Option(help="every provision takes exactly this many seconds (to cancel one midway)")
-    ] = None,
-    gpu_type: Annotated[str, typer.Option(help="the GPU type every simulated node reports")] = "H100",
-    region: Annotated[str, typer.Option(help="the region every simulated node is in")] = "us-east-1",
-    seed: Annotated[int, typer.Option(help="seeds the simulated probes and faults (a run repeats)")] = 0,
-    id_prefix: Annotated[str, typer.Option(help="node ids are <prefix>-00000, ...")] = "sim",
-    heartbeat_interval: Annotated[float, typer.Option(help="seconds between agent heartbeats (0: none)")] = 10.0,
-    ledger_url: Annotated[
-        str | None,
-        typer.Option(
-            help="meter allocations' GPU time and ship it to this ledger (with --register; spools in the data dir)"
-        ),
-    ] = None,
-    meter_interval: Annotated[float | None, typer.Option(help="seconds per usage sample (default: settings)")] = None,
-    nvl72_racks: Annotated[int, typer.Option(help="GB200 NVL72 racks after the N nodes")] = 0,
-    nvl72_trays_per_rack: Annotated[int, typer.Option(help="compute trays in each NVL72 rack")] = 18,
-    control_plane_key: Annotated[
-        Path | None,
-        typer.Option(help="the control plane's public key (default: the data dir's issuer_key.pub, made if absent)"),
-    ] = None,
-    faults: FaultsOption = None,
-    time_scale: TimeScaleOption = 1.0,
-    faults_paused: Annotated[
-        bool, typer.Option(help="with --faults: start paused (PUT /v1/faults/running starts them)")
-    ] = False,
-    batch_reports: Annotated[
-        bool,
-        typer.Option(
-            help="report every node's heartbeat in batches under the operator token, instead of each node "
-            "with its own credential in its own request (for fleets too large to report one by one here)"
-        ),
-    ] = False,
-    bmc: Annotated[
-        bool,
-        typer.Option(
-            help="give every node a BMC: the Redfish emulator (sushy-tools) on GPUCLOUD_BMC__EMULATOR_PORT, "
-            "one system per node, whose power the nodes follow"
-        ),
-    ] = False,
-    boot_s: Annotated[float, typer.Option(help="with --bmc: seconds a simulated host takes to boot")] = 3.0,
-) -> None:
-    """Run a simulated fleet of N host agents on one port; like real agents, they act only on
-    the control plane's signed calls."""
-    from gpucloud.sim.fleet import FleetSpec, serve
-    from gpucloud.sim.metering import MeteringSpec
-    from gpucloud.sim.node_weights import WeightsSpec, control_plane_keyrings
-    from gpucloud.web.service_tokens import Verifier, load_verifier
-
-    _logging()
-    settings = get_settings()
-    spec = FleetSpec(
-        nodes=nodes,
-        latency_scale=latency_scale,
-        provision_s=provision_s,
-        gpu_type=gpu_type,
-        region=region,
-        seed=seed,
-        id_prefix=id_prefix,
-        nvl72_racks=nvl72_racks,
-        nvl72_trays_per_rack=nvl72_trays_per_rack,
-    )
-    metering = None
-    if ledger_url:
-        metering = MeteringSpec(
-            ledger_url=ledger_url,
-            spool_dir=settings.data_dir / "spools",
-            interval_s=meter_interval or settings.agent.meter_interval_s,
-        )
-    # Caches are made per node on its first weights call; keys come from the control plane's DB.
-    weights = WeightsSpec(
-        root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.database_url)
-    )
-    from gpucloud.bootstrap import token_issuer
-
-    emulator, link = None, None
-    if bmc:
-        from gpucloud.sim.bmc import BmcEmulator, sim_bmc_password, write_sim_credential
-        from gpucloud.sim.nodes import Fleet
-        from gpucloud.sim.power import BmcLink
-
-        node_ids = list(Fleet(spec).nodes)
-        notify = f"{settings.sim_url}/v1/bmc/notify?token={settings.operator_token}"
-        emulator = BmcEmulator(settings.data_dir, settings.bmc.emulator_port, node_ids, notify_url=notify)
-        emulator.start()
-        write_sim_credential(settings.data_dir, settings.bmc_credentials_dir)
-        link = BmcLink(emulator.url, sim_bmc_password(settings.data_dir), boot_s=boot_s)
-    try:
-        serve(
-            spec,
-            host=settings.agent.sim_host,
-            port=settings.agent.sim_port,
-            control_plane_url=settings.api_url if register else None,
-            operator_token=settings.operator_token if register else None,
-            control_token=settings.operator_token,
-            fault_model=fault_model_named(faults),
-            fault_time_scale=time_scale,
-            fault_report_url=settings.api_url if faults else None,
-            faults_paused=faults_paused,
-            heartbeat_interval_s=heartbeat_interval,
-            metering=metering,
-            weights=weights,
-            batch_reports=batch_reports,
-            bmc=link,
-            tls=settings.tls.server,
-            insecure=settings.tls.insecure,
-            control_plane=load_verifier(control_plane_key)
-            if control_plane_key
-            else Verifier(token_issuer(settings).public_key),
-        )
-    finally:
-        if emulator is not None:
-            emulator.stop()
 
 
 @app.command()
@@ -368,7 +221,7 @@ def agent(
     from gpucloud.agent.app import main as agent_main
     from gpucloud.web import tls as web_tls
 
-    _logging("agent")
+    configure_logging("agent")
     settings = get_settings()
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("TLS needs both --tls-cert and --tls-key", param_hint="--tls-cert")
@@ -425,7 +278,7 @@ def ledger(
     from gpucloud.ledger.app import main as ledger_main
     from gpucloud.web.service_tokens import public_key_path
 
-    _logging("ledger")
+    configure_logging("ledger")
     settings = get_settings()
     ledger_main(
         host=settings.ledger.host,
@@ -457,7 +310,7 @@ def migrate(
     from gpucloud.db import Database
     from gpucloud.ledger.db import LedgerDatabase
 
-    _logging()
+    configure_logging()
     settings = get_settings()
     control = Database(settings.database_url)
     databases = {"control plane": (control.migrate, control.revisions)}
@@ -489,29 +342,8 @@ def migrate(
         raise typer.Exit(1)
 
 
-@app.command("fabric-managers")
-def fabric_managers(
-    port: Annotated[int, typer.Option(help="port of the simulated managers")] = 8470,
-    state: Annotated[Path | None, typer.Option(help="keep the managers' state in this JSON file")] = None,
-    host: Annotated[str, typer.Option(help="the address to bind (off loopback: TLS, or GPUCLOUD_TLS__INSECURE)")] = (
-        "127.0.0.1"
-    ),
-) -> None:
-    """Run the simulated fabric managers (UFM pkeys, NMX-M NVLink partitions, SDN VPCs)."""
-    from gpucloud.sim.fabric_managers import main as fabric_main
-
-    _logging()
-    settings = get_settings()
-    fabric_main(
-        host=host,
-        port=port,
-        state_path=state,
-        token=settings.fabric_token,
-        tls=settings.tls.server,
-        insecure=settings.tls.insecure,
-    )
-
-
+app.command()(sim)
+app.command("fabric-managers")(fabric_managers)
 app.command()(nodes)
 app.add_typer(node_app, name="node")
 app.add_typer(bmc_app, name="bmc")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,7 +41,7 @@ from gpucloud.client.registry import (
     trusted_keys,
 )
 from gpucloud.config import get_settings
-from gpucloud.models.registry_tables import AliasName, EvaluatorName
+from gpucloud.models.registry_tables import AliasName
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy
 from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, key_id_of
 from gpucloud.registry.pull import PullResult
@@ -54,7 +53,7 @@ weights_app = typer.Typer(
     help="Model weights: push, pull, promote and list versions through the registry API.",
 )
 if TYPE_CHECKING:  # numpy and safetensors load only when an evaluator runs
-    from gpucloud.registry.sanity import SanityReport
+    pass
 
 out = console
 
@@ -350,157 +349,6 @@ def _metric_list(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={val:g}" for k, val in sorted(metrics.items()))
 
 
-def _metric_values(pairs: list[str]) -> dict[str, float]:
-    values = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        try:
-            values[name] = float(value)
-        except ValueError:
-            values[name] = math.nan
-        if not name or not math.isfinite(values[name]):
-            raise typer.BadParameter(f"{pair!r} is not NAME=NUMBER", param_hint="--metric")
-    return values
-
-
-_WHERE = {
-    "nan_inf_count": "nan_or_inf",
-    "tensors_over_norm_threshold": "over_norm_threshold",
-    "shape_changes": "shape_changed",
-    "dtype_changes": "dtype_changed",
-    "tensors_added": "added",
-    "tensors_removed": "removed",
-    "files_added": "files_added",
-    "files_removed": "files_removed",
-}
-
-
-def evaluation_table(title: str, record: dict, gates: list[dict]) -> Table:
-    """One evaluation's results, each metric beside the gate that holds it and what it names."""
-    evaluator, details = record["evaluator"], record.get("details") or {}
-    held = {g["metric"]: g for g in gates if g.get("evaluator") == evaluator}
-    table = Table(title=title)
-    for column in ("metric", "value", "gate", "where"):
-        table.add_column(column, justify="right" if column == "value" else "left")
-    for name, value in sorted(record["results"].items()):
-        gate, verdict = held.get(name), ""
-        if gate is not None:
-            bounds = [f"min {gate['min']:g}" if gate.get("min") is not None else ""]
-            bounds.append(f"max {gate['max']:g}" if gate.get("max") is not None else "")
-            verdict = " ".join(b for b in bounds if b) + (
-                ": [red]fails[/]" if _fails(gate, record["results"]) else ": passes"
-            )
-        if name == "max_rel_norm_change":
-            where = [f"{c['tensor']} ({c['rel_change']:g})" for c in details.get("largest_rel_norm_changes", [])[:3]]
-        else:
-            where = details.get(_WHERE.get(name, ""), [])
-        shown = f"[red]{value:g}[/]" if "fails" in verdict else f"{value:g}"
-        table.add_row(name, shown, verdict, ", ".join(map(str, where))[:100])
-    return table
-
-
-@weights_app.command("evaluate")
-def evaluate_command(
-    model: str,
-    version: Annotated[str, typer.Argument(help="digest, unique prefix, or alias")],
-    evaluator: Annotated[
-        EvaluatorName,
-        typer.Option(
-            help="sanity: the platform's weight-sanity evaluator, against the version's parent; command: the "
-            "model's registered evaluation command"
-        ),
-    ] = EvaluatorName.SANITY,
-    metric: Annotated[
-        list[str] | None,
-        typer.Option(help="NAME=VALUE (repeatable): report these results yourself, signed with your key"),
-    ] = None,
-    reported_as: Annotated[str, typer.Option(help="with --metric: the evaluator name they are reported under")] = "cli",
-    wait: Annotated[float, typer.Option(help="how long to wait for the platform's evaluation, seconds")] = 3600.0,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
-    api_url: ApiUrl = None,
-    api_key: ApiKey = None,
-) -> None:
-    """Have the platform evaluate a version and show its results: the worker pulls and verifies
-    the version, runs the evaluator, and signs what it found; only such results open the
-    `staging` and `production` gates. Exits 1 when the evaluation failed or a gate on its
-    metrics fails. With --metric, report results of your own instead (kept as `reported`)."""
-    with _reported_errors(), _client(api_url, api_key) as client:
-        if metric:
-            results = _metric_values(metric)
-            tenant_id = client.signing_keys()[0]
-            signer = signer_for(get_settings().data_dir, tenant_id)
-            client.register_key(signer, tenant_id)
-            recorded = client.record_evaluation(model, version, evaluator=reported_as, results=results, signer=signer)
-            out.print(
-                f"reported {len(results)} results as {reported_as} for {model}@{recorded['version'][:12]} "
-                "(shown as reported; gates hold only the platform's evaluations)"
-            )
-            return
-        with out.status(f"the platform is running the {evaluator.value} evaluator on {model}@{version}"):
-            operation, record = client.evaluate_and_wait(model, version, evaluator.value, timeout_s=wait)
-        gates = client.get(f"/v1/models/{model}")["gates"]
-    if output == "json":
-        out.print_json(data={"operation": operation, "evaluation": record})
-    else:
-        against = (record.get("details") or {}).get("compared_with")
-        title = f"{evaluator.value} evaluation of {model}@{record['version'][:12]} (platform-signed)"
-        out.print(evaluation_table(title + (f" against {against[:12]}" if against else ""), record, gates))
-    if record.get("error"):
-        err.print(f"[red]evaluation failed:[/] {record['error']}")
-        raise typer.Exit(1)
-    failing = [g for g in gates if g.get("evaluator") == evaluator.value and _fails(g, record["results"])]
-    if failing:
-        err.print("[red]fails its gates:[/] " + ", ".join(g["metric"] for g in failing))
-        raise typer.Exit(1)
-    out.print(f"recorded {len(record['results'])} platform-signed results of {evaluator.value}")
-
-
-def _fails(gate: dict, results: dict[str, float]) -> bool:
-    value = results.get(gate["metric"])
-    if value is None:
-        return True
-    return (gate.get("min") is not None and value < gate["min"]) or (
-        gate.get("max") is not None and value > gate["max"]
-    )
-
-
-@weights_app.command("evaluation-command")
-def evaluation_command_command(
-    model: str,
-    run: Annotated[str | None, typer.Option(help="the program and its arguments (shell words)")] = None,
-    image: Annotated[str | None, typer.Option(help="a container image to run it in (the version at /model)")] = None,
-    env: Annotated[list[str] | None, typer.Option(help="NAME=VALUE (repeatable) for its environment")] = None,
-    timeout: Annotated[float, typer.Option(help="its time limit, seconds")] = 600.0,
-    remove: Annotated[bool, typer.Option("--remove", help="remove the model's evaluation command")] = False,
-    output: Output = "table",
-    api_url: ApiUrl = None,
-    api_key: ApiKey = None,
-) -> None:
-    """Register the model's evaluation command (the `command` evaluator): the platform runs it on
-    the pulled, verified version under the time limit, and it prints its metrics as one JSON
-    object on its last line."""
-    import shlex
-
-    if not remove and not run:
-        raise typer.BadParameter("give --run PROGRAM, or --remove", param_hint="--run")
-    if bad := [pair for pair in env or [] if "=" not in pair]:
-        raise typer.BadParameter(f"{bad[0]!r} is not NAME=VALUE", param_hint="--env")
-    variables = dict(pair.partition("=")[::2] for pair in env or [])
-    command = (
-        None if remove else {"argv": shlex.split(run or ""), "image": image, "env": variables, "timeout_s": timeout}
-    )
-    with _reported_errors(), _client(api_url, api_key) as client:
-        registered = client.set_evaluation(model, command)["evaluation"]
-    if output == "json":
-        print(json.dumps({"model": model, "evaluation": registered}))
-        return
-    if registered is None:
-        out.print(f"{model} has no evaluation command")
-        return
-    where = f"in {registered['image']}" if registered["image"] else "in the host's environment"
-    out.print(f"{model} evaluates with {shlex.join(registered['argv'])} {where}, limit {registered['timeout_s']:g} s")
-
-
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -563,60 +411,5 @@ def gc_command(
     out.print(f"{verb} {report['chunks_deleted']} chunks ({human_size(report['bytes_deleted'])})")
 
 
-@weights_app.command("sanity")
-def sanity_command(
-    directory: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="a version's files (pulled)")],
-    parent: Annotated[
-        Path | None, typer.Option(exists=True, file_okay=False, help="its parent version's files, to compare with")
-    ] = None,
-    threshold: Annotated[float, typer.Option(help="relative change of a tensor's L2 norm worth naming")] = 0.5,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
-) -> None:
-    """The weight-sanity evaluator on a directory: NaN and Inf counts, L2 norms and their change
-    against the parent, tensors and files added, removed or reshaped. Exits 1 when a tensor holds
-    NaN or Inf or changed shape."""
-    from gpucloud.registry.sanity import SanityError, evaluate
-
-    try:
-        report = evaluate(directory, parent, threshold=threshold)
-    except SanityError as error:
-        err.print(f"[red]error:[/] {error}")
-        raise typer.Exit(1) from None
-    metrics, details = report.metrics(), report.details()
-    if output == "json":
-        print(json.dumps({"metrics": metrics, "details": details}, indent=2))
-    else:
-        out.print(sanity_table(report, f"weight sanity: {directory}" + (f" against {parent}" if parent else "")))
-        rate = details["read_gb_per_s"]
-        out.print(
-            f"{len(report.tensors)} tensors, {human_size(report.bytes_read)} read"
-            + (f" at {rate} GB/s" if rate else "")
-        )
-    if metrics["nan_inf_count"] or metrics["shape_changes"]:
-        raise typer.Exit(1)
-
-
-def sanity_table(report: SanityReport, title: str) -> Table:
-    """The sanity evaluator's metrics, and the tensors and files behind each."""
-    metrics, details = report.metrics(), report.details()
-    table = Table(title=title)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("where")
-    where = {
-        "nan_inf_count": details["nan_or_inf"],
-        "max_rel_norm_change": [
-            f"{c['tensor']} ({c['rel_change']:g})" for c in details["largest_rel_norm_changes"][:3]
-        ],
-        "tensors_over_norm_threshold": details["over_norm_threshold"],
-        "shape_changes": details["shape_changed"],
-        "dtype_changes": details["dtype_changed"],
-        "tensors_added": details["added"],
-        "tensors_removed": details["removed"],
-        "files_added": details["files_added"],
-        "files_removed": details["files_removed"],
-    }
-    for name, value in metrics.items():
-        bad = name in ("nan_inf_count", "shape_changes") and value > 0
-        table.add_row(name, f"[red]{value:g}[/]" if bad else f"{value:g}", ", ".join(where.get(name, []))[:100])
-    return table
+# evaluate, evaluation-command and sanity register on weights_app from their own module.
+from gpucloud.cli import evaluation as _evaluation  # noqa: E402, F401

@@ -22,7 +22,8 @@ import numpy as np
 from rich.console import Console
 from safetensors.numpy import save_file
 
-from gpucloud.cli.weights import evaluation_table, failing_metrics_table, pull_with_progress, push_with_progress
+from gpucloud.cli.evaluation import evaluation_table
+from gpucloud.cli.weights import failing_metrics_table, pull_with_progress, push_with_progress
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import RegistryClient, signer_for
 from gpucloud.demo.common import DemoFailed

@@ -35,12 +35,12 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpucloud import tracing
 from gpucloud.ledger import problems
 from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
 from gpucloud.ledger.api.callers import LedgerCallers
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
+from gpucloud.observability import tracing
 from gpucloud.web import problems as web_problems
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import database_check, install_readiness

@@ -17,7 +17,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from gpucloud import bootstrap, tracing
+from gpucloud import bootstrap
 from gpucloud.activities.bmc import BmcActivities
 from gpucloud.activities.control_db import ControlDbActivities
 from gpucloud.activities.evaluation import EvaluationActivities
@@ -31,6 +31,7 @@ from gpucloud.activities.storage import TenantStorageActivities
 from gpucloud.activities.tenant import TenantActivities
 from gpucloud.bootstrap import ControlPlane
 from gpucloud.config import Settings
+from gpucloud.observability import tracing
 from gpucloud.web.metrics import TemporalMetrics, install_metrics
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow

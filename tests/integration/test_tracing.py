@@ -17,8 +17,8 @@ def spans():
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from gpucloud import tracing
     from gpucloud.config import Settings
+    from gpucloud.observability import tracing
 
     exporter = InMemorySpanExporter()
     tracing._configured.clear()

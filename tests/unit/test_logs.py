@@ -15,7 +15,7 @@ import pytest
 from temporalio import activity
 from temporalio.testing import ActivityEnvironment
 
-from gpucloud import logs
+from gpucloud.observability import logs
 
 log = logging.getLogger("gpucloud.test")
 
