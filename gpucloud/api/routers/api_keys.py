@@ -9,9 +9,12 @@ with an Idempotency-Key, a replay answers the same body with `key` null.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from sqlmodel import col, select
@@ -26,7 +29,7 @@ from gpucloud.api.schemas import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.tables import ApiKeyPublic, Tenant, TenantStatus
+from gpucloud.models.tables import ApiKey, ApiKeyPublic, Tenant, TenantStatus
 from gpucloud.services import api_keys as key_service
 from gpucloud.web.problems import Problem, not_found
 
@@ -56,12 +59,20 @@ def _issuing_tenant(session, tenant_id: str) -> None:
         )
 
 
+def _created_key(key: ApiKey, plaintext: str, *, replaced: ApiKey | None = None) -> ApiKeyCreated:
+    """The answer to a create or a rotate: the new key's secret, shown this once."""
+    body = ApiKeyCreated(id=key.id, tenant_id=key.tenant_id, key=plaintext, created_at=key.created_at)
+    if replaced is not None:
+        body.replaces, body.replaced_key_expires_at = replaced.id, replaced.expires_at
+    return body
+
+
 def _issue(settings: Settings, tenant_id: str) -> ApiKeyCreated:
     with session_scope(settings.database_url) as session:
         _issuing_tenant(session, tenant_id)
         key, plaintext = key_service.issue_key(session, tenant_id)
         session.flush()
-        return ApiKeyCreated(id=key.id, tenant_id=tenant_id, key=plaintext, created_at=key.created_at)
+        return _created_key(key, plaintext)
 
 
 def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> ApiKeyCreated:
@@ -69,14 +80,7 @@ def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> Ap
         with session_scope(settings.database_url) as session:
             _issuing_tenant(session, tenant_id)
             old, new, plaintext = key_service.rotate_key(session, tenant_id, key_id, grace=timedelta(seconds=grace_s))
-            return ApiKeyCreated(
-                id=new.id,
-                tenant_id=tenant_id,
-                key=plaintext,
-                created_at=new.created_at,
-                replaces=old.id,
-                replaced_key_expires_at=old.expires_at,
-            )
+            return _created_key(new, plaintext, replaced=old)
     except key_service.KeyNotFound as exc:
         raise not_found("api key", key_id) from exc
     except key_service.KeyNotRotatable as exc:
@@ -114,86 +118,62 @@ async def _created(request: Request, settings: Settings, caller: Caller, idempot
     return await idempotent(request, settings.database_url, caller.id, idempotency_key, handler, redact=_without_secret)
 
 
-# ---------------------------------------------------------------- the caller's own keys
+@dataclass(frozen=True)
+class _Scoped:
+    """Whose keys a request manages, and who asks (the idempotency records are the caller's)."""
+
+    caller: Caller
+    tenant_id: str
 
 
-@router.get("/api-keys", response_model=ApiKeyList)
-async def list_own_keys(tenant: TenantDep, settings: SettingsDep):
-    return await run_in_threadpool(_list, settings, tenant.tenant_id)
+def _own(tenant: TenantDep) -> _Scoped:
+    return _Scoped(tenant, tenant.tenant_id)
 
 
-@router.post("/api-keys", status_code=201, response_model=ApiKeyCreated)
-async def create_own_key(
-    request: Request, tenant: TenantDep, settings: SettingsDep, idempotency_key: IdempotencyKey = None
-):
-    return await _created(request, settings, tenant, idempotency_key, lambda: _issue(settings, tenant.tenant_id))
+def _any(tenant_id: str, caller: CallerDep) -> _Scoped:
+    return _Scoped(caller, _scope(caller, tenant_id))
 
 
-@router.post(
-    "/api-keys/{key_id}/rotate",
-    status_code=201,
-    response_model=ApiKeyCreated,
-    responses={409: {"description": "the key is revoked, expired or already rotated"}},
-)
-async def rotate_own_key(
-    request: Request,
-    key_id: str,
-    tenant: TenantDep,
-    settings: SettingsDep,
-    req: RotateRequest | None = None,
-    idempotency_key: IdempotencyKey = None,
-):
-    grace = (req or RotateRequest()).grace_period_s
-    return await _created(
-        request, settings, tenant, idempotency_key, lambda: _rotate(settings, tenant.tenant_id, key_id, grace)
+def _key_routes(prefix: str, scope: Callable[..., _Scoped], tag: str) -> None:
+    """The four key routes under `prefix`: the caller's own keys (`/api-keys`) or any tenant's
+    (`/tenants/{tenant_id}/api-keys`, operators; a tenant for itself)."""
+    scoped_by = Depends(scope)
+    conflict = {409: {"description": "the key is revoked, expired or already rotated"}}
+
+    @router.get(prefix, response_model=ApiKeyList, name=f"list_{tag}")
+    async def list_keys(settings: SettingsDep, scoped: _Scoped = scoped_by):
+        return await run_in_threadpool(_list, settings, scoped.tenant_id)
+
+    @router.post(prefix, status_code=201, response_model=ApiKeyCreated, name=f"create_{tag}")
+    async def create_key(
+        request: Request, settings: SettingsDep, scoped: _Scoped = scoped_by, idempotency_key: IdempotencyKey = None
+    ):
+        make = partial(_issue, settings, scoped.tenant_id)
+        return await _created(request, settings, scoped.caller, idempotency_key, make)
+
+    @router.post(
+        f"{prefix}/{{key_id}}/rotate",
+        status_code=201,
+        response_model=ApiKeyCreated,
+        responses=conflict,
+        name=f"rotate_{tag}",
     )
+    async def rotate_key(
+        request: Request,
+        key_id: str,
+        settings: SettingsDep,
+        scoped: _Scoped = scoped_by,
+        req: RotateRequest | None = None,
+        idempotency_key: IdempotencyKey = None,
+    ):
+        grace = (req or RotateRequest()).grace_period_s
+        make = partial(_rotate, settings, scoped.tenant_id, key_id, grace)
+        return await _created(request, settings, scoped.caller, idempotency_key, make)
+
+    @router.delete(f"{prefix}/{{key_id}}", response_model=ApiKeyPublic, name=f"revoke_{tag}")
+    async def revoke_key(key_id: str, settings: SettingsDep, scoped: _Scoped = scoped_by):
+        return await run_in_threadpool(_revoke, settings, scoped.tenant_id, key_id)
 
 
-@router.delete("/api-keys/{key_id}", response_model=ApiKeyPublic)
-async def revoke_own_key(key_id: str, tenant: TenantDep, settings: SettingsDep):
-    return await run_in_threadpool(_revoke, settings, tenant.tenant_id, key_id)
-
-
-# ---------------------------------------------------------------- any tenant's keys (operator)
-
-
-@router.get("/tenants/{tenant_id}/api-keys", response_model=ApiKeyList)
-async def list_keys(tenant_id: str, caller: CallerDep, settings: SettingsDep):
-    return await run_in_threadpool(_list, settings, _scope(caller, tenant_id))
-
-
-@router.post("/tenants/{tenant_id}/api-keys", status_code=201, response_model=ApiKeyCreated)
-async def create_key(
-    request: Request,
-    tenant_id: str,
-    caller: CallerDep,
-    settings: SettingsDep,
-    idempotency_key: IdempotencyKey = None,
-):
-    scoped = _scope(caller, tenant_id)
-    return await _created(request, settings, caller, idempotency_key, lambda: _issue(settings, scoped))
-
-
-@router.post(
-    "/tenants/{tenant_id}/api-keys/{key_id}/rotate",
-    status_code=201,
-    response_model=ApiKeyCreated,
-    responses={409: {"description": "the key is revoked, expired or already rotated"}},
-)
-async def rotate_key(
-    request: Request,
-    tenant_id: str,
-    key_id: str,
-    caller: CallerDep,
-    settings: SettingsDep,
-    req: RotateRequest | None = None,
-    idempotency_key: IdempotencyKey = None,
-):
-    scoped = _scope(caller, tenant_id)
-    grace = (req or RotateRequest()).grace_period_s
-    return await _created(request, settings, caller, idempotency_key, lambda: _rotate(settings, scoped, key_id, grace))
-
-
-@router.delete("/tenants/{tenant_id}/api-keys/{key_id}", response_model=ApiKeyPublic)
-async def revoke_key(tenant_id: str, key_id: str, caller: CallerDep, settings: SettingsDep):
-    return await run_in_threadpool(_revoke, settings, _scope(caller, tenant_id), key_id)
+_key_routes("/api-keys", _own, "own_keys")
+_key_routes("/tenants/{tenant_id}/api-keys", _any, "keys")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter
 from pydantic import Field
 
@@ -100,8 +102,7 @@ def _partition(state: FabricState, partition_id: int) -> NvlPartition:
 
 @nmx.get("/partitions/{partition_id}", response_model=NvlPartition)
 async def get_partition(partition_id: int, state: StateDep) -> NvlPartition:
-    with state.lock:
-        return state.read(_partition(state, partition_id), "gpu_uids")
+    return state.read(partial(_partition, state, partition_id), "gpu_uids")
 
 
 @nmx.put("/partitions/{partition_id}", response_model=NvlPartition)

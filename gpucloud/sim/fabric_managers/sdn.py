@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -47,20 +48,19 @@ async def create_vpc(body: VpcCreate, state: StateDep) -> Vpc:
         return state.vpcs[vni]
 
 
-@sdn.get("", response_model=list[Vpc])
-async def list_vpcs(state: StateDep, tenant_id: Annotated[str | None, Query()] = None) -> list[Vpc]:
-    with state.lock:
-        return [v for v in state.vpcs.values() if tenant_id in (None, v.tenant_id)]
-
-
 def _vpc(state: FabricState, vni: int) -> Vpc:
     return existing(state.vpcs, vni, "vpc_exists", f"no VPC has VNI {vni}")
 
 
 @sdn.get("/{vni}", response_model=Vpc)
 async def get_vpc(vni: int, state: StateDep) -> Vpc:
+    return state.read(partial(_vpc, state, vni), "nodes")
+
+
+@sdn.get("", response_model=list[Vpc])
+async def list_vpcs(state: StateDep, tenant_id: Annotated[str | None, Query()] = None) -> list[Vpc]:
     with state.lock:
-        return state.read(_vpc(state, vni), "nodes")
+        return [v for v in state.vpcs.values() if tenant_id in (None, v.tenant_id)]
 
 
 @sdn.put("/{vni}/nodes/{node_id}", response_model=Vpc)

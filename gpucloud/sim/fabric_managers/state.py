@@ -7,7 +7,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, NoReturn, TypeVar
@@ -79,9 +79,12 @@ class FabricState:
             cached = self._pkey_json[pkey] = json.dumps(members)
         return cached
 
-    def read(self, record: R, members: str) -> R:
-        """What a single-record read answers: under the `stale_reads` fault, the record with its
-        `members` left out, as a manager answering from a lagging replica would."""
+    def read(self, find: Callable[[], R], members: str) -> R:
+        """What a single-record read answers (`find` runs under the lock): under the `stale_reads`
+        fault, the record with its `members` left out, as a manager answering from a lagging
+        replica would."""
+        with self.lock:
+            record = find()
         return record.model_copy(update={members: ()}) if self.fault == "stale_reads" else record
 
     def saved(self, *, pkeys: Iterable[int] = ()) -> None:
