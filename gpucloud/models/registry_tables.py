@@ -22,15 +22,11 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator, model_validator
 from sqlmodel import Column, Field, SQLModel
 
-from gpucloud.models.tables import OperationPublic, UTCDateTime, new_id, utcnow
+from gpucloud.models.tables import OperationPublic, UTCDateTime, new_id, timestamp_field
 
 MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 MAX_IDS_PER_QUERY = 10_000
-
-
-def timestamp_field() -> Any:
-    return Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
 class AliasName(StrEnum):
@@ -240,6 +236,13 @@ class ModelVersion(ModelVersionBase, table=True):
     registered_at: datetime = timestamp_field()
 
 
+class _PerModel(SQLModel):
+    """A row that belongs to one model (its alias, its gate)."""
+
+    seq: int | None = Field(default=None, primary_key=True)
+    model_id: str = Field(foreign_key="registry_model.id", index=True)
+
+
 # ---------------------------------------------------------------- aliases
 
 
@@ -250,12 +253,10 @@ class ModelAliasPublic(SQLModel):
     moved_by: str
 
 
-class ModelAlias(SQLModel, table=True):
+class ModelAlias(_PerModel, table=True):
     __tablename__ = "registry_alias"
     __table_args__ = (sa.UniqueConstraint("model_id", "name", name="uq_registry_alias_model_name"),)
 
-    seq: int | None = Field(default=None, primary_key=True)
-    model_id: str = Field(foreign_key="registry_model.id", index=True)
     name: str = Field(max_length=32)
     version: str = Field(max_length=64)
     moved_at: datetime = timestamp_field()
@@ -265,14 +266,12 @@ class ModelAlias(SQLModel, table=True):
 # ---------------------------------------------------------------- evaluation gates and results
 
 
-class EvaluationGate(SQLModel, table=True):
+class EvaluationGate(_PerModel, table=True):
     """One metric's gate on a model; the rules live in `gpucloud.registry.promotion.GateSpec`."""
 
     __tablename__ = "registry_gate"
     __table_args__ = (sa.UniqueConstraint("model_id", "metric", name="uq_registry_gate_model_metric"),)
 
-    seq: int | None = Field(default=None, primary_key=True)
-    model_id: str = Field(foreign_key="registry_model.id", index=True)
     metric: str = Field(max_length=100)
     min_value: float | None = None
     max_value: float | None = None

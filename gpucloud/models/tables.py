@@ -197,17 +197,31 @@ class TenantCreate(SQLModel):
     name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": r"^[a-z0-9][a-z0-9-]*$"})
 
 
-class TenantPublic(TenantCreate):
-    id: str
-    status: TenantStatus
-    vni: int | None
-    storage_prefix: str | None
+class Outcome(SQLModel):
+    """What a tenant's or an allocation's answer says of its course: why it failed, when it was
+    made and last changed."""
+
     failure_reason: str | None
     created_at: datetime
     updated_at: datetime
 
 
-class Tenant(TenantCreate, table=True):
+class OutcomeRow(SQLModel):
+    """`Outcome`'s columns, as a table keeps them."""
+
+    failure_reason: str | None = None
+    created_at: datetime = timestamp_field()
+    updated_at: datetime = timestamp_field()
+
+
+class TenantPublic(Outcome, TenantCreate):
+    id: str
+    status: TenantStatus
+    vni: int | None
+    storage_prefix: str | None
+
+
+class Tenant(OutcomeRow, TenantCreate, table=True):
     seq: int | None = Field(default=None, primary_key=True)
     id: str = Field(default_factory=lambda: new_id("ten"), unique=True, index=True)
     # Names are never reused, not even after offboarding: a name always means one tenant.
@@ -216,9 +230,6 @@ class Tenant(TenantCreate, table=True):
     # The tenant's VPC: unique while held, cleared when the VPC is released.
     vni: int | None = Field(default=None, unique=True, index=True)
     storage_prefix: str | None = None
-    failure_reason: str | None = None
-    created_at: datetime = timestamp_field()
-    updated_at: datetime = timestamp_field()
 
 
 class TenantQuotaBase(SQLModel):
@@ -300,7 +311,7 @@ class AllocationCreate(SQLModel):
     nvl72_trays: int | None = Field(default=None, ge=1, le=18)
 
 
-class AllocationPublic(AllocationCreate):
+class AllocationPublic(Outcome, AllocationCreate):
     workload: Workload | None = None
     id: str
     tenant_id: str
@@ -309,12 +320,9 @@ class AllocationPublic(AllocationCreate):
     fabric_domain: str | None
     nvlink_domain: str | None
     node_ids: list[str]
-    failure_reason: str | None
-    created_at: datetime
-    updated_at: datetime
 
 
-class Allocation(AllocationCreate, table=True):
+class Allocation(OutcomeRow, AllocationCreate, table=True):
     seq: int | None = Field(default=None, primary_key=True)
     id: str = Field(default_factory=lambda: new_id("alloc"), unique=True, index=True)
     tenant_id: str = Field(index=True)
@@ -325,14 +333,11 @@ class Allocation(AllocationCreate, table=True):
     # The NVL72 rack of an `nvl72_trays` slice (replacements come from it too).
     nvlink_domain: str | None = None
     node_ids: list[str] = json_field()
-    failure_reason: str | None = None
     # What provision starts on each node (`agent.schemas.Workload` as JSON; None: nothing).
     workload: dict | None = Field(default=None, sa_column=Column(sa.JSON, nullable=True))
     # `<caller>:<Idempotency-Key>` of the create that made it: a create re-run after its first
     # try died mid-request finds the allocation that try committed instead of making another.
     idempotency_key: str | None = Field(default=None, max_length=300, unique=True, index=True)
-    created_at: datetime = timestamp_field()
-    updated_at: datetime = timestamp_field()
 
 
 class OperationStatus(StrEnum):
