@@ -111,16 +111,22 @@ class PeerServer(ThreadedServer):
 
 @dataclass
 class FetchStats:
-    """What one fetch moved, by source; `bad_chunks` counts bytes that failed their hash."""
+    """What one fetch moved, by source (`origin` or a peer's address); `bad_chunks` counts chunks
+    whose bytes failed their hash."""
 
-    peer_bytes: int = 0
-    origin_bytes: int = 0
-    peer_chunks: int = 0
-    origin_chunks: int = 0
+    bytes_by_source: Counter[str] = field(default_factory=Counter)
+    chunks_by_source: Counter[str] = field(default_factory=Counter)
     bad_chunks: int = 0
     failed_attempts: int = 0
     seconds: float = 0.0
-    bytes_by_source: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def origin_bytes(self) -> int:
+        return self.bytes_by_source[ORIGIN]
+
+    @property
+    def peer_bytes(self) -> int:
+        return self.bytes_by_source.total() - self.origin_bytes
 
 
 class FetchError(Exception):
@@ -285,12 +291,7 @@ class ChunkFetcher:
             if source is None:
                 return
             stats.bytes_by_source[source] += size
-            if source == ORIGIN:
-                stats.origin_bytes += size
-                stats.origin_chunks += 1
-            else:
-                stats.peer_bytes += size
-                stats.peer_chunks += 1
+            stats.chunks_by_source[source] += 1
 
 
 @dataclass(frozen=True, slots=True)

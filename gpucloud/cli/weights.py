@@ -16,7 +16,6 @@ with an error that names the chunk, file or key, and leaves nothing at the desti
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -233,7 +232,7 @@ def push_command(
         console = err if output == "json" else out
         pushed = push_with_progress(client, directory, model=model, signer=signer, lineage=lineage, console=console)
     if output == "json":
-        print(json.dumps({"version": pushed.version, "stats": dataclasses.asdict(pushed.stats)}, default=str))
+        print(json.dumps({"version": pushed.version, "stats": pushed.stats.as_dict()}, default=str))
 
 
 @weights_app.command("pull")

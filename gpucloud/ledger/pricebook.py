@@ -88,14 +88,7 @@ def list_versions(connection: Connection) -> list[PriceBookVersionOut]:
             DiscountOut(tenant_id=row.tenant_id, gpu_type=row.gpu_type, discount_bp=row.discount_bp)
         )
     return [
-        PriceBookVersionOut(
-            id=row.id,
-            effective_from_ms=row.effective_from_ms,
-            note=row.note,
-            created_ms=row.created_ms,
-            prices=prices.get(row.id, []),
-            discounts=discounts.get(row.id, []),
-        )
+        PriceBookVersionOut(**row._mapping, prices=prices.get(row.id, []), discounts=discounts.get(row.id, []))
         for row in connection.execute(select(price_book_versions).order_by(price_book_versions.c.effective_from_ms))
     ]
 

@@ -116,6 +116,22 @@ class GateSpec(BaseModel):
         """The evaluator this gate's metric comes from (always set once validated)."""
         return self.evaluator or EvaluatorName.COMMAND
 
+    def row(self, model_id: str) -> EvaluationGate:
+        """The gate as the model's table keeps it (`min` and `max` are its `min_value`, `max_value`)."""
+        same = self.model_dump(include=_GATE_ALIKE)
+        return EvaluationGate(
+            model_id=model_id, min_value=self.min, max_value=self.max, evaluator=self.source.value, **same
+        )
+
+    @classmethod
+    def of_row(cls, row: EvaluationGate) -> GateSpec:
+        same = row.model_dump(include=_GATE_ALIKE)
+        return cls(min=row.min_value, max=row.max_value, evaluator=EvaluatorName(row.evaluator), **same)
+
+
+# What a gate and its row call alike.
+_GATE_ALIKE = {"metric", "max_regression", "higher_is_better"}
+
 
 class EvaluationCommand(BaseModel):
     """A model's own evaluation: a program the platform runs against the pulled, verified

@@ -243,17 +243,7 @@ def gates_of(session: Session, model_id: str) -> list[GateSpec]:
     rows = session.exec(
         select(EvaluationGate).where(col(EvaluationGate.model_id) == model_id).order_by(col(EvaluationGate.metric))
     )
-    return [
-        GateSpec(
-            metric=g.metric,
-            min=g.min_value,
-            max=g.max_value,
-            max_regression=g.max_regression,
-            higher_is_better=g.higher_is_better,
-            evaluator=g.evaluator,
-        )
-        for g in rows
-    ]
+    return [GateSpec.of_row(g) for g in rows]
 
 
 def model_by_id(session: Session, model_id: str) -> RegistryModel | None:
@@ -352,15 +342,4 @@ def publish_models(session: Session, models: list[RegistryModel]) -> list[ModelP
 
 def replace_gates(session: Session, model: RegistryModel, gates: list[GateSpec]) -> None:
     session.exec(sa.delete(EvaluationGate).where(col(EvaluationGate.model_id) == model.id))
-    for gate in gates:
-        session.add(
-            EvaluationGate(
-                model_id=model.id,
-                metric=gate.metric,
-                min_value=gate.min,
-                max_value=gate.max,
-                max_regression=gate.max_regression,
-                higher_is_better=gate.higher_is_better,
-                evaluator=gate.source.value,
-            )
-        )
+    session.add_all(gate.row(model.id) for gate in gates)

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -68,12 +68,19 @@ class PushStats:
     bytes_to_upload: int = 0
     chunks_to_upload: int = 0
     bytes_uploaded: int = 0
-    chunks_uploaded: int = 0
     uploaded_ids: list[str] = field(default_factory=list)
+
+    @property
+    def chunks_uploaded(self) -> int:
+        return len(self.uploaded_ids)
 
     @property
     def bytes_skipped(self) -> int:
         return self.bytes_total - self.bytes_to_upload
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures, derived ones included (what `--output json` prints)."""
+        return asdict(self) | {"chunks_uploaded": self.chunks_uploaded, "bytes_skipped": self.bytes_skipped}
 
 
 PushReport = Callable[[Literal["hash", "upload"], PushStats], None]
@@ -256,7 +263,6 @@ class _Uploads:
     def _one(self, path: Path, chunk: ChunkRef) -> None:
         self.target.upload(self.model, chunk, path)
         with self._lock:
-            self.stats.chunks_uploaded += 1
             self.stats.bytes_uploaded += chunk.size
             self.stats.uploaded_ids.append(chunk.id)
         self.report("upload", self.stats)
