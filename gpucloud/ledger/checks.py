@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from operator import le
+from typing import TypeVar
 
 from sqlalchemy import Connection, insert, select
 
@@ -40,9 +42,16 @@ from gpucloud.ledger.tables import allocation_events, usage_conflicts, usage_sam
 # mixing an old retried sample with new ones does not read the whole history in between.
 _CLUSTER_GAP_MS = 3_600_000
 
+T = TypeVar("T")
+
+
+def _distinct(candidates: list[Candidate], field: Callable[[UsageSampleIn], T]) -> set[T]:
+    """The values of one field across the candidates' samples (a batch has a handful)."""
+    return set(map(field, map(sample_of, candidates)))
+
 
 def _by_node(candidates: list[Candidate]) -> dict[str, list[Candidate]]:
-    nodes = set(map(node_field, map(sample_of, candidates)))
+    nodes = _distinct(candidates, node_field)
     # A shipper's batch is one node's backlog: skip the grouping loop when that is so.
     if len(nodes) <= 1:
         return {nodes.pop(): candidates} if nodes else {}
@@ -118,8 +127,7 @@ def _record_conflict(connection: Connection, sample: UsageSampleIn, existing_id:
 def check_allocations(connection: Connection, candidates: list[Candidate], reject: Reject) -> list[Candidate]:
     if not candidates:
         return candidates
-    tenants = set(map(tenant_field, map(sample_of, candidates)))
-    allocations = set(map(allocation_field, map(sample_of, candidates)))
+    tenants, allocations = _distinct(candidates, tenant_field), _distinct(candidates, allocation_field)
     tenants_with_events = set(
         connection.execute(
             select(allocation_events.c.tenant_id).where(allocation_events.c.tenant_id.in_(tenants)).distinct()
@@ -140,7 +148,7 @@ def check_allocations(connection: Connection, candidates: list[Candidate], rejec
     # The verdict depends on (tenant, allocation, GPU type) only: a batch has a handful.
     verdicts = {
         line: _allocation_problem(line[0], line[1], line[2], owners, gpu_types, tenants_with_events)
-        for line in set(map(line_fields, map(sample_of, candidates)))
+        for line in _distinct(candidates, line_fields)
     }
     if not any(verdicts.values()):
         return candidates
@@ -192,8 +200,7 @@ def check_nodes_held(connection: Connection, candidates: list[Candidate], reject
     the allocation has ended (say, cancelled before it was ever ready): then it never will."""
     if not candidates:
         return candidates
-    allocations = set(map(allocation_field, map(sample_of, candidates)))
-    nodes = set(map(node_field, map(sample_of, candidates)))
+    allocations, nodes = _distinct(candidates, allocation_field), _distinct(candidates, node_field)
     tracked = set(
         connection.execute(
             select(allocation_events.c.allocation_id)
@@ -272,7 +279,7 @@ def _within(start: int, end: int, added: int, removed: int | None) -> bool:
 def price(history: PriceBookHistory, candidates: list[Candidate], reject: Reject) -> list[Candidate]:
     if not candidates:
         return candidates
-    rate_keys = set(map(rate_key_field, map(sample_of, candidates)))
+    rate_keys = _distinct(candidates, rate_key_field)
     version, valid_from, valid_until = history.version_span(min(map(start_of, candidates)))
     if len(rate_keys) == 1 and version is not None and max(map(start_of, candidates)) < valid_until:
         # The usual batch: one tenant and GPU type, all under one price book version.
