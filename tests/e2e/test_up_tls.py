@@ -1,7 +1,9 @@
 """`gpucloud up --tls`: a private CA in the data dir, and every server of the stack (API, ledger,
 tracker, simulated fleet and fabric managers) speaking only TLS with a certificate that CA
-signed. A tenant gets an allocation through it; plain HTTP and an unknown CA get nowhere; and a
-server asked to listen off loopback without TLS refuses to start."""
+signed. A tenant gets an allocation through it; plain HTTP and an unknown CA get nowhere. `up`
+stops cleanly on SIGTERM (every port freed), and a second `up` on the same data dir resumes with
+the same CA: the allocation made before is still there and its workflow still answers a cancel.
+A server asked to listen off loopback without TLS refuses to start."""
 
 from __future__ import annotations
 
@@ -14,23 +16,33 @@ import sys
 import httpx
 import pytest
 
-from gpucloud.devstack.stack import free_port
+from gpucloud.devstack.stack import free_port, port_in_use
 from gpucloud.web.service_tokens import load_or_create_issuer, public_key_path
+from support.ledger_auth import auth_for, register
 from support.stack import wait_until
 
 pytestmark = pytest.mark.one_database
 
 
-def _wait_for_file(path, proc) -> None:
-    def there() -> bool:
-        assert proc.poll() is None, f"`up --tls` exited with {proc.returncode}"
-        return path.exists()
+def _up(env: dict, log) -> subprocess.Popen:
+    command = [sys.executable, "-m", "gpucloud.cli.main", "up", "--tls", "--nodes", "4"]
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    wait_until(there, timeout_s=90, what=str(path))
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+
+
+def _exited(proc: subprocess.Popen, tmp_path) -> bool:
+    """Fail at once, with its log, when `up` died instead of waiting out the deadline."""
+    if proc.poll() is None:
+        return False
+    raise AssertionError(f"`up` exited with {proc.returncode}:\n{(tmp_path / 'up.log').read_text()[-4000:]}")
 
 
 @pytest.mark.long
-def test_up_with_tls_runs_every_server_over_tls(tmp_path):
+def test_up_with_tls_serves_over_tls_stops_cleanly_and_resumes(tmp_path):
     ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker", "bmc")}
     env = {
         **os.environ,
@@ -42,30 +54,36 @@ def test_up_with_tls_runs_every_server_over_tls(tmp_path):
         "GPUCLOUD_TRACKER__URL": f"http://127.0.0.1:{ports['tracker']}",
         "GPUCLOUD_BMC__EMULATOR_PORT": str(ports["bmc"]),
     }
-    log = open(tmp_path / "up.log", "ab")  # noqa: SIM115 - closed with the test
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpucloud.cli.main", "up", "--tls", "--nodes", "2"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    api = f"https://127.0.0.1:{ports['api']}"
+    ca_file, token_file = tmp_path / "tls" / "ca.pem", tmp_path / "operator_token"
+    log = open(tmp_path / "up.log", "ab")  # noqa: SIM115 - both runs of `up` write to it; closed with the test
+
+    proc = _up(env, log)
     try:
-        ca_file = tmp_path / "tls" / "ca.pem"
-        _wait_for_file(tmp_path / "operator_token", proc)
-        _wait_for_file(ca_file, proc)
+        wait_until(
+            lambda: (token_file.exists() and ca_file.exists()) or _exited(proc, tmp_path),
+            timeout_s=90,
+            what="operator token and CA",
+        )
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
         assert oct((tmp_path / "tls" / "ca.key").stat().st_mode & 0o777) == "0o600"
         trust = ssl.create_default_context(cafile=str(ca_file))
-        api = f"https://127.0.0.1:{ports['api']}"
-        token = (tmp_path / "operator_token").read_text().strip()
-        op = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {token}"}, timeout=30, verify=trust)
+        op = httpx.Client(
+            base_url=api,
+            headers={"Authorization": f"Bearer {token_file.read_text().strip()}"},
+            timeout=30,
+            verify=trust,
+        )
 
         def nodes() -> list[str]:
             try:
-                return [n["state"] for n in op.get("/v1/nodes").json()["items"]]
+                return sorted(n["state"] for n in op.get("/v1/nodes").json()["items"])
             except (httpx.HTTPError, KeyError, ValueError):
                 return []
 
-        wait_until(lambda: nodes() == ["available"] * 2, timeout_s=150, what="fleet up over TLS")
+        wait_until(
+            lambda: nodes() == ["available"] * 4 or _exited(proc, tmp_path), timeout_s=180, what="fleet up over TLS"
+        )
         tenant = op.post("/v1/tenants", json={"name": "secure"}).json()
         wait_until(
             lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active",
@@ -75,7 +93,7 @@ def test_up_with_tls_runs_every_server_over_tls(tmp_path):
         acme = httpx.Client(
             base_url=api, headers={"Authorization": f"Bearer {tenant['api_key']['key']}"}, timeout=30, verify=trust
         )
-        alloc = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"})
+        alloc = acme.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"})
         alloc_id = alloc.json()["allocation"]["id"]
         wait_until(
             lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready",
@@ -91,9 +109,36 @@ def test_up_with_tls_runs_every_server_over_tls(tmp_path):
                 httpx.get(f"http://{url}", timeout=10)
             with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                 httpx.get(f"https://{url}", timeout=10)  # the public CAs do not know ours
+
+        # `up` runs the billing ledger too (its own DB in the data dir), with a price book; it
+        # answers only the control plane's tokens.
+        ledger_url = f"https://127.0.0.1:{ports['ledger']}"
+        register(ledger_url, tmp_path)  # the stack's ledger trusts the data dir's issuer key
+        assert httpx.get(f"{ledger_url}/v1/price-book/versions", verify=trust).status_code == 401
+        versions = httpx.get(f"{ledger_url}/v1/price-book/versions", auth=auth_for(ledger_url), verify=trust)
+        assert versions.json()[0]["prices"]
+        assert (tmp_path / "ledger.db").exists()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        _stop(proc)
+    for name, port in ports.items():
+        assert not port_in_use("127.0.0.1", port), f"the {name} port {port} still in use after stop"
+
+    ca = ca_file.read_bytes()
+    proc = _up(env, log)
+    try:
+        wait_until(lambda: len(nodes()) == 4 or _exited(proc, tmp_path), timeout_s=180, what="second up")
+        assert ca_file.read_bytes() == ca  # the same CA: clients that trust it keep working
+        assert acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "ready"
+        assert nodes() == ["active", "active", "available", "available"]
+        assert acme.post(f"/v1/allocations/{alloc_id}/cancel").status_code == 202
+        wait_until(
+            lambda: acme.get(f"/v1/allocations/{alloc_id}").json()["status"] == "released",
+            timeout_s=90,
+            what="released after resume",
+        )
+        wait_until(lambda: nodes() == ["available"] * 4, timeout_s=90, what="nodes back")
+    finally:
+        _stop(proc)
         log.close()
 
 
