@@ -26,6 +26,9 @@ from gpucloud.registry import promotion
 from gpucloud.registry.manifest import SignedEvaluation
 from gpucloud.registry.stores import RegistryStores
 
+# What a kept evaluation row takes from its record under the same names.
+_RECORD_AS_KEPT = {"version", "evaluator", "results", "recorded_at", "details"}
+
 
 def keep_evaluation(
     db_url: str, stores: RegistryStores, tenant_id: str, signed: SignedEvaluation, *, source: EvaluationSource
@@ -42,16 +45,12 @@ def keep_evaluation(
     stores.manifests(tenant_id).add_evaluation(signed)  # the signed record, beside the manifest
     row = EvaluationResult(
         tenant_id=tenant_id,
-        version=record.version,
-        evaluator=record.evaluator,
-        results=record.results,
-        recorded_at=record.recorded_at,
+        **record.model_dump(include=_RECORD_AS_KEPT),
         record_digest=record.digest,
+        error=record.failure,
         key_id=signed.key_id,
         signature=signed.signature,
         source=source,
-        error=record.failure,
-        details=record.details,
     )
     try:
         with session_scope(db_url) as session:

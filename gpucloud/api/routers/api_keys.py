@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
@@ -138,7 +139,7 @@ def _key_routes(prefix: str, scope: Callable[..., _Scoped], tag: str) -> None:
     """The four key routes under `prefix`: the caller's own keys (`/api-keys`) or any tenant's
     (`/tenants/{tenant_id}/api-keys`, operators; a tenant for itself)."""
     scoped_by = Depends(scope)
-    conflict = {409: {"description": "the key is revoked, expired or already rotated"}}
+    conflict: dict[int | str, dict[str, Any]] = {409: {"description": "the key is revoked, expired or already rotated"}}
 
     @router.get(prefix, response_model=ApiKeyList, name=f"list_{tag}")
     async def list_keys(settings: SettingsDep, scoped: _Scoped = scoped_by):

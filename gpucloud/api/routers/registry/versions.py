@@ -105,10 +105,7 @@ def _register_version(
         digest=digest,
         tenant_id=tenant_id,
         model_id=model_id,
-        parent=parent,
-        base_model=manifest.lineage.base_model,
-        training_run=manifest.lineage.training_run,
-        dataset_digests=list(manifest.lineage.dataset_digests),
+        **manifest.lineage.model_dump(),  # parent, base model, training run, datasets
         total_size=manifest.total_size,
         chunk_count=manifest.chunk_count,
         file_count=len(manifest.files),
