@@ -22,24 +22,40 @@ from gpucloud.devstack.stack import free_port
 from gpucloud.sim.client import SimFleetClient
 from support.fabric import FabricManagers
 
+# Polls start quick (most conditions hold within a moment) and back off to this: a long wait
+# (a fleet coming up, an outage waited out) then asks the stack twice a second, not ten times,
+# which on two cores shared by four test workers is CPU the stacks under test need.
+_MAX_POLL_S = 0.5
 
-def wait_until(predicate, *, timeout_s: float = 60, interval_s: float = 0.1, what: str = "condition"):
+
+def _intervals(first_s: float):
+    interval = first_s
+    while True:
+        yield interval
+        interval = min(max(first_s, _MAX_POLL_S), interval * 1.5)
+
+
+def wait_until(predicate, *, timeout_s: float = 60, interval_s: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    for interval in _intervals(interval_s):
         value = predicate()
         if value:
             return value
-        time.sleep(interval_s)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: float = 0.1, what: str = "condition"):
+async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    for interval in _intervals(interval_s):
         value = await asyncio.to_thread(predicate)
         if value:
             return value
-        await asyncio.sleep(interval_s)
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
