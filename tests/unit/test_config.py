@@ -51,13 +51,19 @@ def test_a_free_port_is_handed_out_once_across_processes(monkeypatch, tmp_path):
     """Two processes drawing the same random port: the second is given another (the claim is a
     file in the temp dir, so it holds across processes)."""
     import itertools
+    import socket
     import tempfile
 
     from gpucloud.devstack import stack
 
+    # Two ports nothing listens on (another test's stack may hold any fixed one).
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        one, other = a.getsockname()[1], b.getsockname()[1]
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    draws = itertools.chain([23456, 23456], itertools.count(23457))
+    draws = itertools.chain([one, one, other])
     monkeypatch.setattr(stack._ports, "randint", lambda low, high: next(draws))
     first, second = stack.free_port(), stack.free_port()
-    assert first == 23456 and second == 23457
-    assert (tmp_path / f"gpucloud-ports-{os.getuid()}" / "23456").exists()
+    assert first == one and second == other
+    assert (tmp_path / f"gpucloud-ports-{os.getuid()}" / str(one)).exists()
