@@ -15,7 +15,9 @@ honour, as `gpucloud.client` does). Then:
   floor app (its own process) beside the same load on the API, which is what the machine's
   contention alone costs; `fairness_vs_floor` is the first over the second;
 - `fleet_capacity_nodes`: agents' single-node heartbeats (each its own request) the API answers
-  with p99 <= 1 s while 64 tenant clients run, times the 10 s heartbeat interval.
+  with p99 <= 1 s while 64 tenant clients run, times the 10 s heartbeat interval;
+  `floor_capacity_nodes`: the same for the floor app's primary-key read beside the same tenant
+  load (what the machine leaves for one request with one read), and `fleet_capacity_vs_floor`.
 
     python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S]
 
@@ -51,7 +53,7 @@ from gpucloud.sim.client import SimFleetClient
 TIMEOUT_S = 30.0
 POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 HEARTBEAT_S = 10.0
-DETAIL = ("levels", "floor", "heartbeats")  # kept under "results", not repeated at the top
+DETAIL = ("levels", "floor", "heartbeats", "floor_reports")  # kept under "results", not repeated at the top
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -202,21 +204,14 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
     floor_ratio = percentile(floor_beside.latency["get"], 99) / max(percentile(floor_alone.latency["get"], 99), 1e-3)
     log(f"  fairness floor: a client of its own process, p99 x{floor_ratio:.2f} beside the load")
     # Agents' heartbeats, each its own request, beside 64 tenant clients.
-    capacity, heartbeat_figures = 0, {}
     # The agents' lane alone: what one API process gives heartbeats when nothing else runs (the
     # figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md).
     alone_beats = (await run_apart(api, None, 12, args.seconds, heartbeat_client, nodes)).figures(args.seconds)
     log(f"  heartbeats from 12 agents alone: {alone_beats}")
-    for agents in (8, 16, 32):
-        _, beats = await asyncio.gather(
-            run_apart(api, tenant_key, 64, args.seconds, mixed_client, ids),
-            run_apart(api, None, agents, args.seconds, heartbeat_client, nodes),
-        )
-        figures = beats.figures(args.seconds)
-        heartbeat_figures[agents] = figures
-        log(f"  heartbeats from {agents} agents beside 64 tenant clients: {figures}")
-        if figures.get("heartbeat_p99_s", 99) <= 1.0 and figures["errors_5xx"] == 0:
-            capacity = max(capacity, int(figures["requests_per_s"] * HEARTBEAT_S))
+    capacity, heartbeat_figures = await _capacity(api, tenant_key, ids, args, api, heartbeat_client, nodes)
+    # The floor of that figure: the minimal app's primary-key read (one request, one read, as a
+    # heartbeat that changes nothing is) from as many clients, beside the same 64 tenant clients.
+    floor_capacity, floor_reports = await _capacity(api, tenant_key, ids, args, floor_url, get_client, ids)
     alone_p99 = percentile(alone.latency["get"], 99)
     beside_p99 = percentile(beside.latency["get"], 99)
     return {
@@ -238,7 +233,28 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
         "heartbeats_alone_per_s": alone_beats["requests_per_s"],
         "heartbeats_alone_p99_s": alone_beats.get("heartbeat_p99_s"),
         "fleet_capacity_nodes": capacity,
+        "floor_capacity_nodes": floor_capacity,
+        "floor_reports": floor_reports,
+        "fleet_capacity_vs_floor": round(capacity / max(floor_capacity, 1), 3),
     }
+
+
+async def _capacity(api: str, tenant_key: str, ids: list[str], args, url: str, body, targets) -> tuple[int, dict]:
+    """The most reports a second (times the 10 s heartbeat: nodes) that `url` answers with p99
+    <= 1 s and no 5xx, from 8, 16 and 32 reporters (`body` over `targets`), while 64 tenant
+    clients run the mix on the API; and the figures at each count."""
+    capacity, by_count = 0, {}
+    for reporters in (8, 16, 32):
+        _, reports = await asyncio.gather(
+            run_apart(api, tenant_key, 64, args.seconds, mixed_client, ids),
+            run_apart(url, None, reporters, args.seconds, body, targets),
+        )
+        figures = by_count[reporters] = reports.figures(args.seconds)
+        p99 = max((v for k, v in figures.items() if k.endswith("_p99_s")), default=99)
+        log(f"  {body.__name__} x{reporters} on {url} beside 64 tenant clients: {figures}")
+        if p99 <= 1.0 and figures["errors_5xx"] == 0:
+            capacity = max(capacity, int(figures["requests_per_s"] * HEARTBEAT_S))
+    return capacity, by_count
 
 
 def run_on(database: str, args) -> dict:
@@ -347,7 +363,7 @@ def main() -> None:
             f"{db}_{key}": value
             for db, r in results.items()
             for key, value in r.items()
-            if key not in ("levels", "floor", "heartbeats")
+            if key not in DETAIL
         },
         "results": results,
     }
