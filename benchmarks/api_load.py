@@ -359,12 +359,7 @@ def main() -> None:
         "benchmark": "api_load",
         "nodes": args.nodes,
         "seconds_per_level": args.seconds,
-        **{
-            f"{db}_{key}": value
-            for db, r in results.items()
-            for key, value in r.items()
-            if key not in DETAIL
-        },
+        **{f"{db}_{key}": value for db, r in results.items() for key, value in r.items() if key not in DETAIL},
         "results": results,
     }
     print(json.dumps(summary))
