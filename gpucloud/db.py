@@ -89,10 +89,13 @@ def get_read_engine(url: str) -> sa.Engine:
     """Connections for transactions that only read (credentials, a heartbeat that changes
     nothing). SQLite in WAL mode serves readers beside its one writer: they get a few
     connections of their own, which begin deferred and never wait for the write lock, instead
-    of queueing for the writer's one connection. Other databases (and an in-memory SQLite,
-    whose connections would each see their own database): the one engine."""
+    of queueing for the writer's one connection. Postgres: the one pool, in autocommit (a read
+    of one statement needs no BEGIN and ROLLBACK around it: one round trip instead of three).
+    An in-memory SQLite, whose connections would each see their own database: the one engine."""
     writer = get_engine(url)
-    path = url.split("///", 1)[-1] if url.startswith("sqlite") else ""
+    if not url.startswith("sqlite"):
+        return writer.execution_options(isolation_level="AUTOCOMMIT")
+    path = url.split("///", 1)[-1]
     if not path or path == ":memory:" or "mode=memory" in url:
         return writer
     return _sqlite_engine(url, connections=SQLITE_READERS, on_connect=_sqlite_reader, begin="BEGIN")

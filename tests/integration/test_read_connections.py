@@ -67,3 +67,15 @@ def test_a_heartbeat_that_changes_nothing_calls_for_no_write(db_url):
         assert fleet.judge_heartbeats(session, [beat]) == ([], {})
         drifted, writes = fleet.judge_heartbeats(session, [{**beat, "boot_id": 2}])
     assert drifted == [] and set(writes) == {node_id}
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_a_read_on_postgres_is_one_statement_with_no_transaction_around_it(db_url):
+    """Readers run in autocommit: no BEGIN before a read and no ROLLBACK after it (one round
+    trip, not three). Each statement is its own transaction, so the second one's statement time
+    is its transaction's start; inside a BEGIN it would be later."""
+    with read_scope(db_url) as session:
+        session.execute(sa.text("SELECT 1"))
+        time.sleep(0.02)
+        alone = session.execute(sa.text("SELECT statement_timestamp() = transaction_timestamp()")).scalar_one()
+    assert alone is True
