@@ -89,9 +89,10 @@ def get_read_engine(url: str) -> sa.Engine:
     """Connections for transactions that only read (credentials, a heartbeat that changes
     nothing). SQLite in WAL mode serves readers beside its one writer: they get a few
     connections of their own, which begin deferred and never wait for the write lock, instead
-    of queueing for the writer's one connection. Postgres: the one pool, in autocommit (a read
-    of one statement needs no BEGIN and ROLLBACK around it: one round trip instead of three).
-    An in-memory SQLite, whose connections would each see their own database: the one engine."""
+    of queueing for the writer's one connection, and cannot write (`query_only`). Postgres: the
+    one pool, in autocommit (a read of one statement needs no BEGIN and ROLLBACK around it: one
+    round trip instead of three); nothing there refuses a write, so callers only read. An
+    in-memory SQLite, whose connections would each see their own database: the one engine."""
     writer = get_engine(url)
     if not url.startswith("sqlite"):
         return writer.execution_options(isolation_level="AUTOCOMMIT")
@@ -103,7 +104,8 @@ def get_read_engine(url: str) -> sa.Engine:
 
 @contextmanager
 def read_scope(url: str) -> Iterator[Session]:
-    """A session for reads only (see `get_read_engine`); it commits nothing."""
+    """A session for reads only (see `get_read_engine`: on SQLite it cannot write; on Postgres
+    each statement is its own transaction)."""
     with Session(get_read_engine(url), expire_on_commit=False) as session, session.begin():
         yield session
 

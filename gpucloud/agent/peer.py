@@ -115,7 +115,6 @@ class FetchStats:
     whose bytes failed their hash."""
 
     bytes_by_source: Counter[str] = field(default_factory=Counter)
-    chunks_by_source: Counter[str] = field(default_factory=Counter)
     bad_chunks: int = 0
     failed_attempts: int = 0
     seconds: float = 0.0
@@ -291,7 +290,6 @@ class ChunkFetcher:
             if source is None:
                 return
             stats.bytes_by_source[source] += size
-            stats.chunks_by_source[source] += 1
 
 
 @dataclass(frozen=True, slots=True)

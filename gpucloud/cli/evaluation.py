@@ -217,8 +217,8 @@ def sanity_table(report: SanityReport, title: str) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("where")
-    where = {name: _where(name, details) for name in metrics}
     for name, value in metrics.items():
         bad = name in ("nan_inf_count", "shape_changes") and value > 0
-        table.add_row(name, f"[red]{value:g}[/]" if bad else f"{value:g}", ", ".join(where.get(name, []))[:100])
+        shown = f"[red]{value:g}[/]" if bad else f"{value:g}"
+        table.add_row(name, shown, ", ".join(map(str, _where(name, details)))[:100])
     return table

@@ -76,14 +76,18 @@ def detach_nodes(session: Session, allocation_id: str, pulls: list[tuple[str, st
     allocation = _allocation(session, allocation_id)
     members = set(allocation.node_ids)
     wanted = [node_id for node_id, _ in pulls]
+    # Only a retry reports nodes that are no longer members: look those up, and nothing else.
+    outside = [node_id for node_id in wanted if node_id not in members]
     held_active = set(
         session.exec(
             select(col(Node.id)).where(
-                col(Node.id).in_(wanted),
+                col(Node.id).in_(outside),
                 col(Node.allocation_id) == allocation_id,
                 col(Node.state) == NodeState.ACTIVE.value,
             )
         ).all()
+        if outside
+        else ()
     )
     pulled = [node_id for node_id in wanted if node_id in members or node_id in held_active]
     for node_id, reason in pulls:
