@@ -16,6 +16,7 @@ from datetime import datetime
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.bmc import POWER_AFTER, BmcError
 from gpucloud.bootstrap import Bmcs
 from gpucloud.db import Database
@@ -25,7 +26,7 @@ from gpucloud.services.operations import settle
 from gpucloud.workflows.options import BMC_ATTEMPTS
 
 
-class BmcActivities:
+class BmcActivities(ActivityGroup):
     def __init__(
         self, db: Database, bmcs: Bmcs, *, boot_wait_s: float = 600.0, firmware_image_uri: str | None = None
     ) -> None:
@@ -50,9 +51,7 @@ class BmcActivities:
             node = session.get(Node, node_id)
             if node is None:
                 raise ApplicationError(f"node {node_id} does not exist", type="NodeNotFound", non_retryable=True)
-            if not (node.bmc_url and node.bmc_system_id and node.bmc_credential_ref):
-                return None
-            return node.bmc_url, node.bmc_system_id, node.bmc_credential_ref
+            return node.bmc_endpoint()
 
     def _failed(self, req_node: str, what: str, error: BmcError, *, actor: str) -> ApplicationError:
         last = {"at": utcnow().isoformat(), "action": what, "ok": False, "kind": error.kind, "answer": str(error)}
@@ -142,6 +141,3 @@ class BmcActivities:
         last = {"at": utcnow().isoformat(), "action": "firmware update", "ok": True, "answer": answer}
         self._record(req.node_id, "firmware_update", actor="system", cause=f"BMC: {answer}", bmc_last=last)
         return BmcPowerResult(node_id=req.node_id, done=True, answer=answer)
-
-    def all(self) -> list:
-        return [self.bmc_power, self.bmc_discover, self.bmc_firmware_update]

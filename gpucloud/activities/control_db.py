@@ -13,6 +13,7 @@ from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup, view_of
 from gpucloud.agent.schemas import Workload
 from gpucloud.db import Database
 from gpucloud.models.messages import (
@@ -45,7 +46,7 @@ from gpucloud.services import replacement
 from gpucloud.web import metrics
 
 
-class ControlDbActivities:
+class ControlDbActivities(ActivityGroup):
     def __init__(
         self, db: Database, *, deadline_scale: float = 1.0, backoff_base_s: float = 5.0, backoff_cap_s: float = 600.0
     ) -> None:
@@ -184,42 +185,11 @@ class ControlDbActivities:
             raise ApplicationError(f"node {node_id} does not exist", type="NodeNotFound", non_retryable=True)
         return node
 
-    def all(self) -> list:
-        return [
-            self.transition_node,
-            self.transition_nodes,
-            self.get_node,
-            self.get_nodes,
-            self.release_bringup_holds,
-            self.load_allocation,
-            self.set_allocation_status,
-            self.detach_nodes,
-            self.reserve_replacement,
-            self.attach_node,
-            self.record_allocation_event,
-            self.plan_repair,
-        ]
-
 
 def _allocation_view(alloc: Allocation) -> AllocationView:
-    return AllocationView(
-        allocation_id=alloc.id,
-        tenant_id=alloc.tenant_id,
-        status=alloc.status,
-        desired=alloc.desired,
-        node_ids=list(alloc.node_ids),
-        workload=Workload.model_validate(alloc.workload) if alloc.workload else None,
-    )
+    workload = Workload.model_validate(alloc.workload) if alloc.workload else None
+    return view_of(AllocationView, alloc, allocation_id=alloc.id, node_ids=list(alloc.node_ids), workload=workload)
 
 
 def _view(node: Node) -> NodeView:
-    return NodeView(
-        node_id=node.id,
-        state=node.state,
-        generation=node.generation,
-        agent_url=node.agent_url,
-        allocation_id=node.allocation_id,
-        tenant_id=node.tenant_id,
-        has_bmc=bool(node.bmc_url and node.bmc_system_id and node.bmc_credential_ref),
-        agent_reachable=node.agent_reachable,
-    )
+    return view_of(NodeView, node, node_id=node.id)  # `has_bmc` is the row's property

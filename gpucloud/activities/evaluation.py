@@ -21,6 +21,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.db import Database
 from gpucloud.models.evaluation_messages import EvaluateVersionInput, EvaluateVersionResult
 from gpucloud.models.registry_tables import EvaluationSource
@@ -42,7 +43,7 @@ from gpucloud.services.operations import settle
 log = logging.getLogger(__name__)
 
 
-class EvaluationActivities:
+class EvaluationActivities(ActivityGroup):
     def __init__(
         self,
         db: Database,
@@ -124,6 +125,3 @@ class EvaluationActivities:
             )
         finally:
             shutil.rmtree(work, ignore_errors=True)
-
-    def all(self) -> list:
-        return [self.evaluate_version]

@@ -25,6 +25,7 @@ from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.db import Database
 from gpucloud.fabric import membership
 from gpucloud.fabric.http_clients import HttpFabricController
@@ -40,7 +41,7 @@ from gpucloud.models.tables import Allocation, Node
 ControllerFactory = Callable[[], HttpFabricController]
 
 
-class FabricActivities:
+class FabricActivities(ActivityGroup):
     def __init__(self, db: Database, controller: ControllerFactory | None) -> None:
         """`controller` makes a controller per call (None: no managers configured): activities run
         on many threads at once, and each gets its own connection pool."""
@@ -92,9 +93,6 @@ class FabricActivities:
         with self._managers() as controller:
             membership.release(controller, req.allocation_id, tenant_id, nodes)
         return FabricMembershipResult(allocation_id=req.allocation_id, applied=True, node_ids=node_ids)
-
-    def all(self) -> list:
-        return [self.apply_allocation_fabric, self.remove_allocation_fabric_nodes, self.release_allocation_fabric]
 
     @contextmanager
     def _managers(self) -> Iterator[HttpFabricController]:

@@ -14,6 +14,7 @@ import asyncio
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.host_agent import AgentRefused, AgentUnreachable, HostAgents
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.models.messages import AgentActionInput, AgentActionResult, AgentBatchInput, AgentBatchResult
@@ -24,7 +25,7 @@ HEARTBEAT_EVERY_S = 5.0
 BATCH_CONCURRENCY = 32
 
 
-class HostAgentActivities:
+class HostAgentActivities(ActivityGroup):
     def __init__(
         self,
         agents: HostAgents,
@@ -147,16 +148,3 @@ class HostAgentActivities:
     @activity.defn
     async def reflash_node(self, req: AgentActionInput) -> AgentActionResult:
         return await self._call("reflash", req)
-
-    def all(self) -> list:
-        return [
-            self.agent_batch,
-            self.inspect_node,
-            self.burn_in_node,
-            self.provision_node,
-            self.release_node,
-            self.wipe_node,
-            self.reset_node,
-            self.reboot_node,
-            self.reflash_node,
-        ]

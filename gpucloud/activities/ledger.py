@@ -22,6 +22,7 @@ from sqlmodel import select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.db import Database
 from gpucloud.ledger.client import LedgerClient, LedgerRefused
 from gpucloud.ledger.schemas import AllocationEventIn
@@ -37,7 +38,7 @@ from gpucloud.models.billing_messages import (
 from gpucloud.models.tables import Allocation, Node
 
 
-class LedgerActivities:
+class LedgerActivities(ActivityGroup):
     def __init__(self, ledger: LedgerClient | None, db: Database | None = None) -> None:
         self.ledger = ledger
         self.db = db
@@ -107,9 +108,6 @@ class LedgerActivities:
             invoices=len(closed.invoices),
             total_micro=sum(invoice.total_micro for invoice in closed.invoices),
         )
-
-    def all(self) -> list:
-        return [self.record_ledger_events, self.list_billing_periods, self.close_billing_period]
 
 
 async def _refusal_is_final(call):

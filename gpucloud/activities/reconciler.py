@@ -8,6 +8,7 @@ A converged fleet costs one set of indexed queries that return nothing: no start
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.health_tables import OperatorAlertRecord
@@ -80,22 +82,13 @@ def candidate_filter(now, heartbeat_cutoff, power_cycle_cutoff=None):
     )
 
 
+# What the planner sees of a node, read by name off the row (`has_bmc` is the row's property).
+_SNAPSHOT = tuple(f.name for f in dataclasses.fields(NodeSnapshot))
+
+
 def _snapshot(node: Node) -> NodeSnapshot:
-    return NodeSnapshot(
-        id=node.id,
-        state=node.state,
-        deadline_at=node.deadline_at,
-        drain_requested=node.drain_requested,
-        last_heartbeat_at=node.last_heartbeat_at,
-        agent_reachable=node.agent_reachable,
-        drifted=node.drifted,
-        tenant_id=node.tenant_id,
-        allocation_id=node.allocation_id,
-        health=node.health,
-        maintenance=node.maintenance,
-        health_conditions=tuple(node.health_conditions or ()),
-        has_bmc=bool(node.bmc_url and node.bmc_system_id and node.bmc_credential_ref),
-    )
+    snapshot = {name: getattr(node, name) for name in _SNAPSHOT}
+    return NodeSnapshot(**{**snapshot, "health_conditions": tuple(node.health_conditions or ())})
 
 
 def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
@@ -114,7 +107,7 @@ def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -
     )
 
 
-class ReconcilerActivities:
+class ReconcilerActivities(ActivityGroup):
     def __init__(self, client: Client, db: Database, settings: Settings) -> None:
         self.client = client
         self.db = db
@@ -327,6 +320,3 @@ class ReconcilerActivities:
                     cap_s=self.settings.reconciler.backoff_cap_s,
                 )
                 session.add(node)
-
-    def all(self) -> list:
-        return [self.sweep, self.start_waiting_bringups]

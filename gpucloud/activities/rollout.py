@@ -20,6 +20,7 @@ from sqlmodel import col, select
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.db import Database
 from gpucloud.models.rollout_messages import (
     NodeOutcome,
@@ -60,7 +61,7 @@ def _detail(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {body.get('detail') or body.get('title') or body}"
 
 
-class RolloutActivities:
+class RolloutActivities(ActivityGroup):
     def __init__(
         self,
         *,
@@ -102,18 +103,6 @@ class RolloutActivities:
 
     async def aclose(self) -> None:
         await self._http.aclose()
-
-    def all(self) -> list:
-        return [
-            self.resolve_rollout_targets,
-            self.prepare_rollout,
-            self.end_rollout,
-            self.prefetch_wave,
-            self.verify_wave,
-            self.activate_wave,
-            self.check_wave,
-            self.rollback_wave,
-        ]
 
     # Target and swarm -----------------------------------------------------------------------
 

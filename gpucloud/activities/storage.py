@@ -15,6 +15,7 @@ from datetime import timedelta
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from gpucloud.activities import ActivityGroup
 from gpucloud.activities.faults import FaultHook, reach
 from gpucloud.models.tables import utcnow
 from gpucloud.models.tenant_messages import (
@@ -29,7 +30,7 @@ from gpucloud.storage.tenant import TenantStore
 TENANT_RECORD = ".gpucloud/tenant.json"
 
 
-class TenantStorageActivities:
+class TenantStorageActivities(ActivityGroup):
     def __init__(self, store: TenantStore, *, fault_hook: FaultHook | None = None) -> None:
         self.store = store
         self.fault_hook = fault_hook
@@ -76,11 +77,3 @@ class TenantStorageActivities:
             )
         deleted = retention.purge_tenant(self.store.backend, self.store.keys, req.tenant_id)
         return StorageDeletion(tenant_id=req.tenant_id, due_at=due, objects_deleted=deleted)
-
-    def all(self) -> list:
-        return [
-            self.provision_tenant_storage,
-            self.delete_tenant_storage,
-            self.schedule_tenant_storage_deletion,
-            self.purge_tenant_storage,
-        ]

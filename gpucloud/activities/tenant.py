@@ -25,6 +25,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from gpucloud.activities import ActivityGroup, view_of
 from gpucloud.activities.faults import FaultHook, reach
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
@@ -52,16 +53,10 @@ log = logging.getLogger(__name__)
 
 
 def _view(tenant: Tenant) -> TenantView:
-    return TenantView(
-        tenant_id=tenant.id,
-        name=tenant.name,
-        status=tenant.status,
-        vni=tenant.vni,
-        storage_prefix=tenant.storage_prefix,
-    )
+    return view_of(TenantView, tenant, tenant_id=tenant.id)
 
 
-class TenantActivities:
+class TenantActivities(ActivityGroup):
     def __init__(
         self,
         db: Database,
@@ -240,17 +235,3 @@ class TenantActivities:
             final_period_id=open_periods[-1] if open_periods else None,
             usage_gpu_ms=usage.net_gpu_ms,
         )
-
-    def all(self) -> list:
-        return [
-            self.load_tenant,
-            self.activate_tenant,
-            self.fail_tenant,
-            self.finish_offboarding,
-            self.revoke_tenant_keys,
-            self.allocate_tenant_vni,
-            self.release_tenant_vni,
-            self.cancel_tenant_allocations,
-            self.tenant_release_progress,
-            self.close_tenant_billing,
-        ]

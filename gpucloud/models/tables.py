@@ -148,6 +148,17 @@ class Node(NodeBase, table=True):
     created_at: datetime = timestamp_field()
     updated_at: datetime = timestamp_field()
 
+    def bmc_endpoint(self) -> tuple[str, str, str] | None:
+        """The BMC's URL, the node's system on it and the credential's name, when enrolled with all
+        three (what a power action through the BMC needs); None otherwise."""
+        if self.bmc_url and self.bmc_system_id and self.bmc_credential_ref:
+            return self.bmc_url, self.bmc_system_id, self.bmc_credential_ref
+        return None
+
+    @property
+    def has_bmc(self) -> bool:
+        return self.bmc_endpoint() is not None
+
 
 class NodeTransition(SQLModel, table=True):
     """Every state change, recorded in the same transaction as the change itself."""

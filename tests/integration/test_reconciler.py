@@ -153,25 +153,34 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, ma
 async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process_worker, temporal_env):
     # Inspect never answers (transient 503s): the bring-up batch gives the node back after its
     # one try (agent__batch_attempts=1), and the reconciler, sweeping as fast as it can, must
-    # start it again with growing delays, not in a loop.
+    # start it again with growing delays (0.5, 1, 2 s after each give-back), not in a loop.
     h = make_harness(
-        db_url, nodes=1, reconciler={"backoff_base_s": 0.3, "backoff_cap_s": 10}, agent={"batch_attempts": 1}
+        db_url, nodes=1, reconciler={"backoff_base_s": 0.5, "backoff_cap_s": 10}, agent={"batch_attempts": 1}
     )
     await in_process_worker(h.settings)
     node_id = h.sim.inventory()[0]["id"]
     h.sim.inject(node_id, "inspect", "transient", count=1000)
     h.enroll_fleet()
     touched: list[float] = []
+    sweeps_between: list[int] = []
+    sweeps = 0
     started = time.monotonic()
-    while time.monotonic() - started < 3.5:
+    while len(touched) < 4 and time.monotonic() - started < 60:
         result = await h.sweep(temporal_env.client)
+        sweeps += 1
         if result.started:
             assert result.bringup_batches == 1
             touched.append(time.monotonic() - started)
+            sweeps_between.append(sweeps)
+            sweeps = 0
         await asyncio.sleep(0.05)
+    assert len(touched) == 4, touched
+    # Each wait is the backoff after the give-back: longer every time, and passed over by the
+    # sweeps in between (a loop would start the node again at every sweep).
     gaps = [b - a for a, b in itertools.pairwise(touched)]
-    assert 2 <= len(touched) <= 5, touched  # ~0, 0.3, 0.9, 2.1 s: not every 50 ms
     assert all(later > earlier for earlier, later in itertools.pairwise(gaps)), gaps
+    assert all(gap >= backoff for gap, backoff in zip(gaps, (0.5, 1.0, 2.0), strict=True)), gaps
+    assert min(sweeps_between[2:]) > 3, sweeps_between
     node = h.node(node_id)
     assert node["state"] == "inspecting"
     assert datetime.fromisoformat(node["updated_at"]) is not None

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +19,7 @@ from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.devstack.stack import free_port
 from gpucloud.sim.client import SimFleetClient
 from support.fabric import FabricManagers
+from support.forked import CliProcess
 
 # Polls start quick (most conditions hold within a moment) and back off to this: a long wait
 # (a fleet coming up, an outage waited out) then asks the stack twice a second, not ten times,
@@ -60,7 +59,8 @@ async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: floa
 
 
 class SimFleetProcess:
-    """`gpucloud sim` in its own process; its own endpoints answer only `operator_token`."""
+    """`gpucloud sim` in its own process (forked from one that imported the CLI already:
+    `support/forked.py`); its own endpoints answer only `operator_token`."""
 
     def __init__(
         self,
@@ -89,12 +89,8 @@ class SimFleetProcess:
             **({"GPUCLOUD_API__PORT": str(api_port)} if api_port else {}),
             **(env or {}),
         }
-        self._log = open(log_path, "ab")  # noqa: SIM115 - the fleet writes to it until stop() closes it
-        self.proc = subprocess.Popen(
+        self.proc = CliProcess(
             [
-                sys.executable,
-                "-m",
-                "gpucloud.cli.main",
                 "sim",
                 "--nodes",
                 str(nodes),
@@ -106,8 +102,7 @@ class SimFleetProcess:
                 *extra_args,
             ],
             env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+            log_path=log_path,
         )
         self.client = SimFleetClient(self.url, token=operator_token, timeout_s=30)
         wait_until(self._up, timeout_s=30, what="simulated fleet")
@@ -142,7 +137,6 @@ class SimFleetProcess:
         self.client.close()
         self.proc.terminate()
         self.proc.wait(10)
-        self._log.close()
 
 
 class ApiThread(ThreadedServer):
@@ -161,7 +155,7 @@ class Harness:
     sim: SimFleetProcess
     api: ApiThread
     log_dir: Path
-    worker_procs: list[subprocess.Popen] = field(default_factory=list)
+    worker_procs: list[CliProcess] = field(default_factory=list)
     # The simulated fabric managers the worker applies membership through (`make_harness(fabric=True)`).
     fabric: FabricManagers | None = None
 
@@ -262,12 +256,9 @@ class Harness:
                 what=f"allocation {allocation_id} {status}",
             )
 
-    def start_worker_process(self) -> subprocess.Popen:
+    def start_worker_process(self) -> CliProcess:
         env = {**os.environ, **self.settings.env(), "GPUCLOUD_LOG_LEVEL": "WARNING"}
-        with open(self.log_dir / "worker.log", "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
+        proc = CliProcess(["worker"], env=env, log_path=self.log_dir / "worker.log")
         self.worker_procs.append(proc)
         return proc
 

@@ -187,7 +187,7 @@ def _power_operation(settings: Settings, node_id: str, req: PowerRequest) -> tup
         node = session.get(Node, node_id)
         if node is None:
             raise not_found("node", node_id)
-        if not (node.bmc_url and node.bmc_system_id and node.bmc_credential_ref):
+        if not node.has_bmc:
             raise Problem(
                 409,
                 "node-without-bmc",

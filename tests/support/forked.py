@@ -1,0 +1,88 @@
+"""`gpucloud ARGS` in a process of its own, forked from a server that imported the CLI once.
+
+A fresh `python -m gpucloud.cli.main sim` spends about 1.5 CPU-seconds importing before it does
+anything, and the suite starts a simulated fleet some 150 times (and a worker process some 20)
+on two cores. multiprocessing's
+forkserver imports the CLI once per test process and forks each command from there: the child
+runs exactly what `python -m gpucloud.cli.main ARGS` runs (the same Typer app, its own
+environment, its output appended to a log file), as its own process that the test can
+terminate or kill. The forkserver is single-threaded, so forking it is safe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+# What `gpucloud sim` and `gpucloud worker` import by the time they serve.
+_PRELOAD = [
+    "gpucloud.cli.main",
+    "gpucloud.bootstrap",
+    "gpucloud.db",
+    "gpucloud.sim.fleet",
+    "gpucloud.sim.metering",
+    "gpucloud.sim.node_weights",
+    "gpucloud.workers.main",
+    "alembic.command",
+    __name__,
+]
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    global _context
+    if _context is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+        _context = context
+    return _context
+
+
+def _run(args: list[str], env: dict[str, str], log_path: str) -> None:
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["gpucloud", *args]
+    from gpucloud.cli.main import app
+
+    app(args, prog_name="gpucloud")
+
+
+class CliProcess:
+    """What the harness needs of a `subprocess.Popen`: poll, terminate, kill, wait."""
+
+    def __init__(self, args: list[str], *, env: Mapping[str, str], log_path: Path) -> None:
+        self.args = args
+        self._process = _forkserver().Process(target=_run, args=(args, dict(env), str(log_path)), name=args[0])
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["gpucloud", *self.args], timeout or 0)
+        return self._process.exitcode
