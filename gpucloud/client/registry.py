@@ -41,6 +41,7 @@ from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import ChunksMissing, TransferProgress
 
 UPLOAD_PIECE = 1 * MiB
+HTTP_PIECE = 64 * 1024  # the most httpx hands over of a response body at once
 
 
 class RegistryClient(ApiClient):
@@ -238,7 +239,9 @@ class RegistryPullSource:
         return signed
 
     def stream(self, chunk_id: str) -> Iterator[bytes]:
-        hasher, broken, received = new_hasher(MiB), None, 0
+        # The connection hands over pieces of 64 KiB at most: one thread hashes those fastest
+        # (spread over threads, a piece that small costs several times the CPU).
+        hasher, broken, received = new_hasher(HTTP_PIECE), None, 0
         try:
             with self.client.http.stream("GET", f"/v1/models/{self.model}/chunks/{chunk_id}") as response:
                 if response.status_code == 404:
