@@ -47,9 +47,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
 from gpucloud.agent.probe import Probe
-from gpucloud.models.registry_tables import EvaluationCommand, EvaluatorName
+from gpucloud.models.registry_tables import EvaluationCommand
 from gpucloud.registry.evaluators import evaluate_directory
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
+from gpucloud.registry.names import EvaluatorName
 from gpucloud.registry.tracker_app import TrackerClient
 from gpucloud.web import problems
 

@@ -18,7 +18,7 @@ from gpucloud.cli.common import err
 from gpucloud.cli.weights import ApiKey, ApiUrl, Output, _client, _reported_errors, out, weights_app
 from gpucloud.client.registry import signer_for
 from gpucloud.config import get_settings
-from gpucloud.models.registry_tables import EvaluatorName
+from gpucloud.registry.names import EvaluatorName
 
 if TYPE_CHECKING:  # numpy and safetensors load only when an evaluator runs
     from gpucloud.registry.sanity import SanityReport

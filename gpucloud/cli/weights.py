@@ -40,9 +40,9 @@ from gpucloud.client.registry import (
     trusted_keys,
 )
 from gpucloud.config import get_settings
-from gpucloud.models.registry_tables import AliasName
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy
 from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, key_id_of
+from gpucloud.registry.names import AliasName
 from gpucloud.registry.pull import PullResult
 from gpucloud.registry.push import PushResult, PushStats, push
 

@@ -22,7 +22,6 @@ import httpx
 from nacl.signing import SigningKey, VerifyKey
 
 from gpucloud.client.base import ApiClient, ApiError
-from gpucloud.models.registry_tables import MAX_IDS_PER_QUERY
 from gpucloud.registry.chunking import MiB, new_hasher
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
@@ -37,6 +36,7 @@ from gpucloud.registry.manifest import (
     VersionNotFoundError,
     key_id_of,
 )
+from gpucloud.registry.names import MAX_IDS_PER_QUERY
 from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import ChunksMissing, TransferProgress
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpucloud.models.registry_tables import DIGEST_PATTERN, EvaluationCommand, EvaluatorName
+from gpucloud.models.registry_tables import DIGEST_PATTERN, EvaluationCommand
+from gpucloud.registry.names import EvaluatorName
 
 
 class EvaluateVersionInput(BaseModel):

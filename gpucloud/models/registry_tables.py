@@ -23,27 +23,10 @@ from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator, 
 from sqlmodel import Column, Field, SQLModel
 
 from gpucloud.models.tables import OperationPublic, UTCDateTime, new_id, timestamp_field
+from gpucloud.registry.names import MAX_IDS_PER_QUERY, AliasName, EvaluatorName
 
 MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
-MAX_IDS_PER_QUERY = 10_000
-
-
-class AliasName(StrEnum):
-    CANDIDATE = "candidate"
-    STAGING = "staging"
-    PRODUCTION = "production"
-
-
-GATED_ALIASES = frozenset({AliasName.STAGING, AliasName.PRODUCTION})
-
-
-class EvaluatorName(StrEnum):
-    """The evaluators the platform runs: `sanity` (the built-in weight-sanity evaluator,
-    `gpucloud.registry.sanity`) and `command` (the model's own evaluation command)."""
-
-    SANITY = "sanity"
-    COMMAND = "command"
 
 
 class EvaluationSource(StrEnum):

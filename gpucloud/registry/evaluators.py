@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpucloud.models.registry_tables import EvaluationCommand, EvaluatorName
+from gpucloud.models.registry_tables import EvaluationCommand
 from gpucloud.registry.command_eval import run_command
+from gpucloud.registry.names import EvaluatorName
 
 CONTAINER_MODEL_DIR = "/model"
 

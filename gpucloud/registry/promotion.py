@@ -34,7 +34,6 @@ from pydantic import BaseModel
 from sqlmodel import Session, col, select
 
 from gpucloud.models.registry_tables import (
-    AliasName,
     EvaluationCommand,
     EvaluationGate,
     EvaluationResult,
@@ -49,6 +48,7 @@ from gpucloud.models.registry_tables import (
     SigningKey,
 )
 from gpucloud.registry.manifest import Keyring
+from gpucloud.registry.names import AliasName
 from gpucloud.registry.store import ChunkStore
 
 MAX_LINEAGE_DEPTH = 1000

@@ -213,7 +213,10 @@ async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_po
         listed = await asyncio.to_thread(CliRunner().invoke, app, ["nodes"], env=env)
         assert listed.exit_code == 0 and "power" in listed.output and "On" in listed.output, listed.output
 
-        # Retire: out of the fleet, and powered off through its BMC.
+        # Retire: out of the fleet, and powered off through its BMC. The cycle ends when the power
+        # is on; the host then boots for a few seconds, and a drain meanwhile would find its agent
+        # silent and send the node through repair instead.
+        await async_wait_until(lambda: not h.sim.node(node_id)["unreachable"], timeout_s=20, what="the host booted")
         assert h.operator.post(f"/v1/nodes/{node_id}/drain").status_code == 202
         await _sweep_until(
             h, temporal_env.client, lambda: h.node(node_id)["state"] == "quarantined", timeout_s=60, what="drained"

@@ -839,8 +839,8 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
 
     from gpucloud.api.routers.registry.versions import _evaluation_operation
     from gpucloud.db import Database, session_scope
-    from gpucloud.models.registry_tables import EvaluatorName
     from gpucloud.models.tables import Operation
+    from gpucloud.registry.names import EvaluatorName
     from gpucloud.workers.recovery import adopt_orphans
 
     registry.start_worker()

@@ -1,5 +1,7 @@
 """A CLI command starts without loading what only the servers need: the workflow engine's SDK,
-the web framework, migrations and the bootstrap are imported by the commands that use them."""
+the web framework, migrations, the bootstrap and the database layer (SQLAlchemy, SQLModel and
+the tables: 0.4 of the 0.85 CPU-s a command took to start) are imported by the commands that
+use them."""
 
 from __future__ import annotations
 
@@ -7,7 +9,17 @@ import json
 import subprocess
 import sys
 
-SERVER_ONLY = ("temporalio", "fastapi", "alembic", "gpucloud.bootstrap", "gpucloud.api.schemas")
+SERVER_ONLY = (
+    "temporalio",
+    "fastapi",
+    "alembic",
+    "gpucloud.bootstrap",
+    "gpucloud.api.schemas",
+    "sqlalchemy",
+    "sqlmodel",
+    "gpucloud.models.tables",
+    "gpucloud.models.registry_tables",
+)
 
 
 def test_the_cli_loads_no_server_module_before_a_command_runs() -> None:

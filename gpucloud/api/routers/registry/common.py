@@ -13,18 +13,13 @@ from sqlmodel import Session, col, select
 
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.registry_tables import (
-    DIGEST_PATTERN,
-    AliasName,
-    ModelAlias,
-    ModelVersion,
-    RegistryModel,
-)
+from gpucloud.models.registry_tables import DIGEST_PATTERN, ModelAlias, ModelVersion, RegistryModel
 from gpucloud.registry.manifest import (
     IntegrityError,
     UnknownKeyError,
     is_digest,
 )
+from gpucloud.registry.names import AliasName
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.web.problems import Problem, not_found
 

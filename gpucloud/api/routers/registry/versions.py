@@ -26,16 +26,13 @@ from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
 from gpucloud.models.registry_tables import (
-    GATED_ALIASES,
     AliasMove,
-    AliasName,
     EvaluationPage,
     EvaluationRequest,
     EvaluationResult,
     EvaluationResultPublic,
     EvaluationSource,
     EvaluationStarted,
-    EvaluatorName,
     LineageEntry,
     LineagePage,
     ModelAlias,
@@ -55,6 +52,7 @@ from gpucloud.registry.manifest import (
     UnknownKeyError,
     VersionNotFoundError,
 )
+from gpucloud.registry.names import GATED_ALIASES, AliasName, EvaluatorName
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
 from gpucloud.services.operations import start_for_operation
