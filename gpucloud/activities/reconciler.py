@@ -82,13 +82,14 @@ def candidate_filter(now, heartbeat_cutoff, power_cycle_cutoff=None):
     )
 
 
-# What the planner sees of a node, read by name off the row (`has_bmc` is the row's property).
-_SNAPSHOT = tuple(f.name for f in dataclasses.fields(NodeSnapshot))
+# What the planner sees of a node, read by name off the row (`has_bmc` is the row's property);
+# the conditions become a tuple, so a snapshot shares nothing mutable with the row.
+_SNAPSHOT = tuple(f.name for f in dataclasses.fields(NodeSnapshot) if f.name != "health_conditions")
 
 
 def _snapshot(node: Node) -> NodeSnapshot:
-    snapshot = {name: getattr(node, name) for name in _SNAPSHOT}
-    return NodeSnapshot(**{**snapshot, "health_conditions": tuple(node.health_conditions or ())})
+    read = {name: getattr(node, name) for name in _SNAPSHOT}
+    return NodeSnapshot(**read, health_conditions=tuple(node.health_conditions or ()))
 
 
 def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
