@@ -153,9 +153,11 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, ma
 async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process_worker, temporal_env):
     # Inspect never answers (transient 503s): the bring-up batch gives the node back after its
     # one try (agent__batch_attempts=1), and the reconciler, sweeping as fast as it can, must
-    # start it again with growing delays (0.5, 1, 2 s after each give-back), not in a loop.
+    # start it again with growing delays (2, 4, 8 s after each give-back), not in a loop. The
+    # delays differ by more than a bring-up batch's own time varies on a loaded machine (in one
+    # suite run the batches took 2.3, 1.5 and 3.2 s: delays of 0.5, 1 and 2 s were drowned out).
     h = make_harness(
-        db_url, nodes=1, reconciler={"backoff_base_s": 0.5, "backoff_cap_s": 10}, agent={"batch_attempts": 1}
+        db_url, nodes=1, reconciler={"backoff_base_s": 2.0, "backoff_cap_s": 10}, agent={"batch_attempts": 1}
     )
     await in_process_worker(h.settings)
     node_id = h.sim.inventory()[0]["id"]
@@ -179,7 +181,7 @@ async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process
     # sweeps in between (a loop would start the node again at every sweep).
     gaps = [b - a for a, b in itertools.pairwise(touched)]
     assert all(later > earlier for earlier, later in itertools.pairwise(gaps)), gaps
-    assert all(gap >= backoff for gap, backoff in zip(gaps, (0.5, 1.0, 2.0), strict=True)), gaps
+    assert all(gap >= backoff for gap, backoff in zip(gaps, (2.0, 4.0, 8.0), strict=True)), gaps
     assert min(sweeps_between[2:]) > 3, sweeps_between
     node = h.node(node_id)
     assert node["state"] == "inspecting"
