@@ -8,6 +8,7 @@ returns the first answer, so a retry can never create twice). Anything else is r
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,13 +36,18 @@ class ApiError(Exception):
 
     @classmethod
     def from_response(cls, response: httpx.Response) -> ApiError:
+        return cls.from_parts(response.status_code, response.content, response.headers.get("retry-after", ""))
+
+    @classmethod
+    def from_parts(cls, status: int, content: bytes, retry_after: str) -> ApiError:
+        """The error that an answer of `status` with body `content` (problem+json, or anything a
+        proxy on the way sent) and a `Retry-After` header (or "") stands for."""
         try:
-            body = response.json()
+            body = json.loads(content)
         except ValueError:
-            body = {"detail": response.text[:500]}
-        retry_after = response.headers.get("retry-after", "")
+            body = {"detail": content[:500].decode("utf-8", "replace")}
         return cls(
-            response.status_code,
+            status,
             body if isinstance(body, dict) else {"detail": str(body)},
             retry_after_s=float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None,
         )

@@ -22,6 +22,7 @@ import httpx
 from nacl.signing import SigningKey, VerifyKey
 
 from gpucloud.client.base import ApiClient, ApiError
+from gpucloud.client.bulk import BROKEN, BulkConnections
 from gpucloud.registry.chunking import MiB, new_hasher
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
@@ -41,7 +42,6 @@ from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import ChunksMissing, TransferProgress
 
 UPLOAD_PIECE = 1 * MiB
-HTTP_PIECE = 64 * 1024  # the most httpx hands over of a response body at once
 
 
 class RegistryClient(ApiClient):
@@ -50,6 +50,11 @@ class RegistryClient(ApiClient):
     def __init__(self, base_url: str, token: str, *, transport: httpx.BaseTransport | None = None) -> None:
         # A chunk is up to 64 MiB: a write may take a while on a slow link.
         super().__init__(base_url, token, timeout_s=60.0, transport=transport)
+        self.bulk = BulkConnections(self.base_url, token, timeout_s=60.0)
+
+    def close(self) -> None:
+        self.bulk.close()
+        super().close()
 
     def signing_keys(self) -> tuple[str, list[dict]]:
         body = self.get("/v1/signing-keys")
@@ -87,6 +92,11 @@ class RegistryClient(ApiClient):
             content=_file_pieces(path, chunk.offset, chunk.size),
         )
         return body["stored"]
+
+    def chunk_pieces(self, model: str, chunk_id: str) -> Iterator[memoryview]:
+        """A chunk's bytes as served, unchecked (`BulkConnections.download`: each piece is valid
+        until the next is asked for; an error answer is `ApiError`, a cut connection `BROKEN`)."""
+        return self.bulk.download(f"/v1/models/{model}/chunks/{chunk_id}")
 
     def post_version(self, model: str, signed: SignedManifest) -> dict:
         return self.call(
@@ -238,27 +248,22 @@ class RegistryPullSource:
         signed = SignedManifest.parse(raw, digest, source="served")
         return signed
 
-    def stream(self, chunk_id: str) -> Iterator[bytes]:
-        # The connection hands over pieces of 64 KiB at most: one thread hashes those fastest
-        # (spread over threads, a piece that small costs several times the CPU).
-        hasher, broken, received = new_hasher(HTTP_PIECE), None, 0
+    def stream(self, chunk_id: str) -> Iterator[memoryview]:
+        # Pieces of up to 1 MiB, hashed on one thread: the download, the write and the API
+        # serving it already keep every core busy.
+        hasher, broken, received = new_hasher(1), None, 0
         try:
-            with self.client.http.stream("GET", f"/v1/models/{self.model}/chunks/{chunk_id}") as response:
-                if response.status_code == 404:
-                    raise ChunkMissingError("not in the registry's store", chunk_id=chunk_id)
-                if response.status_code >= 500:  # the API or its store failing: worth another try
-                    response.read()
-                    raise ChunkTransferError(
-                        f"registry answered {response.status_code}: {response.text[:200]}", chunk_id=chunk_id
-                    )
-                if response.status_code >= 400:
-                    response.read()
-                    raise ApiError.from_response(response)
-                for piece in response.iter_bytes():
-                    hasher.update(piece)
-                    received += len(piece)
-                    yield piece
-        except httpx.TransportError as exc:  # a cut connection, or the server aborting a chunk that failed its check
+            for piece in self.client.chunk_pieces(self.model, chunk_id):
+                hasher.update(piece)
+                received += len(piece)
+                yield piece
+        except ApiError as problem:
+            if problem.status == 404:
+                raise ChunkMissingError("not in the registry's store", chunk_id=chunk_id) from None
+            if problem.status >= 500 or problem.status == 429:  # the API busy or its store failing: try again
+                raise ChunkTransferError(f"registry answered {problem}", chunk_id=chunk_id) from None
+            raise
+        except BROKEN as exc:  # a cut connection, or the server aborting a chunk that failed its check
             broken = exc
         actual = hasher.hexdigest()
         if broken is not None:

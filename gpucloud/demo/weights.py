@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 from rich.console import Console
 from safetensors.numpy import save_file
@@ -29,7 +29,6 @@ from gpucloud.client.registry import RegistryClient, signer_for
 from gpucloud.demo.common import DemoFailed
 from gpucloud.registry.chunking import ChunkPolicy, MiB
 from gpucloud.registry.manifest import IntegrityError, Lineage
-from gpucloud.web import tls
 
 TENSORS = 20
 TENSOR_SHAPE = (256, 512)  # 512 KiB of fp32
@@ -52,21 +51,18 @@ class PushedVersions:
     bad: str  # v3's digest: a fine-tune of v2 with one NaN weight, refused by the sanity gate
 
 
-class _CorruptInTransit(httpx.BaseTransport):
-    """Real HTTP, except that one byte of one chunk is flipped on its way to the client."""
+class _CorruptInTransit(RegistryClient):
+    """Real HTTP, except that one byte of one chunk is flipped on its way to the puller."""
 
-    def __init__(self, chunk_id: str) -> None:
-        self.inner, self.chunk_id = httpx.HTTPTransport(verify=tls.client_verify()), chunk_id
+    def __init__(self, api_url: str, api_key: str, chunk_id: str) -> None:
+        super().__init__(api_url, api_key)
+        self.victim = chunk_id
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        response = self.inner.handle_request(request)
-        if request.method != "GET" or not request.url.path.endswith(f"/chunks/{self.chunk_id}"):
-            return response
-        body = bytearray(response.read())
-        response.close()
-        body[len(body) // 2] ^= 0x01
-        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "transfer-encoding")}
-        return httpx.Response(response.status_code, headers=headers, content=bytes(body))
+    def chunk_pieces(self, model: str, chunk_id: str) -> Iterator[memoryview]:
+        for index, piece in enumerate(super().chunk_pieces(model, chunk_id)):
+            if chunk_id == self.victim and index == 0:
+                piece[len(piece) // 2] ^= 0x01
+            yield piece
 
 
 def _write_model(directory: Path, tensors: list[np.ndarray]) -> Path:
@@ -168,7 +164,7 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
         console.rule("weights: a chunk corrupted in transit")
         victim = v2.signed.manifest.files["model.safetensors"].chunks[4].id
         bad_dest = work / "pulled-corrupt"
-        with RegistryClient(api_url, api_key, transport=_CorruptInTransit(victim)) as tampered:
+        with _CorruptInTransit(api_url, api_key, victim) as tampered:
             try:
                 pull_with_progress(tampered, model, "production", bad_dest, console=console, data_dir=Path(data_dir))
             except IntegrityError as exc:
