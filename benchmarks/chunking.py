@@ -306,7 +306,9 @@ def run(size: int, parent: str | None, concurrency: int) -> dict:
         "push_ratio": round(push_rate / floor, 3),
         "pull_gb_per_s": round(pull_rate, 3),
         "pull_ratio": round(pull_rate / floor, 3),
-        # The first of the two runs, into memory the machine had not written lately.
+        # The first of the two runs of each, into memory the machine had not written lately.
+        "file_write_first_gb_per_s": round(gb / floor_runs[0], 3),
+        "store_first_gb_per_s": round(gb / store_runs[0], 3),
         "push_first_gb_per_s": round(gb / pushes[0].seconds, 3),
         "pull_first_gb_per_s": round(gb / pulls[0].seconds, 3),
         "dedup_stored_fraction": round(tuned_stats["bytes_uploaded"] / tuned_stats["bytes_total"], 4),

@@ -2,8 +2,9 @@
 
 The manifest is fetched by digest (the store checks it still hashes to that digest) and its
 signature verified against the tenant's keyring before a single chunk is fetched. Files are
-assembled in a temp directory next to the destination; every chunk is hashed while it is written
-and its size counted, every file's chunk sequence and total size checked, everything fsynced,
+assembled in a temp directory next to the destination (with direct I/O where the file system
+allows it: `gpucloud.storage.direct`); every chunk is hashed while it is written and its size
+counted, every file's chunk sequence and total size checked, everything fsynced,
 and only then is the temp directory renamed onto the destination in one step. Any failure
 removes the temp directory, so the destination holds a complete verified version or nothing.
 
@@ -48,6 +49,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.push import ProgressCallback, TransferProgress
 from gpucloud.registry.store import ChunkStore, ManifestStore
+from gpucloud.storage.direct import range_writer
 from gpucloud.storage.local import fsync_path
 
 
@@ -64,17 +66,8 @@ class _Task:
     relative: str
     target: Path
     chunk: ChunkRef
-    # Writes into one file take turns here: the kernel serialises them anyway (the inode's lock),
-    # and threads queued on a Python lock sleep where threads queued in the kernel spin on it.
+    # The file's buffered writes take turns here (`RangeWriter`).
     write_lock: threading.Lock
-
-
-def _write_all(fd: int, data: bytes | memoryview, offset: int, lock: threading.Lock) -> None:
-    view = memoryview(data)
-    with lock:
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
 
 
 # Linux only (and not in typeshed).
@@ -83,8 +76,9 @@ _SYNC_FILE_RANGE_WRITE: int = getattr(os, "SYNC_FILE_RANGE_WRITE", 0)
 
 
 def _start_writeback(fd: int, chunk: ChunkRef) -> None:
-    """Have the kernel start writing the chunk's range to disk now, without waiting for it, so
-    the fsync that makes the version durable finds little left to write."""
+    """Have the kernel start writing what the chunk left in the page cache (its partial blocks,
+    or all of it where direct I/O is refused) now, without waiting for it, so the fsync that
+    makes the version durable finds little left to write."""
     if chunk.size and _sync_file_range is not None:  # a size of 0 would mean "to the end"
         _sync_file_range(fd, chunk.offset, chunk.size, _SYNC_FILE_RANGE_WRITE)
 
@@ -138,16 +132,17 @@ def _fetch_once(store: ChunkStore, task: _Task, version_chunks: set[str], read_l
     chunk = task.chunk
     where: dict[str, Any] = {"chunk_id": chunk.id, "path": task.relative, "offset": chunk.offset}
     received = 0
-    fd = os.open(task.target, os.O_WRONLY)
     try:
-        # Bytes past the chunk's size are hashed but not written, up to the version's largest
-        # chunk, so a swapped-in bigger chunk is still recognised for what it is.
-        for piece in store.stream(chunk.id):
-            if received < chunk.size:
-                _write_all(fd, piece[: chunk.size - received], chunk.offset + received, task.write_lock)
-            received += len(piece)
-            if received > read_limit:
-                raise ChunkCorruptedError(f"store returned more than {read_limit} bytes", **where)
+        with range_writer(task.target, chunk.offset, chunk.size, task.write_lock) as writer:
+            # Bytes past the chunk's size are hashed but not written, up to the version's largest
+            # chunk, so a swapped-in bigger chunk is still recognised for what it is.
+            for piece in store.stream(chunk.id):
+                if received < chunk.size:
+                    writer.write(piece[: chunk.size - received])
+                received += len(piece)
+                if received > read_limit:
+                    raise ChunkCorruptedError(f"store returned more than {read_limit} bytes", **where)
+            _start_writeback(writer.fd, chunk)
     except ChunkMissingError:
         raise ChunkMissingError("not in the store", **where) from None
     except ChunkCorruptedError as exc:
@@ -156,9 +151,6 @@ def _fetch_once(store: ChunkStore, task: _Task, version_chunks: set[str], read_l
         raise _mismatch_error(task, exc.actual_id, received, version_chunks) from None
     except _BROKEN_TRANSFER as exc:
         raise _BrokenTransfer(exc, received) from exc
-        _start_writeback(fd, chunk)
-    finally:
-        os.close(fd)
     if received != chunk.size:
         raise ChunkCorruptedError(f"{received} bytes, manifest lists {chunk.size}", **where)
     return received

@@ -1,0 +1,88 @@
+"""`RangeWriter`: ranges of one file written from many threads, the block-aligned interiors with
+direct I/O and the shared partial blocks through the page cache, land byte for byte."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gpucloud.storage.direct import BLOCK, STAGE, RangeWriter, open_direct, range_writer
+
+# Boundaries off the block grid, on it, ranges shorter than a block, one spanning several stages.
+SIZES = [100, BLOCK - 1, 1, 3 * BLOCK, 2 * STAGE + 12345, 7, BLOCK + 1, STAGE, 5000, 2 * BLOCK - 3]
+
+
+def ranges() -> list[tuple[int, int]]:
+    offset, out = 0, []
+    for size in SIZES:
+        out.append((offset, size))
+        offset += size
+    return out
+
+
+def write_file(path: Path, source: bytes, *, direct: bool) -> int:
+    with open(path, "xb") as f:
+        f.truncate(len(source))
+    lock, rng = threading.Lock(), random.Random(7)
+    plans = [(offset, size, rng.randrange(1, 300_000)) for offset, size in ranges()]
+
+    def one(plan: tuple[int, int, int]) -> int:
+        offset, size, piece = plan
+        fd = os.open(path, os.O_WRONLY)
+        direct_fd = open_direct(path) if direct else None
+        try:
+            writer = RangeWriter(fd, direct_fd, offset, size, lock)
+            for at in range(offset, offset + size, piece):
+                writer.write(memoryview(source)[at : min(at + piece, offset + size)])
+            writer.finish()
+            return writer.direct_bytes
+        finally:
+            os.close(fd)
+            if direct_fd is not None:
+                os.close(direct_fd)
+
+    with ThreadPoolExecutor(4) as pool:
+        direct_bytes = sum(pool.map(one, plans))
+    return direct_bytes
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_ranges_written_from_threads_land_byte_for_byte(tmp_path: Path, direct: bool) -> None:
+    source = random.Random(1).randbytes(sum(SIZES))
+    probe = tmp_path / "probe"
+    probe.touch()
+    descriptor = open_direct(probe)
+    if direct and descriptor is None:
+        pytest.skip("this file system refuses O_DIRECT")
+    if descriptor is not None:
+        os.close(descriptor)
+    target = tmp_path / "model.bin"
+    direct_bytes = write_file(target, source, direct=direct)
+    assert target.read_bytes() == source
+    if direct:
+        # Every whole block inside a range went the direct way; only the partial ones did not.
+        interiors = sum(max(0, (o + s) // BLOCK * BLOCK - -(-o // BLOCK) * BLOCK) for o, s in ranges())
+        assert direct_bytes == interiors > 0
+    else:
+        assert direct_bytes == 0
+
+
+def test_a_range_refuses_bytes_past_its_end_and_a_short_finish(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(bytes(3 * BLOCK))
+    with range_writer(target, 10, BLOCK, threading.Lock()) as writer:
+        writer.write(b"x" * 100)
+        with pytest.raises(ValueError, match="run past"):
+            writer.write(b"y" * BLOCK)
+        with pytest.raises(ValueError, match="written up to 110"):
+            writer.finish()
+        writer.write(b"z" * (BLOCK - 100))
+        writer.finish()
+    data = target.read_bytes()
+    assert data[10:110] == b"x" * 100 and data[110 : 10 + BLOCK] == b"z" * (BLOCK - 100)
+    assert data[:10] == bytes(10) and data[10 + BLOCK :] == bytes(2 * BLOCK - 10)
