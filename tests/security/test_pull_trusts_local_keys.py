@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gpucloud.client.bulk import BulkConnections
 from gpucloud.client.registry import (
     RegistryClient,
     RegistryPushTarget,
@@ -37,6 +38,16 @@ def _impostor(api_url: str, mallory_key: str, alice_id: str) -> httpx.MockTransp
     return httpx.MockTransport(handle)
 
 
+class _ImpostorClient(RegistryClient):
+    """Alice's client talking to the impostor: its calls go through `_impostor`, and its chunk
+    bodies (which travel outside httpx) are Mallory's too."""
+
+    def __init__(self, api_url: str, alice_key: str, mallory_key: str, alice_id: str) -> None:
+        super().__init__(api_url, alice_key, transport=_impostor(api_url, mallory_key, alice_id))
+        self.bulk.close()
+        self.bulk = BulkConnections(api_url, mallory_key, timeout_s=30)
+
+
 async def test_a_pull_from_an_api_serving_its_own_key_fails_closed(db_url, make_harness, in_process_worker, tmp_path):
     h = make_harness(db_url, nodes=1)
     await in_process_worker(h.settings)
@@ -50,7 +61,7 @@ async def test_a_pull_from_an_api_serving_its_own_key_fails_closed(db_url, make_
     signer_for(alice_dir, alice_id)  # Alice's machine has its own key, which signed nothing here
 
     dest = tmp_path / "pulled"
-    with RegistryClient(h.api.url, alice_key, transport=_impostor(h.api.url, mallory_key, alice_id)) as fake:
+    with _ImpostorClient(h.api.url, alice_key, mallory_key, alice_id) as fake:
         with pytest.raises(UnknownKeyError):
             pull_version(fake, "llama", pushed.digest, dest, trusted=trusted_keys(alice_dir, alice_id))
         assert not dest.exists()
