@@ -4,7 +4,9 @@
    blocks of 10 tensors from ~30% of a block down to norm-sized ones), streamed piece by piece.
 2. Hash it with raw BLAKE3 through the same read path the chunker uses, then chunk and hash it.
 3. The floor: the same bytes written as chunk-sized files with the store's durability (temp
-   file, fsync, rename, directory fsync) from as many threads as the CLI uploads with.
+   file, fsync, rename, directory fsync) from as many threads as the CLI uploads with, through
+   the page cache as the targets define it; and the same written with direct I/O, as the store
+   writes (ratios against both are printed: `*_ratio` and `*_ratio_vs_direct`).
 4. The local chunk store alone on the same chunks (it also verifies every chunk's hash).
 5. `gpucloud weights push` as a user runs it, in its own process, over HTTP into the control
    plane's API (hash, upload, the API verifies and stores), then `gpucloud weights pull` back
@@ -56,6 +58,7 @@ from gpucloud.registry.chunking import (
 from gpucloud.registry.manifest import ChunkRef
 from gpucloud.registry.push import push
 from gpucloud.registry.store import LocalChunkStore
+from gpucloud.storage.direct import STAGE, AppendWriter, open_direct
 from gpucloud.storage.local import fsync_path
 
 BLOCKS = 20
@@ -122,6 +125,34 @@ def chunk_files_floor(path: Path, chunks: list[ChunkRef], into: Path, concurrenc
             while piece := region.read(read_size):
                 out.write(piece)
             os.fsync(out.fileno())
+        os.replace(tmp, final)
+        fsync_path(into)
+
+    return _timed(one, chunks, into, concurrency)
+
+
+def chunk_files_floor_direct(path: Path, chunks: list[ChunkRef], into: Path, concurrency: int) -> float:
+    """The same floor written the way the local store writes (whole blocks with `O_DIRECT` from
+    an aligned buffer, the last partial block through the page cache, then the same fsyncs): the
+    disk's rate for the store's own write path, with nothing else of the store."""
+    into.mkdir()
+
+    def one(chunk: ChunkRef) -> None:
+        tmp, final = into / f".{chunk.id}", into / chunk.id
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        direct_fd = open_direct(tmp)
+        writer = AppendWriter(fd, direct_fd)
+        try:
+            with FileRegion(path, chunk.offset, chunk.size) as region:
+                while piece := region.read(STAGE):
+                    writer.write(piece)
+            writer.close()
+            os.fsync(fd)
+        finally:
+            writer.release()
+            os.close(fd)
+            if direct_fd is not None:
+                os.close(direct_fd)
         os.replace(tmp, final)
         fsync_path(into)
 
@@ -254,15 +285,18 @@ def run(size: int, parent: str | None, concurrency: int) -> dict:
         hash_seconds = time.perf_counter() - started
 
         # Alternated, best of two each: a disk this noisy must not decide the ratio by itself.
-        floor_runs, store_runs = [], []
+        floor_runs, direct_runs, store_runs = [], [], []
         for attempt in (1, 2):
             log(f"durable write floor ({attempt}/2): {len(chunks)} chunk files, {concurrency} threads")
             floor_runs.append(chunk_files_floor(model_file, chunks, workdir / "floor", concurrency, policy.read_size))
             log(f"  {file_bytes / 1e9 / floor_runs[-1]:.3f} GB/s")
+            log(f"durable write floor with direct I/O ({attempt}/2)")
+            direct_runs.append(chunk_files_floor_direct(model_file, chunks, workdir / "floor-direct", concurrency))
+            log(f"  {file_bytes / 1e9 / direct_runs[-1]:.3f} GB/s")
             log(f"the local chunk store alone ({attempt}/2)")
             store_runs.append(store_seconds(model_file, chunks, workdir / "store-alone", concurrency))
             log(f"  {file_bytes / 1e9 / store_runs[-1]:.3f} GB/s")
-        floor_seconds, store_s = min(floor_runs), min(store_runs)
+        floor_seconds, direct_seconds, store_s = min(floor_runs), min(direct_runs), min(store_runs)
 
         # Alternated and best of two as well, each push into its own tenant's store: the first
         # write into memory this machine has not touched lately costs several times the kernel
@@ -302,12 +336,18 @@ def run(size: int, parent: str | None, concurrency: int) -> dict:
         "file_write_gb_per_s": round(floor, 3),
         "store_gb_per_s": round(gb / store_s, 3),
         "store_ratio": round(floor_seconds / store_s, 3),
+        # The store, push and pull write with direct I/O; the same bytes written that way alone:
+        "file_write_direct_gb_per_s": round(gb / direct_seconds, 3),
+        "store_ratio_vs_direct": round(direct_seconds / store_s, 3),
+        "push_ratio_vs_direct": round(push_rate / (gb / direct_seconds), 3),
+        "pull_ratio_vs_direct": round(pull_rate / (gb / direct_seconds), 3),
         "push_gb_per_s": round(push_rate, 3),
         "push_ratio": round(push_rate / floor, 3),
         "pull_gb_per_s": round(pull_rate, 3),
         "pull_ratio": round(pull_rate / floor, 3),
         # The first of the two runs of each, into memory the machine had not written lately.
         "file_write_first_gb_per_s": round(gb / floor_runs[0], 3),
+        "file_write_direct_first_gb_per_s": round(gb / direct_runs[0], 3),
         "store_first_gb_per_s": round(gb / store_runs[0], 3),
         "push_first_gb_per_s": round(gb / pushes[0].seconds, 3),
         "pull_first_gb_per_s": round(gb / pulls[0].seconds, 3),

@@ -3,7 +3,8 @@ retries of what may be retried, keyset pagination, and bounded waits for a state
 
 Retried: a connection that failed or timed out, and 429 / 503 answers (after their
 `Retry-After`), for reads always and for writes only under an `Idempotency-Key` (a replay then
-returns the first answer, so a retry can never create twice). Anything else is raised at once.
+returns the first answer, so a retry can never create twice) or where the write is idempotent by
+itself (a chunk upload: its id is its content). Anything else is raised at once.
 """
 
 from __future__ import annotations
@@ -120,12 +121,21 @@ class ApiClient:
 
         if not retry:
             return once()
+        return self.retried(once)
+
+    def retried(self, call: Callable[[], T], *, broken: tuple[type[BaseException], ...] = ()) -> T:
+        """`call()`, made again while it fails with a retryable answer (429, 502-504, after its
+        `Retry-After`), a failed httpx transport or one of `broken`, for up to `retry_for_s`."""
+
+        def retryable(exc: BaseException) -> bool:
+            return _retryable(exc) or isinstance(exc, broken)
+
         return tenacity.Retrying(
-            retry=tenacity.retry_if_exception(_retryable),
+            retry=tenacity.retry_if_exception(retryable),
             stop=tenacity.stop_after_delay(self.retry_for_s),
             wait=_wait_s,
             reraise=True,
-        )(once)
+        )(call)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         """The decoded JSON body of a call (None for an empty one)."""

@@ -19,9 +19,14 @@ mismatch, a consumer that stopped) never leaves a connection with unread bytes f
 from __future__ import annotations
 
 import http.client
+import io
+import json
+import socket
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 from gpucloud.client.base import ApiError
 from gpucloud.web import tls
@@ -70,25 +75,80 @@ class BulkConnections:
         finally:
             self._finish(connection, response, reusable=done)
 
-    def _send(self, method: str, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def upload(self, path: str, source: Path, offset: int, size: int) -> Any:
+        """`PUT path` with bytes [offset, offset + size) of the file `source` as the body, sent
+        by the kernel from the page cache (`sendfile`; read and sent from a reused buffer over
+        TLS); the decoded JSON answer. An error answer raises `ApiError`, a broken connection one
+        of `BROKEN`, a file shorter than the range `EOFError` (the connection is not reused)."""
+        headers = {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
+        with open(source, "rb", buffering=0) as f:
+
+            def body(connection: http.client.HTTPConnection) -> None:
+                sock = connection.sock
+                if not size:
+                    sent = 0  # `sendfile` would take a count of 0 for "to the end of the file"
+                elif self._https:
+                    sent = _send_read(sock, f, offset, size, self._read_size)
+                else:
+                    sent = sock.sendfile(f, offset, size)
+                if sent != size:
+                    raise EOFError(
+                        f"{source} ended inside bytes {offset}-{offset + size}: it changed since it was hashed"
+                    )
+
+            connection, response = self._send("PUT", path, headers, body)
+        try:
+            payload = response.read()
+            if response.status >= 400:
+                raise ApiError.from_parts(response.status, payload, response.getheader("Retry-After", ""))
+        finally:
+            self._finish(connection, response, reusable=True)
+        return json.loads(payload) if payload else None
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str] | None = None,
+        body: Callable[[http.client.HTTPConnection], None] | None = None,
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """The response's status and headers, on an idle connection if one still works (the server
-        may have closed it meanwhile: then once more on a new one) or a new one."""
+        may have closed it meanwhile: then once more on a new one) or a new one. `body` sends the
+        request's body on the connection once the headers are out."""
         with self._lock:
             connection = self._idle.pop() if self._idle else None
         if connection is not None:
             try:
-                return connection, self._exchange(connection, method, path)
+                return connection, self._exchange(connection, method, path, headers, body)
             except BROKEN:
                 connection.close()
         connection = self._connect()
         try:
-            return connection, self._exchange(connection, method, path)
+            return connection, self._exchange(connection, method, path, headers, body)
         except BaseException:
             connection.close()
             raise
 
-    def _exchange(self, connection: http.client.HTTPConnection, method: str, path: str) -> http.client.HTTPResponse:
-        connection.request(method, self._prefix + path, headers=self._headers)
+    def _exchange(
+        self,
+        connection: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        headers: dict[str, str] | None,
+        body: Callable[[http.client.HTTPConnection], None] | None,
+    ) -> http.client.HTTPResponse:
+        if body is None:
+            connection.request(method, self._prefix + path, headers=self._headers | (headers or {}))
+        else:
+            connection.putrequest(method, self._prefix + path, skip_accept_encoding=True)
+            for name, value in (self._headers | (headers or {})).items():
+                connection.putheader(name, value)
+            connection.endheaders()
+            try:
+                body(connection)
+            except EOFError:
+                connection.close()
+                raise
         return connection.getresponse()
 
     def _connect(self) -> http.client.HTTPConnection:
@@ -107,6 +167,17 @@ class BulkConnections:
                 self._idle.append(connection)
         else:
             connection.close()
+
+
+def _send_read(sock: socket.socket, f: io.RawIOBase, offset: int, size: int, piece: int) -> int:
+    """Send bytes [offset, offset + size) of `f` through a buffer (where `sendfile` cannot go)."""
+    buffer = memoryview(bytearray(min(piece, size) or 1))
+    f.seek(offset)
+    sent = 0
+    while sent < size and (count := f.readinto(buffer[: min(len(buffer), size - sent)])):
+        sock.sendall(buffer[:count])
+        sent += count
+    return sent
 
 
 def _api_error(response: http.client.HTTPResponse) -> ApiError:

@@ -10,6 +10,7 @@ arrives, checks every file, and only then renames the finished directory into pl
 
 from __future__ import annotations
 
+import http.client
 import os
 import tempfile
 import threading
@@ -23,7 +24,7 @@ from nacl.signing import SigningKey, VerifyKey
 
 from gpucloud.client.base import ApiClient, ApiError
 from gpucloud.client.bulk import BROKEN, BulkConnections
-from gpucloud.registry.chunking import MiB, new_hasher
+from gpucloud.registry.chunking import new_hasher
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
     ChunkMissingError,
@@ -41,7 +42,9 @@ from gpucloud.registry.names import MAX_IDS_PER_QUERY
 from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import ChunksMissing, TransferProgress
 
-UPLOAD_PIECE = 1 * MiB
+# What a chunk upload retries besides busy answers: the connection failed, timed out or was garbled
+# (not a file that changed under it, nor any other local error).
+UPLOAD_BROKEN = (ConnectionError, TimeoutError, http.client.HTTPException)
 
 
 class RegistryClient(ApiClient):
@@ -84,12 +87,11 @@ class RegistryClient(ApiClient):
         return found
 
     def upload(self, model: str, path: Path, chunk: ChunkRef) -> bool:
-        headers = {"Content-Length": str(chunk.size), "Content-Type": "application/octet-stream"}
-        body = self.call(
-            "PUT",
-            f"/v1/models/{model}/chunks/{chunk.id}",
-            headers=headers,
-            content=_file_pieces(path, chunk.offset, chunk.size),
+        """Send the chunk's bytes from the file; True if the store did not have them yet. A PUT of
+        content under its own hash is idempotent, so a busy API or a cut connection is retried."""
+        body = self.retried(
+            lambda: self.bulk.upload(f"/v1/models/{model}/chunks/{chunk.id}", path, chunk.offset, chunk.size),
+            broken=UPLOAD_BROKEN,
         )
         return body["stored"]
 
@@ -177,17 +179,6 @@ class RegistryClient(ApiClient):
             content=signer.sign_evaluation(record).model_dump_json(),
             headers={"Content-Type": "application/json"},
         )
-
-
-def _file_pieces(path: Path, offset: int, size: int) -> Iterator[bytes]:
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        while size:
-            piece = f.read(min(UPLOAD_PIECE, size))
-            if not piece:
-                raise EOFError(f"{path} ended at offset {f.tell()}, inside a chunk: it changed since it was hashed")
-            size -= len(piece)
-            yield piece
 
 
 class RegistryPushTarget:

@@ -23,9 +23,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+import blake3
 from pydantic import ValidationError
 
-from gpucloud.registry.chunking import MiB, new_hasher
+from gpucloud.registry.chunking import MiB
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
     ChunkMissingError,
@@ -43,9 +44,10 @@ from gpucloud.storage.s3 import S3ObjectStore
 
 
 class Readable(Protocol):
-    """A source of bytes read to EOF (a file, a file region, a spooled upload)."""
+    """A source of bytes read to EOF (a file, a file region, an upload's body); a piece returned
+    may be a view that the next `read` overwrites (the store uses each before it reads on)."""
 
-    def read(self, size: int = -1, /) -> bytes | None: ...
+    def read(self, size: int = -1, /) -> bytes | memoryview | None: ...
 
 
 class ChunkSource(Protocol):
@@ -75,7 +77,7 @@ def _prefix(prefix: str) -> str:
 class ChunkStore:
     """Content-addressed chunks. Every method is safe to call from several threads."""
 
-    def __init__(self, objects: ObjectStore, *, prefix: str = "", read_size: int = 8 * MiB) -> None:
+    def __init__(self, objects: ObjectStore, *, prefix: str = "", read_size: int = MiB) -> None:
         self.objects = objects
         self._prefix = _prefix(prefix) + "chunks/"
         self._read_size = read_size
@@ -92,9 +94,9 @@ class ChunkStore:
         key = self.key(chunk_id)
         if self.objects.exists(key):
             return False
-        hasher = new_hasher(self._read_size)
+        hasher = _serial_hasher()
 
-        def pieces() -> Iterator[bytes]:
+        def pieces() -> Iterator[bytes | memoryview]:
             if isinstance(data, (bytes, bytearray, memoryview)):
                 hasher.update(data)
                 yield bytes(data)
@@ -148,8 +150,14 @@ class ChunkStore:
         return self.objects.abort_incomplete(prefix=self._prefix, older_than=older_than)
 
 
+def _serial_hasher() -> blake3.blake3:
+    """One thread per hash: a store serves many chunks at once (an API's uploads and downloads), so
+    spreading each over every core only adds wake-ups between hashing threads on busy cores."""
+    return blake3.blake3(max_threads=1)
+
+
 def _verified(chunk_id: str, pieces: Iterator[bytes]) -> Iterator[bytes]:
-    hasher = new_hasher(MiB)
+    hasher = _serial_hasher()
     try:
         for piece in pieces:
             hasher.update(piece)
@@ -270,7 +278,7 @@ class ManifestStore:
 class LocalChunkStore(ChunkStore):
     """Chunks under a directory of their own (`root/chunks/ab/cd/<id>`, temp files in `root/tmp`)."""
 
-    def __init__(self, root: str | Path, *, read_size: int = 8 * MiB) -> None:
+    def __init__(self, root: str | Path, *, read_size: int = MiB) -> None:
         self.local = LocalObjectStore(root)
         self.root = self.local.root
         super().__init__(self.local, read_size=read_size)
@@ -293,7 +301,7 @@ class S3ChunkStore(ChunkStore):
         prefix: str = "",
         multipart_threshold: int = 16 * MiB,
         part_size: int = 8 * MiB,
-        read_size: int = 8 * MiB,
+        read_size: int = MiB,
     ) -> None:
         objects = S3ObjectStore(client, bucket, multipart_threshold=multipart_threshold, part_size=part_size)
         super().__init__(objects, prefix=prefix, read_size=read_size)

@@ -1,18 +1,23 @@
-"""Write a byte range of a file with direct I/O where the file system allows it.
+"""File I/O with direct I/O where the file system allows it: a pull's writes, the local store's
+chunk writes and its reads.
 
-A pull writes gigabytes it has just hashed and will not read again. Through the page cache each
-byte is copied once more into memory the kernel must first find and fill (on a machine whose
-memory was not written lately, more kernel time than receiving and hashing together: 4 GiB
-written cold took 9 s of system time, against 0.2-0.4 s with direct I/O at 1.5-1.6 GB/s, see
-docs/registry.md "Known limits"), and then written back at the final fsync. With `O_DIRECT` the
-disk reads the bytes from a buffer of ours.
+Weights are written once and read back rarely, gigabytes at a time. Through the page cache each
+byte is copied once more into memory the kernel must first find and fill: on a machine whose
+memory was not written lately that is more kernel time than receiving and hashing together (4 GiB
+written cold took 9 s of system time, against 0.2-0.4 s with direct I/O at 1.5-1.6 GB/s; reading
+chunks back through the page cache cost 2 s of system time per GiB, see docs/registry.md "Known
+limits"), and the cached copy pushes out pages that are used. With `O_DIRECT` the disk reads the
+bytes from a buffer of ours, or writes them into one. Object stores built for large objects do
+the same (MinIO writes with O_DIRECT).
 
-Direct I/O wants the buffer, the file offset and the length aligned to the device's block.
-`RangeWriter` writes the block-aligned interior of its range that way from an aligned buffer it
-fills as bytes arrive, and the partial blocks at either end (which neighbouring ranges share)
-through the page cache: the two kinds never touch the same block. A file system that refuses
-`O_DIRECT` (tmpfs, some network file systems) gets every byte through the page cache; either way
-the caller's fsync makes the file durable.
+Direct I/O wants the buffer, the file offset and the length aligned to the device's block. The
+aligned buffers (`STAGE` bytes each) come from a pool, so the memory is written again and again
+rather than fresh. `RangeWriter` writes the block-aligned interior of a range of a file that way,
+and the partial blocks at either end (which neighbouring ranges share) through the page cache:
+the two kinds never touch the same block. `AppendWriter` writes a new file from its start, its
+length unknown until the end, the partial last block through the page cache. `direct_pieces`
+reads a file. A file system that refuses `O_DIRECT` (tmpfs, some network file systems) gets every
+byte through the page cache; either way the caller's fsync makes a written file durable.
 """
 
 from __future__ import annotations
@@ -22,13 +27,37 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 BLOCK = 4096  # a multiple of every logical block size in use (512 or 4096)
-STAGE = 1 << 20  # the aligned buffer each thread fills before a direct write
+STAGE = 1 << 20  # the aligned buffer a writer fills before a direct write, and a direct read's size
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # Linux and a few others
-_stages = threading.local()
+
+
+class _AlignedPool:
+    """Page-aligned buffers of `STAGE` bytes (anonymous mappings), at most `keep` of them idle: a
+    writer or reader holds one from its first direct I/O to its end, whichever threads run it."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._idle: list[memoryview] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> memoryview:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return memoryview(mmap.mmap(-1, STAGE))
+
+    def give(self, buffer: memoryview) -> None:
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(buffer)
+
+
+_BUFFERS = _AlignedPool(keep=16)
 
 
 def open_direct(path: str | Path) -> int | None:
@@ -50,13 +79,40 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-class RangeWriter:
+def _pwrite_direct(fd: int, data: memoryview, offset: int) -> int:
+    """Write block-aligned `data` at `offset` with direct I/O; the offset after it."""
+    while data:
+        written = os.pwrite(fd, data, offset)
+        if written % BLOCK:  # direct I/O cannot go on from an unaligned point
+            raise OSError(errno.EIO, f"direct write of {len(data)} bytes at {offset} wrote {written}")
+        data, offset = data[written:], offset + written
+    return offset
+
+
+class _Staged:
+    """A writer's aligned buffer, taken from the pool on first use and given back by `release`."""
+
+    _buffer: memoryview | None = None
+
+    def _stage(self) -> memoryview:
+        if self._buffer is None:
+            self._buffer = _BUFFERS.take()
+        return self._buffer
+
+    def release(self) -> None:
+        """Give the buffer back (after the last write; calling it again does nothing)."""
+        if self._buffer is not None:
+            _BUFFERS.give(self._buffer)
+            self._buffer = None
+
+
+class RangeWriter(_Staged):
     """Writes bytes [offset, offset + size) of a file, in order, as they arrive.
 
     `fd` is an ordinary write descriptor on the file, `direct_fd` one from `open_direct` (or
     None); buffered writes take `lock`, so threads writing other ranges of the same file wait on
     it asleep instead of spinning on the inode's lock in the kernel. Call `finish` after the last
-    byte; bytes past the range are refused.
+    byte, and `release` in the end (`range_writer` does); bytes past the range are refused.
     """
 
     def __init__(self, fd: int, direct_fd: int | None, offset: int, size: int, lock: threading.Lock) -> None:
@@ -76,7 +132,7 @@ class RangeWriter:
         while view:
             if self.interior_start <= self.pos < self.interior_end:
                 n = min(len(view), self.interior_end - self.pos, STAGE - self.staged)
-                stage = _stage()
+                stage = self._stage()
                 stage[self.staged : self.staged + n] = view[:n]
                 self.staged += n
                 if self.staged == STAGE or self.pos + n == self.interior_end:
@@ -95,22 +151,9 @@ class RangeWriter:
 
     def _write_stage(self, stage: memoryview) -> None:
         assert self.direct_fd is not None
-        offset, view = self.stage_at, stage[: self.staged]
-        while view:
-            written = os.pwrite(self.direct_fd, view, offset)
-            if written % BLOCK:  # direct I/O cannot go on from an unaligned point
-                raise OSError(errno.EIO, f"direct write of {len(view)} bytes at {offset} wrote {written}")
-            view, offset = view[written:], offset + written
-        self.direct_bytes += offset - self.stage_at
-        self.stage_at, self.staged = offset, 0
-
-
-def _stage() -> memoryview:
-    """This thread's aligned buffer (an anonymous mapping: page-aligned), made once and reused."""
-    stage = getattr(_stages, "view", None)
-    if stage is None:
-        stage = _stages.view = memoryview(mmap.mmap(-1, STAGE))
-    return stage
+        end = _pwrite_direct(self.direct_fd, stage[: self.staged], self.stage_at)
+        self.direct_bytes += end - self.stage_at
+        self.stage_at, self.staged = end, 0
 
 
 @contextlib.contextmanager
@@ -118,10 +161,104 @@ def range_writer(path: str | Path, offset: int, size: int, lock: threading.Lock)
     """A `RangeWriter` on `path` with its descriptors opened, closed again on the way out."""
     fd = os.open(path, os.O_WRONLY)
     direct_fd = None
+    writer = None
     try:
         direct_fd = open_direct(path)
-        yield RangeWriter(fd, direct_fd, offset, size, lock)
+        writer = RangeWriter(fd, direct_fd, offset, size, lock)
+        yield writer
     finally:
+        if writer is not None:
+            writer.release()
         os.close(fd)
         if direct_fd is not None:
             os.close(direct_fd)
+
+
+class AppendWriter(_Staged):
+    """Writes a new file from its start, in order, as bytes arrive, its length unknown until
+    `close`: every whole `STAGE` with direct I/O from an aligned buffer, then at `close` the
+    remaining whole blocks the same way and the partial last block through the page cache.
+    `fd` is an ordinary write descriptor on the file, `direct_fd` one from `open_direct` (or None:
+    every byte through `fd`). The caller fsyncs (either descriptor) once `close` returns, and calls
+    `release` if it gives up before `close`."""
+
+    def __init__(self, fd: int, direct_fd: int | None) -> None:
+        self.fd, self.direct_fd = fd, direct_fd
+        self.pos = 0  # bytes written to the file
+        self.staged = 0  # bytes waiting in the stage, to be written at `pos`
+        self.direct_bytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if self.direct_fd is None:
+            pwrite_all(self.fd, view, self.pos)
+            self.pos += len(view)
+            return
+        stage = self._stage()
+        while view:
+            n = min(len(view), STAGE - self.staged)
+            stage[self.staged : self.staged + n] = view[:n]
+            self.staged += n
+            view = view[n:]
+            if self.staged == STAGE:
+                self._flush(STAGE)
+
+    def close(self) -> int:
+        """Write what is staged and give the buffer back; the file's length."""
+        if self.staged:
+            aligned = self.staged // BLOCK * BLOCK
+            if aligned:
+                self._flush(aligned)
+            if self.staged:
+                pwrite_all(self.fd, self._stage()[: self.staged], self.pos)
+                self.pos, self.staged = self.pos + self.staged, 0
+        self.release()
+        return self.pos
+
+    def _flush(self, count: int) -> None:
+        assert self.direct_fd is not None
+        stage = self._stage()
+        self.pos = _pwrite_direct(self.direct_fd, stage[:count], self.pos)
+        self.direct_bytes += count
+        rest = self.staged - count
+        if rest:  # keep the unaligned remainder at the stage's start
+            stage[:rest] = stage[count : self.staged]
+        self.staged = rest
+
+
+def direct_pieces(path: str | Path) -> Iterator[bytes] | None:
+    """The file's bytes in pieces of up to `STAGE`, read with direct I/O into an aligned buffer
+    and copied out (into memory the process reuses: a page-cache read would first have the kernel
+    find and fill fresh pages), or None where the file system refuses O_DIRECT. The file is opened
+    now: a missing one raises `FileNotFoundError` here, not from the iterator."""
+    if not _O_DIRECT:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+    f = os.fdopen(fd, "rb", buffering=0)  # closed by the iterator, or when dropped unstarted
+
+    def pieces() -> Iterator[bytes]:
+        with f:
+            buffer, offset = _BUFFERS.take(), 0
+            try:
+                while count := f.readinto(buffer):
+                    yield bytes(buffer[:count])
+                    offset += count
+                    if count % BLOCK:  # only the end of a file reads short of a block: the rest,
+                        yield from _buffered_from(path, offset)  # if any, cannot go direct
+                        return
+            finally:
+                _BUFFERS.give(buffer)
+
+    return pieces()
+
+
+def _buffered_from(path: str | Path, offset: int) -> Iterator[bytes]:
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while piece := f.read(STAGE):
+            yield piece

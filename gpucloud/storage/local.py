@@ -2,7 +2,9 @@
 
 An object is a file at `<root>/<key>`. A write goes to a temporary file in `<root>/tmp`, is
 fsynced, renamed into place and its directory fsynced (and any directory it created), so an
-object is either whole and durable or absent, across a crash too. Objects are tenants' weights
+object is either whole and durable or absent, across a crash too. Whole blocks are written and
+read with direct I/O where the file system allows it (`storage/direct.py`): gigabytes of weights
+pass through without filling the page cache. Objects are tenants' weights
 and data: files are 0600 and folders 0700, readable only by the user the control plane runs as. Presigned URLs are
 `<base_url>/<key>?method&expires&signature`, signed with HMAC-SHA256 and checked by
 `resolve_presigned`, which whatever serves the directory to nodes calls first.
@@ -20,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from gpucloud.storage.direct import AppendWriter, direct_pieces, open_direct
 from gpucloud.storage.objects import (
     PRESIGN_METHODS,
     ObjectInfo,
@@ -55,17 +58,26 @@ class LocalObjectStore(ObjectStore):
             raise ValueError(f"key {key!r} leaves the store's objects")
         return path
 
-    def put_stream(self, key: str, pieces: Iterable[bytes], *, check: Callable[[], None] | None = None) -> None:
+    def put_stream(
+        self, key: str, pieces: Iterable[bytes | memoryview], *, check: Callable[[], None] | None = None
+    ) -> None:
         path = self.path(key)
         fd, tmp_name = tempfile.mkstemp(dir=self._tmp, prefix=f"{path.name[:16]}.")
         try:
-            with os.fdopen(fd, "wb") as out:  # mkstemp: 0600
+            direct_fd = open_direct(tmp_name)  # whole blocks past the page cache, see storage/direct.py
+            writer = AppendWriter(fd, direct_fd)
+            try:
                 for piece in pieces:
-                    out.write(piece)
+                    writer.write(piece)
+                writer.close()
                 if check is not None:
                     check()
-                out.flush()
-                os.fsync(out.fileno())
+                os.fsync(fd)
+            finally:
+                writer.release()
+                os.close(fd)
+                if direct_fd is not None:
+                    os.close(direct_fd)
             created = self._make_parents(path.parent)
             os.replace(tmp_name, path)
             for directory in (path.parent, *created):
@@ -88,6 +100,12 @@ class LocalObjectStore(ObjectStore):
         return directory_of_new
 
     def read_stream(self, key: str, *, piece_size: int) -> Iterator[bytes]:
+        try:
+            direct = direct_pieces(self.path(key))
+        except FileNotFoundError:
+            raise ObjectMissingError(key) from None
+        if direct is not None:  # pieces of up to `direct.STAGE`, whatever `piece_size` asks
+            return direct
         try:
             f = open(self.path(key), "rb", buffering=0)  # noqa: SIM115 - closed by the generator
         except FileNotFoundError:

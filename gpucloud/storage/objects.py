@@ -42,9 +42,12 @@ class ObjectStore(ABC):
     """Objects by key (`a/b/c`, no `..`). Every method is safe to call from several threads."""
 
     @abstractmethod
-    def put_stream(self, key: str, pieces: Iterable[bytes], *, check: Callable[[], None] | None = None) -> None:
-        """Store the pieces as one object. `check` runs after the last piece, before the object
-        is visible; if it raises, nothing is stored and the error propagates."""
+    def put_stream(
+        self, key: str, pieces: Iterable[bytes | memoryview], *, check: Callable[[], None] | None = None
+    ) -> None:
+        """Store the pieces as one object. Each piece is used before the next is drawn (a piece
+        may be a view its source overwrites next). `check` runs after the last piece, before the
+        object is visible; if it raises, nothing is stored and the error propagates."""
 
     def put(self, key: str, data: bytes) -> None:
         self.put_stream(key, [data])

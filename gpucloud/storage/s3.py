@@ -43,7 +43,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def _recut(pieces: Iterable[bytes], size: int) -> Iterator[bytes]:
+def _recut(pieces: Iterable[bytes | memoryview], size: int) -> Iterator[bytes]:
     """The same bytes in pieces of exactly `size` (the last may be short)."""
     pending = bytearray()
     for piece in pieces:
@@ -77,7 +77,9 @@ class S3ObjectStore(ObjectStore):
             return ObjectTransferError(f"S3 answered {_error_code(exc) or _status(exc)} for {key}")
         return exc
 
-    def put_stream(self, key: str, pieces: Iterable[bytes], *, check: Callable[[], None] | None = None) -> None:
+    def put_stream(
+        self, key: str, pieces: Iterable[bytes | memoryview], *, check: Callable[[], None] | None = None
+    ) -> None:
         parts = _recut(pieces, self._threshold + 1)
         head = next(parts, b"")
         rest = next(parts, None)

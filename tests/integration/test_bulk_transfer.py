@@ -1,9 +1,11 @@
-"""Chunk bodies over `BulkConnections`: real HTTP against a uvicorn server, one keep-alive
-connection reused, nothing half-read handed on, errors reported as the rest of the client does."""
+"""Chunk bodies over `BulkConnections`: real HTTP against a uvicorn server, downloads and uploads
+(file ranges sent with `sendfile`) over one keep-alive connection reused, nothing half-read or
+half-sent handed on, errors reported as the rest of the client does."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -11,9 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpucloud.client.base import ApiError
 from gpucloud.client.bulk import BROKEN, BulkConnections
+from gpucloud.client.registry import RegistryClient
 from gpucloud.devstack.serving import ThreadedServer
+from gpucloud.registry.manifest import ChunkRef
 
 READ = 256 * 1024
+UPLOADS: list[bytes] = []  # the bodies the test server received, in order
+BUSY_ONCE: set[str] = set()  # chunks whose upload the test server has answered 503 once
 
 
 def body(size: int) -> bytes:
@@ -46,6 +52,28 @@ def server():
             raise RuntimeError("the store failed half-way")
 
         return StreamingResponse(pieces(), headers={"Content-Length": str(4 * READ)})
+
+    @app.put("/v1/blob", dependencies=[Depends(admit)])
+    async def put(request: Request) -> dict:
+        data = b"".join([piece async for piece in request.stream()])
+        UPLOADS.append(data)
+        return {"stored": True, "size": len(data)}
+
+    @app.put("/v1/models/{model}/chunks/{chunk_id}", dependencies=[Depends(admit)])
+    async def put_chunk(model: str, chunk_id: str, request: Request) -> Response:
+        data = await request.body()
+        if chunk_id not in BUSY_ONCE:  # the first try of each chunk finds the API busy
+            BUSY_ONCE.add(chunk_id)
+            problem = {"type": "https://gpucloud.dev/problems/busy", "title": "Busy", "detail": "try later"}
+            return JSONResponse(problem, 503, headers={"Retry-After": "0"}, media_type="application/problem+json")
+        UPLOADS.append(data)
+        return JSONResponse({"id": chunk_id, "size": len(data), "stored": True}, 201)
+
+    @app.put("/v1/refuse")
+    async def refuse(request: Request) -> Response:
+        await request.body()
+        problem = {"type": "https://gpucloud.dev/problems/chunk-too-large", "title": "Too large", "detail": "no"}
+        return JSONResponse(problem, 413, media_type="application/problem+json")
 
     with ThreadedServer(app, name="bulk-test", timeout_keep_alive=1) as running:
         yield running, app.state.peers
@@ -135,3 +163,68 @@ def test_a_body_cut_short_raises_a_broken_transfer(server):
 def test_only_http_urls_are_taken():
     with pytest.raises(ValueError, match="not an http"):
         BulkConnections("ftp://example.com", "t", timeout_s=1)
+
+
+def test_uploads_send_file_ranges_whole_over_one_kept_alive_connection(server, tmp_path: Path):
+    running, peers = server
+    peers.clear()
+    expected = []
+    source = tmp_path / "weights.bin"
+    source.write_bytes(body(5 * READ + 17))
+    ranges = [(0, 0), (0, 1), (3, READ + 5), (READ, 4 * READ + 17)]
+    bulk = BulkConnections(running.url, "sesame", timeout_s=10, read_size=READ)
+    try:
+        for offset, size in ranges:
+            answer = bulk.upload("/v1/blob", source, offset, size)
+            assert answer == {"stored": True, "size": size}
+            expected.append(body(5 * READ + 17)[offset : offset + size])
+    finally:
+        bulk.close()
+    assert UPLOADS[-len(ranges) :] == expected
+    assert len(peers) == len(ranges) and len(set(peers)) == 1
+
+
+def test_an_upload_from_a_file_shorter_than_its_range_fails_and_drops_its_connection(server, tmp_path: Path):
+    running, peers = server
+    peers.clear()
+    source = tmp_path / "shrunk.bin"
+    source.write_bytes(body(1000))
+    received = len(UPLOADS)
+    bulk = BulkConnections(running.url, "sesame", timeout_s=10, read_size=READ)
+    try:
+        with pytest.raises(EOFError, match="changed since it was hashed"):
+            bulk.upload("/v1/blob", source, 500, 1000)  # the file ends 500 bytes in
+        assert bulk.upload("/v1/blob", source, 0, 1000) == {"stored": True, "size": 1000}
+    finally:
+        bulk.close()
+    assert UPLOADS[received:] == [body(1000)]  # the server never took the short body for whole
+    assert len(peers) == 2 and len(set(peers)) == 2  # the cut connection was not used again
+
+
+def test_an_upload_refused_is_an_api_error_and_its_connection_carries_on(server, tmp_path: Path):
+    running, peers = server
+    source = tmp_path / "weights.bin"
+    source.write_bytes(body(3 * READ))
+    bulk = BulkConnections(running.url, "sesame", timeout_s=10, read_size=READ)
+    try:
+        with pytest.raises(ApiError) as refused:
+            bulk.upload("/v1/refuse", source, 0, 3 * READ)
+        assert (refused.value.status, refused.value.type) == (413, "chunk-too-large")
+        peers.clear()
+        assert bulk.upload("/v1/blob", source, 0, 2 * READ)["size"] == 2 * READ
+        time.sleep(2.5)  # past the server's keep-alive timeout: the next upload needs a new connection
+        assert bulk.upload("/v1/blob", source, READ, 2 * READ)["size"] == 2 * READ
+    finally:
+        bulk.close()
+    assert UPLOADS[-1] == body(3 * READ)[READ:]
+    assert len(set(peers)) == 2
+
+
+def test_a_chunk_upload_the_api_was_too_busy_for_is_sent_again(server, tmp_path: Path):
+    running, _ = server
+    source = tmp_path / "weights.bin"
+    source.write_bytes(body(2 * READ))
+    chunk = ChunkRef(id="ab" * 32, offset=READ, size=READ)
+    with RegistryClient(running.url, "sesame") as client:
+        assert client.upload("llama", source, chunk) is True
+    assert chunk.id in BUSY_ONCE and UPLOADS[-1] == body(2 * READ)[READ:]

@@ -30,6 +30,7 @@ from gpucloud.registry.manifest import (
     BadSignatureError,
     ChunkCorruptedError,
     ChunkMissingError,
+    ChunkRef,
     ChunkSwappedError,
     ChunkTruncatedError,
     EvaluationRecord,
@@ -50,7 +51,8 @@ OPERATOR = "test-operator-token"
 
 
 class Recorder(httpx.BaseTransport):
-    """Real HTTP, with a log of requests and an optional cut after N chunk uploads."""
+    """Real HTTP, with a log of requests and an optional cut after N chunk uploads. JSON calls go
+    through this transport; chunk bodies through `RecordingClient.upload`, which logs them here."""
 
     def __init__(self, *, fail_after_uploads: int | None = None) -> None:
         self.inner = httpx.HTTPTransport()
@@ -63,10 +65,24 @@ class Recorder(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         with self._lock:
-            if self.fail_after is not None and request.method == "PUT" and len(self.uploads()) >= self.fail_after:
-                raise httpx.ConnectError("network cut by the test", request=request)
             self.requests.append((request.method, request.url.path))
         return self.inner.handle_request(request)
+
+    def upload(self, model: str, chunk_id: str) -> None:
+        with self._lock:
+            if self.fail_after is not None and len(self.uploads()) >= self.fail_after:
+                raise ConnectionResetError("network cut by the test")
+            self.requests.append(("PUT", f"/v1/models/{model}/chunks/{chunk_id}"))
+
+
+class RecordingClient(RegistryClient):
+    def __init__(self, url: str, key: str, recorder: Recorder) -> None:
+        super().__init__(url, key, transport=recorder)
+        self.recorder = recorder
+
+    def upload(self, model: str, path: Path, chunk: ChunkRef) -> bool:
+        self.recorder.upload(model, chunk.id)
+        return super().upload(model, path, chunk)
 
 
 @dataclass
@@ -78,6 +94,8 @@ class Tenant:
     server_dir: Path
 
     def client(self, transport: httpx.BaseTransport | None = None) -> RegistryClient:
+        if isinstance(transport, Recorder):
+            return RecordingClient(self.url, self.key, transport)
         return RegistryClient(self.url, self.key, transport=transport)
 
     def http(self) -> httpx.Client:
@@ -214,7 +232,7 @@ def test_interrupted_push_resumes_with_only_the_missing_chunks(registry: Registr
     tenant = registry.new_tenant()
     source = write_model(tmp_path / "v1", random_tensors())
     cut = Recorder(fail_after_uploads=3)
-    with pytest.raises(httpx.ConnectError):
+    with pytest.raises(ConnectionError):
         tenant.push(source, transport=cut)
     with tenant.http() as http:
         assert http.get("/v1/models/llama/versions").json()["items"] == []  # nothing half-registered

@@ -1,5 +1,7 @@
 """`RangeWriter`: ranges of one file written from many threads, the block-aligned interiors with
-direct I/O and the shared partial blocks through the page cache, land byte for byte."""
+direct I/O and the shared partial blocks through the page cache, land byte for byte. `AppendWriter`:
+a new file written from its start in pieces of any size, whole blocks direct and the last partial
+one buffered, lands byte for byte."""
 
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from gpucloud.storage.direct import BLOCK, STAGE, RangeWriter, open_direct, range_writer
+from gpucloud.storage.direct import (
+    BLOCK,
+    STAGE,
+    AppendWriter,
+    RangeWriter,
+    direct_pieces,
+    open_direct,
+    range_writer,
+)
 
 # Boundaries off the block grid, on it, ranges shorter than a block, one spanning several stages.
 SIZES = [100, BLOCK - 1, 1, 3 * BLOCK, 2 * STAGE + 12345, 7, BLOCK + 1, STAGE, 5000, 2 * BLOCK - 3]
@@ -86,3 +96,83 @@ def test_a_range_refuses_bytes_past_its_end_and_a_short_finish(tmp_path: Path) -
     data = target.read_bytes()
     assert data[10:110] == b"x" * 100 and data[110 : 10 + BLOCK] == b"z" * (BLOCK - 100)
     assert data[:10] == bytes(10) and data[10 + BLOCK :] == bytes(2 * BLOCK - 10)
+
+
+def direct_refused(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe"
+    probe.touch()
+    descriptor = open_direct(probe)
+    if descriptor is None:
+        return True
+    os.close(descriptor)
+    return False
+
+
+# Empty, under a block, one block, a block and a byte, a stage exactly, stages and an odd tail.
+LENGTHS = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, STAGE, STAGE + BLOCK, 3 * STAGE + 12345]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("length", LENGTHS)
+def test_an_appended_file_lands_byte_for_byte(tmp_path: Path, direct: bool, length: int) -> None:
+    if direct and direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    source = random.Random(length).randbytes(length)
+    target = tmp_path / "chunk"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    direct_fd = open_direct(target) if direct else None
+    rng = random.Random(3)
+    try:
+        writer = AppendWriter(fd, direct_fd)
+        at = 0
+        while at < length:  # pieces of every size, some larger than the stage
+            piece = rng.choice([1, 17, BLOCK, STAGE - 5, STAGE + 3, 2 * STAGE + 1])
+            writer.write(bytearray(source[at : at + piece]))
+            at += piece
+        assert writer.close() == length
+    finally:
+        os.close(fd)
+        if direct_fd is not None:
+            os.close(direct_fd)
+    assert target.read_bytes() == source
+    # Every whole block went the direct way (when it could); only the last partial one did not.
+    assert writer.direct_bytes == (length // BLOCK * BLOCK if direct else 0)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_a_file_read_direct_comes_back_whole_in_bounded_pieces(tmp_path: Path, length: int) -> None:
+    if direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    source = random.Random(length).randbytes(length)
+    target = tmp_path / "chunk"
+    target.write_bytes(source)
+    pieces = direct_pieces(target)
+    assert pieces is not None
+    got = list(pieces)
+    assert b"".join(got) == source
+    assert all(0 < len(piece) <= STAGE for piece in got)
+    assert len(got) == -(-length // STAGE)
+
+
+def test_a_direct_read_of_a_missing_file_fails_before_it_starts(tmp_path: Path) -> None:
+    if direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    with pytest.raises(FileNotFoundError):
+        direct_pieces(tmp_path / "absent")
+
+
+def test_readers_and_writers_leave_no_descriptor_open(tmp_path: Path) -> None:
+    """A reader dropped before it starts or half-way, and a writer that gave up, close their files."""
+    if direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    target = tmp_path / "chunk"
+    target.write_bytes(bytes(3 * STAGE))
+    before = len(os.listdir("/proc/self/fd"))
+    unstarted = direct_pieces(target)
+    half = direct_pieces(target)
+    assert half is not None and len(next(half)) == STAGE
+    del unstarted
+    half.close()
+    with range_writer(target, 5, 2 * STAGE, threading.Lock()) as writer:
+        writer.write(bytes(STAGE))  # gives up before the end of its range
+    assert len(os.listdir("/proc/self/fd")) == before

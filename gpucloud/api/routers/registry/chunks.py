@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 from anyio import from_thread
@@ -72,16 +73,18 @@ async def upload_chunk(
     body = _RequestBody(request, size)
     try:
         stored = await run_in_threadpool(chunks.put, chunk_id, body)
+        if not stored:
+            await body.drain()  # the store had it: read the rest, so the connection can carry the next request
     except ChunkCorruptedError as exc:
         raise invalid(
             "chunk_id",
             f"the {size} bytes sent hash to {exc.actual_id}, not to {chunk_id}; nothing was stored",
             "chunk-digest-mismatch",
         ) from None
+    finally:
+        body.release()
     if stored:
         await run_in_threadpool(storage_quota.add, settings.database_url, tenant.tenant_id, size)
-    else:
-        await body.drain()  # the store had it: read the rest, so the connection can carry the next request
     return JSONResponse(
         ChunkStored(id=chunk_id, size=size, stored=stored).model_dump(), status_code=201 if stored else 200
     )
@@ -89,33 +92,72 @@ async def upload_chunk(
 
 class _RequestBody:
     """The request's body as a blocking `read()` for the store's writer thread: each call asks the
-    event loop for the next pieces (about `READ_BATCH` bytes, so the thread hops once per MiB, not
-    once per network read), whatever `read` is asked for. The HTTP server frames the body by its
-    Content-Length, and a client that goes away ends the stream with an error; the count is
-    checked once more at the end, so that no server that frames it otherwise stores a short body."""
+    event loop for the next `READ_BATCH` bytes (so the thread hops once per batch, not once per
+    network read), whatever `read` is asked for, and returns a view of a buffer the next call
+    overwrites (the store hashes and writes each piece before it reads the next). The buffers come
+    from a pool, so an upload fills memory the process wrote a moment ago rather than fresh pages.
+    The HTTP server frames the body by its Content-Length, and a client that goes away ends the
+    stream with an error; the count is checked once more at the end, so that no server that frames
+    it otherwise stores a short body. Call `release` once the store is done with it."""
 
     def __init__(self, request: Request, size: int) -> None:
         self._pieces = request.stream()
         self._size, self._received = size, 0
+        self._buffer: bytearray | None = None
+        self._leftover = memoryview(b"")
 
-    async def _next(self) -> bytes:
-        batch = bytearray()
-        while len(batch) < READ_BATCH:
-            piece = await anext(self._pieces, None)
-            if piece is None:
-                if self._received != self._size:
-                    raise invalid("body", f"{self._received} bytes arrived, the Content-Length said {self._size}")
-                break
-            self._received += len(piece)
-            batch += piece
-        return bytes(batch)
+    async def _next(self) -> memoryview:
+        if self._buffer is None:
+            self._buffer = _BATCHES.take()
+        batch, filled = memoryview(self._buffer), 0
+        while filled < len(batch):
+            if not self._leftover:
+                piece = await anext(self._pieces, None)
+                if piece is None:
+                    if self._received != self._size:
+                        raise invalid("body", f"{self._received} bytes arrived, the Content-Length said {self._size}")
+                    break
+                self._received += len(piece)
+                self._leftover = memoryview(piece)
+            n = min(len(self._leftover), len(batch) - filled)
+            batch[filled : filled + n] = self._leftover[:n]
+            self._leftover, filled = self._leftover[n:], filled + n
+        return batch[:filled]
 
-    def read(self, size: int = -1, /) -> bytes:
+    def read(self, size: int = -1, /) -> memoryview:
         return from_thread.run(self._next)
 
     async def drain(self) -> None:
         while await self._next():
             pass
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            _BATCHES.give(self._buffer)
+            self._buffer = None
+
+
+class _BufferPool:
+    """Reusable buffers of one size, at most `keep` of them idle."""
+
+    def __init__(self, size: int, keep: int) -> None:
+        self._size, self._keep = size, keep
+        self._idle: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return bytearray(self._size)
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(buffer)
+
+
+_BATCHES = _BufferPool(READ_BATCH, keep=8)
 
 
 def _served(tenant_id: str, chunk_id: str, pieces: Iterator[bytes]) -> Iterator[bytes]:

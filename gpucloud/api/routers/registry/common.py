@@ -26,7 +26,7 @@ from gpucloud.web.problems import Problem, not_found
 log = logging.getLogger(__name__)
 
 
-READ_BATCH = 1 << 20  # an upload reaches the store's writer thread in pieces of about this size
+READ_BATCH = 4 << 20  # an upload reaches the store's writer thread in pieces of about this size
 
 ChunkId = Annotated[str, PathParam(pattern=DIGEST_PATTERN, description="BLAKE3 hex of the chunk's bytes")]
 VersionRef = Annotated[str, PathParam(description="a digest, a unique digest prefix (8+ hex digits) or an alias")]
