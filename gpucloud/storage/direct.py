@@ -90,9 +90,25 @@ def _pwrite_direct(fd: int, data: memoryview, offset: int) -> int:
 
 
 class _Staged:
-    """A writer's aligned buffer, taken from the pool on first use and given back by `release`."""
+    """A writer's aligned buffer, taken from the pool on first use and given back by `release`,
+    and its block-aligned writes: direct, or through the page cache where the device refuses
+    them (a logical block larger than `BLOCK`), from then on."""
 
     _buffer: memoryview | None = None
+    fd: int
+    direct_fd: int | None
+
+    def _write_aligned(self, data: memoryview, offset: int) -> int:
+        """Write `data` at `offset`; the offset after it."""
+        if self.direct_fd is not None:
+            try:
+                return _pwrite_direct(self.direct_fd, data, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct_fd = None  # the same bytes again, the ordinary way
+        pwrite_all(self.fd, data, offset)
+        return offset + len(data)
 
     def _stage(self) -> memoryview:
         if self._buffer is None:
@@ -150,9 +166,10 @@ class RangeWriter(_Staged):
             raise ValueError(f"range ends at {self.end}, written up to {self.pos}")
 
     def _write_stage(self, stage: memoryview) -> None:
-        assert self.direct_fd is not None
-        end = _pwrite_direct(self.direct_fd, stage[: self.staged], self.stage_at)
-        self.direct_bytes += end - self.stage_at
+        direct = self.direct_fd is not None
+        end = self._write_aligned(stage[: self.staged], self.stage_at)
+        if direct and self.direct_fd is not None:
+            self.direct_bytes += end - self.stage_at
         self.stage_at, self.staged = end, 0
 
 
@@ -190,7 +207,7 @@ class AppendWriter(_Staged):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        if self.direct_fd is None:
+        if self.direct_fd is None and not self.staged:
             pwrite_all(self.fd, view, self.pos)
             self.pos += len(view)
             return
@@ -216,10 +233,10 @@ class AppendWriter(_Staged):
         return self.pos
 
     def _flush(self, count: int) -> None:
-        assert self.direct_fd is not None
         stage = self._stage()
-        self.pos = _pwrite_direct(self.direct_fd, stage[:count], self.pos)
-        self.direct_bytes += count
+        self.pos = self._write_aligned(stage[:count], self.pos)
+        if self.direct_fd is not None:
+            self.direct_bytes += count
         rest = self.staged - count
         if rest:  # keep the unaligned remainder at the stage's start
             stage[:rest] = stage[count : self.staged]
@@ -245,12 +262,25 @@ def direct_pieces(path: str | Path) -> Iterator[bytes] | None:
         with f:
             buffer, offset = _BUFFERS.take(), 0
             try:
-                while count := f.readinto(buffer):
+                while True:
+                    try:
+                        count = f.readinto(buffer)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        count = None  # the device wants more alignment than `BLOCK`
+                    if count is None or count % BLOCK:
+                        if count:
+                            yield bytes(buffer[:count])
+                            offset += count
+                        # The end of a file reads short of a block; the rest, if any, and what
+                        # the device refused to read direct, go through the page cache.
+                        yield from _buffered_from(path, offset)
+                        return
+                    if not count:
+                        return
                     yield bytes(buffer[:count])
                     offset += count
-                    if count % BLOCK:  # only the end of a file reads short of a block: the rest,
-                        yield from _buffered_from(path, offset)  # if any, cannot go direct
-                        return
             finally:
                 _BUFFERS.give(buffer)
 

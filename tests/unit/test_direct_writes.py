@@ -5,6 +5,7 @@ one buffered, lands byte for byte."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -176,3 +177,71 @@ def test_readers_and_writers_leave_no_descriptor_open(tmp_path: Path) -> None:
     with range_writer(target, 5, 2 * STAGE, threading.Lock()) as writer:
         writer.write(bytes(STAGE))  # gives up before the end of its range
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_device_that_refuses_a_direct_write_gets_the_bytes_the_ordinary_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A logical block larger than `BLOCK` makes a direct write fail with EINVAL: the same bytes
+    go through the page cache, then and from then on."""
+    if direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    source = random.Random(9).randbytes(3 * STAGE + 77)
+    target = tmp_path / "chunk"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    direct_fd = open_direct(target)
+    assert direct_fd is not None
+    real_pwrite, refused = os.pwrite, []
+
+    def pwrite(descriptor: int, data, offset: int) -> int:
+        if descriptor == direct_fd and offset >= STAGE:  # the first stage goes through, then no more
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(descriptor, data, offset)
+
+    monkeypatch.setattr("gpucloud.storage.direct.os.pwrite", pwrite)
+    try:
+        writer = AppendWriter(fd, direct_fd)
+        for at in range(0, len(source), 300_001):
+            writer.write(source[at : at + 300_001])
+        assert writer.close() == len(source)
+    finally:
+        os.close(fd)
+        os.close(direct_fd)
+    assert target.read_bytes() == source
+    assert refused == [STAGE] and writer.direct_bytes == STAGE and writer.direct_fd is None
+
+
+def test_a_device_that_refuses_a_direct_read_is_read_the_ordinary_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    source = random.Random(4).randbytes(3 * STAGE + 5)
+    target = tmp_path / "chunk"
+    target.write_bytes(source)
+    real_fdopen = os.fdopen
+
+    class Refusing:
+        """The direct descriptor's file: its second read is refused as a misaligned one."""
+
+        def __init__(self, f) -> None:
+            self.f, self.reads = f, 0
+
+        def readinto(self, buffer) -> int:
+            self.reads += 1
+            if self.reads == 2:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return self.f.readinto(buffer)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    monkeypatch.setattr("gpucloud.storage.direct.os.fdopen", lambda *a, **k: Refusing(real_fdopen(*a, **k)))
+    pieces = direct_pieces(target)
+    assert pieces is not None
+    got = list(pieces)
+    assert b"".join(got) == source and len(got[0]) == STAGE
