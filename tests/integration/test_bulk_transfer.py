@@ -16,6 +16,8 @@ from gpucloud.client.bulk import BROKEN, BulkConnections
 from gpucloud.client.registry import RegistryClient
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.registry.manifest import ChunkRef
+from gpucloud.web import tls
+from gpucloud.web.tls import LocalCA
 
 READ = 256 * 1024
 UPLOADS: list[bytes] = []  # the bodies the test server received, in order
@@ -26,8 +28,8 @@ def body(size: int) -> bytes:
     return bytes(i * 7 % 251 for i in range(251)) * (size // 251) + b"x" * (size % 251)
 
 
-@pytest.fixture(scope="module")
-def server():
+def build_app() -> FastAPI:
+    """The test server: blobs to download, bodies to upload, answers of every kind."""
     app = FastAPI()
     app.state.peers = []
 
@@ -75,6 +77,12 @@ def server():
         problem = {"type": "https://gpucloud.dev/problems/chunk-too-large", "title": "Too large", "detail": "no"}
         return JSONResponse(problem, 413, media_type="application/problem+json")
 
+    return app
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = build_app()
     with ThreadedServer(app, name="bulk-test", timeout_keep_alive=1) as running:
         yield running, app.state.peers
 
@@ -228,3 +236,21 @@ def test_a_chunk_upload_the_api_was_too_busy_for_is_sent_again(server, tmp_path:
     with RegistryClient(running.url, "sesame") as client:
         assert client.upload("llama", source, chunk) is True
     assert chunk.id in BUSY_ONCE and UPLOADS[-1] == body(2 * READ)[READ:]
+
+
+def test_chunk_bodies_travel_whole_over_tls(tmp_path: Path):
+    """Over TLS an upload cannot use `sendfile`: it is read and sent from one buffer."""
+    ca = LocalCA(tmp_path / "ca")
+    app = build_app()
+    source = tmp_path / "weights.bin"
+    source.write_bytes(body(3 * READ + 5))
+    tls.trust(ca.cert_file)
+    with ThreadedServer(app, name="bulk-tls", tls=ca.issue("api", ["127.0.0.1"])) as secure:
+        assert secure.url.startswith("https://")
+        bulk = BulkConnections(secure.url, "sesame", timeout_s=10, read_size=READ)
+        try:
+            assert bulk.upload("/v1/blob", source, 7, 3 * READ - 2) == {"stored": True, "size": 3 * READ - 2}
+            assert UPLOADS[-1] == body(3 * READ + 5)[7 : 3 * READ + 5]
+            assert read_all(bulk, f"/v1/blob/{2 * READ + 1}")[0] == body(2 * READ + 1)
+        finally:
+            bulk.close()
