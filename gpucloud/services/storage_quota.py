@@ -11,23 +11,27 @@ its quota by at most its concurrent uploads' sizes.
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlmodel import col
+from sqlmodel import Session, col
 
-from gpucloud.db import rowcount, session_scope
+from gpucloud.db import read_scope, rowcount, session_scope
 from gpucloud.models.registry_tables import StorageUsage
 from gpucloud.models.tables import utcnow
 from gpucloud.web.problems import Problem
 
 
 def usage(db_url: str, tenant_id: str) -> int:
-    with session_scope(db_url) as session:
-        row = session.get(StorageUsage, tenant_id)
-        return row.bytes if row is not None else 0
+    with read_scope(db_url) as session:
+        return usage_in(session, tenant_id)
 
 
-def admit(db_url: str, tenant_id: str, size: int, quota: int) -> None:
+def usage_in(session: Session, tenant_id: str) -> int:
+    row = session.get(StorageUsage, tenant_id)
+    return row.bytes if row is not None else 0
+
+
+def admit(session: Session, tenant_id: str, size: int, quota: int) -> None:
     """Raise a 409 if storing `size` more bytes would take the tenant past `quota`."""
-    used = usage(db_url, tenant_id)
+    used = usage_in(session, tenant_id)
     if used + size > quota:
         raise Problem(
             409,

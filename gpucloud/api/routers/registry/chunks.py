@@ -18,7 +18,10 @@ from gpucloud.api.routers.registry.common import (
     StoresDep,
     check_model,
     invalid,
+    model_row,
 )
+from gpucloud.config import Settings
+from gpucloud.db import read_scope
 from gpucloud.models.registry_tables import (
     ChunkQuery,
     ChunkStored,
@@ -30,6 +33,7 @@ from gpucloud.registry.manifest import (
     ChunkMissingError,
     IntegrityError,
 )
+from gpucloud.registry.store import ChunkStore
 from gpucloud.services import storage_quota
 from gpucloud.web.problems import Problem, not_found
 
@@ -56,7 +60,6 @@ async def upload_chunk(
 ):
     """Store a chunk, hashed as it arrives and written once: straight from the connection into
     the store's temp file, which becomes the chunk only if the bytes hash to its id."""
-    await run_in_threadpool(check_model, settings, tenant.tenant_id, name)
     limit = settings.registry.max_chunk_size
     declared = request.headers.get("content-length", "")
     if not declared.isdigit():
@@ -67,9 +70,7 @@ async def upload_chunk(
     if size > limit:
         raise Problem(413, "chunk-too-large", "Chunk too large", f"a chunk may have at most {limit} bytes")
     chunks = stores.chunks(tenant.tenant_id)
-    if not await run_in_threadpool(chunks.has, chunk_id):  # a chunk already stored costs nothing
-        quota = settings.registry.storage_quota_bytes
-        await run_in_threadpool(storage_quota.admit, settings.database_url, tenant.tenant_id, size, quota)
+    await run_in_threadpool(_admit, settings, tenant.tenant_id, name, chunks, chunk_id, size)
     body = _RequestBody(request, size)
     try:
         stored = await run_in_threadpool(chunks.put, chunk_id, body)
@@ -88,6 +89,15 @@ async def upload_chunk(
     return JSONResponse(
         ChunkStored(id=chunk_id, size=size, stored=stored).model_dump(), status_code=201 if stored else 200
     )
+
+
+def _admit(settings: Settings, tenant_id: str, name: str, chunks: ChunkStore, chunk_id: str, size: int) -> None:
+    """The model is the tenant's, and a chunk its store lacks fits its quota (a chunk already
+    stored costs nothing): one read of the database, before any byte of the body is taken."""
+    with read_scope(settings.database_url) as session:
+        model_row(session, tenant_id, name)
+        if not chunks.has(chunk_id):
+            storage_quota.admit(session, tenant_id, size, settings.registry.storage_quota_bytes)
 
 
 class _RequestBody:

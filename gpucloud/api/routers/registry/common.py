@@ -12,7 +12,7 @@ from fastapi import Path as PathParam
 from sqlmodel import Session, col, select
 
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import read_scope
 from gpucloud.models.registry_tables import DIGEST_PATTERN, ModelAlias, ModelVersion, RegistryModel
 from gpucloud.registry.manifest import (
     IntegrityError,
@@ -94,5 +94,5 @@ def signature_problem(exc: IntegrityError) -> Problem:
 
 
 def check_model(settings: Settings, tenant_id: str, name: str) -> None:
-    with session_scope(settings.database_url) as session:
+    with read_scope(settings.database_url) as session:
         model_row(session, tenant_id, name)
