@@ -17,9 +17,11 @@ import pytest
 from gpucloud.storage.direct import (
     BLOCK,
     STAGE,
+    AlignedPool,
     AppendWriter,
     RangeWriter,
     direct_pieces,
+    is_aligned,
     open_direct,
     range_writer,
 )
@@ -245,3 +247,37 @@ def test_a_device_that_refuses_a_direct_read_is_read_the_ordinary_way(
     assert pieces is not None
     got = list(pieces)
     assert b"".join(got) == source and len(got[0]) == STAGE
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_pieces_in_an_aligned_buffer_are_written_from_it(tmp_path: Path, direct: bool) -> None:
+    """A piece that starts on a block in memory (an `AlignedPool` buffer, as an upload's batches
+    are) has its whole blocks written from where it is; anything else goes through the stage."""
+    if direct and direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    buffer = AlignedPool(4 * STAGE, keep=1).take()
+    assert is_aligned(buffer) and not is_aligned(buffer[1:]) and not is_aligned(memoryview(bytes(BLOCK)))
+    sizes = [4 * STAGE, STAGE + 100, 5000, 2 * BLOCK]  # the third is plain bytes, the rest from the buffer
+    source = random.Random(11).randbytes(sum(sizes))
+    target = tmp_path / "chunk"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    direct_fd = open_direct(target) if direct else None
+    writer = AppendWriter(fd, direct_fd)
+    try:
+        at = 0
+        for i, size in enumerate(sizes):
+            if i == 2:
+                writer.write(source[at : at + size])
+            else:
+                buffer[:size] = source[at : at + size]
+                writer.write(buffer[:size])
+            if i == 0:
+                assert writer._buffer is None  # no stage taken: nothing was copied
+            at += size
+        assert writer.close() == len(source)
+    finally:
+        os.close(fd)
+        if direct_fd is not None:
+            os.close(direct_fd)
+    assert target.read_bytes() == source
+    assert writer.direct_bytes == (len(source) // BLOCK * BLOCK if direct else 0)

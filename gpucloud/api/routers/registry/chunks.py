@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 
 from anyio import from_thread
@@ -35,6 +34,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.store import ChunkStore
 from gpucloud.services import storage_quota
+from gpucloud.storage.direct import AlignedPool
 from gpucloud.web.problems import Problem, not_found
 
 log = logging.getLogger(__name__)
@@ -113,13 +113,13 @@ class _RequestBody:
     def __init__(self, request: Request, size: int) -> None:
         self._pieces = request.stream()
         self._size, self._received = size, 0
-        self._buffer: bytearray | None = None
+        self._buffer: memoryview | None = None
         self._leftover = memoryview(b"")
 
     async def _next(self) -> memoryview:
         if self._buffer is None:
             self._buffer = _BATCHES.take()
-        batch, filled = memoryview(self._buffer), 0
+        batch, filled = self._buffer, 0
         while filled < len(batch):
             if not self._leftover:
                 piece = await anext(self._pieces, None)
@@ -147,27 +147,7 @@ class _RequestBody:
             self._buffer = None
 
 
-class _BufferPool:
-    """Reusable buffers of one size, at most `keep` of them idle."""
-
-    def __init__(self, size: int, keep: int) -> None:
-        self._size, self._keep = size, keep
-        self._idle: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> bytearray:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return bytearray(self._size)
-
-    def give(self, buffer: bytearray) -> None:
-        with self._lock:
-            if len(self._idle) < self._keep:
-                self._idle.append(buffer)
-
-
-_BATCHES = _BufferPool(READ_BATCH, keep=8)
+_BATCHES = AlignedPool(READ_BATCH, keep=8)  # aligned: the store writes a batch straight from it
 
 
 def _served(tenant_id: str, chunk_id: str, pieces: Iterator[bytes]) -> Iterator[bytes]:
