@@ -58,7 +58,7 @@ from gpucloud.registry.chunking import (
 from gpucloud.registry.manifest import ChunkRef
 from gpucloud.registry.push import push
 from gpucloud.registry.store import LocalChunkStore
-from gpucloud.storage.direct import STAGE, AppendWriter, open_direct
+from gpucloud.storage.direct import STAGE, write_durably
 from gpucloud.storage.local import fsync_path
 
 BLOCKS = 20
@@ -139,20 +139,9 @@ def chunk_files_floor_direct(path: Path, chunks: list[ChunkRef], into: Path, con
 
     def one(chunk: ChunkRef) -> None:
         tmp, final = into / f".{chunk.id}", into / chunk.id
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        direct_fd = open_direct(tmp)
-        writer = AppendWriter(fd, direct_fd)
-        try:
-            with FileRegion(path, chunk.offset, chunk.size) as region:
-                while piece := region.read(STAGE):
-                    writer.write(piece)
-            writer.close()
-            os.fsync(fd)
-        finally:
-            writer.release()
-            os.close(fd)
-            if direct_fd is not None:
-                os.close(direct_fd)
+        with FileRegion(path, chunk.offset, chunk.size) as region:
+            pieces = iter(lambda: region.read(STAGE), b"")
+            write_durably(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp, pieces)
         os.replace(tmp, final)
         fsync_path(into)
 

@@ -22,6 +22,7 @@ import http.client
 import io
 import json
 import socket
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -34,6 +35,8 @@ from gpucloud.web.buffers import READ_SIZE
 
 # What a broken connection raises here: reset, refused, timed out, cut short, garbled.
 BROKEN = (OSError, http.client.HTTPException)
+# What a kept-alive connection the server closed while it was idle raises at the next request.
+STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
 
 
 class BulkConnections:
@@ -97,12 +100,14 @@ class BulkConnections:
                     )
 
             connection, response = self._send("PUT", path, headers, body)
+        done = False
         try:
             payload = response.read()
-            if response.status >= 400:
-                raise ApiError.from_parts(response.status, payload, response.getheader("Retry-After", ""))
+            done = True
         finally:
-            self._finish(connection, response, reusable=True)
+            self._finish(connection, response, reusable=done)
+        if response.status >= 400:
+            raise ApiError.from_parts(response.status, payload, response.getheader("Retry-After", ""))
         return json.loads(payload) if payload else None
 
     def _send(
@@ -120,8 +125,8 @@ class BulkConnections:
         if connection is not None:
             try:
                 return connection, self._exchange(connection, method, path, headers, body)
-            except BROKEN:
-                connection.close()
+            except STALE:  # closed by the server while idle: not a timeout, which could be a slow
+                connection.close()  # server still at work on the first copy
         connection = self._connect()
         try:
             return connection, self._exchange(connection, method, path, headers, body)
@@ -149,6 +154,8 @@ class BulkConnections:
             except EOFError:
                 connection.close()
                 raise
+            except OSError as unsent:
+                return _early_answer(connection, unsent)
         return connection.getresponse()
 
     def _connect(self) -> http.client.HTTPConnection:
@@ -167,6 +174,20 @@ class BulkConnections:
                 self._idle.append(connection)
         else:
             connection.close()
+
+
+def _early_answer(connection: http.client.HTTPConnection, unsent: OSError) -> http.client.HTTPResponse:
+    """The error answer a server (or a proxy) sent before it stopped reading the body and closed
+    (a 413, 401, 409 as soon as it saw the headers): that, not the broken pipe, is what to report.
+    Anything else, no answer or a success for a body it did not read, is the send's failure."""
+    try:
+        response = connection.getresponse()
+    except BROKEN:
+        raise unsent from None
+    if response.status < 400:
+        raise unsent
+    response.will_close = True  # the rest of the body never went: the connection is done
+    return response
 
 
 def _send_read(sock: socket.socket, f: io.RawIOBase, offset: int, size: int, piece: int) -> int:

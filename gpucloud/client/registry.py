@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import ssl
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -44,7 +45,7 @@ from gpucloud.registry.push import ChunksMissing, TransferProgress
 
 # What a chunk upload retries besides busy answers: the connection failed, timed out or was garbled
 # (not a file that changed under it, nor any other local error).
-UPLOAD_BROKEN = (ConnectionError, TimeoutError, http.client.HTTPException)
+UPLOAD_BROKEN = (ConnectionError, TimeoutError, http.client.HTTPException, ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
 
 class RegistryClient(ApiClient):

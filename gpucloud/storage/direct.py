@@ -25,16 +25,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 BLOCK = 4096  # a multiple of every logical block size in use (512 or 4096)
 STAGE = 1 << 20  # the aligned buffer a writer fills before a direct write, and a direct read's size
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # Linux and a few others
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # what a file system without direct I/O answers
 
 
 class AlignedPool:
@@ -69,7 +71,7 @@ def open_direct(path: str | Path) -> int | None:
     try:
         return os.open(path, os.O_WRONLY | _O_DIRECT)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
+        if exc.errno in _REFUSED:
             return None
         raise
 
@@ -263,52 +265,74 @@ def is_aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % BLOCK == 0
 
 
+def write_durably(
+    fd: int, path: str | Path, pieces: Iterable[bytes | memoryview], *, check: Callable[[], None] | None = None
+) -> int:
+    """Write `pieces` into the new, empty file at `path` open as `fd` (whole blocks with direct I/O
+    where allowed, see `AppendWriter`), run `check` after the last piece, fsync, and close every
+    descriptor whatever happens; the file's length."""
+    direct_fd: int | None = None
+    writer: AppendWriter | None = None
+    try:
+        direct_fd = open_direct(path)
+        writer = AppendWriter(fd, direct_fd)
+        for piece in pieces:
+            writer.write(piece)
+        length = writer.close()
+        if check is not None:
+            check()
+        os.fsync(fd)
+        return length
+    finally:
+        if writer is not None:
+            writer.release()
+        os.close(fd)
+        if direct_fd is not None:
+            os.close(direct_fd)
+
+
 def direct_pieces(path: str | Path) -> Iterator[bytes] | None:
     """The file's bytes in pieces of up to `STAGE`, read with direct I/O into an aligned buffer
     and copied out (into memory the process reuses: a page-cache read would first have the kernel
     find and fill fresh pages), or None where the file system refuses O_DIRECT. The file is opened
-    now: a missing one raises `FileNotFoundError` here, not from the iterator."""
+    now, once: a missing one raises `FileNotFoundError` here, and one deleted meanwhile is still
+    read to its end."""
     if not _O_DIRECT:
         return None
     try:
         fd = os.open(path, os.O_RDONLY | _O_DIRECT)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
+        if exc.errno in _REFUSED:
             return None
         raise
     f = os.fdopen(fd, "rb", buffering=0)  # closed by the iterator, or when dropped unstarted
 
     def pieces() -> Iterator[bytes]:
         with f:
-            buffer, offset = _BUFFERS.take(), 0
+            buffer = _BUFFERS.take()
             try:
                 while True:
                     try:
                         count = f.readinto(buffer)
                     except OSError as exc:
-                        if exc.errno != errno.EINVAL:
+                        if exc.errno not in _REFUSED:
                             raise
                         count = None  # the device wants more alignment than `BLOCK`
-                    if count is None or count % BLOCK:
-                        if count:
-                            yield bytes(buffer[:count])
-                            offset += count
-                        # The end of a file reads short of a block; the rest, if any, and what
-                        # the device refused to read direct, go through the page cache.
-                        yield from _buffered_from(path, offset)
-                        return
-                    if not count:
-                        return
-                    yield bytes(buffer[:count])
-                    offset += count
+                    if count is not None and count % BLOCK == 0:
+                        if not count:
+                            return
+                        yield bytes(buffer[:count])
+                        continue
+                    if count:
+                        yield bytes(buffer[:count])
+                    # The end of a file reads short of a block; the rest, if any, and what the
+                    # device refused to read direct, are read through the page cache from here on.
+                    descriptor = f.fileno()
+                    fcntl.fcntl(descriptor, fcntl.F_SETFL, fcntl.fcntl(descriptor, fcntl.F_GETFL) & ~_O_DIRECT)
+                    while piece := f.read(STAGE):
+                        yield piece
+                    return
             finally:
                 _BUFFERS.give(buffer)
 
     return pieces()
-
-
-def _buffered_from(path: str | Path, offset: int) -> Iterator[bytes]:
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        while piece := f.read(STAGE):
-            yield piece

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from gpucloud.storage.direct import AppendWriter, direct_pieces, open_direct
+from gpucloud.storage.direct import direct_pieces, write_durably
 from gpucloud.storage.objects import (
     PRESIGN_METHODS,
     ObjectInfo,
@@ -66,20 +66,7 @@ class LocalObjectStore(ObjectStore):
         path = self.path(key)
         fd, tmp_name = tempfile.mkstemp(dir=self._tmp, prefix=f"{path.name[:16]}.")
         try:
-            direct_fd = open_direct(tmp_name)  # whole blocks past the page cache, see storage/direct.py
-            writer = AppendWriter(fd, direct_fd)
-            try:
-                for piece in pieces:
-                    writer.write(piece)
-                writer.close()
-                if check is not None:
-                    check()
-                os.fsync(fd)
-            finally:
-                writer.release()
-                os.close(fd)
-                if direct_fd is not None:
-                    os.close(direct_fd)
+            write_durably(fd, tmp_name, pieces, check=check)  # whole blocks past the page cache
             created = self._make_parents(path.parent)
             os.replace(tmp_name, path)
             for directory in (path.parent, *created):

@@ -4,6 +4,9 @@ half-sent handed on, errors reported as the rest of the client does."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -254,3 +257,67 @@ def test_chunk_bodies_travel_whole_over_tls(tmp_path: Path):
             assert read_all(bulk, f"/v1/blob/{2 * READ + 1}")[0] == body(2 * READ + 1)
         finally:
             bulk.close()
+
+
+class RawServer:
+    """A socket server that answers each connection with `answer` as soon as the request's headers
+    are in, without reading the body, then closes: what a proxy with a body limit does."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer, self.connections = answer, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head and (data := conn.recv(4096)):
+                    head += data
+                conn.sendall(self.answer)
+                conn.shutdown(socket.SHUT_WR)
+                conn.settimeout(1)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)  # a little of the body, then the close resets the sender
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_error_answered_before_the_body_was_read_is_reported_at_once(tmp_path: Path):
+    problem = b'{"type": "https://gpucloud.dev/problems/chunk-too-large", "title": "Too large", "detail": "no"}'
+    server = RawServer(
+        b"HTTP/1.1 413 Content Too Large\r\nContent-Type: application/problem+json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(problem)).encode() + b"\r\n\r\n" + problem
+    )
+    source = tmp_path / "weights.bin"
+    source.write_bytes(bytes(32 << 20))  # far more than the sockets' buffers hold
+    chunk = ChunkRef(id="cd" * 32, offset=0, size=32 << 20)
+    started = time.monotonic()
+    try:
+        with RegistryClient(server.url, "sesame") as client, pytest.raises(ApiError) as refused:
+            client.upload("llama", source, chunk)
+    finally:
+        server.close()
+    assert (refused.value.status, refused.value.type) == (413, "chunk-too-large")
+    assert time.monotonic() - started < 10 and server.connections == 1  # not retried as a broken pipe
+
+
+def test_an_answer_cut_short_does_not_leave_its_connection_for_the_next_request(tmp_path: Path):
+    server = RawServer(b"HTTP/1.1 201 Created\r\nContent-Length: 100\r\n\r\n" + b'{"stored": tr')
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"x" * 100)
+    bulk = BulkConnections(server.url, "sesame", timeout_s=5)
+    try:
+        with pytest.raises(BROKEN):
+            bulk.upload("/v1/blob", source, 0, 100)
+        assert not bulk._idle  # nothing half-read is handed to the next request
+    finally:
+        bulk.close()
+        server.close()

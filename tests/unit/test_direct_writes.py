@@ -236,6 +236,12 @@ def test_a_device_that_refuses_a_direct_read_is_read_the_ordinary_way(
                 raise OSError(errno.EINVAL, "Invalid argument")
             return self.f.readinto(buffer)
 
+        def fileno(self) -> int:
+            return self.f.fileno()
+
+        def read(self, size: int) -> bytes:
+            return self.f.read(size)
+
         def __enter__(self):
             return self
 
@@ -281,3 +287,35 @@ def test_pieces_in_an_aligned_buffer_are_written_from_it(tmp_path: Path, direct:
             os.close(direct_fd)
     assert target.read_bytes() == source
     assert writer.direct_bytes == (len(source) // BLOCK * BLOCK if direct else 0)
+
+
+def test_a_file_deleted_while_it_is_read_direct_is_read_to_its_end(tmp_path: Path) -> None:
+    """Garbage collection may delete a chunk while it is served: the open file still reads whole,
+    its last partial block included (no second open by path)."""
+    if direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    source = random.Random(5).randbytes(3 * STAGE + 5)
+    target = tmp_path / "chunk"
+    target.write_bytes(source)
+    pieces = direct_pieces(target)
+    assert pieces is not None
+    first = next(pieces)
+    target.unlink()
+    assert first + b"".join(pieces) == source
+
+
+def test_a_store_write_that_cannot_start_closes_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpucloud.storage.local import LocalObjectStore
+
+    store = LocalObjectStore(tmp_path / "objects")
+
+    def refuse(path):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr("gpucloud.storage.direct.open_direct", refuse)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(OSError, match="Too many open files"):
+            store.put("a/b", b"x" * 10)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert not list((tmp_path / "objects" / "tmp").iterdir())

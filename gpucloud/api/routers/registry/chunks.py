@@ -94,9 +94,10 @@ async def upload_chunk(
 def _admit(settings: Settings, tenant_id: str, name: str, chunks: ChunkStore, chunk_id: str, size: int) -> None:
     """The model is the tenant's, and a chunk its store lacks fits its quota (a chunk already
     stored costs nothing): one read of the database, before any byte of the body is taken."""
+    stored = chunks.has(chunk_id)  # before the session: on S3 this is a request of its own
     with read_scope(settings.database_url) as session:
         model_row(session, tenant_id, name)
-        if not chunks.has(chunk_id):
+        if not stored:
             storage_quota.admit(session, tenant_id, size, settings.registry.storage_quota_bytes)
 
 
