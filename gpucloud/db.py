@@ -40,8 +40,9 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
-def _sqlite_engine(url: str, *, connections: int, on_connect, begin: str) -> sa.Engine:
-    """A pool of `connections` to a SQLite file whose transactions start with `begin`."""
+def _sqlite_engine(url: str, *, connections: int, on_connect, begin: str | None) -> sa.Engine:
+    """A pool of `connections` to a SQLite file whose transactions start with `begin`; with
+    None, each statement is its own transaction (autocommit)."""
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": 30},
@@ -52,7 +53,8 @@ def _sqlite_engine(url: str, *, connections: int, on_connect, begin: str) -> sa.
     sa.event.listen(engine, "connect", on_connect)
     # pysqlite's own transaction handling would defer BEGIN; do it ourselves.
     sa.event.listen(engine, "connect", lambda c, r: setattr(c, "isolation_level", None))
-    sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(begin))
+    if begin is not None:
+        sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(begin))
     return engine
 
 
@@ -87,19 +89,21 @@ def _sqlite_reader(dbapi_conn, _record) -> None:
 @lru_cache(maxsize=8)
 def get_read_engine(url: str) -> sa.Engine:
     """Connections for transactions that only read (credentials, a heartbeat that changes
-    nothing). SQLite in WAL mode serves readers beside its one writer: they get a few
-    connections of their own, which begin deferred and never wait for the write lock, instead
-    of queueing for the writer's one connection, and cannot write (`query_only`). Postgres: the
-    one pool, in autocommit (a read of one statement needs no BEGIN and ROLLBACK around it: one
-    round trip instead of three); nothing there refuses a write, so callers only read. An
-    in-memory SQLite, whose connections would each see their own database: the one engine."""
+    nothing). On both databases each statement is its own transaction (autocommit: a read of
+    one statement needs no BEGIN and COMMIT around it, one call instead of three), so a caller
+    that reads twice may see a write land between the two. SQLite in WAL mode serves readers
+    beside its one writer: they get a few connections of their own, which never wait for the
+    write lock, instead of queueing for the writer's one connection, and cannot write
+    (`query_only`). Postgres: the one pool; nothing there refuses a write, so callers only
+    read. An in-memory SQLite, whose connections would each see their own database: the one
+    engine."""
     writer = get_engine(url)
     if not url.startswith("sqlite"):
         return writer.execution_options(isolation_level="AUTOCOMMIT")
     path = url.split("///", 1)[-1]
     if not path or path == ":memory:" or "mode=memory" in url:
         return writer
-    return _sqlite_engine(url, connections=SQLITE_READERS, on_connect=_sqlite_reader, begin="BEGIN")
+    return _sqlite_engine(url, connections=SQLITE_READERS, on_connect=_sqlite_reader, begin=None)
 
 
 @contextmanager

@@ -31,6 +31,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 BLOCK = 4096  # a multiple of every logical block size in use (512 or 4096)
 STAGE = 1 << 20  # the aligned buffer a writer fills before a direct write, and a direct read's size
@@ -181,11 +182,23 @@ class RangeWriter(_Staged):
 def range_writer(path: str | Path, offset: int, size: int, lock: threading.Lock):
     """A `RangeWriter` on `path` with its descriptors opened, closed again on the way out."""
     fd = os.open(path, os.O_WRONLY)
-    direct_fd = None
-    writer = None
+    with _staged_on(fd, path, lambda fd, direct_fd: RangeWriter(fd, direct_fd, offset, size, lock)) as writer:
+        yield writer
+
+
+_W = TypeVar("_W", bound="_Staged")
+
+
+@contextlib.contextmanager
+def _staged_on(fd: int, path: str | Path, make: Callable[[int, int | None], _W]) -> Iterator[_W]:
+    """`make(fd, direct_fd)`, with a direct descriptor opened on `path` where allowed; on the way
+    out, whatever fails (opening included), the writer's stage is released and both descriptors
+    are closed."""
+    direct_fd: int | None = None
+    writer: _W | None = None
     try:
         direct_fd = open_direct(path)
-        writer = RangeWriter(fd, direct_fd, offset, size, lock)
+        writer = make(fd, direct_fd)
         yield writer
     finally:
         if writer is not None:
@@ -271,11 +284,7 @@ def write_durably(
     """Write `pieces` into the new, empty file at `path` open as `fd` (whole blocks with direct I/O
     where allowed, see `AppendWriter`), run `check` after the last piece, fsync, and close every
     descriptor whatever happens; the file's length."""
-    direct_fd: int | None = None
-    writer: AppendWriter | None = None
-    try:
-        direct_fd = open_direct(path)
-        writer = AppendWriter(fd, direct_fd)
+    with _staged_on(fd, path, AppendWriter) as writer:
         for piece in pieces:
             writer.write(piece)
         length = writer.close()
@@ -283,12 +292,6 @@ def write_durably(
             check()
         os.fsync(fd)
         return length
-    finally:
-        if writer is not None:
-            writer.release()
-        os.close(fd)
-        if direct_fd is not None:
-            os.close(direct_fd)
 
 
 def direct_pieces(path: str | Path) -> Iterator[bytes] | None:

@@ -79,3 +79,27 @@ def test_a_read_on_postgres_is_one_statement_with_no_transaction_around_it(db_ur
         time.sleep(0.02)
         alone = session.execute(sa.text("SELECT statement_timestamp() = transaction_timestamp()")).scalar_one()
     assert alone is True
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_read_on_sqlite_is_one_statement_outside_any_transaction(db_url):
+    """The same on SQLite: a reader's connection runs the read with no BEGIN sent before it, so
+    SQLite holds no transaction open around it (each statement is its own)."""
+    node_id = _node(db_url)
+    from gpucloud.db import get_read_engine
+
+    sent: list[str] = []
+
+    def record(conn, cursor, statement, *args) -> None:
+        sent.append(statement)
+
+    engine = get_read_engine(db_url)
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        with read_scope(db_url) as session:
+            assert session.get(Node, node_id) is not None
+            in_transaction = session.connection().connection.dbapi_connection.in_transaction
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+    assert in_transaction is False
+    assert [s.split()[0].upper() for s in sent] == ["SELECT"]

@@ -4,10 +4,11 @@ drift, operator actions, backoff, and a converged fleet that costs nothing."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from datetime import datetime
 
+from gpucloud.db import read_scope
+from gpucloud.models.tables import Node, utcnow
 from support.stack import async_wait_until
 
 
@@ -150,12 +151,21 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, ma
         assert op.post("/v1/nodes/nope/cordon").status_code == 404
 
 
+def _backoff_of(db_url: str, node_id: str) -> tuple[int, datetime | None]:
+    """The node's reconcile attempts so far and the time before which the reconciler leaves it."""
+    with read_scope(db_url) as session:
+        node = session.get(Node, node_id)
+        assert node is not None
+        return node.reconcile_attempts, node.next_reconcile_at
+
+
 async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process_worker, temporal_env):
     # Inspect never answers (transient 503s): the bring-up batch gives the node back after its
-    # one try (agent__batch_attempts=1), and the reconciler, sweeping as fast as it can, must
-    # start it again with growing delays (2, 4, 8 s after each give-back), not in a loop. The
-    # delays differ by more than a bring-up batch's own time varies on a loaded machine (in one
-    # suite run the batches took 2.3, 1.5 and 3.2 s: delays of 0.5, 1 and 2 s were drowned out).
+    # one try (agent__batch_attempts=1) with a backoff that doubles (2, 4, 8 s), and the
+    # reconciler, sweeping as fast as it can, must leave the node alone until it has passed, not
+    # start it again in a loop. The backoff is read from the node's record, bracketed by the
+    # reads before and after each give-back: a stalled sweep or a slow batch on a loaded machine
+    # widens the bracket but cannot break it, as it broke gaps measured from start to start.
     h = make_harness(
         db_url, nodes=1, reconciler={"backoff_base_s": 2.0, "backoff_cap_s": 10}, agent={"batch_attempts": 1}
     )
@@ -163,26 +173,50 @@ async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process
     node_id = h.sim.inventory()[0]["id"]
     h.sim.inject(node_id, "inspect", "transient", count=1000)
     h.enroll_fleet()
-    touched: list[float] = []
+    starts: list[datetime] = []  # when each sweep that started the node ended
+    # (attempts, backoff at least, backoff at most, the time before which it is left alone)
+    give_backs: list[tuple[int, float, float, datetime]] = []
     sweeps_between: list[int] = []
     sweeps = 0
+    attempts, _ = _backoff_of(h.settings.database_url, node_id)
+    read_at = utcnow()
     started = time.monotonic()
-    while len(touched) < 4 and time.monotonic() - started < 60:
+    while len(starts) < 4 and time.monotonic() - started < 90:
         result = await h.sweep(temporal_env.client)
+        swept_at = utcnow()
         sweeps += 1
         if result.started:
             assert result.bringup_batches == 1
-            touched.append(time.monotonic() - started)
+            starts.append(swept_at)
             sweeps_between.append(sweeps)
             sweeps = 0
         await asyncio.sleep(0.05)
-    assert len(touched) == 4, touched
-    # Each wait is the backoff after the give-back: longer every time, and passed over by the
-    # sweeps in between (a loop would start the node again at every sweep).
-    gaps = [b - a for a, b in itertools.pairwise(touched)]
-    assert all(later > earlier for earlier, later in itertools.pairwise(gaps)), gaps
-    assert all(gap >= backoff for gap, backoff in zip(gaps, (2.0, 4.0, 8.0), strict=True)), gaps
-    assert min(sweeps_between[2:]) > 3, sweeps_between
+        before_read = utcnow()
+        now_attempts, now_not_before = _backoff_of(h.settings.database_url, node_id)
+        after_read = utcnow()
+        if now_attempts != attempts:
+            # Given back between the previous read and this one.
+            assert now_not_before is not None
+            give_backs.append(
+                (
+                    now_attempts,
+                    (now_not_before - after_read).total_seconds(),
+                    (now_not_before - read_at).total_seconds(),
+                    now_not_before,
+                )
+            )
+        attempts, read_at = now_attempts, before_read
+    assert len(starts) == 4, (starts, give_backs)
+    # Each give-back counted one more attempt and set a backoff twice the one before.
+    assert [count for count, *_ in give_backs[:3]] == [1, 2, 3], give_backs
+    for (_, at_least, at_most, _), expected in zip(give_backs, (2.0, 4.0, 8.0), strict=False):
+        assert at_least - 0.01 <= expected <= at_most + 0.01, give_backs
+    # No start came before the backoff the give-back before it set (the node is held by its batch
+    # until given back), and sweeps in between passed over the node (a loop would start it again
+    # at every sweep).
+    for swept_at, (*_, until) in zip(starts[1:], give_backs, strict=False):
+        assert swept_at >= until, (starts, give_backs)
+    assert min(sweeps_between[1:]) >= 2, sweeps_between
     node = h.node(node_id)
     assert node["state"] == "inspecting"
     assert datetime.fromisoformat(node["updated_at"]) is not None
