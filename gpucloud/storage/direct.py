@@ -112,8 +112,11 @@ class _Staged:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct_fd = None  # the same bytes again, the ordinary way
-        pwrite_all(self.fd, data, offset)
+        self._pwrite_buffered(data, offset)
         return offset + len(data)
+
+    def _pwrite_buffered(self, data: memoryview, offset: int) -> None:
+        pwrite_all(self.fd, data, offset)
 
     def _stage(self) -> memoryview:
         if self._buffer is None:
@@ -161,10 +164,14 @@ class RangeWriter(_Staged):
             else:
                 limit = self.interior_start if self.pos < self.interior_start else self.end
                 n = min(len(view), limit - self.pos)
-                with self.lock:
-                    pwrite_all(self.fd, view[:n], self.pos)
+                self._pwrite_buffered(view[:n], self.pos)
             self.pos += n
             view = view[n:]
+
+    def _pwrite_buffered(self, data: memoryview, offset: int) -> None:
+        # Under the lock, the interior too once the device has refused direct writes.
+        with self.lock:
+            pwrite_all(self.fd, data, offset)
 
     def finish(self) -> None:
         if self.pos != self.end:

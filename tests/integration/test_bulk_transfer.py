@@ -5,6 +5,7 @@ half-sent handed on, errors reported as the rest of the client does."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gpucloud.client import bulk as bulk_module
 from gpucloud.client.base import ApiError
 from gpucloud.client.bulk import BROKEN, BulkConnections
 from gpucloud.client.registry import RegistryClient
@@ -176,9 +178,18 @@ def test_only_http_urls_are_taken():
         BulkConnections("ftp://example.com", "t", timeout_s=1)
 
 
-def test_uploads_send_file_ranges_whole_over_one_kept_alive_connection(server, tmp_path: Path):
+def test_uploads_send_file_ranges_whole_over_one_kept_alive_connection(server, tmp_path: Path, monkeypatch):
+    """Sent by the kernel from the page cache (`sendfile`), not read into the process."""
     running, peers = server
     peers.clear()
+    sendfiles, real_sendfile = [], os.sendfile
+
+    def sendfile(out_fd: int, in_fd: int, offset, count: int) -> int:
+        sendfiles.append(count)
+        return real_sendfile(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    monkeypatch.setattr("gpucloud.client.bulk._send_read", None)  # the TLS path: not taken here
     expected = []
     source = tmp_path / "weights.bin"
     source.write_bytes(body(5 * READ + 17))
@@ -193,6 +204,7 @@ def test_uploads_send_file_ranges_whole_over_one_kept_alive_connection(server, t
         bulk.close()
     assert UPLOADS[-len(ranges) :] == expected
     assert len(peers) == len(ranges) and len(set(peers)) == 1
+    assert sendfiles and sum(sendfiles) >= sum(size for _, size in ranges)
 
 
 def test_an_upload_from_a_file_shorter_than_its_range_fails_and_drops_its_connection(server, tmp_path: Path):
@@ -241,8 +253,15 @@ def test_a_chunk_upload_the_api_was_too_busy_for_is_sent_again(server, tmp_path:
     assert chunk.id in BUSY_ONCE and UPLOADS[-1] == body(2 * READ)[READ:]
 
 
-def test_chunk_bodies_travel_whole_over_tls(tmp_path: Path):
+def test_chunk_bodies_travel_whole_over_tls(tmp_path: Path, monkeypatch):
     """Over TLS an upload cannot use `sendfile`: it is read and sent from one buffer."""
+    read_and_sent, real_send_read = [], bulk_module._send_read
+
+    def send_read(*args) -> int:
+        read_and_sent.append(args[3])
+        return real_send_read(*args)
+
+    monkeypatch.setattr("gpucloud.client.bulk._send_read", send_read)
     ca = LocalCA(tmp_path / "ca")
     app = build_app()
     source = tmp_path / "weights.bin"
@@ -254,6 +273,7 @@ def test_chunk_bodies_travel_whole_over_tls(tmp_path: Path):
         try:
             assert bulk.upload("/v1/blob", source, 7, 3 * READ - 2) == {"stored": True, "size": 3 * READ - 2}
             assert UPLOADS[-1] == body(3 * READ + 5)[7 : 3 * READ + 5]
+            assert read_and_sent == [3 * READ - 2]
             assert read_all(bulk, f"/v1/blob/{2 * READ + 1}")[0] == body(2 * READ + 1)
         finally:
             bulk.close()
@@ -321,3 +341,62 @@ def test_an_answer_cut_short_does_not_leave_its_connection_for_the_next_request(
     finally:
         bulk.close()
         server.close()
+
+
+class CuttingServer:
+    """A socket server that cuts its first connection (a reset) once part of an upload's body is
+    in, with no answer, and stores every later upload whole: a connection lost mid-upload."""
+
+    def __init__(self) -> None:
+        self.connections, self.bodies = 0, []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data and (more := conn.recv(65536)):
+                    data += more
+                head, _, received = data.partition(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                if self.connections == 1:
+                    while len(received) < length // 4 and (more := conn.recv(65536)):
+                        received += more
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    continue  # closed with a reset, mid-body, no answer
+                while len(received) < length and (more := conn.recv(1 << 20)):
+                    received += more
+                self.bodies.append(received)
+                answer = b'{"stored": true}'
+                conn.sendall(
+                    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                    b"Content-Length: " + str(len(answer)).encode() + b"\r\n\r\n" + answer
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_chunk_upload_cut_mid_body_is_sent_again_whole(tmp_path: Path):
+    server = CuttingServer()
+    source = tmp_path / "weights.bin"
+    source.write_bytes(body(16 << 20))
+    chunk = ChunkRef(id="ef" * 32, offset=5, size=(16 << 20) - 5)
+    try:
+        with RegistryClient(server.url, "sesame") as client:
+            assert client.upload("llama", source, chunk) is True
+    finally:
+        server.close()
+    assert server.connections == 2
+    assert server.bodies == [body(16 << 20)[5:]]

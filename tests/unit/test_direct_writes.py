@@ -5,6 +5,7 @@ one buffered, lands byte for byte."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -319,3 +320,65 @@ def test_a_store_write_that_cannot_start_closes_its_file(tmp_path: Path, monkeyp
             store.put("a/b", b"x" * 10)
     assert len(os.listdir("/proc/self/fd")) == before
     assert not list((tmp_path / "objects" / "tmp").iterdir())
+
+
+def test_a_range_the_device_refuses_to_write_direct_is_written_under_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a direct write is refused, a range's interior goes through the page cache like its
+    partial blocks, and like them under the file's lock (threads writing other ranges wait
+    asleep, not on the inode's lock in the kernel)."""
+    if direct_refused(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    source = random.Random(3).randbytes(2 * STAGE + 3 * BLOCK)
+    target = tmp_path / "model.bin"
+    with open(target, "xb") as f:
+        f.truncate(len(source))
+    lock = threading.Lock()
+    real_pwrite, buffered = os.pwrite, []
+    with range_writer(target, 5, len(source) - 5, lock) as writer:
+        direct_fd = writer.direct_fd
+
+        def pwrite(descriptor: int, data, offset: int) -> int:
+            if descriptor == direct_fd:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            buffered.append((offset, len(data), lock.locked()))
+            return real_pwrite(descriptor, data, offset)
+
+        monkeypatch.setattr("gpucloud.storage.direct.os.pwrite", pwrite)
+        writer.write(memoryview(source)[5:])
+        writer.finish()
+    assert target.read_bytes()[5:] == source[5:]
+    assert writer.direct_bytes == 0 and writer.direct_fd is None
+    assert sum(size for _, size, _ in buffered) == len(source) - 5
+    assert any(size >= BLOCK for _, size, _ in buffered)  # the interior, not only the edges
+    assert all(held for _, _, held in buffered), buffered
+
+
+def _open_flags(path: Path) -> list[int]:
+    """The status flags of this process's descriptors open on `path` (from /proc)."""
+    flags = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == str(path):
+                for line in Path(f"/proc/self/fdinfo/{name}").read_text().splitlines():
+                    if line.startswith("flags:"):
+                        flags.append(int(line.split()[1], 8))
+    return flags
+
+
+def test_a_direct_read_bypasses_the_page_cache(tmp_path: Path) -> None:
+    """The file is read on a descriptor open with O_DIRECT, its short tail included."""
+    if direct_refused(tmp_path) or not hasattr(os, "O_DIRECT") or not Path("/proc/self/fdinfo").exists():
+        pytest.skip("no O_DIRECT here, or no /proc to read a descriptor's flags from")
+    target = tmp_path / "chunk"
+    target.write_bytes(random.Random(5).randbytes(2 * STAGE + 5))
+    pieces = direct_pieces(target)
+    assert pieces is not None
+    assert len(next(pieces)) == STAGE
+    assert [bool(flags & os.O_DIRECT) for flags in _open_flags(target)] == [True]
+    assert len(next(pieces)) == STAGE
+    assert next(pieces) == target.read_bytes()[2 * STAGE :]
+    assert [bool(flags & os.O_DIRECT) for flags in _open_flags(target)] == [True]
+    assert next(pieces, None) is None
+    assert _open_flags(target) == []
