@@ -18,7 +18,7 @@ from gpucloud.web.problems import Problem, not_found
 RowT = TypeVar("RowT", bound=SQLModel)
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -27,7 +27,7 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_temporal(request: Request) -> Client:
+async def get_temporal(request: Request) -> Client:
     return request.app.state.temporal
 
 
@@ -36,7 +36,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 TemporalDep = Annotated[Client, Depends(get_temporal)]
 
 
-def get_any_caller(request: Request) -> auth.Caller:
+async def get_any_caller(request: Request) -> auth.Caller:
     """The caller the gate (`api/gate.py`) authenticated before the body was read: every path
     but the open ones passes it, and none of those asks for a caller."""
     caller = getattr(request.state, "caller", None)
@@ -45,7 +45,7 @@ def get_any_caller(request: Request) -> auth.Caller:
     return caller
 
 
-def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
+async def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
     """A tenant or the operator: a node's agent credential opens only the report endpoints."""
     if caller.role == "agent":
         raise Problem(
@@ -60,13 +60,13 @@ def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.
 CallerDep = Annotated[auth.Caller, Depends(get_caller)]
 
 
-def get_operator(caller: CallerDep) -> auth.Caller:
+async def get_operator(caller: CallerDep) -> auth.Caller:
     if not caller.is_operator:
         raise Problem(403, "forbidden", "Operator only", "this endpoint needs the operator token")
     return caller
 
 
-def get_tenant(caller: CallerDep) -> auth.TenantCaller:
+async def get_tenant(caller: CallerDep) -> auth.TenantCaller:
     if not caller.is_tenant or caller.tenant_id is None:
         raise Problem(
             403,
@@ -78,7 +78,7 @@ def get_tenant(caller: CallerDep) -> auth.TenantCaller:
     return auth.TenantCaller(tenant_id=caller.tenant_id)
 
 
-def get_reporter(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
+async def get_reporter(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
     """Who may report what nodes see: a node's agent (for its own node only) or the operator."""
     if caller.role not in ("agent", "operator"):
         raise Problem(403, "forbidden", "Agents only", "node reports need the node's agent credential")
@@ -90,7 +90,7 @@ ReporterDep = Annotated[auth.Caller, Depends(get_reporter)]
 TenantDep = Annotated[auth.TenantCaller, Depends(get_tenant)]
 
 
-def get_ledger(request: Request) -> LedgerClient:
+async def get_ledger(request: Request) -> LedgerClient:
     ledger = getattr(request.app.state, "ledger", None)
     if ledger is None:
         # Not a transient outage (which is 503 with Retry-After): this deployment bills nothing.

@@ -171,7 +171,7 @@ def _unauthenticated(detail: str) -> HTTPException:
     return HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
-def _control_plane(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+async def _control_plane(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     verifier: Verifier | None = request.app.state.verifier
     if verifier is None:
         return

@@ -105,6 +105,7 @@ def release_bringup_holds(
     for node in nodes:
         node.reconcile_attempts += 1
         node.next_reconcile_at = now + backoff(node.reconcile_attempts, base_s=base_s, cap_s=cap_s)
+        node.updated_at = now
         session.add(node)
     return len(nodes)
 

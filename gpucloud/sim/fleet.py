@@ -247,7 +247,7 @@ def create_app(
     app = FastAPI(title="gpucloud simulated fleet", lifespan=lifespan)
     problems.install(app)
 
-    def only_the_operator(authorization: Annotated[str | None, Header()] = None) -> None:
+    async def only_the_operator(authorization: Annotated[str | None, Header()] = None) -> None:
         """The simulator's own endpoints (the world: faults, outages, what nodes hold) answer
         only the operator (`control_token`); each node's agent routes check their own tokens."""
         if control_token is None:
@@ -285,7 +285,7 @@ def create_app(
         powered = power is None or node.id not in power.powered_off
         return Fleet.describe(node) | {"unreachable": node.unreachable, "boot_id": node.boot_id, "powered": powered}
 
-    def control_plane_only(node_id: str, authorization: Annotated[str | None, Header()] = None) -> None:
+    async def control_plane_only(node_id: str, authorization: Annotated[str | None, Header()] = None) -> None:
         """Checked before the body is read, as a real agent's middleware does."""
         if reason := refusal_reason(control_plane, authorization, node_id=node_id):
             raise problems.unauthenticated_problem(reason)

@@ -9,7 +9,7 @@ with an Idempotency-Key, a replay answers the same body with `key` null.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -127,15 +127,15 @@ class _Scoped:
     tenant_id: str
 
 
-def _own(tenant: TenantDep) -> _Scoped:
+async def _own(tenant: TenantDep) -> _Scoped:
     return _Scoped(tenant, tenant.tenant_id)
 
 
-def _any(tenant_id: str, caller: CallerDep) -> _Scoped:
+async def _any(tenant_id: str, caller: CallerDep) -> _Scoped:
     return _Scoped(caller, _scope(caller, tenant_id))
 
 
-def _key_routes(prefix: str, scope: Callable[..., _Scoped], tag: str) -> None:
+def _key_routes(prefix: str, scope: Callable[..., Awaitable[_Scoped]], tag: str) -> None:
     """The four key routes under `prefix`: the caller's own keys (`/api-keys`) or any tenant's
     (`/tenants/{tenant_id}/api-keys`, operators; a tenant for itself)."""
     scoped_by = Depends(scope)

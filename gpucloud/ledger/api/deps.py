@@ -32,7 +32,7 @@ class LedgerContext:
         self.database.dispose()
 
 
-def _context(request: Request) -> LedgerContext:
+async def _context(request: Request) -> LedgerContext:
     return request.app.state.ledger
 
 

@@ -124,7 +124,7 @@ class FabricState:
         return state
 
 
-def fabric_state(request: Request) -> FabricState:
+async def fabric_state(request: Request) -> FabricState:
     return request.app.state.fabric
 
 

@@ -32,7 +32,7 @@ ChunkId = Annotated[str, PathParam(pattern=DIGEST_PATTERN, description="BLAKE3 h
 VersionRef = Annotated[str, PathParam(description="a digest, a unique digest prefix (8+ hex digits) or an alias")]
 
 
-def get_stores(request: Request) -> RegistryStores:
+async def get_stores(request: Request) -> RegistryStores:
     return request.app.state.registry_stores
 
 
