@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -11,7 +12,7 @@ from temporalio.client import Client
 
 from gpucloud.api import auth
 from gpucloud.config import Settings
-from gpucloud.db import get_engine
+from gpucloud.db import read_scope
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.web.problems import Problem, not_found
 
@@ -22,9 +23,16 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    with Session(get_engine(request.app.state.settings.database_url), expire_on_commit=False) as session:
-        yield session
+Reads = Callable[[], AbstractContextManager[Session]]
+
+
+async def get_reads(request: Request) -> Reads:
+    """Sessions for reads (`db.read_scope`: a reader's connection, each statement its own
+    transaction). A handler opens and closes one inside its own thread, `with reads() as
+    session:`, so it never holds a connection across a hop between threads, and on SQLite a read
+    neither waits for the writer's one connection nor takes the write lock."""
+    url = request.app.state.settings.database_url
+    return lambda: read_scope(url)
 
 
 async def get_temporal(request: Request) -> Client:
@@ -32,7 +40,7 @@ async def get_temporal(request: Request) -> Client:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+ReadsDep = Annotated[Reads, Depends(get_reads)]
 TemporalDep = Annotated[Client, Depends(get_temporal)]
 
 

@@ -103,3 +103,42 @@ def test_a_read_on_sqlite_is_one_statement_outside_any_transaction(db_url):
         sa.event.remove(engine, "before_cursor_execute", record)
     assert in_transaction is False
     assert [s.split()[0].upper() for s in sent] == ["SELECT"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_the_apis_reads_answer_while_a_write_transaction_holds_the_writer(
+    db_url, make_harness, in_process_worker
+):
+    """GETs read on readers' connections inside their own thread: while a write transaction
+    holds SQLite's write lock and the one writer connection for seconds, they still answer at
+    once and see what was committed before it."""
+    h = make_harness(db_url, nodes=1, latency_scale=0.02)
+    await in_process_worker(h.settings)
+    h.enroll_fleet()
+    await h.wait_states({"available": 1})
+    tenant_id, key = await h.onboard()
+    with h.client(key) as c:
+        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}).json()[
+            "allocation"
+        ]["id"]
+    holding, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with session_scope(db_url) as session:
+            session.execute(sa.update(Node).values(hostname=Node.hostname))
+            holding.set()
+            release.wait(15)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        with h.client(key) as c:
+            for path in (f"/v1/allocations/{alloc_id}", "/v1/allocations", f"/v1/tenants/{tenant_id}"):
+                started = time.monotonic()
+                answer = c.get(path)
+                assert answer.status_code == 200, (path, answer.text)
+                assert time.monotonic() - started < 1.5, path
+    finally:
+        release.set()
+        thread.join()

@@ -15,7 +15,7 @@ from temporalio.service import RPCError
 from gpucloud.agent.schemas import WorkloadStatus
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, SessionDep, SettingsDep, TemporalDep, TenantDep, visible
+from gpucloud.api.deps import CallerDep, ReadsDep, SettingsDep, TemporalDep, TenantDep, visible
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.schemas import (
     AllocationAccepted,
@@ -203,29 +203,31 @@ async def create_allocation(
 
 
 @router.get("/allocations/{allocation_id}", response_model=AllocationPublic)
-def get_allocation(allocation_id: str, caller: CallerDep, session: SessionDep):
-    return _public(_visible(session, caller, allocation_id))
+def get_allocation(allocation_id: str, caller: CallerDep, reads: ReadsDep):
+    with reads() as session:
+        return _public(_visible(session, caller, allocation_id))
 
 
 @router.get("/allocations", response_model=AllocationPage)
 def list_allocations(
     caller: CallerDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
     status: AllocationStatus | None = None,
     tenant_id: str | None = None,
 ):
-    scope = caller.tenant_id if not caller.is_operator else tenant_id
-    rows, token = pagination.fetch(
-        session,
-        Allocation,
-        "seq",
-        page_size=page_size,
-        page_token=page_token,
-        equal={"tenant_id": scope, "status": status},
-    )
-    return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
+    with reads() as session:
+        scope = caller.tenant_id if not caller.is_operator else tenant_id
+        rows, token = pagination.fetch(
+            session,
+            Allocation,
+            "seq",
+            page_size=page_size,
+            page_token=page_token,
+            equal={"tenant_id": scope, "status": status},
+        )
+        return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
 
 
 @router.get(
@@ -233,51 +235,53 @@ def list_allocations(
     response_model=AllocationNodes,
     responses={404: {"description": "no such allocation visible to the caller"}},
 )
-def allocation_nodes(allocation_id: str, caller: CallerDep, session: SessionDep):
+def allocation_nodes(allocation_id: str, caller: CallerDep, reads: ReadsDep):
     """The allocation's nodes now: state, health, and what each agent last reported of the
     workload (running, exited with its code, none)."""
-    alloc = _visible(session, caller, allocation_id)
-    nodes = session.exec(select(Node).where(col(Node.id).in_(list(alloc.node_ids)))).all()
-    by_id = {n.id: n for n in nodes}
-    items = []
-    for node_id in alloc.node_ids:
-        node = by_id.get(node_id)
-        if node is None:
-            continue
-        reported = (node.observed or {}).get("workload") if node.allocation_id == alloc.id else None
-        items.append(
-            AllocationNode(
-                node_id=node.id,
-                state=node.state,
-                health=node.health,
-                last_heartbeat_at=node.last_heartbeat_at,
-                workload=WorkloadStatus.model_validate(reported) if reported else None,
+    with reads() as session:
+        alloc = _visible(session, caller, allocation_id)
+        nodes = session.exec(select(Node).where(col(Node.id).in_(list(alloc.node_ids)))).all()
+        by_id = {n.id: n for n in nodes}
+        items = []
+        for node_id in alloc.node_ids:
+            node = by_id.get(node_id)
+            if node is None:
+                continue
+            reported = (node.observed or {}).get("workload") if node.allocation_id == alloc.id else None
+            items.append(
+                AllocationNode(
+                    node_id=node.id,
+                    state=node.state,
+                    health=node.health,
+                    last_heartbeat_at=node.last_heartbeat_at,
+                    workload=WorkloadStatus.model_validate(reported) if reported else None,
+                )
             )
-        )
-    return AllocationNodes(allocation_id=alloc.id, items=items)
+        return AllocationNodes(allocation_id=alloc.id, items=items)
 
 
 @router.get("/allocations/{allocation_id}/events", response_model=AllocationEventPage)
 def allocation_events(
     allocation_id: str,
     caller: CallerDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
 ):
     """What happened to the allocation's nodes: fault notices, pulls, replacements, ready again."""
-    alloc = _visible(session, caller, allocation_id)
-    rows, token = pagination.fetch(
-        session,
-        AllocationEvent,
-        "seq",
-        page_size=page_size,
-        page_token=page_token,
-        equal={"allocation_id": alloc.id, "tenant_id": alloc.tenant_id},
-    )
-    return AllocationEventPage(
-        items=[AllocationEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
-    )
+    with reads() as session:
+        alloc = _visible(session, caller, allocation_id)
+        rows, token = pagination.fetch(
+            session,
+            AllocationEvent,
+            "seq",
+            page_size=page_size,
+            page_token=page_token,
+            equal={"allocation_id": alloc.id, "tenant_id": alloc.tenant_id},
+        )
+        return AllocationEventPage(
+            items=[AllocationEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
+        )
 
 
 def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tuple[Allocation, Operation | None]:

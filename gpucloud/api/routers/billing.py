@@ -17,10 +17,10 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Response
 from fastapi.concurrency import run_in_threadpool
-from sqlmodel import Session, col, select
+from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, LedgerDep, OperatorDep, SessionDep
+from gpucloud.api.deps import CallerDep, LedgerDep, OperatorDep, Reads, ReadsDep
 from gpucloud.api.schemas import (
     InvoiceList,
     UsageReport,
@@ -86,17 +86,18 @@ def _tenant(caller: Caller, tenant_id: str | None) -> str:
     return tenant_id
 
 
-def _owns_allocation(session: Session, tenant_id: str, allocation_id: str) -> bool:
+def _owns_allocation(reads: Reads, tenant_id: str, allocation_id: str) -> bool:
     query = select(col(Allocation.id)).where(
         col(Allocation.id) == allocation_id, col(Allocation.tenant_id) == tenant_id
     )
-    return session.exec(query).first() is not None
+    with reads() as session:
+        return session.exec(query).first() is not None
 
 
 @router.get("/usage", response_model=UsageReport)
 async def get_usage(
     caller: CallerDep,
-    session: SessionDep,
+    reads: ReadsDep,
     ledger: LedgerDep,
     allocation_id: str | None = None,
     period: PeriodQuery = None,
@@ -104,7 +105,7 @@ async def get_usage(
 ):
     """Metered GPU time and its amount (integer GPU-ms and micro-units), by allocation and period."""
     tenant = _tenant(caller, tenant_id)
-    if allocation_id is not None and not await run_in_threadpool(_owns_allocation, session, tenant, allocation_id):
+    if allocation_id is not None and not await run_in_threadpool(_owns_allocation, reads, tenant, allocation_id):
         raise not_found("allocation", allocation_id)
     start_ms, end_ms = period_bounds(period) if period else (None, None)
     summary = await _ask(ledger.usage(tenant_id=tenant, allocation_id=allocation_id, start_ms=start_ms, end_ms=end_ms))

@@ -15,7 +15,7 @@ from temporalio.service import RPCError
 from gpucloud.agent.readings import AGENT_MAX_EVENTS, AGENT_MAX_READINGS, NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import OperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
 from gpucloud.api.schemas import (
     MAX_READING_CLOCK_SKEW,
     AlertPage,
@@ -210,45 +210,47 @@ async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: Set
 def node_health(
     node_id: str,
     operator: OperatorDep,
-    session: SessionDep,
+    reads: ReadsDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     reading_limit: Annotated[int, Query(ge=0, le=100)] = 1,
 ):
-    node = session.get(Node, node_id)
-    if node is None:
-        raise not_found("node", node_id)
-    rows = session.exec(
-        select(XidEventRecord)
-        .where(col(XidEventRecord.node_id) == node_id)
-        .order_by(col(XidEventRecord.seq).desc())
-        .limit(limit)
-    ).all()
-    readings = session.exec(
-        select(col(NodeReadingRecord.reading))
-        .where(col(NodeReadingRecord.node_id) == node_id)
-        .order_by(col(NodeReadingRecord.timestamp).desc())
-        .limit(reading_limit)
-    ).all()
-    return NodeHealth(
-        node_id=node.id,
-        state=node.state,
-        health=node.health,
-        conditions=node.health_conditions,
-        xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
-        readings=[NodeReading.model_validate(r) for r in readings],
-    )
+    with reads() as session:
+        node = session.get(Node, node_id)
+        if node is None:
+            raise not_found("node", node_id)
+        rows = session.exec(
+            select(XidEventRecord)
+            .where(col(XidEventRecord.node_id) == node_id)
+            .order_by(col(XidEventRecord.seq).desc())
+            .limit(limit)
+        ).all()
+        readings = session.exec(
+            select(col(NodeReadingRecord.reading))
+            .where(col(NodeReadingRecord.node_id) == node_id)
+            .order_by(col(NodeReadingRecord.timestamp).desc())
+            .limit(reading_limit)
+        ).all()
+        return NodeHealth(
+            node_id=node.id,
+            state=node.state,
+            health=node.health,
+            conditions=node.health_conditions,
+            xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
+            readings=[NodeReading.model_validate(r) for r in readings],
+        )
 
 
 @router.get("/alerts", response_model=AlertPage)
 def list_alerts(
     operator: OperatorDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
 ):
-    rows, token = pagination.fetch(
-        session, OperatorAlertRecord, "seq", page_size=page_size, page_token=page_token, equal={}
-    )
-    return AlertPage(
-        items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows], next_page_token=token
-    )
+    with reads() as session:
+        rows, token = pagination.fetch(
+            session, OperatorAlertRecord, "seq", page_size=page_size, page_token=page_token, equal={}
+        )
+        return AlertPage(
+            items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows], next_page_token=token
+        )

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from temporalio.service import RPCError
 
 from gpucloud.api import pagination
-from gpucloud.api.deps import OperatorDep, ReporterDep, SessionDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import OperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
 from gpucloud.api.routers.health import own_node_only
 from gpucloud.api.schemas import (
     ActionRequest,
@@ -88,30 +88,32 @@ async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDe
 @router.get("/nodes", response_model=NodePage)
 def list_nodes(
     operator: OperatorDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
     state: NodeState | None = None,
     gpu_type: str | None = None,
     region: str | None = None,
 ):
-    rows, token = pagination.fetch(
-        session,
-        Node,
-        "id",
-        page_size=page_size,
-        page_token=page_token,
-        equal={"state": state, "gpu_type": gpu_type, "region": region},
-    )
-    return NodePage(items=[NodePublic.model_validate(n, from_attributes=True) for n in rows], next_page_token=token)
+    with reads() as session:
+        rows, token = pagination.fetch(
+            session,
+            Node,
+            "id",
+            page_size=page_size,
+            page_token=page_token,
+            equal={"state": state, "gpu_type": gpu_type, "region": region},
+        )
+        return NodePage(items=[NodePublic.model_validate(n, from_attributes=True) for n in rows], next_page_token=token)
 
 
 @router.get("/nodes/{node_id}", response_model=NodePublic)
-def get_node(node_id: str, operator: OperatorDep, session: SessionDep):
-    node = session.get(Node, node_id)
-    if node is None:
-        raise not_found("node", node_id)
-    return NodePublic.model_validate(node, from_attributes=True)
+def get_node(node_id: str, operator: OperatorDep, reads: ReadsDep):
+    with reads() as session:
+        node = session.get(Node, node_id)
+        if node is None:
+            raise not_found("node", node_id)
+        return NodePublic.model_validate(node, from_attributes=True)
 
 
 # ---------------------------------------------------------------- operator actions and events
@@ -263,24 +265,26 @@ async def retire(
 def node_events(
     node_id: str,
     operator: OperatorDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
 ):
-    if session.get(Node, node_id) is None:
-        raise not_found("node", node_id)
-    rows, token = pagination.fetch(
-        session, NodeTransition, "seq", page_size=page_size, page_token=page_token, equal={"node_id": node_id}
-    )
-    return NodeEventPage(
-        items=[NodeEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
-    )
+    with reads() as session:
+        if session.get(Node, node_id) is None:
+            raise not_found("node", node_id)
+        rows, token = pagination.fetch(
+            session, NodeTransition, "seq", page_size=page_size, page_token=page_token, equal={"node_id": node_id}
+        )
+        return NodeEventPage(
+            items=[NodeEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
+        )
 
 
 @router.get("/fleet/summary", response_model=FleetSummary)
-def fleet_summary(operator: OperatorDep, session: SessionDep) -> FleetSummary:
+def fleet_summary(operator: OperatorDep, reads: ReadsDep) -> FleetSummary:
     """Node counts by state, health, GPU type and region; cordoned and unreachable nodes."""
-    return FleetSummary.model_validate(summary(session))
+    with reads() as session:
+        return FleetSummary.model_validate(summary(session))
 
 
 def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:

@@ -2,12 +2,13 @@
 
 from fastapi import APIRouter
 
-from gpucloud.api.deps import CallerDep, SessionDep, visible
+from gpucloud.api.deps import CallerDep, ReadsDep, visible
 from gpucloud.models.tables import Operation, OperationPublic
 
 router = APIRouter(prefix="/v1", tags=["operations"])
 
 
 @router.get("/operations/{operation_id}", response_model=OperationPublic)
-def get_operation(operation_id: str, caller: CallerDep, session: SessionDep):
-    return visible(session, caller, Operation, "operation", operation_id)
+def get_operation(operation_id: str, caller: CallerDep, reads: ReadsDep):
+    with reads() as session:
+        return visible(session, caller, Operation, "operation", operation_id)

@@ -24,7 +24,7 @@ from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, OperatorDep, SessionDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import CallerDep, OperatorDep, ReadsDep, SettingsDep, TemporalDep
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.routers.api_keys import ApiKeyCreated
 from gpucloud.api.schemas import (
@@ -145,20 +145,22 @@ async def create_tenant(
 @router.get("/tenants", response_model=TenantPage)
 def list_tenants(
     operator: OperatorDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
     status: TenantStatus | None = None,
 ):
-    rows, token = pagination.fetch(
-        session, Tenant, "seq", page_size=page_size, page_token=page_token, equal={"status": status}
-    )
-    return TenantPage(items=[_public(t) for t in rows], next_page_token=token)
+    with reads() as session:
+        rows, token = pagination.fetch(
+            session, Tenant, "seq", page_size=page_size, page_token=page_token, equal={"status": status}
+        )
+        return TenantPage(items=[_public(t) for t in rows], next_page_token=token)
 
 
 @router.get("/tenants/{tenant_id}", response_model=TenantPublic)
-def get_tenant(tenant_id: str, caller: CallerDep, session: SessionDep):
-    return _public(visible_tenant(session, caller, tenant_id))
+def get_tenant(tenant_id: str, caller: CallerDep, reads: ReadsDep):
+    with reads() as session:
+        return _public(visible_tenant(session, caller, tenant_id))
 
 
 def _begin_offboarding(settings: Settings, tenant_id: str) -> tuple[Tenant, Operation, bool]:
@@ -220,9 +222,10 @@ def _report(session: Session, settings: Settings, tenant_id: str) -> QuotaReport
 
 
 @router.get("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
-def get_quotas(tenant_id: str, caller: CallerDep, session: SessionDep, settings: SettingsDep):
-    visible_tenant(session, caller, tenant_id)
-    return _report(session, settings, tenant_id)
+def get_quotas(tenant_id: str, caller: CallerDep, reads: ReadsDep, settings: SettingsDep):
+    with reads() as session:
+        visible_tenant(session, caller, tenant_id)
+        return _report(session, settings, tenant_id)
 
 
 def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaRequest]) -> QuotaReport:

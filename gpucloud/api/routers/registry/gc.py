@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
-from gpucloud.api.deps import OperatorDep, SessionDep, SettingsDep
+from gpucloud.api.deps import OperatorDep, ReadsDep, SettingsDep
 from gpucloud.api.routers.registry.common import (
     StoresDep,
 )
@@ -70,15 +70,13 @@ class GcReport(BaseModel):
 @router.post(
     "/registry/gc", response_model=GcReport, responses={404: {"description": "no tenant with the `tenant_id` given"}}
 )
-def collect_garbage(
-    req: GcRequest, operator: OperatorDep, session: SessionDep, stores: StoresDep, settings: SettingsDep
-):
+def collect_garbage(req: GcRequest, operator: OperatorDep, reads: ReadsDep, stores: StoresDep, settings: SettingsDep):
     """Remove (or with `dry_run`, list) chunks no version references, older than the grace period;
     chunks of pushes in progress are kept (`gpucloud.registry.gc`)."""
-    tenant_ids = list(
-        session.exec(select(col(RegistryModel.tenant_id)).distinct().order_by(col(RegistryModel.tenant_id)))
-    )
-    session.rollback()  # end the read transaction: the run below may take a while
+    with reads() as session:  # closed before the run, which may take a while
+        tenant_ids = list(
+            session.exec(select(col(RegistryModel.tenant_id)).distinct().order_by(col(RegistryModel.tenant_id)))
+        )
     if req.tenant_id is not None:
         if req.tenant_id not in tenant_ids:
             raise not_found("registry tenant", req.tenant_id)

@@ -12,7 +12,7 @@ from nacl.signing import VerifyKey
 from sqlmodel import col, select
 
 from gpucloud.api import pagination
-from gpucloud.api.deps import SessionDep, SettingsDep, TenantDep
+from gpucloud.api.deps import ReadsDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
     invalid,
@@ -82,24 +82,26 @@ async def create_model(
 @router.get("/models", response_model=ModelPage)
 def list_models(
     tenant: TenantDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
 ):
-    rows, token = pagination.fetch(
-        session,
-        RegistryModel,
-        "seq",
-        page_size=page_size,
-        page_token=page_token,
-        equal={"tenant_id": tenant.tenant_id},
-    )
-    return ModelPage(items=promotion.publish_models(session, rows), next_page_token=token)
+    with reads() as session:
+        rows, token = pagination.fetch(
+            session,
+            RegistryModel,
+            "seq",
+            page_size=page_size,
+            page_token=page_token,
+            equal={"tenant_id": tenant.tenant_id},
+        )
+        return ModelPage(items=promotion.publish_models(session, rows), next_page_token=token)
 
 
 @router.get("/models/{name}", response_model=ModelPublic)
-def get_model(name: str, tenant: TenantDep, session: SessionDep):
-    return promotion.publish_models(session, [model_row(session, tenant.tenant_id, name)])[0]
+def get_model(name: str, tenant: TenantDep, reads: ReadsDep):
+    with reads() as session:
+        return promotion.publish_models(session, [model_row(session, tenant.tenant_id, name)])[0]
 
 
 @router.put("/models/{name}/gates", response_model=ModelPublic)
@@ -192,16 +194,17 @@ async def register_signing_key(
 
 
 @router.get("/signing-keys", response_model=SigningKeyList)
-def list_signing_keys(tenant: TenantDep, session: SessionDep):
+def list_signing_keys(tenant: TenantDep, reads: ReadsDep):
     """The public keys the registry trusts for this tenant: what a pull verifies manifests against."""
-    keys = session.exec(
-        select(SigningKey)
-        .where(col(SigningKey.tenant_id) == tenant.tenant_id, col(SigningKey.revoked_at).is_(None))
-        .order_by(col(SigningKey.seq))
-    )
-    return SigningKeyList(
-        tenant_id=tenant.tenant_id, items=[SigningKeyPublic.model_validate(k, from_attributes=True) for k in keys]
-    )
+    with reads() as session:
+        keys = session.exec(
+            select(SigningKey)
+            .where(col(SigningKey.tenant_id) == tenant.tenant_id, col(SigningKey.revoked_at).is_(None))
+            .order_by(col(SigningKey.seq))
+        )
+        return SigningKeyList(
+            tenant_id=tenant.tenant_id, items=[SigningKeyPublic.model_validate(k, from_attributes=True) for k in keys]
+        )
 
 
 @router.delete("/signing-keys/{key_id}", response_model=SigningKeyPublic)

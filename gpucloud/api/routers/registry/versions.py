@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlmodel import Session, col, select
 
 from gpucloud.api import pagination
-from gpucloud.api.deps import SessionDep, SettingsDep, TemporalDep, TenantDep
+from gpucloud.api.deps import ReadsDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
     StoresDep,
@@ -157,21 +157,23 @@ async def push_version(
 def list_versions(
     name: str,
     tenant: TenantDep,
-    session: SessionDep,
+    reads: ReadsDep,
     page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
     page_token: pagination.PageToken = None,
 ):
-    model = model_row(session, tenant.tenant_id, name)
-    rows, token = pagination.fetch(
-        session, ModelVersion, "seq", page_size=page_size, page_token=page_token, equal={"model_id": model.id}
-    )
-    return VersionPage(items=promotion.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
+    with reads() as session:
+        model = model_row(session, tenant.tenant_id, name)
+        rows, token = pagination.fetch(
+            session, ModelVersion, "seq", page_size=page_size, page_token=page_token, equal={"model_id": model.id}
+        )
+        return VersionPage(items=promotion.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
 
 
 @router.get("/models/{name}/versions/{ref}", response_model=ModelVersionPublic)
-def get_version(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
-    row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
-    return promotion.publish_versions(session, tenant.tenant_id, [row])[0]
+def get_version(name: str, ref: VersionRef, tenant: TenantDep, reads: ReadsDep):
+    with reads() as session:
+        row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
+        return promotion.publish_versions(session, tenant.tenant_id, [row])[0]
 
 
 @router.get("/models/{name}/versions/{ref}/manifest", response_model=SignedManifest)
@@ -230,11 +232,12 @@ async def record_evaluation(
 
 
 @router.get("/models/{name}/versions/{ref}/evaluations", response_model=EvaluationPage)
-def list_evaluations(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
+def list_evaluations(name: str, ref: VersionRef, tenant: TenantDep, reads: ReadsDep):
     """Every evaluation record of the version, oldest first: the platform's and the reported."""
-    digest = resolve_version(session, model_row(session, tenant.tenant_id, name), ref).digest
-    rows = evaluations_of(session, tenant.tenant_id, digest)
-    return EvaluationPage(items=[EvaluationResultPublic.model_validate(r, from_attributes=True) for r in rows])
+    with reads() as session:
+        digest = resolve_version(session, model_row(session, tenant.tenant_id, name), ref).digest
+        rows = evaluations_of(session, tenant.tenant_id, digest)
+        return EvaluationPage(items=[EvaluationResultPublic.model_validate(r, from_attributes=True) for r in rows])
 
 
 def _evaluation_operation(
@@ -343,20 +346,22 @@ def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, s
 
 
 @router.get("/models/{name}/versions/{ref}/ancestors", response_model=LineagePage)
-def get_ancestors(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
+def get_ancestors(name: str, ref: VersionRef, tenant: TenantDep, reads: ReadsDep):
     """Parent, grandparent, ... (nearest first), across the tenant's models."""
-    row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
-    found = promotion.ancestors(session, tenant.tenant_id, row.digest)
-    published = promotion.publish_versions(session, tenant.tenant_id, found)
-    return LineagePage(items=[LineageEntry(**v.model_dump(), depth=i) for i, v in enumerate(published, start=1)])
+    with reads() as session:
+        row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
+        found = promotion.ancestors(session, tenant.tenant_id, row.digest)
+        published = promotion.publish_versions(session, tenant.tenant_id, found)
+        return LineagePage(items=[LineageEntry(**v.model_dump(), depth=i) for i, v in enumerate(published, start=1)])
 
 
 @router.get("/models/{name}/versions/{ref}/descendants", response_model=LineagePage)
-def get_descendants(name: str, ref: VersionRef, tenant: TenantDep, session: SessionDep):
+def get_descendants(name: str, ref: VersionRef, tenant: TenantDep, reads: ReadsDep):
     """Every version derived from this one, breadth first, across the tenant's models."""
-    row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
-    found = promotion.descendants(session, tenant.tenant_id, row.digest)
-    published = promotion.publish_versions(session, tenant.tenant_id, [r for r, _ in found])
-    return LineagePage(
-        items=[LineageEntry(**v.model_dump(), depth=d) for v, (_, d) in zip(published, found, strict=True)]
-    )
+    with reads() as session:
+        row = resolve_version(session, model_row(session, tenant.tenant_id, name), ref)
+        found = promotion.descendants(session, tenant.tenant_id, row.digest)
+        published = promotion.publish_versions(session, tenant.tenant_id, [r for r, _ in found])
+        return LineagePage(
+            items=[LineageEntry(**v.model_dump(), depth=d) for v, (_, d) in zip(published, found, strict=True)]
+        )
