@@ -170,14 +170,14 @@ class FleetCollector(Collector):
         import sqlalchemy as sa
         from sqlmodel import col, select
 
-        from gpucloud.db import session_scope
+        from gpucloud.db import read_scope
         from gpucloud.models.tables import Allocation, Node
 
         nodes = GaugeMetricFamily(
             "gpucloud_nodes", "Nodes by state, GPU type and region", labels=["state", "gpu_type", "region"]
         )
         allocations = GaugeMetricFamily("gpucloud_allocations", "Allocations by status", labels=["status"])
-        with session_scope(self.db_url) as session:
+        with read_scope(self.db_url) as session:  # a scrape takes no write lock
             for state, gpu_type, region, count in session.exec(
                 select(col(Node.state), col(Node.gpu_type), col(Node.region), sa.func.count()).group_by(
                     col(Node.state), col(Node.gpu_type), col(Node.region)

@@ -217,11 +217,14 @@ def test_an_upload_from_a_file_shorter_than_its_range_fails_and_drops_its_connec
     try:
         with pytest.raises(EOFError, match="changed since it was hashed"):
             bulk.upload("/v1/blob", source, 500, 1000)  # the file ends 500 bytes in
+        assert not bulk._idle  # the cut connection is not kept for the next request
         assert bulk.upload("/v1/blob", source, 0, 1000) == {"stored": True, "size": 1000}
     finally:
         bulk.close()
     assert UPLOADS[received:] == [body(1000)]  # the server never took the short body for whole
-    assert len(peers) == 2 and len(set(peers)) == 2  # the cut connection was not used again
+    # The cut request reaches the server's handler or not, as the close races it; the upload
+    # after it came on a connection of its own either way.
+    assert 1 <= len(peers) <= 2 and len(set(peers)) == len(peers)
 
 
 def test_an_upload_refused_is_an_api_error_and_its_connection_carries_on(server, tmp_path: Path):

@@ -29,7 +29,7 @@ from gpucloud.api.schemas import (
     RolloutRequest,
 )
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import read_scope
 from gpucloud.models.registry_tables import ModelVersion
 from gpucloud.models.rollout_messages import (
     ReasonInput,
@@ -56,7 +56,7 @@ def _targets(
 ) -> tuple[list[RolloutTarget] | None, RolloutEvaluation | None]:
     """The explicit nodes as targets (each one the tenant's), after checking the version exists,
     and the evaluations of the version's model that the canary's check runs."""
-    with session_scope(settings.database_url) as session:
+    with read_scope(settings.database_url) as session:
         version = session.exec(
             select(ModelVersion).where(
                 col(ModelVersion.tenant_id) == tenant_id, col(ModelVersion.digest) == req.model_version

@@ -23,7 +23,7 @@ from gpucloud.api.routers.registry.common import (
     signature_problem,
 )
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import read_scope, session_scope
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
 from gpucloud.models.registry_tables import (
     AliasMove,
@@ -179,7 +179,7 @@ def get_version(name: str, ref: VersionRef, tenant: TenantDep, reads: ReadsDep):
 @router.get("/models/{name}/versions/{ref}/manifest", response_model=SignedManifest)
 def get_manifest(name: str, ref: VersionRef, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
     """The signed manifest exactly as pushed; clients verify it against the published keys."""
-    with session_scope(settings.database_url) as session:
+    with read_scope(settings.database_url) as session:
         digest = resolve_version(session, model_row(session, tenant.tenant_id, name), ref).digest
     try:
         signed = stores.manifests(tenant.tenant_id).get(digest)
