@@ -19,7 +19,11 @@ honour, as `gpucloud.client` does). Then:
   `floor_capacity_nodes`: the same for the floor app's primary-key read beside the same tenant
   load (what the machine leaves for one request with one read), and `fleet_capacity_vs_floor`.
 
-    python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S]
+    python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S] [--heartbeats-only]
+
+`--heartbeats-only`: 12 agents' heartbeats on an otherwise idle stack, and the floor app's read
+from 12 clients, alternated twice (`heartbeats_idle_vs_floor`): the cost of one report with
+nothing beside it.
 
 Progress on stderr; one JSON line of figures last on stdout.
 """
@@ -175,6 +179,8 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
                     break
             except httpx.HTTPError:
                 await asyncio.sleep(0.1)
+    if args.heartbeats_only:
+        return await _heartbeats_alone(api, floor_url, ids, nodes, args)
     levels, floors = {}, {}
     for n in args.levels:
         tally = await run_clients(api, tenant_key, n, args.seconds, mixed_client, ids)
@@ -236,6 +242,24 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
         "floor_capacity_nodes": floor_capacity,
         "floor_reports": floor_reports,
         "fleet_capacity_vs_floor": round(capacity / max(floor_capacity, 1), 3),
+    }
+
+
+async def _heartbeats_alone(api: str, floor_url: str, ids: list[str], nodes: dict[str, str], args) -> dict:
+    """Heartbeats from 12 agents on an otherwise idle stack, and the floor app's read from as many
+    clients, alternated twice: what one API process costs per report, with nothing beside it."""
+    beats, reads = [], []
+    for _ in range(2):
+        beats.append((await run_apart(api, None, 12, args.seconds, heartbeat_client, nodes)).figures(args.seconds))
+        reads.append((await run_apart(floor_url, None, 12, args.seconds, get_client, ids)).figures(args.seconds))
+        log(f"  12 agents alone: {beats[-1]}  floor: {reads[-1]}")
+    best, floor = max(b["requests_per_s"] for b in beats), max(r["requests_per_s"] for r in reads)
+    return {
+        "heartbeats_idle_per_s": best,
+        "floor_idle_per_s": floor,
+        "heartbeats_idle_vs_floor": round(best / max(floor, 1e-9), 3),
+        "heartbeats": beats,
+        "floor_reports": reads,
     }
 
 
@@ -347,6 +371,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 nodes, levels 1,16,64, 4 s each")
     parser.add_argument("--keep-logs", action="store_true", help="keep the stack's data dir and logs")
     parser.add_argument("--tenant-slots", type=int, default=0, help="the API's tenant lane (default: its setting)")
+    parser.add_argument(
+        "--heartbeats-only",
+        action="store_true",
+        help="only 12 agents' heartbeats on an idle stack against the floor app's read (no tenant load)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.nodes, args.levels, args.seconds = 64, [1, 16, 64], 4.0
