@@ -107,10 +107,17 @@ def get_read_engine(url: str) -> sa.Engine:
 
 
 @contextmanager
-def read_scope(url: str) -> Iterator[Session]:
-    """A session for reads only (see `get_read_engine`: on SQLite it cannot write; on Postgres
-    each statement is its own transaction)."""
-    with Session(get_read_engine(url), expire_on_commit=False) as session, session.begin():
+def read_scope(url: str, *, snapshot: bool = False) -> Iterator[Session]:
+    """A session for reads only (see `get_read_engine`: on SQLite it cannot write; each statement
+    is its own transaction). With `snapshot`, its statements all see the database as of the
+    first (figures that must add up): SQLite begins a deferred transaction, which takes no write
+    lock; Postgres reads in REPEATABLE READ, READ ONLY."""
+    engine = get_read_engine(url)
+    with Session(engine, expire_on_commit=False) as session, session.begin():
+        if snapshot and engine.dialect.name == "sqlite":
+            session.connection().exec_driver_sql("BEGIN")
+        elif snapshot:
+            session.connection(execution_options={"isolation_level": "REPEATABLE READ", "postgresql_readonly": True})
         yield session
 
 

@@ -23,16 +23,17 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-Reads = Callable[[], AbstractContextManager[Session]]
+Reads = Callable[..., AbstractContextManager[Session]]
 
 
 async def get_reads(request: Request) -> Reads:
     """Sessions for reads (`db.read_scope`: a reader's connection, each statement its own
-    transaction). A handler opens and closes one inside its own thread, `with reads() as
-    session:`, so it never holds a connection across a hop between threads, and on SQLite a read
-    neither waits for the writer's one connection nor takes the write lock."""
+    transaction; `reads(snapshot=True)`: one snapshot for all of them). A handler opens and
+    closes one inside its own thread, `with reads() as session:`, so it never holds a connection
+    across a hop between threads, and on SQLite a read neither waits for the writer's one
+    connection nor takes the write lock."""
     url = request.app.state.settings.database_url
-    return lambda: read_scope(url)
+    return lambda snapshot=False: read_scope(url, snapshot=snapshot)
 
 
 async def get_temporal(request: Request) -> Client:

@@ -23,13 +23,16 @@ def _calls(dependant: Dependant) -> Iterator[object]:
         yield from _calls(sub)
 
 
-def _api_routes(routes: list) -> Iterator[APIRoute]:
-    """Every route, those of included routers too (FastAPI keeps an included router whole)."""
+def _api_routes(routes: list) -> Iterator[tuple[APIRoute, list]]:
+    """Every route, those of included routers too (FastAPI keeps an included router whole), with
+    the dependencies given where its router was included."""
     for route in routes:
         if isinstance(route, APIRoute):
-            yield route
+            yield route, []
         elif (included := getattr(route, "original_router", None)) is not None:
-            yield from _api_routes(included.routes)
+            at_include = [d.dependency for d in route.include_context.dependencies]
+            for inner, more in _api_routes(included.routes):
+                yield inner, at_include + more
 
 
 def _runs_on_a_thread(call: object) -> bool:
@@ -42,8 +45,8 @@ def test_no_route_sends_a_dependency_that_does_not_block_to_a_thread(tmp_path: P
     routes = list(_api_routes(app.routes))
     threaded = {
         f"{route.path} {getattr(call, '__qualname__', call)}"
-        for route in routes
-        for call in _calls(route.dependant)
+        for route, at_include in routes
+        for call in [*at_include, *_calls(route.dependant)]
         if _runs_on_a_thread(call)
     }
     assert len(routes) > 50

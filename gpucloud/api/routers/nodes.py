@@ -283,7 +283,7 @@ def node_events(
 @router.get("/fleet/summary", response_model=FleetSummary)
 def fleet_summary(operator: OperatorDep, reads: ReadsDep) -> FleetSummary:
     """Node counts by state, health, GPU type and region; cordoned and unreachable nodes."""
-    with reads() as session:
+    with reads(snapshot=True) as session:  # counts that add up
         return FleetSummary.model_validate(summary(session))
 
 

@@ -223,7 +223,7 @@ def _report(session: Session, settings: Settings, tenant_id: str) -> QuotaReport
 
 @router.get("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
 def get_quotas(tenant_id: str, caller: CallerDep, reads: ReadsDep, settings: SettingsDep):
-    with reads() as session:
+    with reads(snapshot=True) as session:  # the quotas and the usage against them, at one moment
         visible_tenant(session, caller, tenant_id)
         return _report(session, settings, tenant_id)
 
