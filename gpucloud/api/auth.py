@@ -7,10 +7,18 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from sqlmodel import Session
+import sqlalchemy as sa
+from sqlmodel import Session, col, select
 
 from gpucloud.models.tables import AgentCredential, ApiKey, utcnow
-from gpucloud.services.api_keys import hash_secret, is_valid
+from gpucloud.services.api_keys import hash_secret, is_live
+
+# Core selects of the columns a check needs: a credential is checked on every request, and the
+# ORM's identity map and objects would cost several times the read itself.
+_AGENT_SECRET = select(col(AgentCredential.secret_hash)).where(col(AgentCredential.node_id) == sa.bindparam("id"))
+_API_KEY = select(col(ApiKey.tenant_id), col(ApiKey.secret_hash), col(ApiKey.revoked_at), col(ApiKey.expires_at)).where(
+    col(ApiKey.id) == sa.bindparam("id")
+)
 
 
 @dataclass(frozen=True)
@@ -42,21 +50,25 @@ class TenantCaller(Caller):
     tenant_id: str = ""
 
 
-def resolve(session: Session, token: str, operator_token: str) -> Caller | None:
+def resolve(db: sa.Connection | Session, token: str, operator_token: str) -> Caller | None:
+    """Who `token` is, read through `db` (a connection or a session); None for no one."""
     if hmac.compare_digest(token.encode(), operator_token.encode()):
         return Caller(role="operator")
     if token.startswith("gpa_") and "." in token:
         node_id, secret = token[4:].rsplit(".", 1)
-        credential = session.get(AgentCredential, node_id)
-        if credential is None or not hmac.compare_digest(credential.secret_hash, hash_secret(secret)):
+        secret_hash = db.execute(_AGENT_SECRET, {"id": node_id}).scalar()
+        if secret_hash is None or not hmac.compare_digest(secret_hash, hash_secret(secret)):
             return None
         return Caller(role="agent", node_id=node_id)
     if not token.startswith("gpc_") or "." not in token:
         return None
     key_id, secret = token[4:].split(".", 1)
-    key = session.get(ApiKey, key_id)
-    if key is None or not is_valid(key, utcnow()):
+    key = db.execute(_API_KEY, {"id": key_id}).first()
+    if key is None:
         return None
-    if not hmac.compare_digest(key.secret_hash, hash_secret(secret)):
+    tenant_id, key_hash, revoked_at, expires_at = key
+    if not is_live(revoked_at, expires_at, utcnow()):
         return None
-    return Caller(role="tenant", tenant_id=key.tenant_id)
+    if not hmac.compare_digest(key_hash, hash_secret(secret)):
+        return None
+    return Caller(role="tenant", tenant_id=tenant_id)

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpucloud.api import auth
 from gpucloud.api.admission import OPEN_PATHS, bearer_token
-from gpucloud.db import read_scope
+from gpucloud.db import get_read_engine
 from gpucloud.observability.logs import log_context
 from gpucloud.web import problems
 
@@ -80,8 +80,9 @@ class Gate:
             await self.app(scope, receive, send)
 
     def _resolve(self, token: str) -> auth.Caller | None:
-        with read_scope(self.database_url) as session:  # credentials are only read
-            return auth.resolve(session, token, self.operator_token)
+        # Credentials are only read: a reader's connection, no ORM session around one select.
+        with get_read_engine(self.database_url).connect() as connection:
+            return auth.resolve(connection, token, self.operator_token)
 
 
 async def _read_at_most(receive: Receive, limit: int) -> bytes | None:

@@ -45,7 +45,12 @@ def issue_key(session: Session, tenant_id: str) -> tuple[ApiKey, str]:
 
 
 def is_valid(key: ApiKey, now: datetime) -> bool:
-    return key.revoked_at is None and (key.expires_at is None or key.expires_at > now)
+    return is_live(key.revoked_at, key.expires_at, now)
+
+
+def is_live(revoked_at: datetime | None, expires_at: datetime | None, now: datetime) -> bool:
+    """A key not revoked and, if it was rotated, still inside its grace period."""
+    return revoked_at is None and (expires_at is None or expires_at > now)
 
 
 def _get(session: Session, tenant_id: str, key_id: str) -> ApiKey:
