@@ -95,14 +95,10 @@ def get_read_engine(url: str) -> sa.Engine:
     beside its one writer: they get a few connections of their own, which never wait for the
     write lock, instead of queueing for the writer's one connection, and cannot write
     (`query_only`). Postgres: the one pool; nothing there refuses a write, so callers only
-    read. An in-memory SQLite, whose connections would each see their own database: the one
-    engine."""
-    writer = get_engine(url)
+    read."""
+    writer = get_engine(url)  # on SQLite it also makes the file's folder
     if not url.startswith("sqlite"):
         return writer.execution_options(isolation_level="AUTOCOMMIT")
-    path = url.split("///", 1)[-1]
-    if not path or path == ":memory:" or "mode=memory" in url:
-        return writer
     return _sqlite_engine(url, connections=SQLITE_READERS, on_connect=_sqlite_reader, begin=None)
 
 

@@ -8,7 +8,7 @@ import hmac
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlmodel import Session, col, select
+from sqlmodel import col, select
 
 from gpucloud.models.tables import AgentCredential, ApiKey, utcnow
 from gpucloud.services.api_keys import hash_secret, is_live
@@ -50,8 +50,8 @@ class TenantCaller(Caller):
     tenant_id: str = ""
 
 
-def resolve(db: sa.Connection | Session, token: str, operator_token: str) -> Caller | None:
-    """Who `token` is, read through `db` (a connection or a session); None for no one."""
+def resolve(db: sa.Connection, token: str, operator_token: str) -> Caller | None:
+    """Who `token` is, read on the connection `db`; None for no one."""
     if hmac.compare_digest(token.encode(), operator_token.encode()):
         return Caller(role="operator")
     if token.startswith("gpa_") and "." in token:

@@ -282,12 +282,12 @@ def test_chunk_bodies_travel_whole_over_tls(tmp_path: Path, monkeypatch):
             bulk.close()
 
 
-class RawServer:
-    """A socket server that answers each connection with `answer` as soon as the request's headers
-    are in, without reading the body, then closes: what a proxy with a body limit does."""
+class SocketServer:
+    """A bare socket server on a free loopback port: each connection, counted, goes to `handle`
+    and is closed after it. For what a uvicorn app cannot do (answer before the body, reset)."""
 
-    def __init__(self, answer: bytes) -> None:
-        self.answer, self.connections = answer, 0
+    def __init__(self) -> None:
+        self.connections = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -300,17 +300,33 @@ class RawServer:
                 return
             self.connections += 1
             with conn:
-                head = b""
-                while b"\r\n\r\n" not in head and (data := conn.recv(4096)):
-                    head += data
-                conn.sendall(self.answer)
-                conn.shutdown(socket.SHUT_WR)
-                conn.settimeout(1)
-                with contextlib.suppress(OSError):
-                    conn.recv(65536)  # a little of the body, then the close resets the sender
+                data = b""
+                while b"\r\n\r\n" not in data and (more := conn.recv(65536)):
+                    data += more
+                head, _, received = data.partition(b"\r\n\r\n")
+                self.handle(conn, head, received)
+
+    def handle(self, conn: socket.socket, head: bytes, received: bytes) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self.sock.close()
+
+
+class RawServer(SocketServer):
+    """Answers each connection with `answer` as soon as the request's headers are in, without
+    reading the body, then closes: what a proxy with a body limit does."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        super().__init__()
+
+    def handle(self, conn: socket.socket, head: bytes, received: bytes) -> None:
+        conn.sendall(self.answer)
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(1)
+        with contextlib.suppress(OSError):
+            conn.recv(65536)  # a little of the body, then the close resets the sender
 
 
 def test_an_error_answered_before_the_body_was_read_is_reported_at_once(tmp_path: Path):
@@ -346,49 +362,31 @@ def test_an_answer_cut_short_does_not_leave_its_connection_for_the_next_request(
         server.close()
 
 
-class CuttingServer:
-    """A socket server that cuts its first connection (a reset) once part of an upload's body is
-    in, with no answer, and stores every later upload whole: a connection lost mid-upload."""
+class CuttingServer(SocketServer):
+    """Cuts its first connection (a reset) once part of an upload's body is in, with no answer,
+    and stores every later upload whole: a connection lost mid-upload."""
 
     def __init__(self) -> None:
-        self.connections, self.bodies = 0, []
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.bodies: list[bytes] = []
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data and (more := conn.recv(65536)):
-                    data += more
-                head, _, received = data.partition(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                if self.connections == 1:
-                    while len(received) < length // 4 and (more := conn.recv(65536)):
-                        received += more
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                    continue  # closed with a reset, mid-body, no answer
-                while len(received) < length and (more := conn.recv(1 << 20)):
-                    received += more
-                self.bodies.append(received)
-                answer = b'{"stored": true}'
-                conn.sendall(
-                    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                    b"Content-Length: " + str(len(answer)).encode() + b"\r\n\r\n" + answer
-                )
-
-    def close(self) -> None:
-        self.sock.close()
+    def handle(self, conn: socket.socket, head: bytes, received: bytes) -> None:
+        length = next(
+            int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
+        if self.connections == 1:
+            while len(received) < length // 4 and (more := conn.recv(65536)):
+                received += more
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            return  # closed with a reset, mid-body, no answer
+        while len(received) < length and (more := conn.recv(1 << 20)):
+            received += more
+        self.bodies.append(received)
+        answer = b'{"stored": true}'
+        conn.sendall(
+            b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(answer)).encode() + b"\r\n\r\n" + answer
+        )
 
 
 def test_a_chunk_upload_cut_mid_body_is_sent_again_whole(tmp_path: Path):

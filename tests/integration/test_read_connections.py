@@ -4,8 +4,10 @@ writer's transaction; they cannot write."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -21,28 +23,36 @@ def _node(db_url: str) -> str:
     return node_id
 
 
-@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_a_read_does_not_wait_for_a_write_transaction_in_progress(db_url):
-    node_id = _node(db_url)
+@contextlib.contextmanager
+def _writer_held(db_url: str, update: sa.Update) -> Iterator[None]:
+    """`update` run in a write transaction on another thread, held open (with the writer's one
+    connection and SQLite's write lock) until the block ends, then committed."""
     holding, release = threading.Event(), threading.Event()
 
     def writer() -> None:
         with session_scope(db_url) as session:
-            session.execute(sa.update(Node).where(Node.id == node_id).values(hostname="changed"))
+            session.execute(update)
             holding.set()
-            release.wait(10)
+            release.wait(15)
 
     thread = threading.Thread(target=writer)
     thread.start()
     try:
         assert holding.wait(10)
+        yield
+    finally:
+        release.set()
+        thread.join()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_read_does_not_wait_for_a_write_transaction_in_progress(db_url):
+    node_id = _node(db_url)
+    with _writer_held(db_url, sa.update(Node).where(Node.id == node_id).values(hostname="changed")):
         started = time.monotonic()
         with read_scope(db_url) as session:
             hostname = session.get(Node, node_id).hostname
         waited = time.monotonic() - started
-    finally:
-        release.set()
-        thread.join()
     # The writer's one connection is held for seconds; a reader neither waits for it nor sees
     # what it has not committed.
     assert waited < 2.0
@@ -121,28 +131,13 @@ async def test_the_apis_reads_answer_while_a_write_transaction_holds_the_writer(
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}).json()[
             "allocation"
         ]["id"]
-    holding, release = threading.Event(), threading.Event()
-
-    def writer() -> None:
-        with session_scope(db_url) as session:
-            session.execute(sa.update(Node).values(hostname=Node.hostname))
-            holding.set()
-            release.wait(15)
-
-    thread = threading.Thread(target=writer)
-    thread.start()
-    try:
-        assert holding.wait(10)
-        with h.client(key) as c:
-            for path in (f"/v1/allocations/{alloc_id}", "/v1/allocations", f"/v1/tenants/{tenant_id}"):
-                started = time.monotonic()
-                answer = c.get(path)
-                assert answer.status_code == 200, (path, answer.text)
-                # On the writer's connection it would wait the pool's 10 s and answer 503.
-                assert time.monotonic() - started < 5.0, path
-    finally:
-        release.set()
-        thread.join()
+    with _writer_held(db_url, sa.update(Node).values(hostname=Node.hostname)), h.client(key) as c:
+        for path in (f"/v1/allocations/{alloc_id}", "/v1/allocations", f"/v1/tenants/{tenant_id}"):
+            started = time.monotonic()
+            answer = c.get(path)
+            assert answer.status_code == 200, (path, answer.text)
+            # On the writer's connection it would wait the pool's 10 s and answer 503.
+            assert time.monotonic() - started < 5.0, path
 
 
 def test_a_snapshot_read_sees_one_moment(db_url):
