@@ -208,6 +208,23 @@ def make_harness(tmp_path, temporal_env):
 
 
 @pytest.fixture
+def ready_fleet(db_url, make_harness, in_process_worker):
+    """A harness whose whole fleet is enrolled and `available`, the production worker running on
+    the test's event loop (`h.worker`): `h = await ready_fleet(nodes=8, latency_scale=0.02)`.
+    The options are `make_harness`'s; `timeout_s` bounds the bring-up."""
+
+    async def build(*, nodes: int = 8, timeout_s: float = 90, **options):
+        h = make_harness(db_url, nodes=nodes, **options)
+        h.worker = await in_process_worker(h.settings)
+        h.enroll_fleet()
+        racks = options.get("nvl72_racks", 0)
+        await h.wait_states({"available": nodes + racks * options.get("nvl72_trays", 18)}, timeout_s=timeout_s)
+        return h
+
+    return build
+
+
+@pytest.fixture
 async def in_process_worker(temporal_env):
     """Run the production worker for a harness on the test's event loop."""
     from support.stack import InProcessWorker

@@ -16,11 +16,8 @@ def _heartbeat(node_id: str) -> dict:
     return {"node_id": node_id, "tenant_id": None, "workload_running": False, "boot_id": "b1"}
 
 
-async def test_an_agent_credential_reports_for_its_own_node_only(db_url, make_harness, in_process_worker, tmp_path):
-    h = make_harness(db_url, nodes=2)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 2})  # bring-up wipes, and a wipe replaces the credential
+async def test_an_agent_credential_reports_for_its_own_node_only(ready_fleet, tmp_path):
+    h = await ready_fleet(nodes=2)  # bring-up wipes, and a wipe replaces the credential
     own, other = [n["id"] for n in h.nodes()][:2]
     issued = h.operator.post(f"/v1/nodes/{own}/agent-credential")
     assert issued.status_code == 201 and issued.json()["token"].startswith(f"gpa_{own}.")

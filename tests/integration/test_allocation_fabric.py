@@ -31,13 +31,8 @@ FAST = {
 }
 
 
-async def _ready_fleet(make_harness, in_process_worker, db_url, *, nodes: int, **options):
-    h = make_harness(db_url, nodes=nodes, fabric=True, **{**FAST, **options})
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    total = nodes + options.get("nvl72_racks", 0) * options.get("nvl72_trays", 18)
-    await h.wait_states({"available": total}, timeout_s=90)
-    return h
+async def _ready_fleet(ready_fleet, *, nodes: int, **options):
+    return await ready_fleet(nodes=nodes, fabric=True, **{**FAST, **options})
 
 
 def _create(h, key: str, body: dict):
@@ -45,12 +40,6 @@ def _create(h, key: str, body: dict):
         return c.post(
             "/v1/allocations", json={"region": "us-east-1", **body}, headers={"Idempotency-Key": str(uuid.uuid4())}
         )
-
-
-def _allocate(h, key: str, body: dict) -> str:
-    resp = _create(h, key, body)
-    assert resp.status_code == 202, resp.text
-    return resp.json()["allocation"]["id"]
 
 
 def _topology(h) -> dict[str, FabricNode]:
@@ -87,10 +76,8 @@ async def _holds(predicate, *, for_s: float, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
-async def test_membership_is_read_back_before_nodes_are_active_and_a_cancel_takes_it_away(
-    db_url, make_harness, in_process_worker
-):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+async def test_membership_is_read_back_before_nodes_are_active_and_a_cancel_takes_it_away(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=2)
     tenant_id, key = await h.onboard()
 
     def held_back() -> bool:
@@ -100,7 +87,7 @@ async def test_membership_is_read_back_before_nodes_are_active_and_a_cancel_take
 
     # The managers are down: nothing is applied, and no node goes further than reserved.
     h.fabric.set_fault("unavailable")
-    alloc_id = _allocate(h, key, {"gpu_type": "H100", "node_count": 2})
+    alloc_id = h.allocate(key, gpu_type="H100", node_count=2)
     await _holds(held_back, for_s=2.0, what="allocation held back while the managers are down")
     # Back up, but their reads disagree with what they acknowledged: the writes land, the
     # read-back fails, and still no node is active.
@@ -135,10 +122,8 @@ async def test_membership_is_read_back_before_nodes_are_active_and_a_cancel_take
     await h.wait_states({"available": 2}, timeout_s=60)
 
 
-async def test_a_refusing_manager_fails_the_allocation_closed_and_nothing_is_kept(
-    db_url, make_harness, in_process_worker, temporal_env
-):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+async def test_a_refusing_manager_fails_the_allocation_closed_and_nothing_is_kept(ready_fleet, temporal_env):
+    h = await _ready_fleet(ready_fleet, nodes=2)
     tenant_id, key = await h.onboard()
     # Someone else's partition already holds one of the ports as a full member: the manager
     # refuses to make it a full member of a second one.
@@ -146,7 +131,7 @@ async def test_a_refusing_manager_fails_the_allocation_closed_and_nothing_is_kep
     with h.fabric.controller() as c:
         c.infiniband.create_pkey(0x0123, name="foreign")
         c.infiniband.add_ports(0x0123, [port], membership=Membership.FULL)
-    alloc_id = _allocate(h, key, {"gpu_type": "H100", "node_count": 2})
+    alloc_id = h.allocate(key, gpu_type="H100", node_count=2)
     failed = await h.wait_allocation(key, alloc_id, "failed", timeout_s=60)
     assert "fabric isolation could not be applied" in failed["failure_reason"]
     assert "refused" in failed["failure_reason"] and "0x0123" not in failed["failure_reason"]
@@ -160,13 +145,13 @@ async def test_a_refusing_manager_fails_the_allocation_closed_and_nothing_is_kep
 
     with h.fabric.controller() as c:
         c.infiniband.delete_pkey(0x0123)
-    again = _allocate(h, key, {"gpu_type": "H100", "node_count": 2})
+    again = h.allocate(key, gpu_type="H100", node_count=2)
     await h.wait_allocation(key, again, "ready", timeout_s=60)
     assert h.fabric.full_members(again) == _ports(h, [n["id"] for n in h.nodes()])
 
 
-async def test_two_tenants_and_nvl72_slices_never_share_a_partition_or_vni(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, nvl72_racks=1, nvl72_trays=6)
+async def test_two_tenants_and_nvl72_slices_never_share_a_partition_or_vni(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=4, nvl72_racks=1, nvl72_trays=6)
     acme_id, acme = await h.onboard()
     globex_id, globex = await h.onboard()
 
@@ -184,10 +169,10 @@ async def test_two_tenants_and_nvl72_slices_never_share_a_partition_or_vni(db_ur
     assert too_big.status_code == 409 and "NVL72 rack" in too_big.json()["detail"], too_big.text
 
     allocations = {
-        _allocate(h, acme, {"gpu_type": "H100", "node_count": 2}): acme,
-        _allocate(h, acme, {"gpu_type": "GB200", "nvl72_trays": 4}): acme,
-        _allocate(h, globex, {"gpu_type": "H100", "node_count": 2}): globex,
-        _allocate(h, globex, {"gpu_type": "GB200", "nvl72_trays": 2}): globex,
+        h.allocate(acme, gpu_type="H100", node_count=2): acme,
+        h.allocate(acme, gpu_type="GB200", nvl72_trays=4): acme,
+        h.allocate(globex, gpu_type="H100", node_count=2): globex,
+        h.allocate(globex, gpu_type="GB200", nvl72_trays=2): globex,
     }
     ready = {a: await h.wait_allocation(key, a, "ready", timeout_s=90) for a, key in allocations.items()}
     nodes = {n["id"]: n for n in h.nodes()}
@@ -226,12 +211,10 @@ async def test_two_tenants_and_nvl72_slices_never_share_a_partition_or_vni(db_ur
     assert _violations(h, allocations) == []
 
 
-async def test_drain_and_replace_moves_membership_from_the_pulled_tray_to_its_replacement(
-    db_url, make_harness, in_process_worker, temporal_env
-):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=1, nvl72_racks=1, nvl72_trays=3)
+async def test_drain_and_replace_moves_membership_from_the_pulled_tray_to_its_replacement(ready_fleet, temporal_env):
+    h = await _ready_fleet(ready_fleet, nodes=1, nvl72_racks=1, nvl72_trays=3)
     tenant_id, key = await h.onboard()
-    alloc_id = _allocate(h, key, {"gpu_type": "GB200", "nvl72_trays": 2})
+    alloc_id = h.allocate(key, gpu_type="GB200", nvl72_trays=2)
     alloc = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
     bad, kept = alloc["node_ids"]
     (spare,) = {n["id"] for n in h.nodes() if n["gpu_type"] == "GB200"} - {bad, kept}

@@ -11,11 +11,9 @@ from temporalio.client import WorkflowExecutionStatus
 from gpucloud.services.allocations import workflow_id_for
 
 
-async def test_enrollment_brings_nodes_to_available(db_url, make_harness, in_process_worker, temporal_env):
-    h = make_harness(db_url, nodes=6)
-    await in_process_worker(h.settings)
-    node_ids = h.enroll_fleet()
-    await h.wait_states({"available": 6})
+async def test_enrollment_brings_nodes_to_available(ready_fleet, temporal_env):
+    h = await ready_fleet(nodes=6)
+    node_ids = [n["id"] for n in h.sim.inventory()]
     # Each node went enrolled -> inspecting -> wiping -> burn_in -> available, every step recorded.
     node = h.operator.get(f"/v1/nodes/{node_ids[0]}").json()
     assert node["generation"] == 4 and node["tenant_id"] is None
@@ -34,11 +32,8 @@ async def test_enrollment_brings_nodes_to_available(db_url, make_harness, in_pro
     assert sorted(result["available"]) == sorted(node_ids) and result["stopped"] == {}
 
 
-async def test_allocate_ready_cancel_released_nodes_back(db_url, make_harness, in_process_worker, temporal_env):
-    h = make_harness(db_url, nodes=8)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 8})
+async def test_allocate_ready_cancel_released_nodes_back(ready_fleet, temporal_env):
+    h = await ready_fleet(nodes=8)
     tenant_id, key = await h.onboard()
 
     with h.client(key) as c:
@@ -90,11 +85,8 @@ async def test_allocate_ready_cancel_released_nodes_back(db_url, make_harness, i
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
 
-async def test_not_enough_capacity_is_a_clear_409_and_writes_nothing(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=4)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 4})
+async def test_not_enough_capacity_is_a_clear_409_and_writes_nothing(ready_fleet):
+    h = await ready_fleet(nodes=4)
     _, key = await h.onboard()
     with h.client(key) as c:
         resp = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 5, "region": "us-east-1"})
@@ -125,11 +117,8 @@ async def test_agent_failures_transient_retried_permanent_to_failure_target(
         assert h.operator.get(f"/v1/nodes/{second}").json()["state"] == "available"
 
 
-async def test_failed_provisioning_fails_allocation_and_recycles_nodes(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=4)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 4})
+async def test_failed_provisioning_fails_allocation_and_recycles_nodes(ready_fleet):
+    h = await ready_fleet(nodes=4)
     _, key = await h.onboard()
     nodes = [n["id"] for n in h.sim.inventory()]
     with h.client(key) as c:
@@ -154,11 +143,8 @@ async def test_failed_provisioning_fails_allocation_and_recycles_nodes(db_url, m
     await h.wait_states({"available": 4})
 
 
-async def test_a_node_failing_provisioning_is_replaced(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=3)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 3})
+async def test_a_node_failing_provisioning_is_replaced(ready_fleet):
+    h = await ready_fleet(nodes=3)
     _, key = await h.onboard()
     bad, good, spare = [n["id"] for n in h.sim.inventory()]
     h.sim.inject(bad, "provision", "permanent")

@@ -11,11 +11,8 @@ pytestmark = pytest.mark.one_database
 WORKLOAD = {"command": ["torchrun", "--nproc-per-node", "8", "train.py"], "env": {"EPOCHS": "3"}, "ssh_keys": []}
 
 
-async def test_each_node_of_the_allocation_runs_its_workload_until_release(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=2, latency_scale=0.02)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 2})
+async def test_each_node_of_the_allocation_runs_its_workload_until_release(ready_fleet):
+    h = await ready_fleet(nodes=2, latency_scale=0.02)
     _, key = await h.onboard()
     with h.client(key) as tenant:
         body = {"gpu_type": "H100", "node_count": 2, "region": "us-east-1", "workload": WORKLOAD}

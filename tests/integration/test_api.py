@@ -12,12 +12,8 @@ ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 
 
 @pytest.fixture
-async def ready_harness(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=8, latency_scale=0.02)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 8})
-    return h
+async def ready_harness(ready_fleet):
+    return await ready_fleet(nodes=8, latency_scale=0.02)
 
 
 async def test_idempotent_create_sequential_and_mismatch(ready_harness):

@@ -30,13 +30,8 @@ def ledger_url(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-async def test_a_cancel_during_provisioning_stops_it_returns_every_node_and_bills_nothing(
-    db_url, make_harness, in_process_worker, ledger_url
-):
-    h = make_harness(db_url, nodes=3, latency_scale=0.02, sim_args=("--provision-s", "8"), ledger={"url": ledger_url})
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 3})
+async def test_a_cancel_during_provisioning_stops_it_returns_every_node_and_bills_nothing(ready_fleet, ledger_url):
+    h = await ready_fleet(nodes=3, latency_scale=0.02, sim_args=("--provision-s", "8"), ledger={"url": ledger_url})
     tenant_id, key = await h.onboard()
     with h.client(key) as tenant:
         created = tenant.post("/v1/allocations", json=ALLOC)

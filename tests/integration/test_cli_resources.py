@@ -15,11 +15,8 @@ from gpucloud.cli.main import app
 pytestmark = pytest.mark.one_database
 
 
-async def test_operators_and_tenants_manage_resources_from_the_cli(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=2)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 2}, timeout_s=90)
+async def test_operators_and_tenants_manage_resources_from_the_cli(ready_fleet):
+    h = await ready_fleet(nodes=2)
     operator = {
         "GPUCLOUD_API__PORT": str(h.settings.api.port),
         "GPUCLOUD_API__OPERATOR_TOKEN": h.settings.operator_token,

@@ -39,9 +39,7 @@ async def test_worker_killed_mid_provisioning_allocation_still_completes(db_url,
     assert sum(1 for n in nodes.values() if n["allocation_id"] == alloc_id) == 3
 
 
-async def test_an_allocation_whose_workflow_never_started_is_adopted_by_the_next_sweep(
-    db_url, make_harness, in_process_worker, temporal_env
-):
+async def test_an_allocation_whose_workflow_never_started_is_adopted_by_the_next_sweep(ready_fleet, temporal_env):
     """The API committed the allocation and died before starting its workflow: the next full
     sweep starts it, and the allocation becomes ready."""
     from datetime import timedelta
@@ -52,10 +50,7 @@ async def test_an_allocation_whose_workflow_never_started_is_adopted_by_the_next
     from gpucloud.db import session_scope
     from gpucloud.models.tables import Allocation, Tenant
 
-    h = make_harness(db_url, nodes=2)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 2}, timeout_s=90)
+    h = await ready_fleet(nodes=2)
     tenant_id, key = await h.onboard()
     alloc, _ = _create_in_db(
         h.settings, tenant_id, AllocationRequest(gpu_type="H100", node_count=1, region="us-east-1")

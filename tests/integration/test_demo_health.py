@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import uuid
 from collections.abc import Coroutine
 
 import pytest
@@ -19,20 +18,10 @@ pytestmark = pytest.mark.one_database
 FAST = {"latency_scale": 0.02, "health__drain_grace_s": 0.5, "health__replacement_recheck_s": 0.5}
 
 
-async def _ready_allocation(make_harness, in_process_worker, db_url, *, nodes: int, **settings):
-    h = make_harness(db_url, nodes=nodes, **{**FAST, **settings})
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": nodes}, timeout_s=90)
+async def _ready_allocation(ready_fleet, *, nodes: int, **settings):
+    h = await ready_fleet(nodes=nodes, **{**FAST, **settings})
     _, key = await h.onboard()
-    with h.client(key) as c:
-        resp = c.post(
-            "/v1/allocations",
-            json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"},
-            headers={"Idempotency-Key": str(uuid.uuid4())},
-        )
-        assert resp.status_code == 202, resp.text
-    alloc = await h.wait_allocation(key, resp.json()["allocation"]["id"], "ready")
+    alloc = await h.wait_allocation(key, h.allocate(key, node_count=2), "ready")
     return h, key, alloc
 
 
@@ -45,10 +34,8 @@ def _run(h, key: str, alloc_id: str) -> tuple[Coroutine, io.StringIO]:
     return future, out
 
 
-async def test_demo_replaces_a_failed_node_in_the_same_fabric_domain(db_url, make_harness, in_process_worker):
-    h, key, alloc = await _ready_allocation(
-        make_harness, in_process_worker, db_url, nodes=4, health__breaker_max_pulled_share=1.0
-    )
+async def test_demo_replaces_a_failed_node_in_the_same_fabric_domain(ready_fleet):
+    h, key, alloc = await _ready_allocation(ready_fleet, nodes=4, health__breaker_max_pulled_share=1.0)
     bad, kept = alloc["node_ids"]
     future, out = _run(h, key, alloc["id"])
     await future
@@ -62,8 +49,8 @@ async def test_demo_replaces_a_failed_node_in_the_same_fabric_domain(db_url, mak
     assert "allocation events" in text and "replacement_started" in text
 
 
-async def test_demo_says_why_when_the_breaker_refuses_the_pull(db_url, make_harness, in_process_worker):
-    h, key, alloc = await _ready_allocation(make_harness, in_process_worker, db_url, nodes=4)  # 1 pull an hour
+async def test_demo_says_why_when_the_breaker_refuses_the_pull(ready_fleet):
+    h, key, alloc = await _ready_allocation(ready_fleet, nodes=4)  # 1 pull an hour
     idle = next(n["id"] for n in h.nodes() if n["allocation_id"] is None)
     first = h.operator.post(f"/v1/nodes/{idle}/xid", json={"xid": 79}).json()["decisions"][0]
     assert first["pull"] == "drain"
@@ -73,8 +60,8 @@ async def test_demo_says_why_when_the_breaker_refuses_the_pull(db_url, make_harn
     assert h.client(key).get(f"/v1/allocations/{alloc['id']}").json()["node_ids"] == alloc["node_ids"]
 
 
-async def test_demo_needs_a_ready_allocation(db_url, make_harness, in_process_worker):
-    h, key, alloc = await _ready_allocation(make_harness, in_process_worker, db_url, nodes=2)
+async def test_demo_needs_a_ready_allocation(ready_fleet):
+    h, key, alloc = await _ready_allocation(ready_fleet, nodes=2)
     with h.client(key) as c:
         c.post(f"/v1/allocations/{alloc['id']}/cancel").raise_for_status()
     await h.wait_allocation(key, alloc["id"], "released")

@@ -5,7 +5,6 @@ failing while it is provisioned; a burst of failures in one allocation; agents' 
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -20,23 +19,8 @@ pytestmark = pytest.mark.one_database
 FAST = {"latency_scale": 0.02, "health__drain_grace_s": 0.5, "health__replacement_recheck_s": 0.5}
 
 
-async def _ready_fleet(make_harness, in_process_worker, db_url, nodes: int, **settings):
-    h = make_harness(db_url, nodes=nodes, **{**FAST, **settings})
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": nodes}, timeout_s=90)
-    return h
-
-
-def _allocate(h, key: str, count: int) -> str:
-    with h.client(key) as c:
-        resp = c.post(
-            "/v1/allocations",
-            json={"gpu_type": "H100", "node_count": count, "region": "us-east-1"},
-            headers={"Idempotency-Key": str(uuid.uuid4())},
-        )
-        assert resp.status_code == 202, resp.text
-        return resp.json()["allocation"]["id"]
+async def _ready_fleet(ready_fleet, nodes: int, **settings):
+    return await ready_fleet(nodes=nodes, **{**FAST, **settings})
 
 
 def _xid(h, node_id: str, xid: int) -> dict:
@@ -60,10 +44,8 @@ async def _repair_round(h, temporal_env, node_id: str) -> str:
     return h.node(node_id)["state"]
 
 
-async def test_each_xid_class_leads_to_its_action_and_application_xids_never_drain(
-    db_url, make_harness, in_process_worker
-):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=8, health__breaker_max_pulled_share=1.0)
+async def test_each_xid_class_leads_to_its_action_and_application_xids_never_drain(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=8, health__breaker_max_pulled_share=1.0)
     ids = [n["id"] for n in h.nodes()]
     expected = {
         13: ("ok", "none", None),
@@ -114,11 +96,11 @@ def _count(histogram: str) -> float:
 
 
 async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_burn_in_passes(
-    db_url, make_harness, in_process_worker, temporal_env
+    ready_fleet, temporal_env
 ):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=6, health__breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(ready_fleet, nodes=6, health__breaker_max_pulled_share=1.0)
     tenant_id, key = await h.onboard()
-    alloc_id = _allocate(h, key, 2)
+    alloc_id = h.allocate(key, node_count=2)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     bad, kept = alloc["node_ids"]
     _hardware_fault(h, bad, "GPU 3 fell off the bus")  # no rung of the ladder fixes it
@@ -158,10 +140,8 @@ async def test_fatal_xid_on_active_node_replaced_in_same_pod_and_kept_out_until_
     assert "ladder exhausted" in after_xid[-1]["cause"]
 
 
-async def test_repaired_node_returns_only_through_a_passing_burn_in(
-    db_url, make_harness, in_process_worker, temporal_env
-):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4)
+async def test_repaired_node_returns_only_through_a_passing_burn_in(ready_fleet, temporal_env):
+    h = await _ready_fleet(ready_fleet, nodes=4)
     node_id = h.nodes()[0]["id"]
     _hardware_fault(h, node_id, "uncorrectable ECC", fixed_by="reboot")
     assert _xid(h, node_id, 48)["pull"] == "drain"
@@ -184,8 +164,8 @@ async def test_repaired_node_returns_only_through_a_passing_burn_in(
     assert events[-1]["actor"] == "health" and not node["cordoned"]
 
 
-async def test_lemon_node_goes_to_rma_without_another_reset(db_url, make_harness, in_process_worker, temporal_env):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4)
+async def test_lemon_node_goes_to_rma_without_another_reset(ready_fleet, temporal_env):
+    h = await _ready_fleet(ready_fleet, nodes=4)
     node_id = h.nodes()[0]["id"]
     earlier = datetime.now(UTC) - timedelta(days=10)
     h.operator.post(
@@ -200,8 +180,8 @@ async def test_lemon_node_goes_to_rma_without_another_reset(db_url, make_harness
     assert (last["from_state"], last["to_state"]) == ("repairing", "rma") and "lemon" in last["cause"]
 
 
-async def test_circuit_breaker_refuses_pulls_beyond_the_pool_share(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=8)  # 5 % of 8: one pull an hour
+async def test_circuit_breaker_refuses_pulls_beyond_the_pool_share(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=8)  # 5 % of 8: one pull an hour
     first, second = [n["id"] for n in h.nodes()[:2]]
     assert _xid(h, first, 79)["pull"] == "drain"
     refused = _xid(h, second, 79)
@@ -215,12 +195,12 @@ async def test_circuit_breaker_refuses_pulls_beyond_the_pool_share(db_url, make_
         assert c.get("/v1/alerts").status_code == 403
 
 
-async def test_no_capacity_degraded_until_capacity_frees(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, health__breaker_max_pulled_share=1.0)
+async def test_no_capacity_degraded_until_capacity_frees(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=3, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
     _, other_key = await h.onboard()
-    alloc_id = _allocate(h, key, 2)
-    other_id = _allocate(h, other_key, 1)
+    alloc_id = h.allocate(key, node_count=2)
+    other_id = h.allocate(other_key, node_count=1)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     await h.wait_allocation(other_key, other_id, "ready")
     bad = alloc["node_ids"][0]
@@ -252,22 +232,18 @@ def _alloc_events(h, key: str, alloc_id: str) -> list[str]:
         return [e["kind"] for e in c.get(f"/v1/allocations/{alloc_id}/events").json()["items"]]
 
 
-async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is_ready(
-    db_url, make_harness, in_process_worker, tmp_path
-):
+async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is_ready(ready_fleet, tmp_path):
     from ledger_harness import ledger_in_thread
 
     from support.ledger_auth import auth_for
 
     with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as ledger_url:
-        await _replaced_before_ready(make_harness, in_process_worker, db_url, ledger_url, auth_for(ledger_url))
+        await _replaced_before_ready(ready_fleet, ledger_url, auth_for(ledger_url))
 
 
-async def _replaced_before_ready(make_harness, in_process_worker, db_url, ledger_url, ledger_auth) -> None:
+async def _replaced_before_ready(ready_fleet, ledger_url, ledger_auth) -> None:
     h = await _ready_fleet(
-        make_harness,
-        in_process_worker,
-        db_url,
+        ready_fleet,
         nodes=4,
         health__breaker_max_pulled_share=1.0,
         ledger={"url": ledger_url},
@@ -314,12 +290,10 @@ async def _replaced_before_ready(make_harness, in_process_worker, db_url, ledger
     assert await async_wait_until(added, timeout_s=30, what="the ledger's node_added events") == set(alloc["node_ids"])
 
 
-async def test_a_burst_of_fatal_xids_in_one_allocation_pulls_all_and_replaces_each(
-    db_url, make_harness, in_process_worker, temporal_env
-):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, health__breaker_max_pulled_share=1.0)
+async def test_a_burst_of_fatal_xids_in_one_allocation_pulls_all_and_replaces_each(ready_fleet, temporal_env):
+    h = await _ready_fleet(ready_fleet, nodes=4, health__breaker_max_pulled_share=1.0)
     tenant_id, key = await h.onboard()
-    alloc_id = _allocate(h, key, 3)  # one spare node left
+    alloc_id = h.allocate(key, node_count=3)  # one spare node left
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     first, second, kept = alloc["node_ids"]
     now = datetime.now(UTC).isoformat()
@@ -362,8 +336,8 @@ async def test_a_burst_of_fatal_xids_in_one_allocation_pulls_all_and_replaces_ea
     ]
 
 
-async def test_agent_readings_are_validated_judged_and_acted_on(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+async def test_agent_readings_are_validated_judged_and_acted_on(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=2)
     watched, lost = [n["id"] for n in h.nodes()]
     now = datetime.now(UTC)
 
@@ -417,18 +391,16 @@ async def test_agent_readings_are_validated_judged_and_acted_on(db_url, make_har
     await async_wait_until(lambda: h.node(lost)["state"] == "quarantined", timeout_s=30, what="quarantined")
 
 
-async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(
-    db_url, make_harness, in_process_worker, temporal_env
-):
+async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(ready_fleet, temporal_env):
     # The API judged the node and then died before it could signal the allocation's workflow:
     # only the DB knows. The reconciler derives the pull from the record and asks again.
     from gpucloud.agent.readings import XidEvent
     from gpucloud.db import session_scope
     from gpucloud.services import health as health_service
 
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=3, health__breaker_max_pulled_share=1.0)
+    h = await _ready_fleet(ready_fleet, nodes=3, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
-    alloc_id = _allocate(h, key, 2)
+    alloc_id = h.allocate(key, node_count=2)
     ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
     bad = ready["node_ids"][0]
     with session_scope(h.settings.database_url) as session:
@@ -457,9 +429,7 @@ async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(
     assert (await h.sweep(temporal_env.client)).replace_signals == 0
 
 
-async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
-    db_url, make_harness, in_process_worker, tmp_path
-):
+async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(ready_fleet, tmp_path):
     # The ledger reconciles metered time against allocated time per node: a pulled node stops
     # counting when it is detached, its replacement counts from when it is attached.
     from ledger_harness import ledger_in_thread
@@ -469,15 +439,13 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
     # The control plane's data dir holds the key the ledger trusts (the harness's is tmp_path).
     with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as ledger_url:
         h = await _ready_fleet(
-            make_harness,
-            in_process_worker,
-            db_url,
+            ready_fleet,
             nodes=3,
             health__breaker_max_pulled_share=1.0,
             ledger__url=ledger_url,
         )
         tenant_id, key = await h.onboard()
-        alloc_id = _allocate(h, key, 2)
+        alloc_id = h.allocate(key, node_count=2)
         ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
         bad = ready["node_ids"][0]
         assert _xid(h, bad, 79)["pull"] == "replace"
@@ -505,10 +473,10 @@ async def test_a_replacement_tells_the_ledger_which_node_left_and_which_joined(
         assert kinds.index(("node_removed", bad)) < kinds.index(("node_added", spare))
 
 
-async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=5, health__breaker_max_pulled_share=1.0)
+async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=5, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
-    alloc_id = _allocate(h, key, 3)
+    alloc_id = h.allocate(key, node_count=3)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     first, second, kept = alloc["node_ids"]
     for node in h.nodes():  # every later provision answers 503 three times first: ~7 s in `provisioning`
@@ -542,10 +510,10 @@ async def test_a_fault_while_a_replacement_provisions_is_pulled_at_once(db_url, 
     assert kept in alloc["node_ids"] and not {first, second} & set(alloc["node_ids"]) and len(alloc["node_ids"]) == 3
 
 
-async def test_a_cancel_waits_for_the_pulled_nodes_drain(db_url, make_harness, in_process_worker):
-    h = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, health__breaker_max_pulled_share=1.0)
+async def test_a_cancel_waits_for_the_pulled_nodes_drain(ready_fleet):
+    h = await _ready_fleet(ready_fleet, nodes=2, health__breaker_max_pulled_share=1.0)
     _, key = await h.onboard()
-    alloc_id = _allocate(h, key, 2)
+    alloc_id = h.allocate(key, node_count=2)
     bad, _kept = (await h.wait_allocation(key, alloc_id, "ready"))["node_ids"]
     h.sim.inject(bad, "release", "transient", count=2)  # its drain takes a few seconds of retries
     _xid(h, bad, 79)

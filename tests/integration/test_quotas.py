@@ -23,12 +23,8 @@ ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 
 
 @pytest.fixture
-async def ready(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=8, latency_scale=0.02)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 8})
-    return h
+async def ready(ready_fleet):
+    return await ready_fleet(nodes=8, latency_scale=0.02)
 
 
 async def test_quota_exceeded_is_a_409_naming_quota_limit_and_usage(ready):

@@ -116,16 +116,11 @@ def test_a_read_on_sqlite_is_one_statement_outside_any_transaction(db_url):
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-async def test_the_apis_reads_answer_while_a_write_transaction_holds_the_writer(
-    db_url, make_harness, in_process_worker
-):
+async def test_the_apis_reads_answer_while_a_write_transaction_holds_the_writer(ready_fleet, db_url):
     """GETs read on readers' connections inside their own thread: while a write transaction
     holds SQLite's write lock and the one writer connection for seconds, they still answer at
     once and see what was committed before it."""
-    h = make_harness(db_url, nodes=1, latency_scale=0.02)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 1})
+    h = await ready_fleet(nodes=1, latency_scale=0.02)
     tenant_id, key = await h.onboard()
     with h.client(key) as c:
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}).json()[

@@ -12,28 +12,17 @@ from gpucloud.models.tables import Node, utcnow
 from support.stack import async_wait_until
 
 
-async def _ready_fleet(make_harness, in_process_worker, db_url, nodes=4, **kw):
-    h = make_harness(db_url, nodes=nodes, **kw)
-    worker = await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": nodes}, timeout_s=90)
-    return h, worker
-
-
-async def test_converged_fleet_sweep_starts_nothing(db_url, make_harness, in_process_worker, temporal_env):
-    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url)
+async def test_converged_fleet_sweep_starts_nothing(ready_fleet, temporal_env):
+    h = await ready_fleet(nodes=4)
     h.push_heartbeats()
     result = await h.sweep(temporal_env.client)
     assert (result.candidates, result.started, result.deadlines_applied) == (0, 0, 0)
 
 
-async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
-    db_url, make_harness, in_process_worker, temporal_env
-):
+async def test_deadlines_passed_while_worker_down_found_by_first_sweep(ready_fleet, in_process_worker, temporal_env):
     # Deadlines x 0.002: provisioning 3.6 s, wiping 7.2 s, burn-in 29 s; provision takes ~2 s.
-    h, worker = await _ready_fleet(
-        make_harness, in_process_worker, db_url, nodes=2, latency_scale=5.0, reconciler__deadline_scale=0.002
-    )
+    h = await ready_fleet(nodes=2, latency_scale=5.0, reconciler__deadline_scale=0.002)
+    worker = h.worker
     _, key = await h.onboard()
     with h.client(key) as c:
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()[
@@ -63,8 +52,8 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(
     assert failed["failure_reason"]
 
 
-async def test_agent_unreachable_then_back(db_url, make_harness, in_process_worker, temporal_env):
-    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, agent__heartbeat_timeout_s=1.0)
+async def test_agent_unreachable_then_back(ready_fleet, temporal_env):
+    h = await ready_fleet(nodes=4, agent__heartbeat_timeout_s=1.0)
     lost = h.nodes()[0]["id"]
     h.push_heartbeats()
     h.sim.set_unreachable(lost, True)
@@ -85,8 +74,8 @@ async def test_agent_unreachable_then_back(db_url, make_harness, in_process_work
     assert node["health"] == "ok" and node["agent_reachable"] and node["health_conditions"] == []
 
 
-async def test_drift_active_node_wiped_behind_our_back_is_restored(db_url, make_harness, in_process_worker):
-    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+async def test_drift_active_node_wiped_behind_our_back_is_restored(ready_fleet):
+    h = await ready_fleet(nodes=2)
     tenant_id, key = await h.onboard()
     with h.client(key) as c:
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}).json()[
@@ -103,8 +92,8 @@ async def test_drift_active_node_wiped_behind_our_back_is_restored(db_url, make_
     assert node["state"] == "active" and node["allocation_id"] == alloc_id
 
 
-async def test_cancel_while_provisioning(db_url, make_harness, in_process_worker):
-    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2, latency_scale=3.0)
+async def test_cancel_while_provisioning(ready_fleet):
+    h = await ready_fleet(nodes=2, latency_scale=3.0)
     _, key = await h.onboard()
     with h.client(key) as c:
         created = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()
@@ -117,8 +106,8 @@ async def test_cancel_while_provisioning(db_url, make_harness, in_process_worker
     await h.wait_states({"available": 2}, timeout_s=60)
 
 
-async def test_operator_actions_are_recorded_and_drain_is_carried_out(db_url, make_harness, in_process_worker):
-    h, _ = await _ready_fleet(make_harness, in_process_worker, db_url, nodes=2)
+async def test_operator_actions_are_recorded_and_drain_is_carried_out(ready_fleet):
+    h = await ready_fleet(nodes=2)
     a, b = [n["id"] for n in h.nodes()]
     with h.operator as op:
         r = op.post(f"/v1/nodes/{a}/cordon", json={"reason": "suspicious fan"})

@@ -33,11 +33,8 @@ async def test_recorded_histories_replay(path):
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-async def test_fresh_allocation_history_replays(db_url, make_harness, in_process_worker, temporal_env):
-    h = make_harness(db_url, nodes=2, latency_scale=0.02)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 2})
+async def test_fresh_allocation_history_replays(ready_fleet, temporal_env):
+    h = await ready_fleet(nodes=2, latency_scale=0.02)
     _, key = await h.onboard()
     with h.client(key) as c:
         alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()[

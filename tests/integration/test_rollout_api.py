@@ -25,11 +25,8 @@ def _push_version(h, tenant_id: str, key: str, tmp_path) -> str:
         ).digest
 
 
-async def test_rollouts_api_validates_scopes_and_is_idempotent(db_url, make_harness, in_process_worker, tmp_path):
-    h = make_harness(db_url, nodes=4, latency_scale=0.02)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 4})
+async def test_rollouts_api_validates_scopes_and_is_idempotent(ready_fleet, tmp_path):
+    h = await ready_fleet(nodes=4, latency_scale=0.02)
     a_id, a_key = await h.onboard()
     _, b_key = await h.onboard()
     with h.client(a_key) as a, h.client(b_key) as b:

@@ -321,13 +321,8 @@ class TenantIsolation(RuleBasedStateMachine):
 
 
 @pytest.mark.long
-async def test_no_path_connects_two_tenants_across_random_operations(
-    db_url, make_harness, in_process_worker, temporal_env
-):
-    h = make_harness(db_url, nodes=NODES, fabric=True, **FAST)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": NODES})
+async def test_no_path_connects_two_tenants_across_random_operations(ready_fleet, temporal_env):
+    h = await ready_fleet(nodes=NODES, fabric=True, **FAST)
     machine = type(
         "BoundTenantIsolation",
         (TenantIsolation,),

@@ -117,11 +117,9 @@ def test_the_agent_refuses_to_start_without_its_node_credential_or_the_control_p
     assert (tmp_path / "issuer_key.pem").stat().st_mode & 0o077 == 0
 
 
-async def test_the_simulated_fleet_checks_the_same_tokens_as_a_real_agent(db_url, make_harness, in_process_worker):
-    h = make_harness(db_url, nodes=2)
-    await in_process_worker(h.settings)
-    first, second = h.enroll_fleet()
-    await h.wait_states({"available": 2}, timeout_s=90)  # bring-up went through: the worker signs
+async def test_the_simulated_fleet_checks_the_same_tokens_as_a_real_agent(ready_fleet):
+    h = await ready_fleet(nodes=2)  # bring-up went through: the worker signs
+    first, second = [n["id"] for n in h.sim.inventory()]
     issuer = load_or_create_issuer(h.settings.issuer_key_path)
     body = {"request_id": "attack-1", "tenant_id": "t-evil"}
     url = f"{h.sim.url}/v1/nodes/{first}/actions/provision"

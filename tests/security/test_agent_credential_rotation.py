@@ -48,13 +48,11 @@ async def test_a_wipe_replaces_the_node_credential_and_the_old_one_gets_401(db_u
         assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 200
 
 
-async def test_a_bring_up_batch_commits_every_credential_its_wipes_handed_over(db_url, make_harness, in_process_worker):
+async def test_a_bring_up_batch_commits_every_credential_its_wipes_handed_over(ready_fleet):
     """A batch wipes many nodes in one activity and commits their credentials together: each
     node's agent then reports with the one its wipe gave it."""
-    h = make_harness(db_url, nodes=3, reconciler__bringup_batch_size=3)
-    await in_process_worker(h.settings)
-    node_ids = h.enroll_fleet()
-    await h.wait_states({"available": 3}, timeout_s=90)
+    h = await ready_fleet(nodes=3, reconciler__bringup_batch_size=3)
+    node_ids = [n["id"] for n in h.sim.inventory()]
     for node_id in node_ids:
         token = h.sim.client.credential(node_id)
         assert token and token.startswith(f"gpa_{node_id}.")

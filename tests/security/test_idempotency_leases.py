@@ -24,13 +24,8 @@ def _as_if_the_request_died(db_url: str, key: str) -> None:
         session.add(record)
 
 
-async def test_a_retry_after_a_dead_request_returns_what_it_committed_and_makes_nothing_twice(
-    db_url, make_harness, in_process_worker
-):
-    h = make_harness(db_url, nodes=2)
-    await in_process_worker(h.settings)
-    h.enroll_fleet()
-    await h.wait_states({"available": 2}, timeout_s=90)
+async def test_a_retry_after_a_dead_request_returns_what_it_committed_and_makes_nothing_twice(ready_fleet):
+    h = await ready_fleet(nodes=2)
     tenant_id, key = await h.onboard()
     with h.client(key) as tenant:
         first = tenant.post("/v1/allocations", json=BODY, headers={"Idempotency-Key": "k-committed"})

@@ -158,6 +158,8 @@ class Harness:
     worker_procs: list[CliProcess] = field(default_factory=list)
     # The simulated fabric managers the worker applies membership through (`make_harness(fabric=True)`).
     fabric: FabricManagers | None = None
+    # The in-process worker `ready_fleet` started for it.
+    worker: InProcessWorker | None = None
 
     @property
     def operator(self) -> httpx.Client:
@@ -171,6 +173,15 @@ class Harness:
         resp = self.operator.post("/v1/nodes:enroll", json={"nodes": nodes})
         resp.raise_for_status()
         return [n["id"] for n in nodes]
+
+    def allocate(self, token: str, **fields) -> str:
+        """Create an allocation of `fields` (`node_count=2`, `nvl72_trays=4`; H100 in us-east-1
+        unless they say otherwise) under a fresh Idempotency-Key; it must be accepted (202). Its id."""
+        body = {"gpu_type": "H100", "region": "us-east-1", **fields}
+        with self.client(token) as c:
+            resp = c.post("/v1/allocations", json=body, headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert resp.status_code == 202, resp.text
+        return resp.json()["allocation"]["id"]
 
     def push_heartbeats(self) -> dict:
         """What the sim's agents would send on their next heartbeat, delivered now."""
