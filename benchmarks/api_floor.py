@@ -13,13 +13,15 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from sqlmodel import Session, col, select
 
-from gpucloud.db import get_engine
+from gpucloud.db import get_read_engine
 from gpucloud.models.tables import Allocation
 
 
 def create_app(url: str) -> FastAPI:
     app = FastAPI()
-    engine = get_engine(url)
+    # The API's reads run on readers' connections (on SQLite: no write lock, beside the one
+    # writer); the floor reads the same way.
+    engine = get_read_engine(url)
 
     @app.get("/healthz")
     def healthz() -> dict:

@@ -14,12 +14,19 @@ honour, as `gpucloud.client` does). Then:
   level, over its p99 alone; `fairness_floor_p99_ratio`: the same for a single client of the
   floor app (its own process) beside the same load on the API, which is what the machine's
   contention alone costs; `fairness_vs_floor` is the first over the second;
+  `fairness_machine_p99_ratio`: the floor app's client beside the load over the API's probe
+  alone, the least any process on this machine reaches against the target's own denominator,
+  and `fairness_beside_vs_floor_beside`: the API's probe beside the load over the floor app's;
 - `fleet_capacity_nodes`: agents' single-node heartbeats (each its own request) the API answers
   with p99 <= 1 s while 64 tenant clients run, times the 10 s heartbeat interval;
   `floor_capacity_nodes`: the same for the floor app's primary-key read beside the same tenant
   load (what the machine leaves for one request with one read), and `fleet_capacity_vs_floor`.
 
-    python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S] [--heartbeats-only]
+    python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S] [--agents-api]
+                                  [--heartbeats-only]
+
+`--agents-api`: the agents' reports go to an API process of their own (the same code and database
+on another port) instead of the tenants' one.
 
 `--heartbeats-only`: 12 agents' heartbeats on an otherwise idle stack, and the floor app's read
 from 12 clients, alternated twice (`heartbeats_idle_vs_floor`): the cost of one report with
@@ -169,7 +176,9 @@ async def run_apart(url: str, token: str | None, n: int, seconds: float, body, *
         return await asyncio.wrap_future(future)
 
 
-async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str], nodes: dict[str, str], args) -> dict:
+async def measure(
+    settings, floor_url: str, keys: tuple[str, str], ids: list[str], nodes: dict[str, str], args, agents_url: str
+) -> dict:
     api = settings.api_url
     tenant_key, other_key = keys
     async with httpx.AsyncClient() as probe:
@@ -180,7 +189,7 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
             except httpx.HTTPError:
                 await asyncio.sleep(0.1)
     if args.heartbeats_only:
-        return await _heartbeats_alone(api, floor_url, ids, nodes, args)
+        return await _heartbeats_alone(agents_url, floor_url, ids, nodes, args)
     levels, floors = {}, {}
     for n in args.levels:
         tally = await run_clients(api, tenant_key, n, args.seconds, mixed_client, ids)
@@ -212,14 +221,15 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
     # Agents' heartbeats, each its own request, beside 64 tenant clients.
     # The agents' lane alone: what one API process gives heartbeats when nothing else runs (the
     # figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md).
-    alone_beats = (await run_apart(api, None, 12, args.seconds, heartbeat_client, nodes)).figures(args.seconds)
+    alone_beats = (await run_apart(agents_url, None, 12, args.seconds, heartbeat_client, nodes)).figures(args.seconds)
     log(f"  heartbeats from 12 agents alone: {alone_beats}")
-    capacity, heartbeat_figures = await _capacity(api, tenant_key, ids, args, api, heartbeat_client, nodes)
+    capacity, heartbeat_figures = await _capacity(api, tenant_key, ids, args, agents_url, heartbeat_client, nodes)
     # The floor of that figure: the minimal app's primary-key read (one request, one read, as a
     # heartbeat that changes nothing is) from as many clients, beside the same 64 tenant clients.
     floor_capacity, floor_reports = await _capacity(api, tenant_key, ids, args, floor_url, get_client, ids)
     alone_p99 = percentile(alone.latency["get"], 99)
     beside_p99 = percentile(beside.latency["get"], 99)
+    floor_beside_p99 = percentile(floor_beside.latency["get"], 99)
     return {
         "levels": levels,
         "floor": floors,
@@ -233,8 +243,13 @@ async def measure(settings, floor_url: str, keys: tuple[str, str], ids: list[str
         "fairness_beside_p99_s": round(beside_p99, 3),
         "fairness_floor_p99_ratio": round(floor_ratio, 2),
         "fairness_floor_alone_p99_s": round(percentile(floor_alone.latency["get"], 99), 3),
-        "fairness_floor_beside_p99_s": round(percentile(floor_beside.latency["get"], 99), 3),
+        "fairness_floor_beside_p99_s": round(floor_beside_p99, 3),
         "fairness_vs_floor": round(beside_p99 / max(alone_p99, 1e-3) / max(floor_ratio, 1e-3), 2),
+        # The least any process on this machine could reach: the floor app's client beside the
+        # same load, over the API's probe alone (the target's own denominator); above 2, no
+        # admission policy can bring `fairness_p99_ratio` to 2 in this run.
+        "fairness_machine_p99_ratio": round(floor_beside_p99 / max(alone_p99, 1e-3), 2),
+        "fairness_beside_vs_floor_beside": round(beside_p99 / max(floor_beside_p99, 1e-3), 2),
         "heartbeats": heartbeat_figures,
         "heartbeats_alone_per_s": alone_beats["requests_per_s"],
         "heartbeats_alone_p99_s": alone_beats.get("heartbeat_p99_s"),
@@ -327,18 +342,44 @@ def run_on(database: str, args) -> dict:
             [sys.executable, str(Path(__file__).parent / "api_floor.py"), settings.database_url, str(floor_port)],
             stdout=subprocess.DEVNULL,
         )
+        agents = _agents_api(stack) if args.agents_api else None
         try:
             floor_url = f"http://127.0.0.1:{floor_port}"
-            return asyncio.run(measure(settings, floor_url, (tenant_key, other_key), ids, credentials, args))
+            agents_url = agents[1] if agents else settings.api_url
+            keys = (tenant_key, other_key)
+            return asyncio.run(measure(settings, floor_url, keys, ids, credentials, args, agents_url))
         finally:
-            floor.terminate()
-            floor.wait(10)
+            for proc in (floor, *(agents[:1] if agents else ())):
+                proc.terminate()
+                proc.wait(10)
     finally:
         stack.stop()
         if args.keep_logs:
             log(f"{database}: logs kept in {data_dir / 'logs'}")
         else:
             shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _agents_api(stack) -> tuple[subprocess.Popen, str]:
+    """An API process of the agents' own: the same code and settings on another port, as
+    docs/architecture.md proposes for large fleets (tenant bursts then never take its CPU)."""
+    port = free_port()
+    env = {**stack.env(), "GPUCLOUD_API__PORT": str(port), "GPUCLOUD_API__WORKERS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpucloud.cli.main", "api"], env=env, stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                log(f"agents' API process at {url}")
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the agents' API process did not start")
 
 
 def _pages(client: httpx.Client, path: str, **params):
@@ -372,6 +413,11 @@ def main() -> None:
     parser.add_argument("--keep-logs", action="store_true", help="keep the stack's data dir and logs")
     parser.add_argument("--tenant-slots", type=int, default=0, help="the API's tenant lane (default: its setting)")
     parser.add_argument(
+        "--agents-api",
+        action="store_true",
+        help="agents' reports go to an API process of their own (the same code on another port)",
+    )
+    parser.add_argument(
         "--heartbeats-only",
         action="store_true",
         help="only 12 agents' heartbeats on an idle stack against the floor app's read (no tenant load)",
@@ -388,6 +434,7 @@ def main() -> None:
         "benchmark": "api_load",
         "nodes": args.nodes,
         "seconds_per_level": args.seconds,
+        "agents_api_process": args.agents_api,
         **{f"{db}_{key}": value for db, r in results.items() for key, value in r.items() if key not in DETAIL},
         "results": results,
     }
