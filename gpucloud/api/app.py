@@ -14,6 +14,7 @@ from gpucloud.api import pagination
 from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission, AdmissionPolicy
 from gpucloud.api.gate import Gate
 from gpucloud.api.routers import (
+    agents,
     allocations,
     api_keys,
     billing,
@@ -74,7 +75,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         max_chunk_bytes=settings.registry.max_chunk_size,
     )
     app.add_middleware(Admission, operator_token=settings.operator_token, policy=policy)
-    for module in (tenants, api_keys, allocations, operations, nodes, health, registry, billing, rollouts):
+    # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.
+    for module in (agents, allocations, operations, tenants, api_keys, nodes, health, registry, billing, rollouts):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import cache
 from typing import Annotated, Any, TypeVar
 
+import sqlalchemy as sa
 from fastapi import Depends, Request
 from sqlmodel import Session, SQLModel, select
 from temporalio.client import Client
@@ -115,13 +117,24 @@ async def get_ledger(request: Request) -> LedgerClient:
 LedgerDep = Annotated[LedgerClient, Depends(get_ledger)]
 
 
+@cache
+def _by_id(table: type[SQLModel], scoped: bool) -> Any:
+    """The select of one row by id (and tenant, when `scoped`), built once per table: building a
+    select costs more than running it on SQLite (~150 us against ~60 us), and tenants' polls of
+    their allocations are most of their requests."""
+    query: Any = select(table).where(table.id == sa.bindparam("id"))  # type: ignore[attr-defined]
+    if scoped:
+        query = query.where(table.tenant_id == sa.bindparam("tenant_id"))  # type: ignore[attr-defined]
+    return query
+
+
 def visible(session: Session, caller: auth.Caller, table: type[RowT], kind: str, ident: str) -> RowT:
     """The row with this id if the caller may see it: the operator any, a tenant its own.
     Anything else is the same 404 as a missing row, so ids of other tenants give nothing away."""
-    query: Any = select(table).where(table.id == ident)  # type: ignore[attr-defined]
-    if not caller.is_operator:
-        query = query.where(table.tenant_id == caller.tenant_id)  # type: ignore[attr-defined]
-    row = session.exec(query).first()
+    if caller.is_operator:
+        row = session.exec(_by_id(table, False), params={"id": ident}).first()
+    else:
+        row = session.exec(_by_id(table, True), params={"id": ident, "tenant_id": caller.tenant_id}).first()
     if row is None:
         raise not_found(kind, ident)
     return row

@@ -87,8 +87,15 @@ def complete_drains(session: Session, node_id: str) -> None:
         session.add(op)
 
 
+# Built once: on SQLite, building this select costs twice what running it does (~150 us
+# against ~65 us), and a fleet sends it 1,000 times a second per 10,000 nodes.
+_JUDGED = sa.select(
+    *map(col, (Node.id, Node.state, Node.tenant_id, Node.last_heartbeat_at, Node.drifted, Node.observed))
+).where(col(Node.id).in_(sa.bindparam("ids", expanding=True)))
+
+
 def judge_heartbeats(
-    session: Session, beats: Iterable[dict], *, refresh_after: timedelta = timedelta(seconds=30)
+    session: Session | sa.Connection, beats: Iterable[dict], *, refresh_after: timedelta = timedelta(seconds=30)
 ) -> tuple[list[str], dict[str, dict]]:
     """What agents' reports say, read only: the nodes whose report disagrees with the record (an
     active node whose agent lost the tenant's workload: rebooted or wiped), and the writes the
@@ -99,8 +106,7 @@ def judge_heartbeats(
     per heartbeat."""
     by_node = {b["node_id"]: b for b in beats}
     now = utcnow()
-    columns = (Node.id, Node.state, Node.tenant_id, Node.last_heartbeat_at, Node.drifted, Node.observed)
-    nodes = session.execute(sa.select(*map(col, columns)).where(col(Node.id).in_(list(by_node)))).all()
+    nodes = session.execute(_JUDGED, {"ids": list(by_node)}).all()
     drifted: list[str] = []
     writes: dict[str, dict] = {}
     for node_id, state, tenant_id, last_seen, was_drifted, was_observed in nodes:

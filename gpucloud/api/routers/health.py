@@ -16,6 +16,7 @@ from gpucloud.agent.readings import AGENT_MAX_EVENTS, AGENT_MAX_READINGS, NodeRe
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import OperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
+from gpucloud.api.routers import agents
 from gpucloud.api.schemas import (
     MAX_READING_CLOCK_SKEW,
     AlertPage,
@@ -183,7 +184,7 @@ def _not_ahead(field: str, timestamps: list) -> None:
         )
 
 
-@router.post("/agents/events", response_model=XidIngestResult)
+@agents.router.post("/agents/events", response_model=XidIngestResult, tags=["health"])
 async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
     """XID events as agents saw them; each node is judged again and acted on at once. Who held
     the node is stamped here from the control plane's own record, never taken from the agent."""
@@ -192,9 +193,10 @@ async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: Sett
     return await _ingest_and_act(settings, temporal, batch.events, "agent")
 
 
-@router.post(
+@agents.router.post(
     "/agents/readings",
     response_model=ReadingIngestResult,
+    tags=["health"],
     responses={404: {"description": "a reading names a node the control plane does not know: nothing stored"}},
 )
 async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):

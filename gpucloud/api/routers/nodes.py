@@ -13,6 +13,7 @@ from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import OperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
+from gpucloud.api.routers import agents
 from gpucloud.api.routers.health import own_node_only
 from gpucloud.api.schemas import (
     ActionRequest,
@@ -31,7 +32,7 @@ from gpucloud.api.schemas import (
     PowerRequest,
 )
 from gpucloud.config import Settings
-from gpucloud.db import read_scope, session_scope
+from gpucloud.db import get_read_engine, session_scope
 from gpucloud.models.messages import BmcPowerInput
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
@@ -290,10 +291,11 @@ def fleet_summary(operator: OperatorDep, reads: ReadsDep) -> FleetSummary:
 def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
     beats = [b.model_dump() for b in batch.heartbeats]
     refresh = timedelta(seconds=settings.agent.heartbeat_timeout_s / 3)
-    # Most reports change nothing: they are judged on a reader's connection, and only one that
-    # calls for a write takes the writer's (where it is judged again, under the write lock).
-    with read_scope(settings.database_url) as session:
-        drifted, writes = judge_heartbeats(session, beats, refresh_after=refresh)
+    # Most reports change nothing: they are judged on a reader's connection (one select, no ORM
+    # session around it), and only one that calls for a write takes the writer's (where it is
+    # judged again, under the write lock).
+    with get_read_engine(settings.database_url).connect() as connection:
+        drifted, writes = judge_heartbeats(connection, beats, refresh_after=refresh)
     if not writes:
         return drifted
     with session_scope(settings.database_url) as session:
@@ -312,7 +314,7 @@ def issue_agent_credential(node_id: str, operator: OperatorDep, settings: Settin
     return AgentCredentialIssued(node_id=node_id, token=token)
 
 
-@router.post("/agents/ledger-token", response_model=LedgerToken)
+@agents.router.post("/agents/ledger-token", response_model=LedgerToken, tags=["nodes"])
 def ledger_token(caller: ReporterDep, request: Request) -> LedgerToken:
     """A token for the billing ledger: an agent's posts usage for its own node only; the
     operator's (the simulated fleet ships for every node) may post usage for any."""
@@ -324,7 +326,7 @@ def ledger_token(caller: ReporterDep, request: Request) -> LedgerToken:
     return LedgerToken(token=token, expires_at=expires_at)
 
 
-@router.post("/agents/heartbeats", response_model=HeartbeatResult)
+@agents.router.post("/agents/heartbeats", response_model=HeartbeatResult, tags=["nodes"])
 async def heartbeats(batch: HeartbeatBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
     """Agents report what they see; a disagreement with the record is reconciled at once."""
     own_node_only(caller, [b.node_id for b in batch.heartbeats], most=1)
