@@ -13,7 +13,7 @@ from gpucloud.services.allocations import workflow_id_for
 
 async def test_enrollment_brings_nodes_to_available(ready_fleet, temporal_env):
     h = await ready_fleet(nodes=6)
-    node_ids = [n["id"] for n in h.sim.inventory()]
+    node_ids = h.node_ids()
     # Each node went enrolled -> inspecting -> wiping -> burn_in -> available, every step recorded.
     node = h.operator.get(f"/v1/nodes/{node_ids[0]}").json()
     assert node["generation"] == 4 and node["tenant_id"] is None
@@ -104,7 +104,7 @@ async def test_agent_failures_transient_retried_permanent_to_failure_target(
 ):
     h = make_harness(db_url, nodes=2)
     await in_process_worker(h.settings)
-    first, second = [n["id"] for n in h.sim.inventory()]
+    first, second = h.node_ids()
     h.sim.inject(first, "burn_in", mode, count=2)
     h.enroll_fleet()
     if mode == "transient":
@@ -120,7 +120,7 @@ async def test_agent_failures_transient_retried_permanent_to_failure_target(
 async def test_failed_provisioning_fails_allocation_and_recycles_nodes(ready_fleet):
     h = await ready_fleet(nodes=4)
     _, key = await h.onboard()
-    nodes = [n["id"] for n in h.sim.inventory()]
+    nodes = h.node_ids()
     with h.client(key) as c:
         for node_id in nodes:
             h.sim.inject(node_id, "provision", "permanent")
@@ -146,7 +146,7 @@ async def test_failed_provisioning_fails_allocation_and_recycles_nodes(ready_fle
 async def test_a_node_failing_provisioning_is_replaced(ready_fleet):
     h = await ready_fleet(nodes=3)
     _, key = await h.onboard()
-    bad, good, spare = [n["id"] for n in h.sim.inventory()]
+    bad, good, spare = h.node_ids()
     h.sim.inject(bad, "provision", "permanent")
     # The spare is cordoned while the allocation is admitted, so the two first nodes are bad and good.
     assert h.operator.post(f"/v1/nodes/{spare}/cordon", json={"reason": "held back"}).status_code == 200

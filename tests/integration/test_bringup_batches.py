@@ -53,7 +53,7 @@ async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
         reconciler__backoff_base_s=0.2,
     )
     await in_process_worker(h.settings)
-    ids = [n["id"] for n in h.sim.inventory()]
+    ids = h.node_ids()
     refused, silent = ids[0], ids[5]
     h.sim.inject(refused, "inspect", "permanent")
     h.sim.inject(silent, "burn_in", "transient", count=2)  # gives up after 2 tries, then heals

@@ -39,7 +39,7 @@ def _cli(h, *args: str) -> subprocess.CompletedProcess:
 
 async def test_a_replaced_node_is_burnt_in_again_and_a_retired_one_leaves_the_fleet(ready_fleet, db_url):
     h = await ready_fleet(nodes=3, latency_scale=0.02)
-    repaired, retired, serving = [n["id"] for n in h.sim.inventory()]
+    repaired, retired, serving = h.node_ids()
     _to_rma(db_url, repaired)
     _to_rma(db_url, retired)
 

@@ -119,7 +119,7 @@ def test_the_agent_refuses_to_start_without_its_node_credential_or_the_control_p
 
 async def test_the_simulated_fleet_checks_the_same_tokens_as_a_real_agent(ready_fleet):
     h = await ready_fleet(nodes=2)  # bring-up went through: the worker signs
-    first, second = [n["id"] for n in h.sim.inventory()]
+    first, second = h.node_ids()
     issuer = load_or_create_issuer(h.settings.issuer_key_path)
     body = {"request_id": "attack-1", "tenant_id": "t-evil"}
     url = f"{h.sim.url}/v1/nodes/{first}/actions/provision"

@@ -52,7 +52,7 @@ async def test_a_bring_up_batch_commits_every_credential_its_wipes_handed_over(r
     """A batch wipes many nodes in one activity and commits their credentials together: each
     node's agent then reports with the one its wipe gave it."""
     h = await ready_fleet(nodes=3, reconciler__bringup_batch_size=3)
-    node_ids = [n["id"] for n in h.sim.inventory()]
+    node_ids = h.node_ids()
     for node_id in node_ids:
         token = h.sim.client.credential(node_id)
         assert token and token.startswith(f"gpa_{node_id}.")

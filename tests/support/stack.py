@@ -168,6 +168,10 @@ class Harness:
     def client(self, token: str) -> httpx.Client:
         return httpx.Client(base_url=self.api.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
+    def node_ids(self) -> list[str]:
+        """The simulated fleet's node ids, in the order `enroll_fleet` enrolls them."""
+        return [n["id"] for n in self.sim.inventory()]
+
     def enroll_fleet(self) -> list[str]:
         nodes = self.sim.inventory()
         resp = self.operator.post("/v1/nodes:enroll", json={"nodes": nodes})
