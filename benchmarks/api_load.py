@@ -181,13 +181,6 @@ async def measure(
 ) -> dict:
     api = settings.api_url
     tenant_key, other_key = keys
-    async with httpx.AsyncClient() as probe:
-        for _ in range(200):
-            try:
-                if (await probe.get(f"{floor_url}/healthz")).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                await asyncio.sleep(0.1)
     if args.heartbeats_only:
         return await _heartbeats_alone(agents_url, floor_url, ids, nodes, args)
     levels, floors = {}, {}
@@ -216,7 +209,9 @@ async def measure(
         run_apart(api, tenant_key, top, args.seconds, mixed_client, ids),
         run_apart(floor_url, None, 1, args.seconds, get_client, ids),
     )
-    floor_ratio = percentile(floor_beside.latency["get"], 99) / max(percentile(floor_alone.latency["get"], 99), 1e-3)
+    floor_alone_p99 = percentile(floor_alone.latency["get"], 99)
+    floor_beside_p99 = percentile(floor_beside.latency["get"], 99)
+    floor_ratio = floor_beside_p99 / max(floor_alone_p99, 1e-3)
     log(f"  fairness floor: a client of its own process, p99 x{floor_ratio:.2f} beside the load")
     # Agents' heartbeats, each its own request, beside 64 tenant clients.
     # The agents' lane alone: what one API process gives heartbeats when nothing else runs (the
@@ -229,7 +224,6 @@ async def measure(
     floor_capacity, floor_reports = await _capacity(api, tenant_key, ids, args, floor_url, get_client, ids)
     alone_p99 = percentile(alone.latency["get"], 99)
     beside_p99 = percentile(beside.latency["get"], 99)
-    floor_beside_p99 = percentile(floor_beside.latency["get"], 99)
     return {
         "levels": levels,
         "floor": floors,
@@ -242,7 +236,7 @@ async def measure(
         "fairness_alone_p99_s": round(alone_p99, 3),
         "fairness_beside_p99_s": round(beside_p99, 3),
         "fairness_floor_p99_ratio": round(floor_ratio, 2),
-        "fairness_floor_alone_p99_s": round(percentile(floor_alone.latency["get"], 99), 3),
+        "fairness_floor_alone_p99_s": round(floor_alone_p99, 3),
         "fairness_floor_beside_p99_s": round(floor_beside_p99, 3),
         "fairness_vs_floor": round(beside_p99 / max(alone_p99, 1e-3) / max(floor_ratio, 1e-3), 2),
         # The least any process on this machine could reach: the floor app's client beside the
@@ -337,19 +331,24 @@ def run_on(database: str, args) -> dict:
                 created.raise_for_status()
                 ids.append(created.json()["allocation"]["id"])
         log(f"{database}: fleet of {len(nodes)} available, 2 tenants, {len(ids)} allocations to read")
-        floor_port = free_port()
-        floor = subprocess.Popen(
-            [sys.executable, str(Path(__file__).parent / "api_floor.py"), settings.database_url, str(floor_port)],
-            stdout=subprocess.DEVNULL,
-        )
-        agents = _agents_api(stack) if args.agents_api else None
+        servers: list[subprocess.Popen] = []
         try:
-            floor_url = f"http://127.0.0.1:{floor_port}"
-            agents_url = agents[1] if agents else settings.api_url
+            floor_port = free_port()
+            floor_cmd = [sys.executable, str(Path(__file__).parent / "api_floor.py"), settings.database_url]
+            floor_url = _serve(servers, "the floor app", [*floor_cmd, str(floor_port)], floor_port)
+            agents_url = settings.api_url
+            if args.agents_api:
+                # An API process of the agents' own: the same code and settings on another port,
+                # as docs/architecture.md proposes for large fleets.
+                port = free_port()
+                env = {**stack.env(), "GPUCLOUD_API__PORT": str(port), "GPUCLOUD_API__WORKERS": "1"}
+                agents_url = _serve(
+                    servers, "the agents' API", [sys.executable, "-m", "gpucloud.cli.main", "api"], port, env=env
+                )
             keys = (tenant_key, other_key)
             return asyncio.run(measure(settings, floor_url, keys, ids, credentials, args, agents_url))
         finally:
-            for proc in (floor, *(agents[:1] if agents else ())):
+            for proc in servers:
                 proc.terminate()
                 proc.wait(10)
     finally:
@@ -360,26 +359,21 @@ def run_on(database: str, args) -> dict:
             shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _agents_api(stack) -> tuple[subprocess.Popen, str]:
-    """An API process of the agents' own: the same code and settings on another port, as
-    docs/architecture.md proposes for large fleets (tenant bursts then never take its CPU)."""
-    port = free_port()
-    env = {**stack.env(), "GPUCLOUD_API__PORT": str(port), "GPUCLOUD_API__WORKERS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpucloud.cli.main", "api"], env=env, stdout=subprocess.DEVNULL, start_new_session=True
-    )
+def _serve(servers: list[subprocess.Popen], what: str, cmd: list[str], port: int, env=None) -> str:
+    """Start a server process of the benchmark's own (kept in `servers`, to stop) and wait, at
+    most a minute, until it answers /healthz on `port`; its URL."""
+    servers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                log(f"agents' API process at {url}")
-                return proc, url
+                log(f"{what} at {url}")
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the agents' API process did not start")
+    raise SystemExit(f"{what} did not answer on {url} within a minute")
 
 
 def _pages(client: httpx.Client, path: str, **params):

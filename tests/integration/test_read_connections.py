@@ -122,10 +122,7 @@ async def test_the_apis_reads_answer_while_a_write_transaction_holds_the_writer(
     once and see what was committed before it."""
     h = await ready_fleet(nodes=1, latency_scale=0.02)
     tenant_id, key = await h.onboard()
-    with h.client(key) as c:
-        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}).json()[
-            "allocation"
-        ]["id"]
+    alloc_id = h.allocate(key, node_count=1)
     with _writer_held(db_url, sa.update(Node).values(hostname=Node.hostname)), h.client(key) as c:
         for path in (f"/v1/allocations/{alloc_id}", "/v1/allocations", f"/v1/tenants/{tenant_id}"):
             started = time.monotonic()

@@ -24,10 +24,7 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(ready_fle
     h = await ready_fleet(nodes=2, latency_scale=5.0, reconciler__deadline_scale=0.002)
     worker = h.worker
     _, key = await h.onboard()
-    with h.client(key) as c:
-        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()[
-            "allocation"
-        ]["id"]
+    alloc_id = h.allocate(key, node_count=2)
     await async_wait_until(lambda: any(n["state"] == "provisioning" for n in h.nodes()), what="provisioning")
     await worker.__aexit__(None, None, None)  # the worker goes down mid-provisioning
     await asyncio.sleep(4.5)  # ... long enough for the provisioning deadline to pass
@@ -77,10 +74,7 @@ async def test_agent_unreachable_then_back(ready_fleet, temporal_env):
 async def test_drift_active_node_wiped_behind_our_back_is_restored(ready_fleet):
     h = await ready_fleet(nodes=2)
     tenant_id, key = await h.onboard()
-    with h.client(key) as c:
-        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}).json()[
-            "allocation"
-        ]["id"]
+    alloc_id = h.allocate(key, node_count=1)
     ready = await h.wait_allocation(key, alloc_id, "ready")
     node_id = ready["node_ids"][0]
     h.sim.drift(node_id, "wipe")

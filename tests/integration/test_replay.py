@@ -37,9 +37,7 @@ async def test_fresh_allocation_history_replays(ready_fleet, temporal_env):
     h = await ready_fleet(nodes=2, latency_scale=0.02)
     _, key = await h.onboard()
     with h.client(key) as c:
-        alloc_id = c.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 2, "region": "us-east-1"}).json()[
-            "allocation"
-        ]["id"]
+        alloc_id = h.allocate(key, node_count=2)
         await h.wait_allocation(key, alloc_id, "ready")
         c.post(f"/v1/allocations/{alloc_id}/cancel")
         await h.wait_allocation(key, alloc_id, "released")
