@@ -17,16 +17,25 @@ honour, as `gpucloud.client` does). Then:
   `fairness_machine_p99_ratio`: the floor app's client beside the load over the API's probe
   alone, the least any process on this machine reaches against the target's own denominator,
   and `fairness_beside_vs_floor_beside`: the API's probe beside the load over the floor app's;
-- `fleet_capacity_nodes`: agents' single-node heartbeats (each its own request) the API answers
-  with p99 <= 1 s while 64 tenant clients run, times the 10 s heartbeat interval;
-  `floor_capacity_nodes`: the same for the floor app's primary-key read beside the same tenant
-  load (what the machine leaves for one request with one read), and `fleet_capacity_vs_floor`.
+- `fleet_capacity_nodes`: the largest fleet whose agents' heartbeats (each node its own request,
+  every 10 s, sent open loop as real agents' timers send them: a report goes out when due, and
+  its latency counts from then) the API answers with p99 <= 1 s and nothing but 2xx while 64
+  tenant clients run the mix; `floor_capacity_nodes`: the same for the floor app's primary-key
+  read beside the same tenant load (what the machine leaves for one request with one read), and
+  `fleet_capacity_vs_floor`. `fleet_alone_capacity_nodes` and `floor_alone_capacity_nodes`: both
+  with no tenant load (what one API process holds for agents, against the floor app). The
+  fleet's reports come from 64 nodes' credentials, each node sending the share of the fleet's
+  rate (a 2,000-node fleet: 200 reports/s, about 3 a second per node), so a report's refresh
+  write (one per node per third of the heartbeat timeout) is rarer than in a real fleet of that
+  size: these figures are for reports that change nothing.
 
     python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S] [--agents-api]
-                                  [--heartbeats-only]
+                                  [--heartbeats-only] [--capacity-only]
 
 `--agents-api`: the agents' reports go to an API process of their own (the same code and database
 on another port) instead of the tenants' one.
+
+`--capacity-only`: only `fleet_capacity_nodes` and the floor's, alternated twice.
 
 `--heartbeats-only`: 12 agents' heartbeats on an otherwise idle stack, and the floor app's read
 from 12 clients, alternated twice (`heartbeats_idle_vs_floor`): the cost of one report with
@@ -57,6 +66,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bench_stack, log, onboard_tenant, reset_postgres
+from common import percentile as nearest_rank
 
 from gpucloud.devstack.stack import free_port
 from gpucloud.sim.client import SimFleetClient
@@ -64,14 +74,15 @@ from gpucloud.sim.client import SimFleetClient
 TIMEOUT_S = 30.0
 POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 HEARTBEAT_S = 10.0
+# A paced sender this far behind its schedule stops: that fleet size has failed.
+BEHIND_S = 5.0
 DETAIL = ("levels", "floor", "heartbeats", "floor_reports")  # kept under "results", not repeated at the top
 
 
 def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[max(1, min(len(ordered), math.ceil(q / 100 * len(ordered)))) - 1]
+    """`common.percentile`, NaN for no values (a figure that rounds and divides)."""
+    found = nearest_rank(values, q)
+    return math.nan if found is None else found
 
 
 class Tally:
@@ -86,7 +97,7 @@ class Tally:
             self.latency[op].append(seconds)
 
     def figures(self, seconds: float) -> dict:
-        answered = sum(n for s, n in self.status.items() if s not in ("timeout", "transport"))
+        answered = sum(n for s, n in self.status.items() if s not in ("timeout", "transport", "behind"))
         return {
             "requests_per_s": round(answered / seconds, 1),
             **{f"{op}_p50_s": round(percentile(v, 50), 3) for op, v in sorted(self.latency.items())},
@@ -99,8 +110,9 @@ class Tally:
         }
 
 
-async def _timed(tally: Tally, op: str, call) -> httpx.Response | None:
-    began = time.monotonic()
+async def _timed(tally: Tally, op: str, call, *, began: float | None = None) -> httpx.Response | None:
+    """Send `call` and count its answer; its latency from `began` (default: now)."""
+    began = time.monotonic() if began is None else began
     try:
         response = await call
     except httpx.TimeoutException:
@@ -183,6 +195,8 @@ async def measure(
     tenant_key, other_key = keys
     if args.heartbeats_only:
         return await _heartbeats_alone(agents_url, floor_url, ids, nodes, args)
+    if args.capacity_only:
+        return await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, tries=2)
     levels, floors = {}, {}
     for n in args.levels:
         tally = await run_clients(api, tenant_key, n, args.seconds, mixed_client, ids)
@@ -213,15 +227,8 @@ async def measure(
     floor_beside_p99 = percentile(floor_beside.latency["get"], 99)
     floor_ratio = floor_beside_p99 / max(floor_alone_p99, 1e-3)
     log(f"  fairness floor: a client of its own process, p99 x{floor_ratio:.2f} beside the load")
-    # Agents' heartbeats, each its own request, beside 64 tenant clients.
-    # The agents' lane alone: what one API process gives heartbeats when nothing else runs (the
-    # figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md).
-    alone_beats = (await run_apart(agents_url, None, 12, args.seconds, heartbeat_client, nodes)).figures(args.seconds)
-    log(f"  heartbeats from 12 agents alone: {alone_beats}")
-    capacity, heartbeat_figures = await _capacity(api, tenant_key, ids, args, agents_url, heartbeat_client, nodes)
-    # The floor of that figure: the minimal app's primary-key read (one request, one read, as a
-    # heartbeat that changes nothing is) from as many clients, beside the same 64 tenant clients.
-    floor_capacity, floor_reports = await _capacity(api, tenant_key, ids, args, floor_url, get_client, ids)
+    # Agents' heartbeats, each its own request, beside 64 tenant clients, and the floor's.
+    capacities = await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, tries=1)
     alone_p99 = percentile(alone.latency["get"], 99)
     beside_p99 = percentile(beside.latency["get"], 99)
     return {
@@ -244,13 +251,7 @@ async def measure(
         # admission policy can bring `fairness_p99_ratio` to 2 in this run.
         "fairness_machine_p99_ratio": round(floor_beside_p99 / max(alone_p99, 1e-3), 2),
         "fairness_beside_vs_floor_beside": round(beside_p99 / max(floor_beside_p99, 1e-3), 2),
-        "heartbeats": heartbeat_figures,
-        "heartbeats_alone_per_s": alone_beats["requests_per_s"],
-        "heartbeats_alone_p99_s": alone_beats.get("heartbeat_p99_s"),
-        "fleet_capacity_nodes": capacity,
-        "floor_capacity_nodes": floor_capacity,
-        "floor_reports": floor_reports,
-        "fleet_capacity_vs_floor": round(capacity / max(floor_capacity, 1), 3),
+        **capacities,
     }
 
 
@@ -272,22 +273,121 @@ async def _heartbeats_alone(api: str, floor_url: str, ids: list[str], nodes: dic
     }
 
 
-async def _capacity(api: str, tenant_key: str, ids: list[str], args, url: str, body, targets) -> tuple[int, dict]:
-    """The most reports a second (times the 10 s heartbeat: nodes) that `url` answers with p99
-    <= 1 s and no 5xx, from 8, 16 and 32 reporters (`body` over `targets`), while 64 tenant
-    clients run the mix on the API; and the figures at each count."""
-    capacity, by_count = 0, {}
-    for reporters in (8, 16, 32):
-        _, reports = await asyncio.gather(
-            run_apart(api, tenant_key, 64, args.seconds, mixed_client, ids),
-            run_apart(url, None, reporters, args.seconds, body, targets),
-        )
-        figures = by_count[reporters] = reports.figures(args.seconds)
+async def _capacities(
+    api: str, tenant_key: str, ids: list[str], nodes: dict[str, str], args, agents_url: str, floor_url: str, tries: int
+) -> dict:
+    """`fleet_capacity_nodes` (agents' heartbeats beside 64 tenant clients) and the floor's (the
+    minimal app's read, one request and one read as a heartbeat that changes nothing is, beside
+    the same load), alternated `tries` times (the better of each: less of the noise two runs
+    minutes apart carry); and both alone, with no tenant load: what one API process holds for
+    agents (the figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md)
+    against what the machine gives the floor app."""
+    fleet, floor, figures = [], [], {}
+    for _ in range(tries):
+        capacity, figures["heartbeats"] = await _capacity(api, tenant_key, ids, args, agents_url, "heartbeat", nodes)
+        fleet.append(capacity)
+        capacity, figures["floor_reports"] = await _capacity(api, tenant_key, ids, args, floor_url, "get", ids)
+        floor.append(capacity)
+        log(f"  capacity beside 64 tenant clients: fleet {fleet[-1]}  floor {floor[-1]}")
+    fleet_alone, _ = await _capacity(api, tenant_key, ids, args, agents_url, "heartbeat", nodes, beside=False)
+    floor_alone, _ = await _capacity(api, tenant_key, ids, args, floor_url, "get", ids, beside=False)
+    log(f"  capacity alone: fleet {fleet_alone}  floor {floor_alone}")
+    return {
+        **figures,
+        "fleet_capacity_nodes": max(fleet),
+        "floor_capacity_nodes": max(floor),
+        "fleet_capacity_vs_floor": round(max(fleet) / max(max(floor), 1), 3),
+        "fleet_alone_capacity_nodes": fleet_alone,
+        "floor_alone_capacity_nodes": floor_alone,
+        "fleet_alone_vs_floor_alone": round(fleet_alone / max(floor_alone, 1), 3),
+        "fleet_capacity_tries": fleet,
+        "floor_capacity_tries": floor,
+    }
+
+
+async def _capacity(
+    api: str, tenant_key: str, ids: list[str], args, url: str, kind: str, targets, *, beside: bool = True
+) -> tuple[int, dict]:
+    """The largest fleet (nodes reporting every 10 s, open loop) whose reports `url` answers
+    with p99 <= 1 s and nothing but 2xx while 64 tenant clients run the mix on the API; and the
+    figures at each fleet size tried. Sizes double from 1,000 until one fails, then halve the
+    gap three times (to within an eighth of the last step)."""
+    by_size: dict[int, dict] = {}
+
+    async def holds(fleet: int) -> bool:
+        if beside:
+            _, reports = await asyncio.gather(
+                run_apart(api, tenant_key, 64, args.seconds, mixed_client, ids),
+                paced_apart(url, fleet, args.seconds, kind, targets),
+            )
+        else:
+            reports = await paced_apart(url, fleet, args.seconds, kind, targets)
+        figures = by_size[fleet] = reports.figures(args.seconds)
         p99 = max((v for k, v in figures.items() if k.endswith("_p99_s")), default=99)
-        log(f"  {body.__name__} x{reporters} on {url} beside 64 tenant clients: {figures}")
-        if p99 <= 1.0 and figures["errors_5xx"] == 0:
-            capacity = max(capacity, int(figures["requests_per_s"] * HEARTBEAT_S))
-    return capacity, by_count
+        bad = sum(n for status, n in reports.status.items() if not status.startswith("2"))
+        ok = p99 <= 1.0 and bad == 0
+        verdict = "holds" if ok else "fails"
+        load = "beside 64 tenant clients" if beside else "alone"
+        log(f"  {kind} from a fleet of {fleet} on {url} {load}: {figures} {verdict}")
+        return ok
+
+    good, fleet = 0, 1000
+    while fleet <= 64_000 and await holds(fleet):
+        good, fleet = fleet, fleet * 2
+    bad = fleet
+    for _ in range(3):
+        middle = (good + bad) // 2
+        if await holds(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, {str(size): figures for size, figures in sorted(by_size.items())}
+
+
+async def paced_reports(url: str, fleet: int, seconds: float, kind: str, targets) -> Tally:
+    """`fleet` nodes reporting every 10 s for `seconds`, open loop, as a real fleet does: a report
+    goes out when it is due whether or not earlier ones were answered, and its latency counts from
+    when it was due (a server or sender that falls behind shows as latency, not as fewer reports).
+    `kind` "heartbeat": each node's own heartbeat with its own credential (`targets`: node ->
+    credential); "get": the floor app's read of an allocation (`targets`: allocation ids)."""
+    tally = Tally()
+    rate = fleet / HEARTBEAT_S
+    keys = sorted(targets)
+    start = time.monotonic() + 0.05
+    async with _client(url, None, 512) as http:
+
+        async def report(i: int, due: float) -> None:
+            key = keys[i % len(keys)]
+            if kind == "heartbeat":
+                body = {"heartbeats": [{"node_id": key}]}
+                call = http.post(
+                    "/v1/agents/heartbeats", json=body, headers={"Authorization": f"Bearer {targets[key]}"}
+                )
+            else:
+                call = http.get(f"/v1/allocations/{key}")
+            await _timed(tally, kind, call, began=due)
+
+        pending = []
+        for i in range(int(rate * seconds)):
+            due = start + i / rate
+            if (wait := due - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            elif -wait > BEHIND_S:
+                # Too far behind to catch up: the fleet size fails, without minutes of backlog.
+                tally.add(kind, "behind", -wait)
+                break
+            pending.append(asyncio.create_task(report(i, due)))
+        await asyncio.gather(*pending)
+    return tally
+
+
+def _paced_group(url: str, fleet: int, seconds: float, kind: str, targets) -> Tally:
+    return asyncio.run(paced_reports(url, fleet, seconds, kind, targets))
+
+
+async def paced_apart(url: str, fleet: int, seconds: float, kind: str, targets) -> Tally:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return await asyncio.wrap_future(pool.submit(_paced_group, url, fleet, seconds, kind, targets))
 
 
 def run_on(database: str, args) -> dict:
@@ -415,6 +515,11 @@ def main() -> None:
         "--heartbeats-only",
         action="store_true",
         help="only 12 agents' heartbeats on an idle stack against the floor app's read (no tenant load)",
+    )
+    parser.add_argument(
+        "--capacity-only",
+        action="store_true",
+        help="only fleet_capacity_nodes and the floor's, alternated twice (no levels, no fairness)",
     )
     args = parser.parse_args()
     if args.quick:

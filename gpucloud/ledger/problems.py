@@ -11,18 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import BaseModel
-
-from gpucloud.web.problems import TYPE_BASE
+from gpucloud.web.problems import TYPE_BASE, ProblemDocument
 
 PROBLEM_BASE = TYPE_BASE + "ledger/"
 
 
-class Problem(BaseModel):
-    type: str
-    title: str
-    status: int
-    detail: str
+class Problem(ProblemDocument):
+    """The API's problem document with the ledger's members: the bad field, whether sending the
+    sample again can succeed, and the sample it conflicts with."""
+
     field: str | None = None
     retryable: bool = False
     conflict_id: int | None = None

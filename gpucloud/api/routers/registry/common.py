@@ -3,7 +3,6 @@ and idempotent creates."""
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Annotated
 
@@ -22,9 +21,6 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.names import AliasName
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.web.problems import Problem, not_found
-
-log = logging.getLogger(__name__)
-
 
 READ_BATCH = 4 << 20  # an upload reaches the store's writer thread in pieces of about this size
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import sqlalchemy as sa
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -40,8 +38,6 @@ from gpucloud.registry.manifest import (
     key_id_of,
 )
 from gpucloud.web.problems import Problem, not_found
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["registry"])
 
