@@ -196,7 +196,9 @@ async def measure(
     if args.heartbeats_only:
         return await _heartbeats_alone(agents_url, floor_url, ids, nodes, args)
     if args.capacity_only:
-        return await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, tries=2)
+        alone = await _capacities_alone(ids, nodes, args, agents_url, floor_url)
+        return {**alone, **await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, args.tries)}
+    alone = await _capacities_alone(ids, nodes, args, agents_url, floor_url)
     levels, floors = {}, {}
     for n in args.levels:
         tally = await run_clients(api, tenant_key, n, args.seconds, mixed_client, ids)
@@ -228,7 +230,7 @@ async def measure(
     floor_ratio = floor_beside_p99 / max(floor_alone_p99, 1e-3)
     log(f"  fairness floor: a client of its own process, p99 x{floor_ratio:.2f} beside the load")
     # Agents' heartbeats, each its own request, beside 64 tenant clients, and the floor's.
-    capacities = await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, tries=1)
+    capacities = {**alone, **await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, tries=1)}
     alone_p99 = percentile(alone.latency["get"], 99)
     beside_p99 = percentile(beside.latency["get"], 99)
     return {
@@ -273,15 +275,28 @@ async def _heartbeats_alone(api: str, floor_url: str, ids: list[str], nodes: dic
     }
 
 
+async def _capacities_alone(ids: list[str], nodes: dict[str, str], args, agents_url: str, floor_url: str) -> dict:
+    """Agents' heartbeats and the floor app's read with no tenant load (measured first, before
+    any tenant load leaves the worker and the fleet busy): what one API process holds for agents
+    (the figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md) against
+    what the machine gives the floor app."""
+    fleet_alone, _ = await _capacity("", "", ids, args, agents_url, "heartbeat", nodes, beside=False)
+    floor_alone, _ = await _capacity("", "", ids, args, floor_url, "get", ids, beside=False)
+    log(f"  capacity alone: fleet {fleet_alone}  floor {floor_alone}")
+    return {
+        "fleet_alone_capacity_nodes": fleet_alone,
+        "floor_alone_capacity_nodes": floor_alone,
+        "fleet_alone_vs_floor_alone": round(fleet_alone / max(floor_alone, 1), 3),
+    }
+
+
 async def _capacities(
     api: str, tenant_key: str, ids: list[str], nodes: dict[str, str], args, agents_url: str, floor_url: str, tries: int
 ) -> dict:
     """`fleet_capacity_nodes` (agents' heartbeats beside 64 tenant clients) and the floor's (the
     minimal app's read, one request and one read as a heartbeat that changes nothing is, beside
     the same load), alternated `tries` times (the better of each: less of the noise two runs
-    minutes apart carry); and both alone, with no tenant load: what one API process holds for
-    agents (the figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md)
-    against what the machine gives the floor app."""
+    minutes apart carry)."""
     fleet, floor, figures = [], [], {}
     for _ in range(tries):
         capacity, figures["heartbeats"] = await _capacity(api, tenant_key, ids, args, agents_url, "heartbeat", nodes)
@@ -289,17 +304,11 @@ async def _capacities(
         capacity, figures["floor_reports"] = await _capacity(api, tenant_key, ids, args, floor_url, "get", ids)
         floor.append(capacity)
         log(f"  capacity beside 64 tenant clients: fleet {fleet[-1]}  floor {floor[-1]}")
-    fleet_alone, _ = await _capacity(api, tenant_key, ids, args, agents_url, "heartbeat", nodes, beside=False)
-    floor_alone, _ = await _capacity(api, tenant_key, ids, args, floor_url, "get", ids, beside=False)
-    log(f"  capacity alone: fleet {fleet_alone}  floor {floor_alone}")
     return {
         **figures,
-        "fleet_capacity_nodes": max(fleet),
-        "floor_capacity_nodes": max(floor),
-        "fleet_capacity_vs_floor": round(max(fleet) / max(max(floor), 1), 3),
-        "fleet_alone_capacity_nodes": fleet_alone,
-        "floor_alone_capacity_nodes": floor_alone,
-        "fleet_alone_vs_floor_alone": round(fleet_alone / max(floor_alone, 1), 3),
+        "fleet_capacity_nodes": max(fleet, default=0),
+        "floor_capacity_nodes": max(floor, default=0),
+        "fleet_capacity_vs_floor": round(max(fleet, default=0) / max(max(floor, default=0), 1), 3),
         "fleet_capacity_tries": fleet,
         "floor_capacity_tries": floor,
     }
@@ -377,7 +386,12 @@ async def paced_reports(url: str, fleet: int, seconds: float, kind: str, targets
                 tally.add(kind, "behind", -wait)
                 break
             pending.append(asyncio.create_task(report(i, due)))
-        await asyncio.gather(*pending)
+        if pending:
+            # Reports still unanswered this long after the last was sent are timeouts.
+            _, late = await asyncio.wait(pending, timeout=TIMEOUT_S)
+            for task in late:
+                task.cancel()
+                tally.add(kind, "timeout", TIMEOUT_S)
     return tally
 
 
@@ -393,7 +407,9 @@ async def paced_apart(url: str, fleet: int, seconds: float, kind: str, targets) 
 def run_on(database: str, args) -> dict:
     overrides: dict = {} if database == "sqlite" else {"database": {"url": args.postgres_url}}
     if args.tenant_slots:
-        overrides["api"] = {"tenant_slots": args.tenant_slots}
+        overrides.setdefault("api", {})["tenant_slots"] = args.tenant_slots
+    if args.api_workers:
+        overrides.setdefault("api", {})["workers"] = args.api_workers
     if database != "sqlite":
         reset_postgres(args.postgres_url)
     settings, stack, data_dir = bench_stack(args.nodes, "memory", **overrides)
@@ -521,6 +537,8 @@ def main() -> None:
         action="store_true",
         help="only fleet_capacity_nodes and the floor's, alternated twice (no levels, no fairness)",
     )
+    parser.add_argument("--tries", type=int, default=2, help="with --capacity-only: searches beside the tenant load")
+    parser.add_argument("--api-workers", type=int, default=0, help="API processes (default: what `up` runs)")
     args = parser.parse_args()
     if args.quick:
         args.nodes, args.levels, args.seconds = 64, [1, 16, 64], 4.0

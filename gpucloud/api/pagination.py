@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Annotated, Any
 
-from fastapi import Query
+from fastapi import Depends, Query
 from sqlmodel import Session, SQLModel, select
 
 from gpucloud.web.problems import Problem
@@ -31,6 +31,22 @@ MAX_PAGE_SIZE = 1000
 
 PageSize = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="rows per page")]
 PageToken = Annotated[str | None, Query(description="the previous page's next_page_token")]
+
+
+@dataclass(frozen=True)
+class PageRequest:
+    """What a listing's caller asked for: rows per page, and where the last page ended."""
+
+    size: int = DEFAULT_PAGE_SIZE
+    token: str | None = None
+
+
+async def page_request(page_size: PageSize = DEFAULT_PAGE_SIZE, page_token: PageToken = None) -> PageRequest:
+    return PageRequest(page_size, page_token)
+
+
+# A listing's `page_size` and `page_token` query parameters, declared once for every route.
+PageDep = Annotated[PageRequest, Depends(page_request)]
 
 
 MAX_KEY = 2**63 - 1  # the largest integer key a database column holds
@@ -96,7 +112,7 @@ def decode(token: str | None, filters: dict, key_type: type = int) -> Cursor:
     return Cursor(after=after)
 
 
-def page(rows: list, page_size: int, key_of, filters: dict) -> tuple[list, str]:
+def page_of(rows: list, page_size: int, key_of, filters: dict) -> tuple[list, str]:
     """Split the N+1 rows fetched into the page and the next token ('' at the end)."""
     if len(rows) <= page_size:
         return rows, ""
@@ -105,23 +121,17 @@ def page(rows: list, page_size: int, key_of, filters: dict) -> tuple[list, str]:
 
 
 def fetch(
-    session: Session,
-    table: type[SQLModel],
-    key: str,
-    *,
-    page_size: int,
-    page_token: str | None,
-    equal: Mapping[str, Any],
+    session: Session, table: type[SQLModel], key: str, *, page: PageRequest, equal: Mapping[str, Any]
 ) -> tuple[list[Any], str]:
     """One page of `table`'s rows in `key` order, and the next token. `equal` maps columns to
     the values they must have (None: any); the token is bound to them."""
     filters = dict(equal)
     column = getattr(table, key)
-    cursor = decode(page_token, filters, column.type.python_type)
-    query = select(table).order_by(column).limit(page_size + 1)
+    cursor = decode(page.token, filters, column.type.python_type)
+    query = select(table).order_by(column).limit(page.size + 1)
     for name, value in filters.items():
         if value is not None:
             query = query.where(getattr(table, name) == value)
     if cursor.after is not None:
         query = query.where(column > cursor.after)
-    return page(list(session.exec(query).all()), page_size, attrgetter(key), filters)
+    return page_of(list(session.exec(query).all()), page.size, attrgetter(key), filters)

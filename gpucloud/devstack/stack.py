@@ -284,9 +284,7 @@ class Stack:
 
     def _start_api(self, on_step: Callable[[str], None]) -> None:
         on_step("starting API")
-        # Two API processes where the database serves them (Postgres); SQLite has one writer.
-        workers = self.settings.api.workers if self.settings.database_url.startswith("sqlite") else 2
-        self._spawn("api", self._cli("api", "--workers", str(max(1, workers))))
+        self._spawn("api", self._cli("api", "--workers", str(api_processes(self.settings))))
         self._wait("api", lambda: self._http_ok(f"{self.settings.api_url}/healthz"), 60)
 
     def _start_sim(self, on_step: Callable[[str], None]) -> None:
@@ -392,3 +390,11 @@ def seed_price_book(ledger_url: str, operator_token: str) -> None:
     )
     if created.status_code not in (201, 409):  # 409: another start seeded it meanwhile
         raise StackError(f"the ledger refused the default price book: {created.text[:300]}")
+
+
+def api_processes(settings: Settings) -> int:
+    """How many API processes `up` runs: `api.workers` where it is set; else two where the
+    database serves several (Postgres), one on SQLite (one writer)."""
+    if "workers" in settings.api.model_fields_set or settings.database_url.startswith("sqlite"):
+        return max(1, settings.api.workers)
+    return 2

@@ -190,6 +190,21 @@ def not_found(kind: str, ident: str) -> Problem:
     return Problem(404, "not-found", f"{kind} not found", f"no {kind} {ident!r} visible to this caller")
 
 
+def invalid(
+    field: str,
+    message: str,
+    type_: str = "invalid-request",
+    *,
+    detail: str | None = None,
+    title: str = "The request is invalid",
+    errors: list[dict[str, str]] | None = None,
+) -> Problem:
+    """A 422 naming the bad field (`errors`, as a validation error lists them), with the detail
+    `field: message` unless `detail` says more."""
+    errors = errors or [{"field": field, "message": message}]
+    return Problem(422, type_, title, detail or f"{field}: {message}", errors=errors)
+
+
 def unavailable(what: str, detail: str, *, retry_after_s: int = 1) -> Problem:
     """A 503 for an outside system that did not answer (the workflow engine, the database):
     nothing was lost, the same request may be sent again after `Retry-After`."""
@@ -219,7 +234,7 @@ def install(app: FastAPI) -> None:
             {"field": field_of(tuple(e.get("loc", ()))), "message": e.get("msg", "invalid")} for e in exc.errors()
         ]
         detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-        return render(Problem(422, "invalid-request", "The request is invalid", detail, errors=errors), request)
+        return render(invalid(errors[0]["field"], errors[0]["message"], detail=detail, errors=errors), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

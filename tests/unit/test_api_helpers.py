@@ -35,7 +35,7 @@ def test_keyset_pages_cover_every_key_once(keys, page_size):
     seen, after = [], None
     while True:
         rows = [k for k in keys if after is None or k > after][: page_size + 1]
-        page, token = pagination.page(rows, page_size, lambda k: k, {})
+        page, token = pagination.page_of(rows, page_size, lambda k: k, {})
         seen += page
         if not token:
             break

@@ -42,7 +42,7 @@ from gpucloud.services import allocations as service
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
-from gpucloud.web.problems import Problem, unavailable
+from gpucloud.web.problems import Problem, invalid, unavailable
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["allocations"])
@@ -85,13 +85,9 @@ def _create_in_db(
                     return earlier
                 if session.exec(select(col(Node.id)).where(col(Node.region) == req.region).limit(1)).first() is None:
                     regions = sorted(set(session.exec(select(col(Node.region))).all()))
-                    raise Problem(
-                        422,
-                        "invalid-request",
-                        "Unknown region",
-                        f"region: unknown region {req.region!r}; known: {', '.join(regions) or 'none'}",
-                        errors=[{"field": "region", "message": "unknown region"}],
-                    )
+                    known = ", ".join(regions) or "none"
+                    detail = f"region: unknown region {req.region!r}; known: {known}"
+                    raise invalid("region", "unknown region", detail=detail, title="Unknown region")
                 quotas.admit(
                     session,
                     tenant_id,
@@ -212,20 +208,14 @@ def get_allocation(allocation_id: str, caller: CallerDep, reads: ReadsDep):
 def list_allocations(
     caller: CallerDep,
     reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
+    page: pagination.PageDep,
     status: AllocationStatus | None = None,
     tenant_id: str | None = None,
 ):
     with reads() as session:
         scope = caller.tenant_id if not caller.is_operator else tenant_id
         rows, token = pagination.fetch(
-            session,
-            Allocation,
-            "seq",
-            page_size=page_size,
-            page_token=page_token,
-            equal={"tenant_id": scope, "status": status},
+            session, Allocation, "seq", page=page, equal={"tenant_id": scope, "status": status}
         )
         return AllocationPage(items=[_public(a) for a in rows], next_page_token=token)
 
@@ -261,23 +251,12 @@ def allocation_nodes(allocation_id: str, caller: CallerDep, reads: ReadsDep):
 
 
 @router.get("/allocations/{allocation_id}/events", response_model=AllocationEventPage)
-def allocation_events(
-    allocation_id: str,
-    caller: CallerDep,
-    reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
-):
+def allocation_events(allocation_id: str, caller: CallerDep, reads: ReadsDep, page: pagination.PageDep):
     """What happened to the allocation's nodes: fault notices, pulls, replacements, ready again."""
     with reads() as session:
         alloc = _visible(session, caller, allocation_id)
         rows, token = pagination.fetch(
-            session,
-            AllocationEvent,
-            "seq",
-            page_size=page_size,
-            page_token=page_token,
-            equal={"allocation_id": alloc.id, "tenant_id": alloc.tenant_id},
+            session, AllocationEvent, "seq", page=page, equal={"allocation_id": alloc.id, "tenant_id": alloc.tenant_id}
         )
         return AllocationEventPage(
             items=[AllocationEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token

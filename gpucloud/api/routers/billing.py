@@ -34,7 +34,7 @@ from gpucloud.ledger.schemas import (
     ReconciliationReport,
 )
 from gpucloud.models.tables import Allocation
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, invalid, not_found
 
 router = APIRouter(
     prefix="/v1",
@@ -76,13 +76,7 @@ def _tenant(caller: Caller, tenant_id: str | None) -> str:
         assert caller.tenant_id is not None  # billing answers tenants and operators only
         return caller.tenant_id
     if tenant_id is None:
-        raise Problem(
-            422,
-            "invalid-request",
-            "The request is invalid",
-            "tenant_id: operators name the tenant",
-            errors=[{"field": "tenant_id", "message": "required for operators"}],
-        )
+        raise invalid("tenant_id", "required for operators", detail="tenant_id: operators name the tenant")
     return tenant_id
 
 

@@ -43,7 +43,7 @@ from gpucloud.services import health as health_service
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import signal_replace_node
 from gpucloud.web import metrics
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, invalid, not_found
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +175,9 @@ def _not_ahead(field: str, timestamps: list) -> None:
     latest_allowed = utc_now() + MAX_READING_CLOCK_SKEW
     ahead = [f"{field}.{i}.timestamp" for i, t in enumerate(timestamps) if t > latest_allowed]
     if ahead:
-        raise Problem(
-            422,
-            "invalid-request",
-            "The request is invalid",
-            f"{ahead[0]}: more than {MAX_READING_CLOCK_SKEW} ahead of the control plane's clock",
+        raise invalid(
+            ahead[0],
+            f"more than {MAX_READING_CLOCK_SKEW} ahead of the control plane's clock",
             errors=[{"field": f, "message": "in the future"} for f in ahead],
         )
 
@@ -243,16 +241,9 @@ def node_health(
 
 
 @router.get("/alerts", response_model=AlertPage)
-def list_alerts(
-    operator: OperatorDep,
-    reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
-):
+def list_alerts(operator: OperatorDep, reads: ReadsDep, page: pagination.PageDep):
     with reads() as session:
-        rows, token = pagination.fetch(
-            session, OperatorAlertRecord, "seq", page_size=page_size, page_token=page_token, equal={}
-        )
+        rows, token = pagination.fetch(session, OperatorAlertRecord, "seq", page=page, equal={})
         return AlertPage(
             items=[OperatorAlertPublic.model_validate(a, from_attributes=True) for a in rows], next_page_token=token
         )

@@ -90,20 +90,14 @@ async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDe
 def list_nodes(
     operator: OperatorDep,
     reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
+    page: pagination.PageDep,
     state: NodeState | None = None,
     gpu_type: str | None = None,
     region: str | None = None,
 ):
     with reads() as session:
         rows, token = pagination.fetch(
-            session,
-            Node,
-            "id",
-            page_size=page_size,
-            page_token=page_token,
-            equal={"state": state, "gpu_type": gpu_type, "region": region},
+            session, Node, "id", page=page, equal={"state": state, "gpu_type": gpu_type, "region": region}
         )
         return NodePage(items=[NodePublic.model_validate(n, from_attributes=True) for n in rows], next_page_token=token)
 
@@ -263,19 +257,11 @@ async def retire(
 
 
 @router.get("/nodes/{node_id}/events", response_model=NodeEventPage)
-def node_events(
-    node_id: str,
-    operator: OperatorDep,
-    reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
-):
+def node_events(node_id: str, operator: OperatorDep, reads: ReadsDep, page: pagination.PageDep):
     with reads() as session:
         if session.get(Node, node_id) is None:
             raise not_found("node", node_id)
-        rows, token = pagination.fetch(
-            session, NodeTransition, "seq", page_size=page_size, page_token=page_token, equal={"node_id": node_id}
-        )
+        rows, token = pagination.fetch(session, NodeTransition, "seq", page=page, equal={"node_id": node_id})
         return NodeEventPage(
             items=[NodeEventPublic.model_validate(e, from_attributes=True) for e in rows], next_page_token=token
         )

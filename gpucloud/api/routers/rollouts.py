@@ -40,15 +40,11 @@ from gpucloud.models.rollout_messages import (
 )
 from gpucloud.models.tables import Node
 from gpucloud.registry import promotion
-from gpucloud.web.problems import Problem, not_found, unavailable
+from gpucloud.web.problems import Problem, field_of, invalid, not_found, unavailable
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
-
-
-def _invalid(detail: str) -> Problem:
-    return Problem(422, "invalid-request", "The request is invalid", detail)
 
 
 def _targets(
@@ -63,7 +59,7 @@ def _targets(
             )
         ).first()
         if version is None:
-            raise _invalid(f"model_version: no version {req.model_version} in this tenant's registry")
+            raise invalid("model_version", f"no version {req.model_version} in this tenant's registry")
         model = promotion.model_by_id(session, version.model_id)
         gates = promotion.gates_of(session, version.model_id)
         command = promotion.evaluation_of(model) if model is not None else None
@@ -77,7 +73,7 @@ def _targets(
             ).all()
         }
     if unknown := [n for n in req.node_ids if n not in nodes]:
-        raise _invalid(f"node_ids: not nodes of this tenant: {', '.join(unknown[:10])}")
+        raise invalid("node_ids", f"not nodes of this tenant: {', '.join(unknown[:10])}")
     targets = [
         RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region)
         for n in (nodes[i] for i in req.node_ids)
@@ -113,7 +109,12 @@ async def create_rollout(
                 **({"waves": req.waves} if req.waves else {}),
             )
         except ValidationError as exc:
-            raise _invalid("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+            errors = [
+                {"field": field_of(tuple(e["loc"])), "message": e["msg"].removeprefix("Value error, ")}
+                for e in exc.errors()
+            ]
+            detail = "; ".join(e["message"] for e in errors)
+            raise invalid(errors[0]["field"], errors[0]["message"], detail=detail, errors=errors) from None
         attributes = [
             (search_attributes.MODEL_VERSION, req.model_version),
             (search_attributes.TENANT_ID, tenant.tenant_id),

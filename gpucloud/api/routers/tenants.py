@@ -146,14 +146,11 @@ async def create_tenant(
 def list_tenants(
     operator: OperatorDep,
     reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
+    page: pagination.PageDep,
     status: TenantStatus | None = None,
 ):
     with reads() as session:
-        rows, token = pagination.fetch(
-            session, Tenant, "seq", page_size=page_size, page_token=page_token, equal={"status": status}
-        )
+        rows, token = pagination.fetch(session, Tenant, "seq", page=page, equal={"status": status})
         return TenantPage(items=[_public(t) for t in rows], next_page_token=token)
 
 

@@ -16,7 +16,6 @@ from gpucloud.api.routers.registry.common import (
     ChunkId,
     StoresDep,
     check_model,
-    invalid,
     model_row,
 )
 from gpucloud.config import Settings
@@ -35,7 +34,7 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.store import ChunkStore
 from gpucloud.services import storage_quota
 from gpucloud.storage.direct import AlignedPool
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, invalid, not_found
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.names import AliasName
 from gpucloud.registry.stores import RegistryStores
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, invalid, not_found
 
 READ_BATCH = 4 << 20  # an upload reaches the store's writer thread in pieces of about this size
 
@@ -36,12 +36,6 @@ StoresDep = Annotated[RegistryStores, Depends(get_stores)]
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def invalid(field: str, message: str, type_: str = "invalid-request") -> Problem:
-    return Problem(
-        422, type_, "The request is invalid", f"{field}: {message}", errors=[{"field": field, "message": message}]
-    )
 
 
 def model_row(session: Session, tenant_id: str, name: str, *, for_update: bool = False) -> RegistryModel:

@@ -13,7 +13,6 @@ from gpucloud.api import pagination
 from gpucloud.api.deps import ReadsDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
-    invalid,
     model_row,
 )
 from gpucloud.config import Settings
@@ -37,7 +36,7 @@ from gpucloud.registry.manifest import (
     check_possession,
     key_id_of,
 )
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, invalid, not_found
 
 router = APIRouter(prefix="/v1", tags=["registry"])
 
@@ -76,21 +75,9 @@ async def create_model(
 
 
 @router.get("/models", response_model=ModelPage)
-def list_models(
-    tenant: TenantDep,
-    reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
-):
+def list_models(tenant: TenantDep, reads: ReadsDep, page: pagination.PageDep):
     with reads() as session:
-        rows, token = pagination.fetch(
-            session,
-            RegistryModel,
-            "seq",
-            page_size=page_size,
-            page_token=page_token,
-            equal={"tenant_id": tenant.tenant_id},
-        )
+        rows, token = pagination.fetch(session, RegistryModel, "seq", page=page, equal={"tenant_id": tenant.tenant_id})
         return ModelPage(items=promotion.publish_models(session, rows), next_page_token=token)
 
 

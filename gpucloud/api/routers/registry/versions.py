@@ -17,7 +17,6 @@ from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
     StoresDep,
     VersionRef,
-    invalid,
     model_row,
     resolve_version,
     signature_problem,
@@ -57,7 +56,7 @@ from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
 from gpucloud.services.operations import start_for_operation
 from gpucloud.services.workflows import start_version_evaluation
-from gpucloud.web.problems import Problem
+from gpucloud.web.problems import Problem, invalid
 from gpucloud.workflows.evaluation import evaluation_workflow_id
 
 log = logging.getLogger(__name__)
@@ -154,18 +153,10 @@ async def push_version(
 
 
 @router.get("/models/{name}/versions", response_model=VersionPage)
-def list_versions(
-    name: str,
-    tenant: TenantDep,
-    reads: ReadsDep,
-    page_size: pagination.PageSize = pagination.DEFAULT_PAGE_SIZE,
-    page_token: pagination.PageToken = None,
-):
+def list_versions(name: str, tenant: TenantDep, reads: ReadsDep, page: pagination.PageDep):
     with reads() as session:
         model = model_row(session, tenant.tenant_id, name)
-        rows, token = pagination.fetch(
-            session, ModelVersion, "seq", page_size=page_size, page_token=page_token, equal={"model_id": model.id}
-        )
+        rows, token = pagination.fetch(session, ModelVersion, "seq", page=page, equal={"model_id": model.id})
         return VersionPage(items=promotion.publish_versions(session, tenant.tenant_id, rows), next_page_token=token)
 
 
