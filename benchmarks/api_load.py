@@ -76,6 +76,8 @@ POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL", "postgresql+psycopg://po
 HEARTBEAT_S = 10.0
 # A paced sender this far behind its schedule stops: that fleet size has failed.
 BEHIND_S = 5.0
+# ... or with this many reports unanswered (more would only queue in the sender).
+MAX_UNANSWERED = 256
 DETAIL = ("levels", "floor", "heartbeats", "floor_reports")  # kept under "results", not repeated at the top
 
 
@@ -376,16 +378,19 @@ async def paced_reports(url: str, fleet: int, seconds: float, kind: str, targets
                 call = http.get(f"/v1/allocations/{key}")
             await _timed(tally, kind, call, began=due)
 
-        pending = []
+        pending: list[asyncio.Task] = []
+        unanswered: set[asyncio.Task] = set()
         for i in range(int(rate * seconds)):
             due = start + i / rate
-            if (wait := due - time.monotonic()) > 0:
-                await asyncio.sleep(wait)
-            elif -wait > BEHIND_S:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if time.monotonic() - due > BEHIND_S or len(unanswered) >= MAX_UNANSWERED:
                 # Too far behind to catch up: the fleet size fails, without minutes of backlog.
-                tally.add(kind, "behind", -wait)
+                tally.add(kind, "behind", time.monotonic() - due)
                 break
-            pending.append(asyncio.create_task(report(i, due)))
+            task = asyncio.create_task(report(i, due))
+            unanswered.add(task)
+            task.add_done_callback(unanswered.discard)
+            pending.append(task)
         if pending:
             # Reports still unanswered this long after the last was sent are timeouts.
             _, late = await asyncio.wait(pending, timeout=TIMEOUT_S)

@@ -22,6 +22,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.config import RegistrySettings
 from gpucloud.db import Database
 from gpucloud.models.evaluation_messages import EvaluateVersionInput, EvaluateVersionResult
 from gpucloud.models.registry_tables import EvaluationSource
@@ -45,17 +46,12 @@ log = logging.getLogger(__name__)
 
 class EvaluationActivities(ActivityGroup):
     def __init__(
-        self,
-        db: Database,
-        stores: RegistryStores,
-        signer: Signer,
-        *,
-        work_dir: Path,
-        runtime: str | None = None,
-        host_commands: bool = False,
+        self, db: Database, stores: RegistryStores, signer: Signer, *, work_dir: Path, registry: RegistrySettings
     ) -> None:
+        """`registry` says how a model's command runs (its container runtime, or on the host
+        where the operator allows it); versions are pulled into `work_dir`."""
         self.db, self.stores, self.signer = db, stores, signer
-        self.work_dir, self.runtime, self.host_commands = work_dir, runtime, host_commands
+        self.work_dir, self.registry = work_dir, registry
 
     def _pull(self, tenant_id: str, digest: str, dest: Path) -> Path:
         with self.db.session() as session:
@@ -111,8 +107,8 @@ class EvaluationActivities(ActivityGroup):
                 parent,
                 [req.evaluator],
                 req.command,
-                runtime=self.runtime,
-                host_commands=self.host_commands,
+                runtime=self.registry.evaluation_runtime,
+                host_commands=self.registry.evaluation_host_commands,
             )[req.evaluator]
             record_digest = self._keep(req, outcome, compared_with)
             settle(self.db.url, req.operation_id, error=outcome.failure)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gpucloud.config import ApiSettings
 from gpucloud.web import problems
 
 # `/metrics` checks its own token (the metrics or the operator token) and takes no lane.
@@ -59,32 +60,23 @@ class Lane:
         return sum(self._held.values())
 
 
-@dataclass(frozen=True)
-class AdmissionPolicy:
-    tenant_slots: int = 32
-    operator_slots: int = 8
-    agent_slots: int = 12
-    # A tenant's bearer token holds at most this share of the tenants' lane.
-    caller_share: float = 0.5
-    wait_s: float = 2.0
-    retry_after_s: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tenant_slots + self.operator_slots + self.agent_slots >= THREADS:
-            raise ValueError(f"the lanes' slots must stay below the {THREADS} worker threads")
+# What a refused request is told to wait before it sends again.
+RETRY_AFTER_S = 1
 
 
 class Admission:
-    """The ASGI middleware; `policy` sizes the lanes."""
+    """The ASGI middleware; the API's settings size the lanes (`api.tenant_slots`, `api.caller_share`, ...)."""
 
-    def __init__(self, app: ASGIApp, *, operator_token: str, policy: AdmissionPolicy | None = None) -> None:
+    def __init__(self, app: ASGIApp, *, operator_token: str, settings: ApiSettings) -> None:
+        if settings.tenant_slots + settings.operator_slots + settings.agent_slots >= THREADS:
+            raise ValueError(f"the lanes' slots must stay below the {THREADS} worker threads")
         self.app = app
-        self.policy = policy or AdmissionPolicy()
+        self.wait_s = settings.admission_wait_s
         self._operator = _caller_key(operator_token)
         self.lanes = {
-            "tenants": Lane("tenants", self.policy.tenant_slots, self.policy.caller_share),
-            "operator": Lane("operator", self.policy.operator_slots),
-            "agents": Lane("agents", self.policy.agent_slots),
+            "tenants": Lane("tenants", settings.tenant_slots, settings.caller_share),
+            "operator": Lane("operator", settings.operator_slots),
+            "agents": Lane("agents", settings.agent_slots),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -104,7 +96,7 @@ class Admission:
         lane._held[caller] += 1
         try:
             try:
-                await asyncio.wait_for(lane._free.acquire(), timeout=self.policy.wait_s)
+                await asyncio.wait_for(lane._free.acquire(), timeout=self.wait_s)
             except TimeoutError:
                 await self._refuse(scope, send, 503, "overloaded", "Overloaded", lane)
                 return
@@ -125,7 +117,7 @@ class Admission:
                 f"all {lane.slots} request slots of the {lane.name} lane are busy; retry after the Retry-After delay"
             )
         document = problems.body(status, type_, title, detail, instance=scope["path"], retryable=True)
-        await problems.send(scope, send, document, status, headers={"Retry-After": str(self.policy.retry_after_s)})
+        await problems.send(scope, send, document, status, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def bearer_token(scope: Scope) -> str:

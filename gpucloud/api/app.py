@@ -11,7 +11,7 @@ from temporalio.client import Client
 
 from gpucloud import bootstrap
 from gpucloud.api import pagination
-from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission, AdmissionPolicy
+from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission
 from gpucloud.api.gate import Gate
 from gpucloud.api.routers import (
     agents,
@@ -59,13 +59,6 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.ledger = bootstrap.ledger_client(settings)
     app.state.registry_stores = bootstrap.registry_stores(settings)
     problems.install(app)
-    policy = AdmissionPolicy(
-        tenant_slots=settings.api.tenant_slots,
-        operator_slots=settings.api.operator_slots,
-        agent_slots=settings.api.agent_slots,
-        caller_share=settings.api.caller_share,
-        wait_s=settings.api.admission_wait_s,
-    )
     # Added first, so it runs inside admission: credentials are checked holding a lane's slot.
     app.add_middleware(
         Gate,
@@ -74,7 +67,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         max_body_bytes=settings.api.max_body_bytes,
         max_chunk_bytes=settings.registry.max_chunk_size,
     )
-    app.add_middleware(Admission, operator_token=settings.operator_token, policy=policy)
+    app.add_middleware(Admission, operator_token=settings.operator_token, settings=settings.api)
     # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.
     for module in (agents, allocations, operations, tenants, api_keys, nodes, health, registry, billing, rollouts):
         app.include_router(module.router)
