@@ -200,7 +200,7 @@ async def measure(
     if args.capacity_only:
         alone = await _capacities_alone(ids, nodes, args, agents_url, floor_url)
         return {**alone, **await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, args.tries)}
-    alone = await _capacities_alone(ids, nodes, args, agents_url, floor_url)
+    capacity_alone = await _capacities_alone(ids, nodes, args, agents_url, floor_url)
     levels, floors = {}, {}
     for n in args.levels:
         tally = await run_clients(api, tenant_key, n, args.seconds, mixed_client, ids)
@@ -232,7 +232,7 @@ async def measure(
     floor_ratio = floor_beside_p99 / max(floor_alone_p99, 1e-3)
     log(f"  fairness floor: a client of its own process, p99 x{floor_ratio:.2f} beside the load")
     # Agents' heartbeats, each its own request, beside 64 tenant clients, and the floor's.
-    capacities = {**alone, **await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, tries=1)}
+    capacities = await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, tries=1)
     alone_p99 = percentile(alone.latency["get"], 99)
     beside_p99 = percentile(beside.latency["get"], 99)
     return {
@@ -255,6 +255,7 @@ async def measure(
         # admission policy can bring `fairness_p99_ratio` to 2 in this run.
         "fairness_machine_p99_ratio": round(floor_beside_p99 / max(alone_p99, 1e-3), 2),
         "fairness_beside_vs_floor_beside": round(beside_p99 / max(floor_beside_p99, 1e-3), 2),
+        **capacity_alone,
         **capacities,
     }
 
