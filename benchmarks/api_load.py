@@ -182,12 +182,16 @@ def _group(url: str, token: str | None, n: int, seconds: float, body_name: str, 
     return asyncio.run(run_clients(url, token, n, seconds, globals()[body_name], *args))
 
 
-async def run_apart(url: str, token: str | None, n: int, seconds: float, body, *args) -> Tally:
-    """`run_clients` in a process of its own: when two groups run at once, one group's
+async def apart(fn, *args) -> Tally:
+    """`fn(*args)` in a process of its own: when two groups run at once, one group's
     client-side queueing (256 clients on one event loop) must not show as the other's latency."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        future = pool.submit(_group, url, token, n, seconds, body.__name__, args)
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(pool.submit(fn, *args))
+
+
+async def run_apart(url: str, token: str | None, n: int, seconds: float, body, *args) -> Tally:
+    """`run_clients` in a process of its own (`apart`)."""
+    return await apart(_group, url, token, n, seconds, body.__name__, args)
 
 
 async def measure(
@@ -283,8 +287,8 @@ async def _capacities_alone(ids: list[str], nodes: dict[str, str], args, agents_
     any tenant load leaves the worker and the fleet busy): what one API process holds for agents
     (the figure that sizes the processes a 10,000-node fleet needs, docs/architecture.md) against
     what the machine gives the floor app."""
-    fleet_alone, _ = await _capacity("", "", ids, args, agents_url, "heartbeat", nodes, beside=False)
-    floor_alone, _ = await _capacity("", "", ids, args, floor_url, "get", ids, beside=False)
+    fleet_alone, _ = await _capacity(args, agents_url, "heartbeat", nodes)
+    floor_alone, _ = await _capacity(args, floor_url, "get", ids)
     log(f"  capacity alone: fleet {fleet_alone}  floor {floor_alone}")
     return {
         "fleet_alone_capacity_nodes": fleet_alone,
@@ -301,10 +305,11 @@ async def _capacities(
     the same load), alternated `tries` times (the better of each: less of the noise two runs
     minutes apart carry)."""
     fleet, floor, figures = [], [], {}
+    tenants = (api, tenant_key, ids)
     for _ in range(tries):
-        capacity, figures["heartbeats"] = await _capacity(api, tenant_key, ids, args, agents_url, "heartbeat", nodes)
+        capacity, figures["heartbeats"] = await _capacity(args, agents_url, "heartbeat", nodes, tenants)
         fleet.append(capacity)
-        capacity, figures["floor_reports"] = await _capacity(api, tenant_key, ids, args, floor_url, "get", ids)
+        capacity, figures["floor_reports"] = await _capacity(args, floor_url, "get", ids, tenants)
         floor.append(capacity)
         log(f"  capacity beside 64 tenant clients: fleet {fleet[-1]}  floor {floor[-1]}")
     return {
@@ -317,29 +322,27 @@ async def _capacities(
     }
 
 
-async def _capacity(
-    api: str, tenant_key: str, ids: list[str], args, url: str, kind: str, targets, *, beside: bool = True
-) -> tuple[int, dict]:
+async def _capacity(args, url: str, kind: str, targets, tenants: tuple | None = None) -> tuple[int, dict]:
     """The largest fleet (nodes reporting every 10 s, open loop) whose reports `url` answers
-    with p99 <= 1 s and nothing but 2xx while 64 tenant clients run the mix on the API; and the
+    with p99 <= 1 s and nothing but 2xx, while 64 tenant clients run the mix on the API where
+    `tenants` is given (the API's URL, the tenant's key, the allocations to read); and the
     figures at each fleet size tried. Sizes double from 1,000 until one fails, then halve the
     gap three times (to within an eighth of the last step)."""
     by_size: dict[int, dict] = {}
 
     async def holds(fleet: int) -> bool:
-        if beside:
-            _, reports = await asyncio.gather(
-                run_apart(api, tenant_key, 64, args.seconds, mixed_client, ids),
-                paced_apart(url, fleet, args.seconds, kind, targets),
-            )
+        paced = apart(_paced_group, url, fleet, args.seconds, kind, targets)
+        if tenants is not None:
+            api, tenant_key, ids = tenants
+            _, reports = await asyncio.gather(run_apart(api, tenant_key, 64, args.seconds, mixed_client, ids), paced)
         else:
-            reports = await paced_apart(url, fleet, args.seconds, kind, targets)
+            reports = await paced
         figures = by_size[fleet] = reports.figures(args.seconds)
         p99 = max((v for k, v in figures.items() if k.endswith("_p99_s")), default=99)
         bad = sum(n for status, n in reports.status.items() if not status.startswith("2"))
         ok = p99 <= 1.0 and bad == 0
         verdict = "holds" if ok else "fails"
-        load = "beside 64 tenant clients" if beside else "alone"
+        load = "beside 64 tenant clients" if tenants else "alone"
         log(f"  {kind} from a fleet of {fleet} on {url} {load}: {figures} {verdict}")
         return ok
 
@@ -403,11 +406,6 @@ async def paced_reports(url: str, fleet: int, seconds: float, kind: str, targets
 
 def _paced_group(url: str, fleet: int, seconds: float, kind: str, targets) -> Tally:
     return asyncio.run(paced_reports(url, fleet, seconds, kind, targets))
-
-
-async def paced_apart(url: str, fleet: int, seconds: float, kind: str, targets) -> Tally:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        return await asyncio.wrap_future(pool.submit(_paced_group, url, fleet, seconds, kind, targets))
 
 
 def run_on(database: str, args) -> dict:

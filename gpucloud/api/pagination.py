@@ -37,8 +37,8 @@ PageToken = Annotated[str | None, Query(description="the previous page's next_pa
 class PageRequest:
     """What a listing's caller asked for: rows per page, and where the last page ended."""
 
-    size: int = DEFAULT_PAGE_SIZE
-    token: str | None = None
+    size: int
+    token: str | None
 
 
 async def page_request(page_size: PageSize = DEFAULT_PAGE_SIZE, page_token: PageToken = None) -> PageRequest:

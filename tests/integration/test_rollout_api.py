@@ -41,10 +41,12 @@ async def test_rollouts_api_validates_scopes_and_is_idempotent(ready_fleet, tmp_
         assert bad.status_code == 422 and "model_version" in bad.text
         unknown = a.post("/v1/rollouts", json={"model_version": "0" * 64, "allocation_id": alloc_id})
         assert unknown.status_code == 422 and "no version" in unknown.json()["detail"]
+        assert unknown.json()["errors"][0]["field"] == "model_version"  # the field, as any 422 names it
         # B's registry does not hold A's version.
         assert b.post("/v1/rollouts", json={"model_version": digest}).status_code == 422
         foreign = a.post("/v1/rollouts", json={"model_version": digest, "node_ids": others[:1]})
         assert foreign.status_code == 422 and others[0] in foreign.json()["detail"]
+        assert foreign.json()["errors"][0]["field"] == "node_ids"
 
         body = {"model_version": digest, "allocation_id": alloc_id, "bake_s": 0}
         idem = {"Idempotency-Key": str(uuid.uuid4())}
