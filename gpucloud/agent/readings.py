@@ -100,6 +100,8 @@ MAX_GPUS_PER_NODE = 72
 NodeId = Annotated[str, Field(min_length=1, max_length=128)]
 Text = Annotated[str, Field(max_length=2000)]
 ShortId = Annotated[str, Field(max_length=128)]
+# The kernel's boot id is a UUID (36 characters); the simulated fleet counts boots.
+BootId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z-]+$")]
 
 
 class GpuReading(_Reading):

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gpucloud.agent.readings import ShortId
+
 # The actions every agent serves at `POST /actions/{action}`.
 ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
 
@@ -44,17 +46,18 @@ class WorkloadStatus(BaseModel):
     """What runs of the allocation's workload on a node, as its agent reports it."""
 
     state: Literal["none", "running", "exited", "stopped"]
-    allocation_id: str | None = None
-    exit_code: int | None = None
+    allocation_id: ShortId | None = None
+    exit_code: int | None = Field(None, ge=-(2**31), lt=2**31)
     isolation: str | None = Field(
         None,
+        max_length=32,
         description="pid-namespace, process-group where namespaces are refused, or container (podman or docker)",
     )
 
 
 class ActionRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=300)
-    tenant_id: str | None = None
+    tenant_id: ShortId | None = None
     # The allocation a provision is for: what the node's usage is metered against.
     allocation_id: str | None = Field(None, min_length=1, max_length=200)
     # A wipe's next agent credential (`gpa_<node id>.<secret>`): the agent reports with it once

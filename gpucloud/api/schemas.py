@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.agent.readings import BootId, NodeId, NodeReading, ShortId, XidEvent
 from gpucloud.agent.schemas import Workload, WorkloadStatus
 from gpucloud.ledger.schemas import (
     InvoiceOut,
@@ -332,10 +332,13 @@ class NodeEventPage(BaseModel):
 
 
 class HeartbeatIn(BaseModel):
-    node_id: str
-    tenant_id: str | None = None
+    """One node's heartbeat. A tenant has root on the node and may send anything here: every
+    string is bounded, so a report costs the control plane a node's worth of memory at most."""
+
+    node_id: NodeId
+    tenant_id: ShortId | None = None
     workload_running: bool = False
-    boot_id: str | None = None
+    boot_id: BootId | None = None
     workload: WorkloadStatus | None = Field(None, description="the allocation's processes on the node")
 
 

@@ -21,15 +21,22 @@ MAX_BATCH = 20_000
 PAGE_SIZE_MAX = 1000
 
 
+# Ingest rejects an id past its limit (128 characters, 64 for a GPU type) one sample at a time,
+# so one mistaken sample does not hold back its batch. A string past this bound is no mistake but
+# a node sending megabytes: its whole batch is refused (422) before ingest holds or echoes it.
+MAX_SAMPLE_STRING = 1024
+SampleString = Annotated[str, Field(max_length=MAX_SAMPLE_STRING)]
+
+
 # Usage samples are TypedDicts, not models: a batch of 8,000 validates about three times
 # faster when pydantic does not build an object per sample, and ingest reads them as dicts.
 @with_config(ConfigDict(strict=True))
 class UsageSampleIn(TypedDict):
-    node_id: str
+    node_id: SampleString
     seq: int
-    tenant_id: str
-    allocation_id: str
-    gpu_type: str
+    tenant_id: SampleString
+    allocation_id: SampleString
+    gpu_type: SampleString
     gpu_count: int
     start_ms: int
     end_ms: int

@@ -57,3 +57,18 @@ def test_agent_reports_are_dated_stamped_and_bounded_by_the_control_plane(db_url
         long_message = agent.post("/v1/agents/events", json={"events": [_event(node_id, message="x" * 3000)]})
         assert long_message.status_code == 422
         assert agent.post("/v1/agents/events", json={"events": [_event(node_id, xid=-1)]}).status_code == 422
+
+        # Issue 37, item 10: every string of a heartbeat is bounded (a 7 MiB boot id was stored).
+        for oversize, field in (
+            ({"boot_id": "b" * (7 << 20)}, "boot_id"),
+            ({"boot_id": "not a boot id"}, "boot_id"),
+            ({"tenant_id": "t" * 129}, "tenant_id"),
+            ({"workload": {"state": "running", "allocation_id": "a" * 129}}, "workload.allocation_id"),
+            ({"workload": {"state": "running", "isolation": "i" * 33}}, "workload.isolation"),
+            ({"workload": {"state": "exited", "exit_code": 2**40}}, "workload.exit_code"),
+        ):
+            refused = agent.post("/v1/agents/heartbeats", json={"heartbeats": [{"node_id": node_id, **oversize}]})
+            assert refused.status_code == 422, (field, refused.status_code)
+            assert f"heartbeats.0.{field}" in refused.json()["detail"]
+        oversize_node = agent.post("/v1/agents/heartbeats", json={"heartbeats": [{"node_id": "n" * 129}]})
+        assert oversize_node.status_code == 422
