@@ -225,8 +225,10 @@ class RegistrySettings(BaseModel):
     prefix: str = "registry"
     # The largest chunk the API accepts in one upload: the chunker's own maximum (64 MiB).
     max_chunk_size: int = 64 * 1024 * 1024
-    # The bytes of chunks one tenant's registry store may hold (uploads past it: 409).
-    storage_quota_bytes: int = 100 * 1024**4
+    # The bytes of chunks one tenant's registry store may hold (uploads past it: 409). 10 TiB
+    # holds a dozen full versions of a 405B-parameter model in bf16 (810 GB each) before dedup,
+    # and hundreds of fine-tunes that share their base's chunks; past that, the operator sets it.
+    storage_quota_bytes: int = Field(10 * 1024**4, gt=0)
     # The platform evaluator's Ed25519 seed (64 hex digits): it signs the results of the
     # evaluations the platform runs. Without one, a seed kept in the data dir (created 0600).
     evaluator_key: SecretStr | None = None

@@ -1,11 +1,16 @@
 """Per-tenant quota on the bytes a tenant's registry store holds.
 
-Usage is a counter per tenant (`StorageUsage`): an upload that stores a new chunk adds its
-size; every garbage collection of the tenant measures the store again (what it listed, less
-what it deleted), which also corrects any drift. An upload that would take the tenant past its
-quota is refused with a 409 naming the quota and the usage, before anything is written.
-Uploads running at the same moment are admitted against the same count, so a tenant can pass
-its quota by at most its concurrent uploads' sizes.
+Usage is a counter per tenant (`StorageUsage`). An upload of a chunk the store lacks reserves
+its size before any byte of the body is read, in one conditional UPDATE (`bytes = bytes + n
+WHERE bytes + n <= quota`): the check and the add are one statement, so uploads racing each other
+can never take the count past the quota together (Postgres re-checks the condition on the row it
+waited for; SQLite has one writer at a time). An upload that stores nothing (the bytes did not
+hash to the id, the client went away, the chunk arrived meanwhile from another upload) gives its
+reservation back. An upload that would pass the quota is refused with a 409 naming the quota and
+the usage, before anything is written.
+
+Every garbage collection of the tenant measures the store again (what it listed, less what it
+deleted), which also corrects any drift, such as a reservation a crashed API process never gave back.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from gpucloud.models.registry_tables import StorageUsage
 from gpucloud.models.tables import utcnow
 from gpucloud.web.problems import Problem
 
+_RETRIES = 3  # the row is made by whichever writer comes first; a loser of that race tries again
+
 
 def usage(db_url: str, tenant_id: str) -> int:
     with read_scope(db_url) as session:
@@ -29,24 +36,45 @@ def usage_in(session: Session, tenant_id: str) -> int:
     return row.bytes if row is not None else 0
 
 
-def admit(session: Session, tenant_id: str, size: int, quota: int) -> None:
-    """Raise a 409 if storing `size` more bytes would take the tenant past `quota`."""
-    used = usage_in(session, tenant_id)
-    if used + size > quota:
-        raise Problem(
-            409,
-            "storage-quota-exceeded",
-            "Storage quota exceeded",
-            f"this chunk ({size} bytes) would take the registry storage to {used + size} bytes, past the "
-            f"quota of {quota} bytes (in use: {used}); delete versions and run gc, or ask for a larger quota",
-            quota_bytes=quota,
-            usage_bytes=used,
-        )
+def reserve(db_url: str, tenant_id: str, size: int, quota: int) -> None:
+    """Count `size` more bytes for the tenant, or raise a 409 (counting nothing) if they would
+    take it past `quota`."""
+    used = col(StorageUsage.bytes)
+    fits = sa.update(StorageUsage).where(col(StorageUsage.tenant_id) == tenant_id, used + size <= quota)
+    for _ in range(_RETRIES):
+        with session_scope(db_url) as session:
+            if rowcount(session.execute(fits.values(bytes=used + size))) == 1:
+                return
+            if (row := session.get(StorageUsage, tenant_id)) is not None or size > quota:
+                raise _over_quota(size, quota, row.bytes if row is not None else 0)
+            try:
+                with session.begin_nested():
+                    session.add(StorageUsage(tenant_id=tenant_id, bytes=size))
+                return
+            except sa.exc.IntegrityError:
+                continue
+    raise RuntimeError(f"the storage usage row of tenant {tenant_id} could not be written")
 
 
-def add(db_url: str, tenant_id: str, size: int) -> None:
-    """Count `size` more bytes stored for the tenant."""
-    _write(db_url, tenant_id, sa.update(StorageUsage).values(bytes=col(StorageUsage.bytes) + size), size, None)
+def release(db_url: str, tenant_id: str, size: int) -> None:
+    """Give back a reservation of `size` bytes whose upload stored nothing."""
+    used = col(StorageUsage.bytes)
+    with session_scope(db_url) as session:
+        # Never below zero: a garbage collection may have measured the store since the reservation.
+        less = sa.case((used >= size, used - size), else_=0)
+        session.execute(sa.update(StorageUsage).where(col(StorageUsage.tenant_id) == tenant_id).values(bytes=less))
+
+
+def _over_quota(size: int, quota: int, used: int) -> Problem:
+    return Problem(
+        409,
+        "storage-quota-exceeded",
+        "Storage quota exceeded",
+        f"this chunk ({size} bytes) would take the registry storage to {used + size} bytes, past the "
+        f"quota of {quota} bytes (in use: {used}); delete versions and run gc, or ask for a larger quota",
+        quota_bytes=quota,
+        usage_bytes=used,
+    )
 
 
 def measured(db_url: str, tenant_id: str, size: int) -> None:
@@ -56,7 +84,7 @@ def measured(db_url: str, tenant_id: str, size: int) -> None:
 
 
 def _write(db_url: str, tenant_id: str, update, size: int, measured_at) -> None:
-    for _ in range(3):  # the row is made by whichever writer comes first
+    for _ in range(_RETRIES):
         with session_scope(db_url) as session:
             if rowcount(session.execute(update.where(col(StorageUsage.tenant_id) == tenant_id))) == 1:
                 return

@@ -36,6 +36,10 @@ async def test_uploads_past_the_tenants_storage_quota_are_refused(db_url, make_h
         assert put.status_code == 201
         # The same chunk again is already stored: no new bytes, no quota.
         assert tenant.put(f"/v1/models/big/chunks/{first_id}", content=first).status_code == 200
+        # Bytes that do not hash to their id store nothing, and their reservation is given back.
+        forged_id, _ = _chunk(50_000)
+        assert tenant.put(f"/v1/models/big/chunks/{forged_id}", content=os.urandom(50_000)).status_code == 422
+        assert storage_quota.usage(h.settings.database_url, tenant_id) == 200_000
         second_id, second = _chunk(150_000)
         refused = tenant.put(f"/v1/models/big/chunks/{second_id}", content=second)
         assert refused.status_code == 409, refused.text

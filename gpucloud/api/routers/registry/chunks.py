@@ -69,8 +69,9 @@ async def upload_chunk(
     if size > limit:
         raise Problem(413, "chunk-too-large", "Chunk too large", f"a chunk may have at most {limit} bytes")
     chunks = stores.chunks(tenant.tenant_id)
-    await run_in_threadpool(_admit, settings, tenant.tenant_id, name, chunks, chunk_id, size)
+    reserved = await run_in_threadpool(_admit, settings, tenant.tenant_id, name, chunks, chunk_id, size)
     body = _RequestBody(request, size)
+    stored = False
     try:
         stored = await run_in_threadpool(chunks.put, chunk_id, body)
         if not stored:
@@ -83,21 +84,24 @@ async def upload_chunk(
         ) from None
     finally:
         body.release()
-    if stored:
-        await run_in_threadpool(storage_quota.add, settings.database_url, tenant.tenant_id, size)
+        if reserved and not stored:  # nothing new was stored: the reservation goes back
+            await run_in_threadpool(storage_quota.release, settings.database_url, tenant.tenant_id, reserved)
     return JSONResponse(
         ChunkStored(id=chunk_id, size=size, stored=stored).model_dump(), status_code=201 if stored else 200
     )
 
 
-def _admit(settings: Settings, tenant_id: str, name: str, chunks: ChunkStore, chunk_id: str, size: int) -> None:
-    """The model is the tenant's, and a chunk its store lacks fits its quota (a chunk already
-    stored costs nothing): one read of the database, before any byte of the body is taken."""
+def _admit(settings: Settings, tenant_id: str, name: str, chunks: ChunkStore, chunk_id: str, size: int) -> int:
+    """The model is the tenant's, and a chunk its store lacks has its size reserved against the
+    quota (a chunk already stored costs nothing), before any byte of the body is taken: the
+    bytes reserved, which the upload gives back if it stores nothing."""
     stored = chunks.has(chunk_id)  # before the session: on S3 this is a request of its own
     with read_scope(settings.database_url) as session:
         model_row(session, tenant_id, name)
-        if not stored:
-            storage_quota.admit(session, tenant_id, size, settings.registry.storage_quota_bytes)
+    if stored:
+        return 0
+    storage_quota.reserve(settings.database_url, tenant_id, size, settings.registry.storage_quota_bytes)
+    return size
 
 
 class _RequestBody:
