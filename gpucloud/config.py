@@ -229,6 +229,9 @@ class RegistrySettings(BaseModel):
     # holds a dozen full versions of a 405B-parameter model in bf16 (810 GB each) before dedup,
     # and hundreds of fine-tunes that share their base's chunks; past that, the operator sets it.
     storage_quota_bytes: int = Field(10 * 1024**4, gt=0)
+    # `production` takes only a version a platform sanity evaluation has passed (no NaN or Inf
+    # weight); off, a model without gates may promote a version nobody evaluated.
+    production_requires_sanity: bool = True
     # The platform evaluator's Ed25519 seed (64 hex digits): it signs the results of the
     # evaluations the platform runs. Without one, a seed kept in the data dir (created 0600).
     evaluator_key: SecretStr | None = None

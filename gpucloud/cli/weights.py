@@ -85,7 +85,11 @@ def failing_metrics_table(failures: list[dict]) -> Table:
     table = Table("metric", "evaluator", "value", "production", "why it fails", title="failing evaluation gates")
     for f in failures:
         table.add_row(
-            f["metric"], f.get("evaluator", ""), _num(f.get("value")), _num(f.get("production_value")), f["reason"]
+            f["metric"] or "(the run)",
+            f.get("evaluator", ""),
+            _num(f.get("value")),
+            _num(f.get("production_value")),
+            f["reason"],
         )
     return table
 

@@ -17,6 +17,13 @@ but not 0.83. A metric the candidate has no result for fails its gate: promotion
 numbers nobody measured. Without a production version, or when production has no result for the
 metric, there is nothing to regress against and only the range applies.
 
+Besides a model's own gates, the platform fails closed with gates of its own (`platform_failures`),
+which no model can loosen: a version whose latest platform run of any evaluator failed, or whose
+sanity evaluation counted a NaN or Inf weight, moves to neither `staging` nor `production`; and
+`production` takes only a version with a passing platform `sanity` evaluation, unless the operator
+turns that off (`registry.production_requires_sanity`). A model without gates is not a model whose
+versions go anywhere unchecked.
+
 Lineage is a forest of versions linked by `parent` digests, per tenant. The walks are pure too:
 they take lookup functions, so the same code runs over the DB (`ancestors`, `descendants`) and
 over plain dicts in tests, and they stop on cycles and at a depth limit, so a corrupt index can
@@ -48,7 +55,7 @@ from gpucloud.models.registry_tables import (
     SigningKey,
 )
 from gpucloud.registry.manifest import Keyring
-from gpucloud.registry.names import AliasName
+from gpucloud.registry.names import GATED_ALIASES, AliasName, EvaluatorName
 from gpucloud.registry.store import ChunkStore
 
 MAX_LINEAGE_DEPTH = 1000
@@ -56,9 +63,9 @@ CHUNK_CHECK_CONCURRENCY = 16  # S3 answers one HEAD per chunk; a few in flight h
 
 
 class GateFailure(BaseModel):
-    """One failing metric, with the numbers that made it fail."""
+    """One failing metric, with the numbers that made it fail (no metric: the evaluation as a whole)."""
 
-    metric: str
+    metric: str | None
     evaluator: str
     reason: str
     value: float | None
@@ -68,6 +75,8 @@ class GateFailure(BaseModel):
     production_value: float | None = None
 
     def describe(self) -> str:
+        if self.metric is None:
+            return f"{self.evaluator} evaluation: {self.reason}"
         if self.value is None:
             return f"{self.metric} ({self.evaluator}): {self.reason}"
         return f"{self.metric} ({self.evaluator})={self.value:g}: {self.reason}"
@@ -143,6 +152,35 @@ def evaluate_gates(
                 )
             )
     return failures
+
+
+# The sanity evaluator's one verdict no reading can excuse: a weight that is NaN or Inf.
+SANITY_GATE = GateSpec(metric="nan_inf_count", max=0, evaluator=EvaluatorName.SANITY)
+
+
+def platform_failures(
+    alias: AliasName, candidate: VersionResults, *, gated: Iterable[GateFailure] = (), require_sanity: bool = True
+) -> list[GateFailure]:
+    """What the platform itself refuses for a move of `alias` to the candidate, whatever the
+    model's gates say: a failed latest run of any evaluator, a NaN or Inf weight, and for
+    `production` (with `require_sanity`) no sanity evaluation at all. `gated`: the failures the
+    model's own gates found, which are not repeated."""
+    if alias not in GATED_ALIASES:
+        return []
+    sanity = EvaluatorName.SANITY.value
+    ran_sanity = sanity in candidate.platform or sanity in candidate.errors
+    found = evaluate_gates([SANITY_GATE] if ran_sanity else [], candidate.platform, None, errors=candidate.errors)
+    if not ran_sanity and alias == AliasName.PRODUCTION and require_sanity:
+        reason = "production takes only a version a platform sanity evaluation has passed, and none has run"
+        found.append(GateFailure(metric=SANITY_GATE.metric, evaluator=sanity, reason=reason, value=None, max=0))
+    for evaluator, error in sorted(candidate.errors.items()):
+        if evaluator != sanity:  # the sanity gate above already names a failed sanity run
+            reason = f"the latest {evaluator} evaluation failed: {error}"
+            found.append(GateFailure(metric=None, evaluator=evaluator, reason=reason, value=None))
+    # What the model's gates said already is not said twice (a gate on the same metric, or any
+    # gate of an evaluator whose run failed).
+    said = {(f.metric, f.evaluator, f.reason) for f in gated} | {(None, f.evaluator, f.reason) for f in gated}
+    return [f for f in found if (f.metric, f.evaluator, f.reason) not in said]
 
 
 def walk_ancestors(start: str, parent_of: Callable[[str], str | None], *, limit: int = MAX_LINEAGE_DEPTH) -> list[str]:
@@ -275,21 +313,24 @@ def results_of(session: Session, tenant_id: str, digests: list[str]) -> dict[str
     return found
 
 
-def promotion_failures(session: Session, tenant_id: str, model_id: str, digest: str) -> list[GateFailure]:
+def promotion_failures(
+    session: Session, tenant_id: str, model_id: str, digest: str, *, alias: AliasName, require_sanity: bool = True
+) -> list[GateFailure]:
     """The model's gates applied to the version's platform results, against the current
-    production version's."""
+    production version's, then the platform's own (`platform_failures`)."""
     production = session.exec(
         select(ModelAlias).where(col(ModelAlias.model_id) == model_id, col(ModelAlias.name) == AliasName.PRODUCTION)
     ).first()
     baseline = production.version if production is not None and production.version != digest else None
     found = results_of(session, tenant_id, [digest] + ([baseline] if baseline else []))
     candidate = found[digest]
-    return evaluate_gates(
+    gated = evaluate_gates(
         gates_of(session, model_id),
         candidate.platform,
         found[baseline].platform if baseline else None,
         errors=candidate.errors,
     )
+    return gated + platform_failures(alias, candidate, gated=gated, require_sanity=require_sanity)
 
 
 def missing_chunks(store: ChunkStore, chunk_ids: Iterable[str]) -> list[str]:

@@ -45,8 +45,12 @@ def reserve(db_url: str, tenant_id: str, size: int, quota: int) -> None:
         with session_scope(db_url) as session:
             if rowcount(session.execute(fits.values(bytes=used + size))) == 1:
                 return
-            if (row := session.get(StorageUsage, tenant_id)) is not None or size > quota:
-                raise _over_quota(size, quota, row.bytes if row is not None else 0)
+            row = session.get(StorageUsage, tenant_id)
+            in_use = row.bytes if row is not None else 0
+            if in_use + size > quota:
+                raise _over_quota(size, quota, in_use)
+            if row is not None:  # made (or given back to) by another upload since the UPDATE
+                continue
             try:
                 with session.begin_nested():
                     session.add(StorageUsage(tenant_id=tenant_id, bytes=size))

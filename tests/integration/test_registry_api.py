@@ -143,13 +143,17 @@ class Registry:
                     [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
                 )
 
-    def platform_evaluation(self, tenant: Tenant, digest: str, evaluator: str, results: dict[str, float]) -> None:
-        """Keep results as the worker's evaluation activity does: signed with the platform's key."""
+    def platform_evaluation(
+        self, tenant: Tenant, digest: str, evaluator: str, results: dict[str, float], failure: str | None = None
+    ) -> None:
+        """Keep results (or a failed run) as the worker's evaluation activity does: signed with the platform's key."""
         from gpucloud import bootstrap
         from gpucloud.models.registry_tables import EvaluationSource
         from gpucloud.services.evaluations import keep_evaluation
 
-        record = EvaluationRecord(version=digest, evaluator=evaluator, results=results, recorded_at=datetime.now(UTC))
+        record = EvaluationRecord(
+            version=digest, evaluator=evaluator, results=results, recorded_at=datetime.now(UTC), failure=failure
+        )
         signed = bootstrap.evaluator_signer(self.settings).sign_evaluation(record)
         stores = bootstrap.registry_stores(self.settings)
         keep_evaluation(self.settings.database_url, stores, tenant.id, signed, source=EvaluationSource.PLATFORM)
@@ -417,13 +421,17 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
     assert {(f["metric"], f["evaluator"]) for f in refused.json()["failing_metrics"]} == {
         ("accuracy", "command"),
         ("latency_ms", "command"),
+        ("nan_inf_count", "sanity"),  # the platform's own: production takes a version sanity passed
     }
 
     # Results the tenant reports are kept and shown, but never open a staging or production gate.
     assert _report(tenant, v1.digest, {"accuracy": 0.99, "latency_ms": 10}).status_code == 201
     refused = promote(v1.digest, "production")
     assert refused.status_code == 409
-    assert {f["reason"] for f in refused.json()["failing_metrics"]} == {"no result from a platform command evaluation"}
+    assert {f["reason"] for f in refused.json()["failing_metrics"]} == {
+        "no result from a platform command evaluation",
+        "production takes only a version a platform sanity evaluation has passed, and none has run",
+    }
     with tenant.http() as http:
         shown = http.get(f"/v1/models/gated/versions/{v1.digest}").json()
         assert shown["metrics"] == {} and shown["reported_metrics"] == {"accuracy": 0.99, "latency_ms": 10}
@@ -432,7 +440,7 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
     assert promote(v1.digest, "staging").status_code == 409
 
     # A platform result from another evaluator does not stand in for the command's.
-    registry.platform_evaluation(tenant, v1.digest, "sanity", {"accuracy": 0.80, "latency_ms": 90})
+    registry.platform_evaluation(tenant, v1.digest, "sanity", {"accuracy": 0.80, "latency_ms": 90, "nan_inf_count": 0})
     assert promote(v1.digest, "production").status_code == 409
     registry.platform_evaluation(tenant, v1.digest, "command", {"accuracy": 0.80, "latency_ms": 90})
     assert promote(v1.digest, "production").status_code == 200
@@ -445,6 +453,7 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
 
     registry.platform_evaluation(tenant, v2.digest, "command", {"accuracy": 0.81, "latency_ms": 85})
     assert promote(v2.digest, "staging").status_code == 200
+    registry.platform_evaluation(tenant, v2.digest, "sanity", {"nan_inf_count": 0})
     assert promote(v2.digest, "production").status_code == 200
     with tenant.http() as http:
         model = http.get("/v1/models/gated").json()
@@ -456,6 +465,7 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
         assert http.get("/v1/models/gated/versions/production").json()["metrics"] == {
             "accuracy": 0.81,
             "latency_ms": 85,
+            "nan_inf_count": 0,
         }
         key = http.get("/v1/registry/evaluator-key").json()
     platform = [e for e in _evaluations(tenant, "gated", v2.digest) if e["source"] == "platform"]
@@ -470,6 +480,53 @@ def test_promotion_is_gated_on_evaluations(registry: Registry, tmp_path: Path) -
 def _evaluations(tenant: Tenant, model: str, digest: str) -> list[dict]:
     with tenant.http() as http:
         return http.get(f"/v1/models/{model}/versions/{digest}/evaluations").json()["items"]
+
+
+def test_promotion_fails_closed_without_gates(registry: Registry, tmp_path: Path) -> None:
+    """Issue 37: a model without gates took a version whose sanity evaluation found a NaN straight
+    to production. Now a failed latest evaluation, or a NaN, keeps a version from staging and
+    production whatever the gates, and production takes only a version sanity has passed."""
+    tenant = registry.new_tenant()
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "gated"}).raise_for_status()  # no gates
+    digests = [tenant.push(write_model(tmp_path / f"v{i}", random_tensors()), model="gated").digest for i in range(4)]
+    unevaluated, crashed, nan, clean = digests
+
+    def promote(digest: str, alias: str) -> httpx.Response:
+        with tenant.http() as http:
+            return http.put(f"/v1/models/gated/aliases/{alias}", json={"version": digest})
+
+    def refused(digest: str, alias: str) -> dict:
+        answer = promote(digest, alias)
+        assert answer.status_code == 409 and answer.json()["type"].endswith("/gates-failed"), answer.text
+        assert f"/v1/models/gated/versions/{digest}/evaluate" in answer.json()["detail"]  # what to do
+        return answer.json()
+
+    assert promote(unevaluated, "staging").status_code == 200
+    problem = refused(unevaluated, "production")
+    assert "production takes only a version a platform sanity evaluation has passed" in problem["detail"]
+
+    registry.platform_evaluation(tenant, crashed, "sanity", {"nan_inf_count": 0})
+    registry.platform_evaluation(tenant, crashed, "command", {}, failure="the command exited with status 1")
+    for alias in ("staging", "production"):
+        problem = refused(crashed, alias)
+        assert [(f["metric"], f["evaluator"]) for f in problem["failing_metrics"]] == [(None, "command")]
+        assert "the latest command evaluation failed: the command exited with status 1" in problem["detail"]
+
+    registry.platform_evaluation(tenant, nan, "sanity", {"nan_inf_count": 1})
+    for alias in ("staging", "production"):
+        [failure] = refused(nan, alias)["failing_metrics"]
+        assert (failure["metric"], failure["evaluator"], failure["value"]) == ("nan_inf_count", "sanity", 1.0)
+    assert promote(nan, "candidate").status_code == 200  # candidate is the tenant's to move
+
+    registry.platform_evaluation(tenant, clean, "sanity", {"nan_inf_count": 0})
+    assert promote(clean, "production").status_code == 200
+
+    # The operator may turn the sanity requirement off; a failed evaluation still holds.
+    registry.settings.registry.production_requires_sanity = False
+    assert promote(unevaluated, "production").status_code == 200
+    assert promote(nan, "production").status_code == 409
+    assert promote(crashed, "production").status_code == 409
 
 
 def test_tenants_cannot_see_each_others_models_versions_or_chunks(registry: Registry, tmp_path: Path) -> None:
@@ -592,6 +649,10 @@ def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: P
         digest = http.get("/v1/models/cli-model/versions").json()["items"][0]["digest"]
     assert digest[:12] in run("versions", "cli-model")
     run("evaluate", "cli-model", digest[:12], "--metric", "accuracy=0.9")
+    refused = run("promote", "cli-model", digest[:12], "--to", "production", code=4)  # nothing the platform ran
+    assert "sanity" in refused and "gpucloud weights evaluate cli-model" in refused
+    registry.start_worker()
+    run("evaluate", "cli-model", digest[:12], "--evaluator", "sanity")
     assert "production" in run("promote", "cli-model", digest[:12], "--to", "production")
     assert json.loads(run("promote", "cli-model", digest[:12], "--to", "staging", "-o", "json"))["version"] == digest
     pulled = json.loads(run("pull", "cli-model@staging", str(tmp_path / "json-out"), "-o", "json").splitlines()[-1])
@@ -829,6 +890,7 @@ def test_the_platform_runs_the_models_command_and_a_hanging_or_garbage_command_f
     run("evaluation-command", "scored", "--run", f"{sys.executable} -c {shlex.quote(script)}", "--timeout", "60")
     passed = run("evaluate", "scored", digest[:12], "--evaluator", "command")
     assert "accuracy" in passed and "0.8" in passed and "min 0.7: passes" in passed
+    run("evaluate", "scored", digest[:12], "--evaluator", "sanity")  # production takes a version sanity passed
     assert "production" in run("promote", "scored", digest[:12], "--to", "production")
 
     run("evaluation-command", "scored", "--run", f"{sys.executable} -c 'import time; time.sleep(60)'", "--timeout", "2")

@@ -12,7 +12,14 @@ from pydantic import ValidationError
 from gpucloud.bootstrap import registry_stores
 from gpucloud.config import ObjectStoreSettings, Settings
 from gpucloud.models.registry_tables import GateSpec, RegistryModelCreate
-from gpucloud.registry.promotion import evaluate_gates, walk_ancestors, walk_descendants
+from gpucloud.registry.names import AliasName
+from gpucloud.registry.promotion import (
+    VersionResults,
+    evaluate_gates,
+    platform_failures,
+    walk_ancestors,
+    walk_descendants,
+)
 
 ACCURACY = GateSpec(metric="accuracy", min=0.7, max_regression=0.02)
 LATENCY = GateSpec(metric="latency_ms", max=100, max_regression=10, higher_is_better=False)
@@ -49,6 +56,49 @@ def test_a_failed_latest_run_fails_the_gates_of_its_evaluator() -> None:
     )
     assert [(f.metric, f.value) for f in failures] == [("accuracy", None)]
     assert failures[0].reason == "the latest command evaluation failed: ran past its time limit of 5 s"
+
+
+def _platform(alias: AliasName, candidate: VersionResults, **options) -> list[tuple[str | None, str, str]]:
+    return [(f.metric, f.evaluator, f.reason) for f in platform_failures(alias, candidate, **options)]
+
+
+def test_the_platform_fails_closed_whatever_the_models_gates() -> None:
+    """Issue 37: a model without gates took a version whose sanity evaluation found a NaN to production."""
+    unevaluated = VersionResults()
+    assert _platform(AliasName.CANDIDATE, unevaluated) == []
+    assert _platform(AliasName.STAGING, unevaluated) == []
+    [(metric, evaluator, reason)] = _platform(AliasName.PRODUCTION, unevaluated)
+    assert (metric, evaluator) == ("nan_inf_count", "sanity") and "none has run" in reason
+    assert _platform(AliasName.PRODUCTION, unevaluated, require_sanity=False) == []  # the operator's choice
+
+    nan = VersionResults(platform={"sanity": {"nan_inf_count": 1}})
+    for alias in (AliasName.STAGING, AliasName.PRODUCTION):
+        for require_sanity in (True, False):
+            assert _platform(alias, nan, require_sanity=require_sanity) == [
+                ("nan_inf_count", "sanity", "above the maximum 0")
+            ]
+    assert _platform(AliasName.CANDIDATE, nan) == []
+
+    crashed = VersionResults(platform={"sanity": {"nan_inf_count": 0}}, errors={"command": "exit status 1"})
+    for alias in (AliasName.STAGING, AliasName.PRODUCTION):
+        failures = platform_failures(alias, crashed, require_sanity=False)
+        assert [(f.metric, f.evaluator) for f in failures] == [(None, "command")]
+        assert failures[0].describe() == "command evaluation: the latest command evaluation failed: exit status 1"
+    failed_sanity = VersionResults(errors={"sanity": "not a safetensors file"})
+    assert _platform(AliasName.STAGING, failed_sanity) == [
+        ("nan_inf_count", "sanity", "the latest sanity evaluation failed: not a safetensors file")
+    ]
+    assert _platform(AliasName.PRODUCTION, VersionResults(platform={"sanity": {"nan_inf_count": 0}})) == []
+
+
+def test_the_platform_does_not_repeat_what_the_models_gates_said() -> None:
+    nan = VersionResults(platform={"sanity": {"nan_inf_count": 2}})
+    gated = evaluate_gates([GateSpec(metric="nan_inf_count", max=0)], nan.platform, None)
+    assert platform_failures(AliasName.PRODUCTION, nan, gated=gated) == []
+    crashed = VersionResults(platform={"sanity": {"nan_inf_count": 0}}, errors={"command": "hung"})
+    gated = evaluate_gates([ACCURACY], crashed.platform, None, errors=crashed.errors)
+    assert [f.metric for f in gated] == ["accuracy"]
+    assert platform_failures(AliasName.STAGING, crashed, gated=gated) == []
 
 
 def test_passing_results_fail_nothing() -> None:

@@ -290,7 +290,13 @@ async def evaluate_version(
 
 
 def _check_gates(
-    session: Session, tenant_id: str, model: RegistryModel, alias: AliasName, version: ModelVersion
+    session: Session,
+    tenant_id: str,
+    model: RegistryModel,
+    alias: AliasName,
+    version: ModelVersion,
+    *,
+    require_sanity: bool,
 ) -> None:
     if version.key_id not in promotion.active_key_ids(session, tenant_id):
         raise Problem(
@@ -299,13 +305,20 @@ def _check_gates(
             "Signing key revoked",
             f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted",
         )
-    if failures := promotion.promotion_failures(session, tenant_id, model.id, version.digest):
+    failures = promotion.promotion_failures(
+        session, tenant_id, model.id, version.digest, alias=alias, require_sanity=require_sanity
+    )
+    if failures:
+        evaluators = " or ".join(sorted({f.evaluator for f in failures}))
         raise Problem(
             409,
             "gates-failed",
             "Evaluation gates failed",
             f"{model.name}@{alias.value} cannot move to {version.digest[:12]}: "
-            + "; ".join(f.describe() for f in failures),
+            + "; ".join(f.describe() for f in failures)
+            + f". Have the platform evaluate it ({evaluators}: POST /v1/models/{model.name}/versions/"
+            f"{version.digest}/evaluate, or `gpucloud weights evaluate {model.name} {version.digest[:12]} "
+            "--evaluator ...`), or push a version that fixes what fails",
             failing_metrics=[f.model_dump() for f in failures],
         )
 
@@ -316,14 +329,17 @@ def _check_gates(
     responses={409: {"description": "evaluation gates failed (`failing_metrics` names them)"}},
 )
 def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, settings: SettingsDep):
-    """Point an alias at a version; `staging` and `production` move only when the model's gates pass."""
+    """Point an alias at a version; `staging` and `production` move only when the model's gates
+    and the platform's pass (no failed evaluation, no NaN weight, and for `production` a passing
+    platform sanity evaluation)."""
     with session_scope(settings.database_url) as session:
         # The model row lock serialises moves of one model's aliases (a no-op on SQLite, which
         # already holds the write lock), so two promotions cannot both pass against a stale production.
         model = model_row(session, tenant.tenant_id, name, for_update=True)
         version = resolve_version(session, model, req.version)
         if alias in GATED_ALIASES:
-            _check_gates(session, tenant.tenant_id, model, alias, version)
+            require_sanity = settings.registry.production_requires_sanity
+            _check_gates(session, tenant.tenant_id, model, alias, version, require_sanity=require_sanity)
         row = session.exec(
             select(ModelAlias).where(col(ModelAlias.model_id) == model.id, col(ModelAlias.name) == alias)
         ).first()
