@@ -229,6 +229,12 @@ class RegistrySettings(BaseModel):
     # holds a dozen full versions of a 405B-parameter model in bf16 (810 GB each) before dedup,
     # and hundreds of fine-tunes that share their base's chunks; past that, the operator sets it.
     storage_quota_bytes: int = Field(10 * 1024**4, gt=0)
+    # A version's logical size (what evaluation assembles and a pull writes), at most this, and
+    # past `version_amplification_floor` at most `max_version_amplification` times its distinct
+    # chunks' bytes (`Manifest.size_problem`). 4 TiB holds a 2-trillion-parameter model in bf16.
+    max_version_bytes: int = Field(4 * 1024**4, gt=0)
+    max_version_amplification: float = Field(16.0, ge=1)
+    version_amplification_floor: int = Field(1024**3, ge=0)
     # `production` takes only a version a platform sanity evaluation has passed (no NaN or Inf
     # weight); off, a model without gates may promote a version nobody evaluated.
     production_requires_sanity: bool = True

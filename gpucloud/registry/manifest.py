@@ -284,6 +284,28 @@ class Manifest(_Record):
     def chunk_ids(self) -> set[str]:
         return {chunk.id for entry in self.files.values() for chunk in entry.chunks}
 
+    def unique_size(self) -> int:
+        """The bytes of the version's distinct chunks: what its store holds (and its quota counts)."""
+        return sum({chunk.id: chunk.size for entry in self.files.values() for chunk in entry.chunks}.values())
+
+    def size_problem(self, *, max_bytes: int, max_amplification: float, amplification_floor: int) -> str | None:
+        """Why the version is too large to accept, or None. A manifest is small and cheap to
+        post, but its logical size is what evaluation assembles on a worker's disk and every pull
+        writes on a node: one 64 MiB chunk listed 60,000 times in a 6.5 MiB manifest declares
+        3.66 TiB. So the logical size is bounded outright, and (past `amplification_floor`, where
+        small models' repeated zero blocks live) to `max_amplification` times the bytes the
+        tenant stored. Real weights repeat little: tied or zero-initialised tensors, a few times."""
+        if self.total_size > max_bytes:
+            return f"the version declares {self.total_size} bytes, past the limit of {max_bytes} bytes per version"
+        unique = self.unique_size()
+        if self.total_size > amplification_floor and self.total_size > max_amplification * unique:
+            return (
+                f"the version declares {self.total_size} bytes from {unique} bytes of distinct chunks "
+                f"({self.total_size / max(unique, 1):.0f} times over; at most {max_amplification:g} allowed): "
+                "the same chunks are listed again and again"
+            )
+        return None
+
 
 class EvaluationRecord(_Record):
     """Evaluation results for one version, recorded after the push; never part of its identity."""

@@ -351,6 +351,28 @@ def test_push_refuses_tampered_manifests_unknown_keys_and_missing_chunks(registr
         assert post(good.signed).status_code == 200  # the same version again: already there
 
 
+def test_a_manifest_bomb_is_refused_at_push(registry: Registry) -> None:
+    """Issue 37, item 6: a 6.5 MiB manifest listing one 64 MiB chunk 60,000 times declared a
+    3.66 TiB version, which evaluation would assemble on a worker's disk. Refused before anything
+    else is checked, naming the problem."""
+    from gpucloud.registry.manifest import FileEntry
+
+    tenant = registry.new_tenant()
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "llama"}).raise_for_status()
+    size, chunk_id = 64 << 20, blake3.blake3(b"one chunk").hexdigest()
+    refs = [ChunkRef(id=chunk_id, offset=i * size, size=size) for i in range(60_000)]
+    bomb = Manifest.build(model="llama", files={"model.safetensors": FileEntry(size=60_000 * size, chunks=refs)})
+    body = tenant.signer.sign(bomb).model_dump_json()
+    assert len(body) > 6_000_000
+    with tenant.http() as http:
+        refused = http.post("/v1/models/llama/versions", content=body, headers={"content-type": "application/json"})
+    assert refused.status_code == 422, refused.text
+    problem = refused.json()
+    assert problem["type"].endswith("/version-too-large") and problem["errors"][0]["field"] == "manifest.total_size"
+    assert "60000 times over" in problem["detail"] and "listed again and again" in problem["detail"]
+
+
 def test_chunk_upload_verifies_blake3_before_storing(registry: Registry) -> None:
     tenant = registry.new_tenant()
     data = os.urandom(3000)

@@ -212,3 +212,28 @@ def test_a_stored_version_keeps_its_first_signature(tmp_path: Path) -> None:
     store.put(second.sign(version))
 
     assert store.get(version.digest).key_id == first.key_id
+
+
+def test_a_versions_logical_size_is_bounded_outright_and_by_its_distinct_chunks() -> None:
+    """Issue 37, item 6: the bytes a version declares are what evaluation and pulls write."""
+    one = blake3.blake3(b"a").hexdigest()
+    two = blake3.blake3(b"b").hexdigest()
+
+    def version(*sizes_and_ids: tuple[str, int]) -> Manifest:
+        refs, offset = [], 0
+        for chunk_id, size in sizes_and_ids:
+            refs.append(ChunkRef(id=chunk_id, offset=offset, size=size))
+            offset += size
+        return Manifest.build(model="m", files={"w": FileEntry(size=offset, chunks=refs)})
+
+    limits = {"max_bytes": 100 << 30, "max_amplification": 16, "amplification_floor": 1 << 30}
+    gib = 1 << 30
+    assert version((one, gib), (two, gib)).unique_size() == 2 * gib
+    assert version((one, gib), (two, gib)).size_problem(**limits) is None
+    # Repeated a little (tied or zeroed tensors), or small whatever it repeats: accepted.
+    assert version(*[(one, gib)] * 16).size_problem(**limits) is None
+    assert version(*[(one, 1 << 20)] * 1000).size_problem(**limits) is None  # under the floor
+    bomb = version(*[(one, gib)] * 17).size_problem(**limits)
+    assert bomb is not None and "17 times over; at most 16" in bomb
+    huge = version(*[(one, 40 * gib), (two, 40 * gib), (blake3.blake3(b"c").hexdigest(), 40 * gib)])
+    assert "past the limit of 107374182400 bytes" in (huge.size_problem(**limits) or "")

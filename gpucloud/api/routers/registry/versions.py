@@ -72,6 +72,13 @@ def _register_version(
         model = model_row(session, tenant_id, name)
         if manifest.model != name:
             raise invalid("manifest.model", f"the manifest is for model {manifest.model!r}, posted to {name!r}")
+        limits = settings.registry
+        if problem := manifest.size_problem(
+            max_bytes=limits.max_version_bytes,
+            max_amplification=limits.max_version_amplification,
+            amplification_floor=limits.version_amplification_floor,
+        ):
+            raise invalid("manifest.total_size", problem, "version-too-large")
         if (existing := promotion.version_row(session, tenant_id, digest)) is not None:
             return promotion.publish_versions(session, tenant_id, [existing])[0], False
         try:
@@ -129,7 +136,7 @@ def _register_version(
     responses={
         200: {"description": "the version was already registered", "model": ModelVersionPublic},
         409: {"description": "chunks missing from the store (listed)"},
-        422: {"description": "invalid manifest, unknown key or bad signature"},
+        422: {"description": "invalid manifest (a version too large among them), unknown key or bad signature"},
     },
 )
 async def push_version(
