@@ -896,3 +896,27 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
     assert state["status"] == "succeeded", state
     [record] = _evaluations(tenant, "llama", pushed.digest)
     assert (record["source"], record["evaluator"], record["results"]["nan_inf_count"]) == ("platform", "sanity", 0)
+
+
+@pytest.mark.parametrize(
+    ("command", "field"),
+    [
+        ({"argv": ["true"], "image": "--privileged"}, "image"),
+        ({"argv": ["sh"], "image": "alpine --privileged"}, "image"),
+        ({"argv": ["--volume=/:/host", "alpine", "sh"]}, "argv"),
+        ({"argv": ["--privileged"], "image": "alpine"}, "argv"),
+        ({"argv": ["sh", "a\x00b"], "image": "alpine"}, "argv.1"),
+        ({"argv": ["sh"], "image": "alpine", "env": {"--volume": "/:/host"}}, "env.--volume.[key]"),
+    ],
+)
+def test_an_evaluation_command_that_could_read_as_a_runtime_option_is_refused(
+    registry: Registry, command: dict, field: str
+) -> None:
+    """Nothing a tenant registers reaches `<runtime> run` where the runtime reads an option."""
+    tenant = registry.new_tenant()
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "hostile"}).raise_for_status()
+        refused = http.put("/v1/models/hostile/evaluation", json=command)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["errors"][0]["field"] == field
+        assert http.get("/v1/models/hostile").json()["evaluation"] is None
