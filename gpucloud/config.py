@@ -31,6 +31,12 @@ from gpucloud.web.tls import ServerTLS
 TASK_QUEUE = "gpucloud"
 
 
+def evaluation_task_queue(task_queue: str) -> str:
+    """The evaluation worker's task queue beside the control plane's `task_queue`: the workflow
+    derives it from its own queue, so each deployment (and each test) has its own."""
+    return f"{task_queue}-evaluations"
+
+
 class TemporalSettings(BaseModel):
     """The Temporal service the workers and the API talk to, and one worker's capacity."""
 
@@ -51,6 +57,10 @@ class TemporalSettings(BaseModel):
     tls_server_name: str | None = None
     # An API key (Temporal Cloud, or a cluster with an authorizer), sent as a bearer token.
     api_key: SecretStr | None = None
+
+    @property
+    def evaluation_task_queue(self) -> str:
+        return evaluation_task_queue(self.task_queue)
 
 
 class DatabaseSettings(BaseModel):
@@ -246,8 +256,14 @@ class RegistrySettings(BaseModel):
     # only where the operator allows it (`evaluation_host_commands`): it is the tenant's code.
     evaluation_runtime: str | None = None
     evaluation_host_commands: bool = False
-    # Where the worker pulls versions to evaluate (removed after each run); unset: the data dir.
+    # Where the evaluation worker pulls versions to evaluate (removed after each run); unset:
+    # its data dir.
     evaluation_dir: Path | None = None
+    # The most bytes one evaluation assembles on that disk (the version and its parent, by
+    # their manifests, checked before a byte is written); the disk's free space bounds it too.
+    evaluation_disk_budget_bytes: int = Field(default=1024**4, gt=0)
+    # Evaluations one evaluation worker runs at once (each reads a whole model).
+    evaluations_at_once: int = Field(default=2, gt=0)
 
 
 class TrackerSettings(BaseModel):
@@ -455,6 +471,24 @@ class Settings(BaseSettings):
         if self.api.page_token_secret is not None:
             return self.api.page_token_secret.get_secret_value()
         return load_or_create_secret(self.data_dir / "page_token_secret", lambda: secrets.token_urlsafe(32))
+
+    def for_evaluation_worker(self) -> Settings:
+        """The evaluation worker's settings (it runs tenants' code): how to reach Temporal, read
+        the registry's store and run a command, and nothing else. No database, no operator,
+        metrics or fabric token, no issuer, evaluator or storage master key; a data dir of its
+        own, under this one, that holds none of the platform's secrets."""
+        objects = self.object_store
+        if objects.backend == "local":
+            objects = objects.model_copy(update={"local_dir": self.object_store_dir})
+        # model_construct: the constructor (and model_validate) would read this process's
+        # environment and secrets dir back in; every other section keeps its default.
+        return Settings.model_construct(
+            data_dir=self.data_dir.resolve() / "evaluation-worker",
+            temporal=self.temporal,
+            object_store=objects,
+            registry=self.registry.model_copy(update={"evaluator_key": None}),
+            telemetry=self.telemetry.model_copy(update={"metrics_token": None, "worker_port": None}),
+        )
 
     def env(self) -> dict[str, str]:
         """These settings as `GPUCLOUD_*` variables, for a child process to read back the same."""

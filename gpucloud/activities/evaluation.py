@@ -1,17 +1,28 @@
-"""The platform's evaluation of a version, in the worker: pull it from the tenant's registry
-store and verify it (fail closed, as any pull), pull its parent for the sanity evaluator's
-comparison, run the evaluator, sign what it found with the platform evaluator key, and keep the
-record. Only such records open a `staging` or `production` gate.
+"""The platform's evaluation of a version, in two workers, so that code a tenant wrote never
+runs in a process that holds a platform secret:
+
+- `EvaluationRunner`, on the evaluation worker (its own process and task queue, see
+  `workers.main.run_evaluation_worker`), holds no database, no issuer key, no operator token and
+  no evaluator key: given the tenant's public keys, it reads the version from the tenant's
+  registry store and verifies it (fail closed, as any pull), checks that it and its parent fit
+  the evaluation disk budget before a byte is assembled, pulls them, runs the evaluator, and
+  returns what it found, unsigned;
+- `EvaluationActivities`, on the control plane's worker, hands it the keys and then signs what
+  it found with the platform evaluator key, keeps the record, and settles the tenant's operation.
+  Only such records open a `staging` or `production` gate.
 
 What the evaluator reports is the result, whatever it is: NaN weights are a result (their gate
 refuses them), and so is a command that crashed, hung or printed garbage (a failed evaluation,
 recorded with its reason, which fails that evaluator's gates). An object store that is down
 raises, and Temporal retries; bytes that fail verification are recorded as a failed evaluation
-and end the activity non-retryable (`VersionUnverifiable`).
+and end the evaluation non-retryable (`VersionUnverifiable`); a version too large for the disk
+budget ends it non-retryable too (`EvaluationOverDiskBudget`), with no record: its weights were
+never judged.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import uuid
@@ -24,14 +35,24 @@ from temporalio.exceptions import ApplicationError
 from gpucloud.activities import ActivityGroup
 from gpucloud.config import RegistrySettings
 from gpucloud.db import Database
-from gpucloud.models.evaluation_messages import EvaluateVersionInput, EvaluateVersionResult
-from gpucloud.models.registry_tables import EvaluationSource
-from gpucloud.registry import promotion
-from gpucloud.registry.evaluators import EvaluatorOutcome, evaluate_directory
+from gpucloud.models.evaluation_messages import (
+    EvaluateVersionInput,
+    EvaluateVersionResult,
+    EvaluationKeys,
+    EvaluationRefusal,
+    EvaluationRun,
+    RecordEvaluationInput,
+    RunEvaluationInput,
+)
+from gpucloud.models.registry_tables import EvaluationSource, SigningKey
+from gpucloud.registry.command_eval import bounded
+from gpucloud.registry.evaluators import evaluate_directory, run_model_command
 from gpucloud.registry.manifest import (
     BadSignatureError,
     EvaluationRecord,
     IntegrityError,
+    Keyring,
+    Manifest,
     Signer,
     UnknownKeyError,
     VersionNotFoundError,
@@ -43,19 +64,41 @@ from gpucloud.services.operations import settle
 
 log = logging.getLogger(__name__)
 
+_UNVERIFIABLE = (IntegrityError, BadSignatureError, UnknownKeyError)
 
-class EvaluationActivities(ActivityGroup):
-    def __init__(
-        self, db: Database, stores: RegistryStores, signer: Signer, *, work_dir: Path, registry: RegistrySettings
-    ) -> None:
+
+class DiskBudgetExceeded(Exception):
+    pass
+
+
+def check_disk_budget(size: int, work_dir: Path, *, budget_bytes: int) -> None:
+    """Refuse (`DiskBudgetExceeded`) `size` bytes of versions to assemble in `work_dir` past the
+    budget or past the disk's free space: a manifest can declare terabytes of repeated chunks."""
+    if size > budget_bytes:
+        raise DiskBudgetExceeded(
+            f"the version's files ({size} bytes, with its parent's) exceed the evaluation disk budget "
+            f"of {budget_bytes} bytes"
+        )
+    work_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work_dir).free
+    if size > free:
+        raise DiskBudgetExceeded(
+            f"the version's files ({size} bytes, with its parent's) exceed the {free} bytes free on the evaluation disk"
+        )
+
+
+class EvaluationRunner(ActivityGroup):
+    """The evaluation worker's one activity (see the module doc)."""
+
+    def __init__(self, stores: RegistryStores, *, work_dir: Path, registry: RegistrySettings) -> None:
         """`registry` says how a model's command runs (its container runtime, or on the host
-        where the operator allows it); versions are pulled into `work_dir`."""
-        self.db, self.stores, self.signer = db, stores, signer
-        self.work_dir, self.registry = work_dir, registry
+        where the operator allows it) and the disk budget; versions are pulled into `work_dir`."""
+        self.stores, self.work_dir, self.registry = stores, work_dir, registry
 
-    def _pull(self, tenant_id: str, digest: str, dest: Path) -> Path:
-        with self.db.session() as session:
-            keyring = promotion.keyring_for(session, tenant_id)
+    def _verified(self, tenant_id: str, digest: str, keyring: Keyring) -> Manifest:
+        return keyring.verify(self.stores.manifests(tenant_id).get(digest), tenant=tenant_id)
+
+    def _pull(self, tenant_id: str, digest: str, dest: Path, keyring: Keyring) -> Path:
         pull(
             digest,
             dest,
@@ -67,57 +110,109 @@ class EvaluationActivities(ActivityGroup):
         )
         return dest
 
-    def _keep(self, req: EvaluateVersionInput, outcome: EvaluatorOutcome, compared_with: str | None = None) -> str:
+    @activity.defn
+    def run_evaluation(self, inp: RunEvaluationInput) -> EvaluationRun:
+        req = inp.request
+        keyring = Keyring()
+        for public_key in inp.keys.public_keys:
+            keyring.trust(req.tenant_id, bytes.fromhex(public_key))
+        work = self.work_dir / uuid.uuid4().hex
+        try:
+            try:
+                size = self._verified(req.tenant_id, req.version, keyring).total_size
+            except VersionNotFoundError as exc:
+                return EvaluationRun(failure=f"version not found: {exc}", refusal=EvaluationRefusal.VERSION_NOT_FOUND)
+            except _UNVERIFIABLE as exc:
+                failure = f"the version failed verification ({type(exc).__name__}): {exc}"
+                return EvaluationRun(failure=failure, refusal=EvaluationRefusal.VERSION_UNVERIFIABLE)
+            parent = None
+            if req.parent is not None and req.evaluator == "sanity":
+                try:
+                    size += self._verified(req.tenant_id, req.parent, keyring).total_size
+                    parent = req.parent
+                except (VersionNotFoundError, *_UNVERIFIABLE) as exc:
+                    # The parent is gone (collected) or no longer verifies: judge the version alone.
+                    log.warning("evaluating %s without its parent %s: %s", req.version, req.parent, exc)
+            try:
+                check_disk_budget(size, self.work_dir, budget_bytes=self.registry.evaluation_disk_budget_bytes)
+            except DiskBudgetExceeded as exc:
+                return EvaluationRun(failure=str(exc), refusal=EvaluationRefusal.OVER_DISK_BUDGET)
+            try:
+                version = self._pull(req.tenant_id, req.version, work / "version", keyring)
+            except _UNVERIFIABLE as exc:  # a chunk that does not match its manifest
+                failure = f"the version failed verification ({type(exc).__name__}): {exc}"
+                return EvaluationRun(failure=failure, refusal=EvaluationRefusal.VERSION_UNVERIFIABLE)
+            parent_dir = None
+            if parent is not None:
+                try:
+                    parent_dir = self._pull(req.tenant_id, parent, work / "parent", keyring)
+                except _UNVERIFIABLE as exc:
+                    log.warning("evaluating %s without its parent %s: %s", req.version, parent, exc)
+                    parent = None
+            activity.heartbeat()
+            run_command = functools.partial(
+                run_model_command,
+                runtime=self.registry.evaluation_runtime,
+                host_commands=self.registry.evaluation_host_commands,
+            )
+            outcome = evaluate_directory(version, parent_dir, [req.evaluator], req.command, run_command=run_command)[
+                req.evaluator
+            ]
+            return EvaluationRun(
+                results=outcome.results,
+                failure=bounded(outcome.failure) if outcome.failure else None,
+                details=outcome.details,
+                compared_with=parent,
+            )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+class EvaluationActivities(ActivityGroup):
+    """The control plane's side of an evaluation: the tenant's keys before, the signed record after."""
+
+    def __init__(self, db: Database, stores: RegistryStores, signer: Signer) -> None:
+        self.db, self.stores, self.signer = db, stores, signer
+
+    @activity.defn
+    def evaluation_keys(self, req: EvaluateVersionInput) -> EvaluationKeys:
+        from sqlmodel import col, select
+
+        with self.db.session() as session:
+            rows = session.exec(
+                select(SigningKey).where(
+                    col(SigningKey.tenant_id) == req.tenant_id, col(SigningKey.revoked_at).is_(None)
+                )
+            )
+            return EvaluationKeys(public_keys=[row.public_key for row in rows])
+
+    def _keep(self, req: EvaluateVersionInput, run: EvaluationRun) -> str:
         record = EvaluationRecord(
             version=req.version,
             evaluator=req.evaluator,
-            results=outcome.results,
+            results=run.results,
             recorded_at=datetime.now(UTC),
-            failure=outcome.failure[:2000] if outcome.failure else None,
-            details={**outcome.details, "compared_with": compared_with} if outcome.details else None,
+            failure=bounded(run.failure) if run.failure else None,
+            details={**run.details, "compared_with": run.compared_with} if run.details else None,
         )
         signed = self.signer.sign_evaluation(record)
         row, _ = keep_evaluation(self.db.url, self.stores, req.tenant_id, signed, source=EvaluationSource.PLATFORM)
         return row.record_digest
 
     @activity.defn
-    def evaluate_version(self, req: EvaluateVersionInput) -> EvaluateVersionResult:
-        work = self.work_dir / uuid.uuid4().hex
-        try:
-            try:
-                version = self._pull(req.tenant_id, req.version, work / "version")
-            except VersionNotFoundError as exc:
-                settle(self.db.url, req.operation_id, error=f"version not found: {exc}")
-                raise ApplicationError(str(exc), type="VersionNotFound", non_retryable=True) from exc
-            except (IntegrityError, BadSignatureError, UnknownKeyError) as exc:
-                failure = f"the version failed verification ({type(exc).__name__}): {exc}"
-                self._keep(req, EvaluatorOutcome(req.evaluator, {}, failure=failure))
-                settle(self.db.url, req.operation_id, error=failure)
-                raise ApplicationError(failure, type="VersionUnverifiable", non_retryable=True) from exc
-            parent, compared_with = None, None
-            if req.parent is not None and req.evaluator == "sanity":
-                try:
-                    parent, compared_with = self._pull(req.tenant_id, req.parent, work / "parent"), req.parent
-                except (VersionNotFoundError, IntegrityError, BadSignatureError, UnknownKeyError) as exc:
-                    # The parent is gone (collected) or no longer verifies: judge the version alone.
-                    log.warning("evaluating %s without its parent %s: %s", req.version, req.parent, exc)
-            activity.heartbeat()
-            outcome = evaluate_directory(
-                version,
-                parent,
-                [req.evaluator],
-                req.command,
-                runtime=self.registry.evaluation_runtime,
-                host_commands=self.registry.evaluation_host_commands,
-            )[req.evaluator]
-            record_digest = self._keep(req, outcome, compared_with)
-            settle(self.db.url, req.operation_id, error=outcome.failure)
-            return EvaluateVersionResult(
-                evaluator=req.evaluator,
-                results=outcome.results,
-                failure=outcome.failure,
-                record_digest=record_digest,
-                compared_with=compared_with,
-            )
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    def record_evaluation(self, inp: RecordEvaluationInput) -> EvaluateVersionResult:
+        req, run = inp.request, inp.run
+        if run.refusal is not None:
+            if run.refusal == EvaluationRefusal.VERSION_UNVERIFIABLE:
+                self._keep(req, run)  # bytes that fail verification fail the version's gates
+            settle(self.db.url, req.operation_id, error=run.failure)
+            raise ApplicationError(run.failure or run.refusal.value, type=run.refusal.value, non_retryable=True)
+        record_digest = self._keep(req, run)
+        settle(self.db.url, req.operation_id, error=run.failure)
+        return EvaluateVersionResult(
+            evaluator=req.evaluator,
+            results=run.results,
+            failure=run.failure,
+            record_digest=record_digest,
+            compared_with=run.compared_with,
+        )

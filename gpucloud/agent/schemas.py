@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpucloud.agent.readings import ShortId
+from gpucloud.models.images import ImageReference
 
 # The actions every agent serves at `POST /actions/{action}`.
 ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
@@ -24,10 +25,8 @@ class Workload(BaseModel):
         max_length=256,
         description="argv: the program and its arguments (with an image: run in it instead of its entrypoint)",
     )
-    image: str | None = Field(
+    image: ImageReference | None = Field(
         None,
-        max_length=255,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$",
         description="a container image to run (nodes with podman or docker); without one the command runs on the host",
     )
     env: dict[str, str] = Field(default_factory=dict, max_length=256)

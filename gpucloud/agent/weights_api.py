@@ -24,7 +24,7 @@ one and then finds the version assembled, instead of fetching beside it under th
 `/weights/evaluate` runs the platform's evaluators (`gpucloud.registry.evaluators`) on the files
 the node now serves, for the rollout's canary check: the weight-sanity evaluator against the
 version the node ran before, and the model's own command (on the tenant's node, in the host's
-environment unless it names an image). Each version's outcome is kept, so a retried check
+environment unless it names an image; a simulated node runs none). Each version's outcome is kept, so a retried check
 does not run them twice.
 
 Health and the evaluation probe are injected: `health_from_probe` reads the node's GPU probe
@@ -35,6 +35,7 @@ scores a held-out set.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -48,7 +49,7 @@ from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
 from gpucloud.agent.probe import Probe
 from gpucloud.models.registry_tables import EvaluationCommand
-from gpucloud.registry.evaluators import evaluate_directory
+from gpucloud.registry.evaluators import CommandRunner, evaluate_directory, run_model_command
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
 from gpucloud.registry.names import EvaluatorName
 from gpucloud.registry.tracker_app import TrackerClient
@@ -121,8 +122,13 @@ def install_weights_api(
     eval_probe: EvalProbe = verified_probe,
     health: HealthCheck = always_healthy,
     container_runtime: str | None = None,
+    run_command: CommandRunner | None = None,
 ) -> None:
-    """Add the `/weights/*` routes (see the module doc) to `app`."""
+    """Add the `/weights/*` routes (see the module doc) to `app`. A model's command runs as
+    `run_command` says (a simulated node's runs nothing); by default in `container_runtime`
+    when it names an image, else on the host: the tenant's own node."""
+    if run_command is None:
+        run_command = functools.partial(run_model_command, runtime=container_runtime, host_commands=True)
     prefetching: dict[str, threading.Lock] = {}
     guard = threading.Lock()
     evaluated: dict[str, dict] = {}
@@ -209,8 +215,7 @@ def install_weights_api(
                     parent if parent is not None and parent.is_dir() else None,
                     req.evaluators,
                     req.command,
-                    runtime=container_runtime,
-                    host_commands=True,  # the tenant's own node
+                    run_command=run_command,
                 )
                 evaluated[key] = {
                     "outcomes": {

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -45,19 +46,33 @@ def server(headless: Annotated[bool, typer.Option(help="no Web UI")] = False) ->
     os.execv(args[0], args)
 
 
-@app.command()
-def worker() -> None:
-    """Run the Temporal worker (all workflows and activities)."""
-    from gpucloud.workers.main import run_worker
+class WorkerRole(StrEnum):
+    CONTROL_PLANE = "control-plane"
+    EVALUATION = "evaluation"
 
-    configure_logging("worker")
+
+@app.command()
+def worker(
+    role: Annotated[
+        WorkerRole,
+        typer.Option(
+            help="control-plane: every workflow and activity; evaluation: tenants' evaluation commands, "
+            "on their own task queue (run it with settings that hold no platform secret)"
+        ),
+    ] = WorkerRole.CONTROL_PLANE,
+) -> None:
+    """Run a Temporal worker: the control plane's, or the evaluation worker."""
+    from gpucloud.workers.main import run_evaluation_worker, run_worker
+
+    configure_logging("worker" if role == WorkerRole.CONTROL_PLANE else "evaluation-worker")
+    run = run_worker if role == WorkerRole.CONTROL_PLANE else run_evaluation_worker
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(get_settings(), stop=stop)
+        await run(get_settings(), stop=stop)
 
     asyncio.run(main())
 

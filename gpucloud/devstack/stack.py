@@ -1,5 +1,5 @@
 """The embedded stack for one laptop: Temporal dev server, billing ledger, simulated fabric
-managers, worker, API and simulated fleet as child processes, started in order, each waited on
+managers, worker, evaluation worker, API and simulated fleet as child processes, started in order, each waited on
 until it answers, stopped in reverse.
 
 Everything lives in the data dir (databases, logs, operator token, the agents' usage spools), so
@@ -7,6 +7,8 @@ a second `up` on the same data dir resumes where the first stopped. With `billin
 runs with its own SQLite database, gets a default price book the first time, and the simulated
 agents meter their allocations into it. With `tracker`, the weight tracker and origin (the
 registry's chunks in the data dir) run on `tracker_url`, which the worker's rollouts use.
+The evaluation worker runs tenants' evaluation commands, so it gets an environment of its own
+with none of the platform's secrets (`evaluation_worker_env`).
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class Stack:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _fabric_port: int = field(default=0, init=False)
 
-    COMPONENTS = ("temporal", "ledger", "fabric", "tracker", "worker", "api", "sim")
+    COMPONENTS = ("temporal", "ledger", "fabric", "tracker", "worker", "evaluations", "api", "sim")
 
     @property
     def fabric_url(self) -> str:
@@ -176,11 +178,13 @@ class Stack:
         )
         return {**os.environ, **derived.env()}
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # The child keeps its own descriptor of the log; ours closes once it is started.
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env or self.env(), start_new_session=True
+            )
         self.processes[name] = proc
         return proc
 
@@ -224,8 +228,8 @@ class Stack:
             self._migrate(on_step)
         for name in components:
             getattr(self, f"_start_{name}")(on_step)
-        if "worker" in components:
-            self._ensure_alive("worker")
+        for worker in {"worker", "evaluations"} & set(components):
+            self._ensure_alive(worker)
 
     def _migrate(self, on_step: Callable[[str], None]) -> None:
         """The deployment step before the processes start (they only check the schema on Postgres)."""
@@ -281,6 +285,11 @@ class Stack:
     def _start_worker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting worker")
         self._spawn("worker", self._cli("worker"))
+
+    def _start_evaluations(self, on_step: Callable[[str], None]) -> None:
+        on_step("starting evaluation worker")
+        env = evaluation_worker_env(self.settings)
+        self._spawn("evaluations", self._cli("worker", "--role", "evaluation"), env=env)
 
     def _start_api(self, on_step: Callable[[str], None]) -> None:
         on_step("starting API")
@@ -370,6 +379,14 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def evaluation_worker_env(settings: Settings) -> dict[str, str]:
+    """The evaluation worker's environment: this one without any `GPUCLOUD_*` variable (a
+    secret set in the operator's shell, the secrets dir), then its own settings, which hold
+    none of the platform's secrets (`Settings.for_evaluation_worker`)."""
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith("GPUCLOUD_")}
+    return {**inherited, **settings.for_evaluation_worker().env()}
 
 
 def seed_price_book(ledger_url: str, operator_token: str) -> None:

@@ -1,6 +1,9 @@
-"""What the platform evaluation workflow and its activity exchange (Temporal payloads)."""
+"""What the platform evaluation workflow and its activities exchange (Temporal payloads)."""
 
 from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +24,43 @@ class EvaluateVersionInput(BaseModel):
     evaluator: EvaluatorName
     command: EvaluationCommand | None = None
     operation_id: str | None = None
+
+
+class EvaluationKeys(BaseModel):
+    """The public keys the tenant trusts to sign its versions (hex Ed25519), as the control
+    plane holds them when the evaluation starts: the evaluation worker verifies the version
+    against them, with no database of its own."""
+
+    public_keys: list[str]
+
+
+class RunEvaluationInput(BaseModel):
+    request: EvaluateVersionInput
+    keys: EvaluationKeys
+
+
+class EvaluationRefusal(StrEnum):
+    """Why the evaluation worker ran no evaluator: each ends the evaluation, never retried."""
+
+    VERSION_NOT_FOUND = "VersionNotFound"
+    VERSION_UNVERIFIABLE = "VersionUnverifiable"
+    OVER_DISK_BUDGET = "EvaluationOverDiskBudget"
+
+
+class EvaluationRun(BaseModel):
+    """What the evaluation worker found, unsigned: the evaluator's results (or why it produced
+    none), or why it ran none (`refusal`, with `failure` saying why)."""
+
+    results: dict[str, float] = Field(default_factory=dict)
+    failure: str | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+    compared_with: str | None = None
+    refusal: EvaluationRefusal | None = None
+
+
+class RecordEvaluationInput(BaseModel):
+    request: EvaluateVersionInput
+    run: EvaluationRun
 
 
 class EvaluateVersionResult(BaseModel):

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator, model_validator
 from sqlmodel import Column, Field, SQLModel
 
+from gpucloud.models.images import ImageReference
 from gpucloud.models.tables import OperationPublic, UTCDateTime, new_id, timestamp_field
 from gpucloud.registry.names import MAX_IDS_PER_QUERY, AliasName, EvaluatorName
 
@@ -116,6 +117,9 @@ class GateSpec(BaseModel):
 _GATE_ALIKE = {"metric", "max_regression", "higher_is_better"}
 
 
+_NO_NUL = r"^[^\x00]*$"
+
+
 class EvaluationCommand(BaseModel):
     """A model's own evaluation: a program the platform runs against the pulled, verified
     version (`GPUCLOUD_MODEL_DIR`, also its working directory), under a time limit, which prints
@@ -123,20 +127,28 @@ class EvaluationCommand(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    argv: list[Annotated[str, StringConstraints(min_length=1, max_length=4096)]] = Field(
-        min_length=1, max_length=64, description="the program and its arguments"
+    # Every string reaches `<runtime> run` after `--` or as the value of `--env`, or exec as
+    # it is: none may hold a NUL (exec refuses it), and the program may not start with '-'.
+    argv: list[Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=_NO_NUL)]] = Field(
+        min_length=1, max_length=64, description="the program and its arguments (the program never starts with '-')"
     )
-    image: str | None = Field(
+    image: ImageReference | None = Field(
         default=None,
-        max_length=512,
-        description="a container image to run it in (the version mounted read-only at /model); without "
+        description="an OCI image reference to run it in (the version mounted read-only at /model); without "
         "one it runs in the host's environment, where the operator allows it",
     )
     env: dict[
         Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")],
-        Annotated[str, StringConstraints(max_length=4096)],
+        Annotated[str, StringConstraints(max_length=4096, pattern=_NO_NUL)],
     ] = Field(default_factory=dict, max_length=64)
     timeout_s: float = Field(default=600.0, gt=0, le=6 * 3600)
+
+    @field_validator("argv")
+    @classmethod
+    def _program_is_no_option(cls, argv: list[str]) -> list[str]:
+        if argv[0].startswith("-"):
+            raise ValueError(f"the program {argv[0][:100]!r} starts with '-': name a program, not an option")
+        return argv
 
 
 def _unique_metrics(gates: list[GateSpec]) -> list[GateSpec]:

@@ -6,12 +6,15 @@ environment on top of a minimal one, and prints its metrics as one JSON object (
 finite numbers) as the last line of its standard output. Anything else fails the evaluation
 with the reason, never a pass:
 
-- it exits non-zero (the reason carries the code and the end of its standard error);
+- it exits non-zero (the reason carries the code and the end of its standard error; in a
+  container, the end of its standard output only, as the runtime's client writes its own errors
+  to the same standard error, and none of the runtime's words reach the tenant);
 - it runs past the time limit (its whole process group is killed: children too);
 - its last line is not one JSON object of finite numbers (the reason quotes what it printed);
 - it prints more than `MAX_OUTPUT_BYTES` (it cannot fill the platform's memory).
 
-What it printed is what the platform then signs as this evaluator's results.
+What it printed is what the platform then signs as this evaluator's results. A reason is at
+most `MAX_FAILURE_CHARS` long: it is signed and shown to the tenant.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ from pathlib import Path
 
 MAX_OUTPUT_BYTES = 1 << 20
 MAX_METRICS = 256
+MAX_FAILURE_CHARS = 2048
+OUTPUT_TAIL_CHARS = 500
+# What docker and podman `run` exit with when the runtime itself failed (125: the runtime, say
+# an image it cannot pull; 126: the program cannot be run; 127: no such program in the image).
+RUNTIME_EXIT_CODES = {
+    125: "the container runtime could not run the command",
+    126: "the program could not be run in the image",
+    127: "the program was not found in the image",
+}
 
 
 @dataclass(frozen=True)
@@ -40,8 +52,23 @@ class CommandOutcome:
     exit_code: int | None
 
 
+def bounded(reason: str) -> str:
+    """A failure reason cut to `MAX_FAILURE_CHARS`."""
+    return reason if len(reason) <= MAX_FAILURE_CHARS else reason[: MAX_FAILURE_CHARS - 3] + "..."
+
+
 def _failed(reason: str, started: float, exit_code: int | None = None) -> CommandOutcome:
-    return CommandOutcome(False, {}, reason, time.monotonic() - started, exit_code)
+    return CommandOutcome(False, {}, bounded(reason), time.monotonic() - started, exit_code)
+
+
+def _exit_reason(code: int, stdout: bytes, stderr_tail: str, *, in_container: bool) -> str:
+    """Why a command that exited `code` failed, in words the tenant may see (see the module doc)."""
+    if not in_container:
+        return f"the command exited with {code}: {stderr_tail[-OUTPUT_TAIL_CHARS:] or 'no error output'}"
+    if code in RUNTIME_EXIT_CODES:
+        return f"{RUNTIME_EXIT_CODES[code]} (exit {code})"
+    said = stdout.decode(errors="replace").strip()[-OUTPUT_TAIL_CHARS:]
+    return f"the command exited with {code}: {said or 'no output'}"
 
 
 def parse_metrics(last_line: str) -> dict[str, float]:
@@ -65,9 +92,15 @@ def parse_metrics(last_line: str) -> dict[str, float]:
 
 
 def run_command(
-    argv: list[str], model_dir: Path, *, timeout_s: float, env: dict[str, str] | None = None
+    argv: list[str],
+    model_dir: Path,
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    in_container: bool = False,
 ) -> CommandOutcome:
-    """Run one evaluation command against `model_dir`; its outcome, never an exception."""
+    """Run one evaluation command against `model_dir`; its outcome, never an exception.
+    `in_container`: `argv` is a container runtime's `run`, whose own errors are never quoted."""
     started = time.monotonic()
     environment = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {}), "GPUCLOUD_MODEL_DIR": str(model_dir)}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as errors:
@@ -92,7 +125,7 @@ def run_command(
         errors.seek(max(0, errors.tell() - 2000))
         stderr_tail = errors.read().decode(errors="replace").strip()
     if code != 0:
-        return _failed(f"the command exited with {code}: {stderr_tail[-500:] or 'no error output'}", started, code)
+        return _failed(_exit_reason(code, stdout, stderr_tail, in_container=in_container), started, code)
     if size > MAX_OUTPUT_BYTES:
         return _failed(f"the command printed {size} bytes, more than {MAX_OUTPUT_BYTES}", started, code)
     lines = [line for line in stdout.decode(errors="replace").splitlines() if line.strip()]

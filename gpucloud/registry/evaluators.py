@@ -2,15 +2,16 @@
 own evaluation command, one outcome each, never an exception for what the weights or the
 command did.
 
-The same code runs where the platform evaluates: in the worker on a version it pulled and
-verified itself (`activities.evaluation`), and on a rollout's canary nodes against the version
+The same code runs where the platform evaluates: in the evaluation worker on a version it pulled
+and verified itself (`activities.evaluation`), and on a rollout's canary nodes against the version
 they just activated (`agent.weights_api`, `POST /weights/evaluate`).
 
 A model's command runs in a container when it names an image: `<runtime> run --rm` with no
 network and the version mounted read-only at `/model`, under the command's time limit (past it
 the container is removed by name). Without an image it runs in the host's environment, and only
-where the caller allows that (`host_commands`): on the worker that is the operator's choice, as
-the command is the tenant's code; on the tenant's own node it is always allowed.
+where the caller allows that (`host_commands`): on the evaluation worker that is the operator's
+choice, as the command is the tenant's code; on the tenant's own node it is always allowed. A
+simulated node runs no command at all (`simulated_command`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,13 +61,20 @@ def sanity(directory: Path, parent: Path | None) -> EvaluatorOutcome:
 
 
 def container_argv(runtime: str, command: EvaluationCommand, directory: Path, name: str) -> list[str]:
-    """`<runtime> run` of the command: no network, the version read-only at /model, its env."""
+    """`<runtime> run` of the command: no network, the version read-only at /model, its env.
+
+    The tenant's text never stands where the runtime reads an option: each env pair is the value
+    of its own `--env` (names are `[A-Za-z_][A-Za-z0-9_]*`, so none reads as a flag), and `--`
+    ends the options before the image. docker and podman parse `run` with cobra, which stops at
+    `--` and at the first argument that is not an option (the image), so the command's argv is
+    the container's whatever it holds; the image grammar (no leading '-') is the second defence
+    should a runtime not take `--`."""
     argv = [runtime, "run", "--rm", "--name", name, "--network", "none"]
     argv += ["--volume", f"{directory}:{CONTAINER_MODEL_DIR}:ro", "--workdir", CONTAINER_MODEL_DIR]
     for key, value in {**command.env, "GPUCLOUD_MODEL_DIR": CONTAINER_MODEL_DIR}.items():
         argv += ["--env", f"{key}={value}"]
     assert command.image is not None
-    return [*argv, command.image, *command.argv]
+    return [*argv, "--", command.image, *command.argv]
 
 
 def run_model_command(
@@ -90,7 +99,10 @@ def run_model_command(
             )
         name = f"gpucloud-eval-{uuid.uuid4().hex[:12]}"
         outcome = run_command(
-            container_argv(executable, command, directory, name), directory, timeout_s=command.timeout_s
+            container_argv(executable, command, directory, name),
+            directory,
+            timeout_s=command.timeout_s,
+            in_container=True,
         )
         if not outcome.ok:  # past the limit the client was killed, not the container
             subprocess.run([executable, "rm", "--force", name], capture_output=True, timeout=60, check=False)
@@ -99,14 +111,29 @@ def run_model_command(
     return EvaluatorOutcome(EvaluatorName.COMMAND, outcome.metrics)
 
 
+# How a model's command is run against a version directory: `run_model_command` with the
+# caller's runtime and host rule, or `simulated_command` on a simulated node.
+CommandRunner = Callable[[EvaluationCommand, Path], EvaluatorOutcome]
+
+
+def simulated_command(command: EvaluationCommand, directory: Path) -> EvaluatorOutcome:
+    """A simulated node's answer for a model's command: it records what it would run and runs
+    nothing, as the simulated fleet shares its host with the control plane, and tenant text
+    never runs there. It reports no metrics: a gate on the command's metrics fails."""
+    return EvaluatorOutcome(
+        EvaluatorName.COMMAND,
+        {},
+        details={"simulated": True, "image": command.image, "argv": command.argv[:8]},
+    )
+
+
 def evaluate_directory(
     directory: Path,
     parent: Path | None,
     evaluators: list[EvaluatorName],
     command: EvaluationCommand | None,
     *,
-    runtime: str | None = None,
-    host_commands: bool = False,
+    run_command: CommandRunner,
 ) -> dict[str, EvaluatorOutcome]:
     """Each named evaluator on the directory; `command` without a registered command fails it."""
     outcomes: dict[str, EvaluatorOutcome] = {}
@@ -118,5 +145,5 @@ def evaluate_directory(
                 evaluator, {}, failure="the model has no evaluation command registered"
             )
         else:
-            outcomes[evaluator] = run_model_command(command, directory, runtime=runtime, host_commands=host_commands)
+            outcomes[evaluator] = run_command(command, directory)
     return outcomes

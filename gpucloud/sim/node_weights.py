@@ -17,6 +17,10 @@ weights call, and at most `resident` idle ones are kept (a cache reopens from it
 was). Prefetches, which hold a server thread for a whole download, run a few at a time, so the
 threads that serve chunks to peers are never all taken by nodes waiting for those chunks.
 
+A canary's evaluation runs the weight-sanity evaluator on the node's files, but never the
+model's command: that is tenant text, and this process runs on the control plane's host. The
+node reports the command it would have run, with no metrics (`evaluators.simulated_command`).
+
 Manifests are verified against the tenant's keys as the control plane holds them
 (`keyring_for`), re-read every few seconds, so a key registered or revoked since is honoured.
 """
@@ -39,6 +43,7 @@ from fastapi.responses import JSONResponse
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import create_peer_app, swarm_refusal
 from gpucloud.agent.weights_api import install_weights_api
+from gpucloud.registry.evaluators import simulated_command
 from gpucloud.registry.manifest import EvaluationRecord, Keyring, Manifest, SignedEvaluation, SignedManifest
 from gpucloud.web import problems
 from gpucloud.web.service_tokens import Verifier, refusal
@@ -163,7 +168,8 @@ class NodeWeights:
             fault = node.hardware_fault
             return fault is None, f"hardware fault: {fault}" if fault else ""
 
-        install_weights_api(app, node_id=node.id, cache=cache, health=health)
+        # The fleet shares its host with `gpucloud up`: a canary's command is recorded, never run.
+        install_weights_api(app, node_id=node.id, cache=cache, health=health, run_command=simulated_command)
         return app
 
     def _evict_idle(self) -> None:

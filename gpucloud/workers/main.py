@@ -1,7 +1,12 @@
-"""The Temporal worker: every workflow and activity of the control plane on one task queue.
+"""The Temporal workers: the control plane's (every workflow and activity on one task queue) and
+the evaluation worker (the one activity that runs tenants' evaluation code, on a queue of its
+own).
 
 Sync activities (DB transactions) run in a thread pool; agent calls are async. On start the
-worker also resumes what a crash may have orphaned (see `recovery`).
+control plane's worker also resumes what a crash may have orphaned (see `recovery`). The
+evaluation worker is its own process (`gpucloud worker --role evaluation`) with settings that
+hold no platform secret (`Settings.for_evaluation_worker`): code a tenant wrote never runs in a
+process that holds one.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from temporalio.worker import Worker
 from gpucloud import bootstrap
 from gpucloud.activities.bmc import BmcActivities
 from gpucloud.activities.control_db import ControlDbActivities
-from gpucloud.activities.evaluation import EvaluationActivities
+from gpucloud.activities.evaluation import EvaluationActivities, EvaluationRunner
 from gpucloud.activities.fabric import FabricActivities
 from gpucloud.activities.faults import FaultHook
 from gpucloud.activities.host_agent import HostAgentActivities
@@ -104,13 +109,7 @@ def build_worker(
             *tenant.all(),
             *TenantStorageActivities(cp.tenant_store, fault_hook=fault_hook).all(),
             *rollout.all(),
-            *EvaluationActivities(
-                cp.db,
-                cp.registry,
-                bootstrap.evaluator_signer(settings),
-                work_dir=settings.evaluation_dir,
-                registry=settings.registry,
-            ).all(),
+            *EvaluationActivities(cp.db, cp.registry, bootstrap.evaluator_signer(settings)).all(),
         ],
         activity_executor=executor,
         max_concurrent_activities=settings.temporal.worker_max_activities,
@@ -150,6 +149,32 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
                 await asyncio.wait_for(serving, 5)
         sdk_metrics.stop()
         await cp.aclose()
+
+
+def build_evaluation_worker(client: Client, settings: Settings, *, executor: ThreadPoolExecutor) -> Worker:
+    """The evaluation worker: `EvaluationRunner` on the evaluation task queue, over the registry's
+    store as these settings reach it, and nothing else."""
+    runner = EvaluationRunner(
+        bootstrap.evaluation_stores(settings), work_dir=settings.evaluation_dir, registry=settings.registry
+    )
+    return Worker(
+        client,
+        task_queue=settings.temporal.evaluation_task_queue,
+        activities=runner.all(),
+        activity_executor=executor,
+        max_concurrent_activities=settings.registry.evaluations_at_once,
+        graceful_shutdown_timeout=timedelta(seconds=settings.temporal.worker_drain_s),
+    )
+
+
+async def run_evaluation_worker(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
+    client = await bootstrap.temporal_client(settings)
+    with ThreadPoolExecutor(
+        max_workers=settings.registry.evaluations_at_once, thread_name_prefix="evaluation"
+    ) as executor:
+        async with build_evaluation_worker(client, settings, executor=executor):
+            log.info("evaluation worker running on %s", settings.temporal.evaluation_task_queue)
+            await (stop.wait() if stop else asyncio.Event().wait())
 
 
 def serve_worker_http(

@@ -1,14 +1,22 @@
-"""A platform evaluation of a version (`POST /v1/models/{name}/versions/{ref}/evaluate`): one
-activity in the worker pulls and verifies the version, runs the evaluator, signs and keeps its
-results, and settles the tenant's operation (its id names the tenant and the operation)."""
+"""A platform evaluation of a version (`POST /v1/models/{name}/versions/{ref}/evaluate`): the
+control plane's worker hands the tenant's public keys to the evaluation worker (its own task
+queue and process, holding no platform secret), which pulls, verifies and evaluates the
+version; the control plane's worker then signs and keeps what it found, and settles the
+tenant's operation (the workflow id names the tenant and the operation)."""
 
 from __future__ import annotations
 
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from gpucloud.activities.evaluation import EvaluationActivities
-    from gpucloud.models.evaluation_messages import EvaluateVersionInput, EvaluateVersionResult
+    from gpucloud.activities.evaluation import EvaluationActivities, EvaluationRunner
+    from gpucloud.config import evaluation_task_queue
+    from gpucloud.models.evaluation_messages import (
+        EvaluateVersionInput,
+        EvaluateVersionResult,
+        RecordEvaluationInput,
+        RunEvaluationInput,
+    )
     from gpucloud.workflows import options
 
 
@@ -20,4 +28,17 @@ def evaluation_workflow_id(tenant_id: str, operation_id: str) -> str:
 class VersionEvaluationWorkflow:
     @workflow.run
     async def run(self, req: EvaluateVersionInput) -> EvaluateVersionResult:
-        return await workflow.execute_activity_method(EvaluationActivities.evaluate_version, req, **options.EVALUATION)
+        keys = await workflow.execute_activity_method(
+            EvaluationActivities.evaluation_keys, req, **options.EVALUATION_RECORD
+        )
+        found = await workflow.execute_activity_method(
+            EvaluationRunner.run_evaluation,
+            RunEvaluationInput(request=req, keys=keys),
+            task_queue=evaluation_task_queue(workflow.info().task_queue),
+            **options.EVALUATION,
+        )
+        return await workflow.execute_activity_method(
+            EvaluationActivities.record_evaluation,
+            RecordEvaluationInput(request=req, run=found),
+            **options.EVALUATION_RECORD,
+        )

@@ -131,8 +131,19 @@ ROLLOUT_STEP = _options(_min(30), _s(1), _s(30), attempts=3, heartbeat=_s(30))
 
 # A rollback is retried for as long as it takes: a node left on a bad version is worse than a wait.
 ROLLOUT_ROLLBACK = _options(_min(30), _s(1), _s(30), heartbeat=_s(30))
-# A platform evaluation of a version (`activities/evaluation.py`): pull it (and its parent),
-# verify, run the evaluator. A store that is down is waited out; bytes that fail verification are
-# final (the failure is recorded, and the version's gates fail with it). The evaluator's own
-# failures (a command that hangs or crashes) are results, not errors, and are never retried.
-EVALUATION = _options(_h(7), _s(2), _s(60), permanent=("VersionUnverifiable", "VersionNotFound"), heartbeat=_min(2))
+# A platform evaluation of a version (`activities/evaluation.py`), on the evaluation worker's
+# task queue: pull it (and its parent), verify, run the evaluator. A store that is down is
+# waited out. The evaluator's own failures (a command that hangs or crashes) are results, not
+# errors, and are never retried; so are a version that fails verification or the disk budget.
+EVALUATION = _options(_h(7), _s(2), _s(60), heartbeat=_min(2))
+
+# The control plane's side of an evaluation: the tenant's keys before, the signed record after
+# (DB and object store writes). A version not found, unverifiable or over the disk budget ends
+# the evaluation there.
+EVALUATION_RECORD = _options(
+    _min(2),
+    _s(1),
+    _s(30),
+    permanent=("VersionUnverifiable", "VersionNotFound", "EvaluationOverDiskBudget"),
+    give_up_after=_h(1),
+)

@@ -13,7 +13,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -132,15 +132,25 @@ class Registry:
     tmp: Path
     app: object
     settings: object
-    worker: subprocess.Popen | None = None
+    workers: list[subprocess.Popen] = field(default_factory=list)
 
     def start_worker(self) -> None:
-        """The production worker, as its own process, for the platform's evaluations."""
-        if self.worker is None:
-            env = {**os.environ, **self.settings.env(), "GPUCLOUD_LOG_LEVEL": "WARNING"}
-            with open(self.tmp / "worker.log", "ab") as log:
-                self.worker = subprocess.Popen(
-                    [sys.executable, "-m", "gpucloud.cli.main", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+        """The production workers, each its own process, for the platform's evaluations: the
+        control plane's, and the evaluation worker in the environment `gpucloud up` gives it."""
+        from gpucloud.devstack.stack import evaluation_worker_env
+
+        if self.workers:
+            return
+        control_plane = {**os.environ, **self.settings.env()}
+        for role, env in (("control-plane", control_plane), ("evaluation", evaluation_worker_env(self.settings))):
+            with open(self.tmp / f"worker-{role}.log", "ab") as log:
+                self.workers.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "gpucloud.cli.main", "worker", "--role", role],
+                        env={**env, "GPUCLOUD_LOG_LEVEL": "WARNING"},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
                 )
 
     def platform_evaluation(
@@ -192,9 +202,9 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
         try:
             yield registry
         finally:
-            if registry.worker is not None:
-                registry.worker.kill()
-                registry.worker.wait()
+            for worker in registry.workers:
+                worker.kill()
+                worker.wait()
 
 
 def test_push_dedups_between_versions_and_pull_round_trips(registry: Registry, tmp_path: Path) -> None:
@@ -970,3 +980,27 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
     assert state["status"] == "succeeded", state
     [record] = _evaluations(tenant, "llama", pushed.digest)
     assert (record["source"], record["evaluator"], record["results"]["nan_inf_count"]) == ("platform", "sanity", 0)
+
+
+@pytest.mark.parametrize(
+    ("command", "field"),
+    [
+        ({"argv": ["true"], "image": "--privileged"}, "image"),
+        ({"argv": ["sh"], "image": "alpine --privileged"}, "image"),
+        ({"argv": ["--volume=/:/host", "alpine", "sh"]}, "argv"),
+        ({"argv": ["--privileged"], "image": "alpine"}, "argv"),
+        ({"argv": ["sh", "a\x00b"], "image": "alpine"}, "argv.1"),
+        ({"argv": ["sh"], "image": "alpine", "env": {"--volume": "/:/host"}}, "env.--volume.[key]"),
+    ],
+)
+def test_an_evaluation_command_that_could_read_as_a_runtime_option_is_refused(
+    registry: Registry, command: dict, field: str
+) -> None:
+    """Nothing a tenant registers reaches `<runtime> run` where the runtime reads an option."""
+    tenant = registry.new_tenant()
+    with tenant.http() as http:
+        http.post("/v1/models", json={"name": "hostile"}).raise_for_status()
+        refused = http.put("/v1/models/hostile/evaluation", json=command)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["errors"][0]["field"] == field
+        assert http.get("/v1/models/hostile").json()["evaluation"] is None

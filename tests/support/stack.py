@@ -279,24 +279,28 @@ class Harness:
 
 
 class InProcessWorker:
-    """The production worker, run on the test's event loop."""
+    """The production workers, run on the test's event loop: the control plane's, and the
+    evaluation worker with the settings its own process gets (`for_evaluation_worker`)."""
 
     def __init__(self, client, settings: Settings, *, fault_hook=None) -> None:
         from gpucloud import bootstrap
-        from gpucloud.workers.main import build_worker
+        from gpucloud.workers.main import build_evaluation_worker, build_worker
 
         self.executor = ThreadPoolExecutor(max_workers=settings.temporal.worker_max_activities)
         self.control_plane = bootstrap.control_plane(settings)
-        self.worker = build_worker(client, self.control_plane, executor=self.executor, fault_hook=fault_hook)
-        self.task: asyncio.Task | None = None
+        self.workers = [
+            build_worker(client, self.control_plane, executor=self.executor, fault_hook=fault_hook),
+            build_evaluation_worker(client, settings.for_evaluation_worker(), executor=self.executor),
+        ]
+        self.tasks: list[asyncio.Task] = []
 
     async def __aenter__(self):
-        self.task = asyncio.create_task(self.worker.run())
+        self.tasks = [asyncio.create_task(worker.run()) for worker in self.workers]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.worker.shutdown()
-        if self.task is not None:
-            await self.task
+        for worker in self.workers:
+            await worker.shutdown()
+        await asyncio.gather(*self.tasks)
         await self.control_plane.aclose()
         self.executor.shutdown(wait=False)

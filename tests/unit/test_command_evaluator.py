@@ -91,10 +91,11 @@ def test_a_command_with_an_image_runs_in_the_container_runtime_without_network_r
     [call] = [json.loads(line) for line in (tmp_path / "runtime" / "calls.jsonl").read_text().splitlines()]
     assert call[:2] == ["run", "--rm"] and "--network" in call and call[call.index("--network") + 1] == "none"
     assert f"{model_dir}:/model:ro" in call and "GPUCLOUD_MODEL_DIR=/model" in call
+    assert call[call.index("--") + 1 :] == ["registry.example/eval:1", *command.argv]  # options end before it
 
     missing = command.model_copy(update={"image": "registry.example/other:2"})
     failed = run_model_command(missing, model_dir, runtime=runtime, host_commands=False)
-    assert failed.failure is not None and "Unable to find image" in failed.failure
+    assert failed.failure == "the container runtime could not run the command (exit 125)"  # not its stderr
     nowhere = run_model_command(command, model_dir, runtime=str(tmp_path / "no-such-runtime"), host_commands=False)
     assert nowhere.failure is not None and "no container runtime" in nowhere.failure
 
@@ -108,3 +109,24 @@ def test_a_command_without_an_image_runs_on_the_host_only_where_allowed(model_di
     assert refused.results == {} and "only in containers" in (refused.failure or "")
     allowed = run_model_command(command, model_dir, runtime=None, host_commands=True)
     assert allowed.failure is None and allowed.results == {"ok": 1.0}
+
+
+def test_a_failed_container_command_quotes_its_own_output_never_the_runtimes(model_dir: Path, tmp_path: Path) -> None:
+    """The runtime's client writes its own errors to the standard error the container's goes to:
+    the tenant sees the end of the command's standard output and its exit code, nothing else."""
+    from gpucloud.models.registry_tables import EvaluationCommand
+    from gpucloud.registry.evaluators import run_model_command
+    from support.container_runtime import write_runtime
+
+    runtime = write_runtime(tmp_path / "runtime", images=["registry.example/eval:1"])
+    code = "import sys; print('loaded 2 layers'); sys.stderr.write('docker: Error response from daemon'); sys.exit(3)"
+    command = EvaluationCommand(argv=python(code), image="registry.example/eval:1", timeout_s=30)
+    outcome = run_model_command(command, model_dir, runtime=runtime, host_commands=False)
+    assert outcome.failure == "the command exited with 3: loaded 2 layers"
+
+
+def test_a_failure_reason_is_bounded(model_dir: Path) -> None:
+    from gpucloud.registry.command_eval import MAX_FAILURE_CHARS
+
+    long_name = run_command(["/no/such/" + "x" * 4000], model_dir, timeout_s=5)
+    assert not long_name.ok and len(long_name.reason) <= MAX_FAILURE_CHARS

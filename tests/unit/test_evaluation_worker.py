@@ -1,0 +1,136 @@
+"""The evaluation worker: tenants' evaluation code runs in a process whose settings and
+environment hold none of the platform's secrets, and an evaluation refuses a version its disk
+budget cannot hold before a byte of it is assembled."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from gpucloud.config import Settings
+from gpucloud.models.evaluation_messages import (
+    EvaluateVersionInput,
+    EvaluationKeys,
+    EvaluationRefusal,
+    EvaluationRun,
+    RecordEvaluationInput,
+    RunEvaluationInput,
+)
+from gpucloud.registry import pull as pull_module
+from gpucloud.registry.manifest import Signer
+
+SECRETS = {
+    "database": {"url": "postgresql+psycopg://gpucloud:db-password-1@db/gpucloud"},
+    "api": {"operator_token": "operator-token-2", "page_token_secret": "page-secret-3"},
+    "registry": {"evaluator_key": "ab" * 32},
+    "telemetry": {"metrics_token": "metrics-token-4"},
+    "tenants": {"storage_master_key": "c2VjcmV0LW1hc3Rlci1rZXktNS0zMi1ieXRlcy1sb25n"},
+    "fabric": {"token": "fabric-token-6"},
+    "agent": {"credential_secret": "agent-secret-7"},
+    "ledger": {"database_url": "postgresql+psycopg://ledger:ledger-password-8@db/ledger"},
+}
+
+
+def test_the_evaluation_workers_environment_holds_no_platform_secret(monkeypatch, tmp_path: Path) -> None:
+    """Built as `gpucloud up` builds it, from settings that hold every secret (and a shell that
+    exports one): no secret's value, no secret's variable, and a data dir with none of the files
+    the platform keeps its secrets in; the worker built from it reads the version store only."""
+    from gpucloud import bootstrap
+    from gpucloud.devstack.stack import evaluation_worker_env
+    from gpucloud.workers.main import build_evaluation_worker
+
+    monkeypatch.setenv("GPUCLOUD_API__OPERATOR_TOKEN", "shell-token-9")
+    monkeypatch.setenv("GPUCLOUD_SECRETS_DIR", str(tmp_path / "secrets"))
+    (tmp_path / "secrets").mkdir()
+    settings = Settings(data_dir=tmp_path / "data", temporal={"task_queue": "tq-1"}, **SECRETS)
+    bootstrap.token_issuer(settings)  # the issuer key the control plane keeps in its data dir
+    env = evaluation_worker_env(settings)
+
+    values = "\n".join(env.values())
+    secrets = ["db-password-1", "operator-token-2", "page-secret-3", "ab" * 32, "metrics-token-4"]
+    secrets += ["c2VjcmV0LW1hc3Rlci1rZXkt", "fabric-token-6", "agent-secret-7", "ledger-password-8", "shell-token-9"]
+    assert [secret for secret in secrets if secret in values] == []
+    secretive = ("TOKEN", "_KEY", "SECRET", "DATABASE", "PASSWORD")
+    assert not [key for key in env if key.startswith("GPUCLOUD_") and any(word in key for word in secretive)]
+
+    for key in [k for k in os.environ if k.startswith("GPUCLOUD_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    evaluation = Settings()
+    assert evaluation.database.url is None and evaluation.api.operator_token is None
+    assert evaluation.registry.evaluator_key is None and evaluation.tenants.storage_master_key is None
+    assert evaluation.object_store_dir == settings.object_store_dir  # it reads the versions, where they are
+    assert evaluation.temporal.evaluation_task_queue == "tq-1-evaluations"
+    with mock.patch("gpucloud.workers.main.Worker") as worker:
+        build_evaluation_worker(mock.MagicMock(), evaluation, executor=mock.MagicMock())
+    assert worker.call_args.kwargs["task_queue"] == "tq-1-evaluations"
+    assert [a.__name__ for a in worker.call_args.kwargs["activities"]] == ["run_evaluation"]
+    assert evaluation.data_dir != settings.data_dir.resolve()
+    assert not evaluation.data_dir.exists() or not any(evaluation.data_dir.rglob("*"))  # no secret made there
+
+
+@pytest.fixture
+def pushed(tmp_path: Path):
+    """A version of a few files pushed into a tenant's registry store: (stores, signer, manifest)."""
+    from gpucloud.registry.push import StoreTarget, push
+    from gpucloud.registry.stores import RegistryStores
+    from gpucloud.storage.local import LocalObjectStore
+
+    stores = RegistryStores(LocalObjectStore(tmp_path / "objects"))
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text('{"layers": 2}')
+    (source / "weights.bin").write_bytes(os.urandom(100_000))
+    signer = Signer.generate()
+    target = StoreTarget(stores.chunks("t1"), stores.manifests("t1"), settle_seconds=0)
+    result = push(source, model="m", target=target, signer=signer)
+    return stores, signer, result.signed
+
+
+def _run(stores, signer: Signer, digest: str, work: Path, **registry) -> EvaluationRun:
+    from gpucloud.activities.evaluation import EvaluationRunner
+    from gpucloud.config import RegistrySettings
+
+    runner = EvaluationRunner(stores, work_dir=work, registry=RegistrySettings(**registry))
+    request = EvaluateVersionInput(tenant_id="t1", model="m", version=digest, evaluator="sanity")
+    keys = EvaluationKeys(public_keys=[bytes(signer.verify_key).hex()])
+    return ActivityEnvironment().run(runner.run_evaluation, RunEvaluationInput(request=request, keys=keys))
+
+
+def test_a_version_over_the_disk_budget_is_refused_before_it_is_assembled(pushed, tmp_path: Path) -> None:
+    stores, signer, signed = pushed
+    size = signed.manifest.total_size
+    work = tmp_path / "work"
+    with mock.patch("gpucloud.activities.evaluation.pull", wraps=pull_module.pull) as pull:
+        refused = _run(stores, signer, signed.digest, work, evaluation_disk_budget_bytes=size - 1)
+        assert refused.refusal == EvaluationRefusal.OVER_DISK_BUDGET and refused.results == {}
+        assert f"({size} bytes, with its parent's) exceed the evaluation disk budget of {size - 1}" in refused.failure
+        assert pull.call_count == 0 and not work.exists()
+
+        free = shutil.disk_usage(tmp_path)._replace(free=size - 1)
+        with mock.patch("gpucloud.activities.evaluation.shutil.disk_usage", return_value=free):
+            no_room = _run(stores, signer, signed.digest, work)
+        assert no_room.refusal == EvaluationRefusal.OVER_DISK_BUDGET and "bytes free" in (no_room.failure or "")
+        assert pull.call_count == 0
+
+        fits = _run(stores, signer, signed.digest, work, evaluation_disk_budget_bytes=size)
+    assert fits.refusal is None and pull.call_count == 1 and "nan_inf_count" in fits.results
+
+
+def test_a_refused_evaluation_ends_non_retryable_and_settles_its_operation() -> None:
+    from gpucloud.activities.evaluation import EvaluationActivities
+
+    activities = EvaluationActivities(mock.MagicMock(url="sqlite://"), mock.MagicMock(), Signer.generate())
+    request = EvaluateVersionInput(tenant_id="t1", model="m", version="a" * 64, evaluator="sanity", operation_id="op1")
+    run = EvaluationRun(failure="too big", refusal=EvaluationRefusal.OVER_DISK_BUDGET)
+    with mock.patch("gpucloud.activities.evaluation.settle") as settle, pytest.raises(ApplicationError) as raised:
+        ActivityEnvironment().run(activities.record_evaluation, RecordEvaluationInput(request=request, run=run))
+    assert raised.value.type == "EvaluationOverDiskBudget" and raised.value.non_retryable
+    settle.assert_called_once_with("sqlite://", "op1", error="too big")
