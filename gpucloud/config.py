@@ -131,6 +131,12 @@ class ReconcilerSettings(BaseModel):
     bringup_batch_size: int = 100
     # Multiplies every transient state's deadline (tests and demos shrink them).
     deadline_scale: float = 1.0
+    # When at least this share of the nodes that report (and at least `silence_min_nodes` of
+    # them) is silent past the heartbeat timeout, the silence is likelier the control plane's
+    # (an overloaded API, a partition) than the hosts': an alert, and no power action until it
+    # clears (`reconciler.plan.plan_sweep`).
+    silence_max_share: float = Field(0.5, gt=0, le=1)
+    silence_min_nodes: int = Field(10, ge=1)
 
 
 class HealthSettings(BaseModel):

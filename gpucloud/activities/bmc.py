@@ -22,6 +22,7 @@ from gpucloud.bootstrap import Bmcs
 from gpucloud.db import Database
 from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, NodeRef
 from gpucloud.models.tables import Node, NodeTransition, utcnow
+from gpucloud.services import agent_credentials
 from gpucloud.services.operations import settle
 from gpucloud.workflows.options import BMC_ATTEMPTS
 
@@ -81,7 +82,7 @@ class BmcActivities(ActivityGroup):
         last = {"at": utcnow().isoformat(), "action": f"power {req.action}", "ok": True, "answer": answer}
         cause = f"{req.cause}: BMC: {answer}" if req.cause else f"BMC: {answer}"
         self._record(req.node_id, f"power_{req.action}", actor=req.actor, cause=cause, power_state=state, bmc_last=last)
-        if req.wait_for_agent and state == "On" and answer != "already on":
+        if req.wait_for_agent and state == "On" and answer != "already on" and self._can_report(req.node_id):
             silent = self._wait_for_heartbeat(req.node_id, since=started)
             if silent is not None:
                 self._record(req.node_id, "boot_timeout", actor=req.actor, cause=silent)
@@ -90,6 +91,13 @@ class BmcActivities(ActivityGroup):
             answer += "; the agent heartbeats again"
         settle(self.db.url, req.operation_id, error=None)
         return BmcPowerResult(node_id=req.node_id, done=True, power_state=state, answer=answer)
+
+    def _can_report(self, node_id: str) -> bool:
+        """A node whose credential was revoked with its allocation cannot heartbeat until its
+        next wipe: waiting for one would fail a boot that worked. The wipe that follows the power
+        cycle reaches the agent, or fails, and says so."""
+        with self.db.session() as session:
+            return not agent_credentials.revoked(session, [node_id])
 
     def _wait_for_heartbeat(self, node_id: str, *, since: datetime) -> str | None:
         """None once the node's agent heartbeats after `since` (its host booted), else why not."""

@@ -3,6 +3,8 @@ plan says to the DB (deadline transitions, reachability) with compare-and-swap, 
 per-node operations under a global limit and a per-node exponential backoff.
 
 A converged fleet costs one set of indexed queries that return nothing: no starts, no writes.
+Only a sweep that finds a silent node counts how much of the fleet is silent (one aggregate):
+a silence that wide holds every power action and raises an alert (`plan.plan_sweep`).
 """
 
 from __future__ import annotations
@@ -31,14 +33,30 @@ from gpucloud.models.messages import (
     SweepResult,
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
-from gpucloud.models.tables import Node, utcnow
-from gpucloud.reconciler.plan import AGENT_UNREACHABLE, NodePlan, NodeSnapshot, backoff, plan_node
+from gpucloud.models.tables import AgentCredential, Node, utcnow
+from gpucloud.reconciler.plan import AGENT_UNREACHABLE, FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
+from gpucloud.services import agent_credentials
 from gpucloud.services import nodes as node_service
 from gpucloud.services.workflows import running_node_operations, signal_replace_node, start_bringup_batches
 from gpucloud.web import metrics
 from gpucloud.workflows import search_attributes as sattr
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
+
+# Nodes whose credential was revoked with their allocation: they cannot report, so their
+# silence is no news (the reconciler never marks them unreachable for it).
+_REVOKED = select(col(AgentCredential.node_id)).where(col(AgentCredential.revoked_at).is_not(None))
+# Nodes whose agents are expected to report: heard from before, neither gone (RMA, retired) nor
+# under maintenance (which may power a host off), nor revoked.
+_EXPECTED_TO_REPORT = sa.and_(
+    col(Node.last_heartbeat_at).is_not(None),
+    col(Node.state).not_in([NodeState.RMA.value, NodeState.RETIRED.value]),
+    col(Node.maintenance) == False,
+    col(Node.id).not_in(_REVOKED),
+)
+
+
+CONTROL_PLANE_SUSPECT = "control_plane_suspect"
 
 
 def candidate_filter(now, heartbeat_cutoff, power_cycle_cutoff=None):
@@ -63,7 +81,11 @@ def candidate_filter(now, heartbeat_cutoff, power_cycle_cutoff=None):
         sa.and_(col(Node.state) == NodeState.BURN_IN.value, col(Node.reconcile_attempts) > 0),
         sa.and_(col(Node.drain_requested) == True, col(Node.state) != NodeState.QUARANTINED.value),
         col(Node.drifted) == True,
-        sa.and_(col(Node.last_heartbeat_at) < heartbeat_cutoff, col(Node.agent_reachable) == True),
+        sa.and_(
+            col(Node.last_heartbeat_at) < heartbeat_cutoff,
+            col(Node.agent_reachable) == True,
+            col(Node.id).not_in(_REVOKED),
+        ),
         sa.and_(col(Node.last_heartbeat_at) >= heartbeat_cutoff, col(Node.agent_reachable) == False),
         sa.and_(
             col(Node.state) == NodeState.QUARANTINED.value,
@@ -84,12 +106,25 @@ def candidate_filter(now, heartbeat_cutoff, power_cycle_cutoff=None):
 
 # What the planner sees of a node, read by name off the row (`has_bmc` is the row's property);
 # the conditions become a tuple, so a snapshot shares nothing mutable with the row.
-_SNAPSHOT = tuple(f.name for f in dataclasses.fields(NodeSnapshot) if f.name != "health_conditions")
+_SNAPSHOT = tuple(
+    f.name for f in dataclasses.fields(NodeSnapshot) if f.name not in ("health_conditions", "reports_revoked")
+)
 
 
-def _snapshot(node: Node) -> NodeSnapshot:
+def _snapshot(node: Node, *, reports_revoked: bool) -> NodeSnapshot:
     read = {name: getattr(node, name) for name in _SNAPSHOT}
-    return NodeSnapshot(**read, health_conditions=tuple(node.health_conditions or ()))
+    return NodeSnapshot(**read, health_conditions=tuple(node.health_conditions or ()), reports_revoked=reports_revoked)
+
+
+def fleet_silence(session: Session, heartbeat_cutoff) -> FleetSilence:
+    """How many nodes are expected to report, and how many of them are silent past the cutoff."""
+    reporting, silent = session.exec(
+        select(
+            sa.func.count(),
+            sa.func.coalesce(sa.func.sum(sa.case((col(Node.last_heartbeat_at) < heartbeat_cutoff, 1), else_=0)), 0),
+        ).where(_EXPECTED_TO_REPORT)
+    ).one()
+    return FleetSilence(reporting=reporting, silent=silent)
 
 
 def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
@@ -271,12 +306,29 @@ class ReconcilerActivities(ActivityGroup):
             if req.node_ids is not None:
                 query = select(Node).where(col(Node.id).in_(req.node_ids))
             nodes = list(session.exec(query).all())
+            revoked = agent_credentials.revoked(session, [n.id for n in nodes])
+            heard_of_silence = any(
+                not n.agent_reachable or (n.last_heartbeat_at is not None and n.last_heartbeat_at < now - timeout)
+                for n in nodes
+            )
+            silence = fleet_silence(session, now - timeout) if heard_of_silence else FleetSilence()
         result.candidates = len(nodes)
+        sweep = plan_sweep(
+            [_snapshot(n, reports_revoked=n.id in revoked) for n in nodes],
+            now=now,
+            heartbeat_timeout=timeout,
+            power_cycle_after=cycle_after,
+            silence=silence,
+            max_silent_share=self.settings.reconciler.silence_max_share,
+            min_silent_nodes=self.settings.reconciler.silence_min_nodes,
+        )
+        if sweep.alert is not None:
+            result.power_held = True
+            self._alert_once(sweep.alert, now=now)
         plans = []
-        for node in nodes:
-            plan = plan_node(_snapshot(node), now=now, heartbeat_timeout=timeout, power_cycle_after=cycle_after)
-            if plan.empty:
-                continue
+        by_id = {n.id: n for n in nodes}
+        for plan in sweep.plans:
+            node = by_id[plan.node_id]
             try:
                 self._apply(node, plan, result)
             except node_service.StaleNode as exc:
@@ -285,6 +337,18 @@ class ReconcilerActivities(ActivityGroup):
                 continue
             plans.append(plan)
         return plans
+
+    def _alert_once(self, reason: str, *, now) -> None:
+        """One control-plane-suspect alert per breaker window while the silence lasts."""
+        since = now - timedelta(seconds=self.settings.health.breaker_window_s)
+        with self.db.session() as session:
+            already = session.exec(
+                select(col(OperatorAlertRecord.seq)).where(
+                    col(OperatorAlertRecord.kind) == CONTROL_PLANE_SUSPECT, col(OperatorAlertRecord.at) > since
+                )
+            ).first()
+            if already is None:
+                session.add(OperatorAlertRecord(kind=CONTROL_PLANE_SUSPECT, reason=reason, at=now))
 
     def _apply(self, node: Node, plan: NodePlan, result: SweepResult) -> None:
         with self.db.session() as session:

@@ -1,6 +1,6 @@
 """Callers: a tenant's API key (`gpc_<key id>.<secret>`, see `services.api_keys`), a node's
 agent credential (`gpa_<node id>.<secret>`, see `services.agent_credentials`) or the operator
-token. A revoked key, or a rotated one past its grace period, resolves to no one."""
+token. A revoked key or agent credential, or a rotated key past its grace period, resolves to no one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from gpucloud.services.api_keys import hash_secret, is_live
 
 # Core selects of the columns a check needs: a credential is checked on every request, and the
 # ORM's identity map and objects would cost several times the read itself.
-_AGENT_SECRET = select(col(AgentCredential.secret_hash)).where(col(AgentCredential.node_id) == sa.bindparam("id"))
+# A revoked credential (its node's allocation ended, no wipe since) resolves to no one.
+_AGENT_SECRET = select(col(AgentCredential.secret_hash)).where(
+    col(AgentCredential.node_id) == sa.bindparam("id"), col(AgentCredential.revoked_at).is_(None)
+)
 _API_KEY = select(col(ApiKey.tenant_id), col(ApiKey.secret_hash), col(ApiKey.revoked_at), col(ApiKey.expires_at)).where(
     col(ApiKey.id) == sa.bindparam("id")
 )

@@ -273,4 +273,6 @@ class SweepResult(BaseModel):
     replace_signals: int = 0
     # In-flight allocations and tenant operations whose lost workflow was started again.
     adopted: int = 0
+    # So much of the fleet is silent that the control plane is suspect: power actions held.
+    power_held: bool = False
     errors: list[str] = Field(default_factory=list)

@@ -121,6 +121,16 @@ def next_state(state: NodeState | str, event: NodeEvent | str) -> NodeState:
         raise InvalidTransition(state, event) from None
 
 
+# States in which a tenant may hold root on the node: its workload is being provisioned or runs.
+TENANT_HELD = frozenset({S.PROVISIONING, S.ACTIVE})
+
+
+def ends_tenancy(from_state: NodeState | str, to_state: NodeState | str) -> bool:
+    """Whether this move takes the node out of its tenant's hands (release, drain, a failed or
+    cancelled provision): whatever the tenant could read on the node must stop working here."""
+    return NodeState(from_state) in TENANT_HELD and NodeState(to_state) not in TENANT_HELD
+
+
 def is_transient(state: NodeState | str) -> bool:
     return NodeState(state) in TRANSIENT
 

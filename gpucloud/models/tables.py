@@ -290,12 +290,14 @@ class ApiKey(SQLModel, table=True):
 class AgentCredential(SQLModel, table=True):
     """A node's host-agent credential (`gpa_<node id>.<secret>`): only a hash of the secret is
     kept, and issuing another replaces it. It lets the agent report for its own node and nothing
-    else: a tenant with root on the node finds no operator power there."""
+    else: a tenant with root on the node finds no operator power there. Revoked (`revoked_at`)
+    the moment a tenant's allocation lets go of the node; the next wipe's credential replaces it."""
 
     __tablename__ = "agent_credential"
     node_id: str = Field(primary_key=True)
     secret_hash: str
     created_at: datetime = timestamp_field()
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 # ---------------------------------------------------------------- allocations and operations

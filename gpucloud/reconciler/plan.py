@@ -3,6 +3,13 @@
 Level-triggered like a Kubernetes controller: the plan depends only on the node's current
 record (desired state: operator intent, deadlines; observed state: agent heartbeats), never on
 which event woke the reconciler, so running it twice, late, or after an outage is harmless.
+
+One fleet-wide fact joins the record: how much of the fleet is silent (`plan_sweep`). A host
+that stops heartbeating is power-cycled through its BMC; but when a large share of the fleet
+goes silent together, the likelier cause is the control plane itself (an overloaded API that
+answers every agent 503, a partition), and power-cycling the fleet would turn that outage into a
+real one. So, as the circuit breaker does for health pulls, the sweep then holds every power
+action and raises an operator alert until the silence clears.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ class NodeSnapshot:
     maintenance: bool = False
     health_conditions: tuple[dict, ...] = ()
     has_bmc: bool = False
+    # Its agent credential was revoked when its allocation ended: it cannot report until its
+    # next wipe, so its silence says nothing about the host.
+    reports_revoked: bool = False
 
 
 # Condition actions that pull a node out of its allocation (health/verdict.py's Action).
@@ -77,8 +87,61 @@ _RESUME = {
 }
 
 
+@dataclass(frozen=True)
+class FleetSilence:
+    """Nodes whose agents are expected to report, and how many of them are silent past the
+    heartbeat timeout."""
+
+    reporting: int = 0
+    silent: int = 0
+
+
+@dataclass
+class SweepPlan:
+    plans: list[NodePlan]
+    # Why the silence looks like the control plane's own, for an operator; power actions held.
+    alert: str | None = None
+
+
+def control_plane_suspect(silence: FleetSilence, *, max_share: float, min_nodes: int) -> str | None:
+    """Why this much silence is likelier the control plane's doing than the hosts', or None."""
+    if silence.silent < min_nodes or silence.silent < max_share * silence.reporting:
+        return None
+    return (
+        f"{silence.silent} of {silence.reporting} reporting nodes are silent at once (at least"
+        f" {max_share:.0%} and {min_nodes}): suspect the control plane (API overloaded, network"
+        " partition), not the hosts; no node is power-cycled until the silence clears"
+    )
+
+
+def plan_sweep(
+    nodes: list[NodeSnapshot],
+    *,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    power_cycle_after: timedelta | None,
+    silence: FleetSilence,
+    max_silent_share: float,
+    min_silent_nodes: int,
+) -> SweepPlan:
+    """Every candidate's plan, with power actions held while the fleet's silence is suspect."""
+    alert = control_plane_suspect(silence, max_share=max_silent_share, min_nodes=min_silent_nodes)
+    plans = [
+        plan_node(
+            n, now=now, heartbeat_timeout=heartbeat_timeout, power_cycle_after=power_cycle_after, hold_power=bool(alert)
+        )
+        for n in nodes
+    ]
+    return SweepPlan(plans=[p for p in plans if not p.empty], alert=alert)
+
+
 def plan_node(
-    node: NodeSnapshot, *, now: datetime, heartbeat_timeout: timedelta, power_cycle_after: timedelta | None = None
+    node: NodeSnapshot,
+    *,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    power_cycle_after: timedelta | None = None,
+    hold_power: bool = False,
 ) -> NodePlan:
     plan = NodePlan(node_id=node.id, tenant_id=node.tenant_id, allocation_id=node.allocation_id)
     state = NodeState(node.state)
@@ -91,7 +154,7 @@ def plan_node(
             plan.reasons.append(f"{state.value} overdue since {node.deadline_at.isoformat()}: -> {target.value}")
             state = target
 
-    if node.last_heartbeat_at is not None:
+    if node.last_heartbeat_at is not None and not node.reports_revoked:
         stale = now - node.last_heartbeat_at > heartbeat_timeout
         if stale and node.agent_reachable:
             plan.set_reachable = False
@@ -103,8 +166,10 @@ def plan_node(
     reachable = node.agent_reachable if plan.set_reachable is None else plan.set_reachable
     # A host silent this long is down (hung or off): with a BMC it is pulled, then power-cycled
     # by the repair ladder (without one it waits for its agent, as there is nothing to act with).
+    # Not while the fleet's silence is suspect (`hold_power`): then nothing is pulled for it.
     host_down = (
-        node.has_bmc
+        not hold_power
+        and node.has_bmc
         and not reachable
         and power_cycle_after is not None
         and node.last_heartbeat_at is not None

@@ -11,6 +11,14 @@ next credential to the agent, which takes it up once the wipe succeeded; then th
 stores its hash and the old one answers 401 everywhere. The next credential is derived from the
 wipe's request id under a control-plane secret, so a retried wipe carries the same one and never
 appears in a workflow's history.
+
+A wipe comes too late on its own: the drain path (a node pulled mid-allocation) reaches
+quarantine, repair and RMA without one. So the credential is revoked (`revoke`) the moment a
+tenant's allocation lets go of the node, in the very transaction that moves the node out of its
+tenant's hands (`services.nodes.transition`): every path (release, drain, cancel, a failed
+provision, replacement, offboarding) goes through it. Until the next wipe hands the agent a new
+one, the node cannot report (heartbeats, readings and ledger tokens get 401), and the reconciler
+reads its silence as expected, not as a host that went down.
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ import base64
 import hashlib
 import hmac
 import secrets
+from collections.abc import Iterable
+from datetime import datetime
 
+import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gpucloud.db import Database
@@ -37,9 +48,35 @@ def issue(session: Session, node_id: str) -> str:
         raise UnknownNode(node_id)
     secret = secrets.token_urlsafe(32)
     credential = session.get(AgentCredential, node_id) or AgentCredential(node_id=node_id, secret_hash="")
-    credential.secret_hash, credential.created_at = hash_secret(secret), utcnow()
+    credential.secret_hash, credential.created_at, credential.revoked_at = hash_secret(secret), utcnow(), None
     session.add(credential)
     return f"gpa_{node_id}.{secret}"
+
+
+def revoke(session: Session, node_ids: Iterable[str], *, now: datetime) -> None:
+    """The nodes' credentials stop working now (a node that holds none is left as it is)."""
+    ids = list(node_ids)
+    if ids:
+        session.execute(
+            sa.update(AgentCredential)
+            .where(col(AgentCredential.node_id).in_(ids), col(AgentCredential.revoked_at).is_(None))
+            .values(revoked_at=now)
+            .execution_options(synchronize_session=False)
+        )
+
+
+def revoked(session: Session, node_ids: Iterable[str]) -> set[str]:
+    """Those of the nodes whose credential is revoked: they cannot report until their next wipe."""
+    ids = list(node_ids)
+    if not ids:
+        return set()
+    return set(
+        session.exec(
+            select(col(AgentCredential.node_id)).where(
+                col(AgentCredential.node_id).in_(ids), col(AgentCredential.revoked_at).is_not(None)
+            )
+        ).all()
+    )
 
 
 class WipeRotation:
@@ -75,6 +112,8 @@ class WipeRotation:
                     continue
                 secret_hash = hash_secret(self.next_token(node_id, request_id).rsplit(".", 1)[1])
                 credential = held.get(node_id) or AgentCredential(node_id=node_id, secret_hash="")
+                # Only a new credential lifts a revocation: a retried commit of a wipe from before
+                # the node's last allocation must not revive the one its tenant held.
                 if credential.secret_hash != secret_hash:
-                    credential.secret_hash, credential.created_at = secret_hash, now
+                    credential.secret_hash, credential.created_at, credential.revoked_at = secret_hash, now, None
                     session.add(credential)

@@ -11,6 +11,12 @@ automatic pull asks the pool's circuit breaker first, whose window is rebuilt fr
 `QuarantinePull` rows and whose check-and-record is a compare-and-swap on the pool's
 `QuarantineBreaker` row; a refusal is an operator alert and no pull.
 
+The breaker's budget is counted per owner within a pool (`budget_of`): a tenant's nodes (those
+an allocation of its holds) spend the tenant's own budget, sized by its share of the pool, and
+every other node the platform's. A tenant has root on its nodes and writes what their agents
+report: fatal XIDs from its own nodes can use up only its own budget, never open the breaker on
+another tenant's faulty node or on the platform's idle ones.
+
 `repair_plan` picks the next rung of the repair ladder for a node in `repairing`, or none (the
 lemon rule, or the ladder is exhausted: RMA).
 """
@@ -81,6 +87,20 @@ class HealthOutcome:
 
 def pool_of(node: Node) -> str:
     return f"{node.gpu_type}/{node.region}"
+
+
+def budget_of(node: Node) -> tuple[str, str | None]:
+    """The breaker budget a pull of this node spends (its key) and the tenant that owns it (None:
+    the platform, for a node no tenant's allocation holds)."""
+    tenant = node.tenant_id if node.allocation_id is not None else None
+    return (pool_of(node) if tenant is None else f"{pool_of(node)} tenant {tenant}"), tenant
+
+
+def _owned_by(tenant: str | None):
+    """The nodes whose pulls spend `tenant`'s budget (the platform's for None): `budget_of` in SQL."""
+    if tenant is None:
+        return or_(col(Node.allocation_id).is_(None), col(Node.tenant_id).is_(None))
+    return sa.and_(col(Node.allocation_id).is_not(None), col(Node.tenant_id) == tenant)
 
 
 def cleared_at(session: Session, node_id: str) -> datetime | None:
@@ -212,7 +232,7 @@ def _judge_all(
     # so on Postgres they queue behind each other instead of deadlocking.
     decided = {
         n.id: _judge_and_decide(session, n, now=now, policy=policy, breaker=breaker)
-        for n in sorted(nodes, key=lambda n: (pool_of(n), n.id))
+        for n in sorted(nodes, key=lambda n: (budget_of(n)[0], n.id))
     }
     return [decided[n.id] for n in nodes]
 
@@ -267,13 +287,14 @@ class BreakerContended(RuntimeError):
 
 
 def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: BreakerSettings) -> str | None:
-    """Record an allowed pull and return None, or record and return the operator alert.
+    """Record an allowed pull and return None, or record and return the operator alert. The
+    budget is the node's owner's (`budget_of`): a share of the nodes it owns in the pool.
 
     Check and record are one compare-and-swap: the pool's breaker generation is read before the
     window is counted, and an allowed pull is recorded only if the generation is still the one
     read. A concurrent judgement that recorded a pull meanwhile made it stale: count again.
     """
-    pool = pool_of(node)
+    pool, tenant = budget_of(node)
     _ensure_breaker_row(session, pool)
     for _ in range(BREAKER_CAS_ATTEMPTS):
         generation = session.exec(
@@ -292,6 +313,7 @@ def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: Break
                 col(Node.gpu_type) == node.gpu_type,
                 col(Node.region) == node.region,
                 col(Node.state) != NodeState.RETIRED.value,
+                _owned_by(tenant),
             )
         ).one()
         decision = CircuitBreaker(

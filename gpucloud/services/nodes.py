@@ -2,7 +2,9 @@
 
 Every change bumps `generation` under `WHERE generation = :seen`, and writes a NodeTransition
 row in the same transaction, so concurrent writers (workflows, the API, a reconciler) can never
-both win, and the history always matches the record.
+both win, and the history always matches the record. A move that takes the node out of its
+tenant's hands (`node_states.ends_tenancy`) revokes the node's agent credential in that same
+transaction, so no path out of an allocation can leave the tenant's copy working.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from gpucloud.models.node_states import (
     NodeEvent,
     NodeState,
     deadline_for,
+    ends_tenancy,
     is_transient,
     next_state,
 )
 from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
 from gpucloud.reconciler.plan import backoff
+from gpucloud.services import agent_credentials
 from gpucloud.services.fleet import complete_drains
 
 
@@ -195,6 +199,8 @@ def transition(
             at=now,
         )
     )
+    if ends_tenancy(from_state, to_state):
+        agent_credentials.revoke(session, [node_id], now=now)
     if to_state == NodeState.QUARANTINED:
         complete_drains(session, node_id)
     if from_state == NodeState.BURN_IN and to_state == NodeState.AVAILABLE and node.cordoned:
@@ -260,6 +266,7 @@ def transition_many(
     updates: dict[tuple[str, ...], list[dict]] = {}
     rows: list[dict] = []
     quarantined: list[str] = []
+    left_tenant: list[str] = []
     for step in steps:
         if step.node_id not in seen:
             outcomes.append((step.node_id, None, f"node {step.node_id!r} does not exist"))
@@ -311,6 +318,8 @@ def transition_many(
         )
         if to_state == NodeState.QUARANTINED:
             quarantined.append(step.node_id)
+        if ends_tenancy(state, to_state):
+            left_tenant.append(step.node_id)
         seen[step.node_id] = (to_state.value, generation + 1)
         outcomes.append((step.node_id, to_state.value, None))
     table = table_of(Node)
@@ -325,6 +334,7 @@ def transition_many(
             raise StaleNode(f"{len(params) - rowcount(result)} of the batch's nodes changed under us")
     if rows:
         session.connection().execute(sa.insert(table_of(NodeTransition)), rows)
+    agent_credentials.revoke(session, left_tenant, now=now)
     for node_id in quarantined:
         complete_drains(session, node_id)
     session.expire_all()  # the loaded nodes are stale now

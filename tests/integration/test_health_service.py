@@ -252,3 +252,38 @@ def test_detaching_reported_nodes_answers_the_same_on_a_retry(db_url):
             select(func.count()).select_from(AllocationEvent).where(AllocationEvent.kind == "degraded")
         ).one()
     assert events == 1  # the retry recorded nothing again
+
+
+def test_a_tenants_own_fatal_xids_never_open_the_breaker_for_another_tenants_node(db_url):
+    """Issue 37, item 7: tenant A (root on its nodes, so it writes their reports) spends only its
+    own budget; tenant B's faulty node is still pulled, and so is an idle one of the platform's."""
+    nodes = enroll(db_url, [f"n-{i:02d}" for i in range(40)])
+    a_nodes, b_node, idle = nodes[:20], nodes[20], nodes[39]
+    with session_scope(db_url) as session:
+        for node in session.exec(select(Node)).all():
+            if node.id in a_nodes or node.id == b_node:
+                tenant = "tenant-a" if node.id in a_nodes else "tenant-b"
+                node.state, node.allocation_id, node.tenant_id = "active", f"alloc-{tenant}", tenant
+            else:
+                node.state = "available"
+            session.add(node)
+    settings = health_service.BreakerSettings(max_pulled_share=0.05)  # a 40-node pool: 2 pulls an hour
+
+    def fatal(node_id: str) -> health_service.HealthOutcome:
+        with session_scope(db_url) as session:
+            (outcome,), _ = health_service.ingest_xids(
+                session,
+                [XidEvent(node_id=node_id, gpu_index=0, xid=79, timestamp=datetime.now(UTC))],
+                source="test",
+                breaker=settings,
+            )
+        return outcome
+
+    a_outcomes = [fatal(n) for n in a_nodes[:4]]  # 20 % of the pool reports fatal XIDs
+    assert [o.pull for o in a_outcomes] == ["replace", None, None, None]  # 5 % of A's 20 nodes: one
+    assert "tenant tenant-a" in (a_outcomes[1].alert or "")
+    assert fatal(b_node).pull == "replace"  # B's own budget is untouched
+    assert fatal(idle).pull == "drain"  # and so is the platform's
+    with session_scope(db_url) as session:
+        alerts = session.exec(select(OperatorAlertRecord)).all()
+    assert {a.node_id for a in alerts} == set(a_nodes[1:4])

@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gpucloud.models.messages import NodeOperationKind
-from gpucloud.reconciler.plan import NodeSnapshot, plan_node
+from gpucloud.reconciler.plan import FleetSilence, NodeSnapshot, control_plane_suspect, plan_node, plan_sweep
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -87,3 +87,74 @@ def test_a_host_silent_past_the_power_cycle_delay_with_a_bmc_is_pulled_and_repai
     assert (plan.start, plan.replace) == (start, replace)
     if replace:
         assert plan.replace_at_once and "host down" in plan.reasons[-1]
+
+
+def _silent_fleet(silent: int, total: int = 10) -> list[NodeSnapshot]:
+    """A fleet of BMC nodes in every state a silent host is power-cycled from, `silent` of them
+    quiet past the power-cycle delay (marked unreachable already) and the rest heartbeating."""
+    states = [("available", None), ("quarantined", None), ("active", "a1")]
+    return [
+        NodeSnapshot(
+            id=f"n{i}",
+            state=states[i % 3][0],
+            allocation_id=states[i % 3][1],
+            last_heartbeat_at=NOW - timedelta(seconds=400 if i < silent else 5),
+            agent_reachable=i >= silent,
+            health="suspect" if i < silent else "ok",
+            has_bmc=True,
+        )
+        for i in range(total)
+    ]
+
+
+def _sweep(nodes: list[NodeSnapshot], silent: int):
+    return plan_sweep(
+        nodes,
+        now=NOW,
+        heartbeat_timeout=timedelta(seconds=90),
+        power_cycle_after=timedelta(seconds=300),
+        silence=FleetSilence(reporting=len(nodes), silent=silent),
+        max_silent_share=0.5,
+        min_silent_nodes=5,
+    )
+
+
+def test_a_fleet_wide_silence_holds_every_power_action_and_raises_an_alert():
+    """60 % of the fleet silent at once is likelier the control plane's doing (an overloaded API
+    answering every agent 503): power-cycling it would make the outage real."""
+    sweep = _sweep(_silent_fleet(6), silent=6)
+    assert sweep.alert is not None and "6 of 10" in sweep.alert and "control plane" in sweep.alert
+    assert [(p.start, p.replace) for p in sweep.plans if p.start or p.replace] == []
+
+
+def test_one_silent_host_is_still_power_cycled():
+    sweep = _sweep(_silent_fleet(3), silent=3)  # below both the share and the minimum count
+    assert sweep.alert is None
+    assert [(p.node_id, p.start, p.replace) for p in sweep.plans] == [
+        ("n0", NodeOperationKind.DRAIN, False),  # out of the pool, then power-cycled
+        ("n1", NodeOperationKind.REPAIR, False),  # power-cycled by the repair ladder
+        ("n2", None, True),  # its allocation replaces it at once
+    ]
+    (one,) = _sweep(_silent_fleet(1), silent=1).plans
+    assert (one.node_id, one.start) == ("n0", NodeOperationKind.DRAIN)
+
+
+@pytest.mark.parametrize(("silent", "reporting", "suspect"), [(5, 10, True), (4, 8, False), (5, 12, False)])
+def test_the_silence_is_suspect_from_the_share_and_the_count_together(silent, reporting, suspect):
+    found = control_plane_suspect(FleetSilence(reporting=reporting, silent=silent), max_share=0.45, min_nodes=5)
+    assert (found is not None) == suspect
+
+
+def test_a_node_whose_credential_was_revoked_is_not_marked_unreachable_for_its_silence():
+    """It cannot report until its next wipe: silence is expected, not a host that went down."""
+    quiet = {"state": "quarantined", "health": "failed", "has_bmc": True, "last_heartbeat_at": NOW - timedelta(hours=1)}
+    revoked = plan_node(
+        NodeSnapshot(id="n1", reports_revoked=True, **quiet),
+        now=NOW,
+        heartbeat_timeout=timedelta(seconds=90),
+        power_cycle_after=timedelta(seconds=300),
+    )
+    assert revoked.set_reachable is None and revoked.start == NodeOperationKind.REPAIR
+    assert "power cycle" not in "; ".join(revoked.reasons)  # the ladder's own rung, through the agent
+    heard = plan_node(NodeSnapshot(id="n1", **quiet), now=NOW, heartbeat_timeout=timedelta(seconds=90))
+    assert heard.set_reachable is False
