@@ -51,9 +51,7 @@ def _bearer(token: str) -> dict[str, str]:
 
 
 def _token(issuer, node: str, *, role: str = SWARM_MEMBER, allocation: str | None = "al-1") -> str:
-    return issuer.mint(
-        swarm_audience("r1"), subject=f"node:{node}", role=role, tenant="alice", allocation=allocation
-    )
+    return issuer.mint(swarm_audience("r1"), subject=f"node:{node}", role=role, tenant="alice", allocation=allocation)
 
 
 def _add_nodes(db: Database, **allocations: str) -> None:
@@ -91,9 +89,7 @@ def _tracker(issuer, tmp_path, db: Database | None = None) -> TestClient:
     store.put(A, CHUNK)
     # fresh_s=0: every call reads the DB, so the test sees a release at once.
     holders = SwarmHolders(DatabaseHolders(db), fresh_s=0.0) if db is not None else None
-    app = create_tracker_app(
-        tenant_chunks=lambda tenant: store, verifier=Verifier(issuer.public_key), holders=holders
-    )
+    app = create_tracker_app(tenant_chunks=lambda tenant: store, verifier=Verifier(issuer.public_key), holders=holders)
     client = TestClient(app)
     control = _bearer(issuer.mint(TRACKER_AUDIENCE))
     assert client.put("/tracker/swarms/r1", json=SPEC.model_dump(), headers=control).status_code == 200
@@ -111,7 +107,8 @@ def test_the_token_a_peer_sees_opens_nothing_at_the_tracker_or_the_origin(issuer
     member, peer = _token(issuer, "n1"), _token(issuer, "n1", role=SWARM_PEER)
     with _tracker(issuer, tmp_path) as tracker:
         n2 = _bearer(_token(issuer, "n2"))
-        assert tracker.post("/tracker/swarms/r1/announce", json={"node": "n2", "chunks": [A]}, headers=n2).status_code == 204
+        held = {"node": "n2", "chunks": [A]}
+        assert tracker.post("/tracker/swarms/r1/announce", json=held, headers=n2).status_code == 204
         client = TrackerClient(str(tracker.base_url), token=member, http=tracker)
         cache = ChunkCache(tmp_path / "n1", keyring=Keyring(), tenant="alice")
         fetcher = ChunkFetcher(
@@ -138,24 +135,24 @@ def test_the_token_a_peer_sees_opens_nothing_at_the_tracker_or_the_origin(issuer
         assert tracker.post("/tracker/swarms/r1/plan", json=plan, headers=_bearer(member)).status_code == 200
 
 
-def test_a_swarm_token_stops_at_the_tracker_and_origin_when_its_node_leaves_the_allocation(
-    issuer, tmp_path, db_url
-):
+def test_a_swarm_token_stops_at_the_tracker_and_origin_when_its_node_leaves_the_allocation(issuer, tmp_path, db_url):
     db = Database(db_url)
     _add_nodes(db, n1="al-1", n2="al-1")
     n1, n2 = _bearer(_token(issuer, "n1")), _bearer(_token(issuer, "n2"))
     with _tracker(issuer, tmp_path, db) as tracker:
-        assert tracker.post("/tracker/swarms/r1/announce", json={"node": "n1", "chunks": [A]}, headers=n1).status_code == 204
+        held = {"node": "n1", "chunks": [A]}
+        assert tracker.post("/tracker/swarms/r1/announce", json=held, headers=n1).status_code == 204
         assert tracker.get(f"/origin/chunks/{A}?swarm=r1", headers=n1).content == CHUNK
         # A token naming another allocation than the node's is refused, though signed.
         other = _bearer(_token(issuer, "n2", allocation="al-2"))
-        assert tracker.post("/tracker/swarms/r1/plan", json={"node": "n2", "slots": 1}, headers=other).status_code == 401
+        plan_n2 = {"node": "n2", "slots": 1}
+        assert tracker.post("/tracker/swarms/r1/plan", json=plan_n2, headers=other).status_code == 401
 
         _move(db, "n1", state="releasing")  # the tenant lets n1 go: its token dies now, not in minutes
         assert tracker.post("/tracker/swarms/r1/plan", json={"node": "n1", "slots": 1}, headers=n1).status_code == 401
         assert tracker.get(f"/origin/chunks/{A}?swarm=r1", headers=n1).status_code == 401
         # ... and n1 is offered to no peer as a source again (whoever holds it next sees nothing).
-        plan = tracker.post("/tracker/swarms/r1/plan", json={"node": "n2", "slots": 1}, headers=n2)
+        plan = tracker.post("/tracker/swarms/r1/plan", json=plan_n2, headers=n2)
         assert plan.status_code == 200, plan.text
         assert "n1" not in plan.json()["urls"]
         assert all("n1" not in a["sources"] for a in plan.json()["assignments"])
@@ -173,9 +170,7 @@ class _Signed:
         return {"digest": "d" * 64}
 
 
-async def test_a_step_sends_nothing_to_a_node_that_left_and_the_canary_command_is_read_again(
-    issuer, db_url
-):
+async def test_a_step_sends_nothing_to_a_node_that_left_and_the_canary_command_is_read_again(issuer, db_url):
     """prefetch_wave drops a released node before it sends; check_wave drops one released while
     its probe ran, before the model's evaluation command goes out."""
     db = Database(db_url)
