@@ -1,5 +1,5 @@
 """Activities of the staged rollout: the node agents' weights API (`gpucloud.agent.weights_api`),
-the tracker, the manifest store, and the control-plane DB (to resolve a target).
+the tracker, the manifest store, and the control-plane DB (to resolve a target, and to re-check it).
 
 Each wave step calls one endpoint on every node of the wave at once and reports an outcome per
 node (`WaveResult`); the workflow decides what a failure means. Steps whose failure is worth
@@ -7,6 +7,16 @@ another try raise instead, so Temporal retries them (every agent endpoint is ide
 a prefetch that did not complete everywhere, and a rollback, which is retried until every node
 has switched back. An agent that cannot be reached during verify, activate or check is a failed
 node for that wave, which rolls the rollout back. Long steps heartbeat while they wait.
+
+A rollout's targets are resolved once, but nodes leave a tenant while it runs (a release, a
+drain), and another tenant's node may answer at the same address later. So every step reads the
+wave's nodes from the control-plane DB just before it sends anything (and the canary's
+evaluation, which sends the model's command, reads its node again): a node no longer in the
+rollout tenant's allocation, or whose agent moved, is reported `dropped` and sent nothing — no
+signed manifest, no swarm token, no command. The swarm tokens a prefetch hands out name the
+allocation the DB shows at that moment, and the tracker and origin honour them only while the
+node is still in it (`gpucloud.registry.origin`). A worker without a control-plane DB (the
+fan-out test harness) sends to the nodes it is given.
 """
 
 from __future__ import annotations
@@ -38,9 +48,11 @@ from gpucloud.registry.promotion import evaluate_gates
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
+from gpucloud.services.nodes import Holding, holdings
 from gpucloud.web import metrics, tls
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
+    SWARM_PEER,
     SWARM_TOKEN_TTL_S,
     TRACKER_AUDIENCE,
     Issuer,
@@ -59,6 +71,25 @@ def _detail(response: httpx.Response) -> str:
     except ValueError:
         return f"HTTP {response.status_code}"
     return f"HTTP {response.status_code}: {body.get('detail') or body.get('title') or body}"
+
+
+class _Dropped(Exception):
+    """The node left the rollout tenant's allocation: why (it is sent nothing more)."""
+
+
+def _why_dropped(node: RolloutTarget, holding: Holding | None, tenant_id: str) -> str | None:
+    """Why `node` is no longer the rollout's to send to, as the DB has it now (None: it is)."""
+    if holding is None:
+        return "the node is no longer enrolled"
+    if holding.tenant_id != tenant_id:
+        return "the node is no longer the tenant's"
+    if holding.allocation_id is None:
+        return "the node left the tenant's allocation"
+    if node.allocation_id is not None and holding.allocation_id != node.allocation_id:
+        return f"the node left allocation {node.allocation_id}"
+    if holding.agent_url != node.agent_url:
+        return "the node's agent answers at another address now"
+    return None
 
 
 class RolloutActivities(ActivityGroup):
@@ -84,18 +115,24 @@ class RolloutActivities(ActivityGroup):
             return {}
         return {"Authorization": f"Bearer {self._issuer.mint(agent_audience(node.node_id))}"}
 
-    def _swarm_token(self, req: WaveInput, node: RolloutTarget) -> str | None:
-        """The node's token for the rollout's swarm: the tracker, the origin and the tenant's
-        peers answer it, for this swarm's chunks and this node only."""
+    def _swarm_tokens(self, req: WaveInput, node: RolloutTarget) -> dict[str, str | None]:
+        """The node's tokens for the rollout's swarm, both naming the node, its tenant and the
+        allocation it is in: `token` for the tracker and the origin (which honour it while the
+        node stays in that allocation, for that node only), `peer_token` for the tenant's peers
+        (which see it, so it opens nothing else)."""
         if self._issuer is None:
-            return None
-        return self._issuer.mint(
-            swarm_audience(req.swarm),
-            subject=f"node:{node.node_id}",
-            role=SWARM_MEMBER,
-            tenant=req.tenant_id,
-            ttl_s=SWARM_TOKEN_TTL_S,
-        )
+            return {"token": None, "peer_token": None}
+        return {
+            name: self._issuer.mint(
+                swarm_audience(req.swarm),
+                subject=f"node:{node.node_id}",
+                role=role,
+                tenant=req.tenant_id,
+                allocation=node.allocation_id,
+                ttl_s=SWARM_TOKEN_TTL_S,
+            )
+            for name, role in (("token", SWARM_MEMBER), ("peer_token", SWARM_PEER))
+        }
 
     def _tracker(self) -> TrackerClient:
         token = self._issuer.mint(TRACKER_AUDIENCE) if self._issuer is not None else None
@@ -128,8 +165,28 @@ class RolloutActivities(ActivityGroup):
                 f"no nodes of tenant {req.tenant_id} match the target", type="TargetUnresolvable", non_retryable=True
             )
         return ResolvedTargets(
-            nodes=[RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region) for n in nodes]
+            nodes=[
+                RolloutTarget(
+                    node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region, allocation_id=n.allocation_id
+                )
+                for n in nodes
+            ]
         )
+
+    def _still_held(self, req: WaveInput, nodes: list[RolloutTarget]) -> tuple[list[RolloutTarget], dict[str, str]]:
+        """The nodes still in the rollout tenant's allocation, each naming the allocation it is in
+        now, and why each other one is dropped (module doc)."""
+        if self._db is None:
+            return nodes, {}
+        with self._db.session() as session:
+            now = holdings(session, [n.node_id for n in nodes])
+        kept, dropped = [], {}
+        for node in nodes:
+            if reason := _why_dropped(node, now.get(node.node_id), req.tenant_id):
+                dropped[node.node_id] = reason
+            else:
+                kept.append(node.model_copy(update={"allocation_id": now[node.node_id].allocation_id}))
+        return kept, dropped
 
     def _signed_manifest(self, tenant_id: str, digest: str) -> SignedManifest:
         key = (tenant_id, digest)
@@ -169,9 +226,15 @@ class RolloutActivities(ActivityGroup):
     async def _each(
         self, req: WaveInput, step: str, call: Callable[[RolloutTarget], Awaitable[NodeOutcome]]
     ) -> WaveResult:
-        async def guarded(node: RolloutTarget) -> NodeOutcome:
+        """`call` on every node of the wave still the tenant's (the others are dropped, unsent)."""
+        nodes, dropped = await asyncio.to_thread(self._still_held, req, req.nodes)
+
+        async def guarded(node: RolloutTarget) -> NodeOutcome | None:
             try:
                 return await call(node)
+            except _Dropped as exc:
+                dropped[node.node_id] = str(exc)
+                return None
             except httpx.HTTPError as exc:
                 return NodeOutcome(
                     node_id=node.node_id, ok=False, detail=f"{step}: agent unreachable: {type(exc).__name__}: {exc}"
@@ -184,16 +247,18 @@ class RolloutActivities(ActivityGroup):
 
         beating = asyncio.create_task(beat())
         try:
-            outcomes = await asyncio.gather(*(guarded(n) for n in req.nodes))
+            answered = await asyncio.gather(*(guarded(n) for n in nodes))
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
+        outcomes = [o for o in answered if o is not None]
         for outcome in outcomes:
             metrics.ROLLOUT_NODE_STEPS.labels(step, "ok" if outcome.ok else "failed").inc()
+        metrics.ROLLOUT_NODE_STEPS.labels(step, "dropped").inc(len(dropped))
         if step == "check":
             metrics.ROLLOUT_WAVES.labels("passed" if all(o.ok for o in outcomes) else "failed").inc()
-        return WaveResult(outcomes=list(outcomes))
+        return WaveResult(outcomes=outcomes, dropped=dropped)
 
     async def _post(self, node: RolloutTarget, path: str, body: dict, step: str) -> NodeOutcome:
         response = await self._http.post(f"{node.agent_url.rstrip('/')}{path}", json=body, headers=self._auth(node))
@@ -210,7 +275,7 @@ class RolloutActivities(ActivityGroup):
         body = {"signed": signed.model_dump(mode="json"), "tracker_url": self.tracker_url, "swarm": req.swarm}
 
         async def one(node: RolloutTarget) -> NodeOutcome:
-            own = body | {"token": self._swarm_token(req, node)}
+            own = body | self._swarm_tokens(req, node)
             return await self._post(node, "/weights/prefetch", own, "prefetch")
 
         result = await self._each(req, "prefetch", one)
@@ -283,7 +348,10 @@ class RolloutActivities(ActivityGroup):
         self, node: RolloutTarget, req: WaveInput, evaluation: RolloutEvaluation, outcome: NodeOutcome
     ) -> NodeOutcome:
         """The model's evaluations on the node's active version, held to the model's gates (their
-        ranges: a node has no production results to measure a regression against)."""
+        ranges: a node has no production results to measure a regression against). The node is
+        read again first: the command is the tenant's, and the probe before took a while."""
+        if dropped := (await asyncio.to_thread(self._still_held, req, [node]))[1]:
+            raise _Dropped(dropped[node.node_id])
         body = {
             "digest": req.model_version,
             "evaluators": evaluation.evaluators,

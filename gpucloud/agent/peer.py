@@ -50,23 +50,29 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.tracker import ORIGIN
 from gpucloud.registry.tracker_app import KEEPALIVE_S, TrackerClient
 from gpucloud.web import metrics, problems, tls
-from gpucloud.web.service_tokens import SWARM_MEMBER, InvalidToken, Verifier, swarm_audience
+from gpucloud.web.service_tokens import SWARM_PEER, InvalidToken, Verifier, swarm_audience
 from gpucloud.web.tls import ServerTLS
 
 
 def swarm_refusal(
     verifier: Verifier | None, swarm: str | None, authorization: str | None, *, tenant: str | None
 ) -> JSONResponse | None:
-    """What a peer answers a chunk request without a rollout's token for `swarm` (401), or with
-    one for another tenant than `tenant` (403; None: not checked yet); None when it may go on."""
+    """What a peer answers a chunk request without a rollout's peer token for `swarm` (401), or
+    with one for another tenant than `tenant` (403; None: not checked yet); None when it may go on.
+
+    Only the peer token opens a peer: the member token, which opens the tracker and the origin
+    as its node, is never sent here, so a peer never holds another node's member token to replay.
+    A peer token is bearer and checked offline: the peer that sees it could show it to the
+    swarm's other peers, which serve it nothing that peer's own token would not, and only until
+    it expires (`SWARM_TOKEN_TTL_S`); the tracker stops offering a node that left as a source."""
     if verifier is None:
         return None
     if swarm is None:
         return problems.unauthenticated("chunks go to a swarm's nodes: name the swarm (?swarm=)")
     try:
-        claims = verifier.check_header(authorization, audience=swarm_audience(swarm), roles=(SWARM_MEMBER,))
+        claims = verifier.check_header(authorization, audience=swarm_audience(swarm), roles=(SWARM_PEER,))
     except InvalidToken as exc:
-        return problems.unauthenticated(f"a node's token for swarm {swarm!r} is needed ({exc})")
+        return problems.unauthenticated(f"a node's peer token for swarm {swarm!r} is needed ({exc})")
     if tenant is not None and claims.tenant != tenant:
         return problems.problem_response(403, "Forbidden", "this node serves its own tenant's swarms only")
     return None
@@ -74,7 +80,7 @@ def swarm_refusal(
 
 def create_peer_app(cache: ChunkCache, *, verifier: Verifier | None = None) -> FastAPI:
     """`verifier` (the control plane's public key): serve a chunk only to a node holding the
-    token a rollout gave it for a swarm of this node's tenant (`?swarm=` names it)."""
+    peer token a rollout gave it for a swarm of this node's tenant (`?swarm=` names it)."""
     app = FastAPI(title="gpucloud peer")
     problems.install(app)
 
@@ -146,6 +152,7 @@ class ChunkFetcher:
         cache: ChunkCache,
         tracker: TrackerClient,
         swarm: str,
+        peer_token: str | None = None,
         parallel: int = 4,
         http: httpx.Client | None = None,
         poll_s: float = 0.02,
@@ -153,7 +160,10 @@ class ChunkFetcher:
         max_attempts: int = 8,
     ) -> None:
         self.node, self.swarm = node, swarm
-        self._auth = tracker.auth  # the node's token for the swarm opens its peers and the origin too
+        # The member token (the tracker's) goes to the origin only; peers get the peer token,
+        # which the tracker and the origin refuse, so a peer cannot act as this node with it.
+        self._origin_auth = tracker.auth
+        self._peer_auth = {"Authorization": f"Bearer {peer_token}"} if peer_token else {}
         self._cache, self._tracker, self._parallel = cache, tracker, parallel
         limits = httpx.Limits(
             max_connections=4 * parallel, max_keepalive_connections=4 * parallel, keepalive_expiry=KEEPALIVE_S
@@ -252,7 +262,7 @@ class ChunkFetcher:
             if source != ORIGIN:
                 url = f"{url.rstrip('/')}/chunks/{chunk.id}?swarm={self.swarm}"
             try:
-                data = self._download(url, chunk.size)
+                data = self._download(url, chunk.size, self._origin_auth if source == ORIGIN else self._peer_auth)
             except (httpx.HTTPError, _Unavailable):
                 self._count(failed=True)
                 continue
@@ -268,10 +278,10 @@ class ChunkFetcher:
         self._tracker.release(self.swarm, self.node, chunk.id)
         return False
 
-    def _download(self, url: str, size: int) -> bytearray:
+    def _download(self, url: str, size: int, auth: dict[str, str]) -> bytearray:
         """The response body, cut off one byte past the expected size (wrong either way)."""
         data = bytearray()
-        with self._http.stream("GET", url, headers=self._auth) as response:
+        with self._http.stream("GET", url, headers=auth) as response:
             if response.status_code != 200:
                 raise _Unavailable(f"{url}: HTTP {response.status_code}")
             # Raw bytes: a peer gets no say in decoding (no decompression bombs), and we hash

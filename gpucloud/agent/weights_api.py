@@ -70,8 +70,9 @@ class PrefetchRequest(_Body):
     tracker_url: str
     swarm: str = Field(min_length=1)
     token: str | None = Field(
-        default=None, description="this node's token for the swarm: the tracker, the origin and peers ask for it"
+        default=None, description="this node's member token for the swarm: for the tracker and the origin only"
     )
+    peer_token: str | None = Field(default=None, description="this node's token for the swarm's peers")
     parallel: int = Field(default=4, ge=1, le=64)
 
 
@@ -150,7 +151,14 @@ def install_weights_api(
             if digest in cache.versions():
                 return state() | {"digest": digest, "peer_bytes": 0, "origin_bytes": 0}
             tracker = TrackerClient(req.tracker_url, token=req.token)
-            fetcher = ChunkFetcher(node=node_id, cache=cache, tracker=tracker, swarm=req.swarm, parallel=req.parallel)
+            fetcher = ChunkFetcher(
+                node=node_id,
+                cache=cache,
+                tracker=tracker,
+                swarm=req.swarm,
+                peer_token=req.peer_token,
+                parallel=req.parallel,
+            )
             try:
                 result = prefetch(req.signed, cache=cache, fetcher=fetcher)
             except IntegrityError as exc:

@@ -76,12 +76,15 @@ def plan_waves(nodes: list[str], waves: list[WaveSpec]) -> list[list[str]]:
 
 
 class RolloutTarget(_Message):
-    """One node of the rollout: its id, the URL its agent serves the weights API on, its rack."""
+    """One node of the rollout: its id, the URL its agent serves the weights API on, its rack,
+    and the tenant's allocation it was in when the rollout resolved it (every step checks it
+    still is; None: any of the tenant's allocations)."""
 
     node_id: str = Field(min_length=1, max_length=128)
     agent_url: str = Field(min_length=1)
     rack: str = "rack-0"
     site: str = "site-1"
+    allocation_id: str | None = None
 
 
 class Thresholds(_Message):
@@ -184,6 +187,10 @@ class NodeOutcome(_Message):
 
 class WaveResult(_Message):
     outcomes: list[NodeOutcome]
+    dropped: dict[str, str] = Field(
+        default_factory=dict,
+        description="nodes the step found no longer in the tenant's allocation, and why: sent nothing",
+    )
 
     @property
     def failed(self) -> list[NodeOutcome]:
@@ -207,6 +214,9 @@ class RolloutProgress(_Message):
     prefetched: list[str] = []
     reason: str = ""
     outcomes: dict[str, NodeOutcome] = {}
+    dropped: dict[str, str] = Field(
+        default={}, description="nodes that left the tenant's allocation mid-rollout, and why; sent nothing since"
+    )
 
     @property
     def finished(self) -> bool:

@@ -4,10 +4,13 @@ The tracker service (`gpucloud.registry.tracker_app`) serves `GET /origin/chunks
 swarm, from the registry store of the tenant whose rollout registered that swarm, to nodes that
 hold the token the rollout gave them for it: a chunk id alone opens nothing, and no tenant's
 chunk is served for another's swarm. Swarm specs are kept in the control-plane DB, so a restart
-of the tracker loses no rollout (nodes announce what they hold again).
+of the tracker loses no rollout (nodes announce what they hold again). A node's token is honoured
+only while the DB has the node in the allocation the token names (`DatabaseHolders`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from fastapi import FastAPI
 from sqlalchemy.exc import IntegrityError
@@ -60,10 +63,34 @@ class DatabaseSwarms:
                 session.commit()
 
 
+class DatabaseHolders:
+    """Who holds each node now, read from the control-plane DB (`services.nodes.holdings`): the
+    tracker honours a node's swarm token only while the node is in the allocation it names.
+
+    Why the tracker reads the node's allocation rather than checking a revocation list that
+    releases write: the node's row is what every path that takes a node from a tenant changes
+    already (release, drain, repair, RMA, and any path added later), in the transaction that
+    moves its state, so no path can forget to revoke, and nothing new is written or swept. A
+    token is dead the moment its node leaves, whatever its expiry. The cost is one batched
+    primary-key read per swarm every few seconds (`tracker_app.SwarmHolders`), however many
+    calls its nodes make.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def holders(self, nodes: Collection[str]) -> dict[str, tuple[str | None, str | None]]:
+        from gpucloud.services.nodes import holdings
+
+        with self._db.session() as session:
+            return {node: (h.tenant_id, h.allocation_id) for node, h in holdings(session, nodes).items()}
+
+
 def create_deployment_tracker(settings: Settings) -> FastAPI:
     """The tracker of a deployment: swarms kept in the control-plane DB, chunks served from each
-    swarm's tenant's registry store, every caller checked against the control plane's key."""
-    from gpucloud.registry.tracker_app import create_tracker_app
+    swarm's tenant's registry store, every caller checked against the control plane's key, every
+    node against the allocation its token names."""
+    from gpucloud.registry.tracker_app import SwarmHolders, create_tracker_app
     from gpucloud.web.metrics import install_metrics
     from gpucloud.web.readiness import database_check, install_readiness
 
@@ -73,6 +100,7 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
         tenant_chunks=stores.chunks,
         verifier=Verifier(bootstrap.token_issuer(settings).public_key),
         store=DatabaseSwarms(db),
+        holders=SwarmHolders(DatabaseHolders(db), fresh_s=settings.tracker.holders_fresh_s),
     )
     install_readiness(app, {"database": database_check(db.engine)})
     install_metrics(app, lambda: (settings.metrics_token, settings.operator_token))

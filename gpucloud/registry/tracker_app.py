@@ -11,11 +11,18 @@ The origin endpoint, `GET /origin/chunks/{id}?swarm=<name>`, serves chunks from 
 
 With a `verifier` (the control plane's public key, `web/service_tokens.py`) every call but
 `/healthz` needs a token: registering, removing and reading swarms and the origin's stats take
-the control plane's (audience `tracker`); a node's calls take the token the rollout gave that
-node for that swarm (audience `swarm:<name>`, role `swarm-member`, the tenant named), and only
-for itself. The origin then serves only chunks of that swarm, from that tenant's store. With a
+the control plane's (audience `tracker`); a node's calls take the member token the rollout gave
+that node for that swarm (audience `swarm:<name>`, role `swarm-member`, its tenant and
+allocation named), and only for itself. A node's peer token (role `swarm-peer`), which every
+peer it fetches from sees, opens nothing here: a peer cannot replay it as that node. The origin
+then serves only chunks of that swarm, from that tenant's store, to a node of that swarm. With a
 `SwarmStore` the swarms' specs are kept (the control-plane DB), so the tracker answers for them
 after a restart; nodes announce their holdings again as they plan.
+
+With `NodeHolders` (the control-plane DB) the tracker also follows who holds each swarm's nodes
+(`SwarmHolders`): a node that left the swarm's tenant's allocation is forgotten by its swarm
+(never offered to its peers as a source again, so no rollout traffic or peer token reaches
+whoever holds it next), and its member token is refused from then on, whatever its expiry.
 
 `TrackerClient` is the blocking httpx client for both, shared by a node's fetch threads.
 """
@@ -26,7 +33,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Annotated, Any, Protocol, TypeVar
 
 import httpx
@@ -44,6 +51,7 @@ from gpucloud.web.service_tokens import (
     InvalidToken,
     Verifier,
     swarm_audience,
+    swarm_node,
 )
 
 KEEPALIVE_S = 2.0
@@ -104,6 +112,48 @@ class SwarmStore(Protocol):
     def load(self, name: str) -> SwarmSpec | None: ...
 
     def delete(self, name: str) -> None: ...
+
+
+class NodeHolders(Protocol):
+    """Who holds nodes now (the control-plane DB in a deployment)."""
+
+    def holders(self, nodes: Collection[str]) -> dict[str, tuple[str | None, str | None]]:
+        """Each known node's tenant, and the allocation it serves in (None: none, or leaving one)."""
+
+
+class SwarmHolders:
+    """Which nodes of each swarm are still in its tenant's allocations, as `NodeHolders` says,
+    read again at most every `fresh_s` per swarm (one batched read, however many calls), so a
+    node that left loses the tracker and the origin within `fresh_s`. Its swarm forgets it as
+    the read finds it gone: it is offered to no peer as a source again."""
+
+    def __init__(self, holders: NodeHolders, *, fresh_s: float) -> None:
+        self._holders, self._fresh_s = holders, fresh_s
+        self._read: dict[str, tuple[float, dict[str, str]]] = {}  # swarm -> (read at, node -> allocation)
+        self._reading = asyncio.Lock()
+
+    async def serving(self, name: str, swarm: Swarm) -> dict[str, str]:
+        """The allocation each of the swarm's nodes serves its tenant in; nodes that left are absent."""
+        read = self._read.get(name)
+        if read is not None and time.monotonic() - read[0] < self._fresh_s:
+            return read[1]
+        async with self._reading:
+            read = self._read.get(name)
+            if read is not None and time.monotonic() - read[0] < self._fresh_s:
+                return read[1]
+            now = await asyncio.to_thread(self._holders.holders, list(swarm.spec.nodes))
+            serving = {
+                node: allocation
+                for node, (tenant, allocation) in now.items()
+                if node in swarm.spec.nodes and allocation is not None and tenant == swarm.spec.tenant
+            }
+            for node in (read[1] if read is not None else swarm.spec.nodes).keys() - serving.keys():
+                swarm.forget(node)
+            self._read[name] = (time.monotonic(), serving)
+            return serving
+
+    def drop(self, name: str) -> None:
+        self._read.pop(name, None)
 
 
 class SwarmRegistry:
@@ -181,15 +231,23 @@ async def _control_plane(request: Request, authorization: Annotated[str | None, 
         raise _unauthenticated(f"only the control plane registers, removes and reads swarms ({exc})") from None
 
 
-def _member(request: Request, swarm: str, authorization: Annotated[str | None, Header()] = None) -> Claims | None:
-    """The claims of a node's token for this swarm (None when the tracker checks no tokens)."""
+async def _member(request: Request, swarm: str, authorization: Annotated[str | None, Header()] = None) -> Claims | None:
+    """The claims of a node's member token for this swarm, while its node is still in the
+    allocation the token names (None when the tracker checks no tokens)."""
     verifier: Verifier | None = request.app.state.verifier
     if verifier is None:
         return None
     try:
-        return verifier.check_header(authorization, audience=swarm_audience(swarm), roles=(SWARM_MEMBER,))
+        claims = verifier.check_header(authorization, audience=swarm_audience(swarm), roles=(SWARM_MEMBER,))
     except InvalidToken as exc:
-        raise _unauthenticated(f"a node's token for swarm {swarm!r} is needed ({exc})") from None
+        raise _unauthenticated(f"a node's member token for swarm {swarm!r} is needed ({exc})") from None
+    holders: SwarmHolders | None = request.app.state.holders
+    if holders is not None:
+        serving = await holders.serving(swarm, await _swarm(request, swarm))
+        node = swarm_node(claims)
+        if node is None or claims.allocation is None or serving.get(node) != claims.allocation:
+            raise _unauthenticated(f"{claims.subject} is no longer in the allocation its token names")
+    return claims
 
 
 ControlPlane = Depends(_control_plane)
@@ -230,6 +288,7 @@ def create_tracker_app(
     tenant_chunks: Callable[[str], ChunkSource] | None = None,
     verifier: Verifier | None = None,
     store: SwarmStore | None = None,
+    holders: SwarmHolders | None = None,
     seed: int | None = None,
     **swarm_options: Any,
 ) -> FastAPI:
@@ -237,13 +296,15 @@ def create_tracker_app(
 
     The origin serves a swarm's chunks from `tenant_chunks(<the swarm's tenant>)`, or from
     `chunk_store` for a swarm that names no tenant. `verifier`: check every caller (module doc);
-    `store`: keep swarm specs across restarts.
+    `store`: keep swarm specs across restarts; `holders`: honour a node's token only while it is
+    in the allocation the token names, and forget nodes that left (module doc).
     """
     app = FastAPI(title="gpucloud weight tracker")
     problems.install(app)
     app.state.swarms = SwarmRegistry(seed=seed, store=store, **swarm_options)
     app.state.origin_meter = OriginMeter()
     app.state.verifier = verifier
+    app.state.holders = holders
     base = "/tracker/swarms/{swarm}"
     # Swarm calls are sub-millisecond pure logic: they run on the event loop, since a hop to the
     # thread pool and back costs more than the call, and far more when threads contend. Only a
@@ -267,6 +328,8 @@ def create_tracker_app(
     @app.delete(base, status_code=204, dependencies=[ControlPlane])
     async def remove_swarm(request: Request, swarm: str) -> None:
         await asyncio.to_thread(request.app.state.swarms.remove, swarm)
+        if request.app.state.holders is not None:
+            request.app.state.holders.drop(swarm)
 
     @app.post(f"{base}/announce", status_code=204)
     async def announce(caller: Member, swarm: SwarmDep, body: NodeChunks) -> None:
@@ -310,7 +373,7 @@ def create_tracker_app(
     if chunk_store is not None or tenant_chunks is not None:
 
         @app.get("/origin/chunks/{chunk_id}")
-        def origin_chunk(
+        async def origin_chunk(
             request: Request,
             chunk_id: Annotated[str, Path(pattern=HEX_DIGEST)],
             swarm: Annotated[str | None, Query(description="the swarm the caller fetches for")] = None,
@@ -320,13 +383,12 @@ def create_tracker_app(
             if verifier is not None or tenant_chunks is not None:
                 if swarm is None:
                     raise _unauthenticated("the origin serves chunks of a swarm to its nodes: name it (?swarm=)")
-                caller = _member(request, swarm, authorization)
-                try:
-                    spec = request.app.state.swarms.get(swarm).spec
-                except KeyError:
-                    raise HTTPException(404, f"no swarm {swarm!r}") from None
+                caller = await _member(request, swarm, authorization)
+                spec = (await _swarm(request, swarm)).spec
                 if caller is not None and caller.tenant != spec.tenant:
                     raise HTTPException(403, "the token is for another tenant than the swarm's")
+                if caller is not None and swarm_node(caller) not in spec.nodes:
+                    raise HTTPException(403, f"{caller.subject} is not a node of swarm {swarm!r}")
                 if chunk_id not in spec.chunk_set:
                     raise HTTPException(404, f"chunk {chunk_id} is not in swarm {swarm!r}")
                 if spec.tenant is not None and tenant_chunks is not None:
@@ -334,7 +396,7 @@ def create_tracker_app(
             if source is None:
                 raise HTTPException(404, f"no chunk store for swarm {swarm!r}")
             try:
-                data = source.get(chunk_id)  # hashed in full before one byte is sent
+                data = await asyncio.to_thread(source.get, chunk_id)  # hashed in full before one byte is sent
             except ChunkMissingError:
                 raise HTTPException(404, f"chunk {chunk_id} is not in the store") from None
             except ChunkCorruptedError as exc:

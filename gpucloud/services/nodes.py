@@ -9,7 +9,8 @@ transaction, so no path out of an allocation can leave the tenant's copy working
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
@@ -371,3 +372,29 @@ def _last_transition_is(session: Session, node_id: str, op_id: str, event: str) 
         .limit(1)
     ).first()
     return last is not None and last.op_id == op_id and last.event == event
+
+
+LEAVING_STATES = frozenset({NodeState.RELEASING.value, NodeState.DRAINING.value})
+"""States in which a node still records its allocation, but its tenant is letting it go."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Who holds a node now: its tenant, the allocation it serves in (None when it serves in
+    none, or is leaving one), and the URL its agent answers on."""
+
+    tenant_id: str | None
+    allocation_id: str | None
+    agent_url: str
+
+
+def holdings(session: Session, node_ids: Collection[str]) -> dict[str, Holding]:
+    """Each known node's `Holding`, read now: for those that must stop sending a tenant's data
+    to a node the moment it leaves the tenant (a rollout's steps, the tracker and the origin)."""
+    found: dict[str, Holding] = {}
+    ids = list(node_ids)
+    for start in range(0, len(ids), 500):  # bounded IN lists, for every database's limit
+        for node in session.exec(select(Node).where(col(Node.id).in_(ids[start : start + 500]))).all():
+            serving = node.allocation_id if node.state not in LEAVING_STATES else None
+            found[node.id] = Holding(tenant_id=node.tenant_id, allocation_id=serving, agent_url=node.agent_url)
+    return found

@@ -43,13 +43,24 @@ class Claims:
     audience: str
     expires_at: float
     tenant: str | None = None
+    allocation: str | None = None
 
 
 LEDGER_AUDIENCE = "ledger"
 TRACKER_AUDIENCE = "tracker"
 SWARM_MEMBER = "swarm-member"
-"""The role of a node's token for one fan-out: the tracker, the origin and the tenant's peers."""
-SWARM_TOKEN_TTL_S = 1800.0
+"""The role of a node's token for one fan-out at the tracker and the origin. It names the node
+(`sub`), its tenant and the allocation it held when the token was minted; the tracker and the
+origin honour it only while the control-plane DB still has the node in that allocation, and only
+for that node. The node sends it nowhere else, so no other node ever sees it to replay it."""
+SWARM_PEER = "swarm-peer"
+"""The role of the token a node shows the tenant's peers when it fetches a chunk from them. Every
+peer it asks sees it, so it opens peers only: replayed to the tracker or the origin (as the node
+it names) it is refused."""
+SWARM_TOKEN_TTL_S = 600.0
+"""Both swarm tokens' lifetime. A member token stops at once when its node leaves the allocation
+(the tracker reads the DB); a peer token is checked offline, so its life bounds how long a node
+that left can still fetch from its former peers. A longer prefetch is retried with fresh ones."""
 
 
 def agent_audience(node_id: str) -> str:
@@ -57,14 +68,21 @@ def agent_audience(node_id: str) -> str:
 
 
 def swarm_audience(swarm: str) -> str:
-    """The audience of a node's token for one rollout's fan-out (its swarm)."""
+    """The audience of a node's tokens for one rollout's fan-out (its swarm)."""
     return f"swarm:{swarm}"
+
+
+def swarm_node(claims: Claims) -> str | None:
+    """The node a swarm token was minted for (None: not a node's token)."""
+    node = claims.subject.removeprefix("node:")
+    return node if node != claims.subject else None
 
 
 class MintOptions(TypedDict, total=False):
     subject: str  # the caller named (default: the control plane)
     role: str  # what it may do (default: control-plane)
     tenant: str | None  # the tenant a swarm token is scoped to
+    allocation: str | None  # the allocation a swarm token's node is in
     ttl_s: float | None  # the lifetime (default: the issuer's)
 
 
@@ -78,7 +96,7 @@ class Issuer:
         self._key = private_key
         self.key_path = key_path  # where the key is kept, if in a file
         self.ttl_s = ttl_s
-        self._cache: dict[tuple[str, str, str, str], tuple[str, float]] = {}
+        self._cache: dict[tuple[str, str, str, str, str], tuple[str, float]] = {}
 
     @property
     def public_key(self) -> Ed25519PublicKey:
@@ -94,13 +112,14 @@ class Issuer:
         subject: str = "control-plane",
         role: str = "control-plane",
         tenant: str | None = None,
+        allocation: str | None = None,
         ttl_s: float | None = None,
     ) -> tuple[str, float]:
         """A token and when it expires (Unix seconds); one minted earlier while more than half
         its lifetime is left."""
         now = time.time()
         ttl = ttl_s or self.ttl_s
-        key = (audience, role, subject, tenant or "")
+        key = (audience, role, subject, tenant or "", allocation or "")
         cached = self._cache.get(key)
         if cached is not None and cached[1] - now > ttl / 2:
             return cached
@@ -108,6 +127,8 @@ class Issuer:
         claims = {"iss": ISSUER, "sub": subject, "role": role, "aud": audience, "iat": int(now), "exp": int(expires)}
         if tenant is not None:
             claims["tenant"] = tenant
+        if allocation is not None:
+            claims["allocation"] = allocation
         token = jwt.encode(claims, self._key, algorithm=ALGORITHM)
         if len(self._cache) > 100_000:
             self._cache.clear()
@@ -151,13 +172,14 @@ class Verifier:
             raise InvalidToken(str(exc)) from exc
         if claims.get("role") not in roles:
             raise InvalidToken(f"role {claims.get('role')!r} may not call {audience}")
-        tenant = claims.get("tenant")
+        tenant, allocation = claims.get("tenant"), claims.get("allocation")
         return Claims(
             subject=claims["sub"],
             role=claims["role"],
             audience=audience,
             expires_at=float(claims["exp"]),
             tenant=tenant if isinstance(tenant, str) else None,
+            allocation=allocation if isinstance(allocation, str) else None,
         )
 
     def check_header(

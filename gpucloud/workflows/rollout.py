@@ -15,6 +15,11 @@ later waves fetch from those of earlier ones. Each wave:
    model's evaluations on its nodes (`evaluation`: the weight-sanity evaluator against the
    version each node ran before, the model's command) and holds them to the model's gates.
 
+Every step re-reads its nodes from the control-plane DB before it sends anything
+(`gpucloud.activities.rollout`); a node no longer in the tenant's allocation comes back `dropped`,
+is recorded in the progress (`dropped`, with the reason) and is left out of every later step,
+rollback included. Losing a node that way is not a failure of the rollout.
+
 Any failure (a step that fails on any node, a check below threshold or a failing gate) rolls back EVERY node the
 rollout tried to activate, and the rollout ends `rolled_back` with the reason. Rollback names the
 version it undoes, so it is a no-op on a node that never switched, and it is retried until every
@@ -163,13 +168,13 @@ class RolloutWorkflow:
     # Steps --------------------------------------------------------------------------------------
 
     def _request(self, nodes: list[RolloutTarget], *, evaluate: bool = False) -> WaveInput:
-        inp = self._inp
+        inp, dropped = self._inp, self._running.dropped
         return WaveInput(
             rollout_id=inp.rollout_id,
             tenant_id=inp.tenant_id,
             model_version=inp.model_version,
             swarm=self._swarm,
-            nodes=nodes,
+            nodes=[n for n in nodes if n.node_id not in dropped],
             thresholds=inp.thresholds,
             evaluation=inp.evaluation if evaluate else None,
         )
@@ -200,9 +205,11 @@ class RolloutWorkflow:
             self._stop_if_aborted()
         aborted.cancel()
         try:
-            return handle.result()
+            result = handle.result()
         except ActivityError as error:
             raise _Stop(f"wave {self._running.wave} {step}: {_reason(error)}") from None
+        self._running.dropped.update(result.dropped)
+        return result
 
     def _require(self, result: WaveResult, step: str) -> None:
         for outcome in result.outcomes:
@@ -238,6 +245,7 @@ class RolloutWorkflow:
         result = await workflow.execute_activity_method(
             RolloutActivities.rollback_wave, self._request(self._attempted), **options.ROLLOUT_ROLLBACK
         )
+        self._running.dropped.update(result.dropped)
         self._running.rolled_back = [o.node_id for o in result.outcomes]
         for outcome in result.outcomes:
             earlier = self._running.outcomes.get(outcome.node_id)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
+from sqlmodel import Session
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
@@ -30,6 +31,7 @@ from gpucloud.activities.rollout import RolloutActivities
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher, PeerServer, create_peer_app, prefetch
 from gpucloud.agent.weights_api import install_weights_api
+from gpucloud.db import Database
 from gpucloud.models.registry_tables import EvaluationCommand, GateSpec
 from gpucloud.models.rollout_messages import (
     ReasonInput,
@@ -41,8 +43,9 @@ from gpucloud.models.rollout_messages import (
     RolloutTarget,
     Thresholds,
 )
+from gpucloud.models.tables import Node
 from gpucloud.registry.chunking import ChunkPolicy
-from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
+from gpucloud.registry.manifest import Keyring, SignedManifest, Signer, VersionNotFoundError
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
@@ -71,7 +74,7 @@ class Agent:
     health: dict = field(default_factory=lambda: {"ok": True})
 
     def target(self) -> RolloutTarget:
-        return RolloutTarget(node_id=self.node, agent_url=self.server.url, rack=self.rack)
+        return RolloutTarget(node_id=self.node, agent_url=self.server.url, rack=self.rack, allocation_id="alloc-1")
 
 
 @dataclass
@@ -156,8 +159,10 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 
 @asynccontextmanager
-async def rollout_worker(client: Client, fleet: Fleet, task_queue: str) -> AsyncIterator[Worker]:
-    activities = RolloutActivities(tracker_url=fleet.tracker.base_url, manifests=lambda tenant: fleet.manifests)
+async def rollout_worker(
+    client: Client, fleet: Fleet, task_queue: str, db: Database | None = None
+) -> AsyncIterator[Worker]:
+    activities = RolloutActivities(tracker_url=fleet.tracker.base_url, manifests=lambda tenant: fleet.manifests, db=db)
     with ThreadPoolExecutor(4, thread_name_prefix="rollout-activity") as executor:
         worker = Worker(
             client,
@@ -363,3 +368,53 @@ async def test_the_rollout_survives_a_worker_restart_during_a_bake(temporal_env,
     for agent in fleet.agents:
         assert agent.cache.active() == v2.digest
         assert read_tree(agent.cache.current_path) == v2_files
+
+
+async def test_a_node_released_mid_rollout_is_dropped_recorded_and_sent_nothing_more(
+    temporal_env, fleet: Fleet, task_queue: str, db_url: str
+) -> None:
+    """Issue 37 item 3: the targets were resolved at the start; a node released while the canary
+    bakes gets no manifest and no token in the later waves, and the rollout goes on without it."""
+    db = Database(db_url)
+    with Session(db.engine) as session:
+        for agent in fleet.agents:
+            session.add(
+                Node(
+                    id=agent.node,
+                    hostname=agent.node,
+                    region="site-1",
+                    pod="pod-1",
+                    rack=agent.rack,
+                    gpu_type="H100",
+                    gpu_count=8,
+                    agent_url=agent.server.url,
+                    state="active",
+                    allocation_id="alloc-1",
+                    tenant_id=TENANT,
+                )
+            )
+        session.commit()
+    v2, _ = fleet.push("v2", seed=2)
+    client = temporal_env.client
+    async with rollout_worker(client, fleet, task_queue, db):
+        handle = await start(client, fleet, task_queue, v2, bake_s=0.3, prefetch_ahead=False)
+        await wait_for(handle, lambda p: p.wave == 1 and p.phase == RolloutPhase.BAKING)
+        await handle.execute_update(RolloutWorkflow.pause, ReasonInput())
+        await wait_for(handle, lambda p: p.phase == RolloutPhase.PAUSED)
+        with Session(db.engine) as session:
+            released = session.get(Node, "node-05")
+            assert released is not None
+            released.state = "releasing"  # the tenant releases it; a wipe and another tenant follow
+            session.add(released)
+            session.commit()
+        await handle.execute_update(RolloutWorkflow.resume, ReasonInput())
+        result = await handle.result()
+        progress = await handle.query(RolloutWorkflow.progress)
+
+    assert result.status == RolloutPhase.SUCCEEDED, result.reason
+    assert progress.dropped == {"node-05": "the node left the tenant's allocation"}
+    assert "node-05" not in result.activated and len(result.activated) == NODES - 1
+    dropped = next(a for a in fleet.agents if a.node == "node-05")
+    with pytest.raises(VersionNotFoundError):
+        dropped.cache.manifest(v2.digest)  # never sent the signed manifest (nor a token to fetch with)
+    assert dropped.cache.held().isdisjoint(v2.manifest.chunk_ids())

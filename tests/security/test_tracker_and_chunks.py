@@ -20,6 +20,7 @@ from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import create_tracker_app
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
+    SWARM_PEER,
     TRACKER_AUDIENCE,
     Verifier,
     load_or_create_issuer,
@@ -50,6 +51,10 @@ def _bearer(token: str) -> dict[str, str]:
 
 def _member(issuer, swarm: str, node: str, tenant: str) -> dict[str, str]:
     return _bearer(issuer.mint(swarm_audience(swarm), subject=f"node:{node}", role=SWARM_MEMBER, tenant=tenant))
+
+
+def _peer_token(issuer, swarm: str, node: str, tenant: str) -> dict[str, str]:
+    return _bearer(issuer.mint(swarm_audience(swarm), subject=f"node:{node}", role=SWARM_PEER, tenant=tenant))
 
 
 def _tracker(issuer, stores, db_url: str) -> TestClient:
@@ -140,9 +145,11 @@ def test_a_peer_serves_chunks_only_to_its_tenants_swarms(issuer, tmp_path):
     with TestClient(create_peer_app(cache, verifier=Verifier(issuer.public_key))) as peer:
         assert peer.get(f"/chunks/{A}").status_code == 401
         assert peer.get(f"/chunks/{A}?swarm=r1").status_code == 401
-        assert peer.get(f"/chunks/{A}?swarm=r1", headers=_member(issuer, "r2", "n2", "alice")).status_code == 401
-        assert peer.get(f"/chunks/{A}?swarm=r1", headers=_member(issuer, "r1", "n2", "bob")).status_code == 403
+        assert peer.get(f"/chunks/{A}?swarm=r1", headers=_peer_token(issuer, "r2", "n2", "alice")).status_code == 401
+        assert peer.get(f"/chunks/{A}?swarm=r1", headers=_peer_token(issuer, "r1", "n2", "bob")).status_code == 403
         control = _bearer(issuer.mint(swarm_audience("r1")))  # the control-plane role is not a member's
         assert peer.get(f"/chunks/{A}?swarm=r1", headers=control).status_code == 401
-        got = peer.get(f"/chunks/{A}?swarm=r1", headers=_member(issuer, "r1", "n2", "alice"))
+        # The member token opens the tracker and the origin only: a node never shows it to a peer.
+        assert peer.get(f"/chunks/{A}?swarm=r1", headers=_member(issuer, "r1", "n2", "alice")).status_code == 401
+        got = peer.get(f"/chunks/{A}?swarm=r1", headers=_peer_token(issuer, "r1", "n2", "alice"))
         assert got.status_code == 200 and got.content == ALICE_CHUNK

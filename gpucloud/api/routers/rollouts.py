@@ -1,7 +1,7 @@
 """Rollouts: start a staged rollout of a model version (idempotent, 202), read its progress, and
 pause, resume or abort it. The rollout id is its workflow's id; progress is the workflow's query.
 
-A tenant rolls out to nodes it holds: explicit `node_ids` (each must be the tenant's), one of its
+A tenant rolls out to nodes it holds: explicit `node_ids` (each in one of its allocations), one of its
 allocations, or its whole serving fleet; agent URLs come from the node records, never from the
 request. The version must be one the tenant's registry holds.
 """
@@ -69,13 +69,17 @@ def _targets(
         nodes = {
             n.id: n
             for n in session.exec(
-                select(Node).where(col(Node.id).in_(req.node_ids), col(Node.tenant_id) == tenant_id)
+                select(Node).where(
+                    col(Node.id).in_(req.node_ids),
+                    col(Node.tenant_id) == tenant_id,
+                    col(Node.allocation_id).is_not(None),
+                )
             ).all()
         }
     if unknown := [n for n in req.node_ids if n not in nodes]:
-        raise invalid("node_ids", f"not nodes of this tenant: {', '.join(unknown[:10])}")
+        raise invalid("node_ids", f"not nodes this tenant holds in an allocation: {', '.join(unknown[:10])}")
     targets = [
-        RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region)
+        RolloutTarget(node_id=n.id, agent_url=n.agent_url, rack=n.rack, site=n.region, allocation_id=n.allocation_id)
         for n in (nodes[i] for i in req.node_ids)
     ]
     return targets, evaluation
