@@ -29,13 +29,20 @@ honour, as `gpucloud.client` does). Then:
   write (one per node per third of the heartbeat timeout) is rarer than in a real fleet of that
   size: these figures are for reports that change nothing.
 
+- `goodput_ratio_4x`: clients that ignore Retry-After (a refused request is sent again at once),
+  spread over 8 tenants, each listing allocations: 2xx answers per second at the client count
+  where they peak (of `GOODPUT_LEVELS`), and at 4x that count, over the peak's (target >= 0.8:
+  refusals must not eat the capacity they protect).
+
     python benchmarks/api_load.py [--quick] [--db sqlite|postgres|both] [--seconds S] [--agents-api]
-                                  [--heartbeats-only] [--capacity-only]
+                                  [--heartbeats-only] [--capacity-only] [--goodput-only]
 
 `--agents-api`: the agents' reports go to an API process of their own (the same code and database
 on another port) instead of the tenants' one.
 
 `--capacity-only`: only `fleet_capacity_nodes` and the floor's, alternated twice.
+
+`--goodput-only`: only `goodput_ratio_4x`.
 
 `--heartbeats-only`: 12 agents' heartbeats on an otherwise idle stack, and the floor app's read
 from 12 clients, alternated twice (`heartbeats_idle_vs_floor`): the cost of one report with
@@ -78,7 +85,10 @@ HEARTBEAT_S = 10.0
 BEHIND_S = 5.0
 # ... or with this many reports unanswered (more would only queue in the sender).
 MAX_UNANSWERED = 256
-DETAIL = ("levels", "floor", "heartbeats", "floor_reports")  # kept under "results", not repeated at the top
+# Impatient clients (of 8 tenants) at which goodput is measured; the peak's 4x after them.
+GOODPUT_TENANTS = 8
+GOODPUT_LEVELS = (16, 32, 64)
+DETAIL = ("levels", "floor", "heartbeats", "floor_reports", "goodput")  # kept under "results", not repeated at the top
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,8 +122,11 @@ class Tally:
         }
 
 
-async def _timed(tally: Tally, op: str, call, *, began: float | None = None) -> httpx.Response | None:
-    """Send `call` and count its answer; its latency from `began` (default: now)."""
+async def _timed(
+    tally: Tally, op: str, call, *, began: float | None = None, patient: bool = True
+) -> httpx.Response | None:
+    """Send `call` and count its answer; its latency from `began` (default: now). A `patient`
+    client waits out a refusal's Retry-After; an impatient one returns at once."""
     began = time.monotonic() if began is None else began
     try:
         response = await call
@@ -125,7 +138,7 @@ async def _timed(tally: Tally, op: str, call, *, began: float | None = None) -> 
         tally.errors.append(f"{op}: {exc!r}")
         return None
     tally.add(op, response.status_code, time.monotonic() - began)
-    if response.status_code in (429, 503):
+    if patient and response.status_code in (429, 503):
         # A well-behaved client (as `gpucloud.client` is) waits as long as it was told to.
         retry_after = response.headers.get("retry-after")
         if retry_after is None:
@@ -153,6 +166,12 @@ async def mixed_client(http: httpx.AsyncClient, tally: Tally, ids: list[str], un
 async def get_client(http: httpx.AsyncClient, tally: Tally, ids: list[str], until: float, rng: random.Random):
     while time.monotonic() < until:
         await _timed(tally, "get", http.get(f"/v1/allocations/{rng.choice(ids)}"))
+
+
+async def impatient_client(http: httpx.AsyncClient, tally: Tally, until: float, rng: random.Random):
+    """A tenant's client that ignores Retry-After: a refused list is sent again at once."""
+    while time.monotonic() < until:
+        await _timed(tally, "list", http.get("/v1/allocations", params={"page_size": 10}), patient=False)
 
 
 async def heartbeat_client(http: httpx.AsyncClient, tally: Tally, agents: dict[str, str], until: float, rng):
@@ -201,6 +220,8 @@ async def measure(
     tenant_key, other_key = keys
     if args.heartbeats_only:
         return await _heartbeats_alone(agents_url, floor_url, ids, nodes, args)
+    if args.goodput_only:
+        return await _goodput(api, args.goodput_keys, args.seconds)
     if args.capacity_only:
         alone = await _capacities_alone(ids, nodes, args, agents_url, floor_url)
         return {**alone, **await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, args.tries)}
@@ -261,6 +282,35 @@ async def measure(
         "fairness_beside_vs_floor_beside": round(beside_p99 / max(floor_beside_p99, 1e-3), 2),
         **capacity_alone,
         **capacities,
+    }
+
+
+async def _goodput(api: str, keys: list[str], seconds: float) -> dict:
+    """2xx/s from impatient clients spread over the tenants' `keys`: at each of
+    `GOODPUT_LEVELS`, then at 4x the level where it peaked; `goodput_ratio_4x` the last over the
+    peak. Each tenant's clients run in a process of their own (`apart`)."""
+
+    async def ok_per_s(clients: int) -> tuple[float, dict]:
+        share = [clients // len(keys) + (i < clients % len(keys)) for i in range(len(keys))]
+        groups = [run_apart(api, key, n, seconds, impatient_client) for key, n in zip(keys, share, strict=True) if n]
+        tally = Tally()
+        for group in await asyncio.gather(*groups):
+            tally.status.update(group.status)
+            tally.latency["list"] += group.latency["list"]
+        ok = sum(n for status, n in tally.status.items() if status.startswith("2"))
+        figures = {"ok_per_s": round(ok / seconds, 1), **tally.figures(seconds)}
+        log(f"  {clients:>4} impatient clients of {len(keys)} tenants: {figures}")
+        return ok / seconds, figures
+
+    by_level = {n: await ok_per_s(n) for n in GOODPUT_LEVELS}
+    peak = max(by_level, key=lambda n: by_level[n][0])
+    overload = await ok_per_s(4 * peak)
+    return {
+        "goodput_peak_clients": peak,
+        "goodput_peak_ok_per_s": round(by_level[peak][0], 1),
+        "goodput_4x_ok_per_s": round(overload[0], 1),
+        "goodput_ratio_4x": round(overload[0] / max(by_level[peak][0], 1e-9), 3),
+        "goodput": {**{str(n): f for n, (_, f) in by_level.items()}, str(4 * peak): overload[1]},
     }
 
 
@@ -443,6 +493,10 @@ def run_on(database: str, args) -> dict:
             }
             tenant_key = onboard_tenant(op, f"load-{uuid.uuid4().hex[:6]}")
             other_key = onboard_tenant(op, f"probe-{uuid.uuid4().hex[:6]}")
+            more = GOODPUT_TENANTS - 2 if args.goodput_only else 0
+            args.goodput_keys = [tenant_key, other_key] + [
+                onboard_tenant(op, f"impatient-{uuid.uuid4().hex[:6]}") for _ in range(more)
+            ]
         with httpx.Client(base_url=settings.api_url, headers={"Authorization": f"Bearer {tenant_key}"}) as tenant:
             ids = []
             for _ in range(20):
@@ -540,6 +594,11 @@ def main() -> None:
         "--capacity-only",
         action="store_true",
         help="only fleet_capacity_nodes and the floor's, alternated twice (no levels, no fairness)",
+    )
+    parser.add_argument(
+        "--goodput-only",
+        action="store_true",
+        help="only goodput_ratio_4x: 2xx/s of clients that ignore Retry-After, at their peak and at 4x it",
     )
     parser.add_argument("--tries", type=int, default=2, help="with --capacity-only: searches beside the tenant load")
     parser.add_argument("--api-workers", type=int, default=0, help="API processes (default: what `up` runs)")

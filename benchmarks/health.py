@@ -287,7 +287,7 @@ def main() -> None:
     os.environ["GPUCLOUD_HEALTH__BREAKER_MAX_PULLED_SHARE"] = str(args.breaker_share)
     # The agents heartbeat as in production (every 10 s): a fleet under faults still reports.
     # The operator's calls run up to 64 at once (the burst): its lane takes 16, the rest wait.
-    operator_lane = {"operator_slots": 16, "caller_share": 1.0, "admission_wait_s": 60.0}
+    operator_lane = {"operator_slots": 16, "tenant_slots": 24, "caller_share": 1.0, "admission_wait_s": 60.0}
     settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sim_heartbeat_s=10.0, api=operator_lane)
     try:
         log(f"starting stack in {data_dir}")

@@ -136,8 +136,9 @@ def main() -> None:
     # The health loop may pull more than its default share when the fault rate is compressed.
     os.environ["GPUCLOUD_HEALTH__BREAKER_MAX_PULLED_SHARE"] = "0.5"
     os.environ["GPUCLOUD_HEALTH__DRAIN_GRACE_S"] = "2"
-    # The operator's setup calls run 16 at once: its lane takes them, none refused.
-    operator_lane = {"operator_slots": 16, "caller_share": 1.0, "admission_wait_s": 60.0}
+    # The operator's setup calls run 16 at once: its lane takes them, none refused (the tenants'
+    # lane, unused here, gives up the slots, below the worker threads: api/admission.py).
+    operator_lane = {"operator_slots": 16, "tenant_slots": 24, "caller_share": 1.0, "admission_wait_s": 60.0}
     settings, stack, data_dir = bench_stack(nodes, args.temporal_db, sim_heartbeat_s=10.0, api=operator_lane)
     stack.faults, stack.fault_time_scale, stack.faults_paused = "llama3", time_scale, True
     try:

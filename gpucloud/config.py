@@ -87,13 +87,20 @@ class ApiSettings(BaseModel):
     max_body_bytes: int = 8 * 1024 * 1024
     # API processes sharing the port (uvicorn workers); more than one needs Postgres.
     workers: int = 1
-    # Admission (`api/admission.py`): requests in flight per lane, a tenant's share of its lane,
-    # and how long a request waits for a slot before it is answered 503 with Retry-After.
+    # Admission (`api/admission.py`): requests in flight per lane, a tenant's share of its lane
+    # (all its keys together), a node's share of the agents' lane, and how long a request waits
+    # for a slot before it is answered 503 with Retry-After.
     tenant_slots: int = 32
     operator_slots: int = 8
     agent_slots: int = 12
     caller_share: float = 0.5
+    node_share: float = 0.25
     admission_wait_s: float = 2.0
+    # How long each API process remembers who a token is (`api/gate.py`): a revoked key or a
+    # replaced node credential keeps working in a process for at most this long.
+    credential_cache_s: float = 5.0
+    # Live (not revoked, not expired) API keys a tenant may hold; one more is a 409.
+    max_api_keys_per_tenant: int = 20
 
 
 class AgentSettings(BaseModel):

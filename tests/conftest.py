@@ -126,7 +126,9 @@ def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
             "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
             "worker_drain_s": 0,  # a test's worker stops at once
         },
-        "api": {"port": free_port(), "operator_token": "test-operator-token"},
+        # Tests revoke and rotate keys and check the next request at once: the API remembers no
+        # credential (its cache, and the delay it puts on revocation, are tested in tests/unit).
+        "api": {"port": free_port(), "operator_token": "test-operator-token", "credential_cache_s": 0},
     }
     for name, value in overrides.items():
         section, _, field = name.partition("__")

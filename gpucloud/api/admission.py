@@ -1,43 +1,53 @@
 """Admission control: a bounded number of requests in flight, fair between callers, in lanes.
 
-Every request except the open ones (health, the OpenAPI document) takes a slot in its lane
-before any handler, dependency or database session runs:
+Every request except the open ones (health, the OpenAPI document) takes a slot in its lane once
+the gate (`api/gate.py`) knows who calls, and before its body is read or any handler, dependency
+or database session runs:
 
-- `agents`: node agents' reports (`/v1/agents/...`), so a fleet's heartbeats neither starve nor
-  are starved by tenants;
+- `agents`: node agents' reports, so a fleet's heartbeats neither starve nor are starved by
+  tenants (a node's credential, and the operator posting batched reports to `/v1/agents/...`);
 - `operator`: the operator token, so an operator can always look at a loaded system;
-- `tenants`: everyone else.
+- `tenants`: every tenant's API keys, whatever path they call.
 
 A lane with no free slot makes the request wait at most `admission_wait_s`, then answers 503
-`overloaded` with `Retry-After`: a client always gets an answer, in seconds. Within the tenants'
-lane no caller (one bearer token) may hold more than `caller_share` of the slots: beyond it the
-request is answered 429 `too-many-requests` with `Retry-After` at once, before it can queue in
-front of other tenants (the fairness of Kubernetes' API Priority and Fairness, in its simplest
-form).
+`overloaded` with `Retry-After`: a client always gets an answer, in seconds. Within a lane no
+caller may hold more than its share of the slots (`caller_share` of the tenants' lane for a
+tenant, all of its API keys together; `node_share` of the agents' lane for a node): beyond it
+the request is answered 429 `too-many-requests` with `Retry-After` at once, before it can queue
+in front of others (the fairness of Kubernetes' API Priority and Fairness, in its simplest
+form). So neither a second key nor a node's stalled requests take more than one share.
 
-The lanes together hold fewer slots than the worker threads the server runs sync handlers and
-dependencies on (`THREADS`): a request that holds a database connection can always finish, and
-release it, on a free thread. That is what rules out the pool deadlock where every thread waits
-for a connection whose release needs a thread.
+A refusal is sent from bytes built once per lane: no database, no thread, no JSON encoding and
+no logging per refused request, so clients that resend at once without waiting cost the
+capacity they are refused from as little as an HTTP round trip can.
+
+The lanes together, with the gate's credential lookups, hold fewer slots than the worker
+threads the server runs sync handlers and dependencies on (`THREADS`): a request that holds a
+database connection can always finish, and release it, on a free thread. That is what rules out
+the pool deadlock where every thread waits for a connection whose release needs a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gpucloud.api.auth import Caller
 from gpucloud.config import ApiSettings
 from gpucloud.web import problems
 
 # `/metrics` checks its own token (the metrics or the operator token) and takes no lane.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
 # The threads sync handlers and dependencies run on (AnyIO's limiter, set at start-up); the
-# lanes' slots stay well below it.
+# lanes' slots and the gate's credential lookups at once stay well below it.
 THREADS = 64
+CREDENTIAL_LOOKUPS = 8
+# What a refused request is told to wait before it sends again.
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -47,9 +57,26 @@ class Lane:
     caller_share: float = 1.0
     _free: asyncio.Semaphore = field(init=False)
     _held: Counter[str] = field(init=False, default_factory=Counter)
+    # The two refusals' ASGI messages, built once.
+    _refusals: dict[int, tuple[Message, Message]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._free = asyncio.Semaphore(self.slots)
+        whose = {"tenants": "tenant (all its API keys together)", "agents": "node"}.get(self.name, "caller")
+        self._refusals = {
+            429: _refusal(
+                429,
+                "too-many-requests",
+                "Too many requests",
+                f"this {whose} already has {self.per_caller} requests in flight; retry after the Retry-After delay",
+            ),
+            503: _refusal(
+                503,
+                "overloaded",
+                "Overloaded",
+                f"all {self.slots} request slots of the {self.name} lane are busy; retry after the Retry-After delay",
+            ),
+        }
 
     @property
     def per_caller(self) -> int:
@@ -59,73 +86,74 @@ class Lane:
     def in_flight(self) -> int:
         return sum(self._held.values())
 
+    async def refuse(self, send: Send, status: int) -> None:
+        start, body = self._refusals[status]
+        await send(start)
+        await send(body)
 
-# What a refused request is told to wait before it sends again.
-RETRY_AFTER_S = 1
+
+def _refusal(status: int, type_: str, title: str, detail: str) -> tuple[Message, Message]:
+    content = json.dumps(problems.body(status, type_, title, detail, retryable=True)).encode()
+    headers = [
+        (b"content-type", problems.MEDIA_TYPE.encode()),
+        (b"content-length", str(len(content)).encode()),
+        (b"retry-after", str(RETRY_AFTER_S).encode()),
+    ]
+    return (
+        {"type": "http.response.start", "status": status, "headers": headers},
+        {"type": "http.response.body", "body": content, "more_body": False},
+    )
 
 
 class Admission:
-    """The ASGI middleware; the API's settings size the lanes (`api.tenant_slots`, `api.caller_share`, ...)."""
+    """The ASGI middleware, inside the gate (it reads the caller the gate found); the API's
+    settings size the lanes (`api.tenant_slots`, `api.caller_share`, `api.node_share`, ...)."""
 
-    def __init__(self, app: ASGIApp, *, operator_token: str, settings: ApiSettings) -> None:
-        if settings.tenant_slots + settings.operator_slots + settings.agent_slots >= THREADS:
-            raise ValueError(f"the lanes' slots must stay below the {THREADS} worker threads")
+    def __init__(self, app: ASGIApp, *, settings: ApiSettings) -> None:
+        slots = settings.tenant_slots + settings.operator_slots + settings.agent_slots
+        if slots + CREDENTIAL_LOOKUPS >= THREADS:
+            lookups = f"{CREDENTIAL_LOOKUPS} credential lookups"
+            raise ValueError(f"the lanes' slots and {lookups} must stay below the {THREADS} worker threads")
         self.app = app
         self.wait_s = settings.admission_wait_s
-        self._operator = _caller_key(operator_token)
         self.lanes = {
             "tenants": Lane("tenants", settings.tenant_slots, settings.caller_share),
             "operator": Lane("operator", settings.operator_slots),
-            "agents": Lane("agents", settings.agent_slots),
+            "agents": Lane("agents", settings.agent_slots, settings.node_share),
         }
+
+    def lane_of(self, caller: Caller, path: str) -> Lane:
+        if caller.role == "agent" or (caller.is_operator and path.startswith("/v1/agents/")):
+            return self.lanes["agents"]
+        return self.lanes["operator" if caller.is_operator else "tenants"]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        caller = _caller_key(bearer_token(scope))
-        if scope["path"].startswith("/v1/agents/"):
-            lane = self.lanes["agents"]
-        elif caller == self._operator:
-            lane = self.lanes["operator"]
-        else:
-            lane = self.lanes["tenants"]
-        if lane._held[caller] >= lane.per_caller:
-            await self._refuse(scope, send, 429, "too-many-requests", "Too many requests", lane)
+        caller: Caller = scope["state"]["caller"]
+        lane, who = self.lane_of(caller, scope["path"]), caller.id
+        if lane._held[who] >= lane.per_caller:
+            await lane.refuse(send, 429)
             return
-        lane._held[caller] += 1
+        lane._held[who] += 1
         try:
             try:
                 await asyncio.wait_for(lane._free.acquire(), timeout=self.wait_s)
             except TimeoutError:
-                await self._refuse(scope, send, 503, "overloaded", "Overloaded", lane)
+                await lane.refuse(send, 503)
                 return
             try:
                 await self.app(scope, receive, send)
             finally:
                 lane._free.release()
         finally:
-            lane._held[caller] -= 1
-            if not lane._held[caller]:
-                del lane._held[caller]
-
-    async def _refuse(self, scope: Scope, send: Send, status: int, type_: str, title: str, lane: Lane) -> None:
-        if status == 429:
-            detail = f"this caller already has {lane.per_caller} requests in flight; retry after the Retry-After delay"
-        else:
-            detail = (
-                f"all {lane.slots} request slots of the {lane.name} lane are busy; retry after the Retry-After delay"
-            )
-        document = problems.body(status, type_, title, detail, instance=scope["path"], retryable=True)
-        await problems.send(scope, send, document, status, headers={"Retry-After": str(RETRY_AFTER_S)})
+            lane._held[who] -= 1
+            if not lane._held[who]:
+                del lane._held[who]
 
 
 def bearer_token(scope: Scope) -> str:
-    """The bearer token of the request ('' without one); checked later, by the routes' auth."""
+    """The bearer token of the request ('' without one); checked by the gate."""
     scheme, _, token = (problems.header(scope, b"authorization") or "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
-
-
-def _caller_key(token: str) -> str:
-    """Callers told apart by their credential, without keeping it in memory in clear."""
-    return hashlib.blake2b(token.encode(), digest_size=12).hexdigest()

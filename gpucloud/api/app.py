@@ -12,7 +12,7 @@ from temporalio.client import Client
 from gpucloud import bootstrap
 from gpucloud.api import pagination
 from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission
-from gpucloud.api.gate import Gate
+from gpucloud.api.gate import BodyLimit, CredentialCache, Gate
 from gpucloud.api.routers import (
     agents,
     allocations,
@@ -58,16 +58,20 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.issuer = bootstrap.token_issuer(settings)
     app.state.ledger = bootstrap.ledger_client(settings)
     app.state.registry_stores = bootstrap.registry_stores(settings)
+    app.state.credentials = CredentialCache(settings.api.credential_cache_s)
     problems.install(app)
-    # Added first, so it runs inside admission: credentials are checked holding a lane's slot.
+    # Added innermost first: the gate finds who calls, admission gives the caller a slot, then
+    # the body is read (api/gate.py, api/admission.py).
+    app.add_middleware(
+        BodyLimit, max_body_bytes=settings.api.max_body_bytes, max_chunk_bytes=settings.registry.max_chunk_size
+    )
+    app.add_middleware(Admission, settings=settings.api)
     app.add_middleware(
         Gate,
         database_url=settings.database_url,
         operator_token=settings.operator_token,
-        max_body_bytes=settings.api.max_body_bytes,
-        max_chunk_bytes=settings.registry.max_chunk_size,
+        cache=app.state.credentials,
     )
-    app.add_middleware(Admission, operator_token=settings.operator_token, settings=settings.api)
     # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.
     for module in (agents, allocations, operations, tenants, api_keys, nodes, health, registry, billing, rollouts):
         app.include_router(module.router)

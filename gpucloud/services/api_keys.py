@@ -53,6 +53,18 @@ def is_live(revoked_at: datetime | None, expires_at: datetime | None, now: datet
     return revoked_at is None and (expires_at is None or expires_at > now)
 
 
+def live_count(session: Session, tenant_id: str, now: datetime) -> int:
+    """The tenant's keys that still authenticate (not revoked, not past a rotation's grace)."""
+    expires = col(ApiKey.expires_at)
+    live = (
+        select(sa.func.count())
+        .select_from(ApiKey)
+        .where(col(ApiKey.tenant_id) == tenant_id, col(ApiKey.revoked_at).is_(None))
+        .where(sa.or_(expires.is_(None), expires > now))
+    )
+    return session.exec(live).one()
+
+
 def _get(session: Session, tenant_id: str, key_id: str) -> ApiKey:
     key = session.exec(select(ApiKey).where(col(ApiKey.id) == key_id, col(ApiKey.tenant_id) == tenant_id)).first()
     if key is None:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpucloud.api import pagination
-from gpucloud.api.admission import THREADS, Admission
+from gpucloud.api.admission import CREDENTIAL_LOOKUPS, THREADS, Admission
 from gpucloud.api.idempotency import body_hash
 from gpucloud.config import ApiSettings
 from gpucloud.services.allocations import pick_gang
@@ -17,10 +17,10 @@ from gpucloud.web.problems import Problem
 
 
 def test_admission_lanes_come_from_the_api_settings_and_stay_below_the_worker_threads():
-    admission = Admission(None, operator_token="op", settings=ApiSettings(tenant_slots=5, agent_slots=3))  # type: ignore[arg-type]
+    admission = Admission(None, settings=ApiSettings(tenant_slots=5, agent_slots=3))  # type: ignore[arg-type]
     assert {name: lane.slots for name, lane in admission.lanes.items()} == {"tenants": 5, "operator": 8, "agents": 3}
     with pytest.raises(ValueError, match="worker threads"):
-        Admission(None, operator_token="op", settings=ApiSettings(tenant_slots=THREADS - 8 - 12))  # type: ignore[arg-type]
+        Admission(None, settings=ApiSettings(tenant_slots=THREADS - 8 - 12 - CREDENTIAL_LOOKUPS))  # type: ignore[arg-type]
 
 
 def test_cursor_round_trip_and_filter_binding():

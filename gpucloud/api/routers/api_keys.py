@@ -1,5 +1,9 @@
 """API keys: create, list, rotate (the old key keeps working for a grace period), revoke (at once).
 
+A tenant holds at most `api.max_api_keys_per_tenant` live keys (admission shares slots per
+tenant whatever its keys, and a bounded set of keys keeps a leaked one findable); a create past
+it is a 409 that says to revoke one. A rotation replaces a key, so it is not held to the cap.
+
 A tenant manages its own keys under `/v1/api-keys`; operators manage any tenant's under
 `/v1/tenants/{tenant id}/api-keys` (a tenant may use those paths for itself too, and gets a 404
 for any other tenant). A new key's secret is in the response that creates it and nowhere else:
@@ -30,7 +34,7 @@ from gpucloud.api.schemas import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.tables import ApiKey, ApiKeyPublic, Tenant, TenantStatus
+from gpucloud.models.tables import ApiKey, ApiKeyPublic, Tenant, TenantStatus, utcnow
 from gpucloud.services import api_keys as key_service
 from gpucloud.web.problems import Problem, not_found
 
@@ -70,7 +74,17 @@ def _created_key(key: ApiKey, plaintext: str, *, replaced: ApiKey | None = None)
 
 def _issue(settings: Settings, tenant_id: str) -> ApiKeyCreated:
     with session_scope(settings.database_url) as session:
-        _issuing_tenant(session, tenant_id)
+        _issuing_tenant(session, tenant_id)  # locks the tenant's row: the count and the add are one step
+        cap = settings.api.max_api_keys_per_tenant
+        if key_service.live_count(session, tenant_id, utcnow()) >= cap:
+            raise Problem(
+                409,
+                "too-many-api-keys",
+                "Too many API keys",
+                f"tenant {tenant_id} already holds {cap} live API keys, the most a tenant may hold; "
+                "revoke one it no longer uses (DELETE /v1/api-keys/{key id}) and create the new one again",
+                max_api_keys=cap,
+            )
         key, plaintext = key_service.issue_key(session, tenant_id)
         session.flush()
         return _created_key(key, plaintext)
@@ -119,6 +133,12 @@ async def _created(request: Request, settings: Settings, caller: Caller, idempot
     return await idempotent(request, settings.database_url, caller.id, idempotency_key, handler, redact=_without_secret)
 
 
+def _forget(request: Request, key_id: str) -> None:
+    """This process stops taking the key at once; other API processes within their cache's TTL
+    (`api.credential_cache_s`, api/gate.py)."""
+    request.app.state.credentials.forget(f"gpc_{key_id}")
+
+
 @dataclass(frozen=True)
 class _Scoped:
     """Whose keys a request manages, and who asks (the idempotency records are the caller's)."""
@@ -145,7 +165,11 @@ def _key_routes(prefix: str, scope: Callable[..., Awaitable[_Scoped]], tag: str)
     async def list_keys(settings: SettingsDep, scoped: _Scoped = scoped_by):
         return await run_in_threadpool(_list, settings, scoped.tenant_id)
 
-    @router.post(prefix, status_code=201, response_model=ApiKeyCreated, name=f"create_{tag}")
+    too_many: dict[int | str, dict[str, Any]] = {
+        409: {"description": "the tenant is not active, or already holds its most live keys (revoke one)"}
+    }
+
+    @router.post(prefix, status_code=201, response_model=ApiKeyCreated, responses=too_many, name=f"create_{tag}")
     async def create_key(
         request: Request, settings: SettingsDep, scoped: _Scoped = scoped_by, idempotency_key: IdempotencyKey = None
     ):
@@ -169,11 +193,16 @@ def _key_routes(prefix: str, scope: Callable[..., Awaitable[_Scoped]], tag: str)
     ):
         grace = (req or RotateRequest()).grace_period_s
         make = partial(_rotate, settings, scoped.tenant_id, key_id, grace)
-        return await _created(request, settings, scoped.caller, idempotency_key, make)
+        try:
+            return await _created(request, settings, scoped.caller, idempotency_key, make)
+        finally:
+            _forget(request, key_id)  # its grace starts now: no cached caller outlives it here
 
     @router.delete(f"{prefix}/{{key_id}}", response_model=ApiKeyPublic, name=f"revoke_{tag}")
-    async def revoke_key(key_id: str, settings: SettingsDep, scoped: _Scoped = scoped_by):
-        return await run_in_threadpool(_revoke, settings, scoped.tenant_id, key_id)
+    async def revoke_key(request: Request, key_id: str, settings: SettingsDep, scoped: _Scoped = scoped_by):
+        revoked = await run_in_threadpool(_revoke, settings, scoped.tenant_id, key_id)
+        _forget(request, key_id)
+        return revoked
 
 
 _key_routes("/api-keys", _own, "own_keys")
