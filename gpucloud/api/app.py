@@ -66,6 +66,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         operator_token=settings.operator_token,
         max_body_bytes=settings.api.max_body_bytes,
         max_chunk_bytes=settings.registry.max_chunk_size,
+        body=settings.request_body,
     )
     app.add_middleware(Admission, operator_token=settings.operator_token, settings=settings.api)
     # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.

@@ -73,6 +73,7 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
         tenant_chunks=stores.chunks,
         verifier=Verifier(bootstrap.token_issuer(settings).public_key),
         store=DatabaseSwarms(db),
+        request_body=settings.request_body,
     )
     install_readiness(app, {"database": database_check(db.engine)})
     install_metrics(app, lambda: (settings.metrics_token, settings.operator_token))
