@@ -129,7 +129,8 @@ def main(
     token: str | None = None,
     tls: ServerTLS | None = None,
     insecure: bool = False,
+    request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> None:
     secure = serve_options(host, tls, insecure=insecure, what="simulated fabric managers")
-    app = create_app(state_path=state_path, token=token)
+    app = create_app(state_path=state_path, token=token, request_body=request_body)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)
