@@ -243,3 +243,9 @@ def test_a_stalled_client_over_a_socket_gets_408_and_frees_its_slot(tmp_path, is
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert b"body-timeout" in answer and 0.4 < waited < 5, waited
         assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_the_api_document_declares_the_gates_answers(apps):
+    responses = apps["API"].openapi()["paths"]["/v1/tenants"]["post"]["responses"]
+    assert {"408", "413"} <= responses.keys()
+    assert "408" not in apps["API"].openapi()["paths"]["/v1/tenants"]["get"]["responses"]
