@@ -103,6 +103,18 @@ class ApiSettings(BaseModel):
     max_api_keys_per_tenant: int = 20
 
 
+class RequestBodySettings(BaseModel):
+    """How every server reads a request body once it knows who calls (`web/gate.py`)."""
+
+    # The largest body (413 past it); the API has its own (`api.max_body_bytes`, chunk uploads
+    # `registry.max_chunk_size`).
+    max_bytes: int = Field(default=8 * 1024 * 1024, ge=0)
+    # How long a server waits for a body's bytes (408 past it, the connection closed), plus one
+    # second for each `min_bytes_per_s` received: a large body must keep arriving at that pace.
+    read_deadline_s: float = Field(default=10.0, gt=0)
+    min_bytes_per_s: int = Field(default=256 * 1024, gt=0)
+
+
 class AgentSettings(BaseModel):
     """How the control plane reaches host agents, and the simulated fleet that stands in for them."""
 
@@ -387,6 +399,7 @@ class Settings(BaseSettings):
     temporal: TemporalSettings = TemporalSettings()
     database: DatabaseSettings = DatabaseSettings()
     api: ApiSettings = ApiSettings()
+    request_body: RequestBodySettings = RequestBodySettings()
     agent: AgentSettings = AgentSettings()
     reconciler: ReconcilerSettings = ReconcilerSettings()
     health: HealthSettings = HealthSettings()

@@ -31,8 +31,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent import inspection
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id
@@ -51,9 +52,11 @@ from gpucloud.agent.tools import (
     thermal_soak,
 )
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
+from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
 from gpucloud.web import problems
+from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import install_readiness
 from gpucloud.web.service_tokens import Verifier, refusal
@@ -279,8 +282,10 @@ def create_app(
     reading_s: float = 30.0,
     metering: AgentMetering | None = None,
     metrics_tokens: tuple[str, ...] = (),
+    request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> FastAPI:
-    """The agent's HTTP API. Everything but `/healthz` answers only the control plane: a token
+    """The agent's HTTP API, behind the gate every server has (`web/gate.py`, bodies read as
+    `request_body` says). Everything but `/healthz` answers only the control plane: a token
     it signed for this node (`web/service_tokens.py`), checked against its public key; and
     `/metrics` answers a scraper holding one of `metrics_tokens` (none: nobody)."""
 
@@ -299,12 +304,12 @@ def create_app(
     app = FastAPI(title=f"gpucloud agent {agent.state.node_id}", lifespan=lifespan)
     problems.install(app)
 
-    @app.middleware("http")
-    async def control_plane_only(request: Request, call_next):
-        if request.url.path in ("/healthz", "/readyz", "/metrics"):  # /metrics checks its own token
-            return await call_next(request)
-        authorization = request.headers.get("authorization")
-        return refusal(control_plane, authorization, node_id=agent.state.node_id) or await call_next(request)
+    async def control_plane_only(scope: Scope) -> ASGIApp | None:
+        if scope["path"] in ("/healthz", "/readyz", "/metrics"):  # /metrics checks its own token
+            return None
+        return refusal(control_plane, problems.header(scope, b"authorization"), node_id=agent.state.node_id)
+
+    app.add_middleware(Gate, check=control_plane_only, body=request_body)
 
     @app.get("/healthz")
     async def healthz() -> dict:

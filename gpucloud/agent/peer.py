@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Annotated
 
 import httpx
-from fastapi import FastAPI, Header, HTTPException, Query, Response
+from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent.chunk_cache import ChunkCache
+from gpucloud.config import RequestBodySettings
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.registry.manifest import (
     HEX_DIGEST,
@@ -50,6 +52,7 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.tracker import ORIGIN
 from gpucloud.registry.tracker_app import KEEPALIVE_S, TrackerClient
 from gpucloud.web import metrics, problems, tls
+from gpucloud.web.gate import BODY_DEFAULTS, Gate, query_value
 from gpucloud.web.service_tokens import SWARM_PEER, InvalidToken, Verifier, swarm_audience
 from gpucloud.web.tls import ServerTLS
 
@@ -78,20 +81,29 @@ def swarm_refusal(
     return None
 
 
-def create_peer_app(cache: ChunkCache, *, verifier: Verifier | None = None) -> FastAPI:
+def create_peer_app(
+    cache: ChunkCache, *, verifier: Verifier | None = None, request_body: RequestBodySettings = BODY_DEFAULTS
+) -> FastAPI:
     """`verifier` (the control plane's public key): serve a chunk only to a node holding the
-    peer token a rollout gave it for a swarm of this node's tenant (`?swarm=` names it)."""
+    peer token a rollout gave it for a swarm of this node's tenant (`?swarm=` names it), checked
+    by the gate every server has (`web/gate.py`). Routes added beside `/chunks` (the weights API)
+    check their own callers, in front of this app."""
     app = FastAPI(title="gpucloud peer")
     problems.install(app)
+
+    async def swarm_members(scope: Scope) -> ASGIApp | None:
+        if not scope["path"].startswith("/chunks/"):
+            return None
+        swarm = query_value(scope, "swarm")
+        return swarm_refusal(verifier, swarm, problems.header(scope, b"authorization"), tenant=cache.tenant)
+
+    app.add_middleware(Gate, check=swarm_members, body=request_body)
 
     @app.get("/chunks/{chunk_id}", response_model=None)
     def get_chunk(
         chunk_id: Annotated[str, PathParam(pattern=HEX_DIGEST)],
-        swarm: Annotated[str | None, Query()] = None,
-        authorization: Annotated[str | None, Header()] = None,
+        swarm: Annotated[str | None, Query(description="the swarm the caller's token is for")] = None,
     ) -> Response:
-        if refused := swarm_refusal(verifier, swarm, authorization, tenant=cache.tenant):
-            return refused
         try:
             data = cache.read(chunk_id)
         except (ChunkMissingError, ChunkCorruptedError):

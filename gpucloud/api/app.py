@@ -12,7 +12,7 @@ from temporalio.client import Client
 from gpucloud import bootstrap
 from gpucloud.api import pagination
 from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission
-from gpucloud.api.gate import BodyLimit, CredentialCache, Gate
+from gpucloud.api.gate import CredentialCache, Gate
 from gpucloud.api.routers import (
     agents,
     allocations,
@@ -60,17 +60,18 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.registry_stores = bootstrap.registry_stores(settings)
     app.state.credentials = CredentialCache(settings.api.credential_cache_s)
     problems.install(app)
-    # Added innermost first: the gate finds who calls, admission gives the caller a slot, then
-    # the body is read (api/gate.py, api/admission.py).
-    app.add_middleware(
-        BodyLimit, max_body_bytes=settings.api.max_body_bytes, max_chunk_bytes=settings.registry.max_chunk_size
-    )
+    # Added innermost first. The gate finds who calls (and bounds the body: 413 on a declared
+    # size at once; the rest as the route reads it, with the read deadline), admission gives the
+    # caller a slot, and only then does the route read the body (api/gate.py, api/admission.py).
     app.add_middleware(Admission, settings=settings.api)
     app.add_middleware(
         Gate,
         database_url=settings.database_url,
         operator_token=settings.operator_token,
         cache=app.state.credentials,
+        max_body_bytes=settings.api.max_body_bytes,
+        max_chunk_bytes=settings.registry.max_chunk_size,
+        body=settings.request_body,
     )
     # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.
     for module in (agents, allocations, operations, tenants, api_keys, nodes, health, registry, billing, rollouts):

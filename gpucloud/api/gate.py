@@ -1,12 +1,13 @@
-"""Who calls, before admission and before anything reads the request's body; then how large
-the body may be.
+"""Who calls the API, before admission and before anything reads the request's body (the
+shared gate, `web/gate.py`).
 
-`Gate` runs first (outside admission): a request without valid credentials is answered 401
+The gate runs first (outside admission): a request without valid credentials is answered 401
 whatever its body holds (a malformed body from a stranger gets 401, not 422). The caller found
 here is what admission shares slots by (a tenant with all its keys, a node, the operator: see
 `api/admission.py`), and it is handed to the routes' auth dependency (`deps.get_any_caller`), so
-credentials are looked up once a request. `BodyLimit` runs inside admission: only an admitted
-caller's body is read, up to a limit (413 past it).
+credentials are looked up once a request. The body is read only when the route asks for it,
+after admission gave the request its slot: up to a limit (413 past it) and within the read
+deadline (408).
 
 Credentials are remembered for `api.credential_cache_s` seconds (token digest -> caller, unknown
 tokens too), so a client that retries a refused request at once costs no database read and no
@@ -15,8 +16,7 @@ a rotated key past its grace, or a node credential a wipe replaced) it keeps wor
 that long after the change.
 
 Limits: `api.max_body_bytes` for every body, except a registry chunk upload, which streams to
-disk and holds itself to `registry.max_chunk_size`. A body sent without Content-Length is read
-here up to the limit and handed on.
+disk, up to `registry.max_chunk_size`; the read deadline is `request_body`'s, as every server's.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import time
 
 from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpucloud.api import auth
 from gpucloud.api.admission import CREDENTIAL_LOOKUPS, OPEN_PATHS, bearer_token
+from gpucloud.config import RequestBodySettings
 from gpucloud.db import get_read_engine
 from gpucloud.observability.logs import log_context
-from gpucloud.web import problems
+from gpucloud.web import gate, problems
 
 log = logging.getLogger(__name__)
 
@@ -87,40 +88,48 @@ def _credential(token: str) -> str:
     return name if dot and name[:4] in ("gpc_", "gpa_") else _digest(token).hex()
 
 
-class Gate:
-    def __init__(self, app: ASGIApp, *, database_url: str, operator_token: str, cache: CredentialCache) -> None:
-        self.app = app
+class Gate(gate.Gate):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        database_url: str,
+        operator_token: str,
+        cache: CredentialCache,
+        max_body_bytes: int,
+        max_chunk_bytes: int,
+        body: RequestBodySettings,
+    ) -> None:
+        super().__init__(_with_caller_logged(app), check=self.authenticate, body=body, max_bytes=self.limit)
         self.database_url = database_url
         self.operator_token = operator_token
         self.cache = cache
+        self.max_body_bytes = max_body_bytes
+        self.max_chunk_bytes = max_chunk_bytes
         # Lookups share the threads admission's lanes leave free (`api/admission.py`).
         self._lookups = asyncio.Semaphore(CREDENTIAL_LOOKUPS)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
+    async def authenticate(self, scope: Scope) -> ASGIApp | None:
+        if scope["path"] in OPEN_PATHS:
+            return None
         token = bearer_token(scope)
         if not token:
             detail = "send 'Authorization: Bearer <api key>' (operators: the operator token)"
-            await _answer(scope, send, 401, "unauthenticated", "Authentication required", detail)
-            return
+            return _answer(scope, 401, "unauthenticated", "Authentication required", detail)
         try:
             caller = await self._caller(token)
         except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
             log.warning("database unavailable while authenticating %s: %s", scope["path"], exc)
             detail = "the database did not answer in time; the request changed nothing, send it again after Retry-After"
-            await _answer(scope, send, 503, "database-unavailable", "Try again", detail, retry_after=True)
-            return
+            return _answer(scope, 503, "database-unavailable", "Try again", detail, retry_after=True)
         if caller is None:
-            await _answer(
-                scope, send, 401, "unauthenticated", "Invalid credentials", "the API key is unknown or revoked"
-            )
-            return
+            return _answer(scope, 401, "unauthenticated", "Invalid credentials", "the API key is unknown or revoked")
         scope.setdefault("state", {})["caller"] = caller
-        # Every line logged while serving the request names who asked (and follows it into threads).
-        with log_context(tenant_id=caller.tenant_id, node_id=caller.node_id):
-            await self.app(scope, receive, send)
+        return None
+
+    def limit(self, scope: Scope) -> int:
+        chunk = scope["method"] == "PUT" and CHUNK_UPLOAD.match(scope["path"]) is not None
+        return self.max_chunk_bytes if chunk else self.max_body_bytes
 
     async def _caller(self, token: str) -> auth.Caller | None:
         known, caller = self.cache.get(token)
@@ -138,66 +147,20 @@ class Gate:
             return auth.resolve(connection, token, self.operator_token)
 
 
-class BodyLimit:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, max_chunk_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-        self.max_chunk_bytes = max_chunk_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
+def _with_caller_logged(app: ASGIApp) -> ASGIApp:
+    async def logged(scope: Scope, receive: Receive, send: Send) -> None:
+        caller = scope.get("state", {}).get("caller")
+        if caller is None:
+            await app(scope, receive, send)
             return
-        chunk = scope["method"] == "PUT" and CHUNK_UPLOAD.match(scope["path"]) is not None
-        limit = self.max_chunk_bytes if chunk else self.max_body_bytes
-        declared = problems.header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await _too_large(scope, send, limit)
-            return
-        if declared is None and not chunk and scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await _read_at_most(receive, limit)
-            if body is None:
-                await _too_large(scope, send, limit)
-                return
-            receive = _replay(body)
-        await self.app(scope, receive, send)
+        # Every line logged while serving the request names who asked (and follows it into threads).
+        with log_context(tenant_id=caller.tenant_id, node_id=caller.node_id):
+            await app(scope, receive, send)
+
+    return logged
 
 
-async def _read_at_most(receive: Receive, limit: int) -> bytes | None:
-    """The whole body, or None once it passes `limit` bytes."""
-    body = bytearray()
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return bytes(body)
-        body += message.get("body", b"")
-        if len(body) > limit:
-            return None
-        if not message.get("more_body", False):
-            return bytes(body)
-
-
-def _replay(body: bytes) -> Receive:
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return receive
-
-
-async def _too_large(scope: Scope, send: Send, limit: int) -> None:
-    detail = f"the request body may have at most {limit} bytes"
-    await _answer(scope, send, 413, "body-too-large", "Request body too large", detail)
-
-
-async def _answer(
-    scope: Scope, send: Send, status: int, type_: str, title: str, detail: str, *, retry_after: bool = False
-) -> None:
+def _answer(scope: Scope, status: int, type_: str, title: str, detail: str, *, retry_after: bool = False) -> ASGIApp:
     document = problems.body(status, type_, title, detail, instance=scope["path"])
     headers = {"Retry-After": "1"} if retry_after else {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    await problems.send(scope, send, document, status, headers=headers)
+    return problems.response(document, status, headers=headers)

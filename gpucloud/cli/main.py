@@ -304,6 +304,7 @@ def ledger(
         insecure=settings.tls.insecure,
         migrate_on_start=settings.ledger.migrate_on_start,
         metrics_tokens=(settings.metrics_token, settings.operator_token),
+        request_body=settings.request_body,
     )
 
 

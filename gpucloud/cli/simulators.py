@@ -136,6 +136,7 @@ def sim(
             weights=weights,
             batch_reports=batch_reports,
             bmc=link,
+            request_body=settings.request_body,
             tls=settings.tls.server,
             insecure=settings.tls.insecure,
             control_plane=load_verifier(control_plane_key)
@@ -166,4 +167,5 @@ def fabric_managers(
         token=settings.fabric_token,
         tls=settings.tls.server,
         insecure=settings.tls.insecure,
+        request_body=settings.request_body,
     )

@@ -35,13 +35,15 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpucloud.config import RequestBodySettings
 from gpucloud.ledger import problems
 from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
-from gpucloud.ledger.api.callers import LedgerCallers
+from gpucloud.ledger.api.callers import ledger_callers
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import open_ledger_database
 from gpucloud.observability import tracing
 from gpucloud.web import problems as web_problems
+from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import database_check, install_readiness
 from gpucloud.web.service_tokens import Verifier, load_verifier
@@ -61,9 +63,10 @@ def create_app(
     clock_ms: Callable[[], int] = wall_clock_ms,
     migrate_on_start: bool = True,
     metrics_tokens: tuple[str, ...] = (),
+    request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> FastAPI:
     """The ledger's app; it answers only callers with a token `control_plane` verifies
-    (`api/callers.py`)."""
+    (`api/callers.py`), and reads their bodies as `request_body` says (`web/gate.py`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,7 +79,7 @@ def create_app(
             app.state.ledger.close()
 
     app = FastAPI(title="gpucloud ledger", version="1", lifespan=lifespan)
-    app.add_middleware(LedgerCallers, verifier=control_plane)
+    app.add_middleware(Gate, check=ledger_callers(control_plane), body=request_body)
     for module in (usage, allocations, prices, postings, reconciliation, periods, invoices):
         app.include_router(module.router)
     app.add_exception_handler(problems.LedgerProblem, _ledger_problem)
@@ -139,6 +142,7 @@ def main(
     insecure: bool = False,
     migrate_on_start: bool | None = None,
     metrics_tokens: tuple[str, ...] = (),
+    request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> None:
     """Run the ledger until interrupted (``gpucloud ledger``), trusting the control plane's
     public key at `control_plane_key`. It migrates its database at start when `migrate_on_start`
@@ -155,6 +159,7 @@ def main(
         control_plane=load_verifier(control_plane_key),
         migrate_on_start=migrate,
         metrics_tokens=metrics_tokens,
+        request_body=request_body,
     )
     tracing.instrument_app(app)  # when the command turned tracing on
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None, **secure)

@@ -101,6 +101,7 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
         verifier=Verifier(bootstrap.token_issuer(settings).public_key),
         store=DatabaseSwarms(db),
         holders=SwarmHolders(DatabaseHolders(db), fresh_s=settings.tracker.holders_fresh_s),
+        request_body=settings.request_body,
     )
     install_readiness(app, {"database": database_check(db.engine)})
     install_metrics(app, lambda: (settings.metrics_token, settings.operator_token))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -39,11 +40,14 @@ from typing import Annotated, Any, Protocol, TypeVar
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Scope
 
+from gpucloud.config import RequestBodySettings
 from gpucloud.registry.manifest import HEX_DIGEST, ChunkCorruptedError, ChunkMissingError
 from gpucloud.registry.store import ChunkSource
 from gpucloud.registry.swarm import ChunkId, Plan, Swarm, SwarmSpec, SwarmStatus
 from gpucloud.web import metrics, problems, tls
+from gpucloud.web.gate import BODY_DEFAULTS, OPEN_PATHS, Check, Gate, query_value
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     TRACKER_AUDIENCE,
@@ -221,14 +225,36 @@ def _unauthenticated(detail: str) -> HTTPException:
     return HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
-async def _control_plane(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    verifier: Verifier | None = request.app.state.verifier
-    if verifier is None:
-        return
-    try:
-        verifier.check_header(authorization, audience=TRACKER_AUDIENCE)
-    except InvalidToken as exc:
-        raise _unauthenticated(f"only the control plane registers, removes and reads swarms ({exc})") from None
+_SWARM_PATH = re.compile(r"^/tracker/swarms/([^/]+)(/.+)?$")
+
+
+def _callers(verifier: Verifier | None) -> Check:
+    """The tracker's credential check for its gate (`web/gate.py`): a node's calls within a
+    swarm, and its origin fetches, take that swarm's token; everything else (registering,
+    removing and reading swarms, the origin's stats) the control plane's."""
+
+    async def check(scope: Scope) -> ASGIApp | None:
+        if verifier is None or scope["path"] in OPEN_PATHS:
+            return None
+        header = problems.header(scope, b"authorization")
+        within = _SWARM_PATH.match(scope["path"])
+        try:
+            if within is not None and within.group(2):
+                verifier.check_header(header, audience=swarm_audience(within.group(1)), roles=(SWARM_MEMBER,))
+            elif scope["path"].startswith("/origin/chunks/"):
+                swarm = query_value(scope, "swarm")
+                if swarm is None:
+                    return problems.unauthenticated(
+                        "the origin serves chunks of a swarm to its nodes: name it (?swarm=)"
+                    )
+                verifier.check_header(header, audience=swarm_audience(swarm), roles=(SWARM_MEMBER,))
+            else:
+                verifier.check_header(header, audience=TRACKER_AUDIENCE)
+        except InvalidToken as exc:
+            return problems.unauthenticated(f"the tracker answers the control plane, and a swarm's nodes ({exc})")
+        return None
+
+    return check
 
 
 async def _member(request: Request, swarm: str, authorization: Annotated[str | None, Header()] = None) -> Claims | None:
@@ -250,7 +276,6 @@ async def _member(request: Request, swarm: str, authorization: Annotated[str | N
     return claims
 
 
-ControlPlane = Depends(_control_plane)
 Member = Annotated[Claims | None, Depends(_member)]
 
 
@@ -290,6 +315,7 @@ def create_tracker_app(
     store: SwarmStore | None = None,
     holders: SwarmHolders | None = None,
     seed: int | None = None,
+    request_body: RequestBodySettings = BODY_DEFAULTS,
     **swarm_options: Any,
 ) -> FastAPI:
     """The tracker (swarms under /tracker) and, given chunks, the origin (/origin).
@@ -297,10 +323,12 @@ def create_tracker_app(
     The origin serves a swarm's chunks from `tenant_chunks(<the swarm's tenant>)`, or from
     `chunk_store` for a swarm that names no tenant. `verifier`: check every caller (module doc);
     `store`: keep swarm specs across restarts; `holders`: honour a node's token only while it is
-    in the allocation the token names, and forget nodes that left (module doc).
+    in the allocation the token names, and forget nodes that left (module doc); `request_body`:
+    how bodies are read (`web/gate.py`).
     """
     app = FastAPI(title="gpucloud weight tracker")
     problems.install(app)
+    app.add_middleware(Gate, check=_callers(verifier), body=request_body)
     app.state.swarms = SwarmRegistry(seed=seed, store=store, **swarm_options)
     app.state.origin_meter = OriginMeter()
     app.state.verifier = verifier
@@ -314,18 +342,18 @@ def create_tracker_app(
     async def healthz() -> dict[str, bool]:
         return {"ok": True}
 
-    @app.put(base, response_model=SwarmStatus, dependencies=[ControlPlane])
+    @app.put(base, response_model=SwarmStatus)
     async def register_swarm(request: Request, swarm: str, spec: SwarmSpec) -> SwarmStatus:
         try:
             return (await asyncio.to_thread(request.app.state.swarms.register, swarm, spec)).status()
         except ValueError as exc:
             raise HTTPException(409, str(exc)) from None
 
-    @app.get(base, response_model=SwarmStatus, dependencies=[ControlPlane])
+    @app.get(base, response_model=SwarmStatus)
     async def swarm_status(swarm: SwarmDep) -> SwarmStatus:
         return swarm.status()
 
-    @app.delete(base, status_code=204, dependencies=[ControlPlane])
+    @app.delete(base, status_code=204)
     async def remove_swarm(request: Request, swarm: str) -> None:
         await asyncio.to_thread(request.app.state.swarms.remove, swarm)
         if request.app.state.holders is not None:
@@ -366,7 +394,7 @@ def create_tracker_app(
         _as(caller, node)
         _unknown_node(lambda: swarm.forget(node))
 
-    @app.get("/origin/stats", response_model=OriginStats, dependencies=[ControlPlane])
+    @app.get("/origin/stats", response_model=OriginStats)
     async def origin_stats(request: Request) -> OriginStats:
         return request.app.state.origin_meter.stats()
 

@@ -29,17 +29,21 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import threading
 from collections import deque
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import httpx
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Scope
 
+from gpucloud.agent.peer import swarm_refusal
 from gpucloud.agent.schemas import ActionRequest
+from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.sim.fault_injection import FleetFaults
 from gpucloud.sim.faults import FaultModel
@@ -48,6 +52,7 @@ from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 from gpucloud.sim.nodes import ACTIONS, Action, Fleet, FleetSpec
 from gpucloud.sim.power import BmcLink, SimPower
 from gpucloud.web import problems, tls
+from gpucloud.web.gate import BODY_DEFAULTS, OPEN_PATHS, Check, Gate, holds_token, query_value
 from gpucloud.web.service_tokens import Verifier, refusal_reason
 from gpucloud.web.tls import ServerTLS, scheme, serve_options
 
@@ -169,6 +174,7 @@ def create_app(
     fault_report_url: str | None = None,
     faults_paused: bool = False,
     bmc: BmcLink | None = None,
+    request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> FastAPI:
     """`metering`: the agents meter their allocations' GPU time and ship it to that ledger;
     `weights`: each node serves the weights API under its agent URL; `control_plane`: each
@@ -178,7 +184,8 @@ def create_app(
     `fault_model`: the nodes fail as the model says, `fault_time_scale` times faster than real
     time (`sim/fault_injection.py`), their XIDs reported to `fault_report_url` (the API; default
     `control_plane_url`); `bmc`: the nodes' power follows their systems on that Redfish
-    emulator, which notifies `/v1/bmc/notify` (`sim/power.py`)."""
+    emulator, which notifies `/v1/bmc/notify` (`sim/power.py`); `request_body`: how the gate
+    reads bodies (`web/gate.py`), after it checks the caller as `_callers` says."""
     fleet = Fleet(spec)
     power = SimPower(fleet, bmc) if bmc is not None else None
     if power is not None:
@@ -247,16 +254,7 @@ def create_app(
     app = FastAPI(title="gpucloud simulated fleet", lifespan=lifespan)
     problems.install(app)
 
-    async def only_the_operator(authorization: Annotated[str | None, Header()] = None) -> None:
-        """The simulator's own endpoints (the world: faults, outages, what nodes hold) answer
-        only the operator (`control_token`); each node's agent routes check their own tokens."""
-        if control_token is None:
-            return
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), control_token.encode()):
-            raise problems.unauthenticated_problem("the simulator's own endpoints answer only the operator token")
-
-    control = Depends(only_the_operator)
+    app.add_middleware(Gate, check=_callers(control_plane, control_token), body=request_body)
     app.state.fleet = fleet
     app.state.metering = None
 
@@ -265,44 +263,39 @@ def create_app(
         return {"ok": True, "nodes": len(fleet.nodes)}
 
     @app.put("/v1/bmc/notify")
-    async def bmc_notify(request: Request, token: str = "") -> dict:
+    async def bmc_notify(
+        request: Request, token: Annotated[str, Query(description="the operator token (checked by the gate)")] = ""
+    ) -> dict:
         """The Redfish emulator's external notifier (it sends no header: the token is in the URL)."""
-        if control_token is not None and not hmac.compare_digest(token.encode(), control_token.encode()):
-            raise problems.unauthenticated_problem("the BMC notifier's URL carries the operator token")
         if power is None:
             raise HTTPException(404, "this fleet has no BMCs")
         await power.notified(await request.json())
         return {"ok": True}
 
-    @app.get("/v1/inventory", dependencies=[control])
+    @app.get("/v1/inventory")
     async def inventory() -> list[dict]:
         return fleet.inventory(base_url)
 
-    @app.get("/v1/nodes/{node_id}", dependencies=[control])
+    @app.get("/v1/nodes/{node_id}")
     async def get_node(node_id: str) -> dict:
         """What the agent would answer, and the simulated host's own state (the world's view)."""
         node = fleet.node(node_id)
         powered = power is None or node.id not in power.powered_off
         return Fleet.describe(node) | {"unreachable": node.unreachable, "boot_id": node.boot_id, "powered": powered}
 
-    async def control_plane_only(node_id: str, authorization: Annotated[str | None, Header()] = None) -> None:
-        """Checked before the body is read, as a real agent's middleware does."""
-        if reason := refusal_reason(control_plane, authorization, node_id=node_id):
-            raise problems.unauthenticated_problem(reason)
-
-    @app.post("/v1/nodes/{node_id}/actions/{action}", dependencies=[Depends(control_plane_only)])
+    @app.post("/v1/nodes/{node_id}/actions/{action}")
     async def act(node_id: str, action: str, req: ActionRequest):
         if action not in ACTIONS:
             raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
         status, body = await fleet.act(fleet.node(node_id), action, req)
         return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
 
-    @app.get("/v1/nodes/{node_id}/credential", dependencies=[control])
+    @app.get("/v1/nodes/{node_id}/credential")
     async def credential(node_id: str) -> dict:
         """The agent credential the node's last wipe handed over (what a real agent keeps on disk)."""
         return {"node_id": node_id, "credential": fleet.node(node_id).credential}
 
-    @app.post("/v1/faults", dependencies=[control])
+    @app.post("/v1/faults")
     async def inject(req: FaultRequest) -> dict:
         node = fleet.node(req.node_id)
         node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
@@ -313,41 +306,41 @@ def create_app(
             raise HTTPException(404, "this fleet injects no faults (start it with --faults llama3)")
         return faults
 
-    @app.get("/v1/faults", dependencies=[control])
+    @app.get("/v1/faults")
     async def faults_report() -> dict:
         """What the fault model injected so far, by category, next to the paper's shares."""
         return injecting().summary()
 
-    @app.put("/v1/faults/running", dependencies=[control])
+    @app.put("/v1/faults/running")
     async def faults_running(req: FaultsRunning) -> dict:
         """Pause or resume the fault model (a benchmark starts it once its tenants hold nodes)."""
         injecting().running = req.running
         return injecting().summary()
 
-    @app.post("/v1/nodes/{node_id}/hardware_fault", dependencies=[control])
+    @app.post("/v1/nodes/{node_id}/hardware_fault")
     async def hardware_fault(node_id: str, req: HardwareFaultRequest) -> dict:
         node = fleet.node(node_id)
         node.hardware_fault, node.fault_fixed_by = req.fault, req.fixed_by if req.fault else None
         return Fleet.describe(node)
 
-    @app.post("/v1/nodes/{node_id}/drift", dependencies=[control])
+    @app.post("/v1/nodes/{node_id}/drift")
     async def drift(node_id: str, req: DriftRequest) -> dict:
         node = fleet.node(node_id)
         fleet.drift(node, req.kind)
         await fleet.workload_changed(node)
         return Fleet.describe(node)
 
-    @app.post("/v1/nodes/{node_id}/reachability", dependencies=[control])
+    @app.post("/v1/nodes/{node_id}/reachability")
     async def reachability(node_id: str, req: ReachabilityRequest) -> dict:
         node = fleet.node(node_id)
         node.unreachable = req.unreachable
         return Fleet.describe(node) | {"unreachable": node.unreachable}
 
-    @app.get("/v1/heartbeats", dependencies=[control])
+    @app.get("/v1/heartbeats")
     async def heartbeats() -> list[dict]:
         return fleet.heartbeats()
 
-    @app.get("/v1/metering", dependencies=[control])
+    @app.get("/v1/metering")
     async def metering_report() -> dict:
         """What each node metered (allocations and their intervals) and how far its spool is behind."""
         if app.state.metering is None:
@@ -357,6 +350,42 @@ def create_app(
     if weights is not None:  # last: every route above takes precedence over the mount
         app.mount("/v1/nodes/{node_id}", NodeWeights(fleet.nodes, weights, control_plane=control_plane))
     return app
+
+
+_NODE_PATH = re.compile(r"^/v1/nodes/([^/]+)/(actions|weights|chunks)/")
+
+
+def _callers(control_plane: Verifier | None, control_token: str | None) -> Check:
+    """Who may call the simulated fleet, checked by its gate before a body is read: each node's
+    agent routes (actions, the weights API) the control plane's token for that node, as a real
+    agent's do (None: unchecked); a node's chunks a rollout's token for the swarm; the BMC
+    notifier the operator token in its URL (the emulator sends no header); the simulator's own
+    endpoints (the world: faults, outages, what nodes hold) the operator token (`control_token`;
+    None: unchecked)."""
+
+    async def check(scope: Scope) -> ASGIApp | None:
+        path = scope["path"]
+        if path in OPEN_PATHS:
+            return None
+        node = _NODE_PATH.match(path)
+        if node is not None and node.group(2) == "chunks":
+            swarm = query_value(scope, "swarm")
+            return swarm_refusal(control_plane, swarm, problems.header(scope, b"authorization"), tenant=None)
+        if node is not None:
+            reason = refusal_reason(control_plane, problems.header(scope, b"authorization"), node_id=node.group(1))
+            return problems.unauthenticated(reason) if reason else None
+        if control_token is None:
+            return None
+        if path == "/v1/bmc/notify":
+            given = query_value(scope, "token") or ""
+            if hmac.compare_digest(given.encode(), control_token.encode()):
+                return None
+            return problems.unauthenticated("the BMC notifier's URL carries the operator token")
+        if holds_token(scope, control_token):
+            return None
+        return problems.unauthenticated("the simulator's own endpoints answer only the operator token")
+
+    return check
 
 
 def serve(

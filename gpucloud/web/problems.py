@@ -60,7 +60,7 @@ def truthful_openapi(app: FastAPI, *, open_paths: frozenset[str]) -> None:
     """Make the app's OpenAPI document say what the app answers: every error body is a problem
     document (`ProblemDocument`, as `application/problem+json`), the 422 included (not FastAPI's
     default), and every route but the open ones may answer 401, 403, 429 and 503; one with a path
-    parameter, 404."""
+    parameter, 404; one with a body, 408 and 413."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -84,6 +84,8 @@ def truthful_openapi(app: FastAPI, *, open_paths: frozenset[str]) -> None:
                     statuses.add(404)
                 if operation.get("parameters") or operation.get("requestBody"):
                     statuses.add(422)
+                if operation.get("requestBody") and path not in open_paths:
+                    statuses |= {408, 413}  # the gate's (web/gate.py): too slow, too large
                 names = {p.get("name", "").lower() for p in operation.get("parameters", [])}
                 if "page_token" in names:
                     statuses.add(400)  # a page token this API did not issue
@@ -95,6 +97,8 @@ def truthful_openapi(app: FastAPI, *, open_paths: frozenset[str]) -> None:
                         400: "a `page_token` this API did not issue, or a malformed `Idempotency-Key`",
                         409: "the state refuses it; or the `Idempotency-Key` was used for another request",
                         404: "not found, or not visible to this caller",
+                        408: "the body did not arrive within the read deadline (the connection is closed)",
+                        413: "the body is larger than this server takes",
                     }
                     responses.setdefault(str(status), {"description": described.get(status, "see `detail`")})
                 for status, response in responses.items():

@@ -6,7 +6,7 @@ Before: a lane counted slots per raw token, so a tenant's second key took a seco
 tenants' lane, and one node's credential could hold all 12 slots of the agents' lane (the other
 nodes' heartbeats then waited and got 503, and the fleet turned unreachable).
 
-The app under test is the API's own middleware in its order (gate, admission, body limit) in
+The app under test is the API's own middleware in its order (the gate, which also bounds the body, then admission) in
 front of a route that holds its slot until the test lets it go: no Temporal, no server."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from gpucloud.api.admission import Admission
-from gpucloud.api.gate import BodyLimit, CredentialCache, Gate
-from gpucloud.config import ApiSettings, Settings
+from gpucloud.api.gate import CredentialCache, Gate
+from gpucloud.config import ApiSettings, RequestBodySettings, Settings
 from gpucloud.db import session_scope
 from gpucloud.models.tables import ApiKey
 from gpucloud.services import agent_credentials, api_keys, tenants
@@ -52,9 +52,16 @@ class Held:
 
 def _stack(db_url: str, held: Held, *, cache: CredentialCache | None = None, **api) -> Gate:
     settings = ApiSettings(admission_wait_s=0.2, **api)
-    inner = BodyLimit(held, max_body_bytes=1024, max_chunk_bytes=1024)
     cache = cache or CredentialCache(settings.credential_cache_s)
-    return Gate(Admission(inner, settings=settings), database_url=db_url, operator_token=OPERATOR, cache=cache)
+    return Gate(
+        Admission(held, settings=settings),
+        database_url=db_url,
+        operator_token=OPERATOR,
+        cache=cache,
+        max_body_bytes=1024,
+        max_chunk_bytes=1024,
+        body=RequestBodySettings(),
+    )
 
 
 def _tenant(db_url: str, name: str, *, keys: int) -> list[str]:
@@ -117,9 +124,17 @@ async def test_one_nodes_credential_cannot_fill_the_agents_lane_for_other_nodes(
 async def test_a_tenants_key_takes_the_tenants_lane_even_on_the_agents_paths(db_url):
     keys = _tenant(db_url, "pretender", keys=1)
     held = Held()
-    app = _stack(db_url, held)
-    admission = app.app
-    assert isinstance(admission, Admission)
+    settings = ApiSettings(admission_wait_s=0.2)
+    admission = Admission(held, settings=settings)
+    app = Gate(
+        admission,
+        database_url=db_url,
+        operator_token=OPERATOR,
+        cache=CredentialCache(settings.credential_cache_s),
+        max_body_bytes=1024,
+        max_chunk_bytes=1024,
+        body=RequestBodySettings(),
+    )
     async with _client(app, keys[0]) as tenant:
         sent = asyncio.create_task(tenant.post("/v1/agents/heartbeats", json={"heartbeats": []}))
         await held.until(1)

@@ -1,4 +1,4 @@
-"""Who may call the ledger, checked before any handler reads a body.
+"""Who may call the ledger, checked by its gate before any handler reads a body.
 
 Every call carries a token the control plane signed for the ledger (`aud` = `ledger`,
 `web/service_tokens.py`), verified offline with the control plane's public key:
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import re
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Scope
 
 from gpucloud.ledger.problems import PROBLEM_BASE
 from gpucloud.web import problems
+from gpucloud.web.gate import Check
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE as AUDIENCE
 from gpucloud.web.service_tokens import InvalidToken, Verifier
 
@@ -45,33 +46,29 @@ def allowed_roles(method: str, path: str) -> frozenset[str]:
     return frozenset({"operator"})  # anything else changes the books: operators only
 
 
-class LedgerCallers:
-    """ASGI middleware: 401 without a valid token, 403 for a role the route does not admit;
-    the claims go to the handlers in `scope["state"]["claims"]`."""
+def ledger_callers(verifier: Verifier) -> Check:
+    """The ledger's credential check for its gate (`web/gate.py`): 401 without a valid token,
+    403 for a role the route does not admit; the claims go to the handlers in
+    `scope["state"]["claims"]`."""
 
-    def __init__(self, app: ASGIApp, *, verifier: Verifier) -> None:
-        self.app = app
-        self.verifier = verifier
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
+    async def check(scope: Scope) -> ASGIApp | None:
+        if scope["path"] in OPEN_PATHS:
+            return None
         header = problems.header(scope, b"authorization")
         roles = allowed_roles(scope["method"], scope["path"])
         try:
-            claims = self.verifier.check_header(header, audience=AUDIENCE, roles=ROLES)
+            claims = verifier.check_header(header, audience=AUDIENCE, roles=ROLES)
         except InvalidToken as exc:
             detail = f"the ledger takes only tokens the control plane signed for it ({exc})"
-            await problems.unauthenticated(detail, type_=PROBLEM_BASE + "unauthenticated")(scope, receive, send)
-            return
+            return problems.unauthenticated(detail, type_=PROBLEM_BASE + "unauthenticated")
         if claims.role not in roles:
             detail = (
                 f"a {claims.role} token may not {scope['method']} {scope['path']} (allowed: {', '.join(sorted(roles))})"
             )
             document = problems.body(403, "forbidden", "Forbidden", detail)
             document["type"] = PROBLEM_BASE + "forbidden"
-            await problems.send(scope, send, document, 403)
-            return
+            return problems.response(document, 403)
         scope.setdefault("state", {})["claims"] = claims
-        await self.app(scope, receive, send)
+        return None
+
+    return check

@@ -36,14 +36,15 @@ One module per manager (`ufm`, `nmx`, `sdn`), their shared `state`, and the test
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
+from starlette.types import ASGIApp, Scope
 
+from gpucloud.config import RequestBodySettings
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.fabric.http_clients import NmxClient
 from gpucloud.sim.fabric_managers.faults import faults
@@ -52,25 +53,30 @@ from gpucloud.sim.fabric_managers.sdn import sdn
 from gpucloud.sim.fabric_managers.state import FabricState, available
 from gpucloud.sim.fabric_managers.ufm import ufm
 from gpucloud.web import problems, tls
+from gpucloud.web.gate import BODY_DEFAULTS, Gate, holds_token
 from gpucloud.web.tls import ServerTLS, serve_options
 
 
 def create_app(
-    *, nvl_domains: dict[str, list[str]] | None = None, state_path: Path | None = None, token: str | None = None
+    *,
+    nvl_domains: dict[str, list[str]] | None = None,
+    state_path: Path | None = None,
+    token: str | None = None,
+    request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> FastAPI:
     """The three managers; `nvl_domains` maps each NVL72 domain to its GPUs' UIDs; with a
     `state_path` the state survives a restart; with a `token`, every call but `/healthz` needs
-    it as a bearer token, as the real managers' APIs need theirs (None: unchecked)."""
+    it as a bearer token, as the real managers' APIs need theirs (None: unchecked), checked by
+    the gate every server has before a body is read (`web/gate.py`, bodies read as
+    `request_body` says)."""
     app = FastAPI(title="Simulated fabric managers (UFM, NMX-M, SDN)")
 
-    @app.middleware("http")
-    async def token_only(request: Request, call_next):
-        if token is None or request.url.path == "/healthz":
-            return await call_next(request)
-        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            return problems.unauthenticated("the fabric managers answer only their API token")
-        return await call_next(request)
+    async def token_only(scope: Scope) -> ASGIApp | None:
+        if token is None or scope["path"] == "/healthz" or holds_token(scope, token):
+            return None
+        return problems.unauthenticated("the fabric managers answer only their API token")
+
+    app.add_middleware(Gate, check=token_only, body=request_body)
 
     app.state.fabric = state = FabricState.load(state_path)
     for domain, gpus in (nvl_domains or {}).items():
@@ -123,7 +129,8 @@ def main(
     token: str | None = None,
     tls: ServerTLS | None = None,
     insecure: bool = False,
+    request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> None:
     secure = serve_options(host, tls, insecure=insecure, what="simulated fabric managers")
-    app = create_app(state_path=state_path, token=token)
+    app = create_app(state_path=state_path, token=token, request_body=request_body)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)

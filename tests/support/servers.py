@@ -1,0 +1,116 @@
+"""Every server the project runs, built in-process for the security tests, and every route of each.
+
+`servers` builds the API, the ledger, a node's agent, the tracker and origin, a node's peer
+service, the simulated fleet and the simulated fabric managers, each as `gpucloud up` would
+(checking callers), with the request-body settings a test gives. `calls` lists the requests
+that reach every route of one of them: every operation of its OpenAPI document, every route it
+leaves out, and the fleet's per-node weights and peer routes (a mount)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.routing import Mount
+from temporalio.client import Client
+
+from gpucloud.agent.app import Agent
+from gpucloud.agent.app import create_app as agent_app
+from gpucloud.agent.chunk_cache import ChunkCache
+from gpucloud.agent.host import HostState
+from gpucloud.agent.peer import create_peer_app
+from gpucloud.api.app import create_app as api_app
+from gpucloud.bootstrap import detect_probe
+from gpucloud.config import RequestBodySettings, Settings
+from gpucloud.ledger.app import create_app as ledger_app
+from gpucloud.registry.manifest import Keyring
+from gpucloud.registry.store import LocalChunkStore
+from gpucloud.registry.tracker_app import create_tracker_app
+from gpucloud.sim.fabric_managers import create_app as fabric_app
+from gpucloud.sim.fleet import create_app as fleet_app
+from gpucloud.sim.node_weights import WeightsSpec
+from gpucloud.sim.nodes import FleetSpec
+from gpucloud.web.service_tokens import Verifier
+
+OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+DIGEST = "0" * 64
+OPERATOR_TOKEN = "operator-secret"
+FABRIC_TOKEN = "fabric-secret"
+PEER_TENANT = "t-1"
+
+
+def node_of(server: str) -> str:
+    """The node id a server's routes are called with (the simulated fleet names its own)."""
+    return "n-00000" if server == "simulated fleet" else "n-1"
+
+
+def servers(
+    tmp_path: Path, db_url: str, verifier: Verifier, temporal: Client, request_body: RequestBodySettings
+) -> dict[str, FastAPI]:
+    body = request_body.model_dump()
+    settings = Settings(
+        data_dir=tmp_path,
+        database={"url": db_url},
+        api={"operator_token": OPERATOR_TOKEN, "max_body_bytes": request_body.max_bytes},
+        request_body=body,
+    )
+    agent = Agent(HostState(node_id="n-1", boot_id="boot", scratch_dir=tmp_path / "scratch"), detect_probe("n-1"))
+    cache = ChunkCache(tmp_path / "peer", keyring=Keyring(), tenant=PEER_TENANT)
+    return {
+        "API": api_app(settings, temporal=temporal),
+        "ledger": ledger_app(f"sqlite:///{tmp_path / 'ledger.db'}", control_plane=verifier, request_body=request_body),
+        "agent": agent_app(agent, control_plane=verifier, request_body=request_body),
+        "tracker": create_tracker_app(
+            tenant_chunks=lambda tenant: LocalChunkStore(tmp_path / "chunks" / tenant),
+            verifier=verifier,
+            request_body=request_body,
+        ),
+        "peer": create_peer_app(cache, verifier=verifier, request_body=request_body),
+        "simulated fleet": fleet_app(
+            FleetSpec(nodes=2, latency_scale=0, id_prefix="n"),
+            base_url="http://127.0.0.1:1",
+            control_plane=verifier,
+            control_token=OPERATOR_TOKEN,
+            weights=WeightsSpec(root=tmp_path / "sim-weights", keyring_for=lambda tenant: Keyring()),
+            request_body=request_body,
+        ),
+        "simulated fabric managers": fabric_app(token=FABRIC_TOKEN, request_body=request_body),
+    }
+
+
+def fill(path: str, node_id: str) -> str:
+    """A concrete path: ids that look right (digests where a digest goes), the fleet's node."""
+
+    def value(match: re.Match) -> str:
+        name = match.group(1).split(":")[0]
+        if name in ("chunk_id", "digest", "version"):
+            return DIGEST
+        if name == "node_id":
+            return node_id
+        return f"made-up-{name}"
+
+    return re.sub(r"\{([^}]+)\}", value, path)
+
+
+def calls(app: FastAPI, node_id: str) -> list[tuple[str, str]]:
+    """(method, path) of every route but the open ones (module doc)."""
+    found = {
+        (method.upper(), fill(path, node_id))
+        for path, operations in app.openapi()["paths"].items()
+        for method in operations
+        if method in ("get", "post", "put", "patch", "delete")
+    }
+    for route in app.routes:
+        if isinstance(route, APIRoute):
+            found |= {(method, fill(route.path, node_id)) for method in route.methods - {"HEAD"}}
+        elif isinstance(route, Mount):
+            base = fill(route.path, node_id)
+            found |= {
+                ("GET", f"{base}/weights/status"),
+                ("POST", f"{base}/weights/prefetch"),
+                ("POST", f"{base}/weights/activate"),
+                ("GET", f"{base}/chunks/{DIGEST}"),
+            }
+    return sorted((method, path) for method, path in found if path not in OPEN)
