@@ -46,6 +46,7 @@ from gpucloud.storage.tenant import TenantStore
 from gpucloud.web import service_tokens
 
 if TYPE_CHECKING:
+    from gpucloud.adapters.temporal import CodecKeys
     from gpucloud.sim.faults import FaultModel
 
 FabricControllerFactory = Callable[[], HttpFabricController]
@@ -56,6 +57,7 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
     `runtime` carries the SDK's telemetry (the worker's metrics)."""
     from gpucloud.adapters.temporal import connect
 
+    keys = temporal_codec_keys(settings)
     retrying = tenacity.AsyncRetrying(
         stop=tenacity.stop_after_delay(wait_s),
         wait=tenacity.wait_fixed(0.5),
@@ -64,8 +66,17 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
     )
     async for attempt in retrying:
         with attempt:
-            return await connect(settings.temporal, runtime=runtime, interceptors=tracing.temporal_interceptors())
+            return await connect(
+                settings.temporal, keys=keys, runtime=runtime, interceptors=tracing.temporal_interceptors()
+            )
     raise AssertionError("tenacity either returns or raises")
+
+
+def temporal_codec_keys(settings: Settings) -> CodecKeys:
+    """The keys that seal Temporal payloads: every client of one deployment needs the same."""
+    from gpucloud.adapters.temporal import CodecKeys
+
+    return CodecKeys.parse(settings.temporal_codec_keys)
 
 
 @cache

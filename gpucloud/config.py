@@ -15,6 +15,7 @@ Temporal cluster, Postgres and S3 by configuration alone.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import tempfile
@@ -26,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gpucloud.web.tls import ServerTLS
+from gpucloud.web.tls import ServerTLS, is_loopback
 
 TASK_QUEUE = "gpucloud"
 
@@ -51,6 +52,31 @@ class TemporalSettings(BaseModel):
     tls_server_name: str | None = None
     # An API key (Temporal Cloud, or a cluster with an authorizer), sent as a bearer token.
     api_key: SecretStr | None = None
+    # A frontend off loopback is reached only over TLS, unless this says the network between is
+    # trusted: histories carry every workflow's input, and the API key travels in each call.
+    allow_insecure: bool = False
+    # The keys that seal every payload (`adapters/temporal.py`): base64 of 32 bytes each,
+    # separated by newlines or commas, the newest last (it seals new payloads; the older ones
+    # still open what they sealed). Without them, keys kept in the data dir (created 0600).
+    codec_keys: SecretStr | None = None
+    # `gpucloud codec-server`: the Web UI's (and `temporal --codec-endpoint`'s) decoder, for
+    # operators only; it binds loopback unless told otherwise, and answers only the operator token.
+    codec_server_host: str = "127.0.0.1"
+    codec_server_port: int = 8088
+    # The Web UI's origin, allowed to call the codec server from a browser (CORS).
+    codec_server_ui_origin: str = "http://127.0.0.1:8233"
+
+    @model_validator(mode="after")
+    def _tls_off_loopback(self) -> TemporalSettings:
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        tls_asked = self.tls or self.tls_ca_file is not None or self.tls_cert_file is not None
+        if not is_loopback(host) and not tls_asked and not self.allow_insecure:
+            raise ValueError(
+                f"Temporal at {self.address} would be reached without TLS: set GPUCLOUD_TEMPORAL__TLS=true "
+                "(with GPUCLOUD_TEMPORAL__TLS_CA_FILE for a private CA), or GPUCLOUD_TEMPORAL__ALLOW_INSECURE=true "
+                "on a network you trust"
+            )
+        return self
 
 
 class DatabaseSettings(BaseModel):
@@ -437,6 +463,18 @@ class Settings(BaseSettings):
         if self.fabric.token is not None:
             return self.fabric.token.get_secret_value()
         return load_or_create_secret(self.data_dir / "fabric_token", lambda: secrets.token_urlsafe(32))
+
+    @cached_property
+    def temporal_codec_keys(self) -> str:
+        """The payload keys (`TemporalSettings.codec_keys`): from the settings, else kept in the
+        data dir (a rotation appends a key to that file: `gpucloud codec-key-rotate`)."""
+        if self.temporal.codec_keys is not None:
+            return self.temporal.codec_keys.get_secret_value()
+        return load_or_create_secret(self.temporal_codec_keys_path, lambda: base64.b64encode(os.urandom(32)).decode())
+
+    @property
+    def temporal_codec_keys_path(self) -> Path:
+        return (self.data_dir / "temporal_codec_keys").resolve()
 
     @cached_property
     def page_token_secret(self) -> str:

@@ -323,9 +323,11 @@ class Stack:
     def _temporal_ready(self) -> bool:
         from gpucloud.adapters.temporal import connect
 
+        keys = bootstrap.temporal_codec_keys(self.settings)
+
         async def probe() -> bool:
             try:
-                client = await connect(self.settings.temporal)
+                client = await connect(self.settings.temporal, keys=keys)
                 await client.count_workflows()
                 return True
             except Exception:
