@@ -25,7 +25,7 @@ import tenacity
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 
-from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo
+from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo, require_tls
 from gpucloud.adapters.bmc import discover as discover_systems
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
 from gpucloud.agent.probe import Probe
@@ -171,6 +171,7 @@ def bmcs(settings: Settings) -> Bmcs:
         power_wait_s=settings.bmc.power_wait_s,
         poll_s=settings.bmc.poll_s,
         verify=verify,
+        allow_insecure=settings.bmc.allow_insecure,
     )
 
 
@@ -183,8 +184,10 @@ class Bmcs:
     power_wait_s: float
     poll_s: float
     verify: bool | str
+    allow_insecure: bool = False
 
     def for_node(self, url: str, system_id: str, credential_ref: str) -> RedfishBmc:
+        require_tls(url, allow_insecure=self.allow_insecure)
         username, password = self.credentials.resolve(credential_ref)
         return RedfishBmc(
             BmcEndpoint(url, system_id, username, password),
@@ -195,6 +198,7 @@ class Bmcs:
         )
 
     def discover(self, url: str, credential_ref: str) -> list[SystemInfo]:
+        require_tls(url, allow_insecure=self.allow_insecure)
         username, password = self.credentials.resolve(credential_ref)
         return discover_systems(url, username, password, timeout_s=self.timeout_s, verify=self.verify)
 

@@ -291,6 +291,9 @@ class BmcSettings(BaseModel):
     firmware_image_uri: str | None = None
     # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet.
     emulator_port: int = 8600
+    # A BMC off loopback is reached only over https (its credential travels in every request),
+    # unless this says the management network is trusted.
+    allow_insecure: bool = False
 
 
 class TelemetrySettings(BaseModel):

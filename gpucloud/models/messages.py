@@ -273,4 +273,6 @@ class SweepResult(BaseModel):
     replace_signals: int = 0
     # In-flight allocations and tenant operations whose lost workflow was started again.
     adopted: int = 0
+    # Idempotency records past their retention, deleted.
+    idempotency_expired: int = 0
     errors: list[str] = Field(default_factory=list)
