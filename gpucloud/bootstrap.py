@@ -150,8 +150,8 @@ def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
     if urls is None:
         return None
     ufm, nmx, sdn = urls
-    token = settings.fabric_token
-    return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, token=token)
+    tokens = settings.fabric_tokens
+    return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, tokens=tokens)
 
 
 def ledger_client(settings: Settings) -> LedgerClient | None:

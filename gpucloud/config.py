@@ -27,6 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gpucloud.fabric.interface import FabricTokens
 from gpucloud.web.tls import ServerTLS, is_loopback
 
 TASK_QUEUE = "gpucloud"
@@ -207,9 +208,12 @@ class FabricSettings(BaseModel):
     nmx_url: str | None = None
     vpc_url: str | None = None
     port: int = 0
-    # The managers' API token (sent as a bearer token); without one, a token kept in the data
-    # dir (created 0600), which the simulated managers of `gpucloud up` are given too.
-    token: SecretStr | None = None
+    # Each manager's own API token (sent as a bearer token; a leaked one opens one manager);
+    # without one, a token kept in the data dir (created 0600), which the simulated managers of
+    # `gpucloud up` are given too.
+    ufm_token: SecretStr | None = None
+    nmx_token: SecretStr | None = None
+    vpc_token: SecretStr | None = None
 
     @property
     def manager_urls(self) -> tuple[str, str, str] | None:
@@ -461,11 +465,16 @@ class Settings(BaseSettings):
         return load_or_create_secret(self.data_dir / "metrics_token", lambda: secrets.token_urlsafe(32))
 
     @cached_property
-    def fabric_token(self) -> str:
-        """The fabric managers' API token: from the settings, else the one kept in the data dir."""
-        if self.fabric.token is not None:
-            return self.fabric.token.get_secret_value()
-        return load_or_create_secret(self.data_dir / "fabric_token", lambda: secrets.token_urlsafe(32))
+    def fabric_tokens(self) -> FabricTokens:
+        """Each fabric manager's API token: from the settings, else the one kept in the data dir."""
+
+        def token(configured: SecretStr | None, name: str) -> str:
+            if configured is not None:
+                return configured.get_secret_value()
+            return load_or_create_secret(self.data_dir / f"fabric_{name}_token", lambda: secrets.token_urlsafe(32))
+
+        f = self.fabric
+        return FabricTokens(token(f.ufm_token, "ufm"), token(f.nmx_token, "nmx"), token(f.vpc_token, "vpc"))
 
     @cached_property
     def temporal_codec_keys(self) -> str:

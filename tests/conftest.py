@@ -173,7 +173,9 @@ def make_harness(tmp_path, temporal_env):
         if managers is not None:
             settings_overrides["fabric"] = {
                 "url": managers.url,
-                "token": managers.token,
+                "ufm_token": managers.tokens.ufm,
+                "nmx_token": managers.tokens.nmx,
+                "vpc_token": managers.tokens.sdn,
                 **settings_overrides.get("fabric", {}),
             }
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)

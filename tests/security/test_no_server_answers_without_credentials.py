@@ -25,6 +25,7 @@ from gpucloud.agent.peer import create_peer_app
 from gpucloud.api.app import create_app as api_app
 from gpucloud.bootstrap import detect_probe
 from gpucloud.config import Settings
+from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.app import create_app as ledger_app
 from gpucloud.registry.manifest import Keyring
 from gpucloud.registry.store import LocalChunkStore
@@ -114,7 +115,7 @@ def _servers(tmp_path: Path, db_url: str, verifier: Verifier, temporal) -> dict[
             control_token="operator-secret",
             weights=WeightsSpec(root=tmp_path / "sim-weights", keyring_for=lambda tenant: Keyring()),
         ),
-        "simulated fabric managers": fabric_app(token="fabric-secret"),
+        "simulated fabric managers": fabric_app(tokens=FabricTokens("ufm-secret", "nmx-secret", "sdn-secret")),
     }
 
 

@@ -46,6 +46,7 @@ from fastapi import Depends, FastAPI, Request
 
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.fabric.http_clients import NmxClient
+from gpucloud.fabric.interface import FabricTokens
 from gpucloud.sim.fabric_managers.faults import faults
 from gpucloud.sim.fabric_managers.nmx import nmx
 from gpucloud.sim.fabric_managers.sdn import sdn
@@ -56,20 +57,29 @@ from gpucloud.web.tls import ServerTLS, serve_options
 
 
 def create_app(
-    *, nvl_domains: dict[str, list[str]] | None = None, state_path: Path | None = None, token: str | None = None
+    *,
+    nvl_domains: dict[str, list[str]] | None = None,
+    state_path: Path | None = None,
+    tokens: FabricTokens | None = None,
 ) -> FastAPI:
     """The three managers; `nvl_domains` maps each NVL72 domain to its GPUs' UIDs; with a
-    `state_path` the state survives a restart; with a `token`, every call but `/healthz` needs
-    it as a bearer token, as the real managers' APIs need theirs (None: unchecked)."""
+    `state_path` the state survives a restart; with `tokens`, every call but `/healthz` needs
+    its manager's own token as a bearer token, as each real manager's API needs its own (None:
+    unchecked). The test faults (`/sim/`) answer any of the three."""
     app = FastAPI(title="Simulated fabric managers (UFM, NMX-M, SDN)")
+    by_prefix = {} if tokens is None else {"/ufmRest/": [tokens.ufm], "/nmx/": [tokens.nmx], "/sdn/": [tokens.sdn]}
 
     @app.middleware("http")
     async def token_only(request: Request, call_next):
-        if token is None or request.url.path == "/healthz":
+        path = request.url.path
+        if tokens is None or path == "/healthz":
             return await call_next(request)
+        accepted = next((t for prefix, t in by_prefix.items() if path.startswith(prefix)), list(tokens))
         scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            return problems.unauthenticated("the fabric managers answer only their API token")
+        if scheme.lower() != "bearer" or not any(
+            hmac.compare_digest(given.strip().encode(), token.encode()) for token in accepted
+        ):
+            return problems.unauthenticated("each fabric manager answers only its own API token")
         return await call_next(request)
 
     app.state.fabric = state = FabricState.load(state_path)
@@ -96,13 +106,12 @@ def nvl_domains(inventory: Iterable[dict]) -> dict[str, list[str]]:
     return domains
 
 
-def register_nvl_domains(url: str, inventory: Iterable[dict], *, token: str | None = None) -> int:
+def register_nvl_domains(url: str, inventory: Iterable[dict], *, nmx_token: str | None = None) -> int:
     """Tell the simulated NMX-M which GPUs each NVL72 domain has (real NMX-M discovers them);
     idempotent. Returns the number of domains."""
     domains = nvl_domains(inventory)
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    with httpx.Client(timeout=30, headers=headers, verify=tls.client_verify()) as client:
-        nmx = NmxClient(client, url)
+    with httpx.Client(timeout=30, verify=tls.client_verify()) as client:
+        nmx = NmxClient(client, url, token=nmx_token)
         for domain, gpus in domains.items():
             nmx.register_domain(domain, gpus)
     return len(domains)
@@ -120,10 +129,10 @@ def main(
     port: int = 8470,
     *,
     state_path: Path | None = None,
-    token: str | None = None,
+    tokens: FabricTokens | None = None,
     tls: ServerTLS | None = None,
     insecure: bool = False,
 ) -> None:
     secure = serve_options(host, tls, insecure=insecure, what="simulated fabric managers")
-    app = create_app(state_path=state_path, token=token)
+    app = create_app(state_path=state_path, tokens=tokens)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)
