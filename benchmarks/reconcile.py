@@ -43,7 +43,7 @@ from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
 
 
 async def one_sweep(settings: Settings):
-    client = await connect(settings.temporal)
+    client = await connect(settings.temporal, keys=bootstrap.temporal_codec_keys(settings))
     started = time.monotonic()
     result = await client.execute_workflow(
         ReconcileSweepWorkflow.run,

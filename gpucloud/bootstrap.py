@@ -25,7 +25,7 @@ import tenacity
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 
-from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo
+from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo, require_tls
 from gpucloud.adapters.bmc import discover as discover_systems
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
 from gpucloud.agent.probe import Probe
@@ -46,6 +46,7 @@ from gpucloud.storage.tenant import TenantStore
 from gpucloud.web import service_tokens
 
 if TYPE_CHECKING:
+    from gpucloud.adapters.temporal import CodecKeys
     from gpucloud.sim.faults import FaultModel
 
 FabricControllerFactory = Callable[[], HttpFabricController]
@@ -56,6 +57,7 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
     `runtime` carries the SDK's telemetry (the worker's metrics)."""
     from gpucloud.adapters.temporal import connect
 
+    keys = temporal_codec_keys(settings)
     retrying = tenacity.AsyncRetrying(
         stop=tenacity.stop_after_delay(wait_s),
         wait=tenacity.wait_fixed(0.5),
@@ -64,8 +66,17 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
     )
     async for attempt in retrying:
         with attempt:
-            return await connect(settings.temporal, runtime=runtime, interceptors=tracing.temporal_interceptors())
+            return await connect(
+                settings.temporal, keys=keys, runtime=runtime, interceptors=tracing.temporal_interceptors()
+            )
     raise AssertionError("tenacity either returns or raises")
+
+
+def temporal_codec_keys(settings: Settings) -> CodecKeys:
+    """The keys that seal Temporal payloads: every client of one deployment needs the same."""
+    from gpucloud.adapters.temporal import CodecKeys
+
+    return CodecKeys.parse(settings.temporal_codec_keys)
 
 
 @cache
@@ -148,8 +159,8 @@ def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
     if urls is None:
         return None
     ufm, nmx, sdn = urls
-    token = settings.fabric_token
-    return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, token=token)
+    tokens = settings.fabric_tokens
+    return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, tokens=tokens)
 
 
 def ledger_client(settings: Settings) -> LedgerClient | None:
@@ -169,6 +180,7 @@ def bmcs(settings: Settings) -> Bmcs:
         power_wait_s=settings.bmc.power_wait_s,
         poll_s=settings.bmc.poll_s,
         verify=verify,
+        allow_insecure=settings.bmc.allow_insecure,
     )
 
 
@@ -181,8 +193,10 @@ class Bmcs:
     power_wait_s: float
     poll_s: float
     verify: bool | str
+    allow_insecure: bool = False
 
     def for_node(self, url: str, system_id: str, credential_ref: str) -> RedfishBmc:
+        require_tls(url, allow_insecure=self.allow_insecure)
         username, password = self.credentials.resolve(credential_ref)
         return RedfishBmc(
             BmcEndpoint(url, system_id, username, password),
@@ -193,6 +207,7 @@ class Bmcs:
         )
 
     def discover(self, url: str, credential_ref: str) -> list[SystemInfo]:
+        require_tls(url, allow_insecure=self.allow_insecure)
         username, password = self.credentials.resolve(credential_ref)
         return discover_systems(url, username, password, timeout_s=self.timeout_s, verify=self.verify)
 

@@ -15,6 +15,7 @@ Temporal cluster, Postgres and S3 by configuration alone.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import tempfile
@@ -26,7 +27,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gpucloud.web.tls import ServerTLS
+from gpucloud.fabric.interface import FabricTokens
+from gpucloud.web.tls import ServerTLS, is_loopback
 
 TASK_QUEUE = "gpucloud"
 
@@ -57,6 +59,31 @@ class TemporalSettings(BaseModel):
     tls_server_name: str | None = None
     # An API key (Temporal Cloud, or a cluster with an authorizer), sent as a bearer token.
     api_key: SecretStr | None = None
+    # A frontend off loopback is reached only over TLS, unless this says the network between is
+    # trusted: histories carry every workflow's input, and the API key travels in each call.
+    allow_insecure: bool = False
+    # The keys that seal every payload (`adapters/temporal.py`): base64 of 32 bytes each,
+    # separated by newlines or commas, the newest last (it seals new payloads; the older ones
+    # still open what they sealed). Without them, keys kept in the data dir (created 0600).
+    codec_keys: SecretStr | None = None
+    # `gpucloud codec-server`: the Web UI's (and `temporal --codec-endpoint`'s) decoder, for
+    # operators only; it binds loopback unless told otherwise, and answers only the operator token.
+    codec_server_host: str = "127.0.0.1"
+    codec_server_port: int = 8088
+    # The Web UI's origin, allowed to call the codec server from a browser (CORS).
+    codec_server_ui_origin: str = "http://127.0.0.1:8233"
+
+    @model_validator(mode="after")
+    def _tls_off_loopback(self) -> TemporalSettings:
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        tls_asked = self.tls or self.tls_ca_file is not None or self.tls_cert_file is not None
+        if not is_loopback(host) and not tls_asked and not self.allow_insecure:
+            raise ValueError(
+                f"Temporal at {self.address} would be reached without TLS: set GPUCLOUD_TEMPORAL__TLS=true "
+                "(with GPUCLOUD_TEMPORAL__TLS_CA_FILE for a private CA), or GPUCLOUD_TEMPORAL__ALLOW_INSECURE=true "
+                "on a network you trust"
+            )
+        return self
 
     @property
     def evaluation_task_queue(self) -> str:
@@ -216,9 +243,12 @@ class FabricSettings(BaseModel):
     nmx_url: str | None = None
     vpc_url: str | None = None
     port: int = 0
-    # The managers' API token (sent as a bearer token); without one, a token kept in the data
-    # dir (created 0600), which the simulated managers of `gpucloud up` are given too.
-    token: SecretStr | None = None
+    # Each manager's own API token (sent as a bearer token; a leaked one opens one manager);
+    # without one, a token kept in the data dir (created 0600), which the simulated managers of
+    # `gpucloud up` are given too.
+    ufm_token: SecretStr | None = None
+    nmx_token: SecretStr | None = None
+    vpc_token: SecretStr | None = None
 
     @property
     def manager_urls(self) -> tuple[str, str, str] | None:
@@ -320,6 +350,9 @@ class BmcSettings(BaseModel):
     firmware_image_uri: str | None = None
     # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet.
     emulator_port: int = 8600
+    # A BMC off loopback is reached only over https (its credential travels in every request),
+    # unless this says the management network is trusted.
+    allow_insecure: bool = False
 
 
 class TelemetrySettings(BaseModel):
@@ -488,11 +521,28 @@ class Settings(BaseSettings):
         return load_or_create_secret(self.data_dir / "metrics_token", lambda: secrets.token_urlsafe(32))
 
     @cached_property
-    def fabric_token(self) -> str:
-        """The fabric managers' API token: from the settings, else the one kept in the data dir."""
-        if self.fabric.token is not None:
-            return self.fabric.token.get_secret_value()
-        return load_or_create_secret(self.data_dir / "fabric_token", lambda: secrets.token_urlsafe(32))
+    def fabric_tokens(self) -> FabricTokens:
+        """Each fabric manager's API token: from the settings, else the one kept in the data dir."""
+
+        def token(configured: SecretStr | None, name: str) -> str:
+            if configured is not None:
+                return configured.get_secret_value()
+            return load_or_create_secret(self.data_dir / f"fabric_{name}_token", lambda: secrets.token_urlsafe(32))
+
+        f = self.fabric
+        return FabricTokens(token(f.ufm_token, "ufm"), token(f.nmx_token, "nmx"), token(f.vpc_token, "vpc"))
+
+    @cached_property
+    def temporal_codec_keys(self) -> str:
+        """The payload keys (`TemporalSettings.codec_keys`): from the settings, else kept in the
+        data dir (a rotation appends a key to that file: `gpucloud codec-key-rotate`)."""
+        if self.temporal.codec_keys is not None:
+            return self.temporal.codec_keys.get_secret_value()
+        return load_or_create_secret(self.temporal_codec_keys_path, lambda: base64.b64encode(os.urandom(32)).decode())
+
+    @property
+    def temporal_codec_keys_path(self) -> Path:
+        return (self.data_dir / "temporal_codec_keys").resolve()
 
     @cached_property
     def page_token_secret(self) -> str:
@@ -505,7 +555,8 @@ class Settings(BaseSettings):
         """The evaluation worker's settings (it runs tenants' code): how to reach Temporal, read
         the registry's store and run a command, and nothing else. No database, no operator,
         metrics or fabric token, no issuer, evaluator or storage master key; a data dir of its
-        own, under this one, that holds none of the platform's secrets."""
+        own, under this one, that holds none of the platform's secrets. It does hold the Temporal
+        payload keys, without which it could not read the evaluations it is sent."""
         objects = self.object_store
         if objects.backend == "local":
             objects = objects.model_copy(update={"local_dir": self.object_store_dir})
@@ -513,7 +564,9 @@ class Settings(BaseSettings):
         # environment and secrets dir back in; every other section keeps its default.
         return Settings.model_construct(
             data_dir=self.data_dir.resolve() / "evaluation-worker",
-            temporal=self.temporal,
+            # The payload keys: it decodes its activities' inputs as every worker does (the one
+            # secret it holds; the commands it runs get none of its environment).
+            temporal=self.temporal.model_copy(update={"codec_keys": SecretStr(self.temporal_codec_keys)}),
             object_store=objects,
             registry=self.registry.model_copy(update={"evaluator_key": None}),
             telemetry=self.telemetry.model_copy(update={"metrics_token": None, "worker_port": None}),

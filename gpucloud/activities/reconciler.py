@@ -22,6 +22,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.api import idempotency
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.health_tables import OperatorAlertRecord
@@ -167,6 +168,7 @@ class ReconcilerActivities(ActivityGroup):
             from gpucloud.workers.recovery import adopt_orphans
 
             result.adopted = await adopt_orphans(self.client, self.db, self.settings)
+            result.idempotency_expired = await asyncio.to_thread(idempotency.delete_expired, self.db.url, now=utcnow())
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
         health_pulls = [p.node_id for p in plans if p.health_pull]
         if health_pulls:

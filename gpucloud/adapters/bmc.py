@@ -22,6 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlsplit
+
+from gpucloud.web.tls import is_loopback
 
 if TYPE_CHECKING:  # sushy (and requests under it) load on the first call to a BMC, not at import:
     import sushy  # the API and the CLI import this module through the workflows and never call one
@@ -89,6 +92,18 @@ class BmcCredentials:
                 "auth", f"no BMC credential {ref!r}: put 'username:password' in {self.directory / ref} (0600)"
             ) from None
         return username, password
+
+
+def require_tls(url: str, *, allow_insecure: bool) -> None:
+    """Refuse a BMC reached in clear off loopback: the credential goes with every request."""
+    parts = urlsplit(url)
+    if parts.scheme == "https" or allow_insecure or (parts.scheme == "http" and is_loopback(parts.hostname or "")):
+        return
+    raise BmcError(
+        "bad_request",
+        f"BMC {url}: Redfish off loopback only over https:// (enroll the node with an https URL), "
+        "or set GPUCLOUD_BMC__ALLOW_INSECURE=true on a management network you trust",
+    )
 
 
 def _translate(error: Exception, what: str) -> BmcError:

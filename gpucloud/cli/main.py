@@ -308,6 +308,45 @@ def ledger(
     )
 
 
+@app.command("codec-server")
+def codec_server(
+    host: Annotated[
+        str | None, typer.Option(help="address to bind (default: GPUCLOUD_TEMPORAL__CODEC_SERVER_HOST, loopback)")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="port (default: GPUCLOUD_TEMPORAL__CODEC_SERVER_PORT)")] = None,
+) -> None:
+    """Decode sealed Temporal payloads for the Web UI (its codec endpoint) and `temporal
+    --codec-endpoint`, for the operator token only. Run it only while an operator needs it."""
+    from gpucloud import bootstrap
+    from gpucloud.adapters.temporal import EncryptionCodec
+    from gpucloud.web.codec_server import main as codec_main
+
+    configure_logging("codec-server")
+    settings = get_settings()
+    codec_main(
+        EncryptionCodec(bootstrap.temporal_codec_keys(settings)),
+        operator_token=settings.operator_token,
+        host=host or settings.temporal.codec_server_host,
+        port=port or settings.temporal.codec_server_port,
+        ui_origin=settings.temporal.codec_server_ui_origin,
+        tls=settings.tls.server,
+        insecure=settings.tls.insecure,
+    )
+
+
+@app.command("codec-key-rotate")
+def codec_key_rotate() -> None:
+    """Add a new Temporal payload key to the data dir's keys: restart every process to seal new
+    payloads with it; payloads sealed before open with the key they name."""
+    from gpucloud.adapters.temporal import add_codec_key
+
+    settings = get_settings()
+    if settings.temporal.codec_keys is not None:
+        console.print("[red]error:[/] the keys come from GPUCLOUD_TEMPORAL__CODEC_KEYS: append a new one there")
+        raise typer.Exit(2)
+    console.print(f"new key {add_codec_key(settings.temporal_codec_keys_path)} in {settings.temporal_codec_keys_path}")
+
+
 @app.command()
 def migrate(
     check: Annotated[

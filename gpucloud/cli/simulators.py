@@ -164,7 +164,7 @@ def fabric_managers(
         host=host,
         port=port,
         state_path=state,
-        token=settings.fabric_token,
+        tokens=settings.fabric_tokens,
         tls=settings.tls.server,
         insecure=settings.tls.insecure,
         request_body=settings.request_body,

@@ -171,7 +171,14 @@ class Stack:
                         "database_url": SecretStr(s.ledger_database_url),
                     }
                 ),
-                "fabric": s.fabric.model_copy(update={"url": self.fabric_url, "token": SecretStr(s.fabric_token)})
+                "fabric": s.fabric.model_copy(
+                    update={
+                        "url": self.fabric_url,
+                        "ufm_token": SecretStr(s.fabric_tokens.ufm),
+                        "nmx_token": SecretStr(s.fabric_tokens.nmx),
+                        "vpc_token": SecretStr(s.fabric_tokens.sdn),
+                    }
+                )
                 if self.fabric
                 else s.fabric,
             }
@@ -324,7 +331,7 @@ class Stack:
         if self.fabric and self.nvl72_racks:
             # Real NMX-M discovers each NVL72 rack's GPUs; the simulated one is told.
             with self._sim() as sim:
-                register_nvl_domains(self.fabric_url, sim.inventory(), token=self.settings.fabric_token)
+                register_nvl_domains(self.fabric_url, sim.inventory(), nmx_token=self.settings.fabric_tokens.nmx)
 
     def _sim(self) -> SimFleetClient:
         return SimFleetClient(self.settings.sim_url, token=self.settings.operator_token, timeout_s=30)
@@ -332,9 +339,11 @@ class Stack:
     def _temporal_ready(self) -> bool:
         from gpucloud.adapters.temporal import connect
 
+        keys = bootstrap.temporal_codec_keys(self.settings)
+
         async def probe() -> bool:
             try:
-                client = await connect(self.settings.temporal)
+                client = await connect(self.settings.temporal, keys=keys)
                 await client.count_workflows()
                 return True
             except Exception:

@@ -16,7 +16,7 @@ Every call is blocking; async callers (Temporal activities) run them with `async
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -138,3 +138,11 @@ class FabricController(Protocol):
     def nvlink(self) -> NvLinkPartitions: ...
     @property
     def ethernet(self) -> EthernetVpcs: ...
+
+
+class FabricTokens(NamedTuple):
+    """Each fabric manager's own API token: one manager's token opens no other manager."""
+
+    ufm: str
+    nmx: str
+    sdn: str

@@ -275,4 +275,6 @@ class SweepResult(BaseModel):
     adopted: int = 0
     # So much of the fleet is silent that the control plane is suspect: power actions held.
     power_held: bool = False
+    # Idempotency records past their retention, deleted.
+    idempotency_expired: int = 0
     errors: list[str] = Field(default_factory=list)

@@ -12,13 +12,11 @@ import uuid
 from datetime import UTC, datetime
 
 import pytest
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
 
 from gpucloud.fabric.interface import DEFAULT_PKEY, FabricNode, Membership
 from gpucloud.fabric.isolation import find_violations
 from gpucloud.services.allocations import workflow_id_for
-from gpucloud.workers.main import WORKFLOWS
+from support.histories import replayer
 from support.stack import async_wait_until
 
 pytestmark = pytest.mark.one_database
@@ -267,4 +265,4 @@ async def test_drain_and_replace_moves_membership_from_the_pulled_tray_to_its_re
 async def _replays(temporal_env, alloc_id: str) -> None:
     """The history so far (fabric steps and all) replays against the workflow code."""
     history = await temporal_env.client.get_workflow_handle(workflow_id_for(alloc_id)).fetch_history()
-    await Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter).replay_workflow(history)
+    await replayer(temporal_env.client).replay_workflow(history)

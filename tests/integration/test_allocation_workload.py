@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import pytest
 
+from gpucloud.services.allocations import workflow_id_for
+
 pytestmark = pytest.mark.one_database
 
 
-WORKLOAD = {"command": ["torchrun", "--nproc-per-node", "8", "train.py"], "env": {"EPOCHS": "3"}, "ssh_keys": []}
+SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGpucloudtenantkeynotinclear tenant@laptop"
+WORKLOAD = {
+    "command": ["torchrun", "--nproc-per-node", "8", "train.py"],
+    "env": {"EPOCHS": "3", "HF_TOKEN": "hf_tenant_secret_never_in_clear"},
+    "ssh_keys": [SSH_KEY],
+}
 
 
-async def test_each_node_of_the_allocation_runs_its_workload_until_release(ready_fleet):
+async def test_each_node_of_the_allocation_runs_its_workload_until_release(ready_fleet, temporal_env):
     h = await ready_fleet(nodes=2, latency_scale=0.02)
     _, key = await h.onboard()
     with h.client(key) as tenant:
@@ -34,6 +41,15 @@ async def test_each_node_of_the_allocation_runs_its_workload_until_release(ready
         await h.wait_allocation(key, alloc["id"], "released")
     for node_id in ready["node_ids"]:
         assert h.sim.node(node_id)["workload"] is None
+    # What Temporal keeps (read raw from the server, as its database and Web UI hold it) carries
+    # the workload sealed: neither its environment nor its SSH keys in clear.
+    workflow_ids = [workflow_id_for(alloc["id"]), *(f"node-{n}" for n in ready["node_ids"])]
+    for workflow_id in workflow_ids:
+        history = await temporal_env.client.get_workflow_handle(workflow_id).fetch_history()
+        raw = b"".join(event.SerializeToString() for event in history.events)
+        assert b"binary/encrypted" in raw
+        for secret in (b"hf_tenant_secret_never_in_clear", b"gpucloudtenantkeynotinclear"):
+            assert secret not in raw, workflow_id
     _, other = await h.onboard()
     with h.client(other) as stranger:
         assert stranger.get(f"/v1/allocations/{alloc['id']}/nodes").status_code == 404

@@ -161,3 +161,22 @@ def test_the_cli_lists_a_bmcs_systems_and_names_a_bad_credential(emulator: BmcEm
     assert sorted(s["name"] for s in json.loads(as_json.output)) == NODES
     missing = CliRunner().invoke(app, ["bmc", "systems", "--url", emulator.url, "--credential", "nope"], env=env)
     assert missing.exit_code == 1 and "error (auth)" in missing.output and "fix the credential" in missing.output
+
+
+def test_a_bmc_off_loopback_in_clear_is_refused_unless_allowed(tmp_path: Path) -> None:
+    from gpucloud import bootstrap
+    from gpucloud.config import Settings
+
+    (tmp_path / "bmc_credentials").mkdir()
+    (tmp_path / "bmc_credentials" / "ref").write_text("admin:secret")
+    bmcs = bootstrap.bmcs(Settings(data_dir=tmp_path))
+    for url in ("http://10.0.0.9", "http://bmc.example", "ftp://127.0.0.1"):
+        with pytest.raises(BmcError, match=r"https://.*GPUCLOUD_BMC__ALLOW_INSECURE=true") as refused:
+            bmcs.for_node(url, "1", "ref")
+        assert refused.value.kind == "bad_request" and not refused.value.retryable
+        with pytest.raises(BmcError, match="GPUCLOUD_BMC__ALLOW_INSECURE"):
+            bmcs.discover(url, "ref")
+    assert bmcs.for_node("https://10.0.0.9", "1", "ref").endpoint.url == "https://10.0.0.9"
+    assert bmcs.for_node("http://127.0.0.1:8600", "1", "ref").endpoint.password == "secret"
+    trusted = bootstrap.bmcs(Settings(data_dir=tmp_path, bmc={"allow_insecure": True}))
+    assert trusted.for_node("http://10.0.0.9", "1", "ref").endpoint.url == "http://10.0.0.9"

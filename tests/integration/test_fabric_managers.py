@@ -15,6 +15,7 @@ from gpucloud.fabric.interface import (
     DEFAULT_PKEY,
     FabricError,
     FabricNode,
+    FabricTokens,
     FabricVerificationError,
     Membership,
 )
@@ -400,3 +401,23 @@ def test_a_request_that_changes_nothing_writes_nothing(tmp_path):
         assert len(writes) == 4
         assert c.infiniband.get_pkey(0x0C01).guids(Membership.FULL) == set(ports[1:])
     assert '"0x00000000000c0002", "membership": "full"' in state.read_text()
+
+
+def test_each_manager_answers_only_its_own_token():
+    tokens = FabricTokens("ufm-token", "nmx-token", "sdn-token")
+    with FabricManagersServer(create_app(tokens=tokens)) as server:
+        with HttpFabricController.for_simulator(server.url, tokens=tokens) as own:
+            assert own.infiniband.list_pkeys() is not None
+            assert own.nvlink.list_partitions() == [] and own.ethernet.list_vpcs() == []
+        paths = {"ufm": "/ufmRest/resources/pkeys", "nmx": "/nmx/v1/partitions", "sdn": "/sdn/v1/vpcs"}
+        for manager, path in paths.items():
+            for other in tokens._fields:
+                answer = httpx.get(server.url + path, headers={"Authorization": f"Bearer {getattr(tokens, other)}"})
+                assert answer.status_code == (200 if other == manager else 401), (manager, other, answer.text)
+        # A controller given one manager's token for all three reaches that manager only.
+        shared = FabricTokens(tokens.ufm, tokens.ufm, tokens.ufm)
+        with HttpFabricController.for_simulator(server.url, tokens=shared) as leaked:
+            leaked.infiniband.list_pkeys()
+            with pytest.raises(FabricError) as refused:
+                leaked.nvlink.list_partitions()
+            assert refused.value.status_code == 401

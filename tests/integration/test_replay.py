@@ -9,27 +9,18 @@ purpose (GPUCLOUD_RECORD_HISTORIES=1); after it, the change goes behind `workflo
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
 
 from gpucloud.services.allocations import workflow_id_for
-from gpucloud.workers.main import WORKFLOWS
-
-HISTORIES = Path(__file__).parent.parent / "histories"
-
-
-def _replayer() -> Replayer:
-    return Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+from support.histories import HISTORIES, record, replayer
 
 
 @pytest.mark.parametrize("path", sorted(HISTORIES.glob("*.json")), ids=lambda p: p.stem)
-async def test_recorded_histories_replay(path):
+async def test_recorded_histories_replay(path, temporal_env):
     history = WorkflowHistory.from_json(path.stem, path.read_text())
-    await _replayer().replay_workflow(history)
+    await replayer(temporal_env.client).replay_workflow(history)
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -44,11 +35,11 @@ async def test_fresh_allocation_history_replays(ready_fleet, temporal_env):
     handle = temporal_env.client.get_workflow_handle(workflow_id_for(alloc_id))
     await handle.result()
     history = await handle.fetch_history()
-    await _replayer().replay_workflow(history)
+    await replayer(temporal_env.client).replay_workflow(history)
     await h.wait_states({"available": 2})
     node_id = h.nodes()[0]["id"]
     node_history = await temporal_env.client.get_workflow_handle(f"node-{node_id}").fetch_history()
-    await _replayer().replay_workflow(node_history)
+    await replayer(temporal_env.client).replay_workflow(node_history)
     if os.environ.get("GPUCLOUD_RECORD_HISTORIES"):
-        (HISTORIES / "allocation_workflow.json").write_text(history.to_json())
-        (HISTORIES / "node_operation_workflow.json").write_text(node_history.to_json())
+        record(temporal_env.client, history, "allocation_workflow")
+        record(temporal_env.client, node_history, "node_operation_workflow")

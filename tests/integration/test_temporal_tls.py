@@ -13,11 +13,13 @@ import ssl
 import pytest
 from pydantic import SecretStr
 
-from gpucloud.adapters.temporal import connect
+from gpucloud.adapters.temporal import CodecKeys, connect, new_codec_key
 from gpucloud.config import TemporalSettings
 from gpucloud.web.tls import LocalCA
 
 pytestmark = pytest.mark.one_database
+
+KEYS = CodecKeys.parse(new_codec_key())
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -73,7 +75,7 @@ async def test_workers_and_the_api_reach_temporal_over_mutual_tls_with_an_api_ke
             tls_server_name="localhost",
             api_key=SecretStr("gpucloud-test-key"),
         )
-        client = await asyncio.wait_for(connect(settings), 30)
+        client = await asyncio.wait_for(connect(settings, keys=KEYS), 30)
         assert client.service_client.config.api_key == "gpucloud-test-key"
         await client.count_workflows()
         assert "gpucloud-worker" in handshakes  # the proxy saw our client certificate
@@ -81,11 +83,11 @@ async def test_workers_and_the_api_reach_temporal_over_mutual_tls_with_an_api_ke
         # Without a client certificate the frontend refuses the handshake.
         no_cert = settings.model_copy(update={"tls_cert_file": None, "tls_key_file": None})
         with pytest.raises(RuntimeError):
-            await asyncio.wait_for(connect(no_cert), 30)
+            await asyncio.wait_for(connect(no_cert, keys=KEYS), 30)
         # Against the system's CAs only, our private CA's frontend is not trusted.
         system_roots = settings.model_copy(update={"tls_ca_file": None})
         with pytest.raises(RuntimeError):
-            await asyncio.wait_for(connect(system_roots), 30)
+            await asyncio.wait_for(connect(system_roots, keys=KEYS), 30)
 
 
 def test_half_a_client_certificate_is_a_configuration_error(tmp_path):
@@ -97,3 +99,13 @@ def test_half_a_client_certificate_is_a_configuration_error(tmp_path):
         tls_config(TemporalSettings(tls_cert_file=leaf.cert_file))
     assert tls_config(TemporalSettings()) is False
     assert tls_config(TemporalSettings(tls=True)) is not False
+
+
+@pytest.mark.parametrize("address", ["temporal:7233", "10.0.0.5:7233", "[2001:db8::1]:7233"])
+def test_a_frontend_off_loopback_without_tls_is_refused_unless_allowed(address):
+    with pytest.raises(ValueError, match=r"GPUCLOUD_TEMPORAL__TLS=true.*GPUCLOUD_TEMPORAL__ALLOW_INSECURE=true"):
+        TemporalSettings(address=address)
+    assert TemporalSettings(address=address, tls=True).address == address
+    assert TemporalSettings(address=address, allow_insecure=True).address == address
+    for loopback in ("127.0.0.1:7233", "localhost:7233", "[::1]:7233"):
+        assert TemporalSettings(address=loopback).address == loopback

@@ -13,14 +13,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import httpx
 import pytest
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.worker import Replayer
 
 from gpucloud.activities.faults import FaultPoint
 from gpucloud.activities.storage import TENANT_RECORD
@@ -28,13 +25,12 @@ from gpucloud.bootstrap import tenant_store
 from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.storage import retention
 from gpucloud.storage.envelope import UnknownTenantKeyError
-from gpucloud.workers.main import WORKFLOWS
+from support.histories import record, replayer
 from support.stack import async_wait_until
 
 pytestmark = pytest.mark.one_database
 
 ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
-HISTORIES = Path(__file__).parent.parent / "histories"
 
 
 async def replays(temporal, workflow_id: str, *, record_as: str) -> None:
@@ -43,9 +39,9 @@ async def replays(temporal, workflow_id: str, *, record_as: str) -> None:
     handle = temporal.get_workflow_handle(workflow_id)
     await handle.result()
     history = await handle.fetch_history()
-    await Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter).replay_workflow(history)
+    await replayer(temporal).replay_workflow(history)
     if os.environ.get("GPUCLOUD_RECORD_HISTORIES"):
-        (HISTORIES / f"{record_as}.json").write_text(history.to_json())
+        record(temporal, history, record_as)
 
 
 @dataclass

@@ -45,7 +45,7 @@ from gpucloud.web.service_tokens import (
     load_or_create_issuer,
     swarm_audience,
 )
-from support.servers import FABRIC_TOKEN, OPERATOR_TOKEN, PEER_TENANT, calls, node_of, servers
+from support.servers import FABRIC_TOKENS, OPERATOR_TOKEN, PEER_TENANT, calls, node_of, servers
 
 pytestmark = pytest.mark.one_database
 
@@ -80,7 +80,8 @@ def _authorized(issuer: Issuer, server: str, method: str, path: str) -> tuple[st
     if server == "API":
         return path, bearer(OPERATOR_TOKEN)
     if server == "simulated fabric managers":
-        return path, bearer(FABRIC_TOKEN)
+        owner = {"ufmRest": FABRIC_TOKENS.ufm, "nmx": FABRIC_TOKENS.nmx, "sdn": FABRIC_TOKENS.sdn}
+        return path, bearer(owner.get(parts[1], FABRIC_TOKENS.ufm))
     if server == "ledger":
         roles = allowed_roles(method, path)
         role = next(r for r in ("operator", "control-plane", "agent") if r in roles)

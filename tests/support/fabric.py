@@ -8,29 +8,29 @@ import secrets
 import httpx
 
 from gpucloud.fabric.http_clients import HttpFabricController
-from gpucloud.fabric.interface import FabricSnapshot, Membership, NvlPartition, PKey, Vpc
+from gpucloud.fabric.interface import FabricSnapshot, FabricTokens, Membership, NvlPartition, PKey, Vpc
 from gpucloud.fabric.membership import read_snapshot, resource_name
 from gpucloud.sim.fabric_managers import FabricManagersServer, create_app, register_nvl_domains
 
 
 class FabricManagers:
-    """The managers with an API token of their own, which every client here sends."""
+    """The managers, each with an API token of its own, which every client here sends."""
 
     def __init__(self) -> None:
-        self.token = secrets.token_urlsafe(16)
-        self.server = FabricManagersServer(create_app(token=self.token))
+        self.tokens = FabricTokens(*(secrets.token_urlsafe(16) for _ in range(3)))
+        self.server = FabricManagersServer(create_app(tokens=self.tokens))
         self.url = self.server.start()
 
     def controller(self) -> HttpFabricController:
-        return HttpFabricController.for_simulator(self.url, token=self.token)
+        return HttpFabricController.for_simulator(self.url, tokens=self.tokens)
 
     def register_domains(self, inventory: list[dict]) -> int:
         """Tell the simulated NMX-M the NVL72 racks of a fleet (real NMX-M discovers them)."""
-        return register_nvl_domains(self.url, inventory, token=self.token)
+        return register_nvl_domains(self.url, inventory, nmx_token=self.tokens.nmx)
 
     def set_fault(self, mode: str | None) -> None:
         """`unavailable` (every manager answers 503), `stale_reads` (reads leave members out), None."""
-        auth = {"Authorization": f"Bearer {self.token}"}
+        auth = {"Authorization": f"Bearer {self.tokens.ufm}"}
         httpx.put(f"{self.url}/sim/v1/fault", json={"mode": mode}, headers=auth).raise_for_status()
 
     def snapshot(self) -> FabricSnapshot:

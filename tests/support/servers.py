@@ -24,6 +24,7 @@ from gpucloud.agent.peer import create_peer_app
 from gpucloud.api.app import create_app as api_app
 from gpucloud.bootstrap import detect_probe
 from gpucloud.config import RequestBodySettings, Settings
+from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.app import create_app as ledger_app
 from gpucloud.registry.manifest import Keyring
 from gpucloud.registry.store import LocalChunkStore
@@ -37,7 +38,7 @@ from gpucloud.web.service_tokens import Verifier
 OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 DIGEST = "0" * 64
 OPERATOR_TOKEN = "operator-secret"
-FABRIC_TOKEN = "fabric-secret"
+FABRIC_TOKENS = FabricTokens("ufm-secret", "nmx-secret", "sdn-secret")
 PEER_TENANT = "t-1"
 
 
@@ -76,7 +77,7 @@ def servers(
             weights=WeightsSpec(root=tmp_path / "sim-weights", keyring_for=lambda tenant: Keyring()),
             request_body=request_body,
         ),
-        "simulated fabric managers": fabric_app(token=FABRIC_TOKEN, request_body=request_body),
+        "simulated fabric managers": fabric_app(tokens=FABRIC_TOKENS, request_body=request_body),
     }
 
 

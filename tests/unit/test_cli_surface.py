@@ -7,8 +7,22 @@ import typer
 
 from gpucloud.cli.main import app
 
-# Commands that run a component (or the whole stack) rather than print data.
-RUNNERS = {"server", "worker", "api", "sim", "tracker", "up", "demo", "agent", "ledger", "fabric-managers"}
+# Commands that run a component (or the whole stack), or add a key to the data dir, rather than
+# print data.
+RUNNERS = {
+    "server",
+    "worker",
+    "api",
+    "sim",
+    "tracker",
+    "up",
+    "demo",
+    "agent",
+    "ledger",
+    "fabric-managers",
+    "codec-server",
+    "codec-key-rotate",
+}
 
 
 def commands() -> dict[str, object]:

@@ -59,6 +59,21 @@ def test_compose_runs_real_commands_with_real_settings() -> None:
     assert ours["api"]["environment"]["GPUCLOUD_DATABASE__MIGRATE_ON_START"] == "false"
 
 
+def test_compose_settings_validate_and_publish_plain_http_on_loopback_only(monkeypatch) -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    for name, service in compose["services"].items():
+        environment = service.get("environment") or {}
+        if service.get("image") == "gpucloud:latest":
+            for variable, value in environment.items():
+                if variable != "GPUCLOUD_SECRETS_DIR":
+                    monkeypatch.setenv(variable, str(value))
+            Settings()  # Temporal off loopback: refused unless TLS or allow_insecure
+        plain_http = environment.get("GPUCLOUD_TLS__INSECURE") == "true" or service.get("image") != "gpucloud:latest"
+        for published in service.get("ports", []):
+            if plain_http:
+                assert str(published).startswith("127.0.0.1:"), f"{name} publishes {published} without TLS"
+
+
 def test_the_environment_file_names_only_settings() -> None:
     for line in (DEPLOY / "gpucloud.env.example").read_text().splitlines():
         if line and not line.startswith("#"):

@@ -31,7 +31,7 @@ SECRETS = {
     "registry": {"evaluator_key": "ab" * 32},
     "telemetry": {"metrics_token": "metrics-token-4"},
     "tenants": {"storage_master_key": "c2VjcmV0LW1hc3Rlci1rZXktNS0zMi1ieXRlcy1sb25n"},
-    "fabric": {"token": "fabric-token-6"},
+    "fabric": {"ufm_token": "fabric-token-6", "nmx_token": "fabric-token-6n", "vpc_token": "fabric-token-6v"},
     "agent": {"credential_secret": "agent-secret-7"},
     "ledger": {"database_url": "postgresql+psycopg://ledger:ledger-password-8@db/ledger"},
 }
@@ -56,8 +56,16 @@ def test_the_evaluation_workers_environment_holds_no_platform_secret(monkeypatch
     secrets = ["db-password-1", "operator-token-2", "page-secret-3", "ab" * 32, "metrics-token-4"]
     secrets += ["c2VjcmV0LW1hc3Rlci1rZXkt", "fabric-token-6", "agent-secret-7", "ledger-password-8", "shell-token-9"]
     assert [secret for secret in secrets if secret in values] == []
-    secretive = ("TOKEN", "_KEY", "SECRET", "DATABASE", "PASSWORD")
-    assert not [key for key in env if key.startswith("GPUCLOUD_") and any(word in key for word in secretive)]
+    secretive = ("TOKEN", "KEY", "KEYS", "SECRET", "PASSWORD", "DATABASE_URL")
+
+    def holds_secret(variable: str) -> bool:
+        section, _, field = variable.removeprefix("GPUCLOUD_").partition("__")
+        return section == "DATABASE" or field.endswith(secretive)
+
+    # Only the payload keys, the same as the platform's: it must read the activities it is sent.
+    held = [key for key in env if key.startswith("GPUCLOUD_") and holds_secret(key)]
+    assert held == ["GPUCLOUD_TEMPORAL__CODEC_KEYS"]
+    assert env["GPUCLOUD_TEMPORAL__CODEC_KEYS"] == settings.temporal_codec_keys
 
     for key in [k for k in os.environ if k.startswith("GPUCLOUD_")]:
         monkeypatch.delenv(key)

@@ -47,6 +47,7 @@ from starlette.types import ASGIApp, Scope
 from gpucloud.config import RequestBodySettings
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.fabric.http_clients import NmxClient
+from gpucloud.fabric.interface import FabricTokens
 from gpucloud.sim.fabric_managers.faults import faults
 from gpucloud.sim.fabric_managers.nmx import nmx
 from gpucloud.sim.fabric_managers.sdn import sdn
@@ -61,20 +62,25 @@ def create_app(
     *,
     nvl_domains: dict[str, list[str]] | None = None,
     state_path: Path | None = None,
-    token: str | None = None,
+    tokens: FabricTokens | None = None,
     request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> FastAPI:
     """The three managers; `nvl_domains` maps each NVL72 domain to its GPUs' UIDs; with a
-    `state_path` the state survives a restart; with a `token`, every call but `/healthz` needs
-    it as a bearer token, as the real managers' APIs need theirs (None: unchecked), checked by
-    the gate every server has before a body is read (`web/gate.py`, bodies read as
-    `request_body` says)."""
+    `state_path` the state survives a restart; with `tokens`, every call but `/healthz` needs
+    its manager's own token as a bearer token, as each real manager's API needs its own (None:
+    unchecked), checked by the gate every server has before a body is read (`web/gate.py`,
+    bodies read as `request_body` says). The test faults (`/sim/`) answer any of the three."""
     app = FastAPI(title="Simulated fabric managers (UFM, NMX-M, SDN)")
+    by_prefix = {} if tokens is None else {"/ufmRest/": [tokens.ufm], "/nmx/": [tokens.nmx], "/sdn/": [tokens.sdn]}
 
     async def token_only(scope: Scope) -> ASGIApp | None:
-        if token is None or scope["path"] == "/healthz" or holds_token(scope, token):
+        if tokens is None or scope["path"] == "/healthz":
             return None
-        return problems.unauthenticated("the fabric managers answer only their API token")
+        path = scope["path"]
+        accepted = next((t for prefix, t in by_prefix.items() if path.startswith(prefix)), list(tokens))
+        if any(holds_token(scope, token) for token in accepted):
+            return None
+        return problems.unauthenticated("each fabric manager answers only its own API token")
 
     app.add_middleware(Gate, check=token_only, body=request_body)
 
@@ -102,13 +108,12 @@ def nvl_domains(inventory: Iterable[dict]) -> dict[str, list[str]]:
     return domains
 
 
-def register_nvl_domains(url: str, inventory: Iterable[dict], *, token: str | None = None) -> int:
+def register_nvl_domains(url: str, inventory: Iterable[dict], *, nmx_token: str | None = None) -> int:
     """Tell the simulated NMX-M which GPUs each NVL72 domain has (real NMX-M discovers them);
     idempotent. Returns the number of domains."""
     domains = nvl_domains(inventory)
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    with httpx.Client(timeout=30, headers=headers, verify=tls.client_verify()) as client:
-        nmx = NmxClient(client, url)
+    with httpx.Client(timeout=30, verify=tls.client_verify()) as client:
+        nmx = NmxClient(client, url, token=nmx_token)
         for domain, gpus in domains.items():
             nmx.register_domain(domain, gpus)
     return len(domains)
@@ -126,11 +131,11 @@ def main(
     port: int = 8470,
     *,
     state_path: Path | None = None,
-    token: str | None = None,
+    tokens: FabricTokens | None = None,
     tls: ServerTLS | None = None,
     insecure: bool = False,
     request_body: RequestBodySettings = BODY_DEFAULTS,
 ) -> None:
     secure = serve_options(host, tls, insecure=insecure, what="simulated fabric managers")
-    app = create_app(state_path=state_path, token=token, request_body=request_body)
+    app = create_app(state_path=state_path, tokens=tokens, request_body=request_body)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)

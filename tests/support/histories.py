@@ -1,0 +1,48 @@
+"""Workflow histories as tests keep them: recorded histories are committed with their payloads
+opened (the keys that sealed them live only as long as the test process), so they replay
+anywhere; the codec reads an unsealed payload as it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from google.protobuf.message import Message
+from temporalio.api.common.v1 import Payload
+from temporalio.client import WorkflowHistory
+from temporalio.worker import Replayer
+
+from gpucloud.adapters.temporal import EncryptionCodec
+from gpucloud.workers.main import WORKFLOWS
+
+HISTORIES = Path(__file__).parent.parent / "histories"
+
+
+def replayer(client) -> Replayer:
+    """A replayer with the client's own data converter (the codec included)."""
+    return Replayer(workflows=WORKFLOWS, data_converter=client.data_converter)
+
+
+def _open_payloads(message: Message, codec: EncryptionCodec) -> None:
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        if field.label == field.LABEL_REPEATED and field.message_type.GetOptions().map_entry:
+            items = list(value.values()) if field.message_type.fields_by_name["value"].message_type else []
+        elif field.label == field.LABEL_REPEATED:
+            items = list(value)
+        else:
+            items = [value]
+        for item in items:
+            if isinstance(item, Payload):
+                item.CopyFrom(codec.open(item))
+            else:
+                _open_payloads(item, codec)
+
+
+def record(client, history: WorkflowHistory, name: str) -> None:
+    """Keep `history` in tests/histories with its payloads opened."""
+    codec = client.data_converter.payload_codec
+    assert isinstance(codec, EncryptionCodec)
+    for event in history.events:
+        _open_payloads(event, codec)
+    (HISTORIES / f"{name}.json").write_text(history.to_json())
