@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlmodel import col, select
 
+from gpucloud.models.operator_roles import ROLE_SCOPES, Role, Scope
 from gpucloud.models.tables import AgentCredential, ApiKey, Operator, OperatorToken, utcnow
 from gpucloud.services import operators
 from gpucloud.services.api_keys import hash_secret, is_live
@@ -33,7 +34,7 @@ _OPERATOR_TOKEN = (
     .join(Operator, col(Operator.name) == col(OperatorToken.operator))
     .where(col(OperatorToken.id) == sa.bindparam("id"))
 )
-_BOOTSTRAP_SCOPES = operators.ROLE_SCOPES[operators.Role.ADMIN]
+_BOOTSTRAP_SCOPES = ROLE_SCOPES[Role.ADMIN]
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Caller:
     tenant_id: str | None = None
     node_id: str | None = None  # an agent's node
     operator: str | None = None  # an operator's account name
-    scopes: frozenset[operators.Scope] = frozenset()  # what an operator's role allows
+    scopes: frozenset[Scope] = frozenset()  # what an operator's role allows
 
     @property
     def id(self) -> str:
@@ -102,4 +103,4 @@ def _operator(db: sa.Connection, token: str) -> Caller | None:
     name, role, secret_hash, revoked_at, expires_at = row
     if not is_live(revoked_at, expires_at, utcnow()) or not hmac.compare_digest(secret_hash, hash_secret(secret)):
         return None
-    return Caller(role="operator", operator=name, scopes=operators.ROLE_SCOPES[operators.Role(role)])
+    return Caller(role="operator", operator=name, scopes=ROLE_SCOPES[Role(role)])

@@ -16,7 +16,7 @@ from gpucloud.api import auth
 from gpucloud.config import Settings
 from gpucloud.db import read_scope
 from gpucloud.ledger.client import LedgerClient
-from gpucloud.services.operators import Scope
+from gpucloud.models.operator_roles import Scope
 from gpucloud.web.problems import Problem, not_found
 
 RowT = TypeVar("RowT", bound=SQLModel)

@@ -20,6 +20,7 @@ from gpucloud.models.health_tables import (
     AllocationEventPublic,
     OperatorAlertPublic,
 )
+from gpucloud.models.operator_roles import Role
 from gpucloud.models.rollout_messages import (
     RolloutProgress,
     Thresholds,
@@ -460,7 +461,7 @@ class OperatorRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$")
-    role: operator_service.Role
+    role: Role
     expires_in_s: int | None = Field(
         default=None, ge=60, le=_MAX_LIFETIME_S, description="the token's lifetime (default: the API's setting)"
     )

@@ -1,10 +1,7 @@
 """Operator accounts: named operators, each with a role, and their tokens.
 
-A role is a set of scopes, and every operator route declares the one scope it needs
-(`api.deps`): `read` (every GET an operator may make), `fleet` (node actions, power, enrolment,
-rollout control, registry GC, the simulated fleet's reports), `billing` (the price book),
-`tenants` (onboarding, offboarding, quotas, a tenant's API keys) and `operators` (this module's
-accounts). The roles:
+A role is a set of scopes (`models.operator_roles`), and every operator route declares the one
+scope it needs (`api.deps`). The roles:
 
 - `read-only`: read;
 - `fleet-operator`: read, fleet;
@@ -25,41 +22,18 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timedelta
-from enum import StrEnum
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gpucloud.db import rowcount
+from gpucloud.models.operator_roles import Role
 from gpucloud.models.tables import Operator, OperatorToken, utcnow
 from gpucloud.services.api_keys import hash_secret, is_live
 
 BOOTSTRAP = "bootstrap"
 TOKEN_PREFIX = "gpo_"
 MAX_LIFETIME = timedelta(days=366)
-
-
-class Scope(StrEnum):
-    READ = "read"
-    FLEET = "fleet"
-    BILLING = "billing"
-    TENANTS = "tenants"
-    OPERATORS = "operators"
-
-
-class Role(StrEnum):
-    READ_ONLY = "read-only"
-    FLEET = "fleet-operator"
-    BILLING = "billing-admin"
-    ADMIN = "admin"
-
-
-ROLE_SCOPES: dict[Role, frozenset[Scope]] = {
-    Role.READ_ONLY: frozenset({Scope.READ}),
-    Role.FLEET: frozenset({Scope.READ, Scope.FLEET}),
-    Role.BILLING: frozenset({Scope.READ, Scope.BILLING, Scope.TENANTS}),
-    Role.ADMIN: frozenset(Scope),
-}
 
 
 class OperatorExists(Exception):

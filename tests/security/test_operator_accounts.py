@@ -10,9 +10,9 @@ from datetime import timedelta
 from sqlmodel import col, select
 
 from gpucloud.db import session_scope
+from gpucloud.models.operator_roles import Role
 from gpucloud.models.tables import NodeTransition, OperatorToken
 from gpucloud.services.api_keys import hash_secret
-from gpucloud.services.operators import Role
 from support.nodes import enroll
 from support.operators import bearer, operator_api, role_token
 

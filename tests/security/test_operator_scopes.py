@@ -12,7 +12,7 @@ import re
 import pytest
 from fastapi.routing import APIRoute
 
-from gpucloud.services.operators import ROLE_SCOPES, Role, Scope
+from gpucloud.models.operator_roles import ROLE_SCOPES, Role, Scope
 from support.operators import bearer, operator_api, role_token
 
 TENANT_ONLY = "tenant-only"  # operators are refused whatever their role

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from gpucloud.api.app import create_app
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
+from gpucloud.models.operator_roles import Role
 from gpucloud.services import operators
 
 
@@ -23,7 +24,7 @@ def operator_api(tmp_path: Path) -> Iterator[tuple[TestClient, Settings]]:
         yield client, settings
 
 
-def role_token(settings: Settings, name: str, role: operators.Role, *, lifetime: timedelta = timedelta(days=1)) -> str:
+def role_token(settings: Settings, name: str, role: Role, *, lifetime: timedelta = timedelta(days=1)) -> str:
     with session_scope(settings.database_url) as session:
         return operators.create(session, name, role, created_by="operator:bootstrap", lifetime=lifetime)[2]
 
