@@ -104,8 +104,11 @@ class DatabaseSettings(BaseModel):
 class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
-    # The operator's bearer token; without one, a token kept in the data dir (created 0600).
+    # The bootstrap operator's bearer token (the admin named `bootstrap`, who creates the named
+    # operators: `services.operators`); without one, a token kept in the data dir (created 0600).
     operator_token: SecretStr | None = None
+    # How long a named operator's token lives unless its create or rotate says otherwise.
+    operator_token_lifetime_s: int = Field(default=90 * 86400, ge=60, le=366 * 86400)
     # Signs page tokens; every API process of a deployment needs the same one. Without one, a
     # secret kept in the data dir (created 0600).
     page_token_secret: SecretStr | None = None

@@ -21,6 +21,7 @@ from gpucloud.api.routers import (
     health,
     nodes,
     operations,
+    operators,
     registry,
     rollouts,
     tenants,
@@ -74,7 +75,19 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         body=settings.request_body,
     )
     # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.
-    for module in (agents, allocations, operations, tenants, api_keys, nodes, health, registry, billing, rollouts):
+    for module in (
+        agents,
+        allocations,
+        operations,
+        tenants,
+        api_keys,
+        nodes,
+        health,
+        registry,
+        billing,
+        rollouts,
+        operators,
+    ):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"])

@@ -1,6 +1,8 @@
 """Callers: a tenant's API key (`gpc_<key id>.<secret>`, see `services.api_keys`), a node's
-agent credential (`gpa_<node id>.<secret>`, see `services.agent_credentials`) or the operator
-token. A revoked key or agent credential, or a rotated key past its grace period, resolves to no one."""
+agent credential (`gpa_<node id>.<secret>`, see `services.agent_credentials`), a named
+operator's token (`gpo_<token id>.<secret>`, see `services.operators`) or the bootstrap operator
+token (the admin named `bootstrap`). A revoked key, agent credential or operator token, or a
+rotated one past its grace period, resolves to no one."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlmodel import col, select
 
-from gpucloud.models.tables import AgentCredential, ApiKey, utcnow
+from gpucloud.models.operator_roles import ROLE_SCOPES, Role, Scope
+from gpucloud.models.tables import AgentCredential, ApiKey, Operator, OperatorToken, utcnow
+from gpucloud.services import operators
 from gpucloud.services.api_keys import hash_secret, is_live
 
 # Core selects of the columns a check needs: a credential is checked on every request, and the
@@ -22,6 +26,18 @@ _AGENT_SECRET = select(col(AgentCredential.secret_hash)).where(
 _API_KEY = select(col(ApiKey.tenant_id), col(ApiKey.secret_hash), col(ApiKey.revoked_at), col(ApiKey.expires_at)).where(
     col(ApiKey.id) == sa.bindparam("id")
 )
+_OPERATOR_TOKEN = (
+    sa.select(
+        col(OperatorToken.operator),
+        col(Operator.role),
+        col(OperatorToken.secret_hash),
+        col(OperatorToken.revoked_at),
+        col(OperatorToken.expires_at),
+    )
+    .join(Operator, col(Operator.name) == col(OperatorToken.operator))
+    .where(col(OperatorToken.id) == sa.bindparam("id"))
+)
+_BOOTSTRAP_SCOPES = ROLE_SCOPES[Role.ADMIN]
 
 
 @dataclass(frozen=True)
@@ -29,12 +45,15 @@ class Caller:
     role: str  # "operator" | "tenant" | "agent"
     tenant_id: str | None = None
     node_id: str | None = None  # an agent's node
+    operator: str | None = None  # an operator's account name
+    scopes: frozenset[Scope] = frozenset()  # what an operator's role allows
 
     @property
     def id(self) -> str:
+        """Who acted, as events and audit records name them (`operator:<name>`, ...)."""
         if self.role == "agent":
             return f"agent:{self.node_id}"
-        return "operator" if self.role == "operator" else f"tenant:{self.tenant_id}"
+        return f"operator:{self.operator}" if self.role == "operator" else f"tenant:{self.tenant_id}"
 
     @property
     def is_tenant(self) -> bool:
@@ -56,7 +75,9 @@ class TenantCaller(Caller):
 def resolve(db: sa.Connection, token: str, operator_token: str) -> Caller | None:
     """Who `token` is, read on the connection `db`; None for no one."""
     if hmac.compare_digest(token.encode(), operator_token.encode()):
-        return Caller(role="operator")
+        return Caller(role="operator", operator=operators.BOOTSTRAP, scopes=_BOOTSTRAP_SCOPES)
+    if token.startswith(operators.TOKEN_PREFIX) and "." in token:
+        return _operator(db, token)
     if token.startswith("gpa_") and "." in token:
         node_id, secret = token[4:].rsplit(".", 1)
         secret_hash = db.execute(_AGENT_SECRET, {"id": node_id}).scalar()
@@ -75,3 +96,14 @@ def resolve(db: sa.Connection, token: str, operator_token: str) -> Caller | None
     if not hmac.compare_digest(key_hash, hash_secret(secret)):
         return None
     return Caller(role="tenant", tenant_id=tenant_id)
+
+
+def _operator(db: sa.Connection, token: str) -> Caller | None:
+    token_id, secret = token[len(operators.TOKEN_PREFIX) :].split(".", 1)
+    row = db.execute(_OPERATOR_TOKEN, {"id": token_id}).first()
+    if row is None:
+        return None
+    name, role, secret_hash, revoked_at, expires_at = row
+    if not is_live(revoked_at, expires_at, utcnow()) or not hmac.compare_digest(secret_hash, hash_secret(secret)):
+        return None
+    return Caller(role="operator", operator=name, scopes=ROLE_SCOPES[Role(role)])

@@ -16,6 +16,7 @@ from gpucloud.api import auth
 from gpucloud.config import Settings
 from gpucloud.db import read_scope
 from gpucloud.ledger.client import LedgerClient
+from gpucloud.models.operator_roles import Scope
 from gpucloud.web.problems import Problem, not_found
 
 RowT = TypeVar("RowT", bound=SQLModel)
@@ -57,7 +58,7 @@ async def get_any_caller(request: Request) -> auth.Caller:
 
 
 async def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
-    """A tenant or the operator: a node's agent credential opens only the report endpoints."""
+    """A tenant or an operator: a node's agent credential opens only the report endpoints."""
     if caller.role == "agent":
         raise Problem(
             403,
@@ -68,16 +69,72 @@ async def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) ->
     return caller
 
 
-CallerDep = Annotated[auth.Caller, Depends(get_caller)]
+def _require(caller: auth.Caller, scope: Scope) -> None:
+    if scope not in caller.scopes:
+        held = ", ".join(sorted(caller.scopes)) or "none"
+        raise Problem(
+            403,
+            "insufficient-scope",
+            "Operator scope too low",
+            f"this needs the operator scope {scope.value!r}; operator {caller.operator} holds: {held}",
+            required_scope=scope.value,
+        )
 
 
-async def get_operator(caller: CallerDep) -> auth.Caller:
-    if not caller.is_operator:
-        raise Problem(403, "forbidden", "Operator only", "this endpoint needs the operator token")
+async def get_reading_caller(request: Request, caller: Annotated[auth.Caller, Depends(get_caller)]) -> auth.Caller:
+    """A tenant, or an operator holding `read` on a read. A route that takes this and changes
+    something declares no operator scope, so operators are refused it (fail closed): a route
+    operators may change things through takes `caller_or_operator(scope)` instead."""
+    if caller.is_operator:
+        if request.method not in ("GET", "HEAD"):
+            raise Problem(
+                403,
+                "forbidden",
+                "Not an operator action",
+                "this route declares no operator scope for changes; call it with the tenant's API key",
+            )
+        _require(caller, Scope.READ)
     return caller
 
 
-async def get_tenant(caller: CallerDep) -> auth.TenantCaller:
+def operator_with(scope: Scope) -> Callable[..., Any]:
+    """The dependency of a route for operators only, holding `scope` (403 naming it else)."""
+
+    async def dependency(caller: Annotated[auth.Caller, Depends(get_caller)]) -> auth.Caller:
+        if not caller.is_operator:
+            raise Problem(
+                403, "forbidden", "Operator only", f"this endpoint needs an operator token with {scope.value!r}"
+            )
+        _require(caller, scope)
+        return caller
+
+    return dependency
+
+
+def caller_or_operator(scope: Scope) -> Callable[..., Any]:
+    """The dependency of a route a tenant calls for its own resources and an operator holding
+    `scope` for anyone's."""
+
+    async def dependency(caller: Annotated[auth.Caller, Depends(get_caller)]) -> auth.Caller:
+        if caller.is_operator:
+            _require(caller, scope)
+        return caller
+
+    return dependency
+
+
+CallerDep = Annotated[auth.Caller, Depends(get_reading_caller)]
+# One alias per scope an operator route may need (`services.operators`): each route names its own.
+ReadOperatorDep = Annotated[auth.Caller, Depends(operator_with(Scope.READ))]
+FleetOperatorDep = Annotated[auth.Caller, Depends(operator_with(Scope.FLEET))]
+BillingOperatorDep = Annotated[auth.Caller, Depends(operator_with(Scope.BILLING))]
+TenantsOperatorDep = Annotated[auth.Caller, Depends(operator_with(Scope.TENANTS))]
+OperatorsAdminDep = Annotated[auth.Caller, Depends(operator_with(Scope.OPERATORS))]
+CallerOrFleetOperatorDep = Annotated[auth.Caller, Depends(caller_or_operator(Scope.FLEET))]
+CallerOrTenantsOperatorDep = Annotated[auth.Caller, Depends(caller_or_operator(Scope.TENANTS))]
+
+
+async def get_tenant(caller: Annotated[auth.Caller, Depends(get_caller)]) -> auth.TenantCaller:
     if not caller.is_tenant or caller.tenant_id is None:
         raise Problem(
             403,
@@ -89,15 +146,23 @@ async def get_tenant(caller: CallerDep) -> auth.TenantCaller:
     return auth.TenantCaller(tenant_id=caller.tenant_id)
 
 
-async def get_reporter(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
-    """Who may report what nodes see: a node's agent (for its own node only) or the operator."""
-    if caller.role not in ("agent", "operator"):
-        raise Problem(403, "forbidden", "Agents only", "node reports need the node's agent credential")
-    return caller
+def reporter(scope: Scope) -> Callable[..., Any]:
+    """Who may report what nodes see: a node's agent (for its own node only) or an operator
+    holding `scope` (the simulated fleet reports for every node)."""
+
+    async def dependency(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
+        if caller.role not in ("agent", "operator"):
+            raise Problem(403, "forbidden", "Agents only", "node reports need the node's agent credential")
+        if caller.is_operator:
+            _require(caller, scope)
+        return caller
+
+    return dependency
 
 
-OperatorDep = Annotated[auth.Caller, Depends(get_operator)]
-ReporterDep = Annotated[auth.Caller, Depends(get_reporter)]
+ReporterDep = Annotated[auth.Caller, Depends(reporter(Scope.FLEET))]
+# An operator's ledger token may change the books (the ledger's `operator` role): billing's.
+LedgerReporterDep = Annotated[auth.Caller, Depends(reporter(Scope.BILLING))]
 TenantDep = Annotated[auth.TenantCaller, Depends(get_tenant)]
 
 

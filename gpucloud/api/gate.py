@@ -48,8 +48,9 @@ CACHED_CREDENTIALS = 10_000
 class CredentialCache:
     """Who a token was, for `ttl_s` seconds, by the token's digest (never the token in clear).
 
-    Each entry also keeps the credential's public name (`gpc_<key id>`, `gpa_<node id>`), so the
-    process that revokes a key forgets it at once (`forget`); other processes within the TTL."""
+    Each entry also keeps the credential's public name (`gpc_<key id>`, `gpa_<node id>`,
+    `gpo_<token id>`), so the process that revokes a key or an operator's token forgets it at once
+    (`forget`); other processes within the TTL."""
 
     def __init__(self, ttl_s: float, *, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
@@ -85,7 +86,7 @@ def _digest(token: str) -> bytes:
 def _credential(token: str) -> str:
     """A token's public part, before its secret (the whole of an unknown token's digest)."""
     name, dot, _ = token.partition(".")
-    return name if dot and name[:4] in ("gpc_", "gpa_") else _digest(token).hex()
+    return name if dot and name[:4] in ("gpc_", "gpa_", "gpo_") else _digest(token).hex()
 
 
 class Gate(gate.Gate):

@@ -20,6 +20,7 @@ from gpucloud.models.health_tables import (
     AllocationEventPublic,
     OperatorAlertPublic,
 )
+from gpucloud.models.operator_roles import Role
 from gpucloud.models.rollout_messages import (
     RolloutProgress,
     Thresholds,
@@ -31,11 +32,14 @@ from gpucloud.models.tables import (
     NodeEnroll,
     NodePublic,
     OperationPublic,
+    OperatorPublic,
+    OperatorTokenPublic,
     TenantPublic,
     TenantQuotaBase,
 )
 from gpucloud.registry.manifest import HEX_DIGEST
 from gpucloud.services import api_keys as key_service
+from gpucloud.services import operators as operator_service
 from gpucloud.services import quotas as quota_service
 
 # ---------------------------------------------------------------- allocations
@@ -449,3 +453,49 @@ class UsageReport(UsageSummary):
 
 class InvoiceList(BaseModel):
     items: list[InvoiceOut]
+
+
+# ---------------------------------------------------------------- operator accounts
+
+_MAX_LIFETIME_S = int(operator_service.MAX_LIFETIME.total_seconds())
+
+
+class OperatorRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    role: Role
+    expires_in_s: int | None = Field(
+        default=None, ge=60, le=_MAX_LIFETIME_S, description="the token's lifetime (default: the API's setting)"
+    )
+
+
+class OperatorRotateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grace_period_s: int = Field(
+        default=0,
+        ge=0,
+        le=int(key_service.MAX_GRACE.total_seconds()),
+        description="how long the old token keeps working (0: it stops now)",
+    )
+    expires_in_s: int | None = Field(
+        default=None, ge=60, le=_MAX_LIFETIME_S, description="the new token's lifetime (default: the API's setting)"
+    )
+
+
+class OperatorView(OperatorPublic):
+    tokens: list[OperatorTokenPublic] = Field(description="every token the account had, oldest first")
+
+
+class OperatorList(BaseModel):
+    items: list[OperatorView]
+
+
+class OperatorTokenIssued(BaseModel):
+    operator: OperatorPublic
+    token_id: str
+    token: str | None = Field(description="`gpo_<id>.<secret>`, shown in this response only (null on a replay)")
+    expires_at: datetime
+    replaces: str | None = Field(default=None, description="the rotated token")
+    replaced_token_expires_at: datetime | None = Field(default=None, description="when the rotated token stops")

@@ -83,6 +83,17 @@ def reported_errors(*, what: str = "the API") -> Iterator[None]:
         raise typer.Exit(ExitCode.UNAVAILABLE) from None
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, *, option: str) -> int:
+    """`90s`, `30m`, `24h`, `7d` (or plain seconds) as seconds; a usage error naming `option` else."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _DURATION_UNITS else (text, "s")
+    if not number.isdigit():
+        raise typer.BadParameter(f"{text!r} is not a duration like 30m, 24h or 7d", param_hint=option)
+    return int(number) * _DURATION_UNITS[unit]
+
+
 def progress_bar(out: Console, *extra: ProgressColumn) -> Progress:
     """A bar of done out of total, with `extra` columns before the time elapsed."""
     return Progress(

@@ -18,6 +18,7 @@ from rich.console import Console
 from gpucloud.cli.billing import invoices_app
 from gpucloud.cli.common import EXIT_CODES_HELP, configure_logging
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
+from gpucloud.cli.operators import operators_app
 from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.simulators import FaultsOption, TimeScaleOption, fabric_managers, fault_model_named, sim
@@ -409,6 +410,7 @@ app.add_typer(tenants_app, name="tenants")
 app.add_typer(allocations_app, name="allocations")
 app.add_typer(api_keys_app, name="api-keys")
 app.add_typer(operations_app, name="operations")
+app.add_typer(operators_app, name="operators")
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from rich.filesize import decimal as human_size
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from gpucloud.cli.common import console, err, reported_errors
+from gpucloud.cli.common import console, err, parse_duration, reported_errors
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import (
     RegistryClient,
@@ -352,17 +352,6 @@ def _metric_list(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={val:g}" for k, val in sorted(metrics.items()))
 
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> int:
-    """`90s`, `30m`, `24h`, `7d` (or plain seconds) as seconds."""
-    number, unit = (text[:-1], text[-1]) if text[-1:] in _DURATION_UNITS else (text, "s")
-    if not number.isdigit():
-        raise typer.BadParameter(f"{text!r} is not a duration like 30m, 24h or 7d", param_hint="--grace")
-    return int(number) * _DURATION_UNITS[unit]
-
-
 def gc_table(report: dict) -> Table:
     verb = "would remove" if report["dry_run"] else "removed"
     table = Table(
@@ -403,7 +392,7 @@ def gc_command(
     ] = None,
 ) -> None:
     """Operators: remove chunks no version references, older than the grace period (never a push's)."""
-    grace_seconds = parse_duration(grace)
+    grace_seconds = parse_duration(grace, option="--grace")
     with _reported_errors(), _client(api_url, operator_token or get_settings().operator_token) as client:
         report = client.collect_garbage(grace_seconds=grace_seconds, dry_run=dry_run, tenant_id=tenant)
     if output == "json":

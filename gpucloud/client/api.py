@@ -27,6 +27,9 @@ from gpucloud.api.schemas import (
     NodeActionResult,
     NodeEventPublic,
     NodeHealth,
+    OperatorList,
+    OperatorTokenIssued,
+    OperatorView,
     QuotaReport,
     RolloutAccepted,
     RolloutRequest,
@@ -174,6 +177,27 @@ class ApiKeys(_Resource):
         return ApiKeyPublic.model_validate(answer)
 
 
+class Operators(_Resource):
+    """Named operator accounts and their tokens (an admin's token)."""
+
+    def create(
+        self, name: str, role: str, *, expires_in_s: int | None = None, idempotency_key: str | None = None
+    ) -> OperatorTokenIssued:
+        body = _body({"name": name, "role": role, "expires_in_s": expires_in_s})
+        return self._create(OperatorTokenIssued, "/v1/operators", body, idempotency_key)
+
+    def list(self) -> OperatorList:
+        return self._get(OperatorList, "/v1/operators")
+
+    def rotate(self, name: str, *, grace_period_s: int = 0, expires_in_s: int | None = None) -> OperatorTokenIssued:
+        """A new token for `name`; the old one keeps working for `grace_period_s`."""
+        body = _body({"grace_period_s": grace_period_s, "expires_in_s": expires_in_s})
+        return self._post(OperatorTokenIssued, f"/v1/operators/{name}/rotate", body)
+
+    def revoke(self, name: str) -> OperatorView:
+        return OperatorView.model_validate(self.api.call("DELETE", f"/v1/operators/{name}", retry=True))
+
+
 class Nodes(_Resource):
     """The fleet, for operators (and a node's own agent credential for its reports)."""
 
@@ -296,6 +320,7 @@ class Gpucloud(ApiClient):
         self.operations = Operations(self)
         self.tenants = Tenants(self)
         self.api_keys = ApiKeys(self)
+        self.operators = Operators(self)
         self.nodes = Nodes(self)
         self.billing = Billing(self)
         self.rollouts = Rollouts(self)

@@ -287,6 +287,50 @@ class ApiKey(SQLModel, table=True):
     replaced_by: str | None = None
 
 
+class OperatorPublic(SQLModel):
+    name: str
+    role: str
+    created_at: datetime
+    created_by: str
+    revoked_at: datetime | None
+
+
+class Operator(SQLModel, table=True):
+    """A named operator account (`services.operators`): its role says what its tokens may do,
+    and every action taken with them is recorded as `operator:<name>`. Names are never reused,
+    so a name in an event always means one person."""
+
+    __tablename__ = "operator_account"
+    name: str = Field(primary_key=True)
+    role: str
+    created_at: datetime = timestamp_field()
+    created_by: str
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class OperatorTokenPublic(SQLModel):
+    id: str
+    operator: str
+    created_at: datetime
+    expires_at: datetime
+    revoked_at: datetime | None
+    replaced_by: str | None
+
+
+class OperatorToken(SQLModel, table=True):
+    """An operator's bearer token (`gpo_<id>.<secret>`): only a hash of the secret is kept. It
+    always expires; a rotation shortens the old one's life to the grace period."""
+
+    __tablename__ = "operator_token"
+    id: str = Field(primary_key=True)
+    operator: str = Field(index=True)
+    secret_hash: str
+    created_at: datetime = timestamp_field()
+    expires_at: datetime = Field(sa_type=UTCDateTime)
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    replaced_by: str | None = None
+
+
 class AgentCredential(SQLModel, table=True):
     """A node's host-agent credential (`gpa_<node id>.<secret>`): only a hash of the secret is
     kept, and issuing another replaces it. It lets the agent report for its own node and nothing

@@ -185,7 +185,9 @@ async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_po
         assert done["status"] == "succeeded", done
         await async_wait_until(lambda: not h.sim.node(node_id)["unreachable"], timeout_s=20, what="the host booted")
         events = {e["event"]: e for e in _events(h, node_id)}
-        assert events["power_off_requested"]["actor"] == "operator" and "cabling" in events["power_off"]["cause"]
+        assert (
+            events["power_off_requested"]["actor"] == "operator:bootstrap" and "cabling" in events["power_off"]["cause"]
+        )
 
         assert h.operator.post(f"/v1/nodes/{node_id}/power", json={"action": "reboot"}).status_code == 422
         assert h.operator.post("/v1/nodes/no-such-node/power", json={"action": "on"}).status_code == 404

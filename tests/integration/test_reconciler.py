@@ -125,7 +125,7 @@ async def test_operator_actions_are_recorded_and_drain_is_carried_out(ready_flee
 
         events = op.get(f"/v1/nodes/{a}/events").json()["items"]
         assert [e["event"] for e in events][-4:] == ["cordon", "maintenance_on", "maintenance_off", "uncordon"]
-        assert events[-4]["actor"] == "operator" and events[-4]["cause"] == "suspicious fan"
+        assert events[-4]["actor"] == "operator:bootstrap" and events[-4]["cause"] == "suspicious fan"
         drained = [(e["from_state"], e["to_state"]) for e in op.get(f"/v1/nodes/{b}/events").json()["items"]]
         assert drained[-2:] == [("available", "draining"), ("draining", "quarantined")]
         assert [e["to_state"] for e in events[:4]] == ["inspecting", "wiping", "burn_in", "available"]

@@ -62,7 +62,7 @@ async def test_a_replaced_node_is_burnt_in_again_and_a_retired_one_leaves_the_fl
     after = path[path.index(("rma", "enrolled")) :]
     assert [to for _, to in after] == ["enrolled", "inspecting", "wiping", "burn_in", "available"], after
     replaced = next(e for e in events if e["event"] == "hardware_replaced")
-    assert replaced["actor"] == "operator" and "vendor case 4711" in replaced["cause"]
+    assert replaced["actor"] == "operator:bootstrap" and "vendor case 4711" in replaced["cause"]
 
     out = _cli(h, "node", "retire", retired, "--reason", "third lemon this year", "--output", "json")
     assert out.returncode == 0, out.stderr

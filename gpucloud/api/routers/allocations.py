@@ -15,7 +15,15 @@ from temporalio.service import RPCError
 from gpucloud.agent.schemas import WorkloadStatus
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, ReadsDep, SettingsDep, TemporalDep, TenantDep, visible
+from gpucloud.api.deps import (
+    CallerDep,
+    CallerOrFleetOperatorDep,
+    ReadsDep,
+    SettingsDep,
+    TemporalDep,
+    TenantDep,
+    visible,
+)
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.schemas import (
     AllocationAccepted,
@@ -277,7 +285,9 @@ def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tu
         202: {"description": "cancellation recorded; the allocation shows `cancelling`", "model": AllocationAccepted}
     },
 )
-async def cancel_allocation(allocation_id: str, caller: CallerDep, settings: SettingsDep, temporal: TemporalDep):
+async def cancel_allocation(
+    allocation_id: str, caller: CallerOrFleetOperatorDep, settings: SettingsDep, temporal: TemporalDep
+):
     alloc, op = await run_in_threadpool(_record_cancel, settings, caller, allocation_id)
     body = AllocationAccepted(allocation=_public(alloc), operation=_op_public(op))
     if op is None:  # already released or failed: nothing to cancel

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, SettingsDep, TenantDep
+from gpucloud.api.deps import CallerDep, CallerOrTenantsOperatorDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.schemas import (
     ApiKeyCreated,
@@ -151,18 +151,26 @@ async def _own(tenant: TenantDep) -> _Scoped:
     return _Scoped(tenant, tenant.tenant_id)
 
 
-async def _any(tenant_id: str, caller: CallerDep) -> _Scoped:
+async def _any_read(tenant_id: str, caller: CallerDep) -> _Scoped:
     return _Scoped(caller, _scope(caller, tenant_id))
 
 
-def _key_routes(prefix: str, scope: Callable[..., Awaitable[_Scoped]], tag: str) -> None:
+async def _any_change(tenant_id: str, caller: CallerOrTenantsOperatorDep) -> _Scoped:
+    return _Scoped(caller, _scope(caller, tenant_id))
+
+
+Scoping = Callable[..., Awaitable[_Scoped]]
+
+
+def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
     """The four key routes under `prefix`: the caller's own keys (`/api-keys`) or any tenant's
-    (`/tenants/{tenant_id}/api-keys`, operators; a tenant for itself)."""
-    scoped_by = Depends(scope)
+    (`/tenants/{tenant_id}/api-keys`, operators holding `tenants` to change them; a tenant for
+    itself)."""
+    read_by, scoped_by = Depends(read), Depends(change)
     conflict: dict[int | str, dict[str, Any]] = {409: {"description": "the key is revoked, expired or already rotated"}}
 
     @router.get(prefix, response_model=ApiKeyList, name=f"list_{tag}")
-    async def list_keys(settings: SettingsDep, scoped: _Scoped = scoped_by):
+    async def list_keys(settings: SettingsDep, scoped: _Scoped = read_by):
         return await run_in_threadpool(_list, settings, scoped.tenant_id)
 
     too_many: dict[int | str, dict[str, Any]] = {
@@ -205,5 +213,5 @@ def _key_routes(prefix: str, scope: Callable[..., Awaitable[_Scoped]], tag: str)
         return revoked
 
 
-_key_routes("/api-keys", _own, "own_keys")
-_key_routes("/tenants/{tenant_id}/api-keys", _any, "keys")
+_key_routes("/api-keys", _own, _own, "own_keys")
+_key_routes("/tenants/{tenant_id}/api-keys", _any_read, _any_change, "keys")

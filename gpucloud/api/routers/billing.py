@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, LedgerDep, OperatorDep, Reads, ReadsDep
+from gpucloud.api.deps import BillingOperatorDep, CallerDep, LedgerDep, ReadOperatorDep, Reads, ReadsDep
 from gpucloud.api.schemas import (
     InvoiceList,
     UsageReport,
@@ -145,18 +145,18 @@ async def get_invoice(invoice_id: int, caller: CallerDep, ledger: LedgerDep):
 
 
 @router.get("/billing/price-book/versions", response_model=list[PriceBookVersionOut])
-async def price_book_versions(operator: OperatorDep, ledger: LedgerDep):
+async def price_book_versions(operator: ReadOperatorDep, ledger: LedgerDep):
     """Every price book version; usage is rated by the one in force at its start."""
     return await _ask(ledger.price_book_versions())
 
 
 @router.post("/billing/price-book/versions", status_code=201, response_model=PriceBookVersionOut)
-async def create_price_book_version(version: PriceBookVersionIn, operator: OperatorDep, ledger: LedgerDep):
+async def create_price_book_version(version: PriceBookVersionIn, operator: BillingOperatorDep, ledger: LedgerDep):
     """A new version from `effective_from_ms` on (after any usage already rated: no retroactive prices)."""
     return await _ask(ledger.create_price_book_version(version))
 
 
 @router.get("/billing/reconciliation", response_model=ReconciliationReport)
-async def reconciliation(operator: OperatorDep, ledger: LedgerDep, tenant_id: str, day: date):
+async def reconciliation(operator: ReadOperatorDep, ledger: LedgerDep, tenant_id: str, day: date):
     """Metered vs allocated time of one tenant on one UTC day; gaps and unallocated usage flagged."""
     return await _ask(ledger.reconciliation(tenant_id=tenant_id, day=day.isoformat()))

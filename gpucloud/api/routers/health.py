@@ -15,7 +15,7 @@ from temporalio.service import RPCError
 from gpucloud.agent.readings import AGENT_MAX_EVENTS, AGENT_MAX_READINGS, NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import OperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import FleetOperatorDep, ReadOperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
 from gpucloud.api.routers import agents
 from gpucloud.api.schemas import (
     MAX_READING_CLOCK_SKEW,
@@ -152,7 +152,7 @@ def _decisions(outcomes: list) -> list[HealthDecision]:
 
 @router.post("/nodes/{node_id}/xid", response_model=XidIngestResult)
 async def inject_xid(
-    node_id: str, req: XidInjection, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep
+    node_id: str, req: XidInjection, operator: FleetOperatorDep, settings: SettingsDep, temporal: TemporalDep
 ):
     """Record an XID on a node as if its agent had reported it (tests, demos, drills)."""
     event = XidEvent(
@@ -160,9 +160,9 @@ async def inject_xid(
         gpu_index=req.gpu_index,
         xid=req.xid,
         timestamp=utc_now(),
-        message=req.message or f"injected by operator: XID {req.xid}",
+        message=req.message or f"injected by {operator.id}: XID {req.xid}",
     )
-    result = await _ingest_and_act(settings, temporal, [event], "operator")
+    result = await _ingest_and_act(settings, temporal, [event], operator.id)
     if result.unknown_nodes:
         raise not_found("node", node_id)
     return result
@@ -209,7 +209,7 @@ async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: Set
 @router.get("/nodes/{node_id}/health", response_model=NodeHealth)
 def node_health(
     node_id: str,
-    operator: OperatorDep,
+    operator: ReadOperatorDep,
     reads: ReadsDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     reading_limit: Annotated[int, Query(ge=0, le=100)] = 1,
@@ -241,7 +241,7 @@ def node_health(
 
 
 @router.get("/alerts", response_model=AlertPage)
-def list_alerts(operator: OperatorDep, reads: ReadsDep, page: pagination.PageDep):
+def list_alerts(operator: ReadOperatorDep, reads: ReadsDep, page: pagination.PageDep):
     with reads() as session:
         rows, token = pagination.fetch(session, OperatorAlertRecord, "seq", page=page, equal={})
         return AlertPage(

@@ -12,7 +12,16 @@ from fastapi.responses import JSONResponse
 from temporalio.service import RPCError
 
 from gpucloud.api import pagination
-from gpucloud.api.deps import OperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
+from gpucloud.api.auth import Caller
+from gpucloud.api.deps import (
+    FleetOperatorDep,
+    LedgerReporterDep,
+    ReadOperatorDep,
+    ReadsDep,
+    ReporterDep,
+    SettingsDep,
+    TemporalDep,
+)
 from gpucloud.api.routers import agents
 from gpucloud.api.routers.health import own_node_only
 from gpucloud.api.schemas import (
@@ -71,7 +80,7 @@ def _enroll(settings: Settings, req: EnrollRequest, running: int) -> tuple[list[
 
 
 @router.post("/nodes:enroll", response_model=EnrollResult)
-async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+async def enroll(req: EnrollRequest, operator: FleetOperatorDep, settings: SettingsDep, temporal: TemporalDep):
     """Records the nodes, then brings them up in batches (`BringupBatchWorkflow`), as many as the
     global limit on node operations has room for; the reconciler's sweep starts the rest (and
     any whose start failed after the commit, once the hold runs out)."""
@@ -88,7 +97,7 @@ async def enroll(req: EnrollRequest, operator: OperatorDep, settings: SettingsDe
 
 @router.get("/nodes", response_model=NodePage)
 def list_nodes(
-    operator: OperatorDep,
+    operator: ReadOperatorDep,
     reads: ReadsDep,
     page: pagination.PageDep,
     state: NodeState | None = None,
@@ -103,7 +112,7 @@ def list_nodes(
 
 
 @router.get("/nodes/{node_id}", response_model=NodePublic)
-def get_node(node_id: str, operator: OperatorDep, reads: ReadsDep):
+def get_node(node_id: str, operator: ReadOperatorDep, reads: ReadsDep):
     with reads() as session:
         node = session.get(Node, node_id)
         if node is None:
@@ -114,16 +123,16 @@ def get_node(node_id: str, operator: OperatorDep, reads: ReadsDep):
 # ---------------------------------------------------------------- operator actions and events
 
 
-def _act(settings: Settings, node_id: str, action: str, reason: str) -> tuple[Node, Operation]:
+def _act(settings: Settings, node_id: str, action: str, reason: str, actor: str) -> tuple[Node, Operation]:
     with session_scope(settings.database_url) as session:
         node = session.get(Node, node_id)
         if node is None:
             raise not_found("node", node_id)
         try:
             if action in LIFECYCLE_ACTIONS:
-                op = apply_lifecycle_action(session, node, action, actor="operator", cause=reason or action)
+                op = apply_lifecycle_action(session, node, action, actor=actor, cause=reason or action)
             else:
-                op = apply_operator_action(session, node, action, actor="operator", cause=reason or action)
+                op = apply_operator_action(session, node, action, actor=actor, cause=reason or action)
         except NodeStateConflict as exc:
             raise Problem(409, "node-state-conflict", "Node in another state", str(exc)) from None
         session.flush()
@@ -131,15 +140,18 @@ def _act(settings: Settings, node_id: str, action: str, reason: str) -> tuple[No
         return node, op
 
 
-async def _operator_action(node_id: str, action: str, reason: str, settings: Settings, temporal) -> JSONResponse:
-    node, op = await run_in_threadpool(_act, settings, node_id, action, reason)
+async def _operator_action(
+    node_id: str, action: str, reason: str, operator: Caller, settings: Settings, temporal
+) -> JSONResponse:
+    node, op = await run_in_threadpool(_act, settings, node_id, action, reason, operator.id)
     if action in ("drain", "hardware_replaced"):  # the reconciler starts on it now, not at the next sweep
         await reconcile_now(temporal, settings, [node_id])
     if action == "retire" and node.bmc_url:
         # Out of the fleet: powered off through its BMC (durable; recorded in the node's events).
         cause = f"retired: {reason}" if reason else "retired"
+        command = BmcPowerInput(node_id=node_id, action="off", cause=cause, actor=operator.id)
         try:
-            await start_node_power(temporal, settings, BmcPowerInput(node_id=node_id, action="off", cause=cause))
+            await start_node_power(temporal, settings, command)
         except RPCError as exc:
             log.warning("power-off of retired node %s not started (%s); power it off by hand", node_id, exc)
     body = NodeActionResult(
@@ -151,35 +163,47 @@ async def _operator_action(node_id: str, action: str, reason: str, settings: Set
 
 @router.post("/nodes/{node_id}/cordon", response_model=NodeActionResult)
 async def cordon(
-    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+    node_id: str,
+    operator: FleetOperatorDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    req: ActionRequest | None = None,
 ):
-    return await _operator_action(node_id, "cordon", req.reason if req else "", settings, temporal)
+    return await _operator_action(node_id, "cordon", req.reason if req else "", operator, settings, temporal)
 
 
 @router.post("/nodes/{node_id}/uncordon", response_model=NodeActionResult)
 async def uncordon(
-    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+    node_id: str,
+    operator: FleetOperatorDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    req: ActionRequest | None = None,
 ):
-    return await _operator_action(node_id, "uncordon", req.reason if req else "", settings, temporal)
+    return await _operator_action(node_id, "uncordon", req.reason if req else "", operator, settings, temporal)
 
 
 @router.post("/nodes/{node_id}/drain", response_model=NodeActionResult, status_code=202)
 async def drain(
-    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+    node_id: str,
+    operator: FleetOperatorDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    req: ActionRequest | None = None,
 ):
     """Intent: the node is cordoned now and drained by the reconciler (-> quarantined)."""
-    return await _operator_action(node_id, "drain", req.reason if req else "", settings, temporal)
+    return await _operator_action(node_id, "drain", req.reason if req else "", operator, settings, temporal)
 
 
 @router.post("/nodes/{node_id}/maintenance", response_model=NodeActionResult)
 async def maintenance(
-    node_id: str, req: MaintenanceRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep
+    node_id: str, req: MaintenanceRequest, operator: FleetOperatorDep, settings: SettingsDep, temporal: TemporalDep
 ):
     action = "maintenance_on" if req.enabled else "maintenance_off"
-    return await _operator_action(node_id, action, req.reason, settings, temporal)
+    return await _operator_action(node_id, action, req.reason, operator, settings, temporal)
 
 
-def _power_operation(settings: Settings, node_id: str, req: PowerRequest) -> tuple[NodePublic, Operation]:
+def _power_operation(settings: Settings, node_id: str, req: PowerRequest, actor: str) -> tuple[NodePublic, Operation]:
     with session_scope(settings.database_url) as session:
         node = session.get(Node, node_id)
         if node is None:
@@ -198,7 +222,7 @@ def _power_operation(settings: Settings, node_id: str, req: PowerRequest) -> tup
                 node,
                 f"power_{req.action}_requested",
                 cause=req.reason or req.action,
-                actor="operator",
+                actor=actor,
                 at=op.created_at,
             )
         )
@@ -213,14 +237,16 @@ def _power_operation(settings: Settings, node_id: str, req: PowerRequest) -> tup
     status_code=202,
     responses={404: {"description": "no such node"}, 409: {"description": "the node has no BMC"}},
 )
-async def power(node_id: str, req: PowerRequest, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+async def power(
+    node_id: str, req: PowerRequest, operator: FleetOperatorDep, settings: SettingsDep, temporal: TemporalDep
+):
     """Power the node on or off, or cycle it, through its BMC (Redfish): the operation finishes
     once the BMC's power state shows it (a cycle: off, then on), and the node's events keep the
     BMC's answer. The node's state is left as it is: a node powered off is found by the
     reconciler when its agent falls silent."""
-    node, op = await run_in_threadpool(_power_operation, settings, node_id, req)
-    cause = f"operator: {req.reason}" if req.reason else "operator"
-    command = BmcPowerInput(node_id=node_id, action=req.action, cause=cause, actor="operator", operation_id=op.id)
+    node, op = await run_in_threadpool(_power_operation, settings, node_id, req, operator.id)
+    cause = f"{operator.id}: {req.reason}" if req.reason else operator.id
+    command = BmcPowerInput(node_id=node_id, action=req.action, cause=cause, actor=operator.id, operation_id=op.id)
     await start_for_operation(
         start_node_power(temporal, settings, command), settings.database_url, op.id, "the power action"
     )
@@ -234,11 +260,15 @@ async def power(node_id: str, req: PowerRequest, operator: OperatorDep, settings
     responses={404: {"description": "no such node"}, 409: {"description": "the node is not in RMA"}},
 )
 async def hardware_replaced(
-    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+    node_id: str,
+    operator: FleetOperatorDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    req: ActionRequest | None = None,
 ):
     """The vendor replaced the node's faulty part (RMA): the node is enrolled again and goes
     through inspection, wipe and burn-in before it rejoins the pool."""
-    return await _operator_action(node_id, "hardware_replaced", req.reason if req else "", settings, temporal)
+    return await _operator_action(node_id, "hardware_replaced", req.reason if req else "", operator, settings, temporal)
 
 
 @router.post(
@@ -250,14 +280,18 @@ async def hardware_replaced(
     },
 )
 async def retire(
-    node_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep, req: ActionRequest | None = None
+    node_id: str,
+    operator: FleetOperatorDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    req: ActionRequest | None = None,
 ):
     """Take a node out of the fleet for good (from RMA, quarantine, or before its first bring-up)."""
-    return await _operator_action(node_id, "retire", req.reason if req else "", settings, temporal)
+    return await _operator_action(node_id, "retire", req.reason if req else "", operator, settings, temporal)
 
 
 @router.get("/nodes/{node_id}/events", response_model=NodeEventPage)
-def node_events(node_id: str, operator: OperatorDep, reads: ReadsDep, page: pagination.PageDep):
+def node_events(node_id: str, operator: ReadOperatorDep, reads: ReadsDep, page: pagination.PageDep):
     with reads() as session:
         if session.get(Node, node_id) is None:
             raise not_found("node", node_id)
@@ -268,7 +302,7 @@ def node_events(node_id: str, operator: OperatorDep, reads: ReadsDep, page: pagi
 
 
 @router.get("/fleet/summary", response_model=FleetSummary)
-def fleet_summary(operator: OperatorDep, reads: ReadsDep) -> FleetSummary:
+def fleet_summary(operator: ReadOperatorDep, reads: ReadsDep) -> FleetSummary:
     """Node counts by state, health, GPU type and region; cordoned and unreachable nodes."""
     with reads(snapshot=True) as session:  # counts that add up
         return FleetSummary.model_validate(summary(session))
@@ -289,7 +323,7 @@ def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
 
 
 @router.post("/nodes/{node_id}/agent-credential", response_model=AgentCredentialIssued, status_code=201)
-def issue_agent_credential(node_id: str, operator: OperatorDep, settings: SettingsDep):
+def issue_agent_credential(node_id: str, operator: FleetOperatorDep, settings: SettingsDep):
     """A credential for the node's host agent, replacing any earlier one; it reports for this
     node only (heartbeats, XID events, readings) and opens nothing else."""
     with session_scope(settings.database_url) as session:
@@ -301,14 +335,15 @@ def issue_agent_credential(node_id: str, operator: OperatorDep, settings: Settin
 
 
 @agents.router.post("/agents/ledger-token", response_model=LedgerToken, tags=["nodes"])
-def ledger_token(caller: ReporterDep, request: Request) -> LedgerToken:
-    """A token for the billing ledger: an agent's posts usage for its own node only; the
-    operator's (the simulated fleet ships for every node) may post usage for any."""
+def ledger_token(caller: LedgerReporterDep, request: Request) -> LedgerToken:
+    """A token for the billing ledger: an agent's posts usage for its own node only; an
+    operator's (the simulated fleet ships for every node) may post usage for any, and change the
+    books, so it needs `billing`."""
     issuer = request.app.state.issuer
     if caller.role == "agent":
         token, expires_at = issuer.mint_until(LEDGER_AUDIENCE, subject=f"node:{caller.node_id}", role="agent")
     else:
-        token, expires_at = issuer.mint_until(LEDGER_AUDIENCE, subject="operator", role="operator")
+        token, expires_at = issuer.mint_until(LEDGER_AUDIENCE, subject=caller.id, role="operator")
     return LedgerToken(token=token, expires_at=expires_at)
 
 

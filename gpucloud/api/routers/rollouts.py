@@ -21,7 +21,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, SettingsDep, TemporalDep, TenantDep
+from gpucloud.api.deps import CallerDep, CallerOrFleetOperatorDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.schemas import (
     RolloutAccepted,
@@ -189,15 +189,21 @@ async def _command(
 
 
 @router.post("/rollouts/{rollout_id}:pause", response_model=RolloutProgress)
-async def pause_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep, req: RolloutCommand | None = None):
+async def pause_rollout(
+    rollout_id: str, caller: CallerOrFleetOperatorDep, temporal: TemporalDep, req: RolloutCommand | None = None
+):
     return await _command(temporal, caller, rollout_id, "pause", req)
 
 
 @router.post("/rollouts/{rollout_id}:resume", response_model=RolloutProgress)
-async def resume_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep, req: RolloutCommand | None = None):
+async def resume_rollout(
+    rollout_id: str, caller: CallerOrFleetOperatorDep, temporal: TemporalDep, req: RolloutCommand | None = None
+):
     return await _command(temporal, caller, rollout_id, "resume", req)
 
 
 @router.post("/rollouts/{rollout_id}:abort", status_code=202, response_model=RolloutProgress)
-async def abort_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep, req: RolloutCommand | None = None):
+async def abort_rollout(
+    rollout_id: str, caller: CallerOrFleetOperatorDep, temporal: TemporalDep, req: RolloutCommand | None = None
+):
     return await _command(temporal, caller, rollout_id, "abort", req)

@@ -24,7 +24,7 @@ from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, OperatorDep, ReadsDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import CallerDep, ReadOperatorDep, ReadsDep, SettingsDep, TemporalDep, TenantsOperatorDep
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.routers.api_keys import ApiKeyCreated
 from gpucloud.api.schemas import (
@@ -121,7 +121,7 @@ def _without_secret(body: bytes) -> bytes:
 async def create_tenant(
     request: Request,
     req: TenantRequest,
-    operator: OperatorDep,
+    operator: TenantsOperatorDep,
     settings: SettingsDep,
     temporal: TemporalDep,
     idempotency_key: IdempotencyKey = None,
@@ -144,7 +144,7 @@ async def create_tenant(
 
 @router.get("/tenants", response_model=TenantPage)
 def list_tenants(
-    operator: OperatorDep,
+    operator: ReadOperatorDep,
     reads: ReadsDep,
     page: pagination.PageDep,
     status: TenantStatus | None = None,
@@ -182,7 +182,7 @@ def _begin_offboarding(settings: Settings, tenant_id: str) -> tuple[Tenant, Oper
     response_model=TenantOperation,
     responses={409: {"description": "the tenant is still onboarding"}},
 )
-async def delete_tenant(tenant_id: str, operator: OperatorDep, settings: SettingsDep, temporal: TemporalDep):
+async def delete_tenant(tenant_id: str, operator: TenantsOperatorDep, settings: SettingsDep, temporal: TemporalDep):
     """Offboard: cancel the tenant's allocations, wait for their nodes' wipes, revoke its keys,
     release its VNI and schedule its storage's deletion. Repeating it returns the same operation."""
     tenant, op, _ = await run_in_threadpool(_begin_offboarding, settings, tenant_id)
@@ -235,7 +235,7 @@ def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaReques
 
 
 @router.put("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
-async def put_quotas(tenant_id: str, req: QuotasRequest, operator: OperatorDep, settings: SettingsDep):
+async def put_quotas(tenant_id: str, req: QuotasRequest, operator: TenantsOperatorDep, settings: SettingsDep):
     """Replace the tenant's quotas (operator). Lowering one below the usage stops new
     allocations there; nothing running is taken away."""
     return await run_in_threadpool(_replace_quotas, settings, tenant_id, req.quotas)

@@ -2,7 +2,7 @@
 the next wipe (the drain path reaches quarantine, repair and RMA without one)
 
 Revision ID: 0015
-Revises: 0013
+Revises: 0014
 """
 
 from collections.abc import Sequence
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0015"
-down_revision: str | Sequence[str] | None = "0013"
+down_revision: str | Sequence[str] | None = "0014"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
-from gpucloud.api.deps import OperatorDep, ReadsDep, SettingsDep
+from gpucloud.api.deps import FleetOperatorDep, ReadsDep, SettingsDep
 from gpucloud.api.routers.registry.common import (
     StoresDep,
 )
@@ -70,7 +70,9 @@ class GcReport(BaseModel):
 @router.post(
     "/registry/gc", response_model=GcReport, responses={404: {"description": "no tenant with the `tenant_id` given"}}
 )
-def collect_garbage(req: GcRequest, operator: OperatorDep, reads: ReadsDep, stores: StoresDep, settings: SettingsDep):
+def collect_garbage(
+    req: GcRequest, operator: FleetOperatorDep, reads: ReadsDep, stores: StoresDep, settings: SettingsDep
+):
     """Remove (or with `dry_run`, list) chunks no version references, older than the grace period;
     chunks of pushes in progress are kept (`gpucloud.registry.gc`)."""
     with reads() as session:  # closed before the run, which may take a while
