@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import base64
 import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from support.codec import CODEC_KEYS
+
 POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
 # Rich sizes tables and progress lines to the terminal; under xdist there is none (80 columns).
 os.environ.setdefault("COLUMNS", "200")
-# The keys that seal the payloads of this test process's Temporal clients (`adapters/temporal.py`):
-# the session's server and every harness's settings share them.
-CODEC_KEYS = base64.b64encode(os.urandom(32)).decode()
 
 
 DB_PARAMS = [

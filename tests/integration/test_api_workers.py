@@ -15,6 +15,7 @@ import pytest
 from gpucloud.config import Settings
 from gpucloud.db import migrate
 from gpucloud.devstack.stack import free_port
+from support.codec import CODEC_KEYS
 from support.databases import scratch_postgres
 
 POSTGRES = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
@@ -32,7 +33,7 @@ def test_two_api_processes_share_one_port_on_postgres(tmp_path, temporal_env):
             data_dir=tmp_path,
             database={"url": url},
             api={"port": free_port(), "operator_token": "op-token"},
-            temporal={"address": temporal_env.client.service_client.config.target_host},
+            temporal={"address": temporal_env.client.service_client.config.target_host, "codec_keys": CODEC_KEYS},
             telemetry={"metrics_token": "metrics-token"},
         )
         migrate(url)  # the deployment step: API processes on Postgres only check the schema

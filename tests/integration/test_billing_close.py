@@ -24,6 +24,7 @@ from gpucloud.ledger.pricing import Rate
 from gpucloud.models.billing_messages import BillingCatchUpInput, BillingCloseInput
 from gpucloud.services.schedules import billing_schedule_id, ensure_billing_close_schedule
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow, close_workflow_id
+from support.codec import CODEC_KEYS
 from support.ledger_auth import LedgerAuth
 from support.stack import async_wait_until
 
@@ -62,6 +63,7 @@ def settings_for(
         temporal={
             "address": temporal_env.client.service_client.config.target_host,
             "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
+            "codec_keys": CODEC_KEYS,
         },
         ledger={"url": ledger_url, "close_interval_s": close_interval_s},
     )

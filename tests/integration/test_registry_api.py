@@ -45,6 +45,7 @@ from gpucloud.registry.manifest import (
 )
 from gpucloud.registry.push import PushResult, push
 from gpucloud.registry.store import LocalChunkStore
+from support.codec import CODEC_KEYS
 from support.models import POLICY, float_model, random_tensors, tree, write_model
 
 OPERATOR = "test-operator-token"
@@ -190,6 +191,7 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
         temporal={
             "address": temporal_env.client.service_client.config.target_host,
             "task_queue": f"tq-{uuid.uuid4().hex[:10]}",
+            "codec_keys": CODEC_KEYS,
         },
         registry={"evaluation_host_commands": True},
     )
