@@ -223,8 +223,9 @@ def database(settings: Settings) -> Database:
 
 
 def token_issuer(settings: Settings) -> service_tokens.Issuer:
-    """The control plane's signer of its calls to agents and the ledger (the key is created on
-    first use); one per key file in a process, so its clients share its cache of tokens."""
+    """The issuer key's signer of the workers' calls to agents, the ledger and the tracker (the
+    key is created on first use); one per key file in a process, so its clients share its cache
+    of tokens. The API never calls this: it signs with a delegate (`api_token_issuer`)."""
     return _issuer_at(settings.issuer_key_path)
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import jwt
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from fastapi.testclient import TestClient
 
 from gpucloud import bootstrap
@@ -36,6 +37,10 @@ from gpucloud.web.service_tokens import (
 ROOT = Issuer(Ed25519PrivateKey.generate())
 VERIFIER = Verifier(ROOT.public_key)
 API_SCOPE = {"name": "api", "audiences": (LEDGER_AUDIENCE,), "roles": ("agent", "operator", "control-plane")}
+
+
+def raw(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def delegate_of(root: Issuer, *, ttl_s: float = 3600.0) -> Issuer:
@@ -122,7 +127,7 @@ def test_the_api_built_as_up_builds_it_signs_with_its_delegate_and_never_reads_t
 
     monkeypatch.setattr(bootstrap, "token_issuer", no_issuer_key)  # ...and never asks for it
     app = create_app(settings, temporal=object())  # type: ignore[arg-type]
-    assert app.state.issuer.public_key != root_public and app.state.issuer.certificate is not None
+    assert raw(app.state.issuer.public_key) != raw(root_public) and app.state.issuer.certificate is not None
     assert app.state.ledger._issuer is app.state.issuer
     with TestClient(app) as client:
         answer = client.post("/v1/agents/ledger-token", headers={"Authorization": "Bearer op"})
@@ -156,3 +161,20 @@ def test_up_gives_the_api_process_the_delegate_and_not_the_issuer_key_path(tmp_p
     api = load_delegate(Path(env["GPUCLOUD_API__DELEGATE_KEY"]))
     root = Verifier(bootstrap.token_issuer(stack.settings).public_key)
     assert root.verify(api.mint(LEDGER_AUDIENCE), audience=LEDGER_AUDIENCE).role == "control-plane"
+
+
+def test_issue_delegate_writes_what_an_api_host_is_given(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from gpucloud.cli.main import app
+
+    monkeypatch.setenv("GPUCLOUD_DATA_DIR", str(tmp_path))
+    out = tmp_path / "for-the-api-host.pem"
+    done = CliRunner().invoke(app, ["issue-delegate", "--out", str(out), "--valid-for", "2h"])
+    assert done.exit_code == 0, done.output
+    delegate = load_delegate(out)
+    root = Verifier(bootstrap.token_issuer(Settings(data_dir=tmp_path)).public_key)
+    assert root.verify(delegate.mint(LEDGER_AUDIENCE), audience=LEDGER_AUDIENCE).role == "control-plane"
+    certificate = jwt.decode(delegate.certificate or "", options={"verify_signature": False})
+    assert abs(certificate["exp"] - (time.time() + 7200)) < 60
+    assert raw(delegate.public_key) != raw(bootstrap.token_issuer(Settings(data_dir=tmp_path)).public_key)
