@@ -286,6 +286,7 @@ class Stack:
 
     def _start_tracker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting weight tracker")
+        bootstrap.token_issuer(self.settings)  # the key (and its public half) the tracker trusts
         self._spawn("tracker", self._cli("tracker"))
         self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker.url}/healthz"), 60)
 

@@ -178,3 +178,18 @@ def test_issue_delegate_writes_what_an_api_host_is_given(tmp_path, monkeypatch) 
     certificate = jwt.decode(delegate.certificate or "", options={"verify_signature": False})
     assert abs(certificate["exp"] - (time.time() + 7200)) < 60
     assert raw(delegate.public_key) != raw(bootstrap.token_issuer(Settings(data_dir=tmp_path)).public_key)
+
+
+def test_the_tracker_holds_the_issuer_keys_public_half_only(tmp_path, monkeypatch) -> None:
+    from gpucloud.registry.origin import create_deployment_tracker
+
+    settings = Settings(data_dir=tmp_path)
+    deployment = bootstrap.token_issuer(settings)  # made on a worker host; the tracker gets .pub
+    settings.issuer_key_path.unlink()
+    monkeypatch.setattr(bootstrap, "token_issuer", lambda _settings: pytest.fail("the tracker read the issuer key"))
+    app = create_deployment_tracker(settings)
+    with TestClient(app) as client:
+        for issuer, refused in ((deployment, False), (ROOT, True)):
+            headers = {"Authorization": f"Bearer {issuer.mint(TRACKER_AUDIENCE)}"}
+            assert (client.post("/tracker/swarms", headers=headers, json={}).status_code == 401) is refused
+    assert not settings.issuer_key_path.exists()
