@@ -163,11 +163,17 @@ def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
     return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, tokens=tokens)
 
 
-def ledger_client(settings: Settings) -> LedgerClient | None:
-    """The billing ledger's client, or None: without a ledger nothing is billed."""
+def ledger_client(settings: Settings, issuer: service_tokens.Issuer | None) -> LedgerClient | None:
+    """The billing ledger's client, or None: without a ledger nothing is billed. Its calls are
+    signed by `issuer` (the issuer key in a worker, the API's delegate in the API)."""
     if not settings.ledger.url:
         return None
-    return LedgerClient(settings.ledger.url, issuer=token_issuer(settings))
+    if issuer is None:
+        raise ValueError(
+            f"the ledger ({settings.ledger.url}) takes only signed calls, and there is no delegate key at "
+            f"{settings.api_delegate_path}: make one with `gpucloud issue-delegate` (GPUCLOUD_API__DELEGATE_KEY)"
+        )
+    return LedgerClient(settings.ledger.url, issuer=issuer)
 
 
 def bmcs(settings: Settings) -> Bmcs:
@@ -217,14 +223,44 @@ def database(settings: Settings) -> Database:
 
 
 def token_issuer(settings: Settings) -> service_tokens.Issuer:
-    """The control plane's signer of its calls to agents and the ledger (the key is created on
-    first use); one per key file in a process, so its clients share its cache of tokens."""
+    """The issuer key's signer of the workers' calls to agents, the ledger and the tracker (the
+    key is created on first use); one per key file in a process, so its clients share its cache
+    of tokens. The API never calls this: it signs with a delegate (`api_token_issuer`)."""
     return _issuer_at(settings.issuer_key_path)
 
 
 @cache
 def _issuer_at(path: Path) -> service_tokens.Issuer:
     return service_tokens.load_or_create_issuer(path)
+
+
+API_DELEGATE_AUDIENCES = (service_tokens.LEDGER_AUDIENCE,)
+API_DELEGATE_ROLES = ("agent", "operator", "control-plane")
+"""What an API process mints: ledger tokens for agents (`POST /v1/agents/ledger-token`), for
+operators, and for its own calls to the ledger; never tokens for agents, the tracker or swarms."""
+API_DELEGATE_TTL_S = 30 * 86400.0
+
+
+def issue_api_delegate(settings: Settings, *, ttl_s: float = API_DELEGATE_TTL_S, path: Path | None = None) -> Path:
+    """Write the API's delegate key and its certificate (signed with the issuer key, which only
+    the caller holds) to `path` (default: the settings' `api_delegate_path`)."""
+    target = path or settings.api_delegate_path
+    service_tokens.issue_delegate(
+        token_issuer(settings),
+        target,
+        name="api",
+        audiences=API_DELEGATE_AUDIENCES,
+        roles=API_DELEGATE_ROLES,
+        ttl_s=ttl_s,
+    )
+    return target
+
+
+def api_token_issuer(settings: Settings) -> service_tokens.Issuer | None:
+    """The API's signer: its delegate (`issue_api_delegate`), never the issuer key; None where
+    none was issued (the API then mints nothing: no ledger, no ledger tokens)."""
+    path = settings.api_delegate_path
+    return service_tokens.load_delegate(path) if path.exists() else None
 
 
 def host_agents(settings: Settings) -> HostAgents:
@@ -263,7 +299,7 @@ def control_plane(settings: Settings) -> ControlPlane:
         db=database(settings),
         agents=host_agents(settings),
         fabric=fabric_controller(settings),
-        ledger=ledger_client(settings),
+        ledger=ledger_client(settings, token_issuer(settings)),
         tenant_store=tenant_store(settings),
         registry=registry_stores(settings),
         bmcs=bmcs(settings),

@@ -131,6 +131,10 @@ class ApiSettings(BaseModel):
     credential_cache_s: float = 5.0
     # Live (not revoked, not expired) API keys a tenant may hold; one more is a 409.
     max_api_keys_per_tenant: int = 20
+    # The API's delegated signing key: its own Ed25519 key and the certificate the issuer key
+    # signed for it (`gpucloud issue-delegate`, `web/service_tokens.py`); the API never reads the
+    # issuer key. Default `<data dir>/api_delegate.pem`.
+    delegate_key: Path | None = None
 
 
 class RequestBodySettings(BaseModel):
@@ -497,6 +501,10 @@ class Settings(BaseSettings):
     @property
     def issuer_key_path(self) -> Path:
         return (self.agent.issuer_key or self.data_dir / "issuer_key.pem").resolve()
+
+    @property
+    def api_delegate_path(self) -> Path:
+        return (self.api.delegate_key or self.data_dir / "api_delegate.pem").resolve()
 
     @cached_property
     def agent_credential_secret(self) -> str:

@@ -184,8 +184,10 @@ def make_harness(tmp_path, temporal_env):
         # control plane reads in the same data dir.
         sim_env = {"GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_BMC__EMULATOR_PORT": str(free_port())} if bmc else {}
         sim_args = (*sim_args, "--bmc", "--boot-s", "1") if bmc else sim_args
-        # The fleet's agents act only on the control plane's tokens, signed with the harness's key.
+        # The fleet's agents act only on the control plane's tokens, signed with the harness's key;
+        # the API signs ledger tokens with a delegate of it, as under `gpucloud up`.
         bootstrap.token_issuer(settings)
+        bootstrap.issue_api_delegate(settings)
         sim = SimFleetProcess(
             nodes=nodes,
             latency_scale=latency_scale,

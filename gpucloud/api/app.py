@@ -56,8 +56,10 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.settings = settings
     pagination.use_secret(settings.page_token_secret)
     app.state.db = bootstrap.database(settings)
-    app.state.issuer = bootstrap.token_issuer(settings)
-    app.state.ledger = bootstrap.ledger_client(settings)
+    # A delegate of the issuer key, not the key itself: this process faces the internet
+    # (`web/service_tokens.py`); it can mint ledger tokens only.
+    app.state.issuer = bootstrap.api_token_issuer(settings)
+    app.state.ledger = bootstrap.ledger_client(settings, app.state.issuer)
     app.state.registry_stores = bootstrap.registry_stores(settings)
     app.state.credentials = CredentialCache(settings.api.credential_cache_s)
     problems.install(app)

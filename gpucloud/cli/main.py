@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from gpucloud.cli.billing import invoices_app
-from gpucloud.cli.common import EXIT_CODES_HELP, configure_logging
+from gpucloud.cli.common import EXIT_CODES_HELP, configure_logging, parse_duration
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.operators import operators_app
 from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
@@ -346,6 +346,24 @@ def codec_key_rotate() -> None:
         console.print("[red]error:[/] the keys come from GPUCLOUD_TEMPORAL__CODEC_KEYS: append a new one there")
         raise typer.Exit(2)
     console.print(f"new key {add_codec_key(settings.temporal_codec_keys_path)} in {settings.temporal_codec_keys_path}")
+
+
+@app.command("issue-delegate")
+def issue_delegate(
+    out: Annotated[
+        Path | None,
+        typer.Option(help="where to write it (default GPUCLOUD_API__DELEGATE_KEY, else <data dir>/api_delegate.pem)"),
+    ] = None,
+    valid_for: Annotated[str, typer.Option(help="how long its certificate lasts: 30d, 12h")] = "30d",
+) -> None:
+    """Make the API's signing key: a new key and a certificate the issuer key signs for it, which
+    lets it mint ledger tokens only. Run it where the issuer key is (a worker host, not an API
+    host), copy the file (0600) to every API host, and issue a new one before it expires."""
+    from gpucloud.bootstrap import issue_api_delegate
+
+    ttl_s = parse_duration(valid_for, option="--valid-for")
+    path = issue_api_delegate(get_settings(), ttl_s=ttl_s, path=out)
+    console.print(f"API delegate key in {path} (valid for {valid_for}; ledger tokens only)")
 
 
 @app.command()

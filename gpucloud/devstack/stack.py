@@ -286,6 +286,7 @@ class Stack:
 
     def _start_tracker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting weight tracker")
+        bootstrap.token_issuer(self.settings)  # the key (and its public half) the tracker trusts
         self._spawn("tracker", self._cli("tracker"))
         self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker.url}/healthz"), 60)
 
@@ -300,7 +301,11 @@ class Stack:
 
     def _start_api(self, on_step: Callable[[str], None]) -> None:
         on_step("starting API")
-        self._spawn("api", self._cli("api", "--workers", str(api_processes(self.settings))))
+        # The API gets a delegate of the issuer key (ledger tokens only), never the key itself.
+        delegate = bootstrap.issue_api_delegate(self.settings)
+        env = {key: value for key, value in self.env().items() if key != "GPUCLOUD_AGENT__ISSUER_KEY"}
+        env["GPUCLOUD_API__DELEGATE_KEY"] = str(delegate)
+        self._spawn("api", self._cli("api", "--workers", str(api_processes(self.settings))), env=env)
         self._wait("api", lambda: self._http_ok(f"{self.settings.api_url}/healthz"), 60)
 
     def _start_sim(self, on_step: Callable[[str], None]) -> None:

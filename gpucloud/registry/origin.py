@@ -19,7 +19,7 @@ from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.registry.swarm import SwarmSpec
-from gpucloud.web.service_tokens import Verifier
+from gpucloud.web.service_tokens import load_verifier, public_key_path
 from gpucloud.web.tls import serve_options
 
 
@@ -98,7 +98,8 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
     stores = bootstrap.registry_stores(settings)
     app = create_tracker_app(
         tenant_chunks=stores.chunks,
-        verifier=Verifier(bootstrap.token_issuer(settings).public_key),
+        # The issuer key's public half only, as the ledger: nodes reach the tracker.
+        verifier=load_verifier(public_key_path(settings.issuer_key_path)),
         store=DatabaseSwarms(db),
         holders=SwarmHolders(DatabaseHolders(db), fresh_s=settings.tracker.holders_fresh_s),
         request_body=settings.request_body,

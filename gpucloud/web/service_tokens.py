@@ -9,10 +9,21 @@ node, a token captured on a node a tenant rents opens no other node.
 
 The issuer key is kept 0600 in the control plane's data dir (`issuer_key.pem`), its public half
 beside it (`issuer_key.pub`), which is what agents are given (`gpucloud agent --control-plane-key`).
+
+Only the workers (and `gpucloud up`, `gpucloud issue-delegate`) hold the issuer key; they are not
+reachable from the internet. An API process, which is, holds a delegate instead: its own Ed25519
+key and a certificate the issuer key signed for it (a JWT: the delegate's public key, the
+audiences and roles it may mint for, an expiry), kept together in one file (`issue_delegate`).
+Every token a delegate mints carries its certificate in the JWT header (`dlg`), and a verifier,
+which knows only the issuer's public key, checks the certificate, then the token against the key
+it certifies, then that the token's audience and role are among those it allows. So an API
+process taken over can mint ledger tokens until its certificate expires, and nothing for agents,
+the tracker or swarms.
 """
 
 from __future__ import annotations
 
+import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +34,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from starlette.responses import JSONResponse
 from typing_extensions import TypedDict, Unpack
 
-from gpucloud.config import load_or_create_secret
+from gpucloud.config import load_or_create_secret, write_private
 from gpucloud.web import problems
 
 ISSUER = "gpucloud-control-plane"
 ALGORITHM = "EdDSA"
 DEFAULT_TTL_S = 300.0
 LEEWAY_S = 30  # clock skew allowed between the control plane and a server
+DELEGATION_AUDIENCE = "gpucloud-delegation"  # a certificate's `aud`: no server takes it as a token
+DELEGATION_HEADER = "dlg"  # the JWT header a delegate's token carries its certificate in
+_CERTIFICATE_BEGIN = "-----BEGIN GPUCLOUD DELEGATE CERTIFICATE-----"
+_CERTIFICATE_END = "-----END GPUCLOUD DELEGATE CERTIFICATE-----"
 
 
 class InvalidToken(Exception):
@@ -44,6 +59,16 @@ class Claims:
     expires_at: float
     tenant: str | None = None
     allocation: str | None = None
+
+
+@dataclass(frozen=True)
+class Delegation:
+    """What a certificate the issuer signed lets its delegate's key mint, and until when."""
+
+    public_key: Ed25519PublicKey
+    audiences: frozenset[str]
+    roles: frozenset[str]
+    expires_at: float
 
 
 LEDGER_AUDIENCE = "ledger"
@@ -87,15 +112,22 @@ class MintOptions(TypedDict, total=False):
 
 
 class Issuer:
-    """Mints tokens; only the control plane holds one. Tokens are cached per audience and
-    re-minted a minute before they expire."""
+    """Mints tokens: with the issuer key (the workers), or with a delegate's key and the
+    `certificate` the issuer key signed for it (an API process). Tokens are cached per audience
+    and re-minted once half their lifetime is gone."""
 
     def __init__(
-        self, private_key: Ed25519PrivateKey, *, ttl_s: float = DEFAULT_TTL_S, key_path: Path | None = None
+        self,
+        private_key: Ed25519PrivateKey,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        key_path: Path | None = None,
+        certificate: str | None = None,
     ) -> None:
         self._key = private_key
         self.key_path = key_path  # where the key is kept, if in a file
         self.ttl_s = ttl_s
+        self.certificate = certificate
         self._cache: dict[tuple[str, str, str, str, str], tuple[str, float]] = {}
 
     @property
@@ -129,21 +161,46 @@ class Issuer:
             claims["tenant"] = tenant
         if allocation is not None:
             claims["allocation"] = allocation
-        token = jwt.encode(claims, self._key, algorithm=ALGORITHM)
+        headers = {DELEGATION_HEADER: self.certificate} if self.certificate is not None else None
+        token = jwt.encode(claims, self._key, algorithm=ALGORITHM, headers=headers)
         if len(self._cache) > 100_000:
             self._cache.clear()
         self._cache[key] = (token, float(int(expires)))
         return token, float(int(expires))
 
+    def certify(
+        self, delegate: Ed25519PublicKey, *, name: str, audiences: tuple[str, ...], roles: tuple[str, ...], ttl_s: float
+    ) -> str:
+        """A certificate letting `delegate` mint tokens for `audiences` in `roles` for `ttl_s`;
+        only the issuer key certifies (a delegate's certificate would not verify)."""
+        if self.certificate is not None:
+            raise ValueError("a delegate cannot certify another key: only the issuer key can")
+        now = time.time()
+        raw = delegate.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        claims = {
+            "iss": ISSUER,
+            "aud": DELEGATION_AUDIENCE,
+            "sub": name,
+            "key": base64.urlsafe_b64encode(raw).decode(),
+            "audiences": list(audiences),
+            "roles": list(roles),
+            "iat": int(now),
+            "exp": int(now + ttl_s),
+        }
+        return jwt.encode(claims, self._key, algorithm=ALGORITHM)
+
 
 class Verifier:
-    """Checks tokens against the control plane's public key, offline."""
+    """Checks tokens against the control plane's public key, offline: signed by the issuer key,
+    or by a delegate whose certificate (in the token's header) the issuer key signed, which has
+    not expired and allows the token's audience and role."""
 
     def __init__(self, public_key: Ed25519PublicKey) -> None:
         self._key = public_key
         # Tokens already verified, until they expire: a caller repeats its token for minutes,
         # and a signature check costs far more than a lookup.
         self._verified: dict[tuple[str, str], Claims] = {}
+        self._delegations: dict[str, Delegation] = {}  # certificates already checked
 
     def verify(self, token: str, *, audience: str, roles: tuple[str, ...] = ("control-plane",)) -> Claims:
         known = self._verified.get((token, audience))
@@ -159,9 +216,11 @@ class Verifier:
 
     def _verify(self, token: str, *, audience: str, roles: tuple[str, ...]) -> Claims:
         try:
+            certificate = jwt.get_unverified_header(token).get(DELEGATION_HEADER)
+            delegation = None if certificate is None else self._delegation(certificate)
             claims = jwt.decode(
                 token,
-                self._key,
+                self._key if delegation is None else delegation.public_key,
                 algorithms=[ALGORITHM],
                 audience=audience,
                 issuer=ISSUER,
@@ -172,15 +231,57 @@ class Verifier:
             raise InvalidToken(str(exc)) from exc
         if claims.get("role") not in roles:
             raise InvalidToken(f"role {claims.get('role')!r} may not call {audience}")
+        expires_at = float(claims["exp"])
+        if delegation is not None:
+            if audience not in delegation.audiences or claims["role"] not in delegation.roles:
+                raise InvalidToken(
+                    f"the delegate's certificate does not allow {claims['role']!r} tokens for {audience}"
+                )
+            expires_at = min(expires_at, delegation.expires_at)  # the certificate's end ends its tokens
         tenant, allocation = claims.get("tenant"), claims.get("allocation")
         return Claims(
             subject=claims["sub"],
             role=claims["role"],
             audience=audience,
-            expires_at=float(claims["exp"]),
+            expires_at=expires_at,
             tenant=tenant if isinstance(tenant, str) else None,
             allocation=allocation if isinstance(allocation, str) else None,
         )
+
+    def _delegation(self, certificate: object) -> Delegation:
+        """The delegation a certificate grants, once the issuer key's signature and its expiry
+        are checked (`jwt.PyJWTError` else)."""
+        if not isinstance(certificate, str):
+            raise jwt.InvalidTokenError("the delegate certificate is not a string")
+        known = self._delegations.get(certificate)
+        if known is not None and known.expires_at + LEEWAY_S > time.time():
+            return known
+        try:
+            claims = jwt.decode(
+                certificate,
+                self._key,
+                algorithms=[ALGORITHM],
+                audience=DELEGATION_AUDIENCE,
+                issuer=ISSUER,
+                leeway=LEEWAY_S,
+                options={"require": ["exp", "aud", "iss", "sub"]},
+            )
+        except jwt.PyJWTError as exc:
+            raise jwt.InvalidTokenError(f"delegate certificate: {exc}") from exc
+        try:
+            key = Ed25519PublicKey.from_public_bytes(base64.urlsafe_b64decode(claims["key"]))
+            delegation = Delegation(
+                public_key=key,
+                audiences=frozenset(claims["audiences"]),
+                roles=frozenset(claims["roles"]),
+                expires_at=float(claims["exp"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise jwt.InvalidTokenError(f"delegate certificate: malformed ({exc})") from exc
+        if len(self._delegations) > 1000:
+            self._delegations.clear()
+        self._delegations[certificate] = delegation
+        return delegation
 
     def check_header(
         self, authorization: str | None, *, audience: str, roles: tuple[str, ...] = ("control-plane",)
@@ -222,6 +323,34 @@ def load_or_create_issuer(path: Path) -> Issuer:
             key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
         )
     return Issuer(key, key_path=path)
+
+
+def issue_delegate(
+    issuer: Issuer, path: Path, *, name: str, audiences: tuple[str, ...], roles: tuple[str, ...], ttl_s: float
+) -> None:
+    """Write to `path` (0600) a new delegate key and the certificate `issuer` signs for it."""
+    key = Ed25519PrivateKey.generate()
+    certificate = issuer.certify(key.public_key(), name=name, audiences=audiences, roles=roles, ttl_s=ttl_s)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    write_private(path, pem.decode() + f"{_CERTIFICATE_BEGIN}\n{certificate}\n{_CERTIFICATE_END}\n")
+
+
+def load_delegate(path: Path) -> Issuer:
+    """The delegate kept at `path` (`issue_delegate`); ValueError if it is not one, or its
+    certificate has expired (tokens it minted would all be refused)."""
+    text = path.read_text()
+    pem, begin, rest = text.partition(_CERTIFICATE_BEGIN)
+    certificate = rest.partition(_CERTIFICATE_END)[0].strip()
+    if not begin or not certificate:
+        raise ValueError(f"{path} holds no delegate certificate (make one with `gpucloud issue-delegate`)")
+    key = serialization.load_pem_private_key(pem.encode(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} is not an Ed25519 private key")
+    # Not verified here: this process holds no issuer key to check it with, and every verifier will.
+    expires_at = jwt.decode(certificate, options={"verify_signature": False})["exp"]
+    if expires_at <= time.time():
+        raise ValueError(f"the delegate certificate in {path} expired; issue a new one (`gpucloud issue-delegate`)")
+    return Issuer(key, key_path=path, certificate=certificate)
 
 
 def _new_private_pem() -> bytes:

@@ -117,6 +117,8 @@ def test_up_with_tls_serves_over_tls_stops_cleanly_and_resumes(tmp_path):
         assert httpx.get(f"{ledger_url}/v1/price-book/versions", verify=trust).status_code == 401
         versions = httpx.get(f"{ledger_url}/v1/price-book/versions", auth=auth_for(ledger_url), verify=trust)
         assert versions.json()[0]["prices"]
+        # The API asks the ledger with tokens its delegate key signs (it is never given the issuer key).
+        assert acme.get("/v1/usage").status_code == 200
         assert (tmp_path / "ledger.db").exists()
     finally:
         _stop(proc)

@@ -13,6 +13,7 @@ import uuid
 import httpx
 import pytest
 
+from gpucloud import bootstrap
 from gpucloud.agent.peer import PeerServer
 from gpucloud.client.registry import RegistryClient, RegistryPushTarget, signer_for
 from gpucloud.config import Settings
@@ -50,6 +51,7 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
 ) -> None:
     # The deployment's tracker: swarms kept in the DB, each tenant's chunks, the harness's key.
     tracker_settings = Settings(data_dir=tmp_path, database={"url": db_url})
+    bootstrap.token_issuer(tracker_settings)  # the key, and the public half the tracker reads
     tracker = PeerServer(create_deployment_tracker(tracker_settings))
     tracker_url = tracker.start()
     try:

@@ -22,6 +22,7 @@ RUNNERS = {
     "fabric-managers",
     "codec-server",
     "codec-key-rotate",
+    "issue-delegate",
 }
 
 

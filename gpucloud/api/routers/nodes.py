@@ -334,12 +334,24 @@ def issue_agent_credential(node_id: str, operator: FleetOperatorDep, settings: S
     return AgentCredentialIssued(node_id=node_id, token=token)
 
 
-@agents.router.post("/agents/ledger-token", response_model=LedgerToken, tags=["nodes"])
+@agents.router.post(
+    "/agents/ledger-token",
+    response_model=LedgerToken,
+    tags=["nodes"],
+    responses={501: {"description": "this API process holds no delegate key to sign ledger tokens with"}},
+)
 def ledger_token(caller: LedgerReporterDep, request: Request) -> LedgerToken:
     """A token for the billing ledger: an agent's posts usage for its own node only; an
     operator's (the simulated fleet ships for every node) may post usage for any, and change the
-    books, so it needs `billing`."""
+    books, so it needs `billing`. Signed by the API's delegate key (`bootstrap.api_token_issuer`)."""
     issuer = request.app.state.issuer
+    if issuer is None:
+        raise Problem(
+            501,
+            "billing-not-configured",
+            "Billing is not configured",
+            "this API process holds no delegate key to sign ledger tokens with (`gpucloud issue-delegate` makes one)",
+        )
     if caller.role == "agent":
         token, expires_at = issuer.mint_until(LEDGER_AUDIENCE, subject=f"node:{caller.node_id}", role="agent")
     else:
