@@ -317,7 +317,7 @@ def codec_server(
     port: Annotated[int | None, typer.Option(help="port (default: GPUCLOUD_TEMPORAL__CODEC_SERVER_PORT)")] = None,
 ) -> None:
     """Decode sealed Temporal payloads for the Web UI (its codec endpoint) and `temporal
-    --codec-endpoint`, for the operator token only. Run it only while an operator needs it."""
+    --codec-endpoint`, for admins' tokens only. Run it only while an operator needs it."""
     from gpucloud import bootstrap
     from gpucloud.adapters.temporal import EncryptionCodec
     from gpucloud.web.codec_server import main as codec_main
@@ -326,7 +326,9 @@ def codec_server(
     settings = get_settings()
     codec_main(
         EncryptionCodec(bootstrap.temporal_codec_keys(settings)),
+        database_url=settings.database_url,
         operator_token=settings.operator_token,
+        request_body=settings.request_body,
         host=host or settings.temporal.codec_server_host,
         port=port or settings.temporal.codec_server_port,
         ui_origin=settings.temporal.codec_server_ui_origin,

@@ -118,6 +118,8 @@ async def _validation_problem(_request: Request, error: Exception) -> JSONRespon
 
 async def _http_problem(_request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, StarletteHTTPException)  # registered for this type only
+    if web_problems.is_unparsable_body(error):
+        return _problem_response(problems.REQUEST_INVALID(f"body: {web_problems.UNPARSABLE_BODY}", field="body"))
     kind = (
         problems.NOT_FOUND
         if error.status_code == 404
@@ -128,8 +130,9 @@ async def _http_problem(_request: Request, error: Exception) -> JSONResponse:
 
 async def _unexpected_problem(_request: Request, error: Exception) -> JSONResponse:
     # Nothing was committed (every write is one transaction), so the client may retry.
-    # Starlette re-raises the error after this answer, and uvicorn logs its traceback.
-    return _problem_response(problems.INTERNAL_ERROR(f"{type(error).__name__}: {error}"[:500]))
+    # Starlette re-raises the error after this answer, and uvicorn logs its traceback; the
+    # answer names no exception: its text can carry SQL, paths or another caller's data.
+    return _problem_response(problems.INTERNAL_ERROR("see the ledger's log for this request's error"))
 
 
 def main(

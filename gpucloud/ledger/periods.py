@@ -10,7 +10,10 @@ from __future__ import annotations
 import re
 from datetime import UTC, date, datetime, timedelta
 
-_PERIOD = re.compile(r"^(\d{4})-(0[1-9]|1[0-2])$")
+# Years 1970 to 2999: a period before the epoch or past 9999's successor is no billing period
+# (`datetime` has no year 0 and no year 10000), and the API refuses one with a 422.
+PERIOD_PATTERN = r"^(19[7-9]\d|2\d{3})-(0[1-9]|1[0-2])$"
+_PERIOD = re.compile(PERIOD_PATTERN)
 MS_PER_DAY = 86_400_000
 
 
@@ -27,7 +30,7 @@ def period_of(instant_ms: int) -> str:
 def parse_period(period_id: str) -> tuple[int, int]:
     match = _PERIOD.match(period_id)
     if match is None:
-        raise ValueError(f"period {period_id!r} is not YYYY-MM")
+        raise ValueError(f"period {period_id!r} is not YYYY-MM (a month from 1970-01 to 2999-12)")
     return int(match.group(1)), int(match.group(2))
 
 

@@ -227,6 +227,16 @@ def field_of(loc: tuple) -> str:
     return ".".join(parts) or "body"
 
 
+# FastAPI answers a body it cannot decode at all (not UTF-8, say) with a bare 400 of this text,
+# while JSON that does not parse gets its 422: both are the same mistake, so both are a 422 here.
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+UNPARSABLE_BODY = "the body is not valid JSON (UTF-8 text)"
+
+
+def is_unparsable_body(exc: StarletteHTTPException) -> bool:
+    return exc.status_code == 400 and exc.detail == _FASTAPI_BODY_ERROR
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
@@ -242,6 +252,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if is_unparsable_body(exc):
+            return render(invalid("body", UNPARSABLE_BODY), request)
         kind = {401: "unauthenticated", 403: "forbidden", 404: "not-found", 405: "method-not-allowed"}.get(
             exc.status_code, "http-error"
         )

@@ -214,7 +214,15 @@ def test_a_body_that_stalls_is_answered_408_within_the_deadline(apps, issuer):
 
     assert _walk(apps, stalled) == {}
     # Every server with a route that reads a body cut the stalled one off; the named cases too.
-    assert set(timed_out) == {"API", "ledger", "agent", "tracker", "simulated fleet", "simulated fabric managers"}
+    assert set(timed_out) == {
+        "API",
+        "ledger",
+        "agent",
+        "tracker",
+        "simulated fleet",
+        "simulated fabric managers",
+        "codec server",
+    }
     assert "POST /v1/usage:batch" in timed_out["ledger"]
     assert "POST /tracker/swarms/made-up-swarm/plan" in timed_out["tracker"]
     assert "POST /actions/made-up-action" in timed_out["agent"]

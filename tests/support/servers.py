@@ -1,7 +1,7 @@
 """Every server the project runs, built in-process for the security tests, and every route of each.
 
 `servers` builds the API, the ledger, a node's agent, the tracker and origin, a node's peer
-service, the simulated fleet and the simulated fabric managers, each as `gpucloud up` would
+service, the simulated fleet and fabric managers, and the codec server, each as `gpucloud up` would
 (checking callers), with the request-body settings a test gives. `calls` lists the requests
 that reach every route of one of them: every operation of its OpenAPI document, every route it
 leaves out, and the fleet's per-node weights and peer routes (a mount)."""
@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Mount
 from temporalio.client import Client
 
+from gpucloud.adapters.temporal import CodecKeys, EncryptionCodec, new_codec_key
 from gpucloud.agent.app import Agent
 from gpucloud.agent.app import create_app as agent_app
 from gpucloud.agent.chunk_cache import ChunkCache
@@ -33,6 +34,7 @@ from gpucloud.sim.fabric_managers import create_app as fabric_app
 from gpucloud.sim.fleet import create_app as fleet_app
 from gpucloud.sim.node_weights import WeightsSpec
 from gpucloud.sim.nodes import FleetSpec
+from gpucloud.web.codec_server import create_app as codec_app
 from gpucloud.web.service_tokens import Verifier
 
 OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
@@ -78,6 +80,12 @@ def servers(
             request_body=request_body,
         ),
         "simulated fabric managers": fabric_app(tokens=FABRIC_TOKENS, request_body=request_body),
+        "codec server": codec_app(
+            EncryptionCodec(CodecKeys.parse(new_codec_key())),
+            database_url=db_url,
+            operator_token=OPERATOR_TOKEN,
+            request_body=request_body,
+        ),
     }
 
 

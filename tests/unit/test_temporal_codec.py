@@ -1,12 +1,13 @@
 """Temporal payloads are sealed (`adapters/temporal.py`): AES-GCM with the newest key, each
 payload naming its key so a rotation keeps old payloads readable; the codec server opens them
-for the operator only (`web/codec_server.py`)."""
+for admins only (`web/codec_server.py`)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import stat
+from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,6 +16,9 @@ from temporalio.api.common.v1 import Payloads
 
 from gpucloud.adapters.temporal import KEY_ID, CodecKeys, EncryptionCodec, add_codec_key, data_converter, new_codec_key
 from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.operator_roles import Role
+from gpucloud.services import operators, tenants
 from gpucloud.web.codec_server import create_app
 
 SECRET_ENV = {"HF_TOKEN": "hf_very_secret_value"}
@@ -74,19 +78,33 @@ def test_a_key_that_is_not_32_bytes_is_refused(bad):
         CodecKeys.parse(bad)
 
 
-async def test_the_codec_server_decodes_for_the_operator_only():
+@pytest.mark.one_database
+async def test_the_codec_server_decodes_for_admins_only(db_url):
+    """Operators' tokens are looked up as the API looks them up: the bootstrap admin and a named
+    admin may decode; a fleet operator's or read-only token is 403 (payloads hold tenants'
+    secrets); a tenant's key, a made-up token and no token are 401."""
     codec = EncryptionCodec(CodecKeys.parse(new_codec_key()))
     sealed = await _sealed(codec, SECRET_ENV)
     body = json_format.MessageToJson(Payloads(payloads=[sealed]))
-    app = create_app(codec, operator_token="op-token", ui_origin="http://127.0.0.1:8233")
+    with session_scope(db_url) as session:
+        tokens = {
+            role: operators.create(session, f"op-{role.value}", role, created_by="test", lifetime=timedelta(days=1))[2]
+            for role in (Role.ADMIN, Role.FLEET, Role.READ_ONLY)
+        }
+        _, _, _, tenant_key = tenants.create(session, name="acme", quotas=[])
+    app = create_app(codec, database_url=db_url, operator_token="op-token", ui_origin="http://127.0.0.1:8233")
     with TestClient(app) as client:
-        for headers in ({}, {"Authorization": "Bearer tenant-key"}):
+        for headers in ({}, {"Authorization": f"Bearer {tenant_key}"}, {"Authorization": "Bearer made-up"}):
             refused = client.post("/decode", content=body, headers=headers)
             assert refused.status_code == 401 and "hf_very_secret_value" not in refused.text
-        answer = client.post("/decode", content=body, headers={"Authorization": "Bearer op-token"})
-        assert answer.status_code == 200, answer.text
-        (opened,) = json_format.ParseDict(answer.json(), Payloads()).payloads
-        assert json.loads(opened.data) == SECRET_ENV
+        for role in (Role.FLEET, Role.READ_ONLY):
+            refused = client.post("/decode", content=body, headers={"Authorization": f"Bearer {tokens[role]}"})
+            assert refused.status_code == 403 and "hf_very_secret_value" not in refused.text
+        for token in ("op-token", tokens[Role.ADMIN]):
+            answer = client.post("/decode", content=body, headers={"Authorization": f"Bearer {token}"})
+            assert answer.status_code == 200, answer.text
+            (opened,) = json_format.ParseDict(answer.json(), Payloads()).payloads
+            assert json.loads(opened.data) == SECRET_ENV
         garbage = client.post("/decode", content=b"{", headers={"Authorization": "Bearer op-token"})
         assert garbage.status_code == 400
         # The Web UI's browser may ask first; only its own origin is allowed.

@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from datetime import date
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Path, Query, Response
 from fastapi.concurrency import run_in_threadpool
 from sqlmodel import col, select
 
@@ -26,7 +26,7 @@ from gpucloud.api.schemas import (
     UsageReport,
 )
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable
-from gpucloud.ledger.periods import period_bounds, period_of
+from gpucloud.ledger.periods import PERIOD_PATTERN, period_bounds, period_of
 from gpucloud.ledger.schemas import (
     InvoiceDocument,
     PriceBookVersionIn,
@@ -42,7 +42,6 @@ router = APIRouter(
     responses={501: {"description": "this control plane has no ledger (billing is not configured)"}},
 )
 
-PERIOD_PATTERN = r"^\d{4}-(0[1-9]|1[0-2])$"
 PeriodQuery = Annotated[str | None, Query(pattern=PERIOD_PATTERN, description="billing period, YYYY-MM (UTC)")]
 TenantQuery = Annotated[str | None, Query(description="operators: the tenant (tenants: always their own)")]
 INVOICE_RESPONSE: dict[int | str, dict[str, Any]] = {
@@ -88,7 +87,11 @@ def _owns_allocation(reads: Reads, tenant_id: str, allocation_id: str) -> bool:
         return session.exec(query).first() is not None
 
 
-@router.get("/usage", response_model=UsageReport)
+@router.get(
+    "/usage",
+    response_model=UsageReport,
+    responses={404: {"description": "`allocation_id` names no allocation visible to the caller"}},
+)
 async def get_usage(
     caller: CallerDep,
     reads: ReadsDep,
@@ -131,7 +134,7 @@ async def draft_invoice(
 
 
 @router.get("/invoices/{invoice_id}", response_class=Response, responses=INVOICE_RESPONSE)
-async def get_invoice(invoice_id: int, caller: CallerDep, ledger: LedgerDep):
+async def get_invoice(invoice_id: Annotated[int, Path(ge=1, le=2**63 - 1)], caller: CallerDep, ledger: LedgerDep):
     """A closed period's invoice exactly as stored: the same bytes every time (SHA-256 in the ETag)."""
     answer = await _ask(
         ledger.invoice(invoice_id, tenant_id=None if caller.is_operator else caller.tenant_id),
@@ -150,7 +153,12 @@ async def price_book_versions(operator: ReadOperatorDep, ledger: LedgerDep):
     return await _ask(ledger.price_book_versions())
 
 
-@router.post("/billing/price-book/versions", status_code=201, response_model=PriceBookVersionOut)
+@router.post(
+    "/billing/price-book/versions",
+    status_code=201,
+    response_model=PriceBookVersionOut,
+    responses={409: {"description": "a version already takes effect at or after `effective_from_ms`"}},
+)
 async def create_price_book_version(version: PriceBookVersionIn, operator: BillingOperatorDep, ledger: LedgerDep):
     """A new version from `effective_from_ms` on (after any usage already rated: no retroactive prices)."""
     return await _ask(ledger.create_price_book_version(version))

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response
 
 from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerDep
 from gpucloud.ledger.invoicing import close_period, draft_invoice, invoice_body, list_invoices, list_periods
+from gpucloud.ledger.periods import PERIOD_PATTERN
 from gpucloud.ledger.schemas import InvoiceSummary, PeriodCloseOut, PeriodOut
 
 router = APIRouter(prefix="/v1/periods", tags=["periods"])
+
+PeriodId = Annotated[str, Path(pattern=PERIOD_PATTERN, description="YYYY-MM (UTC)")]
 
 
 @router.get("", response_model=list[PeriodOut])
@@ -20,19 +25,19 @@ def periods(ledger: LedgerDep) -> list[PeriodOut]:
 
 
 @router.post("/{period_id}:close", response_model=PeriodCloseOut)
-def close(period_id: str, ledger: LedgerDep) -> PeriodCloseOut:
+def close(period_id: PeriodId, ledger: LedgerDep) -> PeriodCloseOut:
     """Close a ``YYYY-MM`` period once it has ended; closing it again returns the same result."""
     return close_period(ledger.database, period_id, now_ms=ledger.clock_ms(), prices=ledger.prices)
 
 
 @router.get("/{period_id}/invoices", response_model=list[InvoiceSummary])
-def invoices(period_id: str, ledger: LedgerDep) -> list[InvoiceSummary]:
+def invoices(period_id: PeriodId, ledger: LedgerDep) -> list[InvoiceSummary]:
     with ledger.database.read() as connection:
         return list_invoices(connection, period_id)
 
 
 @router.get("/{period_id}/invoices/{tenant_id}", response_class=Response)
-def invoice(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
+def invoice(period_id: PeriodId, tenant_id: str, ledger: LedgerDep) -> Response:
     """The invoice exactly as stored: canonical JSON bytes, reproducible byte for byte."""
     with ledger.database.read() as connection:
         body = invoice_body(connection, period_id, tenant_id)
@@ -42,7 +47,7 @@ def invoice(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
 
 
 @router.get("/{period_id}/draft-invoices/{tenant_id}", response_class=Response)
-def draft(period_id: str, tenant_id: str, ledger: LedgerDep) -> Response:
+def draft(period_id: PeriodId, tenant_id: str, ledger: LedgerDep) -> Response:
     """An open period's invoice as closing it now would produce it; stored nowhere (409 once closed)."""
     with ledger.database.read() as connection:
         invoice = draft_invoice(connection, period_id, tenant_id, ledger.prices, now_ms=ledger.clock_ms())
