@@ -33,7 +33,7 @@ from sqlmodel import col, select
 
 from gpucloud.db import rowcount, session_scope
 from gpucloud.models.tables import IdempotencyRecord, utcnow
-from gpucloud.web.problems import Problem
+from gpucloud.web.problems import MEDIA_TYPE, Problem
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,12 @@ def _finish(
 
 
 def _replay(record: IdempotencyRecord) -> Response:
+    status = record.status_code or 200
     return Response(
         record.response_body or "",
-        status_code=record.status_code or 200,
-        media_type="application/json",
+        status_code=status,
+        # Every error this API answers is a problem document (kept only for 4xx: a 5xx is not kept).
+        media_type=MEDIA_TYPE if status >= 400 else "application/json",
         headers={"Idempotent-Replayed": "true"},
     )
 

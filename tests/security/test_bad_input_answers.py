@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from gpucloud import bootstrap
 from gpucloud.api.app import create_app as api_app
 from gpucloud.config import Settings
+from gpucloud.db import session_scope
 from gpucloud.ledger.api import invoices
 from gpucloud.ledger.app import create_app as ledger_app
+from gpucloud.services import tenants
 from gpucloud.web.service_tokens import Verifier
 from support.ledger_auth import LedgerAuth
 
@@ -69,6 +72,7 @@ def test_the_ledgers_server_error_names_no_exception(ledger, monkeypatch) -> Non
 def test_the_api_refuses_periods_ids_and_bodies_that_cannot_mean_anything(tmp_path: Path, db_url: str) -> None:
     # The ledger's address answers nothing: every refusal below comes before the API would ask it.
     settings = Settings(data_dir=tmp_path, database={"url": db_url}, ledger={"url": "http://127.0.0.1:9"})
+    bootstrap.issue_api_delegate(settings)  # the API signs its ledger calls with a delegate, as under `up`
     app = api_app(settings, temporal=object())  # type: ignore[arg-type]
     headers = {"Authorization": f"Bearer {settings.operator_token}"}
     with TestClient(app, raise_server_exceptions=False, headers=headers) as api:
@@ -78,3 +82,19 @@ def test_the_api_refuses_periods_ids_and_bodies_that_cannot_mean_anything(tmp_pa
         answer = api.post("/v1/nodes/n-1/cordon", content=NOT_UTF8, headers={"content-type": "application/json"})
         assert _field(answer) == "body"
         assert "not valid JSON" in answer.json()["detail"]
+
+
+def test_a_replayed_refusal_is_still_a_problem_document(tmp_path: Path, db_url: str) -> None:
+    """The first answer for an Idempotency-Key is kept and replayed: a 404 replayed as plain JSON
+    contradicted the document (found by schemathesis)."""
+    settings = Settings(data_dir=tmp_path, database={"url": db_url})
+    with session_scope(db_url) as session:
+        *_, key = tenants.create(session, name="replayer", quotas=[])
+    app = api_app(settings, temporal=object())  # type: ignore[arg-type]
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "evaluate-once"}
+    path = f"/v1/models/nope/versions/{'0' * 64}/evaluate"
+    with TestClient(app, raise_server_exceptions=False, headers=headers) as api:
+        first, again = (api.post(path, json={"evaluator": "sanity"}) for _ in range(2))
+    assert first.status_code == again.status_code == 404
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    assert first.headers["content-type"] == again.headers["content-type"] == "application/problem+json"
