@@ -223,7 +223,7 @@ async def measure(
     if args.heartbeats_only:
         return await _heartbeats_alone(agents_url, floor_url, ids, nodes, args)
     if args.goodput_only:
-        return await _goodput(api, args.goodput_keys, args.seconds)
+        return await _goodput(api, args.goodput_keys, args.seconds, floor_url, ids)
     if args.capacity_only:
         alone = await _capacities_alone(ids, nodes, args, agents_url, floor_url)
         return {**alone, **await _capacities(api, tenant_key, ids, nodes, args, agents_url, floor_url, args.tries)}
@@ -287,38 +287,65 @@ async def measure(
     }
 
 
-async def _goodput(api: str, keys: list[str], seconds: float) -> dict:
+async def _goodput(api: str, keys: list[str], seconds: float, floor_url: str, ids: list[str]) -> dict:
     """2xx/s from impatient clients spread over the tenants' `keys`: at each of
-    `GOODPUT_LEVELS`, then at 4x the level where it peaked; `goodput_ratio_4x` the last over the
-    peak. Each tenant's clients run in a process of their own (`apart`)."""
+    `GOODPUT_LEVELS`, then at 4x and 8x the level where it peaked; `goodput_ratio_4x` the 4x
+    level's over the peak's. Each tenant's clients run in a process of their own (`apart`).
 
-    async def ok_per_s(clients: int) -> tuple[float, dict]:
-        share = [clients // len(keys) + (i < clients % len(keys)) for i in range(len(keys))]
-        groups = [run_apart(api, key, n, seconds, impatient_client) for key, n in zip(keys, share, strict=True) if n]
+    The floor: the floor app's read from as many clients in as many processes, at the same
+    three counts. On two cores the clients' own processes take CPU from the server as they grow,
+    so the floor's ratio is what this machine allows any server; `goodput_ratio_4x_vs_floor` is
+    the API's ratio over it (1.0: refusals cost the API nothing beyond what more clients cost)."""
+
+    def spread(clients: int) -> list[int]:
+        return [clients // len(keys) + (i < clients % len(keys)) for i in range(len(keys))]
+
+    async def tallied(groups) -> Tally:
         tally = Tally()
         for group in await asyncio.gather(*groups):
             tally.status.update(group.status)
-            tally.latency["list"] += group.latency["list"]
+            for kind, samples in group.latency.items():
+                tally.latency[kind] += samples
+        return tally
+
+    async def ok_per_s(clients: int) -> tuple[float, dict]:
+        groups = [
+            run_apart(api, key, n, seconds, impatient_client) for key, n in zip(keys, spread(clients), strict=True) if n
+        ]
+        tally = await tallied(groups)
         ok = sum(n for status, n in tally.status.items() if status.startswith("2"))
         figures = {"ok_per_s": round(ok / seconds, 1), **tally.figures(seconds)}
         log(f"  {clients:>4} impatient clients of {len(keys)} tenants: {figures}")
         return ok / seconds, figures
 
+    async def floor_per_s(clients: int) -> float:
+        tally = await tallied([run_apart(floor_url, None, n, seconds, get_client, ids) for n in spread(clients) if n])
+        ok = sum(n for status, n in tally.status.items() if status.startswith("2")) / seconds
+        log(f"  {clients:>4} floor clients in {len(keys)} processes: {ok:.1f} 2xx/s")
+        return ok
+
     by_level = {n: await ok_per_s(n) for n in GOODPUT_LEVELS}
     peak = max(by_level, key=lambda n: by_level[n][0])
     overload = await ok_per_s(4 * peak)
     double = await ok_per_s(8 * peak)
+    floor = {n: await floor_per_s(n) for n in (peak, 4 * peak, 8 * peak)}
+    ratio_4x = overload[0] / max(by_level[peak][0], 1e-9)
+    floor_4x = floor[4 * peak] / max(floor[peak], 1e-9)
     return {
         "goodput_peak_clients": peak,
         "goodput_peak_ok_per_s": round(by_level[peak][0], 1),
         "goodput_4x_ok_per_s": round(overload[0], 1),
-        "goodput_ratio_4x": round(overload[0] / max(by_level[peak][0], 1e-9), 3),
+        "goodput_ratio_4x": round(ratio_4x, 3),
         "goodput_8x_ok_per_s": round(double[0], 1),
         "goodput_ratio_8x": round(double[0] / max(by_level[peak][0], 1e-9), 3),
+        "floor_goodput_ratio_4x": round(floor_4x, 3),
+        "floor_goodput_ratio_8x": round(floor[8 * peak] / max(floor[peak], 1e-9), 3),
+        "goodput_ratio_4x_vs_floor": round(ratio_4x / max(floor_4x, 1e-9), 3),
         "goodput": {
             **{str(n): f for n, (_, f) in by_level.items()},
             str(4 * peak): overload[1],
             str(8 * peak): double[1],
+            "floor": {str(n): round(f, 1) for n, f in floor.items()},
         },
     }
 
