@@ -83,7 +83,10 @@ def fuzz(base_url: str, token: str, log: Path) -> tuple[int, str]:
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         "NO_COLOR": "1",
     }
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=BUDGET_S * 4, check=False)
+    # In its own folder: the CLI keeps a cache of past failures where it runs, to replay first.
+    done = subprocess.run(
+        command, cwd=log.parent, env=env, capture_output=True, text=True, timeout=BUDGET_S * 4, check=False
+    )
     log.write_text(done.stdout + done.stderr)
     generated = re.search(r"(\d+) generated", done.stdout)
     cases = int(generated.group(1)) if generated else 0

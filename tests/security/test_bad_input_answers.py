@@ -79,6 +79,9 @@ def test_the_api_refuses_periods_ids_and_bodies_that_cannot_mean_anything(tmp_pa
         for path in ("/v1/usage", "/v1/invoices", "/v1/invoices:draft"):
             assert _field(api.get(path, params={"period": "0000-01", "tenant_id": "t"})) == "period", path
         assert _field(api.get("/v1/invoices/99999999999999999999")) == "invoice_id"
+        for tenant in ("", "a/b", "x" * 65):  # would name another path of the ledger, or none
+            answer = api.get("/v1/invoices:draft", params={"tenant_id": tenant})
+            assert _field(answer) == "tenant_id", (tenant, answer.request.url)
         answer = api.post("/v1/nodes/n-1/cordon", content=NOT_UTF8, headers={"content-type": "application/json"})
         assert _field(answer) == "body"
         assert "not valid JSON" in answer.json()["detail"]

@@ -43,7 +43,11 @@ router = APIRouter(
 )
 
 PeriodQuery = Annotated[str | None, Query(pattern=PERIOD_PATTERN, description="billing period, YYYY-MM (UTC)")]
-TenantQuery = Annotated[str | None, Query(description="operators: the tenant (tenants: always their own)")]
+# A tenant id goes into the ledger's paths: anything but an id's characters would name another path.
+TenantQuery = Annotated[
+    str | None,
+    Query(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="operators: the tenant (tenants: always their own)"),
+]
 INVOICE_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"model": InvoiceDocument, "description": "the invoice document, canonical JSON (sorted keys, integers only)"}
 }
