@@ -14,9 +14,13 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlmodel import col, select
+from typer.testing import CliRunner
 
 from gpucloud.activities.tenant import TenantActivities
 from gpucloud.api.app import create_app
+from gpucloud.cli import resources as cli
+from gpucloud.cli.main import app
+from gpucloud.client.api import Gpucloud
 from gpucloud.config import Settings
 from gpucloud.db import Database, session_scope
 from gpucloud.models.health_tables import AllocationEvent
@@ -81,7 +85,7 @@ def _available(settings: Settings, ids: list[str]) -> None:
         session.execute(sa.update(Node).where(col(Node.id).in_(ids)).values(state=NodeState.AVAILABLE, health="ok"))
 
 
-def test_a_tenants_create_names_its_key_and_an_operators_cancel_names_the_operator(api) -> None:
+def test_a_tenants_create_names_its_key_and_an_operators_cancel_names_the_operator(api, monkeypatch) -> None:
     client, settings, _ = api
     alice = role_token(settings, "alice", Role.ADMIN)
     tenant_id, key = _onboarded(client, settings, alice)
@@ -104,6 +108,17 @@ def test_a_tenants_create_names_its_key_and_an_operators_cancel_names_the_operat
         ("requested", f"tenant:{tenant_id}/key:{key_id}"),
         ("cancel_requested", "operator:alice"),
     ]
+
+    # The CLI's tables show who acted (`operations show`, `allocations show`).
+    def api_client(api_url=None, api_key=None, *, operator=False):
+        return Gpucloud("http://testserver", alice, transport=client._transport)
+
+    monkeypatch.setattr(cli, "api_client", api_client)
+    monkeypatch.setenv("COLUMNS", "300")
+    shown = CliRunner().invoke(app, ["operations", "show", operation_id])
+    assert shown.exit_code == 0 and "actor" in shown.output and "operator:alice" in shown.output, shown.output
+    shown = CliRunner().invoke(app, ["allocations", "show", allocation_id])
+    assert shown.exit_code == 0 and f"tenant:{tenant_id}/key:{key_id}" in shown.output, shown.output
 
 
 def test_quota_and_key_changes_and_offboarding_leave_operations_naming_the_operator(api) -> None:
