@@ -14,7 +14,7 @@ from temporalio.service import RPCError
 
 from gpucloud.agent.schemas import WorkloadStatus
 from gpucloud.api import pagination
-from gpucloud.api.auth import Caller, TenantCaller
+from gpucloud.api.auth import Caller
 from gpucloud.api.deps import (
     CallerDep,
     CallerOrFleetOperatorDep,
@@ -82,12 +82,11 @@ def _created_under(session: Session, tag: str) -> tuple[Allocation, Operation] |
 
 
 def _create_in_db(
-    settings: Settings, tenant: TenantCaller, req: AllocationRequest, *, idempotency_tag: str | None = None
+    settings: Settings, tenant_id: str, req: AllocationRequest, *, actor: str, idempotency_tag: str | None = None
 ) -> tuple[Allocation, Operation]:
     """Reserve the gang and record the allocation, its operation and its first event (naming the
     caller), in one transaction; under an `idempotency_tag`, an allocation already created under
     it is returned instead."""
-    tenant_id = tenant.tenant_id
     for _ in range(RESERVE_ATTEMPTS):
         try:
             with session_scope(settings.database_url) as session:
@@ -113,13 +112,11 @@ def _create_in_db(
                     kind="create_allocation",
                     resource_id=alloc.id,
                     workflow_id=service.workflow_id_for(alloc.id),
-                    actor=tenant.actor,
+                    actor=actor,
                 )
                 session.add(alloc)
                 session.add(op)
-                service.record_event(
-                    session, alloc, "requested", reason=f"created by {tenant.actor}", actor=tenant.actor
-                )
+                service.record_event(session, alloc, "requested", reason=f"created by {actor}", actor=actor)
                 return alloc, op
         except service.ReservationConflict:
             continue
@@ -191,7 +188,7 @@ async def create_allocation(
     async def handler() -> JSONResponse:
         tag = f"{tenant.id}:{idempotency_key}" if idempotency_key else None
         alloc, op = await run_in_threadpool(
-            functools.partial(_create_in_db, settings, tenant, req, idempotency_tag=tag)
+            functools.partial(_create_in_db, settings, tenant.tenant_id, req, actor=tenant.actor, idempotency_tag=tag)
         )
         if alloc.status in TERMINAL_ALLOCATION:  # an earlier try's allocation, already over
             return accepted(
