@@ -168,7 +168,7 @@ class ControlDbActivities(ActivityGroup):
     def record_allocation_event(self, req: AllocationEventInput) -> None:
         with self.db.session() as session:
             alloc = session.exec(select(Allocation).where(col(Allocation.id) == req.allocation_id)).one()
-            replacement.record_event(session, alloc, req.kind, reason=req.reason, node_id=req.node_id)
+            allocation_service.record_event(session, alloc, req.kind, reason=req.reason, node_id=req.node_id)
 
     @activity.defn
     def plan_repair(self, req: NodeRef) -> RepairPlan:

@@ -32,7 +32,7 @@ from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.fabric.interface import FabricError
 from gpucloud.fabric.membership import delete_tenant_vpc, ensure_tenant_vpc
 from gpucloud.ledger.client import LedgerClient, LedgerRefused
-from gpucloud.models.tables import Tenant, TenantStatus
+from gpucloud.models.tables import SYSTEM_ACTOR, Tenant, TenantStatus
 from gpucloud.models.tenant_messages import (
     ActivateTenantInput,
     CancelledAllocations,
@@ -186,8 +186,10 @@ class TenantActivities(ActivityGroup):
     def _record_cancels(self, tenant_id: str) -> list[tuple[str, str]]:
         with self._db() as session:
             cancels = []
+            offboarding = tenant_service.offboarding_operation(session, tenant_id)
+            actor = offboarding.actor if offboarding is not None else SYSTEM_ACTOR
             for alloc in tenant_service.live_allocations(session, tenant_id):
-                op = allocation_service.record_cancel_intent(session, alloc, tenant_id=tenant_id)
+                op = allocation_service.record_cancel_intent(session, alloc, tenant_id=tenant_id, actor=actor)
                 if op is not None:
                     cancels.append((alloc.id, op.id))
             return cancels

@@ -47,13 +47,21 @@ class Caller:
     node_id: str | None = None  # an agent's node
     operator: str | None = None  # an operator's account name
     scopes: frozenset[Scope] = frozenset()  # what an operator's role allows
+    key_id: str | None = None  # the API key a tenant called with
 
     @property
     def id(self) -> str:
-        """Who acted, as events and audit records name them (`operator:<name>`, ...)."""
+        """Who calls, as idempotency records and admission count them (`operator:<name>`, a
+        tenant's keys all as one `tenant:<id>`, ...)."""
         if self.role == "agent":
             return f"agent:{self.node_id}"
         return f"operator:{self.operator}" if self.role == "operator" else f"tenant:{self.tenant_id}"
+
+    @property
+    def actor(self) -> str:
+        """Who acted, as operations and events record it: `id`, and for a tenant the key it
+        used (`tenant:<id>/key:<key id>`), so a leaked key's doings can be told apart."""
+        return f"{self.id}/key:{self.key_id}" if self.role == "tenant" and self.key_id else self.id
 
     @property
     def is_tenant(self) -> bool:
@@ -95,7 +103,7 @@ def resolve(db: sa.Connection, token: str, operator_token: str) -> Caller | None
         return None
     if not hmac.compare_digest(key_hash, hash_secret(secret)):
         return None
-    return Caller(role="tenant", tenant_id=tenant_id)
+    return Caller(role="tenant", tenant_id=tenant_id, key_id=key_id)
 
 
 def _operator(db: sa.Connection, token: str) -> Caller | None:

@@ -143,7 +143,7 @@ async def get_tenant(caller: Annotated[auth.Caller, Depends(get_caller)]) -> aut
             f"{'operators act' if caller.is_operator else 'a node agent acts'} for no tenant here; "
             "call with the tenant's API key",
         )
-    return auth.TenantCaller(tenant_id=caller.tenant_id)
+    return auth.TenantCaller(tenant_id=caller.tenant_id, key_id=caller.key_id)
 
 
 def reporter(scope: Scope) -> Callable[..., Any]:

@@ -209,9 +209,9 @@ def allocations_show(
         return
     console.print(_allocation_table([allocation]))
     console.print("nodes: " + (", ".join(allocation.node_ids) or "none yet"))
-    table = _table("events", "at", "kind", "node", "reason")
+    table = _table("events", "at", "kind", "node", "actor", "reason")
     for e in events:
-        table.add_row(_when(e.at), e.kind, e.node_id or "", e.reason or "")
+        table.add_row(_when(e.at), e.kind, e.node_id or "", e.actor, e.reason or "")
     console.print(table)
 
 
@@ -342,7 +342,9 @@ def operations_show(
     """One operation; with --wait, once it has ended. Exits 1 when it failed."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
         op = api.operations.wait(operation_id, timeout_s=timeout) if wait else api.operations.get(operation_id)
-    table = _table("operation", "id", "kind", "resource", "status", "error", "workflow", "updated")
-    table.add_row(op.id, op.kind, op.resource_id, op.status, op.error or "", op.workflow_id or "", _when(op.updated_at))
+    table = _table("operation", "id", "kind", "resource", "actor", "status", "error", "workflow", "updated")
+    table.add_row(
+        op.id, op.kind, op.resource_id, op.actor, op.status, op.error or "", op.workflow_id or "", _when(op.updated_at)
+    )
     emit(output, op, table)
     _fail_on(op)

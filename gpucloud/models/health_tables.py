@@ -13,7 +13,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Field, SQLModel
 
-from gpucloud.models.tables import UTCDateTime, json_field, timestamp_field
+from gpucloud.models.tables import SYSTEM_ACTOR, UTCDateTime, json_field, timestamp_field
 
 
 class XidEventRecord(SQLModel, table=True):
@@ -102,6 +102,7 @@ class AllocationEventPublic(SQLModel):
     node_id: str | None
     replacement_node_id: str | None
     reason: str
+    actor: str
     at: datetime
 
 
@@ -115,4 +116,7 @@ class AllocationEvent(SQLModel, table=True):
     node_id: str | None = None
     replacement_node_id: str | None = None
     reason: str = ""
+    # Who caused it: `system` for the health loop's pulls and replacements, the caller
+    # (`api.auth.Caller.actor`) for a create or cancel.
+    actor: str = Field(default=SYSTEM_ACTOR, max_length=300)
     at: datetime = timestamp_field()

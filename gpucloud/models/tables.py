@@ -403,6 +403,10 @@ class OperationStatus(StrEnum):
     FAILED = "failed"
 
 
+SYSTEM_ACTOR = "system"
+"""The actor of what no request asked for: the reconciler, the health loop, a workflow's own steps."""
+
+
 class OperationPublic(SQLModel):
     id: str
     kind: str
@@ -410,15 +414,23 @@ class OperationPublic(SQLModel):
     status: OperationStatus
     error: str | None
     workflow_id: str | None
+    actor: str
     created_at: datetime
     updated_at: datetime
 
 
 class Operation(SQLModel, table=True):
+    """A mutation and who asked for it. Changes that finish within their request (quotas, API
+    keys, a node's flags) are operations too, recorded already settled: the one audit trail of
+    who changed what is this table, read by id like any operation."""
+
     seq: int | None = Field(default=None, primary_key=True)
     id: str = Field(default_factory=lambda: new_id("op"), unique=True, index=True)
     tenant_id: str | None = Field(default=None, index=True)
     kind: str
+    # `operator:<name>`, `tenant:<id>/key:<key id>` or `system` (`api.auth.Caller.actor`); no
+    # default, so no place that makes an operation can forget to say who asked.
+    actor: str = Field(max_length=300)
     resource_id: str = Field(index=True)
     status: str = OperationStatus.RUNNING
     error: str | None = None

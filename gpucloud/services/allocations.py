@@ -17,8 +17,10 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gpucloud.db import rowcount
+from gpucloud.models.health_tables import AllocationEvent
 from gpucloud.models.node_states import NodeEvent, NodeState, deadline_for
 from gpucloud.models.tables import (
+    SYSTEM_ACTOR,
     TERMINAL_ALLOCATION,
     Allocation,
     AllocationStatus,
@@ -184,8 +186,34 @@ def reserve_gang(
     return gang
 
 
-def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id: str) -> Operation | None:
-    """Cancellation is intent: record desired=cancelled; None when there is nothing left to do."""
+def record_event(
+    session: Session,
+    allocation: Allocation,
+    kind: str,
+    *,
+    reason: str,
+    node_id: str | None = None,
+    replacement_node_id: str | None = None,
+    actor: str = SYSTEM_ACTOR,
+) -> None:
+    """Append to the allocation's event log (what its tenant reads), naming who caused it."""
+    session.add(
+        AllocationEvent(
+            allocation_id=allocation.id,
+            tenant_id=allocation.tenant_id,
+            kind=kind,
+            node_id=node_id,
+            replacement_node_id=replacement_node_id,
+            reason=reason[:1000],
+            actor=actor,
+            at=utcnow(),
+        )
+    )
+
+
+def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id: str, actor: str) -> Operation | None:
+    """Cancellation is intent: record desired=cancelled, with an operation and an allocation
+    event that name `actor`; None when there is nothing left to do."""
     if allocation.status in TERMINAL_ALLOCATION:
         return None
     existing = session.exec(
@@ -203,8 +231,10 @@ def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id:
         kind="cancel_allocation",
         resource_id=allocation.id,
         workflow_id=workflow_id_for(allocation.id),
+        actor=actor,
     )
     session.add(op)
+    record_event(session, allocation, "cancel_requested", reason=f"cancelled by {actor}", actor=actor)
     return op
 
 

@@ -35,6 +35,7 @@ def apply_operator_action(session: Session, node: Node, action: str, *, actor: s
         kind=f"node_{action}",
         resource_id=node.id,
         status=OperationStatus.SUCCEEDED if done else OperationStatus.RUNNING,
+        actor=actor,
     )
     session.add(op)
     return op
@@ -70,7 +71,7 @@ def apply_lifecycle_action(session: Session, node: Node, action: str, *, actor: 
         transition(session, node.id, event, from_state=node.state, cause=cause or action, actor=actor)
     except StaleNode as exc:
         raise NodeStateConflict(f"{exc}; read the node again and retry") from None
-    op = Operation(kind=f"node_{action}", resource_id=node.id, status=OperationStatus.SUCCEEDED)
+    op = Operation(kind=f"node_{action}", resource_id=node.id, status=OperationStatus.SUCCEEDED, actor=actor)
     session.add(op)
     return op
 

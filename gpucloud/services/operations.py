@@ -1,4 +1,5 @@
-"""Operations (`GET /v1/operations/{id}`): the one way a running operation ends."""
+"""Operations (`GET /v1/operations/{id}`): the one way a running operation ends, and the record
+of a change that ended within its request."""
 
 from __future__ import annotations
 
@@ -11,6 +12,25 @@ from temporalio.service import RPCError
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Operation, OperationStatus, utcnow
 from gpucloud.web.problems import unavailable
+
+
+def record_done(
+    session: Session, *, kind: str, resource_id: str, actor: str, tenant_id: str | None = None
+) -> Operation:
+    """A change made whole within its request (quotas replaced, an API key issued, a rollout
+    paused), recorded as a settled operation so that who made it is kept like any operation's."""
+    op = Operation(
+        kind=kind, resource_id=resource_id, actor=actor, tenant_id=tenant_id, status=OperationStatus.SUCCEEDED
+    )
+    session.add(op)
+    return op
+
+
+def record_done_in(db_url: str, *, kind: str, resource_id: str, actor: str, tenant_id: str | None = None) -> None:
+    """`record_done` in a transaction of its own, for a change whose own state is not in the DB
+    (a rollout's lives in its workflow, the registry's chunks in the object store)."""
+    with session_scope(db_url) as session:
+        record_done(session, kind=kind, resource_id=resource_id, actor=actor, tenant_id=tenant_id)
 
 
 def settle_operation(session: Session, operation_id: str, *, error: str | None) -> None:

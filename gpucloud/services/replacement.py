@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from sqlmodel import Session, col, select
 
-from gpucloud.models.health_tables import AllocationEvent
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Allocation, AllocationStatus, Node, utcnow
 from gpucloud.services.allocations import (
     ReservationConflict,
     available_candidates,
     lock_pool,
+    record_event,
     set_status,
 )
 from gpucloud.services.allocations import reserve_node as cas_reserve
@@ -25,28 +25,6 @@ RESERVE_ATTEMPTS = 5
 
 def _allocation(session: Session, allocation_id: str) -> Allocation:
     return session.exec(select(Allocation).where(col(Allocation.id) == allocation_id)).one()
-
-
-def record_event(
-    session: Session,
-    allocation: Allocation,
-    kind: str,
-    *,
-    reason: str,
-    node_id: str | None = None,
-    replacement_node_id: str | None = None,
-) -> None:
-    session.add(
-        AllocationEvent(
-            allocation_id=allocation.id,
-            tenant_id=allocation.tenant_id,
-            kind=kind,
-            node_id=node_id,
-            replacement_node_id=replacement_node_id,
-            reason=reason[:1000],
-            at=utcnow(),
-        )
-    )
 
 
 def detach_node(session: Session, allocation_id: str, node_id: str, *, reason: str) -> Allocation:

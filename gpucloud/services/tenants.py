@@ -78,9 +78,12 @@ def get(session: Session, tenant_id: str) -> Tenant:
     return tenant
 
 
-def create(session: Session, *, name: str, quotas: list[TenantQuotaBase]) -> tuple[Tenant, Operation, ApiKey, str]:
-    """The tenant (`onboarding`), its quotas, first key and onboarding operation; the key's
-    plaintext is returned once. Raises `TenantExists` when the name is taken (ever)."""
+def create(
+    session: Session, *, name: str, quotas: list[TenantQuotaBase], actor: str
+) -> tuple[Tenant, Operation, ApiKey, str]:
+    """The tenant (`onboarding`), its quotas, first key and onboarding operation (asked for by
+    `actor`); the key's plaintext is returned once. Raises `TenantExists` when the name is taken
+    (ever)."""
     if session.exec(select(col(Tenant.id)).where(col(Tenant.name) == name)).first() is not None:
         raise TenantExists(name)
     tenant = Tenant(name=name, status=TenantStatus.ONBOARDING)
@@ -94,7 +97,11 @@ def create(session: Session, *, name: str, quotas: list[TenantQuotaBase]) -> tup
     )
     key, plaintext = api_keys.issue_key(session, tenant.id)
     op = Operation(
-        tenant_id=tenant.id, kind=CREATE_OPERATION, resource_id=tenant.id, workflow_id=onboarding_workflow_id(tenant.id)
+        tenant_id=tenant.id,
+        kind=CREATE_OPERATION,
+        resource_id=tenant.id,
+        workflow_id=onboarding_workflow_id(tenant.id),
+        actor=actor,
     )
     session.add(op)
     session.flush()
@@ -131,15 +138,14 @@ def move(
     return tenant
 
 
-def begin_offboarding(session: Session, tenant_id: str) -> tuple[Tenant, Operation, bool]:
+def begin_offboarding(session: Session, tenant_id: str, *, actor: str) -> tuple[Tenant, Operation, bool]:
     """Move the tenant to `offboarding` (under its row lock, which allocation admission takes
-    too) and return its delete operation; the flag says whether it was created just now."""
+    too) and return its delete operation (asked for by `actor`, or by whoever asked first); the
+    flag says whether it was created just now."""
     tenant = session.exec(select(Tenant).where(col(Tenant.id) == tenant_id).with_for_update()).first()
     if tenant is None:
         raise TenantNotFound(tenant_id)
-    existing = session.exec(
-        select(Operation).where(col(Operation.resource_id) == tenant_id, col(Operation.kind) == DELETE_OPERATION)
-    ).first()
+    existing = offboarding_operation(session, tenant_id)
     if existing is not None:
         return tenant, existing, False
     if tenant.status not in (TenantStatus.ACTIVE, TenantStatus.FAILED):
@@ -152,10 +158,19 @@ def begin_offboarding(session: Session, tenant_id: str) -> tuple[Tenant, Operati
         kind=DELETE_OPERATION,
         resource_id=tenant_id,
         workflow_id=offboarding_workflow_id(tenant_id),
+        actor=actor,
     )
     session.add(op)
     session.flush()
     return tenant, op, True
+
+
+def offboarding_operation(session: Session, tenant_id: str) -> Operation | None:
+    """The tenant's delete operation, if it is being (or was) offboarded: what offboarding does
+    on its way (its allocations' cancels) is done for that operation's actor."""
+    return session.exec(
+        select(Operation).where(col(Operation.resource_id) == tenant_id, col(Operation.kind) == DELETE_OPERATION)
+    ).first()
 
 
 def record_vni(session: Session, tenant_id: str, vni: int | None) -> None:

@@ -53,7 +53,7 @@ async def test_an_allocation_whose_workflow_never_started_is_adopted_by_the_next
     h = await ready_fleet(nodes=2)
     tenant_id, key = await h.onboard()
     alloc, _ = _create_in_db(
-        h.settings, tenant_id, AllocationRequest(gpu_type="H100", node_count=1, region="us-east-1")
+        h.settings, tenant_id, AllocationRequest(gpu_type="H100", node_count=1, region="us-east-1"), actor="tenant:t"
     )
     with session_scope(h.settings.database_url) as session:  # committed a minute ago, never started
         row = session.exec(select(Allocation).where(col(Allocation.id) == alloc.id)).one()

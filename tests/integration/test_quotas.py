@@ -118,7 +118,7 @@ def test_admission_is_exact_under_concurrent_transactions(db_url, tmp_path):
     def create(_):
         start.wait()
         try:
-            _create_in_db(settings, tenant_id, AllocationRequest(**ALLOC))
+            _create_in_db(settings, tenant_id, AllocationRequest(**ALLOC), actor=f"tenant:{tenant_id}")
             return "created"
         except Problem as problem:
             return problem.type

@@ -20,11 +20,14 @@ from pathlib import Path
 import blake3
 import httpx
 import pytest
+from sqlmodel import col, select
 from typer.testing import CliRunner
 
 from gpucloud.cli.weights import weights_app
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, signer_for
+from gpucloud.db import session_scope
+from gpucloud.models.tables import Operation
 from gpucloud.registry.chunking import chunk_file
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -785,6 +788,16 @@ def test_operator_gc_removes_only_old_unreferenced_chunks_dry_run_first(registry
     assert not tenant.chunks.has(orphan_id) and tenant.chunks.has(fresh_id)
     assert tree(tenant.pull(outcome.digest, tmp_path / "out").path) == tree(source)
     assert bystander.pull(other.digest, tmp_path / "other-out").path.exists()
+    # Each tenant's collection is an operation naming the operator; the dry run left none.
+    with session_scope(registry.settings.database_url) as session:  # type: ignore[attr-defined]
+        collected = session.exec(
+            select(Operation).where(
+                col(Operation.kind) == "registry_gc", col(Operation.resource_id).in_([tenant.id, bystander.id])
+            )
+        ).all()
+    assert sorted((o.resource_id, o.actor) for o in collected) == sorted(
+        (t, "operator:bootstrap") for t in (tenant.id, bystander.id)
+    )
 
 
 def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
@@ -949,11 +962,9 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
     from datetime import timedelta
 
     import numpy as np
-    from sqlmodel import col, select
 
     from gpucloud.api.routers.registry.versions import _evaluation_operation
-    from gpucloud.db import Database, session_scope
-    from gpucloud.models.tables import Operation
+    from gpucloud.db import Database
     from gpucloud.registry.names import EvaluatorName
     from gpucloud.workers.recovery import adopt_orphans
 
@@ -962,7 +973,9 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
     with tenant.http() as http:
         http.post("/v1/models", json={"name": "llama"}).raise_for_status()
     pushed = await asyncio.to_thread(tenant.push, float_model(tmp_path / "v1", np.random.default_rng(2)))
-    _, op = _evaluation_operation(registry.settings, tenant.id, "llama", pushed.digest, EvaluatorName.SANITY)
+    _, op = _evaluation_operation(
+        registry.settings, tenant.id, "llama", pushed.digest, EvaluatorName.SANITY, f"tenant:{tenant.id}"
+    )
     db = Database(registry.settings.database_url)
     assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # too young: the API's
     with session_scope(registry.settings.database_url) as session:

@@ -53,7 +53,7 @@ def _race(db_url: str, tmp_path, *, requests: int, node_count: int) -> Counter:
         barrier.wait()
         try:
             req = AllocationRequest(gpu_type="H100", node_count=node_count, region="r1")
-            _create_in_db(settings, f"ten_{i % 3}", req)
+            _create_in_db(settings, f"ten_{i % 3}", req, actor="tenant:t")
             outcomes.append("ok")
         except Problem as problem:
             outcomes.append(problem.type)

@@ -67,7 +67,7 @@ def _stack(db_url: str, held: Held, *, cache: CredentialCache | None = None, **a
 def _tenant(db_url: str, name: str, *, keys: int) -> list[str]:
     """The new tenant's keys (`gpc_<key id>.<secret>`)."""
     with session_scope(db_url) as session:
-        tenant, _, _, first = tenants.create(session, name=name, quotas=[])
+        tenant, _, _, first = tenants.create(session, name=name, quotas=[], actor="operator:test")
         return [first] + [api_keys.issue_key(session, tenant.id)[1] for _ in range(keys - 1)]
 
 

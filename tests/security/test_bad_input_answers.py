@@ -92,7 +92,7 @@ def test_a_replayed_refusal_is_still_a_problem_document(tmp_path: Path, db_url: 
     contradicted the document (found by schemathesis)."""
     settings = Settings(data_dir=tmp_path, database={"url": db_url})
     with session_scope(db_url) as session:
-        *_, key = tenants.create(session, name="replayer", quotas=[])
+        *_, key = tenants.create(session, name="replayer", quotas=[], actor="operator:test")
     app = api_app(settings, temporal=object())  # type: ignore[arg-type]
     headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "evaluate-once"}
     path = f"/v1/models/nope/versions/{'0' * 64}/evaluate"

@@ -17,7 +17,7 @@ from gpucloud.web.problems import Problem
 
 def _operation(url: str) -> str:
     with session_scope(url) as session:
-        op = Operation(kind="node_power_cycle", resource_id="n1")
+        op = Operation(kind="node_power_cycle", resource_id="n1", actor="operator:alice")
         session.add(op)
         session.flush()
         return op.id

@@ -91,7 +91,7 @@ async def test_the_codec_server_decodes_for_admins_only(db_url):
             role: operators.create(session, f"op-{role.value}", role, created_by="test", lifetime=timedelta(days=1))[2]
             for role in (Role.ADMIN, Role.FLEET, Role.READ_ONLY)
         }
-        _, _, _, tenant_key = tenants.create(session, name="acme", quotas=[])
+        _, _, _, tenant_key = tenants.create(session, name="acme", quotas=[], actor="operator:test")
     app = create_app(codec, database_url=db_url, operator_token="op-token", ui_origin="http://127.0.0.1:8233")
     with TestClient(app) as client:
         for headers in ({}, {"Authorization": f"Bearer {tenant_key}"}, {"Authorization": "Bearer made-up"}):

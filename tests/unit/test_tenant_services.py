@@ -46,7 +46,7 @@ def db(tmp_path) -> str:
 
 def _tenant(db: str, name: str) -> str:
     with session_scope(db) as session:
-        tenant, _op, _key, _plain = tenants.create(session, name=name, quotas=[q("*", "*", 8)])
+        tenant, _op, _key, _plain = tenants.create(session, name=name, quotas=[q("*", "*", 8)], actor="operator:test")
         return tenant.id
 
 
@@ -84,7 +84,7 @@ def test_status_moves_are_compare_and_swap(db):
         with pytest.raises(tenants.TenantStateConflict):
             tenants.move(session, tenant_id, source=(TenantStatus.ONBOARDING,), target=TenantStatus.FAILED)
     with session_scope(db) as session, pytest.raises(tenants.TenantExists):
-        tenants.create(session, name="acme", quotas=[])
+        tenants.create(session, name="acme", quotas=[], actor="operator:test")
 
 
 def test_db_vnis_are_unique_idempotent_and_released(db):

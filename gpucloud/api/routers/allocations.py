@@ -82,10 +82,11 @@ def _created_under(session: Session, tag: str) -> tuple[Allocation, Operation] |
 
 
 def _create_in_db(
-    settings: Settings, tenant_id: str, req: AllocationRequest, *, idempotency_tag: str | None = None
+    settings: Settings, tenant_id: str, req: AllocationRequest, *, actor: str, idempotency_tag: str | None = None
 ) -> tuple[Allocation, Operation]:
-    """Reserve the gang and record the allocation and its operation, in one transaction; under
-    an `idempotency_tag`, an allocation already created under it is returned instead."""
+    """Reserve the gang and record the allocation, its operation and its first event (naming the
+    caller), in one transaction; under an `idempotency_tag`, an allocation already created under
+    it is returned instead."""
     for _ in range(RESERVE_ATTEMPTS):
         try:
             with session_scope(settings.database_url) as session:
@@ -111,9 +112,11 @@ def _create_in_db(
                     kind="create_allocation",
                     resource_id=alloc.id,
                     workflow_id=service.workflow_id_for(alloc.id),
+                    actor=actor,
                 )
                 session.add(alloc)
                 session.add(op)
+                service.record_event(session, alloc, "requested", reason=f"created by {actor}", actor=actor)
                 return alloc, op
         except service.ReservationConflict:
             continue
@@ -185,7 +188,7 @@ async def create_allocation(
     async def handler() -> JSONResponse:
         tag = f"{tenant.id}:{idempotency_key}" if idempotency_key else None
         alloc, op = await run_in_threadpool(
-            functools.partial(_create_in_db, settings, tenant.tenant_id, req, idempotency_tag=tag)
+            functools.partial(_create_in_db, settings, tenant.tenant_id, req, actor=tenant.actor, idempotency_tag=tag)
         )
         if alloc.status in TERMINAL_ALLOCATION:  # an earlier try's allocation, already over
             return accepted(
@@ -274,7 +277,7 @@ def allocation_events(allocation_id: str, caller: CallerDep, reads: ReadsDep, pa
 def _record_cancel(settings: Settings, caller: Caller, allocation_id: str) -> tuple[Allocation, Operation | None]:
     with session_scope(settings.database_url) as session:
         alloc = _visible(session, caller, allocation_id)
-        op = service.record_cancel_intent(session, alloc, tenant_id=alloc.tenant_id)
+        op = service.record_cancel_intent(session, alloc, tenant_id=alloc.tenant_id, actor=caller.actor)
         return alloc, op
 
 

@@ -8,6 +8,10 @@ A tenant manages its own keys under `/v1/api-keys`; operators manage any tenant'
 `/v1/tenants/{tenant id}/api-keys` (a tenant may use those paths for itself too, and gets a 404
 for any other tenant). A new key's secret is in the response that creates it and nowhere else:
 with an Idempotency-Key, a replay answers the same body with `key` null.
+
+Every issue, rotation and revocation leaves a settled operation (`issue_api_key`,
+`rotate_api_key`, `revoke_api_key`, the key's id as its resource) naming who did it, written in
+the key's own transaction: an operator's change to a tenant's keys, or a tenant's with which key.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.models.tables import ApiKey, ApiKeyPublic, Tenant, TenantStatus, utcnow
 from gpucloud.services import api_keys as key_service
+from gpucloud.services import operations
 from gpucloud.web.problems import Problem, not_found
 
 router = APIRouter(prefix="/v1", tags=["api-keys"])
@@ -72,7 +77,7 @@ def _created_key(key: ApiKey, plaintext: str, *, replaced: ApiKey | None = None)
     return body
 
 
-def _issue(settings: Settings, tenant_id: str) -> ApiKeyCreated:
+def _issue(settings: Settings, tenant_id: str, actor: str) -> ApiKeyCreated:
     with session_scope(settings.database_url) as session:
         _issuing_tenant(session, tenant_id)  # locks the tenant's row: the count and the add are one step
         cap = settings.api.max_api_keys_per_tenant
@@ -86,15 +91,17 @@ def _issue(settings: Settings, tenant_id: str) -> ApiKeyCreated:
                 max_api_keys=cap,
             )
         key, plaintext = key_service.issue_key(session, tenant_id)
+        operations.record_done(session, kind="issue_api_key", resource_id=key.id, tenant_id=tenant_id, actor=actor)
         session.flush()
         return _created_key(key, plaintext)
 
 
-def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> ApiKeyCreated:
+def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int, actor: str) -> ApiKeyCreated:
     try:
         with session_scope(settings.database_url) as session:
             _issuing_tenant(session, tenant_id)
             old, new, plaintext = key_service.rotate_key(session, tenant_id, key_id, grace=timedelta(seconds=grace_s))
+            operations.record_done(session, kind="rotate_api_key", resource_id=old.id, tenant_id=tenant_id, actor=actor)
             return _created_key(new, plaintext, replaced=old)
     except key_service.KeyNotFound as exc:
         raise not_found("api key", key_id) from exc
@@ -102,10 +109,12 @@ def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int) -> Ap
         raise Problem(409, "key-not-rotatable", "Key cannot be rotated", str(exc)) from exc
 
 
-def _revoke(settings: Settings, tenant_id: str, key_id: str) -> ApiKeyPublic:
+def _revoke(settings: Settings, tenant_id: str, key_id: str, actor: str) -> ApiKeyPublic:
     try:
         with session_scope(settings.database_url) as session:
-            return ApiKeyPublic.model_validate(key_service.revoke_key(session, tenant_id, key_id), from_attributes=True)
+            revoked = key_service.revoke_key(session, tenant_id, key_id)
+            operations.record_done(session, kind="revoke_api_key", resource_id=key_id, tenant_id=tenant_id, actor=actor)
+            return ApiKeyPublic.model_validate(revoked, from_attributes=True)
     except key_service.KeyNotFound as exc:
         raise not_found("api key", key_id) from exc
 
@@ -181,7 +190,7 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
     async def create_key(
         request: Request, settings: SettingsDep, scoped: _Scoped = scoped_by, idempotency_key: IdempotencyKey = None
     ):
-        make = partial(_issue, settings, scoped.tenant_id)
+        make = partial(_issue, settings, scoped.tenant_id, scoped.caller.actor)
         return await _created(request, settings, scoped.caller, idempotency_key, make)
 
     @router.post(
@@ -200,7 +209,7 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
         idempotency_key: IdempotencyKey = None,
     ):
         grace = (req or RotateRequest()).grace_period_s
-        make = partial(_rotate, settings, scoped.tenant_id, key_id, grace)
+        make = partial(_rotate, settings, scoped.tenant_id, key_id, grace, scoped.caller.actor)
         try:
             return await _created(request, settings, scoped.caller, idempotency_key, make)
         finally:
@@ -208,7 +217,7 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
 
     @router.delete(f"{prefix}/{{key_id}}", response_model=ApiKeyPublic, name=f"revoke_{tag}")
     async def revoke_key(request: Request, key_id: str, settings: SettingsDep, scoped: _Scoped = scoped_by):
-        revoked = await run_in_threadpool(_revoke, settings, scoped.tenant_id, key_id)
+        revoked = await run_in_threadpool(_revoke, settings, scoped.tenant_id, key_id, scoped.caller.actor)
         _forget(request, key_id)
         return revoked
 

@@ -215,7 +215,7 @@ def _power_operation(settings: Settings, node_id: str, req: PowerRequest, actor:
                 "Node without a BMC",
                 f"node {node_id} has no BMC: enroll it again with bmc_url, bmc_system_id and bmc_credential_ref",
             )
-        op = Operation(kind=f"node_power_{req.action}", resource_id=node_id)
+        op = Operation(kind=f"node_power_{req.action}", resource_id=node_id, actor=actor)
         session.add(op)
         session.add(
             NodeTransition.noted(

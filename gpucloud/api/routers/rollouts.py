@@ -4,10 +4,14 @@ pause, resume or abort it. The rollout id is its workflow's id; progress is the 
 A tenant rolls out to nodes it holds: explicit `node_ids` (each in one of its allocations), one of its
 allocations, or its whole serving fleet; agent URLs come from the node records, never from the
 request. The version must be one the tenant's registry holds.
+
+A pause, resume or abort the workflow took is recorded as a settled operation (`rollout_pause`,
+..., the rollout's id as its resource) naming who asked: the tenant, or the operator who stepped in.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 
@@ -40,6 +44,7 @@ from gpucloud.models.rollout_messages import (
 )
 from gpucloud.models.tables import Node
 from gpucloud.registry import promotion
+from gpucloud.services import operations
 from gpucloud.web.problems import Problem, field_of, invalid, not_found, unavailable
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
@@ -168,7 +173,7 @@ async def get_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep)
 
 
 async def _command(
-    temporal: Client, caller: Caller, rollout_id: str, command: str, req: RolloutCommand | None
+    temporal: Client, settings: Settings, caller: Caller, rollout_id: str, command: str, req: RolloutCommand | None
 ) -> RolloutProgress:
     handle, progress = await _visible(temporal, caller, rollout_id)
     update = getattr(RolloutWorkflow, command)
@@ -176,8 +181,9 @@ async def _command(
     try:
         if command == "abort":  # the rollback may take a while: answer once the abort is accepted
             await handle.start_update(update, arg, wait_for_stage=WorkflowUpdateStage.ACCEPTED)
-            return await handle.query(RolloutWorkflow.progress)
-        return await handle.execute_update(update, arg)
+            answer = await handle.query(RolloutWorkflow.progress)
+        else:
+            answer = await handle.execute_update(update, arg)
     except WorkflowUpdateFailedError as exc:
         raise Problem(409, "rollout-conflict", f"Cannot {command}", str(exc.cause or exc)) from None
     except RPCError as exc:
@@ -186,24 +192,47 @@ async def _command(
                 409, "rollout-conflict", f"Cannot {command}", f"the rollout is already {progress.phase.value}"
             ) from None
         raise
+    await run_in_threadpool(
+        functools.partial(
+            operations.record_done_in,
+            settings.database_url,
+            kind=f"rollout_{command}",
+            resource_id=rollout_id,
+            actor=caller.actor,
+            tenant_id=progress.tenant_id,
+        )
+    )
+    return answer
 
 
 @router.post("/rollouts/{rollout_id}:pause", response_model=RolloutProgress)
 async def pause_rollout(
-    rollout_id: str, caller: CallerOrFleetOperatorDep, temporal: TemporalDep, req: RolloutCommand | None = None
+    rollout_id: str,
+    caller: CallerOrFleetOperatorDep,
+    temporal: TemporalDep,
+    settings: SettingsDep,
+    req: RolloutCommand | None = None,
 ):
-    return await _command(temporal, caller, rollout_id, "pause", req)
+    return await _command(temporal, settings, caller, rollout_id, "pause", req)
 
 
 @router.post("/rollouts/{rollout_id}:resume", response_model=RolloutProgress)
 async def resume_rollout(
-    rollout_id: str, caller: CallerOrFleetOperatorDep, temporal: TemporalDep, req: RolloutCommand | None = None
+    rollout_id: str,
+    caller: CallerOrFleetOperatorDep,
+    temporal: TemporalDep,
+    settings: SettingsDep,
+    req: RolloutCommand | None = None,
 ):
-    return await _command(temporal, caller, rollout_id, "resume", req)
+    return await _command(temporal, settings, caller, rollout_id, "resume", req)
 
 
 @router.post("/rollouts/{rollout_id}:abort", status_code=202, response_model=RolloutProgress)
 async def abort_rollout(
-    rollout_id: str, caller: CallerOrFleetOperatorDep, temporal: TemporalDep, req: RolloutCommand | None = None
+    rollout_id: str,
+    caller: CallerOrFleetOperatorDep,
+    temporal: TemporalDep,
+    settings: SettingsDep,
+    req: RolloutCommand | None = None,
 ):
-    return await _command(temporal, caller, rollout_id, "abort", req)
+    return await _command(temporal, settings, caller, rollout_id, "abort", req)

@@ -10,6 +10,10 @@ client that lost the first answer revokes that key and creates another.
 
 A tenant reads its own record and quotas; another tenant's id is a 404, like one that does not
 exist. `DELETE /v1/tenants/{id}` (operator) starts offboarding.
+
+Each change names the operator who made it on an operation (`Operation.actor`): onboarding's and
+offboarding's, and for a quota change, which ends within its request, a settled `replace_quotas`
+operation written in the same transaction as the quotas.
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ from gpucloud.models.tables import (
     TenantQuotaBase,
     TenantStatus,
 )
+from gpucloud.services import operations
 from gpucloud.services import quotas as quota_service
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.workflows import start_tenant_offboarding, start_tenant_onboarding
 from gpucloud.web.problems import Problem, not_found, unavailable
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
+
+QUOTAS_OPERATION = "replace_quotas"
 
 
 def _public(tenant: Tenant) -> TenantPublic:
@@ -80,11 +87,11 @@ def _with_defaults(settings: Settings, quotas: list[QuotaRequest]) -> list[Tenan
     return [TenantQuotaBase(gpu_type=t, region=r, max_gpus=n) for (t, r), n in sorted(rows.items())]
 
 
-def _create(settings: Settings, req: TenantRequest) -> TenantAccepted:
+def _create(settings: Settings, req: TenantRequest, actor: str) -> TenantAccepted:
     quotas = _with_defaults(settings, req.quotas)
     try:
         with session_scope(settings.database_url) as session:
-            tenant, op, key, plaintext = tenant_service.create(session, name=req.name, quotas=quotas)
+            tenant, op, key, plaintext = tenant_service.create(session, name=req.name, quotas=quotas, actor=actor)
             return TenantAccepted(
                 **_public(tenant).model_dump(),
                 quotas=quotas,
@@ -127,7 +134,7 @@ async def create_tenant(
     idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
-        created = await run_in_threadpool(_create, settings, req)
+        created = await run_in_threadpool(_create, settings, req, operator.actor)
         try:
             await start_tenant_onboarding(temporal, settings, created.id, created.operation.id)
         except RPCError as exc:
@@ -160,10 +167,10 @@ def get_tenant(tenant_id: str, caller: CallerDep, reads: ReadsDep):
         return _public(visible_tenant(session, caller, tenant_id))
 
 
-def _begin_offboarding(settings: Settings, tenant_id: str) -> tuple[Tenant, Operation, bool]:
+def _begin_offboarding(settings: Settings, tenant_id: str, actor: str) -> tuple[Tenant, Operation, bool]:
     try:
         with session_scope(settings.database_url) as session:
-            return tenant_service.begin_offboarding(session, tenant_id)
+            return tenant_service.begin_offboarding(session, tenant_id, actor=actor)
     except tenant_service.TenantNotFound as exc:
         raise not_found("tenant", tenant_id) from exc
     except tenant_service.TenantStateConflict as exc:
@@ -185,7 +192,7 @@ def _begin_offboarding(settings: Settings, tenant_id: str) -> tuple[Tenant, Oper
 async def delete_tenant(tenant_id: str, operator: TenantsOperatorDep, settings: SettingsDep, temporal: TemporalDep):
     """Offboard: cancel the tenant's allocations, wait for their nodes' wipes, revoke its keys,
     release its VNI and schedule its storage's deletion. Repeating it returns the same operation."""
-    tenant, op, _ = await run_in_threadpool(_begin_offboarding, settings, tenant_id)
+    tenant, op, _ = await run_in_threadpool(_begin_offboarding, settings, tenant_id, operator.actor)
     # Started on every call (the id makes it once): a start lost to an outage is made up here,
     # or by the worker's start-up recovery.
     try:
@@ -225,12 +232,13 @@ def get_quotas(tenant_id: str, caller: CallerDep, reads: ReadsDep, settings: Set
         return _report(session, settings, tenant_id)
 
 
-def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaRequest]) -> QuotaReport:
+def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaRequest], actor: str) -> QuotaReport:
     with session_scope(settings.database_url) as session:
         # The row lock that allocation admission takes: a change lands between two admissions.
         if session.exec(select(col(Tenant.id)).where(col(Tenant.id) == tenant_id).with_for_update()).first() is None:
             raise not_found("tenant", tenant_id)
         quota_service.replace_quotas(session, tenant_id, [TenantQuotaBase(**q.model_dump()) for q in quotas])
+        operations.record_done(session, kind=QUOTAS_OPERATION, resource_id=tenant_id, tenant_id=tenant_id, actor=actor)
         return _report(session, settings, tenant_id)
 
 
@@ -238,4 +246,4 @@ def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaReques
 async def put_quotas(tenant_id: str, req: QuotasRequest, operator: TenantsOperatorDep, settings: SettingsDep):
     """Replace the tenant's quotas (operator). Lowering one below the usage stops new
     allocations there; nothing running is taken away."""
-    return await run_in_threadpool(_replace_quotas, settings, tenant_id, req.quotas)
+    return await run_in_threadpool(_replace_quotas, settings, tenant_id, req.quotas, operator.actor)

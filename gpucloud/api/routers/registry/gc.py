@@ -1,4 +1,5 @@
-"""Registry garbage collection (operators): delete the chunks no version needs, and only those."""
+"""Registry garbage collection (operators): delete the chunks no version needs, and only those. A
+run that deletes leaves a settled `registry_gc` operation per tenant naming the operator."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from gpucloud.models.registry_tables import (
     RegistryModel,
 )
 from gpucloud.registry import gc
-from gpucloud.services import storage_quota
+from gpucloud.services import operations, storage_quota
 from gpucloud.web.problems import not_found
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,15 @@ def collect_garbage(
         result = gc.collect_garbage(
             stores.chunks(tenant_id), stores.manifests(tenant_id), grace_period=grace, dry_run=req.dry_run
         )
-        if not req.dry_run:  # the tenant's storage as measured now, for its quota
+        if not req.dry_run:  # the tenant's storage as measured now, for its quota; who collected it
             storage_quota.measured(settings.database_url, tenant_id, result.bytes_scanned - result.bytes_deleted)
+            operations.record_done_in(
+                settings.database_url,
+                kind="registry_gc",
+                resource_id=tenant_id,
+                actor=operator.actor,
+                tenant_id=tenant_id,
+            )
         log.info(
             "registry gc of tenant %s (dry run: %s): %d chunks, %d bytes",
             tenant_id,

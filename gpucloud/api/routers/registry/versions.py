@@ -239,7 +239,7 @@ def list_evaluations(name: str, ref: VersionRef, tenant: TenantDep, reads: Reads
 
 
 def _evaluation_operation(
-    settings: Settings, tenant_id: str, name: str, ref: str, evaluator: EvaluatorName
+    settings: Settings, tenant_id: str, name: str, ref: str, evaluator: EvaluatorName, actor: str
 ) -> tuple[EvaluateVersionInput, Operation]:
     with session_scope(settings.database_url) as session:
         model = model_row(session, tenant_id, name)
@@ -251,7 +251,7 @@ def _evaluation_operation(
                 "No evaluation command",
                 f"model {name!r} has no evaluation command; register one with PUT /v1/models/{name}/evaluation",
             )
-        op = Operation(kind=operation_kind(evaluator), resource_id=version.digest, tenant_id=tenant_id)
+        op = Operation(kind=operation_kind(evaluator), resource_id=version.digest, tenant_id=tenant_id, actor=actor)
         op.workflow_id = evaluation_workflow_id(tenant_id, op.id)
         session.add(op)
         session.flush()
@@ -281,7 +281,7 @@ async def evaluate_version(
 
     async def handler() -> JSONResponse:
         command, op = await run_in_threadpool(
-            _evaluation_operation, settings, tenant.tenant_id, name, ref, req.evaluator
+            _evaluation_operation, settings, tenant.tenant_id, name, ref, req.evaluator, tenant.actor
         )
         start = start_version_evaluation(temporal, settings, command)
         await start_for_operation(start, settings.database_url, op.id, "the evaluation")
