@@ -138,15 +138,6 @@ def registry_stores(settings: Settings) -> RegistryStores:
     return RegistryStores(object_store(settings), prefix=settings.registry.prefix)
 
 
-def evaluation_stores(settings: Settings) -> RegistryStores:
-    """The registry's stores as the evaluation worker reads them: a local store without the
-    presigning key (derived from the storage master key, which that worker never holds), or S3
-    with the credentials its settings give it."""
-    if settings.object_store.backend == "s3":
-        return registry_stores(settings)
-    return RegistryStores(LocalObjectStore(settings.object_store_dir), prefix=settings.registry.prefix)
-
-
 def evaluator_signer(settings: Settings) -> Signer:
     """The platform evaluator's key: it signs the results of the evaluations the platform runs,
     which are the only ones a `staging` or `production` gate accepts."""

@@ -326,6 +326,9 @@ class RegistrySettings(BaseModel):
     evaluation_disk_budget_bytes: int = Field(default=1024**4, gt=0)
     # Evaluations one evaluation worker runs at once (each reads a whole model).
     evaluations_at_once: int = Field(default=2, gt=0)
+    # The life of the token an evaluation pulls its version (and parent) through the API with:
+    # the pull comes first, so it need only outlast that; a retry after it ends is refused.
+    evaluation_token_ttl_s: float = Field(default=3600.0, gt=0)
 
 
 class TrackerSettings(BaseModel):
@@ -563,14 +566,13 @@ class Settings(BaseSettings):
         return load_or_create_secret(self.data_dir / "page_token_secret", lambda: secrets.token_urlsafe(32))
 
     def for_evaluation_worker(self) -> Settings:
-        """The evaluation worker's settings (it runs tenants' code): how to reach Temporal, read
-        the registry's store and run a command, and nothing else. No database, no operator,
-        metrics or fabric token, no issuer, evaluator or storage master key; a data dir of its
-        own, under this one, that holds none of the platform's secrets. It does hold the Temporal
-        payload keys, without which it could not read the evaluations it is sent."""
-        objects = self.object_store
-        if objects.backend == "local":
-            objects = objects.model_copy(update={"local_dir": self.object_store_dir})
+        """The evaluation worker's settings (it runs tenants' code): how to reach Temporal and
+        run a command, and nothing else. No database, no object store (it pulls each version
+        through the API with a token scoped to it, sent with the evaluation), no operator, metrics
+        or fabric token, no issuer, evaluator or storage master key; a data dir of its own, under
+        this one, that holds none of the platform's secrets. It does hold the Temporal payload
+        keys, without which it could not read the evaluations it is sent, and the CA the API's
+        certificate is verified against (public)."""
         # model_construct: the constructor (and model_validate) would read this process's
         # environment and secrets dir back in; every other section keeps its default.
         return Settings.model_construct(
@@ -578,8 +580,8 @@ class Settings(BaseSettings):
             # The payload keys: it decodes its activities' inputs as every worker does (the one
             # secret it holds; the commands it runs get none of its environment).
             temporal=self.temporal.model_copy(update={"codec_keys": SecretStr(self.temporal_codec_keys)}),
-            object_store=objects,
             registry=self.registry.model_copy(update={"evaluator_key": None}),
+            tls=TLSSettings.model_construct(ca_file=self.tls.ca_file),
             telemetry=self.telemetry.model_copy(update={"metrics_token": None, "worker_port": None}),
         )
 

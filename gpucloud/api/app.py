@@ -31,6 +31,7 @@ from gpucloud.observability import tracing
 from gpucloud.web import problems
 from gpucloud.web.metrics import FleetCollector, RequestMetrics, install_metrics
 from gpucloud.web.readiness import database_check, install_readiness, temporal_check
+from gpucloud.web.service_tokens import public_key_path
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         max_body_bytes=settings.api.max_body_bytes,
         max_chunk_bytes=settings.registry.max_chunk_size,
         body=settings.request_body,
+        # Evaluations read their version with a token the issuer key signed (`api/gate.py`).
+        control_plane_key=public_key_path(settings.issuer_key_path),
     )
     # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.
     for module in (

@@ -1,8 +1,10 @@
 """Callers: a tenant's API key (`gpc_<key id>.<secret>`, see `services.api_keys`), a node's
 agent credential (`gpa_<node id>.<secret>`, see `services.agent_credentials`), a named
-operator's token (`gpo_<token id>.<secret>`, see `services.operators`) or the bootstrap operator
-token (the admin named `bootstrap`). A revoked key, agent credential or operator token, or a
-rotated one past its grace period, resolves to no one."""
+operator's token (`gpo_<token id>.<secret>`, see `services.operators`), the bootstrap operator
+token (the admin named `bootstrap`), or an evaluation's registry-read token (a JWT the issuer key
+signed, `web/service_tokens.py`: it reads one tenant's versions named in it, see
+`scoped_caller`). A revoked key, agent credential or operator token, or a rotated one past its
+grace period, resolves to no one."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from gpucloud.models.operator_roles import ROLE_SCOPES, Role, Scope
 from gpucloud.models.tables import AgentCredential, ApiKey, Operator, OperatorToken, utcnow
 from gpucloud.services import operators
 from gpucloud.services.api_keys import hash_secret, is_live
+from gpucloud.web.service_tokens import EVALUATION, REGISTRY_READ_AUDIENCE, InvalidToken, Verifier
 
 # Core selects of the columns a check needs: a credential is checked on every request, and the
 # ORM's identity map and objects would cost several times the read itself.
@@ -42,12 +45,14 @@ _BOOTSTRAP_SCOPES = ROLE_SCOPES[Role.ADMIN]
 
 @dataclass(frozen=True)
 class Caller:
-    role: str  # "operator" | "tenant" | "agent"
+    role: str  # "operator" | "tenant" | "agent" | "evaluation"
     tenant_id: str | None = None
     node_id: str | None = None  # an agent's node
     operator: str | None = None  # an operator's account name
     scopes: frozenset[Scope] = frozenset()  # what an operator's role allows
     key_id: str | None = None  # the API key a tenant called with
+    model: str | None = None  # the model an evaluation's token reads
+    versions: frozenset[str] = frozenset()  # the version digests an evaluation's token reads
 
     @property
     def id(self) -> str:
@@ -78,6 +83,26 @@ class TenantCaller(Caller):
 
     role: str = "tenant"
     tenant_id: str = ""
+
+
+def is_signed_token(token: str) -> bool:
+    """A JWT (`header.claims.signature`, base64url): no API key, agent credential or operator
+    token has that shape (theirs is `gp?_<id>.<secret>`)."""
+    return token.startswith("eyJ") and token.count(".") == 2
+
+
+def scoped_caller(token: str, verifier: Verifier | None) -> Caller | None:
+    """The evaluation a registry-read token was minted for, checked offline against the issuer's
+    public key (`verifier`; None: this API trusts none, and the token is no one)."""
+    if verifier is None:
+        return None
+    try:
+        claims = verifier.verify(token, audience=REGISTRY_READ_AUDIENCE, roles=(EVALUATION,))
+    except InvalidToken:
+        return None
+    if not claims.tenant or not claims.model or not claims.versions:
+        return None
+    return Caller(role=EVALUATION, tenant_id=claims.tenant, model=claims.model, versions=frozenset(claims.versions))
 
 
 def resolve(db: sa.Connection, token: str, operator_token: str) -> Caller | None:

@@ -18,6 +18,7 @@ from gpucloud.db import read_scope
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.models.operator_roles import Scope
 from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.service_tokens import EVALUATION
 
 RowT = TypeVar("RowT", bound=SQLModel)
 
@@ -58,7 +59,15 @@ async def get_any_caller(request: Request) -> auth.Caller:
 
 
 async def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
-    """A tenant or an operator: a node's agent credential opens only the report endpoints."""
+    """A tenant or an operator: a node's agent credential opens only the report endpoints, and
+    an evaluation's token only the reads of its versions (`VersionReaderDep`)."""
+    if caller.role == EVALUATION:
+        raise Problem(
+            403,
+            "forbidden",
+            "Not for evaluations",
+            "an evaluation's token reads only its version's manifest and chunks",
+        )
     if caller.role == "agent":
         raise Problem(
             403,
@@ -164,6 +173,31 @@ ReporterDep = Annotated[auth.Caller, Depends(reporter(Scope.FLEET))]
 # An operator's ledger token may change the books (the ledger's `operator` role): billing's.
 LedgerReporterDep = Annotated[auth.Caller, Depends(reporter(Scope.BILLING))]
 TenantDep = Annotated[auth.TenantCaller, Depends(get_tenant)]
+
+
+async def get_version_reader(caller: Annotated[auth.Caller, Depends(get_any_caller)]) -> auth.Caller:
+    """A tenant, or an evaluation's token (for its tenant; the route checks that what is read
+    belongs to the model and versions the token names: `scoped_versions`)."""
+    if caller.role == EVALUATION:
+        return caller
+    return await get_tenant(await get_caller(caller))
+
+
+VersionReaderDep = Annotated[auth.Caller, Depends(get_version_reader)]
+
+
+def scoped_versions(caller: auth.Caller, model: str) -> frozenset[str] | None:
+    """The versions of `model` an evaluation's token may read (None: a tenant, who reads all of
+    its own); 403 for another model."""
+    if caller.role != EVALUATION:
+        return None
+    if caller.model != model:
+        raise out_of_scope(f"model {model!r}")
+    return caller.versions
+
+
+def out_of_scope(what: str) -> Problem:
+    return Problem(403, "forbidden", "Outside the evaluation's scope", f"this evaluation's token does not read {what}")
 
 
 async def get_ledger(request: Request) -> LedgerClient:

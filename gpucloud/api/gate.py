@@ -9,6 +9,11 @@ credentials are looked up once a request. The body is read only when the route a
 after admission gave the request its slot: up to a limit (413 past it) and within the read
 deadline (408).
 
+An evaluation's registry-read token (a JWT, `auth.scoped_caller`) is checked offline against the
+issuer's public key (`control_plane_key`, read once it exists: the workers make the key) and is
+not kept in that cache: the verifier remembers a token only until it expires, so an expired one
+is refused at once.
+
 Credentials are remembered for `api.credential_cache_s` seconds (token digest -> caller, unknown
 tokens too), so a client that retries a refused request at once costs no database read and no
 thread. A key revoked or rotated through an API process stops there at once; in the others (and
@@ -26,6 +31,7 @@ import hashlib
 import logging
 import re
 import time
+from pathlib import Path
 
 from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
@@ -37,6 +43,7 @@ from gpucloud.config import RequestBodySettings
 from gpucloud.db import get_read_engine
 from gpucloud.observability.logs import log_context
 from gpucloud.web import gate, problems
+from gpucloud.web.service_tokens import Verifier, load_verifier
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +107,11 @@ class Gate(gate.Gate):
         max_body_bytes: int,
         max_chunk_bytes: int,
         body: RequestBodySettings,
+        control_plane_key: Path | None = None,
     ) -> None:
         super().__init__(_with_caller_logged(app), check=self.authenticate, body=body, max_bytes=self.limit)
+        self.control_plane_key = control_plane_key
+        self._verifier: Verifier | None = None
         self.database_url = database_url
         self.operator_token = operator_token
         self.cache = cache
@@ -132,7 +142,16 @@ class Gate(gate.Gate):
         chunk = scope["method"] == "PUT" and CHUNK_UPLOAD.match(scope["path"]) is not None
         return self.max_chunk_bytes if chunk else self.max_body_bytes
 
+    def verifier(self) -> Verifier | None:
+        """The issuer's public key, once the workers have made it (None before: no evaluation's
+        token is valid yet)."""
+        if self._verifier is None and self.control_plane_key is not None and self.control_plane_key.exists():
+            self._verifier = load_verifier(self.control_plane_key)
+        return self._verifier
+
     async def _caller(self, token: str) -> auth.Caller | None:
+        if auth.is_signed_token(token):
+            return auth.scoped_caller(token, self.verifier())
         known, caller = self.cache.get(token)
         if not known:
             async with self._lookups:

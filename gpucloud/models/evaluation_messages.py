@@ -26,12 +26,23 @@ class EvaluateVersionInput(BaseModel):
     operation_id: str | None = None
 
 
+class RegistryAccess(BaseModel):
+    """How the evaluation worker reads the version: the API's URL and a short-lived token the
+    control plane's worker signed for this tenant's model and these versions only (the one
+    evaluated and its parent: `web/service_tokens.REGISTRY_READ_AUDIENCE`)."""
+
+    api_url: str
+    token: str
+
+
 class EvaluationKeys(BaseModel):
     """The public keys the tenant trusts to sign its versions (hex Ed25519), as the control
-    plane holds them when the evaluation starts: the evaluation worker verifies the version
-    against them, with no database of its own."""
+    plane holds them when the evaluation starts, and the access to read them: the evaluation
+    worker pulls the version through the API and verifies it against these keys, with no
+    database and no store credentials of its own."""
 
     public_keys: list[str]
+    access: RegistryAccess
 
 
 class RunEvaluationInput(BaseModel):
@@ -45,6 +56,7 @@ class EvaluationRefusal(StrEnum):
     VERSION_NOT_FOUND = "VersionNotFound"
     VERSION_UNVERIFIABLE = "VersionUnverifiable"
     OVER_DISK_BUDGET = "EvaluationOverDiskBudget"
+    ACCESS_REFUSED = "EvaluationAccessRefused"  # the API refused the evaluation's token (expired)
 
 
 class EvaluationRun(BaseModel):

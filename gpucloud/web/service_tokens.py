@@ -59,6 +59,8 @@ class Claims:
     expires_at: float
     tenant: str | None = None
     allocation: str | None = None
+    model: str | None = None  # a registry-read token's model
+    versions: tuple[str, ...] = ()  # the version digests a registry-read token opens
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,12 @@ class Delegation:
 
 
 LEDGER_AUDIENCE = "ledger"
+REGISTRY_READ_AUDIENCE = "registry-read"
+"""The API's audience for the token an evaluation pulls with: role `EVALUATION`, naming the
+tenant, the model and the versions (the one evaluated and the parent it is compared with) whose
+manifests and chunks it may read, and nothing else. Only the issuer key mints it (the workers):
+the API's delegate is not certified for it."""
+EVALUATION = "evaluation"
 TRACKER_AUDIENCE = "tracker"
 SWARM_MEMBER = "swarm-member"
 """The role of a node's token for one fan-out at the tracker and the origin. It names the node
@@ -108,6 +116,8 @@ class MintOptions(TypedDict, total=False):
     role: str  # what it may do (default: control-plane)
     tenant: str | None  # the tenant a swarm token is scoped to
     allocation: str | None  # the allocation a swarm token's node is in
+    model: str | None  # the model a registry-read token opens
+    versions: tuple[str, ...]  # the versions a registry-read token opens
     ttl_s: float | None  # the lifetime (default: the issuer's)
 
 
@@ -128,7 +138,7 @@ class Issuer:
         self.key_path = key_path  # where the key is kept, if in a file
         self.ttl_s = ttl_s
         self.certificate = certificate
-        self._cache: dict[tuple[str, str, str, str, str], tuple[str, float]] = {}
+        self._cache: dict[tuple[str, str, str, str, str, str, tuple[str, ...]], tuple[str, float]] = {}
 
     @property
     def public_key(self) -> Ed25519PublicKey:
@@ -145,13 +155,15 @@ class Issuer:
         role: str = "control-plane",
         tenant: str | None = None,
         allocation: str | None = None,
+        model: str | None = None,
+        versions: tuple[str, ...] = (),
         ttl_s: float | None = None,
     ) -> tuple[str, float]:
         """A token and when it expires (Unix seconds); one minted earlier while more than half
         its lifetime is left."""
         now = time.time()
         ttl = ttl_s or self.ttl_s
-        key = (audience, role, subject, tenant or "", allocation or "")
+        key = (audience, role, subject, tenant or "", allocation or "", model or "", versions)
         cached = self._cache.get(key)
         if cached is not None and cached[1] - now > ttl / 2:
             return cached
@@ -161,6 +173,10 @@ class Issuer:
             claims["tenant"] = tenant
         if allocation is not None:
             claims["allocation"] = allocation
+        if model is not None:
+            claims["model"] = model
+        if versions:
+            claims["versions"] = list(versions)
         headers = {DELEGATION_HEADER: self.certificate} if self.certificate is not None else None
         token = jwt.encode(claims, self._key, algorithm=ALGORITHM, headers=headers)
         if len(self._cache) > 100_000:
@@ -238,7 +254,8 @@ class Verifier:
                     f"the delegate's certificate does not allow {claims['role']!r} tokens for {audience}"
                 )
             expires_at = min(expires_at, delegation.expires_at)  # the certificate's end ends its tokens
-        tenant, allocation = claims.get("tenant"), claims.get("allocation")
+        tenant, allocation, model = claims.get("tenant"), claims.get("allocation"), claims.get("model")
+        versions = claims.get("versions")
         return Claims(
             subject=claims["sub"],
             role=claims["role"],
@@ -246,6 +263,8 @@ class Verifier:
             expires_at=expires_at,
             tenant=tenant if isinstance(tenant, str) else None,
             allocation=allocation if isinstance(allocation, str) else None,
+            model=model if isinstance(model, str) else None,
+            versions=tuple(v for v in versions if isinstance(v, str)) if isinstance(versions, list) else (),
         )
 
     def _delegation(self, certificate: object) -> Delegation:

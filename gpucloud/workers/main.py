@@ -109,7 +109,14 @@ def build_worker(
             *tenant.all(),
             *TenantStorageActivities(cp.tenant_store, fault_hook=fault_hook).all(),
             *rollout.all(),
-            *EvaluationActivities(cp.db, cp.registry, bootstrap.evaluator_signer(settings)).all(),
+            *EvaluationActivities(
+                cp.db,
+                cp.registry,
+                bootstrap.evaluator_signer(settings),
+                issuer=bootstrap.token_issuer(settings),
+                api_url=settings.api_url,
+                token_ttl_s=settings.registry.evaluation_token_ttl_s,
+            ).all(),
         ],
         activity_executor=executor,
         max_concurrent_activities=settings.temporal.worker_max_activities,
@@ -152,11 +159,9 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
 
 
 def build_evaluation_worker(client: Client, settings: Settings, *, executor: ThreadPoolExecutor) -> Worker:
-    """The evaluation worker: `EvaluationRunner` on the evaluation task queue, over the registry's
-    store as these settings reach it, and nothing else."""
-    runner = EvaluationRunner(
-        bootstrap.evaluation_stores(settings), work_dir=settings.evaluation_dir, registry=settings.registry
-    )
+    """The evaluation worker: `EvaluationRunner` on the evaluation task queue, and nothing else
+    (it reads each version through the API, with the token its evaluation brings)."""
+    runner = EvaluationRunner(work_dir=settings.evaluation_dir, registry=settings.registry)
     return Worker(
         client,
         task_queue=settings.temporal.evaluation_task_queue,

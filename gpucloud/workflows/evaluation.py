@@ -1,6 +1,7 @@
 """A platform evaluation of a version (`POST /v1/models/{name}/versions/{ref}/evaluate`): the
-control plane's worker hands the tenant's public keys to the evaluation worker (its own task
-queue and process, holding no platform secret), which pulls, verifies and evaluates the
+control plane's worker hands the tenant's public keys, and a token that reads only this version
+and its parent through the API, to the evaluation worker (its own task queue and process,
+holding no platform secret and no store credentials), which pulls, verifies and evaluates the
 version; the control plane's worker then signs and keeps what it found, and settles the
 tenant's operation (the workflow id names the tenant and the operation)."""
 

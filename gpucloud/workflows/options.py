@@ -138,12 +138,12 @@ ROLLOUT_ROLLBACK = _options(_min(30), _s(1), _s(30), heartbeat=_s(30))
 EVALUATION = _options(_h(7), _s(2), _s(60), heartbeat=_min(2))
 
 # The control plane's side of an evaluation: the tenant's keys before, the signed record after
-# (DB and object store writes). A version not found, unverifiable or over the disk budget ends
-# the evaluation there.
+# (DB and object store writes). A version not found, unverifiable or over the disk budget, or a
+# token the API refused (it outlived its life), ends the evaluation there.
 EVALUATION_RECORD = _options(
     _min(2),
     _s(1),
     _s(30),
-    permanent=("VersionUnverifiable", "VersionNotFound", "EvaluationOverDiskBudget"),
+    permanent=("VersionUnverifiable", "VersionNotFound", "EvaluationOverDiskBudget", "EvaluationAccessRefused"),
     give_up_after=_h(1),
 )

@@ -25,7 +25,13 @@ from typer.testing import CliRunner
 
 from gpucloud.cli.weights import weights_app
 from gpucloud.client.base import ApiError
-from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, signer_for
+from gpucloud.client.registry import (
+    RegistryClient,
+    RegistryPullSource,
+    RegistryPushTarget,
+    pull_version,
+    signer_for,
+)
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Operation
 from gpucloud.registry.chunking import chunk_file
@@ -46,6 +52,7 @@ from gpucloud.registry.manifest import (
     Signer,
     UnknownKeyError,
 )
+from gpucloud.registry.pull import pull
 from gpucloud.registry.push import PushResult, push
 from gpucloud.registry.store import LocalChunkStore
 from support.codec import CODEC_KEYS
@@ -599,6 +606,75 @@ def test_tenants_cannot_see_each_others_models_versions_or_chunks(registry: Regi
         with pytest.raises(ApiError) as refused:
             client.post_version("llama", bob_key.sign(pushed.signed.manifest))
     assert refused.value.type == "chunks-missing"
+
+
+def test_an_evaluations_token_reads_its_versions_and_nothing_else(registry: Registry, tmp_path: Path) -> None:
+    """Issue 37, item 1: the evaluation worker holds no store credentials; it reads the version
+    it evaluates (and its parent) through the API with a short-lived token the issuer key signed
+    for that tenant's model and those versions. Any other version, chunk, model, tenant or route
+    is refused; so is the token once expired, or one an API's delegate minted."""
+    from gpucloud import bootstrap
+    from gpucloud.web.service_tokens import EVALUATION, REGISTRY_READ_AUDIENCE, load_delegate
+
+    alice, bob = registry.new_tenant(), registry.new_tenant()
+    v1 = alice.push(write_model(tmp_path / "v1", random_tensors()))
+    v2 = alice.push(write_model(tmp_path / "v2", random_tensors()))
+    other = bob.push(write_model(tmp_path / "bob", random_tensors()))
+    only_v2 = sorted(v2.signed.manifest.chunk_ids() - v1.signed.manifest.chunk_ids())[0]
+    issuer = bootstrap.token_issuer(registry.settings)  # the workers' key; the API was started before it existed
+
+    def token(tenant: str, *versions: str, ttl_s: float = 60, minter=issuer) -> str:
+        # Its own subject each: the issuer hands out a live token it minted before for the same claims.
+        subject = f"evaluation:{uuid.uuid4().hex}"
+        return minter.mint(
+            REGISTRY_READ_AUDIENCE,
+            subject=subject,
+            role=EVALUATION,
+            tenant=tenant,
+            model="llama",
+            versions=versions,
+            ttl_s=ttl_s,
+        )
+
+    def get(bearer: str, path: str) -> httpx.Response:
+        return httpx.get(registry.url + path, headers={"Authorization": f"Bearer {bearer}"}, timeout=30)
+
+    scoped = token(alice.id, v1.digest)
+    # Its version, through the pull client, verified chunk by chunk.
+    keyring = Keyring()
+    keyring.trust(alice.id, alice.signer.verify_key)
+    with RegistryClient(registry.url, scoped) as client:
+        pulled = pull(
+            v1.digest,
+            tmp_path / "pulled",
+            chunk_store=(source := RegistryPullSource(client, "llama")),  # type: ignore[arg-type]
+            manifest_store=source,  # type: ignore[arg-type]
+            keyring=keyring,
+            tenant=alice.id,
+        )
+    assert pulled.manifest.digest == v1.digest
+    # Another version of the same model, or a chunk only it lists: 403.
+    assert get(scoped, f"/v1/models/llama/versions/{v2.digest}/manifest").status_code == 403
+    refused = get(scoped, f"/v1/models/llama/chunks/{only_v2}")
+    assert refused.status_code == 403 and "does not read chunk" in refused.json()["detail"]
+    # Another tenant's version or chunk: the token's tenant has none of them.
+    assert get(scoped, f"/v1/models/llama/versions/{other.digest}/manifest").status_code == 404
+    bobs_chunk = next(iter(other.signed.manifest.chunk_ids()))
+    assert get(scoped, f"/v1/models/llama/chunks/{bobs_chunk}").status_code == 403
+    assert get(token(bob.id, v1.digest), f"/v1/models/llama/versions/{v1.digest}/manifest").status_code == 404
+    # Anything but those two reads: 403, as for a node's agent.
+    for path in ["/v1/models", "/v1/models/llama", f"/v1/models/llama/versions/{v1.digest}", "/v1/signing-keys"]:
+        assert get(scoped, path).status_code == 403, path
+    # Its parent, when named; the parent's chunks too.
+    with_parent = token(alice.id, v2.digest, v1.digest)
+    assert get(with_parent, f"/v1/models/llama/versions/{v1.digest}/manifest").status_code == 200
+    assert get(with_parent, f"/v1/models/llama/chunks/{only_v2}").status_code == 200
+    # Expired (past the verifier's leeway), or minted by an API's delegate (not certified for it): 401.
+    expired = get(token(alice.id, v1.digest, ttl_s=-120), f"/v1/models/llama/versions/{v1.digest}/manifest")
+    assert expired.status_code == 401
+    delegate = load_delegate(bootstrap.issue_api_delegate(registry.settings, path=tmp_path / "delegate.pem"))
+    minted = token(alice.id, v1.digest, minter=delegate)
+    assert get(minted, f"/v1/models/llama/versions/{v1.digest}/manifest").status_code == 401
 
 
 def test_versions_paginate_and_bad_input_is_a_4xx_naming_the_field(registry: Registry, tmp_path: Path) -> None:

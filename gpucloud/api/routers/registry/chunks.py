@@ -10,13 +10,14 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gpucloud.api.deps import SettingsDep, TenantDep
+from gpucloud.api.deps import SettingsDep, TenantDep, VersionReaderDep, out_of_scope, scoped_versions
 from gpucloud.api.routers.registry.common import (
     READ_BATCH,
     ChunkId,
     StoresDep,
     check_model,
     model_row,
+    version_chunks,
 )
 from gpucloud.config import Settings
 from gpucloud.db import read_scope
@@ -169,10 +170,16 @@ def _served(tenant_id: str, chunk_id: str, pieces: Iterator[bytes]) -> Iterator[
     response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
-def download_chunk(name: str, chunk_id: ChunkId, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
-    check_model(settings, tenant.tenant_id, name)
+def download_chunk(name: str, chunk_id: ChunkId, reader: VersionReaderDep, settings: SettingsDep, stores: StoresDep):
+    """A chunk's bytes; an evaluation's token reads only the chunks its versions list."""
+    assert reader.tenant_id is not None  # a tenant, or an evaluation for one (`get_version_reader`)
+    tenant_id = reader.tenant_id
+    check_model(settings, tenant_id, name)
+    versions = scoped_versions(reader, name)
+    if versions is not None and not any(chunk_id in version_chunks(stores, tenant_id, v) for v in versions):
+        raise out_of_scope(f"chunk {chunk_id}: no version it may read lists it")
     failed: IntegrityError | None = None
-    chunks = stores.chunks(tenant.tenant_id)
+    chunks = stores.chunks(tenant_id)
     try:
         size = chunks.stat(chunk_id).size
         pieces = chunks.stream(chunk_id)
@@ -192,5 +199,5 @@ def download_chunk(name: str, chunk_id: ChunkId, tenant: TenantDep, settings: Se
     # the store's check end the response short of it, which no client takes as complete.
     headers = {} if failed is not None else {"Content-Length": str(size)}
     return StreamingResponse(
-        _served(tenant.tenant_id, chunk_id, body()), media_type="application/octet-stream", headers=headers
+        _served(tenant_id, chunk_id, body()), media_type="application/octet-stream", headers=headers
     )

@@ -15,7 +15,9 @@ from gpucloud.db import read_scope
 from gpucloud.models.registry_tables import DIGEST_PATTERN, ModelAlias, ModelVersion, RegistryModel
 from gpucloud.registry.manifest import (
     IntegrityError,
+    ManifestTamperedError,
     UnknownKeyError,
+    VersionNotFoundError,
     is_digest,
 )
 from gpucloud.registry.names import AliasName
@@ -86,3 +88,23 @@ def signature_problem(exc: IntegrityError) -> Problem:
 def check_model(settings: Settings, tenant_id: str, name: str) -> None:
     with read_scope(settings.database_url) as session:
         model_row(session, tenant_id, name)
+
+
+# The chunk ids of a version, by (tenant, digest): a manifest is addressed by its digest, so what
+# it lists never changes; bounded, as each entry is a whole version's list.
+_VERSION_CHUNKS: dict[tuple[str, str], frozenset[str]] = {}
+_VERSIONS_CACHED = 64
+
+
+def version_chunks(stores: RegistryStores, tenant_id: str, digest: str) -> frozenset[str]:
+    """The chunks version `digest` of the tenant lists (none if its manifest is gone)."""
+    known = _VERSION_CHUNKS.get((tenant_id, digest))
+    if known is None:
+        try:
+            known = frozenset(stores.manifests(tenant_id).get(digest).manifest.chunk_ids())
+        except (VersionNotFoundError, ManifestTamperedError):
+            return frozenset()
+        if len(_VERSION_CHUNKS) >= _VERSIONS_CACHED:
+            _VERSION_CHUNKS.pop(next(iter(_VERSION_CHUNKS), ("", "")), None)
+        _VERSION_CHUNKS[(tenant_id, digest)] = known
+    return known

@@ -12,7 +12,15 @@ from fastapi.responses import JSONResponse, Response
 from sqlmodel import Session, col, select
 
 from gpucloud.api import pagination
-from gpucloud.api.deps import ReadsDep, SettingsDep, TemporalDep, TenantDep
+from gpucloud.api.deps import (
+    ReadsDep,
+    SettingsDep,
+    TemporalDep,
+    TenantDep,
+    VersionReaderDep,
+    out_of_scope,
+    scoped_versions,
+)
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import (
     StoresDep,
@@ -175,14 +183,20 @@ def get_version(name: str, ref: VersionRef, tenant: TenantDep, reads: ReadsDep):
 
 
 @router.get("/models/{name}/versions/{ref}/manifest", response_model=SignedManifest)
-def get_manifest(name: str, ref: VersionRef, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
-    """The signed manifest exactly as pushed; clients verify it against the published keys."""
+def get_manifest(name: str, ref: VersionRef, reader: VersionReaderDep, settings: SettingsDep, stores: StoresDep):
+    """The signed manifest exactly as pushed; clients verify it against the published keys. An
+    evaluation's token reads only the versions it names."""
+    assert reader.tenant_id is not None  # a tenant, or an evaluation for one (`get_version_reader`)
+    tenant_id = reader.tenant_id
+    versions = scoped_versions(reader, name)
     with read_scope(settings.database_url) as session:
-        digest = resolve_version(session, model_row(session, tenant.tenant_id, name), ref).digest
+        digest = resolve_version(session, model_row(session, tenant_id, name), ref).digest
+    if versions is not None and digest not in versions:
+        raise out_of_scope(f"version {digest}")
     try:
-        signed = stores.manifests(tenant.tenant_id).get(digest)
+        signed = stores.manifests(tenant_id).get(digest)
     except (ManifestTamperedError, VersionNotFoundError) as exc:
-        log.error("stored manifest of version %s (tenant %s) failed its check: %s", digest, tenant.tenant_id, exc)
+        log.error("stored manifest of version %s (tenant %s) failed its check: %s", digest, tenant_id, exc)
         raise Problem(500, "manifest-tampered", "Stored manifest failed verification", str(exc)) from None
     return Response(signed.model_dump_json(), media_type="application/json")
 
