@@ -1,5 +1,5 @@
-"""What the cloud sells: GPU types and allocation limits, and what each GPU type's nodes must run
-(pure data)."""
+"""What the cloud sells: GPU types and allocation limits, what each GPU type's nodes must run, and
+what they must show in burn-in (pure data)."""
 
 from dataclasses import dataclass
 
@@ -71,4 +71,32 @@ VERSION_POLICY: dict[str, VersionPolicy] = {
         min_link_rate_gbps=row[8],
     )
     for row in _POLICIES
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BurnInFloor:
+    """What a node of a GPU type must show in burn-in (`gpucloud.agent.tools`) to go back to the pool."""
+
+    min_busbw_gbps: float
+    """NCCL `all_reduce_perf` average bus bandwidth across the node's GPUs."""
+    min_h2d_gbps_per_gpu: float
+    """`nvbandwidth -t host_to_device_memcpy_ce`: host-to-GPU copy bandwidth per GPU."""
+    max_temperature_c: int
+    """Hottest GPU right after the stress (the thermal soak)."""
+
+
+# Burn-in floors per GPU type. These are defaults an operator overrides (the agent's
+# `BurnInLimits(floors=...)`), set below the published peaks so a healthy node passes with room
+# and a degraded link does not: NVLink 4 gives an H100/H200 900 GB/s per GPU and NVLink 5 a
+# B200/GB200 1.8 TB/s (an 8 x H100 all-reduce reaches about 450 GB/s bus bandwidth, 8 x B200 about
+# 800); a PCIe Gen5 x16 host link about 55 GB/s of its 64, Gen4 about 25; a GB200's Grace CPU
+# feeds its GPUs over NVLink-C2C (900 GB/s per Grace, shared by its two GPUs). 87 C is the
+# usual slowdown margin of an SXM part under DCGM's stress.
+BURN_IN_FLOORS: dict[str, BurnInFloor] = {
+    "H100": BurnInFloor(min_busbw_gbps=350.0, min_h2d_gbps_per_gpu=40.0, max_temperature_c=87),
+    "H200": BurnInFloor(min_busbw_gbps=360.0, min_h2d_gbps_per_gpu=40.0, max_temperature_c=87),
+    "B200": BurnInFloor(min_busbw_gbps=650.0, min_h2d_gbps_per_gpu=40.0, max_temperature_c=87),
+    "GB200": BurnInFloor(min_busbw_gbps=600.0, min_h2d_gbps_per_gpu=150.0, max_temperature_c=87),
+    "A100": BurnInFloor(min_busbw_gbps=180.0, min_h2d_gbps_per_gpu=20.0, max_temperature_c=85),
 }

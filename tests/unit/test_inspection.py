@@ -176,3 +176,12 @@ def test_inspection_reads_only_the_listed_commands():
         argv[0] in {"nvidia-smi", "uname", "systemctl", "lsmod", "ibstat", "ldconfig", "nvidia-ctk"}
         for argv in COMMANDS
     )
+
+
+def test_ibstat_with_a_port_polling_fails_the_network_layer():
+    """ibstat (infiniband-diags) as it prints a port whose cable is out (tests/fixtures/tools/)."""
+    outputs = recorded()
+    outputs[("ibstat",)] = Output(0, (RECORDED.parent.parent / "tools" / "ibstat-port-polling.txt").read_text())
+    failed = judge("H100", outputs).first_failure
+    assert failed is not None and failed.layer == "network"
+    assert "mlx5_0 (Down, Polling)" in failed.detail
