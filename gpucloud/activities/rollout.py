@@ -44,7 +44,7 @@ from gpucloud.models.rollout_messages import (
     WaveResult,
 )
 from gpucloud.registry.manifest import SignedManifest, VersionNotFoundError
-from gpucloud.registry.promotion import evaluate_gates
+from gpucloud.registry.promotion import active_public_keys, evaluate_gates
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
@@ -197,6 +197,14 @@ class RolloutActivities(ActivityGroup):
                 raise ApplicationError(str(exc), type="VersionNotFound", non_retryable=True) from None
         return self._signed[key]
 
+    def _tenant_keys(self, tenant_id: str) -> list[str]:
+        """The keys the tenant's manifests are signed with, sent with a prefetch: a real node
+        keeps no keyring of its own (`gpucloud.agent.tenant_weights.SentKeys`)."""
+        if self._db is None:
+            return []
+        with self._db.session() as session:
+            return active_public_keys(session, tenant_id)
+
     @activity.defn
     def prepare_rollout(self, req: PrepareInput) -> Prepared:
         """Register the rollout's swarm (every target node, every chunk) with the tracker; the
@@ -272,7 +280,13 @@ class RolloutActivities(ActivityGroup):
         """Fetch and assemble the version on every node of the wave; raises (so Temporal retries)
         unless every node has it."""
         signed = await asyncio.to_thread(self._signed_manifest, req.tenant_id, req.model_version)
-        body = {"signed": signed.model_dump(mode="json"), "tracker_url": self.tracker_url, "swarm": req.swarm}
+        keys = await asyncio.to_thread(self._tenant_keys, req.tenant_id)
+        body = {
+            "signed": signed.model_dump(mode="json"),
+            "tracker_url": self.tracker_url,
+            "swarm": req.swarm,
+            "keys": keys,
+        }
 
         async def one(node: RolloutTarget) -> NodeOutcome:
             own = body | self._swarm_tokens(req, node)

@@ -14,6 +14,10 @@ With a ledger URL it meters (`AgentMetering`): a provision names the allocation 
 is cut into interval-aligned samples in a durable spool (SQLite, `gpucloud/agent/spool.py`) and
 shipped to the ledger at-least-once; `GET /metering` tells how far behind the spool is.
 
+It serves the weights API a staged rollout drives (`/weights/*`: prefetch, verify, activate,
+check, evaluate, rollback) and the peer service its swarm fetches chunks from (`/chunks/*`), for
+the tenant holding the node, from `<state_dir>/weights` (`gpucloud.agent.tenant_weights`).
+
 Actions that drive hardware run real tools (`ACTION_COMMANDS`); where a tool is not installed the
 action answers 501 with a problem naming it, never a pretend success. The tools run through a
 `CommandRunner`, so tests (and a dry run) can stand in for them.
@@ -42,6 +46,7 @@ from gpucloud.agent.readings import NodeReading
 from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
+from gpucloud.agent.tenant_weights import TenantWeights, caller_refusal
 from gpucloud.agent.tools import (
     ACTION_COMMANDS,
     ACTIONS,
@@ -51,6 +56,7 @@ from gpucloud.agent.tools import (
     burn_in_figure,
     thermal_soak,
 )
+from gpucloud.agent.weights_api import health_from_probe
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
@@ -59,7 +65,7 @@ from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import install_readiness
-from gpucloud.web.service_tokens import Verifier, refusal
+from gpucloud.web.service_tokens import Verifier
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
@@ -86,12 +92,15 @@ class Agent:
         burn_in_limits: BurnInLimits = DEFAULT_BURN_IN,
         inspect_stack: bool = True,
         workloads: WorkloadSupervisor | None = None,
+        weights_dir: Path | None = None,
     ) -> None:
         """`inspect_stack`: `inspect` checks every layer of the node's stack (`agent/inspection.py`);
-        off only where the GPUs are simulated and there is no real stack to check."""
+        off only where the GPUs are simulated and there is no real stack to check. `weights_dir`:
+        the tenants' model weights (`agent/tenant_weights.py`), removed with the scratch on wipe."""
         self.state, self.probe = state, probe
         self.inspect_stack = inspect_stack
         self.workloads = workloads  # the tenant's processes (None: provision starts nothing)
+        self.weights_dir = weights_dir
         self.last_inspection: inspection.InspectionReport | None = None
         self.runner = runner or CommandRunner()
         self.tool_timeout_s = tool_timeout_s
@@ -262,10 +271,12 @@ class Agent:
         return None
 
     def _wipe_scratch(self) -> None:
-        """The tenant's files (its work, its SSH keys, its workload's output) go; the node is
+        """The tenant's files (its work, its SSH keys, its workload's output, its weights) go; the node is
         nobody's again."""
         if self.state.scratch_dir.exists():
             shutil.rmtree(self.state.scratch_dir)
+        if self.weights_dir is not None and self.weights_dir.exists():
+            shutil.rmtree(self.weights_dir)
         if self.workloads is not None:
             for output in self.workloads.state_dir.glob("workload-*.log"):
                 output.unlink(missing_ok=True)
@@ -283,11 +294,14 @@ def create_app(
     metering: AgentMetering | None = None,
     metrics_tokens: tuple[str, ...] = (),
     request_body: RequestBodySettings = BODY_DEFAULTS,
+    weights: TenantWeights | None = None,
 ) -> FastAPI:
     """The agent's HTTP API, behind the gate every server has (`web/gate.py`, bodies read as
     `request_body` says). Everything but `/healthz` answers only the control plane: a token
-    it signed for this node (`web/service_tokens.py`), checked against its public key; and
-    `/metrics` answers a scraper holding one of `metrics_tokens` (none: nobody)."""
+    it signed for this node (`web/service_tokens.py`), checked against its public key; but
+    `/chunks/*` answers a rollout's peer token for a swarm of the node's tenant, and `/metrics`
+    a scraper holding one of `metrics_tokens` (none: nobody). With `weights`, it serves the
+    weights API and the peer service (`/weights/*`, `/chunks/*`) of the tenant holding the node."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -307,7 +321,7 @@ def create_app(
     async def control_plane_only(scope: Scope) -> ASGIApp | None:
         if scope["path"] in ("/healthz", "/readyz", "/metrics"):  # /metrics checks its own token
             return None
-        return refusal(control_plane, problems.header(scope, b"authorization"), node_id=agent.state.node_id)
+        return caller_refusal(control_plane, scope, node_id=agent.state.node_id, tenant=agent.state.tenant_id)
 
     app.add_middleware(Gate, check=control_plane_only, body=request_body)
 
@@ -344,6 +358,8 @@ def create_app(
             status, body = await agent.act(action, req)
         return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
 
+    if weights is not None:  # after every route above: what none of them serves goes here
+        app.mount("", weights)
     return app
 
 
@@ -369,6 +385,7 @@ def main(
     state_dir: Path = Path("/var/lib/gpucloud/agent"),
     container_runtime: str | None = None,
     metrics_token: str | None = None,
+    weights_dir: Path | None = None,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
@@ -402,6 +419,7 @@ def main(
     from gpucloud.sim.probe import SimulatedProbe
 
     probe = detect_probe(node_id, allow_simulated=allow_simulated)
+    weights_dir = weights_dir or state_dir / "weights"
     # Simulated GPUs (--allow-simulated, a dev machine) have no stack to inspect.
     agent = Agent(
         state,
@@ -409,6 +427,10 @@ def main(
         gpu_type=gpu_type,
         inspect_stack=not isinstance(probe, SimulatedProbe),
         workloads=WorkloadSupervisor(state_dir / "workloads", container_runtime=container_runtime),
+        weights_dir=weights_dir,
+    )
+    weights = TenantWeights(
+        state, weights_dir, verifier=verifier, health=health_from_probe(probe), container_runtime=container_runtime
     )
     client = httpx.AsyncClient(base_url=control_plane_url, timeout=30, verify=client_verify())
     metering = None
@@ -426,6 +448,7 @@ def main(
         reading_s=reading_s,
         metering=metering,
         metrics_tokens=(metrics_token,) if metrics_token else (),
+        weights=weights,
     )
     tracing.instrument_app(app)  # when the command turned tracing on
     uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, **secure)

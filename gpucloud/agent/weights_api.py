@@ -5,6 +5,7 @@
 
     GET  /weights/status            active and previous version, versions on disk
     POST /weights/prefetch          keep the signed manifest, fetch by the tracker's plan, assemble
+                                    (a real node first trusts the tenant keys it carries)
     POST /weights/verify            re-hash every file of an assembled version
     POST /weights/activate          verify, then switch `current` (the old one becomes `previous`)
     POST /weights/rollback          if `digest` is current: switch back to `previous`
@@ -59,6 +60,9 @@ EvalProbe = Callable[[ChunkCache, str], float]
 """Scores the active version (its digest given; files under `cache.current_path`); higher is better."""
 HealthCheck = Callable[[], tuple[bool, str]]
 """Whether the node is fit to serve, and why not."""
+KeysSent = Callable[[list[str]], None]
+"""Takes the tenant's signing keys a prefetch carries (hex Ed25519 public keys) as the ones to trust."""
+PUBLIC_KEY = r"^[0-9a-f]{64}$"
 
 
 class _Body(BaseModel):
@@ -73,6 +77,12 @@ class PrefetchRequest(_Body):
         default=None, description="this node's member token for the swarm: for the tracker and the origin only"
     )
     peer_token: str | None = Field(default=None, description="this node's token for the swarm's peers")
+    keys: list[Annotated[str, Field(pattern=PUBLIC_KEY)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="the tenant's registered, unrevoked signing keys (hex Ed25519 public keys), for a node "
+        "that keeps no keyring of its own",
+    )
     parallel: int = Field(default=4, ge=1, le=64)
 
 
@@ -124,10 +134,12 @@ def install_weights_api(
     health: HealthCheck = always_healthy,
     container_runtime: str | None = None,
     run_command: CommandRunner | None = None,
+    trust: KeysSent | None = None,
 ) -> None:
     """Add the `/weights/*` routes (see the module doc) to `app`. A model's command runs as
     `run_command` says (a simulated node's runs nothing); by default in `container_runtime`
-    when it names an image, else on the host: the tenant's own node."""
+    when it names an image, else on the host: the tenant's own node. `trust`: where the keys a
+    prefetch carries go (None: the cache's keyring is the control plane's own, and they are ignored)."""
     if run_command is None:
         run_command = functools.partial(run_model_command, runtime=container_runtime, host_commands=True)
     prefetching: dict[str, threading.Lock] = {}
@@ -145,6 +157,8 @@ def install_weights_api(
     @app.post("/weights/prefetch")
     def prefetch_version(req: PrefetchRequest):
         digest = req.signed.digest
+        if trust is not None:
+            trust(req.keys)
         with guard:
             lock = prefetching.setdefault(digest, threading.Lock())
         with lock:

@@ -232,8 +232,17 @@ def agent(
             envvar="GPUCLOUD_AGENT_METRICS_TOKEN", help="the bearer token Prometheus scrapes /metrics with (none: off)"
         ),
     ] = None,
+    weights_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="the tenant's model weights and chunks (default: <state-dir>/weights), removed on wipe: served to "
+            "the control plane's rollouts at /weights/* and to the swarm's peers at /chunks/* (a rollout's "
+            "peer token for the node's tenant)"
+        ),
+    ] = None,
 ) -> None:
-    """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage."""
+    """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage,
+    and serve the tenant's model weights to rollouts (/weights) and to peers (/chunks)."""
     from gpucloud.agent.app import main as agent_main
     from gpucloud.web import tls as web_tls
 
@@ -272,6 +281,7 @@ def agent(
         insecure=insecure,
         container_runtime=container_runtime,
         metrics_token=metrics_token,
+        weights_dir=weights_dir,
     )
 
 

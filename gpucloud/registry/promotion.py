@@ -269,11 +269,16 @@ def active_key_ids(session: Session, tenant_id: str) -> set[str]:
     return {key.key_id for key in _active_keys(session, tenant_id)}
 
 
+def active_public_keys(session: Session, tenant_id: str) -> list[str]:
+    """The tenant's registered, unrevoked public keys (hex)."""
+    return sorted(key.public_key for key in _active_keys(session, tenant_id))
+
+
 def keyring_for(session: Session, tenant_id: str) -> Keyring:
     """The tenant's registered, unrevoked public keys."""
     keyring = Keyring()
-    for key in _active_keys(session, tenant_id):
-        keyring.trust(tenant_id, bytes.fromhex(key.public_key))
+    for key in active_public_keys(session, tenant_id):
+        keyring.trust(tenant_id, bytes.fromhex(key))
     return keyring
 
 

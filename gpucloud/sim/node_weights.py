@@ -1,11 +1,12 @@
 """The weights API of every simulated node, served by the fleet's one process.
 
 A real node serves the weights API (`gpucloud.agent.weights_api`) and the peer service
-(`gpucloud.agent.peer`) next to its action API; a simulated node serves the very same app under
-its agent URL, `{base}/v1/nodes/{id}`: `/weights/*` for the rollout's activities, `/chunks/{id}`
-for its peers. Each node has a real `ChunkCache` on disk (`<root>/<node>/<tenant>`) for the
-tenant whose workload it holds, so a rollout moves real, verified bytes through the tracker and
-between simulated nodes.
+(`gpucloud.agent.peer`) next to its action API (`gpucloud.agent.tenant_weights`); a simulated
+node serves the very same app, opened and guarded by the same functions, under its agent URL,
+`{base}/v1/nodes/{id}`: `/weights/*` for the rollout's activities, `/chunks/{id}` for its peers.
+Each node has a real `ChunkCache` on disk (`<root>/<node>/<tenant>`) for the tenant whose
+workload it holds, so a rollout moves real, verified bytes through the tracker and between
+simulated nodes.
 
 The node's state decides the answers: an unreachable node answers 503 (as its action API does),
 one with a hardware fault reports itself unhealthy to the rollout's check, and one that holds no
@@ -28,25 +29,21 @@ Manifests are verified against the tenant's keys as the control plane holds them
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from gpucloud.agent.chunk_cache import ChunkCache
-from gpucloud.agent.peer import create_peer_app, swarm_refusal
-from gpucloud.agent.weights_api import install_weights_api
+from gpucloud.agent.tenant_weights import caller_refusal, open_tenant_weights
 from gpucloud.registry.evaluators import simulated_command
 from gpucloud.registry.manifest import EvaluationRecord, Keyring, Manifest, SignedEvaluation, SignedManifest
 from gpucloud.web import problems
-from gpucloud.web.service_tokens import Verifier, refusal
+from gpucloud.web.service_tokens import Verifier
 
 PREFETCHES_AT_ONCE = 8
 KEYRING_REFRESH_S = 5.0
@@ -112,12 +109,8 @@ class NodeWeights:
         if node is None or not path.startswith(("/weights/", "/chunks/")):
             await _unavailable(404, "not found")(scope, receive, send)
             return
-        authorization = problems.header(scope, b"authorization")
-        if path.startswith("/weights/"):
-            refused = refusal(self._control_plane, authorization, node_id=node.id)
-        else:  # a peer's chunk: a rollout's token for a swarm (its tenant is checked once known)
-            swarm = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("swarm", [None])[0]
-            refused = swarm_refusal(self._control_plane, swarm, authorization, tenant=None)
+        # A peer's chunk: a rollout's token for a swarm of the node's tenant (none: checked once it has one).
+        refused = caller_refusal(self._control_plane, scope, node_id=node.id, tenant=node.tenant_id)
         if refused is not None:
             await refused(scope, receive, send)
             return
@@ -154,23 +147,23 @@ class NodeWeights:
             return resident
 
     def _build(self, node, tenant: str) -> FastAPI:
-        node_root = self._spec.root / node.id
-        if node_root.is_dir():
-            for other in node_root.iterdir():
-                if other.name != tenant:  # a former tenant's weights: wiped with its workload
-                    shutil.rmtree(other, ignore_errors=True)
         if tenant not in self._keyrings:
             self._keyrings[tenant] = _TenantKeys(lambda: self._spec.keyring_for(tenant))
-        cache = ChunkCache(node_root / tenant, keyring=self._keyrings[tenant], tenant=tenant)
-        app = create_peer_app(cache, verifier=self._control_plane)
 
         def health() -> tuple[bool, str]:
             fault = node.hardware_fault
             return fault is None, f"hardware fault: {fault}" if fault else ""
 
         # The fleet shares its host with `gpucloud up`: a canary's command is recorded, never run.
-        install_weights_api(app, node_id=node.id, cache=cache, health=health, run_command=simulated_command)
-        return app
+        return open_tenant_weights(
+            self._spec.root / node.id,
+            tenant,
+            node_id=node.id,
+            keyring=self._keyrings[tenant],
+            verifier=self._control_plane,
+            health=health,
+            run_command=simulated_command,
+        )
 
     def _evict_idle(self) -> None:
         idle = [node_id for node_id, r in self._resident.items() if r.in_flight == 0]

@@ -86,10 +86,10 @@ def _authorized(issuer: Issuer, server: str, method: str, path: str) -> tuple[st
         roles = allowed_roles(method, path)
         role = next(r for r in ("operator", "control-plane", "agent") if r in roles)
         return path, bearer(issuer.mint(LEDGER_AUDIENCE, role=role, subject="node:n-1"))
+    if server == "peer" or ("/chunks/" in path and server in ("simulated fleet", "agent")):
+        return f"{path}?swarm={SWARM}", swarm_token(SWARM, SWARM_PEER)  # peers take the peer token only
     if server == "agent":
         return path, bearer(issuer.mint(agent_audience("n-1")))
-    if server == "peer" or ("/chunks/" in path and server == "simulated fleet"):
-        return f"{path}?swarm={SWARM}", swarm_token(SWARM, SWARM_PEER)  # peers take the peer token only
     if path.startswith("/origin/chunks/"):
         return f"{path}?swarm={SWARM}", swarm_token(SWARM)
     if server == "tracker":

@@ -1,10 +1,11 @@
 """Every server the project runs, built in-process for the security tests, and every route of each.
 
-`servers` builds the API, the ledger, a node's agent, the tracker and origin, a node's peer
-service, the simulated fleet and fabric managers, and the codec server, each as `gpucloud up` would
-(checking callers), with the request-body settings a test gives. `calls` lists the requests
-that reach every route of one of them: every operation of its OpenAPI document, every route it
-leaves out, and the fleet's per-node weights and peer routes (a mount)."""
+`servers` builds the API, the ledger, a node's agent (with its weights and peer routes), the
+tracker and origin, a node's peer service, the simulated fleet and fabric managers, and the codec
+server, each as `gpucloud up` would (checking callers), with the request-body settings a test
+gives. `calls` lists the requests that reach every route of one of them: every operation of its
+OpenAPI document, every route it leaves out, and the weights and peer routes of the agent and of
+the fleet's nodes (a mount)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from gpucloud.agent.app import create_app as agent_app
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.host import HostState
 from gpucloud.agent.peer import create_peer_app
+from gpucloud.agent.tenant_weights import TenantWeights
+from gpucloud.agent.weights_api import always_healthy
 from gpucloud.api.app import create_app as api_app
 from gpucloud.bootstrap import detect_probe
 from gpucloud.config import RequestBodySettings, Settings
@@ -59,12 +62,14 @@ def servers(
         api={"operator_token": OPERATOR_TOKEN, "max_body_bytes": request_body.max_bytes},
         request_body=body,
     )
-    agent = Agent(HostState(node_id="n-1", boot_id="boot", scratch_dir=tmp_path / "scratch"), detect_probe("n-1"))
+    state = HostState(node_id="n-1", boot_id="boot", scratch_dir=tmp_path / "scratch", tenant_id=PEER_TENANT)
+    agent = Agent(state, detect_probe("n-1"))
+    weights = TenantWeights(state, tmp_path / "agent-weights", verifier=verifier, health=always_healthy)
     cache = ChunkCache(tmp_path / "peer", keyring=Keyring(), tenant=PEER_TENANT)
     return {
         "API": api_app(settings, temporal=temporal),
         "ledger": ledger_app(f"sqlite:///{tmp_path / 'ledger.db'}", control_plane=verifier, request_body=request_body),
-        "agent": agent_app(agent, control_plane=verifier, request_body=request_body),
+        "agent": agent_app(agent, control_plane=verifier, request_body=request_body, weights=weights),
         "tracker": create_tracker_app(
             tenant_chunks=lambda tenant: LocalChunkStore(tmp_path / "chunks" / tenant),
             verifier=verifier,
