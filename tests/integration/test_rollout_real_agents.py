@@ -71,6 +71,7 @@ K = 4
 TENANT, ALLOCATION = "acme", "alloc-1"
 KiB = 1024
 POLICY = ChunkPolicy(max_chunk_size=256 * KiB, pack_size=16 * KiB, fixed_chunk_size=256 * KiB, read_size=KiB * KiB)
+METRICS_TOKEN = "scraper-token"
 SANITY = RolloutEvaluation(gates=[GateSpec(metric="nan_inf_count", max=0)])
 
 
@@ -104,6 +105,18 @@ class Agents:
     def files(self, node: str, digest: str) -> dict[str, bytes]:
         return tree(self.weights[node] / TENANT / "versions" / digest)
 
+    def peer_served(self, node: str) -> float:
+        """The chunk bytes `node`'s agent served its peers (its own /metrics)."""
+        scraped = httpx.get(
+            f"{self.urls[node]}/metrics",
+            headers={"Authorization": f"Bearer {METRICS_TOKEN}"},
+            verify=tls.client_verify(),
+            timeout=30,
+        )
+        assert scraped.status_code == 200, scraped.text
+        served = 'gpucloud_chunk_bytes_served_total{source="peer"} '
+        return sum(float(line.removeprefix(served)) for line in scraped.text.splitlines() if line.startswith(served))
+
     def origin_egress(self) -> int:
         tracker = TrackerClient(self.tracker_url, token=self.issuer.mint(TRACKER_AUDIENCE))
         try:
@@ -130,6 +143,7 @@ def _start_agent(
         "--spool": str(home / "spool.db"),
         "--heartbeat-s": "3600",
         "--reading-s": "3600",
+        "--metrics-token": METRICS_TOKEN,
     }
     if server_tls is not None:
         options |= {
@@ -304,6 +318,8 @@ async def test_a_staged_rollout_reaches_real_agents_through_peers_and_rolls_ever
         # About one copy left the origin, though K nodes hold the version: the rest came from peers.
         egress = await asyncio.to_thread(agents.origin_egress)
         assert size <= egress < 1.5 * size, (egress, size)
+        peers = sum([await asyncio.to_thread(agents.peer_served, node) for node in nodes])
+        assert peers >= K * size - egress, (peers, egress, size)
 
         # A fine-tune with a NaN: the canary's evaluation fails it and the canary rolls back.
         refused = await (await start(client, task_queue, broken.digest)).result()
