@@ -5,6 +5,7 @@ units pass `systemd-analyze verify`, and the Dockerfile runs as a non-root user.
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,6 +33,30 @@ def is_setting(name: str) -> bool:
     if not field:
         return section in fields
     return section in fields and field in fields[section].annotation.model_fields  # type: ignore[union-attr]
+
+
+def env_file(path: str) -> dict[str, str]:
+    """An EnvironmentFile= as shipped: /etc/gpucloud/gpucloud.env is the example, copied as is."""
+    shipped = {"/etc/gpucloud/gpucloud.env": DEPLOY / "gpucloud.env.example"}
+    assigned: dict[str, str] = {}
+    for line in shipped[path.removeprefix("-")].read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith(("#", ";")):
+            name, _, value = line.partition("=")
+            assigned[name.strip()] = value.strip()
+    return assigned
+
+
+def unit_environment(unit: Path, instance: str) -> dict[str, str]:
+    """The environment systemd gives an instance of `unit`, by systemd.exec(5)'s rules: its
+    Environment= lines in order (a later assignment wins), then its EnvironmentFile= files in
+    order, which override Environment= wherever each line stands in the unit."""
+    text = unit.read_text().replace("%i", instance)
+    environment: dict[str, str] = {}
+    for line in re.findall(r"^Environment=(.*)$", text, re.MULTILINE):
+        environment |= dict(word.split("=", 1) for word in shlex.split(line))
+    for path in re.findall(r"^EnvironmentFile=(.*)$", text, re.MULTILINE):
+        environment |= env_file(path.strip())
+    return environment
 
 
 def assert_runs(argv: list[str]) -> None:
@@ -79,6 +104,12 @@ def test_the_environment_file_names_only_settings() -> None:
         if line and not line.startswith("#"):
             name = line.split("=", 1)[0]
             assert is_setting(name), name
+
+
+def test_worker_instances_on_one_host_get_their_own_metrics_ports() -> None:
+    worker = DEPLOY / "systemd" / "gpucloud-worker@.service"
+    ports = {i: unit_environment(worker, i).get("GPUCLOUD_TELEMETRY__WORKER_PORT") for i in ("4", "5")}
+    assert ports == {"4": "9464", "5": "9465"}, ports
 
 
 def test_units_run_real_commands_and_pass_systemd_analyze(tmp_path: Path) -> None:
