@@ -50,6 +50,8 @@ class TemporalSettings(BaseModel):
     # On SIGTERM a worker stops polling and gives the activities it runs this long to finish
     # before they are cancelled (and retried elsewhere): a restart drains, it does not drop work.
     worker_drain_s: float = 30.0
+    # How long the namespace `gpucloud prepare` registers keeps closed workflows' histories.
+    namespace_retention_s: float = 30 * 86_400.0
     # TLS to the frontend: on with `tls` or any file below; the CA that signed the frontend's
     # certificate (else the system's), and a client certificate and key for mutual TLS.
     tls: bool = False

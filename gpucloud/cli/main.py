@@ -428,6 +428,38 @@ def migrate(
         raise typer.Exit(1)
 
 
+@app.command()
+def prepare(
+    ledger: Annotated[bool, typer.Option(help="the ledger's database and price book too")] = True,
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """Prepare a deployment before its processes start: migrate both databases, create the shared
+    secrets where missing (where each lives is shown, never its value), the Temporal namespace and
+    search attributes, the object store's bucket (or directory), and a default price book. Each is
+    created, present or refused; exit 1 naming what was refused. Running it again changes nothing.
+    Run it where the issuer key belongs (a worker host), before each start of a new release."""
+    import json
+
+    from rich.table import Table
+
+    from gpucloud.prepare import prepare as prepare_all
+
+    configure_logging()
+    items = prepare_all(get_settings(), ledger=ledger)
+    if output == "json":
+        print(json.dumps([{"item": i.name, "outcome": i.outcome, "detail": i.detail} for i in items]))
+    else:
+        table = Table("item", "outcome", "detail", title="deployment preparation")
+        colour = {"created": "green", "present": "default", "refused": "red"}
+        for item in items:
+            table.add_row(item.name, f"[{colour[item.outcome]}]{item.outcome}[/]", item.detail)
+        Console(width=200).print(table)
+    refused = [item.name for item in items if item.outcome == "refused"]
+    if refused:
+        console.print(f"[red]error:[/] not prepared: {', '.join(refused)}")
+        raise typer.Exit(1)
+
+
 app.command()(sim)
 app.command("fabric-managers")(fabric_managers)
 app.command()(nodes)

@@ -271,7 +271,8 @@ class Stack:
         issuer = bootstrap.token_issuer(self.settings)  # the key the ledger trusts, made before it starts
         self._spawn("ledger", self._cli("ledger"))
         self._wait("ledger", lambda: self._http_ok(f"{self.ledger_url}/healthz"), 60)
-        seed_price_book(self.ledger_url, issuer.mint(LEDGER_AUDIENCE, subject="operator", role="operator"))
+        with httpx.Client(base_url=self.ledger_url, timeout=10, verify=tls.client_verify()) as ledger:
+            seed_price_book(ledger, issuer.mint(LEDGER_AUDIENCE, subject="operator", role="operator"))
 
     def _start_fabric(self, on_step: Callable[[str], None]) -> None:
         on_step("starting simulated fabric managers")
@@ -403,24 +404,24 @@ def evaluation_worker_env(settings: Settings) -> dict[str, str]:
     return {**inherited, **settings.for_evaluation_worker().env()}
 
 
-def seed_price_book(ledger_url: str, operator_token: str) -> None:
+def seed_price_book(ledger: httpx.Client, operator_token: str) -> bool:
     """Give a ledger without any price book the list prices (`models/catalog.py`), from the epoch
-    on, as the operator (a token the control plane signed for the ledger)."""
+    on, as the operator (a token the control plane signed for the ledger); True if it seeded one.
+    `ledger` is a client of the ledger's API: over HTTP, or its app in this process (`prepare`)."""
     auth = {"Authorization": f"Bearer {operator_token}"}
-    versions = httpx.get(f"{ledger_url}/v1/price-book/versions", timeout=10, headers=auth, verify=tls.client_verify())
+    versions = ledger.get("/v1/price-book/versions", headers=auth)
     versions.raise_for_status()
     if versions.json():
-        return
+        return False
     prices = [{"gpu_type": gpu, "price_per_hour_micro": price} for gpu, price in LIST_PRICE_PER_GPU_HOUR_MICRO.items()]
-    created = httpx.post(
-        f"{ledger_url}/v1/price-book/versions",
-        timeout=10,
-        verify=tls.client_verify(),
+    created = ledger.post(
+        "/v1/price-book/versions",
         headers=auth,
         json={"effective_from_ms": 0, "prices": prices, "note": "list prices"},
     )
     if created.status_code not in (201, 409):  # 409: another start seeded it meanwhile
         raise StackError(f"the ledger refused the default price book: {created.text[:300]}")
+    return created.status_code == 201
 
 
 def api_processes(settings: Settings) -> int:

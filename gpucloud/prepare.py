@@ -1,0 +1,268 @@
+"""`gpucloud prepare`: everything a deployment needs before its processes start, made where it
+is missing and left alone where it is present, so the step is safe to run again (and on each
+release, in place of `gpucloud migrate`).
+
+Each item reports `created`, `present` or `refused` (with the reason); nothing here prints a
+secret, only where it lives. The items, in order:
+- the control-plane and ledger schemas (`db.migrate`, `ledger.db`);
+- the shared secrets: the issuer key and the others each process would otherwise create in its
+  own data dir on first use (`config.Settings`), which several hosts must share;
+- the Temporal namespace and the search attributes the workflows set (`workflows.search_attributes`);
+- the object store: the S3 bucket, or the local store's directory, and that it answers;
+- a default price book in the ledger (`devstack.stack.seed_price_book`, through the ledger's own
+  app in this process, so its rules apply and no ledger process need run yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from google.protobuf.duration_pb2 import Duration
+from pydantic import SecretStr
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, RegisterNamespaceRequest
+from temporalio.service import RPCError, RPCStatusCode
+
+from gpucloud import bootstrap
+from gpucloud.config import Settings
+from gpucloud.workflows import search_attributes
+
+Outcome = Literal["created", "present", "refused"]
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    outcome: Outcome
+    detail: str
+
+
+class Refused(Exception):
+    """An item that cannot be prepared; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class SharedSecret:
+    name: str
+    variable: str
+    configured: Callable[[Settings], SecretStr | Path | None]
+    path: Callable[[Settings], Path]
+    make: Callable[[Settings], object]  # the settings' own load-or-create of it
+
+
+SHARED_SECRETS = (
+    SharedSecret(
+        # GPUCLOUD_AGENT__ISSUER_KEY names where the key lives (not the key): made there if missing.
+        "issuer key",
+        "GPUCLOUD_AGENT__ISSUER_KEY",
+        lambda s: None,
+        lambda s: s.issuer_key_path,
+        bootstrap.token_issuer,
+    ),
+    SharedSecret(
+        "operator token",
+        "GPUCLOUD_API__OPERATOR_TOKEN",
+        lambda s: s.api.operator_token,
+        lambda s: s.data_dir / "operator_token",
+        lambda s: s.operator_token,
+    ),
+    SharedSecret(
+        "page token secret",
+        "GPUCLOUD_API__PAGE_TOKEN_SECRET",
+        lambda s: s.api.page_token_secret,
+        lambda s: s.data_dir / "page_token_secret",
+        lambda s: s.page_token_secret,
+    ),
+    SharedSecret(
+        "agent credential secret",
+        "GPUCLOUD_AGENT__CREDENTIAL_SECRET",
+        lambda s: s.agent.credential_secret,
+        lambda s: s.data_dir / "agent_credential_secret",
+        lambda s: s.agent_credential_secret,
+    ),
+    SharedSecret(
+        "storage master key",
+        "GPUCLOUD_TENANTS__STORAGE_MASTER_KEY",
+        lambda s: s.tenants.storage_master_key,
+        lambda s: s.data_dir / "storage_master_key",
+        bootstrap.storage_master_key,
+    ),
+    SharedSecret(
+        "Temporal payload keys",
+        "GPUCLOUD_TEMPORAL__CODEC_KEYS",
+        lambda s: s.temporal.codec_keys,
+        lambda s: s.temporal_codec_keys_path,
+        lambda s: s.temporal_codec_keys,
+    ),
+    SharedSecret(
+        "evaluator key",
+        "GPUCLOUD_REGISTRY__EVALUATOR_KEY",
+        lambda s: s.registry.evaluator_key,
+        lambda s: s.data_dir / "evaluator_key",
+        lambda s: s.evaluator_seed,
+    ),
+    SharedSecret(
+        "metrics token",
+        "GPUCLOUD_TELEMETRY__METRICS_TOKEN",
+        lambda s: s.telemetry.metrics_token,
+        lambda s: s.data_dir / "metrics_token",
+        lambda s: s.metrics_token,
+    ),
+)
+
+
+def prepare_secret(settings: Settings, secret: SharedSecret) -> Item:
+    if secret.configured(settings) is not None:
+        return Item(secret.name, "present", f"from {secret.variable}")
+    path = secret.path(settings).resolve()
+    existed = path.exists()
+    secret.make(settings)
+    where = f"{path} (0600; or set {secret.variable})"
+    return Item(secret.name, "present" if existed else "created", where)
+
+
+def prepare_schemas(settings: Settings, *, ledger: bool) -> list[Item]:
+    from gpucloud.db import Database
+    from gpucloud.ledger.db import LedgerDatabase
+
+    databases: list[tuple[str, Any]] = [("control-plane schema", Database(settings.database_url))]
+    if ledger:
+        databases.append(("ledger schema", LedgerDatabase(settings.ledger_database_url)))
+    items = []
+    for name, database in databases:
+        before, head = database.revisions()
+        if before == head:
+            items.append(Item(name, "present", f"revision {head}"))
+            continue
+        database.migrate()
+        items.append(Item(name, "created", f"migrated from revision {before} to {head}"))
+    return items
+
+
+# A namespace registered a moment ago is not yet in every frontend's cache: adding its search
+# attributes is refused with NOT_FOUND until it is (seconds; the dev server's cache refreshes
+# every few seconds, a cluster's about every 10 s).
+NAMESPACE_VISIBLE_S = 30.0
+
+
+async def prepare_temporal(settings: Settings) -> list[Item]:
+    namespace = settings.temporal.namespace
+    client = await bootstrap.temporal_client(settings, wait_s=10.0)
+    items = []
+    try:
+        await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=namespace))
+        items.append(Item("Temporal namespace", "present", namespace))
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+        retention = Duration(seconds=int(settings.temporal.namespace_retention_s))
+        await client.workflow_service.register_namespace(
+            RegisterNamespaceRequest(namespace=namespace, workflow_execution_retention_period=retention)
+        )
+        items.append(Item("Temporal namespace", "created", f"{namespace} (retention {retention.seconds // 86400} d)"))
+    wanted = {key.name: IndexedValueType.ValueType(key.indexed_value_type) for key in search_attributes.ALL}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + NAMESPACE_VISIBLE_S
+    while True:
+        try:
+            listed = await client.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=namespace)
+            )
+            present = listed.custom_attributes
+            wrong = {n for n, t in wanted.items() if n in present and present[n] != t}
+            if wrong:
+                raise Refused(f"{', '.join(sorted(wrong))} exist(s) in {namespace} with another type than Keyword")
+            missing = {n: t for n, t in wanted.items() if n not in present}
+            if missing:
+                await client.operator_service.add_search_attributes(
+                    AddSearchAttributesRequest(namespace=namespace, search_attributes=missing)
+                )
+            break
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND or loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+    names = ", ".join(sorted(wanted))
+    items.append(Item("search attributes", "created" if missing else "present", names))
+    return items
+
+
+def prepare_object_store(settings: Settings) -> Item:
+    store = settings.object_store
+    if store.backend != "s3":
+        directory = settings.object_store_dir
+        existed = directory.is_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        return Item("object store", "present" if existed else "created", f"directory {directory}")
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    assert store.bucket is not None  # the settings refuse s3 without one
+    s3 = bootstrap.s3_client(settings)
+    where = f"bucket {store.bucket} at {store.endpoint_url or 'AWS S3'}"
+    try:
+        s3.head_bucket(Bucket=store.bucket)
+        return Item("object store", "present", where)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket"):
+            raise Refused(f"{where}: {exc}") from exc
+    except BotoCoreError as exc:
+        raise Refused(f"{where} does not answer: {exc} (GPUCLOUD_OBJECT_STORE__ENDPOINT_URL)") from exc
+    created: dict[str, Any] = {"Bucket": store.bucket}
+    if store.region and store.region != "us-east-1":  # S3 refuses the constraint for us-east-1
+        created["CreateBucketConfiguration"] = {"LocationConstraint": store.region}
+    s3.create_bucket(**created)
+    s3.head_bucket(Bucket=store.bucket)  # it answers for the bucket it made
+    return Item("object store", "created", where)
+
+
+def prepare_price_book(settings: Settings) -> Item:
+    from starlette.testclient import TestClient
+
+    from gpucloud.devstack.stack import seed_price_book
+    from gpucloud.ledger.app import create_app
+    from gpucloud.web.service_tokens import LEDGER_AUDIENCE, load_verifier, public_key_path
+
+    issuer = bootstrap.token_issuer(settings)
+    app = create_app(
+        settings.ledger_database_url,
+        control_plane=load_verifier(public_key_path(settings.issuer_key_path)),
+        migrate_on_start=False,
+    )
+    with TestClient(app) as ledger:
+        created = seed_price_book(ledger, issuer.mint(LEDGER_AUDIENCE, subject="operator", role="operator"))
+    return Item("price book", "created" if created else "present", "list prices (models/catalog.py)")
+
+
+def prepare(settings: Settings, *, ledger: bool = True) -> list[Item]:
+    """Prepare every item, in order; an item that fails is `refused` and the next ones still run,
+    except those that need it (no price book without the ledger's schema and the issuer key)."""
+    items: list[Item] = []
+
+    def attempt(name: str, step: Callable[[], Item | list[Item]]) -> bool:
+        try:
+            done = step()
+        except Exception as exc:  # reported as refused, with its reason: the step's whole point
+            reason = str(exc) if isinstance(exc, Refused) else f"{type(exc).__name__}: {exc}"
+            items.append(Item(name, "refused", reason))
+            return False
+        items.extend(done if isinstance(done, list) else [done])
+        return True
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    schemas = attempt("schemas", lambda: prepare_schemas(settings, ledger=ledger))
+    secrets_ok = True
+    for secret in SHARED_SECRETS:  # each one, even after one is refused
+        secrets_ok &= attempt(secret.name, lambda secret=secret: prepare_secret(settings, secret))  # type: ignore[misc]
+    attempt("Temporal", lambda: asyncio.run(prepare_temporal(settings)))
+    attempt("object store", lambda: prepare_object_store(settings))
+    if ledger:
+        if schemas and secrets_ok:
+            attempt("price book", lambda: prepare_price_book(settings))
+        else:
+            items.append(Item("price book", "refused", "needs the ledger's schema and the issuer key (above)"))
+    return items
