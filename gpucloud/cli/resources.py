@@ -110,23 +110,31 @@ def tenants_create(
     output: Output = "table",
     api_url: ApiUrl = None,
 ) -> None:
-    """Onboard a tenant: its network, storage and first API key (shown once, here)."""
+    """Onboard a tenant: its network, storage and first API key (shown once, here). The key is
+    printed as soon as the API answers, before the wait (with `-o json`: in the one document at
+    the end, or, if the wait is cut short, the API's answer before the error), so a timeout, a
+    Ctrl-C or a stuck onboarding never loses it."""
     quotas = [_quota(q) for q in quota or []]
     with reported_errors(), api_client(api_url, operator=True) as api:
         accepted = api.tenants.create(name, quotas=quotas or None, idempotency_key=str(uuid.uuid4()))
         operation = accepted.operation
+        if output != "json":
+            console.print(f"tenant {accepted.id}: first API key (shown once): [bold]{accepted.api_key.key}[/]")
+        tenant: BaseModel = accepted
         if wait:
-            with console.status(f"onboarding {name} (network, storage, key)"):
-                operation = api.operations.wait(operation.id, timeout_s=timeout)
+            try:
+                with console.status(f"onboarding {name} (network, storage, key)"):
+                    operation = api.operations.wait(operation.id, timeout_s=timeout)
+            except BaseException:
+                if output == "json":
+                    print(json.dumps(accepted.model_dump(mode="json"), indent=2))
+                raise
             tenant = api.tenants.get(accepted.id)
-        else:
-            tenant = accepted
     if output == "json":
         body = {**accepted.model_dump(mode="json"), **tenant.model_dump(mode="json")}
         print(json.dumps(body | {"operation": operation.model_dump(mode="json")}, indent=2))
     else:
         console.print(_tenant_table([tenant]))
-        console.print(f"first API key (shown once): [bold]{accepted.api_key.key}[/]")
         console.print(f"operation {operation.id}: {operation.status} {operation.error or ''}")
     _fail_on(operation)
 

@@ -83,3 +83,34 @@ async def test_operators_and_tenants_manage_resources_from_the_cli(ready_fleet):
     unreachable = {**operator, "GPUCLOUD_API__PORT": "1"}
     down = await asyncio.to_thread(runner.invoke, app, ["tenants", "list"], env=unreachable)
     assert down.exit_code == 5 and "is `gpucloud up` running?" in down.output
+
+
+def test_the_first_api_key_is_printed_before_onboarding_ends(tmp_path, temporal_env):
+    """No worker runs, so onboarding never finishes: the key is on stdout all the same, before
+    the wait gives up (exit 5), as a table and as JSON."""
+    from gpucloud.config import Settings
+    from gpucloud.devstack.stack import free_port
+    from support.stack import ApiThread
+
+    settings = Settings(
+        data_dir=tmp_path,
+        temporal={"address": temporal_env.client.service_client.config.target_host, "task_queue": "tq-no-worker"},
+        api={"port": free_port(), "operator_token": "test-operator-token"},
+    )
+    api = ApiThread(settings)
+    env = {
+        "GPUCLOUD_API__PORT": str(settings.api.port),
+        "GPUCLOUD_API__OPERATOR_TOKEN": "test-operator-token",
+        "GPUCLOUD_DATA_DIR": str(tmp_path),
+        "COLUMNS": "250",
+    }
+    try:
+        shown = CliRunner().invoke(app, ["tenants", "create", "stuck", "--timeout", "1"], env=env)
+        assert shown.exit_code == 5, shown.output
+        assert "first API key (shown once): gpc_" in shown.stdout
+        assert shown.stdout.index("gpc_") < shown.output.index("error")
+        as_json = CliRunner().invoke(app, ["tenants", "create", "stuck-2", "--timeout", "1", "-o", "json"], env=env)
+        assert as_json.exit_code == 5, as_json.output
+        assert json.loads(as_json.stdout)["api_key"]["key"].startswith("gpc_")
+    finally:
+        api.stop()
