@@ -40,12 +40,31 @@ def database_check(engine: sa.Engine) -> Check:
 
 
 def temporal_check(client: Callable[[], object]) -> Check:
-    """The Temporal frontend answers its health check."""
+    """The Temporal frontend answers its health check, and the client's namespace exists with
+    every search attribute the workflows set (else starts fail however often they are retried)."""
 
     async def check() -> None:
-        service = client().service_client  # type: ignore[attr-defined]
+        from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+        from temporalio.service import RPCError, RPCStatusCode
+
+        from gpucloud.workflows import search_attributes
+
+        temporal = client()
+        service = temporal.service_client  # type: ignore[attr-defined]
         if not await service.check_health(timeout=timedelta(seconds=CHECK_TIMEOUT_S)):
             raise RuntimeError("the frontend reports itself not serving")
+        namespace = temporal.namespace  # type: ignore[attr-defined]
+        try:
+            listed = await service.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=namespace)
+            )
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise RuntimeError(f"namespace {namespace} not found: run `gpucloud prepare`") from exc
+            raise
+        missing = sorted(key.name for key in search_attributes.ALL if key.name not in listed.custom_attributes)
+        if missing:
+            raise RuntimeError(f"search attributes {', '.join(missing)} missing in {namespace}: run `gpucloud prepare`")
 
     return check
 

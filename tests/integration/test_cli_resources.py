@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -105,6 +106,9 @@ def test_the_first_api_key_is_printed_before_onboarding_ends(tmp_path, temporal_
         "COLUMNS": "250",
     }
     try:
+        # Ready: its namespace has every search attribute (the readiness check), yet no worker.
+        ready = httpx.get(f"{api.url}/readyz", timeout=10)
+        assert ready.status_code == 200, ready.text
         shown = CliRunner().invoke(app, ["tenants", "create", "stuck", "--timeout", "1"], env=env)
         assert shown.exit_code == 5, shown.output
         assert "first API key (shown once): gpc_" in shown.stdout

@@ -138,6 +138,44 @@ def test_prepare_creates_what_is_missing_then_finds_it_all_present(
     }
 
 
+def test_readiness_names_a_missing_namespace_and_search_attributes_until_prepared(
+    tmp_path: Path, bare_temporal: str, s3_endpoint: str
+) -> None:
+    from google.protobuf.duration_pb2 import Duration
+    from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
+    from temporalio.client import Client
+
+    from gpucloud.web.readiness import temporal_check
+
+    namespace = f"prep-{uuid.uuid4().hex[:8]}"
+
+    async def ready() -> str:
+        client = await Client.connect(bare_temporal, namespace=namespace)
+        try:
+            await temporal_check(lambda: client)()
+        except RuntimeError as exc:
+            return str(exc)
+        return "ok"
+
+    async def registered_without_attributes() -> str:
+        client = await Client.connect(bare_temporal, namespace=namespace)
+        retention = Duration(seconds=86400)
+        request = RegisterNamespaceRequest(namespace=namespace, workflow_execution_retention_period=retention)
+        await client.workflow_service.register_namespace(request)
+        for _ in range(100):  # until the frontends' namespace cache has it (seconds)
+            if "not found" not in (found := await ready()):
+                return found
+            await asyncio.sleep(0.2)
+        return found
+
+    not_found = f"namespace {namespace} not found: run `gpucloud prepare`"
+    assert asyncio.run(ready()) == not_found
+    assert "search attributes AllocationId, ModelVersion, NodeId" in asyncio.run(registered_without_attributes())
+    code, _, output = run_prepare(env_for(tmp_path, bare_temporal, namespace, s3_endpoint, f"prep-{namespace}"))
+    assert code == 0, output
+    assert asyncio.run(ready()) == "ok"
+
+
 def test_prepare_refuses_by_name_what_it_cannot_reach(tmp_path: Path) -> None:
     env = env_for(tmp_path, f"127.0.0.1:{free_port()}", "gpucloud", f"http://127.0.0.1:{free_port()}", "nowhere")
     result = CliRunner().invoke(app, ["prepare"], env={**env, "COLUMNS": "200"})
