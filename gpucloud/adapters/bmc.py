@@ -237,6 +237,8 @@ class RedfishBmc:
         system = self._system()
         media, target = self._boot_media(system)
         try:
+            if media.inserted:  # BMCs refuse to insert over media (a retry finds its own there)
+                media.eject_media()
             media.insert_media(image_url, inserted=True, write_protected=True)
             from sushy import BootSourceOverrideEnabled
 
