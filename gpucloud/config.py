@@ -360,6 +360,11 @@ class BmcSettings(BaseModel):
     # The firmware image the repair ladder's `reflash` asks a BMC's UpdateService to install
     # (Redfish SimpleUpdate; where the BMC has none, or this is unset, the agent reflashes).
     firmware_image_uri: str | None = None
+    # The known image a node whose tenant left boots once through its BMC's virtual media
+    # (`activities/bmc.py`, cleaning), and the sha256 (hex) its booted agent must report. Unset,
+    # or a node without a BMC or virtual media: the in-band wipe alone, recorded as weaker.
+    clean_image_url: str | None = None
+    clean_image_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$")
     # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet.
     emulator_port: int = 8600
     # A BMC off loopback is reached only over https (its credential travels in every request),

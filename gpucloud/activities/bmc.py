@@ -6,6 +6,15 @@ cannot succeed (wrong credentials, no such system, a power state that never foll
 (`BmcFailed`, non-retryable); an unreachable, slow or failing BMC is retried by Temporal within
 `options.BMC`'s bounds, and after them the caller sees the last error. A node without a BMC is
 not an error: the result says nothing was done, and the caller falls back to the agent.
+
+Cleaning between tenants, the way Ironic cleans: the departing tenant had root on the node and
+may have replaced its agent, so the node is not clean on its own word. `bmc_boot_image` inserts
+the configured known image as virtual media with a one-time boot override and power-cycles the
+node; the agent that answers afterwards reports its boot id and the digest of the image it
+booted, and `bmc_check_image` accepts the node only on a new boot of exactly that image (else
+the workflow fails it closed into `quarantined`). Only then does the in-band wipe hand the
+agent its next credential (`WipeRotation`). Without a BMC, virtual media or a configured image,
+the in-band wipe alone cleans the node, and its events say that this is weaker.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.bmc import POWER_AFTER, BmcError
 from gpucloud.bootstrap import Bmcs
 from gpucloud.db import Database
-from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, NodeRef
+from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, ImageCheckInput, ImageCheckResult, NodeRef
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.services import agent_credentials
 from gpucloud.services.operations import settle
@@ -29,12 +38,19 @@ from gpucloud.workflows.options import BMC_ATTEMPTS
 
 class BmcActivities(ActivityGroup):
     def __init__(
-        self, db: Database, bmcs: Bmcs, *, boot_wait_s: float = 600.0, firmware_image_uri: str | None = None
+        self,
+        db: Database,
+        bmcs: Bmcs,
+        *,
+        boot_wait_s: float = 600.0,
+        firmware_image_uri: str | None = None,
+        clean_image: tuple[str | None, str | None] = (None, None),
     ) -> None:
         self.db = db
         self.bmcs = bmcs
         self.boot_wait_s = boot_wait_s
         self.firmware_image_uri = firmware_image_uri
+        self.clean_image_url, self.clean_image_sha256 = clean_image
 
     def _record(self, node_id: str, event: str, *, actor: str, cause: str, **changes) -> None:
         with self.db.session() as session:
@@ -149,3 +165,68 @@ class BmcActivities(ActivityGroup):
         last = {"at": utcnow().isoformat(), "action": "firmware update", "ok": True, "answer": answer}
         self._record(req.node_id, "firmware_update", actor="system", cause=f"BMC: {answer}", bmc_last=last)
         return BmcPowerResult(node_id=req.node_id, done=True, answer=answer)
+
+    @activity.defn
+    def bmc_boot_image(self, req: NodeRef) -> BmcPowerResult:
+        """Boot the node once from the known clean image through its BMC: virtual media insert,
+        one-time boot override, power cycle. Not done (recorded as the weaker in-band wipe)
+        without a BMC or a configured image, or where the BMC refuses virtual media."""
+        endpoint = self._endpoint(req.node_id)
+        image = self.clean_image_url
+        why = "the node has no BMC" if endpoint is None else None
+        if why is None and (not image or not self.clean_image_sha256):
+            why = "no clean image is configured (bmc.clean_image_url, bmc.clean_image_sha256)"
+        inserted = ""
+        if why is None and endpoint is not None and image:
+            try:
+                inserted = self.bmcs.for_node(*endpoint).boot_from_image(image)
+            except BmcError as error:
+                if error.kind != "unsupported":
+                    raise self._failed(req.node_id, "virtual media boot", error, actor="system") from error
+                why = str(error)
+        if why is not None or endpoint is None:
+            self._record(
+                req.node_id, "inband_wipe_only", actor="system",
+                cause=f"not re-imaged out of band ({why}): the in-band wipe alone is weaker, "
+                "the agent that answers it may be the previous tenant's",
+            )  # fmt: skip
+            return BmcPowerResult(node_id=req.node_id, done=False, answer=str(why))
+        last = {"at": utcnow().isoformat(), "action": "virtual media boot", "ok": True, "answer": inserted}
+        self._record(req.node_id, "image_inserted", actor="system", cause=f"BMC: {inserted}", bmc_last=last)
+        try:
+            cycled = self.bmcs.for_node(*endpoint).power("cycle")
+        except BmcError as error:
+            raise self._failed(req.node_id, "power cycle", error, actor="system") from error
+        last = {"at": utcnow().isoformat(), "action": "power cycle", "ok": True, "answer": cycled}
+        self._record(
+            req.node_id,
+            "power_cycle",
+            actor="system",
+            cause=f"re-image: BMC: {cycled}",
+            power_state="On",
+            bmc_last=last,
+        )
+        return BmcPowerResult(node_id=req.node_id, done=True, power_state="On", answer=f"{inserted}; {cycled}")
+
+    @activity.defn
+    def bmc_check_image(self, req: ImageCheckInput) -> ImageCheckResult:
+        """Accept the boot `bmc_boot_image` caused only if the agent reports a new boot id and
+        the clean image's digest; eject the image either way."""
+        expected = f"sha256:{self.clean_image_sha256}"
+        if not req.boot_id or req.boot_id == req.boot_id_before:
+            why = f"the agent reports no new boot (boot id {req.boot_id!r}, before {req.boot_id_before!r})"
+        elif req.image_digest != expected:
+            why = f"the agent reports booting {req.image_digest!r}, not the clean image {expected}"
+        else:
+            why = None
+        endpoint = self._endpoint(req.node_id)
+        try:
+            ejected = self.bmcs.for_node(*endpoint).eject_image() if endpoint is not None else "no BMC"
+        except BmcError as error:  # the override was for one boot: a stuck CD is noted, not fatal
+            ejected = f"eject failed: {error}"
+        if why is None:
+            answer = f"boot {req.boot_id} booted {expected}; {ejected}"
+            self._record(req.node_id, "image_verified", actor=req.actor, cause=answer)
+            return ImageCheckResult(node_id=req.node_id, ok=True, answer=answer)
+        self._record(req.node_id, "image_mismatch", actor=req.actor, cause=f"{why}; {ejected}")
+        return ImageCheckResult(node_id=req.node_id, ok=False, answer=why)

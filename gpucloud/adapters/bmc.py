@@ -14,6 +14,12 @@ is `stuck` after `power_wait_s`.
 Power actions are idempotent: `on` of a system that is on, or `off` of one that is off, sends
 nothing. `cycle` is an explicit off, then on, each waited for, so a BMC that only pretends to
 reset is caught at the first wait.
+
+Re-imaging out of band (`boot_from_image`) inserts an image into the system's virtual CD (or
+USB stick) through Redfish VirtualMedia and sets a one-time boot-source override to it; the next
+power-on boots the image, not the disk the previous tenant had root on. Both are read back: a BMC
+that answers 204 but keeps neither has not done it. A BMC without VirtualMedia, or whose media
+cannot take the image, is `unsupported` (the caller falls back to an in-band wipe and says so).
 """
 
 from __future__ import annotations
@@ -224,6 +230,66 @@ class RedfishBmc:
                 ) from error
             raise translated from error
         return f"SimpleUpdate of {target} with {image_uri} accepted"
+
+    def boot_from_image(self, image_url: str) -> str:
+        """Insert `image_url` as virtual media and boot it once at the next power-on; the BMC's
+        answer, in words, after reading both back."""
+        system = self._system()
+        media, target = self._boot_media(system)
+        try:
+            if media.inserted:  # BMCs refuse to insert over media (a retry finds its own there)
+                media.eject_media()
+            media.insert_media(image_url, inserted=True, write_protected=True)
+            from sushy import BootSourceOverrideEnabled
+
+            system.set_system_boot_options(target=target, enabled=BootSourceOverrideEnabled.ONCE)
+            media.refresh(force=True)
+            system.refresh(force=True)
+        except BmcError:
+            raise
+        except Exception as error:
+            translated = _translate(error, f"virtual media boot of {image_url}")
+            if translated.kind in ("bad_request", "server_error"):
+                raise BmcError("unsupported", f"the BMC's virtual media cannot boot the image: {translated}") from error
+            raise translated from error
+        if media.image != image_url or not media.inserted:
+            raise BmcError("unsupported", f"the BMC accepted the insert but its {media.identity} holds {media.image!r}")
+        boot_target = system.boot.target.value if system.boot.target is not None else None
+        if boot_target != target.value:
+            raise BmcError("unsupported", f"the BMC accepted the boot override but boots {boot_target!r}")
+        enabled = system.boot.enabled.value if system.boot.enabled is not None else "not reported"
+        return f"{image_url} inserted in {media.identity}; boot override {boot_target} ({enabled})"
+
+    def eject_image(self) -> str:
+        """Eject whatever `boot_from_image` inserted (nothing sent where nothing is inserted)."""
+        media, _ = self._boot_media(self._system())
+        if not media.inserted:
+            return f"{media.identity} was empty"
+        try:
+            media.eject_media()
+        except Exception as error:
+            raise _translate(error, f"eject of {media.identity}") from error
+        return f"{media.identity} ejected"
+
+    def _boot_media(self, system):
+        """The system's virtual CD (else USB stick) and the boot target that boots it."""
+        from sushy import BootSource, VirtualMediaType
+        from sushy.exceptions import MissingAttributeError
+
+        try:
+            members = system.virtual_media.get_members()
+        except MissingAttributeError as error:  # no VirtualMedia link on the system
+            raise BmcError("unsupported", "the BMC offers no virtual media for the system") from error
+        except Exception as error:
+            translated = _translate(error, "virtual media")
+            if translated.retryable:
+                raise translated from error
+            raise BmcError("unsupported", f"the BMC offers no virtual media for the system ({translated})") from error
+        for wanted, target in ((VirtualMediaType.CD, BootSource.CD), (VirtualMediaType.USB_STICK, BootSource.USB_CD)):
+            for media in members:
+                if wanted in (media.media_types or []):
+                    return media, target
+        raise BmcError("unsupported", "the BMC's virtual media has no CD or USB stick to boot from")
 
 
 def _connect(url: str, username: str, password: str, bmc: RedfishBmc) -> sushy.Sushy:

@@ -97,6 +97,20 @@ class BmcPowerResult(NodeRef):
     answer: str = ""
 
 
+class ImageCheckInput(NodeRef):
+    """What the agent that answered after a re-image's power cycle reported (`bmc_check_image`)."""
+
+    boot_id_before: str | None
+    boot_id: str | None
+    image_digest: str | None
+    actor: str = "system"
+
+
+class ImageCheckResult(NodeRef):
+    ok: bool
+    answer: str
+
+
 class AgentActionInput(NodeRef):
     agent_url: str
     request_id: str

@@ -76,7 +76,7 @@ class HardwareFaultRequest(BaseModel):
 
 
 class DriftRequest(BaseModel):
-    kind: Literal["reboot", "wipe"]
+    kind: Literal["reboot", "wipe", "replace_agent"]
 
 
 class ReachabilityRequest(BaseModel):

@@ -81,9 +81,20 @@ class SimNode:
     hardware_fault: str | None = None  # what burn-in finds wrong, until a repair fixes it
     fault_fixed_by: str | None = None  # the mildest repair rung that fixes it; None: nothing does
     credential: str | None = None  # the agent credential the last wipe handed over
+    # What the node's agent reports it booted: the sha256 of the image its BMC's virtual CD held
+    # at power-on (`sim/power.py`), None when it booted from its disk.
+    image_digest: str | None = None
+    # The tenant replaced the agent with a stand-in that claims an image it did not boot (as if
+    # it lived on below the OS, in firmware the re-image does not touch).
+    stand_in: bool = False
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+# What a stand-in agent claims to have booted: not the clean image (one that claimed the clean
+# image's digest would pass; an attested boot report is what would catch it).
+STAND_IN_DIGEST = "sha256:" + "5" * 64
 
 
 def _refuse(status: int, title: str, detail: str) -> tuple[int, dict]:
@@ -232,6 +243,9 @@ class Fleet:
     def drift(self, node: SimNode, kind: str) -> None:
         """What happens to hardware behind the control plane's back: a reboot kills the workload,
         a wipe (say, a re-imaged disk) also loses the tenant's data."""
+        if kind == "replace_agent":
+            node.stand_in = True
+            return
         node.boot_id += 1
         node.workload_running = False
         if kind == "wipe":
@@ -261,6 +275,9 @@ class Fleet:
             "workload": node.workload,
             "actions_done": node.actions_done,
             "hardware_fault": node.hardware_fault,
+            # What a re-image checks (`activities/bmc.py`): the boot, and the image booted.
+            "boot_id": str(node.boot_id),
+            "image_digest": STAND_IN_DIGEST if node.stand_in else node.image_digest,
         }
 
 

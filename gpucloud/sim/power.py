@@ -9,12 +9,15 @@ when a system is read), so it happens whether or not the control plane is pollin
   processes are gone (the disks keep their data).
 - On, from off: the host boots for `boot_s` seconds, then its agent is back with a new boot id
   and no workload. A power cycle also clears what a reboot clears: a hung host, and a hardware
-  fault a reboot fixes.
+  fault a reboot fixes. A boot with an image in the system's virtual CD (the emulator fetched
+  it at insert and names its copy in the system's `boot_image`) boots that image: the agent
+  reports its sha256 (`image_digest`); a boot without one reports none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ class SimPower:
         self.link = link
         self._tasks: set[asyncio.Task] = set()
         self.powered_off: set[str] = set()
+        self.boot_media: dict[str, str] = {}  # node id -> the emulator's copy of its inserted CD
 
     def inventory_fields(self, node_id: str) -> dict:
         return {
@@ -58,6 +62,11 @@ class SimPower:
         node = self.fleet.nodes.get(str(system.get("name")))
         if node is None:
             return
+        path, _, inserted = ((system.get("boot_image") or {}).get("Cd") or (None, False, False))[:3]
+        if inserted and path and system.get("boot_device") == "Cd":  # else it boots its disk
+            self.boot_media[node.id] = str(path)
+        else:
+            self.boot_media.pop(node.id, None)
         pending = system.get("pending_power")
         if pending:
             self._spawn(self._read_at(node, float(pending.get("apply_time", time.time()))))
@@ -79,6 +88,7 @@ class SimPower:
             return
         self.powered_off.discard(node.id)
         Fleet._repair(node, "reboot")  # a new boot id, nothing running, what a reboot fixes is fixed
+        node.image_digest = _digest(self.boot_media.get(node.id))
         node.unreachable = False
         log.info("%s booted (boot %d)", node.id, node.boot_id)
 
@@ -94,3 +104,13 @@ class SimPower:
             except httpx.HTTPError as exc:
                 log.warning("reading %s's system on the BMC failed: %s", node.id, exc)
             await asyncio.sleep(1.0)
+
+
+def _digest(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as image:
+            return "sha256:" + hashlib.file_digest(image, "sha256").hexdigest()
+    except OSError:
+        return None

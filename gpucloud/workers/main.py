@@ -104,6 +104,7 @@ def build_worker(
                 cp.bmcs,
                 boot_wait_s=settings.bmc.boot_wait_s,
                 firmware_image_uri=settings.bmc.firmware_image_uri,
+                clean_image=(settings.bmc.clean_image_url, settings.bmc.clean_image_sha256),
             ).all(),
             *FabricActivities(cp.db, cp.fabric).all(),
             *tenant.all(),

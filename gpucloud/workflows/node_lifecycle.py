@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.models.messages import (
         AgentActionInput,
         BmcPowerInput,
+        ImageCheckInput,
         NodeOperationInput,
         NodeOperationKind,
         NodeOperationResult,
@@ -49,6 +50,8 @@ class _Act:
 
 
 _WIPE = _Act("wipe", before=("release",))
+# After a re-image's power cycle, the agent's answers are read this often for its new boot.
+_BOOT_REPORTS, _BOOT_REPORT_EVERY_S = 10, 3.0
 
 # The agent action behind each name, called by reference.
 _AGENT_ACTIONS = {
@@ -110,6 +113,7 @@ class NodeOperationWorkflow:
         self._agent_url = ""
         self._has_bmc = False
         self._agent_reachable = True
+        self._answer: dict = {}  # the agent's answer to the last action (a re-image reads its boot)
 
     @workflow.query
     def state(self) -> str:
@@ -177,7 +181,9 @@ class NodeOperationWorkflow:
                 # repair ladder power-cycles it through its BMC.
                 failure = "the host is down (its agent is silent): to be power-cycled through its BMC"
             for action in (*step.before, step.action) if failure is None else ():
-                failure = await self._act(action)
+                if step is _WIPE and action == "wipe":  # the tenant left: re-image before the wipe
+                    failure = await self._reimage()
+                failure = failure or await self._act(action)
                 if failure:
                     break
             event = E.FAIL if failure else E.OK
@@ -266,6 +272,37 @@ class NodeOperationWorkflow:
         self._set_state(result.state)
         return True
 
+    async def _reimage(self) -> str | None:
+        """Boot the node from the clean image through its BMC and check what booted
+        (`activities/bmc.py`); None when it did, or when the node cannot be re-imaged (the
+        in-band wipe alone cleans it, recorded as weaker), else why the node fails closed."""
+        boot_id_before = self._answer.get("boot_id")  # the release just before this
+        ref = NodeRef(node_id=self._inp.node_id)
+        try:
+            booted = await workflow.execute_activity_method(BmcActivities.bmc_boot_image, ref, **options.BMC)
+        except ActivityError as err:
+            if is_cancelled_exception(err):
+                raise
+            return f"re-image through the BMC failed: {failure_message(err)}"
+        if not booted.done:
+            return None
+        for _ in range(_BOOT_REPORTS):  # the agent answers from the new boot once its host is up
+            failure = await self._act("release")
+            if failure:
+                return f"no report after the re-image: {failure}"
+            if self._answer.get("boot_id") != boot_id_before:
+                break
+            await workflow.sleep(_BOOT_REPORT_EVERY_S)
+        check = ImageCheckInput(
+            node_id=self._inp.node_id,
+            boot_id_before=boot_id_before,
+            boot_id=self._answer.get("boot_id"),
+            image_digest=self._answer.get("image_digest"),
+            actor=f"workflow:{workflow.info().workflow_id}",
+        )
+        result = await workflow.execute_activity_method(BmcActivities.bmc_check_image, check, **options.BMC)
+        return None if result.ok else f"re-image check failed: {result.answer}"
+
     async def _power(self, action: str, *, cause: str) -> str | None:
         """A power action through the node's BMC, waiting for its agent after an on or a cycle;
         None on success, the BMC's (or the boot's) failure otherwise."""
@@ -310,11 +347,12 @@ class NodeOperationWorkflow:
             workload=self._inp.workload if action == "provision" else None,
         )
         try:
-            await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)
+            done = await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)
         except ActivityError as err:
             if is_cancelled_exception(err):
                 raise  # stopped, not failed: the caller decides what a cancel means
             return f"{action} failed: {failure_message(err)}"
+        self._answer = done.details
         return None
 
     def _set_state(self, state: str) -> None:

@@ -74,6 +74,11 @@ async def test_allocate_ready_cancel_released_nodes_back(ready_fleet, temporal_e
         # Each released node went through releasing -> wiping -> burn_in -> available.
         node = h.operator.get(f"/v1/nodes/{ready['node_ids'][0]}").json()
         assert node["allocation_id"] is None and node["tenant_id"] is None
+        # These nodes have no BMC: no re-image, and their events say the wipe alone is weaker.
+        events = h.operator.get(f"/v1/nodes/{ready['node_ids'][0]}/events", params={"page_size": 200}).json()
+        fallback = [e for e in events["items"] if e["event"] == "inband_wipe_only"]
+        assert len(fallback) == 1 and "the node has no BMC" in fallback[0]["cause"], events
+        assert "weaker" in fallback[0]["cause"] and "image_inserted" not in {e["event"] for e in events["items"]}
 
         # Cancel of a released allocation is a no-op success.
         again = c.post(f"/v1/allocations/{alloc['id']}/cancel")

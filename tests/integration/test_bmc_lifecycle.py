@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -264,3 +266,84 @@ async def test_a_missing_system_and_a_bmc_that_never_resets_end_in_named_failure
     assert h.node(stuck["id"])["bmc_last"]["kind"] == "stuck"
     moved = next(e for e in _events(h, stuck["id"]) if e["to_state"] == "rma")
     assert "accepted ForceOff but the power state is still On" in moved["cause"], moved
+
+
+@contextlib.asynccontextmanager
+async def _reimaging_fleet(make_harness, in_process_worker, db_url, tmp_path: Path):
+    """A BMC fleet whose cleaning boots a known image, served over loopback, and a tenant."""
+    from support.faulty_http import FileServer
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "clean.iso").write_bytes(b"gpucloud clean image v1")
+    digest = hashlib.sha256(b"gpucloud clean image v1").hexdigest()
+    with FileServer(str(tmp_path / "images")) as images:
+        image = {"bmc__clean_image_url": images.url("clean.iso"), "bmc__clean_image_sha256": digest}
+        async with bmc_fleet(make_harness, in_process_worker, db_url, **image) as h:
+            yield h, digest
+
+
+async def _allocate_one(h) -> tuple[str, str, str]:
+    _, key = await h.onboard()
+    alloc_id = h.allocate(key, node_count=1)
+    ready = await h.wait_allocation(key, alloc_id, "ready", timeout_s=60)
+    return key, alloc_id, ready["node_ids"][0]
+
+
+def _cancel(h, key: str, alloc_id: str) -> None:
+    with h.client(key) as c:
+        assert c.post(f"/v1/allocations/{alloc_id}/cancel").status_code == 202
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_released_node_is_reimaged_out_of_band_and_returns_only_through_burn_in(
+    db_url, make_harness, in_process_worker, tmp_path
+):
+    async with _reimaging_fleet(make_harness, in_process_worker, db_url, tmp_path) as (h, digest):
+        key, alloc_id, node_id = await _allocate_one(h)
+        boot_before, held = h.sim.node(node_id)["boot_id"], h.sim.client.credential(node_id)
+        _cancel(h, key, alloc_id)
+        await h.wait_allocation(key, alloc_id, "released", timeout_s=90)
+        await async_wait_until(
+            lambda: h.node(node_id)["state"] in ("available", "quarantined"), timeout_s=90, what="the node cleaned"
+        )
+        events = _events(h, node_id)
+        assert h.node(node_id)["state"] == "available", events[-6:]
+        kinds = [e["event"] for e in events]
+        # Insert + one-time boot, power cycle, the booted image checked, then the wipe (which hands
+        # the new credential) and burn-in.
+        inserted, cycled, verified = (kinds.index(k) for k in ("image_inserted", "power_cycle", "image_verified"))
+        to_burn_in = max(i for i, e in enumerate(events) if e["to_state"] == "burn_in")
+        assert inserted < cycled < verified < to_burn_in == len(events) - 2, [
+            (e["event"], e["to_state"]) for e in events
+        ]
+        assert "inserted in Cd; boot override Cd" in events[inserted]["cause"]
+        assert f"booted sha256:{digest}" in events[verified]["cause"] and "Cd ejected" in events[verified]["cause"]
+        assert events[-1]["to_state"] == "available" and events[-2]["to_state"] == "burn_in"
+        assert "inband_wipe_only" not in kinds
+        sim = h.sim.node(node_id)
+        assert h.sim.client.credential(node_id) != held  # the new credential went to the checked boot
+        assert sim["boot_id"] != boot_before and sim["image_digest"] == f"sha256:{digest}"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_stand_in_agent_that_lies_about_its_image_ends_quarantined(
+    db_url, make_harness, in_process_worker, tmp_path
+):
+    async with _reimaging_fleet(make_harness, in_process_worker, db_url, tmp_path) as (h, digest):
+        key, alloc_id, node_id = await _allocate_one(h)
+        h.sim.drift(node_id, "replace_agent")  # the tenant, root on the node, replaces the agent
+        held = h.sim.client.credential(node_id)
+        _cancel(h, key, alloc_id)
+        await async_wait_until(
+            lambda: h.node(node_id)["state"] in ("available", "quarantined"), timeout_s=90, what="the node cleaned"
+        )
+        events = _events(h, node_id)
+        assert h.node(node_id)["state"] == "quarantined", events[-6:]
+        mismatch = next(e for e in events if e["event"] == "image_mismatch")
+        assert f"not the clean image sha256:{digest}" in mismatch["cause"]
+        quarantined = next(e for e in events if e["to_state"] == "quarantined")
+        assert "re-image check failed" in quarantined["cause"] and quarantined["from_state"] == "wiping"
+        # Fails closed: no wipe handed the stand-in a credential, and the node never reached burn-in
+        # after the allocation.
+        assert h.sim.client.credential(node_id) == held
+        assert all(e["to_state"] != "burn_in" for e in events[events.index(mismatch) :])

@@ -9,12 +9,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, BmcError, RedfishBmc, discover
 from gpucloud.devstack.stack import free_port
 from gpucloud.sim.bmc import CREDENTIAL_REF, USERNAME, BmcEmulator, sim_bmc_password, system_id_of, write_sim_credential
-from support.faulty_http import FaultyProxy
+from support.faulty_http import FaultyProxy, FileServer
 
 NODES = ["gpu-a", "gpu-b"]
 
@@ -180,3 +181,34 @@ def test_a_bmc_off_loopback_in_clear_is_refused_unless_allowed(tmp_path: Path) -
     assert bmcs.for_node("http://127.0.0.1:8600", "1", "ref").endpoint.password == "secret"
     trusted = bootstrap.bmcs(Settings(data_dir=tmp_path, bmc={"allow_insecure": True}))
     assert trusted.for_node("http://10.0.0.9", "1", "ref").endpoint.url == "http://10.0.0.9"
+
+
+def test_boot_from_image_inserts_virtual_media_and_a_one_time_override(emulator: BmcEmulator, tmp_path: Path) -> None:
+    (tmp_path / "clean.iso").write_bytes(b"known image")
+    with FileServer(str(tmp_path)) as images, FaultyProxy(emulator.url) as proxy:
+        bmc = _bmc(emulator, "gpu-b", url=proxy.url)
+        answer = bmc.boot_from_image(images.url("clean.iso"))
+        assert answer == f"{images.url('clean.iso')} inserted in Cd; boot override Cd (Continuous)"
+        # Read back from the emulator itself: the CD holds the image and the system boots it.
+        cd = httpx.get(
+            f"{emulator.url}/redfish/v1/Systems/{system_id_of('gpu-b')}/VirtualMedia/Cd",
+            auth=(USERNAME, sim_bmc_password(emulator.data_dir)),
+        ).json()
+        assert (cd["Image"], cd["Inserted"]) == (images.url("clean.iso"), True)
+        patches = [json.loads(body)["Boot"] for method, path, body in proxy.bodies if method == "PATCH"]
+        # The emulator shows every override as Continuous; what was asked for is one boot.
+        assert [(p["BootSourceOverrideTarget"], p["BootSourceOverrideEnabled"]) for p in patches] == [("Cd", "Once")]
+        assert (
+            "POST",
+            f"/redfish/v1/Systems/{system_id_of('gpu-b')}/VirtualMedia/Cd/Actions/VirtualMedia.InsertMedia",
+        ) in proxy.requests
+        assert bmc.eject_image() == "Cd ejected" and bmc.eject_image() == "Cd was empty"
+
+        proxy.mode = "no_virtual_media"
+        with pytest.raises(BmcError) as refused:
+            bmc.boot_from_image(images.url("clean.iso"))
+        assert refused.value.kind == "unsupported" and "no virtual media" in str(refused.value)
+        proxy.mode = "pass"
+        with pytest.raises(BmcError) as missing:  # the emulator cannot fetch the image: refused
+            bmc.boot_from_image(images.url("missing.iso"))
+        assert missing.value.kind == "unsupported" and "cannot boot the image" in str(missing.value)

@@ -12,17 +12,47 @@ Modes, switched while it runs (`proxy.mode = ...`):
   answers 202 with a task monitor (a BMC whose firmware update starts);
 - `real_hardware`: forward everything, adding to every ComputerSystem what a real server's BMC
   reports and the emulator's fake systems do not (`hardware`: serial number, model, CPU count,
-  memory, BIOS version).
+  memory, BIOS version);
+- `no_virtual_media`: forward everything, removing the VirtualMedia link from every
+  ComputerSystem (a BMC without virtual media).
+
+Every request is kept (`requests`: method and path; `bodies`: method, path and body).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+
+
+class FileServer:
+    """Files of a directory over loopback HTTP: the images a BMC's virtual media fetches."""
+
+    def __init__(self, directory: str) -> None:
+        class Quiet(SimpleHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+        handler = functools.partial(Quiet, directory=directory)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{name}"
+
+    def __enter__(self) -> FileServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class FaultyProxy:
@@ -38,6 +68,7 @@ class FaultyProxy:
             "BiosVersion": "KAE120H-2.10",
         }
         self.requests: list[tuple[str, str]] = []
+        self.bodies: list[tuple[str, str, bytes]] = []
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -47,6 +78,7 @@ class FaultyProxy:
             def _handle(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 proxy.requests.append((self.command, self.path))
+                proxy.bodies.append((self.command, self.path, body))
                 mode = proxy.mode
                 if mode == "hang":
                     time.sleep(proxy.hang_s)
@@ -68,10 +100,18 @@ class FaultyProxy:
                     self.command, proxy.upstream + self.path, content=body, headers=headers, timeout=30
                 )
                 content = answer.content
-                if mode == "real_hardware" and self.command == "GET" and answer.status_code == 200:
+                if (
+                    mode in ("real_hardware", "no_virtual_media")
+                    and self.command == "GET"
+                    and answer.status_code == 200
+                ):
                     document = json.loads(content)
                     if str(document.get("@odata.type", "")).startswith("#ComputerSystem.v"):
-                        content = json.dumps({**document, **proxy.hardware}).encode()
+                        if mode == "real_hardware":
+                            document.update(proxy.hardware)
+                        else:
+                            document.pop("VirtualMedia", None)
+                        content = json.dumps(document).encode()
                 self._answer(answer.status_code, content, answer.headers.get("content-type", ""))
 
             def _answer(self, status: int, body: bytes, content_type: str) -> None:

@@ -26,9 +26,11 @@ def _open_payloads(message: Message, codec: EncryptionCodec) -> None:
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
-        if field.label == field.LABEL_REPEATED and field.message_type.GetOptions().map_entry:
+        # protobuf 7 dropped `label` for `is_repeated`
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+        if repeated and field.message_type.GetOptions().map_entry:
             items = list(value.values()) if field.message_type.fields_by_name["value"].message_type else []
-        elif field.label == field.LABEL_REPEATED:
+        elif repeated:
             items = list(value)
         else:
             items = [value]
