@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from gpucloud.protocol.actions import AgentAction
 from gpucloud.web import tls
 from gpucloud.web.service_tokens import Issuer, agent_audience
 
@@ -74,7 +75,7 @@ class SimFleetClient:
         """Each node's metered allocations and intervals, and how far its spool is behind."""
         return self._call("GET", "/v1/metering")
 
-    def drift(self, node_id: str, kind: str) -> dict[str, Any]:
+    def drift(self, node_id: str, kind: AgentAction) -> dict[str, Any]:
         """`reboot` or `wipe` the node behind the control plane's back."""
         return self._call("POST", f"/v1/nodes/{node_id}/drift", json={"kind": kind})
 

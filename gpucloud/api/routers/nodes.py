@@ -30,7 +30,6 @@ from gpucloud.api.schemas import (
     EnrollRequest,
     EnrollResult,
     FleetSummary,
-    HeartbeatBatch,
     HeartbeatResult,
     LedgerToken,
     MaintenanceRequest,
@@ -45,6 +44,7 @@ from gpucloud.db import get_read_engine, session_scope
 from gpucloud.models.messages import BmcPowerInput
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
+from gpucloud.protocol.reports import HeartbeatBatch
 from gpucloud.services import agent_credentials
 from gpucloud.services.fleet import (
     LIFECYCLE_ACTIONS,

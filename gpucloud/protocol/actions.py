@@ -1,17 +1,40 @@
-"""The host agent's wire models: what the control plane sends to an agent (the real one or a
-simulated node) and what it answers. Both ends import them from here."""
+"""The node protocol's actions: what the control plane asks of a node's agent (the real one or a
+simulated node) at `POST /actions/{action}`, and what it hands over with them. Both ends, and the
+workflows that sequence the actions, import them from here."""
 
 from __future__ import annotations
 
-from typing import Literal
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gpucloud.agent.readings import ShortId
 from gpucloud.models.images import ImageReference
+from gpucloud.protocol.reports import ShortId
 
-# The actions every agent serves at `POST /actions/{action}`.
-ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
+
+class AgentAction(StrEnum):
+    """The actions every agent serves at `POST /actions/{action}`."""
+
+    INSPECT = "inspect"
+    BURN_IN = "burn_in"
+    PROVISION = "provision"
+    RELEASE = "release"
+    WIPE = "wipe"
+    RESET = "reset"
+    REBOOT = "reboot"
+    REFLASH = "reflash"
+
+
+def known_action(name: str) -> AgentAction | None:
+    """The action of that name; None for one no agent serves (the agent answers 404)."""
+    try:
+        return AgentAction(name)
+    except ValueError:
+        return None
+
+
+# The repair ladder's rungs, mildest first: a fault that a rung fixes is fixed by every later one.
+REPAIR_LADDER = (AgentAction.RESET, AgentAction.REBOOT, AgentAction.REFLASH)
 
 
 class Workload(BaseModel):
@@ -39,19 +62,6 @@ class Workload(BaseModel):
         if not self.command and self.image is None:
             raise ValueError("a workload names a command, an image, or both")
         return self
-
-
-class WorkloadStatus(BaseModel):
-    """What runs of the allocation's workload on a node, as its agent reports it."""
-
-    state: Literal["none", "running", "exited", "stopped"]
-    allocation_id: ShortId | None = None
-    exit_code: int | None = Field(None, ge=-(2**31), lt=2**31)
-    isolation: str | None = Field(
-        None,
-        max_length=32,
-        description="pid-namespace, process-group where namespaces are refused, or container (podman or docker)",
-    )
 
 
 class ActionRequest(BaseModel):
