@@ -58,7 +58,7 @@ from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSup
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
-from gpucloud.protocol.actions import ActionRequest, AgentAction, known_action
+from gpucloud.protocol.actions import ActionAnswer, ActionRequest, AgentAction, known_action
 from gpucloud.protocol.reports import NodeReading
 from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
@@ -162,12 +162,15 @@ class Agent:
         if action == AgentAction.PROVISION:
             self._meter_from(req, reading, now_ms)
         await asyncio.to_thread(s.save)
-        return 200, s.describe() | self.workload_status() | {
-            "action": action,
-            "gpu_count": len(reading.gpus),
-            "is_gpu_node": reading.is_gpu_node,
-            "fatal_error": reading.fatal_error.model_dump(mode="json") if reading.fatal_error else None,
-        }
+        answer = ActionAnswer(
+            **s.describe(),
+            **self.workload_status(),
+            action=action,
+            gpu_count=len(reading.gpus),
+            is_gpu_node=reading.is_gpu_node,
+            fatal_error=reading.fatal_error,
+        )
+        return 200, answer.model_dump(mode="json")
 
     def workload_status(self) -> dict:
         if self.workloads is None:

@@ -311,7 +311,9 @@ class MaintenanceRequest(BaseModel):
     reason: str = Field("", max_length=500)
 
 
-class ActionRequest(BaseModel):
+class OperatorActionRequest(BaseModel):
+    """Why an operator acts on a node (recorded with the event)."""
+
     reason: str = Field("", max_length=500)
 
 

@@ -9,7 +9,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpucloud.models.images import ImageReference
-from gpucloud.protocol.reports import ShortId
+from gpucloud.protocol.reports import NodeId, ShortId
 
 
 class AgentAction(StrEnum):
@@ -74,3 +74,17 @@ class ActionRequest(BaseModel):
     credential: str | None = Field(None, min_length=1, max_length=300)
     # What a provision starts on the node (None: the node is handed over with nothing running).
     workload: Workload | None = None
+
+
+class ActionAnswer(BaseModel):
+    """What an agent answers a successful action: the action and the node's tenancy after it.
+    Each kind of agent adds what it knows of its own (the real one its GPUs and its workload's
+    processes, the simulated one its injected faults): those ride along as extra fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    action: AgentAction
+    node_id: NodeId
+    tenant_id: ShortId | None = None
+    workload_running: bool = False
+    gpu_count: int = Field(ge=0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fastapi import HTTPException
 from pydantic import BaseModel, Field
 
-from gpucloud.protocol.actions import REPAIR_LADDER, ActionRequest, AgentAction
+from gpucloud.protocol.actions import REPAIR_LADDER, ActionAnswer, ActionRequest, AgentAction
 from gpucloud.protocol.reports import Heartbeat, WorkloadStatus
 from gpucloud.web import problems
 
@@ -211,7 +211,7 @@ class Fleet:
         elif action in REPAIR_LADDER:
             self._repair(node, action)
         node.actions_done += 1
-        return 200, self.describe(node) | {"action": action}
+        return 200, ActionAnswer(**self.describe(node), action=action).model_dump(mode="json")
 
     @staticmethod
     def _repair(node: SimNode, action: AgentAction) -> None:

@@ -130,7 +130,13 @@ async def test_reporter_pushes_heartbeats_and_stamped_xids_and_keeps_them_while_
     assert seen["/v1/agents/heartbeats"] == [
         {
             "heartbeats": [
-                {"node_id": "gpu-1", "tenant_id": "t-a", "workload_running": True, "boot_id": "boot-1", "workload": None}
+                {
+                    "node_id": "gpu-1",
+                    "tenant_id": "t-a",
+                    "workload_running": True,
+                    "boot_id": "boot-1",
+                    "workload": None,
+                }
             ]
         }
     ]
