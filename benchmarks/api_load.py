@@ -78,6 +78,8 @@ from common import bench_stack, log, onboard_tenant, reset_postgres
 from common import percentile as nearest_rank
 
 from gpucloud.devstack.stack import free_port
+from gpucloud.protocol.reporter import ReportClient
+from gpucloud.protocol.reports import Heartbeat
 from gpucloud.sim.client import SimFleetClient
 
 TIMEOUT_S = 30.0
@@ -180,9 +182,8 @@ async def heartbeat_client(http: httpx.AsyncClient, tally: Tally, agents: dict[s
     """An agent as real ones report: its own node, its own credential, one heartbeat a request."""
     while time.monotonic() < until:
         node_id = rng.choice(sorted(agents))
-        body = {"heartbeats": [{"node_id": node_id}]}
-        headers = {"Authorization": f"Bearer {agents[node_id]}"}
-        await _timed(tally, "heartbeat", http.post("/v1/agents/heartbeats", json=body, headers=headers))
+        beat = ReportClient(http).heartbeats([Heartbeat(node_id=node_id)], credential=agents[node_id])
+        await _timed(tally, "heartbeat", beat)
 
 
 def _client(url: str, token: str | None, connections: int) -> httpx.AsyncClient:
@@ -460,10 +461,7 @@ async def paced_reports(url: str, fleet: int, seconds: float, kind: str, targets
         async def report(i: int, due: float) -> None:
             key = keys[i % len(keys)]
             if kind == "heartbeat":
-                body = {"heartbeats": [{"node_id": key}]}
-                call = http.post(
-                    "/v1/agents/heartbeats", json=body, headers={"Authorization": f"Bearer {targets[key]}"}
-                )
+                call = ReportClient(http).heartbeats([Heartbeat(node_id=key)], credential=targets[key])
             else:
                 call = http.get(f"/v1/allocations/{key}")
             await _timed(tally, kind, call, began=due)

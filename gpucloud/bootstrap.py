@@ -29,12 +29,12 @@ from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, Syste
 from gpucloud.adapters.bmc import discover as discover_systems
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
 from gpucloud.agent.probe import Probe
-from gpucloud.agent.readings import utc_now
 from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.observability import tracing
+from gpucloud.protocol.reports import utc_now
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.agent_credentials import WipeRotation

@@ -14,7 +14,6 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup, view_of
-from gpucloud.agent.schemas import Workload
 from gpucloud.db import Database
 from gpucloud.models.messages import (
     AllocationEventInput,
@@ -39,6 +38,7 @@ from gpucloud.models.messages import (
 )
 from gpucloud.models.node_states import InvalidTransition
 from gpucloud.models.tables import Allocation, AllocationStatus, Node, utcnow
+from gpucloud.protocol.actions import REPAIR_LADDER, Workload
 from gpucloud.services import allocations as allocation_service
 from gpucloud.services import health as health_service
 from gpucloud.services import nodes as node_service
@@ -175,7 +175,7 @@ class ControlDbActivities(ActivityGroup):
         with self.db.session() as session:
             self._node(session, req.node_id)
             step = health_service.repair_plan(session, req.node_id)
-            actions = [] if step.rung is None else list(health_service.REPAIR_LADDER[step.rung :])
+            actions = [] if step.rung is None else list(REPAIR_LADDER[step.rung :])
             return RepairPlan(node_id=req.node_id, actions=actions, reason=step.reason)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Activities that call a node's host agent over HTTP (the real agent or the simulated fleet).
 
-The agent API: `POST {agent_url}/actions/{action}` with `{"request_id", "tenant_id"}`; the agent
+The agent API: `POST {agent_url}/actions/{action}` with an `ActionRequest` (`gpucloud.protocol`); the agent
 deduplicates by request_id, so a retried activity never runs an action twice. Errors are
 classified here: connection errors, timeouts and 5xx are transient (Temporal retries them with
 backoff); a 4xx is the agent refusing the action for good (non-retryable `AgentActionFailed`),
@@ -16,8 +16,8 @@ from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.host_agent import AgentRefused, AgentUnreachable, HostAgents
-from gpucloud.agent.schemas import ActionRequest
 from gpucloud.models.messages import AgentActionInput, AgentActionResult, AgentBatchInput, AgentBatchResult
+from gpucloud.protocol.actions import ActionRequest, AgentAction
 from gpucloud.services.agent_credentials import WipeRotation
 
 HEARTBEAT_EVERY_S = 5.0
@@ -42,13 +42,13 @@ class HostAgentActivities(ActivityGroup):
         self.batch_attempts = max(1, batch_attempts)
         self.batch_retry_base_s = batch_retry_base_s
 
-    async def _call(self, action: str, req: AgentActionInput, *, commit: bool = True) -> AgentActionResult:
+    async def _call(self, action: AgentAction, req: AgentActionInput, *, commit: bool = True) -> AgentActionResult:
         """One action on one agent; a wipe's new credential is committed here unless `commit` is
         False (the caller commits many at once)."""
         body = ActionRequest(
             request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id, workload=req.workload
         )
-        if action == "wipe" and self.rotation is not None:
+        if action == AgentAction.WIPE and self.rotation is not None:
             body.credential = self.rotation.next_token(req.node_id, req.request_id)
         call = asyncio.ensure_future(self.agents.act(req.agent_url, action, body, node_id=req.node_id))
         try:
@@ -63,7 +63,7 @@ class HostAgentActivities(ActivityGroup):
         finally:
             if not call.done():
                 call.cancel()
-        if action == "wipe" and self.rotation is not None and commit:
+        if action == AgentAction.WIPE and self.rotation is not None and commit:
             # The agent took up the next credential with the wipe: the old one goes now.
             await asyncio.to_thread(self.rotation.commit, req.node_id, req.request_id)
         return AgentActionResult(node_id=req.node_id, action=action, details=details)
@@ -106,7 +106,7 @@ class HostAgentActivities(ActivityGroup):
                 finished, _ = await asyncio.wait({calls}, timeout=HEARTBEAT_EVERY_S)
                 if finished:
                     calls.result()
-                    if req.action == "wipe" and self.rotation is not None:
+                    if req.action == AgentAction.WIPE and self.rotation is not None:
                         # The agents took up their next credentials: the old ones go now, in
                         # one transaction (a retry of this activity commits the same ones).
                         await asyncio.to_thread(self.rotation.commit_many, wiped)
@@ -118,33 +118,33 @@ class HostAgentActivities(ActivityGroup):
 
     @activity.defn
     async def inspect_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("inspect", req)
+        return await self._call(AgentAction.INSPECT, req)
 
     @activity.defn
     async def burn_in_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("burn_in", req)
+        return await self._call(AgentAction.BURN_IN, req)
 
     @activity.defn
     async def provision_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("provision", req)
+        return await self._call(AgentAction.PROVISION, req)
 
     @activity.defn
     async def release_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("release", req)
+        return await self._call(AgentAction.RELEASE, req)
 
     @activity.defn
     async def wipe_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("wipe", req)
+        return await self._call(AgentAction.WIPE, req)
 
     # The repair ladder, mildest first: a GPU reset, a host reboot, a firmware/OS reflash.
     @activity.defn
     async def reset_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("reset", req)
+        return await self._call(AgentAction.RESET, req)
 
     @activity.defn
     async def reboot_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("reboot", req)
+        return await self._call(AgentAction.REBOOT, req)
 
     @activity.defn
     async def reflash_node(self, req: AgentActionInput) -> AgentActionResult:
-        return await self._call("reflash", req)
+        return await self._call(AgentAction.REFLASH, req)

@@ -31,6 +31,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.adapters.host_agent import HttpHostAgents
 from gpucloud.db import Database
 from gpucloud.models.rollout_messages import (
     NodeOutcome,
@@ -49,14 +50,13 @@ from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient
 from gpucloud.services.nodes import Holding, holdings
-from gpucloud.web import metrics, tls
+from gpucloud.web import metrics
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     SWARM_PEER,
     SWARM_TOKEN_TTL_S,
     TRACKER_AUDIENCE,
     Issuer,
-    agent_audience,
     swarm_audience,
 )
 
@@ -99,21 +99,15 @@ class RolloutActivities(ActivityGroup):
         tracker_url: str,
         manifests: ManifestSource,
         db: Database | None = None,
-        http: httpx.AsyncClient | None = None,
+        agents: HttpHostAgents | None = None,
         request_timeout_s: float = 3600.0,
         issuer: Issuer | None = None,
     ) -> None:
         self.tracker_url, self._manifests, self._db = tracker_url, manifests, db
-        self._issuer = issuer  # signs each call for the one node it goes to (the agents check it)
-        self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout_s, connect=5.0), verify=tls.client_verify()
-        )
+        self._issuer = issuer  # signs the swarm's and the tracker's tokens
+        # The control plane's one client of agents, which signs each call for its node.
+        self._agents = agents or HttpHostAgents(issuer=issuer, timeout_s=request_timeout_s)
         self._signed: dict[tuple[str, str], SignedManifest] = {}
-
-    def _auth(self, node: RolloutTarget) -> dict[str, str]:
-        if self._issuer is None:
-            return {}
-        return {"Authorization": f"Bearer {self._issuer.mint(agent_audience(node.node_id))}"}
 
     def _swarm_tokens(self, req: WaveInput, node: RolloutTarget) -> dict[str, str | None]:
         """The node's tokens for the rollout's swarm, both naming the node, its tenant and the
@@ -139,7 +133,7 @@ class RolloutActivities(ActivityGroup):
         return TrackerClient(self.tracker_url, token=token)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._agents.aclose()
 
     # Target and swarm -----------------------------------------------------------------------
 
@@ -269,7 +263,7 @@ class RolloutActivities(ActivityGroup):
         return WaveResult(outcomes=outcomes, dropped=dropped)
 
     async def _post(self, node: RolloutTarget, path: str, body: dict, step: str) -> NodeOutcome:
-        response = await self._http.post(f"{node.agent_url.rstrip('/')}{path}", json=body, headers=self._auth(node))
+        response = await self._agents.call("POST", node.agent_url, path, node_id=node.node_id, json=body)
         if response.status_code != 200:
             return NodeOutcome(node_id=node.node_id, ok=False, detail=f"{step}: {_detail(response)}")
         state = response.json()
@@ -323,10 +317,8 @@ class RolloutActivities(ActivityGroup):
         limits = req.thresholds
 
         async def one(node: RolloutTarget) -> NodeOutcome:
-            response = await self._http.get(
-                f"{node.agent_url.rstrip('/')}/weights/check",
-                params={"digest": req.model_version},
-                headers=self._auth(node),
+            response = await self._agents.call(
+                "GET", node.agent_url, "/weights/check", node_id=node.node_id, params={"digest": req.model_version}
             )
             if response.status_code != 200:
                 return NodeOutcome(node_id=node.node_id, ok=False, detail=f"check: {_detail(response)}")
@@ -371,9 +363,7 @@ class RolloutActivities(ActivityGroup):
             "evaluators": evaluation.evaluators,
             "command": evaluation.command.model_dump(mode="json") if evaluation.command else None,
         }
-        response = await self._http.post(
-            f"{node.agent_url.rstrip('/')}/weights/evaluate", json=body, headers=self._auth(node)
-        )
+        response = await self._agents.call("POST", node.agent_url, "/weights/evaluate", node_id=node.node_id, json=body)
         if response.status_code != 200:
             return outcome.model_copy(update={"ok": False, "detail": f"evaluate: {_detail(response)}"})
         found = response.json()["outcomes"]

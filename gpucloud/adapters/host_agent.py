@@ -1,6 +1,6 @@
 """The control plane's client of host agents: `POST {agent_url}/actions/{action}` with an
 `ActionRequest` (the real agent and the simulated fleet serve the same API and share its wire
-models, `gpucloud.agent.schemas`).
+models, `gpucloud.protocol.actions`).
 
 Errors are classified here, once: no connection, a timeout or a 5xx is `AgentUnreachable`
 (transient: try again later); a 4xx is `AgentRefused` (the agent said no for good).
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from gpucloud.agent.schemas import ActionRequest
+from gpucloud.protocol.actions import ActionRequest, AgentAction
 from gpucloud.web import tls
 from gpucloud.web.service_tokens import Issuer, agent_audience
 
@@ -26,7 +26,7 @@ class AgentRefused(RuntimeError):
 
 
 class HostAgents(Protocol):
-    async def act(self, agent_url: str, action: str, req: ActionRequest, *, node_id: str) -> dict[str, Any]: ...
+    async def act(self, agent_url: str, action: AgentAction, req: ActionRequest, *, node_id: str) -> dict[str, Any]: ...
 
     async def aclose(self) -> None: ...
 
@@ -34,22 +34,31 @@ class HostAgents(Protocol):
 class HttpHostAgents:
     """One pooled HTTP client for every agent of the fleet."""
 
-    def __init__(self, *, issuer: Issuer | None = None, timeout_s: float = 600.0, max_connections: int = 200) -> None:
+    def __init__(
+        self,
+        *,
+        issuer: Issuer | None = None,
+        timeout_s: float = 600.0,
+        max_connections: int = 200,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self._issuer = issuer
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             verify=tls.client_verify(),
+            transport=transport,  # tests answer for the agents
         )
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def act(self, agent_url: str, action: str, req: ActionRequest, *, node_id: str) -> dict[str, Any]:
+    async def act(self, agent_url: str, action: AgentAction, req: ActionRequest, *, node_id: str) -> dict[str, Any]:
         """Run `action` on the agent; its answer. The agent deduplicates by `request_id`."""
-        url = f"{agent_url.rstrip('/')}/actions/{action}"
         try:
-            response = await self._client.post(url, json=req.model_dump(mode="json"), headers=self._auth(node_id))
+            response = await self.call(
+                "POST", agent_url, f"/actions/{action}", node_id=node_id, json=req.model_dump(mode="json")
+            )
         except httpx.HTTPError as exc:
             raise AgentUnreachable(f"agent for {node_id} unreachable during {action}: {exc!r}") from exc
         if response.status_code >= 500:
@@ -61,6 +70,22 @@ class HttpHostAgents:
                 f"agent for {node_id} refused {action} (HTTP {response.status_code}): {response.text[:300]}"
             )
         return response.json()
+
+    async def call(
+        self,
+        method: str,
+        agent_url: str,
+        path: str,
+        *,
+        node_id: str,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """One request to the node's agent (its weights API: `/weights/...`); the answer as it
+        came. Raises `httpx.HTTPError` when the agent cannot be reached."""
+        return await self._client.request(
+            method, f"{agent_url.rstrip('/')}{path}", json=json, params=params, headers=self._auth(node_id)
+        )
 
     def _auth(self, node_id: str) -> dict[str, str]:
         """A token for this node's agent only: one captured on a node opens no other."""

@@ -42,14 +42,11 @@ from starlette.types import ASGIApp, Scope
 from gpucloud.agent import inspection
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id
 from gpucloud.agent.probe import Probe
-from gpucloud.agent.readings import NodeReading
 from gpucloud.agent.reporting import AgentMetering, Reporter
-from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
 from gpucloud.agent.tenant_weights import TenantWeights, caller_refusal
 from gpucloud.agent.tools import (
     ACTION_COMMANDS,
-    ACTIONS,
     DEFAULT_BURN_IN,
     BurnInLimits,
     CommandRunner,
@@ -61,6 +58,8 @@ from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSup
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
+from gpucloud.protocol.actions import ActionAnswer, ActionRequest, AgentAction, known_action
+from gpucloud.protocol.reports import NodeReading
 from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
@@ -108,7 +107,7 @@ class Agent:
         self.gpu_type = gpu_type  # None: named from the probe's first GPU at provision
         self._clock_ms = clock_ms
 
-    async def act(self, action: str, req: ActionRequest) -> tuple[int, dict]:
+    async def act(self, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
         async with self.state.lock:
             if req.request_id in self.state.recent:
                 return self.state.recent[req.request_id]
@@ -119,40 +118,40 @@ class Agent:
                     self.state.recent.popitem(last=False)
             return outcome
 
-    async def _apply(self, action: str, req: ActionRequest) -> tuple[int, dict]:
+    async def _apply(self, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
         s = self.state
-        if action == "provision":
+        if action == AgentAction.PROVISION:
             if not req.tenant_id:
                 return _problem(422, "Tenant required", "provision needs a tenant_id")
             if s.tenant_id not in (None, req.tenant_id):
                 return _problem(409, "Node holds data", f"node holds data of tenant {s.tenant_id}; wipe it first")
-        elif action == "wipe" and s.workload_running:
+        elif action == AgentAction.WIPE and s.workload_running:
             return _problem(409, "Workload running", "a workload is still running; release the node first")
-        elif action == "burn_in" and (s.tenant_id is not None or s.workload_running):
+        elif action == AgentAction.BURN_IN and (s.tenant_id is not None or s.workload_running):
             return _problem(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
         failed = await self._run_tools(action)
-        if failed is None and action == "inspect" and self.inspect_stack:
+        if failed is None and action == AgentAction.INSPECT and self.inspect_stack:
             failed = await self._inspect()
         if failed is not None:
             return failed
         now_ms = self._clock_ms()
-        if action == "provision" and req.workload is not None:
+        if action == AgentAction.PROVISION and req.workload is not None:
             if (started := await self._start_workload(req)) is not None:
                 return started
-        elif action in ("release", "reboot", "wipe") and self.workloads is not None:
+        elif action in (AgentAction.RELEASE, AgentAction.REBOOT, AgentAction.WIPE) and self.workloads is not None:
             try:  # every process of the allocation, children that ignore SIGTERM too, before the answer
                 await asyncio.to_thread(self.workloads.stop)
             except StopFailed as exc:
                 return _problem(500, "Workload not stopped", str(exc))
-        if action == "provision":
+        if action == AgentAction.PROVISION:
             s.tenant_id, s.workload_running = req.tenant_id, True
-        elif action == "release":
+        elif action == AgentAction.RELEASE:
             s.workload_running = False
-        elif action == "wipe":
+        elif action == AgentAction.WIPE:
             self._wipe_scratch()
             if req.credential:  # the tenant who had root here held the old one
                 s.take_credential(req.credential)
-        elif action == "reboot":
+        elif action == AgentAction.REBOOT:
             s.workload_running = False
         if not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
             # The meter cuts the allocation here. Its end is taken and published under the
@@ -160,15 +159,18 @@ class Agent:
             with s.meter_lock:
                 s.allocation = dataclasses.replace(s.allocation, ended_ms=self._clock_ms())
         reading = await asyncio.to_thread(self.probe.read)
-        if action == "provision":
+        if action == AgentAction.PROVISION:
             self._meter_from(req, reading, now_ms)
         await asyncio.to_thread(s.save)
-        return 200, s.describe() | self.workload_status() | {
-            "action": action,
-            "gpu_count": len(reading.gpus),
-            "is_gpu_node": reading.is_gpu_node,
-            "fatal_error": reading.fatal_error.model_dump(mode="json") if reading.fatal_error else None,
-        }
+        answer = ActionAnswer(
+            **s.describe(),
+            **self.workload_status(),
+            action=action,
+            gpu_count=len(reading.gpus),
+            is_gpu_node=reading.is_gpu_node,
+            fatal_error=reading.fatal_error,
+        )
+        return 200, answer.model_dump(mode="json")
 
     def workload_status(self) -> dict:
         if self.workloads is None:
@@ -238,7 +240,7 @@ class Agent:
             started_ms=now_ms,
         )
 
-    async def _run_tools(self, action: str) -> tuple[int, dict] | None:
+    async def _run_tools(self, action: AgentAction) -> tuple[int, dict] | None:
         commands = ACTION_COMMANDS.get(action, ())
         missing = [argv[0] for argv in commands if self.runner.which(argv[0]) is None]
         if missing:
@@ -249,7 +251,7 @@ class Agent:
                 tools=missing,
             )
         # Only burn-in needs the GPU count (its command lines and its bandwidth per GPU).
-        gpus = len((await asyncio.to_thread(self.probe.read)).gpus) if action == "burn_in" else 0
+        gpus = len((await asyncio.to_thread(self.probe.read)).gpus) if action == AgentAction.BURN_IN else 0
         for template in commands:
             argv = tuple(str(gpus) if arg == "{gpus}" else arg for arg in template)
             try:
@@ -262,9 +264,10 @@ class Agent:
                     "Action failed",
                     f"{action}: {' '.join(argv)} exited {result.returncode}: {result.output[-500:]}",
                 )
-            if action == "burn_in" and (why := burn_in_figure(argv[0], result.output, gpus, self.burn_in_limits)):
+            burn_in = action == AgentAction.BURN_IN
+            if burn_in and (why := burn_in_figure(argv[0], result.output, gpus, self.burn_in_limits)):
                 return _problem(422, "Action failed", f"burn-in failed: {why}")
-        if action == "burn_in":
+        if action == AgentAction.BURN_IN:
             why = thermal_soak(await asyncio.to_thread(self.probe.read), self.burn_in_limits)
             if why:
                 return _problem(422, "Action failed", f"burn-in failed: thermal soak: {why}")
@@ -352,10 +355,12 @@ def create_app(
 
     @app.post("/actions/{action}")
     async def act(action: str, req: ActionRequest):
-        if action not in ACTIONS:
-            status, body = _problem(404, "Unknown action", f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
+        known = known_action(action)
+        if known is None:
+            known_names = ", ".join(AgentAction)
+            status, body = _problem(404, "Unknown action", f"unknown action {action!r}; known: {known_names}")
         else:
-            status, body = await agent.act(action, req)
+            status, body = await agent.act(known, req)
         return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
 
     if weights is not None:  # after every route above: what none of them serves goes here

@@ -12,10 +12,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpucloud.agent.readings import NodeReading
 from gpucloud.agent.spool import NodeAllocation
 from gpucloud.config import write_private
 from gpucloud.models.catalog import GPU_TYPES
+from gpucloud.protocol.reports import Heartbeat, NodeReading, WorkloadStatus
 
 
 @dataclass
@@ -66,13 +66,19 @@ class HostState:
         if self.credential_file is not None:
             write_credential(self.credential_file, credential)
 
+    def heartbeat(self, workload: WorkloadStatus | None = None) -> Heartbeat:
+        """The node's heartbeat; raises `ValidationError` on a state the protocol refuses."""
+        return Heartbeat(
+            node_id=self.node_id,
+            tenant_id=self.tenant_id,
+            workload_running=self.workload_running,
+            boot_id=self.boot_id,
+            workload=workload,
+        )
+
     def describe(self) -> dict:
-        return {
-            "node_id": self.node_id,
-            "tenant_id": self.tenant_id,
-            "workload_running": self.workload_running,
-            "boot_id": self.boot_id,
-        }
+        """The node's tenancy as an action answers it: its heartbeat's fields."""
+        return self.heartbeat().model_dump(mode="json", exclude={"workload"})
 
 
 def gpu_type_of(reading: NodeReading) -> str:

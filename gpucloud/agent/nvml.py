@@ -1,6 +1,6 @@
 """The real GPU probe: reads a node's GPUs through NVML (`pynvml`, from nvidia-ml-py).
 
-Its job is to turn NVML's calls and error codes into `agent.readings` models, and to keep three
+Its job is to turn NVML's calls and error codes into `protocol.reports` models, and to keep three
 situations apart that NVML reports all as exceptions:
 
 - No NVML library (pynvml missing, or `NVMLError_LibraryNotFound`): this is not a GPU node. The
@@ -27,7 +27,8 @@ from datetime import datetime
 from types import ModuleType
 from typing import Any
 
-from gpucloud.agent.readings import (
+from gpucloud.health.xid import classify_xid
+from gpucloud.protocol.reports import (
     EccCounts,
     FatalKind,
     GpuReading,
@@ -38,7 +39,6 @@ from gpucloud.agent.readings import (
     XidEvent,
     utc_now,
 )
-from gpucloud.health.xid import classify_xid
 
 _FATAL_ERRORS = {
     "NVMLError_DriverNotLoaded": FatalKind.DRIVER_NOT_LOADED,

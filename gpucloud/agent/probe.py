@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpucloud.agent.readings import NodeReading, XidEvent
+from gpucloud.protocol.reports import NodeReading, XidEvent
 
 
 class Probe(Protocol):

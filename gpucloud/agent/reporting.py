@@ -1,6 +1,6 @@
 """What a node's agent sends on its own: heartbeats, readings and XID events to the control plane
-(`Reporter`), and its metered usage to the ledger (`AgentMetering`: a meter and a shipper over
-one durable spool)."""
+(`Reporter`, through the node protocol's `ReportClient`), and its metered usage to the ledger
+(`AgentMetering`: a meter and a shipper over one durable spool)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from pydantic import ValidationError
 
 from gpucloud.agent.host import HostState
-from gpucloud.agent.readings import AGENT_MAX_EVENTS, NodeReading, XidEvent
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import Meter, Spool
 from gpucloud.ledger.client import UsageLedger
+from gpucloud.protocol.reporter import ReportClient
+from gpucloud.protocol.reports import AGENT_MAX_EVENTS, NodeReading, WorkloadStatus, XidEvent
 
 if TYPE_CHECKING:
     from gpucloud.agent.app import Agent
@@ -90,29 +92,28 @@ class Reporter:
     what the lost ones would have shown."""
 
     def __init__(self, agent: Agent, client: httpx.AsyncClient) -> None:
-        self.agent, self.client = agent, client
+        self.agent = agent
         client.auth = _CurrentCredential(agent.state)
+        self.reports = ReportClient(client)
         self.pending: list[XidEvent] = []
         self.latest: NodeReading | None = None
 
     async def heartbeat_once(self) -> None:
         try:
-            beat = self.agent.state.describe()
+            workload: WorkloadStatus | None = None
             if self.agent.workloads is not None:
-                report = await asyncio.to_thread(self.agent.workloads.report)
-                beat["workload"] = report.model_dump(mode="json")
-            resp = await self.client.post("/v1/agents/heartbeats", json={"heartbeats": [beat]})
+                workload = await asyncio.to_thread(self.agent.workloads.report)
+            beat = self.agent.state.heartbeat(workload)
+            resp = await self.reports.heartbeats([beat])
             resp.raise_for_status()
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, ValidationError) as exc:  # a state the protocol refuses is not sent
             log.warning("heartbeat not delivered: %s", exc)
 
     async def read_once(self) -> NodeReading:
         """Read the probe and push the reading; the reading either way."""
         self.latest = await asyncio.to_thread(self.agent.probe.read)
         try:
-            resp = await self.client.post(
-                "/v1/agents/readings", json={"readings": [self.latest.model_dump(mode="json")]}
-            )
+            resp = await self.reports.readings([self.latest])
             resp.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("reading not delivered (dropped; the next one carries its counters): %s", exc)
@@ -128,9 +129,7 @@ class Reporter:
             return 0
         batch = self.pending[:AGENT_MAX_EVENTS]
         try:
-            resp = await self.client.post(
-                "/v1/agents/events", json={"events": [e.model_dump(mode="json") for e in batch]}
-            )
+            resp = await self.reports.events(batch)
             resp.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("%d XID events not delivered (kept): %s", len(self.pending), exc)

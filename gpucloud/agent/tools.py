@@ -11,16 +11,17 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpucloud.agent.readings import NodeReading
 from gpucloud.models.catalog import BURN_IN_FLOORS, BurnInFloor
+from gpucloud.protocol.actions import AgentAction
+from gpucloud.protocol.reports import NodeReading
 
 # The tools each hardware action runs, in order, each as its own documentation gives it; every one
 # must exit 0 ("{gpus}": the node's GPU count). Burn-in also holds the figures some print to
 # `BurnInLimits`, then reads the GPUs once more, hot from the stress, for the thermal soak.
 # Recorded outputs of each, success and failure: tests/fixtures/tools/ (its README says whence).
 NVFWUPD_CONFIG = "/etc/gpucloud/nvfwupd.yaml"
-ACTION_COMMANDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "burn_in": (
+ACTION_COMMANDS: dict[AgentAction, tuple[tuple[str, ...], ...]] = {
+    AgentAction.BURN_IN: (
         # DCGM user guide, "DCGM Diagnostics": `dcgmi diag -r 3` runs level 3; `-j` prints JSON.
         ("dcgmi", "diag", "-r", "3", "-j"),
         # nccl-tests README: `all_reduce_perf -b 8 -e 128M -f 2 -g <ngpus>`; 8 MB to 8 GB here.
@@ -30,16 +31,15 @@ ACTION_COMMANDS: dict[str, tuple[tuple[str, ...], ...]] = {
     ),
     # nvidia-smi(1): `-r, --gpu-reset`; without `-i` it resets every GPU, which an NVSwitch
     # board needs anyway once the tenant is gone. Exit status nonzero on failure (RETURN VALUE).
-    "reset": (("nvidia-smi", "--gpu-reset"),),
-    "reboot": (("systemctl", "reboot"),),
+    AgentAction.RESET: (("nvidia-smi", "--gpu-reset"),),
+    AgentAction.REBOOT: (("systemctl", "reboot"),),
     # NVIDIA's nvfwupd guide: `nvfwupd [-t ip=<BMC> user=.. password=..] update_fw -p <pkg> -y`;
     # "run locally ... connect to the host Redfish interface IP address" (DGX firmware update
     # guide, nvfwupd reference). The target, its credentials and the package sit in the config
     # file (`-c`, its BMC_IP / RF_USERNAME / RF_PASSWORD / FWUpdateFilePath keys: "Platform-
     # Agnostic Firmware Updates ... Using the Config File"), so no password is on the process list.
-    "reflash": (("nvfwupd", "-c", NVFWUPD_CONFIG, "update_fw", "-y"),),
+    AgentAction.REFLASH: (("nvfwupd", "-c", NVFWUPD_CONFIG, "update_fw", "-y"),),
 }
-ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from gpucloud.agent.schemas import Workload, WorkloadStatus
 from gpucloud.config import write_private
+from gpucloud.protocol.actions import Workload
+from gpucloud.protocol.reports import WorkloadStatus
 
 log = logging.getLogger(__name__)
 

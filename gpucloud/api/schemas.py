@@ -9,8 +9,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from gpucloud.agent.readings import BootId, NodeId, NodeReading, ShortId, XidEvent
-from gpucloud.agent.schemas import Workload, WorkloadStatus
 from gpucloud.ledger.schemas import (
     InvoiceOut,
     UsageSummary,
@@ -37,6 +35,8 @@ from gpucloud.models.tables import (
     TenantPublic,
     TenantQuotaBase,
 )
+from gpucloud.protocol.actions import Workload
+from gpucloud.protocol.reports import NodeReading, WorkloadStatus
 from gpucloud.registry.manifest import HEX_DIGEST
 from gpucloud.services import api_keys as key_service
 from gpucloud.services import operators as operator_service
@@ -311,7 +311,9 @@ class MaintenanceRequest(BaseModel):
     reason: str = Field("", max_length=500)
 
 
-class ActionRequest(BaseModel):
+class OperatorActionRequest(BaseModel):
+    """Why an operator acts on a node (recorded with the event)."""
+
     reason: str = Field("", max_length=500)
 
 
@@ -335,17 +337,6 @@ class NodeEventPage(BaseModel):
     next_page_token: str
 
 
-class HeartbeatIn(BaseModel):
-    """One node's heartbeat. A tenant has root on the node and may send anything here: every
-    string is bounded, so a report costs the control plane a node's worth of memory at most."""
-
-    node_id: NodeId
-    tenant_id: ShortId | None = None
-    workload_running: bool = False
-    boot_id: BootId | None = None
-    workload: WorkloadStatus | None = Field(None, description="the allocation's processes on the node")
-
-
 class AllocationNode(BaseModel):
     """One node of an allocation, as its tenant sees it."""
 
@@ -359,10 +350,6 @@ class AllocationNode(BaseModel):
 class AllocationNodes(BaseModel):
     allocation_id: str
     items: list[AllocationNode]
-
-
-class HeartbeatBatch(BaseModel):
-    heartbeats: list[HeartbeatIn] = Field(min_length=1, max_length=5000)
 
 
 class HeartbeatResult(BaseModel):
@@ -382,8 +369,6 @@ class AgentCredentialIssued(BaseModel):
 
 # ---------------------------------------------------------------- node health
 
-MAX_READINGS_BATCH = 1000
-
 # An agent clock this far ahead would put its reading after every later one: it is refused.
 MAX_READING_CLOCK_SKEW = timedelta(minutes=5)
 
@@ -392,10 +377,6 @@ class XidInjection(BaseModel):
     xid: int = Field(ge=0, le=100_000)
     gpu_index: int | None = Field(None, ge=0, le=63)
     message: str = Field("", max_length=1000)
-
-
-class XidEventBatch(BaseModel):
-    events: list[XidEvent] = Field(min_length=1, max_length=5000)
 
 
 class HealthDecision(BaseModel):
@@ -410,10 +391,6 @@ class XidIngestResult(BaseModel):
     accepted: int
     unknown_nodes: list[str]
     decisions: list[HealthDecision]
-
-
-class ReadingBatch(BaseModel):
-    readings: list[NodeReading] = Field(min_length=1, max_length=MAX_READINGS_BATCH)
 
 
 class ReadingIngestResult(BaseModel):

@@ -14,21 +14,22 @@ from rich.live import Live
 from rich.table import Table
 
 from gpucloud.cli.common import api_client, console, reported_errors
+from gpucloud.models.node_states import NodeState
 
 if TYPE_CHECKING:
     from gpucloud.client.api import Gpucloud
     from gpucloud.models.tables import NodePublic
 
 STATE_STYLE = {
-    "available": "green",
-    "active": "cyan",
-    "quarantined": "red",
-    "rma": "red",
-    "retired": "dim",
-    "draining": "yellow",
-    "provisioning": "blue",
-    "wiping": "magenta",
-    "burn_in": "magenta",
+    NodeState.AVAILABLE: "green",
+    NodeState.ACTIVE: "cyan",
+    NodeState.QUARANTINED: "red",
+    NodeState.RMA: "red",
+    NodeState.RETIRED: "dim",
+    NodeState.DRAINING: "yellow",
+    NodeState.PROVISIONING: "blue",
+    NodeState.WIPING: "magenta",
+    NodeState.BURN_IN: "magenta",
 }
 
 

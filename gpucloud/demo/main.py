@@ -31,6 +31,7 @@ from gpucloud.demo.tenants import demo_tenants, onboard
 from gpucloud.demo.weights import demo_weights
 from gpucloud.devstack.stack import Stack, StackError, free_port, with_local_tls
 from gpucloud.models.tables import NodePublic
+from gpucloud.protocol.actions import AgentAction
 
 
 def _node_table(nodes: list[NodePublic]) -> Table:
@@ -54,7 +55,7 @@ def show_reconciler(demo: Demo, alloc_id: str, tenant_id: str) -> None:
     """A node is re-imaged behind the control plane's back: its agent's next heartbeat shows an
     active node without the tenant's workload, and the reconciler restores it."""
     victim = _members(demo, alloc_id)[0].id
-    demo.sim.drift(victim, "wipe")
+    demo.sim.drift(victim, AgentAction.WIPE)
     demo.console.print(f"[yellow]{victim} was wiped behind the control plane's back[/] (simulated re-image)")
     demo.wait(f"reconciler restores {victim}", 1, lambda: int(demo.sim.node(victim)["tenant_id"] == tenant_id))
     events = list(demo.operator.nodes.events(victim))

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from gpucloud.agent.readings import FatalKind, NodeReading, XidEvent
 from gpucloud.health.trends import trend_conditions
 from gpucloud.health.verdict import (
     DEFAULT_POLICY,
@@ -43,6 +42,7 @@ from gpucloud.health.verdict import (
     action_rank,
 )
 from gpucloud.health.xid import classify_xid, is_application_xid
+from gpucloud.protocol.reports import FatalKind, NodeReading, XidEvent
 
 # Probe failures that are the hardware's doing; a driver that is missing or mismatched is a
 # software fault and no reason to replace a GPU.

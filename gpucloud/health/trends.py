@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from gpucloud.agent.readings import HARDWARE_SLOWDOWN_REASONS, GpuReading, NodeReading, NvLinkReading
 from gpucloud.health.verdict import Action, Condition, Health, HealthPolicy
+from gpucloud.protocol.reports import HARDWARE_SLOWDOWN_REASONS, GpuReading, NodeReading, NvLinkReading
 
 _MIN_RATE_SPAN = timedelta(hours=1)
 

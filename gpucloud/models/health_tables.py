@@ -35,7 +35,7 @@ class XidEventRecord(SQLModel, table=True):
 
 
 class NodeReadingRecord(SQLModel, table=True):
-    """One periodic probe reading (`agent.readings.NodeReading`, as JSON) that the trend rules
+    """One periodic probe reading (`protocol.reports.NodeReading`, as JSON) that the trend rules
     judge. Readings older than the trend window are pruned on ingest, except fatal ones (GPU
     lost, driver gone), which the lemon rule counts for its whole window."""
 

@@ -1,5 +1,5 @@
 """Container image references as tenants give them: the one grammar both the agent's workloads
-(`agent.schemas.Workload.image`) and the registry's evaluation commands
+(`protocol.actions.Workload.image`) and the registry's evaluation commands
 (`models.registry_tables.EvaluationCommand.image`) accept, owned by neither.
 
 It is the OCI distribution reference grammar (`distribution/reference`: an optional registry

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from gpucloud.agent.schemas import Workload
+from gpucloud.protocol.actions import AgentAction, Workload
 
 
 class NodeRef(BaseModel):
@@ -122,7 +122,7 @@ class AgentActionInput(NodeRef):
 
 
 class AgentActionResult(NodeRef):
-    action: str
+    action: AgentAction
     details: dict = Field(default_factory=dict)
 
 
@@ -152,7 +152,7 @@ class NodeTransitionBatchResult(BaseModel):
 
 
 class AgentBatchInput(BaseModel):
-    action: str
+    action: AgentAction
     items: list[AgentActionInput]
 
 
@@ -253,7 +253,7 @@ class AllocationEventInput(AllocationRef):
 
 class RepairPlan(NodeRef):
     # The ladder's actions to try in order (the first that succeeds wins); empty: RMA.
-    actions: list[str] = Field(default_factory=list)
+    actions: list[AgentAction] = Field(default_factory=list)
     reason: str = ""
 
 

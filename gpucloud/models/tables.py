@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Column, Field, SQLModel
 
-from gpucloud.agent.schemas import Workload
 from gpucloud.models.node_states import NodeState
+from gpucloud.protocol.actions import Workload
 
 
 def utcnow() -> datetime:
@@ -390,7 +390,7 @@ class Allocation(OutcomeRow, AllocationCreate, table=True):
     # The NVL72 rack of an `nvl72_trays` slice (replacements come from it too).
     nvlink_domain: str | None = None
     node_ids: list[str] = json_field()
-    # What provision starts on each node (`agent.schemas.Workload` as JSON; None: nothing).
+    # What provision starts on each node (`protocol.actions.Workload` as JSON; None: nothing).
     workload: dict | None = Field(default=None, sa_column=Column(sa.JSON, nullable=True))
     # `<caller>:<Idempotency-Key>` of the create that made it: a create re-run after its first
     # try died mid-request finds the allocation that try committed instead of making another.

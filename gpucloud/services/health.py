@@ -31,7 +31,6 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, func, or_, select
 
-from gpucloud.agent.readings import NodeReading, XidEvent
 from gpucloud.db import rowcount
 from gpucloud.health.breaker import BreakerState, CircuitBreaker, OperatorAlert, Pull
 from gpucloud.health.rules import evaluate_node
@@ -45,9 +44,10 @@ from gpucloud.models.health_tables import (
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
+from gpucloud.protocol.actions import REPAIR_LADDER
+from gpucloud.protocol.reports import NodeReading, XidEvent
 from gpucloud.reconciler.plan import AGENT_STATE_DRIFT, AGENT_UNREACHABLE
 
-REPAIR_LADDER = ("reset", "reboot", "reflash")
 # Who the health loop is in the node's history (its cordons are lifted by a passed burn-in).
 HEALTH_ACTOR = "health"
 # Conditions other code owns on the node: a re-judgement of XIDs keeps them.

@@ -75,8 +75,8 @@ class SimFleetClient:
         return self._call("GET", "/v1/metering")
 
     def drift(self, node_id: str, kind: str) -> dict[str, Any]:
-        """`reboot` or `wipe` the node behind the control plane's back, or `replace_agent` with
-        a stand-in that lies about the image it booted."""
+        """`reboot` or `wipe` the node behind the control plane's back (`AgentAction`), or
+        `replace_agent` with a stand-in that lies about the image it booted."""
         return self._call("POST", f"/v1/nodes/{node_id}/drift", json={"kind": kind})
 
     def set_unreachable(self, node_id: str, unreachable: bool = True) -> dict[str, Any]:

@@ -26,16 +26,19 @@ ladder clears a node's hardware fault, its GPUs are repaired too and its reading
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from gpucloud.agent.readings import XidEvent
+from gpucloud.protocol.actions import AgentAction
+from gpucloud.protocol.reporter import ReportClient
+from gpucloud.protocol.reports import XidEvent
 from gpucloud.sim.faults import LLAMA3_405B_MIX, Fault, FaultCategory, FaultModel
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web import tls
@@ -44,16 +47,16 @@ log = logging.getLogger(__name__)
 
 # The mildest rung of the repair ladder (reset, reboot, reflash) that clears each category's
 # hardware fault; None: no rung does (the node ends in RMA). Categories absent: no hardware fault.
-FIXED_BY: dict[FaultCategory, str | None] = {
-    FaultCategory.FAULTY_GPU: "reboot",
-    FaultCategory.HBM3: "reset",  # a row remap takes effect at the next GPU reset
-    FaultCategory.GPU_SRAM: "reset",
-    FaultCategory.GSP: "reboot",
+FIXED_BY: dict[FaultCategory, AgentAction | None] = {
+    FaultCategory.FAULTY_GPU: AgentAction.REBOOT,
+    FaultCategory.HBM3: AgentAction.RESET,  # a row remap takes effect at the next GPU reset
+    FaultCategory.GPU_SRAM: AgentAction.RESET,
+    FaultCategory.GSP: AgentAction.REBOOT,
     FaultCategory.NETWORK: None,  # a cable or switch port: a technician's job
-    FaultCategory.HOST_MAINTENANCE: "reboot",
-    FaultCategory.NIC: "reflash",
+    FaultCategory.HOST_MAINTENANCE: AgentAction.REBOOT,
+    FaultCategory.NIC: AgentAction.REFLASH,
     FaultCategory.SILENT_DATA_CORRUPTION: None,
-    FaultCategory.OTHER: "reboot",
+    FaultCategory.OTHER: AgentAction.REBOOT,
 }
 MODELS = {"llama3": FaultModel}
 
@@ -126,20 +129,18 @@ class FleetFaults:
             self.probes.pop(node_id).repair()
         return fixed
 
-    async def _post(self, client: httpx.AsyncClient, node_id: str, path: str, body: dict) -> bool:
-        credential = self.nodes[node_id].credential or self.operator_token
+    async def _post(self, node_id: str, what: str, send: Callable[..., Awaitable[httpx.Response]]) -> bool:
+        """`send` the node's report as its agent would, with its credential (else the operator's)."""
         try:
-            answer = await client.post(
-                f"{self.control_plane_url}{path}", json=body, headers={"Authorization": f"Bearer {credential}"}
-            )
+            answer = await send(credential=self.nodes[node_id].credential or self.operator_token)
         except httpx.HTTPError as exc:
-            log.warning("%s of %s not delivered: %s", path, node_id, exc)
+            log.warning("%s of %s not delivered: %s", what, node_id, exc)
             return False
         if answer.status_code >= 400:
-            log.warning("%s of %s refused: HTTP %d %s", path, node_id, answer.status_code, answer.text[:200])
+            log.warning("%s of %s refused: HTTP %d %s", what, node_id, answer.status_code, answer.text[:200])
         return answer.status_code < 400
 
-    async def report(self, client: httpx.AsyncClient) -> None:
+    async def report(self, reports: ReportClient) -> None:
         """Post the XIDs drawn since the last report, each node's as its agent would."""
         if self.control_plane_url is None:
             self._xids.clear()
@@ -149,34 +150,34 @@ class FleetFaults:
         for event in pending:
             by_node.setdefault(event.node_id, []).append(event)
         for node_id, events in by_node.items():
-            body = {"events": [e.model_dump(mode="json") for e in events]}
-            if await self._post(client, node_id, "/v1/agents/events", body):
+            if await self._post(node_id, "XID events", functools.partial(reports.events, events)):
                 self.xids_reported += len(events)
 
-    async def push_readings(self, client: httpx.AsyncClient) -> None:
+    async def push_readings(self, reports: ReportClient) -> None:
         """Each faulty node's counters as its agent reads them (the trend rules' input)."""
         if self.control_plane_url is None:
             return
         for node_id, probe in list(self.probes.items()):
-            reading = probe.read().model_dump(mode="json")
-            if await self._post(client, node_id, "/v1/agents/readings", {"readings": [reading]}):
+            reading = probe.read()
+            if await self._post(node_id, "reading", functools.partial(reports.readings, [reading])):
                 self.readings_reported += 1
 
     async def run(self, *, tick_s: float = 1.0, reading_s: float = 5.0) -> None:
         """Inject and report until cancelled."""
         since_readings = 0.0
         async with httpx.AsyncClient(timeout=30, verify=tls.client_verify()) as client:
+            reports = ReportClient(client, self.control_plane_url or "")
             while True:
                 await asyncio.sleep(tick_s)
                 self.repaired()
                 if not self.running:
                     continue
                 self.step(tick_s)
-                await self.report(client)
+                await self.report(reports)
                 since_readings += tick_s
                 if since_readings >= reading_s:
                     since_readings = 0.0
-                    await self.push_readings(client)
+                    await self.push_readings(reports)
 
     def summary(self) -> dict:
         """What was injected by category, with the paper's share of each, and the fleet time."""

@@ -24,7 +24,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpucloud.agent.readings import FatalKind
+from gpucloud.protocol.reports import FatalKind
 
 SECONDS_PER_DAY = 86_400.0
 

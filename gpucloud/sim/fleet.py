@@ -7,8 +7,8 @@ node. Actions take realistic (scaled) time and are deduplicated by request id, a
 model lets tests make any action fail transiently (HTTP 503) or permanently (HTTP 422).
 
 Hardware faults: a node can be given a fault (say, a GPU off the bus) that burn-in detects
-(HTTP 422) until the repair ladder's rung that fixes it has run: `fixed_by="reset"` yields to any
-rung, `"reboot"` to a reboot or reflash, `"reflash"` only to a reflash, and none to nothing
+(HTTP 422) until the repair ladder's rung that fixes it has run: `fixed_by` a reset yields to any
+rung, a reboot to a reboot or reflash, a reflash only to a reflash, and none to nothing
 (the node is headed for RMA).
 
 NVL72 racks (optional, `nvl72_racks`): GB200 compute trays (4 GPUs, 4 InfiniBand ports each) in
@@ -42,14 +42,16 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent.peer import swarm_refusal
-from gpucloud.agent.schemas import ActionRequest
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
+from gpucloud.protocol.actions import ActionRequest, AgentAction, known_action
+from gpucloud.protocol.reporter import ReportClient
+from gpucloud.protocol.reports import Heartbeat
 from gpucloud.sim.fault_injection import FleetFaults
 from gpucloud.sim.faults import FaultModel
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
-from gpucloud.sim.nodes import ACTIONS, Action, Fleet, FleetSpec
+from gpucloud.sim.nodes import Fleet, FleetSpec
 from gpucloud.sim.power import BmcLink, SimPower
 from gpucloud.web import problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, OPEN_PATHS, Check, Gate, holds_token, query_value
@@ -57,11 +59,12 @@ from gpucloud.web.service_tokens import Verifier, refusal_reason
 from gpucloud.web.tls import ServerTLS, scheme, serve_options
 
 log = logging.getLogger(__name__)
+A = AgentAction
 
 
 class FaultRequest(BaseModel):
     node_id: str
-    action: Action
+    action: AgentAction
     mode: Literal["transient", "permanent"]
     count: int = Field(1, ge=1, le=1000)
 
@@ -72,11 +75,11 @@ class FaultsRunning(BaseModel):
 
 class HardwareFaultRequest(BaseModel):
     fault: str | None = Field(None, max_length=200, description="None clears the fault")
-    fixed_by: Literal["reset", "reboot", "reflash"] | None = None
+    fixed_by: Literal[A.RESET, A.REBOOT, A.REFLASH] | None = None
 
 
 class DriftRequest(BaseModel):
-    kind: Literal["reboot", "wipe", "replace_agent"]
+    kind: Literal[A.REBOOT, A.WIPE, "replace_agent"]
 
 
 class ReachabilityRequest(BaseModel):
@@ -131,28 +134,25 @@ REPORTS_IN_FLIGHT = 32
 
 
 async def _report(client: httpx.AsyncClient, fleet: Fleet, control_plane_url: str, *, batch_reports: bool) -> None:
-    url = f"{control_plane_url}/v1/agents/heartbeats"
+    reports = ReportClient(client, control_plane_url)
     beats = fleet.heartbeats()
-    own = [] if batch_reports else [b for b in beats if fleet.nodes[b["node_id"]].credential]
-    rest = [b for b in beats if batch_reports or not fleet.nodes[b["node_id"]].credential]
+    own = [] if batch_reports else [b for b in beats if fleet.nodes[b.node_id].credential]
+    rest = [b for b in beats if batch_reports or not fleet.nodes[b.node_id].credential]
     gate = asyncio.Semaphore(REPORTS_IN_FLIGHT)
 
-    async def one(beat: dict) -> None:
-        credential = fleet.nodes[beat["node_id"]].credential
+    async def one(beat: Heartbeat) -> None:
         async with gate:
             try:
-                answer = await client.post(
-                    url, json={"heartbeats": [beat]}, headers={"Authorization": f"Bearer {credential}"}
-                )
+                answer = await reports.heartbeats([beat], credential=fleet.nodes[beat.node_id].credential)
                 if answer.status_code >= 400:
-                    log.warning("heartbeat of %s refused: HTTP %d", beat["node_id"], answer.status_code)
+                    log.warning("heartbeat of %s refused: HTTP %d", beat.node_id, answer.status_code)
             except httpx.HTTPError as exc:
-                log.warning("heartbeat of %s not delivered: %s", beat["node_id"], exc)
+                log.warning("heartbeat of %s not delivered: %s", beat.node_id, exc)
 
     await asyncio.gather(*(one(b) for b in own))
     for start in range(0, len(rest), 2000):
         try:
-            await client.post(url, json={"heartbeats": rest[start : start + 2000]})
+            await reports.heartbeats(rest[start : start + 2000])
         except httpx.HTTPError as exc:
             log.warning("heartbeats not delivered: %s", exc)
 
@@ -281,13 +281,16 @@ def create_app(
         """What the agent would answer, and the simulated host's own state (the world's view)."""
         node = fleet.node(node_id)
         powered = power is None or node.id not in power.powered_off
-        return Fleet.describe(node) | {"unreachable": node.unreachable, "boot_id": node.boot_id, "powered": powered}
+        world = {"unreachable": node.unreachable, "boot_id": node.boot_id, "powered": powered}
+        # The image the host really booted (what a stand-in agent would claim differs).
+        return Fleet.describe(node) | world | {"image_digest": node.image_digest}
 
     @app.post("/v1/nodes/{node_id}/actions/{action}")
     async def act(node_id: str, action: str, req: ActionRequest):
-        if action not in ACTIONS:
-            raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(ACTIONS)}")
-        status, body = await fleet.act(fleet.node(node_id), action, req)
+        known = known_action(action)
+        if known is None:
+            raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(AgentAction)}")
+        status, body = await fleet.act(fleet.node(node_id), known, req)
         return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
 
     @app.get("/v1/nodes/{node_id}/credential")
@@ -337,7 +340,7 @@ def create_app(
         return Fleet.describe(node) | {"unreachable": node.unreachable}
 
     @app.get("/v1/heartbeats")
-    async def heartbeats() -> list[dict]:
+    async def heartbeats() -> list[Heartbeat]:
         return fleet.heartbeats()
 
     @app.get("/v1/metering")

@@ -12,30 +12,28 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from fastapi import HTTPException
 from pydantic import BaseModel, Field
 
-from gpucloud.agent.schemas import ActionRequest
+from gpucloud.protocol.actions import REPAIR_LADDER, ActionAnswer, ActionRequest, AgentAction
+from gpucloud.protocol.reports import Heartbeat, WorkloadStatus
 from gpucloud.web import problems
 
 log = logging.getLogger(__name__)
 
-REPAIR_LADDER = ("reset", "reboot", "reflash")
-ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", *REPAIR_LADDER)
-Action = Literal["inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash"]
+A = AgentAction
 
 # Seconds each action takes on the simulated hardware at speed 1.0 (real hardware: minutes).
 BASE_LATENCY_S = {
-    "inspect": 0.2,
-    "burn_in": 0.5,
-    "provision": 0.4,
-    "release": 0.1,
-    "wipe": 0.3,
-    "reset": 0.1,
-    "reboot": 0.4,
-    "reflash": 0.6,
+    A.INSPECT: 0.2,
+    A.BURN_IN: 0.5,
+    A.PROVISION: 0.4,
+    A.RELEASE: 0.1,
+    A.WIPE: 0.3,
+    A.RESET: 0.1,
+    A.REBOOT: 0.4,
+    A.REFLASH: 0.6,
 }
 REMEMBERED_REQUESTS = 16
 
@@ -79,7 +77,7 @@ class SimNode:
     boot_id: int = 0
     unreachable: bool = False  # no heartbeats, every action answers 503
     hardware_fault: str | None = None  # what burn-in finds wrong, until a repair fixes it
-    fault_fixed_by: str | None = None  # the mildest repair rung that fixes it; None: nothing does
+    fault_fixed_by: AgentAction | None = None  # the mildest repair rung that fixes it; None: nothing does
     credential: str | None = None  # the agent credential the last wipe handed over
     # What the node's agent reports it booted: the sha256 of the image its BMC's virtual CD held
     # at power-on (`sim/power.py`), None when it booted from its disk.
@@ -88,7 +86,7 @@ class SimNode:
     # it lived on below the OS, in firmware the re-image does not touch).
     stand_in: bool = False
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
-    faults: dict[str, deque] = field(default_factory=dict)  # action -> modes to apply, in order
+    faults: dict[AgentAction, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -175,13 +173,13 @@ class Fleet:
             raise HTTPException(404, f"no simulated node {node_id!r}")
         return node
 
-    async def act(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
+    async def act(self, node: SimNode, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
         if node.unreachable:
             return _refuse(503, "Agent unreachable", f"agent on {node.id} does not answer")
         async with node.lock:
             if req.request_id in node.recent:
                 return node.recent[req.request_id]
-            if action == "provision" and self.spec.provision_s is not None:
+            if action == A.PROVISION and self.spec.provision_s is not None:
                 await asyncio.sleep(self.spec.provision_s)
             else:
                 await asyncio.sleep(BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3))
@@ -194,14 +192,14 @@ class Fleet:
                     node.recent.popitem(last=False)
             return outcome
 
-    def _apply(self, node: SimNode, action: str, req: ActionRequest) -> tuple[int, dict]:
+    def _apply(self, node: SimNode, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
         pending = node.faults.get(action)
         if pending:
             mode = pending.popleft()
             if mode == "transient":
                 return _refuse(503, "Action failed", f"injected transient fault in {action}")
             return _refuse(422, "Action failed", f"injected permanent fault in {action}")
-        if action == "provision":
+        if action == A.PROVISION:
             if not req.tenant_id:
                 return _refuse(422, "Tenant required", "provision needs a tenant_id")
             if node.tenant_id not in (None, req.tenant_id):
@@ -209,14 +207,14 @@ class Fleet:
             node.tenant_id, node.workload_running = req.tenant_id, True
             node.allocation_id = req.allocation_id
             node.workload = list(req.workload.command) if req.workload else None
-        elif action == "release":
+        elif action == A.RELEASE:
             node.workload_running, node.workload = False, None
-        elif action == "wipe":
+        elif action == A.WIPE:
             if node.workload_running:
                 return _refuse(409, "Workload running", "a workload is still running; release the node first")
             node.tenant_id = None
             node.credential = req.credential or node.credential
-        elif action == "burn_in":
+        elif action == A.BURN_IN:
             if node.tenant_id is not None or node.workload_running:
                 return _refuse(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
             if node.hardware_fault is not None:
@@ -224,14 +222,20 @@ class Fleet:
         elif action in REPAIR_LADDER:
             self._repair(node, action)
         node.actions_done += 1
-        return 200, self.describe(node) | {"action": action}
+        answer = ActionAnswer(
+            **self.describe(node),
+            action=action,
+            boot_id=str(node.boot_id),
+            image_digest=STAND_IN_DIGEST if node.stand_in else node.image_digest,
+        )
+        return 200, answer.model_dump(mode="json")
 
     @staticmethod
-    def _repair(node: SimNode, action: str) -> None:
-        if action in ("reboot", "reflash"):
+    def _repair(node: SimNode, action: AgentAction) -> None:
+        if action in (A.REBOOT, A.REFLASH):
             node.boot_id += 1
             node.workload_running = False
-        if action == "reflash":
+        if action == A.REFLASH:
             node.tenant_id = None
         if node.fault_fixed_by is not None and REPAIR_LADDER.index(action) >= REPAIR_LADDER.index(node.fault_fixed_by):
             node.hardware_fault = node.fault_fixed_by = None
@@ -241,25 +245,26 @@ class Fleet:
             await self.on_workload_change(node)
 
     def drift(self, node: SimNode, kind: str) -> None:
-        """What happens to hardware behind the control plane's back: a reboot kills the workload,
-        a wipe (say, a re-imaged disk) also loses the tenant's data."""
+        """What happens to hardware behind the control plane's back: a reboot (`AgentAction.REBOOT`)
+        kills the workload, a wipe (say, a re-imaged disk) also loses the tenant's data, and
+        `replace_agent` puts a stand-in there that lies about the image it booted."""
         if kind == "replace_agent":
             node.stand_in = True
             return
         node.boot_id += 1
         node.workload_running = False
-        if kind == "wipe":
+        if kind == A.WIPE:
             node.tenant_id = None
 
-    def heartbeats(self) -> list[dict]:
+    def heartbeats(self) -> list[Heartbeat]:
         return [
-            {
-                "node_id": n.id,
-                "tenant_id": n.tenant_id,
-                "workload_running": n.workload_running,
-                "boot_id": str(n.boot_id),
-                "workload": {"state": "running", "allocation_id": n.allocation_id} if n.workload else None,
-            }
+            Heartbeat(
+                node_id=n.id,
+                tenant_id=n.tenant_id,
+                workload_running=n.workload_running,
+                boot_id=str(n.boot_id),
+                workload=WorkloadStatus(state="running", allocation_id=n.allocation_id) if n.workload else None,
+            )
             for n in self.nodes.values()
             if not n.unreachable
         ]
@@ -275,9 +280,6 @@ class Fleet:
             "workload": node.workload,
             "actions_done": node.actions_done,
             "hardware_fault": node.hardware_fault,
-            # What a re-image checks (`activities/bmc.py`): the boot, and the image booted.
-            "boot_id": str(node.boot_id),
-            "image_digest": STAND_IN_DIGEST if node.stand_in else node.image_digest,
         }
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from gpucloud.protocol.actions import AgentAction
 from gpucloud.sim.bmc import CREDENTIAL_REF, USERNAME, system_id_of
 from gpucloud.sim.nodes import Fleet, SimNode
 
@@ -87,7 +88,7 @@ class SimPower:
         if node.id not in self.powered_off:
             return
         self.powered_off.discard(node.id)
-        Fleet._repair(node, "reboot")  # a new boot id, nothing running, what a reboot fixes is fixed
+        Fleet._repair(node, AgentAction.REBOOT)  # a new boot id, nothing running, what a reboot fixes is fixed
         node.image_digest = _digest(self.boot_media.get(node.id))
         node.unreachable = False
         log.info("%s booted (boot %d)", node.id, node.boot_id)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from gpucloud.agent import readings
 from gpucloud.health.xid import classify_xid
+from gpucloud.protocol import reports
 from gpucloud.sim.faults import NVLINK_COUNTERS, NVLINKS_PER_GPU, Counter, CounterDrift, Fault, FaultModel
 
 _GPU_IDLE = 0x001
@@ -74,7 +74,7 @@ class SimulatedProbe:
         gpu_count: int = 8,
         seed: int = 0,
         fault_model: FaultModel | None = None,
-        clock: Callable[[], datetime] = readings.utc_now,
+        clock: Callable[[], datetime] = reports.utc_now,
         gpu_name: str = "NVIDIA H100 80GB HBM3",
         nvlinks_per_gpu: int = NVLINKS_PER_GPU,
     ):
@@ -91,18 +91,18 @@ class SimulatedProbe:
             for i in range(gpu_count)
         ]
         self._drifts: list[CounterDrift] = []
-        self._events: list[readings.XidEvent] = []
-        self._fatal: readings.ProbeFatal | None = None
+        self._events: list[reports.XidEvent] = []
+        self._fatal: reports.ProbeFatal | None = None
         self._now = clock()
         self._closed = False
         self._changed = threading.Condition()
         self.host_conditions: set[str] = set()
         self.faults_applied: list[Fault] = []
 
-    def read(self) -> readings.NodeReading:
+    def read(self) -> reports.NodeReading:
         with self._changed:
             self._advance(self._clock())
-            return readings.NodeReading(
+            return reports.NodeReading(
                 node_id=self.node_id,
                 timestamp=self._now,
                 is_gpu_node=True,
@@ -110,7 +110,7 @@ class SimulatedProbe:
                 fatal_error=self._fatal,
             )
 
-    def wait_events(self, timeout_s: float) -> list[readings.XidEvent]:
+    def wait_events(self, timeout_s: float) -> list[reports.XidEvent]:
         """Queued XIDs at once, else wait up to `timeout_s` for an injection (like NVML blocks)."""
         with self._changed:
             self._advance(self._clock())
@@ -125,7 +125,7 @@ class SimulatedProbe:
             self._closed = True
             self._changed.notify_all()
 
-    def inject_xid(self, xid: int, *, gpu_index: int = 0, message: str | None = None) -> readings.XidEvent:
+    def inject_xid(self, xid: int, *, gpu_index: int = 0, message: str | None = None) -> reports.XidEvent:
         with self._changed:
             self._advance(self._clock())
             return self._queue_xid(xid, gpu_index, self._now, message)
@@ -140,9 +140,9 @@ class SimulatedProbe:
             self._advance(self._clock())
             self.gpus[gpu_index].bump(counter, amount, link)
 
-    def set_fatal(self, kind: readings.FatalKind | None, *, gpu_index: int | None = None, detail: str = "") -> None:
+    def set_fatal(self, kind: reports.FatalKind | None, *, gpu_index: int | None = None, detail: str = "") -> None:
         with self._changed:
-            self._fatal = None if kind is None else readings.ProbeFatal(kind=kind, gpu_index=gpu_index, detail=detail)
+            self._fatal = None if kind is None else reports.ProbeFatal(kind=kind, gpu_index=gpu_index, detail=detail)
 
     def set_clock_event_reasons(self, mask: int, *, gpu_index: int | None = None) -> None:
         """Force clock event reason bits on one GPU or all (e.g. 0x40, hardware thermal slowdown)."""
@@ -150,7 +150,7 @@ class SimulatedProbe:
             for gpu in self.gpus if gpu_index is None else [self.gpus[gpu_index]]:
                 gpu.clock_event_reasons = mask
 
-    def apply_fault(self, fault: Fault) -> list[readings.XidEvent]:
+    def apply_fault(self, fault: Fault) -> list[reports.XidEvent]:
         """Make a drawn fault happen now; returns the XIDs it queued."""
         with self._changed:
             self._advance(self._clock())
@@ -191,7 +191,7 @@ class SimulatedProbe:
             self.gpus[drift.gpu_index].bump(drift.counter, drift.per_hour * hours, drift.link)
         self._now = at
 
-    def _apply(self, fault: Fault, at: datetime) -> list[readings.XidEvent]:
+    def _apply(self, fault: Fault, at: datetime) -> list[reports.XidEvent]:
         self.faults_applied.append(fault)
         gpu = self.gpus[fault.gpu_index]
         for counter, amount in fault.bumps.items():
@@ -200,15 +200,15 @@ class SimulatedProbe:
         gpu.remap_failure = gpu.remap_failure or fault.remap_failure
         self._drifts.extend(fault.drifts)
         if fault.fatal is not None:
-            self._fatal = readings.ProbeFatal(
+            self._fatal = reports.ProbeFatal(
                 kind=fault.fatal, gpu_index=fault.gpu_index, detail=f"simulated {fault.category} fault"
             )
         if fault.host_condition is not None:
             self.host_conditions.add(fault.host_condition)
         return [self._queue_xid(xid, fault.gpu_index, at, None) for xid in fault.xids]
 
-    def _queue_xid(self, xid: int, gpu_index: int, at: datetime, message: str | None) -> readings.XidEvent:
-        event = readings.XidEvent(
+    def _queue_xid(self, xid: int, gpu_index: int, at: datetime, message: str | None) -> reports.XidEvent:
+        event = reports.XidEvent(
             node_id=self.node_id,
             gpu_index=gpu_index,
             gpu_uuid=self.gpus[gpu_index].uuid,
@@ -224,30 +224,30 @@ class SimulatedProbe:
         """What NVML would enumerate: nothing without a driver, and never a GPU that is lost."""
         fatal = self._fatal
         if fatal is not None and fatal.kind in (
-            readings.FatalKind.DRIVER_NOT_LOADED,
-            readings.FatalKind.DRIVER_MISMATCH,
+            reports.FatalKind.DRIVER_NOT_LOADED,
+            reports.FatalKind.DRIVER_MISMATCH,
         ):
             return []
-        if fatal is not None and fatal.kind is readings.FatalKind.GPU_LOST:
+        if fatal is not None and fatal.kind is reports.FatalKind.GPU_LOST:
             return [g for g in self.gpus if g.index != fatal.gpu_index]
         return self.gpus
 
-    def _gpu_reading(self, gpu: _SimGpu) -> readings.GpuReading:
+    def _gpu_reading(self, gpu: _SimGpu) -> reports.GpuReading:
         noise = self._noise_rng.gauss
-        return readings.GpuReading(
+        return reports.GpuReading(
             index=gpu.index,
             uuid=gpu.uuid,
             name=self._gpu_name,
             # The simulated GPUs idle: no workload runs on them.
             temperature_c=round(32 + noise(0, 0.5)),
             power_w=round(70 + noise(0, 2), 1),
-            ecc=readings.EccCounts(
+            ecc=reports.EccCounts(
                 volatile_corrected=math.floor(gpu.counters[Counter.ECC_CORRECTED]),
                 volatile_uncorrected=math.floor(gpu.counters[Counter.ECC_UNCORRECTED]),
                 aggregate_corrected=math.floor(gpu.aggregate_corrected),
                 aggregate_uncorrected=math.floor(gpu.aggregate_uncorrected),
             ),
-            remapped_rows=readings.RemappedRows(
+            remapped_rows=reports.RemappedRows(
                 correctable=math.floor(gpu.counters[Counter.REMAPPED_CORRECTABLE]),
                 uncorrectable=math.floor(gpu.counters[Counter.REMAPPED_UNCORRECTABLE]),
                 pending=gpu.remap_pending,
@@ -259,9 +259,9 @@ class SimulatedProbe:
         )
 
     @staticmethod
-    def _link_reading(gpu: _SimGpu, link: int) -> readings.NvLinkReading:
+    def _link_reading(gpu: _SimGpu, link: int) -> reports.NvLinkReading:
         counters = gpu.link_counters[link]
-        return readings.NvLinkReading(
+        return reports.NvLinkReading(
             link=link,
             active=True,
             replay=math.floor(counters[Counter.NVLINK_REPLAY]),

@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         SweepResult,
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
+    from gpucloud.protocol.actions import AgentAction
     from gpucloud.workflows import options
     from gpucloud.workflows.node_lifecycle import _STEPS, _SUCCESS, _Act, _Move, failure_message
 
@@ -95,7 +96,7 @@ class BringupBatchWorkflow:
             if not working:
                 break
             moves: list[tuple[str, NodeEvent, str]] = []  # node id, event, cause
-            acts: dict[str, list[str]] = {}  # action -> node ids
+            acts: dict[AgentAction, list[str]] = {}  # action -> node ids
             for node_id, node in working.items():
                 step = STEPS.get(NodeState(node.state))
                 if step is None:
@@ -105,8 +106,8 @@ class BringupBatchWorkflow:
                 elif isinstance(step, _Act):
                     acts.setdefault(step.action, []).append(node_id)
             for node_id, cause in list(self._bmc_failed.items()):
-                if node_id in acts.get("inspect", []):
-                    acts["inspect"].remove(node_id)
+                if node_id in acts.get(AgentAction.INSPECT, []):
+                    acts[AgentAction.INSPECT].remove(node_id)
                     moves.append((node_id, NodeEvent.FAIL, cause))
                     del self._bmc_failed[node_id]
             for action, node_ids in acts.items():
@@ -170,7 +171,7 @@ class BringupBatchWorkflow:
         self._result.stopped[node_id] = reason
         self._nodes.pop(node_id, None)
 
-    async def _act(self, action: str, node_ids: list[str]) -> AgentBatchResult:
+    async def _act(self, action: AgentAction, node_ids: list[str]) -> AgentBatchResult:
         info = workflow.info()
         items = [
             AgentActionInput(

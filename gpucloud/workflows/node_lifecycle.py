@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Literal
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
@@ -30,10 +31,11 @@ with workflow.unsafe.imports_passed_through():
         NodeTransitionInput,
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
+    from gpucloud.protocol.actions import AgentAction
     from gpucloud.workflows import options
     from gpucloud.workflows import search_attributes as sa
 
-Op, S, E = NodeOperationKind, NodeState, NodeEvent
+Op, S, E, A = NodeOperationKind, NodeState, NodeEvent, AgentAction
 
 
 @dataclass(frozen=True)
@@ -43,26 +45,26 @@ class _Move:
 
 @dataclass(frozen=True)
 class _Act:
-    action: str  # agent action; success -> OK, permanent failure -> FAIL
+    action: AgentAction  # success -> OK, permanent failure -> FAIL
     # Agent actions to run first. A node reaches wiping from failure paths too (a provisioning
     # failure or deadline skips releasing), so a wipe first makes sure nothing still runs.
-    before: tuple[str, ...] = ()
+    before: tuple[AgentAction, ...] = ()
 
 
-_WIPE = _Act("wipe", before=("release",))
+_WIPE = _Act(A.WIPE, before=(A.RELEASE,))
 # After a re-image's power cycle, the agent's answers are read this often for its new boot.
 _BOOT_REPORTS, _BOOT_REPORT_EVERY_S = 10, 3.0
 
 # The agent action behind each name, called by reference.
 _AGENT_ACTIONS = {
-    "inspect": HostAgentActivities.inspect_node,
-    "burn_in": HostAgentActivities.burn_in_node,
-    "provision": HostAgentActivities.provision_node,
-    "release": HostAgentActivities.release_node,
-    "wipe": HostAgentActivities.wipe_node,
-    "reset": HostAgentActivities.reset_node,
-    "reboot": HostAgentActivities.reboot_node,
-    "reflash": HostAgentActivities.reflash_node,
+    A.INSPECT: HostAgentActivities.inspect_node,
+    A.BURN_IN: HostAgentActivities.burn_in_node,
+    A.PROVISION: HostAgentActivities.provision_node,
+    A.RELEASE: HostAgentActivities.release_node,
+    A.WIPE: HostAgentActivities.wipe_node,
+    A.RESET: HostAgentActivities.reset_node,
+    A.REBOOT: HostAgentActivities.reboot_node,
+    A.REFLASH: HostAgentActivities.reflash_node,
 }
 
 
@@ -72,22 +74,22 @@ _STEPS: dict[NodeOperationKind, dict[NodeState, _Move | _Act]] = {
     # A node's first wipe: nothing of a tenant's runs there yet, so no release first.
     Op.BRINGUP: {
         S.ENROLLED: _Move(E.INSPECT),
-        S.INSPECTING: _Act("inspect"),
-        S.WIPING: _Act("wipe"),
-        S.BURN_IN: _Act("burn_in"),
+        S.INSPECTING: _Act(A.INSPECT),
+        S.WIPING: _Act(A.WIPE),
+        S.BURN_IN: _Act(A.BURN_IN),
     },
     Op.PROVISION: {
         S.RESERVED: _Move(E.PROVISION),
-        S.PROVISIONING: _Act("provision"),
+        S.PROVISIONING: _Act(A.PROVISION),
         # A failed provision leaves the node wiping: finish its way back to the pool.
         S.WIPING: _WIPE,
-        S.BURN_IN: _Act("burn_in"),
+        S.BURN_IN: _Act(A.BURN_IN),
     },
-    Op.RELEASE: {S.RESERVED: _Move(E.UNRESERVE), S.ACTIVE: _Move(E.RELEASE), S.RELEASING: _Act("release")},
-    Op.RECYCLE: {S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in")},
-    Op.DRAIN: {S.AVAILABLE: _Move(E.DRAIN), S.ACTIVE: _Move(E.DRAIN), S.DRAINING: _Act("release")},
+    Op.RELEASE: {S.RESERVED: _Move(E.UNRESERVE), S.ACTIVE: _Move(E.RELEASE), S.RELEASING: _Act(A.RELEASE)},
+    Op.RECYCLE: {S.WIPING: _WIPE, S.BURN_IN: _Act(A.BURN_IN)},
+    Op.DRAIN: {S.AVAILABLE: _Move(E.DRAIN), S.ACTIVE: _Move(E.DRAIN), S.DRAINING: _Act(A.RELEASE)},
     # After its rung of the repair ladder (`NodeOperationWorkflow._repair_rung`).
-    Op.REPAIR: {S.WIPING: _WIPE, S.BURN_IN: _Act("burn_in")},
+    Op.REPAIR: {S.WIPING: _WIPE, S.BURN_IN: _Act(A.BURN_IN)},
 }
 
 _SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
@@ -181,7 +183,7 @@ class NodeOperationWorkflow:
                 # repair ladder power-cycles it through its BMC.
                 failure = "the host is down (its agent is silent): to be power-cycled through its BMC"
             for action in (*step.before, step.action) if failure is None else ():
-                if step is _WIPE and action == "wipe":  # the tenant left: re-image before the wipe
+                if step is _WIPE and action == A.WIPE:  # the tenant left: re-image before the wipe
                     failure = await self._reimage()
                 failure = failure or await self._act(action)
                 if failure:
@@ -217,7 +219,7 @@ class NodeOperationWorkflow:
         (idempotent on the agent); the state does not change."""
         if self._state != S.ACTIVE:
             return self._result(False, f"node is {self._state}; only an active node is restored")
-        failure = await self._act("provision")
+        failure = await self._act(A.PROVISION)
         return self._result(failure is None, failure)
 
     async def _repair_rung(self) -> str | None:
@@ -235,14 +237,14 @@ class NodeOperationWorkflow:
         plan = await workflow.execute_activity_method(
             ControlDbActivities.plan_repair, NodeRef(node_id=self._inp.node_id), **options.DB
         )
-        actions = list(plan.actions)
+        actions: list[AgentAction | Literal["power_cycle"]] = list(plan.actions)
         if self._has_bmc and not self._agent_reachable and actions:
             # The host is down (hung, or off): only its BMC can act, and a power cycle stops
             # whatever ran. Then wipe and burn-in decide, as after any rung.
             actions, failure = ["power_cycle"], None
         else:
             # Whatever still runs on a node pulled from an allocation stops before the rung.
-            failure = (await self._act("release")) if actions else plan.reason
+            failure = (await self._act(A.RELEASE)) if actions else plan.reason
         for action in actions if failure is None else ():
             failure = await self._act(action)
             if failure is None:
@@ -287,7 +289,7 @@ class NodeOperationWorkflow:
         if not booted.done:
             return None
         for _ in range(_BOOT_REPORTS):  # the agent answers from the new boot once its host is up
-            failure = await self._act("release")
+            failure = await self._act(A.RELEASE)
             if failure:
                 return f"no report after the re-image: {failure}"
             if self._answer.get("boot_id") != boot_id_before:
@@ -321,12 +323,12 @@ class NodeOperationWorkflow:
             return f"power {action} through the BMC failed: {failure_message(err)}"
         return None
 
-    async def _act(self, action: str) -> str | None:
+    async def _act(self, action: AgentAction | Literal["power_cycle"]) -> str | None:
         """Run one agent action; None on success, the reason on failure. With a BMC, the repair
         ladder's reboot is a power cycle through it (the agent's own reboot needs a live host)."""
-        if action == "power_cycle" or (action == "reboot" and self._has_bmc):
+        if action == "power_cycle" or (action == A.REBOOT and self._has_bmc):
             return await self._power("cycle", cause=f"repair: {action}")
-        if action == "reflash" and self._has_bmc:
+        if action == A.REFLASH and self._has_bmc:
             ref = NodeRef(node_id=self._inp.node_id)
             try:
                 update = await workflow.execute_activity_method(BmcActivities.bmc_firmware_update, ref, **options.BMC)
@@ -343,8 +345,8 @@ class NodeOperationWorkflow:
             agent_url=self._agent_url,
             request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}",
             tenant_id=self._inp.tenant_id,
-            allocation_id=self._inp.allocation_id if action == "provision" else None,
-            workload=self._inp.workload if action == "provision" else None,
+            allocation_id=self._inp.allocation_id if action == A.PROVISION else None,
+            workload=self._inp.workload if action == A.PROVISION else None,
         )
         try:
             done = await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)

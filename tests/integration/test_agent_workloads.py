@@ -16,9 +16,9 @@ import pytest
 
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState
-from gpucloud.agent.schemas import ActionRequest, Workload
 from gpucloud.agent.tools import CommandRunner
 from gpucloud.agent.workloads import WorkloadSupervisor, processes_in
+from gpucloud.protocol.actions import ActionRequest, Workload
 from gpucloud.sim.probe import SimulatedProbe
 from support.stack import wait_until
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from gpucloud.agent.readings import FatalKind, ProbeFatal
+from gpucloud.protocol.reports import FatalKind, ProbeFatal
 from support.readings import node_reading
 from support.stack import async_wait_until
 
@@ -401,8 +401,8 @@ async def test_agent_readings_are_validated_judged_and_acted_on(ready_fleet):
 async def test_a_lost_replace_signal_is_sent_again_by_the_reconciler(ready_fleet, temporal_env):
     # The API judged the node and then died before it could signal the allocation's workflow:
     # only the DB knows. The reconciler derives the pull from the record and asks again.
-    from gpucloud.agent.readings import XidEvent
     from gpucloud.db import session_scope
+    from gpucloud.protocol.reports import XidEvent
     from gpucloud.services import health as health_service
 
     h = await _ready_fleet(ready_fleet, nodes=3, health__breaker_max_pulled_share=1.0)

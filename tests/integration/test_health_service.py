@@ -12,7 +12,6 @@ import pytest
 import sqlalchemy as sa
 from sqlmodel import func, select
 
-from gpucloud.agent.readings import FatalKind, NodeReading, ProbeFatal, XidEvent
 from gpucloud.db import session_scope
 from gpucloud.health.breaker import CircuitBreaker
 from gpucloud.models.health_tables import (
@@ -23,6 +22,7 @@ from gpucloud.models.health_tables import (
     QuarantinePull,
 )
 from gpucloud.models.tables import Node, NodeEnroll
+from gpucloud.protocol.reports import FatalKind, NodeReading, ProbeFatal, XidEvent
 from gpucloud.services import health as health_service
 from gpucloud.services import nodes as node_service
 from support.nodes import enroll

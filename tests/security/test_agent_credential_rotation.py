@@ -16,11 +16,11 @@ import sqlalchemy as sa
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState
 from gpucloud.agent.reporting import Reporter
-from gpucloud.agent.schemas import ActionRequest
 from gpucloud.api import auth
 from gpucloud.db import Database, session_scope
 from gpucloud.models.messages import NodeTransitionInput
 from gpucloud.models.tables import Node
+from gpucloud.protocol.actions import ActionRequest
 from gpucloud.services import agent_credentials
 from gpucloud.services import nodes as node_service
 from gpucloud.sim.probe import SimulatedProbe

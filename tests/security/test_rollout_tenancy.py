@@ -15,6 +15,7 @@ from sqlmodel import Session, select
 from temporalio.testing import ActivityEnvironment
 
 from gpucloud.activities.rollout import RolloutActivities
+from gpucloud.adapters.host_agent import HttpHostAgents
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher
 from gpucloud.db import Database
@@ -191,7 +192,7 @@ async def test_a_step_sends_nothing_to_a_node_that_left_and_the_canary_command_i
         tracker_url="http://tracker",
         manifests=lambda tenant: type("Store", (), {"get": lambda self, digest: _Signed()})(),
         db=db,
-        http=httpx.AsyncClient(transport=httpx.MockTransport(agents)),
+        agents=HttpHostAgents(issuer=issuer, transport=httpx.MockTransport(agents)),
         issuer=issuer,
     )
     nodes = [RolloutTarget(node_id=n, agent_url=f"http://{n}", allocation_id="al-1") for n in ("n1", "n2", "n3")]

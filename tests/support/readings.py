@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from gpucloud.agent.readings import EccCounts, GpuReading, NodeReading, NvLinkReading, ProbeFatal
+from gpucloud.protocol.reports import EccCounts, GpuReading, NodeReading, NvLinkReading, ProbeFatal
 
 
 def node_reading(

@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState
-from gpucloud.agent.readings import FatalKind
 from gpucloud.agent.reporting import Reporter
-from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.tools import CommandResult, CommandRunner
+from gpucloud.protocol.actions import ActionRequest
+from gpucloud.protocol.reports import FatalKind
 from gpucloud.sim.probe import SimulatedProbe
 from support.agents import agent_test_client
 
@@ -128,7 +128,17 @@ async def test_reporter_pushes_heartbeats_and_stamped_xids_and_keeps_them_while_
 
     await reporter.heartbeat_once()
     assert seen["/v1/agents/heartbeats"] == [
-        {"heartbeats": [{"node_id": "gpu-1", "tenant_id": "t-a", "workload_running": True, "boot_id": "boot-1"}]}
+        {
+            "heartbeats": [
+                {
+                    "node_id": "gpu-1",
+                    "tenant_id": "t-a",
+                    "workload_running": True,
+                    "boot_id": "boot-1",
+                    "workload": None,
+                }
+            ]
+        }
     ]
 
     assert await reporter.events_once(0) == 0  # nothing happened

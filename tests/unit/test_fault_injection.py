@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 
+from gpucloud.protocol.reporter import ReportClient
 from gpucloud.sim.fault_injection import FIXED_BY, FleetFaults
 from gpucloud.sim.faults import INTERRUPTIONS_PER_NODE_DAY, LLAMA3_405B_MIX, FaultCategory, FaultModel
 from gpucloud.sim.nodes import Fleet, FleetSpec
@@ -57,7 +58,7 @@ def test_hardware_faults_stay_until_the_rung_that_fixes_them_and_software_ones_l
 
 def _control_plane(sent: list[tuple[str, str, dict]]) -> httpx.MockTransport:
     def handle(request: httpx.Request) -> httpx.Response:
-        sent.append((request.url.path, request.headers["authorization"], json.loads(request.content)))
+        sent.append((request.url.path, request.headers.get("authorization", ""), json.loads(request.content)))
         return httpx.Response(200, json={"accepted": 1})
 
     return httpx.MockTransport(handle)
@@ -66,7 +67,7 @@ def _control_plane(sent: list[tuple[str, str, dict]]) -> httpx.MockTransport:
 def _run(coroutine_fn, transport: httpx.MockTransport) -> None:
     async def go() -> None:
         async with httpx.AsyncClient(transport=transport) as client:
-            await coroutine_fn(client)
+            await coroutine_fn(ReportClient(client, "http://cp"))
 
     asyncio.run(go())
 

@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gpucloud.agent.readings import FatalKind
 from gpucloud.health.rules import evaluate_node
 from gpucloud.health.verdict import Action
 from gpucloud.health.xid import XID_TABLE, XidClass, classify_xid
+from gpucloud.protocol.reports import FatalKind
 from gpucloud.sim.faults import (
     INTERRUPTIONS_PER_NODE_DAY,
     LLAMA3_405B_MIX,

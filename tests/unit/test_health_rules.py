@@ -9,7 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpucloud.agent.readings import (
+from gpucloud.health.breaker import BreakerState, CircuitBreaker
+from gpucloud.health.rules import evaluate_node, fatal_episodes, group_incidents
+from gpucloud.health.verdict import Action, Health, HealthPolicy
+from gpucloud.health.xid import APPLICATION_XIDS, XID_TABLE, classify_xid
+from gpucloud.protocol.reports import (
     EccCounts,
     FatalKind,
     GpuReading,
@@ -19,10 +23,6 @@ from gpucloud.agent.readings import (
     RemappedRows,
     XidEvent,
 )
-from gpucloud.health.breaker import BreakerState, CircuitBreaker
-from gpucloud.health.rules import evaluate_node, fatal_episodes, group_incidents
-from gpucloud.health.verdict import Action, Health, HealthPolicy
-from gpucloud.health.xid import APPLICATION_XIDS, XID_TABLE, classify_xid
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 DRAINING = {Action.DRAIN, Action.DRAIN_NOW, Action.RMA}

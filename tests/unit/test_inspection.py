@@ -14,8 +14,8 @@ from gpucloud.agent import inspection
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState
 from gpucloud.agent.inspection import COMMANDS, GPU_QUERY, LAYERS, Output, at_least, judge
-from gpucloud.agent.schemas import ActionRequest
 from gpucloud.agent.tools import CommandResult, CommandRunner
+from gpucloud.protocol.actions import ActionRequest
 from gpucloud.sim.probe import SimulatedProbe
 
 RECORDED = Path(__file__).parent.parent / "fixtures" / "inspection" / "hgx-h100"

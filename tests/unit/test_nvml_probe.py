@@ -17,10 +17,10 @@ from datetime import UTC, datetime
 import pynvml as real
 import pytest
 
-from gpucloud.agent import readings
 from gpucloud.agent.nvml import FatalProbeError, NvmlProbe, ProbeError
-from gpucloud.agent.readings import FatalKind
 from gpucloud.bootstrap import detect_probe
+from gpucloud.protocol import reports
+from gpucloud.protocol.reports import FatalKind
 from gpucloud.sim.probe import SimulatedProbe
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -411,8 +411,8 @@ def test_clock_reason_table_matches_pynvml():
             "nvmlClocksThrottleReasonUserDefinedClocks",
         ):
             bit = getattr(real, name)
-            assert bit in readings.CLOCK_EVENT_REASONS, name
-    assert readings.decode_clock_event_reasons(real.nvmlClocksEventReasonSwPowerCap | 1 << 20) == [
+            assert bit in reports.CLOCK_EVENT_REASONS, name
+    assert reports.decode_clock_event_reasons(real.nvmlClocksEventReasonSwPowerCap | 1 << 20) == [
         "sw_power_cap",
         "bit_20",
     ]

@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from gpucloud.agent.schemas import ActionRequest
+from gpucloud.protocol.actions import ActionRequest
 from gpucloud.sim.nodes import Fleet, FleetSpec
 
 
@@ -54,7 +54,7 @@ async def test_unreachable_and_drift(fleet):
     assert node.tenant_id is None
     node.unreachable = True
     assert (await fleet.act(node, "inspect", req("x")))[0] == 503
-    assert node.id not in {b["node_id"] for b in fleet.heartbeats()}
+    assert node.id not in {b.node_id for b in fleet.heartbeats()}
 
 
 def test_ten_thousand_nodes_fit_in_bounded_memory():

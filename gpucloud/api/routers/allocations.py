@@ -12,7 +12,6 @@ from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from gpucloud.agent.schemas import WorkloadStatus
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import (
@@ -46,6 +45,7 @@ from gpucloud.models.tables import (
     Operation,
     OperationPublic,
 )
+from gpucloud.protocol.reports import WorkloadStatus
 from gpucloud.services import allocations as service
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas

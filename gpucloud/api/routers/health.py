@@ -12,7 +12,6 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import col, select
 from temporalio.service import RPCError
 
-from gpucloud.agent.readings import AGENT_MAX_EVENTS, AGENT_MAX_READINGS, NodeReading, XidEvent, utc_now
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import FleetOperatorDep, ReadOperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
@@ -22,9 +21,7 @@ from gpucloud.api.schemas import (
     AlertPage,
     HealthDecision,
     NodeHealth,
-    ReadingBatch,
     ReadingIngestResult,
-    XidEventBatch,
     XidIngestResult,
     XidInjection,
     XidRecordPublic,
@@ -39,6 +36,15 @@ from gpucloud.models.health_tables import (
 )
 from gpucloud.models.messages import ReplaceNodeRequest
 from gpucloud.models.tables import Node
+from gpucloud.protocol.reports import (
+    AGENT_MAX_EVENTS,
+    AGENT_MAX_READINGS,
+    NodeReading,
+    ReadingBatch,
+    XidEvent,
+    XidEventBatch,
+    utc_now,
+)
 from gpucloud.services import health as health_service
 from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflows import signal_replace_node

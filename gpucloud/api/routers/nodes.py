@@ -25,12 +25,10 @@ from gpucloud.api.deps import (
 from gpucloud.api.routers import agents
 from gpucloud.api.routers.health import own_node_only
 from gpucloud.api.schemas import (
-    ActionRequest,
     AgentCredentialIssued,
     EnrollRequest,
     EnrollResult,
     FleetSummary,
-    HeartbeatBatch,
     HeartbeatResult,
     LedgerToken,
     MaintenanceRequest,
@@ -38,6 +36,7 @@ from gpucloud.api.schemas import (
     NodeEventPage,
     NodeEventPublic,
     NodePage,
+    OperatorActionRequest,
     PowerRequest,
 )
 from gpucloud.config import Settings
@@ -45,6 +44,7 @@ from gpucloud.db import get_read_engine, session_scope
 from gpucloud.models.messages import BmcPowerInput
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic
+from gpucloud.protocol.reports import HeartbeatBatch
 from gpucloud.services import agent_credentials
 from gpucloud.services.fleet import (
     LIFECYCLE_ACTIONS,
@@ -167,7 +167,7 @@ async def cordon(
     operator: FleetOperatorDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    req: ActionRequest | None = None,
+    req: OperatorActionRequest | None = None,
 ):
     return await _operator_action(node_id, "cordon", req.reason if req else "", operator, settings, temporal)
 
@@ -178,7 +178,7 @@ async def uncordon(
     operator: FleetOperatorDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    req: ActionRequest | None = None,
+    req: OperatorActionRequest | None = None,
 ):
     return await _operator_action(node_id, "uncordon", req.reason if req else "", operator, settings, temporal)
 
@@ -189,7 +189,7 @@ async def drain(
     operator: FleetOperatorDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    req: ActionRequest | None = None,
+    req: OperatorActionRequest | None = None,
 ):
     """Intent: the node is cordoned now and drained by the reconciler (-> quarantined)."""
     return await _operator_action(node_id, "drain", req.reason if req else "", operator, settings, temporal)
@@ -264,7 +264,7 @@ async def hardware_replaced(
     operator: FleetOperatorDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    req: ActionRequest | None = None,
+    req: OperatorActionRequest | None = None,
 ):
     """The vendor replaced the node's faulty part (RMA): the node is enrolled again and goes
     through inspection, wipe and burn-in before it rejoins the pool."""
@@ -284,7 +284,7 @@ async def retire(
     operator: FleetOperatorDep,
     settings: SettingsDep,
     temporal: TemporalDep,
-    req: ActionRequest | None = None,
+    req: OperatorActionRequest | None = None,
 ):
     """Take a node out of the fleet for good (from RMA, quarantine, or before its first bring-up)."""
     return await _operator_action(node_id, "retire", req.reason if req else "", operator, settings, temporal)

@@ -1,6 +1,9 @@
-"""What a host agent's probe reads from a node's GPUs, as plain data.
+"""The node protocol's reports: what a node's agent (real or simulated) sends the control plane
+on its own, at `POST /v1/agents/{heartbeats,readings,events}`: heartbeats (`Heartbeat`), what
+its probe reads from the node's GPUs (`NodeReading`) and XID events (`XidEvent`), each in its
+batch model, which is also what the API accepts.
 
-These models are the contract between the probes (`agent/nvml.py` on a real node, the
+The readings are the contract between the probes (`agent/nvml.py` on a real node, the
 simulated probe in `agent/probe.py`) and everything that judges health (`health/`). They carry
 raw counters exactly as NVML reports them; interpretation (rates, trends, thresholds) is the
 health rules' job, so a reading can be re-judged later under a different policy.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, computed_field
 
@@ -172,6 +175,49 @@ class XidEvent(_Reading):
     message: Text = ""
     tenant_id: ShortId | None = None
     allocation_id: ShortId | None = None
+
+
+class WorkloadStatus(BaseModel):
+    """What runs of the allocation's workload on a node, as its agent reports it."""
+
+    state: Literal["none", "running", "exited", "stopped"]
+    allocation_id: ShortId | None = None
+    exit_code: int | None = Field(None, ge=-(2**31), lt=2**31)
+    isolation: str | None = Field(
+        None,
+        max_length=32,
+        description="pid-namespace, process-group where namespaces are refused, or container (podman or docker)",
+    )
+
+
+class Heartbeat(BaseModel):
+    """One node's heartbeat. A tenant has root on the node and may send anything here: every
+    string is bounded, so a report costs the control plane a node's worth of memory at most."""
+
+    node_id: NodeId
+    tenant_id: ShortId | None = None
+    workload_running: bool = False
+    boot_id: BootId | None = None
+    workload: WorkloadStatus | None = Field(None, description="the allocation's processes on the node")
+
+
+# How many reports one request carries at most (an agent sends its own one at a time; a
+# simulated fleet too large to report node by node sends batches under the operator token).
+MAX_HEARTBEATS_BATCH = 5000
+MAX_EVENTS_BATCH = 5000
+MAX_READINGS_BATCH = 1000
+
+
+class HeartbeatBatch(BaseModel):
+    heartbeats: list[Heartbeat] = Field(min_length=1, max_length=MAX_HEARTBEATS_BATCH)
+
+
+class XidEventBatch(BaseModel):
+    events: list[XidEvent] = Field(min_length=1, max_length=MAX_EVENTS_BATCH)
+
+
+class ReadingBatch(BaseModel):
+    readings: list[NodeReading] = Field(min_length=1, max_length=MAX_READINGS_BATCH)
 
 
 def utc_now() -> datetime:

@@ -1,17 +1,40 @@
-"""The host agent's wire models: what the control plane sends to an agent (the real one or a
-simulated node) and what it answers. Both ends import them from here."""
+"""The node protocol's actions: what the control plane asks of a node's agent (the real one or a
+simulated node) at `POST /actions/{action}`, and what it hands over with them. Both ends, and the
+workflows that sequence the actions, import them from here."""
 
 from __future__ import annotations
 
-from typing import Literal
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gpucloud.agent.readings import ShortId
 from gpucloud.models.images import ImageReference
+from gpucloud.protocol.reports import NodeId, ShortId
 
-# The actions every agent serves at `POST /actions/{action}`.
-ACTIONS = ("inspect", "burn_in", "provision", "release", "wipe", "reset", "reboot", "reflash")
+
+class AgentAction(StrEnum):
+    """The actions every agent serves at `POST /actions/{action}`."""
+
+    INSPECT = "inspect"
+    BURN_IN = "burn_in"
+    PROVISION = "provision"
+    RELEASE = "release"
+    WIPE = "wipe"
+    RESET = "reset"
+    REBOOT = "reboot"
+    REFLASH = "reflash"
+
+
+def known_action(name: str) -> AgentAction | None:
+    """The action of that name; None for one no agent serves (the agent answers 404)."""
+    try:
+        return AgentAction(name)
+    except ValueError:
+        return None
+
+
+# The repair ladder's rungs, mildest first: a fault that a rung fixes is fixed by every later one.
+REPAIR_LADDER = (AgentAction.RESET, AgentAction.REBOOT, AgentAction.REFLASH)
 
 
 class Workload(BaseModel):
@@ -41,19 +64,6 @@ class Workload(BaseModel):
         return self
 
 
-class WorkloadStatus(BaseModel):
-    """What runs of the allocation's workload on a node, as its agent reports it."""
-
-    state: Literal["none", "running", "exited", "stopped"]
-    allocation_id: ShortId | None = None
-    exit_code: int | None = Field(None, ge=-(2**31), lt=2**31)
-    isolation: str | None = Field(
-        None,
-        max_length=32,
-        description="pid-namespace, process-group where namespaces are refused, or container (podman or docker)",
-    )
-
-
 class ActionRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=300)
     tenant_id: ShortId | None = None
@@ -64,3 +74,21 @@ class ActionRequest(BaseModel):
     credential: str | None = Field(None, min_length=1, max_length=300)
     # What a provision starts on the node (None: the node is handed over with nothing running).
     workload: Workload | None = None
+
+
+class ActionAnswer(BaseModel):
+    """What an agent answers a successful action: the action and the node's tenancy after it.
+    Each kind of agent adds what it knows of its own (the real one its GPUs and its workload's
+    processes, the simulated one its injected faults): those ride along as extra fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    action: AgentAction
+    node_id: NodeId
+    tenant_id: ShortId | None = None
+    workload_running: bool = False
+    gpu_count: int = Field(ge=0)
+    # What a re-image checks (`activities/bmc.py`): the boot the answer comes from, and the
+    # digest of the image it booted (`sha256:<hex>`). The production agent reports neither yet.
+    boot_id: ShortId | None = None
+    image_digest: ShortId | None = None
