@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent import inspection
-from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id
+from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id, read_image_digest
 from gpucloud.agent.probe import Probe
 from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
@@ -391,6 +391,7 @@ def main(
     container_runtime: str | None = None,
     metrics_token: str | None = None,
     weights_dir: Path | None = None,
+    image_digest_file: Path = Path("/etc/gpucloud/image-digest"),
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
@@ -414,6 +415,7 @@ def main(
     state = HostState(
         node_id=node_id,
         boot_id=read_boot_id(),
+        image_digest=read_image_digest(image_digest_file),
         scratch_dir=scratch_dir,
         credential=token,
         credential_file=token_file,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -38,6 +39,10 @@ class HostState:
     credential_file: Path | None = None
     # Where the tenancy above is kept across the agent's restarts (None: memory only).
     state_file: Path | None = None
+    # The digest of the image this boot came from (`sha256:<hex>`), as the image wrote it for its
+    # agent (`read_image_digest`); a re-image checks it against what the BMC inserted. None: the
+    # host was not booted from a known image.
+    image_digest: str | None = None
 
     def save(self) -> None:
         """Keep the tenant, whether it holds the node, and the allocation metered (0600): an
@@ -77,8 +82,9 @@ class HostState:
         )
 
     def describe(self) -> dict:
-        """The node's tenancy as an action answers it: its heartbeat's fields."""
-        return self.heartbeat().model_dump(mode="json", exclude={"workload"})
+        """The node's tenancy as an action answers it: its heartbeat's fields, and the image the
+        boot came from."""
+        return self.heartbeat().model_dump(mode="json", exclude={"workload"}) | {"image_digest": self.image_digest}
 
 
 def gpu_type_of(reading: NodeReading) -> str:
@@ -95,3 +101,14 @@ def write_credential(path: Path, credential: str) -> None:
 def read_boot_id() -> str:
     path = Path("/proc/sys/kernel/random/boot_id")
     return path.read_text().strip() if path.exists() else uuid.uuid4().hex
+
+
+def read_image_digest(path: Path) -> str | None:
+    """The booted image's digest as the image wrote it (`sha256:<64 hex>`), None without one.
+    It is the image's word through its agent, not an attestation (README, Known gaps)."""
+    if not path.is_file():
+        return None
+    digest = path.read_text().strip()
+    if re.fullmatch(r"sha256:[0-9a-f]{64}", digest) is None:
+        raise SystemExit(f"{path} holds {digest[:80]!r}, not an image digest (sha256:<64 hex>)")
+    return digest

@@ -197,6 +197,10 @@ def agent(
     state_dir: Annotated[
         Path, typer.Option(help="what the agent keeps across restarts: the tenancy, the workload it runs")
     ] = Path("/var/lib/gpucloud/agent"),
+    image_digest_file: Annotated[
+        Path,
+        typer.Option(help="the booted image's digest (sha256:<hex>), written by the clean image; a re-image checks it"),
+    ] = Path("/etc/gpucloud/image-digest"),
     container_runtime: Annotated[
         str | None, typer.Option(help="the CLI that runs workloads' images (default: podman, else docker, on PATH)")
     ] = None,
@@ -282,6 +286,7 @@ def agent(
         container_runtime=container_runtime,
         metrics_token=metrics_token,
         weights_dir=weights_dir,
+        image_digest_file=image_digest_file,
     )
 
 

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.one_database, pytest.mark.long]
 TESTS = Path(__file__).parent.parent
 SEED = 20261206
 # Per role: the coverage phase takes about half; fuzzing repeats until the budget is spent.
-BUDGET_S = 30
+BUDGET_S = 20
 CHECKS = "only_declared_unavailability,status_code_conformance,content_type_conformance,response_schema_conformance"
 
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpucloud.agent.app import Agent
-from gpucloud.agent.host import HostState
+from gpucloud.agent.host import HostState, read_image_digest
 from gpucloud.agent.reporting import Reporter
 from gpucloud.agent.tools import CommandResult, CommandRunner
 from gpucloud.protocol.actions import ActionRequest
@@ -190,3 +190,24 @@ def test_readiness_is_open_and_says_when_the_gpus_fail(tmp_path):
         assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
         scraped = client.get("/metrics", headers={"Authorization": "Bearer scrape-token"})
         assert scraped.status_code == 200 and "gpucloud_agent_spool_lag_seconds" in scraped.text
+
+
+def test_an_action_answers_the_boot_and_the_image_it_came_from(tmp_path):
+    """What a re-image checks (`activities/bmc.py`): the production agent reports this boot's id
+    and the digest the clean image wrote for it; a host not booted from one reports none."""
+    digest = "sha256:" + "ab" * 32
+    (tmp_path / "image-digest").write_text(digest + "\n")
+    state = HostState(
+        node_id="gpu-1",
+        boot_id="boot-7",
+        image_digest=read_image_digest(tmp_path / "image-digest"),
+        scratch_dir=tmp_path / "scratch",
+    )
+    agent = Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=FakeTools(set(BURN_IN_TOOLS)))
+    with agent_test_client(agent) as client:
+        answer = _post(client, "release", "r1").json()
+    assert (answer["boot_id"], answer["image_digest"]) == ("boot-7", digest)
+    assert read_image_digest(tmp_path / "absent") is None
+    (tmp_path / "garbage").write_text("sha256:not-a-digest")
+    with pytest.raises(SystemExit, match="not an image digest"):
+        read_image_digest(tmp_path / "garbage")
