@@ -50,6 +50,7 @@ from gpucloud.agent.tools import (
     DEFAULT_BURN_IN,
     BurnInLimits,
     CommandRunner,
+    action_failure,
     burn_in_figure,
     thermal_soak,
 )
@@ -267,6 +268,8 @@ class Agent:
             burn_in = action == AgentAction.BURN_IN
             if burn_in and (why := burn_in_figure(argv[0], result.output, gpus, self.burn_in_limits)):
                 return _problem(422, "Action failed", f"burn-in failed: {why}")
+            if not burn_in and (why := action_failure(argv[0], result.output)):
+                return _problem(422, "Action failed", f"{action}: {why}")
         if action == AgentAction.BURN_IN:
             why = thermal_soak(await asyncio.to_thread(self.probe.read), self.burn_in_limits)
             if why:

@@ -133,6 +133,21 @@ def _floor_of(tool: str, devices: list[str], limits: BurnInLimits) -> tuple[str,
     return next(f for f in found.values() if f is not None)
 
 
+def action_failure(tool: str, output: str) -> str | None:
+    """Why a reset or reflash failed though its tool exited 0 (None: it did what it says).
+    nvfwupd reports the BMC's update task (`TaskState`, `TaskStatus`) and says whether the update
+    succeeded; nvidia-smi lists the GPUs it could not reset (both as their documentation shows:
+    `tests/fixtures/tools/`)."""
+    if tool == "nvfwupd":
+        if "Firmware update successful" in output and "TaskState: Exception" not in output:
+            return None
+        state = next((line.strip() for line in output.splitlines() if line.startswith("TaskState:")), "")
+        return f"nvfwupd did not report a successful update ({state or 'no task state'})"
+    if tool == "nvidia-smi" and "could not be reset" in output:
+        return "nvidia-smi could not reset every GPU: " + " ".join(output.split())[:300]
+    return None
+
+
 def dcgm_failure(output: str) -> str | None:
     """Why `dcgmi diag -j` failed the node: every result it marks failed, with its warning; None
     when all passed. Reads both DCGM 3's document ("DCGM GPU Diagnostic" > test_categories >

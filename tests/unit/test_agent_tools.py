@@ -86,6 +86,15 @@ FAILURES = [
     ("burn_in", NVBW, 0, "nvbandwidth-cuda-error.txt", "nvbandwidth printed no host_to_device_memcpy_ce figures"),
     ("reset", RESET, 255, "nvidia-smi-gpu-reset-in-use.txt", "nvidia-smi --gpu-reset exited 255"),
     ("reflash", REFLASH, 1, "nvfwupd-update-failed.txt", "nvfwupd -c /etc/gpucloud/nvfwupd.yaml update_fw -y exited 1"),
+    # Exit 0 is not enough: what the tool printed says whether it did what was asked.
+    ("reset", RESET, 0, "nvidia-smi-gpu-reset-in-use.txt", "nvidia-smi could not reset every GPU"),
+    (
+        "reflash",
+        REFLASH,
+        0,
+        "nvfwupd-update-failed.txt",
+        "nvfwupd did not report a successful update (TaskState: Exception)",
+    ),
 ]
 
 
