@@ -14,18 +14,15 @@ import asyncio
 import json
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 from sqlmodel import Session
 from temporalio.client import Client, WorkflowHandle
-from temporalio.worker import Worker
 
 from gpucloud.activities.rollout import RolloutActivities
 from gpucloud.agent.chunk_cache import ChunkCache
@@ -53,6 +50,7 @@ from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 from support.models import float_model
+from support.rollouts import rollout_worker_with
 
 TENANT = "acme"
 NODES, PER_RACK = 8, 4
@@ -158,25 +156,9 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
             list(pool.map(PeerServer.stop, servers))
 
 
-@asynccontextmanager
-async def rollout_worker(
-    client: Client, fleet: Fleet, task_queue: str, db: Database | None = None
-) -> AsyncIterator[Worker]:
+def rollout_worker(client: Client, fleet: Fleet, task_queue: str, db: Database | None = None):
     activities = RolloutActivities(tracker_url=fleet.tracker.base_url, manifests=lambda tenant: fleet.manifests, db=db)
-    with ThreadPoolExecutor(4, thread_name_prefix="rollout-activity") as executor:
-        worker = Worker(
-            client,
-            task_queue=task_queue,
-            workflows=[RolloutWorkflow],
-            activities=activities.all(),
-            activity_executor=executor,
-            graceful_shutdown_timeout=timedelta(seconds=5),
-        )
-        try:
-            async with worker:
-                yield worker
-        finally:
-            await activities.aclose()
+    return rollout_worker_with(client, activities, task_queue)
 
 
 @pytest.fixture

@@ -24,11 +24,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, asynccontextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -36,7 +34,6 @@ import numpy as np
 import pytest
 from sqlmodel import Session
 from temporalio.client import Client, WorkflowHandle
-from temporalio.worker import Worker
 
 from gpucloud import bootstrap
 from gpucloud.activities.rollout import RolloutActivities
@@ -66,6 +63,7 @@ from gpucloud.web import tls
 from gpucloud.web.service_tokens import TRACKER_AUDIENCE, Issuer, agent_audience, public_key_path
 from gpucloud.workflows.rollout import RolloutWorkflow
 from support.models import float_model, tree
+from support.rollouts import rollout_worker_with
 
 K = 4
 TENANT, ALLOCATION = "acme", "alloc-1"
@@ -246,25 +244,11 @@ def agents(db_url: str, secure: bool, tmp_path: Path, monkeypatch: pytest.Monkey
         yield fleet
 
 
-@asynccontextmanager
-async def rollout_worker(client: Client, fleet: Agents, task_queue: str) -> AsyncIterator[Worker]:
+def rollout_worker(client: Client, fleet: Agents, task_queue: str):
     activities = RolloutActivities(
         tracker_url=fleet.tracker_url, manifests=fleet.stores.manifests, db=fleet.db, issuer=fleet.issuer
     )
-    with ThreadPoolExecutor(4, thread_name_prefix="rollout-activity") as executor:
-        worker = Worker(
-            client,
-            task_queue=task_queue,
-            workflows=[RolloutWorkflow],
-            activities=activities.all(),
-            activity_executor=executor,
-            graceful_shutdown_timeout=timedelta(seconds=5),
-        )
-        try:
-            async with worker:
-                yield worker
-        finally:
-            await activities.aclose()
+    return rollout_worker_with(client, activities, task_queue)
 
 
 async def start(client: Client, task_queue: str, digest: str, **options) -> WorkflowHandle:
