@@ -9,8 +9,8 @@ secret, only where it lives. The items, in order:
   own data dir on first use (`config.Settings`), which several hosts must share;
 - the Temporal namespace and the search attributes the workflows set (`workflows.search_attributes`);
 - the object store: the S3 bucket, or the local store's directory, and that it answers;
-- a default price book in the ledger (`devstack.stack.seed_price_book`, through the ledger's own
-  app in this process, so its rules apply and no ledger process need run yet).
+- a default price book in the ledger (`ledger.pricebook.list_price_book`), written through the
+  ledger's own price-book rules on its database, so no ledger process need run yet.
 """
 
 from __future__ import annotations
@@ -221,21 +221,23 @@ def prepare_object_store(settings: Settings) -> Item:
 
 
 def prepare_price_book(settings: Settings) -> Item:
-    from starlette.testclient import TestClient
+    from gpucloud.ledger import pricebook, problems
+    from gpucloud.ledger.app import wall_clock_ms
+    from gpucloud.ledger.db import open_ledger_database
 
-    from gpucloud.devstack.stack import seed_price_book
-    from gpucloud.ledger.app import create_app
-    from gpucloud.web.service_tokens import LEDGER_AUDIENCE, load_verifier, public_key_path
-
-    issuer = bootstrap.token_issuer(settings)
-    app = create_app(
-        settings.ledger_database_url,
-        control_plane=load_verifier(public_key_path(settings.issuer_key_path)),
-        migrate_on_start=False,
-    )
-    with TestClient(app) as ledger:
-        created = seed_price_book(ledger, issuer.mint(LEDGER_AUDIENCE, subject="operator", role="operator"))
-    return Item("price book", "created" if created else "present", "list prices (models/catalog.py)")
+    database = open_ledger_database(settings.ledger_database_url, migrate_on_start=False)
+    try:
+        with database.write() as connection:
+            if pricebook.list_versions(connection):
+                return Item("price book", "present", "list prices (models/catalog.py)")
+            pricebook.create_version(connection, pricebook.list_price_book(), now_ms=wall_clock_ms())
+    except problems.LedgerProblem as exc:  # a version made meanwhile, by another `prepare`
+        if exc.problem.status != 409:
+            raise
+        return Item("price book", "present", "list prices (models/catalog.py)")
+    finally:
+        database.dispose()
+    return Item("price book", "created", "list prices (models/catalog.py)")
 
 
 def prepare(settings: Settings, *, ledger: bool = True) -> list[Item]:

@@ -32,7 +32,7 @@ from pydantic import SecretStr
 from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.devstack.temporal_server import server_args
-from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
+from gpucloud.ledger.pricebook import list_price_book
 from gpucloud.sim.client import SimFleetClient
 from gpucloud.sim.fabric_managers import register_nvl_domains
 from gpucloud.web import tls
@@ -405,20 +405,14 @@ def evaluation_worker_env(settings: Settings) -> dict[str, str]:
 
 
 def seed_price_book(ledger: httpx.Client, operator_token: str) -> bool:
-    """Give a ledger without any price book the list prices (`models/catalog.py`), from the epoch
-    on, as the operator (a token the control plane signed for the ledger); True if it seeded one.
-    `ledger` is a client of the ledger's API: over HTTP, or its app in this process (`prepare`)."""
+    """Give a ledger without any price book the list prices (`ledger.pricebook.list_price_book`),
+    as the operator (a token the control plane signed for the ledger); True if it seeded one."""
     auth = {"Authorization": f"Bearer {operator_token}"}
     versions = ledger.get("/v1/price-book/versions", headers=auth)
     versions.raise_for_status()
     if versions.json():
         return False
-    prices = [{"gpu_type": gpu, "price_per_hour_micro": price} for gpu, price in LIST_PRICE_PER_GPU_HOUR_MICRO.items()]
-    created = ledger.post(
-        "/v1/price-book/versions",
-        headers=auth,
-        json={"effective_from_ms": 0, "prices": prices, "note": "list prices"},
-    )
+    created = ledger.post("/v1/price-book/versions", headers=auth, json=list_price_book().model_dump(mode="json"))
     if created.status_code not in (201, 409):  # 409: another start seeded it meanwhile
         raise StackError(f"the ledger refused the default price book: {created.text[:300]}")
     return created.status_code == 201

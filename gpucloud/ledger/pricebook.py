@@ -23,6 +23,15 @@ from gpucloud.ledger.tables import (
 )
 
 
+def list_price_book() -> PriceBookVersionIn:
+    """The price book a ledger without one starts from: the catalogue's list prices, from the
+    epoch on (`gpucloud prepare` and `gpucloud up` seed it; an operator adds versions after)."""
+    from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
+
+    prices = [PriceIn(gpu_type=gpu, price_per_hour_micro=price) for gpu, price in LIST_PRICE_PER_GPU_HOUR_MICRO.items()]
+    return PriceBookVersionIn(effective_from_ms=0, prices=prices, note="list prices")
+
+
 def create_version(connection: Connection, version: PriceBookVersionIn, *, now_ms: int) -> PriceBookVersionOut:
     """Add a version; call inside the ledger's write transaction."""
     gpu_types = [price.gpu_type for price in version.prices]
