@@ -9,7 +9,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpucloud.models.images import ImageReference
-from gpucloud.protocol.reports import NodeId, ShortId
+from gpucloud.protocol.reports import NodeId, ShortId, TenantId
 
 
 class AgentAction(StrEnum):
@@ -66,7 +66,7 @@ class Workload(BaseModel):
 
 class ActionRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=300)
-    tenant_id: ShortId | None = None
+    tenant_id: TenantId | None = None
     # The allocation a provision is for: what the node's usage is metered against.
     allocation_id: str | None = Field(None, min_length=1, max_length=200)
     # A wipe's next agent credential (`gpa_<node id>.<secret>`): the agent reports with it once
@@ -85,7 +85,7 @@ class ActionAnswer(BaseModel):
 
     action: AgentAction
     node_id: NodeId
-    tenant_id: ShortId | None = None
+    tenant_id: TenantId | None = None
     workload_running: bool = False
     gpu_count: int = Field(ge=0)
     # What a re-image checks (`activities/bmc.py`): the boot the answer comes from, and the

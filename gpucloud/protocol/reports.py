@@ -103,6 +103,8 @@ MAX_GPUS_PER_NODE = 72
 NodeId = Annotated[str, Field(min_length=1, max_length=128)]
 Text = Annotated[str, Field(max_length=2000)]
 ShortId = Annotated[str, Field(max_length=128)]
+# A tenant's id names folders on the node (its weights, its keys): an id's characters only.
+TenantId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 # The kernel's boot id is a UUID (36 characters); the simulated fleet counts boots.
 BootId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z-]+$")]
 
@@ -173,7 +175,7 @@ class XidEvent(_Reading):
     xid: int = Field(ge=0, le=1_000_000)
     timestamp: AwareDatetime
     message: Text = ""
-    tenant_id: ShortId | None = None
+    tenant_id: TenantId | None = None
     allocation_id: ShortId | None = None
 
 
@@ -195,7 +197,7 @@ class Heartbeat(BaseModel):
     string is bounded, so a report costs the control plane a node's worth of memory at most."""
 
     node_id: NodeId
-    tenant_id: ShortId | None = None
+    tenant_id: TenantId | None = None
     workload_running: bool = False
     boot_id: BootId | None = None
     workload: WorkloadStatus | None = Field(None, description="the allocation's processes on the node")

@@ -211,3 +211,15 @@ def test_an_action_answers_the_boot_and_the_image_it_came_from(tmp_path):
     (tmp_path / "garbage").write_text("sha256:not-a-digest")
     with pytest.raises(SystemExit, match="not an image digest"):
         read_image_digest(tmp_path / "garbage")
+
+
+def test_a_tenant_id_that_is_not_an_ids_characters_is_refused_before_it_names_a_folder(tmp_path):
+    """The tenant's id names the node's folders for its weights and keys: `../` or a slash in it
+    is a 422 at the edge, and nothing is provisioned."""
+    agent = _agent(tmp_path, FakeTools(set(BURN_IN_TOOLS)))
+    with agent_test_client(agent) as client:
+        for tenant in ("../../etc", "a/b", ""):
+            refused = _post(client, "provision", f"r-{tenant!r}", tenant)
+            assert refused.status_code == 422 and "tenant_id" in refused.text, (tenant, refused.text)
+        assert _post(client, "provision", "r-ok", "ten_0123abcd").status_code == 200
+    assert agent.state.tenant_id == "ten_0123abcd"
