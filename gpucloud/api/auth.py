@@ -105,6 +105,13 @@ def scoped_caller(token: str, verifier: Verifier | None) -> Caller | None:
     return Caller(role=EVALUATION, tenant_id=claims.tenant, model=claims.model, versions=frozenset(claims.versions))
 
 
+def has_credential_shape(token: str, operator_token: str) -> bool:
+    """Whether `token` could be a credential `resolve` knows (a key, an agent credential, an
+    operator's token, the bootstrap token): anything else is no one, without a lookup."""
+    prefixed = token.startswith(("gpc_", "gpa_", operators.TOKEN_PREFIX)) and "." in token
+    return prefixed or hmac.compare_digest(token.encode(), operator_token.encode())
+
+
 def resolve(db: sa.Connection, token: str, operator_token: str) -> Caller | None:
     """Who `token` is, read on the connection `db`; None for no one."""
     if hmac.compare_digest(token.encode(), operator_token.encode()):

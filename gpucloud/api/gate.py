@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 CHUNK_UPLOAD = re.compile(r"^/v1/models/[^/]+/chunks/[^/:]+$")
 # Tokens remembered at most (a flood of made-up tokens evicts the oldest, never grows memory).
 CACHED_CREDENTIALS = 10_000
+# The longest a request waits for a credential lookup's turn before it is answered 503.
+LOOKUP_WAIT_S = 2.0
 
 
 class CredentialCache:
@@ -129,8 +131,8 @@ class Gate(gate.Gate):
             return _answer(scope, 401, "unauthenticated", "Authentication required", detail)
         try:
             caller = await self._caller(token)
-        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
-            log.warning("database unavailable while authenticating %s: %s", scope["path"], exc)
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, TimeoutError) as exc:
+            log.warning("database unavailable while authenticating %s: %r", scope["path"], exc)
             detail = "the database did not answer in time; the request changed nothing, send it again after Retry-After"
             return _answer(scope, 503, "database-unavailable", "Try again", detail, retry_after=True)
         if caller is None:
@@ -152,9 +154,13 @@ class Gate(gate.Gate):
     async def _caller(self, token: str) -> auth.Caller | None:
         if auth.is_signed_token(token):
             return auth.scoped_caller(token, self.verifier())
+        if not auth.has_credential_shape(token, self.operator_token):
+            return None  # no credential looks like that: no lookup, no thread, no cache entry
         known, caller = self.cache.get(token)
         if not known:
-            async with self._lookups:
+            # Bounded: the gate runs before admission, so a flood of made-up keys must not hold
+            # callers here longer than admission would (a timeout is the database's 503).
+            async with asyncio.timeout(LOOKUP_WAIT_S), self._lookups:
                 known, caller = self.cache.get(token)  # a burst of one token: one lookup
                 if not known:
                     caller = await run_in_threadpool(self._resolve, token)

@@ -193,3 +193,20 @@ async def test_a_tenant_holds_at_most_its_cap_of_live_keys_and_is_told_to_revoke
         assert "revoke one" in problem["detail"] and "3 live API keys" in problem["detail"]
         assert (await client.delete(f"/v1/api-keys/{made[0].json()['id']}")).status_code == 200
         assert (await client.post("/v1/api-keys")).status_code == 201  # room again
+
+
+async def test_a_token_no_credential_looks_like_costs_no_lookup_and_no_cache_entry(db_url):
+    """The gate runs before admission: a flood of made-up tokens must not take the credential
+    lookups' threads and connections, nor push real callers out of the cache."""
+    cache = CredentialCache(5.0)
+    app = _stack(db_url, Held(), cache=cache)
+    lookups = []
+    resolve = app._resolve
+    app._resolve = lambda token: lookups.append(token) or resolve(token)  # type: ignore[method-assign]
+    for made_up in ("made-up", "gpc_no-dot", "Bearer-ish.token.with.dots"):
+        async with _client(app, made_up) as stranger:
+            assert (await stranger.get("/v1/allocations")).status_code == 401
+    assert lookups == [] and not any(cache.get(t)[0] for t in ("made-up", "gpc_no-dot"))
+    async with _client(app, "gpc_key_x.not-the-secret") as guesser:  # shaped like a key: looked up
+        assert (await guesser.get("/v1/allocations")).status_code == 401
+    assert lookups == ["gpc_key_x.not-the-secret"]
