@@ -94,7 +94,8 @@ def _digest(token: str) -> bytes:
 
 def _credential(token: str) -> str:
     """A token's public part, before its secret (the whole of an unknown token's digest)."""
-    name, dot, _ = token.partition(".")
+    # Parsed as `auth.resolve` parses it: a node id may hold dots, a key's or token's id none.
+    name, dot, _ = token.rpartition(".") if token.startswith("gpa_") else token.partition(".")
     return name if dot and name[:4] in ("gpc_", "gpa_", "gpo_") else _digest(token).hex()
 
 

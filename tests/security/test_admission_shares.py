@@ -210,3 +210,21 @@ async def test_a_token_no_credential_looks_like_costs_no_lookup_and_no_cache_ent
     async with _client(app, "gpc_key_x.not-the-secret") as guesser:  # shaped like a key: looked up
         assert (await guesser.get("/v1/allocations")).status_code == 401
     assert lookups == ["gpc_key_x.not-the-secret"]
+
+
+def test_a_replaced_agent_credential_is_forgotten_at_once_by_the_process_that_replaced_it(db_url, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from gpucloud.api.app import create_app
+
+    (node,) = enroll(db_url, ["cred.node-1"])  # an id with a dot: the cache names it as auth parses it
+    settings = Settings(data_dir=tmp_path, database={"url": db_url}, api={"credential_cache_s": 60})
+    with TestClient(create_app(settings, temporal=object())) as client:  # type: ignore[arg-type]
+        operator = {"Authorization": f"Bearer {settings.operator_token}"}
+        issue = f"/v1/nodes/{node}/agent-credential"
+        old = client.post(issue, headers=operator).json()["token"]
+        beat = {"heartbeats": [{"node_id": node}]}
+        as_old = {"Authorization": f"Bearer {old}"}
+        assert client.post("/v1/agents/heartbeats", json=beat, headers=as_old).status_code == 200
+        assert client.post(issue, headers=operator).status_code == 201  # replaced
+        assert client.post("/v1/agents/heartbeats", json=beat, headers=as_old).status_code == 401

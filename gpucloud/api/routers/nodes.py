@@ -323,7 +323,7 @@ def _record(settings: Settings, batch: HeartbeatBatch) -> list[str]:
 
 
 @router.post("/nodes/{node_id}/agent-credential", response_model=AgentCredentialIssued, status_code=201)
-def issue_agent_credential(node_id: str, operator: FleetOperatorDep, settings: SettingsDep):
+def issue_agent_credential(request: Request, node_id: str, operator: FleetOperatorDep, settings: SettingsDep):
     """A credential for the node's host agent, replacing any earlier one; it reports for this
     node only (heartbeats, XID events, readings) and opens nothing else."""
     with session_scope(settings.database_url) as session:
@@ -331,6 +331,8 @@ def issue_agent_credential(node_id: str, operator: FleetOperatorDep, settings: S
             token = agent_credentials.issue(session, node_id)
         except agent_credentials.UnknownNode:
             raise not_found("node", node_id) from None
+    # The one it replaced ends here at once (other API processes: within the cache's TTL).
+    request.app.state.credentials.forget(f"gpa_{node_id}")
     return AgentCredentialIssued(node_id=node_id, token=token)
 
 
