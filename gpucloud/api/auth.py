@@ -38,7 +38,8 @@ _OPERATOR_TOKEN = (
         col(OperatorToken.expires_at),
     )
     .join(Operator, col(Operator.name) == col(OperatorToken.operator))
-    .where(col(OperatorToken.id) == sa.bindparam("id"))
+    # A revoked account's tokens are no one's, whatever a rotation racing the revocation wrote.
+    .where(col(OperatorToken.id) == sa.bindparam("id"), col(Operator.revoked_at).is_(None))
 )
 _BOOTSTRAP_SCOPES = ROLE_SCOPES[Role.ADMIN]
 

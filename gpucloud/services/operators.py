@@ -101,7 +101,11 @@ def rotate(
     session.flush()
     result = session.execute(
         sa.update(OperatorToken)
-        .where(col(OperatorToken.id) == old.id, col(OperatorToken.replaced_by).is_(None))
+        .where(
+            col(OperatorToken.id) == old.id,
+            col(OperatorToken.replaced_by).is_(None),
+            col(OperatorToken.revoked_at).is_(None),
+        )
         .values(replaced_by=new.id, expires_at=min(old.expires_at, now + grace))
     )
     if rowcount(result) != 1:

@@ -84,3 +84,19 @@ def test_node_events_name_the_operator_who_acted(tmp_path) -> None:
             "operator:alice",
             "operator:bootstrap",
         }
+
+
+def test_a_token_written_for_an_account_revoked_meanwhile_opens_nothing(db_url) -> None:
+    """A rotation that read the account before a revocation committed may still write a live
+    token: the account's revocation ends it anyway (auth reads the account), and the revoked
+    old token can no longer be rotated."""
+    from gpucloud.api import auth
+    from gpucloud.db import get_read_engine
+    from gpucloud.services import operators
+
+    with session_scope(db_url) as session:
+        operators.create(session, "mallory", Role.ADMIN, created_by="test", lifetime=timedelta(days=1))
+        operators.revoke(session, "mallory")
+        _, late = operators._new_token(session, "mallory", lifetime=timedelta(days=1), now=operators.utcnow())
+    with get_read_engine(db_url).connect() as connection:
+        assert auth.resolve(connection, late, "bootstrap-token") is None
