@@ -4,6 +4,7 @@ units pass `systemd-analyze verify`, and the Dockerfile runs as a non-root user.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -86,13 +87,16 @@ def test_compose_runs_real_commands_with_real_settings() -> None:
 
 def test_compose_settings_validate_and_publish_plain_http_on_loopback_only(monkeypatch) -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    for name in [k for k in os.environ if k.startswith("GPUCLOUD_")]:
+        monkeypatch.delenv(name)
     for name, service in compose["services"].items():
         environment = service.get("environment") or {}
         if service.get("image") == "gpucloud:latest":
-            for variable, value in environment.items():
-                if variable != "GPUCLOUD_SECRETS_DIR":
-                    monkeypatch.setenv(variable, str(value))
-            Settings()  # Temporal off loopback: refused unless TLS or allow_insecure
+            with monkeypatch.context() as own:  # each service with its own variables only
+                for variable, value in environment.items():
+                    if variable != "GPUCLOUD_SECRETS_DIR":
+                        own.setenv(variable, str(value))
+                Settings()  # Temporal off loopback: refused unless TLS or allow_insecure
         plain_http = environment.get("GPUCLOUD_TLS__INSECURE") == "true" or service.get("image") != "gpucloud:latest"
         for published in service.get("ports", []):
             if plain_http:
@@ -147,3 +151,12 @@ def test_the_image_runs_gpucloud_as_a_non_root_user_without_the_embedded_server(
     assert re.search(r"^USER gpucloud", dockerfile, re.MULTILINE)
     assert 'ENTRYPOINT ["gpucloud"]' in dockerfile
     assert "pip install ." in dockerfile and "embedded" not in dockerfile.split("pip install .")[1].split("\n")[0]
+
+
+def test_the_compose_evaluation_worker_gets_the_payload_keys_and_no_other_secret() -> None:
+    evaluations = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["evaluations"]
+    mounted = [volume.split(":")[0] for volume in evaluations["volumes"]]
+    assert mounted == ["./secrets/GPUCLOUD_TEMPORAL__CODEC_KEYS"]  # no data volume, no other secret
+    variables = set(evaluations["environment"])
+    assert not {v for v in variables if v.startswith(("GPUCLOUD_DATABASE", "GPUCLOUD_OBJECT_STORE"))}
+    assert "GPUCLOUD_TEMPORAL__ALLOW_INSECURE" in variables  # Temporal off loopback, on the private network
