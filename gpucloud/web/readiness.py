@@ -41,9 +41,13 @@ def database_check(engine: sa.Engine) -> Check:
 
 def temporal_check(client: Callable[[], object]) -> Check:
     """The Temporal frontend answers its health check, and the client's namespace exists with
-    every search attribute the workflows set (else starts fail however often they are retried)."""
+    every search attribute the workflows set (else starts fail however often they are retried).
+    The namespace and its attributes are listed until they are found once: registered, they stay,
+    and `/readyz` is probed every few seconds by every load balancer."""
+    prepared = False
 
     async def check() -> None:
+        nonlocal prepared
         from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
         from temporalio.service import RPCError, RPCStatusCode
 
@@ -53,6 +57,8 @@ def temporal_check(client: Callable[[], object]) -> Check:
         service = temporal.service_client  # type: ignore[attr-defined]
         if not await service.check_health(timeout=timedelta(seconds=CHECK_TIMEOUT_S)):
             raise RuntimeError("the frontend reports itself not serving")
+        if prepared:
+            return
         namespace = temporal.namespace  # type: ignore[attr-defined]
         try:
             listed = await service.operator_service.list_search_attributes(
@@ -65,6 +71,7 @@ def temporal_check(client: Callable[[], object]) -> Check:
         missing = sorted(key.name for key in search_attributes.ALL if key.name not in listed.custom_attributes)
         if missing:
             raise RuntimeError(f"search attributes {', '.join(missing)} missing in {namespace}: run `gpucloud prepare`")
+        prepared = True
 
     return check
 
