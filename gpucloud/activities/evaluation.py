@@ -50,7 +50,7 @@ from gpucloud.models.evaluation_messages import (
     RegistryAccess,
     RunEvaluationInput,
 )
-from gpucloud.models.registry_tables import EvaluationSource, SigningKey
+from gpucloud.models.registry_tables import EvaluationSource
 from gpucloud.registry.command_eval import bounded
 from gpucloud.registry.evaluators import evaluate_directory, run_model_command
 from gpucloud.registry.manifest import (
@@ -63,6 +63,7 @@ from gpucloud.registry.manifest import (
     UnknownKeyError,
     VersionNotFoundError,
 )
+from gpucloud.registry.promotion import active_public_keys
 from gpucloud.registry.pull import pull
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import keep_evaluation
@@ -208,15 +209,8 @@ class EvaluationActivities(ActivityGroup):
 
     @activity.defn
     def evaluation_keys(self, req: EvaluateVersionInput) -> EvaluationKeys:
-        from sqlmodel import col, select
-
         with self.db.session() as session:
-            rows = session.exec(
-                select(SigningKey).where(
-                    col(SigningKey.tenant_id) == req.tenant_id, col(SigningKey.revoked_at).is_(None)
-                )
-            )
-            public_keys = [row.public_key for row in rows]
+            public_keys = active_public_keys(session, req.tenant_id)
         versions = (req.version,) if req.parent is None else (req.version, req.parent)
         token = self.issuer.mint(
             REGISTRY_READ_AUDIENCE,
