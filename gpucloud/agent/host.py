@@ -16,6 +16,7 @@ from pathlib import Path
 from gpucloud.agent.spool import NodeAllocation
 from gpucloud.config import write_private
 from gpucloud.models.catalog import GPU_TYPES
+from gpucloud.protocol.actions import IMAGE_DIGEST_PATTERN
 from gpucloud.protocol.reports import Heartbeat, NodeReading, WorkloadStatus
 
 
@@ -109,6 +110,6 @@ def read_image_digest(path: Path) -> str | None:
     if not path.is_file():
         return None
     digest = path.read_text().strip()
-    if re.fullmatch(r"sha256:[0-9a-f]{64}", digest) is None:
+    if re.match(IMAGE_DIGEST_PATTERN, digest) is None:
         raise SystemExit(f"{path} holds {digest[:80]!r}, not an image digest (sha256:<64 hex>)")
     return digest

@@ -5,11 +5,16 @@ workflows that sequence the actions, import them from here."""
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpucloud.models.images import ImageReference
 from gpucloud.protocol.reports import NodeId, ShortId, TenantId
+
+# A booted image's digest, as the clean image writes it for its agent.
+IMAGE_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+ImageDigest = Annotated[str, Field(pattern=IMAGE_DIGEST_PATTERN)]
 
 
 class AgentAction(StrEnum):
@@ -89,6 +94,6 @@ class ActionAnswer(BaseModel):
     workload_running: bool = False
     gpu_count: int = Field(ge=0)
     # What a re-image checks (`activities/bmc.py`): the boot the answer comes from, and the
-    # digest of the image it booted (`sha256:<hex>`). The production agent reports neither yet.
+    # digest of the image it booted (`gpucloud agent --image-digest-file`; the simulated node's).
     boot_id: ShortId | None = None
-    image_digest: ShortId | None = None
+    image_digest: ImageDigest | None = None
