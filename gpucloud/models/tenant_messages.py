@@ -9,6 +9,10 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+# What a tenant id may hold, wherever one names a path, a folder or a prefix (the ledger's paths,
+# a node's weight folders, the storage and registry prefixes): an id's characters only.
+TENANT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+
 
 class TenantRef(BaseModel):
     """A message about one tenant."""

@@ -22,6 +22,8 @@ from typing import Annotated, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, computed_field
 
+from gpucloud.models.tenant_messages import TENANT_ID_PATTERN
+
 # NVML's clock event (formerly "throttle") reason bits, copied from pynvml's
 # `nvmlClocksEventReason*` / `nvmlClocksThrottleReason*` constants so that this module decodes a
 # mask without importing pynvml (a test checks the two stay in step).
@@ -104,7 +106,7 @@ NodeId = Annotated[str, Field(min_length=1, max_length=128)]
 Text = Annotated[str, Field(max_length=2000)]
 ShortId = Annotated[str, Field(max_length=128)]
 # A tenant's id names folders on the node (its weights, its keys): an id's characters only.
-TenantId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN)]
 # The kernel's boot id is a UUID (36 characters); the simulated fleet counts boots.
 BootId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z-]+$")]
 

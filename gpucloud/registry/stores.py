@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 import threading
 
+from gpucloud.models.tenant_messages import TENANT_ID_PATTERN
 from gpucloud.registry.store import ChunkStore, ManifestStore
 from gpucloud.storage.objects import ObjectStore
 
-_TENANT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TENANT_ID = re.compile(TENANT_ID_PATTERN)
 
 
 class RegistryStores:
@@ -29,7 +30,7 @@ class RegistryStores:
         self._stores: dict[str, tuple[ChunkStore, ManifestStore]] = {}
 
     def _tenant_prefix(self, tenant_id: str) -> str:
-        if not _TENANT_ID.fullmatch(tenant_id):
+        if not _TENANT_ID.match(tenant_id):
             raise ValueError(f"{tenant_id!r} is not a tenant id")
         return f"{self._prefix}/tenants/{tenant_id}/".lstrip("/")
 

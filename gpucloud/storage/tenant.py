@@ -15,10 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gpucloud.models.tenant_messages import TENANT_ID_PATTERN
 from gpucloud.storage.envelope import TenantKeys
 from gpucloud.storage.objects import ObjectStore
 
-TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+TENANT_ID = re.compile(TENANT_ID_PATTERN)
 MAX_PRESIGN_S = 3600
 
 

@@ -34,6 +34,7 @@ from gpucloud.ledger.schemas import (
     ReconciliationReport,
 )
 from gpucloud.models.tables import Allocation
+from gpucloud.models.tenant_messages import TENANT_ID_PATTERN
 from gpucloud.web.problems import Problem, invalid, not_found
 
 router = APIRouter(
@@ -46,7 +47,7 @@ PeriodQuery = Annotated[str | None, Query(pattern=PERIOD_PATTERN, description="b
 # A tenant id goes into the ledger's paths: anything but an id's characters would name another path.
 TenantQuery = Annotated[
     str | None,
-    Query(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="operators: the tenant (tenants: always their own)"),
+    Query(pattern=TENANT_ID_PATTERN, description="operators: the tenant (tenants: always their own)"),
 ]
 INVOICE_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"model": InvoiceDocument, "description": "the invoice document, canonical JSON (sorted keys, integers only)"}
