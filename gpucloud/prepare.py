@@ -242,7 +242,7 @@ def prepare_price_book(settings: Settings) -> Item:
 
 def prepare(settings: Settings, *, ledger: bool = True) -> list[Item]:
     """Prepare every item, in order; an item that fails is `refused` and the next ones still run,
-    except those that need it (no price book without the ledger's schema and the issuer key)."""
+    except those that need it (no price book without the ledger's schema)."""
     items: list[Item] = []
 
     def attempt(name: str, step: Callable[[], Item | list[Item]]) -> bool:
@@ -257,14 +257,13 @@ def prepare(settings: Settings, *, ledger: bool = True) -> list[Item]:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     schemas = attempt("schemas", lambda: prepare_schemas(settings, ledger=ledger))
-    secrets_ok = True
     for secret in SHARED_SECRETS:  # each one, even after one is refused
-        secrets_ok &= attempt(secret.name, lambda secret=secret: prepare_secret(settings, secret))  # type: ignore[misc]
+        attempt(secret.name, lambda secret=secret: prepare_secret(settings, secret))  # type: ignore[misc]
     attempt("Temporal", lambda: asyncio.run(prepare_temporal(settings)))
     attempt("object store", lambda: prepare_object_store(settings))
     if ledger:
-        if schemas and secrets_ok:
+        if schemas:  # written to the ledger's database directly: the schema is all it needs
             attempt("price book", lambda: prepare_price_book(settings))
         else:
-            items.append(Item("price book", "refused", "needs the ledger's schema and the issuer key (above)"))
+            items.append(Item("price book", "refused", "needs the ledger's schema (above)"))
     return items
