@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gpucloud.api.auth import Caller
 from gpucloud.config import ApiSettings
 from gpucloud.web import problems
+from gpucloud.web.gate import has_body
 
 # `/metrics` checks its own token (the metrics or the operator token) and takes no lane.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
@@ -57,25 +58,29 @@ class Lane:
     caller_share: float = 1.0
     _free: asyncio.Semaphore = field(init=False)
     _held: Counter[str] = field(init=False, default_factory=Counter)
-    # The two refusals' ASGI messages, built once.
-    _refusals: dict[int, tuple[Message, Message]] = field(init=False)
+    # The two refusals' ASGI messages, built once, each also closing the connection (for a
+    # request whose body is on its way: refused unread, as the gate refuses).
+    _refusals: dict[tuple[int, bool], tuple[Message, Message]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._free = asyncio.Semaphore(self.slots)
         whose = {"tenants": "tenant (all its API keys together)", "agents": "node"}.get(self.name, "caller")
-        self._refusals = {
-            429: _refusal(
-                429,
+        refusals = {
+            429: (
                 "too-many-requests",
                 "Too many requests",
                 f"this {whose} already has {self.per_caller} requests in flight; retry after the Retry-After delay",
             ),
-            503: _refusal(
-                503,
+            503: (
                 "overloaded",
                 "Overloaded",
                 f"all {self.slots} request slots of the {self.name} lane are busy; retry after the Retry-After delay",
             ),
+        }
+        self._refusals = {
+            (status, closing): _refusal(status, *refusal, closing=closing)
+            for status, refusal in refusals.items()
+            for closing in (False, True)
         }
 
     @property
@@ -86,18 +91,19 @@ class Lane:
     def in_flight(self) -> int:
         return sum(self._held.values())
 
-    async def refuse(self, send: Send, status: int) -> None:
-        start, body = self._refusals[status]
+    async def refuse(self, scope: Scope, send: Send, status: int) -> None:
+        start, body = self._refusals[status, has_body(scope)]
         await send(start)
         await send(body)
 
 
-def _refusal(status: int, type_: str, title: str, detail: str) -> tuple[Message, Message]:
+def _refusal(status: int, type_: str, title: str, detail: str, *, closing: bool) -> tuple[Message, Message]:
     content = json.dumps(problems.body(status, type_, title, detail, retryable=True)).encode()
     headers = [
         (b"content-type", problems.MEDIA_TYPE.encode()),
         (b"content-length", str(len(content)).encode()),
         (b"retry-after", str(RETRY_AFTER_S).encode()),
+        *([(b"connection", b"close")] if closing else []),
     ]
     return (
         {"type": "http.response.start", "status": status, "headers": headers},
@@ -134,14 +140,14 @@ class Admission:
         caller: Caller = scope["state"]["caller"]
         lane, who = self.lane_of(caller, scope["path"]), caller.id
         if lane._held[who] >= lane.per_caller:
-            await lane.refuse(send, 429)
+            await lane.refuse(scope, send, 429)
             return
         lane._held[who] += 1
         try:
             try:
                 await asyncio.wait_for(lane._free.acquire(), timeout=self.wait_s)
             except TimeoutError:
-                await lane.refuse(send, 503)
+                await lane.refuse(scope, send, 503)
                 return
             try:
                 await self.app(scope, receive, send)

@@ -75,7 +75,7 @@ class Gate:
         refusal = await self.check(scope)
         if refusal is not None:
             # The body stays unread; closing the connection spares the server draining it.
-            await refusal(scope, receive, _closing(send) if _has_body(scope) else send)
+            await refusal(scope, receive, _closing(send) if has_body(scope) else send)
             return
         limit = self.max_bytes(scope)
         declared = problems.header(scope, b"content-length")
@@ -153,14 +153,16 @@ class BoundedBody:
 
 async def _too_large(scope: Scope, send: Send, limit: int) -> None:
     document = problems.body(413, "body-too-large", "Request body too large", _limit_detail(limit))
-    await problems.send(scope, send, document, 413, headers=CLOSE if _has_body(scope) else None)
+    await problems.send(scope, send, document, 413, headers=CLOSE if has_body(scope) else None)
 
 
 def _limit_detail(limit: int) -> str:
     return f"the request body may have at most {limit} bytes"
 
 
-def _has_body(scope: Scope) -> bool:
+def has_body(scope: Scope) -> bool:
+    """Whether a body may follow the request's head: a refusal then closes the connection, so
+    the server never reads (or drains) what it refused."""
     declared = problems.header(scope, b"content-length")
     return declared not in (None, "0") or problems.header(scope, b"transfer-encoding") is not None
 

@@ -228,3 +228,20 @@ def test_a_replaced_agent_credential_is_forgotten_at_once_by_the_process_that_re
         assert client.post("/v1/agents/heartbeats", json=beat, headers=as_old).status_code == 200
         assert client.post(issue, headers=operator).status_code == 201  # replaced
         assert client.post("/v1/agents/heartbeats", json=beat, headers=as_old).status_code == 401
+
+
+async def test_a_refused_request_with_a_body_closes_its_connection_unread(db_url):
+    """Admission's 429 (and 503) to a request whose body is on its way closes the connection,
+    as the gate's refusals do: the server never reads a refused 64 MiB upload off the socket."""
+    (key,) = _tenant(db_url, "uploader", keys=1)
+    held = Held()
+    app = _stack(db_url, held, tenant_slots=4, caller_share=0.25)  # one slot a tenant
+    async with _client(app, key) as client:
+        holding = asyncio.create_task(client.get("/v1/allocations"))
+        await held.until(1)
+        without_body = await client.get("/v1/allocations")
+        with_body = await client.post("/v1/allocations", content=b"{}", headers={"content-type": "application/json"})
+        assert without_body.status_code == with_body.status_code == 429
+        assert "connection" not in without_body.headers and with_body.headers["connection"] == "close"
+        held.go.set()
+        await holding
