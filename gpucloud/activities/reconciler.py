@@ -22,7 +22,6 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from gpucloud.activities import ActivityGroup
-from gpucloud.api import idempotency
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.health_tables import OperatorAlertRecord
@@ -36,7 +35,7 @@ from gpucloud.models.messages import (
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import AgentCredential, Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
-from gpucloud.services import agent_credentials
+from gpucloud.services import agent_credentials, idempotency_records
 from gpucloud.services import nodes as node_service
 from gpucloud.services.workflows import running_node_operations, signal_replace_node, start_bringup_batches
 from gpucloud.web import metrics
@@ -168,7 +167,9 @@ class ReconcilerActivities(ActivityGroup):
             from gpucloud.workers.recovery import adopt_orphans
 
             result.adopted = await adopt_orphans(self.client, self.db, self.settings)
-            result.idempotency_expired = await asyncio.to_thread(idempotency.delete_expired, self.db.url, now=utcnow())
+            result.idempotency_expired = await asyncio.to_thread(
+                idempotency_records.delete_expired, self.db.url, now=utcnow()
+            )
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
         health_pulls = [p.node_id for p in plans if p.health_pull]
         if health_pulls:

@@ -114,16 +114,6 @@ def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: s
     return None
 
 
-def delete_expired(db_url: str, *, now: datetime, limit: int = 1000) -> int:
-    """Forget up to `limit` records past their retention (the reconciler's sweep calls this, so
-    stored responses do not outlive the promise); an expired key reads as unused either way."""
-    with session_scope(db_url) as session:
-        expired = (
-            select(IdempotencyRecord.seq).where(col(IdempotencyRecord.expires_at) <= now).limit(limit).scalar_subquery()
-        )
-        return rowcount(session.execute(sa.delete(IdempotencyRecord).where(col(IdempotencyRecord.seq).in_(expired))))
-
-
 def _renew(db_url: str, caller: str, key: str) -> None:
     with session_scope(db_url) as session:
         session.execute(

@@ -9,11 +9,11 @@ from datetime import timedelta
 from sqlmodel import col, select
 
 from gpucloud.activities.reconciler import ReconcilerActivities
-from gpucloud.api.idempotency import delete_expired
 from gpucloud.config import Settings
 from gpucloud.db import Database, session_scope
 from gpucloud.models.messages import SweepInput
 from gpucloud.models.tables import IdempotencyRecord, utcnow
+from gpucloud.services.idempotency_records import delete_expired
 
 
 def _record(key: str, *, expires_in: timedelta) -> IdempotencyRecord:
