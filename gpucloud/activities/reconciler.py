@@ -33,7 +33,7 @@ from gpucloud.models.messages import (
     SweepResult,
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
-from gpucloud.models.tables import AgentCredential, Node, utcnow
+from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
 from gpucloud.services import agent_credentials, idempotency_records
 from gpucloud.services import nodes as node_service
@@ -45,7 +45,7 @@ from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_i
 
 # Nodes whose credential was revoked with their allocation: they cannot report, so their
 # silence is no news (the reconciler never marks them unreachable for it).
-_REVOKED = select(col(AgentCredential.node_id)).where(col(AgentCredential.revoked_at).is_not(None))
+_REVOKED = agent_credentials.REVOKED_NODES
 # Nodes whose agents are expected to report: heard from before, neither gone (RMA, retired) nor
 # under maintenance (which may power a host off), nor revoked.
 _EXPECTED_TO_REPORT = sa.and_(

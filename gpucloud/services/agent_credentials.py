@@ -65,18 +65,16 @@ def revoke(session: Session, node_ids: Iterable[str], *, now: datetime) -> None:
         )
 
 
+# The nodes whose credential is revoked (a select to use inside another query).
+REVOKED_NODES = select(col(AgentCredential.node_id)).where(col(AgentCredential.revoked_at).is_not(None))
+
+
 def revoked(session: Session, node_ids: Iterable[str]) -> set[str]:
     """Those of the nodes whose credential is revoked: they cannot report until their next wipe."""
     ids = list(node_ids)
     if not ids:
         return set()
-    return set(
-        session.exec(
-            select(col(AgentCredential.node_id)).where(
-                col(AgentCredential.node_id).in_(ids), col(AgentCredential.revoked_at).is_not(None)
-            )
-        ).all()
-    )
+    return set(session.exec(REVOKED_NODES.where(col(AgentCredential.node_id).in_(ids))).all())
 
 
 class WipeRotation:
