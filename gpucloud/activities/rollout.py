@@ -31,7 +31,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
-from gpucloud.adapters.host_agent import HttpHostAgents
+from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
 from gpucloud.db import Database
 from gpucloud.models.rollout_messages import (
     NodeOutcome,
@@ -99,14 +99,17 @@ class RolloutActivities(ActivityGroup):
         tracker_url: str,
         manifests: ManifestSource,
         db: Database | None = None,
-        agents: HttpHostAgents | None = None,
+        agents: HostAgents | None = None,
         request_timeout_s: float = 3600.0,
         issuer: Issuer | None = None,
     ) -> None:
         self.tracker_url, self._manifests, self._db = tracker_url, manifests, db
         self._issuer = issuer  # signs the swarm's and the tracker's tokens
-        # The control plane's one client of agents, which signs each call for its node.
-        self._agents = agents or HttpHostAgents(issuer=issuer, timeout_s=request_timeout_s)
+        # The control plane's one client of agents (the worker's), which signs each call for its
+        # node; a rollout's calls take `request_timeout_s` each (a prefetch moves a whole version).
+        self._owns_agents = agents is None
+        self._agents: HostAgents = agents or HttpHostAgents(issuer=issuer)
+        self._request_timeout_s = request_timeout_s
         self._signed: dict[tuple[str, str], SignedManifest] = {}
 
     def _swarm_tokens(self, req: WaveInput, node: RolloutTarget) -> dict[str, str | None]:
@@ -133,7 +136,8 @@ class RolloutActivities(ActivityGroup):
         return TrackerClient(self.tracker_url, token=token)
 
     async def aclose(self) -> None:
-        await self._agents.aclose()
+        if self._owns_agents:  # the worker's own client is the worker's to close
+            await self._agents.aclose()
 
     # Target and swarm -----------------------------------------------------------------------
 
@@ -263,7 +267,9 @@ class RolloutActivities(ActivityGroup):
         return WaveResult(outcomes=outcomes, dropped=dropped)
 
     async def _post(self, node: RolloutTarget, path: str, body: dict, step: str) -> NodeOutcome:
-        response = await self._agents.call("POST", node.agent_url, path, node_id=node.node_id, json=body)
+        response = await self._agents.call(
+            "POST", node.agent_url, path, node_id=node.node_id, json=body, timeout_s=self._request_timeout_s
+        )
         if response.status_code != 200:
             return NodeOutcome(node_id=node.node_id, ok=False, detail=f"{step}: {_detail(response)}")
         state = response.json()
@@ -363,7 +369,14 @@ class RolloutActivities(ActivityGroup):
             "evaluators": evaluation.evaluators,
             "command": evaluation.command.model_dump(mode="json") if evaluation.command else None,
         }
-        response = await self._agents.call("POST", node.agent_url, "/weights/evaluate", node_id=node.node_id, json=body)
+        response = await self._agents.call(
+            "POST",
+            node.agent_url,
+            "/weights/evaluate",
+            node_id=node.node_id,
+            json=body,
+            timeout_s=self._request_timeout_s,
+        )
         if response.status_code != 200:
             return outcome.model_copy(update={"ok": False, "detail": f"evaluate: {_detail(response)}"})
         found = response.json()["outcomes"]

@@ -28,6 +28,18 @@ class AgentRefused(RuntimeError):
 class HostAgents(Protocol):
     async def act(self, agent_url: str, action: AgentAction, req: ActionRequest, *, node_id: str) -> dict[str, Any]: ...
 
+    async def call(
+        self,
+        method: str,
+        agent_url: str,
+        path: str,
+        *,
+        node_id: str,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response: ...
+
     async def aclose(self) -> None: ...
 
 
@@ -80,11 +92,19 @@ class HttpHostAgents:
         node_id: str,
         json: dict[str, Any] | None = None,
         params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> httpx.Response:
         """One request to the node's agent (its weights API: `/weights/...`); the answer as it
-        came. Raises `httpx.HTTPError` when the agent cannot be reached."""
+        came. `timeout_s`: this call's own (a prefetch of a whole version), else the client's.
+        Raises `httpx.HTTPError` when the agent cannot be reached."""
+        timeout = httpx.Timeout(timeout_s, connect=5.0) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
         return await self._client.request(
-            method, f"{agent_url.rstrip('/')}{path}", json=json, params=params, headers=self._auth(node_id)
+            method,
+            f"{agent_url.rstrip('/')}{path}",
+            json=json,
+            params=params,
+            headers=self._auth(node_id),
+            timeout=timeout,
         )
 
     def _auth(self, node_id: str) -> dict[str, str]:

@@ -87,6 +87,7 @@ def build_worker(
         tracker_url=settings.tracker.url,
         db=cp.db,
         manifests=cp.registry.manifests,
+        agents=cp.agents,
         issuer=bootstrap.token_issuer(settings),
     )
     tenant = TenantActivities(cp.db, fabric=cp.fabric, ledger=cp.ledger, client=client, fault_hook=fault_hook)
