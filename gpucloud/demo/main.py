@@ -4,7 +4,8 @@ Create a tenant and a key, allocate GPU nodes (idempotently), watch them provisi
 watch the reconciler restore a node wiped behind its back, fail a GPU and watch its node pulled
 and replaced in the same fabric domain, push and pull model weights, roll the production version
 out to the allocation in waves and watch a failing candidate roll back, cancel, and watch the nodes
-(the pulled one through repair) go back to the pool through wipe and burn-in; last, the
+(the pulled one through repair) booted once from the clean image through their BMCs, checked,
+wiped and burned in before a second tenant gets them; last, the
 allocation's GPU time as the ledger billed it, to the millisecond, and the period's draft invoice.
 """
 
@@ -23,6 +24,7 @@ from gpucloud import bootstrap
 from gpucloud.client.api import ApiError, ApiTimeout, Gpucloud
 from gpucloud.config import Settings
 from gpucloud.demo.billing import demo_invoice
+from gpucloud.demo.cleaning import show_reimage
 from gpucloud.demo.common import Demo, DemoFailed
 from gpucloud.demo.health import demo_health
 from gpucloud.demo.power import demo_power_cycle
@@ -116,14 +118,34 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     pushed = demo_weights(demo.console, demo.api_url, acme_key, data_dir)
     demo_rollout(demo, acme, alloc_id, production=pushed.production, bad=pushed.bad)
 
+    held = [n.id for n in _members(demo, alloc_id)]
+    seen = {n: len(list(demo.operator.nodes.events(n))) for n in held}
     cancel = acme.allocations.cancel(alloc_id)
     demo.console.print(f"cancel accepted: allocation is [yellow]{cancel.allocation.status}[/]")
     demo.wait("agents confirm release", 1, lambda: int(acme.allocations.get(alloc_id).status == "released"))
-    demo.wait("nodes wiped, burned in, back in the pool", nodes, lambda: _in_state(demo, "available"))
+    demo.wait(
+        "nodes re-imaged through their BMCs, wiped, burned in, back in the pool",
+        nodes,
+        lambda: _in_state(demo, "available"),
+        timeout_s=300,
+    )
     states = Counter(n.state.value for n in demo.operator.nodes.list())
     demo.console.print(f"allocation [bold]released[/]; fleet: {dict(states)}")
+    show_reimage(demo, held[0], seen=seen[held[0]], tenant=tenant.name)
+    _next_tenant(demo, held, want=len(held))
     demo_power_cycle(demo)
     demo_invoice(demo, acme, alloc_id)
+
+
+def _next_tenant(demo: Demo, cleaned: list[str], *, want: int) -> None:
+    """A second tenant's allocation after acme's: it gets nodes acme held, each re-imaged since."""
+    tenant, key = onboard(demo, "initech")
+    alloc_id = _allocate(demo, demo.tenant(key), want)
+    reused = sorted(set(cleaned) & {n.id for n in _members(demo, alloc_id)})
+    demo.console.print(
+        f"tenant {tenant.name} got {', '.join(reused) or 'other nodes'}"
+        + (" [green]re-imaged out of band since acme held them[/]" if reused else "")
+    )
 
 
 def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool = False) -> int:
@@ -152,6 +174,7 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool =
         billing=True,
         tracker=True,
         bmc=True,
+        clean_image=True,
     )
     started = time.monotonic()
     try:

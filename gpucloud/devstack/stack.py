@@ -14,6 +14,7 @@ with none of the platform's secrets (`evaluation_worker_env`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import random
 import signal
@@ -38,6 +39,12 @@ from gpucloud.sim.fabric_managers import register_nvl_domains
 from gpucloud.web import tls
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 from gpucloud.web.tls import LocalCA
+
+# The clean image the stack serves (`Stack.clean_image`). A real one is a bootable ISO that starts
+# the agent and writes its own digest where the agent reads it (`gpucloud agent
+# --image-digest-file`); simulated nodes booted from it report the sha256 of these bytes.
+CLEAN_IMAGE_NAME = "gpucloud-clean.iso"
+CLEAN_IMAGE = b"gpucloud clean node image for the simulated fleet, v1\n"
 
 
 class StackError(RuntimeError):
@@ -133,10 +140,26 @@ class Stack:
     faults_paused: bool = False
     # Every simulated node gets a BMC: the Redfish emulator, run by the fleet (`sim --bmc`).
     bmc: bool = False
+    # Cleaning between tenants boots a known image through each node's BMC (`activities/bmc.py`):
+    # with `clean_image`, the stack serves one over loopback (`images`), as an operator's boot
+    # image server would, and sets `bmc.clean_image_url` and its digest for the workers.
+    clean_image: bool = False
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _fabric_port: int = field(default=0, init=False)
+    _images_port: int = field(default=0, init=False)
 
-    COMPONENTS = ("temporal", "ledger", "fabric", "tracker", "worker", "evaluations", "api", "sim")
+    COMPONENTS = ("temporal", "images", "ledger", "fabric", "tracker", "worker", "evaluations", "api", "sim")
+
+    def __post_init__(self) -> None:
+        if self.clean_image:
+            self._images_port = free_port()
+            bmc = self.settings.bmc.model_copy(
+                update={
+                    "clean_image_url": f"http://127.0.0.1:{self._images_port}/{CLEAN_IMAGE_NAME}",
+                    "clean_image_sha256": hashlib.sha256(CLEAN_IMAGE).hexdigest(),
+                }
+            )
+            self.settings = self.settings.model_copy(update={"bmc": bmc})
 
     @property
     def fabric_url(self) -> str:
@@ -202,6 +225,7 @@ class Stack:
         wanted = [name for name in self.COMPONENTS if only is None or name in only]
         wanted = [name for name in wanted if name != "fabric" or self.fabric]
         wanted = [name for name in wanted if name != "tracker" or self.tracker]
+        wanted = [name for name in wanted if name != "images" or self.clean_image]
         return [name for name in wanted if name != "ledger" or self.billing]
 
     def _check_ports(self, components: list[str]) -> None:
@@ -215,6 +239,7 @@ class Stack:
             "fabric": ("fabric managers", "127.0.0.1", int(self.fabric_url.rsplit(":", 1)[1])),
             "tracker": ("weight tracker", tracker.host, tracker.port or 80),
             "bmc": ("Redfish emulator", "127.0.0.1", self.settings.bmc.emulator_port),
+            "images": ("boot image server", "127.0.0.1", self._images_port),
         }
         if self.bmc and "sim" in components:
             components = [*components, "bmc"]
@@ -265,6 +290,18 @@ class Stack:
             ),
         )
         self._wait("temporal", self._temporal_ready, 90)
+
+    def _start_images(self, on_step: Callable[[str], None]) -> None:
+        """The clean image, read-only over loopback HTTP: what a BMC's virtual media fetches."""
+        on_step("starting boot image server")
+        images = self.settings.data_dir.resolve() / "images"
+        images.mkdir(parents=True, exist_ok=True)
+        (images / CLEAN_IMAGE_NAME).write_bytes(CLEAN_IMAGE)
+        port = str(self._images_port)
+        self._spawn(
+            "images", [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(images), port]
+        )
+        self._wait("images", lambda: self._http_ok(self.settings.bmc.clean_image_url or ""), 30)
 
     def _start_ledger(self, on_step: Callable[[str], None]) -> None:
         on_step("starting billing ledger")

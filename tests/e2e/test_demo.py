@@ -34,6 +34,10 @@ def test_demo_runs_end_to_end(tmp_path):
     # Weights: the platform's sanity evaluator finds the NaN, and the gate refuses the candidate.
     assert "platform-signed" in output and "failing evaluation gates" in output
     assert "layers.7.weight" in output and "refused, as it should be" in output
+    # Cleaning: acme's nodes booted once from the clean image through their BMCs' virtual media,
+    # the booted digest checked, before the next tenant got them.
+    assert "cleaned between tenants" in output and "image_inserted" in output and "image_verified" in output
+    assert "re-imaged out of band since acme held them" in " ".join(output.split())  # rich wraps lines
     # Billing: every millisecond the agents metered is in the ledger; the period's draft invoice.
     assert "the ledger holds exactly" in output and "draft until the period ends" in output
     # The stack was stopped: nothing of it keeps running (its ports are free again).
