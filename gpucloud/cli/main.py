@@ -206,7 +206,10 @@ def agent(
     ] = None,
     heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats to the control plane")] = 10.0,
     reading_s: Annotated[float, typer.Option(help="seconds between counter readings sent to it")] = 30.0,
-    allow_simulated: Annotated[bool, typer.Option(help="simulate GPUs where NVML is absent (dev only)")] = False,
+    allow_simulated: Annotated[
+        bool,
+        typer.Option(envvar="GPUCLOUD_AGENT_ALLOW_SIMULATED", help="simulate GPUs where NVML is absent (dev only)"),
+    ] = False,
     ledger_url: Annotated[
         str | None,
         typer.Option(help="meter usage to this billing ledger (default: GPUCLOUD_LEDGER__URL; none: not metered)"),
@@ -214,7 +217,9 @@ def agent(
     spool: Annotated[Path, typer.Option(help="the durable usage spool (SQLite)")] = Path(
         "/var/lib/gpucloud/usage-spool.db"
     ),
-    meter_interval_s: Annotated[float, typer.Option(help="usage sample interval")] = 60.0,
+    meter_interval_s: Annotated[
+        float, typer.Option(envvar="GPUCLOUD_AGENT_METER_INTERVAL_S", help="seconds between usage samples")
+    ] = 60.0,
     gpu_type: Annotated[str | None, typer.Option(help="price-book GPU type (default: from NVML's name)")] = None,
     token: Annotated[
         str | None,

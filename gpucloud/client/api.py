@@ -20,9 +20,11 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from gpucloud.api.schemas import (
+    AgentCredentialIssued,
     AllocationAccepted,
     ApiKeyCreated,
     ApiKeyList,
+    EnrollResult,
     InvoiceList,
     NodeActionResult,
     NodeEventPublic,
@@ -217,6 +219,14 @@ class Nodes(_Resource):
 
     def summary(self) -> dict[str, Any]:
         return self.api.get("/v1/fleet/summary")
+
+    def enroll(self, nodes: Collection[dict[str, Any]]) -> EnrollResult:
+        """Record nodes (`NodeEnroll` each) and start their bring-up; known ones are left as they are."""
+        return self._post(EnrollResult, "/v1/nodes:enroll", {"nodes": [*nodes]}, retry=True)
+
+    def agent_credential(self, node_id: str) -> AgentCredentialIssued:
+        """A new credential for the node's agent (the one before stops working): shown once."""
+        return self._post(AgentCredentialIssued, f"/v1/nodes/{node_id}/agent-credential", {})
 
     def act(self, node_id: str, action: str, reason: str = "") -> NodeActionResult:
         """`cordon`, `uncordon` or `drain`, with the reason recorded in the node's events."""

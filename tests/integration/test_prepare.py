@@ -7,52 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from gpucloud.cli.main import app
-from gpucloud.devstack.stack import free_port, port_in_use
-from gpucloud.devstack.temporal_server import temporal_binary
+from gpucloud.devstack.stack import free_port
 from gpucloud.ledger.db import LedgerDatabase
 from gpucloud.ledger.pricebook import list_versions
 from support.s3 import CREDENTIALS, s3_client
-
-
-@pytest.fixture
-def bare_temporal() -> Iterator[str]:
-    """A dev server started without our namespace or search attributes (in memory)."""
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            temporal_binary(),
-            "server",
-            "start-dev",
-            "--ip",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--headless",
-            "--log-level",
-            "error",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(300):
-            if port_in_use("127.0.0.1", port) or server.poll() is not None:
-                break
-            time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def env_for(tmp_path: Path, temporal: str, namespace: str, s3: str, bucket: str) -> dict[str, str]:
@@ -89,6 +53,7 @@ ITEMS = {
     "Temporal payload keys",
     "evaluator key",
     "metrics token",
+    "API delegate",
     "Temporal namespace",
     "search attributes",
     "object store",

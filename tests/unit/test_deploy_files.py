@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,13 +16,21 @@ from typer.testing import CliRunner
 
 from gpucloud.cli.main import app
 from gpucloud.config import Settings
+from support.systemd import Host
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 # Variables read outside the settings model: where the settings live, the log level, and the
 # options of `gpucloud agent` taken from the environment (agent.env).
-NOT_SETTINGS = {"GPUCLOUD_SECRETS_DIR", "GPUCLOUD_LOG_LEVEL", "GPUCLOUD_NODE_ID", "GPUCLOUD_AGENT_METRICS_TOKEN"}
+NOT_SETTINGS = {
+    "GPUCLOUD_SECRETS_DIR",
+    "GPUCLOUD_LOG_LEVEL",
+    "GPUCLOUD_NODE_ID",
+    "GPUCLOUD_AGENT_METRICS_TOKEN",
+    "GPUCLOUD_AGENT_ALLOW_SIMULATED",
+    "GPUCLOUD_AGENT_METER_INTERVAL_S",
+}
 
 
 def is_setting(name: str) -> bool:
@@ -34,30 +41,6 @@ def is_setting(name: str) -> bool:
     if not field:
         return section in fields
     return section in fields and field in fields[section].annotation.model_fields  # type: ignore[union-attr]
-
-
-def env_file(path: str) -> dict[str, str]:
-    """An EnvironmentFile= as shipped: /etc/gpucloud/gpucloud.env is the example, copied as is."""
-    shipped = {"/etc/gpucloud/gpucloud.env": DEPLOY / "gpucloud.env.example"}
-    assigned: dict[str, str] = {}
-    for line in shipped[path.removeprefix("-")].read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith(("#", ";")):
-            name, _, value = line.partition("=")
-            assigned[name.strip()] = value.strip()
-    return assigned
-
-
-def unit_environment(unit: Path, instance: str) -> dict[str, str]:
-    """The environment systemd gives an instance of `unit`, by systemd.exec(5)'s rules: its
-    Environment= lines in order (a later assignment wins), then its EnvironmentFile= files in
-    order, which override Environment= wherever each line stands in the unit."""
-    text = unit.read_text().replace("%i", instance)
-    environment: dict[str, str] = {}
-    for line in re.findall(r"^Environment=(.*)$", text, re.MULTILINE):
-        environment |= dict(word.split("=", 1) for word in shlex.split(line))
-    for path in re.findall(r"^EnvironmentFile=(.*)$", text, re.MULTILINE):
-        environment |= env_file(path.strip())
-    return environment
 
 
 def assert_runs(argv: list[str]) -> None:
@@ -110,10 +93,19 @@ def test_the_environment_file_names_only_settings() -> None:
             assert is_setting(name), name
 
 
-def test_worker_instances_on_one_host_get_their_own_metrics_ports() -> None:
-    worker = DEPLOY / "systemd" / "gpucloud-worker@.service"
-    ports = {i: unit_environment(worker, i).get("GPUCLOUD_TELEMETRY__WORKER_PORT") for i in ("4", "5")}
+def test_worker_instances_on_one_host_get_their_own_metrics_ports(tmp_path: Path) -> None:
+    """By systemd's rules (`support.systemd`): the environment file, copied as shipped, overrides
+    the unit's Environment=, so it must leave the port to each instance."""
+    host = Host(tmp_path)
+    host.install(DEPLOY / "gpucloud.env.example", "/etc/gpucloud/gpucloud.env")
+    ports = {i: host.unit(f"gpucloud-worker@{i}").environment().get("GPUCLOUD_TELEMETRY__WORKER_PORT") for i in "45"}
     assert ports == {"4": "9464", "5": "9465"}, ports
+    # The rule itself: a port in the environment file would win over both instances' own.
+    env_file = host.path("/etc/gpucloud/gpucloud.env")
+    env_file.write_text(env_file.read_text() + "GPUCLOUD_TELEMETRY__WORKER_PORT=9464\n")
+    assert {host.unit(f"gpucloud-worker@{i}").environment()["GPUCLOUD_TELEMETRY__WORKER_PORT"] for i in "45"} == {
+        "9464"
+    }
 
 
 def test_units_run_real_commands_and_pass_systemd_analyze(tmp_path: Path) -> None:
