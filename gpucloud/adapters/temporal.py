@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.client import Client, Interceptor, TLSConfig
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter, PayloadCodec
-from temporalio.runtime import Runtime
+from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
 
 from gpucloud.config import TemporalSettings, write_private
 
@@ -144,6 +145,31 @@ def tls_config(settings: TemporalSettings) -> TLSConfig | bool:
     )
 
 
+# The SDK's core (Rust) writes its own log lines to stderr as coloured text; forwarded instead,
+# they go through Python's logging as `temporalio.core.<target>`, in the process's format (one
+# JSON object a line under `telemetry.log_format=json`).
+CORE_LOGGER = logging.getLogger("temporalio.core")
+
+
+def core_logging() -> LoggingConfig:
+    return LoggingConfig(
+        filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+        forwarding=LogForwardingConfig(logger=CORE_LOGGER),
+    )
+
+
+_runtime: Runtime | None = None
+
+
+def default_runtime() -> Runtime:
+    """The process's one runtime for clients that bring none: the SDK's default, its core's logs
+    forwarded (`core_logging`)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime(telemetry=TelemetryConfig(logging=core_logging()))
+    return _runtime
+
+
 async def connect(
     settings: TemporalSettings,
     *,
@@ -157,6 +183,6 @@ async def connect(
         data_converter=data_converter(keys),
         tls=tls_config(settings),
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
-        runtime=runtime,
+        runtime=runtime or default_runtime(),
         interceptors=interceptors,
     )

@@ -202,7 +202,9 @@ class TemporalMetrics:
         from temporalio.runtime import MetricBuffer, MetricBufferDurationFormat, Runtime, TelemetryConfig
 
         self.buffer = MetricBuffer(100_000, duration_format=MetricBufferDurationFormat.SECONDS)
-        self.runtime = Runtime(telemetry=TelemetryConfig(metrics=self.buffer))
+        from gpucloud.adapters.temporal import core_logging
+
+        self.runtime = Runtime(telemetry=TelemetryConfig(metrics=self.buffer, logging=core_logging()))
         self._families: dict[int, tuple[Any, list[str]]] = {}
         self._by_name: dict[str, tuple[Any, list[str]]] = {}
         self._skipped: set[str] = set()

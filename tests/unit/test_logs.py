@@ -91,3 +91,38 @@ def test_a_command_logs_json_when_told(tmp_path) -> None:
     logged = lines(done.stderr)
     assert logged and all(line["level"] in ("info", "warning") for line in logged)
     assert any("Running upgrade" in line["message"] for line in logged)
+
+
+CORE_LOGS = """
+import asyncio, sys, time
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.worker import Worker
+from gpucloud.adapters.temporal import default_runtime
+from gpucloud.observability import logs
+
+@activity.defn
+async def nothing() -> None: ...
+
+async def main():
+    logs.configure(fmt="json")
+    client = await Client.connect(sys.argv[1], namespace="no-such-namespace", runtime=default_runtime())
+    try:
+        await asyncio.wait_for(Worker(client, task_queue="q", activities=[nothing]).run(), 10)
+    except BaseException:
+        pass
+
+asyncio.run(main())
+time.sleep(3)  # the core forwards its lines in batches
+"""
+
+
+def test_the_temporal_cores_own_lines_join_the_json_stream(bare_temporal: str) -> None:
+    """The SDK's core (Rust) would print its warnings as coloured text to stderr; the runtime
+    every gpucloud client uses forwards them through Python's logging, so they are JSON too."""
+    done = subprocess.run([sys.executable, "-c", CORE_LOGS, bare_temporal], capture_output=True, text=True, timeout=60)
+    assert "\x1b[" not in done.stderr, done.stderr[-2000:]
+    assert all(line.startswith("{") for line in done.stderr.splitlines() if line.strip()), done.stderr[-2000:]
+    logged = lines(done.stderr)
+    core = [line for line in logged if line["logger"].startswith("temporalio.core")]
+    assert core and "no-such-namespace" in core[0]["message"], done.stderr[-2000:]
