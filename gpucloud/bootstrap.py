@@ -284,6 +284,20 @@ class ControlPlane:
             await self.ledger.aclose()
 
 
+def unconfigured(settings: Settings) -> list[str]:
+    """What this control plane runs without, in words an operator acts on: each part left out is
+    a capability tenants do not get, which must be said where a worker starts, not found later."""
+    missing = []
+    if settings.fabric.manager_urls is None:
+        missing.append(
+            "no fabric managers (GPUCLOUD_FABRIC__URL): allocations get no InfiniBand partition, NVLink "
+            "partition or VPC of their own, so tenants share the fabric"
+        )
+    if not settings.ledger.url:
+        missing.append("no billing ledger (GPUCLOUD_LEDGER__URL): nothing is metered or billed")
+    return missing
+
+
 def control_plane(settings: Settings) -> ControlPlane:
     return ControlPlane(
         settings=settings,

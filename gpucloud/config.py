@@ -341,6 +341,9 @@ class TrackerSettings(BaseModel):
     """The weight tracker that hands nodes their peers (and the origin) for a version."""
 
     url: str = "http://127.0.0.1:8480"
+    # The address the tracker binds to (`0.0.0.0` for every interface); unset: the URL's host.
+    # The port is the URL's.
+    host: str | None = None
     # How long the tracker trusts its last read of which allocation each swarm node is in: a
     # node that leaves its tenant's allocation loses the tracker and the origin within this.
     holders_fresh_s: float = Field(5.0, gt=0)

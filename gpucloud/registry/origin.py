@@ -110,19 +110,22 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
 
 
 def serve_tracker(settings: Settings) -> None:
-    """Run the tracker and origin on `settings.tracker.url`'s host and port until stopped."""
+    """Run the tracker and origin until stopped: on `tracker.host` (else the URL's host) and the
+    URL's port. The URL is what nodes reach (`https://tracker.internal:8480`), which need not be
+    an address of this host: behind a load balancer or NAT it binds to `tracker.host`."""
     import httpx
     import uvicorn
 
     from gpucloud.registry.tracker_app import KEEPALIVE_S
 
     url = httpx.URL(settings.tracker.url)
-    secure = serve_options(url.host, settings.tls.server, insecure=settings.tls.insecure, what="tracker")
+    host = settings.tracker.host or url.host
+    secure = serve_options(host, settings.tls.server, insecure=settings.tls.insecure, what="tracker")
     # Keep-alive longer than clients keep idle connections (as `PeerServer` does), so the server
     # never closes one just as a client sends on it.
     uvicorn.run(
         create_deployment_tracker(settings),
-        host=url.host,
+        host=host,
         port=url.port or 80,
         log_level="warning",
         log_config=None,

@@ -133,6 +133,8 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
 
     cp = bootstrap.control_plane(settings)
     cp.db.prepare(migrate_on_start=settings.migrates_on_start)
+    for missing in bootstrap.unconfigured(settings):
+        log.warning("running with %s", missing)
     tracing.configure(settings, "worker")
     sdk_metrics = TemporalMetrics().start()
     client = await bootstrap.temporal_client(settings, runtime=sdk_metrics.runtime)

@@ -123,7 +123,7 @@ def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
             "GPUCLOUD_API__WORKERS": "1",
             "GPUCLOUD_LEDGER__URL": f"https://127.0.0.1:{ledger_port}",
             "GPUCLOUD_LEDGER__PORT": str(ledger_port),
-            "GPUCLOUD_TRACKER__URL": f"https://127.0.0.1:{tracker_port}",
+            "GPUCLOUD_TRACKER__URL": f"https://localhost:{tracker_port}",
         },
     )
     secret(host, "GPUCLOUD_DATABASE__URL", control_db)

@@ -67,3 +67,23 @@ def test_a_free_port_is_handed_out_once_across_processes(monkeypatch, tmp_path):
     first, second = stack.free_port(), stack.free_port()
     assert first == one and second == other
     assert (tmp_path / f"gpucloud-ports-{os.getuid()}" / str(one)).exists()
+
+
+def test_a_control_plane_without_fabric_managers_or_ledger_says_what_tenants_go_without(tmp_path) -> None:
+    from gpucloud import bootstrap
+
+    bare = bootstrap.unconfigured(Settings(data_dir=tmp_path))
+    assert len(bare) == 2
+    assert "GPUCLOUD_FABRIC__URL" in bare[0] and "share the fabric" in bare[0]
+    assert "GPUCLOUD_LEDGER__URL" in bare[1]
+    whole = Settings(
+        data_dir=tmp_path, fabric={"url": "https://fabric.internal:8800"}, ledger={"url": "https://l:8700"}
+    )
+    assert bootstrap.unconfigured(whole) == []
+
+
+def test_the_api_url_is_the_configured_one_else_this_hosts_own_on_loopback_for_a_wildcard(tmp_path) -> None:
+    assert Settings(data_dir=tmp_path, api={"url": "https://api.internal:8000/"}).api_url == "https://api.internal:8000"
+    assert Settings(data_dir=tmp_path, api={"host": "0.0.0.0", "port": 9000}).api_url == "http://127.0.0.1:9000"
+    with pytest.raises(ValueError, match="url"):
+        Settings(data_dir=tmp_path, api={"url": "api.internal:8000"})
