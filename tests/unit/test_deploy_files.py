@@ -27,10 +27,19 @@ NOT_SETTINGS = {
     "GPUCLOUD_SECRETS_DIR",
     "GPUCLOUD_LOG_LEVEL",
     "GPUCLOUD_NODE_ID",
+    "GPUCLOUD_AGENT_TOKEN",
     "GPUCLOUD_AGENT_METRICS_TOKEN",
     "GPUCLOUD_AGENT_ALLOW_SIMULATED",
     "GPUCLOUD_AGENT_METER_INTERVAL_S",
+    # The CLI's own (the API it calls, with which key), what an evaluation command is given, and
+    # the test suite's.
+    "GPUCLOUD_API_URL",
+    "GPUCLOUD_API_KEY",
+    "GPUCLOUD_MODEL_DIR",
+    "GPUCLOUD_RECORD_HISTORIES",
+    "GPUCLOUD_TEST_POSTGRES_URL",
 }
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), DEPLOY / "compose.yaml"]
 
 
 def is_setting(name: str) -> bool:
@@ -84,6 +93,20 @@ def test_compose_settings_validate_and_publish_plain_http_on_loopback_only(monke
         for published in service.get("ports", []):
             if plain_http:
                 assert str(published).startswith("127.0.0.1:"), f"{name} publishes {published} without TLS"
+
+
+def test_every_variable_the_documents_name_is_read() -> None:
+    """A variable named in a guide is a setting, or one the code reads by that name: a misspelt
+    one is silently ignored, which the operator finds out only when it matters."""
+    unknown = {
+        (document.name, name.rstrip("_"))
+        for document in DOCUMENTS
+        for name in re.findall(r"GPUCLOUD_[A-Z0-9_]+", document.read_text())
+        if not name.startswith("GPUCLOUD_TEST_") and not is_setting(name.rstrip("_"))
+    }
+    assert unknown == set()
+    code = "\n".join(p.read_text() for p in [*ROOT.glob("gpucloud/**/*.py"), *ROOT.glob("tests/**/*.py")])
+    assert [name for name in sorted(NOT_SETTINGS) if code.count(name) < 2] == []  # here, and where it is read
 
 
 def test_the_environment_file_names_only_settings() -> None:
