@@ -176,7 +176,40 @@ def build_evaluation_worker(client: Client, settings: Settings, *, executor: Thr
     )
 
 
+def platform_secrets_in(settings: Settings) -> list[str]:
+    """What of the platform's secrets `settings` hold, by variable (or file) name: the
+    evaluation worker runs tenants' code, so it must be started with none of them
+    (`Settings.for_evaluation_worker`, deploy/evaluations.env.example)."""
+    held = [
+        variable
+        for variable, value in (
+            ("GPUCLOUD_DATABASE__URL", settings.database.url),
+            ("GPUCLOUD_LEDGER__DATABASE_URL", settings.ledger.database_url),
+            ("GPUCLOUD_OBJECT_STORE__SECRET_ACCESS_KEY", settings.object_store.secret_access_key),
+            ("GPUCLOUD_API__OPERATOR_TOKEN", settings.api.operator_token),
+            ("GPUCLOUD_API__PAGE_TOKEN_SECRET", settings.api.page_token_secret),
+            ("GPUCLOUD_AGENT__ISSUER_KEY", settings.agent.issuer_key),
+            ("GPUCLOUD_AGENT__CREDENTIAL_SECRET", settings.agent.credential_secret),
+            ("GPUCLOUD_REGISTRY__EVALUATOR_KEY", settings.registry.evaluator_key),
+            ("GPUCLOUD_TENANTS__STORAGE_MASTER_KEY", settings.tenants.storage_master_key),
+            ("GPUCLOUD_TELEMETRY__METRICS_TOKEN", settings.telemetry.metrics_token),
+            ("GPUCLOUD_FABRIC__UFM_TOKEN", settings.fabric.ufm_token),
+            ("GPUCLOUD_FABRIC__NMX_TOKEN", settings.fabric.nmx_token),
+            ("GPUCLOUD_FABRIC__VPC_TOKEN", settings.fabric.vpc_token),
+        )
+        if value is not None
+    ]
+    kept = ("issuer_key.pem", "operator_token", "agent_credential_secret", "storage_master_key", "evaluator_key")
+    return held + [str(settings.data_dir / name) for name in kept if (settings.data_dir / name).exists()]
+
+
 async def run_evaluation_worker(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
+    if held := platform_secrets_in(settings):
+        raise SystemExit(
+            "the evaluation worker runs tenants' code and must hold none of the platform's secrets, but it was "
+            f"given {', '.join(held)}: start it with its own environment and data dir "
+            "(deploy/evaluations.env.example, gpucloud-evaluations.service)"
+        )
     client = await bootstrap.temporal_client(settings)
     with ThreadPoolExecutor(
         max_workers=settings.registry.evaluations_at_once, thread_name_prefix="evaluation"

@@ -30,7 +30,14 @@ pytestmark = [
     pytest.mark.long,
     pytest.mark.skipif(not POSTGRES_URL, reason="the guide deploys on Postgres: set GPUCLOUD_TEST_POSTGRES_URL"),
 ]
-CONTROL_PLANE = ("gpucloud-api", "gpucloud-ledger", "gpucloud-tracker", "gpucloud-worker@4", "gpucloud-worker@5")
+CONTROL_PLANE = (
+    "gpucloud-api",
+    "gpucloud-ledger",
+    "gpucloud-tracker",
+    "gpucloud-worker@4",
+    "gpucloud-worker@5",
+    "gpucloud-evaluations",
+)
 
 
 @pytest.fixture
@@ -42,10 +49,10 @@ def databases() -> Iterator[tuple[str, str]]:
         yield control, ledger
 
 
-def configure(host: Host, edits: dict[str, str | None]) -> None:
-    """docs/deploy.md "2. Configure": the example environment file, edited where the operator's
+def configure(host: Host, edits: dict[str, str | None], *, example: str = "gpucloud.env") -> None:
+    """docs/deploy.md "2. Configure": an example environment file, edited where the operator's
     own systems are (`None` drops a line: TLS to Temporal, which a bare dev server lacks)."""
-    env_file = host.install(ROOT / "deploy" / "gpucloud.env.example", "/etc/gpucloud/gpucloud.env", 0o640)
+    env_file = host.install(ROOT / "deploy" / f"{example}.example", f"/etc/gpucloud/{example}", 0o640)
     lines, seen = [], set()
     for line in env_file.read_text().splitlines():
         name = line.partition("=")[0].strip()
@@ -136,6 +143,14 @@ def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
     assert prepared.returncode == 0, prepared.stdout + prepared.stderr
     again = host.run("gpucloud-migrate", timeout_s=180)
     assert again.returncode == 0 and "created" not in again.stdout, again.stdout + again.stderr
+    # The evaluation worker's own environment: Temporal, and the payload keys prepare made.
+    no_temporal_tls = {
+        f"GPUCLOUD_TEMPORAL__TLS{suffix}": None for suffix in ("", "_CA_FILE", "_CERT_FILE", "_KEY_FILE")
+    }
+    configure(host, {"GPUCLOUD_TEMPORAL__ADDRESS": bare_temporal, **no_temporal_tls}, example="evaluations.env")
+    keys = host.path("/etc/gpucloud/evaluations-secrets/GPUCLOUD_TEMPORAL__CODEC_KEYS")
+    keys.parent.mkdir(parents=True)
+    keys.write_bytes(host.path("/var/lib/gpucloud/temporal_codec_keys").read_bytes())
 
     # 4. Start: the control plane's units; each answers /readyz.
     api = f"https://127.0.0.1:{api_port}"
@@ -152,6 +167,12 @@ def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
         }
         for name, url in ready.items():
             wait_ready(url, ca.cert_file, what=name, proc=host.processes[name], log=logs / f"{name}.log")
+        wait_for(
+            lambda: "evaluation worker running" in (logs / "gpucloud-evaluations.log").read_text(),
+            what="the evaluation worker polling its task queue",
+            timeout_s=60,
+            logs=logs,
+        )
 
         # 5. Point the CLI at the deployment: its URL, the operator token, the CA.
         operator_token = host.path("/var/lib/gpucloud/operator_token").read_text().strip()

@@ -109,11 +109,12 @@ def test_every_variable_the_documents_name_is_read() -> None:
     assert [name for name in sorted(NOT_SETTINGS) if code.count(name) < 2] == []  # here, and where it is read
 
 
-def test_the_environment_file_names_only_settings() -> None:
-    for line in (DEPLOY / "gpucloud.env.example").read_text().splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("=", 1)[0]
-            assert is_setting(name), name
+def test_the_environment_files_name_only_settings() -> None:
+    for example in sorted(DEPLOY.glob("*.env.example")):
+        for line in example.read_text().splitlines():
+            if line and not line.startswith("#"):
+                name = line.split("=", 1)[0]
+                assert is_setting(name), f"{example.name}: {name}"
 
 
 def test_worker_instances_on_one_host_get_their_own_metrics_ports(tmp_path: Path) -> None:

@@ -220,3 +220,22 @@ def test_a_token_the_api_refuses_ends_the_evaluation_without_a_run(pushed, tmp_p
         run = _run(stores, signer, signed.digest, tmp_path / "work")
     assert run.refusal == EvaluationRefusal.ACCESS_REFUSED and run.results == {}
     assert "refused the evaluation's token" in (run.failure or "")
+
+
+def test_the_evaluation_worker_refuses_to_start_holding_a_platform_secret(tmp_path: Path) -> None:
+    """Started with the platform's environment by mistake (gpucloud.env, its data dir), it says
+    which secrets it was given and starts nothing; with its own (what `up` and the unit give
+    it), it holds none."""
+    import asyncio
+
+    from gpucloud import bootstrap
+    from gpucloud.workers.main import platform_secrets_in, run_evaluation_worker
+
+    platform = Settings(data_dir=tmp_path / "data", **SECRETS)
+    bootstrap.token_issuer(platform)
+    held = platform_secrets_in(platform)
+    assert "GPUCLOUD_DATABASE__URL" in held and "GPUCLOUD_API__OPERATOR_TOKEN" in held
+    assert str(tmp_path / "data" / "issuer_key.pem") in held
+    with pytest.raises(SystemExit, match="must hold none of the platform's secrets.*GPUCLOUD_DATABASE__URL"):
+        asyncio.run(run_evaluation_worker(platform))
+    assert platform_secrets_in(platform.for_evaluation_worker()) == []
