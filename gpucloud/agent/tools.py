@@ -5,8 +5,10 @@ GPU type), and the `CommandRunner` they run through, which tests (and a dry run)
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -209,10 +211,16 @@ class CommandResult:
 
 
 class CommandRunner:
-    """Finds and runs the hardware tools; tests pass their own."""
+    """Finds and runs the hardware tools, and finds the disks they act on; tests pass their own."""
 
     def which(self, tool: str) -> str | None:
         return shutil.which(tool)
+
+    def is_block_device(self, path: str) -> bool:
+        try:
+            return stat.S_ISBLK(os.stat(path).st_mode)
+        except OSError:
+            return False
 
     def run(self, argv: tuple[str, ...], timeout_s: float) -> CommandResult:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
