@@ -18,8 +18,9 @@ It serves the weights API a staged rollout drives (`/weights/*`: prefetch, verif
 check, evaluate, rollback) and the peer service its swarm fetches chunks from (`/chunks/*`), for
 the tenant holding the node, from `<state_dir>/weights` (`gpucloud.agent.tenant_weights`).
 
-Actions that drive hardware run real tools (`ACTION_COMMANDS`); where a tool is not installed the
-action answers 501 with a problem naming it, never a pretend success. The tools run through a
+Actions that drive hardware run real tools (`ACTION_COMMANDS`; a wipe's GPU reset and disk
+sanitize: `agent/cleaning.py`); where a tool is not installed the action answers 501 with a
+problem naming it, never a pretend success. The tools run through a
 `CommandRunner`, so tests (and a dry run) can stand in for them.
 """
 

@@ -81,7 +81,8 @@ class Cleaner:
         """The tools this wipe needs that are not installed (the agent answers 501 naming them)."""
         needed = [ACTION_COMMANDS[AgentAction.RESET][0][0]]
         needed += ["nvme" if is_nvme(disk) else "blkdiscard" for disk in self.tenant_disks]
-        if any(self._mounts(disk) for disk in self.tenant_disks):
+        listed = self._listed_mounts()
+        if self.tenant_disks and (listed is None or any(mountpoints_of(disk, listed) for disk in self.tenant_disks)):
             needed.append("umount")
         return sorted({tool for tool in needed if self.runner.which(tool) is None})
 
@@ -120,7 +121,15 @@ class Cleaner:
             self._passed(step, result.output or f"{' '.join(argv)} exited 0")
 
     def _sanitize(self, disk: str) -> None:
-        unmounted = [self._unmount(disk, mountpoint) for mountpoint in self._mounts(disk)]
+        listed = self._listed_mounts()
+        if listed is None:  # a disk that may be mounted is not erased under its filesystem
+            self._fail(
+                CleaningStep(step=DISK_SANITIZE, target=disk, method="unmount", ok=False),
+                f"cannot read {self.mounts_file} to see whether {disk} is mounted",
+            )
+        # The last mounted first: a mount on top of another comes off before it.
+        mounted = list(reversed(mountpoints_of(disk, listed)))
+        unmounted = [self._unmount(disk, mountpoint) for mountpoint in mounted]
         done = f"unmounted {', '.join(unmounted)}; " if unmounted else ""
         step, answer = self._nvme_format(disk) if is_nvme(disk) else self._discard(disk)
         self._passed(step, done + answer)
@@ -165,13 +174,11 @@ class Cleaner:
             self._fail(step, f"{disk} is mounted at {mountpoint} and `umount {mountpoint}` failed ({words})")
         return mountpoint
 
-    def _mounts(self, disk: str) -> list[str]:
-        """Where the disk or one of its partitions is mounted, the last mounted first."""
+    def _listed_mounts(self) -> str | None:
         try:
-            listed = self.mounts_file.read_text()
+            return self.mounts_file.read_text()
         except OSError:
-            return []
-        return list(reversed(mountpoints_of(disk, listed)))
+            return None
 
     def _call(self, argv: tuple[str, ...]) -> CommandResult | str:
         try:

@@ -21,6 +21,7 @@ from gpucloud.protocol.reports import NodeReading
 # must exit 0 ("{gpus}": the node's GPU count). Burn-in also holds the figures some print to
 # `BurnInLimits`, then reads the GPUs once more, hot from the stress, for the thermal soak.
 # Recorded outputs of each, success and failure: tests/fixtures/tools/ (its README says whence).
+# A wipe's tools (the reset below, then each tenant disk's sanitize): `agent/cleaning.py`.
 NVFWUPD_CONFIG = "/etc/gpucloud/nvfwupd.yaml"
 ACTION_COMMANDS: dict[AgentAction, tuple[tuple[str, ...], ...]] = {
     AgentAction.BURN_IN: (

@@ -86,7 +86,9 @@ class RecordedTools(CommandRunner):
 
 
 @contextmanager
-def _released_node(tmp_path: Path, outputs=None, *, disks=DISKS, present=DISKS, mounts: str = "", installed=None):
+def _released_node(
+    tmp_path: Path, outputs=None, *, disks=DISKS, present=DISKS, mounts: str | None = "", installed=None
+):
     """A node provisioned for tenant t-a and released, with a file of its tenant in scratch: its
     HTTP client, its tools, its state. `disks`: the agent's tenant disks; `present`: the block
     devices the node has."""
@@ -97,7 +99,8 @@ def _released_node(tmp_path: Path, outputs=None, *, disks=DISKS, present=DISKS, 
         installed=installed,
         tenant_file=scratch / "data",
     )
-    (tmp_path / "mounts").write_text(mounts)
+    if mounts is not None:
+        (tmp_path / "mounts").write_text(mounts)
     state = HostState(node_id="gpu-1", boot_id="b", scratch_dir=scratch, credential="gpa_gpu-1.first")
     probe = SimulatedProbe("gpu-1", gpu_count=8)
     agent = Agent(state, probe, runner=tools, tenant_disks=disks, mounts_file=tmp_path / "mounts")
@@ -224,6 +227,14 @@ def test_a_disk_still_mounted_after_umount_fails_fails_the_wipe_naming_the_mount
         assert "/dev/nvme1n1 is mounted at /mnt/tenant data" in detail and "target is busy" in detail, detail
         assert tools.ran == [RESET, UNMOUNT]  # never formatted under a mounted filesystem
         assert state.tenant_id == "t-a"
+
+
+def test_a_disk_is_not_erased_when_the_mounts_cannot_be_read(tmp_path):
+    with _released_node(tmp_path, mounts=None) as (client, tools, state):
+        failed = _wipe(client)
+        assert failed.status_code == 422
+        assert f"cannot read {tmp_path / 'mounts'} to see whether /dev/nvme1n1 is mounted" in failed.json()["detail"]
+        assert tools.ran == [RESET] and state.tenant_id == "t-a"
 
 
 def test_a_disk_that_does_not_exist_fails_the_wipe_before_anything_runs(tmp_path):
