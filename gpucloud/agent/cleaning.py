@@ -32,7 +32,9 @@ from gpucloud.protocol.actions import DISK_SANITIZE, GPU_RESET, AgentAction, Cle
 # need not match, nvme-format(1) warns); `-o json` (`--output-format`) prints the Identify
 # Controller structure as JSON, its Format NVM Attributes as `fna`.
 NVME_ID_CTRL = ("nvme", "id-ctrl", "{device}", "-o", "json")
-# NVMe base specification, Identify Controller, FNA bit 2: "Cryptographic Erase Supported".
+# NVMe base specification, Identify Controller, FNA bit 2: "Cryptographic Erase Supported". (Bits
+# 0 and 1 say a format, or a secure erase, of one namespace reaches all of the controller's: the
+# operator names only disks that are wholly the tenant's.)
 FNA_CRYPTO_ERASE = 1 << 2
 # nvme-format(1): `--ses` Secure Erase Settings, 1 "User Data Erase", 2 "Cryptographic Erase";
 # `--force` "just send the command immediately without warning of the implications" (without it
