@@ -5,24 +5,33 @@ deduplicates by request_id, so a retried activity never runs an action twice. Er
 classified here: connection errors, timeouts and 5xx are transient (Temporal retries them with
 backoff); a 4xx is the agent refusing the action for good (non-retryable `AgentActionFailed`),
 which sends the node to its failure target. Long actions heartbeat while they wait.
+
+A wipe's answer says how the node was cleaned, step by step (`CleaningStep`: its GPUs reset, each
+tenant disk sanitized, the tenant's files removed); each step is recorded as an event in the
+node's history (`services.cleaning`), once per wipe however often the activity is retried. A
+step the answer marks failed fails the wipe, as the agent's own refusal would.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from pydantic import TypeAdapter, ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.host_agent import AgentRefused, AgentUnreachable, HostAgents
+from gpucloud.db import Database
 from gpucloud.models.messages import AgentActionInput, AgentActionResult, AgentBatchInput, AgentBatchResult
-from gpucloud.protocol.actions import ActionRequest, AgentAction
+from gpucloud.protocol.actions import ActionRequest, AgentAction, CleaningStep
 from gpucloud.services.agent_credentials import WipeRotation
+from gpucloud.services.cleaning import record_cleaning
 
 HEARTBEAT_EVERY_S = 5.0
 # A batch calls this many agents at once.
 BATCH_CONCURRENCY = 32
+_CLEANING = TypeAdapter(list[CleaningStep])
 
 
 class HostAgentActivities(ActivityGroup):
@@ -30,12 +39,14 @@ class HostAgentActivities(ActivityGroup):
         self,
         agents: HostAgents,
         *,
+        db: Database | None = None,
         rotation: WipeRotation | None = None,
         batch_attempts: int = 4,
         batch_retry_base_s: float = 0.5,
     ) -> None:
         # A wipe replaces the node's agent credential (see `WipeRotation`).
         self.rotation = rotation
+        self.db = db  # where a wipe's cleaning steps are recorded (None: they are not)
         # A batch retries an agent that is unreachable or answers 5xx this many times (delays
         # doubling from the base) before it leaves that node to the reconciler.
         self.agents = agents
@@ -43,8 +54,8 @@ class HostAgentActivities(ActivityGroup):
         self.batch_retry_base_s = batch_retry_base_s
 
     async def _call(self, action: AgentAction, req: AgentActionInput, *, commit: bool = True) -> AgentActionResult:
-        """One action on one agent; a wipe's new credential is committed here unless `commit` is
-        False (the caller commits many at once)."""
+        """One action on one agent; a wipe's cleaning is recorded and its new credential committed
+        here unless `commit` is False (the caller does both for many at once)."""
         body = ActionRequest(
             request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id, workload=req.workload
         )
@@ -63,10 +74,21 @@ class HostAgentActivities(ActivityGroup):
         finally:
             if not call.done():
                 call.cancel()
+        if action == AgentAction.WIPE:
+            steps = _cleaning(req.node_id, details)
+            if commit:
+                await asyncio.to_thread(self._record_cleaning, [(req.node_id, req.request_id, steps)])
+            _fail_unclean(req.node_id, steps)
         if action == AgentAction.WIPE and self.rotation is not None and commit:
             # The agent took up the next credential with the wipe: the old one goes now.
             await asyncio.to_thread(self.rotation.commit, req.node_id, req.request_id)
         return AgentActionResult(node_id=req.node_id, action=action, details=details)
+
+    def _record_cleaning(self, wiped: list[tuple[str, str, list[CleaningStep]]]) -> None:
+        if self.db is None or not wiped:
+            return
+        with self.db.session() as session:
+            record_cleaning(session, wiped)
 
     @activity.defn
     async def agent_batch(self, req: AgentBatchInput) -> AgentBatchResult:
@@ -81,14 +103,17 @@ class HostAgentActivities(ActivityGroup):
         gate = asyncio.Semaphore(BATCH_CONCURRENCY)
         done = 0
         wiped: list[tuple[str, str]] = []  # (node id, request id): credentials to commit
+        cleaned: list[tuple[str, str, list[CleaningStep]]] = []  # and their cleaning, to record
 
         async def one(item: AgentActionInput) -> None:
             nonlocal done
             async with gate:
                 for attempt in range(self.batch_attempts):
                     try:
-                        await self._call(req.action, item, commit=False)
+                        answer = await self._call(req.action, item, commit=False)
                         wiped.append((item.node_id, item.request_id))
+                        if req.action == AgentAction.WIPE:
+                            cleaned.append((item.node_id, item.request_id, _cleaning(item.node_id, answer.details)))
                         break
                     except ApplicationError as exc:
                         result.failed[item.node_id] = exc.message
@@ -106,6 +131,7 @@ class HostAgentActivities(ActivityGroup):
                 finished, _ = await asyncio.wait({calls}, timeout=HEARTBEAT_EVERY_S)
                 if finished:
                     calls.result()
+                    await asyncio.to_thread(self._record_cleaning, cleaned)
                     if req.action == AgentAction.WIPE and self.rotation is not None:
                         # The agents took up their next credentials: the old ones go now, in
                         # one transaction (a retry of this activity commits the same ones).
@@ -148,3 +174,29 @@ class HostAgentActivities(ActivityGroup):
     @activity.defn
     async def reflash_node(self, req: AgentActionInput) -> AgentActionResult:
         return await self._call(AgentAction.REFLASH, req)
+
+
+def _cleaning(node_id: str, details: dict) -> list[CleaningStep]:
+    """The steps a wipe's answer lists (none: an agent that does not report them). An answer that
+    cannot be read fails the wipe: nothing is taken for clean on words the control plane cannot
+    check."""
+    try:
+        return _CLEANING.validate_python(details.get("cleaning") or [])
+    except ValidationError as exc:
+        raise ApplicationError(
+            f"agent for {node_id} answered its wipe with cleaning steps that cannot be read: {exc}",
+            type="AgentActionFailed",
+            non_retryable=True,
+        ) from exc
+
+
+def _fail_unclean(node_id: str, steps: list[CleaningStep]) -> None:
+    """A wipe answered as done with a step it marks failed is a failed wipe."""
+    failed = next((step for step in steps if not step.ok), None)
+    if failed is not None:
+        raise ApplicationError(
+            f"agent for {node_id} answered its wipe, but its {failed.step} of {failed.target or 'the node'} "
+            f"failed: {failed.answer}",
+            type="AgentActionFailed",
+            non_retryable=True,
+        )

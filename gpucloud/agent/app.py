@@ -18,8 +18,9 @@ It serves the weights API a staged rollout drives (`/weights/*`: prefetch, verif
 check, evaluate, rollback) and the peer service its swarm fetches chunks from (`/chunks/*`), for
 the tenant holding the node, from `<state_dir>/weights` (`gpucloud.agent.tenant_weights`).
 
-Actions that drive hardware run real tools (`ACTION_COMMANDS`); where a tool is not installed the
-action answers 501 with a problem naming it, never a pretend success. The tools run through a
+Actions that drive hardware run real tools (`ACTION_COMMANDS`; a wipe's GPU reset and disk
+sanitize: `agent/cleaning.py`); where a tool is not installed the action answers 501 with a
+problem naming it, never a pretend success. The tools run through a
 `CommandRunner`, so tests (and a dry run) can stand in for them.
 """
 
@@ -40,6 +41,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent import inspection
+from gpucloud.agent.cleaning import Cleaner, CleaningFailed
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id, read_image_digest
 from gpucloud.agent.probe import Probe
 from gpucloud.agent.reporting import AgentMetering, Reporter
@@ -59,7 +61,7 @@ from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSup
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
-from gpucloud.protocol.actions import ActionAnswer, ActionRequest, AgentAction, known_action
+from gpucloud.protocol.actions import SCRATCH, ActionAnswer, ActionRequest, AgentAction, CleaningStep, known_action
 from gpucloud.protocol.reports import NodeReading
 from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
@@ -93,10 +95,14 @@ class Agent:
         inspect_stack: bool = True,
         workloads: WorkloadSupervisor | None = None,
         weights_dir: Path | None = None,
+        tenant_disks: tuple[str, ...] = (),
+        mounts_file: Path = Path("/proc/mounts"),
     ) -> None:
         """`inspect_stack`: `inspect` checks every layer of the node's stack (`agent/inspection.py`);
         off only where the GPUs are simulated and there is no real stack to check. `weights_dir`:
-        the tenants' model weights (`agent/tenant_weights.py`), removed with the scratch on wipe."""
+        the tenants' model weights (`agent/tenant_weights.py`), removed with the scratch on wipe.
+        `tenant_disks`: the block devices the tenant writes to, sanitized on wipe
+        (`agent/cleaning.py`); `mounts_file`: where the mounted filesystems are listed."""
         self.state, self.probe = state, probe
         self.inspect_stack = inspect_stack
         self.workloads = workloads  # the tenant's processes (None: provision starts nothing)
@@ -106,6 +112,7 @@ class Agent:
         self.tool_timeout_s = tool_timeout_s
         self.burn_in_limits = burn_in_limits
         self.gpu_type = gpu_type  # None: named from the probe's first GPU at provision
+        self.tenant_disks, self.mounts_file = tuple(tenant_disks), mounts_file
         self._clock_ms = clock_ms
 
     async def act(self, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
@@ -130,6 +137,8 @@ class Agent:
             return _problem(409, "Workload running", "a workload is still running; release the node first")
         elif action == AgentAction.BURN_IN and (s.tenant_id is not None or s.workload_running):
             return _problem(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
+        if action == AgentAction.WIPE and (missing := self._cleaner().tools_missing()):
+            return self._not_installed(action, missing)
         failed = await self._run_tools(action)
         if failed is None and action == AgentAction.INSPECT and self.inspect_stack:
             failed = await self._inspect()
@@ -144,12 +153,15 @@ class Agent:
                 await asyncio.to_thread(self.workloads.stop)
             except StopFailed as exc:
                 return _problem(500, "Workload not stopped", str(exc))
+        cleaning = None
         if action == AgentAction.PROVISION:
             s.tenant_id, s.workload_running = req.tenant_id, True
         elif action == AgentAction.RELEASE:
             s.workload_running = False
         elif action == AgentAction.WIPE:
-            self._wipe_scratch()
+            cleaning, failed = await self._wipe()
+            if failed is not None:
+                return failed
             if req.credential:  # the tenant who had root here held the old one
                 s.take_credential(req.credential)
         elif action == AgentAction.REBOOT:
@@ -170,6 +182,7 @@ class Agent:
             gpu_count=len(reading.gpus),
             is_gpu_node=reading.is_gpu_node,
             fatal_error=reading.fatal_error,
+            cleaning=cleaning,
         )
         return 200, answer.model_dump(mode="json")
 
@@ -241,16 +254,19 @@ class Agent:
             started_ms=now_ms,
         )
 
+    def _not_installed(self, action: AgentAction, missing: list[str]) -> tuple[int, dict]:
+        return _problem(
+            501,
+            "Tool not installed",
+            f"{action} needs {', '.join(missing)}, which is not installed on {self.state.node_id}",
+            tools=missing,
+        )
+
     async def _run_tools(self, action: AgentAction) -> tuple[int, dict] | None:
         commands = ACTION_COMMANDS.get(action, ())
         missing = [argv[0] for argv in commands if self.runner.which(argv[0]) is None]
         if missing:
-            return _problem(
-                501,
-                "Tool not installed",
-                f"{action} needs {', '.join(missing)}, which is not installed on {self.state.node_id}",
-                tools=missing,
-            )
+            return self._not_installed(action, missing)
         # Only burn-in needs the GPU count (its command lines and its bandwidth per GPU).
         gpus = len((await asyncio.to_thread(self.probe.read)).gpus) if action == AgentAction.BURN_IN else 0
         for template in commands:
@@ -276,18 +292,45 @@ class Agent:
                 return _problem(422, "Action failed", f"burn-in failed: thermal soak: {why}")
         return None
 
-    def _wipe_scratch(self) -> None:
-        """The tenant's files (its work, its SSH keys, its workload's output, its weights) go; the node is
-        nobody's again."""
+    def _cleaner(self) -> Cleaner:
+        return Cleaner(self.runner, self.tenant_disks, mounts_file=self.mounts_file, timeout_s=self.tool_timeout_s)
+
+    async def _wipe(self) -> tuple[list[CleaningStep], tuple[int, dict] | None]:
+        """The wipe's steps in order: every GPU reset, each tenant disk sanitized, the tenant's
+        files removed (`agent/cleaning.py`); the node is nobody's only when all of them passed.
+
+        A failed reset or sanitize fails the wipe (422 naming the step and the tool's words, so
+        the control plane quarantines the node), and the node stays the tenant's: burn-in refuses
+        it, and the old credential stays until a wipe passes. Its files are removed all the same:
+        nothing is gained by leaving them on a node that waits for repair."""
+        cleaner = self._cleaner()
+        failure: CleaningFailed | None = None
+        try:
+            steps = await asyncio.to_thread(cleaner.clean)
+        except CleaningFailed as exc:
+            steps, failure = cleaner.steps, exc
+        steps.append(await asyncio.to_thread(self._wipe_scratch))
+        if failure is not None:
+            cleaning = [step.model_dump(mode="json") for step in steps]
+            return steps, _problem(422, "Action failed", f"wipe: {failure}", step=failure.step.step, cleaning=cleaning)
+        self.state.tenant_id = None
+        return steps, None
+
+    def _wipe_scratch(self) -> CleaningStep:
+        """The tenant's files (its work, its SSH keys, its workload's output, its weights) go."""
+        removed = [self.state.scratch_dir]
         if self.state.scratch_dir.exists():
             shutil.rmtree(self.state.scratch_dir)
-        if self.weights_dir is not None and self.weights_dir.exists():
-            shutil.rmtree(self.weights_dir)
+        if self.weights_dir is not None:
+            removed.append(self.weights_dir)
+            if self.weights_dir.exists():
+                shutil.rmtree(self.weights_dir)
         if self.workloads is not None:
             for output in self.workloads.state_dir.glob("workload-*.log"):
                 output.unlink(missing_ok=True)
         self.state.scratch_dir.mkdir(parents=True, exist_ok=True)
-        self.state.tenant_id = None
+        answer = f"removed {', '.join(map(str, removed))}" + (" and the workloads' output" if self.workloads else "")
+        return CleaningStep(step=SCRATCH, target=str(self.state.scratch_dir), method="remove", ok=True, answer=answer)
 
 
 def create_app(
@@ -395,6 +438,7 @@ def main(
     metrics_token: str | None = None,
     weights_dir: Path | None = None,
     image_digest_file: Path = Path("/etc/gpucloud/image-digest"),
+    tenant_disks: tuple[str, ...] = (),
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
@@ -438,7 +482,10 @@ def main(
         inspect_stack=not isinstance(probe, SimulatedProbe),
         workloads=WorkloadSupervisor(state_dir / "workloads", container_runtime=container_runtime),
         weights_dir=weights_dir,
+        tenant_disks=tenant_disks,
     )
+    if not tenant_disks:
+        log.warning("no tenant disks are configured (--tenant-disk): a wipe sanitizes no disk")
     weights = TenantWeights(
         state, weights_dir, verifier=verifier, health=health_from_probe(probe), container_runtime=container_runtime
     )

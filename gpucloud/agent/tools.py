@@ -5,8 +5,10 @@ GPU type), and the `CommandRunner` they run through, which tests (and a dry run)
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from gpucloud.protocol.reports import NodeReading
 # must exit 0 ("{gpus}": the node's GPU count). Burn-in also holds the figures some print to
 # `BurnInLimits`, then reads the GPUs once more, hot from the stress, for the thermal soak.
 # Recorded outputs of each, success and failure: tests/fixtures/tools/ (its README says whence).
+# A wipe's tools (the reset below, then each tenant disk's sanitize): `agent/cleaning.py`.
 NVFWUPD_CONFIG = "/etc/gpucloud/nvfwupd.yaml"
 ACTION_COMMANDS: dict[AgentAction, tuple[tuple[str, ...], ...]] = {
     AgentAction.BURN_IN: (
@@ -209,10 +212,16 @@ class CommandResult:
 
 
 class CommandRunner:
-    """Finds and runs the hardware tools; tests pass their own."""
+    """Finds and runs the hardware tools, and finds the disks they act on; tests pass their own."""
 
     def which(self, tool: str) -> str | None:
         return shutil.which(tool)
+
+    def is_block_device(self, path: str) -> bool:
+        try:
+            return stat.S_ISBLK(os.stat(path).st_mode)
+        except OSError:
+            return False
 
     def run(self, argv: tuple[str, ...], timeout_s: float) -> CommandResult:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -249,6 +249,12 @@ def agent(
             "peer token for the node's tenant)"
         ),
     ] = None,
+    tenant_disk: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="a block device the tenant writes to, erased by the drive on every wipe (repeat for each disk)"
+        ),
+    ] = None,
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage,
     and serve the tenant's model weights to rollouts (/weights) and to peers (/chunks)."""
@@ -260,6 +266,12 @@ def agent(
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("TLS needs both --tls-cert and --tls-key", param_hint="--tls-cert")
     web_tls.trust(ca_file)
+    disks = tuple(tenant_disk or ())
+    if bad := [disk for disk in disks if not disk.startswith("/dev/")]:
+        raise typer.BadParameter(
+            f"{bad[0]} is not a device path: name the tenant's block device (/dev/nvme1n1, /dev/sdb)",
+            param_hint="--tenant-disk",
+        )
     if token_file.is_file():  # the credential the last wipe handed over wins over the first one
         token = token_file.read_text().strip()
     if token is None:
@@ -292,6 +304,7 @@ def agent(
         metrics_token=metrics_token,
         weights_dir=weights_dir,
         image_digest_file=image_digest_file,
+        tenant_disks=disks,
     )
 
 

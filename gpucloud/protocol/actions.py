@@ -7,7 +7,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpucloud.models.images import ImageReference
 from gpucloud.protocol.reports import NodeId, ShortId, TenantId
@@ -81,6 +81,34 @@ class ActionRequest(BaseModel):
     workload: Workload | None = None
 
 
+# The steps of a wipe's cleaning, in the order the agent takes them (`CleaningStep.step`).
+GPU_RESET, DISK_SANITIZE, SCRATCH = "gpu_reset", "disk_sanitize", "scratch"
+CLEANING_ANSWER_CHARS = 300
+
+
+class CleaningStep(BaseModel):
+    """One step of a wipe's cleaning as the agent took it: a GPU reset, a sanitize of one of the
+    tenant's disks, the removal of its files. Both the real agent and the simulated fleet answer
+    with these, and the control plane records each as an event in the node's history."""
+
+    step: str = Field(pattern=r"^[a-z_]{1,40}$", description="gpu_reset, disk_sanitize or scratch")
+    target: str = Field(max_length=300, description="what it cleaned: the GPUs, a disk's device, a directory")
+    method: str = Field(
+        pattern=r"^[a-z_]{1,40}$",
+        description="gpu_reset; crypto_erase, user_data_erase, secure_discard or discard; remove",
+    )
+    ok: bool
+    answer: str = Field("", description=f"what the tool said, at most {CLEANING_ANSWER_CHARS} characters")
+
+    @field_validator("answer", mode="before")
+    @classmethod
+    def _short(cls, value: object) -> object:
+        """A tool's whole output on one line, cut to fit an event's cause."""
+        if isinstance(value, str):
+            return " ".join(value.split())[:CLEANING_ANSWER_CHARS]
+        return value
+
+
 class ActionAnswer(BaseModel):
     """What an agent answers a successful action: the action and the node's tenancy after it.
     Each kind of agent adds what it knows of its own (the real one its GPUs and its workload's
@@ -97,3 +125,6 @@ class ActionAnswer(BaseModel):
     # digest of the image it booted (`gpucloud agent --image-digest-file`; the simulated node's).
     boot_id: ShortId | None = None
     image_digest: ImageDigest | None = None
+    # A wipe's cleaning, step by step (None: an answer to another action, or from an agent that
+    # does not report its steps).
+    cleaning: list[CleaningStep] | None = Field(None, max_length=64)

@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 from fastapi import HTTPException
 from pydantic import BaseModel, Field
 
-from gpucloud.protocol.actions import REPAIR_LADDER, ActionAnswer, ActionRequest, AgentAction
+from gpucloud.protocol.actions import (
+    DISK_SANITIZE,
+    GPU_RESET,
+    REPAIR_LADDER,
+    SCRATCH,
+    ActionAnswer,
+    ActionRequest,
+    AgentAction,
+    CleaningStep,
+)
 from gpucloud.protocol.reports import Heartbeat, WorkloadStatus
 from gpucloud.web import problems
 
@@ -36,6 +45,8 @@ BASE_LATENCY_S = {
     A.REFLASH: 0.6,
 }
 REMEMBERED_REQUESTS = 16
+# The disks a simulated node's tenant writes to, each crypto-erased by a wipe (`--tenant-disk`).
+TENANT_DISKS = ("/dev/nvme1n1",)
 
 
 class FleetSpec(BaseModel):
@@ -85,6 +96,7 @@ class SimNode:
     # The tenant replaced the agent with a stand-in that claims an image it did not boot (as if
     # it lived on below the OS, in firmware the re-image does not touch).
     stand_in: bool = False
+    tenant_disks: tuple[str, ...] = TENANT_DISKS
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     faults: dict[AgentAction, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -193,6 +205,7 @@ class Fleet:
             return outcome
 
     def _apply(self, node: SimNode, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
+        cleaning = None
         pending = node.faults.get(action)
         if pending:
             mode = pending.popleft()
@@ -214,6 +227,7 @@ class Fleet:
                 return _refuse(409, "Workload running", "a workload is still running; release the node first")
             node.tenant_id = None
             node.credential = req.credential or node.credential
+            cleaning = _cleaning(node)
         elif action == A.BURN_IN:
             if node.tenant_id is not None or node.workload_running:
                 return _refuse(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
@@ -227,6 +241,7 @@ class Fleet:
             action=action,
             boot_id=str(node.boot_id),
             image_digest=STAND_IN_DIGEST if node.stand_in else node.image_digest,
+            cleaning=cleaning,
         )
         return 200, answer.model_dump(mode="json")
 
@@ -281,6 +296,33 @@ class Fleet:
             "actions_done": node.actions_done,
             "hardware_fault": node.hardware_fault,
         }
+
+
+def _cleaning(node: SimNode) -> list[CleaningStep]:
+    """A wipe's steps as the real agent answers them (`agent/cleaning.py`), on simulated hardware:
+    every GPU reset, each tenant disk crypto-erased, the tenant's files removed."""
+    return [
+        CleaningStep(
+            step=GPU_RESET, target="every GPU", method="gpu_reset", ok=True, answer=f"{node.gpu_count} GPUs reset"
+        ),
+        *(
+            CleaningStep(
+                step=DISK_SANITIZE,
+                target=disk,
+                method="crypto_erase",
+                ok=True,
+                answer=f"nvme format {disk} --ses=2 --force: Success formatting namespace:1",
+            )
+            for disk in node.tenant_disks
+        ),
+        CleaningStep(
+            step=SCRATCH,
+            target="/var/lib/gpucloud/scratch",
+            method="remove",
+            ok=True,
+            answer="removed the tenant's files, weights and workload output",
+        ),
+    ]
 
 
 def _port_guids(spec: FleetSpec, index: int, ports: int) -> list[str]:

@@ -79,6 +79,7 @@ def build_worker(
     )
     agent = HostAgentActivities(
         cp.agents,
+        db=cp.db,
         rotation=bootstrap.wipe_rotation(cp),
         batch_attempts=settings.agent.batch_attempts,
         batch_retry_base_s=settings.agent.batch_retry_base_s,

@@ -44,6 +44,7 @@ from gpucloud.web.service_tokens import (
 )
 
 NODE, TENANT, SWARM = "gpu-7", "t-1", "rollout-1"
+RESET_OK = Path(__file__).parent.parent / "fixtures" / "tools" / "nvidia-smi-gpu-reset-ok.txt"
 KiB = 1024
 POLICY = ChunkPolicy(max_chunk_size=64 * KiB, pack_size=16 * KiB, fixed_chunk_size=64 * KiB, read_size=256 * KiB)
 
@@ -110,7 +111,13 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     origin = PeerServer(create_tracker_app(chunk_store=chunks, seed=7))
     tracker_url = origin.start()
     port = free_port()
-    env = {"PATH": os.environ["PATH"], "GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_API__PORT": "1"}
+    # A wipe resets the GPUs: this node's nvidia-smi answers as the real one does when it can.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\ncat '{RESET_OK}'\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    path = f"{tools}{os.pathsep}{os.environ['PATH']}"
+    env = {"PATH": path, "GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_API__PORT": "1"}
     options = {
         "--node-id": NODE,
         "--port": str(port),

@@ -16,10 +16,10 @@ import pytest
 
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState
-from gpucloud.agent.tools import CommandRunner
 from gpucloud.agent.workloads import WorkloadSupervisor, processes_in
 from gpucloud.protocol.actions import ActionRequest, Workload
 from gpucloud.sim.probe import SimulatedProbe
+from support.agents import GpuResetOnly
 from support.stack import wait_until
 
 pytestmark = pytest.mark.one_database
@@ -35,18 +35,13 @@ STUBBORN = [
 ]
 
 
-class NoTools(CommandRunner):
-    def which(self, tool: str) -> str | None:
-        return None
-
-
 def _agent(tmp_path: Path, *, grace_s: float = 0.5) -> Agent:
     state = HostState(
         node_id="gpu-1", boot_id="boot-1", scratch_dir=tmp_path / "scratch", state_file=tmp_path / "state" / "host.json"
     )
     state.restore()
     workloads = WorkloadSupervisor(tmp_path / "state" / "workloads", grace_s=grace_s)
-    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=NoTools(), workloads=workloads)
+    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=GpuResetOnly(), workloads=workloads)
 
 
 def _act(agent: Agent, action: str, request_id: str, **fields) -> tuple[int, dict]:
@@ -166,7 +161,7 @@ def _container_agent(tmp_path: Path, runtime: str | None) -> Agent:
     )
     state.restore()
     workloads = WorkloadSupervisor(tmp_path / "state" / "workloads", grace_s=0.5, container_runtime=runtime or "")
-    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=NoTools(), workloads=workloads)
+    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=GpuResetOnly(), workloads=workloads)
 
 
 def test_an_image_workload_runs_in_the_nodes_container_runtime_and_nothing_of_it_is_left_after_release(tmp_path):

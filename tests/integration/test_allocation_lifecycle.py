@@ -79,6 +79,19 @@ async def test_allocate_ready_cancel_released_nodes_back(ready_fleet, temporal_e
         fallback = [e for e in events["items"] if e["event"] == "inband_wipe_only"]
         assert len(fallback) == 1 and "the node has no BMC" in fallback[0]["cause"], events
         assert "weaker" in fallback[0]["cause"] and "image_inserted" not in {e["event"] for e in events["items"]}
+        # The wipe after the tenant left, step by step with the agent's answers: every GPU reset and
+        # the tenant's disk crypto-erased, in wiping, before the node went on to burn-in.
+        items = events["items"]
+        released = max(i for i, e in enumerate(items) if e["from_state"] == "active")
+        cleaned = [
+            (i, e) for i, e in enumerate(items) if i > released and e["event"] in ("gpu_reset", "disk_sanitized")
+        ]
+        assert [e["event"] for _, e in cleaned] == ["gpu_reset", "disk_sanitized"], items
+        assert all(e["from_state"] == e["to_state"] == "wiping" for _, e in cleaned)
+        assert cleaned[0][1]["cause"] == "every GPU: gpu_reset: 8 GPUs reset"
+        assert cleaned[1][1]["cause"].startswith("/dev/nvme1n1: crypto_erase: nvme format /dev/nvme1n1 --ses=2 --force")
+        burn_in = next(i for i, e in enumerate(items) if i > released and e["to_state"] == "burn_in")
+        assert cleaned[-1][0] < burn_in
 
         # Cancel of a released allocation is a no-op success.
         again = c.post(f"/v1/allocations/{alloc['id']}/cancel")

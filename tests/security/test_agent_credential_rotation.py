@@ -24,6 +24,7 @@ from gpucloud.protocol.actions import ActionRequest
 from gpucloud.services import agent_credentials
 from gpucloud.services import nodes as node_service
 from gpucloud.sim.probe import SimulatedProbe
+from support.agents import GpuResetOnly
 from support.nodes import enroll
 from support.stack import async_wait_until
 
@@ -147,7 +148,7 @@ async def test_the_real_agent_reports_with_the_credential_its_wipe_handed_over_a
         credential="gpa_gpu-1.first",
         credential_file=tmp_path / "agent-credential",
     )
-    agent = Agent(state, SimulatedProbe("gpu-1", gpu_count=8))
+    agent = Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=GpuResetOnly())
     seen: list[str] = []
 
     def control_plane(request: httpx.Request) -> httpx.Response:

@@ -57,7 +57,7 @@ def _post(client: TestClient, action: str, request_id: str, tenant: str | None =
 
 
 def test_actions_keep_tenancy_invariants_and_dedup_by_request_id(tmp_path):
-    tools = FakeTools(set(BURN_IN_TOOLS))
+    tools = FakeTools(BURN_IN_TOOLS | {"nvidia-smi"})
     agent = _agent(tmp_path, tools)
     with agent_test_client(agent) as client:
         first = _post(client, "provision", "r1", "t-a")
@@ -75,8 +75,9 @@ def test_actions_keep_tenancy_invariants_and_dedup_by_request_id(tmp_path):
         assert wiped.status_code == 200 and wiped.json()["tenant_id"] is None
         assert list((tmp_path / "scratch").iterdir()) == []
         assert _post(client, "burn_in", "r7").status_code == 200
-        assert [argv[0] for argv in tools.ran] == ["dcgmi", "all_reduce_perf", "nvbandwidth"]
-        assert tools.ran[1][-2:] == ("-g", "8")  # all-reduce over every GPU the probe sees
+        # The wipe reset the GPUs; then burn-in ran its three tools.
+        assert [argv[0] for argv in tools.ran] == ["nvidia-smi", "dcgmi", "all_reduce_perf", "nvbandwidth"]
+        assert tools.ran[2][-2:] == ("-g", "8")  # all-reduce over every GPU the probe sees
         assert _post(client, "format_disk", "r8").status_code == 404
 
 
