@@ -236,6 +236,6 @@ def test_the_evaluation_worker_refuses_to_start_holding_a_platform_secret(tmp_pa
     held = platform_secrets_in(platform)
     assert "GPUCLOUD_DATABASE__URL" in held and "GPUCLOUD_API__OPERATOR_TOKEN" in held
     assert str(tmp_path / "data" / "issuer_key.pem") in held
-    with pytest.raises(SystemExit, match="must hold none of the platform's secrets.*GPUCLOUD_DATABASE__URL"):
+    with pytest.raises(SystemExit, match=r"must hold none of the platform's secrets.*GPUCLOUD_DATABASE__URL"):
         asyncio.run(run_evaluation_worker(platform))
     assert platform_secrets_in(platform.for_evaluation_worker()) == []
