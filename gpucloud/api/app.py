@@ -33,7 +33,7 @@ from gpucloud.observability import tracing
 from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.web import problems
 from gpucloud.web.metrics import FleetCollector, RequestMetrics, install_metrics
-from gpucloud.web.readiness import database_check, install_readiness, temporal_check
+from gpucloud.web.readiness import database_check, install_readiness, object_store_check, temporal_check
 from gpucloud.web.service_tokens import public_key_path
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,12 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
 
     install_readiness(
         app,
-        {"database": database_check(app.state.db.engine), "temporal": temporal_check(lambda: app.state.temporal)},
+        {
+            "database": database_check(app.state.db.engine),
+            "temporal": temporal_check(lambda: app.state.temporal),
+            # The registry's chunks and manifests live there.
+            "object store": object_store_check(app.state.registry_stores.objects),
+        },
     )
     install_metrics(
         app,

@@ -76,8 +76,24 @@ def usage(client: httpx.Client, tenant: str = "t1", **params) -> dict:
 
 def test_readiness_is_open_and_checks_the_database(ledger: httpx.Client) -> None:
     ready = httpx.get(ledger.base_url.join("/readyz"), timeout=10)  # no credentials
-    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok"}
+    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "price book": "ok"}
     assert httpx.get(ledger.base_url.join("/v1/invoices"), timeout=10).status_code == 401
+
+
+def test_a_ledger_without_a_price_book_is_not_ready(tmp_path: Path) -> None:
+    """Every sample would be rejected as unpriced: not ready, saying what makes one."""
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as url:
+        unpriced = httpx.get(f"{url}/readyz", timeout=10)
+        assert unpriced.status_code == 503 and unpriced.headers["retry-after"]
+        assert unpriced.json()["checks"] == {
+            "database": "ok",
+            "price book": "LookupError: no price book: run `gpucloud prepare` (it writes the list prices) "
+            "or POST /v1/price-book/versions",
+        }
+        answer = httpx.post(f"{url}/v1/price-book/versions", json=PRICE_BOOK, auth=LedgerAuth(tmp_path), timeout=10)
+        assert answer.status_code == 201, answer.text
+        ready = httpx.get(f"{url}/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "price book": "ok"}
 
 
 def test_each_sample_is_recorded_exactly_once(ledger: httpx.Client) -> None:
