@@ -50,6 +50,16 @@ def _fix(status: RPCStatusCode) -> str:
     return "see the Temporal server's log for this call"
 
 
+def log_undelivered(logger: logging.Logger, exc: RPCError, what: str, meanwhile: str) -> None:
+    """A call the request does without (a signal whose intent the DB holds too): a warning when
+    the engine did not answer, an error naming the cause and the fix when it refused for good."""
+    if waited_out(exc):
+        logger.warning("%s not delivered (%s); %s", what, exc, meanwhile)
+        return
+    cause = f"{exc.message.rstrip('.')} ({exc.status.name})"
+    logger.error("%s refused by the workflow engine: %s; %s; %s", what, cause, meanwhile, _fix(exc.status))
+
+
 def engine_problem(exc: RPCError, *, what: str, left: str) -> Problem:
     """The answer to a call the engine refused: `what` names the call ("the onboarding"),
     `left` what the request left behind and how to resend it ("nothing was kept")."""

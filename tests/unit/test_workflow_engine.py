@@ -14,7 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from gpucloud.api.app import create_app
 from gpucloud.config import Settings
-from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.services.workflow_engine import engine_problem, log_undelivered
 
 WAITED_OUT = [
     RPCStatusCode.UNAVAILABLE,
@@ -70,3 +70,17 @@ def test_a_refusal_no_route_catches_is_still_named(tmp_path) -> None:
         app.state.temporal = refusing(RPCStatusCode.UNAVAILABLE, "tcp connect error")
         down = client.get("/v1/rollouts/rollout-1", headers=headers)
         assert down.status_code == 503 and down.headers["retry-after"] == "1"
+
+
+def test_a_signal_the_request_does_without_is_a_warning_or_an_error_naming_the_fix(caplog) -> None:
+    log = logging.getLogger("gpucloud.test")
+    caplog.set_level(logging.WARNING, logger="gpucloud.test")
+    down = RPCError("tcp connect error", RPCStatusCode.UNAVAILABLE, b"")
+    log_undelivered(log, down, "cancel signal for a1", "the workflow will see the DB intent")
+    unprepared = RPCError("Namespace gpucloud is not found.", RPCStatusCode.NOT_FOUND, b"")
+    log_undelivered(log, unprepared, "cancel signal for a1", "the workflow will see the DB intent")
+    warned, refused = caplog.records
+    assert warned.levelno == logging.WARNING and "not delivered (tcp connect error)" in warned.getMessage()
+    assert refused.levelno == logging.ERROR
+    assert "Namespace gpucloud is not found (NOT_FOUND)" in refused.getMessage()
+    assert "gpucloud prepare" in refused.getMessage()

@@ -49,7 +49,7 @@ from gpucloud.protocol.reports import WorkloadStatus
 from gpucloud.services import allocations as service
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
-from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.services.workflow_engine import engine_problem, log_undelivered
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
 from gpucloud.web.problems import Problem, invalid
 
@@ -304,4 +304,4 @@ async def _notify(temporal: Client, allocation_id: str, operation_id: str) -> No
     try:
         await signal_cancel(temporal, allocation_id, operation_id)
     except RPCError as exc:
-        log.warning("cancel signal for %s not delivered (%s); the workflow will see the DB intent", allocation_id, exc)
+        log_undelivered(log, exc, f"cancel signal for {allocation_id}", "the workflow will see the DB intent")

@@ -58,7 +58,7 @@ from gpucloud.services.fleet import (
 from gpucloud.services.nodes import enroll_nodes, held_for_bringup, lease_for_bringup
 from gpucloud.services.operations import start_for_operation
 from gpucloud.services.schedules import reconcile_now
-from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.services.workflow_engine import engine_problem, log_undelivered
 from gpucloud.services.workflows import running_node_operations, start_bringup_batches, start_node_power
 from gpucloud.web.problems import Problem, not_found
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
@@ -154,7 +154,7 @@ async def _operator_action(
         try:
             await start_node_power(temporal, settings, command)
         except RPCError as exc:
-            log.warning("power-off of retired node %s not started (%s); power it off by hand", node_id, exc)
+            log_undelivered(log, exc, f"power-off of retired node {node_id}", "power it off by hand")
     body = NodeActionResult(
         node=NodePublic.model_validate(node, from_attributes=True),
         operation=OperationPublic.model_validate(op, from_attributes=True),
