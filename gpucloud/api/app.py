@@ -6,8 +6,10 @@ import logging
 from contextlib import asynccontextmanager
 
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 from gpucloud import bootstrap
 from gpucloud.api import pagination
@@ -28,9 +30,10 @@ from gpucloud.api.routers import (
 )
 from gpucloud.config import Settings
 from gpucloud.observability import tracing
+from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.web import problems
 from gpucloud.web.metrics import FleetCollector, RequestMetrics, install_metrics
-from gpucloud.web.readiness import database_check, install_readiness, temporal_check
+from gpucloud.web.readiness import database_check, install_readiness, object_store_check, temporal_check
 from gpucloud.web.service_tokens import public_key_path
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,14 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.registry_stores = bootstrap.registry_stores(settings)
     app.state.credentials = CredentialCache(settings.api.credential_cache_s)
     problems.install(app)
+
+    @app.exception_handler(RPCError)
+    async def _engine_refused(request: Request, exc: RPCError) -> JSONResponse:
+        # A route that calls the engine and has nothing to undo lets its refusal come here: an
+        # outage is still a 503 and a deployment's mistake still names itself (not "internal").
+        what = f"a call of {request.method} {request.url.path}"
+        return problems.render(engine_problem(exc, what=what, left="what the request wrote before it stays"), request)
+
     # Added innermost first. The gate finds who calls (and bounds the body: 413 on a declared
     # size at once; the rest as the route reads it, with the read deadline), admission gives the
     # caller a slot, and only then does the route read the body (api/gate.py, api/admission.py).
@@ -102,7 +113,12 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
 
     install_readiness(
         app,
-        {"database": database_check(app.state.db.engine), "temporal": temporal_check(lambda: app.state.temporal)},
+        {
+            "database": database_check(app.state.db.engine),
+            "temporal": temporal_check(lambda: app.state.temporal),
+            # The registry's chunks and manifests live there.
+            "object store": object_store_check(app.state.registry_stores.objects),
+        },
     )
     install_metrics(
         app,

@@ -23,6 +23,7 @@ role decides what it may do (``api/callers.py``). Endpoints (all under ``/v1``; 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -36,11 +37,11 @@ from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpucloud.config import RequestBodySettings
-from gpucloud.ledger import problems
+from gpucloud.ledger import pricebook, problems
 from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
 from gpucloud.ledger.api.callers import ledger_callers
 from gpucloud.ledger.api.deps import LedgerContext
-from gpucloud.ledger.db import open_ledger_database
+from gpucloud.ledger.db import LedgerDatabase, open_ledger_database
 from gpucloud.observability import tracing
 from gpucloud.web import problems as web_problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
@@ -94,10 +95,28 @@ def create_app(
     async def database() -> None:
         await database_check(app.state.ledger.database.engine)()
 
-    install_readiness(app, {"database": database})
+    priced = False
+
+    async def price_book() -> None:
+        # Without one every usage sample is rejected (unpriced). Looked for until found once: a
+        # version, once written, is never removed.
+        nonlocal priced
+        if not priced:
+            priced = await asyncio.to_thread(_has_price_book, app.state.ledger.database)
+        if not priced:
+            raise LookupError(
+                "no price book: run `gpucloud prepare` (it writes the list prices) or POST /v1/price-book/versions"
+            )
+
+    install_readiness(app, {"database": database, "price book": price_book})
     install_metrics(app, lambda: metrics_tokens)  # no tokens: every scrape is refused
 
     return app
+
+
+def _has_price_book(database: LedgerDatabase) -> bool:
+    with database.read() as connection:
+        return pricebook.has_price_book(connection)
 
 
 def _problem_response(problem: problems.Problem) -> JSONResponse:

@@ -83,6 +83,11 @@ def create_version(connection: Connection, version: PriceBookVersionIn, *, now_m
     return next(v for v in list_versions(connection) if v.id == version_id)
 
 
+def has_price_book(connection: Connection) -> bool:
+    """Whether any version exists (without one, every usage sample is rejected as unpriced)."""
+    return connection.execute(select(price_book_versions.c.id).limit(1)).first() is not None
+
+
 def list_versions(connection: Connection) -> list[PriceBookVersionOut]:
     prices: dict[int, list[PriceIn]] = {}
     for row in connection.execute(select(price_book_prices).order_by(price_book_prices.c.gpu_type)):

@@ -92,7 +92,7 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
     node against the allocation its token names."""
     from gpucloud.registry.tracker_app import SwarmHolders, create_tracker_app
     from gpucloud.web.metrics import install_metrics
-    from gpucloud.web.readiness import database_check, install_readiness
+    from gpucloud.web.readiness import database_check, install_readiness, object_store_check
 
     db = bootstrap.database(settings)
     stores = bootstrap.registry_stores(settings)
@@ -104,7 +104,7 @@ def create_deployment_tracker(settings: Settings) -> FastAPI:
         holders=SwarmHolders(DatabaseHolders(db), fresh_s=settings.tracker.holders_fresh_s),
         request_body=settings.request_body,
     )
-    install_readiness(app, {"database": database_check(db.engine)})
+    install_readiness(app, {"database": database_check(db.engine), "object store": object_store_check(stores.objects)})
     install_metrics(app, lambda: (settings.metrics_token, settings.operator_token))
     return app
 

@@ -11,7 +11,7 @@ from temporalio.service import RPCError
 
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Operation, OperationStatus, utcnow
-from gpucloud.web.problems import unavailable
+from gpucloud.services.workflow_engine import engine_problem, waited_out
 
 
 def record_done(
@@ -53,10 +53,11 @@ def settle(db_url: str, operation_id: str | None, *, error: str | None) -> None:
 
 async def start_for_operation(start: Awaitable[object], db_url: str, operation_id: str, what: str) -> None:
     """Await the start of an operation's workflow; when the workflow engine does not take it, the
-    operation fails (nothing will run it) and the caller gets 503 with Retry-After."""
+    operation fails (nothing will run it) and the caller gets 503 with Retry-After, or a 500
+    naming the cause when no retry can help (`workflow_engine`)."""
     try:
         await start
     except RPCError as exc:
-        error = f"the workflow engine is unreachable: {exc}"
-        await asyncio.to_thread(settle, db_url, operation_id, error=error)
-        raise unavailable("workflow-engine", f"the workflow engine did not take {what}; retry") from exc
+        why = "is unreachable" if waited_out(exc) else "refused it"
+        await asyncio.to_thread(settle, db_url, operation_id, error=f"the workflow engine {why}: {exc}")
+        raise engine_problem(exc, what=what, left="its operation failed and nothing will run it") from exc

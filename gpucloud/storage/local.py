@@ -29,6 +29,7 @@ from gpucloud.storage.objects import (
     ObjectMissingError,
     ObjectStore,
     PresignedUrlError,
+    StoreMissingError,
 )
 
 TMP = "tmp"
@@ -151,6 +152,11 @@ class LocalObjectStore(ObjectStore):
                 Path(entry.path).unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    def probe(self) -> None:
+        # The directory is made when the store opens; one removed since leaves every write failing.
+        if not self._tmp.is_dir():
+            raise StoreMissingError(f"the object store's directory {self.root}", "no such directory")
 
     def _signature(self, method: str, key: str, expires: int) -> str:
         message = f"{method}\n{key}\n{expires}".encode()

@@ -6,7 +6,8 @@ Every write is atomic and durable: a reader sees the whole object or none of it.
 write (`put_stream`) runs the caller's `check` after the last piece and before the object
 becomes visible, so content-addressed callers can refuse bytes that do not hash to their key
 and leave nothing behind. Failures reaching the store are `ObjectTransferError` (worth another
-try); a missing object is `ObjectMissingError`.
+try); a missing object is `ObjectMissingError`; a store that is not there at all (its bucket or
+directory never made) is `StoreMissingError`, which only an operator fixes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ class ObjectInfo:
 
 class ObjectMissingError(KeyError):
     """No object is stored under the key."""
+
+
+class StoreMissingError(LookupError):
+    """The store itself is missing (an S3 bucket that does not exist): a deployment not prepared.
+    The message names the bucket and that `gpucloud prepare` creates it."""
+
+    def __init__(self, where: str, code: str) -> None:
+        super().__init__(f"{where} does not exist ({code}): run `gpucloud prepare` to create it")
+        self.where, self.code = where, code
 
 
 class ObjectTransferError(ConnectionError):
@@ -91,3 +101,8 @@ class ObjectStore(ABC):
     @abstractmethod
     def abort_incomplete(self, *, prefix: str, older_than: datetime) -> int:
         """Clean up writes under `prefix` abandoned before `older_than`; how many."""
+
+    @abstractmethod
+    def probe(self) -> None:
+        """Raise unless the store can be used now: `StoreMissingError` when it does not exist,
+        `ObjectTransferError` when it does not answer (`/readyz` asks this)."""

@@ -3,7 +3,9 @@
 A streamed write up to `multipart_threshold` goes up in one PUT (held in memory, at most that
 size); a larger one as a multipart upload of `part_size` parts, completed only after the
 caller's check passed and aborted otherwise, so a refused object never becomes visible. A lost
-connection, a timeout, a body cut off mid-way, a 5xx or throttling is `ObjectTransferError`.
+connection, a timeout, a body cut off mid-way, a 5xx or throttling is `ObjectTransferError`; a
+bucket that does not exist is `StoreMissingError`, naming the bucket, from every call. Other
+refusals (access denied, say) pass through as boto3 raised them.
 
 boto3 is not imported here: the store takes a ready client, built by `gpucloud.bootstrap`.
 """
@@ -11,14 +13,22 @@ boto3 is not imported here: the store takes a ready client, built by `gpucloud.b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from gpucloud.storage.objects import ObjectInfo, ObjectMissingError, ObjectStore, ObjectTransferError
+from gpucloud.storage.objects import (
+    ObjectInfo,
+    ObjectMissingError,
+    ObjectStore,
+    ObjectTransferError,
+    StoreMissingError,
+)
 
 MiB = 1 << 20
 S3_MIN_PART_SIZE = 5 * MiB  # S3 rejects smaller parts (except the last)
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_NO_BUCKET = "NoSuchBucket"
 _TRANSIENT = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"}
 
 
@@ -70,12 +80,36 @@ class S3ObjectStore(ObjectStore):
         self._threshold, self._part_size = multipart_threshold, part_size
         self._transport_errors = _transport_errors()
 
-    def _classified(self, exc: Exception, key: str) -> Exception:
+    def _classified(self, exc: Exception, key: str) -> Exception | None:
+        """What S3's refusal means to a caller; None for one that passes through as it is."""
+        if _error_code(exc) == _NO_BUCKET:
+            return self._missing(_NO_BUCKET)
         if _error_code(exc) in _NOT_FOUND:
             return ObjectMissingError(key)
         if _status(exc) >= 500 or _error_code(exc) in _TRANSIENT:
             return ObjectTransferError(f"S3 answered {_error_code(exc) or _status(exc)} for {key}")
-        return exc
+        return None
+
+    def _missing(self, code: str) -> StoreMissingError:
+        endpoint = getattr(getattr(self.client, "meta", None), "endpoint_url", None) or "S3"
+        return StoreMissingError(f"bucket {self.bucket} at {endpoint}", code)
+
+    @contextmanager
+    def _calling(self, key: str) -> Iterator[None]:
+        """Around each call of the client: its errors as the store's. An error it passes through
+        is re-raised as it is, never raised `from` itself: a cause that is the error itself is a
+        cycle, and whatever walks the causes (Temporal's failure converter, turning an
+        activity's error into what its history records) recurses until RecursionError, which
+        is all that would be recorded."""
+        try:
+            yield
+        except self.client.exceptions.ClientError as exc:
+            classified = self._classified(exc, key)
+            if classified is None:
+                raise
+            raise classified from exc
+        except self._transport_errors as exc:
+            raise ObjectTransferError(f"S3 unreachable: {exc!r}") from exc
 
     def put_stream(
         self, key: str, pieces: Iterable[bytes | memoryview], *, check: Callable[[], None] | None = None
@@ -86,35 +120,35 @@ class S3ObjectStore(ObjectStore):
         if rest is None:
             if check is not None:
                 check()
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=head)
+            with self._calling(key):
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=head)
             return
         self._put_multipart(key, _recut(_chain(head, rest, parts), self._part_size), check)
 
     def _put_multipart(self, key: str, parts: Iterator[bytes], check: Callable[[], None] | None) -> None:
-        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        with self._calling(key):
+            upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         try:
             done = []
             for number, part in enumerate(parts, start=1):
-                response = self.client.upload_part(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=part
-                )
+                with self._calling(key):
+                    response = self.client.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=part
+                    )
                 done.append({"PartNumber": number, "ETag": response["ETag"]})
             if check is not None:
                 check()
-            self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
-            )
+            with self._calling(key):
+                self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+                )
         except BaseException:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             raise
 
     def read_stream(self, key: str, *, piece_size: int) -> Iterator[bytes]:
-        try:
+        with self._calling(key):
             body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-        except self.client.exceptions.ClientError as exc:
-            raise self._classified(exc, key) from exc
-        except self._transport_errors as exc:
-            raise ObjectTransferError(f"S3 unreachable: {exc!r}") from exc
 
         def pieces() -> Iterator[bytes]:
             with body:
@@ -126,20 +160,24 @@ class S3ObjectStore(ObjectStore):
         return pieces()
 
     def stat(self, key: str) -> ObjectInfo:
-        try:
+        # A HEAD answer has no body, so a missing bucket reads as a missing object here ("404").
+        with self._calling(key):
             head = self.client.head_object(Bucket=self.bucket, Key=key)
-        except self.client.exceptions.ClientError as exc:
-            raise self._classified(exc, key) from exc
         return ObjectInfo(key, head["ContentLength"], head["LastModified"])
 
     def scan(self, prefix: str) -> Iterator[ObjectInfo]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        for page in pages:
+        pages = iter(self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix))
+        while True:
+            with self._calling(prefix):
+                page = next(pages, None)
+            if page is None:
+                return
             for obj in page.get("Contents", ()):
                 yield ObjectInfo(obj["Key"], obj["Size"], obj["LastModified"])
 
     def delete(self, key: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=key)
+        with self._calling(key):
+            self.client.delete_object(Bucket=self.bucket, Key=key)
 
     def presign(self, key: str, *, method: str, expires_s: int) -> str:
         operation = {"GET": "get_object", "PUT": "put_object"}[method]
@@ -149,6 +187,16 @@ class S3ObjectStore(ObjectStore):
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+    def probe(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except self.client.exceptions.ClientError as exc:
+            if _error_code(exc) in ("404", "NotFound", _NO_BUCKET):
+                raise self._missing(_NO_BUCKET) from exc
+            raise
+        except self._transport_errors as exc:
+            raise ObjectTransferError(f"S3 unreachable: {exc!r}") from exc
 
     def abort_incomplete(self, *, prefix: str, older_than: datetime) -> int:
         aborted = 0

@@ -11,6 +11,7 @@ Each process records what it sees, in the process's default registry:
 | `gpucloud_health_fault_to_pulled_seconds` | worker: the fault to the node out of its allocation |
 | `gpucloud_reconciler_sweep_seconds`, `gpucloud_reconciler_sweep_nodes{kind}` | worker, each sweep |
 | `gpucloud_ledger_usage_samples_total{outcome}` | ledger, each ingested batch |
+| `gpucloud_ledger_usage_rejected_total{reason}` | ledger, each rejected sample (`ledger/rejections.py`) |
 | `gpucloud_agent_spool_pending_samples`, `gpucloud_agent_spool_lag_seconds` | agent's shipper |
 | `gpucloud_rollout_node_steps_total{step,outcome}`, `gpucloud_rollout_waves_total{outcome}` | worker |
 | `gpucloud_chunk_bytes_served_total{source}` | origin (`origin`) and peers (`peer`) |
@@ -76,6 +77,9 @@ SWEEP_NODES = Gauge(
     multiprocess_mode="livemax",
 )
 LEDGER_SAMPLES = Counter("gpucloud_ledger_usage_samples", "Usage samples the ledger took", ["outcome"])
+LEDGER_REJECTED = Counter(
+    "gpucloud_ledger_usage_rejected", "Usage samples the ledger rejected, by reason (a fixed set)", ["reason"]
+)
 SPOOL_PENDING = Gauge(
     "gpucloud_agent_spool_pending_samples", "Samples in the agent's spool not yet shipped", multiprocess_mode="livemax"
 )

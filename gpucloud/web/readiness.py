@@ -4,6 +4,10 @@
 each of the server's checks at once, each bounded (`CHECK_TIMEOUT_S`), and answers 200 with
 every check `ok`, or 503 problem+json (`not-ready`, with `Retry-After`) naming each dependency
 that failed and why. Both are open (no credentials), like the OpenAPI document.
+
+What a deployment prepares once (`gpucloud prepare`: the Temporal namespace and its search
+attributes, the object store's bucket, the ledger's price book) is looked for until it is found
+once, then taken as there: made, it stays, and every load balancer probes every few seconds.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from fastapi import FastAPI
@@ -18,6 +23,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from gpucloud.web import problems
+
+if TYPE_CHECKING:
+    from gpucloud.storage.objects import ObjectStore
 
 CHECK_TIMEOUT_S = 3.0
 RETRY_AFTER_S = 5
@@ -72,6 +80,30 @@ def temporal_check(client: Callable[[], object]) -> Check:
         if missing:
             raise RuntimeError(f"search attributes {', '.join(missing)} missing in {namespace}: run `gpucloud prepare`")
         prepared = True
+
+    return check
+
+
+def object_store_check(store: ObjectStore) -> Check:
+    """The object store exists: its bucket (S3) or its directory, else `StoreMissingError`
+    naming it and `gpucloud prepare`. Asked until found once. A probe that outlives its
+    `CHECK_TIMEOUT_S` (an S3 endpoint that does not answer, within boto3's own timeouts) goes
+    on in its thread, and the next `/readyz` waits for that one instead of starting another,
+    so a hung store holds one thread, not one per probe."""
+    found = False
+    probing: asyncio.Future[None] | None = None
+
+    async def check() -> None:
+        nonlocal found, probing
+        if found:
+            return
+        if probing is None or probing.done():
+            probing = asyncio.ensure_future(asyncio.to_thread(store.probe))
+            # A probe that ends after its `/readyz` gave up: its error is taken here, not left
+            # to be reported as never retrieved (the next probe asks again anyway).
+            probing.add_done_callback(lambda done: done.cancelled() or done.exception())
+        await asyncio.shield(probing)
+        found = True
 
     return check
 

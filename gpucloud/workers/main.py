@@ -223,14 +223,15 @@ async def run_evaluation_worker(settings: Settings, *, stop: asyncio.Event | Non
 def serve_worker_http(
     settings: Settings, cp: bootstrap.ControlPlane, client: Client, *, before_scrape: Callable[[], None]
 ) -> tuple[Any, asyncio.Task]:
-    """`/healthz`, `/readyz` (the database, Temporal) and `/metrics` of the worker, served on
+    """`/healthz`, `/readyz` (the database, Temporal, the object store its tenant storage and
+    registry activities use) and `/metrics` of the worker, served on
     `telemetry.worker_port` from the worker's own event loop: the uvicorn server (set
     `should_exit` to stop it) and the task serving."""
     import uvicorn
     from fastapi import FastAPI
 
     from gpucloud.web import tls
-    from gpucloud.web.readiness import database_check, install_readiness, temporal_check
+    from gpucloud.web.readiness import database_check, install_readiness, object_store_check, temporal_check
 
     app = FastAPI(title="gpucloud worker", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -238,7 +239,12 @@ def serve_worker_http(
     async def healthz() -> dict:
         return {"ok": True}
 
-    install_readiness(app, {"database": database_check(cp.db.engine), "temporal": temporal_check(lambda: client)})
+    checks = {
+        "database": database_check(cp.db.engine),
+        "temporal": temporal_check(lambda: client),
+        "object store": object_store_check(cp.tenant_store.backend),
+    }
+    install_readiness(app, checks)
     install_metrics(app, lambda: (settings.metrics_token, settings.operator_token), before_scrape=before_scrape)
     host, port = settings.telemetry.worker_host, settings.telemetry.worker_port or 0
     secure = tls.serve_options(host, settings.tls.server, insecure=settings.tls.insecure, what="worker metrics")

@@ -134,7 +134,11 @@ def check_metrics(stack, *, alloc_path: str) -> None:
     assert sample(worker, "gpucloud_allocation_ready_seconds_count") == 1
     assert sample(worker, "gpucloud_reconciler_sweep_seconds_count") >= 1
     assert "temporal_" in worker  # the SDK's own runtime metrics
-    assert httpx.get(f"{worker_url}/readyz", timeout=10).json()["checks"] == {"database": "ok", "temporal": "ok"}
+    assert httpx.get(f"{worker_url}/readyz", timeout=10).json()["checks"] == {
+        "database": "ok",
+        "temporal": "ok",
+        "object store": "ok",
+    }
     wait_until(
         lambda: sample(scrape(stack.ledger_url), "gpucloud_ledger_usage_samples_total", outcome="accepted") > 0,
         timeout_s=30,

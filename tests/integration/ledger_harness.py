@@ -56,26 +56,34 @@ def wait_until_healthy(url: str, *, timeout_s: float = 30.0) -> None:
 
 @contextmanager
 def ledger_in_thread(
-    database_url: str, *, issuer_dir: Path, clock_ms: Callable[[], int] = wall_clock_ms
+    database_url: str,
+    *,
+    issuer_dir: Path,
+    clock_ms: Callable[[], int] = wall_clock_ms,
+    metrics_tokens: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """The ledger app served by uvicorn in a thread of this process, trusting the issuer key in
-    `issuer_dir` (sign calls with `support.ledger_auth.LedgerAuth(issuer_dir)`); yields its URL."""
+    `issuer_dir` (sign calls with `support.ledger_auth.LedgerAuth(issuer_dir)`) and scrapes with
+    `metrics_tokens`; yields its URL."""
     verifier = Verifier(issuer_in(issuer_dir).public_key)
-    with ThreadedServer(create_app(database_url, control_plane=verifier, clock_ms=clock_ms), name="ledger") as server:
+    app = create_app(database_url, control_plane=verifier, clock_ms=clock_ms, metrics_tokens=metrics_tokens)
+    with ThreadedServer(app, name="ledger") as server:
         wait_until_healthy(server.url)
         register(server.url, issuer_dir)
         yield server.url
 
 
 @contextmanager
-def priced_ledger(backend: str, directory: Path, price_book: dict) -> Iterator[httpx.Client]:
+def priced_ledger(
+    backend: str, directory: Path, price_book: dict, *, metrics_tokens: tuple[str, ...] = ()
+) -> Iterator[httpx.Client]:
     """A ledger on `backend` (a fresh database), served in a thread, with `price_book` as its
     first version; yields a client that signs its calls as the control plane."""
     from support.ledger_auth import LedgerAuth
 
     with (
         ledger_database_url(backend, directory) as database_url,
-        ledger_in_thread(database_url, issuer_dir=directory) as url,
+        ledger_in_thread(database_url, issuer_dir=directory, metrics_tokens=metrics_tokens) as url,
         httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(directory)) as client,
     ):
         answer = client.post("/v1/price-book/versions", json=price_book)

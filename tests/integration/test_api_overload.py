@@ -72,7 +72,11 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_api_serves_again_af
         h = make_harness(url, nodes=1)
         _, key = h.new_tenant()
         ready = httpx.get(f"{h.api.url}/readyz", timeout=10)  # open: no credentials
-        assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "temporal": "ok"}
+        assert ready.status_code == 200 and ready.json()["checks"] == {
+            "database": "ok",
+            "temporal": "ok",
+            "object store": "ok",
+        }
         name = url.rsplit("/", 1)[1]
         admin = create_engine(base, isolation_level="AUTOCOMMIT")
         try:

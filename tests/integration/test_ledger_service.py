@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from ledger_harness import backends, ledger_database_url, ledger_in_thread, priced_ledger
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
@@ -74,8 +76,24 @@ def usage(client: httpx.Client, tenant: str = "t1", **params) -> dict:
 
 def test_readiness_is_open_and_checks_the_database(ledger: httpx.Client) -> None:
     ready = httpx.get(ledger.base_url.join("/readyz"), timeout=10)  # no credentials
-    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok"}
+    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "price book": "ok"}
     assert httpx.get(ledger.base_url.join("/v1/invoices"), timeout=10).status_code == 401
+
+
+def test_a_ledger_without_a_price_book_is_not_ready(tmp_path: Path) -> None:
+    """Every sample would be rejected as unpriced: not ready, saying what makes one."""
+    with ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as url:
+        unpriced = httpx.get(f"{url}/readyz", timeout=10)
+        assert unpriced.status_code == 503 and unpriced.headers["retry-after"]
+        assert unpriced.json()["checks"] == {
+            "database": "ok",
+            "price book": "LookupError: no price book: run `gpucloud prepare` (it writes the list prices) "
+            "or POST /v1/price-book/versions",
+        }
+        answer = httpx.post(f"{url}/v1/price-book/versions", json=PRICE_BOOK, auth=LedgerAuth(tmp_path), timeout=10)
+        assert answer.status_code == 201, answer.text
+        ready = httpx.get(f"{url}/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "price book": "ok"}
 
 
 def test_each_sample_is_recorded_exactly_once(ledger: httpx.Client) -> None:
@@ -175,6 +193,47 @@ def test_bad_input_is_rejected_per_sample_and_nothing_of_it_is_written(ledger: h
     added = after["tenant:t1:receivable"]["debit_micro"] - before["tenant:t1:receivable"]["debit_micro"]
     assert added == Rate(H100_PRICE).step(8 * MINUTE, 8 * MINUTE)
     assert ledger.get("/v1/usage/conflicts").json() == []
+
+
+SCRAPE_TOKEN = "scrape-token"
+
+
+def rejected_total(ledger: httpx.Client, reason: str) -> float:
+    """`gpucloud_ledger_usage_rejected_total{reason}` as the ledger's `/metrics` says it."""
+    answer = httpx.get(
+        ledger.base_url.join("/metrics"), headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"}, timeout=10
+    )
+    assert answer.status_code == 200, answer.text
+    for family in text_string_to_metric_families(answer.text):
+        for found in family.samples:
+            if found.name == "gpucloud_ledger_usage_rejected_total" and found.labels == {"reason": reason}:
+                return found.value
+    raise AssertionError(f"no gpucloud_ledger_usage_rejected_total{{reason={reason!r}}} in /metrics")
+
+
+def test_a_rejected_sample_is_logged_with_its_reason_and_counted_by_reason(tmp_path: Path, caplog) -> None:
+    """A GPU type the price book does not price: each of its samples is rejected, counted under
+    `no_price`, and the log names node, allocation and why, once a minute per reason (a fleet's
+    samples arrive by the thousand), with how many it left unsaid."""
+    caplog.set_level(logging.WARNING, logger="gpucloud.ledger")
+    with priced_ledger("sqlite", tmp_path, PRICE_BOOK, metrics_tokens=(SCRAPE_TOKEN,)) as ledger:
+        before = {reason: rejected_total(ledger, reason) for reason in ("no_price", "overlap")}
+        unpriced = [sample(seq, gpu_type="mi300x") for seq in (2, 3, 4)]
+        answer = ingest(ledger, [sample(1), *unpriced])
+        assert (answer["accepted"], answer["rejected"]) == (1, 3)
+        assert rejected_total(ledger, "no_price") == before["no_price"] + 3
+        assert rejected_total(ledger, "overlap") == before["overlap"]
+        (line,) = [r for r in caplog.records if r.name == "gpucloud.ledger.rejections"]
+        assert line.levelno == logging.WARNING
+        assert line.getMessage() == (
+            f"usage sample rejected (no_price): node n1, allocation a1, seq 2: "
+            f"no price for mi300x at {JAN + MINUTE} (2 more in this batch)"
+        )
+        assert (line.node_id, line.allocation_id) == ("n1", "a1")
+
+        ingest(ledger, [sample(5, gpu_type="mi300x")])  # within the minute: counted, not logged again
+        assert rejected_total(ledger, "no_price") == before["no_price"] + 4
+        assert len([r for r in caplog.records if r.name == "gpucloud.ledger.rejections"]) == 1
 
 
 def test_a_malformed_batch_is_a_problem_json_422_and_writes_nothing(ledger: httpx.Client) -> None:

@@ -122,7 +122,7 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
         assert httpx.get(f"{tracker_url}/origin/stats").status_code == 401
         egress = httpx.get(f"{tracker_url}/origin/stats", headers=control).json()["egress_bytes"]
         # The deployment's tracker answers /readyz openly and /metrics to the operator token.
-        assert httpx.get(f"{tracker_url}/readyz").json()["checks"] == {"database": "ok"}
+        assert httpx.get(f"{tracker_url}/readyz").json()["checks"] == {"database": "ok", "object store": "ok"}
         assert httpx.get(f"{tracker_url}/metrics").status_code == 401
         scraped = httpx.get(
             f"{tracker_url}/metrics", headers={"Authorization": f"Bearer {tracker_settings.operator_token}"}

@@ -1,5 +1,6 @@
 """An operation whose workflow the engine does not take fails at once (nothing would ever run
-it) and the caller gets 503 with Retry-After; one it takes stays running."""
+it) and the caller gets 503 with Retry-After, or a 500 naming the cause when the engine refused
+it for good; one it takes stays running."""
 
 from __future__ import annotations
 
@@ -48,3 +49,19 @@ def test_an_operation_the_engine_does_not_take_fails_with_a_503(tmp_path) -> Non
     assert "did not take the power action" in answer.value.detail
     status, error = _status(url, refused)
     assert status == "failed" and "workflow engine is unreachable" in (error or "")
+
+
+def test_an_operation_the_engine_refuses_for_good_fails_with_a_500_naming_why(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'cp.db'}"
+    migrate(url)
+    refused = _operation(url)
+
+    async def unprepared() -> None:
+        raise RPCError("Namespace gpucloud is not found.", RPCStatusCode.NOT_FOUND, b"")
+
+    with pytest.raises(Problem) as answer:
+        asyncio.run(start_for_operation(unprepared(), url, refused, "the power action"))
+    assert answer.value.status == 500 and "Retry-After" not in answer.value.headers
+    assert "refused the power action: Namespace gpucloud is not found" in answer.value.detail
+    status, error = _status(url, refused)
+    assert status == "failed" and "the workflow engine refused it: Namespace gpucloud is not found" in (error or "")

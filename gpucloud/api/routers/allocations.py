@@ -49,8 +49,9 @@ from gpucloud.protocol.reports import WorkloadStatus
 from gpucloud.services import allocations as service
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
+from gpucloud.services.workflow_engine import engine_problem, log_undelivered
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
-from gpucloud.web.problems import Problem, invalid, unavailable
+from gpucloud.web.problems import Problem, invalid
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["allocations"])
@@ -200,9 +201,7 @@ async def create_allocation(
             await start_allocation_workflow(temporal, settings, alloc)
         except RPCError as exc:
             await run_in_threadpool(_undo_reservation, settings, alloc, f"could not start provisioning: {exc}")
-            raise unavailable(
-                "workflow-engine", "the workflow engine did not accept the allocation; nothing was kept, retry"
-            ) from exc
+            raise engine_problem(exc, what="the allocation", left="nothing was kept") from exc
         body = AllocationAccepted(allocation=_public(alloc), operation=_op_public(op))
         return accepted(body, f"/v1/allocations/{alloc.id}")
 
@@ -305,4 +304,4 @@ async def _notify(temporal: Client, allocation_id: str, operation_id: str) -> No
     try:
         await signal_cancel(temporal, allocation_id, operation_id)
     except RPCError as exc:
-        log.warning("cancel signal for %s not delivered (%s); the workflow will see the DB intent", allocation_id, exc)
+        log_undelivered(log, exc, f"cancel signal for {allocation_id}", "the workflow will see the DB intent")

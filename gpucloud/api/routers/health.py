@@ -47,6 +47,7 @@ from gpucloud.protocol.reports import (
 )
 from gpucloud.services import health as health_service
 from gpucloud.services.schedules import reconcile_now
+from gpucloud.services.workflow_engine import log_undelivered
 from gpucloud.services.workflows import signal_replace_node
 from gpucloud.web import metrics
 from gpucloud.web.problems import Problem, invalid, not_found
@@ -134,7 +135,8 @@ async def _act_on(outcomes: list, settings: Settings, temporal, fault_at: dict[s
         try:
             await signal_replace_node(temporal, o.allocation_id, req)
         except RPCError as exc:
-            log.warning("replace signal for %s in %s not delivered: %s", o.node_id, o.allocation_id, exc)
+            what = f"replace signal for {o.node_id} in {o.allocation_id}"
+            log_undelivered(log, exc, what, "the node is cordoned all the same")
     if drains:
         await reconcile_now(temporal, settings, drains)
 

@@ -58,8 +58,9 @@ from gpucloud.services.fleet import (
 from gpucloud.services.nodes import enroll_nodes, held_for_bringup, lease_for_bringup
 from gpucloud.services.operations import start_for_operation
 from gpucloud.services.schedules import reconcile_now
+from gpucloud.services.workflow_engine import engine_problem, log_undelivered
 from gpucloud.services.workflows import running_node_operations, start_bringup_batches, start_node_power
-from gpucloud.web.problems import Problem, not_found, unavailable
+from gpucloud.web.problems import Problem, not_found
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ async def enroll(req: EnrollRequest, operator: FleetOperatorDep, settings: Setti
     try:
         running = await running_node_operations(temporal, settings.temporal.task_queue)
     except RPCError as exc:
-        raise unavailable("workflow-engine", "the workflow engine did not answer; nothing was enrolled, retry") from exc
+        raise engine_problem(exc, what="the enrollment", left="nothing was enrolled") from exc
     to_start, new, known, deferred = await run_in_threadpool(_enroll, settings, req, running)
     batches = await start_bringup_batches(temporal, settings, to_start)
     return EnrollResult(
@@ -153,7 +154,7 @@ async def _operator_action(
         try:
             await start_node_power(temporal, settings, command)
         except RPCError as exc:
-            log.warning("power-off of retired node %s not started (%s); power it off by hand", node_id, exc)
+            log_undelivered(log, exc, f"power-off of retired node {node_id}", "power it off by hand")
     body = NodeActionResult(
         node=NodePublic.model_validate(node, from_attributes=True),
         operation=OperationPublic.model_validate(op, from_attributes=True),

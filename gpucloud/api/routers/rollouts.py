@@ -45,7 +45,8 @@ from gpucloud.models.rollout_messages import (
 from gpucloud.models.tables import Node
 from gpucloud.registry import promotion
 from gpucloud.services import operations
-from gpucloud.web.problems import Problem, field_of, invalid, not_found, unavailable
+from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.web.problems import Problem, field_of, invalid, not_found
 from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 
@@ -140,9 +141,7 @@ async def create_rollout(
                 search_attributes=search_attributes.typed(*attributes),
             )
         except RPCError as exc:
-            raise unavailable(
-                "workflow-engine", "the workflow engine did not accept the rollout; nothing was started, retry"
-            ) from exc
+            raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
         progress = RolloutProgress(
             rollout_id=rollout_id, tenant_id=tenant.tenant_id, model_version=req.model_version, phase="resolving"
         )

@@ -54,8 +54,9 @@ from gpucloud.models.tables import (
 from gpucloud.services import operations
 from gpucloud.services import quotas as quota_service
 from gpucloud.services import tenants as tenant_service
+from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.services.workflows import start_tenant_offboarding, start_tenant_onboarding
-from gpucloud.web.problems import Problem, not_found, unavailable
+from gpucloud.web.problems import Problem, not_found
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 
@@ -139,9 +140,7 @@ async def create_tenant(
             await start_tenant_onboarding(temporal, settings, created.id, created.operation.id)
         except RPCError as exc:
             await run_in_threadpool(_discard, settings, created.id)
-            raise unavailable(
-                "workflow-engine", "the workflow engine did not accept the onboarding; nothing was kept, retry"
-            ) from exc
+            raise engine_problem(exc, what="the onboarding", left="nothing was kept") from exc
         return accepted(created, f"/v1/tenants/{created.id}")
 
     return await idempotent(
@@ -198,8 +197,8 @@ async def delete_tenant(tenant_id: str, operator: TenantsOperatorDep, settings: 
     try:
         await start_tenant_offboarding(temporal, settings, tenant_id, op.id)
     except RPCError as exc:
-        raise unavailable(
-            "workflow-engine", "offboarding is recorded but the workflow engine did not accept it; retry the DELETE"
+        raise engine_problem(
+            exc, what="the offboarding", left="the offboarding is recorded and the next DELETE starts it"
         ) from exc
     body = TenantOperation(tenant=_public(tenant), operation=_op_public(op))
     return JSONResponse(body.model_dump(mode="json"), status_code=202)

@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from gpucloud.ledger.db import LedgerDatabase
 from gpucloud.ledger.ingest import UsageIngest
 from gpucloud.ledger.pricebook import PriceBookCache
+from gpucloud.ledger.rejections import RejectionLog
 
 
 @dataclass
@@ -20,6 +21,7 @@ class LedgerContext:
     clock_ms: Callable[[], int]
     ingest: UsageIngest = field(init=False)
     prices: PriceBookCache = field(default_factory=PriceBookCache)
+    rejections: RejectionLog = field(default_factory=RejectionLog)
     ingest_worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-ingest")
     )

@@ -65,6 +65,8 @@ def _validate_and_ingest(ledger: LedgerContext, body: bytes, node: str | None) -
     result = ledger.ingest.ingest(batch["samples"])
     for outcome in ("accepted", "duplicates", "rejected"):
         metrics.LEDGER_SAMPLES.labels(outcome).inc(getattr(result, outcome))
+    if result.rejections:
+        ledger.rejections.record(batch["samples"], result.rejections)
     return result
 
 
