@@ -97,6 +97,7 @@ def s3_endpoint():
 def bare_temporal() -> Iterator[str]:
     """A Temporal dev server as an operator starts one: without our namespace or search
     attributes (in memory), as a cluster stands before `gpucloud prepare`."""
+    import asyncio
     import subprocess
     import time
 
@@ -121,10 +122,25 @@ def bare_temporal() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(300):
+        for _ in range(300):  # listening first, then answering (its frontend starts after the port)
             if port_in_use("127.0.0.1", port) or server.poll() is not None:
                 break
             time.sleep(0.1)
+        address = f"127.0.0.1:{port}"
+
+        async def answers() -> bool:
+            from temporalio.client import Client
+
+            try:
+                await Client.connect(address, namespace="default")
+                return True
+            except RuntimeError:
+                return False
+
+        for _ in range(100):
+            if server.poll() is not None or asyncio.run(answers()):
+                break
+            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
         server.terminate()
