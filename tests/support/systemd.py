@@ -91,6 +91,24 @@ class Host:
         unit = self.unit(name)
         return subprocess.run(unit.argv(), env=unit.environment(), capture_output=True, text=True, timeout=timeout_s)
 
+    def systemctl(self, words: list[str], *, log_dir: Path, timeout_s: float = 180) -> dict[str, str]:
+        """`systemctl start|enable --now UNIT...` as the guide writes it: a oneshot unit runs to
+        its end (its output returned by unit; a failure raises), the others start."""
+        verb, *rest = words[1:]
+        units = [word.removesuffix(".service") for word in rest if not word.startswith("-")]
+        if verb not in ("start", "enable") or (verb == "enable" and "--now" not in rest) or not units:
+            raise ValueError(f"not a start: {' '.join(words)}")
+        outputs = {}
+        for name in units:
+            if dict(self.unit(name).directives()).get("Type") == "oneshot":
+                done = self.run(name, timeout_s=timeout_s)
+                outputs[name] = done.stdout + done.stderr
+                if done.returncode != 0:
+                    raise AssertionError(f"{name} exited {done.returncode}:\n{outputs[name][-3000:]}")
+            else:
+                self.start(name, log_dir=log_dir)
+        return outputs
+
     def stop_all(self, timeout_s: float = 20.0) -> None:
         for proc in reversed(list(self.processes.values())):
             if proc.poll() is None:
