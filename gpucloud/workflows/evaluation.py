@@ -15,6 +15,7 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.models.evaluation_messages import (
         EvaluateVersionInput,
         EvaluateVersionResult,
+        EvaluationRefusal,
         RecordEvaluationInput,
         RunEvaluationInput,
     )
@@ -29,15 +30,21 @@ def evaluation_workflow_id(tenant_id: str, operation_id: str) -> str:
 class VersionEvaluationWorkflow:
     @workflow.run
     async def run(self, req: EvaluateVersionInput) -> EvaluateVersionResult:
-        keys = await workflow.execute_activity_method(
-            EvaluationActivities.evaluation_keys, req, **options.EVALUATION_RECORD
-        )
-        found = await workflow.execute_activity_method(
-            EvaluationRunner.run_evaluation,
-            RunEvaluationInput(request=req, keys=keys),
-            task_queue=evaluation_task_queue(workflow.info().task_queue),
-            **options.EVALUATION,
-        )
+        # The run's token lives `registry.evaluation_token_ttl_s`; the run's retries (an API
+        # that does not answer for hours) can outlast it. A token the API refuses is minted
+        # once more, then the refusal stands (the version or its tenant is gone).
+        for _ in range(2):
+            keys = await workflow.execute_activity_method(
+                EvaluationActivities.evaluation_keys, req, **options.EVALUATION_RECORD
+            )
+            found = await workflow.execute_activity_method(
+                EvaluationRunner.run_evaluation,
+                RunEvaluationInput(request=req, keys=keys),
+                task_queue=evaluation_task_queue(workflow.info().task_queue),
+                **options.EVALUATION,
+            )
+            if found.refusal != EvaluationRefusal.ACCESS_REFUSED:
+                break
         return await workflow.execute_activity_method(
             EvaluationActivities.record_evaluation,
             RecordEvaluationInput(request=req, run=found),
