@@ -154,7 +154,7 @@ def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
     return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, tokens=tokens)
 
 
-def ledger_client(settings: Settings, issuer: service_tokens.Issuer | None) -> LedgerClient | None:
+def ledger_client(settings: Settings, issuer: service_tokens.Minter | None) -> LedgerClient | None:
     """The billing ledger's client, or None: without a ledger nothing is billed. Its calls are
     signed by `issuer` (the issuer key in a worker, the API's delegate in the API)."""
     if not settings.ledger.url:
@@ -247,11 +247,12 @@ def issue_api_delegate(settings: Settings, *, ttl_s: float = API_DELEGATE_TTL_S,
     return target
 
 
-def api_token_issuer(settings: Settings) -> service_tokens.Issuer | None:
-    """The API's signer: its delegate (`issue_api_delegate`), never the issuer key; None where
-    none was issued (the API then mints nothing: no ledger, no ledger tokens)."""
+def api_token_issuer(settings: Settings) -> service_tokens.DelegateFile | None:
+    """The API's signer: its delegate (`issue_api_delegate`), never the issuer key, following its
+    file (a new one is taken up without a restart); None where none was issued (the API then
+    mints nothing: no ledger, no ledger tokens)."""
     path = settings.api_delegate_path
-    return service_tokens.load_delegate(path) if path.exists() else None
+    return service_tokens.DelegateFile(path) if path.exists() else None
 
 
 def host_agents(settings: Settings) -> HostAgents:

@@ -33,7 +33,13 @@ from gpucloud.observability import tracing
 from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.web import problems
 from gpucloud.web.metrics import FleetCollector, RequestMetrics, install_metrics
-from gpucloud.web.readiness import database_check, install_readiness, object_store_check, temporal_check
+from gpucloud.web.readiness import (
+    database_check,
+    delegate_check,
+    install_readiness,
+    object_store_check,
+    temporal_check,
+)
 from gpucloud.web.service_tokens import public_key_path
 
 log = logging.getLogger(__name__)
@@ -118,7 +124,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
             "temporal": temporal_check(lambda: app.state.temporal),
             # The registry's chunks and manifests live there.
             "object store": object_store_check(app.state.registry_stores.objects),
-        },
+        }
+        | ({"delegate": delegate_check(app.state.issuer)} if app.state.issuer is not None else {}),
     )
     install_metrics(
         app,

@@ -30,7 +30,7 @@ from gpucloud.ledger.schemas import (
     UsageSummary,
 )
 from gpucloud.web import tls
-from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer
+from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Minter
 
 _PERIODS = TypeAdapter(list[PeriodOut])
 _INVOICES = TypeAdapter(list[InvoiceOut])
@@ -134,7 +134,7 @@ class LedgerClient:
         self,
         base_url: str,
         *,
-        issuer: Issuer | None = None,
+        issuer: Minter | None = None,
         timeout_s: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ):

@@ -13,6 +13,7 @@ once, then taken as there: made, it stays, and every load balancer probes every 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from gpucloud.web import problems
 
 if TYPE_CHECKING:
     from gpucloud.storage.objects import ObjectStore
+    from gpucloud.web.service_tokens import DelegateFile
 
 CHECK_TIMEOUT_S = 3.0
 RETRY_AFTER_S = 5
@@ -132,6 +134,21 @@ async def readiness(checks: Mapping[str, Check]) -> JSONResponse:
 class Readiness(BaseModel):
     status: str = Field(description="`ready`")
     checks: dict[str, str] = Field(description="each dependency: `ok`, or why not")
+
+
+def delegate_check(delegate: DelegateFile) -> Check:
+    """The API's delegate (`service_tokens.DelegateFile`) has a certificate that has not run out:
+    past it the ledger refuses every token the API mints (agents' usage waits in their spools)."""
+
+    async def check() -> None:
+        left_s = delegate.expires_at - time.time()
+        if left_s <= 0:
+            raise RuntimeError(
+                f"the API's delegate certificate ({delegate.path}) expired: run `gpucloud prepare` on a worker "
+                "host and copy the new file here (taken up within seconds, no restart)"
+            )
+
+    return check
 
 
 def install_readiness(app: FastAPI, checks: Mapping[str, Check]) -> None:

@@ -24,9 +24,11 @@ the tracker or swarms.
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import jwt
 from cryptography.hazmat.primitives import serialization
@@ -38,6 +40,7 @@ from gpucloud.config import load_or_create_secret, write_private
 from gpucloud.web import problems
 
 ISSUER = "gpucloud-control-plane"
+log = logging.getLogger(__name__)
 ALGORITHM = "EdDSA"
 DEFAULT_TTL_S = 300.0
 LEEWAY_S = 30  # clock skew allowed between the control plane and a server
@@ -119,6 +122,14 @@ class MintOptions(TypedDict, total=False):
     model: str | None  # the model a registry-read token opens
     versions: tuple[str, ...]  # the versions a registry-read token opens
     ttl_s: float | None  # the lifetime (default: the issuer's)
+
+
+class Minter(Protocol):
+    """What signs a caller's tokens: the issuer key (`Issuer`) or an API's delegate (`DelegateFile`)."""
+
+    def mint(self, audience: str, **options: Unpack[MintOptions]) -> str: ...
+
+    def mint_until(self, audience: str, **options: Unpack[MintOptions]) -> tuple[str, float]: ...
 
 
 class Issuer:
@@ -370,6 +381,50 @@ def load_delegate(path: Path) -> Issuer:
     if expires_at <= time.time():
         raise ValueError(f"the delegate certificate in {path} expired; issue a new one (`gpucloud issue-delegate`)")
     return Issuer(key, key_path=path, certificate=certificate)
+
+
+class DelegateFile:
+    """An API process's delegate, kept in step with its file: `gpucloud prepare` (or
+    `issue-delegate`) writing a new one takes effect within `check_every_s`, without a restart,
+    so a certificate that runs out is replaced rather than waited on. Mints as `Issuer` does."""
+
+    def __init__(self, path: Path, *, check_every_s: float = 10.0) -> None:
+        self.path, self.check_every_s = path, check_every_s
+        self._issuer = load_delegate(path)  # the first load's error stops the process: nothing to sign with
+        self._stat = path.stat().st_mtime_ns
+        self._checked = time.monotonic()
+
+    @property
+    def expires_at(self) -> float:
+        """When its certificate ends (Unix seconds)."""
+        claims = jwt.decode(self._current().certificate or "", options={"verify_signature": False})
+        return float(claims["exp"])
+
+    @property
+    def public_key(self) -> Ed25519PublicKey:
+        return self._current().public_key
+
+    @property
+    def certificate(self) -> str | None:
+        return self._current().certificate
+
+    def mint(self, audience: str, **options: Unpack[MintOptions]) -> str:
+        return self._current().mint(audience, **options)
+
+    def mint_until(self, audience: str, **options: Unpack[MintOptions]) -> tuple[str, float]:
+        return self._current().mint_until(audience, **options)
+
+    def _current(self) -> Issuer:
+        now = time.monotonic()
+        if now - self._checked >= self.check_every_s:
+            self._checked = now
+            try:
+                changed = self.path.stat().st_mtime_ns != self._stat
+                if changed:
+                    self._issuer, self._stat = load_delegate(self.path), self.path.stat().st_mtime_ns
+            except (OSError, ValueError) as exc:  # half-written or removed: keep the one we have
+                log.warning("keeping the API's delegate: %s could not be read again (%s)", self.path, exc)
+        return self._issuer
 
 
 def _new_private_pem() -> bytes:

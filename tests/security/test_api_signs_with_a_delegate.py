@@ -193,3 +193,30 @@ def test_the_tracker_holds_the_issuer_keys_public_half_only(tmp_path, monkeypatc
             headers = {"Authorization": f"Bearer {issuer.mint(TRACKER_AUDIENCE)}"}
             assert (client.post("/tracker/swarms", headers=headers, json={}).status_code == 401) is refused
     assert not settings.issuer_key_path.exists()
+
+
+def test_a_new_delegate_file_is_taken_up_without_a_restart_and_readiness_names_an_expired_one(tmp_path) -> None:
+    """`gpucloud prepare` renews the delegate before its certificate ends; the running API signs
+    with the new one within seconds. One left to run out makes the API not ready, saying what to do."""
+    import asyncio
+    import os
+
+    from gpucloud.web.readiness import delegate_check
+    from gpucloud.web.service_tokens import DelegateFile
+
+    path = tmp_path / "api_delegate.pem"
+    issue_delegate(ROOT, path, ttl_s=3600, **API_SCOPE)  # type: ignore[arg-type]
+    delegate = DelegateFile(path, check_every_s=0)
+    first = jwt.get_unverified_header(delegate.mint(LEDGER_AUDIENCE, role="operator"))
+    asyncio.run(delegate_check(delegate)())  # not expired: ready
+    issue_delegate(ROOT, path, ttl_s=2, **API_SCOPE)  # type: ignore[arg-type]
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))  # the same second's write, seen as new
+    renewed = delegate.mint(LEDGER_AUDIENCE, role="agent")
+    assert jwt.get_unverified_header(renewed) != first
+    assert VERIFIER.verify(renewed, audience=LEDGER_AUDIENCE, roles=("agent",)).role == "agent"
+    time.sleep(2.1)
+    with pytest.raises(RuntimeError, match=r"delegate certificate .* expired: run `gpucloud prepare`"):
+        asyncio.run(delegate_check(delegate)())
+    path.write_text("half-written")  # an unreadable file keeps the one it has
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2_000_000))
+    assert delegate.certificate is not None
