@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from gpucloud.devstack.stack import free_port
 from gpucloud.web.tls import LocalCA
+from support.guide import steps
 from support.s3 import CREDENTIALS
 from support.systemd import ROOT, Host
 
@@ -30,14 +31,7 @@ pytestmark = [
     pytest.mark.long,
     pytest.mark.skipif(not POSTGRES_URL, reason="the guide deploys on Postgres: set GPUCLOUD_TEST_POSTGRES_URL"),
 ]
-CONTROL_PLANE = (
-    "gpucloud-api",
-    "gpucloud-ledger",
-    "gpucloud-tracker",
-    "gpucloud-worker@4",
-    "gpucloud-worker@5",
-    "gpucloud-evaluations",
-)
+GUIDE = ROOT / "docs" / "deploy.md"
 
 
 @pytest.fixture
@@ -90,22 +84,39 @@ def wait_ready(url: str, ca: Path, *, what: str, proc: subprocess.Popen, log: Pa
     pytest.fail(f"{what} not ready in {timeout_s:.0f} s: {last}\n{log.read_text()[-3000:]}")
 
 
-def gpucloud(*args: str, env: dict[str, str], timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli.main", *args], env=env, capture_output=True, text=True, timeout=timeout_s
-    )
+def gpucloud(
+    command: list[str], *, env: dict[str, str], cwd: Path, timeout_s: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """A `gpucloud ...` line of the guide, run as the operator would, from `cwd`."""
+    assert command[0] == "gpucloud", command
+    argv = [sys.executable, "-m", "gpucloud.cli.main", *command[1:]]
+    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
 
 
 def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
     tmp_path: Path, databases: tuple[str, str], bare_temporal: str, s3_endpoint: str
 ) -> None:
+    guide = steps(GUIDE)
     control_db, ledger_db = databases
-    host = Host(tmp_path / "host")
+    host = Host(tmp_path / "host")  # the control plane's host
+    node = Host(tmp_path / "node-01")  # a GPU node: its own file system
+    workstation = tmp_path / "workstation"  # where the operator runs the CLI
+    home = workstation / "home"
+    home.mkdir(parents=True)
     logs = tmp_path / "logs"
     bucket = f"deploy-{uuid.uuid4().hex[:8]}"
     api_port, ledger_port, tracker_port = free_port(), free_port(), free_port()
+    api, ledger = f"https://127.0.0.1:{api_port}", f"https://127.0.0.1:{ledger_port}"
+    agent_port = 8200  # the agent unit's (the agent's default port)
+    # The guide's example hosts, and where they are here.
+    where = {
+        "https://api.internal:8000": api,
+        "https://ledger.internal:8700": ledger,
+        "https://gpu-node-01.internal:8200": f"https://127.0.0.1:{agent_port}",
+        "~/": f"{home}/",
+    }
 
-    # 1. Install: the units and the example environment file, where the guide puts them.
+    # 1. Install: the units and the example environment files, where the guide puts them.
     for unit in (ROOT / "deploy" / "systemd").glob("*.service"):
         host.install(unit, f"/etc/systemd/system/{unit.name}")
     host.path("/var/lib/gpucloud").mkdir(parents=True)
@@ -116,19 +127,21 @@ def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
     host.install(ca.cert_file, "/etc/gpucloud/tls/ca.pem")
     host.install(server.cert_file, "/etc/gpucloud/tls/server.pem")
     host.install(server.key_file, "/etc/gpucloud/tls/server-key.pem", 0o600)
+    no_temporal_tls = {
+        f"GPUCLOUD_TEMPORAL__TLS{suffix}": None for suffix in ("", "_CA_FILE", "_CERT_FILE", "_KEY_FILE")
+    }
     configure(
         host,
         {
             "GPUCLOUD_TEMPORAL__ADDRESS": bare_temporal,
-            "GPUCLOUD_TEMPORAL__TLS": None,
-            "GPUCLOUD_TEMPORAL__TLS_CA_FILE": None,
-            "GPUCLOUD_TEMPORAL__TLS_CERT_FILE": None,
-            "GPUCLOUD_TEMPORAL__TLS_KEY_FILE": None,
+            **no_temporal_tls,  # the bare dev server speaks plain gRPC on loopback
             "GPUCLOUD_OBJECT_STORE__BUCKET": bucket,
             "GPUCLOUD_OBJECT_STORE__ENDPOINT_URL": s3_endpoint,
+            "GPUCLOUD_FABRIC__URL": None,  # no fabric managers on this host: the worker must say so
             "GPUCLOUD_API__PORT": str(api_port),
+            "GPUCLOUD_API__URL": api,
             "GPUCLOUD_API__WORKERS": "1",
-            "GPUCLOUD_LEDGER__URL": f"https://127.0.0.1:{ledger_port}",
+            "GPUCLOUD_LEDGER__URL": ledger,
             "GPUCLOUD_LEDGER__PORT": str(ledger_port),
             "GPUCLOUD_TRACKER__URL": f"https://localhost:{tracker_port}",
         },
@@ -137,36 +150,35 @@ def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
     secret(host, "GPUCLOUD_LEDGER__DATABASE_URL", ledger_db)
     secret(host, "GPUCLOUD_OBJECT_STORE__ACCESS_KEY_ID", CREDENTIALS["aws_access_key_id"])
     secret(host, "GPUCLOUD_OBJECT_STORE__SECRET_ACCESS_KEY", CREDENTIALS["aws_secret_access_key"])
-
-    # 3. Prepare: everything the processes need, from nothing; a second run changes nothing.
-    prepared = host.run("gpucloud-migrate", timeout_s=180)
-    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
-    again = host.run("gpucloud-migrate", timeout_s=180)
-    assert again.returncode == 0 and "created" not in again.stdout, again.stdout + again.stderr
-    # The evaluation worker's own environment: Temporal, and the payload keys prepare made.
-    no_temporal_tls = {
-        f"GPUCLOUD_TEMPORAL__TLS{suffix}": None for suffix in ("", "_CA_FILE", "_CERT_FILE", "_KEY_FILE")
-    }
     configure(host, {"GPUCLOUD_TEMPORAL__ADDRESS": bare_temporal, **no_temporal_tls}, example="evaluations.env")
+
+    # 3. Prepare, as the guide says; a second run changes nothing.
+    [start_prepare] = [c for c in guide["prepare"].commands() if c[0] == "systemctl"]
+    first = host.systemctl(start_prepare, log_dir=logs)["gpucloud-migrate"]
+    assert "created" in first, first
+    again = host.systemctl(start_prepare, log_dir=logs)["gpucloud-migrate"]
+    assert "created" not in again and "refused" not in again, again
+    # The evaluation worker's one secret, copied as the guide says.
     keys = host.path("/etc/gpucloud/evaluations-secrets/GPUCLOUD_TEMPORAL__CODEC_KEYS")
     keys.parent.mkdir(parents=True)
     keys.write_bytes(host.path("/var/lib/gpucloud/temporal_codec_keys").read_bytes())
 
-    # 4. Start: the control plane's units; each answers /readyz.
-    api = f"https://127.0.0.1:{api_port}"
-    node = Host(tmp_path / "node-01")  # a GPU node: its own file system
     try:
-        for name in CONTROL_PLANE:
-            host.start(name, log_dir=logs)
+        # 4. Start: the guide's units; each answers /readyz.
+        for command in guide["start"].commands():
+            host.systemctl(command, log_dir=logs)
         ready = {
             "gpucloud-api": api,
-            "gpucloud-ledger": f"https://127.0.0.1:{ledger_port}",
+            "gpucloud-ledger": ledger,
             "gpucloud-tracker": f"https://127.0.0.1:{tracker_port}",
-            "gpucloud-worker@4": "https://127.0.0.1:9464",
+            "gpucloud-worker@4": "https://127.0.0.1:9464",  # each instance's own port, 946N
             "gpucloud-worker@5": "https://127.0.0.1:9465",
         }
+        assert set(host.processes) >= {*ready, "gpucloud-evaluations"}, sorted(host.processes)
         for name, url in ready.items():
             wait_ready(url, ca.cert_file, what=name, proc=host.processes[name], log=logs / f"{name}.log")
+        worker_log = (logs / "gpucloud-worker@4.log").read_text()
+        assert "no fabric managers (GPUCLOUD_FABRIC__URL)" in worker_log, worker_log[-2000:]
         wait_for(
             lambda: "evaluation worker running" in (logs / "gpucloud-evaluations.log").read_text(),
             what="the evaluation worker polling its task queue",
@@ -174,99 +186,68 @@ def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
             logs=logs,
         )
 
-        # 5. Point the CLI at the deployment: its URL, the operator token, the CA.
-        operator_token = host.path("/var/lib/gpucloud/operator_token").read_text().strip()
-        cli = {
-            "PATH": os.environ["PATH"],
-            "HOME": str(tmp_path / "operator-home"),
-            "COLUMNS": "200",
-            "GPUCLOUD_API_URL": api,
-            "GPUCLOUD_API__URL": api,
-            "GPUCLOUD_API__OPERATOR_TOKEN": operator_token,
-            "GPUCLOUD_TLS__CA_FILE": str(ca.cert_file),
-        }
+        # 5. Point the CLI: the operator token and the CA copied to the workstation, a context.
+        (home / ".gpucloud").mkdir(mode=0o700)
+        token_copy = home / ".gpucloud" / "prod-operator-token"
+        token_copy.write_bytes(host.path("/var/lib/gpucloud/operator_token").read_bytes())
+        token_copy.chmod(0o600)
+        (home / ".gpucloud" / "prod-ca.pem").write_bytes(ca.cert_file.read_bytes())
+        cli = {"PATH": os.environ["PATH"], "HOME": str(home), "COLUMNS": "200"}
+        for command in guide["point-cli"].commands(where):
+            done = gpucloud(command, env=cli, cwd=workstation)
+            assert done.returncode == 0, done.stdout + done.stderr
+        assert "prod" in done.stdout and api in done.stdout, done.stdout
 
-        # 6. A tenant, its first key printed before onboarding ends.
-        created = gpucloud("tenants", "create", "acme", "-o", "json", env=cli)
+        # 6. A tenant; its first key printed before onboarding ends.
+        [create_tenant] = guide["tenant"].commands(where)
+        created = gpucloud(create_tenant, env=cli, cwd=workstation)
         assert created.returncode == 0, created.stdout + created.stderr
-        tenant = json.loads(created.stdout)
-        key = tenant["api_key"]["key"]
-        assert tenant["status"] == "active" and key.startswith("gpc_key_"), tenant
+        key = re.search(r"first API key \(shown once\): (gpc_key_\S+)", created.stdout)
+        assert key and "active" in created.stdout, created.stdout
 
-        # 7. Enrol a node, issue its agent's credential, and start its agent from its unit.
-        agent_port = 8200  # the unit's (the agent's default port)
-        nodes_file = tmp_path / "nodes.yaml"
-        nodes_file.write_text(
-            yaml.safe_dump(
-                [
-                    {
-                        "id": "gpu-node-01",
-                        "hostname": "gpu-node-01",
-                        "region": "us-east-1",
-                        "pod": "us-east-1-pod000",
-                        "rack": "us-east-1-pod000-rack00",
-                        "gpu_type": "H100",
-                        "gpu_count": 8,
-                        "agent_url": f"https://127.0.0.1:{agent_port}",
-                    }
-                ]
-            )
-        )
-        enrolled = gpucloud("node", "enroll", str(nodes_file), env=cli)
-        assert enrolled.returncode == 0 and "enrolled 1" in enrolled.stdout, enrolled.stdout + enrolled.stderr
-        credential = node.path("/var/lib/gpucloud/agent-credential")
-        issued = gpucloud("node", "credential", "gpu-node-01", "--out", str(credential), env=cli)
-        assert issued.returncode == 0, issued.stdout + issued.stderr
-        assert credential.stat().st_mode & 0o777 == 0o600
+        # 7. The node: described, enrolled, its credential issued, then its agent from its unit.
+        (workstation / "nodes.yaml").write_text(guide["nodes-file"].substituted(where))
+        for command in guide["enroll"].commands(where):
+            done = gpucloud(command, env=cli, cwd=workstation)
+            assert done.returncode == 0, done.stdout + done.stderr
+        credential = node.install(workstation / "gpu-node-01.credential", "/var/lib/gpucloud/agent-credential", 0o600)
+        assert credential.read_text().startswith("gpa_gpu-node-01.")
         agent_tls = ca.issue("agent", ["localhost", "127.0.0.1"])
         node.install(ca.cert_file, "/etc/gpucloud/tls/ca.pem")
         node.install(agent_tls.cert_file, "/etc/gpucloud/tls/agent.pem")
         node.install(agent_tls.key_file, "/etc/gpucloud/tls/agent-key.pem", 0o600)
         node.install(host.path("/var/lib/gpucloud/issuer_key.pub"), "/etc/gpucloud/issuer_key.pub")
         tools = stand_in_tools(tmp_path / "node-tools")
-        agent_env = node.path("/etc/gpucloud/agent.env")
-        agent_env.write_text(
-            "\n".join(
-                [
-                    "GPUCLOUD_NODE_ID=gpu-node-01",
-                    f"GPUCLOUD_API__URL={api}",
-                    f"GPUCLOUD_LEDGER__URL=https://127.0.0.1:{ledger_port}",
-                    "GPUCLOUD_DATA_DIR=/var/lib/gpucloud",
-                    # This host has no GPU: NVML is simulated, and the hardware tools are
-                    # stand-ins printing their documented outputs (tests/fixtures/tools).
-                    "GPUCLOUD_AGENT_ALLOW_SIMULATED=true",
-                    f"PATH={tools}:/usr/bin:/bin",
-                    "GPUCLOUD_AGENT_METER_INTERVAL_S=2",
-                ]
-            )
-            + "\n"
+        node.path("/etc/gpucloud/agent.env").write_text(
+            guide["agent-env"].substituted(where)
+            # This host has no GPU: NVML is simulated, and the hardware tools are stand-ins
+            # printing their documented outputs (tests/fixtures/tools); usage every 2 s.
+            + "\nGPUCLOUD_AGENT_ALLOW_SIMULATED=true\nGPUCLOUD_AGENT_METER_INTERVAL_S=2\n"
+            + f"PATH={tools}:/usr/bin:/bin\n"
         )
-        node.start("gpucloud-agent", log_dir=logs)
+        for command in guide["agent"].commands():
+            node.systemctl(command, log_dir=logs)
         wait_for(
-            lambda: node_state(cli, "gpu-node-01") == "available",
+            lambda: node_state(cli, workstation, "gpu-node-01") == "available",
             what="the node brought up (inspection, wipe, burn-in)",
             timeout_s=180,
             logs=logs,
         )
 
-        # 8. The tenant's allocation, ready on that node; metered by its agent; billed.
-        tenant_cli = {**cli, "GPUCLOUD_API_KEY": key}
-        allocated = gpucloud(
-            "allocations", "create", "--gpu-type", "H100", "--region", "us-east-1", "--nodes", "1", "-o", "json",
-            env=tenant_cli, timeout_s=300,
-        )  # fmt: skip
-        assert allocated.returncode == 0, allocated.stdout + allocated.stderr
-        allocation = json.loads(allocated.stdout)
-        assert allocation["status"] == "ready", allocation
-        time.sleep(6)  # a few of the agent's usage samples
-        cancelled = gpucloud("allocations", "cancel", allocation["id"], "--wait", env=tenant_cli, timeout_s=300)
-        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        # 8. Verify, as the tenant: the node listed, an allocation ready on it, a bill.
+        tenant_cli = {**cli, "GPUCLOUD_API_KEY": key.group(1)}
+        listed, allocate, draft = guide["verify"].commands(where)
+        shown = gpucloud(listed, env=cli, cwd=workstation)
+        assert shown.returncode == 0 and "gpu-node-01" in shown.stdout, shown.stdout + shown.stderr
+        allocated = gpucloud(allocate, env=tenant_cli, cwd=workstation, timeout_s=300)
+        assert allocated.returncode == 0 and "ready" in allocated.stdout, allocated.stdout + allocated.stderr
 
-        def billed() -> int:
-            draft = gpucloud("invoices", "draft", "-o", "json", env=tenant_cli)
-            return int(json.loads(draft.stdout)["total_micro"]) if draft.returncode == 0 else 0
+        def billed() -> float:
+            done = gpucloud(draft, env=tenant_cli, cwd=workstation)
+            total = re.search(r"^total (\d+\.\d+)", done.stdout, re.MULTILINE)
+            return float(total.group(1)) if done.returncode == 0 and total else 0.0
 
-        wait_for(lambda: billed() > 0, what="a non-zero draft invoice", timeout_s=60, logs=logs)
+        wait_for(lambda: billed() > 0, what="a non-zero draft invoice", timeout_s=90, logs=logs)
     finally:
         node.stop_all()
         host.stop_all()
@@ -289,8 +270,8 @@ def stand_in_tools(folder: Path) -> Path:
     return folder
 
 
-def node_state(cli: dict[str, str], node_id: str) -> str | None:
-    shown = gpucloud("nodes", "-o", "json", env=cli)
+def node_state(cli: dict[str, str], cwd: Path, node_id: str) -> str | None:
+    shown = gpucloud(["gpucloud", "nodes", "-o", "json"], env=cli, cwd=cwd)
     if shown.returncode != 0:
         return None
     return next((n["state"] for n in json.loads(shown.stdout)["nodes"] if n["id"] == node_id), None)
