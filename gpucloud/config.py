@@ -237,6 +237,13 @@ class LedgerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8700
     database_url: SecretStr | None = None
+    # Admission (`ledger/api/admission.py`): requests in flight from nodes' agents (at most
+    # `node_share` of them for one node: tenants have root on the nodes they rent) and from the
+    # control plane and operators; a request waits at most `admission_wait_s` for a slot.
+    agent_slots: int = Field(32, ge=1, le=1024)
+    node_share: float = Field(0.0625, gt=0, le=1)
+    control_plane_slots: int = Field(16, ge=1, le=1024)
+    admission_wait_s: float = Field(2.0, gt=0, le=60)
     # As `database.migrate_on_start`, for the ledger's own database.
     migrate_on_start: bool | None = None
     # How often the scheduled close looks for ended periods to close (and catches up).

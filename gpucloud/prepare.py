@@ -152,7 +152,8 @@ def prepare_api_delegate(settings: Settings) -> Item:
             return Item("API delegate", "present", f"{where}; valid {left_s / 86400:.0f} more days")
     bootstrap.issue_api_delegate(settings)
     days = bootstrap.API_DELEGATE_TTL_S / 86400
-    return Item("API delegate", "created", f"{where}; valid {days:.0f} days (running API processes take it up within seconds)")
+    taken_up = "running API processes take it up within seconds"
+    return Item("API delegate", "created", f"{where}; valid {days:.0f} days ({taken_up})")
 
 
 def prepare_schemas(settings: Settings, *, ledger: bool) -> list[Item]:

@@ -339,6 +339,7 @@ def ledger(
         migrate_on_start=settings.ledger.migrate_on_start,
         metrics_tokens=(settings.metrics_token, settings.operator_token),
         request_body=settings.request_body,
+        admission=settings.ledger,
     )
 
 

@@ -36,9 +36,10 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpucloud.config import RequestBodySettings
+from gpucloud.config import LedgerSettings, RequestBodySettings
 from gpucloud.ledger import pricebook, problems
 from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
+from gpucloud.ledger.api.admission import LedgerAdmission
 from gpucloud.ledger.api.callers import ledger_callers
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import LedgerDatabase, open_ledger_database
@@ -65,6 +66,7 @@ def create_app(
     migrate_on_start: bool = True,
     metrics_tokens: tuple[str, ...] = (),
     request_body: RequestBodySettings = BODY_DEFAULTS,
+    admission: LedgerSettings | None = None,
 ) -> FastAPI:
     """The ledger's app; it answers only callers with a token `control_plane` verifies
     (`api/callers.py`), and reads their bodies as `request_body` says (`web/gate.py`)."""
@@ -80,6 +82,8 @@ def create_app(
             app.state.ledger.close()
 
     app = FastAPI(title="gpucloud ledger", version="1", lifespan=lifespan)
+    # Added innermost first: the gate checks the token, then admission gives its caller a slot.
+    app.add_middleware(LedgerAdmission, settings=admission or LedgerSettings())
     app.add_middleware(Gate, check=ledger_callers(control_plane), body=request_body)
     for module in (usage, allocations, prices, postings, reconciliation, periods, invoices):
         app.include_router(module.router)
@@ -165,6 +169,7 @@ def main(
     migrate_on_start: bool | None = None,
     metrics_tokens: tuple[str, ...] = (),
     request_body: RequestBodySettings = BODY_DEFAULTS,
+    admission: LedgerSettings | None = None,
 ) -> None:
     """Run the ledger until interrupted (``gpucloud ledger``), trusting the control plane's
     public key at `control_plane_key`. It migrates its database at start when `migrate_on_start`
@@ -182,6 +187,7 @@ def main(
         migrate_on_start=migrate,
         metrics_tokens=metrics_tokens,
         request_body=request_body,
+        admission=admission,
     )
     tracing.instrument_app(app)  # when the command turned tracing on
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None, **secure)
