@@ -15,6 +15,17 @@ POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
 os.environ.setdefault("COLUMNS", "200")
 
 
+@pytest.fixture(autouse=True)
+def cli_config(tmp_path_factory, monkeypatch):
+    """The CLI's config file for this test alone, none yet: no test reads or writes the real
+    home's contexts (`gpucloud.cli.contexts`), nor picks an API or a token from the shell's."""
+    path = tmp_path_factory.mktemp("cli-config") / "config.yaml"
+    monkeypatch.setenv("GPUCLOUD_CONFIG", str(path))
+    for variable in ("GPUCLOUD_CONTEXT", "GPUCLOUD_API_URL", "GPUCLOUD_API_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    return path
+
+
 DB_PARAMS = [
     "sqlite",
     pytest.param(
