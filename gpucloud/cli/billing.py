@@ -1,7 +1,8 @@
 """`gpucloud invoices`: a tenant's invoices as tables, read through the control plane's API.
 
-With a tenant's API key (`--api-key` / `GPUCLOUD_API_KEY`) the tenant's own invoices; without
-one, the operator token (from the env or the data dir) and every tenant's, or `--tenant`'s.
+With a tenant's API key (`--api-key`, `GPUCLOUD_API_KEY` or the CLI's context) the tenant's own
+invoices; with an operator's token (`GPUCLOUD_API__OPERATOR_TOKEN` or the context's) every
+tenant's, or `--tenant`'s.
 Amounts are integer micro-units in the API; shown here with six decimals.
 """
 

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Annotated
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
+from gpucloud.cli import contexts
 from gpucloud.client.base import ApiError, ApiTimeout
 from gpucloud.config import get_settings
 
@@ -22,21 +24,72 @@ if TYPE_CHECKING:  # the SDK imports every wire schema: only the commands that c
 
 console, err = Console(), Console(stderr=True)
 
-ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="GPUCLOUD_API_URL", help="default: the configured API")]
-ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
+# No `envvar=` on these: `contexts.resolve` reads GPUCLOUD_API_URL and GPUCLOUD_API_KEY itself, so
+# every command honours them (with an option or without) and can say which of the two it used.
+ApiUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--api-url",
+        help="the API's URL; else GPUCLOUD_API_URL, else the context's (`gpucloud config view` shows which)",
+    ),
+]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        help="the token to call with (a tenant's API key, or an operator's token); else GPUCLOUD_API_KEY, else "
+        "the context's (`gpucloud config view`)",
+    ),
+]
+
+
+class _Invocation:
+    """What this run of `gpucloud` was told and chose: the root's `--context`, and the API and
+    token `connect` resolved (the errors name where they came from). A process runs one command;
+    the root callback starts each run afresh and clears it when the run ends, so a run of a
+    command group alone (tests run many in one process) inherits nothing."""
+
+    context_name: str | None = None
+    connection: contexts.Connection | None = None
+
+
+def begin_invocation(context_name: str | None) -> None:
+    """A new run of `gpucloud`, told `--context context_name`; nothing resolved yet."""
+    _Invocation.context_name, _Invocation.connection = context_name, None
+
+
+def connect(
+    api_url: str | None = None, api_key: str | None = None, *, operator: bool = False, key_option: str = "--api-key"
+) -> contexts.Connection:
+    """The API and token this command uses (`contexts.resolve`: options, environment, then the
+    context), the context's CA trusted; or exit 2 saying how to configure them. `operator`: the
+    command takes an operator token when no API key is given."""
+    from gpucloud.web import tls
+
+    try:
+        connection = contexts.resolve(
+            api_url=api_url, api_key=api_key, operator=operator, context=root_context_option(), key_option=key_option
+        )
+    except contexts.ConfigProblem as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(ExitCode.USAGE_OR_VERIFICATION) from None
+    if connection.ca_file is not None:
+        tls.trust(connection.ca_file)
+    _Invocation.connection = connection
+    return connection
+
+
+def root_context_option() -> str | None:
+    """The context `gpucloud --context NAME ...` names, if any."""
+    return _Invocation.context_name
 
 
 def api_client(api_url: str | None = None, api_key: str | None = None, *, operator: bool = False) -> Gpucloud:
-    """The API as the caller sees it: the tenant's key, or with `operator` and no key the
-    operator token (GPUCLOUD_API__OPERATOR_TOKEN or the data dir's)."""
-    settings = get_settings()
-    token = api_key or (settings.operator_token if operator else None)
-    if not token:
-        err.print("[red]error:[/] no API key: set GPUCLOUD_API_KEY or pass --api-key")
-        raise typer.Exit(1)
+    """The API as the caller sees it, through `connect`."""
+    connection = connect(api_url, api_key, operator=operator)
     from gpucloud.client.api import Gpucloud
 
-    return Gpucloud(api_url or settings.api_url, token, retry_for_s=3)
+    return Gpucloud(connection.api_url, connection.token, retry_for_s=3)
 
 
 class ExitCode(IntEnum):
@@ -69,18 +122,62 @@ def exit_code_for(status: int) -> ExitCode:
 @contextmanager
 def reported_errors(*, what: str = "the API") -> Iterator[None]:
     """Turn an API refusal, a timeout or an unreachable API into one line on stderr and the exit
-    status that says which (`ExitCode`)."""
+    status that says which (`ExitCode`); a refused token or an unreachable URL is named with where
+    it came from."""
     try:
         yield
     except ApiError as exc:
         err.print(f"[red]error ({exc.status}):[/] {exc.title}: {exc.detail}")
+        connection = _connection()
+        if connection is not None and exc.status in (401, 403):
+            err.print(escape(refused_token_hint(connection, exc.status)))
         raise typer.Exit(exit_code_for(exc.status)) from None
     except ApiTimeout as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(ExitCode.UNAVAILABLE) from None
     except httpx.TransportError as exc:
-        err.print(f"[red]error:[/] cannot reach {what} ({exc}); is `gpucloud up` running?")
+        err.print(f"[red]error:[/] {escape(unreachable_message(what, exc, _connection()))}", highlight=False)
         raise typer.Exit(ExitCode.UNAVAILABLE) from None
+
+
+def _connection() -> contexts.Connection | None:
+    return _Invocation.connection
+
+
+def refused_token_hint(connection: contexts.Connection, status: int) -> str:
+    """What a 401 or 403 means for the token the command sent, named by where it came from."""
+    where = f"{connection.api_url} (the URL from {connection.url_source})"
+    if status == 403:
+        return (
+            f"the token from {connection.token_source} is known at {where} but may not do this: an operator "
+            "command needs an operator's token with the scope named above; a tenant's key reaches only its own "
+            "resources"
+        )
+    if (name := connection.token_from.context) is not None:
+        fix = f"give it a valid token with `gpucloud config set-context {name} --token-file PATH`"
+    else:
+        fix = f"replace the token given in {connection.token_source}"
+    return (
+        f"the token from {connection.token_source} is unknown or revoked at {where}: check which token and API "
+        f"the CLI uses with `gpucloud config view`, then {fix}"
+    )
+
+
+def unreachable_message(what: str, exc: httpx.TransportError, connection: contexts.Connection | None) -> str:
+    if connection is None:
+        return f"cannot reach {what} ({exc}); is `gpucloud up` running?"
+    where = f"{what} at {connection.api_url} (the URL from {connection.url_source})"
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (
+            f"cannot reach {where}: its certificate is not signed by a CA this CLI trusts ({exc}); give the "
+            "context the deployment's CA (`gpucloud config set-context NAME --ca-file PATH`) or set "
+            "GPUCLOUD_TLS__CA_FILE"
+        )
+    if connection.url.local:
+        hint = "is `gpucloud up` running?"
+    else:
+        hint = "check the URL with `gpucloud config view`, and that the API is up"
+    return f"cannot reach {where} ({exc}); {hint}"
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -14,8 +14,8 @@ import typer
 from rich.filesize import decimal as human_size
 from rich.table import Table
 
-from gpucloud.cli.common import err
-from gpucloud.cli.weights import ApiKey, ApiUrl, Output, _client, _reported_errors, out, weights_app
+from gpucloud.cli.common import ApiKey, ApiUrl, err
+from gpucloud.cli.weights import Output, _client, _reported_errors, out, weights_app
 from gpucloud.client.registry import signer_for
 from gpucloud.config import get_settings
 from gpucloud.registry.names import EvaluatorName

@@ -88,7 +88,7 @@ def nodes(
     limit: Annotated[int, typer.Option(help="at most this many rows")] = 200,
     output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
 ) -> None:
-    """List nodes (operator token from GPUCLOUD_API__OPERATOR_TOKEN or the data dir)."""
+    """List nodes (an operator's token: GPUCLOUD_API__OPERATOR_TOKEN or the context's, `gpucloud config view`)."""
     try:
         with reported_errors(), api_client(operator=True) as api:
             if output == "json":

@@ -16,17 +16,34 @@ import typer
 from rich.console import Console
 
 from gpucloud.cli.billing import invoices_app
-from gpucloud.cli.common import EXIT_CODES_HELP, configure_logging, parse_duration
+from gpucloud.cli.common import EXIT_CODES_HELP, begin_invocation, configure_logging, parse_duration
+from gpucloud.cli.context_commands import config_app
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.operators import operators_app
 from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.simulators import FaultsOption, TimeScaleOption, fabric_managers, fault_model_named, sim
 from gpucloud.cli.weights import weights_app
-from gpucloud.config import get_settings
+from gpucloud.config import Settings, get_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, epilog=EXIT_CODES_HELP)
 console = Console(stderr=True)
+
+
+@app.callback()
+def _options(
+    invocation: typer.Context,
+    context_name: Annotated[
+        str | None,
+        typer.Option(
+            "--context",
+            help="the context of the CLI's config file that API commands use (else GPUCLOUD_CONTEXT, else the "
+            "current one; `gpucloud config get-contexts` lists them)",
+        ),
+    ] = None,
+) -> None:
+    begin_invocation(context_name)
+    invocation.call_on_close(lambda: begin_invocation(None))
 
 
 def _serve(module: str, function: str) -> None:
@@ -146,6 +163,7 @@ def up(
     console.print(f"operator   {settings.operator_token}  (also in {settings.data_dir / 'operator_token'}, mode 0600)")
     if settings.tls.ca_file is not None:
         console.print(f"CA         {settings.tls.ca_file}  (clients verify against it: GPUCLOUD_TLS__CA_FILE)")
+    _remember_stack(settings)
     console.print("Ctrl-C stops everything.")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops cleanly too
     try:
@@ -158,6 +176,26 @@ def up(
         with console.status("stopping"):
             stack.stop()
     console.print("stopped")
+
+
+def _remember_stack(settings: Settings) -> None:
+    """Point the CLI's context 'local' at this stack, so commands run from any directory reach it."""
+    from gpucloud.cli.contexts import ConfigProblem, remember_local_stack
+
+    try:
+        remembered = remember_local_stack(settings)
+    except (ConfigProblem, OSError) as exc:
+        console.print(f"[yellow]warning:[/] the CLI's context 'local' was not written: {exc}")
+        return
+    token = remembered.token_file or "none stored: commands take GPUCLOUD_API__OPERATOR_TOKEN, as `up` did"
+    console.print(f"context    'local' in {remembered.file}  (API, token: {token})")
+    if remembered.current:
+        console.print("           the current context: `gpucloud nodes` and the others call this stack from anywhere")
+    else:
+        console.print(
+            "           not the current context (another is): `gpucloud --context local ...`, or "
+            "`gpucloud config use-context local`"
+        )
 
 
 @app.command()
@@ -497,6 +535,7 @@ app.add_typer(allocations_app, name="allocations")
 app.add_typer(api_keys_app, name="api-keys")
 app.add_typer(operations_app, name="operations")
 app.add_typer(operators_app, name="operators")
+app.add_typer(config_app, name="config")
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""`gpucloud operators`: named operator accounts (an admin's token: the bootstrap operator token
-by default, or `--api-key` with an admin's `gpo_...` token), as tables or `--output json`.
+"""`gpucloud operators`: named operator accounts (an admin's token: `GPUCLOUD_API__OPERATOR_TOKEN`
+or the CLI's context's, or `--api-key` with an admin's `gpo_...` token), as tables or `--output json`.
 
 A token is printed once, when it is created or rotated; the server keeps only its hash.
 """

@@ -1,10 +1,10 @@
 """`gpucloud tenants | allocations | api-keys | operations`: the API's resources for operators
 and tenants, as tables (or `--output json`), through the typed SDK (`gpucloud.client.api`).
 
-Who calls: a tenant's key (`--api-key`, `GPUCLOUD_API_KEY`), else the operator token
-(`GPUCLOUD_API__OPERATOR_TOKEN` or the data dir's). Creates send an Idempotency-Key, so a
-command run again after a lost answer does not create twice; `--wait` follows the operation to
-its end, bounded by `--timeout`. Exit codes are the CLI's (`cli/common.py`).
+Who calls: a tenant's key (`--api-key`, `GPUCLOUD_API_KEY`), else for operator commands
+`GPUCLOUD_API__OPERATOR_TOKEN`, else the token of the CLI's context (`cli/contexts.py`). Creates
+send an Idempotency-Key, so a command run again after a lost answer does not create twice;
+`--wait` follows the operation to its end, bounded by `--timeout`. Exit codes are the CLI's (`cli/common.py`).
 """
 
 from __future__ import annotations

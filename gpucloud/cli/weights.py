@@ -1,8 +1,8 @@
 """`gpucloud weights`: push, pull, promote and list model versions through the registry API.
 
-The CLI talks to the API over HTTP with the tenant's API key (`--api-key` / `GPUCLOUD_API_KEY`;
-the URL from `--api-url` / `GPUCLOUD_API_URL`, else the configured API address), through
-`gpucloud.client.registry`.
+The CLI talks to the API over HTTP with the tenant's API key, through `gpucloud.client.registry`;
+the URL and the key come as for every command (`--api-url`, `--api-key`, their variables, else the
+CLI's context: `gpucloud.cli.contexts`).
 
 A push (`gpucloud.registry.push`) chunks and hashes the directory locally, signs the manifest
 with the tenant's Ed25519 key, asks the API which chunks its store lacks, uploads only those, then
@@ -29,7 +29,7 @@ from rich.filesize import decimal as human_size
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from gpucloud.cli.common import console, err, parse_duration, reported_errors
+from gpucloud.cli.common import ApiKey, ApiUrl, connect, console, err, parse_duration, reported_errors
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import (
     RegistryClient,
@@ -66,19 +66,15 @@ def parse_target(target: str) -> tuple[str, str]:
 
 # ---------------------------------------------------------------- commands
 
-ApiUrl = Annotated[
-    str | None,
-    typer.Option("--api-url", envvar="GPUCLOUD_API_URL", help="registry API; default: the configured API address"),
-]
-ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="GPUCLOUD_API_KEY", help="the tenant's API key")]
 Output = Annotated[str, typer.Option("--output", "-o", help="table or json (progress then goes to stderr)")]
 
 
-def _client(api_url: str | None, api_key: str | None) -> RegistryClient:
-    if not api_key:
-        err.print("[red]error:[/] no API key: set GPUCLOUD_API_KEY or pass --api-key")
-        raise typer.Exit(1)
-    return RegistryClient(api_url or get_settings().api_url, api_key)
+def _client(
+    api_url: str | None, api_key: str | None, *, operator: bool = False, key_option: str = "--api-key"
+) -> RegistryClient:
+    """The registry API through the CLI's one resolution (`cli.common.connect`)."""
+    connection = connect(api_url, api_key, operator=operator, key_option=key_option)
+    return RegistryClient(connection.api_url, connection.token)
 
 
 def failing_metrics_table(failures: list[dict]) -> Table:
@@ -387,13 +383,14 @@ def gc_command(
     operator_token: Annotated[
         str | None,
         typer.Option(
-            "--operator-token", envvar="GPUCLOUD_API__OPERATOR_TOKEN", help="default: the configured operator token"
+            "--operator-token",
+            help="an operator's token; else GPUCLOUD_API__OPERATOR_TOKEN, else the context's (`gpucloud config view`)",
         ),
     ] = None,
 ) -> None:
     """Operators: remove chunks no version references, older than the grace period (never a push's)."""
     grace_seconds = parse_duration(grace, option="--grace")
-    with _reported_errors(), _client(api_url, operator_token or get_settings().operator_token) as client:
+    with _reported_errors(), _client(api_url, operator_token, operator=True, key_option="--operator-token") as client:
         report = client.collect_garbage(grace_seconds=grace_seconds, dry_run=dry_run, tenant_id=tenant)
     if output == "json":
         print(json.dumps(report))

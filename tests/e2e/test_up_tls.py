@@ -7,6 +7,7 @@ A server asked to listen off loopback without TLS refuses to start."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import ssl
@@ -42,7 +43,7 @@ def _exited(proc: subprocess.Popen, tmp_path) -> bool:
 
 
 @pytest.mark.long
-def test_up_with_tls_serves_over_tls_stops_cleanly_and_resumes(tmp_path):
+def test_up_with_tls_serves_over_tls_stops_cleanly_and_resumes(tmp_path, cli_config):
     ports = {name: free_port() for name in ("api", "sim", "temporal", "ledger", "tracker", "bmc")}
     env = {
         **os.environ,
@@ -84,6 +85,23 @@ def test_up_with_tls_serves_over_tls_stops_cleanly_and_resumes(tmp_path):
         wait_until(
             lambda: nodes() == ["available"] * 4 or _exited(proc, tmp_path), timeout_s=180, what="fleet up over TLS"
         )
+        # `up` pointed the CLI's context 'local' at its stack: a command run from anywhere, told
+        # nothing but where the config file is, reaches it over TLS with the stack's CA.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        cli_env = {"PATH": os.environ["PATH"], "GPUCLOUD_CONFIG": str(cli_config)}
+        cli_env |= {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+        listed = subprocess.run(
+            [sys.executable, "-m", "gpucloud.cli.main", "nodes", "-o", "json"],
+            env=cli_env,
+            cwd=elsewhere,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert len(json.loads(listed.stdout)["nodes"]) == 4 and list(elsewhere.iterdir()) == []
+        assert f"context    'local' in {cli_config}" in (tmp_path / "up.log").read_text()
         tenant = op.post("/v1/tenants", json={"name": "secure"}).json()
         wait_until(
             lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active",
