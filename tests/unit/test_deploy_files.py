@@ -31,10 +31,12 @@ NOT_SETTINGS = {
     "GPUCLOUD_AGENT_METRICS_TOKEN",
     "GPUCLOUD_AGENT_ALLOW_SIMULATED",
     "GPUCLOUD_AGENT_METER_INTERVAL_S",
-    # The CLI's own (the API it calls, with which key), what an evaluation command is given, and
-    # the test suite's.
+    # The CLI's own (the API it calls, with which key, its config file and context), what an
+    # evaluation command is given, and the test suite's.
     "GPUCLOUD_API_URL",
     "GPUCLOUD_API_KEY",
+    "GPUCLOUD_CONFIG",
+    "GPUCLOUD_CONTEXT",
     "GPUCLOUD_MODEL_DIR",
     "GPUCLOUD_RECORD_HISTORIES",
     "GPUCLOUD_TEST_POSTGRES_URL",
