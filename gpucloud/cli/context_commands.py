@@ -5,6 +5,7 @@ token is shown by where it is and its kind's prefix (`gpc_`, `gpo_`, `gpcop_`)."
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 from pathlib import Path
@@ -209,20 +210,34 @@ def get_contexts(output: Output = "table") -> None:
 
 @config_app.command("current-context")
 def current_context(output: Output = "table") -> None:
-    """The context commands use now (--context, GPUCLOUD_CONTEXT, else the current one); exit 1 when none."""
+    """The context commands use now (--context, GPUCLOUD_CONTEXT, else the current one): its name
+    on the first line, then its API, token and CA; exit 1 when there is none."""
     _output(output)
     try:
         chosen = contexts.choose_context(root_context_option())
     except ConfigProblem as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(ExitCode.USAGE_OR_VERIFICATION) from None
-    if output == "json":
-        print(json.dumps({"name": chosen.name, "source": chosen.why}))
-    elif chosen.name is not None:
-        print(chosen.name)
-    if chosen.name is None:
+    if chosen.name is None or chosen.context is None:
+        if output == "json":
+            print(json.dumps({"name": None, "source": chosen.why}))
         err.print(f"no current context: {escape(chosen.why)}; `gpucloud config use-context NAME` sets one")
         raise typer.Exit(ExitCode.ERROR)
+    row = context_row(chosen.name, chosen.context, contexts.load(chosen.file), chosen.file) | {"source": chosen.why}
+    if output == "json":
+        print(json.dumps(row, indent=2))
+        return
+    console.print(chosen.name, highlight=False)
+    console.print(f"  chosen by  {escape(chosen.why)}", highlight=False)
+    console.print(f"  API        {row['api_url']}", highlight=False)
+    console.print(f"  token      {_token_cell(row)}", highlight=False)
+    if row["ca_file"]:
+        console.print(f"  CA         {escape(row['ca_file'])}", highlight=False)
+    overriding = [
+        name for name in (contexts.URL_ENV, contexts.KEY_ENV, contexts.OPERATOR_TOKEN_ENV) if os.environ.get(name)
+    ]
+    if overriding:
+        console.print(f"  ({', '.join(overriding)} set here: it wins over the context; `gpucloud config view`)")
 
 
 @config_app.command("delete-context")

@@ -110,9 +110,18 @@ def test_contexts_round_trip_without_printing_a_token(elsewhere, cli_config, tmp
     said += run("config", "get-contexts")
     assert "prod" in said and str(prod_token) in flat(said)
     said += run("config", "use-context", "staging")
-    assert run("config", "current-context") == "staging\n"
-    assert run("--context", "prod", "config", "current-context") == "prod\n"
-    assert run("config", "current-context", env={"GPUCLOUD_CONTEXT": "prod"}) == "prod\n"
+    assert run("config", "current-context").splitlines()[0] == "staging"
+    shown = run("--context", "prod", "config", "current-context")
+    assert shown.splitlines()[0] == "prod" and "https://api.example.com" in shown
+    assert "chosen by --context" in flat(shown)
+    assert f"gpcop_… from {prod_token}" in flat(shown) and str(ca.cert_file) in flat(shown)
+    said += shown
+    shown = json.loads(run("config", "current-context", "-o", "json", env={"GPUCLOUD_CONTEXT": "prod"}))
+    assert (shown["name"], shown["source"], shown["api_url"]) == ("prod", "GPUCLOUD_CONTEXT", "https://api.example.com")
+    assert "overrides" not in run("config", "current-context")
+    assert "GPUCLOUD_API_URL set here" in run(
+        "config", "current-context", env={"GPUCLOUD_API_URL": "https://x.example"}
+    )
     said += run("config", "view")
     said += run("config", "view", "-o", "json")
     # A partial update keeps what it does not name.
