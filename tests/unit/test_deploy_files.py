@@ -179,3 +179,48 @@ def test_the_compose_evaluation_worker_gets_the_payload_keys_and_no_other_secret
     variables = set(evaluations["environment"])
     assert not {v for v in variables if v.startswith(("GPUCLOUD_DATABASE", "GPUCLOUD_OBJECT_STORE"))}
     assert "GPUCLOUD_TEMPORAL__ALLOW_INSECURE" in variables  # Temporal off loopback, on the private network
+
+
+# Variables of gpucloud.env the compose file has no use for, and why: its services talk over a
+# private bridge without TLS, and each binds its own address; the API URL others reach is the
+# service name (from API__HOST); the worker's metrics bind is set per service.
+HOST_ONLY = {
+    "GPUCLOUD_DATA_DIR": "the image's default, the data volume",
+    "GPUCLOUD_TEMPORAL__TLS": "plain gRPC on the private bridge (ALLOW_INSECURE)",
+    "GPUCLOUD_TEMPORAL__TLS_CA_FILE": "no TLS on the bridge",
+    "GPUCLOUD_TEMPORAL__TLS_CERT_FILE": "no TLS on the bridge",
+    "GPUCLOUD_TEMPORAL__TLS_KEY_FILE": "no TLS on the bridge",
+    "GPUCLOUD_TLS__CERT_FILE": "no TLS on the bridge (TLS__INSECURE)",
+    "GPUCLOUD_TLS__KEY_FILE": "no TLS on the bridge",
+    "GPUCLOUD_TLS__CA_FILE": "no TLS on the bridge",
+    "GPUCLOUD_API__URL": "derived from API__HOST, the service's name",
+    "GPUCLOUD_API__WORKERS": "the api service's --workers",
+    "GPUCLOUD_API__DELEGATE_KEY": "the default path in the data volume (the api-delegate step)",
+    "GPUCLOUD_LEDGER__HOST": "set on the ledger service",
+    "GPUCLOUD_TRACKER__HOST": "the tracker's URL names 0.0.0.0",
+    "GPUCLOUD_TELEMETRY__WORKER_HOST": "set on the worker service",
+}
+
+
+def test_compose_runs_what_the_units_run_with_the_same_preparation_and_variables() -> None:
+    """One deployment two ways: each control-plane unit's command is a compose service's, the
+    preparation step is the same `gpucloud prepare`, and every variable of the units' environment
+    file is set by compose too, or is listed in HOST_ONLY with the reason it is not."""
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    ours = {name: s for name, s in compose["services"].items() if s.get("image") == "gpucloud:latest"}
+    commands = {tuple(s["command"]) for s in ours.values()}
+    for unit in UNITS:
+        if unit.name == "gpucloud-agent.service":  # compose runs a simulated fleet instead of nodes
+            continue
+        [exec_start] = re.findall(r"^ExecStart=(.*)$", unit.read_text().replace("\\\n", " "), re.MULTILINE)
+        command = tuple(exec_start.split()[1:])
+        assert any(c[: len(command)] == command for c in commands), f"{unit.name}: no compose service runs {command}"
+    assert ours["migrate"]["command"] == ["prepare"]
+    shared = set(compose["x-gpucloud"]["environment"])
+    example = {
+        line.split("=", 1)[0]
+        for line in (DEPLOY / "gpucloud.env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    assert example - shared - set(HOST_ONLY) == set()
+    assert set(HOST_ONLY) <= example  # no stale reasons
