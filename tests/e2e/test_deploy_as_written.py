@@ -248,6 +248,11 @@ def test_a_deployment_from_the_guide_reaches_a_billed_allocation(
             return float(total.group(1)) if done.returncode == 0 and total else 0.0
 
         wait_for(lambda: billed() > 0, what="a non-zero draft invoice", timeout_s=90, logs=logs)
+        # The metrics line, as the guide's shell runs it on the control-plane host.
+        [metrics] = guide["metrics"].substituted(where).splitlines()
+        counted = subprocess.run(["bash", "-c", host.mapped(metrics)], capture_output=True, text=True, timeout=30)
+        count = counted.stdout.split()
+        assert counted.returncode == 0 and count and float(count[-1]) >= 1, counted.stdout + counted.stderr
     finally:
         node.stop_all()
         host.stop_all()

@@ -76,6 +76,7 @@ def test_a_database_outage_is_a_503_with_retry_after_and_the_api_serves_again_af
             "database": "ok",
             "temporal": "ok",
             "object store": "ok",
+            "delegate": "ok",
         }
         name = url.rsplit("/", 1)[1]
         admin = create_engine(base, isolation_level="AUTOCOMMIT")

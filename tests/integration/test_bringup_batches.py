@@ -73,7 +73,9 @@ async def test_batches_bring_the_fleet_up_and_leave_failures_where_they_belong(
     causes = [e["cause"] for e in h.operator.get(f"/v1/nodes/{refused}/events").json()["items"]]
     assert any("inspect failed" in c for c in causes), causes
     silent_events = h.operator.get(f"/v1/nodes/{silent}/events").json()["items"]
-    assert [e["to_state"] for e in silent_events] == ["inspecting", "wiping", "burn_in", "available"]
+    moves = [e["to_state"] for e in silent_events if e["from_state"] != e["to_state"]]  # not the wipe's steps
+    assert moves == ["inspecting", "wiping", "burn_in", "available"]
+    assert {"gpu_reset", "disk_sanitized", "scratch_removed"} <= {e["event"] for e in silent_events}
     # Its batch handed it back mid burn-in; the reconciler finished it with a per-node recycle.
     results = [
         await temporal_env.client.get_workflow_handle(w.id).result()

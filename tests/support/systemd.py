@@ -60,7 +60,7 @@ class Host:
     def mapped(self, text: str) -> str:
         """`text` with every mapped absolute path in it rewritten to this host's."""
         pattern = "|".join(re.escape(p) for p in MAPPED)
-        return re.sub(rf"(?:{pattern})[^\s:,\"']*", lambda m: str(self.path(m.group(0))), text)
+        return re.sub(rf"(?:{pattern})[^\s:,\"'()]*", lambda m: str(self.path(m.group(0))), text)
 
     def install(self, source: Path, absolute: str, mode: int = 0o644) -> Path:
         target = self.path(absolute)
