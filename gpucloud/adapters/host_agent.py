@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import httpx
+from pydantic import ValidationError
 
-from gpucloud.protocol.actions import ActionRequest, AgentAction
+from gpucloud.protocol.actions import ActionAnswer, ActionRequest, AgentAction
 from gpucloud.web import tls
 from gpucloud.web.service_tokens import Issuer, agent_audience
 
@@ -41,6 +42,21 @@ class HostAgents(Protocol):
     ) -> httpx.Response: ...
 
     async def aclose(self) -> None: ...
+
+
+def _answer(response: httpx.Response, action: AgentAction, node_id: str) -> ActionAnswer:
+    """The agent's 200 read as the protocol says (`ActionAnswer`), for this action on this node.
+    Whatever answers on a node may be the previous tenant's program: an answer that does not
+    parse, or speaks of another node or action, is refused, never taken as done."""
+    try:
+        answer = ActionAnswer.model_validate_json(response.content)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:3])
+        raise AgentRefused(f"agent for {node_id} answered {action} with what the protocol does not allow: {problems}")
+    if answer.action != action or answer.node_id != node_id:
+        said = f"{answer.action} of node {answer.node_id}"
+        raise AgentRefused(f"agent for {node_id} answered {action} as {said}: not this action's answer")
+    return answer
 
 
 class HttpHostAgents:
@@ -81,7 +97,7 @@ class HttpHostAgents:
             raise AgentRefused(
                 f"agent for {node_id} refused {action} (HTTP {response.status_code}): {response.text[:300]}"
             )
-        return response.json()
+        return _answer(response, action, node_id).model_dump(mode="json")
 
     async def call(
         self,

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+import pytest
 
 import gpucloud
 from gpucloud.protocol import actions as protocol_actions
@@ -139,3 +140,43 @@ async def test_the_report_client_posts_each_batch_to_its_path_with_the_senders_c
         "workload": None,
     }
     assert sent[2][2]["events"][0]["xid"] == 79
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b'{"action": "wipe", "node_id": "n-1", "gpu_count": 8, "tenant_id": "not a tenant id!"}', "tenant_id"),
+        (b'{"action": "wipe", "node_id": "n-1"}', "gpu_count"),
+        (b"all clean, trust me", "body"),
+        (b'{"action": "burn_in", "node_id": "n-1", "gpu_count": 8}', "not this action's answer"),
+        (b'{"action": "wipe", "node_id": "n-2", "gpu_count": 8}', "not this action's answer"),
+    ],
+)
+async def test_an_answer_the_protocol_does_not_allow_is_refused_never_taken_as_done(body: bytes, why: str) -> None:
+    """Whatever answers on a node may be the previous tenant's program: the control plane's one
+    client of agents reads every 200 as an `ActionAnswer` for this action on this node."""
+    from gpucloud.adapters.host_agent import AgentRefused, HttpHostAgents
+    from gpucloud.protocol.actions import ActionRequest, AgentAction
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"content-type": "application/json"})
+
+    agents = HttpHostAgents(transport=httpx.MockTransport(answer))
+    try:
+        with pytest.raises(AgentRefused, match=why):
+            await agents.act("http://n-1", AgentAction.WIPE, ActionRequest(request_id="r-1"), node_id="n-1")
+    finally:
+        await agents.aclose()
+
+
+async def test_a_well_formed_answer_keeps_what_each_agent_adds() -> None:
+    from gpucloud.adapters.host_agent import HttpHostAgents
+    from gpucloud.protocol.actions import ActionRequest, AgentAction
+
+    content = b'{"action": "wipe", "node_id": "n-1", "gpu_count": 8, "boot_id": "b1", "injected": 2}'
+    agents = HttpHostAgents(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=content)))
+    try:
+        done = await agents.act("http://n-1", AgentAction.WIPE, ActionRequest(request_id="r-1"), node_id="n-1")
+    finally:
+        await agents.aclose()
+    assert done["boot_id"] == "b1" and done["injected"] == 2 and done["gpu_count"] == 8
