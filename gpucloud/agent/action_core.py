@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
 
 from fastapi.responses import JSONResponse
 
@@ -65,8 +65,7 @@ class Tenancy(Protocol):
     lock: asyncio.Lock
 
 
-@dataclass(frozen=True)
-class NodeFacts:
+class NodeFacts(NamedTuple):
     """What an answer says of the node beyond its tenancy: which node and boot, the image it
     booted, its GPUs as the probe reads them after the action, and what the hardware adds of its
     own (the production agent: its workload runner's status)."""
@@ -77,7 +76,7 @@ class NodeFacts:
     gpu_count: int
     is_gpu_node: bool = True
     fatal_error: ProbeFatal | None = None
-    extras: Mapping[str, Any] = field(default_factory=dict)
+    extras: Mapping[str, Any] = MappingProxyType({})
 
 
 class NodeHardware(Protocol):
