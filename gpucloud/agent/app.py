@@ -1,9 +1,10 @@
 """The host agent process (`gpucloud agent`): what runs on every GPU node.
 
-It serves the control plane's action API, the same one the simulated fleet speaks
-(`POST /actions/{action}` with `{"request_id", "tenant_id"}`, answers deduplicated by request id,
-the same invariants: another tenant's data blocks a provision, a running workload blocks a wipe,
-burn-in runs only on a wiped idle node), and it pushes to the control plane: a heartbeat every
+It serves the control plane's action API (`POST /actions/{action}` with `{"request_id",
+"tenant_id"}`), answered by the action core every agent runs, the simulated fleet's nodes too
+(`agent/action_core.py`: answers deduplicated by request id, another tenant's data blocks a
+provision, a running workload blocks a wipe, burn-in runs only on a wiped idle node) over this
+node's real hardware (`Agent`), and it pushes to the control plane: a heartbeat every
 `heartbeat_s` (`POST /v1/agents/heartbeats`), a reading every `reading_s`
 (`POST /v1/agents/readings`, for the trend rules) and XID events as the probe raises them
 (`POST /v1/agents/events`, stamped with the tenant holding the node). The probe's latest reading
@@ -41,6 +42,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent import inspection
+from gpucloud.agent.action_core import ActionCore, NodeFacts, Outcome, action_failed, answer_action, problem
 from gpucloud.agent.cleaning import Cleaner, CleaningFailed
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id, read_image_digest
 from gpucloud.agent.probe import Probe
@@ -61,7 +63,7 @@ from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSup
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
-from gpucloud.protocol.actions import SCRATCH, ActionAnswer, ActionRequest, AgentAction, CleaningStep, known_action
+from gpucloud.protocol.actions import SCRATCH, ActionRequest, AgentAction, CleaningStep
 from gpucloud.protocol.reports import NodeReading
 from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
@@ -72,15 +74,13 @@ from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
 
-REMEMBERED_REQUESTS = 64
-
-
-def _problem(status: int, title: str, detail: str, **extra) -> tuple[int, dict]:
-    return status, problems.body(status, problems.slug(title), title, detail, **extra)
-
 
 class Agent:
-    """The action API's logic, independent of HTTP."""
+    """The production agent: the action core (`agent/action_core.py`) over this node's real
+    hardware, which this class drives as the core's `NodeHardware`: the tools through its
+    `CommandRunner` (`ACTION_COMMANDS`, the stack's inspection, a wipe's cleaning), the GPUs through
+    its probe, the tenant's processes through its `WorkloadSupervisor`, and the tenancy kept on
+    disk (`HostState.save`) and metered (`HostState.allocation`). Independent of HTTP."""
 
     def __init__(
         self,
@@ -114,90 +114,27 @@ class Agent:
         self.gpu_type = gpu_type  # None: named from the probe's first GPU at provision
         self.tenant_disks, self.mounts_file = tuple(tenant_disks), mounts_file
         self._clock_ms = clock_ms
+        self.core = ActionCore(state, self, clock_ms=clock_ms)
 
-    async def act(self, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
-        async with self.state.lock:
-            if req.request_id in self.state.recent:
-                return self.state.recent[req.request_id]
-            outcome = await self._apply(action, req)
-            if outcome[0] < 500 or outcome[0] == 501:  # a missing tool stays missing; a crash may not
-                self.state.recent[req.request_id] = outcome
-                while len(self.state.recent) > REMEMBERED_REQUESTS:
-                    self.state.recent.popitem(last=False)
-            return outcome
+    async def act(self, action: AgentAction, req: ActionRequest) -> Outcome:
+        return await self.core.act(action, req)
 
-    async def _apply(self, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
-        s = self.state
-        if action == AgentAction.PROVISION:
-            if not req.tenant_id:
-                return _problem(422, "Tenant required", "provision needs a tenant_id")
-            if s.tenant_id not in (None, req.tenant_id):
-                return _problem(409, "Node holds data", f"node holds data of tenant {s.tenant_id}; wipe it first")
-        elif action == AgentAction.WIPE and s.workload_running:
-            return _problem(409, "Workload running", "a workload is still running; release the node first")
-        elif action == AgentAction.BURN_IN and (s.tenant_id is not None or s.workload_running):
-            return _problem(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
+    async def run_tools(self, action: AgentAction) -> Outcome | None:
         if action == AgentAction.WIPE and (missing := self._cleaner().tools_missing()):
             return self._not_installed(action, missing)
         failed = await self._run_tools(action)
         if failed is None and action == AgentAction.INSPECT and self.inspect_stack:
             failed = await self._inspect()
-        if failed is not None:
-            return failed
-        now_ms = self._clock_ms()
-        if action == AgentAction.PROVISION and req.workload is not None:
-            if (started := await self._start_workload(req)) is not None:
-                return started
-        elif action in (AgentAction.RELEASE, AgentAction.REBOOT, AgentAction.WIPE) and self.workloads is not None:
-            try:  # every process of the allocation, children that ignore SIGTERM too, before the answer
-                await asyncio.to_thread(self.workloads.stop)
-            except StopFailed as exc:
-                return _problem(500, "Workload not stopped", str(exc))
-        cleaning = None
-        if action == AgentAction.PROVISION:
-            s.tenant_id, s.workload_running = req.tenant_id, True
-        elif action == AgentAction.RELEASE:
-            s.workload_running = False
-        elif action == AgentAction.WIPE:
-            cleaning, failed = await self._wipe()
-            if failed is not None:
-                return failed
-            if req.credential:  # the tenant who had root here held the old one
-                s.take_credential(req.credential)
-        elif action == AgentAction.REBOOT:
-            s.workload_running = False
-        if not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
-            # The meter cuts the allocation here. Its end is taken and published under the
-            # meter's lock: a tick between the two could otherwise meter past it.
-            with s.meter_lock:
-                s.allocation = dataclasses.replace(s.allocation, ended_ms=self._clock_ms())
-        reading = await asyncio.to_thread(self.probe.read)
-        if action == AgentAction.PROVISION:
-            self._meter_from(req, reading, now_ms)
-        await asyncio.to_thread(s.save)
-        answer = ActionAnswer(
-            **s.describe(),
-            **self.workload_status(),
-            action=action,
-            gpu_count=len(reading.gpus),
-            is_gpu_node=reading.is_gpu_node,
-            fatal_error=reading.fatal_error,
-            cleaning=cleaning,
-        )
-        return 200, answer.model_dump(mode="json")
+        return failed
 
-    def workload_status(self) -> dict:
-        if self.workloads is None:
-            return {}
-        return {"workload_status": self.workloads.status()}
-
-    async def _start_workload(self, req: ActionRequest) -> tuple[int, dict] | None:
+    async def start_workload(self, req: ActionRequest) -> Outcome | None:
         """Start the provision's workload (its SSH keys let in first); None once it runs."""
-        assert req.workload is not None
+        if req.workload is None:
+            return None
         if self.workloads is None:
-            return _problem(501, "No workload runner", "this agent was started without a workload runner")
+            return problem(501, "No workload runner", "this agent was started without a workload runner")
         if req.allocation_id is None:
-            return _problem(422, "Allocation required", "a workload belongs to an allocation: name it")
+            return problem(422, "Allocation required", "a workload belongs to an allocation: name it")
         if req.workload.ssh_keys:
             ssh = self.state.scratch_dir / ".ssh"
             ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -209,12 +146,51 @@ class Agent:
                 self.workloads.start, req.allocation_id, req.workload, cwd=self.state.scratch_dir / "work"
             )
         except NoContainerRuntime as exc:
-            return _problem(422, "No container runtime", str(exc))
+            return problem(422, "No container runtime", str(exc))
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-            return _problem(409, "Workload not started", str(exc))
+            return problem(409, "Workload not started", str(exc))
         return None
 
-    async def _inspect(self) -> tuple[int, dict] | None:
+    async def stop_workload(self) -> Outcome | None:
+        """Every process of the allocation, children that ignore SIGTERM too."""
+        if self.workloads is None:
+            return None
+        try:
+            await asyncio.to_thread(self.workloads.stop)
+        except StopFailed as exc:
+            return problem(500, "Workload not stopped", str(exc))
+        return None
+
+    def take_credential(self, credential: str) -> None:
+        self.state.take_credential(credential)
+
+    async def settle(self, action: AgentAction, req: ActionRequest, *, started_ms: int) -> NodeFacts:
+        s = self.state
+        if not s.workload_running and s.allocation is not None and s.allocation.ended_ms is None:
+            # The meter cuts the allocation here. Its end is taken and published under the
+            # meter's lock: a tick between the two could otherwise meter past it.
+            with s.meter_lock:
+                s.allocation = dataclasses.replace(s.allocation, ended_ms=self._clock_ms())
+        reading = await asyncio.to_thread(self.probe.read)
+        if action == AgentAction.PROVISION:
+            self._meter_from(req, reading, started_ms)
+        await asyncio.to_thread(s.save)
+        return NodeFacts(
+            node_id=s.node_id,
+            boot_id=s.boot_id,
+            image_digest=s.image_digest,
+            gpu_count=len(reading.gpus),
+            is_gpu_node=reading.is_gpu_node,
+            fatal_error=reading.fatal_error,
+            extras=self.workload_status(),
+        )
+
+    def workload_status(self) -> dict:
+        if self.workloads is None:
+            return {}
+        return {"workload_status": self.workloads.status()}
+
+    async def _inspect(self) -> Outcome | None:
         """Every layer of the stack in order (`agent/inspection.py`); the first that fails, with
         its cause, as a 422 the control plane records (the node stays out of burn-in)."""
         outputs: dict[tuple[str, ...], inspection.Output] = {}
@@ -235,7 +211,7 @@ class Agent:
         failed = report.first_failure
         assert failed is not None
         layers = [{"layer": c.layer, "status": c.status, "detail": c.detail} for c in report.layers]
-        return _problem(422, "Inspection failed", report.summary(), layer=failed.layer, layers=layers)
+        return problem(422, "Inspection failed", report.summary(), layer=failed.layer, layers=layers)
 
     def _meter_from(self, req: ActionRequest, reading: NodeReading, now_ms: int) -> None:
         """The provisioned workload's GPU time counts from now, for the allocation it names; a
@@ -254,15 +230,15 @@ class Agent:
             started_ms=now_ms,
         )
 
-    def _not_installed(self, action: AgentAction, missing: list[str]) -> tuple[int, dict]:
-        return _problem(
+    def _not_installed(self, action: AgentAction, missing: list[str]) -> Outcome:
+        return problem(
             501,
             "Tool not installed",
             f"{action} needs {', '.join(missing)}, which is not installed on {self.state.node_id}",
             tools=missing,
         )
 
-    async def _run_tools(self, action: AgentAction) -> tuple[int, dict] | None:
+    async def _run_tools(self, action: AgentAction) -> Outcome | None:
         commands = ACTION_COMMANDS.get(action, ())
         missing = [argv[0] for argv in commands if self.runner.which(argv[0]) is None]
         if missing:
@@ -274,34 +250,30 @@ class Agent:
             try:
                 result = await asyncio.to_thread(self.runner.run, argv, self.tool_timeout_s)
             except subprocess.TimeoutExpired:
-                return _problem(422, "Action failed", f"{action}: {argv[0]} ran past {self.tool_timeout_s:g} s")
+                return action_failed(f"{action}: {argv[0]} ran past {self.tool_timeout_s:g} s")
             if result.returncode != 0:
-                return _problem(
-                    422,
-                    "Action failed",
+                return action_failed(
                     f"{action}: {' '.join(argv)} exited {result.returncode}: {result.output[-500:]}",
                 )
             burn_in = action == AgentAction.BURN_IN
             if burn_in and (why := burn_in_figure(argv[0], result.output, gpus, self.burn_in_limits)):
-                return _problem(422, "Action failed", f"burn-in failed: {why}")
+                return action_failed(f"burn-in failed: {why}")
             if not burn_in and (why := action_failure(argv[0], result.output)):
-                return _problem(422, "Action failed", f"{action}: {why}")
+                return action_failed(f"{action}: {why}")
         if action == AgentAction.BURN_IN:
             why = thermal_soak(await asyncio.to_thread(self.probe.read), self.burn_in_limits)
             if why:
-                return _problem(422, "Action failed", f"burn-in failed: thermal soak: {why}")
+                return action_failed(f"burn-in failed: thermal soak: {why}")
         return None
 
     def _cleaner(self) -> Cleaner:
         return Cleaner(self.runner, self.tenant_disks, mounts_file=self.mounts_file, timeout_s=self.tool_timeout_s)
 
-    async def _wipe(self) -> tuple[list[CleaningStep], tuple[int, dict] | None]:
+    async def clean(self) -> tuple[list[CleaningStep], CleaningFailed | None]:
         """The wipe's steps in order: every GPU reset, each tenant disk sanitized, the tenant's
         files removed (`agent/cleaning.py`); the node is nobody's only when all of them passed.
 
-        A failed reset or sanitize fails the wipe (422 naming the step and the tool's words, so
-        the control plane quarantines the node), and the node stays the tenant's: burn-in refuses
-        it, and the old credential stays until a wipe passes. Its files are removed all the same:
+        A failed reset or sanitize fails the wipe. The tenant's files are removed all the same:
         nothing is gained by leaving them on a node that waits for repair."""
         cleaner = self._cleaner()
         failure: CleaningFailed | None = None
@@ -310,11 +282,7 @@ class Agent:
         except CleaningFailed as exc:
             steps, failure = cleaner.steps, exc
         steps.append(await asyncio.to_thread(self._wipe_scratch))
-        if failure is not None:
-            cleaning = [step.model_dump(mode="json") for step in steps]
-            return steps, _problem(422, "Action failed", f"wipe: {failure}", step=failure.step.step, cleaning=cleaning)
-        self.state.tenant_id = None
-        return steps, None
+        return steps, failure
 
     def _wipe_scratch(self) -> CleaningStep:
         """The tenant's files (its work, its SSH keys, its workload's output, its weights) go."""
@@ -400,14 +368,8 @@ def create_app(
         return JSONResponse(await asyncio.to_thread(metering.report))
 
     @app.post("/actions/{action}")
-    async def act(action: str, req: ActionRequest):
-        known = known_action(action)
-        if known is None:
-            known_names = ", ".join(AgentAction)
-            status, body = _problem(404, "Unknown action", f"unknown action {action!r}; known: {known_names}")
-        else:
-            status, body = await agent.act(known, req)
-        return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
+    async def act(action: str, req: ActionRequest) -> JSONResponse:
+        return await answer_action(action, req, agent.act)
 
     if weights is not None:  # after every route above: what none of them serves goes here
         app.mount("", weights)

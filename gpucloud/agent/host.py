@@ -82,11 +82,6 @@ class HostState:
             workload=workload,
         )
 
-    def describe(self) -> dict:
-        """The node's tenancy as an action answers it: its heartbeat's fields, and the image the
-        boot came from."""
-        return self.heartbeat().model_dump(mode="json", exclude={"workload"}) | {"image_digest": self.image_digest}
-
 
 def gpu_type_of(reading: NodeReading) -> str:
     """The catalogue's GPU type from NVML's device name ("NVIDIA H100 80GB HBM3" -> "H100");

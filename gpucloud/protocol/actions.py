@@ -111,8 +111,9 @@ class CleaningStep(BaseModel):
 
 class ActionAnswer(BaseModel):
     """What an agent answers a successful action: the action and the node's tenancy after it.
-    Each kind of agent adds what it knows of its own (the real one its GPUs and its workload's
-    processes, the simulated one its injected faults): those ride along as extra fields."""
+    What the node's hardware adds rides along as extra fields: its GPUs as the probe reads them
+    (`is_gpu_node`, `fatal_error`) and, where a workload runner runs the tenant's processes, its
+    status (`workload_status`)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,10 +1,11 @@
 """A simulated fleet: N host agents served by one process over HTTP (one port, per-node paths).
 
-Each simulated agent speaks the same action API as the real one and enforces the invariants
-real hardware and a real agent would: a node holding one tenant's data cannot be provisioned
-for another before a wipe; a wipe refuses while a workload runs; burn-in runs only on a wiped
-node. Actions take realistic (scaled) time and are deduplicated by request id, and a fault
-model lets tests make any action fail transiently (HTTP 503) or permanently (HTTP 422).
+Each simulated agent is the real agent's action core (`agent/action_core.py`) over simulated
+hardware (`nodes.py`), so it answers the action API as the real one does and enforces the same
+invariants: a node holding one tenant's data cannot be provisioned for another before a wipe; a
+wipe refuses while a workload runs; burn-in runs only on a wiped node. Actions take realistic
+(scaled) time and are deduplicated by request id, and a fault model lets tests make any action
+fail transiently (HTTP 503) or permanently (HTTP 422).
 
 Hardware faults: a node can be given a fault (say, a GPU off the bus) that burn-in detects
 (HTTP 422) until the repair ladder's rung that fixes it has run: `fixed_by` a reset yields to any
@@ -41,10 +42,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Scope
 
+from gpucloud.agent.action_core import answer_action
 from gpucloud.agent.peer import swarm_refusal
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
-from gpucloud.protocol.actions import ActionRequest, AgentAction, known_action
+from gpucloud.protocol.actions import ActionRequest, AgentAction
 from gpucloud.protocol.reporter import ReportClient
 from gpucloud.protocol.reports import Heartbeat
 from gpucloud.sim.fault_injection import FleetFaults
@@ -286,12 +288,8 @@ def create_app(
         return Fleet.describe(node) | world | {"image_digest": node.image_digest}
 
     @app.post("/v1/nodes/{node_id}/actions/{action}")
-    async def act(node_id: str, action: str, req: ActionRequest):
-        known = known_action(action)
-        if known is None:
-            raise HTTPException(404, f"unknown action {action!r}; known: {', '.join(AgentAction)}")
-        status, body = await fleet.act(fleet.node(node_id), known, req)
-        return problems.response(body, status) if status >= 400 else JSONResponse(body, status_code=status)
+    async def act(node_id: str, action: str, req: ActionRequest) -> JSONResponse:
+        return await answer_action(action, req, lambda known, request: fleet.act(fleet.node(node_id), known, request))
 
     @app.get("/v1/nodes/{node_id}/credential")
     async def credential(node_id: str) -> dict:

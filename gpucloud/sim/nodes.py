@@ -1,7 +1,9 @@
-"""The simulated fleet's nodes and what they do when an agent's action reaches them: the same
-invariants as a real agent (another tenant's data blocks a provision, a running workload blocks
-a wipe, burn-in runs only on a wiped idle node), realistic latencies, injected action failures,
-hardware faults that only the right repair rung clears, drift behind the control plane's back."""
+"""The simulated fleet's nodes. Each answers an action with the production agent's own code, the
+action core (`agent/action_core.py`: its invariants, its request-id memory, its order of steps,
+its answers), over simulated hardware (`SimulatedHardware`): realistic latencies, injected action
+failures, hardware faults that only the right repair rung clears, a wipe's cleaning as the real
+agent reports it. Around it, the world: drift behind the control plane's back, agents that do not
+answer, a stand-in agent that lies about the image it booted."""
 
 from __future__ import annotations
 
@@ -16,18 +18,18 @@ from dataclasses import dataclass, field
 from fastapi import HTTPException
 from pydantic import BaseModel, Field
 
+from gpucloud.agent.action_core import ACTION_FAILED, ActionCore, NodeFacts, Outcome, action_failed, problem
+from gpucloud.agent.cleaning import CleaningFailed
 from gpucloud.protocol.actions import (
     DISK_SANITIZE,
     GPU_RESET,
     REPAIR_LADDER,
     SCRATCH,
-    ActionAnswer,
     ActionRequest,
     AgentAction,
     CleaningStep,
 )
 from gpucloud.protocol.reports import Heartbeat, WorkloadStatus
-from gpucloud.web import problems
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ BASE_LATENCY_S = {
     A.REBOOT: 0.4,
     A.REFLASH: 0.6,
 }
+# Fewer answers kept per node than a real agent keeps: thousands of nodes share one process.
 REMEMBERED_REQUESTS = 16
 # The disks a simulated node's tenant writes to, each crypto-erased by a wipe (`--tenant-disk`).
 TENANT_DISKS = ("/dev/nvme1n1",)
@@ -105,11 +108,6 @@ class SimNode:
 # What a stand-in agent claims to have booted: not the clean image (one that claimed the clean
 # image's digest would pass; an attested boot report is what would catch it).
 STAND_IN_DIGEST = "sha256:" + "5" * 64
-
-
-def _refuse(status: int, title: str, detail: str) -> tuple[int, dict]:
-    """An agent's refusal, as the real agent words it (`gpucloud.agent.app`)."""
-    return status, problems.body(status, problems.slug(title), title, detail)
 
 
 class Fleet:
@@ -185,65 +183,18 @@ class Fleet:
             raise HTTPException(404, f"no simulated node {node_id!r}")
         return node
 
-    async def act(self, node: SimNode, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
+    async def act(self, node: SimNode, action: AgentAction, req: ActionRequest) -> Outcome:
+        """The node's agent answers, as the production agent does (its action core), unless the
+        node has no agent that answers (powered off, or cut off by a test)."""
         if node.unreachable:
-            return _refuse(503, "Agent unreachable", f"agent on {node.id} does not answer")
-        async with node.lock:
-            if req.request_id in node.recent:
-                return node.recent[req.request_id]
-            if action == A.PROVISION and self.spec.provision_s is not None:
-                await asyncio.sleep(self.spec.provision_s)
-            else:
-                await asyncio.sleep(BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3))
-            outcome = self._apply(node, action, req)
-            if outcome[0] == 200:
-                await self.workload_changed(node)
-            if outcome[0] != 503:  # a transient failure is not an answer: a retry runs the action
-                node.recent[req.request_id] = outcome
-                while len(node.recent) > REMEMBERED_REQUESTS:
-                    node.recent.popitem(last=False)
-            return outcome
+            return problem(503, "Agent unreachable", f"agent on {node.id} does not answer")
+        core = ActionCore(node, SimulatedHardware(self, node), remembered=REMEMBERED_REQUESTS)
+        return await core.act(action, req)
 
-    def _apply(self, node: SimNode, action: AgentAction, req: ActionRequest) -> tuple[int, dict]:
-        cleaning = None
-        pending = node.faults.get(action)
-        if pending:
-            mode = pending.popleft()
-            if mode == "transient":
-                return _refuse(503, "Action failed", f"injected transient fault in {action}")
-            return _refuse(422, "Action failed", f"injected permanent fault in {action}")
-        if action == A.PROVISION:
-            if not req.tenant_id:
-                return _refuse(422, "Tenant required", "provision needs a tenant_id")
-            if node.tenant_id not in (None, req.tenant_id):
-                return _refuse(409, "Node holds data", f"node holds data of tenant {node.tenant_id}; wipe it first")
-            node.tenant_id, node.workload_running = req.tenant_id, True
-            node.allocation_id = req.allocation_id
-            node.workload = list(req.workload.command) if req.workload else None
-        elif action == A.RELEASE:
-            node.workload_running, node.workload = False, None
-        elif action == A.WIPE:
-            if node.workload_running:
-                return _refuse(409, "Workload running", "a workload is still running; release the node first")
-            node.tenant_id = None
-            node.credential = req.credential or node.credential
-            cleaning = _cleaning(node)
-        elif action == A.BURN_IN:
-            if node.tenant_id is not None or node.workload_running:
-                return _refuse(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
-            if node.hardware_fault is not None:
-                return _refuse(422, "Action failed", f"burn-in failed: {node.hardware_fault}")
-        elif action in REPAIR_LADDER:
-            self._repair(node, action)
-        node.actions_done += 1
-        answer = ActionAnswer(
-            **self.describe(node),
-            action=action,
-            boot_id=str(node.boot_id),
-            image_digest=STAND_IN_DIGEST if node.stand_in else node.image_digest,
-            cleaning=cleaning,
-        )
-        return 200, answer.model_dump(mode="json")
+    def latency_s(self, action: AgentAction) -> float:
+        if action == A.PROVISION and self.spec.provision_s is not None:
+            return self.spec.provision_s
+        return BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3)
 
     @staticmethod
     def _repair(node: SimNode, action: AgentAction) -> None:
@@ -296,6 +247,62 @@ class Fleet:
             "actions_done": node.actions_done,
             "hardware_fault": node.hardware_fault,
         }
+
+
+class SimulatedHardware:
+    """A simulated node's hardware behind the action core's `NodeHardware`, in memory and without a
+    thread: each action takes its (scaled) time; an injected fault fails it (transient: 503, which
+    the core does not remember, so a retry runs it; permanent: 422); burn-in finds the node's
+    hardware fault until the repair rung that fixes it has run; a reboot or reflash boots anew
+    (a reflash also loses the tenant's data); a wipe's cleaning is answered step by step as the
+    real agent answers it; a provision's workload is noted, not run; each change of the workload
+    reaches the fleet's `on_workload_change` (metering). A stand-in agent reports the image it
+    claims, not the one it booted."""
+
+    __slots__ = ("fleet", "node")
+
+    def __init__(self, fleet: Fleet, node: SimNode) -> None:
+        self.fleet, self.node = fleet, node
+
+    async def run_tools(self, action: AgentAction) -> Outcome | None:
+        node = self.node
+        await asyncio.sleep(self.fleet.latency_s(action))
+        pending = node.faults.get(action)
+        if pending:
+            if pending.popleft() == "transient":
+                return problem(503, ACTION_FAILED, f"injected transient fault in {action}")
+            return action_failed(f"injected permanent fault in {action}")
+        if action == A.BURN_IN and node.hardware_fault is not None:
+            return action_failed(f"burn-in failed: {node.hardware_fault}")
+        if action in REPAIR_LADDER:
+            Fleet._repair(node, action)
+        return None
+
+    async def start_workload(self, req: ActionRequest) -> Outcome | None:
+        self.node.allocation_id = req.allocation_id
+        self.node.workload = list(req.workload.command) if req.workload else None
+        return None
+
+    async def stop_workload(self) -> Outcome | None:
+        self.node.workload = None
+        return None
+
+    async def clean(self) -> tuple[list[CleaningStep], CleaningFailed | None]:
+        return _cleaning(self.node), None
+
+    def take_credential(self, credential: str) -> None:
+        self.node.credential = credential
+
+    async def settle(self, action: AgentAction, req: ActionRequest, *, started_ms: int) -> NodeFacts:
+        node = self.node
+        node.actions_done += 1
+        await self.fleet.workload_changed(node)
+        return NodeFacts(
+            node_id=node.id,
+            boot_id=str(node.boot_id),
+            image_digest=STAND_IN_DIGEST if node.stand_in else node.image_digest,
+            gpu_count=node.gpu_count,
+        )
 
 
 def _cleaning(node: SimNode) -> list[CleaningStep]:

@@ -107,6 +107,21 @@ def test_no_model_imports_the_agent():
     assert not found, f"models and the protocol import nothing from gpucloud.agent: {found}"
 
 
+def test_actions_are_answered_in_one_place():
+    """The action core (`agent/action_core.py`) is the only code that builds an action's answer
+    or words the node's refusals: the production agent and the simulated nodes both run it."""
+    core = "agent/action_core.py"
+    titles = {"Tenant required", "Node holds data", "Workload running", "Node not wiped", "Unknown action"}
+    found = []
+    for module, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ActionAnswer" and module != core:
+                found.append(f"{module}:{node.lineno}: an ActionAnswer built outside the action core")
+            if isinstance(node, ast.Constant) and node.value in titles and module != core:
+                found.append(f"{module}:{node.lineno}: the refusal {node.value!r} worded outside the action core")
+    assert not found, found
+
+
 def test_an_unknown_action_is_none_and_an_answer_keeps_what_each_agent_adds():
     assert known_action("burn_in") is AgentAction.BURN_IN and known_action("format_c") is None
     answer = ActionAnswer(action="wipe", node_id="n1", gpu_count=8, hardware_fault="gpu 3 off the bus")
