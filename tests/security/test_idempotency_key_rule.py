@@ -7,7 +7,6 @@ as a create that quietly is not idempotent."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,8 @@ from gpucloud.db import session_scope
 from gpucloud.services import tenants
 
 pytestmark = pytest.mark.one_database
+
+A_UUID = "8f14e45f-ceea-467f-a0e6-8d2c1b3e9a70"  # fixed: xdist workers must collect the same ids
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_an_empty_or_malformed_key_is_a_400_naming_the_header_and_the_rule(tenan
     assert _model_count(tenant_api) == 0  # refused before anything was created
 
 
-@pytest.mark.parametrize("key", [str(uuid.uuid4()), "job-42:try_1.a", "01HZX3KQ9V/+=~!", "k" * 255])
+@pytest.mark.parametrize("key", [A_UUID, "job-42:try_1.a", "01HZX3KQ9V/+=~!", "k" * 255])
 def test_tokens_of_the_usual_shapes_are_keys(tenant_api: TestClient, key: str) -> None:
     first, replay = (tenant_api.post("/v1/api-keys", headers={"Idempotency-Key": key}) for _ in range(2))
     assert first.status_code == replay.status_code == 201, first.text
