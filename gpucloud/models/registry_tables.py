@@ -237,10 +237,11 @@ class ModelVersion(ModelVersionBase, table=True):
     __tablename__ = "registry_version"
     __table_args__ = (
         sa.UniqueConstraint("tenant_id", "digest", name="uq_registry_version_tenant_digest"),
-        # One version per content: two pushes of the same files and lineage (built at different
-        # times, so of different digests) race to one row. Versions registered before the column
-        # have none, and NULLs never collide.
-        sa.UniqueConstraint("tenant_id", "content_digest", name="uq_registry_version_tenant_content"),
+        # One version per content and signing key: two pushes of the same files and lineage (built
+        # at different times, so of different digests) race to one row. Another key makes another
+        # version: weights re-signed after their key was revoked must not answer the old signature.
+        # Versions registered before the column have none, and NULLs never collide.
+        sa.UniqueConstraint("tenant_id", "content_digest", "key_id", name="uq_registry_version_tenant_content"),
         sa.Index("ix_registry_version_tenant_parent", "tenant_id", "parent"),
     )
 

@@ -282,6 +282,12 @@ def test_the_same_files_pushed_again_answer_the_version_already_there(registry: 
         # Other lineage is another version.
         child = post(http, signer.sign(manifest.model_copy(update={"lineage": Lineage(parent=first.digest)})))
         assert child.status_code == 201 and child.json()["digest"] != first.digest
+        # So is the same content built again and signed by another key (the first may be revoked).
+        other = Signer.generate()
+        with tenant.client() as client:
+            client.register_key(other)
+        resigned = post(http, other.sign(manifest.model_copy(update={"created_at": datetime(2032, 1, 1, tzinfo=UTC)})))
+        assert resigned.status_code == 201 and resigned.json()["key_id"] == other.key_id
 
         # Eight builds of one new content posted at once: one registers it, seven are told it exists.
         raced = manifest.model_copy(update={"lineage": Lineage(training_run="raced")})
@@ -301,7 +307,7 @@ def test_the_same_files_pushed_again_answer_the_version_already_there(registry: 
         assert sorted(a.status_code for a in answers) == [200] * 7 + [201], [a.text for a in answers]
         assert len({a.json()["digest"] for a in answers}) == 1
         listed = [v["digest"] for v in http.get("/v1/models/llama/versions").json()["items"]]
-    assert len(listed) == 3 and first.digest in listed and answers[0].json()["digest"] in listed
+    assert len(listed) == 4 and first.digest in listed and answers[0].json()["digest"] in listed
     assert set(tenant_manifests(registry, tenant)) == set(listed)  # the losers' manifests are not kept
 
 

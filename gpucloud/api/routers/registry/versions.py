@@ -2,8 +2,10 @@
 move aliases (gated), walk lineage.
 
 A push of what a version already holds answers that version with a 200 and registers nothing:
-the same manifest (its digest), or the same files and lineage built at another time (its
-`content_digest`, unique per tenant, so two such pushes at once end as one version)."""
+the same manifest (its digest), or the same files and lineage built at another time and signed
+by the same key (its `content_digest`, unique per tenant and key, so two such pushes at once end
+as one version). Another key makes another version: weights re-signed after their key was
+revoked must not answer with the revoked signature."""
 
 from __future__ import annotations
 
@@ -97,7 +99,9 @@ def _register_version(
             promotion.keyring_for(session, tenant_id).verify(signed, tenant=tenant_id)
         except (UnknownKeyError, BadSignatureError) as exc:
             raise signature_problem(exc) from None
-        if (same := promotion.version_with_content(session, tenant_id, manifest.content_digest)) is not None:
+        if (
+            same := promotion.version_with_content(session, tenant_id, manifest.content_digest, signed.key_id)
+        ) is not None:
             return promotion.publish_versions(session, tenant_id, [same])[0], False
         parent = manifest.lineage.parent
         if parent is not None and promotion.version_row(session, tenant_id, parent) is None:
@@ -140,7 +144,7 @@ def _register_version(
     except sa.exc.IntegrityError:  # the same version, or the same content, posted concurrently
         with session_scope(settings.database_url) as session:
             existing = promotion.version_row(session, tenant_id, digest) or promotion.version_with_content(
-                session, tenant_id, manifest.content_digest
+                session, tenant_id, manifest.content_digest, signed.key_id
             )
             assert existing is not None  # the insert that won the race committed it
             if existing.digest != digest:
@@ -156,7 +160,8 @@ def _register_version(
     responses={
         200: {
             "description": "the version was already registered: this manifest, or the same files and lineage "
-            "under another creation time (the answer is the version registered first, with its digest)",
+            "under another creation time, signed by the same key (the answer is the version registered "
+            "first, with its digest)",
             "model": ModelVersionPublic,
         },
         409: {"description": "chunks missing from the store (listed)"},
