@@ -7,6 +7,13 @@ the same body gets that first response back; the same key with another body or e
 stored, so a client can retry it with the same key. A response that shows a secret once (a new
 API key) is stored redacted: its replay says what was created, without the secret.
 
+The header is optional: a create without it is simply not idempotent (every request creates).
+A key, when given, is 1 to 255 visible ASCII characters (`KEY_RULE`: letters, digits and
+punctuation, no spaces or control characters), which takes UUIDs, ULIDs, base64 and
+`job-42:try-1` alike; anything else (an empty value among them) is a 400 naming the header and the
+rule. A key the client meant to send but that came out empty (a shell substitution that printed
+nothing) must not quietly turn a retried create into two.
+
 A claim is a lease (`LEASE`), renewed while its request runs. A request that died with the
 claim (its API process killed) lets the lease lapse: the next retry with the key takes the
 claim over (compare-and-swap on the lease it saw) and runs the request again. A handler whose
@@ -20,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -41,6 +49,11 @@ RETENTION = timedelta(hours=24)
 LEASE = timedelta(seconds=6)
 WAIT_FOR_FIRST_S = 30.0
 MAX_KEY_LENGTH = 255
+KEY_PATTERN = rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$"
+KEY_RULE = (
+    f"1 to {MAX_KEY_LENGTH} visible ASCII characters (letters, digits and punctuation such as - _ . :; "
+    "no spaces), e.g. a UUID"
+)
 
 
 def body_hash(body: bytes) -> str:
@@ -184,12 +197,14 @@ async def run_idempotent(
     for replays, for answers that carry a secret which must be shown only once."""
     if key is None:
         return await handler()
-    if not key or len(key) > MAX_KEY_LENGTH:
+    if re.fullmatch(KEY_PATTERN, key) is None:
         raise Problem(
             400,
             "invalid-idempotency-key",
             "Invalid Idempotency-Key",
-            f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters",
+            f"Idempotency-Key must be {KEY_RULE}; got {_shown(key)}. Send a valid key to make the create "
+            "safe to retry, or leave the header out for a create that is not idempotent",
+            header="Idempotency-Key",
         )
     digest = body_hash(body)
     existing = await run_in_threadpool(_claim, db_url, caller, key, method, path, digest)
@@ -213,7 +228,27 @@ async def run_idempotent(
     return response
 
 
-IdempotencyKey = Annotated[str | None, Header(description="makes a create safe to retry (kept 24 h)")]
+def _shown(key: str) -> str:
+    """The refused key as the detail quotes it: an empty one named as such, a long one cut short."""
+    if not key:
+        return "an empty value"
+    return repr(key) if len(key) <= 40 else f"{key[:40]!r}... ({len(key)} characters)"
+
+
+KEY_DESCRIPTION = (
+    "Optional. Makes this create safe to retry: a request with the same key and the same body "
+    "within 24 h answers the first request's response (with `Idempotent-Replayed: true`) instead "
+    "of creating again; the same key with another body or endpoint is a 422. Leave it out and the "
+    f"create is not idempotent: every request creates. A key is {KEY_RULE}; anything else, an empty "
+    "value included, is a 400."
+)
+
+# The pattern is in the document (clients and schemathesis read it) but checked by
+# `run_idempotent`, which answers a 400 naming the header rather than FastAPI's generic 422.
+IdempotencyKey = Annotated[
+    str | None,
+    Header(description=KEY_DESCRIPTION, json_schema_extra={"pattern": KEY_PATTERN, "maxLength": MAX_KEY_LENGTH}),
+]
 
 
 async def idempotent(

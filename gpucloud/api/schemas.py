@@ -134,11 +134,12 @@ class ApiKeyList(BaseModel):
 class RotateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # Required: neither default is safe. Zero cuts off every process still holding the old key;
+    # any grace keeps a leaked key alive. The caller says which it means.
     grace_period_s: int = Field(
-        default=0,
         ge=0,
         le=int(key_service.MAX_GRACE.total_seconds()),
-        description="how long the old key keeps working (0: it stops now)",
+        description="seconds the old key keeps working (required; 0: it stops now)",
     )
 
 

@@ -311,13 +311,29 @@ def keys_create(tenant: TenantOption = None, output: Output = "table", api_url: 
 @api_keys_app.command("rotate")
 def keys_rotate(
     key_id: str,
-    grace: Annotated[int, typer.Option(help="seconds the old key keeps working")] = 0,
+    grace: Annotated[
+        int | None,
+        typer.Option(
+            metavar="SECONDS",
+            min=0,
+            show_default=False,
+            help="seconds the old key keeps working (required; 0: it stops at once)",
+        ),
+    ] = None,
     tenant: TenantOption = None,
     output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """Replace a key; the old one keeps working for --grace seconds."""
+    # No default: a silent 0 cut off every process still holding the old key, and a silent grace
+    # would leave a leaked key alive. The caller says which it means.
+    if grace is None:
+        raise typer.BadParameter(
+            "pass --grace SECONDS: how long the old key keeps working (0: it stops at once, "
+            "which cuts off whatever still uses it)",
+            param_hint="--grace",
+        )
     with reported_errors(), api_client(api_url, api_key, operator=tenant is not None) as api:
         created = api.api_keys.rotate(key_id, grace_period_s=grace, tenant_id=tenant)
     _created(output, created)

@@ -175,8 +175,13 @@ def push_with_progress(
             report=report,
         )
     s = outcome.stats
+    headline = (
+        f"{model}@{outcome.digest} already existed (the same files and lineage): nothing new was registered"
+        if outcome.existed
+        else f"pushed {model}@{outcome.digest}"
+    )
     console.print(
-        f"pushed {model}@{outcome.digest}\n  {s.chunks_uploaded} of {s.chunks_total} chunks uploaded "
+        f"{headline}\n  {s.chunks_uploaded} of {s.chunks_total} chunks uploaded "
         f"({human_size(s.bytes_uploaded)}), {human_size(s.bytes_skipped)} of "
         f"{human_size(s.bytes_total)} skipped by dedup"
     )
@@ -232,7 +237,8 @@ def push_command(
         console = err if output == "json" else out
         pushed = push_with_progress(client, directory, model=model, signer=signer, lineage=lineage, console=console)
     if output == "json":
-        print(json.dumps({"version": pushed.version, "stats": pushed.stats.as_dict()}, default=str))
+        body = {"version": pushed.version, "existed": pushed.existed, "stats": pushed.stats.as_dict()}
+        print(json.dumps(body, default=str))
 
 
 @weights_app.command("pull")

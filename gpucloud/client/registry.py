@@ -101,13 +101,17 @@ class RegistryClient(ApiClient):
         until the next is asked for; an error answer is `ApiError`, a cut connection `BROKEN`)."""
         return self.bulk.download(f"/v1/models/{model}/chunks/{chunk_id}")
 
-    def post_version(self, model: str, signed: SignedManifest) -> dict:
-        return self.call(
+    def post_version(self, model: str, signed: SignedManifest) -> tuple[dict, bool]:
+        """The version the manifest registers, and whether this call registered it (201) or the
+        registry already held it (200: the same manifest, or the same files and lineage built at
+        another time, answered with the version registered first)."""
+        response = self.request(
             "POST",
             f"/v1/models/{model}/versions",
             content=signed.model_dump_json(),
             headers={"Content-Type": "application/json"},
         )
+        return response.json(), response.status_code == 201
 
     def version(self, model: str, ref: str) -> dict:
         return self.get(f"/v1/models/{model}/versions/{ref}")
@@ -205,11 +209,12 @@ class RegistryPushTarget:
 
     def commit(self, model: str, signed: SignedManifest) -> dict[str, Any]:
         try:
-            return self.client.post_version(model, signed)
+            version, created = self.client.post_version(model, signed)
         except ApiError as exc:
             if exc.type != "chunks-missing":
                 raise
             raise ChunksMissing(self.client.missing(model, sorted(signed.manifest.chunk_ids()))) from exc
+        return {**version, "existed": not created}
 
     def end(self) -> None:
         return None

@@ -237,12 +237,22 @@ class ModelVersion(ModelVersionBase, table=True):
     __tablename__ = "registry_version"
     __table_args__ = (
         sa.UniqueConstraint("tenant_id", "digest", name="uq_registry_version_tenant_digest"),
+        # One version per content and signing key: two pushes of the same files and lineage (built
+        # at different times, so of different digests) race to one row. Another key makes another
+        # version: weights re-signed after their key was revoked must not answer the old signature.
+        # Versions registered before the column have none, and NULLs never collide.
+        sa.UniqueConstraint("tenant_id", "content_digest", "key_id", name="uq_registry_version_tenant_content"),
         sa.Index("ix_registry_version_tenant_parent", "tenant_id", "parent"),
     )
 
     seq: int | None = Field(default=None, primary_key=True)
     tenant_id: str = Field(index=True)
     model_id: str = Field(foreign_key="registry_model.id", index=True)
+    content_digest: str | None = Field(
+        default=None,
+        max_length=64,
+        description="the manifest's digest without its creation time (`Manifest.content_digest`)",
+    )
     manifest_uri: str = Field(description="where the signed manifest is stored")
     registered_at: datetime = timestamp_field()
 

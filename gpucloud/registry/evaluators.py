@@ -77,18 +77,27 @@ def container_argv(runtime: str, command: EvaluationCommand, directory: Path, na
     return [*argv, "--", command.image, *command.argv]
 
 
+def never_run(command: EvaluationCommand, *, host_commands: bool) -> str | None:
+    """Why a platform that allows host commands only per `host_commands` will never run
+    `command`, and what it would run instead; None when it may run it. The API asks this when a
+    command is registered, so the tenant learns it then and not from a failed evaluation later;
+    the worker asks it again before it runs one (its settings may have changed since)."""
+    if command.image is None and not host_commands:
+        return (
+            "the command names no image, and this platform runs tenants' commands only in containers "
+            "(registry.evaluation_host_commands is off): register it with an image that holds the "
+            'program, say {"argv": ["python", "eval.py"], "image": "registry.example.com/eval:1"}'
+        )
+    return None
+
+
 def run_model_command(
     command: EvaluationCommand, directory: Path, *, runtime: str | None, host_commands: bool
 ) -> EvaluatorOutcome:
     """The model's evaluation command against `directory` (see the module doc)."""
+    if (why := never_run(command, host_commands=host_commands)) is not None:
+        return EvaluatorOutcome(EvaluatorName.COMMAND, {}, failure=f"the model's evaluation command: {why}")
     if command.image is None:
-        if not host_commands:
-            return EvaluatorOutcome(
-                EvaluatorName.COMMAND,
-                {},
-                failure="the model's evaluation command names no image, and this platform runs tenants' "
-                "commands only in containers: register it with an image",
-            )
         outcome = run_command(command.argv, directory, timeout_s=command.timeout_s, env=command.env)
     else:
         executable = find_runtime(runtime)

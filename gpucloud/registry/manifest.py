@@ -281,6 +281,16 @@ class Manifest(_Record):
         """The version's identity: BLAKE3 of the canonical bytes."""
         return digest_bytes(self.canonical_bytes())
 
+    @property
+    def content_digest(self) -> str:
+        """What the version holds, whenever its manifest was built: BLAKE3 of the canonical bytes
+        without `created_at`. Pushing the same files with the same lineage again builds a manifest
+        with another creation time, so another `digest`, and the same `content_digest`: the
+        registry answers such a push with the version it already holds."""
+        body = self.model_dump(mode="json")
+        del body["created_at"]
+        return digest_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+
     def chunk_ids(self) -> set[str]:
         return {chunk.id for entry in self.files.values() for chunk in entry.chunks}
 

@@ -224,6 +224,18 @@ def version_row(session: Session, tenant_id: str, digest: str) -> ModelVersion |
     ).first()
 
 
+def version_with_content(session: Session, tenant_id: str, content_digest: str, key_id: str) -> ModelVersion | None:
+    """The tenant's version holding these files and lineage signed by this key, whenever its
+    manifest was built."""
+    return session.exec(
+        select(ModelVersion).where(
+            col(ModelVersion.tenant_id) == tenant_id,
+            col(ModelVersion.content_digest) == content_digest,
+            col(ModelVersion.key_id) == key_id,
+        )
+    ).first()
+
+
 def ancestors(session: Session, tenant_id: str, digest: str) -> list[ModelVersion]:
     rows: dict[str, ModelVersion] = {}
 

@@ -96,7 +96,14 @@ class PushResult:
 
     @property
     def digest(self) -> str:
-        return self.signed.digest
+        """The version's digest as the target answered it: a push of content it already held is
+        the version registered first, not the manifest signed here."""
+        return str(self.version.get("digest") or self.signed.digest)
+
+    @property
+    def existed(self) -> bool:
+        """The target already held this version (the registry answered 200): nothing new was registered."""
+        return bool(self.version.get("existed"))
 
     @property
     def bytes_total(self) -> int:

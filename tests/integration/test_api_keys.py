@@ -31,7 +31,7 @@ async def test_rotation_keeps_the_old_key_for_the_grace_period_only(keyed):
         new = rotated.json()
         assert new["replaces"] == old_id and new["key"].startswith(f"gpc_{new['id']}.")
         # A key is rotated once.
-        again = c.post(f"/v1/api-keys/{old_id}/rotate")
+        again = c.post(f"/v1/api-keys/{old_id}/rotate", json={"grace_period_s": 0})
         assert again.status_code == 409 and new["id"] in again.json()["detail"]
     assert _ok(h, key, tenant_id) == 200 and _ok(h, new["key"], tenant_id) == 200
     await asyncio.sleep(2.2)
@@ -41,13 +41,19 @@ async def test_rotation_keeps_the_old_key_for_the_grace_period_only(keyed):
         assert listed[old_id]["replaced_by"] == new["id"] and listed[old_id]["expires_at"]
         assert "secret_hash" not in listed[old_id] and "key" not in listed[old_id]
 
-    # Without a grace period the old key stops at once.
+    # A rotation names its grace period: leaving it out is refused, and the key is not rotated.
     with h.client(new["key"]) as c:
-        newer = c.post(f"/v1/api-keys/{new['id']}/rotate").json()
+        for body in (None, {}):
+            unsaid = c.post(f"/v1/api-keys/{new['id']}/rotate", json=body)
+            assert unsaid.status_code == 422 and "grace_period_s" in unsaid.text, unsaid.text
+    assert _ok(h, new["key"], tenant_id) == 200
+    # A grace period of 0: the old key stops at once.
+    with h.client(new["key"]) as c:
+        newer = c.post(f"/v1/api-keys/{new['id']}/rotate", json={"grace_period_s": 0}).json()
     assert _ok(h, new["key"], tenant_id) == 401 and _ok(h, newer["key"], tenant_id) == 200
     # An expired key cannot be rotated back to life.
     with h.client(newer["key"]) as c:
-        assert c.post(f"/v1/api-keys/{old_id}/rotate").status_code == 409
+        assert c.post(f"/v1/api-keys/{old_id}/rotate", json={"grace_period_s": 0}).status_code == 409
         bad = c.post(f"/v1/api-keys/{newer['id']}/rotate", json={"grace_period_s": -1})
         assert bad.status_code == 422 and "grace_period_s" in bad.json()["detail"]
 
@@ -74,7 +80,9 @@ async def test_revocation_is_immediate_and_idempotent_and_operators_rotate_too(k
             k["revoked_at"] for k in first_revocation if k["id"] == key_id
         )
         # Operators rotate any tenant's key (a revoked one is refused).
-        assert op.post(f"/v1/tenants/{tenant_id}/api-keys/{key_id}/rotate").status_code == 409
+        assert (
+            op.post(f"/v1/tenants/{tenant_id}/api-keys/{key_id}/rotate", json={"grace_period_s": 0}).status_code == 409
+        )
         rotated = op.post(f"/v1/tenants/{tenant_id}/api-keys/{second.json()['id']}/rotate", json={"grace_period_s": 60})
         assert rotated.status_code == 201 and rotated.json()["tenant_id"] == tenant_id
         assert op.post("/v1/tenants/ten_nope/api-keys").status_code == 404
@@ -94,9 +102,9 @@ async def test_one_tenant_cannot_see_or_touch_another_tenants_keys_tenant_or_quo
             a.get(f"/v1/tenants/{b_id}/quotas"),
             a.get(f"/v1/tenants/{b_id}/api-keys"),
             a.post(f"/v1/tenants/{b_id}/api-keys"),
-            a.post(f"/v1/tenants/{b_id}/api-keys/{b_key_id}/rotate"),
+            a.post(f"/v1/tenants/{b_id}/api-keys/{b_key_id}/rotate", json={"grace_period_s": 0}),
             a.delete(f"/v1/tenants/{b_id}/api-keys/{b_key_id}"),
-            a.post(f"/v1/api-keys/{b_key_id}/rotate"),
+            a.post(f"/v1/api-keys/{b_key_id}/rotate", json={"grace_period_s": 0}),
             a.delete(f"/v1/api-keys/{b_key_id}"),
         ):
             assert resp.status_code == 404, (resp.request.url, resp.status_code)

@@ -68,7 +68,7 @@ async def test_operators_and_tenants_manage_resources_from_the_cli(ready_fleet):
     assert [k["tenant_id"] for k in keys] == [tenant_id]
     rotated = json.loads(await run("api-keys", "rotate", keys[0]["id"], "--grace", "60", "-o", "json", key=key))
     assert rotated["replaces"] == keys[0]["id"] and rotated["key"].startswith("gpc_")
-    await run("api-keys", "rotate", keys[0]["id"], code=4, key=key)  # already rotated
+    await run("api-keys", "rotate", keys[0]["id"], "--grace", "0", code=4, key=key)  # already rotated
     extra = json.loads(await run("api-keys", "create", "--tenant", tenant_id, "-o", "json"))  # the operator
     revoked = json.loads(await run("api-keys", "revoke", extra["id"], "--tenant", tenant_id, "-o", "json"))
     assert revoked["revoked_at"] is not None

@@ -13,6 +13,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -252,6 +253,68 @@ def test_push_dedups_between_versions_and_pull_round_trips(registry: Registry, t
     assert [(a["digest"], a["depth"]) for a in ancestors] == [(v1.digest, 1)]
     assert [(d["digest"], d["depth"]) for d in descendants] == [(v2.digest, 1)]
     assert version["parent"] == v1.digest and version["base_model"] == "llama-3"
+
+
+def test_the_same_files_pushed_again_answer_the_version_already_there(registry: Registry, tmp_path: Path) -> None:
+    """A push of the same files with the same lineage builds a manifest of another creation time,
+    so of another digest; it answers the version registered first (200) and registers nothing, and
+    pushes of that content at once end as one version. Before, every push was a new version."""
+    tenant = registry.new_tenant()
+    source = write_model(tmp_path / "v1", random_tensors())
+    first, again = tenant.push(source), tenant.push(source)
+    assert not first.existed and again.existed
+    assert again.signed.digest != first.digest and again.digest == first.digest == again.version["digest"]
+    assert again.stats.chunks_uploaded == 0
+
+    def post(http: httpx.Client, signed) -> httpx.Response:
+        body = signed.model_dump_json()
+        return http.post("/v1/models/llama/versions", content=body, headers={"Content-Type": "application/json"})
+
+    manifest, signer = first.signed.manifest, tenant.signer
+    with tenant.http() as http:
+        replayed = post(http, first.signed)  # the very manifest again
+        assert replayed.status_code == 200 and replayed.json()["digest"] == first.digest
+        # Built again a minute later, posted by hand: the same answer, and its digest names nothing.
+        later = signer.sign(manifest.model_copy(update={"created_at": datetime(2030, 1, 1, tzinfo=UTC)}))
+        answered = post(http, later)
+        assert answered.status_code == 200 and answered.json()["digest"] == first.digest
+        assert http.get(f"/v1/models/llama/versions/{later.digest}").status_code == 404
+        # Other lineage is another version.
+        child = post(http, signer.sign(manifest.model_copy(update={"lineage": Lineage(parent=first.digest)})))
+        assert child.status_code == 201 and child.json()["digest"] != first.digest
+        # So is the same content built again and signed by another key (the first may be revoked).
+        other = Signer.generate()
+        with tenant.client() as client:
+            client.register_key(other)
+        resigned = post(http, other.sign(manifest.model_copy(update={"created_at": datetime(2032, 1, 1, tzinfo=UTC)})))
+        assert resigned.status_code == 201 and resigned.json()["key_id"] == other.key_id
+
+        # Eight builds of one new content posted at once: one registers it, seven are told it exists.
+        raced = manifest.model_copy(update={"lineage": Lineage(training_run="raced")})
+        builds = [
+            signer.sign(raced.model_copy(update={"created_at": datetime(2031, 1, 1, 0, 0, i, tzinfo=UTC)}))
+            for i in range(8)
+        ]
+        barrier = threading.Barrier(len(builds))
+
+        def racer(signed) -> httpx.Response:
+            with tenant.http() as own:
+                barrier.wait(timeout=30)
+                return post(own, signed)
+
+        with ThreadPoolExecutor(len(builds)) as pool:
+            answers = list(pool.map(racer, builds))
+        assert sorted(a.status_code for a in answers) == [200] * 7 + [201], [a.text for a in answers]
+        assert len({a.json()["digest"] for a in answers}) == 1
+        listed = [v["digest"] for v in http.get("/v1/models/llama/versions").json()["items"]]
+    assert len(listed) == 4 and first.digest in listed and answers[0].json()["digest"] in listed
+    assert set(tenant_manifests(registry, tenant)) == set(listed)  # the losers' manifests are not kept
+
+
+def tenant_manifests(registry: Registry, tenant: Tenant) -> list[str]:
+    from gpucloud.bootstrap import registry_stores
+
+    return list(registry_stores(registry.settings).manifests(tenant.id).digests())
 
 
 def test_interrupted_push_resumes_with_only_the_missing_chunks(registry: Registry, tmp_path: Path) -> None:
@@ -758,6 +821,8 @@ def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: P
 
     source = write_model(tmp_path / "v1", random_tensors())
     assert "pushed cli-model@" in run("push", str(source), "--model", "cli-model")
+    again = run("push", str(source), "--model", "cli-model")
+    assert "already existed (the same files and lineage): nothing new was registered" in again
     key_file = tenant.data_dir / "signing-keys" / f"{tenant.id}.ed25519"
     assert key_file.stat().st_mode & 0o777 == 0o600  # created on the first push, private
     with tenant.http() as http:

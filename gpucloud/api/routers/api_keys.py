@@ -1,4 +1,5 @@
-"""API keys: create, list, rotate (the old key keeps working for a grace period), revoke (at once).
+"""API keys: create, list, rotate (the old key keeps working for the grace period the rotation
+names, `grace_period_s`, which has no default), revoke (at once).
 
 A tenant holds at most `api.max_api_keys_per_tenant` live keys (admission shares slots per
 tenant whatever its keys, and a bounded set of keys keeps a leaked one findable); a create past
@@ -41,9 +42,14 @@ from gpucloud.db import session_scope
 from gpucloud.models.tables import ApiKey, ApiKeyPublic, Tenant, TenantStatus, utcnow
 from gpucloud.services import api_keys as key_service
 from gpucloud.services import operations
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.web.problems import Problem, invalid, not_found
 
 router = APIRouter(prefix="/v1", tags=["api-keys"])
+
+GRACE_REQUIRED = (
+    'required: send {"grace_period_s": SECONDS}, how long the old key keeps working '
+    "(0: it stops at once, cutting off whatever still uses it)"
+)
 
 # A tenant being onboarded gets its keys ready; one that failed or is leaving gets none.
 ISSUING = (TenantStatus.ONBOARDING, TenantStatus.ACTIVE)
@@ -199,6 +205,9 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
         response_model=ApiKeyCreated,
         responses=conflict,
         name=f"rotate_{tag}",
+        # The body is required (its `grace_period_s` is); FastAPI is told it is optional only so
+        # that a rotation sent without one hears which field to send, not "body: Field required".
+        openapi_extra={"requestBody": {"required": True}},
     )
     async def rotate_key(
         request: Request,
@@ -208,8 +217,9 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
         req: RotateRequest | None = None,
         idempotency_key: IdempotencyKey = None,
     ):
-        grace = (req or RotateRequest()).grace_period_s
-        make = partial(_rotate, settings, scoped.tenant_id, key_id, grace, scoped.caller.actor)
+        if req is None:
+            raise invalid("grace_period_s", GRACE_REQUIRED)
+        make = partial(_rotate, settings, scoped.tenant_id, key_id, req.grace_period_s, scoped.caller.actor)
         try:
             return await _created(request, settings, scoped.caller, idempotency_key, make)
         finally:

@@ -32,6 +32,7 @@ from gpucloud.models.registry_tables import (
 )
 from gpucloud.models.tables import utcnow
 from gpucloud.registry import promotion
+from gpucloud.registry.evaluators import never_run
 from gpucloud.registry.manifest import (
     check_possession,
     key_id_of,
@@ -41,7 +42,17 @@ from gpucloud.web.problems import Problem, invalid, not_found
 router = APIRouter(prefix="/v1", tags=["registry"])
 
 
+def _runnable(settings: Settings, command: EvaluationCommand, *, field: str) -> EvaluationCommand:
+    """The command, if the platform's evaluation worker would ever run it as configured; else a
+    422 naming why and what it would run (see `evaluators.never_run`)."""
+    if (why := never_run(command, host_commands=settings.registry.evaluation_host_commands)) is not None:
+        raise invalid(field, why, "evaluation-command-not-runnable", title="The platform would not run this command")
+    return command
+
+
 def _create_model(settings: Settings, tenant_id: str, req: RegistryModelCreate) -> ModelPublic:
+    if req.evaluation is not None:
+        _runnable(settings, req.evaluation, field="evaluation.image")
     try:
         with session_scope(settings.database_url) as session:
             evaluation = req.evaluation.model_dump(mode="json") if req.evaluation else None
@@ -99,7 +110,9 @@ def set_gates(name: str, req: GatesUpdate, tenant: TenantDep, settings: Settings
 @router.put("/models/{name}/evaluation", response_model=ModelPublic)
 def set_evaluation(name: str, req: EvaluationCommand, tenant: TenantDep, settings: SettingsDep):
     """Register the model's evaluation command: the platform runs it (the `command` evaluator) on a
-    version when asked, and on a rollout's canary nodes."""
+    version when asked, and on a rollout's canary nodes. A command the platform is configured
+    never to run (no image where host commands are off) is a 422 `evaluation-command-not-runnable`."""
+    _runnable(settings, req, field="image")
     with session_scope(settings.database_url) as session:
         model = model_row(session, tenant.tenant_id, name, for_update=True)
         model.evaluation = req.model_dump(mode="json")

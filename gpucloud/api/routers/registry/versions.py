@@ -1,5 +1,11 @@
 """Versions: push a signed manifest, list and read versions and manifests, record evaluations,
-move aliases (gated), walk lineage."""
+move aliases (gated), walk lineage.
+
+A push of what a version already holds answers that version with a 200 and registers nothing:
+the same manifest (its digest), or the same files and lineage built at another time and signed
+by the same key (its `content_digest`, unique per tenant and key, so two such pushes at once end
+as one version). Another key makes another version: weights re-signed after their key was
+revoked must not answer with the revoked signature."""
 
 from __future__ import annotations
 
@@ -93,6 +99,10 @@ def _register_version(
             promotion.keyring_for(session, tenant_id).verify(signed, tenant=tenant_id)
         except (UnknownKeyError, BadSignatureError) as exc:
             raise signature_problem(exc) from None
+        if (
+            same := promotion.version_with_content(session, tenant_id, manifest.content_digest, signed.key_id)
+        ) is not None:
+            return promotion.publish_versions(session, tenant_id, [same])[0], False
         parent = manifest.lineage.parent
         if parent is not None and promotion.version_row(session, tenant_id, parent) is None:
             raise invalid("manifest.lineage.parent", f"no version {parent} visible to this caller")
@@ -124,16 +134,22 @@ def _register_version(
         key_id=signed.key_id,
         created_at=manifest.created_at,
         manifest_uri=stores.manifest_uri(tenant_id, digest),
+        content_digest=manifest.content_digest,
     )
     try:
         with session_scope(settings.database_url) as session:
             session.add(row)
             session.flush()
             return promotion.publish_versions(session, tenant_id, [row])[0], True
-    except sa.exc.IntegrityError:  # the same version posted concurrently
+    except sa.exc.IntegrityError:  # the same version, or the same content, posted concurrently
         with session_scope(settings.database_url) as session:
-            existing = promotion.version_row(session, tenant_id, digest)
+            existing = promotion.version_row(session, tenant_id, digest) or promotion.version_with_content(
+                session, tenant_id, manifest.content_digest, signed.key_id
+            )
             assert existing is not None  # the insert that won the race committed it
+            if existing.digest != digest:
+                # Our manifest is stored under a digest no version has: the winner's stands for it.
+                stores.manifests(tenant_id).delete(digest)
             return promotion.publish_versions(session, tenant_id, [existing])[0], False
 
 
@@ -142,7 +158,12 @@ def _register_version(
     status_code=201,
     response_model=ModelVersionPublic,
     responses={
-        200: {"description": "the version was already registered", "model": ModelVersionPublic},
+        200: {
+            "description": "the version was already registered: this manifest, or the same files and lineage "
+            "under another creation time, signed by the same key (the answer is the version registered "
+            "first, with its digest)",
+            "model": ModelVersionPublic,
+        },
         409: {"description": "chunks missing from the store (listed)"},
         422: {"description": "invalid manifest (a version too large among them), unknown key or bad signature"},
     },
