@@ -37,7 +37,6 @@ from gpucloud.models.tables import (
 )
 from gpucloud.protocol.actions import Workload
 from gpucloud.protocol.reports import NodeReading, WorkloadStatus
-from gpucloud.registry.manifest import HEX_DIGEST
 from gpucloud.services import api_keys as key_service
 from gpucloud.services import operators as operator_service
 from gpucloud.services import quotas as quota_service
@@ -244,7 +243,12 @@ MAX_TARGET_NODES = 10_000
 class RolloutRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_version: str = Field(pattern=HEX_DIGEST, description="the version's manifest digest")
+    model_version: str = Field(
+        min_length=1,
+        max_length=300,
+        description="the version: its manifest digest, MODEL@ALIAS (e.g. `minilm@production`) or MODEL@DIGEST "
+        "(a unique prefix of 8+ hex digits will do); recorded as the digest it names at create",
+    )
     node_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_TARGET_NODES)
     allocation_id: str | None = None
     serving_fleet: bool = False
@@ -257,6 +261,9 @@ class RolloutRequest(BaseModel):
 class RolloutAccepted(BaseModel):
     rollout_id: str
     progress: RolloutProgress
+    warnings: list[str] = Field(
+        default=[], description="what the rollout was started despite, e.g. a version not promoted to production"
+    )
 
 
 class RolloutCommand(BaseModel):

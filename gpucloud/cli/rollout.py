@@ -74,7 +74,13 @@ def summary(progress: RolloutProgress, out: Console = console) -> None:
 
 @rollout_app.command()
 def start(
-    model_version: Annotated[str, typer.Argument(help="the version's manifest digest")],
+    model_version: Annotated[
+        str,
+        typer.Argument(
+            help="the version: MODEL@ALIAS (e.g. minilm@production), MODEL@DIGEST (a unique prefix of 8+ hex "
+            "digits will do) or a full digest; the rollout records the digest it names now"
+        ),
+    ],
     node: Annotated[list[str] | None, typer.Option("--node", help="a target node (repeat)")] = None,
     allocation: Annotated[str | None, typer.Option(help="every node of this allocation")] = None,
     fleet: Annotated[bool, typer.Option("--fleet", help="the tenant's whole serving fleet")] = False,
@@ -100,14 +106,17 @@ def start(
     if wave:
         body["waves"] = [parse_wave(w) for w in wave]
     with reported_errors(), api_client(api_url, api_key) as api:
-        rollout_id = api.rollouts.create(body, idempotency_key=idempotency_key).rollout_id
+        created = api.rollouts.create(body, idempotency_key=idempotency_key)
+        rollout_id = created.rollout_id
+        for warning in created.warnings:  # on stderr: `-o json` keeps stdout one document
+            err.print(f"[yellow]warning:[/] {warning}")
         if output == "json":  # no live bars: the final progress as one JSON document
             final = watch(api, rollout_id, out=err) if wait else api.rollouts.get(rollout_id)
             print(final.model_dump_json(indent=2))
             if wait and final.phase != "succeeded":
                 raise typer.Exit(1)
             return
-        console.print(f"rollout [bold]{rollout_id}[/] started")
+        console.print(f"rollout [bold]{rollout_id}[/] of {created.progress.model_version} started")
         if wait and watch(api, rollout_id).phase != "succeeded":
             raise typer.Exit(1)
 
