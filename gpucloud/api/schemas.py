@@ -266,6 +266,24 @@ class RolloutAccepted(BaseModel):
     )
 
 
+class RolloutSummary(BaseModel):
+    """One rollout in a listing, as the workflow engine's index has it (its phase and nodes are
+    in `GET /v1/rollouts/{id}`)."""
+
+    rollout_id: str
+    tenant_id: str | None
+    model_version: str | None = Field(description="the digest the rollout records")
+    allocation_id: str | None = Field(description="the allocation it targets, when it named one")
+    status: str = Field(description="its workflow's: running, completed, failed, terminated, ...")
+    started_at: datetime
+    closed_at: datetime | None
+
+
+class RolloutPage(BaseModel):
+    items: list[RolloutSummary]
+    next_page_token: str
+
+
 class RolloutCommand(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(default="", max_length=500)

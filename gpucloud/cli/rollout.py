@@ -8,11 +8,14 @@ rollout succeeds or rolls back (exit 0 on success, 1 otherwise).
 
 from __future__ import annotations
 
+import itertools
+import json
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import TextColumn
+from rich.table import Table
 
 from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, progress_bar, reported_errors
 
@@ -144,6 +147,34 @@ def status(
     for node_id, outcome in sorted(progress.outcomes.items()):
         if not outcome.ok:
             console.print(f"  [red]{node_id}[/]: {outcome.detail}")
+
+
+@rollout_app.command("list")
+def list_command(
+    limit: Annotated[int, typer.Option(min=1, help="show at most this many")] = 100,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The tenant's rollouts, newest first (running ones, then by when they ended), ids in full."""
+    with reported_errors(), api_client(api_url, api_key) as api:
+        rollouts = list(itertools.islice(api.rollouts.list(), limit))
+    if output == "json":
+        print(json.dumps([r.model_dump(mode="json") for r in rollouts], indent=2))
+        return
+    table = Table(title="rollouts")
+    for column in ("rollout", "status", "model version", "allocation", "started", "ended"):
+        table.add_column(column, overflow="fold")  # ids are for copying: folded, never cut short
+    for r in rollouts:
+        table.add_row(
+            r.rollout_id,
+            r.status,
+            r.model_version or "",
+            r.allocation_id or "",
+            f"{r.started_at:%Y-%m-%d %H:%M:%S}",
+            f"{r.closed_at:%Y-%m-%d %H:%M:%S}" if r.closed_at else "",
+        )
+    console.print(table)
 
 
 def _command(name: str, rollout_id: str, reason: str, output: str, api_url: str | None, api_key: str | None) -> None:

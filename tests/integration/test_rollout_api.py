@@ -5,6 +5,7 @@ tenant cannot see or steer a rollout (404, like one that does not exist)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import uuid
@@ -18,6 +19,7 @@ from gpucloud.db import get_engine
 from gpucloud.models.registry_tables import ModelAlias, ModelVersion
 from gpucloud.registry.chunking import encode_safetensors_header
 from gpucloud.registry.push import push
+from support.stack import async_wait_until
 
 
 def _push_version(h, tenant_id: str, key: str, tmp_path) -> str:
@@ -100,16 +102,18 @@ async def test_rollout_refs_one_active_rollout_per_ready_allocation_and_the_prom
         with RegistryClient(h.settings.api_url, a_key) as registry:
             registry.promote("m", digest, "candidate")
 
-        def create(version: str, alloc_id: str, **extra):
+        async def create(version: str, alloc_id: str, **extra):
+            # Off the event loop: a create asks the rollout holding the allocation (the in-process
+            # worker, on this loop) for its progress.
             body = {"model_version": version, "allocation_id": alloc_id, "bake_s": 3600, **extra}
-            return a.post("/v1/rollouts", json=body)
+            return await asyncio.to_thread(a.post, "/v1/rollouts", json=body)
 
         # Refs the registry does not resolve: 404 naming what is missing; a malformed ref: 422.
-        assert create("m@production", first_alloc).status_code == 404
-        assert create("nope@candidate", first_alloc).status_code == 404
+        assert (await create("m@production", first_alloc)).status_code == 404
+        assert (await create("nope@candidate", first_alloc)).status_code == 404
         other = ("0" if digest[0] != "0" else "1") + digest[1:12]
-        assert create(f"m@{other}", first_alloc).status_code == 404
-        bad = create("m@xyz", first_alloc)
+        assert (await create(f"m@{other}", first_alloc)).status_code == 404
+        bad = await create("m@xyz", first_alloc)
         assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "model_version"
 
         # The CLI takes the alias, prints the warning, and the rollout records the digest.
@@ -129,16 +133,18 @@ async def test_rollout_refs_one_active_rollout_per_ready_allocation_and_the_prom
         assert shown.status_code == 200 and shown.json()["model_version"] == digest
 
         # A second rollout on the same allocation, by a digest prefix: 409 naming the running one.
-        second = create(f"m@{digest[:12]}", first_alloc)
+        second = await create(f"m@{digest[:12]}", first_alloc)
         assert second.status_code == 409, second.text
         assert second.json()["rollout_id"] == running and running in second.json()["detail"]
         # By nodes of that allocation: the same.
         nodes = a.get(f"/v1/allocations/{first_alloc}").json()["node_ids"]
-        by_nodes = a.post("/v1/rollouts", json={"model_version": digest, "node_ids": nodes[:1], "bake_s": 3600})
+        by_nodes = await asyncio.to_thread(
+            a.post, "/v1/rollouts", json={"model_version": digest, "node_ids": nodes[:1], "bake_s": 3600}
+        )
         assert by_nodes.status_code == 409 and by_nodes.json()["rollout_id"] == running
 
         # Two creates at once on the other allocation: exactly one wins, the other names it.
-        answers = await asyncio.gather(*(asyncio.to_thread(create, digest, second_alloc) for _ in range(2)))
+        answers = await asyncio.gather(create(digest, second_alloc), create(digest, second_alloc))
         assert sorted(r.status_code for r in answers) == [202, 409], [r.text for r in answers]
         won = next(r for r in answers if r.status_code == 202).json()
         lost = next(r for r in answers if r.status_code == 409).json()
@@ -148,7 +154,7 @@ async def test_rollout_refs_one_active_rollout_per_ready_allocation_and_the_prom
         # Once the running rollout has ended (here its workflow is terminated: this harness has no
         # tracker, so the rollout never gets past preparing), the allocation takes the next one.
         await temporal_env.client.get_workflow_handle(running).terminate("the test ends it")
-        after = create(f"m@{digest[:12]}", first_alloc, bake_s=0)
+        after = await create(f"m@{digest[:12]}", first_alloc, bake_s=0)
         assert after.status_code == 202, after.text
         assert after.json()["progress"]["model_version"] == digest
 
@@ -160,18 +166,46 @@ async def test_rollout_refs_one_active_rollout_per_ready_allocation_and_the_prom
             twin = digest[:12] + ("f" if digest[12] != "f" else "e") + digest[13:]
             session.add(ModelVersion(**version.model_dump(exclude={"seq", "digest"}), digest=twin))
             session.commit()
-        ambiguous = create(f"m@{digest[:12]}", second_alloc)
+        ambiguous = await create(f"m@{digest[:12]}", second_alloc)
         assert ambiguous.status_code == 422, ambiguous.text
         assert digest in ambiguous.json()["detail"] and twin in ambiguous.json()["detail"]
 
         # The version the production alias names, by that alias: no warning.
         await temporal_env.client.get_workflow_handle(won["rollout_id"]).terminate("the test ends it")
-        promoted = create("m@production", second_alloc, bake_s=0)
+        promoted = await create("m@production", second_alloc, bake_s=0)
         assert promoted.status_code == 202 and promoted.json()["warnings"] == [], promoted.text
         await temporal_env.client.get_workflow_handle(promoted.json()["rollout_id"]).terminate("the test ends it")
         # An allocation that is not ready: 409 naming its status, before anything starts.
         assert a.post(f"/v1/allocations/{second_alloc}/cancel").status_code in (200, 202)
-        refused = create(digest, second_alloc)
+        refused = await create(digest, second_alloc)
         assert refused.status_code == 409, refused.text
         assert refused.json()["allocation_status"] in ("cancelling", "released")
         assert refused.json()["allocation_status"] in refused.json()["detail"]
+
+        # The tenant's rollouts, newest first (the running one, then by when they ended), in pages.
+        ended = [promoted.json()["rollout_id"], won["rollout_id"], running]
+        expected = [after.json()["rollout_id"], *ended]
+
+        def listed():
+            ids = [r["rollout_id"] for r in a.get("/v1/rollouts", params={"page_size": 100}).json()["items"]]
+            return ids if ids == expected else None
+
+        await async_wait_until(listed, timeout_s=30, interval_s=0.2, what="the rollouts listed")
+        first_page = a.get("/v1/rollouts", params={"page_size": 2}).json()
+        assert [r["rollout_id"] for r in first_page["items"]] == expected[:2] and first_page["next_page_token"]
+        assert first_page["items"][0]["status"] == "running"
+        assert first_page["items"][0]["model_version"] == digest
+        assert first_page["items"][0]["allocation_id"] == first_alloc
+        rest = a.get("/v1/rollouts", params={"page_size": 2, "page_token": first_page["next_page_token"]}).json()
+        assert [r["rollout_id"] for r in rest["items"]] == expected[2:]
+        forged = a.get("/v1/rollouts", params={"page_token": first_page["next_page_token"][:-2] + "xx"})
+        assert forged.status_code == 400
+        _, b_key = await h.onboard()
+        with h.client(b_key) as b:
+            assert b.get("/v1/rollouts").json()["items"] == []  # another tenant sees none of them
+        table = await asyncio.to_thread(CliRunner().invoke, app, ["rollout", "list"], env=env)
+        assert table.exit_code == 0, table.output
+        assert all(rollout_id in table.output for rollout_id in expected), table.output  # ids in full
+        assert digest in table.output
+        as_json = await asyncio.to_thread(CliRunner().invoke, app, ["rollout", "list", "-o", "json"], env=env)
+        assert [r["rollout_id"] for r in json.loads(as_json.stdout)] == expected

@@ -11,6 +11,7 @@ A pause, resume or abort the workflow took is recorded as a settled operation (`
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import uuid
@@ -28,12 +29,14 @@ from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
     WorkflowHandle,
+    WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateStage,
 )
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
+from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, CallerOrFleetOperatorDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
@@ -41,7 +44,9 @@ from gpucloud.api.routers.registry.common import model_row, resolve_version
 from gpucloud.api.schemas import (
     RolloutAccepted,
     RolloutCommand,
+    RolloutPage,
     RolloutRequest,
+    RolloutSummary,
 )
 from gpucloud.config import Settings
 from gpucloud.db import read_scope, rowcount, session_scope, table_of
@@ -215,14 +220,20 @@ def _release(settings: Settings, rollout_id: str) -> None:
 
 
 async def _running(temporal: Client, rollout_id: str) -> bool:
-    """Whether the rollout's workflow still runs (a rollout rolling back still does)."""
+    """Whether the rollout still runs: its workflow is open and its phase is not a final one (a
+    rollout rolling back still runs; one that has just reached its end is closing, and done)."""
+    handle = temporal.get_workflow_handle(rollout_id)
     try:
-        described = await temporal.get_workflow_handle(rollout_id).describe()
+        described = await handle.describe()
+        if described.status != WorkflowExecutionStatus.RUNNING:
+            return False
+        return not (await handle.query(RolloutWorkflow.progress)).finished
+    except WorkflowQueryFailedError:
+        return True  # open, and its phase unknown: it holds the allocation until it says otherwise
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             return False
         raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
-    return described.status == WorkflowExecutionStatus.RUNNING
 
 
 async def _claim(
@@ -344,6 +355,47 @@ async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> tuple[W
     if not caller.is_operator and progress.tenant_id != caller.tenant_id:
         raise not_found("rollout", rollout_id)
     return handle, progress
+
+
+@router.get("/rollouts", response_model=RolloutPage, responses={400: {"description": "a page token not issued here"}})
+async def list_rollouts(caller: CallerDep, temporal: TemporalDep, page: pagination.PageDep):
+    """The caller's rollouts (an operator's: every tenant's), newest first: running ones, then the
+    rest by when they ended, as the workflow engine's index orders them (it may lag a start by a
+    moment). The page token wraps the engine's own, bound to the caller."""
+    filters = {"tenant_id": None if caller.is_operator else caller.tenant_id}
+    cursor = pagination.decode(page.token, filters, str)
+    query = f"WorkflowType = '{RolloutWorkflow.__name__}'"
+    if filters["tenant_id"] is not None:
+        query += f" AND {search_attributes.TENANT_ID.name} = '{_quoted(filters['tenant_id'])}'"
+    listing = temporal.list_workflows(
+        query,
+        page_size=page.size,
+        next_page_token=base64.urlsafe_b64decode(cursor.after) if isinstance(cursor.after, str) else None,
+    )
+    try:
+        await listing.fetch_next_page()
+    except RPCError as exc:
+        raise engine_problem(exc, what="the rollouts", left="nothing changed") from exc
+    items = [
+        RolloutSummary(
+            rollout_id=wf.id,
+            tenant_id=wf.typed_search_attributes.get(search_attributes.TENANT_ID),
+            model_version=wf.typed_search_attributes.get(search_attributes.MODEL_VERSION),
+            allocation_id=wf.typed_search_attributes.get(search_attributes.ALLOCATION_ID),
+            status=wf.status.name.lower() if wf.status is not None else "unknown",
+            started_at=wf.start_time,
+            closed_at=wf.close_time,
+        )
+        for wf in listing.current_page or []
+    ]
+    token = listing.next_page_token
+    next_token = pagination.encode(base64.urlsafe_b64encode(token).decode(), filters) if token else ""
+    return RolloutPage(items=items, next_page_token=next_token)
+
+
+def _quoted(value: str) -> str:
+    """A value inside a visibility query's single quotes."""
+    return value.replace("\\", "\\\\").replace("'", "\\'")
 
 
 @router.get("/rollouts/{rollout_id}", response_model=RolloutProgress)
