@@ -3,7 +3,15 @@ pause, resume or abort it. The rollout id is its workflow's id; progress is the 
 
 A tenant rolls out to nodes it holds: explicit `node_ids` (each in one of its allocations), one of its
 allocations, or its whole serving fleet; agent URLs come from the node records, never from the
-request. The version must be one the tenant's registry holds.
+request. The version must be one the tenant's registry holds, named as the registry names one
+(MODEL@ALIAS, MODEL@DIGEST or a unique prefix, or a bare digest); the rollout records its digest,
+and the answer warns where that is not the model's production version.
+
+An allocation takes one running rollout at a time, and only while it is `ready`: a create claims
+every allocation its target touches with a compare-and-swap on `allocation.active_rollout_id`, in
+the database every create shares, so of two creates at once exactly one wins and the other is a
+409 naming it. The workflow never lets go of its claim (its histories stay as they were): a later
+create asks the workflow engine whether the holder still runs, and takes over when it does not.
 
 A pause, resume or abort the workflow took is recorded as a settled operation (`rollout_pause`,
 ..., the rollout's id as its resource) naming who asked: the tenant, or the operator who stepped in.
@@ -120,6 +128,8 @@ def _not_promoted(session: Session, model: RegistryModel | None, digest: str) ->
 
 
 def _not_ready(allocations: Iterable[Allocation]) -> None:
+    """A 409 naming the first allocation that is not `ready`: a rollout started on one being
+    provisioned, cancelled or released would only fail later, with nodes already sent weights."""
     for allocation in allocations:
         if allocation.status != AllocationStatus.READY:
             raise Problem(
