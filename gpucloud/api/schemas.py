@@ -37,7 +37,6 @@ from gpucloud.models.tables import (
 )
 from gpucloud.protocol.actions import Workload
 from gpucloud.protocol.reports import NodeReading, WorkloadStatus
-from gpucloud.registry.manifest import HEX_DIGEST
 from gpucloud.services import api_keys as key_service
 from gpucloud.services import operators as operator_service
 from gpucloud.services import quotas as quota_service
@@ -245,7 +244,12 @@ MAX_TARGET_NODES = 10_000
 class RolloutRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_version: str = Field(pattern=HEX_DIGEST, description="the version's manifest digest")
+    model_version: str = Field(
+        min_length=1,
+        max_length=300,
+        description="the version: its manifest digest, MODEL@ALIAS (e.g. `minilm@production`) or MODEL@DIGEST "
+        "(a unique prefix of 8+ hex digits will do); recorded as the digest it names at create",
+    )
     node_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_TARGET_NODES)
     allocation_id: str | None = None
     serving_fleet: bool = False
@@ -258,6 +262,27 @@ class RolloutRequest(BaseModel):
 class RolloutAccepted(BaseModel):
     rollout_id: str
     progress: RolloutProgress
+    warnings: list[str] = Field(
+        default=[], description="what the rollout was started despite, e.g. a version not promoted to production"
+    )
+
+
+class RolloutSummary(BaseModel):
+    """One rollout in a listing, as the workflow engine's index has it (its phase and nodes are
+    in `GET /v1/rollouts/{id}`)."""
+
+    rollout_id: str
+    tenant_id: str | None
+    model_version: str | None = Field(description="the digest the rollout records")
+    allocation_id: str | None = Field(description="the allocation it targets, when it named one")
+    status: str = Field(description="its workflow's: running, completed, failed, terminated, ...")
+    started_at: datetime
+    closed_at: datetime | None
+
+
+class RolloutPage(BaseModel):
+    items: list[RolloutSummary]
+    next_page_token: str
 
 
 class RolloutCommand(BaseModel):

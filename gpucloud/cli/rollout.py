@@ -8,11 +8,14 @@ rollout succeeds or rolls back (exit 0 on success, 1 otherwise).
 
 from __future__ import annotations
 
+import itertools
+import json
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import TextColumn
+from rich.table import Table
 
 from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, progress_bar, reported_errors
 
@@ -74,7 +77,13 @@ def summary(progress: RolloutProgress, out: Console = console) -> None:
 
 @rollout_app.command()
 def start(
-    model_version: Annotated[str, typer.Argument(help="the version's manifest digest")],
+    model_version: Annotated[
+        str,
+        typer.Argument(
+            help="the version: MODEL@ALIAS (e.g. minilm@production), MODEL@DIGEST (a unique prefix of 8+ hex "
+            "digits will do) or a full digest; the rollout records the digest it names now"
+        ),
+    ],
     node: Annotated[list[str] | None, typer.Option("--node", help="a target node (repeat)")] = None,
     allocation: Annotated[str | None, typer.Option(help="every node of this allocation")] = None,
     fleet: Annotated[bool, typer.Option("--fleet", help="the tenant's whole serving fleet")] = False,
@@ -100,14 +109,17 @@ def start(
     if wave:
         body["waves"] = [parse_wave(w) for w in wave]
     with reported_errors(), api_client(api_url, api_key) as api:
-        rollout_id = api.rollouts.create(body, idempotency_key=idempotency_key).rollout_id
+        created = api.rollouts.create(body, idempotency_key=idempotency_key)
+        rollout_id = created.rollout_id
+        for warning in created.warnings:  # on stderr: `-o json` keeps stdout one document
+            err.print(f"[yellow]warning:[/] {warning}")
         if output == "json":  # no live bars: the final progress as one JSON document
             final = watch(api, rollout_id, out=err) if wait else api.rollouts.get(rollout_id)
             print(final.model_dump_json(indent=2))
             if wait and final.phase != "succeeded":
                 raise typer.Exit(1)
             return
-        console.print(f"rollout [bold]{rollout_id}[/] started")
+        console.print(f"rollout [bold]{rollout_id}[/] of {created.progress.model_version} started")
         if wait and watch(api, rollout_id).phase != "succeeded":
             raise typer.Exit(1)
 
@@ -135,6 +147,34 @@ def status(
     for node_id, outcome in sorted(progress.outcomes.items()):
         if not outcome.ok:
             console.print(f"  [red]{node_id}[/]: {outcome.detail}")
+
+
+@rollout_app.command("list")
+def list_command(
+    limit: Annotated[int, typer.Option(min=1, help="show at most this many")] = 100,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The tenant's rollouts, newest first (running ones, then by when they ended), ids in full."""
+    with reported_errors(), api_client(api_url, api_key) as api:
+        rollouts = list(itertools.islice(api.rollouts.list(), limit))
+    if output == "json":
+        print(json.dumps([r.model_dump(mode="json") for r in rollouts], indent=2))
+        return
+    table = Table(title="rollouts")
+    for column in ("rollout", "status", "model version", "allocation", "started", "ended"):
+        table.add_column(column, overflow="fold")  # ids are for copying: folded, never cut short
+    for r in rollouts:
+        table.add_row(
+            r.rollout_id,
+            r.status,
+            r.model_version or "",
+            r.allocation_id or "",
+            f"{r.started_at:%Y-%m-%d %H:%M:%S}",
+            f"{r.closed_at:%Y-%m-%d %H:%M:%S}" if r.closed_at else "",
+        )
+    console.print(table)
 
 
 def _command(name: str, rollout_id: str, reason: str, output: str, api_url: str | None, api_key: str | None) -> None:

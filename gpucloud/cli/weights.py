@@ -42,7 +42,7 @@ from gpucloud.client.registry import (
 from gpucloud.config import get_settings
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy
 from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, key_id_of
-from gpucloud.registry.names import AliasName
+from gpucloud.registry.names import AliasName, split_ref
 from gpucloud.registry.pull import PullResult
 from gpucloud.registry.push import PushResult, PushStats, push
 
@@ -58,8 +58,12 @@ out = console
 
 
 def parse_target(target: str) -> tuple[str, str]:
-    model, sep, ref = target.partition("@")
-    if not sep or not model or not ref:
+    """MODEL@REF, read as the API reads it (`names.split_ref`)."""
+    try:
+        model, ref = split_ref(target)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="TARGET") from None
+    if model is None:
         raise typer.BadParameter(f"{target!r} is not MODEL@VERSION or MODEL@ALIAS", param_hint="TARGET")
     return model, ref
 

@@ -35,6 +35,7 @@ from gpucloud.api.schemas import (
     QuotaReport,
     RolloutAccepted,
     RolloutRequest,
+    RolloutSummary,
     TenantAccepted,
     TenantOperation,
     UsageReport,
@@ -297,6 +298,10 @@ class Rollouts(_Resource):
 
     def get(self, rollout_id: str) -> RolloutProgress:
         return self._get(RolloutProgress, f"/v1/rollouts/{rollout_id}")
+
+    def list(self) -> Iterator[RolloutSummary]:
+        """The caller's rollouts, newest first, page by page as they are read."""
+        return self._pages(RolloutSummary, "/v1/rollouts")
 
     def command(self, rollout_id: str, name: str, reason: str = "") -> RolloutProgress:
         """`pause`, `resume` or `abort`."""

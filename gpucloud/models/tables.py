@@ -395,6 +395,9 @@ class Allocation(OutcomeRow, AllocationCreate, table=True):
     # `<caller>:<Idempotency-Key>` of the create that made it: a create re-run after its first
     # try died mid-request finds the allocation that try committed instead of making another.
     idempotency_key: str | None = Field(default=None, max_length=300, unique=True, index=True)
+    # The rollout that last claimed the allocation (a compare-and-swap at its create): a second
+    # create waits its turn while that rollout's workflow runs, and takes it over once it closed.
+    active_rollout_id: str | None = Field(default=None, max_length=64)
 
 
 class OperationStatus(StrEnum):

@@ -3,7 +3,6 @@ and idempotent creates."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -18,12 +17,13 @@ from gpucloud.registry.manifest import (
     ManifestTamperedError,
     UnknownKeyError,
     VersionNotFoundError,
-    is_digest,
 )
-from gpucloud.registry.names import AliasName
+from gpucloud.registry.names import RefKind, ref_kind
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.web.problems import Problem, invalid, not_found
 
+# An ambiguous digest prefix names at most this many of the versions it matches.
+_CANDIDATES_NAMED = 5
 READ_BATCH = 4 << 20  # an upload reaches the store's writer thread in pieces of about this size
 
 ChunkId = Annotated[str, PathParam(pattern=DIGEST_PATTERN, description="BLAKE3 hex of the chunk's bytes")]
@@ -49,27 +49,34 @@ def model_row(session: Session, tenant_id: str, name: str, *, for_update: bool =
 
 
 def resolve_version(session: Session, model: RegistryModel, ref: str, *, field: str = "version") -> ModelVersion:
+    """The version REF names (`names.ref_kind`): 404 where none does, 422 where the ref is not one
+    or a digest prefix matches several versions (naming them, so the caller can pick)."""
     query = select(ModelVersion).where(col(ModelVersion.model_id) == model.id)
-    if ref in {a.value for a in AliasName}:
+    try:
+        kind = ref_kind(ref)
+    except ValueError as exc:
+        raise invalid(field, str(exc)) from None
+    if kind == RefKind.ALIAS:
         alias = session.exec(
             select(ModelAlias).where(col(ModelAlias.model_id) == model.id, col(ModelAlias.name) == ref)
         ).first()
         if alias is None:
             raise not_found("alias", f"{model.name}@{ref}")
         query = query.where(col(ModelVersion.digest) == alias.version)
-    elif is_digest(ref):
+    elif kind == RefKind.DIGEST:
         query = query.where(col(ModelVersion.digest) == ref)
-    elif re.fullmatch(r"[0-9a-f]{8,63}", ref):
-        query = query.where(col(ModelVersion.digest).startswith(ref))
     else:
+        query = query.where(col(ModelVersion.digest).startswith(ref))
+    rows = session.exec(query.order_by(col(ModelVersion.digest)).limit(_CANDIDATES_NAMED + 1)).all()
+    if len(rows) > 1:
+        named = ", ".join(r.digest for r in rows[:_CANDIDATES_NAMED]) + (
+            ", ..." if len(rows) > _CANDIDATES_NAMED else ""
+        )
         raise invalid(
             field,
-            f"{ref!r} is not a digest, a digest prefix of at least 8 hex digits, or an alias "
-            f"({', '.join(a.value for a in AliasName)})",
+            f"prefix {ref!r} matches several versions of {model.name} ({named}); give more digits",
+            "ambiguous-version",
         )
-    rows = session.exec(query.limit(2)).all()
-    if len(rows) > 1:
-        raise invalid(field, f"prefix {ref!r} matches several versions; give more digits")
     if not rows:
         raise not_found("version", f"{model.name}@{ref}")
     return rows[0]
