@@ -164,7 +164,8 @@ async def test_rollout_refs_one_active_rollout_per_ready_allocation_and_the_prom
             session.add(ModelAlias(model_id=version.model_id, name="production", version=digest, moved_by="test"))
             # A second version sharing the first 12 digits makes that prefix ambiguous: 422 naming both.
             twin = digest[:12] + ("f" if digest[12] != "f" else "e") + digest[13:]
-            session.add(ModelVersion(**version.model_dump(exclude={"seq", "digest"}), digest=twin))
+            twin_row = version.model_dump(exclude={"seq", "digest", "content_digest"})  # other files, same prefix
+            session.add(ModelVersion(**twin_row, digest=twin, content_digest=None))
             session.commit()
         ambiguous = await create(f"m@{digest[:12]}", second_alloc)
         assert ambiguous.status_code == 422, ambiguous.text
