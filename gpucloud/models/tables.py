@@ -398,6 +398,9 @@ class Allocation(OutcomeRow, AllocationCreate, table=True):
     # The rollout that last claimed the allocation (a compare-and-swap at its create): a second
     # create waits its turn while that rollout's workflow runs, and takes it over once it closed.
     active_rollout_id: str | None = Field(default=None, max_length=64)
+    # When it claimed it: a claim whose workflow is not found is still starting within
+    # `ROLLOUT_START_GRACE_S` of this, and a lost create's (its process died) after it.
+    active_rollout_claimed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class OperationStatus(StrEnum):

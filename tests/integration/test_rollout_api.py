@@ -210,3 +210,43 @@ async def test_rollout_refs_one_active_rollout_per_ready_allocation_and_the_prom
         assert digest in table.output
         as_json = await asyncio.to_thread(CliRunner().invoke, app, ["rollout", "list", "-o", "json"], env=env)
         assert [r["rollout_id"] for r in json.loads(as_json.stdout)] == expected
+
+
+async def test_a_claim_whose_workflow_is_still_starting_holds_the_allocation_until_its_grace_ends(
+    ready_fleet, temporal_env, tmp_path
+):
+    """A create commits its claim before it starts its workflow: a second create that finds the
+    claim but no workflow yet is refused (the first is starting it), and a claim left by a
+    create that died before its start gives way once the grace is over."""
+    from datetime import timedelta
+
+    from gpucloud.api.routers.rollouts import ROLLOUT_START_GRACE_S
+    from gpucloud.models.tables import Allocation, utcnow
+
+    h = await ready_fleet(nodes=2, latency_scale=0.02)
+    a_id, a_key = await h.onboard()
+    with h.client(a_key) as a:
+        made = a.post("/v1/allocations", json={"gpu_type": "H100", "node_count": 1, "region": "us-east-1"})
+        alloc_id = made.json()["allocation"]["id"]
+        await h.wait_allocation(a_key, alloc_id, "ready")
+        digest = _push_version(h, a_id, a_key, tmp_path)
+
+        def claimed(seconds_ago: float) -> None:
+            with Session(get_engine(h.settings.database_url)) as session:
+                row = session.exec(select(Allocation).where(Allocation.id == alloc_id)).one()
+                row.active_rollout_id = "rollout-starting"
+                row.active_rollout_claimed_at = utcnow() - timedelta(seconds=seconds_ago)
+                session.add(row)
+                session.commit()
+
+        def create():
+            body = {"model_version": digest, "allocation_id": alloc_id, "bake_s": 0}
+            return a.post("/v1/rollouts", json=body)
+
+        claimed(1)
+        starting = await asyncio.to_thread(create)
+        assert starting.status_code == 409 and starting.json()["rollout_id"] == "rollout-starting", starting.text
+        claimed(ROLLOUT_START_GRACE_S + 30)
+        taken = await asyncio.to_thread(create)
+        assert taken.status_code == 202, taken.text
+        await temporal_env.client.get_workflow_handle(taken.json()["rollout_id"]).terminate("the test ends it")

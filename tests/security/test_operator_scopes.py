@@ -92,6 +92,7 @@ ROUTES: dict[str, Scope | str] = {
     "POST /v1/billing/price-book/versions": B,
     "GET /v1/billing/reconciliation": R,
     "POST /v1/rollouts": TENANT_ONLY,
+    "GET /v1/rollouts": R,
     "GET /v1/rollouts/{rollout_id}": R,
     "POST /v1/rollouts/{rollout_id}:pause": F,
     "POST /v1/rollouts/{rollout_id}:resume": F,

@@ -25,6 +25,7 @@ import hashlib
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import sqlalchemy as sa
 from fastapi import APIRouter, Request
@@ -66,7 +67,7 @@ from gpucloud.models.rollout_messages import (
     RolloutProgress,
     RolloutTarget,
 )
-from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, AllocationStatus, Node
+from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, AllocationStatus, Node, utcnow
 from gpucloud.registry import promotion
 from gpucloud.registry.names import AliasName, split_ref
 from gpucloud.services import operations
@@ -79,6 +80,9 @@ router = APIRouter(prefix="/v1", tags=["rollouts"])
 
 # How many times a create looks again at allocations whose rollout changed under it.
 _CLAIM_TRIES = 3
+# A claim is committed before its workflow starts: a holder whose workflow is not found yet is
+# starting, not gone, for this long after its claim (then its create died, and it gives way).
+ROLLOUT_START_GRACE_S = 60.0
 
 
 @dataclass
@@ -192,11 +196,12 @@ class _LostRace(Exception):
 
 def _try_claim(
     settings: Settings, tenant_id: str, rollout_id: str, allocations: list[str], closed: set[str], *, ready: bool
-) -> dict[str, str]:
+) -> dict[str, tuple[str, datetime | None]]:
     """Make `rollout_id` the active rollout of every allocation, in one transaction, where each
     has none, has this one (a retried create), or has one of `closed` (rollouts seen finished):
-    {} once done, else the allocations held by other rollouts, by the rollout holding each. The
-    UPDATE is a compare-and-swap on the rows read, so of two creates at once only one wins."""
+    {} once done, else the allocations held by other rollouts: the rollout holding each, and when
+    it claimed it. The UPDATE is a compare-and-swap on the rows read, so of two creates at once
+    only one wins."""
     table = table_of(Allocation)
     free = or_(
         table.c.active_rollout_id.is_(None),
@@ -206,7 +211,7 @@ def _try_claim(
     with session_scope(settings.database_url) as session:
         rows = session.exec(select(Allocation).where(col(Allocation.id).in_(allocations)).with_for_update()).all()
         held = {
-            a.id: a.active_rollout_id
+            a.id: (a.active_rollout_id, a.active_rollout_claimed_at)
             for a in rows
             if a.active_rollout_id and a.active_rollout_id != rollout_id and a.active_rollout_id not in closed
         }
@@ -217,7 +222,8 @@ def _try_claim(
         swap = sa.update(table).where(table.c.id.in_(allocations), table.c.tenant_id == tenant_id, free)
         if ready:
             swap = swap.where(table.c.status == AllocationStatus.READY.value)
-        if rowcount(session.execute(swap.values(active_rollout_id=rollout_id))) != len(allocations):
+        claimed = swap.values(active_rollout_id=rollout_id, active_rollout_claimed_at=utcnow())
+        if rowcount(session.execute(claimed)) != len(allocations):
             raise _LostRace
     return {}
 
@@ -226,12 +232,17 @@ def _release(settings: Settings, rollout_id: str) -> None:
     """Let go of what a create claimed when its workflow never started."""
     table = table_of(Allocation)
     with session_scope(settings.database_url) as session:
-        session.execute(sa.update(table).where(table.c.active_rollout_id == rollout_id).values(active_rollout_id=None))
+        session.execute(
+            sa.update(table)
+            .where(table.c.active_rollout_id == rollout_id)
+            .values(active_rollout_id=None, active_rollout_claimed_at=None)
+        )
 
 
-async def _running(temporal: Client, rollout_id: str) -> bool:
+async def _running(temporal: Client, rollout_id: str, claimed_at: datetime | None) -> bool:
     """Whether the rollout still runs: its workflow is open and its phase is not a final one (a
-    rollout rolling back still runs; one that has just reached its end is closing, and done)."""
+    rollout rolling back still runs; one that has just reached its end is closing, and done), or
+    it is not found yet within `ROLLOUT_START_GRACE_S` of its claim (its create is starting it)."""
     handle = temporal.get_workflow_handle(rollout_id)
     try:
         described = await handle.describe()
@@ -242,7 +253,8 @@ async def _running(temporal: Client, rollout_id: str) -> bool:
         return True  # open, and its phase unknown: it holds the allocation until it says otherwise
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            return False
+            starting = claimed_at is not None and (utcnow() - claimed_at).total_seconds() < ROLLOUT_START_GRACE_S
+            return starting
         raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
 
 
@@ -261,8 +273,8 @@ async def _claim(
             continue
         if not held:
             return
-        for allocation_id, holder in sorted(held.items()):
-            if await _running(temporal, holder):
+        for allocation_id, (holder, claimed_at) in sorted(held.items()):
+            if await _running(temporal, holder, claimed_at):
                 raise Problem(
                     409,
                     "rollout-in-progress",

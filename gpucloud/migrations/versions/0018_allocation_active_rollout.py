@@ -18,8 +18,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("allocation", schema=None) as batch_op:
         batch_op.add_column(sa.Column("active_rollout_id", sa.String(length=64), nullable=True))
+        batch_op.add_column(sa.Column("active_rollout_claimed_at", sa.DateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("allocation", schema=None) as batch_op:
+        batch_op.drop_column("active_rollout_claimed_at")
         batch_op.drop_column("active_rollout_id")
