@@ -56,6 +56,7 @@ class SharedSecret:
     make: Callable[[Settings], object]  # the settings' own load-or-create of it
 
 
+PAYLOAD_KEYS = "Temporal payload keys"  # the one shared secret the evaluation worker holds
 SHARED_SECRETS = (
     SharedSecret(
         # GPUCLOUD_AGENT__ISSUER_KEY names where the key lives (not the key): made there if missing.
@@ -94,7 +95,7 @@ SHARED_SECRETS = (
         bootstrap.storage_master_key,
     ),
     SharedSecret(
-        "Temporal payload keys",
+        PAYLOAD_KEYS,
         "GPUCLOUD_TEMPORAL__CODEC_KEYS",
         lambda s: s.temporal.codec_keys,
         lambda s: s.temporal_codec_keys_path,

@@ -178,30 +178,32 @@ def build_evaluation_worker(client: Client, settings: Settings, *, executor: Thr
 
 
 def platform_secrets_in(settings: Settings) -> list[str]:
-    """What of the platform's secrets `settings` hold, by variable (or file) name: the
-    evaluation worker runs tenants' code, so it must be started with none of them
-    (`Settings.for_evaluation_worker`, deploy/evaluations.env.example)."""
-    held = [
-        variable
-        for variable, value in (
-            ("GPUCLOUD_DATABASE__URL", settings.database.url),
-            ("GPUCLOUD_LEDGER__DATABASE_URL", settings.ledger.database_url),
-            ("GPUCLOUD_OBJECT_STORE__SECRET_ACCESS_KEY", settings.object_store.secret_access_key),
-            ("GPUCLOUD_API__OPERATOR_TOKEN", settings.api.operator_token),
-            ("GPUCLOUD_API__PAGE_TOKEN_SECRET", settings.api.page_token_secret),
-            ("GPUCLOUD_AGENT__ISSUER_KEY", settings.agent.issuer_key),
-            ("GPUCLOUD_AGENT__CREDENTIAL_SECRET", settings.agent.credential_secret),
-            ("GPUCLOUD_REGISTRY__EVALUATOR_KEY", settings.registry.evaluator_key),
-            ("GPUCLOUD_TENANTS__STORAGE_MASTER_KEY", settings.tenants.storage_master_key),
-            ("GPUCLOUD_TELEMETRY__METRICS_TOKEN", settings.telemetry.metrics_token),
-            ("GPUCLOUD_FABRIC__UFM_TOKEN", settings.fabric.ufm_token),
-            ("GPUCLOUD_FABRIC__NMX_TOKEN", settings.fabric.nmx_token),
-            ("GPUCLOUD_FABRIC__VPC_TOKEN", settings.fabric.vpc_token),
-        )
-        if value is not None
-    ]
-    kept = ("issuer_key.pem", "operator_token", "agent_credential_secret", "storage_master_key", "evaluator_key")
-    return held + [str(settings.data_dir / name) for name in kept if (settings.data_dir / name).exists()]
+    """What of the platform's secrets `settings` hold, by variable (or the file it is kept in):
+    the evaluation worker runs tenants' code, so it must be started with none of them
+    (`Settings.for_evaluation_worker`, deploy/evaluations.env.example). The shared secrets are
+    `prepare.SHARED_SECRETS`' (all but the payload keys, which it needs), then the credentials
+    of what it never reaches (databases, the object store, the fabric managers)."""
+    from gpucloud.prepare import PAYLOAD_KEYS, SHARED_SECRETS
+
+    held = []
+    for secret in SHARED_SECRETS:
+        if secret.name == PAYLOAD_KEYS:
+            continue
+        if secret.configured(settings) is not None:
+            held.append(secret.variable)
+        elif (path := secret.path(settings)).exists():
+            held.append(str(path))
+    if settings.api_delegate_path.exists():  # mints ledger tokens
+        held.append(str(settings.api_delegate_path))
+    credentials = (
+        ("GPUCLOUD_DATABASE__URL", settings.database.url),
+        ("GPUCLOUD_LEDGER__DATABASE_URL", settings.ledger.database_url),
+        ("GPUCLOUD_OBJECT_STORE__SECRET_ACCESS_KEY", settings.object_store.secret_access_key),
+        ("GPUCLOUD_FABRIC__UFM_TOKEN", settings.fabric.ufm_token),
+        ("GPUCLOUD_FABRIC__NMX_TOKEN", settings.fabric.nmx_token),
+        ("GPUCLOUD_FABRIC__VPC_TOKEN", settings.fabric.vpc_token),
+    )
+    return held + [variable for variable, value in credentials if value is not None]
 
 
 async def run_evaluation_worker(settings: Settings, *, stop: asyncio.Event | None = None) -> None:

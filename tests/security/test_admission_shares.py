@@ -22,32 +22,12 @@ from gpucloud.config import ApiSettings, RequestBodySettings, Settings
 from gpucloud.db import session_scope
 from gpucloud.models.tables import ApiKey
 from gpucloud.services import agent_credentials, api_keys, tenants
+from support.held import Held
 from support.nodes import enroll
 
 pytestmark = pytest.mark.one_database
 
 OPERATOR = "operator-token"
-
-
-class Held:
-    """An app whose requests stay in flight until `release`."""
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.go, self.arrived = asyncio.Event(), asyncio.Event()
-
-    async def __call__(self, scope, receive, send) -> None:
-        self.in_flight += 1
-        self.arrived.set()
-        await self.go.wait()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    async def until(self, n: int) -> None:
-        async with asyncio.timeout(5):
-            while self.in_flight < n:
-                self.arrived.clear()
-                await self.arrived.wait()
 
 
 def _stack(db_url: str, held: Held, *, cache: CredentialCache | None = None, **api) -> Gate:

@@ -17,28 +17,9 @@ from gpucloud.ledger.api.admission import LedgerAdmission
 from gpucloud.ledger.api.callers import ledger_callers
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer, Verifier
+from support.held import Held
 
 CONTROL_PLANE = Issuer(Ed25519PrivateKey.generate())
-
-
-class Held:
-    """An app whose requests stay in flight until `go` is set."""
-
-    def __init__(self) -> None:
-        self.in_flight, self.go, self.arrived = 0, asyncio.Event(), asyncio.Event()
-
-    async def until(self, n: int) -> None:
-        async with asyncio.timeout(5):
-            while self.in_flight < n:
-                self.arrived.clear()
-                await self.arrived.wait()
-
-    async def __call__(self, scope, receive, send) -> None:
-        self.in_flight += 1
-        self.arrived.set()
-        await self.go.wait()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
 
 
 def _token(subject: str, role: str) -> dict[str, str]:
