@@ -38,6 +38,7 @@ from gpucloud.protocol.reports import utc_now
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.agent_credentials import WipeRotation
+from gpucloud.services.agent_enrollment import EnrollmentTokens
 from gpucloud.storage.envelope import MasterKeys, TenantKeys
 from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectStore
@@ -259,6 +260,11 @@ def host_agents(settings: Settings) -> HostAgents:
     """Agents on nodes and the simulated fleet serve the same action API: one HTTP client for
     both, presenting a token signed for the one node it calls."""
     return HttpHostAgents(issuer=token_issuer(settings))
+
+
+def enrollment_tokens(cp: ControlPlane) -> EnrollmentTokens:
+    """A re-imaged node's one-time enrollment tokens (`services/agent_enrollment.py`)."""
+    return EnrollmentTokens(cp.settings.agent_credential_secret, ttl_s=cp.settings.bmc.enrollment_ttl_s)
 
 
 def wipe_rotation(cp: ControlPlane) -> WipeRotation:

@@ -380,7 +380,7 @@ def main(
     *,
     node_id: str,
     control_plane_url: str,
-    token: str,
+    token: str | None,
     control_plane_key: Path,
     token_file: Path | None = None,
     host: str = "127.0.0.1",
@@ -401,12 +401,20 @@ def main(
     weights_dir: Path | None = None,
     image_digest_file: Path = Path("/etc/gpucloud/image-digest"),
     tenant_disks: tuple[str, ...] = (),
+    enrollment_file: Path | None = None,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
-    its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
+    its node's credential (`gpa_<node id>.<secret>`), unless a re-imaged boot's config drive
+    (`enrollment_file`) is there to redeem for one, and without the control plane's public key."""
     import uvicorn
 
-    if not token.startswith(f"gpa_{node_id}."):
+    drive = enrollment_file is not None and enrollment_file.is_file()
+    if token is None and not drive:
+        raise SystemExit(
+            f"the agent needs {node_id}'s credential: issue one with `gpucloud node credential {node_id}` "
+            "and pass it as --token, or boot it from the clean image with its config drive (--enrollment-file)"
+        )
+    if token is not None and not token.startswith(f"gpa_{node_id}."):
         raise SystemExit(
             f"the agent needs {node_id}'s own credential (gpa_{node_id}.<secret>): issue one with "
             f"`POST /v1/nodes/{node_id}/agent-credential` and pass it as --token"
@@ -461,7 +469,7 @@ def main(
         log.warning("no ledger URL: this node's usage is not metered")
     app = create_app(
         agent,
-        Reporter(agent, client),
+        Reporter(agent, client, enrollment_file=enrollment_file),
         control_plane=verifier,
         heartbeat_s=heartbeat_s,
         reading_s=reading_s,

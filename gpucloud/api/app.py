@@ -20,6 +20,7 @@ from gpucloud.api.routers import (
     allocations,
     api_keys,
     billing,
+    enrollment,
     health,
     nodes,
     operations,
@@ -109,6 +110,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         billing,
         rollouts,
         operators,
+        enrollment,
     ):
         app.include_router(module.router)
 

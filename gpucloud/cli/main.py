@@ -287,6 +287,13 @@ def agent(
             "peer token for the node's tenant)"
         ),
     ] = None,
+    enrollment_file: Annotated[
+        Path,
+        typer.Option(
+            help="a re-imaged boot's config drive (the clean image places it here): its one-time enrollment "
+            "token is redeemed for the node's credential, which goes to --token-file"
+        ),
+    ] = Path("/run/gpucloud/config-drive/enrollment.json"),
     tenant_disk: Annotated[
         list[str] | None,
         typer.Option(
@@ -312,11 +319,12 @@ def agent(
         )
     if token_file.is_file():  # the credential the last wipe handed over wins over the first one
         token = token_file.read_text().strip()
-    if token is None:
+    if token is None and not enrollment_file.is_file():
         # Tenants have root on the nodes they rent: the operator token must not live there.
         raise typer.BadParameter(
-            f"the agent needs its node's credential: issue one with `POST /v1/nodes/{node_id}/agent-credential` "
-            "and pass it as --token (or GPUCLOUD_AGENT_TOKEN)",
+            f"the agent needs its node's credential: issue one with `gpucloud node credential {node_id}` "
+            "and pass it as --token (or GPUCLOUD_AGENT_TOKEN); a re-imaged boot enrolls from its config "
+            f"drive instead (none at {enrollment_file})",
             param_hint="--token",
         )
     agent_main(
@@ -343,6 +351,7 @@ def agent(
         weights_dir=weights_dir,
         image_digest_file=image_digest_file,
         tenant_disks=disks,
+        enrollment_file=enrollment_file,
     )
 
 

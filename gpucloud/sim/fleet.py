@@ -283,7 +283,12 @@ def create_app(
         """What the agent would answer, and the simulated host's own state (the world's view)."""
         node = fleet.node(node_id)
         powered = power is None or node.id not in power.powered_off
-        world = {"unreachable": node.unreachable, "boot_id": node.boot_id, "powered": powered}
+        world = {
+            "unreachable": node.unreachable,
+            "boot_id": node.boot_id,
+            "powered": powered,
+            "credential_from": node.credential_from,
+        }
         # The image the host really booted (what a stand-in agent would claim differs).
         return Fleet.describe(node) | world | {"image_digest": node.image_digest}
 

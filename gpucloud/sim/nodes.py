@@ -93,6 +93,8 @@ class SimNode:
     hardware_fault: str | None = None  # what burn-in finds wrong, until a repair fixes it
     fault_fixed_by: AgentAction | None = None  # the mildest repair rung that fixes it; None: nothing does
     credential: str | None = None  # the agent credential the last wipe handed over
+    # Where it came from: "in_band" (a wipe's) or "config_drive" (a re-image's one-time enrollment).
+    credential_from: str | None = None
     # What the node's agent reports it booted: the sha256 of the image its BMC's virtual CD held
     # at power-on (`sim/power.py`), None when it booted from its disk.
     image_digest: str | None = None
@@ -291,7 +293,7 @@ class SimulatedHardware:
         return _cleaning(self.node), None
 
     def take_credential(self, credential: str) -> None:
-        self.node.credential = credential
+        self.node.credential, self.node.credential_from = credential, "in_band"
 
     async def settle(self, action: AgentAction, req: ActionRequest, *, started_ms: int) -> NodeFacts:
         node = self.node
