@@ -135,8 +135,8 @@ def _reported_errors() -> Iterator[None]:
 UNTRUSTED_KEY_HINT = (
     "a pull trusts only this user's own signing key and the keys trusted here ({folder}), never one "
     "the API serves: `gpucloud weights keys -o wide` lists the tenant's keys, their ids, and which are "
-    "trusted here; if you "
-    "know the key is yours, `gpucloud weights trust PUBLIC_KEY` trusts it, then pull again"
+    "trusted here; if you know the key is yours, `gpucloud weights trust PUBLIC_KEY` trusts it, then pull "
+    "again"
 )
 
 
