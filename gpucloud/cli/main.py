@@ -15,8 +15,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gpucloud.cli.billing import invoices_app
-from gpucloud.cli.common import EXIT_CODES_HELP, begin_invocation, configure_logging, parse_duration
+from gpucloud.cli.billing import invoices_app, usage
+from gpucloud.cli.common import EXIT_CODES_HELP, Output, begin_invocation, configure_logging, parse_duration
 from gpucloud.cli.context_commands import config_app
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.operators import operators_app
@@ -455,7 +455,7 @@ def migrate(
         bool, typer.Option("--check", help="change nothing; exit 1 unless every database is current")
     ] = False,
     ledger: Annotated[bool, typer.Option(help="the ledger's database too")] = True,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """Bring the control-plane database (and the ledger's) to this release's schema. Safe to run
     from several hosts at once (one migrates, the others wait and find it current); the API, the
@@ -502,7 +502,7 @@ def migrate(
 @app.command()
 def prepare(
     ledger: Annotated[bool, typer.Option(help="the ledger's database and price book too")] = True,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """Prepare a deployment before its processes start: migrate both databases, create the shared
     secrets where missing (where each lives is shown, never its value), the Temporal namespace and
@@ -534,6 +534,7 @@ def prepare(
 app.command()(sim)
 app.command("fabric-managers")(fabric_managers)
 app.command()(nodes)
+app.command()(usage)
 app.add_typer(node_app, name="node")
 app.add_typer(bmc_app, name="bmc")
 app.add_typer(weights_app, name="weights")

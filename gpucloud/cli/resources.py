@@ -18,9 +18,19 @@ import typer
 from pydantic import BaseModel
 from rich.table import Table
 
-from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, reported_errors
+from gpucloud.cli.common import (
+    ApiKey,
+    ApiUrl,
+    Output,
+    WideOutput,
+    api_client,
+    console,
+    err,
+    id_column,
+    print_table,
+    reported_errors,
+)
 
-Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 Wait = Annotated[bool, typer.Option("--wait/--no-wait", help="follow the operation until it ends")]
 Timeout = Annotated[float, typer.Option(help="with --wait: give up after this many seconds (exit 5)")]
 
@@ -30,20 +40,22 @@ def _when(value: Any) -> str:
 
 
 def emit(output: str, rows: Iterable[BaseModel] | BaseModel, table: Table | None = None) -> None:
-    """Print `rows` as JSON (one object, or a list) or as `table` (already filled)."""
-    if output not in ("table", "json"):
-        raise typer.BadParameter("table or json", param_hint="--output")
+    """Print `rows` as JSON (one object, or a list) or as `table` (already filled; `wide` too)."""
     if output == "json":
         data = (
             rows.model_dump(mode="json") if isinstance(rows, BaseModel) else [r.model_dump(mode="json") for r in rows]
         )
         print(json.dumps(data, indent=2))
     elif table is not None:
-        console.print(table)
+        print_table(table)
+
+
+# The columns that hold ids, printed whole at any terminal width (`common.id_column`).
+_ID_HEADERS = {"id", "tenant", "node", "resource", "workflow", "replaced by"}
 
 
 def _table(title: str, *columns: str) -> Table:
-    return Table(*columns, title=title)
+    return Table(*(id_column(c) if c in _ID_HEADERS else c for c in columns), title=title)
 
 
 # ---------------------------------------------------------------- tenants (operator)
@@ -88,15 +100,15 @@ def tenants_show(tenant_id: str, output: Output = "table", api_url: ApiUrl = Non
             json.dumps({"tenant": tenant.model_dump(mode="json"), "quotas": quotas.model_dump(mode="json")}, indent=2)
         )
         return
-    console.print(_tenant_table([tenant]))
+    print_table(_tenant_table([tenant]))
     table = _table(f"quotas (default {quotas.default_gpus} GPUs)", "GPU type", "region", "max GPUs")
     for q in quotas.quotas:
         table.add_row(q.gpu_type, q.region, str(q.max_gpus))
-    console.print(table)
+    print_table(table)
     usage = _table("GPUs in use", "GPU type", "region", "GPUs", "of")
     for u in quotas.usage:
         usage.add_row(u.gpu_type, u.region, str(u.usage_gpus), str(u.max_gpus))
-    console.print(usage)
+    print_table(usage)
 
 
 @tenants_app.command("create")
@@ -134,7 +146,7 @@ def tenants_create(
         body = {**accepted.model_dump(mode="json"), **tenant.model_dump(mode="json")}
         print(json.dumps(body | {"operation": operation.model_dump(mode="json")}, indent=2))
     else:
-        console.print(_tenant_table([tenant]))
+        print_table(_tenant_table([tenant]))
         console.print(f"operation {operation.id}: {operation.status} {operation.error or ''}")
     _fail_on(operation)
 
@@ -173,19 +185,22 @@ def _fail_on(operation: Any) -> None:
 allocations_app = typer.Typer(no_args_is_help=True, help="Allocations: list, show, create, cancel.")
 
 
-def _allocation_table(allocations: list) -> Table:
-    table = _table("allocations", "id", "tenant", "status", "GPU type", "region", "nodes", "fabric domain", "created")
-    for a in allocations:
-        table.add_row(
-            a.id,
-            a.tenant_id,
-            a.status + (f" ({a.failure_reason})" if a.failure_reason else ""),
-            a.gpu_type,
-            a.region,
-            str(len(a.node_ids) or a.node_count or ""),
-            a.fabric_domain or "",
-            _when(a.created_at),
+def _allocation_table(allocations: list, *, wide: bool = False) -> Table:
+    """The allocations in 80 columns, ids whole; `wide` adds the tenant and fabric domain."""
+    if wide:
+        table = _table(
+            "allocations", "id", "tenant", "status", "GPU type", "region", "nodes", "fabric domain", "created"
         )
+    else:
+        table = _table("allocations", "id", "status", "nodes", "region", "created")
+    for a in allocations:
+        status = a.status + (f" ({a.failure_reason})" if a.failure_reason else "")
+        nodes = str(len(a.node_ids) or a.node_count or "")
+        if wide:
+            cells = [a.tenant_id, status, a.gpu_type, a.region, nodes, a.fabric_domain or ""]
+        else:
+            cells = [status, f"{nodes} {a.gpu_type}", a.region]
+        table.add_row(a.id, *cells, _when(a.created_at))
     return table
 
 
@@ -193,19 +208,19 @@ def _allocation_table(allocations: list) -> Table:
 def allocations_list(
     status: Annotated[str | None, typer.Option(help="only allocations in this status")] = None,
     tenant: Annotated[str | None, typer.Option(help="operator: one tenant's")] = None,
-    output: Output = "table",
+    output: WideOutput = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """The caller's allocations (the operator: everyone's), oldest first."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
         allocations = list(api.allocations.list(status=status, tenant_id=tenant))
-    emit(output, allocations, _allocation_table(allocations))
+    emit(output, allocations, _allocation_table(allocations, wide=output == "wide"))
 
 
 @allocations_app.command("show")
 def allocations_show(
-    allocation_id: str, output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None
+    allocation_id: str, output: WideOutput = "table", api_url: ApiUrl = None, api_key: ApiKey = None
 ) -> None:
     """One allocation, its nodes and its events."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
@@ -215,12 +230,12 @@ def allocations_show(
         body = {"allocation": allocation.model_dump(mode="json"), "events": [e.model_dump(mode="json") for e in events]}
         print(json.dumps(body, indent=2))
         return
-    console.print(_allocation_table([allocation]))
+    print_table(_allocation_table([allocation], wide=output == "wide"))
     console.print("nodes: " + (", ".join(allocation.node_ids) or "none yet"))
     table = _table("events", "at", "kind", "node", "actor", "reason")
     for e in events:
         table.add_row(_when(e.at), e.kind, e.node_id or "", e.actor, e.reason or "")
-    console.print(table)
+    print_table(table)
 
 
 @allocations_app.command("create")
