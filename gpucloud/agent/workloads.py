@@ -34,10 +34,12 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from gpucloud.agent import workload_logs
+from gpucloud.agent.workload_logs import LogLimits
 from gpucloud.config import write_private
 from gpucloud.protocol.actions import Workload
 from gpucloud.protocol.reports import WorkloadStatus
@@ -59,6 +61,9 @@ class Running:
     log_path: str
     container: str | None = None  # the container's name, when the workload runs in one
     runtime: str | None = None  # the runtime that runs it (podman or docker)
+    # How the workload ended, once this agent saw it end: kept here, so an agent restarted after
+    # that still reports it (what it could not see end, it reports without a code).
+    exit_code: int | None = None
 
 
 class StopFailed(RuntimeError):
@@ -164,8 +169,11 @@ class WorkloadSupervisor:
         grace_s: float = 10.0,
         unshare: str | None = None,
         container_runtime: str | None = None,
+        log_limits: LogLimits = LogLimits(),
     ) -> None:
+        """`log_limits`: how much of a workload's output the node keeps (`agent/workload_logs.py`)."""
         self.state_dir = state_dir
+        self.log_limits = log_limits
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.grace_s = grace_s
         self._unshare = unshare if unshare is not None else shutil.which("unshare")
@@ -175,6 +183,7 @@ class WorkloadSupervisor:
         self._lock = threading.Lock()
         self._isolation: Isolation | None = None  # probed once, on the first start
         self._proc: subprocess.Popen | None = None  # ours to reap, when this agent started it
+        self._pump: subprocess.Popen | None = None  # the process writing its output (ours to reap)
         self._exit_code: int | None = None
 
     @property
@@ -218,10 +227,7 @@ class WorkloadSupervisor:
             argv = list(workload.command)
             if isolation == "pid-namespace" and self._unshare:
                 argv = [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--", *argv]
-            with open(log_path, "ab") as out:
-                self._proc = subprocess.Popen(
-                    argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
+            self._proc = self._start_logged(argv, cwd=cwd, env=env, log_path=log_path)
             self._exit_code = None
             namespace = self._wait_for_namespace(self._proc.pid) if isolation == "pid-namespace" else None
             running = Running(allocation_id, self._proc.pid, namespace, isolation, time.time(), str(log_path))
@@ -263,6 +269,46 @@ class WorkloadSupervisor:
         log.info("workload of %s started: container %s (%s)", allocation_id, name, self.runtime.flavour)
         return running
 
+    def _start_logged(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen:
+        """Start `argv` with its stdout and stderr in one pipe, read by the pump that keeps them
+        rotated at `log_path` (`agent/workload_logs.py`): a process of its own session, so that
+        neither the workload's signals nor the agent's restart end it."""
+        self._reap_pump()
+        read_end, write_end = os.pipe()
+        try:
+            self._pump = subprocess.Popen(
+                workload_logs.pump_argv(log_path, self.log_limits),
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=workload_logs.pump_env(),
+                start_new_session=True,
+            )
+            os.close(read_end)
+            read_end = -1
+            return subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=write_end,
+                stderr=write_end,
+                start_new_session=True,
+            )
+        finally:
+            os.close(write_end)  # the workload holds its own copy: the pump ends when it is gone
+            if read_end >= 0:
+                os.close(read_end)
+
+    def _reap_pump(self) -> None:
+        if self._pump is not None and self._pump.poll() is not None:
+            self._pump = None
+
+    def log_path(self) -> Path | None:
+        """Where the current (or last) workload's output is kept; None when none ran here."""
+        current = self.running()
+        return Path(current.log_path) if current is not None else None
+
     def _namespaces_work(self) -> bool:
         if not self._unshare:
             return False
@@ -300,6 +346,7 @@ class WorkloadSupervisor:
         if self._proc is not None and self._exit_code is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._exit_code = self._proc.wait(timeout=wait_s) if wait_s else self._proc.poll()
+        self._reap_pump()
 
     def report(self) -> WorkloadStatus:
         """`status` as the agent reports it in its heartbeats."""
@@ -326,7 +373,18 @@ class WorkloadSupervisor:
             if self._is_running(current):
                 return base | {"workload": "running"}
             self._reap(wait_s=2.0)  # its last process is gone: the one we started ends at once
-            return base | {"workload": "exited", "exit_code": self._exit_code}
+            return base | {"workload": "exited", "exit_code": self._exit_code_of(current)}
+
+    def _exit_code_of(self, current: Running) -> int | None:
+        """The code the workload ended with: seen by this agent (and kept in the state file for
+        the next one), or kept there by an earlier one."""
+        if current.exit_code is not None:
+            return current.exit_code
+        ours = self._proc is not None and self._proc.pid == current.pid
+        if not ours or self._exit_code is None:
+            return None
+        self._save(replace(current, exit_code=self._exit_code))
+        return self._exit_code
 
     # Stop -----------------------------------------------------------------------------------------
 
