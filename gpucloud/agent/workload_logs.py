@@ -48,6 +48,9 @@ class LogLimits:
             raise ValueError("a workload's log needs at least one file of at least one byte")
 
 
+DEFAULT_LIMITS = LogLimits()
+
+
 def rotated(path: Path, index: int) -> Path:
     """The `index`-th older file of the log at `path` (0: the current one)."""
     return path if index == 0 else path.with_name(f"{path.name}.{index}")
@@ -117,15 +120,19 @@ def pump_argv(path: Path, limits: LogLimits) -> list[str]:
 
 def pump_env() -> dict[str, str]:
     """The pump's environment: where Python finds this package, nothing of the agent's own."""
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": os.pathsep.join(p for p in sys.path if os.path.isdir(p))}
+    python_path = os.pathsep.join(p for p in sys.path if os.path.isdir(p))
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": python_path}
 
 
 # Reading back --------------------------------------------------------------------------------------
 
 
-def tail(path: Path, limits: LogLimits, *, lines: int | None, max_bytes: int = MAX_TAIL_BYTES) -> bytes:
+def tail(
+    path: Path, limits: LogLimits, *, lines: int | None, max_bytes: int = MAX_TAIL_BYTES, end: int | None = None
+) -> bytes:
     """The last `lines` lines of the log across its files (None: as much as `max_bytes` allows),
-    and never more than `max_bytes` of them: whole lines where they fit."""
+    and never more than `max_bytes` of them: whole lines where they fit. `end`: read the current
+    file only that far (where a `follow` then starts)."""
     wanted = MAX_TAIL_LINES if lines is None else min(lines, MAX_TAIL_LINES)
     if wanted == 0:
         return b""
@@ -135,6 +142,8 @@ def tail(path: Path, limits: LogLimits, *, lines: int | None, max_bytes: int = M
         try:
             with open(file, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
+                if file == path and end is not None:
+                    size = min(size, end)
                 f.seek(max(0, size - room))
                 kept = f.read(room) + kept
                 cut_short = size > room
@@ -191,7 +200,7 @@ def follow(
 
 def _open(path: Path):
     try:
-        return open(path, "rb")  # noqa: SIM115 (closed by `follow`)
+        return open(path, "rb")
     except FileNotFoundError:
         return None
 

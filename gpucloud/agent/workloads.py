@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Literal
 
 from gpucloud.agent import workload_logs
-from gpucloud.agent.workload_logs import LogLimits
+from gpucloud.agent.workload_logs import DEFAULT_LIMITS, LogLimits
 from gpucloud.config import write_private
 from gpucloud.protocol.actions import Workload
 from gpucloud.protocol.reports import WorkloadStatus
@@ -169,7 +169,7 @@ class WorkloadSupervisor:
         grace_s: float = 10.0,
         unshare: str | None = None,
         container_runtime: str | None = None,
-        log_limits: LogLimits = LogLimits(),
+        log_limits: LogLimits = DEFAULT_LIMITS,
     ) -> None:
         """`log_limits`: how much of a workload's output the node keeps (`agent/workload_logs.py`)."""
         self.state_dir = state_dir

@@ -112,9 +112,7 @@ class Allocations(_Resource):
     def events(self, allocation_id: str) -> Iterator[AllocationEventPublic]:
         return self._pages(AllocationEventPublic, f"/v1/allocations/{allocation_id}/events")
 
-    def logs(
-        self, allocation_id: str, node_id: str, *, tail: int | None = None, follow: bool = False
-    ) -> Iterator[str]:
+    def logs(self, allocation_id: str, node_id: str, *, tail: int | None = None, follow: bool = False) -> Iterator[str]:
         """The output of the workload on one node of the allocation (stdout and stderr as the
         tenant's program wrote them: text, never interpreted), as it arrives: with `follow`, until
         the workload exits or the API's longest follow ends."""
