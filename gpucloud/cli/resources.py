@@ -232,10 +232,15 @@ def allocations_logs(
     node: Annotated[str | None, typer.Option(help="which node's workload (default: the allocation's first)")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the workload exits")] = False,
     tail: Annotated[int | None, typer.Option(min=0, help="only the last N lines")] = None,
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="text, or json: one {node_id, text} object per line as it comes")
+    ] = "text",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """What the workload on a node of the allocation printed (stdout and stderr), as it wrote it."""
+    if output not in ("text", "json"):
+        raise typer.BadParameter("text or json", param_hint="--output")
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
         if node is None:
             node_ids = api.allocations.get(allocation_id).node_ids
@@ -245,9 +250,22 @@ def allocations_logs(
             node = node_ids[0]
             if len(node_ids) > 1:
                 err.print(f"[dim]node {node} (of {len(node_ids)}; --node picks another)[/]")
+        terminal = sys.stdout.isatty()
         for text in api.allocations.logs(allocation_id, node, tail=tail, follow=follow):
-            sys.stdout.write(text)
+            if output == "json":
+                sys.stdout.write(json.dumps({"node_id": node, "text": text}) + "\n")
+            else:
+                sys.stdout.write(shown_on_terminal(text) if terminal else text)
             sys.stdout.flush()
+
+
+_CONTROLS = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\n\t"} | {127: "^?"}
+
+
+def shown_on_terminal(text: str) -> str:
+    """The workload's text with its control characters shown, not obeyed (`^[` for ESC): what a
+    program on the node printed must not move the reader's cursor, retitle its window or worse."""
+    return text.translate(_CONTROLS)
 
 
 @allocations_app.command("create")
