@@ -84,8 +84,15 @@ class ContainerRuntime:
     def _run(self, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run([self.path, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
 
-    def start(self, name: str, allocation_id: str, workload: Workload, env_file: Path, log_path: Path) -> None:
+    def start(
+        self, name: str, allocation_id: str, workload: Workload, env_file: Path, log_path: Path, limits: LogLimits
+    ) -> None:
         gpus = ["--device", "nvidia.com/gpu=all"] if self.flavour == "podman" else ["--gpus", "all"]
+        # The runtime keeps the container's output, rotated by its log driver as the node's own
+        # workloads' is (podman's k8s-file driver knows a size, not a count of files).
+        logs = ["--log-opt", f"max-size={limits.max_bytes}"]
+        if self.flavour == "docker":
+            logs += ["--log-opt", f"max-file={limits.files}"]
         answer = self._run(
             "run",
             "--detach",
@@ -99,6 +106,7 @@ class ContainerRuntime:
             "host",
             "--ipc",
             "host",
+            *logs,
             *gpus,
             "--",
             str(workload.image),
@@ -121,6 +129,11 @@ class ContainerRuntime:
     def stop(self, name: str, grace_s: float) -> None:
         self._run("stop", "--time", str(max(1, round(grace_s))), name, timeout_s=grace_s + 60.0)
         self._run("rm", "--force", name)
+
+    def logs_argv(self, name: str, *, tail: int | None, follow: bool) -> list[str]:
+        """The command that prints the container's output (stdout and stderr) as the runtime kept it."""
+        lines = str(tail) if tail is not None else "all"
+        return [self.path, "logs", *(["--follow"] if follow else []), "--tail", lines, name]
 
     def listed(self, name: str) -> bool:
         answer = self._run("ps", "--all", "--quiet", "--filter", f"name=^{name}$")
@@ -250,7 +263,7 @@ class WorkloadSupervisor:
             "".join(f"{k}={v}\n" for k, v in {**workload.env, "GPUCLOUD_ALLOCATION_ID": allocation_id}.items()),
         )
         try:
-            self.runtime.start(name, allocation_id, workload, env_file, log_path)
+            self.runtime.start(name, allocation_id, workload, env_file, log_path, self.log_limits)
         finally:
             env_file.unlink(missing_ok=True)
         _, _, pid = self.runtime.state(name)

@@ -7,7 +7,8 @@ The text is the tenant's (it has root on the node, and its program wrote it): ha
 `text/plain` (UTF-8, bytes that are not replaced), never parsed, bounded by the agent's tail and
 by this route's own follow bounds (`MAX_FOLLOW_S`, `MAX_FOLLOW_BYTES`). A follow holds one of the
 caller's admission slots while it lasts (`api/admission.py`), so a tenant's follows cost only its
-own share.
+own share. Operators read it with the `fleet` scope (those who run the nodes), not `read`: it is
+the tenant's program's text, secrets it printed included.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from fastapi.responses import StreamingResponse
 from sqlmodel import col, select
 
 from gpucloud.adapters.host_agent import HttpHostAgents
-from gpucloud.api.deps import CallerDep, ReadsDep, visible
+from gpucloud.api.deps import CallerOrFleetOperatorDep, ReadsDep, visible
 from gpucloud.models.tables import Allocation, Node
 from gpucloud.protocol.logs import DEFAULT_FOLLOW_S, MAX_FOLLOW_BYTES, MAX_FOLLOW_S, MAX_TAIL_LINES, LogsQuery
 from gpucloud.web.problems import Problem
@@ -62,7 +63,7 @@ async def allocation_node_logs(
     request: Request,
     allocation_id: str,
     node_id: str,
-    caller: CallerDep,
+    caller: CallerOrFleetOperatorDep,
     reads: ReadsDep,
     tail: Annotated[int | None, Query(ge=0, le=MAX_TAIL_LINES, description="only the last N lines")] = None,
     follow: Annotated[bool, Query(description="keep streaming until the workload exits")] = False,
