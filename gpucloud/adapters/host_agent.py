@@ -1,6 +1,7 @@
 """The control plane's client of host agents: `POST {agent_url}/actions/{action}` with an
 `ActionRequest` (the real agent and the simulated fleet serve the same API and share its wire
-models, `gpucloud.protocol.actions`).
+models, `gpucloud.protocol.actions`), and `GET {agent_url}/workload/logs` for what a node's
+workload printed (`open_logs`, `gpucloud.protocol.logs`).
 
 Errors are classified here, once: no connection, a timeout or a 5xx is `AgentUnreachable`
 (transient: try again later); a 4xx is `AgentRefused` (the agent said no for good).
