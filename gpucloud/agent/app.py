@@ -45,6 +45,7 @@ from gpucloud.agent import inspection
 from gpucloud.agent.action_core import ActionCore, NodeFacts, Outcome, action_failed, answer_action, problem
 from gpucloud.agent.cleaning import Cleaner, CleaningFailed
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id, read_image_digest
+from gpucloud.agent.logs_api import install_workload_logs
 from gpucloud.agent.probe import Probe
 from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
@@ -59,17 +60,19 @@ from gpucloud.agent.tools import (
     thermal_soak,
 )
 from gpucloud.agent.weights_api import health_from_probe
+from gpucloud.agent.workload_logs import DEFAULT_LIMITS, LogLimits
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
 from gpucloud.protocol.actions import SCRATCH, ActionRequest, AgentAction, CleaningStep
+from gpucloud.protocol.logs import WORKLOAD_LOGS_PATH
 from gpucloud.protocol.reports import NodeReading
 from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import install_readiness
-from gpucloud.web.service_tokens import Verifier
+from gpucloud.web.service_tokens import Verifier, logs_refusal_reason
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
@@ -294,7 +297,7 @@ class Agent:
             if self.weights_dir.exists():
                 shutil.rmtree(self.weights_dir)
         if self.workloads is not None:
-            for output in self.workloads.state_dir.glob("workload-*.log"):
+            for output in self.workloads.state_dir.glob("workload-*.log*"):  # rotated ones too
                 output.unlink(missing_ok=True)
         self.state.scratch_dir.mkdir(parents=True, exist_ok=True)
         answer = f"removed {', '.join(map(str, removed))}" + (" and the workloads' output" if self.workloads else "")
@@ -338,6 +341,10 @@ def create_app(
     async def control_plane_only(scope: Scope) -> ASGIApp | None:
         if scope["path"] in ("/healthz", "/readyz", "/metrics"):  # /metrics checks its own token
             return None
+        if scope["path"] == WORKLOAD_LOGS_PATH:  # a log reader's token too (`protocol/logs.py`)
+            node_id = agent.state.node_id
+            reason = logs_refusal_reason(control_plane, problems.header(scope, b"authorization"), node_id=node_id)
+            return problems.unauthenticated(reason) if reason else None
         return caller_refusal(control_plane, scope, node_id=agent.state.node_id, tenant=agent.state.tenant_id)
 
     app.add_middleware(Gate, check=control_plane_only, body=request_body)
@@ -371,6 +378,8 @@ def create_app(
     async def act(action: str, req: ActionRequest) -> JSONResponse:
         return await answer_action(action, req, agent.act)
 
+    install_workload_logs(app, agent.workloads)
+
     if weights is not None:  # after every route above: what none of them serves goes here
         app.mount("", weights)
     return app
@@ -397,6 +406,7 @@ def main(
     insecure: bool = False,
     state_dir: Path = Path("/var/lib/gpucloud/agent"),
     container_runtime: str | None = None,
+    workload_logs: LogLimits = DEFAULT_LIMITS,
     metrics_token: str | None = None,
     weights_dir: Path | None = None,
     image_digest_file: Path = Path("/etc/gpucloud/image-digest"),
@@ -450,7 +460,9 @@ def main(
         probe,
         gpu_type=gpu_type,
         inspect_stack=not isinstance(probe, SimulatedProbe),
-        workloads=WorkloadSupervisor(state_dir / "workloads", container_runtime=container_runtime),
+        workloads=WorkloadSupervisor(
+            state_dir / "workloads", container_runtime=container_runtime, log_limits=workload_logs
+        ),
         weights_dir=weights_dir,
         tenant_disks=tenant_disks,
     )

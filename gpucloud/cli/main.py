@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gpucloud.agent.workload_logs import DEFAULT_FILES, DEFAULT_MAX_BYTES, LogLimits
 from gpucloud.cli.billing import invoices_app, usage
 from gpucloud.cli.common import EXIT_CODES_HELP, Output, begin_invocation, configure_logging, parse_duration
 from gpucloud.cli.context_commands import config_app
@@ -242,6 +243,12 @@ def agent(
     container_runtime: Annotated[
         str | None, typer.Option(help="the CLI that runs workloads' images (default: podman, else docker, on PATH)")
     ] = None,
+    workload_log_max_bytes: Annotated[
+        int, typer.Option(min=1, help="bytes of a workload's output per log file before it rotates")
+    ] = DEFAULT_MAX_BYTES,
+    workload_log_files: Annotated[
+        int, typer.Option(min=1, help="log files of a workload's output kept (the current one and older ones)")
+    ] = DEFAULT_FILES,
     heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats to the control plane")] = 10.0,
     reading_s: Annotated[float, typer.Option(help="seconds between counter readings sent to it")] = 30.0,
     allow_simulated: Annotated[
@@ -347,6 +354,7 @@ def agent(
         tls=web_tls.ServerTLS(tls_cert, tls_key) if tls_cert and tls_key else None,
         insecure=insecure,
         container_runtime=container_runtime,
+        workload_logs=LogLimits(max_bytes=workload_log_max_bytes, files=workload_log_files),
         metrics_token=metrics_token,
         weights_dir=weights_dir,
         image_digest_file=image_digest_file,

@@ -10,9 +10,11 @@ send an Idempotency-Key, so a command run again after a lost answer does not cre
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Iterable
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import typer
 from pydantic import BaseModel
@@ -30,6 +32,7 @@ from gpucloud.cli.common import (
     print_table,
     reported_errors,
 )
+from gpucloud.cli.workload_options import workload_from_options
 
 Wait = Annotated[bool, typer.Option("--wait/--no-wait", help="follow the operation until it ends")]
 Timeout = Annotated[float, typer.Option(help="with --wait: give up after this many seconds (exit 5)")]
@@ -238,22 +241,73 @@ def allocations_show(
     print_table(table)
 
 
+@allocations_app.command("logs")
+def allocations_logs(
+    allocation_id: str,
+    node: Annotated[str | None, typer.Option(help="which node's workload (default: the allocation's first)")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the workload exits")] = False,
+    tail: Annotated[int | None, typer.Option(min=0, help="only the last N lines")] = None,
+    output: Annotated[
+        Literal["text", "json"],
+        typer.Option("--output", "-o", help="text, or json: one {node_id, text} object per line as it comes"),
+    ] = "text",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """What the workload on a node of the allocation printed (stdout and stderr), as it wrote it."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        if node is None:
+            node_ids = api.allocations.get(allocation_id).node_ids
+            if not node_ids:
+                err.print(f"allocation {allocation_id} has no nodes (yet): nothing ran")
+                raise typer.Exit(1)
+            node = node_ids[0]
+            if len(node_ids) > 1:
+                err.print(f"[dim]node {node} (of {len(node_ids)}; --node picks another)[/]")
+        terminal = sys.stdout.isatty()
+        for text in api.allocations.logs(allocation_id, node, tail=tail, follow=follow):
+            if output == "json":
+                sys.stdout.write(json.dumps({"node_id": node, "text": text}) + "\n")
+            else:
+                sys.stdout.write(shown_on_terminal(text) if terminal else text)
+            sys.stdout.flush()
+
+
+_CONTROLS = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\n\t"} | {127: "^?"}
+
+
+def shown_on_terminal(text: str) -> str:
+    """The workload's text with its control characters shown, not obeyed (`^[` for ESC): what a
+    program on the node printed must not move the reader's cursor, retitle its window or worse."""
+    return text.translate(_CONTROLS)
+
+
 @allocations_app.command("create")
 def allocations_create(
     gpu_type: Annotated[str, typer.Option(help="H100, GB200, ...")],
     region: Annotated[str, typer.Option(help="the region to allocate in")],
     nodes: Annotated[int | None, typer.Option(help="whole nodes")] = None,
     nvl72_trays: Annotated[int | None, typer.Option(help="GB200: trays of one NVL72 rack instead of nodes")] = None,
+    command: Annotated[
+        str | None, typer.Option(help="the workload each node runs, as a shell would split it: 'python train.py'")
+    ] = None,
+    image: Annotated[str | None, typer.Option(help="a container image to run the workload in")] = None,
+    env: Annotated[list[str] | None, typer.Option(help="NAME=VALUE in the workload's environment (repeatable)")] = None,
+    ssh_key: Annotated[
+        list[Path] | None, typer.Option(help="a public key file let in to the nodes (repeatable)")
+    ] = None,
     wait: Wait = True,
     timeout: Timeout = 1800.0,
     output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Allocate nodes (or NVL72 trays); with --wait, until it is ready (or failed)."""
+    """Allocate nodes (or NVL72 trays), each running the workload the options name; with --wait,
+    until it is ready (or failed)."""
+    workload = workload_from_options(command=command, image=image, env=env or [], ssh_keys=ssh_key or [])
     with reported_errors(), api_client(api_url, api_key) as api:
         accepted = api.allocations.create(
-            gpu_type, region, nodes, nvl72_trays=nvl72_trays, idempotency_key=str(uuid.uuid4())
+            gpu_type, region, nodes, nvl72_trays=nvl72_trays, workload=workload, idempotency_key=str(uuid.uuid4())
         )
         allocation = accepted.allocation
         if wait:

@@ -32,6 +32,7 @@ ROUTES: dict[str, Scope | str] = {
     "GET /v1/allocations": R,
     "GET /v1/allocations/{allocation_id}/nodes": R,
     "GET /v1/allocations/{allocation_id}/events": R,
+    "GET /v1/allocations/{allocation_id}/nodes/{node_id}/logs": F,  # the tenant's program's text
     "POST /v1/allocations/{allocation_id}/cancel": F,
     "GET /v1/operations/{operation_id}": R,
     "POST /v1/tenants": T,
