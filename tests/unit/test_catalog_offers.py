@@ -1,0 +1,79 @@
+"""Issue 40, "what you may ask for", without a server: GPU types matched in any case, a type or
+region the fleet has none of told apart from a shortage, quota refusals in nodes and GPUs, and
+no quota granted named with the command that grants one."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpucloud.api.schemas import AllocationRequest, QuotaRequest
+from gpucloud.models.catalog import known_gpu_type
+from gpucloud.models.tables import TenantQuotaBase
+from gpucloud.services.catalog import NotOffered, Offer, check_offered
+from gpucloud.services.quotas import Limit, NoQuotaGranted, QuotaExceeded, nodes_and_gpus
+
+FLEET = [Offer("GB200", "us-east-1", 18, 18), Offer("H100", "us-east-1", 16, 4), Offer("H100", "eu-west-1", 8, 0)]
+
+
+@pytest.mark.parametrize("spelling", ["h100", "H100", "  h100 ", "H100".lower().capitalize()])
+def test_gpu_types_match_in_any_case(spelling):
+    """Before: `h100` was an unknown GPU type (422) on create and in quotas."""
+    assert known_gpu_type(spelling) == "H100"
+    assert AllocationRequest(gpu_type=spelling, node_count=1, region="us-east-1").gpu_type == "H100"
+    assert QuotaRequest(gpu_type=spelling, region="*", max_gpus=8).gpu_type == "H100"
+    assert AllocationRequest(gpu_type="gb200", nvl72_trays=2, region="r1").node_count == 2
+
+
+def test_a_gpu_type_nobody_sells_is_still_unknown():
+    assert known_gpu_type("H9000") is None
+    with pytest.raises(ValueError, match="unknown GPU type 'H9000'"):
+        AllocationRequest(gpu_type="H9000", node_count=1, region="us-east-1")
+
+
+def test_a_type_the_fleet_has_none_of_says_so_and_lists_what_it_offers():
+    """Before: B200 was accepted as valid and then refused as "try fewer nodes or later"."""
+    with pytest.raises(NotOffered) as refused:
+        check_offered(FLEET, gpu_type="B200", region="us-east-1")
+    assert refused.value.field == "gpu_type"
+    assert "the fleet has no B200 nodes" in refused.value.message
+    assert "GB200 in us-east-1" in refused.value.message and "H100 in eu-west-1, us-east-1" in refused.value.message
+    assert "later" not in refused.value.message
+
+
+def test_a_type_offered_elsewhere_names_where():
+    with pytest.raises(NotOffered) as refused:
+        check_offered(FLEET, gpu_type="GB200", region="eu-west-1")
+    assert refused.value.field == "gpu_type"
+    assert refused.value.message == "the fleet has no GB200 nodes in eu-west-1; GB200 is on offer in us-east-1"
+
+
+def test_an_unknown_region_lists_the_regions_on_offer():
+    with pytest.raises(NotOffered) as refused:
+        check_offered(FLEET, gpu_type="H100", region="ap-south-1")
+    assert refused.value.field == "region"
+    assert refused.value.message == "unknown region 'ap-south-1'; regions on offer: eu-west-1, us-east-1"
+
+
+def test_a_pool_the_fleet_has_passes_even_with_nothing_free():
+    """A shortage (no H100 free in eu-west-1) is for placement to answer, not a type not offered."""
+    check_offered(FLEET, gpu_type="H100", region="eu-west-1")
+
+
+def test_a_quota_refusal_says_nodes_and_gpus():
+    """Before: "quota ... is 24; 16 in use, 16 requested": GPUs only, to a tenant that asked in nodes."""
+    limit = Limit("H100", "us-east-1", 24)
+    refused = QuotaExceeded(
+        limit, gpu_type="H100", region="us-east-1", usage_gpus=16, requested_gpus=16, gpus_per_node=8
+    )
+    assert str(refused).startswith("2 nodes (16 GPUs) of H100 requested in us-east-1; the quota (H100/us-east-1) is 24")
+    assert "2 nodes (16 GPUs) in use, 1 node (8 GPUs) left" in str(refused)
+    assert refused.left_gpus == 8
+    assert nodes_and_gpus(4, 4) == "1 node (4 GPUs)"
+
+
+def test_no_quota_granted_names_the_command_that_grants_one():
+    granted = [TenantQuotaBase(gpu_type="H100", region="us-east-1", max_gpus=64)]
+    refused = NoQuotaGranted("ten_1", gpu_type="H100", region="eu-west-1", granted=granted)
+    assert "no quota is granted for H100 in eu-west-1" in str(refused)
+    assert "granted: H100/us-east-1: 64 GPUs" in str(refused)
+    assert "`gpucloud tenants quota ten_1 H100:eu-west-1=GPUS`" in str(refused)
