@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from gpucloud.ledger.schemas import (
     InvoiceOut,
+    UsageByType,
     UsageSummary,
 )
 from gpucloud.models.catalog import (
@@ -283,7 +284,7 @@ class PeriodUsage(BaseModel):
     period: str = Field(description="YYYY-MM (UTC)")
     net_gpu_ms: int
     net_amount_micro: int
-    by_gpu_type: list[dict[str, int | str]] = Field(description="gpu_type, gpu_ms, amount_micro")
+    by_gpu_type: list[UsageByType]
 
 
 class WhoamiKey(BaseModel):

@@ -5,17 +5,20 @@ no quota granted named with the command that grants one."""
 from __future__ import annotations
 
 import pytest
+from sqlmodel import select
 
 from gpucloud.api.schemas import AllocationRequest, QuotaRequest
+from gpucloud.db import migrate, session_scope
 from gpucloud.models.catalog import known_gpu_type
-from gpucloud.models.tables import TenantQuotaBase
-from gpucloud.services.catalog import NotOffered, Offer, check_offered
+from gpucloud.models.tables import Node, TenantQuotaBase
+from gpucloud.services.catalog import NotOffered, Offer, check_offered, fleet_offers, require_offered
 from gpucloud.services.quotas import Limit, NoQuotaGranted, QuotaExceeded, nodes_and_gpus
+from support.nodes import enroll
 
 FLEET = [Offer("GB200", "us-east-1", 18, 18), Offer("H100", "us-east-1", 16, 4), Offer("H100", "eu-west-1", 8, 0)]
 
 
-@pytest.mark.parametrize("spelling", ["h100", "H100", "  h100 ", "H100".lower().capitalize()])
+@pytest.mark.parametrize("spelling", ["h100", "H100", "  h100 "])
 def test_gpu_types_match_in_any_case(spelling):
     """Before: `h100` was an unknown GPU type (422) on create and in quotas."""
     assert known_gpu_type(spelling) == "H100"
@@ -77,3 +80,27 @@ def test_no_quota_granted_names_the_command_that_grants_one():
     assert "no quota is granted for H100 in eu-west-1" in str(refused)
     assert "granted: H100/us-east-1: 64 GPUs" in str(refused)
     assert "`gpucloud tenants quota ten_1 H100:eu-west-1=GPUS`" in str(refused)
+
+
+def test_the_fleet_offers_what_it_holds_and_counts_only_takeable_nodes_as_available(tmp_path):
+    """Retired and RMA'd nodes are out of the fleet; cordoned, unhealthy or busy ones are in it
+    but not available now."""
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    migrate(url)
+    enroll(url, [f"n{i}" for i in range(7)], region="us-east-1")
+    enroll(url, ["g0"], region="eu-west-1", gpu_type="GB200", gpu_count=4)
+    states = {"n0": "available", "n1": "available", "n2": "available", "n3": "active", "n4": "retired", "n5": "rma"}
+    with session_scope(url) as session:
+        for node in session.exec(select(Node)).all():
+            node.state = states.get(node.id, node.state)
+            node.cordoned = node.id == "n1"
+            node.health = "suspect" if node.id == "n2" else "ok"
+            session.add(node)
+    with session_scope(url) as session:
+        offered = fleet_offers(session)
+        assert offered == [Offer("GB200", "eu-west-1", 1, 0), Offer("H100", "us-east-1", 5, 1)]
+        assert [o.gpus_per_node for o in offered] == [4, 8]
+        assert fleet_offers(session, gpu_type="H100", region="eu-west-1") == []
+        require_offered(session, gpu_type="H100", region="us-east-1")
+        with pytest.raises(NotOffered, match="the fleet has no B200 nodes; on offer: GB200 in eu-west-1; H100 in"):
+            require_offered(session, gpu_type="B200", region="us-east-1")

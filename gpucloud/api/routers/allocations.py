@@ -128,9 +128,7 @@ def _create_in_db(
             ) from exc
         except offers.NotOffered as exc:
             title = "Unknown region" if exc.field == "region" else "GPU type not offered"
-            raise invalid(
-                exc.field, exc.message, "not-offered", detail=f"{exc.field}: {exc.message}", title=title
-            ) from exc
+            raise invalid(exc.field, exc.message, "not-offered", title=title) from exc
         except quotas.NoQuotaGranted as exc:
             granted = [vars(limit) for limit in exc.granted]
             raise Problem(409, "quota-not-granted", "No quota granted", str(exc), granted=granted) from exc

@@ -47,13 +47,15 @@ async def _period_usage(ledger: LedgerClient | None, tenant_id: str) -> tuple[Pe
     start_ms, end_ms = period_bounds(period)
     try:
         summary = await ledger.usage(tenant_id=tenant_id, start_ms=start_ms, end_ms=end_ms)
-    except (LedgerUnavailable, LedgerRefused) as exc:
-        return None, f"the billing ledger did not answer ({exc}); `gpucloud invoices` later"
-    by_type = [
-        {"gpu_type": u.gpu_type, "gpu_ms": u.gpu_ms, "amount_micro": u.amount_micro} for u in summary.by_gpu_type
-    ]
+    except LedgerUnavailable:
+        return None, "the billing ledger did not answer; ask again later (`gpucloud whoami`)"
+    except LedgerRefused as exc:
+        return None, f"the billing ledger refused the usage query: {exc}"
     return PeriodUsage(
-        period=period, net_gpu_ms=summary.net_gpu_ms, net_amount_micro=summary.net_amount_micro, by_gpu_type=by_type
+        period=period,
+        net_gpu_ms=summary.net_gpu_ms,
+        net_amount_micro=summary.net_amount_micro,
+        by_gpu_type=summary.by_gpu_type,
     ), None
 
 
