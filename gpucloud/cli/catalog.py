@@ -15,8 +15,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, reported_errors
-from gpucloud.cli.resources import Output, emit
+from gpucloud.cli.common import ApiKey, ApiUrl, Output, api_client, console, err, print_table, reported_errors
+from gpucloud.cli.resources import emit
 
 ANY = "*"
 
@@ -76,7 +76,7 @@ def whoami(output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = N
     console.print(f"tenant   {me.tenant.name} ({me.tenant.id}), {me.tenant.status}")
     expiry = f", expires {me.api_key.expires_at:%Y-%m-%d %H:%M} UTC" if me.api_key.expires_at else ""
     console.print(f"API key  {me.api_key.id} ({me.api_key.prefix}…){expiry}")
-    console.print(_quota_table(me.quotas))
+    print_table(_quota_table(me.quotas))
     if me.usage_this_period is not None:
         usage = me.usage_this_period
         hours = usage.net_gpu_ms / 3_600_000
@@ -151,6 +151,6 @@ def tenants_quota(
     if output == "json":
         print(json.dumps(report.model_dump(mode="json"), indent=2))
         return
-    console.print(_quota_table(report))
+    print_table(_quota_table(report))
     if not report.quotas:
         err.print(f"[yellow]note:[/] {tenant_id} holds no quota: it may allocate nothing")
