@@ -10,7 +10,7 @@ from sqlmodel import select
 from gpucloud.api.schemas import AllocationRequest, QuotaRequest
 from gpucloud.db import migrate, session_scope
 from gpucloud.models.catalog import known_gpu_type
-from gpucloud.models.tables import Node, TenantQuotaBase
+from gpucloud.models.tables import Node, NodeEnroll, TenantQuotaBase
 from gpucloud.services.catalog import NotOffered, Offer, check_offered, fleet_offers, require_offered
 from gpucloud.services.quotas import Limit, NoQuotaGranted, QuotaExceeded, nodes_and_gpus
 from support.nodes import enroll
@@ -25,6 +25,8 @@ def test_gpu_types_match_in_any_case(spelling):
     assert AllocationRequest(gpu_type=spelling, node_count=1, region="us-east-1").gpu_type == "H100"
     assert QuotaRequest(gpu_type=spelling, region="*", max_gpus=8).gpu_type == "H100"
     assert AllocationRequest(gpu_type="gb200", nvl72_trays=2, region="r1").node_count == 2
+    node = {"id": "n", "hostname": "n", "region": "r1", "pod": "p", "rack": "r", "gpu_count": 8, "agent_url": "x"}
+    assert NodeEnroll(**node, gpu_type=spelling).gpu_type == "H100"  # enrolled as the catalogue spells it
 
 
 def test_a_gpu_type_nobody_sells_is_still_unknown():
@@ -104,3 +106,17 @@ def test_the_fleet_offers_what_it_holds_and_counts_only_takeable_nodes_as_availa
         require_offered(session, gpu_type="H100", region="us-east-1")
         with pytest.raises(NotOffered, match="the fleet has no B200 nodes; on offer: GB200 in eu-west-1; H100 in"):
             require_offered(session, gpu_type="B200", region="us-east-1")
+
+
+def test_the_old_default_quota_setting_is_refused_saying_what_to_do(monkeypatch, tmp_path):
+    """A deployment that still sets it expects every tenant to get that quota: ignoring it would
+    refuse its tenants' allocations with no word why."""
+    from pydantic import ValidationError
+
+    from gpucloud.config import Settings
+
+    monkeypatch.setenv("GPUCLOUD_TENANTS__DEFAULT_GPU_QUOTA", "8192")
+    with pytest.raises(ValidationError, match="no longer read: tenants hold only the quotas granted"):
+        Settings(data_dir=tmp_path)
+    monkeypatch.delenv("GPUCLOUD_TENANTS__DEFAULT_GPU_QUOTA")
+    assert "default_gpu_quota" not in Settings(data_dir=tmp_path).tenants.model_dump()
