@@ -107,7 +107,16 @@ def _authorized(issuer: Issuer, server: str, method: str, path: str) -> tuple[st
     if server == "tracker":
         within_swarm = path.startswith("/tracker/swarms/") and len(parts) > 4
         return path, swarm_token(parts[3]) if within_swarm else bearer(issuer.mint(TRACKER_AUDIENCE))
-    if server == "simulated fleet" and path.startswith("/v1/nodes/") and parts[4:5] in (["actions"], ["weights"]):
+    if (
+        server == "simulated fleet"
+        and path.startswith("/v1/nodes/")
+        and parts[4:5]
+        in (
+            ["actions"],
+            ["weights"],
+            ["workload"],
+        )
+    ):
         return path, bearer(issuer.mint(agent_audience(parts[3])))
     if path == "/v1/bmc/notify":
         return f"{path}?token={OPERATOR_TOKEN}", {}
