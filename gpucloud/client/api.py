@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from gpucloud.api.schemas import (
     AgentCredentialIssued,
     AllocationAccepted,
+    AllocationNodes,
     ApiKeyCreated,
     ApiKeyList,
     EnrollResult,
@@ -102,6 +103,10 @@ class Allocations(_Resource):
 
     def events(self, allocation_id: str) -> Iterator[AllocationEventPublic]:
         return self._pages(AllocationEventPublic, f"/v1/allocations/{allocation_id}/events")
+
+    def nodes(self, allocation_id: str) -> AllocationNodes:
+        """The allocation's nodes now, each with where it takes SSH while it is the allocation's."""
+        return self._get(AllocationNodes, f"/v1/allocations/{allocation_id}/nodes")
 
     def wait(
         self,
