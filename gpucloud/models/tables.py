@@ -82,7 +82,7 @@ class NodeBase(SQLModel):
     ssh_host: str | None = Field(
         default=None,
         max_length=253,
-        regex=r"^[A-Za-z0-9.:\-]+$",
+        schema_extra={"pattern": r"^[A-Za-z0-9:][A-Za-z0-9.:-]*$"},
         description="the node's address on the tenants' network (an IP or a DNS name): where ssh connects",
     )
     ssh_port: int = Field(default=22, ge=1, le=65535, description="the port the node's sshd listens on")
