@@ -173,13 +173,17 @@ class Agent:
         return None
 
     async def remove_ssh_keys(self) -> Outcome | None:
-        """No key of the tenant opens the node (a failure fails the release: the wipe follows)."""
+        """No key of the tenant opens the node, and no session it opened stays (a failure fails
+        the release: the wipe follows)."""
         if self.ssh_keys is None:
             return None
         try:
             await asyncio.to_thread(self.ssh_keys.remove)
         except (KeysNotWritten, OSError) as exc:
             return problem(500, "SSH keys not removed", str(exc))
+        killed = await asyncio.to_thread(self.ssh_keys.end_sessions)
+        if killed:
+            log.info("ended %d processes of %s, the tenant's login user", len(killed), self.ssh_keys.user)
         return None
 
     def take_credential(self, credential: str) -> None:

@@ -9,13 +9,15 @@ above the home is the image's; a link in the file's own place is replaced or rem
 followed), written whole
 to a new file that replaces the old one (a reader never sees half of it), 0600 in a 0700 `.ssh`,
 both owned by the user when the agent runs as root. Removal takes the whole file, the keys the
-tenant added itself included: after a release no key of the tenant opens the node.
+tenant added itself included, and ends the user's processes, its open sessions among them: after
+a release no key of the tenant opens the node, and no session it opened stays.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -75,8 +77,12 @@ class AuthorizedKeys:
         return path
 
     def remove(self) -> None:
-        """No key of the tenant opens the node: the file goes, whatever it holds."""
-        path = self.path()
+        """No key of the tenant opens the node: the file goes, whatever it holds (on a node
+        without the login user there is none)."""
+        try:
+            path = self.path()
+        except KeysNotWritten:
+            return
         if not path.parent.exists() and not path.parent.is_symlink():
             return
         _no_links(path.parent)
@@ -84,6 +90,20 @@ class AuthorizedKeys:
             # unlink takes a link in the file's place itself, never what it points at.
             _unlink(path.name, ssh_dir)
             _unlink(NEW_PREFIX + path.name, ssh_dir)
+
+    def end_sessions(self) -> list[int]:
+        """Every process of the login user killed (SIGKILL), its SSH sessions first among them: a
+        session open at the release does not outlive it. Only as root, and never for a login
+        user that is root itself. Returns the pids killed."""
+        owner = self._owner()
+        if owner is None or owner[0] == 0:
+            return []
+        killed = []
+        for pid in _processes_of(owner[0]):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        return killed
 
     def _owner(self) -> tuple[int, int] | None:
         """The user's uid and gid, where the agent may hand the file over (root); None elsewhere."""
@@ -122,3 +142,19 @@ def _directory(directory: Path) -> Iterator[int]:
 def _unlink(name: str, directory: int) -> None:
     with suppress(FileNotFoundError):
         os.unlink(name, dir_fd=directory)
+
+
+def _processes_of(uid: int, proc: Path = Path("/proc")) -> list[int]:
+    """The pids whose real or effective uid is `uid` (`/proc/<pid>/status`)."""
+    pids = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        uids = next((line.split()[1:3] for line in status.splitlines() if line.startswith("Uid:")), [])
+        if str(uid) in uids:
+            pids.append(int(entry.name))
+    return pids

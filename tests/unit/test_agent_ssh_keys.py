@@ -1,11 +1,14 @@
 """Issue 40: the real agent writes the workload's SSH keys to the login user's authorized_keys at
-provision and removes the file at release and wipe, never through a link the tenant planted; a
-key that is not one public key on one line is refused where the workload is described."""
+provision and removes the file at release and wipe (ending the login user's sessions), never
+through a link the tenant planted; a key that is not one public key on one line is refused where
+the workload is described."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -77,9 +80,14 @@ def _provision(agent: Agent, keys: list[str]) -> tuple[int, dict]:
     return asyncio.run(agent.act("provision", request))
 
 
-def test_a_node_without_the_login_user_refuses_a_workload_with_keys(tmp_path):
-    status, body = _provision(_agent(tmp_path, AuthorizedKeys("no-such-user-gpucloud")), [KEY_A])
+def test_a_node_without_the_login_user_refuses_a_workload_with_keys_only(tmp_path):
+    agent = _agent(tmp_path, AuthorizedKeys("no-such-user-gpucloud"))
+    status, body = _provision(agent, [KEY_A])
     assert status == 422 and "no user 'no-such-user-gpucloud'" in body["detail"] and "--ssh-user" in body["detail"]
+    # Without keys there is nothing to write, and a release has nothing to remove.
+    request = ActionRequest(request_id="p2", tenant_id="t1", allocation_id="a1")
+    assert asyncio.run(agent.act("provision", request))[0] == 200
+    assert asyncio.run(agent.act("release", ActionRequest(request_id="r1")))[0] == 200
     status, body = _provision(_agent(tmp_path, None), [KEY_A])
     assert status == 501 and "login user" in body["detail"]
 
@@ -96,3 +104,28 @@ def test_a_node_without_the_login_user_refuses_a_workload_with_keys(tmp_path):
 def test_a_key_that_is_not_one_public_key_line_is_refused(key):
     with pytest.raises(ValidationError, match=r"ssh_keys\[1\] is not an OpenSSH public key"):
         Workload(command=["true"], ssh_keys=[KEY_A, key])
+
+
+class _TenantUser(AuthorizedKeys):
+    """The login user as a uid nobody else on this machine has (no passwd entry needed)."""
+
+    UID = 54321
+
+    def _owner(self) -> tuple[int, int] | None:
+        return self.UID, self.UID
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root kills another user's processes")
+def test_removal_ends_the_login_users_sessions_and_spares_everyone_else(tmp_path):
+    session = subprocess.Popen(["sleep", "300"], user=_TenantUser.UID, group=_TenantUser.UID)
+    bystander = subprocess.Popen(["sleep", "300"])
+    try:
+        keys = _TenantUser("tenant", path=tmp_path / "home" / ".ssh" / "authorized_keys")
+        assert keys.end_sessions() == [session.pid]
+        assert session.wait(timeout=10) == -signal.SIGKILL
+        assert bystander.poll() is None
+    finally:
+        for process in (session, bystander):
+            process.kill()
+            process.wait()
+    assert AuthorizedKeys("root", path=tmp_path / "k").end_sessions() == []  # never root's processes
