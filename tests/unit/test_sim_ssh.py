@@ -95,6 +95,20 @@ async def test_a_wipe_takes_the_keys_out_too(fleet):
         await _connect(fleet, node_id, tenant)
 
 
+async def test_a_login_without_a_command_gets_a_prompt_until_exit(fleet):
+    node_id = next(iter(fleet.nodes))
+    tenant = _key()
+    workload = Workload(command=["true"], ssh_keys=[_public(tenant)])
+    await _act(fleet, node_id, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=workload)
+    async with await _connect(fleet, node_id, tenant) as conn:
+        process = await conn.create_process()
+        process.stdin.write("hostname\nrm -rf /\nexit\n")
+        done = await asyncio.wait_for(process.wait(), timeout=10)
+    hostname = fleet.nodes[node_id].hostname
+    assert str(done.stdout).startswith(f"$ {hostname}\n$ sim-shell: rm: command not found")
+    assert done.exit_status == NOT_FOUND  # the last command's status, as a shell exits
+
+
 def test_the_restricted_shell_answers_its_commands_and_runs_nothing_else():
     node = Fleet(FleetSpec(nodes=1)).nodes["sim-00000"]
     shell = RestrictedShell(node, user=USER)
