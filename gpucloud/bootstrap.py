@@ -38,6 +38,7 @@ from gpucloud.protocol.reports import utc_now
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.agent_credentials import WipeRotation
+from gpucloud.services.agent_enrollment import EnrollmentTokens
 from gpucloud.storage.envelope import MasterKeys, TenantKeys
 from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectStore
@@ -225,10 +226,12 @@ def _issuer_at(path: Path) -> service_tokens.Issuer:
     return service_tokens.load_or_create_issuer(path)
 
 
-API_DELEGATE_AUDIENCES = (service_tokens.LEDGER_AUDIENCE,)
-API_DELEGATE_ROLES = ("agent", "operator", "control-plane")
+API_DELEGATE_AUDIENCES = (service_tokens.LEDGER_AUDIENCE, service_tokens.AGENT_LOGS_AUDIENCES)
+API_DELEGATE_ROLES = ("agent", "operator", "control-plane", service_tokens.LOG_READER)
 """What an API process mints: ledger tokens for agents (`POST /v1/agents/ledger-token`), for
-operators, and for its own calls to the ledger; never tokens for agents, the tracker or swarms."""
+operators, and for its own calls to the ledger, and tokens that read one node's workload output
+(`log-reader`, for a tenant's `.../logs`); never tokens that act on agents, nor for the tracker or
+swarms."""
 API_DELEGATE_TTL_S = 30 * 86400.0
 
 
@@ -259,6 +262,17 @@ def host_agents(settings: Settings) -> HostAgents:
     """Agents on nodes and the simulated fleet serve the same action API: one HTTP client for
     both, presenting a token signed for the one node it calls."""
     return HttpHostAgents(issuer=token_issuer(settings))
+
+
+def enrollment_tokens(cp: ControlPlane) -> EnrollmentTokens:
+    """A re-imaged node's one-time enrollment tokens (`services/agent_enrollment.py`)."""
+    return EnrollmentTokens(cp.settings.agent_credential_secret, ttl_s=cp.settings.bmc.enrollment_ttl_s)
+
+
+def agent_log_reader(delegate: service_tokens.Minter | None) -> HttpHostAgents | None:
+    """The API's client of agents, for one thing only: a node's workload output, with the
+    log-reader tokens its delegate mints (None without a delegate: no logs)."""
+    return HttpHostAgents(issuer=delegate, timeout_s=60.0) if delegate is not None else None
 
 
 def wipe_rotation(cp: ControlPlane) -> WipeRotation:

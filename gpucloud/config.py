@@ -382,6 +382,8 @@ class BmcSettings(BaseModel):
     # or a node without a BMC or virtual media: the in-band wipe alone, recorded as weaker.
     clean_image_url: str | None = None
     clean_image_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$")
+    # How long a re-imaged node's one-time enrollment token (in its config drive) may be redeemed.
+    enrollment_ttl_s: float = Field(900.0, gt=0)
     # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet.
     emulator_port: int = 8600
     # A BMC off loopback is reached only over https (its credential travels in every request),

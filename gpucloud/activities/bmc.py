@@ -12,9 +12,13 @@ may have replaced its agent, so the node is not clean on its own word. `bmc_boot
 the configured known image as virtual media with a one-time boot override and power-cycles the
 node; the agent that answers afterwards reports its boot id and the digest of the image it
 booted, and `bmc_check_image` accepts the node only on a new boot of exactly that image (else
-the workflow fails it closed into `quarantined`). Only then does the in-band wipe hand the
-agent its next credential (`WipeRotation`). Without a BMC, virtual media or a configured image,
-the in-band wipe alone cleans the node, and its events say that this is weaker.
+the workflow fails it closed into `quarantined`). Only then does `bmc_hand_enrollment` hand out
+a one-time enrollment token, through the image's configuration: a config drive in the system's
+second virtual medium, which the BMC fetches from the API and the booted image's agent redeems
+for the node's next credential (`services/agent_enrollment.py`); the old agent never sees it,
+and the wipe that follows carries none. Without a BMC, virtual media or a configured image, the
+in-band wipe alone cleans the node and hands the agent its next credential (`WipeRotation`),
+and its events say that this is weaker; so does a BMC with no second medium for the drive.
 """
 
 from __future__ import annotations
@@ -29,9 +33,18 @@ from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.bmc import POWER_AFTER, BmcError
 from gpucloud.bootstrap import Bmcs
 from gpucloud.db import Database
-from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, ImageCheckInput, ImageCheckResult, NodeRef
+from gpucloud.models.messages import (
+    BmcPowerInput,
+    BmcPowerResult,
+    EnrollmentInput,
+    EnrollmentResult,
+    ImageCheckInput,
+    ImageCheckResult,
+    NodeRef,
+)
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.services import agent_credentials
+from gpucloud.services.agent_enrollment import EnrollmentTokens
 from gpucloud.services.operations import settle
 from gpucloud.workflows.options import BMC_ATTEMPTS
 
@@ -45,10 +58,15 @@ class BmcActivities(ActivityGroup):
         boot_wait_s: float = 600.0,
         firmware_image_uri: str | None = None,
         clean_image: tuple[str | None, str | None] = (None, None),
+        enrollment: EnrollmentTokens | None = None,
+        config_drive_url: str | None = None,
     ) -> None:
         self.db = db
         self.bmcs = bmcs
         self.boot_wait_s = boot_wait_s
+        # A re-imaged node's one-time enrollment, and the URL its BMC fetches the drive from.
+        self.enrollment = enrollment
+        self.config_drive_url = config_drive_url
         self.firmware_image_uri = firmware_image_uri
         self.clean_image_url, self.clean_image_sha256 = clean_image
 
@@ -230,3 +248,54 @@ class BmcActivities(ActivityGroup):
             return ImageCheckResult(node_id=req.node_id, ok=True, answer=answer)
         self._record(req.node_id, "image_mismatch", actor=req.actor, cause=f"{why}; {ejected}")
         return ImageCheckResult(node_id=req.node_id, ok=False, answer=why)
+
+    @activity.defn
+    def bmc_hand_enrollment(self, req: EnrollmentInput) -> EnrollmentResult:
+        """After a checked re-image: hand out the node's one-time enrollment token in a config
+        drive through its BMC, wait (bounded by `boot_wait_s`) until the booted image's agent
+        redeemed it, and eject the drive. Not done (the wipe hands the credential in band,
+        recorded as weaker) where the BMC has no second medium or nothing is configured; a token
+        not redeemed in time is final (the node fails closed, and its repair re-images it)."""
+        endpoint = self._endpoint(req.node_id)
+        if endpoint is None or self.enrollment is None or not self.config_drive_url:
+            why = "no enrollment through the BMC is configured"
+            return EnrollmentResult(node_id=req.node_id, done=False, answer=why)
+        with self.db.session() as session:
+            handed = self.enrollment.hand_out(session, req.node_id, req.request_id)
+        bmc = self.bmcs.for_node(*endpoint)
+        try:
+            inserted = bmc.insert_config_media(self.config_drive_url, username=req.node_id, password=handed.token)
+        except BmcError as error:
+            if error.kind != "unsupported":
+                raise self._failed(req.node_id, "config drive insert", error, actor=req.actor) from error
+            self._record(
+                req.node_id, "enrollment_inband", actor=req.actor,
+                cause=f"no config drive ({error}): the wipe hands the booted agent its credential in band, weaker",
+            )  # fmt: skip
+            return EnrollmentResult(node_id=req.node_id, done=False, answer=str(error))
+        until = f"{handed.expires_at:%H:%M:%S}Z"
+        cause = f"BMC: {inserted}: a one-time enrollment token for the booted image, until {until}"
+        self._record(req.node_id, "enrollment_handed", actor=req.actor, cause=cause)
+        redeemed = self._wait_for_redemption(req)
+        try:
+            ejected = bmc.eject_config_media()
+        except BmcError as error:  # the token is spent or refused either way: noted, not fatal
+            ejected = f"eject failed: {error}"
+        if redeemed is None:
+            why = f"the booted agent did not redeem its enrollment token within {self.boot_wait_s:.0f} s"
+            self._record(req.node_id, "enrollment_timeout", actor=req.actor, cause=f"{why}; {ejected}")
+            raise ApplicationError(why, type="AgentDidNotEnroll", non_retryable=True)
+        answer = f"the booted agent redeemed its one-time enrollment token at {redeemed:%H:%M:%S}Z; {ejected}"
+        self._record(req.node_id, "agent_enrolled", actor=req.actor, cause=answer)
+        return EnrollmentResult(node_id=req.node_id, done=True, answer=answer)
+
+    def _wait_for_redemption(self, req: EnrollmentInput) -> datetime | None:
+        assert self.enrollment is not None
+        deadline = time.monotonic() + self.boot_wait_s
+        while True:
+            with self.db.session() as session:
+                redeemed = self.enrollment.redeemed(session, req.node_id, req.request_id)
+            if redeemed is not None or time.monotonic() >= deadline:
+                return redeemed
+            activity.heartbeat("waiting for the booted agent to enroll")
+            time.sleep(min(1.0, self.boot_wait_s / 10))

@@ -36,7 +36,7 @@ from gpucloud.models.messages import (
     ReplacementInput,
     ReplacementResult,
 )
-from gpucloud.models.node_states import InvalidTransition
+from gpucloud.models.node_states import InvalidTransition, NodeState
 from gpucloud.models.tables import Allocation, AllocationStatus, Node, utcnow
 from gpucloud.protocol.actions import REPAIR_LADDER, Workload
 from gpucloud.services import allocations as allocation_service
@@ -62,6 +62,8 @@ class ControlDbActivities(ActivityGroup):
             changes["tenant_id"] = req.tenant_id
         try:
             with self.db.session() as session:
+                before = session.get(Node, req.node_id)
+                moves = before is not None and before.state == req.from_state  # not a retry's replay
                 node = node_service.transition(
                     session,
                     req.node_id,
@@ -73,6 +75,8 @@ class ControlDbActivities(ActivityGroup):
                     deadline_scale=self.deadline_scale,
                     **changes,
                 )
+                if moves and node.state == NodeState.PROVISIONING and node.allocation_id is not None:
+                    allocation_service.record_node_provisioning(session, node.allocation_id, node.id)
                 return NodeTransitionResult(node_id=node.id, state=node.state, generation=node.generation)
         except (node_service.StaleNode, node_service.NodeNotFound, InvalidTransition) as exc:
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True) from exc
@@ -127,9 +131,11 @@ class ControlDbActivities(ActivityGroup):
     @activity.defn
     def set_allocation_status(self, req: AllocationStatusInput) -> AllocationView:
         with self.db.session() as session:
+            previous = session.exec(select(Allocation.status).where(col(Allocation.id) == req.allocation_id)).one()
             alloc = allocation_service.set_status(
                 session, req.allocation_id, AllocationStatus(req.status), failure_reason=req.failure_reason
             )
+            allocation_service.record_status_event(session, alloc, previous)
             return _allocation_view(alloc)
 
     # ------------------------------------------------------------ drain-and-replace

@@ -59,7 +59,9 @@ class HostAgentActivities(ActivityGroup):
         body = ActionRequest(
             request_id=req.request_id, tenant_id=req.tenant_id, allocation_id=req.allocation_id, workload=req.workload
         )
-        if action == AgentAction.WIPE and self.rotation is not None:
+        rotates = action == AgentAction.WIPE and self.rotation is not None and req.hand_credential
+        if rotates:
+            assert self.rotation is not None
             body.credential = self.rotation.next_token(req.node_id, req.request_id)
         call = asyncio.ensure_future(self.agents.act(req.agent_url, action, body, node_id=req.node_id))
         try:
@@ -79,7 +81,8 @@ class HostAgentActivities(ActivityGroup):
             if commit:
                 await asyncio.to_thread(self._record_cleaning, [(req.node_id, req.request_id, steps)])
             _fail_unclean(req.node_id, steps)
-        if action == AgentAction.WIPE and self.rotation is not None and commit:
+        if rotates and commit:
+            assert self.rotation is not None
             # The agent took up the next credential with the wipe: the old one goes now.
             await asyncio.to_thread(self.rotation.commit, req.node_id, req.request_id)
         return AgentActionResult(node_id=req.node_id, action=action, details=details)
@@ -111,7 +114,8 @@ class HostAgentActivities(ActivityGroup):
                 for attempt in range(self.batch_attempts):
                     try:
                         answer = await self._call(req.action, item, commit=False)
-                        wiped.append((item.node_id, item.request_id))
+                        if item.hand_credential:
+                            wiped.append((item.node_id, item.request_id))
                         if req.action == AgentAction.WIPE:
                             cleaned.append((item.node_id, item.request_id, _cleaning(item.node_id, answer.details)))
                         break

@@ -271,13 +271,58 @@ class RedfishBmc:
             raise _translate(error, f"eject of {media.identity}") from error
         return f"{media.identity} ejected"
 
-    def _boot_media(self, system):
-        """The system's virtual CD (else USB stick) and the boot target that boots it."""
-        from sushy import BootSource, VirtualMediaType
+    def insert_config_media(self, url: str, *, username: str, password: str) -> str:
+        """Insert `url` (a config drive) into the system's second virtual medium (a floppy or USB
+        stick, not the CD the image boots from), fetched by the BMC with basic credentials; the
+        BMC's answer, in words, after reading it back. `unsupported` where there is none."""
+        system = self._system()
+        media = self._config_media(system)
+        try:
+            if media.inserted:  # a retry's, or one left behind: replaced
+                media.eject_media()
+            media.insert_media(url, inserted=True, write_protected=True, username=username, password=password)
+            media.refresh(force=True)
+        except Exception as error:
+            translated = _translate(error, f"virtual media insert of {url}")
+            if translated.kind in ("bad_request", "server_error"):
+                raise BmcError(
+                    "unsupported", f"the BMC's virtual media cannot take the config drive: {translated}"
+                ) from error
+            raise translated from error
+        if media.image != url or not media.inserted:
+            raise BmcError("unsupported", f"the BMC accepted the insert but its {media.identity} holds {media.image!r}")
+        return f"config drive inserted in {media.identity}"
+
+    def eject_config_media(self) -> str:
+        """Eject the config drive `insert_config_media` inserted (nothing sent where none is)."""
+        media = self._config_media(self._system())
+        if not media.inserted:
+            return f"{media.identity} was empty"
+        try:
+            media.eject_media()
+        except Exception as error:
+            raise _translate(error, f"eject of {media.identity}") from error
+        return f"{media.identity} ejected"
+
+    def _config_media(self, system):
+        from sushy import VirtualMediaType
+
+        boot, _ = self._boot_media(system)
+        for media in self._media_members(system):
+            types = media.media_types or []
+            if media.identity != boot.identity and (
+                VirtualMediaType.FLOPPY in types or VirtualMediaType.USB_STICK in types
+            ):
+                return media
+        raise BmcError(
+            "unsupported", "the BMC's virtual media has no second device (floppy or USB stick) for a config drive"
+        )
+
+    def _media_members(self, system) -> list:
         from sushy.exceptions import MissingAttributeError
 
         try:
-            members = system.virtual_media.get_members()
+            return system.virtual_media.get_members()
         except MissingAttributeError as error:  # no VirtualMedia link on the system
             raise BmcError("unsupported", "the BMC offers no virtual media for the system") from error
         except Exception as error:
@@ -285,6 +330,12 @@ class RedfishBmc:
             if translated.retryable:
                 raise translated from error
             raise BmcError("unsupported", f"the BMC offers no virtual media for the system ({translated})") from error
+
+    def _boot_media(self, system):
+        """The system's virtual CD (else USB stick) and the boot target that boots it."""
+        from sushy import BootSource, VirtualMediaType
+
+        members = self._media_members(system)
         for wanted, target in ((VirtualMediaType.CD, BootSource.CD), (VirtualMediaType.USB_STICK, BootSource.USB_CD)):
             for media in members:
                 if wanted in (media.media_types or []):

@@ -1,6 +1,7 @@
 """The control plane's client of host agents: `POST {agent_url}/actions/{action}` with an
 `ActionRequest` (the real agent and the simulated fleet serve the same API and share its wire
-models, `gpucloud.protocol.actions`).
+models, `gpucloud.protocol.actions`), and `GET {agent_url}/workload/logs` for what a node's
+workload printed (`open_logs`, `gpucloud.protocol.logs`).
 
 Errors are classified here, once: no connection, a timeout or a 5xx is `AgentUnreachable`
 (transient: try again later); a 4xx is `AgentRefused` (the agent said no for good).
@@ -14,8 +15,9 @@ import httpx
 from pydantic import ValidationError
 
 from gpucloud.protocol.actions import ActionAnswer, ActionRequest, AgentAction
+from gpucloud.protocol.logs import WORKLOAD_LOGS_PATH
 from gpucloud.web import tls
-from gpucloud.web.service_tokens import Issuer, agent_audience
+from gpucloud.web.service_tokens import LOG_READER, Issuer, Minter, agent_audience, agent_logs_audience
 
 
 class AgentUnreachable(RuntimeError):
@@ -65,7 +67,7 @@ class HttpHostAgents:
     def __init__(
         self,
         *,
-        issuer: Issuer | None = None,
+        issuer: Issuer | Minter | None = None,
         timeout_s: float = 600.0,
         max_connections: int = 200,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -122,6 +124,26 @@ class HttpHostAgents:
             headers=self._auth(node_id),
             timeout=timeout,
         )
+
+    async def open_logs(
+        self, agent_url: str, *, node_id: str, params: dict[str, str], timeout_s: float
+    ) -> httpx.Response:
+        """The node's workload output (`GET /workload/logs`, `protocol/logs.py`), its body not
+        read yet: the caller streams it and closes it. Presents a log reader's token for this node
+        (`log-reader`): what an API's delegate may mint, and all it opens. Raises
+        `httpx.HTTPError` when the agent cannot be reached."""
+        headers = {}
+        if self._issuer is not None:
+            token = self._issuer.mint(agent_logs_audience(node_id), role=LOG_READER)
+            headers["Authorization"] = f"Bearer {token}"
+        request = self._client.build_request(
+            "GET",
+            f"{agent_url.rstrip('/')}{WORKLOAD_LOGS_PATH}",
+            params=params,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+        )
+        return await self._client.send(request, stream=True)
 
     def _auth(self, node_id: str) -> dict[str, str]:
         """A token for this node's agent only: one captured on a node opens no other."""

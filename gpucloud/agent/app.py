@@ -45,6 +45,7 @@ from gpucloud.agent import inspection
 from gpucloud.agent.action_core import ActionCore, NodeFacts, Outcome, action_failed, answer_action, problem
 from gpucloud.agent.cleaning import Cleaner, CleaningFailed
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id, read_image_digest
+from gpucloud.agent.logs_api import install_workload_logs
 from gpucloud.agent.probe import Probe
 from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
@@ -60,17 +61,19 @@ from gpucloud.agent.tools import (
     thermal_soak,
 )
 from gpucloud.agent.weights_api import health_from_probe
+from gpucloud.agent.workload_logs import DEFAULT_LIMITS, LogLimits
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.config import RequestBodySettings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
 from gpucloud.protocol.actions import SCRATCH, ActionRequest, AgentAction, CleaningStep
+from gpucloud.protocol.logs import WORKLOAD_LOGS_PATH
 from gpucloud.protocol.reports import NodeReading
 from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import install_readiness
-from gpucloud.web.service_tokens import Verifier
+from gpucloud.web.service_tokens import Verifier, logs_refusal_reason
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
@@ -320,7 +323,7 @@ class Agent:
             if self.weights_dir.exists():
                 shutil.rmtree(self.weights_dir)
         if self.workloads is not None:
-            for output in self.workloads.state_dir.glob("workload-*.log"):
+            for output in self.workloads.state_dir.glob("workload-*.log*"):  # rotated ones too
                 output.unlink(missing_ok=True)
         self.state.scratch_dir.mkdir(parents=True, exist_ok=True)
         answer = f"removed {', '.join(map(str, removed))}" + (" and the workloads' output" if self.workloads else "")
@@ -364,6 +367,10 @@ def create_app(
     async def control_plane_only(scope: Scope) -> ASGIApp | None:
         if scope["path"] in ("/healthz", "/readyz", "/metrics"):  # /metrics checks its own token
             return None
+        if scope["path"] == WORKLOAD_LOGS_PATH:  # a log reader's token too (`protocol/logs.py`)
+            node_id = agent.state.node_id
+            reason = logs_refusal_reason(control_plane, problems.header(scope, b"authorization"), node_id=node_id)
+            return problems.unauthenticated(reason) if reason else None
         return caller_refusal(control_plane, scope, node_id=agent.state.node_id, tenant=agent.state.tenant_id)
 
     app.add_middleware(Gate, check=control_plane_only, body=request_body)
@@ -397,6 +404,8 @@ def create_app(
     async def act(action: str, req: ActionRequest) -> JSONResponse:
         return await answer_action(action, req, agent.act)
 
+    install_workload_logs(app, agent.workloads)
+
     if weights is not None:  # after every route above: what none of them serves goes here
         app.mount("", weights)
     return app
@@ -406,7 +415,7 @@ def main(
     *,
     node_id: str,
     control_plane_url: str,
-    token: str,
+    token: str | None,
     control_plane_key: Path,
     token_file: Path | None = None,
     host: str = "127.0.0.1",
@@ -423,18 +432,27 @@ def main(
     insecure: bool = False,
     state_dir: Path = Path("/var/lib/gpucloud/agent"),
     container_runtime: str | None = None,
+    workload_logs: LogLimits = DEFAULT_LIMITS,
     metrics_token: str | None = None,
     weights_dir: Path | None = None,
     image_digest_file: Path = Path("/etc/gpucloud/image-digest"),
     tenant_disks: tuple[str, ...] = (),
+    enrollment_file: Path | None = None,
     ssh_user: str = "ubuntu",
     authorized_keys: Path | None = None,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
-    its node's credential (`gpa_<node id>.<secret>`) and the control plane's public key."""
+    its node's credential (`gpa_<node id>.<secret>`), unless a re-imaged boot's config drive
+    (`enrollment_file`) is there to redeem for one, and without the control plane's public key."""
     import uvicorn
 
-    if not token.startswith(f"gpa_{node_id}."):
+    drive = enrollment_file is not None and enrollment_file.is_file()
+    if token is None and not drive:
+        raise SystemExit(
+            f"the agent needs {node_id}'s credential: issue one with `gpucloud node credential {node_id}` "
+            "and pass it as --token, or boot it from the clean image with its config drive (--enrollment-file)"
+        )
+    if token is not None and not token.startswith(f"gpa_{node_id}."):
         raise SystemExit(
             f"the agent needs {node_id}'s own credential (gpa_{node_id}.<secret>): issue one with "
             f"`POST /v1/nodes/{node_id}/agent-credential` and pass it as --token"
@@ -470,7 +488,9 @@ def main(
         probe,
         gpu_type=gpu_type,
         inspect_stack=not isinstance(probe, SimulatedProbe),
-        workloads=WorkloadSupervisor(state_dir / "workloads", container_runtime=container_runtime),
+        workloads=WorkloadSupervisor(
+            state_dir / "workloads", container_runtime=container_runtime, log_limits=workload_logs
+        ),
         weights_dir=weights_dir,
         tenant_disks=tenant_disks,
         ssh_keys=AuthorizedKeys(ssh_user, path=authorized_keys),
@@ -490,7 +510,7 @@ def main(
         log.warning("no ledger URL: this node's usage is not metered")
     app = create_app(
         agent,
-        Reporter(agent, client),
+        Reporter(agent, client, enrollment_file=enrollment_file),
         control_plane=verifier,
         heartbeat_s=heartbeat_s,
         reading_s=reading_s,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import httpx
 from pydantic import ValidationError
 
+from gpucloud.agent.enrollment import ConfigDriveEnroller
 from gpucloud.agent.host import HostState
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import Meter, Spool
@@ -91,10 +92,12 @@ class Reporter:
     down. Readings do not: their counters are cumulative, so the next one delivered carries
     what the lost ones would have shown."""
 
-    def __init__(self, agent: Agent, client: httpx.AsyncClient) -> None:
+    def __init__(self, agent: Agent, client: httpx.AsyncClient, *, enrollment_file: Path | None = None) -> None:
         self.agent = agent
         client.auth = _CurrentCredential(agent.state)
         self.reports = ReportClient(client)
+        # A re-imaged boot's config drive, redeemed for the node's credential (`agent/enrollment.py`).
+        self.enroller = ConfigDriveEnroller(agent.state, enrollment_file, self.reports) if enrollment_file else None
         self.pending: list[XidEvent] = []
         self.latest: NodeReading | None = None
 
@@ -147,4 +150,7 @@ class Reporter:
             while True:
                 await self.events_once(event_wait_s)
 
-        await asyncio.gather(every(heartbeat_s, self.heartbeat_once), every(reading_s, self.read_once), events())
+        steps = [every(heartbeat_s, self.heartbeat_once), every(reading_s, self.read_once), events()]
+        if self.enroller is not None:
+            steps.append(every(heartbeat_s, self.enroller.once))
+        await asyncio.gather(*steps)

@@ -34,10 +34,12 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from gpucloud.agent import workload_logs
+from gpucloud.agent.workload_logs import DEFAULT_LIMITS, LogLimits
 from gpucloud.config import write_private
 from gpucloud.protocol.actions import Workload
 from gpucloud.protocol.reports import WorkloadStatus
@@ -59,6 +61,9 @@ class Running:
     log_path: str
     container: str | None = None  # the container's name, when the workload runs in one
     runtime: str | None = None  # the runtime that runs it (podman or docker)
+    # How the workload ended, once this agent saw it end: kept here, so an agent restarted after
+    # that still reports it (what it could not see end, it reports without a code).
+    exit_code: int | None = None
 
 
 class StopFailed(RuntimeError):
@@ -79,8 +84,15 @@ class ContainerRuntime:
     def _run(self, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run([self.path, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
 
-    def start(self, name: str, allocation_id: str, workload: Workload, env_file: Path, log_path: Path) -> None:
+    def start(
+        self, name: str, allocation_id: str, workload: Workload, env_file: Path, log_path: Path, limits: LogLimits
+    ) -> None:
         gpus = ["--device", "nvidia.com/gpu=all"] if self.flavour == "podman" else ["--gpus", "all"]
+        # The runtime keeps the container's output, rotated by its log driver as the node's own
+        # workloads' is (podman's k8s-file driver knows a size, not a count of files).
+        logs = ["--log-opt", f"max-size={limits.max_bytes}"]
+        if self.flavour == "docker":
+            logs += ["--log-opt", f"max-file={limits.files}"]
         answer = self._run(
             "run",
             "--detach",
@@ -94,6 +106,7 @@ class ContainerRuntime:
             "host",
             "--ipc",
             "host",
+            *logs,
             *gpus,
             "--",
             str(workload.image),
@@ -116,6 +129,11 @@ class ContainerRuntime:
     def stop(self, name: str, grace_s: float) -> None:
         self._run("stop", "--time", str(max(1, round(grace_s))), name, timeout_s=grace_s + 60.0)
         self._run("rm", "--force", name)
+
+    def logs_argv(self, name: str, *, tail: int | None, follow: bool) -> list[str]:
+        """The command that prints the container's output (stdout and stderr) as the runtime kept it."""
+        lines = str(tail) if tail is not None else "all"
+        return [self.path, "logs", *(["--follow"] if follow else []), "--tail", lines, name]
 
     def listed(self, name: str) -> bool:
         answer = self._run("ps", "--all", "--quiet", "--filter", f"name=^{name}$")
@@ -164,8 +182,11 @@ class WorkloadSupervisor:
         grace_s: float = 10.0,
         unshare: str | None = None,
         container_runtime: str | None = None,
+        log_limits: LogLimits = DEFAULT_LIMITS,
     ) -> None:
+        """`log_limits`: how much of a workload's output the node keeps (`agent/workload_logs.py`)."""
         self.state_dir = state_dir
+        self.log_limits = log_limits
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.grace_s = grace_s
         self._unshare = unshare if unshare is not None else shutil.which("unshare")
@@ -175,6 +196,7 @@ class WorkloadSupervisor:
         self._lock = threading.Lock()
         self._isolation: Isolation | None = None  # probed once, on the first start
         self._proc: subprocess.Popen | None = None  # ours to reap, when this agent started it
+        self._pump: subprocess.Popen | None = None  # the process writing its output (ours to reap)
         self._exit_code: int | None = None
 
     @property
@@ -218,10 +240,7 @@ class WorkloadSupervisor:
             argv = list(workload.command)
             if isolation == "pid-namespace" and self._unshare:
                 argv = [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--", *argv]
-            with open(log_path, "ab") as out:
-                self._proc = subprocess.Popen(
-                    argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
+            self._proc = self._start_logged(argv, cwd=cwd, env=env, log_path=log_path)
             self._exit_code = None
             namespace = self._wait_for_namespace(self._proc.pid) if isolation == "pid-namespace" else None
             running = Running(allocation_id, self._proc.pid, namespace, isolation, time.time(), str(log_path))
@@ -244,7 +263,7 @@ class WorkloadSupervisor:
             "".join(f"{k}={v}\n" for k, v in {**workload.env, "GPUCLOUD_ALLOCATION_ID": allocation_id}.items()),
         )
         try:
-            self.runtime.start(name, allocation_id, workload, env_file, log_path)
+            self.runtime.start(name, allocation_id, workload, env_file, log_path, self.log_limits)
         finally:
             env_file.unlink(missing_ok=True)
         _, _, pid = self.runtime.state(name)
@@ -262,6 +281,46 @@ class WorkloadSupervisor:
         self._proc, self._exit_code = None, None
         log.info("workload of %s started: container %s (%s)", allocation_id, name, self.runtime.flavour)
         return running
+
+    def _start_logged(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen:
+        """Start `argv` with its stdout and stderr in one pipe, read by the pump that keeps them
+        rotated at `log_path` (`agent/workload_logs.py`): a process of its own session, so that
+        neither the workload's signals nor the agent's restart end it."""
+        self._reap_pump()
+        read_end, write_end = os.pipe()
+        try:
+            self._pump = subprocess.Popen(
+                workload_logs.pump_argv(log_path, self.log_limits),
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=workload_logs.pump_env(),
+                start_new_session=True,
+            )
+            os.close(read_end)
+            read_end = -1
+            return subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=write_end,
+                stderr=write_end,
+                start_new_session=True,
+            )
+        finally:
+            os.close(write_end)  # the workload holds its own copy: the pump ends when it is gone
+            if read_end >= 0:
+                os.close(read_end)
+
+    def _reap_pump(self) -> None:
+        if self._pump is not None and self._pump.poll() is not None:
+            self._pump = None
+
+    def log_path(self) -> Path | None:
+        """Where the current (or last) workload's output is kept; None when none ran here."""
+        current = self.running()
+        return Path(current.log_path) if current is not None else None
 
     def _namespaces_work(self) -> bool:
         if not self._unshare:
@@ -300,6 +359,7 @@ class WorkloadSupervisor:
         if self._proc is not None and self._exit_code is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._exit_code = self._proc.wait(timeout=wait_s) if wait_s else self._proc.poll()
+        self._reap_pump()
 
     def report(self) -> WorkloadStatus:
         """`status` as the agent reports it in its heartbeats."""
@@ -326,7 +386,18 @@ class WorkloadSupervisor:
             if self._is_running(current):
                 return base | {"workload": "running"}
             self._reap(wait_s=2.0)  # its last process is gone: the one we started ends at once
-            return base | {"workload": "exited", "exit_code": self._exit_code}
+            return base | {"workload": "exited", "exit_code": self._exit_code_of(current)}
+
+    def _exit_code_of(self, current: Running) -> int | None:
+        """The code the workload ended with: seen by this agent (and kept in the state file for
+        the next one), or kept there by an earlier one."""
+        if current.exit_code is not None:
+            return current.exit_code
+        ours = self._proc is not None and self._proc.pid == current.pid
+        if not ours or self._exit_code is None:
+            return None
+        self._save(replace(current, exit_code=self._exit_code))
+        return self._exit_code
 
     # Stop -----------------------------------------------------------------------------------------
 

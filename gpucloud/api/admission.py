@@ -29,6 +29,9 @@ the pool deadlock where every thread waits for a connection whose release needs 
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpucloud.api.auth import Caller
@@ -62,7 +65,7 @@ class Admission:
         }
 
     def lane_of(self, caller: Caller, path: str) -> Lane:
-        if caller.role == "agent" or (caller.is_operator and path.startswith("/v1/agents/")):
+        if caller.role in ("agent", "enrollment") or (caller.is_operator and path.startswith("/v1/agents/")):
             return self.lanes["agents"]
         return self.lanes["operator" if caller.is_operator else "tenants"]
 
@@ -78,3 +81,16 @@ def bearer_token(scope: Scope) -> str:
     """The bearer token of the request ('' without one); checked by the gate."""
     scheme, _, token = (problems.header(scope, b"authorization") or "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def basic_credentials(scope: Scope) -> tuple[str, str] | None:
+    """(user, password) of HTTP basic auth, else None: how a BMC fetching virtual media
+    authenticates (Redfish InsertMedia's UserName and Password)."""
+    scheme, _, encoded = (problems.header(scope, b"authorization") or "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, colon, password = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return (user, password) if colon else None

@@ -17,9 +17,11 @@ from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission
 from gpucloud.api.gate import CredentialCache, Gate
 from gpucloud.api.routers import (
     agents,
+    allocation_logs,
     allocations,
     api_keys,
     billing,
+    enrollment,
     health,
     nodes,
     operations,
@@ -56,6 +58,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         yield
         if app.state.ledger is not None:
             await app.state.ledger.aclose()
+        if app.state.agent_logs is not None:
+            await app.state.agent_logs.aclose()
 
     app = FastAPI(
         title="gpucloud",
@@ -70,6 +74,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     # (`web/service_tokens.py`); it can mint ledger tokens only.
     app.state.issuer = bootstrap.api_token_issuer(settings)
     app.state.ledger = bootstrap.ledger_client(settings, app.state.issuer)
+    app.state.agent_logs = bootstrap.agent_log_reader(app.state.issuer)
     app.state.registry_stores = bootstrap.registry_stores(settings)
     app.state.credentials = CredentialCache(settings.api.credential_cache_s)
     problems.install(app)
@@ -100,6 +105,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     for module in (
         agents,
         allocations,
+        allocation_logs,
         operations,
         tenants,
         api_keys,
@@ -109,6 +115,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         billing,
         rollouts,
         operators,
+        enrollment,
     ):
         app.include_router(module.router)
 

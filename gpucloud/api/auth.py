@@ -46,7 +46,7 @@ _BOOTSTRAP_SCOPES = ROLE_SCOPES[Role.ADMIN]
 
 @dataclass(frozen=True)
 class Caller:
-    role: str  # "operator" | "tenant" | "agent" | "evaluation"
+    role: str  # "operator" | "tenant" | "agent" | "evaluation" | "enrollment" (a re-imaged node's image)
     tenant_id: str | None = None
     node_id: str | None = None  # an agent's node
     operator: str | None = None  # an operator's account name
@@ -59,8 +59,8 @@ class Caller:
     def id(self) -> str:
         """Who calls, as idempotency records and admission count them (`operator:<name>`, a
         tenant's keys all as one `tenant:<id>`, ...)."""
-        if self.role == "agent":
-            return f"agent:{self.node_id}"
+        if self.role in ("agent", "enrollment"):
+            return f"{self.role}:{self.node_id}"
         return f"operator:{self.operator}" if self.role == "operator" else f"tenant:{self.tenant_id}"
 
     @property

@@ -75,6 +75,8 @@ async def get_caller(caller: Annotated[auth.Caller, Depends(get_any_caller)]) ->
             "Not for node agents",
             f"the agent credential of {caller.node_id} only reports for its node (/v1/agents/...)",
         )
+    if caller.role not in ("tenant", "operator"):  # fail closed on every other kind of caller
+        raise Problem(403, "forbidden", "Not for this credential", f"a {caller.role} credential cannot call this")
     return caller
 
 

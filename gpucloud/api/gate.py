@@ -34,19 +34,24 @@ import time
 from pathlib import Path
 
 from sqlalchemy import exc as sa_exc
+from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpucloud.api import auth
-from gpucloud.api.admission import CREDENTIAL_LOOKUPS, OPEN_PATHS, bearer_token
+from gpucloud.api.admission import CREDENTIAL_LOOKUPS, OPEN_PATHS, basic_credentials, bearer_token
 from gpucloud.config import RequestBodySettings
 from gpucloud.db import get_read_engine
 from gpucloud.observability.logs import log_context
+from gpucloud.services import agent_enrollment
+from gpucloud.services.agent_enrollment import CONFIG_DRIVE_PATH, ENROLL_PATH
 from gpucloud.web import gate, problems
 from gpucloud.web.service_tokens import Verifier, load_verifier
 
 log = logging.getLogger(__name__)
 
+# A re-imaged node's enrollment: its one-time token, nothing else (`_enrolling`).
+ENROLLMENT_PATHS = frozenset({CONFIG_DRIVE_PATH, ENROLL_PATH})
 CHUNK_UPLOAD = re.compile(r"^/v1/models/[^/]+/chunks/[^/:]+$")
 # Tokens remembered at most (a flood of made-up tokens evicts the oldest, never grows memory).
 CACHED_CREDENTIALS = 10_000
@@ -126,6 +131,8 @@ class Gate(gate.Gate):
     async def authenticate(self, scope: Scope) -> ASGIApp | None:
         if scope["path"] in OPEN_PATHS:
             return None
+        if scope["path"] in ENROLLMENT_PATHS:
+            return await self._enrolling(scope)
         token = bearer_token(scope)
         if not token:
             detail = "send 'Authorization: Bearer <api key>' (operators: the operator token)"
@@ -139,6 +146,37 @@ class Gate(gate.Gate):
         if caller is None:
             return _answer(scope, 401, "unauthenticated", "Invalid credentials", "the API key is unknown or revoked")
         scope.setdefault("state", {})["caller"] = caller
+        return None
+
+    async def _enrolling(self, scope: Scope) -> ASGIApp | None:
+        """The two paths of a re-imaged node's enrollment take only its one-time token: from the
+        booted agent as a bearer token, from the BMC fetching the config drive as basic auth
+        (user: the node id). Checked without the cache: it is good once."""
+        basic = basic_credentials(scope) if scope["path"] == CONFIG_DRIVE_PATH else None
+        token = basic[1] if basic else bearer_token(scope)
+        parsed = agent_enrollment.parse(token)
+        if parsed is None or (basic is not None and basic[0] != parsed[0]):
+            detail = "send the node's one-time enrollment token (gpe_<node id>.<secret>) from its config drive"
+            return _answer(scope, 401, "unauthenticated", "Enrollment token required", detail)
+        try:
+            async with asyncio.timeout(LOOKUP_WAIT_S), self._lookups:
+                refused = await run_in_threadpool(self._check_enrollment, token)
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, TimeoutError) as exc:
+            log.warning("database unavailable while checking an enrollment token: %r", exc)
+            detail = "the database did not answer in time; send it again after Retry-After"
+            return _answer(scope, 503, "database-unavailable", "Try again", detail, retry_after=True)
+        if refused is not None:
+            return _answer(scope, 401, "unauthenticated", "Enrollment refused", refused)
+        scope.setdefault("state", {})["caller"] = auth.Caller(role="enrollment", node_id=parsed[0])
+        scope["state"]["enrollment_token"] = token
+        return None
+
+    def _check_enrollment(self, token: str) -> str | None:
+        with Session(get_read_engine(self.database_url)) as session:
+            try:
+                agent_enrollment.check(session, token)
+            except agent_enrollment.EnrollmentRefused as refused:
+                return f"{refused}: the node is re-imaged again to get a fresh one"
         return None
 
     def limit(self, scope: Scope) -> int:

@@ -18,7 +18,7 @@ import typer
 from rich.table import Table
 
 from gpucloud.api.schemas import AllocationNode
-from gpucloud.cli.common import ApiKey, ApiUrl, ExitCode, api_client, err, reported_errors
+from gpucloud.cli.common import ApiKey, ApiUrl, ExitCode, api_client, err, id_column, reported_errors
 
 
 def ssh_argv(
@@ -103,8 +103,9 @@ def allocations_ssh(
 
 
 def node_table(nodes: list[AllocationNode]) -> Table:
-    """The allocation's nodes with where each takes SSH (`allocations show`)."""
-    table = Table("node", "state", "health", "ssh", title="nodes")
+    """The allocation's nodes with where each takes SSH (`allocations show`; print it with
+    `print_table`, which keeps the ids and the command whole)."""
+    table = Table(id_column("node"), "state", "health", id_column("ssh"), title="nodes")
     for n in nodes:
         table.add_row(n.node_id, n.state, n.health, n.ssh.command if n.ssh is not None else "")
     return table

@@ -1,4 +1,5 @@
-"""`gpucloud invoices`: a tenant's invoices as tables, read through the control plane's API.
+"""`gpucloud invoices` and `gpucloud usage`: a tenant's invoices and metered usage as tables, read
+through the control plane's API.
 
 With a tenant's API key (`--api-key`, `GPUCLOUD_API_KEY` or the CLI's context) the tenant's own
 invoices; with an operator's token (`GPUCLOUD_API__OPERATOR_TOKEN` or the context's) every
@@ -9,13 +10,13 @@ Amounts are integer micro-units in the API; shown here with six decimals.
 from __future__ import annotations
 
 import json
+import time
 from typing import Annotated, Literal
 
 import typer
-from rich.console import Group
 from rich.table import Table
 
-from gpucloud.cli.common import ApiKey, api_client, console, reported_errors
+from gpucloud.cli.common import ApiKey, ApiUrl, Output, WideOutput, api_client, console, print_table, reported_errors
 
 Justify = Literal["left", "right"]
 
@@ -28,9 +29,6 @@ invoices_app = typer.Typer(
 Tenant = Annotated[str | None, typer.Option("--tenant", help="operators: only this tenant")]
 
 
-Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
-
-
 def money(micro: int) -> str:
     sign = "-" if micro < 0 else ""
     whole, fraction = divmod(abs(micro), 1_000_000)
@@ -41,18 +39,16 @@ def gpu_hours(gpu_ms: int) -> str:
     return f"{gpu_ms / 3_600_000:,.4f}"
 
 
-def invoice_list_table(invoices: list[dict]) -> Table:
+def invoice_list_table(invoices: list[dict], *, wide: bool = False) -> Table:
+    """The invoices; `wide` adds each one's SHA-256, whole (`invoices show ID` prints it too)."""
     table = Table(title=f"invoices ({len(invoices)})")
-    columns: list[tuple[str, Justify]] = [
-        ("id", "right"),
-        ("period", "left"),
-        ("tenant", "left"),
-        ("lines", "right"),
-        ("total", "right"),
-        ("sha256", "left"),
-    ]
-    for column, justify in columns:
-        table.add_column(column, justify=justify)
+    table.add_column("id", justify="right", no_wrap=True)
+    table.add_column("period")
+    table.add_column("tenant", no_wrap=True)  # ids whole (`common.id_column`)
+    table.add_column("lines", justify="right")
+    table.add_column("total", justify="right")
+    if wide:
+        table.add_column("sha256", no_wrap=True)
     for invoice in invoices:
         table.add_row(
             str(invoice["id"]),
@@ -60,12 +56,12 @@ def invoice_list_table(invoices: list[dict]) -> Table:
             invoice["tenant_id"],
             str(invoice["line_count"]),
             money(invoice["total_micro"]),
-            invoice["sha256"][:16],
+            *([invoice["sha256"]] if wide else []),
         )
     return table
 
 
-def invoice_table(document: dict, *, status: str) -> Group:
+def invoice_table(document: dict, *, status: str) -> Table:
     """One invoice document (`gpucloud.invoice/v1`): its lines and total.
 
     The usage period and discount columns appear only when some line has one worth showing (a
@@ -90,7 +86,7 @@ def invoice_table(document: dict, *, status: str) -> Group:
     if discounted:
         columns.insert(-1, ("discount", "right"))
     for column, justify in columns:
-        table.add_column(column, justify=justify, overflow="fold")
+        table.add_column(column, justify=justify, overflow="fold", no_wrap=column == "allocation")
     for line in lines:
         cells = [
             line["kind"],
@@ -106,7 +102,12 @@ def invoice_table(document: dict, *, status: str) -> Group:
         if discounted:
             cells.insert(-1, f"{line['discount_bp'] / 100:g}%")
         table.add_row(*cells)
-    return Group(table, f"total {money(document['total_micro'])}")
+    return table
+
+
+def print_invoice(document: dict, *, status: str) -> None:
+    print_table(invoice_table(document, status=status))
+    console.print(f"total {money(document['total_micro'])}")
 
 
 @invoices_app.callback()
@@ -115,7 +116,7 @@ def invoices(
     api_key: ApiKey = None,
     tenant: Tenant = None,
     period: Annotated[str | None, typer.Option(help="only this period (YYYY-MM)")] = None,
-    output: Output = "table",
+    output: WideOutput = "table",
 ) -> None:
     """List invoices of closed periods (`show ID` for one, `draft` for the current period's so far)."""
     if ctx.invoked_subcommand is not None:
@@ -126,7 +127,7 @@ def invoices(
     if output == "json":
         print(json.dumps(rows, indent=2))
         return
-    console.print(invoice_list_table(rows))
+    print_table(invoice_list_table(rows, wide=output == "wide"))
 
 
 @invoices_app.command()
@@ -137,7 +138,7 @@ def show(invoice_id: int, api_key: ApiKey = None, output: Output = "table") -> N
     if output == "json":
         print(json.dumps({"invoice": invoice.body, "sha256": invoice.etag}, indent=2))
         return
-    console.print(invoice_table(invoice.body, status="final"))
+    print_invoice(invoice.body, status="final")
     console.print(f"sha256 {invoice.etag}")
 
 
@@ -154,4 +155,61 @@ def draft(
     if output == "json":
         print(json.dumps(invoice.body, indent=2))
         return
-    console.print(invoice_table(invoice.body, status="draft"))
+    print_invoice(invoice.body, status="draft")
+
+
+def usage_table(report: dict) -> Table:
+    """Metered GPU time and its amount by GPU type, reversals apart, and the net."""
+    table = Table(title=f"usage of {report['tenant_id']}, {_usage_scope(report)}")
+    columns: list[tuple[str, Justify]] = [
+        ("GPU type", "left"),
+        ("samples", "right"),
+        ("GPU-hours", "right"),
+        ("amount", "right"),
+        ("reversed GPU-hours", "right"),
+        ("reversed", "right"),
+    ]
+    for column, justify in columns:
+        table.add_column(column, justify=justify)
+    for row in report["by_gpu_type"]:
+        table.add_row(
+            row["gpu_type"],
+            str(row["sample_count"]),
+            gpu_hours(row["gpu_ms"]),
+            money(row["amount_micro"]),
+            gpu_hours(row["reversed_gpu_ms"]),
+            money(row["reversed_amount_micro"]),
+        )
+    return table
+
+
+def _usage_scope(report: dict) -> str:
+    period = f"period {report['period']}" if report.get("period") else "all periods"
+    return period + (f", allocation {report['allocation_id']}" if report.get("allocation_id") else "")
+
+
+def usage(
+    period: Annotated[
+        str | None, typer.Option(help="a billing period, YYYY-MM (UTC); default: the current one")
+    ] = None,
+    allocation: Annotated[str | None, typer.Option(help="only this allocation's usage")] = None,
+    tenant: Tenant = None,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The tenant's metered GPU usage and its amount this period (the nodes' meters, rated by the price
+    book), by GPU type. The bill is the time allocations held their nodes: `gpucloud invoices draft`."""
+    from gpucloud.ledger.periods import period_of
+
+    period = period or period_of(time.time_ns() // 1_000_000)
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        report = api.billing.usage(allocation_id=allocation, period=period, tenant_id=tenant).model_dump(mode="json")
+    if output == "json":
+        print(json.dumps(report, indent=2))
+        return
+    print_table(usage_table(report))
+    console.print(
+        f"net {gpu_hours(report['net_gpu_ms'])} GPU-hours, {money(report['net_amount_micro'])} "
+        f"({report['sample_count']} samples)"
+    )

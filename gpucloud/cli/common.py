@@ -7,13 +7,15 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import IntEnum
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import httpx
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
 
 from gpucloud.cli import contexts
 from gpucloud.client.base import ApiError, ApiTimeout
@@ -41,6 +43,50 @@ ApiKey = Annotated[
         "the context's (`gpucloud config view`)",
     ),
 ]
+
+
+# One `--output` for every command that prints data: `-o json` prints one JSON document on stdout
+# (progress and warnings go to stderr), a table otherwise; anything else is a usage error (exit 2).
+Output = Annotated[Literal["table", "json"], typer.Option("--output", "-o", help="table, or json for scripts")]
+# The same for the listings whose table has more columns than fit 80 characters: `wide` adds them.
+WideOutput = Annotated[
+    Literal["table", "wide", "json"],
+    typer.Option("--output", "-o", help="table; wide: every column; json for scripts"),
+]
+
+
+def id_column(header: str) -> Column:
+    """A column of ids, digests or key ids: never wrapped, folded or cut (`print_table` keeps it
+    as wide as its longest value), since a person copies them whole."""
+    return Column(header, no_wrap=True)
+
+
+def print_table(table: Table, *, out: Console | None = None) -> None:
+    """Print `table` with its `id_column`s whole and no word of another column cut.
+
+    Where the table's natural width does not fit the terminal, every column gets its narrowest
+    (an id column: its longest value; another: its longest word) and the room left is shared out
+    in proportion to what each would take more; where even the narrowest do not fit, the lines
+    run past the edge (the terminal wraps them) rather than cut an id, as `kubectl get -o wide`
+    does. (rich alone shrinks the widest columns first, ids and words included.)"""
+    out = out or console
+    wide = out.options.update_width(10_000)
+
+    def span(column: Column) -> tuple[int, int]:
+        sizes = [Measurement.get(out, wide, cell) for cell in (column.header, *column.cells)]
+        longest = max(size.maximum for size in sizes)
+        return (longest if column.no_wrap else max(size.minimum for size in sizes)), longest
+
+    spans = [span(column) for column in table.columns]
+    natural = sum(most for _, most in spans)
+    frame = Measurement.get(out, wide, table).maximum - natural  # borders and padding
+    if natural + frame > out.width:
+        narrowest = sum(least for least, _ in spans)
+        spare = max(0, out.width - frame - narrowest)
+        for column, (least, most) in zip(table.columns, spans, strict=True):
+            column.width = least + spare * (most - least) // max(1, natural - narrowest)
+        table.width = frame + sum(column.width or 0 for column in table.columns)
+    out.print(table, crop=False)
 
 
 class _Invocation:
@@ -110,6 +156,10 @@ EXIT_CODES_HELP = (
 
 
 def exit_code_for(status: int) -> ExitCode:
+    """The exit status for an API refusal: a request the API calls malformed or invalid (400, 422)
+    is the caller's usage, as a bad flag is."""
+    if status in (400, 422):
+        return ExitCode.USAGE_OR_VERIFICATION
     if status == 404:
         return ExitCode.NOT_FOUND
     if status == 409:

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpucloud.cli import contexts
-from gpucloud.cli.common import ExitCode, console, err, root_context_option
+from gpucloud.cli.common import ExitCode, Output, console, err, root_context_option
 from gpucloud.cli.contexts import ClientConfig, ConfigProblem, Context
 
 config_app = typer.Typer(
@@ -24,14 +24,7 @@ config_app = typer.Typer(
     help="Which API the CLI calls and with which token: named contexts (as kubectl's), in "
     "$GPUCLOUD_CONFIG, else $XDG_CONFIG_HOME/gpucloud/config.yaml, else ~/.config/gpucloud/config.yaml.",
 )
-Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 Name = Annotated[str, typer.Argument(help="the context's name (letters, digits, '.', '_', '-')")]
-
-
-def _output(output: str) -> str:
-    if output not in ("table", "json"):
-        raise typer.BadParameter("table or json", param_hint="--output")
-    return output
 
 
 def _load() -> tuple[ClientConfig, Path]:
@@ -139,7 +132,6 @@ def set_context(
     output: Output = "table",
 ) -> None:
     """Create a context, or change the parts of one given here (the rest stay)."""
-    _output(output)
     _checked(contexts.check_name, name, "NAME")
     if token_file is not None and token_stdin:
         raise typer.BadParameter("give --token-file or --token-stdin, not both", param_hint="--token-file")
@@ -182,7 +174,6 @@ def set_context(
 @config_app.command("use-context")
 def use_context(name: Name, output: Output = "table") -> None:
     """Make a context the current one: commands use it unless --context or GPUCLOUD_CONTEXT says otherwise."""
-    _output(output)
     config, path = _load()
     context = _known(config, name, path)
     config.current_context = name
@@ -196,7 +187,6 @@ def use_context(name: Name, output: Output = "table") -> None:
 @config_app.command("get-contexts")
 def get_contexts(output: Output = "table") -> None:
     """List the contexts: each API, where its token is (and its prefix only) and its CA; * marks the current."""
-    _output(output)
     config, path = _load()
     rows = [context_row(name, context, config, path) for name, context in sorted(config.contexts.items())]
     if output == "json":
@@ -212,7 +202,6 @@ def get_contexts(output: Output = "table") -> None:
 def current_context(output: Output = "table") -> None:
     """The context commands use now (--context, GPUCLOUD_CONTEXT, else the current one): its name
     on the first line, then its API, token and CA; exit 1 when there is none."""
-    _output(output)
     try:
         chosen = contexts.choose_context(root_context_option())
     except ConfigProblem as exc:
@@ -243,7 +232,6 @@ def current_context(output: Output = "table") -> None:
 @config_app.command("delete-context")
 def delete_context(name: Name, output: Output = "table") -> None:
     """Remove a context (its token file stays where it is); if it was current, none is now."""
-    _output(output)
     config, path = _load()
     _known(config, name, path)
     del config.contexts[name]
@@ -299,7 +287,6 @@ def _token_cells(token: dict[str, Any] | None) -> tuple[str, str]:
 @config_app.command("view")
 def view(output: Output = "table") -> None:
     """What an API command would use now: context, API URL, CA and token, each with where it came from."""
-    _output(output)
     try:
         shown = resolution()
     except ConfigProblem as exc:

@@ -1,6 +1,6 @@
-"""`gpucloud weights evaluate`, `evaluation-command` and `sanity`: the evaluations behind the
-promotion gates, as tables that put each metric beside the gate that holds it and the tensors or
-files behind it."""
+"""`gpucloud weights gates`, `evaluate`, `evaluation-command` and `sanity`: a model's promotion
+gates and the evaluations behind them, as tables that put each metric beside the gate that holds it
+and the tensors or files behind it."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+import yaml
 from rich.filesize import decimal as human_size
 from rich.table import Table
 
-from gpucloud.cli.common import ApiKey, ApiUrl, err
-from gpucloud.cli.weights import Output, _client, _reported_errors, out, weights_app
-from gpucloud.client.registry import signer_for
-from gpucloud.config import get_settings
+from gpucloud.cli import tenant_keys
+from gpucloud.cli.common import ApiKey, ApiUrl, Output, err, print_table
+from gpucloud.cli.weights import _client, _reported_errors, out, weights_app
 from gpucloud.registry.names import EvaluatorName
 
 if TYPE_CHECKING:  # numpy and safetensors load only when an evaluator runs
@@ -77,6 +77,79 @@ def evaluation_table(title: str, record: dict, gates: list[dict]) -> Table:
     return table
 
 
+def gates_table(model: str, gates: list[dict]) -> Table:
+    """A model's gates: the evaluator each metric must come from, its range and how far it may
+    fall behind production."""
+    table = Table("metric", "evaluator", "min", "max", "max regression", "better", title=f"promotion gates of {model}")
+    for gate in gates:
+        table.add_row(
+            gate["metric"],
+            gate.get("evaluator") or "",
+            _bound(gate.get("min")),
+            _bound(gate.get("max")),
+            _bound(gate.get("max_regression")),
+            "higher" if gate.get("higher_is_better", True) else "lower",
+        )
+    return table
+
+
+def _bound(value: float | None) -> str:
+    return "" if value is None else f"{value:g}"
+
+
+PLATFORM_GATES = (
+    "the platform's own gates hold besides these: a version whose latest platform evaluation failed, or "
+    "that holds a NaN or Inf weight, moves to neither staging nor production; production takes only a "
+    "version a platform sanity evaluation passed"
+)
+
+
+def _gates_file(path: Path) -> list[dict]:
+    """The gates in a YAML or JSON file: a list of gates, or `{gates: [...]}` as the API takes them."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc}", param_hint="--set") from None
+    gates = loaded.get("gates") if isinstance(loaded, dict) else loaded
+    if not isinstance(gates, list) or not all(isinstance(g, dict) for g in gates):
+        raise typer.BadParameter(
+            f"{path} holds no list of gates (each: metric, and min, max or max_regression)", param_hint="--set"
+        )
+    return gates
+
+
+@weights_app.command("gates")
+def gates_command(
+    model: str,
+    replace: Annotated[
+        Path | None,
+        typer.Option(
+            "--set",
+            exists=True,
+            dir_okay=False,
+            help="replace the model's gates with those in this YAML or JSON file (a list of: metric, evaluator, "
+            "min, max, max_regression, higher_is_better); an empty list removes them",
+        ),
+    ] = None,
+    output: Output = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The promotion gates of a model: what a version's platform evaluations must show before
+    `promote --to staging` or `--to production` moves it."""
+    gates = _gates_file(replace) if replace is not None else None
+    with _reported_errors(), _client(api_url, api_key) as client:
+        shown = client.set_gates(model, gates) if gates is not None else client.get(f"/v1/models/{model}")
+    if output == "json":
+        print(json.dumps({"model": shown["name"], "gates": shown["gates"]}, indent=2))
+        return
+    if shown["gates"]:
+        print_table(gates_table(shown["name"], shown["gates"]), out=out)
+    else:
+        out.print(f"{shown['name']} has no gates of its own")
+    out.print(PLATFORM_GATES)
+
+
 @weights_app.command("evaluate")
 def evaluate_command(
     model: str,
@@ -94,7 +167,7 @@ def evaluate_command(
     ] = None,
     reported_as: Annotated[str, typer.Option(help="with --metric: the evaluator name they are reported under")] = "cli",
     wait: Annotated[float, typer.Option(help="how long to wait for the platform's evaluation, seconds")] = 3600.0,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -106,7 +179,7 @@ def evaluate_command(
         if metric:
             results = _metric_values(metric)
             tenant_id = client.signing_keys()[0]
-            signer = signer_for(get_settings().data_dir, tenant_id)
+            signer = tenant_keys.signer(tenant_id)
             client.register_key(signer, tenant_id)
             recorded = client.record_evaluation(model, version, evaluator=reported_as, results=results, signer=signer)
             out.print(
@@ -184,7 +257,7 @@ def sanity_command(
         Path | None, typer.Option(exists=True, file_okay=False, help="its parent version's files, to compare with")
     ] = None,
     threshold: Annotated[float, typer.Option(help="relative change of a tensor's L2 norm worth naming")] = 0.5,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """The weight-sanity evaluator on a directory: NaN and Inf counts, L2 norms and their change
     against the parent, tensors and files added, removed or reshaped. Exits 1 when a tensor holds

@@ -16,7 +16,7 @@ from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 
-from gpucloud.cli.common import api_client, console, reported_errors
+from gpucloud.cli.common import Output, api_client, console, id_column, print_table, reported_errors
 from gpucloud.models.node_states import NodeState
 
 if TYPE_CHECKING:
@@ -42,9 +42,21 @@ def _fetch(api: Gpucloud, state: str | None, limit: int) -> tuple[list[NodePubli
 
 
 def _render(nodes: list[NodePublic], summary: dict) -> Group:
-    table = Table(title=f"nodes ({len(nodes)} shown of {summary['total']})")
-    for col in ("id", "state", "health", "power", "gpu", "rack", "allocation", "flags"):
-        table.add_column(col)
+    return Group(_nodes_table(nodes, summary), _counts(summary))
+
+
+def _nodes_table(nodes: list[NodePublic], summary: dict) -> Table:
+    table = Table(
+        id_column("id"),
+        "state",
+        "health",
+        "power",
+        "gpu",
+        "rack",
+        id_column("allocation"),
+        "flags",
+        title=f"nodes ({len(nodes)} shown of {summary['total']})",
+    )
     for node in nodes:
         n = node.model_dump(mode="json")
         flags = ",".join(
@@ -68,8 +80,11 @@ def _render(nodes: list[NodePublic], summary: dict) -> Group:
             n["allocation_id"] or "",
             flags,
         )
-    counts = "  ".join(f"{k}: {v}" for k, v in sorted(summary["by_state"].items()))
-    return Group(table, f"by state  {counts}")
+    return table
+
+
+def _counts(summary: dict) -> str:
+    return "by state  " + "  ".join(f"{k}: {v}" for k, v in sorted(summary["by_state"].items()))
 
 
 def _power(node: dict) -> str:
@@ -86,7 +101,7 @@ def nodes(
     state: Annotated[str | None, typer.Option(help="only nodes in this state")] = None,
     watch: Annotated[bool, typer.Option(help="refresh every 2 s until Ctrl-C")] = False,
     limit: Annotated[int, typer.Option(help="at most this many rows")] = 200,
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """List nodes (an operator's token: GPUCLOUD_API__OPERATOR_TOKEN or the context's, `gpucloud config view`)."""
     try:
@@ -97,7 +112,9 @@ def nodes(
                 print(json.dumps(body, indent=2))
                 return
             if not watch:
-                console.print(_render(*_fetch(api, state, limit)))
+                listed, summary = _fetch(api, state, limit)
+                print_table(_nodes_table(listed, summary))
+                console.print(_counts(summary))
                 return
             with Live(_render(*_fetch(api, state, limit)), console=console, refresh_per_second=2) as live:
                 while True:
@@ -124,7 +141,7 @@ def _lifecycle_command(action: str, summary: str):
     def command(
         node_id: str,
         reason: Annotated[str, typer.Option(help="recorded in the node's events (a vendor's case, say)")] = "",
-        output: Annotated[str, typer.Option(help="table or json")] = "table",
+        output: Output = "table",
     ) -> None:
         _lifecycle(node_id, action, reason, output)
 
@@ -139,7 +156,7 @@ def power(
     reason: Annotated[str, typer.Option(help="recorded in the node's events")] = "",
     wait: Annotated[bool, typer.Option(help="wait until the BMC's power state shows it")] = True,
     timeout: Annotated[float, typer.Option(help="seconds to wait")] = 300.0,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """Power a node on or off, or cycle it, through its BMC (Redfish)."""
     with reported_errors(), api_client(operator=True) as api:
@@ -168,7 +185,7 @@ def enroll(
             "and ssh_host (its address on the tenants' network) with ssh_port (default 22)"
         ),
     ],
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """Enroll nodes: recorded, then each brought up (inspection, wipe, burn-in) once its agent answers."""
     try:
@@ -197,7 +214,7 @@ def credential(
         Path | None,
         typer.Option(help="write it here (0600) instead of printing it; copy it to the node's --token-file"),
     ] = None,
-    output: Annotated[str, typer.Option(help="table or json (the token, or where it was written)")] = "table",
+    output: Output = "table",
 ) -> None:
     """Issue the node's agent credential (the one before it stops working): the agent reports with it."""
     with reported_errors(), api_client(operator=True) as api:
@@ -235,7 +252,7 @@ def bmc_systems(
     credential: Annotated[
         str, typer.Option(help="a credential reference in the secrets directory (GPUCLOUD_BMC__CREDENTIALS_DIR)")
     ],
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """Discover the systems a BMC lists: what to enroll (bmc_url, bmc_system_id, bmc_credential_ref)."""
     from gpucloud import bootstrap
@@ -252,12 +269,12 @@ def bmc_systems(
     if output == "json":
         print(json.dumps([s.as_record() for s in systems], indent=2))
         return
-    table = Table(title=f"systems on {url}")
-    for col in ("system id", "name", "power", "manufacturer", "model", "serial", "cpus", "memory GiB", "BIOS"):
+    table = Table(id_column("system id"), title=f"systems on {url}")
+    for col in ("name", "power", "manufacturer", "model", "serial", "cpus", "memory GiB", "BIOS"):
         table.add_column(col)
     for s in systems:
         table.add_row(
             s.system_id, s.name or "", s.power_state or "", s.manufacturer or "", s.model or "",
             s.serial_number or "", str(s.cpu_count or ""), str(s.memory_gib or ""), s.bios_version or "",
         )  # fmt: skip
-    console.print(table)
+    print_table(table)

@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gpucloud.agent.workload_logs import DEFAULT_FILES, DEFAULT_MAX_BYTES, LogLimits
 from gpucloud.cli.allocation_ssh import allocations_ssh
-from gpucloud.cli.billing import invoices_app
-from gpucloud.cli.common import EXIT_CODES_HELP, begin_invocation, configure_logging, parse_duration
+from gpucloud.cli.billing import invoices_app, usage
+from gpucloud.cli.common import EXIT_CODES_HELP, Output, begin_invocation, configure_logging, parse_duration
 from gpucloud.cli.context_commands import config_app
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.operators import operators_app
@@ -243,6 +244,12 @@ def agent(
     container_runtime: Annotated[
         str | None, typer.Option(help="the CLI that runs workloads' images (default: podman, else docker, on PATH)")
     ] = None,
+    workload_log_max_bytes: Annotated[
+        int, typer.Option(min=1, help="bytes of a workload's output per log file before it rotates")
+    ] = DEFAULT_MAX_BYTES,
+    workload_log_files: Annotated[
+        int, typer.Option(min=1, help="log files of a workload's output kept (the current one and older ones)")
+    ] = DEFAULT_FILES,
     heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats to the control plane")] = 10.0,
     reading_s: Annotated[float, typer.Option(help="seconds between counter readings sent to it")] = 30.0,
     allow_simulated: Annotated[
@@ -288,6 +295,13 @@ def agent(
             "peer token for the node's tenant)"
         ),
     ] = None,
+    enrollment_file: Annotated[
+        Path,
+        typer.Option(
+            help="a re-imaged boot's config drive (the clean image places it here): its one-time enrollment "
+            "token is redeemed for the node's credential, which goes to --token-file"
+        ),
+    ] = Path("/run/gpucloud/config-drive/enrollment.json"),
     tenant_disk: Annotated[
         list[str] | None,
         typer.Option(
@@ -323,11 +337,12 @@ def agent(
         )
     if token_file.is_file():  # the credential the last wipe handed over wins over the first one
         token = token_file.read_text().strip()
-    if token is None:
+    if token is None and not enrollment_file.is_file():
         # Tenants have root on the nodes they rent: the operator token must not live there.
         raise typer.BadParameter(
-            f"the agent needs its node's credential: issue one with `POST /v1/nodes/{node_id}/agent-credential` "
-            "and pass it as --token (or GPUCLOUD_AGENT_TOKEN)",
+            f"the agent needs its node's credential: issue one with `gpucloud node credential {node_id}` "
+            "and pass it as --token (or GPUCLOUD_AGENT_TOKEN); a re-imaged boot enrolls from its config "
+            f"drive instead (none at {enrollment_file})",
             param_hint="--token",
         )
     agent_main(
@@ -350,10 +365,12 @@ def agent(
         tls=web_tls.ServerTLS(tls_cert, tls_key) if tls_cert and tls_key else None,
         insecure=insecure,
         container_runtime=container_runtime,
+        workload_logs=LogLimits(max_bytes=workload_log_max_bytes, files=workload_log_files),
         metrics_token=metrics_token,
         weights_dir=weights_dir,
         image_digest_file=image_digest_file,
         tenant_disks=disks,
+        enrollment_file=enrollment_file,
         ssh_user=ssh_user or settings.agent.ssh_user,
         authorized_keys=authorized_keys,
     )
@@ -459,7 +476,7 @@ def migrate(
         bool, typer.Option("--check", help="change nothing; exit 1 unless every database is current")
     ] = False,
     ledger: Annotated[bool, typer.Option(help="the ledger's database too")] = True,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """Bring the control-plane database (and the ledger's) to this release's schema. Safe to run
     from several hosts at once (one migrates, the others wait and find it current); the API, the
@@ -506,7 +523,7 @@ def migrate(
 @app.command()
 def prepare(
     ledger: Annotated[bool, typer.Option(help="the ledger's database and price book too")] = True,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: Output = "table",
 ) -> None:
     """Prepare a deployment before its processes start: migrate both databases, create the shared
     secrets where missing (where each lives is shown, never its value), the Temporal namespace and
@@ -538,6 +555,7 @@ def prepare(
 app.command()(sim)
 app.command("fabric-managers")(fabric_managers)
 app.command()(nodes)
+app.command()(usage)
 app.add_typer(node_app, name="node")
 app.add_typer(bmc_app, name="bmc")
 app.add_typer(weights_app, name="weights")

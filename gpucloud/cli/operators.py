@@ -12,8 +12,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, parse_duration, reported_errors
-from gpucloud.cli.resources import Output, _when, emit
+from gpucloud.cli.common import ApiKey, ApiUrl, Output, api_client, console, parse_duration, reported_errors
+from gpucloud.cli.resources import _when, emit
 from gpucloud.models.operator_roles import Role
 
 operators_app = typer.Typer(no_args_is_help=True, help="Operator accounts (admin): create, list, rotate, revoke.")

@@ -10,18 +10,31 @@ send an Idempotency-Key, so a command run again after a lost answer does not cre
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Iterable
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import typer
 from pydantic import BaseModel
 from rich.table import Table
 
 from gpucloud.cli.allocation_ssh import node_table
-from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, reported_errors
+from gpucloud.cli.common import (
+    ApiKey,
+    ApiUrl,
+    Output,
+    WideOutput,
+    api_client,
+    console,
+    err,
+    id_column,
+    print_table,
+    reported_errors,
+)
+from gpucloud.cli.workload_options import workload_from_options
 
-Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 Wait = Annotated[bool, typer.Option("--wait/--no-wait", help="follow the operation until it ends")]
 Timeout = Annotated[float, typer.Option(help="with --wait: give up after this many seconds (exit 5)")]
 
@@ -31,20 +44,22 @@ def _when(value: Any) -> str:
 
 
 def emit(output: str, rows: Iterable[BaseModel] | BaseModel, table: Table | None = None) -> None:
-    """Print `rows` as JSON (one object, or a list) or as `table` (already filled)."""
-    if output not in ("table", "json"):
-        raise typer.BadParameter("table or json", param_hint="--output")
+    """Print `rows` as JSON (one object, or a list) or as `table` (already filled; `wide` too)."""
     if output == "json":
         data = (
             rows.model_dump(mode="json") if isinstance(rows, BaseModel) else [r.model_dump(mode="json") for r in rows]
         )
         print(json.dumps(data, indent=2))
     elif table is not None:
-        console.print(table)
+        print_table(table)
+
+
+# The columns that hold ids, printed whole at any terminal width (`common.id_column`).
+_ID_HEADERS = {"id", "tenant", "node", "resource", "workflow", "replaced by"}
 
 
 def _table(title: str, *columns: str) -> Table:
-    return Table(*columns, title=title)
+    return Table(*(id_column(c) if c in _ID_HEADERS else c for c in columns), title=title)
 
 
 # ---------------------------------------------------------------- tenants (operator)
@@ -89,15 +104,15 @@ def tenants_show(tenant_id: str, output: Output = "table", api_url: ApiUrl = Non
             json.dumps({"tenant": tenant.model_dump(mode="json"), "quotas": quotas.model_dump(mode="json")}, indent=2)
         )
         return
-    console.print(_tenant_table([tenant]))
+    print_table(_tenant_table([tenant]))
     table = _table(f"quotas (default {quotas.default_gpus} GPUs)", "GPU type", "region", "max GPUs")
     for q in quotas.quotas:
         table.add_row(q.gpu_type, q.region, str(q.max_gpus))
-    console.print(table)
+    print_table(table)
     usage = _table("GPUs in use", "GPU type", "region", "GPUs", "of")
     for u in quotas.usage:
         usage.add_row(u.gpu_type, u.region, str(u.usage_gpus), str(u.max_gpus))
-    console.print(usage)
+    print_table(usage)
 
 
 @tenants_app.command("create")
@@ -135,7 +150,7 @@ def tenants_create(
         body = {**accepted.model_dump(mode="json"), **tenant.model_dump(mode="json")}
         print(json.dumps(body | {"operation": operation.model_dump(mode="json")}, indent=2))
     else:
-        console.print(_tenant_table([tenant]))
+        print_table(_tenant_table([tenant]))
         console.print(f"operation {operation.id}: {operation.status} {operation.error or ''}")
     _fail_on(operation)
 
@@ -174,19 +189,22 @@ def _fail_on(operation: Any) -> None:
 allocations_app = typer.Typer(no_args_is_help=True, help="Allocations: list, show, create, cancel, ssh.")
 
 
-def _allocation_table(allocations: list) -> Table:
-    table = _table("allocations", "id", "tenant", "status", "GPU type", "region", "nodes", "fabric domain", "created")
-    for a in allocations:
-        table.add_row(
-            a.id,
-            a.tenant_id,
-            a.status + (f" ({a.failure_reason})" if a.failure_reason else ""),
-            a.gpu_type,
-            a.region,
-            str(len(a.node_ids) or a.node_count or ""),
-            a.fabric_domain or "",
-            _when(a.created_at),
+def _allocation_table(allocations: list, *, wide: bool = False) -> Table:
+    """The allocations in 80 columns, ids whole; `wide` adds the tenant and fabric domain."""
+    if wide:
+        table = _table(
+            "allocations", "id", "tenant", "status", "GPU type", "region", "nodes", "fabric domain", "created"
         )
+    else:
+        table = _table("allocations", "id", "status", "nodes", "region", "created")
+    for a in allocations:
+        status = a.status + (f" ({a.failure_reason})" if a.failure_reason else "")
+        nodes = str(len(a.node_ids) or a.node_count or "")
+        if wide:
+            cells = [a.tenant_id, status, a.gpu_type, a.region, nodes, a.fabric_domain or ""]
+        else:
+            cells = [status, f"{nodes} {a.gpu_type}", a.region]
+        table.add_row(a.id, *cells, _when(a.created_at))
     return table
 
 
@@ -194,19 +212,19 @@ def _allocation_table(allocations: list) -> Table:
 def allocations_list(
     status: Annotated[str | None, typer.Option(help="only allocations in this status")] = None,
     tenant: Annotated[str | None, typer.Option(help="operator: one tenant's")] = None,
-    output: Output = "table",
+    output: WideOutput = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """The caller's allocations (the operator: everyone's), oldest first."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
         allocations = list(api.allocations.list(status=status, tenant_id=tenant))
-    emit(output, allocations, _allocation_table(allocations))
+    emit(output, allocations, _allocation_table(allocations, wide=output == "wide"))
 
 
 @allocations_app.command("show")
 def allocations_show(
-    allocation_id: str, output: Output = "table", api_url: ApiUrl = None, api_key: ApiKey = None
+    allocation_id: str, output: WideOutput = "table", api_url: ApiUrl = None, api_key: ApiKey = None
 ) -> None:
     """One allocation, its nodes (with the ssh command that reaches each) and its events."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
@@ -221,12 +239,56 @@ def allocations_show(
         }
         print(json.dumps(body, indent=2))
         return
-    console.print(_allocation_table([allocation]))
-    console.print(node_table(nodes) if nodes else "nodes: none yet")
+    print_table(_allocation_table([allocation], wide=output == "wide"))
+    if nodes:
+        print_table(node_table(nodes))
+    else:
+        console.print("nodes: none yet")
     table = _table("events", "at", "kind", "node", "actor", "reason")
     for e in events:
         table.add_row(_when(e.at), e.kind, e.node_id or "", e.actor, e.reason or "")
-    console.print(table)
+    print_table(table)
+
+
+@allocations_app.command("logs")
+def allocations_logs(
+    allocation_id: str,
+    node: Annotated[str | None, typer.Option(help="which node's workload (default: the allocation's first)")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the workload exits")] = False,
+    tail: Annotated[int | None, typer.Option(min=0, help="only the last N lines")] = None,
+    output: Annotated[
+        Literal["text", "json"],
+        typer.Option("--output", "-o", help="text, or json: one {node_id, text} object per line as it comes"),
+    ] = "text",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """What the workload on a node of the allocation printed (stdout and stderr), as it wrote it."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        if node is None:
+            node_ids = api.allocations.get(allocation_id).node_ids
+            if not node_ids:
+                err.print(f"allocation {allocation_id} has no nodes (yet): nothing ran")
+                raise typer.Exit(1)
+            node = node_ids[0]
+            if len(node_ids) > 1:
+                err.print(f"[dim]node {node} (of {len(node_ids)}; --node picks another)[/]")
+        terminal = sys.stdout.isatty()
+        for text in api.allocations.logs(allocation_id, node, tail=tail, follow=follow):
+            if output == "json":
+                sys.stdout.write(json.dumps({"node_id": node, "text": text}) + "\n")
+            else:
+                sys.stdout.write(shown_on_terminal(text) if terminal else text)
+            sys.stdout.flush()
+
+
+_CONTROLS = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\n\t"} | {127: "^?"}
+
+
+def shown_on_terminal(text: str) -> str:
+    """The workload's text with its control characters shown, not obeyed (`^[` for ESC): what a
+    program on the node printed must not move the reader's cursor, retitle its window or worse."""
+    return text.translate(_CONTROLS)
 
 
 @allocations_app.command("create")
@@ -235,16 +297,26 @@ def allocations_create(
     region: Annotated[str, typer.Option(help="the region to allocate in")],
     nodes: Annotated[int | None, typer.Option(help="whole nodes")] = None,
     nvl72_trays: Annotated[int | None, typer.Option(help="GB200: trays of one NVL72 rack instead of nodes")] = None,
+    command: Annotated[
+        str | None, typer.Option(help="the workload each node runs, as a shell would split it: 'python train.py'")
+    ] = None,
+    image: Annotated[str | None, typer.Option(help="a container image to run the workload in")] = None,
+    env: Annotated[list[str] | None, typer.Option(help="NAME=VALUE in the workload's environment (repeatable)")] = None,
+    ssh_key: Annotated[
+        list[Path] | None, typer.Option(help="a public key file let in to the nodes (repeatable)")
+    ] = None,
     wait: Wait = True,
     timeout: Timeout = 1800.0,
     output: Output = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Allocate nodes (or NVL72 trays); with --wait, until it is ready (or failed)."""
+    """Allocate nodes (or NVL72 trays), each running the workload the options name; with --wait,
+    until it is ready (or failed)."""
+    workload = workload_from_options(command=command, image=image, env=env or [], ssh_keys=ssh_key or [])
     with reported_errors(), api_client(api_url, api_key) as api:
         accepted = api.allocations.create(
-            gpu_type, region, nodes, nvl72_trays=nvl72_trays, idempotency_key=str(uuid.uuid4())
+            gpu_type, region, nodes, nvl72_trays=nvl72_trays, workload=workload, idempotency_key=str(uuid.uuid4())
         )
         allocation = accepted.allocation
         if wait:

@@ -17,13 +17,23 @@ from rich.console import Console
 from rich.progress import TextColumn
 from rich.table import Table
 
-from gpucloud.cli.common import ApiKey, ApiUrl, api_client, console, err, progress_bar, reported_errors
+from gpucloud.cli.common import (
+    ApiKey,
+    ApiUrl,
+    Output,
+    api_client,
+    console,
+    err,
+    id_column,
+    print_table,
+    progress_bar,
+    reported_errors,
+)
 
 if TYPE_CHECKING:
     from gpucloud.client.api import Gpucloud
     from gpucloud.models.rollout_messages import RolloutProgress
 
-Output = Annotated[str, typer.Option("--output", "-o", help="table or json")]
 rollout_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
@@ -162,9 +172,15 @@ def list_command(
     if output == "json":
         print(json.dumps([r.model_dump(mode="json") for r in rollouts], indent=2))
         return
-    table = Table(title="rollouts")
-    for column in ("rollout", "status", "model version", "allocation", "started", "ended"):
-        table.add_column(column, overflow="fold")  # ids are for copying: folded, never cut short
+    table = Table(
+        id_column("rollout"),
+        "status",
+        id_column("model version"),
+        id_column("allocation"),
+        "started",
+        "ended",
+        title="rollouts",
+    )
     for r in rollouts:
         table.add_row(
             r.rollout_id,
@@ -174,7 +190,7 @@ def list_command(
             f"{r.started_at:%Y-%m-%d %H:%M:%S}",
             f"{r.closed_at:%Y-%m-%d %H:%M:%S}" if r.closed_at else "",
         )
-    console.print(table)
+    print_table(table)
 
 
 def _command(name: str, rollout_id: str, reason: str, output: str, api_url: str | None, api_key: str | None) -> None:

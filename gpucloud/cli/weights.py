@@ -7,11 +7,13 @@ CLI's context: `gpucloud.cli.contexts`).
 A push (`gpucloud.registry.push`) chunks and hashes the directory locally, signs the manifest
 with the tenant's Ed25519 key, asks the API which chunks its store lacks, uploads only those, then
 posts the signed manifest. An interrupted push, run again, uploads only what is still missing.
-The signing key lives in `<data dir>/signing-keys/<tenant id>.ed25519` (mode 0600); it is created
-on the first push and registered with the API, which checks every manifest against it.
+The signing key lives in the CLI's per-user config folder (`gpucloud.cli.tenant_keys`:
+`~/.config/gpucloud/signing-keys/<tenant id>.ed25519`, mode 0600); it is created on the first push
+and registered with the API, which checks every manifest against it.
 
 A pull never trusts the API (`gpucloud.client.registry.pull_version`): any mismatch stops it
-with an error that names the chunk, file or key, and leaves nothing at the destination.
+with an error that names the chunk, file or key, and leaves nothing at the destination. It trusts
+this user's own signing key and the keys `gpucloud weights trust` added, nothing the API serves.
 """
 
 from __future__ import annotations
@@ -29,19 +31,24 @@ from rich.filesize import decimal as human_size
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from gpucloud.cli.common import ApiKey, ApiUrl, connect, console, err, parse_duration, reported_errors
-from gpucloud.client.base import ApiError
-from gpucloud.client.registry import (
-    RegistryClient,
-    RegistryPushTarget,
-    pull_version,
-    signer_for,
-    trust_key,
-    trusted_keys,
+from gpucloud.cli import tenant_keys
+from gpucloud.cli.common import (
+    ApiKey,
+    ApiUrl,
+    Output,
+    WideOutput,
+    connect,
+    console,
+    err,
+    id_column,
+    parse_duration,
+    print_table,
+    reported_errors,
 )
-from gpucloud.config import get_settings
+from gpucloud.client.base import ApiError
+from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, trusted_keys
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy
-from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, key_id_of
+from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, UnknownKeyError, key_id_of
 from gpucloud.registry.names import AliasName, split_ref
 from gpucloud.registry.pull import PullResult
 from gpucloud.registry.push import PushResult, PushStats, push
@@ -69,8 +76,6 @@ def parse_target(target: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- commands
-
-Output = Annotated[str, typer.Option("--output", "-o", help="table or json (progress then goes to stderr)")]
 
 
 def _client(
@@ -111,17 +116,28 @@ def _reported_errors() -> Iterator[None]:
                     err.print(failing_metrics_table(exc.body.get("failing_metrics", [])))
                 if exc.type == "signing-key-revoked":
                     err.print(
-                        f"the local signing key was revoked: move {get_settings().data_dir / 'signing-keys'}"
-                        "/<tenant id>.ed25519 away and push again to create and register a new one"
+                        f"the local signing key was revoked: move {tenant_keys.keys_dir() / 'signing-keys'}"
+                        "/<tenant id>.ed25519 away and push again to create and register a new one",
+                        highlight=False,
                     )
                 raise
     except IntegrityError as exc:
         err.print(f"[red]integrity check failed ({type(exc).__name__}):[/] {exc}")
+        if isinstance(exc, UnknownKeyError):
+            err.print(UNTRUSTED_KEY_HINT.format(folder=tenant_keys.keys_dir()), highlight=False)
         err.print("nothing was written to the destination")
         raise typer.Exit(2) from None
     except (httpx.HTTPError, OSError, ValueError) as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
+
+
+UNTRUSTED_KEY_HINT = (
+    "a pull trusts only this user's own signing key and the keys trusted here ({folder}), never one "
+    "the API serves: `gpucloud weights keys -o wide` lists the tenant's keys, their ids, and which are "
+    "trusted here; if you know the key is yours, `gpucloud weights trust PUBLIC_KEY` trusts it, then pull "
+    "again"
+)
 
 
 def _bars(console: Console) -> Progress:
@@ -193,11 +209,13 @@ def push_with_progress(
 
 
 def pull_with_progress(
-    client: RegistryClient, model: str, ref: str, dest: Path, *, console: Console, data_dir: Path | None = None
+    client: RegistryClient, model: str, ref: str, dest: Path, *, console: Console, keys_dir: Path | None = None
 ) -> PullResult:
     """`pull_version` with a progress bar of bytes and chunks verified, trusting only this
-    machine's keys (its own signing key and its keyring in `data_dir`, `gpucloud weights trust`)."""
-    trusted = trusted_keys(data_dir or get_settings().data_dir, client.signing_keys()[0])
+    user's keys (its own signing key and its keyring, `gpucloud weights trust`: `cli.tenant_keys`,
+    or those in `keys_dir`)."""
+    tenant_id = client.signing_keys()[0]
+    trusted = tenant_keys.trusted(tenant_id) if keys_dir is None else trusted_keys(keys_dir, tenant_id)
     with _bars(console) as bars:
         task = bars.add_task("pull", total=None, detail="")
         result = pull_version(
@@ -231,7 +249,7 @@ def push_command(
 ) -> None:
     """Push DIR as a new signed version of MODEL, uploading only the chunks the registry lacks."""
     with _reported_errors(), _client(api_url, api_key) as client:
-        signer = signer_for(get_settings().data_dir, client.signing_keys()[0])
+        signer = tenant_keys.signer(client.signing_keys()[0])
         lineage = Lineage(
             parent=_version_digest(client, model, parent) if parent else None,
             base_model=base_model,
@@ -270,40 +288,44 @@ def trust_command(
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Trust a key for this tenant's versions on this machine: pulls verify against this keyring
-    and this machine's own signing key only, never against keys the API serves."""
+    """Trust a key for this tenant's versions for this user: pulls verify against this keyring
+    (in the CLI's config folder) and this user's own signing key only, never against keys the API
+    serves."""
     with _reported_errors(), _client(api_url, api_key) as client:
         tenant_id = client.signing_keys()[0]
     try:
-        key_id = trust_key(get_settings().data_dir, tenant_id, public_key.lower(), label)
+        key_id = tenant_keys.trust(tenant_id, public_key.lower(), label)
     except ValueError as exc:
         raise typer.BadParameter(f"not an Ed25519 public key in hex: {exc}", param_hint="PUBLIC_KEY") from None
     if output == "json":
         print(json.dumps({"key_id": key_id, "tenant_id": tenant_id, "label": label}))
         return
-    out.print(f"trusting key {key_id} for {tenant_id} on this machine")
+    out.print(f"trusting key {key_id} for {tenant_id} (in {tenant_keys.keys_dir()})", highlight=False)
 
 
 @weights_app.command("keys")
 def keys_command(
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: WideOutput = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """The tenant's keys the registry lists, and whether this machine trusts each for pulls."""
+    """The tenant's keys the registry lists (the public key `weights trust` takes), and whether
+    this user trusts each for pulls; `-o wide` adds each key's id (what refusals name)."""
     with _reported_errors(), _client(api_url, api_key) as client:
         tenant_id, keys = client.signing_keys()
-    trusted = {key_id_of(k) for k in trusted_keys(get_settings().data_dir, tenant_id)}
+    trusted = {key_id_of(k) for k in tenant_keys.trusted(tenant_id)}
     rows = [
         {"key_id": k["key_id"], "public_key": k["public_key"], "trusted_here": k["key_id"] in trusted} for k in keys
     ]
     if output == "json":
-        out.print_json(data=rows)
+        print(json.dumps(rows, indent=2))
         return
-    table = Table("key", "public key", "trusted here", title=f"signing keys of {tenant_id}")
+    wide = output == "wide"
+    key_id = (id_column("key id"),) if wide else ()
+    table = Table(id_column("public key"), "trusted here", *key_id, title=f"signing keys of {tenant_id}")
     for row in rows:
-        table.add_row(row["key_id"], row["public_key"], "yes" if row["trusted_here"] else "no")
-    out.print(table)
+        table.add_row(row["public_key"], "yes" if row["trusted_here"] else "no", *((row["key_id"],) if wide else ()))
+    print_table(table, out=out)
 
 
 @weights_app.command("promote")
@@ -327,31 +349,41 @@ def promote_command(
 @weights_app.command("versions")
 def versions_command(
     model: str,
-    output: Annotated[str, typer.Option(help="table or json")] = "table",
+    output: WideOutput = "table",
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """List a model's versions, oldest first, with the platform's evaluation results and, apart,
-    what the tenant reported (which no gate accepts)."""
+    """List a model's versions, oldest first, digests in full, with the platform's evaluation
+    results and, apart, what the tenant reported (which no gate accepts); `-o wide` adds each
+    version's parent."""
     with _reported_errors(), _client(api_url, api_key) as client:
         versions = list(client.versions(model))
     if output == "json":
-        out.print_json(data=versions)
+        print(json.dumps(versions, indent=2))
         return
+    wide = output == "wide"
+    parent = (id_column("parent"),) if wide else ()
     table = Table(
-        "version", "created", "size", "parent", "aliases", "platform results", "reported", title=f"{model} versions"
+        id_column("version"),
+        "created",
+        "size",
+        *parent,
+        "aliases",
+        "platform results",
+        "reported",
+        title=f"{model} versions",
     )
     for v in versions:
         table.add_row(
-            v["digest"][:12],
+            v["digest"],
             v["created_at"][:19].replace("T", " "),
             human_size(v["total_size"]),
-            (v["parent"] or "")[:12],
+            *((v["parent"] or "",) if wide else ()),
             ", ".join(v["aliases"]),
             _metric_list(v["metrics"]),
             _metric_list(v.get("reported_metrics", {})),
         )
-    out.print(table)
+    print_table(table, out=out)
 
 
 def _metric_list(metrics: dict[str, float]) -> str:

@@ -46,6 +46,7 @@ from gpucloud.client.base import ApiClient, ApiError, ApiTimeout
 from gpucloud.models.health_tables import AllocationEventPublic
 from gpucloud.models.rollout_messages import RolloutProgress
 from gpucloud.models.tables import AllocationPublic, ApiKeyPublic, NodePublic, OperationPublic, TenantPublic
+from gpucloud.protocol.actions import Workload
 
 __all__ = ["ApiError", "ApiTimeout", "Gpucloud", "InvoiceDocument"]
 
@@ -86,9 +87,17 @@ class Allocations(_Resource):
         node_count: int | None = None,
         *,
         nvl72_trays: int | None = None,
+        workload: Workload | None = None,
         idempotency_key: str | None = None,
     ) -> AllocationAccepted:
-        request = {"gpu_type": gpu_type, "region": region, "node_count": node_count, "nvl72_trays": nvl72_trays}
+        """`workload`: what each node runs once provisioned (`Workload`: command, image, env, SSH keys)."""
+        request = {
+            "gpu_type": gpu_type,
+            "region": region,
+            "node_count": node_count,
+            "nvl72_trays": nvl72_trays,
+            "workload": _body(workload) if workload is not None else None,
+        }
         return self._create(AllocationAccepted, "/v1/allocations", _body(request), idempotency_key)
 
     def get(self, allocation_id: str) -> AllocationPublic:
@@ -107,6 +116,14 @@ class Allocations(_Resource):
     def nodes(self, allocation_id: str) -> AllocationNodes:
         """The allocation's nodes now, each with where it takes SSH while it is the allocation's."""
         return self._get(AllocationNodes, f"/v1/allocations/{allocation_id}/nodes")
+
+    def logs(self, allocation_id: str, node_id: str, *, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+        """The output of the workload on one node of the allocation (stdout and stderr as the
+        tenant's program wrote them: text, never interpreted), as it arrives: with `follow`, until
+        the workload exits or the API's longest follow ends."""
+        params = {"tail": tail, "follow": "true" if follow else None}
+        path = f"/v1/allocations/{allocation_id}/nodes/{node_id}/logs"
+        return self.api.stream_text(path, params={k: v for k, v in params.items() if v is not None})
 
     def wait(
         self,

@@ -145,6 +145,16 @@ class ApiClient:
     def get(self, path: str, **kwargs: Any) -> Any:
         return self.call("GET", path, **kwargs)
 
+    def stream_text(self, path: str, *, params: dict[str, Any] | None = None) -> Iterator[str]:
+        """A GET's text body piece by piece as it arrives (a followed log), without a read
+        timeout: the server bounds how long it streams. An error answer is `ApiError`."""
+        timeout = httpx.Timeout(None, connect=10.0)
+        with self.http.stream("GET", path, params=params, timeout=timeout) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise ApiError.from_response(response)
+            yield from response.iter_text()
+
     def create(self, path: str, body: dict[str, Any], *, idempotency_key: str | None = None) -> Any:
         """A create under an Idempotency-Key (a fresh one unless given), so it is safe to retry."""
         return self.call("POST", path, json=body, idempotency_key=idempotency_key or str(uuid.uuid4()))

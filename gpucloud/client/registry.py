@@ -341,10 +341,11 @@ def trust_key(data_dir: Path, tenant_id: str, public_key_hex: str, label: str = 
 
 
 def signer_for(data_dir: Path, tenant_id: str) -> Signer:
-    """The tenant's signing key from the data dir, created (mode 0600) on first use."""
+    """The tenant's signing key from `data_dir` (the CLI's: `cli.tenant_keys`), created (mode
+    0600) on first use."""
     path = data_dir / "signing-keys" / f"{tenant_id}.ed25519"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".new-key-")  # mkstemp creates it 0600
         try:
             with os.fdopen(fd, "w") as f:

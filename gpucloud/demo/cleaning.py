@@ -12,7 +12,7 @@ from rich.table import Table
 from gpucloud.demo.common import Demo, DemoFailed
 
 # The node's events that make a re-image out of band, in the order they must happen.
-REIMAGE_STEPS = ("image_inserted", "power_cycle", "image_verified")
+REIMAGE_STEPS = ("image_inserted", "power_cycle", "image_verified", "enrollment_handed", "agent_enrolled")
 
 
 def show_reimage(demo: Demo, node_id: str, *, seen: int, tenant: str) -> None:

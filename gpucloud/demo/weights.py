@@ -166,7 +166,7 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
         bad_dest = work / "pulled-corrupt"
         with _CorruptInTransit(api_url, api_key, victim) as tampered:
             try:
-                pull_with_progress(tampered, model, "production", bad_dest, console=console, data_dir=Path(data_dir))
+                pull_with_progress(tampered, model, "production", bad_dest, console=console, keys_dir=Path(data_dir))
             except IntegrityError as exc:
                 console.print(f"  [yellow]refused[/] ({type(exc).__name__}): {exc}")
             else:
@@ -176,7 +176,7 @@ def demo_weights(console: Console, api_url: str, api_key: str, data_dir: Path) -
 
         console.rule("weights: clean pull of production")
         pulled = pull_with_progress(
-            client, model, "production", work / "pulled", console=console, data_dir=Path(data_dir)
+            client, model, "production", work / "pulled", console=console, keys_dir=Path(data_dir)
         )
         if _tree(pulled.path) != _tree(v2_dir):
             raise DemoFailed("the pulled production version differs from what was pushed")

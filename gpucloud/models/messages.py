@@ -111,6 +111,18 @@ class ImageCheckResult(NodeRef):
     answer: str
 
 
+class EnrollmentInput(NodeRef):
+    """A checked re-image's step (`bmc_hand_enrollment`): the token is derived from it."""
+
+    request_id: str
+    actor: str = "system"
+
+
+class EnrollmentResult(NodeRef):
+    done: bool  # False: no config drive (the wipe hands the credential in band, weaker)
+    answer: str
+
+
 class AgentActionInput(NodeRef):
     agent_url: str
     request_id: str
@@ -119,6 +131,8 @@ class AgentActionInput(NodeRef):
     allocation_id: str | None = None
     # What a provision starts: the allocation's workload, in a process tree the agent owns.
     workload: Workload | None = None
+    # A wipe hands the agent the node's next credential, unless a re-image's config drive did.
+    hand_credential: bool = True
 
 
 class AgentActionResult(NodeRef):

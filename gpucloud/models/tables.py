@@ -353,6 +353,21 @@ class AgentCredential(SQLModel, table=True):
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
+class AgentEnrollment(SQLModel, table=True):
+    """A node's one-time enrollment token (`gpe_<node id>.<secret>`, `services.agent_enrollment`):
+    handed to the image a re-image booted through its BMC's virtual media (the config drive),
+    never to the agent that answered before. Only its hash is kept. Redeemed once
+    (`redeemed_at`) for the node's new agent credential, and worthless after `expires_at`."""
+
+    __tablename__ = "agent_enrollment"
+    node_id: str = Field(primary_key=True)
+    secret_hash: str
+    request_id: str  # the re-image step it was handed out for: a retry hands out the same token
+    issued_at: datetime = timestamp_field()
+    expires_at: datetime = Field(sa_type=UTCDateTime)
+    redeemed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
 # ---------------------------------------------------------------- allocations and operations
 
 

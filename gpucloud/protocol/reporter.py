@@ -21,6 +21,9 @@ from gpucloud.protocol.reports import (
 HEARTBEATS_PATH = "/v1/agents/heartbeats"
 READINGS_PATH = "/v1/agents/readings"
 EVENTS_PATH = "/v1/agents/events"
+# A re-imaged node's booted agent redeems its config drive's one-time token here
+# (`services/agent_enrollment.py`) for the node's new credential.
+ENROLL_PATH = "/v1/agents/enroll"
 
 
 class ReportClient:
@@ -41,6 +44,12 @@ class ReportClient:
 
     async def events(self, events: Sequence[XidEvent], *, credential: str | None = None) -> httpx.Response:
         return await self._post(EVENTS_PATH, XidEventBatch(events=list(events)), credential)
+
+    async def enroll(self, enrollment_token: str) -> httpx.Response:
+        """Redeem a config drive's one-time enrollment token: 200 with `{"credential": ...}`."""
+        headers = {"Authorization": f"Bearer {enrollment_token}"}
+        # A no-op auth: the client's own (the agent's current credential) would replace the token.
+        return await self.client.post(f"{self.base_url}{ENROLL_PATH}", headers=headers, auth=httpx.Auth())
 
     async def _post(self, path: str, batch: BaseModel, credential: str | None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {credential}"} if credential else None

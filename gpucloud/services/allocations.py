@@ -211,6 +211,32 @@ def record_event(
     )
 
 
+# What the tenant reads of the allocation workflow's own status changes (the API records
+# `requested` and `cancel_requested`, the replacement service `degraded`, `replaced` and a
+# replacement's `ready`): the kind of each event, and its reason when the change names none.
+STATUS_EVENTS: dict[AllocationStatus, tuple[str, str]] = {
+    AllocationStatus.READY: ("ready", "every node provisioned"),
+    AllocationStatus.RELEASED: ("released", "every node released"),
+    AllocationStatus.FAILED: ("failed", "the allocation failed"),
+}
+
+
+def record_status_event(session: Session, allocation: Allocation, previous: str) -> None:
+    """The event for the allocation's move from `previous` to its status now (none when it did not
+    move, or to a status the tenant learns of from another event)."""
+    if allocation.status == previous or (event := STATUS_EVENTS.get(AllocationStatus(allocation.status))) is None:
+        return
+    kind, reason = event
+    record_event(session, allocation, kind, reason=allocation.failure_reason or reason)
+
+
+def record_node_provisioning(session: Session, allocation_id: str, node_id: str) -> None:
+    """A node of the allocation starts provisioning (the first gang, or a replacement)."""
+    allocation = session.exec(select(Allocation).where(col(Allocation.id) == allocation_id)).first()
+    if allocation is not None:
+        record_event(session, allocation, "provisioning", node_id=node_id, reason=f"provisioning node {node_id}")
+
+
 def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id: str, actor: str) -> Operation | None:
     """Cancellation is intent: record desired=cancelled, with an operation and an allocation
     event that name `actor`; None when there is nothing left to do."""

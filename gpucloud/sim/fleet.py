@@ -58,9 +58,10 @@ from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
 from gpucloud.sim.nodes import Fleet, FleetSpec
 from gpucloud.sim.power import BmcLink, SimPower
+from gpucloud.sim.workload_logs_api import install_workload_logs
 from gpucloud.web import problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, OPEN_PATHS, Check, Gate, holds_token, query_value
-from gpucloud.web.service_tokens import Verifier, refusal_reason
+from gpucloud.web.service_tokens import Verifier, logs_refusal_reason, refusal_reason
 from gpucloud.web.tls import ServerTLS, scheme, serve_options
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,12 @@ def create_app(
         """What the agent would answer, and the simulated host's own state (the world's view)."""
         node = fleet.node(node_id)
         powered = power is None or node.id not in power.powered_off
-        world = {"unreachable": node.unreachable, "boot_id": node.boot_id, "powered": powered}
+        world = {
+            "unreachable": node.unreachable,
+            "boot_id": node.boot_id,
+            "powered": powered,
+            "credential_from": node.credential_from,
+        }
         # The image the host really booted (what a stand-in agent would claim differs).
         return Fleet.describe(node) | world | {"image_digest": node.image_digest}
 
@@ -343,6 +349,8 @@ def create_app(
         node.unreachable = req.unreachable
         return Fleet.describe(node) | {"unreachable": node.unreachable}
 
+    install_workload_logs(app, fleet)
+
     @app.get("/v1/heartbeats")
     async def heartbeats() -> list[Heartbeat]:
         return fleet.heartbeats()
@@ -359,7 +367,7 @@ def create_app(
     return app
 
 
-_NODE_PATH = re.compile(r"^/v1/nodes/([^/]+)/(actions|weights|chunks)/")
+_NODE_PATH = re.compile(r"^/v1/nodes/([^/]+)/(actions|weights|chunks|workload)/")
 
 
 def _callers(control_plane: Verifier | None, control_token: str | None) -> Check:
@@ -378,6 +386,9 @@ def _callers(control_plane: Verifier | None, control_token: str | None) -> Check
         if node is not None and node.group(2) == "chunks":
             swarm = query_value(scope, "swarm")
             return swarm_refusal(control_plane, swarm, problems.header(scope, b"authorization"), tenant=None)
+        if node is not None and node.group(2) == "workload":  # its output: a log reader's token too
+            reason = logs_refusal_reason(control_plane, problems.header(scope, b"authorization"), node_id=node.group(1))
+            return problems.unauthenticated(reason) if reason else None
         if node is not None:
             reason = refusal_reason(control_plane, problems.header(scope, b"authorization"), node_id=node.group(1))
             return problems.unauthenticated(reason) if reason else None

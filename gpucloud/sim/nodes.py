@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,6 +32,7 @@ from gpucloud.protocol.actions import (
 )
 from gpucloud.protocol.reports import Heartbeat, WorkloadStatus
 from gpucloud.sim.ssh import LOOPBACK, FleetSsh
+from gpucloud.sim.workload_output import SimulatedRun, simulate
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ class SimNode:
     workload_running: bool = False
     # The command the allocation's provision started (a simulated node runs nothing).
     workload: list[str] | None = None
+    # How the simulator plays that workload (`sim/workload_output.py`), and when it started
+    # (the fleet's clock).
+    workload_run: SimulatedRun | None = None
+    workload_started_s: float = 0.0
     allocation_id: str | None = None  # what the last provision named (metering)
     actions_done: int = 0
     boot_id: int = 0
@@ -106,6 +112,8 @@ class SimNode:
     hardware_fault: str | None = None  # what burn-in finds wrong, until a repair fixes it
     fault_fixed_by: AgentAction | None = None  # the mildest repair rung that fixes it; None: nothing does
     credential: str | None = None  # the agent credential the last wipe handed over
+    # Where it came from: "in_band" (a wipe's) or "config_drive" (a re-image's one-time enrollment).
+    credential_from: str | None = None
     # What the node's agent reports it booted: the sha256 of the image its BMC's virtual CD held
     # at power-on (`sim/power.py`), None when it booted from its disk.
     image_digest: str | None = None
@@ -130,6 +138,7 @@ class Fleet:
         self.spec = spec
         self.rng = random.Random(spec.seed)
         self.nodes: dict[str, SimNode] = {}
+        self.clock: Callable[[], float] = time.monotonic  # what a simulated workload's time runs on
         # Called after every action that may have started or stopped a node's workload (metering).
         self.on_workload_change: Callable[[SimNode], Awaitable[None]] | None = None
         # Each node's BMC as enrollment names it (`sim/power.py`), when the fleet has BMCs.
@@ -260,11 +269,20 @@ class Fleet:
                 tenant_id=n.tenant_id,
                 workload_running=n.workload_running,
                 boot_id=str(n.boot_id),
-                workload=WorkloadStatus(state="running", allocation_id=n.allocation_id) if n.workload else None,
+                workload=self.workload_status(n),
             )
             for n in self.nodes.values()
             if not n.unreachable
         ]
+
+    def workload_status(self, node: SimNode) -> WorkloadStatus | None:
+        """What the node's agent reports of its workload: running, or exited with its status."""
+        if node.workload is None:
+            return None
+        if node.workload_run is None:
+            return WorkloadStatus(state="running", allocation_id=node.allocation_id)
+        state, code = node.workload_run.status(self.clock() - node.workload_started_s)
+        return WorkloadStatus(state=state, allocation_id=node.allocation_id, exit_code=code, isolation="simulated")
 
     @staticmethod
     def describe(node: SimNode) -> dict:
@@ -287,7 +305,8 @@ class SimulatedHardware:
     the core does not remember, so a retry runs it; permanent: 422); burn-in finds the node's
     hardware fault until the repair rung that fixes it has run; a reboot or reflash boots anew
     (a reflash also loses the tenant's data); a wipe's cleaning is answered step by step as the
-    real agent answers it; a provision's workload is noted, not run; each change of the workload
+    real agent answers it; a provision's workload is never run,
+    its output and end synthesized from its command (`sim/workload_output.py`); each change of the workload
     reaches the fleet's `on_workload_change` (metering). A stand-in agent reports the image it
     claims, not the one it booted."""
 
@@ -311,12 +330,20 @@ class SimulatedHardware:
         return None
 
     async def start_workload(self, req: ActionRequest) -> Outcome | None:
-        self.node.allocation_id = req.allocation_id
-        self.node.workload = list(req.workload.command) if req.workload else None
+        node = self.node
+        same = node.workload_run is not None and node.allocation_id == req.allocation_id
+        node.allocation_id = req.allocation_id
+        node.workload = list(req.workload.command) if req.workload else None
+        if req.workload is None:
+            node.workload_run = None
+        elif not same:  # as the real agent: the workload already running for it is kept
+            node.workload_run = simulate(req.workload, allocation_id=req.allocation_id)
+            node.workload_started_s = self.fleet.clock()
         return None
 
     async def stop_workload(self) -> Outcome | None:
         self.node.workload = None
+        self.node.workload_run = None
         return None
 
     async def install_ssh_keys(self, keys: Sequence[str]) -> Outcome | None:
@@ -334,7 +361,7 @@ class SimulatedHardware:
         return _cleaning(self.node), None
 
     def take_credential(self, credential: str) -> None:
-        self.node.credential = credential
+        self.node.credential, self.node.credential_from = credential, "in_band"
 
     async def settle(self, action: AgentAction, req: ActionRequest, *, started_ms: int) -> NodeFacts:
         node = self.node

@@ -12,21 +12,30 @@ when a system is read), so it happens whether or not the control plane is pollin
   fault a reboot fixes. A boot with an image in the system's virtual CD (the emulator fetched
   it at insert and names its copy in the system's `boot_image`) boots that image: the agent
   reports its sha256 (`image_digest`); a boot without one reports none.
+- A config drive in the system's virtual floppy (the emulator fetched it from the API at insert,
+  with the node's one-time enrollment token as its basic credentials) is read by the booted
+  image's agent, which redeems the token at the API for the node's new agent credential
+  (`services/agent_enrollment.py`). A stand-in agent the tenant left behind never boots, so it
+  never sees one: the control plane inserts the drive only after the booted image checked out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from gpucloud.protocol.actions import AgentAction
+from gpucloud.protocol.reporter import ReportClient
 from gpucloud.sim.bmc import CREDENTIAL_REF, USERNAME, system_id_of
 from gpucloud.sim.nodes import Fleet, SimNode
+from gpucloud.web import tls
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +55,7 @@ class SimPower:
         self._tasks: set[asyncio.Task] = set()
         self.powered_off: set[str] = set()
         self.boot_media: dict[str, str] = {}  # node id -> the emulator's copy of its inserted CD
+        self.config_drives: dict[str, str] = {}  # node id -> its config drive's copy, once redeemed
 
     def inventory_fields(self, node_id: str) -> dict:
         return {
@@ -68,6 +78,10 @@ class SimPower:
             self.boot_media[node.id] = str(path)
         else:
             self.boot_media.pop(node.id, None)
+        drive, _, drive_in = ((system.get("boot_image") or {}).get("Floppy") or (None, False, False))[:3]
+        if drive_in and drive and self.config_drives.get(node.id) != drive and node.id not in self.powered_off:
+            self.config_drives[node.id] = str(drive)
+            self._spawn(self._enroll(node, str(drive)))
         pending = system.get("pending_power")
         if pending:
             self._spawn(self._read_at(node, float(pending.get("apply_time", time.time()))))
@@ -92,6 +106,29 @@ class SimPower:
         node.image_digest = _digest(self.boot_media.get(node.id))
         node.unreachable = False
         log.info("%s booted (boot %d)", node.id, node.boot_id)
+
+    async def _enroll(self, node: SimNode, drive: str) -> None:
+        """The booted image's agent reads its config drive and redeems the one-time token there
+        for the node's new credential (a few tries while the API is unreachable)."""
+        try:
+            config = json.loads(await asyncio.to_thread(Path(drive).read_text, encoding="utf-8"))
+            token, api_url = str(config["enrollment_token"]), str(config["api_url"])
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("%s: the config drive %s is unreadable: %s", node.id, drive, exc)
+            return
+        for _ in range(5):
+            try:
+                async with httpx.AsyncClient(timeout=10, verify=tls.client_verify()) as client:
+                    answer = await ReportClient(client, api_url).enroll(token)
+                if answer.status_code == 200:
+                    node.credential, node.credential_from = answer.json()["credential"], "config_drive"
+                    log.info("%s enrolled from its config drive", node.id)
+                    return
+                log.warning("%s: enrollment refused (%d): %s", node.id, answer.status_code, answer.text[:300])
+                return
+            except httpx.HTTPError as exc:
+                log.warning("%s: enrollment not delivered: %s", node.id, exc)
+            await asyncio.sleep(1.0)
 
     async def _read_at(self, node: SimNode, apply_time: float) -> None:
         """Read the system once its change is due: the emulator applies it and notifies again."""

@@ -103,6 +103,25 @@ def agent_audience(node_id: str) -> str:
     return f"agent:{node_id}"
 
 
+LOG_READER = "log-reader"
+"""The role of a token that reads one node's workload output and nothing else (`agent_logs_audience`):
+what the API mints with its delegate to serve a tenant's `.../logs`. It opens no action, no
+weights and no peer route, and names one node, so a token captured there opens no other."""
+AGENT_LOGS_AUDIENCES = "agent-logs:*"
+"""What a delegate's certificate lists to mint `agent_logs_audience` tokens for every node."""
+
+
+def agent_logs_audience(node_id: str) -> str:
+    return f"agent-logs:{node_id}"
+
+
+def _allows(audiences: frozenset[str], audience: str) -> bool:
+    """Whether a certificate's `audiences` hold `audience`: by name, or as `<family>:*`, every
+    audience of that family (`agent-logs:*`: each node's output)."""
+    family, sep, _ = audience.partition(":")
+    return audience in audiences or (bool(sep) and f"{family}:*" in audiences)
+
+
 def swarm_audience(swarm: str) -> str:
     """The audience of a node's tokens for one rollout's fan-out (its swarm)."""
     return f"swarm:{swarm}"
@@ -260,7 +279,7 @@ class Verifier:
             raise InvalidToken(f"role {claims.get('role')!r} may not call {audience}")
         expires_at = float(claims["exp"])
         if delegation is not None:
-            if audience not in delegation.audiences or claims["role"] not in delegation.roles:
+            if not _allows(delegation.audiences, audience) or claims["role"] not in delegation.roles:
                 raise InvalidToken(
                     f"the delegate's certificate does not allow {claims['role']!r} tokens for {audience}"
                 )
@@ -333,6 +352,18 @@ def refusal_reason(verifier: Verifier | None, authorization: str | None, *, node
     except InvalidToken as exc:
         return f"only the control plane calls the agent of {node_id} ({exc})"
     return None
+
+
+def logs_refusal_reason(verifier: Verifier | None, authorization: str | None, *, node_id: str) -> str | None:
+    """Why a node's agent refuses to hand over its workload's output: neither a log reader's token
+    for that node nor the control plane's own; None when it may (or there is no `verifier`)."""
+    if verifier is None:
+        return None
+    try:
+        verifier.check_header(authorization, audience=agent_logs_audience(node_id), roles=(LOG_READER,))
+        return None
+    except InvalidToken:
+        return refusal_reason(verifier, authorization, node_id=node_id)
 
 
 def refusal(verifier: Verifier | None, authorization: str | None, *, node_id: str) -> JSONResponse | None:

@@ -37,6 +37,7 @@ from gpucloud.activities.tenant import TenantActivities
 from gpucloud.bootstrap import ControlPlane
 from gpucloud.config import Settings
 from gpucloud.observability import tracing
+from gpucloud.services.agent_enrollment import CONFIG_DRIVE_PATH
 from gpucloud.web.metrics import TemporalMetrics, install_metrics
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
@@ -107,6 +108,8 @@ def build_worker(
                 boot_wait_s=settings.bmc.boot_wait_s,
                 firmware_image_uri=settings.bmc.firmware_image_uri,
                 clean_image=(settings.bmc.clean_image_url, settings.bmc.clean_image_sha256),
+                enrollment=bootstrap.enrollment_tokens(cp),
+                config_drive_url=f"{settings.api_url}{CONFIG_DRIVE_PATH}",
             ).all(),
             *FabricActivities(cp.db, cp.fabric).all(),
             *tenant.all(),

@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.models.messages import (
         AgentActionInput,
         BmcPowerInput,
+        EnrollmentInput,
         ImageCheckInput,
         NodeOperationInput,
         NodeOperationKind,
@@ -116,6 +117,7 @@ class NodeOperationWorkflow:
         self._has_bmc = False
         self._agent_reachable = True
         self._answer: dict = {}  # the agent's answer to the last action (a re-image reads its boot)
+        self._enrolled_out_of_band = False  # a re-image's config drive handed the next credential
 
     @workflow.query
     def state(self) -> str:
@@ -303,7 +305,27 @@ class NodeOperationWorkflow:
             actor=f"workflow:{workflow.info().workflow_id}",
         )
         result = await workflow.execute_activity_method(BmcActivities.bmc_check_image, check, **options.BMC)
-        return None if result.ok else f"re-image check failed: {result.answer}"
+        if not result.ok:
+            return f"re-image check failed: {result.answer}"
+        # Only the checked boot gets the node's next credential: through the image's config
+        # drive, never through the agent that answered before (nor the wipe that follows).
+        self._steps_taken += 1
+        info = workflow.info()
+        enroll = EnrollmentInput(
+            node_id=self._inp.node_id,
+            request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}",
+            actor=f"workflow:{info.workflow_id}",
+        )
+        try:
+            enrolled = await workflow.execute_activity_method(
+                BmcActivities.bmc_hand_enrollment, enroll, **options.BMC_ENROLLMENT
+            )
+        except ActivityError as err:
+            if is_cancelled_exception(err):
+                raise
+            return f"enrollment of the re-imaged node failed: {failure_message(err)}"
+        self._enrolled_out_of_band = enrolled.done
+        return None
 
     async def _power(self, action: str, *, cause: str) -> str | None:
         """A power action through the node's BMC, waiting for its agent after an on or a cycle;
@@ -347,6 +369,7 @@ class NodeOperationWorkflow:
             tenant_id=self._inp.tenant_id,
             allocation_id=self._inp.allocation_id if action == A.PROVISION else None,
             workload=self._inp.workload if action == A.PROVISION else None,
+            hand_credential=not (action == A.WIPE and self._enrolled_out_of_band),
         )
         try:
             done = await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)

@@ -85,6 +85,12 @@ AGENT_BATCH = _options(_min(30), _s(1), _s(30), attempts=5, heartbeat=_s(60))
 # credentials, no such system, a power state that never follows) is not retried.
 BMC_ATTEMPTS = 4
 BMC = _options(_min(30), _s(2), _s(30), attempts=BMC_ATTEMPTS)
+# Handing a re-imaged node its config drive and waiting for its booted agent to enroll
+# (`bmc.boot_wait_s`): a lost worker is noticed by the missing heartbeat; a token not redeemed in
+# time is final (the node fails closed).
+BMC_ENROLLMENT = _options(
+    _min(30), _s(2), _s(30), attempts=BMC_ATTEMPTS, permanent=("AgentDidNotEnroll",), heartbeat=_s(60)
+)
 
 # A call to the billing ledger, a separate service that may be down for hours: retried with
 # growing delays for as long as it takes (allocation events must get there, and usage for an

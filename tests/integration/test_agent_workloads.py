@@ -223,6 +223,28 @@ def test_an_image_the_node_cannot_run_is_a_clear_refusal(tmp_path):
     assert _act(ran, "release", "r1")[0] == 200
 
 
+def test_a_container_workload_s_output_is_read_through_the_runtime_and_its_log_driver_is_bounded(tmp_path):
+    """Issue 40: a container's output is the runtime's (`logs`), rotated by its log driver."""
+    from support.agents import agent_test_client
+    from support.container_runtime import write_runtime
+
+    runtime = write_runtime(tmp_path / "runtime", ["train:1"])
+    agent = _container_agent(tmp_path, runtime)
+    script = "echo epoch-1; echo warn >&2; sleep 1; echo epoch-2"
+    workload = Workload(image="train:1", command=["sh", "-c", script])
+    assert _act(agent, "provision", "p1", tenant_id="t1", allocation_id="a1", workload=workload)[0] == 200
+    client = agent_test_client(agent)
+    # Followed while it runs: what it prints as it comes, until the container stops.
+    followed = client.get("/workload/logs", params={"follow": "true", "follow_s": 30})
+    assert followed.text == "epoch-1\nwarn\nepoch-2\n", followed.text
+    assert client.get("/workload/logs", params={"tail": 1}).text == "epoch-2\n"
+    calls = [json.loads(line) for line in (tmp_path / "runtime" / "calls.jsonl").read_text().splitlines()]
+    run = next(call for call in calls if call[0] == "run")
+    limits = agent.workloads.log_limits
+    assert f"max-size={limits.max_bytes}" in run and f"max-file={limits.files}" in run
+    assert _act(agent, "release", "r1")[0] == 200
+
+
 def test_a_workload_names_something_to_run():
     from pydantic import ValidationError
 

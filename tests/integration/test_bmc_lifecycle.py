@@ -309,19 +309,26 @@ async def test_a_released_node_is_reimaged_out_of_band_and_returns_only_through_
         events = _events(h, node_id)
         assert h.node(node_id)["state"] == "available", events[-6:]
         kinds = [e["event"] for e in events]
-        # Insert + one-time boot, power cycle, the booted image checked, then the wipe (which hands
-        # the new credential) and burn-in.
-        inserted, cycled, verified = (kinds.index(k) for k in ("image_inserted", "power_cycle", "image_verified"))
+        # Insert + one-time boot, power cycle, the booted image checked, then (only then) the
+        # one-time enrollment token in the image's config drive, redeemed by the booted agent;
+        # then the wipe (which hands no credential) and burn-in.
+        steps = ("image_inserted", "power_cycle", "image_verified", "enrollment_handed", "agent_enrolled")
+        inserted, cycled, verified, handed, enrolled = (kinds.index(k) for k in steps)
         to_burn_in = max(i for i, e in enumerate(events) if e["to_state"] == "burn_in")
-        assert inserted < cycled < verified < to_burn_in == len(events) - 2, [
+        assert inserted < cycled < verified < handed < enrolled < to_burn_in == len(events) - 2, [
             (e["event"], e["to_state"]) for e in events
         ]
+        assert "config drive inserted in Floppy" in events[handed]["cause"], events[handed]
+        assert "redeemed its one-time enrollment token" in events[enrolled]["cause"]
+        assert "Floppy ejected" in events[enrolled]["cause"], events[enrolled]
         assert "inserted in Cd; boot override Cd" in events[inserted]["cause"]
         assert f"booted sha256:{digest}" in events[verified]["cause"] and "Cd ejected" in events[verified]["cause"]
         assert events[-1]["to_state"] == "available" and events[-2]["to_state"] == "burn_in"
         assert "inband_wipe_only" not in kinds
         sim = h.sim.node(node_id)
-        assert h.sim.client.credential(node_id) != held  # the new credential went to the checked boot
+        # The new credential went to the checked boot through its config drive, not the wipe.
+        assert h.sim.client.credential(node_id) != held
+        assert h.sim.node(node_id)["credential_from"] == "config_drive"
         assert sim["boot_id"] != boot_before and sim["image_digest"] == f"sha256:{digest}"
 
 

@@ -230,15 +230,17 @@ async def test_no_capacity_degraded_until_capacity_frees(ready_fleet):
     assert kinds == ["fault_notice", "degraded", "waiting_for_capacity", "replacement_started", "replaced", "ready"]
 
 
-# What the tenant asked for (and who asked) is recorded too; these tests follow the health loop's.
-REQUESTS = {"requested", "cancel_requested"}
+# What the tenant asked for (and who asked) is recorded too, and the allocation's own life (its
+# nodes provisioning, its first ready, its release); these tests follow the health loop's.
+REQUESTS = {"requested", "cancel_requested", "provisioning", "released"}
+FIRST_READY = "every node provisioned"
 
 
 def _alloc_events(h, key: str, alloc_id: str) -> list[str]:
     """The allocation's events the health loop recorded, in order."""
     with h.client(key) as c:
         items = c.get(f"/v1/allocations/{alloc_id}/events").json()["items"]
-    return [e["kind"] for e in items if e["kind"] not in REQUESTS]
+    return [e["kind"] for e in items if e["kind"] not in REQUESTS and e["reason"] != FIRST_READY]
 
 
 async def test_fatal_xid_while_provisioning_is_replaced_before_the_allocation_is_ready(ready_fleet, tmp_path):

@@ -802,7 +802,8 @@ def _weights_cli(registry: Registry, tenant: Tenant):
     env = {
         "GPUCLOUD_API_URL": registry.url,
         "GPUCLOUD_API_KEY": tenant.key,
-        "GPUCLOUD_DATA_DIR": str(tenant.data_dir),
+        # The tenant's keys live in the CLI's config folder (`cli.tenant_keys`), not a data dir.
+        "GPUCLOUD_CONFIG": str(tenant.data_dir / "cli" / "config.yaml"),
         "COLUMNS": "200",
     }
     runner = CliRunner()
@@ -823,7 +824,7 @@ def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: P
     assert "pushed cli-model@" in run("push", str(source), "--model", "cli-model")
     again = run("push", str(source), "--model", "cli-model")
     assert "already existed (the same files and lineage): nothing new was registered" in again
-    key_file = tenant.data_dir / "signing-keys" / f"{tenant.id}.ed25519"
+    key_file = tenant.data_dir / "cli" / "signing-keys" / f"{tenant.id}.ed25519"
     assert key_file.stat().st_mode & 0o777 == 0o600  # created on the first push, private
     with tenant.http() as http:
         digest = http.get("/v1/models/cli-model/versions").json()["items"][0]["digest"]
@@ -962,7 +963,7 @@ def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
     assert done.exit_code == 0, done.output
     assert "removed 1 chunks" in done.output and not tenant.chunks.has(orphan_id)
     refused = runner.invoke(weights_app, ["gc", "--grace", "5m"], env=env)
-    assert refused.exit_code == 1 and "grace_period_seconds" in refused.output
+    assert refused.exit_code == 2 and "grace_period_seconds" in refused.output  # a 422: bad usage
     assert runner.invoke(weights_app, ["gc", "--grace", "soon"], env=env).exit_code == 2
 
 

@@ -30,10 +30,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from gpucloud.api.gate import ENROLLMENT_PATHS
 from gpucloud.config import RequestBodySettings
+from gpucloud.db import session_scope
 from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.api.callers import allowed_roles
 from gpucloud.ledger.app import create_app as ledger_app
+from gpucloud.services.agent_enrollment import EnrollmentTokens
 from gpucloud.web.service_tokens import (
     LEDGER_AUDIENCE,
     SWARM_MEMBER,
@@ -62,8 +65,15 @@ def issuer(tmp_path) -> Issuer:
     return load_or_create_issuer(tmp_path / "issuer_key.pem")
 
 
+# A re-imaged node's one-time enrollment token: the only credential of the enrollment paths.
+_ENROLLMENT = EnrollmentTokens("gate-test secret", ttl_s=3600)
+ENROLLMENT_TOKEN = _ENROLLMENT.token("n-1", "gate-test")
+
+
 @pytest.fixture
 def apps(tmp_path, db_url, issuer, temporal_env) -> dict[str, FastAPI]:
+    with session_scope(db_url) as session:
+        _ENROLLMENT.hand_out(session, "n-1", "gate-test")
     return servers(tmp_path, db_url, Verifier(issuer.public_key), temporal_env.client, BODIES)
 
 
@@ -77,6 +87,8 @@ def _authorized(issuer: Issuer, server: str, method: str, path: str) -> tuple[st
         return bearer(issuer.mint(swarm_audience(swarm), subject="node:n-1", role=role, tenant=PEER_TENANT))
 
     parts = path.split("/")
+    if server == "API" and path in ENROLLMENT_PATHS:
+        return path, bearer(ENROLLMENT_TOKEN)
     if server == "API":
         return path, bearer(OPERATOR_TOKEN)
     if server == "simulated fabric managers":

@@ -16,6 +16,8 @@ from gpucloud.models.operator_roles import ROLE_SCOPES, Role, Scope
 from support.operators import bearer, operator_api, role_token
 
 TENANT_ONLY = "tenant-only"  # operators are refused whatever their role
+# A re-imaged node's one-time enrollment token only (`api/gate.py`): an operator's token is 401.
+ENROLLMENT_ONLY = "enrollment-only"
 R, F, B, T, ADMIN = Scope.READ, Scope.FLEET, Scope.BILLING, Scope.TENANTS, Scope.OPERATORS
 
 ROUTES: dict[str, Scope | str] = {
@@ -23,11 +25,14 @@ ROUTES: dict[str, Scope | str] = {
     "POST /v1/agents/readings": F,
     "POST /v1/agents/heartbeats": F,
     "POST /v1/agents/ledger-token": B,  # an operator's ledger token may change the books
+    "GET /v1/agents/config-drive": ENROLLMENT_ONLY,
+    "POST /v1/agents/enroll": ENROLLMENT_ONLY,
     "POST /v1/allocations": TENANT_ONLY,
     "GET /v1/allocations/{allocation_id}": R,
     "GET /v1/allocations": R,
     "GET /v1/allocations/{allocation_id}/nodes": R,
     "GET /v1/allocations/{allocation_id}/events": R,
+    "GET /v1/allocations/{allocation_id}/nodes/{node_id}/logs": F,  # the tenant's program's text
     "POST /v1/allocations/{allocation_id}/cancel": F,
     "GET /v1/operations/{operation_id}": R,
     "POST /v1/tenants": T,
@@ -133,7 +138,9 @@ def test_every_operator_route_refuses_a_role_without_its_scope(tmp_path, role: R
             method, path = route.split(" ", 1)
             body = {} if method in ("POST", "PUT") else None
             resp = client.request(method, _concrete(path), headers=headers, json=body)
-            if needed == TENANT_ONLY:
+            if needed == ENROLLMENT_ONLY:
+                assert resp.status_code == 401 and "enrollment token" in resp.text.lower(), (route, resp.text)
+            elif needed == TENANT_ONLY:
                 assert resp.status_code == 403 and resp.json()["type"].endswith("forbidden"), (route, resp.text)
             elif needed in held:
                 assert resp.status_code != 403, (route, role, resp.text)

@@ -15,6 +15,9 @@ HOST:CONTAINER[:ro]` stands for a bind mount: the command runs in HOST when `--w
 CONTAINER, and an `--env` value naming CONTAINER names HOST (no mount namespace without root);
 `--network none` is recorded, not enforced.
 
+A detached container's stdout and stderr go to `containers/<name>.log` (its log driver), which
+`logs [--follow] [--tail N]` prints; `--log-opt` is recorded, not enforced.
+
 `write_runtime(dir, images)` puts an executable `docker` for it in `dir` and returns its path.
 """
 
@@ -98,14 +101,15 @@ class Runtime:
         exit_file = self.dir / "containers" / f"{name}.exit"
         exit_file.parent.mkdir(parents=True, exist_ok=True)
         script = 'trap "" HUP; "$@"; echo $? > "$EXIT_FILE"'
-        process = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, "sh", *command],
-            env={**env, "EXIT_FILE": str(exit_file)},
-            cwd="/",
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        with open(self._output(name), "wb") as output:  # the log driver's file
+            process = subprocess.Popen(
+                ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script, "sh", *command],
+                env={**env, "EXIT_FILE": str(exit_file)},
+                cwd="/",
+                stdout=output,
+                stderr=output,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 5
         while _init_of(process.pid) is None and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -132,6 +136,31 @@ class Runtime:
         finally:
             if "--rm" in options:
                 self._record(name).unlink(missing_ok=True)
+
+    def _output(self, name: str) -> Path:
+        return self.dir / "containers" / f"{name}.log"
+
+    def logs(self, args: list[str]) -> int:
+        """`logs [--follow] [--tail N|all] NAME`: the container's output, then with --follow what
+        it prints until it stops."""
+        if (record := self._existing(args[-1])) is None:
+            return 1
+        tail = args[args.index("--tail") + 1] if "--tail" in args else "all"
+        with open(self._output(args[-1]), "rb") as output:
+            lines = output.read().splitlines(keepends=True)
+            sys.stdout.buffer.write(b"".join(lines if tail == "all" else lines[len(lines) - int(tail) :]))
+            sys.stdout.flush()
+            while "--follow" in args:
+                if data := output.read():
+                    sys.stdout.buffer.write(data)
+                    sys.stdout.flush()
+                    continue
+                init = _init_of(record["pid"])
+                if init is None or not _alive(init):
+                    sys.stdout.buffer.write(output.read())
+                    return 0
+                time.sleep(0.05)
+        return 0
 
     def _existing(self, name: str, what: str = "container") -> dict | None:
         """The container's record; None, with docker's error on stderr, when there is none."""

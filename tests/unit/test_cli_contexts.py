@@ -66,7 +66,15 @@ def test_with_nothing_configured_a_command_says_what_to_do_and_creates_no_token(
         command = [sys.executable, "-m", "gpucloud.cli.main", *args]
         return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
 
-    for command in (["nodes"], ["allocations", "list"], ["weights", "versions", "llama"]):
+    for command in (
+        ["nodes"],
+        ["allocations", "list"],
+        ["weights", "versions", "llama"],
+        ["weights", "keys"],
+        ["weights", "trust", "00" * 32],
+        ["weights", "gates", "llama"],
+        ["usage"],
+    ):
         refused = gpucloud(*command)
         assert refused.returncode == 2, refused.stderr
         said = flat(refused.stderr)
