@@ -24,6 +24,8 @@ def test_demo_runs_end_to_end(tmp_path):
     # rotated key, and the second tenant offboarded.
     assert "two tenants, side by side" in output and "second node refused" in output
     assert "HTTP 404" in output and "rotated its key" in output and "globex offboarded" in output
+    # The tenant logs in to a node with its workload's SSH key; after the release the key is refused.
+    assert "`hostname` answers" in output and "refused after the release" in " ".join(output.split())
     # The health scenario: a GPU falls off the bus, its node is replaced, the allocation is ready.
     assert "XID 79 on" in output and "ready again" in output and "allocation events" in output
     # Rollouts: the production version out to the allocation, canary first, every node verified;
