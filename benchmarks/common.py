@@ -122,8 +122,9 @@ def reset_postgres(url: str) -> None:
 
 def onboard_tenant(api, name: str, *, timeout_s: float = 120) -> str:
     """Onboard a tenant through the API (operator client `api`) and wait until it is active;
-    returns its first API key."""
-    resp = api.post("/v1/tenants", json={"name": name})
+    returns its first API key. It is granted any type in any region (a tenant holds only what
+    is granted), up to 1,024 nodes of 8."""
+    resp = api.post("/v1/tenants", json={"name": name, "quotas": [{"gpu_type": "*", "region": "*", "max_gpus": 8192}]})
     resp.raise_for_status()
     accepted = resp.json()
     deadline = time.monotonic() + timeout_s

@@ -86,7 +86,8 @@ async def onboard_all(settings: Settings, names: list[str], concurrency: int) ->
         async def one(name: str) -> None:
             async with gate:
                 started = time.monotonic()
-                resp = await api.post("/v1/tenants", json={"name": name})
+                quotas = [{"gpu_type": "H100", "region": "us-east-1", "max_gpus": 8}]  # its one node
+                resp = await api.post("/v1/tenants", json={"name": name, "quotas": quotas})
                 if resp.status_code != 202:
                     failures.append(f"{name}: POST {resp.status_code} {resp.text[:200]}")
                     return

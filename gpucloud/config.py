@@ -216,9 +216,20 @@ class HealthSettings(BaseModel):
 
 
 class TenantSettings(BaseModel):
-    # A new tenant may hold this many GPUs of each type in each region unless its create
-    # request says otherwise (1,024 nodes of 8: the largest single allocation).
-    default_gpu_quota: int = 8192
+    @model_validator(mode="before")
+    @classmethod
+    def _no_default_quota(cls, data: object) -> object:
+        # There is no default GPU quota any more: a tenant holds exactly what an operator granted
+        # it (`services/quotas.py`). A deployment that still sets one expects every tenant to get
+        # it; ignoring that quietly would refuse its tenants' allocations with no word why.
+        if isinstance(data, dict) and "default_gpu_quota" in data:
+            raise ValueError(
+                "GPUCLOUD_TENANTS__DEFAULT_GPU_QUOTA is no longer read: tenants hold only the quotas granted "
+                "to them; remove it and grant quotas at onboarding (`gpucloud tenants create NAME --quota "
+                "H100:us-east-1=64`) or later (`gpucloud tenants quota TENANT_ID H100:us-east-1=64`)"
+            )
+        return data
+
     # How long onboarding may wait out outages of the fabric managers or the object store before
     # it gives up and undoes itself (an operator can extend it: the workflow's
     # `extend_deadline` signal).

@@ -21,6 +21,7 @@ from gpucloud.api.routers import (
     allocations,
     api_keys,
     billing,
+    catalog,
     enrollment,
     health,
     nodes,
@@ -29,6 +30,7 @@ from gpucloud.api.routers import (
     registry,
     rollouts,
     tenants,
+    whoami,
 )
 from gpucloud.config import Settings
 from gpucloud.observability import tracing
@@ -116,6 +118,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         rollouts,
         operators,
         enrollment,
+        catalog,
+        whoami,
     ):
         app.include_router(module.router)
 

@@ -11,9 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from gpucloud.ledger.schemas import (
     InvoiceOut,
+    UsageByType,
     UsageSummary,
 )
-from gpucloud.models.catalog import GPU_TYPES, MAX_NODES_PER_ALLOCATION, NVL72_GPU_TYPES, NVL72_TRAYS_PER_RACK
+from gpucloud.models.catalog import (
+    GPU_TYPES,
+    MAX_NODES_PER_ALLOCATION,
+    NVL72_GPU_TYPES,
+    NVL72_TRAYS_PER_RACK,
+    known_gpu_type,
+)
 from gpucloud.models.health_tables import (
     AllocationEventPublic,
     OperatorAlertPublic,
@@ -59,9 +66,9 @@ class AllocationRequest(BaseModel):
     @field_validator("gpu_type")
     @classmethod
     def _known_gpu(cls, v: str) -> str:
-        if v not in GPU_TYPES:
+        if (name := known_gpu_type(v)) is None:
             raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
-        return v
+        return name
 
     @field_validator("nvl72_trays")
     @classmethod
@@ -157,9 +164,11 @@ class QuotaRequest(BaseModel):
     @field_validator("gpu_type")
     @classmethod
     def _gpu(cls, v: str) -> str:
-        if v != quota_service.ANY and v not in GPU_TYPES:
+        if v == quota_service.ANY:
+            return v
+        if (name := known_gpu_type(v)) is None:
             raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}, or '*'")
-        return v
+        return name
 
     @field_validator("region")
     @classmethod
@@ -183,7 +192,10 @@ class TenantRequest(BaseModel):
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9-]*$")
     quotas: list[QuotaRequest] = Field(
-        default_factory=list, max_length=200, description="override the default quota per GPU type and region"
+        default_factory=list,
+        max_length=200,
+        description="the GPUs it may hold per GPU type and region; none given: it may allocate nothing until an "
+        "operator grants some (`PUT /v1/tenants/{id}/quotas`)",
     )
 
     @model_validator(mode="after")
@@ -225,15 +237,76 @@ class QuotaUsage(BaseModel):
     gpu_type: str
     region: str
     usage_gpus: int
-    max_gpus: int
-    quota: TenantQuotaBase = Field(description="the quota that applies (`*/*` with the default)")
+    usage_nodes: int
+    max_gpus: int = Field(description="what the quota that applies allows (0 where none is granted)")
+    quota: TenantQuotaBase | None = Field(
+        description="the granted quota that applies; null where none does (GPUs held before one was removed)"
+    )
 
 
 class QuotaReport(BaseModel):
     tenant_id: str
-    quotas: list[TenantQuotaBase]
-    default_gpus: int = Field(description="what applies where no quota matches")
+    quotas: list[TenantQuotaBase] = Field(
+        description="exactly what an operator granted: a type and region no row matches may not be allocated"
+    )
     usage: list[QuotaUsage]
+
+
+# ---------------------------------------------------------------- catalog and whoami
+
+
+class CatalogEntry(BaseModel):
+    gpu_type: str
+    region: str
+    nodes: int = Field(description="nodes of the type in the region in the fleet (retired and RMA'd ones not)")
+    available_nodes: int = Field(description="of them, nodes an allocation could take now")
+    gpus_per_node: int
+    price_per_gpu_hour_micro: int | None = Field(
+        description="the price book's price in force now, micro-units per GPU-hour (2490000 = 2.49); null where "
+        "the book does not price the type or billing is not configured (`prices_note`)"
+    )
+    discount_bp: int = Field(0, description="the calling tenant's committed-use discount, basis points")
+
+
+class Catalog(BaseModel):
+    """What the fleet offers: one entry per GPU type and region it has nodes of."""
+
+    items: list[CatalogEntry]
+    gpu_types: list[str] = Field(description="the GPU types on offer")
+    regions: list[str] = Field(description="the regions on offer")
+    price_book_version: int | None = Field(description="the ledger's price book version the prices come from")
+    prices_note: str | None = Field(None, description="why prices are missing, when they are")
+
+
+class PeriodUsage(BaseModel):
+    """What the ledger has metered for the tenant in the open billing period so far."""
+
+    period: str = Field(description="YYYY-MM (UTC)")
+    net_gpu_ms: int
+    net_amount_micro: int
+    by_gpu_type: list[UsageByType]
+
+
+class WhoamiKey(BaseModel):
+    id: str
+    prefix: str = Field(description="how the key begins (`gpc_<id>.`); the secret is never shown again")
+    created_at: datetime
+    expires_at: datetime | None
+
+
+class Whoami(BaseModel):
+    """Who the credential in use is. A tenant's key: the tenant, the key, its quotas and what it
+    holds; an operator's token: the operator's name, role and scopes."""
+
+    kind: Literal["tenant", "operator"]
+    tenant: TenantPublic | None = None
+    api_key: WhoamiKey | None = None
+    quotas: QuotaReport | None = None
+    usage_this_period: PeriodUsage | None = None
+    usage_note: str | None = Field(None, description="why `usage_this_period` is missing, when it is")
+    operator: str | None = None
+    role: str | None = None
+    scopes: list[str] = []
 
 
 # ---------------------------------------------------------------- weight rollouts

@@ -18,6 +18,7 @@ from rich.console import Console
 from gpucloud.agent.workload_logs import DEFAULT_FILES, DEFAULT_MAX_BYTES, LogLimits
 from gpucloud.cli.allocation_ssh import allocations_ssh
 from gpucloud.cli.billing import invoices_app, usage
+from gpucloud.cli.catalog import catalog, tenants_quota, whoami
 from gpucloud.cli.common import EXIT_CODES_HELP, Output, begin_invocation, configure_logging, parse_duration
 from gpucloud.cli.context_commands import config_app
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
@@ -556,11 +557,14 @@ app.command()(sim)
 app.command("fabric-managers")(fabric_managers)
 app.command()(nodes)
 app.command()(usage)
+app.command()(catalog)
+app.command()(whoami)
 app.add_typer(node_app, name="node")
 app.add_typer(bmc_app, name="bmc")
 app.add_typer(weights_app, name="weights")
 app.add_typer(invoices_app, name="invoices")
 app.add_typer(rollout_app, name="rollout")
+tenants_app.command("quota")(tenants_quota)
 app.add_typer(tenants_app, name="tenants")
 allocations_app.command("ssh")(allocations_ssh)
 app.add_typer(allocations_app, name="allocations")

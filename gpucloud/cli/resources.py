@@ -105,13 +105,13 @@ def tenants_show(tenant_id: str, output: Output = "table", api_url: ApiUrl = Non
         )
         return
     print_table(_tenant_table([tenant]))
-    table = _table(f"quotas (default {quotas.default_gpus} GPUs)", "GPU type", "region", "max GPUs")
+    table = _table("quotas (granted; nothing else may be allocated)", "GPU type", "region", "max GPUs")
     for q in quotas.quotas:
         table.add_row(q.gpu_type, q.region, str(q.max_gpus))
     print_table(table)
     usage = _table("GPUs in use", "GPU type", "region", "GPUs", "of")
     for u in quotas.usage:
-        usage.add_row(u.gpu_type, u.region, str(u.usage_gpus), str(u.max_gpus))
+        usage.add_row(u.gpu_type, u.region, str(u.usage_gpus), str(u.max_gpus) if u.quota else "none granted")
     print_table(usage)
 
 
@@ -119,7 +119,11 @@ def tenants_show(tenant_id: str, output: Output = "table", api_url: ApiUrl = Non
 def tenants_create(
     name: str,
     quota: Annotated[
-        list[str] | None, typer.Option(help="GPU_TYPE:REGION=GPUS (repeatable), else the default quotas")
+        list[str] | None,
+        typer.Option(
+            help="GPU_TYPE:REGION=GPUS (repeatable; `*` for any type or region): what it may hold; none given, it "
+            "may allocate nothing until `gpucloud tenants quota` grants some"
+        ),
     ] = None,
     wait: Wait = True,
     timeout: Timeout = 600.0,
@@ -152,6 +156,11 @@ def tenants_create(
     else:
         print_table(_tenant_table([tenant]))
         console.print(f"operation {operation.id}: {operation.status} {operation.error or ''}")
+        if not quotas:
+            err.print(
+                f"[yellow]note:[/] no quota granted: {accepted.id} may allocate nothing until "
+                f"`gpucloud tenants quota {accepted.id} H100:us-east-1=64` (say which type, region and GPUs)"
+            )
     _fail_on(operation)
 
 

@@ -25,6 +25,7 @@ from gpucloud.api.schemas import (
     AllocationNodes,
     ApiKeyCreated,
     ApiKeyList,
+    Catalog,
     EnrollResult,
     InvoiceList,
     NodeActionResult,
@@ -40,6 +41,7 @@ from gpucloud.api.schemas import (
     TenantAccepted,
     TenantOperation,
     UsageReport,
+    Whoami,
     XidIngestResult,
 )
 from gpucloud.client.base import ApiClient, ApiError, ApiTimeout
@@ -361,3 +363,12 @@ class Gpucloud(ApiClient):
         self.nodes = Nodes(self)
         self.billing = Billing(self)
         self.rollouts = Rollouts(self)
+
+    def catalog(self, *, gpu_type: str | None = None, region: str | None = None) -> Catalog:
+        """What the fleet offers: GPU types and regions, nodes available now, prices per GPU-hour."""
+        params = {k: v for k, v in {"gpu_type": gpu_type, "region": region}.items() if v is not None}
+        return Catalog.model_validate(self.get("/v1/catalog", params=params))
+
+    def whoami(self) -> Whoami:
+        """Who this client's credential is: a tenant (key, quotas, usage) or an operator (role)."""
+        return Whoami.model_validate(self.get("/v1/whoami"))

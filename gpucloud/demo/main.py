@@ -31,7 +31,7 @@ from gpucloud.demo.health import demo_health
 from gpucloud.demo.power import demo_power_cycle
 from gpucloud.demo.rollout import demo_rollout
 from gpucloud.demo.ssh import TenantKey, demo_ssh, demo_ssh_refused
-from gpucloud.demo.tenants import demo_tenants, onboard
+from gpucloud.demo.tenants import demo_tenants, fleet_quota, onboard
 from gpucloud.demo.weights import demo_weights
 from gpucloud.devstack.stack import Stack, StackError, free_port, with_local_tls
 from gpucloud.models.tables import NodePublic
@@ -106,7 +106,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
         nodes,
         lambda: _in_state(demo, "available"),
     )
-    tenant, acme_key = onboard(demo, "acme")
+    tenant, acme_key = onboard(demo, "acme", quotas=fleet_quota(nodes))
     demo.console.print(
         f"tenant [bold]{tenant.name}[/] ({tenant.id}) onboarded: VNI {tenant.vni}, "
         f"storage {tenant.storage_prefix}, first API key {acme_key.split('.')[0]}"
@@ -145,7 +145,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
 
 def _next_tenant(demo: Demo, cleaned: list[str], *, want: int) -> None:
     """A second tenant's allocation after acme's: it gets nodes acme held, each re-imaged since."""
-    tenant, key = onboard(demo, "initech")
+    tenant, key = onboard(demo, "initech", quotas=fleet_quota(want))
     alloc_id = _allocate(demo, demo.tenant(key), want)
     reused = sorted(set(cleaned) & {n.id for n in _members(demo, alloc_id)})
     demo.console.print(

@@ -30,12 +30,18 @@ def onboard(demo: Demo, name: str, *, quotas: Quotas | None = None) -> tuple[Ten
     return tenant, accepted.api_key.key
 
 
+def fleet_quota(nodes: int) -> Quotas:
+    """A quota for the whole simulated fleet (H100 nodes of 8 in us-east-1): tenants hold only
+    what an operator grants, so the demo grants it explicitly."""
+    return [{"gpu_type": "H100", "region": "us-east-1", "max_gpus": nodes * 8}]
+
+
 def _h100_quota(demo: Demo, tenant: TenantPublic) -> int:
     report = demo.operator.tenants.quotas(tenant.id)
-    # The most specific rule wins: H100 in us-east-1 over `*`.
+    # The most specific rule wins: H100 in us-east-1 over `*`; none matching: none granted.
     rules = sorted(report.quotas, key=lambda q: (q.gpu_type == "*", q.region == "*"))
     matching = (q.max_gpus for q in rules if q.gpu_type in ("H100", "*") and q.region in ("us-east-1", "*"))
-    return next(matching, report.default_gpus)
+    return next(matching, 0)
 
 
 def demo_tenants(demo: Demo, acme: TenantPublic, acme_allocation: str) -> None:
@@ -55,6 +61,12 @@ def demo_tenants(demo: Demo, acme: TenantPublic, acme_allocation: str) -> None:
     first = tenant_b.allocations.create("H100", "us-east-1", 1)
     over = refused(409, lambda: tenant_b.allocations.create("H100", "us-east-1", 1), "a node over globex's quota")
     demo.console.print(f"globex's second node refused: [yellow]{over.detail}[/]")
+    offered = ", ".join(
+        f"{i.gpu_type} in {i.region}: {i.available_nodes} of {i.nodes} free" for i in tenant_b.catalog().items
+    )
+    demo.console.print(f"globex reads the catalog: {offered}")
+    absent = refused(422, lambda: tenant_b.allocations.create("b200", "us-east-1", 1), "a GPU type the fleet lacks")
+    demo.console.print(f"globex asks for B200: [yellow]{absent.detail}[/]")
     refused(404, lambda: tenant_b.allocations.get(acme_allocation), "globex reading acme's allocation")
     demo.console.print(f"globex asks for acme's allocation {acme_allocation}: HTTP 404 (as if it did not exist)")
 

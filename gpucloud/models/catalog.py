@@ -14,6 +14,16 @@ GPU_TYPES: dict[str, int] = {
 
 MAX_NODES_PER_ALLOCATION = 1024
 
+
+def known_gpu_type(name: str) -> str | None:
+    """The catalog's spelling of GPU type `name`, matched case-insensitively (`h100` is `H100`),
+    or None for a type the cloud does not sell. Request schemas normalise with it at the edge,
+    so everything behind them (quotas, placement, prices) compares one spelling."""
+    return _BY_FOLDED_NAME.get(name.strip().casefold())
+
+
+_BY_FOLDED_NAME = {name.casefold(): name for name in GPU_TYPES}
+
 # GPU types sold in NVL72 racks: 18 compute trays whose 72 GPUs share one NVLink domain. An
 # allocation may ask for a slice of one rack (`nvl72_trays`): one NVLink partition.
 NVL72_GPU_TYPES = frozenset({"GB200"})

@@ -16,9 +16,11 @@ from enum import StrEnum
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic import field_validator
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Column, Field, SQLModel
 
+from gpucloud.models.catalog import known_gpu_type
 from gpucloud.models.node_states import NodeState
 from gpucloud.protocol.actions import Workload
 
@@ -93,6 +95,13 @@ class NodeEnroll(NodeBase):
     ib_port_guids: list[str] = Field(default_factory=list, max_length=64)
     # The GPUs' UIDs, as NVML reports them: the members of NVLink partitions (NVL72 trays).
     gpu_uids: list[str] = Field(default_factory=list, max_length=72)
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _catalogue_spelling(cls, v: str) -> str:
+        """A known type in the catalogue's spelling (`h100` enrolls as `H100`): requests, quotas
+        and the catalogue compare that one spelling."""
+        return known_gpu_type(v) or v
 
 
 class NodePublic(NodeBase):

@@ -30,6 +30,7 @@ from gpucloud.models.tables import (
     utcnow,
 )
 from gpucloud.services import nodes as node_service
+from gpucloud.services.catalog import allocatable
 from gpucloud.web import metrics
 
 
@@ -88,14 +89,7 @@ def available_candidates(
     session: Session, *, gpu_type: str, region: str, pod: str | None = None, nvlink_domain: str | None = None
 ) -> list[Node]:
     """Nodes a reservation may take: available, healthy, and neither cordoned nor in maintenance."""
-    query = select(Node).where(
-        col(Node.gpu_type) == gpu_type,
-        col(Node.region) == region,
-        col(Node.state) == NodeState.AVAILABLE,
-        col(Node.cordoned) == False,
-        col(Node.maintenance) == False,
-        col(Node.health) == "ok",
-    )
+    query = select(Node).where(col(Node.gpu_type) == gpu_type, col(Node.region) == region, *allocatable())
     if pod is not None:
         query = query.where(col(Node.pod) == pod)
     if nvlink_domain is not None:

@@ -1,5 +1,10 @@
 """Quotas: how many GPUs of a type a tenant may hold in a region, checked when it allocates.
 
+A tenant may hold exactly what an operator granted: a quota row for the type and region, or a
+row with `*` for either that the operator wrote. Nothing is implicit: a type and region no row
+matches may not be allocated (`NoQuotaGranted`), so a cap on one type never leaves the others
+open.
+
 Usage is counted, not kept: the GPUs of the tenant's live (not released, not failed)
 allocations of that type in that region, so no counter can drift. Admission first locks the
 tenant's row (`SELECT ... FOR UPDATE` on Postgres; SQLite's `BEGIN IMMEDIATE` already lets one
@@ -31,22 +36,51 @@ from gpucloud.models.tables import (
 ANY = "*"
 
 
+# What an operator runs to grant a quota (`gpucloud/cli/catalog.py`); refusals name it.
+GRANT_COMMAND = "gpucloud tenants quota {tenant_id} {gpu_type}:{region}=GPUS"
+
+
 @dataclass(frozen=True)
 class Limit:
+    """The granted quota row that applies to a type and region."""
+
     gpu_type: str
     region: str
     max_gpus: int
-    source: str  # "tenant" (a quota row) or "default" (the control plane's default)
+
+
+def nodes_and_gpus(gpus: int, gpus_per_node: int) -> str:
+    """`2 nodes (16 GPUs)`: tenants ask in nodes and quotas count GPUs, so refusals say both."""
+    nodes = gpus // gpus_per_node if gpus_per_node else 0
+    return f"{nodes} node{'' if nodes == 1 else 's'} ({gpus} GPU{'' if gpus == 1 else 's'})"
 
 
 class QuotaExceeded(Exception):
-    def __init__(self, limit: Limit, *, gpu_type: str, region: str, usage_gpus: int, requested_gpus: int) -> None:
-        super().__init__(
-            f"quota for {gpu_type} GPUs in {region} ({limit.gpu_type}/{limit.region}, {limit.source}) is "
-            f"{limit.max_gpus}; {usage_gpus} in use, {requested_gpus} requested"
-        )
+    def __init__(
+        self, limit: Limit, *, gpu_type: str, region: str, usage_gpus: int, requested_gpus: int, gpus_per_node: int
+    ) -> None:
         self.limit, self.gpu_type, self.region = limit, gpu_type, region
-        self.usage_gpus, self.requested_gpus = usage_gpus, requested_gpus
+        self.usage_gpus, self.requested_gpus, self.gpus_per_node = usage_gpus, requested_gpus, gpus_per_node
+        self.left_gpus = max(0, limit.max_gpus - usage_gpus)
+        super().__init__(
+            f"{nodes_and_gpus(requested_gpus, gpus_per_node)} of {gpu_type} requested in {region}; the quota "
+            f"({limit.gpu_type}/{limit.region}) is {limit.max_gpus} GPUs, {nodes_and_gpus(usage_gpus, gpus_per_node)} "
+            f"in use, {nodes_and_gpus(self.left_gpus, gpus_per_node)} left: ask for fewer nodes, release an "
+            "allocation, or ask an operator for more"
+        )
+
+
+class NoQuotaGranted(Exception):
+    """No quota row matches the type and region: the tenant may not allocate there at all."""
+
+    def __init__(self, tenant_id: str, *, gpu_type: str, region: str, granted: Sequence[TenantQuotaBase]) -> None:
+        self.tenant_id, self.gpu_type, self.region = tenant_id, gpu_type, region
+        self.granted = [Limit(gpu_type=q.gpu_type, region=q.region, max_gpus=q.max_gpus) for q in granted]
+        held = ", ".join(f"{q.gpu_type}/{q.region}: {q.max_gpus} GPUs" for q in self.granted) or "none"
+        command = GRANT_COMMAND.format(tenant_id=tenant_id, gpu_type=gpu_type, region=region)
+        super().__init__(
+            f"no quota is granted for {gpu_type} in {region} (granted: {held}); an operator grants one with `{command}`"
+        )
 
 
 class TenantNotActive(Exception):
@@ -61,13 +95,14 @@ def _specificity(row: TenantQuotaBase, gpu_type: str, region: str) -> int | None
     return 2 * (row.gpu_type != ANY) + (row.region != ANY)
 
 
-def effective_limit(rows: Sequence[TenantQuotaBase], *, gpu_type: str, region: str, default_gpus: int) -> Limit:
-    """The most specific matching row (exact type beats exact region beats `*`), else the default."""
+def effective_limit(rows: Sequence[TenantQuotaBase], *, gpu_type: str, region: str) -> Limit | None:
+    """The most specific matching row (exact type beats exact region beats `*`), or None where
+    no row matches: nothing is granted there."""
     ranked = [(rank, row) for row in rows if (rank := _specificity(row, gpu_type, region)) is not None]
     if not ranked:
-        return Limit(gpu_type=ANY, region=ANY, max_gpus=default_gpus, source="default")
+        return None
     _, row = max(ranked, key=lambda item: item[0])
-    return Limit(gpu_type=row.gpu_type, region=row.region, max_gpus=row.max_gpus, source="tenant")
+    return Limit(gpu_type=row.gpu_type, region=row.region, max_gpus=row.max_gpus)
 
 
 def _live(query, tenant_id: str):
@@ -95,17 +130,24 @@ def quota_rows(session: Session, tenant_id: str) -> list[TenantQuota]:
     )
 
 
-def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_count: int, default_gpus: int) -> None:
-    """Raise unless the tenant is active and `node_count` more nodes fit its quota. Call inside
-    the transaction that creates the allocation: the row lock it takes lasts until the commit."""
+def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_count: int) -> None:
+    """Raise unless the tenant is active, holds a quota for the type and region, and
+    `node_count` more nodes fit it. Call inside the transaction that creates the allocation: the
+    row lock it takes lasts until the commit."""
     status = session.exec(select(col(Tenant.status)).where(col(Tenant.id) == tenant_id).with_for_update()).first()
     if status != TenantStatus.ACTIVE:
         raise TenantNotActive(tenant_id, status)
-    limit = effective_limit(quota_rows(session, tenant_id), gpu_type=gpu_type, region=region, default_gpus=default_gpus)
+    rows = quota_rows(session, tenant_id)
+    limit = effective_limit(rows, gpu_type=gpu_type, region=region)
+    if limit is None:
+        raise NoQuotaGranted(tenant_id, gpu_type=gpu_type, region=region, granted=rows)
     used = usage_gpus(session, tenant_id, gpu_type=gpu_type, region=region)
-    requested = node_count * GPU_TYPES[gpu_type]
+    per_node = GPU_TYPES[gpu_type]
+    requested = node_count * per_node
     if used + requested > limit.max_gpus:
-        raise QuotaExceeded(limit, gpu_type=gpu_type, region=region, usage_gpus=used, requested_gpus=requested)
+        raise QuotaExceeded(
+            limit, gpu_type=gpu_type, region=region, usage_gpus=used, requested_gpus=requested, gpus_per_node=per_node
+        )
 
 
 def replace_quotas(session: Session, tenant_id: str, quotas: list[TenantQuotaBase]) -> list[TenantQuota]:
@@ -122,25 +164,27 @@ def replace_quotas(session: Session, tenant_id: str, quotas: list[TenantQuotaBas
 class Usage:
     gpu_type: str
     region: str
+    usage_nodes: int
     usage_gpus: int
-    limit: Limit
+    limit: Limit | None  # None: held, though no quota is granted there now (an operator removed it)
 
 
-def usage_report(session: Session, tenant_id: str, *, default_gpus: int) -> list[Usage]:
-    """Each type and region the tenant holds GPUs in, with the limit that applies there."""
+def usage_report(session: Session, tenant_id: str) -> list[Usage]:
+    """Each type and region the tenant holds nodes in, with the limit that applies there."""
     held: dict[tuple[str, str], int] = defaultdict(int)
     rows = session.exec(
         _live(select(col(Allocation.gpu_type), col(Allocation.region), col(Allocation.node_count)), tenant_id)
     ).all()
     for gpu_type, region, nodes in rows:
-        held[(gpu_type, region)] += nodes * GPU_TYPES.get(gpu_type, 0)
+        held[(gpu_type, region)] += nodes
     quotas = quota_rows(session, tenant_id)
     return [
         Usage(
             gpu_type=t,
             region=r,
-            usage_gpus=used,
-            limit=effective_limit(quotas, gpu_type=t, region=r, default_gpus=default_gpus),
+            usage_nodes=nodes,
+            usage_gpus=nodes * GPU_TYPES.get(t, 0),
+            limit=effective_limit(quotas, gpu_type=t, region=r),
         )
-        for (t, r), used in sorted(held.items())
+        for (t, r), nodes in sorted(held.items())
     ]

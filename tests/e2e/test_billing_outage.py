@@ -156,7 +156,8 @@ def test_usage_is_complete_and_the_close_catches_up_after_a_control_plane_outage
         timeout_s=120,
         what="fleet available",
     )
-    tenant = op.post("/v1/tenants", json={"name": "outage"}).json()
+    quotas = [{"gpu_type": "H100", "region": "us-east-1", "max_gpus": 32}]
+    tenant = op.post("/v1/tenants", json={"name": "outage", "quotas": quotas}).json()
     created = op.post(f"/v1/tenants/{tenant['id']}/api-keys")
     assert created.status_code == 201, created.text
     key = created.json()["key"]

@@ -102,7 +102,8 @@ def test_up_with_tls_serves_over_tls_stops_cleanly_and_resumes(tmp_path, cli_con
         assert listed.returncode == 0, listed.stderr
         assert len(json.loads(listed.stdout)["nodes"]) == 4 and list(elsewhere.iterdir()) == []
         assert f"context    'local' in {cli_config}" in (tmp_path / "up.log").read_text()
-        tenant = op.post("/v1/tenants", json={"name": "secure"}).json()
+        quotas = [{"gpu_type": "H100", "region": "us-east-1", "max_gpus": 32}]
+        tenant = op.post("/v1/tenants", json={"name": "secure", "quotas": quotas}).json()
         wait_until(
             lambda: op.get(f"/v1/tenants/{tenant['id']}").json()["status"] == "active",
             timeout_s=60,

@@ -11,7 +11,7 @@ from sqlmodel import select
 from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
-from gpucloud.models.tables import Allocation, Node, NodeEnroll, Tenant, TenantStatus
+from gpucloud.models.tables import Allocation, Node, NodeEnroll, Tenant, TenantQuota, TenantStatus
 from gpucloud.services import nodes as node_service
 from gpucloud.web.problems import Problem
 
@@ -38,9 +38,11 @@ def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
         for node in session.exec(select(Node)).all():
             node.state = "available"
             session.add(node)
-        # Three active tenants (admission refuses a tenant that is not active), default quotas.
+        # Three active tenants (admission refuses a tenant that is not active), each granted
+        # any H100 in the region (a tenant holds only what is granted).
         for t in range(3):
             session.add(Tenant(id=f"ten_{t}", name=f"tenant-{t}", status=TenantStatus.ACTIVE))
+            session.add(TenantQuota(tenant_id=f"ten_{t}", gpu_type="H100", region="r1", max_gpus=8192))
 
 
 def _race(db_url: str, tmp_path, *, requests: int, node_count: int) -> Counter:

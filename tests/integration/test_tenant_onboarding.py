@@ -223,10 +223,8 @@ async def test_first_key_is_shown_once_and_create_is_idempotent(stack):
         assert first.status_code == 202 and first.headers["location"] == f"/v1/tenants/{first.json()['id']}"
         accepted = first.json()
         assert accepted["status"] == "onboarding" and accepted["api_key"]["key"].startswith("gpc_")
-        assert {(q["gpu_type"], q["region"], q["max_gpus"]) for q in accepted["quotas"]} == {
-            ("*", "*", h.settings.tenants.default_gpu_quota),
-            ("H100", "*", 16),
-        }
+        # Exactly what the operator granted: no implicit `*/*` row beside it.
+        assert [(q["gpu_type"], q["region"], q["max_gpus"]) for q in accepted["quotas"]] == [("H100", "*", 16)]
         # A replay answers what was created, without the secret: it was shown once.
         replay = op.post("/v1/tenants", json=body, headers=idem)
         assert replay.status_code == 202 and replay.headers["idempotent-replayed"] == "true"

@@ -102,6 +102,8 @@ ROUTES: dict[str, Scope | str] = {
     "POST /v1/rollouts/{rollout_id}:pause": F,
     "POST /v1/rollouts/{rollout_id}:resume": F,
     "POST /v1/rollouts/{rollout_id}:abort": F,
+    "GET /v1/catalog": R,
+    "GET /v1/whoami": R,
     "POST /v1/operators": ADMIN,
     "GET /v1/operators": ADMIN,
     "POST /v1/operators/{name}/rotate": ADMIN,

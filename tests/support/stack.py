@@ -26,6 +26,11 @@ from support.forked import CliProcess
 # which on two cores shared by four test workers is CPU the stacks under test need.
 _MAX_POLL_S = 0.5
 
+# What a test's tenant is granted unless the test says otherwise: a tenant holds only the quotas
+# an operator grants (none is implicit), and most tests are not about quotas. 8,192 GPUs of any
+# type in any region: 1,024 nodes of 8, the largest single allocation.
+GENEROUS_QUOTAS = [{"gpu_type": "*", "region": "*", "max_gpus": 8192}]
+
 
 def _intervals(first_s: float):
     interval = first_s
@@ -232,7 +237,8 @@ class Harness:
 
     def new_tenant(self, name: str | None = None, *, quotas: list[dict] | None = None) -> tuple[str, str]:
         """Start onboarding a tenant: (tenant id, its first API key). The tenant is `onboarding`
-        until its workflow ends; it may read but not allocate: `onboard` waits for `active`."""
+        until its workflow ends; it may read but not allocate: `onboard` waits for `active`.
+        `quotas` left out grants `GENEROUS_QUOTAS`; `[]` grants none."""
         return self._create_tenant(name, quotas)[:2]
 
     async def onboard(
@@ -244,7 +250,8 @@ class Harness:
         return tenant_id, key
 
     def _create_tenant(self, name: str | None, quotas: list[dict] | None) -> tuple[str, str, str]:
-        body = {"name": name or f"t-{uuid.uuid4().hex[:8]}", **({"quotas": quotas} if quotas else {})}
+        granted = GENEROUS_QUOTAS if quotas is None else quotas
+        body = {"name": name or f"t-{uuid.uuid4().hex[:8]}", "quotas": granted}
         with self.operator as op:
             resp = op.post("/v1/tenants", json=body)
         assert resp.status_code == 202, resp.text

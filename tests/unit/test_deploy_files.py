@@ -40,6 +40,9 @@ NOT_SETTINGS = {
     "GPUCLOUD_MODEL_DIR",
     "GPUCLOUD_RECORD_HISTORIES",
     "GPUCLOUD_TEST_POSTGRES_URL",
+    # Gone (tenants hold only the quotas granted them): read only to refuse it at start, saying
+    # so (`config.TenantSettings`), since a deployment that set it expects its tenants to get it.
+    "GPUCLOUD_TENANTS__DEFAULT_GPU_QUOTA",
 }
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), DEPLOY / "compose.yaml"]
 

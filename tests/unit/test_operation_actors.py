@@ -70,7 +70,8 @@ def _operations(settings: Settings, **where: str) -> list[Operation]:
 
 def _onboarded(client: TestClient, settings: Settings, alice: str) -> tuple[str, str]:
     """A tenant alice onboards, made active (no workflow runs here); its id and first key."""
-    created = client.post("/v1/tenants", json={"name": "acme"}, headers=bearer(alice))
+    quotas = [{"gpu_type": "H100", "region": "r1", "max_gpus": 64}]
+    created = client.post("/v1/tenants", json={"name": "acme", "quotas": quotas}, headers=bearer(alice))
     assert created.status_code == 202, created.text
     body = created.json()
     assert body["operation"]["actor"] == "operator:alice"

@@ -18,23 +18,25 @@ def q(gpu_type: str, region: str, max_gpus: int) -> TenantQuotaBase:
 
 
 @pytest.mark.parametrize(
-    ("gpu_type", "region", "limit", "source"),
+    ("gpu_type", "region", "limit"),
     [
-        ("H100", "us-east-1", 8, "tenant"),  # exact type and region
-        ("H100", "eu-west-1", 16, "tenant"),  # exact type, any region
-        ("B200", "us-east-1", 32, "tenant"),  # any type, exact region
-        ("B200", "eu-west-1", 64, "tenant"),  # any type, any region
+        ("H100", "us-east-1", 8),  # exact type and region
+        ("H100", "eu-west-1", 16),  # exact type, any region
+        ("B200", "us-east-1", 32),  # any type, exact region
+        ("B200", "eu-west-1", 64),  # any type, any region
     ],
 )
-def test_the_most_specific_quota_applies(gpu_type, region, limit, source):
+def test_the_most_specific_quota_applies(gpu_type, region, limit):
     rows = [q("*", "*", 64), q("*", "us-east-1", 32), q("H100", "*", 16), q("H100", "us-east-1", 8)]
-    found = effective_limit(rows, gpu_type=gpu_type, region=region, default_gpus=999)
-    assert (found.max_gpus, found.source) == (limit, source)
+    found = effective_limit(rows, gpu_type=gpu_type, region=region)
+    assert found is not None and found.max_gpus == limit
 
 
-def test_without_a_matching_quota_the_default_applies():
-    found = effective_limit([q("A100", "*", 8)], gpu_type="H100", region="us-east-1", default_gpus=123)
-    assert (found.gpu_type, found.region, found.max_gpus, found.source) == ("*", "*", 123, "default")
+def test_without_a_matching_quota_nothing_is_granted():
+    """Before: a type and region no row matched fell back to a default of 8,192 GPUs, so a cap on
+    one type left every other uncapped."""
+    assert effective_limit([q("A100", "*", 8)], gpu_type="H100", region="us-east-1") is None
+    assert effective_limit([], gpu_type="H100", region="us-east-1") is None
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ from gpucloud.models.tables import (
 )
 from gpucloud.protocol.reports import WorkloadStatus
 from gpucloud.services import allocations as service
+from gpucloud.services import catalog as offers
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
 from gpucloud.services.node_access import ssh_endpoint
@@ -94,18 +95,13 @@ def _create_in_db(
             with session_scope(settings.database_url) as session:
                 if idempotency_tag is not None and (earlier := _created_under(session, idempotency_tag)) is not None:
                     return earlier
-                if session.exec(select(col(Node.id)).where(col(Node.region) == req.region).limit(1)).first() is None:
-                    regions = sorted(set(session.exec(select(col(Node.region))).all()))
-                    known = ", ".join(regions) or "none"
-                    detail = f"region: unknown region {req.region!r}; known: {known}"
-                    raise invalid("region", "unknown region", detail=detail, title="Unknown region")
+                offers.require_offered(session, gpu_type=req.gpu_type, region=req.region)
                 quotas.admit(
                     session,
                     tenant_id,
                     gpu_type=req.gpu_type,
                     region=req.region,
                     node_count=req.node_count or 0,  # the validator fills it in (from nvl72_trays)
-                    default_gpus=settings.tenants.default_gpu_quota,
                 )
                 alloc = Allocation(tenant_id=tenant_id, idempotency_key=idempotency_tag, **req.model_dump())
                 service.reserve_gang(session, alloc, deadline_scale=settings.reconciler.deadline_scale)
@@ -131,20 +127,23 @@ def _create_in_db(
                 available_in_largest_domain=exc.largest_domain,
                 available_in_region=exc.total,
             ) from exc
+        except offers.NotOffered as exc:
+            title = "Unknown region" if exc.field == "region" else "GPU type not offered"
+            raise invalid(exc.field, exc.message, "not-offered", title=title) from exc
+        except quotas.NoQuotaGranted as exc:
+            granted = [vars(limit) for limit in exc.granted]
+            raise Problem(409, "quota-not-granted", "No quota granted", str(exc), granted=granted) from exc
         except quotas.QuotaExceeded as exc:
             raise Problem(
                 409,
                 "quota-exceeded",
                 "Quota exceeded",
                 str(exc),
-                quota={
-                    "gpu_type": exc.limit.gpu_type,
-                    "region": exc.limit.region,
-                    "max_gpus": exc.limit.max_gpus,
-                    "source": exc.limit.source,
-                },
+                quota=vars(exc.limit),
+                gpus_per_node=exc.gpus_per_node,
                 usage_gpus=exc.usage_gpus,
                 requested_gpus=exc.requested_gpus,
+                left_gpus=exc.left_gpus,
             ) from exc
         except quotas.TenantNotActive as exc:
             raise Problem(409, "tenant-not-active", "Tenant is not active", str(exc), tenant_status=exc.status) from exc
@@ -175,8 +174,8 @@ def _undo_reservation(settings: Settings, alloc: Allocation, reason: str) -> Non
     status_code=202,
     response_model=AllocationAccepted,
     responses={
-        409: {"description": "not enough capacity, quota exceeded, or tenant not active"},
-        422: {"description": "invalid request"},
+        409: {"description": "not enough capacity, no quota granted, quota exceeded, or tenant not active"},
+        422: {"description": "invalid request, or a GPU type or region the fleet has no nodes of"},
     },
 )
 async def create_allocation(

@@ -1,7 +1,7 @@
 """Tenants: onboarding (202 + operation), reads, quotas, offboarding (202 + operation).
 
-`POST /v1/tenants` (operator) writes the tenant (`onboarding`), its quotas (the default from the
-settings, overridden per GPU type and region by the request), its first API key and the
+`POST /v1/tenants` (operator) writes the tenant (`onboarding`), its quotas (exactly the
+request's: none given, it may allocate nothing until an operator grants some), its first API key and the
 operation in one transaction, then starts the onboarding workflow, which allocates the VNI and
 the storage and makes the tenant `active` (or `failed`, with everything undone). The response
 carries the key's secret, the only time it is ever shown: the server keeps only its hash, and a
@@ -81,15 +81,11 @@ def visible_tenant(session: Session, caller: Caller, tenant_id: str) -> Tenant:
     return tenant
 
 
-def _with_defaults(settings: Settings, quotas: list[QuotaRequest]) -> list[TenantQuotaBase]:
-    """The default quota from the settings, overridden (or narrowed) by the request's."""
-    rows = {(quota_service.ANY, quota_service.ANY): settings.tenants.default_gpu_quota}
-    rows.update({(q.gpu_type, q.region): q.max_gpus for q in quotas})
-    return [TenantQuotaBase(gpu_type=t, region=r, max_gpus=n) for (t, r), n in sorted(rows.items())]
-
-
 def _create(settings: Settings, req: TenantRequest, actor: str) -> TenantAccepted:
-    quotas = _with_defaults(settings, req.quotas)
+    quotas = sorted(
+        (TenantQuotaBase(gpu_type=q.gpu_type, region=q.region, max_gpus=q.max_gpus) for q in req.quotas),
+        key=lambda q: (q.gpu_type, q.region),
+    )
     try:
         with session_scope(settings.database_url) as session:
             tenant, op, key, plaintext = tenant_service.create(session, name=req.name, quotas=quotas, actor=actor)
@@ -204,31 +200,35 @@ async def delete_tenant(tenant_id: str, operator: TenantsOperatorDep, settings: 
     return JSONResponse(body.model_dump(mode="json"), status_code=202)
 
 
-def _report(session: Session, settings: Settings, tenant_id: str) -> QuotaReport:
+def quota_report(session: Session, tenant_id: str) -> QuotaReport:
+    """The tenant's granted quotas and what it holds against them (`GET .../quotas`, `whoami`)."""
     rows = quota_service.quota_rows(session, tenant_id)
-    usage = quota_service.usage_report(session, tenant_id, default_gpus=settings.tenants.default_gpu_quota)
     return QuotaReport(
         tenant_id=tenant_id,
-        default_gpus=settings.tenants.default_gpu_quota,
         quotas=[TenantQuotaBase(gpu_type=r.gpu_type, region=r.region, max_gpus=r.max_gpus) for r in rows],
         usage=[
             QuotaUsage(
                 gpu_type=u.gpu_type,
                 region=u.region,
                 usage_gpus=u.usage_gpus,
-                max_gpus=u.limit.max_gpus,
-                quota=TenantQuotaBase(gpu_type=u.limit.gpu_type, region=u.limit.region, max_gpus=u.limit.max_gpus),
+                usage_nodes=u.usage_nodes,
+                max_gpus=u.limit.max_gpus if u.limit else 0,
+                quota=(
+                    TenantQuotaBase(gpu_type=u.limit.gpu_type, region=u.limit.region, max_gpus=u.limit.max_gpus)
+                    if u.limit
+                    else None
+                ),
             )
-            for u in usage
+            for u in quota_service.usage_report(session, tenant_id)
         ],
     )
 
 
 @router.get("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
-def get_quotas(tenant_id: str, caller: CallerDep, reads: ReadsDep, settings: SettingsDep):
+def get_quotas(tenant_id: str, caller: CallerDep, reads: ReadsDep):
     with reads(snapshot=True) as session:  # the quotas and the usage against them, at one moment
         visible_tenant(session, caller, tenant_id)
-        return _report(session, settings, tenant_id)
+        return quota_report(session, tenant_id)
 
 
 def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaRequest], actor: str) -> QuotaReport:
@@ -238,7 +238,7 @@ def _replace_quotas(settings: Settings, tenant_id: str, quotas: list[QuotaReques
             raise not_found("tenant", tenant_id)
         quota_service.replace_quotas(session, tenant_id, [TenantQuotaBase(**q.model_dump()) for q in quotas])
         operations.record_done(session, kind=QUOTAS_OPERATION, resource_id=tenant_id, tenant_id=tenant_id, actor=actor)
-        return _report(session, settings, tenant_id)
+        return quota_report(session, tenant_id)
 
 
 @router.put("/tenants/{tenant_id}/quotas", response_model=QuotaReport)
