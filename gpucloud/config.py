@@ -167,6 +167,9 @@ class AgentSettings(BaseModel):
     # The simulated fleet's one HTTP server (`gpucloud sim`).
     sim_host: str = "127.0.0.1"
     sim_port: int = 8100
+    # The login user of the nodes' image: the tenant's SSH keys go to its authorized_keys (the
+    # agent's `--ssh-user`), and the allocation's nodes show `ssh -p <port> <user>@<host>`.
+    ssh_user: str = Field("ubuntu", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
     # How often the simulated fleet's agents meter usage (real agents: every 60 s).
     meter_interval_s: float = 60.0
     # The control plane's Ed25519 key that signs its calls to agents (`web/service_tokens.py`);

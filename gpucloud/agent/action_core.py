@@ -9,8 +9,9 @@ apart: a rule written here holds for both.
   missing tool stays missing, a crash or a transient fault may not).
 - Another tenant's data blocks a provision (409), a running workload blocks a wipe (409), burn-in
   runs only on a wiped, idle node (409); a provision names its tenant (422).
-- The steps, in order: the action's tools, then the workload started (provision) or stopped
-  (release, reboot, wipe), then the tenancy changed (a wipe's cleaning first, then the credential
+- The steps, in order: the action's tools, then the workload's SSH keys let in and the workload
+  started (provision) or the workload stopped (release, reboot, wipe) and the keys taken out
+  (release, wipe), then the tenancy changed (a wipe's cleaning first, then the credential
   it hands over), then the hardware settles it (persists, meters) and the answer is built from
   the tenancy and what the hardware says of the node (`ActionAnswer`).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
@@ -42,6 +43,8 @@ REMEMBERED_REQUESTS = 64
 # The title of every refusal of an action whose tools (or cleaning, or injected fault) failed.
 ACTION_FAILED = "Action failed"
 STOPS_WORKLOAD = frozenset({A.RELEASE, A.REBOOT, A.WIPE})
+# The actions after which no key of the tenant opens the node (a reboot keeps its files).
+ENDS_SSH_ACCESS = frozenset({A.RELEASE, A.WIPE})
 
 
 def problem(status: int, title: str, detail: str, **extra: Any) -> Outcome:
@@ -94,6 +97,15 @@ class NodeHardware(Protocol):
 
     async def stop_workload(self) -> Outcome | None:
         """Stop every process of the tenant's workload."""
+        ...
+
+    async def install_ssh_keys(self, keys: Sequence[str]) -> Outcome | None:
+        """Let in exactly these public keys (the provision's workload's; none: nobody) as the
+        node's login user."""
+        ...
+
+    async def remove_ssh_keys(self) -> Outcome | None:
+        """Let in no key of the tenant any more (release, wipe)."""
         ...
 
     async def clean(self) -> tuple[list[CleaningStep], CleaningFailed | None]:
@@ -158,11 +170,7 @@ class ActionCore:
         if (failed := await hardware.run_tools(action)) is not None:
             return failed
         started_ms = self._clock_ms()
-        if action == A.PROVISION:
-            failed = await hardware.start_workload(req)
-        elif action in STOPS_WORKLOAD:  # every process of the allocation, before the answer
-            failed = await hardware.stop_workload()
-        if failed is not None:
+        if (failed := await self._workload_and_access(action, req)) is not None:
             return failed
         cleaning = None
         if action == A.PROVISION:
@@ -194,6 +202,21 @@ class ActionCore:
             **facts.extras,
         )
         return 200, answer.model_dump(mode="json")
+
+    async def _workload_and_access(self, action: AgentAction, req: ActionRequest) -> Outcome | None:
+        """A provision lets the workload's SSH keys in, then starts it; a release, reboot or wipe
+        stops every process of the allocation (before the answer), and a release or wipe then
+        takes the keys out."""
+        hardware = self.hardware
+        if action == A.PROVISION:
+            failed = await hardware.install_ssh_keys(req.workload.ssh_keys if req.workload else ())
+            return failed or await hardware.start_workload(req)
+        if action in STOPS_WORKLOAD:
+            failed = await hardware.stop_workload()
+            if failed is None and action in ENDS_SSH_ACCESS:
+                failed = await hardware.remove_ssh_keys()
+            return failed
+        return None
 
 
 async def answer_action(

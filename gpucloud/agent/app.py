@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from gpucloud.agent.logs_api import install_workload_logs
 from gpucloud.agent.probe import Probe
 from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
+from gpucloud.agent.ssh_keys import AuthorizedKeys, KeysNotWritten
 from gpucloud.agent.tenant_weights import TenantWeights, caller_refusal
 from gpucloud.agent.tools import (
     ACTION_COMMANDS,
@@ -100,12 +101,15 @@ class Agent:
         weights_dir: Path | None = None,
         tenant_disks: tuple[str, ...] = (),
         mounts_file: Path = Path("/proc/mounts"),
+        ssh_keys: AuthorizedKeys | None = None,
     ) -> None:
         """`inspect_stack`: `inspect` checks every layer of the node's stack (`agent/inspection.py`);
         off only where the GPUs are simulated and there is no real stack to check. `weights_dir`:
         the tenants' model weights (`agent/tenant_weights.py`), removed with the scratch on wipe.
         `tenant_disks`: the block devices the tenant writes to, sanitized on wipe
-        (`agent/cleaning.py`); `mounts_file`: where the mounted filesystems are listed."""
+        (`agent/cleaning.py`); `mounts_file`: where the mounted filesystems are listed; `ssh_keys`:
+        the login user's authorized_keys, which the workload's keys go to (None: a workload that
+        names keys is refused)."""
         self.state, self.probe = state, probe
         self.inspect_stack = inspect_stack
         self.workloads = workloads  # the tenant's processes (None: provision starts nothing)
@@ -116,6 +120,7 @@ class Agent:
         self.burn_in_limits = burn_in_limits
         self.gpu_type = gpu_type  # None: named from the probe's first GPU at provision
         self.tenant_disks, self.mounts_file = tuple(tenant_disks), mounts_file
+        self.ssh_keys = ssh_keys
         self._clock_ms = clock_ms
         self.core = ActionCore(state, self, clock_ms=clock_ms)
 
@@ -131,19 +136,13 @@ class Agent:
         return failed
 
     async def start_workload(self, req: ActionRequest) -> Outcome | None:
-        """Start the provision's workload (its SSH keys let in first); None once it runs."""
+        """Start the provision's workload (its SSH keys are in by then); None once it runs."""
         if req.workload is None:
             return None
         if self.workloads is None:
             return problem(501, "No workload runner", "this agent was started without a workload runner")
         if req.allocation_id is None:
             return problem(422, "Allocation required", "a workload belongs to an allocation: name it")
-        if req.workload.ssh_keys:
-            ssh = self.state.scratch_dir / ".ssh"
-            ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
-            keys = ssh / "authorized_keys"
-            keys.write_text("".join(k.strip() + "\n" for k in req.workload.ssh_keys))
-            keys.chmod(0o600)
         try:
             await asyncio.to_thread(
                 self.workloads.start, req.allocation_id, req.workload, cwd=self.state.scratch_dir / "work"
@@ -162,6 +161,32 @@ class Agent:
             await asyncio.to_thread(self.workloads.stop)
         except StopFailed as exc:
             return problem(500, "Workload not stopped", str(exc))
+        return None
+
+    async def install_ssh_keys(self, keys: Sequence[str]) -> Outcome | None:
+        """The workload's keys in the login user's authorized_keys (`agent/ssh_keys.py`)."""
+        if self.ssh_keys is None:
+            if not keys:
+                return None
+            return problem(501, "No SSH access", "this agent was started without a login user for the tenant's keys")
+        try:
+            await asyncio.to_thread(self.ssh_keys.install, keys)
+        except (KeysNotWritten, OSError) as exc:
+            return problem(422, "SSH keys not written", str(exc))
+        return None
+
+    async def remove_ssh_keys(self) -> Outcome | None:
+        """No key of the tenant opens the node, and no session it opened stays (a failure fails
+        the release: the wipe follows)."""
+        if self.ssh_keys is None:
+            return None
+        try:
+            await asyncio.to_thread(self.ssh_keys.remove)
+        except (KeysNotWritten, OSError) as exc:
+            return problem(500, "SSH keys not removed", str(exc))
+        killed = await asyncio.to_thread(self.ssh_keys.end_sessions)
+        if killed:
+            log.info("ended %d processes of %s, the tenant's login user", len(killed), self.ssh_keys.user)
         return None
 
     def take_credential(self, credential: str) -> None:
@@ -288,7 +313,8 @@ class Agent:
         return steps, failure
 
     def _wipe_scratch(self) -> CleaningStep:
-        """The tenant's files (its work, its SSH keys, its workload's output, its weights) go."""
+        """The tenant's files (its work, its workload's output, its weights) go; its SSH keys
+        went before the cleaning (`remove_ssh_keys`)."""
         removed = [self.state.scratch_dir]
         if self.state.scratch_dir.exists():
             shutil.rmtree(self.state.scratch_dir)
@@ -412,6 +438,8 @@ def main(
     image_digest_file: Path = Path("/etc/gpucloud/image-digest"),
     tenant_disks: tuple[str, ...] = (),
     enrollment_file: Path | None = None,
+    ssh_user: str = "ubuntu",
+    authorized_keys: Path | None = None,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`), unless a re-imaged boot's config drive
@@ -465,6 +493,7 @@ def main(
         ),
         weights_dir=weights_dir,
         tenant_disks=tenant_disks,
+        ssh_keys=AuthorizedKeys(ssh_user, path=authorized_keys),
     )
     if not tenant_disks:
         log.warning("no tenant disks are configured (--tenant-disk): a wipe sanitizes no disk")

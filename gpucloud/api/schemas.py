@@ -436,6 +436,15 @@ class NodeEventPage(BaseModel):
     next_page_token: str
 
 
+class SshEndpoint(BaseModel):
+    """Where the tenant logs in to a node of its allocation, with a key its workload named."""
+
+    host: str = Field(description="the node's address on the tenants' network")
+    port: int
+    user: str = Field(description="the login user of the node's image, whose authorized_keys hold the workload's keys")
+    command: str = Field(description="the ssh command line that connects")
+
+
 class AllocationNode(BaseModel):
     """One node of an allocation, as its tenant sees it."""
 
@@ -444,6 +453,9 @@ class AllocationNode(BaseModel):
     health: str
     last_heartbeat_at: datetime | None
     workload: WorkloadStatus | None = Field(None, description="what its agent last reported of the workload")
+    ssh: SshEndpoint | None = Field(
+        None, description="where to log in while the node is the allocation's (None: the node takes no SSH)"
+    )
 
 
 class AllocationNodes(BaseModel):

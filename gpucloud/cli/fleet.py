@@ -181,7 +181,8 @@ def enroll(
         Path,
         typer.Argument(
             help="YAML or JSON: one node or a list, each with id, hostname, region, pod, rack, gpu_type, "
-            "gpu_count and agent_url (https://<node>:8200), optionally bmc_url, bmc_system_id, bmc_credential_ref"
+            "gpu_count and agent_url (https://<node>:8200), optionally bmc_url, bmc_system_id, bmc_credential_ref, "
+            "and ssh_host (its address on the tenants' network) with ssh_port (default 22)"
         ),
     ],
     output: Output = "table",

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from gpucloud.agent.workload_logs import DEFAULT_FILES, DEFAULT_MAX_BYTES, LogLimits
+from gpucloud.cli.allocation_ssh import allocations_ssh
 from gpucloud.cli.billing import invoices_app, usage
 from gpucloud.cli.catalog import catalog, tenants_quota, whoami
 from gpucloud.cli.common import EXIT_CODES_HELP, Output, begin_invocation, configure_logging, parse_duration
@@ -308,6 +309,16 @@ def agent(
             help="a block device the tenant writes to, erased by the drive on every wipe (repeat for each disk)"
         ),
     ] = None,
+    ssh_user: Annotated[
+        str | None,
+        typer.Option(
+            help="the image's login user: a provision writes its workload's SSH keys to its authorized_keys, a "
+            "release or wipe removes them (default: GPUCLOUD_AGENT__SSH_USER, ubuntu)"
+        ),
+    ] = None,
+    authorized_keys: Annotated[
+        Path | None, typer.Option(help="the file the keys go to (default: ~<ssh-user>/.ssh/authorized_keys)")
+    ] = None,
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage,
     and serve the tenant's model weights to rollouts (/weights) and to peers (/chunks)."""
@@ -361,6 +372,8 @@ def agent(
         image_digest_file=image_digest_file,
         tenant_disks=disks,
         enrollment_file=enrollment_file,
+        ssh_user=ssh_user or settings.agent.ssh_user,
+        authorized_keys=authorized_keys,
     )
 
 
@@ -553,6 +566,7 @@ app.add_typer(invoices_app, name="invoices")
 app.add_typer(rollout_app, name="rollout")
 tenants_app.command("quota")(tenants_quota)
 app.add_typer(tenants_app, name="tenants")
+allocations_app.command("ssh")(allocations_ssh)
 app.add_typer(allocations_app, name="allocations")
 app.add_typer(api_keys_app, name="api-keys")
 app.add_typer(operations_app, name="operations")

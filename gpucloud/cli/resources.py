@@ -20,6 +20,7 @@ import typer
 from pydantic import BaseModel
 from rich.table import Table
 
+from gpucloud.cli.allocation_ssh import node_table
 from gpucloud.cli.common import (
     ApiKey,
     ApiUrl,
@@ -194,7 +195,7 @@ def _fail_on(operation: Any) -> None:
 
 # ---------------------------------------------------------------- allocations
 
-allocations_app = typer.Typer(no_args_is_help=True, help="Allocations: list, show, create, cancel.")
+allocations_app = typer.Typer(no_args_is_help=True, help="Allocations: list, show, create, cancel, ssh.")
 
 
 def _allocation_table(allocations: list, *, wide: bool = False) -> Table:
@@ -234,16 +235,24 @@ def allocations_list(
 def allocations_show(
     allocation_id: str, output: WideOutput = "table", api_url: ApiUrl = None, api_key: ApiKey = None
 ) -> None:
-    """One allocation, its nodes and its events."""
+    """One allocation, its nodes (with the ssh command that reaches each) and its events."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
         allocation = api.allocations.get(allocation_id)
         events = list(api.allocations.events(allocation_id))
+        nodes = api.allocations.nodes(allocation_id).items
     if output == "json":
-        body = {"allocation": allocation.model_dump(mode="json"), "events": [e.model_dump(mode="json") for e in events]}
+        body = {
+            "allocation": allocation.model_dump(mode="json"),
+            "nodes": [n.model_dump(mode="json") for n in nodes],
+            "events": [e.model_dump(mode="json") for e in events],
+        }
         print(json.dumps(body, indent=2))
         return
     print_table(_allocation_table([allocation], wide=output == "wide"))
-    console.print("nodes: " + (", ".join(allocation.node_ids) or "none yet"))
+    if nodes:
+        print_table(node_table(nodes))
+    else:
+        console.print("nodes: none yet")
     table = _table("events", "at", "kind", "node", "actor", "reason")
     for e in events:
         table.add_row(_when(e.at), e.kind, e.node_id or "", e.actor, e.reason or "")

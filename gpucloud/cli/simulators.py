@@ -73,6 +73,13 @@ def sim(
         ),
     ] = False,
     boot_s: Annotated[float, typer.Option(help="with --bmc: seconds a simulated host takes to boot")] = 3.0,
+    ssh: Annotated[
+        bool,
+        typer.Option(
+            help="give every node an SSH endpoint on a loopback port of its own, letting in its workload's keys "
+            "as GPUCLOUD_AGENT__SSH_USER (a restricted shell: nothing runs)"
+        ),
+    ] = False,
 ) -> None:
     """Run a simulated fleet of N host agents on one port; like real agents, they act only on
     the control plane's signed calls."""
@@ -93,6 +100,8 @@ def sim(
         id_prefix=id_prefix,
         nvl72_racks=nvl72_racks,
         nvl72_trays_per_rack=nvl72_trays_per_rack,
+        ssh=ssh,
+        ssh_user=settings.agent.ssh_user,
     )
     metering = None
     if ledger_url:

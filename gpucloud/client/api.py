@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from gpucloud.api.schemas import (
     AgentCredentialIssued,
     AllocationAccepted,
+    AllocationNodes,
     ApiKeyCreated,
     ApiKeyList,
     Catalog,
@@ -113,6 +114,10 @@ class Allocations(_Resource):
 
     def events(self, allocation_id: str) -> Iterator[AllocationEventPublic]:
         return self._pages(AllocationEventPublic, f"/v1/allocations/{allocation_id}/events")
+
+    def nodes(self, allocation_id: str) -> AllocationNodes:
+        """The allocation's nodes now, each with where it takes SSH while it is the allocation's."""
+        return self._get(AllocationNodes, f"/v1/allocations/{allocation_id}/nodes")
 
     def logs(self, allocation_id: str, node_id: str, *, tail: int | None = None, follow: bool = False) -> Iterator[str]:
         """The output of the workload on one node of the allocation (stdout and stderr as the

@@ -1,11 +1,12 @@
 """`gpucloud demo`: a private stack, then a tenant's day through the public API only.
 
-Create a tenant and a key, allocate GPU nodes (idempotently), watch them provision, list them,
-watch the reconciler restore a node wiped behind its back, fail a GPU and watch its node pulled
-and replaced in the same fabric domain, push and pull model weights, roll the production version
-out to the allocation in waves and watch a failing candidate roll back, cancel, and watch the nodes
-(the pulled one through repair) booted once from the clean image through their BMCs, checked,
-wiped and burned in before a second tenant gets them; last, the
+Create a tenant and a key, allocate GPU nodes (idempotently) with a workload that names the
+tenant's SSH key, watch them provision, list them, log in to one over SSH, watch the reconciler
+restore a node wiped behind its back, fail a GPU and watch its node pulled and replaced in the
+same fabric domain, push and pull model weights, roll the production version out to the
+allocation in waves and watch a failing candidate roll back, cancel (the SSH key is refused from
+then on), and watch the nodes (the pulled one through repair) booted once from the clean image
+through their BMCs, checked, wiped and burned in before a second tenant gets them; last, the
 allocation's GPU time as the ledger billed it, to the millisecond, and the period's draft invoice.
 """
 
@@ -29,11 +30,12 @@ from gpucloud.demo.common import Demo, DemoFailed
 from gpucloud.demo.health import demo_health
 from gpucloud.demo.power import demo_power_cycle
 from gpucloud.demo.rollout import demo_rollout
+from gpucloud.demo.ssh import TenantKey, demo_ssh, demo_ssh_refused
 from gpucloud.demo.tenants import demo_tenants, fleet_quota, onboard
 from gpucloud.demo.weights import demo_weights
 from gpucloud.devstack.stack import Stack, StackError, free_port, with_local_tls
 from gpucloud.models.tables import NodePublic
-from gpucloud.protocol.actions import AgentAction
+from gpucloud.protocol.actions import AgentAction, Workload
 
 
 def _node_table(nodes: list[NodePublic]) -> Table:
@@ -69,11 +71,11 @@ def show_reconciler(demo: Demo, alloc_id: str, tenant_id: str) -> None:
     demo.console.print(f"fleet summary: {summary['by_state']}, health {summary['by_health']}")
 
 
-def _allocate(demo: Demo, acme: Gpucloud, want: int) -> str:
+def _allocate(demo: Demo, acme: Gpucloud, want: int, *, workload: Workload | None = None) -> str:
     """An allocation created under an Idempotency-Key, replayed once; provisioned until ready."""
     key = f"demo-{time.time_ns()}"
-    first = acme.allocations.create("H100", "us-east-1", want, idempotency_key=key)
-    replay = acme.allocations.create("H100", "us-east-1", want, idempotency_key=key)
+    first = acme.allocations.create("H100", "us-east-1", want, workload=workload, idempotency_key=key)
+    replay = acme.allocations.create("H100", "us-east-1", want, workload=workload, idempotency_key=key)
     alloc_id = first.allocation.id
     if replay.allocation.id != alloc_id:
         raise DemoFailed("an idempotent replay created a second allocation")
@@ -110,7 +112,10 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
         f"storage {tenant.storage_prefix}, first API key {acme_key.split('.')[0]}"
     )
     acme = demo.tenant(acme_key)
-    alloc_id = _allocate(demo, acme, max(1, min(4, nodes // 2)))
+    ssh_key = TenantKey.generate()
+    workload = Workload(command=["python", "train.py"], ssh_keys=[ssh_key.public])
+    alloc_id = _allocate(demo, acme, max(1, min(4, nodes // 2)), workload=workload)
+    ssh_endpoint = demo_ssh(demo, acme, alloc_id, ssh_key)
 
     demo_tenants(demo, tenant, alloc_id)
     show_reconciler(demo, alloc_id, tenant.id)
@@ -123,6 +128,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     cancel = acme.allocations.cancel(alloc_id)
     demo.console.print(f"cancel accepted: allocation is [yellow]{cancel.allocation.status}[/]")
     demo.wait("agents confirm release", 1, lambda: int(acme.allocations.get(alloc_id).status == "released"))
+    demo_ssh_refused(demo, ssh_endpoint, ssh_key)
     demo.wait(
         "nodes re-imaged through their BMCs, wiped, burned in, back in the pool",
         nodes,

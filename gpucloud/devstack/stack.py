@@ -354,6 +354,11 @@ class Stack:
         faults = ["--faults", self.faults, "--time-scale", str(self.fault_time_scale)] if self.faults else []
         faults += ["--faults-paused"] if self.faults and self.faults_paused else []
         faults += ["--bmc"] if self.bmc else []
+        from gpucloud.models.catalog import NVL72_TRAYS_PER_RACK
+        from gpucloud.sim.nodes import MAX_SSH_NODES
+
+        # Each node takes SSH on a loopback port of its own, as far as a listener a node fits.
+        ssh = ["--ssh"] if self.nodes + self.nvl72_racks * NVL72_TRAYS_PER_RACK <= MAX_SSH_NODES else []
         self._spawn(
             "sim",
             self._cli(
@@ -364,6 +369,7 @@ class Stack:
                 *metering,
                 *nvl72,
                 *faults,
+                *ssh,
                 "--latency-scale",
                 str(self.sim_latency_scale),
                 "--heartbeat-interval",

@@ -79,6 +79,15 @@ class NodeBase(SQLModel):
     bmc_credential_ref: str | None = Field(
         default=None, max_length=128, description="the name of the BMC credential in the control plane's secrets"
     )
+    # Where a tenant reaches the node: its address on the tenants' network, as the network side
+    # (its IPAM) assigned it, and the port its sshd listens on. None: the node takes no SSH.
+    ssh_host: str | None = Field(
+        default=None,
+        max_length=253,
+        schema_extra={"pattern": r"^[A-Za-z0-9:][A-Za-z0-9.:-]*$"},
+        description="the node's address on the tenants' network (an IP or a DNS name): where ssh connects",
+    )
+    ssh_port: int = Field(default=22, ge=1, le=65535, description="the port the node's sshd listens on")
 
 
 class NodeEnroll(NodeBase):

@@ -4,6 +4,7 @@ workflows that sequence the actions, import them from here."""
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated
 
@@ -11,6 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gpucloud.models.images import ImageReference
 from gpucloud.protocol.reports import NodeId, ShortId, TenantId
+
+# One OpenSSH public key, as a `.pub` file holds it: its type, its base64 blob, an optional comment;
+# no options (`command=`, `from=`) and one line (a newline would add a line to authorized_keys).
+SSH_PUBLIC_KEY_PATTERN = (
+    r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com"
+    r"|sk-ecdsa-sha2-nistp256@openssh\.com) [A-Za-z0-9+/]+={0,3}( [^\r\n]*)?$"
+)
+SSH_KEY_TYPES = "ssh-ed25519, ssh-rsa, ecdsa-sha2-nistp256/384/521, sk-ssh-ed25519@openssh.com, sk-ecdsa-..."
 
 # A booted image's digest, as the clean image writes it for its agent.
 IMAGE_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
@@ -61,6 +70,22 @@ class Workload(BaseModel):
     ssh_keys: list[str] = Field(
         default_factory=list, max_length=64, description="public keys let in to the nodes (authorized_keys)"
     )
+
+    @field_validator("ssh_keys")
+    @classmethod
+    def _public_keys(cls, keys: list[str]) -> list[str]:
+        """Each key as one `.pub` line (surrounding whitespace dropped); a private key, an option
+        or a second line is refused, naming the key by its place."""
+        kept = []
+        for index, key in enumerate(keys):
+            line = key.strip()
+            if len(line) > 16_384 or re.match(SSH_PUBLIC_KEY_PATTERN, line) is None:
+                raise ValueError(
+                    f"ssh_keys[{index}] is not an OpenSSH public key on one line ({SSH_KEY_TYPES}, then base64, "
+                    "then an optional comment): pass the .pub file's content, never the private key"
+                )
+            kept.append(line)
+        return kept
 
     @model_validator(mode="after")
     def _something_to_run(self) -> Workload:

@@ -48,8 +48,10 @@ def enroll_nodes(session: Session, nodes: Iterable[NodeEnroll]) -> tuple[list[st
     now = utcnow()
     for node_id, spec in wanted.items():
         if node_id in known:
-            # A re-registering agent may have moved (new URL); its state is ours to keep.
-            session.execute(sa.update(Node).where(col(Node.id) == node_id).values(agent_url=spec.agent_url))
+            # A re-registering agent may have moved (new URL), and the network may have given the
+            # node another address (a restarted simulated fleet: new ports); its state is ours to keep.
+            moved = {"agent_url": spec.agent_url, "ssh_host": spec.ssh_host, "ssh_port": spec.ssh_port}
+            session.execute(sa.update(Node).where(col(Node.id) == node_id).values(**moved))
             continue
         session.add(Node(**spec.model_dump(), state_entered_at=now, created_at=now, updated_at=now))
     return [i for i in wanted if i not in known], [i for i in wanted if i in known]

@@ -20,6 +20,9 @@ Metering (optional, `metering=`): each node's agent meters the GPU time of the a
 runs into a durable spool and ships it to the billing ledger, as a real agent does (see
 `metering.py`); `GET /v1/metering` reports what was metered, the ground truth for tests.
 
+SSH (optional, `FleetSpec.ssh`): each node takes SSH on a loopback port of its own, letting in
+the keys of the workload it runs, with a restricted shell that executes nothing (`ssh.py`).
+
 Weights (optional, `weights=`): each node serves the agent's weights API and peer service under
 its agent URL, over a real chunk cache of its own (see `node_weights.py`), so staged rollouts run
 against the simulated fleet.
@@ -210,6 +213,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await fleet.start_ssh()  # before the inventory is read: it names each node's SSH port
         task = None
         if control_plane_url and operator_token:
             task = asyncio.create_task(
@@ -253,6 +257,8 @@ def create_app(
             stop_metering.set()
             meter_thread.join(timeout=30)
             app.state.metering.close()
+        if fleet.ssh is not None:
+            await fleet.ssh.close()
 
     app = FastAPI(title="gpucloud simulated fleet", lifespan=lifespan)
     problems.install(app)

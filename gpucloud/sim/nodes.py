@@ -13,11 +13,11 @@ import random
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import HTTPException
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from gpucloud.agent.action_core import ACTION_FAILED, ActionCore, NodeFacts, Outcome, action_failed, problem
 from gpucloud.agent.cleaning import CleaningFailed
@@ -31,6 +31,7 @@ from gpucloud.protocol.actions import (
     CleaningStep,
 )
 from gpucloud.protocol.reports import Heartbeat, WorkloadStatus
+from gpucloud.sim.ssh import LOOPBACK, FleetSsh
 from gpucloud.sim.workload_output import SimulatedRun, simulate
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ BASE_LATENCY_S = {
 REMEMBERED_REQUESTS = 16
 # The disks a simulated node's tenant writes to, each crypto-erased by a wipe (`--tenant-disk`).
 TENANT_DISKS = ("/dev/nvme1n1",)
+# SSH endpoints are a listener (a file descriptor) a node: fleets past this many take none.
+MAX_SSH_NODES = 4096
 
 
 class FleetSpec(BaseModel):
@@ -70,6 +73,16 @@ class FleetSpec(BaseModel):
     # GB200 NVL72 racks after the default pool (numbered on from it), `racks_per_pod` to a pod.
     nvl72_racks: int = Field(0, ge=0, le=1000)
     nvl72_trays_per_rack: int = Field(18, ge=1, le=18)
+    # Every node takes SSH on a loopback port of its own (`sim/ssh.py`), as this login user.
+    ssh: bool = False
+    ssh_user: str = "ubuntu"
+
+    @model_validator(mode="after")
+    def _ssh_fits(self) -> FleetSpec:
+        total = self.nodes + self.nvl72_racks * self.nvl72_trays_per_rack
+        if self.ssh and total > MAX_SSH_NODES:
+            raise ValueError(f"SSH endpoints are a listener a node: at most {MAX_SSH_NODES} nodes, not {total}")
+        return self
 
 
 @dataclass
@@ -108,6 +121,8 @@ class SimNode:
     # it lived on below the OS, in firmware the re-image does not touch).
     stand_in: bool = False
     tenant_disks: tuple[str, ...] = TENANT_DISKS
+    # The public keys the current allocation's workload let in (its SSH endpoint reads them).
+    ssh_keys: tuple[str, ...] = ()
     recent: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (status, body)
     faults: dict[AgentAction, deque] = field(default_factory=dict)  # action -> modes to apply, in order
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -128,6 +143,8 @@ class Fleet:
         self.on_workload_change: Callable[[SimNode], Awaitable[None]] | None = None
         # Each node's BMC as enrollment names it (`sim/power.py`), when the fleet has BMCs.
         self.bmc_fields: Callable[[str], dict] | None = None
+        # The nodes' SSH endpoints (`start_ssh`), when the spec asks for them.
+        self.ssh: FleetSsh | None = None
         per_pod = spec.nodes_per_rack * spec.racks_per_pod
         for i in range(spec.nodes):
             pod, rack = i // per_pod, (i % per_pod) // spec.nodes_per_rack
@@ -182,9 +199,22 @@ class Fleet:
                 "gpu_uids": n.gpu_uids,
                 "agent_url": f"{base_url}/v1/nodes/{n.id}",
                 **(self.bmc_fields(n.id) if self.bmc_fields is not None else {}),
+                **self._ssh_fields(n.id),
             }
             for n in self.nodes.values()
         ]
+
+    async def start_ssh(self) -> None:
+        """Every node's SSH endpoint on a loopback port of its own (`spec.ssh`); before the
+        inventory is read, which names each node's port."""
+        if self.spec.ssh and self.ssh is None:
+            self.ssh = FleetSsh(user=self.spec.ssh_user, host=LOOPBACK)
+            await self.ssh.start(self.nodes.values())
+
+    def _ssh_fields(self, node_id: str) -> dict:
+        """The node's SSH endpoint as enrollment records it (the address the network gave it)."""
+        port = self.ssh.port(node_id) if self.ssh is not None else None
+        return {"ssh_host": self.ssh.host, "ssh_port": port} if self.ssh is not None and port else {}
 
     def node(self, node_id: str) -> SimNode:
         node = self.nodes.get(node_id)
@@ -230,6 +260,7 @@ class Fleet:
         node.workload_running = False
         if kind == A.WIPE:
             node.tenant_id = None
+            node.ssh_keys = ()
 
     def heartbeats(self) -> list[Heartbeat]:
         return [
@@ -262,6 +293,7 @@ class Fleet:
             "tenant_id": node.tenant_id,
             "workload_running": node.workload_running,
             "workload": node.workload,
+            "ssh_keys": list(node.ssh_keys),
             "actions_done": node.actions_done,
             "hardware_fault": node.hardware_fault,
         }
@@ -312,6 +344,17 @@ class SimulatedHardware:
     async def stop_workload(self) -> Outcome | None:
         self.node.workload = None
         self.node.workload_run = None
+        return None
+
+    async def install_ssh_keys(self, keys: Sequence[str]) -> Outcome | None:
+        self.node.ssh_keys = tuple(keys)
+        return None
+
+    async def remove_ssh_keys(self) -> Outcome | None:
+        """No key of the tenant opens the node any more, and its open sessions end."""
+        self.node.ssh_keys = ()
+        if self.fleet.ssh is not None:
+            self.fleet.ssh.disconnect(self.node.id)
         return None
 
     async def clean(self) -> tuple[list[CleaningStep], CleaningFailed | None]:

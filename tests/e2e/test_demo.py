@@ -27,6 +27,8 @@ def test_demo_runs_end_to_end(tmp_path):
     # What a tenant may ask for: the catalogue, and a type the fleet has none of said as such.
     flat = " ".join(output.split())  # rich wraps lines
     assert "globex reads the catalog: H100 in us-east-1" in flat and "the fleet has no B200 nodes" in flat
+    # The tenant logs in to a node with its workload's SSH key; after the release the key is refused.
+    assert "`hostname` answers" in output and "refused after the release" in " ".join(output.split())
     # The health scenario: a GPU falls off the bus, its node is replaced, the allocation is ready.
     assert "XID 79 on" in output and "ready again" in output and "allocation events" in output
     # Rollouts: the production version out to the allocation, canary first, every node verified;

@@ -1,7 +1,7 @@
 """Issue 14: the agent owns the tenant's processes. The real agent code, as root on this machine,
 with real process trees: provision starts the allocation's workload in a PID namespace of its
 own; release stops every process of it, children that ignore SIGTERM and ones that left their
-session included, and confirms none is left; wipe removes the tenant's files and keys; an agent
+session included, and confirms none is left; release removes the tenant's SSH keys, wipe its files; an agent
 restarted meanwhile still finds the workload, stops it at release, and meters the allocation."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState
+from gpucloud.agent.ssh_keys import AuthorizedKeys
 from gpucloud.agent.workloads import WorkloadSupervisor, processes_in
 from gpucloud.protocol.actions import ActionRequest, Workload
 from gpucloud.sim.probe import SimulatedProbe
@@ -41,7 +42,9 @@ def _agent(tmp_path: Path, *, grace_s: float = 0.5) -> Agent:
     )
     state.restore()
     workloads = WorkloadSupervisor(tmp_path / "state" / "workloads", grace_s=grace_s)
-    return Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=GpuResetOnly(), workloads=workloads)
+    keys = AuthorizedKeys("tenant", path=tmp_path / "home" / ".ssh" / "authorized_keys")
+    probe = SimulatedProbe("gpu-1", gpu_count=8)
+    return Agent(state, probe, runner=GpuResetOnly(), workloads=workloads, ssh_keys=keys)
 
 
 def _act(agent: Agent, action: str, request_id: str, **fields) -> tuple[int, dict]:
@@ -64,7 +67,7 @@ def test_release_stops_every_process_of_the_workload_and_wipe_removes_the_tenant
     namespace = agent.workloads.running().pid_namespace
     wait_until(lambda: len(processes_in(namespace)) >= 4, timeout_s=10, what="the job, its child and its daemon")
     members = processes_in(namespace)
-    keys = tmp_path / "scratch" / ".ssh" / "authorized_keys"
+    keys = tmp_path / "home" / ".ssh" / "authorized_keys"
     assert keys.read_text() == "ssh-ed25519 AAAAC3Nza tenant@laptop\n" and oct(keys.stat().st_mode & 0o777) == "0o600"
     assert (tmp_path / "scratch" / "work" / "started").exists()  # it ran in the tenant's work dir
 
@@ -74,10 +77,11 @@ def test_release_stops_every_process_of_the_workload_and_wipe_removes_the_tenant
     assert body["workload_running"] is False and body["workload_status"] == {"workload": "none"}
     assert processes_in(namespace) == [] and _alive(members) == []  # nothing of it is left
     assert time.monotonic() - started < 5  # SIGTERM ignored: killed after the grace period
+    assert not keys.exists()  # the release shut the tenant out
     assert _act(agent, "release", "r2")[0] == 200  # a repeated release is a no-op
 
     assert _act(agent, "wipe", "w1")[0] == 200
-    assert not keys.exists() and not list((tmp_path / "state" / "workloads").glob("workload-*.log"))
+    assert not list((tmp_path / "state" / "workloads").glob("workload-*.log"))
 
 
 def test_an_agent_restarted_mid_allocation_still_stops_the_workload_and_meters(tmp_path):

@@ -9,8 +9,8 @@ import typer
 
 from gpucloud.cli.main import app
 
-# Commands that run a component (or the whole stack), or add a key to the data dir, rather than
-# print data.
+# Commands that run a component (or the whole stack), add a key to the data dir, or run a program
+# in the CLI's place (`allocations ssh`), rather than print data.
 RUNNERS = {
     "server",
     "worker",
@@ -25,6 +25,7 @@ RUNNERS = {
     "codec-server",
     "codec-key-rotate",
     "issue-delegate",
+    "allocations ssh",
 }
 
 

@@ -50,6 +50,7 @@ from gpucloud.services import allocations as service
 from gpucloud.services import catalog as offers
 from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
+from gpucloud.services.node_access import ssh_endpoint
 from gpucloud.services.workflow_engine import engine_problem, log_undelivered
 from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
 from gpucloud.web.problems import Problem, invalid
@@ -234,9 +235,9 @@ def list_allocations(
     response_model=AllocationNodes,
     responses={404: {"description": "no such allocation visible to the caller"}},
 )
-def allocation_nodes(allocation_id: str, caller: CallerDep, reads: ReadsDep):
-    """The allocation's nodes now: state, health, and what each agent last reported of the
-    workload (running, exited with its code, none)."""
+def allocation_nodes(allocation_id: str, caller: CallerDep, reads: ReadsDep, settings: SettingsDep):
+    """The allocation's nodes now: state, health, what each agent last reported of the workload
+    (running, exited with its code, none), and where to log in to it (`services/node_access.py`)."""
     with reads() as session:
         alloc = _visible(session, caller, allocation_id)
         nodes = session.exec(select(Node).where(col(Node.id).in_(list(alloc.node_ids)))).all()
@@ -254,6 +255,7 @@ def allocation_nodes(allocation_id: str, caller: CallerDep, reads: ReadsDep):
                     health=node.health,
                     last_heartbeat_at=node.last_heartbeat_at,
                     workload=WorkloadStatus.model_validate(reported) if reported else None,
+                    ssh=ssh_endpoint(node, allocation_id=alloc.id, user=settings.agent.ssh_user),
                 )
             )
         return AllocationNodes(allocation_id=alloc.id, items=items)
