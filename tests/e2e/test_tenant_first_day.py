@@ -181,6 +181,13 @@ def test_a_tenants_first_day_through_the_cli(stack, tmp_path):
     kinds = [e["kind"] for e in shown["events"]]
     assert "provisioning" in kinds and "ready" in kinds, kinds
 
+    # The node over SSH, with the key the workload named, as `allocations ssh` says to.
+    printed = shell.run("allocations", "ssh", alloc_id, "--print", "-i", str(ssh_key)).stdout.split()
+    assert printed[:2] == ["ssh", "-p"], printed
+    quiet = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes"]
+    logged_in = subprocess.run([*printed, *quiet, "echo", "reached"], capture_output=True, text=True, timeout=60)
+    assert logged_in.returncode == 0 and logged_in.stdout.strip() == "reached", logged_in
+
     # A model, pushed and named by alias and by digest prefix.
     model = write_model(tmp_path / "model", random_tensors())
     pushed = shell.json("weights", "push", str(model), "--model", "first-day")
@@ -214,6 +221,8 @@ def test_a_tenants_first_day_through_the_cli(stack, tmp_path):
     shell.run("allocations", "cancel", alloc_id, "--wait")
     kinds = [e["kind"] for e in shell.json("allocations", "show", alloc_id)["events"]]
     assert "released" in kinds, kinds
+    refused = subprocess.run([*printed, *quiet, "hostname"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "Permission denied" in refused.stderr, refused
 
     # Nothing was written where the user stood.
     assert list(shell.cwd.iterdir()) == []
