@@ -71,6 +71,23 @@ def show_reconciler(demo: Demo, alloc_id: str, tenant_id: str) -> None:
     demo.console.print(f"fleet summary: {summary['by_state']}, health {summary['by_health']}")
 
 
+def show_workload_output(demo: Demo, acme: Gpucloud, alloc_id: str) -> None:
+    """The tenant reads what its workload printed on a node (`allocations logs`): the last lines,
+    as the agent kept them."""
+    node_id = acme.allocations.get(alloc_id).node_ids[0]
+    text = ""
+    deadline = time.monotonic() + 30
+    while not text.strip() and time.monotonic() < deadline:
+        text = "".join(acme.allocations.logs(alloc_id, node_id, tail=3))
+        if not text.strip():
+            time.sleep(1)
+    if not text.strip():
+        raise DemoFailed(f"the workload on {node_id} printed nothing in 30 s")
+    demo.console.print(f"[green]workload output[/] on {node_id} (`gpucloud allocations logs {alloc_id} --tail 3`):")
+    for line in text.strip().splitlines():
+        demo.console.print(f"  {line}", markup=False, highlight=False)
+
+
 def _allocate(demo: Demo, acme: Gpucloud, want: int, *, workload: Workload | None = None) -> str:
     """An allocation created under an Idempotency-Key, replayed once; provisioned until ready."""
     key = f"demo-{time.time_ns()}"
@@ -116,6 +133,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     workload = Workload(command=["python", "train.py"], ssh_keys=[ssh_key.public])
     alloc_id = _allocate(demo, acme, max(1, min(4, nodes // 2)), workload=workload)
     ssh_endpoint = demo_ssh(demo, acme, alloc_id, ssh_key)
+    show_workload_output(demo, acme, alloc_id)
 
     demo_tenants(demo, tenant, alloc_id)
     show_reconciler(demo, alloc_id, tenant.id)

@@ -42,6 +42,8 @@ def test_demo_runs_end_to_end(tmp_path):
     # Cleaning: acme's nodes booted once from the clean image through their BMCs' virtual media,
     # the booted digest checked, before the next tenant got them.
     assert "cleaned between tenants" in output and "image_inserted" in output and "image_verified" in output
+    # The tenant reads its workload's output.
+    assert "workload output" in output and "allocations logs" in output
     # The booted image, and only it, enrolled from its config drive.
     assert "enrollment_handed" in output and "agent_enrolled" in output
     assert "re-imaged out of band since acme held them" in " ".join(output.split())  # rich wraps lines
