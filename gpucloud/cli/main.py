@@ -564,6 +564,7 @@ app.add_typer(bmc_app, name="bmc")
 app.add_typer(weights_app, name="weights")
 app.add_typer(invoices_app, name="invoices")
 app.add_typer(rollout_app, name="rollout")
+app.add_typer(rollout_app, name="rollouts", hidden=True)  # as `nodes` / `node`: the plural a user types first
 tenants_app.command("quota")(tenants_quota)
 app.add_typer(tenants_app, name="tenants")
 allocations_app.command("ssh")(allocations_ssh)

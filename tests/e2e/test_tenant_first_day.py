@@ -203,7 +203,7 @@ def test_a_tenants_first_day_through_the_cli(stack, tmp_path):
     )  # fmt: skip
     assert "not" in rollout.stderr and "promoted" in rollout.stderr, rollout.stderr
     rollout_id = json.loads(rollout.stdout)["rollout_id"]
-    assert rollout_id in [r["rollout_id"] for r in shell.json("rollout", "list")]
+    assert rollout_id in [r["rollout_id"] for r in shell.json("rollouts", "list")]
     second = shell.run("rollout", "start", f"first-day@{digest}", "--allocation", alloc_id, "--no-watch", expect=4)
     assert rollout_id in " ".join(second.stderr.split()), second.stderr
     shell.run("rollout", "abort", rollout_id, "--reason", "first day")
