@@ -12,12 +12,14 @@ import os
 import shlex
 import shutil
 from collections.abc import Sequence
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from gpucloud.api.schemas import AllocationNode
+if TYPE_CHECKING:  # the API's schemas load with the command's client, not at the CLI's start
+    from gpucloud.api.schemas import AllocationNode
+
 from gpucloud.cli.common import ApiKey, ApiUrl, ExitCode, api_client, err, id_column, reported_errors
 
 
