@@ -13,6 +13,7 @@ retry's backoff.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,10 @@ class StandIns:
 
     def requests(self, name: str, node_id: str | None = None) -> list[Any]:
         return [c.req for c in self.calls if c.name == name and (node_id is None or c.node_id == node_id)]
+
+    def calls_of(self, prefix: str) -> list[Any]:
+        """The requests of every call whose name starts with `prefix`, in order."""
+        return [c.req for c in self.calls if c.name.startswith(prefix)]
 
     def held(self, name: str, node_id: str | None = None) -> bool:
         """Whether a call of `name` (about `node_id`) has started (and is waiting in its hold)."""
@@ -491,3 +496,15 @@ async def _wait_heartbeating(event: asyncio.Event) -> None:
                 await asyncio.wait_for(event.wait(), 0.1)
             except TimeoutError:
                 continue
+
+
+async def until(predicate: Callable[[], object], *, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Wait until `predicate()` holds (the stand-ins run on the test's event loop), at most `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:  # the stand-ins change on this loop: look between its steps
+                if predicate():
+                    return
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}") from None

@@ -4,9 +4,7 @@ and where each failure leaves the node."""
 
 from __future__ import annotations
 
-import asyncio
-
-from mocks import StandIns
+from mocks import StandIns, until
 from temporalio.client import WorkflowHandle
 
 from gpucloud.models.messages import NodeOperationInput, NodeOperationKind, NodeOperationResult
@@ -141,7 +139,7 @@ async def test_a_cancel_during_provisioning_fails_the_node_to_wiping(workflows, 
     stand_ins.add_node(node, S.RESERVED, allocation_id=alloc)
     stand_ins.hold("provision_node", node)
     handle = await _start(workflows, node, Op.PROVISION, allocation_id=alloc)
-    await _until(lambda: stand_ins.held("provision_node", node))
+    await until(lambda: stand_ins.held("provision_node", node))
     await handle.cancel()
     result: NodeOperationResult = await handle.result()
     # Left for the allocation's release to recycle: release, wipe, burn-in.
@@ -250,7 +248,13 @@ async def test_a_failed_wipe_quarantines_the_node(workflows, stand_ins: StandIns
     stand_ins.fail("wipe_node", node, message="secure erase failed", type="AgentActionFailed")
     result = await _operate(workflows, node, Op.RECYCLE)
     assert (result.ok, result.state, result.error) == (False, "quarantined", "wipe failed: secure erase failed")
-    assert stand_ins.steps(node) == ["get_node", "release_node", "bmc_boot_image:no BMC", "wipe_node", "transition_node:fail"]
+    assert stand_ins.steps(node) == [
+        "get_node",
+        "release_node",
+        "bmc_boot_image:no BMC",
+        "wipe_node",
+        "transition_node:fail",
+    ]
 
 
 # ---------------------------------------------------------------- drain and repair
@@ -304,9 +308,3 @@ async def test_repair_of_a_host_that_is_down_power_cycles_it_through_its_bmc(
         "transition_node:ok",
     ]
     assert "reset_node" not in stand_ins.steps(node)
-
-
-async def _until(predicate, *, timeout_s: float = 10) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
