@@ -115,7 +115,6 @@ class Call:
 class _Failure:
     message: str
     type: str
-    times: int | None  # None: every call
 
 
 @dataclass
@@ -152,7 +151,7 @@ class StandIns:
     ) -> None:
         """Every later call of activity `name` (about `node_id`, or any) fails with `message`.
         `agent_batch:<action>` fails that action for the node inside a batch."""
-        self._failures[(name, node_id)] = _Failure(message, type, None)
+        self._failures[(name, node_id)] = _Failure(message, type)
 
     def hold(self, name: str, node_id: str | None = None) -> None:
         """Calls of `name` (about `node_id`) wait, heartbeating, until `let_go` or their cancel."""
