@@ -149,3 +149,52 @@ async def test_a_node_reported_while_a_replacement_provisions_is_pulled_at_once(
     # Ready again only with the last replacement attached.
     assert [r.ready for r in stand_ins.requests("attach_node")] == [False, True]
     assert {stand_ins.nodes[a].state, stand_ins.nodes[b].state} == {S.QUARANTINED}
+
+
+async def test_a_node_reported_while_the_allocation_provisions_is_replaced_before_ready(
+    workflows, stand_ins: StandIns, uid
+) -> None:
+    alloc_id, (a, b), c = f"al-{uid}", [f"a-{uid}", f"b-{uid}"], f"c-{uid}"
+    for node in (a, b):
+        stand_ins.add_node(node, S.RESERVED)
+    stand_ins.add_allocation(alloc_id, [a, b])
+    stand_ins.add_node(c, S.AVAILABLE)
+    stand_ins.spares.append(c)
+    stand_ins.hold("provision_node", b)
+    handle = await workflows.start(
+        AllocationWorkflow.run, AllocationInput(allocation_id=alloc_id), id=f"alloc-{alloc_id}"
+    )
+    await until(lambda: stand_ins.held("provision_node", b) and stand_ins.nodes[a].state == S.ACTIVE, what="a active")
+    await handle.signal(AllocationWorkflow.replace_node, _report(a))
+    stand_ins.let_go()
+    await until(lambda: stand_ins.allocations[alloc_id].status == "ready", what="ready")
+    assert await _cancelled(handle, stand_ins) == "released"
+
+    # The tenant is never handed a node known to be bad: the attach of its replacement is the
+    # allocation's first ready, and billing starts with b alone (a was pulled before it).
+    assert "set_allocation_status:ready" not in stand_ins.steps()
+    assert stand_ins.steps()[2:8] == [
+        f"detach_nodes:{a}",
+        f"remove_allocation_fabric_nodes:{a}",
+        f"reserve_replacement:{c}",
+        "record_allocation_event:replacement_started",
+        f"apply_allocation_fabric:{c}",
+        f"attach_node:{c} for {a}",
+    ]
+    assert ["start", f"node_added:{b}"] in stand_ins.ledger
+    assert [f"node_removed:{a}"] in stand_ins.ledger
+
+
+async def test_a_report_repeated_for_a_node_already_pulled_pulls_nothing(workflows, stand_ins: StandIns, uid) -> None:
+    handle, alloc_id, (a, b) = await _ready(workflows, stand_ins, uid, "c", "d")
+    c, d = f"c-{uid}", f"d-{uid}"
+    await handle.signal(AllocationWorkflow.replace_node, _report(a))
+    await until(lambda: stand_ins.allocations[alloc_id].node_ids == [b, c], what="c attached")
+    await handle.signal(AllocationWorkflow.replace_node, _report(a))  # the health loop says it again
+    await handle.signal(AllocationWorkflow.replace_node, _report(b))  # handled after it: b's pull shows it was
+    await until(lambda: stand_ins.allocations[alloc_id].node_ids == [c, d], what="d attached")
+    assert await _cancelled(handle, stand_ins) == "released"
+    detached = [step for step in stand_ins.steps() if step.startswith("detach_nodes")]
+    assert detached == [f"detach_nodes:{a}", f"detach_nodes:{b}"]
+    assert stand_ins.steps(a).count("transition_node:drain") == 1
+    assert [r.replaces for r in stand_ins.requests("attach_node")] == [a, b]
