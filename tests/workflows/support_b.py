@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import typing
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +72,7 @@ class StandIns:
     calls: list[Call] = field(default_factory=list)
     # Calls started and not yet answered, by activity name (a test can wait for a step to begin).
     running: dict[str, int] = field(default_factory=dict)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def for_worker(self, only: Iterable[Callable[..., Any]] | None = None) -> list[Callable[..., Any]]:
         """The stand-ins to hand a worker: for every activity in `answers`, or those in `only`."""
@@ -91,9 +92,14 @@ class StandIns:
     async def started(self, real: Callable[..., Any], *, timeout_s: float = 10.0) -> None:
         """Wait until a call of `real` is under way."""
         name = activity_name(real)
+        await self.until(lambda: bool(self.running.get(name)), timeout_s=timeout_s)
+
+    async def until(self, ready: Callable[[], bool], *, timeout_s: float = 10.0) -> None:
+        """Wait until `ready()` holds, looking again at every call's start and end."""
         async with asyncio.timeout(timeout_s):
-            while not self.running.get(name):
-                await asyncio.sleep(0.02)
+            while not ready():
+                self._changed.clear()
+                await self._changed.wait()
 
     def _stand_in(self, real: Callable[..., Any]) -> Callable[..., Any]:
         name = activity_name(real)
@@ -102,6 +108,7 @@ class StandIns:
         async def stand_in(arg: Any) -> Any:
             self.calls.append(Call(name, arg))
             self.running[name] = self.running.get(name, 0) + 1
+            self._changed.set()
             try:
                 given = answer(arg) if callable(answer) and not isinstance(answer, BaseException) else answer
                 if inspect.isawaitable(given):
@@ -111,6 +118,7 @@ class StandIns:
                 return given
             finally:
                 self.running[name] -= 1
+                self._changed.set()
 
         # The real method's input type, so the converter hands the stand-in a typed model.
         hints = typing.get_type_hints(real)
@@ -118,6 +126,15 @@ class StandIns:
         stand_in.__annotations__ = {"arg": hints[parameter.name], "return": hints.get("return", Any)}
         stand_in.__name__ = stand_in.__qualname__ = name
         return activity.defn(name=name)(stand_in)
+
+
+async def eventually(probe: Callable[[], Awaitable[bool]], *, timeout_s: float = 10.0, what: str) -> None:
+    """Wait until `probe()` (a query, say) answers true, looking every 50 ms."""
+    for _ in range(int(timeout_s / 0.05)):
+        if await probe():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def queue_name(prefix: str) -> str:

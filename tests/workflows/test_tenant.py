@@ -38,7 +38,9 @@ def _onboarding_answers(**overrides) -> dict:
     answers = {
         T.load_tenant: TenantView(tenant_id=TENANT, name="a", status="onboarding"),
         T.allocate_tenant_vni: TenantVni(tenant_id=TENANT, vni=4242, source="sdn"),
-        Storage.provision_tenant_storage: TenantStorageResult(tenant_id=TENANT, prefix="tenants/ten_a", data_key_version=1),
+        Storage.provision_tenant_storage: TenantStorageResult(
+            tenant_id=TENANT, prefix="tenants/ten_a", data_key_version=1
+        ),
         T.activate_tenant: TenantView(tenant_id=TENANT, name="a", status="active"),
         T.revoke_tenant_keys: RevokedKeys(revoked=1),
         T.release_tenant_vni: TenantVni(tenant_id=TENANT),
@@ -75,7 +77,9 @@ async def test_onboarding_allocates_the_vni_then_the_storage_then_activates(temp
 
 async def test_a_tenant_past_onboarding_is_left_as_it_is(temporal_env) -> None:
     stand_ins = StandIns(
-        _onboarding_answers(load_tenant=TenantView(tenant_id=TENANT, name="a", status="active", vni=7, storage_prefix="p"))
+        _onboarding_answers(
+            load_tenant=TenantView(tenant_id=TENANT, name="a", status="active", vni=7, storage_prefix="p")
+        )
     )
     result = await _onboard(temporal_env, stand_ins)
     assert stand_ins.names == ["load_tenant"]
@@ -131,7 +135,12 @@ async def test_a_step_still_failing_at_the_deadline_is_undone(temporal_env) -> N
     stand_ins = StandIns(_onboarding_answers(provision_tenant_storage=RuntimeError("the object store is down")))
     result = await _onboard(temporal_env, stand_ins, deadline_s=1.0)
     tries = stand_ins.names.count("provision_tenant_storage")
-    assert stand_ins.names[2 + tries :] == ["revoke_tenant_keys", "delete_tenant_storage", "release_tenant_vni", "fail_tenant"]
+    assert stand_ins.names[2 + tries :] == [
+        "revoke_tenant_keys",
+        "delete_tenant_storage",
+        "release_tenant_vni",
+        "fail_tenant",
+    ]
     # Not taken as a refusal: the outage was waited out until the deadline.
     assert result.status == "failed"
     assert "provision_tenant_storage did not succeed before the onboarding deadline" in (result.error or "")
