@@ -208,7 +208,7 @@ def _offboarding_answers(*, due_at: datetime | None, **overrides) -> dict:
     answers = {
         T.cancel_tenant_allocations: CancelledAllocations(allocation_ids=["alloc_1", "alloc_2"]),
         T.tenant_release_progress: in_turn(
-            TenantReleaseProgress(open_allocations=2, nodes_in_flight=2, nodes_parked=0),
+            # The allocations are over, a node is still on its way to a wipe.
             TenantReleaseProgress(open_allocations=0, nodes_in_flight=1, nodes_parked=1),
             TenantReleaseProgress(open_allocations=0, nodes_in_flight=0, nodes_parked=1),
         ),
@@ -237,7 +237,7 @@ async def _offboard(temporal_env, stand_ins: StandIns):
 async def test_offboarding_waits_for_the_release_then_removes_the_tenant_and_purges_after_retention(
     temporal_env,
 ) -> None:
-    due = datetime.now(UTC) + timedelta(seconds=1.5)
+    due = datetime.now(UTC) + timedelta(seconds=1)
     purged_at: list[datetime] = []
 
     def purge(_req):
@@ -248,7 +248,6 @@ async def test_offboarding_waits_for_the_release_then_removes_the_tenant_and_pur
     result = await _offboard(temporal_env, stand_ins)
     assert stand_ins.names == [
         "cancel_tenant_allocations",
-        "tenant_release_progress",  # allocations still live
         "tenant_release_progress",  # a node still on its way to a wipe
         "tenant_release_progress",  # done (a parked node is wiped by its repair)
         "revoke_tenant_keys",
@@ -272,6 +271,7 @@ async def test_offboarding_retries_a_failing_step_until_it_succeeds(temporal_env
     stand_ins = StandIns(
         _offboarding_answers(
             due_at=None,
+            tenant_release_progress=TenantReleaseProgress(open_allocations=0, nodes_in_flight=0, nodes_parked=0),
             revoke_tenant_keys=in_turn(RuntimeError("database is locked"), RevokedKeys(revoked=1)),
         )
     )
