@@ -226,16 +226,20 @@ def _offboarding_answers(*, due_at: datetime | None, **overrides) -> dict:
     return {**answers, **{getattr(T, k, None) or getattr(Storage, k): v for k, v in overrides.items()}}
 
 
+async def _start_offboarding(client, queue: str) -> WorkflowHandle:
+    return await client.start_workflow(
+        TenantOffboardingWorkflow.run,
+        TenantOffboardingInput(tenant_id=TENANT, operation_id="op_2", poll_s=0.1, retention_s=1.0),
+        id=f"tenant-offboard-{uuid.uuid4().hex}",
+        task_queue=queue,
+        execution_timeout=timedelta(seconds=60),
+    )
+
+
 async def _offboard(temporal_env, stand_ins: StandIns):
     client, queue = temporal_env.client, queue_name("tenant")
     async with workers(client, [TenantOffboardingWorkflow], {queue: stand_ins.for_worker()}):
-        return await client.execute_workflow(
-            TenantOffboardingWorkflow.run,
-            TenantOffboardingInput(tenant_id=TENANT, operation_id="op_2", poll_s=0.1, retention_s=1.0),
-            id=f"tenant-offboard-{uuid.uuid4().hex}",
-            task_queue=queue,
-            execution_timeout=timedelta(seconds=60),
-        )
+        return await (await _start_offboarding(client, queue)).result()
 
 
 async def test_offboarding_waits_for_the_release_then_removes_the_tenant_and_purges_after_retention(
@@ -297,3 +301,41 @@ async def test_a_ledger_refusal_does_not_leave_the_tenant_half_removed(temporal_
     result = await _offboard(temporal_env, stand_ins)
     assert stand_ins.names[-2:] == ["finish_offboarding", "purge_tenant_storage"]
     assert result.status == "offboarded"
+
+
+async def test_a_cancel_past_the_point_of_no_return_is_ignored(temporal_env) -> None:
+    let_go = asyncio.Event()
+
+    async def slow_activation(_req):
+        await let_go.wait()
+        return TenantView(tenant_id=TENANT, name="a", status="active")
+
+    stand_ins = StandIns(_onboarding_answers(activate_tenant=slow_activation))
+    client, queue = temporal_env.client, queue_name("tenant")
+    async with workers(client, [TenantOnboardingWorkflow], {queue: stand_ins.for_worker()}):
+        handle = await _start_onboarding(client, queue)
+        await stand_ins.started(T.activate_tenant)
+        await handle.cancel()
+        let_go.set()
+        result = await handle.result()
+    assert stand_ins.names == ONBOARDING
+    assert result.status == "active"
+
+
+async def test_a_cancel_does_not_stop_offboarding(temporal_env) -> None:
+    let_go = asyncio.Event()
+
+    async def slow_cancels(_req):
+        await let_go.wait()
+        return CancelledAllocations(allocation_ids=["alloc_1"])
+
+    stand_ins = StandIns(_offboarding_answers(due_at=None, cancel_tenant_allocations=slow_cancels))
+    client, queue = temporal_env.client, queue_name("tenant")
+    async with workers(client, [TenantOffboardingWorkflow], {queue: stand_ins.for_worker()}):
+        handle = await _start_offboarding(client, queue)
+        await stand_ins.started(T.cancel_tenant_allocations)
+        await handle.cancel()
+        let_go.set()
+        result = await handle.result()
+    assert stand_ins.names[-3:] == ["close_tenant_billing", "finish_offboarding", "purge_tenant_storage"]
+    assert result.status == "offboarded" and result.storage_deleted
