@@ -13,8 +13,9 @@ import asyncio
 import uuid
 from datetime import timedelta
 
+import pytest
 from support_b import StandIns, eventually, final, queue_name, refused, workers
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
 
 from gpucloud.activities.rollout import RolloutActivities as R
 from gpucloud.models.registry_tables import GateSpec
@@ -284,3 +285,30 @@ async def test_abort_stops_the_step_under_way_and_rolls_back_what_was_activated(
     assert _nodes(stand_ins, R.rollback_wave) == [["n1", "n2"]]
     assert _without_prefetch(stand_ins)[-2:] == ["rollback_wave", "end_rollout"]
     assert (result.status, result.rolled_back) == (RolloutPhase.ROLLED_BACK, ["n1", "n2"])
+
+
+async def test_pause_and_resume_are_refused_once_an_abort_is_under_way(temporal_env) -> None:
+    let_go = asyncio.Event()
+
+    async def held(req: WaveInput) -> WaveResult:
+        await let_go.wait()
+        return _ok(req)
+
+    stand_ins = StandIns(_answers(check_wave=held, rollback_wave=held))
+    client, queue = temporal_env.client, queue_name("rollout")
+    async with workers(client, [RolloutWorkflow], {queue: stand_ins.for_worker()}):
+        handle = await _start(client, queue, _input())
+        await stand_ins.started(R.check_wave)
+        abort = await handle.start_update(
+            RolloutWorkflow.abort, ReasonInput(reason="stop"), wait_for_stage=WorkflowUpdateStage.ACCEPTED
+        )
+        await stand_ins.started(R.rollback_wave)
+        for update in (RolloutWorkflow.pause, RolloutWorkflow.resume):
+            with pytest.raises(WorkflowUpdateFailedError) as refused_update:
+                await handle.execute_update(update, ReasonInput())
+            assert "the rollout is being aborted" in str(refused_update.value.cause)
+        let_go.set()
+        final_progress = await abort.result()
+        await handle.result()
+    assert final_progress.phase == RolloutPhase.ROLLED_BACK and not final_progress.paused
+    assert _nodes(stand_ins, R.rollback_wave) == [["n1"]]
