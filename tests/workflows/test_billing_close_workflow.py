@@ -11,7 +11,6 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
-import pytest
 from support_b import StandIns, in_turn, queue_name, refused, workers
 
 from gpucloud.activities.ledger import LedgerActivities as L
@@ -106,17 +105,12 @@ async def test_a_failed_close_stops_the_catch_up_and_the_next_run_takes_it_again
     )
     first, second = await ledger.catch_up(temporal_env.client, runs=2)
     assert (first.closed, first.failed) == (["2026-09"], "2026-10")
-    assert first.error, "the failure is kept with the result"
+    assert first.error == "the ledger refused (HTTP 409): usage still arriving"
     assert "2026-11" not in ledger.closes[:2], "periods close in order: a later one waits for the failed one"
     assert (second.closed, second.failed) == (["2026-10", "2026-11"], None)
     assert ledger.closes == ["2026-09", "2026-10", "2026-10", "2026-11"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the catch-up keeps `str(ChildWorkflowError.cause)`, the ActivityError's 'Activity task failed', "
-    "not the ledger's refusal underneath it",
-)
 async def test_the_catch_up_keeps_why_a_close_failed(temporal_env) -> None:
     ledger = Ledger(
         _periods(("2026-10", True, False)),
