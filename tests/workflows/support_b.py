@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import typing
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -44,7 +45,7 @@ def final(message: str) -> ApplicationError:
 
 def in_turn(*answers: Any) -> Callable[[Any], Any]:
     """Answers for successive calls, the last one repeated after that."""
-    calls = iter(range(1_000_000))
+    calls = itertools.count()
 
     def answer(_arg: Any) -> Any:
         return answers[min(next(calls), len(answers) - 1)]
