@@ -104,7 +104,7 @@ class StorageDeletion(TenantRef):
 
 
 class TenantBilling(TenantRef):
-    # Why nothing was done (no ledger configured).
+    # Why nothing was looked up (no ledger configured, or the ledger refused).
     skipped: str | None = None
     # The open period that carries the tenant's final usage; its scheduled close issues the
     # final invoice.

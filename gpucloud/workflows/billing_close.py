@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import WorkflowIDReusePolicy
-from temporalio.exceptions import ChildWorkflowError, WorkflowAlreadyStartedError
+from temporalio.exceptions import ChildWorkflowError, FailureError, WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.ledger import LedgerActivities
@@ -69,8 +69,16 @@ class BillingCatchUpWorkflow:
                 continue
             except ChildWorkflowError as error:
                 # Periods close in order: the later ones wait for the next scheduled run.
-                result.failed, result.error = period.period_id, str(error.cause or error)
+                result.failed, result.error = period.period_id, _innermost(error)
                 workflow.logger.error("closing %s failed: %s", period.period_id, result.error)
                 break
             result.closed.append(period.period_id)
         return result
+
+
+def _innermost(error: FailureError) -> str:
+    """Why a close failed: the child's failure wraps the activity's, which wraps the ledger's
+    answer; the outer ones say only that a child or an activity failed."""
+    while isinstance(error.cause, FailureError):
+        error = error.cause
+    return error.message or str(error)

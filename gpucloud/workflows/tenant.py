@@ -26,7 +26,8 @@ moved the tenant to `offboarding`, which stops new allocations): cancel every li
 (the DB intent plus a signal, as the cancel endpoint does), wait until no allocation is live and
 no node holding the tenant's data is on its way to a wipe, revoke the keys, release the VNI,
 mark the storage for deletion after the retention period, look up the final billing period when
-a ledger is configured, and mark the tenant `offboarded`. The workflow then sleeps until the
+a ledger is configured (a ledger that refuses is noted in the result), and mark the tenant
+`offboarded`. The workflow then sleeps until the
 deletion is due (a durable timer) and purges the storage. Every step is retried until it
 succeeds: a tenant half-removed would keep a path open."""
 
@@ -46,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         ActivateTenantInput,
         SettleTenantInput,
         StorageDeletionInput,
+        TenantBilling,
         TenantOffboardingInput,
         TenantOffboardingResult,
         TenantOnboardingInput,
@@ -209,7 +211,7 @@ class TenantOffboardingWorkflow:
             StorageDeletionInput(tenant_id=inp.tenant_id, retention_s=inp.retention_s),
             options.TENANT_UNTIL_DONE,
         )
-        billing = await _run(T.close_tenant_billing, ref, options.LEDGER)
+        billing = await self._billing(ref)
         await _run(
             T.finish_offboarding,
             SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id),
@@ -229,6 +231,17 @@ class TenantOffboardingWorkflow:
         await _run(Storage.purge_tenant_storage, ref, options.TENANT_UNTIL_DONE)
         result.storage_deleted = True
         return result
+
+    async def _billing(self, ref: TenantRef) -> TenantBilling:
+        """The tenant's final billing period, as far as the ledger tells. It only reads (the
+        scheduled close issues the final invoice), so a ledger that refuses for good is noted in
+        the result and offboarding goes on: stopping here would leave the tenant half-removed,
+        its storage never purged."""
+        try:
+            return await _run(T.close_tenant_billing, ref, options.LEDGER)
+        except ActivityError as error:
+            workflow.logger.warning("tenant %s's final billing not looked up: %s", ref.tenant_id, _reason(error))
+            return TenantBilling(tenant_id=ref.tenant_id, skipped=_reason(error))
 
     async def _released(self, ref: TenantRef, *, poll: timedelta) -> TenantReleaseProgress | None:
         """Wait until the tenant's allocations are over and its nodes wiped (or parked for repair,
