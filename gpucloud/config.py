@@ -6,6 +6,10 @@ top-level fields have no section (`GPUCLOUD_DATA_DIR`). Secrets are `SecretStr`:
 appear in a repr or a log line. A secrets directory (`GPUCLOUD_SECRETS_DIR`, say a Kubernetes
 or Docker secret mount) holds one file per variable, named as the variable
 (`GPUCLOUD_DATABASE__URL`), holding its value; variables in the environment win over files.
+A `GPUCLOUD_*` variable (or secrets file) that is neither a setting nor one of `NOT_SETTINGS`
+stops the process, naming the setting it most resembles: a misspelt or renamed variable would
+otherwise be ignored without a word (`GPUCLOUD_DATABASE_URL`, the name before settings were
+nested, ran a deployment on SQLite).
 `gpucloud.bootstrap` is the only code that turns these settings into clients of outside systems.
 
 The embedded defaults run everything on one machine (Temporal dev server, SQLite in the data
@@ -16,10 +20,11 @@ Temporal cluster, Postgres and S3 by configuration alone.
 from __future__ import annotations
 
 import base64
+import difflib
 import os
 import secrets
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -31,6 +36,44 @@ from gpucloud.fabric.interface import FabricTokens
 from gpucloud.web.tls import ServerTLS, is_loopback
 
 TASK_QUEUE = "gpucloud"
+PREFIX = "GPUCLOUD_"
+
+# Read only to refuse it at start, saying why (`TenantSettings`): a deployment that still sets it
+# expects its tenants to get it, so the refusal names what to do instead.
+RETIRED_SETTINGS = frozenset({"GPUCLOUD_TENANTS__DEFAULT_GPU_QUOTA"})
+# `GPUCLOUD_*` variables read outside the settings model, by the name the code reads: where the
+# settings live, the log level, the options of `gpucloud agent` taken from the environment
+# (agent.env), the CLI's own (the API it calls, with which key, its config file and context),
+# what a workload or an evaluation command is given, the dev server's config, and the test
+# suite's (with every `GPUCLOUD_TEST_*`).
+NOT_SETTINGS = (
+    frozenset(
+        {
+            "GPUCLOUD_SECRETS_DIR",
+            "GPUCLOUD_LOG_LEVEL",
+            "GPUCLOUD_NODE_ID",
+            "GPUCLOUD_AGENT_TOKEN",
+            "GPUCLOUD_AGENT_METRICS_TOKEN",
+            "GPUCLOUD_AGENT_ALLOW_SIMULATED",
+            "GPUCLOUD_AGENT_METER_INTERVAL_S",
+            "GPUCLOUD_API_URL",
+            "GPUCLOUD_API_KEY",
+            "GPUCLOUD_CONFIG",
+            "GPUCLOUD_CONTEXT",
+            "GPUCLOUD_ALLOCATION_ID",
+            "GPUCLOUD_MODEL_DIR",
+            "GPUCLOUD_TEMPORAL_CONFIG",
+            "GPUCLOUD_RECORD_HISTORIES",
+            "GPUCLOUD_CHAOS_SEED",
+        }
+    )
+    | RETIRED_SETTINGS
+)
+NOT_SETTINGS_PREFIXES = ("GPUCLOUD_TEST_",)
+
+
+class UnknownSetting(ValueError):
+    """A `GPUCLOUD_*` variable, or a file of the secrets directory, that nothing reads."""
 
 
 def evaluation_task_queue(task_queue: str) -> str:
@@ -455,8 +498,73 @@ class SecretFiles(EnvSettingsSource):
         return {
             path.name.lower(): path.read_text().strip()
             for path in self.directory.iterdir()
-            if path.is_file() and path.name.upper().startswith("GPUCLOUD_")
+            if path.is_file() and path.name.upper().startswith(PREFIX)
         }
+
+
+def refuse_unknown_variables(environ: Mapping[str, str] = os.environ) -> None:
+    """Raise `UnknownSetting` for a `GPUCLOUD_*` variable of `environ`, or a file of its secrets
+    directory, that nothing reads (see the module doc). Only settings are read from the secrets
+    directory: a file there named as a variable read elsewhere (the agent's token, the CLI's key)
+    is read by nobody, so it is refused as a misspelling is."""
+    refuse_unknown(environ)
+    directory = Path(environ.get("GPUCLOUD_SECRETS_DIR") or "")
+    if environ.get("GPUCLOUD_SECRETS_DIR") and directory.is_dir():  # else `SecretFiles` says it is missing
+        refuse_unknown(
+            [p.name for p in directory.iterdir() if p.is_file()],
+            where=f"in GPUCLOUD_SECRETS_DIR ({directory})",
+            allowed=RETIRED_SETTINGS,
+            allowed_prefixes=(),
+        )
+
+
+def setting_names() -> frozenset[str]:
+    """Every variable the settings read: `GPUCLOUD_<FIELD>` for each top-level field and section
+    (a section takes a JSON object too), and `GPUCLOUD_<SECTION>__<FIELD>` for each field of one."""
+    names = set()
+    for name, field in Settings.model_fields.items():
+        names.add(f"{PREFIX}{name.upper()}")
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            names.update(f"{PREFIX}{name.upper()}__{inner.upper()}" for inner in section.model_fields)
+    return frozenset(names)
+
+
+def refuse_unknown(
+    names: Iterable[str],
+    *,
+    where: str = "in the environment",
+    allowed: frozenset[str] = NOT_SETTINGS,
+    allowed_prefixes: tuple[str, ...] = NOT_SETTINGS_PREFIXES,
+) -> None:
+    """Raise `UnknownSetting` for the `GPUCLOUD_*` names in `names` that are neither settings nor
+    `allowed`, each with the setting it most resembles (names are compared in capitals, as the
+    settings read them whatever their case)."""
+    known = setting_names()
+    unknown = sorted(
+        {
+            upper
+            for upper in (name.upper() for name in names)
+            if upper.startswith(PREFIX)
+            and upper not in known
+            and upper not in allowed
+            and not upper.startswith(allowed_prefixes)
+        }
+    )
+    if not unknown:
+        return
+    # Compared without the prefix every name shares, which would make any two look alike.
+    candidates = {name.removeprefix(PREFIX): name for name in known | allowed}
+    lines = []
+    for name in unknown:
+        nearest = difflib.get_close_matches(name.removeprefix(PREFIX), sorted(candidates), n=1, cutoff=0.6)
+        hint = f"did you mean {candidates[nearest[0]]}?" if nearest else "no setting is named like it"
+        lines.append(f"{name} ({hint})")
+    raise UnknownSetting(
+        f"unknown gpucloud variable{'s' if len(lines) > 1 else ''} {where}: {'; '.join(lines)}. Nothing reads "
+        f"{'them' if len(lines) > 1 else 'it'}: rename or remove {'them' if len(lines) > 1 else 'it'} "
+        "(every setting is GPUCLOUD_<SECTION>__<FIELD>, two underscores; gpucloud/config.py lists them)"
+    )
 
 
 class Settings(BaseSettings):
@@ -471,6 +579,9 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Each time settings are built, so every process (and each of the API's workers) refuses
+        # a variable it would otherwise ignore, before it does anything with the others.
+        refuse_unknown_variables(os.environ)
         directory = os.environ.get("GPUCLOUD_SECRETS_DIR")
         files = (SecretFiles(settings_cls, Path(directory)),) if directory else ()
         return (init_settings, env_settings, *files)

@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import FastAPI, Query
 from fastapi.responses import Response, StreamingResponse
 
+from gpucloud import children
 from gpucloud.agent import workload_logs
 from gpucloud.agent.workloads import ContainerRuntime, WorkloadSupervisor
 from gpucloud.protocol.logs import MAX_FOLLOW_BYTES, MAX_TAIL_BYTES, MAX_TAIL_LINES, WORKLOAD_LOGS_PATH, LogsQuery
@@ -66,7 +67,11 @@ async def container_tail(argv: list[str], *, timeout_s: float = 30.0) -> bytes:
     """What the runtime prints of the container's output (`logs --tail N`), its last
     `MAX_TAIL_BYTES` at most however long its lines, within `timeout_s`."""
     process = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        **children.popen_kwargs(),  # a follow ends only with the container: not with an agent gone
     )
     assert process.stdout is not None
     kept = bytearray()
@@ -86,7 +91,11 @@ async def container_follow(argv: list[str], *, deadline_s: float) -> AsyncIterat
     """The runtime's `logs --follow` as it comes, until the container stops (the runtime then
     ends it), `deadline_s` passed, or `MAX_FOLLOW_BYTES` were handed over."""
     process = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        **children.popen_kwargs(),  # a follow ends only with the container: not with an agent gone
     )
     assert process.stdout is not None
     sent = 0

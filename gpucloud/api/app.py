@@ -152,10 +152,14 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
 
 
 def create_app_from_env() -> FastAPI:
-    """The app of one of several API processes: each reads the settings its parent exported."""
+    """The app of one of several API processes: each reads the settings its parent exported.
+    Uvicorn's master starts it (multiprocessing), so the worker itself asks to die with the
+    master: a master killed outright would otherwise leave it serving the port."""
+    from gpucloud import children
     from gpucloud.config import get_settings
     from gpucloud.observability import logs
 
+    children.die_with_multiprocessing_parent()
     settings = get_settings()
     logs.configure(level=settings.telemetry.log_level, fmt=settings.telemetry.log_format)
     return create_app(settings)

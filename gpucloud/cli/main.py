@@ -14,12 +14,13 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gpucloud.agent.workload_logs import DEFAULT_FILES, DEFAULT_MAX_BYTES, LogLimits
 from gpucloud.cli.allocation_ssh import allocations_ssh
 from gpucloud.cli.billing import invoices_app, usage
 from gpucloud.cli.catalog import catalog, tenants_quota, whoami
-from gpucloud.cli.common import EXIT_CODES_HELP, Output, begin_invocation, configure_logging, parse_duration
+from gpucloud.cli.common import EXIT_CODES_HELP, ExitCode, Output, begin_invocation, configure_logging, parse_duration
 from gpucloud.cli.context_commands import config_app
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.operators import operators_app
@@ -27,7 +28,7 @@ from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.simulators import FaultsOption, TimeScaleOption, fabric_managers, fault_model_named, sim
 from gpucloud.cli.weights import weights_app
-from gpucloud.config import Settings, get_settings
+from gpucloud.config import Settings, UnknownSetting, get_settings, refuse_unknown_variables
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, epilog=EXIT_CODES_HELP)
 console = Console(stderr=True)
@@ -45,6 +46,11 @@ def _options(
         ),
     ] = None,
 ) -> None:
+    try:  # before any command: a misspelt variable would otherwise be ignored without a word
+        refuse_unknown_variables()
+    except UnknownSetting as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(ExitCode.USAGE_OR_VERIFICATION) from None
     begin_invocation(context_name)
     invocation.call_on_close(lambda: begin_invocation(None))
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 from pydantic import SecretStr
 
-from gpucloud import bootstrap
+from gpucloud import bootstrap, children
 from gpucloud.config import Settings
 from gpucloud.devstack.temporal_server import server_args
 from gpucloud.ledger.pricebook import list_price_book
@@ -212,8 +212,15 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # The child keeps its own descriptor of the log; ours closes once it is started.
         with open(self.log_dir / f"{name}.log", "ab") as log:
+            # Its own session (Ctrl-C reaches `up`, which stops the children in order), and
+            # SIGTERM should `up` die without stopping them (`kill -9`, the OOM killer).
             proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=env or self.env(), start_new_session=True
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env or self.env(),
+                start_new_session=True,
+                **children.popen_kwargs(),
             )
         self.processes[name] = proc
         return proc

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpucloud import children
+
 MAX_OUTPUT_BYTES = 1 << 20
 MAX_METRICS = 256
 MAX_FAILURE_CHARS = 2048
@@ -105,8 +107,16 @@ def run_command(
     environment = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {}), "GPUCLOUD_MODEL_DIR": str(model_dir)}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as errors:
         try:
+            # SIGTERM should the worker die while it waits (a container runtime's client passes
+            # it on to the container, which `--rm` then removes).
             process = subprocess.Popen(
-                argv, cwd=model_dir, env=environment, stdout=out, stderr=errors, start_new_session=True
+                argv,
+                cwd=model_dir,
+                env=environment,
+                stdout=out,
+                stderr=errors,
+                start_new_session=True,
+                **children.popen_kwargs(),
             )
         except OSError as error:
             return _failed(f"the command could not start: {error}", started)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpucloud import children
 from gpucloud.models.registry_tables import EvaluationCommand
 from gpucloud.registry.command_eval import run_command
 from gpucloud.registry.names import EvaluatorName
@@ -114,7 +115,13 @@ def run_model_command(
             in_container=True,
         )
         if not outcome.ok:  # past the limit the client was killed, not the container
-            subprocess.run([executable, "rm", "--force", name], capture_output=True, timeout=60, check=False)
+            subprocess.run(
+                [executable, "rm", "--force", name],
+                capture_output=True,
+                timeout=60,
+                check=False,
+                **children.popen_kwargs(),
+            )
     if not outcome.ok:
         return EvaluatorOutcome(EvaluatorName.COMMAND, {}, failure=outcome.reason)
     return EvaluatorOutcome(EvaluatorName.COMMAND, outcome.metrics)

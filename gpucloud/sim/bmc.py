@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from gpucloud import children
 from gpucloud.config import load_or_create_secret, write_private
 
 CREDENTIAL_REF = "sim-bmc"
@@ -45,15 +45,6 @@ def sim_bmc_password(data_dir: Path) -> str:
 def write_sim_credential(data_dir: Path, credentials_dir: Path) -> None:
     """The `sim-bmc` credential reference, as the control plane reads it."""
     write_private(credentials_dir / CREDENTIAL_REF, f"{USERNAME}:{sim_bmc_password(data_dir)}")
-
-
-def _die_with_parent() -> None:
-    """In the emulator's process, before it runs: SIGTERM when the process that started it dies,
-    however it dies (uvicorn re-raises SIGTERM after its shutdown, so no `finally` runs)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 @dataclass
@@ -109,8 +100,10 @@ class BmcEmulator:
         log = open(log_path or self.directory / "emulator.log", "ab")  # noqa: SIM115 - the process writes it
         argv = [sys.executable, "-m", "sushy_tools.emulator.main", "--config", str(config), "--fake"]
         argv += ["--interface", self.host, "--port", str(self.port)]
+        # SIGTERM when the fleet that started it dies, however it dies (uvicorn re-raises SIGTERM
+        # after its shutdown, so no `finally` runs).
         self.process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=_die_with_parent
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, **children.popen_kwargs()
         )
         log.close()
         deadline = time.monotonic() + wait_s

@@ -15,46 +15,18 @@ import yaml
 from typer.testing import CliRunner
 
 from gpucloud.cli.main import app
-from gpucloud.config import Settings
+from gpucloud.config import NOT_SETTINGS, NOT_SETTINGS_PREFIXES, Settings, setting_names
 from support.systemd import Host
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
-# Variables read outside the settings model: where the settings live, the log level, and the
-# options of `gpucloud agent` taken from the environment (agent.env).
-NOT_SETTINGS = {
-    "GPUCLOUD_SECRETS_DIR",
-    "GPUCLOUD_LOG_LEVEL",
-    "GPUCLOUD_NODE_ID",
-    "GPUCLOUD_AGENT_TOKEN",
-    "GPUCLOUD_AGENT_METRICS_TOKEN",
-    "GPUCLOUD_AGENT_ALLOW_SIMULATED",
-    "GPUCLOUD_AGENT_METER_INTERVAL_S",
-    # The CLI's own (the API it calls, with which key, its config file and context), what an
-    # evaluation command is given, and the test suite's.
-    "GPUCLOUD_API_URL",
-    "GPUCLOUD_API_KEY",
-    "GPUCLOUD_CONFIG",
-    "GPUCLOUD_CONTEXT",
-    "GPUCLOUD_MODEL_DIR",
-    "GPUCLOUD_RECORD_HISTORIES",
-    "GPUCLOUD_TEST_POSTGRES_URL",
-    # Gone (tenants hold only the quotas granted them): read only to refuse it at start, saying
-    # so (`config.TenantSettings`), since a deployment that set it expects its tenants to get it.
-    "GPUCLOUD_TENANTS__DEFAULT_GPU_QUOTA",
-}
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), DEPLOY / "compose.yaml"]
 
 
 def is_setting(name: str) -> bool:
-    if name in NOT_SETTINGS:
-        return True
-    section, _, field = name.removeprefix("GPUCLOUD_").lower().partition("__")
-    fields = Settings.model_fields
-    if not field:
-        return section in fields
-    return section in fields and field in fields[section].annotation.model_fields  # type: ignore[union-attr]
+    """A setting, or a variable the code reads by that name (`config.NOT_SETTINGS`, the one list)."""
+    return name in setting_names() or name in NOT_SETTINGS or name.startswith(NOT_SETTINGS_PREFIXES)
 
 
 def assert_runs(argv: list[str]) -> None:
@@ -112,7 +84,7 @@ def test_every_variable_the_documents_name_is_read() -> None:
     assert unknown == set()
     readers = [*ROOT.glob("gpucloud/**/*.py"), *ROOT.glob("tests/**/*.py"), *UNITS]  # a unit's ExecStart= reads too
     code = "\n".join(p.read_text() for p in readers)
-    assert [name for name in sorted(NOT_SETTINGS) if code.count(name) < 2] == []  # here, and where it is read
+    assert [name for name in sorted(NOT_SETTINGS) if code.count(name) < 2] == []  # in config.py, and where it is read
 
 
 def test_the_environment_files_name_only_settings() -> None:
