@@ -202,6 +202,9 @@ def serve(settings: Settings) -> None:
         "gpucloud.api.app:create_app_from_env",
         factory=True,
         workers=workers,
+        # The supervisor's health check of a worker: its 5 s default kills workers still starting
+        # (imports, migrations check) on a loaded host, and restarts them again and again.
+        timeout_worker_healthcheck=60,
         host=settings.api.host,
         port=settings.api.port,
         log_level="warning",
