@@ -2,7 +2,8 @@
 
 Two kinds of refusal, two answers. An engine that is down, slow or shedding load (UNAVAILABLE,
 which is also a refused connection, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED) is waited
-out: 503 with `Retry-After`, and the same request succeeds later. Every other refusal is the
+out: 503 with `Retry-After`, and the same request succeeds later; so is an update to a workflow
+whose workers are not polling (down or restarting). Every other refusal is the
 deployment's, and no retry fixes it: a namespace that was never registered (NOT_FOUND), a search
 attribute the namespace does not map (INVALID_ARGUMENT), credentials the engine does not accept
 (PERMISSION_DENIED, UNAUTHENTICATED). That is a 500 whose detail carries the engine's own message
@@ -35,8 +36,12 @@ _CREDENTIALS = frozenset({RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHE
 
 
 def waited_out(exc: RPCError) -> bool:
-    """True when the engine did not answer (or shed the call), so the same call can succeed later."""
-    return exc.status in WAITED_OUT
+    """True when the engine did not answer (or shed the call), so the same call can succeed later.
+    An update (a rollout's pause, resume or abort) finds no worker polling its task queue while
+    the workers are down or restarting: the engine says FAILED_PRECONDITION, but that is an outage
+    of the workers, waited out like the engine's own, not the deployment's setup."""
+    no_worker = exc.status == RPCStatusCode.FAILED_PRECONDITION and "no poller seen" in exc.message
+    return exc.status in WAITED_OUT or no_worker
 
 
 def _fix(status: RPCStatusCode) -> str:

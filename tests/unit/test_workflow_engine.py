@@ -84,3 +84,14 @@ def test_a_signal_the_request_does_without_is_a_warning_or_an_error_naming_the_f
     assert refused.levelno == logging.ERROR
     assert "Namespace gpucloud is not found (NOT_FOUND)" in refused.getMessage()
     assert "gpucloud prepare" in refused.getMessage()
+
+
+def test_an_update_no_worker_polls_for_is_waited_out_like_the_engine(caplog) -> None:
+    """A rollout's abort while the workers are down or restarting: the engine answers
+    FAILED_PRECONDITION "no poller seen", an outage of the workers, not the deployment's setup."""
+    refusal = RPCError(
+        "no poller seen for task queue recently, worker may be down", RPCStatusCode.FAILED_PRECONDITION, b""
+    )
+    problem = engine_problem(refusal, what="the abort", left="the rollout is as it was")
+    assert (problem.status, problem.headers["Retry-After"]) == (503, "1")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
