@@ -1,9 +1,10 @@
-# Quick start: `make demo` (run the main scenario), `make test` (the whole suite).
+# Quick start: `make demo` (run the main scenario), `make test` (the whole suite),
+# `make bench-smoke` (every benchmark's --quick, checked for its JSON line of figures).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit lint clean
+.PHONY: demo test unit lint bench-smoke clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +26,12 @@ lint: $(STAMP)
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit
+
+# Every benchmark's --quick, one after the other, each bounded by a timeout: each must exit 0
+# and print its JSON line of figures last (the figures are not judged). Postgres where
+# GPUCLOUD_TEST_POSTGRES_URL names a reachable server.
+bench-smoke: $(STAMP)
+	$(PY) benchmarks/smoke.py
 
 clean:
 	rm -rf $(VENV) .data

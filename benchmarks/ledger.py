@@ -45,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from gpucloud.devstack.stack import free_port  # noqa: E402
-from gpucloud.ledger.db import open_ledger_database  # noqa: E402
+from gpucloud.ledger.db import LedgerDatabase, open_ledger_database  # noqa: E402
 from gpucloud.ledger.invoicing import close_period  # noqa: E402
 from gpucloud.ledger.periods import period_bounds  # noqa: E402
 from gpucloud.ledger.pricing import Rate  # noqa: E402
@@ -62,7 +62,16 @@ DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 @contextmanager
 def ledger_process(database_url: str, log_path: Path):
     """The ledger in its own process, trusting an issuer key beside its log; yields its URL, its
-    pid and that issuer (to sign calls as the control plane, an operator or a node's agent)."""
+    pid and that issuer (to sign calls as the control plane, an operator or a node's agent).
+
+    Its schema is migrated first, as the deployment step does (`gpucloud prepare`, `gpucloud
+    up`): the ledger migrates a SQLite file itself at start, but on Postgres it only checks
+    that the schema is current and refuses to start on a fresh database."""
+    database = LedgerDatabase(database_url)
+    try:
+        database.migrate()
+    finally:
+        database.dispose()
     port = free_port()
     issuer = load_or_create_issuer(log_path.parent / "issuer_key.pem")
     key = public_key_path(log_path.parent / "issuer_key.pem")
@@ -81,7 +90,8 @@ def ledger_process(database_url: str, log_path: Path):
                     break
             except httpx.HTTPError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"ledger did not start, see {log_path}") from None
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"ledger did not start; {log_path} ends with:\n{tail}") from None
                 time.sleep(0.1)
         yield url, process.pid, issuer
     finally:

@@ -50,6 +50,7 @@ from gpucloud.activities.storage import TENANT_RECORD
 from gpucloud.bootstrap import tenant_store
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
+from gpucloud.devstack.stack import Stack
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.fabric.interface import DEFAULT_PKEY, FabricNode, FabricSnapshot
 from gpucloud.fabric.isolation import find_violations
@@ -60,6 +61,34 @@ from gpucloud.storage.tenant import tenant_prefix
 OPERATOR = {"Authorization": "Bearer bench-token"}
 SLICE = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 POLL_S = 0.2
+# How long a request refused by the API's admission is sent again (after each Retry-After).
+ADMISSION_RETRY_S = 120.0
+
+
+class AdmittedTransport(httpx.AsyncHTTPTransport):
+    """Sends a request again after the Retry-After of a 429 or 503, as the project's client does
+    (`gpucloud.client.base`): the API admits only a few requests in flight per caller (the
+    operator's lane holds `api.operator_slots`) and refuses the rest before reading them, so
+    `--concurrency` onboardings queue at the API's door instead of failing there. The wait is
+    part of the latency measured, as it is for a real caller."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        deadline = time.monotonic() + ADMISSION_RETRY_S
+        while True:
+            response = await super().handle_async_request(request)
+            if response.status_code not in (429, 503) or time.monotonic() > deadline:
+                return response
+            await response.aclose()
+            try:
+                wait_s = float(response.headers.get("retry-after", ""))
+            except ValueError:
+                wait_s = 0.25
+            await asyncio.sleep(min(max(wait_s, 0.05), 5.0))
+
+
+def api_client(settings: Settings, **options) -> httpx.AsyncClient:
+    """An async client of the stack's API whose refused requests wait their turn (above)."""
+    return httpx.AsyncClient(base_url=settings.api_url, transport=AdmittedTransport(), **options)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,8 +109,7 @@ async def onboard_all(settings: Settings, names: list[str], concurrency: int) ->
     gate = asyncio.Semaphore(concurrency)
     done: list[dict] = []
     failures: list[str] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=settings.api_url, headers=OPERATOR, timeout=120, limits=limits) as api:
+    async with api_client(settings, headers=OPERATOR, timeout=120) as api:
 
         async def one(name: str) -> None:
             async with gate:
@@ -137,7 +165,7 @@ async def allocate_wave(settings: Settings, wave: list[dict]) -> list[str]:
     """Each tenant of the wave allocates the slice (retrying contention); sets t["alloc"]."""
     gate = asyncio.Semaphore(16)
     failures: list[str] = []
-    async with httpx.AsyncClient(base_url=settings.api_url, timeout=120) as api:
+    async with api_client(settings, timeout=120) as api:
 
         async def one(t: dict) -> None:
             async with gate:
@@ -160,7 +188,7 @@ async def allocate_wave(settings: Settings, wave: list[dict]) -> list[str]:
 async def cancel_wave(settings: Settings, wave: list[dict]) -> list[str]:
     gate = asyncio.Semaphore(16)
     failures: list[str] = []
-    async with httpx.AsyncClient(base_url=settings.api_url, timeout=120) as api:
+    async with api_client(settings, timeout=120) as api:
 
         async def one(t: dict) -> None:
             async with gate:
@@ -213,13 +241,20 @@ def read_nodes(settings: Settings) -> tuple[dict[str, FabricNode], dict[str, str
     return topology, {k: v for k, v in held.items() if v}
 
 
+def fabric_managers(stack: Stack) -> HttpFabricController:
+    """A client of the stack's simulated fabric managers holding each manager's own token, the
+    ones the stack hands the managers and the worker (kept in its data dir): the managers answer
+    nothing else."""
+    return HttpFabricController.for_simulator(stack.fabric_url, tokens=stack.settings.fabric_tokens, timeout_s=60)
+
+
 def fabric_check(
-    settings: Settings, fabric_url: str, allocations: dict[str, tuple[str, str]] | None = None
+    settings: Settings, stack: Stack, allocations: dict[str, tuple[str, str]] | None = None
 ) -> tuple[list[str], int, FabricSnapshot]:
     """Isolation violations in the managers' state now (a finding must show against the node
     holders read both before and after the snapshot), and with `allocations` (id -> (tenant,
     node)) how many of them lack their membership."""
-    with HttpFabricController.for_simulator(fabric_url, timeout_s=60) as controller:
+    with fabric_managers(stack) as controller:
         topology, before = read_nodes(settings)
         snapshot = read_snapshot(controller)
         _, after = read_nodes(settings)
@@ -237,10 +272,10 @@ def fabric_check(
     return violations, unapplied, snapshot
 
 
-def vpc_check(settings: Settings, fabric_url: str, tenant_ids: set[str]) -> list[str]:
+def vpc_check(settings: Settings, stack: Stack, tenant_ids: set[str]) -> list[str]:
     """One VPC per tenant, its own VNI, the one the DB records; no VPC of an unknown tenant."""
     found: list[str] = []
-    with HttpFabricController.for_simulator(fabric_url, timeout_s=60) as controller:
+    with fabric_managers(stack) as controller:
         vpcs = controller.ethernet.list_vpcs()
     with session_scope(settings.database_url) as session:
         vni_of = dict(session.exec(select(Tenant.id, Tenant.vni).where(Tenant.id.in_(tenant_ids))).all())
@@ -320,7 +355,7 @@ async def api_check(settings: Settings, tenants: list[dict]) -> list[str]:
     """A tenant's key reads its neighbour's tenant, onboarding operation and allocation as 404."""
     found: list[str] = []
     gate = asyncio.Semaphore(16)
-    async with httpx.AsyncClient(base_url=settings.api_url, timeout=60) as api:
+    async with api_client(settings, timeout=60) as api:
 
         async def one(i: int) -> None:
             me, other = tenants[i], tenants[(i + 1) % len(tenants)]
@@ -440,7 +475,7 @@ def main() -> None:
                     select(Allocation.id, Allocation.tenant_id, Allocation.node_ids).where(Allocation.id.in_(ready))
                 ).all()
             held = {a: (tenant, node_ids[0]) for a, tenant, node_ids in rows if node_ids}
-            found, missing, snapshot = fabric_check(settings, fabric_url, held)
+            found, missing, snapshot = fabric_check(settings, stack, held)
             peak_pkeys = max(peak_pkeys, sum(1 for p in snapshot.pkeys if p.pkey != DEFAULT_PKEY))
             violations.setdefault("fabric_at_peak", []).extend(found)
             unapplied += missing
@@ -460,13 +495,13 @@ def main() -> None:
 
         log("checks: fabric managers, VPCs, storage, API, node history")
         tenant_ids = {t["id"] for t in tenants}
-        found, _, snapshot = fabric_check(settings, fabric_url)
+        found, _, snapshot = fabric_check(settings, stack)
         violations["fabric_at_end"] = found
         leftover = [f"leftover_pkey: 0x{p.pkey:04x} ({p.name})" for p in snapshot.pkeys if p.pkey != DEFAULT_PKEY]
         leftover += [f"leftover_nvl_partition: {p.partition_id}" for p in snapshot.nvl_partitions]
         leftover += [f"leftover_vpc_node: VNI {v.vni}: {n}" for v in snapshot.vpcs for n in v.nodes]
         violations["fabric_leftover"] = leftover
-        violations["vpc"] = vpc_check(settings, fabric_url, tenant_ids)
+        violations["vpc"] = vpc_check(settings, stack, tenant_ids)
         violations["storage"], objects = storage_check(settings, tenants)
         violations["api"] = asyncio.run(api_check(settings, tenants))
         violations["wipe"], handovers = wipe_check(settings)
