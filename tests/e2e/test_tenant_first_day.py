@@ -132,6 +132,7 @@ def stack(tmp_path, database) -> Iterator[tuple[Shell, subprocess.Popen]]:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(900)  # a whole `up`, started and stopped, beside the rest of the suite
 def test_a_tenants_first_day_through_the_cli(stack, tmp_path):
     shell, _ = stack
     # The operator: what the fleet offers, and a tenant with a quota (the type in any case).

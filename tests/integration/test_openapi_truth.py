@@ -48,7 +48,9 @@ def test_every_operation_answers_as_its_openapi_document_says(db_url, make_harne
     for who, token in (("tenant", tenant_key), ("operator", h.settings.operator_token)):
         cases, failed = fuzz(h.api.url, token, tmp_path / f"schemathesis-{who}.log")
         # Measured: 5,120 for the tenant in 50 s on a quiet machine, 450 in 30 s beside the whole suite.
-        assert cases >= 300, f"the {who}'s run generated only {cases} cases"
+        # A time budget, not a count: a quiet machine generates over a thousand, one loaded by
+        # the rest of the suite a few hundred; fewer than that means the generator stalled.
+        assert cases >= 200, f"the {who}'s run generated only {cases} cases"
         if failed:
             failures.append(f"as the {who}:\n{failed}")
     assert not failures, "\n".join(failures)
