@@ -252,8 +252,15 @@ class Harness:
     def _create_tenant(self, name: str | None, quotas: list[dict] | None) -> tuple[str, str, str]:
         granted = GENEROUS_QUOTAS if quotas is None else quotas
         body = {"name": name or f"t-{uuid.uuid4().hex[:8]}", "quotas": granted}
+        # As a client should: a 503 (a busy SQLite file beside another test's API) is sent again
+        # after its Retry-After, under one Idempotency-Key, a few times.
+        headers = {"Idempotency-Key": f"harness-{uuid.uuid4().hex}"}
         with self.operator as op:
-            resp = op.post("/v1/tenants", json=body)
+            for _ in range(5):
+                resp = op.post("/v1/tenants", json=body, headers=headers)
+                if resp.status_code != 503:
+                    break
+                time.sleep(float(resp.headers.get("Retry-After", "1")))
         assert resp.status_code == 202, resp.text
         accepted = resp.json()
         return accepted["id"], accepted["api_key"]["key"], accepted["operation"]["id"]
