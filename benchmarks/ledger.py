@@ -30,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,11 +38,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from gpucloud.db import scratch_postgres  # noqa: E402
 from gpucloud.devstack.stack import free_port  # noqa: E402
 from gpucloud.ledger.db import LedgerDatabase, open_ledger_database  # noqa: E402
 from gpucloud.ledger.invoicing import close_period  # noqa: E402
@@ -97,20 +96,6 @@ def ledger_process(database_url: str, log_path: Path):
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-
-@contextmanager
-def scratch_postgres(admin_url: str):
-    name = f"gpucloud_ledger_bench_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
 
 
 def postgres_reachable(url: str) -> bool:
@@ -363,7 +348,7 @@ def main() -> None:
         results["ingest_ledger_cpu_us_per_event_sqlite"] = round(cpu, 2)
         results["ingest_events_per_s_postgres"] = None
         if postgres_reachable(args.postgres_url):
-            with scratch_postgres(args.postgres_url) as url:
+            with scratch_postgres(args.postgres_url, "gpucloud_ledger_bench") as url:
                 rate, cpu = measure_ingest("Postgres", url, bodies, args.clients, scratch_dir / "postgres.log")
             results["ingest_events_per_s_postgres"] = round(rate)
             # The ledger process only: Postgres's own backends are not counted.

@@ -26,9 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -121,27 +118,6 @@ def postgres_reachable(url: str) -> bool:
         engine.dispose()
 
 
-@contextmanager
-def scratch_database(admin_url: str, name: str) -> Iterator[str]:
-    """A fresh database for one benchmark on the server of `admin_url` (some reset the schema of
-    the database they are given); yields its URL, drops it afterwards."""
-    from sqlalchemy import create_engine
-    from sqlalchemy.engine import make_url
-
-    database = f"gpucloud_smoke_{name}_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'CREATE DATABASE "{database}"')
-        try:
-            yield make_url(admin_url).set(database=database).render_as_string(hide_password=False)
-        finally:
-            with admin.connect() as connection:
-                connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-    finally:
-        admin.dispose()
-
-
 def run_one(bench: Benchmark, args: list[str], logs_dir: Path, *, scripts: Path = HERE) -> Outcome:
     """Run `bench --quick` with `args` from `scripts`; its stdout and stderr go to files under
     `logs_dir`."""
@@ -188,7 +164,9 @@ def run(bench: Benchmark, postgres_url: str | None, logs_dir: Path, *, scripts: 
         return run_one(bench, list(bench.without_postgres), logs_dir, scripts=scripts)
     if postgres_url is None:
         return Outcome(bench.name, 0.0, True, "skipped: needs Postgres")
-    with scratch_database(postgres_url, bench.name) as url:
+    from gpucloud.db import scratch_postgres  # the run's own imports stay light until a database is needed
+
+    with scratch_postgres(postgres_url, f"gpucloud_smoke_{bench.name}") as url:
         return run_one(bench, ["--postgres-url", url, *bench.with_postgres], logs_dir, scripts=scripts)
 
 

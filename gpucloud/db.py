@@ -228,3 +228,26 @@ class Database:
 
     def revisions(self) -> tuple[str | None, str]:
         return schema_revisions(self.engine, alembic_config(self.url))
+
+
+@contextmanager
+def scratch_postgres(base_url: str, prefix: str = "gpucloud_test") -> Iterator[str]:
+    """A fresh, uniquely named database on the Postgres server of `base_url` (for tests and
+    benchmarks, which may reset the schema they are given); yields its URL, and drops it (with
+    the connections left open to it) on exit."""
+    import uuid
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(base_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        url = sa.engine.make_url(base_url).set(database=name).render_as_string(hide_password=False)
+        try:
+            yield url
+        finally:
+            get_engine(url).dispose()  # the pooled connections the code that used it left open
+            with admin.connect() as connection:
+                connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        admin.dispose()

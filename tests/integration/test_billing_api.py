@@ -20,7 +20,7 @@ from gpucloud.devstack.stack import free_port
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.tables import Allocation
-from support.ledger_auth import auth_for
+from support.ledger_auth import auth_for, post_usage
 
 JAN = period_bounds("2024-01")[0]
 MINUTE = 60_000
@@ -45,25 +45,7 @@ def add_allocation(db_url: str, tenant_id: str) -> str:
 
 
 def meter(ledger_url: str, *, tenant_id: str, allocation_id: str, node: str, start: int, count: int) -> None:
-    samples = [
-        {
-            "node_id": node,
-            "seq": seq + 1,
-            "allocation_id": allocation_id,
-            "tenant_id": tenant_id,
-            "gpu_type": "H100",
-            "gpu_count": 8,
-            "start_ms": start + seq * MINUTE,
-            "end_ms": start + (seq + 1) * MINUTE,
-        }
-        for seq in range(count)
-    ]
-    assert (
-        httpx.post(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/usage:batch", json={"samples": samples}).json()[
-            "accepted"
-        ]
-        == count
-    )
+    post_usage(ledger_url, tenant_id=tenant_id, allocation_id=allocation_id, node=node, start_ms=start, minutes=count)
 
 
 def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, ledger_url) -> None:

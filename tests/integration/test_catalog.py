@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from gpucloud.cli.main import app
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Allocation
-from support.ledger_auth import auth_for
+from support.ledger_auth import auth_for, post_usage
 
 pytestmark = pytest.mark.one_database
 
@@ -45,21 +45,9 @@ def _meter_now(ledger_url: str, db_url: str, tenant_id: str, *, minutes: int) ->
         session.flush()
         allocation_id = allocation.id
     start = time.time_ns() // 1_000_000 - minutes * MINUTE
-    samples = [
-        {
-            "node_id": "n-now",
-            "seq": seq + 1,
-            "allocation_id": allocation_id,
-            "tenant_id": tenant_id,
-            "gpu_type": "H100",
-            "gpu_count": 8,
-            "start_ms": start + seq * MINUTE,
-            "end_ms": start + (seq + 1) * MINUTE,
-        }
-        for seq in range(minutes)
-    ]
-    answer = httpx.post(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/usage:batch", json={"samples": samples})
-    assert answer.json()["accepted"] == minutes
+    post_usage(
+        ledger_url, tenant_id=tenant_id, allocation_id=allocation_id, node="n-now", start_ms=start, minutes=minutes
+    )
 
 
 def _cli(h, *args: str, key: str | None = None, code: int = 0) -> str:

@@ -58,3 +58,26 @@ def seed_allocation(url: str, auth: LedgerAuth, *, node: str, at_ms: int, alloca
         event = {"event_id": f"{allocation}-e{i}", "allocation_id": allocation, "tenant_id": "t1", "kind": kind}
         event |= {"at_ms": at_ms, "node_id": node_id, "gpu_type": "H100"}
         httpx.post(f"{url}/v1/allocation-events", auth=auth, json=event).raise_for_status()
+
+
+MINUTE_MS = 60_000
+
+
+def post_usage(ledger_url: str, *, tenant_id: str, allocation_id: str, node: str, start_ms: int, minutes: int) -> None:
+    """`minutes` one-minute samples of one H100 node (8 GPUs) from `start_ms`, posted to the
+    ledger as the control plane's usage; every one must be accepted."""
+    samples = [
+        {
+            "node_id": node,
+            "seq": seq + 1,
+            "allocation_id": allocation_id,
+            "tenant_id": tenant_id,
+            "gpu_type": "H100",
+            "gpu_count": 8,
+            "start_ms": start_ms + seq * MINUTE_MS,
+            "end_ms": start_ms + (seq + 1) * MINUTE_MS,
+        }
+        for seq in range(minutes)
+    ]
+    answer = httpx.post(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/usage:batch", json={"samples": samples})
+    assert answer.json()["accepted"] == minutes, answer.text
