@@ -22,12 +22,12 @@ from gpucloud.cli.billing import invoices_app, usage
 from gpucloud.cli.catalog import catalog, tenants_quota, whoami
 from gpucloud.cli.common import EXIT_CODES_HELP, ExitCode, Output, begin_invocation, configure_logging, parse_duration
 from gpucloud.cli.context_commands import config_app
+from gpucloud.cli.evaluation import weights_app  # with evaluate, evaluation-command and sanity on it
 from gpucloud.cli.fleet import bmc_app, node_app, nodes
 from gpucloud.cli.operators import operators_app
 from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.simulators import FaultsOption, TimeScaleOption, fabric_managers, fault_model_named, sim
-from gpucloud.cli.weights import weights_app
 from gpucloud.config import Settings, UnknownSetting, get_settings, refuse_unknown_variables
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, epilog=EXIT_CODES_HELP)

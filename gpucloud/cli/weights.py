@@ -440,7 +440,3 @@ def gc_command(
     out.print(gc_table(report))
     verb = "would remove" if dry_run else "removed"
     out.print(f"{verb} {report['chunks_deleted']} chunks ({human_size(report['bytes_deleted'])})")
-
-
-# evaluate, evaluation-command and sanity register on weights_app from their own module.
-from gpucloud.cli import evaluation as _evaluation  # noqa: E402, F401

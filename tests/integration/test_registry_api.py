@@ -24,7 +24,7 @@ import pytest
 from sqlmodel import col, select
 from typer.testing import CliRunner
 
-from gpucloud.cli.weights import weights_app
+from gpucloud.cli.evaluation import weights_app
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import (
     RegistryClient,
