@@ -18,7 +18,7 @@ import typer
 from rich.table import Table
 
 if TYPE_CHECKING:  # the API's schemas load with the command's client, not at the CLI's start
-    from gpucloud.api.schemas import AllocationNode
+    from gpucloud.models.api_schemas import AllocationNode
 
 from gpucloud.cli.common import ApiKey, ApiUrl, ExitCode, api_client, err, id_column, reported_errors
 

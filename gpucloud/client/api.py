@@ -1,5 +1,5 @@
 """The typed client of the public API: one attribute per resource, the routes' own wire schemas
-(`gpucloud.api.schemas`, `gpucloud.models`) as answers. The CLI, the demo, the benchmarks and the
+(`gpucloud.models.api_schemas`, `gpucloud.models`) as answers. The CLI, the demo, the benchmarks and the
 end-to-end tests all call the API through it.
 
     with Gpucloud(api_url, api_key) as api:
@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from gpucloud.api.schemas import (
+from gpucloud.client.base import ApiClient, ApiError, ApiTimeout
+from gpucloud.models.api_schemas import (
     AgentCredentialIssued,
     AllocationAccepted,
     AllocationNodes,
@@ -44,7 +45,6 @@ from gpucloud.api.schemas import (
     Whoami,
     XidIngestResult,
 )
-from gpucloud.client.base import ApiClient, ApiError, ApiTimeout
 from gpucloud.models.health_tables import AllocationEventPublic
 from gpucloud.models.rollout_messages import RolloutProgress
 from gpucloud.models.tables import AllocationPublic, ApiKeyPublic, NodePublic, OperationPublic, TenantPublic

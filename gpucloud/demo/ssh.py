@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from gpucloud.api.schemas import SshEndpoint
 from gpucloud.client.api import Gpucloud
 from gpucloud.demo.common import Demo, DemoFailed
+from gpucloud.models.api_schemas import SshEndpoint
 from gpucloud.sim.ssh import asyncssh
 
 SSH_TIMEOUT_S = 15.0

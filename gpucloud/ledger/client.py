@@ -21,14 +21,13 @@ from pydantic import TypeAdapter
 from gpucloud.ledger.schemas import (
     AllocationEventIn,
     AllocationEventOut,
-    InvoiceOut,
     PeriodCloseOut,
     PeriodOut,
     PriceBookVersionIn,
     PriceBookVersionOut,
     ReconciliationReport,
-    UsageSummary,
 )
+from gpucloud.models.billing_messages import InvoiceOut, UsageSummary
 from gpucloud.web import tls
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Minter
 

@@ -31,8 +31,9 @@ from gpucloud.ledger.held import true_up
 from gpucloud.ledger.periods import parse_period, period_bounds, period_of, periods_between
 from gpucloud.ledger.postings import insert_held
 from gpucloud.ledger.pricebook import PriceBookCache
-from gpucloud.ledger.schemas import InvoiceOut, InvoiceSummary, PeriodCloseOut, PeriodOut
+from gpucloud.ledger.schemas import PeriodCloseOut, PeriodOut
 from gpucloud.ledger.tables import billing_periods, invoices, postings, rating_accumulators, usage_samples
+from gpucloud.models.billing_messages import InvoiceOut, InvoiceSummary
 
 _LINE_COLUMNS = ("tenant_id", "allocation_id", "gpu_type", "usage_period", "price_version_id")
 

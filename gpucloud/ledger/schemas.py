@@ -16,6 +16,7 @@ from typing_extensions import TypedDict
 
 from gpucloud.ledger.close import InvoiceLine
 from gpucloud.ledger.problems import Problem
+from gpucloud.models.billing_messages import InvoiceSummary
 
 MAX_BATCH = 20_000
 PAGE_SIZE_MAX = 1000
@@ -128,30 +129,6 @@ class PriceBookVersionOut(BaseModel):
     discounts: list[DiscountOut]
 
 
-class UsageByType(BaseModel):
-    gpu_type: str
-    sample_count: int
-    gpu_ms: int
-    amount_micro: int
-    reversed_gpu_ms: int
-    reversed_amount_micro: int
-
-
-class UsageSummary(BaseModel):
-    tenant_id: str
-    allocation_id: str | None
-    start_ms: int | None
-    end_ms: int | None
-    sample_count: int
-    gpu_ms: int
-    amount_micro: int
-    reversed_gpu_ms: int
-    reversed_amount_micro: int
-    net_gpu_ms: int
-    net_amount_micro: int
-    by_gpu_type: list[UsageByType]
-
-
 class EntryLineOut(BaseModel):
     account: str
     side: Literal["debit", "credit"]
@@ -243,13 +220,6 @@ class ReconciliationReport(BaseModel):
     ok: bool
 
 
-class InvoiceSummary(BaseModel):
-    tenant_id: str
-    total_micro: int
-    line_count: int
-    sha256: str
-
-
 class PeriodCloseOut(BaseModel):
     period_id: str
     start_ms: int
@@ -266,12 +236,6 @@ class PeriodOut(BaseModel):
     """The period is over by the ledger's clock, so it can be closed."""
     closed_ms: int | None
     """When it was closed; None while it is open."""
-
-
-class InvoiceOut(InvoiceSummary):
-    id: int
-    period_id: str
-    created_ms: int
 
 
 class InvoicePeriod(BaseModel):

@@ -15,8 +15,9 @@ import json
 from sqlalchemy import Connection, case, func, select
 
 from gpucloud.ledger.periods import period_of, periods_between
-from gpucloud.ledger.schemas import ConflictOut, UsageByType, UsageSummary
+from gpucloud.ledger.schemas import ConflictOut
 from gpucloud.ledger.tables import postings, usage_conflicts, usage_samples
+from gpucloud.models.billing_messages import UsageByType, UsageSummary
 
 
 def usage_summary(

@@ -64,3 +64,44 @@ class LedgerEventsResult(BaseModel):
     recorded: int = 0
     # Why nothing was sent (no ledger configured), else None.
     skipped: str | None = None
+
+
+# The ledger's answers about usage and invoices (`gpucloud.ledger.schemas`), which the control
+# plane's API passes on to tenants (`gpucloud.models.api_schemas`): a contract of both.
+
+
+class UsageByType(BaseModel):
+    gpu_type: str
+    sample_count: int
+    gpu_ms: int
+    amount_micro: int
+    reversed_gpu_ms: int
+    reversed_amount_micro: int
+
+
+class UsageSummary(BaseModel):
+    tenant_id: str
+    allocation_id: str | None
+    start_ms: int | None
+    end_ms: int | None
+    sample_count: int
+    gpu_ms: int
+    amount_micro: int
+    reversed_gpu_ms: int
+    reversed_amount_micro: int
+    net_gpu_ms: int
+    net_amount_micro: int
+    by_gpu_type: list[UsageByType]
+
+
+class InvoiceSummary(BaseModel):
+    tenant_id: str
+    total_micro: int
+    line_count: int
+    sha256: str
+
+
+class InvoiceOut(InvoiceSummary):
+    id: int
+    period_id: str
+    created_ms: int

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -261,6 +261,10 @@ class Tenant(OutcomeRow, TenantCreate, table=True):
     storage_prefix: str | None = None
 
 
+# A quota row's `gpu_type` or `region` that stands for every one.
+QUOTA_ANY = "*"
+
+
 class TenantQuotaBase(SQLModel):
     """At most `max_gpus` GPUs of `gpu_type` in `region` in the tenant's live allocations.
 
@@ -278,6 +282,10 @@ class TenantQuota(TenantQuotaBase, table=True):
 
     seq: int | None = Field(default=None, primary_key=True)
     tenant_id: str = Field(index=True)
+
+
+# The longest a rotated key or operator token keeps working beside its replacement.
+MAX_ROTATION_GRACE = timedelta(days=30)
 
 
 class ApiKeyPublic(SQLModel):
@@ -311,6 +319,10 @@ class OperatorPublic(SQLModel):
     created_at: datetime
     created_by: str
     revoked_at: datetime | None
+
+
+# The longest an operator token lives.
+MAX_OPERATOR_TOKEN_LIFETIME = timedelta(days=366)
 
 
 class Operator(SQLModel, table=True):

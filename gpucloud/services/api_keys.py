@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gpucloud.db import rowcount
-from gpucloud.models.tables import ApiKey, utcnow
+from gpucloud.models.tables import MAX_ROTATION_GRACE, ApiKey, utcnow
 
-MAX_GRACE = timedelta(days=30)
+MAX_GRACE = MAX_ROTATION_GRACE
 
 
 class KeyNotFound(LookupError):

@@ -10,6 +10,7 @@ from sqlmodel import Session, col, func, select
 
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, Operation, OperationStatus, utcnow
+from gpucloud.services.nodes import StaleNode, transition
 
 FLAG_ACTIONS = {
     "cordon": {"cordoned": True},
@@ -59,8 +60,6 @@ class NodeStateConflict(Exception):
 def apply_lifecycle_action(session: Session, node: Node, action: str, *, actor: str, cause: str) -> Operation:
     """An operator moves a node out of RMA (or out of the fleet): a compare-and-swap transition
     recorded in the node's events, and a finished operation."""
-    from gpucloud.services.nodes import StaleNode, transition
-
     event, allowed = LIFECYCLE_ACTIONS[action]
     if node.state not in allowed:
         raise NodeStateConflict(
@@ -74,18 +73,6 @@ def apply_lifecycle_action(session: Session, node: Node, action: str, *, actor: 
     op = Operation(kind=f"node_{action}", resource_id=node.id, status=OperationStatus.SUCCEEDED, actor=actor)
     session.add(op)
     return op
-
-
-def complete_drains(session: Session, node_id: str) -> None:
-    for op in session.exec(
-        select(Operation).where(
-            col(Operation.resource_id) == node_id,
-            col(Operation.kind) == "node_drain",
-            col(Operation.status) == OperationStatus.RUNNING,
-        )
-    ).all():
-        op.status, op.updated_at = OperationStatus.SUCCEEDED, utcnow()
-        session.add(op)
 
 
 # Built once: on SQLite, building this select costs twice what running it does (~150 us

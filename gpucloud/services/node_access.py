@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shlex
 
-from gpucloud.api.schemas import SshEndpoint
+from gpucloud.models.api_schemas import SshEndpoint
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node
 

@@ -27,10 +27,9 @@ from gpucloud.models.node_states import (
     is_transient,
     next_state,
 )
-from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, utcnow
+from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, Operation, OperationStatus, utcnow
 from gpucloud.reconciler.plan import backoff
 from gpucloud.services import agent_credentials
-from gpucloud.services.fleet import complete_drains
 
 
 class NodeNotFound(LookupError):
@@ -400,3 +399,16 @@ def holdings(session: Session, node_ids: Collection[str]) -> dict[str, Holding]:
             serving = node.allocation_id if node.state not in LEAVING_STATES else None
             found[node.id] = Holding(tenant_id=node.tenant_id, allocation_id=serving, agent_url=node.agent_url)
     return found
+
+
+def complete_drains(session: Session, node_id: str) -> None:
+    """The node's running drain operations are done (it reached where a drain ends)."""
+    for op in session.exec(
+        select(Operation).where(
+            col(Operation.resource_id) == node_id,
+            col(Operation.kind) == "node_drain",
+            col(Operation.status) == OperationStatus.RUNNING,
+        )
+    ).all():
+        op.status, op.updated_at = OperationStatus.SUCCEEDED, utcnow()
+        session.add(op)

@@ -28,12 +28,12 @@ from sqlmodel import Session, col, select
 
 from gpucloud.db import rowcount
 from gpucloud.models.operator_roles import Role
-from gpucloud.models.tables import Operator, OperatorToken, utcnow
+from gpucloud.models.tables import MAX_OPERATOR_TOKEN_LIFETIME, Operator, OperatorToken, utcnow
 from gpucloud.services.api_keys import hash_secret, is_live
 
 BOOTSTRAP = "bootstrap"
 TOKEN_PREFIX = "gpo_"
-MAX_LIFETIME = timedelta(days=366)
+MAX_LIFETIME = MAX_OPERATOR_TOKEN_LIFETIME
 
 
 class OperatorExists(Exception):

@@ -25,6 +25,7 @@ from sqlmodel import Session, col, select
 
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.models.tables import (
+    QUOTA_ANY,
     TERMINAL_ALLOCATION,
     Allocation,
     Tenant,
@@ -33,7 +34,7 @@ from gpucloud.models.tables import (
     TenantStatus,
 )
 
-ANY = "*"
+ANY = QUOTA_ANY
 
 
 # What an operator runs to grant a quota (`gpucloud/cli/catalog.py`); refusals name it.

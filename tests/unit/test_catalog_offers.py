@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from sqlmodel import select
 
-from gpucloud.api.schemas import AllocationRequest, QuotaRequest
 from gpucloud.db import migrate, session_scope
+from gpucloud.models.api_schemas import AllocationRequest, QuotaRequest
 from gpucloud.models.catalog import known_gpu_type
 from gpucloud.models.tables import Node, NodeEnroll, TenantQuotaBase
 from gpucloud.services.catalog import NotOffered, Offer, check_offered, fleet_offers, require_offered

@@ -14,7 +14,7 @@ SERVER_ONLY = (
     "fastapi",
     "alembic",
     "gpucloud.bootstrap",
-    "gpucloud.api.schemas",
+    "gpucloud.models.api_schemas",
     "sqlalchemy",
     "sqlmodel",
     "gpucloud.models.tables",

@@ -24,7 +24,9 @@ from gpucloud.api.deps import (
     visible,
 )
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
-from gpucloud.api.schemas import (
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.api_schemas import (
     AllocationAccepted,
     AllocationEventPage,
     AllocationNode,
@@ -32,8 +34,6 @@ from gpucloud.api.schemas import (
     AllocationPage,
     AllocationRequest,
 )
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
 from gpucloud.models.health_tables import AllocationEvent, AllocationEventPublic
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import (

@@ -32,13 +32,13 @@ from sqlmodel import col, select
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, CallerOrTenantsOperatorDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
-from gpucloud.api.schemas import (
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.api_schemas import (
     ApiKeyCreated,
     ApiKeyList,
     RotateRequest,
 )
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
 from gpucloud.models.tables import ApiKey, ApiKeyPublic, Tenant, TenantStatus, utcnow
 from gpucloud.services import api_keys as key_service
 from gpucloud.services import operations

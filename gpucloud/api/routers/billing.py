@@ -21,10 +21,6 @@ from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import BillingOperatorDep, CallerDep, LedgerDep, ReadOperatorDep, Reads, ReadsDep
-from gpucloud.api.schemas import (
-    InvoiceList,
-    UsageReport,
-)
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import PERIOD_PATTERN, period_bounds, period_of
 from gpucloud.ledger.schemas import (
@@ -32,6 +28,10 @@ from gpucloud.ledger.schemas import (
     PriceBookVersionIn,
     PriceBookVersionOut,
     ReconciliationReport,
+)
+from gpucloud.models.api_schemas import (
+    InvoiceList,
+    UsageReport,
 )
 from gpucloud.models.tables import Allocation
 from gpucloud.models.tenant_messages import TENANT_ID_PATTERN

@@ -16,9 +16,9 @@ from fastapi.concurrency import run_in_threadpool
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, Reads, ReadsDep
-from gpucloud.api.schemas import Catalog, CatalogEntry
 from gpucloud.ledger.client import LedgerClient, LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.pricing import PriceBookHistory, PriceBookVersion
+from gpucloud.models.api_schemas import Catalog, CatalogEntry
 from gpucloud.models.catalog import GPU_TYPES, known_gpu_type
 from gpucloud.services import catalog as offers
 from gpucloud.web.problems import invalid

@@ -24,7 +24,9 @@ from gpucloud.api.deps import (
 )
 from gpucloud.api.routers import agents
 from gpucloud.api.routers.health import own_node_only
-from gpucloud.api.schemas import (
+from gpucloud.config import Settings
+from gpucloud.db import get_read_engine, session_scope
+from gpucloud.models.api_schemas import (
     AgentCredentialIssued,
     EnrollRequest,
     EnrollResult,
@@ -39,8 +41,6 @@ from gpucloud.api.schemas import (
     OperatorActionRequest,
     PowerRequest,
 )
-from gpucloud.config import Settings
-from gpucloud.db import get_read_engine, session_scope
 from gpucloud.models.messages import BmcPowerInput
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, Operation, OperationPublic

@@ -20,15 +20,15 @@ from sqlmodel import Session, col, select
 
 from gpucloud.api.deps import OperatorsAdminDep, SettingsDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
-from gpucloud.api.schemas import (
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.api_schemas import (
     OperatorList,
     OperatorRequest,
     OperatorRotateRequest,
     OperatorTokenIssued,
     OperatorView,
 )
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
 from gpucloud.models.tables import Operator, OperatorPublic, OperatorToken, OperatorTokenPublic
 from gpucloud.services import operators as service
 from gpucloud.web.problems import Problem, not_found

@@ -31,7 +31,9 @@ from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, ReadOperatorDep, ReadsDep, SettingsDep, TemporalDep, TenantsOperatorDep
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
 from gpucloud.api.routers.api_keys import ApiKeyCreated
-from gpucloud.api.schemas import (
+from gpucloud.config import Settings
+from gpucloud.db import session_scope
+from gpucloud.models.api_schemas import (
     QuotaReport,
     QuotaRequest,
     QuotasRequest,
@@ -41,8 +43,6 @@ from gpucloud.api.schemas import (
     TenantPage,
     TenantRequest,
 )
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
 from gpucloud.models.tables import (
     Operation,
     OperationPublic,

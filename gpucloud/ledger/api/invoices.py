@@ -10,7 +10,7 @@ from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerDep
 from gpucloud.ledger.invoicing import find_invoices, invoice_by_id
 from gpucloud.ledger.periods import PERIOD_PATTERN
-from gpucloud.ledger.schemas import InvoiceOut
+from gpucloud.models.billing_messages import InvoiceOut
 
 router = APIRouter(prefix="/v1/invoices", tags=["invoices"])
 

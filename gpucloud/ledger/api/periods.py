@@ -10,7 +10,8 @@ from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerDep
 from gpucloud.ledger.invoicing import close_period, draft_invoice, invoice_body, list_invoices, list_periods
 from gpucloud.ledger.periods import PERIOD_PATTERN
-from gpucloud.ledger.schemas import InvoiceSummary, PeriodCloseOut, PeriodOut
+from gpucloud.ledger.schemas import PeriodCloseOut, PeriodOut
+from gpucloud.models.billing_messages import InvoiceSummary
 
 router = APIRouter(prefix="/v1/periods", tags=["periods"])
 

@@ -10,15 +10,9 @@ from pydantic import ValidationError
 
 from gpucloud.ledger import problems
 from gpucloud.ledger.api.deps import LedgerContext, LedgerDep
-from gpucloud.ledger.schemas import (
-    PAGE_SIZE_MAX,
-    USAGE_BATCH,
-    ConflictOut,
-    UsageBatchResult,
-    UsageSummary,
-    usage_batch_schema,
-)
+from gpucloud.ledger.schemas import PAGE_SIZE_MAX, USAGE_BATCH, ConflictOut, UsageBatchResult, usage_batch_schema
 from gpucloud.ledger.usage import list_conflicts, usage_summary
+from gpucloud.models.billing_messages import UsageSummary
 from gpucloud.web import metrics
 
 router = APIRouter(prefix="/v1", tags=["usage"])
