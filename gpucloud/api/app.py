@@ -12,7 +12,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from gpucloud import bootstrap
-from gpucloud.api import pagination
+from gpucloud.api import errors, pagination
 from gpucloud.api.admission import OPEN_PATHS, THREADS, Admission
 from gpucloud.api.gate import CredentialCache, Gate
 from gpucloud.api.routers import (
@@ -80,6 +80,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     app.state.registry_stores = bootstrap.registry_stores(settings)
     app.state.credentials = CredentialCache(settings.api.credential_cache_s)
     problems.install(app)
+    errors.install(app)
 
     @app.exception_handler(RPCError)
     async def _engine_refused(request: Request, exc: RPCError) -> JSONResponse:

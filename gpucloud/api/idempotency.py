@@ -39,8 +39,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from sqlmodel import col, select
 
+from gpucloud.api.errors import problem_for
 from gpucloud.db import rowcount, session_scope
 from gpucloud.models.tables import IdempotencyRecord, utcnow
+from gpucloud.services.errors import DomainError
 from gpucloud.web.problems import MEDIA_TYPE, Problem
 
 log = logging.getLogger(__name__)
@@ -219,6 +221,8 @@ async def run_idempotent(
     except Problem as problem:
         # A 4xx is the answer for this key too: store it as the response.
         response = problem.response(path)
+    except DomainError as error:
+        response = problem_for(error).response(path)
     except BaseException:
         await run_in_threadpool(_finish, db_url, caller, key, None)
         raise
