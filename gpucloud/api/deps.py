@@ -4,20 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from functools import cache
 from typing import Annotated, Any, TypeVar
 
-import sqlalchemy as sa
 from fastapi import Depends, Request
-from sqlmodel import Session, SQLModel, select
+from sqlmodel import Session, SQLModel
 from temporalio.client import Client
 
 from gpucloud.api import auth
 from gpucloud.config import Settings
-from gpucloud.db import read_scope
+from gpucloud.db import Database, read_scope
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.models.operator_roles import Scope
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.services import visibility
+from gpucloud.web.problems import Problem
 from gpucloud.web.service_tokens import EVALUATION
 
 RowT = TypeVar("RowT", bound=SQLModel)
@@ -40,12 +39,19 @@ async def get_reads(request: Request) -> Reads:
     return lambda snapshot=False: read_scope(url, snapshot=snapshot)
 
 
+async def get_db(request: Request) -> Database:
+    """The control-plane database (`db.Database`, built by the bootstrap): the one door to a
+    session that writes, `with db.session() as session:`, opened and closed inside one thread."""
+    return request.app.state.db
+
+
 async def get_temporal(request: Request) -> Client:
     return request.app.state.temporal
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ReadsDep = Annotated[Reads, Depends(get_reads)]
+DbDep = Annotated[Database, Depends(get_db)]
 TemporalDep = Annotated[Client, Depends(get_temporal)]
 
 
@@ -218,24 +224,7 @@ async def get_ledger(request: Request) -> LedgerClient:
 LedgerDep = Annotated[LedgerClient, Depends(get_ledger)]
 
 
-@cache
-def _by_id(table: type[SQLModel], scoped: bool) -> Any:
-    """The select of one row by id (and tenant, when `scoped`), built once per table: building a
-    select costs more than running it on SQLite (~150 us against ~60 us), and tenants' polls of
-    their allocations are most of their requests."""
-    query: Any = select(table).where(table.id == sa.bindparam("id"))  # type: ignore[attr-defined]
-    if scoped:
-        query = query.where(table.tenant_id == sa.bindparam("tenant_id"))  # type: ignore[attr-defined]
-    return query
-
-
 def visible(session: Session, caller: auth.Caller, table: type[RowT], kind: str, ident: str) -> RowT:
-    """The row with this id if the caller may see it: the operator any, a tenant its own.
-    Anything else is the same 404 as a missing row, so ids of other tenants give nothing away."""
-    if caller.is_operator:
-        row = session.exec(_by_id(table, False), params={"id": ident}).first()
-    else:
-        row = session.exec(_by_id(table, True), params={"id": ident, "tenant_id": caller.tenant_id}).first()
-    if row is None:
-        raise not_found(kind, ident)
-    return row
+    """The row with this id if the caller may see it (`services.visibility`): the operator any, a
+    tenant its own; anything else is the same 404 as a missing row."""
+    return visibility.visible(session, table, kind, ident, tenant_id=caller.tenant_id, operator=caller.is_operator)

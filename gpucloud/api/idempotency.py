@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from sqlmodel import col, select
 
 from gpucloud.api.errors import problem_for
-from gpucloud.db import rowcount, session_scope
+from gpucloud.db import Database, rowcount
 from gpucloud.models.tables import IdempotencyRecord, utcnow
 from gpucloud.services.errors import DomainError
 from gpucloud.web.problems import MEDIA_TYPE, Problem
@@ -86,11 +86,11 @@ def _key_is(caller: str, key: str) -> Any:
     return sa.and_(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
 
 
-def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: str) -> IdempotencyRecord | None:
+def _claim(db: Database, caller: str, key: str, method: str, path: str, digest: str) -> IdempotencyRecord | None:
     """Claim the key (or take over a claim whose lease lapsed); None if we own it now, else the
     existing record."""
     now = utcnow()
-    with session_scope(db_url) as session:
+    with db.session() as session:
         existing = session.exec(select(IdempotencyRecord).where(_key_is(caller, key))).first()
         if existing is not None and existing.expires_at > now:
             if _lapsed(existing, now) and _mismatch(existing, method, path, digest) is None:
@@ -129,8 +129,8 @@ def _claim(db_url: str, caller: str, key: str, method: str, path: str, digest: s
     return None
 
 
-def _renew(db_url: str, caller: str, key: str) -> None:
-    with session_scope(db_url) as session:
+def _renew(db: Database, caller: str, key: str) -> None:
+    with db.session() as session:
         session.execute(
             sa.update(IdempotencyRecord)
             .where(_key_is(caller, key), col(IdempotencyRecord.status_code).is_(None))
@@ -138,27 +138,27 @@ def _renew(db_url: str, caller: str, key: str) -> None:
         )
 
 
-async def _keep_claim(db_url: str, caller: str, key: str) -> None:
+async def _keep_claim(db: Database, caller: str, key: str) -> None:
     """Renew the claim's lease while its request runs (a third of the lease apart)."""
     while True:
         await asyncio.sleep(LEASE.total_seconds() / 3)
         try:
-            await run_in_threadpool(_renew, db_url, caller, key)
+            await run_in_threadpool(_renew, db, caller, key)
         except sa.exc.SQLAlchemyError as exc:  # the database is down: the lease may lapse
             log.warning("could not renew the claim on Idempotency-Key %r: %s", key, exc)
 
 
-def _load(db_url: str, caller: str, key: str) -> IdempotencyRecord | None:
-    with session_scope(db_url) as session:
+def _load(db: Database, caller: str, key: str) -> IdempotencyRecord | None:
+    with db.session() as session:
         return session.exec(
             select(IdempotencyRecord).where(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
         ).first()
 
 
 def _finish(
-    db_url: str, caller: str, key: str, response: Response | None, redact: Callable[[bytes], bytes] | None = None
+    db: Database, caller: str, key: str, response: Response | None, redact: Callable[[bytes], bytes] | None = None
 ) -> None:
-    with session_scope(db_url) as session:
+    with db.session() as session:
         record = session.exec(
             select(IdempotencyRecord).where(col(IdempotencyRecord.caller) == caller, col(IdempotencyRecord.key) == key)
         ).first()
@@ -186,7 +186,7 @@ def _replay(record: IdempotencyRecord) -> Response:
 
 async def run_idempotent(
     *,
-    db_url: str,
+    db: Database,
     caller: str,
     key: str | None,
     method: str,
@@ -209,13 +209,13 @@ async def run_idempotent(
             header="Idempotency-Key",
         )
     digest = body_hash(body)
-    existing = await run_in_threadpool(_claim, db_url, caller, key, method, path, digest)
+    existing = await run_in_threadpool(_claim, db, caller, key, method, path, digest)
     if existing is not None:
-        answered = await _await_first(db_url, caller, key, existing, method, path, digest)
+        answered = await _await_first(db, caller, key, existing, method, path, digest)
         if answered is not None:
             return _replay(answered)
         # The first request died with the claim, which is ours now: run it again.
-    keeper = asyncio.create_task(_keep_claim(db_url, caller, key))
+    keeper = asyncio.create_task(_keep_claim(db, caller, key))
     try:
         response = await handler()
     except Problem as problem:
@@ -224,11 +224,11 @@ async def run_idempotent(
     except DomainError as error:
         response = problem_for(error).response(path)
     except BaseException:
-        await run_in_threadpool(_finish, db_url, caller, key, None)
+        await run_in_threadpool(_finish, db, caller, key, None)
         raise
     finally:
         keeper.cancel()
-    await run_in_threadpool(_finish, db_url, caller, key, response, redact)
+    await run_in_threadpool(_finish, db, caller, key, response, redact)
     return response
 
 
@@ -257,16 +257,17 @@ IdempotencyKey = Annotated[
 
 async def idempotent(
     request: Request,
-    db_url: str,
+    database: Database | str,
     caller: str,
     key: str | None,
     handler: Callable[[], Awaitable[Response]],
     *,
     redact: Callable[[bytes], bytes] | None = None,
 ) -> Response:
-    """`run_idempotent` for the request a route is serving."""
+    """`run_idempotent` for the request a route is serving, on the app's `database` (the routers
+    that still pass its URL get the app's own `Database` of that URL)."""
     return await run_idempotent(
-        db_url=db_url,
+        db=database if isinstance(database, Database) else Database(database),
         caller=caller,
         key=key,
         method=request.method,
@@ -283,7 +284,7 @@ def accepted(body: BaseModel, location: str, status_code: int = 202) -> JSONResp
 
 
 async def _await_first(
-    db_url: str, caller: str, key: str, record: IdempotencyRecord, method: str, path: str, digest: str
+    db: Database, caller: str, key: str, record: IdempotencyRecord, method: str, path: str, digest: str
 ) -> IdempotencyRecord | None:
     """The first request's stored answer, waited for while it runs; None when this request
     claimed the key instead (the first died: its lease lapsed, or it failed and let go)."""
@@ -300,7 +301,7 @@ async def _await_first(
     current: IdempotencyRecord | None = record
     while current is None or current.status_code is None:
         if current is None or _lapsed(current, utcnow()):
-            current = await run_in_threadpool(_claim, db_url, caller, key, method, path, digest)
+            current = await run_in_threadpool(_claim, db, caller, key, method, path, digest)
             if current is None:
                 return None
             continue
@@ -313,5 +314,5 @@ async def _await_first(
                 headers={"Retry-After": "1"},
             )
         await asyncio.sleep(0.05)
-        current = await run_in_threadpool(_load, db_url, caller, key)
+        current = await run_in_threadpool(_load, db, caller, key)
     return current

@@ -46,14 +46,19 @@ async def test_an_allocation_whose_workflow_never_started_is_adopted_by_the_next
 
     from sqlmodel import col, select
 
-    from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
-    from gpucloud.db import session_scope
+    from gpucloud.db import Database, session_scope
+    from gpucloud.models.api_schemas import AllocationRequest
     from gpucloud.models.tables import Allocation, Tenant
+    from gpucloud.services.allocation_requests import reserve_and_record
 
     h = await ready_fleet(nodes=2)
     tenant_id, key = await h.onboard()
-    alloc, _ = _create_in_db(
-        h.settings, tenant_id, AllocationRequest(gpu_type="H100", node_count=1, region="us-east-1"), actor="tenant:t"
+    alloc, _ = reserve_and_record(
+        Database(h.settings.database_url),
+        tenant_id,
+        AllocationRequest(gpu_type="H100", node_count=1, region="us-east-1"),
+        actor="tenant:t",
+        deadline_scale=h.settings.reconciler.deadline_scale,
     )
     with session_scope(h.settings.database_url) as session:  # committed a minute ago, never started
         row = session.exec(select(Allocation).where(col(Allocation.id) == alloc.id)).one()

@@ -14,13 +14,14 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
 from gpucloud.cli.main import app
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import Database, session_scope
+from gpucloud.models.api_schemas import AllocationRequest
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Tenant, TenantQuota, TenantStatus
-from gpucloud.web.problems import Problem
+from gpucloud.services.allocation_requests import reserve_and_record
+from gpucloud.services.errors import DomainError
 
 ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 
@@ -172,15 +173,18 @@ def test_admission_is_exact_under_concurrent_transactions(db_url, tmp_path):
     Temporal, many connections on Postgres): exactly as many fit as the quota allows."""
     tenant_id = _seed(db_url, nodes=24, max_gpus=5 * 8)
     settings = Settings(data_dir=tmp_path, database={"url": db_url}, api={"operator_token": "x"})
+    db, scale = Database(db_url), settings.reconciler.deadline_scale
     start = threading.Barrier(16)
 
     def create(_):
         start.wait()
         try:
-            _create_in_db(settings, tenant_id, AllocationRequest(**ALLOC), actor=f"tenant:{tenant_id}")
+            reserve_and_record(
+                db, tenant_id, AllocationRequest(**ALLOC), actor=f"tenant:{tenant_id}", deadline_scale=scale
+            )
             return "created"
-        except Problem as problem:
-            return problem.type
+        except DomainError as refused:
+            return refused.type_
 
     with ThreadPoolExecutor(16) as pool:
         outcomes = list(pool.map(create, range(16)))

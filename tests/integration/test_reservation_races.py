@@ -8,12 +8,13 @@ from collections import Counter
 
 from sqlmodel import select
 
-from gpucloud.api.routers.allocations import AllocationRequest, _create_in_db
 from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import Database, session_scope
+from gpucloud.models.api_schemas import AllocationRequest
 from gpucloud.models.tables import Allocation, Node, NodeEnroll, Tenant, TenantQuota, TenantStatus
 from gpucloud.services import nodes as node_service
-from gpucloud.web.problems import Problem
+from gpucloud.services.allocation_requests import reserve_and_record
+from gpucloud.services.errors import DomainError
 
 
 def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
@@ -48,6 +49,7 @@ def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
 def _race(db_url: str, tmp_path, *, requests: int, node_count: int) -> Counter:
     """`requests` creates released at once, from three tenants in turn: their outcomes."""
     settings = Settings(data_dir=tmp_path, database={"url": db_url})
+    db, scale = Database(db_url), settings.reconciler.deadline_scale
     outcomes: list[str] = []
     barrier = threading.Barrier(requests)
 
@@ -55,10 +57,10 @@ def _race(db_url: str, tmp_path, *, requests: int, node_count: int) -> Counter:
         barrier.wait()
         try:
             req = AllocationRequest(gpu_type="H100", node_count=node_count, region="r1")
-            _create_in_db(settings, f"ten_{i % 3}", req, actor="tenant:t")
+            reserve_and_record(db, f"ten_{i % 3}", req, actor="tenant:t", deadline_scale=scale)
             outcomes.append("ok")
-        except Problem as problem:
-            outcomes.append(problem.type)
+        except DomainError as refused:
+            outcomes.append(refused.type_)
 
     threads = [threading.Thread(target=request, args=(i,)) for i in range(requests)]
     for t in threads:
