@@ -220,6 +220,14 @@ class Database:
         """A session whose transaction commits on success and rolls back on any error."""
         return session_scope(self.url)
 
+    def reads(self, *, snapshot: bool = False) -> contextlib.AbstractContextManager[Session]:
+        """A session for reads only (`read_scope`)."""
+        return read_scope(self.url, snapshot=snapshot)
+
+    def read_connection(self) -> sa.Connection:
+        """A reader's connection (`get_read_engine`: each statement its own transaction)."""
+        return get_read_engine(self.url).connect()
+
     def migrate(self) -> None:
         migrate(self.url)
 
@@ -228,6 +236,14 @@ class Database:
 
     def revisions(self) -> tuple[str | None, str]:
         return schema_revisions(self.engine, alembic_config(self.url))
+
+
+def database_of(database: Database | str) -> Database:
+    """`database` itself, or the `Database` of a URL, for the services whose callers still pass
+    one (`operations.settle` and `record_done_in`, `evaluations.keep_evaluation`,
+    `idempotency_records.delete_expired`, `api.idempotency.idempotent`: called from activities/*
+    and api/routers/rollouts.py with a URL); one engine per URL either way (`get_engine`)."""
+    return database if isinstance(database, Database) else Database(database)
 
 
 @contextmanager

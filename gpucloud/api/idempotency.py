@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from sqlmodel import col, select
 
 from gpucloud.api.errors import problem_for
-from gpucloud.db import Database, rowcount
+from gpucloud.db import Database, database_of, rowcount
 from gpucloud.models.tables import IdempotencyRecord, utcnow
 from gpucloud.services.errors import DomainError
 from gpucloud.web.problems import MEDIA_TYPE, Problem
@@ -267,7 +267,7 @@ async def idempotent(
     """`run_idempotent` for the request a route is serving, on the app's `database` (the routers
     that still pass its URL get the app's own `Database` of that URL)."""
     return await run_idempotent(
-        db=database if isinstance(database, Database) else Database(database),
+        db=database_of(database),
         caller=caller,
         key=key,
         method=request.method,

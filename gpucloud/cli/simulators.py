@@ -83,6 +83,7 @@ def sim(
 ) -> None:
     """Run a simulated fleet of N host agents on one port; like real agents, they act only on
     the control plane's signed calls."""
+    from gpucloud.db import Database
     from gpucloud.sim.fleet import FleetSpec, serve
     from gpucloud.sim.metering import MeteringSpec
     from gpucloud.sim.node_weights import WeightsSpec, control_plane_keyrings
@@ -112,7 +113,7 @@ def sim(
         )
     # Caches are made per node on its first weights call; keys come from the control plane's DB.
     weights = WeightsSpec(
-        root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.database_url)
+        root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(Database(settings.database_url))
     )
     from gpucloud.bootstrap import token_issuer
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from gpucloud.db import session_scope
+from gpucloud.db import Database, database_of
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
 from gpucloud.models.registry_tables import EvaluationResult, EvaluationSource, ModelVersion, RegistryModel
 from gpucloud.registry import promotion
@@ -26,15 +26,16 @@ _RECORD_AS_KEPT = {"version", "evaluator", "results", "recorded_at", "details"}
 
 
 def keep_evaluation(
-    db_url: str, stores: RegistryStores, tenant_id: str, signed: SignedEvaluation, *, source: EvaluationSource
+    db: Database | str, stores: RegistryStores, tenant_id: str, signed: SignedEvaluation, *, source: EvaluationSource
 ) -> tuple[EvaluationResult, bool]:
     """Keep a verified, signed record of the tenant's version `signed.record.version`: the row,
     and whether it is new."""
+    db = database_of(db)
     record = signed.record
     query = select(EvaluationResult).where(
         col(EvaluationResult.tenant_id) == tenant_id, col(EvaluationResult.record_digest) == record.digest
     )
-    with session_scope(db_url) as session:
+    with db.session() as session:
         if (existing := session.exec(query).first()) is not None:
             return existing, False
     stores.manifests(tenant_id).add_evaluation(signed)  # the signed record, beside the manifest
@@ -48,11 +49,11 @@ def keep_evaluation(
         source=source,
     )
     try:
-        with session_scope(db_url) as session:
+        with db.session() as session:
             session.add(row)
             return row, True
     except sa.exc.IntegrityError:
-        with session_scope(db_url) as session:
+        with db.session() as session:
             return session.exec(query).one(), False
 
 

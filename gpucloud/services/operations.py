@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 from sqlmodel import Session, col, select
 from temporalio.service import RPCError
 
-from gpucloud.db import session_scope
+from gpucloud.db import Database, database_of
 from gpucloud.models.tables import Operation, OperationStatus, utcnow
 from gpucloud.services.workflow_engine import engine_problem, waited_out
 
@@ -26,10 +26,12 @@ def record_done(
     return op
 
 
-def record_done_in(db_url: str, *, kind: str, resource_id: str, actor: str, tenant_id: str | None = None) -> None:
+def record_done_in(
+    db: Database | str, *, kind: str, resource_id: str, actor: str, tenant_id: str | None = None
+) -> None:
     """`record_done` in a transaction of its own, for a change whose own state is not in the DB
     (a rollout's lives in its workflow, the registry's chunks in the object store)."""
-    with session_scope(db_url) as session:
+    with database_of(db).session() as session:
         record_done(session, kind=kind, resource_id=resource_id, actor=actor, tenant_id=tenant_id)
 
 
@@ -44,14 +46,14 @@ def settle_operation(session: Session, operation_id: str, *, error: str | None) 
     session.add(op)
 
 
-def settle(db_url: str, operation_id: str | None, *, error: str | None) -> None:
+def settle(db: Database | str, operation_id: str | None, *, error: str | None) -> None:
     """`settle_operation` in a transaction of its own (nothing to do without an operation)."""
     if operation_id is not None:
-        with session_scope(db_url) as session:
+        with database_of(db).session() as session:
             settle_operation(session, operation_id, error=error)
 
 
-async def start_for_operation(start: Awaitable[object], db_url: str, operation_id: str, what: str) -> None:
+async def start_for_operation(start: Awaitable[object], db: Database, operation_id: str, what: str) -> None:
     """Await the start of an operation's workflow; when the workflow engine does not take it, the
     operation fails (nothing will run it) and the caller gets 503 with Retry-After, or a 500
     naming the cause when no retry can help (`workflow_engine`)."""
@@ -59,5 +61,5 @@ async def start_for_operation(start: Awaitable[object], db_url: str, operation_i
         await start
     except RPCError as exc:
         why = "is unreachable" if waited_out(exc) else "refused it"
-        await asyncio.to_thread(settle, db_url, operation_id, error=f"the workflow engine {why}: {exc}")
+        await asyncio.to_thread(settle, db, operation_id, error=f"the workflow engine {why}: {exc}")
         raise engine_problem(exc, what=what, left="its operation failed and nothing will run it") from exc

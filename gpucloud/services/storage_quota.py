@@ -18,7 +18,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlmodel import Session, col
 
-from gpucloud.db import read_scope, rowcount, session_scope
+from gpucloud.db import Database, rowcount
 from gpucloud.models.registry_tables import StorageUsage
 from gpucloud.models.tables import utcnow
 from gpucloud.web.problems import Problem
@@ -26,8 +26,8 @@ from gpucloud.web.problems import Problem
 _RETRIES = 3  # the row is made by whichever writer comes first; a loser of that race tries again
 
 
-def usage(db_url: str, tenant_id: str) -> int:
-    with read_scope(db_url) as session:
+def usage(db: Database, tenant_id: str) -> int:
+    with db.reads() as session:
         return usage_in(session, tenant_id)
 
 
@@ -36,13 +36,13 @@ def usage_in(session: Session, tenant_id: str) -> int:
     return row.bytes if row is not None else 0
 
 
-def reserve(db_url: str, tenant_id: str, size: int, quota: int) -> None:
+def reserve(db: Database, tenant_id: str, size: int, quota: int) -> None:
     """Count `size` more bytes for the tenant, or raise a 409 (counting nothing) if they would
     take it past `quota`."""
     used = col(StorageUsage.bytes)
     fits = sa.update(StorageUsage).where(col(StorageUsage.tenant_id) == tenant_id, used + size <= quota)
     for _ in range(_RETRIES):
-        with session_scope(db_url) as session:
+        with db.session() as session:
             if rowcount(session.execute(fits.values(bytes=used + size))) == 1:
                 return
             row = session.get(StorageUsage, tenant_id)
@@ -60,10 +60,10 @@ def reserve(db_url: str, tenant_id: str, size: int, quota: int) -> None:
     raise RuntimeError(f"the storage usage row of tenant {tenant_id} could not be written")
 
 
-def release(db_url: str, tenant_id: str, size: int) -> None:
+def release(db: Database, tenant_id: str, size: int) -> None:
     """Give back a reservation of `size` bytes whose upload stored nothing."""
     used = col(StorageUsage.bytes)
-    with session_scope(db_url) as session:
+    with db.session() as session:
         # Never below zero: a garbage collection may have measured the store since the reservation.
         less = sa.case((used >= size, used - size), else_=0)
         session.execute(sa.update(StorageUsage).where(col(StorageUsage.tenant_id) == tenant_id).values(bytes=less))
@@ -81,15 +81,15 @@ def _over_quota(size: int, quota: int, used: int) -> Problem:
     )
 
 
-def measured(db_url: str, tenant_id: str, size: int) -> None:
+def measured(db: Database, tenant_id: str, size: int) -> None:
     """The store, as a garbage collection just measured it, holds `size` bytes."""
     now = utcnow()
-    _write(db_url, tenant_id, sa.update(StorageUsage).values(bytes=size, measured_at=now), size, now)
+    _write(db, tenant_id, sa.update(StorageUsage).values(bytes=size, measured_at=now), size, now)
 
 
-def _write(db_url: str, tenant_id: str, update, size: int, measured_at) -> None:
+def _write(db: Database, tenant_id: str, update, size: int, measured_at) -> None:
     for _ in range(_RETRIES):
-        with session_scope(db_url) as session:
+        with db.session() as session:
             if rowcount(session.execute(update.where(col(StorageUsage.tenant_id) == tenant_id))) == 1:
                 return
             try:

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -44,6 +45,9 @@ from gpucloud.registry.evaluators import simulated_command
 from gpucloud.registry.manifest import EvaluationRecord, Keyring, Manifest, SignedEvaluation, SignedManifest
 from gpucloud.web import problems
 from gpucloud.web.service_tokens import Verifier
+
+if TYPE_CHECKING:  # the database layer loads only where the keyrings are read from it
+    from gpucloud.db import Database
 
 PREFETCHES_AT_ONCE = 8
 KEYRING_REFRESH_S = 5.0
@@ -171,13 +175,12 @@ class NodeWeights:
             del self._resident[node_id]
 
 
-def control_plane_keyrings(db_url: str) -> Callable[[str], Keyring]:
+def control_plane_keyrings(db: Database) -> Callable[[str], Keyring]:
     """Each tenant's registered, unrevoked keys, read from the control-plane DB."""
-    from gpucloud.db import session_scope
     from gpucloud.registry.promotion import keyring_for
 
     def load(tenant_id: str) -> Keyring:
-        with session_scope(db_url) as session:
+        with db.session() as session:
             return keyring_for(session, tenant_id)
 
     return load

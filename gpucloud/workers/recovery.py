@@ -124,7 +124,7 @@ async def adopt_orphans(
         if workflow_id in running:
             continue
         if evaluation is None:  # its version or model was deleted since
-            settle(db.url, operation_id, error="the version or its model no longer exists")
+            settle(db, operation_id, error="the version or its model no longer exists")
             continue
         await start_version_evaluation(client, settings, evaluation)
         adopted += 1

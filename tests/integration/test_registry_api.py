@@ -1107,9 +1107,9 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
 
     import numpy as np
 
-    from gpucloud.api.routers.registry.versions import _evaluation_operation
     from gpucloud.db import Database
     from gpucloud.registry.names import EvaluatorName
+    from gpucloud.services.registry_versions import evaluation_operation
     from gpucloud.workers.recovery import adopt_orphans
 
     registry.start_worker()
@@ -1117,10 +1117,8 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
     with tenant.http() as http:
         http.post("/v1/models", json={"name": "llama"}).raise_for_status()
     pushed = await asyncio.to_thread(tenant.push, float_model(tmp_path / "v1", np.random.default_rng(2)))
-    _, op = _evaluation_operation(
-        registry.settings, tenant.id, "llama", pushed.digest, EvaluatorName.SANITY, f"tenant:{tenant.id}"
-    )
     db = Database(registry.settings.database_url)
+    _, op = evaluation_operation(db, tenant.id, "llama", pushed.digest, EvaluatorName.SANITY, f"tenant:{tenant.id}")
     assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # too young: the API's
     with session_scope(registry.settings.database_url) as session:
         row = session.exec(select(Operation).where(col(Operation.id) == op.id)).one()

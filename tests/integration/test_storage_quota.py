@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gpucloud.db import Database
 from gpucloud.services import storage_quota
 from gpucloud.web.problems import Problem
 
@@ -25,7 +26,7 @@ def test_uploads_racing_for_the_last_of_a_quota_never_pass_it(db_url: str) -> No
     def upload(_: int) -> bool:
         start.wait()
         try:
-            storage_quota.reserve(db_url, "ten_racing", CHUNK, QUOTA)
+            storage_quota.reserve(Database(db_url), "ten_racing", CHUNK, QUOTA)
         except Problem as refused:
             assert refused.status == 409 and refused.extra["quota_bytes"] == QUOTA
             return False
@@ -34,20 +35,20 @@ def test_uploads_racing_for_the_last_of_a_quota_never_pass_it(db_url: str) -> No
     with ThreadPoolExecutor(racers) as pool:
         admitted = sum(pool.map(upload, range(racers)))
     assert admitted == QUOTA // CHUNK  # the tenant's first upload made the row while others raced it
-    assert storage_quota.usage(db_url, "ten_racing") == QUOTA
+    assert storage_quota.usage(Database(db_url), "ten_racing") == QUOTA
 
 
 def test_a_reservation_that_stored_nothing_is_given_back(db_url: str) -> None:
-    storage_quota.reserve(db_url, "ten_back", QUOTA, QUOTA)
+    storage_quota.reserve(Database(db_url), "ten_back", QUOTA, QUOTA)
     with pytest.raises(Problem) as full:
-        storage_quota.reserve(db_url, "ten_back", 1, QUOTA)
+        storage_quota.reserve(Database(db_url), "ten_back", 1, QUOTA)
     assert (full.value.extra["usage_bytes"], full.value.status) == (QUOTA, 409)
-    storage_quota.release(db_url, "ten_back", CHUNK)
-    storage_quota.reserve(db_url, "ten_back", CHUNK, QUOTA)
+    storage_quota.release(Database(db_url), "ten_back", CHUNK)
+    storage_quota.reserve(Database(db_url), "ten_back", CHUNK, QUOTA)
     # Never below zero: a garbage collection measured the store in between.
-    storage_quota.measured(db_url, "ten_back", 5)
-    storage_quota.release(db_url, "ten_back", CHUNK)
-    assert storage_quota.usage(db_url, "ten_back") == 0
+    storage_quota.measured(Database(db_url), "ten_back", 5)
+    storage_quota.release(Database(db_url), "ten_back", CHUNK)
+    assert storage_quota.usage(Database(db_url), "ten_back") == 0
     with pytest.raises(Problem):  # one chunk past the quota on a tenant's first upload
-        storage_quota.reserve(db_url, "ten_new", QUOTA + 1, QUOTA)
-    assert storage_quota.usage(db_url, "ten_new") == 0
+        storage_quota.reserve(Database(db_url), "ten_new", QUOTA + 1, QUOTA)
+    assert storage_quota.usage(Database(db_url), "ten_new") == 0

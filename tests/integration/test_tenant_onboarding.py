@@ -281,7 +281,7 @@ async def test_a_tenant_allocates_only_once_active(stack):
 
 async def test_workflow_engine_refusing_onboarding_keeps_nothing(stack, monkeypatch):
     h, _ = stack
-    from gpucloud.api.routers import tenants as router
+    from gpucloud.services import tenant_requests as router
 
     async def refuse(*_args, **_kw):
         raise RPCError("unavailable", RPCStatusCode.UNAVAILABLE, b"")

@@ -11,6 +11,7 @@ import os
 import blake3
 import pytest
 
+from gpucloud.db import Database
 from gpucloud.services import storage_quota
 
 pytestmark = pytest.mark.one_database
@@ -39,7 +40,7 @@ async def test_uploads_past_the_tenants_storage_quota_are_refused(db_url, make_h
         # Bytes that do not hash to their id store nothing, and their reservation is given back.
         forged_id, _ = _chunk(50_000)
         assert tenant.put(f"/v1/models/big/chunks/{forged_id}", content=os.urandom(50_000)).status_code == 422
-        assert storage_quota.usage(h.settings.database_url, tenant_id) == 200_000
+        assert storage_quota.usage(Database(h.settings.database_url), tenant_id) == 200_000
         second_id, second = _chunk(150_000)
         refused = tenant.put(f"/v1/models/big/chunks/{second_id}", content=second)
         assert refused.status_code == 409, refused.text
@@ -50,11 +51,11 @@ async def test_uploads_past_the_tenants_storage_quota_are_refused(db_url, make_h
         assert tenant.get(f"/v1/models/big/chunks/{second_id}").status_code == 404  # nothing written
         # Another tenant's quota is its own.
         assert other.put(f"/v1/models/big/chunks/{second_id}", content=second).status_code == 201
-    assert storage_quota.usage(h.settings.database_url, tenant_id) == 200_000
-    assert storage_quota.usage(h.settings.database_url, other_id) == 150_000
+    assert storage_quota.usage(Database(h.settings.database_url), tenant_id) == 200_000
+    assert storage_quota.usage(Database(h.settings.database_url), other_id) == 150_000
     # A garbage collection measures the store again, correcting any drift in the count.
-    storage_quota.measured(h.settings.database_url, tenant_id, 5)
+    storage_quota.measured(Database(h.settings.database_url), tenant_id, 5)
     with h.operator as op:
         gc = op.post("/v1/registry/gc", json={"tenant_id": tenant_id, "grace_period_seconds": 3600})
     assert gc.status_code == 200, gc.text
-    assert storage_quota.usage(h.settings.database_url, tenant_id) == 200_000
+    assert storage_quota.usage(Database(h.settings.database_url), tenant_id) == 200_000

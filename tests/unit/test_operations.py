@@ -10,7 +10,7 @@ import pytest
 from sqlmodel import col, select
 from temporalio.service import RPCError, RPCStatusCode
 
-from gpucloud.db import migrate, session_scope
+from gpucloud.db import Database, migrate, session_scope
 from gpucloud.models.tables import Operation
 from gpucloud.services.operations import start_for_operation
 from gpucloud.web.problems import Problem
@@ -41,10 +41,10 @@ def test_an_operation_the_engine_does_not_take_fails_with_a_503(tmp_path) -> Non
     async def unreachable() -> None:
         raise RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")
 
-    asyncio.run(start_for_operation(started(), url, taken, "the power action"))
+    asyncio.run(start_for_operation(started(), Database(url), taken, "the power action"))
     assert _status(url, taken) == ("running", None)
     with pytest.raises(Problem) as answer:
-        asyncio.run(start_for_operation(unreachable(), url, refused, "the power action"))
+        asyncio.run(start_for_operation(unreachable(), Database(url), refused, "the power action"))
     assert answer.value.status == 503 and answer.value.headers["Retry-After"]
     assert "did not take the power action" in answer.value.detail
     status, error = _status(url, refused)
@@ -60,7 +60,7 @@ def test_an_operation_the_engine_refuses_for_good_fails_with_a_500_naming_why(tm
         raise RPCError("Namespace gpucloud is not found.", RPCStatusCode.NOT_FOUND, b"")
 
     with pytest.raises(Problem) as answer:
-        asyncio.run(start_for_operation(unprepared(), url, refused, "the power action"))
+        asyncio.run(start_for_operation(unprepared(), Database(url), refused, "the power action"))
     assert answer.value.status == 500 and "Retry-After" not in answer.value.headers
     assert "refused the power action: Namespace gpucloud is not found" in answer.value.detail
     status, error = _status(url, refused)

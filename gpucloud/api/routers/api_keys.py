@@ -20,29 +20,25 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, CallerOrTenantsOperatorDep, SettingsDep, TenantDep
+from gpucloud.api.deps import CallerDep, CallerOrTenantsOperatorDep, DbDep, SettingsDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
+from gpucloud.db import Database
 from gpucloud.models.api_schemas import (
     ApiKeyCreated,
     ApiKeyList,
     RotateRequest,
 )
-from gpucloud.models.tables import ApiKey, ApiKeyPublic, Tenant, TenantStatus, utcnow
-from gpucloud.services import api_keys as key_service
-from gpucloud.services import operations
-from gpucloud.web.problems import Problem, invalid, not_found
+from gpucloud.models.tables import ApiKeyPublic
+from gpucloud.services import api_key_requests as requests
+from gpucloud.web.problems import invalid, not_found
 
 router = APIRouter(prefix="/v1", tags=["api-keys"])
 
@@ -51,9 +47,6 @@ GRACE_REQUIRED = (
     "(0: it stops at once, cutting off whatever still uses it)"
 )
 
-# A tenant being onboarded gets its keys ready; one that failed or is leaving gets none.
-ISSUING = (TenantStatus.ONBOARDING, TenantStatus.ACTIVE)
-
 
 def _scope(caller: Caller, tenant_id: str) -> str:
     if not caller.is_operator and caller.tenant_id != tenant_id:
@@ -61,91 +54,16 @@ def _scope(caller: Caller, tenant_id: str) -> str:
     return tenant_id
 
 
-def _issuing_tenant(session, tenant_id: str) -> None:
-    status = session.exec(select(col(Tenant.status)).where(col(Tenant.id) == tenant_id).with_for_update()).first()
-    if status is None:
-        raise not_found("tenant", tenant_id)
-    if status not in ISSUING:
-        raise Problem(
-            409,
-            "tenant-not-active",
-            "Tenant takes no new keys",
-            f"tenant {tenant_id} is {status}; keys are issued to onboarding and active tenants only",
-            tenant_status=status,
-        )
-
-
-def _created_key(key: ApiKey, plaintext: str, *, replaced: ApiKey | None = None) -> ApiKeyCreated:
-    """The answer to a create or a rotate: the new key's secret, shown this once."""
-    body = ApiKeyCreated(id=key.id, tenant_id=key.tenant_id, key=plaintext, created_at=key.created_at)
-    if replaced is not None:
-        body.replaces, body.replaced_key_expires_at = replaced.id, replaced.expires_at
-    return body
-
-
-def _issue(settings: Settings, tenant_id: str, actor: str) -> ApiKeyCreated:
-    with session_scope(settings.database_url) as session:
-        _issuing_tenant(session, tenant_id)  # locks the tenant's row: the count and the add are one step
-        cap = settings.api.max_api_keys_per_tenant
-        if key_service.live_count(session, tenant_id, utcnow()) >= cap:
-            raise Problem(
-                409,
-                "too-many-api-keys",
-                "Too many API keys",
-                f"tenant {tenant_id} already holds {cap} live API keys, the most a tenant may hold; "
-                "revoke one it no longer uses (DELETE /v1/api-keys/{key id}) and create the new one again",
-                max_api_keys=cap,
-            )
-        key, plaintext = key_service.issue_key(session, tenant_id)
-        operations.record_done(session, kind="issue_api_key", resource_id=key.id, tenant_id=tenant_id, actor=actor)
-        session.flush()
-        return _created_key(key, plaintext)
-
-
-def _rotate(settings: Settings, tenant_id: str, key_id: str, grace_s: int, actor: str) -> ApiKeyCreated:
-    try:
-        with session_scope(settings.database_url) as session:
-            _issuing_tenant(session, tenant_id)
-            old, new, plaintext = key_service.rotate_key(session, tenant_id, key_id, grace=timedelta(seconds=grace_s))
-            operations.record_done(session, kind="rotate_api_key", resource_id=old.id, tenant_id=tenant_id, actor=actor)
-            return _created_key(new, plaintext, replaced=old)
-    except key_service.KeyNotFound as exc:
-        raise not_found("api key", key_id) from exc
-    except key_service.KeyNotRotatable as exc:
-        raise Problem(409, "key-not-rotatable", "Key cannot be rotated", str(exc)) from exc
-
-
-def _revoke(settings: Settings, tenant_id: str, key_id: str, actor: str) -> ApiKeyPublic:
-    try:
-        with session_scope(settings.database_url) as session:
-            revoked = key_service.revoke_key(session, tenant_id, key_id)
-            operations.record_done(session, kind="revoke_api_key", resource_id=key_id, tenant_id=tenant_id, actor=actor)
-            return ApiKeyPublic.model_validate(revoked, from_attributes=True)
-    except key_service.KeyNotFound as exc:
-        raise not_found("api key", key_id) from exc
-
-
-def _list(settings: Settings, tenant_id: str) -> ApiKeyList:
-    with session_scope(settings.database_url) as session:
-        if session.exec(select(col(Tenant.id)).where(col(Tenant.id) == tenant_id)).first() is None:
-            raise not_found("tenant", tenant_id)
-        return ApiKeyList(
-            items=[
-                ApiKeyPublic.model_validate(k, from_attributes=True) for k in key_service.list_keys(session, tenant_id)
-            ]
-        )
-
-
 def _without_secret(body: bytes) -> bytes:
     return json.dumps({**json.loads(body), "key": None}).encode()
 
 
-async def _created(request: Request, settings: Settings, caller: Caller, idempotency_key: str | None, make) -> Response:
+async def _created(request: Request, db: Database, caller: Caller, idempotency_key: str | None, make) -> Response:
     async def handler() -> JSONResponse:
         created = await run_in_threadpool(make)
         return JSONResponse(created.model_dump(mode="json"), status_code=201)
 
-    return await idempotent(request, settings.database_url, caller.id, idempotency_key, handler, redact=_without_secret)
+    return await idempotent(request, db, caller.id, idempotency_key, handler, redact=_without_secret)
 
 
 def _forget(request: Request, key_id: str) -> None:
@@ -185,8 +103,8 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
     conflict: dict[int | str, dict[str, Any]] = {409: {"description": "the key is revoked, expired or already rotated"}}
 
     @router.get(prefix, response_model=ApiKeyList, name=f"list_{tag}")
-    async def list_keys(settings: SettingsDep, scoped: _Scoped = read_by):
-        return await run_in_threadpool(_list, settings, scoped.tenant_id)
+    async def list_keys(db: DbDep, scoped: _Scoped = read_by):
+        return await run_in_threadpool(requests.list_keys, db, scoped.tenant_id)
 
     too_many: dict[int | str, dict[str, Any]] = {
         409: {"description": "the tenant is not active, or already holds its most live keys (revoke one)"}
@@ -194,10 +112,15 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
 
     @router.post(prefix, status_code=201, response_model=ApiKeyCreated, responses=too_many, name=f"create_{tag}")
     async def create_key(
-        request: Request, settings: SettingsDep, scoped: _Scoped = scoped_by, idempotency_key: IdempotencyKey = None
+        request: Request,
+        db: DbDep,
+        settings: SettingsDep,
+        scoped: _Scoped = scoped_by,
+        idempotency_key: IdempotencyKey = None,
     ):
-        make = partial(_issue, settings, scoped.tenant_id, scoped.caller.actor)
-        return await _created(request, settings, scoped.caller, idempotency_key, make)
+        cap = settings.api.max_api_keys_per_tenant
+        make = partial(requests.issue, db, scoped.tenant_id, actor=scoped.caller.actor, max_keys=cap)
+        return await _created(request, db, scoped.caller, idempotency_key, make)
 
     @router.post(
         f"{prefix}/{{key_id}}/rotate",
@@ -212,22 +135,24 @@ def _key_routes(prefix: str, read: Scoping, change: Scoping, tag: str) -> None:
     async def rotate_key(
         request: Request,
         key_id: str,
-        settings: SettingsDep,
+        db: DbDep,
         scoped: _Scoped = scoped_by,
         req: RotateRequest | None = None,
         idempotency_key: IdempotencyKey = None,
     ):
         if req is None:
             raise invalid("grace_period_s", GRACE_REQUIRED)
-        make = partial(_rotate, settings, scoped.tenant_id, key_id, req.grace_period_s, scoped.caller.actor)
+        grace_s, actor = req.grace_period_s, scoped.caller.actor
+        make = partial(requests.rotate, db, scoped.tenant_id, key_id, grace_s=grace_s, actor=actor)
         try:
-            return await _created(request, settings, scoped.caller, idempotency_key, make)
+            return await _created(request, db, scoped.caller, idempotency_key, make)
         finally:
             _forget(request, key_id)  # its grace starts now: no cached caller outlives it here
 
     @router.delete(f"{prefix}/{{key_id}}", response_model=ApiKeyPublic, name=f"revoke_{tag}")
-    async def revoke_key(request: Request, key_id: str, settings: SettingsDep, scoped: _Scoped = scoped_by):
-        revoked = await run_in_threadpool(_revoke, settings, scoped.tenant_id, key_id, scoped.caller.actor)
+    async def revoke_key(request: Request, key_id: str, db: DbDep, scoped: _Scoped = scoped_by):
+        revoke = partial(requests.revoke, db, scoped.tenant_id, key_id, actor=scoped.caller.actor)
+        revoked = await run_in_threadpool(revoke)
         _forget(request, key_id)
         return revoked
 

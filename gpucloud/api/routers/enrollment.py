@@ -12,11 +12,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
-from sqlmodel import Session
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import SettingsDep, get_any_caller
-from gpucloud.db import get_read_engine, session_scope
+from gpucloud.api.deps import DbDep, SettingsDep, get_any_caller
 from gpucloud.models.tables import AgentEnrollment
 from gpucloud.services import agent_enrollment
 from gpucloud.services.agent_enrollment import CONFIG_DRIVE_PATH, ENROLL_PATH, EnrollmentRefused
@@ -53,11 +51,11 @@ def _refused(node_id: str, refused: EnrollmentRefused) -> Problem:
 
 
 @router.get(CONFIG_DRIVE_PATH.removeprefix("/v1"), response_model=ConfigDrive, tags=["nodes"])
-def config_drive(enrolling: EnrollingDep, settings: SettingsDep) -> ConfigDrive:
+def config_drive(enrolling: EnrollingDep, db: DbDep, settings: SettingsDep) -> ConfigDrive:
     """The node's config drive, as its BMC fetches it for virtual media: what the booted image's
     agent needs to enroll (its node id, the one-time token, the API's URL)."""
     node_id, token = enrolling
-    with Session(get_read_engine(settings.database_url)) as session:
+    with db.reads() as session:
         row = session.get(AgentEnrollment, node_id)
         if row is None:
             raise _refused(node_id, EnrollmentRefused("no enrollment is handed out"))
@@ -65,12 +63,12 @@ def config_drive(enrolling: EnrollingDep, settings: SettingsDep) -> ConfigDrive:
 
 
 @router.post(ENROLL_PATH.removeprefix("/v1"), response_model=Enrolled, tags=["nodes"])
-def enroll(enrolling: EnrollingDep, request: Request, settings: SettingsDep) -> Enrolled:
+def enroll(enrolling: EnrollingDep, request: Request, db: DbDep) -> Enrolled:
     """Redeem the node's one-time enrollment token for its new agent credential: once, and only
     before it expires."""
     node_id, token = enrolling
     try:
-        with session_scope(settings.database_url) as session:
+        with db.session() as session:
             credential = agent_enrollment.redeem(session, token)
     except EnrollmentRefused as refused:
         raise _refused(node_id, refused) from None

@@ -16,13 +16,14 @@ from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, Reads, ReadsDep
-from gpucloud.api.routers.tenants import quota_report, visible_tenant
+from gpucloud.api.routers.tenants import visible_tenant
 from gpucloud.ledger.client import LedgerClient, LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.models.api_schemas import PeriodUsage, Whoami, WhoamiKey
 from gpucloud.models.operator_roles import Role
 from gpucloud.models.tables import ApiKey, Operator, TenantPublic
 from gpucloud.services import operators as operator_service
+from gpucloud.services.tenant_requests import quota_report
 
 router = APIRouter(prefix="/v1", tags=["whoami"])
 

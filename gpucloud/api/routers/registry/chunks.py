@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gpucloud.api.deps import SettingsDep, TenantDep, VersionReaderDep, out_of_scope, scoped_versions
+from gpucloud.api.deps import DbDep, SettingsDep, TenantDep, VersionReaderDep, out_of_scope, scoped_versions
 from gpucloud.api.routers.registry.common import (
     READ_BATCH,
     ChunkId,
@@ -20,7 +20,7 @@ from gpucloud.api.routers.registry.common import (
     version_chunks,
 )
 from gpucloud.config import Settings
-from gpucloud.db import read_scope
+from gpucloud.db import Database
 from gpucloud.models.registry_tables import (
     ChunkQuery,
     ChunkStored,
@@ -56,7 +56,13 @@ def missing_chunks(name: str, req: ChunkQuery, tenant: TenantDep, settings: Sett
     responses={200: {"description": "the store already had the chunk", "model": ChunkStored}},
 )
 async def upload_chunk(
-    name: str, chunk_id: ChunkId, request: Request, tenant: TenantDep, settings: SettingsDep, stores: StoresDep
+    name: str,
+    chunk_id: ChunkId,
+    request: Request,
+    tenant: TenantDep,
+    db: DbDep,
+    settings: SettingsDep,
+    stores: StoresDep,
 ):
     """Store a chunk, hashed as it arrives and written once: straight from the connection into
     the store's temp file, which becomes the chunk only if the bytes hash to its id."""
@@ -70,7 +76,7 @@ async def upload_chunk(
     if size > limit:
         raise Problem(413, "chunk-too-large", "Chunk too large", f"a chunk may have at most {limit} bytes")
     chunks = stores.chunks(tenant.tenant_id)
-    reserved = await run_in_threadpool(_admit, settings, tenant.tenant_id, name, chunks, chunk_id, size)
+    reserved = await run_in_threadpool(_admit, db, settings, tenant.tenant_id, name, chunks, chunk_id, size)
     body = _RequestBody(request, size)
     stored = False
     try:
@@ -86,22 +92,24 @@ async def upload_chunk(
     finally:
         body.release()
         if reserved and not stored:  # nothing new was stored: the reservation goes back
-            await run_in_threadpool(storage_quota.release, settings.database_url, tenant.tenant_id, reserved)
+            await run_in_threadpool(storage_quota.release, db, tenant.tenant_id, reserved)
     return JSONResponse(
         ChunkStored(id=chunk_id, size=size, stored=stored).model_dump(), status_code=201 if stored else 200
     )
 
 
-def _admit(settings: Settings, tenant_id: str, name: str, chunks: ChunkStore, chunk_id: str, size: int) -> int:
+def _admit(
+    db: Database, settings: Settings, tenant_id: str, name: str, chunks: ChunkStore, chunk_id: str, size: int
+) -> int:
     """The model is the tenant's, and a chunk its store lacks has its size reserved against the
     quota (a chunk already stored costs nothing), before any byte of the body is taken: the
     bytes reserved, which the upload gives back if it stores nothing."""
     stored = chunks.has(chunk_id)  # before the session: on S3 this is a request of its own
-    with read_scope(settings.database_url) as session:
+    with db.reads() as session:
         model_row(session, tenant_id, name)
     if stored:
         return 0
-    storage_quota.reserve(settings.database_url, tenant_id, size, settings.registry.storage_quota_bytes)
+    storage_quota.reserve(db, tenant_id, size, settings.registry.storage_quota_bytes)
     return size
 
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from sqlmodel import col, select
 
-from gpucloud.api.deps import FleetOperatorDep, ReadsDep, SettingsDep
+from gpucloud.api.deps import DbDep, FleetOperatorDep, ReadsDep
 from gpucloud.api.routers.registry.common import (
     StoresDep,
 )
@@ -71,9 +71,7 @@ class GcReport(BaseModel):
 @router.post(
     "/registry/gc", response_model=GcReport, responses={404: {"description": "no tenant with the `tenant_id` given"}}
 )
-def collect_garbage(
-    req: GcRequest, operator: FleetOperatorDep, reads: ReadsDep, stores: StoresDep, settings: SettingsDep
-):
+def collect_garbage(req: GcRequest, operator: FleetOperatorDep, reads: ReadsDep, stores: StoresDep, db: DbDep):
     """Remove (or with `dry_run`, list) chunks no version references, older than the grace period;
     chunks of pushes in progress are kept (`gpucloud.registry.gc`)."""
     with reads() as session:  # closed before the run, which may take a while
@@ -91,9 +89,9 @@ def collect_garbage(
             stores.chunks(tenant_id), stores.manifests(tenant_id), grace_period=grace, dry_run=req.dry_run
         )
         if not req.dry_run:  # the tenant's storage as measured now, for its quota; who collected it
-            storage_quota.measured(settings.database_url, tenant_id, result.bytes_scanned - result.bytes_deleted)
+            storage_quota.measured(db, tenant_id, result.bytes_scanned - result.bytes_deleted)
             operations.record_done_in(
-                settings.database_url,
+                db,
                 kind="registry_gc",
                 resource_id=tenant_id,
                 actor=operator.actor,

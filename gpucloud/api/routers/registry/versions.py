@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 
-import sqlalchemy as sa
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from sqlmodel import Session, col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import (
+    DbDep,
     ReadsDep,
     SettingsDep,
     TemporalDep,
@@ -28,129 +27,40 @@ from gpucloud.api.deps import (
     scoped_versions,
 )
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
-from gpucloud.api.routers.registry.common import (
-    StoresDep,
-    VersionRef,
-    model_row,
-    resolve_version,
-    signature_problem,
-)
-from gpucloud.config import Settings
-from gpucloud.db import read_scope, session_scope
-from gpucloud.models.evaluation_messages import EvaluateVersionInput
+from gpucloud.api.routers.registry.common import StoresDep, VersionRef
 from gpucloud.models.registry_tables import (
     AliasMove,
     EvaluationPage,
     EvaluationRequest,
-    EvaluationResult,
     EvaluationResultPublic,
-    EvaluationSource,
     EvaluationStarted,
     LineageEntry,
     LineagePage,
-    ModelAlias,
     ModelAliasPublic,
     ModelVersion,
     ModelVersionPublic,
-    RegistryModel,
     VersionPage,
 )
-from gpucloud.models.tables import Operation, OperationPublic, utcnow
-from gpucloud.registry import gc, promotion
+from gpucloud.models.tables import OperationPublic
+from gpucloud.registry import promotion
 from gpucloud.registry.manifest import (
-    BadSignatureError,
     ManifestTamperedError,
     SignedEvaluation,
     SignedManifest,
-    UnknownKeyError,
     VersionNotFoundError,
 )
-from gpucloud.registry.names import GATED_ALIASES, AliasName, EvaluatorName
-from gpucloud.registry.stores import RegistryStores
-from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
+from gpucloud.registry.names import AliasName
+from gpucloud.services import registry_versions as service
+from gpucloud.services.evaluations import evaluations_of
 from gpucloud.services.operations import start_for_operation
+from gpucloud.services.registry_models import model_row
+from gpucloud.services.registry_versions import resolve_version
 from gpucloud.services.workflows import start_version_evaluation
-from gpucloud.web.problems import Problem, invalid
-from gpucloud.workflows.evaluation import evaluation_workflow_id
+from gpucloud.web.problems import Problem
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["registry"])
-
-
-def _register_version(
-    settings: Settings, stores: RegistryStores, tenant_id: str, name: str, signed: SignedManifest
-) -> tuple[ModelVersionPublic, bool]:
-    manifest, digest = signed.manifest, signed.digest
-    with session_scope(settings.database_url) as session:
-        model = model_row(session, tenant_id, name)
-        if manifest.model != name:
-            raise invalid("manifest.model", f"the manifest is for model {manifest.model!r}, posted to {name!r}")
-        limits = settings.registry
-        if problem := manifest.size_problem(
-            max_bytes=limits.max_version_bytes,
-            max_amplification=limits.max_version_amplification,
-            amplification_floor=limits.version_amplification_floor,
-        ):
-            raise invalid("manifest.total_size", problem, "version-too-large")
-        if (existing := promotion.version_row(session, tenant_id, digest)) is not None:
-            return promotion.publish_versions(session, tenant_id, [existing])[0], False
-        try:
-            promotion.keyring_for(session, tenant_id).verify(signed, tenant=tenant_id)
-        except (UnknownKeyError, BadSignatureError) as exc:
-            raise signature_problem(exc) from None
-        if (
-            same := promotion.version_with_content(session, tenant_id, manifest.content_digest, signed.key_id)
-        ) is not None:
-            return promotion.publish_versions(session, tenant_id, [same])[0], False
-        parent = manifest.lineage.parent
-        if parent is not None and promotion.version_row(session, tenant_id, parent) is None:
-            raise invalid("manifest.lineage.parent", f"no version {parent} visible to this caller")
-        model_id = model.id
-    # Outside the transaction: checking thousands of chunks must not hold the database. The hold
-    # keeps a concurrent garbage collection from deleting a chunk between the check and the put.
-    ordered = [chunk.id for entry in manifest.files.values() for chunk in entry.chunks]
-    with gc.holding(stores.manifests(tenant_id), ordered, model=name):
-        missing = promotion.missing_chunks(stores.chunks(tenant_id), ordered)
-        if missing:
-            raise Problem(
-                409,
-                "chunks-missing",
-                "Chunks missing",
-                f"{len(missing)} of the version's {len(set(ordered))} chunks are not in the store; "
-                "upload them and post the manifest again",
-                missing=missing[:1000],
-                missing_count=len(missing),
-            )
-        stores.manifests(tenant_id).put(signed)
-    row = ModelVersion(
-        digest=digest,
-        tenant_id=tenant_id,
-        model_id=model_id,
-        **manifest.lineage.model_dump(),  # parent, base model, training run, datasets
-        total_size=manifest.total_size,
-        chunk_count=manifest.chunk_count,
-        file_count=len(manifest.files),
-        key_id=signed.key_id,
-        created_at=manifest.created_at,
-        manifest_uri=stores.manifest_uri(tenant_id, digest),
-        content_digest=manifest.content_digest,
-    )
-    try:
-        with session_scope(settings.database_url) as session:
-            session.add(row)
-            session.flush()
-            return promotion.publish_versions(session, tenant_id, [row])[0], True
-    except sa.exc.IntegrityError:  # the same version, or the same content, posted concurrently
-        with session_scope(settings.database_url) as session:
-            existing = promotion.version_row(session, tenant_id, digest) or promotion.version_with_content(
-                session, tenant_id, manifest.content_digest, signed.key_id
-            )
-            assert existing is not None  # the insert that won the race committed it
-            if existing.digest != digest:
-                # Our manifest is stored under a digest no version has: the winner's stands for it.
-                stores.manifests(tenant_id).delete(digest)
-            return promotion.publish_versions(session, tenant_id, [existing])[0], False
 
 
 @router.post(
@@ -173,19 +83,22 @@ async def push_version(
     signed: SignedManifest,
     request: Request,
     tenant: TenantDep,
+    db: DbDep,
     settings: SettingsDep,
     stores: StoresDep,
     idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
-        version, created = await run_in_threadpool(_register_version, settings, stores, tenant.tenant_id, name, signed)
+        version, created = await run_in_threadpool(
+            service.register_version, db, settings, stores, tenant.tenant_id, name, signed
+        )
         return JSONResponse(
             version.model_dump(mode="json"),
             status_code=201 if created else 200,
             headers={"Location": f"/v1/models/{name}/versions/{version.digest}"},
         )
 
-    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
+    return await idempotent(request, db, tenant.id, idempotency_key, handler)
 
 
 @router.get("/models/{name}/versions", response_model=VersionPage)
@@ -204,13 +117,13 @@ def get_version(name: str, ref: VersionRef, tenant: TenantDep, reads: ReadsDep):
 
 
 @router.get("/models/{name}/versions/{ref}/manifest", response_model=SignedManifest)
-def get_manifest(name: str, ref: VersionRef, reader: VersionReaderDep, settings: SettingsDep, stores: StoresDep):
+def get_manifest(name: str, ref: VersionRef, reader: VersionReaderDep, reads: ReadsDep, stores: StoresDep):
     """The signed manifest exactly as pushed; clients verify it against the published keys. An
     evaluation's token reads only the versions it names."""
     assert reader.tenant_id is not None  # a tenant, or an evaluation for one (`get_version_reader`)
     tenant_id = reader.tenant_id
     versions = scoped_versions(reader, name)
-    with read_scope(settings.database_url) as session:
+    with reads() as session:
         digest = resolve_version(session, model_row(session, tenant_id, name), ref).digest
     if versions is not None and digest not in versions:
         raise out_of_scope(f"version {digest}")
@@ -225,21 +138,6 @@ def get_manifest(name: str, ref: VersionRef, reader: VersionReaderDep, settings:
 # ---------------------------------------------------------------- evaluations and aliases
 
 
-def _record_evaluation(
-    settings: Settings, stores: RegistryStores, tenant_id: str, name: str, ref: str, signed: SignedEvaluation
-) -> tuple[EvaluationResult, bool]:
-    record = signed.record
-    with session_scope(settings.database_url) as session:
-        digest = resolve_version(session, model_row(session, tenant_id, name), ref).digest
-        if record.version != digest:
-            raise invalid("record.version", f"the record is about version {record.version}, posted for {digest}")
-        try:
-            promotion.keyring_for(session, tenant_id).verify_evaluation(signed, tenant=tenant_id)
-        except (UnknownKeyError, BadSignatureError) as exc:
-            raise signature_problem(exc) from None
-    return keep_evaluation(settings.database_url, stores, tenant_id, signed, source=EvaluationSource.REPORTED)
-
-
 @router.post("/models/{name}/versions/{ref}/evaluations", status_code=201, response_model=EvaluationResultPublic)
 async def record_evaluation(
     name: str,
@@ -247,7 +145,7 @@ async def record_evaluation(
     signed: SignedEvaluation,
     request: Request,
     tenant: TenantDep,
-    settings: SettingsDep,
+    db: DbDep,
     stores: StoresDep,
     idempotency_key: IdempotencyKey = None,
 ):
@@ -256,12 +154,12 @@ async def record_evaluation(
 
     async def handler() -> JSONResponse:
         row, created = await run_in_threadpool(
-            _record_evaluation, settings, stores, tenant.tenant_id, name, ref, signed
+            service.record_evaluation, db, stores, tenant.tenant_id, name, ref, signed
         )
         body = EvaluationResultPublic.model_validate(row, from_attributes=True).model_dump(mode="json")
         return JSONResponse(body, status_code=201 if created else 200)
 
-    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
+    return await idempotent(request, db, tenant.id, idempotency_key, handler)
 
 
 @router.get("/models/{name}/versions/{ref}/evaluations", response_model=EvaluationPage)
@@ -271,27 +169,6 @@ def list_evaluations(name: str, ref: VersionRef, tenant: TenantDep, reads: Reads
         digest = resolve_version(session, model_row(session, tenant.tenant_id, name), ref).digest
         rows = evaluations_of(session, tenant.tenant_id, digest)
         return EvaluationPage(items=[EvaluationResultPublic.model_validate(r, from_attributes=True) for r in rows])
-
-
-def _evaluation_operation(
-    settings: Settings, tenant_id: str, name: str, ref: str, evaluator: EvaluatorName, actor: str
-) -> tuple[EvaluateVersionInput, Operation]:
-    with session_scope(settings.database_url) as session:
-        model = model_row(session, tenant_id, name)
-        version = resolve_version(session, model, ref)
-        if evaluator == EvaluatorName.COMMAND and promotion.evaluation_of(model) is None:
-            raise Problem(
-                409,
-                "no-evaluation-command",
-                "No evaluation command",
-                f"model {name!r} has no evaluation command; register one with PUT /v1/models/{name}/evaluation",
-            )
-        op = Operation(kind=operation_kind(evaluator), resource_id=version.digest, tenant_id=tenant_id, actor=actor)
-        op.workflow_id = evaluation_workflow_id(tenant_id, op.id)
-        session.add(op)
-        session.flush()
-        session.refresh(op)
-        return evaluation_input(session, model, version, evaluator, op.id), op
 
 
 @router.post(
@@ -306,6 +183,7 @@ async def evaluate_version(
     req: EvaluationRequest,
     request: Request,
     tenant: TenantDep,
+    db: DbDep,
     settings: SettingsDep,
     temporal: TemporalDep,
     idempotency_key: IdempotencyKey = None,
@@ -316,10 +194,10 @@ async def evaluate_version(
 
     async def handler() -> JSONResponse:
         command, op = await run_in_threadpool(
-            _evaluation_operation, settings, tenant.tenant_id, name, ref, req.evaluator, tenant.actor
+            service.evaluation_operation, db, tenant.tenant_id, name, ref, req.evaluator, tenant.actor
         )
         start = start_version_evaluation(temporal, settings, command)
-        await start_for_operation(start, settings.database_url, op.id, "the evaluation")
+        await start_for_operation(start, db, op.id, "the evaluation")
         body = EvaluationStarted(
             version=command.version,
             evaluator=req.evaluator,
@@ -328,41 +206,7 @@ async def evaluate_version(
         )
         return JSONResponse(body.model_dump(mode="json"), status_code=202)
 
-    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
-
-
-def _check_gates(
-    session: Session,
-    tenant_id: str,
-    model: RegistryModel,
-    alias: AliasName,
-    version: ModelVersion,
-    *,
-    require_sanity: bool,
-) -> None:
-    if version.key_id not in promotion.active_key_ids(session, tenant_id):
-        raise Problem(
-            409,
-            "signing-key-revoked",
-            "Signing key revoked",
-            f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted",
-        )
-    failures = promotion.promotion_failures(
-        session, tenant_id, model.id, version.digest, alias=alias, require_sanity=require_sanity
-    )
-    if failures:
-        evaluators = " or ".join(sorted({f.evaluator for f in failures}))
-        raise Problem(
-            409,
-            "gates-failed",
-            "Evaluation gates failed",
-            f"{model.name}@{alias.value} cannot move to {version.digest[:12]}: "
-            + "; ".join(f.describe() for f in failures)
-            + f". Have the platform evaluate it ({evaluators}: POST /v1/models/{model.name}/versions/"
-            f"{version.digest}/evaluate, or `gpucloud weights evaluate {model.name} {version.digest[:12]} "
-            "--evaluator ...`), or push a version that fixes what fails",
-            failing_metrics=[f.model_dump() for f in failures],
-        )
+    return await idempotent(request, db, tenant.id, idempotency_key, handler)
 
 
 @router.put(
@@ -370,25 +214,14 @@ def _check_gates(
     response_model=ModelAliasPublic,
     responses={409: {"description": "evaluation gates failed (`failing_metrics` names them)"}},
 )
-def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, settings: SettingsDep):
+def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, db: DbDep, settings: SettingsDep):
     """Point an alias at a version; `staging` and `production` move only when the model's gates
     and the platform's pass (no failed evaluation, no NaN weight, and for `production` a passing
     platform sanity evaluation)."""
-    with session_scope(settings.database_url) as session:
-        # The model row lock serialises moves of one model's aliases (a no-op on SQLite, which
-        # already holds the write lock), so two promotions cannot both pass against a stale production.
-        model = model_row(session, tenant.tenant_id, name, for_update=True)
-        version = resolve_version(session, model, req.version)
-        if alias in GATED_ALIASES:
-            require_sanity = settings.registry.production_requires_sanity
-            _check_gates(session, tenant.tenant_id, model, alias, version, require_sanity=require_sanity)
-        row = session.exec(
-            select(ModelAlias).where(col(ModelAlias.model_id) == model.id, col(ModelAlias.name) == alias)
-        ).first()
-        row = row or ModelAlias(model_id=model.id, name=alias, version=version.digest, moved_by=tenant.id)
-        row.version, row.moved_at, row.moved_by = version.digest, utcnow(), tenant.id
-        session.add(row)
-        return ModelAliasPublic(name=alias, version=row.version, moved_at=row.moved_at, moved_by=row.moved_by)
+    require_sanity = settings.registry.production_requires_sanity
+    return service.move_alias(
+        db, tenant.tenant_id, name, alias, req.version, moved_by=tenant.id, require_sanity=require_sanity
+    )
 
 
 # ---------------------------------------------------------------- lineage
