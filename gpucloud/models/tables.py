@@ -20,6 +20,10 @@ from pydantic import field_validator
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Column, Field, SQLModel
 
+from gpucloud.models.allocation_states import (
+    TERMINAL_ALLOCATION as TERMINAL_ALLOCATION,  # the tables' users read it here
+)
+from gpucloud.models.allocation_states import AllocationStatus
 from gpucloud.models.catalog import known_gpu_type
 from gpucloud.models.node_states import NodeState
 from gpucloud.protocol.actions import Workload
@@ -390,19 +394,6 @@ class AgentEnrollment(SQLModel, table=True):
 
 
 # ---------------------------------------------------------------- allocations and operations
-
-
-class AllocationStatus(StrEnum):
-    PROVISIONING = "provisioning"
-    READY = "ready"
-    # A node was pulled for a health fault; a replacement is on its way (the reason says which).
-    DEGRADED = "degraded"
-    CANCELLING = "cancelling"
-    RELEASED = "released"
-    FAILED = "failed"
-
-
-TERMINAL_ALLOCATION = frozenset({AllocationStatus.RELEASED, AllocationStatus.FAILED})
 
 
 class AllocationCreate(SQLModel):

@@ -28,6 +28,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.fabric import FabricActivities
+    from gpucloud.models.allocation_states import TERMINAL_ALLOCATION, AllocationStatus
     from gpucloud.models.fabric_messages import FabricReleaseInput
     from gpucloud.models.messages import (
         AllocationInput,
@@ -43,7 +44,6 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.workflows.drain_replace import DrainAndReplace
     from gpucloud.workflows.ledger_events import LedgerEvents
 
-TERMINAL = ("released", "failed")
 DESIRED_RECHECK = timedelta(minutes=5)
 
 
@@ -90,18 +90,18 @@ class AllocationWorkflow(DrainAndReplace):
     async def run(self, inp: AllocationInput) -> AllocationResult:
         self._allocation_id = inp.allocation_id
         view = await self._load()
-        if view.status in TERMINAL:
+        if view.status in TERMINAL_ALLOCATION:
             return AllocationResult(allocation_id=view.allocation_id, status=view.status)
         self._nodes_total = len(view.node_ids)
         if view.desired == "cancelled":
             self._cancel_requested = True
         # A run continued as new finds the allocation ready, its membership applied by the first.
-        if not self._cancel_requested and view.status == "provisioning":
+        if not self._cancel_requested and view.status == AllocationStatus.PROVISIONING:
             failure = await self._provision(view, inp)
             if failure is not None:
                 current = await self._load()  # the release takes what it holds now
                 await self._release(current)
-                return await self._finish(current, "failed", failure)
+                return await self._finish(current, AllocationStatus.FAILED, failure)
 
         self._phase = "ready"
         while not self._cancel_requested:
@@ -125,7 +125,7 @@ class AllocationWorkflow(DrainAndReplace):
         if self._replaced_any:
             view = await self._load()  # the membership changed: release the nodes it has now
         await self._release(view)
-        return await self._finish(view, "released", None)
+        return await self._finish(view, AllocationStatus.RELEASED, None)
 
     async def _provision(self, view: AllocationView, inp: AllocationInput) -> str | None:
         """Fabric first, then every node; the allocation is `ready` once all are provisioned
@@ -164,7 +164,7 @@ class AllocationWorkflow(DrainAndReplace):
         # allocation ready.
         replaced_first = bool(failed) or (bool(self._replacements) and await self._replace_all(view))
         if not replaced_first:
-            await self._set_status(view, "ready")
+            await self._set_status(view, AllocationStatus.READY)
         # Billing starts now that the tenant has the allocation: the nodes provisioned first count
         # from here, replacements from their attach (a moment ago; the ledger clips them to here).
         # A first node pulled before ready is not the tenant's any more.
@@ -191,7 +191,7 @@ class AllocationWorkflow(DrainAndReplace):
         )
         await self._recycle_wiping(await self._run_on_nodes(view, NodeOperationKind.RELEASE), view)
 
-    async def _finish(self, view: AllocationView, status: str, reason: str | None) -> AllocationResult:
+    async def _finish(self, view: AllocationView, status: AllocationStatus, reason: str | None) -> AllocationResult:
         await self._drains_finished()
         self._phase = status
         await self._set_status(view, status, reason)

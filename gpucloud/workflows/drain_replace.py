@@ -23,6 +23,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.fabric import FabricActivities
+    from gpucloud.models.allocation_states import AllocationStatus
     from gpucloud.models.fabric_messages import FabricApplyInput, FabricRemoveInput
     from gpucloud.models.messages import (
         AllocationEventInput,
@@ -121,7 +122,8 @@ class DrainAndReplace:
                     self._gave_up = True
                     break
                 if req.node_id not in waiting_noted:
-                    await self._set_status(view, "degraded", f"node {req.node_id} pulled: {req.reason}; {found.reason}")
+                    pulled = f"node {req.node_id} pulled: {req.reason}; {found.reason}"
+                    await self._set_status(view, AllocationStatus.DEGRADED, pulled)
                     await self._note("waiting_for_capacity", found.reason, req.node_id)
                     waiting_noted.add(req.node_id)
                 await self._pause(req.recheck_s)
@@ -349,7 +351,7 @@ class DrainAndReplace:
             ControlDbActivities.load_allocation, AllocationInput(allocation_id=self._allocation_id), **options.DB
         )
 
-    async def _set_status(self, view: AllocationView, status: str, reason: str | None = None) -> None:
+    async def _set_status(self, view: AllocationView, status: AllocationStatus, reason: str | None = None) -> None:
         await workflow.execute_activity_method(
             ControlDbActivities.set_allocation_status,
             AllocationStatusInput(allocation_id=view.allocation_id, status=status, failure_reason=reason),
