@@ -12,7 +12,7 @@ from temporalio.client import Client
 
 from gpucloud.api import auth
 from gpucloud.config import Settings
-from gpucloud.db import Database, read_scope
+from gpucloud.db import Database
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.models.operator_roles import Scope
 from gpucloud.services import visibility
@@ -30,13 +30,13 @@ Reads = Callable[..., AbstractContextManager[Session]]
 
 
 async def get_reads(request: Request) -> Reads:
-    """Sessions for reads (`db.read_scope`: a reader's connection, each statement its own
-    transaction; `reads(snapshot=True)`: one snapshot for all of them). A handler opens and
+    """Sessions for reads (the injected Database's `db.reads()`, `db.read_scope`: a reader's
+    connection, each statement its own transaction; `reads(snapshot=True)`: one snapshot for all
+    of them). A handler opens and
     closes one inside its own thread, `with reads() as session:`, so it never holds a connection
     across a hop between threads, and on SQLite a read neither waits for the writer's one
     connection nor takes the write lock."""
-    url = request.app.state.settings.database_url
-    return lambda snapshot=False: read_scope(url, snapshot=snapshot)
+    return request.app.state.db.reads
 
 
 async def get_db(request: Request) -> Database:

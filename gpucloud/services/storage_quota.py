@@ -21,7 +21,7 @@ from sqlmodel import Session, col
 from gpucloud.db import Database, rowcount
 from gpucloud.models.registry_tables import StorageUsage
 from gpucloud.models.tables import utcnow
-from gpucloud.web.problems import Problem
+from gpucloud.services.errors import QuotaExceeded
 
 _RETRIES = 3  # the row is made by whichever writer comes first; a loser of that race tries again
 
@@ -69,13 +69,12 @@ def release(db: Database, tenant_id: str, size: int) -> None:
         session.execute(sa.update(StorageUsage).where(col(StorageUsage.tenant_id) == tenant_id).values(bytes=less))
 
 
-def _over_quota(size: int, quota: int, used: int) -> Problem:
-    return Problem(
-        409,
-        "storage-quota-exceeded",
-        "Storage quota exceeded",
+def _over_quota(size: int, quota: int, used: int) -> QuotaExceeded:
+    return QuotaExceeded(
         f"this chunk ({size} bytes) would take the registry storage to {used + size} bytes, past the "
         f"quota of {quota} bytes (in use: {used}); delete versions and run gc, or ask for a larger quota",
+        type_="storage-quota-exceeded",
+        title="Storage quota exceeded",
         quota_bytes=quota,
         usage_bytes=used,
     )

@@ -13,7 +13,7 @@ import pytest
 
 from gpucloud.db import Database
 from gpucloud.services import storage_quota
-from gpucloud.web.problems import Problem
+from gpucloud.services.errors import QuotaExceeded
 
 CHUNK = 64 << 20
 QUOTA = 10 * CHUNK
@@ -27,8 +27,8 @@ def test_uploads_racing_for_the_last_of_a_quota_never_pass_it(db_url: str) -> No
         start.wait()
         try:
             storage_quota.reserve(Database(db_url), "ten_racing", CHUNK, QUOTA)
-        except Problem as refused:
-            assert refused.status == 409 and refused.extra["quota_bytes"] == QUOTA
+        except QuotaExceeded as refused:
+            assert refused.members["quota_bytes"] == QUOTA
             return False
         return True
 
@@ -40,15 +40,15 @@ def test_uploads_racing_for_the_last_of_a_quota_never_pass_it(db_url: str) -> No
 
 def test_a_reservation_that_stored_nothing_is_given_back(db_url: str) -> None:
     storage_quota.reserve(Database(db_url), "ten_back", QUOTA, QUOTA)
-    with pytest.raises(Problem) as full:
+    with pytest.raises(QuotaExceeded) as full:
         storage_quota.reserve(Database(db_url), "ten_back", 1, QUOTA)
-    assert (full.value.extra["usage_bytes"], full.value.status) == (QUOTA, 409)
+    assert (full.value.members["usage_bytes"], full.value.type_) == (QUOTA, "storage-quota-exceeded")
     storage_quota.release(Database(db_url), "ten_back", CHUNK)
     storage_quota.reserve(Database(db_url), "ten_back", CHUNK, QUOTA)
     # Never below zero: a garbage collection measured the store in between.
     storage_quota.measured(Database(db_url), "ten_back", 5)
     storage_quota.release(Database(db_url), "ten_back", CHUNK)
     assert storage_quota.usage(Database(db_url), "ten_back") == 0
-    with pytest.raises(Problem):  # one chunk past the quota on a tenant's first upload
+    with pytest.raises(QuotaExceeded):  # one chunk past the quota on a tenant's first upload
         storage_quota.reserve(Database(db_url), "ten_new", QUOTA + 1, QUOTA)
     assert storage_quota.usage(Database(db_url), "ten_new") == 0

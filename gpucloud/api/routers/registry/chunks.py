@@ -43,9 +43,9 @@ router = APIRouter(prefix="/v1", tags=["registry"])
 
 
 @router.post("/models/{name}/chunks:missing", response_model=MissingChunks)
-def missing_chunks(name: str, req: ChunkQuery, tenant: TenantDep, settings: SettingsDep, stores: StoresDep):
+def missing_chunks(name: str, req: ChunkQuery, tenant: TenantDep, db: DbDep, stores: StoresDep):
     """Which of these chunk ids the tenant's store lacks: upload only those (and resume with the rest)."""
-    check_model(settings, tenant.tenant_id, name)
+    check_model(db, tenant.tenant_id, name)
     return MissingChunks(missing=promotion.missing_chunks(stores.chunks(tenant.tenant_id), req.chunk_ids))
 
 
@@ -178,11 +178,11 @@ def _served(tenant_id: str, chunk_id: str, pieces: Iterator[bytes]) -> Iterator[
     response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
-def download_chunk(name: str, chunk_id: ChunkId, reader: VersionReaderDep, settings: SettingsDep, stores: StoresDep):
+def download_chunk(name: str, chunk_id: ChunkId, reader: VersionReaderDep, db: DbDep, stores: StoresDep):
     """A chunk's bytes; an evaluation's token reads only the chunks its versions list."""
     assert reader.tenant_id is not None  # a tenant, or an evaluation for one (`get_version_reader`)
     tenant_id = reader.tenant_id
-    check_model(settings, tenant_id, name)
+    check_model(db, tenant_id, name)
     versions = scoped_versions(reader, name)
     if versions is not None and not any(chunk_id in version_chunks(stores, tenant_id, v) for v in versions):
         raise out_of_scope(f"chunk {chunk_id}: no version it may read lists it")

@@ -8,8 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi import Path as PathParam
 
-from gpucloud.config import Settings
-from gpucloud.db import read_scope
+from gpucloud.db import Database
 from gpucloud.models.registry_tables import DIGEST_PATTERN
 from gpucloud.registry.manifest import (
     ManifestTamperedError,
@@ -37,8 +36,8 @@ StoresDep = Annotated[RegistryStores, Depends(get_stores)]
 # ---------------------------------------------------------------- helpers
 
 
-def check_model(settings: Settings, tenant_id: str, name: str) -> None:
-    with read_scope(settings.database_url) as session:
+def check_model(db: Database, tenant_id: str, name: str) -> None:
+    with db.reads() as session:
         model_row(session, tenant_id, name)
 
 
