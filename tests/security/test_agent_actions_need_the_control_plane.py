@@ -24,7 +24,7 @@ from gpucloud.protocol.actions import ActionRequest
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web.service_tokens import ALGORITHM, ISSUER, Issuer, Verifier, agent_audience, load_or_create_issuer
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 @pytest.fixture

@@ -34,6 +34,8 @@ from gpucloud.web.service_tokens import (
     load_delegate,
 )
 
+pytestmark = pytest.mark.integration
+
 ROOT = Issuer(Ed25519PrivateKey.generate())
 VERIFIER = Verifier(ROOT.public_key)
 API_SCOPE = {"name": "api", "audiences": (LEDGER_AUDIENCE,), "roles": ("agent", "operator", "control-plane")}

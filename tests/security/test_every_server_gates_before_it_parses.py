@@ -50,7 +50,7 @@ from gpucloud.web.service_tokens import (
 )
 from support.servers import FABRIC_TOKENS, OPERATOR_TOKEN, PEER_TENANT, calls, node_of, servers
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 LIMIT = 256 * 1024
 DEADLINE_S = 0.1

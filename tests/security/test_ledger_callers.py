@@ -19,7 +19,7 @@ from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer, Verifier
 from support.ledger_auth import LedgerAuth
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 def _sample(node: str, seq: int, start: int) -> dict:

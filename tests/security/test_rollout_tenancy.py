@@ -36,6 +36,8 @@ from gpucloud.web.service_tokens import (
     swarm_audience,
 )
 
+pytestmark = pytest.mark.integration
+
 CHUNK = b"alice's weights" * 100
 A = digest_bytes(CHUNK)
 NODES = {n: PeerPlace(rack="r1", site="s1", url=f"http://{n}") for n in ("n1", "n2")}

@@ -20,7 +20,7 @@ from gpucloud.ledger.client import UsageLedger
 from gpucloud.web.service_tokens import Verifier
 from support.ledger_auth import LedgerAuth, seed_allocation
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 HOUR_MS = 3_600_000
 

@@ -27,6 +27,8 @@ from gpucloud.web.service_tokens import (
     swarm_audience,
 )
 
+pytestmark = pytest.mark.integration
+
 ALICE_CHUNK, BOB_CHUNK = b"alice's weights" * 100, b"bob's weights" * 100
 A, B = digest_bytes(ALICE_CHUNK), digest_bytes(BOB_CHUNK)
 NODES = {n: PeerPlace(rack="r1", site="s1", url=f"http://{n}") for n in ("n1", "n2")}
