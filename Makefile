@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/gpucloud demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4 --dist worksteal
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4 --dist worksteal --durations=25
 
 # What CI checks before the tests: lint, format and types.
 lint: $(STAMP)
