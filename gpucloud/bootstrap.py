@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tenacity
+from pydantic import SecretStr
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 
@@ -32,6 +34,7 @@ from gpucloud.agent.probe import Probe
 from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
+from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.observability import tracing
 from gpucloud.protocol.reports import utc_now
@@ -44,13 +47,19 @@ from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectStore
 from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import TenantStore
-from gpucloud.web import service_tokens
+from gpucloud.web import service_tokens, tls
 
 if TYPE_CHECKING:
     from gpucloud.adapters.temporal import CodecKeys
     from gpucloud.sim.faults import FaultModel
 
 FabricControllerFactory = Callable[[], HttpFabricController]
+
+
+def trust_configured_ca(settings: Settings) -> None:
+    """Make every client of this process verify servers against the deployment's CA
+    (`GPUCLOUD_TLS__CA_FILE`) as well as the public ones: each process calls this as it starts."""
+    tls.trust(settings.tls.ca_file)
 
 
 async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: Runtime | None = None) -> Client:
@@ -145,13 +154,25 @@ def evaluator_signer(settings: Settings) -> Signer:
     return Signer.from_seed(settings.evaluator_seed)
 
 
+def fabric_tokens(settings: Settings) -> FabricTokens:
+    """Each fabric manager's API token: from the settings, else the one kept in the data dir."""
+
+    def token(configured: SecretStr | None, name: str) -> str:
+        if configured is not None:
+            return configured.get_secret_value()
+        return load_or_create_secret(settings.data_dir / f"fabric_{name}_token", lambda: secrets.token_urlsafe(32))
+
+    f = settings.fabric
+    return FabricTokens(token(f.ufm_token, "ufm"), token(f.nmx_token, "nmx"), token(f.vpc_token, "vpc"))
+
+
 def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
     """A factory of clients of the three fabric managers, or None when none is configured."""
     urls = settings.fabric.manager_urls
     if urls is None:
         return None
     ufm, nmx, sdn = urls
-    tokens = settings.fabric_tokens
+    tokens = fabric_tokens(settings)
     return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, tokens=tokens)
 
 

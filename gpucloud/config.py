@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import base64
 import difflib
+import ipaddress
 import os
 import secrets
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
-
-from gpucloud.fabric.interface import FabricTokens
-from gpucloud.web.tls import ServerTLS, is_loopback
 
 TASK_QUEUE = "gpucloud"
 PREFIX = "GPUCLOUD_"
@@ -461,6 +460,23 @@ class TelemetrySettings(BaseModel):
     worker_port: int | None = None
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """A server's certificate and key (PEM files), as `web/tls.py` serves them."""
+
+    cert_file: Path
+    key_file: Path
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class TLSSettings(BaseModel):
     """TLS for every server of the control plane and the CA every client verifies them against
     (`web/tls.py`). With `cert_file` and `key_file` each server speaks only TLS; without them a
@@ -684,18 +700,6 @@ class Settings(BaseSettings):
         if self.telemetry.metrics_token is not None:
             return self.telemetry.metrics_token.get_secret_value()
         return load_or_create_secret(self.data_dir / "metrics_token", lambda: secrets.token_urlsafe(32))
-
-    @cached_property
-    def fabric_tokens(self) -> FabricTokens:
-        """Each fabric manager's API token: from the settings, else the one kept in the data dir."""
-
-        def token(configured: SecretStr | None, name: str) -> str:
-            if configured is not None:
-                return configured.get_secret_value()
-            return load_or_create_secret(self.data_dir / f"fabric_{name}_token", lambda: secrets.token_urlsafe(32))
-
-        f = self.fabric
-        return FabricTokens(token(f.ufm_token, "ufm"), token(f.nmx_token, "nmx"), token(f.vpc_token, "vpc"))
 
     @cached_property
     def temporal_codec_keys(self) -> str:

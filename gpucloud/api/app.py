@@ -161,6 +161,7 @@ def create_app_from_env() -> FastAPI:
 
     children.die_with_multiprocessing_parent()
     settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
     logs.configure(level=settings.telemetry.log_level, fmt=settings.telemetry.log_format)
     return create_app(settings)
 

@@ -57,8 +57,12 @@ def _options(
 
 def _serve(module: str, function: str) -> None:
     """Run `module.function(settings)`, imported only now so that `--help` stays fast."""
+    from gpucloud import bootstrap
+
     configure_logging("tracker")
-    getattr(importlib.import_module(module), function)(get_settings())
+    settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
+    getattr(importlib.import_module(module), function)(settings)
 
 
 @app.command()
@@ -89,9 +93,12 @@ def worker(
     ] = WorkerRole.CONTROL_PLANE,
 ) -> None:
     """Run a Temporal worker: the control plane's, or the evaluation worker."""
+    from gpucloud import bootstrap
     from gpucloud.workers.main import run_evaluation_worker, run_worker
 
     configure_logging("worker" if role == WorkerRole.CONTROL_PLANE else "evaluation-worker")
+    settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
     run = run_worker if role == WorkerRole.CONTROL_PLANE else run_evaluation_worker
 
     async def main() -> None:
@@ -99,7 +106,7 @@ def worker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run(get_settings(), stop=stop)
+        await run(settings, stop=stop)
 
     asyncio.run(main())
 
@@ -111,10 +118,12 @@ def api(
     ] = None,
 ) -> None:
     """Run the HTTP API (FastAPI + uvicorn)."""
+    from gpucloud import bootstrap
     from gpucloud.api.app import serve
 
     configure_logging("api")
     settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
     if workers is not None:
         settings = settings.model_copy(update={"api": settings.api.model_copy(update={"workers": workers})})
     serve(settings)
@@ -328,6 +337,7 @@ def agent(
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage,
     and serve the tenant's model weights to rollouts (/weights) and to peers (/chunks)."""
+    from gpucloud import bootstrap
     from gpucloud.agent.app import main as agent_main
     from gpucloud.web import tls as web_tls
 
@@ -335,6 +345,7 @@ def agent(
     settings = get_settings()
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("TLS needs both --tls-cert and --tls-key", param_hint="--tls-cert")
+    bootstrap.trust_configured_ca(settings)
     web_tls.trust(ca_file)
     disks = tuple(tenant_disk or ())
     if bad := [disk for disk in disks if not disk.startswith("/dev/")]:
@@ -399,11 +410,13 @@ def ledger(
 ) -> None:
     """Run the billing ledger: its own process and its own database; it answers only the
     control plane's signed tokens."""
+    from gpucloud import bootstrap
     from gpucloud.ledger.app import main as ledger_main
     from gpucloud.web.service_tokens import public_key_path
 
     configure_logging("ledger")
     settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
     ledger_main(
         host=settings.ledger.host,
         port=port or settings.ledger.port,
@@ -433,6 +446,7 @@ def codec_server(
 
     configure_logging("codec-server")
     settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
     codec_main(
         EncryptionCodec(bootstrap.temporal_codec_keys(settings)),
         database_url=settings.database_url,

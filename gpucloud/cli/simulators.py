@@ -83,6 +83,7 @@ def sim(
 ) -> None:
     """Run a simulated fleet of N host agents on one port; like real agents, they act only on
     the control plane's signed calls."""
+    from gpucloud import bootstrap
     from gpucloud.sim.fleet import FleetSpec, serve
     from gpucloud.sim.metering import MeteringSpec
     from gpucloud.sim.node_weights import WeightsSpec, control_plane_keyrings
@@ -90,6 +91,7 @@ def sim(
 
     configure_logging()
     settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
     spec = FleetSpec(
         nodes=nodes,
         latency_scale=latency_scale,
@@ -114,8 +116,6 @@ def sim(
     weights = WeightsSpec(
         root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.database_url)
     )
-    from gpucloud.bootstrap import token_issuer
-
     emulator, link = None, None
     if bmc:
         from gpucloud.sim.bmc import BmcEmulator, sim_bmc_password, write_sim_credential
@@ -150,7 +150,7 @@ def sim(
             insecure=settings.tls.insecure,
             control_plane=load_verifier(control_plane_key)
             if control_plane_key
-            else Verifier(token_issuer(settings).public_key),
+            else Verifier(bootstrap.token_issuer(settings).public_key),
         )
     finally:
         if emulator is not None:
@@ -165,15 +165,17 @@ def fabric_managers(
     ),
 ) -> None:
     """Run the simulated fabric managers (UFM pkeys, NMX-M NVLink partitions, SDN VPCs)."""
+    from gpucloud import bootstrap
     from gpucloud.sim.fabric_managers import main as fabric_main
 
     configure_logging()
     settings = get_settings()
+    bootstrap.trust_configured_ca(settings)
     fabric_main(
         host=host,
         port=port,
         state_path=state,
-        tokens=settings.fabric_tokens,
+        tokens=bootstrap.fabric_tokens(settings),
         tls=settings.tls.server,
         insecure=settings.tls.insecure,
         request_body=settings.request_body,
