@@ -17,7 +17,6 @@ import hmac
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,14 +29,12 @@ from temporalio.runtime import Runtime
 from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo, require_tls
 from gpucloud.adapters.bmc import discover as discover_systems
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
-from gpucloud.agent.probe import Probe
 from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.observability import tracing
-from gpucloud.protocol.reports import utc_now
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.agent_credentials import WipeRotation
@@ -51,7 +48,6 @@ from gpucloud.web import service_tokens, tls
 
 if TYPE_CHECKING:
     from gpucloud.adapters.temporal import CodecKeys
-    from gpucloud.sim.faults import FaultModel
 
 FabricControllerFactory = Callable[[], HttpFabricController]
 
@@ -345,32 +341,3 @@ def control_plane(settings: Settings) -> ControlPlane:
         registry=registry_stores(settings),
         bmcs=bmcs(settings),
     )
-
-
-def detect_probe(
-    node_id: str,
-    *,
-    allow_simulated: bool = True,
-    clock: Callable[[], datetime] = utc_now,
-    simulated_gpu_count: int = 8,
-    seed: int = 0,
-    fault_model: FaultModel | None = None,
-) -> Probe:
-    """NVML where the library is installed, else (if allowed) a simulated node.
-
-    A node whose NVML loads but whose driver is broken is still a GPU node: it gets the NVML
-    probe, which reports the failure as fatal, rather than a simulation that would hide it.
-    """
-    from gpucloud.agent.nvml import NvmlProbe, ProbeError
-
-    probe = NvmlProbe(node_id, clock=clock)
-    try:
-        is_gpu_node = probe.read().is_gpu_node
-    except ProbeError:
-        is_gpu_node = True
-    if is_gpu_node or not allow_simulated:
-        return probe
-    probe.close()
-    from gpucloud.sim.probe import SimulatedProbe
-
-    return SimulatedProbe(node_id, gpu_count=simulated_gpu_count, seed=seed, fault_model=fault_model, clock=clock)

@@ -41,12 +41,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Scope
 
+from gpucloud.adapters.probe import Probe
 from gpucloud.agent import inspection
 from gpucloud.agent.action_core import ActionCore, NodeFacts, Outcome, action_failed, answer_action, problem
 from gpucloud.agent.cleaning import Cleaner, CleaningFailed
 from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id, read_image_digest
 from gpucloud.agent.logs_api import install_workload_logs
-from gpucloud.agent.probe import Probe
 from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
 from gpucloud.agent.ssh_keys import AuthorizedKeys, KeysNotWritten
@@ -477,10 +477,10 @@ def main(
         state_file=state_dir / "host.json",
     )
     state.restore()  # a restart mid-allocation: the tenant still holds the node, and is metered
-    from gpucloud.bootstrap import detect_probe
+    from gpucloud.adapters.probe import detect_probe
     from gpucloud.sim.probe import SimulatedProbe
 
-    probe = detect_probe(node_id, allow_simulated=allow_simulated)
+    probe = detect_probe(node_id, simulated=(lambda: SimulatedProbe(node_id)) if allow_simulated else None)
     weights_dir = weights_dir or state_dir / "weights"
     # Simulated GPUs (--allow-simulated, a dev machine) have no stack to inspect.
     agent = Agent(

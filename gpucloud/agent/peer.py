@@ -39,7 +39,6 @@ from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.config import RequestBodySettings
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.registry.manifest import (
     HEX_DIGEST,
     ChunkCorruptedError,
@@ -54,6 +53,7 @@ from gpucloud.registry.tracker_app import KEEPALIVE_S, TrackerClient
 from gpucloud.web import metrics, problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, Gate, query_value
 from gpucloud.web.service_tokens import SWARM_PEER, InvalidToken, Verifier, swarm_audience
+from gpucloud.web.serving import ThreadedServer
 from gpucloud.web.tls import ServerTLS
 
 

@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 import pynvml as real
 import pytest
 
-from gpucloud.agent.nvml import FatalProbeError, NvmlProbe, ProbeError
-from gpucloud.bootstrap import detect_probe
+from gpucloud.adapters.nvml import FatalProbeError, NvmlProbe, ProbeError
+from gpucloud.adapters.probe import detect_probe
 from gpucloud.protocol import reports
 from gpucloud.protocol.reports import FatalKind
 from gpucloud.sim.probe import SimulatedProbe
@@ -424,9 +424,11 @@ def test_detect_probe_picks_nvml_where_present_and_simulation_elsewhere(fake, mo
     assert isinstance(detect_probe("gpu-node", clock=clock), NvmlProbe)
 
     fake.init_error = real.NVML_ERROR_LIBRARY_NOT_FOUND
-    assert isinstance(detect_probe("laptop", clock=clock), SimulatedProbe)
-    production = detect_probe("cpu-node", clock=clock, allow_simulated=False)
+    laptop = detect_probe("laptop", clock=clock, simulated=lambda: SimulatedProbe("laptop", clock=clock))
+    assert isinstance(laptop, SimulatedProbe)
+    production = detect_probe("cpu-node", clock=clock)
     assert isinstance(production, NvmlProbe) and production.read().is_gpu_node is False
 
     fake.init_error = real.NVML_ERROR_DRIVER_NOT_LOADED
-    assert isinstance(detect_probe("broken-gpu-node", clock=clock), NvmlProbe)
+    broken = detect_probe("broken-gpu-node", clock=clock, simulated=lambda: SimulatedProbe("broken", clock=clock))
+    assert isinstance(broken, NvmlProbe)

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from gpucloud.cli.main import app
 from gpucloud.config import Settings
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.devstack.stack import free_port
+from gpucloud.web.serving import ThreadedServer
 from gpucloud.web.tls import LocalCA
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]

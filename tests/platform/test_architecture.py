@@ -63,9 +63,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.activities.bmc", "gpucloud.bootstrap"),
     ("gpucloud.activities.reconciler", "gpucloud.workers.recovery"),
-    ("gpucloud.bootstrap", "gpucloud.agent.nvml"),
-    ("gpucloud.bootstrap", "gpucloud.agent.probe"),
-    ("gpucloud.bootstrap", "gpucloud.sim.probe"),
     ("gpucloud.client.api", "gpucloud.api.schemas"),
     ("gpucloud.models.evaluation_messages", "gpucloud.registry.names"),
     ("gpucloud.models.registry_tables", "gpucloud.registry.names"),

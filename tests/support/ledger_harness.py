@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app, wall_clock_ms
 from gpucloud.web.service_tokens import Verifier, public_key_path
+from gpucloud.web.serving import ThreadedServer
 from support.databases import scratch_postgres
 from support.ledger_auth import issuer_in, register
 

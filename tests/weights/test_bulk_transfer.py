@@ -19,9 +19,9 @@ from gpucloud.client import bulk as bulk_module
 from gpucloud.client.base import ApiError
 from gpucloud.client.bulk import BROKEN, BulkConnections
 from gpucloud.client.registry import RegistryClient
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.registry.manifest import ChunkRef
 from gpucloud.web import tls
+from gpucloud.web.serving import ThreadedServer
 from gpucloud.web.tls import LocalCA
 
 pytestmark = pytest.mark.integration

@@ -194,8 +194,8 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     from gpucloud.api.app import create_app
     from gpucloud.api.routers import registry as registry_router
     from gpucloud.config import Settings
-    from gpucloud.devstack.serving import ThreadedServer
     from gpucloud.devstack.stack import free_port
+    from gpucloud.web.serving import ThreadedServer
 
     settings = Settings(
         data_dir=tmp_path / "server",
