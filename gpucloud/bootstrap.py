@@ -26,8 +26,7 @@ from pydantic import SecretStr
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 
-from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo, require_tls
-from gpucloud.adapters.bmc import discover as discover_systems
+from gpucloud.adapters.bmc import BmcCredentials, Bmcs
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
 from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
@@ -197,34 +196,6 @@ def bmcs(settings: Settings) -> Bmcs:
         verify=verify,
         allow_insecure=settings.bmc.allow_insecure,
     )
-
-
-@dataclass(frozen=True)
-class Bmcs:
-    """Makes the one Redfish client of a node's BMC (`adapters/bmc.py`)."""
-
-    credentials: BmcCredentials
-    timeout_s: float
-    power_wait_s: float
-    poll_s: float
-    verify: bool | str
-    allow_insecure: bool = False
-
-    def for_node(self, url: str, system_id: str, credential_ref: str) -> RedfishBmc:
-        require_tls(url, allow_insecure=self.allow_insecure)
-        username, password = self.credentials.resolve(credential_ref)
-        return RedfishBmc(
-            BmcEndpoint(url, system_id, username, password),
-            timeout_s=self.timeout_s,
-            power_wait_s=self.power_wait_s,
-            poll_s=self.poll_s,
-            verify=self.verify,
-        )
-
-    def discover(self, url: str, credential_ref: str) -> list[SystemInfo]:
-        require_tls(url, allow_insecure=self.allow_insecure)
-        username, password = self.credentials.resolve(credential_ref)
-        return discover_systems(url, username, password, timeout_s=self.timeout_s, verify=self.verify)
 
 
 def database(settings: Settings) -> Database:

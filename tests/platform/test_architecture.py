@@ -61,7 +61,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"gpucloud.activities.tenant", "gpucloud.services.workflows", "gpucloud.workflows.tenant"}),
 }
 KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("gpucloud.activities.bmc", "gpucloud.bootstrap"),
     ("gpucloud.activities.reconciler", "gpucloud.workers.recovery"),
     ("gpucloud.client.api", "gpucloud.api.schemas"),
     ("gpucloud.models.evaluation_messages", "gpucloud.registry.names"),
