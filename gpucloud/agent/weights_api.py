@@ -53,7 +53,7 @@ from gpucloud.models.registry_tables import EvaluationCommand
 from gpucloud.registry.evaluators import CommandRunner, evaluate_directory, run_model_command
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
 from gpucloud.registry.names import EvaluatorName
-from gpucloud.registry.tracker_app import TrackerClient
+from gpucloud.registry.tracker_client import TrackerClient
 from gpucloud.web import problems
 
 EvalProbe = Callable[[ChunkCache, str], float]

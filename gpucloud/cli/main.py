@@ -132,7 +132,7 @@ def api(
 @app.command()
 def tracker() -> None:
     """Run the weight tracker, with the registry's chunks as the origin, on GPUCLOUD_TRACKER__URL."""
-    _serve("gpucloud.registry.origin", "serve_tracker")
+    _serve("gpucloud.entrypoints.tracker", "serve")
 
 
 @app.command()

@@ -67,8 +67,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.models.registry_tables", "gpucloud.registry.names"),
     ("gpucloud.models.rollout_messages", "gpucloud.registry.manifest"),
     ("gpucloud.models.rollout_messages", "gpucloud.registry.names"),
-    ("gpucloud.registry.origin", "gpucloud.bootstrap"),
-    ("gpucloud.registry.origin", "gpucloud.services.nodes"),
     ("gpucloud.services.node_access", "gpucloud.api.schemas"),
     ("gpucloud.services.schedules", "gpucloud.workflows.billing_close"),
     ("gpucloud.services.schedules", "gpucloud.workflows.reconciler"),

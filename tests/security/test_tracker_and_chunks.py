@@ -13,11 +13,10 @@ from fastapi.testclient import TestClient
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import create_peer_app
 from gpucloud.db import Database
+from gpucloud.entrypoints.tracker import DatabaseSwarms, create_tracker_app
 from gpucloud.registry.manifest import Keyring, digest_bytes
-from gpucloud.registry.origin import DatabaseSwarms
 from gpucloud.registry.store import LocalChunkStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_app import create_tracker_app
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     SWARM_PEER,

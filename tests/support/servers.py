@@ -28,11 +28,11 @@ from gpucloud.agent.tenant_weights import TenantWeights
 from gpucloud.agent.weights_api import always_healthy
 from gpucloud.api.app import create_app as api_app
 from gpucloud.config import RequestBodySettings, Settings
+from gpucloud.entrypoints.tracker import create_tracker_app
 from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.app import create_app as ledger_app
 from gpucloud.registry.manifest import Keyring
 from gpucloud.registry.store import LocalChunkStore
-from gpucloud.registry.tracker_app import create_tracker_app
 from gpucloud.sim.fabric_managers import create_app as fabric_app
 from gpucloud.sim.fleet import create_app as fleet_app
 from gpucloud.sim.node_weights import WeightsSpec

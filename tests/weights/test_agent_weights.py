@@ -28,12 +28,13 @@ from typer.testing import CliRunner
 from gpucloud.agent.peer import PeerServer
 from gpucloud.cli.main import app as cli
 from gpucloud.devstack.stack import free_port
+from gpucloud.entrypoints.tracker import create_tracker_app
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
 from gpucloud.registry.manifest import SignedManifest, Signer
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
+from gpucloud.registry.tracker_client import TrackerClient
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     SWARM_PEER,

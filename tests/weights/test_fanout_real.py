@@ -23,12 +23,13 @@ from fastapi import FastAPI, Response
 
 from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchStats, PeerServer, create_peer_app, prefetch
+from gpucloud.entrypoints.tracker import create_tracker_app
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
 from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
+from gpucloud.registry.tracker_client import TrackerClient
 
 pytestmark = pytest.mark.integration
 

@@ -41,6 +41,7 @@ from gpucloud.agent.peer import PeerServer
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.devstack.stack import free_port
+from gpucloud.entrypoints.tracker import create_deployment_tracker
 from gpucloud.models.registry_tables import GateSpec, SigningKey
 from gpucloud.models.rollout_messages import (
     FINISHED,
@@ -54,10 +55,9 @@ from gpucloud.models.rollout_messages import (
 from gpucloud.models.tables import Node
 from gpucloud.registry.chunking import ChunkPolicy
 from gpucloud.registry.manifest import SignedManifest, Signer
-from gpucloud.registry.origin import create_deployment_tracker
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.stores import RegistryStores
-from gpucloud.registry.tracker_app import TrackerClient
+from gpucloud.registry.tracker_client import TrackerClient
 from gpucloud.services import agent_credentials
 from gpucloud.web import tls
 from gpucloud.web.service_tokens import TRACKER_AUDIENCE, Issuer, agent_audience, public_key_path

@@ -17,8 +17,8 @@ from gpucloud import bootstrap
 from gpucloud.agent.peer import PeerServer
 from gpucloud.client.registry import RegistryClient, RegistryPushTarget, signer_for
 from gpucloud.config import Settings
+from gpucloud.entrypoints.tracker import create_deployment_tracker
 from gpucloud.registry.chunking import ChunkPolicy, encode_safetensors_header
-from gpucloud.registry.origin import create_deployment_tracker
 from gpucloud.registry.push import push
 from gpucloud.web.service_tokens import TRACKER_AUDIENCE, agent_audience, load_or_create_issuer
 from support.stack import async_wait_until

@@ -1,4 +1,5 @@
-"""The weight tracker and the origin as one HTTP service, and the client nodes use to reach them.
+"""The tracker process: the weight tracker and the origin as one HTTP service, with the registry's
+chunks as the origin in a deployment (`serve`, `gpucloud tracker`).
 
 Swarms (`gpucloud.registry.swarm`: one fan-out's nodes, chunks and scheduling) are registered
 by name under `/tracker/swarms/{swarm}`; nodes announce what they hold, ask for a plan (which
@@ -24,7 +25,16 @@ With `NodeHolders` (the control-plane DB) the tracker also follows who holds eac
 (never offered to its peers as a source again, so no rollout traffic or peer token reaches
 whoever holds it next), and its member token is refused from then on, whatever its expiry.
 
-`TrackerClient` is the blocking httpx client for both, shared by a node's fetch threads.
+In a deployment (`create_deployment_tracker`) the origin serves `GET /origin/chunks/{id}` for a
+swarm from the registry store of the tenant whose rollout registered that swarm, to nodes that
+hold the token the rollout gave them for it: a chunk id alone opens nothing, and no tenant's
+chunk is served for another's swarm. Swarm specs are kept in the control-plane DB
+(`DatabaseSwarms`), so a restart of the tracker loses no rollout (nodes announce what they hold
+again). A node's token is honoured only while the DB has the node in the allocation the token
+names (`DatabaseHolders`).
+
+Nodes and the control plane reach it with `registry.tracker_client.TrackerClient`, whose wire
+models this app reads.
 """
 
 from __future__ import annotations
@@ -34,19 +44,30 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from typing import Annotated, Any, Protocol, TypeVar
 
-import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import IntegrityError
 from starlette.types import ASGIApp, Scope
 
-from gpucloud.config import RequestBodySettings
+from gpucloud import bootstrap
+from gpucloud.config import RequestBodySettings, Settings
+from gpucloud.db import Database
 from gpucloud.registry.manifest import HEX_DIGEST, ChunkCorruptedError, ChunkMissingError
 from gpucloud.registry.store import ChunkSource
-from gpucloud.registry.swarm import ChunkId, Plan, Swarm, SwarmSpec, SwarmStatus
-from gpucloud.web import metrics, problems, tls
+from gpucloud.registry.swarm import Plan, Swarm, SwarmSpec, SwarmStatus
+from gpucloud.registry.tracker_client import (
+    KEEPALIVE_S,
+    BadChunkReport,
+    ChunkRelease,
+    Holdings,
+    NodeChunks,
+    OriginStats,
+    PeersForRequest,
+    PlanRequest,
+)
+from gpucloud.web import metrics, problems
 from gpucloud.web.gate import BODY_DEFAULTS, OPEN_PATHS, Check, Gate, query_value
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
@@ -54,57 +75,12 @@ from gpucloud.web.service_tokens import (
     Claims,
     InvalidToken,
     Verifier,
+    load_verifier,
+    public_key_path,
     swarm_audience,
     swarm_node,
 )
-
-KEEPALIVE_S = 2.0
-"""How long clients keep an idle connection: under uvicorn's default 5 s, so a server never closes
-one just as a client sends on it."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class NodeChunks(_Model):
-    node: str
-    chunks: list[ChunkId]
-
-
-class Holdings(_Model):
-    chunks: list[ChunkId]
-
-
-class PlanRequest(_Model):
-    node: str
-    slots: int = Field(ge=1, le=256, description="fetches the node can start now")
-    held: list[ChunkId] = Field(default=[], description="chunks to announce first")
-    fetching: list[ChunkId] | None = Field(
-        default=None, description="every fetch under way; the node's other assignments are released"
-    )
-
-
-class BadChunkReport(_Model):
-    node: str
-    peer: str
-    chunk: ChunkId
-
-
-class ChunkRelease(_Model):
-    node: str
-    chunk: ChunkId
-
-
-class PeersForRequest(_Model):
-    node: str
-    chunks: list[ChunkId]
-    max_sources: int = Field(default=4, ge=1, le=64)
-
-
-class OriginStats(_Model):
-    egress_bytes: int
-    chunks_served: int
+from gpucloud.web.tls import serve_options
 
 
 class SwarmStore(Protocol):
@@ -435,87 +411,110 @@ def create_tracker_app(
     return app
 
 
-class TrackerClient:
-    """Blocking client for the tracker and origin; one instance may be shared by many threads.
+class DatabaseSwarms:
+    """Swarm specs kept in the control-plane DB (`tracker_swarm`), so the tracker answers for a
+    rollout's swarm after a restart."""
 
-    A request that fails in transport (connection reset, timeout) is sent again a few times:
-    every call is safe to repeat (announce, release and reset are idempotent, and a plan request
-    carries the node's fetches under way, so assignments from a lost answer are released).
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def save(self, name: str, spec: SwarmSpec) -> SwarmSpec:
+        from gpucloud.models.registry_tables import TrackerSwarm
+
+        with self._db.session() as session:
+            row = session.get(TrackerSwarm, name)
+            if row is None:
+                session.add(TrackerSwarm(name=name, tenant_id=spec.tenant, spec=spec.model_dump_json()))
+                try:
+                    session.commit()
+                    return spec
+                except IntegrityError:  # registered by a retry meanwhile: the kept one answers
+                    session.rollback()
+                    row = session.get(TrackerSwarm, name)
+            assert row is not None
+            return SwarmSpec.model_validate_json(row.spec)
+
+    def load(self, name: str) -> SwarmSpec | None:
+        from gpucloud.models.registry_tables import TrackerSwarm
+
+        with self._db.session() as session:
+            row = session.get(TrackerSwarm, name)
+            return SwarmSpec.model_validate_json(row.spec) if row is not None else None
+
+    def delete(self, name: str) -> None:
+        from gpucloud.models.registry_tables import TrackerSwarm
+
+        with self._db.session() as session:
+            row = session.get(TrackerSwarm, name)
+            if row is not None:
+                session.delete(row)
+                session.commit()
+
+
+class DatabaseHolders:
+    """Who holds each node now, read from the control-plane DB (`services.nodes.holdings`): the
+    tracker honours a node's swarm token only while the node is in the allocation it names.
+
+    Why the tracker reads the node's allocation rather than checking a revocation list that
+    releases write: the node's row is what every path that takes a node from a tenant changes
+    already (release, drain, repair, RMA, and any path added later), in the transaction that
+    moves its state, so no path can forget to revoke, and nothing new is written or swept. A
+    token is dead the moment its node leaves, whatever its expiry. The cost is one batched
+    primary-key read per swarm every few seconds (`SwarmHolders`), however many
+    calls its nodes make.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        token: str | None = None,
-        http: httpx.Client | None = None,
-        timeout_s: float = 30.0,
-        retries: int = 3,
-    ) -> None:
-        """`token`: the control plane's for the tracker, or a node's for its swarm."""
-        self.base_url = base_url.rstrip("/")
-        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = http or httpx.Client(
-            timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S), verify=tls.client_verify()
-        )
-        self._retries = retries
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
-    def close(self) -> None:
-        self._http.close()
+    def holders(self, nodes: Collection[str]) -> dict[str, tuple[str | None, str | None]]:
+        from gpucloud.services.nodes import holdings
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
-        for attempt in range(self._retries + 1):
-            try:
-                response = self._http.request(method, f"{self.base_url}{path}", json=body, headers=self.auth)
-                break
-            except httpx.TransportError:
-                if attempt == self._retries:
-                    raise
-                time.sleep(0.1 * 2**attempt)
-        response.raise_for_status()
-        return response
+        with self._db.session() as session:
+            return {node: (h.tenant_id, h.allocation_id) for node, h in holdings(session, nodes).items()}
 
-    def register_swarm(self, swarm: str, spec: SwarmSpec) -> SwarmStatus:
-        response = self._call("PUT", f"/tracker/swarms/{swarm}", spec.model_dump())
-        return SwarmStatus.model_validate_json(response.content)
 
-    def status(self, swarm: str) -> SwarmStatus:
-        return SwarmStatus.model_validate_json(self._call("GET", f"/tracker/swarms/{swarm}").content)
+def create_deployment_tracker(settings: Settings) -> FastAPI:
+    """The tracker of a deployment: swarms kept in the control-plane DB, chunks served from each
+    swarm's tenant's registry store, every caller checked against the control plane's key, every
+    node against the allocation its token names."""
+    from gpucloud.web.metrics import install_metrics
+    from gpucloud.web.readiness import database_check, install_readiness, object_store_check
 
-    def announce(self, swarm: str, node: str, chunks: Iterable[str]) -> None:
-        self._call("POST", f"/tracker/swarms/{swarm}/announce", {"node": node, "chunks": list(chunks)})
+    db = bootstrap.database(settings)
+    stores = bootstrap.registry_stores(settings)
+    app = create_tracker_app(
+        tenant_chunks=stores.chunks,
+        # The issuer key's public half only, as the ledger: nodes reach the tracker.
+        verifier=load_verifier(public_key_path(settings.issuer_key_path)),
+        store=DatabaseSwarms(db),
+        holders=SwarmHolders(DatabaseHolders(db), fresh_s=settings.tracker.holders_fresh_s),
+        request_body=settings.request_body,
+    )
+    install_readiness(app, {"database": database_check(db.engine), "object store": object_store_check(stores.objects)})
+    install_metrics(app, lambda: (settings.metrics_token, settings.operator_token))
+    return app
 
-    def reset(self, swarm: str, node: str, chunks: Iterable[str]) -> None:
-        """Tell the tracker the node holds exactly `chunks` (forgetting anything it lost)."""
-        self._call("PUT", f"/tracker/swarms/{swarm}/nodes/{node}", {"chunks": list(chunks)})
 
-    def plan(
-        self, swarm: str, node: str, *, slots: int, held: Iterable[str] = (), fetching: Iterable[str] | None = None
-    ) -> Plan:
-        body = {"node": node, "slots": slots, "held": list(held)}
-        if fetching is not None:
-            body["fetching"] = list(fetching)
-        return Plan.model_validate_json(self._call("POST", f"/tracker/swarms/{swarm}/plan", body).content)
+def serve(settings: Settings) -> None:
+    """Run the tracker and origin until stopped: on `tracker.host` (else the URL's host) and the
+    URL's port. The URL is what nodes reach (`https://tracker.internal:8480`), which need not be
+    an address of this host: behind a load balancer or NAT it binds to `tracker.host`."""
+    import httpx
+    import uvicorn
 
-    def report_bad(self, swarm: str, node: str, *, peer: str, chunk: str) -> None:
-        self._call("POST", f"/tracker/swarms/{swarm}/bad_chunks", {"node": node, "peer": peer, "chunk": chunk})
-
-    def release(self, swarm: str, node: str, chunk: str) -> None:
-        self._call("POST", f"/tracker/swarms/{swarm}/release", {"node": node, "chunk": chunk})
-
-    def peers_for(self, swarm: str, node: str, chunks: list[str], *, max_sources: int = 4) -> dict[str, list[str]]:
-        body = {"node": node, "chunks": chunks, "max_sources": max_sources}
-        return self._call("POST", f"/tracker/swarms/{swarm}/peers_for", body).json()
-
-    def forget(self, swarm: str, node: str) -> None:
-        self._call("DELETE", f"/tracker/swarms/{swarm}/nodes/{node}")
-
-    def remove_swarm(self, swarm: str) -> None:
-        self._call("DELETE", f"/tracker/swarms/{swarm}")
-
-    def origin_url(self, chunk_id: str, swarm: str | None = None) -> str:
-        query = f"?swarm={swarm}" if swarm else ""
-        return f"{self.base_url}/origin/chunks/{chunk_id}{query}"
-
-    def origin_stats(self) -> OriginStats:
-        return OriginStats.model_validate_json(self._call("GET", "/origin/stats").content)
+    url = httpx.URL(settings.tracker.url)
+    host = settings.tracker.host or url.host
+    secure = serve_options(host, settings.tls.server, insecure=settings.tls.insecure, what="tracker")
+    # Keep-alive longer than clients keep idle connections (as `PeerServer` does), so the server
+    # never closes one just as a client sends on it.
+    uvicorn.run(
+        create_deployment_tracker(settings),
+        host=host,
+        port=url.port or 80,
+        log_level="warning",
+        log_config=None,
+        timeout_keep_alive=int(4 * KEEPALIVE_S),
+        backlog=4096,
+        **secure,
+    )
