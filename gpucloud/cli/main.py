@@ -440,24 +440,10 @@ def codec_server(
 ) -> None:
     """Decode sealed Temporal payloads for the Web UI (its codec endpoint) and `temporal
     --codec-endpoint`, for admins' tokens only. Run it only while an operator needs it."""
-    from gpucloud import bootstrap
-    from gpucloud.adapters.temporal import EncryptionCodec
-    from gpucloud.web.codec_server import main as codec_main
+    from gpucloud.entrypoints import codec_server as entrypoint
 
     configure_logging("codec-server")
-    settings = get_settings()
-    bootstrap.trust_configured_ca(settings)
-    codec_main(
-        EncryptionCodec(bootstrap.temporal_codec_keys(settings)),
-        database_url=settings.database_url,
-        operator_token=settings.operator_token,
-        request_body=settings.request_body,
-        host=host or settings.temporal.codec_server_host,
-        port=port or settings.temporal.codec_server_port,
-        ui_origin=settings.temporal.codec_server_ui_origin,
-        tls=settings.tls.server,
-        insecure=settings.tls.insecure,
-    )
+    entrypoint.serve(get_settings(), host=host, port=port)
 
 
 @app.command("codec-key-rotate")

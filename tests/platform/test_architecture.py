@@ -76,7 +76,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.services.workflows", "gpucloud.workflows.power"),
     ("gpucloud.services.workflows", "gpucloud.workflows.search_attributes"),
     ("gpucloud.services.workflows", "gpucloud.workflows.tenant"),
-    ("gpucloud.web.codec_server", "gpucloud.api.auth"),
     ("gpucloud.web.readiness", "gpucloud.workflows.search_attributes"),
 }
 KNOWN_WORKFLOW_CLIENTS: set[str] = {

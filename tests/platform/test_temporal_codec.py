@@ -1,6 +1,6 @@
 """Temporal payloads are sealed (`adapters/temporal.py`): AES-GCM with the newest key, each
 payload naming its key so a rotation keeps old payloads readable; the codec server opens them
-for admins only (`web/codec_server.py`)."""
+for admins only (`entrypoints/codec_server.py`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from temporalio.api.common.v1 import Payloads
 from gpucloud.adapters.temporal import KEY_ID, CodecKeys, EncryptionCodec, add_codec_key, data_converter, new_codec_key
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
+from gpucloud.entrypoints.codec_server import create_app
 from gpucloud.models.operator_roles import Role
 from gpucloud.services import operators, tenants
-from gpucloud.web.codec_server import create_app
 
 pytestmark = pytest.mark.unit
 

@@ -28,6 +28,7 @@ from gpucloud.agent.tenant_weights import TenantWeights
 from gpucloud.agent.weights_api import always_healthy
 from gpucloud.api.app import create_app as api_app
 from gpucloud.config import RequestBodySettings, Settings
+from gpucloud.entrypoints.codec_server import create_app as codec_app
 from gpucloud.entrypoints.tracker import create_tracker_app
 from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.app import create_app as ledger_app
@@ -38,7 +39,6 @@ from gpucloud.sim.fleet import create_app as fleet_app
 from gpucloud.sim.node_weights import WeightsSpec
 from gpucloud.sim.nodes import FleetSpec
 from gpucloud.sim.probe import SimulatedProbe
-from gpucloud.web.codec_server import create_app as codec_app
 from gpucloud.web.service_tokens import Verifier
 
 OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}

@@ -24,14 +24,15 @@ from sqlalchemy import exc as sa_exc
 from starlette.types import ASGIApp, Scope
 from temporalio.api.common.v1 import Payloads
 
+from gpucloud import bootstrap
 from gpucloud.adapters.temporal import EncryptionCodec
 from gpucloud.api import auth
-from gpucloud.config import RequestBodySettings
+from gpucloud.config import RequestBodySettings, Settings
 from gpucloud.db import get_read_engine
 from gpucloud.models.operator_roles import Scope as OperatorScope
 from gpucloud.web import problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
-from gpucloud.web.tls import ServerTLS, serve_options
+from gpucloud.web.tls import serve_options
 
 
 def create_app(
@@ -91,24 +92,17 @@ def create_app(
     return app
 
 
-def main(
-    codec: EncryptionCodec,
-    *,
-    database_url: str,
-    operator_token: str,
-    request_body: RequestBodySettings,
-    host: str,
-    port: int,
-    ui_origin: str | None,
-    tls: ServerTLS | None,
-    insecure: bool,
-) -> None:
-    secure = serve_options(host, tls, insecure=insecure, what="codec server")
+def serve(settings: Settings, *, host: str | None = None, port: int | None = None) -> None:
+    """Serve the codec server until stopped, on `host` and `port` (else the settings')."""
+    bootstrap.trust_configured_ca(settings)
+    host = host or settings.temporal.codec_server_host
+    secure = serve_options(host, settings.tls.server, insecure=settings.tls.insecure, what="codec server")
     app = create_app(
-        codec,
-        database_url=database_url,
-        operator_token=operator_token,
-        ui_origin=ui_origin,
-        request_body=request_body,
+        EncryptionCodec(bootstrap.temporal_codec_keys(settings)),
+        database_url=settings.database_url,
+        operator_token=settings.operator_token,
+        ui_origin=settings.temporal.codec_server_ui_origin,
+        request_body=settings.request_body,
     )
+    port = port or settings.temporal.codec_server_port
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, **secure)
