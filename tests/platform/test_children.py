@@ -139,7 +139,7 @@ def test_the_api_workers_ask_to_die_with_their_master(monkeypatch, tmp_path) -> 
     """`gpucloud api --workers N` builds each worker's app with `create_app_from_env`, which asks
     (the real master, on Postgres: tests/api/test_api_workers.py)."""
     from gpucloud import children
-    from gpucloud.api.app import create_app_from_env
+    from gpucloud.entrypoints.api import create_app_from_env
 
     asked = []
     monkeypatch.setenv("GPUCLOUD_DATA_DIR", str(tmp_path))

@@ -106,7 +106,7 @@ class LedgerProcess:
 
     def start(self) -> None:
         code = (
-            "from pathlib import Path; from gpucloud.ledger.app import main; "
+            "from pathlib import Path; from gpucloud.entrypoints.ledger import main; "
             f"main('127.0.0.1', {self.port}, {self.database_url!r}, control_plane_key=Path({str(self.key)!r}))"
         )
         with self._log_path.open("ab") as log:
