@@ -315,7 +315,7 @@ def agent(
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage,
     and serve the tenant's model weights to rollouts (/weights) and to peers (/chunks)."""
     from gpucloud import bootstrap
-    from gpucloud.agent.app import main as agent_main
+    from gpucloud.entrypoints.agent import main as agent_main
     from gpucloud.web import tls as web_tls
 
     configure_logging("agent")

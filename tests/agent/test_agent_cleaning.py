@@ -283,7 +283,7 @@ def test_the_agent_command_takes_tenant_disks(monkeypatch, tmp_path):
     help_text = CliRunner().invoke(cli, ["agent", "--help"], env={"COLUMNS": "200"}).output
     assert "--tenant-disk" in help_text and "erased by the drive on every wipe" in help_text
     started: dict = {}
-    monkeypatch.setattr("gpucloud.agent.app.main", lambda **kwargs: started.update(kwargs))
+    monkeypatch.setattr("gpucloud.entrypoints.agent.main", lambda **kwargs: started.update(kwargs))
     args = ["agent", "--node-id", "n-1", "--token", "gpa_n-1.s", "--token-file", str(tmp_path / "none")]
     ran = CliRunner().invoke(cli, [*args, "--tenant-disk", "/dev/nvme1n1", "--tenant-disk", "/dev/sdb"])
     assert ran.exit_code == 0, ran.output
