@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from gpucloud import bootstrap
 from gpucloud.adapters.probe import detect_probe
 from gpucloud.agent.app import Agent, create_app
 from gpucloud.agent.host import HostState, read_boot_id, read_image_digest
@@ -18,12 +19,60 @@ from gpucloud.agent.tenant_weights import TenantWeights
 from gpucloud.agent.weights_api import health_from_probe
 from gpucloud.agent.workload_logs import DEFAULT_LIMITS, LogLimits
 from gpucloud.agent.workloads import WorkloadSupervisor
+from gpucloud.config import Settings
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
 from gpucloud.sim.probe import SimulatedProbe
+from gpucloud.web import tls
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
+
+
+def serve(settings: Settings, *, ledger_url: str | None = None) -> None:
+    """Run the agent as `settings.agent` says (`gpucloud agent`, whose flags are already in them),
+    reporting to the settings' API and metering to `ledger_url` (None: not metered)."""
+    options = settings.agent
+    if options.node_id is None:
+        raise SystemExit("the agent needs this node's id: GPUCLOUD_AGENT__NODE_ID (or --node-id)")
+    bootstrap.trust_configured_ca(settings)
+    tls.trust(options.ca_file)
+    token = options.token.get_secret_value() if options.token is not None else None
+    if options.token_file.is_file():  # the credential the last wipe handed over wins over the first one
+        token = options.token_file.read_text().strip()
+    limits = LogLimits(
+        max_bytes=options.workload_log_max_bytes or DEFAULT_LIMITS.max_bytes,
+        files=options.workload_log_files or DEFAULT_LIMITS.files,
+    )
+    main(
+        node_id=options.node_id,
+        control_plane_url=settings.api_url,
+        token=token,
+        control_plane_key=options.control_plane_key,
+        token_file=options.token_file,
+        host=options.host,
+        port=options.port,
+        scratch_dir=options.scratch_dir,
+        state_dir=options.state_dir,
+        heartbeat_s=options.heartbeat_s,
+        reading_s=options.reading_s,
+        allow_simulated=options.allow_simulated,
+        ledger_url=ledger_url,
+        spool_path=options.spool,
+        meter_interval_s=options.meter_interval_s,
+        gpu_type=options.gpu_type,
+        tls=ServerTLS(options.tls_cert, options.tls_key) if options.tls_cert and options.tls_key else None,
+        insecure=options.insecure,
+        container_runtime=options.container_runtime,
+        workload_logs=limits,
+        metrics_token=options.metrics_token.get_secret_value() if options.metrics_token is not None else None,
+        weights_dir=options.weights_dir,
+        image_digest_file=options.image_digest_file,
+        tenant_disks=tuple(options.tenant_disks),
+        enrollment_file=options.enrollment_file,
+        ssh_user=options.ssh_user,
+        authorized_keys=options.authorized_keys,
+    )
 
 
 def main(
