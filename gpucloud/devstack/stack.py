@@ -261,7 +261,7 @@ class Stack:
     def start(self, on_step: Callable[[str], None] = lambda _: None, *, only: tuple[str, ...] | None = None) -> None:
         """Start the stack, or with `only` some of its components (say, after `stop(only=...)`)."""
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
-        tls.trust(self.settings.tls.ca_file)  # this process checks its children's certificates too
+        bootstrap.trust_configured_ca(self.settings)  # this process checks its children's certificates too
         components = self._components(only)
         self._check_ports(components)
         if {"api", "worker", "ledger"} & set(components):
