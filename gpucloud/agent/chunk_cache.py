@@ -39,9 +39,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpucloud.registry.chunking import MiB, new_hasher
+from gpucloud.registry.chunking import MiB
+from gpucloud.registry.integrity import ChunkCheck, ChunkDigestMismatchError, verify_chunk
 from gpucloud.registry.manifest import (
-    ChunkCorruptedError,
     ChunkMissingError,
     ChunkRef,
     FileEntry,
@@ -77,12 +77,6 @@ class PruneResult:
     versions_removed: list[str]
     chunks_removed: int
     bytes_removed: int
-
-
-def _hash(data: bytes | bytearray | memoryview) -> str:
-    hasher = new_hasher(len(data))
-    hasher.update(data)
-    return hasher.hexdigest()
 
 
 def _checked(digest: str) -> str:
@@ -140,8 +134,7 @@ class ChunkCache:
     def put(self, chunk_id: str, data: bytes | bytearray | memoryview) -> bool:
         """Store verified bytes under chunk_id; False if already held. Bad bytes raise, unwritten."""
         path = self.chunk_path(chunk_id)
-        if (actual := _hash(data)) != chunk_id:
-            raise ChunkCorruptedError(f"refused bytes that hash to {actual}", chunk_id=chunk_id, actual_id=actual)
+        verify_chunk(chunk_id, data, source="refused bytes that")
         if self.has(chunk_id):
             return False
         path.parent.mkdir(exist_ok=True)
@@ -176,13 +169,13 @@ class ChunkCache:
             except FileNotFoundError:
                 self._drop(chunk_id, region)
                 continue
-            if (actual := _hash(data)) == chunk_id:
-                return data
-            self._drop(chunk_id, region)
             where = "loose copy" if region is None else f"copy in {region.path}@{region.offset}"
-            raise ChunkCorruptedError(
-                f"cached {where} hashes to {actual}; dropped it", chunk_id=chunk_id, actual_id=actual
-            )
+            try:
+                verify_chunk(chunk_id, data, source=f"dropped the cached {where}: its bytes")
+            except ChunkDigestMismatchError:
+                self._drop(chunk_id, region)
+                raise
+            return data
         raise ChunkMissingError("not in the cache", chunk_id=chunk_id)
 
     def _drop(self, chunk_id: str, region: _Region | None) -> None:
@@ -302,21 +295,14 @@ class ChunkCache:
                 raise FileMismatchError(f"file {relative!r}: {size} bytes, manifest lists {entry.size}")
             buffer = memoryview(bytearray(min(self._read_size, max(entry.size, 1))))
             for chunk in entry.chunks:
-                hasher, remaining = new_hasher(chunk.size), chunk.size
+                check, remaining = ChunkCheck(chunk.id, size_hint=chunk.size), chunk.size
                 while remaining:
                     count = f.readinto(buffer[: min(remaining, len(buffer))])
                     if not count:
                         break
-                    hasher.update(buffer[:count])
+                    check.update(buffer[:count])
                     remaining -= count
-                if (actual := hasher.hexdigest()) != chunk.id:
-                    raise ChunkCorruptedError(
-                        f"bytes on disk hash to {actual}",
-                        chunk_id=chunk.id,
-                        path=relative,
-                        offset=chunk.offset,
-                        actual_id=actual,
-                    )
+                check.verify(source="bytes on disk", path=relative, offset=chunk.offset)
 
     def active(self) -> str | None:
         return self._target(CURRENT)
