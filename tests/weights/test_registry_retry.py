@@ -17,7 +17,7 @@ from gpucloud.registry.manifest import (
     Keyring,
     Signer,
 )
-from gpucloud.registry.pull import RetryPolicy, pull
+from gpucloud.registry.pull import ChunkRetry, pull
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore, S3ChunkStore
 
@@ -72,7 +72,7 @@ class Setup:
         self.sleeps: list[float] = []
 
     def pull(self, store: LocalChunkStore, dest: Path, **retry):
-        policy = RetryPolicy(sleep=self.sleeps.append, **retry)
+        policy = ChunkRetry(sleep=self.sleeps.append, **retry)
         return pull(
             self.digest,
             dest,
