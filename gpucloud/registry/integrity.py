@@ -2,7 +2,7 @@
 
 Every trust boundary runs it: the store on the way in and out (`registry/store.py`), the API
 client on a download (`client/registry.py`), the node's cache when it stores, serves or loads a
-chunk (`agent/chunk_cache.py`). `verify_chunk` checks bytes held whole;
+chunk (`agent/chunk_store.py`, `agent/version_files.py`). `verify_chunk` checks bytes held whole;
 `ChunkCheck` checks bytes that pass in pieces (a stream, a file read in a bounded buffer). Both
 fail closed: anything but an exact match, a malformed id included, raises
 `ChunkDigestMismatchError`, which names the expected and the actual digest.
