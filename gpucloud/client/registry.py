@@ -25,6 +25,7 @@ from nacl.signing import SigningKey, VerifyKey
 
 from gpucloud.client.base import ApiClient, ApiError
 from gpucloud.client.bulk import BROKEN, BulkConnections
+from gpucloud.models.registry_names import MAX_IDS_PER_QUERY
 from gpucloud.registry.integrity import ChunkCheck
 from gpucloud.registry.manifest import (
     ChunkMissingError,
@@ -38,7 +39,6 @@ from gpucloud.registry.manifest import (
     VersionNotFoundError,
     key_id_of,
 )
-from gpucloud.registry.names import MAX_IDS_PER_QUERY
 from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import ChunksMissing, TransferProgress
 

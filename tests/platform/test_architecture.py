@@ -63,10 +63,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.activities.reconciler", "gpucloud.workers.recovery"),
     ("gpucloud.client.api", "gpucloud.api.schemas"),
-    ("gpucloud.models.evaluation_messages", "gpucloud.registry.names"),
-    ("gpucloud.models.registry_tables", "gpucloud.registry.names"),
-    ("gpucloud.models.rollout_messages", "gpucloud.registry.manifest"),
-    ("gpucloud.models.rollout_messages", "gpucloud.registry.names"),
     ("gpucloud.services.node_access", "gpucloud.api.schemas"),
     ("gpucloud.services.schedules", "gpucloud.workflows.billing_close"),
     ("gpucloud.services.schedules", "gpucloud.workflows.reconciler"),
