@@ -9,7 +9,7 @@ fail closed: anything but an exact match, a malformed id included, raises
 
 Hashing that *names* a chunk (cutting a file at push time) lives in `registry/chunking.py`; the
 digests of manifests, records and keys in `registry/manifest.py`. No other module hashes chunks:
-`tests/unit/test_chunk_integrity.py` holds that rule.
+`tests/weights/test_chunk_integrity.py` holds that rule.
 """
 
 from __future__ import annotations
