@@ -19,6 +19,7 @@ import httpx
 import tenacity
 
 from gpucloud.web import buffers, tls
+from gpucloud.web.http_client import http_client
 
 T = TypeVar("T")
 
@@ -86,12 +87,13 @@ class ApiClient:
         self.base_url = base_url.rstrip("/")
         self.retry_for_s = retry_for_s
         buffers.raise_client_read_size()
-        self.http = httpx.Client(
+        self.http = http_client(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            timeout="api",
+            timeout_s=timeout_s,
             transport=transport,
-            verify=tls.client_verify(),
+            trust=tls.client_verify(),
         )
 
     def __enter__(self: T) -> T:

@@ -61,6 +61,7 @@ from gpucloud.sim.power import BmcLink, SimPower
 from gpucloud.sim.workload_logs_api import install_workload_logs
 from gpucloud.web import problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, OPEN_PATHS, Check, Gate, holds_token, query_value
+from gpucloud.web.http_client import async_http_client
 from gpucloud.web.service_tokens import Verifier, logs_refusal_reason, refusal_reason
 from gpucloud.web.tls import ServerTLS, scheme, serve_options
 
@@ -123,8 +124,8 @@ async def register_with_control_plane(
     batches under the operator token (an explicit option for fleets too large to report one by
     one on one machine)."""
     inventory = fleet.inventory(base_url)
-    async with httpx.AsyncClient(
-        timeout=60, headers={"Authorization": f"Bearer {token}"}, verify=tls.client_verify()
+    async with async_http_client(
+        timeout="agent_report_batch", headers={"Authorization": f"Bearer {token}"}, trust=tls.client_verify()
     ) as client:
         for start in range(0, len(inventory), batch):
             await _post_until_accepted(

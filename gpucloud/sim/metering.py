@@ -32,6 +32,7 @@ from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import DEFAULT_BATCH_SIZE, Meter, NodeAllocation, Spool, wall_clock_ms
 from gpucloud.ledger.client import LedgerUnavailable, UsageLedger
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +258,8 @@ class WorkloadFollower:
     async def _allocation_of(self, node_id: str) -> str | None:
         if self._control_plane_url is None:
             return None
-        async with httpx.AsyncClient(
-            base_url=self._control_plane_url, headers=self._headers, timeout=10, verify=tls.client_verify()
+        async with async_http_client(
+            base_url=self._control_plane_url, headers=self._headers, timeout="agent_lookup", trust=tls.client_verify()
         ) as client:
             for attempt in range(self.LOOKUP_ATTEMPTS):
                 try:

@@ -36,6 +36,7 @@ from gpucloud.protocol.reporter import ReportClient
 from gpucloud.sim.bmc import CREDENTIAL_REF, USERNAME, system_id_of
 from gpucloud.sim.nodes import Fleet, SimNode
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class SimPower:
             return
         for _ in range(5):
             try:
-                async with httpx.AsyncClient(timeout=10, verify=tls.client_verify()) as client:
+                async with async_http_client(timeout="agent_lookup", trust=tls.client_verify()) as client:
                     answer = await ReportClient(client, api_url).enroll(token)
                 if answer.status_code == 200:
                     node.credential, node.credential_from = answer.json()["credential"], "config_drive"
@@ -136,7 +137,9 @@ class SimPower:
         url = f"{self.link.url}/redfish/v1/Systems/{system_id_of(node.id)}"
         for _ in range(5):
             try:
-                async with httpx.AsyncClient(timeout=10, auth=(USERNAME, self.link.password)) as client:
+                async with async_http_client(
+                    timeout="bmc", auth=(USERNAME, self.link.password), trust=tls.client_verify()
+                ) as client:
                     if (await client.get(url)).status_code == 200:
                         return
             except httpx.HTTPError as exc:
