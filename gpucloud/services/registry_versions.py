@@ -10,6 +10,7 @@ from sqlmodel import Session, col, select
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
+from gpucloud.models.registry_names import GATED_ALIASES, AliasName, EvaluatorName, RefKind, ref_kind
 from gpucloud.models.registry_tables import (
     EvaluationResult,
     EvaluationSource,
@@ -28,7 +29,6 @@ from gpucloud.registry.manifest import (
     SignedManifest,
     UnknownKeyError,
 )
-from gpucloud.registry.names import GATED_ALIASES, AliasName, EvaluatorName, RefKind, ref_kind
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.errors import Conflict, Invalid, NotFound
 from gpucloud.services.evaluations import evaluation_input, keep_evaluation, operation_kind

@@ -28,6 +28,7 @@ from gpucloud.api.deps import (
 )
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.api.routers.registry.common import StoresDep, VersionRef
+from gpucloud.models.registry_names import AliasName
 from gpucloud.models.registry_tables import (
     AliasMove,
     EvaluationPage,
@@ -49,7 +50,6 @@ from gpucloud.registry.manifest import (
     SignedManifest,
     VersionNotFoundError,
 )
-from gpucloud.registry.names import AliasName
 from gpucloud.services import registry_versions as service
 from gpucloud.services.evaluations import evaluations_of
 from gpucloud.services.operations import start_for_operation
