@@ -24,6 +24,7 @@ from temporalio.service import RPCError
 from gpucloud.activities import ActivityGroup
 from gpucloud.config import Settings
 from gpucloud.db import Database
+from gpucloud.models import search_attributes as sattr
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
     NodeOperationInput,
@@ -39,7 +40,6 @@ from gpucloud.services import agent_credentials, idempotency_records
 from gpucloud.services import nodes as node_service
 from gpucloud.services.workflows import running_node_operations, signal_replace_node, start_bringup_batches
 from gpucloud.web import metrics
-from gpucloud.workflows import search_attributes as sattr
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
 

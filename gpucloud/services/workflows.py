@@ -12,6 +12,7 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
 from gpucloud.config import Settings
+from gpucloud.models import search_attributes as sa
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
 from gpucloud.models.messages import (
     AllocationInput,
@@ -24,7 +25,6 @@ from gpucloud.models.tables import Allocation
 from gpucloud.models.tenant_messages import TenantOffboardingInput, TenantOnboardingInput
 from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
 from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
-from gpucloud.workflows import search_attributes as sa
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.bringup import workflow_id_for as bringup_workflow_id

@@ -23,6 +23,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.fabric import FabricActivities
+    from gpucloud.models import search_attributes as sa
     from gpucloud.models.fabric_messages import FabricApplyInput, FabricRemoveInput
     from gpucloud.models.messages import (
         AllocationEventInput,
@@ -39,7 +40,6 @@ with workflow.unsafe.imports_passed_through():
         ReplaceNodeRequest,
     )
     from gpucloud.workflows import options
-    from gpucloud.workflows import search_attributes as sa
     from gpucloud.workflows.ledger_events import LedgerEvents
     from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow, workflow_id_for
 

@@ -29,6 +29,7 @@ from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher, PeerServer, create_peer_app, prefetch
 from gpucloud.agent.weights_api import install_weights_api
 from gpucloud.db import Database
+from gpucloud.models import search_attributes
 from gpucloud.models.registry_tables import EvaluationCommand, GateSpec
 from gpucloud.models.rollout_messages import (
     ReasonInput,
@@ -47,7 +48,6 @@ from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_app import TrackerClient, create_tracker_app
-from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 from support.models import float_model
 from support.rollouts import rollout_worker_with

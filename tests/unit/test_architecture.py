@@ -79,10 +79,8 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.services.workflows", "gpucloud.workflows.bringup"),
     ("gpucloud.services.workflows", "gpucloud.workflows.evaluation"),
     ("gpucloud.services.workflows", "gpucloud.workflows.power"),
-    ("gpucloud.services.workflows", "gpucloud.workflows.search_attributes"),
     ("gpucloud.services.workflows", "gpucloud.workflows.tenant"),
     ("gpucloud.web.codec_server", "gpucloud.api.auth"),
-    ("gpucloud.web.readiness", "gpucloud.workflows.search_attributes"),
 }
 KNOWN_WORKFLOW_CLIENTS: set[str] = {
     "gpucloud.services.workflows",

@@ -59,6 +59,7 @@ from gpucloud.api.schemas import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import read_scope, rowcount, session_scope, table_of
+from gpucloud.models import search_attributes
 from gpucloud.models.registry_tables import ModelAlias, ModelVersion, RegistryModel
 from gpucloud.models.rollout_messages import (
     ReasonInput,
@@ -73,7 +74,6 @@ from gpucloud.registry.names import AliasName, split_ref
 from gpucloud.services import operations
 from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.web.problems import Problem, field_of, invalid, not_found
-from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
