@@ -22,9 +22,14 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.adapters.temporal_gateway import (
+    running_node_operations,
+    signal_replace_node,
+    start_bringup_batches,
+    start_node_operation,
+)
 from gpucloud.config import Settings
 from gpucloud.db import Database
-from gpucloud.models import search_attributes as sattr
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
     NodeOperationInput,
@@ -38,10 +43,8 @@ from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
 from gpucloud.services import agent_credentials, idempotency_records
 from gpucloud.services import nodes as node_service
-from gpucloud.services.workflows import running_node_operations, signal_replace_node, start_bringup_batches
+from gpucloud.services.recovery import adopt_orphans
 from gpucloud.web import metrics
-from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
-from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
 
 # Nodes whose credential was revoked with their allocation: they cannot report, so their
 # silence is no news (the reconciler never marks them unreachable for it).
@@ -164,8 +167,6 @@ class ReconcilerActivities(ActivityGroup):
         result = SweepResult()
         if req.node_ids is None:
             # Allocations and tenant operations whose workflow was lost get it back.
-            from gpucloud.workers.recovery import adopt_orphans
-
             result.adopted = await adopt_orphans(self.client, self.db, self.settings)
             result.idempotency_expired = await asyncio.to_thread(
                 idempotency_records.delete_expired, self.db.url, now=utcnow()
@@ -193,17 +194,15 @@ class ReconcilerActivities(ActivityGroup):
                 result.deferred_by_limit += 1
                 continue
             try:
-                await self.client.start_workflow(
-                    NodeOperationWorkflow.run,
+                await start_node_operation(
+                    self.client,
+                    self.settings,
                     NodeOperationInput(
                         node_id=plan.node_id,
                         operation=plan.start,
                         allocation_id=plan.allocation_id,
                         tenant_id=plan.tenant_id,
                     ),
-                    id=node_workflow_id(plan.node_id),
-                    task_queue=self.settings.temporal.task_queue,
-                    search_attributes=sattr.typed((sattr.NODE_ID, plan.node_id)),
                 )
                 result.started += 1
                 budget -= 1

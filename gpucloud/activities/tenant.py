@@ -27,6 +27,7 @@ from temporalio.service import RPCError
 
 from gpucloud.activities import ActivityGroup, view_of
 from gpucloud.activities.faults import FaultHook, reach
+from gpucloud.adapters import temporal_gateway
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.fabric.interface import FabricError
@@ -198,15 +199,12 @@ class TenantActivities(ActivityGroup):
     async def cancel_tenant_allocations(self, req: TenantRef) -> CancelledAllocations:
         """Record the cancel intent of every live allocation, then signal their workflows, as the
         cancel endpoint does; a lost signal only waits for the workflow's next look at the DB."""
-        # Imported here: the workflow starters import the tenant workflow, which imports this module.
-        from gpucloud.services import workflows
-
         cancels = await asyncio.to_thread(self._record_cancels, req.tenant_id)
         for allocation_id, operation_id in cancels:
             if self.client is None:
                 continue
             try:
-                await workflows.signal_cancel(self.client, allocation_id, operation_id)
+                await temporal_gateway.signal_cancel(self.client, allocation_id, operation_id)
             except RPCError as exc:
                 log.warning(
                     "cancel signal for %s not delivered (%s); the workflow will see the DB intent", allocation_id, exc

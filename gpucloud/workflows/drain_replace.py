@@ -39,9 +39,10 @@ with workflow.unsafe.imports_passed_through():
         ReplacementInput,
         ReplaceNodeRequest,
     )
+    from gpucloud.models.workflow_ids import node_workflow_id
     from gpucloud.workflows import options
     from gpucloud.workflows.ledger_events import LedgerEvents
-    from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow, workflow_id_for
+    from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 
 CHILD_START_RETRY = timedelta(seconds=1)
 
@@ -306,7 +307,7 @@ class DrainAndReplace:
                         if op in (NodeOperationKind.PROVISION, NodeOperationKind.RESTORE)
                         else None,
                     ),
-                    id=workflow_id_for(node_id),
+                    id=node_workflow_id(node_id),
                     parent_close_policy=parent_close_policy,
                     search_attributes=sa.typed(
                         (sa.NODE_ID, node_id), (sa.ALLOCATION_ID, view.allocation_id), (sa.TENANT_ID, view.tenant_id)

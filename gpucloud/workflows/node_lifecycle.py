@@ -104,10 +104,6 @@ _SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
 }
 
 
-def workflow_id_for(node_id: str) -> str:
-    return f"node-{node_id}"
-
-
 @workflow.defn
 class NodeOperationWorkflow:
     def __init__(self) -> None:

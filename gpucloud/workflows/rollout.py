@@ -67,10 +67,6 @@ class _Stop(Exception):
     """The rollout must roll back: the reason is the message."""
 
 
-def workflow_id_for(rollout_id: str) -> str:
-    return rollout_id if rollout_id.startswith("rollout-") else f"rollout-{rollout_id}"
-
-
 @workflow.defn
 class RolloutWorkflow:
     def __init__(self) -> None:

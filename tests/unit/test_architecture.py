@@ -55,11 +55,9 @@ WORKFLOW_CLIENT_CALLS = {
 KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"gpucloud.config", "gpucloud.web.tls"}),
     frozenset({"gpucloud.services.fleet", "gpucloud.services.nodes"}),
-    frozenset({"gpucloud.activities.tenant", "gpucloud.services.workflows", "gpucloud.workflows.tenant"}),
 }
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.activities.bmc", "gpucloud.bootstrap"),
-    ("gpucloud.activities.reconciler", "gpucloud.workers.recovery"),
     ("gpucloud.bootstrap", "gpucloud.agent.nvml"),
     ("gpucloud.bootstrap", "gpucloud.agent.probe"),
     ("gpucloud.bootstrap", "gpucloud.sim.probe"),
@@ -73,23 +71,9 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.registry.origin", "gpucloud.bootstrap"),
     ("gpucloud.registry.origin", "gpucloud.services.nodes"),
     ("gpucloud.services.node_access", "gpucloud.api.schemas"),
-    ("gpucloud.services.schedules", "gpucloud.workflows.billing_close"),
-    ("gpucloud.services.schedules", "gpucloud.workflows.reconciler"),
-    ("gpucloud.services.workflows", "gpucloud.workflows.allocation"),
-    ("gpucloud.services.workflows", "gpucloud.workflows.bringup"),
-    ("gpucloud.services.workflows", "gpucloud.workflows.evaluation"),
-    ("gpucloud.services.workflows", "gpucloud.workflows.power"),
-    ("gpucloud.services.workflows", "gpucloud.workflows.tenant"),
     ("gpucloud.web.codec_server", "gpucloud.api.auth"),
 }
-KNOWN_WORKFLOW_CLIENTS: set[str] = {
-    "gpucloud.services.workflows",
-    "gpucloud.services.schedules",
-    "gpucloud.activities.reconciler",
-    "gpucloud.api.routers.rollouts",
-    "gpucloud.workers.recovery",
-    "gpucloud.devstack.stack",
-}
+KNOWN_WORKFLOW_CLIENTS: set[str] = set()
 
 # Data shapes and the contracts between processes: they must load on any machine.
 CONTRACTS = ("gpucloud.models", "gpucloud.protocol", "gpucloud.api.schemas")

@@ -22,7 +22,8 @@ from gpucloud.models.billing_messages import (
     BillingPeriod,
     BillingPeriodsResult,
 )
-from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow, close_workflow_id
+from gpucloud.models.workflow_ids import close_workflow_id
+from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
 
 
 def _periods(*periods: tuple[str, bool, bool]) -> BillingPeriodsResult:

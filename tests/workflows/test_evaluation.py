@@ -27,7 +27,8 @@ from gpucloud.models.evaluation_messages import (
     RegistryAccess,
     RunEvaluationInput,
 )
-from gpucloud.workflows.evaluation import VersionEvaluationWorkflow, evaluation_workflow_id
+from gpucloud.models.workflow_ids import evaluation_workflow_id
+from gpucloud.workflows.evaluation import VersionEvaluationWorkflow
 
 REQUEST = EvaluateVersionInput(
     tenant_id="ten_a", model="llama", version="a" * 64, parent="b" * 64, evaluator="sanity", operation_id="op_9"

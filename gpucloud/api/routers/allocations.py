@@ -12,6 +12,7 @@ from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import signal_cancel, start_allocation_workflow
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import (
@@ -45,6 +46,7 @@ from gpucloud.models.tables import (
     Operation,
     OperationPublic,
 )
+from gpucloud.models.workflow_ids import allocation_workflow_id
 from gpucloud.protocol.reports import WorkloadStatus
 from gpucloud.services import allocations as service
 from gpucloud.services import catalog as offers
@@ -52,7 +54,6 @@ from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
 from gpucloud.services.node_access import ssh_endpoint
 from gpucloud.services.workflow_engine import engine_problem, log_undelivered
-from gpucloud.services.workflows import signal_cancel, start_allocation_workflow
 from gpucloud.web.problems import Problem, invalid
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def _create_in_db(
                     tenant_id=tenant_id,
                     kind="create_allocation",
                     resource_id=alloc.id,
-                    workflow_id=service.workflow_id_for(alloc.id),
+                    workflow_id=allocation_workflow_id(alloc.id),
                     actor=actor,
                 )
                 session.add(alloc)

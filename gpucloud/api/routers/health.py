@@ -12,6 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlmodel import col, select
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import reconcile_now, signal_replace_node
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import FleetOperatorDep, ReadOperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
@@ -46,9 +47,7 @@ from gpucloud.protocol.reports import (
     utc_now,
 )
 from gpucloud.services import health as health_service
-from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflow_engine import log_undelivered
-from gpucloud.services.workflows import signal_replace_node
 from gpucloud.web import metrics
 from gpucloud.web.problems import Problem, invalid, not_found
 

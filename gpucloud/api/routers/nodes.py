@@ -11,6 +11,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import (
+    reconcile_now,
+    running_node_operations,
+    start_bringup_batches,
+    start_node_power,
+)
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import (
@@ -57,9 +63,7 @@ from gpucloud.services.fleet import (
 )
 from gpucloud.services.nodes import enroll_nodes, held_for_bringup, lease_for_bringup
 from gpucloud.services.operations import start_for_operation
-from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflow_engine import engine_problem, log_undelivered
-from gpucloud.services.workflows import running_node_operations, start_bringup_batches, start_node_power
 from gpucloud.web.problems import Problem, not_found
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 

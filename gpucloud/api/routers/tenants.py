@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from sqlmodel import Session, col, select
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import start_tenant_offboarding, start_tenant_onboarding
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, ReadOperatorDep, ReadsDep, SettingsDep, TemporalDep, TenantsOperatorDep
@@ -55,7 +56,6 @@ from gpucloud.services import operations
 from gpucloud.services import quotas as quota_service
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.workflow_engine import engine_problem
-from gpucloud.services.workflows import start_tenant_offboarding, start_tenant_onboarding
 from gpucloud.web.problems import Problem, not_found
 
 router = APIRouter(prefix="/v1", tags=["tenants"])

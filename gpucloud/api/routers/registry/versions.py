@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from sqlmodel import Session, col, select
 
+from gpucloud.adapters.temporal_gateway import start_version_evaluation
 from gpucloud.api import pagination
 from gpucloud.api.deps import (
     ReadsDep,
@@ -56,6 +57,7 @@ from gpucloud.models.registry_tables import (
     VersionPage,
 )
 from gpucloud.models.tables import Operation, OperationPublic, utcnow
+from gpucloud.models.workflow_ids import evaluation_workflow_id
 from gpucloud.registry import gc, promotion
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -69,9 +71,7 @@ from gpucloud.registry.names import GATED_ALIASES, AliasName, EvaluatorName
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
 from gpucloud.services.operations import start_for_operation
-from gpucloud.services.workflows import start_version_evaluation
 from gpucloud.web.problems import Problem, invalid
-from gpucloud.workflows.evaluation import evaluation_workflow_id
 
 log = logging.getLogger(__name__)
 
