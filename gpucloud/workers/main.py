@@ -92,7 +92,7 @@ def build_worker(
         agents=cp.agents,
         issuer=bootstrap.token_issuer(settings),
     )
-    tenant = TenantActivities(cp.db, fabric=cp.fabric, ledger=cp.ledger, client=client, fault_hook=fault_hook)
+    tenant = TenantActivities(cp.db, fabric=cp.fabric, ledger=cp.ledger, fault_hook=fault_hook)
     return Worker(
         client,
         task_queue=settings.temporal.task_queue,
