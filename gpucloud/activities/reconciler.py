@@ -19,29 +19,27 @@ from sqlmodel import Session, col, select
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.service import RPCError
 
 from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.temporal_gateway import (
     running_node_operations,
-    signal_replace_node,
     start_bringup_batches,
     start_node_operation,
 )
 from gpucloud.config import Settings
 from gpucloud.db import Database
+from gpucloud.health.pulls import PullKind
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
     NodeOperationInput,
     NodeOperationKind,
-    ReplaceNodeRequest,
     SweepInput,
     SweepResult,
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import AGENT_UNREACHABLE, FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
-from gpucloud.services import agent_credentials, idempotency_records
+from gpucloud.services import agent_credentials, idempotency_records, pulls
 from gpucloud.services import nodes as node_service
 from gpucloud.services.recovery import adopt_orphans
 from gpucloud.web import metrics
@@ -172,11 +170,11 @@ class ReconcilerActivities(ActivityGroup):
                 idempotency_records.delete_expired, self.db.url, now=utcnow()
             )
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
-        health_pulls = [p.node_id for p in plans if p.health_pull]
+        health_pulls = [p.node_id for p in plans if p.pull != PullKind.NONE]
         if health_pulls:
             held_back = await asyncio.to_thread(self._breaker_held, health_pulls)
             plans = [p for p in plans if p.node_id not in held_back]
-        replaces = [p for p in plans if p.replace]
+        replaces = [p for p in plans if p.pull == PullKind.REPLACE]
         if replaces:
             await self._signal_replacements(replaces, result)
         starts = [p for p in plans if p.start is not None]
@@ -215,24 +213,12 @@ class ReconcilerActivities(ActivityGroup):
     async def _signal_replacements(self, plans: list[NodePlan], result: SweepResult) -> None:
         """Ask allocation workflows (again) to replace nodes the health rules want out. The
         workflow ignores a node it is already replacing; per-node backoff spaces the repeats."""
-        signalled: list[str] = []
-        for plan in plans:
-            if plan.allocation_id is None:  # a replace plan always names its allocation
-                continue
-            req = ReplaceNodeRequest(
-                node_id=plan.node_id,
-                reason="; ".join(plan.reasons)[:1000],
-                immediate=plan.replace_at_once,
-                grace_s=self.settings.health.drain_grace_s,
-                recheck_s=self.settings.health.replacement_recheck_s,
-            )
-            try:
-                await signal_replace_node(self.client, plan.allocation_id, req)
-                result.replace_signals += 1
-            except RPCError as exc:  # the allocation's workflow is gone: nothing to replace into
-                result.errors.append(f"replace {plan.node_id} in {plan.allocation_id}: {exc}")
-            signalled.append(plan.node_id)
-        await asyncio.to_thread(self._record_attempts, signalled)
+        decisions = [p.decision() for p in plans if p.allocation_id is not None]  # a replace names it
+        undelivered = await pulls.carry_out(self.client, self.settings, decisions)
+        result.replace_signals += len(decisions) - len(undelivered)
+        for decision, exc in undelivered:  # the allocation's workflow is gone: nothing to replace into
+            result.errors.append(f"replace {decision.node_id} in {decision.allocation_id}: {exc}")
+        await asyncio.to_thread(self._record_attempts, [d.node_id for d in decisions])
 
     def _breaker_held(self, node_ids: list[str]) -> set[str]:
         since = utcnow() - timedelta(seconds=self.settings.health.breaker_window_s)
