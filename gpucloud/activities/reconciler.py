@@ -38,8 +38,8 @@ from gpucloud.models.messages import (
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, utcnow
-from gpucloud.reconciler.plan import AGENT_UNREACHABLE, FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
-from gpucloud.services import agent_credentials, idempotency_records, pulls
+from gpucloud.reconciler.plan import FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
+from gpucloud.services import agent_credentials, idempotency_records, node_conditions, pulls
 from gpucloud.services import nodes as node_service
 from gpucloud.services.recovery import adopt_orphans
 from gpucloud.web import metrics
@@ -126,22 +126,6 @@ def fleet_silence(session: Session, heartbeat_cutoff) -> FleetSilence:
         ).where(_EXPECTED_TO_REPORT)
     ).one()
     return FleetSilence(reporting=reporting, silent=silent)
-
-
-def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
-    conditions = [c for c in node.health_conditions if c.get("name") != AGENT_UNREACHABLE]
-    if not reachable:
-        conditions.append({"name": AGENT_UNREACHABLE, "reason": reason, "since": utcnow().isoformat()})
-    health = (
-        "suspect"
-        if any(c.get("name") == AGENT_UNREACHABLE for c in conditions)
-        else (node.health if conditions else "ok")
-    )
-    session.execute(
-        sa.update(Node)
-        .where(col(Node.id) == node.id)
-        .values(agent_reachable=reachable, health_conditions=conditions, health=health, updated_at=utcnow())
-    )
 
 
 class ReconcilerActivities(ActivityGroup):
@@ -354,7 +338,11 @@ class ReconcilerActivities(ActivityGroup):
             if plan.set_reachable is not None:
                 fresh = session.get(Node, node.id)
                 if fresh is not None:
-                    _set_reachable(session, fresh, plan.set_reachable, "; ".join(plan.reasons))
+                    now = utcnow()
+                    values = node_conditions.reachability(
+                        fresh, reachable=plan.set_reachable, reason="; ".join(plan.reasons), now=now
+                    )
+                    node_conditions.write(session, node.id, values, now=now)
                 if plan.set_reachable:
                     result.marked_reachable += 1
                 else:

@@ -50,12 +50,10 @@ from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.protocol.actions import REPAIR_LADDER
 from gpucloud.protocol.reports import NodeReading, XidEvent
-from gpucloud.reconciler.plan import AGENT_STATE_DRIFT, AGENT_UNREACHABLE
+from gpucloud.services import node_conditions
 
 # Who the health loop is in the node's history (its cordons are lifted by a passed burn-in).
 HEALTH_ACTOR = "health"
-# Conditions other code owns on the node: a re-judgement of XIDs keeps them.
-_FOREIGN_CONDITIONS = frozenset({AGENT_UNREACHABLE, AGENT_STATE_DRIFT})
 # A node no allocation holds: drained by the reconciler.
 _DRAINABLE = frozenset({NodeState.ACTIVE, NodeState.AVAILABLE})
 # A compare-and-swap lost to a concurrent pull means a re-count; this many in a row means the
@@ -258,14 +256,7 @@ def _judge_and_decide(
     session: Session, node: Node, *, now: datetime, policy: HealthPolicy, breaker: BreakerSettings
 ) -> HealthOutcome:
     verdict = judge(session, node, now=now, policy=policy)
-    kept = [c for c in node.health_conditions if c.get("name") in _FOREIGN_CONDITIONS]
-    conditions = kept + [c.model_dump(mode="json") for c in verdict.conditions]
-    health = verdict.health.value if verdict.health != "ok" or not kept else node.health
-    session.execute(
-        sa.update(Node)
-        .where(col(Node.id) == node.id)
-        .values(health=health, health_conditions=conditions, updated_at=now)
-    )
+    node_conditions.write(session, node.id, node_conditions.judged(node, verdict), now=now)
     outcome = HealthOutcome(node_id=node.id, verdict=verdict)
     replace = node.state in HELD and node.allocation_id is not None
     if not pulls(verdict.action) or not (replace or node.state in _DRAINABLE):
