@@ -74,6 +74,8 @@ def test_the_ids_are_built_in_one_place() -> None:
     assert temporal_gateway.ids is ids
     assert drain_replace.node_workflow_id is ids.node_workflow_id
     assert billing_close.close_workflow_id is ids.close_workflow_id
+    assert tenant_workflows.allocation_workflow_id is ids.allocation_workflow_id  # offboarding's cancels
+    assert tenant_workflows.ALLOCATION_CANCEL_SIGNAL is ids.ALLOCATION_CANCEL_SIGNAL
     assert allocations.allocation_workflow_id is ids.allocation_workflow_id
     assert tenants.onboarding_workflow_id is ids.onboarding_workflow_id
     assert tenants.offboarding_workflow_id is ids.offboarding_workflow_id
