@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/gpucloud demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4 --dist worksteal
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 4 --dist worksteal --durations=25
 
 # What CI checks before the tests: lint, format and types.
 lint: $(STAMP)
@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q -m unit
 
 # Every benchmark's --quick, one after the other, each bounded by a timeout: each must exit 0
 # and print its JSON line of figures last (the figures are not judged). Postgres where

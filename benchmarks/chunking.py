@@ -44,7 +44,6 @@ import blake3
 
 from gpucloud.client.base import ApiClient
 from gpucloud.config import Settings
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.devstack.stack import free_port
 from gpucloud.devstack.temporal_server import server_args
 from gpucloud.registry.chunking import (
@@ -60,6 +59,7 @@ from gpucloud.registry.push import push
 from gpucloud.registry.store import LocalChunkStore
 from gpucloud.storage.direct import STAGE, write_durably
 from gpucloud.storage.local import fsync_path
+from gpucloud.web.serving import ThreadedServer
 
 BLOCKS = 20
 BLOCK_FRACTIONS = [0.30, 0.22, 0.16, 0.12, 0.08, 0.06, 0.03, 0.015, 0.01, 0.005]

@@ -49,7 +49,7 @@ from gpucloud.registry.manifest import Keyring, SignedManifest, Signer
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_app import TrackerClient
+from gpucloud.registry.tracker_client import TrackerClient
 
 GIB = 1 << 30
 FULL = {"nodes": 1000, "artifact_bytes": 141 * 10**9}
@@ -62,7 +62,7 @@ REAL_NODES_PER_RACK = 4
 TRACKER_MAIN = """
 import sys, uvicorn
 from gpucloud.registry.store import LocalChunkStore
-from gpucloud.registry.tracker_app import create_tracker_app
+from gpucloud.entrypoints.tracker import create_tracker_app
 app = create_tracker_app(chunk_store=LocalChunkStore(sys.argv[1]), seed=0)
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", access_log=False)
 """

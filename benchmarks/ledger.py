@@ -75,7 +75,7 @@ def ledger_process(database_url: str, log_path: Path):
     issuer = load_or_create_issuer(log_path.parent / "issuer_key.pem")
     key = public_key_path(log_path.parent / "issuer_key.pem")
     code = (
-        "from pathlib import Path; from gpucloud.ledger.app import main; "
+        "from pathlib import Path; from gpucloud.entrypoints.ledger import main; "
         f"main('127.0.0.1', {port}, {database_url!r}, control_plane_key=Path({str(key)!r}))"
     )
     with log_path.open("ab") as log:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_temporal_db_arg, bench_stack, log, wait_for
 
 from gpucloud.activities.storage import TENANT_RECORD
-from gpucloud.bootstrap import tenant_store
+from gpucloud.bootstrap import fabric_tokens, tenant_store
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.devstack.stack import Stack
@@ -245,7 +245,7 @@ def fabric_managers(stack: Stack) -> HttpFabricController:
     """A client of the stack's simulated fabric managers holding each manager's own token, the
     ones the stack hands the managers and the worker (kept in its data dir): the managers answer
     nothing else."""
-    return HttpFabricController.for_simulator(stack.fabric_url, tokens=stack.settings.fabric_tokens, timeout_s=60)
+    return HttpFabricController.for_simulator(stack.fabric_url, tokens=fabric_tokens(stack.settings), timeout_s=60)
 
 
 def fabric_check(

@@ -56,7 +56,7 @@ class Benchmark:
     without_postgres: tuple[str, ...] = ()
 
 
-# Every benchmark, in the order they run (`tests/unit/test_benchmark_smoke.py` checks that each
+# Every benchmark, in the order they run (`tests/platform/test_benchmark_smoke.py` checks that each
 # benchmarks/*.py is here or in HELPERS). A new benchmark needs a `--quick` of a minute or two.
 BENCHMARKS = (
     Benchmark("fanout", 120),

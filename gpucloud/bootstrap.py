@@ -14,27 +14,26 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tenacity
+from pydantic import SecretStr
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 
-from gpucloud.adapters.bmc import BmcCredentials, BmcEndpoint, RedfishBmc, SystemInfo, require_tls
-from gpucloud.adapters.bmc import discover as discover_systems
+from gpucloud.adapters.bmc import BmcCredentials, Bmcs
 from gpucloud.adapters.host_agent import HostAgents, HttpHostAgents
-from gpucloud.agent.probe import Probe
 from gpucloud.config import Settings, load_or_create_secret
 from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
+from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.client import LedgerClient
 from gpucloud.observability import tracing
-from gpucloud.protocol.reports import utc_now
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.agent_credentials import WipeRotation
@@ -44,13 +43,18 @@ from gpucloud.storage.local import LocalObjectStore
 from gpucloud.storage.objects import ObjectStore
 from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import TenantStore
-from gpucloud.web import service_tokens
+from gpucloud.web import service_tokens, tls
 
 if TYPE_CHECKING:
     from gpucloud.adapters.temporal import CodecKeys
-    from gpucloud.sim.faults import FaultModel
 
 FabricControllerFactory = Callable[[], HttpFabricController]
+
+
+def trust_configured_ca(settings: Settings) -> None:
+    """Make every client of this process verify servers against the deployment's CA
+    (`GPUCLOUD_TLS__CA_FILE`) as well as the public ones: each process calls this as it starts."""
+    tls.trust(settings.tls.ca_file)
 
 
 async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: Runtime | None = None) -> Client:
@@ -145,13 +149,25 @@ def evaluator_signer(settings: Settings) -> Signer:
     return Signer.from_seed(settings.evaluator_seed)
 
 
+def fabric_tokens(settings: Settings) -> FabricTokens:
+    """Each fabric manager's API token: from the settings, else the one kept in the data dir."""
+
+    def token(configured: SecretStr | None, name: str) -> str:
+        if configured is not None:
+            return configured.get_secret_value()
+        return load_or_create_secret(settings.data_dir / f"fabric_{name}_token", lambda: secrets.token_urlsafe(32))
+
+    f = settings.fabric
+    return FabricTokens(token(f.ufm_token, "ufm"), token(f.nmx_token, "nmx"), token(f.vpc_token, "vpc"))
+
+
 def fabric_controller(settings: Settings) -> FabricControllerFactory | None:
     """A factory of clients of the three fabric managers, or None when none is configured."""
     urls = settings.fabric.manager_urls
     if urls is None:
         return None
     ufm, nmx, sdn = urls
-    tokens = settings.fabric_tokens
+    tokens = fabric_tokens(settings)
     return lambda: HttpFabricController(ufm_url=ufm, nmx_url=nmx, sdn_url=sdn, tokens=tokens)
 
 
@@ -180,34 +196,6 @@ def bmcs(settings: Settings) -> Bmcs:
         verify=verify,
         allow_insecure=settings.bmc.allow_insecure,
     )
-
-
-@dataclass(frozen=True)
-class Bmcs:
-    """Makes the one Redfish client of a node's BMC (`adapters/bmc.py`)."""
-
-    credentials: BmcCredentials
-    timeout_s: float
-    power_wait_s: float
-    poll_s: float
-    verify: bool | str
-    allow_insecure: bool = False
-
-    def for_node(self, url: str, system_id: str, credential_ref: str) -> RedfishBmc:
-        require_tls(url, allow_insecure=self.allow_insecure)
-        username, password = self.credentials.resolve(credential_ref)
-        return RedfishBmc(
-            BmcEndpoint(url, system_id, username, password),
-            timeout_s=self.timeout_s,
-            power_wait_s=self.power_wait_s,
-            poll_s=self.poll_s,
-            verify=self.verify,
-        )
-
-    def discover(self, url: str, credential_ref: str) -> list[SystemInfo]:
-        require_tls(url, allow_insecure=self.allow_insecure)
-        username, password = self.credentials.resolve(credential_ref)
-        return discover_systems(url, username, password, timeout_s=self.timeout_s, verify=self.verify)
 
 
 def database(settings: Settings) -> Database:
@@ -324,32 +312,3 @@ def control_plane(settings: Settings) -> ControlPlane:
         registry=registry_stores(settings),
         bmcs=bmcs(settings),
     )
-
-
-def detect_probe(
-    node_id: str,
-    *,
-    allow_simulated: bool = True,
-    clock: Callable[[], datetime] = utc_now,
-    simulated_gpu_count: int = 8,
-    seed: int = 0,
-    fault_model: FaultModel | None = None,
-) -> Probe:
-    """NVML where the library is installed, else (if allowed) a simulated node.
-
-    A node whose NVML loads but whose driver is broken is still a GPU node: it gets the NVML
-    probe, which reports the failure as fatal, rather than a simulation that would hide it.
-    """
-    from gpucloud.agent.nvml import NvmlProbe, ProbeError
-
-    probe = NvmlProbe(node_id, clock=clock)
-    try:
-        is_gpu_node = probe.read().is_gpu_node
-    except ProbeError:
-        is_gpu_node = True
-    if is_gpu_node or not allow_simulated:
-        return probe
-    probe.close()
-    from gpucloud.sim.probe import SimulatedProbe
-
-    return SimulatedProbe(node_id, gpu_count=simulated_gpu_count, seed=seed, fault_model=fault_model, clock=clock)

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import base64
 import difflib
+import ipaddress
 import os
 import secrets
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
-
-from gpucloud.fabric.interface import FabricTokens
-from gpucloud.web.tls import ServerTLS, is_loopback
 
 TASK_QUEUE = "gpucloud"
 PREFIX = "GPUCLOUD_"
@@ -199,7 +198,8 @@ class RequestBodySettings(BaseModel):
 
 
 class AgentSettings(BaseModel):
-    """How the control plane reaches host agents, and the simulated fleet that stands in for them."""
+    """How the control plane reaches host agents, the simulated fleet that stands in for them, and
+    the host agent's own options on a node (`gpucloud agent`: each flag wins over its setting)."""
 
     # Agent heartbeats older than this make a node unreachable for the reconciler.
     heartbeat_timeout_s: float = 90.0
@@ -213,7 +213,7 @@ class AgentSettings(BaseModel):
     # The login user of the nodes' image: the tenant's SSH keys go to its authorized_keys (the
     # agent's `--ssh-user`), and the allocation's nodes show `ssh -p <port> <user>@<host>`.
     ssh_user: str = Field("ubuntu", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
-    # How often the simulated fleet's agents meter usage (real agents: every 60 s).
+    # How often agents meter usage (the agent's `--meter-interval-s`; the simulated fleet's too).
     meter_interval_s: float = 60.0
     # The control plane's Ed25519 key that signs its calls to agents (`web/service_tokens.py`);
     # default `<data dir>/issuer_key.pem`, its public half (what agents get) beside it as `.pub`.
@@ -221,6 +221,52 @@ class AgentSettings(BaseModel):
     # Derives the credential each wipe hands a node's agent; every worker needs the same one.
     # Without one, a secret kept in the data dir (created 0600).
     credential_secret: SecretStr | None = None
+
+    # The host agent on a node (`gpucloud agent --help` says what each is; its flag wins).
+    # This node's id, as enrolled (`--node-id`).
+    node_id: str | None = None
+    # The action API's management address and port; off loopback only over TLS (`tls_cert`,
+    # `tls_key`), unless `insecure` says the network is trusted.
+    host: str = "127.0.0.1"
+    port: int = 8200
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    insecure: bool = False
+    # A CA the control plane's and the ledger's certificates are checked against, besides
+    # GPUCLOUD_TLS__CA_FILE.
+    ca_file: Path | None = None
+    # This node's credential (`gpa_<node id>.<secret>`), where it keeps it (a wipe replaces it),
+    # a re-imaged boot's config drive that redeems a one-time token for it, and the control
+    # plane's public key (only its calls are served).
+    token: SecretStr | None = None
+    token_file: Path = Path("/var/lib/gpucloud/agent-credential")
+    enrollment_file: Path = Path("/run/gpucloud/config-drive/enrollment.json")
+    control_plane_key: Path = Path("/etc/gpucloud/control-plane.pub")
+    # Tenant files (removed on wipe), what the agent keeps across restarts, the tenant's weights
+    # (default `<state_dir>/weights`), the booted image's digest file, the durable usage spool.
+    scratch_dir: Path = Path("/var/lib/gpucloud/scratch")
+    state_dir: Path = Path("/var/lib/gpucloud/agent")
+    weights_dir: Path | None = None
+    image_digest_file: Path = Path("/etc/gpucloud/image-digest")
+    spool: Path = Path("/var/lib/gpucloud/usage-spool.db")
+    # Block devices the tenant writes to, erased on every wipe (`/dev/nvme1n1`, ...).
+    tenant_disks: list[str] = []
+    # The CLI that runs workloads' images (unset: podman, else docker, on PATH), and how much of
+    # a workload's output is kept (unset: `agent/workload_logs.py`'s 10 MiB a file, 5 files).
+    container_runtime: str | None = None
+    workload_log_max_bytes: int | None = Field(None, ge=1)
+    workload_log_files: int | None = Field(None, ge=1)
+    # Seconds between heartbeats, and between counter readings, sent to the control plane.
+    heartbeat_s: float = Field(10.0, gt=0)
+    reading_s: float = Field(30.0, gt=0)
+    # Simulate GPUs where NVML is absent (a dev machine only).
+    allow_simulated: bool = False
+    # The price-book GPU type (unset: from NVML's name).
+    gpu_type: str | None = None
+    # The bearer token Prometheus scrapes the agent's /metrics with (unset: off).
+    metrics_token: SecretStr | None = None
+    # The file the tenant's SSH keys go to (unset: ~<ssh_user>/.ssh/authorized_keys).
+    authorized_keys: Path | None = None
 
 
 class ReconcilerSettings(BaseModel):
@@ -461,6 +507,23 @@ class TelemetrySettings(BaseModel):
     worker_port: int | None = None
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """A server's certificate and key (PEM files), as `web/tls.py` serves them."""
+
+    cert_file: Path
+    key_file: Path
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class TLSSettings(BaseModel):
     """TLS for every server of the control plane and the CA every client verifies them against
     (`web/tls.py`). With `cert_file` and `key_file` each server speaks only TLS; without them a
@@ -684,18 +747,6 @@ class Settings(BaseSettings):
         if self.telemetry.metrics_token is not None:
             return self.telemetry.metrics_token.get_secret_value()
         return load_or_create_secret(self.data_dir / "metrics_token", lambda: secrets.token_urlsafe(32))
-
-    @cached_property
-    def fabric_tokens(self) -> FabricTokens:
-        """Each fabric manager's API token: from the settings, else the one kept in the data dir."""
-
-        def token(configured: SecretStr | None, name: str) -> str:
-            if configured is not None:
-                return configured.get_secret_value()
-            return load_or_create_secret(self.data_dir / f"fabric_{name}_token", lambda: secrets.token_urlsafe(32))
-
-        f = self.fabric
-        return FabricTokens(token(f.ufm_token, "ufm"), token(f.nmx_token, "nmx"), token(f.vpc_token, "vpc"))
 
     @cached_property
     def temporal_codec_keys(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -9,6 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from support.codec import CODEC_KEYS
+
+# The fast workflow tier's fixtures (`workflows`, `stand_ins`, `uid`): its tests live in their rooms.
+pytest_plugins = ["support.workflow_tier"]
 
 POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
 # Rich sizes tables and progress lines to the terminal; under xdist there is none (80 columns).
@@ -26,6 +30,17 @@ def cli_config(tmp_path_factory, monkeypatch):
     return path
 
 
+@pytest.fixture(autouse=True)
+def root_log_handlers() -> Iterator[None]:
+    """A command a test runs in-process (`CliRunner`) points the root logger at its own stderr,
+    which it closes when the command returns: the next test starts with the handlers it had."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 DB_PARAMS = [
     "sqlite",
     pytest.param(
@@ -37,11 +52,21 @@ DB_PARAMS = [
 ]
 
 
+TIERS = ("unit", "integration", "e2e", "workflow")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `one_database` exercise workflows, HTTP and agents, with the database only
     underneath: they run on SQLite. The database layer's own tests (CAS, races, queries,
     pagination, quotas, idempotency, migrations, and the allocation lifecycle end to end) run on
-    every database."""
+    every database.
+
+    Tests live by room (`tests/<room>/`), and each file names its tier with a marker: `unit`,
+    `integration`, `e2e` or `workflow` (`pytest -m unit` runs the fast ones of every room). A
+    test without exactly one tier stops the run."""
+    untiered = [item.nodeid for item in items if len([m for m in TIERS if item.get_closest_marker(m)]) != 1]
+    if untiered:
+        raise pytest.UsageError(f"give each test file one tier marker ({', '.join(TIERS)}): {untiered[:5]}")
     keep, dropped = [], []
     for item in items:
         params = getattr(item, "callspec", None)
@@ -196,7 +221,8 @@ def _harness_settings(tmp_path, db_url: str, temporal_env, **overrides):
             "codec_keys": CODEC_KEYS,
         },
         # Tests revoke and rotate keys and check the next request at once: the API remembers no
-        # credential (its cache, and the delay it puts on revocation, are tested in tests/unit).
+        # credential (its cache, and the delay it puts on revocation, are tested in
+        # tests/security/test_agent_credential_rotation.py).
         "api": {"port": free_port(), "operator_token": "test-operator-token", "credential_cache_s": 0},
     }
     for name, value in overrides.items():

@@ -30,8 +30,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
-from gpucloud.adapters.bmc import POWER_AFTER, BmcError
-from gpucloud.bootstrap import Bmcs
+from gpucloud.adapters.bmc import POWER_AFTER, BmcError, Bmcs
 from gpucloud.db import Database
 from gpucloud.models.messages import (
     BmcPowerInput,

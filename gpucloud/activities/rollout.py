@@ -15,7 +15,7 @@ evaluation, which sends the model's command, reads its node again): a node no lo
 rollout tenant's allocation, or whose agent moved, is reported `dropped` and sent nothing — no
 signed manifest, no swarm token, no command. The swarm tokens a prefetch hands out name the
 allocation the DB shows at that moment, and the tracker and origin honour them only while the
-node is still in it (`gpucloud.registry.origin`). A worker without a control-plane DB (the
+node is still in it (`gpucloud.entrypoints.tracker`). A worker without a control-plane DB (the
 fan-out test harness) sends to the nodes it is given.
 """
 
@@ -48,7 +48,7 @@ from gpucloud.registry.manifest import SignedManifest, VersionNotFoundError
 from gpucloud.registry.promotion import active_public_keys, evaluate_gates
 from gpucloud.registry.store import ManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_app import TrackerClient
+from gpucloud.registry.tracker_client import TrackerClient
 from gpucloud.services.nodes import Holding, holdings
 from gpucloud.web import metrics
 from gpucloud.web.service_tokens import (

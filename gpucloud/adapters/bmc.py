@@ -391,3 +391,31 @@ def discover(
         return [_info(system) for system in systems]
     except Exception as error:
         raise _translate(error, f"Systems of {url}") from error
+
+
+@dataclass(frozen=True)
+class Bmcs:
+    """Makes the one Redfish client of a node's BMC; `bootstrap.bmcs` builds it from the settings."""
+
+    credentials: BmcCredentials
+    timeout_s: float
+    power_wait_s: float
+    poll_s: float
+    verify: bool | str
+    allow_insecure: bool = False
+
+    def for_node(self, url: str, system_id: str, credential_ref: str) -> RedfishBmc:
+        require_tls(url, allow_insecure=self.allow_insecure)
+        username, password = self.credentials.resolve(credential_ref)
+        return RedfishBmc(
+            BmcEndpoint(url, system_id, username, password),
+            timeout_s=self.timeout_s,
+            power_wait_s=self.power_wait_s,
+            poll_s=self.poll_s,
+            verify=self.verify,
+        )
+
+    def discover(self, url: str, credential_ref: str) -> list[SystemInfo]:
+        require_tls(url, allow_insecure=self.allow_insecure)
+        username, password = self.credentials.resolve(credential_ref)
+        return discover(url, username, password, timeout_s=self.timeout_s, verify=self.verify)

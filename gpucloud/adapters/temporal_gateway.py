@@ -5,7 +5,7 @@ The API, the CLI, the worker's recovery and the activities call it; none of them
 `Client` call of its own. It sits below the workflows (floor 1) and never imports them: a
 workflow is started by its type's name with its typed input model, a signal, query or update is
 sent by its name, and every name and id comes from `models.workflow_ids`, which the workflows
-use too (`tests/unit/test_workflow_ids.py` keeps the names equal to the registered ones).
+use too (`tests/platform/test_workflow_ids.py` keeps the names equal to the registered ones).
 Search attributes, ids and conflict policies are decided here, once.
 """
 

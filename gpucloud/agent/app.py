@@ -1,4 +1,4 @@
-"""The host agent process (`gpucloud agent`): what runs on every GPU node.
+"""The host agent's app: what runs on every GPU node (`gpucloud.entrypoints.agent` runs it).
 
 It serves the control plane's action API (`POST /actions/{action}` with `{"request_id",
 "tenant_id"}`), answered by the action core every agent runs, the simulated fleet's nodes too
@@ -36,17 +36,16 @@ from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Scope
 
+from gpucloud.adapters.probe import Probe
 from gpucloud.agent import inspection
 from gpucloud.agent.action_core import ActionCore, NodeFacts, Outcome, action_failed, answer_action, problem
 from gpucloud.agent.cleaning import Cleaner, CleaningFailed
-from gpucloud.agent.host import HostState, gpu_type_of, read_boot_id, read_image_digest
+from gpucloud.agent.host import HostState, gpu_type_of
 from gpucloud.agent.logs_api import install_workload_logs
-from gpucloud.agent.probe import Probe
 from gpucloud.agent.reporting import AgentMetering, Reporter
 from gpucloud.agent.spool import NodeAllocation, wall_clock_ms
 from gpucloud.agent.ssh_keys import AuthorizedKeys, KeysNotWritten
@@ -60,12 +59,8 @@ from gpucloud.agent.tools import (
     burn_in_figure,
     thermal_soak,
 )
-from gpucloud.agent.weights_api import health_from_probe
-from gpucloud.agent.workload_logs import DEFAULT_LIMITS, LogLimits
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.config import RequestBodySettings
-from gpucloud.ledger.client import AgentLedgerToken
-from gpucloud.observability import tracing
 from gpucloud.protocol.actions import SCRATCH, ActionRequest, AgentAction, CleaningStep
 from gpucloud.protocol.logs import WORKLOAD_LOGS_PATH
 from gpucloud.protocol.reports import NodeReading
@@ -74,7 +69,6 @@ from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import install_readiness
 from gpucloud.web.service_tokens import Verifier, logs_refusal_reason
-from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
 
@@ -409,114 +403,3 @@ def create_app(
     if weights is not None:  # after every route above: what none of them serves goes here
         app.mount("", weights)
     return app
-
-
-def main(
-    *,
-    node_id: str,
-    control_plane_url: str,
-    token: str | None,
-    control_plane_key: Path,
-    token_file: Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8200,
-    scratch_dir: Path = Path("/var/lib/gpucloud/scratch"),
-    heartbeat_s: float = 10.0,
-    reading_s: float = 30.0,
-    allow_simulated: bool = False,
-    ledger_url: str | None = None,
-    spool_path: Path = Path("/var/lib/gpucloud/usage-spool.db"),
-    meter_interval_s: float = 60.0,
-    gpu_type: str | None = None,
-    tls: ServerTLS | None = None,
-    insecure: bool = False,
-    state_dir: Path = Path("/var/lib/gpucloud/agent"),
-    container_runtime: str | None = None,
-    workload_logs: LogLimits = DEFAULT_LIMITS,
-    metrics_token: str | None = None,
-    weights_dir: Path | None = None,
-    image_digest_file: Path = Path("/etc/gpucloud/image-digest"),
-    tenant_disks: tuple[str, ...] = (),
-    enrollment_file: Path | None = None,
-    ssh_user: str = "ubuntu",
-    authorized_keys: Path | None = None,
-) -> None:
-    """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
-    its node's credential (`gpa_<node id>.<secret>`), unless a re-imaged boot's config drive
-    (`enrollment_file`) is there to redeem for one, and without the control plane's public key."""
-    import uvicorn
-
-    drive = enrollment_file is not None and enrollment_file.is_file()
-    if token is None and not drive:
-        raise SystemExit(
-            f"the agent needs {node_id}'s credential: issue one with `gpucloud node credential {node_id}` "
-            "and pass it as --token, or boot it from the clean image with its config drive (--enrollment-file)"
-        )
-    if token is not None and not token.startswith(f"gpa_{node_id}."):
-        raise SystemExit(
-            f"the agent needs {node_id}'s own credential (gpa_{node_id}.<secret>): issue one with "
-            f"`POST /v1/nodes/{node_id}/agent-credential` and pass it as --token"
-        )
-    if not control_plane_key.is_file():
-        raise SystemExit(
-            f"no control plane public key at {control_plane_key}: copy the control plane's "
-            "issuer_key.pub there (or pass --control-plane-key)"
-        )
-    from gpucloud.web.service_tokens import load_verifier
-
-    secure = serve_options(host, tls, insecure=insecure, what="agent's action API")
-    verifier = load_verifier(control_plane_key)
-
-    state = HostState(
-        node_id=node_id,
-        boot_id=read_boot_id(),
-        image_digest=read_image_digest(image_digest_file),
-        scratch_dir=scratch_dir,
-        credential=token,
-        credential_file=token_file,
-        state_file=state_dir / "host.json",
-    )
-    state.restore()  # a restart mid-allocation: the tenant still holds the node, and is metered
-    from gpucloud.bootstrap import detect_probe
-    from gpucloud.sim.probe import SimulatedProbe
-
-    probe = detect_probe(node_id, allow_simulated=allow_simulated)
-    weights_dir = weights_dir or state_dir / "weights"
-    # Simulated GPUs (--allow-simulated, a dev machine) have no stack to inspect.
-    agent = Agent(
-        state,
-        probe,
-        gpu_type=gpu_type,
-        inspect_stack=not isinstance(probe, SimulatedProbe),
-        workloads=WorkloadSupervisor(
-            state_dir / "workloads", container_runtime=container_runtime, log_limits=workload_logs
-        ),
-        weights_dir=weights_dir,
-        tenant_disks=tenant_disks,
-        ssh_keys=AuthorizedKeys(ssh_user, path=authorized_keys),
-    )
-    if not tenant_disks:
-        log.warning("no tenant disks are configured (--tenant-disk): a wipe sanitizes no disk")
-    weights = TenantWeights(
-        state, weights_dir, verifier=verifier, health=health_from_probe(probe), container_runtime=container_runtime
-    )
-    client = httpx.AsyncClient(base_url=control_plane_url, timeout=30, verify=client_verify())
-    metering = None
-    if ledger_url:
-        spool_path.parent.mkdir(parents=True, exist_ok=True)
-        ledger_token = AgentLedgerToken(control_plane_url, lambda: state.credential)
-        metering = AgentMetering(agent, spool_path, ledger_url, interval_s=meter_interval_s, token=ledger_token)
-    else:
-        log.warning("no ledger URL: this node's usage is not metered")
-    app = create_app(
-        agent,
-        Reporter(agent, client, enrollment_file=enrollment_file),
-        control_plane=verifier,
-        heartbeat_s=heartbeat_s,
-        reading_s=reading_s,
-        metering=metering,
-        metrics_tokens=(metrics_token,) if metrics_token else (),
-        weights=weights,
-    )
-    tracing.instrument_app(app)  # when the command turned tracing on
-    uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, **secure)

@@ -6,7 +6,7 @@ never served. `PeerServer` runs such an app (or any ASGI app) with uvicorn on a 
 thread, as the agent process does next to its other work.
 
 `ChunkFetcher` fills the cache with the chunks of one version a node lacks, several at once. It
-asks the tracker (`gpucloud.registry.tracker_app`) for a plan as fetch slots free up; each
+asks the tracker (`gpucloud.entrypoints.tracker`) for a plan as fetch slots free up; each
 assignment lists sources best first (rack-local peers, other racks, the origin last). Every
 chunk is hashed before it is written (`ChunkCache.put`); a peer whose bytes do not hash to the
 chunk id is reported to the tracker and the next source is tried; a peer that is down or lacks
@@ -39,7 +39,6 @@ from starlette.types import ASGIApp, Scope
 
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.config import RequestBodySettings
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.registry.manifest import (
     HEX_DIGEST,
     ChunkCorruptedError,
@@ -50,10 +49,11 @@ from gpucloud.registry.manifest import (
     SignedManifest,
 )
 from gpucloud.registry.tracker import ORIGIN
-from gpucloud.registry.tracker_app import KEEPALIVE_S, TrackerClient
+from gpucloud.registry.tracker_client import KEEPALIVE_S, TrackerClient
 from gpucloud.web import metrics, problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, Gate, query_value
 from gpucloud.web.service_tokens import SWARM_PEER, InvalidToken, Verifier, swarm_audience
+from gpucloud.web.serving import ThreadedServer
 from gpucloud.web.tls import ServerTLS
 
 

@@ -46,14 +46,14 @@ from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpucloud.adapters.probe import Probe
 from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
-from gpucloud.agent.probe import Probe
 from gpucloud.models.registry_tables import EvaluationCommand
 from gpucloud.registry.evaluators import CommandRunner, evaluate_directory, run_model_command
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
 from gpucloud.registry.names import EvaluatorName
-from gpucloud.registry.tracker_app import TrackerClient
+from gpucloud.registry.tracker_client import TrackerClient
 from gpucloud.web import problems
 
 EvalProbe = Callable[[ChunkCache, str], float]
@@ -108,7 +108,7 @@ def always_healthy() -> tuple[bool, str]:
 
 
 def health_from_probe(probe: Probe) -> HealthCheck:
-    """Health from the node's GPU probe (`gpucloud.agent.probe.Probe`)."""
+    """Health from the node's GPU probe (`gpucloud.adapters.probe.Probe`)."""
 
     def check() -> tuple[bool, str]:
         reading = probe.read()

@@ -108,8 +108,9 @@ def connect(
     api_url: str | None = None, api_key: str | None = None, *, operator: bool = False, key_option: str = "--api-key"
 ) -> contexts.Connection:
     """The API and token this command uses (`contexts.resolve`: options, environment, then the
-    context), the context's CA trusted; or exit 2 saying how to configure them. `operator`: the
-    command takes an operator token when no API key is given."""
+    context), the context's CA trusted (and the deployment's, `GPUCLOUD_TLS__CA_FILE`); or exit 2
+    saying how to configure them. `operator`: the command takes an operator token when no API key
+    is given."""
     from gpucloud.web import tls
 
     try:
@@ -119,6 +120,7 @@ def connect(
     except contexts.ConfigProblem as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(ExitCode.USAGE_OR_VERIFICATION) from None
+    tls.trust(get_settings().tls.ca_file)  # as `bootstrap.trust_configured_ca`, without loading the bootstrap
     if connection.ca_file is not None:
         tls.trust(connection.ca_file)
     _Invocation.connection = connection

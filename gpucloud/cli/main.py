@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import os
 import signal
 import sys
@@ -13,10 +11,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
-from gpucloud.agent.workload_logs import DEFAULT_FILES, DEFAULT_MAX_BYTES, LogLimits
+from gpucloud.agent.workload_logs import DEFAULT_FILES, DEFAULT_MAX_BYTES
 from gpucloud.cli.allocation_ssh import allocations_ssh
 from gpucloud.cli.billing import invoices_app, usage
 from gpucloud.cli.catalog import catalog, tenants_quota, whoami
@@ -28,7 +27,7 @@ from gpucloud.cli.operators import operators_app
 from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.simulators import FaultsOption, TimeScaleOption, fabric_managers, fault_model_named, sim
-from gpucloud.config import Settings, UnknownSetting, get_settings, refuse_unknown_variables
+from gpucloud.config import AgentSettings, Settings, UnknownSetting, get_settings, refuse_unknown_variables
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, epilog=EXIT_CODES_HELP)
 console = Console(stderr=True)
@@ -53,12 +52,6 @@ def _options(
         raise typer.Exit(ExitCode.USAGE_OR_VERIFICATION) from None
     begin_invocation(context_name)
     invocation.call_on_close(lambda: begin_invocation(None))
-
-
-def _serve(module: str, function: str) -> None:
-    """Run `module.function(settings)`, imported only now so that `--help` stays fast."""
-    configure_logging("tracker")
-    getattr(importlib.import_module(module), function)(get_settings())
 
 
 @app.command()
@@ -89,19 +82,10 @@ def worker(
     ] = WorkerRole.CONTROL_PLANE,
 ) -> None:
     """Run a Temporal worker: the control plane's, or the evaluation worker."""
-    from gpucloud.workers.main import run_evaluation_worker, run_worker
+    from gpucloud.entrypoints import worker as entrypoint
 
     configure_logging("worker" if role == WorkerRole.CONTROL_PLANE else "evaluation-worker")
-    run = run_worker if role == WorkerRole.CONTROL_PLANE else run_evaluation_worker
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await run(get_settings(), stop=stop)
-
-    asyncio.run(main())
+    entrypoint.serve(get_settings(), evaluation=role == WorkerRole.EVALUATION)
 
 
 @app.command()
@@ -111,7 +95,7 @@ def api(
     ] = None,
 ) -> None:
     """Run the HTTP API (FastAPI + uvicorn)."""
-    from gpucloud.api.app import serve
+    from gpucloud.entrypoints.api import serve
 
     configure_logging("api")
     settings = get_settings()
@@ -123,7 +107,10 @@ def api(
 @app.command()
 def tracker() -> None:
     """Run the weight tracker, with the registry's chunks as the origin, on GPUCLOUD_TRACKER__URL."""
-    _serve("gpucloud.registry.origin", "serve_tracker")
+    from gpucloud.entrypoints.tracker import serve
+
+    configure_logging("tracker")
+    serve(get_settings())
 
 
 @app.command()
@@ -221,58 +208,70 @@ def demo(
 
 @app.command()
 def agent(
-    node_id: Annotated[str, typer.Option(help="this node's id, as enrolled")],
-    port: Annotated[int, typer.Option(help="port of the action API")] = 8200,
+    node_id: Annotated[str | None, typer.Option(help="this node's id, as enrolled (GPUCLOUD_AGENT__NODE_ID)")] = None,
+    port: Annotated[int | None, typer.Option(help="port of the action API (GPUCLOUD_AGENT__PORT, 8200)")] = None,
     host: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="the management address of the action API (loopback by default); it answers only the "
+            help="the management address of the action API (GPUCLOUD_AGENT__HOST, loopback); it answers only the "
             "control plane's signed calls, and off loopback only over TLS (--tls-cert, --tls-key)"
         ),
-    ] = "127.0.0.1",
+    ] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="the action API's TLS certificate (PEM)")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="its private key (PEM)")] = None,
     ca_file: Annotated[
         Path | None, typer.Option(help="the CA the control plane's and the ledger's certificates are checked against")
     ] = None,
     insecure: Annotated[
-        bool, typer.Option("--insecure", help="allow a bind off loopback without TLS (a network you trust)")
-    ] = False,
-    scratch_dir: Annotated[Path, typer.Option(help="tenant files, removed on wipe")] = Path(
-        "/var/lib/gpucloud/scratch"
-    ),
+        bool | None, typer.Option("--insecure", help="allow a bind off loopback without TLS (a network you trust)")
+    ] = None,
+    scratch_dir: Annotated[
+        Path | None, typer.Option(help="tenant files, removed on wipe (default /var/lib/gpucloud/scratch)")
+    ] = None,
     state_dir: Annotated[
-        Path, typer.Option(help="what the agent keeps across restarts: the tenancy, the workload it runs")
-    ] = Path("/var/lib/gpucloud/agent"),
+        Path | None,
+        typer.Option(
+            help="what the agent keeps across restarts: the tenancy, the workload it runs (default "
+            "/var/lib/gpucloud/agent)"
+        ),
+    ] = None,
     image_digest_file: Annotated[
-        Path,
-        typer.Option(help="the booted image's digest (sha256:<hex>), written by the clean image; a re-image checks it"),
-    ] = Path("/etc/gpucloud/image-digest"),
+        Path | None,
+        typer.Option(
+            help="the booted image's digest (sha256:<hex>), written by the clean image; a re-image checks it "
+            "(default /etc/gpucloud/image-digest)"
+        ),
+    ] = None,
     container_runtime: Annotated[
         str | None, typer.Option(help="the CLI that runs workloads' images (default: podman, else docker, on PATH)")
     ] = None,
     workload_log_max_bytes: Annotated[
-        int, typer.Option(min=1, help="bytes of a workload's output per log file before it rotates")
-    ] = DEFAULT_MAX_BYTES,
+        int | None,
+        typer.Option(min=1, help=f"bytes of a workload's output per log file before it rotates ({DEFAULT_MAX_BYTES})"),
+    ] = None,
     workload_log_files: Annotated[
-        int, typer.Option(min=1, help="log files of a workload's output kept (the current one and older ones)")
-    ] = DEFAULT_FILES,
-    heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats to the control plane")] = 10.0,
-    reading_s: Annotated[float, typer.Option(help="seconds between counter readings sent to it")] = 30.0,
+        int | None,
+        typer.Option(
+            min=1, help=f"log files of a workload's output kept (the current one and older ones; {DEFAULT_FILES})"
+        ),
+    ] = None,
+    heartbeat_s: Annotated[float | None, typer.Option(help="seconds between heartbeats to the control plane")] = None,
+    reading_s: Annotated[float | None, typer.Option(help="seconds between counter readings sent to it")] = None,
     allow_simulated: Annotated[
-        bool,
+        bool | None,
         typer.Option(envvar="GPUCLOUD_AGENT_ALLOW_SIMULATED", help="simulate GPUs where NVML is absent (dev only)"),
-    ] = False,
+    ] = None,
     ledger_url: Annotated[
         str | None,
         typer.Option(help="meter usage to this billing ledger (default: GPUCLOUD_LEDGER__URL; none: not metered)"),
     ] = None,
-    spool: Annotated[Path, typer.Option(help="the durable usage spool (SQLite)")] = Path(
-        "/var/lib/gpucloud/usage-spool.db"
-    ),
+    spool: Annotated[
+        Path | None, typer.Option(help="the durable usage spool (SQLite; default /var/lib/gpucloud/usage-spool.db)")
+    ] = None,
     meter_interval_s: Annotated[
-        float, typer.Option(envvar="GPUCLOUD_AGENT_METER_INTERVAL_S", help="seconds between usage samples")
-    ] = 60.0,
+        float | None,
+        typer.Option(envvar="GPUCLOUD_AGENT_METER_INTERVAL_S", help="seconds between usage samples (60)"),
+    ] = None,
     gpu_type: Annotated[str | None, typer.Option(help="price-book GPU type (default: from NVML's name)")] = None,
     token: Annotated[
         str | None,
@@ -281,13 +280,19 @@ def agent(
         ),
     ] = None,
     control_plane_key: Annotated[
-        Path,
-        typer.Option(help="the control plane's public key (its data dir's issuer_key.pub): only its calls are served"),
-    ] = Path("/etc/gpucloud/control-plane.pub"),
+        Path | None,
+        typer.Option(
+            help="the control plane's public key (its data dir's issuer_key.pub): only its calls are served "
+            "(default /etc/gpucloud/control-plane.pub)"
+        ),
+    ] = None,
     token_file: Annotated[
-        Path,
-        typer.Option(help="where the agent keeps its credential (0600); a wipe replaces it, and a restart reads it"),
-    ] = Path("/var/lib/gpucloud/agent-credential"),
+        Path | None,
+        typer.Option(
+            help="where the agent keeps its credential (0600); a wipe replaces it, and a restart reads it "
+            "(default /var/lib/gpucloud/agent-credential)"
+        ),
+    ] = None,
     metrics_token: Annotated[
         str | None,
         typer.Option(
@@ -303,12 +308,13 @@ def agent(
         ),
     ] = None,
     enrollment_file: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             help="a re-imaged boot's config drive (the clean image places it here): its one-time enrollment "
-            "token is redeemed for the node's credential, which goes to --token-file"
+            "token is redeemed for the node's credential, which goes to --token-file (default "
+            "/run/gpucloud/config-drive/enrollment.json)"
         ),
-    ] = Path("/run/gpucloud/config-drive/enrollment.json"),
+    ] = None,
     tenant_disk: Annotated[
         list[str] | None,
         typer.Option(
@@ -327,60 +333,71 @@ def agent(
     ] = None,
 ) -> None:
     """Run the host agent on a GPU node: serve the control plane's actions, push heartbeats and XIDs, meter usage,
-    and serve the tenant's model weights to rollouts (/weights) and to peers (/chunks)."""
-    from gpucloud.agent.app import main as agent_main
-    from gpucloud.web import tls as web_tls
+    and serve the tenant's model weights to rollouts (/weights) and to peers (/chunks). Each option is also a
+    setting, GPUCLOUD_AGENT__<OPTION> (GPUCLOUD_AGENT__HEARTBEAT_S=5); an option given wins over its setting."""
+    from gpucloud.entrypoints import agent as entrypoint
 
     configure_logging("agent")
+    flags = {
+        "node_id": node_id,
+        "port": port,
+        "host": host,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "ca_file": ca_file,
+        "insecure": insecure,
+        "scratch_dir": scratch_dir,
+        "state_dir": state_dir,
+        "image_digest_file": image_digest_file,
+        "container_runtime": container_runtime,
+        "workload_log_max_bytes": workload_log_max_bytes,
+        "workload_log_files": workload_log_files,
+        "heartbeat_s": heartbeat_s,
+        "reading_s": reading_s,
+        "allow_simulated": allow_simulated,
+        "spool": spool,
+        "meter_interval_s": meter_interval_s,
+        "gpu_type": gpu_type,
+        "token": token,
+        "control_plane_key": control_plane_key,
+        "token_file": token_file,
+        "metrics_token": metrics_token,
+        "weights_dir": weights_dir,
+        "enrollment_file": enrollment_file,
+        "tenant_disks": tenant_disk,
+        "ssh_user": ssh_user,
+        "authorized_keys": authorized_keys,
+    }
     settings = get_settings()
-    if (tls_cert is None) != (tls_key is None):
+    options = _agent_settings(settings.agent, {name: value for name, value in flags.items() if value is not None})
+    if options.node_id is None:
+        raise typer.BadParameter("the agent needs this node's id: --node-id, or GPUCLOUD_AGENT__NODE_ID")
+    if (options.tls_cert is None) != (options.tls_key is None):
         raise typer.BadParameter("TLS needs both --tls-cert and --tls-key", param_hint="--tls-cert")
-    web_tls.trust(ca_file)
-    disks = tuple(tenant_disk or ())
-    if bad := [disk for disk in disks if not disk.startswith("/dev/")]:
+    if bad := [disk for disk in options.tenant_disks if not disk.startswith("/dev/")]:
         raise typer.BadParameter(
             f"{bad[0]} is not a device path: name the tenant's block device (/dev/nvme1n1, /dev/sdb)",
             param_hint="--tenant-disk",
         )
-    if token_file.is_file():  # the credential the last wipe handed over wins over the first one
-        token = token_file.read_text().strip()
-    if token is None and not enrollment_file.is_file():
+    if options.token is None and not options.token_file.is_file() and not options.enrollment_file.is_file():
         # Tenants have root on the nodes they rent: the operator token must not live there.
         raise typer.BadParameter(
-            f"the agent needs its node's credential: issue one with `gpucloud node credential {node_id}` "
-            "and pass it as --token (or GPUCLOUD_AGENT_TOKEN); a re-imaged boot enrolls from its config "
-            f"drive instead (none at {enrollment_file})",
+            f"the agent needs its node's credential: issue one with `gpucloud node credential {options.node_id}` "
+            "and pass it as --token (or GPUCLOUD_AGENT__TOKEN); a re-imaged boot enrolls from its config "
+            f"drive instead (none at {options.enrollment_file})",
             param_hint="--token",
         )
-    agent_main(
-        node_id=node_id,
-        control_plane_url=settings.api_url,
-        token=token,
-        control_plane_key=control_plane_key,
-        token_file=token_file,
-        host=host,
-        port=port,
-        scratch_dir=scratch_dir,
-        state_dir=state_dir,
-        heartbeat_s=heartbeat_s,
-        reading_s=reading_s,
-        allow_simulated=allow_simulated,
-        ledger_url=ledger_url or settings.ledger.url,
-        spool_path=spool,
-        meter_interval_s=meter_interval_s,
-        gpu_type=gpu_type,
-        tls=web_tls.ServerTLS(tls_cert, tls_key) if tls_cert and tls_key else None,
-        insecure=insecure,
-        container_runtime=container_runtime,
-        workload_logs=LogLimits(max_bytes=workload_log_max_bytes, files=workload_log_files),
-        metrics_token=metrics_token,
-        weights_dir=weights_dir,
-        image_digest_file=image_digest_file,
-        tenant_disks=disks,
-        enrollment_file=enrollment_file,
-        ssh_user=ssh_user or settings.agent.ssh_user,
-        authorized_keys=authorized_keys,
-    )
+    settings = settings.model_copy(update={"agent": options})
+    entrypoint.serve(settings, ledger_url=ledger_url or settings.ledger.url)
+
+
+def _agent_settings(configured: AgentSettings, flags: dict[str, object]) -> AgentSettings:
+    """The agent's settings with the flags given in place of theirs, checked as the settings are."""
+    try:
+        return AgentSettings.model_validate({**configured.model_dump(), **flags})
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise typer.BadParameter(problem["msg"], param_hint=f"--{str(problem['loc'][0]).replace('_', '-')}") from None
 
 
 @app.command()
@@ -399,23 +416,10 @@ def ledger(
 ) -> None:
     """Run the billing ledger: its own process and its own database; it answers only the
     control plane's signed tokens."""
-    from gpucloud.ledger.app import main as ledger_main
-    from gpucloud.web.service_tokens import public_key_path
+    from gpucloud.entrypoints import ledger as entrypoint
 
     configure_logging("ledger")
-    settings = get_settings()
-    ledger_main(
-        host=settings.ledger.host,
-        port=port or settings.ledger.port,
-        database_url=database_url or settings.ledger_database_url,
-        control_plane_key=control_plane_key or public_key_path(settings.issuer_key_path),
-        tls=settings.tls.server,
-        insecure=settings.tls.insecure,
-        migrate_on_start=settings.ledger.migrate_on_start,
-        metrics_tokens=(settings.metrics_token, settings.operator_token),
-        request_body=settings.request_body,
-        admission=settings.ledger,
-    )
+    entrypoint.serve(get_settings(), port=port, database_url=database_url, control_plane_key=control_plane_key)
 
 
 @app.command("codec-server")
@@ -427,23 +431,10 @@ def codec_server(
 ) -> None:
     """Decode sealed Temporal payloads for the Web UI (its codec endpoint) and `temporal
     --codec-endpoint`, for admins' tokens only. Run it only while an operator needs it."""
-    from gpucloud import bootstrap
-    from gpucloud.adapters.temporal import EncryptionCodec
-    from gpucloud.web.codec_server import main as codec_main
+    from gpucloud.entrypoints import codec_server as entrypoint
 
     configure_logging("codec-server")
-    settings = get_settings()
-    codec_main(
-        EncryptionCodec(bootstrap.temporal_codec_keys(settings)),
-        database_url=settings.database_url,
-        operator_token=settings.operator_token,
-        request_body=settings.request_body,
-        host=host or settings.temporal.codec_server_host,
-        port=port or settings.temporal.codec_server_port,
-        ui_origin=settings.temporal.codec_server_ui_origin,
-        tls=settings.tls.server,
-        insecure=settings.tls.insecure,
-    )
+    entrypoint.serve(get_settings(), host=host, port=port)
 
 
 @app.command("codec-key-rotate")

@@ -83,78 +83,33 @@ def sim(
 ) -> None:
     """Run a simulated fleet of N host agents on one port; like real agents, they act only on
     the control plane's signed calls."""
-    from gpucloud.sim.fleet import FleetSpec, serve
-    from gpucloud.sim.metering import MeteringSpec
-    from gpucloud.sim.node_weights import WeightsSpec, control_plane_keyrings
-    from gpucloud.web.service_tokens import Verifier, load_verifier
+    from gpucloud.entrypoints import simulators
 
     configure_logging()
-    settings = get_settings()
-    spec = FleetSpec(
+    simulators.serve_fleet(
+        get_settings(),
         nodes=nodes,
+        register=register,
         latency_scale=latency_scale,
         provision_s=provision_s,
         gpu_type=gpu_type,
         region=region,
         seed=seed,
         id_prefix=id_prefix,
+        heartbeat_interval=heartbeat_interval,
+        ledger_url=ledger_url,
+        meter_interval=meter_interval,
         nvl72_racks=nvl72_racks,
         nvl72_trays_per_rack=nvl72_trays_per_rack,
+        control_plane_key=control_plane_key,
+        fault_model=fault_model_named(faults),
+        fault_time_scale=time_scale,
+        faults_paused=faults_paused,
+        batch_reports=batch_reports,
+        bmc=bmc,
+        boot_s=boot_s,
         ssh=ssh,
-        ssh_user=settings.agent.ssh_user,
     )
-    metering = None
-    if ledger_url:
-        metering = MeteringSpec(
-            ledger_url=ledger_url,
-            spool_dir=settings.data_dir / "spools",
-            interval_s=meter_interval or settings.agent.meter_interval_s,
-        )
-    # Caches are made per node on its first weights call; keys come from the control plane's DB.
-    weights = WeightsSpec(
-        root=settings.data_dir / "sim-weights", keyring_for=control_plane_keyrings(settings.database_url)
-    )
-    from gpucloud.bootstrap import token_issuer
-
-    emulator, link = None, None
-    if bmc:
-        from gpucloud.sim.bmc import BmcEmulator, sim_bmc_password, write_sim_credential
-        from gpucloud.sim.nodes import Fleet
-        from gpucloud.sim.power import BmcLink
-
-        node_ids = list(Fleet(spec).nodes)
-        notify = f"{settings.sim_url}/v1/bmc/notify?token={settings.operator_token}"
-        emulator = BmcEmulator(settings.data_dir, settings.bmc.emulator_port, node_ids, notify_url=notify)
-        emulator.start()
-        write_sim_credential(settings.data_dir, settings.bmc_credentials_dir)
-        link = BmcLink(emulator.url, sim_bmc_password(settings.data_dir), boot_s=boot_s)
-    try:
-        serve(
-            spec,
-            host=settings.agent.sim_host,
-            port=settings.agent.sim_port,
-            control_plane_url=settings.api_url if register else None,
-            operator_token=settings.operator_token if register else None,
-            control_token=settings.operator_token,
-            fault_model=fault_model_named(faults),
-            fault_time_scale=time_scale,
-            fault_report_url=settings.api_url if faults else None,
-            faults_paused=faults_paused,
-            heartbeat_interval_s=heartbeat_interval,
-            metering=metering,
-            weights=weights,
-            batch_reports=batch_reports,
-            bmc=link,
-            request_body=settings.request_body,
-            tls=settings.tls.server,
-            insecure=settings.tls.insecure,
-            control_plane=load_verifier(control_plane_key)
-            if control_plane_key
-            else Verifier(token_issuer(settings).public_key),
-        )
-    finally:
-        if emulator is not None:
-            emulator.stop()
 
 
 def fabric_managers(
@@ -165,16 +120,7 @@ def fabric_managers(
     ),
 ) -> None:
     """Run the simulated fabric managers (UFM pkeys, NMX-M NVLink partitions, SDN VPCs)."""
-    from gpucloud.sim.fabric_managers import main as fabric_main
+    from gpucloud.entrypoints import simulators
 
     configure_logging()
-    settings = get_settings()
-    fabric_main(
-        host=host,
-        port=port,
-        state_path=state,
-        tokens=settings.fabric_tokens,
-        tls=settings.tls.server,
-        insecure=settings.tls.insecure,
-        request_body=settings.request_body,
-    )
+    simulators.serve_fabric_managers(get_settings(), host=host, port=port, state_path=state)

@@ -184,6 +184,7 @@ class Stack:
         """The children's environment: these settings, with what the stack itself decided (the
         operator token, the database files, the ledger's and fabric managers' URLs)."""
         s = self.settings
+        fabric_tokens = bootstrap.fabric_tokens(s)
         derived = s.model_copy(
             update={
                 "database": s.database.model_copy(update={"url": SecretStr(s.database_url)}),
@@ -197,9 +198,9 @@ class Stack:
                 "fabric": s.fabric.model_copy(
                     update={
                         "url": self.fabric_url,
-                        "ufm_token": SecretStr(s.fabric_tokens.ufm),
-                        "nmx_token": SecretStr(s.fabric_tokens.nmx),
-                        "vpc_token": SecretStr(s.fabric_tokens.sdn),
+                        "ufm_token": SecretStr(fabric_tokens.ufm),
+                        "nmx_token": SecretStr(fabric_tokens.nmx),
+                        "vpc_token": SecretStr(fabric_tokens.sdn),
                     }
                 )
                 if self.fabric
@@ -260,7 +261,7 @@ class Stack:
     def start(self, on_step: Callable[[str], None] = lambda _: None, *, only: tuple[str, ...] | None = None) -> None:
         """Start the stack, or with `only` some of its components (say, after `stop(only=...)`)."""
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
-        tls.trust(self.settings.tls.ca_file)  # this process checks its children's certificates too
+        bootstrap.trust_configured_ca(self.settings)  # this process checks its children's certificates too
         components = self._components(only)
         self._check_ports(components)
         if {"api", "worker", "ledger"} & set(components):
@@ -386,8 +387,9 @@ class Stack:
         self._wait("sim", lambda: self._http_ok(f"{self.settings.sim_url}/healthz"), 60)
         if self.fabric and self.nvl72_racks:
             # Real NMX-M discovers each NVL72 rack's GPUs; the simulated one is told.
+            nmx_token = bootstrap.fabric_tokens(self.settings).nmx
             with self._sim() as sim:
-                register_nvl_domains(self.fabric_url, sim.inventory(), nmx_token=self.settings.fabric_tokens.nmx)
+                register_nvl_domains(self.fabric_url, sim.inventory(), nmx_token=nmx_token)
 
     def _sim(self) -> SimFleetClient:
         return SimFleetClient(self.settings.sim_url, token=self.settings.operator_token, timeout_s=30)

@@ -2,7 +2,7 @@
 
 ``create_app`` builds the FastAPI app for one database URL (SQLite file by default,
 Postgres by URL); the database is migrated when the app starts, before it takes traffic.
-``main`` runs it with uvicorn: ``gpucloud ledger`` calls it.
+``gpucloud.entrypoints.ledger`` runs it with uvicorn: ``gpucloud ledger`` calls it.
 
 Every call but ``/healthz`` needs a token the control plane signed for the ledger, and its
 role decides what it may do (``api/callers.py``). Endpoints (all under ``/v1``; errors are RFC
@@ -27,13 +27,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpucloud.config import LedgerSettings, RequestBodySettings
@@ -43,13 +40,11 @@ from gpucloud.ledger.api.admission import LedgerAdmission
 from gpucloud.ledger.api.callers import ledger_callers
 from gpucloud.ledger.api.deps import LedgerContext
 from gpucloud.ledger.db import LedgerDatabase, open_ledger_database
-from gpucloud.observability import tracing
 from gpucloud.web import problems as web_problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import database_check, install_readiness
-from gpucloud.web.service_tokens import Verifier, load_verifier
-from gpucloud.web.tls import ServerTLS, serve_options
+from gpucloud.web.service_tokens import Verifier
 
 DEFAULT_DATABASE_URL = "sqlite:///.data/ledger.db"
 
@@ -156,38 +151,3 @@ async def _unexpected_problem(_request: Request, error: Exception) -> JSONRespon
     # Starlette re-raises the error after this answer, and uvicorn logs its traceback; the
     # answer names no exception: its text can carry SQL, paths or another caller's data.
     return _problem_response(problems.INTERNAL_ERROR("see the ledger's log for this request's error"))
-
-
-def main(
-    host: str = "127.0.0.1",
-    port: int = 8700,
-    database_url: str = DEFAULT_DATABASE_URL,
-    *,
-    control_plane_key: Path,
-    tls: ServerTLS | None = None,
-    insecure: bool = False,
-    migrate_on_start: bool | None = None,
-    metrics_tokens: tuple[str, ...] = (),
-    request_body: RequestBodySettings = BODY_DEFAULTS,
-    admission: LedgerSettings | None = None,
-) -> None:
-    """Run the ledger until interrupted (``gpucloud ledger``), trusting the control plane's
-    public key at `control_plane_key`. It migrates its database at start when `migrate_on_start`
-    (unset: on SQLite only), else checks that the schema is current."""
-    url = make_url(database_url)
-    if url.get_backend_name() == "sqlite" and url.database:
-        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-    if not control_plane_key.is_file():
-        raise SystemExit(f"no control plane public key at {control_plane_key}: the ledger answers only its tokens")
-    secure = serve_options(host, tls, insecure=insecure, what="ledger")
-    migrate = url.get_backend_name() == "sqlite" if migrate_on_start is None else migrate_on_start
-    app = create_app(
-        database_url,
-        control_plane=load_verifier(control_plane_key),
-        migrate_on_start=migrate,
-        metrics_tokens=metrics_tokens,
-        request_body=request_body,
-        admission=admission,
-    )
-    tracing.instrument_app(app)  # when the command turned tracing on
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, log_config=None, **secure)

@@ -3,7 +3,7 @@ starts, signals, queries and updates, and what the workflows themselves use to r
 (`workflow.get_external_workflow_handle`, child workflows).
 
 The names are the ones the workflow classes register (`@workflow.defn`, `@workflow.signal`, ...);
-`tests/unit/test_workflow_ids.py` holds them equal, so the strings cannot drift from the code.
+`tests/platform/test_workflow_ids.py` holds them equal, so the strings cannot drift from the code.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ on its own, at `POST /v1/agents/{heartbeats,readings,events}`: heartbeats (`Hear
 its probe reads from the node's GPUs (`NodeReading`) and XID events (`XidEvent`), each in its
 batch model, which is also what the API accepts.
 
-The readings are the contract between the probes (`agent/nvml.py` on a real node, the
-simulated probe in `agent/probe.py`) and everything that judges health (`health/`). They carry
+The readings are the contract between the probes (`adapters/nvml.py` on a real node, the
+simulated probe in `sim/probe.py`) and everything that judges health (`health/`). They carry
 raw counters exactly as NVML reports them; interpretation (rates, trends, thresholds) is the
 health rules' job, so a reading can be re-judged later under a different policy.
 

@@ -20,7 +20,7 @@ A peer reported for bad bytes is skipped by the tracker's own rules; a chunk who
 is shunned counts as held by nobody, so it is seeded again rather than waited on forever.
 
 Pure logic with no I/O (one lock, since the HTTP service calls it from a thread pool);
-`gpucloud.registry.tracker_app` serves it over HTTP.
+`gpucloud.entrypoints.tracker` serves it over HTTP.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ those pieces then goes once through the event loop and every middleware (server 
 h11's receive buffer (client side), which on a 2-core machine cost more CPU than the bytes
 themselves. At 1 MiB that cost is paid a sixteenth as often (`benchmarks/chunking.py`: push over
 the API 0.148 -> 0.187 GB/s on the same disk). Neither library takes these as settings: they are
-a module constant and a class attribute, set here, and `tests/unit/test_web_buffers.py` fails if
+a module constant and a class attribute, set here, and `tests/api/test_web_buffers.py` fails if
 an upgrade renames them.
 
 A connection holds at most about `READ_SIZE` of unread body, so memory stays bounded by the

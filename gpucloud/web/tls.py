@@ -6,9 +6,11 @@ Servers (API, ledger, agents, tracker and origin, peers, simulated managers) all
 but loopback without TLS unless the operator says `--insecure`.
 
 Clients never build their own trust: every httpx client gets `client_verify()`, the public CAs
-(certifi) plus the CA this deployment configured (`GPUCLOUD_TLS__CA_FILE`, or `trust(path)`,
-as `gpucloud agent --ca-file` does), so a certificate the private CA did not sign fails the
-handshake, and no client turns verification off.
+(certifi) plus the CAs this process was told to trust (`trust(path)`: each process passes the
+deployment's `GPUCLOUD_TLS__CA_FILE` through `bootstrap.trust_configured_ca` as it starts, and
+`gpucloud agent --ca-file` its own), so a certificate the private CA did not sign fails the
+handshake, and no client turns verification off. This module reads no settings: its trust (CA)
+and each server's certificate and key (`ServerTLS`) are handed to it.
 
 `LocalCA` makes that private CA with the `cryptography` package: an ECDSA P-256 root (10 years)
 and leaf certificates for the hosts given (1 year), keys 0600, kept in a folder so a second
@@ -22,7 +24,6 @@ import ipaddress
 import os
 import ssl
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from gpucloud.config import ServerTLS, is_loopback, write_private
 from gpucloud.web import buffers
 
 
@@ -39,15 +41,8 @@ class InsecureBind(SystemExit):
     """A server asked to listen off loopback without TLS."""
 
 
-@dataclass(frozen=True)
-class ServerTLS:
-    cert_file: Path
-    key_file: Path
-
-
 _lock = threading.Lock()
 _ca_files: list[Path] = []
-_configured = False
 _context: ssl.SSLContext | None = None
 
 
@@ -55,31 +50,15 @@ def trust(ca_file: Path | None) -> None:
     """Verify servers against the public CAs plus `ca_file` (and any trusted before) in this
     process from now on."""
     global _context
-    _settings_ca()
     with _lock:
         if ca_file is not None and ca_file not in _ca_files:
             _ca_files.append(ca_file)
             _context = None
 
 
-def _settings_ca() -> None:
-    """Trust the CA the settings name (`GPUCLOUD_TLS__CA_FILE`), once per process."""
-    global _configured
-    if _configured:
-        return
-    from gpucloud.config import get_settings
-
-    ca_file = get_settings().tls.ca_file
-    with _lock:
-        if not _configured and ca_file is not None and ca_file not in _ca_files:
-            _ca_files.append(ca_file)
-        _configured = True
-
-
 def client_verify() -> ssl.SSLContext:
-    """What every client passes as httpx's `verify`: certifi's CAs plus the configured CA."""
+    """What every client passes as httpx's `verify`: certifi's CAs plus the CAs trusted."""
     global _context
-    _settings_ca()
     with _lock:
         if _context is None:
             context = ssl.create_default_context(cafile=certifi.where())
@@ -87,15 +66,6 @@ def client_verify() -> ssl.SSLContext:
                 context.load_verify_locations(cafile=str(ca_file))
             _context = context
         return _context
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve_options(
@@ -125,12 +95,6 @@ def scheme(tls: ServerTLS | None) -> str:
 
 
 # A private CA ----------------------------------------------------------------------------------
-
-
-def write_private(path: Path, data: bytes) -> None:
-    from gpucloud.config import write_private as write  # config imports this module
-
-    write(path, data)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:

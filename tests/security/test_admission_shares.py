@@ -25,7 +25,7 @@ from gpucloud.services import agent_credentials, api_keys, tenants
 from support.held import Held
 from support.nodes import enroll
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 OPERATOR = "operator-token"
 

@@ -19,12 +19,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpucloud.adapters.host_agent import AgentRefused, HttpHostAgents
 from gpucloud.agent.app import Agent, create_app
 from gpucloud.agent.host import HostState
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.protocol.actions import ActionRequest
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web.service_tokens import ALGORITHM, ISSUER, Issuer, Verifier, agent_audience, load_or_create_issuer
+from gpucloud.web.serving import ThreadedServer
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 @pytest.fixture

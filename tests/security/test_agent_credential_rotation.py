@@ -28,7 +28,7 @@ from support.agents import GpuResetOnly
 from support.nodes import enroll
 from support.stack import async_wait_until
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 

@@ -14,7 +14,7 @@ from sqlmodel import select
 from gpucloud.db import session_scope
 from gpucloud.models.health_tables import XidEventRecord
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 def _event(node_id: str, **extra) -> dict:

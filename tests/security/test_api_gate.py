@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 def test_credentials_are_checked_before_the_body_and_the_body_is_bounded(db_url, make_harness):

@@ -34,6 +34,8 @@ from gpucloud.web.service_tokens import (
     load_delegate,
 )
 
+pytestmark = pytest.mark.integration
+
 ROOT = Issuer(Ed25519PrivateKey.generate())
 VERIFIER = Verifier(ROOT.public_key)
 API_SCOPE = {"name": "api", "audiences": (LEDGER_AUDIENCE,), "roles": ("agent", "operator", "control-plane")}
@@ -181,7 +183,7 @@ def test_issue_delegate_writes_what_an_api_host_is_given(tmp_path, monkeypatch) 
 
 
 def test_the_tracker_holds_the_issuer_keys_public_half_only(tmp_path, monkeypatch) -> None:
-    from gpucloud.registry.origin import create_deployment_tracker
+    from gpucloud.entrypoints.tracker import create_deployment_tracker
 
     settings = Settings(data_dir=tmp_path)
     deployment = bootstrap.token_issuer(settings)  # made on a worker host; the tracker gets .pub

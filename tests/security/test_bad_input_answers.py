@@ -23,7 +23,7 @@ from gpucloud.services import tenants
 from gpucloud.web.service_tokens import Verifier
 from support.ledger_auth import LedgerAuth
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 NOT_UTF8 = b"\xff\xfe{"
 

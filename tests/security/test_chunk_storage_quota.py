@@ -13,7 +13,7 @@ import pytest
 
 from gpucloud.services import storage_quota
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 QUOTA = 300_000
 

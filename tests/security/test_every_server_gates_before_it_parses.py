@@ -33,7 +33,6 @@ from fastapi.testclient import TestClient
 from gpucloud.api.gate import ENROLLMENT_PATHS
 from gpucloud.config import RequestBodySettings
 from gpucloud.db import session_scope
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.api.callers import allowed_roles
 from gpucloud.ledger.app import create_app as ledger_app
 from gpucloud.services.agent_enrollment import EnrollmentTokens
@@ -48,9 +47,10 @@ from gpucloud.web.service_tokens import (
     load_or_create_issuer,
     swarm_audience,
 )
+from gpucloud.web.serving import ThreadedServer
 from support.servers import FABRIC_TOKENS, OPERATOR_TOKEN, PEER_TENANT, calls, node_of, servers
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 LIMIT = 256 * 1024
 DEADLINE_S = 0.1

@@ -19,7 +19,7 @@ from gpucloud.config import Settings
 from gpucloud.db import session_scope
 from gpucloud.services import tenants
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 A_UUID = "8f14e45f-ceea-467f-a0e6-8d2c1b3e9a70"  # fixed: xdist workers must collect the same ids
 

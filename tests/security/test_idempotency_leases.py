@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from sqlmodel import col, select
 
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Allocation, IdempotencyRecord, utcnow
+
+pytestmark = pytest.mark.integration
 
 BODY = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 

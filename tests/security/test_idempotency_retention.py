@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from sqlmodel import col, select
 
 from gpucloud.activities.reconciler import ReconcilerActivities
@@ -14,6 +15,8 @@ from gpucloud.db import Database, session_scope
 from gpucloud.models.messages import SweepInput
 from gpucloud.models.tables import IdempotencyRecord, utcnow
 from gpucloud.services.idempotency_records import delete_expired
+
+pytestmark = pytest.mark.integration
 
 
 def _record(key: str, *, expires_in: timedelta) -> IdempotencyRecord:

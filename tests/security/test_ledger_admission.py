@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpucloud.config import LedgerSettings
@@ -18,6 +19,8 @@ from gpucloud.ledger.api.callers import ledger_callers
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer, Verifier
 from support.held import Held
+
+pytestmark = pytest.mark.integration
 
 CONTROL_PLANE = Issuer(Ed25519PrivateKey.generate())
 

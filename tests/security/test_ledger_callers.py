@@ -13,13 +13,13 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app
 from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Issuer, Verifier
+from gpucloud.web.serving import ThreadedServer
 from support.ledger_auth import LedgerAuth
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 def _sample(node: str, seq: int, start: int) -> dict:

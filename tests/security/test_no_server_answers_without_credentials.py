@@ -16,7 +16,7 @@ from gpucloud.config import RequestBodySettings
 from gpucloud.web.service_tokens import Verifier, load_or_create_issuer
 from support.servers import calls, node_of, servers
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 def _open_to_anyone(app: FastAPI, node_id: str = "n-1") -> list[str]:

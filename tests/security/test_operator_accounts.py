@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from sqlmodel import col, select
 
 from gpucloud.db import session_scope
@@ -15,6 +16,8 @@ from gpucloud.models.tables import NodeTransition, OperatorToken
 from gpucloud.services.api_keys import hash_secret
 from support.nodes import enroll
 from support.operators import bearer, operator_api, role_token
+
+pytestmark = pytest.mark.integration
 
 
 def test_an_admin_creates_rotates_and_revokes_operators(tmp_path) -> None:

@@ -15,6 +15,8 @@ from fastapi.routing import APIRoute
 from gpucloud.models.operator_roles import ROLE_SCOPES, Role, Scope
 from support.operators import bearer, operator_api, role_token
 
+pytestmark = pytest.mark.integration
+
 TENANT_ONLY = "tenant-only"  # operators are refused whatever their role
 # A re-imaged node's one-time enrollment token only (`api/gate.py`): an operator's token is 401.
 ENROLLMENT_ONLY = "enrollment-only"

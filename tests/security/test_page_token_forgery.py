@@ -11,7 +11,7 @@ import pytest
 from gpucloud.api import pagination
 from gpucloud.web.problems import Problem
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 def _unsigned(after, filters: dict) -> str:

@@ -21,7 +21,7 @@ from gpucloud.registry.manifest import UnknownKeyError
 from gpucloud.registry.push import push
 from support.models import POLICY, random_tensors, tree, write_model
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 def _impostor(api_url: str, mallory_key: str, alice_id: str) -> httpx.MockTransport:

@@ -19,14 +19,14 @@ from gpucloud.adapters.host_agent import HttpHostAgents
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import ChunkFetcher
 from gpucloud.db import Database
+from gpucloud.entrypoints.tracker import DatabaseHolders, SwarmHolders, create_tracker_app
 from gpucloud.models.registry_tables import GateSpec
 from gpucloud.models.rollout_messages import RolloutEvaluation, RolloutTarget, WaveInput
 from gpucloud.models.tables import Node
 from gpucloud.registry.manifest import ChunkRef, FileEntry, Keyring, Manifest, digest_bytes
-from gpucloud.registry.origin import DatabaseHolders
 from gpucloud.registry.store import LocalChunkStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_app import SwarmHolders, TrackerClient, create_tracker_app
+from gpucloud.registry.tracker_client import TrackerClient
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     SWARM_PEER,
@@ -35,6 +35,8 @@ from gpucloud.web.service_tokens import (
     load_or_create_issuer,
     swarm_audience,
 )
+
+pytestmark = pytest.mark.integration
 
 CHUNK = b"alice's weights" * 100
 A = digest_bytes(CHUNK)

@@ -11,7 +11,7 @@ import pytest
 from gpucloud.registry.manifest import Signer
 from gpucloud.storage.local import LocalObjectStore
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 
 async def test_a_signing_key_needs_proof_of_possession_for_this_tenant(db_url, make_harness, in_process_worker):

@@ -14,13 +14,13 @@ import pytest
 
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import Spool, Usage
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.ledger.app import create_app
 from gpucloud.ledger.client import UsageLedger
 from gpucloud.web.service_tokens import Verifier
+from gpucloud.web.serving import ThreadedServer
 from support.ledger_auth import LedgerAuth, seed_allocation
 
-pytestmark = pytest.mark.one_database
+pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 HOUR_MS = 3_600_000
 

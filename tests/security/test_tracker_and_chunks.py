@@ -13,11 +13,10 @@ from fastapi.testclient import TestClient
 from gpucloud.agent.chunk_cache import ChunkCache
 from gpucloud.agent.peer import create_peer_app
 from gpucloud.db import Database
+from gpucloud.entrypoints.tracker import DatabaseSwarms, create_tracker_app
 from gpucloud.registry.manifest import Keyring, digest_bytes
-from gpucloud.registry.origin import DatabaseSwarms
 from gpucloud.registry.store import LocalChunkStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
-from gpucloud.registry.tracker_app import create_tracker_app
 from gpucloud.web.service_tokens import (
     SWARM_MEMBER,
     SWARM_PEER,
@@ -26,6 +25,8 @@ from gpucloud.web.service_tokens import (
     load_or_create_issuer,
     swarm_audience,
 )
+
+pytestmark = pytest.mark.integration
 
 ALICE_CHUNK, BOB_CHUNK = b"alice's weights" * 100, b"bob's weights" * 100
 A, B = digest_bytes(ALICE_CHUNK), digest_bytes(BOB_CHUNK)

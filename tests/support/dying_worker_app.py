@@ -1,5 +1,5 @@
 """The smallest app uvicorn's workers can serve that asks, as the API's workers do
-(`api.app.create_app_from_env`), to die with the master that started them: the test of
+(`entrypoints.api.create_app_from_env`), to die with the master that started them: the test of
 `gpucloud/children.py` with uvicorn's own supervisor, without the API's imports and database."""
 
 from __future__ import annotations

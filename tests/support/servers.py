@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Mount
 from temporalio.client import Client
 
+from gpucloud.adapters.probe import detect_probe
 from gpucloud.adapters.temporal import CodecKeys, EncryptionCodec, new_codec_key
 from gpucloud.agent.app import Agent
 from gpucloud.agent.app import create_app as agent_app
@@ -26,18 +27,18 @@ from gpucloud.agent.peer import create_peer_app
 from gpucloud.agent.tenant_weights import TenantWeights
 from gpucloud.agent.weights_api import always_healthy
 from gpucloud.api.app import create_app as api_app
-from gpucloud.bootstrap import detect_probe
 from gpucloud.config import RequestBodySettings, Settings
+from gpucloud.entrypoints.codec_server import create_app as codec_app
+from gpucloud.entrypoints.tracker import create_tracker_app
 from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.app import create_app as ledger_app
 from gpucloud.registry.manifest import Keyring
 from gpucloud.registry.store import LocalChunkStore
-from gpucloud.registry.tracker_app import create_tracker_app
 from gpucloud.sim.fabric_managers import create_app as fabric_app
 from gpucloud.sim.fleet import create_app as fleet_app
 from gpucloud.sim.node_weights import WeightsSpec
 from gpucloud.sim.nodes import FleetSpec
-from gpucloud.web.codec_server import create_app as codec_app
+from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web.service_tokens import Verifier
 
 OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
@@ -63,7 +64,7 @@ def servers(
         request_body=body,
     )
     state = HostState(node_id="n-1", boot_id="boot", scratch_dir=tmp_path / "scratch", tenant_id=PEER_TENANT)
-    agent = Agent(state, detect_probe("n-1"))
+    agent = Agent(state, detect_probe("n-1", simulated=lambda: SimulatedProbe("n-1")))
     weights = TenantWeights(state, tmp_path / "agent-weights", verifier=verifier, health=always_healthy)
     cache = ChunkCache(tmp_path / "peer", keyring=Keyring(), tenant=PEER_TENANT)
     return {

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 
 from gpucloud.config import Settings
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.devstack.stack import free_port
 from gpucloud.sim.client import SimFleetClient
+from gpucloud.web.serving import ThreadedServer
 from support.fabric import FabricManagers
 from support.forked import CliProcess
 

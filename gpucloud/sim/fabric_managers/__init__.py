@@ -45,7 +45,6 @@ from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Scope
 
 from gpucloud.config import RequestBodySettings
-from gpucloud.devstack.serving import ThreadedServer
 from gpucloud.fabric.http_clients import NmxClient
 from gpucloud.fabric.interface import FabricTokens
 from gpucloud.sim.fabric_managers.faults import faults
@@ -55,6 +54,7 @@ from gpucloud.sim.fabric_managers.state import FabricState, available
 from gpucloud.sim.fabric_managers.ufm import ufm
 from gpucloud.web import problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, Gate, holds_token
+from gpucloud.web.serving import ThreadedServer
 from gpucloud.web.tls import ServerTLS, serve_options
 
 

@@ -1,0 +1,119 @@
+"""Issue 14: the simulated fleet fails like a real one. Faults drawn from the Llama 3 405B model
+at a time scale land on the nodes by the paper's mix, leave hardware faults that only the right
+repair rung clears, and their XIDs are reported as the node's agent reports them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+
+from gpucloud.protocol.reporter import ReportClient
+from gpucloud.sim.fault_injection import FIXED_BY, FleetFaults
+from gpucloud.sim.faults import INTERRUPTIONS_PER_NODE_DAY, LLAMA3_405B_MIX, FaultCategory, FaultModel
+from gpucloud.sim.nodes import Fleet, FleetSpec
+
+pytestmark = pytest.mark.unit
+
+
+def _fleet(nodes: int = 2048) -> Fleet:
+    return Fleet(FleetSpec(nodes=nodes, latency_scale=0, id_prefix="n"))
+
+
+def test_a_compressed_llama3_run_injects_the_papers_mix_at_its_rate():
+    fleet = _fleet()
+    faults = FleetFaults(fleet.nodes, time_scale=86_400.0, seed=7)  # one fleet day a second
+    drawn = []
+    for _ in range(54):  # 54 days of a 2,048-node fleet, as in the paper
+        drawn += faults.step(1.0)
+        for node in fleet.nodes.values():  # repaired at once, so every node stays in the draw
+            node.hardware_fault = node.fault_fixed_by = None
+    summary = faults.summary()
+    assert abs(summary["fleet_days"] - 54) < 1e-6
+    expected = INTERRUPTIONS_PER_NODE_DAY * 2048 * 54  # 419
+    assert 0.8 * expected < summary["injected"] < 1.2 * expected, summary["injected"]
+    for category, row in summary["by_category"].items():
+        assert abs(row["share"] - row["paper_share"]) < 0.06, (category, row)
+    assert summary["by_category"]["faulty_gpu"]["injected"] > summary["by_category"]["nic"]["injected"]
+    assert len(drawn) == summary["injected"]
+
+
+def test_hardware_faults_stay_until_the_rung_that_fixes_them_and_software_ones_leave_no_trace():
+    fleet = _fleet(64)
+    faults = FleetFaults(fleet.nodes, time_scale=5e6, seed=3)
+    drawn = faults.step(1.0)
+    assert drawn
+    hardware = {f.node_id for f in drawn if f.category in FIXED_BY}
+    software_only = {f.node_id for f in drawn} - hardware
+    assert all(fleet.nodes[n].hardware_fault is not None for n in hardware)
+    assert all(fleet.nodes[n].hardware_fault is None for n in software_only)
+    faulty = [n for n in fleet.nodes.values() if n.hardware_fault]
+    assert faulty and all(n.fault_fixed_by in FIXED_BY.values() for n in faulty)
+    # A faulty node is not drawn again until it is repaired.
+    again = faults.step(1.0)
+    assert not {f.node_id for f in again} & {n.id for n in faulty}
+    assert sum(LLAMA3_405B_MIX.values()) == 419
+
+
+def _control_plane(sent: list[tuple[str, str, dict]]) -> httpx.MockTransport:
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, request.headers.get("authorization", ""), json.loads(request.content)))
+        return httpx.Response(200, json={"accepted": 1})
+
+    return httpx.MockTransport(handle)
+
+
+def _run(coroutine_fn, transport: httpx.MockTransport) -> None:
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=transport) as client:
+            await coroutine_fn(ReportClient(client, "http://cp"))
+
+    asyncio.run(go())
+
+
+def test_xids_are_reported_with_the_nodes_own_credential():
+    fleet = _fleet(16)
+    for node in fleet.nodes.values():
+        node.credential = f"gpa_{node.id}.secret"
+    sent: list[tuple[str, str, dict]] = []
+    now = datetime(2026, 12, 4, tzinfo=UTC)
+    faults = FleetFaults(fleet.nodes, time_scale=5e7, seed=1, control_plane_url="http://cp", clock=lambda: now)
+    drawn = [f for f in faults.step(1.0) if f.xids]
+    assert drawn
+    _run(faults.report, _control_plane(sent))
+    by_node: dict[str, list[int]] = {}
+    for fault in drawn:
+        by_node.setdefault(fault.node_id, []).extend(fault.xids)
+    assert {body["events"][0]["node_id"] for _, _, body in sent} == set(by_node)
+    for path, authorization, body in sent:
+        node_id = body["events"][0]["node_id"]
+        assert path == "/v1/agents/events" and authorization == f"Bearer gpa_{node_id}.secret"
+        assert [e["xid"] for e in body["events"]] == by_node[node_id]
+        assert all(e["timestamp"].startswith("2026-12-04") for e in body["events"])
+    assert faults.summary()["xids_reported"] == sum(len(f.xids) for f in drawn)
+
+
+def test_a_degrading_part_shows_in_the_readings_until_the_repair_clears_it():
+    fleet = _fleet(4)
+    clock = [datetime(2026, 12, 4, tzinfo=UTC)]
+    faults = FleetFaults(fleet.nodes, time_scale=1000.0, seed=1, control_plane_url="http://cp", clock=lambda: clock[0])
+    hbm = next(  # an HBM3 fault whose remapper is exhausted: corrected ECC errors keep rising
+        f for f in FaultModel(mix={FaultCategory.HBM3: 1}).next_faults(["n-00001"], 1e9, random.Random(5)) if f.drifts
+    )
+    faults._apply(hbm)
+    node = fleet.nodes["n-00001"]
+    assert node.hardware_fault.startswith("hbm3") and node.fault_fixed_by == "reset"
+    sent: list[tuple[str, str, dict]] = []
+    _run(faults.push_readings, _control_plane(sent))
+    clock[0] += timedelta(minutes=1)  # a minute here is 1,000 minutes of the part's drift
+    _run(faults.push_readings, _control_plane(sent))
+    first, second = (body["readings"][0] for _, _, body in sent)
+    gpu = hbm.gpu_index
+    assert second["gpus"][gpu]["ecc"]["volatile_corrected"] > first["gpus"][gpu]["ecc"]["volatile_corrected"]
+    assert second["gpus"][gpu]["ecc"]["volatile_corrected"] - first["gpus"][gpu]["ecc"]["volatile_corrected"] >= 3000
+    node.hardware_fault = node.fault_fixed_by = None  # the repair ladder's reset ran
+    assert faults.repaired() == ["n-00001"] and not faults.probes

@@ -1,0 +1,121 @@
+"""Running the ledger for tests: a real HTTP server on 127.0.0.1, on SQLite or on Postgres.
+
+Postgres is used when ``GPUCLOUD_TEST_POSTGRES_URL`` names a reachable server (for example
+``postgresql+psycopg://postgres@127.0.0.1:5432/test``): every use creates its own uniquely
+named database through an autocommit connection to that URL's database and drops it
+afterwards, so suites running side by side never share one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from gpucloud.ledger.app import create_app, wall_clock_ms
+from gpucloud.web.service_tokens import Verifier, public_key_path
+from gpucloud.web.serving import ThreadedServer
+from support.databases import scratch_postgres
+from support.ledger_auth import issuer_in, register
+
+POSTGRES_URL_ENV = "GPUCLOUD_TEST_POSTGRES_URL"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def backends() -> list[str]:
+    return ["sqlite", "postgres"] if os.environ.get(POSTGRES_URL_ENV) else ["sqlite"]
+
+
+@contextmanager
+def ledger_database_url(backend: str, directory: Path, name: str = "ledger") -> Iterator[str]:
+    if backend == "sqlite":
+        yield f"sqlite:///{directory / (name + '.db')}"
+    else:
+        with scratch_postgres(os.environ[POSTGRES_URL_ENV], "gpucloud_ledger") as url:
+            yield url
+
+
+def wait_until_healthy(url: str, *, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ledger at {url} did not come up")
+        time.sleep(0.05)
+
+
+@contextmanager
+def ledger_in_thread(
+    database_url: str,
+    *,
+    issuer_dir: Path,
+    clock_ms: Callable[[], int] = wall_clock_ms,
+    metrics_tokens: tuple[str, ...] = (),
+) -> Iterator[str]:
+    """The ledger app served by uvicorn in a thread of this process, trusting the issuer key in
+    `issuer_dir` (sign calls with `support.ledger_auth.LedgerAuth(issuer_dir)`) and scrapes with
+    `metrics_tokens`; yields its URL."""
+    verifier = Verifier(issuer_in(issuer_dir).public_key)
+    app = create_app(database_url, control_plane=verifier, clock_ms=clock_ms, metrics_tokens=metrics_tokens)
+    with ThreadedServer(app, name="ledger") as server:
+        wait_until_healthy(server.url)
+        register(server.url, issuer_dir)
+        yield server.url
+
+
+@contextmanager
+def priced_ledger(
+    backend: str, directory: Path, price_book: dict, *, metrics_tokens: tuple[str, ...] = ()
+) -> Iterator[httpx.Client]:
+    """A ledger on `backend` (a fresh database), served in a thread, with `price_book` as its
+    first version; yields a client that signs its calls as the control plane."""
+    from support.ledger_auth import LedgerAuth
+
+    with (
+        ledger_database_url(backend, directory) as database_url,
+        ledger_in_thread(database_url, issuer_dir=directory, metrics_tokens=metrics_tokens) as url,
+        httpx.Client(base_url=url, timeout=30, auth=LedgerAuth(directory)) as client,
+    ):
+        answer = client.post("/v1/price-book/versions", json=price_book)
+        assert answer.status_code == 201, answer.text
+        yield client
+
+
+class LedgerProcess:
+    """The ledger as its own OS process (``service.main``), for tests that kill it."""
+
+    def __init__(self, database_url: str, port: int, log_path: Path, *, issuer_dir: Path) -> None:
+        self.key = public_key_path(issuer_dir / "issuer_key.pem")
+        issuer_in(issuer_dir)  # the key pair, made before the process starts
+        self.database_url = database_url
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        register(self.url, issuer_dir)
+        self._log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        code = (
+            "from pathlib import Path; from gpucloud.entrypoints.ledger import main; "
+            f"main('127.0.0.1', {self.port}, {self.database_url!r}, control_plane_key=Path({str(self.key)!r}))"
+        )
+        with self._log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+            )
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
