@@ -21,7 +21,6 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import tenacity
 from pydantic import SecretStr
 from temporalio.client import Client
 from temporalio.runtime import Runtime
@@ -36,6 +35,7 @@ from gpucloud.ledger.client import LedgerClient
 from gpucloud.observability import tracing
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
+from gpucloud.retry import Backoff, retry_call_async
 from gpucloud.services.agent_credentials import WipeRotation
 from gpucloud.services.agent_enrollment import EnrollmentTokens
 from gpucloud.storage.envelope import MasterKeys, TenantKeys
@@ -63,18 +63,15 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
     from gpucloud.adapters.temporal import connect
 
     keys = temporal_codec_keys(settings)
-    retrying = tenacity.AsyncRetrying(
-        stop=tenacity.stop_after_delay(wait_s),
-        wait=tenacity.wait_fixed(0.5),
-        retry=tenacity.retry_if_exception_type(RuntimeError),
-        reraise=True,
+
+    async def connected() -> Client:
+        interceptors = tracing.temporal_interceptors()
+        return await connect(settings.temporal, keys=keys, runtime=runtime, interceptors=interceptors)
+
+    # The SDK raises RuntimeError while the server does not answer yet: ask every half second.
+    return await retry_call_async(
+        connected, retry_on=RuntimeError, backoff=Backoff(first_s=0.5, cap_s=0.5), attempts=None, deadline_s=wait_s
     )
-    async for attempt in retrying:
-        with attempt:
-            return await connect(
-                settings.temporal, keys=keys, runtime=runtime, interceptors=tracing.temporal_interceptors()
-            )
-    raise AssertionError("tenacity either returns or raises")
 
 
 def temporal_codec_keys(settings: Settings) -> CodecKeys:

@@ -32,6 +32,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.models import search_attributes
+from gpucloud.retry import Backoff, retry_call_async
 
 Outcome = Literal["created", "present", "refused"]
 
@@ -197,27 +198,28 @@ async def prepare_temporal(settings: Settings) -> list[Item]:
         )
         items.append(Item("Temporal namespace", "created", f"{namespace} (retention {retention.seconds // 86400} d)"))
     wanted = {key.name: IndexedValueType.ValueType(key.indexed_value_type) for key in search_attributes.ALL}
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + NAMESPACE_VISIBLE_S
-    while True:
-        try:
-            listed = await client.operator_service.list_search_attributes(
-                ListSearchAttributesRequest(namespace=namespace)
+
+    async def add_missing() -> dict[str, Any]:
+        listed = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+        present = listed.custom_attributes
+        wrong = {n for n, t in wanted.items() if n in present and present[n] != t}
+        if wrong:
+            raise Refused(f"{', '.join(sorted(wrong))} exist(s) in {namespace} with another type than Keyword")
+        missing = {n: t for n, t in wanted.items() if n not in present}
+        if missing:
+            await client.operator_service.add_search_attributes(
+                AddSearchAttributesRequest(namespace=namespace, search_attributes=missing)
             )
-            present = listed.custom_attributes
-            wrong = {n for n, t in wanted.items() if n in present and present[n] != t}
-            if wrong:
-                raise Refused(f"{', '.join(sorted(wrong))} exist(s) in {namespace} with another type than Keyword")
-            missing = {n: t for n, t in wanted.items() if n not in present}
-            if missing:
-                await client.operator_service.add_search_attributes(
-                    AddSearchAttributesRequest(namespace=namespace, search_attributes=missing)
-                )
-            break
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND or loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.5)
+        return missing
+
+    # A namespace just registered is NOT_FOUND here until the server sees it: ask every half second.
+    missing = await retry_call_async(
+        add_missing,
+        retry_on=lambda exc: isinstance(exc, RPCError) and exc.status == RPCStatusCode.NOT_FOUND,
+        backoff=Backoff(first_s=0.5, cap_s=0.5),
+        attempts=None,
+        deadline_s=NAMESPACE_VISIBLE_S,
+    )
     names = ", ".join(sorted(wanted))
     items.append(Item("search attributes", "created" if missing else "present", names))
     return items

@@ -15,6 +15,7 @@ step the answer marks failed fails the wipe, as the agent's own refusal would.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from pydantic import TypeAdapter, ValidationError
 from temporalio import activity
@@ -25,12 +26,15 @@ from gpucloud.adapters.host_agent import AgentRefused, AgentUnreachable, HostAge
 from gpucloud.db import Database
 from gpucloud.models.messages import AgentActionInput, AgentActionResult, AgentBatchInput, AgentBatchResult
 from gpucloud.protocol.actions import ActionRequest, AgentAction, CleaningStep
+from gpucloud.retry import Backoff, retry_call_async
 from gpucloud.services.agent_credentials import WipeRotation
 from gpucloud.services.cleaning import record_cleaning
 
 HEARTBEAT_EVERY_S = 5.0
 # A batch calls this many agents at once.
 BATCH_CONCURRENCY = 32
+# The longest a batch waits between two calls to one agent (its delays double from the base).
+BATCH_RETRY_CAP_S = 30.0
 _CLEANING = TypeAdapter(list[CleaningStep])
 
 
@@ -103,6 +107,7 @@ class HostAgentActivities(ActivityGroup):
         The agents deduplicate by request_id, so a retry of this whole activity is harmless.
         """
         result = AgentBatchResult()
+        backoff = Backoff(first_s=self.batch_retry_base_s, cap_s=max(BATCH_RETRY_CAP_S, self.batch_retry_base_s))
         gate = asyncio.Semaphore(BATCH_CONCURRENCY)
         done = 0
         wiped: list[tuple[str, str]] = []  # (node id, request id): credentials to commit
@@ -111,22 +116,22 @@ class HostAgentActivities(ActivityGroup):
         async def one(item: AgentActionInput) -> None:
             nonlocal done
             async with gate:
-                for attempt in range(self.batch_attempts):
-                    try:
-                        answer = await self._call(req.action, item, commit=False)
-                        if item.hand_credential:
-                            wiped.append((item.node_id, item.request_id))
-                        if req.action == AgentAction.WIPE:
-                            cleaned.append((item.node_id, item.request_id, _cleaning(item.node_id, answer.details)))
-                        break
-                    except ApplicationError as exc:
-                        result.failed[item.node_id] = exc.message
-                        break
-                    except AgentUnreachable as exc:
-                        if attempt == self.batch_attempts - 1:
-                            result.unreachable[item.node_id] = str(exc)
-                        else:
-                            await asyncio.sleep(self.batch_retry_base_s * 2**attempt)
+                try:
+                    answer = await retry_call_async(
+                        functools.partial(self._call, req.action, item, commit=False),
+                        retry_on=AgentUnreachable,
+                        backoff=backoff,
+                        attempts=self.batch_attempts,
+                        deadline_s=None,
+                    )
+                    if item.hand_credential:
+                        wiped.append((item.node_id, item.request_id))
+                    if req.action == AgentAction.WIPE:
+                        cleaned.append((item.node_id, item.request_id, _cleaning(item.node_id, answer.details)))
+                except ApplicationError as exc:
+                    result.failed[item.node_id] = exc.message
+                except AgentUnreachable as exc:
+                    result.unreachable[item.node_id] = str(exc)
             done += 1
 
         calls = asyncio.ensure_future(asyncio.gather(*(one(item) for item in req.items)))

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from gpucloud.protocol.actions import ActionAnswer, ActionRequest, AgentAction
 from gpucloud.protocol.logs import WORKLOAD_LOGS_PATH
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client
 from gpucloud.web.service_tokens import LOG_READER, Issuer, Minter, agent_audience, agent_logs_audience
 
 
@@ -73,10 +74,11 @@ class HttpHostAgents:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._issuer = issuer
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
+        self._client = async_http_client(
+            timeout="agent_action",
+            timeout_s=timeout_s,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            verify=tls.client_verify(),
+            trust=tls.client_verify(),
             transport=transport,  # tests answer for the agents
         )
 

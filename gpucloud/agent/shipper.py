@@ -10,13 +10,13 @@ sent again. While the ledger is down the shipper backs off exponentially with ji
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 
 from gpucloud.agent.spool import DEFAULT_BATCH_SIZE, Spool, SpoolLag, wall_clock_ms
 from gpucloud.ledger.client import LedgerRefused, LedgerUnavailable, UsageLedger
+from gpucloud.retry import Backoff
 from gpucloud.web import metrics
 
 log = logging.getLogger(__name__)
@@ -95,23 +95,24 @@ class Shipper:
 
     def run(self, stop: threading.Event) -> None:
         """Ship until ``stop`` is set: back to back while there is a backlog, backing off while the ledger is down."""
-        backoff_s = self.backoff_initial_s
+        backoff = Backoff(first_s=self.backoff_initial_s, cap_s=self.backoff_max_s, jitter=1.0)
+        failures = 0
         while not stop.is_set():
             try:
                 result = self.ship_once()
             except Exception as error:
+                failures += 1
                 level = logging.WARNING if isinstance(error, LedgerUnavailable) else logging.ERROR
                 log.log(
                     level,
                     "shipping usage failed (%s); retrying in up to %.1f s",
                     error,
-                    backoff_s,
+                    backoff.ceiling_s(failures),
                     exc_info=not isinstance(error, LedgerUnavailable),
                 )
-                stop.wait(random.uniform(0, backoff_s))
-                backoff_s = min(backoff_s * 2, self.backoff_max_s)
+                stop.wait(backoff.delay_s(failures))
                 continue
-            backoff_s = self.backoff_initial_s
+            failures = 0
             if result.sent < self.batch_size:
                 self.spool.prune_acked(older_than_ms=self.clock_ms() - self.acked_retention_ms)
                 stop.wait(self.idle_poll_s)

@@ -49,10 +49,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpucloud.adapters.probe import Probe
 from gpucloud.agent.chunk_cache import ChunkCache, NoPreviousVersionError
 from gpucloud.agent.peer import ChunkFetcher, FetchError, prefetch
+from gpucloud.models.registry_names import EvaluatorName
 from gpucloud.models.registry_tables import EvaluationCommand
 from gpucloud.registry.evaluators import CommandRunner, evaluate_directory, run_model_command
 from gpucloud.registry.manifest import HEX_DIGEST, IntegrityError, SignedManifest, VersionNotFoundError
-from gpucloud.registry.names import EvaluatorName
 from gpucloud.registry.tracker_client import TrackerClient
 from gpucloud.web import problems
 

@@ -18,7 +18,7 @@ from rich.table import Table
 from gpucloud.cli import tenant_keys
 from gpucloud.cli.common import ApiKey, ApiUrl, Output, err, print_table
 from gpucloud.cli.weights import _client, _reported_errors, out, weights_app
-from gpucloud.registry.names import EvaluatorName
+from gpucloud.models.registry_names import EvaluatorName
 
 if TYPE_CHECKING:  # numpy and safetensors load only when an evaluator runs
     from gpucloud.registry.sanity import SanityReport

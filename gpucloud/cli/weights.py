@@ -47,9 +47,9 @@ from gpucloud.cli.common import (
 )
 from gpucloud.client.base import ApiError
 from gpucloud.client.registry import RegistryClient, RegistryPushTarget, pull_version, trusted_keys
+from gpucloud.models.registry_names import AliasName, split_ref
 from gpucloud.registry.chunking import DEFAULT_POLICY, ChunkPolicy
 from gpucloud.registry.manifest import IntegrityError, Lineage, Signer, UnknownKeyError, key_id_of
-from gpucloud.registry.names import AliasName, split_ref
 from gpucloud.registry.pull import PullResult
 from gpucloud.registry.push import PushResult, PushStats, push
 

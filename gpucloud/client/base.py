@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
-import tenacity
 
+from gpucloud.retry import Backoff, parse_retry_after, retry_call
 from gpucloud.web import buffers, tls
+from gpucloud.web.http_client import http_client
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ class ApiError(Exception):
         return cls(
             status,
             body if isinstance(body, dict) else {"detail": str(body)},
-            retry_after_s=float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None,
+            retry_after_s=parse_retry_after(retry_after),
         )
 
 
@@ -64,11 +65,13 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, httpx.TransportError)
 
 
-def _wait_s(state: tenacity.RetryCallState) -> float:
-    exc = state.outcome.exception() if state.outcome else None
-    if isinstance(exc, ApiError) and exc.retry_after_s is not None:
-        return min(exc.retry_after_s, 30.0)
-    return min(0.25 * 2 ** (state.attempt_number - 1), 5.0)
+def _retry_after_s(exc: BaseException) -> float | None:
+    return exc.retry_after_s if isinstance(exc, ApiError) else None
+
+
+# Between retries: a quarter second, doubling to 5 s; a server's Retry-After, up to 30 s.
+BACKOFF = Backoff(first_s=0.25, cap_s=5.0)
+RETRY_AFTER_CAP_S = 30.0
 
 
 class ApiClient:
@@ -86,12 +89,13 @@ class ApiClient:
         self.base_url = base_url.rstrip("/")
         self.retry_for_s = retry_for_s
         buffers.raise_client_read_size()
-        self.http = httpx.Client(
+        self.http = http_client(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            timeout="api",
+            timeout_s=timeout_s,
             transport=transport,
-            verify=tls.client_verify(),
+            trust=tls.client_verify(),
         )
 
     def __enter__(self: T) -> T:
@@ -130,12 +134,15 @@ class ApiClient:
         def retryable(exc: BaseException) -> bool:
             return _retryable(exc) or isinstance(exc, broken)
 
-        return tenacity.Retrying(
-            retry=tenacity.retry_if_exception(retryable),
-            stop=tenacity.stop_after_delay(self.retry_for_s),
-            wait=_wait_s,
-            reraise=True,
-        )(call)
+        return retry_call(
+            call,
+            retry_on=retryable,
+            backoff=BACKOFF,
+            attempts=None,
+            deadline_s=self.retry_for_s,
+            retry_after=_retry_after_s,
+            retry_after_cap_s=RETRY_AFTER_CAP_S,
+        )
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         """The decoded JSON body of a call (None for an empty one)."""

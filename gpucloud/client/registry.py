@@ -25,9 +25,9 @@ from nacl.signing import SigningKey, VerifyKey
 
 from gpucloud.client.base import ApiClient, ApiError
 from gpucloud.client.bulk import BROKEN, BulkConnections
-from gpucloud.registry.chunking import new_hasher
+from gpucloud.models.registry_names import MAX_IDS_PER_QUERY
+from gpucloud.registry.integrity import ChunkCheck
 from gpucloud.registry.manifest import (
-    ChunkCorruptedError,
     ChunkMissingError,
     ChunkRef,
     ChunkTransferError,
@@ -39,7 +39,6 @@ from gpucloud.registry.manifest import (
     VersionNotFoundError,
     key_id_of,
 )
-from gpucloud.registry.names import MAX_IDS_PER_QUERY
 from gpucloud.registry.pull import PullResult, pull
 from gpucloud.registry.push import ChunksMissing, TransferProgress
 
@@ -248,10 +247,10 @@ class RegistryPullSource:
     def stream(self, chunk_id: str) -> Iterator[memoryview]:
         # Pieces of up to 1 MiB, hashed on one thread: the download, the write and the API
         # serving it already keep every core busy.
-        hasher, broken, received = new_hasher(1), None, 0
+        check, broken, received = ChunkCheck(chunk_id, size_hint=1), None, 0
         try:
             for piece in self.client.chunk_pieces(self.model, chunk_id):
-                hasher.update(piece)
+                check.update(piece)
                 received += len(piece)
                 yield piece
         except ApiError as problem:
@@ -262,8 +261,8 @@ class RegistryPullSource:
             raise
         except BROKEN as exc:  # a cut connection, or the server aborting a chunk that failed its check
             broken = exc
-        actual = hasher.hexdigest()
         if broken is not None:
+            actual = check.actual
             # The two look alike from here; `pull` retries, and if every try breaks, reports what
             # the bytes received hashed to (when any arrived at all).
             raise ChunkTransferError(
@@ -271,8 +270,7 @@ class RegistryPullSource:
                 chunk_id=chunk_id,
                 actual_id=actual if received and actual != chunk_id else None,
             )
-        if actual != chunk_id:
-            raise ChunkCorruptedError(f"received bytes hash to {actual}", chunk_id=chunk_id, actual_id=actual)
+        check.verify(source="received bytes")
         with self._lock:
             self.chunks_done += 1
 

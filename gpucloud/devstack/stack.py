@@ -454,7 +454,17 @@ def evaluation_worker_env(settings: Settings) -> dict[str, str]:
     secret set in the operator's shell, the secrets dir), then its own settings, which hold
     none of the platform's secrets (`Settings.for_evaluation_worker`)."""
     inherited = {key: value for key, value in os.environ.items() if not key.startswith("GPUCLOUD_")}
-    return {**inherited, **settings.for_evaluation_worker().env()}
+    # Only the sections it was given: every other one is its default, which it builds itself
+    # (the agent's, say, names no secret but is none of its business).
+    own = {
+        key: value
+        for key, value in settings.for_evaluation_worker().env().items()
+        if "__" not in key or key.removeprefix("GPUCLOUD_").partition("__")[0].lower() in EVALUATION_WORKER_SECTIONS
+    }
+    return {**inherited, **own}
+
+
+EVALUATION_WORKER_SECTIONS = ("temporal", "registry", "tls", "telemetry")
 
 
 def seed_price_book(ledger: httpx.Client, operator_token: str) -> bool:

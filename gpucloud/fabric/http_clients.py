@@ -15,6 +15,7 @@ import httpx
 
 from gpucloud.fabric.interface import FabricError, FabricTokens, Membership, NvlPartition, PKey, Vpc
 from gpucloud.web import tls
+from gpucloud.web.http_client import http_client
 
 
 def _raise_for_refusal(response: httpx.Response) -> None:
@@ -170,7 +171,7 @@ class HttpFabricController:
         client: httpx.Client | None = None,
     ) -> None:
         """`tokens`: each manager's own API token, sent as a bearer token on its calls only."""
-        self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), verify=tls.client_verify())
+        self._client = client or http_client(timeout="fabric_manager", timeout_s=timeout_s, trust=tls.client_verify())
         self._owns_client = client is None
         ufm, nmx, sdn = tokens or (None, None, None)
         self._infiniband = UfmClient(self._client, ufm_url, token=ufm)

@@ -30,6 +30,7 @@ from gpucloud.ledger.schemas import (
     UsageSummary,
 )
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client, http_client
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE, Minter
 
 _PERIODS = TypeAdapter(list[PeriodOut])
@@ -79,7 +80,7 @@ class UsageLedger:
         http: httpx.Client | None = None,
     ) -> None:
         self._url = base_url.rstrip("/") + "/v1/usage:batch"
-        self._http = http or httpx.Client(timeout=timeout_s, verify=tls.client_verify())
+        self._http = http or http_client(timeout="ledger", timeout_s=timeout_s, trust=tls.client_verify())
         self._token = token
 
     def ingest(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -109,7 +110,9 @@ class AgentLedgerToken:
     (`POST /v1/agents/ledger-token`) and kept until a minute before it expires."""
 
     def __init__(self, control_plane_url: str, credential: Callable[[], str | None], *, timeout_s: float = 30.0):
-        self._http = httpx.Client(base_url=control_plane_url.rstrip("/"), timeout=timeout_s, verify=tls.client_verify())
+        self._http = http_client(
+            base_url=control_plane_url.rstrip("/"), timeout="ledger", timeout_s=timeout_s, trust=tls.client_verify()
+        )
         self._credential = credential
         self._token, self._expires_at = "", 0.0
 
@@ -138,8 +141,12 @@ class LedgerClient:
         timeout_s: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport, verify=tls.client_verify()
+        self._http = async_http_client(
+            base_url=base_url.rstrip("/"),
+            timeout="ledger",
+            timeout_s=timeout_s,
+            transport=transport,
+            trust=tls.client_verify(),
         )
         self._issuer = issuer
 

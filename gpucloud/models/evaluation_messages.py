@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpucloud.models.registry_names import EvaluatorName
 from gpucloud.models.registry_tables import DIGEST_PATTERN, EvaluationCommand
-from gpucloud.registry.names import EvaluatorName
 
 
 class EvaluateVersionInput(BaseModel):

@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator, 
 from sqlmodel import Column, Field, SQLModel
 
 from gpucloud.models.images import ImageReference
+from gpucloud.models.registry_names import MAX_IDS_PER_QUERY, AliasName, EvaluatorName
 from gpucloud.models.tables import OperationPublic, UTCDateTime, new_id, timestamp_field
-from gpucloud.registry.names import MAX_IDS_PER_QUERY, AliasName, EvaluatorName
 
 MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"

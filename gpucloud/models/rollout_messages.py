@@ -12,9 +12,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gpucloud.models.registry_names import HEX_DIGEST, EvaluatorName
 from gpucloud.models.registry_tables import EvaluationCommand, GateSpec
-from gpucloud.registry.manifest import HEX_DIGEST
-from gpucloud.registry.names import EvaluatorName
 
 
 class _Message(BaseModel):

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from gpucloud import children
+from gpucloud.models.registry_names import EvaluatorName
 from gpucloud.models.registry_tables import EvaluationCommand
 from gpucloud.registry.command_eval import run_command
-from gpucloud.registry.names import EvaluatorName
 
 CONTAINER_MODEL_DIR = "/model"
 

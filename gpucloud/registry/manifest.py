@@ -50,7 +50,8 @@ from pydantic import (
     model_validator,
 )
 
-HEX_DIGEST = r"^[0-9a-f]{64}$"
+from gpucloud.models.registry_names import HEX_DIGEST
+
 _HEX_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_DOMAIN = b"gpucloud.registry.manifest.v1\n"
 _EVALUATION_DOMAIN = b"gpucloud.registry.evaluation.v1\n"

@@ -40,6 +40,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel
 from sqlmodel import Session, col, select
 
+from gpucloud.models.registry_names import GATED_ALIASES, AliasName, EvaluatorName
 from gpucloud.models.registry_tables import (
     EvaluationCommand,
     EvaluationGate,
@@ -55,7 +56,6 @@ from gpucloud.models.registry_tables import (
     SigningKey,
 )
 from gpucloud.registry.manifest import Keyring
-from gpucloud.registry.names import GATED_ALIASES, AliasName, EvaluatorName
 from gpucloud.registry.store import ChunkStore
 
 MAX_LINEAGE_DEPTH = 1000

@@ -14,10 +14,11 @@ of the same version), `ChunkUnavailableError`, `FileMismatchError`, `ManifestTam
 `BadSignatureError` or `UnknownKeyError`, each naming the file, chunk id and offset (or the
 version and key) involved.
 
-Chunk fetches are retried as `RetryPolicy` says: a broken transfer (connection reset, cut-off
-body, a 5xx from the store) a few times with backoff, then `ChunkUnavailableError`; bytes that
-arrive whole but hash wrong once more at most, then the integrity error. Nothing unverified is
-ever kept: a retry rewrites the chunk's whole range, and the version still lands only at the end.
+Chunk fetches are retried (with tenacity, the project's one retry library) as `ChunkRetry` says:
+a broken transfer (connection reset, cut-off body, a 5xx from the store) a few times with
+backoff, then `ChunkUnavailableError`; bytes that arrive whole but hash wrong once more at most,
+then the integrity error. Nothing unverified is ever kept: a retry rewrites the chunk's whole
+range, and the version still lands only at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tenacity
 
 from gpucloud.registry.manifest import (
     ChunkCorruptedError,
@@ -83,15 +86,15 @@ def _start_writeback(fd: int, chunk: ChunkRef) -> None:
         _sync_file_range(fd, chunk.offset, chunk.size, _SYNC_FILE_RANGE_WRITE)
 
 
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkRetry:
     """How hard a pull tries one chunk before it fails closed.
 
     A broken transfer (connection reset, timeout, body cut off, 5xx: `ChunkTransferError`,
     `ConnectionError`, `TimeoutError`) gets `attempts` tries in all, `first_delay` apart and
     doubling up to `max_delay`. Bytes that arrived whole but do not hash to the chunk id get
-    `refetches_after_mismatch` more tries (a flipped bit in flight heals on a re-fetch; a corrupt
-    stored chunk does not, and retrying it longer would only delay the refusal).
+    `refetches_after_mismatch` more tries, at once (a flipped bit in flight heals on a re-fetch;
+    a corrupt stored chunk does not, and retrying it longer would only delay the refusal).
     """
 
     attempts: int = 4
@@ -104,7 +107,7 @@ class RetryPolicy:
         return min(self.max_delay, self.first_delay * 2 ** (failures - 1))
 
 
-DEFAULT_RETRY = RetryPolicy()
+DEFAULT_RETRY = ChunkRetry()
 _BROKEN_TRANSFER = (ChunkTransferError, ConnectionError, TimeoutError)
 
 
@@ -114,6 +117,46 @@ class _BrokenTransfer(Exception):
     def __init__(self, cause: Exception, received: int) -> None:
         super().__init__(str(cause))
         self.cause, self.received = cause, received
+
+
+class _ChunkTries:
+    """One chunk's failed tries, counted by kind, for the tenacity loop that `ChunkRetry` sets up:
+    the two kinds have budgets of their own, and only broken transfers back off."""
+
+    def __init__(self, policy: ChunkRetry) -> None:
+        self.policy = policy
+        self.broken = self.mismatched = 0
+        self._last_broken = False
+
+    def retrying(self) -> tenacity.Retrying:
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type((_BrokenTransfer, ChunkError))
+            & tenacity.retry_if_not_exception_type(ChunkMissingError),
+            after=self._count,
+            stop=self._stop,
+            wait=self._wait,
+            sleep=self._sleep,
+            reraise=True,
+        )
+
+    def _count(self, state: tenacity.RetryCallState) -> None:
+        self._last_broken = isinstance(state.outcome and state.outcome.exception(), _BrokenTransfer)
+        if self._last_broken:
+            self.broken += 1
+        else:
+            self.mismatched += 1
+
+    def _stop(self, state: tenacity.RetryCallState) -> bool:
+        if self._last_broken:
+            return self.broken >= self.policy.attempts
+        return self.mismatched > self.policy.refetches_after_mismatch
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        return self.policy.delay(self.broken) if self._last_broken else 0.0
+
+    def _sleep(self, seconds: float) -> None:
+        if seconds:  # a re-fetch after a mismatch goes at once
+            self.policy.sleep(seconds)
 
 
 def _mismatch_error(task: _Task, actual: str, received: int, version_chunks: set[str]) -> ChunkError:
@@ -156,26 +199,16 @@ def _fetch_once(store: ChunkStore, task: _Task, version_chunks: set[str], read_l
     return received
 
 
-def _fetch(store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int, retry: RetryPolicy) -> int:
+def _fetch(store: ChunkStore, task: _Task, version_chunks: set[str], read_limit: int, retry: ChunkRetry) -> int:
     """`_fetch_once`, tried again after a broken transfer or a mismatch, as `retry` allows.
 
     A retry rewrites the chunk's whole range, so what a failed try left behind is overwritten.
     """
-    broken = mismatched = 0
-    while True:
-        try:
-            return _fetch_once(store, task, version_chunks, read_limit)
-        except ChunkMissingError:
-            raise
-        except ChunkError:
-            mismatched += 1
-            if mismatched > retry.refetches_after_mismatch:
-                raise
-        except _BrokenTransfer as exc:
-            broken += 1
-            if broken >= retry.attempts:
-                raise _gave_up(task, exc, broken, version_chunks) from exc.cause
-            retry.sleep(retry.delay(broken))
+    tries = _ChunkTries(retry)
+    try:
+        return tries.retrying()(_fetch_once, store, task, version_chunks, read_limit)
+    except _BrokenTransfer as exc:
+        raise _gave_up(task, exc, tries.broken, version_chunks) from exc.cause
 
 
 def _gave_up(task: _Task, broken: _BrokenTransfer, tries: int, version_chunks: set[str]) -> ChunkError:
@@ -206,7 +239,7 @@ def _assemble(
     *,
     concurrency: int,
     progress: ProgressCallback | None,
-    retry: RetryPolicy,
+    retry: ChunkRetry,
 ) -> None:
     tasks: list[_Task] = []
     for relative, entry in manifest.files.items():
@@ -262,7 +295,7 @@ def pull(
     tenant: str,
     concurrency: int = 4,
     progress: ProgressCallback | None = None,
-    retry: RetryPolicy = DEFAULT_RETRY,
+    retry: ChunkRetry = DEFAULT_RETRY,
 ) -> PullResult:
     """Materialise version `digest` at dest (which must not exist yet); see the module doc."""
     manifest = keyring.verify(manifest_store.get(digest), tenant=tenant)

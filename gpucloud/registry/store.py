@@ -23,12 +23,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import blake3
 from pydantic import ValidationError
 
 from gpucloud.registry.chunking import MiB
+from gpucloud.registry.integrity import ChunkCheck
 from gpucloud.registry.manifest import (
-    ChunkCorruptedError,
     ChunkMissingError,
     ChunkTransferError,
     ManifestTamperedError,
@@ -94,24 +93,18 @@ class ChunkStore:
         key = self.key(chunk_id)
         if self.objects.exists(key):
             return False
-        hasher = _serial_hasher()
+        check = _serial_check(chunk_id)
 
         def pieces() -> Iterator[bytes | memoryview]:
             if isinstance(data, (bytes, bytearray, memoryview)):
-                hasher.update(data)
+                check.update(data)
                 yield bytes(data)
                 return
             while piece := data.read(self._read_size):
-                hasher.update(piece)
+                check.update(piece)
                 yield piece
 
-        def check() -> None:
-            if (actual := hasher.hexdigest()) != chunk_id:
-                raise ChunkCorruptedError(
-                    f"refused to store bytes that hash to {actual}", chunk_id=chunk_id, actual_id=actual
-                )
-
-        self.objects.put_stream(key, pieces(), check=check)
+        self.objects.put_stream(key, pieces(), check=lambda: check.verify(source="refused to store bytes that"))
         return True
 
     def stream(self, chunk_id: str) -> Iterator[bytes]:
@@ -150,23 +143,21 @@ class ChunkStore:
         return self.objects.abort_incomplete(prefix=self._prefix, older_than=older_than)
 
 
-def _serial_hasher() -> blake3.blake3:
+def _serial_check(chunk_id: str) -> ChunkCheck:
     """One thread per hash: a store serves many chunks at once (an API's uploads and downloads), so
     spreading each over every core only adds wake-ups between hashing threads on busy cores."""
-    return blake3.blake3(max_threads=1)
+    return ChunkCheck(chunk_id, size_hint=1)
 
 
 def _verified(chunk_id: str, pieces: Iterator[bytes]) -> Iterator[bytes]:
-    hasher = _serial_hasher()
+    check = _serial_check(chunk_id)
     try:
         for piece in pieces:
-            hasher.update(piece)
+            check.update(piece)
             yield piece
     except ObjectTransferError as exc:
         raise ChunkTransferError(str(exc), chunk_id=chunk_id) from exc
-    actual = hasher.hexdigest()
-    if actual != chunk_id:
-        raise ChunkCorruptedError(f"stored bytes hash to {actual}", chunk_id=chunk_id, actual_id=actual)
+    check.verify(source="stored bytes")
 
 
 class ManifestStore:

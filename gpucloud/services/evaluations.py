@@ -15,10 +15,10 @@ from sqlmodel import Session, col, select
 
 from gpucloud.db import session_scope
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
+from gpucloud.models.registry_names import EvaluatorName
 from gpucloud.models.registry_tables import EvaluationResult, EvaluationSource, ModelVersion, RegistryModel
 from gpucloud.registry import promotion
 from gpucloud.registry.manifest import SignedEvaluation
-from gpucloud.registry.names import EvaluatorName
 from gpucloud.registry.stores import RegistryStores
 
 # What a kept evaluation row takes from its record under the same names.

@@ -28,6 +28,8 @@ import httpx
 
 from gpucloud import children
 from gpucloud.config import load_or_create_secret, write_private
+from gpucloud.web import tls
+from gpucloud.web.http_client import http_client
 
 CREDENTIAL_REF = "sim-bmc"
 USERNAME = "admin"
@@ -107,15 +109,16 @@ class BmcEmulator:
         )
         log.close()
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the Redfish emulator exited with {self.process.returncode}: see {log.name}")
-            try:
-                if httpx.get(f"{self.url}/redfish/v1/", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        with http_client(timeout="bmc", timeout_s=2.0, trust=tls.client_verify()) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the Redfish emulator exited with {self.process.returncode}: see {log.name}")
+                try:
+                    if client.get(f"{self.url}/redfish/v1/").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"the Redfish emulator did not answer on {self.url} within {wait_s:.0f} s")
 

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from gpucloud.web import tls
+from gpucloud.web.http_client import http_client
 from gpucloud.web.service_tokens import Issuer, agent_audience
 
 
@@ -24,12 +25,13 @@ class SimFleetClient:
     ) -> None:
         """`token`: the operator token, which the simulator's own endpoints ask for."""
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        self.http = httpx.Client(
+        self.http = http_client(
             base_url=base_url.rstrip("/"),
-            timeout=timeout_s,
+            timeout="simulator",
+            timeout_s=timeout_s,
             transport=transport,
             headers=headers,
-            verify=tls.client_verify(),
+            trust=tls.client_verify(),
         )
         # Signs the calls a node's agent takes only from the control plane (its weights API).
         self._issuer = issuer

@@ -42,6 +42,7 @@ from gpucloud.protocol.reports import XidEvent
 from gpucloud.sim.faults import LLAMA3_405B_MIX, Fault, FaultCategory, FaultModel
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class FleetFaults:
     async def run(self, *, tick_s: float = 1.0, reading_s: float = 5.0) -> None:
         """Inject and report until cancelled."""
         since_readings = 0.0
-        async with httpx.AsyncClient(timeout=30, verify=tls.client_verify()) as client:
+        async with async_http_client(timeout="agent_report", trust=tls.client_verify()) as client:
             reports = ReportClient(client, self.control_plane_url or "")
             while True:
                 await asyncio.sleep(tick_s)

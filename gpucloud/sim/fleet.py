@@ -52,6 +52,7 @@ from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.protocol.actions import ActionRequest, AgentAction
 from gpucloud.protocol.reporter import ReportClient
 from gpucloud.protocol.reports import Heartbeat
+from gpucloud.retry import Backoff, retry_call_async
 from gpucloud.sim.fault_injection import FleetFaults
 from gpucloud.sim.faults import FaultModel
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
@@ -61,6 +62,7 @@ from gpucloud.sim.power import BmcLink, SimPower
 from gpucloud.sim.workload_logs_api import install_workload_logs
 from gpucloud.web import problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, OPEN_PATHS, Check, Gate, holds_token, query_value
+from gpucloud.web.http_client import async_http_client
 from gpucloud.web.service_tokens import Verifier, logs_refusal_reason, refusal_reason
 from gpucloud.web.tls import ServerTLS, scheme, serve_options
 
@@ -92,18 +94,23 @@ class ReachabilityRequest(BaseModel):
     unreachable: bool
 
 
+# Between enrollment attempts while the control plane does not answer.
+ENROLL_BACKOFF = Backoff(first_s=0.2, cap_s=5.0)
+
+
+def _not_answering(error: BaseException) -> bool:
+    """A control plane not up yet, or failing for now; a 4xx is its answer."""
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code >= 500
+    return isinstance(error, httpx.TransportError)
+
+
 async def _post_until_accepted(client: httpx.AsyncClient, url: str, body: dict) -> None:
-    delay = 0.2
-    while True:
-        try:
-            resp = await client.post(url, json=body)
-            if resp.status_code < 500:
-                resp.raise_for_status()
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 5.0)
+    async def post() -> None:
+        (await client.post(url, json=body)).raise_for_status()
+
+    # Until it answers, however long: the fleet is of no use to a control plane it is not in.
+    await retry_call_async(post, retry_on=_not_answering, backoff=ENROLL_BACKOFF, attempts=None, deadline_s=None)
 
 
 async def register_with_control_plane(
@@ -123,8 +130,8 @@ async def register_with_control_plane(
     batches under the operator token (an explicit option for fleets too large to report one by
     one on one machine)."""
     inventory = fleet.inventory(base_url)
-    async with httpx.AsyncClient(
-        timeout=60, headers={"Authorization": f"Bearer {token}"}, verify=tls.client_verify()
+    async with async_http_client(
+        timeout="agent_report_batch", headers={"Authorization": f"Bearer {token}"}, trust=tls.client_verify()
     ) as client:
         for start in range(0, len(inventory), batch):
             await _post_until_accepted(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -31,7 +30,9 @@ import httpx
 from gpucloud.agent.shipper import Shipper
 from gpucloud.agent.spool import DEFAULT_BATCH_SIZE, Meter, NodeAllocation, Spool, wall_clock_ms
 from gpucloud.ledger.client import LedgerUnavailable, UsageLedger
+from gpucloud.retry import Backoff, retry_call_async
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ class FleetMetering:
         """Meter at every interval boundary and ship continuously, until ``stop`` is set."""
         next_tick_ms = 0
         ship_after_ms = 0
-        backoff_s = 0.0
+        backoff = Backoff(first_s=0.2, cap_s=self._backoff_max_s, jitter=0.5)
+        failures = 0
         while not stop.is_set():
             now_ms = self._clock_ms()
             if now_ms >= next_tick_ms:
@@ -156,14 +158,14 @@ class FleetMetering:
             if now_ms >= ship_after_ms:
                 try:
                     self._ship_all()
-                    backoff_s = 0.0
+                    failures = 0
                 except Exception as error:
-                    backoff_s = min(max(2 * backoff_s, 0.2), self._backoff_max_s)
-                    ship_after_ms = now_ms + int(random.uniform(0.5, 1.0) * backoff_s * 1000)
+                    failures += 1
+                    ship_after_ms = now_ms + int(backoff.delay_s(failures) * 1000)
                     log.warning(
                         "usage not shipped (%s); the spools keep it, retrying in %.1f s",
                         error,
-                        backoff_s,
+                        backoff.ceiling_s(failures),
                         exc_info=not isinstance(error, LedgerUnavailable),
                     )
             stop.wait(min(0.5, max(0.01, (next_tick_ms - self._clock_ms()) / 1000)))
@@ -227,6 +229,7 @@ class WorkloadFollower:
     """
 
     LOOKUP_ATTEMPTS = 5
+    LOOKUP_BACKOFF = Backoff(first_s=0.2, cap_s=3.2)
 
     def __init__(self, metering: FleetMetering, *, control_plane_url: str | None, operator_token: str | None) -> None:
         self.metering = metering
@@ -257,15 +260,25 @@ class WorkloadFollower:
     async def _allocation_of(self, node_id: str) -> str | None:
         if self._control_plane_url is None:
             return None
-        async with httpx.AsyncClient(
-            base_url=self._control_plane_url, headers=self._headers, timeout=10, verify=tls.client_verify()
+        async with async_http_client(
+            base_url=self._control_plane_url, headers=self._headers, timeout="agent_lookup", trust=tls.client_verify()
         ) as client:
-            for attempt in range(self.LOOKUP_ATTEMPTS):
-                try:
-                    response = await client.get(f"/v1/nodes/{node_id}")
-                    if response.status_code == 200:
-                        return response.json().get("allocation_id")
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.2 * 2**attempt)
-        return None
+
+            async def allocation_id() -> str | None:
+                response = await client.get(f"/v1/nodes/{node_id}")
+                if response.status_code != 200:
+                    raise httpx.HTTPStatusError(
+                        f"HTTP {response.status_code}", request=response.request, response=response
+                    )
+                return response.json().get("allocation_id")
+
+            try:
+                return await retry_call_async(
+                    allocation_id,
+                    retry_on=httpx.HTTPError,
+                    backoff=self.LOOKUP_BACKOFF,
+                    attempts=self.LOOKUP_ATTEMPTS,
+                    deadline_s=None,
+                )
+            except httpx.HTTPError:
+                return None

@@ -33,11 +33,17 @@ import httpx
 
 from gpucloud.protocol.actions import AgentAction
 from gpucloud.protocol.reporter import ReportClient
+from gpucloud.retry import Backoff, retry_call_async
 from gpucloud.sim.bmc import CREDENTIAL_REF, USERNAME, system_id_of
 from gpucloud.sim.nodes import Fleet, SimNode
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client
 
 log = logging.getLogger(__name__)
+
+# A simulated node's calls (to the API, to its BMC): five tries, a second apart.
+TRIES = 5
+BETWEEN_TRIES = Backoff(first_s=1.0, cap_s=1.0)
 
 
 @dataclass(frozen=True)
@@ -116,32 +122,52 @@ class SimPower:
         except (OSError, ValueError, KeyError) as exc:
             log.warning("%s: the config drive %s is unreadable: %s", node.id, drive, exc)
             return
-        for _ in range(5):
-            try:
-                async with httpx.AsyncClient(timeout=10, verify=tls.client_verify()) as client:
-                    answer = await ReportClient(client, api_url).enroll(token)
-                if answer.status_code == 200:
-                    node.credential, node.credential_from = answer.json()["credential"], "config_drive"
-                    log.info("%s enrolled from its config drive", node.id)
-                    return
-                log.warning("%s: enrollment refused (%d): %s", node.id, answer.status_code, answer.text[:300])
-                return
-            except httpx.HTTPError as exc:
-                log.warning("%s: enrollment not delivered: %s", node.id, exc)
-            await asyncio.sleep(1.0)
+
+        async def redeem() -> httpx.Response:
+            async with async_http_client(timeout="agent_lookup", trust=tls.client_verify()) as client:
+                return await ReportClient(client, api_url).enroll(token)
+
+        def not_delivered(exc: BaseException, _delay_s: float = 0.0) -> None:
+            log.warning("%s: enrollment not delivered: %s", node.id, exc)
+
+        try:
+            answer = await retry_call_async(
+                redeem,
+                retry_on=httpx.HTTPError,
+                backoff=BETWEEN_TRIES,
+                attempts=TRIES,
+                deadline_s=None,
+                on_retry=not_delivered,
+            )
+        except httpx.HTTPError as exc:
+            not_delivered(exc)
+            return
+        if answer.status_code == 200:
+            node.credential, node.credential_from = answer.json()["credential"], "config_drive"
+            log.info("%s enrolled from its config drive", node.id)
+            return
+        log.warning("%s: enrollment refused (%d): %s", node.id, answer.status_code, answer.text[:300])
 
     async def _read_at(self, node: SimNode, apply_time: float) -> None:
         """Read the system once its change is due: the emulator applies it and notifies again."""
         await asyncio.sleep(max(0.0, apply_time - time.time()) + 0.2)
         url = f"{self.link.url}/redfish/v1/Systems/{system_id_of(node.id)}"
-        for _ in range(5):
-            try:
-                async with httpx.AsyncClient(timeout=10, auth=(USERNAME, self.link.password)) as client:
-                    if (await client.get(url)).status_code == 200:
-                        return
-            except httpx.HTTPError as exc:
-                log.warning("reading %s's system on the BMC failed: %s", node.id, exc)
-            await asyncio.sleep(1.0)
+
+        async def read() -> None:
+            async with async_http_client(
+                timeout="bmc", auth=(USERNAME, self.link.password), trust=tls.client_verify()
+            ) as client:
+                (await client.get(url)).raise_for_status()
+
+        def failed(exc: BaseException, _delay_s: float = 0.0) -> None:
+            log.warning("reading %s's system on the BMC failed: %s", node.id, exc)
+
+        try:
+            await retry_call_async(
+                read, retry_on=httpx.HTTPError, backoff=BETWEEN_TRIES, attempts=TRIES, deadline_s=None, on_retry=failed
+            )
+        except httpx.HTTPError as exc:
+            failed(exc)
 
 
 def _digest(path: str | None) -> str | None:

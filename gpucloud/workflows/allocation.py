@@ -11,8 +11,9 @@ in the DB and signals; the workflow also re-reads the DB now and then, so a lost
 delays the cancel. It ends once every agent confirmed its node is released (`released`); the
 nodes' wipe and burn-in continue in their own workflows.
 
-Drain-and-replace (signal `replace_node`, sent by the health service) lives in
-`drain_replace.py`: after a grace period for the tenant to checkpoint (none when the fault
+Drain-and-replace (signal `replace_node`, sent by the health service) is a collaborator in
+`drain_replace.py`, and the steps both take on the world (activities, node operations) are in
+`allocation_steps.py`: after a grace period for the tenant to checkpoint (none when the fault
 already killed the job), the node leaves the allocation (`degraded`, with the reason) and its
 fabric, and drains into quarantine; a node of the same fabric domain joins and is provisioned in
 its place. With no capacity the allocation stays `degraded` and looks again every `recheck_s`.
@@ -27,8 +28,6 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from gpucloud.activities.fabric import FabricActivities
-    from gpucloud.models.fabric_messages import FabricReleaseInput
     from gpucloud.models.messages import (
         AllocationInput,
         AllocationProgress,
@@ -39,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
         NodeOperationResult,
         ReplaceNodeRequest,
     )
-    from gpucloud.workflows import options
+    from gpucloud.workflows.allocation_steps import AllocationSteps
     from gpucloud.workflows.drain_replace import DrainAndReplace
     from gpucloud.workflows.ledger_events import LedgerEvents
 
@@ -48,24 +47,15 @@ DESIRED_RECHECK = timedelta(minutes=5)
 
 
 @workflow.defn
-class AllocationWorkflow(DrainAndReplace):
+class AllocationWorkflow:
     def __init__(self) -> None:
         self._cancel_requested = False
         self._phase = "starting"
         self._nodes_total = 0
         self._nodes_done = 0
-        self._allocation_id = ""
-        self._replacements: list[ReplaceNodeRequest] = []
-        self._replaced_any = False
         self._ledger = LedgerEvents()
-        # While the allocation is first provisioned: replacement provisions left, and every
-        # provisioning failure so far (the allocation's failure reason when they run out).
-        self._provision_tries_left: int | None = None
-        self._provision_errors: list[str] = []
-        self._provision_failed_nodes: list[str] = []
-        self._gave_up = False  # the replacement provisions ran out with nodes still owed
-        self._draining = []  # pulled nodes' drains, awaited before the run ends
-        self._pulled_ids = set()  # nodes this run took out of the allocation for a fault
+        self._steps = AllocationSteps()
+        self._drain = DrainAndReplace(self._steps, self._ledger, cancelled=lambda: self._cancel_requested)
 
     @workflow.signal
     def request_cancel(self, req: CancelRequest) -> None:
@@ -73,13 +63,12 @@ class AllocationWorkflow(DrainAndReplace):
 
     @workflow.signal
     def replace_node(self, req: ReplaceNodeRequest) -> None:
-        if all(r.node_id != req.node_id for r in self._replacements):
-            self._replacements.append(req)
+        self._drain.report(req)
 
     @workflow.query
     def progress(self) -> AllocationProgress:
         return AllocationProgress(
-            allocation_id=self._allocation_id,
+            allocation_id=self._steps.allocation_id,
             phase=self._phase,
             nodes_total=self._nodes_total,
             nodes_done=self._nodes_done,
@@ -88,8 +77,8 @@ class AllocationWorkflow(DrainAndReplace):
 
     @workflow.run
     async def run(self, inp: AllocationInput) -> AllocationResult:
-        self._allocation_id = inp.allocation_id
-        view = await self._load()
+        self._steps.allocation_id = inp.allocation_id
+        view = await self._steps.load()
         if view.status in TERMINAL:
             return AllocationResult(allocation_id=view.allocation_id, status=view.status)
         self._nodes_total = len(view.node_ids)
@@ -99,31 +88,35 @@ class AllocationWorkflow(DrainAndReplace):
         if not self._cancel_requested and view.status == "provisioning":
             failure = await self._provision(view, inp)
             if failure is not None:
-                current = await self._load()  # the release takes what it holds now
+                current = await self._steps.load()  # the release takes what it holds now
                 await self._release(current)
                 return await self._finish(current, "failed", failure)
 
         self._phase = "ready"
         while not self._cancel_requested:
-            if self._replacements:
+            if self._drain.reported:
                 await self._replace_all(view)
                 self._phase = "ready"
                 continue
             try:
                 await workflow.wait_condition(
-                    lambda: self._cancel_requested or bool(self._replacements), timeout=DESIRED_RECHECK
+                    lambda: self._cancel_requested or bool(self._drain.reported), timeout=DESIRED_RECHECK
                 )
             except TimeoutError:
-                if (await self._load()).desired == "cancelled":
+                if (await self._steps.load()).desired == "cancelled":
                     self._cancel_requested = True
-            if not self._cancel_requested and not self._replacements and workflow.info().is_continue_as_new_suggested():
+            if (
+                not self._cancel_requested
+                and not self._drain.reported
+                and workflow.info().is_continue_as_new_suggested()
+            ):
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 await self._ledger.flushed()
-                await self._drains_finished()
+                await self._drain.drains_finished()
                 workflow.continue_as_new(inp)
 
-        if self._replaced_any:
-            view = await self._load()  # the membership changed: release the nodes it has now
+        if self._drain.replaced_any:
+            view = await self._steps.load()  # the membership changed: release the nodes it has now
         await self._release(view)
         return await self._finish(view, "released", None)
 
@@ -132,7 +125,7 @@ class AllocationWorkflow(DrainAndReplace):
         (nodes that failed, or were reported bad meanwhile, replaced first). None on success,
         else why the allocation failed."""
         self._phase = "fabric"
-        fabric_error = await self._apply_fabric()
+        fabric_error = await self._steps.apply_fabric()
         if fabric_error is not None:
             self._ledger.started(view, [])
             return fabric_error
@@ -145,38 +138,42 @@ class AllocationWorkflow(DrainAndReplace):
             self._ledger.started(view, [])
             return None
         failed = [r for r in results if not r.ok]
-        self._provision_errors = [f"{r.node_id}: {r.error}" for r in failed]
-        self._provision_failed_nodes = [r.node_id for r in failed]
+        self._drain.provision_errors = [f"{r.node_id}: {r.error}" for r in failed]
+        self._drain.provision_failed_nodes = [r.node_id for r in failed]
         if failed and (self._cancel_requested or len(failed) > inp.provision_retries):
             self._ledger.started(view, [])
             return self._provision_failure()
         if failed:
             # A node that failed provisioning is already on its way back to the pool (wipe,
             # burn-in); another takes its place, as for a node pulled by the health loop.
-            self._provision_tries_left = inp.provision_retries
-            owed = await self._detach_failed(failed, view, recheck_s=inp.replacement_recheck_s)
+            self._drain.provision_tries_left = inp.provision_retries
+            owed = await self._drain.detach_failed(failed, view, recheck_s=inp.replacement_recheck_s)
             await self._replace_all(view, owed=owed)
-            self._provision_tries_left = None
-            if self._gave_up:
+            self._drain.provision_tries_left = None
+            if self._drain.gave_up:
                 self._ledger.started(view, [])
                 return self._provision_failure()
         # A node reported bad while provisioning is replaced first; the last attach marks the
         # allocation ready.
-        replaced_first = bool(failed) or (bool(self._replacements) and await self._replace_all(view))
+        replaced_first = bool(failed) or (bool(self._drain.reported) and await self._replace_all(view))
         if not replaced_first:
-            await self._set_status(view, "ready")
+            await self._steps.set_status(view, "ready")
         # Billing starts now that the tenant has the allocation: the nodes provisioned first count
         # from here, replacements from their attach (a moment ago; the ledger clips them to here).
         # A first node pulled before ready is not the tenant's any more.
         members = [r.node_id for r in results if r.ok]
         if replaced_first:
-            current = set((await self._load()).node_ids)  # one read, not one per node
+            current = set((await self._steps.load()).node_ids)  # one read, not one per node
             members = [node for node in members if node in current]
         self._ledger.started(view, members)
         return None
 
+    async def _replace_all(self, view: AllocationView, *, owed: list[ReplaceNodeRequest] | None = None) -> bool:
+        self._phase = "replacing"
+        return await self._drain.replace_all(view, owed=owed)
+
     def _provision_failure(self) -> str:
-        return f"provisioning failed ({'; '.join(self._provision_errors)})"
+        return f"provisioning failed ({'; '.join(self._drain.provision_errors)})"
 
     async def _release(self, view: AllocationView) -> None:
         """Release every node (the agents confirm the tenant is off), then start their recycling."""
@@ -184,17 +181,13 @@ class AllocationWorkflow(DrainAndReplace):
         self._nodes_done = 0
         self._ledger.releasing()
         # Off the fabrics first: no path to the tenant is left once its nodes are recycled.
-        await workflow.execute_activity_method(
-            FabricActivities.release_allocation_fabric,
-            FabricReleaseInput(allocation_id=self._allocation_id),
-            **options.FABRIC_REMOVE,
-        )
-        await self._recycle_wiping(await self._run_on_nodes(view, NodeOperationKind.RELEASE), view)
+        await self._steps.release_fabric()
+        await self._steps.recycle_wiping(await self._run_on_nodes(view, NodeOperationKind.RELEASE), view)
 
     async def _finish(self, view: AllocationView, status: str, reason: str | None) -> AllocationResult:
-        await self._drains_finished()
+        await self._drain.drains_finished()
         self._phase = status
-        await self._set_status(view, status, reason)
+        await self._steps.set_status(view, status, reason)
         self._ledger.ended(view)
         await self._ledger.flushed()
         return AllocationResult(allocation_id=view.allocation_id, status=status, failure_reason=reason)
@@ -205,7 +198,7 @@ class AllocationWorkflow(DrainAndReplace):
         handles: list[workflow.ChildWorkflowHandle] = []
 
         async def one(node_id: str) -> NodeOperationResult:
-            handle = await self._start_node_op(node_id, NodeOperationKind.PROVISION, view)
+            handle = await self._steps.start_node_op(node_id, NodeOperationKind.PROVISION, view)
             handles.append(handle)
             result = await handle
             self._nodes_done += 1
@@ -221,7 +214,7 @@ class AllocationWorkflow(DrainAndReplace):
 
     async def _run_on_nodes(self, view: AllocationView, op: NodeOperationKind) -> list[NodeOperationResult]:
         async def one(node_id: str) -> NodeOperationResult:
-            handle = await self._start_node_op(node_id, op, view)
+            handle = await self._steps.start_node_op(node_id, op, view)
             result = await handle
             self._nodes_done += 1
             return result

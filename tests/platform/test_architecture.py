@@ -61,10 +61,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
 }
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("gpucloud.client.api", "gpucloud.api.schemas"),
-    ("gpucloud.models.evaluation_messages", "gpucloud.registry.names"),
-    ("gpucloud.models.registry_tables", "gpucloud.registry.names"),
-    ("gpucloud.models.rollout_messages", "gpucloud.registry.manifest"),
-    ("gpucloud.models.rollout_messages", "gpucloud.registry.names"),
     ("gpucloud.services.node_access", "gpucloud.api.schemas"),
 }
 KNOWN_WORKFLOW_CLIENTS: set[str] = set()

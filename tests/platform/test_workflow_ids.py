@@ -10,7 +10,7 @@ from temporalio import workflow
 from gpucloud.adapters import temporal_gateway
 from gpucloud.models import workflow_ids as ids
 from gpucloud.services import allocations, recovery, tenants
-from gpucloud.workflows import billing_close, drain_replace
+from gpucloud.workflows import allocation_steps, billing_close
 from gpucloud.workflows import tenant as tenant_workflows
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
@@ -74,7 +74,7 @@ def test_every_name_constant_is_checked_above() -> None:
 
 def test_the_ids_are_built_in_one_place() -> None:
     assert temporal_gateway.ids is ids
-    assert drain_replace.node_workflow_id is ids.node_workflow_id
+    assert allocation_steps.node_workflow_id is ids.node_workflow_id
     assert billing_close.close_workflow_id is ids.close_workflow_id
     assert tenant_workflows.allocation_workflow_id is ids.allocation_workflow_id  # offboarding's cancels
     assert tenant_workflows.ALLOCATION_CANCEL_SIGNAL is ids.ALLOCATION_CANCEL_SIGNAL

@@ -84,7 +84,9 @@ def test_the_evaluation_workers_environment_holds_no_platform_secret(monkeypatch
     assert evaluation.registry.evaluator_key is None and evaluation.tenants.storage_master_key is None
     # No store: not the platform's bucket, nor its local directory.
     assert evaluation.object_store == ObjectStoreSettings()
-    assert {k: v for k, v in env.items() if "OBJECT_STORE" in k} == {"GPUCLOUD_OBJECT_STORE__BACKEND": "local"}
+    # Only the sections it was given travel: the store's, the database's and the agent's do not.
+    sections = {k.removeprefix("GPUCLOUD_").partition("__")[0] for k in env if k.startswith("GPUCLOUD_") and "__" in k}
+    assert sections == {"TEMPORAL", "REGISTRY", "TLS", "TELEMETRY"}
     assert evaluation.object_store_dir != settings.object_store_dir
     assert evaluation.temporal.evaluation_task_queue == "tq-1-evaluations"
     with (

@@ -1111,7 +1111,7 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
 
     from gpucloud.api.routers.registry.versions import _evaluation_operation
     from gpucloud.db import Database
-    from gpucloud.registry.names import EvaluatorName
+    from gpucloud.models.registry_names import EvaluatorName
     from gpucloud.services.recovery import adopt_orphans
 
     registry.start_worker()

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from gpucloud.bootstrap import registry_stores
 from gpucloud.config import ObjectStoreSettings, Settings
+from gpucloud.models.registry_names import AliasName
 from gpucloud.models.registry_tables import GateSpec, RegistryModelCreate
-from gpucloud.registry.names import AliasName
 from gpucloud.registry.promotion import (
     VersionResults,
     evaluate_gates,

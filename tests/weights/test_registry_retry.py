@@ -17,7 +17,7 @@ from gpucloud.registry.manifest import (
     Keyring,
     Signer,
 )
-from gpucloud.registry.pull import RetryPolicy, pull
+from gpucloud.registry.pull import ChunkRetry, pull
 from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore, S3ChunkStore
 
@@ -72,7 +72,7 @@ class Setup:
         self.sleeps: list[float] = []
 
     def pull(self, store: LocalChunkStore, dest: Path, **retry):
-        policy = RetryPolicy(sleep=self.sleeps.append, **retry)
+        policy = ChunkRetry(sleep=self.sleeps.append, **retry)
         return pull(
             self.digest,
             dest,
@@ -184,3 +184,27 @@ def test_an_s3_body_cut_off_midway_is_a_transfer_error() -> None:
     chunk_id = "cd" * 32
     with pytest.raises(ChunkTransferError, match="cut off"):
         list(S3ChunkStore(Client(), "bucket").stream(chunk_id))
+
+
+def test_each_kind_of_failure_spends_its_own_budget(setup: Setup, tmp_path: Path) -> None:
+    """A break, a mismatch and two more breaks: the mismatch takes nothing from the transfer's
+    tries, and the backoff counts only the breaks."""
+
+    class Mixed(LocalChunkStore):
+        reads = 0
+
+        def stream(self, chunk_id: str) -> Iterator[bytes]:
+            pieces = super().stream(chunk_id)
+            if chunk_id != setup.victim.id:
+                return pieces
+            Mixed.reads += 1
+            if Mixed.reads == 2:
+                raise ChunkCorruptedError("bit flipped in flight", chunk_id=chunk_id, actual_id="0" * 64)
+            if Mixed.reads in (1, 3, 4):
+                raise ChunkTransferError("store answered 503", chunk_id=chunk_id)
+            return pieces
+
+    result = setup.pull(Mixed(setup.root), tmp_path / "out", attempts=4, first_delay=0.1)
+    assert (result.path / "weights.bin").read_bytes() == (setup.source / "weights.bin").read_bytes()
+    assert Mixed.reads == 5
+    assert setup.sleeps == [0.1, 0.2, 0.4]  # after breaks 1, 2 and 3; none after the mismatch

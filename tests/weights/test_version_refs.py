@@ -1,4 +1,4 @@
-"""The one reading of a version's name (`registry.names.split_ref`), which the registry's routes,
+"""The one reading of a version's name (`models.registry_names.split_ref`), which the registry's routes,
 `gpucloud weights` and a rollout's `model_version` share."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from gpucloud.registry.names import RefKind, ref_kind, split_ref
+from gpucloud.models.registry_names import RefKind, ref_kind, split_ref
 
 pytestmark = pytest.mark.unit
 

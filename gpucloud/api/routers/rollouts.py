@@ -59,6 +59,7 @@ from gpucloud.config import Settings
 from gpucloud.db import read_scope, rowcount, session_scope, table_of
 from gpucloud.models import search_attributes
 from gpucloud.models import workflow_ids as ids
+from gpucloud.models.registry_names import AliasName, split_ref
 from gpucloud.models.registry_tables import ModelAlias, ModelVersion, RegistryModel
 from gpucloud.models.rollout_messages import (
     ReasonInput,
@@ -69,7 +70,6 @@ from gpucloud.models.rollout_messages import (
 )
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, AllocationStatus, Node, utcnow
 from gpucloud.registry import promotion
-from gpucloud.registry.names import AliasName, split_ref
 from gpucloud.services import operations
 from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.web.problems import Problem, field_of, invalid, not_found

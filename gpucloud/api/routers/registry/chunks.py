@@ -27,11 +27,8 @@ from gpucloud.models.registry_tables import (
     MissingChunks,
 )
 from gpucloud.registry import promotion
-from gpucloud.registry.manifest import (
-    ChunkCorruptedError,
-    ChunkMissingError,
-    IntegrityError,
-)
+from gpucloud.registry.integrity import ChunkDigestMismatchError
+from gpucloud.registry.manifest import ChunkMissingError, IntegrityError
 from gpucloud.registry.store import ChunkStore
 from gpucloud.services import storage_quota
 from gpucloud.storage.direct import AlignedPool
@@ -77,10 +74,10 @@ async def upload_chunk(
         stored = await run_in_threadpool(chunks.put, chunk_id, body)
         if not stored:
             await body.drain()  # the store had it: read the rest, so the connection can carry the next request
-    except ChunkCorruptedError as exc:
+    except ChunkDigestMismatchError as exc:
         raise invalid(
             "chunk_id",
-            f"the {size} bytes sent hash to {exc.actual_id}, not to {chunk_id}; nothing was stored",
+            f"the {size} bytes sent hash to {exc.actual}, not to {chunk_id}; nothing was stored",
             "chunk-digest-mismatch",
         ) from None
     finally:

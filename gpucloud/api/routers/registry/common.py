@@ -11,6 +11,7 @@ from sqlmodel import Session, col, select
 
 from gpucloud.config import Settings
 from gpucloud.db import read_scope
+from gpucloud.models.registry_names import RefKind, ref_kind
 from gpucloud.models.registry_tables import DIGEST_PATTERN, ModelAlias, ModelVersion, RegistryModel
 from gpucloud.registry.manifest import (
     IntegrityError,
@@ -18,7 +19,6 @@ from gpucloud.registry.manifest import (
     UnknownKeyError,
     VersionNotFoundError,
 )
-from gpucloud.registry.names import RefKind, ref_kind
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.web.problems import Problem, invalid, not_found
 

@@ -39,6 +39,7 @@ from gpucloud.api.routers.registry.common import (
 from gpucloud.config import Settings
 from gpucloud.db import read_scope, session_scope
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
+from gpucloud.models.registry_names import GATED_ALIASES, AliasName, EvaluatorName
 from gpucloud.models.registry_tables import (
     AliasMove,
     EvaluationPage,
@@ -67,7 +68,6 @@ from gpucloud.registry.manifest import (
     UnknownKeyError,
     VersionNotFoundError,
 )
-from gpucloud.registry.names import GATED_ALIASES, AliasName, EvaluatorName
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import evaluation_input, evaluations_of, keep_evaluation, operation_kind
 from gpucloud.services.operations import start_for_operation

@@ -1,5 +1,8 @@
 """The registry's words on the wire, importable without its tables (the CLI imports these, and
-importing SQLModel's tables would add a quarter of a second to every command)."""
+importing SQLModel's tables would add a quarter of a second to every command).
+
+They sit with the models (floor 0) because the registry's messages and tables use them as
+much as the registry does; `gpucloud.registry` imports them from here."""
 
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ GATED_ALIASES = frozenset({AliasName.STAGING, AliasName.PRODUCTION})
 # The one way the project reads a name for a version, wherever one is given (the registry's
 # routes, `gpucloud weights`, a rollout's `model_version`): `MODEL@REF`, where REF is an alias,
 # a full digest or a unique digest prefix; a rollout also takes a bare full digest.
+
+# A BLAKE3 hex digest, as a pydantic pattern: a chunk id, a version (manifest) digest, a key id.
+HEX_DIGEST = r"^[0-9a-f]{64}$"
 
 MIN_DIGEST_PREFIX = 8
 _DIGEST = re.compile(r"[0-9a-f]{64}")
