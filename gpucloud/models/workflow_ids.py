@@ -86,6 +86,9 @@ def billing_schedule_id(task_queue: str) -> str:
 
 
 def reconcile_now_workflow_id(node_ids: list[str]) -> str:
-    """One node's nudge (`reconcile-<node>`), or a batch's, keyed by the nodes it names."""
-    key = node_ids[0] if len(node_ids) == 1 else f"batch-{abs(hash(tuple(sorted(node_ids))))}"
+    """One node's nudge (`reconcile-<node>`), or a batch's, keyed by the nodes it names: the same
+    batch gets the same id in every process (Python's `hash()` of strings differs between
+    processes), so a batch already being reconciled is not started twice."""
+    batch = hashlib.sha256("\n".join(sorted(set(node_ids))).encode()).hexdigest()[:16]
+    key = node_ids[0] if len(node_ids) == 1 else f"batch-{batch}"
     return f"reconcile-{key}"

@@ -4,6 +4,9 @@ workflow or handler, or an id built a second way, fails here instead of in produ
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from temporalio import workflow
 
@@ -82,3 +85,17 @@ def test_the_ids_are_built_in_one_place() -> None:
     assert tenants.onboarding_workflow_id is ids.onboarding_workflow_id
     assert tenants.offboarding_workflow_id is ids.offboarding_workflow_id
     assert recovery.evaluation_workflow_id is ids.evaluation_workflow_id
+
+
+def test_a_batch_nudge_has_the_same_id_in_every_process() -> None:
+    """`hash()` of a string is salted per process; the id must not be."""
+    ids_of = ids.reconcile_now_workflow_id
+    code = "from gpucloud.models.workflow_ids import reconcile_now_workflow_id as f; print(f(['n2', 'n1', 'n3']))"
+    seen = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(3)
+    }
+    assert len(seen) == 1
+    assert seen.pop().strip() == ids_of(["n3", "n1", "n2"])
+    assert ids_of(["n1"]) == "reconcile-n1"
+    assert ids_of(["n1", "n2"]) != ids_of(["n1", "n3"])
