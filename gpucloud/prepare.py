@@ -8,7 +8,7 @@ secret, only where it lives. The items, in order:
 - the shared secrets: the issuer key and the others each process would otherwise create in its
   own data dir on first use (`config.Settings`), which several hosts must share, and the API's
   delegate of the issuer key (issued again when it ends within a week);
-- the Temporal namespace and the search attributes the workflows set (`workflows.search_attributes`);
+- the Temporal namespace and the search attributes the workflows set (`models.search_attributes`);
 - the object store: the S3 bucket, or the local store's directory, and that it answers;
 - a default price book in the ledger (`ledger.pricebook.list_price_book`), written through the
   ledger's own price-book rules on its database, so no ledger process need run yet.
@@ -31,8 +31,8 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from gpucloud import bootstrap
 from gpucloud.config import Settings
+from gpucloud.models import search_attributes
 from gpucloud.retry import Backoff, retry_call_async
-from gpucloud.workflows import search_attributes
 
 Outcome = Literal["created", "present", "refused"]
 

@@ -191,7 +191,7 @@ async def temporal_env():
 
     from gpucloud.adapters.temporal import CodecKeys, data_converter
     from gpucloud.devstack.temporal_server import temporal_binary
-    from gpucloud.workflows import search_attributes
+    from gpucloud.models import search_attributes
 
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(),

@@ -19,29 +19,30 @@ from sqlmodel import Session, col, select
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.service import RPCError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.adapters.temporal_gateway import (
+    running_node_operations,
+    start_bringup_batches,
+    start_node_operation,
+)
 from gpucloud.config import Settings
 from gpucloud.db import Database
+from gpucloud.health.pulls import PullKind
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
     NodeOperationInput,
     NodeOperationKind,
-    ReplaceNodeRequest,
     SweepInput,
     SweepResult,
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, utcnow
-from gpucloud.reconciler.plan import AGENT_UNREACHABLE, FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
-from gpucloud.services import agent_credentials, idempotency_records
+from gpucloud.reconciler.plan import FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
+from gpucloud.services import agent_credentials, idempotency_records, node_conditions, pulls
 from gpucloud.services import nodes as node_service
-from gpucloud.services.workflows import running_node_operations, signal_replace_node, start_bringup_batches
+from gpucloud.services.recovery import adopt_orphans
 from gpucloud.web import metrics
-from gpucloud.workflows import search_attributes as sattr
-from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
-from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
 
 # Nodes whose credential was revoked with their allocation: they cannot report, so their
 # silence is no news (the reconciler never marks them unreachable for it).
@@ -127,22 +128,6 @@ def fleet_silence(session: Session, heartbeat_cutoff) -> FleetSilence:
     return FleetSilence(reporting=reporting, silent=silent)
 
 
-def _set_reachable(session: Session, node: Node, reachable: bool, reason: str) -> None:
-    conditions = [c for c in node.health_conditions if c.get("name") != AGENT_UNREACHABLE]
-    if not reachable:
-        conditions.append({"name": AGENT_UNREACHABLE, "reason": reason, "since": utcnow().isoformat()})
-    health = (
-        "suspect"
-        if any(c.get("name") == AGENT_UNREACHABLE for c in conditions)
-        else (node.health if conditions else "ok")
-    )
-    session.execute(
-        sa.update(Node)
-        .where(col(Node.id) == node.id)
-        .values(agent_reachable=reachable, health_conditions=conditions, health=health, updated_at=utcnow())
-    )
-
-
 class ReconcilerActivities(ActivityGroup):
     def __init__(self, client: Client, db: Database, settings: Settings) -> None:
         self.client = client
@@ -164,18 +149,16 @@ class ReconcilerActivities(ActivityGroup):
         result = SweepResult()
         if req.node_ids is None:
             # Allocations and tenant operations whose workflow was lost get it back.
-            from gpucloud.workers.recovery import adopt_orphans
-
             result.adopted = await adopt_orphans(self.client, self.db, self.settings)
             result.idempotency_expired = await asyncio.to_thread(
                 idempotency_records.delete_expired, self.db.url, now=utcnow()
             )
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
-        health_pulls = [p.node_id for p in plans if p.health_pull]
+        health_pulls = [p.node_id for p in plans if p.pull != PullKind.NONE]
         if health_pulls:
             held_back = await asyncio.to_thread(self._breaker_held, health_pulls)
             plans = [p for p in plans if p.node_id not in held_back]
-        replaces = [p for p in plans if p.replace]
+        replaces = [p for p in plans if p.pull == PullKind.REPLACE]
         if replaces:
             await self._signal_replacements(replaces, result)
         starts = [p for p in plans if p.start is not None]
@@ -193,17 +176,15 @@ class ReconcilerActivities(ActivityGroup):
                 result.deferred_by_limit += 1
                 continue
             try:
-                await self.client.start_workflow(
-                    NodeOperationWorkflow.run,
+                await start_node_operation(
+                    self.client,
+                    self.settings,
                     NodeOperationInput(
                         node_id=plan.node_id,
                         operation=plan.start,
                         allocation_id=plan.allocation_id,
                         tenant_id=plan.tenant_id,
                     ),
-                    id=node_workflow_id(plan.node_id),
-                    task_queue=self.settings.temporal.task_queue,
-                    search_attributes=sattr.typed((sattr.NODE_ID, plan.node_id)),
                 )
                 result.started += 1
                 budget -= 1
@@ -216,24 +197,12 @@ class ReconcilerActivities(ActivityGroup):
     async def _signal_replacements(self, plans: list[NodePlan], result: SweepResult) -> None:
         """Ask allocation workflows (again) to replace nodes the health rules want out. The
         workflow ignores a node it is already replacing; per-node backoff spaces the repeats."""
-        signalled: list[str] = []
-        for plan in plans:
-            if plan.allocation_id is None:  # a replace plan always names its allocation
-                continue
-            req = ReplaceNodeRequest(
-                node_id=plan.node_id,
-                reason="; ".join(plan.reasons)[:1000],
-                immediate=plan.replace_at_once,
-                grace_s=self.settings.health.drain_grace_s,
-                recheck_s=self.settings.health.replacement_recheck_s,
-            )
-            try:
-                await signal_replace_node(self.client, plan.allocation_id, req)
-                result.replace_signals += 1
-            except RPCError as exc:  # the allocation's workflow is gone: nothing to replace into
-                result.errors.append(f"replace {plan.node_id} in {plan.allocation_id}: {exc}")
-            signalled.append(plan.node_id)
-        await asyncio.to_thread(self._record_attempts, signalled)
+        decisions = [p.decision() for p in plans if p.allocation_id is not None]  # a replace names it
+        undelivered = await pulls.carry_out(self.client, self.settings, decisions)
+        result.replace_signals += len(decisions) - len(undelivered)
+        for decision, exc in undelivered:  # the allocation's workflow is gone: nothing to replace into
+            result.errors.append(f"replace {decision.node_id} in {decision.allocation_id}: {exc}")
+        await asyncio.to_thread(self._record_attempts, [d.node_id for d in decisions])
 
     def _breaker_held(self, node_ids: list[str]) -> set[str]:
         since = utcnow() - timedelta(seconds=self.settings.health.breaker_window_s)
@@ -369,7 +338,11 @@ class ReconcilerActivities(ActivityGroup):
             if plan.set_reachable is not None:
                 fresh = session.get(Node, node.id)
                 if fresh is not None:
-                    _set_reachable(session, fresh, plan.set_reachable, "; ".join(plan.reasons))
+                    now = utcnow()
+                    values = node_conditions.reachability(
+                        fresh, reachable=plan.set_reachable, reason="; ".join(plan.reasons), now=now
+                    )
+                    node_conditions.write(session, node.id, values, now=now)
                 if plan.set_reachable:
                     result.marked_reachable += 1
                 else:

@@ -1,5 +1,6 @@
-"""Activities of tenant onboarding and offboarding over the control-plane DB, the tenant's VNI,
-the allocation workflows (cancel signals) and the ledger. Storage steps are in `storage`.
+"""Activities of tenant onboarding and offboarding over the control-plane DB, the tenant's VNI
+and the ledger. Storage steps are in `storage`; the offboarding workflow signals the allocation
+workflows itself.
 
 The VNI comes from the SDN controller when fabric managers are configured
 (`FabricSettings.manager_urls`): the tenant's VPC, found again by tenant on a retry. Without
@@ -13,17 +14,13 @@ has nodes attached is transient too: the allocations' releases detach them.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import sqlalchemy as sa
 from sqlmodel import col
 from temporalio import activity
-from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
 
 from gpucloud.activities import ActivityGroup, view_of
 from gpucloud.activities.faults import FaultHook, reach
@@ -35,6 +32,7 @@ from gpucloud.ledger.client import LedgerClient, LedgerRefused
 from gpucloud.models.tables import SYSTEM_ACTOR, Tenant, TenantStatus
 from gpucloud.models.tenant_messages import (
     ActivateTenantInput,
+    AllocationCancel,
     CancelledAllocations,
     RevokedKeys,
     SettleTenantInput,
@@ -49,8 +47,6 @@ from gpucloud.services import api_keys
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.operations import settle_operation
 
-log = logging.getLogger(__name__)
-
 
 def _view(tenant: Tenant) -> TenantView:
     return view_of(TenantView, tenant, tenant_id=tenant.id)
@@ -63,7 +59,6 @@ class TenantActivities(ActivityGroup):
         *,
         fabric: Callable[[], HttpFabricController] | None,
         ledger: LedgerClient | None,
-        client: Client | None = None,
         fault_hook: FaultHook | None = None,
     ) -> None:
         """`fabric` makes a client of the fabric managers (None: none configured, VNIs come from
@@ -71,7 +66,6 @@ class TenantActivities(ActivityGroup):
         self.db = db
         self.fabric = fabric
         self.ledger = ledger
-        self.client = client
         self.fault_hook = fault_hook
 
     @contextmanager
@@ -195,23 +189,11 @@ class TenantActivities(ActivityGroup):
             return cancels
 
     @activity.defn
-    async def cancel_tenant_allocations(self, req: TenantRef) -> CancelledAllocations:
-        """Record the cancel intent of every live allocation, then signal their workflows, as the
-        cancel endpoint does; a lost signal only waits for the workflow's next look at the DB."""
-        # Imported here: the workflow starters import the tenant workflow, which imports this module.
-        from gpucloud.services import workflows
-
-        cancels = await asyncio.to_thread(self._record_cancels, req.tenant_id)
-        for allocation_id, operation_id in cancels:
-            if self.client is None:
-                continue
-            try:
-                await workflows.signal_cancel(self.client, allocation_id, operation_id)
-            except RPCError as exc:
-                log.warning(
-                    "cancel signal for %s not delivered (%s); the workflow will see the DB intent", allocation_id, exc
-                )
-        return CancelledAllocations(allocation_ids=[a for a, _ in cancels])
+    def cancel_tenant_allocations(self, req: TenantRef) -> CancelledAllocations:
+        """Record the cancel intent of every live allocation, as the cancel endpoint does; the
+        workflow then signals each allocation's workflow."""
+        cancels = self._record_cancels(req.tenant_id)
+        return CancelledAllocations(cancels=[AllocationCancel(allocation_id=a, operation_id=o) for a, o in cancels])
 
     @activity.defn
     def tenant_release_progress(self, req: TenantRef) -> TenantReleaseProgress:

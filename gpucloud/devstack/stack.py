@@ -396,13 +396,14 @@ class Stack:
 
     def _temporal_ready(self) -> bool:
         from gpucloud.adapters.temporal import connect
+        from gpucloud.adapters.temporal_gateway import count_workflows
 
         keys = bootstrap.temporal_codec_keys(self.settings)
 
         async def probe() -> bool:
             try:
                 client = await connect(self.settings.temporal, keys=keys)
-                await client.count_workflows()
+                await count_workflows(client)
                 return True
             except Exception:
                 return False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from gpucloud.workflows import search_attributes
+from gpucloud.models import search_attributes
 
 CONFIG_PATH = Path(__file__).resolve().parent / "temporal-dev.yaml"
 

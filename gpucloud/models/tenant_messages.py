@@ -73,8 +73,19 @@ class TenantOffboardingInput(TenantRef):
     retention_s: float = 30 * 86_400.0
 
 
+class AllocationCancel(BaseModel):
+    """An allocation whose cancel intent offboarding recorded, and the operation that tracks it."""
+
+    allocation_id: str
+    operation_id: str | None = None
+
+
 class CancelledAllocations(BaseModel):
-    allocation_ids: list[str] = Field(default_factory=list)
+    cancels: list[AllocationCancel] = Field(default_factory=list)
+
+    @property
+    def allocation_ids(self) -> list[str]:
+        return [c.allocation_id for c in self.cancels]
 
 
 class TenantReleaseProgress(BaseModel):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from gpucloud.health.pulls import HELD, PullDecision, PullKind, pulls, replace_at_once, stored_action
 from gpucloud.models.messages import NodeOperationKind
 from gpucloud.models.node_states import NodeState, failure_target
 
@@ -47,13 +48,6 @@ class NodeSnapshot:
     reports_revoked: bool = False
 
 
-# Condition actions that pull a node out of its allocation (health/verdict.py's Action).
-PULL_ACTIONS = frozenset({"drain", "drain_now", "rma"})
-AT_ONCE_ACTIONS = frozenset({"drain_now", "rma"})
-# States in which an allocation holds a node, and its workflow replaces it when it goes bad.
-_HELD = frozenset({NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING})
-
-
 @dataclass
 class NodePlan:
     node_id: str
@@ -61,20 +55,34 @@ class NodePlan:
     state_after_deadline: str | None = None
     set_reachable: bool | None = None  # None: leave as is
     start: NodeOperationKind | None = None
-    # The health rules want this node out of its allocation: (again) ask the allocation's
-    # workflow to replace it. Re-derived from the record, so a lost signal is sent again.
-    replace: bool = False
-    replace_at_once: bool = False
-    # The plan pulls a node on the health rules' word alone (replace, or drain a node back in
-    # the pool): the circuit breaker's alert on the node holds it back for the operator.
-    health_pull: bool = False
+    # The plan pulls a node on the health rules' word alone: (again) ask the allocation's
+    # workflow to replace it (re-derived from the record, so a lost signal is sent again), or
+    # drain a node back in the pool (`start`). The circuit breaker's alert on the node holds it
+    # back for the operator.
+    pull: PullKind = PullKind.NONE
+    immediate: bool = False  # a replacement with no grace period
     tenant_id: str | None = None
     allocation_id: str | None = None
     reasons: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.deadline_passed and self.set_reachable is None and self.start is None and not self.replace
+        return (
+            not self.deadline_passed
+            and self.set_reachable is None
+            and self.start is None
+            and self.pull != PullKind.REPLACE
+        )
+
+    def decision(self) -> PullDecision:
+        """The plan's pull, for `services.pulls.carry_out`."""
+        return PullDecision(
+            node_id=self.node_id,
+            kind=self.pull,
+            allocation_id=self.allocation_id,
+            reason="; ".join(self.reasons)[:1000],
+            immediate=self.immediate,
+        )
 
 
 # Transient states whose work belongs to the node's own workflows once the allocation has let
@@ -185,21 +193,19 @@ def plan_node(
     elif state == NodeState.ACTIVE and node.drifted and reachable:
         plan.start = Op.RESTORE
         plan.reasons.append("agent reports a node that lost its tenant's workload")
-    elif state in _HELD and node.allocation_id is not None:
-        pulls = _pulls(node)
-        if pulls or host_down:
-            plan.replace = plan.health_pull = True
-            plan.replace_at_once = (
-                host_down or state != NodeState.ACTIVE or any(c.get("action") in AT_ONCE_ACTIONS for c in pulls)
-            )
-            reasons = [f"{c.get('name')}: {c.get('reason')}" for c in pulls] + ([down_reason] if host_down else [])
+    elif state in HELD and node.allocation_id is not None:
+        pulling = _pulling(node)
+        if pulling or host_down:
+            plan.pull = PullKind.REPLACE
+            plan.immediate = host_down or replace_at_once(state, stored_action(pulling))
+            reasons = [f"{c.get('name')}: {c.get('reason')}" for c in pulling] + ([down_reason] if host_down else [])
             plan.reasons.append("; ".join(reasons)[:900])
     elif state == NodeState.AVAILABLE and node.allocation_id is None and host_down:
-        plan.start, plan.health_pull = Op.DRAIN, True
+        plan.start, plan.pull = Op.DRAIN, PullKind.DRAIN
         plan.reasons.append(f"{down_reason}: out of the pool, to be power-cycled through its BMC")
-    elif state == NodeState.AVAILABLE and node.allocation_id is None and _pulls(node):
+    elif state == NodeState.AVAILABLE and node.allocation_id is None and _pulling(node):
         # Judged bad while an allocation held it, which let go before pulling it: drain it now.
-        plan.start, plan.health_pull = Op.DRAIN, True
+        plan.start, plan.pull = Op.DRAIN, PullKind.DRAIN
         plan.reasons.append("health rules want it pulled; its allocation let go first")
     elif needs_repair(state, health=node.health, maintenance=node.maintenance, reachable=reachable or host_down):
         plan.start = Op.REPAIR
@@ -211,8 +217,9 @@ def plan_node(
     return plan
 
 
-def _pulls(node: NodeSnapshot) -> list[dict]:
-    return [c for c in node.health_conditions if c.get("action") in PULL_ACTIONS]
+def _pulling(node: NodeSnapshot) -> list[dict]:
+    """The node's stored conditions whose action takes it out."""
+    return [c for c in node.health_conditions if pulls(stored_action([c]))]
 
 
 def needs_repair(state: NodeState, *, health: str, maintenance: bool, reachable: bool) -> bool:

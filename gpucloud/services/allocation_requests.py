@@ -16,11 +16,13 @@ from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import start_allocation_workflow
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.api_schemas import AllocationRequest
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, AllocationStatus, Operation
+from gpucloud.models.workflow_ids import allocation_workflow_id
 from gpucloud.services import allocations as service
 from gpucloud.services import catalog as offers
 from gpucloud.services import nodes as node_service
@@ -28,7 +30,6 @@ from gpucloud.services import quotas
 from gpucloud.services.errors import Conflict, Invalid, QuotaExceeded, Unavailable
 from gpucloud.services.visibility import visible
 from gpucloud.services.workflow_engine import engine_problem
-from gpucloud.services.workflows import start_allocation_workflow
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def reserve_and_record(
                     tenant_id=tenant_id,
                     kind="create_allocation",
                     resource_id=alloc.id,
-                    workflow_id=service.workflow_id_for(alloc.id),
+                    workflow_id=allocation_workflow_id(alloc.id),
                     actor=actor,
                 )
                 session.add(alloc)

@@ -29,6 +29,7 @@ from gpucloud.models.tables import (
     OperationStatus,
     utcnow,
 )
+from gpucloud.models.workflow_ids import allocation_workflow_id
 from gpucloud.services import nodes as node_service
 from gpucloud.services.catalog import allocatable
 from gpucloud.web import metrics
@@ -250,7 +251,7 @@ def record_cancel_intent(session: Session, allocation: Allocation, *, tenant_id:
         tenant_id=tenant_id,
         kind="cancel_allocation",
         resource_id=allocation.id,
-        workflow_id=workflow_id_for(allocation.id),
+        workflow_id=allocation_workflow_id(allocation.id),
         actor=actor,
     )
     session.add(op)
@@ -299,7 +300,3 @@ def _operation_outcome(kind: str, status: AllocationStatus, reason: str | None):
     if kind == "cancel_allocation" and status == AllocationStatus.RELEASED:
         return OperationStatus.SUCCEEDED, None
     return None
-
-
-def workflow_id_for(allocation_id: str) -> str:
-    return f"alloc-{allocation_id}"

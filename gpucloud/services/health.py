@@ -17,6 +17,8 @@ every other node the platform's. A tenant has root on its nodes and writes what 
 report: fatal XIDs from its own nodes can use up only its own budget, never open the breaker on
 another tenant's faulty node or on the platform's idle ones.
 
+What is decided is carried out by `services.pulls`, through the workflow engine.
+
 `repair_plan` picks the next rung of the repair ladder for a node in `repairing`, or none (the
 lemon rule, or the ladder is exhausted: RMA).
 """
@@ -31,10 +33,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, func, or_, select
 
+from gpucloud.config import Settings
 from gpucloud.db import rowcount
 from gpucloud.health.breaker import BreakerState, CircuitBreaker, OperatorAlert, Pull
+from gpucloud.health.pulls import HELD, PullDecision, PullKind, pulls, replace_at_once
 from gpucloud.health.rules import evaluate_node
-from gpucloud.health.verdict import Action, HealthPolicy, HealthVerdict, action_rank
+from gpucloud.health.verdict import Action, HealthPolicy, HealthVerdict
 from gpucloud.models.health_tables import (
     NodeReadingRecord,
     OperatorAlertRecord,
@@ -46,15 +50,10 @@ from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.protocol.actions import REPAIR_LADDER
 from gpucloud.protocol.reports import NodeReading, XidEvent
-from gpucloud.reconciler.plan import AGENT_STATE_DRIFT, AGENT_UNREACHABLE
+from gpucloud.services import node_conditions
 
 # Who the health loop is in the node's history (its cordons are lifted by a passed burn-in).
 HEALTH_ACTOR = "health"
-# Conditions other code owns on the node: a re-judgement of XIDs keeps them.
-_FOREIGN_CONDITIONS = frozenset({AGENT_UNREACHABLE, AGENT_STATE_DRIFT})
-# A node its allocation holds: pulled by the allocation's workflow, which replaces it. One still
-# reserved or provisioning is pulled too, before the tenant is handed a node known to be bad.
-_REPLACEABLE = frozenset({NodeState.ACTIVE, NodeState.RESERVED, NodeState.PROVISIONING})
 # A node no allocation holds: drained by the reconciler.
 _DRAINABLE = frozenset({NodeState.ACTIVE, NodeState.AVAILABLE})
 # A compare-and-swap lost to a concurrent pull means a re-count; this many in a row means the
@@ -67,6 +66,13 @@ class BreakerSettings:
     max_pulled_share: float = 0.05
     window: timedelta = timedelta(hours=1)
 
+    @classmethod
+    def of(cls, settings: Settings) -> BreakerSettings:
+        return cls(
+            max_pulled_share=settings.health.breaker_max_pulled_share,
+            window=timedelta(seconds=settings.health.breaker_window_s),
+        )
+
 
 # Defaults shared by every call that passes none (neither is changed after it is made).
 DEFAULT_POLICY = HealthPolicy()
@@ -77,12 +83,21 @@ DEFAULT_BREAKER = BreakerSettings()
 class HealthOutcome:
     node_id: str
     verdict: HealthVerdict
-    # "replace": signal the allocation workflow; "drain": reconcile the node now; None: nothing.
-    pull: str | None = None
+    pull: PullKind = PullKind.NONE
     allocation_id: str | None = None
     immediate: bool = False  # the fault is already fatal to the job: no grace period
     reason: str = ""
     alert: str | None = None
+
+    def decision(self, *, fault_at: datetime | None = None) -> PullDecision:
+        return PullDecision(
+            node_id=self.node_id,
+            kind=self.pull,
+            allocation_id=self.allocation_id,
+            reason=self.reason,
+            immediate=self.immediate,
+            fault_at=fault_at,
+        )
 
 
 def pool_of(node: Node) -> str:
@@ -241,17 +256,10 @@ def _judge_and_decide(
     session: Session, node: Node, *, now: datetime, policy: HealthPolicy, breaker: BreakerSettings
 ) -> HealthOutcome:
     verdict = judge(session, node, now=now, policy=policy)
-    kept = [c for c in node.health_conditions if c.get("name") in _FOREIGN_CONDITIONS]
-    conditions = kept + [c.model_dump(mode="json") for c in verdict.conditions]
-    health = verdict.health.value if verdict.health != "ok" or not kept else node.health
-    session.execute(
-        sa.update(Node)
-        .where(col(Node.id) == node.id)
-        .values(health=health, health_conditions=conditions, updated_at=now)
-    )
+    node_conditions.write(session, node.id, node_conditions.judged(node, verdict), now=now)
     outcome = HealthOutcome(node_id=node.id, verdict=verdict)
-    replace = node.state in _REPLACEABLE and node.allocation_id is not None
-    if action_rank(verdict.action) < action_rank(Action.DRAIN) or not (replace or node.state in _DRAINABLE):
+    replace = node.state in HELD and node.allocation_id is not None
+    if not pulls(verdict.action) or not (replace or node.state in _DRAINABLE):
         return outcome
     if node.drain_requested:
         return outcome  # already on its way out
@@ -267,18 +275,15 @@ def _judge_and_decide(
         session.execute(sa.update(Node).where(col(Node.id) == node.id).values(cordoned=True))
         session.add(NodeTransition.noted(node, "cordon", cause=outcome.reason, actor=HEALTH_ACTOR, at=now))
     if replace:
-        outcome.pull, outcome.allocation_id = "replace", node.allocation_id
-        # A node the tenant's job has not started on leaves nothing to checkpoint.
-        outcome.immediate = node.state != NodeState.ACTIVE or action_rank(verdict.action) >= action_rank(
-            Action.DRAIN_NOW
-        )
+        outcome.pull, outcome.allocation_id = PullKind.REPLACE, node.allocation_id
+        outcome.immediate = replace_at_once(NodeState(node.state), verdict.action)
     else:
         # Intent for the reconciler, as an operator's drain records it (the cordon is above).
         session.execute(
             sa.update(Node).where(col(Node.id) == node.id).values(drain_requested=True, next_reconcile_at=None)
         )
         session.add(NodeTransition.noted(node, "drain", cause=outcome.reason, actor=HEALTH_ACTOR, at=now))
-        outcome.pull = "drain"
+        outcome.pull = PullKind.DRAIN
     return outcome
 
 

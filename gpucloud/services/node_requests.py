@@ -13,6 +13,12 @@ from anyio import to_thread
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import (
+    reconcile_now,
+    running_node_operations,
+    start_bringup_batches,
+    start_node_power,
+)
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.api_schemas import EnrollResult
@@ -30,9 +36,7 @@ from gpucloud.services.fleet import (
 )
 from gpucloud.services.nodes import enroll_nodes, held_for_bringup, lease_for_bringup
 from gpucloud.services.operations import start_for_operation
-from gpucloud.services.schedules import reconcile_now
 from gpucloud.services.workflow_engine import engine_problem, log_undelivered
-from gpucloud.services.workflows import running_node_operations, start_bringup_batches, start_node_power
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from gpucloud.models.node_states import (
 )
 from gpucloud.models.tables import Node, NodeEnroll, NodeTransition, Operation, OperationStatus, utcnow
 from gpucloud.reconciler.plan import backoff
-from gpucloud.services import agent_credentials
+from gpucloud.services import agent_credentials, node_conditions
 
 
 class NodeNotFound(LookupError):
@@ -353,9 +353,8 @@ def _implied_changes(from_state: NodeState, event: NodeEvent, to_state: NodeStat
         changes["tenant_id"] = None  # both steps wipe the disks first
     if from_state == NodeState.BURN_IN and to_state == NodeState.AVAILABLE:
         # Burn-in is the gate that verifies a repair: what the health rules held against the
-        # node is cleared with it (the XIDs stay on record for the lemon rule).
-        changes["health"] = "ok"
-        changes["health_conditions"] = []
+        # node is cleared with it.
+        changes.update(node_conditions.cleared())
     if not is_transient(to_state):
         # Converged: the reconciler's backoff for this node starts over.
         changes["reconcile_attempts"] = 0

@@ -21,6 +21,7 @@ from gpucloud.models.registry_tables import (
     RegistryModel,
 )
 from gpucloud.models.tables import Operation, utcnow
+from gpucloud.models.workflow_ids import evaluation_workflow_id
 from gpucloud.registry import gc, promotion
 from gpucloud.registry.manifest import (
     BadSignatureError,
@@ -33,7 +34,6 @@ from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.errors import Conflict, Invalid, NotFound
 from gpucloud.services.evaluations import evaluation_input, keep_evaluation, operation_kind
 from gpucloud.services.registry_models import model_row
-from gpucloud.services.workflows import evaluation_workflow_id
 
 # An ambiguous digest prefix names at most this many of the versions it matches.
 _CANDIDATES_NAMED = 5

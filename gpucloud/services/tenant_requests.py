@@ -11,6 +11,7 @@ from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import start_tenant_offboarding, start_tenant_onboarding
 from gpucloud.config import Settings
 from gpucloud.db import Database
 from gpucloud.models.api_schemas import ApiKeyCreated, QuotaReport, QuotaRequest, QuotaUsage, TenantAccepted
@@ -20,7 +21,6 @@ from gpucloud.services import quotas as quota_service
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.errors import Conflict, NotFound
 from gpucloud.services.workflow_engine import engine_problem
-from gpucloud.services.workflows import start_tenant_offboarding, start_tenant_onboarding
 
 QUOTAS_OPERATION = "replace_quotas"
 

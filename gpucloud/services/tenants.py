@@ -30,6 +30,7 @@ from gpucloud.models.tables import (
     TenantStatus,
     utcnow,
 )
+from gpucloud.models.workflow_ids import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.services import api_keys
 
 CREATE_OPERATION = "create_tenant"
@@ -61,14 +62,6 @@ class TenantStateConflict(Exception):
     def __init__(self, tenant_id: str, status: str, wanted: str) -> None:
         super().__init__(f"tenant {tenant_id} is {status}, cannot become {wanted}")
         self.status = status
-
-
-def onboarding_workflow_id(tenant_id: str) -> str:
-    return f"tenant-onboard-{tenant_id}"
-
-
-def offboarding_workflow_id(tenant_id: str) -> str:
-    return f"tenant-offboard-{tenant_id}"
 
 
 def get(session: Session, tenant_id: str) -> Tenant:

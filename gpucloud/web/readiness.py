@@ -61,7 +61,7 @@ def temporal_check(client: Callable[[], object]) -> Check:
         from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
         from temporalio.service import RPCError, RPCStatusCode
 
-        from gpucloud.workflows import search_attributes
+        from gpucloud.models import search_attributes
 
         temporal = client()
         service = temporal.service_client  # type: ignore[attr-defined]

@@ -92,7 +92,7 @@ def build_worker(
         agents=cp.agents,
         issuer=bootstrap.token_issuer(settings),
     )
-    tenant = TenantActivities(cp.db, fabric=cp.fabric, ledger=cp.ledger, client=client, fault_hook=fault_hook)
+    tenant = TenantActivities(cp.db, fabric=cp.fabric, ledger=cp.ledger, fault_hook=fault_hook)
     return Worker(
         client,
         task_queue=settings.temporal.task_queue,
@@ -132,8 +132,8 @@ def build_worker(
 
 
 async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
-    from gpucloud.services.schedules import ensure_billing_close_schedule, ensure_sweep_schedule
-    from gpucloud.workers.recovery import resume_orphans
+    from gpucloud.adapters.temporal_gateway import ensure_billing_close_schedule, ensure_sweep_schedule
+    from gpucloud.services.recovery import resume_orphans
 
     cp = bootstrap.control_plane(settings)
     cp.db.prepare(migrate_on_start=settings.migrates_on_start)

@@ -17,6 +17,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.fabric import FabricActivities
+    from gpucloud.models import search_attributes as sa
     from gpucloud.models.allocation_states import AllocationStatus
     from gpucloud.models.fabric_messages import FabricApplyInput, FabricReleaseInput, FabricRemoveInput
     from gpucloud.models.messages import (
@@ -31,9 +32,9 @@ with workflow.unsafe.imports_passed_through():
         NodeOperationResult,
         ReplaceNodeRequest,
     )
+    from gpucloud.models.workflow_ids import node_workflow_id
     from gpucloud.workflows import options
-    from gpucloud.workflows import search_attributes as sa
-    from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow, workflow_id_for
+    from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 
 CHILD_START_RETRY = timedelta(seconds=1)
 
@@ -132,7 +133,7 @@ class AllocationSteps:
                         if op in (NodeOperationKind.PROVISION, NodeOperationKind.RESTORE)
                         else None,
                     ),
-                    id=workflow_id_for(node_id),
+                    id=node_workflow_id(node_id),
                     parent_close_policy=parent_close_policy,
                     search_attributes=sa.typed(
                         (sa.NODE_ID, node_id), (sa.ALLOCATION_ID, view.allocation_id), (sa.TENANT_ID, view.tenant_id)

@@ -4,7 +4,7 @@
 derived from the period (`billing-close-<task queue>-<YYYY-MM>`) and started with the reuse
 policy "failed only", so a period that closed is never closed again while a failed close can be
 retried. `BillingCatchUpWorkflow` is what the schedule (`billing-close-schedule-<task queue>`,
-daily by default, overlap SKIP; see services/schedules.py) starts: it asks the ledger which
+daily by default, overlap SKIP; see adapters/temporal_gateway.py) starts: it asks the ledger which
 periods ended by its clock and are still open, and closes them oldest first, one child each.
 A control plane that was down over one or more period ends thus closes all of them on its first
 run back, and the schedule's catch-up window makes that run happen as soon as Temporal is up.
@@ -29,13 +29,8 @@ with workflow.unsafe.imports_passed_through():
         BillingCloseResult,
         BillingPeriodsInput,
     )
+    from gpucloud.models.workflow_ids import close_workflow_id
     from gpucloud.workflows import options
-
-SCHEDULE_ID = "billing-close-schedule"
-
-
-def close_workflow_id(task_queue: str, period_id: str) -> str:
-    return f"billing-close-{task_queue}-{period_id}"
 
 
 @workflow.defn

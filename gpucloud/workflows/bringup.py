@@ -20,7 +20,6 @@ with the reconciler's growing per-node backoff.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -53,12 +52,6 @@ STEPS = _STEPS[NodeOperationKind.BRINGUP]
 DONE = _SUCCESS[NodeOperationKind.BRINGUP]
 # Each round moves every node one step; bring-up has four (inspect, and three agent actions).
 MAX_ROUNDS = 10
-
-
-def workflow_id_for(node_ids: list[str], hold: str) -> str:
-    """`bringup-<first node>-<count>-<digest of the nodes and the hold>`: one id per hold taken."""
-    digest = hashlib.sha256("\n".join([hold, *sorted(node_ids)]).encode()).hexdigest()[:12]
-    return f"bringup-{min(node_ids)}-{len(node_ids)}-{digest}"
 
 
 @workflow.defn

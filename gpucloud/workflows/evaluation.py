@@ -22,10 +22,6 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.workflows import options
 
 
-def evaluation_workflow_id(tenant_id: str, operation_id: str) -> str:
-    return f"evaluate-{tenant_id}-{operation_id}"
-
-
 @workflow.defn
 class VersionEvaluationWorkflow:
     @workflow.run

@@ -20,6 +20,7 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.bmc import BmcActivities
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.host_agent import HostAgentActivities
+    from gpucloud.models import search_attributes as sa
     from gpucloud.models.messages import (
         AgentActionInput,
         BmcPowerInput,
@@ -34,7 +35,6 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.protocol.actions import AgentAction
     from gpucloud.workflows import options
-    from gpucloud.workflows import search_attributes as sa
 
 Op, S, E, A = NodeOperationKind, NodeState, NodeEvent, AgentAction
 
@@ -102,10 +102,6 @@ _SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
     Op.DRAIN: frozenset({S.QUARANTINED}),
     Op.REPAIR: frozenset({S.AVAILABLE}),
 }
-
-
-def workflow_id_for(node_id: str) -> str:
-    return f"node-{node_id}"
 
 
 @workflow.defn

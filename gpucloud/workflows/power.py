@@ -13,10 +13,6 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.workflows import options
 
 
-def power_workflow_id(node_id: str, operation_id: str) -> str:
-    return f"power-{node_id}-{operation_id}"
-
-
 @workflow.defn
 class NodePowerWorkflow:
     @workflow.run

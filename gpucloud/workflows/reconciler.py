@@ -12,8 +12,6 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.models.messages import SweepInput, SweepResult
     from gpucloud.workflows import options
 
-SCHEDULE_ID = "reconciler-sweep"
-
 
 @workflow.defn
 class ReconcileSweepWorkflow:

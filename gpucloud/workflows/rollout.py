@@ -45,6 +45,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.rollout import RolloutActivities
+    from gpucloud.models import search_attributes as sa
     from gpucloud.models.rollout_messages import (
         FINISHED,
         PrepareInput,
@@ -60,15 +61,10 @@ with workflow.unsafe.imports_passed_through():
         plan_waves,
     )
     from gpucloud.workflows import options
-    from gpucloud.workflows import search_attributes as sa
 
 
 class _Stop(Exception):
     """The rollout must roll back: the reason is the message."""
-
-
-def workflow_id_for(rollout_id: str) -> str:
-    return rollout_id if rollout_id.startswith("rollout-") else f"rollout-{rollout_id}"
 
 
 @workflow.defn

@@ -23,7 +23,8 @@ and so it is during offboarding, which must end with nothing of the tenant left.
 
 Offboarding (`tenant-offboard-<tenant id>`, started by `DELETE /v1/tenants/{id}`; the API has
 moved the tenant to `offboarding`, which stops new allocations): cancel every live allocation
-(the DB intent plus a signal, as the cancel endpoint does), wait until no allocation is live and
+(the DB intent, then a signal to its workflow, as the cancel endpoint does; an allocation whose
+workflow has closed already reads the intent from the DB), wait until no allocation is live and
 no node holding the tenant's data is on its way to a wipe, revoke the keys, release the VNI,
 mark the storage for deletion after the retention period, look up the final billing period when
 a ledger is configured (a ledger that refuses is noted in the result), and mark the tenant
@@ -37,12 +38,13 @@ import asyncio
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.storage import TenantStorageActivities
     from gpucloud.activities.tenant import TenantActivities
+    from gpucloud.models.messages import CancelRequest
     from gpucloud.models.tenant_messages import (
         ActivateTenantInput,
         SettleTenantInput,
@@ -55,6 +57,7 @@ with workflow.unsafe.imports_passed_through():
         TenantRef,
         TenantReleaseProgress,
     )
+    from gpucloud.models.workflow_ids import ALLOCATION_CANCEL_SIGNAL, allocation_workflow_id
     from gpucloud.workflows import options
 
 T, Storage = TenantActivities, TenantStorageActivities
@@ -195,12 +198,23 @@ class TenantOnboardingWorkflow:
             await _run(UNDO[step], ref, options.TENANT_UNTIL_DONE)
 
 
+async def _signal_cancel(allocation_id: str, operation_id: str | None) -> None:
+    """Tell the allocation's workflow its cancel intent is recorded. A workflow that has closed
+    (or is not found) needs no signal: it, or its restart, reads the intent from the DB."""
+    handle = workflow.get_external_workflow_handle(allocation_workflow_id(allocation_id))
+    try:
+        await _to_the_end(handle.signal(ALLOCATION_CANCEL_SIGNAL, CancelRequest(operation_id=operation_id)))
+    except ApplicationError as error:
+        workflow.logger.info("allocation %s not signalled (%s); its cancel intent is in the DB", allocation_id, error)
+
+
 @workflow.defn
 class TenantOffboardingWorkflow:
     @workflow.run
     async def run(self, inp: TenantOffboardingInput) -> TenantOffboardingResult:
         ref = TenantRef(tenant_id=inp.tenant_id)
         cancelled = await _run(T.cancel_tenant_allocations, ref, options.TENANT_UNTIL_DONE)
+        await asyncio.gather(*(_signal_cancel(c.allocation_id, c.operation_id) for c in cancelled.cancels))
         progress = await self._released(ref, poll=timedelta(seconds=inp.poll_s))
         if progress is None:
             workflow.continue_as_new(inp)

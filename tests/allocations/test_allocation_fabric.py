@@ -15,7 +15,7 @@ import pytest
 
 from gpucloud.fabric.interface import DEFAULT_PKEY, FabricNode, Membership
 from gpucloud.fabric.isolation import find_violations
-from gpucloud.services.allocations import workflow_id_for
+from gpucloud.models.workflow_ids import allocation_workflow_id
 from support.histories import replayer
 from support.stack import async_wait_until
 
@@ -264,5 +264,5 @@ async def test_drain_and_replace_moves_membership_from_the_pulled_tray_to_its_re
 
 async def _replays(temporal_env, alloc_id: str) -> None:
     """The history so far (fabric steps and all) replays against the workflow code."""
-    history = await temporal_env.client.get_workflow_handle(workflow_id_for(alloc_id)).fetch_history()
+    history = await temporal_env.client.get_workflow_handle(allocation_workflow_id(alloc_id)).fetch_history()
     await replayer(temporal_env.client).replay_workflow(history)

@@ -8,7 +8,7 @@ import uuid
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
-from gpucloud.services.allocations import workflow_id_for
+from gpucloud.models.workflow_ids import allocation_workflow_id
 
 pytestmark = pytest.mark.integration
 
@@ -100,7 +100,7 @@ async def test_allocate_ready_cancel_released_nodes_back(ready_fleet, temporal_e
         assert again.status_code == 200 and again.json()["operation"] is None
 
     # The workflow ends (its last steps may still run after the allocation shows released).
-    handle = temporal_env.client.get_workflow_handle(workflow_id_for(alloc["id"]))
+    handle = temporal_env.client.get_workflow_handle(allocation_workflow_id(alloc["id"]))
     await asyncio.wait_for(handle.result(), timeout=60)
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpucloud.services.allocations import workflow_id_for
+from gpucloud.models.workflow_ids import allocation_workflow_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -43,7 +43,7 @@ async def test_each_node_of_the_allocation_runs_its_workload_until_release(ready
         assert h.sim.node(node_id)["workload"] is None
     # What Temporal keeps (read raw from the server, as its database and Web UI hold it) carries
     # the workload sealed: neither its environment nor its SSH keys in clear.
-    workflow_ids = [workflow_id_for(alloc["id"]), *(f"node-{n}" for n in ready["node_ids"])]
+    workflow_ids = [allocation_workflow_id(alloc["id"]), *(f"node-{n}" for n in ready["node_ids"])]
     for workflow_id in workflow_ids:
         history = await temporal_env.client.get_workflow_handle(workflow_id).fetch_history()
         raw = b"".join(event.SerializeToString() for event in history.events)

@@ -17,12 +17,13 @@ from temporalio.client import ScheduleIntervalSpec, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from gpucloud.adapters.temporal_gateway import billing_schedule_id, ensure_billing_close_schedule
 from gpucloud.config import Settings
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.billing_messages import BillingCatchUpInput, BillingCloseInput
-from gpucloud.services.schedules import billing_schedule_id, ensure_billing_close_schedule
-from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow, close_workflow_id
+from gpucloud.models.workflow_ids import close_workflow_id
+from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
 from support.codec import CODEC_KEYS
 from support.ledger_auth import LedgerAuth
 from support.ledger_harness import ledger_in_thread

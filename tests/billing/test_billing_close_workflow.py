@@ -22,7 +22,8 @@ from gpucloud.models.billing_messages import (
     BillingPeriod,
     BillingPeriodsResult,
 )
-from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow, close_workflow_id
+from gpucloud.models.workflow_ids import close_workflow_id
+from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
 from support.workflow_runs import StandIns, in_turn, queue_name, refused, workers
 
 pytestmark = pytest.mark.workflow

@@ -23,8 +23,8 @@ from gpucloud.ledger.client import UsageLedger
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.catalog import LIST_PRICE_PER_GPU_HOUR_MICRO
+from gpucloud.models.workflow_ids import close_workflow_id
 from gpucloud.sim.client import SimFleetClient
-from gpucloud.workflows.billing_close import close_workflow_id
 from support.ledger_auth import auth_for, register
 from support.stack import wait_until
 

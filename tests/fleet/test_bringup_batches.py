@@ -237,7 +237,7 @@ async def test_another_control_planes_node_operations_do_not_count_against_this_
 ):
     """The limit counts this control plane's node operations (its task queue): five running on
     another plane's queue in the same namespace leave all the room here."""
-    from gpucloud.services.workflows import RUNNING_NODE_OPS
+    from gpucloud.adapters.temporal_gateway import RUNNING_NODE_OPS
 
     client = temporal_env.client
     other = f"other-plane-{uuid.uuid4().hex[:8]}"

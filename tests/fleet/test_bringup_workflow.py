@@ -8,7 +8,8 @@ import pytest
 
 from gpucloud.models.messages import BringupInput, BringupResult
 from gpucloud.models.node_states import NodeState
-from gpucloud.workflows.bringup import BringupBatchWorkflow, workflow_id_for
+from gpucloud.models.workflow_ids import bringup_workflow_id
+from gpucloud.workflows.bringup import BringupBatchWorkflow
 from support.workflow_mocks import StandIns
 
 pytestmark = pytest.mark.workflow
@@ -27,7 +28,7 @@ BROUGHT_UP = [
 
 async def _bring_up(workflows, node_ids: list[str]) -> BringupResult:
     return await workflows.execute(
-        BringupBatchWorkflow.run, BringupInput(node_ids=node_ids), id=workflow_id_for(node_ids, "hold-1")
+        BringupBatchWorkflow.run, BringupInput(node_ids=node_ids), id=bringup_workflow_id(node_ids, "hold-1")
     )
 
 

@@ -9,8 +9,9 @@ from temporalio.client import WorkflowHandle
 
 from gpucloud.models.messages import NodeOperationInput, NodeOperationKind, NodeOperationResult
 from gpucloud.models.node_states import NodeState
+from gpucloud.models.workflow_ids import node_workflow_id
 from gpucloud.protocol.actions import Workload
-from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow, workflow_id_for
+from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from support.workflow_mocks import StandIns, until
 
 pytestmark = pytest.mark.workflow
@@ -30,7 +31,9 @@ BURN_IN = ["burn_in_node", "transition_node:ok"]
 
 async def _start(workflows, node_id: str, op: NodeOperationKind, **inp) -> WorkflowHandle:
     return await workflows.start(
-        NodeOperationWorkflow.run, NodeOperationInput(node_id=node_id, operation=op, **inp), id=workflow_id_for(node_id)
+        NodeOperationWorkflow.run,
+        NodeOperationInput(node_id=node_id, operation=op, **inp),
+        id=node_workflow_id(node_id),
     )
 
 

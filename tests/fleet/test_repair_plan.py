@@ -4,6 +4,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from gpucloud.health.pulls import PullKind
 from gpucloud.models.messages import NodeOperationKind
 from gpucloud.reconciler.plan import FleetSilence, NodeSnapshot, control_plane_suspect, plan_node, plan_sweep
 
@@ -44,9 +45,9 @@ def test_a_bad_node_its_allocation_holds_is_asked_to_be_replaced(state, actions,
     conditions = tuple({"name": f"c{i}", "reason": "r", "action": a} for i, a in enumerate(actions))
     node = NodeSnapshot(id="n1", state=state, health="failed", allocation_id="a1", health_conditions=conditions)
     plan = plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90))
-    assert (plan.replace, plan.replace_at_once, plan.start) == (replace, at_once, None)
+    assert (plan.pull == PullKind.REPLACE, plan.immediate, plan.start) == (replace, at_once, None)
     free = NodeSnapshot(id="n1", state=state, health="failed", health_conditions=conditions)
-    assert not plan_node(free, now=NOW, heartbeat_timeout=timedelta(seconds=90)).replace
+    assert plan_node(free, now=NOW, heartbeat_timeout=timedelta(seconds=90)).pull != PullKind.REPLACE
 
 
 def test_a_bad_node_back_in_the_pool_is_drained():
@@ -86,9 +87,9 @@ def test_a_host_silent_past_the_power_cycle_delay_with_a_bmc_is_pulled_and_repai
         has_bmc=has_bmc,
     )
     plan = plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90), power_cycle_after=timedelta(seconds=300))
-    assert (plan.start, plan.replace) == (start, replace)
+    assert (plan.start, plan.pull == PullKind.REPLACE) == (start, replace)
     if replace:
-        assert plan.replace_at_once and "host down" in plan.reasons[-1]
+        assert plan.immediate and "host down" in plan.reasons[-1]
 
 
 def _silent_fleet(silent: int, total: int = 10) -> list[NodeSnapshot]:
@@ -126,16 +127,16 @@ def test_a_fleet_wide_silence_holds_every_power_action_and_raises_an_alert():
     answering every agent 503): power-cycling it would make the outage real."""
     sweep = _sweep(_silent_fleet(6), silent=6)
     assert sweep.alert is not None and "6 of 10" in sweep.alert and "control plane" in sweep.alert
-    assert [(p.start, p.replace) for p in sweep.plans if p.start or p.replace] == []
+    assert [(p.start, p.pull) for p in sweep.plans if p.start or p.pull != PullKind.NONE] == []
 
 
 def test_one_silent_host_is_still_power_cycled():
     sweep = _sweep(_silent_fleet(3), silent=3)  # below both the share and the minimum count
     assert sweep.alert is None
-    assert [(p.node_id, p.start, p.replace) for p in sweep.plans] == [
-        ("n0", NodeOperationKind.DRAIN, False),  # out of the pool, then power-cycled
-        ("n1", NodeOperationKind.REPAIR, False),  # power-cycled by the repair ladder
-        ("n2", None, True),  # its allocation replaces it at once
+    assert [(p.node_id, p.start, p.pull) for p in sweep.plans] == [
+        ("n0", NodeOperationKind.DRAIN, PullKind.DRAIN),  # out of the pool, then power-cycled
+        ("n1", NodeOperationKind.REPAIR, PullKind.NONE),  # power-cycled by the repair ladder
+        ("n2", None, PullKind.REPLACE),  # its allocation replaces it at once
     ]
     (one,) = _sweep(_silent_fleet(1), silent=1).plans
     assert (one.node_id, one.start) == ("n0", NodeOperationKind.DRAIN)

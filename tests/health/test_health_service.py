@@ -14,6 +14,7 @@ from sqlmodel import func, select
 
 from gpucloud.db import session_scope
 from gpucloud.health.breaker import CircuitBreaker
+from gpucloud.health.pulls import PullKind
 from gpucloud.models.health_tables import (
     AllocationEvent,
     NodeReadingRecord,
@@ -62,7 +63,7 @@ def test_readings_raise_trend_conditions_and_a_pull(db_url):
         now,
     )
     (outcome,) = outcomes
-    assert unknown == [] and outcome.pull is None
+    assert unknown == [] and outcome.pull == PullKind.NONE
     assert (outcome.verdict.health, outcome.verdict.action) == ("suspect", "watch")
     assert [c.name for c in outcome.verdict.conditions] == ["ecc_corrected_rate"]
 
@@ -105,7 +106,7 @@ def test_readings_past_the_trend_window_are_pruned_but_fatal_ones_kept_for_the_l
     )
     (outcome,), _ = _ingest(db_url, [node_reading(node_id, now)], now)
     # A driver that is loaded again is no condition; the old fatal reading is kept all the same.
-    assert outcome.verdict.health == "ok" and outcome.pull is None
+    assert outcome.verdict.health == "ok" and outcome.pull == PullKind.NONE
     with session_scope(db_url) as session:
         kept = session.exec(select(NodeReadingRecord).order_by(NodeReadingRecord.timestamp)).all()
     assert [(r.timestamp, r.fatal) for r in kept] == [(old + timedelta(seconds=30), True), (now, False)]
@@ -145,7 +146,7 @@ def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
             return original(self, **kw)
 
         monkeypatch.setattr(CircuitBreaker, "request_quarantine", after_everyone_counted)
-    pulls: list[str | None] = []
+    pulls: list[PullKind] = []
     errors: list[BaseException] = []
 
     def judge(node_id: str) -> None:
@@ -168,7 +169,7 @@ def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
     for t in threads:
         t.join(60)
     assert errors == []
-    assert Counter(pulls) == {"drain": 2, None: 6}
+    assert Counter(pulls) == {PullKind.DRAIN: 2, PullKind.NONE: 6}
     with session_scope(db_url) as session:
         assert session.exec(select(func.count()).select_from(QuarantinePull)).one() == 2
         assert session.exec(select(func.count()).select_from(OperatorAlertRecord)).one() == 6
@@ -282,7 +283,12 @@ def test_a_tenants_own_fatal_xids_never_open_the_breaker_for_another_tenants_nod
         return outcome
 
     a_outcomes = [fatal(n) for n in a_nodes[:4]]  # 20 % of the pool reports fatal XIDs
-    assert [o.pull for o in a_outcomes] == ["replace", None, None, None]  # 5 % of A's 20 nodes: one
+    assert [o.pull for o in a_outcomes] == [
+        PullKind.REPLACE,
+        PullKind.NONE,
+        PullKind.NONE,
+        PullKind.NONE,
+    ]  # 5 % of A's 20 nodes: one
     assert "tenant tenant-a" in (a_outcomes[1].alert or "")
     assert fatal(b_node).pull == "replace"  # B's own budget is untouched
     assert fatal(idle).pull == "drain"  # and so is the platform's

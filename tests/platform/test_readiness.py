@@ -17,10 +17,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpucloud.config import Settings
+from gpucloud.models import search_attributes
 from gpucloud.storage.objects import StoreMissingError
 from gpucloud.web import readiness as readiness_module
 from gpucloud.web.readiness import Check, object_store_check, readiness, temporal_check
-from gpucloud.workflows import search_attributes
 
 pytestmark = pytest.mark.unit
 

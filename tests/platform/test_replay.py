@@ -13,7 +13,7 @@ import os
 import pytest
 from temporalio.client import WorkflowHistory
 
-from gpucloud.services.allocations import workflow_id_for
+from gpucloud.models.workflow_ids import allocation_workflow_id
 from support.histories import HISTORIES, record, replayer
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ async def test_fresh_allocation_history_replays(ready_fleet, temporal_env):
         await h.wait_allocation(key, alloc_id, "ready")
         c.post(f"/v1/allocations/{alloc_id}/cancel")
         await h.wait_allocation(key, alloc_id, "released")
-    handle = temporal_env.client.get_workflow_handle(workflow_id_for(alloc_id))
+    handle = temporal_env.client.get_workflow_handle(allocation_workflow_id(alloc_id))
     await handle.result()
     history = await handle.fetch_history()
     await replayer(temporal_env.client).replay_workflow(history)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from gpucloud.devstack.temporal_server import load_config, server_args
-from gpucloud.workflows import search_attributes
+from gpucloud.models import search_attributes
 
 pytestmark = pytest.mark.unit
 

@@ -22,7 +22,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from gpucloud.activities.faults import FaultPoint
 from gpucloud.activities.storage import TENANT_RECORD
 from gpucloud.bootstrap import tenant_store
-from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
+from gpucloud.models.workflow_ids import offboarding_workflow_id, onboarding_workflow_id
 from gpucloud.storage import retention
 from gpucloud.storage.envelope import UnknownTenantKeyError
 from support.histories import record, replayer

@@ -2,7 +2,7 @@
 the onboarding's steps in order, a step refused or still failing at the deadline undone in
 reverse after the keys are revoked, a cancel that lets the step in flight end before the undo,
 the deadline an operator extends, and offboarding's steps in order up to the storage purge
-after its retention."""
+after its retention, signalling each allocation's workflow (one that is gone is no matter)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from temporalio import workflow
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 
 from gpucloud.activities.storage import TenantStorageActivities as Storage
 from gpucloud.activities.tenant import TenantActivities as T
+from gpucloud.models.messages import CancelRequest
 from gpucloud.models.tenant_messages import (
+    AllocationCancel,
     CancelledAllocations,
     RevokedKeys,
     StorageDeletion,
@@ -28,6 +31,7 @@ from gpucloud.models.tenant_messages import (
     TenantView,
     TenantVni,
 )
+from gpucloud.models.workflow_ids import ALLOCATION_CANCEL_SIGNAL, ALLOCATION_WORKFLOW, allocation_workflow_id
 from gpucloud.workflows.tenant import TenantOffboardingWorkflow, TenantOnboardingWorkflow
 from support.workflow_runs import StandIns, in_turn, queue_name, refused, workers
 
@@ -210,9 +214,32 @@ async def test_a_cancel_lets_the_step_in_flight_end_then_undoes_it(temporal_env)
 # ---------------------------------------------------------------- offboarding
 
 
+def _cancelled(*allocation_ids: str) -> CancelledAllocations:
+    return CancelledAllocations(
+        cancels=[AllocationCancel(allocation_id=a, operation_id=f"op_cancel_{a}") for a in allocation_ids]
+    )
+
+
+@workflow.defn(name=ALLOCATION_WORKFLOW, sandboxed=False)  # a test module does not re-import in the sandbox
+class AllocationStandIn:
+    """Takes the allocation workflow's cancel signal and ends with the operations it named."""
+
+    def __init__(self) -> None:
+        self._cancels: list[str | None] = []
+
+    @workflow.signal(name=ALLOCATION_CANCEL_SIGNAL)
+    def request_cancel(self, req: CancelRequest) -> None:
+        self._cancels.append(req.operation_id)
+
+    @workflow.run
+    async def run(self) -> list[str | None]:
+        await workflow.wait_condition(lambda: bool(self._cancels))
+        return self._cancels
+
+
 def _offboarding_answers(*, due_at: datetime | None, **overrides) -> dict:
     answers = {
-        T.cancel_tenant_allocations: CancelledAllocations(allocation_ids=["alloc_1", "alloc_2"]),
+        T.cancel_tenant_allocations: _cancelled("alloc_1", "alloc_2"),
         T.tenant_release_progress: in_turn(
             # The allocations are over, a node is still on its way to a wipe.
             TenantReleaseProgress(open_allocations=0, nodes_in_flight=1, nodes_parked=1),
@@ -327,7 +354,7 @@ async def test_a_cancel_does_not_stop_offboarding(temporal_env) -> None:
 
     async def slow_cancels(_req):
         await let_go.wait()
-        return CancelledAllocations(allocation_ids=["alloc_1"])
+        return _cancelled("alloc_1")
 
     stand_ins = StandIns(_offboarding_answers(due_at=None, cancel_tenant_allocations=slow_cancels))
     client, queue = temporal_env.client, queue_name("tenant")
@@ -339,3 +366,19 @@ async def test_a_cancel_does_not_stop_offboarding(temporal_env) -> None:
         result = await handle.result()
     assert stand_ins.names[-3:] == ["close_tenant_billing", "finish_offboarding", "purge_tenant_storage"]
     assert result.status == "offboarded" and result.storage_deleted
+
+
+async def test_offboarding_signals_each_allocation_workflow_and_one_that_is_gone_is_no_matter(temporal_env) -> None:
+    live, gone = f"alloc_{uuid.uuid4().hex[:8]}", f"alloc_{uuid.uuid4().hex[:8]}"
+    stand_ins = StandIns(_offboarding_answers(due_at=None, cancel_tenant_allocations=_cancelled(live, gone)))
+    client, queue = temporal_env.client, queue_name("tenant")
+    async with workers(client, [TenantOffboardingWorkflow, AllocationStandIn], {queue: stand_ins.for_worker()}):
+        allocation = await client.start_workflow(
+            AllocationStandIn.run,
+            id=allocation_workflow_id(live),
+            task_queue=queue,
+            execution_timeout=timedelta(seconds=60),
+        )
+        result = await (await _start_offboarding(client, queue)).result()
+        assert await allocation.result() == [f"op_cancel_{live}"]
+    assert result.status == "offboarded" and result.cancelled_allocations == [live, gone]

@@ -26,7 +26,8 @@ from gpucloud.models.evaluation_messages import (
     RegistryAccess,
     RunEvaluationInput,
 )
-from gpucloud.workflows.evaluation import VersionEvaluationWorkflow, evaluation_workflow_id
+from gpucloud.models.workflow_ids import evaluation_workflow_id
+from gpucloud.workflows.evaluation import VersionEvaluationWorkflow
 from support.workflow_runs import StandIns, queue_name, refused, workers
 
 pytestmark = pytest.mark.workflow

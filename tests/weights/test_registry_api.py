@@ -1111,8 +1111,8 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
 
     from gpucloud.db import Database
     from gpucloud.models.registry_names import EvaluatorName
+    from gpucloud.services.recovery import adopt_orphans
     from gpucloud.services.registry_versions import evaluation_operation
-    from gpucloud.workers.recovery import adopt_orphans
 
     registry.start_worker()
     tenant = registry.new_tenant()

@@ -30,6 +30,7 @@ from gpucloud.agent.peer import ChunkFetcher, PeerServer, create_peer_app, prefe
 from gpucloud.agent.weights_api import install_weights_api
 from gpucloud.db import Database
 from gpucloud.entrypoints.tracker import create_tracker_app
+from gpucloud.models import search_attributes
 from gpucloud.models.registry_tables import EvaluationCommand, GateSpec
 from gpucloud.models.rollout_messages import (
     ReasonInput,
@@ -48,7 +49,6 @@ from gpucloud.registry.push import StoreTarget, push
 from gpucloud.registry.store import LocalChunkStore, LocalManifestStore
 from gpucloud.registry.swarm import PeerPlace, SwarmSpec
 from gpucloud.registry.tracker_client import TrackerClient
-from gpucloud.workflows import search_attributes
 from gpucloud.workflows.rollout import RolloutWorkflow
 from support.models import float_model
 from support.rollouts import rollout_worker_with

@@ -12,6 +12,7 @@ from sqlmodel import Session, col, select
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from gpucloud.adapters.temporal_gateway import signal_cancel
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import (
@@ -46,7 +47,6 @@ from gpucloud.protocol.reports import WorkloadStatus
 from gpucloud.services import allocation_requests as requests
 from gpucloud.services.node_access import ssh_endpoint
 from gpucloud.services.workflow_engine import log_undelivered
-from gpucloud.services.workflows import signal_cancel
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["allocations"])

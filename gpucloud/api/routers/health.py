@@ -3,14 +3,11 @@ only), XIDs injected by operators, the judgement and its actions, node health an
 
 from __future__ import annotations
 
-import logging
-from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 from sqlmodel import col, select
-from temporalio.service import RPCError
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
@@ -28,13 +25,13 @@ from gpucloud.api.schemas import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import session_scope
+from gpucloud.health.pulls import PullKind
 from gpucloud.models.health_tables import (
     NodeReadingRecord,
     OperatorAlertPublic,
     OperatorAlertRecord,
     XidEventRecord,
 )
-from gpucloud.models.messages import ReplaceNodeRequest
 from gpucloud.models.tables import Node
 from gpucloud.protocol.reports import (
     AGENT_MAX_EVENTS,
@@ -46,13 +43,8 @@ from gpucloud.protocol.reports import (
     utc_now,
 )
 from gpucloud.services import health as health_service
-from gpucloud.services.schedules import reconcile_now
-from gpucloud.services.workflow_engine import log_undelivered
-from gpucloud.services.workflows import signal_replace_node
-from gpucloud.web import metrics
+from gpucloud.services import pulls
 from gpucloud.web.problems import Problem, invalid, not_found
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["health"])
 
@@ -79,21 +71,18 @@ def own_node_only(caller: Caller, node_ids: list[str], *, most: int) -> None:
         )
 
 
-def _breaker(settings: Settings) -> health_service.BreakerSettings:
-    return health_service.BreakerSettings(
-        max_pulled_share=settings.health.breaker_max_pulled_share,
-        window=timedelta(seconds=settings.health.breaker_window_s),
-    )
-
-
 def _ingest(settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
     with session_scope(settings.database_url) as session:
-        return health_service.ingest_xids(session, events, source=source, breaker=_breaker(settings))
+        return health_service.ingest_xids(
+            session, events, source=source, breaker=health_service.BreakerSettings.of(settings)
+        )
 
 
 def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
     with session_scope(settings.database_url) as session:
-        outcomes, unknown = health_service.ingest_readings(session, readings, breaker=_breaker(settings))
+        outcomes, unknown = health_service.ingest_readings(
+            session, readings, breaker=health_service.BreakerSettings.of(settings)
+        )
     if unknown:
         raise Problem(
             404,
@@ -105,45 +94,9 @@ def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
     return outcomes
 
 
-def _first_seen(items: list) -> dict[str, datetime]:
-    """The earliest timestamp each node reported in a batch: when its fault happened."""
-    first: dict[str, datetime] = {}
-    for item in items:
-        if item.node_id not in first or item.timestamp < first[item.node_id]:
-            first[item.node_id] = item.timestamp
-    return first
-
-
-async def _act_on(outcomes: list, settings: Settings, temporal, fault_at: dict[str, datetime]) -> None:
-    """A pull decided in the DB is carried out by the allocation's workflow or the reconciler."""
-    now = utc_now()
-    for o in outcomes:
-        if o.pull is not None and o.node_id in fault_at:  # cordoned in the judgement's transaction
-            metrics.FAULT_TO_CORDON.observe(max(0.0, (now - fault_at[o.node_id]).total_seconds()))
-    drains = [o.node_id for o in outcomes if o.pull == "drain"]
-    for o in outcomes:
-        if o.pull != "replace":
-            continue
-        req = ReplaceNodeRequest(
-            node_id=o.node_id,
-            reason=o.reason[:1000],
-            immediate=o.immediate,
-            grace_s=settings.health.drain_grace_s,
-            recheck_s=settings.health.replacement_recheck_s,
-            fault_at=fault_at.get(o.node_id),
-        )
-        try:
-            await signal_replace_node(temporal, o.allocation_id, req)
-        except RPCError as exc:
-            what = f"replace signal for {o.node_id} in {o.allocation_id}"
-            log_undelivered(log, exc, what, "the node is cordoned all the same")
-    if drains:
-        await reconcile_now(temporal, settings, drains)
-
-
 async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], source: str) -> XidIngestResult:
     outcomes, unknown = await run_in_threadpool(_ingest, settings, events, source)
-    await _act_on(outcomes, settings, temporal, _first_seen(events))
+    await pulls.act_on(temporal, settings, outcomes, pulls.first_seen(events))
     return XidIngestResult(
         accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)),
         unknown_nodes=unknown,
@@ -153,7 +106,13 @@ async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], 
 
 def _decisions(outcomes: list) -> list[HealthDecision]:
     return [
-        HealthDecision(node_id=o.node_id, health=o.verdict.health, action=o.verdict.action, pull=o.pull, alert=o.alert)
+        HealthDecision(
+            node_id=o.node_id,
+            health=o.verdict.health,
+            action=o.verdict.action,
+            pull=None if o.pull == PullKind.NONE else o.pull.value,
+            alert=o.alert,
+        )
         for o in outcomes
     ]
 
@@ -210,7 +169,7 @@ async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: Set
     own_node_only(caller, [r.node_id for r in batch.readings], most=AGENT_MAX_READINGS)
     _not_ahead("readings", [r.timestamp for r in batch.readings])
     outcomes = await run_in_threadpool(_ingest_readings, settings, batch.readings)
-    await _act_on(outcomes, settings, temporal, _first_seen(batch.readings))
+    await pulls.act_on(temporal, settings, outcomes, pulls.first_seen(batch.readings))
     return ReadingIngestResult(accepted=len(batch.readings), decisions=_decisions(outcomes))
 
 

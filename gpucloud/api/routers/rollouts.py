@@ -37,14 +37,12 @@ from sqlmodel import Session, col, select
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
-    WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
-    WorkflowUpdateStage,
 )
-from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
+from gpucloud.adapters import temporal_gateway as gateway
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, CallerOrFleetOperatorDep, SettingsDep, TemporalDep, TenantDep
@@ -59,6 +57,8 @@ from gpucloud.api.schemas import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import read_scope, rowcount, session_scope, table_of
+from gpucloud.models import search_attributes
+from gpucloud.models import workflow_ids as ids
 from gpucloud.models.registry_names import AliasName, split_ref
 from gpucloud.models.registry_tables import ModelAlias, ModelVersion, RegistryModel
 from gpucloud.models.rollout_messages import (
@@ -73,8 +73,6 @@ from gpucloud.registry import promotion
 from gpucloud.services import operations
 from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.web.problems import Problem, field_of, invalid, not_found
-from gpucloud.workflows import search_attributes
-from gpucloud.workflows.rollout import RolloutWorkflow
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
 
@@ -243,12 +241,11 @@ async def _running(temporal: Client, rollout_id: str, claimed_at: datetime | Non
     """Whether the rollout still runs: its workflow is open and its phase is not a final one (a
     rollout rolling back still runs; one that has just reached its end is closing, and done), or
     it is not found yet within `ROLLOUT_START_GRACE_S` of its claim (its create is starting it)."""
-    handle = temporal.get_workflow_handle(rollout_id)
     try:
-        described = await handle.describe()
+        described = await gateway.describe_workflow(temporal, ids.rollout_workflow_id(rollout_id))
         if described.status != WorkflowExecutionStatus.RUNNING:
             return False
-        return not (await handle.query(RolloutWorkflow.progress)).finished
+        return not (await gateway.rollout_progress(temporal, rollout_id)).finished
     except WorkflowQueryFailedError:
         return True  # open, and its phase unknown: it holds the allocation until it says otherwise
     except RPCError as exc:
@@ -316,7 +313,7 @@ async def create_rollout(
         # Under an Idempotency-Key the id comes from the key: a create re-run after its first try
         # died finds the rollout that try started instead of starting a second one.
         seed = f"{tenant.id}:{idempotency_key}" if idempotency_key else uuid.uuid4().hex
-        rollout_id = f"rollout-{hashlib.sha256(seed.encode()).hexdigest()[:16]}"
+        rollout_id = ids.rollout_workflow_id(hashlib.sha256(seed.encode()).hexdigest()[:16])
         options = req.model_dump(exclude={"node_ids", "waves", "model_version"}, exclude_none=True)
         try:
             inp = RolloutInput(
@@ -335,23 +332,10 @@ async def create_rollout(
             ]
             detail = "; ".join(e["message"] for e in errors)
             raise invalid(errors[0]["field"], errors[0]["message"], detail=detail, errors=errors) from None
-        attributes = [
-            (search_attributes.MODEL_VERSION, plan.digest),
-            (search_attributes.TENANT_ID, tenant.tenant_id),
-        ]
-        if req.allocation_id:
-            attributes.append((search_attributes.ALLOCATION_ID, req.allocation_id))
         # Only one rollout at a time on an allocation: this one claims each it will touch first.
         await _claim(temporal, settings, tenant.tenant_id, rollout_id, plan, ready=not req.serving_fleet)
         try:
-            await temporal.start_workflow(
-                RolloutWorkflow.run,
-                inp,
-                id=rollout_id,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                task_queue=settings.temporal.task_queue,
-                search_attributes=search_attributes.typed(*attributes),
-            )
+            await gateway.start_rollout(temporal, settings, inp, allocation_id=req.allocation_id)
         except RPCError as exc:
             await run_in_threadpool(_release, settings, rollout_id)
             raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
@@ -364,19 +348,18 @@ async def create_rollout(
     return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
 
 
-async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> tuple[WorkflowHandle, RolloutProgress]:
+async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> RolloutProgress:
     if not rollout_id.startswith("rollout-"):
         raise not_found("rollout", rollout_id)
-    handle = temporal.get_workflow_handle(rollout_id)
     try:
-        progress = await handle.query(RolloutWorkflow.progress)
+        progress = await gateway.rollout_progress(temporal, rollout_id)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             raise not_found("rollout", rollout_id) from None
         raise
     if not caller.is_operator and progress.tenant_id != caller.tenant_id:
         raise not_found("rollout", rollout_id)
-    return handle, progress
+    return progress
 
 
 @router.get("/rollouts", response_model=RolloutPage, responses={400: {"description": "a page token not issued here"}})
@@ -386,16 +369,13 @@ async def list_rollouts(caller: CallerDep, temporal: TemporalDep, page: paginati
     moment). The page token wraps the engine's own, bound to the caller."""
     filters = {"tenant_id": None if caller.is_operator else caller.tenant_id}
     cursor = pagination.decode(page.token, filters, str)
-    query = f"WorkflowType = '{RolloutWorkflow.__name__}'"
-    if filters["tenant_id"] is not None:
-        query += f" AND {search_attributes.TENANT_ID.name} = '{_quoted(filters['tenant_id'])}'"
-    listing = temporal.list_workflows(
-        query,
-        page_size=page.size,
-        next_page_token=base64.urlsafe_b64decode(cursor.after) if isinstance(cursor.after, str) else None,
-    )
     try:
-        await listing.fetch_next_page()
+        executions, token = await gateway.list_rollouts(
+            temporal,
+            tenant_id=filters["tenant_id"],
+            page_size=page.size,
+            next_page_token=base64.urlsafe_b64decode(cursor.after) if isinstance(cursor.after, str) else None,
+        )
     except RPCError as exc:
         raise engine_problem(exc, what="the rollouts", left="nothing changed") from exc
     items = [
@@ -408,35 +388,29 @@ async def list_rollouts(caller: CallerDep, temporal: TemporalDep, page: paginati
             started_at=wf.start_time,
             closed_at=wf.close_time,
         )
-        for wf in listing.current_page or []
+        for wf in executions
     ]
-    token = listing.next_page_token
     next_token = pagination.encode(base64.urlsafe_b64encode(token).decode(), filters) if token else ""
     return RolloutPage(items=items, next_page_token=next_token)
 
 
-def _quoted(value: str) -> str:
-    """A value inside a visibility query's single quotes."""
-    return value.replace("\\", "\\\\").replace("'", "\\'")
-
-
 @router.get("/rollouts/{rollout_id}", response_model=RolloutProgress)
 async def get_rollout(rollout_id: str, caller: CallerDep, temporal: TemporalDep):
-    return (await _visible(temporal, caller, rollout_id))[1]
+    return await _visible(temporal, caller, rollout_id)
+
+
+_UPDATES = {"pause": ids.ROLLOUT_PAUSE_UPDATE, "resume": ids.ROLLOUT_RESUME_UPDATE, "abort": ids.ROLLOUT_ABORT_UPDATE}
 
 
 async def _command(
     temporal: Client, settings: Settings, caller: Caller, rollout_id: str, command: str, req: RolloutCommand | None
 ) -> RolloutProgress:
-    handle, progress = await _visible(temporal, caller, rollout_id)
-    update = getattr(RolloutWorkflow, command)
+    progress = await _visible(temporal, caller, rollout_id)
+    update = _UPDATES[command]
     arg = ReasonInput(reason=req.reason if req else "")
     try:
-        if command == "abort":  # the rollback may take a while: answer once the abort is accepted
-            await handle.start_update(update, arg, wait_for_stage=WorkflowUpdateStage.ACCEPTED)
-            answer = await handle.query(RolloutWorkflow.progress)
-        else:
-            answer = await handle.execute_update(update, arg)
+        # The rollback may take a while: an abort is answered once the workflow has accepted it.
+        answer = await gateway.update_rollout(temporal, rollout_id, update, arg, until_accepted=command == "abort")
     except WorkflowUpdateFailedError as exc:
         raise Problem(409, "rollout-conflict", f"Cannot {command}", str(exc.cause or exc)) from None
     except RPCError as exc:

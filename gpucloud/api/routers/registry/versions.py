@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
+from gpucloud.adapters.temporal_gateway import start_version_evaluation
 from gpucloud.api import pagination
 from gpucloud.api.deps import (
     DbDep,
@@ -55,7 +56,6 @@ from gpucloud.services.evaluations import evaluations_of
 from gpucloud.services.operations import start_for_operation
 from gpucloud.services.registry_models import model_row
 from gpucloud.services.registry_versions import resolve_version
-from gpucloud.services.workflows import start_version_evaluation
 from gpucloud.web.problems import Problem
 
 log = logging.getLogger(__name__)

@@ -15,25 +15,30 @@ from sqlmodel import col, select
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
-from gpucloud.config import Settings
-from gpucloud.db import Database
-from gpucloud.models.node_states import NodeState
-from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Operation, OperationStatus, utcnow
-from gpucloud.services import tenants as tenant_service
-from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
-from gpucloud.services.evaluations import OPERATION_PREFIX as EVALUATION_OPERATION_PREFIX
-from gpucloud.services.evaluations import evaluation_input_for
-from gpucloud.services.nodes import lease_for_bringup
-from gpucloud.services.operations import settle
-from gpucloud.services.tenants import offboarding_workflow_id, onboarding_workflow_id
-from gpucloud.services.workflows import (
+from gpucloud.adapters.temporal_gateway import (
+    running_workflow_ids,
     start_allocation_workflow,
     start_bringup_batches,
     start_tenant_offboarding,
     start_tenant_onboarding,
     start_version_evaluation,
 )
-from gpucloud.workflows.evaluation import evaluation_workflow_id
+from gpucloud.config import Settings
+from gpucloud.db import Database
+from gpucloud.models import workflow_ids as ids
+from gpucloud.models.node_states import NodeState
+from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, Node, Operation, OperationStatus, utcnow
+from gpucloud.models.workflow_ids import (
+    allocation_workflow_id,
+    evaluation_workflow_id,
+    offboarding_workflow_id,
+    onboarding_workflow_id,
+)
+from gpucloud.services import tenants as tenant_service
+from gpucloud.services.evaluations import OPERATION_PREFIX as EVALUATION_OPERATION_PREFIX
+from gpucloud.services.evaluations import evaluation_input_for
+from gpucloud.services.nodes import lease_for_bringup
+from gpucloud.services.operations import settle
 
 
 async def resume_orphans(client: Client, db: Database, settings: Settings) -> dict[str, int]:
@@ -62,10 +67,10 @@ async def resume_orphans(client: Client, db: Database, settings: Settings) -> di
 # What adoption looks for: the workflows of in-flight allocations, tenant operations and version
 # evaluations.
 _ADOPTED_TYPES = (
-    "AllocationWorkflow",
-    "TenantOnboardingWorkflow",
-    "TenantOffboardingWorkflow",
-    "VersionEvaluationWorkflow",
+    ids.ALLOCATION_WORKFLOW,
+    ids.TENANT_ONBOARDING_WORKFLOW,
+    ids.TENANT_OFFBOARDING_WORKFLOW,
+    ids.VERSION_EVALUATION_WORKFLOW,
 )
 
 
@@ -106,8 +111,7 @@ async def adopt_orphans(
         ]
     if not allocations and not tenant_ops and not evaluations:
         return 0
-    types = ", ".join(f"'{t}'" for t in _ADOPTED_TYPES)
-    running = {w.id async for w in client.list_workflows(f"ExecutionStatus = 'Running' AND WorkflowType IN ({types})")}
+    running = await running_workflow_ids(client, _ADOPTED_TYPES)
     adopted = 0
     for alloc in allocations:
         if allocation_workflow_id(alloc.id) not in running:

@@ -1,0 +1,94 @@
+"""The workflows' names and ids, declared once: what the client side (`adapters.temporal_gateway`)
+starts, signals, queries and updates, and what the workflows themselves use to reach each other
+(`workflow.get_external_workflow_handle`, child workflows).
+
+The names are the ones the workflow classes register (`@workflow.defn`, `@workflow.signal`, ...);
+`tests/platform/test_workflow_ids.py` holds them equal, so the strings cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# Workflow types.
+ALLOCATION_WORKFLOW = "AllocationWorkflow"
+NODE_OPERATION_WORKFLOW = "NodeOperationWorkflow"
+BRINGUP_BATCH_WORKFLOW = "BringupBatchWorkflow"
+NODE_POWER_WORKFLOW = "NodePowerWorkflow"
+VERSION_EVALUATION_WORKFLOW = "VersionEvaluationWorkflow"
+TENANT_ONBOARDING_WORKFLOW = "TenantOnboardingWorkflow"
+TENANT_OFFBOARDING_WORKFLOW = "TenantOffboardingWorkflow"
+RECONCILE_SWEEP_WORKFLOW = "ReconcileSweepWorkflow"
+BILLING_CATCH_UP_WORKFLOW = "BillingCatchUpWorkflow"
+ROLLOUT_WORKFLOW = "RolloutWorkflow"
+
+# Signals, queries and updates, by the workflow that takes them.
+ALLOCATION_CANCEL_SIGNAL = "request_cancel"
+ALLOCATION_REPLACE_NODE_SIGNAL = "replace_node"
+ROLLOUT_PROGRESS_QUERY = "progress"
+ROLLOUT_PAUSE_UPDATE = "pause"
+ROLLOUT_RESUME_UPDATE = "resume"
+ROLLOUT_ABORT_UPDATE = "abort"
+
+# Schedules: one of each per task queue (each control plane sharing a namespace has its own).
+SWEEP_SCHEDULE_ID = "reconciler-sweep"
+BILLING_CLOSE_SCHEDULE_ID = "billing-close-schedule"
+
+
+def allocation_workflow_id(allocation_id: str) -> str:
+    return f"alloc-{allocation_id}"
+
+
+def node_workflow_id(node_id: str) -> str:
+    return f"node-{node_id}"
+
+
+def bringup_workflow_id(node_ids: list[str], hold: str) -> str:
+    """`bringup-<first node>-<count>-<digest of the nodes and the hold>`: one id per hold taken."""
+    digest = hashlib.sha256("\n".join([hold, *sorted(node_ids)]).encode()).hexdigest()[:12]
+    return f"bringup-{min(node_ids)}-{len(node_ids)}-{digest}"
+
+
+def power_workflow_id(node_id: str, operation_id: str) -> str:
+    return f"power-{node_id}-{operation_id}"
+
+
+def evaluation_workflow_id(tenant_id: str, operation_id: str) -> str:
+    return f"evaluate-{tenant_id}-{operation_id}"
+
+
+def onboarding_workflow_id(tenant_id: str) -> str:
+    return f"tenant-onboard-{tenant_id}"
+
+
+def offboarding_workflow_id(tenant_id: str) -> str:
+    return f"tenant-offboard-{tenant_id}"
+
+
+def rollout_workflow_id(rollout_id: str) -> str:
+    return rollout_id if rollout_id.startswith("rollout-") else f"rollout-{rollout_id}"
+
+
+def close_workflow_id(task_queue: str, period_id: str) -> str:
+    return f"billing-close-{task_queue}-{period_id}"
+
+
+def billing_catch_up_workflow_id(task_queue: str) -> str:
+    return f"billing-catch-up-{task_queue}"
+
+
+def sweep_schedule_id(task_queue: str) -> str:
+    return f"{SWEEP_SCHEDULE_ID}-{task_queue}"
+
+
+def billing_schedule_id(task_queue: str) -> str:
+    return f"{BILLING_CLOSE_SCHEDULE_ID}-{task_queue}"
+
+
+def reconcile_now_workflow_id(node_ids: list[str]) -> str:
+    """One node's nudge (`reconcile-<node>`), or a batch's, keyed by the nodes it names: the same
+    batch gets the same id in every process (Python's `hash()` of strings differs between
+    processes), so a batch already being reconciled is not started twice."""
+    batch = hashlib.sha256("\n".join(sorted(set(node_ids))).encode()).hexdigest()[:16]
+    key = node_ids[0] if len(node_ids) == 1 else f"batch-{batch}"
+    return f"reconcile-{key}"

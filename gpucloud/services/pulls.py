@@ -1,0 +1,87 @@
+"""Carrying out a pull the health rules decided (`health.pulls.PullDecision`), in one place for
+the API (agents' reports, operators' injected XIDs) and the reconciler (which re-derives the pull
+from the node's record, so a lost signal is sent again).
+
+A replacement is the allocation's workflow's to make: it is signalled, through the gateway. A
+drain of a node no allocation holds is the reconciler's: a targeted sweep of those nodes starts
+it within the reconciler's limits (the reconciler itself starts its drains as it plans them, and
+hands only its replacements here). The intent is in the DB before either (the node cordoned,
+a drain requested), so a signal that is lost costs time, never the pull.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from gpucloud.adapters.temporal_gateway import reconcile_now, signal_replace_node
+from gpucloud.config import Settings
+from gpucloud.health.pulls import PullDecision, PullKind
+from gpucloud.models.messages import ReplaceNodeRequest
+from gpucloud.protocol.reports import utc_now
+from gpucloud.services.health import HealthOutcome
+from gpucloud.services.workflow_engine import log_undelivered
+from gpucloud.web import metrics
+
+log = logging.getLogger(__name__)
+
+
+def replace_request(settings: Settings, decision: PullDecision) -> ReplaceNodeRequest:
+    return ReplaceNodeRequest(
+        node_id=decision.node_id,
+        reason=decision.reason[:1000],
+        immediate=decision.immediate,
+        grace_s=settings.health.drain_grace_s,
+        recheck_s=settings.health.replacement_recheck_s,
+        fault_at=decision.fault_at,
+    )
+
+
+async def carry_out(
+    client: Client, settings: Settings, decisions: Sequence[PullDecision]
+) -> list[tuple[PullDecision, RPCError]]:
+    """Signal each replacement to its allocation's workflow, then ask the reconciler to drain the
+    drains now; returns the replacements whose signal the engine did not take (the node stays
+    cordoned, and the reconciler sends it again)."""
+    undelivered: list[tuple[PullDecision, RPCError]] = []
+    for decision in decisions:
+        if decision.kind != PullKind.REPLACE or decision.allocation_id is None:
+            continue
+        try:
+            await signal_replace_node(client, decision.allocation_id, replace_request(settings, decision))
+        except RPCError as exc:
+            undelivered.append((decision, exc))
+    drains = [d.node_id for d in decisions if d.kind == PullKind.DRAIN]
+    if drains:
+        await reconcile_now(client, settings, drains)
+    return undelivered
+
+
+def first_seen(items: Sequence) -> dict[str, datetime]:
+    """The earliest timestamp each node reported in a batch: when its fault happened."""
+    first: dict[str, datetime] = {}
+    for item in items:
+        if item.node_id not in first or item.timestamp < first[item.node_id]:
+            first[item.node_id] = item.timestamp
+    return first
+
+
+async def act_on(
+    client: Client, settings: Settings, outcomes: Sequence[HealthOutcome], fault_at: dict[str, datetime]
+) -> None:
+    """Carry out the pulls a judgement decided (and cordoned in its own transaction)."""
+    now = utc_now()
+    decisions = []
+    for outcome in outcomes:
+        if outcome.pull == PullKind.NONE:
+            continue
+        if outcome.node_id in fault_at:
+            metrics.FAULT_TO_CORDON.observe(max(0.0, (now - fault_at[outcome.node_id]).total_seconds()))
+        decisions.append(outcome.decision(fault_at=fault_at.get(outcome.node_id)))
+    for decision, exc in await carry_out(client, settings, decisions):
+        what = f"replace signal for {decision.node_id} in {decision.allocation_id}"
+        log_undelivered(log, exc, what, "the node is cordoned all the same")
