@@ -52,6 +52,7 @@ from gpucloud.registry.tracker import ORIGIN
 from gpucloud.registry.tracker_client import KEEPALIVE_S, TrackerClient
 from gpucloud.web import metrics, problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, Gate, query_value
+from gpucloud.web.http_client import http_client
 from gpucloud.web.service_tokens import SWARM_PEER, InvalidToken, Verifier, swarm_audience
 from gpucloud.web.serving import ThreadedServer
 from gpucloud.web.tls import ServerTLS
@@ -180,9 +181,7 @@ class ChunkFetcher:
         limits = httpx.Limits(
             max_connections=4 * parallel, max_keepalive_connections=4 * parallel, keepalive_expiry=KEEPALIVE_S
         )
-        self._http = http or httpx.Client(
-            timeout=httpx.Timeout(60.0, connect=5.0), limits=limits, verify=tls.client_verify()
-        )
+        self._http = http or http_client(timeout="peer", trust=tls.client_verify(), limits=limits)
         self._poll_s, self._max_poll_s, self._max_attempts = poll_s, max_poll_s, max_attempts
         self._stats_lock = threading.Lock()
         self.stats = FetchStats()

@@ -37,6 +37,7 @@ from gpucloud.ledger.pricebook import list_price_book
 from gpucloud.sim.client import SimFleetClient
 from gpucloud.sim.fabric_managers import register_nvl_domains
 from gpucloud.web import tls
+from gpucloud.web.http_client import http_client
 from gpucloud.web.service_tokens import LEDGER_AUDIENCE
 from gpucloud.web.tls import LocalCA
 
@@ -316,7 +317,7 @@ class Stack:
         issuer = bootstrap.token_issuer(self.settings)  # the key the ledger trusts, made before it starts
         self._spawn("ledger", self._cli("ledger"))
         self._wait("ledger", lambda: self._http_ok(f"{self.ledger_url}/healthz"), 60)
-        with httpx.Client(base_url=self.ledger_url, timeout=10, verify=tls.client_verify()) as ledger:
+        with http_client(base_url=self.ledger_url, timeout="ledger_seed", trust=tls.client_verify()) as ledger:
             seed_price_book(ledger, issuer.mint(LEDGER_AUDIENCE, subject="operator", role="operator"))
 
     def _start_fabric(self, on_step: Callable[[str], None]) -> None:
@@ -413,7 +414,8 @@ class Stack:
     @staticmethod
     def _http_ok(url: str) -> bool:
         try:
-            return httpx.get(url, timeout=1.0, verify=tls.client_verify()).status_code == 200
+            with http_client(timeout="readiness", trust=tls.client_verify()) as client:
+                return client.get(url).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import httpx
-
 from gpucloud import bootstrap
 from gpucloud.adapters.probe import detect_probe
 from gpucloud.agent.app import Agent, create_app
@@ -24,6 +22,7 @@ from gpucloud.ledger.client import AgentLedgerToken
 from gpucloud.observability import tracing
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web import tls
+from gpucloud.web.http_client import async_http_client
 from gpucloud.web.tls import ServerTLS, client_verify, serve_options
 
 log = logging.getLogger(__name__)
@@ -161,7 +160,7 @@ def main(
     weights = TenantWeights(
         state, weights_dir, verifier=verifier, health=health_from_probe(probe), container_runtime=container_runtime
     )
-    client = httpx.AsyncClient(base_url=control_plane_url, timeout=30, verify=client_verify())
+    client = async_http_client(base_url=control_plane_url, timeout="agent_report", trust=client_verify())
     metering = None
     if ledger_url:
         spool_path.parent.mkdir(parents=True, exist_ok=True)

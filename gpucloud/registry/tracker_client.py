@@ -6,14 +6,15 @@ wire models both ends share (the tracker's app, `gpucloud.entrypoints.tracker`, 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpucloud.registry.swarm import ChunkId, Plan, SwarmSpec, SwarmStatus
+from gpucloud.retry import Backoff, retry_call
 from gpucloud.web import tls
+from gpucloud.web.http_client import http_client
 
 KEEPALIVE_S = 2.0
 """How long clients keep an idle connection: under uvicorn's default 5 s, so a server never closes
@@ -84,23 +85,27 @@ class TrackerClient:
         """`token`: the control plane's for the tracker, or a node's for its swarm."""
         self.base_url = base_url.rstrip("/")
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = http or httpx.Client(
-            timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S), verify=tls.client_verify()
+        self._http = http or http_client(
+            timeout="tracker",
+            timeout_s=timeout_s,
+            trust=tls.client_verify(),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
         )
         self._retries = retries
+        # 0.1 s after the first transport failure, doubled after each further one.
+        self._backoff = Backoff(first_s=0.1, cap_s=0.1 * 2 ** max(retries - 1, 0))
 
     def close(self) -> None:
         self._http.close()
 
     def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
-        for attempt in range(self._retries + 1):
-            try:
-                response = self._http.request(method, f"{self.base_url}{path}", json=body, headers=self.auth)
-                break
-            except httpx.TransportError:
-                if attempt == self._retries:
-                    raise
-                time.sleep(0.1 * 2**attempt)
+        response = retry_call(
+            lambda: self._http.request(method, f"{self.base_url}{path}", json=body, headers=self.auth),
+            retry_on=httpx.TransportError,
+            backoff=self._backoff,
+            attempts=self._retries + 1,
+            deadline_s=None,
+        )
         response.raise_for_status()
         return response
 

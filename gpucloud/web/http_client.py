@@ -27,8 +27,13 @@ TimeoutName = Literal[
     "api",
     "bmc",
     "fabric_manager",
+    "fabric_manager_setup",
     "ledger",
+    "ledger_seed",
+    "peer",
+    "readiness",
     "simulator",
+    "tracker",
 ]
 
 
@@ -43,7 +48,8 @@ TIMEOUTS: Mapping[TimeoutName, NamedTimeout] = {
     # A (simulated) agent's short calls to the control plane: redeem an enrollment token, ask
     # which allocation holds its node.
     "agent_lookup": NamedTimeout(10.0),
-    # A (simulated) agent's reports of XID events and readings to the control plane.
+    # An agent's reports to the control plane (enrollment, heartbeats, XID events, readings),
+    # a real node's or a simulated one's.
     "agent_report": NamedTimeout(30.0),
     # The simulated fleet's enrollment and heartbeats, in batches of hundreds of nodes.
     "agent_report_batch": NamedTimeout(60.0),
@@ -53,10 +59,20 @@ TIMEOUTS: Mapping[TimeoutName, NamedTimeout] = {
     "bmc": NamedTimeout(10.0),
     # UFM, NMX-M and the SDN controller.
     "fabric_manager": NamedTimeout(10.0, connect_s=5.0),
+    # The simulated NMX-M told which GPUs each NVL72 domain has (once, when a fleet is set up).
+    "fabric_manager_setup": NamedTimeout(30.0),
     # The ledger service, and the control plane's ledger-token endpoint for an agent.
     "ledger": NamedTimeout(30.0),
+    # The local stack (`gpucloud up`) seeding the ledger's price book once it is ready.
+    "ledger_seed": NamedTimeout(10.0),
+    # A node fetching weight chunks from its peers and the origin: a whole chunk per request.
+    "peer": NamedTimeout(60.0, connect_s=5.0),
+    # The local stack's readiness probe of a server it started (`/healthz`), asked again and again.
+    "readiness": NamedTimeout(1.0),
     # The simulated fleet's own endpoints (its nodes' reports, fault and outage injection).
     "simulator": NamedTimeout(10.0),
+    # The weights tracker and origin (a node's plans and announcements, the control plane's swarms).
+    "tracker": NamedTimeout(30.0),
 }
 
 # What a client verifies servers against: an SSL context (`tls.client_verify()`) or a CA file.

@@ -26,13 +26,7 @@ ONE_SHOT = {"request", "stream", "get", "options", "head", "post", "put", "patch
 BUILDERS = CLIENT_CLASSES | ONE_SHOT
 
 # Still building their own httpx clients (being moved by others; converted later): only shrinks.
-KNOWN_OWN_CLIENTS: set[str] = {
-    "gpucloud/agent/peer.py",
-    "gpucloud/devstack/stack.py",
-    "gpucloud/entrypoints/agent.py",
-    "gpucloud/registry/tracker_client.py",
-    "gpucloud/sim/fabric_managers/__init__.py",
-}
+KNOWN_OWN_CLIENTS: set[str] = set()
 
 
 def _constructions(tree: ast.Module) -> list[int]:

@@ -39,7 +39,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-import httpx
 import uvicorn
 from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Scope
@@ -54,6 +53,7 @@ from gpucloud.sim.fabric_managers.state import FabricState, available
 from gpucloud.sim.fabric_managers.ufm import ufm
 from gpucloud.web import problems, tls
 from gpucloud.web.gate import BODY_DEFAULTS, Gate, holds_token
+from gpucloud.web.http_client import http_client
 from gpucloud.web.serving import ThreadedServer
 from gpucloud.web.tls import ServerTLS, serve_options
 
@@ -112,7 +112,7 @@ def register_nvl_domains(url: str, inventory: Iterable[dict], *, nmx_token: str 
     """Tell the simulated NMX-M which GPUs each NVL72 domain has (real NMX-M discovers them);
     idempotent. Returns the number of domains."""
     domains = nvl_domains(inventory)
-    with httpx.Client(timeout=30, verify=tls.client_verify()) as client:
+    with http_client(timeout="fabric_manager_setup", trust=tls.client_verify()) as client:
         nmx = NmxClient(client, url, token=nmx_token)
         for domain, gpus in domains.items():
             nmx.register_domain(domain, gpus)
