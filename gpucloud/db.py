@@ -238,14 +238,6 @@ class Database:
         return schema_revisions(self.engine, alembic_config(self.url))
 
 
-def database_of(database: Database | str) -> Database:
-    """`database` itself, or the `Database` of a URL, for the services whose callers still pass
-    one (`operations.settle` and `record_done_in`, `evaluations.keep_evaluation`,
-    `idempotency_records.delete_expired`, `api.idempotency.idempotent`: called from activities/*
-    and api/routers/rollouts.py with a URL); one engine per URL either way (`get_engine`)."""
-    return database if isinstance(database, Database) else Database(database)
-
-
 @contextmanager
 def scratch_postgres(base_url: str, prefix: str = "gpucloud_test") -> Iterator[str]:
     """A fresh, uniquely named database on the Postgres server of `base_url` (for tests and

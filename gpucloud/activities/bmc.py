@@ -109,7 +109,7 @@ class BmcActivities(ActivityGroup):
         except BmcError as error:
             failure = self._failed(req.node_id, f"power {req.action}", error, actor=req.actor)
             if failure.non_retryable or activity.info().attempt >= BMC_ATTEMPTS:
-                settle(self.db.url, req.operation_id, error=f"power {req.action}: {error}")
+                settle(self.db, req.operation_id, error=f"power {req.action}: {error}")
             raise failure from error
         state = POWER_AFTER[req.action]  # power() returns only once the BMC shows it
         last = {"at": utcnow().isoformat(), "action": f"power {req.action}", "ok": True, "answer": answer}
@@ -119,10 +119,10 @@ class BmcActivities(ActivityGroup):
             silent = self._wait_for_heartbeat(req.node_id, since=started)
             if silent is not None:
                 self._record(req.node_id, "boot_timeout", actor=req.actor, cause=silent)
-                settle(self.db.url, req.operation_id, error=silent)
+                settle(self.db, req.operation_id, error=silent)
                 raise ApplicationError(silent, type="AgentDidNotReturn", non_retryable=True)
             answer += "; the agent heartbeats again"
-        settle(self.db.url, req.operation_id, error=None)
+        settle(self.db, req.operation_id, error=None)
         return BmcPowerResult(node_id=req.node_id, done=True, power_state=state, answer=answer)
 
     def _can_report(self, node_id: str) -> bool:

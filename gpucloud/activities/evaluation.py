@@ -233,7 +233,7 @@ class EvaluationActivities(ActivityGroup):
             details={**run.details, "compared_with": run.compared_with} if run.details else None,
         )
         signed = self.signer.sign_evaluation(record)
-        row, _ = keep_evaluation(self.db.url, self.stores, req.tenant_id, signed, source=EvaluationSource.PLATFORM)
+        row, _ = keep_evaluation(self.db, self.stores, req.tenant_id, signed, source=EvaluationSource.PLATFORM)
         return row.record_digest
 
     @activity.defn
@@ -242,10 +242,10 @@ class EvaluationActivities(ActivityGroup):
         if run.refusal is not None:
             if run.refusal == EvaluationRefusal.VERSION_UNVERIFIABLE:
                 self._keep(req, run)  # bytes that fail verification fail the version's gates
-            settle(self.db.url, req.operation_id, error=run.failure)
+            settle(self.db, req.operation_id, error=run.failure)
             raise ApplicationError(run.failure or run.refusal.value, type=run.refusal.value, non_retryable=True)
         record_digest = self._keep(req, run)
-        settle(self.db.url, req.operation_id, error=run.failure)
+        settle(self.db, req.operation_id, error=run.failure)
         return EvaluateVersionResult(
             evaluator=req.evaluator,
             results=run.results,

@@ -151,7 +151,7 @@ class ReconcilerActivities(ActivityGroup):
             # Allocations and tenant operations whose workflow was lost get it back.
             result.adopted = await adopt_orphans(self.client, self.db, self.settings)
             result.idempotency_expired = await asyncio.to_thread(
-                idempotency_records.delete_expired, self.db.url, now=utcnow()
+                idempotency_records.delete_expired, self.db, now=utcnow()
             )
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
         health_pulls = [p.node_id for p in plans if p.pull != PullKind.NONE]

@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from sqlmodel import col, select
 
 from gpucloud.api.errors import problem_for
-from gpucloud.db import Database, database_of, rowcount
+from gpucloud.db import Database, rowcount
 from gpucloud.models.tables import IdempotencyRecord, utcnow
 from gpucloud.services.errors import DomainError
 from gpucloud.web.problems import MEDIA_TYPE, Problem
@@ -257,17 +257,16 @@ IdempotencyKey = Annotated[
 
 async def idempotent(
     request: Request,
-    database: Database | str,
+    database: Database,
     caller: str,
     key: str | None,
     handler: Callable[[], Awaitable[Response]],
     *,
     redact: Callable[[bytes], bytes] | None = None,
 ) -> Response:
-    """`run_idempotent` for the request a route is serving, on the app's `database` (the routers
-    that still pass its URL get the app's own `Database` of that URL)."""
+    """`run_idempotent` for the request a route is serving, on the app's `database`."""
     return await run_idempotent(
-        db=database_of(database),
+        db=database,
         caller=caller,
         key=key,
         method=request.method,

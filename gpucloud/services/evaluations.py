@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from gpucloud.db import Database, database_of
+from gpucloud.db import Database
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
 from gpucloud.models.registry_names import EvaluatorName
 from gpucloud.models.registry_tables import EvaluationResult, EvaluationSource, ModelVersion, RegistryModel
@@ -26,11 +26,10 @@ _RECORD_AS_KEPT = {"version", "evaluator", "results", "recorded_at", "details"}
 
 
 def keep_evaluation(
-    db: Database | str, stores: RegistryStores, tenant_id: str, signed: SignedEvaluation, *, source: EvaluationSource
+    db: Database, stores: RegistryStores, tenant_id: str, signed: SignedEvaluation, *, source: EvaluationSource
 ) -> tuple[EvaluationResult, bool]:
     """Keep a verified, signed record of the tenant's version `signed.record.version`: the row,
     and whether it is new."""
-    db = database_of(db)
     record = signed.record
     query = select(EvaluationResult).where(
         col(EvaluationResult.tenant_id) == tenant_id, col(EvaluationResult.record_digest) == record.digest

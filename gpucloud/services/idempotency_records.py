@@ -9,13 +9,13 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import col, select
 
-from gpucloud.db import Database, database_of, rowcount
+from gpucloud.db import Database, rowcount
 from gpucloud.models.tables import IdempotencyRecord
 
 
-def delete_expired(db: Database | str, *, now: datetime, limit: int = 1000) -> int:
+def delete_expired(db: Database, *, now: datetime, limit: int = 1000) -> int:
     """Forget up to `limit` records whose retention ended by `now`; how many were forgotten."""
-    with database_of(db).session() as session:
+    with db.session() as session:
         expired = (
             select(IdempotencyRecord.seq).where(col(IdempotencyRecord.expires_at) <= now).limit(limit).scalar_subquery()
         )

@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 from sqlmodel import Session, col, select
 from temporalio.service import RPCError
 
-from gpucloud.db import Database, database_of
+from gpucloud.db import Database
 from gpucloud.models.tables import Operation, OperationStatus, utcnow
 from gpucloud.services.workflow_engine import engine_problem, waited_out
 
@@ -26,12 +26,10 @@ def record_done(
     return op
 
 
-def record_done_in(
-    db: Database | str, *, kind: str, resource_id: str, actor: str, tenant_id: str | None = None
-) -> None:
+def record_done_in(db: Database, *, kind: str, resource_id: str, actor: str, tenant_id: str | None = None) -> None:
     """`record_done` in a transaction of its own, for a change whose own state is not in the DB
     (a rollout's lives in its workflow, the registry's chunks in the object store)."""
-    with database_of(db).session() as session:
+    with db.session() as session:
         record_done(session, kind=kind, resource_id=resource_id, actor=actor, tenant_id=tenant_id)
 
 
@@ -46,10 +44,10 @@ def settle_operation(session: Session, operation_id: str, *, error: str | None) 
     session.add(op)
 
 
-def settle(db: Database | str, operation_id: str | None, *, error: str | None) -> None:
+def settle(db: Database, operation_id: str | None, *, error: str | None) -> None:
     """`settle_operation` in a transaction of its own (nothing to do without an operation)."""
     if operation_id is not None:
-        with database_of(db).session() as session:
+        with db.session() as session:
             settle_operation(session, operation_id, error=error)
 
 

@@ -55,7 +55,7 @@ def test_expired_records_go_in_bounded_batches(db_url):
     with session_scope(db_url) as session:
         for i in range(5):
             session.add(_record(f"old-{i}", expires_in=-timedelta(seconds=1)))
-    now = utcnow()
-    assert delete_expired(db_url, now=now, limit=3) == 3
-    assert delete_expired(db_url, now=now, limit=3) == 2
-    assert delete_expired(db_url, now=now) == 0 and _keys(db_url) == set()
+    now, db = utcnow(), Database(db_url)
+    assert delete_expired(db, now=now, limit=3) == 3
+    assert delete_expired(db, now=now, limit=3) == 2
+    assert delete_expired(db, now=now) == 0 and _keys(db_url) == set()

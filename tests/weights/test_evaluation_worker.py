@@ -170,8 +170,9 @@ def test_a_version_over_the_disk_budget_is_refused_before_it_is_assembled(pushed
 def test_a_refused_evaluation_ends_non_retryable_and_settles_its_operation() -> None:
     from gpucloud.activities.evaluation import EvaluationActivities
 
+    db = mock.MagicMock(url="sqlite://")
     activities = EvaluationActivities(
-        mock.MagicMock(url="sqlite://"),
+        db,
         mock.MagicMock(),
         Signer.generate(),
         issuer=mock.MagicMock(),
@@ -183,7 +184,7 @@ def test_a_refused_evaluation_ends_non_retryable_and_settles_its_operation() -> 
     with mock.patch("gpucloud.activities.evaluation.settle") as settle, pytest.raises(ApplicationError) as raised:
         ActivityEnvironment().run(activities.record_evaluation, RecordEvaluationInput(request=request, run=run))
     assert raised.value.type == "EvaluationOverDiskBudget" and raised.value.non_retryable
-    settle.assert_called_once_with("sqlite://", "op1", error="too big")
+    settle.assert_called_once_with(db, "op1", error="too big")
 
 
 def test_the_control_plane_hands_the_evaluation_a_token_for_its_version_and_parent_only() -> None:

@@ -172,6 +172,7 @@ class Registry:
     ) -> None:
         """Keep results (or a failed run) as the worker's evaluation activity does: signed with the platform's key."""
         from gpucloud import bootstrap
+        from gpucloud.db import Database
         from gpucloud.models.registry_tables import EvaluationSource
         from gpucloud.services.evaluations import keep_evaluation
 
@@ -180,7 +181,9 @@ class Registry:
         )
         signed = bootstrap.evaluator_signer(self.settings).sign_evaluation(record)
         stores = bootstrap.registry_stores(self.settings)
-        keep_evaluation(self.settings.database_url, stores, tenant.id, signed, source=EvaluationSource.PLATFORM)
+        keep_evaluation(
+            Database(self.settings.database_url), stores, tenant.id, signed, source=EvaluationSource.PLATFORM
+        )
 
     def new_tenant(self) -> Tenant:
         with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {OPERATOR}"}) as op:

@@ -11,9 +11,20 @@ from sqlmodel import col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import FleetOperatorDep, ReadOperatorDep, ReadsDep, ReporterDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import (
+    DbDep,
+    FleetOperatorDep,
+    ReadOperatorDep,
+    ReadsDep,
+    ReporterDep,
+    SettingsDep,
+    TemporalDep,
+)
 from gpucloud.api.routers import agents
-from gpucloud.api.schemas import (
+from gpucloud.config import Settings
+from gpucloud.db import Database
+from gpucloud.health.pulls import PullKind
+from gpucloud.models.api_schemas import (
     MAX_READING_CLOCK_SKEW,
     AlertPage,
     HealthDecision,
@@ -23,9 +34,6 @@ from gpucloud.api.schemas import (
     XidInjection,
     XidRecordPublic,
 )
-from gpucloud.config import Settings
-from gpucloud.db import session_scope
-from gpucloud.health.pulls import PullKind
 from gpucloud.models.health_tables import (
     NodeReadingRecord,
     OperatorAlertPublic,
@@ -71,15 +79,15 @@ def own_node_only(caller: Caller, node_ids: list[str], *, most: int) -> None:
         )
 
 
-def _ingest(settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
-    with session_scope(settings.database_url) as session:
+def _ingest(db: Database, settings: Settings, events: list[XidEvent], source: str) -> tuple[list, list[str]]:
+    with db.session() as session:
         return health_service.ingest_xids(
             session, events, source=source, breaker=health_service.BreakerSettings.of(settings)
         )
 
 
-def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
-    with session_scope(settings.database_url) as session:
+def _ingest_readings(db: Database, settings: Settings, readings: list[NodeReading]) -> list:
+    with db.session() as session:
         outcomes, unknown = health_service.ingest_readings(
             session, readings, breaker=health_service.BreakerSettings.of(settings)
         )
@@ -94,8 +102,10 @@ def _ingest_readings(settings: Settings, readings: list[NodeReading]) -> list:
     return outcomes
 
 
-async def _ingest_and_act(settings: Settings, temporal, events: list[XidEvent], source: str) -> XidIngestResult:
-    outcomes, unknown = await run_in_threadpool(_ingest, settings, events, source)
+async def _ingest_and_act(
+    db: Database, settings: Settings, temporal, events: list[XidEvent], source: str
+) -> XidIngestResult:
+    outcomes, unknown = await run_in_threadpool(_ingest, db, settings, events, source)
     await pulls.act_on(temporal, settings, outcomes, pulls.first_seen(events))
     return XidIngestResult(
         accepted=len(events) - sum(1 for e in events if e.node_id in set(unknown)),
@@ -119,7 +129,12 @@ def _decisions(outcomes: list) -> list[HealthDecision]:
 
 @router.post("/nodes/{node_id}/xid", response_model=XidIngestResult)
 async def inject_xid(
-    node_id: str, req: XidInjection, operator: FleetOperatorDep, settings: SettingsDep, temporal: TemporalDep
+    node_id: str,
+    req: XidInjection,
+    operator: FleetOperatorDep,
+    db: DbDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
 ):
     """Record an XID on a node as if its agent had reported it (tests, demos, drills)."""
     event = XidEvent(
@@ -129,7 +144,7 @@ async def inject_xid(
         timestamp=utc_now(),
         message=req.message or f"injected by {operator.id}: XID {req.xid}",
     )
-    result = await _ingest_and_act(settings, temporal, [event], operator.id)
+    result = await _ingest_and_act(db, settings, temporal, [event], operator.id)
     if result.unknown_nodes:
         raise not_found("node", node_id)
     return result
@@ -150,12 +165,14 @@ def _not_ahead(field: str, timestamps: list) -> None:
 
 
 @agents.router.post("/agents/events", response_model=XidIngestResult, tags=["health"])
-async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
+async def agent_events(
+    batch: XidEventBatch, caller: ReporterDep, db: DbDep, settings: SettingsDep, temporal: TemporalDep
+):
     """XID events as agents saw them; each node is judged again and acted on at once. Who held
     the node is stamped here from the control plane's own record, never taken from the agent."""
     own_node_only(caller, [e.node_id for e in batch.events], most=AGENT_MAX_EVENTS)
     _not_ahead("events", [e.timestamp for e in batch.events])
-    return await _ingest_and_act(settings, temporal, batch.events, "agent")
+    return await _ingest_and_act(db, settings, temporal, batch.events, "agent")
 
 
 @agents.router.post(
@@ -164,11 +181,13 @@ async def agent_events(batch: XidEventBatch, caller: ReporterDep, settings: Sett
     tags=["health"],
     responses={404: {"description": "a reading names a node the control plane does not know: nothing stored"}},
 )
-async def agent_readings(batch: ReadingBatch, caller: ReporterDep, settings: SettingsDep, temporal: TemporalDep):
+async def agent_readings(
+    batch: ReadingBatch, caller: ReporterDep, db: DbDep, settings: SettingsDep, temporal: TemporalDep
+):
     """Counter readings as agents took them; each node's trends are judged again and acted on at once."""
     own_node_only(caller, [r.node_id for r in batch.readings], most=AGENT_MAX_READINGS)
     _not_ahead("readings", [r.timestamp for r in batch.readings])
-    outcomes = await run_in_threadpool(_ingest_readings, settings, batch.readings)
+    outcomes = await run_in_threadpool(_ingest_readings, db, settings, batch.readings)
     await pulls.act_on(temporal, settings, outcomes, pulls.first_seen(batch.readings))
     return ReadingIngestResult(accepted=len(batch.readings), decisions=_decisions(outcomes))
 

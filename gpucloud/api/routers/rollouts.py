@@ -45,20 +45,18 @@ from temporalio.service import RPCError, RPCStatusCode
 from gpucloud.adapters import temporal_gateway as gateway
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, CallerOrFleetOperatorDep, SettingsDep, TemporalDep, TenantDep
+from gpucloud.api.deps import CallerDep, CallerOrFleetOperatorDep, DbDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, accepted, idempotent
-from gpucloud.api.routers.registry.common import model_row, resolve_version
-from gpucloud.api.schemas import (
+from gpucloud.db import Database, rowcount, table_of
+from gpucloud.models import search_attributes
+from gpucloud.models import workflow_ids as ids
+from gpucloud.models.api_schemas import (
     RolloutAccepted,
     RolloutCommand,
     RolloutPage,
     RolloutRequest,
     RolloutSummary,
 )
-from gpucloud.config import Settings
-from gpucloud.db import read_scope, rowcount, session_scope, table_of
-from gpucloud.models import search_attributes
-from gpucloud.models import workflow_ids as ids
 from gpucloud.models.registry_names import AliasName, split_ref
 from gpucloud.models.registry_tables import ModelAlias, ModelVersion, RegistryModel
 from gpucloud.models.rollout_messages import (
@@ -71,6 +69,8 @@ from gpucloud.models.rollout_messages import (
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, AllocationStatus, Node, utcnow
 from gpucloud.registry import promotion
 from gpucloud.services import operations
+from gpucloud.services.registry_models import model_row
+from gpucloud.services.registry_versions import resolve_version
 from gpucloud.services.workflow_engine import engine_problem
 from gpucloud.web.problems import Problem, field_of, invalid, not_found
 
@@ -144,11 +144,11 @@ def _not_ready(allocations: Iterable[Allocation]) -> None:
             )
 
 
-def _plan(settings: Settings, tenant_id: str, req: RolloutRequest) -> _Plan:
+def _plan(db: Database, tenant_id: str, req: RolloutRequest) -> _Plan:
     """The version (which must be one the tenant's registry holds), its model's evaluations that
     the canary's check runs, the explicit nodes as targets (each one the tenant's), and the
     allocations the rollout will hold, each ready where the request names it or its nodes."""
-    with read_scope(settings.database_url) as session:
+    with db.reads() as session:
         version = _version(session, tenant_id, req.model_version)
         model = promotion.model_by_id(session, version.model_id)
         gates = promotion.gates_of(session, version.model_id)
@@ -193,7 +193,7 @@ class _LostRace(Exception):
 
 
 def _try_claim(
-    settings: Settings, tenant_id: str, rollout_id: str, allocations: list[str], closed: set[str], *, ready: bool
+    db: Database, tenant_id: str, rollout_id: str, allocations: list[str], closed: set[str], *, ready: bool
 ) -> dict[str, tuple[str, datetime | None]]:
     """Make `rollout_id` the active rollout of every allocation, in one transaction, where each
     has none, has this one (a retried create), or has one of `closed` (rollouts seen finished):
@@ -206,7 +206,7 @@ def _try_claim(
         table.c.active_rollout_id == rollout_id,
         table.c.active_rollout_id.in_(sorted(closed)),
     )
-    with session_scope(settings.database_url) as session:
+    with db.session() as session:
         rows = session.exec(select(Allocation).where(col(Allocation.id).in_(allocations)).with_for_update()).all()
         held = {
             a.id: (a.active_rollout_id, a.active_rollout_claimed_at)
@@ -226,10 +226,10 @@ def _try_claim(
     return {}
 
 
-def _release(settings: Settings, rollout_id: str) -> None:
+def _release(db: Database, rollout_id: str) -> None:
     """Let go of what a create claimed when its workflow never started."""
     table = table_of(Allocation)
-    with session_scope(settings.database_url) as session:
+    with db.session() as session:
         session.execute(
             sa.update(table)
             .where(table.c.active_rollout_id == rollout_id)
@@ -255,16 +255,14 @@ async def _running(temporal: Client, rollout_id: str, claimed_at: datetime | Non
         raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
 
 
-async def _claim(
-    temporal: Client, settings: Settings, tenant_id: str, rollout_id: str, plan: _Plan, *, ready: bool
-) -> None:
+async def _claim(temporal: Client, db: Database, tenant_id: str, rollout_id: str, plan: _Plan, *, ready: bool) -> None:
     """Hold the plan's allocations for this rollout, or answer 409 naming the rollout that runs
     on one of them. A holder whose workflow has closed gives way; a bounded number of looks."""
     closed: set[str] = set()
     for _ in range(_CLAIM_TRIES):
         try:
             held = await run_in_threadpool(
-                functools.partial(_try_claim, settings, tenant_id, rollout_id, plan.allocations, closed, ready=ready)
+                functools.partial(_try_claim, db, tenant_id, rollout_id, plan.allocations, closed, ready=ready)
             )
         except _LostRace:
             continue
@@ -304,12 +302,13 @@ async def create_rollout(
     request: Request,
     req: RolloutRequest,
     tenant: TenantDep,
+    db: DbDep,
     settings: SettingsDep,
     temporal: TemporalDep,
     idempotency_key: IdempotencyKey = None,
 ):
     async def handler() -> JSONResponse:
-        plan = await run_in_threadpool(_plan, settings, tenant.tenant_id, req)
+        plan = await run_in_threadpool(_plan, db, tenant.tenant_id, req)
         # Under an Idempotency-Key the id comes from the key: a create re-run after its first try
         # died finds the rollout that try started instead of starting a second one.
         seed = f"{tenant.id}:{idempotency_key}" if idempotency_key else uuid.uuid4().hex
@@ -333,11 +332,11 @@ async def create_rollout(
             detail = "; ".join(e["message"] for e in errors)
             raise invalid(errors[0]["field"], errors[0]["message"], detail=detail, errors=errors) from None
         # Only one rollout at a time on an allocation: this one claims each it will touch first.
-        await _claim(temporal, settings, tenant.tenant_id, rollout_id, plan, ready=not req.serving_fleet)
+        await _claim(temporal, db, tenant.tenant_id, rollout_id, plan, ready=not req.serving_fleet)
         try:
             await gateway.start_rollout(temporal, settings, inp, allocation_id=req.allocation_id)
         except RPCError as exc:
-            await run_in_threadpool(_release, settings, rollout_id)
+            await run_in_threadpool(_release, db, rollout_id)
             raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
         progress = RolloutProgress(
             rollout_id=rollout_id, tenant_id=tenant.tenant_id, model_version=plan.digest, phase="resolving"
@@ -345,7 +344,7 @@ async def create_rollout(
         body = RolloutAccepted(rollout_id=rollout_id, progress=progress, warnings=plan.warnings)
         return accepted(body, f"/v1/rollouts/{rollout_id}")
 
-    return await idempotent(request, settings.database_url, tenant.id, idempotency_key, handler)
+    return await idempotent(request, db, tenant.id, idempotency_key, handler)
 
 
 async def _visible(temporal: Client, caller: Caller, rollout_id: str) -> RolloutProgress:
@@ -403,7 +402,7 @@ _UPDATES = {"pause": ids.ROLLOUT_PAUSE_UPDATE, "resume": ids.ROLLOUT_RESUME_UPDA
 
 
 async def _command(
-    temporal: Client, settings: Settings, caller: Caller, rollout_id: str, command: str, req: RolloutCommand | None
+    temporal: Client, db: Database, caller: Caller, rollout_id: str, command: str, req: RolloutCommand | None
 ) -> RolloutProgress:
     progress = await _visible(temporal, caller, rollout_id)
     update = _UPDATES[command]
@@ -422,7 +421,7 @@ async def _command(
     await run_in_threadpool(
         functools.partial(
             operations.record_done_in,
-            settings.database_url,
+            db,
             kind=f"rollout_{command}",
             resource_id=rollout_id,
             actor=caller.actor,
@@ -437,10 +436,10 @@ async def pause_rollout(
     rollout_id: str,
     caller: CallerOrFleetOperatorDep,
     temporal: TemporalDep,
-    settings: SettingsDep,
+    db: DbDep,
     req: RolloutCommand | None = None,
 ):
-    return await _command(temporal, settings, caller, rollout_id, "pause", req)
+    return await _command(temporal, db, caller, rollout_id, "pause", req)
 
 
 @router.post("/rollouts/{rollout_id}:resume", response_model=RolloutProgress)
@@ -448,10 +447,10 @@ async def resume_rollout(
     rollout_id: str,
     caller: CallerOrFleetOperatorDep,
     temporal: TemporalDep,
-    settings: SettingsDep,
+    db: DbDep,
     req: RolloutCommand | None = None,
 ):
-    return await _command(temporal, settings, caller, rollout_id, "resume", req)
+    return await _command(temporal, db, caller, rollout_id, "resume", req)
 
 
 @router.post("/rollouts/{rollout_id}:abort", status_code=202, response_model=RolloutProgress)
@@ -459,7 +458,7 @@ async def abort_rollout(
     rollout_id: str,
     caller: CallerOrFleetOperatorDep,
     temporal: TemporalDep,
-    settings: SettingsDep,
+    db: DbDep,
     req: RolloutCommand | None = None,
 ):
-    return await _command(temporal, settings, caller, rollout_id, "abort", req)
+    return await _command(temporal, db, caller, rollout_id, "abort", req)

@@ -17,9 +17,6 @@ from gpucloud.registry.manifest import (
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.registry_models import model_row
 
-# What the rollouts router still reads from here; the lookup itself is the service's.
-from gpucloud.services.registry_versions import resolve_version as resolve_version
-
 READ_BATCH = 4 << 20  # an upload reaches the store's writer thread in pieces of about this size
 
 ChunkId = Annotated[str, PathParam(pattern=DIGEST_PATTERN, description="BLAKE3 hex of the chunk's bytes")]
