@@ -1,6 +1,6 @@
 """The signal table: faults that show no XID, what each means, and what to do about it.
 
-About half of the interruptions in Meta's Llama 3 405B run (the categories in `sim/faults.py`)
+About a third of the interruptions in Meta's Llama 3 405B run (the categories in `sim/faults.py`)
 never reach the GPU driver as an XID: a switch or cable, the host's maintenance, a NIC, an NCCL
 watchdog timeout, silent data corruption, a thermal interface. The host still sees them, in the
 kernel log, in InfiniBand sysfs counters, in the workload's own reports. This table is the one
