@@ -5,6 +5,11 @@
 - `trends`: counter trends (ECC, remapped rows, NVLink, PCIe, clock slowdowns) from readings.
 - `rules`: `evaluate_node`, the whole judgement for one node (bursts, tenants, lemon rule).
 - `breaker`: the circuit breaker that stops automatic quarantine when too much of a pool goes.
+- `pulls`: the typed pull decision (replace, drain, none) taken from a verdict.
+- `signals`: faults that show no XID (InfiniBand, NIC, PCIe AER, NVRM, hangs, thermal, ...): their
+  table and `judge_signals`, into the same conditions as XIDs.
+- `signal_sources`: the parsers that turn kernel log lines and InfiniBand sysfs readings into
+  signal observations (`read_ib_ports` reads under a root path it is given).
 
-No module here does I/O or reads a clock: callers pass `now`.
+No module here reads a clock (callers pass `now`), and none does I/O but `read_ib_ports`.
 """
