@@ -137,6 +137,9 @@ class CorrelationPolicy(BaseModel):
         return max(self.min_nodes, math.ceil(self.min_share * component_size))
 
 
+DEFAULT_CORRELATION_POLICY = CorrelationPolicy()
+
+
 class FleetIncident(BaseModel):
     """Faults on several nodes explained by one shared component."""
 
@@ -190,10 +193,9 @@ def correlate(
     observations: Iterable[FaultObservation],
     topology: Topology,
     *,
-    policy: CorrelationPolicy | None = None,
+    policy: CorrelationPolicy = DEFAULT_CORRELATION_POLICY,
 ) -> Correlation:
     """Fleet incidents for the bursts behind shared components; everything else node-level."""
-    policy = policy or CorrelationPolicy()
     faults = sorted(set(observations), key=_order)
     explained: set[FaultObservation] = set()
     incidents: list[FleetIncident] = []
