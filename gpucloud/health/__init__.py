@@ -10,6 +10,9 @@
   table and `judge_signals`, into the same conditions as XIDs.
 - `signal_sources`: the parsers that turn kernel log lines and InfiniBand sysfs readings into
   signal observations (`read_ib_ports` reads under a root path it is given).
+- `correlation`: faults behind one leaf switch, rack or PDU within a window as one fleet
+  incident suspecting that component, and which node-level pulls it holds back.
+- `spares`: the spares a pool needs (a Poisson count of nodes out, a conservative failure rate).
 
 No module here reads a clock (callers pass `now`), and none does I/O but `read_ib_ports`.
 """
