@@ -6,6 +6,7 @@
 - `rules`: `evaluate_node`, the whole judgement for one node (bursts, tenants, lemon rule).
 - `breaker`: the circuit breaker that stops automatic quarantine when too much of a pool goes.
 - `pulls`: the typed pull decision (replace, drain, none) taken from a verdict.
+- `categories`: the Llama 3 interruption categories, shared by the simulator and the signal table.
 - `signals`: faults that show no XID (InfiniBand, NIC, PCIe AER, NVRM, hangs, thermal, ...): their
   table and `judge_signals`, into the same conditions as XIDs.
 - `signal_sources`: the parsers that turn kernel log lines and InfiniBand sysfs readings into

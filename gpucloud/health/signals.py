@@ -1,6 +1,6 @@
 """The signal table: faults that show no XID, what each means, and what to do about it.
 
-About a third of the interruptions in Meta's Llama 3 405B run (the categories in `sim/faults.py`)
+About a third of the interruptions in Meta's Llama 3 405B run (the categories in `health/categories.py`)
 never reach the GPU driver as an XID: a switch or cable, the host's maintenance, a NIC, an NCCL
 watchdog timeout, silent data corruption, a thermal interface. The host still sees them, in the
 kernel log, in InfiniBand sysfs counters, in the workload's own reports. This table is the one
@@ -23,6 +23,7 @@ from enum import StrEnum
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
+from gpucloud.health.categories import FaultCategory
 from gpucloud.health.verdict import DEFAULT_POLICY, Action, Condition, Health, HealthPolicy, action_rank
 
 
@@ -49,8 +50,8 @@ class Signal(StrEnum):
 @dataclass(frozen=True)
 class SignalPolicy:
     signal: Signal
-    # The Llama 3 interruption category (`sim.faults.FaultCategory`'s value) the signal belongs to.
-    category: str
+    # The Llama 3 interruption category the signal belongs to.
+    category: FaultCategory
     health: Health
     action: Action
     meaning: str
@@ -110,7 +111,7 @@ def _parse(table: str) -> dict[Signal, SignalPolicy]:
             threshold, window = int(count), timedelta(hours=int(hours))
         policies[Signal(signal)] = SignalPolicy(
             signal=Signal(signal),
-            category=category,
+            category=FaultCategory(category),
             health=Health(health),
             action=Action(action),
             meaning=tail.split("|", 1)[1].strip(),

@@ -36,10 +36,11 @@ from typing import Any
 
 import httpx
 
+from gpucloud.health.categories import FaultCategory
 from gpucloud.protocol.actions import AgentAction
 from gpucloud.protocol.reporter import ReportClient
 from gpucloud.protocol.reports import XidEvent
-from gpucloud.sim.faults import LLAMA3_405B_MIX, Fault, FaultCategory, FaultModel
+from gpucloud.sim.faults import LLAMA3_405B_MIX, Fault, FaultModel
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web import tls
 from gpucloud.web.http_client import async_http_client

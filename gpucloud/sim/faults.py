@@ -24,23 +24,10 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpucloud.health.categories import FaultCategory
 from gpucloud.protocol.reports import FatalKind
 
 SECONDS_PER_DAY = 86_400.0
-
-
-class FaultCategory(StrEnum):
-    FAULTY_GPU = "faulty_gpu"
-    HBM3 = "hbm3"
-    SOFTWARE = "software"
-    NETWORK = "network"
-    HOST_MAINTENANCE = "host_maintenance"
-    GPU_SRAM = "gpu_sram"
-    GSP = "gsp"
-    NIC = "nic"
-    NCCL_WATCHDOG = "nccl_watchdog"
-    SILENT_DATA_CORRUPTION = "silent_data_corruption"
-    OTHER = "other"
 
 
 LLAMA3_405B_GPUS = 16_384

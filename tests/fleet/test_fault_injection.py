@@ -12,9 +12,10 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
+from gpucloud.health.categories import FaultCategory
 from gpucloud.protocol.reporter import ReportClient
 from gpucloud.sim.fault_injection import FIXED_BY, FleetFaults
-from gpucloud.sim.faults import INTERRUPTIONS_PER_NODE_DAY, LLAMA3_405B_MIX, FaultCategory, FaultModel
+from gpucloud.sim.faults import INTERRUPTIONS_PER_NODE_DAY, LLAMA3_405B_MIX, FaultModel
 from gpucloud.sim.nodes import Fleet, FleetSpec
 
 pytestmark = pytest.mark.unit

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from gpucloud.health.categories import FaultCategory
 from gpucloud.health.rules import evaluate_node
 from gpucloud.health.verdict import Action
 from gpucloud.health.xid import XID_TABLE, XidClass, classify_xid
@@ -20,7 +21,6 @@ from gpucloud.sim.faults import (
     Counter,
     CounterDrift,
     Fault,
-    FaultCategory,
     FaultModel,
     next_faults,
 )
