@@ -31,8 +31,8 @@ from pathlib import Path
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 
-from gpucloud.health.signals import Signal, SignalObservation
 from gpucloud.health.trends import counter_growth
+from gpucloud.protocol.reports import Signal, SignalObservation
 
 _AER = re.compile(
     r"AER: (?P<multiple>Multiple )?"

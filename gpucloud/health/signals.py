@@ -5,7 +5,8 @@ never reach the GPU driver as an XID: a switch or cable, the host's maintenance,
 watchdog timeout, silent data corruption, a thermal interface. The host still sees them, in the
 kernel log, in InfiniBand sysfs counters, in the workload's own reports. This table is the one
 place that says what each such signal means; `judge_signals` applies it the way `health/rules.py`
-applies the XID table, and returns the same `Condition`s.
+applies the XID table, and returns the same `Condition`s. The signals themselves (`Signal`,
+`SignalObservation`) are what a node reports, so they live in `protocol/reports.py` beside `XidEvent`.
 
 A row with a threshold counts occurrences (or a counter's growth) within its window: at or below
 the threshold the signal is observed (`ok`, `watch`), above it the row's health and action apply.
@@ -19,32 +20,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
-
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from gpucloud.health.categories import FaultCategory
 from gpucloud.health.verdict import DEFAULT_POLICY, Action, Condition, Health, HealthPolicy, action_rank
-
-
-class Signal(StrEnum):
-    IB_LINK_DOWN = "ib_link_down"
-    IB_LINK_DOWNED = "ib_link_downed"
-    IB_SYMBOL_ERRORS = "ib_symbol_errors"
-    IB_RCV_ERRORS = "ib_rcv_errors"
-    NIC_ERROR = "nic_error"
-    PCIE_AER_UNCORRECTABLE = "pcie_aer_uncorrectable"
-    PCIE_AER_CORRECTABLE = "pcie_aer_correctable"
-    NVRM_ERROR = "nvrm_error"
-    GPU_ROW_REMAP_FAILURE = "gpu_row_remap_failure"
-    GPU_ROW_REMAP_PENDING = "gpu_row_remap_pending"
-    ECC_DBE = "ecc_dbe"
-    ECC_SBE_RATE = "ecc_sbe_rate"
-    WORKLOAD_HANG = "workload_hang"
-    NCCL_TIMEOUT = "nccl_timeout"
-    THERMAL = "thermal"
-    SDC_SUSPECT = "sdc_suspect"
-    HOST_MAINTENANCE = "host_maintenance"
+from gpucloud.protocol.reports import Signal, SignalObservation
 
 
 @dataclass(frozen=True)
@@ -124,24 +103,6 @@ def _parse(table: str) -> dict[Signal, SignalPolicy]:
 
 SIGNAL_TABLE: dict[Signal, SignalPolicy] = _parse(_TABLE)
 APPLICATION_SIGNALS = frozenset(s for s, p in SIGNAL_TABLE.items() if p.application)
-
-
-class SignalObservation(BaseModel):
-    """One occurrence of a signal, or a counter's growth over `span` (ending at `at`).
-
-    `source` names where it was seen: an InfiniBand port (`mlx5_0/1`), a PCI address, an
-    interface; thresholds count per source, since two ports each just below the bar are two
-    healthy ports, not one bad one.
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    signal: Signal
-    at: AwareDatetime
-    source: str = ""
-    count: int = Field(default=1, ge=0)
-    span: timedelta | None = None
-    detail: str = ""
 
 
 def judge_signals(

@@ -1,7 +1,8 @@
 """The node protocol's reports: what a node's agent (real or simulated) sends the control plane
 on its own, at `POST /v1/agents/{heartbeats,readings,events}`: heartbeats (`Heartbeat`), what
-its probe reads from the node's GPUs (`NodeReading`) and XID events (`XidEvent`), each in its
-batch model, which is also what the API accepts.
+its probe reads from the node's GPUs (`NodeReading`), XID events (`XidEvent`) and the signals
+that show no XID (`SignalReport`: kernel log, InfiniBand sysfs), each in its batch model, which is
+also what the API accepts (signal reports have no route yet: issue 42).
 
 The readings are the contract between the probes (`adapters/nvml.py` on a real node, the
 simulated probe in `sim/probe.py`) and everything that judges health (`health/`). They carry
@@ -16,7 +17,7 @@ validates a pushed reading.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -205,11 +206,62 @@ class Heartbeat(BaseModel):
     workload: WorkloadStatus | None = Field(None, description="the allocation's processes on the node")
 
 
+class Signal(StrEnum):
+    """Faults that show no XID, as a node sees them; `health/signals.py` says what each means."""
+
+    IB_LINK_DOWN = "ib_link_down"
+    IB_LINK_DOWNED = "ib_link_downed"
+    IB_SYMBOL_ERRORS = "ib_symbol_errors"
+    IB_RCV_ERRORS = "ib_rcv_errors"
+    NIC_ERROR = "nic_error"
+    PCIE_AER_UNCORRECTABLE = "pcie_aer_uncorrectable"
+    PCIE_AER_CORRECTABLE = "pcie_aer_correctable"
+    NVRM_ERROR = "nvrm_error"
+    GPU_ROW_REMAP_FAILURE = "gpu_row_remap_failure"
+    GPU_ROW_REMAP_PENDING = "gpu_row_remap_pending"
+    ECC_DBE = "ecc_dbe"
+    ECC_SBE_RATE = "ecc_sbe_rate"
+    WORKLOAD_HANG = "workload_hang"
+    NCCL_TIMEOUT = "nccl_timeout"
+    THERMAL = "thermal"
+    SDC_SUSPECT = "sdc_suspect"
+    HOST_MAINTENANCE = "host_maintenance"
+
+
+class SignalObservation(_Reading):
+    """One occurrence of a signal, or a counter's growth over `span` (ending at `at`).
+
+    `source` names where it was seen: an InfiniBand port (`mlx5_0/1`), a PCI address, an
+    interface; thresholds count per source, since two ports each just below the bar are two
+    healthy ports, not one bad one.
+    """
+
+    signal: Signal
+    at: AwareDatetime
+    source: ShortId = ""
+    count: NonNegativeInt = 1
+    span: timedelta | None = Field(None, ge=timedelta(0))
+    detail: Text = ""
+
+
+class SignalReport(BaseModel):
+    """What a node's agent observed of the signals beyond XIDs since its last report, taken at `at`.
+
+    Like a reading, it carries what the host showed (kernel log lines, sysfs counter growth), not
+    a judgement: `health.signals.judge_signals` applies the table on the control plane's side.
+    """
+
+    node_id: NodeId
+    at: AwareDatetime
+    observations: list[SignalObservation] = Field(min_length=1, max_length=AGENT_MAX_EVENTS)
+
+
 # How many reports one request carries at most (an agent sends its own one at a time; a
 # simulated fleet too large to report node by node sends batches under the operator token).
 MAX_HEARTBEATS_BATCH = 5000
 MAX_EVENTS_BATCH = 5000
 MAX_READINGS_BATCH = 1000
+MAX_SIGNAL_REPORTS_BATCH = 1000
 
 
 class HeartbeatBatch(BaseModel):
@@ -222,6 +274,10 @@ class XidEventBatch(BaseModel):
 
 class ReadingBatch(BaseModel):
     readings: list[NodeReading] = Field(min_length=1, max_length=MAX_READINGS_BATCH)
+
+
+class SignalReportBatch(BaseModel):
+    reports: list[SignalReport] = Field(min_length=1, max_length=MAX_SIGNAL_REPORTS_BATCH)
 
 
 def utc_now() -> datetime:

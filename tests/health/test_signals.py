@@ -19,11 +19,10 @@ from gpucloud.health.signal_sources import (
 from gpucloud.health.signals import (
     APPLICATION_SIGNALS,
     SIGNAL_TABLE,
-    Signal,
-    SignalObservation,
     judge_signals,
 )
 from gpucloud.health.verdict import Action, Health, HealthVerdict
+from gpucloud.protocol.reports import Signal, SignalObservation
 from gpucloud.sim.faults import MANIFESTATIONS
 
 pytestmark = pytest.mark.unit
