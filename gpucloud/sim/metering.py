@@ -138,8 +138,14 @@ class FleetMetering:
 
     @staticmethod
     def _end(node: _NodeMeter, at_ms: int) -> None:
+        """End the open allocation at `at_ms`, or where the meter already is if a tick passed
+        that moment before the stop arrived (it is taken before a hop to this thread): what
+        was metered may have shipped and is not taken back, so the node's record of what it ran
+        (`history`, the ground truth) must not end short of it. The ledger's close bills the
+        tenant's held time in any case."""
         assert node.current is not None  # callers end an open allocation only
-        ended = replace(node.current, ended_ms=max(at_ms, node.current.started_ms))
+        metered_to = node.spool.meter_cursor(node.current.allocation_id) or 0
+        ended = replace(node.current, ended_ms=max(at_ms, node.current.started_ms, metered_to))
         node.current = ended
         node.history[-1] = ended
         node.meter.tick()
