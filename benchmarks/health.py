@@ -54,8 +54,7 @@ from common import (
 )
 
 from gpucloud.config import Settings
-from gpucloud.services.allocations import workflow_id_for as allocation_workflow_id
-from gpucloud.workflows.node_lifecycle import workflow_id_for as node_workflow_id
+from gpucloud.models.workflow_ids import allocation_workflow_id, node_workflow_id
 
 APPLICATION_XIDS = (13, 31, 43, 45, 68)
 FATAL_XID = 79

@@ -4,6 +4,8 @@ one JSON line of figures last, exits non-zero or runs past its timeout."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import sys
 import textwrap
@@ -105,3 +107,24 @@ def test_a_failed_benchmark_runs_once_more_and_passes_only_if_the_second_try_doe
     outcome = smoke.run_twice_if_failed(smoke.Benchmark("broken", 30), None, tmp_path, scripts=tmp_path)
     assert not outcome.ok
     assert outcome.note.endswith("again: the last line of stdout is not a JSON object")
+
+
+def test_every_name_a_benchmark_imports_from_gpucloud_exists() -> None:
+    """A move in the package that forgets a benchmark fails here, in the tests, not only in the
+    smoke run after them."""
+    missing = []
+    for path in sorted(BENCHMARKS_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpucloud"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if (
+                        not hasattr(module, alias.name)
+                        and importlib.util.find_spec(f"{node.module}.{alias.name}") is None
+                    ):
+                        missing.append(f"{path.name}: {node.module}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("gpucloud") and importlib.util.find_spec(alias.name) is None:
+                        missing.append(f"{path.name}: {alias.name}")
+    assert missing == []
