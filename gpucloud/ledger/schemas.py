@@ -26,6 +26,9 @@ PAGE_SIZE_MAX = 1000
 # so one mistaken sample does not hold back its batch. A string past this bound is no mistake but
 # a node sending megabytes: its whole batch is refused (422) before ingest holds or echoes it.
 MAX_SAMPLE_STRING = 1024
+# The last millisecond of the year 9999: any later moment is a mistake, and it keeps every
+# timestamp a caller sends inside the database's 64-bit integer columns (past them: a 500).
+MAX_TIMESTAMP_MS = 253_402_300_799_999
 SampleString = Annotated[str, Field(max_length=MAX_SAMPLE_STRING)]
 
 
@@ -79,7 +82,7 @@ class AllocationEventIn(BaseModel):
     allocation_id: str = Field(min_length=1, max_length=128)
     tenant_id: str = Field(min_length=1, max_length=128)
     kind: Literal["start", "node_added", "node_removed", "end"]
-    at_ms: int = Field(ge=0)
+    at_ms: int = Field(ge=0, le=MAX_TIMESTAMP_MS)
     node_id: str | None = Field(default=None, min_length=1, max_length=128)
     gpu_type: str | None = Field(default=None, min_length=1, max_length=64)
     gpu_count: int | None = Field(
@@ -108,7 +111,7 @@ class DiscountIn(BaseModel):
 
 
 class PriceBookVersionIn(BaseModel):
-    effective_from_ms: int = Field(ge=0)
+    effective_from_ms: int = Field(ge=0, le=MAX_TIMESTAMP_MS)
     prices: list[PriceIn] = Field(min_length=1)
     discounts: list[DiscountIn] = []
     note: str = ""
