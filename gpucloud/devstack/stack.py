@@ -456,17 +456,16 @@ def evaluation_worker_env(settings: Settings) -> dict[str, str]:
     secret set in the operator's shell, the secrets dir), then its own settings, which hold
     none of the platform's secrets (`Settings.for_evaluation_worker`)."""
     inherited = {key: value for key, value in os.environ.items() if not key.startswith("GPUCLOUD_")}
-    # Only the sections it was given: every other one is its default, which it builds itself
-    # (the agent's, say, names no secret but is none of its business).
+    # Only the sections its settings were given (`for_evaluation_worker` names them): every other
+    # one is its default, which it builds itself (the agent's, say, is none of its business).
+    worker = settings.for_evaluation_worker()
+    given = {section.upper() for section in worker.model_fields_set}
     own = {
         key: value
-        for key, value in settings.for_evaluation_worker().env().items()
-        if "__" not in key or key.removeprefix("GPUCLOUD_").partition("__")[0].lower() in EVALUATION_WORKER_SECTIONS
+        for key, value in worker.env().items()
+        if "__" not in key or key.removeprefix("GPUCLOUD_").partition("__")[0] in given
     }
     return {**inherited, **own}
-
-
-EVALUATION_WORKER_SECTIONS = ("temporal", "registry", "tls", "telemetry")
 
 
 def seed_price_book(ledger: httpx.Client, operator_token: str) -> bool:

@@ -6,7 +6,6 @@ attempts and a sweep that keeps failing fails the run, not the schedule's next o
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
 
 import pytest
 from temporalio.client import WorkflowFailureError
@@ -18,17 +17,16 @@ from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, SweepInput, 
 from gpucloud.workflows.power import NodePowerWorkflow
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
 from support.workflow_runs import StandIns, final, in_turn, queue_name, workers
+from support.workflow_tier import RUN_TIMEOUT
 
 pytestmark = pytest.mark.workflow
-
-_RUN = timedelta(seconds=30)
 
 
 async def _run(client, workflow: type, stand_ins: StandIns, arg):
     queue = queue_name("fleet")
     async with workers(client, [workflow], {queue: stand_ins.for_worker()}):
         return await client.execute_workflow(
-            workflow.run, arg, id=f"{queue}-{uuid.uuid4().hex[:6]}", task_queue=queue, execution_timeout=_RUN
+            workflow.run, arg, id=f"{queue}-{uuid.uuid4().hex[:6]}", task_queue=queue, execution_timeout=RUN_TIMEOUT
         )
 
 
