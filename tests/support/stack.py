@@ -227,13 +227,23 @@ class Harness:
                     return items
 
     async def wait_states(self, want: dict[str, int], *, timeout_s: float = 60) -> None:
+        last: dict[str, object] = {}
+
         def check() -> bool:
             counts: dict[str, int] = {}
-            for n in self.nodes():
+            nodes = self.nodes()
+            for n in nodes:
                 counts[n["state"]] = counts.get(n["state"], 0) + 1
+            last["counts"] = counts
+            last["others"] = [(n["id"], n["state"], n.get("allocation_id")) for n in nodes if n["state"] not in want][
+                :8
+            ]
             return all(counts.get(s, 0) == c for s, c in want.items())
 
-        await async_wait_until(check, timeout_s=timeout_s, interval_s=0.2, what=f"node states {want}")
+        try:
+            await async_wait_until(check, timeout_s=timeout_s, interval_s=0.2, what=f"node states {want}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen {last.get('counts')}, e.g. {last.get('others')}") from None
 
     def new_tenant(self, name: str | None = None, *, quotas: list[dict] | None = None) -> tuple[str, str]:
         """Start onboarding a tenant: (tenant id, its first API key). The tenant is `onboarding`
