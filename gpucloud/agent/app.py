@@ -6,7 +6,9 @@ It serves the control plane's action API (`POST /actions/{action}` with `{"reque
 provision, a running workload blocks a wipe, burn-in runs only on a wiped idle node) over this
 node's real hardware (`Agent`), and it pushes to the control plane: a heartbeat every
 `heartbeat_s` (`POST /v1/agents/heartbeats`), a reading every `reading_s`
-(`POST /v1/agents/readings`, for the trend rules) and XID events as the probe raises them
+(`POST /v1/agents/readings`, for the trend rules) and, in the same period, the signals beyond
+XIDs its `SignalSampler` saw (`POST /v1/agents/signals`: InfiniBand ports and counters, kept
+while the control plane is down), and XID events as the probe raises them
 (`POST /v1/agents/events`, stamped with the tenant holding the node). The probe's latest reading
 is kept for `GET /readings`.
 

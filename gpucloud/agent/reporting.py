@@ -1,5 +1,6 @@
-"""What a node's agent sends on its own: heartbeats, readings and XID events to the control plane
-(`Reporter`, through the node protocol's `ReportClient`), and its metered usage to the ledger
+"""What a node's agent sends on its own: heartbeats, readings, XID events and the signals beyond
+XIDs (`agent/signals.py`: InfiniBand sysfs, the kernel log) to the control plane (`Reporter`,
+through the node protocol's `ReportClient`), and its metered usage to the ledger
 (`AgentMetering`: a meter and a shipper over one durable spool)."""
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ from pydantic import ValidationError
 from gpucloud.agent.enrollment import ConfigDriveEnroller
 from gpucloud.agent.host import HostState
 from gpucloud.agent.shipper import Shipper
+from gpucloud.agent.signals import SignalSampler
 from gpucloud.agent.spool import Meter, Spool
 from gpucloud.ledger.client import UsageLedger
 from gpucloud.protocol.reporter import ReportClient
-from gpucloud.protocol.reports import AGENT_MAX_EVENTS, NodeReading, WorkloadStatus, XidEvent
+from gpucloud.protocol.reports import (
+    AGENT_MAX_EVENTS,
+    AGENT_MAX_SIGNAL_REPORTS,
+    NodeReading,
+    SignalReport,
+    WorkloadStatus,
+    XidEvent,
+)
 
 if TYPE_CHECKING:
     from gpucloud.agent.app import Agent
@@ -29,6 +38,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_PENDING_EVENTS = 10_000  # kept while the control plane is unreachable; oldest dropped first
+# A batch the control plane refuses as malformed or too large is refused again on every retry:
+# dropped, so it does not hold back the reports behind it.
+REFUSED_FOR_GOOD = frozenset({413, 422})
+MAX_PENDING_SIGNAL_REPORTS = 1_000  # likewise, signal reports (each up to AGENT_MAX_EVENTS observations)
 
 
 class AgentMetering:
@@ -88,11 +101,22 @@ class _CurrentCredential(httpx.Auth):
 
 
 class Reporter:
-    """Pushes heartbeats, readings and XID events to the control plane; events wait while it is
-    down. Readings do not: their counters are cumulative, so the next one delivered carries
-    what the lost ones would have shown."""
+    """Pushes heartbeats, readings, XID events and signal reports to the control plane; events
+    and signal reports wait while it is down (a port that went down is reported once, when the
+    sampler sees it change). Readings do not: their counters are cumulative, so the next one
+    delivered carries what the lost ones would have shown.
 
-    def __init__(self, agent: Agent, client: httpx.AsyncClient, *, enrollment_file: Path | None = None) -> None:
+    `signals` samples the signals beyond XIDs once every reading period (default: a sampler of
+    this host's InfiniBand sysfs, without the kernel log)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        client: httpx.AsyncClient,
+        *,
+        enrollment_file: Path | None = None,
+        signals: SignalSampler | None = None,
+    ) -> None:
         self.agent = agent
         client.auth = _CurrentCredential(agent.state)
         self.reports = ReportClient(client)
@@ -100,6 +124,8 @@ class Reporter:
         self.enroller = ConfigDriveEnroller(agent.state, enrollment_file, self.reports) if enrollment_file else None
         self.pending: list[XidEvent] = []
         self.latest: NodeReading | None = None
+        self.signals = signals if signals is not None else SignalSampler(agent.state.node_id)
+        self.pending_signals: list[SignalReport] = []
 
     async def heartbeat_once(self) -> None:
         try:
@@ -140,6 +166,35 @@ class Reporter:
         del self.pending[: len(batch)]
         return len(batch)
 
+    async def signals_once(self) -> int:
+        """Sample the signals beyond XIDs and push what is pending; the reports delivered."""
+        try:
+            self.pending_signals += await asyncio.to_thread(self.signals.sample)
+        except OSError as exc:  # sysfs read mid-change, a log source gone: the next period tries again
+            log.warning("signals not sampled: %s", exc)
+        del self.pending_signals[:-MAX_PENDING_SIGNAL_REPORTS]
+        delivered = 0
+        while self.pending_signals:
+            batch = self.pending_signals[:AGENT_MAX_SIGNAL_REPORTS]
+            try:
+                resp = await self.reports.signals(batch)
+                if resp.status_code in REFUSED_FOR_GOOD:
+                    log.warning("%d signal reports refused (dropped): %s", len(batch), resp.text[:500])
+                    del self.pending_signals[: len(batch)]
+                    continue
+                resp.raise_for_status()
+            except httpx.HTTPError as exc:
+                log.warning("%d signal reports not delivered (kept): %s", len(self.pending_signals), exc)
+                break
+            del self.pending_signals[: len(batch)]
+            delivered += len(batch)
+        return delivered
+
+    async def sample_once(self) -> None:
+        """One reading period: the probe's reading, then the signals."""
+        await self.read_once()
+        await self.signals_once()
+
     async def run(self, *, heartbeat_s: float, reading_s: float, event_wait_s: float = 1.0) -> None:
         async def every(period: float, step: Callable) -> None:
             while True:
@@ -150,7 +205,7 @@ class Reporter:
             while True:
                 await self.events_once(event_wait_s)
 
-        steps = [every(heartbeat_s, self.heartbeat_once), every(reading_s, self.read_once), events()]
+        steps = [every(heartbeat_s, self.heartbeat_once), every(reading_s, self.sample_once), events()]
         if self.enroller is not None:
             steps.append(every(heartbeat_s, self.enroller.once))
         await asyncio.gather(*steps)

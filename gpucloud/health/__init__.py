@@ -3,7 +3,8 @@
 - `verdict`: health, actions, conditions, and the policy's thresholds.
 - `xid`: the XID classification table.
 - `trends`: counter trends (ECC, remapped rows, NVLink, PCIe, clock slowdowns) from readings.
-- `rules`: `evaluate_node`, the whole judgement for one node (bursts, tenants, lemon rule).
+- `rules`: `evaluate_node`, the whole judgement for one node (bursts, tenants, lemon rule, and
+  the signals beyond XIDs through `signals.judge_signals`).
 - `breaker`: the circuit breaker that stops automatic quarantine when too much of a pool goes.
 - `pulls`: the typed pull decision (replace, drain, none) taken from a verdict.
 - `categories`: the Llama 3 interruption categories, shared by the simulator and the signal table.

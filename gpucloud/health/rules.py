@@ -19,6 +19,9 @@ The rules, in the order they protect tenants and the fleet:
   GPU from bad luck.
 - Counter trends (`health/trends.py`) and the probe's own findings: fatal probe errors, GPUs
   missing from the bus.
+- Signals beyond XIDs (`health/signals.py`: kernel log, InfiniBand sysfs): each signal's row in
+  the signal table, after `cleared_at` as XIDs are; application signals never drain. They do not
+  count toward the lemon rule.
 - Lemon rule: a current fatal episode that is the node's `lemon_fatal_episodes`-th within
   `lemon_window` turns the action into `rma`: another reset would only hand a tenant the same
   broken GPU again. Fatal XIDs and fatal probe readings close together form one episode, since a
@@ -31,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from gpucloud.health.signals import judge_signals
 from gpucloud.health.trends import trend_conditions
 from gpucloud.health.verdict import (
     DEFAULT_POLICY,
@@ -42,7 +46,7 @@ from gpucloud.health.verdict import (
     action_rank,
 )
 from gpucloud.health.xid import classify_xid, is_application_xid
-from gpucloud.protocol.reports import FatalKind, NodeReading, XidEvent
+from gpucloud.protocol.reports import FatalKind, NodeReading, SignalObservation, XidEvent
 
 # Probe failures that are the hardware's doing; a driver that is missing or mismatched is a
 # software fault and no reason to replace a GPU.
@@ -109,8 +113,10 @@ def evaluate_node(
     policy: HealthPolicy = DEFAULT_POLICY,
     cleared_at: datetime | None = None,
     expected_gpu_count: int | None = None,
+    signals: Sequence[SignalObservation] = (),
 ) -> HealthVerdict:
-    """The node's health, the conditions behind it, and the action to take (see module doc)."""
+    """The node's health, the conditions behind it, and the action to take (see module doc);
+    `signals` (those beyond XIDs) are judged by their own table (`health/signals.py`)."""
     horizon = now - policy.lemon_window
     events = [e for e in events if horizon <= e.timestamp <= now]
     readings = sorted((r for r in readings if horizon <= r.timestamp <= now), key=lambda r: r.timestamp)
@@ -123,6 +129,7 @@ def evaluate_node(
         *_application_conditions([i for i in active if is_application_xid(i.xid)], now=now, policy=policy),
         *_probe_conditions(active_readings, expected_gpu_count=expected_gpu_count),
         *trend_conditions(readings, now=now, policy=policy, cleared_at=cleared_at),
+        *judge_signals(signals, now=now, policy=policy, cleared_at=cleared_at),
     ]
     conditions += _lemon_conditions(incidents, readings, policy=policy, cleared_at=cleared_at)
     return HealthVerdict.of(conditions)

@@ -501,6 +501,12 @@ class XidIngestResult(BaseModel):
     decisions: list[HealthDecision]
 
 
+class SignalIngestResult(BaseModel):
+    accepted: int = Field(description="observations stored (those of unknown nodes are not)")
+    unknown_nodes: list[str]
+    decisions: list[HealthDecision]
+
+
 class ReadingIngestResult(BaseModel):
     accepted: int
     decisions: list[HealthDecision]
@@ -514,12 +520,24 @@ class XidRecordPublic(BaseModel):
     source: str
 
 
+class SignalRecordPublic(BaseModel):
+    signal: str
+    source: str
+    count: int
+    span_s: float | None
+    at: datetime
+    detail: str
+    reported_by: str
+
+
 class NodeHealth(BaseModel):
     node_id: str
     state: str
     health: str
     conditions: list[dict]
     xid_history: list[XidRecordPublic]
+    # The newest stored signal observations beyond XIDs (kernel log, InfiniBand), newest first.
+    signal_history: list[SignalRecordPublic] = []
     # The newest stored readings, newest first (the trend window's, and fatal ones).
     readings: list[NodeReading]
 

@@ -1,6 +1,6 @@
-"""Health tables: XID events and counter readings as agents (or operators) reported them, the
-quarantine pulls the circuit breaker counts (and its per-pool compare-and-swap word), operator
-alerts, and what happened to an allocation (its event log).
+"""Health tables: XID events, signal observations and counter readings as agents (or operators)
+reported them, the quarantine pulls the circuit breaker counts (and its per-pool compare-and-swap
+word), operator alerts, and what happened to an allocation (its event log).
 
 The node's current judgement lives on the node itself (`Node.health`, `Node.health_conditions`);
 these rows are the evidence and the history behind it. Workflow code never imports this module.
@@ -31,6 +31,29 @@ class XidEventRecord(SQLModel, table=True):
     tenant_id: str | None = None
     allocation_id: str | None = None
     source: str = "agent"  # agent | operator
+    received_at: datetime = timestamp_field()
+
+
+class SignalObservationRecord(SQLModel, table=True):
+    """One observation of a signal beyond XIDs (`protocol.reports.SignalObservation`: kernel log,
+    InfiniBand sysfs) as a node reported it; tenant and allocation are stamped from the node's
+    record on ingest, as for XIDs. Pruned on ingest: past the lemon window all, past the trend
+    window those of signals below drain level (`health.signals.SIGNAL_TABLE`)."""
+
+    __tablename__ = "signal_observation"
+    __table_args__ = (sa.Index("ix_signal_observation_node_time", "node_id", "at"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    node_id: str
+    signal: str
+    source: str = ""
+    count: int = 1
+    span_s: float | None = None  # a counter's growth over this many seconds, ending at `at`
+    at: datetime = Field(sa_type=UTCDateTime)
+    detail: str = ""
+    tenant_id: str | None = None
+    allocation_id: str | None = None
+    reported_by: str = "agent"  # agent | the operator whose batch carried it
     received_at: datetime = timestamp_field()
 
 

@@ -14,6 +14,8 @@ from gpucloud.protocol.reports import (
     HeartbeatBatch,
     NodeReading,
     ReadingBatch,
+    SignalReport,
+    SignalReportBatch,
     XidEvent,
     XidEventBatch,
 )
@@ -21,6 +23,7 @@ from gpucloud.protocol.reports import (
 HEARTBEATS_PATH = "/v1/agents/heartbeats"
 READINGS_PATH = "/v1/agents/readings"
 EVENTS_PATH = "/v1/agents/events"
+SIGNALS_PATH = "/v1/agents/signals"
 # A re-imaged node's booted agent redeems its config drive's one-time token here
 # (`services/agent_enrollment.py`) for the node's new credential.
 ENROLL_PATH = "/v1/agents/enroll"
@@ -44,6 +47,9 @@ class ReportClient:
 
     async def events(self, events: Sequence[XidEvent], *, credential: str | None = None) -> httpx.Response:
         return await self._post(EVENTS_PATH, XidEventBatch(events=list(events)), credential)
+
+    async def signals(self, reports: Sequence[SignalReport], *, credential: str | None = None) -> httpx.Response:
+        return await self._post(SIGNALS_PATH, SignalReportBatch(reports=list(reports)), credential)
 
     async def enroll(self, enrollment_token: str) -> httpx.Response:
         """Redeem a config drive's one-time enrollment token: 200 with `{"credential": ...}`."""

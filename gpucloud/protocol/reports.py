@@ -1,8 +1,8 @@
 """The node protocol's reports: what a node's agent (real or simulated) sends the control plane
-on its own, at `POST /v1/agents/{heartbeats,readings,events}`: heartbeats (`Heartbeat`), what
-its probe reads from the node's GPUs (`NodeReading`), XID events (`XidEvent`) and the signals
-that show no XID (`SignalReport`: kernel log, InfiniBand sysfs), each in its batch model, which is
-also what the API accepts (signal reports have no route yet: issue 42).
+on its own, at `POST /v1/agents/{heartbeats,readings,events,signals}`: heartbeats (`Heartbeat`),
+what its probe reads from the node's GPUs (`NodeReading`), XID events (`XidEvent`) and the
+signals that show no XID (`SignalReport`: kernel log, InfiniBand sysfs), each in its batch model,
+which is also what the API accepts.
 
 The readings are the contract between the probes (`adapters/nvml.py` on a real node, the
 simulated probe in `sim/probe.py`) and everything that judges health (`health/`). They carry
@@ -102,6 +102,7 @@ class NvLinkReading(_Reading):
 # request a node's worth, not a fleet's, and every field bounded.
 AGENT_MAX_EVENTS = 500
 AGENT_MAX_READINGS = 10
+AGENT_MAX_SIGNAL_REPORTS = 10
 MAX_GPUS_PER_NODE = 72
 NodeId = Annotated[str, Field(min_length=1, max_length=128)]
 Text = Annotated[str, Field(max_length=2000)]

@@ -2,9 +2,13 @@
 pull it out.
 
 `ingest_xids` stores events (stamped with the tenant and allocation the node's record shows),
-`ingest_readings` stores the agents' periodic readings (pruned to the trend window); both
-re-judge each node with `health.rules.evaluate_node` over its stored events and readings, write
-its health and conditions, and decide what to do about a drain-level verdict. A node of an
+`ingest_signals` the signals beyond XIDs (`SignalReport`s: kernel log, InfiniBand sysfs; stamped
+the same way, pruned to what the signal table still looks at), `ingest_readings` the agents'
+periodic readings (pruned to the trend window); each re-judges every node it touched with
+`health.rules.evaluate_node` over its stored events, signals and readings, writes its health
+and conditions, and decides what to do about a drain-level verdict: a drain-level
+signal (a port down, a NIC, host maintenance, silent data corruption) pulls the node as a fatal
+XID does; an application signal (an NCCL timeout, a hung workload) never does. A node of an
 allocation (active, or still reserved or provisioning for it) is replaced inside the allocation
 (the caller signals the allocation workflow); an idle one is drained by the reconciler. Every
 automatic pull asks the pool's circuit breaker first, whose window is rebuilt from
@@ -38,18 +42,20 @@ from gpucloud.db import rowcount
 from gpucloud.health.breaker import BreakerState, CircuitBreaker, OperatorAlert, Pull
 from gpucloud.health.pulls import HELD, PullDecision, PullKind, pulls, replace_at_once
 from gpucloud.health.rules import evaluate_node
-from gpucloud.health.verdict import Action, HealthPolicy, HealthVerdict
+from gpucloud.health.signals import SIGNAL_TABLE
+from gpucloud.health.verdict import Action, HealthPolicy, HealthVerdict, action_rank
 from gpucloud.models.health_tables import (
     NodeReadingRecord,
     OperatorAlertRecord,
     QuarantineBreaker,
     QuarantinePull,
+    SignalObservationRecord,
     XidEventRecord,
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.protocol.actions import REPAIR_LADDER
-from gpucloud.protocol.reports import NodeReading, XidEvent
+from gpucloud.protocol.reports import NodeReading, SignalObservation, SignalReport, XidEvent
 from gpucloud.services import node_conditions
 
 # Who the health loop is in the node's history (its cordons are lifted by a passed burn-in).
@@ -73,6 +79,11 @@ class BreakerSettings:
             window=timedelta(seconds=settings.health.breaker_window_s),
         )
 
+
+# Signals whose rows act below drain level: `judge_signals` looks at them for `trend_window` only.
+_WATCH_SIGNALS = sorted(
+    signal.value for signal, row in SIGNAL_TABLE.items() if action_rank(row.action) < action_rank(Action.DRAIN)
+)
 
 # Defaults shared by every call that passes none (neither is changed after it is made).
 DEFAULT_POLICY = HealthPolicy()
@@ -136,14 +147,41 @@ def judge(session: Session, node: Node, *, now: datetime, policy: HealthPolicy) 
         )
     ).all()
     events = [XidEvent.model_validate(r, from_attributes=True) for r in rows]
+    cleared = cleared_at(session, node.id)
     return evaluate_node(
         events=events,
         readings=stored_readings(session, node.id, now=now, policy=policy),
         now=now,
-        cleared_at=cleared_at(session, node.id),
+        cleared_at=cleared,
         policy=policy,
         expected_gpu_count=node.gpu_count,
+        signals=stored_signals(session, node.id, now=now, policy=policy, since=cleared),
     )
+
+
+def stored_signals(
+    session: Session, node_id: str, *, now: datetime, policy: HealthPolicy, since: datetime | None = None
+) -> list[SignalObservation]:
+    """The node's signal observations the signal table looks at: the lemon window's, after `since`
+    (the node's last passed burn-in: what came before is dealt with)."""
+    query = select(SignalObservationRecord).where(
+        col(SignalObservationRecord.node_id) == node_id,
+        col(SignalObservationRecord.at) >= now - policy.lemon_window,
+    )
+    if since is not None:
+        query = query.where(col(SignalObservationRecord.at) > since)
+    rows = session.exec(query.order_by(col(SignalObservationRecord.at), col(SignalObservationRecord.seq))).all()
+    return [
+        SignalObservation(
+            signal=r.signal,
+            at=r.at,
+            source=r.source,
+            count=r.count,
+            span=None if r.span_s is None else timedelta(seconds=r.span_s),
+            detail=r.detail,
+        )
+        for r in rows
+    ]
 
 
 def stored_readings(session: Session, node_id: str, *, now: datetime, policy: HealthPolicy) -> list[NodeReading]:
@@ -190,6 +228,65 @@ def ingest_xids(
                 allocation_id=node.allocation_id,
             )
             for e in node_events
+        )
+    session.flush()
+    outcomes = _judge_all(session, [nodes[n] for n in by_node if n in nodes], now=now, policy=policy, breaker=breaker)
+    return outcomes, [n for n in by_node if n not in nodes]
+
+
+def ingest_signals(
+    session: Session,
+    reports: Iterable[SignalReport],
+    *,
+    source: str,
+    now: datetime | None = None,
+    policy: HealthPolicy = DEFAULT_POLICY,
+    breaker: BreakerSettings = DEFAULT_BREAKER,
+) -> tuple[list[HealthOutcome], list[str]]:
+    """Store and judge, as `ingest_xids` does; returns the outcome per known node and the ids of
+    unknown nodes (whose reports are not stored). `source` says who sent them (`agent`, or the
+    operator whose batch carried them), stored as `reported_by`.
+
+    Observations the signal table no longer looks at are pruned on the way: past the lemon
+    window all, past the trend window those of signals below drain level.
+    """
+    now = now or utcnow()
+    by_node: dict[str, list[SignalObservation]] = {}
+    for report in reports:
+        by_node.setdefault(report.node_id, []).extend(report.observations)
+    nodes = {n.id: n for n in session.exec(select(Node).where(col(Node.id).in_(list(by_node)))).all()}
+    for node_id, observations in by_node.items():
+        node = nodes.get(node_id)
+        if node is None:
+            continue
+        session.add_all(
+            SignalObservationRecord(
+                node_id=node_id,
+                signal=o.signal.value,
+                source=o.source,
+                count=o.count,
+                span_s=None if o.span is None else o.span.total_seconds(),
+                at=o.at,
+                detail=o.detail,
+                # From the control plane's record, as for XIDs: never what the agent claims.
+                tenant_id=node.tenant_id,
+                allocation_id=node.allocation_id,
+                reported_by=source,
+                received_at=now,
+            )
+            for o in observations
+        )
+        session.execute(
+            sa.delete(SignalObservationRecord).where(
+                col(SignalObservationRecord.node_id) == node_id,
+                or_(
+                    col(SignalObservationRecord.at) < now - policy.lemon_window,
+                    sa.and_(
+                        col(SignalObservationRecord.at) < now - policy.trend_window,
+                        col(SignalObservationRecord.signal).in_(_WATCH_SIGNALS),
+                    ),
+                ),
+            )
         )
     session.flush()
     outcomes = _judge_all(session, [nodes[n] for n in by_node if n in nodes], now=now, policy=policy, breaker=breaker)

@@ -17,10 +17,15 @@ time. For each:
   bad cable) leave the node for RMA;
 - faults of the software (application XIDs, an NCCL watchdog) leave the hardware alone.
 
+A fault NVML cannot see (a switch port or cable, a NIC, host maintenance, silent data
+corruption, the tail of other hardware, an NCCL watchdog timeout) names a host condition, which
+shows as the signals a host agent would see (`sim/host_signals.py`); those go to
+`POST /v1/agents/signals` with the XIDs, by the same credential, so the signal table pulls the
+node without an XID (and an NCCL timeout, the workload's fault, is counted, never a pull).
+
 What was injected, by category, next to the paper's shares, is in `summary()` (the simulator's
-`GET /v1/faults`). A fault without an XID that NVML cannot see (a NIC, a switch port, host
-maintenance) reaches the control plane only through the burn-in it fails next. Once the repair
-ladder clears a node's hardware fault, its GPUs are repaired too and its readings stop.
+`GET /v1/faults`). Once the repair ladder clears a node's hardware fault, its GPUs are repaired
+too and its readings stop.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ import httpx
 from gpucloud.health.categories import FaultCategory
 from gpucloud.protocol.actions import AgentAction
 from gpucloud.protocol.reporter import ReportClient
-from gpucloud.protocol.reports import XidEvent
+from gpucloud.protocol.reports import Signal, SignalObservation, SignalReport, XidEvent
 from gpucloud.sim.faults import LLAMA3_405B_MIX, Fault, FaultModel
+from gpucloud.sim.host_signals import HOST_CONDITION_SIGNALS
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web import tls
 from gpucloud.web.http_client import async_http_client
@@ -85,12 +91,13 @@ class FleetFaults:
         self.clock = clock
         self.injected: Counter[str] = Counter()
         self.hardware: Counter[str] = Counter()
-        self.xids_reported = self.readings_reported = 0
+        self.xids_reported = self.readings_reported = self.signals_reported = 0
         self.fleet_seconds = 0.0
         self.probes: dict[str, SimulatedProbe] = {}  # the GPUs of nodes with a hardware fault
         self.by_node: dict[str, list[str]] = {}  # every category each node suffered, in order
         self.running = True  # paused: no faults drawn, fleet time stands still
         self._xids: list[XidEvent] = []  # drawn, not reported yet
+        self._signals: list[SignalReport] = []  # host conditions' signals, not reported yet
 
     def step(self, dt_s: float) -> list[Fault]:
         """The faults of the next `dt_s` seconds of wall time (`dt_s * time_scale` of fleet time),
@@ -116,6 +123,8 @@ class FleetFaults:
             }
         )
         self._xids += probe.apply_fault(scaled)
+        if fault.host_condition is not None:
+            self._signals.append(host_condition_report(fault, at=self.clock()))
         if fault.category not in FIXED_BY or node.hardware_fault is not None:
             return  # software: its XIDs are all the node shows
         self.probes[node.id] = probe
@@ -155,6 +164,20 @@ class FleetFaults:
             if await self._post(node_id, "XID events", functools.partial(reports.events, events)):
                 self.xids_reported += len(events)
 
+    async def report_signals(self, reports: ReportClient) -> None:
+        """Post the host conditions' signals drawn since the last report, as the node's agent
+        posts its `SignalSampler`'s: each node's reports in one batch, by its credential."""
+        if self.control_plane_url is None:
+            self._signals.clear()
+            return
+        pending, self._signals = self._signals, []
+        by_node: dict[str, list[SignalReport]] = {}
+        for signal_report in pending:
+            by_node.setdefault(signal_report.node_id, []).append(signal_report)
+        for node_id, node_reports in by_node.items():
+            if await self._post(node_id, "signal reports", functools.partial(reports.signals, node_reports)):
+                self.signals_reported += sum(len(r.observations) for r in node_reports)
+
     async def push_readings(self, reports: ReportClient) -> None:
         """Each faulty node's counters as its agent reads them (the trend rules' input)."""
         if self.control_plane_url is None:
@@ -176,6 +199,7 @@ class FleetFaults:
                     continue
                 self.step(tick_s)
                 await self.report(reports)
+                await self.report_signals(reports)
                 since_readings += tick_s
                 if since_readings >= reading_s:
                     since_readings = 0.0
@@ -191,6 +215,7 @@ class FleetFaults:
             "injected": total,
             "xids_reported": self.xids_reported,
             "readings_reported": self.readings_reported,
+            "signals_reported": self.signals_reported,
             "faulty_nodes": len(self.probes),
             "nodes": self.by_node,
             "by_category": {
@@ -203,3 +228,27 @@ class FleetFaults:
                 for category in FaultCategory
             },
         }
+
+
+def host_condition_report(fault: Fault, *, at: datetime) -> SignalReport:
+    """The signals a host agent would report for `fault`'s host condition, each where a real
+    host would see it: InfiniBand signals on the port of the GPU's rail (`mlx5_<gpu>/1`), a NIC's
+    on its device, a thermal fault on the GPU, the rest on the node."""
+    assert fault.host_condition is not None
+    rail = f"mlx5_{fault.gpu_index}"
+    where = {
+        Signal.IB_LINK_DOWN: f"{rail}/1",
+        Signal.IB_LINK_DOWNED: f"{rail}/1",
+        Signal.NIC_ERROR: rail,
+        Signal.THERMAL: f"gpu{fault.gpu_index}",
+    }
+    return SignalReport(
+        node_id=fault.node_id,
+        at=at,
+        observations=[
+            SignalObservation(
+                signal=signal, at=at, source=where.get(signal, ""), detail=f"simulated {fault.host_condition}"
+            )
+            for signal in HOST_CONDITION_SIGNALS[fault.host_condition]
+        ],
+    )

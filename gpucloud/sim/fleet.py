@@ -195,10 +195,10 @@ def create_app(
     agent's do (None: unchecked, for the fleet model's own tests); `control_token`: the
     simulator's own endpoints (inventory, faults, outages) answer only it (the operator token);
     `fault_model`: the nodes fail as the model says, `fault_time_scale` times faster than real
-    time (`sim/fault_injection.py`), their XIDs reported to `fault_report_url` (the API; default
-    `control_plane_url`); `bmc`: the nodes' power follows their systems on that Redfish
-    emulator, which notifies `/v1/bmc/notify` (`sim/power.py`); `request_body`: how the gate
-    reads bodies (`web/gate.py`), after it checks the caller as `_callers` says."""
+    time (`sim/fault_injection.py`), their XIDs and signals reported to `fault_report_url` (the
+    API; default `control_plane_url`); `bmc`: the nodes' power follows their systems on that
+    Redfish emulator, which notifies `/v1/bmc/notify` (`sim/power.py`); `request_body`: how the
+    gate reads bodies (`web/gate.py`), after it checks the caller as `_callers` says."""
     fleet = Fleet(spec)
     power = SimPower(fleet, bmc) if bmc is not None else None
     if power is not None:

@@ -1,5 +1,6 @@
 """The host agent process against a SimulatedProbe: the action API (dedup, tenancy invariants,
-501 naming a missing tool, tool failures) and the pushes to the control plane. Burn-in's figures
+501 naming a missing tool, tool failures) and the pushes to the control plane (signal reports
+included). Burn-in's figures
 against each GPU type's floors: test_agent_tools.py."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 from gpucloud.agent.app import Agent
 from gpucloud.agent.host import HostState, read_image_digest
 from gpucloud.agent.reporting import Reporter
+from gpucloud.agent.signals import SignalSampler
 from gpucloud.agent.tools import CommandResult, CommandRunner
 from gpucloud.protocol.actions import ActionRequest
 from gpucloud.protocol.reports import FatalKind
@@ -110,12 +112,19 @@ def test_burn_in_fails_a_gpu_throttled_by_heat(tmp_path):
 
 @pytest.fixture
 def control_plane():
-    seen: dict[str, list] = {"/v1/agents/heartbeats": [], "/v1/agents/events": [], "/v1/agents/readings": []}
-    state = {"down": False}
+    seen: dict[str, list] = {
+        "/v1/agents/heartbeats": [],
+        "/v1/agents/events": [],
+        "/v1/agents/readings": [],
+        "/v1/agents/signals": [],
+    }
+    state: dict = {"down": False, "refuse": None}
 
     def handle(request: httpx.Request) -> httpx.Response:
         if state["down"]:
             return httpx.Response(503)
+        if state["refuse"]:
+            return httpx.Response(state["refuse"], json={})
         seen[request.url.path].append(json.loads(request.content))
         return httpx.Response(200, json={})
 
@@ -177,6 +186,38 @@ async def test_reporter_pushes_each_reading_and_drops_it_while_down(tmp_path, co
     cp["down"] = False
     await reporter.read_once()
     assert len(seen["/v1/agents/readings"]) == 2
+
+
+def _ib_port(root: Path, state: str) -> None:
+    port = root / "sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    (port / "counters").mkdir(parents=True, exist_ok=True)
+    (port / "state").write_text(f"{state}\n")
+
+
+async def test_reporter_samples_signals_each_period_and_keeps_them_while_down(tmp_path, control_plane):
+    client, seen, cp = control_plane
+    agent = _agent(tmp_path, FakeTools(set()))
+    host = tmp_path / "host"
+    _ib_port(host, "4: ACTIVE")
+    reporter = Reporter(agent, client, signals=SignalSampler("gpu-1", root=host))
+    await reporter.sample_once()  # a reading, and the ports' baseline: nothing to say yet
+    assert len(seen["/v1/agents/readings"]) == 1 and seen["/v1/agents/signals"] == []
+
+    _ib_port(host, "1: DOWN")
+    cp["down"] = True
+    assert await reporter.signals_once() == 0 and len(reporter.pending_signals) == 1
+    cp["down"] = False
+    assert await reporter.signals_once() == 1 and reporter.pending_signals == []
+    ((report,),) = (batch["reports"] for batch in seen["/v1/agents/signals"])
+    assert report["node_id"] == "gpu-1"
+    assert [(o["signal"], o["source"]) for o in report["observations"]] == [("ib_link_down", "mlx5_0/1")]
+
+    # A report the control plane refuses for good is dropped, not retried forever.
+    _ib_port(host, "4: ACTIVE")
+    await reporter.signals_once()
+    _ib_port(host, "1: DOWN")
+    cp["refuse"] = 422
+    assert await reporter.signals_once() == 0 and reporter.pending_signals == []
 
 
 def test_readiness_is_open_and_says_when_the_gpus_fail(tmp_path):

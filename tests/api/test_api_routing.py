@@ -34,7 +34,13 @@ def _tried_before(app, method: str, path: str) -> int:
 
 def test_the_agents_reports_are_the_first_routes_a_request_is_checked_against(tmp_path: Path) -> None:
     app = create_app(Settings(data_dir=tmp_path), temporal=object())  # type: ignore[arg-type]
-    reports = ["/v1/agents/heartbeats", "/v1/agents/readings", "/v1/agents/events", "/v1/agents/ledger-token"]
-    assert sorted(_tried_before(app, "POST", path) for path in reports) == [0, 1, 2, 3]
+    reports = [
+        "/v1/agents/heartbeats",
+        "/v1/agents/readings",
+        "/v1/agents/events",
+        "/v1/agents/signals",
+        "/v1/agents/ledger-token",
+    ]
+    assert sorted(_tried_before(app, "POST", path) for path in reports) == [0, 1, 2, 3, 4]
     # Then what tenants poll: an allocation comes before the tenants', keys' and nodes' routes.
     assert _tried_before(app, "GET", "/v1/allocations/alloc-1") < 10

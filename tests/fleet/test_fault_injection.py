@@ -118,3 +118,60 @@ def test_a_degrading_part_shows_in_the_readings_until_the_repair_clears_it():
     assert second["gpus"][gpu]["ecc"]["volatile_corrected"] - first["gpus"][gpu]["ecc"]["volatile_corrected"] >= 3000
     node.hardware_fault = node.fault_fixed_by = None  # the repair ladder's reset ran
     assert faults.repaired() == ["n-00001"] and not faults.probes
+
+
+def _host_condition_fault(category: FaultCategory, node_id: str):
+    return FaultModel(mix={category: 1}).next_faults([node_id], 1e9, random.Random(2))[0]
+
+
+@pytest.mark.parametrize(
+    ("category", "condition", "signals"),
+    [
+        (FaultCategory.NIC, "nic_down", ["nic_error", "ib_link_down"]),
+        (FaultCategory.HOST_MAINTENANCE, "host_maintenance", ["host_maintenance"]),
+        (FaultCategory.SILENT_DATA_CORRUPTION, "silent_data_corruption", ["sdc_suspect"]),
+        (FaultCategory.OTHER, "host_hardware", ["thermal", "pcie_aer_uncorrectable"]),
+        (FaultCategory.NCCL_WATCHDOG, "nccl_watchdog_timeout", ["nccl_timeout", "workload_hang"]),
+    ],
+)
+def test_host_conditions_are_reported_as_the_signals_a_host_agent_sees(category, condition, signals):
+    fleet = _fleet(4)
+    node = fleet.nodes["n-00002"]
+    node.credential = "gpa_n-00002.secret"
+    now = datetime(2026, 12, 4, tzinfo=UTC)
+    faults = FleetFaults(fleet.nodes, seed=1, control_plane_url="http://cp", clock=lambda: now)
+    fault = _host_condition_fault(category, node.id)
+    assert fault.host_condition == condition and not fault.xids
+    faults._apply(fault)
+    sent: list[tuple[str, str, dict]] = []
+    _run(faults.report, _control_plane(sent))
+    assert sent == []  # no XID to report
+    _run(faults.report_signals, _control_plane(sent))
+    ((path, authorization, body),) = sent
+    assert path == "/v1/agents/signals" and authorization == "Bearer gpa_n-00002.secret"
+    ((report),) = body["reports"]
+    assert report["node_id"] == node.id and report["at"].startswith("2026-12-04")
+    assert [o["signal"] for o in report["observations"]] == signals
+    assert faults.summary()["signals_reported"] == len(signals)
+    _run(faults.report_signals, _control_plane(sent))
+    assert len(sent) == 1  # reported once
+
+
+def test_a_fabric_link_down_is_reported_on_the_port_of_the_gpus_rail():
+    fleet = _fleet(2)
+    faults = FleetFaults(fleet.nodes, seed=1, control_plane_url="http://cp", operator_token="op-token")
+    fault = next(
+        f
+        for f in FaultModel(mix={FaultCategory.NETWORK: 1}).next_faults(["n-00001"], 1e9, random.Random(4))
+        if f.host_condition == "fabric_link_down"
+    )
+    faults._apply(fault)
+    sent: list[tuple[str, str, dict]] = []
+    _run(faults.report_signals, _control_plane(sent))
+    ((_, authorization, body),) = sent
+    assert authorization == "Bearer op-token"  # no wipe handed the node a credential yet
+    port = f"mlx5_{fault.gpu_index}/1"
+    assert [(o["signal"], o["source"]) for o in body["reports"][0]["observations"]] == [
+        ("ib_link_down", port),
+        ("ib_link_downed", port),
+    ]

@@ -1,16 +1,23 @@
 """The health loop against the real stack: XIDs in, the right action out; a bad node pulled from
 its allocation and replaced in the same fabric domain; the repair ladder with burn-in as the
 gate; the lemon rule; the circuit breaker; a degraded allocation that waits for capacity; a node
-failing while it is provisioned; a burst of failures in one allocation; agents' readings."""
+failing while it is provisioned; a burst of failures in one allocation; agents' readings; a
+signal beyond XIDs (the simulated fleet's batch) pulling a node, an application one not."""
 
 from __future__ import annotations
 
+import random
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from gpucloud.health.categories import FaultCategory
+from gpucloud.protocol.reporter import ReportClient
 from gpucloud.protocol.reports import FatalKind, ProbeFatal
+from gpucloud.sim.fault_injection import FleetFaults
+from gpucloud.sim.faults import FaultModel
 from support.readings import node_reading
 from support.stack import async_wait_until
 
@@ -539,3 +546,67 @@ async def test_a_cancel_waits_for_the_pulled_nodes_drain(ready_fleet):
         ("active", "draining"),
         ("draining", "quarantined"),
     ]
+
+
+def _signal_report(node_id: str, *signals: str, at: datetime | None = None, source: str = "mlx5_0/1") -> dict:
+    at = at or datetime.now(UTC)
+    return {
+        "node_id": node_id,
+        "at": at.isoformat(),
+        "observations": [{"signal": s, "at": at.isoformat(), "source": source} for s in signals],
+    }
+
+
+async def test_a_signal_without_an_xid_pulls_a_node_from_its_allocation_and_an_application_signal_does_not(
+    ready_fleet,
+):
+    h = await _ready_fleet(ready_fleet, nodes=4, health__breaker_max_pulled_share=1.0)
+    _, key = await h.onboard()
+    alloc_id = h.allocate(key, node_count=2)
+    alloc = await h.wait_allocation(key, alloc_id, "ready")
+    bad, kept = alloc["node_ids"]
+    _hardware_fault(h, bad, "network: fabric_link_down")  # a cable: no rung of the ladder fixes it
+
+    # Refused before anything is stored: a moment ahead of the clock, no report, a tenant.
+    ahead = _signal_report(bad, "ib_link_down", at=datetime.now(UTC) + timedelta(hours=1))
+    refused = h.operator.post("/v1/agents/signals", json={"reports": [ahead]})
+    assert refused.status_code == 422 and refused.json()["errors"][0]["field"] == "reports.0.at"
+    empty = h.operator.post("/v1/agents/signals", json={"reports": []})
+    assert empty.status_code == 422 and empty.json()["errors"][0]["field"] == "reports"
+    with h.client(key) as c:
+        assert c.post("/v1/agents/signals", json={"reports": [_signal_report(bad, "ib_link_down")]}).status_code == 403
+    assert h.operator.get(f"/v1/nodes/{bad}/health").json()["signal_history"] == []
+
+    # The batch form, as the simulated fleet posts it: a port down on one node, an NCCL timeout
+    # on the other (`sim/fault_injection.py`: the host conditions' signals, no XID).
+    faults = FleetFaults(
+        {n: SimpleNamespace(id=n, gpu_count=8, hardware_fault=None, credential=None) for n in (bad, kept)},
+        control_plane_url=h.api.url,
+        operator_token=h.settings.operator_token,
+    )
+    for node_id, category, condition in (
+        (bad, FaultCategory.NETWORK, "fabric_link_down"),
+        (kept, FaultCategory.NCCL_WATCHDOG, "nccl_watchdog_timeout"),
+    ):
+        drawn = FaultModel(mix={category: 1}).next_faults([node_id], 1e9, random.Random(4))
+        faults._apply(next(f for f in drawn if f.host_condition == condition))
+    async with httpx.AsyncClient(timeout=30) as client:
+        await faults.report_signals(ReportClient(client, h.api.url))
+    assert faults.summary()["signals_reported"] == 4 and faults.xids_reported == 0
+
+    def replaced():
+        a = h.client(key).get(f"/v1/allocations/{alloc_id}").json()
+        return a["status"] == "ready" and bad not in a["node_ids"] and len(a["node_ids"]) == 2 and a
+
+    alloc = await async_wait_until(replaced, timeout_s=60, what="replacement attached")
+    assert kept in alloc["node_ids"]
+    assert _alloc_events(h, key, alloc_id)[-2:] == ["replaced", "ready"]
+    report = h.operator.get(f"/v1/nodes/{bad}/health").json()
+    assert report["health"] == "failed" and report["conditions"][0]["name"] == "ib_link_down"
+    assert report["xid_history"] == []
+    assert {s["signal"] for s in report["signal_history"]} == {"ib_link_down", "ib_link_downed"}
+    assert all(s["reported_by"].startswith("operator:") for s in report["signal_history"])
+    assert h.node(bad)["cordoned"] and h.node(bad)["allocation_id"] is None
+    quiet = h.operator.get(f"/v1/nodes/{kept}/health").json()
+    assert {c["name"] for c in quiet["conditions"]} == {"nccl_timeout", "workload_hang"}
+    assert quiet["health"] == "ok" and not h.node(kept)["cordoned"] and h.node(kept)["state"] == "active"

@@ -1,4 +1,5 @@
-"""Health rules: XID classes, bursts, tenants, counter trends, the lemon rule, the circuit breaker."""
+"""Health rules: XID classes, bursts, tenants, counter trends, signals beyond XIDs, the lemon
+rule, the circuit breaker."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from gpucloud.protocol.reports import (
     NvLinkReading,
     ProbeFatal,
     RemappedRows,
+    Signal,
+    SignalObservation,
     XidEvent,
 )
 
@@ -490,3 +493,21 @@ def test_the_breaker_state_survives_serialisation():
     )
 
     assert not restored.request_quarantine(pool="p", node_id="n5", pool_size=100, now=T0).allowed
+
+
+def test_signals_beyond_xids_are_judged_with_the_xids_in_one_verdict():
+    now = T0 + timedelta(hours=1)
+    port_down = SignalObservation(signal=Signal.IB_LINK_DOWN, at=now - timedelta(minutes=5), source="mlx5_0/1")
+    nccl = SignalObservation(signal=Signal.NCCL_TIMEOUT, at=now - timedelta(minutes=1), count=40)
+    # An application XID and an NCCL timeout alone: the workload's faults, counted, never a drain.
+    quiet = evaluate_node(events=[xid(13, now - timedelta(minutes=2))], readings=[], now=now, signals=[nccl])
+    assert quiet.action not in DRAINING and {c.name for c in quiet.conditions} == {"application_xids", "nccl_timeout"}
+    # A port that went down drains the node though no XID says so; it leads the conditions.
+    verdict = evaluate_node(
+        events=[xid(13, now - timedelta(minutes=2))], readings=[], now=now, signals=[nccl, port_down]
+    )
+    assert (verdict.health, verdict.action) == (Health.FAILED, Action.DRAIN)
+    assert verdict.conditions[0].name == "ib_link_down" and "mlx5_0/1" in verdict.conditions[0].reason
+    # A verified repair (a passed burn-in) after it clears it, as it clears XIDs.
+    cleared = evaluate_node(events=[], readings=[], now=now, signals=[port_down], cleared_at=now - timedelta(minutes=3))
+    assert cleared.action == Action.NONE and cleared.conditions == ()

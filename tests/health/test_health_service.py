@@ -1,6 +1,7 @@
 """The health service against a real database (SQLite, and Postgres when reachable): readings
-judged for trends and pruned, nodes still being provisioned for an allocation pulled, and the
-circuit breaker holding under concurrent judgements."""
+judged for trends and pruned, nodes still being provisioned for an allocation pulled, the
+circuit breaker holding under concurrent judgements, and the signals beyond XIDs stored, judged
+and acted on as XIDs are."""
 
 from __future__ import annotations
 
@@ -21,9 +22,18 @@ from gpucloud.models.health_tables import (
     OperatorAlertRecord,
     QuarantineBreaker,
     QuarantinePull,
+    SignalObservationRecord,
 )
 from gpucloud.models.tables import Node, NodeEnroll
-from gpucloud.protocol.reports import FatalKind, NodeReading, ProbeFatal, XidEvent
+from gpucloud.protocol.reports import (
+    FatalKind,
+    NodeReading,
+    ProbeFatal,
+    Signal,
+    SignalObservation,
+    SignalReport,
+    XidEvent,
+)
 from gpucloud.services import health as health_service
 from gpucloud.services import nodes as node_service
 from support.nodes import enroll
@@ -295,3 +305,144 @@ def test_a_tenants_own_fatal_xids_never_open_the_breaker_for_another_tenants_nod
     with session_scope(db_url) as session:
         alerts = session.exec(select(OperatorAlertRecord)).all()
     assert {a.node_id for a in alerts} == set(a_nodes[1:4])
+
+
+# Signals beyond XIDs (issue 42): stored, judged with the XIDs, acted on through the same path.
+
+
+def _signals(db_url: str, reports: list[SignalReport], now: datetime, *, source: str = "agent"):
+    with session_scope(db_url) as session:
+        return health_service.ingest_signals(session, reports, source=source, now=now, breaker=ALLOW_ALL)
+
+
+def _report(node_id: str, at: datetime, *signals: Signal, source: str = "", count: int = 1) -> SignalReport:
+    return SignalReport(
+        node_id=node_id,
+        at=at,
+        observations=[SignalObservation(signal=s, at=at, source=source, count=count) for s in signals],
+    )
+
+
+@pytest.mark.parametrize(
+    ("signal", "action"),
+    [
+        (Signal.IB_LINK_DOWN, "drain"),
+        (Signal.NIC_ERROR, "drain"),
+        (Signal.SDC_SUSPECT, "drain"),
+        (Signal.HOST_MAINTENANCE, "drain"),
+        (Signal.PCIE_AER_UNCORRECTABLE, "drain"),
+    ],
+)
+def test_a_drain_level_signal_pulls_an_active_node_from_its_allocation_as_a_fatal_xid_does(db_url, signal, action):
+    (node_id,) = _fleet(db_url, 1, state="active", allocation_id="alloc-1")
+    with session_scope(db_url) as session:
+        session.execute(sa.update(Node).where(Node.id == node_id).values(tenant_id="ten-a"))
+    now = datetime.now(UTC)
+    (outcome,), unknown = _signals(db_url, [_report(node_id, now, signal, source="mlx5_0/1")], now)
+    assert unknown == [] and outcome.verdict.action == action
+    assert (outcome.pull, outcome.allocation_id, outcome.immediate) == ("replace", "alloc-1", False)
+    assert outcome.reason.startswith(f"{signal.value}: ")
+    with session_scope(db_url) as session:
+        node = session.get(Node, node_id)
+        assert node.cordoned and node.health_conditions[0]["name"] == signal.value
+        (stored,) = session.exec(select(SignalObservationRecord)).all()
+        # Who held the node comes from the control plane's record, as for XIDs.
+        assert (stored.signal, stored.source, stored.tenant_id, stored.allocation_id, stored.reported_by) == (
+            signal.value,
+            "mlx5_0/1",
+            "ten-a",
+            "alloc-1",
+            "agent",
+        )
+        assert session.exec(select(func.count()).select_from(QuarantinePull)).one() == 1
+
+
+def test_application_signals_are_counted_but_never_pull(db_url):
+    active, idle = _fleet(db_url, 2)
+    with session_scope(db_url) as session:
+        session.execute(sa.update(Node).where(Node.id == active).values(state="active", allocation_id="alloc-1"))
+    now = datetime.now(UTC)
+    reports = [
+        _report(n, now - timedelta(minutes=i), Signal.NCCL_TIMEOUT, Signal.WORKLOAD_HANG, count=50)
+        for n in (active, idle)
+        for i in range(20)
+    ]
+    outcomes, _ = _signals(db_url, reports, now)
+    assert [(o.pull, o.verdict.action, o.verdict.health) for o in outcomes] == [("none", "none", "ok")] * 2
+    assert {c.name for c in outcomes[0].verdict.conditions} == {"nccl_timeout", "workload_hang"}
+    assert "not acted on" in outcomes[0].verdict.conditions[0].reason
+    with session_scope(db_url) as session:
+        for node in session.exec(select(Node)).all():
+            assert not node.cordoned and not node.drain_requested and node.health == "ok"
+        assert session.exec(select(func.count()).select_from(QuarantinePull)).one() == 0
+
+
+def test_a_signal_on_an_idle_node_drains_it_and_below_the_bar_only_watches(db_url):
+    flapping, noisy = _fleet(db_url, 2)
+    now = datetime.now(UTC)
+    # Symbol errors: 100 an hour is the bar, per port; 60 on each of two ports is two healthy ports.
+    (outcome,), _ = _signals(
+        db_url,
+        [
+            _report(noisy, now, Signal.IB_SYMBOL_ERRORS, source="mlx5_0/1", count=60),
+            _report(noisy, now, Signal.IB_SYMBOL_ERRORS, source="mlx5_1/1", count=60),
+        ],
+        now,
+    )
+    assert (outcome.pull, outcome.verdict.health, outcome.verdict.action) == ("none", "ok", "watch")
+    # The judgement reads what is stored, not just this batch: 60 more on one port breaks the bar.
+    (outcome,), _ = _signals(db_url, [_report(noisy, now, Signal.IB_SYMBOL_ERRORS, source="mlx5_0/1", count=60)], now)
+    assert (outcome.pull, outcome.verdict.action) == ("drain", "drain")
+    (outcome,), _ = _signals(db_url, [_report(flapping, now, Signal.IB_LINK_DOWN, source="mlx5_3/1")], now)
+    assert outcome.pull == "drain"
+    with session_scope(db_url) as session:
+        assert session.get(Node, flapping).drain_requested
+
+
+def test_signals_of_an_unknown_node_are_not_stored_and_the_rest_are(db_url):
+    (known,) = _fleet(db_url, 1)
+    now = datetime.now(UTC)
+    outcomes, unknown = _signals(
+        db_url, [_report("ghost", now, Signal.NIC_ERROR), _report(known, now, Signal.THERMAL)], now
+    )
+    assert unknown == ["ghost"] and [o.node_id for o in outcomes] == [known]
+    with session_scope(db_url) as session:
+        assert [r.node_id for r in session.exec(select(SignalObservationRecord)).all()] == [known]
+
+
+def test_signals_before_a_passed_burn_in_are_dealt_with_and_old_ones_pruned(db_url):
+    from gpucloud.models.tables import NodeTransition
+
+    (node_id,) = _fleet(db_url, 1)
+    now = datetime.now(UTC)
+    _signals(db_url, [_report(node_id, now - timedelta(hours=2), Signal.IB_LINK_DOWN)], now)
+    with session_scope(db_url) as session:
+        session.execute(sa.update(Node).where(Node.id == node_id).values(drain_requested=False, cordoned=False))
+        session.add(
+            NodeTransition(
+                node_id=node_id,
+                from_state="burn_in",
+                to_state="available",
+                event="ok",
+                actor="test",
+                cause="burn-in passed",
+                generation=1,
+                at=now - timedelta(hours=1),
+            )
+        )
+    # A watch-level signal after the burn-in; the port that was down before it no longer counts.
+    (outcome,), _ = _signals(db_url, [_report(node_id, now, Signal.NVRM_ERROR)], now)
+    assert (outcome.pull, outcome.verdict.action) == ("none", "watch")
+    assert [c.name for c in outcome.verdict.conditions] == ["nvrm_error"]
+
+    # Pruned on ingest: watch-level signals past the trend window, any past the lemon window.
+    later = now + timedelta(hours=25)
+    _signals(db_url, [_report(node_id, later, Signal.WORKLOAD_HANG)], later)
+    with session_scope(db_url) as session:
+        kept = sorted(r.signal for r in session.exec(select(SignalObservationRecord)).all())
+    assert kept == ["ib_link_down", "workload_hang"]
+    much_later = now + timedelta(days=31)
+    _signals(db_url, [_report(node_id, much_later, Signal.WORKLOAD_HANG)], much_later)
+    with session_scope(db_url) as session:
+        kept = sorted(r.signal for r in session.exec(select(SignalObservationRecord)).all())
+    assert kept == ["workload_hang"]

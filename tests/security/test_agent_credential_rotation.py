@@ -123,6 +123,9 @@ async def test_a_wipe_replaces_the_node_credential_and_the_old_one_gets_401(db_u
         assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 401
         event = {"node_id": node_id, "gpu_index": 0, "xid": 79, "timestamp": "2026-01-01T00:00:00Z"}
         assert agent.post("/v1/agents/events", json={"events": [event]}).status_code == 401
+        signal = {"signal": "ib_link_down", "at": "2026-01-01T00:00:00Z"}
+        report = {"node_id": node_id, "at": "2026-01-01T00:00:00Z", "observations": [signal]}
+        assert agent.post("/v1/agents/signals", json={"reports": [report]}).status_code == 401
     with h.client(new) as agent:
         assert agent.post("/v1/agents/heartbeats", json=beat).status_code == 200
 

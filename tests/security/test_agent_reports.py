@@ -12,7 +12,7 @@ import pytest
 from sqlmodel import select
 
 from gpucloud.db import session_scope
-from gpucloud.models.health_tables import XidEventRecord
+from gpucloud.models.health_tables import SignalObservationRecord, XidEventRecord
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -72,3 +72,49 @@ def test_agent_reports_are_dated_stamped_and_bounded_by_the_control_plane(db_url
             assert f"heartbeats.0.{field}" in refused.json()["detail"]
         oversize_node = agent.post("/v1/agents/heartbeats", json={"heartbeats": [{"node_id": "n" * 129}]})
         assert oversize_node.status_code == 422
+
+
+def _signals(node_id: str, many: int = 1, **observation) -> dict:
+    at = datetime.now(UTC).isoformat()
+    return {
+        "node_id": node_id,
+        "at": at,
+        "observations": [{"signal": "ib_rcv_errors", "at": at, "source": "mlx5_0/1", **observation}] * many,
+    }
+
+
+def test_agent_signal_reports_are_for_its_own_node_dated_stamped_and_bounded(db_url, make_harness):
+    h = make_harness(db_url, nodes=2)
+    node_id, other = h.enroll_fleet()
+    with h.operator as op:
+        token = op.post(f"/v1/nodes/{node_id}/agent-credential").json()["token"]
+    # Who calls is checked before the body is read: a stranger's malformed body is a 401.
+    with h.client("gpa_nobody.secret") as stranger:
+        assert stranger.post("/v1/agents/signals", content=b"{not json").status_code == 401
+    with h.client(token) as agent:
+        foreign = agent.post("/v1/agents/signals", json={"reports": [_signals(other)]})
+        assert foreign.status_code == 403 and other in foreign.json()["detail"]
+        assert agent.post("/v1/agents/signals", json={"reports": [_signals(node_id)] * 11}).status_code == 413
+        future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        ahead = agent.post("/v1/agents/signals", json={"reports": [_signals(node_id, at=future)]})
+        assert ahead.status_code == 422 and "reports.0.observations.0.at" in ahead.json()["detail"]
+        for bad, field in (
+            ({"source": "s" * 129}, "source"),
+            ({"detail": "d" * 2001}, "detail"),
+            ({"count": -1}, "count"),
+            ({"signal": "not_a_signal"}, "signal"),
+        ):
+            refused = agent.post("/v1/agents/signals", json={"reports": [_signals(node_id, **bad)]})
+            assert refused.status_code == 422, (field, refused.text)
+            assert refused.json()["errors"][0]["field"] == f"reports.0.observations.0.{field}"
+        too_many = agent.post("/v1/agents/signals", json={"reports": [_signals(node_id, many=501)]})
+        assert too_many.status_code == 422 and too_many.json()["errors"][0]["field"] == "reports.0.observations"
+
+        accepted = agent.post("/v1/agents/signals", json={"reports": [_signals(node_id, many=3)] * 2})
+        assert accepted.status_code == 200 and accepted.json()["accepted"] == 6
+    with session_scope(h.settings.database_url) as session:
+        stored = session.exec(select(SignalObservationRecord)).all()
+    assert len(stored) == 6
+    assert {(r.node_id, r.reported_by, r.tenant_id, r.allocation_id) for r in stored} == {
+        (node_id, "agent", None, None)
+    }

@@ -25,6 +25,7 @@ R, F, B, T, ADMIN = Scope.READ, Scope.FLEET, Scope.BILLING, Scope.TENANTS, Scope
 ROUTES: dict[str, Scope | str] = {
     "POST /v1/agents/events": F,
     "POST /v1/agents/readings": F,
+    "POST /v1/agents/signals": F,
     "POST /v1/agents/heartbeats": F,
     "POST /v1/agents/ledger-token": B,  # an operator's ledger token may change the books
     "GET /v1/agents/config-drive": ENROLLMENT_ONLY,

@@ -1,8 +1,10 @@
-"""Node health: XID events and counter readings as agents report them (each for its own node
-only), XIDs injected by operators, the judgement and its actions, node health and alerts."""
+"""Node health: XID events, signals beyond XIDs and counter readings as agents report them (each
+for its own node only), XIDs injected by operators, the judgement and its actions, node health
+and alerts."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -30,6 +32,8 @@ from gpucloud.models.api_schemas import (
     HealthDecision,
     NodeHealth,
     ReadingIngestResult,
+    SignalIngestResult,
+    SignalRecordPublic,
     XidIngestResult,
     XidInjection,
     XidRecordPublic,
@@ -38,14 +42,18 @@ from gpucloud.models.health_tables import (
     NodeReadingRecord,
     OperatorAlertPublic,
     OperatorAlertRecord,
+    SignalObservationRecord,
     XidEventRecord,
 )
 from gpucloud.models.tables import Node
 from gpucloud.protocol.reports import (
     AGENT_MAX_EVENTS,
     AGENT_MAX_READINGS,
+    AGENT_MAX_SIGNAL_REPORTS,
     NodeReading,
     ReadingBatch,
+    SignalReport,
+    SignalReportBatch,
     XidEvent,
     XidEventBatch,
     utc_now,
@@ -154,8 +162,13 @@ def _not_ahead(field: str, timestamps: list) -> None:
     """A 422 naming every item dated further ahead of the control plane's clock than the skew
     allowed: a report from the future would count as newer than anything that really happened
     since (a later burn-in, a later tenant)."""
+    _none_ahead({f"{field}.{i}.timestamp": t for i, t in enumerate(timestamps)})
+
+
+def _none_ahead(dated: dict[str, datetime]) -> None:
+    """`_not_ahead` over named moments (field path -> moment)."""
     latest_allowed = utc_now() + MAX_READING_CLOCK_SKEW
-    ahead = [f"{field}.{i}.timestamp" for i, t in enumerate(timestamps) if t > latest_allowed]
+    ahead = [field for field, t in dated.items() if t > latest_allowed]
     if ahead:
         raise invalid(
             ahead[0],
@@ -173,6 +186,53 @@ async def agent_events(
     own_node_only(caller, [e.node_id for e in batch.events], most=AGENT_MAX_EVENTS)
     _not_ahead("events", [e.timestamp for e in batch.events])
     return await _ingest_and_act(db, settings, temporal, batch.events, "agent")
+
+
+def _ingest_signals(
+    db: Database, settings: Settings, reports: list[SignalReport], source: str
+) -> tuple[list, list[str]]:
+    with db.session() as session:
+        return health_service.ingest_signals(
+            session, reports, source=source, breaker=health_service.BreakerSettings.of(settings)
+        )
+
+
+def _signals_first_seen(reports: list[SignalReport]) -> dict[str, datetime]:
+    """The earliest observation each node reported in a batch: when its fault happened."""
+    first: dict[str, datetime] = {}
+    for report in reports:
+        for observation in report.observations:
+            if report.node_id not in first or observation.at < first[report.node_id]:
+                first[report.node_id] = observation.at
+    return first
+
+
+@agents.router.post("/agents/signals", response_model=SignalIngestResult, tags=["health"])
+async def agent_signals(
+    batch: SignalReportBatch, caller: ReporterDep, db: DbDep, settings: SettingsDep, temporal: TemporalDep
+):
+    """Signals beyond XIDs as agents saw them (kernel log, InfiniBand sysfs: `SignalReport`s),
+    judged by the signal table with the node's XIDs and readings and acted on at once: a
+    drain-level signal pulls the node as a fatal XID does, an application signal never does. An
+    agent reports for its own node, at most 10 reports a request; the operator (the simulated
+    fleet's batches) for any. Who held the node is stamped from the control plane's record."""
+    own_node_only(caller, [r.node_id for r in batch.reports], most=AGENT_MAX_SIGNAL_REPORTS)
+    _none_ahead(
+        {f"reports.{i}.at": r.at for i, r in enumerate(batch.reports)}
+        | {
+            f"reports.{i}.observations.{j}.at": o.at
+            for i, r in enumerate(batch.reports)
+            for j, o in enumerate(r.observations)
+        }
+    )
+    source = "agent" if caller.role == "agent" else caller.actor
+    outcomes, unknown = await run_in_threadpool(_ingest_signals, db, settings, batch.reports, source)
+    await pulls.act_on(temporal, settings, outcomes, _signals_first_seen(batch.reports))
+    return SignalIngestResult(
+        accepted=sum(len(r.observations) for r in batch.reports if r.node_id not in set(unknown)),
+        unknown_nodes=unknown,
+        decisions=_decisions(outcomes),
+    )
 
 
 @agents.router.post(
@@ -199,6 +259,7 @@ def node_health(
     reads: ReadsDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     reading_limit: Annotated[int, Query(ge=0, le=100)] = 1,
+    signal_limit: Annotated[int, Query(ge=0, le=1000)] = 100,
 ):
     with reads() as session:
         node = session.get(Node, node_id)
@@ -216,6 +277,12 @@ def node_health(
             .order_by(col(NodeReadingRecord.timestamp).desc())
             .limit(reading_limit)
         ).all()
+        signals = session.exec(
+            select(SignalObservationRecord)
+            .where(col(SignalObservationRecord.node_id) == node_id)
+            .order_by(col(SignalObservationRecord.at).desc(), col(SignalObservationRecord.seq).desc())
+            .limit(signal_limit)
+        ).all()
         return NodeHealth(
             node_id=node.id,
             state=node.state,
@@ -223,6 +290,7 @@ def node_health(
             conditions=node.health_conditions,
             xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
             readings=[NodeReading.model_validate(r) for r in readings],
+            signal_history=[SignalRecordPublic.model_validate(r, from_attributes=True) for r in signals],
         )
 
 
