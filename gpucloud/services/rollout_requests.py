@@ -337,7 +337,7 @@ async def create(
 async def visible(temporal: Client, rollout_id: str, *, tenant_id: str | None, operator: bool) -> RolloutProgress:
     """The rollout's progress, where the caller sees it (an operator every tenant's, a tenant its
     own); NotFound otherwise, as for one that does not exist."""
-    if not rollout_id.startswith("rollout-"):
+    if not rollout_id.startswith(ids.ROLLOUT_WORKFLOW_PREFIX):
         raise NotFound("rollout", rollout_id)
     try:
         progress = await gateway.rollout_progress(temporal, rollout_id)
