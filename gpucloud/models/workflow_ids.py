@@ -22,6 +22,12 @@ RECONCILE_SWEEP_WORKFLOW = "ReconcileSweepWorkflow"
 BILLING_CATCH_UP_WORKFLOW = "BillingCatchUpWorkflow"
 ROLLOUT_WORKFLOW = "RolloutWorkflow"
 
+# What a workflow id starts with, where the rest of it is the id of what the workflow is about
+# (`observability.logs` reads them back out of a workflow's id).
+ALLOCATION_WORKFLOW_PREFIX = "alloc-"
+NODE_WORKFLOW_PREFIX = "node-"
+ROLLOUT_WORKFLOW_PREFIX = "rollout-"
+
 # Signals, queries and updates, by the workflow that takes them.
 ALLOCATION_CANCEL_SIGNAL = "request_cancel"
 ALLOCATION_REPLACE_NODE_SIGNAL = "replace_node"
@@ -36,11 +42,11 @@ BILLING_CLOSE_SCHEDULE_ID = "billing-close-schedule"
 
 
 def allocation_workflow_id(allocation_id: str) -> str:
-    return f"alloc-{allocation_id}"
+    return f"{ALLOCATION_WORKFLOW_PREFIX}{allocation_id}"
 
 
 def node_workflow_id(node_id: str) -> str:
-    return f"node-{node_id}"
+    return f"{NODE_WORKFLOW_PREFIX}{node_id}"
 
 
 def bringup_workflow_id(node_ids: list[str], hold: str) -> str:
@@ -66,7 +72,7 @@ def offboarding_workflow_id(tenant_id: str) -> str:
 
 
 def rollout_workflow_id(rollout_id: str) -> str:
-    return rollout_id if rollout_id.startswith("rollout-") else f"rollout-{rollout_id}"
+    return rollout_id if rollout_id.startswith(ROLLOUT_WORKFLOW_PREFIX) else f"{ROLLOUT_WORKFLOW_PREFIX}{rollout_id}"
 
 
 def close_workflow_id(task_queue: str, period_id: str) -> str:

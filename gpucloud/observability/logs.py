@@ -19,10 +19,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from gpucloud.models.workflow_ids import ALLOCATION_WORKFLOW_PREFIX, NODE_WORKFLOW_PREFIX, ROLLOUT_WORKFLOW_PREFIX
+
 IDS = ("tenant_id", "allocation_id", "node_id", "operation_id", "rollout_id", "workflow_id", "activity")
 _CONTEXT: ContextVar[dict[str, str]] = ContextVar("gpucloud_log_context", default={})  # noqa: B039 - never mutated
-# What a workflow id's prefix says it is about (`workflows/*`: alloc-<id>, node-<id>, ...).
-_WORKFLOW_PREFIXES = (("alloc-", "allocation_id"), ("node-", "node_id"), ("rollout-", "rollout_id"))
+# What a workflow id's prefix says it is about (`models/workflow_ids.py` mints them: alloc-<id>, ...).
+_WORKFLOW_PREFIXES = (
+    (ALLOCATION_WORKFLOW_PREFIX, "allocation_id"),
+    (NODE_WORKFLOW_PREFIX, "node_id"),
+    (ROLLOUT_WORKFLOW_PREFIX, "rollout_id"),
+)
 
 
 @contextmanager

@@ -72,6 +72,11 @@ def _get(session: Session, tenant_id: str, key_id: str) -> ApiKey:
     return key
 
 
+def key_of(session: Session, key_id: str) -> ApiKey:
+    """The key a caller was authenticated with (it exists: the caller's credential named it)."""
+    return session.exec(select(ApiKey).where(col(ApiKey.id) == key_id)).one()
+
+
 def list_keys(session: Session, tenant_id: str) -> list[ApiKey]:
     return list(
         session.exec(select(ApiKey).where(col(ApiKey.tenant_id) == tenant_id).order_by(col(ApiKey.created_at))).all()

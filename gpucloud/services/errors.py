@@ -33,8 +33,8 @@ class NotFound(DomainError):
 
     type_ = "not-found"
 
-    def __init__(self, kind: str, ident: str) -> None:
-        super().__init__(f"no {kind} {ident!r} visible to this caller", title=f"{kind} not found")
+    def __init__(self, kind: str, ident: str, *, detail: str | None = None, title: str | None = None) -> None:
+        super().__init__(detail or f"no {kind} {ident!r} visible to this caller", title=title or f"{kind} not found")
         self.kind, self.ident = kind, ident
 
 

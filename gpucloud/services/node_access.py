@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import shlex
 
+from sqlmodel import Session, col, select
+
 from gpucloud.models.api_schemas import SshEndpoint
 from gpucloud.models.node_states import NodeState
-from gpucloud.models.tables import Node
+from gpucloud.models.tables import Allocation, Node
+from gpucloud.services.errors import NotFound
 
 
 def ssh_command(host: str, port: int, user: str) -> str:
@@ -30,3 +33,24 @@ def ssh_endpoint(node: Node, *, allocation_id: str, user: str) -> SshEndpoint | 
     return SshEndpoint(
         host=node.ssh_host, port=node.ssh_port, user=user, command=ssh_command(node.ssh_host, node.ssh_port, user)
     )
+
+
+def node_in(session: Session, alloc: Allocation, node_id: str) -> Node:
+    """The node `node_id` of the allocation (one the caller sees), or NotFound naming the
+    allocation's node listing where it is not one of its nodes."""
+    node = session.exec(select(Node).where(col(Node.id) == node_id)).first()
+    if node is None or node_id not in alloc.node_ids or node.allocation_id != alloc.id:
+        raise NotFound(
+            "node",
+            node_id,
+            title="Node not in allocation",
+            detail=f"node {node_id!r} is not a node of allocation {alloc.id} "
+            f"(see GET /v1/allocations/{alloc.id}/nodes)",
+        )
+    return node
+
+
+def nodes_of(session: Session, alloc: Allocation) -> dict[str, Node]:
+    """The allocation's nodes that exist, by id."""
+    nodes = session.exec(select(Node).where(col(Node.id).in_(list(alloc.node_ids)))).all()
+    return {n.id: n for n in nodes}

@@ -79,6 +79,14 @@ def get(session: Session, name: str) -> Operator:
     return account
 
 
+def role_of(session: Session, name: str) -> str:
+    """The role of the operator `name` (an authenticated one: its account exists); the
+    bootstrap operator, which has no account, is an admin."""
+    if name == BOOTSTRAP:
+        return Role.ADMIN.value
+    return session.exec(select(col(Operator.role)).where(col(Operator.name) == name)).one()
+
+
 def tokens(session: Session, name: str) -> list[OperatorToken]:
     query = select(OperatorToken).where(col(OperatorToken.operator) == name).order_by(col(OperatorToken.created_at))
     return list(session.exec(query).all())

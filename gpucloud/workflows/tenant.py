@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.storage import TenantStorageActivities
     from gpucloud.activities.tenant import TenantActivities
     from gpucloud.models.messages import CancelRequest
+    from gpucloud.models.tables import TenantStatus
     from gpucloud.models.tenant_messages import (
         ActivateTenantInput,
         SettleTenantInput,
@@ -123,7 +124,7 @@ class TenantOnboardingWorkflow:
         self._deadline = workflow.now() + timedelta(seconds=inp.deadline_s)
         try:
             tenant = await _run(T.load_tenant, ref, options.DB)
-            if tenant.status != "onboarding":
+            if tenant.status != TenantStatus.ONBOARDING:
                 return TenantOnboardingResult(
                     tenant_id=tenant.tenant_id,
                     status=tenant.status,
@@ -137,13 +138,13 @@ class TenantOnboardingWorkflow:
             await self._undo(ref)
             failed = SettleTenantInput(tenant_id=inp.tenant_id, operation_id=inp.operation_id, error=reason)
             await _run(T.fail_tenant, failed, options.TENANT_UNTIL_DONE)
-            return TenantOnboardingResult(tenant_id=inp.tenant_id, status="failed", error=reason)
+            return TenantOnboardingResult(tenant_id=inp.tenant_id, status=TenantStatus.FAILED, error=reason)
         activate = ActivateTenantInput(
             tenant_id=inp.tenant_id, operation_id=inp.operation_id, storage_prefix=storage.prefix
         )
         await _run(T.activate_tenant, activate, options.TENANT_UNTIL_DONE)
         return TenantOnboardingResult(
-            tenant_id=inp.tenant_id, status="active", vni=vni.vni, storage_prefix=storage.prefix
+            tenant_id=inp.tenant_id, status=TenantStatus.ACTIVE, vni=vni.vni, storage_prefix=storage.prefix
         )
 
     async def _step(self, activity, ref: TenantRef):
@@ -233,7 +234,7 @@ class TenantOffboardingWorkflow:
         )
         result = TenantOffboardingResult(
             tenant_id=inp.tenant_id,
-            status="offboarded",
+            status=TenantStatus.OFFBOARDED,
             cancelled_allocations=cancelled.allocation_ids,
             nodes_awaiting_repair=progress.nodes_parked,
             keys_revoked=revoked.revoked,

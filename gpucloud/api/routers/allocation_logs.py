@@ -22,12 +22,12 @@ import httpx
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlmodel import col, select
 
 from gpucloud.adapters.host_agent import HttpHostAgents
 from gpucloud.api.deps import CallerOrFleetOperatorDep, ReadsDep, visible
-from gpucloud.models.tables import Allocation, Node
+from gpucloud.models.tables import Allocation
 from gpucloud.protocol.logs import DEFAULT_FOLLOW_S, MAX_FOLLOW_BYTES, MAX_FOLLOW_S, MAX_TAIL_LINES, LogsQuery
+from gpucloud.services.node_access import node_in
 from gpucloud.web.problems import Problem
 
 log = logging.getLogger(__name__)
@@ -38,15 +38,7 @@ TEXT = "text/plain; charset=utf-8"
 def _node_of(reads, caller, allocation_id: str, node_id: str) -> tuple[str, str]:
     """The node's id and agent URL, when it is a node of an allocation the caller sees."""
     with reads() as session:
-        alloc = visible(session, caller, Allocation, "allocation", allocation_id)
-        node = session.exec(select(Node).where(col(Node.id) == node_id)).first()
-        if node is None or node_id not in alloc.node_ids or node.allocation_id != alloc.id:
-            raise Problem(
-                404,
-                "not-found",
-                "Node not in allocation",
-                f"node {node_id!r} is not a node of allocation {alloc.id} (see GET /v1/allocations/{alloc.id}/nodes)",
-            )
+        node = node_in(session, visible(session, caller, Allocation, "allocation", allocation_id), node_id)
         return node.id, node.agent_url
 
 

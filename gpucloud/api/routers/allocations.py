@@ -8,7 +8,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 from temporalio.client import Client
 from temporalio.service import RPCError
 
@@ -39,13 +39,12 @@ from gpucloud.models.tables import (
     Allocation,
     AllocationPublic,
     AllocationStatus,
-    Node,
     Operation,
     OperationPublic,
 )
 from gpucloud.protocol.reports import WorkloadStatus
 from gpucloud.services import allocation_requests as requests
-from gpucloud.services.node_access import ssh_endpoint
+from gpucloud.services.node_access import nodes_of, ssh_endpoint
 from gpucloud.services.workflow_engine import log_undelivered
 
 log = logging.getLogger(__name__)
@@ -127,8 +126,7 @@ def allocation_nodes(allocation_id: str, caller: CallerDep, reads: ReadsDep, set
     (running, exited with its code, none), and where to log in to it (`services/node_access.py`)."""
     with reads() as session:
         alloc = _visible(session, caller, allocation_id)
-        nodes = session.exec(select(Node).where(col(Node.id).in_(list(alloc.node_ids)))).all()
-        by_id = {n.id: n for n in nodes}
+        by_id = nodes_of(session, alloc)
         items = []
         for node_id in alloc.node_ids:
             node = by_id.get(node_id)

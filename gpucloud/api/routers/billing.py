@@ -17,7 +17,6 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.concurrency import run_in_threadpool
-from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import BillingOperatorDep, CallerDep, LedgerDep, ReadOperatorDep, Reads, ReadsDep
@@ -35,6 +34,7 @@ from gpucloud.models.api_schemas import (
 )
 from gpucloud.models.tables import Allocation
 from gpucloud.models.tenant_messages import TENANT_ID_PATTERN
+from gpucloud.services.visibility import visible
 from gpucloud.web.problems import Problem, invalid, not_found
 
 router = APIRouter(
@@ -84,12 +84,10 @@ def _tenant(caller: Caller, tenant_id: str | None) -> str:
     return tenant_id
 
 
-def _owns_allocation(reads: Reads, tenant_id: str, allocation_id: str) -> bool:
-    query = select(col(Allocation.id)).where(
-        col(Allocation.id) == allocation_id, col(Allocation.tenant_id) == tenant_id
-    )
+def _owned(reads: Reads, tenant_id: str, allocation_id: str) -> None:
+    """The tenant's allocation, or NotFound (an operator too sees only the tenant it named)."""
     with reads() as session:
-        return session.exec(query).first() is not None
+        visible(session, Allocation, "allocation", allocation_id, tenant_id=tenant_id, operator=False)
 
 
 @router.get(
@@ -107,8 +105,8 @@ async def get_usage(
 ):
     """Metered GPU time and its amount (integer GPU-ms and micro-units), by allocation and period."""
     tenant = _tenant(caller, tenant_id)
-    if allocation_id is not None and not await run_in_threadpool(_owns_allocation, reads, tenant, allocation_id):
-        raise not_found("allocation", allocation_id)
+    if allocation_id is not None:
+        await run_in_threadpool(_owned, reads, tenant, allocation_id)
     start_ms, end_ms = period_bounds(period) if period else (None, None)
     summary = await _ask(ledger.usage(tenant_id=tenant, allocation_id=allocation_id, start_ms=start_ms, end_ms=end_ms))
     return UsageReport(**summary.model_dump(), period=period)

@@ -12,7 +12,6 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, Reads, ReadsDep
@@ -20,8 +19,8 @@ from gpucloud.api.routers.tenants import visible_tenant
 from gpucloud.ledger.client import LedgerClient, LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import period_bounds, period_of
 from gpucloud.models.api_schemas import PeriodUsage, Whoami, WhoamiKey
-from gpucloud.models.operator_roles import Role
-from gpucloud.models.tables import ApiKey, Operator, TenantPublic
+from gpucloud.models.tables import TenantPublic
+from gpucloud.services import api_keys as key_service
 from gpucloud.services import operators as operator_service
 from gpucloud.services.tenant_requests import quota_report
 
@@ -32,7 +31,7 @@ def _tenant(reads: Reads, caller: Caller) -> Whoami:
     assert caller.tenant_id is not None and caller.key_id is not None  # a tenant's key names both
     with reads(snapshot=True) as session:  # the quotas and the usage against them, at one moment
         tenant = visible_tenant(session, caller, caller.tenant_id)
-        key = session.exec(select(ApiKey).where(col(ApiKey.id) == caller.key_id)).one()
+        key = key_service.key_of(session, caller.key_id)
         return Whoami(
             kind="tenant",
             tenant=TenantPublic.model_validate(tenant, from_attributes=True),
@@ -61,10 +60,8 @@ async def _period_usage(ledger: LedgerClient | None, tenant_id: str) -> tuple[Pe
 
 
 def _operator_role(reads: Reads, name: str) -> str:
-    if name == operator_service.BOOTSTRAP:
-        return Role.ADMIN.value
     with reads() as session:
-        return session.exec(select(col(Operator.role)).where(col(Operator.name) == name)).one()
+        return operator_service.role_of(session, name)
 
 
 @router.get("/whoami", response_model=Whoami)
