@@ -302,6 +302,27 @@ class HealthSettings(BaseModel):
     # The quarantine circuit breaker: the share of a pool pulled automatically within the window.
     breaker_max_pulled_share: float = 0.05
     breaker_window_s: float = 3600.0
+    # Spare capacity (`services/spares.py`, `gpucloud fleet spares`, `GET /v1/fleet/spares`).
+    # A pool's failures (its automatic quarantine pulls) and node-hours are counted over this
+    # window.
+    spares_window_s: float = Field(30 * 86_400.0, gt=0)
+    # A pulled node's mean turnaround (drain, reset ladder, burn-in, or RMA) until it is back in
+    # its pool: how long a spare stands in for it.
+    spares_repair_s: float = Field(72 * 3600.0, ge=0)
+    # How long after a pull its replacement may start. A node back from repair within it serves
+    # as well as a spare, so the pool plans on the turnaround less this; 0: at once, from a spare
+    # on hand.
+    spares_replacement_target_s: float = Field(0.0, ge=0)
+    # The probability that the spares a pool holds cover every node out for repair.
+    spares_probability: float = Field(0.99, gt=0, lt=1)
+    # A pool plans on its own measured rate (the Garwood upper bound) from this many node-hours
+    # in the window, on the Llama 3 405B run's before: with no failure seen, the bound
+    # (3.0 / node-hours) falls below the Llama 3 rate only past about 19,000 node-hours, so a
+    # shorter record would only say "too little seen", not "fails more".
+    spares_min_node_hours: float = Field(20_000.0, gt=0)
+    # How often the reconciler's full sweep checks the pools: an operator alert for a pool short
+    # of spares (one until it recovers) and the `gpucloud_spares` gauges.
+    spares_check_interval_s: float = Field(300.0, gt=0)
 
 
 class TenantSettings(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from datetime import timedelta
 
@@ -39,10 +40,12 @@ from gpucloud.models.messages import (
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, utcnow
 from gpucloud.reconciler.plan import FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
-from gpucloud.services import agent_credentials, idempotency_records, node_conditions, pulls
+from gpucloud.services import agent_credentials, idempotency_records, node_conditions, pulls, spares
 from gpucloud.services import nodes as node_service
 from gpucloud.services.recovery import adopt_orphans
 from gpucloud.web import metrics
+
+log = logging.getLogger(__name__)
 
 # Nodes whose credential was revoked with their allocation: they cannot report, so their
 # silence is no news (the reconciler never marks them unreachable for it).
@@ -133,6 +136,8 @@ class ReconcilerActivities(ActivityGroup):
         self.client = client
         self.db = db
         self.settings = settings
+        # When this worker's next full sweep checks spare capacity (monotonic; 0: the first).
+        self._spares_due = 0.0
 
     @activity.defn
     async def sweep(self, req: SweepInput) -> SweepResult:
@@ -153,6 +158,7 @@ class ReconcilerActivities(ActivityGroup):
             result.idempotency_expired = await asyncio.to_thread(
                 idempotency_records.delete_expired, self.db, now=utcnow()
             )
+            await self._check_spares_if_due(result)
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
         health_pulls = [p.node_id for p in plans if p.pull != PullKind.NONE]
         if health_pulls:
@@ -193,6 +199,23 @@ class ReconcilerActivities(ActivityGroup):
             started_ids.append(plan.node_id)
         await asyncio.to_thread(self._record_attempts, started_ids)
         return result
+
+    async def _check_spares_if_due(self, result: SweepResult) -> None:
+        """Spare capacity per pool, every `health.spares_check_interval_s` of this worker's
+        sweeps (a few aggregate queries, not worth every 15 s): the gauges, and an operator alert
+        for a pool short of spares. Its failure is reported, not the sweep's."""
+        if time.monotonic() < self._spares_due:
+            return
+        self._spares_due = time.monotonic() + self.settings.health.spares_check_interval_s
+        try:
+            await asyncio.to_thread(self._check_spares)
+        except Exception as exc:  # the sweep's own work goes on; the next interval tries again
+            log.exception("spares check failed")
+            result.errors.append(f"spares check: {exc}")
+
+    def _check_spares(self) -> spares.SparesCheck:
+        with self.db.session() as session:
+            return spares.check_spares(session, policy=spares.SparesPolicy.of(self.settings))
 
     async def _signal_replacements(self, plans: list[NodePlan], result: SweepResult) -> None:
         """Ask allocation workflows (again) to replace nodes the health rules want out. The

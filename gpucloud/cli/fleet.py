@@ -1,5 +1,6 @@
 """`gpucloud nodes`: the fleet as a table (operator), optionally refreshed live; `gpucloud node`:
-an operator's lifecycle actions on one node (the ways out of RMA)."""
+an operator's lifecycle actions on one node (the ways out of RMA); `gpucloud fleet spares`: spare
+nodes per pool, needed beside held."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 import yaml
+from rich import box
 from rich.console import Group
 from rich.live import Live
-from rich.table import Table
+from rich.table import Column, Table
 
 from gpucloud.cli.common import Output, api_client, console, id_column, print_table, reported_errors
 from gpucloud.models.node_states import NodeState
 
 if TYPE_CHECKING:
     from gpucloud.client.api import Gpucloud
+    from gpucloud.models.api_schemas import FleetSpares
     from gpucloud.models.tables import NodePublic
 
 STATE_STYLE = {
@@ -122,6 +125,57 @@ def nodes(
                     live.update(_render(*_fetch(api, state, limit)))
     except KeyboardInterrupt:
         pass
+
+
+fleet_app = typer.Typer(no_args_is_help=True, help="The fleet as a whole (operator): spare capacity.")
+
+
+@fleet_app.command("spares")
+def spares(
+    output: Output = "table",
+    as_json: Annotated[bool, typer.Option("--json", help="the same as -o json")] = False,
+) -> None:
+    """Spare nodes per pool (GPU type/region): held now, needed so that a pulled node's
+    replacement starts within the target at the probability shown, and the failure rate planned
+    on (measured from the pool's pulls, or the Llama 3 default until there are enough node-hours)."""
+    with reported_errors(), api_client(operator=True) as api:
+        fleet = api.nodes.spares()
+    if as_json or output == "json":
+        print(json.dumps(fleet.model_dump(mode="json"), indent=2))
+        return
+    print_table(_spares_table(fleet))
+
+
+def _spares_table(fleet: FleetSpares) -> Table:
+    """Eight columns: without the box's edges and rules they fit 80 characters."""
+    days = fleet.window_s / 86_400
+    table = Table(
+        id_column("pool"),
+        Column("nodes", justify="right"),
+        Column("held", justify="right"),
+        Column("needed", justify="right"),
+        Column("shortfall", justify="right"),
+        Column("rate", justify="right"),
+        "rate source",
+        Column("probability", justify="right"),
+        title=f"spare nodes per pool (rate: failures per node-hour, over {days:g} days)",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for pool in fleet.pools:
+        table.add_row(
+            pool.pool,
+            str(pool.nodes),
+            str(pool.spares_held),
+            str(pool.spares_needed),
+            f"[red]{pool.shortfall}[/]" if pool.shortfall else "0",
+            f"{pool.failures_per_node_hour:.3g}",
+            pool.rate_source.replace("_", " "),
+            f"{pool.probability:g}",
+        )
+    return table
 
 
 node_app = typer.Typer(no_args_is_help=True, help="An operator's lifecycle actions on one node.")

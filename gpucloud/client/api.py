@@ -28,6 +28,7 @@ from gpucloud.models.api_schemas import (
     ApiKeyList,
     Catalog,
     EnrollResult,
+    FleetSpares,
     InvoiceList,
     NodeActionResult,
     NodeEventPublic,
@@ -244,6 +245,10 @@ class Nodes(_Resource):
 
     def summary(self) -> dict[str, Any]:
         return self.api.get("/v1/fleet/summary")
+
+    def spares(self) -> FleetSpares:
+        """Spare nodes per pool: needed, held, and the failure rate planned on."""
+        return self._get(FleetSpares, "/v1/fleet/spares")
 
     def enroll(self, nodes: Collection[dict[str, Any]]) -> EnrollResult:
         """Record nodes (`NodeEnroll` each) and start their bring-up; known ones are left as they are."""

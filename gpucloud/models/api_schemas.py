@@ -375,6 +375,44 @@ class FleetSummary(BaseModel):
     agent_unreachable: int
 
 
+RateSource = Literal["measured", "llama3_default"]
+
+
+class PoolSpares(BaseModel):
+    """One pool's (GPU type and region) spare nodes: what it needs so that a pulled node's
+    replacement starts within the target at `probability`, beside what it holds now
+    (`services/spares.py`, `health/spares.py` for the model)."""
+
+    pool: str  # `gpu_type/region`, as the circuit breaker names it
+    gpu_type: str
+    region: str
+    nodes: int  # in the fleet (not retired, not RMA)
+    spares_held: int  # available now: healthy, neither reserved, cordoned nor in maintenance
+    spares_needed: int
+    shortfall: int  # needed less held, at least 0
+    failures: int  # automatic quarantine pulls in the window
+    node_hours: float  # the pool's nodes' hours in the fleet within the window
+    measured_per_node_hour: float | None  # failures / node_hours (None: no hours observed)
+    failures_per_node_hour: float  # the rate planned on: see rate_source
+    # measured: the Garwood upper bound on the pool's own record (enough node-hours seen);
+    # llama3_default: the Llama 3 405B run's rate, until then.
+    rate_source: RateSource
+    repair_hours: float  # a pulled node's mean turnaround
+    replacement_target_hours: float  # how long after a pull its replacement may start
+    probability: float
+    expected_out: float  # mean nodes out beyond the target's reach (Poisson mean)
+    coverage_held: float  # P(the spares held cover every node out), at a random moment
+    spare_on_failure: float  # P(a failing node finds a spare on hand)
+
+
+class FleetSpares(BaseModel):
+    """Spare capacity per pool, computed at `at` over the `window_s` before it."""
+
+    at: datetime
+    window_s: float
+    pools: list[PoolSpares]
+
+
 MAX_ENROLL_BATCH = 1000
 
 

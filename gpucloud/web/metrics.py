@@ -10,6 +10,7 @@ Each process records what it sees, in the process's default registry:
 | `gpucloud_health_fault_to_cordon_seconds` | API: a fault's timestamp to the node's cordon |
 | `gpucloud_health_fault_to_pulled_seconds` | worker: the fault to the node out of its allocation |
 | `gpucloud_reconciler_sweep_seconds`, `gpucloud_reconciler_sweep_nodes{kind}` | worker, each sweep |
+| `gpucloud_spares{pool,kind}` | worker: spare nodes a pool needs (`needed`) and holds (`held`), each spares check |
 | `gpucloud_ledger_usage_samples_total{outcome}` | ledger, each ingested batch |
 | `gpucloud_ledger_usage_rejected_total{reason}` | ledger, each rejected sample (`ledger/rejections.py`) |
 | `gpucloud_agent_spool_pending_samples`, `gpucloud_agent_spool_lag_seconds` | agent's shipper |
@@ -74,6 +75,12 @@ SWEEP_NODES = Gauge(
     "gpucloud_reconciler_sweep_nodes",
     "Nodes the last sweep found (candidates) and started operations on (started)",
     ["kind"],
+    multiprocess_mode="livemax",
+)
+SPARES = Gauge(
+    "gpucloud_spares",
+    "Spare nodes a pool (GPU type/region) needs (kind=needed) and holds (kind=held), at the last spares check",
+    ["pool", "kind"],
     multiprocess_mode="livemax",
 )
 LEDGER_SAMPLES = Counter("gpucloud_ledger_usage_samples", "Usage samples the ledger took", ["outcome"])

@@ -64,6 +64,7 @@ ROUTES: dict[str, Scope | str] = {
     "POST /v1/nodes/{node_id}/retire": F,
     "GET /v1/nodes/{node_id}/events": R,
     "GET /v1/fleet/summary": R,
+    "GET /v1/fleet/spares": R,
     "POST /v1/nodes/{node_id}/agent-credential": F,
     "POST /v1/nodes/{node_id}/xid": F,
     "GET /v1/nodes/{node_id}/health": R,

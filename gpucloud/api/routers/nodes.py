@@ -1,5 +1,5 @@
 """Nodes (operator only): enrollment by the fleet, listing and reading, operator actions and
-events, the fleet summary, agents' credentials and heartbeats (health is `health.py`)."""
+events, the fleet summary and spares, agents' credentials and heartbeats (health is `health.py`)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from gpucloud.models.api_schemas import (
     AgentCredentialIssued,
     EnrollRequest,
     EnrollResult,
+    FleetSpares,
     FleetSummary,
     HeartbeatResult,
     LedgerToken,
@@ -43,7 +44,7 @@ from gpucloud.models.api_schemas import (
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodePublic, NodeTransition, OperationPublic
 from gpucloud.protocol.reports import HeartbeatBatch
-from gpucloud.services import node_requests
+from gpucloud.services import node_requests, spares
 from gpucloud.services.fleet import (
     summary,
 )
@@ -236,6 +237,15 @@ def fleet_summary(operator: ReadOperatorDep, reads: ReadsDep) -> FleetSummary:
     """Node counts by state, health, GPU type and region; cordoned and unreachable nodes."""
     with reads(snapshot=True) as session:  # counts that add up
         return FleetSummary.model_validate(summary(session))
+
+
+@router.get("/fleet/spares", response_model=FleetSpares)
+def fleet_spares(operator: ReadOperatorDep, reads: ReadsDep, settings: SettingsDep) -> FleetSpares:
+    """Spare nodes per pool (GPU type and region): what each needs so that a pulled node's
+    replacement starts within the target at the stated probability, beside what it holds now,
+    and the failure rate planned on (`rate_source`: the pool's own record, or the Llama 3 default)."""
+    with reads(snapshot=True) as session:  # counts that add up
+        return spares.pool_spares(session, policy=spares.SparesPolicy.of(settings))
 
 
 @router.post("/nodes/{node_id}/agent-credential", response_model=AgentCredentialIssued, status_code=201)
