@@ -302,6 +302,10 @@ class HealthSettings(BaseModel):
     # The quarantine circuit breaker: the share of a pool pulled automatically within the window.
     breaker_max_pulled_share: float = 0.05
     breaker_window_s: float = 3600.0
+    # An incident reads its node's history this often, and waits this long for the node to come
+    # back (or go to RMA) before it closes as abandoned (`workflows/incident.py`).
+    incident_poll_s: float = Field(30.0, gt=0)
+    incident_max_wait_s: float = Field(7 * 86_400.0, gt=0)
 
 
 class TenantSettings(BaseModel):
