@@ -15,7 +15,11 @@ from gpucloud.services import incidents
 
 def _progress(incident) -> IncidentProgress:
     return IncidentProgress(
-        incident_id=incident.id, phase=incident.phase, status=incident.status, ended=incident.phase == "write_up"
+        incident_id=incident.id,
+        phase=incident.phase,
+        status=incident.status,
+        # The history shows its end (write-up next), or it was closed already (nothing to wait for).
+        ended=incident.phase == "write_up" or incident.status != "open",
     )
 
 

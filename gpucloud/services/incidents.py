@@ -191,19 +191,16 @@ def observe(session: Session, incident_id: str, *, now: datetime | None = None) 
 
 
 def close(session: Session, incident_id: str, *, abandoned: bool, now: datetime | None = None) -> Incident:
-    """End the incident as its history shows (resolved, RMA), or as abandoned; write the write-up.
-    Closing a closed incident changes nothing."""
+    """End the incident as its history shows (resolved, RMA), or else (`abandoned`: the workflow
+    stopped waiting) as abandoned; write the write-up. Closing a closed incident changes nothing."""
     now = now or utcnow()
     incident, found = observe(session, incident_id, now=now)
     if incident.status != rules.IncidentStatus.OPEN:
         return incident
     if found.ended is not None:
         incident.status, incident.closed_at = found.ended.value, found.ended_at
-    else:
-        incident.status, incident.closed_at = (
-            (rules.IncidentStatus.ABANDONED.value if abandoned else rules.IncidentStatus.OPEN.value),
-            now,
-        )
+    else:  # closed before the history showed an end: the workflow stopped waiting
+        incident.status, incident.closed_at = rules.IncidentStatus.ABANDONED.value, now
     incident.phase = rules.Phase.CLOSED.value
     incident.write_up = write_up(public(incident))
     incident.updated_at = now

@@ -33,7 +33,7 @@ from gpucloud.models.messages import ReplaceNodeRequest
 from gpucloud.models.workflow_ids import incident_workflow_id
 from gpucloud.protocol.reports import utc_now
 from gpucloud.services.health import HealthOutcome
-from gpucloud.services.workflow_engine import log_undelivered
+from gpucloud.services.workflow_engine import log_undelivered, waited_out
 from gpucloud.web import metrics
 
 log = logging.getLogger(__name__)
@@ -91,18 +91,22 @@ async def open_incidents(client: Client, settings: Settings, decisions: Sequence
     """Start (or join) each pull's incident; the workflow ids started. Never raises for the
     engine: a start it refused is logged and left to the reconciler's next pull of the node."""
     opened = []
-    for decision in decisions:
-        inp = incident_input(settings, decision)
-        if inp is None:
-            continue
+    inputs = [inp for inp in (incident_input(settings, d) for d in decisions) if inp is not None]
+    for index, inp in enumerate(inputs):
         try:
             opened.append(await start_incident(client, settings, inp))
         except Exception as exc:  # the pull stands without its record; the next pull opens it
             workflow_id = incident_workflow_id(inp.node_id, inp.key_at or inp.detected_at)
-            if isinstance(exc, RPCError):
-                log_undelivered(log, exc, f"incident {workflow_id}", "the pull stands; the next pull opens it")
-            else:
+            if not isinstance(exc, RPCError):
                 log.warning("incident %s not opened (%s); the pull stands", workflow_id, exc)
+                continue
+            log_undelivered(log, exc, f"incident {workflow_id}", "the pull stands; the next pull opens it")
+            if waited_out(exc) and index + 1 < len(inputs):
+                # The engine does not answer: the rest would wait as long each, for the same.
+                log.warning(
+                    "%d more incidents not opened: the workflow engine does not answer", len(inputs) - index - 1
+                )
+                break
     return opened
 
 

@@ -57,6 +57,17 @@ async def test_a_start_the_engine_refuses_is_logged_and_the_pull_goes_on(caplog)
     )
 
 
+async def test_an_engine_that_does_not_answer_is_asked_once_per_batch(caplog) -> None:
+    client = _EngineDown()
+    decisions = [PullDecision(node_id=f"n{i}", kind=PullKind.DRAIN, since=T0) for i in range(5)]
+
+    with caplog.at_level(logging.WARNING, logger="gpucloud.services.pulls"):
+        assert await pulls.open_incidents(client, Settings(), decisions) == []  # type: ignore[arg-type]
+
+    assert client.starts == 1
+    assert any("4 more incidents not opened" in r.getMessage() for r in caplog.records)
+
+
 def test_the_incident_input_keys_the_fault_by_the_conditions_start() -> None:
     settings = Settings(health={"incident_poll_s": 2.0, "incident_max_wait_s": 60.0})
     replace = PullDecision(

@@ -55,14 +55,12 @@ async def _run(client, stand_ins: StandIns, inp: IncidentInput) -> IncidentProgr
 
 
 async def test_it_follows_the_phases_until_the_incident_ends_then_writes_it_up(temporal_env) -> None:
-    stand_ins = _stand_ins(
-        in_turn(_progress("stabilize"), _progress("diagnose"), _progress("repair"), _progress("write_up", ended=True))
-    )
+    stand_ins = _stand_ins(in_turn(_progress("stabilize"), _progress("repair"), _progress("write_up", ended=True)))
 
     result = await _run(temporal_env.client, stand_ins, _input("n1"))
 
     assert result.status == "resolved"
-    assert stand_ins.names == ["open_incident"] + ["observe_incident"] * 4 + ["close_incident"]
+    assert stand_ins.names == ["open_incident"] + ["observe_incident"] * 3 + ["close_incident"]
     assert stand_ins.args(IncidentActivities.close_incident) == [IncidentClose(incident_id="inc_1")]
     assert stand_ins.args(IncidentActivities.open_incident)[0].node_id == "n1"
 
@@ -74,7 +72,8 @@ async def test_it_gives_up_after_its_longest_wait_and_closes_as_abandoned(tempor
 
     assert result.status == "abandoned"
     assert stand_ins.args(IncidentActivities.close_incident) == [IncidentClose(incident_id="inc_1", abandoned=True)]
-    assert 2 <= stand_ins.names.count("observe_incident") <= 10  # every 0.05 s for 0.3 s, timers as they come
+    # A look every 0.05 s until 0.3 s after the start (how many depends on the machine's load).
+    assert 1 <= stand_ins.names.count("observe_incident") <= 10
 
 
 async def test_an_incident_found_closed_is_not_followed_again(temporal_env) -> None:
@@ -87,12 +86,12 @@ async def test_an_incident_found_closed_is_not_followed_again(temporal_env) -> N
 
 
 async def test_a_long_wait_goes_on_in_a_new_run_with_the_same_incident(temporal_env) -> None:
-    stand_ins = _stand_ins(in_turn(*[_progress("repair")] * 4, _progress("write_up", ended=True)))
+    stand_ins = _stand_ins(in_turn(_progress("repair"), _progress("write_up", ended=True)))
     queue = queue_name("incident")
     async with workers(temporal_env.client, [IncidentWorkflow], {queue: stand_ins.for_worker()}):
         handle = await temporal_env.client.start_workflow(
             IncidentWorkflow.run,
-            _input("n4", looks_per_run=3),
+            _input("n4", looks_per_run=1),
             id=f"{queue}-run",
             task_queue=queue,
             execution_timeout=RUN_TIMEOUT,
@@ -101,17 +100,17 @@ async def test_a_long_wait_goes_on_in_a_new_run_with_the_same_incident(temporal_
         last = await temporal_env.client.get_workflow_handle(handle.id).describe()
 
     assert result.status == "resolved"
-    assert last.run_id != handle.first_execution_run_id  # continued as new after 3 looks
+    assert last.run_id != handle.first_execution_run_id  # continued as new after its one look
     # One open; the second run starts from the incident it was handed.
-    assert stand_ins.names == ["open_incident"] + ["observe_incident"] * 5 + ["close_incident"]
+    assert stand_ins.names == ["open_incident", "observe_incident", "observe_incident", "close_incident"]
 
 
 async def test_a_pull_sent_again_joins_the_running_incident_and_an_ended_one_is_not_reopened(temporal_env) -> None:
     node_id = f"n-{uuid.uuid4().hex[:8]}"
     queue = queue_name("incident")
     settings = Settings(temporal={"task_queue": queue})
-    stand_ins = _stand_ins(in_turn(*[_progress("repair")] * 10, _progress("write_up", ended=True)))
-    inp = _input(node_id, key_at=DETECTED, poll_s=0.1)
+    stand_ins = _stand_ins(in_turn(_progress("repair"), _progress("repair"), _progress("write_up", ended=True)))
+    inp = _input(node_id, key_at=DETECTED, poll_s=0.05)
     async with workers(temporal_env.client, [IncidentWorkflow], {queue: stand_ins.for_worker()}):
         first = await start_incident(temporal_env.client, settings, inp)
         again = await start_incident(temporal_env.client, settings, inp.model_copy(update={"reason": "re-sent"}))
