@@ -323,6 +323,10 @@ class HealthSettings(BaseModel):
     # How often the reconciler's full sweep checks the pools: an operator alert for a pool short
     # of spares (one until it recovers) and the `gpucloud_spares` gauges.
     spares_check_interval_s: float = Field(300.0, gt=0)
+    # An incident reads its node's history this often, and waits this long for the node to come
+    # back (or go to RMA) before it closes as abandoned (`workflows/incident.py`).
+    incident_poll_s: float = Field(30.0, gt=0)
+    incident_max_wait_s: float = Field(7 * 86_400.0, gt=0)
 
 
 class TenantSettings(BaseModel):

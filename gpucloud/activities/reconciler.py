@@ -167,6 +167,9 @@ class ReconcilerActivities(ActivityGroup):
         replaces = [p for p in plans if p.pull == PullKind.REPLACE]
         if replaces:
             await self._signal_replacements(replaces, result)
+        drains = [p.decision() for p in plans if p.pull == PullKind.DRAIN]
+        if drains:  # their incidents (a replacement's opens in `carry_out`); the drains start below
+            await pulls.open_incidents(self.client, self.settings, drains)
         starts = [p for p in plans if p.start is not None]
         if not starts:
             return result

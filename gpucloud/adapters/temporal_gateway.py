@@ -11,6 +11,7 @@ Search attributes, ids and conflict policies are decided here, once.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
@@ -32,13 +33,15 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowUpdateStage,
 )
-from temporalio.common import SearchAttributeKey, WorkflowIDConflictPolicy
+from temporalio.common import SearchAttributeKey, WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from gpucloud.config import Settings
 from gpucloud.models import search_attributes as sa
 from gpucloud.models import workflow_ids as ids
 from gpucloud.models.billing_messages import BillingCatchUpInput
 from gpucloud.models.evaluation_messages import EvaluateVersionInput
+from gpucloud.models.incident_messages import IncidentInput
 from gpucloud.models.messages import (
     AllocationInput,
     BmcPowerInput,
@@ -149,6 +152,27 @@ async def start_node_power(client: Client, settings: Settings, req: BmcPowerInpu
     """An operator's (or a retire's) power action on a node, through its BMC; the workflow id."""
     workflow_id = ids.power_workflow_id(req.node_id, req.operation_id or uuid.uuid4().hex[:12])
     return await _start_once(client, settings, ids.NODE_POWER_WORKFLOW, req, workflow_id)
+
+
+# ------------------------------------------------------------------ incidents
+
+
+async def start_incident(client: Client, settings: Settings, inp: IncidentInput) -> str:
+    """The incident of a pull, under its id (`incident-<node>-<fault ms>`): a pull sent again
+    joins the one running, and one that ended is not opened again (a failed or terminated one
+    is); the workflow id."""
+    workflow_id = ids.incident_workflow_id(inp.node_id, inp.key_at or inp.detected_at)
+    with contextlib.suppress(WorkflowAlreadyStartedError):  # it ran and ended: written already
+        await client.start_workflow(
+            ids.INCIDENT_WORKFLOW,
+            inp,
+            id=workflow_id,
+            task_queue=settings.temporal.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+            search_attributes=sa.typed((sa.NODE_ID, inp.node_id)),
+        )
+    return workflow_id
 
 
 # ------------------------------------------------------------------ registry

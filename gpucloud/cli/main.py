@@ -23,6 +23,7 @@ from gpucloud.cli.common import EXIT_CODES_HELP, ExitCode, Output, begin_invocat
 from gpucloud.cli.context_commands import config_app
 from gpucloud.cli.evaluation import weights_app  # with evaluate, evaluation-command and sanity on it
 from gpucloud.cli.fleet import bmc_app, fleet_app, node_app, nodes
+from gpucloud.cli.incidents import incidents_app
 from gpucloud.cli.operators import operators_app
 from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
 from gpucloud.cli.rollout import rollout_app
@@ -558,6 +559,7 @@ app.command()(catalog)
 app.command()(whoami)
 app.add_typer(node_app, name="node")
 app.add_typer(fleet_app, name="fleet")
+app.add_typer(incidents_app, name="incidents")
 app.add_typer(bmc_app, name="bmc")
 app.add_typer(weights_app, name="weights")
 app.add_typer(invoices_app, name="invoices")

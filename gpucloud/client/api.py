@@ -46,7 +46,7 @@ from gpucloud.models.api_schemas import (
     Whoami,
     XidIngestResult,
 )
-from gpucloud.models.health_tables import AllocationEventPublic
+from gpucloud.models.health_tables import AllocationEventPublic, IncidentPublic
 from gpucloud.models.rollout_messages import RolloutProgress
 from gpucloud.models.tables import AllocationPublic, ApiKeyPublic, NodePublic, OperationPublic, TenantPublic
 from gpucloud.protocol.actions import Workload
@@ -319,6 +319,27 @@ class Billing(_Resource):
         return self._document("/v1/invoices:draft", period=period, tenant_id=tenant_id)
 
 
+class Incidents(_Resource):
+    """Incidents: the record of each health pull (`docs/health.md`, "Incidents")."""
+
+    def list(self, *, status: str | None = None, node_id: str | None = None) -> Iterator[IncidentPublic]:
+        return self._pages(IncidentPublic, "/v1/incidents", status=status, node_id=node_id)
+
+    def get(self, incident_id: str) -> IncidentPublic:
+        return self._get(IncidentPublic, f"/v1/incidents/{incident_id}")
+
+    def write_up(self, incident_id: str) -> str:
+        """The write-up, as Markdown."""
+        return self.api.request("GET", f"/v1/incidents/{incident_id}/write-up").text
+
+    def root_cause(
+        self, incident_id: str, root_cause: str, follow_ups: Collection[str] | None = None
+    ) -> IncidentPublic:
+        """An operator's root cause and follow-ups (None: the ones written stay)."""
+        body = _body({"root_cause": root_cause, "follow_ups": None if follow_ups is None else [*follow_ups]})
+        return self._post(IncidentPublic, f"/v1/incidents/{incident_id}/root-cause", body)
+
+
 class Rollouts(_Resource):
     def create(
         self, request: RolloutRequest | dict[str, Any], *, idempotency_key: str | None = None
@@ -368,6 +389,7 @@ class Gpucloud(ApiClient):
         self.nodes = Nodes(self)
         self.billing = Billing(self)
         self.rollouts = Rollouts(self)
+        self.incidents = Incidents(self)
 
     def catalog(self, *, gpu_type: str | None = None, region: str | None = None) -> Catalog:
         """What the fleet offers: GPU types and regions, nodes available now, prices per GPU-hour."""

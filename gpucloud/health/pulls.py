@@ -39,6 +39,15 @@ class PullDecision:
     reason: str = ""
     immediate: bool = False  # the fault is already fatal to the job: no grace period
     fault_at: datetime | None = None  # when the fault happened, as its node reported it
+    # When the pulling condition began, as the rules judged it (stored on the node, so the API's
+    # pull and the reconciler's re-sent one read the same): the incident's key.
+    since: datetime | None = None
+
+    @property
+    def detected_at(self) -> datetime | None:
+        """The first fault: the earlier of the reported fault and the condition's start."""
+        known = [t for t in (self.fault_at, self.since) if t is not None]
+        return min(known) if known else None
 
 
 def pulls(action: Action) -> bool:
@@ -50,6 +59,19 @@ def replace_at_once(state: NodeState, action: Action) -> bool:
     """A node the tenant's job has not started on leaves nothing to checkpoint; a fault that is
     already fatal to the job leaves nothing to wait for."""
     return state != NodeState.ACTIVE or action_rank(action) >= action_rank(Action.DRAIN_NOW)
+
+
+def pulling_since(conditions: Iterable[dict | object]) -> datetime | None:
+    """When the earliest of the conditions that take the node out began (conditions as stored on
+    a node, or `health.verdict.Condition`s); None without one."""
+    found: list[datetime] = []
+    for c in conditions:
+        action = c.get("action") if isinstance(c, dict) else getattr(c, "action", None)
+        since = c.get("since") if isinstance(c, dict) else getattr(c, "since", None)
+        if action not in set(Action) or not pulls(Action(action)) or since is None:
+            continue
+        found.append(since if isinstance(since, datetime) else datetime.fromisoformat(str(since)))
+    return min(found) if found else None
 
 
 def stored_action(conditions: Iterable[dict]) -> Action:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -20,6 +20,7 @@ from gpucloud.models.catalog import (
 )
 from gpucloud.models.health_tables import (
     AllocationEventPublic,
+    IncidentPublic,
     OperatorAlertPublic,
 )
 from gpucloud.models.operator_roles import Role
@@ -583,6 +584,25 @@ class NodeHealth(BaseModel):
 class AlertPage(BaseModel):
     items: list[OperatorAlertPublic]
     next_page_token: str
+
+
+IncidentStatusName = Literal["open", "resolved", "rma", "abandoned"]
+
+
+class IncidentPage(BaseModel):
+    items: list[IncidentPublic]
+    next_page_token: str
+
+
+class RootCauseRequest(BaseModel):
+    """An operator's root cause of an incident and its follow-ups (None: the ones written stay)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    root_cause: str = Field(min_length=1, max_length=10_000, description="what caused the incident")
+    follow_ups: list[Annotated[str, Field(min_length=1, max_length=500)]] | None = Field(
+        None, max_length=50, description="what is to be done so it does not happen again"
+    )
 
 
 # ---------------------------------------------------------------- billing

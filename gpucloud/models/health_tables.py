@@ -143,3 +143,86 @@ class AllocationEvent(SQLModel, table=True):
     # (`api.auth.Caller.actor`) for a create or cancel.
     actor: str = Field(default=SYSTEM_ACTOR, max_length=300)
     at: datetime = timestamp_field()
+
+
+class IncidentPublic(SQLModel):
+    """An incident as the API answers it (a tenant's view has other tenants' data removed)."""
+
+    id: str
+    kind: str
+    status: str
+    phase: str
+    node_ids: list[str]
+    suspected_component: str | None
+    category: str
+    summary: str
+    detected_at: datetime
+    pulled_at: datetime | None
+    stabilized_at: datetime | None
+    diagnosed_at: datetime | None
+    repaired_at: datetime | None
+    repaired_by: str | None
+    gated_at: datetime | None
+    closed_at: datetime | None
+    tenant_ids: list[str]
+    allocation_ids: list[str]
+    replacement_node_ids: list[str]
+    gpu_count: int
+    gpu_hours_lost: float
+    signals: list[dict]
+    actions: list[dict]
+    root_cause: str | None
+    follow_ups: list[str] | None
+    root_cause_by: str | None
+    root_cause_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class Incident(SQLModel, table=True):
+    """One incident (`docs/health.md`, "Incidents"): a health pull (later a correlated burst or
+    a breaker trip) followed from detection to the node's return (or RMA) by its workflow
+    (`workflows/incident.py`), which writes each phase's timestamp as the node's history shows
+    it, then the write-up. `workflow_id` is the idempotency key: a re-sent pull finds its row."""
+
+    __tablename__ = "incident"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    id: str = Field(unique=True, index=True)
+    workflow_id: str = Field(unique=True, max_length=300)
+    kind: str = "node"  # node | fleet
+    # open | resolved | rma | abandoned
+    status: str = Field(default="open", index=True)
+    # The phase awaited next: stabilize, diagnose, repair, gate; write_up; closed.
+    phase: str = "stabilize"
+    node_id: str | None = Field(default=None, index=True)  # a node incident's node
+    node_ids: list[str] = json_field()
+    suspected_component: str | None = None
+    category: str = "other"  # health.categories.FaultCategory
+    summary: str = ""
+    detected_at: datetime = Field(sa_type=UTCDateTime)
+    pulled_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    stabilized_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    diagnosed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    repaired_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    repaired_by: str | None = None  # the rung that fixed it
+    gated_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    closed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    # The tenant whose allocation held the node (what a tenant's listing filters on), and every
+    # tenant and allocation touched.
+    tenant_id: str | None = Field(default=None, index=True)
+    tenant_ids: list[str] = json_field()
+    allocation_ids: list[str] = json_field()
+    replacement_node_ids: list[str] = json_field()
+    gpu_count: int = 0
+    gpu_hours_lost: float = 0.0
+    signals: list[dict] = json_field()
+    actions: list[dict] = json_field()
+    # Written by an operator (`POST /v1/incidents/{id}/root-cause`).
+    root_cause: str | None = None
+    follow_ups: list[str] | None = Field(default=None, sa_column=sa.Column(sa.JSON, nullable=True))
+    root_cause_by: str | None = None
+    root_cause_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    write_up: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    created_at: datetime = timestamp_field()
+    updated_at: datetime = timestamp_field()

@@ -9,6 +9,7 @@ The names are the ones the workflow classes register (`@workflow.defn`, `@workfl
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 
 # Workflow types.
 ALLOCATION_WORKFLOW = "AllocationWorkflow"
@@ -21,6 +22,7 @@ TENANT_OFFBOARDING_WORKFLOW = "TenantOffboardingWorkflow"
 RECONCILE_SWEEP_WORKFLOW = "ReconcileSweepWorkflow"
 BILLING_CATCH_UP_WORKFLOW = "BillingCatchUpWorkflow"
 ROLLOUT_WORKFLOW = "RolloutWorkflow"
+INCIDENT_WORKFLOW = "IncidentWorkflow"
 
 # What a workflow id starts with, where the rest of it is the id of what the workflow is about
 # (`observability.logs` reads them back out of a workflow's id).
@@ -53,6 +55,12 @@ def bringup_workflow_id(node_ids: list[str], hold: str) -> str:
     """`bringup-<first node>-<count>-<digest of the nodes and the hold>`: one id per hold taken."""
     digest = hashlib.sha256("\n".join([hold, *sorted(node_ids)]).encode()).hexdigest()[:12]
     return f"bringup-{min(node_ids)}-{len(node_ids)}-{digest}"
+
+
+def incident_workflow_id(node_id: str, fault_at: datetime) -> str:
+    """`incident-<node>-<fault time in ms since the epoch>`: a pull sent again (by the API, then
+    by the reconciler) names the same fault, so it finds the incident the first one opened."""
+    return f"incident-{node_id}-{int(fault_at.timestamp() * 1000)}"
 
 
 def power_workflow_id(node_id: str, operation_id: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from gpucloud.health.pulls import HELD, PullDecision, PullKind, pulls, replace_at_once, stored_action
+from gpucloud.health.pulls import HELD, PullDecision, PullKind, pulling_since, pulls, replace_at_once, stored_action
 from gpucloud.models.messages import NodeOperationKind
 from gpucloud.models.node_states import NodeState, failure_target
 
@@ -64,6 +64,8 @@ class NodePlan:
     tenant_id: str | None = None
     allocation_id: str | None = None
     reasons: list[str] = field(default_factory=list)
+    # When the pull's cause began: the pulling conditions' `since`, or the silence of a host down.
+    since: datetime | None = None
 
     @property
     def empty(self) -> bool:
@@ -82,6 +84,7 @@ class NodePlan:
             allocation_id=self.allocation_id,
             reason="; ".join(self.reasons)[:1000],
             immediate=self.immediate,
+            since=self.since,
         )
 
 
@@ -198,15 +201,18 @@ def plan_node(
         if pulling or host_down:
             plan.pull = PullKind.REPLACE
             plan.immediate = host_down or replace_at_once(state, stored_action(pulling))
+            plan.since = pulling_since(pulling) or (node.last_heartbeat_at if host_down else None)
             reasons = [f"{c.get('name')}: {c.get('reason')}" for c in pulling] + ([down_reason] if host_down else [])
             plan.reasons.append("; ".join(reasons)[:900])
     elif state == NodeState.AVAILABLE and node.allocation_id is None and host_down:
         plan.start, plan.pull = Op.DRAIN, PullKind.DRAIN
         plan.reasons.append(f"{down_reason}: out of the pool, to be power-cycled through its BMC")
+        plan.since = node.last_heartbeat_at
     elif state == NodeState.AVAILABLE and node.allocation_id is None and _pulling(node):
         # Judged bad while an allocation held it, which let go before pulling it: drain it now.
         plan.start, plan.pull = Op.DRAIN, PullKind.DRAIN
         plan.reasons.append("health rules want it pulled; its allocation let go first")
+        plan.since = pulling_since(_pulling(node))
     elif needs_repair(state, health=node.health, maintenance=node.maintenance, reachable=reachable or host_down):
         plan.start = Op.REPAIR
         plan.reasons.append(

@@ -7,10 +7,17 @@ drain of a node no allocation holds is the reconciler's: a targeted sweep of tho
 it within the reconciler's limits (the reconciler itself starts its drains as it plans them, and
 hands only its replacements here). The intent is in the DB before either (the node cordoned,
 a drain requested), so a signal that is lost costs time, never the pull.
+
+Each pull also opens its incident (`workflows/incident.py`, `docs/health.md` "Incidents"),
+keyed by the node and the pulling condition's start, so the reconciler's re-sent pull joins the
+one the API's opened. An engine that does not take the start never fails the pull: it is
+logged, and the reconciler's next sweep that pulls the node (a replacement re-derived from the
+record) opens it then.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from datetime import datetime
@@ -18,13 +25,15 @@ from datetime import datetime
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from gpucloud.adapters.temporal_gateway import reconcile_now, signal_replace_node
+from gpucloud.adapters.temporal_gateway import reconcile_now, signal_replace_node, start_incident
 from gpucloud.config import Settings
-from gpucloud.health.pulls import PullDecision, PullKind
+from gpucloud.health.pulls import PullDecision, PullKind, pulling_since
+from gpucloud.models.incident_messages import IncidentInput
 from gpucloud.models.messages import ReplaceNodeRequest
+from gpucloud.models.workflow_ids import incident_workflow_id
 from gpucloud.protocol.reports import utc_now
 from gpucloud.services.health import HealthOutcome
-from gpucloud.services.workflow_engine import log_undelivered
+from gpucloud.services.workflow_engine import log_undelivered, waited_out
 from gpucloud.web import metrics
 
 log = logging.getLogger(__name__)
@@ -55,10 +64,50 @@ async def carry_out(
             await signal_replace_node(client, decision.allocation_id, replace_request(settings, decision))
         except RPCError as exc:
             undelivered.append((decision, exc))
+    await open_incidents(client, settings, decisions)
     drains = [d.node_id for d in decisions if d.kind == PullKind.DRAIN]
     if drains:
         await reconcile_now(client, settings, drains)
     return undelivered
+
+
+def incident_input(settings: Settings, decision: PullDecision) -> IncidentInput | None:
+    """The incident a pull opens; None for a pull whose fault has no moment to key it by."""
+    detected_at = decision.detected_at
+    if decision.kind == PullKind.NONE or detected_at is None:
+        return None
+    return IncidentInput(
+        node_id=decision.node_id,
+        detected_at=detected_at,
+        key_at=decision.since or detected_at,
+        reason=decision.reason[:1000],
+        allocation_id=decision.allocation_id if decision.kind == PullKind.REPLACE else None,
+        poll_s=settings.health.incident_poll_s,
+        max_wait_s=settings.health.incident_max_wait_s,
+    )
+
+
+async def open_incidents(client: Client, settings: Settings, decisions: Sequence[PullDecision]) -> list[str]:
+    """Start (or join) each pull's incident; the workflow ids started. Never raises for the
+    engine: a start it refused is logged and left to the reconciler's next pull of the node."""
+    opened = []
+    inputs = [inp for inp in (incident_input(settings, d) for d in decisions) if inp is not None]
+    for index, inp in enumerate(inputs):
+        try:
+            opened.append(await start_incident(client, settings, inp))
+        except Exception as exc:  # the pull stands without its record; the next pull opens it
+            workflow_id = incident_workflow_id(inp.node_id, inp.key_at or inp.detected_at)
+            if not isinstance(exc, RPCError):
+                log.warning("incident %s not opened (%s); the pull stands", workflow_id, exc)
+                continue
+            log_undelivered(log, exc, f"incident {workflow_id}", "the pull stands; the next pull opens it")
+            if waited_out(exc) and index + 1 < len(inputs):
+                # The engine does not answer: the rest would wait as long each, for the same.
+                log.warning(
+                    "%d more incidents not opened: the workflow engine does not answer", len(inputs) - index - 1
+                )
+                break
+    return opened
 
 
 def first_seen(items: Sequence) -> dict[str, datetime]:
@@ -81,7 +130,8 @@ async def act_on(
             continue
         if outcome.node_id in fault_at:
             metrics.FAULT_TO_CORDON.observe(max(0.0, (now - fault_at[outcome.node_id]).total_seconds()))
-        decisions.append(outcome.decision(fault_at=fault_at.get(outcome.node_id)))
+        decision = outcome.decision(fault_at=fault_at.get(outcome.node_id))
+        decisions.append(dataclasses.replace(decision, since=pulling_since(outcome.verdict.conditions)))
     for decision, exc in await carry_out(client, settings, decisions):
         what = f"replace signal for {decision.node_id} in {decision.allocation_id}"
         log_undelivered(log, exc, what, "the node is cordoned all the same")

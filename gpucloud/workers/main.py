@@ -29,6 +29,7 @@ from gpucloud.activities.evaluation import EvaluationActivities, EvaluationRunne
 from gpucloud.activities.fabric import FabricActivities
 from gpucloud.activities.faults import FaultHook
 from gpucloud.activities.host_agent import HostAgentActivities
+from gpucloud.activities.incidents import IncidentActivities
 from gpucloud.activities.ledger import LedgerActivities
 from gpucloud.activities.reconciler import ReconcilerActivities
 from gpucloud.activities.rollout import RolloutActivities
@@ -43,6 +44,7 @@ from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.billing_close import BillingCatchUpWorkflow, BillingCloseWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.evaluation import VersionEvaluationWorkflow
+from gpucloud.workflows.incident import IncidentWorkflow
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.power import NodePowerWorkflow
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
@@ -63,6 +65,7 @@ WORKFLOWS = [
     TenantOffboardingWorkflow,
     RolloutWorkflow,
     VersionEvaluationWorkflow,
+    IncidentWorkflow,
 ]
 
 
@@ -112,6 +115,7 @@ def build_worker(
                 config_drive_url=f"{settings.api_url}{CONFIG_DRIVE_PATH}",
             ).all(),
             *FabricActivities(cp.db, cp.fabric).all(),
+            *IncidentActivities(cp.db).all(),
             *tenant.all(),
             *TenantStorageActivities(cp.tenant_store, fault_hook=fault_hook).all(),
             *rollout.all(),

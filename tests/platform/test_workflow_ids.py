@@ -12,12 +12,13 @@ from temporalio import workflow
 
 from gpucloud.adapters import temporal_gateway
 from gpucloud.models import workflow_ids as ids
-from gpucloud.services import allocations, recovery, tenants
+from gpucloud.services import allocations, pulls, recovery, tenants
 from gpucloud.workflows import allocation_steps, billing_close
 from gpucloud.workflows import tenant as tenant_workflows
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.evaluation import VersionEvaluationWorkflow
+from gpucloud.workflows.incident import IncidentWorkflow
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 from gpucloud.workflows.power import NodePowerWorkflow
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
@@ -43,6 +44,7 @@ def _registered(cls: type) -> workflow._Definition:
         (ids.RECONCILE_SWEEP_WORKFLOW, ReconcileSweepWorkflow),
         (ids.BILLING_CATCH_UP_WORKFLOW, billing_close.BillingCatchUpWorkflow),
         (ids.ROLLOUT_WORKFLOW, RolloutWorkflow),
+        (ids.INCIDENT_WORKFLOW, IncidentWorkflow),
     ],
 )
 def test_each_workflow_name_is_the_registered_one(name: str, cls: type) -> None:
@@ -64,7 +66,7 @@ def test_every_name_constant_is_checked_above() -> None:
     """A name added to `workflow_ids` is added to the checks here too."""
     workflow_names = {v for k, v in vars(ids).items() if k.endswith("_WORKFLOW")}
     handler_names = {k for k in vars(ids) if k.endswith(("_SIGNAL", "_QUERY", "_UPDATE"))}
-    assert len(workflow_names) == 10
+    assert len(workflow_names) == 11
     assert handler_names == {
         "ALLOCATION_CANCEL_SIGNAL",
         "ALLOCATION_REPLACE_NODE_SIGNAL",
@@ -85,6 +87,7 @@ def test_the_ids_are_built_in_one_place() -> None:
     assert tenants.onboarding_workflow_id is ids.onboarding_workflow_id
     assert tenants.offboarding_workflow_id is ids.offboarding_workflow_id
     assert recovery.evaluation_workflow_id is ids.evaluation_workflow_id
+    assert pulls.incident_workflow_id is ids.incident_workflow_id
 
 
 def test_a_batch_nudge_has_the_same_id_in_every_process() -> None:
@@ -99,3 +102,12 @@ def test_a_batch_nudge_has_the_same_id_in_every_process() -> None:
     assert seen.pop().strip() == ids_of(["n3", "n1", "n2"])
     assert ids_of(["n1"]) == "reconcile-n1"
     assert ids_of(["n1", "n2"]) != ids_of(["n1", "n3"])
+
+
+def test_an_incident_id_names_the_node_and_the_fault_to_the_millisecond() -> None:
+    from datetime import UTC, datetime
+
+    at = datetime(2026, 1, 2, 3, 4, 5, 678_901, tzinfo=UTC)
+    assert ids.incident_workflow_id("n1", at) == f"incident-n1-{int(at.timestamp() * 1000)}"
+    assert ids.incident_workflow_id("n1", at) == ids.incident_workflow_id("n1", at.replace(microsecond=678_000))
+    assert ids.incident_workflow_id("n1", at) != ids.incident_workflow_id("n2", at)

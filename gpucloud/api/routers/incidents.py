@@ -1,0 +1,96 @@
+"""Incidents (`docs/health.md`, "Incidents"): the record of each health pull, from the first fault
+to the node's return (or RMA), with its write-up. An operator reads them all and writes the root
+cause and follow-ups; a tenant reads only the incidents that touched its allocations, with every
+other tenant's data removed (any other is the same 404 as a missing one)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import PlainTextResponse
+
+from gpucloud.api import pagination
+from gpucloud.api.auth import Caller
+from gpucloud.api.deps import CallerDep, DbDep, FleetOperatorDep, ReadsDep
+from gpucloud.models.api_schemas import IncidentPage, IncidentStatusName, RootCauseRequest
+from gpucloud.models.health_tables import Incident, IncidentPublic
+from gpucloud.services import incidents
+from gpucloud.web.problems import not_found
+
+router = APIRouter(prefix="/v1", tags=["incidents"])
+
+
+def _view(incident: Incident, caller: Caller) -> IncidentPublic:
+    if caller.is_operator:
+        return incidents.public(incident)
+    return incidents.for_tenant(incident, caller.tenant_id or "")
+
+
+def _visible(session, caller: Caller, incident_id: str) -> Incident:
+    try:
+        incident = incidents.get(session, incident_id)
+    except incidents.IncidentNotFound:
+        raise not_found("incident", incident_id) from None
+    if not caller.is_operator and not incidents.touches(incident, caller.tenant_id or ""):
+        raise not_found("incident", incident_id)
+    return incident
+
+
+@router.get("/incidents", response_model=IncidentPage)
+def list_incidents(
+    caller: CallerDep,
+    reads: ReadsDep,
+    page: pagination.PageDep,
+    status: Annotated[IncidentStatusName | None, Query(description="only incidents with this status")] = None,
+    node_id: Annotated[str | None, Query(max_length=128, description="only this node's incidents")] = None,
+):
+    """Incidents, oldest first (a tenant's: those that touched its allocations)."""
+    tenant = None if caller.is_operator else caller.tenant_id
+    with reads() as session:
+        rows, token = pagination.fetch(
+            session, Incident, "seq", page=page, equal={"tenant_id": tenant, "status": status, "node_id": node_id}
+        )
+        return IncidentPage(items=[_view(r, caller) for r in rows], next_page_token=token)
+
+
+@router.get("/incidents/{incident_id}", response_model=IncidentPublic)
+def get_incident(incident_id: str, caller: CallerDep, reads: ReadsDep):
+    with reads() as session:
+        return _view(_visible(session, caller, incident_id), caller)
+
+
+@router.get(
+    "/incidents/{incident_id}/write-up",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/markdown": {}}, "description": "the write-up, as Markdown"}},
+)
+def get_write_up(incident_id: str, caller: CallerDep, reads: ReadsDep):
+    """The incident's write-up (Markdown); an incident still open gets one written from where it stands."""
+    with reads() as session:
+        incident = _visible(session, caller, incident_id)
+        text = incidents.write_up_of(_view(incident, caller), incident.write_up, tenant_view=not caller.is_operator)
+    return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
+
+
+def _set_root_cause(incident_id: str, req: RootCauseRequest, operator: Caller, db) -> IncidentPublic:
+    with db.session() as session:
+        try:
+            incident = incidents.set_root_cause(
+                session, incident_id, root_cause=req.root_cause, follow_ups=req.follow_ups, actor=operator.actor
+            )
+        except incidents.IncidentNotFound:
+            raise not_found("incident", incident_id) from None
+        return incidents.public(incident)
+
+
+@router.post("/incidents/{incident_id}/root-cause", response_model=IncidentPublic)
+def post_root_cause(incident_id: str, req: RootCauseRequest, operator: FleetOperatorDep, db: DbDep):
+    """An operator's root cause and follow-ups (written again into a closed incident's write-up)."""
+    return _set_root_cause(incident_id, req, operator, db)
+
+
+@router.patch("/incidents/{incident_id}/root-cause", response_model=IncidentPublic)
+def patch_root_cause(incident_id: str, req: RootCauseRequest, operator: FleetOperatorDep, db: DbDep):
+    """As POST: the root cause replaced, the follow-ups too when given."""
+    return _set_root_cause(incident_id, req, operator, db)

@@ -1,0 +1,273 @@
+"""Incidents (`docs/health.md`, "Incidents"): the record of a health pull, from the first fault to
+the node's return to the pool (or RMA), kept by the incident workflow through the activities
+in `activities/incidents.py`, which call this module.
+
+`open_incident` finds or makes the row of a pull (its workflow id is the key: a re-sent pull
+finds the same row), `observe` reads the node's history and the allocation's events and writes
+each phase's timestamp as they show it (`health.incidents.phases`), `close` ends it and writes
+the write-up (`health.incident_writeup`). The API reads them (`public`, `for_tenant`: a tenant
+sees only incidents that touched its allocations, with every other tenant's data removed) and
+an operator writes the root cause and follow-ups (`set_root_cause`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from gpucloud.health import incidents as rules
+from gpucloud.health.incident_writeup import write_up
+from gpucloud.health.pulls import HELD, pulls, stored_action
+from gpucloud.models.allocation_states import TERMINAL_ALLOCATION
+from gpucloud.models.health_tables import AllocationEvent, Incident, IncidentPublic, XidEventRecord
+from gpucloud.models.incident_messages import IncidentInput
+from gpucloud.models.tables import Allocation, Node, NodeTransition, new_id, utcnow
+
+# The most history rows an incident reads and keeps (a node that flaps for a week keeps the first).
+MAX_STEPS = 500
+MAX_XIDS = 20
+MAX_ROOT_CAUSE = 10_000
+MAX_FOLLOW_UPS = 50
+
+
+class IncidentNotFound(LookupError):
+    pass
+
+
+def _pulling(conditions: Sequence[dict]) -> list[dict]:
+    return [c for c in conditions if pulls(stored_action([c]))]
+
+
+def _signals(session: Session, node: Node | None, detected_at: datetime) -> list[dict]:
+    """The conditions that pulled the node, then the XIDs it reported around the fault (no
+    tenant or allocation stamps: the record is shown to the tenant touched)."""
+    conditions = _pulling(node.health_conditions or []) if node is not None else []
+    kept = ("name", "reason", "since", "health", "action", "gpu_index", "xid")
+    found = [{k: c.get(k) for k in kept} for c in conditions]
+    if node is None:
+        return found
+    window = rules.CLOCK_SKEW
+    xids = session.exec(
+        select(XidEventRecord)
+        .where(
+            col(XidEventRecord.node_id) == node.id,
+            col(XidEventRecord.timestamp) >= detected_at - window,
+            col(XidEventRecord.timestamp) <= detected_at + window,
+        )
+        .order_by(col(XidEventRecord.timestamp))
+        .limit(MAX_XIDS)
+    ).all()
+    found += [
+        {
+            "name": f"xid_{x.xid}_event",
+            "reason": x.message[:500],
+            "since": x.timestamp.isoformat(),
+            "gpu_index": x.gpu_index,
+            "xid": x.xid,
+        }
+        for x in xids
+    ]
+    return found
+
+
+def open_incident(session: Session, *, workflow_id: str, inp: IncidentInput, now: datetime | None = None) -> Incident:
+    """The incident of this workflow: found, or made from the node's record as it is now."""
+    now = now or utcnow()
+    existing = session.exec(select(Incident).where(col(Incident.workflow_id) == workflow_id)).first()
+    if existing is not None:
+        return existing
+    node = session.get(Node, inp.node_id)
+    allocation_id = inp.allocation_id
+    if allocation_id is None and node is not None and node.state in HELD:
+        allocation_id = node.allocation_id
+    tenant_id = None
+    if allocation_id is not None:
+        allocation = session.exec(select(Allocation).where(col(Allocation.id) == allocation_id)).first()
+        tenant_id = allocation.tenant_id if allocation is not None else (node.tenant_id if node else None)
+    conditions = _pulling(node.health_conditions or []) if node is not None else []
+    category, component = rules.classify(conditions)
+    summary = inp.reason or (f"{conditions[0].get('name')}: {conditions[0].get('reason')}" if conditions else "")
+    incident = Incident(
+        id=new_id("inc"),
+        workflow_id=workflow_id,
+        kind=inp.kind,
+        node_id=inp.node_id,
+        node_ids=[inp.node_id],
+        suspected_component=component,
+        category=category.value,
+        summary=f"node {inp.node_id} pulled: {summary}"[:1000],
+        detected_at=inp.detected_at,
+        tenant_id=tenant_id,
+        tenant_ids=[tenant_id] if tenant_id else [],
+        allocation_ids=[allocation_id] if allocation_id else [],
+        gpu_count=node.gpu_count if node is not None else 0,
+        signals=_signals(session, node, inp.detected_at),
+        created_at=now,
+        updated_at=now,
+    )
+    try:
+        with session.begin_nested():
+            session.add(incident)
+    except IntegrityError:  # a concurrent open of the same workflow id: its row is as good
+        return session.exec(select(Incident).where(col(Incident.workflow_id) == workflow_id)).one()
+    return incident
+
+
+def get(session: Session, incident_id: str) -> Incident:
+    incident = session.exec(select(Incident).where(col(Incident.id) == incident_id)).first()
+    if incident is None:
+        raise IncidentNotFound(incident_id)
+    return incident
+
+
+def _history(session: Session, incident: Incident) -> tuple[list[rules.Step], list[rules.Replacement], datetime | None]:
+    since = incident.detected_at - rules.CLOCK_SKEW
+    transitions = session.exec(
+        select(NodeTransition)
+        .where(col(NodeTransition.node_id) == incident.node_id, col(NodeTransition.at) >= since)
+        .order_by(col(NodeTransition.seq))
+        .limit(MAX_STEPS)
+    ).all()
+    steps = [
+        rules.Step(at=t.at, event=t.event, from_state=t.from_state, to_state=t.to_state, cause=t.cause, actor=t.actor)
+        for t in transitions
+    ]
+    replacements: list[rules.Replacement] = []
+    ended_at = None
+    if incident.allocation_ids:
+        events = session.exec(
+            select(AllocationEvent).where(
+                col(AllocationEvent.allocation_id).in_(incident.allocation_ids),
+                col(AllocationEvent.kind) == "replaced",
+                col(AllocationEvent.node_id) == incident.node_id,
+                col(AllocationEvent.at) >= since,
+            )
+        ).all()
+        replacements = [
+            rules.Replacement(at=e.at, node_id=e.node_id or "", replacement_node_id=e.replacement_node_id)
+            for e in events
+        ]
+        allocations = session.exec(select(Allocation).where(col(Allocation.id).in_(incident.allocation_ids))).all()
+        if allocations and all(a.status in TERMINAL_ALLOCATION for a in allocations):
+            ended_at = max(a.updated_at for a in allocations)
+    return steps, replacements, ended_at
+
+
+def observe(session: Session, incident_id: str, *, now: datetime | None = None) -> tuple[Incident, rules.Phases]:
+    """Read the node's history again and write each phase the incident reached."""
+    now = now or utcnow()
+    incident = get(session, incident_id)
+    if incident.status != rules.IncidentStatus.OPEN:
+        return incident, rules.Phases()
+    steps, replacements, allocation_ended_at = _history(session, incident)
+    held = bool(incident.allocation_ids)
+    found = rules.phases(
+        node_id=incident.node_id or "",
+        detected_at=incident.detected_at,
+        held=held,
+        steps=steps,
+        replacements=replacements,
+        allocation_ended_at=allocation_ended_at,
+    )
+    incident.pulled_at = found.pulled_at
+    incident.stabilized_at = found.stabilized_at
+    incident.diagnosed_at = found.diagnosed_at
+    incident.repaired_at = found.repaired_at
+    incident.repaired_by = found.repaired_by
+    incident.gated_at = found.gated_at
+    incident.replacement_node_ids = [found.replacement_node_id] if found.replacement_node_id else []
+    end = found.ended_at
+    incident.actions = [s.as_action() for s in steps if end is None or s.at <= end]
+    incident.gpu_hours_lost = rules.gpu_hours_lost(
+        gpu_count=incident.gpu_count, detected_at=incident.detected_at, held=held, phases_=found, now=now
+    )
+    incident.phase = found.phase.value
+    incident.updated_at = now
+    session.add(incident)
+    return incident, found
+
+
+def close(session: Session, incident_id: str, *, abandoned: bool, now: datetime | None = None) -> Incident:
+    """End the incident as its history shows (resolved, RMA), or else (`abandoned`: the workflow
+    stopped waiting) as abandoned; write the write-up. Closing a closed incident changes nothing."""
+    now = now or utcnow()
+    incident, found = observe(session, incident_id, now=now)
+    if incident.status != rules.IncidentStatus.OPEN:
+        return incident
+    if found.ended is not None:
+        incident.status, incident.closed_at = found.ended.value, found.ended_at
+    else:  # closed before the history showed an end: the workflow stopped waiting
+        incident.status, incident.closed_at = rules.IncidentStatus.ABANDONED.value, now
+    incident.phase = rules.Phase.CLOSED.value
+    incident.write_up = write_up(public(incident))
+    incident.updated_at = now
+    session.add(incident)
+    return incident
+
+
+def set_root_cause(
+    session: Session,
+    incident_id: str,
+    *,
+    root_cause: str,
+    follow_ups: list[str] | None,
+    actor: str,
+    now: datetime | None = None,
+) -> Incident:
+    """An operator's root cause and follow-ups; a written write-up is written again with them."""
+    now = now or utcnow()
+    incident = get(session, incident_id)
+    incident.root_cause = root_cause
+    if follow_ups is not None:
+        incident.follow_ups = list(follow_ups)
+    incident.root_cause_by = actor
+    incident.root_cause_at = now
+    incident.updated_at = now
+    if incident.write_up is not None:
+        incident.write_up = write_up(public(incident))
+    session.add(incident)
+    return incident
+
+
+def public(incident: Incident) -> IncidentPublic:
+    return IncidentPublic.model_validate(incident, from_attributes=True)
+
+
+def touches(incident: Incident, tenant_id: str) -> bool:
+    return incident.tenant_id == tenant_id or tenant_id in (incident.tenant_ids or [])
+
+
+def for_tenant(incident: Incident, tenant_id: str) -> IncidentPublic:
+    """What the tenant sees: its own tenant id and allocations only (a node incident touches one
+    allocation, its tenant's), no other tenant's id in the signals or actions."""
+    view = public(incident)
+    own = incident.tenant_id == tenant_id
+    others = [t for t in view.tenant_ids if t != tenant_id]
+
+    def scrub(text: object) -> object:
+        if not isinstance(text, str):
+            return text
+        for other in others:
+            text = text.replace(other, "another tenant")
+        return text
+
+    return view.model_copy(
+        update={
+            "tenant_ids": [tenant_id],
+            "summary": scrub(view.summary),
+            "allocation_ids": view.allocation_ids if own else [],
+            "signals": [{k: scrub(v) for k, v in s.items()} for s in view.signals],
+            "actions": [{k: scrub(v) for k, v in a.items()} for a in view.actions],
+        }
+    )
+
+
+def write_up_of(view: IncidentPublic, stored: str | None, *, tenant_view: bool) -> str:
+    """The stored write-up (the operator's view of a closed incident), else one written now from
+    the view the caller may see (a tenant's, or an incident still open)."""
+    if stored is not None and not tenant_view:
+        return stored
+    return write_up(view)
