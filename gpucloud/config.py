@@ -31,7 +31,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 TASK_QUEUE = "gpucloud"
@@ -261,6 +261,14 @@ class AgentSettings(BaseModel):
     reading_s: float = Field(30.0, gt=0)
     # Simulate GPUs where NVML is absent (a dev machine only).
     allow_simulated: bool = False
+    # The kernel log followed for PCIe AER, NVRM and NIC lines (`agent/kernel_log.py`); empty:
+    # not followed (the InfiniBand ports are still sampled).
+    kernel_log: Path | None = Path("/dev/kmsg")
+
+    @field_validator("kernel_log", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: object) -> object:
+        return None if value == "" else value
     # The price-book GPU type (unset: from NVML's name).
     gpu_type: str | None = None
     # The bearer token Prometheus scrapes the agent's /metrics with (unset: off).

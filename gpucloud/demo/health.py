@@ -30,8 +30,9 @@ def _events_table(events: list[AllocationEventPublic]) -> Table:
     return table
 
 
-def demo_health(demo: Demo, tenant: Gpucloud, allocation_id: str, *, timeout_s: float = 180) -> None:
-    """Fail one node of the ready allocation and show it replaced; `timeout_s` bounds the waits."""
+def demo_health(demo: Demo, tenant: Gpucloud, allocation_id: str, *, timeout_s: float = 180) -> str:
+    """Fail one node of the ready allocation and show it replaced; `timeout_s` bounds the waits.
+    Returns the node pulled."""
     alloc = tenant.allocations.get(allocation_id)
     if alloc.status != "ready" or not alloc.node_ids:
         raise DemoFailed(
@@ -94,6 +95,7 @@ def demo_health(demo: Demo, tenant: Gpucloud, allocation_id: str, *, timeout_s: 
     if kinds[:1] != ["degraded"] or kinds[-2:] != ["replaced", "ready"]:
         raise DemoFailed(f"the tenant's events do not tell degraded ... replaced, ready: {kinds}")
     demo.console.print(_events_table(events))
+    return bad
 
 
 def _check_replacement(

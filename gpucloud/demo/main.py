@@ -28,6 +28,7 @@ from gpucloud.demo.billing import demo_invoice
 from gpucloud.demo.cleaning import show_reimage
 from gpucloud.demo.common import Demo, DemoFailed
 from gpucloud.demo.health import demo_health
+from gpucloud.demo.incidents import demo_incident
 from gpucloud.demo.power import demo_power_cycle
 from gpucloud.demo.rollout import demo_rollout
 from gpucloud.demo.ssh import TenantKey, demo_ssh, demo_ssh_refused
@@ -137,7 +138,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
 
     demo_tenants(demo, tenant, alloc_id)
     show_reconciler(demo, alloc_id, tenant.id)
-    demo_health(demo, acme, alloc_id)
+    pulled = demo_health(demo, acme, alloc_id)
     pushed = demo_weights(demo.console, demo.api_url, acme_key, data_dir)
     demo_rollout(demo, acme, alloc_id, production=pushed.production, bad=pushed.bad)
 
@@ -156,6 +157,7 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     states = Counter(n.state.value for n in demo.operator.nodes.list())
     demo.console.print(f"allocation [bold]released[/]; fleet: {dict(states)}")
     show_reimage(demo, held[0], seen=seen[held[0]], tenant=tenant.name)
+    demo_incident(demo, acme, pulled)
     _next_tenant(demo, held, want=len(held))
     demo_power_cycle(demo)
     demo_invoice(demo, acme, alloc_id)
@@ -184,6 +186,8 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool =
         agent={"sim_port": free_port(), "meter_interval_s": 1.0, "heartbeat_timeout_s": 6.0},
         bmc={"emulator_port": free_port(), "power_cycle_after_s": 8.0, "poll_s": 0.5, "boot_wait_s": 120.0},
         reconciler={"sweep_interval_s": 2.0},
+        # An incident reads its node's history every 2 s (30 s in production).
+        health={"incident_poll_s": 2.0},
         ledger={"port": free_port()},
         tracker={"url": f"http://127.0.0.1:{free_port()}"},
     )

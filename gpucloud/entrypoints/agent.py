@@ -11,7 +11,9 @@ from gpucloud import bootstrap
 from gpucloud.adapters.probe import detect_probe
 from gpucloud.agent.app import Agent, create_app
 from gpucloud.agent.host import HostState, read_boot_id, read_image_digest
+from gpucloud.agent.kernel_log import KernelLog
 from gpucloud.agent.reporting import AgentMetering, Reporter
+from gpucloud.agent.signals import SignalSampler
 from gpucloud.agent.ssh_keys import AuthorizedKeys
 from gpucloud.agent.tenant_weights import TenantWeights
 from gpucloud.agent.weights_api import health_from_probe
@@ -71,6 +73,7 @@ def serve(settings: Settings, *, ledger_url: str | None = None) -> None:
         enrollment_file=options.enrollment_file,
         ssh_user=options.ssh_user,
         authorized_keys=options.authorized_keys,
+        kernel_log=options.kernel_log,
     )
 
 
@@ -103,6 +106,7 @@ def main(
     enrollment_file: Path | None = None,
     ssh_user: str = "ubuntu",
     authorized_keys: Path | None = None,
+    kernel_log: Path | None = None,
 ) -> None:
     """Run the agent until stopped: `gpucloud agent` on a GPU node. It refuses to start without
     its node's credential (`gpa_<node id>.<secret>`), unless a re-imaged boot's config drive
@@ -170,7 +174,12 @@ def main(
         log.warning("no ledger URL: this node's usage is not metered")
     app = create_app(
         agent,
-        Reporter(agent, client, enrollment_file=enrollment_file),
+        Reporter(
+            agent,
+            client,
+            enrollment_file=enrollment_file,
+            signals=SignalSampler(node_id, kernel_lines=KernelLog(kernel_log)) if kernel_log else None,
+        ),
         control_plane=verifier,
         heartbeat_s=heartbeat_s,
         reading_s=reading_s,
