@@ -180,7 +180,10 @@ def observe(session: Session, incident_id: str, *, now: datetime | None = None) 
     incident.gated_at = found.gated_at
     incident.replacement_node_ids = [found.replacement_node_id] if found.replacement_node_id else []
     end = found.ended_at
-    incident.actions = [s.as_action() for s in steps if end is None or s.at <= end]
+    # What was done about it: from the pull on (the history read reaches back by the clock skew,
+    # which may hold the node's bring-up or its last tenant's release).
+    start = found.pulled_at or incident.detected_at
+    incident.actions = [s.as_action() for s in steps if s.at >= start and (end is None or s.at <= end)]
     incident.gpu_hours_lost = rules.gpu_hours_lost(
         gpu_count=incident.gpu_count, detected_at=incident.detected_at, held=held, phases_=found, now=now
     )

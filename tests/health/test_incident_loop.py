@@ -79,6 +79,9 @@ async def test_a_fatal_xid_on_an_allocated_node_is_one_incident_from_detection_t
     assert incident["gpu_hours_lost"] > 0
     assert any(s["name"] == "xid_79" for s in incident["signals"])
     assert [a["to"] for a in incident["actions"]][-1] == "available"
+    # What was done about it starts at the pull, not with the node's bring-up minutes before.
+    assert min(_at(a["at"]) for a in incident["actions"]) >= _at(incident["pulled_at"])
+    assert not any(a["event"] in ("inspect", "bmc_discover", "power_on") for a in incident["actions"])
 
     # The re-sent pull (the reconciler's sweep, the XID again) opens no second incident.
     assert len(h.operator.get("/v1/incidents", params={"node_id": bad}).json()["items"]) == 1
