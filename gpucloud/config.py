@@ -269,6 +269,7 @@ class AgentSettings(BaseModel):
     @classmethod
     def _empty_is_off(cls, value: object) -> object:
         return None if value == "" else value
+
     # The price-book GPU type (unset: from NVML's name).
     gpu_type: str | None = None
     # The bearer token Prometheus scrapes the agent's /metrics with (unset: off).
