@@ -35,7 +35,7 @@ from gpucloud.api.routers import (
 )
 from gpucloud.config import Settings
 from gpucloud.observability import tracing
-from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.services.workflow_engine import engine_error
 from gpucloud.web import problems
 from gpucloud.web.metrics import FleetCollector, RequestMetrics, install_metrics
 from gpucloud.web.readiness import (
@@ -88,7 +88,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         # A route that calls the engine and has nothing to undo lets its refusal come here: an
         # outage is still a 503 and a deployment's mistake still names itself (not "internal").
         what = f"a call of {request.method} {request.url.path}"
-        return problems.render(engine_problem(exc, what=what, left="what the request wrote before it stays"), request)
+        refusal = engine_error(exc, what=what, left="what the request wrote before it stays")
+        return problems.render(errors.problem_for(refusal), request)
 
     # Added innermost first. The gate finds who calls (and bounds the body: 413 on a declared
     # size at once; the rest as the route reads it, with the read deadline), admission gives the

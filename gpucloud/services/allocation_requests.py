@@ -29,7 +29,7 @@ from gpucloud.services import nodes as node_service
 from gpucloud.services import quotas
 from gpucloud.services.errors import Conflict, Invalid, QuotaExceeded, Unavailable
 from gpucloud.services.visibility import visible
-from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.services.workflow_engine import engine_error
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ async def create(
     except RPCError as exc:
         reason = f"could not start provisioning: {exc}"
         await to_thread.run_sync(functools.partial(undo_reservation, db, alloc, reason, deadline_scale=scale))
-        raise engine_problem(exc, what="the allocation", left="nothing was kept") from exc
+        raise engine_error(exc, what="the allocation", left="nothing was kept") from exc
     return alloc, op
 
 

@@ -36,7 +36,7 @@ from gpucloud.services.fleet import (
 )
 from gpucloud.services.nodes import enroll_nodes, held_for_bringup, lease_for_bringup
 from gpucloud.services.operations import start_for_operation
-from gpucloud.services.workflow_engine import engine_problem, log_undelivered
+from gpucloud.services.workflow_engine import engine_error, log_undelivered
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ async def enroll(db: Database, temporal: Client, settings: Settings, nodes: Sequ
     try:
         running = await running_node_operations(temporal, settings.temporal.task_queue)
     except RPCError as exc:
-        raise engine_problem(exc, what="the enrollment", left="nothing was enrolled") from exc
+        raise engine_error(exc, what="the enrollment", left="nothing was enrolled") from exc
     to_start, new, known, deferred = await to_thread.run_sync(_record_enrollment, db, settings, nodes, running)
     batches = await start_bringup_batches(temporal, settings, to_start)
     return EnrollResult(

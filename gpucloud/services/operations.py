@@ -11,7 +11,7 @@ from temporalio.service import RPCError
 
 from gpucloud.db import Database
 from gpucloud.models.tables import Operation, OperationStatus, utcnow
-from gpucloud.services.workflow_engine import engine_problem, waited_out
+from gpucloud.services.workflow_engine import engine_error, waited_out
 
 
 def record_done(
@@ -60,4 +60,4 @@ async def start_for_operation(start: Awaitable[object], db: Database, operation_
     except RPCError as exc:
         why = "is unreachable" if waited_out(exc) else "refused it"
         await asyncio.to_thread(settle, db, operation_id, error=f"the workflow engine {why}: {exc}")
-        raise engine_problem(exc, what=what, left="its operation failed and nothing will run it") from exc
+        raise engine_error(exc, what=what, left="its operation failed and nothing will run it") from exc

@@ -62,7 +62,7 @@ from gpucloud.services import operations
 from gpucloud.services.errors import Conflict, Invalid, NotFound
 from gpucloud.services.registry_models import model_row
 from gpucloud.services.registry_versions import resolve_version
-from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.services.workflow_engine import engine_error
 from gpucloud.web.problems import field_of
 
 # How many times a create looks again at allocations whose rollout changed under it.
@@ -252,7 +252,7 @@ async def _running(temporal: Client, rollout_id: str, claimed_at: datetime | Non
         if exc.status == RPCStatusCode.NOT_FOUND:
             starting = claimed_at is not None and (utcnow() - claimed_at).total_seconds() < ROLLOUT_START_GRACE_S
             return starting
-        raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
+        raise engine_error(exc, what="the rollout", left="nothing was started") from exc
 
 
 async def _claim(temporal: Client, db: Database, tenant_id: str, rollout_id: str, plan: _Plan, *, ready: bool) -> None:
@@ -329,7 +329,7 @@ async def create(
         await gateway.start_rollout(temporal, settings, inp, allocation_id=req.allocation_id)
     except RPCError as exc:
         await to_thread.run_sync(_release, db, rollout_id)
-        raise engine_problem(exc, what="the rollout", left="nothing was started") from exc
+        raise engine_error(exc, what="the rollout", left="nothing was started") from exc
     progress = RolloutProgress(rollout_id=rollout_id, tenant_id=tenant_id, model_version=plan.digest, phase="resolving")
     return Started(progress=progress, warnings=plan.warnings)
 
@@ -360,7 +360,7 @@ async def list_rollouts(
             temporal, tenant_id=tenant_id, page_size=page_size, next_page_token=next_page_token
         )
     except RPCError as exc:
-        raise engine_problem(exc, what="the rollouts", left="nothing changed") from exc
+        raise engine_error(exc, what="the rollouts", left="nothing changed") from exc
     items = [
         RolloutSummary(
             rollout_id=wf.id,

@@ -20,7 +20,7 @@ from gpucloud.services import operations
 from gpucloud.services import quotas as quota_service
 from gpucloud.services import tenants as tenant_service
 from gpucloud.services.errors import Conflict, NotFound
-from gpucloud.services.workflow_engine import engine_problem
+from gpucloud.services.workflow_engine import engine_error
 
 QUOTAS_OPERATION = "replace_quotas"
 
@@ -74,7 +74,7 @@ async def onboard(
         await start_tenant_onboarding(temporal, settings, created.id, created.operation.id)
     except RPCError as exc:
         await to_thread.run_sync(_discard, db, created.id)
-        raise engine_problem(exc, what="the onboarding", left="nothing was kept") from exc
+        raise engine_error(exc, what="the onboarding", left="nothing was kept") from exc
     return created
 
 
@@ -103,7 +103,7 @@ async def offboard(
     try:
         await start_tenant_offboarding(temporal, settings, tenant_id, op.id)
     except RPCError as exc:
-        raise engine_problem(
+        raise engine_error(
             exc, what="the offboarding", left="the offboarding is recorded and the next DELETE starts it"
         ) from exc
     return tenant, op

@@ -17,7 +17,7 @@ import logging
 
 from temporalio.service import RPCError, RPCStatusCode
 
-from gpucloud.web.problems import Problem, unavailable
+from gpucloud.services.errors import Broken, DomainError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +65,25 @@ def log_undelivered(logger: logging.Logger, exc: RPCError, what: str, meanwhile:
     logger.error("%s refused by the workflow engine: %s; %s; %s", what, cause, meanwhile, _fix(exc.status))
 
 
-def engine_problem(exc: RPCError, *, what: str, left: str) -> Problem:
-    """The answer to a call the engine refused: `what` names the call ("the onboarding"),
-    `left` what the request left behind and how to resend it ("nothing was kept")."""
+def engine_error(exc: RPCError, *, what: str, left: str) -> DomainError:
+    """The refusal to raise for a call the engine refused: `what` names the call ("the
+    onboarding"), `left` what the request left behind and how to resend it ("nothing was kept").
+    An outage is `Unavailable` (503, `Retry-After`); a deployment's mistake is `Broken` (500)
+    naming the engine's cause and the fix, logged at error level."""
     if waited_out(exc):
-        return unavailable("workflow-engine", f"the workflow engine did not take {what}; {left}; retry")
+        return Unavailable(
+            f"the workflow engine did not take {what}; {left}; retry",
+            type_="workflow-engine-unavailable",
+            retry_after_s=1,
+            retryable=True,
+        )
     cause = f"{exc.message.rstrip('.')} ({exc.status.name})"
     fix = _fix(exc.status)
     log.error("the workflow engine refused %s: %s; %s", what, cause, fix)
-    return Problem(
-        500,
-        "workflow-engine-misconfigured",
-        "Workflow service misconfigured",
+    return Broken(
         f"the workflow engine refused {what}: {cause}; {left}. This is the deployment's setup, not an "
         f"outage: {fix}, then send the request again",
+        type_="workflow-engine-misconfigured",
+        title="Workflow service misconfigured",
         retryable=False,
     )

@@ -10,10 +10,11 @@ import pytest
 from sqlmodel import col, select
 from temporalio.service import RPCError, RPCStatusCode
 
+from gpucloud.api.errors import problem_for
 from gpucloud.db import Database, migrate, session_scope
 from gpucloud.models.tables import Operation
+from gpucloud.services.errors import DomainError
 from gpucloud.services.operations import start_for_operation
-from gpucloud.web.problems import Problem
 
 pytestmark = pytest.mark.unit
 
@@ -45,10 +46,11 @@ def test_an_operation_the_engine_does_not_take_fails_with_a_503(tmp_path) -> Non
 
     asyncio.run(start_for_operation(started(), Database(url), taken, "the power action"))
     assert _status(url, taken) == ("running", None)
-    with pytest.raises(Problem) as answer:
+    with pytest.raises(DomainError) as raised:
         asyncio.run(start_for_operation(unreachable(), Database(url), refused, "the power action"))
-    assert answer.value.status == 503 and answer.value.headers["Retry-After"]
-    assert "did not take the power action" in answer.value.detail
+    answer = problem_for(raised.value)
+    assert answer.status == 503 and answer.headers["Retry-After"]
+    assert "did not take the power action" in answer.detail
     status, error = _status(url, refused)
     assert status == "failed" and "workflow engine is unreachable" in (error or "")
 
@@ -61,9 +63,10 @@ def test_an_operation_the_engine_refuses_for_good_fails_with_a_500_naming_why(tm
     async def unprepared() -> None:
         raise RPCError("Namespace gpucloud is not found.", RPCStatusCode.NOT_FOUND, b"")
 
-    with pytest.raises(Problem) as answer:
+    with pytest.raises(DomainError) as raised:
         asyncio.run(start_for_operation(unprepared(), Database(url), refused, "the power action"))
-    assert answer.value.status == 500 and "Retry-After" not in answer.value.headers
-    assert "refused the power action: Namespace gpucloud is not found" in answer.value.detail
+    answer = problem_for(raised.value)
+    assert answer.status == 500 and "Retry-After" not in answer.headers
+    assert "refused the power action: Namespace gpucloud is not found" in answer.detail
     status, error = _status(url, refused)
     assert status == "failed" and "the workflow engine refused it: Namespace gpucloud is not found" in (error or "")

@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 from temporalio.service import RPCError, RPCStatusCode
 
 from gpucloud.api.app import create_app
+from gpucloud.api.errors import problem_for
 from gpucloud.config import Settings
-from gpucloud.services.workflow_engine import engine_problem, log_undelivered
+from gpucloud.services.workflow_engine import engine_error, log_undelivered
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +35,9 @@ FOR_GOOD = [
 
 @pytest.mark.parametrize("status", WAITED_OUT)
 def test_an_engine_that_does_not_answer_is_waited_out(status: RPCStatusCode, caplog) -> None:
-    problem = engine_problem(RPCError("tcp connect error", status, b""), what="the onboarding", left="nothing was kept")
+    problem = problem_for(
+        engine_error(RPCError("tcp connect error", status, b""), what="the onboarding", left="nothing was kept")
+    )
     assert (problem.status, problem.headers["Retry-After"]) == (503, "1")
     assert problem.detail == "the workflow engine did not take the onboarding; nothing was kept; retry"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -42,7 +45,7 @@ def test_an_engine_that_does_not_answer_is_waited_out(status: RPCStatusCode, cap
 
 @pytest.mark.parametrize(("status", "message"), FOR_GOOD)
 def test_a_refusal_no_retry_fixes_names_its_cause_and_is_logged(status: RPCStatusCode, message: str, caplog) -> None:
-    problem = engine_problem(RPCError(message, status, b""), what="the onboarding", left="nothing was kept")
+    problem = problem_for(engine_error(RPCError(message, status, b""), what="the onboarding", left="nothing was kept"))
     assert (problem.status, problem.title, problem.extra["retryable"]) == (500, "Workflow service misconfigured", False)
     assert f"{message.rstrip('.')} ({status.name})" in problem.detail and "nothing was kept" in problem.detail
     assert "Retry-After" not in problem.headers and "retry" not in problem.detail.lower()
@@ -94,6 +97,6 @@ def test_an_update_no_worker_polls_for_is_waited_out_like_the_engine(caplog) -> 
     refusal = RPCError(
         "no poller seen for task queue recently, worker may be down", RPCStatusCode.FAILED_PRECONDITION, b""
     )
-    problem = engine_problem(refusal, what="the abort", left="the rollout is as it was")
+    problem = problem_for(engine_error(refusal, what="the abort", left="the rollout is as it was"))
     assert (problem.status, problem.headers["Retry-After"]) == (503, "1")
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
