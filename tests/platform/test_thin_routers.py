@@ -56,3 +56,21 @@ def test_the_check_sees_what_it_checks() -> None:
     service = ROUTERS.parent.parent / "services" / "rollout_requests.py"
     assert {"sqlmodel.select", "sqlalchemy"} <= set(_query_imports(service))
     assert len(list(ROUTERS.glob("*.py"))) > 10
+
+
+SERVICES = ROUTERS.parents[1] / "services"
+# What a service may take from the web layer's problem module: the helper that names a field.
+PROBLEM_HELPERS = {"field_of"}
+
+
+def test_services_refuse_with_domain_errors_not_problem_documents() -> None:
+    """A service says what was wrong with a domain error (`services/errors.py`); the API's one
+    handler turns it into a problem document. No service builds a `Problem` itself."""
+    offenders = []
+    for path in sorted(SERVICES.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "gpucloud.web.problems":
+                offenders += [f"{path.name}: {a.name}" for a in node.names if a.name not in PROBLEM_HELPERS]
+            elif isinstance(node, ast.ImportFrom) and node.module == "gpucloud.web":
+                offenders += [f"{path.name}: gpucloud.web.{a.name}" for a in node.names if a.name == "problems"]
+    assert offenders == []
