@@ -23,9 +23,9 @@ from gpucloud.models.node_states import NodeState, failure_target
 
 Op = NodeOperationKind
 
-# Conditions the reconciler owns on a node's health.
+# The condition the reconciler owns on a node's health. (A node whose agent reports it lost its
+# tenant's workload is `Node.drifted`, a column the sweep restores from, not a health condition.)
 AGENT_UNREACHABLE = "AgentUnreachable"
-AGENT_STATE_DRIFT = "AgentStateDrift"
 
 
 @dataclass(frozen=True)

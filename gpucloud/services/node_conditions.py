@@ -16,10 +16,10 @@ from sqlmodel import Session, col
 
 from gpucloud.health.verdict import HealthVerdict
 from gpucloud.models.tables import Node
-from gpucloud.reconciler.plan import AGENT_STATE_DRIFT, AGENT_UNREACHABLE
+from gpucloud.reconciler.plan import AGENT_UNREACHABLE
 
 # Conditions the reconciler owns on the node: a re-judgement of XIDs and readings keeps them.
-RECONCILER_CONDITIONS = frozenset({AGENT_UNREACHABLE, AGENT_STATE_DRIFT})
+RECONCILER_CONDITIONS = frozenset({AGENT_UNREACHABLE})
 
 
 def judged(node: Node, verdict: HealthVerdict) -> dict[str, object]:
