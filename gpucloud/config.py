@@ -312,8 +312,8 @@ class HealthSettings(BaseModel):
     breaker_max_pulled_share: float = 0.05
     breaker_window_s: float = 3600.0
     # Spare capacity (`services/spares.py`, `gpucloud fleet spares`, `GET /v1/fleet/spares`).
-    # A pool's failures (its automatic quarantine pulls) and node-hours are counted over this
-    # window.
+    # A pool's failures (its node incidents) and node-hours are counted over this window, and
+    # each rack's and pool's MTBF, MTTR and MTTS (`services/reliability.py`).
     spares_window_s: float = Field(30 * 86_400.0, gt=0)
     # A pulled node's mean turnaround (drain, reset ladder, burn-in, or RMA) until it is back in
     # its pool: how long a spare stands in for it.
@@ -330,7 +330,8 @@ class HealthSettings(BaseModel):
     # shorter record would only say "too little seen", not "fails more".
     spares_min_node_hours: float = Field(20_000.0, gt=0)
     # How often the reconciler's full sweep checks the pools: an operator alert for a pool short
-    # of spares (one until it recovers) and the `gpucloud_spares` gauges.
+    # of spares (one until it recovers), the `gpucloud_spares` gauges and the `gpucloud_mtbf_hours`,
+    # `gpucloud_mttr_seconds` and `gpucloud_mtts_seconds` gauges.
     spares_check_interval_s: float = Field(300.0, gt=0)
     # An incident reads its node's history this often, and waits this long for the node to come
     # back (or go to RMA) before it closes as abandoned (`workflows/incident.py`).

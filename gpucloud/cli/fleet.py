@@ -137,7 +137,8 @@ def spares(
 ) -> None:
     """Spare nodes per pool (GPU type/region): held now, needed so that a pulled node's
     replacement starts within the target at the probability shown, and the failure rate planned
-    on (measured from the pool's pulls, or the Llama 3 default until there are enough node-hours)."""
+    on (measured from the pool's node incidents, or the Llama 3 default until there are enough
+    node-hours)."""
     with reported_errors(), api_client(operator=True) as api:
         fleet = api.nodes.spares()
     if as_json or output == "json":

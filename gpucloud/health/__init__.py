@@ -15,6 +15,7 @@
 - `correlation`: faults behind one leaf switch, rack or PDU within a window as one fleet
   incident suspecting that component, and which node-level pulls it holds back.
 - `spares`: the spares a pool needs (a Poisson count of nodes out, a conservative failure rate).
+- `reliability`: MTBF, MTTR and MTTS per GPU type, region and rack, from the nodes' incidents.
 
 No module here reads a clock (callers pass `now`), and none does I/O but `read_ib_ports`.
 """

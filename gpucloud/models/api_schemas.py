@@ -391,7 +391,7 @@ class PoolSpares(BaseModel):
     spares_held: int  # available now: healthy, neither reserved, cordoned nor in maintenance
     spares_needed: int
     shortfall: int  # needed less held, at least 0
-    failures: int  # automatic quarantine pulls in the window
+    failures: int  # node incidents detected in the window (not abandoned unpulled)
     node_hours: float  # the pool's nodes' hours in the fleet within the window
     measured_per_node_hour: float | None  # failures / node_hours (None: no hours observed)
     failures_per_node_hour: float  # the rate planned on: see rate_source

@@ -5,8 +5,9 @@ too few.
 Per pool, over the window (`health.spares_window_s`, 30 days):
 
 - **nodes**: those in the fleet now (neither retired nor RMA, as the catalogue counts them);
-- **failures**: the automatic quarantine pulls the circuit breaker allowed (`QuarantinePull`),
-  attributed to the pulled node's pool (a tenant's budget key and the platform's both count);
+- **failures**: the node incidents detected within the window (`services/incidents.py`: every
+  health pull opens one), attributed to the node's pool, less those abandoned before the node
+  was ever pulled (`health.reliability`, the same count as the MTBF's);
 - **node-hours**: each node's hours in the fleet within the window, from its enrolment to now
   (to when it entered its state, for one that has left the fleet);
 - **rate**: with at least `health.spares_min_node_hours` observed, the pool's own record's
@@ -21,10 +22,11 @@ Per pool, over the window (`health.spares_window_s`, 30 days):
 
 `pool_spares` is the read (the API and CLI); `check_spares` is the periodic check the
 reconciler's full sweep runs every `health.spares_check_interval_s`: it sets the
-`gpucloud_spares{pool,kind}` gauges and keeps one open `spares_shortfall` operator alert per
-pool short of spares. The alert table has no "resolved" column: a pool that recovers (or has
-no nodes left) gets a `spares_recovered` record, and a pool's alert is open while its latest
-record of the two kinds is a shortfall.
+`gpucloud_spares{pool,kind}` gauges, and from the same record (`services/reliability.py`, read
+once) the MTBF, MTTR and MTTS gauges per rack and pool, and keeps one open `spares_shortfall`
+operator alert per pool short of spares. The alert table has no "resolved" column: a pool that
+recovers (or has no nodes left) gets a `spares_recovered` record, and a pool's alert is open
+while its latest record of the two kinds is a shortfall.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import sqlalchemy as sa
-from sqlmodel import Session, col, func, or_, select
+from sqlmodel import Session, col, func, select
 
 from gpucloud.config import Settings
 from gpucloud.health.spares import LLAMA3_405B_FAILURES_PER_NODE_HOUR, estimate_failure_rate, plan_spares
 from gpucloud.models.api_schemas import FleetSpares, PoolSpares, RateSource
-from gpucloud.models.health_tables import OperatorAlertRecord, QuarantinePull
+from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.tables import Node, utcnow
-from gpucloud.services.catalog import OUT_OF_FLEET, fleet_offers
+from gpucloud.services import reliability
+from gpucloud.services.catalog import fleet_offers
 from gpucloud.services.health import pool_of
 from gpucloud.web import metrics
 
@@ -91,12 +94,17 @@ def pool_name(gpu_type: str, region: str) -> str:
 
 def pool_spares(session: Session, *, now: datetime | None = None, policy: SparesPolicy = DEFAULT_POLICY) -> FleetSpares:
     """Every pool with nodes in the fleet: its record over the window, the rate planned on, the
-    spares it needs and holds. Reads only: aggregates over the node table and the window's pulls."""
+    spares it needs and holds. Reads only: aggregates over the node table and the window's
+    incidents."""
     now = now or utcnow()
-    start = now - policy.window
+    record = reliability.read_record(session, start=now - policy.window, now=now)
+    return _pools(session, record, policy)
+
+
+def _pools(session: Session, record: reliability.Record, policy: SparesPolicy) -> FleetSpares:
     offers = fleet_offers(session)
-    hours = _node_hours(session, start=start, now=now)
-    failures = _failures(session, start=start)
+    hours = record.pool_node_hours()
+    failures = record.pool_failures()
     pools = []
     for offer in offers:
         key = (offer.gpu_type, offer.region)
@@ -111,7 +119,7 @@ def pool_spares(session: Session, *, now: datetime | None = None, policy: Spares
                 policy=policy,
             )
         )
-    return FleetSpares(at=now, window_s=policy.window.total_seconds(), pools=pools)
+    return FleetSpares(at=record.now, window_s=policy.window.total_seconds(), pools=pools)
 
 
 def _plan(
@@ -152,50 +160,6 @@ def _plan(
     )
 
 
-def _node_hours(session: Session, *, start: datetime, now: datetime) -> dict[tuple[str, str], float]:
-    """Per pool, its nodes' hours in the fleet within [start, now]. The nodes in the fleet the
-    whole window are counted in SQL; only those enrolled within it or gone since its start (few)
-    are read one by one."""
-    window_hours = (now - start).total_seconds() / _HOUR
-    hours: dict[tuple[str, str], float] = {}
-    whole = session.exec(
-        select(col(Node.gpu_type), col(Node.region), func.count())
-        .where(col(Node.state).not_in(OUT_OF_FLEET), col(Node.created_at) <= start)
-        .group_by(col(Node.gpu_type), col(Node.region))
-    ).all()
-    for gpu_type, region, count in whole:
-        hours[(gpu_type, region)] = count * window_hours
-    partial = session.execute(
-        sa.select(
-            col(Node.gpu_type), col(Node.region), col(Node.state), col(Node.created_at), col(Node.state_entered_at)
-        ).where(
-            or_(
-                col(Node.created_at) > start,
-                sa.and_(col(Node.state).in_(OUT_OF_FLEET), col(Node.state_entered_at) > start),
-            )
-        )
-    ).all()
-    for gpu_type, region, state, created_at, left_at in partial:
-        begin = max(created_at, start)
-        end = min(left_at, now) if state in OUT_OF_FLEET else now
-        if end > begin:
-            key = (gpu_type, region)
-            hours[key] = hours.get(key, 0.0) + (end - begin).total_seconds() / _HOUR
-    return hours
-
-
-def _failures(session: Session, *, start: datetime) -> dict[tuple[str, str], int]:
-    """Per pool, the automatic pulls since `start`, by the pulled node's GPU type and region."""
-    rows = session.exec(
-        select(col(Node.gpu_type), col(Node.region), func.count())
-        .select_from(QuarantinePull)
-        .join(Node, col(Node.id) == col(QuarantinePull.node_id))
-        .where(col(QuarantinePull.at) > start)
-        .group_by(col(Node.gpu_type), col(Node.region))
-    ).all()
-    return {(gpu_type, region): int(count) for gpu_type, region, count in rows}
-
-
 @dataclass
 class SparesCheck:
     spares: FleetSpares
@@ -206,13 +170,16 @@ class SparesCheck:
 def check_spares(
     session: Session, *, now: datetime | None = None, policy: SparesPolicy = DEFAULT_POLICY
 ) -> SparesCheck:
-    """The periodic check: the gauges, an alert for each pool newly short of spares, and a
-    recovery record for each whose alert is open and that holds enough again (or has no nodes
-    left). A pool already alerted and still short gets nothing new."""
+    """The periodic check: the gauges (spares, and MTBF, MTTR and MTTS from the same record),
+    an alert for each pool newly short of spares, and a recovery record for each whose alert is
+    open and that holds enough again (or has no nodes left). A pool already alerted and still
+    short gets nothing new."""
     now = now or utcnow()
     if session.get_bind().dialect.name == "postgresql":
         session.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CHECK_LOCK})
-    spares = pool_spares(session, now=now, policy=policy)
+    record = reliability.read_record(session, start=now - policy.window, now=now)
+    spares = _pools(session, record, policy)
+    reliability.set_gauges(record.reliability())
     check = SparesCheck(spares=spares)
     open_alerts = open_shortfalls(session)
     by_pool = {p.pool: p for p in spares.pools}

@@ -11,6 +11,9 @@ Each process records what it sees, in the process's default registry:
 | `gpucloud_health_fault_to_pulled_seconds` | worker: the fault to the node out of its allocation |
 | `gpucloud_reconciler_sweep_seconds`, `gpucloud_reconciler_sweep_nodes{kind}` | worker, each sweep |
 | `gpucloud_spares{pool,kind}` | worker: spare nodes a pool needs (`needed`) and holds (`held`), each spares check |
+| `gpucloud_mtbf_hours{gpu_type,region,rack}` | worker: node-hours per node failure, each spares check |
+| `gpucloud_mttr_seconds{gpu_type,region,rack}` | worker: mean fault to gated (back in the pool), each spares check |
+| `gpucloud_mtts_seconds{gpu_type,region,rack}` | worker: mean fault to stabilized (`rack=""`: the pool), each check |
 | `gpucloud_ledger_usage_samples_total{outcome}` | ledger, each ingested batch |
 | `gpucloud_ledger_usage_rejected_total{reason}` | ledger, each rejected sample (`ledger/rejections.py`) |
 | `gpucloud_agent_spool_pending_samples`, `gpucloud_agent_spool_lag_seconds` | agent's shipper |
@@ -81,6 +84,27 @@ SPARES = Gauge(
     "gpucloud_spares",
     "Spare nodes a pool (GPU type/region) needs (kind=needed) and holds (kind=held), at the last spares check",
     ["pool", "kind"],
+    multiprocess_mode="livemax",
+)
+# Per GPU type, region and rack, over the spares window (`health/reliability.py`); rack="" is
+# the GPU type and region's rollup. A place without failures (repairs) has no MTBF (MTTR) series.
+_PLACE = ["gpu_type", "region", "rack"]
+MTBF_HOURS = Gauge(
+    "gpucloud_mtbf_hours",
+    "Node-hours in the fleet per node failure (node incident) over the spares window, at the last spares check",
+    _PLACE,
+    multiprocess_mode="livemax",
+)
+MTTR_SECONDS = Gauge(
+    "gpucloud_mttr_seconds",
+    "Mean fault-to-gated (back in the pool) time of the node incidents gated in the spares window",
+    _PLACE,
+    multiprocess_mode="livemax",
+)
+MTTS_SECONDS = Gauge(
+    "gpucloud_mtts_seconds",
+    "Mean fault-to-stabilized time of the node incidents stabilized in the spares window",
+    _PLACE,
     multiprocess_mode="livemax",
 )
 LEDGER_SAMPLES = Counter("gpucloud_ledger_usage_samples", "Usage samples the ledger took", ["outcome"])

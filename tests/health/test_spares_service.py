@@ -17,9 +17,9 @@ from gpucloud.activities.reconciler import ReconcilerActivities
 from gpucloud.config import Settings
 from gpucloud.db import Database, migrate, session_scope
 from gpucloud.health.spares import LLAMA3_405B_FAILURES_PER_NODE_HOUR, estimate_failure_rate, plan_spares
-from gpucloud.models.health_tables import OperatorAlertRecord, QuarantinePull
+from gpucloud.models.health_tables import Incident, OperatorAlertRecord
 from gpucloud.models.messages import SweepResult
-from gpucloud.models.tables import Node
+from gpucloud.models.tables import Node, new_id
 from gpucloud.services import spares
 from support.nodes import enroll
 
@@ -54,9 +54,26 @@ def _set(db_url: str, node_id: str, **values) -> None:
         session.add(node)
 
 
-def _pulls(db_url: str, node_ids: list[str], *, ago: timedelta, pool: str = POOL) -> None:
+def _incidents(
+    db_url: str, node_ids: list[str], *, ago: timedelta, kind: str = "node", status: str = "resolved", pulled=True
+) -> None:
+    """An incident per node, detected `ago` (pulled a minute later unless `pulled` is false)."""
+    at = NOW - ago
     with session_scope(db_url) as session:
-        session.add_all(QuarantinePull(pool=pool, node_id=n, at=NOW - ago) for n in node_ids)
+        for node_id in node_ids:
+            incident_id = new_id("inc")
+            session.add(
+                Incident(
+                    id=incident_id,
+                    workflow_id=f"incident-{incident_id}",
+                    kind=kind,
+                    status=status,
+                    node_id=node_id,
+                    node_ids=[node_id],
+                    detected_at=at,
+                    pulled_at=at + timedelta(minutes=1) if pulled else None,
+                )
+            )
 
 
 def _fleet(db_url: str, policy: spares.SparesPolicy = spares.DEFAULT_POLICY):
@@ -94,16 +111,22 @@ def test_a_pool_with_enough_node_hours_plans_on_its_own_upper_bound(db_url) -> N
     _nodes(db_url, "new", 1, age=timedelta(days=10))
     [gone] = _nodes(db_url, "gone", 1, age=timedelta(days=60), state="rma")
     _set(db_url, gone, state_entered_at=NOW - timedelta(days=5))  # in the fleet for 25 days of the 30
-    _pulls(db_url, [*old[:4], gone], ago=timedelta(days=7))
-    _pulls(db_url, [old[4]], ago=timedelta(days=7), pool=f"{POOL} tenant t1")  # a tenant's budget: counted too
-    _pulls(db_url, old[5:9], ago=timedelta(days=31))  # before the window
+    _incidents(db_url, [*old[:3], gone], ago=timedelta(days=7))
+    _incidents(db_url, [old[3]], ago=timedelta(days=7), status="rma")
+    _incidents(db_url, [old[4]], ago=timedelta(hours=1), status="open")  # still open: detected, counted
+    # The workflow stopped waiting after the node was pulled: a failure all the same.
+    _incidents(db_url, [old[5]], ago=timedelta(days=20), status="abandoned")
+    # Not failures: abandoned before the node was ever pulled; a fleet incident; before the window.
+    _incidents(db_url, [old[6]], ago=timedelta(days=3), status="abandoned", pulled=False)
+    _incidents(db_url, [old[7]], ago=timedelta(days=3), kind="fleet")
+    _incidents(db_url, old[8:12], ago=timedelta(days=31))
     (pool,) = _fleet(db_url).pools
     hours = 100 * 720 + 240 + 600
-    assert pool.nodes == 101 and pool.failures == 6  # the RMA'd node is out of the fleet, its failure in
+    assert pool.nodes == 101 and pool.failures == 7  # the RMA'd node is out of the fleet, its failure in
     assert pool.node_hours == pytest.approx(hours)
     assert pool.rate_source == "measured"
-    assert pool.measured_per_node_hour == pytest.approx(6 / hours)
-    upper = estimate_failure_rate(failures=6, node_hours=hours).upper_per_node_hour
+    assert pool.measured_per_node_hour == pytest.approx(7 / hours)
+    upper = estimate_failure_rate(failures=7, node_hours=hours).upper_per_node_hour
     assert pool.failures_per_node_hour == pytest.approx(upper)
     plan = plan_spares(pool=POOL, nodes=101, spares_held=0, repair_hours=72, failures_per_node_hour=upper)
     assert pool.spares_needed == plan.spares_needed and pool.expected_out == pytest.approx(plan.expected_out)
