@@ -116,9 +116,22 @@ def recent_faults(session: Session, *, now: datetime, policy: CorrelationPolicy)
             col(SignalObservationRecord.signal).in_(_PULLING_SIGNALS),
         )
     ).all()
-    return [FaultObservation(node_id=n, at=at, signal=f"xid_{xid}") for n, at, xid in xids] + [
+    faults = [FaultObservation(node_id=n, at=at, signal=f"xid_{xid}") for n, at, xid in xids] + [
         FaultObservation(node_id=n, at=at, signal=signal) for n, at, signal in signals
     ]
+    # What a resolved incident dealt with makes no new burst (nor does it with a later fault).
+    resolved = dict(
+        session.exec(
+            select(NodeTransition.node_id, sa.func.max(NodeTransition.at))
+            .where(
+                col(NodeTransition.node_id).in_(sorted({f.node_id for f in faults})),
+                col(NodeTransition.event) == RESOLVED_EVENT,
+                col(NodeTransition.at) >= since,
+            )
+            .group_by(col(NodeTransition.node_id))
+        ).all()
+    )
+    return [f for f in faults if f.node_id not in resolved or f.at > resolved[f.node_id]]
 
 
 def correlation_now(session: Session, *, now: datetime, policy: CorrelationPolicy) -> Correlation:

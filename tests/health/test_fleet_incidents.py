@@ -127,7 +127,7 @@ def test_resolving_returns_the_nodes_to_normal_judgement(db_url):
     now = datetime.now(UTC)
     _signals(db_url, [_link_down(n, now) for n in a], now)
     (incident,) = _incidents(db_url)
-    later = now + timedelta(minutes=10)
+    later = now + timedelta(minutes=1)  # inside the correlation window of the burst
     with session_scope(db_url) as session:
         record = fleet_incidents.resolve(session, incident.id, actor="operator:alice", now=later, note="leaf replaced")
         session.flush()
@@ -142,7 +142,8 @@ def test_resolving_returns_the_nodes_to_normal_judgement(db_url):
         "operator:alice",
         "leaf replaced",
     )
-    # Resolving again changes nothing; a fault after it is judged alone: a fatal XID pulls.
+    # Resolving again changes nothing; a fault after it is judged alone (what the incident dealt
+    # with makes no new burst with it): a fatal XID, a port down, each pulls.
     with session_scope(db_url) as session:
         assert fleet_incidents.resolve(session, incident.id, actor="x", now=later).resolved_by == "operator:alice"
     fatal = XidEvent(node_id=a[0], xid=79, gpu_index=0, timestamp=later + timedelta(seconds=1))
@@ -151,5 +152,7 @@ def test_resolving_returns_the_nodes_to_normal_judgement(db_url):
             session, [fatal], source="agent", now=later + timedelta(seconds=2), breaker=ALLOW_ALL
         )
     assert outcome.pull == PullKind.DRAIN
+    again = _signals(db_url, [_link_down(a[1], later + timedelta(seconds=3))], later + timedelta(seconds=4))
+    assert again[a[1]].pull == PullKind.DRAIN and len(_incidents(db_url)) == 1
     with pytest.raises(fleet_incidents.IncidentNotFound), session_scope(db_url) as session:
         fleet_incidents.resolve(session, "fi-missing", actor="x", now=later)
