@@ -337,6 +337,12 @@ class HealthSettings(BaseModel):
     # back (or go to RMA) before it closes as abandoned (`workflows/incident.py`).
     incident_poll_s: float = Field(30.0, gt=0)
     incident_max_wait_s: float = Field(7 * 86_400.0, gt=0)
+    # Correlated faults (`health/correlation.py`): this many nodes (or this share of those behind
+    # it, if more) behind one leaf switch, rack or PDU faulting within the window are one fleet
+    # incident that suspects the component, and their node-level pulls are held.
+    correlation_window_s: float = Field(300.0, gt=0)
+    correlation_min_nodes: int = Field(3, ge=2)
+    correlation_min_share: float = Field(0.0, ge=0, le=1)
 
 
 class TenantSettings(BaseModel):

@@ -91,7 +91,8 @@ def serve_fleet(
             control_token=settings.operator_token,
             fault_model=fault_model,
             fault_time_scale=fault_time_scale,
-            fault_report_url=settings.api_url if fault_model is not None else None,
+            # The fault model's reports and a failed switch's nodes' (`/v1/faults/switch_down`).
+            fault_report_url=settings.api_url,
             faults_paused=faults_paused,
             heartbeat_interval_s=heartbeat_interval,
             metering=metering,

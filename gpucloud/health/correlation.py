@@ -28,16 +28,17 @@ RMA, though nothing is wrong with it, and the operator is told about N nodes ins
 The result depends only on the set of observations: input order and exact duplicates change
 nothing.
 
-How the circuit breaker (`health/breaker.py`) becomes topology-aware with this (a later slice):
-today it sees only pulls per pool (per owner) and refuses beyond `max_pulled_share`, so a switch
-behind 16 nodes spends a pool's whole budget on nodes that are fine, leaves a really broken node
-elsewhere unpulled for the breaker's window, and the alert names a pool, not the switch. The
-health service would run `correlate` over the pool's recent faults (the breaker's window of them)
-before asking the breaker; a node whose pull is suppressed does not ask it at all (it spends no
-budget and counts toward no lemon episode), each `FleetIncident` becomes one operator alert naming
-the component to look at, and only the faults left node-level go to `request_quarantine`. The
-breaker stays as the backstop for shared causes the topology cannot see (a driver rollout, a bug in
-the rules), and `BreakerState` needs no change.
+How the circuit breaker (`health/breaker.py`) becomes topology-aware with this
+(`services/fleet_incidents.py`, asked by `services/health.py` before the breaker): alone it sees
+only pulls per pool (per owner) and refuses beyond `max_pulled_share`, so a switch behind 16 nodes
+would spend a pool's whole budget on nodes that are fine, leave a really broken node elsewhere
+unpulled for the breaker's window, and name a pool, not the switch. The health service runs
+`correlate` over the fleet's recent faults (the correlation window of them) before asking the
+breaker; a node whose pull is suppressed does not ask it at all (it spends no budget), each
+`FleetIncident` becomes one fleet incident and one operator alert naming the component to look at,
+and only the faults left node-level go to `request_quarantine`. The breaker stays as the backstop
+for shared causes the topology cannot see (a driver rollout, a bug in the rules), and
+`BreakerState` needs no change.
 
 Pure: no I/O, no clock.
 """

@@ -20,6 +20,7 @@ from gpucloud.models.catalog import (
 )
 from gpucloud.models.health_tables import (
     AllocationEventPublic,
+    FleetIncidentPublic,
     IncidentPublic,
     OperatorAlertPublic,
 )
@@ -603,6 +604,23 @@ class RootCauseRequest(BaseModel):
     follow_ups: list[Annotated[str, Field(min_length=1, max_length=500)]] | None = Field(
         None, max_length=50, description="what is to be done so it does not happen again"
     )
+
+
+class FleetIncidentPage(BaseModel):
+    items: list[FleetIncidentPublic]
+    next_page_token: str
+
+
+class FleetIncidentResolve(BaseModel):
+    """What the operator found and fixed (recorded with the incident and in its nodes' history)."""
+
+    note: str = Field("", max_length=1000)
+
+
+class FleetIncidentResolved(BaseModel):
+    incident: FleetIncidentPublic
+    # The nodes it held, judged again: their decisions on what came after it.
+    decisions: list[HealthDecision]
 
 
 # ---------------------------------------------------------------- billing

@@ -41,7 +41,11 @@ class SignalObservationRecord(SQLModel, table=True):
     window those of signals below drain level (`health.signals.SIGNAL_TABLE`)."""
 
     __tablename__ = "signal_observation"
-    __table_args__ = (sa.Index("ix_signal_observation_node_time", "node_id", "at"),)
+    __table_args__ = (
+        sa.Index("ix_signal_observation_node_time", "node_id", "at"),
+        # The fleet's recent faults, for correlation (`services/fleet_incidents.py`).
+        sa.Index("ix_signal_observation_at", "at"),
+    )
 
     seq: int | None = Field(default=None, primary_key=True)
     node_id: str
@@ -117,6 +121,50 @@ class OperatorAlertRecord(SQLModel, table=True):
     node_id: str | None = None
     reason: str
     at: datetime = timestamp_field()
+
+
+class FleetIncidentPublic(SQLModel):
+    id: str
+    component_kind: str
+    component_id: str
+    component_size: int
+    node_ids: list[str]
+    signals: list[str]
+    first_at: datetime
+    last_at: datetime
+    reason: str
+    status: str
+    opened_at: datetime
+    resolved_at: datetime | None
+    resolved_by: str | None
+    resolution: str
+
+
+class FleetIncidentRecord(SQLModel, table=True):
+    """Faults on several nodes behind one leaf switch, rack or PDU within the correlation window:
+    one incident that suspects the shared component (`health.correlation.FleetIncident`). While
+    it is open its nodes (`Node.fleet_incident_id`) are cordoned but not pulled, repaired or
+    power-cycled; an operator resolves it, which returns them to normal judgement."""
+
+    __tablename__ = "fleet_incident"
+    __table_args__ = (sa.Index("ix_fleet_incident_component", "component_kind", "component_id", "status"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    component_kind: str  # health.correlation.ComponentKind
+    component_id: str
+    component_size: int  # nodes behind the component when it opened
+    node_ids: list[str] = json_field()
+    # The nodes the incident cordoned itself (uncordoned again when it is resolved).
+    cordoned: list[str] = json_field()
+    signals: list[str] = json_field()
+    first_at: datetime = Field(sa_type=UTCDateTime)
+    last_at: datetime = Field(sa_type=UTCDateTime)
+    reason: str
+    status: str = Field(default="open", index=True)  # open | resolved
+    opened_at: datetime = timestamp_field()
+    resolved_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    resolved_by: str | None = None
+    resolution: str = ""
 
 
 class AllocationEventPublic(SQLModel):

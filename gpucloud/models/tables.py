@@ -73,6 +73,11 @@ class NodeBase(SQLModel):
         min_length=1, max_length=128, description="Fabric domain: the InfiniBand pod the node's ports sit in"
     )
     rack: str = Field(min_length=1, max_length=128)
+    # Where else the node sits, from the operator's inventory (the simulated fleet reports its
+    # own): the leaf switch its fabric ports hang off and the PDU that feeds it. Fleet incidents
+    # (`services/fleet_incidents.py`) suspect what several faulting nodes share. None: not known.
+    leaf_switch: str | None = Field(default=None, max_length=128, description="the leaf switch its ports hang off")
+    pdu: str | None = Field(default=None, max_length=128, description="the power distribution unit that feeds it")
     gpu_type: str = Field(min_length=1, max_length=64)
     gpu_count: int = Field(ge=1, le=72)
     nvlink_domain: str | None = Field(default=None, max_length=128)
@@ -128,6 +133,7 @@ class NodePublic(NodeBase):
     power_state: str | None
     bmc_last: dict
     hardware: dict
+    fleet_incident_id: str | None
     created_at: datetime
     updated_at: datetime
 
@@ -164,6 +170,9 @@ class Node(NodeBase, table=True):
     hardware: dict = json_field(dict)
     # The agent's report disagrees with the record (e.g. an active node that was wiped).
     drifted: bool = Field(default=False, index=True)
+    # The open fleet incident that holds the node (`services/fleet_incidents.py`): a shared
+    # component is suspected, so it is cordoned but neither pulled, repaired nor power-cycled.
+    fleet_incident_id: str | None = Field(default=None, max_length=64, index=True)
     # Per-node backoff of the reconciler's attempts.
     reconcile_attempts: int = 0
     next_reconcile_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

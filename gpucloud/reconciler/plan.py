@@ -10,6 +10,11 @@ goes silent together, the likelier cause is the control plane itself (an overloa
 answers every agent 503, a partition), and power-cycling the fleet would turn that outage into a
 real one. So, as the circuit breaker does for health pulls, the sweep then holds every power
 action and raises an operator alert until the silence clears.
+
+A node inside an open fleet incident (`fleet_incident_id`: a leaf switch, rack or PDU is
+suspected, `services/fleet_incidents.py`) is left where it is: its health conditions pull
+nothing, and it is neither repaired nor power-cycled until an operator resolves the incident.
+Deadlines, reachability and an operator's own drain still apply.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class NodeSnapshot:
     # Its agent credential was revoked when its allocation ended: it cannot report until its
     # next wipe, so its silence says nothing about the host.
     reports_revoked: bool = False
+    # The open fleet incident that holds it: no pull, repair or power cycle.
+    fleet_incident_id: str | None = None
 
 
 @dataclass
@@ -178,8 +185,10 @@ def plan_node(
     # A host silent this long is down (hung or off): with a BMC it is pulled, then power-cycled
     # by the repair ladder (without one it waits for its agent, as there is nothing to act with).
     # Not while the fleet's silence is suspect (`hold_power`): then nothing is pulled for it.
+    held = node.fleet_incident_id is not None
     host_down = (
         not hold_power
+        and not held
         and node.has_bmc
         and not reachable
         and power_cycle_after is not None
@@ -196,6 +205,8 @@ def plan_node(
     elif state == NodeState.ACTIVE and node.drifted and reachable:
         plan.start = Op.RESTORE
         plan.reasons.append("agent reports a node that lost its tenant's workload")
+    elif held:
+        plan.reasons.append(f"held by fleet incident {node.fleet_incident_id}")
     elif state in HELD and node.allocation_id is not None:
         pulling = _pulling(node)
         if pulling or host_down:

@@ -15,6 +15,12 @@ automatic pull asks the pool's circuit breaker first, whose window is rebuilt fr
 `QuarantinePull` rows and whose check-and-record is a compare-and-swap on the pool's
 `QuarantineBreaker` row; a refusal is an operator alert and no pull.
 
+Before the breaker, topology (`services.fleet_incidents`): when the node's every recent fault
+lies in a burst of faults behind one leaf switch, rack or PDU (`health.correlation`), it is not
+pulled: the burst's nodes join one fleet incident that suspects the component (cordoned, one
+operator alert), and ask the breaker nothing. A node an open incident holds is not pulled until
+an operator resolves it; resolving clears what came before (`cleared_at`), as a burn-in does.
+
 The breaker's budget is counted per owner within a pool (`budget_of`): a tenant's nodes (those
 an allocation of its holds) spend the tenant's own budget, sized by its share of the pool, and
 every other node the platform's. A tenant has root on its nodes and writes what their agents
@@ -40,6 +46,7 @@ from sqlmodel import Session, col, func, or_, select
 from gpucloud.config import Settings
 from gpucloud.db import rowcount
 from gpucloud.health.breaker import BreakerState, CircuitBreaker, OperatorAlert, Pull
+from gpucloud.health.correlation import DEFAULT_CORRELATION_POLICY, CorrelationPolicy
 from gpucloud.health.pulls import HELD, PullDecision, PullKind, pulls, replace_at_once
 from gpucloud.health.rules import evaluate_node
 from gpucloud.health.signals import SIGNAL_TABLE
@@ -56,7 +63,7 @@ from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.protocol.actions import REPAIR_LADDER
 from gpucloud.protocol.reports import NodeReading, SignalObservation, SignalReport, XidEvent
-from gpucloud.services import node_conditions
+from gpucloud.services import fleet_incidents, node_conditions
 
 # Who the health loop is in the node's history (its cordons are lifted by a passed burn-in).
 HEALTH_ACTOR = "health"
@@ -71,12 +78,20 @@ BREAKER_CAS_ATTEMPTS = 50
 class BreakerSettings:
     max_pulled_share: float = 0.05
     window: timedelta = timedelta(hours=1)
+    # What makes a burst behind a shared component (asked before the breaker).
+    correlation: CorrelationPolicy = DEFAULT_CORRELATION_POLICY
 
     @classmethod
     def of(cls, settings: Settings) -> BreakerSettings:
+        health = settings.health
         return cls(
-            max_pulled_share=settings.health.breaker_max_pulled_share,
-            window=timedelta(seconds=settings.health.breaker_window_s),
+            max_pulled_share=health.breaker_max_pulled_share,
+            window=timedelta(seconds=health.breaker_window_s),
+            correlation=CorrelationPolicy(
+                window=timedelta(seconds=health.correlation_window_s),
+                min_nodes=health.correlation_min_nodes,
+                min_share=health.correlation_min_share,
+            ),
         )
 
 
@@ -130,12 +145,18 @@ def _owned_by(tenant: str | None):
 
 
 def cleared_at(session: Session, node_id: str) -> datetime | None:
-    """When the node last passed burn-in: what came before is dealt with (lemon rule aside)."""
+    """When the node last passed burn-in, or left a fleet incident an operator resolved: what
+    came before is dealt with (lemon rule aside)."""
     return session.exec(
         select(func.max(col(NodeTransition.at))).where(
             col(NodeTransition.node_id) == node_id,
-            col(NodeTransition.from_state) == NodeState.BURN_IN.value,
-            col(NodeTransition.to_state) == NodeState.AVAILABLE.value,
+            or_(
+                sa.and_(
+                    col(NodeTransition.from_state) == NodeState.BURN_IN.value,
+                    col(NodeTransition.to_state) == NodeState.AVAILABLE.value,
+                ),
+                col(NodeTransition.event) == fleet_incidents.RESOLVED_EVENT,
+            ),
         )
     ).one()
 
@@ -337,6 +358,19 @@ def ingest_readings(
     return _judge_all(session, list(nodes.values()), now=now, policy=policy, breaker=breaker), []
 
 
+def judge_again(
+    session: Session,
+    node_ids: Iterable[str],
+    *,
+    now: datetime | None = None,
+    policy: HealthPolicy = DEFAULT_POLICY,
+    breaker: BreakerSettings = DEFAULT_BREAKER,
+) -> list[HealthOutcome]:
+    """Judge nodes and decide again on what is stored (a resolved fleet incident's nodes)."""
+    nodes = list(session.exec(select(Node).where(col(Node.id).in_(sorted(set(node_ids))))).all())
+    return _judge_all(session, nodes, now=now or utcnow(), policy=policy, breaker=breaker)
+
+
 def _judge_all(
     session: Session, nodes: list[Node], *, now: datetime, policy: HealthPolicy, breaker: BreakerSettings
 ) -> list[HealthOutcome]:
@@ -362,6 +396,13 @@ def _judge_and_decide(
         return outcome  # already on its way out
     worst = verdict.conditions[0]
     outcome.reason = f"{worst.name}: {worst.reason}"
+    # A shared component explains it (or an open fleet incident holds it): cordoned, not pulled.
+    incident = fleet_incidents.hold_if_correlated(session, node, now=now, policy=breaker.correlation)
+    if incident is not None:
+        outcome.alert = (
+            f"held by fleet incident {incident.id}: suspect {incident.component_kind} {incident.component_id}"
+        )
+        return outcome
     alert = _ask_breaker(session, node, now=now, settings=breaker)
     if alert is not None:
         outcome.alert = alert

@@ -50,6 +50,8 @@ def enroll_nodes(session: Session, nodes: Iterable[NodeEnroll]) -> tuple[list[st
             # A re-registering agent may have moved (new URL), and the network may have given the
             # node another address (a restarted simulated fleet: new ports); its state is ours to keep.
             moved = {"agent_url": spec.agent_url, "ssh_host": spec.ssh_host, "ssh_port": spec.ssh_port}
+            # Where it sits, when the inventory says (a node enrolled before it was recorded).
+            moved |= {k: v for k, v in (("leaf_switch", spec.leaf_switch), ("pdu", spec.pdu)) if v is not None}
             session.execute(sa.update(Node).where(col(Node.id) == node_id).values(**moved))
             continue
         session.add(Node(**spec.model_dump(), state_entered_at=now, created_at=now, updated_at=now))

@@ -50,12 +50,21 @@ def detach_nodes(session: Session, allocation_id: str, pulls: list[tuple[str, st
     Pulled means a member until now, or one this same pull already took out on an earlier try
     (its answer lost): no longer a member, yet still held for the allocation and `active`, as a
     pulled node stays until its drain starts. A node gone earlier (draining, released) or never a
-    member is skipped, so a retry returns what the first try did."""
+    member is skipped, so a retry returns what the first try did.
+
+    A member an open fleet incident holds (`services/fleet_incidents.py`: a leaf switch, rack or
+    PDU is suspected, not the node) stays: a fault reported before the burst behind its component
+    showed gave the tenant a grace period, and the incident it joined meanwhile holds the pull."""
     allocation = _allocation(session, allocation_id)
-    members = set(allocation.node_ids)
     wanted = [node_id for node_id, _ in pulls]
+    held = set(
+        session.exec(
+            select(col(Node.id)).where(col(Node.id).in_(wanted), col(Node.fleet_incident_id).is_not(None))
+        ).all()
+    )
+    members = set(allocation.node_ids) - held
     # Only a retry reports nodes that are no longer members: look those up, and nothing else.
-    outside = [node_id for node_id in wanted if node_id not in members]
+    outside = [node_id for node_id in wanted if node_id not in members and node_id not in held]
     held_active = set(
         session.exec(
             select(col(Node.id)).where(

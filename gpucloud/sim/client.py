@@ -92,6 +92,13 @@ class SimFleetClient:
         body = {"node_id": node_id, "action": action, "mode": mode, "count": count}
         return self._call("POST", "/v1/faults", json=body)
 
+    def switch_down(self, switch_id: str) -> dict[str, Any]:
+        """Fail a leaf switch: its nodes' fabric links go down together and each reports them."""
+        return self._call("POST", "/v1/faults/switch_down", json={"switch_id": switch_id})
+
+    def switch_up(self, switch_id: str) -> dict[str, Any]:
+        return self._call("POST", "/v1/faults/switch_up", json={"switch_id": switch_id})
+
     def weights_status(self, node_id: str) -> dict[str, Any]:
         """The versions on the node: active, previous, cached."""
         return self._call("GET", f"/v1/nodes/{node_id}/weights/status", headers=self._auth(node_id))

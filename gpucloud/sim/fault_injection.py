@@ -23,6 +23,11 @@ shows as the signals a host agent would see (`sim/host_signals.py`); those go to
 `POST /v1/agents/signals` with the XIDs, by the same credential, so the signal table pulls the
 node without an XID (and an NCCL timeout, the workload's fault, is counted, never a pull).
 
+A failed leaf switch (`switch_down_reports`, the simulator's `POST /v1/faults/switch_down`) takes
+every port of every node behind it down together: each node reports `ib_link_down` on each of its
+rails, by its own credential, as its agent would, so the control plane sees a burst behind one
+switch (`health/correlation.py`) rather than that many broken nodes.
+
 What was injected, by category, next to the paper's shares, is in `summary()` (the simulator's
 `GET /v1/faults`). Once the repair ladder clears a node's hardware fault, its GPUs are repaired
 too and its readings stop.
@@ -35,7 +40,7 @@ import functools
 import logging
 import random
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -252,3 +257,47 @@ def host_condition_report(fault: Fault, *, at: datetime) -> SignalReport:
             for signal in HOST_CONDITION_SIGNALS[fault.host_condition]
         ],
     )
+
+
+def switch_down_reports(nodes: Iterable[Any], *, switch_id: str, at: datetime) -> list[SignalReport]:
+    """What each node behind a failed leaf switch reports: every rail's port down (`mlx5_<i>/1`)."""
+    return [
+        SignalReport(
+            node_id=node.id,
+            at=at,
+            observations=[
+                SignalObservation(
+                    signal=Signal.IB_LINK_DOWN,
+                    at=at,
+                    source=f"mlx5_{i}/1",
+                    detail=f"simulated: leaf switch {switch_id} down",
+                )
+                for i in range(node.gpu_count)
+            ],
+        )
+        for node in nodes
+    ]
+
+
+async def post_signal_reports(
+    nodes: dict[str, Any], reports: list[SignalReport], *, control_plane_url: str, operator_token: str | None
+) -> int:
+    """Post each node's reports as its agent would (its credential, else the operator's), one
+    request a node; how many nodes' reports the control plane took."""
+    taken = 0
+    async with async_http_client(timeout="agent_report", trust=tls.client_verify()) as client:
+        client_reports = ReportClient(client, control_plane_url)
+        for report in reports:
+            credential = nodes[report.node_id].credential or operator_token
+            try:
+                answer = await client_reports.signals([report], credential=credential)
+            except httpx.HTTPError as exc:
+                log.warning("signal report of %s not delivered: %s", report.node_id, exc)
+                continue
+            if answer.status_code >= 400:
+                log.warning(
+                    "signal report of %s refused: HTTP %d %s", report.node_id, answer.status_code, answer.text[:200]
+                )
+            else:
+                taken += 1
+    return taken

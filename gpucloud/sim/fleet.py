@@ -37,6 +37,7 @@ import re
 import threading
 from collections import deque
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -53,7 +54,7 @@ from gpucloud.protocol.actions import ActionRequest, AgentAction
 from gpucloud.protocol.reporter import ReportClient
 from gpucloud.protocol.reports import Heartbeat
 from gpucloud.retry import Backoff, retry_call_async
-from gpucloud.sim.fault_injection import FleetFaults
+from gpucloud.sim.fault_injection import FleetFaults, post_signal_reports, switch_down_reports
 from gpucloud.sim.faults import FaultModel
 from gpucloud.sim.metering import FleetMetering, MeteringSpec, WorkloadFollower
 from gpucloud.sim.node_weights import NodeWeights, WeightsSpec
@@ -75,6 +76,10 @@ class FaultRequest(BaseModel):
     action: AgentAction
     mode: Literal["transient", "permanent"]
     count: int = Field(1, ge=1, le=1000)
+
+
+class SwitchFaultRequest(BaseModel):
+    switch_id: str = Field(min_length=1, max_length=128)
 
 
 class FaultsRunning(BaseModel):
@@ -196,7 +201,8 @@ def create_app(
     simulator's own endpoints (inventory, faults, outages) answer only it (the operator token);
     `fault_model`: the nodes fail as the model says, `fault_time_scale` times faster than real
     time (`sim/fault_injection.py`), their XIDs and signals reported to `fault_report_url` (the
-    API; default `control_plane_url`); `bmc`: the nodes' power follows their systems on that
+    API; default `control_plane_url`), where a failed leaf switch's nodes report their links down
+    too (`POST /v1/faults/switch_down`); `bmc`: the nodes' power follows their systems on that
     Redfish emulator, which notifies `/v1/bmc/notify` (`sim/power.py`); `request_body`: how the
     gate reads bodies (`web/gate.py`), after it checks the caller as `_callers` says."""
     fleet = Fleet(spec)
@@ -320,6 +326,31 @@ def create_app(
         node = fleet.node(req.node_id)
         node.faults.setdefault(req.action, deque()).extend([req.mode] * req.count)
         return {"node_id": node.id, "action": req.action, "pending": list(node.faults[req.action])}
+
+    @app.post("/v1/faults/switch_down")
+    async def switch_down(req: SwitchFaultRequest) -> dict:
+        """Fail a leaf switch: every node behind it loses all its fabric links at once, and each
+        reports its ports down to the control plane (by its own credential, as its agent would)."""
+        nodes = fleet.behind_switch(req.switch_id)
+        for node in nodes:
+            node.links_down = True
+        reported = 0
+        report_url = fault_report_url or control_plane_url
+        if report_url:
+            at = datetime.now(UTC)
+            reports = switch_down_reports(nodes, switch_id=req.switch_id, at=at)
+            reported = await post_signal_reports(
+                fleet.nodes, reports, control_plane_url=report_url, operator_token=operator_token or control_token
+            )
+        return {"switch_id": req.switch_id, "down": True, "nodes": [n.id for n in nodes], "reported": reported}
+
+    @app.post("/v1/faults/switch_up")
+    async def switch_up(req: SwitchFaultRequest) -> dict:
+        """The leaf switch is back: its nodes' links come up (they report nothing more)."""
+        nodes = fleet.behind_switch(req.switch_id)
+        for node in nodes:
+            node.links_down = False
+        return {"switch_id": req.switch_id, "down": False, "nodes": [n.id for n in nodes], "reported": 0}
 
     def injecting() -> FleetFaults:
         if faults is None:

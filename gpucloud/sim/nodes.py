@@ -64,6 +64,8 @@ class FleetSpec(BaseModel):
     gpus_per_node: int = 8
     nodes_per_rack: int = 4
     racks_per_pod: int = 8
+    # Every rack has its own leaf (top-of-rack) switch; one PDU feeds this many racks of a pod.
+    racks_per_pdu: int = Field(2, ge=1)
     latency_scale: float = Field(1.0, ge=0.0, description="0 = instant, 1 = the defaults above")
     provision_s: float | None = Field(
         None, ge=0.0, description="every provision takes exactly this long (a slow image pull, say)"
@@ -97,6 +99,9 @@ class SimNode:
     ib_port_guids: list[str]
     nvlink_domain: str | None = None
     gpu_uids: list[str] = field(default_factory=list)
+    leaf_switch: str | None = None  # the switch its fabric ports hang off
+    pdu: str | None = None  # the PDU that feeds it
+    links_down: bool = False  # its leaf switch failed: every fabric port is down
     tenant_id: str | None = None
     workload_running: bool = False
     # The command the allocation's provision started (a simulated node runs nothing).
@@ -155,6 +160,8 @@ class Fleet:
                 region=spec.region,
                 pod=f"{spec.region}-pod{pod:03d}",
                 rack=f"{spec.region}-pod{pod:03d}-rack{rack:02d}",
+                leaf_switch=f"{spec.region}-pod{pod:03d}-rack{rack:02d}-leaf",
+                pdu=f"{spec.region}-pod{pod:03d}-pdu{rack // spec.racks_per_pdu:02d}",
                 gpu_type=spec.gpu_type,
                 gpu_count=spec.gpus_per_node,
                 ib_port_guids=_port_guids(spec, i, spec.gpus_per_node),
@@ -175,6 +182,8 @@ class Fleet:
                     region=spec.region,
                     pod=pod,
                     rack=rack,
+                    leaf_switch=f"{rack}-leaf",
+                    pdu=f"{pod}-pdu{(rack_index % spec.racks_per_pod) // spec.racks_per_pdu:02d}",
                     gpu_type="GB200",
                     gpu_count=gpus,
                     ib_port_guids=_port_guids(spec, i, gpus),
@@ -192,6 +201,8 @@ class Fleet:
                 "region": n.region,
                 "pod": n.pod,
                 "rack": n.rack,
+                "leaf_switch": n.leaf_switch,
+                "pdu": n.pdu,
                 "gpu_type": n.gpu_type,
                 "gpu_count": n.gpu_count,
                 "ib_port_guids": n.ib_port_guids,
@@ -215,6 +226,13 @@ class Fleet:
         """The node's SSH endpoint as enrollment records it (the address the network gave it)."""
         port = self.ssh.port(node_id) if self.ssh is not None else None
         return {"ssh_host": self.ssh.host, "ssh_port": port} if self.ssh is not None and port else {}
+
+    def behind_switch(self, switch_id: str) -> list[SimNode]:
+        """The nodes whose fabric ports hang off the leaf switch (404 if none do)."""
+        nodes = [n for n in self.nodes.values() if n.leaf_switch == switch_id]
+        if not nodes:
+            raise HTTPException(404, f"no simulated node behind leaf switch {switch_id!r}")
+        return nodes
 
     def node(self, node_id: str) -> SimNode:
         node = self.nodes.get(node_id)
@@ -296,6 +314,7 @@ class Fleet:
             "ssh_keys": list(node.ssh_keys),
             "actions_done": node.actions_done,
             "hardware_fault": node.hardware_fault,
+            "links_down": node.links_down,
         }
 
 

@@ -1,5 +1,6 @@
 """The reconciler starts a repair only for nodes the health loop pulled, and only when it can work."""
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -161,3 +162,43 @@ def test_a_node_whose_credential_was_revoked_is_not_marked_unreachable_for_its_s
     assert "power cycle" not in "; ".join(revoked.reasons)  # the ladder's own rung, through the agent
     heard = plan_node(NodeSnapshot(id="n1", **quiet), now=NOW, heartbeat_timeout=timedelta(seconds=90))
     assert heard.set_reachable is False
+
+
+_LINK_DOWN = ({"name": "ib_link_down", "action": "drain", "reason": "port mlx5_0/1 down"},)
+
+
+@pytest.mark.parametrize(
+    ("state", "allocation_id", "reachable"),
+    [
+        ("quarantined", None, True),  # drained before the burst showed: not repaired
+        ("available", None, True),  # its conditions pull: not drained
+        ("active", "a1", True),  # its allocation's: not replaced
+        ("available", None, False),  # a host silent past the power-cycle delay: not power-cycled
+        ("active", "a1", False),
+        ("quarantined", None, False),
+    ],
+)
+def test_a_node_inside_an_open_fleet_incident_is_neither_pulled_repaired_nor_power_cycled(
+    state, allocation_id, reachable
+):
+    node = NodeSnapshot(
+        id="n1",
+        state=state,
+        health="failed",
+        health_conditions=_LINK_DOWN,
+        allocation_id=allocation_id,
+        agent_reachable=reachable,
+        last_heartbeat_at=NOW - timedelta(seconds=5 if reachable else 3600),
+        has_bmc=True,
+    )
+    timing = {"now": NOW, "heartbeat_timeout": timedelta(seconds=90), "power_cycle_after": timedelta(seconds=300)}
+    free = plan_node(node, **timing)
+    assert free.start is not None or free.pull != PullKind.NONE  # the same node outside an incident is acted on
+    held = plan_node(dataclasses.replace(node, fleet_incident_id="fi-1"), **timing)
+    assert (held.start, held.pull) == (None, PullKind.NONE)
+    assert "held by fleet incident fi-1" in held.reasons
+
+
+def test_an_operators_drain_of_a_node_inside_a_fleet_incident_still_happens():
+    node = NodeSnapshot(id="n1", state="available", drain_requested=True, fleet_incident_id="fi-1")
+    assert plan_node(node, now=NOW, heartbeat_timeout=timedelta(seconds=90)).start == NodeOperationKind.DRAIN

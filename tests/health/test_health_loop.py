@@ -6,6 +6,7 @@ signal beyond XIDs (the simulated fleet's batch) pulling a node, an application 
 
 from __future__ import annotations
 
+import asyncio
 import random
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
@@ -52,7 +53,10 @@ async def _repair_round(h, temporal_env, node_id: str) -> str:
 
 
 async def test_each_xid_class_leads_to_its_action_and_application_xids_never_drain(ready_fleet):
-    h = await _ready_fleet(ready_fleet, nodes=8, health__breaker_max_pulled_share=1.0)
+    # Three fatal XIDs in one rack at once would be a fleet incident: here each node is judged alone.
+    h = await _ready_fleet(
+        ready_fleet, nodes=8, health__breaker_max_pulled_share=1.0, health__correlation_min_nodes=1000
+    )
     ids = [n["id"] for n in h.nodes()]
     expected = {
         13: ("ok", "none", None),
@@ -610,3 +614,57 @@ async def test_a_signal_without_an_xid_pulls_a_node_from_its_allocation_and_an_a
     quiet = h.operator.get(f"/v1/nodes/{kept}/health").json()
     assert {c["name"] for c in quiet["conditions"]} == {"nccl_timeout", "workload_hang"}
     assert quiet["health"] == "ok" and not h.node(kept)["cordoned"] and h.node(kept)["state"] == "active"
+
+
+async def test_a_failed_leaf_switch_is_one_fleet_incident_and_its_nodes_are_neither_replaced_nor_power_cycled(
+    ready_fleet, temporal_env
+):
+    # A grace period long enough that the first nodes' reports (before the burst shows) wait it out.
+    h = await _ready_fleet(ready_fleet, nodes=8, health__breaker_max_pulled_share=1.0, health__drain_grace_s=4)
+    _, key = await h.onboard()
+    alloc_id = h.allocate(key, node_count=4)
+    alloc = await h.wait_allocation(key, alloc_id, "ready")
+    members = sorted(alloc["node_ids"])
+    switches = {h.node(n)["leaf_switch"] for n in members}
+    assert len(switches) == 1 and None not in switches  # enrolled from the simulated fleet's inventory
+    (switch,) = switches
+    assert all(h.node(n)["pdu"] for n in members)
+
+    # The switch fails: every node behind it reports its ports down, one agent after another.
+    failed = h.sim.client.switch_down(switch)
+    assert sorted(failed["nodes"]) == members and failed["reported"] == 4
+    (incident,) = h.operator.get("/v1/fleet-incidents", params={"status": "open"}).json()["items"]
+    assert (incident["component_kind"], incident["component_id"]) == ("leaf_switch", switch)
+    assert incident["node_ids"] == members
+    (alert,) = [a for a in h.operator.get("/v1/alerts").json()["items"] if a["kind"] == "fleet_incident"]
+    # One alert, when the burst showed (the nodes so far); the incident it names gathers the rest.
+    assert f"leaf switch {switch}" in alert["reason"] and incident["id"] in alert["reason"]
+    assert sum(n in alert["reason"] for n in members) >= 3
+
+    # Past the grace period and a sweep: nothing replaced, drained, repaired or power-cycled.
+    await asyncio.sleep(5)
+    await h.sweep(temporal_env.client)
+    alloc = h.client(key).get(f"/v1/allocations/{alloc_id}").json()
+    assert sorted(alloc["node_ids"]) == members and alloc["status"] == "ready"
+    assert "replaced" not in _alloc_events(h, key, alloc_id)
+    for node_id in members:
+        node = h.node(node_id)
+        assert (node["state"], node["cordoned"], node["fleet_incident_id"]) == ("active", True, incident["id"])
+        assert not {"drain", "repair", "power_cycle"} & {e["event"] for e in _events(h, node_id)}
+
+    # The operator fixes the switch and resolves the incident: the nodes are judged normally again.
+    h.sim.client.switch_up(switch)
+    resolved = h.operator.post(f"/v1/fleet-incidents/{incident['id']}:resolve", json={"note": "leaf replaced"})
+    assert resolved.status_code == 200, resolved.text
+    body = resolved.json()
+    assert body["incident"]["status"] == "resolved" and body["incident"]["resolution"] == "leaf replaced"
+    assert {(d["health"], d["pull"]) for d in body["decisions"]} == {("ok", None)}
+    for node_id in members:
+        node = h.node(node_id)
+        assert (node["state"], node["cordoned"], node["fleet_incident_id"], node["health"]) == (
+            "active",
+            False,
+            None,
+            "ok",
+        )
+    assert h.operator.post("/v1/fleet-incidents/fi-nope:resolve").status_code == 404

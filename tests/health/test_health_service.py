@@ -15,6 +15,7 @@ from sqlmodel import func, select
 
 from gpucloud.db import session_scope
 from gpucloud.health.breaker import CircuitBreaker
+from gpucloud.health.correlation import CorrelationPolicy
 from gpucloud.health.pulls import PullKind
 from gpucloud.models.health_tables import (
     AllocationEvent,
@@ -43,6 +44,9 @@ pytestmark = pytest.mark.integration
 
 POOL = "H100/r1"
 ALLOW_ALL = health_service.BreakerSettings(max_pulled_share=1.0)
+# Every node here sits in one rack: where the breaker itself is tested, faults on several of them
+# are not to be one fleet incident (`tests/health/test_fleet_incidents.py` tests that).
+UNCORRELATED = CorrelationPolicy(min_nodes=1_000_000)
 
 
 def _fleet(db_url: str, count: int, *, state: str = "available", allocation_id: str | None = None) -> list[str]:
@@ -136,7 +140,7 @@ def test_a_fatal_xid_on_a_node_not_yet_active_pulls_it_from_its_allocation(db_ur
 
 def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
     nodes = _fleet(db_url, 8)
-    settings = health_service.BreakerSettings(max_pulled_share=0.25)  # 2 of the 8 nodes an hour
+    settings = health_service.BreakerSettings(max_pulled_share=0.25, correlation=UNCORRELATED)  # 2 of 8 an hour
     postgres = db_url.startswith("postgresql")
     with session_scope(db_url) as session:
         # The pool's breaker row exists already. On first use it is created, and concurrent first
@@ -280,7 +284,8 @@ def test_a_tenants_own_fatal_xids_never_open_the_breaker_for_another_tenants_nod
             else:
                 node.state = "available"
             session.add(node)
-    settings = health_service.BreakerSettings(max_pulled_share=0.05)  # a 40-node pool: 2 pulls an hour
+    # A 40-node pool: 2 pulls an hour.
+    settings = health_service.BreakerSettings(max_pulled_share=0.05, correlation=UNCORRELATED)
 
     def fatal(node_id: str) -> health_service.HealthOutcome:
         with session_scope(db_url) as session:
