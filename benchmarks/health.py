@@ -284,6 +284,10 @@ def main() -> None:
     # A `timeout` or kill stops the stack's processes too (the finally below), not only this one.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ["GPUCLOUD_HEALTH__BREAKER_MAX_PULLED_SHARE"] = str(args.breaker_share)
+    # The burst measures node-level pulls of independent faults: correlation is off, since a
+    # burst this size lands several nodes behind each rack and would be held as rack incidents
+    # (one fleet incident per component, no pulls: `tests/health/test_fleet_incidents.py`).
+    os.environ["GPUCLOUD_HEALTH__CORRELATION_MIN_NODES"] = str(1_000_000)
     # The agents heartbeat as in production (every 10 s): a fleet under faults still reports.
     # The operator's calls run up to 64 at once (the burst): its lane takes 16, the rest wait.
     operator_lane = {"operator_slots": 16, "tenant_slots": 24, "caller_share": 1.0, "admission_wait_s": 60.0}
