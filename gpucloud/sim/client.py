@@ -62,9 +62,15 @@ class SimFleetClient:
         """What the fleet's fault model injected (`--faults`), by category and by node."""
         return self._call("GET", "/v1/faults")
 
-    def run_faults(self, running: bool = True) -> dict[str, Any]:
-        """Start (or pause) the fleet's fault model."""
-        return self._call("PUT", "/v1/faults/running", json={"running": running})
+    def run_faults(
+        self, running: bool = True, *, minimum_per_category: int = 0, over_fleet_s: float | None = None
+    ) -> dict[str, Any]:
+        """Start (or pause) the fleet's fault model; with `minimum_per_category`, at least that
+        many faults of every category within the next `over_fleet_s` of fleet time."""
+        body: dict[str, Any] = {"running": running}
+        if minimum_per_category:
+            body |= {"minimum_per_category": minimum_per_category, "over_fleet_s": over_fleet_s}
+        return self._call("PUT", "/v1/faults/running", json=body)
 
     def inventory(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/inventory")

@@ -29,8 +29,16 @@ rails, by its own credential, as its agent would, so the control plane sees a bu
 switch (`health/correlation.py`) rather than that many broken nodes.
 
 What was injected, by category, next to the paper's shares, is in `summary()` (the simulator's
-`GET /v1/faults`). Once the repair ladder clears a node's hardware fault, its GPUs are repaired
-too and its readings stop.
+`GET /v1/faults`), with the ground truth of every fault (`injections`: when, on which node, of
+what category, whether it left a hardware fault, whom the node served then), which a benchmark
+matches to the control plane's incidents. Once the repair ladder clears a node's hardware fault,
+its GPUs are repaired too and its readings stop.
+
+Fleet time follows the wall clock while the model runs (each step covers the wall time since the
+last, times the scale), so `--time-scale` holds however late the loop's ticks come. A run too
+short for the rare categories to come up by chance can ask for a minimum of each (`top_up`):
+a category still short of it at its checkpoint is injected then, on a node drawn as the model
+draws them, and counted as forced.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import asyncio
 import functools
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
@@ -103,22 +112,74 @@ class FleetFaults:
         self.running = True  # paused: no faults drawn, fleet time stands still
         self._xids: list[XidEvent] = []  # drawn, not reported yet
         self._signals: list[SignalReport] = []  # host conditions' signals, not reported yet
+        self.injections: list[dict[str, Any]] = []  # the ground truth: every fault, in order
+        self.forced: Counter[str] = Counter()  # faults injected by `top_up`, not drawn
+        self.minimum = 0
+        self._checkpoints: list[tuple[float, FaultCategory]] = []  # (fleet seconds, category) due
+        self._counted_from: Counter[str] = Counter()
+        self._forced_rng = random.Random(seed + 1)  # the drawn faults replay as without a top-up
+
+    def top_up(self, minimum: int, over_fleet_s: float) -> None:
+        """Inject at least `minimum` faults of every category of the mix within the next
+        `over_fleet_s` of fleet time: each category has a checkpoint, the commonest first and the
+        rarest last (evenly spaced, the last at 11/12 of the span for the 11 Llama 3 categories),
+        where the faults it is short of since this call are injected (`forced`)."""
+        self.minimum = minimum
+        categories = sorted(self.model.mix, key=lambda c: -self.model.mix[c])
+        self._counted_from = Counter(self.injected)
+        self._checkpoints = [
+            (self.fleet_seconds + over_fleet_s * (i + 1) / (len(categories) + 1), category)
+            for i, category in enumerate(categories)
+        ]
 
     def step(self, dt_s: float) -> list[Fault]:
         """The faults of the next `dt_s` seconds of wall time (`dt_s * time_scale` of fleet time),
         applied to the nodes; the XIDs to report are returned with them."""
         fleet_dt = dt_s * self.time_scale
+        start = self.fleet_seconds
         self.fleet_seconds += fleet_dt
         healthy = [node_id for node_id, node in self.nodes.items() if node.hardware_fault is None]
         faults = self.model.next_faults(healthy, fleet_dt, self.rng) if healthy else []
         for fault in faults:
-            self._apply(fault)
-        return faults
+            self._apply(fault, fleet_s=start + fault.offset_s)
+        return faults + self._top_up_due()
 
-    def _apply(self, fault: Fault) -> None:
+    def _top_up_due(self) -> list[Fault]:
+        """The faults of the categories whose checkpoint has passed short of the minimum."""
+        forced: list[Fault] = []
+        while self._checkpoints and self._checkpoints[0][0] <= self.fleet_seconds:
+            _, category = self._checkpoints.pop(0)
+            short = self.minimum - (self.injected[category.value] - self._counted_from[category.value])
+            for _ in range(short):
+                healthy = [node_id for node_id, node in self.nodes.items() if node.hardware_fault is None]
+                if not healthy:
+                    return forced
+                fault = self.model.manifest(self._forced_rng.choice(healthy), category, 0.0, self._forced_rng)
+                self._apply(fault, fleet_s=self.fleet_seconds, forced=True)
+                forced.append(fault)
+        return forced
+
+    def _apply(self, fault: Fault, *, fleet_s: float | None = None, forced: bool = False) -> None:
         self.injected[fault.category.value] += 1
+        if forced:
+            self.forced[fault.category.value] += 1
         self.by_node.setdefault(fault.node_id, []).append(fault.category.value)
         node = self.nodes[fault.node_id]
+        self.injections.append(
+            {
+                "node_id": fault.node_id,
+                "category": fault.category.value,
+                "at": self.clock().isoformat(),  # as its XIDs and signals are stamped
+                "fleet_s": self.fleet_seconds if fleet_s is None else fleet_s,
+                "xids": list(fault.xids),
+                "host_condition": fault.host_condition,
+                # It left a hardware fault (what a pull is for); else software, or a node already faulty.
+                "hardware": fault.category in FIXED_BY and node.hardware_fault is None,
+                "tenant_id": getattr(node, "tenant_id", None),
+                "workload_running": bool(getattr(node, "workload_running", False)),
+                "forced": forced,
+            }
+        )
         probe = self.probes.get(node.id) or SimulatedProbe(
             node.id, gpu_count=node.gpu_count, seed=self.rng.randrange(1 << 30), clock=self.clock
         )
@@ -195,14 +256,19 @@ class FleetFaults:
     async def run(self, *, tick_s: float = 1.0, reading_s: float = 5.0) -> None:
         """Inject and report until cancelled."""
         since_readings = 0.0
+        last: float | None = None  # when the last step ended (None: paused, fleet time stands still)
         async with async_http_client(timeout="agent_report", trust=tls.client_verify()) as client:
             reports = ReportClient(client, self.control_plane_url or "")
             while True:
                 await asyncio.sleep(tick_s)
                 self.repaired()
                 if not self.running:
+                    last = None
                     continue
-                self.step(tick_s)
+                now = time.monotonic()
+                # The wall time since the last step, however late this tick came (a busy host).
+                self.step(tick_s if last is None else now - last)
+                last = now
                 await self.report(reports)
                 await self.report_signals(reports)
                 since_readings += tick_s
@@ -223,12 +289,16 @@ class FleetFaults:
             "signals_reported": self.signals_reported,
             "faulty_nodes": len(self.probes),
             "nodes": self.by_node,
+            "minimum_per_category": self.minimum,
+            "forced": dict(self.forced),
+            "injections": self.injections,
             "by_category": {
                 category.value: {
                     "injected": self.injected[category.value],
                     "share": self.injected[category.value] / total if total else 0.0,
                     "paper_share": LLAMA3_405B_MIX[category] / paper_total,
                     "hardware_faults": self.hardware[category.value],
+                    "forced": self.forced[category.value],
                 }
                 for category in FaultCategory
             },

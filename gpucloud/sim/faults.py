@@ -163,6 +163,9 @@ MANIFESTATIONS: dict[FaultCategory, tuple[Manifestation, ...]] = {
     FaultCategory.OTHER: (Manifestation(1, host_condition="host_hardware"),),
 }
 
+# The categories none of whose manifestations shows an XID: only the signals beyond XIDs reveal them.
+NON_XID_CATEGORIES = frozenset(c for c, shown in MANIFESTATIONS.items() if not any(m.xids for m in shown))
+
 
 class FaultModel(BaseModel):
     """Interruption rate and mix; `rate_multiplier` scales the rate and leaves the mix alone."""
@@ -195,11 +198,14 @@ class FaultModel(BaseModel):
         offset = rng.expovariate(fleet_rate)
         while offset < dt_s:
             category = rng.choices(categories, cum_weights=cum_weights)[0]
-            faults.append(self._manifest(rng.choice(nodes), category, offset, rng))
+            faults.append(self.manifest(rng.choice(nodes), category, offset, rng))
             offset += rng.expovariate(fleet_rate)
         return faults
 
-    def _manifest(self, node_id: str, category: FaultCategory, offset_s: float, rng: random.Random) -> Fault:
+    def manifest(self, node_id: str, category: FaultCategory, offset_s: float, rng: random.Random) -> Fault:
+        """One fault of `category` on the node, shown as one of the category's manifestations
+        (drawn by their weights): what `next_faults` draws, and what a caller forcing a category
+        (`sim/fault_injection.py`'s top-up) injects."""
         options = MANIFESTATIONS[category]
         shown = rng.choices(options, [m.weight for m in options])[0]
         gpu_index = rng.randrange(self.gpus_per_node)

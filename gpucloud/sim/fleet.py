@@ -84,6 +84,10 @@ class SwitchFaultRequest(BaseModel):
 
 class FaultsRunning(BaseModel):
     running: bool
+    # With `running`: inject at least this many faults of every category within the next
+    # `over_fleet_s` of fleet time (`FleetFaults.top_up`), for runs too short for the rare ones.
+    minimum_per_category: int = Field(0, ge=0, le=100)
+    over_fleet_s: float | None = Field(None, gt=0)
 
 
 class HardwareFaultRequest(BaseModel):
@@ -364,8 +368,11 @@ def create_app(
 
     @app.put("/v1/faults/running")
     async def faults_running(req: FaultsRunning) -> dict:
-        """Pause or resume the fault model (a benchmark starts it once its tenants hold nodes)."""
+        """Pause or resume the fault model (a benchmark starts it once its tenants hold nodes),
+        optionally with a minimum of every category over the fleet time to come."""
         injecting().running = req.running
+        if req.running and req.minimum_per_category and req.over_fleet_s:
+            injecting().top_up(req.minimum_per_category, req.over_fleet_s)
         return injecting().summary()
 
     @app.post("/v1/nodes/{node_id}/hardware_fault")

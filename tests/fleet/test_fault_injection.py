@@ -175,3 +175,44 @@ def test_a_fabric_link_down_is_reported_on_the_port_of_the_gpus_rail():
         ("ib_link_down", port),
         ("ib_link_downed", port),
     ]
+
+
+def test_every_fault_is_recorded_with_its_time_node_and_whom_the_node_served():
+    fleet = _fleet(64)
+    fleet.nodes["n-00003"].tenant_id, fleet.nodes["n-00003"].workload_running = "ten_a", True
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    faults = FleetFaults(fleet.nodes, time_scale=5e6, seed=3, clock=lambda: at)
+    drawn = faults.step(1.0) + faults.step(1.0)
+    record = faults.summary()["injections"]
+    assert [(r["node_id"], r["category"]) for r in record] == [(f.node_id, f.category.value) for f in drawn]
+    assert all(r["at"] == at.isoformat() and 0 <= r["fleet_s"] <= 1e7 and not r["forced"] for r in record)
+    # A hardware fault is one a pull is for; software leaves the node as it was, and so does a
+    # second fault on a node already faulty (drawn in the same step).
+    for index, r in enumerate(record):
+        earlier = any(e["hardware"] and e["node_id"] == r["node_id"] for e in record[:index])
+        assert r["hardware"] == (FaultCategory(r["category"]) in FIXED_BY and not earlier), r
+    served = [r for r in record if r["node_id"] == "n-00003"]
+    assert all(r["tenant_id"] == "ten_a" and r["workload_running"] for r in served)
+
+
+def test_a_top_up_injects_every_category_short_of_the_minimum_at_its_checkpoint():
+    fleet = _fleet(8)
+    # Too few nodes and too little time for the rare categories to come up by chance.
+    faults = FleetFaults(fleet.nodes, time_scale=100.0, seed=1)
+    faults.top_up(1, over_fleet_s=1200.0)
+    for _ in range(12):
+        faults.step(1.0)
+        for node in fleet.nodes.values():
+            node.hardware_fault = node.fault_fixed_by = None
+    summary = faults.summary()
+    assert all(row["injected"] >= 1 for row in summary["by_category"].values()), summary["by_category"]
+    assert summary["minimum_per_category"] == 1
+    assert sum(summary["forced"].values()) == sum(1 for r in summary["injections"] if r["forced"]) >= 1
+    forced = [r for r in summary["injections"] if r["forced"]]
+    # The commonest category's checkpoint comes first, the rarest's last (11/12 of the span).
+    assert forced[-1]["category"] == FaultCategory.SILENT_DATA_CORRUPTION.value
+    assert forced[-1]["fleet_s"] >= 1100.0
+    # Once each category has its minimum, nothing more is forced.
+    faults.top_up(0, over_fleet_s=100.0)
+    faults.step(2.0)
+    assert sum(summary["forced"].values()) == sum(faults.summary()["forced"].values())
