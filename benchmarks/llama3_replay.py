@@ -22,7 +22,9 @@ simulation's own terms (what the same control plane would take on a real fleet, 
 machine's CPUs); no figure below is scaled. Two policy windows are set in fleet time instead, as
 the compressed fault rate needs: the circuit breaker's window is an hour of fleet time (else
 months of faults fall in one wall hour and it refuses a fifth of the pulls), and its pulled
-share is raised to 0.5; the drain grace is 2 s.
+share is raised to 0.5; the correlation window (5 minutes) is 5 minutes of fleet time (else any
+three independent faults behind one rack in the replay are held as a rack incident, not
+pulled); the drain grace is 2 s.
 
 Figures, from the control plane's DB and API and the simulator's ground truth (`GET /v1/faults`:
 every fault's time, node, category, and whom the node served then):
@@ -423,6 +425,10 @@ def main() -> None:
     # hour, months of the fleet's faults would fall in one window and the breaker would refuse
     # a fifth of the pulls, tenants' budgets spent (what an operator is asked to decide on).
     os.environ["GPUCLOUD_HEALTH__BREAKER_WINDOW_S"] = repr(3600.0 / time_scale)
+    # Likewise the correlation window (`health/correlation.py`, 5 minutes): in fleet time, or any
+    # three independent faults behind one rack within 5 wall minutes (months of the fleet's) would
+    # be held as one rack incident and not pulled.
+    os.environ["GPUCLOUD_HEALTH__CORRELATION_WINDOW_S"] = repr(300.0 / time_scale)
     os.environ["GPUCLOUD_HEALTH__DRAIN_GRACE_S"] = "2"
     # The operator's setup calls run 16 at once: its lane takes them, none refused (the tenants'
     # lane, unused here, gives up the slots, below the worker threads: api/admission.py).
