@@ -49,9 +49,13 @@ every fault's time, node, category, and whom the node served then):
   fault before; target 0), `extra_incidents` (a second incident for one fault),
   `breaker_refusals` (pulls the circuit breaker refused: those faults open no incident);
 - spare capacity (`spares`): each pool's spares needed and held (`GET /v1/fleet/spares`, whose
-  rate, window and turnaround are in wall hours, so it plans on the Llama 3 rate) beside the
-  replacement wait seen: from a pull (the allocation's `degraded` event for the node) to its
-  replacement attached (`replaced`), p50/p99, and the pulls not replaced by the end;
+  rate, window and turnaround are in wall hours, so it plans on the Llama 3 rate and a 72-hour
+  turnaround) beside the replacement wait seen: from a pull (the allocation's `degraded` event
+  for the node) to its replacement attached (`replaced`), p50/p99, and the pulls not replaced by
+  the end; and `at_replay_rate`, the same model on what the replay measured in wall time (mean
+  nodes out, each from its incident to its return to `available`): the spares the compressed
+  fault rate needed, beside those held back. A repair of a minute of wall time is months of
+  fleet time, so the replay needs far more spares than a real pool and runs short of them;
 - nodes pulled (drained out of an allocation or the pool by the health loop), replacements
   attached, and each allocation's time `degraded` (availability = 1 - degraded / held);
 - false drains: nodes pulled that the simulator never gave a hardware fault (target 0);
@@ -88,6 +92,7 @@ from common import add_temporal_db_arg, bench_stack, bring_up_fleet, log, onboar
 from health import GANG, TENANTS, Probe, hold_back_spares
 
 from gpucloud.health.categories import FaultCategory
+from gpucloud.health.spares import poisson_quantile
 from gpucloud.sim.client import SimFleetClient
 from gpucloud.sim.fault_injection import FIXED_BY
 from gpucloud.sim.faults import NON_XID_CATEGORIES
@@ -354,7 +359,44 @@ def replacement_waits(probe: Probe, since: datetime) -> tuple[list[float], int]:
     return waits, len(pulled)
 
 
-def spares_figure(api: httpx.Client, probe: Probe, since: datetime) -> dict:
+def at_replay_rate(
+    probe: Probe, incidents: list[dict], start: datetime, end: datetime, *, held: int, probability: float
+) -> dict:
+    """The spares the replay itself needed, by the same M/G/inf model as `GET /v1/fleet/spares`
+    (`health/spares.py`) but on what it measured, in wall time: the mean count of nodes out (each
+    pulled node from its incident's opening to its next return to `available`, or the end),
+    whose Poisson quantile at `probability` is the spares needed, beside the spares held back."""
+    span = (end - start).total_seconds()
+    out_s, turnaround, failures = 0.0, [], 0
+    for incident in incidents:
+        opened = _utc(incident["created_at"])
+        if not start <= opened <= end or not incident["node_ids"]:
+            continue
+        failures += 1
+        back = probe.rows(
+            "SELECT min(at) FROM nodetransition WHERE node_id = :n AND to_state = 'available' "
+            "AND from_state <> 'available' AND at > :t",
+            n=incident["node_ids"][0],
+            t=opened,
+        )[0][0]
+        returned = _utc(back) if back is not None else None
+        if returned is not None:
+            turnaround.append((returned - opened).total_seconds())
+        out_s += (min(returned or end, end) - opened).total_seconds()
+    mean_out = out_s / span if span > 0 else 0.0
+    return {
+        "failures": failures,
+        "nodes_out_mean": round(mean_out, 2),
+        "turnaround_p50_s": _seconds(turnaround, 50),
+        "still_out_after_settling": failures - len(turnaround),
+        "spares_needed": poisson_quantile(probability, mean_out),
+        "spares_held_back": held,
+    }
+
+
+def spares_figure(
+    api: httpx.Client, probe: Probe, since: datetime, end: datetime, incidents: list[dict], *, held: int
+) -> dict:
     """Spares each pool needs (`GET /v1/fleet/spares`) beside the replacement wait seen."""
     response = api.get("/v1/fleet/spares")
     response.raise_for_status()
@@ -373,8 +415,11 @@ def spares_figure(api: httpx.Client, probe: Probe, since: datetime) -> dict:
         "spare_on_failure",
     )
     waits, unreplaced = replacement_waits(probe, since)
+    pools = response.json()["pools"]
+    probability = pools[0]["probability"] if pools else 0.99
     return {
-        "pools": [{k: pool.get(k) for k in keep} for pool in response.json()["pools"]],
+        "pools": [{k: pool.get(k) for k in keep} for pool in pools],
+        "at_replay_rate": at_replay_rate(probe, incidents, since, end, held=held, probability=probability),
         "replacements_measured": len(waits),
         "replacement_wait_p50_s": _seconds(waits, 50),
         "replacement_wait_p99_s": _seconds(waits, 99),
@@ -483,7 +528,8 @@ def main() -> None:
         held_s = (ended - started).total_seconds() * len(allocations)
         degraded = sum(degraded_seconds(probe, a, started, ended) for a in allocations)
         stuck_nodes = stuck(probe, datetime.now(UTC))
-        detected = detection(probe, list_incidents(api), summary["injections"], started)
+        incidents = list_incidents(api)
+        detected = detection(probe, incidents, summary["injections"], started)
         (data_dir / "replay_faults.json").write_text(json.dumps(detected["faults"], indent=1))
         for fault in detected["faults"]:
             if fault["incident"] is None and fault["state"] in IN_SERVICE:
@@ -492,7 +538,7 @@ def main() -> None:
                     + (", the circuit breaker refused its pull" if fault["breaker_refused"] else "")
                 )
         log(f"  each fault and its incident: {data_dir / 'replay_faults.json'}")
-        spares = spares_figure(api, probe, started)
+        spares = spares_figure(api, probe, started, ended, incidents, held=len(held))
         figures = {
             "nodes": nodes,
             "allocations": len(allocations),
