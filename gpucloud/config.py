@@ -327,6 +327,17 @@ class HealthSettings(BaseModel):
     # back (or go to RMA) before it closes as abandoned (`workflows/incident.py`).
     incident_poll_s: float = Field(30.0, gt=0)
     incident_max_wait_s: float = Field(7 * 86_400.0, gt=0)
+    # Scheduled diagnostics of idle nodes (`services/diagnostics.py`, `AgentAction.DIAGNOSE`): a
+    # node idle (available, healthy, neither cordoned nor in maintenance) that has not been
+    # tested for this long (nor been through burn-in) is leased and diagnosed; at most this share
+    # of the idle nodes (at least one) and this many at once, fleet-wide (0: none). A lease
+    # lapses on its own after `diag_lease_s`; the reconciler's full sweep looks for due nodes
+    # every `diag_check_interval_s`.
+    diag_interval_s: float = Field(86_400.0, gt=0)
+    diag_budget_share: float = Field(0.05, ge=0, le=1)
+    diag_max_concurrent: int = Field(16, ge=0)
+    diag_lease_s: float = Field(3600.0, gt=0)
+    diag_check_interval_s: float = Field(60.0, gt=0)
 
 
 class TenantSettings(BaseModel):
