@@ -30,7 +30,7 @@ from gpucloud.adapters.temporal_gateway import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import Database
-from gpucloud.health.pulls import PullKind
+from gpucloud.health.pulls import PullKind, pulling_since
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
     DiagnosisInput,
@@ -262,10 +262,11 @@ class ReconcilerActivities(ActivityGroup):
             diagnostics.release(session, node_id, lease)
 
     @activity.defn
-    async def record_diagnosis(self, req: DiagnosisInput) -> None:
+    async def record_diagnosis(self, req: DiagnosisInput) -> bool:
         """A diagnose's end (`NodeOperationWorkflow._diagnose`): its findings judged and the lease
-        released (`diagnostics.record`), then the pulls they call for carried out at once, as an
-        agent's reported signals are."""
+        released (`diagnostics.record`), and each pull's incident opened. True when the findings
+        drain the node: the diagnose's workflow, which holds the node's single-flight id, drives
+        the drain itself."""
         diagnosis, failure = None, req.failure
         if req.answer is not None:
             try:
@@ -276,9 +277,17 @@ class ReconcilerActivities(ActivityGroup):
                 if diagnosis is None:
                     failure = "the agent's answer carries no diagnosis"
         outcomes = await asyncio.to_thread(self._record_diagnosis, req, diagnosis, failure)
-        if diagnosis is not None and diagnosis.observations:
-            first = min(o.at for o in diagnosis.observations)
-            await pulls.act_on(self.client, self.settings, outcomes, {req.node_id: min(first, utcnow())})
+        pulled = [o for o in outcomes if o.pull != PullKind.NONE]
+        if not pulled or diagnosis is None:
+            return False
+        fault_at = min(min(o.at for o in diagnosis.observations), utcnow())
+        decisions = [
+            dataclasses.replace(o.decision(fault_at=fault_at), since=pulling_since(o.verdict.conditions))
+            for o in pulled
+        ]
+        await pulls.open_incidents(self.client, self.settings, decisions)
+        # A leased node is nobody's: its pull is a drain (a replacement would be its allocation's).
+        return any(o.pull == PullKind.DRAIN for o in pulled)
 
     def _record_diagnosis(
         self, req: DiagnosisInput, diagnosis: Diagnosis | None, failure: str | None

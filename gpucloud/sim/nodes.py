@@ -71,6 +71,7 @@ class FleetSpec(BaseModel):
     provision_s: float | None = Field(
         None, ge=0.0, description="every provision takes exactly this long (a slow image pull, say)"
     )
+    diagnose_s: float | None = Field(None, ge=0.0, description="every scheduled diagnose takes exactly this long")
     seed: int = 0
     id_prefix: str = "sim"
     # GB200 NVL72 racks after the default pool (numbered on from it), `racks_per_pod` to a pod.
@@ -236,6 +237,8 @@ class Fleet:
     def latency_s(self, action: AgentAction) -> float:
         if action == A.PROVISION and self.spec.provision_s is not None:
             return self.spec.provision_s
+        if action == A.DIAGNOSE and self.spec.diagnose_s is not None:
+            return self.spec.diagnose_s
         return BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3)
 
     @staticmethod

@@ -227,8 +227,9 @@ class NodeOperationWorkflow:
 
     async def _diagnose(self) -> NodeOperationResult:
         """A scheduled diagnostic of an idle node the reconciler leased (`services/diagnostics.py`):
-        the agent's diagnose, then its findings recorded and judged (a failed diag pulls the node)
-        and the lease released, whatever the agent answered. The state does not change here."""
+        the agent's diagnose, then its findings recorded and judged and the lease released,
+        whatever the agent answered. Findings that pull the node (a failed diag) drain it here,
+        under the node's single-flight id this workflow holds; otherwise the state is unchanged."""
         lease = self._inp.lease or ""
         failure: str | None = None
         answer: dict | None = None
@@ -252,7 +253,9 @@ class NodeOperationWorkflow:
                     raise
                 failure = f"diagnose failed: {failure_message(err)}"
         record = DiagnosisInput(node_id=self._inp.node_id, lease=lease, answer=answer, failure=failure)
-        await workflow.execute_activity_method(ReconcilerActivities.record_diagnosis, record, **options.DB)
+        drain = await workflow.execute_activity_method(ReconcilerActivities.record_diagnosis, record, **options.DB)
+        if drain:  # the findings pull the node: drain it under this same id, before anyone takes it
+            return await self._drive(Op.DRAIN)
         return self._result(failure is None, failure)
 
     async def _repair_rung(self) -> str | None:
