@@ -34,14 +34,14 @@ from gpucloud.config import Settings
 from gpucloud.db import rowcount
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
-from gpucloud.protocol.actions import Diagnosis
+from gpucloud.protocol.actions import AgentAction, Diagnosis
 from gpucloud.protocol.reports import SignalReport
 from gpucloud.services import health
 from gpucloud.services.catalog import not_diagnosing
 
 # Who the diagnostics are in a node's history, and the event that records one.
 DIAGNOSTICS_ACTOR = "diagnostics"
-DIAGNOSE_EVENT = "diagnose"
+DIAGNOSE_EVENT = AgentAction.DIAGNOSE.value
 # The advisory lock the budget is counted under (Postgres): any fixed key of our own.
 _BUDGET_LOCK = 0x6469_6167_6E6F_7365 & 0x7FFF_FFFF_FFFF_FFFF
 
