@@ -240,6 +240,8 @@ class ReconcilerActivities(ActivityGroup):
             return
         self._diagnostics_due = time.monotonic() + self.settings.health.diag_check_interval_s
         try:
+            if await asyncio.to_thread(self._wanted_for_diagnosis) == 0:
+                return  # nothing due, or no room in the budget: no more queries
             room = await self._room()
             leases = await asyncio.to_thread(self._lease_for_diagnosis, room) if room > 0 else []
             for taken in leases:
@@ -252,6 +254,10 @@ class ReconcilerActivities(ActivityGroup):
         except Exception as exc:  # the sweep's own work goes on; the leases lapse on their own
             log.exception("diagnostics scheduling failed")
             result.errors.append(f"diagnostics: {exc}")
+
+    def _wanted_for_diagnosis(self) -> int:
+        with self.db.session() as session:
+            return diagnostics.wanted(session, diagnostics.DiagnosticPolicy.of(self.settings))
 
     def _lease_for_diagnosis(self, limit: int) -> list[diagnostics.DiagnosticLease]:
         with self.db.session() as session:

@@ -127,6 +127,14 @@ def due(session: Session, policy: DiagnosticPolicy, *, now: datetime, limit: int
     )
 
 
+def wanted(session: Session, policy: DiagnosticPolicy, *, now: datetime | None = None) -> int:
+    """How many nodes `lease_due` would lease now (budget and due nodes allowing), without
+    leasing any: a sweep with nothing to do asks nothing more."""
+    now = now or utcnow()
+    free = room(session, policy, now=now)
+    return len(due(session, policy, now=now, limit=free)) if free > 0 else 0
+
+
 def lease(session: Session, node_id: str, policy: DiagnosticPolicy, *, now: datetime) -> DiagnosticLease | None:
     """Lease one node for a diagnostic: a compare-and-swap that holds only while the node is idle
     and no other lease holds it (None: it is not, or someone took it first)."""

@@ -37,7 +37,8 @@ class RecordedTools(CommandRunner):
     """Answers each documented argv with its recorded output; `missing` tools are not installed."""
 
     def __init__(self, outputs: dict[tuple[str, ...], tuple[int, str]], missing: tuple[str, ...] = ()) -> None:
-        self.outputs, self.missing, self.ran = outputs, missing, []
+        self.outputs, self.missing = outputs, missing
+        self.ran: list[tuple[str, ...]] = []
 
     def which(self, tool: str) -> str | None:
         return None if tool in self.missing else f"/usr/bin/{tool}"

@@ -211,3 +211,14 @@ def test_a_failed_diag_pulls_the_idle_node_and_releases_the_lease(db_url):
     with session_scope(db_url) as session:
         diagnostics.record(session, good, "gone", None, failure="diagnose failed: 409 Node held by a tenant", now=at)
     assert _lease_due(db_url, now=at + timedelta(hours=1)) == []
+
+
+def test_a_sweep_with_nothing_due_leases_nothing_and_says_so_first(db_url):
+    _idle(db_url, "fresh", 3, since=timedelta(hours=1))
+    (old,) = _idle(db_url, "old", 1)
+    with session_scope(db_url) as session:
+        assert diagnostics.wanted(session, POLICY, now=NOW) == 1
+    (taken,) = _lease_due(db_url)
+    assert taken.node_id == old
+    with session_scope(db_url) as session:
+        assert diagnostics.wanted(session, POLICY, now=NOW) == 0
