@@ -343,6 +343,17 @@ class HealthSettings(BaseModel):
     correlation_window_s: float = Field(300.0, gt=0)
     correlation_min_nodes: int = Field(3, ge=2)
     correlation_min_share: float = Field(0.0, ge=0, le=1)
+    # Scheduled diagnostics of idle nodes (`services/diagnostics.py`, `AgentAction.DIAGNOSE`): a
+    # node idle (available, healthy, neither cordoned nor in maintenance) that has not been
+    # tested for this long (nor been through burn-in) is leased and diagnosed; at most this share
+    # of the idle nodes (at least one) and this many at once, fleet-wide (0: none). A lease
+    # lapses on its own after `diag_lease_s`; the reconciler's full sweep looks for due nodes
+    # every `diag_check_interval_s`.
+    diag_interval_s: float = Field(86_400.0, gt=0)
+    diag_budget_share: float = Field(0.05, ge=0, le=1)
+    diag_max_concurrent: int = Field(16, ge=0)
+    diag_lease_s: float = Field(3600.0, gt=0)
+    diag_check_interval_s: float = Field(60.0, gt=0)
 
 
 class TenantSettings(BaseModel):

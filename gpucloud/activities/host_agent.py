@@ -184,6 +184,12 @@ class HostAgentActivities(ActivityGroup):
     async def reflash_node(self, req: AgentActionInput) -> AgentActionResult:
         return await self._call(AgentAction.REFLASH, req)
 
+    # A scheduled diagnostic of an idle node (`services/diagnostics.py`); the agent refuses a
+    # node a tenant holds.
+    @activity.defn
+    async def diagnose_node(self, req: AgentActionInput) -> AgentActionResult:
+        return await self._call(AgentAction.DIAGNOSE, req)
+
 
 def _cleaning(node_id: str, details: dict) -> list[CleaningStep]:
     """The steps a wipe's answer lists (none: an agent that does not report them). An answer that

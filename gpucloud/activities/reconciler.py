@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 
 import sqlalchemy as sa
+from pydantic import ValidationError
 from sqlmodel import Session, col, select
 from temporalio import activity
 from temporalio.client import Client
@@ -29,9 +30,10 @@ from gpucloud.adapters.temporal_gateway import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import Database
-from gpucloud.health.pulls import PullKind
+from gpucloud.health.pulls import PullKind, pulling_since
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
+    DiagnosisInput,
     NodeOperationInput,
     NodeOperationKind,
     SweepInput,
@@ -39,8 +41,17 @@ from gpucloud.models.messages import (
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, utcnow
+from gpucloud.protocol.actions import ActionAnswer, Diagnosis
 from gpucloud.reconciler.plan import FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
-from gpucloud.services import agent_credentials, idempotency_records, node_conditions, pulls, spares
+from gpucloud.services import (
+    agent_credentials,
+    diagnostics,
+    health,
+    idempotency_records,
+    node_conditions,
+    pulls,
+    spares,
+)
 from gpucloud.services import nodes as node_service
 from gpucloud.services.recovery import adopt_orphans
 from gpucloud.web import metrics
@@ -138,6 +149,8 @@ class ReconcilerActivities(ActivityGroup):
         self.settings = settings
         # When this worker's next full sweep checks spare capacity (monotonic; 0: the first).
         self._spares_due = 0.0
+        # When this worker's next full sweep looks for idle nodes due for a diagnostic (likewise).
+        self._diagnostics_due = 0.0
 
     @activity.defn
     async def sweep(self, req: SweepInput) -> SweepResult:
@@ -159,6 +172,7 @@ class ReconcilerActivities(ActivityGroup):
                 idempotency_records.delete_expired, self.db, now=utcnow()
             )
             await self._check_spares_if_due(result)
+            await self._diagnose_if_due(result)
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
         health_pulls = [p.node_id for p in plans if p.pull != PullKind.NONE]
         if health_pulls:
@@ -215,6 +229,84 @@ class ReconcilerActivities(ActivityGroup):
         except Exception as exc:  # the sweep's own work goes on; the next interval tries again
             log.exception("spares check failed")
             result.errors.append(f"spares check: {exc}")
+
+    async def _diagnose_if_due(self, result: SweepResult) -> None:
+        """Idle nodes due for a scheduled diagnostic (`services/diagnostics.py`), every
+        `health.diag_check_interval_s` of this worker's sweeps: leased within the fleet-wide
+        budget and the node operations' limit, then each one's diagnose started under the node's
+        single-flight id (a node another operation holds is given back at once). Its failure is
+        reported, not the sweep's."""
+        if time.monotonic() < self._diagnostics_due:
+            return
+        self._diagnostics_due = time.monotonic() + self.settings.health.diag_check_interval_s
+        try:
+            if await asyncio.to_thread(self._wanted_for_diagnosis) == 0:
+                return  # nothing due, or no room in the budget: no more queries
+            room = await self._room()
+            leases = await asyncio.to_thread(self._lease_for_diagnosis, room) if room > 0 else []
+            for taken in leases:
+                inp = NodeOperationInput(node_id=taken.node_id, operation=NodeOperationKind.DIAGNOSE, lease=taken.lease)
+                try:
+                    await start_node_operation(self.client, self.settings, inp)
+                    result.diagnostics_started += 1
+                except WorkflowAlreadyStartedError:
+                    await asyncio.to_thread(self._release_diagnosis, taken.node_id, taken.lease)
+        except Exception as exc:  # the sweep's own work goes on; the leases lapse on their own
+            log.exception("diagnostics scheduling failed")
+            result.errors.append(f"diagnostics: {exc}")
+
+    def _wanted_for_diagnosis(self) -> int:
+        with self.db.session() as session:
+            return diagnostics.wanted(session, diagnostics.DiagnosticPolicy.of(self.settings))
+
+    def _lease_for_diagnosis(self, limit: int) -> list[diagnostics.DiagnosticLease]:
+        with self.db.session() as session:
+            return diagnostics.lease_due(session, diagnostics.DiagnosticPolicy.of(self.settings), limit=limit)
+
+    def _release_diagnosis(self, node_id: str, lease: str) -> None:
+        with self.db.session() as session:
+            diagnostics.release(session, node_id, lease)
+
+    @activity.defn
+    async def record_diagnosis(self, req: DiagnosisInput) -> bool:
+        """A diagnose's end (`NodeOperationWorkflow._diagnose`): its findings judged and the lease
+        released (`diagnostics.record`), and each pull's incident opened. True when the findings
+        drain the node: the diagnose's workflow, which holds the node's single-flight id, drives
+        the drain itself."""
+        diagnosis, failure = None, req.failure
+        if req.answer is not None:
+            try:
+                diagnosis = ActionAnswer.model_validate(req.answer).diagnosis
+            except ValidationError as exc:
+                failure = f"the agent's answer cannot be read: {exc.error_count()} errors"
+            else:
+                if diagnosis is None:
+                    failure = "the agent's answer carries no diagnosis"
+        outcomes = await asyncio.to_thread(self._record_diagnosis, req, diagnosis, failure)
+        pulled = [o for o in outcomes if o.pull != PullKind.NONE]
+        if not pulled or diagnosis is None:
+            return False
+        fault_at = min(min(o.at for o in diagnosis.observations), utcnow())
+        decisions = [
+            dataclasses.replace(o.decision(fault_at=fault_at), since=pulling_since(o.verdict.conditions))
+            for o in pulled
+        ]
+        await pulls.open_incidents(self.client, self.settings, decisions)
+        # A leased node is nobody's: its pull is a drain (a replacement would be its allocation's).
+        return any(o.pull == PullKind.DRAIN for o in pulled)
+
+    def _record_diagnosis(
+        self, req: DiagnosisInput, diagnosis: Diagnosis | None, failure: str | None
+    ) -> list[health.HealthOutcome]:
+        with self.db.session() as session:
+            return diagnostics.record(
+                session,
+                req.node_id,
+                req.lease,
+                diagnosis,
+                failure=failure,
+                breaker=health.BreakerSettings.of(self.settings),
+            )
 
     def _check_spares(self) -> spares.SparesCheck:
         with self.db.session() as session:

@@ -8,7 +8,8 @@ apart: a rule written here holds for both.
   `remembered` are kept), except a failure that a retry may not meet again (a 5xx but 501: a
   missing tool stays missing, a crash or a transient fault may not).
 - Another tenant's data blocks a provision (409), a running workload blocks a wipe (409), burn-in
-  runs only on a wiped, idle node (409); a provision names its tenant (422).
+  and a diagnose run only on a wiped, idle node (409: a node a tenant holds is never tested);
+  a provision names its tenant (422).
 - The steps, in order: the action's tools, then the workload's SSH keys let in and the workload
   started (provision) or the workload stopped (release, reboot, wipe) and the keys taken out
   (release, wipe), then the tenancy changed (a wipe's cleaning first, then the credential
@@ -30,7 +31,14 @@ from fastapi.responses import JSONResponse
 
 from gpucloud.agent.cleaning import CleaningFailed
 from gpucloud.agent.spool import wall_clock_ms
-from gpucloud.protocol.actions import ActionAnswer, ActionRequest, AgentAction, CleaningStep, known_action
+from gpucloud.protocol.actions import (
+    ActionAnswer,
+    ActionRequest,
+    AgentAction,
+    CleaningStep,
+    Diagnosis,
+    known_action,
+)
 from gpucloud.protocol.reports import ProbeFatal
 from gpucloud.web import problems
 
@@ -117,6 +125,11 @@ class NodeHardware(Protocol):
         """Report with this agent credential from now on (the one a wipe hands over)."""
         ...
 
+    async def diagnose(self) -> Diagnosis:
+        """A diagnose's short tests (`agent/tools.py` `diagnose`): each tool's check, and what it
+        found as signal observations; a tool that is not there is `not_run`."""
+        ...
+
     async def settle(self, action: AgentAction, req: ActionRequest, *, started_ms: int) -> NodeFacts:
         """After the tenancy changed: keep it, meter it (a workload's time counts from
         `started_ms`), and say what the answer says of the node."""
@@ -134,6 +147,8 @@ def refusal(action: AgentAction, req: ActionRequest, node: Tenancy) -> Outcome |
         return problem(409, "Workload running", "a workload is still running; release the node first")
     elif action == A.BURN_IN and (node.tenant_id is not None or node.workload_running):
         return problem(409, "Node not wiped", "burn-in runs only on a wiped, idle node")
+    elif action == A.DIAGNOSE and (node.tenant_id is not None or node.workload_running):
+        return problem(409, "Node held by a tenant", "diagnostics run only on a wiped, idle node")
     return None
 
 
@@ -169,6 +184,7 @@ class ActionCore:
             return refused
         if (failed := await hardware.run_tools(action)) is not None:
             return failed
+        diagnosis = await hardware.diagnose() if action == A.DIAGNOSE else None
         started_ms = self._clock_ms()
         if (failed := await self._workload_and_access(action, req)) is not None:
             return failed
@@ -197,6 +213,7 @@ class ActionCore:
             boot_id=facts.boot_id,
             image_digest=facts.image_digest,
             cleaning=cleaning,
+            diagnosis=diagnosis,
             is_gpu_node=facts.is_gpu_node,
             fatal_error=facts.fatal_error,
             **facts.extras,

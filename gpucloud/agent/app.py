@@ -36,6 +36,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -59,11 +60,12 @@ from gpucloud.agent.tools import (
     CommandRunner,
     action_failure,
     burn_in_figure,
+    diagnose,
     thermal_soak,
 )
 from gpucloud.agent.workloads import NoContainerRuntime, StopFailed, WorkloadSupervisor
 from gpucloud.config import RequestBodySettings
-from gpucloud.protocol.actions import SCRATCH, ActionRequest, AgentAction, CleaningStep
+from gpucloud.protocol.actions import SCRATCH, ActionRequest, AgentAction, CleaningStep, Diagnosis
 from gpucloud.protocol.logs import WORKLOAD_LOGS_PATH
 from gpucloud.protocol.reports import NodeReading
 from gpucloud.web import problems
@@ -187,6 +189,13 @@ class Agent:
 
     def take_credential(self, credential: str) -> None:
         self.state.take_credential(credential)
+
+    async def diagnose(self) -> Diagnosis:
+        """The short scheduled tests (`tools.diagnose`), held to this node's GPU type's floors."""
+        gpus = len((await asyncio.to_thread(self.probe.read)).gpus)
+        return await asyncio.to_thread(
+            diagnose, self.runner, gpus, self.burn_in_limits, timeout_s=self.tool_timeout_s, now=datetime.now(UTC)
+        )
 
     async def settle(self, action: AgentAction, req: ActionRequest, *, started_ms: int) -> NodeFacts:
         s = self.state

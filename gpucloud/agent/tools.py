@@ -12,10 +12,11 @@ import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from gpucloud.models.catalog import BURN_IN_FLOORS, BurnInFloor
-from gpucloud.protocol.actions import AgentAction
-from gpucloud.protocol.reports import NodeReading
+from gpucloud.protocol.actions import AgentAction, Diagnosis, DiagnosticCheck
+from gpucloud.protocol.reports import NodeReading, Signal, SignalObservation
 
 # The tools each hardware action runs, in order, each as its own documentation gives it; every one
 # must exit 0 ("{gpus}": the node's GPU count). Burn-in also holds the figures some print to
@@ -42,6 +43,22 @@ ACTION_COMMANDS: dict[AgentAction, tuple[tuple[str, ...], ...]] = {
     # file (`-c`, its BMC_IP / RF_USERNAME / RF_PASSWORD / FWUpdateFilePath keys: "Platform-
     # Agnostic Firmware Updates ... Using the Config File"), so no password is on the process list.
     AgentAction.REFLASH: (("nvfwupd", "-c", NVFWUPD_CONFIG, "update_fw", "-y"),),
+}
+
+# A diagnose's tools (`AgentAction.DIAGNOSE`, on an idle node, on a schedule): short ones. DCGM's
+# level 1 ("quick": deployment and software checks, seconds) rather than burn-in's level 3; the
+# NCCL all-reduce and nvbandwidth as burn-in runs them, so their figures meet the same floors.
+# Unlike burn-in's, a tool that is not installed is reported `not_run`, never taken for a pass.
+DIAGNOSE_COMMANDS: tuple[tuple[str, ...], ...] = (
+    ("dcgmi", "diag", "-r", "1", "-j"),
+    ACTION_COMMANDS[AgentAction.BURN_IN][1],
+    ACTION_COMMANDS[AgentAction.BURN_IN][2],
+)
+# The signal each diagnostic tool's failure is, as the signal table names it.
+DIAGNOSE_SIGNALS = {
+    "dcgmi": Signal.DIAG_FAILURE,
+    "all_reduce_perf": Signal.NCCL_ALLREDUCE_SLOW,
+    "nvbandwidth": Signal.NVBANDWIDTH_LOW,
 }
 
 
@@ -203,6 +220,61 @@ def thermal_soak(reading: NodeReading, limits: BurnInLimits) -> str | None:
         if thermal:
             return f"GPU {gpu.index} throttled after the stress ({', '.join(thermal)})"
     return None
+
+
+def diagnostic_check(
+    tool: str, result: CommandResult | None, gpus: int, limits: BurnInLimits
+) -> tuple[DiagnosticCheck, str | None]:
+    """One diagnostic tool's check from its run (None: not installed), and, when it failed, why
+    (what its signal observation says). A failure is a finding about the hardware: DCGM marking a
+    test failed, an all-reduce or a host link below the GPU type's floor. A run that says nothing
+    that can be judged (no JSON, no figures, a GPU with no floor) is an `error`, not a finding."""
+    if result is None:
+        return DiagnosticCheck(tool=tool, status="not_run", detail=f"{tool} is not installed"), None
+    if tool == "dcgmi":
+        # dcgmi exits nonzero when a test fails: its JSON says which.
+        why = dcgm_failure(result.output)
+        if why == "dcgmi diag printed no JSON result":
+            return DiagnosticCheck(tool=tool, status="error", detail=f"exit {result.returncode}: {why}"), None
+        if why is not None:
+            return DiagnosticCheck(tool=tool, status="fail", detail=why), why
+        if result.returncode != 0:
+            return DiagnosticCheck(tool=tool, status="error", detail=f"exit {result.returncode}, no test failed"), None
+        return DiagnosticCheck(tool=tool, status="pass"), None
+    if result.returncode != 0:
+        return DiagnosticCheck(
+            tool=tool, status="error", detail=f"exit {result.returncode}: {result.output[-200:]}"
+        ), None
+    why = burn_in_figure(tool, result.output, gpus, limits)
+    if why is None:
+        return DiagnosticCheck(tool=tool, status="pass"), None
+    if " floor of " in why:  # below the GPU type's floor: a finding (`burn_in_figure`'s wording)
+        return DiagnosticCheck(tool=tool, status="fail", detail=why), why
+    return DiagnosticCheck(tool=tool, status="error", detail=why), None
+
+
+def diagnose(runner: CommandRunner, gpus: int, limits: BurnInLimits, *, timeout_s: float, now: datetime) -> Diagnosis:
+    """Run `DIAGNOSE_COMMANDS` in order ("{gpus}": the node's GPU count) and judge each: a tool
+    that is missing is `not_run`, one that runs past `timeout_s` an `error`; each failure becomes
+    the observation of its signal (`DIAGNOSE_SIGNALS`), at `now`."""
+    checks, observations = [], []
+    for template in DIAGNOSE_COMMANDS:
+        tool = template[0]
+        result: CommandResult | None = None
+        if runner.which(tool) is not None:
+            argv = tuple(str(gpus) if arg == "{gpus}" else arg for arg in template)
+            try:
+                result = runner.run(argv, timeout_s)
+            except subprocess.TimeoutExpired:
+                checks.append(DiagnosticCheck(tool=tool, status="error", detail=f"ran past {timeout_s:g} s"))
+                continue
+        check, why = diagnostic_check(tool, result, gpus, limits)
+        checks.append(check)
+        if why is not None:
+            observations.append(
+                SignalObservation(signal=DIAGNOSE_SIGNALS[tool], at=now, source=tool, detail=why[:2000])
+            )
+    return Diagnosis(checks=checks, observations=observations)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ def sim(
     provision_s: Annotated[
         float | None, typer.Option(help="every provision takes exactly this many seconds (to cancel one midway)")
     ] = None,
+    diagnose_s: Annotated[
+        float | None, typer.Option(help="every scheduled diagnose takes exactly this many seconds")
+    ] = None,
     gpu_type: Annotated[str, typer.Option(help="the GPU type every simulated node reports")] = "H100",
     region: Annotated[str, typer.Option(help="the region every simulated node is in")] = "us-east-1",
     seed: Annotated[int, typer.Option(help="seeds the simulated probes and faults (a run repeats)")] = 0,
@@ -92,6 +95,7 @@ def sim(
         register=register,
         latency_scale=latency_scale,
         provision_s=provision_s,
+        diagnose_s=diagnose_s,
         gpu_type=gpu_type,
         region=region,
         seed=seed,

@@ -76,6 +76,12 @@ sdc_suspect            | silent_data_corruption | failed  | drain | -      |
     | a check found wrong results: verify in burn-in, RMA if it repeats
 host_maintenance       | host_maintenance       | suspect | drain | -      |
     | the host is due for maintenance: move the tenant off first
+diag_failure           | faulty_gpu             | failed  | drain | -      |
+    | a scheduled diagnostic of the idle node (dcgmi diag -r 1) failed
+nccl_allreduce_slow    | other                  | suspect | watch | -      |
+    | a scheduled single-node NCCL all-reduce ran below the GPU type's bus bandwidth floor
+nvbandwidth_low        | other                  | suspect | watch | -      |
+    | a scheduled nvbandwidth run measured a GPU's host link below the GPU type's floor
 """
 
 

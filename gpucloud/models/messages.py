@@ -35,6 +35,9 @@ class NodeOperationKind(StrEnum):
     DRAIN = "drain"  # available | active -> draining -> quarantined (the agent stops the workload)
     RESTORE = "restore"  # active, but the agent lost the workload (reboot, wipe): provision again
     REPAIR = "repair"  # quarantined -> repairing (reset | reboot | reflash) -> wiping -> burn_in -> available; or rma
+    # available, leased by `services.diagnostics` -> the agent's diagnose -> findings judged -> available
+    # (or drained, when they call for it); the state does not change on its own
+    DIAGNOSE = "diagnose"
 
 
 class NodeOperationInput(NodeRef):
@@ -43,6 +46,16 @@ class NodeOperationInput(NodeRef):
     tenant_id: str | None = None
     # What a provision (or a restore) starts on the node: the allocation's workload.
     workload: Workload | None = None
+    # The diagnostic lease a diagnose holds the node under (`services.diagnostics`).
+    lease: str | None = None
+
+
+class DiagnosisInput(NodeRef):
+    """A diagnose's end, to record: the agent's answer (None: it gave none, `failure` says why)."""
+
+    lease: str
+    answer: dict | None = None
+    failure: str | None = None
 
 
 class NodeOperationResult(NodeRef):
@@ -305,4 +318,6 @@ class SweepResult(BaseModel):
     power_held: bool = False
     # Idempotency records past their retention, deleted.
     idempotency_expired: int = 0
+    # Idle nodes leased for a scheduled diagnostic and their diagnose started.
+    diagnostics_started: int = 0
     errors: list[str] = Field(default_factory=list)

@@ -176,6 +176,12 @@ class Node(NodeBase, table=True):
     # Per-node backoff of the reconciler's attempts.
     reconcile_attempts: int = 0
     next_reconcile_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    # Scheduled diagnostics of an idle node (`services/diagnostics.py`): when the last one
+    # ended, and the lease a running one holds (its id, and when it lapses on its own). No
+    # reservation takes a node whose lease has not lapsed.
+    last_diag_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    diag_lease: str | None = Field(default=None, max_length=64)
+    diag_lease_until: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
     created_at: datetime = timestamp_field()
     updated_at: datetime = timestamp_field()
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpucloud.models.images import ImageReference
-from gpucloud.protocol.reports import NodeId, ShortId, TenantId
+from gpucloud.protocol.reports import NodeId, ShortId, SignalObservation, TenantId
 
 # One OpenSSH public key, as a `.pub` file holds it: its type, its base64 blob, an optional comment;
 # no options (`command=`, `from=`) and one line (a newline would add a line to authorized_keys).
@@ -37,6 +37,9 @@ class AgentAction(StrEnum):
     RESET = "reset"
     REBOOT = "reboot"
     REFLASH = "reflash"
+    # Short scheduled diagnostics of an idle node (`dcgmi diag -r 1`, a single-node NCCL
+    # all-reduce, nvbandwidth): never on a node a tenant holds (the agent refuses it, 409).
+    DIAGNOSE = "diagnose"
 
 
 def known_action(name: str) -> AgentAction | None:
@@ -134,6 +137,34 @@ class CleaningStep(BaseModel):
         return value
 
 
+class DiagnosticCheck(BaseModel):
+    """One tool of a diagnose as the agent ran it: `pass`, `fail` (its figures or results are
+    below the bar: a signal rides along in `Diagnosis.observations`), `error` (it ran and said
+    nothing that can be judged), or `not_run` (not installed on the node: never a pass)."""
+
+    tool: str = Field(pattern=r"^[a-z_]{1,40}$", description="dcgmi, all_reduce_perf or nvbandwidth")
+    status: Literal["pass", "fail", "error", "not_run"]
+    detail: str = Field("", max_length=CLEANING_ANSWER_CHARS)
+
+    @field_validator("detail", mode="before")
+    @classmethod
+    def _short(cls, value: object) -> object:
+        if isinstance(value, str):
+            return " ".join(value.split())[:CLEANING_ANSWER_CHARS]
+        return value
+
+
+class Diagnosis(BaseModel):
+    """A diagnose's answer: each tool's check, and what they found as signal observations, which
+    the control plane judges with the signal table as it judges any node's signals."""
+
+    checks: list[DiagnosticCheck] = Field(default_factory=list, max_length=16)
+    observations: list[SignalObservation] = Field(default_factory=list, max_length=64)
+
+    def summary(self) -> str:
+        return "; ".join(f"{c.tool}: {c.status}" + (f" ({c.detail})" if c.detail else "") for c in self.checks)
+
+
 class ActionAnswer(BaseModel):
     """What an agent answers a successful action: the action and the node's tenancy after it.
     What the node's hardware adds rides along as extra fields: its GPUs as the probe reads them
@@ -154,3 +185,5 @@ class ActionAnswer(BaseModel):
     # A wipe's cleaning, step by step (None: an answer to another action, or from an agent that
     # does not report its steps).
     cleaning: list[CleaningStep] | None = Field(None, max_length=64)
+    # A diagnose's checks and findings (None: an answer to another action).
+    diagnosis: Diagnosis | None = None

@@ -227,6 +227,10 @@ class Signal(StrEnum):
     THERMAL = "thermal"
     SDC_SUSPECT = "sdc_suspect"
     HOST_MAINTENANCE = "host_maintenance"
+    # What the scheduled diagnostics of an idle node find (`AgentAction.DIAGNOSE`).
+    DIAG_FAILURE = "diag_failure"
+    NCCL_ALLREDUCE_SLOW = "nccl_allreduce_slow"
+    NVBANDWIDTH_LOW = "nvbandwidth_low"
 
 
 class SignalObservation(_Reading):

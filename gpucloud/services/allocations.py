@@ -31,7 +31,7 @@ from gpucloud.models.tables import (
 )
 from gpucloud.models.workflow_ids import allocation_workflow_id
 from gpucloud.services import nodes as node_service
-from gpucloud.services.catalog import allocatable
+from gpucloud.services.catalog import allocatable, not_diagnosing
 from gpucloud.web import metrics
 
 
@@ -104,7 +104,13 @@ def reserve_node(
     """available -> reserved for the allocation, compare-and-swap on the generation seen."""
     result = session.execute(
         sa.update(Node)
-        .where(col(Node.id) == node.id, col(Node.generation) == node.generation, col(Node.state) == NodeState.AVAILABLE)
+        .where(
+            col(Node.id) == node.id,
+            col(Node.generation) == node.generation,
+            col(Node.state) == NodeState.AVAILABLE,
+            # A diagnostic that leased the node since it was picked keeps it (`services/diagnostics.py`).
+            not_diagnosing(now),
+        )
         .values(
             state=NodeState.RESERVED.value,
             generation=node.generation + 1,

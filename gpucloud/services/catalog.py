@@ -12,28 +12,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.models.node_states import NodeState
-from gpucloud.models.tables import Node
+from gpucloud.models.tables import Node, utcnow
 
 # Nodes that have left the fleet: a retired node never returns, an RMA'd one only as a new
 # enrolment once its hardware is replaced.
 OUT_OF_FLEET = (NodeState.RETIRED.value, NodeState.RMA.value)
 
 
-def allocatable() -> tuple[sa.ColumnElement[bool], ...]:
-    """The conditions under which a reservation may take a node now: available, healthy, and
-    neither cordoned nor in maintenance."""
+def allocatable(now: datetime | None = None) -> tuple[sa.ColumnElement[bool], ...]:
+    """The conditions under which a reservation may take a node now: available, healthy, neither
+    cordoned nor in maintenance, and no scheduled diagnostic holds it (`services/diagnostics.py`:
+    its lease has not lapsed)."""
     return (
         col(Node.state) == NodeState.AVAILABLE,
         col(Node.cordoned) == False,
         col(Node.maintenance) == False,
         col(Node.health) == "ok",
+        not_diagnosing(now or utcnow()),
     )
+
+
+def not_diagnosing(now: datetime) -> sa.ColumnElement[bool]:
+    """No scheduled diagnostic holds the node: never leased, released, or its lease lapsed."""
+    return sa.or_(col(Node.diag_lease_until).is_(None), col(Node.diag_lease_until) <= now)
 
 
 @dataclass(frozen=True)

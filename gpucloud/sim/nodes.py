@@ -29,8 +29,10 @@ from gpucloud.protocol.actions import (
     ActionRequest,
     AgentAction,
     CleaningStep,
+    Diagnosis,
+    DiagnosticCheck,
 )
-from gpucloud.protocol.reports import Heartbeat, WorkloadStatus
+from gpucloud.protocol.reports import Heartbeat, Signal, SignalObservation, WorkloadStatus, utc_now
 from gpucloud.sim.ssh import LOOPBACK, FleetSsh
 from gpucloud.sim.workload_output import SimulatedRun, simulate
 
@@ -48,6 +50,7 @@ BASE_LATENCY_S = {
     A.RESET: 0.1,
     A.REBOOT: 0.4,
     A.REFLASH: 0.6,
+    A.DIAGNOSE: 0.2,
 }
 # Fewer answers kept per node than a real agent keeps: thousands of nodes share one process.
 REMEMBERED_REQUESTS = 16
@@ -70,6 +73,7 @@ class FleetSpec(BaseModel):
     provision_s: float | None = Field(
         None, ge=0.0, description="every provision takes exactly this long (a slow image pull, say)"
     )
+    diagnose_s: float | None = Field(None, ge=0.0, description="every scheduled diagnose takes exactly this long")
     seed: int = 0
     id_prefix: str = "sim"
     # GB200 NVL72 racks after the default pool (numbered on from it), `racks_per_pod` to a pod.
@@ -251,6 +255,8 @@ class Fleet:
     def latency_s(self, action: AgentAction) -> float:
         if action == A.PROVISION and self.spec.provision_s is not None:
             return self.spec.provision_s
+        if action == A.DIAGNOSE and self.spec.diagnose_s is not None:
+            return self.spec.diagnose_s
         return BASE_LATENCY_S[action] * self.spec.latency_scale * self.rng.uniform(0.7, 1.3)
 
     @staticmethod
@@ -382,6 +388,22 @@ class SimulatedHardware:
     def take_credential(self, credential: str) -> None:
         self.node.credential, self.node.credential_from = credential, "in_band"
 
+    async def diagnose(self) -> Diagnosis:
+        """The scheduled diagnostics from the node's fault model: a hardware fault (latent on an
+        idle node until something tests it) fails `dcgmi diag`, as burn-in finds it; a healthy
+        node passes every tool."""
+        fault = self.node.hardware_fault
+        if fault is None:
+            return Diagnosis(checks=[DiagnosticCheck(tool=t, status="pass") for t in _DIAGNOSE_TOOLS])
+        why = f"dcgmi diag failed: {fault}"
+        return Diagnosis(
+            checks=[
+                DiagnosticCheck(tool="dcgmi", status="fail", detail=why),
+                *(DiagnosticCheck(tool=t, status="pass") for t in _DIAGNOSE_TOOLS[1:]),
+            ],
+            observations=[SignalObservation(signal=Signal.DIAG_FAILURE, at=utc_now(), source="dcgmi", detail=why)],
+        )
+
     async def settle(self, action: AgentAction, req: ActionRequest, *, started_ms: int) -> NodeFacts:
         node = self.node
         node.actions_done += 1
@@ -392,6 +414,9 @@ class SimulatedHardware:
             image_digest=STAND_IN_DIGEST if node.stand_in else node.image_digest,
             gpu_count=node.gpu_count,
         )
+
+
+_DIAGNOSE_TOOLS = ("dcgmi", "all_reduce_perf", "nvbandwidth")
 
 
 def _cleaning(node: SimNode) -> list[CleaningStep]:

@@ -20,10 +20,12 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.bmc import BmcActivities
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.host_agent import HostAgentActivities
+    from gpucloud.activities.reconciler import ReconcilerActivities
     from gpucloud.models import search_attributes as sa
     from gpucloud.models.messages import (
         AgentActionInput,
         BmcPowerInput,
+        DiagnosisInput,
         EnrollmentInput,
         ImageCheckInput,
         NodeOperationInput,
@@ -66,6 +68,7 @@ _AGENT_ACTIONS = {
     A.RESET: HostAgentActivities.reset_node,
     A.REBOOT: HostAgentActivities.reboot_node,
     A.REFLASH: HostAgentActivities.reflash_node,
+    A.DIAGNOSE: HostAgentActivities.diagnose_node,
 }
 
 
@@ -144,6 +147,8 @@ class NodeOperationWorkflow:
             return self._result(False, f"node belongs to allocation {node.allocation_id}, not {inp.allocation_id}")
         if inp.operation == Op.RESTORE:
             return await self._restore()
+        if inp.operation == Op.DIAGNOSE:
+            return await self._diagnose()
         error: str | None = None
         if inp.operation == Op.BRINGUP and self._state == S.ENROLLED and self._has_bmc:
             # Out of band first: what the BMC says the system is, and its power on.
@@ -218,6 +223,39 @@ class NodeOperationWorkflow:
         if self._state != S.ACTIVE:
             return self._result(False, f"node is {self._state}; only an active node is restored")
         failure = await self._act(A.PROVISION)
+        return self._result(failure is None, failure)
+
+    async def _diagnose(self) -> NodeOperationResult:
+        """A scheduled diagnostic of an idle node the reconciler leased (`services/diagnostics.py`):
+        the agent's diagnose, then its findings recorded and judged and the lease released,
+        whatever the agent answered. Findings that pull the node (a failed diag) drain it here,
+        under the node's single-flight id this workflow holds; otherwise the state is unchanged."""
+        lease = self._inp.lease or ""
+        failure: str | None = None
+        answer: dict | None = None
+        if self._state != S.AVAILABLE:
+            failure = f"node is {self._state}; only an available node is diagnosed"
+        else:
+            self._steps_taken += 1
+            info = workflow.info()
+            req = AgentActionInput(
+                node_id=self._inp.node_id,
+                agent_url=self._agent_url,
+                request_id=f"{info.workflow_id}/{info.run_id}/{self._steps_taken}",
+            )
+            try:
+                done = await workflow.execute_activity_method(
+                    HostAgentActivities.diagnose_node, req, **options.DIAGNOSE
+                )
+                answer = done.details
+            except ActivityError as err:
+                if is_cancelled_exception(err):
+                    raise
+                failure = f"diagnose failed: {failure_message(err)}"
+        record = DiagnosisInput(node_id=self._inp.node_id, lease=lease, answer=answer, failure=failure)
+        drain = await workflow.execute_activity_method(ReconcilerActivities.record_diagnosis, record, **options.DB)
+        if drain:  # the findings pull the node: drain it under this same id, before anyone takes it
+            return await self._drive(Op.DRAIN)
         return self._result(failure is None, failure)
 
     async def _repair_rung(self) -> str | None:

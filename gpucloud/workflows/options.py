@@ -75,6 +75,10 @@ DB = _options(_s(30), _ms(200), _s(10), give_up_after=_min(10))
 # growing delays, then the node goes to its state's failure target.
 AGENT = _options(_min(20), _s(1), _s(30), attempts=6, permanent=("AgentActionFailed",), heartbeat=_s(30))
 
+# A scheduled diagnose (`services/diagnostics.py`): short tests on an idle node; one retry, then
+# it is recorded as not run, well within the node's diagnostic lease (`health.diag_lease_s`).
+DIAGNOSE = _options(_min(15), _s(1), _s(30), attempts=2, permanent=("AgentActionFailed",), heartbeat=_s(30))
+
 # One action on a batch of agents (bring-up): the activity retries each unreachable agent itself
 # and reports the ones that stay silent, so Temporal retries only a lost worker or a crash.
 AGENT_BATCH = _options(_min(30), _s(1), _s(30), attempts=5, heartbeat=_s(60))

@@ -37,6 +37,8 @@ NOT_ACTIONS = {
     ("models/node_states.py", "release"): "the lifecycle event that starts releasing",
     ("models/messages.py", "provision"): "the node operation that provisions (several steps)",
     ("models/messages.py", "release"): "the node operation that releases (several steps)",
+    ("models/messages.py", "diagnose"): "the node operation that diagnoses (lease, action, record)",
+    ("health/incidents.py", "diagnose"): "an incident's phase (its cause found)",
 }
 REPORT_PATHS = {HEARTBEATS_PATH, READINGS_PATH, EVENTS_PATH}
 
