@@ -305,4 +305,6 @@ class SweepResult(BaseModel):
     power_held: bool = False
     # Idempotency records past their retention, deleted.
     idempotency_expired: int = 0
+    # Fleet-kind incidents whose workflow nobody followed, started (`services.fleet_kind_incidents`).
+    incidents_started: int = 0
     errors: list[str] = Field(default_factory=list)
