@@ -46,6 +46,7 @@ from gpucloud.reconciler.plan import FleetSilence, NodePlan, NodeSnapshot, backo
 from gpucloud.services import (
     agent_credentials,
     diagnostics,
+    fleet_kind_incidents,
     health,
     idempotency_records,
     node_conditions,
@@ -173,6 +174,7 @@ class ReconcilerActivities(ActivityGroup):
             )
             await self._check_spares_if_due(result)
             await self._diagnose_if_due(result)
+            await self._follow_fleet_incidents(result)
         plans = await asyncio.to_thread(self._plan_and_apply, req, result)
         health_pulls = [p.node_id for p in plans if p.pull != PullKind.NONE]
         if health_pulls:
@@ -307,6 +309,23 @@ class ReconcilerActivities(ActivityGroup):
                 failure=failure,
                 breaker=health.BreakerSettings.of(self.settings),
             )
+
+    async def _follow_fleet_incidents(self, result: SweepResult) -> None:
+        """Start the workflow of each fleet-kind incident nobody follows (a start the engine
+        refused when the judgement wrote it; an open fleet incident without its incident gets
+        one). Its failure is reported, not the sweep's."""
+        try:
+            starts = await asyncio.to_thread(self._fleet_incidents_to_start)
+            if starts:
+                result.incidents_started = len(await pulls.open_fleet_incidents(self.client, self.settings, starts))
+        except Exception as exc:  # the sweep's own work goes on; the next sweep tries again
+            log.exception("fleet incidents not followed")
+            result.errors.append(f"fleet incidents: {exc}")
+
+    def _fleet_incidents_to_start(self) -> list[fleet_kind_incidents.IncidentStart]:
+        stale_after = timedelta(seconds=3 * self.settings.health.incident_poll_s)
+        with self.db.session() as session:
+            return fleet_kind_incidents.to_start(session, now=utcnow(), stale_after=stale_after)
 
     def _check_spares(self) -> spares.SparesCheck:
         with self.db.session() as session:

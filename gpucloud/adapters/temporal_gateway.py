@@ -158,10 +158,11 @@ async def start_node_power(client: Client, settings: Settings, req: BmcPowerInpu
 
 
 async def start_incident(client: Client, settings: Settings, inp: IncidentInput) -> str:
-    """The incident of a pull, under its id (`incident-<node>-<fault ms>`): a pull sent again
-    joins the one running, and one that ended is not opened again (a failed or terminated one
-    is); the workflow id."""
-    workflow_id = ids.incident_workflow_id(inp.node_id, inp.key_at or inp.detected_at)
+    """The incident of a pull, under its id (`incident-<node>-<fault ms>`), or a fleet-kind
+    incident under the id its row has (`inp.workflow_id`): a start sent again joins the one
+    running, and one that ended is not opened again (a failed or terminated one is); the
+    workflow id."""
+    workflow_id = inp.workflow_id or ids.incident_workflow_id(inp.node_id, inp.key_at or inp.detected_at)
     with contextlib.suppress(WorkflowAlreadyStartedError):  # it ran and ended: written already
         await client.start_workflow(
             ids.INCIDENT_WORKFLOW,

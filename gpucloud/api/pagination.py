@@ -121,17 +121,28 @@ def page_of(rows: list, page_size: int, key_of, filters: dict) -> tuple[list, st
 
 
 def fetch(
-    session: Session, table: type[SQLModel], key: str, *, page: PageRequest, equal: Mapping[str, Any]
+    session: Session,
+    table: type[SQLModel],
+    key: str,
+    *,
+    page: PageRequest,
+    equal: Mapping[str, Any],
+    where: Mapping[str, tuple[Any, Any]] | None = None,
 ) -> tuple[list[Any], str]:
     """One page of `table`'s rows in `key` order, and the next token. `equal` maps columns to
-    the values they must have (None: any); the token is bound to them."""
-    filters = dict(equal)
+    the values they must have (None: any); `where` maps a name to a value and the condition
+    it stands for (one no column equality says: a link table's); the token is bound to both."""
+    extra = dict(where or {})
+    filters = {**dict(equal), **{name: value for name, (value, _) in extra.items()}}
     column = getattr(table, key)
     cursor = decode(page.token, filters, column.type.python_type)
     query = select(table).order_by(column).limit(page.size + 1)
-    for name, value in filters.items():
+    for name, value in equal.items():
         if value is not None:
             query = query.where(getattr(table, name) == value)
+    for value, condition in extra.values():
+        if value is not None:
+            query = query.where(condition)
     if cursor.after is not None:
         query = query.where(column > cursor.after)
     return page_of(list(session.exec(query).all()), page.size, attrgetter(key), filters)

@@ -1,5 +1,6 @@
-"""`gpucloud incidents`: the record of each health pull (`docs/health.md`, "Incidents"): list,
-show, its write-up, and an operator's root cause. A tenant's key sees the incidents that touched
+"""`gpucloud incidents`: the record of each health pull, correlated burst and breaker trip
+(`docs/health.md`, "Incidents"): list, show, its write-up, an operator's root cause, and an
+operator's resolve of a fleet incident. A tenant's key sees the incidents that touched
 its allocations; an operator's token every one."""
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def incident_table(incidents: list[IncidentPublic]) -> Table:
 def incidents_list(
     status: Annotated[str | None, typer.Option(help="only this status: open, resolved, rma, abandoned")] = None,
     node: Annotated[str | None, typer.Option(help="only this node's incidents")] = None,
+    kind: Annotated[str | None, typer.Option(help="only this kind: node, or fleet (bursts, breaker trips)")] = None,
     output: Output = "table",
     as_json: JsonFlag = False,
     api_url: ApiUrl = None,
@@ -64,7 +66,7 @@ def incidents_list(
 ) -> None:
     """Incidents, oldest first (a tenant's key: those that touched its allocations)."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
-        found = list(api.incidents.list(status=status, node_id=node))
+        found = list(api.incidents.list(status=status, node_id=node, kind=kind))
     emit(_output(output, as_json), found, incident_table(found))
 
 
@@ -140,4 +142,19 @@ def incidents_root_cause(
     """Write an incident's root cause and follow-ups (operator)."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
         incident = api.incidents.root_cause(incident_id, cause, follow_up or None)
+    emit(_output(output, as_json), incident, incident_table([incident]))
+
+
+@incidents_app.command("resolve")
+def incidents_resolve(
+    incident_id: str,
+    note: Annotated[str, typer.Option(help="what fixed it (the write-up's 'What fixed it')")] = "",
+    output: Output = "table",
+    as_json: JsonFlag = False,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """End a fleet incident (operator): a burst's component is fixed, or a breaker trip dealt with."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        incident = api.incidents.resolve(incident_id, note)
     emit(_output(output, as_json), incident, incident_table([incident]))

@@ -320,10 +320,13 @@ class Billing(_Resource):
 
 
 class Incidents(_Resource):
-    """Incidents: the record of each health pull (`docs/health.md`, "Incidents")."""
+    """Incidents: the record of each health pull, correlated burst and breaker trip
+    (`docs/health.md`, "Incidents")."""
 
-    def list(self, *, status: str | None = None, node_id: str | None = None) -> Iterator[IncidentPublic]:
-        return self._pages(IncidentPublic, "/v1/incidents", status=status, node_id=node_id)
+    def list(
+        self, *, status: str | None = None, node_id: str | None = None, kind: str | None = None
+    ) -> Iterator[IncidentPublic]:
+        return self._pages(IncidentPublic, "/v1/incidents", status=status, node_id=node_id, kind=kind)
 
     def get(self, incident_id: str) -> IncidentPublic:
         return self._get(IncidentPublic, f"/v1/incidents/{incident_id}")
@@ -338,6 +341,10 @@ class Incidents(_Resource):
         """An operator's root cause and follow-ups (None: the ones written stay)."""
         body = _body({"root_cause": root_cause, "follow_ups": None if follow_ups is None else [*follow_ups]})
         return self._post(IncidentPublic, f"/v1/incidents/{incident_id}/root-cause", body)
+
+    def resolve(self, incident_id: str, note: str = "") -> IncidentPublic:
+        """An operator ends a fleet incident (a burst's component fixed, a breaker trip dealt with)."""
+        return self._post(IncidentPublic, f"/v1/incidents/{incident_id}:resolve", {"note": note})
 
 
 class Rollouts(_Resource):

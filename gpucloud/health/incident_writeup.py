@@ -3,7 +3,9 @@
 Pure: the incident's record in, text out. Sections: summary, timeline (the six phases and the
 actions between them), impact (tenants and allocations touched, GPU-hours lost, time to
 stabilize, time to repair), signals, actions, what fixed it, root cause and follow-ups (the
-operator's, or a note that none is written yet).
+operator's, or a note that none is written yet). A fleet incident's phases mean its own
+moments (`health.incidents`): a correlated burst's component and its nodes, which their tenants
+kept (correlation cordons, it replaces nothing); a breaker trip's pool and the pulls it refused.
 """
 
 from __future__ import annotations
@@ -20,6 +22,30 @@ _PHASES = (
     ("gated", "gated_at", "burn-in passed, back in the pool"),
     ("closed", "closed_at", "the incident ended"),
 )
+
+
+_BURST_PHASES = (
+    ("detected", "detected_at", "the burst's first fault"),
+    ("stabilized", "stabilized_at", "its nodes cordoned (no new tenant; tenants kept their nodes)"),
+    ("diagnosed", "diagnosed_at", "the shared component suspected (the faults correlated)"),
+    ("repaired", "repaired_at", "an operator resolved it"),
+    ("gated", "gated_at", "every node back to normal judgement"),
+    ("closed", "closed_at", "the incident ended"),
+)
+_TRIP_PHASES = (
+    ("detected", "detected_at", "the first pull the circuit breaker refused"),
+    ("stabilized", "stabilized_at", "the breaker held the pool's nodes in"),
+    ("diagnosed", "diagnosed_at", "the alert named the pool and the share pulled"),
+    ("repaired", "repaired_at", "the window let pulls through again, or an operator resolved it"),
+    ("gated", "gated_at", "the refused nodes judged normally again"),
+    ("closed", "closed_at", "the incident ended"),
+)
+
+
+def _phases_of(incident: IncidentPublic) -> tuple[tuple[str, str, str], ...]:
+    if incident.kind != "fleet":
+        return _PHASES
+    return _TRIP_PHASES if incident.trigger == "breaker_trip" else _BURST_PHASES
 
 
 def duration(span: timedelta | None) -> str:
@@ -49,6 +75,12 @@ def _cell(text: object) -> str:
 
 
 def _outcome(incident: IncidentPublic) -> str:
+    if incident.kind == "fleet" and incident.status == "resolved":
+        if incident.trigger == "breaker_trip":
+            return "resolved: automatic pulls go through again in the pool"
+        return "resolved: the component was fixed and every node is back to normal judgement"
+    if incident.kind == "fleet" and incident.status == "abandoned":
+        return "abandoned: it had not ended when the incident stopped waiting"
     if incident.status == "resolved":
         return "resolved: the node passed burn-in and is back in the pool"
     if incident.status == "rma":
@@ -56,6 +88,31 @@ def _outcome(incident: IncidentPublic) -> str:
     if incident.status == "abandoned":
         return "abandoned: the node had not come back when the incident stopped waiting"
     return f"open (waiting to {incident.phase.replace('_', ' ')})"
+
+
+def _idle(incident: IncidentPublic) -> str:
+    if incident.kind == "fleet":
+        return "none (no allocation held its nodes)"
+    return "none (the node was idle)"
+
+
+def _replacements(incident: IncidentPublic) -> str:
+    if incident.kind == "fleet" and incident.trigger != "breaker_trip":
+        return "none: correlation replaces no node, so tenants kept their nodes (cordoned, no new tenant)"
+    if incident.kind == "fleet":
+        return "none: the breaker refused the pulls, so the refused nodes stayed where they were"
+    return ", ".join(incident.replacement_node_ids) or "none"
+
+
+def _fleet_fix(incident: IncidentPublic) -> str:
+    if incident.repaired_at is None:
+        return "Not fixed yet."
+    fix = incident.repaired_by or "-"
+    if incident.trigger == "breaker_trip":
+        if fix == "breaker window":
+            return "The breaker's window let pulls through again (the pulls that tripped it aged out)."
+        return f"An operator resolved it: {fix}"
+    return f"An operator resolved it once the component was dealt with: {fix}"
 
 
 def write_up(incident: IncidentPublic) -> str:
@@ -75,7 +132,7 @@ def write_up(incident: IncidentPublic) -> str:
         "| phase | at | after detection | what |",
         "|---|---|---|---|",
     ]
-    for name, field, meaning in _PHASES:
+    for name, field, meaning in _phases_of(incident):
         at = getattr(incident, field)
         lines.append(f"| {name} | {_when(at)} | {duration(_since(incident.detected_at, at))} | {meaning} |")
     if incident.pulled_at is not None and incident.pulled_at != incident.stabilized_at:
@@ -88,9 +145,9 @@ def write_up(incident: IncidentPublic) -> str:
         "",
         "## Impact",
         "",
-        f"- **Tenants touched**: {', '.join(incident.tenant_ids) or 'none (the node was idle)'}",
+        f"- **Tenants touched**: {', '.join(incident.tenant_ids) or _idle(incident)}",
         f"- **Allocations touched**: {', '.join(incident.allocation_ids) or 'none'}",
-        f"- **Replacement nodes**: {', '.join(incident.replacement_node_ids) or 'none'}",
+        f"- **Replacement nodes**: {_replacements(incident)}",
         f"- **GPU-hours lost**: {incident.gpu_hours_lost:.2f} ({incident.gpu_count} GPUs)",
         f"- **Time to stabilize**: {duration(_since(incident.detected_at, incident.stabilized_at))}",
         f"- **Time to repair**: {duration(_since(incident.detected_at, incident.gated_at or incident.repaired_at))}",
@@ -108,7 +165,15 @@ def write_up(incident: IncidentPublic) -> str:
     else:
         lines.append("No signal recorded.")
     lines += ["", "## Actions", ""]
-    if incident.actions:
+    if incident.actions and incident.kind == "fleet":
+        lines += ["| at | node | event | from | to | by | cause |", "|---|---|---|---|---|---|---|"]
+        for a in incident.actions:
+            lines.append(
+                f"| {_cell(a.get('at', '-'))} | {_cell(a.get('node') or '-')} | {_cell(a.get('event', ''))}"
+                f" | {_cell(a.get('from', ''))} | {_cell(a.get('to', ''))} | {_cell(a.get('actor', ''))}"
+                f" | {_cell(a.get('cause', ''))} |"
+            )
+    elif incident.actions:
         lines += ["| at | event | from | to | by | cause |", "|---|---|---|---|---|---|"]
         for a in incident.actions:
             lines.append(
@@ -118,7 +183,9 @@ def write_up(incident: IncidentPublic) -> str:
     else:
         lines.append("No action recorded.")
     lines += ["", "## What fixed it", ""]
-    if incident.status == "resolved":
+    if incident.kind == "fleet":
+        lines.append(_fleet_fix(incident))
+    elif incident.status == "resolved":
         if incident.repaired_by:
             lines.append(f"The `{incident.repaired_by}` rung of the repair ladder; then burn-in passed.")
         else:

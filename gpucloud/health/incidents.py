@@ -15,8 +15,22 @@ the moment somebody looked:
   retirement) ends the incident instead;
 - **write-up**: `health.incident_writeup`, once it ended.
 
+A fleet incident (kind `fleet`) is a correlated burst behind one leaf switch, rack or PDU
+(`fleet_phases`) or a circuit-breaker trip in one pool (`breaker_phases`); its phases are the
+component's, not a node's:
+
+- burst: **detected** the burst's first fault; **stabilized** its nodes cordoned (the last to
+  join; correlation replaces no node, so tenants keep theirs); **diagnosed** the component
+  suspected (the correlation's moment); **repaired** an operator resolved it (the note says what
+  fixed it); **gated** every node back to normal judgement (healthy and uncordoned, pulled on
+  its own afterwards, or gone);
+- trip: **detected**, **stabilized** and **diagnosed** the first refused pull (the breaker held
+  the pool's nodes in, and its alert names the pool and the share pulled); **repaired** and
+  **gated** the window let pulls through again, or an operator resolved it (the refused nodes
+  are judged normally again from then on).
+
 `classify` names the category (`health.categories.FaultCategory`) and the suspected component
-of the conditions that pulled the node.
+of the conditions that pulled the node; `burst_category` a burst's from its component and signals.
 """
 
 from __future__ import annotations
@@ -200,6 +214,70 @@ def phases(
     )
 
 
+@dataclass(frozen=True)
+class BurstNode:
+    """One node of a correlated burst as its record and history show it: when it joined the
+    incident (cordoned), and when it was back to normal judgement after the incident was
+    resolved (None: not yet)."""
+
+    node_id: str
+    joined_at: datetime | None = None
+    back_at: datetime | None = None
+
+
+def fleet_phases(
+    *,
+    opened_at: datetime,
+    resolved_at: datetime | None,
+    resolved_by: str | None,
+    nodes: Sequence[BurstNode],
+) -> Phases:
+    """A correlated burst's phases (its `detected_at` is the burst's first fault)."""
+    joined = [n.joined_at for n in nodes if n.joined_at is not None]
+    stabilized_at = max([opened_at, *joined])
+    if resolved_at is None:
+        return Phases(stabilized_at=stabilized_at, diagnosed_at=opened_at)
+    backs = [n.back_at for n in nodes]
+    if not nodes or any(b is None for b in backs):
+        return Phases(
+            stabilized_at=stabilized_at, diagnosed_at=opened_at, repaired_at=resolved_at, repaired_by=resolved_by
+        )
+    gated_at = max([resolved_at, *(b for b in backs if b is not None)])
+    return Phases(
+        stabilized_at=stabilized_at,
+        diagnosed_at=opened_at,
+        repaired_at=resolved_at,
+        repaired_by=resolved_by,
+        gated_at=gated_at,
+        ended=IncidentStatus.RESOLVED,
+        ended_at=gated_at,
+    )
+
+
+def breaker_phases(*, detected_at: datetime, closed_at: datetime | None, closed_by: str | None) -> Phases:
+    """A breaker trip's phases: held at once; over when its window let pulls through again or
+    an operator resolved it (`closed_at`, `closed_by`: "breaker window" or the operator)."""
+    if closed_at is None:
+        return Phases(stabilized_at=detected_at, diagnosed_at=detected_at)
+    closed_at = max(closed_at, detected_at)
+    return Phases(
+        stabilized_at=detected_at,
+        diagnosed_at=detected_at,
+        repaired_at=closed_at,
+        repaired_by=closed_by,
+        gated_at=closed_at,
+        ended=IncidentStatus.RESOLVED,
+        ended_at=closed_at,
+    )
+
+
+def fleet_gpu_hours_lost(*, gpu_count: int, detected_at: datetime, until: datetime | None, now: datetime) -> float:
+    """A fleet incident's GPU-hours: its nodes' GPUs from the first fault until the component was
+    fixed (or the trip over), counted up to `now` while it is not."""
+    end = until or now
+    return round(max(0.0, (end - detected_at).total_seconds()) / 3600 * gpu_count, 4)
+
+
 def gpu_hours_lost(*, gpu_count: int, detected_at: datetime, held: bool, phases_: Phases, now: datetime) -> float:
     """The GPU-hours the fault took: a held node's GPUs from detection until its allocation was
     whole again (the tenant's loss); an idle node's until it was back in the pool or gone (the
@@ -273,6 +351,23 @@ def component_of(condition: dict) -> str | None:
     if name.startswith("nic"):
         return "NIC"
     return None
+
+
+_COMPONENT_CATEGORY = {"leaf_switch": FaultCategory.NETWORK}
+
+
+def burst_category(component_kind: str, signals: Sequence[str]) -> FaultCategory:
+    """A burst's category: a leaf switch's is the network's; a rack's or PDU's that of the signals
+    its nodes showed, most common first (a power loss shows as lost GPUs, a faulty GPU's)."""
+    if component_kind in _COMPONENT_CATEGORY:
+        return _COMPONENT_CATEGORY[component_kind]
+    found: dict[FaultCategory, int] = {}
+    for signal in signals:
+        xid = signal.removeprefix("xid_")
+        condition: dict = {"xid": int(xid)} if signal.startswith("xid_") and xid.isdigit() else {"name": signal}
+        category = category_of(condition)
+        found[category] = found.get(category, 0) + 1
+    return max(found, key=lambda c: found[c]) if found else FaultCategory.OTHER
 
 
 def classify(conditions: Sequence[dict]) -> tuple[FaultCategory, str | None]:

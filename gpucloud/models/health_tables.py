@@ -198,6 +198,9 @@ class IncidentPublic(SQLModel):
 
     id: str
     kind: str
+    trigger: str = "pull"
+    fleet_incident_id: str | None = None
+    pool: str | None = None
     status: str
     phase: str
     node_ids: list[str]
@@ -228,10 +231,11 @@ class IncidentPublic(SQLModel):
 
 
 class Incident(SQLModel, table=True):
-    """One incident (`docs/health.md`, "Incidents"): a health pull (later a correlated burst or
-    a breaker trip) followed from detection to the node's return (or RMA) by its workflow
-    (`workflows/incident.py`), which writes each phase's timestamp as the node's history shows
-    it, then the write-up. `workflow_id` is the idempotency key: a re-sent pull finds its row."""
+    """One incident (`docs/health.md`, "Incidents"): a health pull (kind `node`), a correlated
+    burst or a circuit-breaker trip (kind `fleet`) followed from detection to its end by its
+    workflow (`workflows/incident.py`), which writes each phase's timestamp as the history shows
+    it, then the write-up. `workflow_id` is the idempotency key: a re-sent pull finds its row,
+    a burst its fleet incident's, a trip its pool's window's."""
 
     __tablename__ = "incident"
 
@@ -239,6 +243,15 @@ class Incident(SQLModel, table=True):
     id: str = Field(unique=True, index=True)
     workflow_id: str = Field(unique=True, max_length=300)
     kind: str = "node"  # node | fleet
+    # What opened it: pull (kind node) | correlated_burst | breaker_trip (kind fleet).
+    trigger: str = "pull"
+    # A correlated burst's fleet incident (`FleetIncidentRecord`: its open/resolved is the truth).
+    fleet_incident_id: str | None = Field(default=None, max_length=64, index=True)
+    # A breaker trip's budget key (`services.health.budget_of`: the pool, or a tenant's share of it).
+    pool: str | None = None
+    # What the kind needs to read its history again (a trip: the pool's GPU type, region, owner
+    # and the breaker's settings then; who resolved it, when, and the note).
+    detail: dict = json_field(dict)
     # open | resolved | rma | abandoned
     status: str = Field(default="open", index=True)
     # The phase awaited next: stabilize, diagnose, repair, gate; write_up; closed.
@@ -256,8 +269,8 @@ class Incident(SQLModel, table=True):
     repaired_by: str | None = None  # the rung that fixed it
     gated_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     closed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    # The tenant whose allocation held the node (what a tenant's listing filters on), and every
-    # tenant and allocation touched.
+    # The tenant whose allocation held a node incident's node, and every tenant and allocation
+    # touched (a tenant's listing filters on `IncidentTenant`, which holds both kinds').
     tenant_id: str | None = Field(default=None, index=True)
     tenant_ids: list[str] = json_field()
     allocation_ids: list[str] = json_field()
@@ -274,3 +287,15 @@ class Incident(SQLModel, table=True):
     write_up: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
     created_at: datetime = timestamp_field()
     updated_at: datetime = timestamp_field()
+
+
+class IncidentTenant(SQLModel, table=True):
+    """An allocation (and its node) an incident touched, with the allocation's tenant: what a
+    tenant's listing filters on (a fleet incident touches many tenants, a node incident one)."""
+
+    __tablename__ = "incident_tenant"
+
+    incident_id: str = Field(primary_key=True)
+    allocation_id: str = Field(primary_key=True)
+    node_id: str = Field(primary_key=True)
+    tenant_id: str = Field(index=True)

@@ -9,10 +9,15 @@ from pydantic import BaseModel, Field
 
 
 class IncidentInput(BaseModel):
-    """Open (or find) the incident of a pull and follow it to its end."""
+    """Open (or find) the incident of a pull and follow it to its end; or follow a fleet-kind
+    incident (a correlated burst, a breaker trip) whose row its cause wrote (`incident_id` and
+    `workflow_id` given; `node_id` its first node)."""
 
     node_id: str
     kind: str = "node"
+    # A fleet-kind incident's workflow id (`workflow_ids.fleet_incident_workflow_id`,
+    # `breaker_incident_workflow_id`); None: a pull's, from the node and the fault's moment.
+    workflow_id: str | None = Field(None, max_length=300)
     # The first fault, as the node reported it (or the pulling condition's `since`).
     detected_at: datetime
     # The moment the workflow id names: the pulling condition's `since`, which the API's pull and

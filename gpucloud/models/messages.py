@@ -320,4 +320,6 @@ class SweepResult(BaseModel):
     idempotency_expired: int = 0
     # Idle nodes leased for a scheduled diagnostic and their diagnose started.
     diagnostics_started: int = 0
+    # Fleet-kind incidents whose workflow nobody followed, started (`services.fleet_kind_incidents`).
+    incidents_started: int = 0
     errors: list[str] = Field(default_factory=list)

@@ -63,6 +63,19 @@ def incident_workflow_id(node_id: str, fault_at: datetime) -> str:
     return f"incident-{node_id}-{int(fault_at.timestamp() * 1000)}"
 
 
+def fleet_incident_workflow_id(fleet_incident_id: str) -> str:
+    """`incident-fleet-<fleet incident id>`: a correlated burst's one incident, however many
+    nodes join it and whoever (the health loop, the reconciler's sweep) opens it."""
+    return f"incident-fleet-{fleet_incident_id}"
+
+
+def breaker_incident_workflow_id(pool: str, window_start: datetime) -> str:
+    """`incident-breaker-<pool>-<first refusal in ms>`: one incident per pool's trip (the budget
+    key, `gpu/region` or `gpu/region tenant t`, with `/` and spaces made `_`)."""
+    key = "".join(c if c.isalnum() or c in "-_." else "_" for c in pool)
+    return f"incident-breaker-{key}-{int(window_start.timestamp() * 1000)}"
+
+
 def power_workflow_id(node_id: str, operation_id: str) -> str:
     return f"power-{node_id}-{operation_id}"
 

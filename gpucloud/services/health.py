@@ -13,13 +13,15 @@ allocation (active, or still reserved or provisioning for it) is replaced inside
 (the caller signals the allocation workflow); an idle one is drained by the reconciler. Every
 automatic pull asks the pool's circuit breaker first, whose window is rebuilt from
 `QuarantinePull` rows and whose check-and-record is a compare-and-swap on the pool's
-`QuarantineBreaker` row; a refusal is an operator alert and no pull.
+`QuarantineBreaker` row; a refusal is an operator alert and no pull, and joins the incident of
+the pool's trip (`services.fleet_kind_incidents`).
 
 Before the breaker, topology (`services.fleet_incidents`): when the node's every recent fault
 lies in a burst of faults behind one leaf switch, rack or PDU (`health.correlation`), it is not
 pulled: the burst's nodes join one fleet incident that suspects the component (cordoned, one
-operator alert), and ask the breaker nothing. A node an open incident holds is not pulled until
-an operator resolves it; resolving clears what came before (`cleared_at`), as a burn-in does.
+operator alert, one incident record of kind `fleet`), and ask the breaker nothing. A node an
+open incident holds is not pulled until an operator resolves it; resolving clears what came
+before (`cleared_at`), as a burn-in does.
 
 The breaker's budget is counted per owner within a pool (`budget_of`): a tenant's nodes (those
 an allocation of its holds) spend the tenant's own budget, sized by its share of the pool, and
@@ -63,7 +65,7 @@ from gpucloud.models.node_states import NodeEvent, NodeState
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.protocol.actions import REPAIR_LADDER
 from gpucloud.protocol.reports import NodeReading, SignalObservation, SignalReport, XidEvent
-from gpucloud.services import fleet_incidents, node_conditions
+from gpucloud.services import breaker_window, fleet_incidents, fleet_kind_incidents, node_conditions
 
 # Who the health loop is in the node's history (its cordons are lifted by a passed burn-in).
 HEALTH_ACTOR = "health"
@@ -114,6 +116,9 @@ class HealthOutcome:
     immediate: bool = False  # the fault is already fatal to the job: no grace period
     reason: str = ""
     alert: str | None = None
+    # The fleet-kind incident (a burst that holds the node, a breaker trip that refused it) whose
+    # workflow the caller starts after the commit (`services.pulls.act_on`).
+    incident: fleet_kind_incidents.IncidentStart | None = None
 
     def decision(self, *, fault_at: datetime | None = None) -> PullDecision:
         return PullDecision(
@@ -135,13 +140,6 @@ def budget_of(node: Node) -> tuple[str, str | None]:
     the platform, for a node no tenant's allocation holds)."""
     tenant = node.tenant_id if node.allocation_id is not None else None
     return (pool_of(node) if tenant is None else f"{pool_of(node)} tenant {tenant}"), tenant
-
-
-def _owned_by(tenant: str | None):
-    """The nodes whose pulls spend `tenant`'s budget (the platform's for None): `budget_of` in SQL."""
-    if tenant is None:
-        return or_(col(Node.allocation_id).is_(None), col(Node.tenant_id).is_(None))
-    return sa.and_(col(Node.allocation_id).is_not(None), col(Node.tenant_id) == tenant)
 
 
 def cleared_at(session: Session, node_id: str) -> datetime | None:
@@ -402,10 +400,11 @@ def _judge_and_decide(
         outcome.alert = (
             f"held by fleet incident {incident.id}: suspect {incident.component_kind} {incident.component_id}"
         )
+        outcome.incident = fleet_kind_incidents.start_of(fleet_kind_incidents.for_burst(session, incident, now=now))
         return outcome
-    alert = _ask_breaker(session, node, now=now, settings=breaker)
-    if alert is not None:
-        outcome.alert = alert
+    refused = _ask_breaker(session, node, now=now, settings=breaker)
+    if refused is not None:
+        outcome.alert, outcome.incident = refused
         return outcome
     # Pulled first: cordoned in the judgement's own transaction, before any workflow acts, so
     # nothing schedules onto the node from here on. A passed burn-in lifts a health cordon.
@@ -429,8 +428,11 @@ class BreakerContended(RuntimeError):
     """The pool's breaker word kept changing under this judgement: no decision was taken."""
 
 
-def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: BreakerSettings) -> str | None:
-    """Record an allowed pull and return None, or record and return the operator alert. The
+def _ask_breaker(
+    session: Session, node: Node, *, now: datetime, settings: BreakerSettings
+) -> tuple[str, fleet_kind_incidents.IncidentStart] | None:
+    """Record an allowed pull and return None, or record and return the operator alert, with
+    the trip's incident the refusal joined (one per pool and trip, `fleet_kind_incidents`). The
     budget is the node's owner's (`budget_of`): a share of the nodes it owns in the pool.
 
     Check and record are one compare-and-swap: the pool's breaker generation is read before the
@@ -443,28 +445,21 @@ def _ask_breaker(session: Session, node: Node, *, now: datetime, settings: Break
         generation = session.exec(
             select(col(QuarantineBreaker.generation)).where(col(QuarantineBreaker.pool) == pool)
         ).one()
-        rows = session.exec(
-            select(QuarantinePull).where(
-                col(QuarantinePull.pool) == pool, col(QuarantinePull.at) > now - settings.window
-            )
-        ).all()
+        rows = breaker_window.recent_pulls(session, pool, now=now, window=settings.window)
         state = BreakerState(pulls={pool: [Pull(node_id=r.node_id, at=r.at) for r in rows]})
-        pool_size = session.exec(
-            select(func.count())
-            .select_from(Node)
-            .where(
-                col(Node.gpu_type) == node.gpu_type,
-                col(Node.region) == node.region,
-                col(Node.state) != NodeState.RETIRED.value,
-                _owned_by(tenant),
-            )
-        ).one()
+        pool_size = breaker_window.pool_size(session, gpu_type=node.gpu_type, region=node.region, tenant=tenant)
         decision = CircuitBreaker(
             max_pulled_share=settings.max_pulled_share, window=settings.window, state=state
         ).request_quarantine(pool=pool, node_id=node.id, pool_size=pool_size, now=now)
         if not decision.allowed:
             assert decision.alert is not None  # a refused quarantine always says why
-            return _record_alert(session, node, decision.alert, now=now, settings=settings)
+            reason = _record_alert(session, node, decision.alert, now=now, settings=settings)
+            # The trip is named by the window's oldest pull: concurrent refusals name the same.
+            window_start = min((r.at for r in rows), default=now)
+            trip = fleet_kind_incidents.for_trip(
+                session, node, decision.alert, tenant=tenant, window_start=window_start, now=now
+            )
+            return reason, fleet_kind_incidents.start_of(trip)
         if any(r.node_id == node.id for r in rows):
             return None  # pulled in this window already: not counted twice
         swapped = session.execute(

@@ -5,13 +5,16 @@ in `activities/incidents.py`, which call this module.
 `open_incident` finds or makes the row of a pull (its workflow id is the key: a re-sent pull
 finds the same row), `observe` reads the node's history and the allocation's events and writes
 each phase's timestamp as they show it (`health.incidents.phases`), `close` ends it and writes
-the write-up (`health.incident_writeup`). The API reads them (`public`, `for_tenant`: a tenant
-sees only incidents that touched its allocations, with every other tenant's data removed) and
-an operator writes the root cause and follow-ups (`set_root_cause`).
+the write-up (`health.incident_writeup`). A fleet-kind incident (a correlated burst, a breaker
+trip) is made where its cause is recorded and looked at by `services.fleet_kind_incidents`;
+`close` ends both kinds alike. The API reads them (`public`, `for_tenant`: a tenant sees only
+incidents that touched its allocations, `IncidentTenant`, with every other tenant's data
+removed) and an operator writes the root cause and follow-ups (`set_root_cause`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -22,9 +25,10 @@ from gpucloud.health import incidents as rules
 from gpucloud.health.incident_writeup import write_up
 from gpucloud.health.pulls import HELD, pulls, stored_action
 from gpucloud.models.allocation_states import TERMINAL_ALLOCATION
-from gpucloud.models.health_tables import AllocationEvent, Incident, IncidentPublic, XidEventRecord
+from gpucloud.models.health_tables import AllocationEvent, Incident, IncidentPublic, IncidentTenant, XidEventRecord
 from gpucloud.models.incident_messages import IncidentInput
 from gpucloud.models.tables import Allocation, Node, NodeTransition, new_id, utcnow
+from gpucloud.services import fleet_kind_incidents
 
 # The most history rows an incident reads and keeps (a node that flaps for a week keeps the first).
 MAX_STEPS = 500
@@ -113,6 +117,12 @@ def open_incident(session: Session, *, workflow_id: str, inp: IncidentInput, now
             session.add(incident)
     except IntegrityError:  # a concurrent open of the same workflow id: its row is as good
         return session.exec(select(Incident).where(col(Incident.workflow_id) == workflow_id)).one()
+    if tenant_id is not None and allocation_id is not None:
+        session.add(
+            IncidentTenant(
+                incident_id=incident.id, allocation_id=allocation_id, node_id=inp.node_id, tenant_id=tenant_id
+            )
+        )
     return incident
 
 
@@ -162,6 +172,8 @@ def observe(session: Session, incident_id: str, *, now: datetime | None = None) 
     incident = get(session, incident_id)
     if incident.status != rules.IncidentStatus.OPEN:
         return incident, rules.Phases()
+    if incident.kind == fleet_kind_incidents.FLEET:
+        return incident, fleet_kind_incidents.observe(session, incident, now=now)
     steps, replacements, allocation_ended_at = _history(session, incident)
     held = bool(incident.allocation_ids)
     found = rules.phases(
@@ -239,31 +251,61 @@ def public(incident: Incident) -> IncidentPublic:
     return IncidentPublic.model_validate(incident, from_attributes=True)
 
 
-def touches(incident: Incident, tenant_id: str) -> bool:
-    return incident.tenant_id == tenant_id or tenant_id in (incident.tenant_ids or [])
+def tenant_filter(tenant_id: str):
+    """The incidents that touched the tenant's allocations (both kinds), as a SQL condition."""
+    return col(Incident.id).in_(select(IncidentTenant.incident_id).where(col(IncidentTenant.tenant_id) == tenant_id))
 
 
-def for_tenant(incident: Incident, tenant_id: str) -> IncidentPublic:
-    """What the tenant sees: its own tenant id and allocations only (a node incident touches one
-    allocation, its tenant's), no other tenant's id in the signals or actions."""
+def links_of(session: Session, incident_ids: Sequence[str], tenant_id: str) -> dict[str, list[IncidentTenant]]:
+    """The tenant's allocations (and their nodes) each incident touched."""
+    found: dict[str, list[IncidentTenant]] = {i: [] for i in incident_ids}
+    if not incident_ids:
+        return found
+    for link in session.exec(
+        select(IncidentTenant).where(
+            col(IncidentTenant.incident_id).in_(list(incident_ids)), col(IncidentTenant.tenant_id) == tenant_id
+        )
+    ).all():
+        found[link.incident_id].append(link)
+    return found
+
+
+def touches(session: Session, incident: Incident, tenant_id: str) -> bool:
+    return bool(links_of(session, [incident.id], tenant_id)[incident.id])
+
+
+def for_tenant(incident: Incident, tenant_id: str, links: Sequence[IncidentTenant]) -> IncidentPublic:
+    """What the tenant sees (`links`: its allocations and nodes the incident touched): its own
+    tenant id, allocations and nodes only, no other tenant's id in the summary, signals or
+    actions, and of a fleet incident's nodes and actions only its own (the others' nodes named
+    as "another node")."""
     view = public(incident)
-    own = incident.tenant_id == tenant_id
+    allocations = {link.allocation_id for link in links}
+    nodes = {link.node_id for link in links}
     others = [t for t in view.tenant_ids if t != tenant_id]
+    fleet = incident.kind == fleet_kind_incidents.FLEET
+    other_nodes = sorted((n for n in view.node_ids if n not in nodes), key=len, reverse=True) if fleet else []
 
     def scrub(text: object) -> object:
         if not isinstance(text, str):
             return text
         for other in others:
             text = text.replace(other, "another tenant")
+        if other_nodes:  # whole ids only: `n1` is not taken out of `n10`
+            text = re.sub(rf"(?<![\w.-])({'|'.join(map(re.escape, other_nodes))})(?![\w.-])", "another node", text)
         return text
+
+    def mine(entry: dict) -> bool:
+        return not fleet or entry.get("node") in nodes
 
     return view.model_copy(
         update={
             "tenant_ids": [tenant_id],
             "summary": scrub(view.summary),
-            "allocation_ids": view.allocation_ids if own else [],
-            "signals": [{k: scrub(v) for k, v in s.items()} for s in view.signals],
-            "actions": [{k: scrub(v) for k, v in a.items()} for a in view.actions],
+            "node_ids": [n for n in view.node_ids if n in nodes] if fleet else view.node_ids,
+            "allocation_ids": [a for a in view.allocation_ids if a in allocations],
+            "signals": [{k: scrub(v) for k, v in s.items()} for s in view.signals if "node" not in s or mine(s)],
+            "actions": [{k: scrub(v) for k, v in a.items()} for a in view.actions if mine(a)],
         }
     )
 

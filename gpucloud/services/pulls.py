@@ -12,7 +12,10 @@ Each pull also opens its incident (`workflows/incident.py`, `docs/health.md` "In
 keyed by the node and the pulling condition's start, so the reconciler's re-sent pull joins the
 one the API's opened. An engine that does not take the start never fails the pull: it is
 logged, and the reconciler's next sweep that pulls the node (a replacement re-derived from the
-record) opens it then.
+record) opens it then. A judgement that holds a node in a correlated burst, or whose pull
+the circuit breaker refused, wrote a fleet-kind incident's row (`services.fleet_kind_incidents`):
+`act_on` starts its workflow the same way (`open_fleet_incidents`), and the reconciler's sweep
+starts any that nobody follows.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from gpucloud.models.incident_messages import IncidentInput
 from gpucloud.models.messages import ReplaceNodeRequest
 from gpucloud.models.workflow_ids import incident_workflow_id
 from gpucloud.protocol.reports import utc_now
+from gpucloud.services import fleet_kind_incidents
 from gpucloud.services.health import HealthOutcome
 from gpucloud.services.workflow_engine import log_undelivered, waited_out
 from gpucloud.web import metrics
@@ -110,6 +114,42 @@ async def open_incidents(client: Client, settings: Settings, decisions: Sequence
     return opened
 
 
+def fleet_incident_input(settings: Settings, start: fleet_kind_incidents.IncidentStart) -> IncidentInput:
+    return IncidentInput(
+        node_id=start.node_id,
+        kind=fleet_kind_incidents.FLEET,
+        workflow_id=start.workflow_id,
+        incident_id=start.incident_id,
+        detected_at=start.detected_at,
+        poll_s=settings.health.incident_poll_s,
+        max_wait_s=settings.health.incident_max_wait_s,
+    )
+
+
+async def open_fleet_incidents(
+    client: Client, settings: Settings, starts: Sequence[fleet_kind_incidents.IncidentStart]
+) -> list[str]:
+    """Start (or join) the workflow of each fleet-kind incident (a burst, a breaker trip) whose
+    row the judgement wrote; the workflow ids started. Never raises for the engine: a start it
+    refused is logged, and the reconciler's sweep starts what nobody follows."""
+    opened: list[str] = []
+    unique = list({s.workflow_id: s for s in starts}.values())
+    for index, start in enumerate(unique):
+        try:
+            opened.append(await start_incident(client, settings, fleet_incident_input(settings, start)))
+        except Exception as exc:  # the judgement stands; the sweep starts it
+            if not isinstance(exc, RPCError):
+                log.warning("incident %s not started (%s); the sweep starts it", start.workflow_id, exc)
+                continue
+            log_undelivered(log, exc, f"incident {start.workflow_id}", "the sweep starts it")
+            if waited_out(exc) and index + 1 < len(unique):
+                log.warning(
+                    "%d more incidents not started: the workflow engine does not answer", len(unique) - index - 1
+                )
+                break
+    return opened
+
+
 def first_seen(items: Sequence) -> dict[str, datetime]:
     """The earliest timestamp each node reported in a batch: when its fault happened."""
     first: dict[str, datetime] = {}
@@ -135,3 +175,6 @@ async def act_on(
     for decision, exc in await carry_out(client, settings, decisions):
         what = f"replace signal for {decision.node_id} in {decision.allocation_id}"
         log_undelivered(log, exc, what, "the node is cordoned all the same")
+    starts = [o.incident for o in outcomes if o.incident is not None]
+    if starts:
+        await open_fleet_incidents(client, settings, starts)

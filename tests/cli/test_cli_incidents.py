@@ -1,6 +1,6 @@
-"""`gpucloud incidents list|show|write-up|root-cause` against a canned API: tables keep the ids
-whole, `--json` and `-o json` print one document, the write-up prints as Markdown, a root cause
-is sent as the API takes it, and a missing incident exits 3."""
+"""`gpucloud incidents list|show|write-up|root-cause|resolve` against a canned API: tables keep
+the ids whole, `--json` and `-o json` print one document, the write-up prints as Markdown, a root
+cause and a resolve's note are sent as the API takes them, and a missing incident exits 3."""
 
 from __future__ import annotations
 
@@ -69,6 +69,9 @@ def sent(monkeypatch) -> list[httpx.Request]:
             return httpx.Response(200, json=_incident())
         if path == f"/v1/incidents/{INCIDENT}/write-up":
             return httpx.Response(200, text=WRITE_UP, headers={"content-type": "text/markdown"})
+        if path == f"/v1/incidents/{INCIDENT}:resolve":
+            body = json.loads(request.content)
+            return httpx.Response(200, json=_incident(kind="fleet", trigger="breaker_trip", repaired_by=body["note"]))
         if path == f"/v1/incidents/{INCIDENT}/root-cause":
             body = json.loads(request.content)
             return httpx.Response(200, json=_incident(root_cause=body["root_cause"], follow_ups=body.get("follow_ups")))
@@ -122,3 +125,11 @@ def test_root_cause_sends_the_cause_and_follow_ups(sent) -> None:
 
 def test_a_missing_incident_exits_not_found(sent) -> None:
     run("incidents", "show", "inc_x", code=3)
+
+
+def test_resolve_sends_the_note_and_list_filters_by_kind(sent) -> None:
+    out = run("incidents", "resolve", INCIDENT, "--note", "pulls were right", "--json")
+    assert json.loads(out)["repaired_by"] == "pulls were right"
+    assert sent[-1].method == "POST" and json.loads(sent[-1].content) == {"note": "pulls were right"}
+    run("incidents", "list", "--kind", "fleet")
+    assert sent[-1].url.params["kind"] == "fleet"

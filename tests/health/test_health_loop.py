@@ -620,8 +620,14 @@ async def test_a_failed_leaf_switch_is_one_fleet_incident_and_its_nodes_are_neit
     ready_fleet, temporal_env
 ):
     # A grace period long enough that the first nodes' reports (before the burst shows) wait it out.
-    h = await _ready_fleet(ready_fleet, nodes=8, health__breaker_max_pulled_share=1.0, health__drain_grace_s=4)
-    _, key = await h.onboard()
+    h = await _ready_fleet(
+        ready_fleet,
+        nodes=8,
+        health__breaker_max_pulled_share=1.0,
+        health__drain_grace_s=4,
+        health__incident_poll_s=0.2,
+    )
+    tenant_id, key = await h.onboard()
     alloc_id = h.allocate(key, node_count=4)
     alloc = await h.wait_allocation(key, alloc_id, "ready")
     members = sorted(alloc["node_ids"])
@@ -640,6 +646,15 @@ async def test_a_failed_leaf_switch_is_one_fleet_incident_and_its_nodes_are_neit
     # One alert, when the burst showed (the nodes so far); the incident it names gathers the rest.
     assert f"leaf switch {switch}" in alert["reason"] and incident["id"] in alert["reason"]
     assert sum(n in alert["reason"] for n in members) >= 3
+
+    # One incident of kind fleet, the switch its suspected component, open while the switch is down.
+    (fleet,) = h.operator.get("/v1/incidents", params={"kind": "fleet"}).json()["items"]
+    assert (fleet["fleet_incident_id"], fleet["trigger"], fleet["status"]) == (
+        incident["id"],
+        "correlated_burst",
+        "open",
+    )
+    assert (fleet["suspected_component"], fleet["category"]) == (f"leaf switch {switch}", "network")
 
     # Past the grace period and a sweep: nothing replaced, drained, repaired or power-cycled.
     await asyncio.sleep(5)
@@ -668,3 +683,21 @@ async def test_a_failed_leaf_switch_is_one_fleet_incident_and_its_nodes_are_neit
             "ok",
         )
     assert h.operator.post("/v1/fleet-incidents/fi-nope:resolve").status_code == 404
+
+    # Its incident goes through the phases to its write-up once every node is back.
+    def written_up():
+        found = h.operator.get(f"/v1/incidents/{fleet['id']}").json()
+        return found["phase"] == "closed" and found
+
+    fleet = await async_wait_until(written_up, timeout_s=30, what="fleet incident written up")
+    assert (fleet["status"], fleet["repaired_by"], fleet["node_ids"]) == ("resolved", "leaf replaced", members)
+    assert all(fleet[f"{p}_at"] for p in ("detected", "stabilized", "diagnosed", "repaired", "gated", "closed"))
+    assert [i["id"] for i in h.operator.get("/v1/incidents", params={"kind": "fleet"}).json()["items"]] == [fleet["id"]]
+    text = h.operator.get(f"/v1/incidents/{fleet['id']}/write-up").text
+    assert f"leaf switch {switch}" in text and "leaf replaced" in text and "tenants kept their nodes" in text
+    # Resolving it again through its incident changes nothing.
+    again = h.operator.post(f"/v1/incidents/{fleet['id']}:resolve", json={"note": "again"})
+    assert again.status_code == 200 and again.json()["repaired_by"] == "leaf replaced"
+    # The tenant whose allocation it touched sees it, as its own.
+    (mine,) = h.client(key).get("/v1/incidents", params={"kind": "fleet"}).json()["items"]
+    assert mine["id"] == fleet["id"] and mine["tenant_ids"] == [tenant_id] and mine["allocation_ids"] == [alloc_id]

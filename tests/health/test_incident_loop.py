@@ -102,6 +102,11 @@ async def test_a_fatal_xid_on_an_allocated_node_is_one_incident_from_detection_t
         assert c.get(f"/v1/incidents/{incident_id}").status_code == 404
         assert c.get(f"/v1/incidents/{incident_id}/write-up").status_code == 404
 
+    # A node incident ends with its node: nobody resolves it by hand (a tenant may not try).
+    assert h.operator.post(f"/v1/incidents/{incident_id}:resolve").status_code == 409
+    assert h.client(key).post(f"/v1/incidents/{incident_id}:resolve").status_code == 403
+    assert h.operator.post("/v1/incidents/inc_nope:resolve").status_code == 404
+
     # The operator's root cause, with its 4xx naming the field.
     bad_body = h.operator.post(f"/v1/incidents/{incident_id}/root-cause", json={"root_cause": ""})
     assert bad_body.status_code == 422 and "root_cause" in bad_body.text

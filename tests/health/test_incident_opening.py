@@ -1,7 +1,8 @@
 """A pull opens its incident (`services/pulls.py`) and an engine that is down never fails the pull:
 the replace signal still goes out, the refused start is logged. The incident's input names the
 fault by the pulling condition's start; a pull with no moment to key it opens none. A tenant's
-view of an incident keeps nothing of another tenant's."""
+view of an incident keeps nothing of another tenant's (nor, of a fleet incident, another
+tenant's nodes). A fleet-kind incident's start the engine refuses is logged too."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from gpucloud.config import Settings
 from gpucloud.health.pulls import PullDecision, PullKind
-from gpucloud.models.health_tables import Incident
-from gpucloud.services import incidents, pulls
+from gpucloud.models.health_tables import Incident, IncidentTenant
+from gpucloud.services import fleet_kind_incidents, incidents, pulls
 
 pytestmark = pytest.mark.unit
 
 T0 = datetime(2026, 12, 6, 10, 0, tzinfo=UTC)
+OWN_LINK = {"incident_id": "inc_1", "allocation_id": "alloc_a", "node_id": "n1", "tenant_id": "ten_a"}
 
 
 class _Handle:
@@ -98,13 +100,53 @@ def test_a_tenant_sees_its_own_incident_without_another_tenants_data() -> None:
         created_at=T0,
         updated_at=T0,
     )
-    assert incidents.touches(incident, "ten_a") and incidents.touches(incident, "ten_b")
-    assert not incidents.touches(incident, "ten_c")
-
-    mine = incidents.for_tenant(incident, "ten_a")
+    mine = incidents.for_tenant(incident, "ten_a", [IncidentTenant(**OWN_LINK)])
     assert mine.tenant_ids == ["ten_a"] and mine.allocation_ids == ["alloc_a"]
     assert "ten_b" not in mine.model_dump_json()
 
-    theirs = incidents.for_tenant(incident, "ten_b")
+    theirs = incidents.for_tenant(incident, "ten_b", [])
     assert theirs.tenant_ids == ["ten_b"] and theirs.allocation_ids == []  # alloc_a is ten_a's
     assert "ten_a" not in theirs.model_dump_json() and "alloc_a" not in theirs.model_dump_json()
+
+
+def test_a_tenant_sees_of_a_fleet_incident_its_own_nodes_and_allocations_only() -> None:
+    incident = Incident(
+        id="inc_2",
+        workflow_id="incident-fleet-fi-1",
+        kind="fleet",
+        trigger="correlated_burst",
+        fleet_incident_id="fi-1",
+        node_ids=["n1", "n2", "n10"],
+        detected_at=T0,
+        summary="leaf switch sw1 suspected: n1, n2, n10 faulted; ten_b's job saw it",
+        tenant_ids=["ten_a", "ten_b"],
+        allocation_ids=["alloc_a", "alloc_b"],
+        signals=[{"name": "ib_link_down"}, {"name": "circuit_breaker", "node": "n2"}],
+        actions=[
+            {"event": "fleet_incident", "node": "n1", "cause": "x", "at": T0.isoformat()},
+            {"event": "fleet_incident", "node": "n2", "cause": "y", "at": T0.isoformat()},
+        ],
+        created_at=T0,
+        updated_at=T0,
+    )
+    mine = incidents.for_tenant(incident, "ten_a", [IncidentTenant(**{**OWN_LINK, "incident_id": "inc_2"})])
+    assert (mine.node_ids, mine.allocation_ids, mine.tenant_ids) == (["n1"], ["alloc_a"], ["ten_a"])
+    assert [a["node"] for a in mine.actions] == ["n1"] and [s["name"] for s in mine.signals] == ["ib_link_down"]
+    dumped = mine.model_dump_json()
+    assert "ten_b" not in dumped and "alloc_b" not in dumped and "n2" not in dumped and "n10" not in dumped
+    assert "another node" in mine.summary and "n1" in mine.summary
+
+
+async def test_a_fleet_incident_start_the_engine_refuses_is_logged_and_the_judgement_stands(caplog) -> None:
+    client = _EngineDown()
+    start = fleet_kind_incidents.IncidentStart(
+        incident_id="inc_2", workflow_id="incident-fleet-fi-1", node_id="n1", detected_at=T0
+    )
+    with caplog.at_level(logging.WARNING, logger="gpucloud.services.pulls"):
+        opened = await pulls.open_fleet_incidents(client, Settings(), [start, start])
+    assert opened == [] and client.starts == 1  # the same incident twice is started once
+    assert any(
+        "incident-fleet-fi-1" in r.getMessage() and "the sweep starts it" in r.getMessage() for r in caplog.records
+    )
+    inp = pulls.fleet_incident_input(Settings(), start)
+    assert (inp.workflow_id, inp.incident_id, inp.kind) == ("incident-fleet-fi-1", "inc_2", "fleet")

@@ -1,6 +1,7 @@
 """An incident's phases are read off the node's history (`health/incidents.py`), its category and
 suspected component off the conditions that pulled it, and its write-up
-(`health/incident_writeup.py`) says what happened, what it cost and what fixed it."""
+(`health/incident_writeup.py`) says what happened, what it cost and what fixed it. A fleet
+incident's phases (a correlated burst's, a breaker trip's) and write-up likewise."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ import pytest
 from gpucloud.health.categories import FaultCategory
 from gpucloud.health.incident_writeup import duration, write_up
 from gpucloud.health.incidents import (
+    BurstNode,
     IncidentStatus,
     Phase,
     Replacement,
     Step,
+    breaker_phases,
+    burst_category,
     classify,
+    fleet_gpu_hours_lost,
+    fleet_phases,
     gpu_hours_lost,
     phases,
     rung_of,
@@ -262,3 +268,120 @@ def test_an_open_or_abandoned_incident_says_so_and_a_pipe_stays_in_its_cell() ->
 def test_durations_read_as_people_write_them() -> None:
     assert [duration(timedelta(seconds=s)) for s in (0, 59, 61, 3723)] == ["0s", "59s", "1m 01s", "1h 02m 03s"]
     assert duration(None) == "-"
+
+
+# ----------------------------------------------------------------- fleet incidents
+
+
+def test_a_burst_waits_for_its_resolve_then_for_every_node_back_to_normal_judgement() -> None:
+    opened = at(30)
+    joined = [BurstNode("n1", joined_at=at(10)), BurstNode("n2", joined_at=at(40))]
+    open_ = fleet_phases(opened_at=opened, resolved_at=None, resolved_by=None, nodes=joined)
+    assert (open_.stabilized_at, open_.diagnosed_at, open_.phase) == (at(40), opened, Phase.REPAIR)
+
+    one_back = [BurstNode("n1", at(10), back_at=at(600)), BurstNode("n2", at(40))]
+    fixed = fleet_phases(opened_at=opened, resolved_at=at(600), resolved_by="leaf replaced", nodes=one_back)
+    assert (fixed.repaired_at, fixed.repaired_by, fixed.gated_at, fixed.phase) == (
+        at(600),
+        "leaf replaced",
+        None,
+        Phase.GATE,
+    )
+
+    both = [BurstNode("n1", at(10), back_at=at(600)), BurstNode("n2", at(40), back_at=at(700))]
+    done = fleet_phases(opened_at=opened, resolved_at=at(600), resolved_by="leaf replaced", nodes=both)
+    assert (done.gated_at, done.ended, done.ended_at, done.phase) == (
+        at(700),
+        IncidentStatus.RESOLVED,
+        at(700),
+        Phase.WRITE_UP,
+    )
+    # A node that joined before it opened (the health loop's cordon) stabilizes it when it opened.
+    assert fleet_phases(opened_at=opened, resolved_at=None, resolved_by=None, nodes=[]).stabilized_at == opened
+
+
+def test_a_breaker_trip_is_held_at_once_and_over_when_its_window_or_an_operator_says_so() -> None:
+    held = breaker_phases(detected_at=T0, closed_at=None, closed_by=None)
+    assert (held.stabilized_at, held.diagnosed_at, held.phase) == (T0, T0, Phase.REPAIR)
+    over = breaker_phases(detected_at=T0, closed_at=at(3600), closed_by="breaker window")
+    assert (over.repaired_at, over.gated_at, over.ended, over.repaired_by) == (
+        at(3600),
+        at(3600),
+        IncidentStatus.RESOLVED,
+        "breaker window",
+    )
+    assert fleet_gpu_hours_lost(gpu_count=16, detected_at=T0, until=at(1800), now=at(9999)) == 8.0
+    assert fleet_gpu_hours_lost(gpu_count=8, detected_at=T0, until=None, now=at(3600)) == 8.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "signals", "category"),
+    [
+        ("leaf_switch", ["xid_79"], FaultCategory.NETWORK),
+        ("rack", ["ib_link_down", "ib_link_down", "xid_79"], FaultCategory.NETWORK),
+        ("pdu", ["xid_79", "xid_79"], FaultCategory.FAULTY_GPU),
+        ("rack", [], FaultCategory.OTHER),
+    ],
+)
+def test_a_bursts_category_is_its_components_or_its_signals(kind, signals, category) -> None:
+    assert burst_category(kind, signals) == category
+
+
+def _fleet_incident(**changes) -> IncidentPublic:
+    return _incident(
+        **{
+            "kind": "fleet",
+            "trigger": "correlated_burst",
+            "fleet_incident_id": "fi-1",
+            "node_ids": ["n1", "n2"],
+            "suspected_component": "leaf switch sw1",
+            "category": "network",
+            "summary": "leaf switch sw1 suspected: 2 of its 4 nodes faulted (ib_link_down)",
+            "pulled_at": None,
+            "stabilized_at": at(5),
+            "diagnosed_at": at(5),
+            "repaired_at": at(600),
+            "repaired_by": "leaf replaced",
+            "gated_at": at(610),
+            "closed_at": at(610),
+            "replacement_node_ids": [],
+            "tenant_ids": ["ten_a", "ten_b"],
+            "allocation_ids": ["alloc_a", "alloc_b"],
+            "gpu_count": 16,
+            "signals": [{"name": "ib_link_down", "since": T0.isoformat(), "reason": "2 of 4 nodes behind sw1"}],
+            "actions": [{**HISTORY[1].as_action(), "node": "n1"}],
+            **changes,
+        }
+    )
+
+
+def test_a_fleet_incidents_write_up_names_the_component_its_fix_and_that_tenants_kept_their_nodes() -> None:
+    text = write_up(_fleet_incident())
+    assert "**Kind**: fleet; **nodes**: `n1`, `n2`" in text
+    assert "**suspected component**: leaf switch sw1" in text and "**Category**: network" in text
+    assert "| diagnosed | 2026-12-06 10:00:05 UTC | 5s | the shared component suspected" in text
+    assert "| repaired | 2026-12-06 10:10:00 UTC | 10m 00s | an operator resolved it |" in text
+    assert "| gated | 2026-12-06 10:10:10 UTC | 10m 10s | every node back to normal judgement |" in text
+    assert "tenants kept their nodes" in text and "**Tenants touched**: ten_a, ten_b" in text
+    assert "An operator resolved it once the component was dealt with: leaf replaced" in text
+    assert "| node |" in text and "| n1 | cordon |" in text
+    assert "resolved: the component was fixed" in text
+
+
+def test_a_breaker_trips_write_up_says_the_window_let_pulls_through_again() -> None:
+    text = write_up(
+        _fleet_incident(
+            trigger="breaker_trip",
+            fleet_incident_id=None,
+            pool="H100/r1",
+            suspected_component="pool H100/r1",
+            summary="circuit breaker tripped in pool H100/r1: 1 of 4 nodes (25%) pulled; refused n1, n2",
+            repaired_by="breaker window",
+        )
+    )
+    assert "the first pull the circuit breaker refused" in text and "pool H100/r1" in text
+    assert "The breaker's window let pulls through again" in text
+    assert "automatic pulls go through again" in text
+    assert "the breaker refused the pulls" in text
+    still = write_up(_fleet_incident(status="open", phase="repair", repaired_at=None, gated_at=None, closed_at=None))
+    assert "Not fixed yet." in still

@@ -1,7 +1,9 @@
 """`IncidentWorkflow` with its activities stood in for: opened once per pull (a re-sent pull joins
 the running one, and one that ended is not opened again), it looks at the node's history on a
 durable timer until the incident ends, then writes it up; it gives up after its maximum wait and
-closes as abandoned; a run past its looks goes on in a new run with the same incident."""
+closes as abandoned; a run past its looks goes on in a new run with the same incident. A fleet
+incident (a correlated burst, a breaker trip) is followed under its own id from the row its cause
+wrote."""
 
 from __future__ import annotations
 
@@ -119,3 +121,28 @@ async def test_a_pull_sent_again_joins_the_running_incident_and_an_ended_one_is_
         assert await start_incident(temporal_env.client, settings, inp) == first  # ended: not opened again
     assert stand_ins.names.count("open_incident") == 1
     assert stand_ins.names.count("close_incident") == 1
+
+
+async def test_a_fleet_incident_is_followed_under_its_own_id_from_the_row_its_cause_wrote(temporal_env) -> None:
+    """A burst's (or a trip's) row is written where it is recognized: the workflow opens nothing,
+    looks until the incident ends and closes it; a second start (the health loop again, the
+    reconciler's sweep) joins the one running, and one that ended is not started again."""
+    fleet_incident_id = f"fi-{uuid.uuid4().hex[:8]}"
+    queue = queue_name("incident")
+    settings = Settings(temporal={"task_queue": queue})
+    stand_ins = _stand_ins(in_turn(_progress("repair"), _progress("gate"), _progress("write_up", ended=True)))
+    inp = _input(
+        "n5",
+        kind="fleet",
+        workflow_id=ids.fleet_incident_workflow_id(fleet_incident_id),
+        incident_id="inc_1",
+    )
+    async with workers(temporal_env.client, [IncidentWorkflow], {queue: stand_ins.for_worker()}):
+        first = await start_incident(temporal_env.client, settings, inp)
+        assert first == f"incident-fleet-{fleet_incident_id}"
+        assert await start_incident(temporal_env.client, settings, inp) == first
+        result = await temporal_env.client.get_workflow_handle(first, result_type=IncidentProgress).result()
+        assert await start_incident(temporal_env.client, settings, inp) == first  # ended: not again
+    assert result.status == "resolved"
+    assert stand_ins.names == ["observe_incident"] * 3 + ["close_incident"]
+    assert stand_ins.args(IncidentActivities.close_incident) == [IncidentClose(incident_id="inc_1")]

@@ -111,3 +111,17 @@ def test_an_incident_id_names_the_node_and_the_fault_to_the_millisecond() -> Non
     assert ids.incident_workflow_id("n1", at) == f"incident-n1-{int(at.timestamp() * 1000)}"
     assert ids.incident_workflow_id("n1", at) == ids.incident_workflow_id("n1", at.replace(microsecond=678_000))
     assert ids.incident_workflow_id("n1", at) != ids.incident_workflow_id("n2", at)
+
+
+def test_a_fleet_incidents_id_names_its_fleet_incident_and_a_trips_its_pool_and_window() -> None:
+    from datetime import UTC, datetime
+
+    at = datetime(2026, 1, 2, 3, 4, 5, 678_901, tzinfo=UTC)
+    assert ids.fleet_incident_workflow_id("fi-0123abcd") == "incident-fleet-fi-0123abcd"
+    ms = int(at.timestamp() * 1000)
+    assert ids.breaker_incident_workflow_id("H100/us-east", at) == f"incident-breaker-H100_us-east-{ms}"
+    assert (
+        ids.breaker_incident_workflow_id("H100/us-east tenant t1", at)
+        == f"incident-breaker-H100_us-east_tenant_t1-{ms}"
+    )
+    assert ids.breaker_incident_workflow_id("H100/r1", at) != ids.breaker_incident_workflow_id("H200/r1", at)

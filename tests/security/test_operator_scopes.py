@@ -74,6 +74,7 @@ ROUTES: dict[str, Scope | str] = {
     "GET /v1/incidents/{incident_id}/write-up": R,
     "POST /v1/incidents/{incident_id}/root-cause": F,
     "PATCH /v1/incidents/{incident_id}/root-cause": F,
+    "POST /v1/incidents/{incident_id}:resolve": F,
     "GET /v1/fleet-incidents": R,
     "GET /v1/fleet-incidents/{incident_id}": R,
     "POST /v1/fleet-incidents/{incident_id}:resolve": F,

@@ -76,8 +76,13 @@ async def resolve_fleet_incident(
     """The suspected component is fixed (or was not the cause): the incident closes, its nodes
     leave it (uncordoned if it cordoned them), what they showed before now is dealt with, and
     they are judged again on what came after; a pull that judgement decides is carried out."""
-    incident, outcomes = await run_in_threadpool(
-        _resolve, db, settings, incident_id, operator.actor, req.note if req else ""
-    )
-    await pulls.act_on(temporal, settings, outcomes, {})
+    incident, outcomes = await resolve(db, settings, temporal, incident_id, operator.actor, req.note if req else "")
     return FleetIncidentResolved(incident=incident, decisions=_decisions(outcomes))
+
+
+async def resolve(db: Database, settings: Settings, temporal, incident_id: str, actor: str, note: str):
+    """Resolve the fleet incident and carry out what judging its nodes again decided (also
+    `POST /v1/incidents/{id}:resolve` of its incident)."""
+    incident, outcomes = await run_in_threadpool(_resolve, db, settings, incident_id, actor, note)
+    await pulls.act_on(temporal, settings, outcomes, {})
+    return incident, outcomes

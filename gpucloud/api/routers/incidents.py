@@ -1,30 +1,41 @@
 """Incidents (`docs/health.md`, "Incidents"): the record of each health pull, from the first fault
 to the node's return (or RMA), with its write-up. An operator reads them all and writes the root
 cause and follow-ups; a tenant reads only the incidents that touched its allocations, with every
-other tenant's data removed (any other is the same 404 as a missing one)."""
+other tenant's data removed (any other is the same 404 as a missing one). Both kinds are here:
+a node's pull, and a fleet incident (a correlated burst, a circuit-breaker trip), which an
+operator may resolve."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import CallerDep, DbDep, FleetOperatorDep, ReadsDep
-from gpucloud.models.api_schemas import IncidentPage, IncidentStatusName, RootCauseRequest
+from gpucloud.api.deps import CallerDep, DbDep, FleetOperatorDep, ReadsDep, SettingsDep, TemporalDep
+from gpucloud.api.routers import fleet_incidents as fleet_incident_routes
+from gpucloud.models.api_schemas import FleetIncidentResolve, IncidentPage, IncidentStatusName, RootCauseRequest
 from gpucloud.models.health_tables import Incident, IncidentPublic
-from gpucloud.services import incidents
-from gpucloud.web.problems import not_found
+from gpucloud.protocol.reports import utc_now
+from gpucloud.services import fleet_kind_incidents, incidents
+from gpucloud.web.problems import Problem, not_found
 
 router = APIRouter(prefix="/v1", tags=["incidents"])
 
 
-def _view(incident: Incident, caller: Caller) -> IncidentPublic:
+def _views(session, rows: list[Incident], caller: Caller) -> list[IncidentPublic]:
     if caller.is_operator:
-        return incidents.public(incident)
-    return incidents.for_tenant(incident, caller.tenant_id or "")
+        return [incidents.public(r) for r in rows]
+    tenant = caller.tenant_id or ""
+    links = incidents.links_of(session, [r.id for r in rows], tenant)
+    return [incidents.for_tenant(r, tenant, links[r.id]) for r in rows]
+
+
+def _view(session, incident: Incident, caller: Caller) -> IncidentPublic:
+    return _views(session, [incident], caller)[0]
 
 
 def _visible(session, caller: Caller, incident_id: str) -> Incident:
@@ -32,7 +43,7 @@ def _visible(session, caller: Caller, incident_id: str) -> Incident:
         incident = incidents.get(session, incident_id)
     except incidents.IncidentNotFound:
         raise not_found("incident", incident_id) from None
-    if not caller.is_operator and not incidents.touches(incident, caller.tenant_id or ""):
+    if not caller.is_operator and not incidents.touches(session, incident, caller.tenant_id or ""):
         raise not_found("incident", incident_id)
     return incident
 
@@ -44,20 +55,26 @@ def list_incidents(
     page: pagination.PageDep,
     status: Annotated[IncidentStatusName | None, Query(description="only incidents with this status")] = None,
     node_id: Annotated[str | None, Query(max_length=128, description="only this node's incidents")] = None,
+    kind: Annotated[Literal["node", "fleet"] | None, Query(description="only incidents of this kind")] = None,
 ):
-    """Incidents, oldest first (a tenant's: those that touched its allocations)."""
-    tenant = None if caller.is_operator else caller.tenant_id
+    """Incidents of both kinds, oldest first (a tenant's: those that touched its allocations)."""
+    tenant = None if caller.is_operator else (caller.tenant_id or "")
     with reads() as session:
         rows, token = pagination.fetch(
-            session, Incident, "seq", page=page, equal={"tenant_id": tenant, "status": status, "node_id": node_id}
+            session,
+            Incident,
+            "seq",
+            page=page,
+            equal={"status": status, "node_id": node_id, "kind": kind},
+            where={"tenant_id": (tenant, incidents.tenant_filter(tenant or ""))},
         )
-        return IncidentPage(items=[_view(r, caller) for r in rows], next_page_token=token)
+        return IncidentPage(items=_views(session, rows, caller), next_page_token=token)
 
 
 @router.get("/incidents/{incident_id}", response_model=IncidentPublic)
 def get_incident(incident_id: str, caller: CallerDep, reads: ReadsDep):
     with reads() as session:
-        return _view(_visible(session, caller, incident_id), caller)
+        return _view(session, _visible(session, caller, incident_id), caller)
 
 
 @router.get(
@@ -69,7 +86,9 @@ def get_write_up(incident_id: str, caller: CallerDep, reads: ReadsDep):
     """The incident's write-up (Markdown); an incident still open gets one written from where it stands."""
     with reads() as session:
         incident = _visible(session, caller, incident_id)
-        text = incidents.write_up_of(_view(incident, caller), incident.write_up, tenant_view=not caller.is_operator)
+        text = incidents.write_up_of(
+            _view(session, incident, caller), incident.write_up, tenant_view=not caller.is_operator
+        )
     return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
 
 
@@ -94,3 +113,64 @@ def post_root_cause(incident_id: str, req: RootCauseRequest, operator: FleetOper
 def patch_root_cause(incident_id: str, req: RootCauseRequest, operator: FleetOperatorDep, db: DbDep):
     """As POST: the root cause replaced, the follow-ups too when given."""
     return _set_root_cause(incident_id, req, operator, db)
+
+
+def _resolve_trip(db, incident_id: str, actor: str, note: str) -> IncidentPublic:
+    now = utc_now()
+    with db.session() as session:
+        try:
+            incident = incidents.get(session, incident_id)
+            fleet_kind_incidents.resolve_trip(session, incident, actor=actor, note=note, now=now)
+            incidents.observe(session, incident_id, now=now)
+        except incidents.IncidentNotFound:
+            raise not_found("incident", incident_id) from None
+        return incidents.public(incident)
+
+
+def _kind_of(reads, incident_id: str) -> tuple[str, str | None]:
+    with reads() as session:
+        try:
+            incident = incidents.get(session, incident_id)
+        except incidents.IncidentNotFound:
+            raise not_found("incident", incident_id) from None
+        return incident.trigger, incident.fleet_incident_id
+
+
+@router.post(
+    "/incidents/{incident_id}:resolve",
+    response_model=IncidentPublic,
+    responses={409: {"description": "a node incident: it ends with its node (burn-in or RMA)"}},
+)
+async def resolve_incident(
+    incident_id: str,
+    operator: FleetOperatorDep,
+    db: DbDep,
+    reads: ReadsDep,
+    settings: SettingsDep,
+    temporal: TemporalDep,
+    req: FleetIncidentResolve | None = None,
+):
+    """An operator ends a fleet incident: a correlated burst's component is fixed (as
+    `POST /v1/fleet-incidents/{id}:resolve`: its nodes are judged again), or a breaker trip is
+    dealt with (the breaker's window is left as it is). Its workflow then writes it up once
+    its nodes are back to normal judgement. A node incident is not resolved by hand (409)."""
+    note = req.note if req else ""
+    trigger, fleet_incident_id = await run_in_threadpool(_kind_of, reads, incident_id)
+    if trigger == fleet_kind_incidents.TRIP:
+        return await run_in_threadpool(_resolve_trip, db, incident_id, operator.actor, note)
+    if trigger != fleet_kind_incidents.BURST or fleet_incident_id is None:
+        raise Problem(
+            409,
+            "not-resolvable",
+            "Incident not resolvable",
+            f"incident {incident_id} is a node's: it ends when its node passes burn-in or goes to RMA",
+        )
+    await fleet_incident_routes.resolve(db, settings, temporal, fleet_incident_id, operator.actor, note)
+    return await run_in_threadpool(_observed, db, incident_id)
+
+
+def _observed(db, incident_id: str) -> IncidentPublic:
+    """The incident as its history shows it now (its workflow writes the same on its next look)."""
+    with db.session() as session:
+        incident, _ = incidents.observe(session, incident_id, now=utc_now())
+        return incidents.public(incident)
