@@ -9,7 +9,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
-from sqlmodel import col, select
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
@@ -33,19 +32,13 @@ from gpucloud.models.api_schemas import (
     NodeHealth,
     ReadingIngestResult,
     SignalIngestResult,
-    SignalRecordPublic,
     XidIngestResult,
     XidInjection,
-    XidRecordPublic,
 )
 from gpucloud.models.health_tables import (
-    NodeReadingRecord,
     OperatorAlertPublic,
     OperatorAlertRecord,
-    SignalObservationRecord,
-    XidEventRecord,
 )
-from gpucloud.models.tables import Node
 from gpucloud.protocol.reports import (
     AGENT_MAX_EVENTS,
     AGENT_MAX_READINGS,
@@ -59,6 +52,7 @@ from gpucloud.protocol.reports import (
     utc_now,
 )
 from gpucloud.services import health as health_service
+from gpucloud.services import node_health as node_health_service
 from gpucloud.services import pulls
 from gpucloud.web.problems import Problem, invalid, not_found
 
@@ -262,35 +256,8 @@ def node_health(
     signal_limit: Annotated[int, Query(ge=0, le=1000)] = 100,
 ):
     with reads() as session:
-        node = session.get(Node, node_id)
-        if node is None:
-            raise not_found("node", node_id)
-        rows = session.exec(
-            select(XidEventRecord)
-            .where(col(XidEventRecord.node_id) == node_id)
-            .order_by(col(XidEventRecord.seq).desc())
-            .limit(limit)
-        ).all()
-        readings = session.exec(
-            select(col(NodeReadingRecord.reading))
-            .where(col(NodeReadingRecord.node_id) == node_id)
-            .order_by(col(NodeReadingRecord.timestamp).desc())
-            .limit(reading_limit)
-        ).all()
-        signals = session.exec(
-            select(SignalObservationRecord)
-            .where(col(SignalObservationRecord.node_id) == node_id)
-            .order_by(col(SignalObservationRecord.at).desc(), col(SignalObservationRecord.seq).desc())
-            .limit(signal_limit)
-        ).all()
-        return NodeHealth(
-            node_id=node.id,
-            state=node.state,
-            health=node.health,
-            conditions=node.health_conditions,
-            xid_history=[XidRecordPublic.model_validate(r, from_attributes=True) for r in rows],
-            readings=[NodeReading.model_validate(r) for r in readings],
-            signal_history=[SignalRecordPublic.model_validate(r, from_attributes=True) for r in signals],
+        return node_health_service.node_health(
+            session, node_id, limit=limit, reading_limit=reading_limit, signal_limit=signal_limit
         )
 
 
