@@ -52,7 +52,8 @@ from gpucloud.health.correlation import DEFAULT_CORRELATION_POLICY, CorrelationP
 from gpucloud.health.pulls import HELD, PullDecision, PullKind, pulls, replace_at_once
 from gpucloud.health.rules import evaluate_node
 from gpucloud.health.signals import SIGNAL_TABLE
-from gpucloud.health.verdict import Action, HealthPolicy, HealthVerdict, action_rank
+from gpucloud.health.verdict import Action, Condition, HealthPolicy, HealthVerdict, action_rank
+from gpucloud.health.xid import RESET_PENDING
 from gpucloud.models.health_tables import (
     NodeReadingRecord,
     OperatorAlertRecord,
@@ -388,12 +389,13 @@ def _judge_and_decide(
     node_conditions.write(session, node.id, node_conditions.judged(node, verdict), now=now)
     outcome = HealthOutcome(node_id=node.id, verdict=verdict)
     replace = node.state in HELD and node.allocation_id is not None
-    if not pulls(verdict.action) or not (replace or node.state in _DRAINABLE):
+    reset_first = None if pulls(verdict.action) else _reset_before_next_tenant(node, verdict)
+    if not (pulls(verdict.action) or reset_first) or not (replace or node.state in _DRAINABLE):
         return outcome
     if node.drain_requested:
         return outcome  # already on its way out
-    worst = verdict.conditions[0]
-    outcome.reason = f"{worst.name}: {worst.reason}"
+    worst = reset_first or verdict.conditions[0]
+    outcome.reason = f"{worst.name}: {worst.reason}" + ("; reset before the next tenant" if reset_first else "")
     # A shared component explains it (or an open fleet incident holds it): cordoned, not pulled.
     incident = fleet_incidents.hold_if_correlated(session, node, now=now, policy=breaker.correlation)
     if incident is not None:
@@ -422,6 +424,16 @@ def _judge_and_decide(
         session.add(NodeTransition.noted(node, "drain", cause=outcome.reason, actor=HEALTH_ACTOR, at=now))
         outcome.pull = PullKind.DRAIN
     return outcome
+
+
+def _reset_before_next_tenant(node: Node, verdict: HealthVerdict) -> Condition | None:
+    """The condition a GPU reset settles (`health.xid.RESET_PENDING`: a contained ECC error, a
+    row remap pending) on a node idle in the pool: it is drained, reset by the repair ladder's
+    first rung and gated by burn-in before anyone gets it. A tenant's node keeps running (the
+    wipe after its release resets every GPU)."""
+    if node.state != NodeState.AVAILABLE or node.allocation_id is not None:
+        return None
+    return next((c for c in verdict.conditions if c.name in RESET_PENDING), None)
 
 
 class BreakerContended(RuntimeError):

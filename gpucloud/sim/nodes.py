@@ -352,6 +352,10 @@ class SimulatedHardware:
             return action_failed(f"burn-in failed: {node.hardware_fault}")
         if action in REPAIR_LADDER:
             Fleet._repair(node, action)
+        elif action == A.WIPE:
+            # A wipe resets every GPU (`_cleaning`): what a reset settles (a row remap pending,
+            # a contained ECC error) is gone after it, as on a real node.
+            Fleet._repair(node, A.RESET)
         return None
 
     async def start_workload(self, req: ActionRequest) -> Outcome | None:

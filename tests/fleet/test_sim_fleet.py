@@ -85,6 +85,18 @@ async def test_hardware_fault_fails_burn_in_until_the_rung_that_fixes_it(fleet):
     assert (await fleet.act(node, "burn_in", req("7")))[0] == 422
 
 
+async def test_a_wipe_resets_the_gpus_and_settles_what_a_reset_fixes(fleet):
+    """The wipe between tenants resets every GPU: a row remap pending is applied by it, a fault
+    only a reboot fixes is still there for burn-in to find."""
+    node = fleet.nodes["sim-00002"]
+    node.hardware_fault, node.fault_fixed_by = "hbm3: row remap pending", "reset"
+    assert (await fleet.act(node, "wipe", req("1")))[0] == 200
+    assert (await fleet.act(node, "burn_in", req("2")))[0] == 200
+    node.hardware_fault, node.fault_fixed_by = "uncorrectable ECC", "reboot"
+    assert (await fleet.act(node, "wipe", req("3")))[0] == 200
+    assert (await fleet.act(node, "burn_in", req("4")))[0] == 422
+
+
 async def test_simulated_agents_report_each_with_its_own_credential_unless_batched():
     """As real agents do: a node its last wipe handed a credential reports alone, under it;
     nodes not yet wiped (no credential) go in one batch under the operator token, and

@@ -78,7 +78,7 @@ def judge(events=(), readings=(), *, now: datetime, **kwargs):
         (74, Health.FAILED, Action.DRAIN),
         (79, Health.FAILED, Action.DRAIN_NOW),
         (92, Health.OK, Action.WATCH),
-        (94, Health.OK, Action.WATCH),
+        (94, Health.SUSPECT, Action.WATCH),
         (999, Health.SUSPECT, Action.WATCH),
     ],
 )
@@ -91,6 +91,7 @@ def test_each_xid_class_leads_to_its_action(number, health, action):
 def test_the_table_covers_the_architecture_and_only_drains_count_as_fatal():
     assert set(XID_TABLE) == {13, 31, 43, 45, 68, 46, 95, 119, 120, 140, 143, 48, 63, 64, 74, 79, 92, 94}
     assert {n for n, p in XID_TABLE.items() if p.counts_as_fatal} == {46, 95, 119, 120, 140, 143, 48, 64, 74, 79}
+    assert {n for n, p in XID_TABLE.items() if p.reset_pending} == {63, 94}
     assert classify_xid(12345).xid == 12345 and not classify_xid(12345).counts_as_fatal
 
 

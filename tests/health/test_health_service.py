@@ -138,6 +138,25 @@ def test_a_fatal_xid_on_a_node_not_yet_active_pulls_it_from_its_allocation(db_ur
         assert not session.get(Node, node_id).drain_requested  # the allocation's workflow pulls it
 
 
+def test_a_contained_ecc_error_drains_an_idle_node_for_its_reset_and_leaves_a_tenants_node_running(db_url):
+    """XID 94 (the reset settles it): a node idle in the pool is drained, reset and burned in
+    before anyone gets it; a tenant's node keeps running (the wipe after release resets)."""
+    idle, held = _fleet(db_url, 2)
+    with session_scope(db_url) as session:
+        session.get(Node, held).state, session.get(Node, held).allocation_id = "active", "alloc-1"
+    now = datetime.now(UTC)
+    events = [XidEvent(node_id=n, gpu_index=2, xid=94, timestamp=now) for n in (idle, held)]
+    with session_scope(db_url) as session:
+        outcomes, _ = health_service.ingest_xids(session, events, source="test", breaker=ALLOW_ALL)
+    by_node = {o.node_id: o for o in outcomes}
+    assert by_node[idle].pull == PullKind.DRAIN and "reset before the next tenant" in by_node[idle].reason
+    assert by_node[held].pull == PullKind.NONE
+    with session_scope(db_url) as session:
+        drained, running = session.get(Node, idle), session.get(Node, held)
+        assert (drained.drain_requested, drained.cordoned, drained.health) == (True, True, "suspect")
+        assert (running.drain_requested, running.cordoned) == (False, False)
+
+
 def test_concurrent_judgements_never_pull_past_the_breaker(db_url, monkeypatch):
     nodes = _fleet(db_url, 8)
     settings = health_service.BreakerSettings(max_pulled_share=0.25, correlation=UNCORRELATED)  # 2 of 8 an hour
