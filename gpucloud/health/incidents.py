@@ -375,5 +375,15 @@ def classify(conditions: Sequence[dict]) -> tuple[FaultCategory, str | None]:
     (the rules' worst) decides, unless it is the lemon rule, which only says the fault recurred."""
     if not conditions:
         return FaultCategory.OTHER, None
-    first = next((c for c in conditions if c.get("name") != "lemon"), conditions[0])
+    faults = [c for c in conditions if c.get("name") != "lemon"] or list(conditions)
+    first = faults[0]
+    # Conditions as bad and as old as the first one, seen together: the more specific cause
+    # explains the other (a NIC's fatal error takes its port's link down with it).
+    tied = [c for c in faults if (c.get("action"), c.get("since")) == (first.get("action"), first.get("since"))]
+    explains = _EXPLAINED_BY.get(category_of(first), ())
+    first = next((c for c in tied if category_of(c) in explains), first)
     return category_of(first), component_of(first)
+
+
+# A category a more specific one explains when both show at once.
+_EXPLAINED_BY: dict[FaultCategory, tuple[FaultCategory, ...]] = {FaultCategory.NETWORK: (FaultCategory.NIC,)}

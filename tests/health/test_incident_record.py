@@ -151,6 +151,18 @@ def test_the_pulling_condition_names_category_and_component(condition, category,
     assert classify([condition]) == (category, component)
 
 
+def test_a_nic_fault_explains_the_link_down_it_took_with_it() -> None:
+    at = "2026-12-06T10:00:00+00:00"
+    both = [
+        {"name": "ib_link_down", "action": "drain", "since": at},
+        {"name": "nic_error", "action": "drain", "since": at},
+    ]
+    assert classify(both) == (FaultCategory.NIC, "NIC")
+    # A link down first, the NIC's error later: two faults, the first decides.
+    later = [both[0], {**both[1], "since": "2026-12-06T10:05:00+00:00"}]
+    assert classify(later) == (FaultCategory.NETWORK, "InfiniBand port")
+
+
 def test_the_lemon_rule_does_not_hide_the_fault_it_repeats() -> None:
     assert classify([{"name": "lemon"}, {"name": "xid_48", "xid": 48, "gpu_index": 2}]) == (
         FaultCategory.HBM3,
