@@ -121,7 +121,9 @@ def evaluate_node(
     events = [e for e in events if horizon <= e.timestamp <= now]
     readings = sorted((r for r in readings if horizon <= r.timestamp <= now), key=lambda r: r.timestamp)
     incidents = group_incidents(events, window=policy.burst_window)
-    active = [i for i in incidents if _after(i.last, cleared_at)]
+    # What came before a verified repair was dealt with: an event after it starts a new episode,
+    # however close to the last one before it (its incident is a new one).
+    active = group_incidents([e for e in events if _after(e.timestamp, cleared_at)], window=policy.burst_window)
     active_readings = [r for r in readings if _after(r.timestamp, cleared_at)]
 
     conditions = [

@@ -115,6 +115,17 @@ def test_watch_level_xids_expire_and_drain_level_ones_wait_for_a_verified_repair
     assert (repaired.health, repaired.action, repaired.conditions) == (Health.OK, Action.NONE, ())
 
 
+def test_an_xid_after_a_verified_repair_is_a_new_episode_however_close_to_the_last():
+    """Two XID 79s 20 s apart with a repair passed between them (a compressed replay): the
+    second one's condition starts at the second, so its pull is a new incident."""
+    repaired = T0 + timedelta(seconds=10)
+    verdict = judge(
+        [xid(79, T0), xid(79, T0 + timedelta(seconds=20))], now=T0 + timedelta(minutes=1), cleared_at=repaired
+    )
+    (condition,) = [c for c in verdict.conditions if c.name == "xid_79"]
+    assert condition.since == T0 + timedelta(seconds=20) and "1 event(s)" in condition.reason
+
+
 def test_events_after_now_are_not_judged():
     assert judge([xid(79, T0 + timedelta(hours=1))], now=T0).action is Action.NONE
 
