@@ -39,8 +39,12 @@ every fault's time, node, category, and whom the node served then):
   already out for repair is counted as `out_of_service`, burn-in's to find); `detect_held_p99_s`
   over those a tenant held; `caught_before_next_tenant`: the share of in-service faults whose
   incident opened before the node was next reserved for another tenant's allocation (an
-  undetected fault is not caught); `incident_category`: how the incidents filed them (XIDs 119
-  and 120 are both faulty GPU and GSP in the mix, so the filing can differ from the cause);
+  undetected fault is not caught); `settled_by_wipe`: faults the next GPU reset settles (XIDs
+  flagged `reset`, 94 among them) on a tenant's node, which open no incident by design (the job
+  restarts, the node stays) and which the wipe at the node's release reset before its next
+  tenant: counted as caught, not as detected, and not in `faults_undetected`;
+  `incident_category`: how the incidents filed them (XIDs 119 and 120 are both faulty GPU and
+  GSP in the mix, so the filing can differ from the cause);
 - over all: `categories_undetected` (categories with in-service hardware faults and no incident;
   `software` and `nccl_watchdog` are the workload's faults, never pulled by design, listed in
   `categories_never_pulled_by_design`), `faults_undetected`, `non_xid_detect_p99_s` (the worst
@@ -93,6 +97,7 @@ from health import GANG, TENANTS, Probe, hold_back_spares
 
 from gpucloud.health.categories import FaultCategory
 from gpucloud.health.spares import poisson_quantile
+from gpucloud.health.xid import XID_TABLE
 from gpucloud.sim.client import SimFleetClient
 from gpucloud.sim.fault_injection import FIXED_BY
 from gpucloud.sim.faults import NON_XID_CATEGORIES
@@ -215,6 +220,18 @@ def next_tenant_at(
     return None
 
 
+# XIDs whose fault the next GPU reset settles (`health/xid.py`, flagged `reset`): on a tenant's
+# node the job restarts and the node stays (no incident, by design); the wipe at its release
+# resets every GPU before anyone else gets it.
+RESET_SETTLED_XIDS = frozenset(x for x, p in XID_TABLE.items() if p.reset_pending)
+HELD_STATES = ("reserved", "provisioning", "active")
+
+
+def wiped_between(history: list[tuple[datetime, str, str, str]], start: datetime, end: datetime | None) -> bool:
+    """Whether the node was wiped (it entered `wiping`) after `start` and before `end`."""
+    return any(at > start and (end is None or at < end) and to == "wiping" for at, to, _, _ in history)
+
+
 def _seconds(values: list[float], q: float) -> float | None:
     found = percentile(values, q)
     return None if found is None else round(found, 3)
@@ -261,6 +278,14 @@ def detection(probe: Probe, incidents: list[dict], injections: list[dict], since
         fault["breaker_refused"] = any(
             fault["_at"] - tolerance <= at and (until is None or at < until) for at in refused.get(fault["node_id"], [])
         )
+        # A fault the reset settles, on a tenant's node: no incident by design; the release's wipe
+        # resets it before the node's next tenant (`settled_by_wipe`).
+        fault["settled_by_wipe"] = (
+            bool(fault["xids"])
+            and set(fault["xids"]) <= RESET_SETTLED_XIDS
+            and fault["state"] in HELD_STATES
+            and (fault["next_tenant_at"] is None or wiped_between(history, fault["_at"], fault["next_tenant_at"]))
+        )
         for incident in by_node.get(fault["node_id"], []):
             if incident["id"] in used or incident["_created"] < fault["_at"] - tolerance:
                 continue
@@ -280,7 +305,8 @@ def detection(probe: Probe, incidents: list[dict], injections: list[dict], since
             for f in detected
             if f["state"] in ("reserved", "provisioning", "active")
         ]
-        caught = [
+        settled = [f for f in in_service if f["incident"] is None and f["settled_by_wipe"]]
+        caught = settled + [
             f
             for f in in_service
             if f["incident"] is not None
@@ -294,6 +320,7 @@ def detection(probe: Probe, incidents: list[dict], injections: list[dict], since
             "in_service": len(in_service),
             "on_held_nodes": sum(1 for f in in_service if f["state"] != "available"),
             "detected": len(detected),
+            "settled_by_wipe": len(settled),
             "detect_p50_s": _seconds(latency, 50),
             "detect_p99_s": _seconds(latency, 99),
             "detect_held_p99_s": _seconds(held, 99),
@@ -330,9 +357,12 @@ def detection(probe: Probe, incidents: list[dict], injections: list[dict], since
         "breaker_refusals": sum(len(v) for v in refused.values()),
         "by_category": per_category,
         "categories_undetected": sorted(
-            c for c, v in per_category.items() if v["in_service"] and not v["detected"] and not v["application"]
+            c
+            for c, v in per_category.items()
+            if v["in_service"] > v["settled_by_wipe"] and not v["detected"] and not v["application"]
         ),
-        "faults_undetected": sum(v["in_service"] - v["detected"] for v in per_category.values()),
+        "faults_undetected": sum(v["in_service"] - v["detected"] - v["settled_by_wipe"] for v in per_category.values()),
+        "faults_settled_by_wipe": sum(v["settled_by_wipe"] for v in per_category.values()),
         "non_xid_detect_p99_s": max(non_xid) if non_xid else None,
         "false_pulls": len(unmatched) - len(faulted_before),
         "false_pull_incidents": sorted(i["id"] for i in unmatched if i["id"] not in faulted_before)[:10],
@@ -532,7 +562,7 @@ def main() -> None:
         detected = detection(probe, incidents, summary["injections"], started)
         (data_dir / "replay_faults.json").write_text(json.dumps(detected["faults"], indent=1))
         for fault in detected["faults"]:
-            if fault["incident"] is None and fault["state"] in IN_SERVICE:
+            if fault["incident"] is None and fault["state"] in IN_SERVICE and not fault["settled_by_wipe"]:
                 log(
                     f"  undetected: {fault['category']} on {fault['node_id']} ({fault['state']}) at {fault['at']}"
                     + (", the circuit breaker refused its pull" if fault["breaker_refused"] else "")
@@ -565,6 +595,7 @@ def main() -> None:
             "categories_undetected": detected["categories_undetected"],
             "categories_never_pulled_by_design": list(APPLICATION),
             "faults_undetected": detected["faults_undetected"],
+            "faults_settled_by_wipe": detected["faults_settled_by_wipe"],
             "non_xid_detect_p99_s": detected["non_xid_detect_p99_s"],
             "false_pulls": detected["false_pulls"],
             "false_pull_incidents": detected["false_pull_incidents"],
