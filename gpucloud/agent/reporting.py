@@ -172,6 +172,13 @@ class Reporter:
             self.pending_signals += await asyncio.to_thread(self.signals.sample)
         except OSError as exc:  # sysfs read mid-change, a log source gone: the next period tries again
             log.warning("signals not sampled: %s", exc)
+        if self.agent.workloads is not None:
+            # The tenant's workload past its progress timeout: the workload's fault, counted.
+            hang = await asyncio.to_thread(self.agent.workloads.hung)
+            if hang is not None:
+                self.pending_signals.append(
+                    SignalReport(node_id=self.agent.state.node_id, at=hang.at, observations=[hang])
+                )
         del self.pending_signals[:-MAX_PENDING_SIGNAL_REPORTS]
         delivered = 0
         while self.pending_signals:

@@ -35,6 +35,7 @@ import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -42,9 +43,12 @@ from gpucloud.agent import workload_logs
 from gpucloud.agent.workload_logs import DEFAULT_LIMITS, LogLimits
 from gpucloud.config import write_private
 from gpucloud.protocol.actions import Workload
-from gpucloud.protocol.reports import WorkloadStatus
+from gpucloud.protocol.reports import Signal, SignalObservation, WorkloadStatus
 
 log = logging.getLogger(__name__)
+
+# The variable that names the workload's progress file (`Workload.progress_timeout_s`).
+PROGRESS_ENV = "GPUCLOUD_PROGRESS_FILE"
 
 Isolation = Literal["pid-namespace", "process-group", "container"]
 
@@ -64,6 +68,9 @@ class Running:
     # How the workload ended, once this agent saw it end: kept here, so an agent restarted after
     # that still reports it (what it could not see end, it reports without a code).
     exit_code: int | None = None
+    # The tenant's progress heartbeat (`Workload.progress_timeout_s`): the file it touches.
+    progress_file: str | None = None
+    progress_timeout_s: float | None = None
 
 
 class StopFailed(RuntimeError):
@@ -198,6 +205,7 @@ class WorkloadSupervisor:
         self._proc: subprocess.Popen | None = None  # ours to reap, when this agent started it
         self._pump: subprocess.Popen | None = None  # the process writing its output (ours to reap)
         self._exit_code: int | None = None
+        self._hang_reported: float | None = None  # the progress time of the stall last reported
 
     @property
     def _state_file(self) -> Path:
@@ -234,6 +242,9 @@ class WorkloadSupervisor:
                 **workload.env,
                 "GPUCLOUD_ALLOCATION_ID": allocation_id,
             }
+            progress = self._progress_file(allocation_id) if workload.progress_timeout_s else None
+            if progress is not None:
+                env[PROGRESS_ENV] = str(progress)
             if self._isolation is None:
                 self._isolation = "pid-namespace" if self._namespaces_work() else "process-group"
             isolation = self._isolation
@@ -243,7 +254,17 @@ class WorkloadSupervisor:
             self._proc = self._start_logged(argv, cwd=cwd, env=env, log_path=log_path)
             self._exit_code = None
             namespace = self._wait_for_namespace(self._proc.pid) if isolation == "pid-namespace" else None
-            running = Running(allocation_id, self._proc.pid, namespace, isolation, time.time(), str(log_path))
+            running = Running(
+                allocation_id,
+                self._proc.pid,
+                namespace,
+                isolation,
+                time.time(),
+                str(log_path),
+                progress_file=str(progress) if progress is not None else None,
+                progress_timeout_s=workload.progress_timeout_s,
+            )
+            self._hang_reported = None
             self._save(running)
             log.info("workload of %s started: pid %d (%s)", allocation_id, self._proc.pid, isolation)
             return running
@@ -360,6 +381,40 @@ class WorkloadSupervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._exit_code = self._proc.wait(timeout=wait_s) if wait_s else self._proc.poll()
         self._reap_pump()
+
+    def _progress_file(self, allocation_id: str) -> Path:
+        """The file the workload touches to say it makes progress: created now (the clock starts
+        at the start), writable by the workload."""
+        directory = self.state_dir / "progress"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{allocation_id}.progress"
+        path.touch()
+        return path
+
+    def hung(self, *, now: float | None = None) -> SignalObservation | None:
+        """A `workload_hang` observation when the running workload set a progress timeout and has
+        not touched its progress file for longer (once per stall: the next after it touches the
+        file again and stalls again); None otherwise."""
+        current = self.running()
+        if current is None or current.progress_timeout_s is None or current.progress_file is None:
+            return None
+        now = time.time() if now is None else now
+        try:
+            last = max(Path(current.progress_file).stat().st_mtime, current.started_at)
+        except OSError:
+            last = current.started_at
+        stalled_s = now - last
+        if stalled_s <= current.progress_timeout_s or self._hang_reported == last:
+            return None
+        if self.status().get("workload") != "running":
+            return None
+        self._hang_reported = last
+        return SignalObservation(
+            signal=Signal.WORKLOAD_HANG,
+            at=datetime.fromtimestamp(now, tz=UTC),
+            source=current.allocation_id[:128],
+            detail=f"no progress for {stalled_s:.0f} s (the tenant's timeout is {current.progress_timeout_s:g} s)",
+        )
 
     def report(self) -> WorkloadStatus:
         """`status` as the agent reports it in its heartbeats."""

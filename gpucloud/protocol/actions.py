@@ -73,6 +73,16 @@ class Workload(BaseModel):
     ssh_keys: list[str] = Field(
         default_factory=list, max_length=64, description="public keys let in to the nodes (authorized_keys)"
     )
+    progress_timeout_s: float | None = Field(
+        None,
+        ge=10,
+        le=7 * 86_400,
+        description=(
+            "the workload touches the file named by $GPUCLOUD_PROGRESS_FILE at least this often (like NCCL's "
+            "watchdog); one that runs on without doing so is reported as hung: counted, never a reason to pull "
+            "the node (host workloads)"
+        ),
+    )
 
     @field_validator("ssh_keys")
     @classmethod

@@ -5,7 +5,10 @@ against each GPU type's floors: test_agent_tools.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +20,8 @@ from gpucloud.agent.host import HostState, read_image_digest
 from gpucloud.agent.reporting import Reporter
 from gpucloud.agent.signals import SignalSampler
 from gpucloud.agent.tools import CommandResult, CommandRunner
-from gpucloud.protocol.actions import ActionRequest
+from gpucloud.agent.workloads import WorkloadSupervisor
+from gpucloud.protocol.actions import ActionRequest, Workload
 from gpucloud.protocol.reports import FatalKind
 from gpucloud.sim.probe import SimulatedProbe
 from support.agents import agent_test_client
@@ -218,6 +222,28 @@ async def test_reporter_samples_signals_each_period_and_keeps_them_while_down(tm
     _ib_port(host, "1: DOWN")
     cp["refuse"] = 422
     assert await reporter.signals_once() == 0 and reporter.pending_signals == []
+
+
+async def test_reporter_reports_a_hung_workload_as_a_signal(tmp_path, control_plane):
+    """The tenant's workload past its progress timeout reaches the control plane as
+    `workload_hang` (the workload's fault: the table never pulls for it)."""
+    client, seen, _ = control_plane
+    state = HostState(node_id="gpu-1", boot_id="boot-1", scratch_dir=tmp_path / "scratch")
+    workloads = WorkloadSupervisor(tmp_path / "workloads", grace_s=0.5)
+    agent = Agent(state, SimulatedProbe("gpu-1", gpu_count=8), runner=FakeTools(set()), workloads=workloads)
+    reporter = Reporter(agent, client, signals=SignalSampler("gpu-1", root=tmp_path / "host"))
+    running = workloads.start("alloc-9", Workload(command=["sleep", "60"], progress_timeout_s=10), cwd=tmp_path / "w")
+    try:
+        assert await reporter.signals_once() == 0  # within its timeout: nothing to say
+        # A minute without progress (the file and the start both that old).
+        old = time.time() - 60
+        os.utime(running.progress_file, (old, old))
+        workloads._save(dataclasses.replace(running, started_at=old))
+        assert await reporter.signals_once() == 1
+    finally:
+        workloads.stop()
+    ((report,),) = (batch["reports"] for batch in seen["/v1/agents/signals"])
+    assert [(o["signal"], o["source"]) for o in report["observations"]] == [("workload_hang", "alloc-9")]
 
 
 def test_readiness_is_open_and_says_when_the_gpus_fail(tmp_path):
