@@ -40,7 +40,7 @@ every fault's time, node, category, and whom the node served then):
   over those a tenant held; `caught_before_next_tenant`: the share of in-service faults whose
   incident opened before the node was next reserved for another tenant's allocation (an
   undetected fault is not caught); `settled_by_wipe`: faults the next GPU reset settles (XIDs
-  flagged `reset`, 94 among them) on a tenant's node, which open no incident by design (the job
+  flagged `next_reset`, 94 among them) on a tenant's node, which open no incident by design (the job
   restarts, the node stays) and which the wipe at the node's release reset before its next
   tenant: counted as caught, not as detected, and not in `faults_undetected`;
   `incident_category`: how the incidents filed them (XIDs 119 and 120 are both faulty GPU and
@@ -220,7 +220,7 @@ def next_tenant_at(
     return None
 
 
-# XIDs whose fault the next GPU reset settles (`health/xid.py`, flagged `reset`): on a tenant's
+# XIDs whose fault the next GPU reset settles (`health/xid.py`, flagged `next_reset`): on a tenant's
 # node the job restarts and the node stays (no incident, by design); the wipe at its release
 # resets every GPU before anyone else gets it.
 RESET_SETTLED_XIDS = frozenset(x for x, p in XID_TABLE.items() if p.reset_pending)

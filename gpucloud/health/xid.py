@@ -45,7 +45,7 @@ class XidPolicy:
 
 
 # One row per XID: class, health, action, flags (`fatal`: counts_as_fatal, `rma`: rma_candidate,
-# `reset`: reset_pending),
+# `next_reset`: reset_pending),
 # what it means, and what recovers from it. Application XIDs say nothing about the hardware.
 _TABLE = """
 13  | application       | ok      | none      |           | graphics engine exception
@@ -72,7 +72,7 @@ _TABLE = """
     | drain, reset, verify in burn-in
 48  | double_bit_ecc    | failed  | drain     | fatal rma | double-bit ECC error
     | drain, reset to remap the row; RMA if the remap fails
-63  | row_remap         | suspect | watch     | reset     | row remap recorded
+63  | row_remap         | suspect | watch     | next_reset | row remap recorded
     | trend it; the remap takes effect at the next reset (the wipe between tenants resets)
 64  | row_remap_failure | failed  | drain     | fatal rma | row remap failed
     | drain; RMA candidate (spare rows exhausted)
@@ -82,7 +82,7 @@ _TABLE = """
     | drain now, power-cycle; RMA on recurrence
 92  | trend             | ok      | watch     |           | high single-bit ECC error rate
     | trend it; the application restarts, the GPU stays
-94  | trend             | suspect | watch     | reset     | contained ECC error
+94  | trend             | suspect | watch     | next_reset | contained ECC error
     | trend it; the application restarts, the GPU stays; reset before the next tenant
 """
 
@@ -101,14 +101,14 @@ def _parse(table: str) -> dict[int, XidPolicy]:
             recovery=tail.split("|", 1)[1].strip(),
             counts_as_fatal="fatal" in flags.split(),
             rma_candidate="rma" in flags.split(),
-            reset_pending="reset" in flags.split(),
+            reset_pending="next_reset" in flags.split(),
         )
     return policies
 
 
 XID_TABLE: dict[int, XidPolicy] = _parse(_TABLE)
 APPLICATION_XIDS = frozenset(x for x, p in XID_TABLE.items() if p.xid_class == XidClass.APPLICATION)
-# The conditions whose cause the next GPU reset settles (an XID row flagged `reset`, a row remap
+# The conditions whose cause the next GPU reset settles (an XID row flagged `next_reset`, a row remap
 # pending in the readings or the signals): harmless to the tenant who saw them (the wipe after
 # them resets every GPU), but a node idle with one is reset before it is handed to anyone.
 RESET_PENDING = frozenset(
