@@ -27,7 +27,18 @@ PACKAGE = ROOT / "gpucloud"
 # Lower floors never import higher ones. A floor may import its own and every floor below it.
 FLOORS: dict[int, tuple[str, ...]] = {
     # What everything stands on: settings, data shapes, pure decisions.
-    0: ("config", "models", "protocol", "observability", "db", "children", "health", "reconciler", "migrations"),
+    0: (
+        "config",
+        "models",
+        "protocol",
+        "observability",
+        "db",
+        "children",
+        "health",
+        "reconciler",
+        "migrations",
+        "scheduler",
+    ),
     # Plumbing and the one client of each outside system; the registry's and ledger's domains.
     1: ("web", "adapters", "fabric", "storage", "registry", "ledger", "client"),
     # Business rules over the database.
