@@ -60,6 +60,7 @@ NOT_SETTINGS = (
             "GPUCLOUD_CONFIG",
             "GPUCLOUD_CONTEXT",
             "GPUCLOUD_ALLOCATION_ID",
+            "GPUCLOUD_PROGRESS_FILE",  # what a workload touches to say it makes progress
             "GPUCLOUD_MODEL_DIR",
             "GPUCLOUD_TEMPORAL_CONFIG",
             "GPUCLOUD_RECORD_HISTORIES",
