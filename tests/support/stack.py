@@ -218,9 +218,17 @@ class Harness:
         items, token = [], ""
         with self.operator as op:
             while True:
-                page = op.get(
-                    "/v1/nodes", params={"page_size": 1000, **params, **({"page_token": token} if token else {})}
-                ).json()
+                query = {"page_size": 1000, **params, **({"page_token": token} if token else {})}
+                resp = op.get("/v1/nodes", params=query)
+                for _ in range(5):
+                    # As a client should: an API that could not reach its database in time (a
+                    # machine loaded by the rest of the suite) is asked again after Retry-After.
+                    if resp.status_code != 503:
+                        break
+                    time.sleep(min(float(resp.headers.get("Retry-After", "1")), 5.0))
+                    resp = op.get("/v1/nodes", params=query)
+                assert resp.status_code == 200, resp.text
+                page = resp.json()
                 items += page["items"]
                 token = page["next_page_token"]
                 if not token:
