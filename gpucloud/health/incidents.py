@@ -176,42 +176,29 @@ def phases(
     if diagnosed is None:
         return found
     repaired: Step | None = None
+
+    def so_far(**ended: object) -> Phases:
+        """The phases up to the last repair rung seen, with how (and whether) the incident ended."""
+        return Phases(
+            pulled_at=pulled.at,
+            stabilized_at=stabilized_at or ended.get("ended_at"),  # type: ignore[arg-type]
+            diagnosed_at=diagnosed.at,
+            repaired_at=repaired.at if repaired else None,
+            repaired_by=rung_of(repaired.cause) if repaired else None,
+            replacement_node_id=replacement_id,
+            **ended,  # type: ignore[arg-type]
+        )
+
     for step in rest:
         if step.at < diagnosed.at:
             continue
         if step.from_state == NodeState.REPAIRING and step.to_state == NodeState.WIPING:
             repaired = step
         elif step.from_state == NodeState.BURN_IN and step.to_state == NodeState.AVAILABLE:
-            return Phases(
-                pulled_at=pulled.at,
-                stabilized_at=stabilized_at or step.at,
-                diagnosed_at=diagnosed.at,
-                repaired_at=repaired.at if repaired else None,
-                repaired_by=rung_of(repaired.cause) if repaired else None,
-                gated_at=step.at,
-                ended=IncidentStatus.RESOLVED,
-                ended_at=step.at,
-                replacement_node_id=replacement_id,
-            )
+            return so_far(gated_at=step.at, ended=IncidentStatus.RESOLVED, ended_at=step.at)
         elif step.to_state in _GONE and step.from_state != step.to_state:
-            return Phases(
-                pulled_at=pulled.at,
-                stabilized_at=stabilized_at or step.at,
-                diagnosed_at=diagnosed.at,
-                repaired_at=repaired.at if repaired else None,
-                repaired_by=rung_of(repaired.cause) if repaired else None,
-                ended=IncidentStatus.RMA,
-                ended_at=step.at,
-                replacement_node_id=replacement_id,
-            )
-    return Phases(
-        pulled_at=pulled.at,
-        stabilized_at=stabilized_at,
-        diagnosed_at=diagnosed.at,
-        repaired_at=repaired.at if repaired else None,
-        repaired_by=rung_of(repaired.cause) if repaired else None,
-        replacement_node_id=replacement_id,
-    )
+            return so_far(ended=IncidentStatus.RMA, ended_at=step.at)
+    return so_far()
 
 
 @dataclass(frozen=True)
