@@ -74,10 +74,13 @@ BENCHMARKS = (
     ),
     Benchmark("scale_out", 360, Postgres.REQUIRED),
     Benchmark("llama3_replay", 300),
+    Benchmark("console", 180),
+    # The replay in process, then 48 requests through a stack of its own (`--stack`).
+    Benchmark("scheduling", 360),
 )
 
 # benchmarks/*.py that are no benchmark: shared code, the floor app `api_load` starts, this run.
-HELPERS = frozenset({"common", "api_floor", "smoke"})
+HELPERS = frozenset({"common", "api_floor", "smoke", "scheduling_stack"})
 
 # After a timeout: SIGINT first, so the benchmark's `finally` stops the stack it started (whose
 # processes run in sessions of their own), then SIGKILL to its process group after this long.

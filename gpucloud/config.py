@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import difflib
 import ipaddress
+import json
 import os
 import secrets
 import tempfile
@@ -300,6 +301,30 @@ class ReconcilerSettings(BaseModel):
     silence_min_nodes: int = Field(10, ge=1)
 
 
+class SchedulerSettings(BaseModel):
+    """The pools' queues (`services/scheduling.py`, docs/scheduling.md): how often a pool with a
+    queue is looked at again, and the fair-share policy's knobs (`scheduler/policy.py`)."""
+
+    # A pool's scheduler re-plans this often while its queue is not empty (and at once when a
+    # request is queued or cancelled); a queued allocation's workflow makes sure it runs this often.
+    poll_s: float = Field(5.0, gt=0, le=300)
+    queue_recheck_s: float = Field(60.0, gt=0, le=3600)
+    # Usage halves every half-life (Slurm's PriorityDecayHalfLife); a request with no
+    # expected_duration_s is charged this long for fair share.
+    half_life_s: float = Field(7 * 86_400.0, gt=0)
+    default_run_s: float = Field(3_600.0, gt=0)
+    # A preemptible allocation taken back gets this much notice (an event) before its workload is
+    # stopped (SIGTERM, then the agent's grace period) and its nodes released.
+    preemption_notice_s: float = Field(120.0, ge=0, le=3600)
+    # Capacity reservations: the earliest a window may start after it is booked; how long before
+    # its start its nodes are held (the queue backfills them only with work that ends in time);
+    # how long before its start its allocation is placed, so it is provisioned by then (preemptible
+    # work on its nodes is taken back this much earlier again, plus its notice).
+    reservation_min_notice_s: float = Field(600.0, ge=0)
+    reservation_hold_s: float = Field(43_200.0, ge=0)
+    reservation_prepare_s: float = Field(900.0, ge=0)
+
+
 class HealthSettings(BaseModel):
     """The health loop and drain-and-replace."""
 
@@ -537,11 +562,27 @@ class BmcSettings(BaseModel):
     clean_image_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$")
     # How long a re-imaged node's one-time enrollment token (in its config drive) may be redeemed.
     enrollment_ttl_s: float = Field(900.0, gt=0)
-    # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet.
+    # The Redfish emulator (sushy-tools) `gpucloud up` runs for the simulated fleet, and how many
+    # seconds (low, high) after it was asked for a power change applies there (hardware's 1 to 11;
+    # the demo and the tests wait less).
     emulator_port: int = 8600
+    emulator_power_delay_s: tuple[int, int] = (1, 11)
     # A BMC off loopback is reached only over https (its credential travels in every request),
     # unless this says the management network is trusted.
     allow_insecure: bool = False
+
+    @field_validator("emulator_power_delay_s")
+    @classmethod
+    def _delay_range(cls, value: tuple[int, int]) -> tuple[int, int]:
+        return power_delay_range(*value)
+
+
+def power_delay_range(low: int, high: int) -> tuple[int, int]:
+    """(low, high) seconds a power change may take on the emulated BMCs; ValueError unless
+    1 <= low <= high (the emulator's fake driver applies a change at a whole second after now)."""
+    if not 1 <= low <= high:
+        raise ValueError(f"want 1 <= low <= high seconds, got [{low}, {high}]")
+    return low, high
 
 
 class TelemetrySettings(BaseModel):
@@ -710,6 +751,7 @@ class Settings(BaseSettings):
     agent: AgentSettings = AgentSettings()
     reconciler: ReconcilerSettings = ReconcilerSettings()
     health: HealthSettings = HealthSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
     tenants: TenantSettings = TenantSettings()
     ledger: LedgerSettings = LedgerSettings()
     fabric: FabricSettings = FabricSettings()
@@ -851,7 +893,9 @@ class Settings(BaseSettings):
                     continue
                 if isinstance(value, SecretStr):
                     value = value.get_secret_value()
-                out[f"GPUCLOUD_{section.upper()}__{name.upper()}"] = str(value)
+                # A list or tuple is read back from JSON, as pydantic-settings reads complex values.
+                text = json.dumps(value) if isinstance(value, list | tuple) else str(value)
+                out[f"GPUCLOUD_{section.upper()}__{name.upper()}"] = text
         return out
 
 

@@ -15,6 +15,30 @@ from support.codec import CODEC_KEYS
 pytest_plugins = ["support.workflow_tier"]
 
 POSTGRES_URL = os.environ.get("GPUCLOUD_TEST_POSTGRES_URL")
+
+
+def _share_httpx_default_ssl_context() -> None:
+    """Every httpx client a test builds with the default verification shares one SSL context.
+    httpx builds a context per client, loading certifi's bundle (about 30 ms of CPU each), and the
+    harness's polling loops build thousands of clients: on two cores that was CPU the suite spent
+    on nothing. Only the default (`verify=True`, no client certificate) is shared; the project's
+    own clients pass their context already (`web/http_client.py`, `web/tls.client_verify`)."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    made = transports.create_ssl_context
+    shared = functools.cache(lambda trust_env: made(verify=True, cert=None, trust_env=trust_env))
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return shared(trust_env)
+        return made(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_httpx_default_ssl_context()
 # Rich sizes tables and progress lines to the terminal; under xdist there is none (80 columns).
 os.environ.setdefault("COLUMNS", "200")
 
@@ -95,8 +119,24 @@ def _long_ones_first(items: list) -> list:
     return ordered
 
 
+@pytest.fixture(scope="session")
+def migrated_postgres():
+    """The migrated Postgres databases this test process hands to `db_url`, each emptied between
+    tests and dropped at the end (`support/databases.py`); None without Postgres."""
+    if not POSTGRES_URL:
+        yield None
+        return
+    from support.databases import MigratedPostgres
+
+    databases = MigratedPostgres(POSTGRES_URL)
+    try:
+        yield databases
+    finally:
+        databases.close()
+
+
 @pytest.fixture(params=DB_PARAMS)
-def db_url(request, tmp_path) -> Iterator[str]:
+def db_url(request, tmp_path, migrated_postgres) -> Iterator[str]:
     """A migrated, empty control-plane database: SQLite, and Postgres when reachable."""
     from gpucloud.db import migrate
 
@@ -105,13 +145,13 @@ def db_url(request, tmp_path) -> Iterator[str]:
         migrate(url)
         yield url
         return
-    from support.databases import scratch_postgres
-
-    if not POSTGRES_URL:  # a test that names Postgres alone, where none is configured
+    if migrated_postgres is None:  # a test that names Postgres alone, where none is configured
         pytest.skip("set GPUCLOUD_TEST_POSTGRES_URL to run the Postgres tests")
-    with scratch_postgres(POSTGRES_URL) as url:
-        migrate(url)
+    url = migrated_postgres.take()
+    try:
         yield url
+    finally:
+        migrated_postgres.give_back(url)
 
 
 # ---------------------------------------------------------------- S3
@@ -270,10 +310,20 @@ def make_harness(tmp_path, temporal_env):
                 **settings_overrides.get("fabric", {}),
             }
         settings = _harness_settings(tmp_path, db_url, temporal_env, **settings_overrides)
+        _end_leftover_pool_schedulers_now(settings.temporal.address)
         nvl72 = ("--nvl72-racks", str(nvl72_racks), "--nvl72-trays-per-rack", str(nvl72_trays)) if nvl72_racks else ()
         # With BMCs: the Redfish emulator, started by the fleet, writes the credential the
         # control plane reads in the same data dir.
-        sim_env = {"GPUCLOUD_DATA_DIR": str(tmp_path), "GPUCLOUD_BMC__EMULATOR_PORT": str(free_port())} if bmc else {}
+        # Its power changes apply 1 to 2 s after they are asked for (hardware's, the default: up to 11).
+        sim_env = (
+            {
+                "GPUCLOUD_DATA_DIR": str(tmp_path),
+                "GPUCLOUD_BMC__EMULATOR_PORT": str(free_port()),
+                "GPUCLOUD_BMC__EMULATOR_POWER_DELAY_S": "[1, 2]",
+            }
+            if bmc
+            else {}
+        )
         sim_args = (*sim_args, "--bmc", "--boot-s", "1") if bmc else sim_args
         # The fleet's agents act only on the control plane's tokens, signed with the harness's key;
         # the API signs ledger tokens with a delegate of it, as under `gpucloud up`.
@@ -323,6 +373,42 @@ def ready_fleet(db_url, make_harness, in_process_worker):
         return h
 
     return build
+
+
+def _end_leftover_pool_schedulers_now(address: str) -> None:
+    """`_end_leftover_pool_schedulers` from sync code run inside a test's event loop: on a thread
+    of its own, with a client of its own (bounded)."""
+    import asyncio
+    import threading
+
+    from temporalio.client import Client
+
+    async def end() -> None:
+        await _end_leftover_pool_schedulers(await Client.connect(address, namespace="default"))
+
+    thread = threading.Thread(target=lambda: asyncio.run(asyncio.wait_for(end(), timeout=30)), daemon=True)
+    thread.start()
+    thread.join(40)
+
+
+async def _end_leftover_pool_schedulers(client) -> None:
+    """A pool's scheduler has one workflow id per pool in the whole Temporal namespace
+    (`scheduler-H100-us-east-1`), and this test process's dev server outlives each test: one that
+    ended with requests still queued leaves its scheduler running on its task queue, whose worker
+    is gone, and the next test's queued requests would poke that one forever. Each test's worker
+    starts with none running."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    from gpucloud.models.workflow_ids import pool_scheduler_workflow_id
+
+    for gpu_type in ("H100", "GB200"):
+        handle = client.get_workflow_handle(pool_scheduler_workflow_id(gpu_type, "us-east-1"))
+        try:
+            if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+                await handle.terminate(reason="left running by an earlier test")
+        except RPCError:
+            continue  # none was ever started, or it ended meanwhile
 
 
 @pytest.fixture

@@ -41,6 +41,16 @@ from gpucloud.models.tables import Allocation, Node
 ControllerFactory = Callable[[], HttpFabricController]
 
 
+def fabric_node(node: Node) -> FabricNode:
+    """What the fabric managers know a node by: its ports, its NVLink domain and GPUs."""
+    return FabricNode(
+        node_id=node.id,
+        port_guids=tuple(node.ib_port_guids),
+        nvl_domain=node.nvlink_domain,
+        gpu_uids=tuple(node.gpu_uids),
+    )
+
+
 class FabricActivities(ActivityGroup):
     def __init__(self, db: Database, controller: ControllerFactory | None) -> None:
         """`controller` makes a controller per call (None: no managers configured): activities run
@@ -127,9 +137,4 @@ class FabricActivities(ActivityGroup):
             found = {n.id: n for n in session.exec(select(Node).where(col(Node.id).in_(node_ids))).all()}
         if missing := [n for n in node_ids if n not in found]:
             raise ApplicationError(f"nodes {missing} do not exist", type="NodeNotFound", non_retryable=True)
-        return [
-            FabricNode(
-                node_id=n.id, port_guids=tuple(n.ib_port_guids), nvl_domain=n.nvlink_domain, gpu_uids=tuple(n.gpu_uids)
-            )
-            for n in (found[i] for i in node_ids)
-        ]
+        return [fabric_node(found[i]) for i in node_ids]

@@ -25,7 +25,7 @@ from temporalio.exceptions import ApplicationError
 from gpucloud.activities import ActivityGroup
 from gpucloud.db import Database
 from gpucloud.ledger.client import LedgerClient, LedgerRefused
-from gpucloud.ledger.schemas import AllocationEventIn
+from gpucloud.ledger.schemas import AllocationEventIn, ReservationIn
 from gpucloud.models.billing_messages import (
     BillingCloseInput,
     BillingCloseResult,
@@ -35,7 +35,9 @@ from gpucloud.models.billing_messages import (
     LedgerEventsInput,
     LedgerEventsResult,
 )
+from gpucloud.models.messages import PoolRef
 from gpucloud.models.tables import Allocation, Node
+from gpucloud.services import reservations
 
 
 class LedgerActivities(ActivityGroup):
@@ -83,10 +85,37 @@ class LedgerActivities(ActivityGroup):
                         node_id=event.node_id,
                         gpu_type=node_type if event.kind in ("start", "node_added") else None,
                         gpu_count=gpu_count if event.kind == "node_added" else None,
+                        price_class=event.price_class if event.kind == "start" else None,
                     )
                 )
             )
         return LedgerEventsResult(recorded=len(req.events))
+
+    @activity.defn
+    async def record_reservations(self, req: PoolRef) -> int:
+        """Send the pool's capacity reservations whose window has begun and that the ledger has not
+        recorded (idempotent on the reservation id there), marking each sent; how many. A
+        reservation is billed for its window from its start, used or not; one cancelled before it
+        is never sent."""
+        if self.ledger is None or self.db is None:
+            return 0
+        due = await asyncio.to_thread(reservations.unbilled, self.db, req.gpu_type, req.region)
+        ledger = self._client()
+        for r in due:
+            await _refusal_is_final(
+                ledger.record_reservation(
+                    ReservationIn(
+                        reservation_id=r.id,
+                        tenant_id=r.tenant_id,
+                        gpu_type=r.gpu_type,
+                        node_count=r.node_count,
+                        start_ms=int(r.start_at.timestamp() * 1000),
+                        end_ms=int(r.end_at.timestamp() * 1000),
+                    )
+                )
+            )
+            await asyncio.to_thread(reservations.mark_billed, self.db, r.id)
+        return len(due)
 
     @activity.defn
     async def list_billing_periods(self, _req: BillingPeriodsInput) -> BillingPeriodsResult:

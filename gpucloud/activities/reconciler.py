@@ -15,6 +15,7 @@ import logging
 import time
 from datetime import timedelta
 
+import httpx
 import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlmodel import Session, col, select
@@ -23,6 +24,7 @@ from temporalio.client import Client
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.activities.fabric import ControllerFactory, fabric_node
 from gpucloud.adapters.temporal_gateway import (
     running_node_operations,
     start_bringup_batches,
@@ -30,6 +32,8 @@ from gpucloud.adapters.temporal_gateway import (
 )
 from gpucloud.config import Settings
 from gpucloud.db import Database
+from gpucloud.fabric import membership
+from gpucloud.fabric.interface import FabricError, FabricVerificationError
 from gpucloud.health.pulls import PullKind, pulling_since
 from gpucloud.models.health_tables import OperatorAlertRecord
 from gpucloud.models.messages import (
@@ -40,7 +44,7 @@ from gpucloud.models.messages import (
     SweepResult,
 )
 from gpucloud.models.node_states import NodeEvent, NodeState
-from gpucloud.models.tables import Node, utcnow
+from gpucloud.models.tables import Allocation, Node, utcnow
 from gpucloud.protocol.actions import ActionAnswer, Diagnosis
 from gpucloud.reconciler.plan import FleetSilence, NodePlan, NodeSnapshot, backoff, plan_sweep
 from gpucloud.services import (
@@ -143,11 +147,20 @@ def fleet_silence(session: Session, heartbeat_cutoff) -> FleetSilence:
     return FleetSilence(reporting=reporting, silent=silent)
 
 
+class FabricHeld(Exception):
+    """An overdue node's fabric membership could not be taken away (a manager down or refusing)."""
+
+
 class ReconcilerActivities(ActivityGroup):
-    def __init__(self, client: Client, db: Database, settings: Settings) -> None:
+    def __init__(
+        self, client: Client, db: Database, settings: Settings, *, fabric: ControllerFactory | None = None
+    ) -> None:
+        """`fabric`: the fabric managers (None: none configured), for a deadline that takes a
+        node out of its allocation: its membership goes first."""
         self.client = client
         self.db = db
         self.settings = settings
+        self._fabric = fabric
         # When this worker's next full sweep checks spare capacity (monotonic; 0: the first).
         self._spares_due = 0.0
         # When this worker's next full sweep looks for idle nodes due for a diagnostic (likewise).
@@ -439,7 +452,13 @@ class ReconcilerActivities(ActivityGroup):
         for plan in sweep.plans:
             node = by_id[plan.node_id]
             try:
+                self._off_fabric_first(node, plan)
                 self._apply(node, plan, result)
+            except FabricHeld as exc:
+                # The node keeps its deadline's state until its membership is gone: the next
+                # sweep tries again (a node still on a tenant's fabric never reaches the pool).
+                result.errors.append(str(exc))
+                continue
             except node_service.StaleNode as exc:
                 # Someone moved the node first; the next sweep sees its new state.
                 result.errors.append(str(exc))
@@ -458,6 +477,31 @@ class ReconcilerActivities(ActivityGroup):
             ).first()
             if already is None:
                 session.add(OperatorAlertRecord(kind=CONTROL_PLANE_SUSPECT, reason=reason, at=now))
+
+    def _off_fabric_first(self, node: Node, plan: NodePlan) -> None:
+        """A deadline that takes a node out of its allocation (a reservation, a provision or a
+        release overdue) takes its fabric membership away first, as the allocation's own steps
+        do: the allocation's workflow may be stuck on the very outage that made it overdue."""
+        if (
+            self._fabric is None
+            or plan.state_after_deadline is None
+            or node.allocation_id is None
+            or NodeState(plan.state_after_deadline) not in node_service.LEAVES_ALLOCATION
+        ):
+            return
+        with self.db.session() as session:
+            tenant_id = session.exec(
+                select(col(Allocation.tenant_id)).where(col(Allocation.id) == node.allocation_id)
+            ).first()
+        if tenant_id is None:
+            return  # no such allocation: nothing was applied for it
+        try:
+            with self._fabric() as controller:
+                membership.remove_nodes(controller, node.allocation_id, tenant_id, [fabric_node(node)])
+        except (FabricError, FabricVerificationError, httpx.HTTPError) as exc:
+            raise FabricHeld(
+                f"{node.id}: overdue, but its membership of {node.allocation_id} could not be removed: {exc}"
+            ) from exc
 
     def _apply(self, node: Node, plan: NodePlan, result: SweepResult) -> None:
         with self.db.session() as session:

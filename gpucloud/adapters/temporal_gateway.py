@@ -48,6 +48,7 @@ from gpucloud.models.messages import (
     BringupInput,
     CancelRequest,
     NodeOperationInput,
+    PoolSchedulerInput,
     ReplaceNodeRequest,
     SweepInput,
 )
@@ -71,6 +72,7 @@ async def start_allocation_workflow(
             allocation_id=alloc.id,
             provision_retries=settings.health.provision_retries,
             replacement_recheck_s=settings.health.replacement_recheck_s,
+            queue_recheck_s=settings.scheduler.queue_recheck_s,
         ),
         id=ids.allocation_workflow_id(alloc.id),
         task_queue=settings.temporal.task_queue,
@@ -87,6 +89,17 @@ async def signal_cancel(client: Client, allocation_id: str, operation_id: str | 
 async def signal_replace_node(client: Client, allocation_id: str, req: ReplaceNodeRequest) -> None:
     handle = client.get_workflow_handle(ids.allocation_workflow_id(allocation_id))
     await handle.signal(ids.ALLOCATION_REPLACE_NODE_SIGNAL, req)
+
+
+async def poke_pool_scheduler(client: Client, settings: Settings, gpu_type: str, region: str) -> None:
+    """Make sure the pool's scheduler runs, and have it plan the pool now (signal-with-start)."""
+    await client.start_workflow(
+        ids.POOL_SCHEDULER_WORKFLOW,
+        PoolSchedulerInput(gpu_type=gpu_type, region=region, poll_s=settings.scheduler.poll_s),
+        id=ids.pool_scheduler_workflow_id(gpu_type, region),
+        task_queue=settings.temporal.task_queue,
+        start_signal=ids.POOL_SCHEDULER_POKE_SIGNAL,
+    )
 
 
 # ------------------------------------------------------------------ nodes

@@ -29,12 +29,15 @@ from gpucloud.api.routers import (
     nodes,
     operations,
     operators,
+    queue,
     registry,
+    reservations,
     rollouts,
     tenants,
     whoami,
 )
 from gpucloud.config import Settings
+from gpucloud.console.routes import router as console_router
 from gpucloud.observability import tracing
 from gpucloud.services.workflow_engine import engine_error
 from gpucloud.web import problems
@@ -112,6 +115,8 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         agents,
         allocations,
         allocation_logs,
+        queue,
+        reservations,
         operations,
         tenants,
         api_keys,
@@ -128,6 +133,7 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         whoami,
     ):
         app.include_router(module.router)
+    app.include_router(console_router)  # the web console, `/console` (docs/console.md)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:

@@ -46,7 +46,9 @@ _BOOTSTRAP_SCOPES = ROLE_SCOPES[Role.ADMIN]
 
 @dataclass(frozen=True)
 class Caller:
-    role: str  # "operator" | "tenant" | "agent" | "evaluation" | "enrollment" (a re-imaged node's image)
+    # "operator" | "tenant" | "agent" | "evaluation" | "enrollment" (a re-imaged node's image) |
+    # "visitor" (the web console before sign-in: its sign-in page and static files only)
+    role: str
     tenant_id: str | None = None
     node_id: str | None = None  # an agent's node
     operator: str | None = None  # an operator's account name
@@ -61,6 +63,8 @@ class Caller:
         tenant's keys all as one `tenant:<id>`, ...)."""
         if self.role in ("agent", "enrollment"):
             return f"{self.role}:{self.node_id}"
+        if self.role == "visitor":
+            return "visitor"  # every console visitor shares one caller's share of the tenants' lane
         return f"operator:{self.operator}" if self.role == "operator" else f"tenant:{self.tenant_id}"
 
     @property

@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gpucloud.api import auth
 from gpucloud.api.admission import CREDENTIAL_LOOKUPS, OPEN_PATHS, basic_credentials, bearer_token
 from gpucloud.config import RequestBodySettings
+from gpucloud.console import session as console_session
 from gpucloud.db import get_read_engine
 from gpucloud.observability.logs import log_context
 from gpucloud.services import agent_enrollment
@@ -133,6 +134,8 @@ class Gate(gate.Gate):
             return None
         if scope["path"] in ENROLLMENT_PATHS:
             return await self._enrolling(scope)
+        if console_session.is_console(scope["path"]):
+            return await self._console(scope)
         token = bearer_token(scope)
         if not token:
             detail = "send 'Authorization: Bearer <api key>' (operators: the operator token)"
@@ -170,6 +173,28 @@ class Gate(gate.Gate):
         scope.setdefault("state", {})["caller"] = auth.Caller(role="enrollment", node_id=parsed[0])
         scope["state"]["enrollment_token"] = token
         return None
+
+    async def _console(self, scope: Scope) -> ASGIApp | None:
+        """The web console's requests carry a session cookie, not a bearer token: its session is
+        looked up (and its credential checked again) on every request, with no cache, so signing
+        out or revoking the key ends it at once (`console/session.py`)."""
+        state = scope.setdefault("state", {})
+        if console_session.cookie(scope, console_session.COOKIE) is None:
+            state["caller"], state["console_csrf"] = console_session.VISITOR, None  # no lookup, no thread
+            return None
+        try:
+            async with asyncio.timeout(LOOKUP_WAIT_S), self._lookups:
+                caller, csrf = await run_in_threadpool(self._console_caller, scope)
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, TimeoutError) as exc:
+            log.warning("database unavailable while finding a console session: %r", exc)
+            detail = "the database did not answer in time; reload the page after Retry-After"
+            return _answer(scope, 503, "database-unavailable", "Try again", detail, retry_after=True)
+        state["caller"], state["console_csrf"] = caller, csrf
+        return None
+
+    def _console_caller(self, scope: Scope) -> tuple[auth.Caller, str | None]:
+        with get_read_engine(self.database_url).connect() as connection:
+            return console_session.resolve(connection, scope, self.operator_token)
 
     def _check_enrollment(self, token: str) -> str | None:
         with Session(get_read_engine(self.database_url)) as session:

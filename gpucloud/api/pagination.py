@@ -120,6 +120,16 @@ def page_of(rows: list, page_size: int, key_of, filters: dict) -> tuple[list, st
     return rows, encode(key_of(rows[-1]), filters)
 
 
+def key_type(column: Any) -> type:
+    """The Python type of a key column's values: int or str (a string column of a length that
+    SQLAlchemy's type names no Python type for, `object`, holds str: `Node.id`)."""
+    try:
+        python_type = column.type.python_type
+    except NotImplementedError:
+        return str
+    return python_type if python_type in (int, str) else str
+
+
 def fetch(
     session: Session,
     table: type[SQLModel],
@@ -128,15 +138,21 @@ def fetch(
     page: PageRequest,
     equal: Mapping[str, Any],
     where: Mapping[str, tuple[Any, Any]] | None = None,
+    newest_first: bool = False,
 ) -> tuple[list[Any], str]:
     """One page of `table`'s rows in `key` order, and the next token. `equal` maps columns to
     the values they must have (None: any); `where` maps a name to a value and the condition
-    it stands for (one no column equality says: a link table's); the token is bound to both."""
+    it stands for (one no column equality says: a link table's); the token is bound to both.
+    `newest_first`: in descending `key` order (the console's lists), rows made during the
+    listing come before its first page, so none is skipped or repeated either; the token is
+    bound to the order too, so it never continues a listing in the other one."""
     extra = dict(where or {})
     filters = {**dict(equal), **{name: value for name, (value, _) in extra.items()}}
+    if newest_first:
+        filters["~order"] = "desc"
     column = getattr(table, key)
-    cursor = decode(page.token, filters, column.type.python_type)
-    query = select(table).order_by(column).limit(page.size + 1)
+    cursor = decode(page.token, filters, key_type(column))
+    query = select(table).order_by(column.desc() if newest_first else column).limit(page.size + 1)
     for name, value in equal.items():
         if value is not None:
             query = query.where(getattr(table, name) == value)
@@ -144,5 +160,5 @@ def fetch(
         if value is not None:
             query = query.where(condition)
     if cursor.after is not None:
-        query = query.where(column > cursor.after)
+        query = query.where(column < cursor.after if newest_first else column > cursor.after)
     return page_of(list(session.exec(query).all()), page.size, attrgetter(key), filters)

@@ -62,13 +62,13 @@ def invoice_list_table(invoices: list[dict], *, wide: bool = False) -> Table:
 
 
 def invoice_table(document: dict, *, status: str) -> Table:
-    """One invoice document (`gpucloud.invoice/v1`): its lines and total.
+    """One invoice document (`gpucloud.invoice/v2`, or a v1 one closed before): its lines and total.
 
     The usage period and discount columns appear only when some line has one worth showing (a
     late adjustment for an earlier period, a committed-use discount), so the table fits a terminal.
     """
     period = document["period"]["id"]
-    lines = document["lines"]
+    lines = [_line_v2(line) for line in document["lines"]] if "quantity_unit" in document else document["lines"]
     late = any(line["usage_period"] != period for line in lines)
     discounted = any(line["discount_bp"] for line in lines)
     table = Table(title=f"invoice {period}, {document['tenant_id']} ({status})")
@@ -81,6 +81,9 @@ def invoice_table(document: dict, *, status: str) -> Table:
         ("per GPU-h", "right"),
         ("amount", "right"),
     ]
+    if "quantity_unit" in document:
+        # v2: what was bought, by price class; no samples (the meters are in the reconciliation).
+        columns[1], columns[3] = ("allocation / reservation", "left"), ("class", "left")
     if late:
         columns.insert(3, ("used in", "left"))
     if discounted:
@@ -103,6 +106,17 @@ def invoice_table(document: dict, *, status: str) -> Table:
             cells.insert(-1, f"{line['discount_bp'] / 100:g}%")
         table.add_row(*cells)
     return table
+
+
+def _line_v2(line: dict) -> dict:
+    """A `gpucloud.invoice/v2` line in the columns the table prints (its class where v1 had samples)."""
+    return {
+        **line,
+        "allocation_id": line["reservation_id"] or line["allocation_id"],
+        "count": line["price_class"].replace("_", "-"),
+        "gpu_ms": line["quantity"],
+        "price_per_hour_micro": line["price"],
+    }
 
 
 def print_invoice(document: dict, *, status: str) -> None:

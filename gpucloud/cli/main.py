@@ -25,7 +25,8 @@ from gpucloud.cli.evaluation import weights_app  # with evaluate, evaluation-com
 from gpucloud.cli.fleet import bmc_app, fleet_app, node_app, nodes
 from gpucloud.cli.incidents import incidents_app
 from gpucloud.cli.operators import operators_app
-from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, tenants_app
+from gpucloud.cli.reservations import reservations_app
+from gpucloud.cli.resources import allocations_app, api_keys_app, operations_app, queue_list, tenants_app
 from gpucloud.cli.rollout import rollout_app
 from gpucloud.cli.simulators import FaultsOption, TimeScaleOption, fabric_managers, fault_model_named, sim
 from gpucloud.config import AgentSettings, Settings, UnknownSetting, get_settings, refuse_unknown_variables
@@ -150,6 +151,7 @@ def up(
         raise typer.Exit(1) from exc
     console.print(f"API        {settings.api_url}  (OpenAPI: {settings.api_url}/docs)")
     console.print(f"Web UI     {stack.ui_url}")
+    console.print(f"console    {settings.api_url}/console  (sign in with the operator token or an API key)")
     console.print(f"ledger     {stack.ledger_url}  (billing; `gpucloud invoices`)")
     console.print(f"tracker    {settings.tracker.url}  (weight fan-out; `gpucloud rollout`)")
     console.print(f"fabric     {stack.fabric_url}  (simulated UFM, NMX-M and SDN controller)")
@@ -569,6 +571,8 @@ tenants_app.command("quota")(tenants_quota)
 app.add_typer(tenants_app, name="tenants")
 allocations_app.command("ssh")(allocations_ssh)
 app.add_typer(allocations_app, name="allocations")
+app.add_typer(reservations_app, name="reservations")
+app.command("queue")(queue_list)
 app.add_typer(api_keys_app, name="api-keys")
 app.add_typer(operations_app, name="operations")
 app.add_typer(operators_app, name="operators")

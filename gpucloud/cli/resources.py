@@ -30,6 +30,7 @@ from gpucloud.cli.common import (
     console,
     err,
     id_column,
+    parse_duration,
     print_table,
     reported_errors,
 )
@@ -314,6 +315,19 @@ def allocations_create(
     ssh_key: Annotated[
         list[Path] | None, typer.Option(help="a public key file let in to the nodes (repeatable)")
     ] = None,
+    queue: Annotated[
+        bool, typer.Option("--queue", help="no room now: wait in the pool's queue instead of failing")
+    ] = False,
+    max_wait: Annotated[
+        str | None, typer.Option(help="with --queue: give up if not placed within this long (30m, 2h, 1d)")
+    ] = None,
+    expected_duration: Annotated[
+        str | None, typer.Option(help="how long it will run (2h): lets it backfill, and gives estimates")
+    ] = None,
+    tier: Annotated[
+        Literal["on_demand", "preemptible"],
+        typer.Option(help="preemptible: cheaper, on capacity nobody asked for, taken back with notice"),
+    ] = "on_demand",
     wait: Wait = True,
     timeout: Timeout = 1800.0,
     output: Output = "table",
@@ -321,15 +335,32 @@ def allocations_create(
     api_key: ApiKey = None,
 ) -> None:
     """Allocate nodes (or NVL72 trays), each running the workload the options name; with --wait,
-    until it is ready (or failed)."""
+    until it is ready (or failed). With --queue, a full pool queues it (see `gpucloud queue`)."""
     workload = workload_from_options(command=command, image=image, env=env or [], ssh_keys=ssh_key or [])
+    if max_wait is not None and not queue:
+        raise typer.BadParameter("--max-wait goes with --queue", param_hint="--max-wait")
+    max_wait_s = parse_duration(max_wait, option="--max-wait") if max_wait is not None else None
+    duration_s = parse_duration(expected_duration, option="--expected-duration") if expected_duration else None
     with reported_errors(), api_client(api_url, api_key) as api:
         accepted = api.allocations.create(
-            gpu_type, region, nodes, nvl72_trays=nvl72_trays, workload=workload, idempotency_key=str(uuid.uuid4())
+            gpu_type,
+            region,
+            nodes,
+            nvl72_trays=nvl72_trays,
+            workload=workload,
+            idempotency_key=str(uuid.uuid4()),
+            queue=queue,
+            max_wait_s=max_wait_s,
+            expected_duration_s=duration_s,
+            tier=tier,
         )
         allocation = accepted.allocation
+        if allocation.status == "queued":
+            start = allocation.estimated_start_at
+            expected = f", expected to start {_when(start)}" if start else ""
+            err.print(f"allocation {allocation.id}: queued at position {allocation.queue_position}{expected}")
         if wait:
-            with console.status(f"allocation {allocation.id}: provisioning"):
+            with console.status(f"allocation {allocation.id}: {allocation.status}"):
                 allocation = api.allocations.wait(allocation.id, {"ready", "failed", "released"}, timeout_s=timeout)
     emit(output, allocation, _allocation_table([allocation]))
     if allocation.status == "failed":
@@ -353,6 +384,35 @@ def allocations_cancel(
             with console.status(f"allocation {allocation_id}: releasing"):
                 allocation = api.allocations.wait(allocation_id, {"released", "failed"}, timeout_s=timeout)
     emit(output, allocation, _allocation_table([allocation]))
+
+
+def queue_list(
+    gpu_type: Annotated[str | None, typer.Option(help="only this GPU type's pools")] = None,
+    region: Annotated[str | None, typer.Option(help="only this region's pools")] = None,
+    output: WideOutput = "table",
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The pools' queues: each queued allocation's position (1 is placed first) and estimated start
+    (the operator sees every tenant's; a tenant its own)."""
+    with reported_errors(), api_client(api_url, api_key, operator=True) as api:
+        entries = api.allocations.queue(gpu_type=gpu_type, region=region).items
+    table = _table("queue", "pool", "pos", "allocation", "tenant", "nodes", "queued", "estimated start", "max wait")
+    for e in entries:
+        table.add_row(
+            f"{e.gpu_type} {e.region}",
+            str(e.position or ""),
+            e.allocation_id,
+            e.tenant_id,
+            str(e.node_count),
+            _when(e.queued_at),
+            _when(e.estimated_start_at) or "unknown",
+            f"{e.max_wait_s} s" if e.max_wait_s is not None else "none",
+        )
+    if not entries and output != "json":
+        console.print("no queued allocations")
+        return
+    emit(output, entries, table)
 
 
 # ---------------------------------------------------------------- API keys

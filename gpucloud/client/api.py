@@ -15,6 +15,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -36,7 +37,10 @@ from gpucloud.models.api_schemas import (
     OperatorList,
     OperatorTokenIssued,
     OperatorView,
+    QueuePage,
     QuotaReport,
+    ReservationPage,
+    ReservationPublic,
     RolloutAccepted,
     RolloutRequest,
     RolloutSummary,
@@ -92,19 +96,31 @@ class Allocations(_Resource):
         nvl72_trays: int | None = None,
         workload: Workload | None = None,
         idempotency_key: str | None = None,
+        queue: bool = False,
+        max_wait_s: int | None = None,
+        expected_duration_s: int | None = None,
+        tier: str | None = None,
     ) -> AllocationAccepted:
-        """`workload`: what each node runs once provisioned (`Workload`: command, image, env, SSH keys)."""
+        """`workload`: what each node runs once provisioned (`Workload`: command, image, env, SSH keys).
+        `queue`: wait in the pool's queue when there is no room (for at most `max_wait_s`)."""
         request = {
             "gpu_type": gpu_type,
             "region": region,
             "node_count": node_count,
             "nvl72_trays": nvl72_trays,
             "workload": _body(workload) if workload is not None else None,
+            "capacity": _body({"wait": "queue", "max_wait_s": max_wait_s}) if queue else None,
+            "expected_duration_s": expected_duration_s,
+            "tier": tier,
         }
         return self._create(AllocationAccepted, "/v1/allocations", _body(request), idempotency_key)
 
     def get(self, allocation_id: str) -> AllocationPublic:
         return self._get(AllocationPublic, f"/v1/allocations/{allocation_id}")
+
+    def queue(self, *, gpu_type: str | None = None, region: str | None = None) -> QueuePage:
+        """The queued allocations by pool, with positions and estimated starts (a tenant's own)."""
+        return self._get(QueuePage, "/v1/queue", gpu_type=gpu_type, region=region)
 
     def list(self, *, status: str | None = None, tenant_id: str | None = None) -> Iterator[AllocationPublic]:
         return self._pages(AllocationPublic, "/v1/allocations", status=status, tenant_id=tenant_id)
@@ -383,6 +399,38 @@ class Rollouts(_Resource):
         )
 
 
+class Reservations(_Resource):
+    """Capacity reservations: N nodes of a pool booked for a future window (docs/scheduling.md)."""
+
+    def create(
+        self,
+        gpu_type: str,
+        region: str,
+        node_count: int,
+        start_at: datetime,
+        end_at: datetime,
+        *,
+        idempotency_key: str | None = None,
+    ) -> ReservationPublic:
+        body = {
+            "gpu_type": gpu_type,
+            "region": region,
+            "node_count": node_count,
+            "start_at": start_at.isoformat(),
+            "end_at": end_at.isoformat(),
+        }
+        return self._create(ReservationPublic, "/v1/reservations", body, idempotency_key)
+
+    def get(self, reservation_id: str) -> ReservationPublic:
+        return self._get(ReservationPublic, f"/v1/reservations/{reservation_id}")
+
+    def list(self, *, status: str | None = None) -> list[ReservationPublic]:
+        return self._get(ReservationPage, "/v1/reservations", status=status).items
+
+    def cancel(self, reservation_id: str) -> ReservationPublic:
+        return self._post(ReservationPublic, f"/v1/reservations/{reservation_id}/cancel")
+
+
 class Gpucloud(ApiClient):
     """The public API as one caller (a tenant's key, or the operator token) sees it."""
 
@@ -397,6 +445,7 @@ class Gpucloud(ApiClient):
         self.billing = Billing(self)
         self.rollouts = Rollouts(self)
         self.incidents = Incidents(self)
+        self.reservations = Reservations(self)
 
     def catalog(self, *, gpu_type: str | None = None, region: str | None = None) -> Catalog:
         """What the fleet offers: GPU types and regions, nodes available now, prices per GPU-hour."""

@@ -7,7 +7,11 @@ same fabric domain, push and pull model weights, roll the production version out
 allocation in waves and watch a failing candidate roll back, cancel (the SSH key is refused from
 then on), and watch the nodes (the pulled one through repair) booted once from the clean image
 through their BMCs, checked, wiped and burned in before a second tenant gets them; last, the
-allocation's GPU time as the ledger billed it, to the millisecond, and the period's draft invoice.
+allocation's GPU time as the ledger billed it, to the millisecond, and the period's draft invoice;
+then a request for more nodes than are free waits in the pool's queue and is placed once the
+second tenant's nodes come back; the second tenant's preemptible nodes are taken back, with
+notice, for the first's on-demand request; and a capacity reservation is ready by its window's
+start and ends on time.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from gpucloud.demo.common import Demo, DemoFailed
 from gpucloud.demo.health import demo_health
 from gpucloud.demo.incidents import demo_incident
 from gpucloud.demo.power import demo_power_cycle
+from gpucloud.demo.queue import demo_preemption, demo_queue, demo_reservation
 from gpucloud.demo.rollout import demo_rollout
 from gpucloud.demo.ssh import TenantKey, demo_ssh, demo_ssh_refused
 from gpucloud.demo.tenants import demo_tenants, fleet_quota, onboard
@@ -158,20 +163,26 @@ def scenario(demo: Demo, nodes: int, data_dir: Path) -> None:
     demo.console.print(f"allocation [bold]released[/]; fleet: {dict(states)}")
     show_reimage(demo, held[0], seen=seen[held[0]], tenant=tenant.name)
     demo_incident(demo, acme, pulled)
-    _next_tenant(demo, held, want=len(held))
+    initech, initech_alloc = _next_tenant(demo, held, want=len(held))
     demo_power_cycle(demo)
     demo_invoice(demo, acme, alloc_id)
+    demo_queue(demo, acme, initech, initech_alloc, want=nodes - len(held) + 1)
+    demo.wait("the pool back", nodes, lambda: _in_state(demo, "available"), timeout_s=300)
+    demo_preemption(demo, acme, initech, free=nodes, spare=len(held))
+    demo_reservation(demo, acme, nodes=len(held), lead_s=20, window_s=10)
 
 
-def _next_tenant(demo: Demo, cleaned: list[str], *, want: int) -> None:
+def _next_tenant(demo: Demo, cleaned: list[str], *, want: int) -> tuple[Gpucloud, str]:
     """A second tenant's allocation after acme's: it gets nodes acme held, each re-imaged since."""
     tenant, key = onboard(demo, "initech", quotas=fleet_quota(want))
-    alloc_id = _allocate(demo, demo.tenant(key), want)
+    client = demo.tenant(key)
+    alloc_id = _allocate(demo, client, want)
     reused = sorted(set(cleaned) & {n.id for n in _members(demo, alloc_id)})
     demo.console.print(
         f"tenant {tenant.name} got {', '.join(reused) or 'other nodes'}"
         + (" [green]re-imaged out of band since acme held them[/]" if reused else "")
     )
+    return client, alloc_id
 
 
 def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool = False) -> int:
@@ -184,10 +195,27 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool =
         # Agents heartbeat every second; one silent for 6 s is unreachable, for 8 s more its
         # host is down and is power-cycled through its BMC.
         agent={"sim_port": free_port(), "meter_interval_s": 1.0, "heartbeat_timeout_s": 6.0},
-        bmc={"emulator_port": free_port(), "power_cycle_after_s": 8.0, "poll_s": 0.5, "boot_wait_s": 120.0},
+        # The emulated BMCs apply a power change 1 to 2 s after it is asked for (hardware: up to 11).
+        bmc={
+            "emulator_port": free_port(),
+            "emulator_power_delay_s": (1, 2),
+            "power_cycle_after_s": 8.0,
+            "poll_s": 0.5,
+            "boot_wait_s": 120.0,
+        },
         reconciler={"sweep_interval_s": 2.0},
         # An incident reads its node's history every 2 s (30 s in production).
         health={"incident_poll_s": 2.0},
+        # The queue is planned every second; a preempted allocation gets 5 s of notice; a
+        # reservation may start 15 s after it is booked, its allocation placed 12 s ahead.
+        scheduler={
+            "poll_s": 1.0,
+            "queue_recheck_s": 10.0,
+            "preemption_notice_s": 5.0,
+            "reservation_min_notice_s": 15.0,
+            "reservation_hold_s": 60.0,
+            "reservation_prepare_s": 12.0,
+        },
         ledger={"port": free_port()},
         tracker={"url": f"http://127.0.0.1:{free_port()}"},
     )
@@ -208,7 +236,10 @@ def run_demo(*, nodes: int, data_dir: Path | None, console: Console, tls: bool =
     try:
         with console.status("starting the stack") as status:
             stack.start(on_step=lambda s: status.update(s))
-        console.print(f"stack up: API {settings.api_url}, Web UI {stack.ui_url}, logs in {stack.log_dir}")
+        console.print(
+            f"stack up: API {settings.api_url}, console {settings.api_url}/console, Web UI {stack.ui_url},"
+            f" logs in {stack.log_dir}"
+        )
         demo = Demo.connect(
             console,
             settings.api_url,

@@ -79,7 +79,13 @@ def serve_fleet(
     if bmc:
         node_ids = list(Fleet(spec).nodes)
         notify = f"{settings.sim_url}/v1/bmc/notify?token={settings.operator_token}"
-        emulator = BmcEmulator(settings.data_dir, settings.bmc.emulator_port, node_ids, notify_url=notify)
+        emulator = BmcEmulator(
+            settings.data_dir,
+            settings.bmc.emulator_port,
+            node_ids,
+            notify_url=notify,
+            power_delay_s=settings.bmc.emulator_power_delay_s,
+        )
         emulator.start()
         write_sim_credential(settings.data_dir, settings.bmc_credentials_dir)
         link = BmcLink(emulator.url, sim_bmc_password(settings.data_dir), boot_s=boot_s)

@@ -3,7 +3,9 @@
 The control plane sends them so the ledger can reject usage for allocations it has never
 heard of and reconcile metered usage against allocated time. Events are idempotent on
 ``event_id``: the same event again is acknowledged, a different event under the same id is a
-conflict. All events of one allocation belong to one tenant.
+conflict. All events of one allocation belong to one tenant. A ``start`` event may name the
+allocation's price class (on_demand, reserved, preemptible; none is on_demand), which decides
+the price its held time is billed at (``held.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ def record_event(connection: Connection, event: AllocationEventIn, *, now_ms: in
     """Store one event; call inside the ledger's write transaction."""
     if event.kind in ("node_added", "node_removed") and event.node_id is None:
         raise problems.LedgerProblem(problems.REQUEST_INVALID(f"a {event.kind} event names its node", field="node_id"))
+    if event.kind != "start" and event.price_class is not None:
+        raise problems.LedgerProblem(
+            problems.REQUEST_INVALID("only a start event names the allocation's price class", field="price_class")
+        )
     existing = (
         connection.execute(select(allocation_events).where(allocation_events.c.event_id == event.event_id))
         .mappings()
         .first()
     )
     if existing is not None:
-        if any(existing[name] != getattr(event, name) for name in _CONTENT):
+        same_class = (existing["price_class"] or "on_demand") == (event.price_class or "on_demand")
+        if not same_class or any(existing[name] != getattr(event, name) for name in _CONTENT):
             raise problems.LedgerProblem(
                 problems.STATE_CONFLICT(f"event {event.event_id} was recorded with different content", field="event_id")
             )

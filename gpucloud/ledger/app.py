@@ -12,6 +12,7 @@ role decides what it may do (``api/callers.py``). Endpoints (all under ``/v1``; 
 - ``GET /usage``: GPU-ms and amounts of a tenant (optionally one allocation, a time window).
 - ``GET /usage/conflicts``: samples refused because their (node_id, seq) had other content.
 - ``POST /allocation-events``, ``GET /allocation-events``: allocation lifecycle.
+- ``POST /reservations``, ``GET /reservations``: capacity reservations (billed for their window).
 - ``GET /reconciliation``: metered vs allocated time per tenant per day, gaps flagged.
 - ``POST /price-book/versions``, ``GET /price-book/versions``: the price book.
 - ``GET /postings``, ``POST /postings/{id}:reverse``, ``GET /accounts``: the double-entry books.
@@ -35,7 +36,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpucloud.config import LedgerSettings, RequestBodySettings
 from gpucloud.ledger import pricebook, problems
-from gpucloud.ledger.api import allocations, invoices, periods, postings, prices, reconciliation, usage
+from gpucloud.ledger.api import (
+    allocations,
+    invoices,
+    periods,
+    postings,
+    prices,
+    reconciliation,
+    reservations,
+    usage,
+)
 from gpucloud.ledger.api.admission import LedgerAdmission
 from gpucloud.ledger.api.callers import ledger_callers
 from gpucloud.ledger.api.deps import LedgerContext
@@ -80,7 +90,7 @@ def create_app(
     # Added innermost first: the gate checks the token, then admission gives its caller a slot.
     app.add_middleware(LedgerAdmission, settings=admission or LedgerSettings())
     app.add_middleware(Gate, check=ledger_callers(control_plane), body=request_body)
-    for module in (usage, allocations, prices, postings, reconciliation, periods, invoices):
+    for module in (usage, allocations, reservations, prices, postings, reconciliation, periods, invoices):
         app.include_router(module.router)
     app.add_exception_handler(problems.LedgerProblem, _ledger_problem)
     app.add_exception_handler(RequestValidationError, _validation_problem)

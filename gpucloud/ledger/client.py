@@ -26,6 +26,8 @@ from gpucloud.ledger.schemas import (
     PriceBookVersionIn,
     PriceBookVersionOut,
     ReconciliationReport,
+    ReservationIn,
+    ReservationOut,
 )
 from gpucloud.models.billing_messages import InvoiceOut, UsageSummary
 from gpucloud.web import tls
@@ -173,6 +175,12 @@ class LedgerClient:
     async def record_allocation_event(self, event: AllocationEventIn) -> AllocationEventOut:
         response = await self._request("POST", "/v1/allocation-events", json=event.model_dump(mode="json"))
         return AllocationEventOut.model_validate_json(response.content)
+
+    async def record_reservation(self, reservation: ReservationIn) -> ReservationOut:
+        """Record a capacity reservation; idempotent on its id (the same body again is a no-op,
+        another body under the same id is refused with 409: `LedgerRefused`)."""
+        response = await self._request("POST", "/v1/reservations", json=reservation.model_dump(mode="json"))
+        return ReservationOut.model_validate_json(response.content)
 
     async def periods(self) -> list[PeriodOut]:
         return _PERIODS.validate_json((await self._request("GET", "/v1/periods")).content)

@@ -18,6 +18,12 @@ ready) is credited. An event that arrives after its period closed is trued up at
 close, on the next invoice, like late usage. The line's amount is exact: the true-up brings its
 posted amount to ``rate.amount_for(held GPU-ms)``.
 
+Each allocation is billed at its price class, which its ``start`` event names (none: on_demand):
+the true-up brings its lines to the class's rate for the held GPU-ms (``pricing.py``; a class
+the price book does not price falls back to on-demand) and records the class on its posting.
+A ``reserved`` allocation's held time is covered by its capacity reservation
+(``reservations.py``), so its lines are trued up to nothing.
+
 Allocations the control plane never sent events for (a ledger used on its own) are billed on
 their meters as before. A node whose ``node_added`` event carries no GPU count is counted with
 the GPU count its samples report; with neither it cannot be priced and is left out.
@@ -34,7 +40,7 @@ from sqlalchemy import Connection, case, func, select
 from gpucloud.ledger.allocations import timelines
 from gpucloud.ledger.close import LineAggregate
 from gpucloud.ledger.periods import period_bounds, period_of
-from gpucloud.ledger.pricing import PriceBookHistory
+from gpucloud.ledger.pricing import ON_DEMAND, RESERVED, PriceBookHistory
 from gpucloud.ledger.schemas import AllocationEventOut
 from gpucloud.ledger.tables import allocation_events, billing_periods, postings, usage_samples
 
@@ -81,13 +87,15 @@ def held_pieces(
                 continue
             for added, removed in intervals:
                 start, end = max(added, low), min(high, removed if removed is not None else high)
-                for piece_start, piece_end, usage_period, version_id in _split(start, end, history):
+                for piece_start, piece_end, usage_period, version_id in split_by_period_and_version(
+                    start, end, history
+                ):
                     key = (tenants[allocation_id], allocation_id, gpu_type, usage_period, version_id)
                     pieces.append(HeldPiece(key, (piece_end - piece_start) * gpu_count))
     return pieces
 
 
-def _split(start: int, end: int, history: PriceBookHistory) -> Iterable[tuple[int, int, str, int]]:
+def split_by_period_and_version(start: int, end: int, history: PriceBookHistory) -> Iterable[tuple[int, int, str, int]]:
     """[start, end) cut where a usage period or a price version ends; time before any version is unpriced."""
     while start < end:
         usage_period = period_of(start)
@@ -116,7 +124,8 @@ def true_up(
     if not allocations:
         return []
     events = _events(connection, allocations)
-    posted = _posted(connection, allocations)
+    posted, marked = _posted(connection, allocations)
+    classes = allocation_classes(events)
     # Events from a control plane that named no GPU type or count: the samples' own, if any.
     named_type = {e.allocation_id for e in events if e.gpu_type is not None}
     unnamed = {e.allocation_id for e in events if e.allocation_id not in named_type}
@@ -133,15 +142,34 @@ def true_up(
         tenant, allocation, gpu_type, usage_period, version_id = key
         if usage_period > period_id:
             continue
-        rate = history.by_id(version_id).rate_for(tenant, gpu_type)
+        price_class = classes.get(allocation, ON_DEMAND)
+        rate = history.by_id(version_id).rate_for(tenant, gpu_type, price_class)
         if rate is None:
             continue
         held_ms, pieces = held.get(key, (0, 0))
+        # A reserved allocation's time is billed on its reservation, not again here.
+        billed_ms = 0 if price_class == RESERVED else held_ms
         posted_ms, posted_amount = posted.get(key, (0, 0))
-        gpu_ms, amount = held_ms - posted_ms, rate.amount_for(held_ms) - posted_amount
-        if gpu_ms or amount:
-            result.append(LineAggregate(tenant, allocation, gpu_type, usage_period, version_id, pieces, gpu_ms, amount))
+        gpu_ms, amount = billed_ms - posted_ms, rate.amount_for(billed_ms) - posted_amount
+        # The class is read off the line's held posting: a line whose meters happened to match
+        # gets a posting of nothing that says it.
+        names_class = price_class != ON_DEMAND and billed_ms and key not in marked
+        if gpu_ms or amount or names_class:
+            result.append(
+                LineAggregate(
+                    tenant, allocation, gpu_type, usage_period, version_id, pieces, gpu_ms, amount, "held", price_class
+                )
+            )
     return result
+
+
+def allocation_classes(events: Iterable[AllocationEventOut]) -> dict[str, str]:
+    """Each allocation's price class, as its first ``start`` event names it (none: on_demand)."""
+    classes: dict[str, str] = {}
+    for event in sorted(events, key=lambda e: e.id):
+        if event.kind == "start" and event.allocation_id not in classes:
+            classes[event.allocation_id] = event.price_class or ON_DEMAND
+    return classes
 
 
 def _open_to_change(connection: Connection, period_id: str, tenant_id: str | None) -> list[str]:
@@ -152,7 +180,9 @@ def _open_to_change(connection: Connection, period_id: str, tenant_id: str | Non
     query = query.having(
         (ended_at.is_(None)) | (ended_at >= period_start) | (func.max(allocation_events.c.recorded_ms) >= last_close)
     )
-    booked = select(postings.c.allocation_id).where(postings.c.billing_period == period_id, postings.c.kind == "usage")
+    booked = select(postings.c.allocation_id).where(
+        postings.c.billing_period == period_id, postings.c.kind == "usage", postings.c.source != "reserved"
+    )
     if tenant_id is not None:
         query = query.where(allocation_events.c.tenant_id == tenant_id)
         booked = booked.where(postings.c.tenant_id == tenant_id)
@@ -176,8 +206,9 @@ def _events(connection: Connection, allocations: list[str]) -> list[AllocationEv
     return [AllocationEventOut(**row) for row in rows]
 
 
-def _posted(connection: Connection, allocations: list[str]) -> dict[HeldKey, tuple[int, int]]:
-    """GPU-ms and amount posted per line so far: usage postings (meters and true-ups), not reversals."""
+def _posted(connection: Connection, allocations: list[str]) -> tuple[dict[HeldKey, tuple[int, int]], set[HeldKey]]:
+    """GPU-ms and amount posted per line so far: usage postings (meters and true-ups), not
+    reversals nor reservations; and the lines that have a true-up."""
     columns = (
         postings.c.tenant_id,
         postings.c.allocation_id,
@@ -185,12 +216,19 @@ def _posted(connection: Connection, allocations: list[str]) -> dict[HeldKey, tup
         postings.c.usage_period,
         postings.c.price_version_id,
     )
+    trued_up = func.count().filter(postings.c.source == "held")
     rows = connection.execute(
-        select(*columns, func.sum(postings.c.gpu_ms), func.sum(postings.c.amount_micro))
-        .where(postings.c.allocation_id.in_(allocations), postings.c.kind == "usage")
+        select(*columns, func.sum(postings.c.gpu_ms), func.sum(postings.c.amount_micro), trued_up)
+        .where(postings.c.allocation_id.in_(allocations), postings.c.kind == "usage", postings.c.source != "reserved")
         .group_by(*columns)
     )
-    return {tuple(row[:5]): (int(row[5]), int(row[6])) for row in rows}
+    posted, marked = {}, set()
+    for row in rows:
+        key = tuple(row[:5])
+        posted[key] = (int(row[5]), int(row[6]))
+        if row[7]:
+            marked.add(key)
+    return posted, marked
 
 
 def _sample_shapes(connection: Connection, allocations: list[str]) -> tuple[dict[tuple[str, str], int], dict[str, str]]:

@@ -5,9 +5,11 @@
    billed) and record the period as closed, in one transaction. From that commit on, ingest
    and reversals book into later periods only, so the set of rows billed to this period is
    frozen (this is why the close needs no isolation level beyond read committed).
-2. Outside the lock (ingest keeps flowing), aggregate the period's usage with one GROUP BY
-   over the samples and one over its reversal postings, then build the invoices with the
-   pure ``close.build_invoices``.
+   Capacity reservations' windows (``reservations.py``) are posted in the same transaction.
+2. Outside the lock (ingest keeps flowing), aggregate the period's postings by invoice line
+   (allocation or reservation, GPU type, price class, usage period, price version) and its
+   samples with one GROUP BY each, then build the invoices with the pure
+   ``close.build_invoices``: held time by price class; the meters' samples only checked.
 3. Cross-check each tenant's invoice total against its postings, and each line against the
    running totals ingest kept; store the invoices.
 
@@ -22,15 +24,29 @@ would produce, computed the same way, stored nowhere).
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
+
 from sqlalchemy import Connection, func, insert, select
 
 from gpucloud.ledger import problems
-from gpucloud.ledger.close import CloseIntegrityError, Invoice, LineAggregate, build_invoices, empty_invoice
+from gpucloud.ledger.close import (
+    INVOICE_SCHEMA_V1,
+    CloseIntegrityError,
+    Invoice,
+    ItemAggregate,
+    LineAggregate,
+    build_invoices,
+    build_invoices_v1,
+    empty_invoice,
+)
 from gpucloud.ledger.db import LedgerDatabase
 from gpucloud.ledger.held import true_up
 from gpucloud.ledger.periods import parse_period, period_bounds, period_of, periods_between
 from gpucloud.ledger.postings import insert_held
 from gpucloud.ledger.pricebook import PriceBookCache
+from gpucloud.ledger.pricing import ON_DEMAND, RESERVED
+from gpucloud.ledger.reservations import reservation_true_up
 from gpucloud.ledger.schemas import PeriodCloseOut, PeriodOut
 from gpucloud.ledger.tables import billing_periods, invoices, postings, rating_accumulators, usage_samples
 from gpucloud.models.billing_messages import InvoiceOut, InvoiceSummary
@@ -55,7 +71,10 @@ def close_period(
         ).scalar_one_or_none()
         if closed_ms is None:
             closed_ms = now_ms
-            for line in true_up(connection, period_id, horizon_ms=end_ms, history=prices.get(connection)):
+            history = prices.get(connection)
+            for line in true_up(connection, period_id, horizon_ms=end_ms, history=history):
+                insert_held(connection, period_id, line, now_ms)
+            for line in reservation_true_up(connection, period_id, history=history):
                 insert_held(connection, period_id, line, now_ms)
             connection.execute(
                 insert(billing_periods),
@@ -91,12 +110,103 @@ def _summary(invoice: Invoice) -> InvoiceSummary:
 
 
 def _compute_invoices(connection: Connection, period_id: str, prices: PriceBookCache) -> list[Invoice]:
-    computed, usage = _invoices(connection, period_id, prices)
+    stored = connection.execute(select(invoices.c.body).where(invoices.c.period_id == period_id).limit(1)).scalar()
+    if stored is not None and json.loads(bytes(stored))["schema"] == INVOICE_SCHEMA_V1:
+        # Closed before price classes were invoiced: recomputed in its own shape, byte for byte.
+        computed, usage = _invoices_v1(connection, period_id, prices)
+    else:
+        computed, usage = _invoices(connection, period_id, prices)
     _cross_check(connection, period_id, computed, usage)
     return computed
 
 
 def _invoices(
+    connection: Connection,
+    period_id: str,
+    prices: PriceBookCache,
+    tenant_id: str | None = None,
+    *,
+    pending: list[LineAggregate] | None = None,
+) -> tuple[list[Invoice], list[LineAggregate]]:
+    """The period's invoices (every tenant's, or one's) from the postings billed to it (plus
+    ``pending``, the true-ups a draft shows but nothing posted); and the meters' usage, which
+    the invoice does not show but the close checks."""
+    usage_where = [usage_samples.c.billing_period == period_id]
+    posting_where = [postings.c.billing_period == period_id]
+    if tenant_id is not None:
+        usage_where.append(usage_samples.c.tenant_id == tenant_id)
+        posting_where.append(postings.c.tenant_id == tenant_id)
+    usage = _aggregate(connection, usage_samples, func.count(), *usage_where)
+    pending = pending or []
+    classes = _allocation_classes(connection, period_id, tenant_id)
+    classes.update(
+        {line.allocation_id: line.price_class for line in pending if line.source == "held" and line.price_class}
+    )
+    items: dict[tuple[str, str, str, bool, str, str, str, int], list[int]] = defaultdict(lambda: [0, 0])
+    keys = [postings.c[name] for name in _LINE_COLUMNS]
+    rows = connection.execute(
+        select(
+            *keys,
+            postings.c.kind,
+            postings.c.source,
+            postings.c.price_class,
+            func.sum(postings.c.gpu_ms),
+            func.sum(postings.c.amount_micro),
+        )
+        .where(*posting_where)
+        .group_by(*keys, postings.c.kind, postings.c.source, postings.c.price_class)
+    )
+    entries = [(tuple(row[:5]), row[5], row[6], row[7], int(row[8]), int(row[9])) for row in rows]
+    entries += [
+        (
+            (line.tenant_id, line.allocation_id, line.gpu_type, line.usage_period, line.price_version_id),
+            "usage",
+            line.source,
+            line.price_class,
+            line.gpu_ms,
+            line.amount_micro,
+        )
+        for line in pending
+    ]
+    for key, kind, source, price_class, gpu_ms, amount in entries:
+        tenant, item_id, gpu_type, usage_period, version_id = key
+        reservation = source == "reserved"
+        if kind == "reversal":
+            item_kind, item_class = "reversal", price_class or ON_DEMAND
+        elif reservation:
+            item_kind, item_class = "reservation", RESERVED
+        else:
+            item_kind, item_class = "allocation", classes.get(item_id, ON_DEMAND)
+        totals = items[(tenant, item_kind, item_id, reservation, gpu_type, item_class, usage_period, version_id)]
+        totals[0] += gpu_ms
+        totals[1] += amount
+    aggregates = [ItemAggregate(*key, gpu_ms, amount) for key, (gpu_ms, amount) in sorted(items.items())]
+    try:
+        history = prices.get(connection)
+        return build_invoices(period_id, items=aggregates, meter_usage=usage, prices=history), usage
+    except CloseIntegrityError as error:
+        raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
+
+
+def _allocation_classes(connection: Connection, period_id: str, tenant_id: str | None) -> dict[str, str]:
+    """The price class each allocation's lines are billed at, as its latest true-up up to this
+    period recorded it (append-only rows, so a re-close reads the same); none: on_demand."""
+    query = (
+        select(postings.c.allocation_id, postings.c.price_class)
+        .where(
+            postings.c.source == "held",
+            postings.c.kind == "usage",
+            postings.c.price_class.is_not(None),
+            postings.c.billing_period <= period_id,
+        )
+        .order_by(postings.c.id)
+    )
+    if tenant_id is not None:
+        query = query.where(postings.c.tenant_id == tenant_id)
+    return dict(connection.execute(query).all())
+
+
+def _invoices_v1(
     connection: Connection,
     period_id: str,
     prices: PriceBookCache,
@@ -118,7 +228,7 @@ def _invoices(
     held = _aggregate(connection, postings, func.count(), *held_where) + (pending_held or [])
     try:
         history = prices.get(connection)
-        return build_invoices(period_id, usage=usage, reversals=reversals, held=held, prices=history), usage
+        return build_invoices_v1(period_id, usage=usage, reversals=reversals, held=held, prices=history), usage
     except CloseIntegrityError as error:
         raise problems.LedgerProblem(problems.INTEGRITY_FAILURE(str(error))) from error
 
@@ -295,6 +405,8 @@ def draft_invoice(
             problems.STATE_CONFLICT(f"period {period_id} is closed: its invoice is final", field="period_id")
         )
     horizon_ms = min(now_ms, period_bounds(period_id)[1])
-    pending = true_up(connection, period_id, horizon_ms=horizon_ms, history=prices.get(connection), tenant_id=tenant_id)
-    drafts, _ = _invoices(connection, period_id, prices, tenant_id, pending_held=pending)
+    history = prices.get(connection)
+    pending = true_up(connection, period_id, horizon_ms=horizon_ms, history=history, tenant_id=tenant_id)
+    pending += reservation_true_up(connection, period_id, history=history, tenant_id=tenant_id)
+    drafts, _ = _invoices(connection, period_id, prices, tenant_id, pending=pending)
     return drafts[0] if drafts else empty_invoice(period_id, tenant_id)

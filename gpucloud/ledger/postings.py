@@ -74,11 +74,14 @@ def insert_posting(connection: Connection, posting: dict, lines: Sequence[Line])
 
 
 def insert_held(connection: Connection, billing_period: str, line: LineAggregate, now_ms: int) -> int:
-    """Post one line's true-up to held time (`held.py`): either sign, lines mirrored for a credit."""
+    """Post one line's true-up to held time (`held.py`) or a reservation's window
+    (`reservations.py`): either sign, lines mirrored for a credit."""
     lines = usage_lines(line.tenant_id, line.gpu_type, abs(line.amount_micro))
+    reserved = line.source == "reserved"
     posting = {
         "kind": "usage",
-        "source": "held",
+        "source": "reserved" if reserved else "held",
+        "price_class": line.price_class,
         "billing_period": billing_period,
         "usage_period": line.usage_period,
         "tenant_id": line.tenant_id,
@@ -89,7 +92,9 @@ def insert_held(connection: Connection, billing_period: str, line: LineAggregate
         "amount_micro": line.amount_micro,
         "sample_count": 0,
         "reverses_posting_id": None,
-        "reason": "true-up to the time the allocation held (its events), against what its nodes metered",
+        "reason": "the capacity reservation's window, used or not"
+        if reserved
+        else "true-up to the time the allocation held (its events), against what its nodes metered",
         "created_ms": now_ms,
     }
     return insert_posting(connection, posting, lines if line.amount_micro >= 0 else mirrored(lines))
@@ -134,6 +139,7 @@ def reverse_posting(connection: Connection, posting_id: int, *, reason: str, now
         "kind": "reversal",
         "billing_period": first_open_period(original["billing_period"], closed_periods(connection)),
         "source": original["source"],
+        "price_class": original["price_class"],
         "usage_period": original["usage_period"],
         "tenant_id": original["tenant_id"],
         "allocation_id": original["allocation_id"],

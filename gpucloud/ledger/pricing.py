@@ -13,6 +13,12 @@ on its own. A sample's amount is the step it adds to that cumulative amount,
 into samples and batches, the amounts add up to the floor of the exact total, so the invoice
 line is at most one micro-unit below the exact value and never drifts by one per split.
 
+Prices come in price classes: ``on_demand`` (the default), ``reserved`` (a capacity
+reservation's window) and ``preemptible``. A version may price each GPU type once per class;
+a class with no price for a GPU type in the version in force is charged that GPU type's
+on-demand price (``rate_for`` falls back). Meters' usage is rated on-demand while a period is
+open; the close bills held time at the allocation's class (``held.py``).
+
 Committed-use discounts are percentages per tenant and GPU type, kept as integer basis points
 (1 bp = 0.01 %) so the whole computation stays in integers.
 
@@ -32,6 +38,11 @@ MS_PER_HOUR = 3_600_000
 BASIS_POINTS = 10_000
 _DENOMINATOR = MS_PER_HOUR * BASIS_POINTS
 _FOREVER = 2**63
+
+ON_DEMAND = "on_demand"
+RESERVED = "reserved"
+PREEMPTIBLE = "preemptible"
+PRICE_CLASSES = (ON_DEMAND, RESERVED, PREEMPTIBLE)
 
 
 def percent_to_basis_points(percent: Decimal | str | int) -> int:
@@ -87,13 +98,24 @@ class PriceBookVersion:
     version_id: int
     effective_from_ms: int
     prices: Mapping[str, int]
-    """GPU type -> price per GPU-hour in micro-units."""
+    """GPU type -> on-demand price per GPU-hour in micro-units."""
     discounts_bp: Mapping[tuple[str, str], int] = field(default_factory=dict)
-    """(tenant_id, GPU type) -> committed-use discount in basis points."""
+    """(tenant_id, GPU type) -> committed-use discount in basis points (every class)."""
+    class_prices: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(GPU type, price class) -> price per GPU-hour, for the classes other than on_demand."""
 
-    def rate_for(self, tenant_id: str, gpu_type: str) -> Rate | None:
-        """The tenant's rate for a GPU type, or None when this book does not price it."""
-        price = self.prices.get(gpu_type)
+    def price_for(self, gpu_type: str, price_class: str = ON_DEMAND) -> int | None:
+        """The class's price per GPU-hour; the on-demand price where the class has none."""
+        if price_class != ON_DEMAND:
+            price = self.class_prices.get((gpu_type, price_class))
+            if price is not None:
+                return price
+        return self.prices.get(gpu_type)
+
+    def rate_for(self, tenant_id: str, gpu_type: str, price_class: str = ON_DEMAND) -> Rate | None:
+        """The tenant's rate for a GPU type in a price class (falling back to on-demand), or None
+        when this book does not price the GPU type at all."""
+        price = self.price_for(gpu_type, price_class)
         if price is None:
             return None
         return Rate(price, self.discounts_bp.get((tenant_id, gpu_type), 0))

@@ -9,6 +9,10 @@ lost or not shipped yet) and metered time outside the allocation (``unallocated`
 that ran too long or events that are missing). Reversals do not change coverage: they
 correct money, not what was measured.
 
+The bill is held time only (``held.py``), so this report is where the meters show: per
+allocation its price class, the GPU-ms it held (what is billed), the GPU-ms its nodes metered
+and the difference, and the same per node.
+
 For a day still in progress the report stops at the ledger's clock, and a gap that runs up
 to it is reported as ``pending_since_ms`` instead: the meter reports whole intervals after
 they end, so the last minutes are normally on their way.
@@ -29,8 +33,10 @@ from datetime import date
 from sqlalchemy import Connection, select
 
 from gpucloud.ledger.allocations import AllocationTimeline, list_events, timelines
+from gpucloud.ledger.held import allocation_classes
 from gpucloud.ledger.ingest import MAX_SAMPLE_MS
 from gpucloud.ledger.periods import day_bounds
+from gpucloud.ledger.pricing import ON_DEMAND
 from gpucloud.ledger.schemas import (
     AllocationReconciliation,
     Interval,
@@ -109,7 +115,13 @@ def reconcile(
 ) -> ReconciliationReport:
     day_start, day_end = day_bounds(day)
     horizon = max(day_start, min(day_end, now_ms))
-    timeline_by_allocation = timelines(list_events(connection, tenant_id=tenant_id, allocation_id=None))
+    events = list_events(connection, tenant_id=tenant_id, allocation_id=None)
+    timeline_by_allocation = timelines(events)
+    classes = allocation_classes(events)
+    event_gpus = {
+        (e.allocation_id, e.node_id): e.gpu_count for e in events if e.kind == "node_added" and e.gpu_count is not None
+    }
+    sample_gpus: dict[tuple[str, str], int] = {}
     metered: dict[tuple[str, str], list[Span]] = defaultdict(list)
     metered_gpu_ms: dict[tuple[str, str], int] = defaultdict(int)
     rows = connection.execute(
@@ -131,6 +143,7 @@ def reconcile(
         start_ms, end_ms = max(start_ms, day_start), min(end_ms, day_end)
         metered[(allocation_id, node_id)].append((start_ms, end_ms))
         metered_gpu_ms[(allocation_id, node_id)] += (end_ms - start_ms) * gpu_count
+        sample_gpus[(allocation_id, node_id)] = gpu_count
     keys = set(metered)
     for allocation_id, timeline in timeline_by_allocation.items():
         keys.update((allocation_id, node_id) for node_id in timeline.node_intervals)
@@ -150,10 +163,12 @@ def reconcile(
         # The edges are the allocation's own, not where the day or the clock cut it.
         gaps, edge_gaps = at_edges(gaps, whole, edge_tolerance_ms)
         unallocated, edge_unallocated = at_edges(subtract(covered, allocated), whole, edge_tolerance_ms)
+        gpus = event_gpus.get((allocation_id, node_id), sample_gpus.get((allocation_id, node_id), 0))
         by_allocation[allocation_id].append(
             NodeReconciliation(
                 node_id=node_id,
                 allocated_ms=length(allocated),
+                held_gpu_ms=length(allocated) * gpus,
                 metered_ms=length(covered),
                 metered_gpu_ms=metered_gpu_ms.get((allocation_id, node_id), 0),
                 gaps=[Interval(start_ms=s, end_ms=e) for s, e in gaps],
@@ -162,7 +177,17 @@ def reconcile(
                 edge_ms=length(edge_gaps) + length(edge_unallocated),
             )
         )
-    allocations = [AllocationReconciliation(allocation_id=a, nodes=nodes) for a, nodes in sorted(by_allocation.items())]
+    allocations = [
+        AllocationReconciliation(
+            allocation_id=a,
+            price_class=classes.get(a, ON_DEMAND),
+            held_gpu_ms=sum(node.held_gpu_ms for node in nodes),
+            metered_gpu_ms=sum(node.metered_gpu_ms for node in nodes),
+            metered_minus_held_gpu_ms=sum(node.metered_gpu_ms - node.held_gpu_ms for node in nodes),
+            nodes=nodes,
+        )
+        for a, nodes in sorted(by_allocation.items())
+    ]
     gap_count = sum(len(node.gaps) for a in allocations for node in a.nodes)
     unallocated_count = sum(len(node.unallocated) for a in allocations for node in a.nodes)
     return ReconciliationReport(

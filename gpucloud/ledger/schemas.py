@@ -77,6 +77,9 @@ class UsageBatchResult(BaseModel):
     rejections: list[SampleRejection]
 
 
+PriceClass = Literal["on_demand", "reserved", "preemptible"]
+
+
 class AllocationEventIn(BaseModel):
     event_id: str = Field(min_length=1, max_length=128)
     allocation_id: str = Field(min_length=1, max_length=128)
@@ -91,6 +94,10 @@ class AllocationEventIn(BaseModel):
         le=1024,
         description="GPUs of the node a node_added event adds, as the control plane knows it",
     )
+    price_class: PriceClass | None = Field(
+        default=None,
+        description="what a start event says the allocation is billed as; None (and every older event) is on_demand",
+    )
 
 
 class AllocationEventOut(AllocationEventIn):
@@ -99,9 +106,33 @@ class AllocationEventOut(AllocationEventIn):
     replayed: bool = False
 
 
+class ReservationIn(BaseModel):
+    """A capacity reservation the control plane sold: billed for its whole window at the
+    reserved price, used or not (`ledger/reservations.py`)."""
+
+    reservation_id: str = Field(min_length=1, max_length=128)
+    tenant_id: str = Field(min_length=1, max_length=128)
+    gpu_type: str = Field(min_length=1, max_length=64)
+    node_count: int = Field(ge=1, le=1024)
+    start_ms: int = Field(ge=0, le=MAX_TIMESTAMP_MS)
+    end_ms: int = Field(ge=0, le=MAX_TIMESTAMP_MS, description="exclusive; after start_ms")
+
+
+class ReservationOut(ReservationIn):
+    id: int
+    gpus_per_node: int
+    recorded_ms: int
+    replayed: bool = False
+
+
 class PriceIn(BaseModel):
     gpu_type: str = Field(min_length=1, max_length=64)
     price_per_hour_micro: int = Field(ge=0, le=10**10)
+    price_class: PriceClass = Field(
+        default="on_demand",
+        description="a version prices each GPU type once per class; a class it does not price for a "
+        "GPU type is charged the on-demand price",
+    )
 
 
 class DiscountIn(BaseModel):
@@ -128,7 +159,11 @@ class PriceBookVersionOut(BaseModel):
     effective_from_ms: int
     note: str
     created_ms: int
-    prices: list[PriceIn]
+    prices: list[PriceIn] = Field(description="the on-demand prices")
+    class_prices: list[PriceIn] = Field(
+        default_factory=list,
+        description="prices of the other classes (reserved, preemptible) where the version has them",
+    )
     discounts: list[DiscountOut]
 
 
@@ -141,8 +176,12 @@ class EntryLineOut(BaseModel):
 class PostingOut(BaseModel):
     id: int
     kind: Literal["usage", "reversal"]
-    source: Literal["meter", "held"] = Field(
-        description="meter: the nodes' samples; held: the close's true-up to the allocation's held time"
+    source: Literal["meter", "held", "reserved"] = Field(
+        description="meter: the nodes' samples; held: the close's true-up to the allocation's held time; "
+        "reserved: a capacity reservation's window (its id in allocation_id)"
+    )
+    price_class: PriceClass | None = Field(
+        default=None, description="the class a close's posting bills at; None on the meters' postings (on-demand)"
     )
     billing_period: str
     usage_period: str
@@ -195,6 +234,8 @@ class NodeReconciliation(BaseModel):
     allocated_ms: int
     metered_ms: int
     metered_gpu_ms: int
+    held_gpu_ms: int = 0
+    """Allocated time x the node's GPUs (its node_added event's count, else its samples'): billed."""
     gaps: list[Interval]
     """Allocated time no sample covers."""
     unallocated: list[Interval]
@@ -209,6 +250,12 @@ class NodeReconciliation(BaseModel):
 
 class AllocationReconciliation(BaseModel):
     allocation_id: str
+    price_class: str = "on_demand"
+    held_gpu_ms: int = 0
+    """What the invoice bills for the day (at the price class; a reserved one's is its reservation's)."""
+    metered_gpu_ms: int = 0
+    """What the nodes' agents reported for the day: corroboration, not billed."""
+    metered_minus_held_gpu_ms: int = 0
     nodes: list[NodeReconciliation]
 
 
@@ -258,3 +305,11 @@ class InvoiceDocument(BaseModel):
     rounding: str
     lines: list[InvoiceLine]
     total_micro: int
+
+    def totals_by_price_class(self) -> dict[str, int]:
+        """The invoice's amount by price class (on_demand, reserved, preemptible), reversals
+        included in the class they correct; the values add up to `total_micro`."""
+        totals: dict[str, int] = {}
+        for line in self.lines:
+            totals[line.price_class] = totals.get(line.price_class, 0) + line.amount_micro
+        return dict(sorted(totals.items()))

@@ -54,6 +54,8 @@ APPEND_ONLY_TABLES = (
     "usage_conflicts",
     "billing_periods",
     "invoices",
+    "price_book_class_prices",
+    "reservations",
 )
 
 price_book_versions = Table(
@@ -84,6 +86,18 @@ price_book_discounts = Table(
     CheckConstraint("discount_bp >= 0 AND discount_bp <= 10000", name="discount_range"),
 )
 
+price_book_class_prices = Table(
+    "price_book_class_prices",
+    metadata,
+    # A version's prices for the classes other than on_demand (those are `price_book_prices`).
+    Column("version_id", ForeignKey("price_book_versions.id"), primary_key=True),
+    Column("gpu_type", String(64), primary_key=True),
+    Column("price_class", String(16), primary_key=True),
+    Column("price_per_hour_micro", BigInteger, nullable=False),
+    CheckConstraint("price_per_hour_micro >= 0", name="price_non_negative"),
+    CheckConstraint("price_class IN ('reserved', 'preemptible')", name="class_known"),
+)
+
 allocation_events = Table(
     "allocation_events",
     metadata,
@@ -95,6 +109,8 @@ allocation_events = Table(
     Column("node_id", String(128)),
     Column("gpu_type", String(64)),
     Column("gpu_count", Integer),
+    # What a `start` event says the allocation is billed as; NULL (older events) is on_demand.
+    Column("price_class", String(16)),
     Column("at_ms", BigInteger, nullable=False),
     Column("recorded_ms", BigInteger, nullable=False),
     CheckConstraint("kind IN ('start', 'node_added', 'node_removed', 'end')", name="kind_known"),
@@ -122,9 +138,12 @@ postings = Table(
     Column("id", IdType, primary_key=True, autoincrement=True),
     Column("kind", String(16), nullable=False),
     # Where a usage posting comes from: the nodes' meters, or the close's true-up to held time
-    # (`held.py`). A reversal keeps its original's.
+    # (`held.py`), or a capacity reservation (`reserved`, its id in `allocation_id`). A reversal
+    # keeps its original's.
     Column("source", String(8), nullable=False, server_default="meter"),
     *_line_columns(nullable=False),
+    # The class a close's posting bills at (`held`, `reserved`); NULL on the meters' postings.
+    Column("price_class", String(16)),
     Column("gpu_ms", BigInteger, nullable=False),
     Column("amount_micro", BigInteger, nullable=False),
     Column("sample_count", Integer, nullable=False),
@@ -213,6 +232,25 @@ billing_periods = Table(
     Column("start_ms", BigInteger, nullable=False),
     Column("end_ms", BigInteger, nullable=False),
     Column("closed_ms", BigInteger, nullable=False),
+)
+
+reservations = Table(
+    "reservations",
+    metadata,
+    # A capacity reservation: billed for [start_ms, end_ms) x node_count x gpus_per_node at the
+    # reserved price, used or not. GPUs per node are the catalog's when it was recorded.
+    Column("id", IdType, primary_key=True, autoincrement=True),
+    Column("reservation_id", String(128), nullable=False, unique=True),
+    Column("tenant_id", String(128), nullable=False),
+    Column("gpu_type", String(64), nullable=False),
+    Column("node_count", Integer, nullable=False),
+    Column("gpus_per_node", Integer, nullable=False),
+    Column("start_ms", BigInteger, nullable=False),
+    Column("end_ms", BigInteger, nullable=False),
+    Column("recorded_ms", BigInteger, nullable=False),
+    CheckConstraint("end_ms > start_ms AND start_ms >= 0", name="window_valid"),
+    CheckConstraint("node_count > 0 AND gpus_per_node > 0", name="size_positive"),
+    Index(None, "tenant_id"),
 )
 
 invoices = Table(

@@ -5,6 +5,7 @@ from sqlmodel import SQLModel
 
 import gpucloud.models.health_tables
 import gpucloud.models.registry_tables
+import gpucloud.models.scheduling_tables
 import gpucloud.models.tables  # noqa: F401  (registers the tables on SQLModel.metadata)
 
 config = context.config

@@ -8,6 +8,8 @@ from enum import StrEnum
 
 
 class AllocationStatus(StrEnum):
+    # Waiting in its pool's queue for a fabric domain with room (`services/scheduling.py`).
+    QUEUED = "queued"
     PROVISIONING = "provisioning"
     READY = "ready"
     # A node was pulled for a health fault; a replacement is on its way (the reason says which).

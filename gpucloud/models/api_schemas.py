@@ -50,6 +50,42 @@ from gpucloud.protocol.reports import NodeReading, WorkloadStatus
 # ---------------------------------------------------------------- allocations
 
 
+def region_name(v: str) -> str:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
+        raise ValueError("must be a region name like 'us-east-1'")
+    return v
+
+
+def gpu_type_name(v: str) -> str:
+    if (name := known_gpu_type(v)) is None:
+        raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
+    return name
+
+
+class CapacityRequest(BaseModel):
+    """What a create does when no fabric domain has room for the gang now (docs/scheduling.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wait: Literal["fail", "queue"] = Field(
+        default="fail",
+        description="`fail` (the default): answer 409 insufficient-capacity at once; `queue`: wait in the"
+        " pool's queue (status `queued`) and be placed as a whole gang when a fabric domain has room",
+    )
+    max_wait_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=30 * 86_400,
+        description="with `queue`: fail the request if it is not placed within this many seconds (none: wait)",
+    )
+
+    @model_validator(mode="after")
+    def _wait_bounds(self) -> CapacityRequest:
+        if self.wait == "fail" and self.max_wait_s is not None:
+            raise ValueError("max_wait_s applies only to wait = 'queue'")
+        return self
+
+
 class AllocationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -61,13 +97,31 @@ class AllocationRequest(BaseModel):
     workload: Workload | None = Field(
         default=None, description="what each node runs once provisioned, in a process tree its agent owns"
     )
+    capacity: CapacityRequest = Field(default_factory=CapacityRequest)
+    tier: Literal["on_demand", "preemptible"] = Field(
+        default="on_demand",
+        description="`preemptible`: runs only on capacity nobody else asked for, at the preemptible price, and is"
+        " taken back with notice (an event, then the workload's SIGTERM and grace period) when an on-demand"
+        " request needs its nodes",
+    )
+    expected_duration_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=365 * 86_400,
+        description="how long the allocation is expected to run: lets a queued request backfill ahead of a"
+        " larger one, and gives the queue its estimated starts",
+    )
+
+    @model_validator(mode="after")
+    def _queue_is_for_gangs(self) -> AllocationRequest:
+        if self.capacity.wait == "queue" and self.nvl72_trays is not None:
+            raise ValueError("capacity.wait = 'queue' is for whole-node gangs; an nvl72_trays slice uses 'fail'")
+        return self
 
     @field_validator("gpu_type")
     @classmethod
     def _known_gpu(cls, v: str) -> str:
-        if (name := known_gpu_type(v)) is None:
-            raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
-        return name
+        return gpu_type_name(v)
 
     @field_validator("nvl72_trays")
     @classmethod
@@ -100,9 +154,7 @@ class AllocationRequest(BaseModel):
     @field_validator("region")
     @classmethod
     def _region(cls, v: str) -> str:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", v):
-            raise ValueError("must be a region name like 'us-east-1'")
-        return v
+        return region_name(v)
 
 
 class AllocationAccepted(BaseModel):
@@ -678,3 +730,89 @@ class OperatorTokenIssued(BaseModel):
     expires_at: datetime
     replaces: str | None = Field(default=None, description="the rotated token")
     replaced_token_expires_at: datetime | None = Field(default=None, description="when the rotated token stops")
+
+
+class QueueEntryPublic(BaseModel):
+    """A queued allocation, as its pool's last plan ranked it (`services/scheduling.py`)."""
+
+    allocation_id: str
+    tenant_id: str
+    gpu_type: str
+    region: str
+    node_count: int
+    position: int | None
+    estimated_start_at: datetime | None
+    queued_at: datetime
+    max_wait_s: int | None
+    expected_duration_s: int | None
+
+
+class QueuePage(BaseModel):
+    items: list[QueueEntryPublic]
+
+
+class PoolShareRequest(BaseModel):
+    """A tenant's fair-share weight in one pool (default 1): its queued requests are ordered by
+    its decayed usage against this weight (docs/scheduling.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str = Field(min_length=1, max_length=64)
+    region: str = Field(min_length=1, max_length=64)
+    weight: float = Field(gt=0, le=1000)
+
+
+class PoolSharePublic(PoolShareRequest):
+    tenant_id: str
+    updated_at: datetime
+
+
+class PoolShares(BaseModel):
+    items: list[PoolSharePublic]
+
+
+class ReservationRequest(BaseModel):
+    """Book `node_count` whole nodes of a pool, inside one fabric domain, for [start_at, end_at)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str
+    region: str
+    node_count: int = Field(ge=1, le=MAX_NODES_PER_ALLOCATION)
+    start_at: datetime = Field(description="when the window begins (UTC); its allocation is ready by then")
+    end_at: datetime = Field(description="when it ends: the workload is stopped with its grace period")
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        return gpu_type_name(v)
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        return region_name(v)
+
+    @field_validator("start_at", "end_at")
+    @classmethod
+    def _aware(cls, v: datetime) -> datetime:
+        if v.tzinfo is None:
+            raise ValueError("must carry its time zone (e.g. 2027-01-01T08:00:00Z)")
+        return v
+
+
+class ReservationPublic(BaseModel):
+    id: str
+    tenant_id: str
+    gpu_type: str
+    region: str
+    node_count: int
+    start_at: datetime
+    end_at: datetime
+    status: str
+    allocation_id: str | None
+    ready_at: datetime | None
+    created_at: datetime
+
+
+class ReservationPage(BaseModel):
+    items: list[ReservationPublic]

@@ -52,6 +52,9 @@ class LedgerAllocationEvent(BaseModel):
     kind: Literal["start", "node_added", "node_removed", "end"]
     at_ms: int
     node_id: str | None = None
+    # What the allocation is billed as, on its `start` event (None: on_demand). A `reserved`
+    # allocation runs inside a capacity reservation, which is billed instead of its held time.
+    price_class: Literal["on_demand", "reserved", "preemptible"] | None = None
 
 
 class LedgerEventsInput(BaseModel):

@@ -209,6 +209,8 @@ class AllocationInput(AllocationRef):
     # allocation fails (a fault that follows every node is not fixed by trying more of them).
     provision_retries: int = 3
     replacement_recheck_s: float = 30.0
+    # Queued: how often its workflow reads its row again (and makes sure the pool's scheduler runs).
+    queue_recheck_s: float = 60.0
 
 
 class AllocationResult(AllocationRef):
@@ -222,6 +224,42 @@ class AllocationView(AllocationRef):
     desired: str
     node_ids: list[str]
     workload: Workload | None = None
+    # Its price class (`on_demand`, `preemptible`, `reserved`), told to the ledger at its start.
+    tier: str = "on_demand"
+    # Its pool (a queued allocation's workflow makes sure the pool's scheduler runs).
+    gpu_type: str = ""
+    region: str = ""
+
+
+class PoolRef(BaseModel):
+    """A pool: the nodes of one GPU type in one region (one queue, one scheduler workflow)."""
+
+    gpu_type: str
+    region: str
+
+
+class PoolSchedulerInput(PoolRef):
+    poll_s: float = 5.0
+
+
+class PreemptRequest(AllocationRef):
+    """A preemptible allocation is taken back: stop its workload at `stop_at` (the notice's end)."""
+
+    reason: str
+    stop_at: datetime
+
+
+class PoolPlanResult(BaseModel):
+    """What one plan of a pool did (`services/scheduling.py`): the allocations it placed and
+    expired, the preemptible ones whose workflows must be told they are taken back, and how many
+    still wait."""
+
+    placed: list[str] = []
+    expired: list[str] = []
+    preempted: list[PreemptRequest] = []
+    queued: int = 0
+    reservations: int = 0  # open (accepted or active): the scheduler keeps planning while any is
+    unbilled: int = 0  # reservations whose window began that the ledger has not recorded yet
 
 
 class AllocationStatusInput(AllocationRef):

@@ -70,6 +70,9 @@ TRANSIENT: dict[NodeState, tuple[timedelta, NodeState]] = {
 
 STABLE = frozenset({S.ENROLLED, S.AVAILABLE, S.ACTIVE, S.QUARANTINED, S.RMA})
 TERMINAL = frozenset({S.RETIRED})
+# On their way back to the pool after an allocation, for a time the scheduler does not know: a
+# plan counts them as coming back, never as free (`services/scheduling`, `scheduler/stack_check`).
+RETURNING_TO_POOL = frozenset({S.RELEASING, S.WIPING, S.BURN_IN, S.RESERVED})
 
 # Explicit moves. FAIL and DEADLINE from transient states are added below from TRANSIENT.
 _MOVES: dict[tuple[NodeState, NodeEvent], NodeState] = {

@@ -428,9 +428,22 @@ class AllocationPublic(Outcome, AllocationCreate):
     fabric_domain: str | None
     nvlink_domain: str | None
     node_ids: list[str]
+    expected_duration_s: int | None = None
+    tier: str = "on_demand"
+    # A preemptible allocation taken back for another request: when its notice began.
+    preempted_at: datetime | None = None
+    reservation_id: str | None = None
+    # Queued requests (`capacity.wait = queue`): how long it may wait, its place in its pool's
+    # queue and when it is expected to start (None: unknown), as of the pool's last plan.
+    max_wait_s: int | None = None
+    queue_position: int | None = None
+    estimated_start_at: datetime | None = None
+    placed_at: datetime | None = None
 
 
 class Allocation(OutcomeRow, AllocationCreate, table=True):
+    # A pool's queue and running allocations, read by each plan (`services/scheduling.py`).
+    __table_args__ = (sa.Index("ix_allocation_pool_status", "gpu_type", "region", "status"),)
     seq: int | None = Field(default=None, primary_key=True)
     id: str = Field(default_factory=lambda: new_id("alloc"), unique=True, index=True)
     tenant_id: str = Field(index=True)
@@ -452,6 +465,22 @@ class Allocation(OutcomeRow, AllocationCreate, table=True):
     # When it claimed it: a claim whose workflow is not found is still starting within
     # `ROLLOUT_START_GRACE_S` of this, and a lost create's (its process died) after it.
     active_rollout_claimed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    # How long the tenant expects it to run (backfill and estimates, `scheduler/policy.py`).
+    expected_duration_s: int | None = None
+    # `on_demand`, or `preemptible`: runs on capacity nobody else asked for, at a lower price,
+    # and is taken back (with notice) when a request that may preempt needs its nodes.
+    tier: str = Field(default="on_demand", max_length=16)
+    # Preempted: when its notice began, and the request it made room for.
+    preempted_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    preempted_for: str | None = Field(default=None, max_length=64)
+    # The capacity reservation it runs the window of (tier `reserved`).
+    reservation_id: str | None = Field(default=None, max_length=64)
+    # A queued request: its longest wait (None: no limit), position and estimated start in its
+    # pool's queue (written by each plan), and when nodes were reserved for it.
+    max_wait_s: int | None = None
+    queue_position: int | None = None
+    estimated_start_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    placed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class OperationStatus(StrEnum):
@@ -514,3 +543,25 @@ class IdempotencyRecord(SQLModel, table=True):
     # While the request runs, its claim: renewed as it goes; a lapsed one with no response
     # means the request died, and a retry with the key takes the claim over and runs again.
     lease_until: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+# ---------------------------------------------------------------- console sessions
+
+
+class ConsoleSession(SQLModel, table=True):
+    """A person signed in to the web console (`gpucloud/console/`). The browser holds only a
+    random session id (a cookie); the row is found by its SHA-256, so a copy of this table opens
+    no session. The credential signed in with is named (`credential_id`: an API key's id, an
+    operator token's id, or `bootstrap`) with the hash of its secret, and checked again on every
+    request: revoking or rotating it ends the session."""
+
+    __tablename__ = "console_session"
+
+    id_hash: str = Field(primary_key=True, max_length=64)
+    role: str = Field(max_length=16)  # "operator" | "tenant"
+    credential_id: str = Field(max_length=128)
+    credential_hash: str = Field(max_length=64)
+    tenant_id: str | None = Field(default=None, max_length=64)
+    csrf_token: str = Field(max_length=64)
+    created_at: datetime = timestamp_field()
+    expires_at: datetime = Field(sa_type=UTCDateTime, index=True)

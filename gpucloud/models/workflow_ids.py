@@ -23,6 +23,7 @@ RECONCILE_SWEEP_WORKFLOW = "ReconcileSweepWorkflow"
 BILLING_CATCH_UP_WORKFLOW = "BillingCatchUpWorkflow"
 ROLLOUT_WORKFLOW = "RolloutWorkflow"
 INCIDENT_WORKFLOW = "IncidentWorkflow"
+POOL_SCHEDULER_WORKFLOW = "PoolSchedulerWorkflow"
 
 # What a workflow id starts with, where the rest of it is the id of what the workflow is about
 # (`observability.logs` reads them back out of a workflow's id).
@@ -33,6 +34,12 @@ ROLLOUT_WORKFLOW_PREFIX = "rollout-"
 # Signals, queries and updates, by the workflow that takes them.
 ALLOCATION_CANCEL_SIGNAL = "request_cancel"
 ALLOCATION_REPLACE_NODE_SIGNAL = "replace_node"
+# The pool's scheduler placed (or expired) a queued allocation: its workflow reads it again.
+ALLOCATION_PLACED_SIGNAL = "placed"
+# A preemptible allocation is taken back: stop it when its notice ends.
+ALLOCATION_PREEMPT_SIGNAL = "preempt"
+# Something changed in a pool's queue (a request queued or cancelled): plan it now.
+POOL_SCHEDULER_POKE_SIGNAL = "poke"
 ROLLOUT_PROGRESS_QUERY = "progress"
 ROLLOUT_PAUSE_UPDATE = "pause"
 ROLLOUT_RESUME_UPDATE = "resume"
@@ -45,6 +52,12 @@ BILLING_CLOSE_SCHEDULE_ID = "billing-close-schedule"
 
 def allocation_workflow_id(allocation_id: str) -> str:
     return f"{ALLOCATION_WORKFLOW_PREFIX}{allocation_id}"
+
+
+def pool_scheduler_workflow_id(gpu_type: str, region: str) -> str:
+    """One scheduler per pool (GPU type and region)."""
+    key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{gpu_type}-{region}")
+    return f"scheduler-{key}"
 
 
 def node_workflow_id(node_id: str) -> str:

@@ -335,19 +335,41 @@ def promotion_failures(
 ) -> list[GateFailure]:
     """The model's gates applied to the version's platform results, against the current
     production version's, then the platform's own (`platform_failures`)."""
+    found = promotion_failures_of(
+        session, tenant_id, model_id, [digest], aliases=[alias], require_sanity=require_sanity
+    )
+    return found[digest][alias]
+
+
+def promotion_failures_of(
+    session: Session,
+    tenant_id: str,
+    model_id: str,
+    digests: list[str],
+    *,
+    aliases: Iterable[AliasName],
+    require_sanity: bool = True,
+) -> dict[str, dict[AliasName, list[GateFailure]]]:
+    """`promotion_failures` of each version for each alias, reading the results, the gates and
+    production once (a page of versions, each with its verdicts)."""
     production = session.exec(
         select(ModelAlias).where(col(ModelAlias.model_id) == model_id, col(ModelAlias.name) == AliasName.PRODUCTION)
     ).first()
-    baseline = production.version if production is not None and production.version != digest else None
-    found = results_of(session, tenant_id, [digest] + ([baseline] if baseline else []))
-    candidate = found[digest]
-    gated = evaluate_gates(
-        gates_of(session, model_id),
-        candidate.platform,
-        found[baseline].platform if baseline else None,
-        errors=candidate.errors,
-    )
-    return gated + platform_failures(alias, candidate, gated=gated, require_sanity=require_sanity)
+    in_production = production.version if production is not None else None
+    found = results_of(session, tenant_id, list(dict.fromkeys([*digests, *([in_production] if in_production else [])])))
+    gates = gates_of(session, model_id)
+    verdicts: dict[str, dict[AliasName, list[GateFailure]]] = {}
+    for digest in digests:
+        baseline = in_production if in_production != digest else None
+        candidate = found[digest]
+        gated = evaluate_gates(
+            gates, candidate.platform, found[baseline].platform if baseline else None, errors=candidate.errors
+        )
+        verdicts[digest] = {
+            alias: gated + platform_failures(alias, candidate, gated=gated, require_sanity=require_sanity)
+            for alias in aliases
+        }
+    return verdicts
 
 
 def missing_chunks(store: ChunkStore, chunk_ids: Iterable[str]) -> list[str]:

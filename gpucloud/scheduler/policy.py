@@ -30,7 +30,9 @@ Per pool, in this order:
    queue interleaves with the others instead of standing in front of them: with equal shares
    and usage, the usage charged to a tenant ahead of another's request never exceeds that
    request's own charge (and what stood ahead of it of its tenant) plus one request's charge.
-   On-demand requests are ordered first, then preemptible ones (they use only leftovers).
+   On-demand requests are ordered first, then preemptible ones (they use only leftovers). The
+   last decision's head (`SchedulerState.heads`) stays first until it is placed: its reservation
+   holds from one decision to the next.
 3. **Placement with EASY backfill.** Walking the order, a request is placed now if one fabric
    domain has `node_count` usable nodes (best fit: the domain with the fewest usable free nodes
    that suffices, so large gangs keep whole domains). Failing that, an on-demand request
@@ -117,6 +119,9 @@ class QueuedRequest:
     max_wait_s: float | None = None
     expected_duration_s: float | None = None
     tier: Literal["on_demand", "preemptible"] = "on_demand"
+    # False while preemptions made for it are still under way (notice, release, wipe): it waits
+    # for those nodes instead of preempting more.
+    may_preempt: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +148,7 @@ class TenantShare:
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
     half_life_s: float = 7 * 86_400.0  # Slurm's PriorityDecayHalfLife default
-    lead_time_s: float = 3_600.0  # hold a reservation's nodes this long before its start
+    lead_time_s: float = 43_200.0  # hold a reservation's nodes this long before its start (12 h)
     preemption_notice_s: float = 120.0  # preempt for a reservation this long before its start
     default_run_s: float = 3_600.0  # fair-share charge for a request that gives no duration
 
@@ -157,6 +162,11 @@ class SchedulerState:
     reservations: tuple[CapacityReservation, ...] = ()
     shares: tuple[TenantShare, ...] = ()
     settings: PolicySettings = field(default_factory=PolicySettings)
+    # The heads of the last decision that were promised a start (`Decision.heads`' request ids
+    # whose `start` is known): such a head keeps its place, and so its reservation, until it is
+    # placed, as EASY backfill's does; without it fair-share order moving with usage would hand the
+    # reservation to another request at every decision and a large gang could wait without bound.
+    heads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -546,6 +556,8 @@ def _decide_pool(
     placements, statuses, ended = _reservations(p, reservations, running)
 
     on_demand = _order([r for r in queue if r.tier == "on_demand"], shares, now, settings)
+    kept = [pair for pair in on_demand if pair[0].id in state.heads]
+    on_demand = kept + [pair for pair in on_demand if pair[0].id not in state.heads]
     spare = _order([r for r in queue if r.tier == "preemptible"], shares, now, settings)
     order = on_demand + spare
     head: HeadReservation | None = None
@@ -555,7 +567,7 @@ def _decide_pool(
         duration = r.expected_duration_s
         found = None
         if r.node_count > 0:
-            found = p.find(r.node_count, duration, preempt=r.tier == "on_demand")
+            found = p.find(r.node_count, duration, preempt=r.tier == "on_demand" and r.may_preempt)
         if found is not None:
             domain, node_ids, victims = found
             for v in victims:

@@ -17,7 +17,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from gpucloud.adapters.temporal_gateway import start_allocation_workflow
-from gpucloud.config import Settings
+from gpucloud.config import SchedulerSettings, Settings
 from gpucloud.db import Database
 from gpucloud.models.api_schemas import AllocationRequest
 from gpucloud.models.node_states import NodeEvent, NodeState
@@ -26,8 +26,8 @@ from gpucloud.models.workflow_ids import allocation_workflow_id
 from gpucloud.services import allocations as service
 from gpucloud.services import catalog as offers
 from gpucloud.services import nodes as node_service
-from gpucloud.services import quotas
-from gpucloud.services.errors import Conflict, Invalid, QuotaExceeded, Unavailable
+from gpucloud.services import quotas, scheduling
+from gpucloud.services.errors import Conflict, Unavailable
 from gpucloud.services.visibility import visible
 from gpucloud.services.workflow_engine import engine_error
 
@@ -54,11 +54,14 @@ def reserve_and_record(
     *,
     actor: str,
     deadline_scale: float,
+    scheduler: SchedulerSettings | None = None,
     idempotency_tag: str | None = None,
 ) -> tuple[Allocation, Operation]:
     """Reserve the gang and record the allocation, its operation and its first event (naming the
     caller), in one transaction; under an `idempotency_tag`, an allocation already created under
-    it is returned instead."""
+    it is returned instead. With `capacity.wait = queue` and no room, it is recorded `queued`
+    (`services/scheduling.py`)."""
+    scheduler = scheduler or SchedulerSettings()
     for _ in range(RESERVE_ATTEMPTS):
         try:
             with db.session() as session:
@@ -72,8 +75,15 @@ def reserve_and_record(
                     region=req.region,
                     node_count=req.node_count or 0,  # the validator fills it in (from nvl72_trays)
                 )
-                alloc = Allocation(tenant_id=tenant_id, idempotency_key=idempotency_tag, **req.model_dump())
-                service.reserve_gang(session, alloc, deadline_scale=deadline_scale)
+                alloc = Allocation(
+                    tenant_id=tenant_id,
+                    idempotency_key=idempotency_tag,
+                    max_wait_s=req.capacity.max_wait_s,
+                    **req.model_dump(exclude={"capacity"}),
+                )
+                queued_because = scheduling.admit(
+                    session, alloc, wait=req.capacity.wait, settings=scheduler, deadline_scale=deadline_scale
+                )
                 op = Operation(
                     tenant_id=tenant_id,
                     kind="create_allocation",
@@ -84,6 +94,8 @@ def reserve_and_record(
                 session.add(alloc)
                 session.add(op)
                 service.record_event(session, alloc, "requested", reason=f"created by {actor}", actor=actor)
+                if queued_because is not None:
+                    service.record_event(session, alloc, "queued", reason=queued_because, actor=actor)
                 return alloc, op
         except service.ReservationConflict:
             continue
@@ -94,26 +106,12 @@ def reserve_and_record(
                 title="Not enough capacity",
                 available_in_largest_domain=exc.largest_domain,
                 available_in_region=exc.total,
+                queued_in_pool=exc.queued,
             ) from exc
         except offers.NotOffered as exc:
-            title = "Unknown region" if exc.field == "region" else "GPU type not offered"
-            raise Invalid(exc.field, exc.message, "not-offered", title=title) from exc
-        except quotas.NoQuotaGranted as exc:
-            granted = [vars(limit) for limit in exc.granted]
-            raise Conflict(str(exc), type_="quota-not-granted", title="No quota granted", granted=granted) from exc
-        except quotas.QuotaExceeded as exc:
-            raise QuotaExceeded(
-                str(exc),
-                quota=vars(exc.limit),
-                gpus_per_node=exc.gpus_per_node,
-                usage_gpus=exc.usage_gpus,
-                requested_gpus=exc.requested_gpus,
-                left_gpus=exc.left_gpus,
-            ) from exc
-        except quotas.TenantNotActive as exc:
-            raise Conflict(
-                str(exc), type_="tenant-not-active", title="Tenant is not active", tenant_status=exc.status
-            ) from exc
+            raise offers.refusal(exc) from exc
+        except quotas.REFUSED as exc:
+            raise quotas.refusal(exc) from exc
     raise Unavailable("too many concurrent reservations; retry", type_="busy", title="Too much contention")
 
 
@@ -151,7 +149,14 @@ async def create(
     scale = settings.reconciler.deadline_scale
     alloc, op = await to_thread.run_sync(
         functools.partial(
-            reserve_and_record, db, tenant_id, req, actor=actor, deadline_scale=scale, idempotency_tag=idempotency_tag
+            reserve_and_record,
+            db,
+            tenant_id,
+            req,
+            actor=actor,
+            deadline_scale=scale,
+            scheduler=settings.scheduler,
+            idempotency_tag=idempotency_tag,
         )
     )
     if alloc.status in TERMINAL_ALLOCATION:  # an earlier try's allocation, already over

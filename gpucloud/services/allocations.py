@@ -46,12 +46,22 @@ class InsufficientCapacity(Exception):
         total: int,
         domain: str = "fabric domain",
         unit: str = "nodes",
+        queued: int = 0,
     ):
-        super().__init__(
-            f"no {domain} in {region} has {wanted} available {gpu_type} {unit}"
-            f" (largest: {largest_domain}, available in region: {total}); try fewer {unit} or later"
-        )
-        self.wanted, self.largest_domain, self.total = wanted, largest_domain, total
+        if queued:
+            message = (
+                f"{queued} request(s) are queued for {gpu_type} in {region} and the queue's order leaves no"
+                f" {domain} with {wanted} {unit} for this one now (available in region: {total});"
+                " create it with capacity.wait = 'queue' to wait in line, or try later"
+            )
+        else:
+            message = (
+                f"no {domain} in {region} has {wanted} available {gpu_type} {unit}"
+                f" (largest: {largest_domain}, available in region: {total}); try fewer {unit}, later,"
+                " or with capacity.wait = 'queue' to wait for room"
+            )
+        super().__init__(message)
+        self.wanted, self.largest_domain, self.total, self.queued = wanted, largest_domain, total, queued
 
 
 class ReservationConflict(Exception):
@@ -161,13 +171,15 @@ def reserve_gang(
         for n in candidates:
             sizes[n.nvlink_domain if allocation.nvl72_trays is not None else n.pod] += 1
         sizes.pop(None, None)
+        slice_ = allocation.nvl72_trays is not None
         raise InsufficientCapacity(
             gpu_type=allocation.gpu_type,
             region=allocation.region,
             wanted=allocation.node_count,
             largest_domain=max(sizes.values(), default=0),
             total=len(candidates),
-            **({"domain": "NVL72 rack", "unit": "trays"} if allocation.nvl72_trays is not None else {}),
+            domain="NVL72 rack" if slice_ else "fabric domain",
+            unit="trays" if slice_ else "nodes",
         )
     now = now or utcnow()
     for node in gang:

@@ -20,6 +20,7 @@ from sqlmodel import Session, col, select
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.models.node_states import NodeState
 from gpucloud.models.tables import Node, utcnow
+from gpucloud.services.errors import Invalid
 
 # Nodes that have left the fleet: a retired node never returns, an RMA'd one only as a new
 # enrolment once its hardware is replaced.
@@ -79,6 +80,12 @@ class NotOffered(Exception):
         super().__init__(message)
         self.field, self.message = field, message
         self.offered = [{"gpu_type": o.gpu_type, "region": o.region} for o in offered]
+
+
+def refusal(exc: NotOffered) -> Invalid:
+    """The 422 for a type or region the fleet has none of, naming the field."""
+    title = "Unknown region" if exc.field == "region" else "GPU type not offered"
+    return Invalid(exc.field, exc.message, "not-offered", title=title)
 
 
 def _listing(offers: Sequence[Offer]) -> str:

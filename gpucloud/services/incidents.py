@@ -9,7 +9,9 @@ the write-up (`health.incident_writeup`). A fleet-kind incident (a correlated bu
 trip) is made where its cause is recorded and looked at by `services.fleet_kind_incidents`;
 `close` ends both kinds alike. The API reads them (`public`, `for_tenant`: a tenant sees only
 incidents that touched its allocations, `IncidentTenant`, with every other tenant's data
-removed) and an operator writes the root cause and follow-ups (`set_root_cause`).
+removed) and an operator writes the root cause and follow-ups (`set_root_cause`) and resolves a
+fleet-kind incident (`resolve`, and `resolve_fleet_incident` for the fleet incident record
+itself), the one resolve the API's routes and the console call.
 """
 
 from __future__ import annotations
@@ -18,17 +20,33 @@ import re
 from collections.abc import Sequence
 from datetime import datetime
 
+from anyio import to_thread
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
+from temporalio.client import Client
 
+from gpucloud.config import Settings
+from gpucloud.db import Database
 from gpucloud.health import incidents as rules
 from gpucloud.health.incident_writeup import write_up
 from gpucloud.health.pulls import HELD, pulls, stored_action
 from gpucloud.models.allocation_states import TERMINAL_ALLOCATION
-from gpucloud.models.health_tables import AllocationEvent, Incident, IncidentPublic, IncidentTenant, XidEventRecord
+from gpucloud.models.health_tables import (
+    AllocationEvent,
+    FleetIncidentPublic,
+    Incident,
+    IncidentPublic,
+    IncidentTenant,
+    XidEventRecord,
+)
 from gpucloud.models.incident_messages import IncidentInput
 from gpucloud.models.tables import Allocation, Node, NodeTransition, new_id, utcnow
-from gpucloud.services import fleet_kind_incidents
+from gpucloud.protocol.reports import utc_now
+from gpucloud.services import fleet_incidents, fleet_kind_incidents
+from gpucloud.services import health as health_service
+from gpucloud.services.errors import Conflict, NotFound
+from gpucloud.services.health import HealthOutcome
+from gpucloud.services.pulls import act_on
 
 # The most history rows an incident reads and keeps (a node that flaps for a week keeps the first).
 MAX_STEPS = 500
@@ -316,3 +334,82 @@ def write_up_of(view: IncidentPublic, stored: str | None, *, tenant_view: bool) 
     if stored is not None and not tenant_view:
         return stored
     return write_up(view)
+
+
+# ---------------------------------------------------------------- an operator's resolve
+
+
+def _resolve_burst(
+    db: Database, settings: Settings, fleet_incident_id: str, actor: str, note: str
+) -> tuple[FleetIncidentPublic, list[HealthOutcome]]:
+    now = utc_now()
+    with db.session() as session:
+        try:
+            record = fleet_incidents.resolve(session, fleet_incident_id, actor=actor, now=now, note=note)
+        except fleet_incidents.IncidentNotFound:
+            raise NotFound("fleet incident", fleet_incident_id) from None
+        session.flush()
+        breaker = health_service.BreakerSettings.of(settings)
+        outcomes = health_service.judge_again(session, record.node_ids, now=now, breaker=breaker)
+        return FleetIncidentPublic.model_validate(record, from_attributes=True), outcomes
+
+
+async def resolve_fleet_incident(
+    db: Database, settings: Settings, temporal: Client, fleet_incident_id: str, *, actor: str, note: str
+) -> tuple[FleetIncidentPublic, list[HealthOutcome]]:
+    """The suspected component of a correlated burst is fixed (or was not the cause): the fleet
+    incident closes, its nodes leave it (uncordoned if it cordoned them), and they are judged
+    again on what came after; a pull that judgement decides is carried out. `NotFound` for no
+    such fleet incident."""
+    incident, outcomes = await to_thread.run_sync(_resolve_burst, db, settings, fleet_incident_id, actor, note)
+    await act_on(temporal, settings, outcomes, {})
+    return incident, outcomes
+
+
+def _resolve_trip(db: Database, incident_id: str, actor: str, note: str) -> IncidentPublic:
+    now = utc_now()
+    with db.session() as session:
+        try:
+            incident = get(session, incident_id)
+            fleet_kind_incidents.resolve_trip(session, incident, actor=actor, note=note, now=now)
+            observe(session, incident_id, now=now)
+        except IncidentNotFound:
+            raise NotFound("incident", incident_id) from None
+        return public(incident)
+
+
+def _kind_of(db: Database, incident_id: str) -> tuple[str, str | None]:
+    with db.reads() as session:
+        try:
+            incident = get(session, incident_id)
+        except IncidentNotFound:
+            raise NotFound("incident", incident_id) from None
+        return incident.trigger, incident.fleet_incident_id
+
+
+def _observed(db: Database, incident_id: str) -> IncidentPublic:
+    """The incident as its history shows it now (its workflow writes the same on its next look)."""
+    with db.session() as session:
+        incident, _ = observe(session, incident_id, now=utc_now())
+        return public(incident)
+
+
+async def resolve(
+    db: Database, settings: Settings, temporal: Client, incident_id: str, *, actor: str, note: str
+) -> IncidentPublic:
+    """An operator ends a fleet-kind incident (the API's `POST /v1/incidents/{id}:resolve` and
+    the console's resolve): a correlated burst's component is fixed (`resolve_fleet_incident`:
+    its nodes are judged again), or a breaker trip is dealt with (the breaker's window is left as
+    it is). Its workflow then writes it up once its nodes are back to normal judgement. A node
+    incident is not resolved by hand (`Conflict`, `not-resolvable`); `NotFound` for none."""
+    trigger, fleet_incident_id = await to_thread.run_sync(_kind_of, db, incident_id)
+    if trigger == fleet_kind_incidents.TRIP:
+        return await to_thread.run_sync(_resolve_trip, db, incident_id, actor, note)
+    if trigger != fleet_kind_incidents.BURST or fleet_incident_id is None:
+        raise Conflict(
+            f"incident {incident_id} is a node's: it ends when its node passes burn-in or goes to RMA",
+            type_="not-resolvable",
+            title="Incident not resolvable",
+        )
+    await resolve_fleet_incident(db, settings, temporal, fleet_incident_id, actor=actor, note=note)
+    return await to_thread.run_sync(_observed, db, incident_id)

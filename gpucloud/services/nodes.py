@@ -345,11 +345,15 @@ def transition_many(
     return outcomes
 
 
+# A node moved into one of these belongs to no allocation any more (`_implied_changes`).
+LEAVES_ALLOCATION = frozenset({NodeState.WIPING, NodeState.AVAILABLE, NodeState.QUARANTINED})
+
+
 def _implied_changes(from_state: NodeState, event: NodeEvent, to_state: NodeState) -> dict[str, object]:
     """Membership follows state, in the same write: a node being wiped (or unreserved) belongs
     to no allocation; a node whose wipe succeeded holds no tenant's data."""
     changes: dict[str, object] = {}
-    if to_state in (NodeState.WIPING, NodeState.AVAILABLE, NodeState.QUARANTINED):
+    if to_state in LEAVES_ALLOCATION:
         changes["allocation_id"] = None
     if from_state in (NodeState.WIPING, NodeState.REPAIRING) and event == NodeEvent.OK:
         changes["tenant_id"] = None  # both steps wipe the disks first

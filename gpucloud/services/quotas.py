@@ -33,6 +33,8 @@ from gpucloud.models.tables import (
     TenantQuotaBase,
     TenantStatus,
 )
+from gpucloud.services.errors import Conflict, DomainError
+from gpucloud.services.errors import QuotaExceeded as QuotaExceededError
 
 ANY = QUOTA_ANY
 
@@ -131,10 +133,13 @@ def quota_rows(session: Session, tenant_id: str) -> list[TenantQuota]:
     )
 
 
-def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_count: int) -> None:
+def admit(
+    session: Session, tenant_id: str, *, gpu_type: str, region: str, node_count: int, beside_usage: bool = True
+) -> None:
     """Raise unless the tenant is active, holds a quota for the type and region, and
-    `node_count` more nodes fit it. Call inside the transaction that creates the allocation: the
-    row lock it takes lasts until the commit."""
+    `node_count` more nodes fit it (beside what it holds now; `beside_usage=False`: alone, as for
+    a capacity reservation's future window). Call inside the transaction that creates the
+    allocation: the row lock it takes lasts until the commit."""
     status = session.exec(select(col(Tenant.status)).where(col(Tenant.id) == tenant_id).with_for_update()).first()
     if status != TenantStatus.ACTIVE:
         raise TenantNotActive(tenant_id, status)
@@ -142,7 +147,7 @@ def admit(session: Session, tenant_id: str, *, gpu_type: str, region: str, node_
     limit = effective_limit(rows, gpu_type=gpu_type, region=region)
     if limit is None:
         raise NoQuotaGranted(tenant_id, gpu_type=gpu_type, region=region, granted=rows)
-    used = usage_gpus(session, tenant_id, gpu_type=gpu_type, region=region)
+    used = usage_gpus(session, tenant_id, gpu_type=gpu_type, region=region) if beside_usage else 0
     per_node = GPU_TYPES[gpu_type]
     requested = node_count * per_node
     if used + requested > limit.max_gpus:
@@ -189,3 +194,23 @@ def usage_report(session: Session, tenant_id: str) -> list[Usage]:
         )
         for (t, r), nodes in sorted(held.items())
     ]
+
+
+def refusal(exc: TenantNotActive | NoQuotaGranted | QuotaExceeded) -> DomainError:
+    """The domain error (and so the problem document) for an admission `admit` refused."""
+    if isinstance(exc, TenantNotActive):
+        return Conflict(str(exc), type_="tenant-not-active", title="Tenant is not active", tenant_status=exc.status)
+    if isinstance(exc, NoQuotaGranted):
+        granted = [vars(limit) for limit in exc.granted]
+        return Conflict(str(exc), type_="quota-not-granted", title="No quota granted", granted=granted)
+    return QuotaExceededError(
+        str(exc),
+        quota=vars(exc.limit),
+        gpus_per_node=exc.gpus_per_node,
+        usage_gpus=exc.usage_gpus,
+        requested_gpus=exc.requested_gpus,
+        left_gpus=exc.left_gpus,
+    )
+
+
+REFUSED = (TenantNotActive, NoQuotaGranted, QuotaExceeded)

@@ -5,6 +5,7 @@ Refusals are domain errors (`services/errors.py`)."""
 from __future__ import annotations
 
 import sqlalchemy as sa
+from pydantic import BaseModel
 from sqlmodel import Session, col, select
 
 from gpucloud.config import Settings
@@ -192,6 +193,34 @@ def evaluation_operation(
         return evaluation_input(session, model, version, evaluator, op.id), op
 
 
+def _key_refusal(version: ModelVersion, active_keys: set[str]) -> Conflict | None:
+    if version.key_id in active_keys:
+        return None
+    return Conflict(
+        f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted",
+        type_="signing-key-revoked",
+        title="Signing key revoked",
+    )
+
+
+def _gates_refusal(
+    model: RegistryModel, alias: AliasName, version: ModelVersion, failures: list[promotion.GateFailure]
+) -> Conflict | None:
+    if not failures:
+        return None
+    evaluators = " or ".join(sorted({f.evaluator for f in failures}))
+    return Conflict(
+        f"{model.name}@{alias.value} cannot move to {version.digest[:12]}: "
+        + "; ".join(f.describe() for f in failures)
+        + f". Have the platform evaluate it ({evaluators}: POST /v1/models/{model.name}/versions/"
+        f"{version.digest}/evaluate, or `gpucloud weights evaluate {model.name} {version.digest[:12]} "
+        "--evaluator ...`), or push a version that fixes what fails",
+        type_="gates-failed",
+        title="Evaluation gates failed",
+        failing_metrics=[f.model_dump() for f in failures],
+    )
+
+
 def _check_gates(
     session: Session,
     tenant_id: str,
@@ -201,27 +230,44 @@ def _check_gates(
     *,
     require_sanity: bool,
 ) -> None:
-    if version.key_id not in promotion.active_key_ids(session, tenant_id):
-        raise Conflict(
-            f"version {version.digest} was signed by key {version.key_id}, which is no longer trusted",
-            type_="signing-key-revoked",
-            title="Signing key revoked",
-        )
+    if (revoked := _key_refusal(version, promotion.active_key_ids(session, tenant_id))) is not None:
+        raise revoked
     failures = promotion.promotion_failures(
         session, tenant_id, model.id, version.digest, alias=alias, require_sanity=require_sanity
     )
-    if failures:
-        evaluators = " or ".join(sorted({f.evaluator for f in failures}))
-        raise Conflict(
-            f"{model.name}@{alias.value} cannot move to {version.digest[:12]}: "
-            + "; ".join(f.describe() for f in failures)
-            + f". Have the platform evaluate it ({evaluators}: POST /v1/models/{model.name}/versions/"
-            f"{version.digest}/evaluate, or `gpucloud weights evaluate {model.name} {version.digest[:12]} "
-            "--evaluator ...`), or push a version that fixes what fails",
-            type_="gates-failed",
-            title="Evaluation gates failed",
-            failing_metrics=[f.model_dump() for f in failures],
-        )
+    if (failed := _gates_refusal(model, alias, version, failures)) is not None:
+        raise failed
+
+
+class PromotionVerdict(BaseModel):
+    """What a move of a gated alias to a version would meet: the gates it fails (empty: none),
+    and the refusal `move_alias` would answer, in its words (None: the move would happen)."""
+
+    alias: AliasName
+    failures: list[promotion.GateFailure]
+    refusal: str | None
+
+
+def promotion_verdicts(
+    session: Session, tenant_id: str, model: RegistryModel, versions: list[ModelVersion], *, require_sanity: bool
+) -> dict[str, list[PromotionVerdict]]:
+    """Each version's verdict for each gated alias, as `move_alias` would judge it now (read
+    once for the whole list: the console's model page shows one per version)."""
+    aliases = [a for a in AliasName if a in GATED_ALIASES]  # in the order a version climbs
+    active = promotion.active_key_ids(session, tenant_id)
+    found = promotion.promotion_failures_of(
+        session, tenant_id, model.id, [v.digest for v in versions], aliases=aliases, require_sanity=require_sanity
+    )
+    verdicts: dict[str, list[PromotionVerdict]] = {}
+    for version in versions:
+        verdicts[version.digest] = []
+        for alias in aliases:
+            failures = found[version.digest][alias]
+            refusal = _key_refusal(version, active) or _gates_refusal(model, alias, version, failures)
+            verdicts[version.digest].append(
+                PromotionVerdict(alias=alias, failures=failures, refusal=refusal.detail if refusal else None)
+            )
+    return verdicts
 
 
 def move_alias(

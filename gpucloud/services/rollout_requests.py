@@ -21,6 +21,7 @@ A pause, resume or abort the workflow took is recorded as a settled operation (`
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import uuid
@@ -414,3 +415,44 @@ async def send_command(
         )
     )
     return answer
+
+
+def model_names(session: Session, rollouts: Iterable[RolloutSummary | RolloutProgress]) -> dict[str, str]:
+    """The registry model each rollout's version belongs to, by rollout id (one query; a rollout
+    whose version its tenant's registry no longer holds is left out)."""
+    wanted = {(r.tenant_id, r.model_version) for r in rollouts if r.tenant_id and r.model_version}
+    if not wanted:
+        return {}
+    rows = session.exec(
+        select(ModelVersion.tenant_id, ModelVersion.digest, RegistryModel.name)
+        .join(RegistryModel, col(RegistryModel.id) == col(ModelVersion.model_id))
+        .where(col(ModelVersion.digest).in_(sorted({digest for _, digest in wanted})))
+    ).all()
+    names = {(tenant, digest): name for tenant, digest, name in rows}
+    return {
+        r.rollout_id: names[(r.tenant_id, r.model_version)]
+        for r in rollouts
+        if r.tenant_id and r.model_version and (r.tenant_id, r.model_version) in names
+    }
+
+
+async def progress_of(
+    temporal: Client, rollout_ids: Iterable[str], *, concurrency: int = 8, timeout_s: float = 2.0
+) -> dict[str, RolloutProgress]:
+    """The progress of several rollouts (an operator's view: any tenant's), asked of their
+    workflows at most `concurrency` at a time, each within `timeout_s`; a rollout whose workflow
+    does not answer (closed and not replayable, the engine slow) is left out."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(rollout_id: str) -> RolloutProgress | None:
+        async with gate:
+            try:
+                return await asyncio.wait_for(
+                    visible(temporal, rollout_id, tenant_id=None, operator=True), timeout=timeout_s
+                )
+            except (NotFound, RPCError, WorkflowQueryFailedError, TimeoutError):
+                return None
+
+    ids_ = list(dict.fromkeys(rollout_ids))
+    answers = await asyncio.gather(*(one(i) for i in ids_))
+    return {i: p for i, p in zip(ids_, answers, strict=True) if p is not None}

@@ -1,10 +1,12 @@
 """The simulated fleet's BMCs: the sushy-tools Redfish emulator, one system per simulated node.
 
-`gpucloud up` and the tests run it as its own process (`sushy-emulator --fake`) on loopback,
+`gpucloud up` and the tests run it as its own process (`sushy-emulator --fake`, through
+`entrypoints/bmc_emulator.py`) on loopback,
 with HTTP basic auth (an htpasswd file with a bcrypt hash of a password kept in the data dir;
 the control plane reads it through the credential reference `sim-bmc`). Its fake systems driver
 keeps each system's power state in `<data dir>/bmc/state` and, like hardware, applies a power
-change 1 to 11 seconds after it was asked for (on the next read after that).
+change 1 to 11 seconds after it was asked for (on the next read after that; the demo and the
+tests narrow that with `bmc.emulator_power_delay_s`).
 
 The simulated fleet and the emulator agree through the emulator's external notifier: every
 change of a system (a pending power change, then the change itself) is PUT to the simulated
@@ -58,6 +60,8 @@ class BmcEmulator:
     node_ids: list[str]
     notify_url: str | None = None
     host: str = "127.0.0.1"
+    # A power change applies this many seconds (low, high) after it was asked for.
+    power_delay_s: tuple[int, int] = (1, 11)
     process: subprocess.Popen | None = field(default=None, init=False)
 
     @property
@@ -100,7 +104,8 @@ class BmcEmulator:
     def start(self, *, log_path: Path | None = None, wait_s: float = 30.0) -> None:
         config = self.write_config()
         log = open(log_path or self.directory / "emulator.log", "ab")  # noqa: SIM115 - the process writes it
-        argv = [sys.executable, "-m", "sushy_tools.emulator.main", "--config", str(config), "--fake"]
+        argv = [sys.executable, "-m", "gpucloud.entrypoints.bmc_emulator"]
+        argv += ["--power-delay", *map(str, self.power_delay_s), "--config", str(config), "--fake"]
         argv += ["--interface", self.host, "--port", str(self.port)]
         # SIGTERM when the fleet that started it dies, however it dies (uvicorn re-raises SIGTERM
         # after its shutdown, so no `finally` runs).

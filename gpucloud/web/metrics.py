@@ -120,6 +120,12 @@ SPOOL_LAG = Gauge(
 ROLLOUT_NODE_STEPS = Counter(
     "gpucloud_rollout_node_steps", "Rollout steps on nodes (prefetch, verify, activate, check)", ["step", "outcome"]
 )
+PREEMPTIONS = Counter(
+    "gpucloud_preemptions", "Preemptible allocations taken back for another request", ["gpu_type", "region"]
+)
+SCHEDULER_PLACEMENTS = Counter(
+    "gpucloud_queue_placements", "Queued allocations placed by their pool's scheduler", ["gpu_type", "region"]
+)
 ROLLOUT_WAVES = Counter("gpucloud_rollout_waves", "Rollout waves checked", ["outcome"])
 CHUNK_BYTES = Counter("gpucloud_chunk_bytes_served", "Weight chunk bytes served", ["source"])
 

@@ -68,6 +68,13 @@ def client_verify() -> ssl.SSLContext:
         return _context
 
 
+# At a stop, requests in flight get this long to finish. Nor is an idle TLS connection waited on
+# longer: asyncio gives the peer 30 s to answer a close (`ssl_shutdown_timeout`), and a client
+# holding a keep-alive connection it is not reading answers never, so a server that waited would
+# outlive its supervisor's stop timeout (and be killed) whenever a client was connected.
+GRACEFUL_SHUTDOWN_S = 5
+
+
 def serve_options(
     host: str,
     tls: ServerTLS | None,
@@ -77,8 +84,10 @@ def serve_options(
     insecure_hint: str = "set GPUCLOUD_TLS__INSECURE=true",
 ) -> dict[str, Any]:
     """uvicorn's TLS options for a server on `host`; refuses a bind off loopback without TLS.
-    Every gpucloud server is configured through here, so it also sets uvicorn's read buffer."""
+    Every gpucloud server is configured through here, so it also sets uvicorn's read buffer and
+    bounds its graceful shutdown (`GRACEFUL_SHUTDOWN_S`)."""
     buffers.raise_server_read_buffer()
+    bounded = {"timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S}
     if tls is None:
         if not is_loopback(host) and not insecure:
             raise InsecureBind(
@@ -86,8 +95,8 @@ def serve_options(
                 "(GPUCLOUD_TLS__CERT_FILE and GPUCLOUD_TLS__KEY_FILE, or `gpucloud up --tls`), bind it to "
                 f"127.0.0.1, or {insecure_hint} on a network you trust"
             )
-        return {}
-    return {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
+        return bounded
+    return {**bounded, "ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
 
 
 def scheme(tls: ServerTLS | None) -> str:

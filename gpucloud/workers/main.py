@@ -33,6 +33,7 @@ from gpucloud.activities.incidents import IncidentActivities
 from gpucloud.activities.ledger import LedgerActivities
 from gpucloud.activities.reconciler import ReconcilerActivities
 from gpucloud.activities.rollout import RolloutActivities
+from gpucloud.activities.scheduling import SchedulerActivities
 from gpucloud.activities.storage import TenantStorageActivities
 from gpucloud.activities.tenant import TenantActivities
 from gpucloud.bootstrap import ControlPlane
@@ -46,6 +47,7 @@ from gpucloud.workflows.bringup import BringupBatchWorkflow
 from gpucloud.workflows.evaluation import VersionEvaluationWorkflow
 from gpucloud.workflows.incident import IncidentWorkflow
 from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
+from gpucloud.workflows.pool_scheduler import PoolSchedulerWorkflow
 from gpucloud.workflows.power import NodePowerWorkflow
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
 from gpucloud.workflows.rollout import RolloutWorkflow
@@ -66,6 +68,7 @@ WORKFLOWS = [
     RolloutWorkflow,
     VersionEvaluationWorkflow,
     IncidentWorkflow,
+    PoolSchedulerWorkflow,
 ]
 
 
@@ -103,7 +106,8 @@ def build_worker(
         activities=[
             *db.all(),
             *agent.all(),
-            *ReconcilerActivities(client, cp.db, settings).all(),
+            *ReconcilerActivities(client, cp.db, settings, fabric=cp.fabric).all(),
+            *SchedulerActivities(client, cp.db, settings).all(),
             *LedgerActivities(cp.ledger, cp.db).all(),
             *BmcActivities(
                 cp.db,

@@ -23,6 +23,8 @@ The release takes the membership away before the nodes are released to be wiped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 from datetime import timedelta
 
 from temporalio import workflow
@@ -37,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         CancelRequest,
         NodeOperationKind,
         NodeOperationResult,
+        PreemptRequest,
         ReplaceNodeRequest,
     )
     from gpucloud.workflows.allocation_steps import AllocationSteps
@@ -50,6 +53,8 @@ DESIRED_RECHECK = timedelta(minutes=5)
 class AllocationWorkflow:
     def __init__(self) -> None:
         self._cancel_requested = False
+        self._placed = False
+        self._preempt: PreemptRequest | None = None
         self._phase = "starting"
         self._nodes_total = 0
         self._nodes_done = 0
@@ -60,6 +65,15 @@ class AllocationWorkflow:
     @workflow.signal
     def request_cancel(self, req: CancelRequest) -> None:
         self._cancel_requested = True
+
+    @workflow.signal
+    def placed(self) -> None:
+        self._placed = True
+
+    @workflow.signal
+    def preempt(self, req: PreemptRequest) -> None:
+        if self._preempt is None:  # the first notice counts; the scheduler repeats it until the release
+            self._preempt = req
 
     @workflow.signal
     def replace_node(self, req: ReplaceNodeRequest) -> None:
@@ -79,6 +93,13 @@ class AllocationWorkflow:
     async def run(self, inp: AllocationInput) -> AllocationResult:
         self._steps.allocation_id = inp.allocation_id
         view = await self._steps.load()
+        if view.status == AllocationStatus.QUEUED:
+            view = await self._wait_in_queue(inp)
+            if view.status == AllocationStatus.CANCELLING and not view.node_ids:
+                # Cancelled while queued: it never held a node, so nothing is billed or released.
+                await self._steps.set_status(view, AllocationStatus.RELEASED)
+                self._phase = AllocationStatus.RELEASED
+                return AllocationResult(allocation_id=view.allocation_id, status=AllocationStatus.RELEASED)
         if view.status in TERMINAL_ALLOCATION:
             return AllocationResult(allocation_id=view.allocation_id, status=view.status)
         self._nodes_total = len(view.node_ids)
@@ -94,13 +115,17 @@ class AllocationWorkflow:
 
         self._phase = "ready"
         while not self._cancel_requested:
+            if self._preempt is not None:
+                await self._preempted(view, self._preempt)
+                continue
             if self._drain.reported:
                 await self._replace_all(view)
                 self._phase = "ready"
                 continue
             try:
                 await workflow.wait_condition(
-                    lambda: self._cancel_requested or bool(self._drain.reported), timeout=DESIRED_RECHECK
+                    lambda: self._cancel_requested or bool(self._drain.reported) or self._preempt is not None,
+                    timeout=DESIRED_RECHECK,
                 )
             except TimeoutError:
                 if (await self._steps.load()).desired == "cancelled":
@@ -119,6 +144,41 @@ class AllocationWorkflow:
             view = await self._steps.load()  # the membership changed: release the nodes it has now
         await self._release(view)
         return await self._finish(view, AllocationStatus.RELEASED, None)
+
+    async def _preempted(self, view: AllocationView, req: PreemptRequest) -> None:
+        """Taken back (`services/scheduling.py`): the tenant had its notice (an event); when it ends,
+        the allocation is released as a cancel is (the agents stop the workload: SIGTERM, then their
+        grace period)."""
+        self._phase = "preempting"
+        left = (req.stop_at - workflow.now()).total_seconds()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(lambda: self._cancel_requested, timeout=timedelta(seconds=left))
+        if not self._cancel_requested:
+            await self._steps.note("preempted", req.reason)
+            await self._steps.set_status(view, AllocationStatus.CANCELLING)
+        self._cancel_requested = True
+
+    async def _wait_in_queue(self, inp: AllocationInput) -> AllocationView:
+        """Queued in its pool (`services/scheduling.py`): make sure the pool's scheduler runs, and
+        wait until it placed the allocation (nodes reserved), expired it, or it was cancelled; the
+        row is read again at each signal and every `queue_recheck_s` (a lost signal only delays)."""
+        self._phase = AllocationStatus.QUEUED
+        recheck = timedelta(seconds=inp.queue_recheck_s)
+        while True:
+            self._placed = False
+            cancelled_before = self._cancel_requested
+            view = await self._steps.load()
+            if view.status != AllocationStatus.QUEUED:
+                return view
+            await self._steps.ensure_scheduler(view)
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    functools.partial(self._moved_in_queue, cancelled_before), timeout=recheck
+                )
+
+    def _moved_in_queue(self, cancelled_before: bool) -> bool:
+        return self._placed or self._cancel_requested != cancelled_before
 
     async def _provision(self, view: AllocationView, inp: AllocationInput) -> str | None:
         """Fabric first, then every node; the allocation is `ready` once all are provisioned

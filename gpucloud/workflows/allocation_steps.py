@@ -17,6 +17,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.fabric import FabricActivities
+    from gpucloud.activities.scheduling import SchedulerActivities
     from gpucloud.models import search_attributes as sa
     from gpucloud.models.allocation_states import AllocationStatus
     from gpucloud.models.fabric_messages import FabricApplyInput, FabricReleaseInput, FabricRemoveInput
@@ -30,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         NodeOperationInput,
         NodeOperationKind,
         NodeOperationResult,
+        PoolRef,
         ReplaceNodeRequest,
     )
     from gpucloud.models.workflow_ids import node_workflow_id
@@ -57,6 +59,14 @@ class AllocationSteps:
             ControlDbActivities.set_allocation_status,
             AllocationStatusInput(allocation_id=view.allocation_id, status=status, failure_reason=reason),
             **options.DB,
+        )
+
+    async def ensure_scheduler(self, view: AllocationView) -> None:
+        """A queued allocation's pool has its scheduler running (`workflows/pool_scheduler.py`)."""
+        await workflow.execute_activity_method(
+            SchedulerActivities.ensure_pool_scheduler,
+            PoolRef(gpu_type=view.gpu_type, region=view.region),
+            **options.SCHEDULER_POKE,
         )
 
     async def note(self, kind: str, reason: str, node_id: str | None = None) -> None:

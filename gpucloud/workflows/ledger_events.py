@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
+from typing import Literal
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -24,6 +25,15 @@ with workflow.unsafe.imports_passed_through():
     from gpucloud.models.billing_messages import LedgerAllocationEvent, LedgerEventsInput
     from gpucloud.models.messages import AllocationView
     from gpucloud.workflows import options
+
+
+def _price_class(view: AllocationView) -> Literal["reserved", "preemptible"] | None:
+    """The class the ledger prices the allocation's held time at (None: on demand)."""
+    if view.tier == "reserved":
+        return "reserved"
+    if view.tier == "preemptible":
+        return "preemptible"
+    return None
 
 
 def _ms(moment: datetime) -> int:
@@ -41,7 +51,7 @@ class LedgerEvents:
         at_ms = _ms(workflow.now())
         self._send(
             view,
-            [LedgerAllocationEvent(kind="start", at_ms=at_ms)]
+            [LedgerAllocationEvent(kind="start", at_ms=at_ms, price_class=_price_class(view))]
             + [LedgerAllocationEvent(kind="node_added", at_ms=at_ms, node_id=n) for n in node_ids],
         )
 

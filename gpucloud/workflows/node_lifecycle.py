@@ -199,9 +199,12 @@ class NodeOperationWorkflow:
 
     async def _provision_cancelled(self) -> NodeOperationResult:
         """The allocation was cancelled while this node was being provisioned: stop there. A
-        reserved node goes back to the pool; one being provisioned goes to wiping, as after a
-        failed provision, and the allocation's release recycles it (release whatever started,
-        wipe, burn-in); one whose provision had completed stays active for that release."""
+        node still reserved stays so, and one being provisioned goes to wiping, as after a failed
+        provision: either way it stays the allocation's, whose release takes its fabric membership
+        away first and then lets it go (unreserve; or release whatever started, wipe, burn-in).
+        Unreserved here, it would be in the pool while still on the tenant's pkey and VPC, and the
+        next allocation could take it before the release ran. One whose provision had completed
+        stays active for that release."""
         node = await workflow.execute_activity_method(
             ControlDbActivities.get_node, NodeRef(node_id=self._inp.node_id), **options.DB
         )
@@ -211,9 +214,7 @@ class NodeOperationWorkflow:
         if self._state == S.ACTIVE:
             return self._result(True, None)
         cause = "allocation cancelled during provisioning"
-        if self._state == S.RESERVED:
-            await self._move(E.UNRESERVE, cause=cause)
-        elif self._state == S.PROVISIONING:
+        if self._state == S.PROVISIONING:
             await self._move(E.FAIL, cause=cause)
         return self._result(False, cause)
 

@@ -157,3 +157,11 @@ EVALUATION_RECORD = _options(
     permanent=("VersionUnverifiable", "VersionNotFound", "EvaluationOverDiskBudget", "EvaluationAccessRefused"),
     give_up_after=_h(1),
 )
+
+# Making sure a pool's scheduler runs (a signal-with-start): Temporal itself, retried a while; the
+# queued allocation's workflow asks again at its next recheck anyway.
+SCHEDULER_POKE = _options(_s(30), _ms(500), _s(10), give_up_after=_min(2))
+
+# A call to the ledger that must not hold up its caller's loop (the pool's scheduler records
+# reservations): a few tries, then the next round tries again.
+LEDGER_BRIEF = _options(_s(30), _s(1), _s(10), attempts=3, permanent=("LedgerRefused", "LedgerNotConfigured"))

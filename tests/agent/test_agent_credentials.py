@@ -61,6 +61,7 @@ async def test_an_agent_credential_reports_for_its_own_node_only(ready_fleet, tm
     assert h.operator.post("/v1/nodes/no-such-node/agent-credential").status_code == 404
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 @pytest.mark.parametrize("token", ["gpa_", "gpa_x", "gpa_.", "gpa_node.", "gpa_node.secret"])
 async def test_malformed_or_unknown_agent_tokens_are_refused(db_url, make_harness, token):
     h = make_harness(db_url, nodes=1)

@@ -24,11 +24,14 @@ pytestmark = pytest.mark.integration
 def test_a_workload_that_stops_touching_its_progress_file_is_reported_hung_once_per_stall(tmp_path: Path) -> None:
     supervisor = WorkloadSupervisor(tmp_path / "workloads", grace_s=0.5)
     # Touches its progress file once at start, then sleeps: a collective that never returns.
-    job = Workload(command=["sh", "-c", f'touch "${PROGRESS_ENV}"; sleep 60'], progress_timeout_s=10)
+    job = Workload(command=["sh", "-c", f'touch "${PROGRESS_ENV}"; touch touched; sleep 60'], progress_timeout_s=10)
     running = supervisor.start("alloc-1", job, cwd=tmp_path / "scratch")
     try:
         assert running.progress_file and Path(running.progress_file).is_file()
         wait_until(lambda: supervisor.status()["workload"] == "running", timeout_s=10, what="running")
+        # Its one touch has happened (on a loaded machine the shell may start late): the stall
+        # below is measured from that touch, not from the start.
+        wait_until(lambda: (tmp_path / "scratch" / "touched").exists(), timeout_s=10, what="the workload's touch")
         assert supervisor.hung() is None  # within its timeout
 
         later = time.time() + 30

@@ -4,6 +4,7 @@ record read at start); a failed provision replaced, or the allocation failed clo
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -44,6 +45,16 @@ async def _start(workflows, alloc_id: str, **inp):
     )
 
 
+async def _progress_once(handle, holds, timeout_s: float = 10.0):
+    """The workflow's progress once `holds(progress)` is true (queried again until then, bounded)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            progress = await handle.query(AllocationWorkflow.progress)
+            if holds(progress):
+                return progress
+            await asyncio.sleep(0.05)
+
+
 async def _all_back_in_the_pool(stand_ins: StandIns, nodes: list[str]) -> None:
     """The recycles run on after the allocation ends (abandoned children): wait for them."""
     await until(lambda: all(stand_ins.nodes[n].state == S.AVAILABLE for n in nodes), what=f"{nodes} available")
@@ -54,7 +65,8 @@ async def test_ready_then_cancelled_releases_and_recycles_every_node(workflows, 
     alloc_id, (a, b) = _gang(stand_ins, uid, "a", "b", workload=workload)
     handle = await _start(workflows, alloc_id)
     await until(lambda: stand_ins.allocations[alloc_id].status == "ready", what="ready")
-    progress = await handle.query(AllocationWorkflow.progress)
+    # The status activity has returned; the workflow marks its phase on its next task.
+    progress = await _progress_once(handle, lambda p: p.phase == "ready")
     assert (progress.phase, progress.nodes_total, progress.nodes_done) == ("ready", 2, 2)
 
     await handle.signal(AllocationWorkflow.request_cancel, CancelRequest())
@@ -110,6 +122,28 @@ async def test_a_cancel_during_provisioning_stops_every_provision(workflows, sta
             "get_node",
             *RECYCLED,
         ]
+
+
+async def test_a_node_still_reserved_at_the_cancel_leaves_the_fabric_before_the_pool(
+    workflows, stand_ins: StandIns, uid
+) -> None:
+    """The allocation's membership is applied before any node provisions: a node whose provision
+    had not started when the cancel came stays reserved until the release took the membership
+    away, so no other allocation can take it while it is still on this tenant's pkey and VPC."""
+    alloc_id, (a, b) = _gang(stand_ins, uid, "a", "b")
+    stand_ins.hold("provision_node", a)
+    stand_ins.hold("get_node", b)  # b's provision has not moved it out of reserved yet
+    handle = await _start(workflows, alloc_id)
+    await until(lambda: stand_ins.held("provision_node", a) and stand_ins.held("get_node", b), what="provisions")
+    await handle.signal(AllocationWorkflow.request_cancel, CancelRequest())
+    await until(lambda: stand_ins.steps(b).count("get_node") == 2, what="b's provision stopped")
+    stand_ins.let_go()
+    assert (await handle.result()).status == "released"
+    await _all_back_in_the_pool(stand_ins, [a, b])
+    order = [(c.step, c.node_id) for c in stand_ins.calls]
+    unreserved = order.index(("transition_node:unreserve", b))
+    assert order.index(("release_allocation_fabric", None)) < unreserved
+    assert stand_ins.steps(b) == ["get_node", "get_node", "get_node", "transition_node:unreserve"]
 
 
 async def test_a_failed_provision_is_replaced_before_ready(workflows, stand_ins: StandIns, uid) -> None:

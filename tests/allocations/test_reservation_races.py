@@ -12,41 +12,16 @@ from sqlmodel import select
 from gpucloud.config import Settings
 from gpucloud.db import Database, session_scope
 from gpucloud.models.api_schemas import AllocationRequest
-from gpucloud.models.tables import Allocation, Node, NodeEnroll, Tenant, TenantQuota, TenantStatus
-from gpucloud.services import nodes as node_service
+from gpucloud.models.tables import Allocation, Node
 from gpucloud.services.allocation_requests import reserve_and_record
 from gpucloud.services.errors import DomainError
+from support.pools import seed_pool
 
 pytestmark = pytest.mark.integration
 
 
 def _fleet(db_url: str, *, pods: int, per_pod: int) -> None:
-    with session_scope(db_url) as session:
-        node_service.enroll_nodes(
-            session,
-            [
-                NodeEnroll(
-                    id=f"n-{p}-{i:02d}",
-                    hostname=f"h{p}{i}",
-                    region="r1",
-                    pod=f"pod{p}",
-                    rack=f"pod{p}-r{i // 4}",
-                    gpu_type="H100",
-                    gpu_count=8,
-                    agent_url="http://unused",
-                )
-                for p in range(pods)
-                for i in range(per_pod)
-            ],
-        )
-        for node in session.exec(select(Node)).all():
-            node.state = "available"
-            session.add(node)
-        # Three active tenants (admission refuses a tenant that is not active), each granted
-        # any H100 in the region (a tenant holds only what is granted).
-        for t in range(3):
-            session.add(Tenant(id=f"ten_{t}", name=f"tenant-{t}", status=TenantStatus.ACTIVE))
-            session.add(TenantQuota(tenant_id=f"ten_{t}", gpu_type="H100", region="r1", max_gpus=8192))
+    seed_pool(db_url, pods=pods, per_pod=per_pod, tenants=3, max_gpus=8192, rack_size=4)
 
 
 def _race(db_url: str, tmp_path, *, requests: int, node_count: int) -> Counter:

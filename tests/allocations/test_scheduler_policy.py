@@ -291,3 +291,36 @@ def test_the_worked_example():
     spot = (running("x", "a2", "a3", tier="preemptible"),)
     d = decide(state(now=0.0, nodes=nodes, allocations=spot, queue=queue))
     assert placed(d)["head"] == ("a0", "a1", "a2", "a3") and d.placements[0].preempts == ("x",)
+
+
+def test_a_request_whose_preemptions_are_under_way_waits_instead_of_preempting_more():
+    nodes = fleet(a=4)
+    spare = (running("p1", "a0", "a1", tier="preemptible"), running("p2", "a2", "a3", tier="preemptible"))
+    first = decide(state(nodes=nodes, allocations=spare, queue=(req("r", 2),)))
+    assert len(first.preemptions) == 1 and first.placements[0].preempts == (first.preemptions[0].allocation_id,)
+    # The next plan, the victim still runs out its notice: the request waits for it.
+    again = decide(state(nodes=nodes, allocations=spare, queue=(req("r", 2, may_preempt=False),)))
+    assert again.preemptions == () and again.placements == ()
+    assert [e.request_id for e in again.queue] == ["r"]
+
+
+def test_the_head_keeps_its_reservation_while_fair_share_order_moves():
+    nodes = fleet(a=4)
+    busy = (running("r", "a0", "a1", "a2", "a3", end=NOW + 100),)
+    queue = (req("big", 4, tenant="t1", expected_duration_s=50), req("other", 4, tenant="t2", expected_duration_s=50))
+
+    def shares(t1: float, t2: float) -> tuple[TenantShare, ...]:
+        return (
+            TenantShare("t1", H100, usage_node_s=t1, usage_as_of=NOW),
+            TenantShare("t2", H100, usage_node_s=t2, usage_as_of=NOW),
+        )
+
+    first = decide(state(nodes=nodes, allocations=busy, queue=queue, shares=shares(10.0, 1_000.0)))
+    assert [h.request_id for h in first.heads] == ["big"]
+    # t1's usage has since grown past t2's: by fair share alone, `other` would take the reservation.
+    flipped = shares(5_000.0, 1_000.0)
+    assert [h.request_id for h in decide(state(nodes=nodes, allocations=busy, queue=queue, shares=flipped)).heads] == [
+        "other"
+    ]
+    kept = decide(state(nodes=nodes, allocations=busy, queue=queue, shares=flipped, heads=("big",)))
+    assert [h.request_id for h in kept.heads] == ["big"] and kept.queue[0].request_id == "big"

@@ -141,6 +141,7 @@ async def test_bad_input_is_a_4xx_naming_the_field_and_writes_nothing(ready_harn
     assert all(n["state"] == "available" for n in h.nodes())
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 async def test_health_and_openapi(ready_harness):
     h = ready_harness
     assert httpx.get(f"{h.api.url}/healthz").json() == {"ok": True}

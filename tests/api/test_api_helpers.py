@@ -37,6 +37,17 @@ def test_cursor_round_trip_and_filter_binding():
             pagination.decode(garbage, {})
 
 
+def test_a_string_key_column_pages_with_str_tokens():
+    """`Node.id` is a string column whose SQLAlchemy type names no Python type (`object`): its
+    tokens carry str keys and are read back, so `GET /v1/nodes` pages past the first."""
+    from gpucloud.models.tables import Allocation, Node
+
+    assert pagination.key_type(Node.id) is str and pagination.key_type(Allocation.seq) is int
+    filters = {"state": None, "gpu_type": None, "region": None}
+    token = pagination.encode("n00999", filters)
+    assert pagination.decode(token, filters, pagination.key_type(Node.id)).after == "n00999"
+
+
 @given(
     st.lists(st.integers(min_value=1, max_value=10_000), unique=True, max_size=200),
     st.integers(min_value=1, max_value=50),

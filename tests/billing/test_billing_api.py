@@ -73,7 +73,7 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
 
         draft = acme.get("/v1/invoices:draft")
         assert draft.status_code == 200 and draft.headers["invoice-status"] == "draft"
-        assert json.loads(draft.content)["lines"][0]["gpu_ms"] == 2 * 8 * MINUTE
+        assert json.loads(draft.content)["lines"][0]["quantity"] == 2 * 8 * MINUTE
 
         assert acme.get("/v1/invoices").json() == {"items": []}
         assert httpx.post(auth=auth_for(ledger_url), url=f"{ledger_url}/v1/periods/2024-01:close").status_code == 200
@@ -135,7 +135,7 @@ def test_operators_read_the_price_book_and_reconciliation(db_url, make_harness, 
     _tenant_id, key = h.new_tenant()
     with h.operator as op, h.client(key) as tenant:
         assert [v["prices"] for v in op.get("/v1/billing/price-book/versions").json()] == [
-            [{"gpu_type": "H100", "price_per_hour_micro": PRICE}]
+            [{"gpu_type": "H100", "price_per_hour_micro": PRICE, "price_class": "on_demand"}]
         ]
         later = {"effective_from_ms": JAN, "prices": [{"gpu_type": "H100", "price_per_hour_micro": 2_000_000}]}
         assert op.post("/v1/billing/price-book/versions", json=later).status_code == 201

@@ -134,8 +134,8 @@ async def test_catch_up_closes_every_ended_period_once_oldest_first(
     clock.now_ms = APR + 1
     assert (await catch_up(temporal_env, settings)).closed == ["2024-03"]
     march = client.get("/v1/periods/2024-03/invoices/t1").json()
-    kinds = {line["kind"]: line["gpu_ms"] for line in march["lines"]}
-    assert kinds == {"usage": 5 * 8 * MINUTE, "adjustment": 2 * 8 * MINUTE}
+    used_in = {line["usage_period"]: line["quantity"] for line in march["lines"]}
+    assert used_in == {"2024-03": 5 * 8 * MINUTE, "2024-01": 2 * 8 * MINUTE}
     assert client.get("/v1/periods/2024-01/invoices/t1").content == january.content  # immutable
 
 

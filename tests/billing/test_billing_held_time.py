@@ -99,8 +99,10 @@ def test_an_agent_killed_for_ten_minutes_does_not_lower_the_bill(ledger: httpx.C
     billed = invoice(ledger, "2024-01")
     held_ms = 2 * 60 * 8 * MINUTE
     assert billed["total_micro"] == RATE.amount_for(held_ms) == draft["total_micro"]
-    kinds = {line["kind"]: line["gpu_ms"] for line in billed["lines"]}
-    assert kinds == {"usage": 110 * 8 * MINUTE, "held": 10 * 8 * MINUTE}
+    # One line: the held time, at the on-demand price. The meters' 110 minutes per node are in
+    # the reconciliation report, not on the bill.
+    lines = [(line["kind"], line["price_class"], line["quantity"], line["price"]) for line in billed["lines"]]
+    assert lines == [("allocation", "on_demand", held_ms, RATE.price_per_hour_micro)]
     assert [p["gpu_ms"] for p in held_postings(ledger)] == [10 * 8 * MINUTE]
 
     # A close run again (the workflow retries) posts nothing more and stores the same bytes.
@@ -120,7 +122,7 @@ def test_metered_time_before_the_allocation_was_ready_is_credited(ledger: httpx.
     ledger.post("/v1/periods/2024-01:close").raise_for_status()
     billed = invoice(ledger, "2024-01")
     assert billed["total_micro"] == RATE.amount_for((10 * MINUTE - 90_000) * 8)
-    assert [line["gpu_ms"] for line in billed["lines"] if line["kind"] == "held"] == [-30_000 * 8]
+    assert [line["quantity"] for line in billed["lines"]] == [(10 * MINUTE - 90_000) * 8]
     # The credit is a mirrored posting: the tenant's receivable is credited, revenue debited.
     (credit,) = held_postings(ledger)
     assert {(line["account"], line["side"]) for line in credit["lines"]} == {
@@ -159,7 +161,7 @@ def test_an_allocation_still_held_at_the_close_is_billed_to_its_end_and_a_late_e
     ledger.post("/v1/periods/2024-02:close").raise_for_status()
     february = invoice(ledger, "2024-02")
     (line,) = february["lines"]
-    assert (line["kind"], line["usage_period"], line["gpu_ms"]) == ("held", "2024-01", -30 * 8 * MINUTE)
+    assert (line["kind"], line["usage_period"], line["quantity"]) == ("allocation", "2024-01", -30 * 8 * MINUTE)
     assert january["total_micro"] + february["total_micro"] == RATE.amount_for(30 * 8 * MINUTE)
 
 

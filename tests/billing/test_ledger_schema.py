@@ -34,7 +34,7 @@ def test_migrations_create_exactly_the_declared_schema(database) -> None:
 def test_migrating_twice_is_a_no_op(database) -> None:
     database.migrate()
     with database.read() as connection:
-        assert connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all() == ["0002"]
+        assert connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all() == ["0003"]
 
 
 def test_a_ledger_from_before_held_time_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
@@ -65,8 +65,20 @@ def test_a_ledger_from_before_held_time_upgrades_and_keeps_its_rows(tmp_path: Pa
     with database.read() as connection:
         assert connection.execute(text("SELECT source, gpu_ms FROM postings")).all() == [("meter", 5)]
         assert connection.execute(text("SELECT gpu_count FROM allocation_events")).scalars().all() == [None]
+        # 0003: old events name no price class (on_demand), old postings bill at none.
+        assert connection.execute(text("SELECT price_class FROM allocation_events")).scalars().all() == [None]
+        assert connection.execute(text("SELECT price_class FROM postings")).scalars().all() == [None]
     with pytest.raises(exc.DatabaseError, match="append-only"), database.write() as connection:
         connection.execute(text("UPDATE postings SET source = 'held'"))
+    with database.write() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO reservations (reservation_id, tenant_id, gpu_type, node_count, gpus_per_node,"
+                " start_ms, end_ms, recorded_ms) VALUES ('r', 't', 'h100', 1, 8, 0, 10, 0)"
+            )
+        )
+    with pytest.raises(exc.DatabaseError, match="append-only"), database.write() as connection:
+        connection.execute(text("DELETE FROM reservations"))
     database.dispose()
 
 
@@ -102,9 +114,12 @@ def test_the_database_refuses_updates_and_deletes_on_the_books(database) -> None
 
 
 def test_append_only_tables_are_all_guarded() -> None:
-    migration = (LEDGER_PACKAGE / "migrations" / "versions" / "0001_initial.py").read_text()
-    guarded = re.search(r"APPEND_ONLY_TABLES = \(([^)]*)\)", migration).group(1)
-    assert sorted(re.findall(r'"(\w+)"', guarded)) == sorted(APPEND_ONLY_TABLES)
+    versions = LEDGER_PACKAGE / "migrations" / "versions"
+    initial = (versions / "0001_initial.py").read_text()
+    guarded = re.findall(r'"(\w+)"', re.search(r"APPEND_ONLY_TABLES = \(([^)]*)\)", initial).group(1))
+    classes = (versions / "0003_price_classes.py").read_text()
+    guarded += re.findall(r'"(\w+)"', re.search(r"NEW_APPEND_ONLY = \(([^)]*)\)", classes).group(1))
+    assert sorted(guarded) == sorted(APPEND_ONLY_TABLES)
     assert set(metadata.tables) - set(APPEND_ONLY_TABLES) == {"rating_accumulators"}
 
 

@@ -434,10 +434,10 @@ def test_invoice_close_is_reproducible_and_late_usage_is_adjusted_next_period(
     assert close_and_fetch(ledger, "2024-01") == january
     february = close_and_fetch(ledger, "2024-02")
     lines = json.loads(february["t1"])["lines"]
+    # Earlier usage that arrived late is a line of its own usage period on the next invoice.
     kinds = {(line["kind"], line["usage_period"]): line for line in lines}
-    assert kinds[("adjustment", "2024-01")]["gpu_ms"] == 10 * 8 * MINUTE
-    assert kinds[("adjustment", "2024-01")]["count"] == 10
-    assert kinds[("usage", "2024-02")]["gpu_ms"] == 8 * MINUTE
+    assert kinds[("allocation", "2024-01")]["quantity"] == 10 * 8 * MINUTE
+    assert kinds[("allocation", "2024-02")]["quantity"] == 8 * MINUTE
     postings = ledger.get("/v1/postings", params={"tenant_id": "t1", "page_size": 1000}).json()["items"]
     assert {p["billing_period"] for p in postings if p["usage_period"] == "2024-01"} == {"2024-01", "2024-02"}
     january_doc = json.loads(january["t1"])

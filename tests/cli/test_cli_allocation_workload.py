@@ -147,3 +147,22 @@ def test_logs_prints_the_workload_s_output_of_the_node_asked_or_the_first(monkey
 
 def test_a_workload_s_control_characters_are_shown_not_obeyed_on_a_terminal() -> None:
     assert cli.shown_on_terminal("\x1b]0;owned\x07done\tok\n") == "^[]0;owned^Gdone\tok\n"
+
+
+def test_queue_tier_and_durations_are_sent_as_the_api_names_them(monkeypatch) -> None:
+    api = _fake(monkeypatch)
+    args = ["allocations", "create", "--gpu-type", "H100", "--region", "us-east-1", "--nodes", "8", "--no-wait"]
+    options = ["--queue", "--max-wait", "2h", "--expected-duration", "90m", "--tier", "preemptible"]
+    result = CliRunner().invoke(app, [*args, *options])
+    assert result.exit_code == 0, result.output
+    (sent,) = api.allocations.created
+    assert (sent["queue"], sent["max_wait_s"], sent["expected_duration_s"], sent["tier"]) == (
+        True,
+        7200,
+        5400,
+        "preemptible",
+    )
+    # --max-wait without --queue, and a tier the API has not, are usage errors; nothing is sent.
+    assert CliRunner().invoke(app, [*args, "--max-wait", "2h"]).exit_code == 2
+    assert CliRunner().invoke(app, [*args, "--tier", "spot"]).exit_code == 2
+    assert len(api.allocations.created) == 1

@@ -25,7 +25,8 @@ NODES = ["gpu-a", "gpu-b"]
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory) -> Iterator[BmcEmulator]:
     data_dir = tmp_path_factory.mktemp("bmc")
-    emulator = BmcEmulator(data_dir, free_port(), NODES)
+    # Power changes apply 1 to 2 s after they are asked for (the emulator's own draw: 1 to 11).
+    emulator = BmcEmulator(data_dir, free_port(), NODES, power_delay_s=(1, 2))
     emulator.start()
     try:
         yield emulator
@@ -51,6 +52,30 @@ def test_power_actions_are_idempotent_and_waited_for(emulator: BmcEmulator) -> N
     assert "ForceOff accepted" in cycled and "On accepted" in cycled and bmc.power_state() == "On"
     # The other node's system was not touched.
     assert _bmc(emulator, "gpu-b").power_state() == "On"
+
+
+def test_the_emulators_power_delay_is_the_range_it_was_given(emulator: BmcEmulator) -> None:
+    """Six changes on an emulator told 1 to 2 s each apply within 4 s (its own draw, 1 to 11 s,
+    would take longer at least once in all but 2 runs in a thousand)."""
+    bmc = _bmc(emulator, "gpu-b")
+    for action, state in [("off", "Off"), ("on", "On")] * 3:
+        started = time.monotonic()
+        assert bmc.power(action).startswith(("ForceOff accepted", "On accepted")) and bmc.power_state() == state
+        assert time.monotonic() - started < 4.0, action
+
+
+def test_a_power_delay_range_the_emulator_cannot_draw_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from gpucloud.config import BmcSettings
+    from gpucloud.entrypoints.bmc_emulator import PowerDelays
+
+    for low, high in ((0, 2), (3, 2)):
+        with pytest.raises(ValueError, match="1 <= low <= high"):
+            PowerDelays(low, high)
+        with pytest.raises(ValidationError, match="1 <= low <= high"):
+            BmcSettings(emulator_power_delay_s=(low, high))
+    assert {PowerDelays(2, 3).randint(1, 11) for _ in range(200)} == {2, 3}
 
 
 def test_discovery_lists_every_system_with_what_the_bmc_reports(emulator: BmcEmulator) -> None:

@@ -13,6 +13,7 @@ from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities.bmc import BmcActivities
 from gpucloud.activities.reconciler import ReconcilerActivities
+from gpucloud.activities.scheduling import SchedulerActivities
 from gpucloud.models.messages import BmcPowerInput, BmcPowerResult, SweepInput, SweepResult
 from gpucloud.workflows.power import NodePowerWorkflow
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
@@ -64,17 +65,26 @@ async def test_a_bmc_call_that_cannot_succeed_fails_the_action(temporal_env) -> 
 @pytest.mark.parametrize("node_ids", [None, ["n1", "n2"]])
 async def test_a_sweep_hands_its_nodes_to_the_sweep_and_returns_its_counts(temporal_env, node_ids) -> None:
     counts = SweepResult(candidates=5, started=2, marked_unreachable=1, bringup_batches=1)
-    stand_ins = StandIns({ReconcilerActivities.sweep: counts})
+    stand_ins = StandIns({ReconcilerActivities.sweep: counts, SchedulerActivities.ensure_pool_schedulers: 2})
 
     result = await _run(temporal_env.client, ReconcileSweepWorkflow, stand_ins, SweepInput(node_ids=node_ids))
 
     assert result == counts
     assert [arg.node_ids for arg in stand_ins.args(ReconcilerActivities.sweep)] == [node_ids]
+    # The periodic sweep (no nodes named) also makes sure every pool with a queue is scheduled.
+    expected = ["ensure_pool_schedulers", "sweep"] if node_ids is None else ["sweep"]
+    assert stand_ins.names == expected
 
 
 async def test_a_sweep_that_keeps_failing_fails_its_run_after_its_attempts(temporal_env) -> None:
-    stand_ins = StandIns({ReconcilerActivities.sweep: ApplicationError("database down", type="OperationalError")})
+    stand_ins = StandIns(
+        {
+            ReconcilerActivities.sweep: ApplicationError("database down", type="OperationalError"),
+            SchedulerActivities.ensure_pool_schedulers: 0,
+        }
+    )
 
     with pytest.raises(WorkflowFailureError):
         await _run(temporal_env.client, ReconcileSweepWorkflow, stand_ins, SweepInput())
-    assert stand_ins.names == ["sweep"] * 3  # options.SWEEP: three attempts, then the next run
+    # options.SWEEP: three attempts, then the next run
+    assert stand_ins.names == ["ensure_pool_schedulers", "sweep", "sweep", "sweep"]

@@ -53,12 +53,15 @@ async def test_deadlines_passed_while_worker_down_found_by_first_sweep(ready_fle
     assert failed["failure_reason"]
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 async def test_agent_unreachable_then_back(ready_fleet, temporal_env):
-    h = await ready_fleet(nodes=4, agent__heartbeat_timeout_s=1.0)
+    # The others' heartbeats must still be fresh when the sweep reads them: 4 s leaves room for a
+    # loaded machine between the push and the sweep's read.
+    h = await ready_fleet(nodes=4, agent__heartbeat_timeout_s=4.0)
     lost = h.nodes()[0]["id"]
     h.push_heartbeats()
     h.sim.set_unreachable(lost, True)
-    await asyncio.sleep(1.3)
+    await asyncio.sleep(4.3)
     h.push_heartbeats()  # everyone but the lost agent reports
     result = await h.sweep(temporal_env.client)
     assert result.marked_unreachable == 1
@@ -75,6 +78,7 @@ async def test_agent_unreachable_then_back(ready_fleet, temporal_env):
     assert node["health"] == "ok" and node["agent_reachable"] and node["health_conditions"] == []
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 async def test_drift_active_node_wiped_behind_our_back_is_restored(ready_fleet):
     h = await ready_fleet(nodes=2)
     tenant_id, key = await h.onboard()
@@ -90,6 +94,7 @@ async def test_drift_active_node_wiped_behind_our_back_is_restored(ready_fleet):
     assert node["state"] == "active" and node["allocation_id"] == alloc_id
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 async def test_cancel_while_provisioning(ready_fleet):
     h = await ready_fleet(nodes=2, latency_scale=3.0)
     _, key = await h.onboard()
@@ -104,6 +109,7 @@ async def test_cancel_while_provisioning(ready_fleet):
     await h.wait_states({"available": 2}, timeout_s=60)
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 async def test_operator_actions_are_recorded_and_drain_is_carried_out(ready_fleet):
     h = await ready_fleet(nodes=2)
     a, b = [n["id"] for n in h.nodes()]

@@ -120,7 +120,13 @@ def test_settings_and_the_variables_read_elsewhere_pass(monkeypatch, tmp_path) -
     """Every setting a parent exports to its children (`Settings.env`), each variable the code
     reads outside the settings, and the test suite's own."""
     _clean_environment(monkeypatch)
-    exported = Settings(data_dir=tmp_path, database={"url": "postgresql+psycopg://u@db/g"}, api={"workers": 2}).env()
+    exported = Settings(
+        data_dir=tmp_path,
+        database={"url": "postgresql+psycopg://u@db/g"},
+        api={"workers": 2},
+        agent={"tenant_disks": ["/dev/nvme1n1", "/dev/nvme2n1"]},
+        bmc={"emulator_power_delay_s": (1, 2)},
+    ).env()
     for name, value in exported.items():
         monkeypatch.setenv(name, value)
     for name in NOT_SETTINGS - RETIRED_SETTINGS - {"GPUCLOUD_SECRETS_DIR"}:
@@ -129,6 +135,9 @@ def test_settings_and_the_variables_read_elsewhere_pass(monkeypatch, tmp_path) -
     monkeypatch.setenv("GPUCLOUD_API", '{"port": 9001}')  # a whole section as JSON
     settings = Settings()
     assert settings.database_url == "postgresql+psycopg://u@db/g" and settings.api.workers == 2
+    # Lists and tuples travel as JSON, as the settings read them back.
+    assert settings.agent.tenant_disks == ["/dev/nvme1n1", "/dev/nvme2n1"]
+    assert settings.bmc.emulator_power_delay_s == (1, 2)
     # A retired setting is let through to the settings, which say what to do instead.
     monkeypatch.setenv("GPUCLOUD_TENANTS__DEFAULT_GPU_QUOTA", "8")
     with pytest.raises(ValidationError, match="no longer read"):

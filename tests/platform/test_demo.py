@@ -16,7 +16,7 @@ def test_demo_runs_end_to_end(tmp_path):
         [sys.executable, "-m", "gpucloud.cli.main", "demo", "--nodes", "6", "--data-dir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=600,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -51,5 +51,10 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "re-imaged out of band since acme held them" in " ".join(output.split())  # rich wraps lines
     # Billing: every millisecond the agents metered is in the ledger; the period's draft invoice.
     assert "the ledger holds exactly" in output and "draft until the period ends" in output
+    # A full pool: a request queued, then placed; preemptible nodes taken back with notice for an
+    # on-demand request; a capacity reservation ready by its start and ended on time.
+    assert "queued at position" in flat and "placed on" in flat
+    assert "preemption_notice" in flat and "initech's preempted" in flat
+    assert "accepted" in flat and "ended on time" in flat and "before its start" in flat
     # The stack was stopped: nothing of it keeps running (its ports are free again).
     assert "'available': 6" in output

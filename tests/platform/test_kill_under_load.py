@@ -6,10 +6,7 @@ exists and settles, and no key made two allocations (nothing is provisioned, or 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -20,8 +17,8 @@ import pytest
 from sqlmodel import select
 
 from gpucloud.db import session_scope
-from gpucloud.devstack.stack import free_port
 from gpucloud.models.tables import Allocation
+from support.api_process import ApiProcess, healthy, until_answered
 from support.stack import async_wait_until, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
@@ -29,34 +26,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 CLIENTS = 16
 ALLOC = {"gpu_type": "H100", "node_count": 1, "region": "us-east-1"}
 ANSWER_WITHIN_S = 10.0
-
-
-class ApiProcess:
-    """`gpucloud api` as its own process on its own port, over the harness's database."""
-
-    def __init__(self, settings, log_path) -> None:
-        self.port = free_port()
-        self.env = {**os.environ, **settings.env(), "GPUCLOUD_API__PORT": str(self.port)}
-        self.env["GPUCLOUD_LOG_LEVEL"] = "WARNING"
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpucloud.cli.main", "api"], env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _client_loop(url: str, token: str, stop: threading.Event, answers: dict, slowest: list) -> None:
@@ -84,29 +53,12 @@ def _client_loop(url: str, token: str, stop: threading.Event, answers: dict, slo
             allocation_id = resp.json()["allocation"]["id"]
             answers.setdefault(key, set()).add(allocation_id)
             # The same key asked again answers the same allocation.
-            again = _until_answered(
+            again = until_answered(
                 lambda k=key: http.post("/v1/allocations", json=ALLOC, headers={"Idempotency-Key": k})
             )
             answers[key].add(again.json()["allocation"]["id"])
-            cancel = _until_answered(lambda a=allocation_id: http.post(f"/v1/allocations/{a}/cancel"))
+            cancel = until_answered(lambda a=allocation_id: http.post(f"/v1/allocations/{a}/cancel"))
             assert cancel.status_code in (200, 202), cancel.text
-
-
-def _until_answered(call) -> httpx.Response:
-    """The call's answer, retried through a dead API, overload and a claim still held."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            resp = call()
-        except httpx.HTTPError:
-            time.sleep(0.2)
-            continue
-        if resp.status_code not in (409, 429, 503) or not resp.json().get("type", "").endswith(
-            ("in-progress", "overloaded", "too-many-requests", "unavailable")
-        ):
-            return resp
-        time.sleep(min(float(resp.headers.get("Retry-After", "0.5")), 1.0))
-    raise AssertionError("no answer within 60 s")
 
 
 @pytest.mark.long
@@ -121,7 +73,7 @@ async def test_kill_9_of_the_api_and_the_worker_under_16_clients_loses_and_doubl
     api = ApiProcess(h.settings, tmp_path / "api-process.log")
     api.start()
     try:
-        wait_until(lambda: _healthy(api.url), timeout_s=60, what="the API process")
+        wait_until(lambda: healthy(api.url), timeout_s=60, what="the API process")
         stop, answers, slowest = threading.Event(), {}, []
         threads = [
             threading.Thread(target=_client_loop, args=(api.url, key, stop, answers, slowest), daemon=True)
@@ -134,7 +86,7 @@ async def test_kill_9_of_the_api_and_the_worker_under_16_clients_loses_and_doubl
         api.kill()  # creates in flight lose their process
         await asyncio.sleep(1)
         api.start()
-        wait_until(lambda: _healthy(api.url), timeout_s=60, what="the API process after kill -9")
+        wait_until(lambda: healthy(api.url), timeout_s=60, what="the API process after kill -9")
         # While no API process runs, nothing can answer: the bound counts from its return.
         down_s = time.monotonic() - killed_at
         await asyncio.sleep(2)
@@ -175,10 +127,3 @@ async def test_kill_9_of_the_api_and_the_worker_under_16_clients_loses_and_doubl
     await h.wait_states({"available": 24}, timeout_s=180)
     nodes = h.nodes()
     assert all(n["allocation_id"] is None for n in nodes)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

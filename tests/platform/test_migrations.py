@@ -12,6 +12,7 @@ from sqlmodel import SQLModel
 
 import gpucloud.models.health_tables
 import gpucloud.models.registry_tables
+import gpucloud.models.scheduling_tables
 import gpucloud.models.tables  # noqa: F401
 from gpucloud.db import get_engine, migrate
 

@@ -13,6 +13,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -199,3 +200,38 @@ def test_a_server_off_loopback_without_tls_refuses_to_start(tmp_path):
     )
     assert agent.returncode != 0
     assert "agent's action API would listen on 0.0.0.0 without TLS" in agent.stderr + agent.stdout
+
+
+def test_a_tls_server_stops_promptly_while_a_client_holds_an_idle_connection(tmp_path):
+    """asyncio gives a TLS peer 30 s to answer a close, and a client keeping a connection it does
+    not read answers never: a server stopped with such a client exits within its bounded graceful
+    shutdown (`tls.GRACEFUL_SHUTDOWN_S`), not after 30 s."""
+    from gpucloud.config import Settings
+    from gpucloud.devstack.stack import with_local_tls
+    from gpucloud.web.tls import GRACEFUL_SHUTDOWN_S
+
+    settings = with_local_tls(Settings(data_dir=tmp_path, ledger={"port": free_port()}))
+    load_or_create_issuer(tmp_path / "issuer_key.pem")  # the key the ledger trusts
+    env = {**os.environ, **settings.env()}
+    ledger = subprocess.Popen([sys.executable, "-m", "gpucloud.cli.main", "ledger"], env=env)
+    url = f"https://127.0.0.1:{settings.ledger.port}"
+    client = httpx.Client(verify=ssl.create_default_context(cafile=str(settings.tls.ca_file)), timeout=5)
+    try:
+
+        def answers() -> bool:
+            try:
+                return client.get(f"{url}/healthz").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(lambda: answers() or ledger.poll() is not None, timeout_s=60, what="ledger over TLS")
+        assert ledger.poll() is None
+        stopped_at = time.monotonic()
+        ledger.send_signal(signal.SIGTERM)  # the client keeps its connection open, idle
+        ledger.wait(GRACEFUL_SHUTDOWN_S + 10)
+        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S + 5
+    finally:
+        client.close()
+        if ledger.poll() is None:
+            ledger.kill()
+            ledger.wait()

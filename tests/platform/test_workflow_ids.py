@@ -13,7 +13,7 @@ from temporalio import workflow
 from gpucloud.adapters import temporal_gateway
 from gpucloud.models import workflow_ids as ids
 from gpucloud.services import allocations, pulls, recovery, tenants
-from gpucloud.workflows import allocation_steps, billing_close
+from gpucloud.workflows import allocation_steps, billing_close, pool_scheduler
 from gpucloud.workflows import tenant as tenant_workflows
 from gpucloud.workflows.allocation import AllocationWorkflow
 from gpucloud.workflows.bringup import BringupBatchWorkflow
@@ -45,6 +45,7 @@ def _registered(cls: type) -> workflow._Definition:
         (ids.BILLING_CATCH_UP_WORKFLOW, billing_close.BillingCatchUpWorkflow),
         (ids.ROLLOUT_WORKFLOW, RolloutWorkflow),
         (ids.INCIDENT_WORKFLOW, IncidentWorkflow),
+        (ids.POOL_SCHEDULER_WORKFLOW, pool_scheduler.PoolSchedulerWorkflow),
     ],
 )
 def test_each_workflow_name_is_the_registered_one(name: str, cls: type) -> None:
@@ -57,6 +58,10 @@ def test_each_signal_query_and_update_name_is_a_registered_handler() -> None:
     assert (
         allocation.signals[ids.ALLOCATION_REPLACE_NODE_SIGNAL].fn.__name__ == AllocationWorkflow.replace_node.__name__
     )
+    assert allocation.signals[ids.ALLOCATION_PLACED_SIGNAL].fn.__name__ == AllocationWorkflow.placed.__name__
+    assert allocation.signals[ids.ALLOCATION_PREEMPT_SIGNAL].fn.__name__ == AllocationWorkflow.preempt.__name__
+    scheduler = _registered(pool_scheduler.PoolSchedulerWorkflow)
+    assert scheduler.signals[ids.POOL_SCHEDULER_POKE_SIGNAL].fn.__name__ == "poke"
     assert ids.ROLLOUT_PROGRESS_QUERY in rollout.queries
     for update in (ids.ROLLOUT_PAUSE_UPDATE, ids.ROLLOUT_RESUME_UPDATE, ids.ROLLOUT_ABORT_UPDATE):
         assert update in rollout.updates
@@ -66,9 +71,12 @@ def test_every_name_constant_is_checked_above() -> None:
     """A name added to `workflow_ids` is added to the checks here too."""
     workflow_names = {v for k, v in vars(ids).items() if k.endswith("_WORKFLOW")}
     handler_names = {k for k in vars(ids) if k.endswith(("_SIGNAL", "_QUERY", "_UPDATE"))}
-    assert len(workflow_names) == 11
+    assert len(workflow_names) == 12
     assert handler_names == {
         "ALLOCATION_CANCEL_SIGNAL",
+        "ALLOCATION_PLACED_SIGNAL",
+        "ALLOCATION_PREEMPT_SIGNAL",
+        "POOL_SCHEDULER_POKE_SIGNAL",
         "ALLOCATION_REPLACE_NODE_SIGNAL",
         "ROLLOUT_PROGRESS_QUERY",
         "ROLLOUT_PAUSE_UPDATE",
@@ -88,6 +96,8 @@ def test_the_ids_are_built_in_one_place() -> None:
     assert tenants.offboarding_workflow_id is ids.offboarding_workflow_id
     assert recovery.evaluation_workflow_id is ids.evaluation_workflow_id
     assert pulls.incident_workflow_id is ids.incident_workflow_id
+    assert pool_scheduler.allocation_workflow_id is ids.allocation_workflow_id
+    assert ids.pool_scheduler_workflow_id("H100", "us-east-1") == "scheduler-H100-us-east-1"
 
 
 def test_a_batch_nudge_has_the_same_id_in_every_process() -> None:

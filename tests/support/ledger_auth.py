@@ -26,7 +26,7 @@ class LedgerAuth(httpx.Auth):
 
     def auth_flow(self, request: httpx.Request):
         path = request.url.path
-        control_plane = request.method == "GET" or path == "/v1/allocation-events"
+        control_plane = request.method == "GET" or path in ("/v1/allocation-events", "/v1/reservations")
         role = "control-plane" if control_plane else "operator"
         request.headers["Authorization"] = f"Bearer {self.issuer.mint(LEDGER_AUDIENCE, subject=role, role=role)}"
         yield request

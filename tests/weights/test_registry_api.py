@@ -369,6 +369,7 @@ def _corrupt(kind: str, tenant: Tenant, outcome: PushResult) -> None:
             http.delete(f"/v1/signing-keys/{outcome.signed.key_id}").raise_for_status()
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 @pytest.mark.parametrize(
     ("kind", "error", "named"),
     [
@@ -441,6 +442,7 @@ def test_push_refuses_tampered_manifests_unknown_keys_and_missing_chunks(registr
         assert post(good.signed).status_code == 200  # the same version again: already there
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 def test_a_manifest_bomb_is_refused_at_push(registry: Registry) -> None:
     """Issue 37, item 6: a 6.5 MiB manifest listing one 64 MiB chunk 60,000 times declared a
     3.66 TiB version, which evaluation would assemble on a worker's disk. Refused before anything
@@ -821,6 +823,7 @@ def _weights_cli(registry: Registry, tenant: Tenant):
     return run
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 def test_cli_push_versions_evaluate_promote_pull(registry: Registry, tmp_path: Path) -> None:
     tenant = registry.new_tenant()
     run = _weights_cli(registry, tenant)
@@ -876,6 +879,7 @@ def test_s3_backend_by_configuration(registry: Registry, tmp_path: Path, s3_endp
     assert f"registry/tenants/{tenant.id}/manifests/{pushed.digest}.json" in keys
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 def test_demo_weights_scenario(registry: Registry, tmp_path: Path) -> None:
     from rich.console import Console
 
@@ -972,6 +976,7 @@ def test_cli_weights_gc(registry: Registry, tmp_path: Path) -> None:
     assert runner.invoke(weights_app, ["gc", "--grace", "soon"], env=env).exit_code == 2
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 def test_the_platform_evaluates_with_the_sanity_evaluator_and_a_nan_cannot_reach_production(
     registry: Registry, tmp_path: Path
 ) -> None:
@@ -1056,6 +1061,7 @@ def _stored_signature(registry: Registry, tenant: Tenant, digest: str, record_di
     return next(e.signature for e in kept if e.record.digest == record_digest)
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 def test_the_platform_runs_the_models_command_and_a_hanging_or_garbage_command_fails_its_gate(
     registry: Registry, tmp_path: Path
 ) -> None:
@@ -1144,6 +1150,7 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
     assert (record["source"], record["evaluator"], record["results"]["nan_inf_count"]) == ("platform", "sanity", 0)
 
 
+@pytest.mark.one_database  # the database only underneath: on SQLite
 @pytest.mark.parametrize(
     ("command", "field"),
     [

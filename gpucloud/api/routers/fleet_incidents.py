@@ -1,24 +1,20 @@
 """Fleet incidents: faults on several nodes behind one leaf switch, rack or PDU that suspect the
 shared component (`services/fleet_incidents.py`). Operators list them and resolve one once the
-component is fixed, which returns its nodes to normal judgement."""
+component is fixed, which returns its nodes to normal judgement (`services/incidents.resolve_fleet_incident`,
+the resolve the incidents' routes and the console call too)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from fastapi.concurrency import run_in_threadpool
 
 from gpucloud.api import pagination
 from gpucloud.api.deps import DbDep, FleetOperatorDep, ReadOperatorDep, ReadsDep, SettingsDep, TemporalDep
 from gpucloud.api.routers.health import _decisions
-from gpucloud.config import Settings
-from gpucloud.db import Database
 from gpucloud.models.api_schemas import FleetIncidentPage, FleetIncidentResolve, FleetIncidentResolved
 from gpucloud.models.health_tables import FleetIncidentPublic, FleetIncidentRecord
-from gpucloud.protocol.reports import utc_now
-from gpucloud.services import fleet_incidents, pulls
-from gpucloud.services import health as health_service
+from gpucloud.services import fleet_incidents, incidents
 from gpucloud.web.problems import not_found
 
 router = APIRouter(prefix="/v1", tags=["health"])
@@ -50,20 +46,6 @@ def get_fleet_incident(incident_id: str, operator: ReadOperatorDep, reads: Reads
             raise not_found("fleet incident", incident_id) from None
 
 
-def _resolve(db: Database, settings: Settings, incident_id: str, actor: str, note: str):
-    now = utc_now()
-    with db.session() as session:
-        try:
-            record = fleet_incidents.resolve(session, incident_id, actor=actor, now=now, note=note)
-        except fleet_incidents.IncidentNotFound:
-            raise not_found("fleet incident", incident_id) from None
-        session.flush()
-        outcomes = health_service.judge_again(
-            session, record.node_ids, now=now, breaker=health_service.BreakerSettings.of(settings)
-        )
-        return _public(record), outcomes
-
-
 @router.post("/fleet-incidents/{incident_id}:resolve", response_model=FleetIncidentResolved)
 async def resolve_fleet_incident(
     incident_id: str,
@@ -76,13 +58,7 @@ async def resolve_fleet_incident(
     """The suspected component is fixed (or was not the cause): the incident closes, its nodes
     leave it (uncordoned if it cordoned them), what they showed before now is dealt with, and
     they are judged again on what came after; a pull that judgement decides is carried out."""
-    incident, outcomes = await resolve(db, settings, temporal, incident_id, operator.actor, req.note if req else "")
+    incident, outcomes = await incidents.resolve_fleet_incident(
+        db, settings, temporal, incident_id, actor=operator.actor, note=req.note if req else ""
+    )
     return FleetIncidentResolved(incident=incident, decisions=_decisions(outcomes))
-
-
-async def resolve(db: Database, settings: Settings, temporal, incident_id: str, actor: str, note: str):
-    """Resolve the fleet incident and carry out what judging its nodes again decided (also
-    `POST /v1/incidents/{id}:resolve` of its incident)."""
-    incident, outcomes = await run_in_threadpool(_resolve, db, settings, incident_id, actor, note)
-    await pulls.act_on(temporal, settings, outcomes, {})
-    return incident, outcomes

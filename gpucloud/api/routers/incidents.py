@@ -10,18 +10,15 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerDep, DbDep, FleetOperatorDep, ReadsDep, SettingsDep, TemporalDep
-from gpucloud.api.routers import fleet_incidents as fleet_incident_routes
 from gpucloud.models.api_schemas import FleetIncidentResolve, IncidentPage, IncidentStatusName, RootCauseRequest
 from gpucloud.models.health_tables import Incident, IncidentPublic
-from gpucloud.protocol.reports import utc_now
-from gpucloud.services import fleet_kind_incidents, incidents
-from gpucloud.web.problems import Problem, not_found
+from gpucloud.services import incidents
+from gpucloud.web.problems import not_found
 
 router = APIRouter(prefix="/v1", tags=["incidents"])
 
@@ -115,27 +112,6 @@ def patch_root_cause(incident_id: str, req: RootCauseRequest, operator: FleetOpe
     return _set_root_cause(incident_id, req, operator, db)
 
 
-def _resolve_trip(db, incident_id: str, actor: str, note: str) -> IncidentPublic:
-    now = utc_now()
-    with db.session() as session:
-        try:
-            incident = incidents.get(session, incident_id)
-            fleet_kind_incidents.resolve_trip(session, incident, actor=actor, note=note, now=now)
-            incidents.observe(session, incident_id, now=now)
-        except incidents.IncidentNotFound:
-            raise not_found("incident", incident_id) from None
-        return incidents.public(incident)
-
-
-def _kind_of(reads, incident_id: str) -> tuple[str, str | None]:
-    with reads() as session:
-        try:
-            incident = incidents.get(session, incident_id)
-        except incidents.IncidentNotFound:
-            raise not_found("incident", incident_id) from None
-        return incident.trigger, incident.fleet_incident_id
-
-
 @router.post(
     "/incidents/{incident_id}:resolve",
     response_model=IncidentPublic,
@@ -145,7 +121,6 @@ async def resolve_incident(
     incident_id: str,
     operator: FleetOperatorDep,
     db: DbDep,
-    reads: ReadsDep,
     settings: SettingsDep,
     temporal: TemporalDep,
     req: FleetIncidentResolve | None = None,
@@ -153,24 +128,7 @@ async def resolve_incident(
     """An operator ends a fleet incident: a correlated burst's component is fixed (as
     `POST /v1/fleet-incidents/{id}:resolve`: its nodes are judged again), or a breaker trip is
     dealt with (the breaker's window is left as it is). Its workflow then writes it up once
-    its nodes are back to normal judgement. A node incident is not resolved by hand (409)."""
+    its nodes are back to normal judgement. A node incident is not resolved by hand (409).
+    The one resolve (`services/incidents.resolve`), which the console calls too."""
     note = req.note if req else ""
-    trigger, fleet_incident_id = await run_in_threadpool(_kind_of, reads, incident_id)
-    if trigger == fleet_kind_incidents.TRIP:
-        return await run_in_threadpool(_resolve_trip, db, incident_id, operator.actor, note)
-    if trigger != fleet_kind_incidents.BURST or fleet_incident_id is None:
-        raise Problem(
-            409,
-            "not-resolvable",
-            "Incident not resolvable",
-            f"incident {incident_id} is a node's: it ends when its node passes burn-in or goes to RMA",
-        )
-    await fleet_incident_routes.resolve(db, settings, temporal, fleet_incident_id, operator.actor, note)
-    return await run_in_threadpool(_observed, db, incident_id)
-
-
-def _observed(db, incident_id: str) -> IncidentPublic:
-    """The incident as its history shows it now (its workflow writes the same on its next look)."""
-    with db.session() as session:
-        incident, _ = incidents.observe(session, incident_id, now=utc_now())
-        return incidents.public(incident)
+    return await incidents.resolve(db, settings, temporal, incident_id, actor=operator.actor, note=note)

@@ -5,7 +5,8 @@ Every call carries a token the control plane signed for the ledger (`aud` = `led
 
 - `agent` (`sub` = `node:<id>`): a node's agent, with a token the API gives it for its own
   credential (`POST /v1/agents/ledger-token`): posts usage for its own node only;
-- `control-plane`: the API and the workers: allocation events, period closes, every read;
+- `control-plane`: the API and the workers: allocation events, capacity reservations, period
+  closes, every read;
 - `operator`: an operator, through the API: the price book, reversals, usage corrections,
   period closes, every read.
 
@@ -32,6 +33,7 @@ ROLES = ("agent", "control-plane", "operator")
 RULES: tuple[tuple[str, re.Pattern[str], frozenset[str]], ...] = (
     ("POST", re.compile(r"^/v1/usage:batch$"), frozenset({"agent", "operator"})),
     ("POST", re.compile(r"^/v1/allocation-events$"), frozenset({"control-plane"})),
+    ("POST", re.compile(r"^/v1/reservations$"), frozenset({"control-plane"})),
     ("POST", re.compile(r"^/v1/periods/[^/]+:close$"), READERS),
     ("POST", re.compile(r"^/v1/price-book/versions$"), frozenset({"operator"})),
     ("POST", re.compile(r"^/v1/postings/\d+:reverse$"), frozenset({"operator"})),

@@ -217,10 +217,10 @@ async def evaluate_version(
 def move_alias(name: str, alias: AliasName, req: AliasMove, tenant: TenantDep, db: DbDep, settings: SettingsDep):
     """Point an alias at a version; `staging` and `production` move only when the model's gates
     and the platform's pass (no failed evaluation, no NaN weight, and for `production` a passing
-    platform sanity evaluation)."""
+    platform sanity evaluation). The alias records who moved it: the tenant and the key it used."""
     require_sanity = settings.registry.production_requires_sanity
     return service.move_alias(
-        db, tenant.tenant_id, name, alias, req.version, moved_by=tenant.id, require_sanity=require_sanity
+        db, tenant.tenant_id, name, alias, req.version, moved_by=tenant.actor, require_sanity=require_sanity
     )
 
 

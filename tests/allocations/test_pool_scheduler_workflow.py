@@ -1,0 +1,46 @@
+"""`PoolSchedulerWorkflow` with its plan stood in for: the allocations one plan placed or expired
+are all told in one workflow task, not one workflow task's round trip after another (a plan that
+placed 64 requests held the next plan back for minutes on a busy worker while nodes sat free,
+found by `benchmarks/scheduling.py --stack`)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+
+from gpucloud.activities.scheduling import SchedulerActivities
+from gpucloud.models.messages import PoolPlanResult, PoolSchedulerInput
+from gpucloud.models.workflow_ids import allocation_workflow_id
+from gpucloud.workflows.pool_scheduler import PoolSchedulerWorkflow
+from support.workflow_runs import StandIns, queue_name, workers
+from support.workflow_tier import RUN_TIMEOUT
+
+pytestmark = pytest.mark.workflow
+
+
+async def test_a_plans_allocations_are_told_in_one_workflow_task(temporal_env) -> None:
+    placed = [f"alloc_{uuid.uuid4().hex[:8]}" for _ in range(6)]
+    expired = [f"alloc_{uuid.uuid4().hex[:8]}"]
+    stand_ins = StandIns({SchedulerActivities.plan_pool: PoolPlanResult(placed=placed, expired=expired, queued=0)})
+    queue = queue_name("scheduler")
+    async with workers(temporal_env.client, [PoolSchedulerWorkflow], {queue: stand_ins.for_worker()}):
+        handle = await temporal_env.client.start_workflow(
+            PoolSchedulerWorkflow.run,
+            PoolSchedulerInput(gpu_type="H100", region="r1", poll_s=0.1),
+            id=f"{queue}-{uuid.uuid4().hex[:6]}",
+            task_queue=queue,
+            execution_timeout=RUN_TIMEOUT,
+        )
+        assert await handle.result() == 1  # one plan: nothing left queued
+        history = await handle.fetch_history()
+
+    signals = [
+        e.signal_external_workflow_execution_initiated_event_attributes
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+    ]
+    told = sorted(s.workflow_execution.workflow_id for s in signals)
+    assert told == sorted(allocation_workflow_id(a) for a in placed + expired)
+    assert len({s.workflow_task_completed_event_id for s in signals}) == 1
