@@ -135,15 +135,20 @@ def migrated_postgres():
         databases.close()
 
 
-@pytest.fixture(params=DB_PARAMS)
-def db_url(request, tmp_path, migrated_postgres) -> Iterator[str]:
-    """A migrated, empty control-plane database: SQLite, and Postgres when reachable."""
-    from gpucloud.db import migrate
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory):
+    """A migrated, empty SQLite control-plane database made once per test process; each test
+    gets a copy of it (`support/databases.py`)."""
+    from support.databases import MigratedSqlite
 
+    return MigratedSqlite(tmp_path_factory.mktemp("sqlite-template") / "gpucloud.db")
+
+
+@pytest.fixture(params=DB_PARAMS)
+def db_url(request, tmp_path, migrated_postgres, migrated_sqlite) -> Iterator[str]:
+    """A migrated, empty control-plane database: SQLite, and Postgres when reachable."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'gpucloud.db'}"
-        migrate(url)
-        yield url
+        yield migrated_sqlite.copy_to(tmp_path / "gpucloud.db")
         return
     if migrated_postgres is None:  # a test that names Postgres alone, where none is configured
         pytest.skip("set GPUCLOUD_TEST_POSTGRES_URL to run the Postgres tests")

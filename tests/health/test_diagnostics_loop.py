@@ -26,8 +26,9 @@ DIAG = {
     "health__diag_check_interval_s": 0.01,
     "health__diag_budget_share": 1.0,
     "health__diag_max_concurrent": 2,
-    # Each diagnose takes 3 s on the simulated node: long enough to allocate meanwhile.
-    "sim_args": ("--diagnose-s", "3"),
+    # Each diagnose takes 5 s on the simulated node: long enough to allocate meanwhile, even on a
+    # loaded machine.
+    "sim_args": ("--diagnose-s", "5"),
 }
 
 
@@ -64,17 +65,19 @@ async def test_an_idle_node_with_a_latent_fault_is_diagnosed_and_pulled_before_a
     (free,) = set(ids) - set(leased)
     (tested,) = set(leased) - {bad}
 
-    # An allocation made while both diagnostics run gets the one node no diagnostic holds.
+    # An allocation made while both diagnostics run gets the one node no diagnostic holds, and
+    # the next is refused: the leased nodes are not capacity meanwhile. (Both are asked for at
+    # once, while the diagnostics surely still run; the first is waited for after.)
     alloc_id = h.allocate(key, node_count=1)
-    alloc = await h.wait_allocation(key, alloc_id, "ready")
-    assert alloc["node_ids"] == [free]
     with h.client(key) as c:
         refused = c.post(
             "/v1/allocations",
             json={"gpu_type": "H100", "region": "us-east-1", "node_count": 1},
             headers={"Idempotency-Key": str(uuid.uuid4())},
         )
-    assert refused.status_code == 409, refused.text  # the leased nodes are not capacity meanwhile
+    assert refused.status_code == 409, refused.text
+    alloc = await h.wait_allocation(key, alloc_id, "ready")
+    assert alloc["node_ids"] == [free]
 
     for node_id in leased:
         await temporal_env.client.get_workflow_handle(f"node-{node_id}").result()

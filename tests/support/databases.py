@@ -1,23 +1,46 @@
 """Scratch databases for tests: a uniquely named Postgres database beside the configured one,
 dropped (with its open connections) when the test is done (`gpucloud.db.scratch_postgres`); and
-`MigratedPostgres`, the control-plane databases one test process reuses.
+`MigratedPostgres`, the control-plane databases one test process reuses; `MigratedSqlite`, the
+migrated SQLite database one test process copies for each test.
 
 Creating a Postgres database and running every migration into it took 1.6 s on a quiet machine
 and 3.6 s on average inside the suite (against SQLite's 1.0 s), for some 200 tests. A database a
 test is done with is emptied instead: every session still connected to it is ended (as DROP
 DATABASE ... WITH (FORCE) ends them), then every table but the migrations' own is truncated,
 identities restarted. One whose schema a test changed (a migration test going down) is dropped,
-never handed out again."""
+never handed out again.
+
+Migrating a SQLite file took 0.6 s (0.2 CPU-s, the rest its commits' syncs) for each of some 340
+tests; copying a migrated one takes milliseconds."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+import sqlite3
+from contextlib import ExitStack, closing
+from pathlib import Path
 
 import sqlalchemy as sa
 
 from gpucloud.db import alembic_config, get_engine, get_read_engine, migrate, schema_revisions, scratch_postgres
 
-__all__ = ["MigratedPostgres", "scratch_postgres"]
+__all__ = ["MigratedPostgres", "MigratedSqlite", "scratch_postgres"]
+
+
+class MigratedSqlite:
+    """A SQLite control-plane database migrated once (at `template`), copied for each test."""
+
+    def __init__(self, template: Path) -> None:
+        url = f"sqlite:///{template}"
+        migrate(url)
+        get_engine(url).dispose()
+        get_read_engine(url).dispose()
+        self._template = template
+
+    def copy_to(self, path: Path) -> str:
+        """A migrated, empty database at `path` (SQLite's online backup: a consistent copy); its URL."""
+        with closing(sqlite3.connect(self._template)) as source, closing(sqlite3.connect(path)) as copy:
+            source.backup(copy)
+        return f"sqlite:///{path}"
 
 
 class MigratedPostgres:
