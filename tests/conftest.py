@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import uuid
@@ -99,6 +100,15 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = _long_ones_first(keep)
+
+
+def pytest_collection_finish(session):
+    """What the test process holds once every module is imported and every test collected (some
+    450,000 objects) lives until it ends: frozen, the collector no longer walks it. A full
+    collection took 0.3 to 0.5 s over it, and one that runs inside a workflow activation on a
+    loaded machine can pass the worker's 2 s deadlock limit and fail the workflow task."""
+    gc.collect()
+    gc.freeze()
 
 
 def _long_ones_first(items: list) -> list:

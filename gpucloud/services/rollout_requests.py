@@ -60,7 +60,7 @@ from gpucloud.models.rollout_messages import (
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, AllocationStatus, Node, utcnow
 from gpucloud.registry import promotion
 from gpucloud.services import operations
-from gpucloud.services.errors import Conflict, Invalid, NotFound
+from gpucloud.services.errors import Conflict, Invalid, NotFound, Unavailable
 from gpucloud.services.registry_models import model_row
 from gpucloud.services.registry_versions import resolve_version
 from gpucloud.services.workflow_engine import engine_error
@@ -342,6 +342,15 @@ async def visible(temporal: Client, rollout_id: str, *, tenant_id: str | None, o
         raise NotFound("rollout", rollout_id)
     try:
         progress = await gateway.rollout_progress(temporal, rollout_id)
+    except WorkflowQueryFailedError as exc:
+        # The workflow could not answer this time (a workflow task that failed and is retried,
+        # such as one a worker's pause stopped as a possible deadlock): ask again, as for an outage.
+        raise Unavailable(
+            f"the rollout's workflow did not answer its progress ({exc.message}); nothing changed; retry",
+            type_="workflow-engine-unavailable",
+            retry_after_s=1,
+            retryable=True,
+        ) from None
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             raise NotFound("rollout", rollout_id) from None

@@ -26,6 +26,7 @@ _PRELOAD = [
     "gpucloud.sim.fleet",
     "gpucloud.sim.metering",
     "gpucloud.sim.node_weights",
+    "gpucloud.entrypoints.simulators",  # the fabric managers' routes, built at import
     "gpucloud.workers.main",
     "alembic.command",
     __name__,

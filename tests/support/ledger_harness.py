@@ -9,8 +9,6 @@ afterwards, so suites running side by side never share one.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +20,7 @@ from gpucloud.ledger.app import create_app, wall_clock_ms
 from gpucloud.web.service_tokens import Verifier, public_key_path
 from gpucloud.web.serving import ThreadedServer
 from support.databases import scratch_postgres
+from support.forked import CliProcess
 from support.ledger_auth import issuer_in, register
 
 POSTGRES_URL_ENV = "GPUCLOUD_TEST_POSTGRES_URL"
@@ -102,17 +101,25 @@ class LedgerProcess:
         self.url = f"http://127.0.0.1:{port}"
         register(self.url, issuer_dir)
         self._log_path = log_path
-        self.process: subprocess.Popen | None = None
+        self.process: CliProcess | None = None
 
     def start(self) -> None:
-        code = (
-            "from pathlib import Path; from gpucloud.entrypoints.ledger import main; "
-            f"main('127.0.0.1', {self.port}, {self.database_url!r}, control_plane_key=Path({str(self.key)!r}))"
+        """`gpucloud ledger`, forked from the test process's server that imported the CLI once
+        (`support/forked.py`): a fresh interpreter spends about 1.5 CPU-seconds importing it, and
+        the chaos test starts it again after every kill."""
+        self.process = CliProcess(
+            [
+                "ledger",
+                "--port",
+                str(self.port),
+                "--database-url",
+                self.database_url,
+                "--control-plane-key",
+                str(self.key),
+            ],
+            env={"PATH": os.environ["PATH"], "GPUCLOUD_DATA_DIR": str(self._log_path.parent / "ledger-process")},
+            log_path=self._log_path,
         )
-        with self._log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
-            )
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

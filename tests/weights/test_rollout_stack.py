@@ -78,13 +78,18 @@ async def test_a_rollout_through_the_stack_activates_and_verifies_every_node_of_
             started = tenant.post("/v1/rollouts", json=body, headers={"Idempotency-Key": str(uuid.uuid4())})
             assert started.status_code == 202, started.text
             rollout_id = started.json()["rollout_id"]
+
             # Reads query the workflow, which the in-process worker answers on this event loop: off it.
+            def finished() -> dict | None:
+                read = tenant.get(f"/v1/rollouts/{rollout_id}")
+                if read.status_code == 503:  # its workflow could not answer this time: ask again
+                    return None
+                assert read.status_code == 200, read.text
+                progress = read.json()
+                return progress if progress["phase"] in ("succeeded", "rolled_back", "failed") else None
+
             final = await async_wait_until(
-                lambda: (
-                    (p := tenant.get(f"/v1/rollouts/{rollout_id}").json())["phase"]
-                    in ("succeeded", "rolled_back", "failed")
-                    and p
-                ),
+                finished,
                 timeout_s=60,
                 interval_s=0.2,
                 what=f"rollout {rollout_id}",
