@@ -17,7 +17,7 @@ import pytest
 
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
-from support.ledger_harness import backends, priced_ledger
+from support.ledger_harness import backends, post_allocation_event, priced_ledger
 
 pytestmark = pytest.mark.integration
 
@@ -34,19 +34,7 @@ def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
         yield client
 
 
-def event(ledger: httpx.Client, allocation: str, kind: str, at_ms: int, node: str | None = None) -> None:
-    body = {
-        "event_id": f"{allocation}/{kind}/{node}/{at_ms}",
-        "allocation_id": allocation,
-        "tenant_id": "t1",
-        "kind": kind,
-        "at_ms": at_ms,
-        "node_id": node,
-        "gpu_type": "h100" if kind in ("start", "node_added") else None,
-        "gpu_count": 8 if kind == "node_added" else None,
-    }
-    answer = ledger.post("/v1/allocation-events", json=body)
-    assert answer.status_code == 201, answer.text
+event = post_allocation_event
 
 
 def meter(ledger: httpx.Client, allocation: str, node: str, minutes: list[int], *, start: int) -> dict:

@@ -7,6 +7,7 @@ to held time is in the reconciliation report.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
-from support.ledger_harness import backends, priced_ledger
+from support.ledger_harness import backends, post_allocation_event, priced_ledger
 
 pytestmark = pytest.mark.integration
 
@@ -39,27 +40,7 @@ def ledger(request, tmp_path: Path) -> Iterator[httpx.Client]:
         yield client
 
 
-def event(
-    ledger: httpx.Client,
-    allocation: str,
-    kind: str,
-    at_ms: int,
-    node: str | None = None,
-    price_class: str | None = None,
-) -> None:
-    body = {
-        "event_id": f"{allocation}/{kind}/{node}/{at_ms}",
-        "allocation_id": allocation,
-        "tenant_id": "t1",
-        "kind": kind,
-        "at_ms": at_ms,
-        "node_id": node,
-        "gpu_type": "H100" if kind in ("start", "node_added") else None,
-        "gpu_count": 8 if kind == "node_added" else None,
-        "price_class": price_class,
-    }
-    answer = ledger.post("/v1/allocation-events", json=body)
-    assert answer.status_code == 201, answer.text
+event = functools.partial(post_allocation_event, gpu_type="H100")
 
 
 def held(ledger: httpx.Client, allocation: str, start: int, minutes: int, price_class: str | None = None) -> None:

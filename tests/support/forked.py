@@ -27,6 +27,7 @@ _PRELOAD = [
     "gpucloud.sim.metering",
     "gpucloud.sim.node_weights",
     "gpucloud.entrypoints.simulators",  # the fabric managers' routes, built at import
+    "gpucloud.entrypoints.ledger",  # the billing chaos test's ledger, started again after each kill
     "gpucloud.workers.main",
     "alembic.command",
     __name__,

@@ -126,3 +126,30 @@ class LedgerProcess:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+
+def post_allocation_event(
+    ledger: httpx.Client,
+    allocation: str,
+    kind: str,
+    at_ms: int,
+    node: str | None = None,
+    *,
+    gpu_type: str = "h100",
+    price_class: str | None = None,
+) -> None:
+    """One allocation event of tenant `t1` (8 GPUs a node), as the control plane posts it; it must
+    be taken (201)."""
+    body = {
+        "event_id": f"{allocation}/{kind}/{node}/{at_ms}",
+        "allocation_id": allocation,
+        "tenant_id": "t1",
+        "kind": kind,
+        "at_ms": at_ms,
+        "node_id": node,
+        "gpu_type": gpu_type if kind in ("start", "node_added") else None,
+        "gpu_count": 8 if kind == "node_added" else None,
+        "price_class": price_class,
+    }
+    answer = ledger.post("/v1/allocation-events", json=body)
+    assert answer.status_code == 201, answer.text
