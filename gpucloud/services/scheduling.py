@@ -345,6 +345,13 @@ def pool_state(
         reservations=tuple(windows),
         shares=shares,
         settings=policy_settings(settings),
+        # The last plan's head keeps its place until it is placed: the one it ranked first and
+        # promised a start (its reservation, `SchedulerState.heads`).
+        heads=tuple(
+            a.id
+            for a in queued.values()
+            if a.queue_position == 1 and a.estimated_start_at is not None and _tier(a) == "on_demand"
+        ),
     )
     return state, queued
 

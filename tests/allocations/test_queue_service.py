@@ -192,6 +192,20 @@ def test_a_create_cannot_take_the_nodes_the_head_of_the_queue_waits_for(db_url):
     assert _row(db_url, behind.id).status == "queued" and _row(db_url, behind.id).queue_position == 2
 
 
+def test_the_head_the_last_plan_promised_a_start_keeps_its_place_in_the_next(db_url):
+    """The next plan reads the last one's head from the rows (position 1, a start promised), so
+    fair-share order moving with usage cannot hand its reservation to another request."""
+    _fleet(db_url, pods=1, per_pod=4)
+    db = Database(db_url)
+    _create(db, "ten_0", 1, expected_duration_s=3600)
+    head = _queue(db, "ten_1", 4)
+    spare = _queue(db, "ten_1", 4, tier="preemptible")
+    with session_scope(db_url) as session:
+        state, _ = scheduling.pool_state(session, "H100", "r1", now=utcnow(), settings=SETTINGS)
+    assert _row(db_url, head.id).estimated_start_at is not None and state.heads == (head.id,)
+    assert spare.id not in state.heads
+
+
 def test_a_short_request_backfills_ahead_of_the_head_when_it_ends_in_time(db_url):
     _fleet(db_url, pods=1, per_pod=4)
     db = Database(db_url)
