@@ -201,15 +201,22 @@ def cancel(session: Session, reservation_id: str, *, tenant_id: str | None, acto
     is ended by cancelling its allocation instead (the window stays billed). The cancel is
     recorded as a settled operation (`reservation_cancel`) naming who asked (`Caller.actor`)."""
     row = get(session, reservation_id, tenant_id=tenant_id)
-    if row.status != ReservationStatus.ACCEPTED:
+    # Compare-and-swap: a plan that begins the window at the same moment (ACCEPTED -> ACTIVE) wins,
+    # and its allocation is never left running under a cancelled, unbilled reservation.
+    cancelled = session.execute(
+        sa.update(CapacityReservation)
+        .where(col(CapacityReservation.id) == row.id, col(CapacityReservation.status) == ReservationStatus.ACCEPTED)
+        .values(status=ReservationStatus.CANCELLED.value, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    session.refresh(row)
+    if rowcount(cancelled) != 1:
         raise Conflict(
             f"reservation {row.id} is {row.status}: only an accepted reservation can be cancelled"
             + (f"; cancel its allocation {row.allocation_id} to end it early" if row.allocation_id else ""),
             type_="reservation-not-cancellable",
             title="Reservation cannot be cancelled",
         )
-    row.status, row.updated_at = ReservationStatus.CANCELLED, utcnow()
-    session.add(row)
     operations.record_done(session, kind="reservation_cancel", resource_id=row.id, actor=actor, tenant_id=row.tenant_id)
     return row
 

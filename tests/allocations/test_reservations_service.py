@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import sqlalchemy as sa
 from sqlmodel import col, select
 
 from gpucloud.config import SchedulerSettings
@@ -95,6 +96,32 @@ def test_bad_windows_and_quotas_are_refused_naming_what_is_wrong(db_url):
             ),
             settings=SETTINGS,
         )
+
+
+def test_a_cancel_loses_to_a_plan_that_began_the_window_meanwhile(db_url, monkeypatch):
+    """The cancel read its reservation `accepted`; a plan moved it to `active` (its allocation
+    placed) before the cancel wrote: the cancel is refused, and the window runs and is billed."""
+    if db_url.startswith("sqlite"):
+        pytest.skip("SQLite's transactions take the write lock at BEGIN: no plan can write in between")
+    _fleet(db_url, pods=1, per_pod=4)
+    booked = _book(db_url, "ten_0", 2, 3600)
+    read = reservations.get
+
+    def read_then_begun(session, reservation_id, **kw):
+        row = read(session, reservation_id, **kw)
+        with session_scope(db_url) as other:  # the plan, in a transaction of its own
+            other.execute(
+                sa.update(CapacityReservation)
+                .where(col(CapacityReservation.id) == reservation_id)
+                .values(status="active", allocation_id="alloc_placed")
+            )
+        return row
+
+    monkeypatch.setattr(reservations, "get", read_then_begun)
+    with session_scope(db_url) as session, pytest.raises(Conflict) as refused:
+        reservations.cancel(session, booked.id, tenant_id="ten_0", actor="tenant:ten_0")
+    assert "is active" in refused.value.detail and "alloc_placed" in refused.value.detail
+    assert _row(db_url, CapacityReservation, booked.id).status == "active"
 
 
 def test_a_create_again_under_its_key_is_the_same_reservation_and_cancel_frees_the_window(db_url):
