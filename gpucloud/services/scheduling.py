@@ -562,6 +562,14 @@ def _plan_once(
             f"not placed within max_wait_s={alloc.max_wait_s}: no fabric domain of {gpu_type} in {region}"
             f" had {alloc.node_count} nodes free in time; create it again, or with a longer max_wait_s"
         )
+        failed = session.execute(  # a tenant's cancel since it was read wins
+            sa.update(Allocation)
+            .where(col(Allocation.id) == alloc.id, col(Allocation.status) == AllocationStatus.QUEUED)
+            .values(status=AllocationStatus.FAILED.value, updated_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        if rowcount(failed) != 1:
+            continue
         alloc_service.set_status(session, alloc.id, AllocationStatus.FAILED, failure_reason=reason)
         alloc_service.record_event(session, alloc, "failed", reason=reason, actor="scheduler")
         result.expired.append(alloc.id)

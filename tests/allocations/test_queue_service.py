@@ -26,6 +26,7 @@ from gpucloud.models.tables import (
     Operation,
     utcnow,
 )
+from gpucloud.services import allocations as alloc_service
 from gpucloud.services import scheduling
 from gpucloud.services.allocation_requests import reserve_and_record
 from gpucloud.services.errors import Conflict, DomainError
@@ -137,6 +138,31 @@ def test_a_request_waits_no_longer_than_its_max_wait(db_url):
         op = session.exec(select(Operation).where(col(Operation.resource_id) == hasty.id)).one()
     assert op.status == "failed"
     assert _row(db_url, patient.id).status == "queued"
+
+
+def test_an_expiry_loses_to_a_cancel_made_while_the_plan_decided(db_url, monkeypatch):
+    """The plan read the request queued and found it past its max_wait_s; the tenant cancelled
+    it before the plan wrote: it stays `cancelling` (the tenant's intent), never `failed`."""
+    if db_url.startswith("sqlite"):
+        pytest.skip("SQLite's transactions take the write lock at BEGIN: no cancel can write in between")
+    _fleet(db_url, pods=1, per_pod=2)
+    db = Database(db_url)
+    _create(db, "ten_0", 2)
+    hasty = _queue(db, "ten_1", 1, capacity={"max_wait_s": 60})
+    decide = scheduling.policy.decide
+
+    def decide_then_cancelled(state):
+        decision = decide(state)
+        with session_scope(db_url) as other:  # the tenant's cancel, in a transaction of its own
+            row = other.exec(select(Allocation).where(col(Allocation.id) == hasty.id)).one()
+            alloc_service.record_cancel_intent(other, row, tenant_id="ten_1", actor="tenant:ten_1")
+        return decision
+
+    monkeypatch.setattr(scheduling.policy, "decide", decide_then_cancelled)
+    plan = _plan(db, now=utcnow() + timedelta(seconds=61))
+    assert plan.expired == []
+    row = _row(db_url, hasty.id)
+    assert (row.status, row.failure_reason) == ("cancelling", None)
 
 
 def test_a_tenant_that_floods_the_queue_does_not_stand_in_front_of_another(db_url):
