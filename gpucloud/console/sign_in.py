@@ -127,7 +127,7 @@ def _open(db: Database, caller: auth.Caller, token: str, operator_token: str) ->
     return session_id
 
 
-@router.post("/sign-out", dependencies=[Depends(web.csrf_checked)])
+@router.post("/sign-out", dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)])
 async def sign_out(request: Request, caller: web.SignedInDep, db: DbDep) -> Response:
     session_id = request.state.console_session
 

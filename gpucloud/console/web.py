@@ -121,8 +121,10 @@ async def csrf_checked(request: Request) -> None:
     if request.method != "POST":
         return
     expected = getattr(request.state, "console_csrf", None)
+    if not expected:  # no session: refused before the body is read
+        raise csrf_refused("there is no console session to send this form from: sign in, then send it again")
     sent = (await form(request)).get("csrf_token", "")
-    if not expected or not sent or not hmac.compare_digest(sent.encode(), expected.encode()):
+    if not sent or not hmac.compare_digest(sent.encode(), expected.encode()):
         raise csrf_refused("the form's CSRF token is missing or not this session's: reload the page and send it again")
 
 

@@ -74,6 +74,11 @@ def test_a_page_asks_a_visitor_to_sign_in_first(client):
     assert answer.headers["location"] == "/console/sign-in?next=/console/fleet"
 
 
+def test_a_visitors_sign_out_is_sent_to_sign_in_before_its_form_is_read(client):
+    sent = client.post("/console/sign-out", data={"csrf_token": "anything"})
+    assert sent.status_code == 303 and sent.headers["location"] == "/console/sign-in"
+
+
 def test_the_cookie_holds_a_random_session_id_and_the_credential_stays_on_the_server(client, settings):
     signed_in = _sign_in(client, OPERATOR_TOKEN)
     assert signed_in.status_code == 303 and signed_in.headers["location"] == "/console/fleet"
