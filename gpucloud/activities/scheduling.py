@@ -16,7 +16,7 @@ from gpucloud.activities import ActivityGroup
 from gpucloud.adapters.temporal_gateway import poke_pool_scheduler, signal_cancel, start_allocation_workflow
 from gpucloud.config import Settings
 from gpucloud.db import Database
-from gpucloud.models.messages import PoolPlanResult, PoolRef, PreemptRequest, SweepInput
+from gpucloud.models.messages import EnsureSchedulerInput, PoolPlanResult, PoolRef, PreemptRequest, SweepInput
 from gpucloud.models.tables import Allocation
 from gpucloud.services import scheduling
 
@@ -67,8 +67,8 @@ class SchedulerActivities(ActivityGroup):
         )
 
     @activity.defn
-    async def ensure_pool_scheduler(self, req: PoolRef) -> None:
-        await poke_pool_scheduler(self.client, self.settings, req.gpu_type, req.region)
+    async def ensure_pool_scheduler(self, req: EnsureSchedulerInput) -> None:
+        await poke_pool_scheduler(self.client, self.settings, req.gpu_type, req.region, plan_now=req.plan_now)
 
     @activity.defn
     async def ensure_pool_schedulers(self, _sweep: SweepInput) -> int:

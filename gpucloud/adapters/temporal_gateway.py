@@ -91,14 +91,28 @@ async def signal_replace_node(client: Client, allocation_id: str, req: ReplaceNo
     await handle.signal(ids.ALLOCATION_REPLACE_NODE_SIGNAL, req)
 
 
-async def poke_pool_scheduler(client: Client, settings: Settings, gpu_type: str, region: str) -> None:
-    """Make sure the pool's scheduler runs, and have it plan the pool now (signal-with-start)."""
+async def poke_pool_scheduler(
+    client: Client, settings: Settings, gpu_type: str, region: str, *, plan_now: bool = True
+) -> None:
+    """Make sure the pool's scheduler runs, and have it plan the pool now (signal-with-start);
+    `plan_now=False` only starts it where none runs (a running one keeps to its own round)."""
+    inp = PoolSchedulerInput(gpu_type=gpu_type, region=region, poll_s=settings.scheduler.poll_s)
+    workflow_id = ids.pool_scheduler_workflow_id(gpu_type, region)
+    if plan_now:
+        await client.start_workflow(
+            ids.POOL_SCHEDULER_WORKFLOW,
+            inp,
+            id=workflow_id,
+            task_queue=settings.temporal.task_queue,
+            start_signal=ids.POOL_SCHEDULER_POKE_SIGNAL,
+        )
+        return
     await client.start_workflow(
         ids.POOL_SCHEDULER_WORKFLOW,
-        PoolSchedulerInput(gpu_type=gpu_type, region=region, poll_s=settings.scheduler.poll_s),
-        id=ids.pool_scheduler_workflow_id(gpu_type, region),
+        inp,
+        id=workflow_id,
         task_queue=settings.temporal.task_queue,
-        start_signal=ids.POOL_SCHEDULER_POKE_SIGNAL,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
 
 

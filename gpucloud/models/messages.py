@@ -211,6 +211,8 @@ class AllocationInput(AllocationRef):
     replacement_recheck_s: float = 30.0
     # Queued: how often its workflow reads its row again (and makes sure the pool's scheduler runs).
     queue_recheck_s: float = 60.0
+    # A run continued as new while queued: the pool's scheduler was told of it already.
+    queued_before: bool = False
 
 
 class AllocationResult(AllocationRef):
@@ -240,6 +242,13 @@ class PoolRef(BaseModel):
 
 class PoolSchedulerInput(PoolRef):
     poll_s: float = 5.0
+
+
+class EnsureSchedulerInput(PoolRef):
+    """A queued allocation's pool: its scheduler made sure to run, and asked to plan now
+    (`plan_now`: the request is new to the queue) or left to its own round (a recheck)."""
+
+    plan_now: bool = True
 
 
 class PreemptRequest(AllocationRef):

@@ -93,7 +93,9 @@ class AllocationWorkflow:
     async def run(self, inp: AllocationInput) -> AllocationResult:
         self._steps.allocation_id = inp.allocation_id
         view = await self._steps.load()
-        if view.status == AllocationStatus.QUEUED:
+        # `queued_before`: a run continued as new from the queue, whose row may have moved on
+        # (a cancel read here must not be taken for an allocation that held nodes).
+        if view.status == AllocationStatus.QUEUED or inp.queued_before:
             view = await self._wait_in_queue(inp)
             if view.status == AllocationStatus.CANCELLING and not view.node_ids:
                 # Cancelled while queued: it never held a node, so nothing is billed or released.
@@ -162,20 +164,27 @@ class AllocationWorkflow:
     async def _wait_in_queue(self, inp: AllocationInput) -> AllocationView:
         """Queued in its pool (`services/scheduling.py`): make sure the pool's scheduler runs, and
         wait until it placed the allocation (nodes reserved), expired it, or it was cancelled; the
-        row is read again at each signal and every `queue_recheck_s` (a lost signal only delays)."""
+        row is read again at each signal and every `queue_recheck_s` (a lost signal only delays).
+
+        The scheduler is asked to plan at once when the request joins the queue; a recheck only
+        makes sure it runs (it plans on its own round while anything is queued). A request queued
+        for days continues as new when Temporal suggests it: the new run reads the row first."""
         self._phase = AllocationStatus.QUEUED
         recheck = timedelta(seconds=inp.queue_recheck_s)
+        scheduler_told = inp.queued_before
         while True:
             self._placed = False
             cancelled_before = self._cancel_requested
             view = await self._steps.load()
             if view.status != AllocationStatus.QUEUED:
                 return view
-            await self._steps.ensure_scheduler(view)
+            scheduler_told = await self._steps.ensure_scheduler(view, plan_now=not scheduler_told) or scheduler_told
+            moved = functools.partial(self._moved_in_queue, cancelled_before)
             with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(
-                    functools.partial(self._moved_in_queue, cancelled_before), timeout=recheck
-                )
+                await workflow.wait_condition(moved, timeout=recheck)
+            if not moved() and workflow.info().is_continue_as_new_suggested():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(inp.model_copy(update={"queued_before": scheduler_told}))
 
     def _moved_in_queue(self, cancelled_before: bool) -> bool:
         return self._placed or self._cancel_requested != cancelled_before

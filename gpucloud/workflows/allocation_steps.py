@@ -28,10 +28,10 @@ with workflow.unsafe.imports_passed_through():
         AllocationView,
         DetachNodeInput,
         DetachNodesInput,
+        EnsureSchedulerInput,
         NodeOperationInput,
         NodeOperationKind,
         NodeOperationResult,
-        PoolRef,
         ReplaceNodeRequest,
     )
     from gpucloud.models.workflow_ids import node_workflow_id
@@ -61,13 +61,20 @@ class AllocationSteps:
             **options.DB,
         )
 
-    async def ensure_scheduler(self, view: AllocationView) -> None:
-        """A queued allocation's pool has its scheduler running (`workflows/pool_scheduler.py`)."""
-        await workflow.execute_activity_method(
-            SchedulerActivities.ensure_pool_scheduler,
-            PoolRef(gpu_type=view.gpu_type, region=view.region),
-            **options.SCHEDULER_POKE,
-        )
+    async def ensure_scheduler(self, view: AllocationView, *, plan_now: bool) -> bool:
+        """A queued allocation's pool has its scheduler running (`workflows/pool_scheduler.py`),
+        asked to plan now where `plan_now`. False where Temporal could not be told in the
+        activity's time (the caller asks again at its next recheck; the request stays queued)."""
+        try:
+            await workflow.execute_activity_method(
+                SchedulerActivities.ensure_pool_scheduler,
+                EnsureSchedulerInput(gpu_type=view.gpu_type, region=view.region, plan_now=plan_now),
+                **options.SCHEDULER_POKE,
+            )
+        except ActivityError as error:
+            workflow.logger.warning("pool scheduler not yet made sure of: %s", error.cause or error)
+            return False
+        return True
 
     async def note(self, kind: str, reason: str, node_id: str | None = None) -> None:
         await workflow.execute_activity_method(
