@@ -751,18 +751,31 @@ class QueuePage(BaseModel):
     items: list[QueueEntryPublic]
 
 
-class PoolShareRequest(BaseModel):
-    """A tenant's fair-share weight in one pool (default 1): its queued requests are ordered by
-    its decayed usage against this weight (docs/scheduling.md)."""
-
-    model_config = ConfigDict(extra="forbid")
-
+class _PoolShare(BaseModel):
     gpu_type: str = Field(min_length=1, max_length=64)
     region: str = Field(min_length=1, max_length=64)
     weight: float = Field(gt=0, le=1000)
 
 
-class PoolSharePublic(PoolShareRequest):
+class PoolShareRequest(_PoolShare):
+    """A tenant's fair-share weight in one pool (default 1): its queued requests are ordered by
+    its decayed usage against this weight (docs/scheduling.md). The pool is named as the queue
+    names it (`h100` is `H100`), so a share always meets the requests it orders."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        return gpu_type_name(v)
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        return region_name(v)
+
+
+class PoolSharePublic(_PoolShare):
     tenant_id: str
     updated_at: datetime
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gpucloud.models.api_schemas import ReservationRequest
+from gpucloud.models.api_schemas import PoolShareRequest, ReservationRequest
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +38,15 @@ def test_bad_fields_are_refused_naming_the_field(field: str, value: object, says
         ReservationRequest.model_validate({**GOOD, field: value})
     (error,) = refused.value.errors()
     assert error["loc"] == (field,) and says in str(error["msg"])
+
+
+def test_a_pool_share_names_its_pool_as_the_queue_does() -> None:
+    """A share for `h100` must weigh the requests queued in `H100`: one spelt otherwise would be
+    stored and never apply."""
+    share = PoolShareRequest.model_validate({"gpu_type": "h100", "region": "us-east-1", "weight": 2})
+    assert (share.gpu_type, share.region) == ("H100", "us-east-1")
+    for field, value, says in [("gpu_type", "Z9000", "unknown GPU type"), ("region", "US East", "region name")]:
+        with pytest.raises(ValidationError) as refused:
+            PoolShareRequest.model_validate({"gpu_type": "H100", "region": "us-east-1", "weight": 1, field: value})
+        (error,) = refused.value.errors()
+        assert error["loc"] == (field,) and says in str(error["msg"])
