@@ -96,14 +96,18 @@ class LedgerActivities(ActivityGroup):
         """Send the pool's capacity reservations whose window has begun and that the ledger has not
         recorded (idempotent on the reservation id there), marking each sent; how many. A
         reservation is billed for its window from its start, used or not; one cancelled before it
-        is never sent."""
+        is never sent.
+
+        One the ledger refuses does not hold back the others: each is sent, and the refused ones
+        are named in one final error at the end (they stay unsent, tried again at the next plan)."""
         if self.ledger is None or self.db is None:
             return 0
         due = await asyncio.to_thread(reservations.unbilled, self.db, req.gpu_type, req.region)
         ledger = self._client()
+        refused: list[str] = []
         for r in due:
-            await _refusal_is_final(
-                ledger.record_reservation(
+            try:
+                await ledger.record_reservation(
                     ReservationIn(
                         reservation_id=r.id,
                         tenant_id=r.tenant_id,
@@ -113,8 +117,16 @@ class LedgerActivities(ActivityGroup):
                         end_ms=int(r.end_at.timestamp() * 1000),
                     )
                 )
-            )
+            except LedgerRefused as error:
+                refused.append(f"{r.id} (HTTP {error.status}: {error})")
+                continue
             await asyncio.to_thread(reservations.mark_billed, self.db, r.id)
+        if refused:
+            raise ApplicationError(
+                f"the ledger refused {len(refused)} of {len(due)} reservations: {'; '.join(refused)}",
+                type="LedgerRefused",
+                non_retryable=True,
+            )
         return len(due)
 
     @activity.defn

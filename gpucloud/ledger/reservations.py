@@ -31,16 +31,25 @@ from gpucloud.ledger.tables import postings, reservations
 _CONTENT = ("tenant_id", "gpu_type", "node_count", "start_ms", "end_ms")
 
 
-def gpus_per_node(gpu_type: str) -> int | None:
-    """GPUs per node of a GPU type, from the catalog (matched case-insensitively)."""
+def catalog_gpu(gpu_type: str) -> tuple[str, int] | None:
+    """A GPU type as the catalog spells it (matched case-insensitively) and its GPUs per node."""
     from gpucloud.models.catalog import GPU_TYPES, known_gpu_type
 
     name = known_gpu_type(gpu_type)
-    return None if name is None else GPU_TYPES[name]
+    return None if name is None else (name, GPU_TYPES[name])
 
 
 def record_reservation(connection: Connection, reservation: ReservationIn, *, now_ms: int) -> ReservationOut:
-    """Store one reservation; call inside the ledger's write transaction."""
+    """Store one reservation; call inside the ledger's write transaction. Its GPU type is stored
+    as the catalog spells it, as the price book names it (an `h100` reservation is billed at
+    H100's reserved price, and is the same content as one sent as `H100`)."""
+    known = catalog_gpu(reservation.gpu_type)
+    if known is None:
+        raise problems.LedgerProblem(
+            problems.REQUEST_INVALID(f"the catalog sells no GPU type {reservation.gpu_type!r}", field="gpu_type")
+        )
+    gpu_type, per_node = known
+    reservation = reservation.model_copy(update={"gpu_type": gpu_type})
     existing = (
         connection.execute(select(reservations).where(reservations.c.reservation_id == reservation.reservation_id))
         .mappings()
@@ -55,11 +64,6 @@ def record_reservation(connection: Connection, reservation: ReservationIn, *, no
                 )
             )
         return ReservationOut(**existing, replayed=True)
-    per_node = gpus_per_node(reservation.gpu_type)
-    if per_node is None:
-        raise problems.LedgerProblem(
-            problems.REQUEST_INVALID(f"the catalog sells no GPU type {reservation.gpu_type!r}", field="gpu_type")
-        )
     if reservation.end_ms <= reservation.start_ms:
         raise problems.LedgerProblem(problems.REQUEST_INVALID("end_ms must be after start_ms", field="end_ms"))
     row = {**reservation.model_dump(), "gpus_per_node": per_node, "recorded_ms": now_ms}

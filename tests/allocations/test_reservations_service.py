@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from sqlmodel import col, select
@@ -252,3 +253,49 @@ def test_a_window_never_delivered_ends_unbilled(db_url):
     assert ended.status == "ended" and ended.ready_at is None
     with session_scope(db_url) as session:
         assert reservations.unbilled_count(session, "H100", "r1", now=booked.end_at + timedelta(seconds=5)) == 0
+
+
+async def test_a_reservation_the_ledger_refuses_does_not_hold_back_the_others(db_url, tmp_path):
+    """The scheduler's billing step (`LedgerActivities.record_reservations`) against a real ledger
+    that refuses the first reservation it is sent (recorded there already with other content):
+    the second is still recorded and marked billed, and the refused one is named in the error
+    and left to be sent again."""
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from gpucloud.activities.ledger import LedgerActivities
+    from gpucloud.ledger.client import LedgerClient
+    from gpucloud.models.messages import PoolRef
+    from support.ledger_auth import LedgerAuth, issuer_in
+    from support.ledger_harness import ledger_in_thread
+
+    _fleet(db_url, pods=2, per_pod=2)
+    past = utcnow() - timedelta(hours=2)
+    booked = [_book(db_url, f"ten_{i}", 1, 120, now=past) for i in range(2)]
+    with session_scope(db_url) as session:
+        for row in session.exec(select(CapacityReservation)).all():
+            row.ready_at = row.start_at
+            session.add(row)
+    first, second = sorted(booked, key=lambda r: r.id)
+    with (
+        ledger_in_thread(f"sqlite:///{tmp_path / 'ledger.db'}", issuer_dir=tmp_path) as url,
+        httpx.Client(base_url=url, auth=LedgerAuth(tmp_path), timeout=30) as ledger,
+    ):
+        window = {"start_ms": 0, "end_ms": 3_600_000, "node_count": 1, "gpu_type": "H100"}
+        taken = ledger.post("/v1/reservations", json={"reservation_id": first.id, "tenant_id": "ten_x", **window})
+        assert taken.status_code == 201, taken.text
+        activities = LedgerActivities(LedgerClient(url, issuer=issuer_in(tmp_path)), Database(db_url))
+
+        with pytest.raises(ApplicationError) as refused:
+            await ActivityEnvironment().run(activities.record_reservations, PoolRef(gpu_type="H100", region="r1"))
+        assert refused.value.type == "LedgerRefused" and refused.value.non_retryable
+        assert first.id in str(refused.value) and "1 of 2" in str(refused.value)
+
+        recorded = {
+            r["reservation_id"]
+            for t in ("ten_0", "ten_1")
+            for r in ledger.get("/v1/reservations", params={"tenant_id": t}).json()
+        }
+        assert second.id in recorded and first.id not in recorded
+    assert _row(db_url, CapacityReservation, second.id).billed_at is not None
+    assert _row(db_url, CapacityReservation, first.id).billed_at is None  # sent again at the next plan

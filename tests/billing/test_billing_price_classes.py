@@ -69,11 +69,13 @@ def meter(ledger: httpx.Client, allocation: str, minutes: list[int], *, start: i
     assert answer["accepted"] == len(samples), answer
 
 
-def reservation(ledger: httpx.Client, reservation_id: str, start: int, end: int, nodes: int = 1) -> httpx.Response:
+def reservation(
+    ledger: httpx.Client, reservation_id: str, start: int, end: int, nodes: int = 1, gpu_type: str = "H100"
+) -> httpx.Response:
     body = {
         "reservation_id": reservation_id,
         "tenant_id": "t1",
-        "gpu_type": "H100",
+        "gpu_type": gpu_type,
         "node_count": nodes,
         "start_ms": start,
         "end_ms": end,
@@ -169,6 +171,17 @@ def test_a_resent_reservation_is_a_no_op_and_a_different_one_under_its_id_is_a_c
     assert conflict.status_code == 409 and conflict.json()["field"] == "reservation_id"
     assert [r["reservation_id"] for r in ledger.get("/v1/reservations", params={"tenant_id": "t1"}).json()] == ["r1"]
     assert invoice(ledger, "2024-01")["total_micro"] == Rate(RESERVED).amount_for(HOUR * 8)
+
+
+def test_a_reservation_sent_in_another_case_is_billed_as_the_catalog_names_it(ledger: httpx.Client) -> None:
+    """The price book names `H100`: a reservation stored as `h100` would never meet its price."""
+    start = JAN + 7 * 86_400_000
+    first = reservation(ledger, "r1", start, start + HOUR, gpu_type="h100")
+    assert first.status_code == 201 and first.json()["gpu_type"] == "H100", first.text
+    again = reservation(ledger, "r1", start, start + HOUR)  # the same content, spelt as the catalog does
+    assert again.status_code == 200 and again.json()["replayed"] is True
+    document = invoice(ledger, "2024-01")
+    assert lines(document) == [("reservation", "r1", "reserved", HOUR * 8, RESERVED)]
 
 
 def test_a_reservation_of_a_gpu_type_the_catalog_does_not_sell_is_refused(ledger: httpx.Client) -> None:
