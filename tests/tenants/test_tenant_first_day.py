@@ -5,8 +5,10 @@ and asks who it is and what it may rent; allocates a node with a workload and an
 in nodes and GPUs why a bigger ask is refused, and that the fleet has no B200; reads its
 workload's output; reaches the node over SSH; pushes a model and rolls it out by alias; reads its
 usage and draft invoice; rotates its key (the grace period is not optional); cancels; and leaves
-nothing behind in the directory it worked from. Every command runs in a fresh process with a
-config file of its own, as a user's shell would, at 80 columns. On SQLite and on Postgres."""
+nothing behind in the directory it worked from. Every command runs in a process of its own with
+only the shell's environment and a config file of its own, as a user's shell would, at 80
+columns (forked from a server that imported the libraries once, the CLI imported anew:
+`support/forked.run_cli`). On SQLite and on Postgres."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import pytest
 
 from gpucloud.devstack.stack import free_port
 from support.databases import scratch_postgres
+from support.forked import run_cli
 from support.models import random_tensors, write_model
 from support.stack import wait_until
 
@@ -48,7 +51,7 @@ def database(request) -> Iterator[dict[str, str]]:
 
 class Shell:
     """A user's shell: a home, a config file, an empty working directory and an 80-column
-    terminal; `run` is one `gpucloud` command in a fresh process."""
+    terminal; `run` is one `gpucloud` command in a process of its own."""
 
     def __init__(self, root: Path) -> None:
         self.home, self.cwd = root / "home", root / "work"
@@ -63,14 +66,7 @@ class Shell:
         }
 
     def run(self, *args: str, expect: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-        done = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli.main", *args],
-            env=self.env,
-            cwd=self.cwd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        done = run_cli(list(args), env=self.env, cwd=self.cwd, timeout=timeout)
         assert done.returncode == expect, (
             f"gpucloud {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
         )
