@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from gpucloud.devstack.stack import free_port
 from gpucloud.ledger.periods import period_bounds
 from gpucloud.ledger.pricing import Rate
 from gpucloud.models.tables import Allocation
+from support.forked import run_cli
 from support.ledger_auth import auth_for, post_usage
 from support.ledger_harness import ledger_in_thread
 
@@ -96,36 +95,16 @@ def test_tenants_see_their_own_usage_and_invoices_only(db_url, make_harness, led
             "GPUCLOUD_API_KEY": acme_key,
             "COLUMNS": "200",
         }
-        listing = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli.main", "invoices"], env=env, capture_output=True, text=True, timeout=60
-        )
+        listing = run_cli(["invoices"], env=env, cwd=h.log_dir)
         assert listing.returncode == 0, listing.stderr
         assert "2024-01" in listing.stdout and acme_id in listing.stdout and other_id not in listing.stdout
-        shown = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli.main", "invoices", "show", str(mine["id"])],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        shown = run_cli(["invoices", "show", str(mine["id"])], env=env, cwd=h.log_dir)
         assert shown.returncode == 0, shown.stderr
         assert f"{mine['total_micro'] // 1_000_000}.{mine['total_micro'] % 1_000_000:06d}" in shown.stdout
         assert mine["sha256"] in shown.stdout
-        draft = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli.main", "invoices", "draft"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        draft = run_cli(["invoices", "draft"], env=env, cwd=h.log_dir)
         assert draft.returncode == 0 and "draft" in draft.stdout and acme_alloc in draft.stdout, draft.stderr
-        as_json = subprocess.run(
-            [sys.executable, "-m", "gpucloud.cli.main", "invoices", "show", str(mine["id"]), "-o", "json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        as_json = run_cli(["invoices", "show", str(mine["id"]), "-o", "json"], env=env, cwd=h.log_dir)
         shown_json = json.loads(as_json.stdout)
         assert shown_json["sha256"] == mine["sha256"] and shown_json["invoice"]["total_micro"] == mine["total_micro"]
 

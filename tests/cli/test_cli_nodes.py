@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from support.forked import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -21,38 +21,14 @@ def test_nodes_table_filters_by_state(db_url, make_harness):
         "GPUCLOUD_API__OPERATOR_TOKEN": h.settings.operator_token,
         "COLUMNS": "200",
     }
-    out = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli.main", "nodes", "--state", "enrolled"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli(["nodes", "--state", "enrolled"], env=env, cwd=h.log_dir)
     assert out.returncode == 0, out.stderr
     assert all(i in out.stdout for i in ids) and "nodes (3 shown of 3)" in out.stdout
     assert "enrolled: 3" in out.stdout
-    none = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli.main", "nodes", "--state", "active"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    none = run_cli(["nodes", "--state", "active"], env=env, cwd=h.log_dir)
     assert none.returncode == 0 and ids[0] not in none.stdout
-    as_json = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli.main", "nodes", "--output", "json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    as_json = run_cli(["nodes", "--output", "json"], env=env, cwd=h.log_dir)
     listed = json.loads(as_json.stdout)
     assert sorted(n["id"] for n in listed["nodes"]) == sorted(ids) and listed["summary"]["total"] == 3
-    down = subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli.main", "nodes"],
-        capture_output=True,
-        text=True,
-        env={**env, "GPUCLOUD_API__PORT": "1"},
-        timeout=60,
-    )
+    down = run_cli(["nodes"], env={**env, "GPUCLOUD_API__PORT": "1"}, cwd=h.log_dir)
     assert down.returncode == 5 and "is `gpucloud up` running?" in down.stderr  # unavailable

@@ -29,7 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.e2e]
+# The browser's view of the stack; the console's queries on Postgres: its page tests.
+pytestmark = [pytest.mark.e2e, pytest.mark.one_database]
 
 playwright_api = pytest.importorskip("playwright.async_api")
 CHROMIUM = shutil.which("chromium")

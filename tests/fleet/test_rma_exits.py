@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import sqlalchemy as sa
@@ -15,6 +14,7 @@ from sqlmodel import col
 
 from gpucloud.db import session_scope
 from gpucloud.models.tables import Node
+from support.forked import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -32,9 +32,7 @@ def _cli(h, *args: str) -> subprocess.CompletedProcess:
         "GPUCLOUD_API__OPERATOR_TOKEN": h.settings.operator_token,
         "COLUMNS": "200",
     }
-    return subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli.main", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+    return run_cli(list(args), env=env, cwd=h.log_dir)
 
 
 async def test_a_replaced_node_is_burnt_in_again_and_a_retired_one_leaves_the_fleet(ready_fleet, db_url):

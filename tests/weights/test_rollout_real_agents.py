@@ -267,11 +267,12 @@ async def start(client: Client, task_queue: str, digest: str, **options) -> Work
     return await client.start_workflow(RolloutWorkflow.run, inp, id=rollout_id, task_queue=task_queue)
 
 
+# Agents, peers and the tracker over HTTP, with and without TLS; the database is only underneath
+# (the rollout's rows on Postgres: tests/weights/test_rollout_api.py), so SQLite.
 @pytest.mark.parametrize(
     ("db_url", "secure"),
     [
-        pytest.param("sqlite", False, id="sqlite"),
-        pytest.param("postgres", False, id="postgres"),
+        pytest.param("sqlite", False, id="plain"),
         pytest.param("sqlite", True, id="tls"),
     ],
     indirect=["db_url"],
