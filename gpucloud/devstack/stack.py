@@ -32,6 +32,8 @@ from pydantic import SecretStr
 
 from gpucloud import bootstrap, children
 from gpucloud.config import Settings
+from gpucloud.devstack import forked
+from gpucloud.devstack.forked import ForkedChild
 from gpucloud.devstack.temporal_server import server_args
 from gpucloud.ledger.pricebook import list_price_book
 from gpucloud.sim.client import SimFleetClient
@@ -145,7 +147,7 @@ class Stack:
     # with `clean_image`, the stack serves one over loopback (`images`), as an operator's boot
     # image server would, and sets `bmc.clean_image_url` and its digest for the workers.
     clean_image: bool = False
-    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen | ForkedChild] = field(default_factory=dict)
     _fabric_port: int = field(default=0, init=False)
     _images_port: int = field(default=0, init=False)
 
@@ -229,6 +231,15 @@ class Stack:
 
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "gpucloud.cli.main", *args]
+
+    def _spawn_cli(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+        """`gpucloud ARGS`, forked from the stack's fork server where it can be
+        (`devstack/forked.py`: a fresh interpreter spends over a CPU-second importing)."""
+        if not forked.available():
+            self._spawn(name, self._cli(*args), env=env)
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.processes[name] = ForkedChild(list(args), env=env or self.env(), log_path=self.log_dir / f"{name}.log")
 
     def _components(self, only: tuple[str, ...] | None) -> list[str]:
         wanted = [name for name in self.COMPONENTS if only is None or name in only]
@@ -315,7 +326,7 @@ class Stack:
     def _start_ledger(self, on_step: Callable[[str], None]) -> None:
         on_step("starting billing ledger")
         issuer = bootstrap.token_issuer(self.settings)  # the key the ledger trusts, made before it starts
-        self._spawn("ledger", self._cli("ledger"))
+        self._spawn_cli("ledger", "ledger")
         self._wait("ledger", lambda: self._http_ok(f"{self.ledger_url}/healthz"), 60)
         with http_client(base_url=self.ledger_url, timeout="ledger_seed", trust=tls.client_verify()) as ledger:
             seed_price_book(ledger, issuer.mint(LEDGER_AUDIENCE, subject="operator", role="operator"))
@@ -323,23 +334,25 @@ class Stack:
     def _start_fabric(self, on_step: Callable[[str], None]) -> None:
         on_step("starting simulated fabric managers")
         port = self.fabric_url.rsplit(":", 1)[1]
-        self._spawn(
+        self._spawn_cli(
             "fabric",
-            self._cli(
-                "fabric-managers", "--port", port, "--state", str(self.settings.data_dir.resolve() / "fabric.json")
-            ),
+            "fabric-managers",
+            "--port",
+            port,
+            "--state",
+            str(self.settings.data_dir.resolve() / "fabric.json"),
         )
         self._wait("fabric", lambda: self._http_ok(f"{self.fabric_url}/healthz"), 60)
 
     def _start_tracker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting weight tracker")
         bootstrap.token_issuer(self.settings)  # the key (and its public half) the tracker trusts
-        self._spawn("tracker", self._cli("tracker"))
+        self._spawn_cli("tracker", "tracker")
         self._wait("tracker", lambda: self._http_ok(f"{self.settings.tracker.url}/healthz"), 60)
 
     def _start_worker(self, on_step: Callable[[str], None]) -> None:
         on_step("starting worker")
-        self._spawn("worker", self._cli("worker"))
+        self._spawn_cli("worker", "worker")
 
     def _start_evaluations(self, on_step: Callable[[str], None]) -> None:
         on_step("starting evaluation worker")
@@ -352,7 +365,7 @@ class Stack:
         delegate = bootstrap.issue_api_delegate(self.settings)
         env = {key: value for key, value in self.env().items() if key != "GPUCLOUD_AGENT__ISSUER_KEY"}
         env["GPUCLOUD_API__DELEGATE_KEY"] = str(delegate)
-        self._spawn("api", self._cli("api", "--workers", str(api_processes(self.settings))), env=env)
+        self._spawn_cli("api", "api", "--workers", str(api_processes(self.settings)), env=env)
         self._wait("api", lambda: self._http_ok(f"{self.settings.api_url}/healthz"), 60)
 
     def _start_sim(self, on_step: Callable[[str], None]) -> None:
@@ -368,22 +381,20 @@ class Stack:
 
         # Each node takes SSH on a loopback port of its own, as far as a listener a node fits.
         ssh = ["--ssh"] if self.nodes + self.nvl72_racks * NVL72_TRAYS_PER_RACK <= MAX_SSH_NODES else []
-        self._spawn(
+        self._spawn_cli(
             "sim",
-            self._cli(
-                "sim",
-                "--nodes",
-                str(self.nodes),
-                *register,
-                *metering,
-                *nvl72,
-                *faults,
-                *ssh,
-                "--latency-scale",
-                str(self.sim_latency_scale),
-                "--heartbeat-interval",
-                str(self.sim_heartbeat_s),
-            ),
+            "sim",
+            "--nodes",
+            str(self.nodes),
+            *register,
+            *metering,
+            *nvl72,
+            *faults,
+            *ssh,
+            "--latency-scale",
+            str(self.sim_latency_scale),
+            "--heartbeat-interval",
+            str(self.sim_heartbeat_s),
         )
         self._wait("sim", lambda: self._http_ok(f"{self.settings.sim_url}/healthz"), 60)
         if self.fabric and self.nvl72_racks:

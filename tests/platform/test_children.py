@@ -78,6 +78,64 @@ def test_a_child_of_the_local_stack_dies_when_up_is_killed(tmp_path) -> None:
             os.kill(child, signal.SIGKILL)
 
 
+def test_a_forked_child_of_the_local_stack_serves_in_its_own_session_and_dies_when_up_is_killed(tmp_path) -> None:
+    """`up`'s Python children are forked from its fork server (`devstack/forked.py`), not started
+    afresh: each serves as `gpucloud <command>` would, in a session of its own, and `kill -9` of
+    `up` ends the fork server and, through it, the child."""
+    from gpucloud.devstack.stack import free_port
+
+    port = free_port()
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import os, time
+                from gpucloud.config import Settings
+                from gpucloud.devstack.stack import Stack
+
+                stack = Stack(Settings(data_dir={str(tmp_path)!r}))
+                state = {str(tmp_path / "fabric.json")!r}
+                env = {{**os.environ, "GPUCLOUD_LOG_LEVEL": "WARNING"}}
+                stack._spawn_cli("fabric", "fabric-managers", "--port", "{port}", "--state", state, env=env)
+                child = stack.processes["fabric"]
+                print(type(child).__name__, child.pid, flush=True)
+                time.sleep(120)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert parent.stdout is not None
+        kind, pid = parent.stdout.readline().split()
+        child = int(pid)
+        assert kind == "ForkedChild"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "logs" / "fabric.log").read_text()[-2000:]
+            time.sleep(0.1)
+        assert os.getsid(child) == child  # a Ctrl-C at `up`'s terminal does not reach it
+        # Forked from the fork server (its command line is the server's), not a fresh interpreter.
+        assert b"multiprocessing.forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()
+        parent.kill()
+        parent.wait(10)
+        assert wait_gone(child, 15), f"the stack's forked child {child} outlived `up`"
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if "child" in locals() and running(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def test_a_child_whose_parent_died_before_it_asked_exits_at_once() -> None:
     """Between its start and its request the parent may already be gone: nobody would signal."""
     done = subprocess.run(
