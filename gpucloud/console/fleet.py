@@ -14,7 +14,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from itertools import groupby
 from typing import Annotated, Any
 from urllib.parse import urlencode
@@ -185,6 +185,12 @@ def fleet_page(
     )
 
 
+def _as_utc(moment: datetime) -> datetime:
+    """A time without a zone is taken as UTC, as every time the console writes is (a naive one,
+    compared with the rows' aware times, would end the stream)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
 def _changed(reads: Any, filters: Filters, since: datetime) -> list[Any]:
     with reads() as session:
         query = sa.select(*_CELL_COLUMNS).where(col(Node.updated_at) >= since - OVERLAP, *filters.where())
@@ -206,10 +212,10 @@ async def fleet_events(
     newest `updated_at` it carries; the browser resumes from it (`Last-Event-ID`)."""
     filters = Filters(gpu_type=gpu_type, region=region, state=state, tenant=tenant)
     resumed = request.headers.get("last-event-id")
-    start = since or utcnow()
+    start = _as_utc(since) if since is not None else utcnow()
     if resumed:
         with contextlib.suppress(ValueError):  # not one of ours: start from `since`
-            start = datetime.fromisoformat(resumed)
+            start = _as_utc(datetime.fromisoformat(resumed))
 
     async def events() -> AsyncIterator[str]:
         mark = start

@@ -13,7 +13,7 @@ import hmac
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, quote
 
 import jinja2
 from fastapi import Depends, Request, Response
@@ -132,7 +132,7 @@ async def signed_in(request: Request) -> Caller:
     """The signed-in caller; a visitor is sent to sign in (and back here after, for a GET)."""
     caller: Caller | None = getattr(request.state, "caller", None)
     if caller is None or caller.role not in ("tenant", "operator"):
-        after = f"?next={request.url.path}" if request.method == "GET" else ""
+        after = f"?next={quote(request.url.path, safe='/')}" if request.method == "GET" else ""
         raise Problem(
             303, "sign-in-required", "Sign in", "sign in first", headers={"Location": f"{PREFIX}/sign-in{after}"}
         )

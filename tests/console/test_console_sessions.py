@@ -74,6 +74,31 @@ def test_a_page_asks_a_visitor_to_sign_in_first(client):
     assert answer.headers["location"] == "/console/sign-in?next=/console/fleet"
 
 
+def test_the_page_a_visitor_asked_for_is_kept_whole_in_the_sign_in_link(client):
+    """A node id with `&` in it is part of the page to come back to, not a new parameter."""
+    answer = client.get("/console/nodes/gpu%26a")
+    assert answer.status_code == 303
+    assert answer.headers["location"] == "/console/sign-in?next=/console/nodes/gpu%26a"
+
+
+def test_the_fleet_stream_takes_a_time_without_a_zone_as_utc(client, settings):
+    """`since` (or `Last-Event-ID`) without a zone: the stream starts from it, as UTC, and sends
+    the nodes that changed after it, instead of ending at its first comparison."""
+    from support.nodes import enroll
+
+    enroll(settings.database_url, ["n-naive"])
+    assert _sign_in(client, OPERATOR_TOKEN).status_code == 303
+    for query, headers in (("?since=2020-01-01T00:00:00", {}), ("", {"Last-Event-ID": "2020-01-01T00:00:00"})):
+        with client.stream("GET", f"/console/fleet/events{query}", headers=headers) as stream:
+            assert stream.status_code == 200
+            lines = []
+            for line in stream.iter_lines():
+                lines.append(line)
+                if line.startswith("data: ") or len(lines) > 10:
+                    break
+        assert "event: nodes" in lines and "n-naive" in lines[-1], lines
+
+
 def test_a_visitors_sign_out_is_sent_to_sign_in_before_its_form_is_read(client):
     sent = client.post("/console/sign-out", data={"csrf_token": "anything"})
     assert sent.status_code == 303 and sent.headers["location"] == "/console/sign-in"
