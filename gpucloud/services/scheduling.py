@@ -644,8 +644,17 @@ def queue_of(
         query = query.where(col(Allocation.gpu_type) == gpu_type)
     if region is not None:
         query = query.where(col(Allocation.region) == region)
-    rows = session.exec(query.order_by(col(Allocation.seq)).limit(limit)).all()
-    return sorted(rows, key=lambda a: (a.gpu_type, a.region, a.queue_position or 1 << 30, a.created_at))
+    # Ordered before the limit: the first `limit` in the queue's order, not the first created.
+    unplanned_last = sa.case((col(Allocation.queue_position).is_(None), 1), else_=0)
+    ordered = query.order_by(
+        col(Allocation.gpu_type),
+        col(Allocation.region),
+        unplanned_last,
+        col(Allocation.queue_position),
+        col(Allocation.created_at),
+        col(Allocation.seq),
+    )
+    return list(session.exec(ordered.limit(limit)).all())
 
 
 def set_share(session: Session, tenant_id: str, gpu_type: str, region: str, weight: float) -> TenantPoolShare:

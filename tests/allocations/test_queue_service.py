@@ -175,6 +175,10 @@ def test_a_tenant_that_floods_the_queue_does_not_stand_in_front_of_another(db_ur
     assert _row(db_url, late.id).queue_position == 1
     assert _plan(db).placed == []
     assert [_row(db_url, a.id).queue_position for a in [late, *flood]] == [1, 2, 3, 4, 5]
+    # The queue as listed is in that order, and a short page is its head, not the first created.
+    with session_scope(db_url) as session:
+        assert [a.id for a in scheduling.queue_of(session, "H100", "r1")] == [a.id for a in [late, *flood]]
+        assert [a.id for a in scheduling.queue_of(session, limit=2)] == [late.id, flood[0].id]
     for blocker in blockers:
         _release(db_url, blocker.id)
     plan = _plan(db)
