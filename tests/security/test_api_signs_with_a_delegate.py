@@ -155,7 +155,9 @@ def test_up_gives_the_api_process_the_delegate_and_not_the_issuer_key_path(tmp_p
     monkeypatch.setenv("GPUCLOUD_AGENT__ISSUER_KEY", str(tmp_path / "issuer_key.pem"))
     stack = Stack(Settings(data_dir=tmp_path))
     spawned: dict = {}
+    # Started afresh or forked (`devstack/forked.py`): the environment it is given is what counts.
     monkeypatch.setattr(stack, "_spawn", lambda name, args, *, env=None: spawned.update(env=env))
+    monkeypatch.setattr(stack, "_spawn_cli", lambda name, *args, env=None: spawned.update(env=env))
     monkeypatch.setattr(stack, "_wait", lambda *args: None)
     stack._start_api(lambda _step: None)
     env = spawned["env"]
