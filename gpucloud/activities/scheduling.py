@@ -64,6 +64,7 @@ class SchedulerActivities(ActivityGroup):
             queued=plan.queued,
             reservations=plan.reservations,
             unbilled=plan.unbilled,
+            quiet_s=plan.quiet_s,
         )
 
     @activity.defn
@@ -75,6 +76,6 @@ class SchedulerActivities(ActivityGroup):
         """Every pool with a queue or an open capacity reservation has its scheduler running (the
         sweep's safety net: one lost with a crash, or never started, is started again)."""
         pools = await asyncio.to_thread(functools.partial(scheduling.pools_needing_scheduler, self.db))
-        for gpu_type, region in pools:
-            await poke_pool_scheduler(self.client, self.settings, gpu_type, region)
+        for gpu_type, region in pools:  # started where none runs; one running keeps to its round
+            await poke_pool_scheduler(self.client, self.settings, gpu_type, region, plan_now=False)
         return len(pools)

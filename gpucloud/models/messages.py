@@ -269,6 +269,9 @@ class PoolPlanResult(BaseModel):
     queued: int = 0
     reservations: int = 0  # open (accepted or active): the scheduler keeps planning while any is
     unbilled: int = 0  # reservations whose window began that the ledger has not recorded yet
+    # Nothing queued and every open reservation's hold still ahead: no plan changes anything for
+    # this long (the scheduler sleeps until then, a poke waking it sooner).
+    quiet_s: float = 0.0
 
 
 class AllocationStatusInput(AllocationRef):

@@ -65,6 +65,16 @@ class PoolPlan:
     queued: int = 0
     reservations: int = 0  # open in the pool (accepted or active)
     unbilled: int = 0  # reservations whose window began that the ledger has not recorded
+    # Seconds until a plan can change anything for the open reservations: each one accepted and
+    # its hold (`reservation_hold_s` before its prepared start) still ahead; 0 otherwise.
+    quiet_s: float = 0.0
+
+
+def _quiet_s(windows: list[CapacityReservation], now: datetime, settings: SchedulerSettings) -> float:
+    if not windows or any(w.status != reservations.ReservationStatus.ACCEPTED for w in windows):
+        return 0.0
+    ahead = timedelta(seconds=settings.reservation_hold_s + settings.reservation_prepare_s)
+    return max(0.0, (min(w.start_at for w in windows) - ahead - now).total_seconds())
 
 
 def _ts(at: datetime) -> float:
@@ -591,6 +601,7 @@ def _plan_once(
     result.queued = len(decision.queue) + sum(1 for p in decision.placements if p.preempts and p.id in queued)
     result.notices = pending_notices(session, gpu_type, region, settings)
     result.reservations = len(windows)
+    result.quiet_s = _quiet_s(list(windows.values()), now, settings) if not result.queued else 0.0
     result.unbilled = reservations.unbilled_count(session, gpu_type, region, now=now)
     # A window's allocation whose workflow a crash may have kept from starting is started again.
     result.start += reservations.provisioning_windows(

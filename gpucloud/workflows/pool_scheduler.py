@@ -1,9 +1,12 @@
 """One pool's scheduler (id `scheduler-<gpu type>-<region>`): while the pool's queue is not
 empty, plan the pool (`services/scheduling.py`: place, expire, rank) every `poll_s`, and at once
 when poked (a request queued or cancelled), then tell each allocation it placed or expired (all at once), so
-its workflow goes on. It ends when the queue is empty; the next queued request starts it again
-(the gateway's signal-with-start, made by the queued allocation's workflow, again at each of its
-rechecks, so a scheduler lost with a crash is back within `scheduler.queue_recheck_s`).
+its workflow goes on. While only capacity reservations are open, and each one's hold is still
+ahead, it sleeps until the first hold begins (at most `MAX_QUIET_S`), not planning every `poll_s`
+for weeks. It ends when the queue is empty and no reservation is open; the next queued request
+starts it again (the gateway's signal-with-start, made by the queued allocation's workflow; its
+rechecks, and the reconciler's sweep, start it where none runs, so a scheduler lost with a crash
+is back within `scheduler.queue_recheck_s`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ with workflow.unsafe.imports_passed_through():
 
 # Plans per run before it continues as new (a bounded history).
 PLANS_PER_RUN = 500
+# The longest it sleeps while reservations wait for their holds: what a lost poke can delay.
+MAX_QUIET_S = 300.0
 
 
 @workflow.defn
@@ -61,10 +66,14 @@ class PoolSchedulerWorkflow:
             await asyncio.gather(*tells)
             if result.unbilled:
                 await self._bill(pool)
-            if result.queued == 0 and result.reservations == 0 and not result.preempted and not self._poked:
+            idle = result.queued == 0 and not result.preempted and not self._poked
+            if idle and result.reservations == 0:
                 return self._plans
+            # Reservations whose holds are all still ahead: nothing to do until the first begins
+            # (a poke, for a new request or reservation, wakes it sooner).
+            wait_s = max(inp.poll_s, min(result.quiet_s, MAX_QUIET_S)) if idle and not result.unbilled else inp.poll_s
             with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(lambda: self._poked, timeout=timedelta(seconds=inp.poll_s))
+                await workflow.wait_condition(lambda: self._poked, timeout=timedelta(seconds=wait_s))
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(inp)
 

@@ -5,6 +5,7 @@ found by `benchmarks/scheduling.py --stack`)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -14,7 +15,7 @@ from gpucloud.activities.scheduling import SchedulerActivities
 from gpucloud.models.messages import PoolPlanResult, PoolSchedulerInput
 from gpucloud.models.workflow_ids import allocation_workflow_id
 from gpucloud.workflows.pool_scheduler import PoolSchedulerWorkflow
-from support.workflow_runs import StandIns, queue_name, workers
+from support.workflow_runs import StandIns, in_turn, queue_name, workers
 from support.workflow_tier import RUN_TIMEOUT
 
 pytestmark = pytest.mark.workflow
@@ -44,3 +45,40 @@ async def test_a_plans_allocations_are_told_in_one_workflow_task(temporal_env) -
     told = sorted(s.workflow_execution.workflow_id for s in signals)
     assert told == sorted(allocation_workflow_id(a) for a in placed + expired)
     assert len({s.workflow_task_completed_event_id for s in signals}) == 1
+
+
+async def test_with_only_reservations_whose_holds_are_ahead_it_sleeps_until_poked(temporal_env) -> None:
+    """Nothing queued and the one reservation's hold an hour ahead: no plan every `poll_s` (it
+    would change nothing for an hour); a poke (a new request, say) plans at once, and once no
+    reservation is open the scheduler ends."""
+    answers = in_turn(PoolPlanResult(reservations=1, quiet_s=3600), PoolPlanResult())
+    stand_ins = StandIns({SchedulerActivities.plan_pool: answers})
+    queue = queue_name("scheduler")
+    async with workers(temporal_env.client, [PoolSchedulerWorkflow], {queue: stand_ins.for_worker()}):
+        handle = await temporal_env.client.start_workflow(
+            PoolSchedulerWorkflow.run,
+            PoolSchedulerInput(gpu_type="H100", region="r1", poll_s=0.1),
+            id=f"{queue}-{uuid.uuid4().hex[:6]}",
+            task_queue=queue,
+            execution_timeout=RUN_TIMEOUT,
+        )
+        await stand_ins.until(lambda: len(stand_ins.calls) == 1)
+        await asyncio.sleep(1.5)  # 15 rounds of poll_s
+        assert len(stand_ins.calls) == 1, stand_ins.names
+        await handle.signal(PoolSchedulerWorkflow.poke)
+        assert await handle.result() == 2
+
+
+async def test_a_reservation_whose_hold_has_begun_is_planned_every_round(temporal_env) -> None:
+    answers = in_turn(*[PoolPlanResult(reservations=1, quiet_s=0)] * 3, PoolPlanResult())
+    stand_ins = StandIns({SchedulerActivities.plan_pool: answers})
+    queue = queue_name("scheduler")
+    async with workers(temporal_env.client, [PoolSchedulerWorkflow], {queue: stand_ins.for_worker()}):
+        handle = await temporal_env.client.start_workflow(
+            PoolSchedulerWorkflow.run,
+            PoolSchedulerInput(gpu_type="H100", region="r1", poll_s=0.1),
+            id=f"{queue}-{uuid.uuid4().hex[:6]}",
+            task_queue=queue,
+            execution_timeout=RUN_TIMEOUT,
+        )
+        assert await handle.result() == 4  # three rounds with the reservation open, then none

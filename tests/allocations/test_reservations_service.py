@@ -299,3 +299,16 @@ async def test_a_reservation_the_ledger_refuses_does_not_hold_back_the_others(db
         assert second.id in recorded and first.id not in recorded
     assert _row(db_url, CapacityReservation, second.id).billed_at is not None
     assert _row(db_url, CapacityReservation, first.id).billed_at is None  # sent again at the next plan
+
+
+def test_a_plan_says_how_long_nothing_can_change_for_reservations_whose_holds_are_ahead(db_url):
+    """The pool's scheduler sleeps that long instead of planning every `poll_s` for weeks
+    (`workflows/pool_scheduler.py`); once a hold has begun there is no quiet time."""
+    _fleet(db_url, pods=1, per_pod=4)
+    db = Database(db_url)
+    t0 = utcnow()
+    _book(db_url, "ten_0", 2, 3600, now=t0)
+    _book(db_url, "ten_1", 2, 7200, now=t0)
+    ahead = SETTINGS.reservation_hold_s + SETTINGS.reservation_prepare_s
+    assert _plan(db, t0).quiet_s == pytest.approx(3600 - ahead, abs=1)
+    assert _plan(db, t0 + timedelta(seconds=3600 - ahead + 1)).quiet_s == 0.0  # the first hold began
