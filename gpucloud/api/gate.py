@@ -179,7 +179,7 @@ class Gate(gate.Gate):
         looked up (and its credential checked again) on every request, with no cache, so signing
         out or revoking the key ends it at once (`console/session.py`)."""
         state = scope.setdefault("state", {})
-        if console_session.cookie(scope, console_session.COOKIE) is None:
+        if console_session.session_cookie(scope) is None:
             state["caller"], state["console_csrf"] = console_session.VISITOR, None  # no lookup, no thread
             return None
         try:

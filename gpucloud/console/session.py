@@ -8,6 +8,7 @@ and the static files, and every other page sends it there (`console/pages.py`).
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from http.cookies import CookieError, SimpleCookie
 
@@ -44,6 +45,19 @@ def cookie(scope: Scope, name: str) -> str | None:
     return morsel.value if morsel is not None and morsel.value else None
 
 
+# What `console_sessions` issues: 32 random bytes, URL-safe base64 (43 characters).
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
+def session_cookie(scope: Scope) -> str | None:
+    """The session id the request carries, where one could be (a static file needs none, and a
+    cookie of another shape is no session of ours): no lookup is made for anything else."""
+    if scope.get("path", "").startswith(f"{PREFIX}/static/"):
+        return None
+    value = cookie(scope, COOKIE)
+    return value if value is not None and _SESSION_ID.fullmatch(value) else None
+
+
 def caller_of(principal: console_sessions.Principal) -> Caller:
     if principal.role == "tenant":
         return Caller(role="tenant", tenant_id=principal.tenant_id, key_id=principal.credential_id)
@@ -55,7 +69,7 @@ def caller_of(principal: console_sessions.Principal) -> Caller:
 def resolve(connection: sa.Connection, scope: Scope, operator_token: str) -> tuple[Caller, str | None]:
     """(who calls, the session's CSRF token) for a console request; a visitor without a live
     session. The session id found is left in the scope's state for sign-out."""
-    session_id = cookie(scope, COOKIE)
+    session_id = session_cookie(scope)
     if session_id is None:
         return VISITOR, None
     principal = console_sessions.find(connection, session_id, bootstrap_token=operator_token)

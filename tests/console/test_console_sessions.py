@@ -202,3 +202,28 @@ def test_the_fleet_map_reads_the_same_few_statements_at_any_fleet_size(client, s
         assert page.status_code == 200 and page.text.count('id="n-n') == first + count
         counts.append(len(statements))
     assert counts[0] == counts[1] <= 3, counts
+
+
+def test_only_a_cookie_shaped_like_a_session_id_costs_a_lookup(client, monkeypatch):
+    """The gate looks a session up in the database only for a cookie shaped as the ones it issues
+    (43 URL-safe characters), and never for a static file."""
+    from gpucloud.services import console_sessions
+
+    looked_up: list[str] = []
+    real = console_sessions.find
+
+    def counted(connection, session_id, **kwargs):
+        looked_up.append(session_id)
+        return real(connection, session_id, **kwargs)
+
+    monkeypatch.setattr(console_sessions, "find", counted)
+    for junk in ("x", "a" * 44, "a" * 42 + "!", "../" * 20):
+        client.cookies.set("gpucloud_console", junk, path="/console")
+        assert client.get("/console/fleet").status_code == 303
+    assert looked_up == []
+    shaped = "A" * 43
+    client.cookies.set("gpucloud_console", shaped, path="/console")
+    assert client.get("/console/static/console.css").status_code == 200
+    assert looked_up == []
+    assert client.get("/console/fleet").status_code == 303  # no such session: a visitor
+    assert looked_up == [shaped]
