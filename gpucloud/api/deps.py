@@ -147,6 +147,7 @@ FleetOperatorDep = Annotated[auth.Caller, Depends(operator_with(Scope.FLEET))]
 BillingOperatorDep = Annotated[auth.Caller, Depends(operator_with(Scope.BILLING))]
 TenantsOperatorDep = Annotated[auth.Caller, Depends(operator_with(Scope.TENANTS))]
 OperatorsAdminDep = Annotated[auth.Caller, Depends(operator_with(Scope.OPERATORS))]
+CallerOrReadOperatorDep = Annotated[auth.Caller, Depends(caller_or_operator(Scope.READ))]
 CallerOrFleetOperatorDep = Annotated[auth.Caller, Depends(caller_or_operator(Scope.FLEET))]
 CallerOrTenantsOperatorDep = Annotated[auth.Caller, Depends(caller_or_operator(Scope.TENANTS))]
 

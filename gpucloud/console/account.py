@@ -21,7 +21,7 @@ import re
 import time
 from typing import Any, NamedTuple
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import TypeAdapter, ValidationError
 from sqlmodel import col, select
@@ -44,12 +44,7 @@ from gpucloud.services.evaluations import evaluations_of
 from gpucloud.services.registry_models import model_row
 from gpucloud.web.problems import field_of
 
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
+router = web.pages_router()
 LISTED = 200
 MICRO = 1_000_000
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-from typing import Annotated, Any
+from typing import Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 from sqlmodel import col, select
@@ -29,14 +29,15 @@ from temporalio.service import RPCError
 from gpucloud.adapters.temporal_gateway import signal_cancel
 from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import DbDep, ReadsDep, SettingsDep, TemporalDep, TenantDep, caller_or_operator, visible
+from gpucloud.api.deps import CallerOrFleetOperatorDep as Canceller
+from gpucloud.api.deps import CallerOrReadOperatorDep as Reader
+from gpucloud.api.deps import DbDep, ReadsDep, SettingsDep, TemporalDep, TenantDep, visible
 from gpucloud.console import web
 from gpucloud.console.session import PREFIX
 from gpucloud.models.allocation_states import AllocationStatus
 from gpucloud.models.api_schemas import AllocationRequest
 from gpucloud.models.catalog import GPU_TYPES
 from gpucloud.models.health_tables import AllocationEvent
-from gpucloud.models.operator_roles import Scope
 from gpucloud.models.tables import Allocation
 from gpucloud.services import allocation_requests as requests
 from gpucloud.services.errors import Conflict, Invalid, QuotaExceeded
@@ -45,20 +46,13 @@ from gpucloud.services.workflow_engine import log_undelivered
 from gpucloud.web.problems import field_of
 
 log = logging.getLogger(__name__)
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
+router = web.pages_router()
 PAGE_SIZE = 200
 EVENTS_SHOWN = 200
 FIELDS = ("gpu_type", "region", "node_count")
 FILTER_COLUMNS = {"status": "status", "tenant": "tenant_id", "gpu_type": "gpu_type", "region": "region"}
 # Who reads an allocation's pages: its tenant, or an operator holding `read`; who cancels one:
 # its tenant, or an operator holding `fleet` (the API's cancel).
-Reader = Annotated[Caller, Depends(caller_or_operator(Scope.READ))]
-Canceller = Annotated[Caller, Depends(caller_or_operator(Scope.FLEET))]
 
 
 def _listed(reads: Any, equal: dict[str, str | None], page_token: str) -> tuple[list[Allocation], str]:

@@ -18,32 +18,23 @@ import asyncio
 import re
 import time
 from datetime import UTC, date, datetime, timedelta
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 from sqlmodel import col, select
 
-from gpucloud.api.auth import Caller
-from gpucloud.api.deps import ReadsDep, operator_with
+from gpucloud.api.deps import ReadOperatorDep as ReadOperator
+from gpucloud.api.deps import ReadsDep
 from gpucloud.console import web
-from gpucloud.console.session import PREFIX
 from gpucloud.ledger.client import LedgerClient, LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import PERIOD_PATTERN, period_of
 from gpucloud.ledger.schemas import InvoiceDocument, PeriodOut, ReconciliationReport
 from gpucloud.models.billing_messages import InvoiceOut
-from gpucloud.models.operator_roles import Scope
 from gpucloud.models.tables import Tenant
 from gpucloud.models.tenant_messages import TENANT_ID_PATTERN
 
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
-ReadOperator = Annotated[Caller, Depends(operator_with(Scope.READ))]
+router = web.pages_router()
 PRICE_CLASSES = ("on_demand", "reserved", "preemptible")
 # A period's invoices whose documents the page reads for their totals by price class.
 DOCUMENTS_READ = 100

@@ -20,32 +20,25 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 import sqlalchemy as sa
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
-from gpucloud.api.auth import Caller
-from gpucloud.api.deps import DbDep, ReadsDep, SettingsDep, TemporalDep, operator_with
+from gpucloud.api.deps import DbDep, ReadsDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import FleetOperatorDep as FleetOperator
+from gpucloud.api.deps import ReadOperatorDep as ReadOperator
 from gpucloud.console import charts, web
 from gpucloud.console.session import PREFIX
 from gpucloud.models.api_schemas import MaintenanceRequest, OperatorActionRequest, PowerRequest
 from gpucloud.models.node_states import NodeState
-from gpucloud.models.operator_roles import Scope
 from gpucloud.models.tables import Node, NodeTransition, utcnow
 from gpucloud.services import node_health, node_requests
 from gpucloud.services.errors import Conflict, Invalid
 from gpucloud.web.problems import field_of, not_found
 
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
-ReadOperator = Annotated[Caller, Depends(operator_with(Scope.READ))]
-FleetOperator = Annotated[Caller, Depends(operator_with(Scope.FLEET))]
+router = web.pages_router()
 
 TICK_S = 1.0
 # A write committed a moment after the `updated_at` it set is still seen: each look reaches back.

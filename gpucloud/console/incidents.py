@@ -13,9 +13,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from markdown_it import MarkdownIt
 from markupsafe import Markup
@@ -23,24 +23,18 @@ from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import DbDep, ReadsDep, SettingsDep, TemporalDep, caller_or_operator, operator_with
+from gpucloud.api.deps import CallerOrReadOperatorDep as Reader
+from gpucloud.api.deps import DbDep, ReadsDep, SettingsDep, TemporalDep
+from gpucloud.api.deps import FleetOperatorDep as FleetOperator
 from gpucloud.console import web
 from gpucloud.console.session import PREFIX
 from gpucloud.models.api_schemas import FleetIncidentResolve, RootCauseRequest
 from gpucloud.models.health_tables import Incident, IncidentPublic
-from gpucloud.models.operator_roles import Scope
 from gpucloud.services import incidents, scheduling
 from gpucloud.services.errors import Conflict
 from gpucloud.web.problems import field_of, not_found
 
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
-Reader = Annotated[Caller, Depends(caller_or_operator(Scope.READ))]
-FleetOperator = Annotated[Caller, Depends(operator_with(Scope.FLEET))]
+router = web.pages_router()
 LISTED = 200
 STATUSES = ("open", "closed", "abandoned")
 # A write-up is Markdown the control plane wrote, with operators' words in it: no raw HTML.

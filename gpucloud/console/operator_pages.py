@@ -5,27 +5,17 @@ service the API's router of the same data calls (`services/tenant_requests.quota
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from sqlmodel import col, select
 
-from gpucloud.api.auth import Caller
-from gpucloud.api.deps import DbDep, ReadsDep, operator_with
+from gpucloud.api.deps import DbDep, ReadsDep
+from gpucloud.api.deps import ReadOperatorDep as ReadOperator
 from gpucloud.console import web
-from gpucloud.console.session import PREFIX
 from gpucloud.models.health_tables import OperatorAlertRecord
-from gpucloud.models.operator_roles import Scope
 from gpucloud.models.tables import Allocation, Tenant, TenantStatus
 from gpucloud.services import api_key_requests, scheduling, tenant_requests
 
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
-ReadOperator = Annotated[Caller, Depends(operator_with(Scope.READ))]
+router = web.pages_router()
 LISTED = 200
 
 

@@ -10,28 +10,22 @@
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from gpucloud.api.auth import Caller
-from gpucloud.api.deps import DbDep, ReadsDep, caller_or_operator
+from gpucloud.api.deps import CallerOrFleetOperatorDep as Canceller
+from gpucloud.api.deps import CallerOrReadOperatorDep as Reader
+from gpucloud.api.deps import DbDep, ReadsDep
 from gpucloud.console import web
 from gpucloud.console.session import PREFIX
-from gpucloud.models.operator_roles import Scope
 from gpucloud.models.scheduling_tables import ReservationStatus
 from gpucloud.services import reservations
 from gpucloud.services.errors import Conflict
 
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
-Reader = Annotated[Caller, Depends(caller_or_operator(Scope.READ))]
-Canceller = Annotated[Caller, Depends(caller_or_operator(Scope.FLEET))]
+router = web.pages_router()
 STATUSES = tuple(s.value for s in ReservationStatus)
 
 

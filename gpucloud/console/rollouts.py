@@ -14,31 +14,24 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
-from gpucloud.api.auth import Caller
-from gpucloud.api.deps import DbDep, ReadsDep, TemporalDep, operator_with
+from gpucloud.api.deps import DbDep, ReadsDep, TemporalDep
+from gpucloud.api.deps import FleetOperatorDep as FleetOperator
+from gpucloud.api.deps import ReadOperatorDep as ReadOperator
 from gpucloud.console import web
 from gpucloud.console.session import PREFIX
 from gpucloud.models.api_schemas import RolloutCommand
-from gpucloud.models.operator_roles import Scope
 from gpucloud.models.rollout_messages import RolloutProgress
 from gpucloud.services import rollout_requests as requests
 from gpucloud.services.errors import Conflict
 from gpucloud.web.problems import field_of, invalid, not_found
 
-router = APIRouter(
-    prefix=PREFIX,
-    route_class=web.ConsoleRoute,
-    include_in_schema=False,
-    dependencies=[Depends(web.signed_in), Depends(web.csrf_checked)],
-)
-ReadOperator = Annotated[Caller, Depends(operator_with(Scope.READ))]
-FleetOperator = Annotated[Caller, Depends(operator_with(Scope.FLEET))]
+router = web.pages_router()
 LISTED = 50
 # The commands an operator may give, and what the page calls each (`requests.UPDATES`).
 COMMANDS = {

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from urllib.parse import parse_qsl, quote
 
 import jinja2
-from fastapi import Depends, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 
@@ -172,3 +172,14 @@ def refusal(request: Request, problem: Problem) -> Response:
     )
     response.headers.update({k: v for k, v in problem.headers.items() if k.lower() == "retry-after"})
     return response
+
+
+def pages_router() -> APIRouter:
+    """A router of the console's signed-in pages: a visitor is sent to sign in, and every form
+    must carry the session's CSRF token (each page module makes its own with this)."""
+    return APIRouter(
+        prefix=PREFIX,
+        route_class=ConsoleRoute,
+        include_in_schema=False,
+        dependencies=[Depends(signed_in), Depends(csrf_checked)],
+    )
