@@ -81,6 +81,11 @@ class Caller:
     def is_operator(self) -> bool:
         return self.role == "operator"
 
+    @property
+    def tenant_scope(self) -> str | None:
+        """Whose rows it reads: None (everyone's) for an operator, else its tenant's."""
+        return None if self.is_operator else (self.tenant_id or "")
+
 
 @dataclass(frozen=True)
 class TenantCaller(Caller):

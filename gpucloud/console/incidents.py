@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from markdown_it import MarkdownIt
 from markupsafe import Markup
 from pydantic import ValidationError
-from sqlmodel import Session, col, select
+from sqlmodel import col, select
 
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerOrReadOperatorDep as Reader
@@ -29,7 +29,7 @@ from gpucloud.api.deps import FleetOperatorDep as FleetOperator
 from gpucloud.console import web
 from gpucloud.console.session import PREFIX
 from gpucloud.models.api_schemas import FleetIncidentResolve, RootCauseRequest
-from gpucloud.models.health_tables import Incident, IncidentPublic
+from gpucloud.models.health_tables import Incident
 from gpucloud.services import incidents, scheduling
 from gpucloud.services.errors import Conflict
 from gpucloud.web.problems import field_of, not_found
@@ -50,24 +50,6 @@ PHASES = (
 )
 
 
-def _views(session: Session, rows: list[Incident], caller: Caller) -> list[IncidentPublic]:
-    if caller.is_operator:
-        return [incidents.public(r) for r in rows]
-    tenant = caller.tenant_id or ""
-    links = incidents.links_of(session, [r.id for r in rows], tenant)
-    return [incidents.for_tenant(r, tenant, links[r.id]) for r in rows]
-
-
-def _visible(session: Session, caller: Caller, incident_id: str) -> Incident:
-    try:
-        incident = incidents.get(session, incident_id)
-    except incidents.IncidentNotFound:
-        raise not_found("incident", incident_id) from None
-    if not caller.is_operator and not incidents.touches(session, incident, caller.tenant_id or ""):
-        raise not_found("incident", incident_id)
-    return incident
-
-
 @router.get("/incidents")
 def incidents_page(request: Request, caller: Reader, reads: ReadsDep, status: str = "", kind: str = "") -> Response:
     status = status if status in STATUSES else ""
@@ -80,7 +62,7 @@ def incidents_page(request: Request, caller: Reader, reads: ReadsDep, status: st
             query = query.where(col(Incident.kind) == kind)
         if not caller.is_operator:
             query = query.where(incidents.tenant_filter(caller.tenant_id or ""))
-        views = _views(session, list(session.exec(query).all()), caller)
+        views = incidents.views(session, list(session.exec(query).all()), tenant_id=caller.tenant_scope)
     return web.page(
         request, "incidents.html", incidents=views, status_filter=status, kind=kind, statuses=STATUSES, listed=LISTED
     )
@@ -88,8 +70,8 @@ def incidents_page(request: Request, caller: Reader, reads: ReadsDep, status: st
 
 def _incident_page(request: Request, caller: Caller, reads: Any, incident_id: str, **context: Any) -> Response:
     with reads() as session:
-        incident = _visible(session, caller, incident_id)
-        view = _views(session, [incident], caller)[0]
+        incident = incidents.visible(session, incident_id, tenant_id=caller.tenant_scope)
+        view = incidents.views(session, [incident], tenant_id=caller.tenant_scope)[0]
         text = incidents.write_up_of(view, incident.write_up, tenant_view=not caller.is_operator)
     return web.page(
         request,

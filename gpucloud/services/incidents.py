@@ -292,6 +292,27 @@ def touches(session: Session, incident: Incident, tenant_id: str) -> bool:
     return bool(links_of(session, [incident.id], tenant_id)[incident.id])
 
 
+def views(session: Session, rows: list[Incident], *, tenant_id: str | None) -> list[IncidentPublic]:
+    """The incidents as their reader may see them: whole for an operator (`tenant_id` None), a
+    tenant's view otherwise (`for_tenant`)."""
+    if tenant_id is None:
+        return [public(r) for r in rows]
+    links = links_of(session, [r.id for r in rows], tenant_id)
+    return [for_tenant(r, tenant_id, links[r.id]) for r in rows]
+
+
+def visible(session: Session, incident_id: str, *, tenant_id: str | None) -> Incident:
+    """The incident, if its reader may see it (an operator: any; a tenant: one that touched its
+    allocations); `NotFound` otherwise, as for one that does not exist."""
+    try:
+        incident = get(session, incident_id)
+    except IncidentNotFound:
+        raise NotFound("incident", incident_id) from None
+    if tenant_id is not None and not touches(session, incident, tenant_id):
+        raise NotFound("incident", incident_id)
+    return incident
+
+
 def for_tenant(incident: Incident, tenant_id: str, links: Sequence[IncidentTenant]) -> IncidentPublic:
     """What the tenant sees (`links`: its allocations and nodes the incident touched): its own
     tenant id, allocations and nodes only, no other tenant's id in the summary, signals or

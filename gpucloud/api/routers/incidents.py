@@ -23,26 +23,8 @@ from gpucloud.web.problems import not_found
 router = APIRouter(prefix="/v1", tags=["incidents"])
 
 
-def _views(session, rows: list[Incident], caller: Caller) -> list[IncidentPublic]:
-    if caller.is_operator:
-        return [incidents.public(r) for r in rows]
-    tenant = caller.tenant_id or ""
-    links = incidents.links_of(session, [r.id for r in rows], tenant)
-    return [incidents.for_tenant(r, tenant, links[r.id]) for r in rows]
-
-
 def _view(session, incident: Incident, caller: Caller) -> IncidentPublic:
-    return _views(session, [incident], caller)[0]
-
-
-def _visible(session, caller: Caller, incident_id: str) -> Incident:
-    try:
-        incident = incidents.get(session, incident_id)
-    except incidents.IncidentNotFound:
-        raise not_found("incident", incident_id) from None
-    if not caller.is_operator and not incidents.touches(session, incident, caller.tenant_id or ""):
-        raise not_found("incident", incident_id)
-    return incident
+    return incidents.views(session, [incident], tenant_id=caller.tenant_scope)[0]
 
 
 @router.get("/incidents", response_model=IncidentPage)
@@ -65,13 +47,13 @@ def list_incidents(
             equal={"status": status, "node_id": node_id, "kind": kind},
             where={"tenant_id": (tenant, incidents.tenant_filter(tenant or ""))},
         )
-        return IncidentPage(items=_views(session, rows, caller), next_page_token=token)
+        return IncidentPage(items=incidents.views(session, rows, tenant_id=caller.tenant_scope), next_page_token=token)
 
 
 @router.get("/incidents/{incident_id}", response_model=IncidentPublic)
 def get_incident(incident_id: str, caller: CallerDep, reads: ReadsDep):
     with reads() as session:
-        return _view(session, _visible(session, caller, incident_id), caller)
+        return _view(session, incidents.visible(session, incident_id, tenant_id=caller.tenant_scope), caller)
 
 
 @router.get(
@@ -82,7 +64,7 @@ def get_incident(incident_id: str, caller: CallerDep, reads: ReadsDep):
 def get_write_up(incident_id: str, caller: CallerDep, reads: ReadsDep):
     """The incident's write-up (Markdown); an incident still open gets one written from where it stands."""
     with reads() as session:
-        incident = _visible(session, caller, incident_id)
+        incident = incidents.visible(session, incident_id, tenant_id=caller.tenant_scope)
         text = incidents.write_up_of(
             _view(session, incident, caller), incident.write_up, tenant_view=not caller.is_operator
         )
