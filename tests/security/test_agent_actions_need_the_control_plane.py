@@ -7,7 +7,6 @@ back to the operator token, on a node a tenant has root on."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import httpx
@@ -23,6 +22,7 @@ from gpucloud.protocol.actions import ActionRequest
 from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web.service_tokens import ALGORITHM, ISSUER, Issuer, Verifier, agent_audience, load_or_create_issuer
 from gpucloud.web.serving import ThreadedServer
+from support.forked import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -78,12 +78,13 @@ async def test_only_the_control_planes_token_for_this_node_opens_its_actions(ser
 
 
 def _agent_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "gpucloud.cli.main", "agent", "--node-id", "gpu-7", "--port", "0", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    """`gpucloud agent ...` in a process of its own with only this environment (forked from a
+    server that imported the libraries: `support/forked.run_cli`)."""
+    return run_cli(
+        ["agent", "--node-id", "gpu-7", "--port", "0", *args],
         env={"PATH": "/usr/bin:/bin", "GPUCLOUD_DATA_DIR": str(tmp_path)},
+        cwd=tmp_path,
+        timeout=60,
     )
 
 

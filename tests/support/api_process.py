@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 
 from gpucloud.devstack.stack import free_port
+from support.forked import CliProcess
 
 
 class ApiProcess:
@@ -22,17 +20,17 @@ class ApiProcess:
         self.env["GPUCLOUD_LOG_LEVEL"] = "WARNING"
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: CliProcess | None = None
 
     def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpucloud.cli.main", "api"], env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
+        """Forked from the test process's server that imported the CLI (`support/forked.py`): the
+        kill tests start it again after each kill, and a fresh interpreter imports for over a
+        CPU-second first."""
+        self.proc = CliProcess(["api"], env=self.env, log_path=self.log_path)
 
     def kill(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
+        self.proc.kill()
         self.proc.wait()
 
     def stop(self) -> None:

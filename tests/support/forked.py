@@ -46,6 +46,11 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
 
 
 def _run(args: list[str], env: dict[str, str], log_path: str) -> None:
+    # Standard input /dev/null on descriptor 0, as a fresh process has it (uvicorn hands it on).
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's standard input, for its life
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)

@@ -57,6 +57,7 @@ from gpucloud.registry.pull import pull
 from gpucloud.registry.push import PushResult, push
 from gpucloud.registry.store import LocalChunkStore
 from support.codec import CODEC_KEYS
+from support.forked import CliProcess
 from support.models import POLICY, float_model, random_tensors, tree, write_model
 
 pytestmark = pytest.mark.integration
@@ -146,7 +147,7 @@ class Registry:
     tmp: Path
     app: object
     settings: object
-    workers: list[subprocess.Popen] = field(default_factory=list)
+    workers: list[subprocess.Popen | CliProcess] = field(default_factory=list)
 
     def start_worker(self) -> None:
         """The production workers, each its own process, for the platform's evaluations: the
@@ -155,17 +156,24 @@ class Registry:
 
         if self.workers:
             return
-        control_plane = {**os.environ, **self.settings.env()}
-        for role, env in (("control-plane", control_plane), ("evaluation", evaluation_worker_env(self.settings))):
-            with open(self.tmp / f"worker-{role}.log", "ab") as log:
-                self.workers.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "gpucloud.cli.main", "worker", "--role", role],
-                        env={**env, "GPUCLOUD_LOG_LEVEL": "WARNING"},
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
+        control_plane = {**os.environ, **self.settings.env(), "GPUCLOUD_LOG_LEVEL": "WARNING"}
+        # The control plane's worker forked from the server that imported the CLI
+        # (`support/forked.py`); the evaluation worker started afresh, as `up` starts it (a forked
+        # process would keep this one's start-up environment).
+        self.workers.append(
+            CliProcess(
+                ["worker", "--role", "control-plane"], env=control_plane, log_path=self.tmp / "worker-control-plane.log"
+            )
+        )
+        with open(self.tmp / "worker-evaluation.log", "ab") as log:
+            self.workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "gpucloud.cli.main", "worker", "--role", "evaluation"],
+                    env={**evaluation_worker_env(self.settings), "GPUCLOUD_LOG_LEVEL": "WARNING"},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
+            )
 
     def platform_evaluation(
         self, tenant: Tenant, digest: str, evaluator: str, results: dict[str, float], failure: str | None = None
