@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHandle
 
 from gpucloud.activities.scheduling import SchedulerActivities
 from gpucloud.models.messages import PoolPlanResult, PoolSchedulerInput
@@ -47,21 +50,28 @@ async def test_a_plans_allocations_are_told_in_one_workflow_task(temporal_env) -
     assert len({s.workflow_task_completed_event_id for s in signals}) == 1
 
 
-async def test_with_only_reservations_whose_holds_are_ahead_it_sleeps_until_poked(temporal_env) -> None:
-    """Nothing queued and the one reservation's hold an hour ahead: no plan every `poll_s` (it
-    would change nothing for an hour); a poke (a new request, say) plans at once, and once no
-    reservation is open the scheduler ends."""
-    answers = in_turn(PoolPlanResult(reservations=1, quiet_s=3600), PoolPlanResult())
-    stand_ins = StandIns({SchedulerActivities.plan_pool: answers})
+@asynccontextmanager
+async def scheduling(client, stand_ins: StandIns) -> AsyncIterator[WorkflowHandle]:
+    """A pool's scheduler (`poll_s` 0.1) on a worker of its own with `stand_ins` for its plan."""
     queue = queue_name("scheduler")
-    async with workers(temporal_env.client, [PoolSchedulerWorkflow], {queue: stand_ins.for_worker()}):
-        handle = await temporal_env.client.start_workflow(
+    async with workers(client, [PoolSchedulerWorkflow], {queue: stand_ins.for_worker()}):
+        yield await client.start_workflow(
             PoolSchedulerWorkflow.run,
             PoolSchedulerInput(gpu_type="H100", region="r1", poll_s=0.1),
             id=f"{queue}-{uuid.uuid4().hex[:6]}",
             task_queue=queue,
             execution_timeout=RUN_TIMEOUT,
         )
+
+
+async def test_with_only_reservations_whose_holds_are_ahead_it_sleeps_until_poked(temporal_env) -> None:
+    """Nothing queued and the one reservation's hold an hour ahead: no plan every `poll_s` (it
+    would change nothing for an hour); a poke (a new request, say) plans at once, and once no
+    reservation is open the scheduler ends."""
+    stand_ins = StandIns(
+        {SchedulerActivities.plan_pool: in_turn(PoolPlanResult(reservations=1, quiet_s=3600), PoolPlanResult())}
+    )
+    async with scheduling(temporal_env.client, stand_ins) as handle:
         await stand_ins.until(lambda: len(stand_ins.calls) == 1)
         await asyncio.sleep(1.5)  # 15 rounds of poll_s
         assert len(stand_ins.calls) == 1, stand_ins.names
@@ -71,14 +81,5 @@ async def test_with_only_reservations_whose_holds_are_ahead_it_sleeps_until_poke
 
 async def test_a_reservation_whose_hold_has_begun_is_planned_every_round(temporal_env) -> None:
     answers = in_turn(*[PoolPlanResult(reservations=1, quiet_s=0)] * 3, PoolPlanResult())
-    stand_ins = StandIns({SchedulerActivities.plan_pool: answers})
-    queue = queue_name("scheduler")
-    async with workers(temporal_env.client, [PoolSchedulerWorkflow], {queue: stand_ins.for_worker()}):
-        handle = await temporal_env.client.start_workflow(
-            PoolSchedulerWorkflow.run,
-            PoolSchedulerInput(gpu_type="H100", region="r1", poll_s=0.1),
-            id=f"{queue}-{uuid.uuid4().hex[:6]}",
-            task_queue=queue,
-            execution_timeout=RUN_TIMEOUT,
-        )
+    async with scheduling(temporal_env.client, StandIns({SchedulerActivities.plan_pool: answers})) as handle:
         assert await handle.result() == 4  # three rounds with the reservation open, then none
