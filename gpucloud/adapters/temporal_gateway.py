@@ -96,23 +96,17 @@ async def poke_pool_scheduler(
 ) -> None:
     """Make sure the pool's scheduler runs, and have it plan the pool now (signal-with-start);
     `plan_now=False` only starts it where none runs (a running one keeps to its own round)."""
-    inp = PoolSchedulerInput(gpu_type=gpu_type, region=region, poll_s=settings.scheduler.poll_s)
-    workflow_id = ids.pool_scheduler_workflow_id(gpu_type, region)
-    if plan_now:
-        await client.start_workflow(
-            ids.POOL_SCHEDULER_WORKFLOW,
-            inp,
-            id=workflow_id,
-            task_queue=settings.temporal.task_queue,
-            start_signal=ids.POOL_SCHEDULER_POKE_SIGNAL,
-        )
-        return
+    how: dict[str, Any] = (
+        {"start_signal": ids.POOL_SCHEDULER_POKE_SIGNAL}
+        if plan_now
+        else {"id_conflict_policy": WorkflowIDConflictPolicy.USE_EXISTING}
+    )
     await client.start_workflow(
         ids.POOL_SCHEDULER_WORKFLOW,
-        inp,
-        id=workflow_id,
+        PoolSchedulerInput(gpu_type=gpu_type, region=region, poll_s=settings.scheduler.poll_s),
+        id=ids.pool_scheduler_workflow_id(gpu_type, region),
         task_queue=settings.temporal.task_queue,
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        **how,
     )
 
 

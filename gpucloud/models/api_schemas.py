@@ -8,7 +8,7 @@ import re
 from datetime import datetime, timedelta
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gpucloud.models.billing_messages import InvoiceOut, UsageByType, UsageSummary
 from gpucloud.models.catalog import (
@@ -60,6 +60,12 @@ def gpu_type_name(v: str) -> str:
     if (name := known_gpu_type(v)) is None:
         raise ValueError(f"unknown GPU type {v!r}; known: {', '.join(sorted(GPU_TYPES))}")
     return name
+
+
+# A pool as a request names it: a GPU type the catalog sells (spelt as the catalog spells it), a
+# region name.
+GpuTypeName = Annotated[str, AfterValidator(gpu_type_name)]
+RegionName = Annotated[str, AfterValidator(region_name)]
 
 
 class CapacityRequest(BaseModel):
@@ -764,15 +770,8 @@ class PoolShareRequest(_PoolShare):
 
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("gpu_type")
-    @classmethod
-    def _known_gpu(cls, v: str) -> str:
-        return gpu_type_name(v)
-
-    @field_validator("region")
-    @classmethod
-    def _region(cls, v: str) -> str:
-        return region_name(v)
+    gpu_type: GpuTypeName
+    region: RegionName
 
 
 class PoolSharePublic(_PoolShare):
@@ -789,21 +788,11 @@ class ReservationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    gpu_type: str
-    region: str
+    gpu_type: GpuTypeName
+    region: RegionName
     node_count: int = Field(ge=1, le=MAX_NODES_PER_ALLOCATION)
     start_at: datetime = Field(description="when the window begins (UTC); its allocation is ready by then")
     end_at: datetime = Field(description="when it ends: the workload is stopped with its grace period")
-
-    @field_validator("gpu_type")
-    @classmethod
-    def _known_gpu(cls, v: str) -> str:
-        return gpu_type_name(v)
-
-    @field_validator("region")
-    @classmethod
-    def _region(cls, v: str) -> str:
-        return region_name(v)
 
     @field_validator("start_at", "end_at")
     @classmethod

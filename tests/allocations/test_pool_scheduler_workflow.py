@@ -83,3 +83,39 @@ async def test_a_reservation_whose_hold_has_begun_is_planned_every_round(tempora
     answers = in_turn(*[PoolPlanResult(reservations=1, quiet_s=0)] * 3, PoolPlanResult())
     async with scheduling(temporal_env.client, StandIns({SchedulerActivities.plan_pool: answers})) as handle:
         assert await handle.result() == 4  # three rounds with the reservation open, then none
+
+
+async def test_a_recheck_only_starts_a_scheduler_where_none_runs_and_a_new_request_asks_it_to_plan(
+    temporal_env,
+) -> None:
+    """The gateway (`poke_pool_scheduler`): `plan_now=False` (a queued request's recheck, the
+    sweep) starts the pool's scheduler where none runs and leaves a running one to its round, no
+    signal; `plan_now=True` (a request joining the queue) signals it to plan now. No worker serves
+    this queue: only what Temporal recorded is read."""
+    from gpucloud.adapters.temporal_gateway import poke_pool_scheduler
+    from gpucloud.config import Settings
+    from gpucloud.models.workflow_ids import pool_scheduler_workflow_id
+
+    settings = Settings(temporal={"task_queue": queue_name("no-worker")})
+    region = f"r-{uuid.uuid4().hex[:8]}"
+    handle = temporal_env.client.get_workflow_handle(pool_scheduler_workflow_id("H100", region))
+    try:
+        await poke_pool_scheduler(temporal_env.client, settings, "H100", region, plan_now=False)
+        await poke_pool_scheduler(temporal_env.client, settings, "H100", region, plan_now=False)
+        first = await handle.describe()
+        signals = [
+            e
+            async for e in handle.fetch_history_events()
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+        ]
+        assert signals == []
+        await poke_pool_scheduler(temporal_env.client, settings, "H100", region, plan_now=True)
+        signals = [
+            e
+            async for e in handle.fetch_history_events()
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+        ]
+        assert len(signals) == 1
+        assert (await handle.describe()).run_id == first.run_id  # the one already running, told
+    finally:
+        await handle.terminate("test over")
