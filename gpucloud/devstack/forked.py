@@ -56,24 +56,37 @@ def _run(args: list[str], env: dict[str, str], log_path: str) -> None:
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
-    # Standard input is /dev/null on descriptor 0, inherited as a fresh process's is
-    # (multiprocessing leaves a private one, which uvicorn's workers cannot reopen).
+    as_cli_process(args, env, stdout=log_path)
+    forget_cli()
+    runpy.run_module("gpucloud.cli.main", run_name="__main__", alter_sys=True)
+
+
+def as_cli_process(
+    args: list[str], env: dict[str, str], *, stdout: str, stderr: str | None = None, append: bool = True
+) -> None:
+    """In a freshly forked child: make it the process `python -m gpucloud.cli.main ARGS` would be
+    before it runs, standard input /dev/null on descriptor 0 (multiprocessing leaves a private
+    one, which uvicorn's workers cannot reopen), `stdout` on 1 and `stderr` (else the same file)
+    on 2, only `env` in its environment, ARGS in `sys.argv`."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's standard input, for its life
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    for fd, path in ((1, stdout), (2, stderr or stdout)):
+        opened = os.open(path, mode, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["gpucloud", *args]
-    # The CLI's own modules are run again under this environment, as `python -m` runs them:
-    # their consoles read it when they are made.
+
+
+def forget_cli() -> None:
+    """Drop the CLI's own modules, so that importing them again makes their consoles under this
+    process's environment (they read COLUMNS, NO_COLOR and the terminal when made)."""
     for name in [n for n in sys.modules if n == "gpucloud.cli" or n.startswith("gpucloud.cli.")]:
         del sys.modules[name]
-    runpy.run_module("gpucloud.cli.main", run_name="__main__", alter_sys=True)
 
 
 @contextlib.contextmanager

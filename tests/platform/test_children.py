@@ -9,10 +9,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+
+from support.api_process import healthy
+from support.stack import wait_until
 
 pytestmark = [
     pytest.mark.unit,
@@ -40,42 +45,49 @@ def wait_gone(pid: int, within_s: float) -> bool:
     return True
 
 
+@contextmanager
+def stack_holding(tmp_path: Path, spawn: str) -> Iterator[tuple[subprocess.Popen, str, int]]:
+    """A process that makes a `Stack` as `gpucloud up` does and runs `spawn` (which leaves the
+    child it started in `child`), then waits: (that process, the child's kind, its pid). Whatever
+    is left running is killed at the end."""
+    script = (
+        textwrap.dedent(
+            f"""
+        import os, sys, time
+        from gpucloud.config import Settings
+        from gpucloud.devstack.stack import Stack
+
+        stack = Stack(Settings(data_dir={str(tmp_path)!r}))
+        """
+        )
+        + textwrap.dedent(spawn)
+        + "\nprint(type(child).__name__, child.pid, flush=True)\ntime.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    child = None
+    try:
+        assert parent.stdout is not None
+        kind, pid = parent.stdout.readline().split()
+        child = int(pid)
+        yield parent, kind, child
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if child is not None and running(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def test_a_child_of_the_local_stack_dies_when_up_is_killed(tmp_path) -> None:
     """`gpucloud up` starts its children as `Stack._spawn` does (a session of their own, so a
     Ctrl-C reaches only `up`): killed outright, `up` stops nothing itself, and the kernel does."""
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import sys, time
-                from gpucloud.config import Settings
-                from gpucloud.devstack.stack import Stack
-
-                stack = Stack(Settings(data_dir={str(tmp_path)!r}))
-                child = stack._spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], env={{}})
-                print(child.pid, flush=True)
-                time.sleep(120)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert parent.stdout is not None
-        child = int(parent.stdout.readline())
+    sleeper = 'child = stack._spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], env={})'
+    with stack_holding(tmp_path, sleeper) as (parent, _, child):
         assert running(child)
         parent.kill()
         parent.wait(10)
         assert wait_gone(child, 10), f"the stack's child {child} outlived `up`"
-    finally:
-        parent.kill()
-        parent.wait(10)
-        if "child" in locals() and running(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_forked_child_of_the_local_stack_serves_in_its_own_session_and_dies_when_up_is_killed(tmp_path) -> None:
@@ -85,55 +97,21 @@ def test_a_forked_child_of_the_local_stack_serves_in_its_own_session_and_dies_wh
     from gpucloud.devstack.stack import free_port
 
     port = free_port()
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import os, time
-                from gpucloud.config import Settings
-                from gpucloud.devstack.stack import Stack
-
-                stack = Stack(Settings(data_dir={str(tmp_path)!r}))
-                state = {str(tmp_path / "fabric.json")!r}
-                env = {{**os.environ, "GPUCLOUD_LOG_LEVEL": "WARNING"}}
-                stack._spawn_cli("fabric", "fabric-managers", "--port", "{port}", "--state", state, env=env)
-                child = stack.processes["fabric"]
-                print(type(child).__name__, child.pid, flush=True)
-                time.sleep(120)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert parent.stdout is not None
-        kind, pid = parent.stdout.readline().split()
-        child = int(pid)
+    fabric = f"""
+        env = {{**os.environ, "GPUCLOUD_LOG_LEVEL": "WARNING"}}
+        state = {str(tmp_path / "fabric.json")!r}
+        stack._spawn_cli("fabric", "fabric-managers", "--port", "{port}", "--state", state, env=env)
+        child = stack.processes["fabric"]
+        """
+    with stack_holding(tmp_path, fabric) as (parent, kind, child):
         assert kind == "ForkedChild"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "logs" / "fabric.log").read_text()[-2000:]
-            time.sleep(0.1)
+        wait_until(lambda: healthy(f"http://127.0.0.1:{port}"), timeout_s=60, what="the forked fabric managers")
         assert os.getsid(child) == child  # a Ctrl-C at `up`'s terminal does not reach it
         # Forked from the fork server (its command line is the server's), not a fresh interpreter.
         assert b"multiprocessing.forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()
         parent.kill()
         parent.wait(10)
         assert wait_gone(child, 15), f"the stack's forked child {child} outlived `up`"
-    finally:
-        parent.kill()
-        parent.wait(10)
-        if "child" in locals() and running(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_child_whose_parent_died_before_it_asked_exits_at_once() -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from gpucloud.devstack.forked import as_cli_process, forget_cli
 
 # What `gpucloud sim` and `gpucloud worker` import by the time they serve.
 _PRELOAD = [
@@ -46,36 +47,16 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
 
 
 def _run(args: list[str], env: dict[str, str], log_path: str) -> None:
-    # Standard input /dev/null on descriptor 0, as a fresh process has it (uvicorn hands it on).
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's standard input, for its life
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.argv = ["gpucloud", *args]
-    from gpucloud.cli.main import app
+    as_cli_process(args, env, stdout=log_path)
+    from gpucloud.cli.main import app  # the fork server's, imported once
 
     app(args, prog_name="gpucloud")
 
 
 def _run_to_end(args: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str) -> None:
-    for fd, path in ((1, out_path), (2, err_path)):
-        opened = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CREAT, 0o600)
-        os.dup2(opened, fd)
-        os.close(opened)
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.argv = ["gpucloud", *args]
-    # The CLI's own modules are imported again, under this command's environment, as a fresh
-    # interpreter would: their consoles read COLUMNS, NO_COLOR and the terminal when made.
-    for name in [n for n in sys.modules if n == "gpucloud.cli" or n.startswith("gpucloud.cli.")]:
-        del sys.modules[name]
+    as_cli_process(args, env, stdout=out_path, stderr=err_path, append=False)
+    forget_cli()  # imported anew under this command's environment, as a fresh interpreter would
     from gpucloud.cli.main import app
 
     app(args, prog_name="gpucloud")
