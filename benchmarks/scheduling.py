@@ -240,6 +240,7 @@ def reservations_on_time(result: ReplayResult) -> tuple[float | None, int, list[
 SIM_POD = 32  # the simulated fleet's pods (fabric domains): 8 racks of 4 nodes
 STACK_POLL_S = 0.5
 STACK_READ_SLACK_S = 0.5  # how long after its `now` a plan may read its rows (`stack_check.audit`)
+STACK_WATCH_S = 0.2  # how often the driver reads the rows (and the queue's head the next plan keeps)
 
 
 def stack_figures(jobs: list[TraceJob], options: argparse.Namespace, *, since_s: float) -> dict:
@@ -283,7 +284,15 @@ def stack_figures(jobs: list[TraceJob], options: argparse.Namespace, *, since_s:
         )
         started = time.monotonic()
         run = asyncio.run(
-            drive(settings.api_url, settings.database_url, keys, sample.requests, timeout_s=3600.0, log=log)
+            drive(
+                settings.api_url,
+                settings.database_url,
+                keys,
+                sample.requests,
+                watch_s=STACK_WATCH_S,
+                timeout_s=3600.0,
+                log=log,
+            )
         )
         stack_s = time.monotonic() - started
         with engine.connect() as conn:
@@ -308,6 +317,7 @@ def stack_figures(jobs: list[TraceJob], options: argparse.Namespace, *, since_s:
                     "sample": [dataclasses.asdict(r) for r in observed],
                     "allocation_of": run.allocation_of,
                     "services": {r: dataclasses.asdict(x) for r, x in run.services.items()},
+                    "heads": run.heads,
                 }
             )
         )
@@ -320,6 +330,8 @@ def stack_figures(jobs: list[TraceJob], options: argparse.Namespace, *, since_s:
         poll_s=STACK_POLL_S,
         tolerance_s=2 * STACK_POLL_S,
         read_slack_s=STACK_READ_SLACK_S,
+        heads_seen=run.heads,
+        watch_s=STACK_WATCH_S,
     )
     audit_s = time.monotonic() - started
     policy_starts = replay_observed(observed, nodes, run.services, settings=settings_p)

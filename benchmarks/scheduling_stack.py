@@ -11,14 +11,17 @@ day-long tail does not hold the run open for long after the rest has ended).
 `drive` runs the compressed sample against a running stack: each request is created through the
 HTTP API at its compressed submission time, `capacity: {wait: queue}` with `expected_duration_s`
 = its compressed runtime, under its trace tenant's API key; the database is read every `watch_s`
-for allocations that became ready, and each is cancelled through the API its runtime after that.
+for allocations that became ready (and for the queue's head, which the next plan keeps first), and
+each is cancelled through the API its runtime after that.
 When every request has ended (released, or failed with a reason) and the fleet is back to
 `available`, the rows are read: each request's submission (`created_at`) and placement
 (`placed_at`, written by the plan that placed it), what each placement took (the `ready` and
 `cancel_requested` events, each node's next transition to `available`), and the invariants:
 
-- `node_overlaps`: pairs of allocations that held one node at once (each allocation holds its
-  nodes from `placed_at` to its `released` event);
+- `node_overlaps`: nodes reserved for an allocation while another still held them: in each
+  node's transitions, in the order they were written, a reservation (`op_id` `reserve-<id>`)
+  with no return to `available` since the one before (clock-free: the `released` event comes
+  after the nodes are released, and a node wiped in no time may be placed again before it);
 - `unresolved`: requests neither placed and released nor failed with a reason;
 - `gangs_outside_one_domain`: allocations whose nodes are not `node_count` nodes of its
   `fabric_domain`.
@@ -36,7 +39,6 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import pairwise
 
 import httpx
 import sqlalchemy as sa
@@ -45,7 +47,7 @@ from sqlmodel import Session, col, select
 from gpucloud.models.health_tables import AllocationEvent
 from gpucloud.models.tables import Allocation, Node, NodeTransition
 from gpucloud.scheduler.replay import TraceJob
-from gpucloud.scheduler.stack_check import AllocationRecord, NodeRecord, SampleRequest, Service
+from gpucloud.scheduler.stack_check import AllocationRecord, NodeRecord, SampleRequest, Service, reserved_while_held
 
 TERMINAL = {"released", "failed"}
 RETRY_STATUSES = {429, 503}
@@ -105,6 +107,9 @@ class StackRun:
     # The rows as `stack_check.audit` reads them (the sample's allocations, the pool's nodes).
     allocations: list[AllocationRecord] = field(default_factory=list)
     nodes: list[NodeRecord] = field(default_factory=list)
+    # The queue's head as the stack's plans left it, at each watch that saw it change: the queued
+    # allocations at position 1 with a promised start, which the next plan keeps first.
+    heads: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
 
 
 def _rel(at: datetime | None, t0: datetime) -> float | None:
@@ -192,6 +197,7 @@ async def drive(
         cancels: dict[str, asyncio.Task] = {}
         request_of: dict[str, str] = {}
         ended: set[str] = set()
+        heads: list[tuple[float, tuple[str, ...]]] = []
         last_log = 0.0
         while True:
             if time.monotonic() > deadline:
@@ -204,9 +210,18 @@ async def drive(
             if watching:
                 with engine.connect() as conn:
                     rows = conn.execute(
-                        sa.select(col(Allocation.id), col(Allocation.status)).where(col(Allocation.id).in_(watching))
+                        sa.select(
+                            col(Allocation.id),
+                            col(Allocation.status),
+                            col(Allocation.queue_position),
+                            col(Allocation.estimated_start_at),
+                        ).where(col(Allocation.id).in_(watching))
                     ).all()
-                for alloc_id, status in rows:
+                seen_at = _rel(datetime.now(UTC), t0) or 0.0
+                head = tuple(sorted(a for a, status, pos, est in rows if status == "queued" and pos == 1 and est))
+                if not heads or heads[-1][1] != head:
+                    heads.append((seen_at, head))
+                for alloc_id, status, _, _ in rows:
                     r_id = request_of[alloc_id]
                     if status == "ready" and r_id not in cancels:
                         cancels[r_id] = asyncio.create_task(cancel(r_id, time.monotonic() + runtime[r_id]))
@@ -234,7 +249,7 @@ async def drive(
         await asyncio.sleep(watch_s)
     wall_s = time.monotonic() - started
     result = _read(engine, t0, allocation_of, refused, sample)
-    result.wall_s, result.api_errors = wall_s, errors
+    result.wall_s, result.api_errors, result.heads = wall_s, errors, heads
     engine.dispose()
     return result
 
@@ -260,14 +275,19 @@ def _read(
         pod_of = dict(session.execute(sa.select(col(Node.id), col(Node.pod))).all())
         back: dict[str, list[datetime]] = defaultdict(list)
         moves: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        for node_id, at, to_state in session.execute(
-            sa.select(col(NodeTransition.node_id), col(NodeTransition.at), col(NodeTransition.to_state)).order_by(
-                col(NodeTransition.seq)
-            )
-        ).all():
+        written = session.execute(
+            sa.select(
+                col(NodeTransition.node_id),
+                col(NodeTransition.at),
+                col(NodeTransition.to_state),
+                col(NodeTransition.op_id),
+            ).order_by(col(NodeTransition.seq))
+        ).all()
+        for node_id, at, to_state, _ in written:
             moves[node_id].append((_rel(at, t0) or 0.0, to_state))
             if to_state == "available":
                 back[node_id].append(at)
+        overlaps = reserved_while_held([(node_id, to_state, op_id) for node_id, _, to_state, op_id in written])
 
     submitted: dict[str, float] = {}
     placed: dict[str, float | None] = {}
@@ -275,7 +295,6 @@ def _read(
     failures = dict(refused)
     unresolved: list[str] = []
     outside: list[str] = []
-    holds: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     for r in sample:
         alloc = allocs.get(allocation_of.get(r.id, ""))
         if alloc is None:
@@ -301,7 +320,6 @@ def _read(
             outside.append(r.id)
         returns = []
         for n in alloc.node_ids:
-            holds[n].append((start, released, alloc.id))
             later = [t for t in (_rel(at, t0) for at in back.get(n, [])) if t is not None and t >= cancel]
             returns.append((later[0] if later else released) - cancel)
         services[r.id] = Service(max(0.0, ready - start), max(0.0, cancel - ready), tuple(returns))
@@ -322,12 +340,6 @@ def _read(
             )
         )
     node_records = [NodeRecord(n, pod, tuple(moves.get(n, ()))) for n, pod in sorted(pod_of.items())]
-    overlaps = 0
-    for intervals in holds.values():
-        intervals.sort()
-        for (_, end, _), (start, _, _) in pairwise(intervals):
-            if start < end:
-                overlaps += 1
     return StackRun(
         allocation_of=dict(allocation_of),
         submitted=submitted,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpucloud.models.node_states import RETURNING_TO_POOL
@@ -305,6 +305,25 @@ class Audit:
     lag_max_s: float | None = None
 
 
+def reserved_while_held(transitions: Iterable[tuple[str, str, str | None]]) -> int:
+    """How many times a node was reserved for an allocation while another still held it, from the
+    nodes' transitions `(node, to_state, op_id)` in the order they were written: a reservation for
+    a placement (`op_id` `reserve-<allocation>`) or a replacement (`replace-<allocation>`) holds the
+    node until it is next `available`. Clock-free: an allocation's `released` event is written after
+    its nodes are released, and a node wiped in no time may be placed again before it."""
+    holder: dict[str, str | None] = {}
+    overlaps = 0
+    for node, to_state, op_id in transitions:
+        if to_state == "available":
+            holder[node] = None
+        elif to_state == "reserved" and op_id is not None and op_id.startswith(("reserve-", "replace-")):
+            allocation = op_id.split("-", 1)[1]
+            if holder.get(node) not in (None, allocation):
+                overlaps += 1
+            holder[node] = allocation
+    return overlaps
+
+
 def _decayed(count: int, start: float, end: float, now: float, half_life_s: float) -> float:
     """∫ count · 2^-((now - t)/h) dt over [start, end], as the stack's `_usage` counts it."""
     if end <= start:
@@ -321,13 +340,15 @@ def state_at(
     settings: PolicySettings,
     *,
     nodes_as_of: float | None = None,
+    heads: Sequence[str] = (),
 ) -> SchedulerState:
     """The policy's view of the pool at `t`, rebuilt from the records as the stack's plans read it
     from the rows (`services.scheduling.pool_state`): an allocation placed at `t` is still queued
     (its plan decided at `t`); a running one is busy until `placed + expected_s` (now once its
     cancel was asked for); a node of none is free when available, held while on its way back.
     `nodes_as_of`: the nodes' states as of then instead (a plan reads its rows a moment after its
-    `now`, and a node may have come back in that moment)."""
+    `now`, and a node may have come back in that moment). `heads`: the queue's head as the last plan
+    left it, which this one keeps first while it is queued."""
     as_of = t if nodes_as_of is None else nodes_as_of
     running: list[Allocation] = []
     queue: list[QueuedRequest] = []
@@ -373,6 +394,7 @@ def state_at(
         queue=tuple(queue),
         shares=tuple(TenantShare(x, pool, 1.0, usage.get(x, 0.0), t) for x in sorted(tenants)),
         settings=settings,
+        heads=tuple(h for h in heads if h in {r.id for r in queue}),
     )
 
 
@@ -385,6 +407,8 @@ def audit(
     poll_s: float,
     tolerance_s: float,
     read_slack_s: float = 0.0,
+    heads_seen: Sequence[tuple[float, tuple[str, ...]]] = (),
+    watch_s: float = 0.0,
     decide_fn: Callable[[SchedulerState], Decision] = decide,
 ) -> Audit:
     """Did each placement the stack made follow the policy's decision on the stack's own state?
@@ -396,6 +420,12 @@ def audit(
     after its `now`, as they were at one moment up to `read_slack_s` later (the one under which
     the decision places the most of what the stack placed then). `matches` (`stack_matches_policy`) is
     the fraction of the requests placed as decided (a request never placed counts against it).
+
+    A plan keeps the queue's head as the plan before it left it (`SchedulerState.heads`), which the
+    records do not hold: `heads_seen` is the head as a watch of the rows saw it change, `(at, ids)`,
+    every `watch_s`. Each decision keeps the head last seen before its instant; a placement is also
+    as decided under a head seen from one watch before its instant to the end of the read slack
+    (the watch may have seen the rows just before a plan wrote the head the next one read).
 
     A placement is *late* when every decision for more than `tolerance_s` before it, without a
     break, already placed that request: the stack left a decision that stood unexecuted. A request
@@ -414,17 +444,26 @@ def audit(
     decided_when_placed: set[str] = set()
     late: set[str] = set()
     lag: dict[str, float] = {}
+    seen = sorted(heads_seen)
+
+    def head_before(t: float) -> tuple[str, ...]:
+        return next((ids for at, ids in reversed(seen) if at <= t), ())
+
     for t in sorted(instants):
-        decided = {p.id for p in decide_fn(state_at(t, allocations, nodes, pool, settings)).placements}
+        head = head_before(t)
+        decided = {p.id for p in decide_fn(state_at(t, allocations, nodes, pool, settings, heads=head)).placements}
         placed_now = {r for r, at in placed_at.items() if at == t}
-        if read_slack_s > 0 and placed_now - decided:
-            # The plan read the nodes at one moment of the slack: each state they passed through.
+        if (read_slack_s > 0 or seen) and placed_now - decided:
+            # The plan read the nodes at one moment of the slack (each state they passed through),
+            # and the head as a plan at most a watch before it, or one in the slack, left it.
             moments = {at for n in nodes for at, _ in n.transitions if t < at <= t + read_slack_s}
+            maybe_heads = {head} | {ids for at, ids in seen if t - watch_s <= at <= t + read_slack_s}
             best: set[str] = set()
             for as_of in sorted(moments | {t + read_slack_s}):
-                later = state_at(t, allocations, nodes, pool, settings, nodes_as_of=as_of)
-                if len(found := placed_now & {p.id for p in decide_fn(later).placements}) > len(best):
-                    best = found
+                for candidate in sorted(maybe_heads):
+                    later = state_at(t, allocations, nodes, pool, settings, nodes_as_of=as_of, heads=candidate)
+                    if len(found := placed_now & {p.id for p in decide_fn(later).placements}) > len(best):
+                        best = found
             decided_when_placed.update(best)
         decided_when_placed.update(placed_now & decided)
         for r in placed_now:

@@ -18,6 +18,7 @@ from gpucloud.scheduler.stack_check import (
     compare,
     kendall_tau,
     replay_observed,
+    reserved_while_held,
     state_at,
 )
 
@@ -209,3 +210,41 @@ def test_the_sample_is_on_demand_requests_time_compressed_with_the_load_kept():
     ]
     with pytest.raises(ValueError, match="2 on-demand requests"):
         compress(jobs, 5, since_s=150.0, span_s=10.0, fleet_ratio=1.0)
+
+
+def test_a_node_reserved_again_before_it_came_back_is_an_overlap_whatever_the_clocks_say():
+    back_and_again = [
+        ("n0", "reserved", "reserve-a"),
+        ("n0", "provisioning", None),
+        ("n0", "wiping", None),
+        ("n0", "available", None),
+        ("n0", "reserved", "reserve-b"),
+        ("n1", "reserved", "replace-a"),  # a replacement holds its node for the same allocation
+        ("n1", "reserved", "reserve-a"),
+    ]
+    assert reserved_while_held(back_and_again) == 0
+    taken_while_held = [*back_and_again, ("n0", "reserved", "reserve-c"), ("n1", "reserved", "replace-d")]
+    assert reserved_while_held(taken_while_held) == 2
+
+
+def test_a_plan_keeps_the_head_the_last_plan_left_and_the_audit_reads_it_from_the_watch():
+    # `big` (t1) holds n0-n3 until 10, back at 10.5. `x` (t2, no usage) goes first by fair share,
+    # but the stack's plans had promised `y` (t1) the next start: the plan at 11 keeps `y` first.
+    four = tuple(f"n{i}" for i in range(4))
+    allocations = [
+        AllocationRecord("big", "t1", 4, 10.0, 0.0, 0.0, four, 10.0, 10.2),
+        AllocationRecord("x", "t2", 4, 5.0, 1.0, 22.0, four, 27.0, 27.2),
+        AllocationRecord("y", "t1", 4, 10.0, 2.0, 11.0, four, 21.0, 21.2),
+    ]
+    moves = ((-1.0, "available"), (0.0, "reserved"), (10.5, "available"), (11.0, "reserved"))
+    moves += ((21.5, "available"), (22.0, "reserved"), (27.5, "available"))
+    nodes = [NodeRecord(n, "d0", moves) for n in four]
+
+    def checked(**watch):
+        return audit(allocations, nodes, pool=POOL, settings=PolicySettings(), poll_s=0.5, tolerance_s=1.0, **watch)
+
+    assert checked().not_decided == ("y",)  # without the head, fair share places `x` at 11
+    kept = checked(heads_seen=[(0.0, ()), (2.5, ("y",)), (11.2, ("x",))], watch_s=0.2)
+    assert kept.not_decided == () and kept.as_decided == 3
+    # A head seen only well after the plan is not the one it read.
+    assert checked(heads_seen=[(0.0, ()), (11.2, ("y",))], watch_s=0.2).not_decided == ("y",)

@@ -30,6 +30,7 @@ from scheduling_stack import drive
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
 POLL_S = 0.5
+WATCH_S = 0.2  # how often the driver reads the rows (and the queue's head the next plan keeps)
 # A plan reads its rows a moment after its `now`: up to three polls on a loaded 2-core machine.
 READ_SLACK_S = 3 * POLL_S
 
@@ -54,7 +55,7 @@ async def test_a_sample_through_the_stack_is_placed_in_the_policys_order(ready_f
     h = await ready_fleet(nodes=8, latency_scale=0.0, scheduler=scheduler)
     sample = _sample()
     keys = {t: (await h.onboard())[1] for t in ("t1", "t2")}
-    run = await drive(h.api.url, h.settings.database_url, keys, sample, timeout_s=240)
+    run = await drive(h.api.url, h.settings.database_url, keys, sample, watch_s=WATCH_S, timeout_s=240)
 
     assert (run.node_overlaps, run.unresolved, run.gangs_outside_one_domain, run.failures) == (0, [], [], {})
     assert all(run.placed[r.id] is not None for r in sample)
@@ -71,6 +72,8 @@ async def test_a_sample_through_the_stack_is_placed_in_the_policys_order(ready_f
         poll_s=POLL_S,
         tolerance_s=2 * POLL_S,
         read_slack_s=READ_SLACK_S,
+        heads_seen=run.heads,
+        watch_s=WATCH_S,
     )
     # Every placement as decided, give or take one plan that read its rows late on a busy machine.
     assert checked.placed == len(sample) and checked.matches >= 0.95, checked
@@ -87,6 +90,8 @@ async def test_a_sample_through_the_stack_is_placed_in_the_policys_order(ready_f
         poll_s=POLL_S,
         tolerance_s=2 * POLL_S,
         read_slack_s=READ_SLACK_S,
+        heads_seen=run.heads,
+        watch_s=WATCH_S,
         decide_fn=fifo_decide,
     )
     assert run.allocation_of["small"] in fifo.not_decided and fifo.matches < 1.0, fifo
