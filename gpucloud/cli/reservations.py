@@ -85,7 +85,7 @@ def reservations_list(
 ) -> None:
     """The caller's reservations (the operator: everyone's), by start."""
     with reported_errors(), api_client(api_url, api_key, operator=True) as api:
-        rows = api.reservations.list(status=status)
+        rows = sorted(api.reservations.list(status=status), key=lambda r: (r.start_at, r.id))
     emit(output, rows, _table(rows, wide=output == "wide"))
 
 

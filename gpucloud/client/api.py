@@ -39,7 +39,6 @@ from gpucloud.models.api_schemas import (
     OperatorView,
     QueuePage,
     QuotaReport,
-    ReservationPage,
     ReservationPublic,
     RolloutAccepted,
     RolloutRequest,
@@ -424,8 +423,8 @@ class Reservations(_Resource):
     def get(self, reservation_id: str) -> ReservationPublic:
         return self._get(ReservationPublic, f"/v1/reservations/{reservation_id}")
 
-    def list(self, *, status: str | None = None) -> list[ReservationPublic]:
-        return self._get(ReservationPage, "/v1/reservations", status=status).items
+    def list(self, *, status: str | None = None) -> Iterator[ReservationPublic]:
+        return self._pages(ReservationPublic, "/v1/reservations", status=status)
 
     def cancel(self, reservation_id: str) -> ReservationPublic:
         return self._post(ReservationPublic, f"/v1/reservations/{reservation_id}/cancel")

@@ -29,13 +29,13 @@ from gpucloud.api.deps import ReadsDep
 from gpucloud.console import web
 from gpucloud.ledger.client import LedgerClient, LedgerRefused, LedgerUnavailable
 from gpucloud.ledger.periods import PERIOD_PATTERN, period_of
+from gpucloud.ledger.pricing import PRICE_CLASSES
 from gpucloud.ledger.schemas import InvoiceDocument, PeriodOut, ReconciliationReport
 from gpucloud.models.billing_messages import InvoiceOut
 from gpucloud.models.tables import Tenant
 from gpucloud.models.tenant_messages import TENANT_ID_PATTERN
 
 router = web.pages_router()
-PRICE_CLASSES = ("on_demand", "reserved", "preemptible")
 # A period's invoices whose documents the page reads for their totals by price class.
 DOCUMENTS_READ = 100
 DOCUMENT_READS_AT_ONCE = 8

@@ -1,6 +1,7 @@
 """Capacity reservations, as the API's `/v1/reservations` answers them (`services/reservations`):
 
-- the list: a tenant's own, an operator's every tenant's (filtered by status and tenant), by start;
+- the list: a tenant's own, an operator's every tenant's (filtered by status and tenant), newest
+  first, a page at a time with the API's keyset cursor (`api/pagination`, as `GET /v1/reservations`);
 - one reservation: its pool, window, status, the allocation it runs as; another tenant's is a 404,
   as in the API;
 - cancel before its window begins (its tenant, or an operator holding `fleet`, as the API's cancel),
@@ -11,22 +12,25 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from gpucloud.api import pagination
 from gpucloud.api.auth import Caller
 from gpucloud.api.deps import CallerOrFleetOperatorDep as Canceller
 from gpucloud.api.deps import CallerOrReadOperatorDep as Reader
 from gpucloud.api.deps import DbDep, ReadsDep
 from gpucloud.console import web
 from gpucloud.console.session import PREFIX
-from gpucloud.models.scheduling_tables import ReservationStatus
+from gpucloud.models.scheduling_tables import CapacityReservation, ReservationStatus
 from gpucloud.services import reservations
 from gpucloud.services.errors import Conflict
 
 router = web.pages_router()
 STATUSES = tuple(s.value for s in ReservationStatus)
+PAGE_SIZE = 50
 
 
 def _scope(caller: Caller) -> str | None:
@@ -35,19 +39,32 @@ def _scope(caller: Caller) -> str | None:
 
 @router.get("/reservations")
 def reservations_page(
-    request: Request, caller: Reader, reads: ReadsDep, status: str = "", tenant: str = ""
+    request: Request, caller: Reader, reads: ReadsDep, status: str = "", tenant: str = "", page_token: str = ""
 ) -> Response:
     status = status.strip() if status.strip() in STATUSES else ""
     tenant = tenant.strip() if caller.is_operator else ""
+    filters = {"status": status, "tenant": tenant}
+    page = pagination.PageRequest(PAGE_SIZE, page_token.strip() or None)
     with reads() as session:
         scope = (tenant or None) if caller.is_operator else caller.tenant_id
-        rows = reservations.list_for(session, tenant_id=scope, status=status or None)
+        rows, token = pagination.fetch(
+            session,
+            CapacityReservation,
+            "seq",
+            page=page,
+            equal={"tenant_id": scope, "status": status or None},
+            newest_first=True,
+        )
+    shown = {k: v for k, v in filters.items() if v}
     return web.page(
         request,
         "reservations.html",
         reservations=rows,
-        filters={"status": status, "tenant": tenant},
+        filters=filters,
         statuses=STATUSES,
+        next_link=f"{PREFIX}/reservations?" + urlencode({**shown, "page_token": token}) if token else None,
+        later_page=page.token is not None,
+        first_link=f"{PREFIX}/reservations" + (f"?{urlencode(shown)}" if shown else ""),
     )
 
 

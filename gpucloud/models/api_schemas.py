@@ -818,3 +818,4 @@ class ReservationPublic(BaseModel):
 
 class ReservationPage(BaseModel):
     items: list[ReservationPublic]
+    next_page_token: str

@@ -187,15 +187,6 @@ def get(session: Session, reservation_id: str, *, tenant_id: str | None) -> Capa
     return row
 
 
-def list_for(session: Session, *, tenant_id: str | None, status: str | None = None) -> list[CapacityReservation]:
-    query = select(CapacityReservation)
-    if tenant_id is not None:
-        query = query.where(col(CapacityReservation.tenant_id) == tenant_id)
-    if status is not None:
-        query = query.where(col(CapacityReservation.status) == status)
-    return list(session.exec(query.order_by(col(CapacityReservation.start_at), col(CapacityReservation.seq))).all())
-
-
 def cancel(session: Session, reservation_id: str, *, tenant_id: str | None, actor: str) -> CapacityReservation:
     """Cancel a reservation before its window begins (not billed); one whose window has begun
     is ended by cancelling its allocation instead (the window stays billed). The cancel is

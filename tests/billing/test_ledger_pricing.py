@@ -132,3 +132,14 @@ def test_periods_are_utc_calendar_months() -> None:
     assert periods_between("2025-02", "2024-11") == []
     with pytest.raises(ValueError):
         period_bounds("2024-13")
+
+
+def test_the_price_classes_are_one_list_the_ledgers_schemas_and_console_read() -> None:
+    from typing import get_args
+
+    from gpucloud.console import billing
+    from gpucloud.ledger.pricing import PRICE_CLASSES
+    from gpucloud.ledger.schemas import PriceClass
+
+    assert set(get_args(PriceClass)) == set(PRICE_CLASSES)
+    assert billing.PRICE_CLASSES is PRICE_CLASSES

@@ -268,7 +268,7 @@ def _reservation(settings: Settings, tenant_id: str, *, status: str = "accepted"
         return row.id
 
 
-def test_reservations_for_operators_and_tenants_and_a_tenants_cancel(settings):
+def test_reservations_for_operators_and_tenants_and_a_tenants_cancel(settings, monkeypatch):
     acme_id, acme_key_id, acme_key = _tenant(settings, "acme")
     other_id, _, other_key = _tenant(settings, "globex")
     mine = _reservation(settings, acme_id)
@@ -279,7 +279,31 @@ def test_reservations_for_operators_and_tenants_and_a_tenants_cancel(settings):
         everyone = client.get("/console/reservations")
         api = client.get("/v1/reservations", headers=bearer(OPERATOR_TOKEN)).json()["items"]
         listed = re.findall(r'href="/console/reservations/(res[^"]+)"', everyone.text)
-        assert listed == [r["id"] for r in api] == [running, mine, foreign]  # by start, as the API
+        assert [r["id"] for r in api] == [mine, running, foreign]  # as they were booked
+        assert listed == [foreign, running, mine]  # the console: newest first
+        # A page at a time: the API's keyset cursor, bound to the filters it was issued for.
+        first = client.get("/v1/reservations", params={"page_size": 2}, headers=bearer(OPERATOR_TOKEN)).json()
+        rest = client.get(
+            "/v1/reservations",
+            params={"page_size": 2, "page_token": first["next_page_token"]},
+            headers=bearer(OPERATOR_TOKEN),
+        ).json()
+        assert [r["id"] for r in first["items"] + rest["items"]] == [mine, running, foreign]
+        assert rest["next_page_token"] == ""
+        other_filter = client.get(
+            "/v1/reservations",
+            params={"status": "active", "page_token": first["next_page_token"]},
+            headers=bearer(OPERATOR_TOKEN),
+        )
+        assert other_filter.status_code == 400 and "different query" in other_filter.text
+        monkeypatch.setattr("gpucloud.console.reservations.PAGE_SIZE", 2)
+        paged = client.get("/console/reservations")
+        [next_link] = re.findall(r'href="(/console/reservations\?page_token=[^"]+)" rel="next"', paged.text)
+        assert re.findall(r'href="/console/reservations/(res[^"]+)"', paged.text) == [foreign, running]
+        last = client.get(next_link.replace("&amp;", "&"))
+        assert re.findall(r'href="/console/reservations/(res[^"]+)"', last.text) == [mine]
+        assert "Last page" in last.text and 'href="/console/reservations">First page' in last.text
+        monkeypatch.setattr("gpucloud.console.reservations.PAGE_SIZE", 50)
         assert other_id in everyone.text and acme_id in everyone.text
         only = client.get(f"/console/reservations?tenant={other_id}")
         assert re.findall(r'href="/console/reservations/(res[^"]+)"', only.text) == [foreign]
@@ -289,6 +313,10 @@ def test_reservations_for_operators_and_tenants_and_a_tenants_cancel(settings):
         csrf = _sign_in(client, acme_key)
         own = client.get("/console/reservations")
         assert re.findall(r'href="/console/reservations/(res[^"]+)"', own.text) == [running, mine]
+        assert [r["id"] for r in client.get("/v1/reservations", headers=bearer(acme_key)).json()["items"]] == [
+            mine,
+            running,
+        ]
         assert client.get(f"/console/reservations/{foreign}").status_code == 404  # as in the API
         assert client.get(f"/v1/reservations/{foreign}", headers=bearer(acme_key)).status_code == 404
         assert (

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from temporalio.service import RPCError
 
 from gpucloud.adapters.temporal_gateway import poke_pool_scheduler
+from gpucloud.api import pagination
 from gpucloud.api.deps import CallerDep, CallerOrFleetOperatorDep, DbDep, ReadsDep, SettingsDep, TemporalDep, TenantDep
 from gpucloud.api.idempotency import IdempotencyKey, idempotent
 from gpucloud.models.api_schemas import ReservationPage, ReservationPublic, ReservationRequest
@@ -75,14 +76,17 @@ async def create_reservation(
 def list_reservations(
     caller: CallerDep,
     reads: ReadsDep,
+    page: pagination.PageDep,
     status: Annotated[ReservationStatus | None, Query(description="only reservations in this status")] = None,
 ) -> ReservationPage:
-    """The caller's reservations (an operator: everyone's), by start."""
+    """The caller's reservations (an operator: everyone's), in the order they were booked, a page
+    at a time (`next_page_token`)."""
     with reads() as session:
         scope = None if caller.is_operator else caller.tenant_id
-        return ReservationPage(
-            items=[_public(r) for r in reservations.list_for(session, tenant_id=scope, status=status)]
+        rows, token = pagination.fetch(
+            session, CapacityReservation, "seq", page=page, equal={"tenant_id": scope, "status": status}
         )
+        return ReservationPage(items=[_public(r) for r in rows], next_page_token=token)
 
 
 @router.get("/reservations/{reservation_id}", response_model=ReservationPublic)
