@@ -9,7 +9,6 @@ import os
 import re
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from gpucloud.cli import contexts
 from gpucloud.cli.main import app
 from gpucloud.config import Settings
 from gpucloud.web.tls import LocalCA
+from support.forked import run_cli
 
 pytestmark = pytest.mark.unit
 
@@ -56,17 +56,16 @@ def run(*args: str, code: int = 0, env: dict[str, str] | None = None, stdin: str
 
 
 def test_with_nothing_configured_a_command_says_what_to_do_and_creates_no_token(tmp_path) -> None:
-    """From an empty directory with no gpucloud variable at all (a fresh process, the home's
-    default config path): usage error, the way to configure it, and no `.data` anywhere."""
+    """From an empty directory with no gpucloud variable at all (a process of its own with only
+    that environment, the home's default config path: `support.forked.run_cli`): usage error, the
+    way to configure it, and no `.data` anywhere."""
     home, cwd = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     cwd.mkdir()
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "COLUMNS": "400"}
-    env |= {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}  # this checkout's code
 
     def gpucloud(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "gpucloud.cli.main", *args]
-        return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+        return run_cli(list(args), env=env, cwd=cwd, timeout=60)
 
     for command in (
         ["nodes"],
