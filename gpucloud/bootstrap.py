@@ -32,10 +32,8 @@ from gpucloud.db import Database
 from gpucloud.fabric.http_clients import HttpFabricController
 from gpucloud.fabric.interface import FabricTokens
 from gpucloud.ledger.client import LedgerClient
-from gpucloud.observability import tracing
 from gpucloud.registry.manifest import Signer
 from gpucloud.registry.stores import RegistryStores
-from gpucloud.retry import Backoff, retry_call_async
 from gpucloud.services.agent_credentials import WipeRotation
 from gpucloud.services.agent_enrollment import EnrollmentTokens
 from gpucloud.storage.envelope import MasterKeys, TenantKeys
@@ -60,18 +58,9 @@ def trust_configured_ca(settings: Settings) -> None:
 async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: Runtime | None = None) -> Client:
     """The Temporal client, once the server answers (processes of a stack start together);
     `runtime` carries the SDK's telemetry (the worker's metrics)."""
-    from gpucloud.adapters.temporal import connect
+    from gpucloud.adapters.temporal import connect_when_up
 
-    keys = temporal_codec_keys(settings)
-
-    async def connected() -> Client:
-        interceptors = tracing.temporal_interceptors()
-        return await connect(settings.temporal, keys=keys, runtime=runtime, interceptors=interceptors)
-
-    # The SDK raises RuntimeError while the server does not answer yet: ask every half second.
-    return await retry_call_async(
-        connected, retry_on=RuntimeError, backoff=Backoff(first_s=0.5, cap_s=0.5), attempts=None, deadline_s=wait_s
-    )
+    return await connect_when_up(settings, wait_s=wait_s, runtime=runtime)
 
 
 def temporal_codec_keys(settings: Settings) -> CodecKeys:

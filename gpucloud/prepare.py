@@ -29,7 +29,6 @@ from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSe
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, RegisterNamespaceRequest
 from temporalio.service import RPCError, RPCStatusCode
 
-from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.models import search_attributes
 from gpucloud.retry import Backoff, retry_call_async
@@ -57,6 +56,18 @@ class SharedSecret:
     make: Callable[[Settings], object]  # the settings' own load-or-create of it
 
 
+def _token_issuer(settings: Settings) -> object:
+    from gpucloud import bootstrap  # here, not above: the evaluation worker reads the table alone
+
+    return bootstrap.token_issuer(settings)
+
+
+def _storage_master_key(settings: Settings) -> object:
+    from gpucloud import bootstrap
+
+    return bootstrap.storage_master_key(settings)
+
+
 PAYLOAD_KEYS = "Temporal payload keys"  # the one shared secret the evaluation worker holds
 SHARED_SECRETS = (
     SharedSecret(
@@ -65,7 +76,7 @@ SHARED_SECRETS = (
         "GPUCLOUD_AGENT__ISSUER_KEY",
         lambda s: None,
         lambda s: s.issuer_key_path,
-        bootstrap.token_issuer,
+        _token_issuer,
     ),
     SharedSecret(
         "operator token",
@@ -93,7 +104,7 @@ SHARED_SECRETS = (
         "GPUCLOUD_TENANTS__STORAGE_MASTER_KEY",
         lambda s: s.tenants.storage_master_key,
         lambda s: s.data_dir / "storage_master_key",
-        bootstrap.storage_master_key,
+        _storage_master_key,
     ),
     SharedSecret(
         PAYLOAD_KEYS,
@@ -152,6 +163,8 @@ def prepare_api_delegate(settings: Settings) -> Item:
             left_s = 0.0
         if left_s > DELEGATE_RENEW_WITHIN_S:
             return Item("API delegate", "present", f"{where}; valid {left_s / 86400:.0f} more days")
+    from gpucloud import bootstrap
+
     bootstrap.issue_api_delegate(settings)
     days = bootstrap.API_DELEGATE_TTL_S / 86400
     taken_up = "running API processes take it up within seconds"
@@ -184,6 +197,8 @@ NAMESPACE_VISIBLE_S = 30.0
 
 async def prepare_temporal(settings: Settings) -> list[Item]:
     namespace = settings.temporal.namespace
+    from gpucloud import bootstrap
+
     client = await bootstrap.temporal_client(settings, wait_s=10.0)
     items = []
     try:
@@ -235,6 +250,8 @@ def prepare_object_store(settings: Settings) -> Item:
     from botocore.exceptions import BotoCoreError, ClientError
 
     assert store.bucket is not None  # the settings refuse s3 without one
+    from gpucloud import bootstrap
+
     s3 = bootstrap.s3_client(settings)
     where = f"bucket {store.bucket} at {store.endpoint_url or 'AWS S3'}"
     try:

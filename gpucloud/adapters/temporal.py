@@ -33,7 +33,9 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter, PayloadCodec
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
 
-from gpucloud.config import TemporalSettings, write_private
+from gpucloud.config import Settings, TemporalSettings, write_private
+from gpucloud.observability import tracing
+from gpucloud.retry import Backoff, retry_call_async
 
 ENCODING = b"binary/encrypted"
 KEY_ID = "encryption-key-id"
@@ -185,4 +187,22 @@ async def connect(
         api_key=settings.api_key.get_secret_value() if settings.api_key else None,
         runtime=runtime or default_runtime(),
         interceptors=interceptors,
+    )
+
+
+async def connect_when_up(settings: Settings, *, wait_s: float = 30.0, runtime: Runtime | None = None) -> Client:
+    """The deployment's Temporal client (its payload keys, the tracing interceptors), once the
+    server answers: processes of a stack start together, and the SDK raises RuntimeError while the
+    server does not answer yet, so it is asked every half second for at most `wait_s`.
+    `bootstrap.temporal_client` for the control plane's processes; the evaluation worker calls it
+    directly, holding nothing else of the platform (`workers/evaluation.py`)."""
+    keys = CodecKeys.parse(settings.temporal_codec_keys)
+
+    async def connected() -> Client:
+        return await connect(
+            settings.temporal, keys=keys, runtime=runtime, interceptors=tracing.temporal_interceptors()
+        )
+
+    return await retry_call_async(
+        connected, retry_on=RuntimeError, backoff=Backoff(first_s=0.5, cap_s=0.5), attempts=None, deadline_s=wait_s
     )

@@ -25,7 +25,7 @@ from temporalio.worker import Worker
 from gpucloud import bootstrap
 from gpucloud.activities.bmc import BmcActivities
 from gpucloud.activities.control_db import ControlDbActivities
-from gpucloud.activities.evaluation import EvaluationActivities, EvaluationRunner
+from gpucloud.activities.evaluation import EvaluationActivities
 from gpucloud.activities.fabric import FabricActivities
 from gpucloud.activities.faults import FaultHook
 from gpucloud.activities.host_agent import HostAgentActivities
@@ -172,65 +172,6 @@ async def run_worker(settings: Settings, *, stop: asyncio.Event | None = None) -
                 await asyncio.wait_for(serving, 5)
         sdk_metrics.stop()
         await cp.aclose()
-
-
-def build_evaluation_worker(client: Client, settings: Settings, *, executor: ThreadPoolExecutor) -> Worker:
-    """The evaluation worker: `EvaluationRunner` on the evaluation task queue, and nothing else
-    (it reads each version through the API, with the token its evaluation brings)."""
-    runner = EvaluationRunner(work_dir=settings.evaluation_dir, registry=settings.registry)
-    return Worker(
-        client,
-        task_queue=settings.temporal.evaluation_task_queue,
-        activities=runner.all(),
-        activity_executor=executor,
-        max_concurrent_activities=settings.registry.evaluations_at_once,
-        graceful_shutdown_timeout=timedelta(seconds=settings.temporal.worker_drain_s),
-    )
-
-
-def platform_secrets_in(settings: Settings) -> list[str]:
-    """What of the platform's secrets `settings` hold, by variable (or the file it is kept in):
-    the evaluation worker runs tenants' code, so it must be started with none of them
-    (`Settings.for_evaluation_worker`, deploy/evaluations.env.example). The shared secrets are
-    `prepare.SHARED_SECRETS`' (all but the payload keys, which it needs), then the credentials
-    of what it never reaches (databases, the object store, the fabric managers)."""
-    from gpucloud.prepare import PAYLOAD_KEYS, SHARED_SECRETS
-
-    held = []
-    for secret in SHARED_SECRETS:
-        if secret.name == PAYLOAD_KEYS:
-            continue
-        if secret.configured(settings) is not None:
-            held.append(secret.variable)
-        elif (path := secret.path(settings)).exists():
-            held.append(str(path))
-    if settings.api_delegate_path.exists():  # mints ledger tokens
-        held.append(str(settings.api_delegate_path))
-    credentials = (
-        ("GPUCLOUD_DATABASE__URL", settings.database.url),
-        ("GPUCLOUD_LEDGER__DATABASE_URL", settings.ledger.database_url),
-        ("GPUCLOUD_OBJECT_STORE__SECRET_ACCESS_KEY", settings.object_store.secret_access_key),
-        ("GPUCLOUD_FABRIC__UFM_TOKEN", settings.fabric.ufm_token),
-        ("GPUCLOUD_FABRIC__NMX_TOKEN", settings.fabric.nmx_token),
-        ("GPUCLOUD_FABRIC__VPC_TOKEN", settings.fabric.vpc_token),
-    )
-    return held + [variable for variable, value in credentials if value is not None]
-
-
-async def run_evaluation_worker(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
-    if held := platform_secrets_in(settings):
-        raise SystemExit(
-            "the evaluation worker runs tenants' code and must hold none of the platform's secrets, but it was "
-            f"given {', '.join(held)}: start it with its own environment and data dir "
-            "(deploy/evaluations.env.example, gpucloud-evaluations.service)"
-        )
-    client = await bootstrap.temporal_client(settings)
-    with ThreadPoolExecutor(
-        max_workers=settings.registry.evaluations_at_once, thread_name_prefix="evaluation"
-    ) as executor:
-        async with build_evaluation_worker(client, settings, executor=executor):
-            log.info("evaluation worker running on %s", settings.temporal.evaluation_task_queue)
-            await (stop.wait() if stop else asyncio.Event().wait())
 
 
 def serve_worker_http(

@@ -10,7 +10,8 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from gpucloud.activities.evaluation import EvaluationActivities, EvaluationRunner
+    from gpucloud.activities.evaluation import EvaluationActivities
+    from gpucloud.activities.evaluation_runner import EvaluationRunner
     from gpucloud.config import evaluation_task_queue
     from gpucloud.models.evaluation_messages import (
         EvaluateVersionInput,

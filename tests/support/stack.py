@@ -316,7 +316,8 @@ class InProcessWorker:
 
     def __init__(self, client, settings: Settings, *, fault_hook=None) -> None:
         from gpucloud import bootstrap
-        from gpucloud.workers.main import build_evaluation_worker, build_worker
+        from gpucloud.workers.evaluation import build_evaluation_worker
+        from gpucloud.workers.main import build_worker
 
         self.executor = ThreadPoolExecutor(max_workers=settings.temporal.worker_max_activities)
         self.control_plane = bootstrap.control_plane(settings)

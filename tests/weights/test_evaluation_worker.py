@@ -50,7 +50,7 @@ def test_the_evaluation_workers_environment_holds_no_platform_secret(monkeypatch
     reads each version through the API, with the token its evaluation brings."""
     from gpucloud import bootstrap
     from gpucloud.devstack.stack import evaluation_worker_env
-    from gpucloud.workers.main import build_evaluation_worker
+    from gpucloud.workers.evaluation import build_evaluation_worker
 
     monkeypatch.setenv("GPUCLOUD_API__OPERATOR_TOKEN", "shell-token-9")
     monkeypatch.setenv("GPUCLOUD_SECRETS_DIR", str(tmp_path / "secrets"))
@@ -90,7 +90,7 @@ def test_the_evaluation_workers_environment_holds_no_platform_secret(monkeypatch
     assert evaluation.object_store_dir != settings.object_store_dir
     assert evaluation.temporal.evaluation_task_queue == "tq-1-evaluations"
     with (
-        mock.patch("gpucloud.workers.main.Worker") as worker,
+        mock.patch("gpucloud.workers.evaluation.Worker") as worker,
         mock.patch.object(bootstrap, "object_store", side_effect=AssertionError("the store was built")),
     ):
         build_evaluation_worker(mock.MagicMock(), evaluation, executor=mock.MagicMock())
@@ -133,7 +133,7 @@ class StoreSource:
 
 
 def _run(stores, signer: Signer, digest: str, work: Path, **registry) -> EvaluationRun:
-    from gpucloud.activities.evaluation import EvaluationRunner
+    from gpucloud.activities.evaluation_runner import EvaluationRunner
     from gpucloud.config import RegistrySettings
 
     runner = EvaluationRunner(work_dir=work, registry=RegistrySettings(**registry))
@@ -142,7 +142,7 @@ def _run(stores, signer: Signer, digest: str, work: Path, **registry) -> Evaluat
     keys = EvaluationKeys(public_keys=[bytes(signer.verify_key).hex()], access=access)
     source = functools.partial(StoreSource, stores)
     with mock.patch(
-        "gpucloud.activities.evaluation.RegistryPullSource", side_effect=lambda _client, model: source(model)
+        "gpucloud.activities.evaluation_runner.RegistryPullSource", side_effect=lambda _client, model: source(model)
     ):
         return ActivityEnvironment().run(runner.run_evaluation, RunEvaluationInput(request=request, keys=keys))
 
@@ -151,14 +151,14 @@ def test_a_version_over_the_disk_budget_is_refused_before_it_is_assembled(pushed
     stores, signer, signed = pushed
     size = signed.manifest.total_size
     work = tmp_path / "work"
-    with mock.patch("gpucloud.activities.evaluation.pull", wraps=pull_module.pull) as pull:
+    with mock.patch("gpucloud.activities.evaluation_runner.pull", wraps=pull_module.pull) as pull:
         refused = _run(stores, signer, signed.digest, work, evaluation_disk_budget_bytes=size - 1)
         assert refused.refusal == EvaluationRefusal.OVER_DISK_BUDGET and refused.results == {}
         assert f"({size} bytes, with its parent's) exceed the evaluation disk budget of {size - 1}" in refused.failure
         assert pull.call_count == 0 and not work.exists()
 
         free = shutil.disk_usage(tmp_path)._replace(free=size - 1)
-        with mock.patch("gpucloud.activities.evaluation.shutil.disk_usage", return_value=free):
+        with mock.patch("gpucloud.activities.evaluation_runner.shutil.disk_usage", return_value=free):
             no_room = _run(stores, signer, signed.digest, work)
         assert no_room.refusal == EvaluationRefusal.OVER_DISK_BUDGET and "bytes free" in (no_room.failure or "")
         assert pull.call_count == 0
@@ -234,7 +234,7 @@ def test_the_evaluation_worker_refuses_to_start_holding_a_platform_secret(tmp_pa
     import asyncio
 
     from gpucloud import bootstrap
-    from gpucloud.workers.main import platform_secrets_in, run_evaluation_worker
+    from gpucloud.workers.evaluation import platform_secrets_in, run_evaluation_worker
 
     platform = Settings(data_dir=tmp_path / "data", **SECRETS)
     bootstrap.token_issuer(platform)
@@ -244,3 +244,36 @@ def test_the_evaluation_worker_refuses_to_start_holding_a_platform_secret(tmp_pa
     with pytest.raises(SystemExit, match=r"must hold none of the platform's secrets.*GPUCLOUD_DATABASE__URL"):
         asyncio.run(run_evaluation_worker(platform))
     assert platform_secrets_in(platform.for_evaluation_worker()) == []
+
+
+def test_the_evaluation_workers_process_loads_nothing_of_the_control_plane() -> None:
+    """What `gpucloud worker --role evaluation` imports to run (the CLI, the worker's entrypoint
+    and `workers/evaluation.py`), in a fresh interpreter: no database layer, no `bootstrap` and
+    the adapters it picks, no service-token issuer, no control-plane activities, no web framework
+    (the process that runs tenants' commands carries no code that could reach a platform secret)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, gpucloud.cli.main, gpucloud.entrypoints.worker, gpucloud.workers.evaluation\n"
+        "print(sorted(m for m in sys.modules if m in FORBIDDEN or m.startswith(('gpucloud.services.', 'boto3'))))"
+    )
+    forbidden = [
+        "gpucloud.db",
+        "gpucloud.bootstrap",
+        "gpucloud.workers.main",
+        "gpucloud.activities.control_db",
+        "gpucloud.activities.evaluation",
+        "gpucloud.web.service_tokens",
+        "gpucloud.storage.tenant",
+        "fastapi",
+        "alembic",
+    ]
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"FORBIDDEN = {forbidden!r}\n{probe}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert loaded.stdout.strip() == "[]", loaded.stdout

@@ -14,7 +14,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from gpucloud.activities.evaluation import EvaluationActivities as E
-from gpucloud.activities.evaluation import EvaluationRunner
+from gpucloud.activities.evaluation_runner import EvaluationRunner
 from gpucloud.config import evaluation_task_queue
 from gpucloud.models.evaluation_messages import (
     EvaluateVersionInput,
