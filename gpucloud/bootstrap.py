@@ -65,9 +65,9 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
 
 def temporal_codec_keys(settings: Settings) -> CodecKeys:
     """The keys that seal Temporal payloads: every client of one deployment needs the same."""
-    from gpucloud.adapters.temporal import CodecKeys
+    from gpucloud.adapters.temporal import codec_keys
 
-    return CodecKeys.parse(settings.temporal_codec_keys)
+    return codec_keys(settings)
 
 
 @cache

@@ -44,10 +44,7 @@ from gpucloud.models.evaluation_messages import (
 )
 from gpucloud.models.registry_tables import EvaluationSource
 from gpucloud.registry.command_eval import bounded
-from gpucloud.registry.manifest import (
-    EvaluationRecord,
-    Signer,
-)
+from gpucloud.registry.manifest import EvaluationRecord, Signer
 from gpucloud.registry.promotion import active_public_keys
 from gpucloud.registry.stores import RegistryStores
 from gpucloud.services.evaluations import keep_evaluation

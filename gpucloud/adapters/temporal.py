@@ -190,13 +190,18 @@ async def connect(
     )
 
 
+def codec_keys(settings: Settings) -> CodecKeys:
+    """The keys that seal Temporal payloads: every client of one deployment needs the same."""
+    return CodecKeys.parse(settings.temporal_codec_keys)
+
+
 async def connect_when_up(settings: Settings, *, wait_s: float = 30.0, runtime: Runtime | None = None) -> Client:
     """The deployment's Temporal client (its payload keys, the tracing interceptors), once the
     server answers: processes of a stack start together, and the SDK raises RuntimeError while the
     server does not answer yet, so it is asked every half second for at most `wait_s`.
     `bootstrap.temporal_client` for the control plane's processes; the evaluation worker calls it
     directly, holding nothing else of the platform (`workers/evaluation.py`)."""
-    keys = CodecKeys.parse(settings.temporal_codec_keys)
+    keys = codec_keys(settings)
 
     async def connected() -> Client:
         return await connect(

@@ -18,7 +18,6 @@ import functools
 import logging
 import secrets
 from typing import Any
-from urllib.parse import urlencode
 
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -63,21 +62,13 @@ def _listed(reads: Any, equal: dict[str, str | None], page_token: str) -> tuple[
         return pagination.fetch(session, Allocation, "seq", page=page, equal=equal, newest_first=True)
 
 
-def _next_link(filters: dict[str, str], token: str) -> str | None:
-    if not token:
-        return None
-    return f"{PREFIX}/allocations?" + urlencode({**{k: v for k, v in filters.items() if v}, "page_token": token})
-
-
 def _list_page(request: Request, reads: Any, tenant_id: str, page_token: str = "", **context: Any) -> Response:
     rows, token = _listed(reads, {"tenant_id": tenant_id}, page_token)
     return web.page(
         request,
         "allocations.html",
         allocations=rows,
-        next_link=_next_link({}, token),
-        later_page=bool(page_token.strip()),
-        first_link=f"{PREFIX}/allocations",
+        **web.pager("/allocations", {}, token, page_token),
         gpu_types=sorted(GPU_TYPES),
         errors=context.pop("errors", {}),
         values=context.pop("values", {}),
@@ -118,9 +109,7 @@ def allocations_page(
         allocations=rows,
         filters=filters,
         statuses=[s.value for s in AllocationStatus],
-        next_link=_next_link(filters, token),
-        later_page=bool(page_token.strip()),
-        first_link=f"{PREFIX}/allocations?" + urlencode({k: v for k, v in filters.items() if v}),
+        **web.pager("/allocations", filters, token, page_token),
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from typing import Any
-from urllib.parse import urlencode
 
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -55,16 +54,13 @@ def reservations_page(
             equal={"tenant_id": scope, "status": status or None},
             newest_first=True,
         )
-    shown = {k: v for k, v in filters.items() if v}
     return web.page(
         request,
         "reservations.html",
         reservations=rows,
         filters=filters,
         statuses=STATUSES,
-        next_link=f"{PREFIX}/reservations?" + urlencode({**shown, "page_token": token}) if token else None,
-        later_page=page.token is not None,
-        first_link=f"{PREFIX}/reservations" + (f"?{urlencode(shown)}" if shown else ""),
+        **web.pager("/reservations", filters, token, page_token),
     )
 
 

@@ -13,7 +13,7 @@ import hmac
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qsl, quote
+from urllib.parse import parse_qsl, quote, urlencode
 
 import jinja2
 from fastapi import APIRouter, Depends, Request, Response
@@ -92,6 +92,19 @@ def page(request: Request, template: str, *, status: int = 200, **context: Any) 
         **context,
     )
     return HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
+
+
+def pager(path: str, filters: dict[str, str], token: str, page_token: str) -> dict[str, Any]:
+    """A keyset-paginated list's links for the `pager` macro (`_macros.html`): the next page
+    (`token`, the last page's when '') and the first, each keeping the filters set; `later_page`
+    when this one was asked for with a `page_token`."""
+    shown = {name: value for name, value in filters.items() if value}
+    first = f"{PREFIX}{path}" + (f"?{urlencode(shown)}" if shown else "")
+    return {
+        "next_link": f"{PREFIX}{path}?" + urlencode({**shown, "page_token": token}) if token else None,
+        "later_page": bool(page_token.strip()),
+        "first_link": first,
+    }
 
 
 def see_other(location: str, *, headers: dict[str, str] | None = None) -> Response:
