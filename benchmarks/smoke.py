@@ -54,6 +54,8 @@ class Benchmark:
     # there is none (so that it cannot pick one by itself).
     with_postgres: tuple[str, ...] = ()
     without_postgres: tuple[str, ...] = ()
+    # After its timeout: how long its SIGINT may take before its process group is killed.
+    stop_grace_s: float = 45.0
 
 
 # Every benchmark, in the order they run (`tests/platform/test_benchmark_smoke.py` checks that each
@@ -81,11 +83,6 @@ BENCHMARKS = (
 
 # benchmarks/*.py that are no benchmark: shared code, the floor app `api_load` starts, this run.
 HELPERS = frozenset({"common", "api_floor", "smoke", "scheduling_stack"})
-
-# After a timeout: SIGINT first, so the benchmark's `finally` stops the stack it started (whose
-# processes run in sessions of their own), then SIGKILL to its process group after this long.
-STOP_GRACE_S = 45.0
-
 
 @dataclass
 class Outcome:
@@ -140,7 +137,7 @@ def run_one(bench: Benchmark, args: list[str], logs_dir: Path, *, scripts: Path 
         try:
             code = process.wait(timeout=bench.timeout_s)
         except subprocess.TimeoutExpired:
-            stop(process)
+            stop(process, bench.stop_grace_s)
             return Outcome(bench.name, time.monotonic() - started, False, f"timed out after {bench.timeout_s:g} s")
     seconds = time.monotonic() - started
     if code != 0:
@@ -150,10 +147,12 @@ def run_one(bench: Benchmark, args: list[str], logs_dir: Path, *, scripts: Path 
     return Outcome(bench.name, seconds, True)
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGINT first, so the benchmark's `finally` stops the stack it started (whose processes run
+    in sessions of their own), then SIGKILL to its process group after `grace_s`."""
     process.send_signal(signal.SIGINT)
     try:
-        process.wait(timeout=STOP_GRACE_S)
+        process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()

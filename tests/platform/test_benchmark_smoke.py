@@ -66,19 +66,22 @@ def test_only_a_json_object_on_the_last_line_counts_as_figures(stdout, figures):
         ('print(\'{"figure": 1}\'); print("done")', 30, False, "not a JSON object"),
         ("print('{\"figure\": 1}'); sys.exit(3)", 30, False, "exit status 3"),
         ("time.sleep(60)", 1, False, "timed out after 1 s"),
+        # One that does not stop on SIGINT is killed after its grace.
+        ("signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)", 1, False, "timed out after 1 s"),
     ],
-    ids=["figures", "text-last", "exit-status", "timeout"],
+    ids=["figures", "text-last", "exit-status", "timeout", "deaf-to-sigint"],
 )
 def test_a_benchmark_passes_only_with_exit_0_and_its_figures_last(tmp_path, body, timeout_s, ok, note):
     script = tmp_path / "fake.py"
     script.write_text(
         textwrap.dedent(f"""\
-            import sys, time
+            import signal, sys, time
             assert sys.argv[1:] == ["--quick", "--flag"], sys.argv
             {body}
         """)
     )
-    outcome = smoke.run_one(smoke.Benchmark("fake", timeout_s), ["--flag"], tmp_path, scripts=tmp_path)
+    bench = smoke.Benchmark("fake", timeout_s, stop_grace_s=3)
+    outcome = smoke.run_one(bench, ["--flag"], tmp_path, scripts=tmp_path)
     assert outcome.ok is ok, (tmp_path / "fake.err").read_text()
     assert note in outcome.note
     assert outcome.seconds < 30
