@@ -15,6 +15,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlrea
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.fabric import FabricActivities
     from gpucloud.activities.scheduling import SchedulerActivities
@@ -35,7 +36,6 @@ with workflow.unsafe.imports_passed_through():
         ReplaceNodeRequest,
     )
     from gpucloud.models.workflow_ids import node_workflow_id
-    from gpucloud.workflows import options
     from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 
 CHILD_START_RETRY = timedelta(seconds=1)

@@ -21,6 +21,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ChildWorkflowError, FailureError, WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.ledger import LedgerActivities
     from gpucloud.models.billing_messages import (
         BillingCatchUpInput,
@@ -30,7 +31,6 @@ with workflow.unsafe.imports_passed_through():
         BillingPeriodsInput,
     )
     from gpucloud.models.workflow_ids import close_workflow_id
-    from gpucloud.workflows import options
 
 
 @workflow.defn

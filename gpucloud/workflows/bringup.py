@@ -25,6 +25,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.bmc import BmcActivities
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.host_agent import HostAgentActivities
@@ -45,7 +46,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.protocol.actions import AgentAction
-    from gpucloud.workflows import options
     from gpucloud.workflows.node_lifecycle import _STEPS, _SUCCESS, _Act, _Move, failure_message
 
 STEPS = _STEPS[NodeOperationKind.BRINGUP]

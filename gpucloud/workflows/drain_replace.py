@@ -22,6 +22,7 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.models.allocation_states import AllocationStatus
     from gpucloud.models.messages import (
@@ -32,7 +33,6 @@ with workflow.unsafe.imports_passed_through():
         ReplacementInput,
         ReplaceNodeRequest,
     )
-    from gpucloud.workflows import options
     from gpucloud.workflows.allocation_steps import AllocationSteps, NodeOperation
     from gpucloud.workflows.ledger_events import LedgerEvents
 

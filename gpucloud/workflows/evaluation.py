@@ -10,6 +10,7 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.evaluation import EvaluationActivities
     from gpucloud.activities.evaluation_runner import EvaluationRunner
     from gpucloud.config import evaluation_task_queue
@@ -20,7 +21,6 @@ with workflow.unsafe.imports_passed_through():
         RecordEvaluationInput,
         RunEvaluationInput,
     )
-    from gpucloud.workflows import options
 
 
 @workflow.defn

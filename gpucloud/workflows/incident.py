@@ -12,9 +12,9 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.incidents import IncidentActivities
     from gpucloud.models.incident_messages import IncidentClose, IncidentInput, IncidentProgress, IncidentRef
-    from gpucloud.workflows import options
 
 
 @workflow.defn

@@ -21,10 +21,10 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.ledger import LedgerActivities
     from gpucloud.models.billing_messages import LedgerAllocationEvent, LedgerEventsInput
     from gpucloud.models.messages import AllocationView
-    from gpucloud.workflows import options
 
 
 def _price_class(view: AllocationView) -> Literal["reserved", "preemptible"] | None:

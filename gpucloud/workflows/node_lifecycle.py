@@ -17,6 +17,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.bmc import BmcActivities
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.activities.host_agent import HostAgentActivities
@@ -36,7 +37,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.protocol.actions import AgentAction
-    from gpucloud.workflows import options
 
 Op, S, E, A = NodeOperationKind, NodeState, NodeEvent, AgentAction
 

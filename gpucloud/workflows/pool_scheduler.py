@@ -19,6 +19,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.ledger import LedgerActivities
     from gpucloud.activities.scheduling import SchedulerActivities
     from gpucloud.models.messages import PoolPlanResult, PoolRef, PoolSchedulerInput, PreemptRequest
@@ -27,7 +28,6 @@ with workflow.unsafe.imports_passed_through():
         ALLOCATION_PREEMPT_SIGNAL,
         allocation_workflow_id,
     )
-    from gpucloud.workflows import options
 
 # Plans per run before it continues as new (a bounded history).
 PLANS_PER_RUN = 500

@@ -8,9 +8,9 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.bmc import BmcActivities
     from gpucloud.models.messages import BmcPowerInput, BmcPowerResult
-    from gpucloud.workflows import options
 
 
 @workflow.defn

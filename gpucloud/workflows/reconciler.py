@@ -10,10 +10,10 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.reconciler import ReconcilerActivities
     from gpucloud.activities.scheduling import SchedulerActivities
     from gpucloud.models.messages import SweepInput, SweepResult
-    from gpucloud.workflows import options
 
 
 @workflow.defn

@@ -44,6 +44,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.rollout import RolloutActivities
     from gpucloud.models import search_attributes as sa
     from gpucloud.models.rollout_messages import (
@@ -60,7 +61,6 @@ with workflow.unsafe.imports_passed_through():
         WaveResult,
         plan_waves,
     )
-    from gpucloud.workflows import options
 
 
 class _Stop(Exception):

@@ -42,6 +42,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
+    import gpucloud.workflows.options as options
     from gpucloud.activities.storage import TenantStorageActivities
     from gpucloud.activities.tenant import TenantActivities
     from gpucloud.models.messages import CancelRequest
@@ -59,7 +60,6 @@ with workflow.unsafe.imports_passed_through():
         TenantReleaseProgress,
     )
     from gpucloud.models.workflow_ids import ALLOCATION_CANCEL_SIGNAL, allocation_workflow_id
-    from gpucloud.workflows import options
 
 T, Storage = TenantActivities, TenantStorageActivities
 # What undoes each onboarding step.

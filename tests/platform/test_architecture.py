@@ -244,3 +244,23 @@ def test_the_checks_see_what_they_check() -> None:
     assert "gpucloud.models.tables" in graph["gpucloud.services.allocations"]
     assert any(c for c in _circles()) or not KNOWN_CIRCLES
     assert len(graph) > 200
+
+
+def test_workflow_modules_pass_their_siblings_through_the_sandbox() -> None:
+    """Temporal's sandbox runs a workflow's module anew for every workflow it starts or replays.
+    `from gpucloud.workflows import options` there imports `options` through the sandboxed
+    package, which runs it anew too, even inside `imports_passed_through()` (the sandbox only
+    sees the package's name); `import gpucloud.workflows.options as options` passes the module
+    itself through. Measured: `options` ran 58 times in `tests/fleet/test_node_lifecycle_workflow.py`
+    the first way, once the second (its table of retry policies built every time)."""
+    through_the_package = sorted(
+        (module, alias.name)
+        for module, tree in _trees().items()
+        if module.startswith("gpucloud.workflows.")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.level > 0 or node.module == "gpucloud.workflows")
+        for alias in node.names
+    )
+    assert through_the_package == [], f"import these as `import gpucloud.workflows.X as X`: {through_the_package}"
+    passed = [m for m, tree in _trees().items() if "import gpucloud.workflows.options as options" in ast.unparse(tree)]
+    assert len(passed) > 10  # the check reads the workflow modules it means
