@@ -84,6 +84,7 @@ BENCHMARKS = (
 # benchmarks/*.py that are no benchmark: shared code, the floor app `api_load` starts, this run.
 HELPERS = frozenset({"common", "api_floor", "smoke", "scheduling_stack"})
 
+
 @dataclass
 class Outcome:
     name: str
