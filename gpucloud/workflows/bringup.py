@@ -46,10 +46,12 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.protocol.actions import AgentAction
-    from gpucloud.workflows.node_lifecycle import _STEPS, _SUCCESS, _Act, _Move, failure_message
+    from gpucloud.workflows.node_lifecycle import failure_message
+    from gpucloud.workflows.node_steps import STEPS as NODE_STEPS
+    from gpucloud.workflows.node_steps import SUCCESS, Act, Move
 
-STEPS = _STEPS[NodeOperationKind.BRINGUP]
-DONE = _SUCCESS[NodeOperationKind.BRINGUP]
+STEPS = NODE_STEPS[NodeOperationKind.BRINGUP]
+DONE = SUCCESS[NodeOperationKind.BRINGUP]
 # Each round moves every node one step; bring-up has four (inspect, and three agent actions).
 MAX_ROUNDS = 10
 
@@ -94,9 +96,9 @@ class BringupBatchWorkflow:
                 step = STEPS.get(NodeState(node.state))
                 if step is None:
                     self._stop(node_id, f"node is {node.state}; bring-up cannot proceed")
-                elif isinstance(step, _Move):
+                elif isinstance(step, Move):
                     moves.append((node_id, step.event, "bringup"))
-                elif isinstance(step, _Act):
+                elif isinstance(step, Act):
                     acts.setdefault(step.action, []).append(node_id)
             for node_id, cause in list(self._bmc_failed.items()):
                 if node_id in acts.get(AgentAction.INSPECT, []):

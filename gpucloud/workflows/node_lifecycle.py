@@ -10,7 +10,6 @@ and every step is a compare-and-swap transition or an idempotent agent action.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Literal
 
 from temporalio import workflow
@@ -37,74 +36,13 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.protocol.actions import AgentAction
+    from gpucloud.workflows.node_steps import AGENT_ACTIONS, STEPS, SUCCESS, WIPE, Move
 
 Op, S, E, A = NodeOperationKind, NodeState, NodeEvent, AgentAction
 
 
-@dataclass(frozen=True)
-class _Move:
-    event: NodeEvent
-
-
-@dataclass(frozen=True)
-class _Act:
-    action: AgentAction  # success -> OK, permanent failure -> FAIL
-    # Agent actions to run first. A node reaches wiping from failure paths too (a provisioning
-    # failure or deadline skips releasing), so a wipe first makes sure nothing still runs.
-    before: tuple[AgentAction, ...] = ()
-
-
-_WIPE = _Act(A.WIPE, before=(A.RELEASE,))
 # After a re-image's power cycle, the agent's answers are read this often for its new boot.
 _BOOT_REPORTS, _BOOT_REPORT_EVERY_S = 10, 3.0
-
-# The agent action behind each name, called by reference.
-_AGENT_ACTIONS = {
-    A.INSPECT: HostAgentActivities.inspect_node,
-    A.BURN_IN: HostAgentActivities.burn_in_node,
-    A.PROVISION: HostAgentActivities.provision_node,
-    A.RELEASE: HostAgentActivities.release_node,
-    A.WIPE: HostAgentActivities.wipe_node,
-    A.RESET: HostAgentActivities.reset_node,
-    A.REBOOT: HostAgentActivities.reboot_node,
-    A.REFLASH: HostAgentActivities.reflash_node,
-    A.DIAGNOSE: HostAgentActivities.diagnose_node,
-}
-
-
-# What each state calls for, per operation. A state missing here for an operation is one that
-# operation may not touch: the workflow stops and reports it rather than guessing.
-_STEPS: dict[NodeOperationKind, dict[NodeState, _Move | _Act]] = {
-    # A node's first wipe: nothing of a tenant's runs there yet, so no release first.
-    Op.BRINGUP: {
-        S.ENROLLED: _Move(E.INSPECT),
-        S.INSPECTING: _Act(A.INSPECT),
-        S.WIPING: _Act(A.WIPE),
-        S.BURN_IN: _Act(A.BURN_IN),
-    },
-    Op.PROVISION: {
-        S.RESERVED: _Move(E.PROVISION),
-        S.PROVISIONING: _Act(A.PROVISION),
-        # A failed provision leaves the node wiping: finish its way back to the pool.
-        S.WIPING: _WIPE,
-        S.BURN_IN: _Act(A.BURN_IN),
-    },
-    Op.RELEASE: {S.RESERVED: _Move(E.UNRESERVE), S.ACTIVE: _Move(E.RELEASE), S.RELEASING: _Act(A.RELEASE)},
-    Op.RECYCLE: {S.WIPING: _WIPE, S.BURN_IN: _Act(A.BURN_IN)},
-    Op.DRAIN: {S.AVAILABLE: _Move(E.DRAIN), S.ACTIVE: _Move(E.DRAIN), S.DRAINING: _Act(A.RELEASE)},
-    # After its rung of the repair ladder (`NodeOperationWorkflow._repair_rung`).
-    Op.REPAIR: {S.WIPING: _WIPE, S.BURN_IN: _Act(A.BURN_IN)},
-}
-
-_SUCCESS: dict[NodeOperationKind, frozenset[NodeState]] = {
-    Op.BRINGUP: frozenset({S.AVAILABLE}),
-    Op.PROVISION: frozenset({S.ACTIVE}),
-    # Once the node is wiping (or later) the tenant is off it; available = unreserved untouched.
-    Op.RELEASE: frozenset({S.WIPING, S.BURN_IN, S.AVAILABLE, S.QUARANTINED}),
-    Op.RECYCLE: frozenset({S.AVAILABLE}),
-    Op.DRAIN: frozenset({S.QUARANTINED}),
-    Op.REPAIR: frozenset({S.AVAILABLE}),
-}
 
 
 @workflow.defn
@@ -172,11 +110,11 @@ class NodeOperationWorkflow:
 
     async def _drive(self, operation: NodeOperationKind, error: str | None = None) -> NodeOperationResult:
         """Take the step each state calls for under `operation` until a stop state."""
-        while NodeState(self._state) not in _SUCCESS[operation]:
-            step = _STEPS[operation].get(NodeState(self._state))
+        while NodeState(self._state) not in SUCCESS[operation]:
+            step = STEPS[operation].get(NodeState(self._state))
             if step is None:
                 return self._result(False, error or f"node is {self._state}; {operation.value} cannot proceed")
-            if isinstance(step, _Move):
+            if isinstance(step, Move):
                 if not await self._move(step.event, cause=operation.value):
                     return self._result(False, f"node moved under us from {self._state}")
                 continue
@@ -186,7 +124,7 @@ class NodeOperationWorkflow:
                 # repair ladder power-cycles it through its BMC.
                 failure = "the host is down (its agent is silent): to be power-cycled through its BMC"
             for action in (*step.before, step.action) if failure is None else ():
-                if step is _WIPE and action == A.WIPE:  # the tenant left: re-image before the wipe
+                if step is WIPE and action == A.WIPE:  # the tenant left: re-image before the wipe
                     failure = await self._reimage()
                 failure = failure or await self._act(action)
                 if failure:
@@ -407,7 +345,7 @@ class NodeOperationWorkflow:
             hand_credential=not (action == A.WIPE and self._enrolled_out_of_band),
         )
         try:
-            done = await workflow.execute_activity_method(_AGENT_ACTIONS[action], req, **options.AGENT)
+            done = await workflow.execute_activity_method(AGENT_ACTIONS[action], req, **options.AGENT)
         except ActivityError as err:
             if is_cancelled_exception(err):
                 raise  # stopped, not failed: the caller decides what a cancel means
