@@ -14,8 +14,7 @@ import sqlalchemy as sa
 from temporalio import activity, workflow
 from temporalio.worker import Worker
 
-from gpucloud import bootstrap
-from gpucloud.adapters.temporal import connect
+from gpucloud.adapters.temporal import codec_keys, connect
 from gpucloud.config import Settings
 from gpucloud.web.service_tokens import agent_audience
 from gpucloud.workflows.bringup import STEPS as BRINGUP_STEPS
@@ -81,7 +80,7 @@ async def agent_floor(agent_urls: list[str], *, concurrency: int, issuer=None) -
 
 
 async def _baseline_workflows(settings: Settings, nodes: int) -> float:
-    client = await connect(settings.temporal, keys=bootstrap.temporal_codec_keys(settings))
+    client = await connect(settings.temporal, keys=codec_keys(settings))
     queue = f"baseline-{uuid.uuid4().hex[:6]}"
     with ThreadPoolExecutor(max_workers=4) as executor:
         async with Worker(
@@ -228,7 +227,7 @@ def history_profile(settings: Settings, workflow_ids: list[str], *, since: datet
 async def _history_profile(settings: Settings, workflow_ids: list[str], since: datetime) -> dict[str, dict]:
     from temporalio.api.enums.v1 import EventType
 
-    client = await connect(settings.temporal, keys=bootstrap.temporal_codec_keys(settings))
+    client = await connect(settings.temporal, keys=codec_keys(settings))
     waits: dict[str, list[float]] = defaultdict(list)
     runs: dict[str, list[float]] = defaultdict(list)
     scheduled: dict[int, tuple[str, datetime]] = {}

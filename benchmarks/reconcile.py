@@ -36,14 +36,14 @@ from common import add_temporal_db_arg, agent_floor, baseline, bench_stack, log,
 
 from gpucloud import bootstrap
 from gpucloud.activities.host_agent import BATCH_CONCURRENCY
-from gpucloud.adapters.temporal import connect
+from gpucloud.adapters.temporal import codec_keys, connect
 from gpucloud.config import Settings
 from gpucloud.models.messages import SweepInput
 from gpucloud.workflows.reconciler import ReconcileSweepWorkflow
 
 
 async def one_sweep(settings: Settings):
-    client = await connect(settings.temporal, keys=bootstrap.temporal_codec_keys(settings))
+    client = await connect(settings.temporal, keys=codec_keys(settings))
     started = time.monotonic()
     result = await client.execute_workflow(
         ReconcileSweepWorkflow.run,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import SecretStr
 from temporalio.client import Client
@@ -43,9 +43,6 @@ from gpucloud.storage.s3 import S3ObjectStore
 from gpucloud.storage.tenant import TenantStore
 from gpucloud.web import service_tokens, tls
 
-if TYPE_CHECKING:
-    from gpucloud.adapters.temporal import CodecKeys
-
 FabricControllerFactory = Callable[[], HttpFabricController]
 
 
@@ -61,13 +58,6 @@ async def temporal_client(settings: Settings, *, wait_s: float = 30.0, runtime: 
     from gpucloud.adapters.temporal import connect_when_up
 
     return await connect_when_up(settings, wait_s=wait_s, runtime=runtime)
-
-
-def temporal_codec_keys(settings: Settings) -> CodecKeys:
-    """The keys that seal Temporal payloads: every client of one deployment needs the same."""
-    from gpucloud.adapters.temporal import codec_keys
-
-    return codec_keys(settings)
 
 
 @cache

@@ -19,19 +19,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from google.protobuf.duration_pb2 import Duration
-from pydantic import SecretStr
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, RegisterNamespaceRequest
 from temporalio.service import RPCError, RPCStatusCode
 
+from gpucloud import bootstrap
 from gpucloud.config import Settings
 from gpucloud.models import search_attributes
 from gpucloud.retry import Backoff, retry_call_async
+from gpucloud.shared_secrets import SHARED_SECRETS, SharedSecret
 
 Outcome = Literal["created", "present", "refused"]
 
@@ -45,89 +45,6 @@ class Item:
 
 class Refused(Exception):
     """An item that cannot be prepared; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class SharedSecret:
-    name: str
-    variable: str
-    configured: Callable[[Settings], SecretStr | Path | None]
-    path: Callable[[Settings], Path]
-    make: Callable[[Settings], object]  # the settings' own load-or-create of it
-
-
-def _token_issuer(settings: Settings) -> object:
-    from gpucloud import bootstrap  # here, not above: the evaluation worker reads the table alone
-
-    return bootstrap.token_issuer(settings)
-
-
-def _storage_master_key(settings: Settings) -> object:
-    from gpucloud import bootstrap
-
-    return bootstrap.storage_master_key(settings)
-
-
-PAYLOAD_KEYS = "Temporal payload keys"  # the one shared secret the evaluation worker holds
-SHARED_SECRETS = (
-    SharedSecret(
-        # GPUCLOUD_AGENT__ISSUER_KEY names where the key lives (not the key): made there if missing.
-        "issuer key",
-        "GPUCLOUD_AGENT__ISSUER_KEY",
-        lambda s: None,
-        lambda s: s.issuer_key_path,
-        _token_issuer,
-    ),
-    SharedSecret(
-        "operator token",
-        "GPUCLOUD_API__OPERATOR_TOKEN",
-        lambda s: s.api.operator_token,
-        lambda s: s.data_dir / "operator_token",
-        lambda s: s.operator_token,
-    ),
-    SharedSecret(
-        "page token secret",
-        "GPUCLOUD_API__PAGE_TOKEN_SECRET",
-        lambda s: s.api.page_token_secret,
-        lambda s: s.data_dir / "page_token_secret",
-        lambda s: s.page_token_secret,
-    ),
-    SharedSecret(
-        "agent credential secret",
-        "GPUCLOUD_AGENT__CREDENTIAL_SECRET",
-        lambda s: s.agent.credential_secret,
-        lambda s: s.data_dir / "agent_credential_secret",
-        lambda s: s.agent_credential_secret,
-    ),
-    SharedSecret(
-        "storage master key",
-        "GPUCLOUD_TENANTS__STORAGE_MASTER_KEY",
-        lambda s: s.tenants.storage_master_key,
-        lambda s: s.data_dir / "storage_master_key",
-        _storage_master_key,
-    ),
-    SharedSecret(
-        PAYLOAD_KEYS,
-        "GPUCLOUD_TEMPORAL__CODEC_KEYS",
-        lambda s: s.temporal.codec_keys,
-        lambda s: s.temporal_codec_keys_path,
-        lambda s: s.temporal_codec_keys,
-    ),
-    SharedSecret(
-        "evaluator key",
-        "GPUCLOUD_REGISTRY__EVALUATOR_KEY",
-        lambda s: s.registry.evaluator_key,
-        lambda s: s.data_dir / "evaluator_key",
-        lambda s: s.evaluator_seed,
-    ),
-    SharedSecret(
-        "metrics token",
-        "GPUCLOUD_TELEMETRY__METRICS_TOKEN",
-        lambda s: s.telemetry.metrics_token,
-        lambda s: s.data_dir / "metrics_token",
-        lambda s: s.metrics_token,
-    ),
-)
 
 
 def prepare_secret(settings: Settings, secret: SharedSecret) -> Item:
@@ -163,8 +80,6 @@ def prepare_api_delegate(settings: Settings) -> Item:
             left_s = 0.0
         if left_s > DELEGATE_RENEW_WITHIN_S:
             return Item("API delegate", "present", f"{where}; valid {left_s / 86400:.0f} more days")
-    from gpucloud import bootstrap
-
     bootstrap.issue_api_delegate(settings)
     days = bootstrap.API_DELEGATE_TTL_S / 86400
     taken_up = "running API processes take it up within seconds"
@@ -197,8 +112,6 @@ NAMESPACE_VISIBLE_S = 30.0
 
 async def prepare_temporal(settings: Settings) -> list[Item]:
     namespace = settings.temporal.namespace
-    from gpucloud import bootstrap
-
     client = await bootstrap.temporal_client(settings, wait_s=10.0)
     items = []
     try:
@@ -250,8 +163,6 @@ def prepare_object_store(settings: Settings) -> Item:
     from botocore.exceptions import BotoCoreError, ClientError
 
     assert store.bucket is not None  # the settings refuse s3 without one
-    from gpucloud import bootstrap
-
     s3 = bootstrap.s3_client(settings)
     where = f"bucket {store.bucket} at {store.endpoint_url or 'AWS S3'}"
     try:

@@ -407,10 +407,10 @@ class Stack:
         return SimFleetClient(self.settings.sim_url, token=self.settings.operator_token, timeout_s=30)
 
     def _temporal_ready(self) -> bool:
-        from gpucloud.adapters.temporal import connect
+        from gpucloud.adapters.temporal import codec_keys, connect
         from gpucloud.adapters.temporal_gateway import count_workflows
 
-        keys = bootstrap.temporal_codec_keys(self.settings)
+        keys = codec_keys(self.settings)
 
         async def probe() -> bool:
             try:

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Scope
 from temporalio.api.common.v1 import Payloads
 
 from gpucloud import bootstrap
-from gpucloud.adapters.temporal import EncryptionCodec
+from gpucloud.adapters.temporal import EncryptionCodec, codec_keys
 from gpucloud.api import auth
 from gpucloud.config import RequestBodySettings, Settings
 from gpucloud.db import get_read_engine
@@ -98,7 +98,7 @@ def serve(settings: Settings, *, host: str | None = None, port: int | None = Non
     host = host or settings.temporal.codec_server_host
     secure = serve_options(host, settings.tls.server, insecure=settings.tls.insecure, what="codec server")
     app = create_app(
-        EncryptionCodec(bootstrap.temporal_codec_keys(settings)),
+        EncryptionCodec(codec_keys(settings)),
         database_url=settings.database_url,
         operator_token=settings.operator_token,
         ui_origin=settings.temporal.codec_server_ui_origin,

@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 from gpucloud.activities.evaluation_runner import EvaluationRunner
 from gpucloud.adapters.temporal import connect_when_up
 from gpucloud.config import Settings
+from gpucloud.shared_secrets import PAYLOAD_KEYS, SHARED_SECRETS
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,8 @@ def platform_secrets_in(settings: Settings) -> list[str]:
     """What of the platform's secrets `settings` hold, by variable (or the file it is kept in):
     the evaluation worker runs tenants' code, so it must be started with none of them
     (`Settings.for_evaluation_worker`, deploy/evaluations.env.example). The shared secrets are
-    `prepare.SHARED_SECRETS`' (all but the payload keys, which it needs), then the credentials
+    `shared_secrets.SHARED_SECRETS`' (all but the payload keys, which it needs), then the credentials
     of what it never reaches (databases, the object store, the fabric managers)."""
-    from gpucloud.prepare import PAYLOAD_KEYS, SHARED_SECRETS
-
     held = []
     for secret in SHARED_SECRETS:
         if secret.name == PAYLOAD_KEYS:

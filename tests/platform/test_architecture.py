@@ -46,7 +46,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     # Durable processes and the work they call.
     3: ("activities", "workflows"),
     # Wiring: one place that picks every adapter, the worker's assembly, setup.
-    4: ("bootstrap", "workers", "prepare"),
+    4: ("bootstrap", "workers", "prepare", "shared_secrets"),
     # Processes and tools: what a person or a machine runs.
     5: ("entrypoints", "api", "console", "agent", "sim", "devstack", "demo", "cli"),
 }

@@ -246,9 +246,10 @@ def test_the_evaluation_worker_refuses_to_start_holding_a_platform_secret(tmp_pa
     assert platform_secrets_in(platform.for_evaluation_worker()) == []
 
 
-def test_the_evaluation_workers_process_loads_nothing_of_the_control_plane() -> None:
+def test_the_evaluation_workers_process_loads_nothing_of_the_control_plane(tmp_path) -> None:
     """What `gpucloud worker --role evaluation` imports to run (the CLI, the worker's entrypoint
-    and `workers/evaluation.py`), in a fresh interpreter: no database layer, no `bootstrap` and
+    and `workers/evaluation.py`, and its check of the shared secrets it must not hold), in a fresh
+    interpreter: no database layer, no `prepare`, no `bootstrap` and
     the adapters it picks, no service-token issuer, no control-plane activities, no web framework
     (the process that runs tenants' commands carries no code that could reach a platform secret)."""
     import subprocess
@@ -256,11 +257,14 @@ def test_the_evaluation_workers_process_loads_nothing_of_the_control_plane() -> 
 
     probe = (
         "import sys, gpucloud.cli.main, gpucloud.entrypoints.worker, gpucloud.workers.evaluation\n"
+        "from gpucloud.config import Settings\n"
+        f"gpucloud.workers.evaluation.platform_secrets_in(Settings(data_dir={str(tmp_path)!r}))\n"
         "print(sorted(m for m in sys.modules if m in FORBIDDEN or m.startswith(('gpucloud.services.', 'boto3'))))"
     )
     forbidden = [
         "gpucloud.db",
         "gpucloud.bootstrap",
+        "gpucloud.prepare",
         "gpucloud.workers.main",
         "gpucloud.activities.control_db",
         "gpucloud.activities.evaluation",
