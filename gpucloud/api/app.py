@@ -37,7 +37,7 @@ from gpucloud.api.routers import (
     whoami,
 )
 from gpucloud.config import Settings
-from gpucloud.console.routes import router as console_router
+from gpucloud.console import routes as console
 from gpucloud.observability import tracing
 from gpucloud.services.workflow_engine import engine_error
 from gpucloud.web import problems
@@ -49,6 +49,7 @@ from gpucloud.web.readiness import (
     object_store_check,
     temporal_check,
 )
+from gpucloud.web.routes import mount
 from gpucloud.web.service_tokens import public_key_path
 
 log = logging.getLogger(__name__)
@@ -110,30 +111,34 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
         # Evaluations read their version with a token the issuer key signed (`api/gate.py`).
         control_plane_key=public_key_path(settings.issuer_key_path),
     )
-    # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll.
-    for module in (
-        agents,
-        allocations,
-        allocation_logs,
-        queue,
-        reservations,
-        operations,
-        tenants,
-        api_keys,
-        nodes,
-        health,
-        incidents,
-        fleet_incidents,
-        registry,
-        billing,
-        rollouts,
-        operators,
-        enrollment,
-        catalog,
-        whoami,
-    ):
-        app.include_router(module.router)
-    app.include_router(console_router)  # the web console, `/console` (docs/console.md)
+    # Matched in this order (see routers/agents.py): the agents' reports, then what tenants poll;
+    # the web console last, `/console` (docs/console.md). Mounted, not included: each route is
+    # built once per process, not again for each app (`web/routes.py`).
+    mount(
+        app,
+        [
+            *(
+                module.router
+                for module in (
+                    agents,
+                    allocations,
+                    allocation_logs,
+                    queue,
+                    reservations,
+                    operations,
+                    tenants,
+                    api_keys,
+                    nodes,
+                    health,
+                    incidents,
+                    fleet_incidents,
+                )
+            ),
+            *registry.ROUTERS,
+            *(module.router for module in (billing, rollouts, operators, enrollment, catalog, whoami)),
+            *console.ROUTERS,
+        ],
+    )
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:

@@ -1,8 +1,6 @@
-"""Every console route, for the API app to include once (`api/app.py`)."""
+"""Every console router, for the API app to mount in this order (`api/app.py`, `web/routes.mount`)."""
 
 from __future__ import annotations
-
-from fastapi import APIRouter
 
 from gpucloud.console import (
     account,
@@ -16,6 +14,7 @@ from gpucloud.console import (
     sign_in,
 )
 
-router = APIRouter()
-for module in (sign_in, fleet, allocations, operator_pages, incidents, account, rollouts, reservations, billing):
-    router.include_router(module.router)
+ROUTERS = tuple(
+    module.router
+    for module in (sign_in, fleet, allocations, operator_pages, incidents, account, rollouts, reservations, billing)
+)

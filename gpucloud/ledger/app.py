@@ -54,6 +54,7 @@ from gpucloud.web import problems as web_problems
 from gpucloud.web.gate import BODY_DEFAULTS, Gate
 from gpucloud.web.metrics import install_metrics
 from gpucloud.web.readiness import database_check, install_readiness
+from gpucloud.web.routes import mount
 from gpucloud.web.service_tokens import Verifier
 
 DEFAULT_DATABASE_URL = "sqlite:///.data/ledger.db"
@@ -90,8 +91,8 @@ def create_app(
     # Added innermost first: the gate checks the token, then admission gives its caller a slot.
     app.add_middleware(LedgerAdmission, settings=admission or LedgerSettings())
     app.add_middleware(Gate, check=ledger_callers(control_plane), body=request_body)
-    for module in (usage, allocations, reservations, prices, postings, reconciliation, periods, invoices):
-        app.include_router(module.router)
+    routers = (usage, allocations, reservations, prices, postings, reconciliation, periods, invoices)
+    mount(app, [module.router for module in routers])  # built once per process (`web/routes.py`)
     app.add_exception_handler(problems.LedgerProblem, _ledger_problem)
     app.add_exception_handler(RequestValidationError, _validation_problem)
     app.add_exception_handler(StarletteHTTPException, _http_problem)

@@ -27,15 +27,11 @@ def _calls(dependant: Dependant) -> Iterator[object]:
 
 
 def _api_routes(routes: list) -> Iterator[tuple[APIRoute, list]]:
-    """Every route, those of included routers too (FastAPI keeps an included router whole), with
-    the dependencies given where its router was included."""
+    """Every route, each with the dependencies its router gave it (the API mounts its routers'
+    routes as they are: `web/routes.mount`, so no dependency is added where a router is included)."""
     for route in routes:
         if isinstance(route, APIRoute):
             yield route, []
-        elif (included := getattr(route, "original_router", None)) is not None:
-            at_include = [d.dependency for d in route.include_context.dependencies]
-            for inner, more in _api_routes(included.routes):
-                yield inner, at_include + more
 
 
 def _runs_on_a_thread(call: object) -> bool:

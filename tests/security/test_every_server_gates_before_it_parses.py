@@ -48,7 +48,16 @@ from gpucloud.web.service_tokens import (
     swarm_audience,
 )
 from gpucloud.web.serving import ThreadedServer
-from support.servers import FABRIC_TOKENS, OPERATOR_TOKEN, PEER_TENANT, calls, node_of, servers
+from support.servers import (
+    FABRIC_TOKENS,
+    OPERATOR_TOKEN,
+    PEER_TENANT,
+    calls,
+    console_door,
+    console_page,
+    node_of,
+    servers,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -186,14 +195,19 @@ def _walk(apps: dict[str, FastAPI], request: Callable[[TestClient, str, str, str
 
 def test_a_stranger_gets_401_and_its_body_is_never_read(apps):
     def stranger(client: TestClient, server: str, method: str, path: str) -> str | None:
+        if console_door(path):
+            return None  # the console's sign-in form and static files: open (`support/servers.py`)
+        # A console page sends a visitor to sign in (303); every other route refuses (401).
+        refused = (303,) if console_page(path) else (401,)
         malformed = Body([b"{this is not json"])
         status, _ = _call(client, method, path, {"content-type": "application/json", "content-length": "17"}, malformed)
-        if status != 401:
-            return f"malformed body -> {status}"
+        if status not in refused or malformed.pulled:
+            return f"malformed body -> {status}, {malformed.pulled} bytes pulled"
         huge = Body([b"x" * (1 << 20)] * 64)
         status, headers = _call(client, method, path, {"content-length": str(HUGE)}, huge)
-        # `/metrics` checks the scraper's token in its route, behind the gate: 413 comes first.
-        refused = (401, 413) if path == "/metrics" else (401,)
+        # `/metrics` checks the scraper's token in its route, behind the gate, and a console page
+        # its session: the gate's 413 comes first.
+        refused = (*refused, 413) if path == "/metrics" or console_page(path) else refused
         if status not in refused or huge.pulled or headers.get("connection") != "close":
             return f"64 MiB -> {status}, {huge.pulled} bytes pulled, connection {headers.get('connection')}"
         return None

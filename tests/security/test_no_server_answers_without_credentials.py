@@ -1,5 +1,6 @@
 """Issue 13: no server of the stack answers a request without credentials, except `/healthz`,
-`/readyz` and the OpenAPI document.
+`/readyz`, the OpenAPI document and the web console's door (its sign-in page and static files;
+each of its other pages sends a visitor there).
 
 Every route of every server (the API, the ledger, a node's agent, the tracker and origin, a
 node's peer service, the simulated fleet and the simulated fabric managers) is called as an
@@ -14,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from gpucloud.config import RequestBodySettings
 from gpucloud.web.service_tokens import Verifier, load_or_create_issuer
-from support.servers import calls, node_of, servers
+from support.servers import SIGN_IN, calls, console_door, console_page, node_of, servers
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -23,9 +24,15 @@ def _open_to_anyone(app: FastAPI, node_id: str = "n-1") -> list[str]:
     answered = []
     with TestClient(app, raise_server_exceptions=False) as client:
         for method, path in calls(app, node_id):
-            status = client.request(method, path, json={"garbage": True}).status_code
-            if status != 401:
-                answered.append(f"{method} {path} -> {status}")
+            if console_door(path):
+                continue  # the console's sign-in page and its static files (`support/servers.py`)
+            response = client.request(method, path, json={"garbage": True}, follow_redirects=False)
+            if console_page(path):  # a visitor is sent to sign in, and shown nothing else
+                location = response.headers.get("location", "")
+                if response.status_code != 303 or location.partition("?")[0] != SIGN_IN:
+                    answered.append(f"{method} {path} -> {response.status_code} {location}")
+            elif response.status_code != 401:
+                answered.append(f"{method} {path} -> {response.status_code}")
     return answered
 
 
@@ -42,6 +49,8 @@ def test_every_route_of_every_server_needs_credentials(tmp_path, db_url, verifie
     checked = {name: len(calls(app, "n-1")) for name, app in apps.items()}
     assert min(checked.values()) >= 1, checked
     assert checked["API"] > 50 and checked["ledger"] > 10, checked
+    pages = [path for _, path in calls(apps["API"], "n-1") if console_page(path)]
+    assert len(pages) > 30, pages  # the console's pages are among the API's routes walked
 
 
 def test_health_and_the_openapi_document_stay_open(tmp_path, db_url, verifier, temporal_env):

@@ -137,8 +137,6 @@ def _routes(routes: list) -> list[str]:
     for route in routes:
         if isinstance(route, APIRoute):
             found += [f"{method} {route.path}" for method in sorted(route.methods)]
-        elif (included := getattr(route, "original_router", None)) is not None:
-            found += _routes(included.routes)
     return found
 
 

@@ -42,6 +42,22 @@ from gpucloud.sim.probe import SimulatedProbe
 from gpucloud.web.service_tokens import Verifier
 
 OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+# The web console (the API's `/console`) is a browser's: a session cookie, not a bearer token.
+# Its door is open (the sign-in page and its form, the style sheet and scripts: `console/sign_in.py`);
+# every other page sends a visitor without a session to the door (303), reading nothing it sent.
+CONSOLE_DOOR = ("/console/sign-in", "/console/static/")
+SIGN_IN = "/console/sign-in"
+
+
+def console_page(path: str) -> bool:
+    """A page of the web console behind its sign-in (module doc)."""
+    return (path == "/console" or path.startswith("/console/")) and not path.startswith(CONSOLE_DOOR)
+
+
+def console_door(path: str) -> bool:
+    return path.startswith(CONSOLE_DOOR)
+
+
 DIGEST = "0" * 64
 OPERATOR_TOKEN = "operator-secret"
 FABRIC_TOKENS = FabricTokens("ufm-secret", "nmx-secret", "sdn-secret")

@@ -203,7 +203,6 @@ class Registry:
 @pytest.fixture
 def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
     from gpucloud.api.app import create_app
-    from gpucloud.api.routers import registry as registry_router
     from gpucloud.config import Settings
     from gpucloud.devstack.stack import free_port
     from gpucloud.web.serving import ThreadedServer
@@ -220,9 +219,6 @@ def registry(db_url, tmp_path, temporal_env) -> Iterator[Registry]:
         registry={"evaluation_host_commands": True},
     )
     app = create_app(settings, temporal=temporal_env.client)
-    # Works before and after the router is registered in create_app.
-    if not any(getattr(r, "path", "").startswith("/v1/models") for r in app.routes):
-        app.include_router(registry_router.router)
     with ThreadedServer(app, port=settings.api.port, name="api"):
         registry = Registry(settings.api_url, tmp_path, app, settings)
         try:

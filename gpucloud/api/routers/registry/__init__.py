@@ -15,10 +15,7 @@ as one that does not exist. Each tenant's chunks live under its own store prefix
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-
 from gpucloud.api.routers.registry import chunks, gc, models, versions
 
-router = APIRouter()
-for module in (models, chunks, versions, gc):
-    router.include_router(module.router)
+# In the order the API matches them (`web/routes.mount`).
+ROUTERS = tuple(module.router for module in (models, chunks, versions, gc))
