@@ -117,25 +117,25 @@ def create_app(settings: Settings, *, temporal: Client | None = None) -> FastAPI
     mount(
         app,
         [
-            *(
-                module.router
-                for module in (
-                    agents,
-                    allocations,
-                    allocation_logs,
-                    queue,
-                    reservations,
-                    operations,
-                    tenants,
-                    api_keys,
-                    nodes,
-                    health,
-                    incidents,
-                    fleet_incidents,
-                )
-            ),
+            agents.router,
+            allocations.router,
+            allocation_logs.router,
+            queue.router,
+            reservations.router,
+            operations.router,
+            tenants.router,
+            api_keys.router,
+            nodes.router,
+            health.router,
+            incidents.router,
+            fleet_incidents.router,
             *registry.ROUTERS,
-            *(module.router for module in (billing, rollouts, operators, enrollment, catalog, whoami)),
+            billing.router,
+            rollouts.router,
+            operators.router,
+            enrollment.router,
+            catalog.router,
+            whoami.router,
             *console.ROUTERS,
         ],
     )

@@ -21,7 +21,9 @@ from fastapi.routing import APIRoute
 
 
 def mount(app: FastAPI, routers: Iterable[APIRouter]) -> None:
-    """Add each router's routes to `app`, in order (a request is matched against them in it)."""
+    """Add each router's routes to `app`, in order (a request is matched against them in it).
+    Call it while building the app, before its OpenAPI document is first asked for: the routes
+    are appended as they are, which FastAPI's cache of that document does not notice."""
     for router in routers:
         for route in router.routes:
             if not isinstance(route, APIRoute):

@@ -26,14 +26,6 @@ def _calls(dependant: Dependant) -> Iterator[object]:
         yield from _calls(sub)
 
 
-def _api_routes(routes: list) -> Iterator[tuple[APIRoute, list]]:
-    """Every route, each with the dependencies its router gave it (the API mounts its routers'
-    routes as they are: `web/routes.mount`, so no dependency is added where a router is included)."""
-    for route in routes:
-        if isinstance(route, APIRoute):
-            yield route, []
-
-
 def _runs_on_a_thread(call: object) -> bool:
     target = call if inspect.isfunction(call) else getattr(call, "__call__", call)  # noqa: B004
     return not (inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target))
@@ -41,11 +33,12 @@ def _runs_on_a_thread(call: object) -> bool:
 
 def test_no_route_sends_a_dependency_that_does_not_block_to_a_thread(tmp_path: Path) -> None:
     app = create_app(Settings(data_dir=tmp_path), temporal=object())  # type: ignore[arg-type]
-    routes = list(_api_routes(app.routes))
+    # Every route with its router's dependencies in its own (`web/routes.mount`: none added at an include).
+    routes = [route for route in app.routes if isinstance(route, APIRoute)]
     threaded = {
         f"{route.path} {getattr(call, '__qualname__', call)}"
-        for route, at_include in routes
-        for call in [*at_include, *_calls(route.dependant)]
+        for route in routes
+        for call in _calls(route.dependant)
         if _runs_on_a_thread(call)
     }
     assert len(routes) > 50

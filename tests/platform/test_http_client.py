@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import ssl
+import sys
 from pathlib import Path
 
 import httpx
@@ -71,7 +72,6 @@ async def test_an_async_request_over_a_socket_imports_nothing() -> None:
     where that import fails, each ask walks every import path again (a third of the request's CPU,
     measured). With the dependency installed, a request after the first finds every module it
     needs already loaded."""
-    import sys
 
     async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (await reader.readline()) not in (b"\r\n", b""):

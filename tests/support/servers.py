@@ -28,6 +28,8 @@ from gpucloud.agent.tenant_weights import TenantWeights
 from gpucloud.agent.weights_api import always_healthy
 from gpucloud.api.app import create_app as api_app
 from gpucloud.config import RequestBodySettings, Settings
+from gpucloud.console.session import PREFIX as CONSOLE
+from gpucloud.console.session import is_console
 from gpucloud.entrypoints.codec_server import create_app as codec_app
 from gpucloud.entrypoints.tracker import create_tracker_app
 from gpucloud.fabric.interface import FabricTokens
@@ -45,17 +47,17 @@ OPEN = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect"
 # The web console (the API's `/console`) is a browser's: a session cookie, not a bearer token.
 # Its door is open (the sign-in page and its form, the style sheet and scripts: `console/sign_in.py`);
 # every other page sends a visitor without a session to the door (303), reading nothing it sent.
-CONSOLE_DOOR = ("/console/sign-in", "/console/static/")
-SIGN_IN = "/console/sign-in"
-
-
-def console_page(path: str) -> bool:
-    """A page of the web console behind its sign-in (module doc)."""
-    return (path == "/console" or path.startswith("/console/")) and not path.startswith(CONSOLE_DOOR)
+SIGN_IN = f"{CONSOLE}/sign-in"
+CONSOLE_DOOR = (SIGN_IN, f"{CONSOLE}/static/")
 
 
 def console_door(path: str) -> bool:
     return path.startswith(CONSOLE_DOOR)
+
+
+def console_page(path: str) -> bool:
+    """A page of the web console behind its sign-in (above)."""
+    return is_console(path) and not console_door(path)
 
 
 DIGEST = "0" * 64
