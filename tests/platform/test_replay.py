@@ -8,13 +8,17 @@ purpose (GPUCLOUD_RECORD_HISTORIES=1); after it, the change goes behind `workflo
 
 from __future__ import annotations
 
+import asyncio
 import os
+import uuid
 
 import pytest
 from temporalio.client import WorkflowHistory
+from temporalio.worker import Worker
 
 from gpucloud.models.workflow_ids import allocation_workflow_id
 from support.histories import HISTORIES, record, replayer
+from support.slow_replay import SlowToReplay
 
 pytestmark = pytest.mark.integration
 
@@ -45,3 +49,18 @@ async def test_fresh_allocation_history_replays(ready_fleet, temporal_env):
     if os.environ.get("GPUCLOUD_RECORD_HISTORIES"):
         record(temporal_env.client, history, "allocation_workflow")
         record(temporal_env.client, node_history, "node_operation_workflow")
+
+
+async def test_a_replay_whose_code_is_slow_between_yields_still_replays(temporal_env):
+    client = temporal_env.client
+    async with Worker(client, task_queue=f"slow-{uuid.uuid4().hex[:8]}", workflows=[SlowToReplay]) as worker:
+        handle = await client.start_workflow(
+            SlowToReplay.run, id=f"slow-{uuid.uuid4().hex[:8]}", task_queue=worker.task_queue
+        )
+        assert await handle.result() == "done"
+    history = await handle.fetch_history()
+    # Bounded: a replayer whose activation the detector failed has hung.
+    result = await asyncio.wait_for(
+        replayer(client, [SlowToReplay]).replay_workflow(history, raise_on_replay_failure=False), 60
+    )
+    assert result.replay_failure is None, result.replay_failure

@@ -17,9 +17,15 @@ from gpucloud.workers.main import WORKFLOWS
 HISTORIES = Path(__file__).parent.parent / "histories"
 
 
-def replayer(client) -> Replayer:
-    """A replayer with the client's own data converter (the codec included)."""
-    return Replayer(workflows=WORKFLOWS, data_converter=client.data_converter)
+def replayer(client, workflows=WORKFLOWS) -> Replayer:
+    """A replayer with the client's own data converter (the codec included), checking what a
+    replay is for (the commands the code gives for the recorded events) and not how long the code
+    takes between yields: Temporal's deadlock detector fails an activation that holds the thread
+    for 2 s, which a test process starved by its neighbours on two cores (or a garbage
+    collection in the activation) can do: the replay fails, and once in a whole run its replayer
+    never returned, so the test and its event loop's teardown each hung until pytest-timeout
+    (300 s twice). `debug_mode` turns that detector off; the workers that run workflows keep it."""
+    return Replayer(workflows=workflows, data_converter=client.data_converter, debug_mode=True)
 
 
 def _open_payloads(message: Message, codec: EncryptionCodec) -> None:
