@@ -4,6 +4,7 @@ pagination and bad input, the CLI commands, and the S3 backend chosen by configu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,13 +16,14 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import blake3
 import httpx
 import pytest
 from sqlmodel import col, select
+from temporalio.client import WorkflowExecutionStatus
 from typer.testing import CliRunner
 
 from gpucloud.cli.evaluation import weights_app
@@ -1112,33 +1114,64 @@ def test_the_platform_runs_the_models_command_and_a_hanging_or_garbage_command_f
     run("evaluation-command", "scored", "--run", "true", "--env", "NO_VALUE", code=2)  # not NAME=VALUE
 
 
-async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_sweep(
-    registry: Registry, temporal_env, tmp_path: Path
-) -> None:
-    """The API committed the evaluation's operation and died before starting its workflow: the
-    sweep's adoption starts it, and the platform's record appears."""
-    import asyncio
-    from datetime import timedelta
-
+async def _orphaned_evaluation(registry: Registry, tmp_path: Path):
+    """What the API leaves when it dies between committing an evaluation's operation and starting
+    its workflow: a version pushed and a running operation with no workflow. The tenant, the
+    version and the operation."""
     import numpy as np
 
     from gpucloud.db import Database
     from gpucloud.models.registry_names import EvaluatorName
-    from gpucloud.services.recovery import adopt_orphans
     from gpucloud.services.registry_versions import evaluation_operation
 
-    registry.start_worker()
     tenant = registry.new_tenant()
     with tenant.http() as http:
         http.post("/v1/models", json={"name": "llama"}).raise_for_status()
     pushed = await asyncio.to_thread(tenant.push, float_model(tmp_path / "v1", np.random.default_rng(2)))
     db = Database(registry.settings.database_url)
     _, op = evaluation_operation(db, tenant.id, "llama", pushed.digest, EvaluatorName.SANITY, f"tenant:{tenant.id}")
-    assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # too young: the API's
-    with session_scope(registry.settings.database_url) as session:
-        row = session.exec(select(Operation).where(col(Operation.id) == op.id)).one()
+    return tenant, pushed, db, op
+
+
+def _orphan_aged(database_url: str, op_id: str) -> None:
+    """The operation as if its API died a minute ago."""
+    with session_scope(database_url) as session:
+        row = session.exec(select(Operation).where(col(Operation.id) == op_id)).one()
         row.created_at -= timedelta(minutes=1)
         session.add(row)
+
+
+async def test_an_evaluation_without_a_workflow_is_adopted_once_older_than_the_apis_window(
+    registry: Registry, temporal_env, tmp_path: Path
+) -> None:
+    """The sweep's query on each database: an orphan younger than the API's window between commit
+    and start is left alone; older, its workflow is started, once."""
+    from gpucloud.models.workflow_ids import evaluation_workflow_id
+    from gpucloud.services.recovery import adopt_orphans
+
+    tenant, _, db, op = await _orphaned_evaluation(registry, tmp_path)
+    assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # too young: the API's
+    _orphan_aged(registry.settings.database_url, op.id)
+    assert await adopt_orphans(temporal_env.client, db, registry.settings) == 1
+    handle = temporal_env.client.get_workflow_handle(evaluation_workflow_id(tenant.id, op.id))
+    try:
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+        assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # running: not again
+    finally:
+        await handle.terminate("test over: no worker runs this task queue")
+
+
+@pytest.mark.one_database  # the sweep's query runs on both above; this is the run it starts
+async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_sweep(
+    registry: Registry, temporal_env, tmp_path: Path
+) -> None:
+    """The API committed the evaluation's operation and died before starting its workflow: the
+    sweep's adoption starts it, and the platform's record appears."""
+    from gpucloud.services.recovery import adopt_orphans
+
+    registry.start_worker()
+    tenant, pushed, db, op = await _orphaned_evaluation(registry, tmp_path)
+    _orphan_aged(registry.settings.database_url, op.id)
     assert await adopt_orphans(temporal_env.client, db, registry.settings) == 1
 
     async def settled() -> dict:
