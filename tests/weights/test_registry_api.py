@@ -1146,16 +1146,24 @@ async def test_an_evaluation_without_a_workflow_is_adopted_once_older_than_the_a
 ) -> None:
     """The sweep's query on each database: an orphan younger than the API's window between commit
     and start is left alone; older, its workflow is started, once."""
-    from gpucloud.models.workflow_ids import evaluation_workflow_id
+    from gpucloud.adapters.temporal_gateway import running_workflow_ids
+    from gpucloud.models.workflow_ids import VERSION_EVALUATION_WORKFLOW, evaluation_workflow_id
     from gpucloud.services.recovery import adopt_orphans
 
     tenant, _, db, op = await _orphaned_evaluation(registry, tmp_path)
     assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # too young: the API's
     _orphan_aged(registry.settings.database_url, op.id)
     assert await adopt_orphans(temporal_env.client, db, registry.settings) == 1
-    handle = temporal_env.client.get_workflow_handle(evaluation_workflow_id(tenant.id, op.id))
+    workflow_id = evaluation_workflow_id(tenant.id, op.id)
+    handle = temporal_env.client.get_workflow_handle(workflow_id)
     try:
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+        # The sweep reads what runs from Temporal's visibility, which follows a start by moments:
+        # once it lists the workflow, the next sweep starts nothing.
+        for _ in range(100):
+            if workflow_id in await running_workflow_ids(temporal_env.client, [VERSION_EVALUATION_WORKFLOW]):
+                break
+            await asyncio.sleep(0.1)
         assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # running: not again
     finally:
         await handle.terminate("test over: no worker runs this task queue")
