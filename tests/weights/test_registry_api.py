@@ -1164,6 +1164,8 @@ async def test_an_evaluation_without_a_workflow_is_adopted_once_older_than_the_a
             if workflow_id in await running_workflow_ids(temporal_env.client, [VERSION_EVALUATION_WORKFLOW]):
                 break
             await asyncio.sleep(0.1)
+        else:  # `support.stack.async_wait_until` asks a thread, and this client lives on this loop
+            raise AssertionError(f"Temporal's visibility never listed {workflow_id} as running")
         assert await adopt_orphans(temporal_env.client, db, registry.settings) == 0  # running: not again
     finally:
         await handle.terminate("test over: no worker runs this task queue")
