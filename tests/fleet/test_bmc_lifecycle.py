@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpucloud.sim.bmc import CREDENTIAL_REF
-from support.stack import async_wait_until
+from support.stack import async_wait_until, settled_operation
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -164,14 +164,11 @@ async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_po
     async with bmc_fleet(make_harness, in_process_worker, db_url) as h:
         node_id = h.nodes()[0]["id"]
 
-        def operation(op_id: str) -> dict:
-            return h.operator.get(f"/v1/operations/{op_id}").json()
-
         answer = h.operator.post(f"/v1/nodes/{node_id}/power", json={"action": "off", "reason": "cabling"})
         assert answer.status_code == 202, answer.text
         op = answer.json()["operation"]
         done = await async_wait_until(
-            lambda: (found := operation(op["id"]))["status"] != "running" and found,
+            lambda: settled_operation(h.operator, op["id"]),
             timeout_s=60,
             what=f"power off {h.node(node_id)} {_events(h, node_id)[-3:]}",
         )
@@ -181,9 +178,7 @@ async def test_operators_power_nodes_through_their_bmcs_and_a_retired_node_is_po
 
         answer = h.operator.post(f"/v1/nodes/{node_id}/power", json={"action": "on"})
         op = answer.json()["operation"]
-        done = await async_wait_until(
-            lambda: (found := operation(op["id"]))["status"] != "running" and found, timeout_s=60, what="on"
-        )
+        done = await async_wait_until(lambda: settled_operation(h.operator, op["id"]), timeout_s=60, what="on")
         assert done["status"] == "succeeded", done
         await async_wait_until(lambda: not h.sim.node(node_id)["unreachable"], timeout_s=20, what="the host booted")
         events = {e["event"]: e for e in _events(h, node_id)}

@@ -63,6 +63,17 @@ async def async_wait_until(predicate, *, timeout_s: float = 60, interval_s: floa
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def settled_operation(client: httpx.Client, operation_id: str) -> dict | None:
+    """The operation once it has left `running`, else None: for a poll (`wait_until`). An API that
+    could not reach its database in time answers 503 with Retry-After, a problem document whose
+    `status` is 503; that is not the operation's end, so it is asked again, as a client should."""
+    resp = client.get(f"/v1/operations/{operation_id}")
+    if resp.status_code == 503:
+        return None
+    body = resp.json()
+    return body if body["status"] != "running" else None
+
+
 class SimFleetProcess:
     """`gpucloud sim` in its own process (forked from one that imported the CLI already:
     `support/forked.py`); its own endpoints answer only `operator_token`."""
@@ -286,7 +297,7 @@ class Harness:
     async def wait_operation(self, operation_id: str, *, timeout_s: float = 60, expect: str = "succeeded") -> dict:
         with self.operator as op:
             final = await async_wait_until(
-                lambda: (o := op.get(f"/v1/operations/{operation_id}").json())["status"] != "running" and o,
+                lambda: settled_operation(op, operation_id),
                 timeout_s=timeout_s,
                 interval_s=0.05,
                 what=f"operation {operation_id}",

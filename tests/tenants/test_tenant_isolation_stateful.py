@@ -38,7 +38,7 @@ from gpucloud.db import session_scope
 from gpucloud.fabric.interface import FabricNode
 from gpucloud.fabric.isolation import find_violations
 from gpucloud.models.tables import TERMINAL_ALLOCATION, Allocation, NodeTransition, Tenant
-from support.stack import wait_until
+from support.stack import settled_operation, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -98,7 +98,7 @@ class TenantIsolation(RuleBasedStateMachine):
     def _wait_operation(self, op_id: str, timeout_s: float = 60) -> dict:
         with self._api() as op:
             final = wait_until(
-                lambda: (o := op.get(f"/v1/operations/{op_id}").json())["status"] != "running" and o,
+                lambda: settled_operation(op, op_id),
                 timeout_s=timeout_s,
                 interval_s=0.05,
                 what=f"operation {op_id}",

@@ -26,7 +26,7 @@ from gpucloud.models.workflow_ids import offboarding_workflow_id, onboarding_wor
 from gpucloud.storage import retention
 from gpucloud.storage.envelope import UnknownTenantKeyError
 from support.histories import record, replayer
-from support.stack import async_wait_until
+from support.stack import async_wait_until, settled_operation
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_database]
 
@@ -111,7 +111,7 @@ async def _onboarded(h, **body) -> dict:
     accepted = resp.json()
     with h.operator as op:
         accepted["final"] = await async_wait_until(
-            lambda: (o := op.get(f"/v1/operations/{accepted['operation']['id']}").json())["status"] != "running" and o,
+            lambda: settled_operation(op, accepted["operation"]["id"]),
             timeout_s=60,
             interval_s=0.05,
             what="onboarding",
@@ -390,7 +390,7 @@ async def test_onboarding_during_a_three_minute_fabric_manager_outage_ends_activ
         h.fabric.set_fault(None)
     with h.operator as op:
         accepted["final"] = await async_wait_until(
-            lambda: (o := op.get(f"/v1/operations/{accepted['operation']['id']}").json())["status"] != "running" and o,
+            lambda: settled_operation(op, accepted["operation"]["id"]),
             timeout_s=90,
             interval_s=0.5,
             what="onboarding after the outage",
@@ -418,9 +418,7 @@ async def test_onboarding_past_its_deadline_is_undone_and_an_operator_can_extend
     with h.operator as op:
         for accepted in (late, extended):
             accepted["final"] = await async_wait_until(
-                lambda a=accepted: (
-                    (o := op.get(f"/v1/operations/{a['operation']['id']}").json())["status"] != "running" and o
-                ),
+                lambda a=accepted: settled_operation(op, a["operation"]["id"]),
                 timeout_s=90,
                 interval_s=0.5,
                 what="onboarding after the outage",

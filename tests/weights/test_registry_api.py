@@ -61,6 +61,7 @@ from gpucloud.registry.store import LocalChunkStore
 from support.codec import CODEC_KEYS
 from support.forked import CliProcess
 from support.models import POLICY, float_model, random_tensors, tree, write_model
+from support.stack import async_wait_until, settled_operation
 
 pytestmark = pytest.mark.integration
 
@@ -1184,14 +1185,10 @@ async def test_an_evaluation_whose_workflow_never_started_is_adopted_by_the_swee
     _orphan_aged(registry.settings.database_url, op.id)
     assert await adopt_orphans(temporal_env.client, db, registry.settings) == 1
 
-    async def settled() -> dict:
-        with tenant.http() as http:
-            return await asyncio.to_thread(lambda: http.get(f"/v1/operations/{op.id}").json())
-
-    for _ in range(300):
-        if (state := await settled())["status"] != "running":
-            break
-        await asyncio.sleep(0.2)
+    with tenant.http() as http:
+        state = await async_wait_until(
+            lambda: settled_operation(http, op.id), timeout_s=60, interval_s=0.2, what="the adopted evaluation"
+        )
     assert state["status"] == "succeeded", state
     [record] = _evaluations(tenant, "llama", pushed.digest)
     assert (record["source"], record["evaluator"], record["results"]["nan_inf_count"]) == ("platform", "sanity", 0)
