@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         ReplaceNodeRequest,
     )
     from gpucloud.models.workflow_ids import node_workflow_id
+    from gpucloud.workflows.db_steps import db_step
     from gpucloud.workflows.node_lifecycle import NodeOperationWorkflow
 
 CHILD_START_RETRY = timedelta(seconds=1)
@@ -50,15 +51,12 @@ class AllocationSteps:
         self.allocation_id = ""
 
     async def load(self) -> AllocationView:
-        return await workflow.execute_activity_method(
-            ControlDbActivities.load_allocation, AllocationInput(allocation_id=self.allocation_id), **options.DB
-        )
+        return await db_step(ControlDbActivities.load_allocation, AllocationInput(allocation_id=self.allocation_id))
 
     async def set_status(self, view: AllocationView, status: AllocationStatus, reason: str | None = None) -> None:
-        await workflow.execute_activity_method(
+        await db_step(
             ControlDbActivities.set_allocation_status,
             AllocationStatusInput(allocation_id=view.allocation_id, status=status, failure_reason=reason),
-            **options.DB,
         )
 
     async def ensure_scheduler(self, view: AllocationView, *, plan_now: bool) -> bool:
@@ -77,10 +75,9 @@ class AllocationSteps:
         return True
 
     async def note(self, kind: str, reason: str, node_id: str | None = None) -> None:
-        await workflow.execute_activity_method(
+        await db_step(
             ControlDbActivities.record_allocation_event,
             AllocationEventInput(allocation_id=self.allocation_id, kind=kind, reason=reason, node_id=node_id),
-            **options.DB,
         )
 
     async def detach_nodes(self, reqs: list[ReplaceNodeRequest]) -> list[str]:
@@ -89,10 +86,8 @@ class AllocationSteps:
             DetachNodeInput(allocation_id=self.allocation_id, node_id=r.node_id, reason=r.reason, fault_at=r.fault_at)
             for r in reqs
         ]
-        result = await workflow.execute_activity_method(
-            ControlDbActivities.detach_nodes,
-            DetachNodesInput(allocation_id=self.allocation_id, nodes=nodes),
-            **options.DB,
+        result = await db_step(
+            ControlDbActivities.detach_nodes, DetachNodesInput(allocation_id=self.allocation_id, nodes=nodes)
         )
         return result.pulled
 

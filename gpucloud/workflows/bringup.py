@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.protocol.actions import AgentAction
+    from gpucloud.workflows.db_steps import db_step
     from gpucloud.workflows.node_lifecycle import failure_message
     from gpucloud.workflows.node_steps import STEPS as NODE_STEPS
     from gpucloud.workflows.node_steps import SUCCESS, Act, Move
@@ -77,9 +78,7 @@ class BringupBatchWorkflow:
 
     @workflow.run
     async def run(self, inp: BringupInput) -> BringupResult:
-        found = await workflow.execute_activity_method(
-            ControlDbActivities.get_nodes, NodeRefs(node_ids=inp.node_ids), **options.DB
-        )
+        found = await db_step(ControlDbActivities.get_nodes, NodeRefs(node_ids=inp.node_ids))
         self._nodes = {n.node_id: n for n in found.nodes}
         for node_id in set(inp.node_ids) - set(self._nodes):
             self._result.stopped[node_id] = "node does not exist"
@@ -121,9 +120,7 @@ class BringupBatchWorkflow:
                 await self._move(moves)
 
         if self._unfinished:
-            await workflow.execute_activity_method(
-                ControlDbActivities.release_bringup_holds, NodeRefs(node_ids=sorted(self._unfinished)), **options.DB
-            )
+            await db_step(ControlDbActivities.release_bringup_holds, NodeRefs(node_ids=sorted(self._unfinished)))
         for node_id, node in self._nodes.items():
             if NodeState(node.state) in DONE:
                 self._result.available.append(node_id)
@@ -198,8 +195,8 @@ class BringupBatchWorkflow:
             )
             for node_id, event, cause in moves
         ]
-        result = await workflow.execute_activity_method(
-            ControlDbActivities.transition_nodes, NodeTransitionBatch(items=items, lease_to_deadline=True), **options.DB
+        result = await db_step(
+            ControlDbActivities.transition_nodes, NodeTransitionBatch(items=items, lease_to_deadline=True)
         )
         failures = {node_id: cause for node_id, event, cause in moves if event == NodeEvent.FAIL}
         for outcome in result.outcomes:

@@ -22,7 +22,6 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    import gpucloud.workflows.options as options
     from gpucloud.activities.control_db import ControlDbActivities
     from gpucloud.models.allocation_states import AllocationStatus
     from gpucloud.models.messages import (
@@ -34,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         ReplaceNodeRequest,
     )
     from gpucloud.workflows.allocation_steps import AllocationSteps, NodeOperation
+    from gpucloud.workflows.db_steps import db_step
     from gpucloud.workflows.ledger_events import LedgerEvents
 
 
@@ -110,10 +110,9 @@ class DrainAndReplace:
             if self.provision_tries_left == 0:
                 self.gave_up = True
                 break
-            found = await workflow.execute_activity_method(
+            found = await db_step(
                 ControlDbActivities.reserve_replacement,
                 ReplacementInput(allocation_id=self._steps.allocation_id, exclude=self.provision_failed_nodes),
-                **options.DB,
             )
             if found.node_id is None:
                 if self.provision_tries_left is not None:
@@ -154,7 +153,7 @@ class DrainAndReplace:
                 continue  # that node goes back through wipe and burn-in; try another
             # Attached even when a cancel came meanwhile, so that the release takes it too; and
             # even when it was reported bad while provisioning: it is then pulled like any member.
-            await workflow.execute_activity_method(
+            await db_step(
                 ControlDbActivities.attach_node,
                 AttachNodeInput(
                     allocation_id=self._steps.allocation_id,
@@ -162,7 +161,6 @@ class DrainAndReplace:
                     replaces=req.node_id,
                     ready=len(owed) == 1 and not self.reported,
                 ),
-                **options.DB,
             )
             self._ledger.node_added(view, found.node_id)
             self._pulled_ids.discard(found.node_id)  # a member again: a later fault pulls it again

@@ -12,9 +12,9 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    import gpucloud.workflows.options as options
     from gpucloud.activities.incidents import IncidentActivities
     from gpucloud.models.incident_messages import IncidentClose, IncidentInput, IncidentProgress, IncidentRef
+    from gpucloud.workflows.db_steps import db_step
 
 
 @workflow.defn
@@ -23,7 +23,7 @@ class IncidentWorkflow:
     async def run(self, inp: IncidentInput) -> IncidentProgress:
         started_at = inp.started_at or workflow.now()
         if inp.incident_id is None:
-            opened = await workflow.execute_activity_method(IncidentActivities.open_incident, inp, **options.DB)
+            opened = await db_step(IncidentActivities.open_incident, inp)
         else:
             opened = IncidentProgress(incident_id=inp.incident_id, phase="stabilize", status="open")
         ref = IncidentRef(incident_id=opened.incident_id)
@@ -31,19 +31,15 @@ class IncidentWorkflow:
             return opened
         deadline = started_at + timedelta(seconds=inp.max_wait_s)
         for _ in range(inp.looks_per_run):
-            progress = await workflow.execute_activity_method(IncidentActivities.observe_incident, ref, **options.DB)
+            progress = await db_step(IncidentActivities.observe_incident, ref)
             if progress.ended:
                 break
             left = (deadline - workflow.now()).total_seconds()
             if left <= 0:
-                return await workflow.execute_activity_method(
-                    IncidentActivities.close_incident,
-                    IncidentClose(incident_id=ref.incident_id, abandoned=True),
-                    **options.DB,
+                return await db_step(
+                    IncidentActivities.close_incident, IncidentClose(incident_id=ref.incident_id, abandoned=True)
                 )
             await workflow.sleep(min(inp.poll_s, left))
         else:
             workflow.continue_as_new(inp.model_copy(update={"incident_id": ref.incident_id, "started_at": started_at}))
-        return await workflow.execute_activity_method(
-            IncidentActivities.close_incident, IncidentClose(incident_id=ref.incident_id), **options.DB
-        )
+        return await db_step(IncidentActivities.close_incident, IncidentClose(incident_id=ref.incident_id))

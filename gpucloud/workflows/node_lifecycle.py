@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from gpucloud.models.node_states import NodeEvent, NodeState
     from gpucloud.protocol.actions import AgentAction
+    from gpucloud.workflows.db_steps import db_step
     from gpucloud.workflows.node_steps import AGENT_ACTIONS, STEPS, SUCCESS, WIPE, Move
 
 Op, S, E, A = NodeOperationKind, NodeState, NodeEvent, AgentAction
@@ -72,9 +73,7 @@ class NodeOperationWorkflow:
             return await self._provision_cancelled()
 
     async def _operate(self, inp: NodeOperationInput) -> NodeOperationResult:
-        node = await workflow.execute_activity_method(
-            ControlDbActivities.get_node, NodeRef(node_id=inp.node_id), **options.DB
-        )
+        node = await db_step(ControlDbActivities.get_node, NodeRef(node_id=inp.node_id))
         self._set_state(node.state)
         self._agent_url = node.agent_url
         self._has_bmc, self._agent_reachable = node.has_bmc, node.agent_reachable
@@ -143,9 +142,7 @@ class NodeOperationWorkflow:
         Unreserved here, it would be in the pool while still on the tenant's pkey and VPC, and the
         next allocation could take it before the release ran. One whose provision had completed
         stays active for that release."""
-        node = await workflow.execute_activity_method(
-            ControlDbActivities.get_node, NodeRef(node_id=self._inp.node_id), **options.DB
-        )
+        node = await db_step(ControlDbActivities.get_node, NodeRef(node_id=self._inp.node_id))
         self._set_state(node.state)
         if node.allocation_id not in (None, self._inp.allocation_id):
             return self._result(False, f"node belongs to allocation {node.allocation_id}")
@@ -192,7 +189,7 @@ class NodeOperationWorkflow:
                     raise
                 failure = f"diagnose failed: {failure_message(err)}"
         record = DiagnosisInput(node_id=self._inp.node_id, lease=lease, answer=answer, failure=failure)
-        drain = await workflow.execute_activity_method(ReconcilerActivities.record_diagnosis, record, **options.DB)
+        drain = await db_step(ReconcilerActivities.record_diagnosis, record)
         if drain:  # the findings pull the node: drain it under this same id, before anyone takes it
             return await self._drive(Op.DRAIN)
         return self._result(failure is None, failure)
@@ -209,9 +206,7 @@ class NodeOperationWorkflow:
             return f"node moved under us from {self._state}"
         if self._state != S.REPAIRING:
             return None
-        plan = await workflow.execute_activity_method(
-            ControlDbActivities.plan_repair, NodeRef(node_id=self._inp.node_id), **options.DB
-        )
+        plan = await db_step(ControlDbActivities.plan_repair, NodeRef(node_id=self._inp.node_id))
         actions: list[AgentAction | Literal["power_cycle"]] = list(plan.actions)
         if self._has_bmc and not self._agent_reachable and actions:
             # The host is down (hung, or off): only its BMC can act, and a power cycle stops
@@ -241,7 +236,7 @@ class NodeOperationWorkflow:
             tenant_id=self._inp.tenant_id if event == E.PROVISION else None,
         )
         try:
-            result = await workflow.execute_activity_method(ControlDbActivities.transition_node, req, **options.DB)
+            result = await db_step(ControlDbActivities.transition_node, req)
         except ActivityError as err:
             if isinstance(err.cause, ApplicationError) and err.cause.non_retryable:
                 return False

@@ -22,6 +22,14 @@ class ActivityOptions(TypedDict, total=False):
     retry_policy: RetryPolicy
 
 
+class LocalActivityOptions(TypedDict, total=False):
+    """The same for `workflow.execute_local_activity_method` (a local activity has no heartbeat)."""
+
+    start_to_close_timeout: timedelta
+    schedule_to_close_timeout: timedelta
+    retry_policy: RetryPolicy
+
+
 def _ms(n: int) -> timedelta:
     return timedelta(milliseconds=n)
 
@@ -69,7 +77,14 @@ def _options(
 
 
 # One short DB transaction: retry transient errors (locked DB, lost connection) for a while.
-DB = _options(_s(30), _ms(200), _s(10), give_up_after=_min(10))
+# Run as a local activity (`workflows/db_steps.py`): in the worker that runs the workflow, with
+# no activity task to schedule, match and complete and no workflow task to resume on.
+_db = _options(_s(30), _ms(200), _s(10), give_up_after=_min(10))
+DB = LocalActivityOptions(
+    start_to_close_timeout=_db["start_to_close_timeout"],
+    schedule_to_close_timeout=_db["schedule_to_close_timeout"],
+    retry_policy=_db["retry_policy"],
+)
 
 # A host-agent action: minutes on real hardware, heartbeats while it waits; a few retries with
 # growing delays, then the node goes to its state's failure target.

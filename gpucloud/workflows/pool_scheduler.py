@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         ALLOCATION_PREEMPT_SIGNAL,
         allocation_workflow_id,
     )
+    from gpucloud.workflows.db_steps import db_step
 
 # Plans per run before it continues as new (a bounded history).
 PLANS_PER_RUN = 500
@@ -54,9 +55,7 @@ class PoolSchedulerWorkflow:
         pool = PoolRef(gpu_type=inp.gpu_type, region=inp.region)
         for _ in range(PLANS_PER_RUN):
             self._poked = False
-            result: PoolPlanResult = await workflow.execute_activity_method(
-                SchedulerActivities.plan_pool, pool, **options.DB
-            )
+            result: PoolPlanResult = await db_step(SchedulerActivities.plan_pool, pool)
             self._plans += 1
             tells = [self._tell(a, ALLOCATION_PLACED_SIGNAL) for a in [*result.placed, *result.expired]]
             tells += [self._tell(n.allocation_id, ALLOCATION_PREEMPT_SIGNAL, n) for n in result.preempted]

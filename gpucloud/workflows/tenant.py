@@ -60,6 +60,7 @@ with workflow.unsafe.imports_passed_through():
         TenantReleaseProgress,
     )
     from gpucloud.models.workflow_ids import ALLOCATION_CANCEL_SIGNAL, allocation_workflow_id
+    from gpucloud.workflows.db_steps import db_step
 
 T, Storage = TenantActivities, TenantStorageActivities
 # What undoes each onboarding step.
@@ -123,7 +124,7 @@ class TenantOnboardingWorkflow:
         ref = TenantRef(tenant_id=inp.tenant_id)
         self._deadline = workflow.now() + timedelta(seconds=inp.deadline_s)
         try:
-            tenant = await _run(T.load_tenant, ref, options.DB)
+            tenant = await _to_the_end(db_step(T.load_tenant, ref))
             if tenant.status != TenantStatus.ONBOARDING:
                 return TenantOnboardingResult(
                     tenant_id=tenant.tenant_id,
@@ -262,7 +263,7 @@ class TenantOffboardingWorkflow:
         """Wait until the tenant's allocations are over and its nodes wiped (or parked for repair,
         which wipes them); None when the history is long enough to continue as new."""
         while True:
-            progress = await _run(T.tenant_release_progress, ref, options.DB)
+            progress = await _to_the_end(db_step(T.tenant_release_progress, ref))
             if progress.done:
                 return progress
             if workflow.info().is_continue_as_new_suggested():
