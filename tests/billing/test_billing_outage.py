@@ -134,7 +134,13 @@ def check_metrics(stack, *, alloc_path: str) -> None:
     assert sample(api, "gpucloud_api_requests_total", method="GET", route=alloc_path, status="200") >= 1
     worker = scrape(worker_url)
     assert sample(worker, "gpucloud_allocation_ready_seconds_count") == 1
-    assert sample(worker, "gpucloud_reconciler_sweep_seconds_count") >= 1
+    # The reconciler sweeps every `reconciler.sweep_interval_s` (15 s): an allocation ready in
+    # less than that is checked before the first sweep has been recorded.
+    wait_until(
+        lambda: sample(scrape(worker_url), "gpucloud_reconciler_sweep_seconds_count") >= 1,
+        timeout_s=60,
+        what="a reconciler sweep recorded in the worker's metrics",
+    )
     assert "temporal_" in worker  # the SDK's own runtime metrics
     assert httpx.get(f"{worker_url}/readyz", timeout=10).json()["checks"] == {
         "database": "ok",
