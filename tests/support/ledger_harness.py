@@ -9,14 +9,17 @@ afterwards, so suites running side by side never share one.
 from __future__ import annotations
 
 import os
+import sqlite3
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import httpx
 
 from gpucloud.ledger.app import create_app, wall_clock_ms
+from gpucloud.ledger.db import LedgerDatabase
 from gpucloud.web.service_tokens import Verifier, public_key_path
 from gpucloud.web.serving import ThreadedServer
 from support.databases import scratch_postgres
@@ -31,10 +34,32 @@ def backends() -> list[str]:
     return ["sqlite", "postgres"] if os.environ.get(POSTGRES_URL_ENV) else ["sqlite"]
 
 
+_TEMPLATE: list[Path] = []  # this test process's migrated, empty SQLite ledger
+
+
+def _migrated_sqlite_ledger(path: Path) -> None:
+    """A migrated, empty ledger at `path`: a copy of one migrated once per test process (SQLite's
+    online backup), as `support.databases.MigratedSqlite` does for the control plane. Running
+    the ledger's migrations into each test's fresh file took about 0.3 s a test."""
+    if not _TEMPLATE:
+        template = Path(tempfile.mkdtemp(prefix="ledger-template-")) / "ledger.db"
+        database = LedgerDatabase(f"sqlite:///{template}")
+        database.migrate()
+        database.dispose()
+        _TEMPLATE.append(template)
+    with closing(sqlite3.connect(_TEMPLATE[0])) as source, closing(sqlite3.connect(path)) as copy:
+        source.backup(copy)
+
+
 @contextmanager
 def ledger_database_url(backend: str, directory: Path, name: str = "ledger") -> Iterator[str]:
+    """A migrated, empty ledger database: a file in `directory` (SQLite), or a database of its
+    own on the Postgres server (migrated by the ledger as it starts)."""
     if backend == "sqlite":
-        yield f"sqlite:///{directory / (name + '.db')}"
+        path = directory / (name + ".db")
+        if not path.exists():
+            _migrated_sqlite_ledger(path)
+        yield f"sqlite:///{path}"
     else:
         with scratch_postgres(os.environ[POSTGRES_URL_ENV], "gpucloud_ledger") as url:
             yield url
