@@ -1128,7 +1128,8 @@ async def _orphaned_evaluation(registry: Registry, tmp_path: Path):
     tenant = registry.new_tenant()
     with tenant.http() as http:
         http.post("/v1/models", json={"name": "llama"}).raise_for_status()
-    pushed = await asyncio.to_thread(tenant.push, float_model(tmp_path / "v1", np.random.default_rng(2)))
+    # A small model: the push is the setting here, not what is tested.
+    pushed = await asyncio.to_thread(tenant.push, float_model(tmp_path / "v1", np.random.default_rng(2), wide=64))
     db = Database(registry.settings.database_url)
     _, op = evaluation_operation(db, tenant.id, "llama", pushed.digest, EvaluatorName.SANITY, f"tenant:{tenant.id}")
     return tenant, pushed, db, op
