@@ -30,6 +30,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.activities.heartbeats import beats_while_running
 from gpucloud.adapters.bmc import POWER_AFTER, BmcError, Bmcs
 from gpucloud.db import Database
 from gpucloud.models.messages import (
@@ -98,6 +99,7 @@ class BmcActivities(ActivityGroup):
         )
 
     @activity.defn
+    @beats_while_running
     def bmc_power(self, req: BmcPowerInput) -> BmcPowerResult:
         """Power on, off or cycle (idempotent); optionally wait until the agent heartbeats again."""
         endpoint = self._endpoint(req.node_id)
@@ -145,6 +147,7 @@ class BmcActivities(ActivityGroup):
         return f"the node was powered on but its agent did not heartbeat within {self.boot_wait_s:.0f} s"
 
     @activity.defn
+    @beats_while_running
     def bmc_discover(self, req: NodeRef) -> BmcPowerResult:
         """What the BMC reports about the node's system, merged into its record (`hardware`)."""
         endpoint = self._endpoint(req.node_id)
@@ -164,6 +167,7 @@ class BmcActivities(ActivityGroup):
         return BmcPowerResult(node_id=req.node_id, done=True, power_state=info.power_state, answer=answer)
 
     @activity.defn
+    @beats_while_running
     def bmc_firmware_update(self, req: NodeRef) -> BmcPowerResult:
         """Install the configured firmware through the BMC's UpdateService (Redfish SimpleUpdate).
         Not done (the caller reflashes through the agent) without a BMC, without a configured
@@ -184,6 +188,7 @@ class BmcActivities(ActivityGroup):
         return BmcPowerResult(node_id=req.node_id, done=True, answer=answer)
 
     @activity.defn
+    @beats_while_running
     def bmc_boot_image(self, req: NodeRef) -> BmcPowerResult:
         """Boot the node once from the known clean image through its BMC: virtual media insert,
         one-time boot override, power cycle. Not done (recorded as the weaker in-band wipe)
@@ -226,6 +231,7 @@ class BmcActivities(ActivityGroup):
         return BmcPowerResult(node_id=req.node_id, done=True, power_state="On", answer=f"{inserted}; {cycled}")
 
     @activity.defn
+    @beats_while_running
     def bmc_check_image(self, req: ImageCheckInput) -> ImageCheckResult:
         """Accept the boot `bmc_boot_image` caused only if the agent reports a new boot id and
         the clean image's digest; eject the image either way."""

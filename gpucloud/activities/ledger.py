@@ -23,6 +23,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from gpucloud.activities import ActivityGroup
+from gpucloud.activities.heartbeats import beats_while_awaited
 from gpucloud.db import Database
 from gpucloud.ledger.client import LedgerClient, LedgerRefused
 from gpucloud.ledger.schemas import AllocationEventIn, ReservationIn
@@ -141,6 +142,7 @@ class LedgerActivities(ActivityGroup):
         )
 
     @activity.defn
+    @beats_while_awaited
     async def close_billing_period(self, req: BillingCloseInput) -> BillingCloseResult:
         closed = await _refusal_is_final(self._client().close_period(req.period_id))
         return BillingCloseResult(

@@ -25,6 +25,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from gpucloud.activities import ActivityGroup
 from gpucloud.activities.fabric import ControllerFactory, fabric_node
+from gpucloud.activities.heartbeats import beats_while_awaited
 from gpucloud.adapters.temporal_gateway import (
     running_node_operations,
     start_bringup_batches,
@@ -167,6 +168,7 @@ class ReconcilerActivities(ActivityGroup):
         self._diagnostics_due = 0.0
 
     @activity.defn
+    @beats_while_awaited
     async def sweep(self, req: SweepInput) -> SweepResult:
         started = time.perf_counter()
         result = await self._sweep(req)
@@ -380,6 +382,7 @@ class ReconcilerActivities(ActivityGroup):
         return budget - len(leased)
 
     @activity.defn
+    @beats_while_awaited
     async def start_waiting_bringups(self) -> SweepResult:
         """A bring-up batch that is done hands its room to enrolled nodes still waiting (an
         enrolment beyond `max_concurrent_node_ops` defers the rest) at once, within the same

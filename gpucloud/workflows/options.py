@@ -103,7 +103,7 @@ AGENT_BATCH = _options(_min(30), _s(1), _s(30), attempts=5, heartbeat=_s(60))
 # A few retries of an unreachable or failing BMC, then the error stands; a final error (wrong
 # credentials, no such system, a power state that never follows) is not retried.
 BMC_ATTEMPTS = 4
-BMC = _options(_min(30), _s(2), _s(30), attempts=BMC_ATTEMPTS)
+BMC = _options(_min(30), _s(2), _s(30), attempts=BMC_ATTEMPTS, heartbeat=_s(30))
 # Handing a re-imaged node its config drive and waiting for its booted agent to enroll
 # (`bmc.boot_wait_s`): a lost worker is noticed by the missing heartbeat; a token not redeemed in
 # time is final (the node fails closed).
@@ -117,7 +117,7 @@ BMC_ENROLLMENT = _options(
 LEDGER = _options(_s(60), _s(1), _s(60), permanent=("LedgerRefused", "LedgerNotConfigured"))
 
 # Closing a period aggregates all of its usage (10 million events: about two minutes).
-LEDGER_CLOSE: ActivityOptions = {**LEDGER, "start_to_close_timeout": _min(15)}
+LEDGER_CLOSE: ActivityOptions = {**LEDGER, "start_to_close_timeout": _min(15), "heartbeat_timeout": _s(30)}
 
 # Applying an allocation's fabric membership (a few calls to each fabric manager, then a
 # read-back): a manager that is down or answers a read that differs is retried, but not past the
@@ -140,7 +140,7 @@ TENANT_STEP = _options(_s(60), _ms(500), _s(30), permanent=("FabricRefused", "Te
 TENANT_UNTIL_DONE = _options(_s(60), _ms(500), _s(60), permanent=("TenantNotFound", "TenantStateConflict"))
 
 # The reconciler's sweep: one pass over the nodes that need work; the next one comes soon anyway.
-SWEEP = _options(_min(5), _s(1), _s(10), attempts=3)
+SWEEP = _options(_min(5), _s(1), _s(10), attempts=3, heartbeat=_s(30))
 
 # A rollout's set-up (resolving the target, registering the swarm): short calls, retried a while.
 ROLLOUT_SETUP = _options(

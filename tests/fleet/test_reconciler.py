@@ -168,19 +168,20 @@ async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process
     node_id = h.sim.inventory()[0]["id"]
     h.sim.inject(node_id, "inspect", "transient", count=1000)
     h.enroll_fleet()
-    starts: list[datetime] = []  # when each sweep that started the node ended
+    starts: list[tuple[datetime, datetime]] = []  # when each sweep that started the node began, ended
     give_backs: list[tuple[int, float, datetime]] = []  # (attempts, backoff set, left alone until)
     sweeps_between: list[int] = []
     sweeps = 0
     attempts = _backoff_of(h.settings.database_url, node_id)[0]
     started = time.monotonic()
     while len(give_backs) < 4 and time.monotonic() - started < 90:
+        began = utcnow()
         result = await h.sweep(temporal_env.client)
         swept_at = utcnow()
         sweeps += 1
         if result.started:
             assert result.bringup_batches == 1
-            starts.append(swept_at)
+            starts.append((began, swept_at))
             sweeps_between.append(sweeps)
             sweeps = 0
         await asyncio.sleep(0.05)
@@ -195,10 +196,12 @@ async def test_backoff_grows_instead_of_looping(db_url, make_harness, in_process
     assert backoffs == [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0)], (starts, give_backs)
     # No sweep started the node before the backoff that the give-back before it set (the node is
     # held by its batch until given back): a loop would start it again at the first sweep after
-    # the give-back. The first batch may come from the enrolment, before any sweep's start.
+    # the give-back. The first batch may come from the enrolment, before any sweep's start. A
+    # sweep answers to the give-backs made before it began: the batch it starts may fail and be
+    # given back before the sweep's own answer reaches the test.
     checked = 0
-    for swept_at in starts:
-        before = [until for _, backoff, until in give_backs if until - timedelta(seconds=backoff) <= swept_at]
+    for began, swept_at in starts:
+        before = [until for _, backoff, until in give_backs if until - timedelta(seconds=backoff) <= began]
         if before:
             assert swept_at >= before[-1], (starts, give_backs, sweeps_between)
             checked += 1

@@ -1,0 +1,54 @@
+"""A worker that dies under an activity is noticed within the activity's heartbeat timeout, not
+its start-to-close timeout (`gpucloud/activities/heartbeats.py`): a BMC action allowed 30
+minutes, in flight when its worker was killed, held its node in `wiping` for those minutes."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+from temporalio.worker import Worker
+
+import gpucloud.workflows.options as options
+from gpucloud.activities.heartbeats import EVERY_S
+from support.heartbeat_workflow import Waits, WaitsTwice
+
+# A try that may last longer than this heartbeats: a lost worker costs at most a heartbeat
+# timeout, not the try's whole allowance.
+LONGEST_SILENT_TRY = timedelta(minutes=2)
+
+
+def _tables() -> dict[str, dict]:
+    return {name: value for name, value in vars(options).items() if name.isupper() and isinstance(value, dict)}
+
+
+@pytest.mark.unit
+def test_every_activity_allowed_minutes_heartbeats():
+    silent = {
+        name: str(table["start_to_close_timeout"])
+        for name, table in _tables().items()
+        if table.get("start_to_close_timeout", timedelta(0)) > LONGEST_SILENT_TRY and "heartbeat_timeout" not in table
+    }
+    assert silent == {}, f"activities allowed minutes per try without a heartbeat timeout: {silent}"
+    shortest = min(t["heartbeat_timeout"] for t in _tables().values() if "heartbeat_timeout" in t)
+    assert shortest.total_seconds() >= EVERY_S * 3  # a beat or two may be late under load
+
+
+@pytest.mark.workflow
+async def test_a_waiting_sync_activity_heartbeats_and_a_silent_one_times_out(temporal_env, monkeypatch):
+    monkeypatch.setattr("gpucloud.activities.heartbeats.EVERY_S", 0.2)
+    client = temporal_env.client
+    waits = Waits()
+    queue = f"beats-{uuid.uuid4().hex[:8]}"
+    with ThreadPoolExecutor(2) as threads:
+        async with Worker(
+            client,
+            task_queue=queue,
+            workflows=[WaitsTwice],
+            activities=[waits.beating, waits.silent],
+            activity_executor=threads,
+        ):
+            seen = await client.execute_workflow(WaitsTwice.run, id=f"beats-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    assert seen == ["beat", "TimeoutError"]
