@@ -4,16 +4,15 @@ minutes, in flight when its worker was killed, held its node in `wiping` for tho
 
 from __future__ import annotations
 
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
-from temporalio.worker import Worker
 
 import gpucloud.workflows.options as options
 from gpucloud.activities.heartbeats import EVERY_S
 from support.heartbeat_workflow import Waits, WaitsTwice
+from support.workflow_runs import queue_name, workers
 
 # A try that may last longer than this heartbeats: a lost worker costs at most a heartbeat
 # timeout, not the try's whole allowance.
@@ -41,14 +40,8 @@ async def test_a_waiting_sync_activity_heartbeats_and_a_silent_one_times_out(tem
     monkeypatch.setattr("gpucloud.activities.heartbeats.EVERY_S", 0.2)
     client = temporal_env.client
     waits = Waits()
-    queue = f"beats-{uuid.uuid4().hex[:8]}"
+    queue = queue_name("beats")
     with ThreadPoolExecutor(2) as threads:
-        async with Worker(
-            client,
-            task_queue=queue,
-            workflows=[WaitsTwice],
-            activities=[waits.beating, waits.silent],
-            activity_executor=threads,
-        ):
-            seen = await client.execute_workflow(WaitsTwice.run, id=f"beats-{uuid.uuid4().hex[:8]}", task_queue=queue)
+        async with workers(client, [WaitsTwice], {queue: [waits.beating, waits.silent]}, activity_executor=threads):
+            seen = await client.execute_workflow(WaitsTwice.run, id=queue_name("beats"), task_queue=queue)
     assert seen == ["beat", "TimeoutError"]

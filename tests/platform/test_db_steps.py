@@ -4,14 +4,13 @@ task goes through the Temporal server, and a failure reaches the workflow inside
 
 from __future__ import annotations
 
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.worker import Worker
 
 from support.db_step_workflow import Rows, UsesDbSteps
+from support.workflow_runs import queue_name, workers
 
 pytestmark = pytest.mark.workflow
 
@@ -19,18 +18,10 @@ pytestmark = pytest.mark.workflow
 async def test_db_steps_are_local_and_their_failures_arrive_as_activity_errors(temporal_env):
     client = temporal_env.client
     rows = Rows()
-    queue = f"db-steps-{uuid.uuid4().hex[:8]}"
+    queue = queue_name("db-steps")
     with ThreadPoolExecutor(2) as threads:  # the control DB's activities are sync, as here
-        async with Worker(
-            client,
-            task_queue=queue,
-            workflows=[UsesDbSteps],
-            activities=[rows.answer, rows.refuse],
-            activity_executor=threads,
-        ):
-            handle = await client.start_workflow(
-                UsesDbSteps.run, "n1", id=f"db-steps-{uuid.uuid4().hex[:8]}", task_queue=queue
-            )
+        async with workers(client, [UsesDbSteps], {queue: [rows.answer, rows.refuse]}, activity_executor=threads):
+            handle = await client.start_workflow(UsesDbSteps.run, "n1", id=queue_name("db-steps"), task_queue=queue)
             seen = await handle.result()
     assert seen == ["N1", "db_step_test_refuse", "StateConflict", "True", "row n1 moved"]
     kinds = [event.event_type async for event in handle.fetch_history_events()]

@@ -8,6 +8,7 @@ afterwards, so suites running side by side never share one.
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import tempfile
@@ -34,20 +35,21 @@ def backends() -> list[str]:
     return ["sqlite", "postgres"] if os.environ.get(POSTGRES_URL_ENV) else ["sqlite"]
 
 
-_TEMPLATE: list[Path] = []  # this test process's migrated, empty SQLite ledger
+@functools.cache
+def _ledger_template() -> Path:
+    """A SQLite ledger migrated once per test process."""
+    template = Path(tempfile.mkdtemp(prefix="ledger-template-")) / "ledger.db"
+    database = LedgerDatabase(f"sqlite:///{template}")
+    database.migrate()
+    database.dispose()
+    return template
 
 
 def _migrated_sqlite_ledger(path: Path) -> None:
-    """A migrated, empty ledger at `path`: a copy of one migrated once per test process (SQLite's
-    online backup), as `support.databases.MigratedSqlite` does for the control plane. Running
-    the ledger's migrations into each test's fresh file took about 0.3 s a test."""
-    if not _TEMPLATE:
-        template = Path(tempfile.mkdtemp(prefix="ledger-template-")) / "ledger.db"
-        database = LedgerDatabase(f"sqlite:///{template}")
-        database.migrate()
-        database.dispose()
-        _TEMPLATE.append(template)
-    with closing(sqlite3.connect(_TEMPLATE[0])) as source, closing(sqlite3.connect(path)) as copy:
+    """A migrated, empty ledger at `path`: a copy of `_ledger_template()` (SQLite's online
+    backup), as `support.databases.MigratedSqlite` does for the control plane. Running the
+    ledger's migrations into each test's fresh file took about 0.3 s a test."""
+    with closing(sqlite3.connect(_ledger_template())) as source, closing(sqlite3.connect(path)) as copy:
         source.backup(copy)
 
 

@@ -18,6 +18,7 @@ import itertools
 import typing
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import Executor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,10 +145,14 @@ def queue_name(prefix: str) -> str:
 
 @asynccontextmanager
 async def workers(
-    client, workflows: Sequence[type], queues: dict[str, list[Callable[..., Any]]]
+    client,
+    workflows: Sequence[type],
+    queues: dict[str, list[Callable[..., Any]]],
+    *,
+    activity_executor: Executor | None = None,
 ) -> AsyncIterator[None]:
     """One worker per task queue in `queues` (its stand-in activities), the `workflows` on the
-    first; all stopped when the block ends."""
+    first; all stopped when the block ends. Sync activities need an `activity_executor`."""
     async with AsyncExitStack() as stack:
         for index, (queue, activities) in enumerate(queues.items()):
             await stack.enter_async_context(
@@ -156,6 +161,7 @@ async def workers(
                     task_queue=queue,
                     workflows=list(workflows) if index == 0 else [],
                     activities=activities,
+                    activity_executor=activity_executor,
                 )
             )
         yield
