@@ -36,12 +36,14 @@ def test_every_activity_allowed_minutes_heartbeats():
 
 
 @pytest.mark.workflow
-async def test_a_waiting_sync_activity_heartbeats_and_a_silent_one_times_out(temporal_env, monkeypatch):
+async def test_waiting_activities_heartbeat_and_a_silent_one_times_out(temporal_env, monkeypatch):
     monkeypatch.setattr("gpucloud.activities.heartbeats.EVERY_S", 0.2)
     client = temporal_env.client
     waits = Waits()
     queue = queue_name("beats")
     with ThreadPoolExecutor(2) as threads:
-        async with workers(client, [WaitsTwice], {queue: [waits.beating, waits.silent]}, activity_executor=threads):
+        async with workers(
+            client, [WaitsTwice], {queue: [waits.beating, waits.beating_async, waits.silent]}, activity_executor=threads
+        ):
             seen = await client.execute_workflow(WaitsTwice.run, id=queue_name("beats"), task_queue=queue)
-    assert seen == ["beat", "TimeoutError"]
+    assert seen == ["beat", "beat async", "TimeoutError"]
