@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
 from temporalio import activity
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -41,7 +44,12 @@ def beats_while_running(fn: Callable[P, R]) -> Callable[P, R]:
 
         def beat() -> None:
             while not done.wait(EVERY_S):
-                context.run(activity.heartbeat)
+                try:
+                    context.run(activity.heartbeat)
+                except Exception as error:  # a beat the worker's loop took too long to take
+                    # (it waits 10 s): the next one may pass; a thread that died would let the
+                    # heartbeat timeout fail an activity whose worker is alive.
+                    log.warning("activity heartbeat not sent (%r); beating on", error)
 
         beater = threading.Thread(target=beat, name="activity-heartbeat", daemon=True)
         beater.start()

@@ -4,10 +4,12 @@ minutes, in flight when its worker was killed, held its node in `wiping` for tho
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+from temporalio import activity
 
 import gpucloud.workflows.options as options
 from gpucloud.activities.heartbeats import EVERY_S
@@ -47,3 +49,29 @@ async def test_waiting_activities_heartbeat_and_a_silent_one_times_out(temporal_
         ):
             seen = await client.execute_workflow(WaitsTwice.run, id=queue_name("beats"), task_queue=queue)
     assert seen == ["beat", "beat async", "TimeoutError"]
+
+
+@pytest.mark.workflow
+async def test_a_heartbeat_that_fails_does_not_stop_the_beat(temporal_env, monkeypatch):
+    """A beat the worker's loop is too busy to take within its 10 s raises TimeoutError in the
+    beating thread (seen in the suite); the thread beats on, so the activity is not timed out
+    while its worker lives."""
+    monkeypatch.setattr("gpucloud.activities.heartbeats.EVERY_S", 0.2)
+    real, failed = activity.heartbeat, []
+
+    def heartbeat(*details):
+        if threading.current_thread().name == "activity-heartbeat" and not failed:
+            failed.append(True)
+            raise TimeoutError()
+        real(*details)
+
+    monkeypatch.setattr(activity, "heartbeat", heartbeat)
+    client = temporal_env.client
+    waits = Waits()
+    queue = queue_name("beats")
+    with ThreadPoolExecutor(2) as threads:
+        async with workers(
+            client, [WaitsTwice], {queue: [waits.beating, waits.beating_async, waits.silent]}, activity_executor=threads
+        ):
+            seen = await client.execute_workflow(WaitsTwice.run, id=queue_name("beats"), task_queue=queue)
+    assert failed and seen == ["beat", "beat async", "TimeoutError"]
